@@ -1,0 +1,24 @@
+//! fastckpt's Rust core: safetensors-compatible files written with parallel chunked I/O and
+//! per-tensor crc32c checksums, and the PyO3 bindings that expose it as `fastckpt._native`.
+//!
+//! The core modules (`format`, `checksum`, `writer`, `reader`) know nothing about Python; the
+//! bindings live in `py_api` and are compiled only with the `python` feature (maturin).
+
+pub mod checksum;
+pub mod error;
+pub mod format;
+pub mod reader;
+pub mod writer;
+
+#[cfg(feature = "python")]
+mod py_api;
+
+#[cfg(feature = "python")]
+#[pyo3::pymodule]
+mod _native {
+    #[pymodule_export]
+    use crate::py_api::{
+        fsync_dir, load_into, read_header, save_file, verify_file, write_bytes_atomic,
+        write_ceiling,
+    };
+}

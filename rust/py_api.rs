@@ -1,0 +1,220 @@
+//! The Python bindings: every function extracts its arguments, releases the GIL for all I/O
+//! and hashing (`py.detach`), calls the core, and lets `From<Error> for PyErr` map errors.
+//!
+//! Tensor bytes cross the boundary as buffer-protocol views (`numpy` uint8 views of tensor
+//! storage): no copy is made, and the `PyBuffer` handles keep the Python objects alive and
+//! their memory pinned until the call returns.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::format::{Dtype, TensorDesc};
+use crate::reader::{ReadTarget, Reader};
+use crate::writer::{self, WriteOptions};
+
+/// Address and length of a contiguous byte buffer, sendable to GIL-free threads.
+#[derive(Clone, Copy)]
+struct RawBytes {
+    addr: usize,
+    len: usize,
+}
+
+impl RawBytes {
+    /// Takes the address of a C-contiguous byte buffer; `writable` demands a mutable one.
+    fn of(buffer: &PyBuffer<u8>, what: &str, writable: bool) -> PyResult<RawBytes> {
+        if writable && buffer.readonly() {
+            return Err(PyValueError::new_err(format!(
+                "{what}: destination buffer is read-only"
+            )));
+        }
+        let slice = buffer.as_slice_ptr().ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "{what}: buffer is not C-contiguous; call `.contiguous()` on the tensor first"
+            ))
+        })?;
+        Ok(RawBytes {
+            addr: slice.as_ptr() as *mut u8 as usize,
+            len: slice.len(),
+        })
+    }
+
+    /// # Safety
+    /// The buffer this was taken from must stay alive and unmodified for `'a`.
+    unsafe fn as_slice<'a>(self) -> &'a [u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: the caller keeps the exporting object (and its `PyBuffer`) alive, so `addr`
+        // points to `len` readable bytes for the whole call.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+
+    /// # Safety
+    /// The buffer must be writable, stay alive for `'a`, and not be aliased by another slice.
+    unsafe fn as_mut_slice<'a>(self) -> &'a mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: as above; each destination buffer is a distinct freshly allocated tensor.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+    }
+}
+
+fn parse_dtype(name: &str, tensor: &str) -> PyResult<Dtype> {
+    Dtype::from_name(name).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "tensor `{tensor}`: unknown safetensors dtype `{name}`"
+        ))
+    })
+}
+
+/// Writes tensors to `path` as a safetensors file with crc32c checksums, atomically.
+///
+/// `tensors` is a list of `(name, dtype, shape, bytes_view)`. Returns
+/// `{"file_len": int, "direct_io": bool, "checksums": {name: int}}`.
+#[pyfunction]
+#[pyo3(signature = (path, tensors, metadata, threads, chunk_size, direct_io, fsync))]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+pub fn save_file<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    tensors: Vec<(String, String, Vec<u64>, Bound<'py, PyAny>)>,
+    metadata: BTreeMap<String, String>,
+    threads: usize,
+    chunk_size: u64,
+    direct_io: bool,
+    fsync: bool,
+) -> PyResult<Bound<'py, PyDict>> {
+    let mut descs = Vec::with_capacity(tensors.len());
+    let mut buffers = Vec::with_capacity(tensors.len());
+    let mut raws = Vec::with_capacity(tensors.len());
+    for (name, dtype, shape, data) in tensors {
+        let buffer = PyBuffer::<u8>::get(&data)?;
+        raws.push((name.clone(), RawBytes::of(&buffer, &name, false)?));
+        buffers.push(buffer);
+        descs.push(TensorDesc {
+            dtype: parse_dtype(&dtype, &name)?,
+            name,
+            shape,
+        });
+    }
+    let options = WriteOptions {
+        threads: threads.max(1),
+        chunk_size,
+        direct_io,
+        fsync,
+    };
+    let report = py.detach(|| {
+        // SAFETY: `buffers` (alive until this function returns) keeps every view valid.
+        let inputs = raws
+            .iter()
+            .map(|(name, raw)| (name.clone(), unsafe { raw.as_slice() }))
+            .collect();
+        writer::write_file(&path, descs, inputs, &metadata, &options)
+    })?;
+    drop(buffers);
+    let result = PyDict::new(py);
+    result.set_item("file_len", report.file_len)?;
+    result.set_item("direct_io", report.direct_io)?;
+    let checksums = PyDict::new(py);
+    for (name, crc) in report.checksums {
+        checksums.set_item(name, crc)?;
+    }
+    result.set_item("checksums", checksums)?;
+    Ok(result)
+}
+
+/// Opens `path`, validates its header, asks `allocate(name, dtype, shape)` for a writable byte
+/// view of each tensor's destination, then fills them all in parallel without the GIL, checking
+/// crc32c checksums when `verify` is set. Returns the user metadata.
+#[pyfunction]
+#[pyo3(signature = (path, allocate, verify, threads))]
+pub fn load_into<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    allocate: Bound<'py, PyAny>,
+    verify: bool,
+    threads: usize,
+) -> PyResult<BTreeMap<String, String>> {
+    let reader = py.detach(|| Reader::open(&path))?;
+    let mut buffers = Vec::with_capacity(reader.header().tensors.len());
+    let mut raws = Vec::with_capacity(buffers.capacity());
+    for info in &reader.header().tensors {
+        let view = allocate.call1((info.name.as_str(), info.dtype.name(), info.shape.clone()))?;
+        let buffer = PyBuffer::<u8>::get(&view)?;
+        raws.push((info.name.clone(), RawBytes::of(&buffer, &info.name, true)?));
+        buffers.push(buffer);
+    }
+    py.detach(|| {
+        let mut targets: Vec<ReadTarget> = raws
+            .iter()
+            .map(|(name, raw)| ReadTarget {
+                name: name.clone(),
+                // SAFETY: each view belongs to a distinct tensor allocated by `allocate` and
+                // kept alive by `buffers` until this function returns.
+                dest: unsafe { raw.as_mut_slice() },
+            })
+            .collect();
+        reader.read_into(&mut targets, verify, threads.max(1))
+    })?;
+    drop(buffers);
+    Ok(reader.header().metadata.clone())
+}
+
+/// Returns the validated header of `path` as a dict:
+/// `{"tensors": [{"name", "dtype", "shape", "data_offsets"}], "metadata": {..},
+/// "checksums": {name: int}, "data_start": int, "file_len": int}`.
+#[pyfunction]
+pub fn read_header(py: Python<'_>, path: PathBuf) -> PyResult<Bound<'_, PyDict>> {
+    let reader = py.detach(|| Reader::open(&path))?;
+    let header = reader.header();
+    let tensors = PyList::empty(py);
+    for info in &header.tensors {
+        let entry = PyDict::new(py);
+        entry.set_item("name", &info.name)?;
+        entry.set_item("dtype", info.dtype.name())?;
+        entry.set_item("shape", info.shape.clone())?;
+        entry.set_item("data_offsets", (info.begin, info.end))?;
+        tensors.append(entry)?;
+    }
+    let result = PyDict::new(py);
+    result.set_item("tensors", tensors)?;
+    result.set_item("metadata", header.metadata.clone())?;
+    result.set_item("checksums", header.checksums.clone())?;
+    result.set_item("data_start", header.data_start)?;
+    result.set_item("file_len", header.file_len())?;
+    Ok(result)
+}
+
+/// Reads every tensor of `path` and checks its crc32c. Returns the names of tensors that have
+/// no stored checksum (files written by other tools); raises on any mismatch.
+#[pyfunction]
+#[pyo3(signature = (path, threads))]
+pub fn verify_file(py: Python<'_>, path: PathBuf, threads: usize) -> PyResult<Vec<String>> {
+    Ok(py.detach(|| Reader::open(&path)?.verify(threads.max(1)))?)
+}
+
+/// Replaces `path` with `data` atomically and (with `fsync`) durably.
+#[pyfunction]
+#[pyo3(signature = (path, data, fsync=true))]
+pub fn write_bytes_atomic(py: Python<'_>, path: PathBuf, data: &[u8], fsync: bool) -> PyResult<()> {
+    Ok(py.detach(|| writer::write_bytes_atomic(&path, data, fsync))?)
+}
+
+/// fsyncs a directory (makes renames inside it durable).
+#[pyfunction]
+pub fn fsync_dir(py: Python<'_>, path: PathBuf) -> PyResult<()> {
+    Ok(py.detach(|| writer::fsync_dir(&path))?)
+}
+
+/// Benchmark helper: writes `length` bytes to `path` as one O_DIRECT stream of `block`-sized
+/// aligned writes plus fsync. Returns whether O_DIRECT was available.
+#[pyfunction]
+pub fn write_ceiling(py: Python<'_>, path: PathBuf, length: u64, block: u64) -> PyResult<bool> {
+    Ok(py.detach(|| writer::write_ceiling(&path, length, block))?)
+}

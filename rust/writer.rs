@@ -1,0 +1,661 @@
+//! Writing a safetensors file: chunk planning, parallel positional writes with the checksum
+//! fused into the same pass, optional O_DIRECT, fsync and atomic commit.
+//!
+//! The file is cut into chunks of `chunk_size` bytes at aligned absolute offsets. A small pool
+//! of scoped threads takes chunks in order; for each piece of a tensor it computes the crc32c
+//! while the bytes are hot in cache and writes them with `pwrite`. The header goes in last,
+//! once the checksums are known; it has the same length as the placeholder the plan was made
+//! with. Everything is written into a temporary sibling which is fsynced and renamed into
+//! place, then the directory is fsynced: the final path holds either the old file or the
+//! complete new one.
+
+use std::alloc::{self, Layout};
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use crate::checksum::{self, PieceCrc};
+use crate::error::{Error, Result};
+use crate::format::{self, TensorDesc, TensorInfo};
+
+/// Alignment of chunk offsets and O_DIRECT buffers (a page; covers 512 B and 4 KiB sectors).
+pub const ALIGN: u64 = 4096;
+/// Bytes hashed and written per step inside a chunk: small enough to stay in cache between
+/// the checksum and the copy.
+const PIECE: usize = 1 << 20;
+/// Default chunk size.
+pub const DEFAULT_CHUNK_SIZE: u64 = 32 << 20;
+/// Default number of writer threads.
+pub const DEFAULT_THREADS: usize = 4;
+
+/// How to write a file.
+#[derive(Debug, Clone, Copy)]
+pub struct WriteOptions {
+    /// Worker threads issuing positional writes.
+    pub threads: usize,
+    /// Chunk size in bytes (rounded up to [`ALIGN`]).
+    pub chunk_size: u64,
+    /// Try O_DIRECT; falls back to buffered writes when the filesystem refuses it.
+    pub direct_io: bool,
+    /// fsync the file and its directory (durability). Only benchmarks turn this off.
+    pub fsync: bool,
+}
+
+impl Default for WriteOptions {
+    fn default() -> Self {
+        WriteOptions {
+            threads: DEFAULT_THREADS,
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            direct_io: false,
+            fsync: true,
+        }
+    }
+}
+
+/// What a write did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteReport {
+    /// Size of the committed file.
+    pub file_len: u64,
+    /// Whether O_DIRECT was actually used for the data (false after a fallback).
+    pub direct_io: bool,
+    /// crc32c per tensor name, in data order.
+    pub checksums: Vec<(String, u32)>,
+}
+
+/// One contiguous run of a tensor's bytes inside a chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// Index of the tensor in data order.
+    pub tensor: usize,
+    /// Offset inside the tensor's bytes.
+    pub tensor_offset: u64,
+    /// Absolute offset in the file.
+    pub file_offset: u64,
+    pub len: u64,
+}
+
+/// A unit of work for one writer thread: an aligned file range and the tensor bytes in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chunk {
+    /// Absolute, [`ALIGN`]-aligned start of the range.
+    pub file_offset: u64,
+    /// Length of the range (only the last chunk may be shorter than the chunk size).
+    pub len: u64,
+    pub segments: Vec<Segment>,
+}
+
+/// Rounds a requested chunk size to a usable one (a positive multiple of [`ALIGN`]).
+pub fn normalize_chunk_size(chunk_size: u64) -> u64 {
+    chunk_size.max(ALIGN).div_ceil(ALIGN) * ALIGN
+}
+
+/// Cuts the file `[0, data_start + data_len)` into aligned chunks of `chunk_size` and lists the
+/// tensor segments each one holds. The header region `[0, data_start)` belongs to the first
+/// chunk but has no segments: it is written separately, last.
+pub fn plan_chunks(tensors: &[TensorInfo], data_start: u64, chunk_size: u64) -> Vec<Chunk> {
+    let chunk_size = normalize_chunk_size(chunk_size);
+    let file_len = data_start + tensors.last().map_or(0, |t| t.end);
+    let mut chunks: Vec<Chunk> = (0..file_len.div_ceil(chunk_size))
+        .map(|k| {
+            let start = k * chunk_size;
+            Chunk {
+                file_offset: start,
+                len: chunk_size.min(file_len - start),
+                segments: Vec::new(),
+            }
+        })
+        .collect();
+    for (index, tensor) in tensors.iter().enumerate() {
+        let mut pos = data_start + tensor.begin;
+        let end = data_start + tensor.end;
+        while pos < end {
+            let chunk = (pos / chunk_size) as usize;
+            let chunk_end = (chunk as u64 + 1) * chunk_size;
+            let len = chunk_end.min(end) - pos;
+            chunks[chunk].segments.push(Segment {
+                tensor: index,
+                tensor_offset: pos - data_start - tensor.begin,
+                file_offset: pos,
+                len,
+            });
+            pos += len;
+        }
+    }
+    chunks
+}
+
+/// A zeroed, [`ALIGN`]-aligned heap buffer for O_DIRECT writes.
+struct AlignedBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain heap memory owned by this value; moving it between threads is
+// fine and it is only ever accessed through `&mut self`.
+unsafe impl Send for AlignedBuf {}
+
+impl AlignedBuf {
+    fn layout(len: usize) -> Layout {
+        Layout::from_size_align(len, ALIGN as usize).expect("chunk size fits a Layout")
+    }
+
+    fn new(len: usize) -> AlignedBuf {
+        let layout = Self::layout(len);
+        // SAFETY: `layout` has a non-zero size (chunk sizes are >= ALIGN).
+        let ptr = unsafe { alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            alloc::handle_alloc_error(layout);
+        }
+        AlignedBuf { ptr, len }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` points to `len` initialized (zeroed at allocation) bytes we own.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with exactly this layout.
+        unsafe { alloc::dealloc(self.ptr, Self::layout(self.len)) }
+    }
+}
+
+/// O_DIRECT buffers are kept between saves: fresh pages cost a page fault each, and a training
+/// job saves the same sizes over and over. Bounded by threads x chunk size of the last saves.
+static BUFFER_POOL: Mutex<Vec<AlignedBuf>> = Mutex::new(Vec::new());
+const MAX_POOLED_BUFFERS: usize = 16;
+
+fn take_buffer(len: usize) -> AlignedBuf {
+    let mut pool = BUFFER_POOL.lock().unwrap_or_else(|e| e.into_inner());
+    match pool.iter().position(|buf| buf.len == len) {
+        Some(i) => pool.swap_remove(i),
+        None => AlignedBuf::new(len),
+    }
+}
+
+fn return_buffer(buf: AlignedBuf) {
+    let mut pool = BUFFER_POOL.lock().unwrap_or_else(|e| e.into_inner());
+    pool.retain(|pooled| pooled.len == buf.len);
+    if pool.len() < MAX_POOLED_BUFFERS {
+        pool.push(buf);
+    }
+}
+
+/// A temporary sibling file that is removed unless committed.
+struct TempFile {
+    path: PathBuf,
+    committed: bool,
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = fs::remove_file(&self.path);
+        }
+    }
+}
+
+static TEMP_COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// Name of the temporary sibling used while writing `path`: hidden, unique per process and call.
+pub fn temp_sibling(path: &Path) -> Result<PathBuf> {
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::InvalidArgument(format!("{}: not a file path", path.display())))?;
+    let unique = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+    let temp_name = format!(
+        ".{}.fastckpt-tmp.{}.{unique}",
+        name.to_string_lossy(),
+        std::process::id()
+    );
+    Ok(path.with_file_name(temp_name))
+}
+
+/// fsyncs a directory so that a rename inside it is durable.
+pub fn fsync_dir(dir: &Path) -> Result<()> {
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    File::open(dir)
+        .and_then(|handle| handle.sync_all())
+        .map_err(|e| Error::io(dir, e))
+}
+
+/// The open temporary file: a buffered handle, and an O_DIRECT one when the filesystem allows.
+struct Target<'a> {
+    path: &'a Path,
+    buffered: File,
+    direct: Option<File>,
+    direct_ok: AtomicBool,
+}
+
+impl<'a> Target<'a> {
+    fn open(temp: &Path, path: &'a Path, want_direct: bool) -> Result<Target<'a>> {
+        let buffered = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(temp)
+            .map_err(|e| Error::io(path, e))?;
+        let direct = if want_direct {
+            // EINVAL (tmpfs, some network filesystems) just means "no O_DIRECT here".
+            OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(temp)
+                .ok()
+        } else {
+            None
+        };
+        let direct_ok = AtomicBool::new(direct.is_some());
+        Ok(Target {
+            path,
+            buffered,
+            direct,
+            direct_ok,
+        })
+    }
+
+    fn write_buffered(&self, bytes: &[u8], offset: u64) -> Result<()> {
+        self.buffered
+            .write_all_at(bytes, offset)
+            .map_err(|e| Error::io(self.path, e))
+    }
+
+    /// Writes an aligned buffer with O_DIRECT; on EINVAL switches the whole file to buffered
+    /// writes and writes `exact_len` bytes of it that way instead.
+    fn write_aligned(&self, buf: &[u8], exact_len: usize, offset: u64) -> Result<()> {
+        if let (Some(direct), true) = (&self.direct, self.direct_ok.load(Ordering::Relaxed)) {
+            match direct.write_all_at(buf, offset) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    self.direct_ok.store(false, Ordering::Relaxed);
+                }
+                Err(e) => return Err(Error::io(self.path, e)),
+            }
+        }
+        self.write_buffered(&buf[..exact_len], offset)
+    }
+}
+
+/// The bytes of each tensor in data order.
+struct Sources<'s> {
+    tensors: Vec<TensorInfo>,
+    data: Vec<&'s [u8]>,
+}
+
+fn match_sources<'s>(
+    tensors: Vec<TensorInfo>,
+    mut inputs: BTreeMap<String, &'s [u8]>,
+) -> Result<Sources<'s>> {
+    let mut data = Vec::with_capacity(tensors.len());
+    for tensor in &tensors {
+        let bytes = inputs
+            .remove(&tensor.name)
+            .expect("layout comes from the inputs");
+        if bytes.len() as u64 != tensor.nbytes() {
+            return Err(Error::InvalidArgument(format!(
+                "tensor `{}`: got {} bytes but dtype {} x shape {:?} needs {}",
+                tensor.name,
+                bytes.len(),
+                tensor.dtype.name(),
+                tensor.shape,
+                tensor.nbytes()
+            )));
+        }
+        data.push(bytes);
+    }
+    Ok(Sources { tensors, data })
+}
+
+/// Hashes and writes one segment piece by piece, straight from the tensor's memory.
+fn write_segment_buffered(target: &Target, src: &[u8], file_offset: u64) -> Result<u32> {
+    let mut crc = 0;
+    let mut offset = file_offset;
+    for piece in src.chunks(PIECE) {
+        crc = checksum::append(crc, piece);
+        target.write_buffered(piece, offset)?;
+        offset += piece.len() as u64;
+    }
+    Ok(crc)
+}
+
+/// Hashes one segment while copying it into the chunk's aligned buffer.
+fn copy_segment(dst: &mut [u8], src: &[u8]) -> u32 {
+    let mut crc = 0;
+    for (dst_piece, src_piece) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
+        crc = checksum::append(crc, src_piece);
+        dst_piece.copy_from_slice(src_piece);
+    }
+    crc
+}
+
+fn write_chunk(
+    target: &Target,
+    sources: &Sources,
+    chunk: &Chunk,
+    buf: Option<&mut AlignedBuf>,
+    crcs: &mut Vec<PieceCrc>,
+) -> Result<()> {
+    let slice_of = |seg: &Segment| {
+        let start = seg.tensor_offset as usize;
+        &sources.data[seg.tensor][start..start + seg.len as usize]
+    };
+    let mut record = |seg: &Segment, crc: u32| {
+        crcs.push(PieceCrc {
+            tensor: seg.tensor,
+            offset: seg.tensor_offset,
+            len: seg.len,
+            crc,
+        })
+    };
+    match buf {
+        None => {
+            for seg in &chunk.segments {
+                let crc = write_segment_buffered(target, slice_of(seg), seg.file_offset)?;
+                record(seg, crc);
+            }
+        }
+        Some(buf) => {
+            let exact = chunk.len as usize;
+            let aligned = (chunk.len.div_ceil(ALIGN) * ALIGN) as usize;
+            let bytes = &mut buf.as_mut_slice()[..aligned];
+            // Header placeholder and tail padding: zeros (the header is rewritten last and
+            // the padding is truncated away).
+            bytes.fill(0);
+            for seg in &chunk.segments {
+                let at = (seg.file_offset - chunk.file_offset) as usize;
+                let crc = copy_segment(&mut bytes[at..at + seg.len as usize], slice_of(seg));
+                record(seg, crc);
+            }
+            target.write_aligned(bytes, exact, chunk.file_offset)?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs the chunk plan on `threads` scoped workers; returns every piece's checksum.
+fn write_chunks(
+    target: &Target,
+    sources: &Sources,
+    chunks: &[Chunk],
+    options: &WriteOptions,
+) -> Result<Vec<PieceCrc>> {
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let workers = options.threads.clamp(1, chunks.len().max(1));
+    let buffer_len = normalize_chunk_size(options.chunk_size) as usize;
+    let use_direct = target.direct.is_some();
+    let results: Vec<Result<Vec<PieceCrc>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut buf = use_direct.then(|| take_buffer(buffer_len));
+                    let mut crcs = Vec::new();
+                    let mut outcome = Ok(());
+                    while !failed.load(Ordering::Relaxed) {
+                        let index = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(chunk) = chunks.get(index) else {
+                            break;
+                        };
+                        outcome = write_chunk(target, sources, chunk, buf.as_mut(), &mut crcs);
+                        if outcome.is_err() {
+                            failed.store(true, Ordering::Relaxed);
+                            break;
+                        }
+                    }
+                    if let Some(buf) = buf {
+                        return_buffer(buf);
+                    }
+                    outcome.map(|()| crcs)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("writer thread panicked"))
+            .collect()
+    });
+    let mut all = Vec::new();
+    for result in results {
+        all.extend(result?);
+    }
+    Ok(all)
+}
+
+/// Total bytes written by this process through [`write_file`] (for benchmarks and logs).
+pub static BYTES_WRITTEN: AtomicU64 = AtomicU64::new(0);
+
+/// Writes `inputs` (name -> raw little-endian bytes, with dtype and shape in `descs`) to `path`
+/// as a safetensors file with crc32c checksums, durably and atomically.
+///
+/// On any error the temporary file is removed and `path` is untouched.
+pub fn write_file(
+    path: &Path,
+    descs: Vec<TensorDesc>,
+    inputs: BTreeMap<String, &[u8]>,
+    metadata: &BTreeMap<String, String>,
+    options: &WriteOptions,
+) -> Result<WriteReport> {
+    if descs.len() != inputs.len() {
+        return Err(Error::InvalidArgument(
+            "every tensor needs exactly one byte buffer".to_string(),
+        ));
+    }
+    let tensors = format::plan_layout(descs)?;
+    let sources = match_sources(tensors, inputs)?;
+    let placeholder = format::encode_header(&sources.tensors, metadata, None)?;
+    let data_start = placeholder.len() as u64;
+    let chunks = plan_chunks(&sources.tensors, data_start, options.chunk_size);
+    let file_len = data_start + sources.tensors.last().map_or(0, |t| t.end);
+
+    let mut temp = TempFile {
+        path: temp_sibling(path)?,
+        committed: false,
+    };
+    let target = Target::open(&temp.path, path, options.direct_io)?;
+    let mut pieces = write_chunks(&target, &sources, &chunks, options)?;
+    let crcs = checksum::fold(sources.tensors.len(), &mut pieces);
+    let header = format::encode_header(&sources.tensors, metadata, Some(&crcs))?;
+    assert_eq!(
+        header.len(),
+        placeholder.len(),
+        "checksums have a fixed width"
+    );
+    target.write_buffered(&header, 0)?;
+    // Direct writes round the last chunk up to the alignment; cut the padding off.
+    target
+        .buffered
+        .set_len(file_len)
+        .map_err(|e| Error::io(path, e))?;
+    if options.fsync {
+        target.buffered.sync_all().map_err(|e| Error::io(path, e))?;
+    }
+    let direct_io = target.direct_ok.load(Ordering::Relaxed);
+    drop(target);
+    fs::rename(&temp.path, path).map_err(|e| Error::io(path, e))?;
+    temp.committed = true;
+    if options.fsync {
+        fsync_dir(path.parent().unwrap_or(Path::new(".")))?;
+    }
+    BYTES_WRITTEN.fetch_add(file_len, Ordering::Relaxed);
+    let checksums = sources
+        .tensors
+        .iter()
+        .map(|t| t.name.clone())
+        .zip(crcs)
+        .collect();
+    Ok(WriteReport {
+        file_len,
+        direct_io,
+        checksums,
+    })
+}
+
+/// Writes `bytes` to `path` durably and atomically (temp sibling, fsync, rename, fsync dir).
+/// Used for small JSON records such as manifests.
+pub fn write_bytes_atomic(path: &Path, bytes: &[u8], fsync: bool) -> Result<()> {
+    let mut temp = TempFile {
+        path: temp_sibling(path)?,
+        committed: false,
+    };
+    let file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&temp.path)
+        .map_err(|e| Error::io(path, e))?;
+    file.write_all_at(bytes, 0)
+        .and_then(|()| if fsync { file.sync_all() } else { Ok(()) })
+        .map_err(|e| Error::io(path, e))?;
+    drop(file);
+    fs::rename(&temp.path, path).map_err(|e| Error::io(path, e))?;
+    temp.committed = true;
+    if fsync {
+        fsync_dir(path.parent().unwrap_or(Path::new(".")))?;
+    }
+    Ok(())
+}
+
+/// Writes `len` bytes of a repeating pattern to `path` as one O_DIRECT stream of aligned
+/// `block` writes, then fsyncs: the disk's own sequential-write ceiling, for benchmarks.
+/// Returns false when the filesystem refuses O_DIRECT (then it writes buffered).
+pub fn write_ceiling(path: &Path, len: u64, block: u64) -> Result<bool> {
+    let block = normalize_chunk_size(block);
+    let direct = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path);
+    let (file, is_direct) = match direct {
+        Ok(file) => (file, true),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            let file = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(path)
+                .map_err(|e| Error::io(path, e))?;
+            (file, false)
+        }
+        Err(e) => return Err(Error::io(path, e)),
+    };
+    let mut buf = take_buffer(block as usize);
+    for (i, byte) in buf.as_mut_slice().iter_mut().enumerate() {
+        *byte = (i % 251) as u8;
+    }
+    let mut offset = 0;
+    let result = (|| -> io::Result<()> {
+        while offset < len {
+            file.write_all_at(buf.as_mut_slice(), offset)?;
+            offset += block;
+        }
+        file.set_len(len)?;
+        file.sync_all()
+    })();
+    return_buffer(buf);
+    result.map_err(|e| Error::io(path, e))?;
+    Ok(is_direct)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::Dtype;
+
+    fn info(name: &str, begin: u64, end: u64) -> TensorInfo {
+        TensorInfo {
+            name: name.into(),
+            dtype: Dtype::U8,
+            shape: vec![end - begin],
+            begin,
+            end,
+        }
+    }
+
+    #[test]
+    fn chunk_size_is_normalized_to_alignment() {
+        assert_eq!(normalize_chunk_size(0), ALIGN);
+        assert_eq!(normalize_chunk_size(ALIGN + 1), 2 * ALIGN);
+        assert_eq!(normalize_chunk_size(8 * ALIGN), 8 * ALIGN);
+    }
+
+    #[test]
+    fn chunks_tile_the_data_exactly_and_start_aligned() {
+        let tensors = vec![
+            info("a", 0, 5000),
+            info("b", 5000, 5000),
+            info("c", 5000, 20000),
+        ];
+        let data_start = 64;
+        let chunks = plan_chunks(&tensors, data_start, 4096);
+        let file_len = data_start + 20000;
+        assert_eq!(chunks.len() as u64, file_len.div_ceil(4096));
+        let mut covered = data_start;
+        for (k, chunk) in chunks.iter().enumerate() {
+            assert_eq!(chunk.file_offset, k as u64 * 4096);
+            for seg in &chunk.segments {
+                assert_eq!(seg.file_offset, covered, "segments are contiguous");
+                assert!(seg.file_offset >= chunk.file_offset);
+                assert!(seg.file_offset + seg.len <= chunk.file_offset + chunk.len);
+                let t = &tensors[seg.tensor];
+                assert_eq!(seg.file_offset, data_start + t.begin + seg.tensor_offset);
+                covered += seg.len;
+            }
+        }
+        assert_eq!(covered, file_len);
+        assert_eq!(
+            chunks.last().unwrap().len,
+            file_len - (chunks.len() as u64 - 1) * 4096
+        );
+        // The zero-size tensor has no segment.
+        assert!(chunks
+            .iter()
+            .flat_map(|c| &c.segments)
+            .all(|s| s.tensor != 1));
+    }
+
+    #[test]
+    fn empty_file_has_one_header_chunk() {
+        let chunks = plan_chunks(&[], 16, 4096);
+        assert_eq!(chunks.len(), 1);
+        assert!(chunks[0].segments.is_empty());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn chunk_plan_covers_every_byte_once(
+            sizes in proptest::collection::vec(0u64..20_000, 0..10),
+            header in 1u64..100,
+            chunk_pages in 1u64..4,
+        ) {
+            let mut begin = 0;
+            let tensors: Vec<_> = sizes.iter().enumerate().map(|(i, &n)| {
+                let t = info(&format!("t{i}"), begin, begin + n);
+                begin += n;
+                t
+            }).collect();
+            let data_start = header * 8;
+            let chunks = plan_chunks(&tensors, data_start, chunk_pages * ALIGN);
+            let mut per_tensor = vec![0u64; tensors.len()];
+            for chunk in &chunks {
+                proptest::prop_assert_eq!(chunk.file_offset % ALIGN, 0);
+                for seg in &chunk.segments {
+                    proptest::prop_assert_eq!(seg.tensor_offset, per_tensor[seg.tensor]);
+                    per_tensor[seg.tensor] += seg.len;
+                }
+            }
+            for (t, n) in tensors.iter().zip(per_tensor) {
+                proptest::prop_assert_eq!(t.nbytes(), n);
+            }
+        }
+    }
+}

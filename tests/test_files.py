@@ -1,0 +1,287 @@
+"""save_file / load_file / read_metadata: round trips, safetensors compatibility, corruption,
+GIL release and failure cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from safetensors import safe_open
+
+import fastckpt
+from fastckpt import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.files import dtype_name
+
+ALL_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.complex64,
+]
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Random bytes reinterpreted as `dtype` (covers NaN payloads and every bit pattern)."""
+    gen = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    raw = torch.randint(0, 256, (numel * itemsize,), dtype=torch.uint8, generator=gen)
+    if dtype is torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
+
+
+def test_every_dtype_round_trips_bitwise(tmp_path: Path) -> None:
+    tensors = {str(d): random_tensor(d, (3, 5), seed=i) for i, d in enumerate(ALL_DTYPES)}
+    path = tmp_path / "all.safetensors"
+    fastckpt.save_file(tensors, path)
+    loaded = fastckpt.load_file(path)
+    assert set(loaded) == set(tensors)
+    for name, tensor in tensors.items():
+        assert bitwise_equal(loaded[name], tensor), name
+
+
+def test_scalars_empty_and_noncontiguous(tmp_path: Path) -> None:
+    base = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    tensors = {
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.empty(0, 7),
+        "empty3d": torch.empty(2, 0, 3, dtype=torch.int16),
+        "transposed": base.t(),
+        "strided": base[::2, 1::3],
+        "expanded": torch.arange(4).expand(3, 4),
+        "requires_grad": torch.ones(3, requires_grad=True),
+        "conj": torch.complex(torch.ones(2), torch.ones(2)).conj(),
+    }
+    path = tmp_path / "shapes.safetensors"
+    fastckpt.save_file(tensors, path)
+    loaded = fastckpt.load_file(path)
+    for name, tensor in tensors.items():
+        want = tensor.detach().resolve_conj()
+        assert loaded[name].shape == want.shape, name
+        assert torch.equal(loaded[name], want), name
+    assert loaded["scalar"].dim() == 0
+
+
+def test_many_small_tensors(tmp_path: Path) -> None:
+    tensors = {f"layer{i}.bias": torch.full((i % 7,), float(i)) for i in range(2000)}
+    path = tmp_path / "many.safetensors"
+    fastckpt.save_file(tensors, path, threads=3, chunk_size=1 << 16)
+    loaded = fastckpt.load_file(path, threads=3)
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_large_tensor_round_trip(tmp_path: Path, direct_io: bool) -> None:
+    big = random_tensor(torch.float32, (64 << 20,), seed=7)  # 256 MiB
+    tensors = {"big": big, "tail": torch.arange(3, dtype=torch.int8)}
+    path = tmp_path / "big.safetensors"
+    fastckpt.save_file(tensors, path, direct_io=direct_io)
+    loaded = fastckpt.load_file(path)
+    assert bitwise_equal(loaded["big"], big)
+    assert torch.equal(loaded["tail"], tensors["tail"])
+
+
+def test_files_open_with_safetensors_and_back(tmp_path: Path) -> None:
+    tensors = {f"t{i}": random_tensor(d, (4, 2), seed=i) for i, d in enumerate(ALL_DTYPES)}
+    ours = tmp_path / "ours.safetensors"
+    fastckpt.save_file(tensors, ours, metadata={"format": "pt", "step": "7"})
+    theirs_loaded = safetensors.torch.load_file(ours)
+    for name, tensor in tensors.items():
+        assert bitwise_equal(theirs_loaded[name], tensor)
+    with safe_open(ours, framework="pt") as handle:
+        metadata = handle.metadata()
+        assert metadata["step"] == "7"
+        assert bitwise_equal(handle.get_tensor("t3"), tensors["t3"])
+
+    theirs = tmp_path / "theirs.safetensors"
+    safetensors.torch.save_file(tensors, theirs, metadata={"k": "v"})
+    loaded = fastckpt.load_file(theirs)
+    for name, tensor in tensors.items():
+        assert bitwise_equal(loaded[name], tensor)
+    meta = fastckpt.read_metadata(theirs)
+    assert meta["metadata"] == {"k": "v"}
+    assert all(entry["crc32c"] is None for entry in meta["tensors"].values())
+
+
+def test_read_metadata_reports_layout_and_checksums(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_file({"w": torch.zeros(2, 3), "b": torch.ones(3, dtype=torch.int64)}, path)
+    meta = fastckpt.read_metadata(path)
+    assert meta["tensors"]["w"]["dtype"] == "F32"
+    assert meta["tensors"]["w"]["shape"] == [2, 3]
+    assert meta["tensors"]["b"]["data_offsets"] == [0, 24]  # 8-byte dtypes first
+    assert all(isinstance(e["crc32c"], int) for e in meta["tensors"].values())
+    assert meta["file_len"] == path.stat().st_size
+    assert meta["data_start"] % 8 == 0
+
+
+def corrupt(path: Path, offset: int, xor: int = 0x01) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= xor
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    path = tmp_path / "c.safetensors"
+    fastckpt.save_file({"alpha": torch.arange(1000.0), "beta": torch.arange(10)}, path)
+    return path
+
+
+def test_flipped_tensor_byte_names_file_and_tensor(saved: Path) -> None:
+    meta = fastckpt.read_metadata(saved)
+    begin = meta["tensors"]["alpha"]["data_offsets"][0]
+    corrupt(saved, meta["data_start"] + begin + 123)
+    with pytest.raises(ChecksumMismatchError) as excinfo:
+        fastckpt.load_file(saved)
+    assert "alpha" in str(excinfo.value) and str(saved) in str(excinfo.value)
+    # Without verification the (wrong) bytes load: proves the check is what caught it.
+    assert "alpha" in fastckpt.load_file(saved, verify=False)
+
+
+def test_truncated_file_is_a_format_error(saved: Path) -> None:
+    data = saved.read_bytes()
+    for cut in (0, 3, 8, 50, len(data) - 1):
+        saved.write_bytes(data[:cut])
+        with pytest.raises(CheckpointFormatError) as excinfo:
+            fastckpt.load_file(saved)
+        assert str(saved) in str(excinfo.value)
+
+
+def rewrite_header(path: Path, edit: dict) -> None:
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    header.update(edit)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data[8 + length :])
+
+
+def test_header_lying_about_offsets_is_a_format_error(saved: Path) -> None:
+    rewrite_header(saved, {"beta": {"dtype": "I64", "shape": [10], "data_offsets": [8, 88]}})
+    with pytest.raises(CheckpointFormatError, match=r"beta\.data_offsets"):
+        fastckpt.load_file(saved)
+
+
+def test_huge_declared_header_length_is_a_format_error(saved: Path) -> None:
+    data = saved.read_bytes()
+    saved.write_bytes(struct.pack("<Q", 1 << 62) + data[8:])
+    with pytest.raises(CheckpointFormatError, match="header_length"):
+        fastckpt.load_file(saved)
+
+
+def test_bad_inputs_are_clear_errors(tmp_path: Path) -> None:
+    path = tmp_path / "x.safetensors"
+    with pytest.raises(TypeError, match="'a'"):
+        fastckpt.save_file({"a": [1, 2]}, path)  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="to_dense"):
+        fastckpt.save_file({"s": torch.eye(2).to_sparse()}, path)
+    with pytest.raises(TypeError, match="metadata"):
+        fastckpt.save_file({"a": torch.ones(1)}, path, metadata={"k": 1})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="reserved"):
+        fastckpt.save_file({"__metadata__": torch.ones(1)}, path)
+    with pytest.raises(FileNotFoundError):
+        fastckpt.load_file(tmp_path / "missing.safetensors")
+    with pytest.raises(TypeError, match="complex128"):
+        dtype_name(torch.complex128)
+    assert not path.exists()
+
+
+def test_gil_is_released_during_save(tmp_path: Path) -> None:
+    big = {"w": torch.ones(96 << 20, dtype=torch.uint8), "v": torch.ones(32 << 20)}
+    counts = {"during": 0}
+    done = threading.Event()
+    started = threading.Event()
+
+    def count() -> None:
+        started.set()
+        while not done.is_set():
+            counts["during"] += 1
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    started.wait()
+    before = counts["during"]
+    start = time.perf_counter()
+    fastckpt.save_file(big, tmp_path / "gil.safetensors")
+    elapsed = time.perf_counter() - start
+    progressed = counts["during"] - before
+    done.set()
+    counter.join()
+    # The counter thread increments ~10^6-10^7 times per second when it holds the GIL. If
+    # the save held the GIL the whole time it would get at most a few switch intervals.
+    switch_slices = elapsed / sys.getswitchinterval()
+    assert progressed > 50 * switch_slices, (progressed, elapsed)
+
+
+def test_failed_save_leaves_nothing(tmp_path: Path) -> None:
+    tensors = {"a": torch.ones(10)}
+    with pytest.raises(FileNotFoundError) as excinfo:
+        fastckpt.save_file(tensors, tmp_path / "no" / "dir" / "x.safetensors")
+    assert "x.safetensors" in str(excinfo.value)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(NotADirectoryError):
+        fastckpt.save_file(tensors, blocker / "x.safetensors")
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+MIDWAY_FAILURE = """
+import resource, signal, sys, torch, fastckpt
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    fastckpt.save_file({"w": torch.ones(4 << 20)}, sys.argv[1], chunk_size=1 << 16)
+except OSError as err:
+    print("OSError", err.errno, err.filename)
+    sys.exit(0)
+sys.exit("save unexpectedly succeeded")
+"""
+
+
+def test_save_failing_midway_leaves_old_file_and_no_temp(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    fastckpt.save_file({"old": torch.zeros(4)}, path)
+    result = subprocess.run(
+        [sys.executable, "-c", MIDWAY_FAILURE, str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert result.stdout.startswith("OSError 27"), result.stdout  # EFBIG
+    assert str(path) in result.stdout
+    assert os.listdir(tmp_path) == ["ckpt.safetensors"]
+    assert torch.equal(fastckpt.load_file(path)["old"], torch.zeros(4))
