@@ -12,6 +12,13 @@ pub fn combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
     crc32c::crc32c_combine(crc_a, crc_b, len_b as usize)
 }
 
+/// Checksum of `first` followed by parts given as `(crc, len)`, in order.
+pub fn concat(first: u32, parts: impl IntoIterator<Item = (u32, u64)>) -> u32 {
+    parts
+        .into_iter()
+        .fold(first, |acc, (crc, len)| combine(acc, crc, len))
+}
+
 /// A piece of some tensor that was hashed independently.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PieceCrc {
@@ -71,6 +78,16 @@ mod tests {
             .rev()
             .collect();
         assert_eq!(fold(1, &mut pieces), vec![whole]);
+    }
+
+    #[test]
+    fn concat_equals_hashing_the_concatenation() {
+        let (a, b, c) = (&b"header"[..], &b""[..], &b"tensor bytes"[..]);
+        let parts = [(append(0, b), 0), (append(0, c), c.len() as u64)];
+        assert_eq!(
+            concat(append(0, a), parts),
+            append(0, b"headertensor bytes")
+        );
     }
 
     #[test]

@@ -222,30 +222,48 @@ pub fn plan_layout(descs: Vec<TensorDesc>) -> Result<Vec<TensorInfo>> {
     Ok(tensors)
 }
 
+/// What [`encode_header`] writes into the checksum metadata entry.
+#[derive(Debug, Clone, Copy)]
+pub enum Checksums<'a> {
+    /// No checksum entry (checksums disabled).
+    Omitted,
+    /// Zeros of the final width, so the header length is known before hashing.
+    Placeholder,
+    /// The real crc32c of each tensor, in `tensors` order.
+    Values(&'a [u32]),
+}
+
 /// Serializes the header (prefix + padded JSON) for `tensors` laid out by [`plan_layout`].
 ///
-/// With `checksums = None` every checksum is written as a placeholder of the same width, so
+/// With [`Checksums::Placeholder`] every checksum is written as a placeholder of the same width, so
 /// the header length is known before the data is hashed; the final header (with the real
 /// checksums) then has exactly the same length and overwrites the placeholder in place.
 pub fn encode_header(
     tensors: &[TensorInfo],
     metadata: &BTreeMap<String, String>,
-    checksums: Option<&[u32]>,
+    checksums: Checksums,
 ) -> Result<Vec<u8>> {
     check_metadata(metadata)?;
-    let mut crc_map = Map::new();
-    for (i, tensor) in tensors.iter().enumerate() {
-        let crc = checksums.map_or(0, |crcs| crcs[i]);
-        crc_map.insert(tensor.name.clone(), Value::String(format!("{crc:08x}")));
-    }
     let mut meta = Map::new();
     for (key, value) in metadata {
         meta.insert(key.clone(), Value::String(value.clone()));
     }
-    meta.insert(
-        CHECKSUM_KEY.to_string(),
-        Value::String(Value::Object(crc_map).to_string()),
-    );
+    let values = match checksums {
+        Checksums::Omitted => None,
+        Checksums::Placeholder => Some(None),
+        Checksums::Values(crcs) => Some(Some(crcs)),
+    };
+    if let Some(crcs) = values {
+        let mut crc_map = Map::new();
+        for (i, tensor) in tensors.iter().enumerate() {
+            let crc = crcs.map_or(0, |crcs| crcs[i]);
+            crc_map.insert(tensor.name.clone(), Value::String(format!("{crc:08x}")));
+        }
+        meta.insert(
+            CHECKSUM_KEY.to_string(),
+            Value::String(Value::Object(crc_map).to_string()),
+        );
+    }
     let mut root = Map::new();
     root.insert(METADATA_KEY.to_string(), Value::Object(meta));
     for tensor in tensors {
@@ -482,7 +500,12 @@ mod tests {
 
     fn encode(descs: Vec<TensorDesc>, crcs: Option<&[u32]>) -> (Vec<TensorInfo>, Vec<u8>) {
         let tensors = plan_layout(descs).unwrap();
-        let header = encode_header(&tensors, &BTreeMap::new(), crcs).unwrap();
+        let header = encode_header(
+            &tensors,
+            &BTreeMap::new(),
+            crcs.map_or(Checksums::Placeholder, Checksums::Values),
+        )
+        .unwrap();
         (tensors, header)
     }
 
@@ -540,7 +563,12 @@ mod tests {
             vec![desc("w", Dtype::F32, &[3, 3]), desc("b", Dtype::I64, &[3])],
             None,
         );
-        let fin = encode_header(&tensors, &BTreeMap::new(), Some(&[0xdeadbeef, 7])).unwrap();
+        let fin = encode_header(
+            &tensors,
+            &BTreeMap::new(),
+            Checksums::Values(&[0xdeadbeef, 7]),
+        )
+        .unwrap();
         assert_eq!(placeholder.len(), fin.len());
         assert_eq!(fin.len() % 8, 0);
         let json_len = u64::from_le_bytes(fin[..8].try_into().unwrap());
@@ -556,7 +584,7 @@ mod tests {
         .unwrap();
         let mut meta = BTreeMap::new();
         meta.insert("format".to_string(), "pt".to_string());
-        let header = encode_header(&tensors, &meta, Some(&[1, 0xffff_ffff])).unwrap();
+        let header = encode_header(&tensors, &meta, Checksums::Values(&[1, 0xffff_ffff])).unwrap();
         let file = file_with_data(&header, 21);
         let parsed = parse(&file).unwrap();
         assert_eq!(parsed.tensors, tensors);
@@ -571,7 +599,7 @@ mod tests {
     fn reserved_metadata_key_is_refused() {
         let mut meta = BTreeMap::new();
         meta.insert(CHECKSUM_KEY.to_string(), "x".to_string());
-        assert!(encode_header(&[], &meta, None).is_err());
+        assert!(encode_header(&[], &meta, Checksums::Omitted).is_err());
     }
 
     fn raw_file(json: &str, data_len: usize) -> Vec<u8> {

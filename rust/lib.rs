@@ -18,7 +18,7 @@ mod py_api;
 mod _native {
     #[pymodule_export]
     use crate::py_api::{
-        fsync_dir, load_into, read_header, save_file, verify_file, write_bytes_atomic,
+        crc32c, fsync_dir, load_into, read_header, save_file, verify_file, write_bytes_atomic,
         write_ceiling,
     };
 }

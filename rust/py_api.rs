@@ -44,6 +44,7 @@ impl RawBytes {
     }
 
     /// # Safety
+    ///
     /// The buffer this was taken from must stay alive and unmodified for `'a`.
     unsafe fn as_slice<'a>(self) -> &'a [u8] {
         if self.len == 0 {
@@ -55,6 +56,7 @@ impl RawBytes {
     }
 
     /// # Safety
+    ///
     /// The buffer must be writable, stay alive for `'a`, and not be aliased by another slice.
     unsafe fn as_mut_slice<'a>(self) -> &'a mut [u8] {
         if self.len == 0 {
@@ -78,7 +80,7 @@ fn parse_dtype(name: &str, tensor: &str) -> PyResult<Dtype> {
 /// `tensors` is a list of `(name, dtype, shape, bytes_view)`. Returns
 /// `{"file_len": int, "direct_io": bool, "checksums": {name: int}}`.
 #[pyfunction]
-#[pyo3(signature = (path, tensors, metadata, threads, chunk_size, direct_io, fsync))]
+#[pyo3(signature = (path, tensors, metadata, threads, chunk_size, direct_io, fsync, checksums=true))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 pub fn save_file<'py>(
     py: Python<'py>,
@@ -89,6 +91,7 @@ pub fn save_file<'py>(
     chunk_size: u64,
     direct_io: bool,
     fsync: bool,
+    checksums: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let mut descs = Vec::with_capacity(tensors.len());
     let mut buffers = Vec::with_capacity(tensors.len());
@@ -108,6 +111,7 @@ pub fn save_file<'py>(
         chunk_size,
         direct_io,
         fsync,
+        checksums,
     };
     let report = py.detach(|| {
         // SAFETY: `buffers` (alive until this function returns) keeps every view valid.
@@ -121,6 +125,7 @@ pub fn save_file<'py>(
     let result = PyDict::new(py);
     result.set_item("file_len", report.file_len)?;
     result.set_item("direct_io", report.direct_io)?;
+    result.set_item("file_crc32c", report.file_crc32c)?;
     let checksums = PyDict::new(py);
     for (name, crc) in report.checksums {
         checksums.set_item(name, crc)?;
@@ -131,7 +136,8 @@ pub fn save_file<'py>(
 
 /// Opens `path`, validates its header, asks `allocate(name, dtype, shape)` for a writable byte
 /// view of each tensor's destination, then fills them all in parallel without the GIL, checking
-/// crc32c checksums when `verify` is set. Returns the user metadata.
+/// crc32c checksums when `verify` is set. Returns `{"metadata": {..}, "file_crc32c": int | None}`
+/// (the whole-file checksum is known when every tensor was read and verified).
 #[pyfunction]
 #[pyo3(signature = (path, allocate, verify, threads))]
 pub fn load_into<'py>(
@@ -140,7 +146,7 @@ pub fn load_into<'py>(
     allocate: Bound<'py, PyAny>,
     verify: bool,
     threads: usize,
-) -> PyResult<BTreeMap<String, String>> {
+) -> PyResult<Bound<'py, PyDict>> {
     let reader = py.detach(|| Reader::open(&path))?;
     let mut buffers = Vec::with_capacity(reader.header().tensors.len());
     let mut raws = Vec::with_capacity(buffers.capacity());
@@ -150,7 +156,7 @@ pub fn load_into<'py>(
         raws.push((info.name.clone(), RawBytes::of(&buffer, &info.name, true)?));
         buffers.push(buffer);
     }
-    py.detach(|| {
+    let file_crc = py.detach(|| {
         let mut targets: Vec<ReadTarget> = raws
             .iter()
             .map(|(name, raw)| ReadTarget {
@@ -163,7 +169,10 @@ pub fn load_into<'py>(
         reader.read_into(&mut targets, verify, threads.max(1))
     })?;
     drop(buffers);
-    Ok(reader.header().metadata.clone())
+    let result = PyDict::new(py);
+    result.set_item("metadata", reader.header().metadata.clone())?;
+    result.set_item("file_crc32c", file_crc)?;
+    Ok(result)
 }
 
 /// Returns the validated header of `path` as a dict:
@@ -191,12 +200,19 @@ pub fn read_header(py: Python<'_>, path: PathBuf) -> PyResult<Bound<'_, PyDict>>
     Ok(result)
 }
 
-/// Reads every tensor of `path` and checks its crc32c. Returns the names of tensors that have
-/// no stored checksum (files written by other tools); raises on any mismatch.
+/// Reads every tensor of `path` and checks its crc32c; raises on any mismatch. Returns
+/// `(file_crc32c, names of tensors without a stored checksum)`.
 #[pyfunction]
 #[pyo3(signature = (path, threads))]
-pub fn verify_file(py: Python<'_>, path: PathBuf, threads: usize) -> PyResult<Vec<String>> {
+pub fn verify_file(py: Python<'_>, path: PathBuf, threads: usize) -> PyResult<(u32, Vec<String>)> {
     Ok(py.detach(|| Reader::open(&path)?.verify(threads.max(1)))?)
+}
+
+/// crc32c of a bytes-like object (hardware accelerated), continuing from `value`.
+#[pyfunction]
+#[pyo3(signature = (data, value=0))]
+pub fn crc32c(py: Python<'_>, data: &[u8], value: u32) -> u32 {
+    py.detach(|| crate::checksum::append(value, data))
 }
 
 /// Replaces `path` with `data` atomically and (with `fsync`) durably.

@@ -23,6 +23,8 @@ pub struct Reader {
     path: PathBuf,
     file: File,
     header: Header,
+    /// crc32c of the prefix and JSON header bytes, to derive the whole-file checksum.
+    header_crc: u32,
 }
 
 /// A destination for one tensor's bytes.
@@ -63,10 +65,12 @@ impl Reader {
         let mut json = vec![0u8; header_len as usize];
         read_exact(&file, path, &mut json, format::PREFIX_LEN)?;
         let header = format::parse_header(path, &json, file_len)?;
+        let header_crc = checksum::append(checksum::append(0, &prefix), &json);
         Ok(Reader {
             path: path.to_path_buf(),
             file,
             header,
+            header_crc,
         })
     }
 
@@ -93,13 +97,16 @@ impl Reader {
     /// `verify`, checks each tensor against its stored crc32c (files without checksums, e.g.
     /// written by the safetensors package, are read unverified).
     ///
+    /// Returns the crc32c of the whole file when `verify` is set and the targets cover every
+    /// tensor (a manifest can then check that this is the file it recorded).
+    ///
     /// On error the targets hold unspecified bytes; callers must discard them.
     pub fn read_into(
         &self,
         targets: &mut [ReadTarget],
         verify: bool,
         threads: usize,
-    ) -> Result<()> {
+    ) -> Result<Option<u32>> {
         let mut pieces = Vec::new();
         let mut infos = Vec::with_capacity(targets.len());
         for (index, target) in targets.iter_mut().enumerate() {
@@ -121,15 +128,28 @@ impl Reader {
             infos.push(info);
         }
         let crcs = self.run_pieces(pieces, verify, threads)?;
-        if verify {
-            self.check(&infos, &crcs)?;
+        if !verify {
+            return Ok(None);
         }
-        Ok(())
+        self.check(&infos, &crcs)?;
+        let by_name: std::collections::HashMap<&str, u32> =
+            infos.iter().map(|i| i.name.as_str()).zip(crcs).collect();
+        if by_name.len() != self.header.tensors.len() {
+            return Ok(None);
+        }
+        Ok(Some(self.file_crc(|info| by_name[info.name.as_str()])))
+    }
+
+    /// crc32c of the whole file given each tensor's crc.
+    fn file_crc(&self, crc_of: impl Fn(&TensorInfo) -> u32) -> u32 {
+        let parts = self.header.tensors.iter().map(|t| (crc_of(t), t.nbytes()));
+        checksum::concat(self.header_crc, parts)
     }
 
     /// Reads every tensor through small scratch buffers and checks its crc32c without keeping
-    /// the data. Returns the names of the tensors that have no stored checksum.
-    pub fn verify(&self, threads: usize) -> Result<Vec<String>> {
+    /// the data. Returns the whole-file crc32c and the names of the tensors that have no
+    /// stored checksum.
+    pub fn verify(&self, threads: usize) -> Result<(u32, Vec<String>)> {
         let infos: Vec<&TensorInfo> = self.header.tensors.iter().collect();
         let workers = threads.max(1);
         let mut scratch = vec![vec![0u8; READ_PIECE]; workers];
@@ -160,11 +180,20 @@ impl Reader {
         }
         let crcs = checksum::fold(infos.len(), &mut all_crcs);
         self.check(&infos, &crcs)?;
-        Ok(infos
+        let unchecked = infos
             .iter()
             .filter(|info| !self.header.checksums.contains_key(&info.name))
             .map(|info| info.name.clone())
-            .collect())
+            .collect();
+        Ok((self.file_crc(|info| crcs[self.index_of(info)]), unchecked))
+    }
+
+    fn index_of(&self, info: &TensorInfo) -> usize {
+        self.header
+            .tensors
+            .iter()
+            .position(|t| t.name == info.name)
+            .expect("info comes from this header")
     }
 
     fn check(&self, infos: &[&TensorInfo], crcs: &[u32]) -> Result<()> {
@@ -316,13 +345,17 @@ mod tests {
                 chunk_size: 1 << 20,
                 direct_io,
                 fsync: true,
+                checksums: true,
             };
             write(&path, &sample(), opts);
             let bufs = read_all(&path, true).unwrap();
             for ((_, _, _, want), got) in sample().iter().zip(&bufs) {
                 assert_eq!(want, got);
             }
-            assert!(Reader::open(&path).unwrap().verify(2).unwrap().is_empty());
+            let (file_crc, unchecked) = Reader::open(&path).unwrap().verify(2).unwrap();
+            assert!(unchecked.is_empty());
+            let whole = std::fs::read(&path).unwrap();
+            assert_eq!(file_crc, crate::checksum::append(0, &whole));
         }
         // Only the committed files remain: no temp siblings.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);

@@ -20,7 +20,7 @@ use std::sync::Mutex;
 
 use crate::checksum::{self, PieceCrc};
 use crate::error::{Error, Result};
-use crate::format::{self, TensorDesc, TensorInfo};
+use crate::format::{self, Checksums, TensorDesc, TensorInfo};
 
 /// Alignment of chunk offsets and O_DIRECT buffers (a page; covers 512 B and 4 KiB sectors).
 pub const ALIGN: u64 = 4096;
@@ -43,6 +43,9 @@ pub struct WriteOptions {
     pub direct_io: bool,
     /// fsync the file and its directory (durability). Only benchmarks turn this off.
     pub fsync: bool,
+    /// Compute and store per-tensor crc32c checksums (on by default; off only to measure
+    /// their cost).
+    pub checksums: bool,
 }
 
 impl Default for WriteOptions {
@@ -52,6 +55,7 @@ impl Default for WriteOptions {
             chunk_size: DEFAULT_CHUNK_SIZE,
             direct_io: false,
             fsync: true,
+            checksums: true,
         }
     }
 }
@@ -63,8 +67,10 @@ pub struct WriteReport {
     pub file_len: u64,
     /// Whether O_DIRECT was actually used for the data (false after a fallback).
     pub direct_io: bool,
-    /// crc32c per tensor name, in data order.
+    /// crc32c per tensor name, in data order (empty when checksums are off).
     pub checksums: Vec<(String, u32)>,
+    /// crc32c of the whole file (header included), when checksums are on.
+    pub file_crc32c: Option<u32>,
 }
 
 /// One contiguous run of a tensor's bytes inside a chunk.
@@ -317,11 +323,18 @@ fn match_sources<'s>(
 }
 
 /// Hashes and writes one segment piece by piece, straight from the tensor's memory.
-fn write_segment_buffered(target: &Target, src: &[u8], file_offset: u64) -> Result<u32> {
+fn write_segment_buffered(
+    target: &Target,
+    src: &[u8],
+    file_offset: u64,
+    hash: bool,
+) -> Result<u32> {
     let mut crc = 0;
     let mut offset = file_offset;
     for piece in src.chunks(PIECE) {
-        crc = checksum::append(crc, piece);
+        if hash {
+            crc = checksum::append(crc, piece);
+        }
         target.write_buffered(piece, offset)?;
         offset += piece.len() as u64;
     }
@@ -329,10 +342,12 @@ fn write_segment_buffered(target: &Target, src: &[u8], file_offset: u64) -> Resu
 }
 
 /// Hashes one segment while copying it into the chunk's aligned buffer.
-fn copy_segment(dst: &mut [u8], src: &[u8]) -> u32 {
+fn copy_segment(dst: &mut [u8], src: &[u8], hash: bool) -> u32 {
     let mut crc = 0;
     for (dst_piece, src_piece) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
-        crc = checksum::append(crc, src_piece);
+        if hash {
+            crc = checksum::append(crc, src_piece);
+        }
         dst_piece.copy_from_slice(src_piece);
     }
     crc
@@ -343,6 +358,7 @@ fn write_chunk(
     sources: &Sources,
     chunk: &Chunk,
     buf: Option<&mut AlignedBuf>,
+    hash: bool,
     crcs: &mut Vec<PieceCrc>,
 ) -> Result<()> {
     let slice_of = |seg: &Segment| {
@@ -360,7 +376,7 @@ fn write_chunk(
     match buf {
         None => {
             for seg in &chunk.segments {
-                let crc = write_segment_buffered(target, slice_of(seg), seg.file_offset)?;
+                let crc = write_segment_buffered(target, slice_of(seg), seg.file_offset, hash)?;
                 record(seg, crc);
             }
         }
@@ -373,7 +389,7 @@ fn write_chunk(
             bytes.fill(0);
             for seg in &chunk.segments {
                 let at = (seg.file_offset - chunk.file_offset) as usize;
-                let crc = copy_segment(&mut bytes[at..at + seg.len as usize], slice_of(seg));
+                let crc = copy_segment(&mut bytes[at..at + seg.len as usize], slice_of(seg), hash);
                 record(seg, crc);
             }
             target.write_aligned(bytes, exact, chunk.file_offset)?;
@@ -406,7 +422,14 @@ fn write_chunks(
                         let Some(chunk) = chunks.get(index) else {
                             break;
                         };
-                        outcome = write_chunk(target, sources, chunk, buf.as_mut(), &mut crcs);
+                        outcome = write_chunk(
+                            target,
+                            sources,
+                            chunk,
+                            buf.as_mut(),
+                            options.checksums,
+                            &mut crcs,
+                        );
                         if outcome.is_err() {
                             failed.store(true, Ordering::Relaxed);
                             break;
@@ -452,7 +475,12 @@ pub fn write_file(
     }
     let tensors = format::plan_layout(descs)?;
     let sources = match_sources(tensors, inputs)?;
-    let placeholder = format::encode_header(&sources.tensors, metadata, None)?;
+    let placeholder_kind = if options.checksums {
+        Checksums::Placeholder
+    } else {
+        Checksums::Omitted
+    };
+    let placeholder = format::encode_header(&sources.tensors, metadata, placeholder_kind)?;
     let data_start = placeholder.len() as u64;
     let chunks = plan_chunks(&sources.tensors, data_start, options.chunk_size);
     let file_len = data_start + sources.tensors.last().map_or(0, |t| t.end);
@@ -464,7 +492,12 @@ pub fn write_file(
     let target = Target::open(&temp.path, path, options.direct_io)?;
     let mut pieces = write_chunks(&target, &sources, &chunks, options)?;
     let crcs = checksum::fold(sources.tensors.len(), &mut pieces);
-    let header = format::encode_header(&sources.tensors, metadata, Some(&crcs))?;
+    let final_kind = if options.checksums {
+        Checksums::Values(&crcs)
+    } else {
+        Checksums::Omitted
+    };
+    let header = format::encode_header(&sources.tensors, metadata, final_kind)?;
     assert_eq!(
         header.len(),
         placeholder.len(),
@@ -487,16 +520,24 @@ pub fn write_file(
         fsync_dir(path.parent().unwrap_or(Path::new(".")))?;
     }
     BYTES_WRITTEN.fetch_add(file_len, Ordering::Relaxed);
-    let checksums = sources
-        .tensors
-        .iter()
-        .map(|t| t.name.clone())
-        .zip(crcs)
-        .collect();
+    let file_crc32c = options.checksums.then(|| {
+        let sizes = sources.tensors.iter().map(TensorInfo::nbytes);
+        checksum::concat(
+            checksum::append(0, &header),
+            crcs.iter().copied().zip(sizes),
+        )
+    });
+    let checksums = if options.checksums {
+        let names = sources.tensors.iter().map(|t| t.name.clone());
+        names.zip(crcs).collect()
+    } else {
+        Vec::new()
+    };
     Ok(WriteReport {
         file_len,
         direct_io,
         checksums,
+        file_crc32c,
     })
 }
 

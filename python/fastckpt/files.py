@@ -23,7 +23,9 @@ __all__ = [
     "dtype_name",
     "load_file",
     "read_metadata",
+    "read_tensors",
     "save_file",
+    "write_tensors",
 ]
 
 #: Writer/reader threads used when ``threads`` is not given.
@@ -132,6 +134,7 @@ def save_file(
     chunk_size: int | None = None,
     direct_io: bool = False,
     fsync: bool = True,
+    checksums: bool = True,
 ) -> None:
     """Save tensors to a safetensors file, durably and atomically.
 
@@ -147,11 +150,41 @@ def save_file(
         chunk_size: bytes per write chunk (default :data:`DEFAULT_CHUNK_SIZE`).
         direct_io: try O_DIRECT; falls back to buffered writes if the filesystem refuses it.
         fsync: make the file durable before returning (turn off only for scratch files).
+        checksums: store per-tensor crc32c (turn off only to measure their cost).
 
     Raises:
         TypeError: a value is not a dense tensor of a supported dtype, or metadata is not str.
         ValueError: duplicate or reserved names.
         OSError: the file cannot be written (the message names it).
+    """
+    write_tensors(
+        tensors,
+        path,
+        metadata,
+        threads=threads,
+        chunk_size=chunk_size,
+        direct_io=direct_io,
+        fsync=fsync,
+        checksums=checksums,
+    )
+
+
+def write_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    threads: int | None = None,
+    chunk_size: int | None = None,
+    direct_io: bool = False,
+    fsync: bool = True,
+    checksums: bool = True,
+) -> dict[str, Any]:
+    """:func:`save_file` that returns the writer's report.
+
+    Returns:
+        ``{"file_len": int, "file_crc32c": int | None, "direct_io": bool (O_DIRECT actually
+        used), "checksums": {name: crc32c}}``.
     """
     if not isinstance(tensors, Mapping):
         raise TypeError(
@@ -165,7 +198,7 @@ def save_file(
         host = host_tensor(name, tensor)
         keep_alive.append(host)
         entries.append((name, dtype_name(host.dtype), list(host.shape), byte_view(host)))
-    _native.save_file(
+    return _native.save_file(
         os.fspath(path),
         entries,
         _check_metadata(metadata),
@@ -173,6 +206,7 @@ def save_file(
         chunk_size or DEFAULT_CHUNK_SIZE,
         direct_io,
         fsync,
+        checksums,
     )
 
 
@@ -203,6 +237,21 @@ def load_file(
         ChecksumMismatchError: corrupt tensor bytes (names file and tensor).
         FileNotFoundError: no such file.
     """
+    tensors, _ = read_tensors(path, verify=verify, threads=threads)
+    target = torch.device(device)
+    if target.type != "cpu":
+        tensors = {name: t.to(target) for name, t in tensors.items()}
+    return tensors
+
+
+def read_tensors(
+    path: str | os.PathLike[str], *, verify: bool = True, threads: int | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """:func:`load_file` on CPU that also returns ``{"metadata": ..., "file_crc32c": ...}``.
+
+    ``file_crc32c`` is the checksum of the whole file when ``verify`` is set and the file has
+    checksums, so callers holding a manifest can confirm it is the file they recorded.
+    """
     tensors: dict[str, torch.Tensor] = {}
 
     def allocate(name: str, dtype: str, shape: list[int]) -> np.ndarray:
@@ -210,11 +259,8 @@ def load_file(
         tensors[name] = tensor
         return byte_view(tensor)
 
-    _native.load_into(os.fspath(path), allocate, verify, threads or DEFAULT_THREADS)
-    target = torch.device(device)
-    if target.type != "cpu":
-        tensors = {name: t.to(target) for name, t in tensors.items()}
-    return tensors
+    info = _native.load_into(os.fspath(path), allocate, verify, threads or DEFAULT_THREADS)
+    return tensors, info
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
