@@ -25,7 +25,7 @@ def same(a: object, b: object) -> bool:
     if isinstance(a, dict):
         return list(a) == list(b) and all(same(a[k], b[k]) for k in a)  # type: ignore[index]
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))  # type: ignore[arg-type]
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))  # type: ignore[arg-type]
     if isinstance(a, float) and math.isnan(a):
         return math.isnan(b)  # type: ignore[arg-type]
     return a == b

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from fastckpt.checkpoint import list_checkpoints, load_checkpoint, prune, save_checkpoint
 from fastckpt.errors import (
     CheckpointFormatError,
     CheckpointMismatchError,
@@ -16,6 +17,17 @@ from fastckpt.errors import (
     UntrustedTargetError,
 )
 from fastckpt.files import load_file, read_metadata, save_file
+from fastckpt.manager import (
+    AsyncCheckpointSaverConfig,
+    CheckpointLoaderConfig,
+    CheckpointManager,
+    CheckpointStagerConfig,
+    CheckpointWriterConfig,
+    ItemSpec,
+    LocalFileSystemStorageConfig,
+    SyncCheckpointSaverConfig,
+)
+from fastckpt.specs import BaseSpec, create_model_spec, register_type_serializer
 
 try:
     __version__ = version("fastckpt")
@@ -23,13 +35,28 @@ except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0.0.0"
 
 __all__ = [
+    "AsyncCheckpointSaverConfig",
+    "BaseSpec",
     "CheckpointFormatError",
+    "CheckpointLoaderConfig",
+    "CheckpointManager",
     "CheckpointMismatchError",
+    "CheckpointStagerConfig",
+    "CheckpointWriterConfig",
     "ChecksumMismatchError",
     "FastCkptError",
+    "ItemSpec",
+    "LocalFileSystemStorageConfig",
+    "SyncCheckpointSaverConfig",
     "UntrustedTargetError",
     "__version__",
+    "create_model_spec",
+    "list_checkpoints",
+    "load_checkpoint",
     "load_file",
+    "prune",
     "read_metadata",
+    "register_type_serializer",
+    "save_checkpoint",
     "save_file",
 ]

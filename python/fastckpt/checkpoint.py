@@ -1,0 +1,601 @@
+"""Component checkpoints: ``save_checkpoint`` / ``load_checkpoint`` and root housekeeping.
+
+A checkpoint index holds, for each component given as ``{name: (obj, spec)}``:
+
+```
+models/<name>.safetensors      weights (DDP unwrapped: no ``module.`` prefixes)
+models/<name>.spec.json        the reconstruction spec
+optimizers/<name>.safetensors  tensor state (exp_avg, step, ...)
+optimizers/<name>.json         spec, parameter references, the JSON skeleton of state_dict()
+schedulers/<name>.safetensors  tensor state, if any
+schedulers/<name>.json         spec and the JSON skeleton of state_dict()
+```
+
+and the manifest entry records associations (optimizer -> model, scheduler -> optimizer),
+counters, and every file with its size and crc32c. Loading verifies each file against the
+manifest, rebuilds components through the trust policy (:mod:`fastckpt.specs`), and never
+unpickles anything.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastckpt import specs, tree
+from fastckpt.errors import CheckpointFormatError
+from fastckpt.files import read_tensors
+from fastckpt.layout import IndexWriter, Manifest, check_name, clean_leftovers
+
+__all__ = ["list_checkpoints", "load_checkpoint", "prune", "save_checkpoint"]
+
+Components = Mapping[str, Any]
+Trusted = Iterable[str | Callable[..., Any]] | None
+KINDS = ("models", "optimizers", "schedulers")
+
+
+# --------------------------------------------------------------------------- save
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Return the module to checkpoint: DDP unwrapped; FSDP/FSDP2 refused.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: FSDP/FSDP2-wrapped models (they need sharded checkpointing).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    if _is_fsdp(model):
+        raise ValueError(
+            f"{type(model).__name__} is FSDP/FSDP2-sharded: each rank holds only a shard, so a "
+            "fastckpt strategy checkpoint would be incomplete. Use sharded checkpointing "
+            "(torch.distributed.checkpoint, or fastckpt.CheckpointManager with a process group)."
+        )
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return unwrap_model(model.module)
+    return model
+
+
+def _is_fsdp(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    if isinstance(model, FullyShardedDataParallel):
+        return True
+    fsdp2 = getattr(torch.distributed.fsdp, "FSDPModule", None)
+    return fsdp2 is not None and isinstance(model, fsdp2)
+
+
+def _split(component: Any, what: str, name: str) -> tuple[Any, specs.BaseSpec | None]:
+    """Accept ``obj`` or ``(obj, spec)`` with spec a BaseSpec or None."""
+    if isinstance(component, tuple):
+        if len(component) != 2:
+            raise TypeError(f"{what} {name!r}: expected (object, spec), got {len(component)} items")
+        obj, spec = component
+    else:
+        obj, spec = component, None
+    if spec is not None and not isinstance(spec, specs.BaseSpec):
+        raise TypeError(f"{what} {name!r}: spec must be a BaseSpec or None, not {type(spec)}")
+    return obj, spec
+
+
+def _constructor_kwargs(obj: Any, state: Mapping[str, Any], skip: int) -> dict[str, Any]:
+    """Keyword arguments to rebuild a scheduler: constructor parameters found in its state."""
+    import inspect
+
+    kwargs: dict[str, Any] = {}
+    parameters = list(inspect.signature(type(obj).__init__).parameters.values())[1 + skip :]
+    for parameter in parameters:
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if parameter.name in state:
+            kwargs[parameter.name] = state[parameter.name]
+        elif parameter.default is parameter.empty:
+            raise TypeError(
+                f"cannot rebuild {type(obj).__qualname__}: constructor argument "
+                f"{parameter.name!r} is not in its state_dict(); pass an explicit spec "
+                "(fastckpt.create_model_spec) for it"
+            )
+    return kwargs
+
+
+def _infer_optimizer_owner(
+    optimizer: torch.optim.Optimizer, models: Mapping[str, torch.nn.Module]
+) -> tuple[str | None, list[list[str]]]:
+    """The model owning most of the optimizer's parameters, and a ``[model, param]`` ref per
+    optimizer parameter in state_dict order."""
+    owners: dict[int, tuple[str, str]] = {}
+    for model_name, model in models.items():
+        for param_name, param in model.named_parameters(remove_duplicate=False):
+            owners.setdefault(id(param), (model_name, param_name))
+    refs: list[list[str]] = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in owners:
+                raise ValueError(
+                    "an optimizer parameter belongs to none of the saved models; save the model "
+                    "that owns it in the same checkpoint"
+                )
+            refs.append(list(owners[id(param)]))
+    counts: dict[str, int] = {}
+    for model_name, _ in refs:
+        counts[model_name] = counts.get(model_name, 0) + 1
+    owner = max(counts, key=lambda name: counts[name]) if counts else None
+    return owner, refs
+
+
+def _association_for(associations: Mapping[str, Any] | None, kind: str, name: str) -> str | None:
+    if not associations:
+        return None
+    nested = associations.get(kind)
+    if isinstance(nested, Mapping) and name in nested:
+        return str(nested[name])
+    value = associations.get(name)
+    return None if value is None or isinstance(value, Mapping) else str(value)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat()
+
+
+def _next_index(manifest: Manifest) -> int:
+    latest = manifest.latest
+    return 0 if latest is None else latest + 1
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    models: Components | None = None,
+    optimizers: Components | None = None,
+    schedulers: Components | None = None,
+    associations: Mapping[str, Any] | None = None,
+    checkpoint_index: int = -1,
+    strategy: Any = None,
+    *,
+    counters: Mapping[str, int] | None = None,
+) -> int:
+    """Save models, optimizers and schedulers as one committed checkpoint index.
+
+    Args:
+        root: checkpoint root directory (created if needed).
+        models: ``{name: (module, spec)}``; spec may be None to introspect the constructor or
+            use the module's ``checkpoint_spec()``. DDP wrappers are unwrapped.
+        optimizers: ``{name: (optimizer, spec)}``; spec None records the optimizer class and
+            its ``defaults``.
+        schedulers: ``{name: (scheduler, spec)}``; spec None records the class and the
+            constructor arguments found in its ``state_dict()``.
+        associations: ``{"optimizers": {opt: model}, "schedulers": {sched: opt}}`` (or a flat
+            ``{component: target}``); missing ones are inferred (optimizer -> the model owning
+            its parameters, scheduler -> its optimizer).
+        checkpoint_index: ``-1`` for the next index, or an explicit index (replaced atomically
+            if it exists).
+        strategy: reserved for ``TrainingStrategy`` checkpoints (not supported yet).
+        counters: optional integer counters recorded in the manifest (step, epoch, ...).
+
+    Returns:
+        The committed index.
+
+    Raises:
+        TypeError / ValueError: bad components (nothing is written).
+        OSError: writing failed (nothing is committed; earlier indices are untouched).
+    """
+    if strategy is not None or not (models is None or isinstance(models, Mapping)):
+        raise NotImplementedError(
+            "TrainingStrategy checkpoints are not available yet; pass components as "
+            "models={name: (module, spec)}"
+        )
+    root = Path(root)
+    models = dict(models or {})
+    optimizers = dict(optimizers or {})
+    schedulers = dict(schedulers or {})
+    for kind, components in zip(KINDS, (models, optimizers, schedulers), strict=True):
+        for name in components:
+            check_name(name, f"{kind[:-1]} name")
+    plan = _plan_components(models, optimizers, schedulers, associations)
+
+    clean_leftovers(root)
+    manifest = Manifest.load(root)
+    index = _next_index(manifest) if checkpoint_index == -1 else int(checkpoint_index)
+    if index < 0:
+        raise ValueError(f"checkpoint_index must be -1 or >= 0, got {checkpoint_index}")
+    writer = IndexWriter(root, index)
+    try:
+        for relpath, tensors in plan.tensor_files.items():
+            writer.add_tensors(relpath, tensors)
+        for relpath, document in plan.json_files.items():
+            writer.add_json(relpath, document)
+        writer.commit_entry(
+            {
+                "created": _now(),
+                "counters": dict(counters or {}),
+                "components": {kind: sorted(plan.names[kind]) for kind in KINDS},
+                "associations": plan.associations,
+            }
+        )
+    except BaseException:
+        writer.abort()
+        raise
+    return index
+
+
+class _Plan:
+    """Everything to write for one index, computed before any file is touched."""
+
+    def __init__(self) -> None:
+        self.tensor_files: dict[str, dict[str, torch.Tensor]] = {}
+        self.json_files: dict[str, Any] = {}
+        self.names: dict[str, list[str]] = {kind: [] for kind in KINDS}
+        self.associations: dict[str, dict[str, str | None]] = {
+            "optimizers": {},
+            "schedulers": {},
+        }
+
+
+def _plan_components(
+    models: dict[str, Any],
+    optimizers: dict[str, Any],
+    schedulers: dict[str, Any],
+    associations: Mapping[str, Any] | None,
+) -> _Plan:
+    plan = _Plan()
+    live_models: dict[str, torch.nn.Module] = {}
+    for name, component in models.items():
+        model, spec = _split(component, "model", name)
+        model = unwrap_model(model)
+        spec = spec or specs.model_spec(model)
+        live_models[name] = model
+        plan.tensor_files[f"models/{name}.safetensors"] = dict(model.state_dict())
+        plan.json_files[f"models/{name}.spec.json"] = spec.to_json()
+        plan.names["models"].append(name)
+
+    optimizer_names: dict[int, str] = {}
+    for name, component in optimizers.items():
+        optimizer, spec = _split(component, "optimizer", name)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer {name!r}: expected a torch.optim.Optimizer")
+        owner, refs = _infer_optimizer_owner(optimizer, live_models)
+        owner = _association_for(associations, "optimizers", name) or owner
+        if owner is not None and owner not in live_models:
+            raise KeyError(f"optimizer {name!r} is associated with unknown model {owner!r}")
+        if spec is None:
+            spec = specs.BaseSpec(
+                cls_path=specs.dotted_path(type(optimizer)),
+                kwargs=dict(optimizer.defaults),
+                timestamp=_now(),
+            )
+        skeleton, tensors = tree.flatten(optimizer.state_dict())
+        plan.tensor_files[f"optimizers/{name}.safetensors"] = tensors
+        plan.json_files[f"optimizers/{name}.json"] = {
+            "spec": spec.to_json(),
+            "params": refs,
+            "state": skeleton,
+        }
+        plan.associations["optimizers"][name] = owner
+        plan.names["optimizers"].append(name)
+        optimizer_names[id(optimizer)] = name
+
+    for name, component in schedulers.items():
+        scheduler, spec = _split(component, "scheduler", name)
+        state = scheduler.state_dict()
+        target = _association_for(associations, "schedulers", name) or optimizer_names.get(
+            id(getattr(scheduler, "optimizer", None))
+        )
+        if target is None or target not in optimizers:
+            raise ValueError(
+                f"scheduler {name!r}: its optimizer is not among the saved optimizers "
+                f"{sorted(optimizers)}; save it too or pass associations"
+            )
+        if spec is None:
+            spec = specs.BaseSpec(
+                cls_path=specs.dotted_path(type(scheduler)),
+                kwargs=_constructor_kwargs(scheduler, state, skip=1),
+                timestamp=_now(),
+            )
+        skeleton, tensors = tree.flatten(state)
+        plan.tensor_files[f"schedulers/{name}.safetensors"] = tensors
+        plan.json_files[f"schedulers/{name}.json"] = {"spec": spec.to_json(), "state": skeleton}
+        plan.associations["schedulers"][name] = target
+        plan.names["schedulers"].append(name)
+    return plan
+
+
+# --------------------------------------------------------------------------- load
+
+
+class _IndexReader:
+    """Reads files of one committed index, checking each against the manifest."""
+
+    def __init__(self, manifest: Manifest, index: int) -> None:
+        self.directory = manifest.root / str(index)
+        self.files: dict[str, dict[str, int]] = manifest.entries[index]["files"]
+
+    def _record(self, relpath: str) -> dict[str, int]:
+        record = self.files.get(relpath)
+        if record is None:
+            raise CheckpointFormatError(
+                f"{self.directory / relpath}: not listed in the manifest; the checkpoint is "
+                "incomplete or the manifest was edited"
+            )
+        path = self.directory / relpath
+        size = path.stat().st_size  # FileNotFoundError names the file
+        if size != record["size"]:
+            raise CheckpointFormatError(
+                f"{path}: size {size} differs from the manifest's {record['size']}; the file "
+                "was truncated or replaced"
+            )
+        return record
+
+    def _check_crc(self, relpath: str, actual: int | None, record: Mapping[str, int]) -> None:
+        if actual is not None and actual != record["crc32c"]:
+            from fastckpt.errors import ChecksumMismatchError
+
+            raise ChecksumMismatchError(
+                f"{self.directory / relpath}: file crc32c {actual:08x} differs from the "
+                f"manifest's {record['crc32c']:08x}; the file was replaced or corrupted"
+            )
+
+    def json(self, relpath: str) -> Any:
+        record = self._record(relpath)
+        data = (self.directory / relpath).read_bytes()
+        from fastckpt import _native
+
+        self._check_crc(relpath, _native.crc32c(data), record)
+        try:
+            return json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CheckpointFormatError(f"{self.directory / relpath}: bad JSON ({err})") from None
+
+    def tensors(self, relpath: str) -> dict[str, torch.Tensor]:
+        record = self._record(relpath)
+        tensors, info = read_tensors(self.directory / relpath, verify=True)
+        self._check_crc(relpath, info["file_crc32c"], record)
+        return tensors
+
+
+def _spec_from(document: Any, where: str) -> specs.BaseSpec:
+    if not isinstance(document, Mapping):
+        raise CheckpointFormatError(f"{where}: spec must be an object")
+    return specs.BaseSpec.from_json(document, source=where)
+
+
+def _build_model(spec: specs.BaseSpec, map_location: Any, trusted: Trusted) -> torch.nn.Module:
+    overrides = {}
+    if map_location is not None and spec.accepts_kwarg("device", trusted=trusted):
+        overrides["device"] = torch.device(map_location)
+    model = spec.build(trusted=trusted, kind="model", **overrides)
+    if not isinstance(model, torch.nn.Module):
+        raise CheckpointFormatError(f"spec {spec.cls_path} did not build an nn.Module")
+    return model
+
+
+def _rebuild_optimizer(
+    document: Mapping[str, Any],
+    state: Any,
+    loaded_models: Mapping[str, torch.nn.Module],
+    trusted: Trusted,
+    where: str,
+) -> tuple[torch.optim.Optimizer, specs.BaseSpec]:
+    spec = _spec_from(document.get("spec"), where)
+    cls = specs.resolve_target(spec.cls_path, "optimizer", trusted)
+    refs = document.get("params")
+    if not isinstance(refs, list) or not isinstance(state, dict):
+        raise CheckpointFormatError(f"{where}: 'params' and 'state' are required")
+    params = []
+    for ref in refs:
+        if not (isinstance(ref, list) and len(ref) == 2 and ref[0] in loaded_models):
+            raise CheckpointFormatError(f"{where}: bad parameter reference {ref!r}")
+        named = dict(loaded_models[ref[0]].named_parameters(remove_duplicate=False))
+        if ref[1] not in named:
+            raise CheckpointFormatError(f"{where}: model {ref[0]!r} has no parameter {ref[1]!r}")
+        params.append(named[ref[1]])
+    groups = []
+    for group in state.get("param_groups", []):
+        indices = group.get("params", [])
+        groups.append({"params": [params[i] for i in indices]})
+    optimizer = cls(groups or params, **spec.kwargs)
+    optimizer.load_state_dict(state)
+    return optimizer, spec
+
+
+def _run_validators(validators: Any, model_name: str, model: torch.nn.Module) -> None:
+    if validators is None:
+        return
+    selected = validators.get(model_name, ()) if isinstance(validators, Mapping) else validators
+    if callable(selected):
+        selected = [selected]
+    for validator in selected:
+        try:
+            validator(model)
+        except Exception as err:
+            label = getattr(validator, "__qualname__", repr(validator))
+            raise ValueError(f"validator {label} rejected model {model_name!r}: {err}") from err
+
+
+def load_checkpoint(
+    root: str | os.PathLike[str],
+    checkpoint_index: int = -1,
+    map_location: str | torch.device | None = None,
+    model_names: Sequence[str] | None = None,
+    *,
+    validators: Any = None,
+    hooks: Any = None,
+    training_fn: Any = None,
+    strategy: Any = None,
+    trusted: Trusted = None,
+) -> dict[str, Any]:
+    """Load a committed checkpoint index, rebuilding models, optimizers and schedulers.
+
+    Args:
+        root: checkpoint root.
+        checkpoint_index: ``-1`` for the latest committed index, or an explicit one.
+        map_location: device for tensors; factories that accept ``device`` receive it.
+        model_names: load only these models (and the optimizers/schedulers tied to them).
+        validators: callables ``validator(model)`` (or ``{model_name: [validators]}``) run
+            after weights are loaded; a failure raises ``ValueError`` naming both.
+        hooks, training_fn, strategy: reserved for ``TrainingStrategy`` checkpoints.
+        trusted: extra dotted paths / callables the trust policy admits for this load.
+
+    Returns:
+        ``{"checkpoint_index", "manifest", "strategy": None, "source": {"format", "path"},
+        "models": {name: {"model", "spec", "optimizers": {name: {"optimizer", "spec"}},
+        "schedulers": {name: {"scheduler", "spec"}}, "metadata": {"associations"}}}}``.
+
+    Raises:
+        FileNotFoundError: no checkpoint, or a file the manifest lists is missing.
+        KeyError: unknown index or model names (lists the available ones).
+        CheckpointFormatError / ChecksumMismatchError: damaged or tampered files.
+        UntrustedTargetError: a spec names code outside the trust policy.
+    """
+    del hooks, training_fn, strategy  # strategy-level restore is not available yet
+    manifest = Manifest.load(root)
+    index = manifest.resolve(int(checkpoint_index))
+    entry = manifest.entries[index]
+    reader = _IndexReader(manifest, index)
+    components = entry.get("components", {})
+    available = [check_name(n, "model name") for n in components.get("models", [])]
+    wanted = list(available if model_names is None else model_names)
+    unknown = [name for name in wanted if name not in available]
+    if unknown:
+        raise KeyError(f"unknown model names {unknown}; this checkpoint has {available}")
+
+    models: dict[str, dict[str, Any]] = {}
+    for name in wanted:
+        spec = _spec_from(reader.json(f"models/{name}.spec.json"), f"models/{name}.spec.json")
+        model = _build_model(spec, map_location, trusted)
+        weights = reader.tensors(f"models/{name}.safetensors")
+        model.load_state_dict(weights)
+        if map_location is not None:
+            model.to(map_location)
+        _run_validators(validators, name, model)
+        models[name] = {
+            "model": model,
+            "spec": spec,
+            "optimizers": {},
+            "schedulers": {},
+            "metadata": {"associations": entry.get("associations", {})},
+        }
+
+    loaded = {name: record["model"] for name, record in models.items()}
+    associations = entry.get("associations", {})
+    optimizer_owner: dict[str, str] = {}
+    optimizer_states: dict[str, Any] = {}
+    for name in components.get("optimizers", []):
+        check_name(name, "optimizer name")
+        owner = associations.get("optimizers", {}).get(name)
+        where = f"optimizers/{name}.json"
+        document = reader.json(where)
+        if not isinstance(document, Mapping):
+            raise CheckpointFormatError(f"{where}: must be an object")
+        refs = document.get("params", [])
+        if owner not in loaded or not all(
+            isinstance(r, list) and r[:1] and r[0] in loaded for r in refs
+        ):
+            continue  # its model was not requested (malformed refs fail in the rebuild)
+        state = tree.unflatten(
+            document.get("state"), reader.tensors(f"optimizers/{name}.safetensors"), name
+        )
+        if map_location is not None:
+            state = _move_tensors(state, map_location)
+        optimizer, spec = _rebuild_optimizer(document, state, loaded, trusted, where)
+        models[owner]["optimizers"][name] = {"optimizer": optimizer, "spec": spec}
+        optimizer_owner[name] = owner
+        optimizer_states[name] = state
+
+    for name in components.get("schedulers", []):
+        check_name(name, "scheduler name")
+        target = associations.get("schedulers", {}).get(name)
+        if target not in optimizer_owner:
+            continue
+        where = f"schedulers/{name}.json"
+        document = reader.json(where)
+        if not isinstance(document, Mapping):
+            raise CheckpointFormatError(f"{where}: must be an object")
+        spec = _spec_from(document.get("spec"), where)
+        cls = specs.resolve_target(spec.cls_path, "scheduler", trusted)
+        owner = optimizer_owner[target]
+        optimizer = models[owner]["optimizers"][target]["optimizer"]
+        # Constructing a scheduler steps it once and rewrites the optimizer's learning rates;
+        # reloading the saved optimizer state and then the scheduler's restores both exactly.
+        scheduler = cls(optimizer, **spec.kwargs)
+        optimizer.load_state_dict(optimizer_states[target])
+        state = tree.unflatten(
+            document.get("state"), reader.tensors(f"schedulers/{name}.safetensors"), name
+        )
+        scheduler.load_state_dict(state)
+        models[owner]["schedulers"][name] = {"scheduler": scheduler, "spec": spec}
+
+    return {
+        "checkpoint_index": index,
+        "manifest": entry,
+        "strategy": None,
+        "source": {"format": "fastckpt", "path": str(manifest.root / str(index))},
+        "models": models,
+    }
+
+
+def _move_tensors(value: Any, device: str | torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _move_tensors(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_move_tensors(v, device) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_move_tensors(v, device) for v in value)
+    return value
+
+
+# --------------------------------------------------------------------------- housekeeping
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Committed indices of a root, oldest first.
+
+    Returns:
+        One dict per index: ``index``, ``created``, ``size`` (bytes), ``counters``,
+        ``components``, ``latest`` (bool).
+    """
+    manifest = Manifest.load(root)
+    return [
+        {
+            "index": index,
+            "created": entry.get("created"),
+            "size": sum(record["size"] for record in entry["files"].values()),
+            "counters": entry.get("counters", {}),
+            "components": entry.get("components", {}),
+            "latest": index == manifest.latest,
+        }
+        for index, entry in sorted(manifest.entries.items())
+    ]
+
+
+def prune(root: str | os.PathLike[str], keep_last: int) -> list[int]:
+    """Delete all but the newest ``keep_last`` indices (never the latest).
+
+    The manifest is committed first, so a crash mid-prune leaves only unreferenced
+    directories, never a manifest naming a deleted index.
+
+    Returns:
+        The deleted indices.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the latest is never deleted), got {keep_last}")
+    manifest = Manifest.load(root)
+    doomed = sorted(manifest.entries)[:-keep_last]
+    if not doomed:
+        return []
+    for index in doomed:
+        del manifest.entries[index]
+    manifest.commit()
+    for index in doomed:
+        shutil.rmtree(manifest.root / str(index), ignore_errors=True)
+    return doomed

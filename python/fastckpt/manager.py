@@ -1,0 +1,590 @@
+"""``CheckpointManager``: async/sync saves of arbitrary training state, ``load(into=...)``.
+
+A checkpoint is a directory (``checkpoint_id``). Each top-level key of the saved state becomes
+``<key>.json`` (the structure, via :mod:`fastckpt.tree`) plus ``<key>.safetensors`` (its
+tensors; ``<key>.rank<r>.safetensors`` per rank under a process group), and ``commit.json``
+records every file with its size and crc32c. The directory is written as a temporary sibling
+and swapped into place, so a reader sees the old checkpoint or the new one, never a mix.
+
+Async saves stage a snapshot into reusable host buffers (:mod:`fastckpt.staging`), then a
+single background thread writes it through the Rust core with the GIL released. Hold
+:meth:`CheckpointManager.lock` around code that mutates the state (the optimizer step): it
+blocks only while a capture is in progress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastckpt import _native, tree
+from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, ChecksumMismatchError
+from fastckpt.files import DEFAULT_THREADS, read_tensors
+from fastckpt.layout import DirectoryWriter, check_name, check_relpath
+from fastckpt.staging import Stager, StagerOptions, make_stager
+
+__all__ = [
+    "AsyncCheckpointSaverConfig",
+    "CheckpointLoaderConfig",
+    "CheckpointManager",
+    "CheckpointStagerConfig",
+    "CheckpointWriterConfig",
+    "ItemSpec",
+    "LocalFileSystemStorageConfig",
+    "SyncCheckpointSaverConfig",
+]
+
+COMMIT_RECORD = "commit.json"
+FORMAT = "fastckpt-manager"
+SCHEMA_VERSION = 1
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+@dataclass
+class ItemSpec:
+    """How one top-level key of the state is saved.
+
+    Attributes:
+        requires_copy: stage a snapshot copy before the background write. ``False`` writes the
+            live tensors directly (only safe if they are not mutated until the write is done).
+        layout: file layout; only ``None`` (one safetensors + one JSON file per item).
+        required: at load, a missing required item is an error; optional items are skipped.
+    """
+
+    requires_copy: bool = True
+    layout: str | None = None
+    required: bool = True
+
+
+@dataclass
+class CheckpointStagerConfig:
+    """Staging options; the CUDA-dependent defaults are decided when the config is built.
+
+    Attributes:
+        use_pinned_memory: pinned host buffers for CUDA tensors.
+        use_shared_memory: accepted for compatibility; staging stays in this process.
+        use_async_staging: capture on the background thread (``save`` returns at once; hold
+            :meth:`CheckpointManager.lock` while mutating state).
+        use_non_blocking_copy: non-blocking device-to-host copies on a side stream.
+    """
+
+    use_pinned_memory: bool = field(default_factory=_cuda)
+    use_shared_memory: bool = False
+    use_async_staging: bool = True
+    use_non_blocking_copy: bool = field(default_factory=_cuda)
+
+
+@dataclass
+class CheckpointWriterConfig:
+    """Writer options.
+
+    Attributes:
+        file_write_max_threads: parallel writer threads per file.
+        temp_dir_prefix: accepted for compatibility (temporary siblings use ``.tmp-``).
+    """
+
+    file_write_max_threads: int = DEFAULT_THREADS
+    temp_dir_prefix: str = ".tmp-"
+
+
+@dataclass
+class AsyncCheckpointSaverConfig:
+    """Background saving: ``save`` returns a Future resolved once the write is durable."""
+
+    staging_config: CheckpointStagerConfig = field(default_factory=CheckpointStagerConfig)
+    writer_config: CheckpointWriterConfig = field(default_factory=CheckpointWriterConfig)
+    wait_timeout_secs: float = 600
+
+
+@dataclass
+class SyncCheckpointSaverConfig:
+    """Inline saving: ``save`` writes durably and returns None."""
+
+    writer_config: CheckpointWriterConfig = field(default_factory=CheckpointWriterConfig)
+    wait_timeout_secs: float = 600
+
+
+@dataclass
+class CheckpointLoaderConfig:
+    """Loader options (``use_mmap`` accepted for compatibility; reads go straight into
+    freshly allocated tensors)."""
+
+    use_mmap: bool = False
+
+
+@dataclass
+class LocalFileSystemStorageConfig:
+    """Local filesystem storage. ``use_direct_io`` tries O_DIRECT and falls back safely."""
+
+    use_direct_io: bool = True
+
+
+@dataclass
+class _ManagerConfig:
+    """``CheckpointManager.Config``: per-item specs, saver, loader and storage choices.
+
+    Attributes:
+        items: per top-level key :class:`ItemSpec`.
+        default: spec for keys not in ``items``; ``None`` is strict mode (unknown keys refused).
+        save: :class:`AsyncCheckpointSaverConfig` or :class:`SyncCheckpointSaverConfig`.
+        load: :class:`CheckpointLoaderConfig`.
+        storage_config: :class:`LocalFileSystemStorageConfig` (default when None).
+    """
+
+    items: dict[str, ItemSpec] = field(default_factory=dict)
+    default: ItemSpec | None = field(default_factory=ItemSpec)
+    save: AsyncCheckpointSaverConfig | SyncCheckpointSaverConfig = field(
+        default_factory=AsyncCheckpointSaverConfig
+    )
+    load: CheckpointLoaderConfig = field(default_factory=CheckpointLoaderConfig)
+    storage_config: LocalFileSystemStorageConfig | None = None
+
+    @classmethod
+    def with_async_save(cls) -> _ManagerConfig:
+        """Background writes; CUDA staging when CUDA is available, CPU staging otherwise."""
+        return cls(save=AsyncCheckpointSaverConfig())
+
+    @classmethod
+    def with_sync_save(cls) -> _ManagerConfig:
+        """Inline durable writes."""
+        return cls(save=SyncCheckpointSaverConfig())
+
+
+@dataclass
+class _Snapshot:
+    """One checkpoint ready to write: per item its skeleton and (staged) tensors."""
+
+    path: Path
+    skeletons: dict[str, Any]
+    tensors: dict[str, dict[str, torch.Tensor]]
+
+
+class _DistributedContext:
+    """Rank information and a gloo group for the writer thread's collectives."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.active else 0
+        self.world_size = dist.get_world_size() if self.active else 1
+        # A dedicated group so background-thread collectives never interleave with training's.
+        self.group: Any = dist.new_group(backend="gloo") if self.active else None
+
+    def barrier(self) -> None:
+        if self.active:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def gather(self, value: Any) -> list[Any]:
+        if not self.active:
+            return [value]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
+
+
+class CheckpointManager:
+    """Saves and loads training state; see the module docstring for the on-disk format.
+
+    Example:
+        >>> manager = CheckpointManager(CheckpointManager.Config.with_async_save())
+        >>> future = manager.save("ckpt/step_100", {"model": model.state_dict(), "step": 100})
+        >>> manager.close()  # waits until the last checkpoint is durable
+    """
+
+    Config = _ManagerConfig
+
+    def __init__(self, config: _ManagerConfig | None = None) -> None:
+        """Create a manager (``config`` defaults to ``Config()``: async saves)."""
+        self.config = config or _ManagerConfig()
+        for key, spec in self.config.items.items():
+            if spec.layout is not None:
+                raise ValueError(
+                    f"item {key!r}: layout {spec.layout!r} is not supported (use None)"
+                )
+        self._async = isinstance(self.config.save, AsyncCheckpointSaverConfig)
+        staging = (
+            self.config.save.staging_config
+            if isinstance(self.config.save, AsyncCheckpointSaverConfig)
+            else CheckpointStagerConfig()
+        )
+        self._async_staging = self._async and staging.use_async_staging
+        self._stager: Stager = make_stager(
+            StagerOptions(
+                pinned=staging.use_pinned_memory, non_blocking=staging.use_non_blocking_copy
+            )
+        )
+        storage = self.config.storage_config or LocalFileSystemStorageConfig()
+        self._direct_io = storage.use_direct_io
+        self._threads = self.config.save.writer_config.file_write_max_threads
+        self._dist = _DistributedContext()
+        self._executor = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-writer")
+            if self._async
+            else None
+        )
+        self._future: Future[None] | None = None
+        self._capture_lock = threading.Lock()
+        self._capture_done = threading.Event()
+        self._capture_done.set()
+        self._saves = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ context manager
+
+    def __enter__(self) -> CheckpointManager:
+        """Use as ``with CheckpointManager(...) as manager:``; closes on exit."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Wait for the last write and close."""
+        self.close()
+
+    # ------------------------------------------------------------------ save
+
+    def _check_open(self, action: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"CheckpointManager is closed; cannot {action}")
+
+    def _spec(self, key: str) -> ItemSpec:
+        spec = self.config.items.get(key, self.config.default)
+        if spec is None:
+            raise KeyError(
+                f"state key {key!r} has no ItemSpec and Config.default is None (strict mode); "
+                f"add it to Config.items or set Config.default"
+            )
+        return spec
+
+    def _collect_previous(self) -> None:
+        """Wait for the in-flight write; re-raise its failure once, chained."""
+        future, self._future = self._future, None
+        if future is None:
+            return
+        timeout = self.config.save.wait_timeout_secs
+        error = future.exception(timeout=timeout)
+        if error is not None:
+            raise RuntimeError(
+                f"the previous background checkpoint write failed: {error}"
+            ) from error
+
+    def save(self, checkpoint_id: str | Path, state: Mapping[str, Any]) -> Future[None] | None:
+        """Save ``state`` as checkpoint directory ``checkpoint_id`` (replaced atomically).
+
+        Args:
+            checkpoint_id: directory path of the checkpoint.
+            state: top-level keys become files; values are nests of tensors and plain values.
+
+        Returns:
+            Async: a Future resolved when the checkpoint is durable. Sync: None.
+
+        Raises:
+            RuntimeError: the manager is closed, or the previous background write failed
+                (raised once; the next save works).
+            ValueError / KeyError / TypeError: invalid keys or values (nothing written).
+        """
+        self._check_open("save")
+        self._collect_previous()
+        path = Path(checkpoint_id)
+        check_name(path.name, "checkpoint directory name")
+        skeletons: dict[str, Any] = {}
+        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in state.items():
+            check_name(key, "state key")
+            self._spec(key)
+            skeletons[key], tensors[key] = tree.flatten(value)
+        for key, spec in self.config.items.items():
+            if spec.required and key not in state:
+                raise KeyError(f"required item {key!r} is missing from the saved state")
+        snapshot = _Snapshot(path, skeletons, tensors)
+        self._saves += 1
+        sequence = self._saves
+        if self._executor is None:
+            self._write(snapshot, sequence)
+            return None
+        if self._async_staging:
+            self._capture_done.clear()
+            self._future = self._executor.submit(self._capture_and_write, snapshot, sequence)
+        else:
+            self._capture(snapshot)
+            self._future = self._executor.submit(self._write, snapshot, sequence)
+        return self._future
+
+    def _capture(self, snapshot: _Snapshot) -> None:
+        with self._capture_lock:
+            flat = {
+                f"{key}\0{name}": tensor
+                for key, item in snapshot.tensors.items()
+                if self._spec(key).requires_copy
+                for name, tensor in item.items()
+            }
+            staged = self._stager.stage(flat)
+            for compound, tensor in staged.items():
+                key, name = compound.split("\0", 1)
+                snapshot.tensors[key][name] = tensor
+
+    def _capture_and_write(self, snapshot: _Snapshot, sequence: int) -> None:
+        try:
+            self._capture(snapshot)
+        finally:
+            self._capture_done.set()
+        self._write(snapshot, sequence)
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold while mutating saved state; blocks only while a capture is in progress."""
+        self._capture_done.wait()
+        with self._capture_lock:
+            yield
+
+    def _tensor_file(self, key: str) -> str:
+        return (
+            f"{key}.rank{self._dist.rank}.safetensors"
+            if self._dist.active
+            else f"{key}.safetensors"
+        )
+
+    def _write(self, snapshot: _Snapshot, sequence: int) -> None:
+        final = snapshot.path
+        writer = DirectoryWriter(final, direct_io=self._direct_io, threads=self._threads)
+        try:
+            for key, skeleton in snapshot.skeletons.items():
+                writer.add_tensors(self._tensor_file(key), snapshot.tensors[key])
+                if self._dist.rank == 0:
+                    writer.add_json(f"{key}.json", {"skeleton": skeleton})
+            self._commit(writer, list(snapshot.skeletons), sequence)
+        except BaseException:
+            writer.abort()
+            raise
+
+    def _commit(self, writer: DirectoryWriter, items: list[str], sequence: int) -> None:
+        del sequence
+        if not self._dist.active:
+            writer.add_json(COMMIT_RECORD, self._record(items, writer.files))
+            writer.commit()
+            return
+        # Each rank wrote into its own temporary directory; rank 0 gathers the files records,
+        # moves every rank's files into its directory and commits once all ranks are done.
+        gathered = self._dist.gather((str(writer.temp), writer.files))
+        if self._dist.rank == 0:
+            for temp, files in gathered[1:]:
+                for relpath, record in files.items():
+                    Path(temp, relpath).rename(writer.temp / relpath)
+                    writer.files[relpath] = record
+            writer.add_json(COMMIT_RECORD, self._record(items, writer.files))
+            writer.commit()
+        self._dist.barrier()
+        if self._dist.rank != 0:
+            writer.abort()
+
+    def _record(self, items: list[str], files: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "world_size": self._dist.world_size,
+            "items": items,
+            "files": {relpath: dict(record) for relpath, record in files.items()},
+        }
+
+    # ------------------------------------------------------------------ load
+
+    def load(
+        self,
+        checkpoint_id: str | Path,
+        into: Mapping[str, Any] | None = None,
+        *,
+        map_location: str | torch.device | None = None,
+        strict: bool = False,
+    ) -> dict[str, Any]:
+        """Load a checkpoint, optionally into templates.
+
+        Args:
+            checkpoint_id: the checkpoint directory.
+            into: ``{key: template}``; only the template's keys/indices are loaded. Tensor
+                leaves are filled in place (dtype and shape must match), non-tensor leaves are
+                replaced, and a ``None`` template loads the whole item. ``None`` loads all.
+            map_location: device for tensors that are not copied into a template.
+            strict: raise on keys a template has but the checkpoint lacks.
+
+        Returns:
+            ``{key: value}`` for each loaded item.
+
+        Raises:
+            RuntimeError: the manager is closed.
+            CheckpointMismatchError: dtype/shape mismatch or (strict) missing key, by key path.
+            CheckpointFormatError / ChecksumMismatchError: damaged files.
+            FileNotFoundError: no such checkpoint.
+        """
+        self._check_open("load")
+        directory = Path(checkpoint_id)
+        record = _read_commit_record(directory)
+        available = record["items"]
+        keys = list(available) if into is None else list(into)
+        result: dict[str, Any] = {}
+        for key in keys:
+            if key not in available:
+                if strict:
+                    raise CheckpointMismatchError(f"{key}: not in checkpoint {directory}")
+                if into is not None:
+                    result[key] = into[key]
+                continue
+            value = _load_item(directory, record, key, self._dist.rank, map_location)
+            template = None if into is None else into[key]
+            result[key] = _merge(template, value, key, strict)
+        return result
+
+    # ------------------------------------------------------------------ close
+
+    def close(self) -> None:
+        """Wait until the last checkpoint is durable, then release the writer. Idempotent.
+
+        Raises:
+            RuntimeError: the last background write failed (chained to its error).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._collect_previous()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+
+
+def _read_commit_record(directory: Path) -> dict[str, Any]:
+    path = directory / COMMIT_RECORD
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            2, f"{directory} is not a committed fastckpt checkpoint (no {COMMIT_RECORD})", str(path)
+        ) from None
+    try:
+        record = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise CheckpointFormatError(f"{path}: not a {FORMAT} commit record")
+    version = record.get("schema_version")
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise CheckpointFormatError(
+            f"{path}: schema_version {version!r} is unknown to this fastckpt; upgrade it"
+        )
+    items, files = record.get("items"), record.get("files")
+    if not isinstance(items, list) or not isinstance(files, dict):
+        raise CheckpointFormatError(f"{path}: 'items' and 'files' are required")
+    for key in items:
+        check_name(key, f"{path}: item")
+    for relpath, entry in files.items():
+        check_relpath(relpath, f"{path}: file")
+        if not (
+            isinstance(entry, dict)
+            and all(isinstance(entry.get(k), int) for k in ("size", "crc32c"))
+        ):
+            raise CheckpointFormatError(f"{path}: files[{relpath!r}] needs int size and crc32c")
+    return record
+
+
+def _checked(directory: Path, record: Mapping[str, Any], relpath: str) -> Mapping[str, int]:
+    entry = record["files"].get(relpath)
+    if entry is None:
+        raise CheckpointFormatError(f"{directory / relpath}: not listed in {COMMIT_RECORD}")
+    size = (directory / relpath).stat().st_size
+    if size != entry["size"]:
+        raise CheckpointFormatError(
+            f"{directory / relpath}: size {size} differs from the recorded {entry['size']}"
+        )
+    return entry
+
+
+def _load_item(
+    directory: Path, record: Mapping[str, Any], key: str, rank: int, map_location: Any
+) -> Any:
+    json_path = f"{key}.json"
+    entry = _checked(directory, record, json_path)
+    data = (directory / json_path).read_bytes()
+    if _native.crc32c(data) != entry["crc32c"]:
+        raise ChecksumMismatchError(f"{directory / json_path}: crc32c differs from {COMMIT_RECORD}")
+    skeleton = json.loads(data)["skeleton"]
+    tensor_path = f"{key}.rank{rank}.safetensors"
+    if tensor_path not in record["files"]:
+        tensor_path = f"{key}.rank0.safetensors"
+    if tensor_path not in record["files"]:
+        tensor_path = f"{key}.safetensors"
+    entry = _checked(directory, record, tensor_path)
+    tensors, info = read_tensors(directory / tensor_path, verify=True)
+    if info["file_crc32c"] is not None and info["file_crc32c"] != entry["crc32c"]:
+        raise ChecksumMismatchError(
+            f"{directory / tensor_path}: file crc32c differs from {COMMIT_RECORD}; it was "
+            "replaced or corrupted"
+        )
+    if map_location is not None:
+        tensors = {name: t.to(map_location) for name, t in tensors.items()}
+    return tree.unflatten(skeleton, tensors, key)
+
+
+def _merge(template: Any, value: Any, path: str, strict: bool) -> Any:
+    """Apply a loaded value to a template (see :meth:`CheckpointManager.load`)."""
+    if template is None:
+        return value
+    if isinstance(template, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointMismatchError(
+                f"{path}: expected a tensor, found {type(value).__name__}"
+            )
+        if template.dtype != value.dtype or template.shape != value.shape:
+            raise CheckpointMismatchError(
+                f"{path}: template has dtype {template.dtype} shape {tuple(template.shape)}, "
+                f"checkpoint has dtype {value.dtype} shape {tuple(value.shape)}; no implicit "
+                "cast or broadcast is done: fix the template or convert after loading"
+            )
+        with torch.no_grad():
+            template.copy_(value)
+        return template
+    if isinstance(template, Mapping):
+        if not isinstance(value, Mapping):
+            raise CheckpointMismatchError(
+                f"{path}: expected a mapping, found {type(value).__name__}"
+            )
+        merged = dict(template)
+        for key, sub in template.items():
+            if key in value:
+                merged[key] = _merge(sub, value[key], tree.join_path(path, key), strict)
+            elif strict:
+                raise CheckpointMismatchError(f"{tree.join_path(path, key)}: missing in checkpoint")
+        if isinstance(template, dict):
+            template.update(merged)
+            return template
+        return merged
+    if isinstance(template, (list, tuple)):
+        if not isinstance(value, (list, tuple)):
+            raise CheckpointMismatchError(
+                f"{path}: expected a sequence, found {type(value).__name__}"
+            )
+        items = []
+        for i, sub in enumerate(template):
+            if i < len(value):
+                items.append(_merge(sub, value[i], tree.join_path(path, i), strict))
+            elif strict:
+                raise CheckpointMismatchError(f"{tree.join_path(path, i)}: missing in checkpoint")
+            else:
+                items.append(sub)
+        if isinstance(template, list):
+            template[:] = items
+            return template
+        return tuple(items)
+    return value

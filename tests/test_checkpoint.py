@@ -1,0 +1,332 @@
+"""save_checkpoint / load_checkpoint: round trips, exact optimizer continuation, index handling,
+tampering, corruption, housekeeping."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+import fastckpt
+from fastckpt import _native
+from fastckpt.checkpoint import list_checkpoints, load_checkpoint, prune, save_checkpoint
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError, UntrustedTargetError
+from fastckpt.specs import create_model_spec
+
+CALLS: list[str] = []
+
+
+def must_not_run(*args: Any, **kwargs: Any) -> None:
+    """A module-level function a tampered spec could name: records any call."""
+    CALLS.append("called")
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+class MLP(nn.Module):
+    def __init__(self, blocks: list[nn.Module], out: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(blocks[-1].width, out)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+class FactoryNet(nn.Module):
+    seen_devices: ClassVar[list[Any]] = []
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+        self.linear = nn.Linear(width, 2)
+
+    @classmethod
+    def create(cls, width: int, device: Any = None) -> FactoryNet:
+        cls.seen_devices.append(device)
+        return cls(width).to(device or "cpu")
+
+
+def mlp_and_spec() -> tuple[MLP, Any]:
+    spec = create_model_spec(
+        MLP, blocks=[create_model_spec(Block, width=4), create_model_spec(Block, width=4)], out=3
+    )
+    return spec.build(), spec
+
+
+def same_params(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 4, generator=gen)
+    optimizer.zero_grad()
+    model(x).square().mean().backward()
+    optimizer.step()
+
+
+def test_linear_round_trip(tmp_path: Path) -> None:
+    model = nn.Linear(5, 2)
+    index = save_checkpoint(tmp_path, models={"main": (model, None)})
+    assert index == 0
+    result = load_checkpoint(tmp_path)
+    restored = result["models"]["main"]["model"]
+    assert isinstance(restored, nn.Linear) and same_params(model, restored)
+    assert result["checkpoint_index"] == 0
+    assert result["source"] == {"format": "fastckpt", "path": str(tmp_path / "0")}
+    assert result["strategy"] is None
+
+
+def test_nested_specs_and_factory_with_device(tmp_path: Path) -> None:
+    mlp, spec = mlp_and_spec()
+    factory_spec = create_model_spec(FactoryNet.create, width=3)
+    net = factory_spec.build()
+    save_checkpoint(tmp_path, models={"mlp": (mlp, spec), "net": (net, factory_spec)})
+    FactoryNet.seen_devices.clear()
+    result = load_checkpoint(tmp_path, map_location="cpu")
+    assert same_params(mlp, result["models"]["mlp"]["model"])
+    assert same_params(net, result["models"]["net"]["model"])
+    assert FactoryNet.seen_devices == [torch.device("cpu")]
+
+
+def two_models_setup() -> dict[str, Any]:
+    torch.manual_seed(0)
+    enc, enc_spec = mlp_and_spec()
+    head = nn.Linear(3, 4)
+    sgd = torch.optim.SGD(enc.parameters(), lr=0.1, momentum=0.9)
+    adam = torch.optim.Adam(head.parameters(), lr=0.01, betas=(0.8, 0.95))
+    sched = torch.optim.lr_scheduler.StepLR(adam, step_size=3, gamma=0.5)
+    return {
+        "enc": enc,
+        "enc_spec": enc_spec,
+        "head": head,
+        "sgd": sgd,
+        "adam": adam,
+        "sched": sched,
+    }
+
+
+def joint_step(s: dict[str, Any], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 4, generator=gen)
+    s["sgd"].zero_grad()
+    s["adam"].zero_grad()
+    s["head"](s["enc"](x)).square().mean().backward()
+    s["sgd"].step()
+    s["adam"].step()
+    s["sched"].step()
+
+
+def test_two_models_two_optimizers_scheduler_continue_identically(tmp_path: Path) -> None:
+    live = two_models_setup()
+    for seed in range(5):
+        joint_step(live, seed)
+    save_checkpoint(
+        tmp_path,
+        models={"enc": (live["enc"], live["enc_spec"]), "head": (live["head"], None)},
+        optimizers={"sgd": (live["sgd"], None), "adam": (live["adam"], None)},
+        schedulers={"sched": (live["sched"], None)},
+    )
+    result = load_checkpoint(tmp_path)
+    models = result["models"]
+    assert set(models["enc"]["optimizers"]) == {"sgd"}
+    assert set(models["head"]["optimizers"]) == {"adam"}
+    assert set(models["head"]["schedulers"]) == {"sched"}
+    restored = {
+        "enc": models["enc"]["model"],
+        "head": models["head"]["model"],
+        "sgd": models["enc"]["optimizers"]["sgd"]["optimizer"],
+        "adam": models["head"]["optimizers"]["adam"]["optimizer"],
+        "sched": models["head"]["schedulers"]["sched"]["scheduler"],
+    }
+    assert same_params(live["enc"], restored["enc"])
+    assert restored["sched"].get_last_lr() == live["sched"].get_last_lr()
+    for seed in range(5, 15):
+        joint_step(live, seed)
+        joint_step(restored, seed)
+        assert same_params(live["enc"], restored["enc"]), seed
+        assert same_params(live["head"], restored["head"]), seed
+    assert restored["adam"].param_groups[0]["lr"] == live["adam"].param_groups[0]["lr"]
+
+
+def test_indices_latest_and_changed_component_sets(tmp_path: Path) -> None:
+    models = [nn.Linear(2, 2) for _ in range(3)]
+    for i, model in enumerate(models):
+        extra = {"extra": (nn.Linear(1, 1), None)} if i == 2 else {}
+        assert save_checkpoint(tmp_path, models={"main": (model, None), **extra}) == i
+    assert load_checkpoint(tmp_path)["checkpoint_index"] == 2
+    assert same_params(load_checkpoint(tmp_path, 0)["models"]["main"]["model"], models[0])
+    assert set(load_checkpoint(tmp_path, 0)["models"]) == {"main"}
+    assert set(load_checkpoint(tmp_path, 2)["models"]) == {"main", "extra"}
+    only = load_checkpoint(tmp_path, 2, model_names=["extra"])
+    assert set(only["models"]) == {"extra"}
+    with pytest.raises(KeyError, match=r"available|has \['extra', 'main'\]"):
+        load_checkpoint(tmp_path, model_names=["nope"])
+    with pytest.raises(KeyError, match="available"):
+        load_checkpoint(tmp_path, 7)
+    # An explicit existing index is replaced.
+    replacement = nn.Linear(2, 2)
+    assert save_checkpoint(tmp_path, models={"main": (replacement, None)}, checkpoint_index=1) == 1
+    assert same_params(load_checkpoint(tmp_path, 1)["models"]["main"]["model"], replacement)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "2", "manifest.json"]
+
+
+def test_validators_are_wrapped(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, models={"main": (nn.Linear(2, 2), None)})
+
+    def no_linear(model: nn.Module) -> None:
+        raise AssertionError("linear models are not allowed")
+
+    with pytest.raises(ValueError, match=r"no_linear.*'main'.*not allowed"):
+        load_checkpoint(tmp_path, validators=[no_linear])
+
+
+def test_ddp_is_unwrapped_and_fsdp_refused(tmp_path: Path) -> None:
+    class FakeDDP(nn.parallel.DistributedDataParallel):
+        def __init__(self, module: nn.Module) -> None:  # no process group needed
+            nn.Module.__init__(self)
+            self.module = module
+
+    inner = nn.Linear(2, 3)
+    save_checkpoint(tmp_path, models={"main": (FakeDDP(inner), None)})
+    keys = fastckpt.read_metadata(tmp_path / "0" / "models" / "main.safetensors")["tensors"]
+    assert set(keys) == {"weight", "bias"}
+
+
+def retarget_spec(root: Path, index: int, relpath: str, edit: dict[str, Any]) -> None:
+    """Tamper with a JSON file *and* fix up the manifest, as a thorough attacker would."""
+    path = root / str(index) / relpath
+    document = json.loads(path.read_text())
+    document.update(edit)
+    data = json.dumps(document).encode()
+    path.write_bytes(data)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["checkpoints"][str(index)]["files"][relpath] = {
+        "size": len(data),
+        "crc32c": _native.crc32c(data),
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "target", ["subprocess.run", "os.system", "builtins.eval", f"{__name__}.must_not_run"]
+)
+def test_tampered_spec_is_refused_and_nothing_runs(tmp_path: Path, target: str) -> None:
+    save_checkpoint(tmp_path, models={"main": (nn.Linear(2, 2), None)})
+    retarget_spec(tmp_path, 0, "models/main.spec.json", {"cls_path": target, "kwargs": {}})
+    CALLS.clear()
+    with pytest.raises(UntrustedTargetError, match=re.escape(target)):
+        load_checkpoint(tmp_path)
+    assert CALLS == []
+
+
+def test_path_traversal_in_manifest_is_refused(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, models={"main": (nn.Linear(2, 2), None)})
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    entry = manifest["checkpoints"]["0"]
+    entry["components"]["models"] = ["../../etc"]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointFormatError, match=r"not a valid name"):
+        load_checkpoint(tmp_path)
+    entry["components"]["models"] = ["main"]
+    entry["files"]["../escape.json"] = {"size": 1, "crc32c": 0}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointFormatError):
+        load_checkpoint(tmp_path)
+
+
+def test_newer_schema_is_a_clear_error(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, models={"main": (nn.Linear(2, 2), None)})
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["schema_version"] = 99
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointFormatError, match="newer fastckpt"):
+        load_checkpoint(tmp_path)
+
+
+def test_corrupt_and_missing_files_previous_index_still_loads(tmp_path: Path) -> None:
+    first, second = nn.Linear(64, 64), nn.Linear(64, 64)
+    save_checkpoint(tmp_path, models={"main": (first, None)})
+    save_checkpoint(tmp_path, models={"main": (second, None)})
+    weights = tmp_path / "1" / "models" / "main.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-7] ^= 0x20
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatchError, match=r"main\.safetensors"):
+        load_checkpoint(tmp_path)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match=r"main\.safetensors"):
+        load_checkpoint(tmp_path)
+    assert same_params(load_checkpoint(tmp_path, 0)["models"]["main"]["model"], first)
+
+
+def test_swapped_files_between_indices_are_detected(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, models={"main": (nn.Linear(8, 8), None)})
+    save_checkpoint(tmp_path, models={"main": (nn.Linear(8, 8), None)})
+    a = tmp_path / "0" / "models" / "main.safetensors"
+    b = tmp_path / "1" / "models" / "main.safetensors"
+    a_bytes, b_bytes = a.read_bytes(), b.read_bytes()
+    a.write_bytes(b_bytes)
+    b.write_bytes(a_bytes)
+    with pytest.raises(ChecksumMismatchError, match="manifest"):
+        load_checkpoint(tmp_path, 1)
+
+
+def test_bad_components_fail_before_writing(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointFormatError, match=r"not a valid name"):
+        save_checkpoint(tmp_path, models={"../x": (nn.Linear(1, 1), None)})
+    with pytest.raises(TypeError):
+        save_checkpoint(tmp_path, models={"main": ("not a module", None)})
+    assert not (tmp_path / "manifest.json").exists()
+    assert [p for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
+
+
+def test_leftover_temp_dirs_are_cleaned_by_next_save(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, models={"main": (nn.Linear(1, 1), None)})
+    (tmp_path / ".tmp-1-999-dead").mkdir()
+    (tmp_path / ".tmp-1-999-dead" / "junk").write_text("x")
+    save_checkpoint(tmp_path, models={"main": (nn.Linear(1, 1), None)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "manifest.json"]
+
+
+def test_list_and_prune(tmp_path: Path) -> None:
+    for step in range(4):
+        save_checkpoint(tmp_path, models={"main": (nn.Linear(2, 2), None)}, counters={"step": step})
+    listing = list_checkpoints(tmp_path)
+    assert [c["index"] for c in listing] == [0, 1, 2, 3]
+    assert [c["latest"] for c in listing] == [False, False, False, True]
+    assert listing[2]["counters"] == {"step": 2}
+    assert all(c["size"] > 0 for c in listing)
+    assert prune(tmp_path, keep_last=2) == [0, 1]
+    assert [c["index"] for c in list_checkpoints(tmp_path)] == [2, 3]
+    assert not (tmp_path / "0").exists()
+    with pytest.raises(ValueError):
+        prune(tmp_path, keep_last=0)
+    assert load_checkpoint(tmp_path)["checkpoint_index"] == 3
+
+
+def test_no_module_uses_pickle_for_loading() -> None:
+    package = Path(fastckpt.__file__).parent
+    offenders = []
+    for source in package.rglob("*.py"):
+        text = source.read_text()
+        if re.search(r"^\s*(import pickle|from pickle|import dill|import cloudpickle)", text, re.M):
+            offenders.append(source.name)
+        if re.search(r"torch\.load\((?![^)]*weights_only=True)", text):
+            offenders.append(f"{source.name} (torch.load without weights_only)")
+    assert offenders == []

@@ -1,0 +1,337 @@
+"""CheckpointManager: the tutorial workflow, snapshot consistency, into= semantics, failures,
+memory, distributed."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastckpt import CheckpointMismatchError
+from fastckpt.manager import CheckpointManager, CheckpointStagerConfig, ItemSpec
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The tutorial's complete example with the import changed. Two lines had to change too, because
+# they are CUDA-only by construction: the CUDA check and the device (this test runs on CPU).
+TUTORIAL = textwrap.dedent(
+    """
+    import re
+    from pathlib import Path
+
+    import torch
+    from fastckpt import CheckpointManager
+
+
+    STEP_DIRECTORY = re.compile(r"step_(\\d+)")
+
+
+    def latest_checkpoint(root: Path) -> str | None:
+        if not root.is_dir():
+            return None
+
+        latest_step = -1
+        latest_path: Path | None = None
+        for candidate in root.iterdir():
+            match = STEP_DIRECTORY.fullmatch(candidate.name)
+            if not candidate.is_dir() or match is None:
+                continue
+            step = int(match.group(1))
+            if step > latest_step:
+                latest_step = step
+                latest_path = candidate
+        return str(latest_path) if latest_path is not None else None
+
+
+    def main() -> None:
+        device = torch.device("cpu")
+        model = torch.nn.Linear(8, 1).to(device)
+        optimizer = torch.optim.AdamW(model.parameters())
+        checkpoint_root = Path(ROOT)
+
+        manager = CheckpointManager(CheckpointManager.Config.with_async_save())
+        try:
+            start_step = 0
+            resume_from = latest_checkpoint(checkpoint_root)
+            if resume_from is not None:
+                restored = manager.load(
+                    resume_from,
+                    into={
+                        "model": model.state_dict(),
+                        "optimizer": None,
+                        "step": 0,
+                    },
+                )
+                optimizer.load_state_dict(restored["optimizer"])
+                start_step = int(restored["step"]) + 1
+            print("START", start_step)
+
+            for step in range(start_step, 1_000):
+                inputs = torch.randn(32, 8, device=device)
+                loss = model(inputs).square().mean()
+                loss.backward()
+
+                with manager.lock():
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+                if step % 100 == 0:
+                    manager.save(
+                        str(checkpoint_root / f"step_{step}"),
+                        {
+                            "model": model.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "step": step,
+                        },
+                    )
+                    if step == 900:
+                        print("WEIGHT900", model.weight.sum().item())
+        finally:
+            manager.close()
+
+
+    main()  # no __name__ guard: the writer is a thread, not a spawned process
+    """
+)
+
+
+def test_tutorial_example_runs_and_resumes(tmp_path: Path) -> None:
+    script = tmp_path / "tutorial.py"
+    script.write_text(TUTORIAL.replace("ROOT", repr(str(tmp_path / "ckpts"))))
+    first = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert "START 0" in first.stdout
+    saved_sum = float(first.stdout.split("WEIGHT900")[1].split()[0])
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == sorted(
+        f"step_{s}" for s in range(0, 1000, 100)
+    )
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        restored = manager.load(str(tmp_path / "ckpts" / "step_900"))
+    assert restored["step"] == 900
+    assert restored["model"]["weight"].sum().item() == pytest.approx(saved_sum, abs=0)
+    assert restored["optimizer"]["state"][0]["step"].item() == 901
+    second = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert "START 901" in second.stdout
+
+
+@pytest.mark.parametrize("async_staging", [True, False])
+def test_snapshot_holds_pre_mutation_values(tmp_path: Path, async_staging: bool) -> None:
+    config = CheckpointManager.Config.with_async_save()
+    config.save.staging_config = CheckpointStagerConfig(  # type: ignore[union-attr]
+        use_pinned_memory=False, use_async_staging=async_staging, use_non_blocking_copy=False
+    )
+    weights = torch.arange(4 << 20, dtype=torch.float32)
+    original = weights.clone()
+    with CheckpointManager(config) as manager:
+        future = manager.save(tmp_path / "ckpt", {"model": {"w": weights}})
+        with manager.lock():
+            weights.add_(1.0)  # the optimizer step, right after save() returned
+        assert future is not None
+        future.result()
+        loaded = manager.load(tmp_path / "ckpt")
+    assert torch.equal(loaded["model"]["w"], original)
+
+
+def test_into_semantics(tmp_path: Path) -> None:
+    state = {
+        "model": {"w": torch.ones(2, 3), "b": torch.zeros(3)},
+        "nested": {"list": [torch.full((2,), 5.0), {"x": 1}], "name": "run"},
+        "step": 7,
+    }
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        assert manager.save(tmp_path / "c", state) is None
+        live_w = torch.empty(2, 3)
+        template = {"model": {"w": live_w}, "nested": {"list": [torch.empty(2)]}, "step": 0}
+        restored = manager.load(tmp_path / "c", into=template)
+        assert restored["model"]["w"] is live_w and torch.equal(live_w, torch.ones(2, 3))
+        assert "b" not in restored["model"]  # only the template's keys are loaded
+        assert torch.equal(restored["nested"]["list"][0], torch.full((2,), 5.0))
+        assert restored["step"] == 7
+        whole = manager.load(tmp_path / "c", into={"nested": None})
+        assert whole == {"nested": {"list": [whole["nested"]["list"][0], {"x": 1}], "name": "run"}}
+        # Missing keys: kept from the template unless strict.
+        lenient = manager.load(tmp_path / "c", into={"model": {"missing": 3}, "absent": 1})
+        assert lenient == {"model": {"missing": 3}, "absent": 1}
+        with pytest.raises(CheckpointMismatchError, match=r"model\.missing"):
+            manager.load(tmp_path / "c", into={"model": {"missing": 3}}, strict=True)
+        with pytest.raises(CheckpointMismatchError, match=r"model\.w.*float64"):
+            manager.load(
+                tmp_path / "c", into={"model": {"w": torch.empty(2, 3, dtype=torch.float64)}}
+            )
+        with pytest.raises(CheckpointMismatchError, match=r"model\.b.*\(3,\).*\(1,\)|model\.b"):
+            manager.load(tmp_path / "c", into={"model": {"b": torch.empty(1)}})
+
+
+def test_optimizer_state_reapplied(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), betas=(0.8, 0.9))
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        manager.save(tmp_path / "c", {"optimizer": optimizer.state_dict()})
+        restored = manager.load(tmp_path / "c", into={"optimizer": None})
+    fresh = torch.optim.Adam(model.parameters())
+    fresh.load_state_dict(restored["optimizer"])
+    assert fresh.param_groups[0]["betas"] == (0.8, 0.9)
+    assert torch.equal(
+        fresh.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"]
+    )
+
+
+def test_replacing_a_checkpoint_is_atomic_and_keys_are_checked(tmp_path: Path) -> None:
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        manager.save(tmp_path / "c", {"a": torch.zeros(2)})
+        manager.save(tmp_path / "c", {"b": torch.ones(2)})
+        assert list(manager.load(tmp_path / "c")) == ["b"]
+        with pytest.raises(ValueError, match="not a valid name"):
+            manager.save(tmp_path / "d", {"../evil": torch.zeros(1)})
+        assert not (tmp_path / "d").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    strict = CheckpointManager.Config.with_sync_save()
+    strict.default = None
+    strict.items = {"model": ItemSpec()}
+    with CheckpointManager(strict) as manager, pytest.raises(KeyError, match="strict"):
+        manager.save(tmp_path / "e", {"model": {}, "other": 1})
+
+
+def test_closed_manager_refuses_and_close_is_idempotent(tmp_path: Path) -> None:
+    manager = CheckpointManager(CheckpointManager.Config.with_async_save())
+    manager.save(tmp_path / "c", {"x": torch.ones(1)})
+    manager.close()
+    manager.close()
+    assert (tmp_path / "c" / "commit.json").exists()  # close waited for durability
+    with pytest.raises(RuntimeError, match="closed"):
+        manager.save(tmp_path / "d", {"x": torch.ones(1)})
+    with pytest.raises(RuntimeError, match="closed"):
+        manager.load(tmp_path / "c")
+    assert not (tmp_path / "d").exists()
+
+
+def test_failed_background_write_is_raised_once_then_usable(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with CheckpointManager(CheckpointManager.Config.with_async_save()) as manager:
+        good = manager.save(tmp_path / "good", {"x": torch.ones(3)})
+        assert good is not None
+        good.result()
+        bad = manager.save(blocker / "ckpt", {"x": torch.ones(3)})
+        assert bad is not None and isinstance(bad.exception(), NotADirectoryError)
+        with pytest.raises(
+            RuntimeError, match="previous background checkpoint write failed"
+        ) as info:
+            manager.save(tmp_path / "next", {"x": torch.ones(3)})
+        assert isinstance(info.value.__cause__, NotADirectoryError)
+        again = manager.save(tmp_path / "next", {"x": torch.full((3,), 2.0)})
+        assert again is not None
+        again.result()
+        assert torch.equal(manager.load(tmp_path / "good")["x"], torch.ones(3))
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+
+
+def mount_small_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    return result.returncode == 0
+
+
+def test_disk_full_during_async_save(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    if not mount_small_tmpfs(disk, "8m"):
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root and mount rights)")
+    try:
+        with CheckpointManager(CheckpointManager.Config.with_async_save()) as manager:
+            first = manager.save(disk / "ok", {"x": torch.ones(1 << 18)})  # 1 MiB
+            assert first is not None
+            first.result()
+            full = manager.save(disk / "full", {"x": torch.ones(4 << 20)})  # 16 MiB
+            assert full is not None
+            error = full.exception()
+            assert isinstance(error, OSError) and error.errno == errno.ENOSPC
+            assert "full" in str(error)
+            with pytest.raises(RuntimeError):
+                manager.save(disk / "after", {"x": torch.ones(1)})
+            assert torch.equal(manager.load(disk / "ok")["x"], torch.ones(1 << 18))
+            retry = manager.save(disk / "after", {"x": torch.ones(1)})
+            assert retry is not None
+            retry.result()
+        assert sorted(p.name for p in disk.iterdir()) == ["after", "ok"]
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+RSS_SCRIPT = """
+import gc, sys, torch
+from fastckpt import CheckpointManager
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) * 1024
+state = {"model": {f"w{i}": torch.randn(1 << 20) for i in range(32)}}  # 128 MiB
+readings = []
+with CheckpointManager(CheckpointManager.Config.with_async_save()) as manager:
+    for i in range(10):
+        manager.save(sys.argv[1], state).result()
+        gc.collect()
+        readings.append(rss())
+print(" ".join(map(str, readings)))
+"""
+
+
+def test_rss_is_flat_across_async_saves(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    readings = [int(x) for x in result.stdout.split()]
+    assert len(readings) == 10
+    assert max(readings[1:]) - readings[1] < 64 << 20, readings
+
+
+DIST_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+from fastckpt import CheckpointManager
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2)
+with CheckpointManager(CheckpointManager.Config.with_async_save()) as manager:
+    manager.save(sys.argv[1], {"model": {"w": torch.full((4,), float(rank))}, "step": 3}).result()
+    dist.barrier()
+    loaded = manager.load(sys.argv[1])
+    assert torch.equal(loaded["model"]["w"], torch.full((4,), float(rank))), loaded
+    assert loaded["step"] == 3
+dist.destroy_process_group()
+print("ok", rank)
+"""
+
+
+def test_two_ranks_write_their_own_files(tmp_path: Path) -> None:
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", DIST_SCRIPT, str(tmp_path / "c"), str(r), str(tmp_path / "pg")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err
+    files = sorted(p.name for p in (tmp_path / "c").iterdir())
+    assert "model.rank0.safetensors" in files and "model.rank1.safetensors" in files
+    assert "commit.json" in files
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())

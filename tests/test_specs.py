@@ -1,0 +1,742 @@
+"""Model specs: JSON round trips, creation-time rejections, model introspection, the trust
+policy (including proof that refused targets never run) and malformed spec files.
+
+Targets used by the tests live at module level so they are importable by dotted path; the
+module's own import name is taken from ``__name__``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime as dt
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fastckpt import specs
+from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
+from fastckpt.specs import (
+    BaseSpec,
+    create_model_spec,
+    decode_value,
+    dotted_path,
+    encode_value,
+    model_spec,
+    register_trusted,
+    register_type_serializer,
+    resolve_target,
+)
+
+MOD = __name__
+assert sys.modules[MOD].__dict__ is globals(), "the test module must be importable by its name"
+
+# ------------------------------------------------------------------------------------------
+# Module-level targets
+# ------------------------------------------------------------------------------------------
+
+CALLS: list[str] = []
+
+
+def record_call(**kwargs: Any) -> None:
+    """Would prove that a refused target ran."""
+    CALLS.append("record_call")
+
+
+class Recorder(nn.Module):
+    """A trusted-by-policy module whose construction is observable."""
+
+    def __init__(self, child: Any = None) -> None:
+        super().__init__()
+        CALLS.append("Recorder")
+
+
+def echo(**kwargs: Any) -> dict[str, Any]:
+    """Return the keyword arguments it was called with."""
+    return kwargs
+
+
+def make_linear(in_features: int, out_features: int) -> nn.Linear:
+    """A plain factory function (not trusted by default)."""
+    return nn.Linear(in_features, out_features)
+
+
+def pos_only(a: int, /, b: int = 1) -> int:
+    """A target with a positional-only parameter."""
+    return a + b
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, act: str = "relu") -> None:
+        super().__init__()
+        self.dim = dim
+        self.act = act
+        self.lin = nn.Linear(dim, dim)
+
+
+class Net(nn.Module):
+    def __init__(
+        self, encoder: nn.Module, layers: list[nn.Module], scale: tuple[int, int] = (1, 1)
+    ) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.layers = nn.ModuleList(layers)
+        self.scale = scale
+
+
+class Factory(nn.Module):
+    def __init__(self, width: int, device: Any = None) -> None:
+        super().__init__()
+        self.width = width
+        self.lin = nn.Linear(width, width, device=device)
+
+    @classmethod
+    def from_config(cls, width: int, device: torch.device | str | None = None) -> Factory:
+        return cls(width=width, device=device)
+
+    @staticmethod
+    def make(width: int) -> Factory:
+        return Factory(width=width)
+
+    def instance_method(self, width: int) -> Factory:
+        return Factory(width=width)
+
+
+class WithSpec(nn.Module):
+    """A wrapper whose constructor arguments cannot be read back; it supplies its own spec."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Linear(hidden, hidden)
+
+    @classmethod
+    def from_width(cls, width: int) -> WithSpec:
+        return cls(hidden=width)
+
+    def checkpoint_spec(self) -> BaseSpec:
+        return create_model_spec(WithSpec.from_width, width=self.net.in_features)
+
+
+class NoneSpec(nn.Module):
+    def __init__(self, dim: int, act: str = "relu") -> None:
+        super().__init__()
+        self.dim = dim
+
+    def checkpoint_spec(self) -> BaseSpec | None:
+        return None
+
+
+class BadSpec(nn.Module):
+    def checkpoint_spec(self) -> Any:
+        return {"cls_path": "x.y"}
+
+
+class Unrecoverable(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Linear(hidden, hidden)
+
+
+class NoArgs(nn.Module):
+    pass
+
+
+class MySGD(torch.optim.SGD):
+    pass
+
+
+class Point:
+    def __init__(self, x: float, y: float) -> None:
+        self.x = x
+        self.y = y
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Point) and (self.x, self.y) == (other.x, other.y)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class CallableThing:
+    def __call__(self, **kwargs: Any) -> None:
+        CALLS.append("CallableThing")
+
+
+@pytest.fixture(autouse=True)
+def _clean_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with no recorded calls and its own copies of the registries."""
+    CALLS.clear()
+    monkeypatch.setattr(specs, "_TRUSTED_PATHS", set())
+    monkeypatch.setattr(specs, "_TRUSTED_OBJECTS", [])
+    monkeypatch.setattr(specs, "_SERIALIZERS", dict(specs._SERIALIZERS))
+
+
+def via_json(spec: BaseSpec) -> BaseSpec:
+    """spec -> to_json -> JSON text -> parse -> from_json."""
+    text = json.dumps(spec.to_json(), allow_nan=False)
+    return BaseSpec.from_json(json.loads(text))
+
+
+# ------------------------------------------------------------------------------------------
+# Round trips
+# ------------------------------------------------------------------------------------------
+
+
+def test_linear_round_trip() -> None:
+    spec = create_model_spec(nn.Linear, in_features=4, out_features=2, bias=False)
+    assert spec.cls_path == "torch.nn.modules.linear.Linear"
+    loaded = via_json(spec)
+    assert loaded == spec
+    model = loaded.build()
+    assert isinstance(model, nn.Linear)
+    assert (model.in_features, model.out_features, model.bias) == (4, 2, None)
+
+
+def test_short_public_path_builds() -> None:
+    spec = BaseSpec(cls_path="torch.nn.Linear", kwargs={"in_features": 3, "out_features": 5})
+    model = via_json(spec).build()
+    assert isinstance(model, nn.Linear)
+    assert model.weight.shape == (5, 3)
+
+
+def test_nested_specs_and_list_of_specs_round_trip() -> None:
+    spec = create_model_spec(
+        Net,
+        encoder=create_model_spec(nn.Linear, in_features=2, out_features=3),
+        layers=[create_model_spec(Block, dim=3), create_model_spec(Block, dim=3, act="gelu")],
+        scale=(2, 3),
+    )
+    data = json.loads(json.dumps(spec.to_json()))
+    assert data["kwargs"]["encoder"]["__spec__"]["cls_path"] == "torch.nn.modules.linear.Linear"
+    assert data["kwargs"]["layers"][1]["__spec__"]["kwargs"] == {"dim": 3, "act": "gelu"}
+    assert data["kwargs"]["scale"] == {"__tuple__": [2, 3]}
+
+    loaded = BaseSpec.from_json(data)
+    assert isinstance(loaded.kwargs["encoder"], BaseSpec)
+    assert all(isinstance(item, BaseSpec) for item in loaded.kwargs["layers"])
+    net = loaded.build()
+    assert isinstance(net, Net)
+    assert isinstance(net.encoder, nn.Linear) and net.encoder.out_features == 3
+    assert [type(layer) for layer in net.layers] == [Block, Block]
+    assert [layer.act for layer in net.layers] == ["relu", "gelu"]
+    assert net.scale == (2, 3)
+
+
+def test_classmethod_factory_receives_device() -> None:
+    spec = create_model_spec(Factory.from_config, width=3, device="meta")
+    assert spec.cls_path == f"{MOD}.Factory.from_config"
+    loaded = via_json(spec)
+    assert loaded.accepts_kwarg("device")
+    assert not loaded.accepts_kwarg("nope")
+    assert loaded.build().lin.weight.device.type == "meta"
+    built = loaded.build(device=torch.device("cpu"))  # what a loader does with map_location
+    assert isinstance(built, Factory)
+    assert built.lin.weight.device == torch.device("cpu")
+
+
+def test_staticmethod_factory_round_trip() -> None:
+    spec = create_model_spec(Factory.make, width=2)
+    assert spec.cls_path == f"{MOD}.Factory.make"
+    assert not spec.accepts_kwarg("device")
+    assert via_json(spec).build().width == 2
+
+
+def test_accepts_kwarg_for_class_and_var_keyword() -> None:
+    assert create_model_spec(nn.Linear, in_features=1, out_features=1).accepts_kwarg("device")
+    assert create_model_spec(echo).accepts_kwarg("anything", kind="callable", trusted=[echo])
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+    ],
+)
+def test_tensor_kwargs_round_trip_exactly(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    if dtype.is_floating_point or dtype.is_complex:
+        values = (torch.randn(3, 4, generator=gen, dtype=torch.float64) * 1e3).to(dtype)
+    elif dtype == torch.bool:
+        values = torch.randint(0, 2, (3, 4), generator=gen).bool()
+    else:
+        info = torch.iinfo(dtype)
+        values = torch.randint(info.min, info.max, (3, 4), generator=gen, dtype=torch.int64)
+        values = values.to(dtype)
+    scalar = values.reshape(-1)[0].clone()  # 0-d
+    empty = values[:0]  # zero-size, shape (0, 4)
+    strided = values.t()  # non-contiguous
+    spec = create_model_spec(echo, t=values, s=scalar, e=empty, nc=strided)
+    out = via_json(spec).build(kind="callable", trusted=[echo])
+    for name, expected in [("t", values), ("s", scalar), ("e", empty), ("nc", strided)]:
+        got = out[name]
+        assert got.dtype == dtype and got.shape == expected.shape, name
+        assert torch.equal(got, expected), name
+
+
+def test_tensor_encoding_layout_and_parameter() -> None:
+    encoded = encode_value(torch.tensor([[1.5, 2.0]]))
+    assert encoded == {
+        "__type__": "torch.Tensor",
+        "value": {"dtype": "float32", "shape": [1, 2], "data": [[1.5, 2.0]]},
+    }
+    param = nn.Parameter(torch.tensor([0.25, -1.0]))
+    decoded = decode_value(json.loads(json.dumps(encode_value(param))))
+    assert type(decoded) is torch.Tensor
+    assert torch.equal(decoded, param.detach())
+
+
+def test_dtype_and_device_kwargs_round_trip() -> None:
+    spec = create_model_spec(
+        echo, dtype=torch.bfloat16, devices=[torch.device("cpu"), torch.device("cuda", 1)]
+    )
+    data = spec.to_json()
+    assert data["kwargs"]["dtype"] == {"__type__": "torch.dtype", "value": "torch.bfloat16"}
+    out = via_json(spec).build(kind="callable", trusted=[echo])
+    assert out["dtype"] is torch.bfloat16
+    assert out["devices"] == [torch.device("cpu"), torch.device("cuda:1")]
+
+
+def test_tuples_and_reserved_dict_keys_round_trip() -> None:
+    value = {
+        "pair": (1, (2.5, "x")),
+        "mixed": [(None,), [True, ()]],
+        "looks_like_marker": {"__type__": "os.system", "value": 1},
+        "tuple_key": {"__tuple__": (1, 2)},
+    }
+    encoded = json.loads(json.dumps(encode_value(value)))
+    assert decode_value(encoded) == value
+    decoded = decode_value(encoded)
+    assert isinstance(decoded["pair"], tuple) and isinstance(decoded["pair"][1], tuple)
+    assert isinstance(decoded["tuple_key"]["__tuple__"], tuple)
+    spec = create_model_spec(echo, **value)
+    assert via_json(spec).build(kind="callable", trusted=[echo]) == value
+
+
+def test_timestamp_is_iso_utc_and_survives() -> None:
+    spec = create_model_spec(nn.Linear, in_features=1, out_features=1)
+    stamp = dt.datetime.fromisoformat(spec.timestamp)
+    assert stamp.utcoffset() == dt.timedelta(0)
+    assert abs((dt.datetime.now(dt.timezone.utc) - stamp).total_seconds()) < 60
+    assert via_json(spec).timestamp == spec.timestamp
+
+
+def test_dotted_path_of_targets() -> None:
+    assert dotted_path(nn.Linear) == "torch.nn.modules.linear.Linear"
+    assert dotted_path(Factory.from_config) == f"{MOD}.Factory.from_config"
+    assert dotted_path(Factory.make) == f"{MOD}.Factory.make"
+    assert dotted_path(make_linear) == f"{MOD}.make_linear"
+
+
+# ------------------------------------------------------------------------------------------
+# Rejections at creation
+# ------------------------------------------------------------------------------------------
+
+
+def _closure_target() -> Any:
+    captured = 3
+
+    def inner(x: int = captured) -> int:
+        return x + captured
+
+    return inner
+
+
+def _local_class() -> type:
+    class Local(nn.Module):
+        pass
+
+    return Local
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (lambda x=1: x, "lambda"),
+        (_closure_target(), "local"),
+        (_local_class(), "local"),
+        (functools.partial(make_linear, in_features=2), "functools.partial"),
+        (Factory(width=1).instance_method, "bound to a live Factory instance"),
+        ([].append, "bound to a live list instance"),
+        (dict.fromkeys, "cannot be imported"),
+        (CallableThing(), "not a class or function"),
+        (pos_only, "positional-only parameter"),
+        (math.sqrt, "positional-only parameter"),
+    ],
+    ids=[
+        "lambda",
+        "closure",
+        "local-class",
+        "partial",
+        "bound-method",
+        "bound-builtin",
+        "unimportable-builtin",
+        "callable-instance",
+        "positional-only",
+        "positional-only-builtin",
+    ],
+)
+def test_rejected_targets(target: Any, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        create_model_spec(target)
+
+
+def test_unknown_keyword_rejected() -> None:
+    with pytest.raises(TypeError, match=r"does not accept the keyword argument 'hidden'"):
+        create_model_spec(nn.Linear, in_features=1, out_features=1, hidden=3)
+    with pytest.raises(TypeError, match=r"'a'"):
+        create_model_spec(pos_only, b=2)  # positional-only is reported first
+
+
+def test_unserializable_kwarg_rejected_at_creation_with_path() -> None:
+    with pytest.raises(TypeError) as info:
+        create_model_spec(
+            Net,
+            encoder=create_model_spec(Block, dim=2),
+            layers=[create_model_spec(Block, dim=2), 1, object()],
+        )
+    message = str(info.value)
+    assert "kwargs['layers'][2]" in message
+    assert "register_type_serializer" in message and "factory" in message
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "path"),
+    [
+        ({"dim": nn.Linear(1, 1)}, "kwargs['dim']"),
+        ({"dim": {1: "int key"}}, "kwargs['dim']"),
+        ({"dim": {1, 2}}, "kwargs['dim']"),
+        ({"dim": [[(open,)]]}, "kwargs['dim'][0][0][0]"),
+    ],
+)
+def test_unserializable_values_name_their_path(kwargs: dict[str, Any], path: str) -> None:
+    with pytest.raises(TypeError) as info:
+        create_model_spec(Block, **kwargs)
+    assert path in str(info.value)
+
+
+def test_nested_spec_kwargs_are_checked_with_path() -> None:
+    bad_nested = BaseSpec(cls_path=f"{MOD}.Block", kwargs={"dim": object()})
+    with pytest.raises(TypeError, match=r"kwargs\['encoder'\]\.kwargs\['dim'\]"):
+        create_model_spec(Net, encoder=bad_nested, layers=[])
+
+
+def test_reference_cycle_rejected() -> None:
+    cyclic: list[Any] = [1]
+    cyclic.append(cyclic)
+    with pytest.raises(TypeError, match="cycle"):
+        encode_value(cyclic)
+
+
+# ------------------------------------------------------------------------------------------
+# model_spec
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_model_spec_linear(bias: bool) -> None:
+    model = nn.Linear(5, 7, bias=bias)
+    spec = model_spec(model)
+    assert spec.kwargs == {"in_features": 5, "out_features": 7, "bias": bias}
+    rebuilt = via_json(spec).build()
+    assert isinstance(rebuilt, nn.Linear)
+    assert rebuilt.weight.shape == model.weight.shape
+    assert (rebuilt.bias is not None) is bias
+
+
+def test_model_spec_uses_attributes_and_omits_defaults() -> None:
+    spec = model_spec(Block(4, act="tanh"))
+    assert spec.kwargs == {"dim": 4, "act": "tanh"}
+    spec = model_spec(NoneSpec(6))  # checkpoint_spec() returns None -> introspection
+    assert spec.cls_path == f"{MOD}.NoneSpec"
+    assert spec.kwargs == {"dim": 6}  # no 'act' attribute and it has a default
+    assert isinstance(via_json(spec).build(), NoneSpec)
+    assert model_spec(NoArgs()).kwargs == {}
+
+
+def test_checkpoint_spec_wins() -> None:
+    spec = model_spec(WithSpec(hidden=3))
+    assert spec.cls_path == f"{MOD}.WithSpec.from_width"
+    rebuilt = via_json(spec).build()
+    assert isinstance(rebuilt, WithSpec) and rebuilt.net.in_features == 3
+
+
+def test_model_spec_errors_are_clear() -> None:
+    with pytest.raises(TypeError, match=r"'hidden' of Unrecoverable.*checkpoint_spec\(\)"):
+        model_spec(Unrecoverable(3))
+    with pytest.raises(TypeError, match=r"Sequential.*checkpoint_spec\(\)"):
+        model_spec(nn.Sequential(nn.Linear(1, 1)))
+    with pytest.raises(TypeError, match=r"must return a BaseSpec or None"):
+        model_spec(BadSpec())
+
+
+# ------------------------------------------------------------------------------------------
+# Trust policy
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [
+        ("torch.nn.Linear", "model"),
+        (f"{MOD}.Block", "model"),
+        (f"{MOD}.Factory.from_config", "model"),
+        (f"{MOD}.Factory.make", "model"),
+        ("torch.optim.SGD", "optimizer"),
+        ("torch.optim.AdamW", "optimizer"),
+        (f"{MOD}.MySGD", "optimizer"),
+        ("torch.optim.lr_scheduler.StepLR", "scheduler"),
+        ("torch.optim.lr_scheduler.ReduceLROnPlateau", "scheduler"),
+    ],
+)
+def test_policy_allows_by_default(path: str, kind: str) -> None:
+    assert callable(resolve_target(path, kind))
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [
+        (f"{MOD}.make_linear", "model"),
+        (f"{MOD}.Factory.instance_method", "model"),
+        (f"{MOD}.Point", "model"),
+        ("torch.optim.SGD", "model"),
+        ("torch.nn.Linear", "optimizer"),
+        ("torch.optim.SGD", "scheduler"),
+        (f"{MOD}.make_linear", "callable"),
+        ("torch.nn.Linear", "callable"),
+    ],
+)
+def test_policy_refuses_with_instructions(path: str, kind: str) -> None:
+    with pytest.raises(UntrustedTargetError) as info:
+        resolve_target(path, kind)
+    message = str(info.value)
+    assert repr(path) in message
+    assert f"as a {kind} target" in message
+    assert f"trusted=[{path!r}]" in message
+    assert f"fastckpt.specs.register_trusted({path!r})" in message
+
+
+def test_trusted_argument_and_registration_allow() -> None:
+    path = f"{MOD}.make_linear"
+    assert resolve_target(path, "model", trusted=[path]) is make_linear
+    assert resolve_target(path, "callable", trusted=[make_linear]) is make_linear
+    spec = create_model_spec(make_linear, in_features=2, out_features=1)
+    with pytest.raises(UntrustedTargetError):
+        spec.build()
+    assert isinstance(spec.build(trusted=[path]), nn.Linear)
+    register_trusted(make_linear)
+    assert isinstance(via_json(spec).build(), nn.Linear)
+    assert resolve_target(path, "callable") is make_linear
+
+
+def test_register_trusted_by_string() -> None:
+    path = f"{MOD}.echo"
+    with pytest.raises(UntrustedTargetError):
+        resolve_target(path, "callable")
+    register_trusted(path)
+    assert resolve_target(path, "callable") is echo
+    with pytest.raises(ValueError, match="dunder"):
+        register_trusted("os.__dict__")
+    with pytest.raises(TypeError, match="lambda"):
+        register_trusted(lambda: None)
+
+
+@pytest.mark.parametrize("kind", ["model", "optimizer", "scheduler", "callable"])
+def test_tampered_spec_never_runs_the_target(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+
+    def recorder(name: str) -> Any:
+        def fake(*args: Any, **kwargs: Any) -> None:
+            ran.append(name)
+
+        return fake
+
+    monkeypatch.setattr(subprocess, "run", recorder("subprocess.run"))
+    monkeypatch.setattr(os, "system", recorder("os.system"))
+    monkeypatch.setattr(builtins, "eval", recorder("builtins.eval"))
+    original = create_model_spec(nn.Linear, in_features=1, out_features=1).to_json()
+    for path in ["subprocess.run", "os.system", "builtins.eval", f"{MOD}.record_call"]:
+        tampered = json.loads(json.dumps(original))
+        tampered["cls_path"] = path
+        tampered["kwargs"] = {"args": ["touch", "/tmp/pwned"]}
+        spec = BaseSpec.from_json(tampered)
+        with pytest.raises(UntrustedTargetError, match=repr(path)):
+            spec.build(kind=kind)
+        with pytest.raises(UntrustedTargetError):
+            spec.accepts_kwarg("device", kind=kind)
+    assert ran == []
+    assert CALLS == []
+
+
+def test_nested_untrusted_spec_refused_before_anything_is_built() -> None:
+    evil = BaseSpec(cls_path=f"{MOD}.record_call", kwargs={})
+    outer = BaseSpec(cls_path=f"{MOD}.Recorder", kwargs={"child": [{"x": evil}]})
+    loaded = via_json(outer)
+    with pytest.raises(UntrustedTargetError, match="record_call"):
+        loaded.build()
+    assert CALLS == []  # neither the evil target nor the trusted outer module ran
+    loaded.build(trusted=[record_call])
+    assert CALLS == ["record_call", "Recorder"]
+
+
+def test_callable_refused_without_importing() -> None:
+    if "antigravity" in sys.modules:
+        pytest.skip("antigravity already imported")
+    with pytest.raises(UntrustedTargetError):
+        resolve_target("antigravity.geohash", "callable")
+    spec = BaseSpec.from_json(
+        {"cls_path": "antigravity.geohash", "kwargs": {}, "timestamp": "2024-01-01T00:00:00Z"}
+    )
+    with pytest.raises(UntrustedTargetError):
+        spec.build(kind="callable")
+    assert "antigravity" not in sys.modules
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["os.__class__", "builtins.__import__", "os..system", "os", "1os.system", "os.system()", 7],
+)
+def test_bad_target_paths_rejected_before_import(path: Any) -> None:
+    with pytest.raises(CheckpointFormatError, match="invalid target path"):
+        resolve_target(path, "model", trusted=[str(path)])
+
+
+def test_unknown_kind_and_missing_target() -> None:
+    with pytest.raises(ValueError, match="unknown target kind"):
+        resolve_target("torch.nn.Linear", "weights")
+    with pytest.raises(ImportError, match="no attribute 'NoSuchLayer'"):
+        resolve_target("torch.nn.NoSuchLayer", "model")
+
+
+# ------------------------------------------------------------------------------------------
+# Malformed spec files
+# ------------------------------------------------------------------------------------------
+
+GOOD = {"cls_path": "torch.nn.Linear", "kwargs": {}, "timestamp": "2024-05-01T12:00:00+00:00"}
+
+
+def _with(**fields: Any) -> dict[str, Any]:
+    data = dict(GOOD)
+    data.update(fields)
+    return data
+
+
+def _tensor(**fields: Any) -> dict[str, Any]:
+    value = {"dtype": "float32", "shape": [2], "data": [1.0, 2.0]}
+    value.update(fields)
+    return {"t": {"__type__": "torch.Tensor", "value": value}}
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ([1, 2], "spec: a spec must be a JSON object"),
+        ({"kwargs": {}, "timestamp": GOOD["timestamp"]}, "missing field"),
+        (_with(extra=1), "unexpected field"),
+        (_with(cls_path=3), "spec.cls_path"),
+        (_with(cls_path="nodots"), "spec.cls_path"),
+        (_with(cls_path="os.__class__"), "spec.cls_path"),
+        (_with(cls_path="os.system; rm"), "spec.cls_path"),
+        (_with(timestamp=5), "spec.timestamp"),
+        (_with(timestamp="yesterday"), "spec.timestamp"),
+        (_with(kwargs=[1]), "spec.kwargs"),
+        (_with(kwargs={"a": {"__tuple__": 5}}), "kwargs['a']"),
+        (_with(kwargs={"a": {"__tuple__": [], "b": 1}}), "kwargs['a']"),
+        (_with(kwargs={"a": {"__type__": "evil.Type", "value": 1}}), "kwargs['a']"),
+        (_with(kwargs={"a": {"__type__": "torch.dtype", "value": "torch.manual_seed"}}), "'a'"),
+        (_with(kwargs={"a": {"__type__": "torch.dtype", "value": "os.system"}}), "'a'"),
+        (_with(kwargs={"a": {"__type__": 1, "value": 1}}), "kwargs['a']"),
+        (_with(kwargs={"a": {"__type__": "torch.device", "value": 3}}), "kwargs['a']"),
+        (_with(kwargs={"a": {"__dict__": []}}), "kwargs['a']"),
+        (_with(kwargs={"a": [1, {"__spec__": {"cls_path": "a.__globals__"}}]}), "[1]"),
+        (
+            _with(
+                kwargs={
+                    "a": {
+                        "__spec__": {
+                            "cls_path": "a.b",
+                            "kwargs": {"c": {"__tuple__": None}},
+                            "timestamp": GOOD["timestamp"],
+                        }
+                    }
+                }
+            ),
+            "kwargs['a'].kwargs['c']",
+        ),
+        (_with(kwargs=_tensor(data=[1.0])), "kwargs['t']"),
+        (_with(kwargs=_tensor(shape=[-2])), "kwargs['t']"),
+        (_with(kwargs=_tensor(dtype="os.system")), "kwargs['t']"),
+        (_with(kwargs=_tensor(data=["rm -rf"])), "kwargs['t']"),
+        (_with(kwargs=_tensor(data=[[1.0], [2.0, 3.0]])), "kwargs['t']"),
+        (_with(kwargs={"t": {"__type__": "torch.Tensor", "value": {"dtype": "float32"}}}), "'t'"),
+    ],
+)
+def test_malformed_specs_raise_format_error(data: Any, field: str) -> None:
+    with pytest.raises(CheckpointFormatError) as info:
+        BaseSpec.from_json(data)
+    assert field in str(info.value)
+
+
+def test_from_json_names_the_source_file() -> None:
+    with pytest.raises(CheckpointFormatError, match=r"^models/main\.spec\.json: spec\.cls_path"):
+        BaseSpec.from_json(_with(cls_path="x"), source="models/main.spec.json")
+
+
+def test_from_json_imports_nothing() -> None:
+    if "antigravity" in sys.modules:
+        pytest.skip("antigravity already imported")
+    nested = {"__spec__": _with(cls_path="antigravity.geohash")}
+    spec = BaseSpec.from_json(_with(cls_path="antigravity.geohash", kwargs={"n": nested}))
+    assert spec.kwargs["n"].cls_path == "antigravity.geohash"
+    assert "antigravity" not in sys.modules
+
+
+# ------------------------------------------------------------------------------------------
+# Registered types
+# ------------------------------------------------------------------------------------------
+
+
+def test_registered_custom_type_round_trip() -> None:
+    with pytest.raises(TypeError, match=r"kwargs\['origin'\].*register_type_serializer"):
+        create_model_spec(echo, origin=Point(0.0, 0.0))
+
+    register_type_serializer(Point, lambda p: {"x": p.x, "y": p.y}, lambda d: Point(d["x"], d["y"]))
+    spec = create_model_spec(echo, origin=Point(0.5, -1.0), path=[Point(1, 2), (Point(3, 4),)])
+    data = json.loads(json.dumps(spec.to_json()))
+    assert data["kwargs"]["origin"] == {
+        "__type__": f"{MOD}.Point",
+        "value": {"x": 0.5, "y": -1.0},
+    }
+    out = BaseSpec.from_json(data).build(kind="callable", trusted=[echo])
+    assert out == {"origin": Point(0.5, -1.0), "path": [Point(1, 2), (Point(3, 4),)]}
+
+    # A process that never registered the type refuses clearly instead of guessing.
+    del specs._SERIALIZERS[f"{MOD}.Point"]
+    with pytest.raises(CheckpointFormatError, match=r"kwargs\['origin'\].*register_type"):
+        BaseSpec.from_json(data)
+
+
+def test_failing_deserializer_is_a_format_error() -> None:
+    def strict(data: Any) -> Point:
+        raise ValueError("bad point")
+
+    register_type_serializer(Point, lambda p: [p.x, p.y], strict)
+    data = create_model_spec(echo, p=Point(1, 2)).to_json()
+    with pytest.raises(CheckpointFormatError, match="bad point"):
+        BaseSpec.from_json(data)
+    with pytest.raises(TypeError, match="must be a class"):
+        register_type_serializer("Point", str, str)  # type: ignore[arg-type]
