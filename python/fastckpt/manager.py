@@ -242,7 +242,6 @@ class CheckpointManager:
         self._capture_lock = threading.Lock()
         self._capture_done = threading.Event()
         self._capture_done.set()
-        self._saves = 0
         self._closed = False
 
     # ------------------------------------------------------------------ context manager
@@ -311,17 +310,15 @@ class CheckpointManager:
             if spec.required and key not in state:
                 raise KeyError(f"required item {key!r} is missing from the saved state")
         snapshot = _Snapshot(path, skeletons, tensors)
-        self._saves += 1
-        sequence = self._saves
         if self._executor is None:
-            self._write(snapshot, sequence)
+            self._write(snapshot)
             return None
         if self._async_staging:
             self._capture_done.clear()
-            self._future = self._executor.submit(self._capture_and_write, snapshot, sequence)
+            self._future = self._executor.submit(self._capture_and_write, snapshot)
         else:
             self._capture(snapshot)
-            self._future = self._executor.submit(self._write, snapshot, sequence)
+            self._future = self._executor.submit(self._write, snapshot)
         return self._future
 
     def _capture(self, snapshot: _Snapshot) -> None:
@@ -337,12 +334,12 @@ class CheckpointManager:
                 key, name = compound.split("\0", 1)
                 snapshot.tensors[key][name] = tensor
 
-    def _capture_and_write(self, snapshot: _Snapshot, sequence: int) -> None:
+    def _capture_and_write(self, snapshot: _Snapshot) -> None:
         try:
             self._capture(snapshot)
         finally:
             self._capture_done.set()
-        self._write(snapshot, sequence)
+        self._write(snapshot)
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
@@ -358,7 +355,7 @@ class CheckpointManager:
             else f"{key}.safetensors"
         )
 
-    def _write(self, snapshot: _Snapshot, sequence: int) -> None:
+    def _write(self, snapshot: _Snapshot) -> None:
         final = snapshot.path
         writer = DirectoryWriter(final, direct_io=self._direct_io, threads=self._threads)
         try:
@@ -366,13 +363,12 @@ class CheckpointManager:
                 writer.add_tensors(self._tensor_file(key), snapshot.tensors[key])
                 if self._dist.rank == 0:
                     writer.add_json(f"{key}.json", {"skeleton": skeleton})
-            self._commit(writer, list(snapshot.skeletons), sequence)
+            self._commit(writer, list(snapshot.skeletons))
         except BaseException:
             writer.abort()
             raise
 
-    def _commit(self, writer: DirectoryWriter, items: list[str], sequence: int) -> None:
-        del sequence
+    def _commit(self, writer: DirectoryWriter, items: list[str]) -> None:
         if not self._dist.active:
             writer.add_json(COMMIT_RECORD, self._record(items, writer.files))
             writer.commit()
