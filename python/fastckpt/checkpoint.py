@@ -32,7 +32,7 @@ import torch
 from fastckpt import specs, tree
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.files import read_tensors
-from fastckpt.layout import IndexWriter, Manifest, check_name, clean_leftovers
+from fastckpt.layout import IndexWriter, Manifest, check_name
 
 __all__ = ["list_checkpoints", "load_checkpoint", "prune", "save_checkpoint"]
 
@@ -202,7 +202,6 @@ def save_checkpoint(
             check_name(name, f"{kind[:-1]} name")
     plan = _plan_components(models, optimizers, schedulers, associations)
 
-    clean_leftovers(root)
     manifest = Manifest.load(root)
     index = _next_index(manifest) if checkpoint_index == -1 else int(checkpoint_index)
     if index < 0:

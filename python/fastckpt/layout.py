@@ -253,7 +253,9 @@ class IndexWriter(DirectoryWriter):
     in the manifest (the commit point)."""
 
     def __init__(self, root: Path, index: int, *, direct_io: bool = True) -> None:
-        """Prepare to write index ``index`` of checkpoint root ``root``."""
+        """Prepare to write index ``index`` of checkpoint root ``root`` (cleaning up what
+        crashed saves left behind first)."""
+        clean_leftovers(root)
         super().__init__(root / str(index), direct_io=direct_io)
         self.root = root
         self.index = index

@@ -92,7 +92,10 @@ class _Flattener:
             return {k: self.encode(v, join_path(path, k)) for k, v in mapping.items()}
         return {
             _DICT: [
-                [_encode_float(k) if isinstance(k, float) else k, self.encode(v, join_path(path, k))]
+                [
+                    _encode_float(k) if isinstance(k, float) else k,
+                    self.encode(v, join_path(path, k)),
+                ]
                 for k, v in mapping.items()
             ]
         }
