@@ -34,7 +34,15 @@ from fastckpt.errors import CheckpointFormatError
 from fastckpt.files import read_tensors
 from fastckpt.layout import IndexWriter, Manifest, check_name
 
-__all__ = ["list_checkpoints", "load_checkpoint", "prune", "save_checkpoint"]
+__all__ = [
+    "Snapshot",
+    "create_snapshot",
+    "list_checkpoints",
+    "load_checkpoint",
+    "prune",
+    "save_checkpoint",
+    "write_snapshot",
+]
 
 Components = Mapping[str, Any]
 Trusted = Iterable[str | Callable[..., Any]] | None
@@ -154,7 +162,7 @@ def _next_index(manifest: Manifest) -> int:
 
 def save_checkpoint(
     root: str | os.PathLike[str],
-    models: Components | None = None,
+    models: Components | Any = None,
     optimizers: Components | None = None,
     schedulers: Components | None = None,
     associations: Mapping[str, Any] | None = None,
@@ -163,12 +171,13 @@ def save_checkpoint(
     *,
     counters: Mapping[str, int] | None = None,
 ) -> int:
-    """Save models, optimizers and schedulers as one committed checkpoint index.
+    """Save models, optimizers and schedulers (or a whole strategy) as one committed index.
 
     Args:
         root: checkpoint root directory (created if needed).
         models: ``{name: (module, spec)}``; spec may be None to introspect the constructor or
-            use the module's ``checkpoint_spec()``. DDP wrappers are unwrapped.
+            use the module's ``checkpoint_spec()``. DDP wrappers are unwrapped. A
+            ``TrainingStrategy`` here is taken as ``strategy``.
         optimizers: ``{name: (optimizer, spec)}``; spec None records the optimizer class and
             its ``defaults``.
         schedulers: ``{name: (scheduler, spec)}``; spec None records the class and the
@@ -178,7 +187,8 @@ def save_checkpoint(
             its parameters, scheduler -> its optimizer).
         checkpoint_index: ``-1`` for the next index, or an explicit index (replaced atomically
             if it exists).
-        strategy: reserved for ``TrainingStrategy`` checkpoints (not supported yet).
+        strategy: a ``TrainingStrategy`` to save whole (components, recipe, counters, RNG
+            states, data position, hook states); the component arguments must then be empty.
         counters: optional integer counters recorded in the manifest (step, epoch, ...).
 
     Returns:
@@ -188,55 +198,98 @@ def save_checkpoint(
         TypeError / ValueError: bad components (nothing is written).
         OSError: writing failed (nothing is committed; earlier indices are untouched).
     """
-    if strategy is not None or not (models is None or isinstance(models, Mapping)):
-        raise NotImplementedError(
-            "TrainingStrategy checkpoints are not available yet; pass components as "
-            "models={name: (module, spec)}"
-        )
-    root = Path(root)
+    if models is not None and not isinstance(models, Mapping):
+        strategy, models = models, None
+    if strategy is not None:
+        if models or optimizers or schedulers:
+            raise TypeError("pass either a strategy or components, not both")
+        snapshot = strategy.checkpoint_snapshot()
+    else:
+        snapshot = create_snapshot(models, optimizers, schedulers, associations, counters)
+    return write_snapshot(root, snapshot, checkpoint_index)
+
+
+class Snapshot:
+    """Everything to write for one index, computed before any file is touched.
+
+    Attributes:
+        tensor_files: relpath -> ``{name: tensor}`` (live tensors, or staged copies).
+        json_files: relpath -> JSON document (already detached from live objects).
+        volatile: ``(relpath, name)`` of tensors that change outside the optimizer step (model
+            buffers such as BatchNorm statistics): an async capture copies these first.
+        entry: the manifest entry (created, counters, components, associations).
+    """
+
+    def __init__(self) -> None:
+        """An empty snapshot."""
+        self.tensor_files: dict[str, dict[str, torch.Tensor]] = {}
+        self.json_files: dict[str, Any] = {}
+        self.volatile: set[tuple[str, str]] = set()
+        self.names: dict[str, list[str]] = {kind: [] for kind in KINDS}
+        self.associations: dict[str, dict[str, str | None]] = {
+            "optimizers": {},
+            "schedulers": {},
+        }
+        self.counters: dict[str, int] = {}
+
+    @property
+    def entry(self) -> dict[str, Any]:
+        """The manifest entry for this snapshot (without the files record)."""
+        return {
+            "created": _now(),
+            "counters": dict(self.counters),
+            "components": {kind: sorted(self.names[kind]) for kind in KINDS},
+            "associations": self.associations,
+        }
+
+
+def create_snapshot(
+    models: Components | None = None,
+    optimizers: Components | None = None,
+    schedulers: Components | None = None,
+    associations: Mapping[str, Any] | None = None,
+    counters: Mapping[str, int] | None = None,
+) -> Snapshot:
+    """Validate components and collect what :func:`write_snapshot` writes (no copies, no I/O).
+
+    Raises:
+        TypeError / ValueError / CheckpointFormatError: invalid components or names.
+    """
     models = dict(models or {})
     optimizers = dict(optimizers or {})
     schedulers = dict(schedulers or {})
     for kind, components in zip(KINDS, (models, optimizers, schedulers), strict=True):
         for name in components:
             check_name(name, f"{kind[:-1]} name")
-    plan = _plan_components(models, optimizers, schedulers, associations)
+    snapshot = _plan_components(models, optimizers, schedulers, associations)
+    snapshot.counters = dict(counters or {})
+    return snapshot
 
+
+def write_snapshot(
+    root: str | os.PathLike[str], snapshot: Snapshot, checkpoint_index: int = -1
+) -> int:
+    """Write a snapshot as a committed index of ``root`` (see :func:`save_checkpoint`).
+
+    Returns:
+        The committed index.
+    """
+    root = Path(root)
     manifest = Manifest.load(root)
     index = _next_index(manifest) if checkpoint_index == -1 else int(checkpoint_index)
     if index < 0:
         raise ValueError(f"checkpoint_index must be -1 or >= 0, got {checkpoint_index}")
     writer = IndexWriter(root, index)
     try:
-        for relpath, tensors in plan.tensor_files.items():
+        for relpath, tensors in snapshot.tensor_files.items():
             writer.add_tensors(relpath, tensors)
-        for relpath, document in plan.json_files.items():
+        for relpath, document in snapshot.json_files.items():
             writer.add_json(relpath, document)
-        writer.commit_entry(
-            {
-                "created": _now(),
-                "counters": dict(counters or {}),
-                "components": {kind: sorted(plan.names[kind]) for kind in KINDS},
-                "associations": plan.associations,
-            }
-        )
+        writer.commit_entry(snapshot.entry)
     except BaseException:
         writer.abort()
         raise
     return index
-
-
-class _Plan:
-    """Everything to write for one index, computed before any file is touched."""
-
-    def __init__(self) -> None:
-        self.tensor_files: dict[str, dict[str, torch.Tensor]] = {}
-        self.json_files: dict[str, Any] = {}
-        self.names: dict[str, list[str]] = {kind: [] for kind in KINDS}
-        self.associations: dict[str, dict[str, str | None]] = {
-            "optimizers": {},
-            "schedulers": {},
-        }
 
 
 def _plan_components(
@@ -244,15 +297,20 @@ def _plan_components(
     optimizers: dict[str, Any],
     schedulers: dict[str, Any],
     associations: Mapping[str, Any] | None,
-) -> _Plan:
-    plan = _Plan()
+) -> Snapshot:
+    plan = Snapshot()
     live_models: dict[str, torch.nn.Module] = {}
     for name, component in models.items():
         model, spec = _split(component, "model", name)
         model = unwrap_model(model)
         spec = spec or specs.model_spec(model)
         live_models[name] = model
-        plan.tensor_files[f"models/{name}.safetensors"] = dict(model.state_dict())
+        relpath = f"models/{name}.safetensors"
+        plan.tensor_files[relpath] = dict(model.state_dict())
+        parameter_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        plan.volatile.update(
+            (relpath, key) for key in plan.tensor_files[relpath] if key not in parameter_names
+        )
         plan.json_files[f"models/{name}.spec.json"] = spec.to_json()
         plan.names["models"].append(name)
 
