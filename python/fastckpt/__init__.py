@@ -17,6 +17,14 @@ from fastckpt.errors import (
     UntrustedTargetError,
 )
 from fastckpt.files import load_file, read_metadata, save_file
+from fastckpt.hooks import (
+    CheckpointableHook,
+    CheckpointHook,
+    EMAHook,
+    Hook,
+    TrainContext,
+    TrainingStage,
+)
 from fastckpt.manager import (
     AsyncCheckpointSaverConfig,
     CheckpointLoaderConfig,
@@ -28,6 +36,7 @@ from fastckpt.manager import (
     SyncCheckpointSaverConfig,
 )
 from fastckpt.specs import BaseSpec, create_model_spec, register_type_serializer
+from fastckpt.strategy import FineTuningStrategy, OptimizerConfig, TrainingStrategy
 
 try:
     __version__ = version("fastckpt")
@@ -38,16 +47,25 @@ __all__ = [
     "AsyncCheckpointSaverConfig",
     "BaseSpec",
     "CheckpointFormatError",
+    "CheckpointHook",
     "CheckpointLoaderConfig",
     "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointStagerConfig",
     "CheckpointWriterConfig",
+    "CheckpointableHook",
     "ChecksumMismatchError",
+    "EMAHook",
     "FastCkptError",
+    "FineTuningStrategy",
+    "Hook",
     "ItemSpec",
     "LocalFileSystemStorageConfig",
+    "OptimizerConfig",
     "SyncCheckpointSaverConfig",
+    "TrainContext",
+    "TrainingStage",
+    "TrainingStrategy",
     "UntrustedTargetError",
     "__version__",
     "create_model_spec",

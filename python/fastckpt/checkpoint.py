@@ -368,8 +368,13 @@ def _plan_components(
 # --------------------------------------------------------------------------- load
 
 
-class _IndexReader:
-    """Reads files of one committed index, checking each against the manifest."""
+class IndexReader:
+    """Reads files of one committed index, checking each against the manifest.
+
+    Attributes:
+        directory: the index directory.
+        files: relpath -> ``{"size", "crc32c"}`` from the manifest.
+    """
 
     def __init__(self, manifest: Manifest, index: int) -> None:
         self.directory = manifest.root / str(index)
@@ -399,6 +404,18 @@ class _IndexReader:
                 f"{self.directory / relpath}: file crc32c {actual:08x} differs from the "
                 f"manifest's {record['crc32c']:08x}; the file was replaced or corrupted"
             )
+
+    def component_state(self, kind: str, name: str, map_location: Any = None) -> Any:
+        """The ``state_dict()`` saved for optimizer/scheduler ``name`` (kind: "optimizers" or
+        "schedulers"), tensors moved to ``map_location``."""
+        check_name(name, f"{kind[:-1]} name")
+        document = self.json(f"{kind}/{name}.json")
+        if not isinstance(document, Mapping):
+            raise CheckpointFormatError(f"{self.directory}/{kind}/{name}.json must be an object")
+        state = tree.unflatten(
+            document.get("state"), self.tensors(f"{kind}/{name}.safetensors"), name
+        )
+        return state if map_location is None else _move_tensors(state, map_location)
 
     def json(self, relpath: str) -> Any:
         record = self._record(relpath)
@@ -463,7 +480,7 @@ def _rebuild_optimizer(
     return optimizer, spec
 
 
-def _run_validators(validators: Any, model_name: str, model: torch.nn.Module) -> None:
+def run_validators(validators: Any, model_name: str, model: torch.nn.Module) -> None:
     if validators is None:
         return
     selected = validators.get(model_name, ()) if isinstance(validators, Mapping) else validators
@@ -498,13 +515,19 @@ def load_checkpoint(
         model_names: load only these models (and the optimizers/schedulers tied to them).
         validators: callables ``validator(model)`` (or ``{model_name: [validators]}``) run
             after weights are loaded; a failure raises ``ValueError`` naming both.
-        hooks, training_fn, strategy: reserved for ``TrainingStrategy`` checkpoints.
+        hooks: runtime hooks for a strategy checkpoint (checkpointable ones get their state).
+        training_fn: the training function for a strategy checkpoint (wins over the recorded
+            dotted path).
+        strategy: accepted for compatibility; ignored.
         trusted: extra dotted paths / callables the trust policy admits for this load.
 
     Returns:
-        ``{"checkpoint_index", "manifest", "strategy": None, "source": {"format", "path"},
+        ``{"checkpoint_index", "manifest", "strategy", "source": {"format", "path"},
         "models": {name: {"model", "spec", "optimizers": {name: {"optimizer", "spec"}},
         "schedulers": {name: {"scheduler", "spec"}}, "metadata": {"associations"}}}}``.
+        ``strategy`` is the restored ``TrainingStrategy`` for a strategy checkpoint loaded
+        whole, or None (component-only checkpoint, a ``model_names`` subset, or a training
+        function that must be supplied / is not trusted).
 
     Raises:
         FileNotFoundError: no checkpoint, or a file the manifest lists is missing.
@@ -512,11 +535,45 @@ def load_checkpoint(
         CheckpointFormatError / ChecksumMismatchError: damaged or tampered files.
         UntrustedTargetError: a spec names code outside the trust policy.
     """
-    del hooks, training_fn, strategy  # strategy-level restore is not available yet
+    del strategy  # accepted for signature compatibility: the checkpoint says what it holds
+    result = load_components(
+        root, checkpoint_index, map_location, model_names, validators=validators, trusted=trusted
+    )
+    reader = result.pop("reader")
+    if "strategy.json" in reader.files and model_names is None:
+        from fastckpt.strategy import TrainingStrategy
+
+        result["strategy"] = TrainingStrategy.from_loaded(
+            result["models"],
+            reader,
+            hooks=hooks,
+            training_fn=training_fn,
+            trusted=trusted,
+            map_location=map_location,
+            require_training_fn=False,
+        )
+    return result
+
+
+def load_components(
+    root: str | os.PathLike[str],
+    checkpoint_index: int = -1,
+    map_location: str | torch.device | None = None,
+    model_names: Sequence[str] | None = None,
+    *,
+    validators: Any = None,
+    trusted: Trusted = None,
+) -> dict[str, Any]:
+    """:func:`load_checkpoint` without restoring a strategy (no RNG or hook side effects).
+
+    Returns:
+        The same dict with ``strategy`` None, plus ``reader``: the :class:`IndexReader` of
+        the loaded index.
+    """
     manifest = Manifest.load(root)
     index = manifest.resolve(int(checkpoint_index))
     entry = manifest.entries[index]
-    reader = _IndexReader(manifest, index)
+    reader = IndexReader(manifest, index)
     components = entry.get("components", {})
     available = [check_name(n, "model name") for n in components.get("models", [])]
     wanted = list(available if model_names is None else model_names)
@@ -532,7 +589,7 @@ def load_checkpoint(
         model.load_state_dict(weights)
         if map_location is not None:
             model.to(map_location)
-        _run_validators(validators, name, model)
+        run_validators(validators, name, model)
         models[name] = {
             "model": model,
             "spec": spec,
@@ -594,6 +651,7 @@ def load_checkpoint(
         "checkpoint_index": index,
         "manifest": entry,
         "strategy": None,
+        "reader": reader,
         "source": {"format": "fastckpt", "path": str(manifest.root / str(index))},
         "models": models,
     }

@@ -1,0 +1,219 @@
+"""``CheckpointHook``: periodic strategy checkpoints, written in the background.
+
+At its cadence the hook takes a snapshot of the strategy (JSON documents built at once; tensor
+references collected), copies the tensors that can change outside the optimizer step (model
+buffers) immediately, and hands the rest to a single background thread. That thread copies
+parameters, optimizer and hook state into reusable staging buffers and then writes the index
+through the Rust core. The strategy holds :meth:`CheckpointHook.guard` around its optimizer
+step, so the copy overlaps the next forward/backward instead of stalling training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+
+from fastckpt.checkpoint import Snapshot, prune, write_snapshot
+from fastckpt.hooks.context import TrainContext, TrainingStage
+from fastckpt.staging import Stager, StagerOptions, make_stager
+
+__all__ = ["CheckpointHook"]
+
+
+def _positive(name: str, value: int | None) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"CheckpointHook {name} must be a positive integer, got {value!r}")
+    return value
+
+
+class CheckpointHook:
+    """Save a restartable ``TrainingStrategy`` checkpoint every N steps or N epochs.
+
+    Args:
+        checkpoint_dir: checkpoint root (positional or keyword, not both).
+        step_interval: save after every N completed optimizer steps (AFTER_BATCH).
+        epoch_interval: save after every N completed epochs (AFTER_EPOCH). Exactly one of the
+            two intervals must be given.
+        async_save: capture on the training thread, write on a background thread.
+        rank_zero_only: under a process group, only global rank 0 writes.
+        keep_last: after each save keep only the newest N indices (None keeps all).
+
+    Attributes:
+        last_checkpoint_index: newest index known to be committed (async: updated when the
+            background write is collected).
+
+    Raises:
+        ValueError: zero or two intervals, a non-positive interval or keep_last.
+        TypeError: no checkpoint_dir, or given both positionally and as a keyword (Python's
+            own "multiple values" error).
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        *,
+        step_interval: int | None = None,
+        epoch_interval: int | None = None,
+        async_save: bool = True,
+        rank_zero_only: bool = True,
+        keep_last: int | None = None,
+    ) -> None:
+        """Validate the policy; the background writer starts when the hook is entered."""
+        if checkpoint_dir is None:
+            raise TypeError("CheckpointHook needs a checkpoint_dir")
+        _positive("step_interval", step_interval)
+        _positive("epoch_interval", epoch_interval)
+        _positive("keep_last", keep_last)
+        if (step_interval is None) == (epoch_interval is None):
+            raise ValueError("CheckpointHook needs exactly one of step_interval or epoch_interval")
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.step_interval = step_interval
+        self.epoch_interval = epoch_interval
+        self.async_save = async_save
+        self.rank_zero_only = rank_zero_only
+        self.keep_last = keep_last
+        self.last_checkpoint_index: int | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._future: Future[int] | None = None
+        options = StagerOptions(pinned=_cuda_available(), non_blocking=_cuda_available())
+        self._stager: Stager = make_stager(options)
+        # Volatile tensors get their own pool: each pool keeps exactly the names it stages.
+        self._volatile_stager: Stager = make_stager(options)
+        self._capture_done = threading.Event()
+        self._capture_done.set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> CheckpointHook:
+        """Start the background writer (async mode)."""
+        if self.async_save and self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-hook")
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Flush the pending write; its error is raised unless another one is propagating."""
+        try:
+            self.close()
+        except Exception:
+            if exc_type is None:
+                raise
+
+    def close(self) -> None:
+        """Wait for the pending write and stop the background writer.
+
+        Raises:
+            RuntimeError: the pending background write failed (chained to its error).
+        """
+        try:
+            self._collect()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    def _collect(self) -> None:
+        """Wait for the in-flight write; raise its failure once, chained."""
+        future, self._future = self._future, None
+        if future is None:
+            return
+        error = future.exception()
+        if error is not None:
+            raise RuntimeError(
+                f"background checkpoint write to {self.checkpoint_dir} failed: {error}"
+            ) from error
+        self.last_checkpoint_index = future.result()
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Held by the strategy around its optimizer step: waits for an in-progress capture."""
+        self._capture_done.wait()
+        yield
+
+    # ------------------------------------------------------------------ policy
+
+    def _should_save(self, ctx: TrainContext, stage: TrainingStage) -> bool:
+        if self.rank_zero_only and ctx.global_rank != 0:
+            return False
+        if stage is TrainingStage.AFTER_BATCH and self.step_interval is not None:
+            return ctx.step_count > 0 and ctx.step_count % self.step_interval == 0
+        if stage is TrainingStage.AFTER_EPOCH and self.epoch_interval is not None:
+            return ctx.epoch > 0 and ctx.epoch % self.epoch_interval == 0
+        return False
+
+    def __call__(self, ctx: TrainContext, stage: TrainingStage) -> None:
+        """Save when the cadence is reached."""
+        if self._should_save(ctx, stage):
+            self.save(ctx)
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, ctx: TrainContext) -> None:
+        """Capture the strategy now and write it (in the background when async).
+
+        Raises:
+            RuntimeError: no strategy in ``ctx.workflow``, the async writer was not started, or
+                the previous background write failed.
+        """
+        if ctx.workflow is None:
+            raise RuntimeError(
+                "CheckpointHook needs TrainContext.workflow to be the running TrainingStrategy"
+            )
+        self._collect()  # at most one write in flight; keeps indices ordered
+        snapshot: Snapshot = ctx.workflow.checkpoint_snapshot()
+        if not self.async_save:
+            self.last_checkpoint_index = self._write(snapshot)
+            return
+        if self._executor is None:
+            raise RuntimeError(
+                "CheckpointHook's async writer is not running: run it through "
+                "TrainingStrategy.run (which enters hooks) or use it as a context manager"
+            )
+        self._stage(snapshot, only_volatile=True)
+        self._capture_done.clear()
+        try:
+            self._future = self._executor.submit(self._capture_and_write, snapshot)
+        except BaseException:
+            self._capture_done.set()
+            raise
+
+    def _stage(self, snapshot: Snapshot, *, only_volatile: bool) -> None:
+        """Replace the snapshot's tensors with staged copies (volatile ones or the rest)."""
+        selected = {
+            f"{relpath}\0{name}": tensor
+            for relpath, tensors in snapshot.tensor_files.items()
+            for name, tensor in tensors.items()
+            if ((relpath, name) in snapshot.volatile) == only_volatile
+        }
+        stager = self._volatile_stager if only_volatile else self._stager
+        for key, staged in stager.stage(selected).items():
+            relpath, name = key.split("\0", 1)
+            snapshot.tensor_files[relpath][name] = staged
+
+    def _capture_and_write(self, snapshot: Snapshot) -> int:
+        try:
+            self._stage(snapshot, only_volatile=False)
+        finally:
+            self._capture_done.set()
+        return self._write(snapshot)
+
+    def _write(self, snapshot: Snapshot) -> int:
+        index = write_snapshot(self.checkpoint_dir, snapshot)
+        if self.keep_last is not None:
+            prune(self.checkpoint_dir, keep_last=self.keep_last)
+        return index
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,688 @@
+"""``TrainingStrategy``: a training loop whose whole state checkpoints and resumes exactly.
+
+The strategy owns models, optimizers, schedulers, the training function, hooks and five
+counters. A strategy checkpoint (``save_checkpoint``) holds the components (as in
+:mod:`fastckpt.checkpoint`), a JSON recipe to rebuild them, the counters, the RNG states
+(python, numpy, torch CPU and CUDA) and the position inside the current epoch, plus the state
+of every :class:`~fastckpt.hooks.CheckpointableHook`. Resuming replays the epoch's data order
+from the RNG state saved at the epoch start and skips the batches already consumed, so a
+resumed run matches an uninterrupted one bit for bit (CPU, deterministic ops, a ``DataLoader``
+with ``num_workers=0``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import random
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastckpt import checkpoint as ckpt
+from fastckpt import specs, tree
+from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
+from fastckpt.hooks.context import (
+    CheckpointableHook,
+    MutationGuard,
+    TrainContext,
+    TrainingStage,
+)
+from fastckpt.layout import Manifest
+
+__all__ = ["FineTuningStrategy", "OptimizerConfig", "TrainingStrategy"]
+
+Trusted = Iterable[str | Callable[..., Any]] | None
+MUST_BE_SUPPLIED = "must be supplied"
+COUNTERS = ("step_count", "global_step_count", "batch_count", "epoch_count", "epoch_step_count")
+
+
+def _path_of(target: type | str) -> str:
+    return target if isinstance(target, str) else specs.dotted_path(target)
+
+
+@dataclass
+class OptimizerConfig:
+    """How to build a model's optimizer (and optionally its LR scheduler).
+
+    Attributes:
+        optimizer_cls: an Optimizer subclass or its dotted path.
+        optimizer_kwargs: keyword arguments (``lr``, ``betas``, ...).
+        scheduler_cls: an LR-scheduler class or dotted path, or None.
+        scheduler_kwargs: its keyword arguments (the optimizer is passed first).
+    """
+
+    optimizer_cls: type[torch.optim.Optimizer] | str
+    optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
+    scheduler_cls: type | str | None = None
+    scheduler_kwargs: dict[str, Any] | None = None
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer) -> OptimizerConfig:
+        """A config with the live optimizer's class and ``defaults``."""
+        return cls(type(optimizer), dict(optimizer.defaults))
+
+    def build(
+        self, params: Iterable[torch.nn.Parameter], trusted: Trusted = None
+    ) -> tuple[torch.optim.Optimizer, Any]:
+        """Build the optimizer on ``params`` and the scheduler on it (or None).
+
+        Dotted paths go through the trust policy (:func:`fastckpt.specs.resolve_target`).
+        """
+        optimizer_cls = self.optimizer_cls
+        if isinstance(optimizer_cls, str):
+            optimizer_cls = specs.resolve_target(optimizer_cls, "optimizer", trusted)
+        optimizer = optimizer_cls(params, **self.optimizer_kwargs)
+        scheduler = None
+        if self.scheduler_cls is not None:
+            scheduler_cls = self.scheduler_cls
+            if isinstance(scheduler_cls, str):
+                scheduler_cls = specs.resolve_target(scheduler_cls, "scheduler", trusted)
+            scheduler = scheduler_cls(optimizer, **(self.scheduler_kwargs or {}))
+        return optimizer, scheduler
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON recipe (classes as dotted paths, kwargs encoded by :mod:`fastckpt.specs`)."""
+        return {
+            "optimizer_cls": _path_of(self.optimizer_cls),
+            "optimizer_kwargs": specs.encode_value(self.optimizer_kwargs, "optimizer_kwargs"),
+            "scheduler_cls": None if self.scheduler_cls is None else _path_of(self.scheduler_cls),
+            "scheduler_kwargs": specs.encode_value(self.scheduler_kwargs, "scheduler_kwargs"),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> OptimizerConfig:
+        """Inverse of :meth:`to_json` (classes stay dotted paths until :meth:`build`)."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("optimizer_cls"), str):
+            raise CheckpointFormatError(f"bad optimizer config {data!r}")
+        return cls(
+            optimizer_cls=data["optimizer_cls"],
+            optimizer_kwargs=specs.decode_value(data.get("optimizer_kwargs") or {}),
+            scheduler_cls=data.get("scheduler_cls"),
+            scheduler_kwargs=specs.decode_value(data.get("scheduler_kwargs")),
+        )
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every RNG a training step may draw from, as tensors and plain values."""
+    version, internal, gauss = random.getstate()
+    numpy_state: tuple[Any, ...] = tuple(np.random.get_state(legacy=True))
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = numpy_state
+    state: dict[str, Any] = {
+        "python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
+        "numpy": [
+            np_name,
+            torch.from_numpy(np_keys.astype(np.int64)),
+            np_pos,
+            np_has_gauss,
+            np_gauss,
+        ],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(int(x) for x in internal.tolist()), gauss))
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    np.random.set_state(
+        (np_name, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss)
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+def _to_device(value: Any, device: torch.device | None) -> Any:
+    if device is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+class TrainingStrategy:
+    """Runs a training loop and checkpoints all of it.
+
+    Args:
+        models: an ``nn.Module`` (named ``"main"``) or a mapping name -> module (DDP-wrapped
+            modules are fine; they are unwrapped in checkpoints).
+        optimizers: an :class:`OptimizerConfig` (applied to every model), a live
+            ``torch.optim.Optimizer`` (single model), or a mapping model name -> either.
+        training_fn: ``training_fn(model, batch) -> loss`` (with several models the first
+            argument is the mapping of models), or its dotted path.
+        hooks: hooks called at every :class:`TrainingStage`.
+        num_steps: stop after this many optimizer steps in total.
+        num_epochs: stop after this many completed epochs in total.
+        device: move models and batches here.
+
+    Attributes:
+        models, optimizers, schedulers: live objects keyed by model name.
+        step_count, global_step_count, batch_count, epoch_count, epoch_step_count: counters.
+    """
+
+    def __init__(
+        self,
+        models: torch.nn.Module | Mapping[str, torch.nn.Module],
+        optimizers: Any = None,
+        training_fn: Callable[..., Any] | str | None = None,
+        hooks: Sequence[Any] = (),
+        num_steps: int | None = None,
+        num_epochs: int | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        """Build the optimizers and schedulers from their configs; counters start at 0."""
+        self.models: dict[str, torch.nn.Module] = (
+            {"main": models} if isinstance(models, torch.nn.Module) else dict(models)
+        )
+        if not self.models:
+            raise ValueError("TrainingStrategy needs at least one model")
+        self.device = None if device is None else torch.device(device)
+        if self.device is not None:
+            for model in self.models.values():
+                model.to(self.device)
+        self.optimizer_configs: dict[str, OptimizerConfig] = {}
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.schedulers: dict[str, Any] = {}
+        self._setup_optimizers(optimizers)
+        self.training_fn = self._resolve_training_fn(training_fn)
+        self.hooks = list(hooks)
+        self.num_steps = num_steps
+        self.num_epochs = num_epochs
+        self.step_count = 0
+        self.global_step_count = 0
+        self.batch_count = 0
+        self.epoch_count = 0
+        self.epoch_step_count = 0
+        self._epoch_start_rng: torch.Tensor | None = None
+        self._ctx = TrainContext(workflow=self)
+
+    # ------------------------------------------------------------------ construction
+
+    def _setup_optimizers(self, optimizers: Any) -> None:
+        if optimizers is None:
+            return
+        if isinstance(optimizers, (OptimizerConfig, torch.optim.Optimizer)):
+            if isinstance(optimizers, torch.optim.Optimizer) and len(self.models) != 1:
+                raise ValueError("a live optimizer needs a single model; pass a mapping instead")
+            optimizers = dict.fromkeys(self.models, optimizers)
+        for name, config in dict(optimizers).items():
+            if name not in self.models:
+                raise KeyError(
+                    f"optimizer for unknown model {name!r}; models: {sorted(self.models)}"
+                )
+            if isinstance(config, torch.optim.Optimizer):
+                self.optimizers[name] = config
+                self.optimizer_configs[name] = OptimizerConfig.from_optimizer(config)
+                continue
+            if not isinstance(config, OptimizerConfig):
+                raise TypeError(f"optimizers[{name!r}] must be an OptimizerConfig or Optimizer")
+            optimizer, scheduler = config.build(self.models[name].parameters())
+            self.optimizers[name] = optimizer
+            self.optimizer_configs[name] = config
+            if scheduler is not None:
+                self.schedulers[name] = scheduler
+
+    @staticmethod
+    def _resolve_training_fn(training_fn: Callable[..., Any] | str | None) -> Any:
+        if isinstance(training_fn, str):
+            # The caller wrote this path in their own code: it is trusted by construction.
+            return specs.resolve_target(training_fn, "callable", trusted=[training_fn])
+        return training_fn
+
+    @property
+    def context(self) -> TrainContext:
+        """The context hooks receive (kept current by the loop)."""
+        return self._ctx
+
+    # ------------------------------------------------------------------ the loop
+
+    def _fire(self, stage: TrainingStage) -> None:
+        ctx = self._ctx
+        ctx.step_count = self.step_count
+        ctx.global_step_count = self.global_step_count
+        ctx.batch_count = self.batch_count
+        ctx.epoch_step_count = self.epoch_step_count
+        ctx.epoch = self.epoch_count
+        ctx.global_rank = _world()[0]
+        ctx.models = self.models
+        ctx.optimizers = self.optimizers
+        ctx.schedulers = self.schedulers
+        for hook in self.hooks:
+            hook(ctx, stage)
+
+    def _done(self) -> bool:
+        return (self.num_steps is not None and self.step_count >= self.num_steps) or (
+            self.num_epochs is not None and self.epoch_count >= self.num_epochs
+        )
+
+    def run(self, train_loader: Iterable[Any]) -> None:
+        """Train until ``num_steps`` steps or ``num_epochs`` epochs (totals), firing hooks.
+
+        A restored or previously stopped strategy continues mid-epoch where it stopped.
+
+        Raises:
+            ValueError: no training_fn, no optimizer, no stopping condition, or an empty loader.
+        """
+        if self.training_fn is None:
+            raise ValueError("TrainingStrategy.run needs a training_fn")
+        if not self.optimizers:
+            raise ValueError("TrainingStrategy.run needs optimizers")
+        if self.num_steps is None and self.num_epochs is None:
+            raise ValueError("set num_steps or num_epochs before run()")
+        with contextlib.ExitStack() as stack:
+            for hook in self.hooks:
+                if hasattr(hook, "__enter__") and hasattr(hook, "__exit__"):
+                    stack.enter_context(hook)
+            self._fire(TrainingStage.SETUP)
+            self._fire(TrainingStage.BEFORE_TRAINING)
+            while not self._done():
+                if not self._run_epoch(train_loader):
+                    break
+            self._fire(TrainingStage.AFTER_TRAINING)
+
+    def _epoch_iterator(self, train_loader: Iterable[Any]) -> Iterator[Any]:
+        """A fresh epoch, or the current one replayed from its start RNG and fast-forwarded."""
+        if self.epoch_step_count == 0 or self._epoch_start_rng is None:
+            self.epoch_step_count = 0
+            self._fire(TrainingStage.BEFORE_EPOCH)
+            self._epoch_start_rng = torch.get_rng_state()
+            return iter(train_loader)
+        current = torch.get_rng_state()
+        torch.set_rng_state(self._epoch_start_rng)
+        iterator = iter(train_loader)
+        for consumed in range(self.epoch_step_count):
+            try:
+                next(iterator)
+            except StopIteration:
+                raise ValueError(
+                    f"the loader has only {consumed} batches but the checkpoint stopped after "
+                    f"{self.epoch_step_count} in this epoch; resume with the same data"
+                ) from None
+        torch.set_rng_state(current)
+        return iterator
+
+    def _run_epoch(self, train_loader: Iterable[Any]) -> bool:
+        """Run (the rest of) one epoch; False when training must stop mid-epoch."""
+        seen = self.epoch_step_count
+        for batch in self._epoch_iterator(train_loader):
+            self._train_batch(batch)
+            seen += 1
+            if self._done():
+                return False
+        if seen == 0:
+            raise ValueError("the training loader yielded no batches")
+        self.epoch_count += 1
+        self.epoch_step_count = 0
+        self._epoch_start_rng = None
+        self._fire(TrainingStage.AFTER_EPOCH)
+        return True
+
+    def _train_batch(self, batch: Any) -> None:
+        self._ctx.batch = batch
+        self._fire(TrainingStage.BEFORE_BATCH)
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=True)
+        model_arg: Any = self.models["main"] if list(self.models) == ["main"] else self.models
+        loss = self.training_fn(model_arg, _to_device(batch, self.device))
+        loss.backward()
+        with contextlib.ExitStack() as guards:
+            for hook in self.hooks:
+                if isinstance(hook, MutationGuard):
+                    guards.enter_context(hook.guard())
+            for optimizer in self.optimizers.values():
+                optimizer.step()
+            for scheduler in self.schedulers.values():
+                scheduler.step()
+            self.step_count += 1
+            self.global_step_count += _world()[1]
+            self._fire(TrainingStage.AFTER_OPTIMIZER_STEP)
+        self.batch_count += 1
+        self.epoch_step_count += 1
+        self._ctx.loss = loss.detach()
+        self._fire(TrainingStage.AFTER_BATCH)
+        self._ctx.batch = None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The five counters."""
+        return {name: getattr(self, name) for name in COUNTERS}
+
+    def _training_fn_path(self) -> str:
+        if self.training_fn is None:
+            return MUST_BE_SUPPLIED
+        try:
+            return specs.dotted_path(self.training_fn)
+        except TypeError:
+            return MUST_BE_SUPPLIED
+
+    def checkpoint_snapshot(self) -> ckpt.Snapshot:
+        """Everything a checkpoint of this strategy holds, captured now (no file I/O)."""
+        models = {name: (model, None) for name, model in self.models.items()}
+        optimizers = {name: (opt, None) for name, opt in self.optimizers.items()}
+        schedulers = {
+            name: (sched, self._scheduler_spec(name, sched))
+            for name, sched in self.schedulers.items()
+        }
+        associations = {
+            "optimizers": {name: name for name in optimizers},
+            "schedulers": {name: name for name in schedulers},
+        }
+        snapshot = ckpt.create_snapshot(models, optimizers, schedulers, associations, self.counters)
+        runtime = {"rng": _rng_state(), "epoch_start_rng": self._epoch_start_rng}
+        skeleton, tensors = tree.flatten(runtime)
+        snapshot.tensor_files["strategy.safetensors"] = tensors
+        snapshot.json_files["strategy.json"] = {
+            "strategy_cls": specs.dotted_path(type(self)),
+            "optimizer_configs": {n: c.to_json() for n, c in self.optimizer_configs.items()},
+            "training_fn": self._training_fn_path(),
+            "num_steps": self.num_steps,
+            "num_epochs": self.num_epochs,
+            "counters": self.counters,
+            "runtime": skeleton,
+        }
+        hook_states = []
+        occurrences: dict[str, int] = {}
+        for hook in self.hooks:
+            if isinstance(hook, CheckpointableHook):
+                cls_path = specs.dotted_path(type(hook))
+                occurrence = occurrences.get(cls_path, 0)
+                occurrences[cls_path] = occurrence + 1
+                hook_states.append(
+                    {"class": cls_path, "occurrence": occurrence, "state": hook.state_dict()}
+                )
+        skeleton, tensors = tree.flatten(hook_states)
+        snapshot.json_files["hooks.json"] = {"hooks": skeleton}
+        snapshot.tensor_files["hooks.safetensors"] = tensors
+        return snapshot
+
+    def _scheduler_spec(self, name: str, scheduler: Any) -> specs.BaseSpec | None:
+        config = self.optimizer_configs.get(name)
+        if config is None or config.scheduler_cls is None:
+            return None
+        return specs.BaseSpec(
+            cls_path=_path_of(config.scheduler_cls), kwargs=dict(config.scheduler_kwargs or {})
+        )
+
+    def save_checkpoint(self, root: str | Path, *, checkpoint_index: int = -1) -> int:
+        """Write this strategy as a committed checkpoint index of ``root``; returns it."""
+        return ckpt.write_snapshot(root, self.checkpoint_snapshot(), checkpoint_index)
+
+    def restore_checkpoint(
+        self,
+        root: str | Path,
+        checkpoint_index: int = -1,
+        map_location: str | torch.device | None = None,
+        *,
+        validators: Any = None,
+    ) -> int:
+        """Restore weights, optimizer/scheduler state, counters, RNG, data position and hook
+        states into this live strategy. Returns the restored index.
+
+        Raises:
+            ValueError: the checkpoint is component-only, or its models differ from this one's.
+        """
+        manifest = Manifest.load(root)
+        index = manifest.resolve(int(checkpoint_index))
+        reader = ckpt.IndexReader(manifest, index)
+        recipe = _read_recipe(reader)
+        entry = manifest.entries[index]
+        saved_models = entry.get("components", {}).get("models", [])
+        if sorted(saved_models) != sorted(self.models):
+            raise ValueError(
+                f"checkpoint {index} has models {sorted(saved_models)}, this strategy has "
+                f"{sorted(self.models)}"
+            )
+        for name, model in self.models.items():
+            target = ckpt.unwrap_model(model)
+            target.load_state_dict(reader.tensors(f"models/{name}.safetensors"))
+            if map_location is not None:
+                target.to(map_location)
+            ckpt.run_validators(validators, name, target)
+        for name, optimizer in self.optimizers.items():
+            state = reader.component_state("optimizers", name, map_location)
+            optimizer.load_state_dict(state)
+        for name, scheduler in self.schedulers.items():
+            scheduler.load_state_dict(reader.component_state("schedulers", name, None))
+        self._restore_runtime(reader, recipe)
+        return index
+
+    def _restore_runtime(self, reader: ckpt.IndexReader, recipe: Mapping[str, Any]) -> None:
+        counters = recipe.get("counters", {})
+        for name in COUNTERS:
+            value = counters.get(name, 0)
+            if not isinstance(value, int):
+                raise CheckpointFormatError(f"strategy.json: counter {name} must be an int")
+            setattr(self, name, value)
+        runtime = tree.unflatten(recipe.get("runtime"), reader.tensors("strategy.safetensors"))
+        _set_rng_state(runtime["rng"])
+        self._epoch_start_rng = runtime["epoch_start_rng"]
+        hooks_doc = reader.json("hooks.json")
+        saved = tree.unflatten(hooks_doc.get("hooks", []), reader.tensors("hooks.safetensors"))
+        _restore_hook_states(self.hooks, saved)
+
+    @classmethod
+    def load_checkpoint(
+        cls,
+        root: str | Path,
+        checkpoint_index: int = -1,
+        map_location: str | torch.device | None = None,
+        *,
+        hooks: Sequence[Any] | None = None,
+        training_fn: Callable[..., Any] | None = None,
+        validators: Any = None,
+        trusted: Trusted = None,
+    ) -> TrainingStrategy:
+        """Rebuild a strategy from a checkpoint: models from their specs, optimizers and
+        schedulers from the recipe, then every piece of state.
+
+        Args:
+            training_fn: always wins; otherwise the recorded dotted path is used (it must be
+                registered or listed in ``trusted``).
+            hooks: runtime hooks; checkpointable ones get their saved state.
+
+        Raises:
+            ValueError: a component-only checkpoint (use ``fastckpt.load_checkpoint``), or the
+                training function must be supplied.
+        """
+        result = ckpt.load_components(
+            root, checkpoint_index, map_location, validators=validators, trusted=trusted
+        )
+        strategy = cls.from_loaded(
+            result["models"],
+            result["reader"],
+            hooks=hooks,
+            training_fn=training_fn,
+            trusted=trusted,
+            map_location=map_location,
+        )
+        assert strategy is not None  # require_training_fn=True raises instead
+        return strategy
+
+    @classmethod
+    def from_loaded(
+        cls,
+        models: Mapping[str, Mapping[str, Any]],
+        reader: ckpt.IndexReader,
+        *,
+        hooks: Sequence[Any] | None = None,
+        training_fn: Callable[..., Any] | None = None,
+        trusted: Trusted = None,
+        map_location: str | torch.device | None = None,
+        require_training_fn: bool = True,
+    ) -> TrainingStrategy | None:
+        """Assemble a strategy from components already rebuilt by ``fastckpt.load_checkpoint``
+        (its ``models`` result) and the recipe, counters, RNG and hook states in ``reader``.
+
+        Returns None instead of raising when ``require_training_fn`` is False and the training
+        function is neither supplied nor recorded and trusted.
+        """
+        recipe = _read_recipe(reader)
+        fn = training_fn
+        if fn is None:
+            path = recipe.get("training_fn")
+            try:
+                if path == MUST_BE_SUPPLIED or not isinstance(path, str):
+                    raise ValueError(
+                        "this checkpoint's training function was not importable (a lambda, "
+                        "closure or local function), so it must be supplied: pass "
+                        "training_fn=... to load_checkpoint"
+                    )
+                fn = specs.resolve_target(path, "callable", trusted)
+            except (ValueError, UntrustedTargetError):
+                if require_training_fn:
+                    raise
+                return None
+        live_models = {name: record["model"] for name, record in models.items()}
+        strategy = cls.__new__(cls)
+        TrainingStrategy.__init__(
+            strategy,
+            live_models,
+            None,
+            fn,
+            hooks or (),
+            recipe.get("num_steps"),
+            recipe.get("num_epochs"),
+            map_location,
+        )
+        for record in models.values():
+            for opt_name, item in record["optimizers"].items():
+                strategy.optimizers[opt_name] = item["optimizer"]
+            for sched_name, item in record["schedulers"].items():
+                strategy.schedulers[sched_name] = item["scheduler"]
+        for name, data in dict(recipe.get("optimizer_configs") or {}).items():
+            strategy.optimizer_configs[name] = OptimizerConfig.from_json(data)
+        strategy._restore_runtime(reader, recipe)
+        return strategy
+
+
+def _read_recipe(reader: ckpt.IndexReader) -> dict[str, Any]:
+    if "strategy.json" not in reader.files:
+        raise ValueError(
+            f"{reader.directory} is a component-only checkpoint (no strategy recipe); load it "
+            "with fastckpt.load_checkpoint instead"
+        )
+    recipe = reader.json("strategy.json")
+    if not isinstance(recipe, dict):
+        raise CheckpointFormatError(f"{reader.directory}/strategy.json must be an object")
+    return recipe
+
+
+def _restore_hook_states(hooks: Sequence[Any], saved: Any) -> None:
+    """Give each checkpointable hook the state saved for its class and occurrence."""
+    if not isinstance(saved, list):
+        raise CheckpointFormatError("hooks.json: 'hooks' must be a list")
+    live: dict[tuple[str, int], Any] = {}
+    occurrences: dict[str, int] = {}
+    for hook in hooks:
+        if isinstance(hook, CheckpointableHook):
+            cls_path = specs.dotted_path(type(hook))
+            occurrence = occurrences.get(cls_path, 0)
+            occurrences[cls_path] = occurrence + 1
+            live[(cls_path, occurrence)] = hook
+    for item in saved:
+        key = (item.get("class"), item.get("occurrence"))
+        hook = live.get(key)
+        if hook is None:
+            warnings.warn(
+                f"checkpoint has state for hook {key[0]} (occurrence {key[1]}) but no matching "
+                "hook was passed; its state is not restored",
+                stacklevel=3,
+            )
+            continue
+        hook.load_state_dict(item["state"])
+
+
+class FineTuningStrategy(TrainingStrategy):
+    """A fresh strategy seeded with a checkpoint's model weights only.
+
+    Attributes:
+        fine_tuned_from: where the weights came from (path, index, load time), or None.
+    """
+
+    fine_tuned_from: dict[str, Any] | None = None
+
+    @classmethod
+    def from_pretrained_checkpoint(
+        cls,
+        checkpoint_dir: str | Path,
+        *,
+        checkpoint_index: int = -1,
+        map_location: str | torch.device | None = None,
+        use_original_loss: bool = False,
+        use_original_opt_class: bool = False,
+        optimizer_lr: float = 1e-5,
+        trusted: Trusted = None,
+        **strategy_kwargs: Any,
+    ) -> FineTuningStrategy:
+        """Build a fine-tuning strategy from a strategy checkpoint's models.
+
+        No optimizer state, scheduler state, counters, hooks or run limits are carried over.
+
+        Args:
+            use_original_loss: reuse the recorded training function (dotted path, trust policy).
+            use_original_opt_class: reuse the recorded optimizer class (and scheduler) with
+                ``lr=optimizer_lr``; otherwise ``AdamW(lr=optimizer_lr)``.
+            optimizer_lr: learning rate of the new optimizers.
+            strategy_kwargs: other ``TrainingStrategy`` arguments (they win).
+        """
+        result = ckpt.load_components(
+            checkpoint_dir, checkpoint_index, map_location, trusted=trusted
+        )
+        recipe = _read_recipe(result["reader"])
+        models = {name: record["model"] for name, record in result["models"].items()}
+        kwargs: dict[str, Any] = dict(strategy_kwargs)
+        if "optimizers" not in kwargs:
+            configs = {}
+            for name in models:
+                original = recipe.get("optimizer_configs", {}).get(name)
+                if use_original_opt_class and original is not None:
+                    config = OptimizerConfig.from_json(original)
+                    config.optimizer_kwargs = {**config.optimizer_kwargs, "lr": optimizer_lr}
+                    config.optimizer_cls = specs.resolve_target(
+                        str(config.optimizer_cls), "optimizer", trusted
+                    )
+                    if config.scheduler_cls is not None:
+                        config.scheduler_cls = specs.resolve_target(
+                            str(config.scheduler_cls), "scheduler", trusted
+                        )
+                else:
+                    config = OptimizerConfig(torch.optim.AdamW, {"lr": optimizer_lr})
+                configs[name] = config
+            kwargs["optimizers"] = configs
+        if "training_fn" not in kwargs and use_original_loss:
+            path = recipe.get("training_fn")
+            if not isinstance(path, str) or path == MUST_BE_SUPPLIED:
+                raise ValueError(
+                    "the original training function was not importable; pass training_fn="
+                )
+            kwargs["training_fn"] = specs.resolve_target(path, "callable", trusted)
+        strategy = cls(models if list(models) != ["main"] else models["main"], **kwargs)
+        strategy.fine_tuned_from = {
+            "path": str(Path(checkpoint_dir)),
+            "checkpoint_index": result["checkpoint_index"],
+            "loaded": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+        }
+        return strategy

@@ -1,0 +1,76 @@
+"""Importable pieces for strategy tests (subprocesses import this module by name)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fastckpt
+
+
+class DropoutMLP(nn.Module):
+    """A small model with dropout, so resuming must restore the RNG exactly."""
+
+    def __init__(self, width: int = 8, p: float = 0.2) -> None:
+        super().__init__()
+        self.width = width
+        self.p = p
+        self.net = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Dropout(p), nn.Linear(width, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def training_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Mean squared error on an (x, y) batch."""
+    x, y = batch
+    return (model(x) - y).square().mean()
+
+
+def loader(seed: int = 0) -> DataLoader:
+    """64 samples, batches of 8, shuffled by the global torch RNG."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 4, generator=gen)
+    y = x.sum(dim=1, keepdim=True)
+    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, num_workers=0)
+
+
+class LossRecorder:
+    """Records every batch loss (exact float32 values)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def __call__(self, ctx: fastckpt.TrainContext, stage: fastckpt.TrainingStage) -> None:
+        if stage is fastckpt.TrainingStage.AFTER_BATCH and ctx.loss is not None:
+            self.losses.append(ctx.loss.item())
+
+
+def new_strategy(hooks: list[Any], num_steps: int) -> fastckpt.TrainingStrategy:
+    """The reference job: DropoutMLP + Adam + StepLR, seeded."""
+    torch.manual_seed(1234)
+    return fastckpt.TrainingStrategy(
+        DropoutMLP(),
+        fastckpt.OptimizerConfig(
+            torch.optim.Adam,
+            {"lr": 1e-2},
+            torch.optim.lr_scheduler.StepLR,
+            {"step_size": 5, "gamma": 0.5},
+        ),
+        training_fn=training_fn,
+        hooks=hooks,
+        num_steps=num_steps,
+    )
+
+
+def final_state(strategy: fastckpt.TrainingStrategy, ema: Any) -> dict[str, torch.Tensor]:
+    """Parameters, optimizer tensors and EMA weights, flat, for bitwise comparison."""
+    out = {f"param.{k}": v for k, v in strategy.models["main"].state_dict().items()}
+    for index, state in strategy.optimizers["main"].state_dict()["state"].items():
+        for key, value in state.items():
+            out[f"optim.{index}.{key}"] = value
+    out.update({f"ema.{k}": v for k, v in ema.shadow.items()})
+    return out
