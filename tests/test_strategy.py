@@ -408,3 +408,30 @@ def test_unmatched_hooks_warn_not_silently(tmp_path: Path) -> None:
         warnings.simplefilter("always")
         support.new_strategy([EMAHook()], num_steps=1).restore_checkpoint(tmp_path)
     assert any("occurrence 1" in str(w.message) for w in caught)
+
+
+FSDP_SCRIPT = """
+import sys, tempfile, torch, torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+import fastckpt, training_support as s
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=0, world_size=1)
+fsdp2 = s.DropoutMLP()
+fully_shard(fsdp2)
+fsdp1 = FullyShardedDataParallel(s.DropoutMLP(), device_id=torch.device("cpu"))
+for model in (fsdp2, fsdp1):
+    strategy = fastckpt.TrainingStrategy(
+        model, fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}), training_fn=s.training_fn
+    )
+    try:
+        strategy.save_checkpoint(sys.argv[1])
+    except ValueError as err:
+        assert "sharded checkpointing" in str(err), err
+        print("refused")
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp_models_are_refused_with_a_pointer(tmp_path: Path) -> None:
+    out = run_python(FSDP_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "pg"))
+    assert out.split() == ["refused", "refused"]
+    assert not (tmp_path / "ckpt" / "manifest.json").exists()
