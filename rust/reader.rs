@@ -362,6 +362,26 @@ mod tests {
     }
 
     #[test]
+    fn overwriting_replaces_the_file_and_cleans_the_old_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.safetensors");
+        write(&path, &sample(), WriteOptions::default());
+        let newer = vec![("only", Dtype::U8, vec![3], vec![9, 8, 7])];
+        write(&path, &newer, WriteOptions::default());
+        let reader = Reader::open(&path).unwrap();
+        assert_eq!(reader.header().tensors.len(), 1);
+        // The old version is deleted in the background after the commit.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while std::fs::read_dir(dir.path()).unwrap().count() > 1 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "old version never deleted"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    #[test]
     fn flipped_byte_is_a_checksum_error_naming_the_tensor() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("x.safetensors");

@@ -264,7 +264,9 @@ import resource, signal, sys, torch, fastckpt
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 try:
-    fastckpt.save_file({"w": torch.ones(4 << 20)}, sys.argv[1], chunk_size=1 << 16)
+    fastckpt.save_file(
+        {"w": torch.ones(4 << 20)}, sys.argv[1], chunk_size=1 << 16, direct_io=sys.argv[2] == "1"
+    )
 except OSError as err:
     print("OSError", err.errno, err.filename)
     sys.exit(0)
@@ -272,14 +274,16 @@ sys.exit("save unexpectedly succeeded")
 """
 
 
-def test_save_failing_midway_leaves_old_file_and_no_temp(tmp_path: Path) -> None:
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_save_failing_midway_leaves_old_file_and_no_temp(tmp_path: Path, direct_io: bool) -> None:
     path = tmp_path / "ckpt.safetensors"
     fastckpt.save_file({"old": torch.zeros(4)}, path)
     result = subprocess.run(
-        [sys.executable, "-c", MIDWAY_FAILURE, str(path)],
+        [sys.executable, "-c", MIDWAY_FAILURE, str(path), "1" if direct_io else "0"],
         capture_output=True,
         text=True,
         check=True,
+        timeout=120,
     )
     assert result.stdout.startswith("OSError 27"), result.stdout  # EFBIG
     assert str(path) in result.stdout

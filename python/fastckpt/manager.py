@@ -27,7 +27,7 @@ import torch
 
 from fastckpt import _native, tree
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, ChecksumMismatchError
-from fastckpt.files import DEFAULT_THREADS, read_tensors
+from fastckpt.files import DEFAULT_WRITE_THREADS, read_tensors
 from fastckpt.layout import DirectoryWriter, check_name, check_relpath
 from fastckpt.staging import Stager, StagerOptions, make_stager
 
@@ -94,7 +94,7 @@ class CheckpointWriterConfig:
         temp_dir_prefix: accepted for compatibility (temporary siblings use ``.tmp-``).
     """
 
-    file_write_max_threads: int = DEFAULT_THREADS
+    file_write_max_threads: int = DEFAULT_WRITE_THREADS
     temp_dir_prefix: str = ".tmp-"
 
 
