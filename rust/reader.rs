@@ -365,7 +365,8 @@ mod tests {
     fn overwriting_replaces_the_file_and_cleans_the_old_one() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("x.safetensors");
-        write(&path, &sample(), WriteOptions::default());
+        let large = vec![("big", Dtype::U8, vec![64 << 20], vec![1u8; 64 << 20])];
+        write(&path, &large, WriteOptions::default());
         let newer = vec![("only", Dtype::U8, vec![3], vec![9, 8, 7])];
         write(&path, &newer, WriteOptions::default());
         let reader = Reader::open(&path).unwrap();

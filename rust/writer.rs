@@ -665,9 +665,13 @@ pub fn write_bytes_atomic(path: &Path, bytes: &[u8], fsync: bool) -> Result<()> 
     commit(&mut temp, path, fsync)
 }
 
+/// Old versions at least this large are deleted in the background after a commit (freeing a
+/// large file's blocks is slow); smaller ones are simply replaced by the rename.
+const DEFER_DELETE_BYTES: u64 = 64 << 20;
+
 /// Renames the finished temporary file over `path` and fsyncs the directory.
 ///
-/// When `path` already exists, its inode is first kept alive under a hidden hard link: the
+/// When a large `path` already exists, its inode is first kept alive under a hidden hard link: the
 /// rename then replaces the directory entry atomically without freeing the old file's blocks
 /// (which takes ~0.2 s per GiB on ext4), and the old file is deleted on a background thread
 /// after the commit. A crash at any point leaves `path` holding the old or the new file; a
@@ -675,7 +679,8 @@ pub fn write_bytes_atomic(path: &Path, bytes: &[u8], fsync: bool) -> Result<()> 
 fn commit(temp: &mut TempFile, path: &Path, fsync: bool) -> Result<()> {
     remove_stale_trash(path);
     let trash = temp_sibling(path)?.with_extension("fastckpt-trash");
-    let kept = fs::hard_link(path, &trash).is_ok();
+    let large = fs::metadata(path).is_ok_and(|m| m.len() >= DEFER_DELETE_BYTES);
+    let kept = large && fs::hard_link(path, &trash).is_ok();
     let renamed = fs::rename(&temp.path, path).map_err(|e| Error::io(path, e));
     if renamed.is_err() {
         if kept {

@@ -330,3 +330,14 @@ def test_no_module_uses_pickle_for_loading() -> None:
         if re.search(r"torch\.load\((?![^)]*weights_only=True)", text):
             offenders.append(f"{source.name} (torch.load without weights_only)")
     assert offenders == []
+
+
+def test_saves_and_loads_are_logged_at_info(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="fastckpt"):
+        save_checkpoint(tmp_path, models={"main": (nn.Linear(4, 4), None)})
+        load_checkpoint(tmp_path)
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("fastckpt")]
+    assert any(m.startswith("saved ") and "GiB/s" in m for m in messages), messages
+    assert any(m.startswith("loaded ") and "GiB/s" in m for m in messages), messages

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,8 @@ from fastckpt import specs, tree
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.files import read_tensors
 from fastckpt.layout import IndexWriter, Manifest, check_name
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Snapshot",
@@ -279,6 +283,7 @@ def write_snapshot(
     index = _next_index(manifest) if checkpoint_index == -1 else int(checkpoint_index)
     if index < 0:
         raise ValueError(f"checkpoint_index must be -1 or >= 0, got {checkpoint_index}")
+    start = time.perf_counter()
     writer = IndexWriter(root, index)
     try:
         for relpath, tensors in snapshot.tensor_files.items():
@@ -289,6 +294,7 @@ def write_snapshot(
     except BaseException:
         writer.abort()
         raise
+    log_throughput("saved", f"{root}/{index}", writer.files.values(), start)
     return index
 
 
@@ -366,6 +372,27 @@ def _plan_components(
 
 
 # --------------------------------------------------------------------------- load
+
+
+def log_throughput(
+    action: str, where: str, records: Iterable[Mapping[str, int]], start: float
+) -> None:
+    """Log a save/load at INFO on the ``fastckpt`` logger: files, bytes, seconds, GiB/s."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    seconds = time.perf_counter() - start
+    records = list(records)
+    nbytes = sum(record["size"] for record in records)
+    rate = nbytes / 2**30 / seconds if seconds > 0 else float("inf")
+    log.info(
+        "%s %s: %d files, %.1f MiB in %.3f s (%.2f GiB/s)",
+        action,
+        where,
+        len(records),
+        nbytes / 2**20,
+        seconds,
+        rate,
+    )
 
 
 class IndexReader:
@@ -570,6 +597,7 @@ def load_components(
         The same dict with ``strategy`` None, plus ``reader``: the :class:`IndexReader` of
         the loaded index.
     """
+    start = time.perf_counter()
     manifest = Manifest.load(root)
     index = manifest.resolve(int(checkpoint_index))
     entry = manifest.entries[index]
@@ -647,6 +675,7 @@ def load_components(
         scheduler.load_state_dict(state)
         models[owner]["schedulers"][name] = {"scheduler": scheduler, "spec": spec}
 
+    log_throughput("loaded", str(reader.directory), reader.files.values(), start)
     return {
         "checkpoint_index": index,
         "manifest": entry,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from fastckpt import _native, tree
+from fastckpt.checkpoint import log_throughput
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, ChecksumMismatchError
 from fastckpt.files import DEFAULT_WRITE_THREADS, read_tensors
 from fastckpt.layout import DirectoryWriter, check_name, check_relpath
@@ -356,6 +358,7 @@ class CheckpointManager:
         )
 
     def _write(self, snapshot: _Snapshot) -> None:
+        start = time.perf_counter()
         final = snapshot.path
         writer = DirectoryWriter(final, direct_io=self._direct_io, threads=self._threads)
         try:
@@ -367,6 +370,7 @@ class CheckpointManager:
         except BaseException:
             writer.abort()
             raise
+        log_throughput("saved", str(final), writer.files.values(), start)
 
     def _commit(self, writer: DirectoryWriter, items: list[str]) -> None:
         if not self._dist.active:
@@ -426,6 +430,7 @@ class CheckpointManager:
             FileNotFoundError: no such checkpoint.
         """
         self._check_open("load")
+        start = time.perf_counter()
         directory = Path(checkpoint_id)
         record = _read_commit_record(directory)
         available = record["items"]
@@ -441,6 +446,7 @@ class CheckpointManager:
             value = _load_item(directory, record, key, self._dist.rank, map_location)
             template = None if into is None else into[key]
             result[key] = _merge(template, value, key, strict)
+        log_throughput("loaded", str(directory), record["files"].values(), start)
         return result
 
     # ------------------------------------------------------------------ close
