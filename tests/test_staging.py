@@ -42,3 +42,21 @@ def test_cuda_stager_pinned_non_blocking() -> None:
     again = stager.stage(live)
     assert again["w"].data_ptr() == staged["w"].data_ptr()
     assert torch.equal(again["w"], live["w"].cpu())
+
+
+def test_background_executor_runs_at_lower_priority() -> None:
+    import os
+    import threading
+
+    from fastckpt.staging import BACKGROUND_NICE, background_executor
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    executor = background_executor("test")
+    try:
+        theirs = executor.submit(
+            lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        ).result()
+    finally:
+        executor.shutdown()
+    assert theirs == min(19, mine + BACKGROUND_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine

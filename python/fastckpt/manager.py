@@ -19,7 +19,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from fastckpt.checkpoint import log_throughput
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, ChecksumMismatchError
 from fastckpt.files import DEFAULT_WRITE_THREADS, read_tensors
 from fastckpt.layout import DirectoryWriter, check_name, check_relpath
-from fastckpt.staging import Stager, StagerOptions, make_stager
+from fastckpt.staging import Stager, StagerOptions, background_executor, make_stager
 
 __all__ = [
     "AsyncCheckpointSaverConfig",
@@ -235,11 +235,7 @@ class CheckpointManager:
         self._direct_io = storage.use_direct_io
         self._threads = self.config.save.writer_config.file_write_max_threads
         self._dist = _DistributedContext()
-        self._executor = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-writer")
-            if self._async
-            else None
-        )
+        self._executor = background_executor("fastckpt-writer") if self._async else None
         self._future: Future[None] | None = None
         self._capture_lock = threading.Lock()
         self._capture_done = threading.Event()

@@ -20,7 +20,7 @@ from types import TracebackType
 
 from fastckpt.checkpoint import Snapshot, prune, write_snapshot
 from fastckpt.hooks.context import TrainContext, TrainingStage
-from fastckpt.staging import Stager, StagerOptions, make_stager
+from fastckpt.staging import Stager, StagerOptions, background_executor, make_stager
 
 __all__ = ["CheckpointHook"]
 
@@ -92,7 +92,7 @@ class CheckpointHook:
     def __enter__(self) -> CheckpointHook:
         """Start the background writer (async mode)."""
         if self.async_save and self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-hook")
+            self._executor = background_executor("fastckpt-hook")
         return self
 
     def __exit__(
