@@ -341,3 +341,14 @@ def test_saves_and_loads_are_logged_at_info(
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("fastckpt")]
     assert any(m.startswith("saved ") and "GiB/s" in m for m in messages), messages
     assert any(m.startswith("loaded ") and "GiB/s" in m for m in messages), messages
+
+
+def test_adamw_defaults_rebuild(tmp_path: Path) -> None:
+    model = nn.Linear(3, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    save_checkpoint(tmp_path, models={"main": (model, None)}, optimizers={"w": (optimizer, None)})
+    restored = load_checkpoint(tmp_path)["models"]["main"]["optimizers"]["w"]["optimizer"]
+    assert isinstance(restored, torch.optim.AdamW)
+    assert restored.param_groups[0]["weight_decay"] == 0.1

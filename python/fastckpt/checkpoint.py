@@ -120,6 +120,20 @@ def _constructor_kwargs(obj: Any, state: Mapping[str, Any], skip: int) -> dict[s
     return kwargs
 
 
+def accepted_kwargs(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``values`` that ``cls.__init__`` accepts (all of them with ``**kwargs``).
+
+    ``Optimizer.defaults`` may hold entries the constructor does not take (e.g. AdamW's
+    ``decoupled_weight_decay``); rebuilding with them would fail.
+    """
+    import inspect
+
+    parameters = inspect.signature(cls).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return dict(values)
+    return {key: value for key, value in values.items() if key in parameters}
+
+
 def _infer_optimizer_owner(
     optimizer: torch.optim.Optimizer, models: Mapping[str, torch.nn.Module]
 ) -> tuple[str | None, list[list[str]]]:
@@ -332,7 +346,7 @@ def _plan_components(
         if spec is None:
             spec = specs.BaseSpec(
                 cls_path=specs.dotted_path(type(optimizer)),
-                kwargs=dict(optimizer.defaults),
+                kwargs=accepted_kwargs(type(optimizer), optimizer.defaults),
                 timestamp=_now(),
             )
         skeleton, tensors = tree.flatten(optimizer.state_dict())

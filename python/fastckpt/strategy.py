@@ -65,7 +65,7 @@ class OptimizerConfig:
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer) -> OptimizerConfig:
         """A config with the live optimizer's class and ``defaults``."""
-        return cls(type(optimizer), dict(optimizer.defaults))
+        return cls(type(optimizer), ckpt.accepted_kwargs(type(optimizer), optimizer.defaults))
 
     def build(
         self, params: Iterable[torch.nn.Parameter], trusted: Trusted = None

@@ -1,0 +1,18 @@
+"""``python -m fastckpt.bench``: fastckpt measured side by side with its peers on your disk.
+
+One process builds one transformer-like state (weights + Adam moments) and hands the same
+tensors to every writer (fastckpt sync/buffered/no-checksum/async, ``torch.save``, safetensors,
+PyTorch DCP with 1 and 2 threads and ``async_save``, and the O_DIRECT disk ceiling) and reader,
+measures memory per writer and a training loop's step throughput with periodic async
+checkpoints, and checks the bar of BENCHMARKS.md. See ``benches/README.md``.
+
+Modules: :mod:`~fastckpt.bench.state` (the state), :mod:`~fastckpt.bench.writers`,
+:mod:`~fastckpt.bench.readers`, :mod:`~fastckpt.bench.cache` (cold reads),
+:mod:`~fastckpt.bench.memory`, :mod:`~fastckpt.bench.training`, :mod:`~fastckpt.bench.bar`,
+:mod:`~fastckpt.bench.report`, :mod:`~fastckpt.bench.environment`,
+:mod:`~fastckpt.bench.harness` (the run) and :mod:`~fastckpt.bench.cli` (the options).
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

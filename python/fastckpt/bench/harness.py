@@ -1,0 +1,443 @@
+"""Runs the whole benchmark: one state, every writer and reader, memory, training loop, bar.
+
+Order of a run: build the state; probe whether caches can be dropped; measure the memcpy rate;
+writes (one untimed warm-up round, then ``repeats`` rounds, each running every writer once, so
+drift hits all of them alike; each output deleted and the filesystem synced between runs);
+reads (inputs written once, then ``repeats`` interleaved rounds, caches dropped before each
+read); memory (one child process per writer); the training loop (scenarios interleaved per
+repetition); the bar.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastckpt.bench import bar, environment, memory, training
+from fastckpt.bench.cache import CacheControl
+from fastckpt.bench.readers import Reader, make_readers
+from fastckpt.bench.state import build_state, plan_state, state_bytes
+from fastckpt.bench.stats import summarize
+from fastckpt.bench.training import TrainingConfig
+from fastckpt.bench.writers import (
+    WRITERS,
+    Writer,
+    WriterUnavailable,
+    make_writers,
+    path_bytes,
+    remove_path,
+)
+
+__all__ = ["SCHEMA_VERSION", "BenchConfig", "default_tag", "run"]
+
+#: Version of the JSON layout written by the harness.
+SCHEMA_VERSION = 1
+
+#: Saves in a row for the async-manager RSS figure.
+ASYNC_REPEATED_SAVES = 10
+
+GIB = 2**30
+
+
+def default_tag(size_gib: float) -> str:
+    """Output name for a state size: ``1.5`` -> ``"state-1.5gib"``."""
+    return f"state-{size_gib:g}gib"
+
+
+@dataclass
+class BenchConfig:
+    """What to run.
+
+    Attributes:
+        size_gib: state size in GiB.
+        repeats: timed repetitions of every writer and reader.
+        directory: where files are written (a temp dir is made inside it); None: a temp dir
+            in the current working directory (so on its filesystem, not a tmpfs /tmp).
+        writers: writer names (None: all).
+        readers: reader names (None: all).
+        out: where the JSON/markdown/PNG go.
+        tag: output file stem (None: from the size).
+        plot: write the PNG.
+        memory: run the per-writer memory children.
+        training: run the training-loop scenario.
+        training_config: its size.
+        cold: drop caches before reads when allowed.
+        log: progress sink.
+    """
+
+    size_gib: float = 1.5
+    repeats: int = 3
+    directory: Path | None = None
+    writers: list[str] | None = None
+    readers: list[str] | None = None
+    out: Path = Path("benches/results")
+    tag: str | None = None
+    plot: bool = True
+    memory: bool = True
+    training: bool = True
+    training_config: TrainingConfig = field(default_factory=TrainingConfig)
+    cold: bool = True
+    log: Callable[[str], None] = print
+
+
+@contextmanager
+def _work_dir(config: BenchConfig) -> Iterator[Path]:
+    parent = Path(config.directory) if config.directory is not None else Path.cwd()
+    parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=".fastckpt-bench-", dir=parent))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _entry(label: str, status: str, reason: str | None) -> dict[str, Any]:
+    return {
+        "label": label,
+        "status": status,
+        "available": status == "ok",
+        "reason": reason,
+        "runs": [],
+    }
+
+
+def _error_text(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _run_writes(
+    writers: list[Writer],
+    state: dict[str, torch.Tensor],
+    nbytes: int,
+    root: Path,
+    config: BenchConfig,
+) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    active: list[Writer] = []
+    for writer in writers:
+        try:
+            writer.open()
+        except WriterUnavailable as err:
+            results[writer.name] = _entry(writer.label, "not available", str(err))
+            config.log(f"  {writer.name}: not available ({err})")
+            continue
+        results[writer.name] = _entry(writer.label, "ok", None)
+        results[writer.name]["async"] = writer.is_async
+        active.append(writer)
+
+    def once(writer: Writer, rep: int) -> dict[str, Any]:
+        target = writer.target(root)
+        remove_path(target)
+        os.sync()
+        timing = writer.write(state, target)
+        on_disk = path_bytes(target)
+        remove_path(target)
+        os.sync()
+        return {
+            "rep": rep,
+            "seconds": timing.seconds,
+            "stall_seconds": timing.stall_seconds,
+            "gib_per_s": nbytes / GIB / timing.seconds,
+            "bytes_on_disk": on_disk,
+            "details": timing.details,
+        }
+
+    try:
+        for rep in range(config.repeats + 1):  # round 0 is the warm-up
+            label = "warm-up" if rep == 0 else f"rep {rep}/{config.repeats}"
+            for writer in list(active):
+                entry = results[writer.name]
+                try:
+                    run = once(writer, rep)
+                except Exception as err:  # a peer failing must not sink the run
+                    entry.update(status="failed", available=False, reason=_error_text(err))
+                    config.log(f"  {label} {writer.name}: FAILED {_error_text(err)}")
+                    traceback.print_exc(file=sys.stderr)
+                    active.remove(writer)
+                    writer.close()
+                    continue
+                if rep == 0:
+                    entry["warmup"] = run
+                else:
+                    entry["runs"].append(run)
+                config.log(
+                    f"  {label} {writer.name:18s} {run['seconds']:7.3f} s"
+                    f"  {run['gib_per_s']:6.2f} GiB/s  stall {run['stall_seconds']:7.3f} s"
+                )
+    finally:
+        for writer in active:
+            writer.close()
+    for entry in results.values():
+        runs = entry["runs"]
+        entry["async"] = entry.get("async", False)
+        entry["warmup"] = entry.get("warmup")
+        for key in ("seconds", "stall_seconds", "gib_per_s"):
+            entry[key] = summarize([run[key] for run in runs])
+        entry["details"] = runs[-1]["details"] if runs else {}
+        entry["bytes_on_disk"] = runs[-1]["bytes_on_disk"] if runs else None
+    return results
+
+
+def _run_reads(
+    readers: list[Reader],
+    state: dict[str, torch.Tensor],
+    nbytes: int,
+    root: Path,
+    cache: CacheControl,
+    config: BenchConfig,
+) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    active: list[Reader] = []
+    for reader in readers:
+        try:
+            reader.prepare(state, root)
+        except WriterUnavailable as err:
+            results[reader.name] = _entry(reader.label, "not available", str(err))
+            config.log(f"  {reader.name}: not available ({err})")
+            continue
+        entry = _entry(reader.label, "ok", None)
+        entry.update(cache=cache.label, verified=None)
+        results[reader.name] = entry
+        active.append(reader)
+    try:
+        for rep in range(1, config.repeats + 1):
+            for reader in list(active):
+                entry = results[reader.name]
+                try:
+                    cache.drop()
+                    timing, loaded = reader.read(state)
+                    if entry["verified"] is None:
+                        entry["verified"] = reader.check(state, loaded)
+                    del loaded
+                    memory.trim_allocator()
+                except Exception as err:
+                    entry.update(status="failed", available=False, reason=_error_text(err))
+                    config.log(f"  rep {rep} {reader.name}: FAILED {_error_text(err)}")
+                    traceback.print_exc(file=sys.stderr)
+                    active.remove(reader)
+                    continue
+                entry["runs"].append(
+                    {
+                        "rep": rep,
+                        "seconds": timing.seconds,
+                        "gib_per_s": nbytes / GIB / timing.seconds,
+                        "details": timing.details,
+                    }
+                )
+                config.log(
+                    f"  rep {rep}/{config.repeats} {reader.name:12s} {timing.seconds:7.3f} s"
+                    f"  {nbytes / GIB / timing.seconds:6.2f} GiB/s ({cache.label})"
+                )
+    finally:
+        for reader in readers:
+            reader.cleanup()
+    for entry in results.values():
+        runs = entry["runs"]
+        entry.setdefault("cache", cache.label)
+        entry.setdefault("verified", None)
+        for key in ("seconds", "gib_per_s"):
+            entry[key] = summarize([run[key] for run in runs])
+        if entry["verified"] is False:
+            entry.update(status="failed", available=False, reason="loaded tensors differ")
+    return results
+
+
+def _run_memory(names: list[str], root: Path, config: BenchConfig) -> dict[str, Any]:
+    per_writer: dict[str, Any] = {}
+    for name in names:
+        saves = ASYNC_REPEATED_SAVES if name == "fastckpt-async" else 1
+        result = memory.measure_writer(name, config.size_gib, root, saves=saves)
+        if result.get("available"):
+            result["status"] = "ok"
+            config.log(
+                f"  {name:18s} peak extra RSS {result['peak_extra_mib']:8.1f} MiB"
+                + (
+                    f", growth over {saves} saves {result['growth_mib']:.1f} MiB"
+                    if saves > 1
+                    else ""
+                )
+            )
+        else:
+            reason = str(result.get("reason", ""))
+            result["status"] = "failed" if "child failed" in reason else "not available"
+            config.log(f"  {name}: {result['status']} ({reason})")
+        per_writer[name] = result
+    async_entry = per_writer.get("fastckpt-async", {})
+    repeated: dict[str, Any] = {
+        "saves": ASYNC_REPEATED_SAVES,
+        "status": async_entry.get("status", "not run"),
+        "available": bool(async_entry.get("available")),
+        "reason": async_entry.get("reason"),
+        "rss_after_saves_mib": async_entry.get("rss_after_saves_mib"),
+        "growth_mib": async_entry.get("growth_mib"),
+    }
+    return {
+        "method": (
+            "one child process per writer rebuilding the same state; baseline VmRSS after "
+            "gc + malloc_trim; peak = max(VmHWM after clear_refs reset, 5 ms VmRSS sampler)"
+        ),
+        "writers": per_writer,
+        "async_repeated": repeated,
+    }
+
+
+def _run_training(root: Path, config: BenchConfig) -> dict[str, Any]:
+    tc = config.training_config
+    scenarios: dict[str, Any] = {name: _entry(name, "ok", None) for name in training.SCENARIOS}
+    for rep in range(config.repeats + 1):  # round 0 is the warm-up (code paths, page cache)
+        for name in training.SCENARIOS:
+            entry = scenarios[name]
+            if not entry["available"]:
+                continue
+            try:
+                result = training.run_training(name, tc, root)
+            except Exception as err:
+                entry.update(status="failed", available=False, reason=_error_text(err))
+                traceback.print_exc(file=sys.stderr)
+                continue
+            if not result["available"]:
+                entry.update(status="not available", available=False, reason=result["reason"])
+                config.log(f"  {name}: not available ({result['reason']})")
+                continue
+            result["rep"] = rep
+            if rep == 0:
+                entry["warmup"] = result
+            else:
+                entry["runs"].append(result)
+            label = "warm-up" if rep == 0 else f"rep {rep}/{config.repeats}"
+            config.log(
+                f"  {label} {name:15s} {result['steps_per_s']:7.2f} steps/s"
+                f"  ({result['checkpoints']} checkpoints of {result['checkpoint_mib']:.0f} MiB)"
+            )
+    baseline = summarize([r["steps_per_s"] for r in scenarios["none"]["runs"]])["median"]
+    for entry in scenarios.values():
+        runs = entry["runs"]
+        entry.setdefault("warmup", None)
+        entry["steps_per_s"] = summarize([r["steps_per_s"] for r in runs])
+        stalls = [s for r in runs for s in r["stall_seconds"]]
+        entry["stall_seconds_per_checkpoint"] = summarize(stalls)
+        entry["lock_wait_seconds"] = summarize([r["lock_wait_seconds"] for r in runs])
+        median = entry["steps_per_s"]["median"]
+        if entry["available"] and baseline and median:
+            entry["ratio_vs_none"] = median / baseline
+            entry["overhead"] = 1.0 - median / baseline
+        else:
+            entry["ratio_vs_none"] = None
+            entry["overhead"] = None
+    return {"config": tc.as_dict(), "scenarios": scenarios}
+
+
+def run(config: BenchConfig) -> dict[str, Any]:
+    """Run the benchmark described by ``config``; returns the results (the JSON's content).
+
+    Raises:
+        ValueError: unknown writer/reader names or a non-positive size/repeat count.
+    """
+    if config.repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {config.repeats}")
+    with warnings.catch_warnings():
+        # DCP without a process group warns on every call, from its worker threads too.
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+        return _run(config)
+
+
+def _run(config: BenchConfig) -> dict[str, Any]:
+    writers = make_writers(config.writers)
+    readers = make_readers(config.readers)
+    log = config.log
+    started = time.time()
+    spec = plan_state(config.size_gib)
+    load_start = environment.load_average()
+    with _work_dir(config) as root:
+        env = environment.describe(root)
+        env["load_average_start"] = load_start
+        if load_start[0] > 0.5:
+            log(
+                f"warning: load average {load_start[0]:.2f} at start: other processes are "
+                "running, figures will be noisy"
+            )
+        if env["filesystem"]["type"] in ("tmpfs", "ramfs"):
+            log(f"warning: {root} is on {env['filesystem']['type']}; figures will not be disk's")
+        log(f"building state: {config.size_gib:g} GiB ...")
+        t0 = time.perf_counter()
+        state = build_state(spec)
+        nbytes = state_bytes(state)
+        log(
+            f"state: {len(state)} tensors, {nbytes / GIB:.3f} GiB "
+            f"(hidden {spec.hidden}, {spec.layers} layers, vocab {spec.vocab}), "
+            f"built in {time.perf_counter() - t0:.1f} s; files in {root} "
+            f"({env['filesystem']['type']})"
+        )
+        cache = CacheControl.probe(config.cold)
+        log(f"page cache for reads: {cache.label}" + (f" ({cache.reason})" if cache.reason else ""))
+        memcpy_rate = memory.memcpy_gib_per_s(min(nbytes, 256 * memory.MIB))
+        log(f"single-thread memcpy: {memcpy_rate:.2f} GiB/s")
+
+        log(f"writes: {len(writers)} writers x {config.repeats} repetitions (+1 warm-up)")
+        writes = _run_writes(writers, state, nbytes, root, config)
+        gc.collect()
+        log(f"reads: {len(readers)} readers x {config.repeats} repetitions ({cache.label})")
+        reads = _run_reads(readers, state, nbytes, root, cache, config)
+        gc.collect()
+        mem: dict[str, Any] = {"method": "skipped", "writers": {}, "async_repeated": {}}
+        if config.memory:
+            log("memory: one child process per writer")
+            mem = _run_memory([w.name for w in writers], root, config)
+        train: dict[str, Any] = {"config": config.training_config.as_dict(), "scenarios": {}}
+        if config.training:
+            log(f"training loop: {', '.join(training.SCENARIOS)} x {config.repeats}")
+            train = _run_training(root, config)
+        del state
+    env["load_average_end"] = environment.load_average()
+    results: dict[str, Any] = {
+        "schema": SCHEMA_VERSION,
+        "tag": config.tag or default_tag(config.size_gib),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "duration_s": time.time() - started,
+        "command": " ".join([Path(sys.executable).name, "-m", "fastckpt.bench", *sys.argv[1:]]),
+        "config": {
+            "size_gib": config.size_gib,
+            "repeats": config.repeats,
+            "writers": [w.name for w in writers],
+            "readers": [r.name for r in readers],
+            "all_writers": list(WRITERS),
+        },
+        "environment": env,
+        "cache": {
+            "cold": cache.cold,
+            "label": cache.label,
+            "reason": cache.reason,
+            "cached_before_probe_kib": cache.cached_before_kib,
+            "cached_after_probe_kib": cache.cached_after_kib,
+        },
+        "state": {
+            "bytes": nbytes,
+            "gib": nbytes / GIB,
+            "tensors": len(spec.parameter_shapes()) * 3,
+            "hidden": spec.hidden,
+            "layers": spec.layers,
+            "vocab": spec.vocab,
+            "dtype": str(spec.dtype),
+        },
+        "memcpy": {"gib_per_s": memcpy_rate, "threads": 1},
+        "writers": writes,
+        "readers": reads,
+        "memory": mem,
+        "training": train,
+    }
+    results["bar"] = bar.evaluate(results)
+    return results

@@ -1,0 +1,340 @@
+"""Presenting results: terminal table, JSON, markdown and a PNG chart.
+
+All four are rendered from the results dict that :func:`fastckpt.bench.harness.run` returns.
+Figures are "median (min-max)" over the repetitions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fastckpt.bench.stats import summarize
+
+__all__ = ["Table", "render_markdown", "render_text", "tables", "write_outputs", "write_png"]
+
+
+class Table:
+    """A titled table that renders as aligned text or as markdown."""
+
+    def __init__(
+        self, title: str, headers: list[str], rows: list[list[str]], notes: list[str] | None = None
+    ) -> None:
+        self.title = title
+        self.headers = headers
+        self.rows = rows
+        self.notes = notes or []
+
+    def _widths(self) -> list[int]:
+        widths = [len(h) for h in self.headers]
+        for row in self.rows:
+            for i, cell in enumerate(row):
+                widths[i] = max(widths[i], len(cell))
+        return widths
+
+    def text(self) -> str:
+        """Aligned plain text with a rule under the header."""
+        widths = self._widths()
+        lines = [self.title]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(self.headers, widths, strict=True)))
+        lines.append("  ".join("-" * w for w in widths))
+        for row in self.rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+        lines.extend(f"note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        """A GitHub-flavoured markdown table under a ``###`` heading."""
+        widths = self._widths()
+
+        def line(cells: list[str]) -> str:
+            return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+        out = [f"### {self.title}", "", line(self.headers)]
+        out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+        out.extend(line(row) for row in self.rows)
+        if self.notes:
+            out.append("")
+            out.extend(f"Note: {note}" for note in self.notes)
+        return "\n".join(out)
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _range(summary: dict[str, Any] | None, digits: int = 3) -> str:
+    if not summary or summary.get("median") is None:
+        return "-"
+    return (
+        f"{summary['median']:.{digits}f} ({summary['min']:.{digits}f}-{summary['max']:.{digits}f})"
+    )
+
+
+def _write_rows(results: dict[str, Any]) -> list[list[str]]:
+    writers = results["writers"]
+    memory = results.get("memory", {}).get("writers", {})
+    ceiling = writers.get("ceiling", {}).get("gib_per_s", {}).get("median")
+    rows = []
+    for name, entry in writers.items():
+        if not entry["available"]:
+            rows.append([name, entry["status"], "-", "-", "-", "-", "-", "-"])
+            continue
+        gibs = entry["gib_per_s"]["median"]
+        mem = memory.get(name, {})
+        peak = mem.get("peak_extra_mib") if mem.get("available") else None
+        stall = _range(entry["stall_seconds"]) if entry.get("async") else "= total"
+        reusable = [r["details"].get("reusable_after_seconds") for r in entry["runs"]]
+        reusable_cell = (
+            _num(summarize([v for v in reusable if v is not None])["median"])
+            if any(v is not None for v in reusable)
+            else ("-" if entry.get("async") else "= total")
+        )
+        rows.append(
+            [
+                name,
+                _range(entry["seconds"]),
+                _range(entry["gib_per_s"], 2),
+                stall,
+                reusable_cell,
+                _num(gibs / ceiling if ceiling else None, 2),
+                _num(peak, 0),
+                "O_DIRECT" if entry.get("details", {}).get("direct_io") else "",
+            ]
+        )
+    return rows
+
+
+def _read_rows(results: dict[str, Any]) -> list[list[str]]:
+    readers = results["readers"]
+    ceiling = readers.get("ceiling", {}).get("gib_per_s", {}).get("median")
+    rows = []
+    for name, entry in readers.items():
+        if not entry["available"]:
+            rows.append([name, entry["status"], "-", "-", "-", "-"])
+            continue
+        gibs = entry["gib_per_s"]["median"]
+        verified = {True: "yes", False: "NO", None: "-"}[entry.get("verified")]
+        rows.append(
+            [
+                name,
+                _range(entry["seconds"]),
+                _range(entry["gib_per_s"], 2),
+                _num(gibs / ceiling if ceiling else None, 2),
+                str(entry.get("cache", "")),
+                verified,
+            ]
+        )
+    return rows
+
+
+def _training_rows(results: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for name, entry in results.get("training", {}).get("scenarios", {}).items():
+        if not entry["available"]:
+            rows.append([name, entry["status"], "-", "-", "-", "-"])
+            continue
+        overhead = entry.get("overhead")
+        rows.append(
+            [
+                name,
+                _range(entry["steps_per_s"], 2),
+                _num(entry.get("ratio_vs_none"), 3),
+                "-" if overhead is None else f"{overhead * 100:+.1f} %",
+                _range(entry.get("stall_seconds_per_checkpoint")),
+                _range(entry.get("lock_wait_seconds")),
+            ]
+        )
+    return rows
+
+
+def _bar_rows(results: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for row in results.get("bar", []):
+        value = row["value"]
+        cell = "-" if value is None else f"{value:.3f}"
+        status = row["status"] + (f" ({row['note']})" if row["note"] else "")
+        rows.append([row["figure"], row["check"], cell, status])
+    return rows
+
+
+def _above_ceiling(entries: dict[str, Any], what: str) -> list[str]:
+    """Notes naming the entries whose median beats the ceiling by more than 5 %."""
+    ceiling = entries.get("ceiling", {})
+    if not ceiling.get("available"):
+        return []
+    level = ceiling["gib_per_s"]["median"]
+    faster = [
+        f"{name} ({entry['gib_per_s']['median'] / level:.2f}x)"
+        for name, entry in entries.items()
+        if name != "ceiling" and entry["available"] and entry["gib_per_s"]["median"] > 1.05 * level
+    ]
+    if not faster:
+        return []
+    return [
+        f"{', '.join(faster)} beat the {what} ceiling: on this disk it is a reference point, "
+        "not an upper bound."
+    ]
+
+
+def tables(results: dict[str, Any]) -> list[Table]:
+    """The report's tables: writes, reads, memory, training loop, bar."""
+    out = [
+        Table(
+            "Durable writes",
+            [
+                "writer",
+                "seconds",
+                "GiB/s",
+                "stall s",
+                "reusable after s",
+                "x ceiling",
+                "peak +RSS MiB",
+                "notes",
+            ],
+            _write_rows(results),
+            _above_ceiling(results["writers"], "write"),
+        ),
+        Table(
+            f"Reads ({results['cache']['label']} cache)",
+            ["reader", "seconds", "GiB/s", "x ceiling", "cache", "verified"],
+            _read_rows(results),
+            _above_ceiling(results["readers"], "read"),
+        ),
+    ]
+    repeated = results.get("memory", {}).get("async_repeated", {})
+    if repeated.get("available"):
+        rss = ", ".join(f"{v:.0f}" for v in repeated["rss_after_saves_mib"])
+        out.append(
+            Table(
+                f"RSS after each of {repeated['saves']} fastckpt async saves (MiB)",
+                ["RSS", "growth"],
+                [[rss, f"{repeated['growth_mib']:+.1f} MiB"]],
+            )
+        )
+    if results.get("training", {}).get("scenarios"):
+        tc = results["training"]["config"]
+        out.append(
+            Table(
+                f"Training loop ({tc['steps']} steps, checkpoint every {tc['every']}, "
+                f"MLP {tc['layers']}x{tc['hidden']}, batch {tc['batch']})",
+                [
+                    "scenario",
+                    "steps/s",
+                    "vs none",
+                    "overhead",
+                    "stall s / ckpt",
+                    "lock wait s / run",
+                ],
+                _training_rows(results),
+            )
+        )
+    out.append(
+        Table("Bar (BENCHMARKS.md)", ["figure", "check", "value", "status"], _bar_rows(results))
+    )
+    return out
+
+
+def _preamble(results: dict[str, Any]) -> list[str]:
+    env = results["environment"]
+    state = results["state"]
+    fs = env["filesystem"]
+    cache = results["cache"]
+    return [
+        f"State: {state['gib']:.3f} GiB ({state['tensors']} tensors, {state['dtype']}: weights "
+        f"+ Adam exp_avg/exp_avg_sq), {results['config']['repeats']} repetitions, "
+        "median (min-max).",
+        f"Machine: {env['cpu_model']}, {env['cpu_count']} CPUs, {env['memory_gib']} GiB RAM; "
+        f"files on {fs['mount']} ({fs['type']}, {fs['device']}); reads {cache['label']}"
+        + (f" ({cache['reason']})" if cache["reason"] else "")
+        + f"; 1-thread memcpy {results['memcpy']['gib_per_s']:.1f} GiB/s.",
+        f"Versions: python {env['python']}, torch {env['torch']}, safetensors "
+        f"{env['safetensors']}, numpy {env['numpy']}, fastckpt {env['fastckpt']}.",
+        f"Run {results['created']} ({results['duration_s']:.0f} s), load average "
+        f"{_load(env, 'start')} at start, {_load(env, 'end')} at end. Throughput = state bytes / "
+        "time until durable (async writers: until the future resolved).",
+    ]
+
+
+def _load(env: dict[str, Any], when: str) -> str:
+    values = env.get(f"load_average_{when}") or []
+    return "/".join(f"{v:.2f}" for v in values) or "?"
+
+
+def render_text(results: dict[str, Any]) -> str:
+    """The terminal report."""
+    parts = [f"fastckpt benchmark: {results['tag']}", *_preamble(results), ""]
+    for table in tables(results):
+        parts += [table.text(), ""]
+    return "\n".join(parts)
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """The markdown report (what ``<tag>.md`` holds)."""
+    parts = [f"## fastckpt benchmark: {results['tag']}", "", *_preamble(results), ""]
+    for table in tables(results):
+        parts += [table.markdown(), ""]
+    return "\n".join(parts)
+
+
+def write_png(results: dict[str, Any], path: Path) -> None:
+    """Bar chart of median write and read throughput (min-max whiskers), ceilings as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
+    for ax, section, title, line in (
+        (axes[0], "writers", "Durable save", "O_DIRECT write ceiling (1 stream)"),
+        (
+            axes[1],
+            "readers",
+            f"Load ({results['cache']['label']} cache)",
+            "O_DIRECT read (4 streams)",
+        ),
+    ):
+        entries = results[section]
+        names = [n for n, e in entries.items() if e["available"] and n != "ceiling"]
+        medians = [entries[n]["gib_per_s"]["median"] for n in names]
+        lows = [m - entries[n]["gib_per_s"]["min"] for n, m in zip(names, medians, strict=True)]
+        highs = [entries[n]["gib_per_s"]["max"] - m for n, m in zip(names, medians, strict=True)]
+        colors = ["tab:blue" if n.startswith("fastckpt") else "tab:gray" for n in names]
+        ax.bar(names, medians, yerr=[lows, highs], color=colors, capsize=4)
+        ceiling = entries.get("ceiling", {})
+        if ceiling.get("available"):
+            level = ceiling["gib_per_s"]["median"]
+            ax.axhline(level, color="tab:red", linestyle="--", label=f"{line}: {level:.2f}")
+            ax.legend(loc="best")
+        ax.set_title(title)
+        ax.set_ylabel("GiB/s (median, min-max)")
+        ax.tick_params(axis="x", labelrotation=35)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
+    state = results["state"]
+    fs = results["environment"]["filesystem"]
+    fig.suptitle(
+        f"fastckpt benchmark {results['tag']}: {state['gib']:.2f} GiB state, "
+        f"{results['config']['repeats']} reps, {fs['type']} on {fs['device']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(results: dict[str, Any], out: Path, plot: bool = True) -> dict[str, Path]:
+    """Write ``<tag>.json``, ``<tag>.md`` and (if ``plot``) ``<tag>.png`` under ``out``.
+
+    Returns:
+        kind (``"json"``, ``"md"``, ``"png"``) -> path written.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    tag = results["tag"]
+    paths = {"json": out / f"{tag}.json", "md": out / f"{tag}.md"}
+    paths["json"].write_text(json.dumps(results, indent=2, sort_keys=False) + "\n")
+    paths["md"].write_text(render_markdown(results))
+    if plot:
+        paths["png"] = out / f"{tag}.png"
+        write_png(results, paths["png"])
+    return paths

@@ -1,0 +1,436 @@
+"""The writers compared by the harness, each made durable (every file it wrote fsynced).
+
+A writer saves the benchmark state to a target path and reports how long until the bytes were
+durable and how long the calling (training) thread was blocked (the same for synchronous
+writers). Peers that do not fsync on their own are fsynced by the harness inside the timed
+region, along with their directory, the same as fastckpt does for its files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from fastckpt import _native, files
+
+__all__ = [
+    "CEILING_BLOCK",
+    "WRITERS",
+    "WriteTiming",
+    "Writer",
+    "WriterUnavailable",
+    "ceiling_block",
+    "fsync_path",
+    "make_writers",
+    "path_bytes",
+    "remove_path",
+]
+
+#: Block size of the O_DIRECT ceiling stream (the same as fastckpt's default chunk).
+CEILING_BLOCK = files.DEFAULT_CHUNK_SIZE
+
+State = Mapping[str, torch.Tensor]
+
+
+class WriterUnavailable(RuntimeError):
+    """The writer cannot run here (its API is missing); the reason is the message."""
+
+
+@dataclass
+class WriteTiming:
+    """One timed write.
+
+    Attributes:
+        seconds: wall time until every byte was durable.
+        stall_seconds: wall time the calling thread was blocked (== seconds when synchronous).
+        details: writer-specific facts (e.g. whether O_DIRECT was actually used).
+    """
+
+    seconds: float
+    stall_seconds: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file, or every file under a directory, then the containing directories."""
+    dirs: set[Path] = {path.parent}
+    if path.is_dir():
+        dirs.add(path)
+        for root, _, names in os.walk(path):
+            dirs.add(Path(root))
+            for name in names:
+                _fsync_one(Path(root) / name, os.O_RDONLY)
+    else:
+        _fsync_one(path, os.O_RDONLY)
+    for directory in dirs:
+        _fsync_dir(directory)
+
+
+def _fsync_one(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(directory: Path) -> None:
+    _fsync_one(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+
+def path_bytes(path: Path) -> int:
+    """Bytes on disk under ``path`` (a file or a directory tree); 0 if it does not exist."""
+    if path.is_file():
+        return path.stat().st_size
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return 0
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file or directory tree if it exists."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+class Writer(ABC):
+    """One way of saving the state. Subclasses set ``name``/``label`` and implement write."""
+
+    #: Short identifier used on the command line and as the JSON key.
+    name: ClassVar[str]
+    #: Human-readable description for tables.
+    label: ClassVar[str]
+    #: Whether the calling thread is released before the bytes are durable.
+    is_async: ClassVar[bool] = False
+    #: File suffix of the target ("" for directories).
+    suffix: ClassVar[str] = ""
+
+    def open(self) -> None:
+        """Acquire long-lived resources (thread pools, staging buffers).
+
+        Raises:
+            WriterUnavailable: the writer cannot run in this environment.
+        """
+        return None
+
+    @abstractmethod
+    def write(self, state: State, target: Path) -> WriteTiming:
+        """Save ``state`` to ``target`` durably and time it."""
+
+    def close(self) -> None:
+        """Release what :meth:`open` acquired."""
+        return None
+
+    def target(self, directory: Path) -> Path:
+        """Where this writer's output goes inside ``directory``."""
+        return directory / f"{self.name}{self.suffix}"
+
+
+def _timed_sync(action: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = action()
+    return time.perf_counter() - start, result
+
+
+class FastckptWriter(Writer):
+    """``fastckpt.save_file`` (sync): O_DIRECT, checksums on."""
+
+    name = "fastckpt"
+    label = "fastckpt save_file (O_DIRECT)"
+    suffix = ".safetensors"
+    direct_io = True
+    checksums = True
+
+    def write(self, state: State, target: Path) -> WriteTiming:
+        """Save with :func:`fastckpt.files.write_tensors` (fsync + rename + dir fsync)."""
+        seconds, report = _timed_sync(
+            lambda: files.write_tensors(
+                state, target, direct_io=self.direct_io, checksums=self.checksums
+            )
+        )
+        return WriteTiming(seconds, seconds, {"direct_io": bool(report["direct_io"])})
+
+
+class FastckptBufferedWriter(FastckptWriter):
+    """``fastckpt.save_file`` through the page cache (direct_io=False), then fsync."""
+
+    name = "fastckpt-buffered"
+    label = "fastckpt save_file (buffered)"
+    direct_io = False
+
+
+class FastckptNoChecksumWriter(FastckptWriter):
+    """``fastckpt.save_file`` with checksums off: the other half of the checksum-cost figure."""
+
+    name = "fastckpt-nocrc"
+    label = "fastckpt save_file (O_DIRECT, no crc)"
+    checksums = False
+
+
+class FastckptAsyncWriter(Writer):
+    """``CheckpointManager`` with async saves: stall until save() returns, total until durable.
+
+    One manager lives across all repetitions, as it would across a training run. Where the
+    manager has ``lock()``, the time until it can be taken (the snapshot is captured and the
+    caller may mutate the state again) is recorded as ``reusable_after_seconds``.
+    """
+
+    name = "fastckpt-async"
+    label = "fastckpt CheckpointManager async"
+    is_async = True
+
+    def __init__(self) -> None:
+        self._manager: Any = None
+
+    def open(self) -> None:
+        """Create the manager.
+
+        Raises:
+            WriterUnavailable: ``fastckpt.manager.CheckpointManager`` cannot be imported or
+                configured for async saves.
+        """
+        self._manager = open_async_manager()
+
+    def write(self, state: State, target: Path) -> WriteTiming:
+        """Save through the manager; the future resolves when the checkpoint is durable."""
+        start = time.perf_counter()
+        future = self._manager.save(str(target), {"state": dict(state)})
+        stall = time.perf_counter() - start
+        details: dict[str, Any] = {}
+        lock = getattr(self._manager, "lock", None)
+        if lock is not None:  # when the caller may mutate the state again (capture done)
+            with lock():
+                details["reusable_after_seconds"] = time.perf_counter() - start
+        future.result()
+        return WriteTiming(time.perf_counter() - start, stall, details)
+
+    def close(self) -> None:
+        """Close the manager (waits for outstanding saves)."""
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+
+
+def open_async_manager() -> Any:
+    """A ``CheckpointManager`` configured for async saves.
+
+    Raises:
+        WriterUnavailable: the manager is not available in this build.
+    """
+    try:
+        from fastckpt.manager import CheckpointManager  # type: ignore[import-not-found,unused-ignore]
+    except Exception as err:  # ImportError, or a half-written module failing on import
+        raise WriterUnavailable(f"fastckpt.manager.CheckpointManager: {err!r}") from err
+    try:
+        return CheckpointManager(CheckpointManager.Config.with_async_save())
+    except Exception as err:
+        raise WriterUnavailable(f"CheckpointManager(Config.with_async_save()): {err!r}") from err
+
+
+class TorchSaveWriter(Writer):
+    """``torch.save`` into an open file, then flush + fsync (file and directory)."""
+
+    name = "torch.save"
+    label = "torch.save + fsync"
+    suffix = ".pt"
+
+    def write(self, state: State, target: Path) -> WriteTiming:
+        """Pickle the dict with torch.save and make it durable."""
+
+        def action() -> None:
+            with open(target, "wb") as handle:
+                torch.save(dict(state), handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            _fsync_dir(target.parent)
+
+        seconds, _ = _timed_sync(action)
+        return WriteTiming(seconds, seconds)
+
+
+class SafetensorsWriter(Writer):
+    """``safetensors.torch.save_file``, then fsync of the file and its directory."""
+
+    name = "safetensors"
+    label = "safetensors save_file + fsync"
+    suffix = ".safetensors"
+
+    def open(self) -> None:
+        """Import safetensors.
+
+        Raises:
+            WriterUnavailable: safetensors is not installed.
+        """
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError as err:
+            raise WriterUnavailable(f"safetensors: {err}") from err
+
+    def write(self, state: State, target: Path) -> WriteTiming:
+        """Save with safetensors and make it durable."""
+        import safetensors.torch
+
+        def action() -> None:
+            safetensors.torch.save_file(dict(state), str(target))
+            fsync_path(target)
+
+        seconds, _ = _timed_sync(action)
+        return WriteTiming(seconds, seconds)
+
+
+def _dcp() -> Any:
+    try:
+        import torch.distributed.checkpoint as dcp
+    except ImportError as err:
+        raise WriterUnavailable(f"torch.distributed.checkpoint: {err}") from err
+    return dcp
+
+
+class DcpWriter(Writer):
+    """PyTorch DCP ``save`` with ``FileSystemWriter(thread_count=N, sync_files=True)``.
+
+    Single process, no process group. DCP fsyncs its files; the harness adds the directory.
+    """
+
+    name = "dcp-1t"
+    label = "DCP save (1 thread)"
+    thread_count = 1
+
+    def open(self) -> None:
+        """Import DCP.
+
+        Raises:
+            WriterUnavailable: torch was built without distributed support.
+        """
+        _dcp()
+
+    def _storage_writer(self, target: Path) -> Any:
+        return _dcp().FileSystemWriter(str(target), thread_count=self.thread_count)
+
+    def write(self, state: State, target: Path) -> WriteTiming:
+        """Save with ``dcp.save`` and fsync the checkpoint directory."""
+        dcp = _dcp()
+
+        def action() -> None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.save(dict(state), storage_writer=self._storage_writer(target), no_dist=True)
+            _fsync_dir(target)
+            _fsync_dir(target.parent)
+
+        seconds, _ = _timed_sync(action)
+        return WriteTiming(seconds, seconds)
+
+
+class Dcp2Writer(DcpWriter):
+    """DCP ``save`` with two writer threads."""
+
+    name = "dcp-2t"
+    label = "DCP save (2 threads)"
+    thread_count = 2
+
+
+class DcpAsyncWriter(DcpWriter):
+    """DCP ``async_save`` (thread executor): stall until it returns, total until the future.
+
+    ``reusable_after_seconds``: until staging completed (when it returns, unless the response
+    carries a separate ``staging_completion`` future).
+    """
+
+    name = "dcp-async"
+    label = "DCP async_save"
+    is_async = True
+
+    def write(self, state: State, target: Path) -> WriteTiming:
+        """Start ``dcp.async_save`` and wait for its future."""
+        dcp = _dcp()
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            response = dcp.async_save(
+                dict(state), storage_writer=self._storage_writer(target), no_dist=True
+            )
+        stall = time.perf_counter() - start
+        future: Future[Any] = getattr(response, "upload_completion", response)
+        staged: Future[Any] | None = getattr(response, "staging_completion", None)
+        if staged is not None:
+            staged.result()
+        reusable = time.perf_counter() - start
+        future.result()
+        _fsync_dir(target)
+        _fsync_dir(target.parent)
+        details = {"reusable_after_seconds": reusable}
+        return WriteTiming(time.perf_counter() - start, stall, details)
+
+
+def ceiling_block(nbytes: int, max_block: int = CEILING_BLOCK, align: int = 4096) -> int:
+    """Block size for the ceiling stream of ``nbytes``: at most ``max_block``, aligned.
+
+    The native writer writes whole blocks and truncates, so the block is chosen to split
+    ``nbytes`` evenly (overshoot under one ``align`` per block) rather than to waste up to a
+    whole block at the end.
+    """
+    count = max(1, -(-nbytes // max_block))
+    per_block = -(-nbytes // count)
+    return max(align, -(-per_block // align) * align)
+
+
+class CeilingWriter(Writer):
+    """The disk ceiling: the state's byte count as one O_DIRECT stream of aligned blocks."""
+
+    name = "ceiling"
+    label = "disk ceiling (O_DIRECT, 1 stream)"
+    suffix = ".bin"
+
+    def __init__(self, max_block: int = CEILING_BLOCK) -> None:
+        self.max_block = max_block
+
+    def write(self, state: State, target: Path) -> WriteTiming:
+        """Write ``sum(tensor bytes)`` with :func:`fastckpt._native.write_ceiling`."""
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        block = ceiling_block(nbytes, self.max_block)
+        seconds, direct = _timed_sync(lambda: _native.write_ceiling(str(target), nbytes, block))
+        return WriteTiming(seconds, seconds, {"direct_io": bool(direct), "block": block})
+
+
+#: Every writer, in the order they run within a repetition.
+WRITERS: dict[str, type[Writer]] = {
+    cls.name: cls
+    for cls in (
+        FastckptWriter,
+        FastckptBufferedWriter,
+        FastckptNoChecksumWriter,
+        FastckptAsyncWriter,
+        TorchSaveWriter,
+        SafetensorsWriter,
+        DcpWriter,
+        Dcp2Writer,
+        DcpAsyncWriter,
+        CeilingWriter,
+    )
+}
+
+
+def make_writers(names: list[str] | None = None) -> list[Writer]:
+    """Instantiate the named writers (all of them by default), in :data:`WRITERS` order.
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    wanted = list(WRITERS) if names is None else names
+    unknown = [n for n in wanted if n not in WRITERS]
+    if unknown:
+        raise ValueError(f"unknown writer(s) {unknown}; choose from {list(WRITERS)}")
+    return [cls() for name, cls in WRITERS.items() if name in wanted]

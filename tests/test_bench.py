@@ -1,0 +1,231 @@
+"""The benchmark harness runs end to end on a tiny state and records every figure.
+
+Not a timed test: the values are not checked, only that every writer, reader, memory child and
+training scenario ran (or, for the async manager, is explicitly "not available") and that the
+JSON, markdown and PNG outputs carry every key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fastckpt.bench import bar, cli, state
+from fastckpt.bench.readers import READERS
+from fastckpt.bench.training import SCENARIOS
+from fastckpt.bench.writers import WRITERS, ceiling_block
+
+TINY = ["--size-gib", "0.004", "--repeats", "1", "--warm"]
+TINY_TRAINING = ["--train-steps", "4", "--train-every", "2", "--train-hidden", "32"]
+TINY_TRAINING += ["--train-layers", "1", "--train-batch", "4"]
+
+#: Writers/scenarios that may legitimately be missing: the manager is optional.
+OPTIONAL = {"fastckpt-async"}
+
+SUMMARY_KEYS = {"median", "min", "max"}
+WRITER_KEYS = {"label", "status", "available", "reason", "runs", "async", "warmup", "seconds"}
+WRITER_KEYS |= {"stall_seconds", "gib_per_s", "details", "bytes_on_disk"}
+WRITER_RUN_KEYS = {"rep", "seconds", "stall_seconds", "gib_per_s", "bytes_on_disk", "details"}
+READER_KEYS = {"label", "status", "available", "reason", "runs", "cache", "verified"}
+READER_KEYS |= {"seconds", "gib_per_s"}
+MEMORY_KEYS = {"available", "reason", "status", "saves", "peak_reset", "baseline_mib"}
+MEMORY_KEYS |= {"peak_extra_mib", "peak_extra_all_saves_mib", "rss_after_saves_mib", "growth_mib"}
+TRAINING_KEYS = {"label", "status", "available", "reason", "runs", "warmup", "steps_per_s"}
+TRAINING_KEYS |= {"stall_seconds_per_checkpoint", "lock_wait_seconds", "ratio_vs_none"}
+TRAINING_KEYS |= {"overhead"}
+ENV_KEYS = {"python", "torch", "safetensors", "numpy", "fastckpt", "cpu_model", "cpu_count"}
+ENV_KEYS |= {"memory_gib", "filesystem", "dir", "platform", "torch_threads"}
+ENV_KEYS |= {"load_average_start", "load_average_end"}
+TOP_KEYS = {"schema", "tag", "created", "duration_s", "command", "config", "environment"}
+TOP_KEYS |= {"cache", "state", "memcpy", "writers", "readers", "memory", "training", "bar"}
+
+
+def _ok_or_optional(name: str, entry: dict[str, Any]) -> None:
+    if entry["status"] == "ok":
+        return
+    assert name in OPTIONAL and entry["status"] == "not available", (name, entry)
+    assert entry["reason"], name
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str]:
+    """One complete run through the CLI (all writers, readers, memory, training, PNG)."""
+    root = tmp_path_factory.mktemp("bench")
+    out = root / "out"
+    work = root / "work"
+    work.mkdir()
+    outputs = ["--out", str(out), "--dir", str(work), "--tag", "tiny"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fastckpt.bench", *TINY, *TINY_TRAINING, *outputs],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert list(work.iterdir()) == [], "the harness left files behind in --dir"
+    results = json.loads((out / "tiny.json").read_text())
+    return results, out, proc.stdout
+
+
+def test_every_writer_ran(full_run: tuple[dict[str, Any], Path, str]) -> None:
+    results, _, _ = full_run
+    assert set(results["writers"]) == set(WRITERS)
+    for name, entry in results["writers"].items():
+        assert set(entry) >= WRITER_KEYS, name
+        _ok_or_optional(name, entry)
+        if entry["status"] == "ok":
+            assert len(entry["runs"]) == 1
+            assert set(entry["runs"][0]) >= WRITER_RUN_KEYS
+            for key in ("seconds", "stall_seconds", "gib_per_s"):
+                assert set(entry[key]) == SUMMARY_KEYS
+            assert entry["bytes_on_disk"] > 0
+    assert results["writers"]["dcp-async"]["async"] is True
+    assert "reusable_after_seconds" in results["writers"]["dcp-async"]["details"]
+    assert results["writers"]["ceiling"]["details"]["block"] > 0
+
+
+def test_every_reader_ran_and_verified(full_run: tuple[dict[str, Any], Path, str]) -> None:
+    results, _, _ = full_run
+    assert set(results["readers"]) == set(READERS)
+    for name, entry in results["readers"].items():
+        assert set(entry) >= READER_KEYS, name
+        assert entry["status"] == "ok", (name, entry)
+        assert entry["verified"] is True, name
+        assert entry["cache"] == "warm"  # the tests pass --warm
+    assert results["cache"]["cold"] is False
+
+
+def test_memory_and_training_figures(full_run: tuple[dict[str, Any], Path, str]) -> None:
+    results, _, _ = full_run
+    memory = results["memory"]
+    assert set(memory["writers"]) == set(WRITERS)
+    for name, entry in memory["writers"].items():
+        _ok_or_optional(name, entry)
+        if entry["status"] == "ok":
+            assert set(entry) >= MEMORY_KEYS, name
+    repeated = memory["async_repeated"]
+    assert {"saves", "status", "available", "rss_after_saves_mib", "growth_mib"} <= set(repeated)
+    if repeated["available"]:
+        assert len(repeated["rss_after_saves_mib"]) == repeated["saves"] == 10
+
+    scenarios = results["training"]["scenarios"]
+    assert set(scenarios) == set(SCENARIOS)
+    for name, entry in scenarios.items():
+        assert set(entry) >= TRAINING_KEYS, name
+        _ok_or_optional(name, entry)
+    assert scenarios["none"]["ratio_vs_none"] == pytest.approx(1.0)
+    assert set(results["training"]["config"]) >= {"steps", "every", "hidden", "layers", "batch"}
+
+
+def test_json_has_versions_environment_and_bar(
+    full_run: tuple[dict[str, Any], Path, str],
+) -> None:
+    results, _, _ = full_run
+    assert set(results) >= TOP_KEYS
+    assert set(results["environment"]) >= ENV_KEYS
+    assert {"type", "device", "mount"} <= set(results["environment"]["filesystem"])
+    assert {"bytes", "gib", "tensors", "hidden", "layers", "vocab", "dtype"} <= set(
+        results["state"]
+    )
+    assert results["memcpy"]["gib_per_s"] > 0
+    checks = [row["check"] for row in results["bar"]]
+    assert len(checks) == 15
+    assert any(c.startswith("fastckpt sync / O_DIRECT ceiling >= 0.9") for c in checks)
+    for row in results["bar"]:
+        assert {"figure", "check", "value", "threshold", "op", "status", "note"} <= set(row)
+        assert row["status"] in ("met", "missed", "n/a")
+        if row["status"] == "n/a":
+            assert row["note"]
+    # warm reads: the cold-ceiling check must not pretend
+    cold = next(r for r in results["bar"] if "cold read ceiling" in r["check"])
+    assert cold["status"] == "n/a"
+
+
+def test_markdown_png_and_terminal_table(full_run: tuple[dict[str, Any], Path, str]) -> None:
+    _, out, stdout = full_run
+    markdown = (out / "tiny.md").read_text()
+    for heading in ("Durable writes", "Reads", "Training loop", "Bar (BENCHMARKS.md)"):
+        assert heading in markdown and heading in stdout
+    for name in WRITERS:
+        assert f"| {name} " in markdown
+    png = out / "tiny.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 10_000
+
+
+def test_subset_in_process_without_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [*TINY, "--writers", "fastckpt,ceiling", "--readers", "fastckpt"]
+    argv += ["--no-plot", "--no-memory", "--no-training", "--out", str(tmp_path / "o")]
+    argv += ["--dir", str(tmp_path)]
+    assert cli.main(argv) == 0
+    files = sorted(p.name for p in (tmp_path / "o").iterdir())
+    assert files == ["state-0.004gib.json", "state-0.004gib.md"]
+    results = json.loads((tmp_path / "o" / "state-0.004gib.json").read_text())
+    assert list(results["writers"]) == ["fastckpt", "ceiling"]
+    assert list(results["readers"]) == ["fastckpt"]
+    statuses = {row["check"].split(" >=")[0]: row["status"] for row in results["bar"]}
+    assert statuses["fastckpt sync / O_DIRECT ceiling"] in ("met", "missed")
+    assert statuses["fastckpt sync / DCP (2 threads)"] == "n/a"
+    assert "Durable writes" in capsys.readouterr().out
+
+
+def test_unknown_writer_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--writers", "fastckpt,nope"])
+    assert "choose from" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size_gib", [0.004, 0.1, 1.5])
+def test_state_plan_matches_requested_size(size_gib: float) -> None:
+    spec = state.plan_state(size_gib)
+    target = size_gib * 2**30
+    assert abs(spec.nbytes - target) <= max(0.01 * target, 3 * 4 * spec.hidden)
+    assert spec.layers >= 1
+
+
+def test_tiny_state_is_deterministic() -> None:
+    spec = state.plan_state(0.004)
+    a, b = state.build_state(spec), state.build_state(spec)
+    assert state.state_bytes(a) == spec.nbytes
+    assert all(a[k].equal(b[k]) for k in a)
+    assert {k.split(".")[0] for k in a} == {"model", "optim"}
+
+
+def test_ceiling_block_splits_evenly() -> None:
+    for nbytes in (1, 4096, 5 << 20, (3 << 30) // 2, (4 << 30) - 4096):
+        block = ceiling_block(nbytes)
+        assert block % 4096 == 0 and block <= 32 << 20
+        blocks = -(-nbytes // block)
+        assert blocks * block - nbytes < 4096 * blocks
+
+
+def test_bar_is_all_na_without_data() -> None:
+    rows = bar.evaluate({"state": {"bytes": 1 << 20}, "writers": {}, "readers": {}})
+    assert rows and all(row["status"] == "n/a" and row["note"] for row in rows)
+
+
+def test_missing_manager_is_recorded_as_not_available(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "fastckpt.manager", None)  # import now raises ImportError
+    argv = [*TINY, *TINY_TRAINING, "--writers", "fastckpt-async,fastckpt", "--readers", "fastckpt"]
+    argv += ["--no-plot", "--no-memory", "--out", str(tmp_path / "o"), "--dir", str(tmp_path)]
+    assert cli.main(argv) == 0
+    results = json.loads((tmp_path / "o" / "state-0.004gib.json").read_text())
+    for entry in (
+        results["writers"]["fastckpt-async"],
+        results["training"]["scenarios"]["fastckpt-async"],
+    ):
+        assert entry["status"] == "not available" and entry["available"] is False
+        assert "fastckpt.manager" in entry["reason"]
+    assert results["writers"]["fastckpt"]["status"] == "ok"
+    assert results["training"]["scenarios"]["dcp-async"]["status"] == "ok"
+    stall = next(r for r in results["bar"] if r["check"].startswith("fastckpt async stall / DCP"))
+    assert stall["status"] == "n/a"
