@@ -41,8 +41,8 @@ lint: setup
 	cargo fmt --check
 	cargo clippy --all-targets --features python -- -D warnings
 	cargo clippy --all-targets -- -D warnings
-	$(VENV)/bin/ruff check python tests $(wildcard benches/*.py)
-	$(VENV)/bin/ruff format --check python tests $(wildcard benches/*.py)
+	$(VENV)/bin/ruff check python tests tools $(wildcard benches/*.py)
+	$(VENV)/bin/ruff format --check python tests tools $(wildcard benches/*.py)
 	$(VENV)/bin/mypy
 
 pytest: setup

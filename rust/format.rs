@@ -730,4 +730,127 @@ mod tests {
             let _ = parse_header(path, &bytes, bytes.len() as u64 + 8);
         }
     }
+
+    /// Mutations of a real header: whatever the damage, parsing returns `Err` or a header that
+    /// describes exactly the bytes present, and never panics or allocates what a length claims.
+    mod mutated {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// A header fastckpt writes (several dtypes, a 0-d and a zero-size tensor, checksums,
+        /// user metadata) followed by its data section.
+        fn real_file() -> Vec<u8> {
+            let tensors = plan_layout(vec![
+                desc("weight", Dtype::F32, &[4, 3]),
+                desc("bias", Dtype::Bf16, &[3]),
+                desc("step", Dtype::I64, &[]),
+                desc("mask", Dtype::Bool, &[0, 5]),
+            ])
+            .unwrap();
+            let mut meta = BTreeMap::new();
+            meta.insert("format".to_string(), "pt".to_string());
+            let crcs: Vec<u32> = (0..tensors.len() as u32).map(|i| 0x1234_5678 ^ i).collect();
+            let header = encode_header(&tensors, &meta, Checksums::Values(&crcs)).unwrap();
+            file_with_data(&header, tensors.last().map_or(0, |t| t.end))
+        }
+
+        /// What `Reader::open` does with a whole file, for inputs of any length.
+        fn parse_file(bytes: &[u8]) -> Result<Header> {
+            let path = Path::new("mutated.safetensors");
+            let file_len = bytes.len() as u64;
+            let Some(prefix) = bytes.get(..8).and_then(|p| <[u8; 8]>::try_from(p).ok()) else {
+                return Err(Error::format(
+                    path,
+                    "header_length",
+                    "shorter than the prefix",
+                ));
+            };
+            let len = parse_prefix(path, &prefix, file_len)?;
+            parse_header(path, &bytes[8..8 + len as usize], file_len)
+        }
+
+        fn consistent(header: &Header, file_len: u64) -> std::result::Result<(), TestCaseError> {
+            prop_assert_eq!(header.file_len(), file_len);
+            let mut cursor = 0;
+            for tensor in &header.tensors {
+                prop_assert_eq!(tensor.begin, cursor);
+                prop_assert_eq!(
+                    Some(tensor.nbytes()),
+                    tensor_nbytes(tensor.dtype, &tensor.shape)
+                );
+                cursor = tensor.end;
+            }
+            for name in header.checksums.keys() {
+                prop_assert!(header.tensor(name).is_some());
+            }
+            Ok(())
+        }
+
+        #[test]
+        fn the_unmutated_file_parses() {
+            let file = real_file();
+            let header = parse_file(&file).unwrap();
+            assert_eq!(header.tensors.len(), 4);
+            assert_eq!(header.file_len(), file.len() as u64);
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2048))]
+
+            #[test]
+            fn bit_flips_byte_changes_and_truncations_never_panic(
+                flips in proptest::collection::vec((any::<usize>(), 0u8..8), 0..6),
+                bytes in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..3),
+                cut in proptest::option::of(any::<usize>()),
+            ) {
+                let mut file = real_file();
+                let header_end = 8 + u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+                for (position, bit) in flips {
+                    file[position % header_end] ^= 1 << bit; // the prefix and the JSON header
+                }
+                for (position, byte) in bytes {
+                    let i = position % file.len();
+                    file[i] = byte;
+                }
+                if let Some(cut) = cut {
+                    file.truncate(cut % (file.len() + 1));
+                }
+                if let Ok(header) = parse_file(&file) {
+                    consistent(&header, file.len() as u64)?;
+                }
+            }
+
+            #[test]
+            fn declared_lengths_over_the_cap_are_refused(
+                len in (MAX_HEADER_LEN + 1)..=u64::MAX,
+                file_len in any::<u64>(),
+            ) {
+                let refused = parse_prefix(Path::new("huge"), &len.to_le_bytes(), file_len);
+                let is_format_error = matches!(refused, Err(Error::Format { .. }));
+                prop_assert!(is_format_error, "{:?}", refused);
+            }
+
+            #[test]
+            fn declared_lengths_beyond_the_file_are_refused(
+                file_len in 0u64..(1 << 40),
+                excess in 1u64..(1 << 30),
+            ) {
+                let len = file_len.saturating_sub(PREFIX_LEN) + excess;
+                let refused = parse_prefix(Path::new("short"), &len.to_le_bytes(), file_len);
+                let is_format_error = matches!(refused, Err(Error::Format { .. }));
+                prop_assert!(is_format_error, "{:?}", refused);
+            }
+
+            #[test]
+            fn a_prefix_claiming_a_huge_length_fails_the_whole_file(
+                len in (MAX_HEADER_LEN + 1)..=u64::MAX,
+            ) {
+                let mut file = real_file();
+                file[..8].copy_from_slice(&len.to_le_bytes());
+                let refused = parse_file(&file);
+                let is_format_error = matches!(refused, Err(Error::Format { .. }));
+                prop_assert!(is_format_error, "{:?}", refused);
+            }
+        }
+    }
 }

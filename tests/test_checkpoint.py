@@ -16,6 +16,7 @@ import fastckpt
 from fastckpt import _native
 from fastckpt.checkpoint import list_checkpoints, load_checkpoint, prune, save_checkpoint
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError, UntrustedTargetError
+from fastckpt.layout import seal_manifest
 from fastckpt.specs import create_model_spec
 
 CALLS: list[str] = []
@@ -220,7 +221,7 @@ def retarget_spec(root: Path, index: int, relpath: str, edit: dict[str, Any]) ->
         "size": len(data),
         "crc32c": _native.crc32c(data),
     }
-    (root / "manifest.json").write_text(json.dumps(manifest))
+    (root / "manifest.json").write_text(json.dumps(seal_manifest(manifest)))
 
 
 @pytest.mark.parametrize(
@@ -240,12 +241,12 @@ def test_path_traversal_in_manifest_is_refused(tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     entry = manifest["checkpoints"]["0"]
     entry["components"]["models"] = ["../../etc"]
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "manifest.json").write_text(json.dumps(seal_manifest(manifest)))
     with pytest.raises(CheckpointFormatError, match=r"not a valid name"):
         load_checkpoint(tmp_path)
     entry["components"]["models"] = ["main"]
     entry["files"]["../escape.json"] = {"size": 1, "crc32c": 0}
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "manifest.json").write_text(json.dumps(seal_manifest(manifest)))
     with pytest.raises(CheckpointFormatError):
         load_checkpoint(tmp_path)
 
@@ -254,7 +255,7 @@ def test_newer_schema_is_a_clear_error(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, models={"main": (nn.Linear(2, 2), None)})
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     manifest["schema_version"] = 99
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "manifest.json").write_text(json.dumps(seal_manifest(manifest)))
     with pytest.raises(CheckpointFormatError, match="newer fastckpt"):
         load_checkpoint(tmp_path)
 
@@ -352,3 +353,14 @@ def test_adamw_defaults_rebuild(tmp_path: Path) -> None:
     restored = load_checkpoint(tmp_path)["models"]["main"]["optimizers"]["w"]["optimizer"]
     assert isinstance(restored, torch.optim.AdamW)
     assert restored.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_tampered_spec_cannot_import_arbitrary_modules(tmp_path: Path) -> None:
+    import sys
+
+    save_checkpoint(tmp_path, models={"main": (nn.Linear(2, 2), None)})
+    retarget_spec(tmp_path, 0, "models/main.spec.json", {"cls_path": "this.Model", "kwargs": {}})
+    sys.modules.pop("this", None)  # the module prints the Zen of Python when imported
+    with pytest.raises(UntrustedTargetError, match="not imported in this process"):
+        load_checkpoint(tmp_path)
+    assert "this" not in sys.modules

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from fastckpt import specs, tree
-from fastckpt.errors import CheckpointFormatError
+from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.files import read_tensors
-from fastckpt.layout import IndexWriter, Manifest, check_name
+from fastckpt.layout import IndexWriter, Manifest, RootLock, check_name, safe_join
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,8 @@ def write_snapshot(
     if index < 0:
         raise ValueError(f"checkpoint_index must be -1 or >= 0, got {checkpoint_index}")
     start = time.perf_counter()
-    writer = IndexWriter(root, index)
+    writer = IndexWriter(root, None if checkpoint_index == -1 else index)
+    index = writer.index
     try:
         for relpath, tensors in snapshot.tensor_files.items():
             writer.add_tensors(relpath, tensors)
@@ -418,6 +419,7 @@ class IndexReader:
     """
 
     def __init__(self, manifest: Manifest, index: int) -> None:
+        self.root = manifest.root
         self.directory = manifest.root / str(index)
         self.files: dict[str, dict[str, int]] = manifest.entries[index]["files"]
 
@@ -428,7 +430,7 @@ class IndexReader:
                 f"{self.directory / relpath}: not listed in the manifest; the checkpoint is "
                 "incomplete or the manifest was edited"
             )
-        path = self.directory / relpath
+        path = self._path(relpath)
         size = path.stat().st_size  # FileNotFoundError names the file
         if size != record["size"]:
             raise CheckpointFormatError(
@@ -458,20 +460,23 @@ class IndexReader:
         )
         return state if map_location is None else _move_tensors(state, map_location)
 
+    def _path(self, relpath: str) -> Path:
+        return safe_join(self.directory, relpath, within=self.root)
+
     def json(self, relpath: str) -> Any:
         record = self._record(relpath)
-        data = (self.directory / relpath).read_bytes()
+        data = self._path(relpath).read_bytes()
         from fastckpt import _native
 
         self._check_crc(relpath, _native.crc32c(data), record)
         try:
             return json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        except (ValueError, RecursionError) as err:
             raise CheckpointFormatError(f"{self.directory / relpath}: bad JSON ({err})") from None
 
     def tensors(self, relpath: str) -> dict[str, torch.Tensor]:
         record = self._record(relpath)
-        tensors, info = read_tensors(self.directory / relpath, verify=True)
+        tensors, info = read_tensors(self._path(relpath), verify=True)
         self._check_crc(relpath, info["file_crc32c"], record)
         return tensors
 
@@ -486,7 +491,12 @@ def _build_model(spec: specs.BaseSpec, map_location: Any, trusted: Trusted) -> t
     overrides = {}
     if map_location is not None and spec.accepts_kwarg("device", trusted=trusted):
         overrides["device"] = torch.device(map_location)
-    model = spec.build(trusted=trusted, kind="model", **overrides)
+    try:
+        model = spec.build(trusted=trusted, kind="model", **overrides)
+    except FastCkptError:
+        raise
+    except Exception as err:  # ImportError, constructor errors on hostile kwargs, ...
+        raise CheckpointFormatError(f"cannot build model {spec.cls_path!r}: {err}") from err
     if not isinstance(model, torch.nn.Module):
         raise CheckpointFormatError(f"spec {spec.cls_path} did not build an nn.Module")
     return model
@@ -612,7 +622,7 @@ def load_components(
         the loaded index.
     """
     start = time.perf_counter()
-    manifest = Manifest.load(root)
+    manifest = Manifest.load(root, verify_checksum=True)
     index = manifest.resolve(int(checkpoint_index))
     entry = manifest.entries[index]
     reader = IndexReader(manifest, index)
@@ -628,7 +638,13 @@ def load_components(
         spec = _spec_from(reader.json(f"models/{name}.spec.json"), f"models/{name}.spec.json")
         model = _build_model(spec, map_location, trusted)
         weights = reader.tensors(f"models/{name}.safetensors")
-        model.load_state_dict(weights)
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError as err:
+            raise CheckpointFormatError(
+                f"{reader.directory}/models/{name}.safetensors does not fit the model its "
+                f"spec builds: {err}"
+            ) from err
         if map_location is not None:
             model.to(map_location)
         run_validators(validators, name, model)
@@ -661,7 +677,14 @@ def load_components(
         )
         if map_location is not None:
             state = _move_tensors(state, map_location)
-        optimizer, spec = _rebuild_optimizer(document, state, loaded, trusted, where)
+        try:
+            optimizer, spec = _rebuild_optimizer(document, state, loaded, trusted, where)
+        except FastCkptError:
+            raise
+        except Exception as err:
+            raise CheckpointFormatError(
+                f"{reader.directory / where}: cannot rebuild the optimizer: {err}"
+            ) from err
         models[owner]["optimizers"][name] = {"optimizer": optimizer, "spec": spec}
         optimizer_owner[name] = owner
         optimizer_states[name] = state
@@ -676,17 +699,24 @@ def load_components(
         if not isinstance(document, Mapping):
             raise CheckpointFormatError(f"{where}: must be an object")
         spec = _spec_from(document.get("spec"), where)
-        cls = specs.resolve_target(spec.cls_path, "scheduler", trusted)
         owner = optimizer_owner[target]
         optimizer = models[owner]["optimizers"][target]["optimizer"]
-        # Constructing a scheduler steps it once and rewrites the optimizer's learning rates;
-        # reloading the saved optimizer state and then the scheduler's restores both exactly.
-        scheduler = cls(optimizer, **spec.kwargs)
-        optimizer.load_state_dict(optimizer_states[target])
         state = tree.unflatten(
             document.get("state"), reader.tensors(f"schedulers/{name}.safetensors"), name
         )
-        scheduler.load_state_dict(state)
+        try:
+            cls = specs.resolve_target(spec.cls_path, "scheduler", trusted)
+            # Constructing a scheduler steps it once and rewrites the optimizer's learning
+            # rates; reloading the saved optimizer state and then the scheduler's restores both.
+            scheduler = cls(optimizer, **spec.kwargs)
+            optimizer.load_state_dict(optimizer_states[target])
+            scheduler.load_state_dict(state)
+        except FastCkptError:
+            raise
+        except Exception as err:
+            raise CheckpointFormatError(
+                f"{reader.directory / where}: cannot rebuild the scheduler: {err}"
+            ) from err
         models[owner]["schedulers"][name] = {"scheduler": scheduler, "spec": spec}
 
     log_throughput("loaded", str(reader.directory), reader.files.values(), start)
@@ -747,13 +777,14 @@ def prune(root: str | os.PathLike[str], keep_last: int) -> list[int]:
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the latest is never deleted), got {keep_last}")
-    manifest = Manifest.load(root)
-    doomed = sorted(manifest.entries)[:-keep_last]
-    if not doomed:
-        return []
-    for index in doomed:
-        del manifest.entries[index]
-    manifest.commit()
-    for index in doomed:
-        shutil.rmtree(manifest.root / str(index), ignore_errors=True)
+    with RootLock(Path(root)):
+        manifest = Manifest.load(root)
+        doomed = sorted(manifest.entries)[:-keep_last]
+        if not doomed:
+            return []
+        for index in doomed:
+            del manifest.entries[index]
+        manifest.commit()
+        for index in doomed:
+            shutil.rmtree(manifest.root / str(index), ignore_errors=True)
     return doomed

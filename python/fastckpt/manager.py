@@ -30,7 +30,7 @@ from fastckpt import _native, tree
 from fastckpt.checkpoint import log_throughput
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, ChecksumMismatchError
 from fastckpt.files import DEFAULT_WRITE_THREADS, read_tensors
-from fastckpt.layout import DirectoryWriter, check_name, check_relpath
+from fastckpt.layout import DirectoryWriter, check_name, check_relpath, safe_join
 from fastckpt.staging import Stager, StagerOptions, background_executor, make_stager
 
 __all__ = [
@@ -464,7 +464,7 @@ class CheckpointManager:
 
 
 def _read_commit_record(directory: Path) -> dict[str, Any]:
-    path = directory / COMMIT_RECORD
+    path = safe_join(directory, COMMIT_RECORD)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -473,7 +473,7 @@ def _read_commit_record(directory: Path) -> dict[str, Any]:
         ) from None
     try:
         record = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (ValueError, RecursionError) as err:
         raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise CheckpointFormatError(f"{path}: not a {FORMAT} commit record")
@@ -501,7 +501,7 @@ def _checked(directory: Path, record: Mapping[str, Any], relpath: str) -> Mappin
     entry = record["files"].get(relpath)
     if entry is None:
         raise CheckpointFormatError(f"{directory / relpath}: not listed in {COMMIT_RECORD}")
-    size = (directory / relpath).stat().st_size
+    size = safe_join(directory, relpath).stat().st_size
     if size != entry["size"]:
         raise CheckpointFormatError(
             f"{directory / relpath}: size {size} differs from the recorded {entry['size']}"
@@ -514,17 +514,20 @@ def _load_item(
 ) -> Any:
     json_path = f"{key}.json"
     entry = _checked(directory, record, json_path)
-    data = (directory / json_path).read_bytes()
+    data = safe_join(directory, json_path).read_bytes()
     if _native.crc32c(data) != entry["crc32c"]:
         raise ChecksumMismatchError(f"{directory / json_path}: crc32c differs from {COMMIT_RECORD}")
-    skeleton = json.loads(data)["skeleton"]
+    try:
+        skeleton = json.loads(data)["skeleton"]
+    except (ValueError, RecursionError) as err:
+        raise CheckpointFormatError(f"{directory / json_path}: bad JSON ({err})") from None
     tensor_path = f"{key}.rank{rank}.safetensors"
     if tensor_path not in record["files"]:
         tensor_path = f"{key}.rank0.safetensors"
     if tensor_path not in record["files"]:
         tensor_path = f"{key}.safetensors"
     entry = _checked(directory, record, tensor_path)
-    tensors, info = read_tensors(directory / tensor_path, verify=True)
+    tensors, info = read_tensors(safe_join(directory, tensor_path), verify=True)
     if info["file_crc32c"] is not None and info["file_crc32c"] != entry["crc32c"]:
         raise ChecksumMismatchError(
             f"{directory / tensor_path}: file crc32c differs from {COMMIT_RECORD}; it was "

@@ -616,8 +616,10 @@ def resolve_target(
     classmethods/staticmethods of them, ``"optimizer"`` allows ``torch.optim.Optimizer``
     subclasses, ``"scheduler"`` allows LR-scheduler classes (including ``ReduceLROnPlateau``),
     and ``"callable"`` allows nothing. For ``"callable"`` an untrusted path is refused without
-    importing anything. Resolution imports only the module part of the path and walks the
-    rest with ``getattr``; nothing is called.
+    importing anything; for the other kinds an untrusted path is only imported when its
+    top-level package is already imported in this process (so a tampered spec cannot trigger
+    the import side effects of an arbitrary installed module). Resolution imports only the
+    module part of the path and walks the rest with ``getattr``; nothing is called.
 
     Args:
         path: The dotted path, e.g. ``"torch.nn.Linear"`` or ``"pkg.Model.from_config"``.
@@ -650,6 +652,16 @@ def resolve_target(
         if loaded is not _MISSING and any(_same_target(loaded, obj) for obj in objects):
             return loaded
         raise _refuse(path, kind, "it is not in the trusted list")
+    package = path.split(".", 1)[0]
+    if package not in sys.modules:
+        # Importing a module runs its code: a tampered spec must not be able to make us import
+        # an arbitrary installed package (``this``, ``antigravity``...) before the check.
+        raise _refuse(
+            path,
+            kind,
+            f"its package {package!r} is not imported in this process (import the package "
+            "that defines it before loading)",
+        )
     parent_path, _, attr = path.rpartition(".")
     obj = _import_path(path)
     if any(_same_target(obj, trusted_obj) for trusted_obj in objects):
