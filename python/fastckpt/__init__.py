@@ -37,6 +37,7 @@ from fastckpt.manager import (
 )
 from fastckpt.specs import BaseSpec, create_model_spec, register_type_serializer
 from fastckpt.strategy import FineTuningStrategy, OptimizerConfig, TrainingStrategy
+from fastckpt.verify import VerifyReport, latest_intact, verify
 
 try:
     __version__ = version("fastckpt")
@@ -67,8 +68,10 @@ __all__ = [
     "TrainingStage",
     "TrainingStrategy",
     "UntrustedTargetError",
+    "VerifyReport",
     "__version__",
     "create_model_spec",
+    "latest_intact",
     "list_checkpoints",
     "load_checkpoint",
     "load_file",
@@ -77,4 +80,5 @@ __all__ = [
     "register_type_serializer",
     "save_checkpoint",
     "save_file",
+    "verify",
 ]

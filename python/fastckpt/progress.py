@@ -1,0 +1,199 @@
+"""A one-line progress bar for long command-line operations, shown only on a terminal.
+
+fastckpt's heavy work (reading, checksumming, writing) runs inside single Rust calls with the
+GIL released, so there is no per-chunk callback to hook a bar into. Instead :func:`io_progress`
+watches the bytes this process has read and written (``rchar`` + ``wchar`` of
+``/proc/self/io``, which count every ``read``/``pread``/``write`` of every thread) from a
+background thread and draws them against the expected total. Where ``/proc/self/io`` is absent
+the bar simply jumps to done at the end.
+
+Nothing is drawn when the stream is not a terminal (pipes, files, CI logs): scripts that
+parse the output never see control characters.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TextIO
+
+__all__ = ["IOMeter", "ProgressBar", "format_bytes", "io_progress"]
+
+_PROC_IO = Path("/proc/self/io")
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_bytes(count: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``; whole bytes below 1 KiB."""
+    value = float(count)
+    for unit in _UNITS:
+        if abs(value) < 1024 or unit == _UNITS[-1]:
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class IOMeter:
+    """Bytes this process has read plus written since the meter was created.
+
+    Attributes:
+        available: whether the platform exposes the counters (Linux ``/proc/self/io``).
+    """
+
+    def __init__(self, path: Path = _PROC_IO) -> None:
+        """Take the starting reading."""
+        self._path = path
+        start = self._read()
+        self.available = start is not None
+        self._start = start or 0
+
+    def _read(self) -> int | None:
+        try:
+            text = self._path.read_text()
+        except OSError:
+            return None
+        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+        try:
+            return int(fields["rchar"]) + int(fields["wchar"])
+        except (KeyError, ValueError):
+            return None
+
+    def moved(self) -> int:
+        """Bytes read + written since creation (0 when unavailable)."""
+        now = self._read()
+        return 0 if now is None else max(0, now - self._start)
+
+
+class ProgressBar:
+    """``label [######------]  45%  1.2 GiB / 2.6 GiB  850.0 MiB/s`` on one redrawn line.
+
+    Draws only when ``stream`` is a terminal (or ``enabled=True``); otherwise every method is
+    a no-op. Redraws are rate-limited, and :meth:`close` erases the line so the command's own
+    output starts on a clean line.
+
+    Args:
+        label: what is being done (shown first).
+        total: expected bytes (None: unknown, so no percentage).
+        stream: where to draw (default ``sys.stderr``).
+        enabled: force drawing on or off (default: ``stream.isatty()``).
+        min_interval: seconds between redraws.
+        clock: monotonic time source (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        label: str,
+        total: int | None = None,
+        *,
+        stream: TextIO | None = None,
+        enabled: bool | None = None,
+        min_interval: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Prepare the bar; nothing is drawn before the first :meth:`update`."""
+        self.label = label
+        self.total = total if total and total > 0 else None
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = _is_terminal(self.stream) if enabled is None else enabled
+        self.done = 0
+        self._min_interval = min_interval
+        self._clock = clock
+        self._started = clock()
+        self._last_draw: float | None = None
+        self._drawn = False
+        self._lock = threading.Lock()
+
+    def update(self, done: int, *, force: bool = False) -> None:
+        """Set the progress to ``done`` bytes and redraw if enough time has passed."""
+        with self._lock:
+            self.done = max(self.done, done)
+            if not self.enabled:
+                return
+            now = self._clock()
+            recent = self._last_draw is not None and now - self._last_draw < self._min_interval
+            if recent and not force:
+                return
+            self._last_draw = now
+            self._draw(now)
+
+    def line(self, now: float | None = None) -> str:
+        """The text of the bar as it would be drawn now."""
+        elapsed = max((self._clock() if now is None else now) - self._started, 1e-9)
+        done = min(self.done, self.total) if self.total else self.done
+        rate = f"{format_bytes(done / elapsed)}/s"
+        if self.total is None:
+            return f"{self.label}  {format_bytes(done)}  {rate}"
+        fraction = done / self.total
+        amounts = f"{fraction * 100:3.0f}%  {format_bytes(done)} / {format_bytes(self.total)}"
+        width = shutil.get_terminal_size((80, 24)).columns
+        room = width - len(self.label) - len(amounts) - len(rate) - 10
+        cells = max(10, min(40, room))
+        filled = int(fraction * cells)
+        return f"{self.label} [{'#' * filled}{'-' * (cells - filled)}] {amounts}  {rate}"
+
+    def _draw(self, now: float) -> None:
+        self.stream.write("\r\x1b[2K" + self.line(now))
+        self.stream.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        """Erase the bar (if one was drawn)."""
+        with self._lock:
+            if self.enabled and self._drawn:
+                self.stream.write("\r\x1b[2K")
+                self.stream.flush()
+                self._drawn = False
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except (OSError, ValueError):  # closed or detached stream
+        return False
+
+
+@contextmanager
+def io_progress(
+    label: str,
+    total: int | None,
+    *,
+    stream: TextIO | None = None,
+    enabled: bool | None = None,
+    interval: float = 0.1,
+) -> Iterator[ProgressBar]:
+    """Draw a :class:`ProgressBar` fed by this process's I/O for the duration of the block.
+
+    ``total`` is the number of bytes the block is expected to read plus write. On a non-
+    terminal nothing runs at all (no thread, no output).
+
+    Yields:
+        The bar (callers may :meth:`ProgressBar.update` it themselves as well).
+    """
+    bar = ProgressBar(label, total, stream=stream, enabled=enabled, min_interval=interval)
+    if not bar.enabled:
+        yield bar
+        return
+    bar.update(0, force=True)  # show at once that something is going on
+    meter = IOMeter()
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(interval):
+            bar.update(meter.moved())
+
+    poller = threading.Thread(target=poll, name="fastckpt-progress", daemon=True)
+    if meter.available:
+        poller.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        if poller.is_alive():
+            poller.join()
+        bar.close()

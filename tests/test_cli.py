@@ -1,0 +1,576 @@
+"""The ``fastckpt`` command line against real checkpoints, good and damaged.
+
+Every subcommand runs at least once as a user runs it (``python -m fastckpt ...`` in a
+subprocess: output text, exit status, ``--json`` parses, errors are one line without a
+traceback). Those subprocesses start torch (~2 s each), so they are launched together, two at
+a time, by one fixture; finer behaviour is checked in-process through ``cli.main``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pty
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+import fastckpt
+from fastckpt import cli
+from fastckpt.progress import IOMeter, ProgressBar, format_bytes, io_progress
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def train_step(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """A loss for the strategy checkpoint."""
+    return model(batch).square().mean()
+
+
+def flip_byte(path: Path, offset_from_end: int = 3) -> None:
+    """Corrupt one byte of tensor data (the data section ends the file)."""
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def save_components(root: Path, steps: int) -> None:
+    """``steps`` indices of a Linear + Adam + StepLR, training a little between saves."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(adam, step_size=5)
+    for step in range(steps):
+        model(torch.randn(3, 4)).square().mean().backward()
+        adam.step()
+        sched.step()
+        fastckpt.save_checkpoint(
+            root,
+            models={"main": (model, None)},
+            optimizers={"adam": (adam, None)},
+            schedulers={"sched": (sched, None)},
+            counters={"step": step + 1, "epoch": 0},
+        )
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every kind of checkpoint the CLI reads, written once for the module."""
+    base = tmp_path_factory.mktemp("cli")
+    save_components(base / "run", 3)
+
+    shutil.copytree(base / "run", base / "bad")
+    flip_byte(base / "bad" / "1" / "models" / "main.safetensors")
+    (base / "bad" / "2" / "optimizers" / "adam.json").unlink()
+
+    shutil.copytree(base / "run", base / "prune-me")
+
+    torch.manual_seed(0)
+    strategy = fastckpt.TrainingStrategy(
+        nn.Linear(4, 1),
+        fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}),
+        training_fn=train_step,
+        hooks=[
+            fastckpt.EMAHook(decay=0.9),
+            fastckpt.CheckpointHook(base / "strategy", step_interval=2, async_save=False),
+        ],
+        num_steps=4,
+    )
+    strategy.run([torch.randn(2, 4) for _ in range(4)])
+
+    fastckpt.save_checkpoint(
+        base / "two-models",
+        models={"encoder": (nn.Linear(2, 2), None), "decoder": (nn.Linear(2, 2), None)},
+    )
+
+    model = nn.Linear(4, 2)
+    config = fastckpt.CheckpointManager.Config.with_sync_save()
+    with fastckpt.CheckpointManager(config) as manager:
+        for step in (10, 20):
+            manager.save(base / "mgr" / f"step_{step}", {"model": model.state_dict(), "step": step})
+
+    safetensors.torch.save_file({"x": torch.arange(6.0).reshape(2, 3)}, base / "plain.safetensors")
+    (base / "empty").mkdir()
+    return base
+
+
+# --------------------------------------------------------------------------- subprocess runs
+
+COMMANDS: dict[str, list[str]] = {
+    "ls": ["ls", "run"],
+    "inspect-strategy": ["inspect", "strategy"],
+    "inspect-manager-json": ["--json", "inspect", "mgr/step_10"],
+    "verify-good": ["verify", "run"],
+    "verify-bad": ["verify", "bad"],
+    "verify-tty": ["verify", "run"],  # stderr is a terminal: the progress bar is drawn
+    "diff": ["diff", "run/0", "run/2"],
+    "prune": ["prune", "prune-me", "--keep-last", "1"],
+    "export": ["export", "run", "--index", "1", "--to", "exported.safetensors"],
+    "err-missing": ["inspect", "no/such/dir"],
+    "err-corrupt": ["export", "bad/1", "--to", "never.safetensors"],
+}
+
+
+def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m fastckpt ARGS`` in ``cwd``, stdout and stderr captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "fastckpt", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def run_cli_on_terminal(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str] | None:
+    """Like :func:`run_cli`, with stderr on a pseudo-terminal (what a user at a shell has);
+    None where no pseudo-terminal can be opened."""
+    try:
+        primary, replica = pty.openpty()
+    except OSError:
+        return None
+    with subprocess.Popen(
+        [sys.executable, "-m", "fastckpt", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=replica
+    ) as proc:
+        os.close(replica)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(primary, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        assert proc.stdout is not None
+        out = proc.stdout.read().decode()
+    os.close(primary)
+    return subprocess.CompletedProcess(args, proc.returncode, out, drawn.decode())
+
+
+@pytest.fixture(scope="module")
+def runs(ckpts: Path) -> dict[str, subprocess.CompletedProcess[str] | None]:
+    """Every command of COMMANDS, run two at a time (they touch disjoint files)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            name: pool.submit(run_cli_on_terminal if "tty" in name else run_cli, args, ckpts)
+            for name, args in COMMANDS.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode == 2, result
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_ls_lists_indices_with_counters_and_marks_the_latest(runs: dict[str, Any]) -> None:
+    result = runs["ls"]
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("run: 3 committed index(es)")
+    assert lines[1].split()[:6] == ["INDEX", "CREATED", "(UTC)", "SIZE", "STEP", "EPOCH"]
+    rows = [line.split() for line in lines[2:5]]
+    assert [row[0] for row in rows] == ["0", "1", "*"]  # only the latest is starred
+    assert rows[2][1] == "2"
+    assert rows[0][5:7] == ["1", "0"]  # step and epoch counters of index 0
+    assert "models: main; optimizers: adam; schedulers: sched" in lines[2]
+
+
+def test_inspect_strategy_checkpoint(runs: dict[str, Any]) -> None:
+    result = runs["inspect-strategy"]
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("strategy/1: index 1 (latest) of save_checkpoint root strategy")
+    assert "step_count=4" in out
+    assert "main: torch.nn.modules.linear.Linear(in_features=4, out_features=1, bias=True)" in out
+    assert "torch.optim.sgd.SGD(lr=0.1" in out
+    assert "training_fn=test_cli.train_step" in out
+    assert "fastckpt.hooks.ema.EMAHook #0" in out
+    assert "models/main.safetensors" in out
+    assert "weight  F32    [1, 4]  16 B" in out
+
+
+def test_inspect_manager_json(runs: dict[str, Any]) -> None:
+    info = json.loads(runs["inspect-manager-json"].stdout)
+    assert info["kind"] == "manager"
+    items = {item["name"]: item for item in info["items"]}
+    assert items["step"]["values"] == {"step": 10}
+    assert items["model"]["tensor_files"] == ["model.safetensors"]
+    model_file = next(f for f in info["files"] if f["path"] == "model.safetensors")
+    assert {t["name"]: t["shape"] for t in model_file["tensors"]} == {
+        "weight": [2, 4],
+        "bias": [2],
+    }
+
+
+def test_verify_good_checkpoint_exits_0(runs: dict[str, Any]) -> None:
+    result = runs["verify-good"]
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok: run: ")
+    assert "of index(es) 0, 1, 2 verified" in result.stdout
+    assert result.stderr == ""  # no progress bar when stderr is not a terminal
+
+
+def test_verify_damaged_checkpoint_names_bad_files_and_exits_1(runs: dict[str, Any]) -> None:
+    result = runs["verify-bad"]
+    assert result.returncode == 1, result.stderr
+    out = result.stdout
+    assert out.startswith("BAD: bad: 2 problem(s)")
+    assert "corrupt" in out and "bad/1/models/main.safetensors" in out and "weight" in out
+    assert "missing" in out and "bad/2/optimizers/adam.json" in out
+    assert out.rstrip().endswith("damaged index(es): 1, 2; newest intact index: 0")
+
+
+def test_diff_reports_changed_tensors_and_exits_1(runs: dict[str, Any]) -> None:
+    result = runs["diff"]
+    assert result.returncode == 1, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "a: run/0 (index 0)"
+    assert lines[1] == "b: run/2 (index 2, latest)"
+    weight = next(line for line in lines if "models/main:weight" in line).split()
+    assert weight[:5] == ["changed", "models/main:weight", "F32", "[2,", "4]"]
+    assert weight[5] == "8/8"
+    assert float(weight[6]) > 0
+    assert lines[-1].endswith("0 added, 0 removed")
+
+
+def test_prune_deletes_old_indices(runs: dict[str, Any], ckpts: Path) -> None:
+    result = runs["prune"]
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("deleted index(es) 0, 1 (")
+    assert result.stdout.rstrip().endswith("kept 2")
+    assert [c["index"] for c in fastckpt.list_checkpoints(ckpts / "prune-me")] == [2]
+    assert not (ckpts / "prune-me" / "0").exists()
+
+
+def test_export_writes_a_plain_safetensors_file(runs: dict[str, Any], ckpts: Path) -> None:
+    result = runs["export"]
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("wrote exported.safetensors: 2 tensor(s)")
+    exported = safetensors.torch.load_file(ckpts / "exported.safetensors")
+    saved = fastckpt.load_file(ckpts / "run" / "1" / "models" / "main.safetensors")
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)
+
+
+def test_user_errors_are_one_line_without_traceback(runs: dict[str, Any], ckpts: Path) -> None:
+    assert_one_line_error(runs["err-missing"], "fastckpt inspect: error:", "no/such/dir")
+    assert_one_line_error(runs["err-corrupt"], "checksum mismatch", "weight", "bad/1/models")
+    assert not (ckpts / "never.safetensors").exists()
+
+
+def test_progress_bar_is_drawn_on_a_terminal_only(runs: dict[str, Any]) -> None:
+    result = runs["verify-tty"]
+    if result is None:
+        pytest.skip("no pseudo-terminal available")
+    assert result.returncode == 0
+    assert result.stdout.startswith("ok: run: ")  # the report itself still goes to stdout
+    frames = result.stderr.split("\r\x1b[2K")
+    assert frames[0] == "" and frames[-1] == ""  # every frame redraws the line; the last erases
+    assert frames[1].startswith("verify run [") and "%" in frames[1] and "/s" in frames[1]
+    assert runs["verify-good"].stderr == ""  # nothing at all when stderr is not a terminal
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+@pytest.fixture()
+def fastckpt_cli(
+    ckpts: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Callable[..., tuple[int, str, str]]:
+    """``cli.main(args)`` in the checkpoint directory: (status, stdout, stderr)."""
+    monkeypatch.chdir(ckpts)
+
+    def call(*args: str) -> tuple[int, str, str]:
+        try:
+            status = cli.main(list(args))
+        except SystemExit as exit_:  # argparse
+            status = int(exit_.code or 0)
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    return call
+
+
+Run = Callable[..., tuple[int, str, str]]
+
+
+def test_json_of_every_subcommand_parses(fastckpt_cli: Run) -> None:
+    status, out, _ = fastckpt_cli("ls", "run", "--json")
+    listing = json.loads(out)
+    assert listing["kind"] == "root"
+    assert [c["index"] for c in listing["checkpoints"]] == [0, 1, 2]
+    assert [c["latest"] for c in listing["checkpoints"]] == [False, False, True]
+    assert listing["checkpoints"][1]["counters"] == {"step": 2, "epoch": 0}
+
+    status, out, _ = fastckpt_cli("--json", "verify", "bad")
+    report = json.loads(out)
+    assert status == 1 and report["ok"] is False
+    assert report["failed_indices"] == [1, 2]
+    statuses = {Path(f["path"]).as_posix(): f["status"] for f in report["files"]}
+    assert statuses["bad/1/models/main.safetensors"] == "corrupt"
+    assert statuses["bad/2/optimizers/adam.json"] == "missing"
+    assert statuses["bad/0/models/main.safetensors"] == "ok"
+
+    status, out, _ = fastckpt_cli("diff", "run/2", "run", "--json")
+    diff = json.loads(out)
+    assert status == 0 and diff["identical"] is True
+    assert diff["compared"] == diff["same"] == 8  # weights 2, Adam state 6 (StepLR: none)
+
+    status, out, _ = fastckpt_cli("export", "mgr/step_20", "--to", "manager.safetensors", "--json")
+    summary = json.loads(out)
+    assert status == 0 and summary["tensors"] == 2
+    assert summary["metadata"]["fastckpt.item"] == "model"
+
+    status, out, _ = fastckpt_cli("prune", "run", "--keep-last", "1", "--dry-run", "--json")
+    assert json.loads(out)["deleted"] == [0, 1]
+
+    status, out, _ = fastckpt_cli("ls", "mgr", "--json")
+    assert [c["step"] for c in json.loads(out)["checkpoints"]] == [10, 20]
+
+
+def test_inspect_single_file_without_checksums(fastckpt_cli: Run) -> None:
+    status, out, _ = fastckpt_cli("inspect", "plain.safetensors")
+    assert status == 0
+    assert "no checksums (not written by fastckpt)" in out
+    assert "x       F32    [2, 3]  24 B" in out
+    status, out, _ = fastckpt_cli("inspect", "plain.safetensors", "--json")
+    info = json.loads(out)
+    assert info["kind"] == "file" and info["checksums"] is False
+    assert info["tensors"] == [{"name": "x", "dtype": "F32", "shape": [2, 3], "bytes": 24}]
+
+
+def test_inspect_index_directory_and_index_option(fastckpt_cli: Run) -> None:
+    _, by_dir, _ = fastckpt_cli("inspect", "run/1", "--json")
+    _, by_option, _ = fastckpt_cli("inspect", "run", "--index", "1", "--json")
+    assert json.loads(by_dir) == json.loads(by_option)
+    info = json.loads(by_dir)
+    assert info["index"] == 1 and info["latest"] is False
+    assert info["counters"] == {"step": 2, "epoch": 0}
+    assert info["associations"] == {"optimizers": {"adam": "main"}, "schedulers": {"sched": "adam"}}
+    assert info["specs"]["schedulers/sched"]["cls_path"] == "torch.optim.lr_scheduler.StepLR"
+    status, _, err = fastckpt_cli("inspect", "run/1", "--index", "2")
+    assert status == 2 and "contradicts" in err
+
+
+def test_inspect_damaged_index_points_to_verify(fastckpt_cli: Run) -> None:
+    status, out, err = fastckpt_cli("inspect", "bad", "--index", "2")
+    assert status == 2 and out == ""
+    assert "adam.json" in err and "fastckpt verify bad" in err
+
+
+def test_ls_manager_directory_and_wrong_targets(fastckpt_cli: Run) -> None:
+    status, out, _ = fastckpt_cli("ls", "mgr")
+    assert status == 0
+    rows = {row.lstrip("* ").split()[0]: row.lstrip("* ").split() for row in out.splitlines()[2:4]}
+    assert rows["step_10"][5:] == ["10", "-", "model,", "step"]  # STEP, EPOCH, ITEMS
+    assert out.splitlines()[3].startswith("*  step_20")  # committed last
+    status, _, err = fastckpt_cli("ls", "empty")
+    assert status == 2 and "holds no checkpoints" in err
+    status, _, err = fastckpt_cli("ls", "run/1")
+    assert status == 2 and "one index of the root" in err
+    status, _, err = fastckpt_cli("ls", "mgr/step_10")
+    assert status == 2 and "one CheckpointManager checkpoint" in err
+
+
+def test_verify_one_index_file_and_manager(fastckpt_cli: Run) -> None:
+    status, out, _ = fastckpt_cli("verify", "bad", "--index", "0")
+    assert status == 0 and "of index(es) 0 verified" in out
+    status, out, _ = fastckpt_cli("verify", "bad/1/models/main.safetensors")
+    assert status == 1 and "corrupt" in out
+    status, out, _ = fastckpt_cli("verify", "mgr/step_20", "--json")
+    assert status == 0 and json.loads(out)["kind"] == "manager"
+    status, _, err = fastckpt_cli("verify", "mgr/step_20", "--index", "0")
+    assert status == 2 and "--index only applies" in err
+
+
+def test_diff_added_removed_retyped_and_atol(fastckpt_cli: Run, ckpts: Path) -> None:
+    base = {"w": torch.ones(3), "gone": torch.zeros(1), "cast": torch.zeros(2)}
+    other = {"w": torch.ones(3) + 1e-3, "new": torch.zeros(1), "cast": torch.zeros(2).double()}
+    fastckpt.save_file(base, ckpts / "a.safetensors")
+    fastckpt.save_file(other, ckpts / "b.safetensors")
+    status, out, _ = fastckpt_cli("diff", "a.safetensors", "b.safetensors", "--json")
+    result = json.loads(out)
+    assert status == 1
+    assert [c["name"] for c in result["changed"]] == ["w"]
+    assert result["changed"][0]["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
+    assert result["mismatched"] == [
+        {"name": "cast", "a": {"dtype": "F32", "shape": [2]}, "b": {"dtype": "F64", "shape": [2]}}
+    ]
+    assert [t["name"] for t in result["added"]] == ["new"]
+    assert [t["name"] for t in result["removed"]] == ["gone"]
+    _, out, _ = fastckpt_cli("diff", "a.safetensors", "b.safetensors", "--atol", "0.01")
+    changes = [line.split()[:2] for line in out.splitlines()[3:-1]]
+    assert changes == [["retyped", "cast"], ["added", "new"], ["removed", "gone"]]
+
+
+def test_compare_tensors_is_bitwise_and_reports_nan() -> None:
+    a = torch.tensor([0.0, 1.0, float("nan")])
+    assert cli.compare_tensors(a, a.clone()) == (0, 0.0)  # NaN equals itself bitwise
+    count, biggest = cli.compare_tensors(a, torch.tensor([-0.0, 3.0, float("nan")]))
+    assert count == 2 and biggest == 2.0  # -0.0 differs in its bits, by 0 in value
+    count, biggest = cli.compare_tensors(torch.tensor([1.0]), torch.tensor([float("nan")]))
+    assert count == 1 and biggest != biggest
+    flags = torch.tensor([True, False])
+    assert cli.compare_tensors(flags, ~flags) == (2, 1.0)
+
+
+def test_prune_dry_run_keeps_everything(fastckpt_cli: Run, ckpts: Path) -> None:
+    status, out, _ = fastckpt_cli("prune", "run", "--keep-last", "2", "--dry-run")
+    assert status == 0 and out.startswith("would delete index(es) 0 (")
+    assert len(fastckpt.list_checkpoints(ckpts / "run")) == 3
+    status, out, _ = fastckpt_cli("prune", "run", "--keep-last", "5")
+    assert out.startswith("nothing to delete")
+    status, _, err = fastckpt_cli("prune", "mgr/step_10", "--keep-last", "1")
+    assert status == 2 and "prune works on a save_checkpoint root" in err
+
+
+def test_export_model_choice_and_overwrite(fastckpt_cli: Run, ckpts: Path) -> None:
+    status, _, err = fastckpt_cli("export", "two-models", "--to", "m.safetensors")
+    assert status == 2 and "several models (decoder, encoder)" in err
+    status, out, _ = fastckpt_cli(
+        "export", "two-models", "--to", "m.safetensors", "--model", "encoder"
+    )
+    assert status == 0, out
+    exported = safetensors.torch.load_file(ckpts / "m.safetensors")
+    assert set(exported) == {"weight", "bias"}
+    with safetensors.safe_open(ckpts / "m.safetensors", "pt") as handle:
+        metadata = handle.metadata()
+    assert metadata["format"] == "pt" and metadata["fastckpt.model"] == "encoder"
+    status, _, err = fastckpt_cli(
+        "export", "two-models", "--to", "m.safetensors", "--model", "encoder"
+    )
+    assert status == 2 and "--force" in err
+    status, _, _ = fastckpt_cli(
+        "export", "two-models", "--to", "m.safetensors", "--model", "decoder", "--force"
+    )
+    assert status == 0
+    status, _, err = fastckpt_cli("export", "two-models", "--to", "m.safetensors", "--model", "x")
+    assert status == 2
+    status, _, err = fastckpt_cli("export", "plain.safetensors", "--to", "p.safetensors")
+    assert status == 2 and "already a single safetensors file" in err
+
+
+def test_usage_errors_are_one_line(fastckpt_cli: Run) -> None:
+    status, _, err = fastckpt_cli("verify", "run", "--index", "9")
+    assert status == 2 and "index 9" in err and "available: [0, 1, 2]" in err
+    usage_errors = (["verify", "run", "--index", "x"], ["nope"], [], ["diff", "run"])
+    for args in (*usage_errors, ["prune", "run"], ["prune", "run", "--keep-last", "0"]):
+        status, out, err = fastckpt_cli(*args)
+        assert status == 2 and out == ""
+        assert len(err.splitlines()) == 1 and "error:" in err, (args, err)
+
+
+def test_debug_shows_the_traceback(fastckpt_cli: Run) -> None:
+    with pytest.raises(cli.UserError, match="no such file"):
+        cli.main(["--debug", "inspect", "missing"])
+
+
+def test_verbose_shows_the_library_log(
+    fastckpt_cli: Run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logger = logging.getLogger("fastckpt")
+    handlers, level = list(logger.handlers), logger.level
+    try:
+        status, _, _ = fastckpt_cli("-v", "ls", "run")
+        assert status == 0
+        logging.getLogger("fastckpt.checkpoint").info("saved 3 files")  # as the library does
+        assert "fastckpt.checkpoint: saved 3 files" in capsys.readouterr().err
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+
+
+def test_bench_forwards_its_arguments(fastckpt_cli: Run) -> None:
+    status, out, _ = fastckpt_cli("bench", "--help")
+    assert status == 0 and "--size-gib" in out and "--writers" in out
+
+
+def test_bench_json_prints_the_result_file(fastckpt_cli: Run, ckpts: Path) -> None:
+    args = ["--size-gib", "0.002", "--repeats", "1", "--warm", "--writers", "fastckpt"]
+    args += ["--readers", "fastckpt", "--no-plot", "--no-memory", "--no-training"]
+    args += ["--out", str(ckpts / "bench-out"), "--dir", str(ckpts)]
+    status, out, err = fastckpt_cli("bench", "--json", *args)
+    assert status == 0, err
+    results = json.loads(out)
+    assert results["tag"] == "state-0.002gib"
+    assert "wrote" in err  # the harness's own log went to stderr
+
+
+# --------------------------------------------------------------------------- progress helper
+
+
+class FakeTerminal(io.StringIO):
+    """A stream that claims to be a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_draws_percent_and_rate_then_erases() -> None:
+    now = [0.0]
+    stream = FakeTerminal()
+    bar = ProgressBar("verify x", 4 << 20, stream=stream, clock=lambda: now[0])
+    now[0] = 1.0
+    bar.update(1 << 20)
+    now[0] = 1.05
+    bar.update(2 << 20)  # within min_interval: not redrawn
+    now[0] = 2.0
+    bar.update(3 << 20)
+    bar.close()
+    frames = stream.getvalue().split("\r\x1b[2K")
+    assert frames[0] == "" and frames[-1] == ""
+    assert len(frames) == 4  # two redraws and the final erase
+    assert " 25%  1.0 MiB / 4.0 MiB  1.0 MiB/s" in frames[1]
+    assert " 75%  3.0 MiB / 4.0 MiB  1.5 MiB/s" in frames[2]
+    assert "[" in frames[2] and "#" in frames[2]
+
+
+def test_progress_is_silent_off_a_terminal() -> None:
+    stream = io.StringIO()
+    with io_progress("export", 100, stream=stream) as bar:
+        bar.update(50, force=True)
+    assert stream.getvalue() == ""
+
+
+def test_io_progress_follows_this_process_io(tmp_path: Path) -> None:
+    if not IOMeter().available:
+        pytest.skip("no /proc/self/io here")
+    stream = FakeTerminal()
+    payload = tmp_path / "payload"
+    with io_progress("read", 8 << 20, stream=stream, enabled=True, interval=0.01) as bar:
+        payload.write_bytes(os.urandom(8 << 20))
+        payload.read_bytes()
+        deadline = 200
+        while bar.done < (8 << 20) and deadline:
+            deadline -= 1
+            time.sleep(0.01)
+    assert bar.done >= 8 << 20
+    assert "100%" in stream.getvalue()
+
+
+def test_format_bytes() -> None:
+    assert [format_bytes(n) for n in (0, 1023, 1536, 5 << 30)] == [
+        "0 B",
+        "1023 B",
+        "1.5 KiB",
+        "5.0 GiB",
+    ]
