@@ -35,7 +35,7 @@ const PIECE: usize = 1 << 20;
 /// Buffered writes keep at most this many chunks of dirty pages before waiting for writeback.
 const WRITE_BEHIND: usize = 2;
 /// Default chunk size.
-pub const DEFAULT_CHUNK_SIZE: u64 = 32 << 20;
+pub const DEFAULT_CHUNK_SIZE: u64 = 16 << 20;
 /// Default number of writer threads: one preparer (copy + crc32c) ahead of one writer.
 pub const DEFAULT_THREADS: usize = 2;
 

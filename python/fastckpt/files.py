@@ -35,8 +35,9 @@ DEFAULT_THREADS = 4
 #: hashes chunks ahead of one thread that writes them in file order (measured fastest on a
 #: 2-core machine; raise it for disks faster than a core can copy, ~5 GiB/s).
 DEFAULT_WRITE_THREADS = 2
-#: Bytes per write chunk when ``chunk_size`` is not given.
-DEFAULT_CHUNK_SIZE = 32 << 20
+#: Bytes per write chunk when ``chunk_size`` is not given (16 MiB measured fastest here,
+#: ahead of 8 and 32 MiB; two such aligned buffers are kept for O_DIRECT).
+DEFAULT_CHUNK_SIZE = 16 << 20
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
