@@ -33,16 +33,6 @@ pub struct ReadTarget<'a> {
     pub dest: &'a mut [u8],
 }
 
-/// Tells the kernel the file will be read front to back (a larger readahead window).
-fn advise_sequential(file: &File) {
-    use std::os::fd::AsRawFd;
-    // SAFETY: a valid descriptor; the call only changes readahead policy. Errors are ignored:
-    // it is a hint.
-    unsafe {
-        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL);
-    }
-}
-
 /// Asks for transparent huge pages on the 2 MiB-aligned interior of a large destination
 /// buffer: freshly allocated tensors are otherwise faulted in 4 KiB at a time while we copy
 /// into them, which costs more than the copy itself.
@@ -82,7 +72,6 @@ impl Reader {
     /// Opens `path` and validates its header against the file size.
     pub fn open(path: &Path) -> Result<Reader> {
         let file = File::open(path).map_err(|e| Error::io(path, e))?;
-        advise_sequential(&file);
         let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         if file_len < format::PREFIX_LEN {
             return Err(Error::format(
