@@ -4,7 +4,6 @@ memory, distributed."""
 from __future__ import annotations
 
 import errno
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import torch
 
 from fastckpt import CheckpointMismatchError
 from fastckpt.manager import CheckpointManager, CheckpointStagerConfig, ItemSpec
+from training_support import run_two_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -317,20 +317,7 @@ print("ok", rank)
 
 
 def test_two_ranks_write_their_own_files(tmp_path: Path) -> None:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", DIST_SCRIPT, str(tmp_path / "c"), str(r), str(tmp_path / "pg")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(2)
-    ]
-    outputs = [p.communicate(timeout=300) for p in procs]
-    for proc, (_, err) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, err
+    run_two_ranks(DIST_SCRIPT, tmp_path / "c", tmp_path / "pg")
     files = sorted(p.name for p in (tmp_path / "c").iterdir())
     assert "model.rank0.safetensors" in files and "model.rank1.safetensors" in files
     assert "commit.json" in files

@@ -374,29 +374,9 @@ dist.destroy_process_group()
 
 
 def test_ddp_two_ranks_rank_zero_writes_both_resume(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                DDP_SCRIPT,
-                str(tmp_path / "ckpt"),
-                str(r),
-                str(tmp_path / "pg"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(2)
-    ]
-    outputs = [p.communicate(timeout=300) for p in procs]
-    for proc, (_, err) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, err
-    assert outputs[0][0].split() == ["ok", "0", "0"]
-    assert outputs[1][0].split() == ["ok", "1", "None"]  # rank 1 never wrote
+    outputs = support.run_two_ranks(DDP_SCRIPT, tmp_path / "ckpt", tmp_path / "pg")
+    assert outputs[0].split() == ["ok", "0", "0"]
+    assert outputs[1].split() == ["ok", "1", "None"]  # rank 1 never wrote
     keys = fastckpt.read_metadata(tmp_path / "ckpt" / "0" / "models" / "main.safetensors")
     assert not any(k.startswith("module.") for k in keys["tensors"])
     assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / "ckpt")] == [0]

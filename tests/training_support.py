@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,3 +78,23 @@ def final_state(strategy: fastckpt.TrainingStrategy, ema: Any) -> dict[str, torc
             out[f"optim.{index}.{key}"] = value
     out.update({f"ema.{k}": v for k, v in ema.shadow.items()})
     return out
+
+
+def run_two_ranks(script: str, checkpoint: Path, rendezvous: Path) -> list[str]:
+    """Run ``script`` as ranks 0 and 1 (argv: checkpoint, rank, rendezvous file); returns each
+    rank's stdout and fails with its stderr if a rank exits non-zero."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(checkpoint), str(rank), str(rendezvous)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err
+    return [out for out, _ in outputs]

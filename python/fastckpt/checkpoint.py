@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from fastckpt import specs, tree
-from fastckpt.errors import CheckpointFormatError, FastCkptError
+from fastckpt import _native, specs, tree
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError, FastCkptError
 from fastckpt.files import read_tensors
 from fastckpt.layout import IndexWriter, Manifest, RootLock, check_name, safe_join
 
@@ -441,8 +441,6 @@ class IndexReader:
 
     def _check_crc(self, relpath: str, actual: int | None, record: Mapping[str, int]) -> None:
         if actual is not None and actual != record["crc32c"]:
-            from fastckpt.errors import ChecksumMismatchError
-
             raise ChecksumMismatchError(
                 f"{self.directory / relpath}: file crc32c {actual:08x} differs from the "
                 f"manifest's {record['crc32c']:08x}; the file was replaced or corrupted"
@@ -466,8 +464,6 @@ class IndexReader:
     def json(self, relpath: str) -> Any:
         record = self._record(relpath)
         data = self._path(relpath).read_bytes()
-        from fastckpt import _native
-
         self._check_crc(relpath, _native.crc32c(data), record)
         try:
             return json.loads(data)
@@ -731,15 +727,7 @@ def load_components(
 
 
 def _move_tensors(value: Any, device: str | torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _move_tensors(v, device) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_move_tensors(v, device) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_move_tensors(v, device) for v in value)
-    return value
+    return tree.map_tensors(value, lambda tensor: tensor.to(device))
 
 
 # --------------------------------------------------------------------------- housekeeping

@@ -31,7 +31,13 @@ from fastckpt.checkpoint import log_throughput
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, ChecksumMismatchError
 from fastckpt.files import DEFAULT_WRITE_THREADS, read_tensors
 from fastckpt.layout import DirectoryWriter, check_name, check_relpath, safe_join
-from fastckpt.staging import Stager, StagerOptions, background_executor, make_stager
+from fastckpt.staging import (
+    Stager,
+    StagerOptions,
+    background_executor,
+    make_stager,
+    stage_groups,
+)
 
 __all__ = [
     "AsyncCheckpointSaverConfig",
@@ -321,16 +327,9 @@ class CheckpointManager:
 
     def _capture(self, snapshot: _Snapshot) -> None:
         with self._capture_lock:
-            flat = {
-                f"{key}\0{name}": tensor
-                for key, item in snapshot.tensors.items()
-                if self._spec(key).requires_copy
-                for name, tensor in item.items()
-            }
-            staged = self._stager.stage(flat)
-            for compound, tensor in staged.items():
-                key, name = compound.split("\0", 1)
-                snapshot.tensors[key][name] = tensor
+            stage_groups(
+                self._stager, snapshot.tensors, lambda key, _: self._spec(key).requires_copy
+            )
 
     def _capture_and_write(self, snapshot: _Snapshot) -> None:
         try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,6 +30,7 @@ __all__ = [
     "StagerOptions",
     "background_executor",
     "make_stager",
+    "stage_groups",
 ]
 
 #: How much lower than the training thread the background writer runs (Linux nice units).
@@ -159,6 +160,27 @@ class CudaStager:
     def nbytes(self) -> int:
         """Bytes held in staging buffers."""
         return self._pool.nbytes
+
+
+def stage_groups(
+    stager: Stager,
+    groups: dict[str, dict[str, torch.Tensor]],
+    select: Callable[[str, str], bool],
+) -> None:
+    """Replace the selected tensors of ``{group: {name: tensor}}`` by staged copies, in place.
+
+    ``select(group, name)`` says which tensors to copy now; the stager's pool is keyed by
+    group and name, so the same tensor reuses the same buffer on every save.
+    """
+    selected = {
+        f"{group}\0{name}": tensor
+        for group, tensors in groups.items()
+        for name, tensor in tensors.items()
+        if select(group, name)
+    }
+    for key, staged in stager.stage(selected).items():
+        group, name = key.split("\0", 1)
+        groups[group][name] = staged
 
 
 def make_stager(options: StagerOptions) -> Stager:

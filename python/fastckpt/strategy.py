@@ -152,13 +152,7 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 def _to_device(value: Any, device: torch.device | None) -> Any:
     if device is None:
         return value
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, Mapping):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
+    return tree.map_tensors(value, lambda tensor: tensor.to(device))
 
 
 class TrainingStrategy:

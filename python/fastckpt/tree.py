@@ -15,14 +15,14 @@ the key path, so unsupported objects fail before anything is written.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from fastckpt.errors import CheckpointFormatError
 
-__all__ = ["flatten", "join_path", "unflatten"]
+__all__ = ["flatten", "join_path", "map_tensors", "unflatten"]
 
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
@@ -173,3 +173,20 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], path: str = ""
     if any(key in _MARKERS for key in skeleton):
         raise CheckpointFormatError(f"{path or '<root>'}: malformed marker object {skeleton!r}")
     return {k: unflatten(v, tensors, join_path(path, k)) for k, v in skeleton.items()}
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor in a nest of mappings/lists/tuples; other leaves are kept.
+
+    Mappings become dicts; lists, tuples and named tuples keep their type.
+    """
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {key: map_tensors(item, fn) for key, item in value.items()}
+    if isinstance(value, list):
+        return [map_tensors(item, fn) for item in value]
+    if isinstance(value, tuple):
+        items = [map_tensors(item, fn) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value

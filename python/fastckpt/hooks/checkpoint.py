@@ -20,7 +20,13 @@ from types import TracebackType
 
 from fastckpt.checkpoint import Snapshot, prune, write_snapshot
 from fastckpt.hooks.context import TrainContext, TrainingStage
-from fastckpt.staging import Stager, StagerOptions, background_executor, make_stager
+from fastckpt.staging import (
+    Stager,
+    StagerOptions,
+    background_executor,
+    make_stager,
+    stage_groups,
+)
 
 __all__ = ["CheckpointHook"]
 
@@ -188,16 +194,12 @@ class CheckpointHook:
 
     def _stage(self, snapshot: Snapshot, *, only_volatile: bool) -> None:
         """Replace the snapshot's tensors with staged copies (volatile ones or the rest)."""
-        selected = {
-            f"{relpath}\0{name}": tensor
-            for relpath, tensors in snapshot.tensor_files.items()
-            for name, tensor in tensors.items()
-            if ((relpath, name) in snapshot.volatile) == only_volatile
-        }
         stager = self._volatile_stager if only_volatile else self._stager
-        for key, staged in stager.stage(selected).items():
-            relpath, name = key.split("\0", 1)
-            snapshot.tensor_files[relpath][name] = staged
+        stage_groups(
+            stager,
+            snapshot.tensor_files,
+            lambda relpath, name: ((relpath, name) in snapshot.volatile) == only_volatile,
+        )
 
     def _capture_and_write(self, snapshot: Snapshot) -> int:
         try:
