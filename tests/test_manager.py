@@ -303,6 +303,7 @@ def test_rss_is_flat_across_async_saves(tmp_path: Path) -> None:
 DIST_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
 from fastckpt import CheckpointManager
+from training_support import leave_process_group
 rank = int(sys.argv[2])
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2)
 with CheckpointManager(CheckpointManager.Config.with_async_save()) as manager:
@@ -311,8 +312,8 @@ with CheckpointManager(CheckpointManager.Config.with_async_save()) as manager:
     loaded = manager.load(sys.argv[1])
     assert torch.equal(loaded["model"]["w"], torch.full((4,), float(rank))), loaded
     assert loaded["step"] == 3
-dist.destroy_process_group()
 print("ok", rank)
+leave_process_group()
 """
 
 

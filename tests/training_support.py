@@ -6,9 +6,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -98,3 +99,17 @@ def run_two_ranks(script: str, checkpoint: Path, rendezvous: Path) -> list[str]:
     for proc, (_, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err
     return [out for out, _ in outputs]
+
+
+def leave_process_group() -> NoReturn:
+    """End a distributed test script: destroy the process group, flush output, exit 0 at once.
+
+    torch 2.15's gloo backend aborts ("terminate called without an active exception") in about
+    one interpreter teardown in twenty after ``destroy_process_group``, with or without fastckpt
+    (seen with a plain DDP loop, 3 aborts in 60 two-rank runs). Skipping the teardown keeps the
+    two-rank tests about fastckpt; everything they check is on disk or printed before this.
+    """
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
