@@ -18,7 +18,7 @@ mod py_api;
 mod _native {
     #[pymodule_export]
     use crate::py_api::{
-        crc32c, fsync_dir, load_into, read_header, save_file, verify_file, write_bytes_atomic,
+        check_mapped, crc32c, fsync_dir, read_header, save_file, verify_file, write_bytes_atomic,
         write_ceiling,
     };
 }

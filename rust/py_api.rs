@@ -13,8 +13,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::format::{Dtype, TensorDesc};
-use crate::reader::{ReadTarget, Reader};
+use crate::format::{Dtype, Header, TensorDesc};
+use crate::reader::{MappedFile, Reader};
 use crate::writer::{self, WriteOptions};
 
 /// Address and length of a contiguous byte buffer, sendable to GIL-free threads.
@@ -25,13 +25,8 @@ struct RawBytes {
 }
 
 impl RawBytes {
-    /// Takes the address of a C-contiguous byte buffer; `writable` demands a mutable one.
-    fn of(buffer: &PyBuffer<u8>, what: &str, writable: bool) -> PyResult<RawBytes> {
-        if writable && buffer.readonly() {
-            return Err(PyValueError::new_err(format!(
-                "{what}: destination buffer is read-only"
-            )));
-        }
+    /// Takes the address of a C-contiguous byte buffer.
+    fn of(buffer: &PyBuffer<u8>, what: &str) -> PyResult<RawBytes> {
         let slice = buffer.as_slice_ptr().ok_or_else(|| {
             PyValueError::new_err(format!(
                 "{what}: buffer is not C-contiguous; call `.contiguous()` on the tensor first"
@@ -53,17 +48,6 @@ impl RawBytes {
         // SAFETY: the caller keeps the exporting object (and its `PyBuffer`) alive, so `addr`
         // points to `len` readable bytes for the whole call.
         unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
-    }
-
-    /// # Safety
-    ///
-    /// The buffer must be writable, stay alive for `'a`, and not be aliased by another slice.
-    unsafe fn as_mut_slice<'a>(self) -> &'a mut [u8] {
-        if self.len == 0 {
-            return &mut [];
-        }
-        // SAFETY: as above; each destination buffer is a distinct freshly allocated tensor.
-        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
     }
 }
 
@@ -98,7 +82,7 @@ pub fn save_file<'py>(
     let mut raws = Vec::with_capacity(tensors.len());
     for (name, dtype, shape, data) in tensors {
         let buffer = PyBuffer::<u8>::get(&data)?;
-        raws.push((name.clone(), RawBytes::of(&buffer, &name, false)?));
+        raws.push((name.clone(), RawBytes::of(&buffer, &name)?));
         buffers.push(buffer);
         descs.push(TensorDesc {
             dtype: parse_dtype(&dtype, &name)?,
@@ -134,43 +118,35 @@ pub fn save_file<'py>(
     Ok(result)
 }
 
-/// Opens `path`, validates its header, asks `allocate(name, dtype, shape)` for a writable byte
-/// view of each tensor's destination, then fills them all in parallel without the GIL, checking
-/// crc32c checksums when `verify` is set. Returns `{"metadata": {..}, "file_crc32c": int | None}`
-/// (the whole-file checksum is known when every tensor was read and verified).
+/// Validates the safetensors file whose whole content is `data` (a byte view of a private
+/// mapping of `path`, which names the file in errors) and, with `verify`, checks every
+/// tensor's crc32c reading `data` on `threads` threads without the GIL.
+///
+/// Returns the header as :func:`read_header` does, plus `"file_crc32c"` (an int with
+/// `verify`, else None).
 #[pyfunction]
-#[pyo3(signature = (path, allocate, verify, threads))]
-pub fn load_into<'py>(
+#[pyo3(signature = (path, data, verify, threads))]
+pub fn check_mapped<'py>(
     py: Python<'py>,
     path: PathBuf,
-    allocate: Bound<'py, PyAny>,
+    data: Bound<'py, PyAny>,
     verify: bool,
     threads: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let reader = py.detach(|| Reader::open(&path))?;
-    let mut buffers = Vec::with_capacity(reader.header().tensors.len());
-    let mut raws = Vec::with_capacity(buffers.capacity());
-    for info in &reader.header().tensors {
-        let view = allocate.call1((info.name.as_str(), info.dtype.name(), info.shape.clone()))?;
-        let buffer = PyBuffer::<u8>::get(&view)?;
-        raws.push((info.name.clone(), RawBytes::of(&buffer, &info.name, true)?));
-        buffers.push(buffer);
-    }
-    let file_crc = py.detach(|| {
-        let mut targets: Vec<ReadTarget> = raws
-            .iter()
-            .map(|(name, raw)| ReadTarget {
-                name: name.clone(),
-                // SAFETY: each view belongs to a distinct tensor allocated by `allocate` and
-                // kept alive by `buffers` until this function returns.
-                dest: unsafe { raw.as_mut_slice() },
-            })
-            .collect();
-        reader.read_into(&mut targets, verify, threads.max(1))
+    let buffer = PyBuffer::<u8>::get(&data)?;
+    let raw = RawBytes::of(&buffer, &path.display().to_string())?;
+    let (header, file_crc) = py.detach(|| {
+        // SAFETY: `buffer` keeps the mapping alive until this function returns.
+        let mapped = MappedFile::parse(&path, unsafe { raw.as_slice() })?;
+        let file_crc = if verify {
+            Some(mapped.verify(threads.max(1))?)
+        } else {
+            None
+        };
+        crate::error::Result::Ok((mapped.header().clone(), file_crc))
     })?;
-    drop(buffers);
-    let result = PyDict::new(py);
-    result.set_item("metadata", reader.header().metadata.clone())?;
+    drop(buffer);
+    let result = header_dict(py, &header)?;
     result.set_item("file_crc32c", file_crc)?;
     Ok(result)
 }
@@ -181,7 +157,10 @@ pub fn load_into<'py>(
 #[pyfunction]
 pub fn read_header(py: Python<'_>, path: PathBuf) -> PyResult<Bound<'_, PyDict>> {
     let reader = py.detach(|| Reader::open(&path))?;
-    let header = reader.header();
+    header_dict(py, reader.header())
+}
+
+fn header_dict<'py>(py: Python<'py>, header: &Header) -> PyResult<Bound<'py, PyDict>> {
     let tensors = PyList::empty(py);
     for info in &header.tensors {
         let entry = PyDict::new(py);

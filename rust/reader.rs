@@ -1,5 +1,7 @@
-//! Reading a safetensors file: header validation, then parallel ranged reads straight into
-//! caller-provided buffers, with the crc32c verified in the same pass.
+//! Reading a safetensors file: header validation, then the crc32c of every tensor checked in
+//! parallel pieces, either with positional reads through small scratch buffers ([`Reader`],
+//! for verifying files without keeping them) or over the whole file already in memory
+//! ([`MappedFile`], the caller's private mapping that loaded tensors are views of).
 
 use std::fs::File;
 use std::io;
@@ -10,48 +12,139 @@ use std::sync::Mutex;
 
 use crate::checksum::{self, PieceCrc};
 use crate::error::{Error, Result};
-use crate::format::{self, Header, TensorInfo};
+use crate::format::{self, Header};
 
-/// Bytes read (and hashed) per request: large enough for throughput, small enough to be hashed
+/// Bytes read and hashed per piece: large enough for throughput, small enough to be hashed
 /// while still in cache.
 const READ_PIECE: usize = 4 << 20;
 /// Default number of reader threads.
 pub const DEFAULT_THREADS: usize = 4;
 
-/// An open file with its validated header.
-pub struct Reader {
+/// A header that passed validation, with what checking the data against it needs.
+struct Validated {
     path: PathBuf,
-    file: File,
     header: Header,
     /// crc32c of the prefix and JSON header bytes, to derive the whole-file checksum.
     header_crc: u32,
 }
 
-/// A destination for one tensor's bytes.
-pub struct ReadTarget<'a> {
-    pub name: String,
-    pub dest: &'a mut [u8],
+impl Validated {
+    /// Validates the 8-byte prefix and the JSON header of a `file_len`-byte file; `json_at`
+    /// returns the `len` header bytes that follow the prefix.
+    fn parse<'j>(
+        path: &Path,
+        file_len: u64,
+        prefix: [u8; 8],
+        json_at: impl FnOnce(u64) -> Result<std::borrow::Cow<'j, [u8]>>,
+    ) -> Result<Validated> {
+        let header_len = format::parse_prefix(path, &prefix, file_len)?;
+        let json = json_at(header_len)?;
+        let header = format::parse_header(path, &json, file_len)?;
+        let header_crc = checksum::append(checksum::append(0, &prefix), &json);
+        Ok(Validated {
+            path: path.to_path_buf(),
+            header,
+            header_crc,
+        })
+    }
+
+    /// Checks `pieces` (hashed pieces of every tensor, any order) against the stored
+    /// checksums (tensors without one pass); returns the whole-file crc32c.
+    fn check_all(&self, pieces: &mut [PieceCrc]) -> Result<u32> {
+        let crcs = checksum::fold(self.header.tensors.len(), pieces);
+        for (info, &actual) in self.header.tensors.iter().zip(&crcs) {
+            if let Some(&expected) = self.header.checksums.get(&info.name) {
+                if expected != actual {
+                    return Err(Error::Checksum {
+                        path: self.path.clone(),
+                        tensor: info.name.clone(),
+                        expected,
+                        actual,
+                    });
+                }
+            }
+        }
+        let lens = self.header.tensors.iter().map(|t| t.nbytes());
+        Ok(checksum::concat(
+            self.header_crc,
+            crcs.into_iter().zip(lens),
+        ))
+    }
 }
 
-/// Asks for transparent huge pages on the 2 MiB-aligned interior of a large destination
-/// buffer: freshly allocated tensors are otherwise faulted in 4 KiB at a time while we copy
-/// into them, which costs more than the copy itself.
-fn advise_huge_pages(dest: &mut [u8]) {
-    const HUGE: usize = 2 << 20;
-    let start = dest.as_mut_ptr() as usize;
-    let aligned_start = start.div_ceil(HUGE) * HUGE;
-    let aligned_end = (start + dest.len()) / HUGE * HUGE;
-    if aligned_end > aligned_start {
-        // SAFETY: the range lies inside `dest`, memory we hold a unique borrow of; the advice
-        // does not change its contents, only how the kernel backs it. Errors are ignored.
-        unsafe {
-            libc::madvise(
-                aligned_start as *mut libc::c_void,
-                aligned_end - aligned_start,
-                libc::MADV_HUGEPAGE,
-            );
+fn too_short(path: &Path, file_len: u64) -> Error {
+    Error::format(
+        path,
+        "header_length",
+        format!("the file has only {file_len} bytes; it is truncated or not safetensors"),
+    )
+}
+
+/// Runs `work` on every item with `threads` scoped threads pulling from one queue (items are
+/// started in order); stops early and returns the first error.
+fn parallel<T: Send, R: Send>(
+    items: Vec<T>,
+    threads: usize,
+    work: impl Fn(T) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
+    let workers = threads.clamp(1, items.len().max(1));
+    let queue = Mutex::new(items.into_iter());
+    let failed = AtomicBool::new(false);
+    let results: Vec<Result<Vec<R>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    while !failed.load(Ordering::Relaxed) {
+                        let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+                        let Some(item) = next else { break };
+                        match work(item) {
+                            Ok(result) => done.push(result),
+                            Err(e) => {
+                                failed.store(true, Ordering::Relaxed);
+                                return Err(e);
+                            }
+                        }
+                    }
+                    Ok(done)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("reader thread panicked"))
+            .collect()
+    });
+    let mut all = Vec::new();
+    for result in results {
+        all.extend(result?);
+    }
+    Ok(all)
+}
+
+/// Splits each tensor's `(index, part)` into pieces with `split` (pieces of at most
+/// [`READ_PIECE`] bytes, `len` bytes each, in order); returns `(index, offset, piece)`.
+fn pieces<B>(
+    tensors: impl IntoIterator<Item = (usize, B)>,
+    split: impl Fn(B) -> Vec<B>,
+    len: impl Fn(&B) -> u64,
+) -> Vec<(usize, u64, B)> {
+    let mut out = Vec::new();
+    for (index, whole) in tensors {
+        let mut offset = 0u64;
+        for piece in split(whole) {
+            let piece_len = len(&piece);
+            out.push((index, offset, piece));
+            offset += piece_len;
         }
     }
+    out
+}
+
+/// An open file with its validated header, read with positional reads.
+pub struct Reader {
+    file: File,
+    valid: Validated,
 }
 
 fn read_exact(file: &File, path: &Path, buf: &mut [u8], offset: u64) -> Result<()> {
@@ -74,225 +167,132 @@ impl Reader {
         let file = File::open(path).map_err(|e| Error::io(path, e))?;
         let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         if file_len < format::PREFIX_LEN {
-            return Err(Error::format(
-                path,
-                "header_length",
-                format!("the file has only {file_len} bytes; it is truncated or not safetensors"),
-            ));
+            return Err(too_short(path, file_len));
         }
         let mut prefix = [0u8; 8];
         read_exact(&file, path, &mut prefix, 0)?;
-        let header_len = format::parse_prefix(path, &prefix, file_len)?;
-        let mut json = vec![0u8; header_len as usize];
-        read_exact(&file, path, &mut json, format::PREFIX_LEN)?;
-        let header = format::parse_header(path, &json, file_len)?;
-        let header_crc = checksum::append(checksum::append(0, &prefix), &json);
-        Ok(Reader {
-            path: path.to_path_buf(),
-            file,
-            header,
-            header_crc,
-        })
+        let valid = Validated::parse(path, file_len, prefix, |len| {
+            let mut json = vec![0u8; len as usize];
+            read_exact(&file, path, &mut json, format::PREFIX_LEN)?;
+            Ok(json.into())
+        })?;
+        Ok(Reader { file, valid })
     }
 
     /// The validated header.
     pub fn header(&self) -> &Header {
-        &self.header
+        &self.valid.header
     }
 
     /// The file this reader reads.
     pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    fn info(&self, name: &str) -> Result<&TensorInfo> {
-        self.header.tensor(name).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "{}: no tensor named `{name}` in this file",
-                self.path.display()
-            ))
-        })
-    }
-
-    /// Fills every target with its tensor's bytes using `threads` parallel readers; with
-    /// `verify`, checks each tensor against its stored crc32c (files without checksums, e.g.
-    /// written by the safetensors package, are read unverified).
-    ///
-    /// Returns the crc32c of the whole file when `verify` is set and the targets cover every
-    /// tensor (a manifest can then check that this is the file it recorded).
-    ///
-    /// On error the targets hold unspecified bytes; callers must discard them.
-    pub fn read_into(
-        &self,
-        targets: &mut [ReadTarget],
-        verify: bool,
-        threads: usize,
-    ) -> Result<Option<u32>> {
-        let mut pieces = Vec::new();
-        let mut infos = Vec::with_capacity(targets.len());
-        for (index, target) in targets.iter_mut().enumerate() {
-            let info = self.info(&target.name)?;
-            if target.dest.len() as u64 != info.nbytes() {
-                return Err(Error::InvalidArgument(format!(
-                    "{}: tensor `{}` has {} bytes but the destination holds {}",
-                    self.path.display(),
-                    info.name,
-                    info.nbytes(),
-                    target.dest.len()
-                )));
-            }
-            let base = self.header.data_start + info.begin;
-            advise_huge_pages(target.dest);
-            for (k, dest) in target.dest.chunks_mut(READ_PIECE).enumerate() {
-                let offset = (k * READ_PIECE) as u64;
-                pieces.push((index, offset, base + offset, dest));
-            }
-            infos.push(info);
-        }
-        let crcs = self.run_pieces(pieces, verify, threads)?;
-        if !verify {
-            return Ok(None);
-        }
-        self.check(&infos, &crcs)?;
-        let by_name: std::collections::HashMap<&str, u32> =
-            infos.iter().map(|i| i.name.as_str()).zip(crcs).collect();
-        if by_name.len() != self.header.tensors.len() {
-            return Ok(None);
-        }
-        Ok(Some(self.file_crc(|info| by_name[info.name.as_str()])))
-    }
-
-    /// crc32c of the whole file given each tensor's crc.
-    fn file_crc(&self, crc_of: impl Fn(&TensorInfo) -> u32) -> u32 {
-        let parts = self.header.tensors.iter().map(|t| (crc_of(t), t.nbytes()));
-        checksum::concat(self.header_crc, parts)
+        &self.valid.path
     }
 
     /// Reads every tensor through small scratch buffers and checks its crc32c without keeping
     /// the data. Returns the whole-file crc32c and the names of the tensors that have no
     /// stored checksum.
     pub fn verify(&self, threads: usize) -> Result<(u32, Vec<String>)> {
-        let infos: Vec<&TensorInfo> = self.header.tensors.iter().collect();
-        let workers = threads.max(1);
-        let mut scratch = vec![vec![0u8; READ_PIECE]; workers];
-        // Pieces are assigned round-robin to scratch buffers and processed in `workers`-sized
-        // waves so that every buffer is used by one thread at a time.
-        let mut all_crcs = Vec::new();
-        let mut queue: Vec<(usize, u64, u64, usize)> = Vec::new();
-        for (index, info) in infos.iter().enumerate() {
-            let mut offset = 0;
-            while offset < info.nbytes() {
-                let len = (info.nbytes() - offset).min(READ_PIECE as u64) as usize;
-                queue.push((
-                    index,
-                    offset,
-                    self.header.data_start + info.begin + offset,
-                    len,
-                ));
-                offset += len as u64;
-            }
-        }
-        for wave in queue.chunks(workers) {
-            let pieces = wave
-                .iter()
-                .zip(scratch.iter_mut())
-                .map(|(&(index, offset, at, len), buf)| (index, offset, at, &mut buf[..len]))
-                .collect();
-            all_crcs.extend(self.run_pieces_raw(pieces, true, workers)?);
-        }
-        let crcs = checksum::fold(infos.len(), &mut all_crcs);
-        self.check(&infos, &crcs)?;
-        let unchecked = infos
-            .iter()
-            .filter(|info| !self.header.checksums.contains_key(&info.name))
-            .map(|info| info.name.clone())
-            .collect();
-        Ok((self.file_crc(|info| crcs[self.index_of(info)]), unchecked))
-    }
-
-    fn index_of(&self, info: &TensorInfo) -> usize {
-        self.header
+        let header = self.header();
+        let ranges = header
             .tensors
             .iter()
-            .position(|t| t.name == info.name)
-            .expect("info comes from this header")
+            .enumerate()
+            .map(|(index, info)| (index, (info.begin, info.end)));
+        let work = pieces(
+            ranges,
+            |(begin, end)| {
+                (begin..end)
+                    .step_by(READ_PIECE)
+                    .map(|at| (at, (at + READ_PIECE as u64).min(end)))
+                    .collect()
+            },
+            |(begin, end)| end - begin,
+        );
+        // Scratch buffers are reused: fresh memory costs page faults on every piece.
+        let scratch = Mutex::new(Vec::<Vec<u8>>::new());
+        let mut crcs = parallel(work, threads, |(tensor, offset, (begin, end))| {
+            let mut buf = scratch.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            let buf = buf.get_or_insert_with(|| vec![0u8; READ_PIECE]);
+            let piece = &mut buf[..(end - begin) as usize];
+            let result = read_exact(&self.file, self.path(), piece, header.data_start + begin)
+                .map(|()| piece_crc(tensor, offset, piece));
+            scratch
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(std::mem::take(buf));
+            result
+        })?;
+        let file_crc = self.valid.check_all(&mut crcs)?;
+        let unchecked = header
+            .tensors
+            .iter()
+            .filter(|info| !header.checksums.contains_key(&info.name))
+            .map(|info| info.name.clone())
+            .collect();
+        Ok((file_crc, unchecked))
     }
+}
 
-    fn check(&self, infos: &[&TensorInfo], crcs: &[u32]) -> Result<()> {
-        for (info, &actual) in infos.iter().zip(crcs) {
-            if let Some(&expected) = self.header.checksums.get(&info.name) {
-                if expected != actual {
-                    return Err(Error::Checksum {
-                        path: self.path.clone(),
-                        tensor: info.name.clone(),
-                        expected,
-                        actual,
-                    });
-                }
-            }
+fn piece_crc(tensor: usize, offset: u64, bytes: &[u8]) -> PieceCrc {
+    PieceCrc {
+        tensor,
+        offset,
+        len: bytes.len() as u64,
+        crc: checksum::append(0, bytes),
+    }
+}
+
+/// A whole safetensors file that the caller already has in memory, typically a private
+/// read-only mapping: loading then costs no copy, and the page faults of hashing it are
+/// what bring the file in from disk.
+pub struct MappedFile<'a> {
+    data: &'a [u8],
+    valid: Validated,
+}
+
+impl<'a> MappedFile<'a> {
+    /// Validates the header found in `data` (the whole content of `path`).
+    pub fn parse(path: &Path, data: &'a [u8]) -> Result<MappedFile<'a>> {
+        let file_len = data.len() as u64;
+        if file_len < format::PREFIX_LEN {
+            return Err(too_short(path, file_len));
         }
-        Ok(())
+        let prefix: [u8; 8] = data[..8].try_into().expect("8 bytes");
+        let valid = Validated::parse(path, file_len, prefix, |len| {
+            // `parse_prefix` checked that the header fits inside the file.
+            Ok(data[8..8 + len as usize].into())
+        })?;
+        Ok(MappedFile { data, valid })
     }
 
-    fn run_pieces(
-        &self,
-        pieces: Vec<(usize, u64, u64, &mut [u8])>,
-        verify: bool,
-        threads: usize,
-    ) -> Result<Vec<u32>> {
-        let count = pieces.iter().map(|p| p.0 + 1).max().unwrap_or(0);
-        let mut crcs = self.run_pieces_raw(pieces, verify, threads)?;
-        Ok(checksum::fold(count, &mut crcs))
+    /// The validated header.
+    pub fn header(&self) -> &Header {
+        &self.valid.header
     }
 
-    /// Reads each `(tensor, tensor_offset, file_offset, dest)` piece on a pool of scoped
-    /// threads; returns the crc of every piece when `verify` is set.
-    fn run_pieces_raw(
-        &self,
-        pieces: Vec<(usize, u64, u64, &mut [u8])>,
-        verify: bool,
-        threads: usize,
-    ) -> Result<Vec<PieceCrc>> {
-        let workers = threads.clamp(1, pieces.len().max(1));
-        let queue = Mutex::new(pieces.into_iter());
-        let failed = AtomicBool::new(false);
-        let results: Vec<Result<Vec<PieceCrc>>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..workers)
-                .map(|_| {
-                    scope.spawn(|| {
-                        let mut crcs = Vec::new();
-                        while !failed.load(Ordering::Relaxed) {
-                            let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
-                            let Some((tensor, offset, at, dest)) = next else {
-                                break;
-                            };
-                            if let Err(e) = read_exact(&self.file, &self.path, dest, at) {
-                                failed.store(true, Ordering::Relaxed);
-                                return Err(e);
-                            }
-                            if verify {
-                                crcs.push(PieceCrc {
-                                    tensor,
-                                    offset,
-                                    len: dest.len() as u64,
-                                    crc: checksum::append(0, dest),
-                                });
-                            }
-                        }
-                        Ok(crcs)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("reader thread panicked"))
-                .collect()
-        });
-        let mut all = Vec::new();
-        for result in results {
-            all.extend(result?);
-        }
-        Ok(all)
+    /// Hashes every tensor in pieces on `threads` threads and checks the stored checksums
+    /// (tensors without one pass). Returns the crc32c of the whole file.
+    pub fn verify(&self, threads: usize) -> Result<u32> {
+        let start = self.header().data_start as usize;
+        let tensors = self
+            .header()
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(index, info)| {
+                let begin = start + info.begin as usize;
+                (index, &self.data[begin..start + info.end as usize])
+            });
+        let work = pieces(
+            tensors,
+            |bytes: &[u8]| bytes.chunks(READ_PIECE).collect(),
+            |bytes| bytes.len() as u64,
+        );
+        let mut crcs = parallel(work, threads, |(tensor, offset, bytes)| {
+            Ok(piece_crc(tensor, offset, bytes))
+        })?;
+        self.valid.check_all(&mut crcs)
     }
 }
 
@@ -339,22 +339,22 @@ mod tests {
         ]
     }
 
+    /// Every sample tensor's bytes, read through [`MappedFile`] (the whole file in memory).
     fn read_all(path: &Path, verify: bool) -> Result<Vec<Vec<u8>>> {
-        let reader = Reader::open(path)?;
-        let mut bufs: Vec<Vec<u8>> = sample()
+        let data = std::fs::read(path).unwrap();
+        let mapped = MappedFile::parse(path, &data)?;
+        if verify {
+            assert_eq!(mapped.verify(3)?, crate::checksum::append(0, &data));
+        }
+        let header = mapped.header();
+        Ok(sample()
             .iter()
-            .map(|(_, _, _, b)| vec![0u8; b.len()])
-            .collect();
-        let mut targets: Vec<ReadTarget> = sample()
-            .iter()
-            .zip(bufs.iter_mut())
-            .map(|((n, ..), dest)| ReadTarget {
-                name: n.to_string(),
-                dest: dest.as_mut_slice(),
+            .map(|(name, ..)| {
+                let info = header.tensor(name).unwrap();
+                let start = (header.data_start + info.begin) as usize;
+                data[start..start + info.nbytes() as usize].to_vec()
             })
-            .collect();
-        reader.read_into(&mut targets, verify, 3)?;
-        Ok(bufs)
+            .collect())
     }
 
     #[test]
@@ -436,6 +436,13 @@ mod tests {
             std::fs::write(&path, &bytes[..cut]).unwrap();
             assert!(
                 matches!(Reader::open(&path), Err(Error::Format { .. })),
+                "cut at {cut}"
+            );
+            assert!(
+                matches!(
+                    MappedFile::parse(&path, &bytes[..cut]),
+                    Err(Error::Format { .. })
+                ),
                 "cut at {cut}"
             );
         }

@@ -94,6 +94,70 @@ def test_scalars_empty_and_noncontiguous(tmp_path: Path) -> None:
     assert loaded["scalar"].dim() == 0
 
 
+def test_loaded_tensors_are_private_views_of_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    fastckpt.save_file({"w": torch.arange(1000.0), "rng": torch.get_rng_state()}, path)
+    loaded = fastckpt.load_file(path)
+    # Each tensor owns a storage that starts at its first byte: torch.set_rng_state ignores
+    # storage offsets and crashed on views into one file-wide storage.
+    assert all(t.storage_offset() == 0 for t in loaded.values())
+    torch.set_rng_state(loaded["rng"])
+    # Writing to a loaded tensor changes this process's copy only, never the file.
+    loaded["w"].zero_()
+    again = fastckpt.load_file(path)
+    assert torch.equal(again["w"], torch.arange(1000.0))
+    # Replacing the file (atomic rename) leaves tensors loaded from the old one intact.
+    fastckpt.save_file({"w": torch.ones(1000), "rng": torch.get_rng_state()}, path)
+    del loaded
+    assert torch.equal(again["w"], torch.arange(1000.0))
+    assert torch.equal(fastckpt.load_file(path)["w"], torch.ones(1000))
+
+
+def test_tensors_not_aligned_to_their_element_size_load(tmp_path: Path) -> None:
+    # The format allows any byte offset; writers (ours, safetensors) sort by alignment, but a
+    # hand-made file may put a float64 right after 3 bytes.
+    tensors = {"a": torch.tensor([1, 2, 3], dtype=torch.uint8), "b": torch.arange(5.0).double()}
+    header = {
+        "a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+        "b": {"dtype": "F64", "shape": [5], "data_offsets": [3, 43]},
+    }
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path = tmp_path / "odd.safetensors"
+    data = tensors["a"].numpy().tobytes() + tensors["b"].numpy().tobytes()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    loaded = fastckpt.load_file(path)
+    assert torch.equal(loaded["a"], tensors["a"]) and torch.equal(loaded["b"], tensors["b"])
+
+
+def test_gil_is_released_while_a_load_verifies(tmp_path: Path) -> None:
+    path = tmp_path / "gil.safetensors"
+    fastckpt.save_file({"w": torch.ones(64 << 20, dtype=torch.uint8)}, path)
+    counts = {"during": 0}
+    done = threading.Event()
+    started = threading.Event()
+
+    def count() -> None:
+        started.set()
+        while not done.is_set():
+            counts["during"] += 1
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    started.wait()
+    rounds = 0
+    start = time.perf_counter()
+    before = counts["during"]
+    while time.perf_counter() - start < 0.5 or rounds < 3:
+        fastckpt.load_file(path, verify=True)
+        rounds += 1
+    elapsed = time.perf_counter() - start
+    progressed = counts["during"] - before
+    done.set()
+    counter.join()
+    assert progressed > 50 * elapsed / sys.getswitchinterval(), (progressed, elapsed)
+
+
 def test_many_small_tensors(tmp_path: Path) -> None:
     tensors = {f"layer{i}.bias": torch.full((i % 7,), float(i)) for i in range(2000)}
     path = tmp_path / "many.safetensors"

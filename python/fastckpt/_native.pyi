@@ -1,6 +1,6 @@
 """Type stubs for the Rust extension ``fastckpt._native`` (see rust/py_api.rs)."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 def save_file(
@@ -13,12 +13,7 @@ def save_file(
     fsync: bool,
     checksums: bool = True,
 ) -> dict[str, Any]: ...
-def load_into(
-    path: str,
-    allocate: Callable[[str, str, list[int]], Any],
-    verify: bool,
-    threads: int,
-) -> dict[str, Any]: ...
+def check_mapped(path: str, data: Any, verify: bool, threads: int) -> dict[str, Any]: ...
 def read_header(path: str) -> dict[str, Any]: ...
 def verify_file(path: str, threads: int) -> tuple[int, list[str]]: ...
 def crc32c(data: bytes, value: int = 0) -> int: ...

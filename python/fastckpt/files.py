@@ -227,9 +227,13 @@ def load_file(
 ) -> dict[str, torch.Tensor]:
     """Load every tensor of a safetensors file (written by fastckpt or by safetensors).
 
-    Each tensor is allocated once and filled by the Rust reader directly, in parallel, with the
-    crc32c checksums verified in the same pass. Nothing is returned unless the whole file read
-    and verified cleanly.
+    The file is mapped privately and each tensor is a copy-on-write view of its bytes (as with
+    ``safetensors.torch.load_file``); with ``verify``, the Rust core hashes the mapping on
+    ``threads`` threads without the GIL, which is what reads the file in, and nothing is
+    returned unless every checksum matched. Writing to a returned tensor never changes the
+    file. Like any file mapping, the tensors see the file's bytes: replacing the file (as
+    fastckpt's atomic saves do) is safe, editing or truncating it in place while they are
+    alive is not.
 
     Args:
         path: the file.
@@ -257,18 +261,36 @@ def read_tensors(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """:func:`load_file` on CPU that also returns ``{"metadata": ..., "file_crc32c": ...}``.
 
-    ``file_crc32c`` is the checksum of the whole file when ``verify`` is set and the file has
-    checksums, so callers holding a manifest can confirm it is the file they recorded.
+    The file is mapped privately (copy-on-write, like ``safetensors.torch.load_file``) and the
+    returned tensors are views of that mapping: loading copies nothing, and hashing the mapping
+    on ``threads`` threads is what reads the file in. Writing to a returned tensor changes only
+    this process's copy of that page. A tensor whose bytes are not aligned to its element size
+    is copied instead.
+
+    ``file_crc32c`` is the checksum of the whole file when ``verify`` is set, so callers
+    holding a manifest can confirm it is the file they recorded.
     """
+    name = os.fspath(path)
+    with open(name, "rb") as handle:  # FileNotFoundError / PermissionError, typed
+        size = os.fstat(handle.fileno()).st_size
+    storage: Any = torch.UntypedStorage(0)
+    if size:
+        storage = torch.UntypedStorage.from_file(name, shared=False, nbytes=size)
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    header = _native.check_mapped(name, byte_view(flat), verify, threads or DEFAULT_THREADS)
+    start = header["data_start"]
     tensors: dict[str, torch.Tensor] = {}
-
-    def allocate(name: str, dtype: str, shape: list[int]) -> np.ndarray:
-        tensor = torch.empty(shape, dtype=dtype_from_name(dtype))
-        tensors[name] = tensor
-        return byte_view(tensor)
-
-    info = _native.load_into(os.fspath(path), allocate, verify, threads or DEFAULT_THREADS)
-    return tensors, info
+    for entry in header["tensors"]:
+        dtype = dtype_from_name(entry["dtype"])
+        begin, end = entry["data_offsets"]
+        # Each tensor gets its own storage starting at its first byte (a slice that keeps the
+        # mapping alive), not an offset into the file's: some torch APIs, e.g.
+        # torch.set_rng_state, ignore storage offsets.
+        data = torch.empty(0, dtype=torch.uint8).set_(storage[start + begin : start + end])
+        if (start + begin) % dtype.itemsize:
+            data = data.clone()
+        tensors[entry["name"]] = data.view(dtype).reshape(entry["shape"])
+    return tensors, {"metadata": header["metadata"], "file_crc32c": header["file_crc32c"]}
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
