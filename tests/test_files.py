@@ -177,6 +177,29 @@ def test_large_tensor_round_trip(tmp_path: Path, direct_io: bool) -> None:
     assert torch.equal(loaded["tail"], tensors["tail"])
 
 
+def test_default_write_mode_is_buffered_below_the_writeback_allowance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fastckpt import files
+
+    assert files.choose_direct_io(1 << 50) is True  # larger than any machine's allowance
+    assert files.choose_direct_io(1 << 12) is False
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+    assert files.write_tensors(state, tmp_path / "a.safetensors")["direct_io"] is False
+    # A file above the allowance goes through O_DIRECT (tmp_path is on a disk filesystem in
+    # CI; on tmpfs the writer falls back to buffered by itself).
+    monkeypatch.setattr(files, "choose_direct_io", lambda nbytes: nbytes > 1 << 20)
+    report = files.write_tensors(state, tmp_path / "b.safetensors")
+    forced = files.write_tensors(state, tmp_path / "c.safetensors", direct_io=True)
+    assert report["direct_io"] is forced["direct_io"]
+    assert (
+        files.write_tensors(state, tmp_path / "d.safetensors", direct_io=False)["direct_io"]
+        is False
+    )
+    for name in "abcd":
+        assert torch.equal(fastckpt.load_file(tmp_path / f"{name}.safetensors")["w"], state["w"])
+
+
 def test_files_open_with_safetensors_and_back(tmp_path: Path) -> None:
     tensors = {f"t{i}": random_tensor(d, (4, 2), seed=i) for i, d in enumerate(ALL_DTYPES)}
     ours = tmp_path / "ours.safetensors"

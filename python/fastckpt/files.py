@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_THREADS",
     "DEFAULT_WRITE_THREADS",
+    "choose_direct_io",
     "dtype_from_name",
     "dtype_name",
     "load_file",
@@ -131,6 +133,31 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     return dict(metadata)
 
 
+def choose_direct_io(nbytes: int) -> bool:
+    """The write mode ``direct_io=None`` picks for a file of ``nbytes``: O_DIRECT when the file
+    exceeds the kernel's background-writeback allowance, buffered writes below it.
+
+    Below the allowance (``vm.dirty_background_bytes``, or ``vm.dirty_background_ratio`` % of
+    available memory) the page cache takes the whole file at memory speed and the fsync then
+    writes it back with a deep queue: 2.6 vs 1.5 GiB/s for a 1.5 GiB file on the development
+    VM. Above it buffered writers are throttled to writeback speed while filling the cache
+    (4 GiB: 1.1 vs 1.5 GiB/s), so O_DIRECT wins. When the settings cannot be read, O_DIRECT.
+    """
+    try:
+        allowance = int(Path("/proc/sys/vm/dirty_background_bytes").read_text())
+        if allowance == 0:
+            ratio = int(Path("/proc/sys/vm/dirty_background_ratio").read_text())
+            available = next(
+                int(line.split()[1]) * 1024
+                for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemAvailable:")
+            )
+            allowance = available * ratio // 100
+    except (OSError, ValueError, StopIteration, IndexError):
+        return True
+    return nbytes > allowance
+
+
 def save_file(
     tensors: Mapping[str, torch.Tensor],
     path: str | os.PathLike[str],
@@ -138,7 +165,7 @@ def save_file(
     *,
     threads: int | None = None,
     chunk_size: int | None = None,
-    direct_io: bool = False,
+    direct_io: bool | None = None,
     fsync: bool = True,
     checksums: bool = True,
 ) -> None:
@@ -156,7 +183,9 @@ def save_file(
             but one prepare chunks (copy + crc32c) ahead of the one that writes them in order.
             Buffered writes are one sequential stream with write-behind.
         chunk_size: bytes per write chunk (default :data:`DEFAULT_CHUNK_SIZE`).
-        direct_io: try O_DIRECT; falls back to buffered writes if the filesystem refuses it.
+        direct_io: True tries O_DIRECT (falling back to buffered writes if the filesystem
+            refuses it), False writes through the page cache; None (default) picks per file
+            with :func:`choose_direct_io`.
         fsync: make the file durable before returning (turn off only for scratch files).
         checksums: store per-tensor crc32c (turn off only to measure their cost).
 
@@ -184,7 +213,7 @@ def write_tensors(
     *,
     threads: int | None = None,
     chunk_size: int | None = None,
-    direct_io: bool = False,
+    direct_io: bool | None = None,
     fsync: bool = True,
     checksums: bool = True,
 ) -> dict[str, Any]:
@@ -200,12 +229,16 @@ def write_tensors(
         )
     entries = []
     keep_alive = []
+    nbytes = 0
     for name, tensor in tensors.items():
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be str, got {name!r}")
         host = host_tensor(name, tensor)
         keep_alive.append(host)
         entries.append((name, dtype_name(host.dtype), list(host.shape), byte_view(host)))
+        nbytes += host.nbytes
+    if direct_io is None:
+        direct_io = choose_direct_io(nbytes)
     return _native.save_file(
         os.fspath(path),
         entries,

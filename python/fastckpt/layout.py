@@ -615,7 +615,9 @@ class DirectoryWriter:
         files: relpath -> ``{"size", "crc32c"}`` of every file written so far.
     """
 
-    def __init__(self, final: Path, *, direct_io: bool = True, threads: int | None = None) -> None:
+    def __init__(
+        self, final: Path, *, direct_io: bool | None = None, threads: int | None = None
+    ) -> None:
         """Create the temporary sibling directory of ``final``."""
         self.final = final
         self.direct_io = direct_io
@@ -690,7 +692,7 @@ class IndexWriter(DirectoryWriter):
         root: Path,
         index: int | None = None,
         *,
-        direct_io: bool = True,
+        direct_io: bool | None = None,
         lock_timeout: float | None = None,
     ) -> None:
         """Prepare to write index ``index`` of ``root`` (None: the next one, decided under

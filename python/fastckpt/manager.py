@@ -133,9 +133,14 @@ class CheckpointLoaderConfig:
 
 @dataclass
 class LocalFileSystemStorageConfig:
-    """Local filesystem storage. ``use_direct_io`` tries O_DIRECT and falls back safely."""
+    """Local filesystem storage.
 
-    use_direct_io: bool = True
+    ``use_direct_io``: True tries O_DIRECT (falling back safely), False writes through the page
+    cache, None (default) picks per file (:func:`fastckpt.files.choose_direct_io`: buffered
+    while a file fits in the kernel's background-writeback allowance, O_DIRECT above).
+    """
+
+    use_direct_io: bool | None = None
 
 
 @dataclass

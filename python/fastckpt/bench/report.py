@@ -100,7 +100,7 @@ def _write_rows(results: dict[str, Any]) -> list[list[str]]:
                 reusable_cell,
                 _num(gibs / ceiling if ceiling else None, 2),
                 _num(peak, 0),
-                "O_DIRECT" if entry.get("details", {}).get("direct_io") else "",
+                _write_mode(entry),
             ]
         )
     return rows
@@ -338,3 +338,9 @@ def write_outputs(results: dict[str, Any], out: Path, plot: bool = True) -> dict
         paths["png"] = out / f"{tag}.png"
         write_png(results, paths["png"])
     return paths
+
+
+def _write_mode(entry: dict[str, Any]) -> str:
+    """ "O_DIRECT" / "buffered" for writers that report the mode they used, else ""."""
+    direct = entry.get("details", {}).get("direct_io")
+    return "" if direct is None else ("O_DIRECT" if direct else "buffered")

@@ -145,12 +145,13 @@ def _timed_sync(action: Callable[[], Any]) -> tuple[float, Any]:
 
 
 class FastckptWriter(Writer):
-    """``fastckpt.save_file`` (sync): O_DIRECT, checksums on."""
+    """``fastckpt.save_file`` (sync) as users get it: the automatic write mode
+    (:func:`fastckpt.files.choose_direct_io`), checksums on. The notes say which mode ran."""
 
     name = "fastckpt"
-    label = "fastckpt save_file (O_DIRECT)"
+    label = "fastckpt save_file (default: O_DIRECT or buffered by size)"
     suffix = ".safetensors"
-    direct_io = True
+    direct_io: bool | None = None
     checksums = True
 
     def write(self, state: State, target: Path) -> WriteTiming:
@@ -163,19 +164,19 @@ class FastckptWriter(Writer):
         return WriteTiming(seconds, seconds, {"direct_io": bool(report["direct_io"])})
 
 
-class FastckptBufferedWriter(FastckptWriter):
-    """``fastckpt.save_file`` through the page cache (direct_io=False), then fsync."""
+class FastckptDirectWriter(FastckptWriter):
+    """``fastckpt.save_file`` with O_DIRECT forced (``direct_io=True``)."""
 
-    name = "fastckpt-buffered"
-    label = "fastckpt save_file (buffered)"
-    direct_io = False
+    name = "fastckpt-direct"
+    label = "fastckpt save_file (O_DIRECT forced)"
+    direct_io = True
 
 
 class FastckptNoChecksumWriter(FastckptWriter):
     """``fastckpt.save_file`` with checksums off: the other half of the checksum-cost figure."""
 
     name = "fastckpt-nocrc"
-    label = "fastckpt save_file (O_DIRECT, no crc)"
+    label = "fastckpt save_file (default mode, no crc)"
     checksums = False
 
 
@@ -410,7 +411,7 @@ WRITERS: dict[str, type[Writer]] = {
     cls.name: cls
     for cls in (
         FastckptWriter,
-        FastckptBufferedWriter,
+        FastckptDirectWriter,
         FastckptNoChecksumWriter,
         FastckptAsyncWriter,
         TorchSaveWriter,
