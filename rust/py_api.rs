@@ -40,7 +40,9 @@ impl RawBytes {
 
     /// # Safety
     ///
-    /// The buffer this was taken from must stay alive and unmodified for `'a`.
+    /// The buffer this was taken from must stay alive for `'a`, and nothing in this process may
+    /// write to it meanwhile (another process editing a mapped file can still change the
+    /// bytes; readers only hash them, and a mismatch is then reported as corruption).
     unsafe fn as_slice<'a>(self) -> &'a [u8] {
         if self.len == 0 {
             return &[];

@@ -290,9 +290,55 @@ impl<'a> MappedFile<'a> {
             |bytes| bytes.len() as u64,
         );
         let mut crcs = parallel(work, threads, |(tensor, offset, bytes)| {
+            populate(&self.valid.path, bytes)?;
             Ok(piece_crc(tensor, offset, bytes))
         })?;
         self.valid.check_all(&mut crcs)
+    }
+}
+
+/// Faults the pages of `bytes` (part of a file mapping) in with one call, reading them from
+/// disk, so that a read error or a file shrunk since it was mapped comes back as an error
+/// naming the file rather than a SIGBUS on first access. Memory that is not a file mapping,
+/// and kernels before 5.14, refuse the request (EINVAL); the pages are then faulted in by
+/// hashing them, as before.
+fn populate(path: &Path, bytes: &[u8]) -> Result<()> {
+    const PAGE: usize = 4096;
+    if bytes.is_empty() {
+        return Ok(());
+    }
+    let start = bytes.as_ptr() as usize / PAGE * PAGE;
+    let end = bytes.as_ptr() as usize + bytes.len();
+    loop {
+        // SAFETY: the page-aligned range covers `bytes`, memory the caller holds for the
+        // duration; MADV_POPULATE_READ only faults pages in and changes no contents.
+        let rc = unsafe {
+            libc::madvise(
+                start as *mut libc::c_void,
+                end - start,
+                libc::MADV_POPULATE_READ,
+            )
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EFAULT) | Some(libc::EIO) | Some(libc::EHWPOISON) => {
+                return Err(Error::io(
+                    path,
+                    io::Error::new(
+                        err.kind(),
+                        format!(
+                            "reading the file failed ({err}): a disk error, or it was \
+                             truncated while loading"
+                        ),
+                    ),
+                ))
+            }
+            _ => return Ok(()),
+        }
     }
 }
 

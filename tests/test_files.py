@@ -182,13 +182,17 @@ def test_default_write_mode_is_buffered_below_the_writeback_allowance(
 ) -> None:
     from fastckpt import files
 
-    assert files.choose_direct_io(1 << 50) is True  # larger than any machine's allowance
-    assert files.choose_direct_io(1 << 12) is False
-    state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+    monkeypatch.setattr(files, "writeback_allowance", lambda: 8 << 20)
+    assert files.choose_direct_io(8 << 20) is False
+    assert files.choose_direct_io((8 << 20) + 1) is True
+    monkeypatch.setattr(files, "writeback_allowance", lambda: None)
+    assert files.choose_direct_io(1) is True  # settings unreadable: O_DIRECT
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB
+    monkeypatch.setattr(files, "writeback_allowance", lambda: 8 << 20)
     assert files.write_tensors(state, tmp_path / "a.safetensors")["direct_io"] is False
     # A file above the allowance goes through O_DIRECT (tmp_path is on a disk filesystem in
-    # CI; on tmpfs the writer falls back to buffered by itself).
-    monkeypatch.setattr(files, "choose_direct_io", lambda nbytes: nbytes > 1 << 20)
+    # CI; on tmpfs the writer falls back to buffered by itself, as the forced run shows).
+    monkeypatch.setattr(files, "writeback_allowance", lambda: 1 << 20)
     report = files.write_tensors(state, tmp_path / "b.safetensors")
     forced = files.write_tensors(state, tmp_path / "c.safetensors", direct_io=True)
     assert report["direct_io"] is forced["direct_io"]
@@ -376,3 +380,35 @@ def test_save_failing_midway_leaves_old_file_and_no_temp(tmp_path: Path, direct_
     assert str(path) in result.stdout
     assert os.listdir(tmp_path) == ["ckpt.safetensors"]
     assert torch.equal(fastckpt.load_file(path)["old"], torch.zeros(4))
+
+
+TRUNCATED_WHILE_MAPPED = """
+import os, sys, torch, fastckpt
+from fastckpt import _native
+from fastckpt.files import byte_view
+path = sys.argv[1]
+fastckpt.save_file({"w": torch.ones(4 << 20)}, path)
+storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=os.path.getsize(path))
+os.truncate(path, 8192)
+flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+try:
+    _native.check_mapped(path, byte_view(flat), True, 2)
+except OSError as err:
+    print("OSError:", err)
+"""
+
+
+def test_file_truncated_after_mapping_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    # Another program shrinking a file while it loads: the pages past the new end are faulted
+    # in up front (MADV_POPULATE_READ), so this is an OSError naming the file, not a SIGBUS
+    # (run in a child so that a SIGBUS fails this test instead of killing the session).
+    path = tmp_path / "shrinks.safetensors"
+    result = subprocess.run(
+        [sys.executable, "-c", TRUNCATED_WHILE_MAPPED, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr)
+    assert "OSError:" in result.stdout and "shrinks.safetensors" in result.stdout, result.stdout
+    assert "truncated while loading" in result.stdout, result.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -415,3 +416,17 @@ def test_fsdp_models_are_refused_with_a_pointer(tmp_path: Path) -> None:
     out = run_python(FSDP_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "pg"))
     assert out.split() == ["refused", "refused"]
     assert not (tmp_path / "ckpt" / "manifest.json").exists()
+
+
+def test_a_resumed_run_keeps_no_checkpoint_file_mapped(tmp_path: Path) -> None:
+    # Loads map files; what a run keeps (optimizer moments, EMA weights, RNG state) must be
+    # copied out, or a pruned checkpoint's disk space stays held until the process exits.
+    trained = support.new_strategy([EMAHook()], num_steps=3)
+    trained.run(support.loader())
+    trained.save_checkpoint(tmp_path)
+    live = support.new_strategy([EMAHook()], num_steps=1)
+    assert live.restore_checkpoint(tmp_path) == 0
+    gc.collect()
+    maps = Path("/proc/self/maps").read_text()
+    assert str(tmp_path) not in maps, [line for line in maps.splitlines() if str(tmp_path) in line]
+    assert live.optimizers["main"].state_dict()["state"], "optimizer state was not restored"

@@ -470,10 +470,16 @@ class IndexReader:
         except (ValueError, RecursionError) as err:
             raise CheckpointFormatError(f"{self.directory / relpath}: bad JSON ({err})") from None
 
-    def tensors(self, relpath: str) -> dict[str, torch.Tensor]:
+    def tensors(self, relpath: str, *, owned: bool = True) -> dict[str, torch.Tensor]:
+        """The verified tensors of ``relpath``. ``owned`` (default) copies them out of the file
+        mapping, for state a training run keeps (optimizer moments, EMA weights, RNG): views
+        would keep the file, and its disk space after a prune, alive for the whole run.
+        ``owned=False`` returns the views, for weights that ``load_state_dict`` copies."""
         record = self._record(relpath)
         tensors, info = read_tensors(self._path(relpath), verify=True)
         self._check_crc(relpath, info["file_crc32c"], record)
+        if owned:
+            tensors = {name: tensor.clone() for name, tensor in tensors.items()}
         return tensors
 
 
@@ -633,7 +639,7 @@ def load_components(
     for name in wanted:
         spec = _spec_from(reader.json(f"models/{name}.spec.json"), f"models/{name}.spec.json")
         model = _build_model(spec, map_location, trusted)
-        weights = reader.tensors(f"models/{name}.safetensors")
+        weights = reader.tensors(f"models/{name}.safetensors", owned=False)
         try:
             model.load_state_dict(weights)
         except RuntimeError as err:

@@ -29,6 +29,7 @@ __all__ = [
     "read_tensors",
     "save_file",
     "write_tensors",
+    "writeback_allowance",
 ]
 
 #: Reader threads used when ``threads`` is not given.
@@ -143,6 +144,14 @@ def choose_direct_io(nbytes: int) -> bool:
     VM. Above it buffered writers are throttled to writeback speed while filling the cache
     (4 GiB: 1.1 vs 1.5 GiB/s), so O_DIRECT wins. When the settings cannot be read, O_DIRECT.
     """
+    allowance = writeback_allowance()
+    return allowance is None or nbytes > allowance
+
+
+def writeback_allowance() -> int | None:
+    """Bytes of dirty page cache the kernel lets a writer build up before background writeback
+    starts: ``vm.dirty_background_bytes``, else ``vm.dirty_background_ratio`` % of available
+    memory. None where these cannot be read."""
     try:
         allowance = int(Path("/proc/sys/vm/dirty_background_bytes").read_text())
         if allowance == 0:
@@ -154,8 +163,8 @@ def choose_direct_io(nbytes: int) -> bool:
             )
             allowance = available * ratio // 100
     except (OSError, ValueError, StopIteration, IndexError):
-        return True
-    return nbytes > allowance
+        return None
+    return allowance
 
 
 def save_file(
@@ -304,11 +313,18 @@ def read_tensors(
     holding a manifest can confirm it is the file they recorded.
     """
     name = os.fspath(path)
+    storage: Any = torch.UntypedStorage(0)
     with open(name, "rb") as handle:  # FileNotFoundError / PermissionError, typed
         size = os.fstat(handle.fileno()).st_size
-    storage: Any = torch.UntypedStorage(0)
-    if size:
-        storage = torch.UntypedStorage.from_file(name, shared=False, nbytes=size)
+        if size:
+            # Map the file this handle opened, not whatever the path names by now (a save
+            # may rename a new file over it meanwhile).
+            try:
+                storage = torch.UntypedStorage.from_file(
+                    f"/proc/self/fd/{handle.fileno()}", shared=False, nbytes=size
+                )
+            except RuntimeError as err:
+                raise OSError(f"{name}: cannot map the file for reading: {err}") from None
     flat = torch.empty(0, dtype=torch.uint8).set_(storage)
     header = _native.check_mapped(name, byte_view(flat), verify, threads or DEFAULT_THREADS)
     start = header["data_start"]

@@ -125,8 +125,8 @@ class SyncCheckpointSaverConfig:
 
 @dataclass
 class CheckpointLoaderConfig:
-    """Loader options (``use_mmap`` accepted for compatibility; reads go straight into
-    freshly allocated tensors)."""
+    """Loader options (``use_mmap`` accepted for compatibility: loads always map the files
+    privately and verify them, see :func:`fastckpt.files.read_tensors`)."""
 
     use_mmap: bool = False
 

@@ -451,7 +451,7 @@ class TrainingStrategy:
             )
         for name, model in self.models.items():
             target = ckpt.unwrap_model(model)
-            target.load_state_dict(reader.tensors(f"models/{name}.safetensors"))
+            target.load_state_dict(reader.tensors(f"models/{name}.safetensors", owned=False))
             if map_location is not None:
                 target.to(map_location)
             ckpt.run_validators(validators, name, target)

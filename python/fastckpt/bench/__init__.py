@@ -1,8 +1,9 @@
 """``python -m fastckpt.bench``: fastckpt measured side by side with its peers on your disk.
 
 One process builds one transformer-like state (weights + Adam moments) and hands the same
-tensors to every writer (fastckpt sync/buffered/no-checksum/async, ``torch.save``, safetensors,
-PyTorch DCP with 1 and 2 threads and ``async_save``, and the O_DIRECT disk ceiling) and reader,
+tensors to every writer (fastckpt sync in its default mode, with O_DIRECT forced, without
+checksums, and async; ``torch.save``, safetensors, PyTorch DCP with 1 and 2 threads and
+``async_save``, and the O_DIRECT disk ceiling) and reader,
 measures memory per writer and a training loop's step throughput with periodic async
 checkpoints, and checks the bar of BENCHMARKS.md. See ``benches/README.md``.
 

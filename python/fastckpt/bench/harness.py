@@ -37,6 +37,7 @@ from fastckpt.bench.writers import (
     WRITERS,
     Writer,
     WriterUnavailable,
+    fix_default_write_mode,
     make_writers,
     path_bytes,
     remove_path,
@@ -376,6 +377,9 @@ def _run(config: BenchConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         state = build_state(spec)
         nbytes = state_bytes(state)
+        # The default write mode depends on free memory; decide it once so that every
+        # repetition of "fastckpt" and "fastckpt-nocrc" runs the same mode.
+        fix_default_write_mode(writers, nbytes)
         log(
             f"state: {len(state)} tensors, {nbytes / GIB:.3f} GiB "
             f"(hidden {spec.hidden}, {spec.layers} layers, vocab {spec.vocab}), "

@@ -30,6 +30,7 @@ __all__ = [
     "Writer",
     "WriterUnavailable",
     "ceiling_block",
+    "fix_default_write_mode",
     "fsync_path",
     "make_writers",
     "path_bytes",
@@ -435,3 +436,12 @@ def make_writers(names: list[str] | None = None) -> list[Writer]:
     if unknown:
         raise ValueError(f"unknown writer(s) {unknown}; choose from {list(WRITERS)}")
     return [cls() for name, cls in WRITERS.items() if name in wanted]
+
+
+def fix_default_write_mode(writers: list[Writer], nbytes: int) -> None:
+    """Resolve the automatic write mode of the fastckpt writers once, for a state of
+    ``nbytes`` (:func:`fastckpt.files.choose_direct_io`), so all their runs use the same."""
+    mode = files.choose_direct_io(nbytes)
+    for writer in writers:
+        if isinstance(writer, FastckptWriter) and writer.direct_io is None:
+            writer.direct_io = mode
