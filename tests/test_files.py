@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -130,9 +131,11 @@ def test_tensors_not_aligned_to_their_element_size_load(tmp_path: Path) -> None:
     assert torch.equal(loaded["a"], tensors["a"]) and torch.equal(loaded["b"], tensors["b"])
 
 
-def test_gil_is_released_while_a_load_verifies(tmp_path: Path) -> None:
-    path = tmp_path / "gil.safetensors"
-    fastckpt.save_file({"w": torch.ones(64 << 20, dtype=torch.uint8)}, path)
+def counter_progress(action: Callable[[], None]) -> tuple[int, float]:
+    """Run ``action`` while another thread counts as fast as it can; returns the count it
+    reached and the seconds ``action`` took. The counter increments ~10^6-10^7 times per second
+    while it holds the GIL; if ``action`` held the GIL throughout, the counter would only run
+    in a few switch intervals."""
     counts = {"during": 0}
     done = threading.Event()
     started = threading.Event()
@@ -145,16 +148,30 @@ def test_gil_is_released_while_a_load_verifies(tmp_path: Path) -> None:
     counter = threading.Thread(target=count)
     counter.start()
     started.wait()
-    rounds = 0
-    start = time.perf_counter()
     before = counts["during"]
-    while time.perf_counter() - start < 0.5 or rounds < 3:
-        fastckpt.load_file(path, verify=True)
-        rounds += 1
-    elapsed = time.perf_counter() - start
-    progressed = counts["during"] - before
-    done.set()
-    counter.join()
+    start = time.perf_counter()
+    try:
+        action()
+    finally:
+        elapsed = time.perf_counter() - start
+        progressed = counts["during"] - before
+        done.set()
+        counter.join()
+    return progressed, elapsed
+
+
+def test_gil_is_released_while_a_load_verifies(tmp_path: Path) -> None:
+    path = tmp_path / "gil.safetensors"
+    fastckpt.save_file({"w": torch.ones(64 << 20, dtype=torch.uint8)}, path)
+
+    def load_repeatedly() -> None:
+        start = time.perf_counter()
+        for _ in range(3):
+            fastckpt.load_file(path, verify=True)
+        while time.perf_counter() - start < 0.5:
+            fastckpt.load_file(path, verify=True)
+
+    progressed, elapsed = counter_progress(load_repeatedly)
     assert progressed > 50 * elapsed / sys.getswitchinterval(), (progressed, elapsed)
 
 
@@ -313,29 +330,10 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path) -> None:
 
 def test_gil_is_released_during_save(tmp_path: Path) -> None:
     big = {"w": torch.ones(96 << 20, dtype=torch.uint8), "v": torch.ones(32 << 20)}
-    counts = {"during": 0}
-    done = threading.Event()
-    started = threading.Event()
-
-    def count() -> None:
-        started.set()
-        while not done.is_set():
-            counts["during"] += 1
-
-    counter = threading.Thread(target=count)
-    counter.start()
-    started.wait()
-    before = counts["during"]
-    start = time.perf_counter()
-    fastckpt.save_file(big, tmp_path / "gil.safetensors")
-    elapsed = time.perf_counter() - start
-    progressed = counts["during"] - before
-    done.set()
-    counter.join()
-    # The counter thread increments ~10^6-10^7 times per second when it holds the GIL. If
-    # the save held the GIL the whole time it would get at most a few switch intervals.
-    switch_slices = elapsed / sys.getswitchinterval()
-    assert progressed > 50 * switch_slices, (progressed, elapsed)
+    progressed, elapsed = counter_progress(
+        lambda: fastckpt.save_file(big, tmp_path / "gil.safetensors")
+    )
+    assert progressed > 50 * elapsed / sys.getswitchinterval(), (progressed, elapsed)
 
 
 def test_failed_save_leaves_nothing(tmp_path: Path) -> None:
