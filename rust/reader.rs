@@ -17,8 +17,6 @@ use crate::format::{self, Header};
 /// Bytes read and hashed per piece: large enough for throughput, small enough to be hashed
 /// while still in cache.
 const READ_PIECE: usize = 4 << 20;
-/// Default number of reader threads.
-pub const DEFAULT_THREADS: usize = 4;
 
 /// A header that passed validation, with what checking the data against it needs.
 struct Validated {
@@ -122,20 +120,28 @@ fn parallel<T: Send, R: Send>(
     Ok(all)
 }
 
-/// Splits each tensor's `(index, part)` into pieces with `split` (pieces of at most
-/// [`READ_PIECE`] bytes, `len` bytes each, in order); returns `(index, offset, piece)`.
-fn pieces<B>(
-    tensors: impl IntoIterator<Item = (usize, B)>,
-    split: impl Fn(B) -> Vec<B>,
-    len: impl Fn(&B) -> u64,
-) -> Vec<(usize, u64, B)> {
+/// A run of at most [`READ_PIECE`] bytes of one tensor, hashed on its own.
+struct Piece {
+    /// Index of the tensor in the header.
+    tensor: usize,
+    /// Offset of the piece inside the tensor.
+    offset: u64,
+    /// Offset of the piece inside the data section.
+    at: u64,
+    len: usize,
+}
+
+/// Every tensor of `header` cut into [`Piece`]s, in file order.
+fn pieces(header: &Header) -> Vec<Piece> {
     let mut out = Vec::new();
-    for (index, whole) in tensors {
-        let mut offset = 0u64;
-        for piece in split(whole) {
-            let piece_len = len(&piece);
-            out.push((index, offset, piece));
-            offset += piece_len;
+    for (tensor, info) in header.tensors.iter().enumerate() {
+        for offset in (0..info.nbytes()).step_by(READ_PIECE) {
+            out.push(Piece {
+                tensor,
+                offset,
+                at: info.begin + offset,
+                len: (info.nbytes() - offset).min(READ_PIECE as u64) as usize,
+            });
         }
     }
     out
@@ -194,29 +200,14 @@ impl Reader {
     /// stored checksum.
     pub fn verify(&self, threads: usize) -> Result<(u32, Vec<String>)> {
         let header = self.header();
-        let ranges = header
-            .tensors
-            .iter()
-            .enumerate()
-            .map(|(index, info)| (index, (info.begin, info.end)));
-        let work = pieces(
-            ranges,
-            |(begin, end)| {
-                (begin..end)
-                    .step_by(READ_PIECE)
-                    .map(|at| (at, (at + READ_PIECE as u64).min(end)))
-                    .collect()
-            },
-            |(begin, end)| end - begin,
-        );
         // Scratch buffers are reused: fresh memory costs page faults on every piece.
         let scratch = Mutex::new(Vec::<Vec<u8>>::new());
-        let mut crcs = parallel(work, threads, |(tensor, offset, (begin, end))| {
+        let mut crcs = parallel(pieces(header), threads, |piece| {
             let mut buf = scratch.lock().unwrap_or_else(|e| e.into_inner()).pop();
             let buf = buf.get_or_insert_with(|| vec![0u8; READ_PIECE]);
-            let piece = &mut buf[..(end - begin) as usize];
-            let result = read_exact(&self.file, self.path(), piece, header.data_start + begin)
-                .map(|()| piece_crc(tensor, offset, piece));
+            let bytes = &mut buf[..piece.len];
+            let result = read_exact(&self.file, self.path(), bytes, header.data_start + piece.at)
+                .map(|()| piece_crc(piece.tensor, piece.offset, bytes));
             scratch
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -274,24 +265,12 @@ impl<'a> MappedFile<'a> {
     /// Hashes every tensor in pieces on `threads` threads and checks the stored checksums
     /// (tensors without one pass). Returns the crc32c of the whole file.
     pub fn verify(&self, threads: usize) -> Result<u32> {
-        let start = self.header().data_start as usize;
-        let tensors = self
-            .header()
-            .tensors
-            .iter()
-            .enumerate()
-            .map(|(index, info)| {
-                let begin = start + info.begin as usize;
-                (index, &self.data[begin..start + info.end as usize])
-            });
-        let work = pieces(
-            tensors,
-            |bytes: &[u8]| bytes.chunks(READ_PIECE).collect(),
-            |bytes| bytes.len() as u64,
-        );
-        let mut crcs = parallel(work, threads, |(tensor, offset, bytes)| {
+        let start = self.header().data_start;
+        let mut crcs = parallel(pieces(self.header()), threads, |piece| {
+            let begin = (start + piece.at) as usize;
+            let bytes = &self.data[begin..begin + piece.len];
             populate(&self.valid.path, bytes)?;
-            Ok(piece_crc(tensor, offset, bytes))
+            Ok(piece_crc(piece.tensor, piece.offset, bytes))
         })?;
         self.valid.check_all(&mut crcs)
     }

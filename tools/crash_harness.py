@@ -660,17 +660,25 @@ class Harness:
             if owner is not None and cleaned and owner != pid:
                 self._fail(f"leftover {name} of an earlier process survived a later save")
 
-    def _check_root(self) -> None:
-        from fastckpt import load_checkpoint
+    def _root_verifies(self) -> bool:
+        """Whether the root has a manifest (required once a save was acknowledged) and every
+        committed checkpoint verifies; failures are recorded."""
         from fastckpt.verify import verify
 
         if not (self.root / "manifest.json").exists():
             if self.acked >= 0:
                 self._fail("manifest.json is gone after an acknowledged save")
-            return
+            return False
         report = verify(self.root)
         if not report.ok:
             self._fail(report.summary())
+            return False
+        return True
+
+    def _check_root(self) -> None:
+        from fastckpt import load_checkpoint
+
+        if not self._root_verifies():
             return
         result = load_checkpoint(self.root)
         loaded = result["models"]["main"]
@@ -693,15 +701,8 @@ class Harness:
     def _check_hook(self) -> None:
         from fastckpt import TrainingStrategy
         from fastckpt.layout import Manifest
-        from fastckpt.verify import verify
 
-        if not (self.root / "manifest.json").exists():
-            if self.acked >= 0:
-                self._fail("manifest.json is gone after an acknowledged save")
-            return
-        report = verify(self.root)
-        if not report.ok:
-            self._fail(report.summary())
+        if not self._root_verifies():
             return
         strategy = TrainingStrategy.load_checkpoint(self.root, training_fn=hook_training_fn)
         model = strategy.models["main"]
