@@ -1,8 +1,5 @@
-//! The one error type of the Rust core, and its single conversion to Python exceptions.
-//!
-//! The core modules (`format`, `checksum`, `writer`, `reader`) return [`Error`]; only the
-//! `From<Error> for PyErr` impl at the bottom knows about Python. The Python classes it
-//! raises live in `fastckpt.errors` so that Python owns the exception hierarchy.
+//! The one error type of the Rust core. It knows nothing about Python: the bindings
+//! (`py_api`) map each variant to a Python exception.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -61,48 +58,3 @@ impl Error {
 
 /// Result alias for the core.
 pub type Result<T> = std::result::Result<T, Error>;
-
-#[cfg(feature = "python")]
-mod python {
-    use super::Error;
-    use pyo3::exceptions::{PyOSError, PyValueError};
-    use pyo3::prelude::*;
-
-    /// Builds an instance of `fastckpt.errors.<name>(message)`; falls back to ValueError if the
-    /// Python package cannot be imported (it always can when the extension is used normally).
-    fn python_error(name: &str, message: String) -> PyErr {
-        Python::attach(|py| {
-            let class = py
-                .import("fastckpt.errors")
-                .and_then(|module| module.getattr(name));
-            match class {
-                Ok(class) => match class.call1((message.clone(),)) {
-                    Ok(instance) => PyErr::from_value(instance),
-                    Err(err) => err,
-                },
-                Err(_) => PyValueError::new_err(message),
-            }
-        })
-    }
-
-    impl From<Error> for PyErr {
-        fn from(err: Error) -> PyErr {
-            let message = err.to_string();
-            match err {
-                // OSError(errno, strerror, filename) picks the right subclass
-                // (FileNotFoundError, PermissionError, ...) and keeps errno for ENOSPC.
-                Error::Io { path, source } => match source.raw_os_error() {
-                    Some(errno) => PyOSError::new_err((
-                        errno,
-                        source.to_string(),
-                        path.to_string_lossy().into_owned(),
-                    )),
-                    None => PyOSError::new_err(message),
-                },
-                Error::Format { .. } => python_error("CheckpointFormatError", message),
-                Error::Checksum { .. } => python_error("ChecksumMismatchError", message),
-                Error::InvalidArgument(_) => PyValueError::new_err(message),
-            }
-        }
-    }
-}

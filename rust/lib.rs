@@ -1,13 +1,15 @@
 //! fastckpt's Rust core: safetensors-compatible files written with parallel chunked I/O and
 //! per-tensor crc32c checksums, and the PyO3 bindings that expose it as `fastckpt._native`.
 //!
-//! The core modules (`format`, `checksum`, `writer`, `reader`) know nothing about Python; the
-//! bindings live in `py_api` and are compiled only with the `python` feature (maturin).
+//! The core modules (`format`, `checksum`, `writer`, `replace`, `reader`, `error`) know nothing
+//! about Python; the bindings, and the mapping of core errors to Python exceptions, live in
+//! `py_api` and are compiled only with the `python` feature (maturin).
 
 pub mod checksum;
 pub mod error;
 pub mod format;
 pub mod reader;
+pub mod replace;
 pub mod writer;
 
 #[cfg(feature = "python")]
@@ -18,7 +20,14 @@ mod py_api;
 mod _native {
     #[pymodule_export]
     use crate::py_api::{
-        check_mapped, crc32c, fsync_dir, read_header, save_file, verify_file, write_bytes_atomic,
-        write_ceiling,
+        check_mapped, crc32c, fsync_dir, read_header, save_file, temp_prefix, verify_file,
+        write_bytes_atomic, write_ceiling,
     };
+
+    #[pymodule_export]
+    const TEMP_MARKER: &str = crate::replace::TEMP_MARKER;
+    #[pymodule_export]
+    const DEFAULT_CHUNK_SIZE: u64 = crate::writer::DEFAULT_CHUNK_SIZE;
+    #[pymodule_export]
+    const DEFAULT_WRITE_THREADS: usize = crate::writer::DEFAULT_WRITE_THREADS;
 }

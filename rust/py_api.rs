@@ -1,5 +1,6 @@
 //! The Python bindings: every function extracts its arguments, releases the GIL for all I/O
-//! and hashing (`py.detach`), calls the core, and lets `From<Error> for PyErr` map errors.
+//! and hashing (`py.detach`), calls the core, and lets `From<Error> for PyErr` (defined here,
+//! the only place that knows both the core's errors and Python's exceptions) map errors.
 //!
 //! Tensor bytes cross the boundary as buffer-protocol views (`numpy` uint8 views of tensor
 //! storage): no copy is made, and the `PyBuffer` handles keep the Python objects alive and
@@ -9,13 +10,54 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+use crate::error::Error;
 use crate::format::{Dtype, Header, TensorDesc};
 use crate::reader::{MappedFile, Reader};
+use crate::replace;
 use crate::writer::{self, WriteOptions};
+
+/// Builds an instance of `fastckpt.errors.<name>(message)`; falls back to ValueError if the
+/// Python package cannot be imported (it always can when the extension is used normally).
+fn python_error(name: &str, message: String) -> PyErr {
+    Python::attach(|py| {
+        let class = py
+            .import("fastckpt.errors")
+            .and_then(|module| module.getattr(name));
+        match class {
+            Ok(class) => match class.call1((message.clone(),)) {
+                Ok(instance) => PyErr::from_value(instance),
+                Err(err) => err,
+            },
+            Err(_) => PyValueError::new_err(message),
+        }
+    })
+}
+
+/// The core's errors as Python exceptions: OS errors keep their errno (so `OSError` picks
+/// `FileNotFoundError`, `PermissionError`, ... and ENOSPC stays visible) and the file name;
+/// format and checksum errors are `fastckpt.errors` classes, so Python owns the hierarchy.
+impl From<Error> for PyErr {
+    fn from(err: Error) -> PyErr {
+        let message = err.to_string();
+        match err {
+            Error::Io { path, source } => match source.raw_os_error() {
+                Some(errno) => PyOSError::new_err((
+                    errno,
+                    source.to_string(),
+                    path.to_string_lossy().into_owned(),
+                )),
+                None => PyOSError::new_err(message),
+            },
+            Error::Format { .. } => python_error("CheckpointFormatError", message),
+            Error::Checksum { .. } => python_error("ChecksumMismatchError", message),
+            Error::InvalidArgument(_) => PyValueError::new_err(message),
+        }
+    }
+}
 
 /// Address and length of a contiguous byte buffer, sendable to GIL-free threads.
 #[derive(Clone, Copy)]
@@ -200,13 +242,21 @@ pub fn crc32c(py: Python<'_>, data: &[u8], value: u32) -> u32 {
 #[pyfunction]
 #[pyo3(signature = (path, data, fsync=true))]
 pub fn write_bytes_atomic(py: Python<'_>, path: PathBuf, data: &[u8], fsync: bool) -> PyResult<()> {
-    Ok(py.detach(|| writer::write_bytes_atomic(&path, data, fsync))?)
+    Ok(py.detach(|| replace::write_bytes_atomic(&path, data, fsync))?)
 }
 
 /// fsyncs a directory (makes renames inside it durable).
 #[pyfunction]
 pub fn fsync_dir(py: Python<'_>, path: PathBuf) -> PyResult<()> {
-    Ok(py.detach(|| writer::fsync_dir(&path))?)
+    Ok(py.detach(|| replace::fsync_dir(&path))?)
+}
+
+/// The prefix of every temporary sibling fastckpt creates while replacing a file named
+/// `file_name` (`".<file_name>.fastckpt-tmp."`): a directory entry starting with it is never a
+/// committed file and may be removed once no writer is running.
+#[pyfunction]
+pub fn temp_prefix(file_name: &str) -> String {
+    replace::temp_prefix(file_name)
 }
 
 /// Benchmark helper: writes `length` bytes to `path` as one O_DIRECT stream of `block`-sized

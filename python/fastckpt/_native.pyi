@@ -3,6 +3,13 @@
 from collections.abc import Sequence
 from typing import Any
 
+#: Marker in the name of every temporary sibling the core creates (see ``temp_prefix``).
+TEMP_MARKER: str
+#: Default bytes per write chunk (the one definition; ``fastckpt.files`` re-exports it).
+DEFAULT_CHUNK_SIZE: int
+#: Default writer threads (the one definition; ``fastckpt.files`` re-exports it).
+DEFAULT_WRITE_THREADS: int
+
 def save_file(
     path: str,
     tensors: Sequence[tuple[str, str, Sequence[int], Any]],
@@ -20,3 +27,4 @@ def crc32c(data: bytes, value: int = 0) -> int: ...
 def write_bytes_atomic(path: str, data: bytes, fsync: bool = True) -> None: ...
 def fsync_dir(path: str) -> None: ...
 def write_ceiling(path: str, length: int, block: int) -> bool: ...
+def temp_prefix(file_name: str) -> str: ...

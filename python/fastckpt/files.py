@@ -32,15 +32,15 @@ __all__ = [
     "writeback_allowance",
 ]
 
-#: Reader threads used when ``threads`` is not given.
+#: Reader threads used when ``threads`` is not given (the Rust reader has no default).
 DEFAULT_THREADS = 4
 #: Writer threads used when ``threads`` is not given: with O_DIRECT, one thread copies and
-#: hashes chunks ahead of one thread that writes them in file order (measured fastest on a
-#: 2-core machine; raise it for disks faster than a core can copy, ~5 GiB/s).
-DEFAULT_WRITE_THREADS = 2
-#: Bytes per write chunk when ``chunk_size`` is not given (16 MiB measured fastest here,
-#: ahead of 8 and 32 MiB; two such aligned buffers are kept for O_DIRECT).
-DEFAULT_CHUNK_SIZE = 16 << 20
+#: hashes chunks ahead of one thread that writes them in file order (raise it for disks faster
+#: than a core can copy). Defined by the Rust core; see docs/performance.md for measurements.
+DEFAULT_WRITE_THREADS: int = _native.DEFAULT_WRITE_THREADS
+#: Bytes per write chunk when ``chunk_size`` is not given (two such aligned buffers are kept
+#: for O_DIRECT). Defined by the Rust core; see docs/performance.md for measurements.
+DEFAULT_CHUNK_SIZE: int = _native.DEFAULT_CHUNK_SIZE
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
