@@ -16,8 +16,8 @@ import fastckpt
 from fastckpt import _native
 from fastckpt.checkpoint import list_checkpoints, load_checkpoint, prune, save_checkpoint
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError, UntrustedTargetError
-from fastckpt.layout import seal_manifest
 from fastckpt.specs import create_model_spec
+from fastckpt.store.records import seal_manifest
 
 CALLS: list[str] = []
 

@@ -33,7 +33,6 @@ from fastckpt import (
     CheckpointManager,
     _native,
     create_model_spec,
-    layout,
     load_checkpoint,
     load_file,
     read_metadata,
@@ -45,13 +44,10 @@ from fastckpt.errors import (
     FastCkptError,
     UntrustedTargetError,
 )
-from fastckpt.layout import (
-    MANIFEST,
-    Manifest,
-    RootLock,
-    safe_join,
-    seal_manifest,
-)
+from fastckpt.store import backend
+from fastckpt.store.commit import RootLock
+from fastckpt.store.paths import safe_join
+from fastckpt.store.records import MANIFEST, Manifest, seal_manifest
 from fastckpt.verify import CheckpointSkippedWarning, VerifyReport, latest_intact, verify
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -1101,7 +1097,7 @@ def test_interrupted_fallback_replace_is_repaired(tmp_path: Path) -> None:
     directory = tmp_path / "step_1"
     with CheckpointManager(CheckpointManager.Config.with_sync_save()) as writer:
         writer.save(directory, {"x": torch.arange(4.0)})
-    host = layout._HOST
+    host = backend._HOST
     trash = tmp_path / f".trash-step_1~{_dead_pid()}~{host}~0badcafe"
     directory.rename(trash)  # the crash: old checkpoint moved aside, new one not in place
     temp = tmp_path / f".tmp-step_1~{_dead_pid()}~{host}~0badcafe"

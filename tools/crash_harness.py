@@ -51,6 +51,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastckpt.store.backend import ATOMIC_TEMP_INFIX, TEMP_PREFIX, TRASH_PREFIX
+from fastckpt.store.records import MANIFEST
+
 WIDTH = 64
 HIDDEN = 1024
 KEEP_LAST = 3
@@ -66,7 +69,7 @@ PRELOAD = [
     "fastckpt.verify",
     "crash_harness",
 ]
-TEMP_MARKERS = (".tmp-", ".trash-", ".manifest.json.fastckpt-tmp.")
+TEMP_MARKERS = (TEMP_PREFIX, TRASH_PREFIX, f".{MANIFEST}{ATOMIC_TEMP_INFIX}")
 
 Send = Callable[[str], None]
 
@@ -302,7 +305,7 @@ def child_main(mode: str, root: str, conn: Connection, iterations: int) -> None:
 def _child_save_checkpoint(root: Path, send: Send, iterations: int) -> None:
     from fastckpt import create_model_spec, load_checkpoint, prune, save_checkpoint
 
-    if (root / "manifest.json").exists():
+    if (root / MANIFEST).exists():
         loaded = load_checkpoint(root)["models"]["main"]
         model, optimizer = loaded["model"], loaded["optimizers"]["adam"]["optimizer"]
         n = encoded(model) + 1
@@ -401,7 +404,7 @@ def _child_checkpoint_hook(root: Path, send: Send, iterations: int) -> None:
     hook = CheckpointHook(root, step_interval=1, async_save=True, keep_last=KEEP_LAST)
     after = _HookReporter(send, hook, before=False)
     hooks = [StepEncoder(), _HookReporter(send, hook, before=True), hook, after]
-    if (root / "manifest.json").exists():
+    if (root / MANIFEST).exists():
         strategy = TrainingStrategy.load_checkpoint(root, training_fn=hook_training_fn, hooks=hooks)
     else:
         strategy = new_hook_strategy(hooks)
@@ -422,7 +425,7 @@ def concurrent_saver(root: str, writer: int, count: int, api: str, conn: Connect
     """
     torch.set_num_threads(1)
     from fastckpt import create_model_spec, save_checkpoint
-    from fastckpt.layout import IndexWriter
+    from fastckpt.store.commit import IndexWriter
 
     spec = create_model_spec(CrashNet, width=8, hidden=8)
     indices = []
@@ -452,7 +455,7 @@ def concurrent_saver(root: str, writer: int, count: int, api: str, conn: Connect
 
 def hold_root_lock(root: str, conn: Connection) -> None:
     """Child of the lock tests: take the root lock, say so, and wait to be killed."""
-    from fastckpt.layout import RootLock
+    from fastckpt.store.commit import RootLock
 
     lock = RootLock(Path(root))
     lock.acquire()
@@ -463,7 +466,7 @@ def hold_root_lock(root: str, conn: Connection) -> None:
 def replace_index_and_die(root: str, index: int, conn: Connection) -> None:
     """Child: replace committed ``index`` of ``root`` and SIGKILL itself right after the new
     directory is swapped in, before the manifest records it."""
-    from fastckpt.layout import IndexWriter
+    from fastckpt.store.commit import IndexWriter
 
     writer = IndexWriter(Path(root), index)
     writer.add_tensors("models/main.safetensors", {"x": torch.ones(3)})
@@ -665,7 +668,7 @@ class Harness:
         committed checkpoint verifies; failures are recorded."""
         from fastckpt.verify import verify
 
-        if not (self.root / "manifest.json").exists():
+        if not (self.root / MANIFEST).exists():
             if self.acked >= 0:
                 self._fail("manifest.json is gone after an acknowledged save")
             return False
@@ -690,7 +693,7 @@ class Harness:
         self._count_orphans()
 
     def _count_orphans(self) -> None:
-        from fastckpt.layout import Manifest
+        from fastckpt.store.records import Manifest
 
         committed = set(Manifest.load(self.root).entries)
         on_disk = {int(p.name) for p in self.root.iterdir() if p.name.isdigit()}
@@ -700,7 +703,7 @@ class Harness:
 
     def _check_hook(self) -> None:
         from fastckpt import TrainingStrategy
-        from fastckpt.layout import Manifest
+        from fastckpt.store.records import Manifest
 
         if not self._root_verifies():
             return

@@ -20,10 +20,8 @@ unpickles anything.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -31,10 +29,13 @@ from typing import Any
 
 import torch
 
-from fastckpt import _native, specs, tree
-from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError, FastCkptError
-from fastckpt.files import read_tensors
-from fastckpt.layout import IndexWriter, Manifest, RootLock, check_name, safe_join
+from fastckpt import specs, tree
+from fastckpt.errors import CheckpointFormatError, FastCkptError
+from fastckpt.store.backend import backend_for
+from fastckpt.store.commit import IndexWriter
+from fastckpt.store.paths import check_name
+from fastckpt.store.reader import read_json, read_tensor_file
+from fastckpt.store.records import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -419,32 +420,21 @@ class IndexReader:
     """
 
     def __init__(self, manifest: Manifest, index: int) -> None:
+        """Read index ``index`` of ``manifest`` (which must be committed)."""
+        self.manifest = manifest
+        self.index = index
         self.root = manifest.root
-        self.directory = manifest.root / str(index)
+        self.directory = manifest.directory(index)
         self.files: dict[str, dict[str, int]] = manifest.entries[index]["files"]
 
-    def _record(self, relpath: str) -> dict[str, int]:
+    def _record(self, relpath: str) -> tuple[Path, dict[str, int]]:
         record = self.files.get(relpath)
         if record is None:
             raise CheckpointFormatError(
                 f"{self.directory / relpath}: not listed in the manifest; the checkpoint is "
                 "incomplete or the manifest was edited"
             )
-        path = self._path(relpath)
-        size = path.stat().st_size  # FileNotFoundError names the file
-        if size != record["size"]:
-            raise CheckpointFormatError(
-                f"{path}: size {size} differs from the manifest's {record['size']}; the file "
-                "was truncated or replaced"
-            )
-        return record
-
-    def _check_crc(self, relpath: str, actual: int | None, record: Mapping[str, int]) -> None:
-        if actual is not None and actual != record["crc32c"]:
-            raise ChecksumMismatchError(
-                f"{self.directory / relpath}: file crc32c {actual:08x} differs from the "
-                f"manifest's {record['crc32c']:08x}; the file was replaced or corrupted"
-            )
+        return self.manifest.file_path(self.index, relpath), record
 
     def component_state(self, kind: str, name: str, map_location: Any = None) -> Any:
         """The ``state_dict()`` saved for optimizer/scheduler ``name`` (kind: "optimizers" or
@@ -458,26 +448,18 @@ class IndexReader:
         )
         return state if map_location is None else _move_tensors(state, map_location)
 
-    def _path(self, relpath: str) -> Path:
-        return safe_join(self.directory, relpath, within=self.root)
-
     def json(self, relpath: str) -> Any:
-        record = self._record(relpath)
-        data = self._path(relpath).read_bytes()
-        self._check_crc(relpath, _native.crc32c(data), record)
-        try:
-            return json.loads(data)
-        except (ValueError, RecursionError) as err:
-            raise CheckpointFormatError(f"{self.directory / relpath}: bad JSON ({err})") from None
+        """The verified JSON document ``relpath``."""
+        path, record = self._record(relpath)
+        return read_json(path, record, source=str(self.manifest.path))
 
     def tensors(self, relpath: str, *, owned: bool = True) -> dict[str, torch.Tensor]:
         """The verified tensors of ``relpath``. ``owned`` (default) copies them out of the file
         mapping, for state a training run keeps (optimizer moments, EMA weights, RNG): views
         would keep the file, and its disk space after a prune, alive for the whole run.
         ``owned=False`` returns the views, for weights that ``load_state_dict`` copies."""
-        record = self._record(relpath)
-        tensors, info = read_tensors(self._path(relpath), verify=True)
-        self._check_crc(relpath, info["file_crc32c"], record)
+        path, record = self._record(relpath)
+        tensors = read_tensor_file(path, record, source=str(self.manifest.path))
         if owned:
             tensors = {name: tensor.clone() for name, tensor in tensors.items()}
         return tensors
@@ -771,7 +753,9 @@ def prune(root: str | os.PathLike[str], keep_last: int) -> list[int]:
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the latest is never deleted), got {keep_last}")
-    with RootLock(Path(root)):
+    root = Path(root)
+    backend = backend_for(root)
+    with backend.lock(root):
         manifest = Manifest.load(root)
         doomed = sorted(manifest.entries)[:-keep_last]
         if not doomed:
@@ -780,5 +764,5 @@ def prune(root: str | os.PathLike[str], keep_last: int) -> list[int]:
             del manifest.entries[index]
         manifest.commit()
         for index in doomed:
-            shutil.rmtree(manifest.root / str(index), ignore_errors=True)
+            backend.delete(manifest.directory(index))
     return doomed

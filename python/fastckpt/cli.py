@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
-from typing import Any, Literal, NoReturn, cast
+from typing import Any, NoReturn, cast
 
 import torch
 
@@ -36,25 +36,18 @@ from fastckpt import __version__, tree
 from fastckpt.checkpoint import IndexReader, list_checkpoints, prune
 from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.files import load_file, read_metadata, save_file
-from fastckpt.layout import MANIFEST, Manifest, check_relpath, safe_join
 from fastckpt.progress import format_bytes, io_progress
 from fastckpt.specs import BaseSpec
+from fastckpt.store import locate as store_locate
+from fastckpt.store.locate import KIND_NAMES, Location
+from fastckpt.store.paths import safe_join
+from fastckpt.store.records import COMMIT_RECORD, MANIFEST, Manifest, read_commit_record
 from fastckpt.verify import VerifyReport, verify
 
 __all__ = ["UserError", "build_parser", "main"]
 
-COMMIT_RECORD = "commit.json"  # CheckpointManager's commit record (fastckpt.manager)
-MANAGER_FORMAT = "fastckpt-manager"
 TENSOR_SUFFIX = ".safetensors"
 EXIT_OK, EXIT_BAD, EXIT_ERROR = 0, 1, 2
-
-Kind = Literal["root", "index", "manager", "file"]
-KIND_NAMES: dict[str, str] = {
-    "root": "save_checkpoint root",
-    "index": "save_checkpoint index",
-    "manager": "CheckpointManager checkpoint",
-    "file": "safetensors file",
-}
 
 
 class UserError(Exception):
@@ -158,50 +151,16 @@ def _spec_text(document: Any, where: str) -> str:
 # --------------------------------------------------------------------------- locating checkpoints
 
 
-@dataclasses.dataclass
-class Location:
-    """What a PATH argument names.
-
-    Attributes:
-        kind: ``"root"``, ``"index"``, ``"manager"`` or ``"file"``.
-        path: the path as given (``manifest.json`` / ``commit.json`` resolved to their
-            directory).
-        root: the save_checkpoint root (kinds root and index).
-        index: the index directory's own index (kind index).
-    """
-
-    kind: Kind
-    path: Path
-    root: Path | None = None
-    index: int | None = None
-
-
 def locate(text: str | os.PathLike[str]) -> Location:
     """Work out what kind of checkpoint ``text`` names.
 
     Raises:
         UserError: it does not exist or is not a fastckpt checkpoint.
     """
-    path = Path(text)
-    if path.is_file():
-        if path.name in (MANIFEST, COMMIT_RECORD):
-            return locate(path.parent)
-        return Location("file", path)
-    if path.is_dir():
-        if (path / MANIFEST).is_file():
-            return Location("root", path, root=path)
-        if (path / COMMIT_RECORD).is_file():
-            return Location("manager", path)
-        if path.name.isdigit() and (path.parent / MANIFEST).is_file():
-            return Location("index", path, root=path.parent, index=int(path.name))
-        raise UserError(
-            f"{path} is not a fastckpt checkpoint: no {MANIFEST} (save_checkpoint root) or "
-            f"{COMMIT_RECORD} (CheckpointManager checkpoint) in it, and it is not an index "
-            "directory of a root"
-        )
-    if os.path.lexists(path):
-        raise UserError(f"{path}: not a regular file or directory")
-    raise UserError(f"{path}: no such file or directory")
+    try:
+        return store_locate.locate(text)
+    except FileNotFoundError as err:
+        raise UserError(err.strerror) from None
 
 
 def _resolve_index(location: Location, requested: int | None) -> tuple[Manifest, int]:
@@ -251,19 +210,8 @@ def _read_json(path: Path) -> Any:
 
 
 def _manager_record(directory: Path) -> dict[str, Any]:
-    """The commit record of a CheckpointManager checkpoint, shape-checked."""
-    path = directory / COMMIT_RECORD
-    record = _read_json(path)
-    if not isinstance(record, dict) or record.get("format") != MANAGER_FORMAT:
-        raise CheckpointFormatError(f"{path}: not a {MANAGER_FORMAT} commit record")
-    items, files = record.get("items"), record.get("files")
-    if not isinstance(items, list) or not isinstance(files, dict):
-        raise CheckpointFormatError(f"{path}: fields 'items' and 'files' are required")
-    for relpath, entry in files.items():
-        check_relpath(relpath, f"{path}: file")
-        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)):
-            raise CheckpointFormatError(f"{path}: files[{relpath!r}] needs an int size")
-    return record
+    """The commit record of a CheckpointManager checkpoint, checked."""
+    return read_commit_record(directory)
 
 
 def _tensor_list(header: Mapping[str, Any]) -> list[dict[str, Any]]:

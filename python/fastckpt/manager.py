@@ -15,7 +15,6 @@ blocks only while a capture is in progress.
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -26,11 +25,10 @@ from typing import Any
 
 import torch
 
-from fastckpt import _native, tree
+from fastckpt import tree
 from fastckpt.checkpoint import log_throughput
-from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, ChecksumMismatchError
-from fastckpt.files import DEFAULT_WRITE_THREADS, read_tensors
-from fastckpt.layout import DirectoryWriter, check_name, check_relpath, safe_join
+from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError
+from fastckpt.files import DEFAULT_WRITE_THREADS
 from fastckpt.staging import (
     Stager,
     StagerOptions,
@@ -38,6 +36,11 @@ from fastckpt.staging import (
     make_stager,
     stage_groups,
 )
+from fastckpt.store.backend import TEMP_PREFIX
+from fastckpt.store.commit import DirectoryWriter
+from fastckpt.store.paths import check_name, safe_join
+from fastckpt.store.reader import read_json, read_tensor_file
+from fastckpt.store.records import COMMIT_RECORD, commit_record, read_commit_record
 
 __all__ = [
     "AsyncCheckpointSaverConfig",
@@ -49,10 +52,6 @@ __all__ = [
     "LocalFileSystemStorageConfig",
     "SyncCheckpointSaverConfig",
 ]
-
-COMMIT_RECORD = "commit.json"
-FORMAT = "fastckpt-manager"
-SCHEMA_VERSION = 1
 
 
 def _cuda() -> bool:
@@ -103,7 +102,7 @@ class CheckpointWriterConfig:
     """
 
     file_write_max_threads: int = DEFAULT_WRITE_THREADS
-    temp_dir_prefix: str = ".tmp-"
+    temp_dir_prefix: str = TEMP_PREFIX
 
 
 @dataclass
@@ -374,31 +373,21 @@ class CheckpointManager:
 
     def _commit(self, writer: DirectoryWriter, items: list[str]) -> None:
         if not self._dist.active:
-            writer.add_json(COMMIT_RECORD, self._record(items, writer.files))
+            writer.add_json(COMMIT_RECORD, commit_record(items, writer.files, 1))
             writer.commit()
             return
-        # Each rank wrote into its own temporary directory; rank 0 gathers the files records,
-        # moves every rank's files into its directory and commits once all ranks are done.
-        gathered = self._dist.gather((str(writer.temp), writer.files))
+        # Each rank staged its own files; rank 0 gathers the files records, adopts every
+        # rank's files and commits once all ranks are done.
+        gathered = self._dist.gather((writer.location, writer.files))
         if self._dist.rank == 0:
-            for temp, files in gathered[1:]:
-                for relpath, record in files.items():
-                    Path(temp, relpath).rename(writer.temp / relpath)
-                    writer.files[relpath] = record
-            writer.add_json(COMMIT_RECORD, self._record(items, writer.files))
+            for location, files in gathered[1:]:
+                writer.adopt(location, files)
+            record = commit_record(items, writer.files, self._dist.world_size)
+            writer.add_json(COMMIT_RECORD, record)
             writer.commit()
         self._dist.barrier()
         if self._dist.rank != 0:
             writer.abort()
-
-    def _record(self, items: list[str], files: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "schema_version": SCHEMA_VERSION,
-            "world_size": self._dist.world_size,
-            "items": items,
-            "files": {relpath: dict(record) for relpath, record in files.items()},
-        }
 
     # ------------------------------------------------------------------ load
 
@@ -432,7 +421,7 @@ class CheckpointManager:
         self._check_open("load")
         start = time.perf_counter()
         directory = Path(checkpoint_id)
-        record = _read_commit_record(directory)
+        record = read_commit_record(directory)
         available = record["items"]
         keys = list(available) if into is None else list(into)
         result: dict[str, Any] = {}
@@ -467,79 +456,30 @@ class CheckpointManager:
                 self._executor.shutdown(wait=True)
 
 
-def _read_commit_record(directory: Path) -> dict[str, Any]:
-    path = safe_join(directory, COMMIT_RECORD)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            2, f"{directory} is not a committed fastckpt checkpoint (no {COMMIT_RECORD})", str(path)
-        ) from None
-    try:
-        record = json.loads(data)
-    except (ValueError, RecursionError) as err:
-        raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise CheckpointFormatError(f"{path}: not a {FORMAT} commit record")
-    version = record.get("schema_version")
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise CheckpointFormatError(
-            f"{path}: schema_version {version!r} is unknown to this fastckpt; upgrade it"
-        )
-    items, files = record.get("items"), record.get("files")
-    if not isinstance(items, list) or not isinstance(files, dict):
-        raise CheckpointFormatError(f"{path}: 'items' and 'files' are required")
-    for key in items:
-        check_name(key, f"{path}: item")
-    for relpath, entry in files.items():
-        check_relpath(relpath, f"{path}: file")
-        if not (
-            isinstance(entry, dict)
-            and all(isinstance(entry.get(k), int) for k in ("size", "crc32c"))
-        ):
-            raise CheckpointFormatError(f"{path}: files[{relpath!r}] needs int size and crc32c")
-    return record
-
-
-def _checked(directory: Path, record: Mapping[str, Any], relpath: str) -> Mapping[str, int]:
-    entry = record["files"].get(relpath)
-    if entry is None:
-        raise CheckpointFormatError(f"{directory / relpath}: not listed in {COMMIT_RECORD}")
-    size = safe_join(directory, relpath).stat().st_size
-    if size != entry["size"]:
-        raise CheckpointFormatError(
-            f"{directory / relpath}: size {size} differs from the recorded {entry['size']}"
-        )
-    return entry
-
-
 def _load_item(
     directory: Path, record: Mapping[str, Any], key: str, rank: int, map_location: Any
 ) -> Any:
-    json_path = f"{key}.json"
-    entry = _checked(directory, record, json_path)
-    data = safe_join(directory, json_path).read_bytes()
-    if _native.crc32c(data) != entry["crc32c"]:
-        raise ChecksumMismatchError(f"{directory / json_path}: crc32c differs from {COMMIT_RECORD}")
-    try:
-        skeleton = json.loads(data)["skeleton"]
-    except (ValueError, RecursionError) as err:
-        raise CheckpointFormatError(f"{directory / json_path}: bad JSON ({err})") from None
+    """One item of a checkpoint: its skeleton and this rank's tensors, both verified."""
+    source = str(directory / COMMIT_RECORD)
+
+    def recorded(relpath: str) -> tuple[Path, Mapping[str, int]]:
+        entry = record["files"].get(relpath)
+        if entry is None:
+            raise CheckpointFormatError(f"{directory / relpath}: not listed in {COMMIT_RECORD}")
+        return safe_join(directory, relpath), entry
+
+    document = read_json(*recorded(f"{key}.json"), source=source)
+    if not isinstance(document, Mapping) or "skeleton" not in document:
+        raise CheckpointFormatError(f"{directory / key}.json: field 'skeleton' is required")
     tensor_path = f"{key}.rank{rank}.safetensors"
     if tensor_path not in record["files"]:
         tensor_path = f"{key}.rank0.safetensors"
     if tensor_path not in record["files"]:
         tensor_path = f"{key}.safetensors"
-    entry = _checked(directory, record, tensor_path)
-    tensors, info = read_tensors(safe_join(directory, tensor_path), verify=True)
-    if info["file_crc32c"] is not None and info["file_crc32c"] != entry["crc32c"]:
-        raise ChecksumMismatchError(
-            f"{directory / tensor_path}: file crc32c differs from {COMMIT_RECORD}; it was "
-            "replaced or corrupted"
-        )
+    tensors = read_tensor_file(*recorded(tensor_path), source=source)
     if map_location is not None:
         tensors = {name: t.to(map_location) for name, t in tensors.items()}
-    return tree.unflatten(skeleton, tensors, key)
+    return tree.unflatten(document["skeleton"], tensors, key)
 
 
 def _merge(template: Any, value: Any, path: str, strict: bool) -> Any:

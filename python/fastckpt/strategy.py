@@ -33,7 +33,7 @@ from fastckpt.hooks.context import (
     TrainContext,
     TrainingStage,
 )
-from fastckpt.layout import Manifest
+from fastckpt.store.records import Manifest
 
 __all__ = ["FineTuningStrategy", "OptimizerConfig", "TrainingStrategy"]
 

@@ -18,19 +18,18 @@ index = fastckpt.latest_intact("runs/exp1")     # None: nothing intact, start fr
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
-import stat
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
 
-from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.files import DEFAULT_THREADS
-from fastckpt.layout import MANIFEST, Manifest, safe_join
+from fastckpt.store.backend import backend_for
+from fastckpt.store.locate import Kind, locate
+from fastckpt.store.paths import safe_join
+from fastckpt.store.reader import FileReport, Status, check_recorded, verify_content
+from fastckpt.store.records import COMMIT_RECORD, MANIFEST, Manifest, read_commit_record
 
 __all__ = [
     "CheckpointSkippedWarning",
@@ -41,52 +40,9 @@ __all__ = [
     "verify",
 ]
 
-#: ``ok``: size and checksums match. ``mismatch``: the file is readable but its size or crc32c
-#: differs from the commit record (truncated, replaced, swapped). ``missing``: the record
-#: names it but it is not there. ``corrupt``: it cannot be read as what it should be (bad
-#: header, tensor checksum failure, escapes the checkpoint, unreadable record).
-Status = Literal["ok", "mismatch", "missing", "corrupt"]
-Kind = Literal["root", "index", "manager", "file"]
-
-COMMIT_RECORD = "commit.json"  # the CheckpointManager commit record (fastckpt.manager)
-_READ_PIECE = 16 << 20
-
 
 class CheckpointSkippedWarning(UserWarning):
     """:func:`latest_intact` skipped a committed index that failed verification."""
-
-
-@dataclass
-class FileReport:
-    """What :func:`verify` found for one file.
-
-    Attributes:
-        path: the file.
-        status: ``"ok"``, ``"mismatch"``, ``"missing"`` or ``"corrupt"`` (see :data:`Status`).
-        expected_size: size from the commit record (None: no record, e.g. a lone file).
-        expected_crc32c: whole-file crc32c from the commit record (None: no record).
-        actual_size: size on disk (None: not readable).
-        actual_crc32c: whole-file crc32c computed now (None: not computed).
-        message: why it is not ok (empty when ok), naming the file and tensor/field.
-        index: the committed index the file belongs to (save_checkpoint roots), else None.
-        unchecked_tensors: tensors without a stored checksum (files written by the
-            ``safetensors`` package); their bytes are only covered by the record's crc32c.
-    """
-
-    path: Path
-    status: Status
-    expected_size: int | None = None
-    expected_crc32c: int | None = None
-    actual_size: int | None = None
-    actual_crc32c: int | None = None
-    message: str = ""
-    index: int | None = None
-    unchecked_tensors: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """Whether the file verified."""
-        return self.status == "ok"
 
 
 @dataclass
@@ -143,77 +99,30 @@ class VerifyReport:
         return self.summary()
 
 
-# --------------------------------------------------------------------------- single files
-
-
-def _crc_of_file(path: Path) -> tuple[int, int]:
-    """(size, crc32c) of a file, read in pieces."""
-    crc = size = 0
-    with open(path, "rb") as handle:
-        while piece := handle.read(_READ_PIECE):
-            crc = _native.crc32c(piece, crc)
-            size += len(piece)
-    return size, crc
+# --------------------------------------------------------------------------- files
 
 
 def _check_file(
     path: Path,
-    expected_size: int | None,
-    expected_crc: int | None,
+    record: dict[str, int] | None,
     *,
+    source: str,
     index: int | None,
     threads: int,
 ) -> FileReport:
     """Check one file: existence, size, content checksums (tensor files tensor by tensor)."""
-    report = FileReport(path, "ok", expected_size, expected_crc, index=index)
-
-    def fail(status: Status, message: str) -> FileReport:
-        report.status, report.message = status, message
-        return report
-
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        return fail("missing", f"{path}: missing (listed in the commit record)")
-    except OSError as err:
-        return fail("corrupt", f"{path}: cannot be read ({err})")
-    if not stat.S_ISREG(info.st_mode):
-        return fail("corrupt", f"{path}: not a regular file")
-    report.actual_size = info.st_size
-    if expected_size is not None and info.st_size != expected_size:
-        return fail(
-            "mismatch",
-            f"{path}: size {info.st_size} differs from the recorded {expected_size}; the file "
-            "was truncated or replaced",
-        )
-    try:
-        if path.name.endswith(".safetensors"):
-            crc, unchecked = _native.verify_file(str(path), threads)
-            report.unchecked_tensors = list(unchecked)
-        else:
-            report.actual_size, crc = _crc_of_file(path)
-    except (ChecksumMismatchError, CheckpointFormatError) as err:
-        return fail("corrupt", str(err))
-    except FileNotFoundError:
-        return fail("missing", f"{path}: disappeared while being verified")
-    except OSError as err:
-        return fail("corrupt", f"{path}: cannot be read ({err})")
-    report.actual_crc32c = crc
-    if expected_crc is not None and crc != expected_crc:
-        return fail(
-            "mismatch",
-            f"{path}: file crc32c {crc:08x} differs from the recorded {expected_crc:08x}; the "
-            "file was replaced, swapped with another checkpoint's, or corrupted",
-        )
-    return report
+    checked = check_recorded(path, record, verify_content(threads), source=source, index=index)
+    checked.report.unchecked_tensors = list(checked.value or [])
+    return checked.report
 
 
 def _check_recorded(
     directory: Path,
     relpath: str,
-    record: Any,
+    record: dict[str, int],
     *,
     within: Path,
+    source: str,
     index: int | None,
     threads: int,
 ) -> FileReport:
@@ -221,15 +130,14 @@ def _check_recorded(
         path = safe_join(directory, relpath, within=within)
     except CheckpointFormatError as err:
         return FileReport(directory / str(relpath), "corrupt", message=str(err), index=index)
-    return _check_file(path, record["size"], record["crc32c"], index=index, threads=threads)
+    return _check_file(path, record, source=source, index=index, threads=threads)
 
 
 # --------------------------------------------------------------------------- roots
 
 
 def _load_manifest(root: Path) -> tuple[FileReport, Manifest | None]:
-    path = root / MANIFEST
-    report = FileReport(path, "ok")
+    report = FileReport(root / MANIFEST, "ok")
     try:
         manifest = Manifest.load(root, verify_checksum=True)
     except ChecksumMismatchError as err:
@@ -238,19 +146,25 @@ def _load_manifest(root: Path) -> tuple[FileReport, Manifest | None]:
     except (CheckpointFormatError, OSError) as err:
         report.status, report.message = "corrupt", str(err)
         return report, None
+    report.path = manifest.path
     report.expected_crc32c = manifest.stored_crc32c
     report.actual_crc32c = manifest.actual_crc32c
-    with contextlib.suppress(OSError):
-        report.actual_size = path.stat().st_size
+    report.actual_size = manifest.size
     return report, manifest
 
 
 def _index_files(manifest: Manifest, index: int, threads: int) -> list[FileReport]:
-    directory = manifest.root / str(index)
+    directory = manifest.directory(index)
     files = manifest.entries[index]["files"]
     return [
         _check_recorded(
-            directory, relpath, files[relpath], within=manifest.root, index=index, threads=threads
+            directory,
+            relpath,
+            files[relpath],
+            within=manifest.root,
+            source=str(manifest.path),
+            index=index,
+            threads=threads,
         )
         for relpath in sorted(files)
     ]
@@ -272,25 +186,28 @@ def _verify_root(root: Path, index: int | None, kind: Kind, threads: int) -> Ver
 
 
 def _verify_manager(directory: Path, threads: int) -> VerifyReport:
-    from fastckpt.manager import _read_commit_record
-
     report = VerifyReport(directory, "manager")
     record_path = directory / COMMIT_RECORD
     record_report = FileReport(record_path, "ok")
     report.files.append(record_report)
     try:
-        safe_join(directory, COMMIT_RECORD)
-        record = _read_commit_record(directory)
-    except (CheckpointFormatError, OSError, ValueError, RecursionError) as err:
+        record = read_commit_record(directory)
+    except (CheckpointFormatError, OSError) as err:
         message = str(err) if str(record_path) in str(err) else f"{record_path}: {err!r}"
         record_report.status, record_report.message = "corrupt", message
         return report
-    record_report.actual_size = record_path.stat().st_size
+    record_report.actual_size = backend_for(directory).stat(record_path).size
     files = record["files"]
     for relpath in sorted(files):
         report.files.append(
             _check_recorded(
-                directory, relpath, files[relpath], within=directory, index=None, threads=threads
+                directory,
+                relpath,
+                files[relpath],
+                within=directory,
+                source=str(record_path),
+                index=None,
+                threads=threads,
             )
         )
     return report
@@ -334,36 +251,25 @@ def verify(
         KeyError: ``index`` is not committed in the root.
         ValueError: ``index`` given for something that is not a root.
     """
-    path = Path(path_or_root)
+    location = locate(path_or_root)
     workers = max(1, threads or DEFAULT_THREADS)
-    if path.is_file():
-        if path.name == MANIFEST:
-            return verify(path.parent, index, threads=threads)
-        if path.name == COMMIT_RECORD:
-            return verify(path.parent, index, threads=threads)
-        _no_index(index, path, "a single file")
-        report = VerifyReport(path, "file")
-        report.files.append(_check_file(path, None, None, index=None, threads=workers))
-        return report
-    if path.is_dir():
-        if (path / MANIFEST).exists():
-            return _verify_root(path, index, "root", workers)
-        if (path / COMMIT_RECORD).exists():
-            _no_index(index, path, "a CheckpointManager checkpoint")
-            return _verify_manager(path, workers)
-        if path.name.isdigit() and (path.parent / MANIFEST).exists():
-            own = int(path.name)
-            if index is not None and index != own:
-                raise ValueError(f"{path} is index {own}; index={index} does not apply to it")
-            return _verify_root(path.parent, own, "index", workers)
-        raise FileNotFoundError(
-            errno.ENOENT,
-            f"{path} is not a fastckpt checkpoint: no {MANIFEST} (save_checkpoint root) or "
-            f"{COMMIT_RECORD} (CheckpointManager checkpoint) in it, and it is not an index "
-            "directory of a root",
-            str(path),
-        )
-    raise FileNotFoundError(errno.ENOENT, f"{path}: no such file or directory", str(path))
+    if location.kind == "root":
+        return _verify_root(location.path, index, "root", workers)
+    if location.kind == "index":
+        own = location.index
+        assert own is not None and location.root is not None
+        if index is not None and index != own:
+            raise ValueError(f"{location.path} is index {own}; index={index} does not apply to it")
+        return _verify_root(location.root, own, "index", workers)
+    if location.kind == "manager":
+        _no_index(index, location.path, "a CheckpointManager checkpoint")
+        return _verify_manager(location.path, workers)
+    _no_index(index, location.path, "a single file")
+    report = VerifyReport(location.path, "file")
+    report.files.append(
+        _check_file(location.path, None, source="no record", index=None, threads=workers)
+    )
+    return report
 
 
 def _no_index(index: int | None, path: Path, what: str) -> None:

@@ -1,0 +1,508 @@
+"""The storage interface every checkpoint read and write goes through.
+
+A checkpoint is a set of *files* (immutable once written) and one *commit record* per
+container (``manifest.json`` of a root, ``commit.json`` of a manager checkpoint) that names
+them with their size and crc32c. The protocols above this module (:mod:`fastckpt.store.commit`)
+only ever ask a :class:`StorageBackend` to:
+
+* read: :meth:`~StorageBackend.stat`, :meth:`~StorageBackend.read_bytes` (whole small
+  object, size-capped), :meth:`~StorageBackend.read_range`, :meth:`~StorageBackend.checksum`
+  (streamed whole-object crc32c), :meth:`~StorageBackend.open_tensors` (a verified
+  safetensors file), :meth:`~StorageBackend.list_dir`;
+* write: :meth:`~StorageBackend.stage` a set of files that become visible together
+  (:class:`Staging`: ``put_bytes``/``put_tensors``, then ``publish`` or ``discard``), and
+  :meth:`~StorageBackend.put_record`, the atomic, durable replacement of a commit record: the
+  commit point, written after every file it names;
+* :meth:`~StorageBackend.delete` files or whole directories, and take the container's
+  :meth:`~StorageBackend.lock`.
+
+The local filesystem (:class:`LocalFileSystem`) stages into a hidden temporary sibling
+directory, fsyncs it, and publishes by one rename (``renameat2(RENAME_EXCHANGE)`` when
+replacing); records are replaced by temp file + fsync + rename. An object store has no rename:
+its staging puts data objects under their final keys (after the record withdrew what they
+replace), ``publish`` is a no-op, and ``put_record`` is a conditional put, so the record,
+written last, stays the only commit point.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import shutil
+import socket
+import stat
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastckpt import _native
+from fastckpt.errors import CheckpointFormatError
+from fastckpt.files import read_tensors, write_tensors
+from fastckpt.store.lock import RootLock
+from fastckpt.store.paths import check_relpath
+
+__all__ = [
+    "ATOMIC_TEMP_INFIX",
+    "MAX_RECORD_BYTES",
+    "TEMP_PREFIX",
+    "TRASH_PREFIX",
+    "FileRecord",
+    "LocalFileSystem",
+    "LocalStaging",
+    "ObjectInfo",
+    "Staging",
+    "StorageBackend",
+    "backend_for",
+    "clean_dead_siblings",
+    "exchange_paths",
+]
+
+#: ``{"size": bytes, "crc32c": whole-file crc32c}``: what a commit record says of one file.
+FileRecord = dict[str, int]
+
+#: Hidden siblings of a directory being written / set aside (``.tmp-<name>~<pid>~<host>~<rnd>``).
+TEMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+#: The Rust core's temporary name for an atomic file replacement: ``.<name>.fastckpt-tmp.<...>``.
+ATOMIC_TEMP_INFIX = ".fastckpt-tmp."
+#: The largest commit record or JSON document fastckpt reads whole (a hostile file cannot make
+#: it read without bound).
+MAX_RECORD_BYTES = 1 << 30
+_READ_PIECE = 16 << 20
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What :meth:`StorageBackend.stat` reports.
+
+    Attributes:
+        size: bytes.
+        regular: a plain file (not a directory, FIFO, device...).
+    """
+
+    size: int
+    regular: bool
+
+
+class Staging(ABC):
+    """Files written for one container (a directory) that become visible together.
+
+    Attributes:
+        final: where the files appear after :meth:`publish`.
+        files: relpath -> :data:`FileRecord` of every file put (or adopted) so far.
+    """
+
+    final: Path
+    files: dict[str, FileRecord]
+
+    @property
+    @abstractmethod
+    def location(self) -> str:
+        """An opaque handle of this staging area another process can :meth:`adopt` from."""
+
+    @abstractmethod
+    def put_bytes(self, relpath: str, data: bytes) -> FileRecord:
+        """Write one small file durably and record it."""
+
+    @abstractmethod
+    def put_tensors(
+        self,
+        relpath: str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        direct_io: bool | None = None,
+        threads: int | None = None,
+    ) -> FileRecord:
+        """Write a safetensors file durably (through the Rust core) and record it."""
+
+    @abstractmethod
+    def adopt(self, location: str, relpath: str, record: FileRecord) -> None:
+        """Take over a file another staging area (``location``) wrote, with its record."""
+
+    @abstractmethod
+    def publish(self) -> None:
+        """Make every file visible under :attr:`final`, replacing what was there, durably."""
+
+    @abstractmethod
+    def discard(self) -> None:
+        """Drop what was staged (idempotent)."""
+
+
+class StorageBackend(ABC):
+    """Where checkpoints live; see the module docstring for the contract."""
+
+    @abstractmethod
+    def stat(self, path: Path) -> ObjectInfo:
+        """Size and kind of ``path``.
+
+        Raises:
+            FileNotFoundError: nothing there.
+        """
+
+    @abstractmethod
+    def exists(self, path: Path) -> bool:
+        """Whether anything is at ``path``."""
+
+    @abstractmethod
+    def read_bytes(self, path: Path, *, limit: int = MAX_RECORD_BYTES) -> bytes:
+        """The whole content of a small regular file.
+
+        Raises:
+            FileNotFoundError: nothing there. IsADirectoryError: a directory.
+            CheckpointFormatError: not a regular file, or larger than ``limit``.
+        """
+
+    @abstractmethod
+    def read_range(self, path: Path, offset: int, length: int) -> bytes:
+        """``length`` bytes from ``offset`` (fewer at the end of the file)."""
+
+    @abstractmethod
+    def checksum(self, path: Path) -> tuple[int, int]:
+        """``(size, crc32c)`` of the whole file, read in pieces."""
+
+    @abstractmethod
+    def verify_tensors(self, path: Path, threads: int) -> tuple[int, list[str]]:
+        """Check a safetensors file tensor by tensor: ``(whole-file crc32c, unchecked names)``.
+
+        Raises:
+            CheckpointFormatError / ChecksumMismatchError: naming file and tensor.
+        """
+
+    @abstractmethod
+    def open_tensors(
+        self, path: Path, *, verify: bool = True, threads: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The tensors of a safetensors file and ``{"metadata", "file_crc32c"}``."""
+
+    @abstractmethod
+    def list_dir(self, directory: Path) -> list[str]:
+        """Names directly inside ``directory`` (empty when it does not exist)."""
+
+    @abstractmethod
+    def stage(
+        self, final: Path, *, direct_io: bool | None = None, threads: int | None = None
+    ) -> Staging:
+        """Start writing the files of the container ``final``."""
+
+    @abstractmethod
+    def put_record(self, path: Path, data: bytes) -> None:
+        """Replace a commit record atomically and durably (the commit point)."""
+
+    @abstractmethod
+    def delete(self, path: Path) -> None:
+        """Remove a file or a whole directory; nothing there is fine."""
+
+    @abstractmethod
+    def lock(self, root: Path, *, timeout: float | None = None) -> RootLock:
+        """The exclusive writer lock of ``root`` (not yet acquired)."""
+
+
+# --------------------------------------------------------------------------- local filesystem
+
+_HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _load_renameat2() -> Any:
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):  # pragma: no cover - glibc < 2.28 or not Linux
+        return None
+    c_int, c_path = ctypes.c_int, ctypes.c_char_p
+    function.argtypes = [c_int, c_path, c_int, c_path, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_RENAMEAT2 = _load_renameat2()
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (``renameat2(RENAME_EXCHANGE)``).
+
+    Returns:
+        False when the kernel or filesystem cannot exchange (the caller falls back).
+
+    Raises:
+        OSError: the exchange failed for another reason.
+    """
+    if _RENAMEAT2 is None:  # pragma: no cover - see _load_renameat2
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, f"cannot swap {a} into place: {os.strerror(code)}", str(b))
+
+
+def _sibling(prefix: str, final: Path) -> Path:
+    """A hidden sibling of ``final`` whose name says which process and host made it."""
+    tag = f"{final.name}~{os.getpid()}~{_HOST}~{os.urandom(4).hex()}"
+    return final.parent / f"{prefix}{tag}"
+
+
+def _owner(name: str) -> tuple[str, str, int, str] | None:
+    """``(prefix, target name, pid, host)`` of a temp/trash sibling name, or None."""
+    for prefix in (TEMP_PREFIX, TRASH_PREFIX):
+        if name.startswith(prefix):
+            parts = name[len(prefix) :].rsplit("~", 3)
+            if len(parts) == 4 and parts[1].isdigit() and parts[0]:
+                return prefix, parts[0], int(parts[1]), parts[2]
+    return None
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def clean_dead_siblings(parent: Path) -> list[str]:
+    """Remove what crashed local stagings left in ``parent``.
+
+    Only siblings made on this host by processes that no longer exist are touched, so live
+    writers (other ranks, other processes) are safe. A leftover temporary directory is
+    deleted. A leftover trash directory holds a complete previous checkpoint: it is put back
+    if its checkpoint directory is missing (a crash between the two renames of the fallback
+    publish), deleted otherwise.
+
+    Returns:
+        The names removed or restored.
+    """
+    touched: list[str] = []
+    try:
+        children = list(parent.iterdir())
+    except FileNotFoundError:
+        return touched
+    for child in children:
+        owner = _owner(child.name)
+        if owner is None:
+            continue
+        prefix, target, pid, host = owner
+        if host != _HOST or _alive(pid):
+            continue
+        destination = parent / target
+        if prefix == TRASH_PREFIX and not os.path.lexists(destination):
+            try:
+                child.rename(destination)
+            except OSError:
+                continue
+        else:
+            _remove(child)
+        touched.append(child.name)
+    return touched
+
+
+def make_dirs(directory: Path) -> None:
+    """``mkdir -p`` that names the file standing in the way, if one does."""
+    for ancestor in (directory, *directory.parents):
+        if ancestor.exists() and not ancestor.is_dir():
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"cannot create {directory}: a file is in the way", str(ancestor)
+            )
+    directory.mkdir(parents=True, exist_ok=True)
+
+
+class LocalStaging(Staging):
+    """A hidden temporary sibling of ``final``, swapped into place by :meth:`publish`.
+
+    Creating it first removes what crashed writers (dead processes of this host) left next to
+    ``final``. :meth:`publish` fsyncs every file and directory, then puts the directory in
+    place: an existing ``final`` is exchanged atomically (``renameat2(RENAME_EXCHANGE)``; where
+    the filesystem cannot, it is renamed aside first and a crash in between is repaired by the
+    next writer) and deleted after.
+    """
+
+    def __init__(
+        self, final: Path, *, direct_io: bool | None = None, threads: int | None = None
+    ) -> None:
+        """Create the temporary sibling directory of ``final``."""
+        self.final = final
+        self.direct_io = direct_io
+        self.threads = threads
+        make_dirs(final.parent)
+        clean_dead_siblings(final.parent)
+        self.temp = _sibling(TEMP_PREFIX, final)
+        self.temp.mkdir()
+        self.files = {}
+        self._dirs: set[Path] = {self.temp}
+
+    @property
+    def location(self) -> str:
+        """The temporary directory."""
+        return str(self.temp)
+
+    def _target(self, relpath: str) -> Path:
+        check_relpath(relpath, "file")
+        path = self.temp / relpath
+        if path.parent not in self._dirs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._dirs.add(path.parent)
+        return path
+
+    def put_bytes(self, relpath: str, data: bytes) -> FileRecord:
+        """Write ``data`` (fsynced) and record its size and crc32c."""
+        _native.write_bytes_atomic(str(self._target(relpath)), data, True)
+        record = {"size": len(data), "crc32c": _native.crc32c(data)}
+        self.files[relpath] = record
+        return record
+
+    def put_tensors(
+        self,
+        relpath: str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        direct_io: bool | None = None,
+        threads: int | None = None,
+    ) -> FileRecord:
+        """Write a safetensors file (fsynced) and record its size and crc32c."""
+        report = write_tensors(
+            tensors,
+            self._target(relpath),
+            direct_io=self.direct_io if direct_io is None else direct_io,
+            threads=threads or self.threads,
+        )
+        record = {"size": report["file_len"], "crc32c": report["file_crc32c"]}
+        self.files[relpath] = record
+        return record
+
+    def adopt(self, location: str, relpath: str, record: FileRecord) -> None:
+        """Move a file from another staging directory into this one."""
+        Path(location, relpath).rename(self._target(relpath))
+        self.files[relpath] = dict(record)
+
+    def publish(self) -> None:
+        """fsync every directory, swap the temporary directory into place, fsync the parent."""
+        for directory in sorted(self._dirs, key=lambda p: len(p.parts), reverse=True):
+            _native.fsync_dir(str(directory))
+        old: Path | None = None
+        if os.path.lexists(self.final):
+            if exchange_paths(self.temp, self.final):
+                old = self.temp  # now holds the previous content
+            else:
+                old = _sibling(TRASH_PREFIX, self.final)
+                self.final.rename(old)
+                self.temp.rename(self.final)
+        else:
+            self.temp.rename(self.final)
+        _native.fsync_dir(str(self.final.parent))
+        if old is not None:
+            _remove(old)
+
+    def discard(self) -> None:
+        """Remove the temporary directory."""
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+class LocalFileSystem(StorageBackend):
+    """The local (or network-mounted POSIX) filesystem."""
+
+    def stat(self, path: Path) -> ObjectInfo:
+        """``os.stat`` (symlinks followed: callers check containment with ``safe_join``)."""
+        info = os.stat(path)
+        return ObjectInfo(info.st_size, stat.S_ISREG(info.st_mode))
+
+    def exists(self, path: Path) -> bool:
+        """``os.path.lexists``."""
+        return os.path.lexists(path)
+
+    def read_bytes(self, path: Path, *, limit: int = MAX_RECORD_BYTES) -> bytes:
+        """Read a regular file whole; FIFOs and devices are refused before any read."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except IsADirectoryError:
+            raise IsADirectoryError(errno.EISDIR, f"{path}: is a directory", str(path)) from None
+        with os.fdopen(fd, "rb") as handle:
+            info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):
+                raise IsADirectoryError(errno.EISDIR, f"{path}: is a directory", str(path))
+            if not stat.S_ISREG(info.st_mode):
+                raise CheckpointFormatError(f"{path}: not a regular file")
+            if info.st_size > limit:
+                raise CheckpointFormatError(
+                    f"{path}: {info.st_size} bytes, more than the {limit} a record may have"
+                )
+            data = handle.read(limit + 1)
+        if len(data) > limit:
+            raise CheckpointFormatError(f"{path}: more than the {limit} bytes a record may have")
+        return data
+
+    def read_range(self, path: Path, offset: int, length: int) -> bytes:
+        """``pread`` of one range."""
+        with open(path, "rb") as handle:
+            return os.pread(handle.fileno(), length, offset)
+
+    def checksum(self, path: Path) -> tuple[int, int]:
+        """``(size, crc32c)`` read in 16 MiB pieces."""
+        crc = size = 0
+        with open(path, "rb") as handle:
+            while piece := handle.read(_READ_PIECE):
+                crc = _native.crc32c(piece, crc)
+                size += len(piece)
+        return size, crc
+
+    def verify_tensors(self, path: Path, threads: int) -> tuple[int, list[str]]:
+        """The Rust verifier (GIL released)."""
+        crc, unchecked = _native.verify_file(str(path), threads)
+        return crc, list(unchecked)
+
+    def open_tensors(
+        self, path: Path, *, verify: bool = True, threads: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """A private mapping of the file (:func:`fastckpt.files.read_tensors`)."""
+        return read_tensors(path, verify=verify, threads=threads)
+
+    def list_dir(self, directory: Path) -> list[str]:
+        """``os.listdir`` (empty for a missing directory)."""
+        try:
+            return sorted(os.listdir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def stage(
+        self, final: Path, *, direct_io: bool | None = None, threads: int | None = None
+    ) -> LocalStaging:
+        """A :class:`LocalStaging` next to ``final``."""
+        return LocalStaging(final, direct_io=direct_io, threads=threads)
+
+    def put_record(self, path: Path, data: bytes) -> None:
+        """Temp file + fsync + rename + fsync of the directory (the Rust core)."""
+        _native.write_bytes_atomic(str(path), data, True)
+
+    def delete(self, path: Path) -> None:
+        """Remove a file, a symlink or a directory tree."""
+        _remove(path)
+
+    def lock(self, root: Path, *, timeout: float | None = None) -> RootLock:
+        """A :class:`~fastckpt.store.lock.RootLock` on ``root``."""
+        return RootLock(root, timeout=timeout)
+
+
+LOCAL = LocalFileSystem()
+
+
+def backend_for(path: str | os.PathLike[str]) -> StorageBackend:
+    """The backend that stores ``path`` (the local filesystem; object-store URLs come next)."""
+    del path
+    return LOCAL

@@ -1,0 +1,220 @@
+"""Commit protocols: a directory that appears whole, and an index that the manifest commits.
+
+```
+ROOT/manifest.json     the commit record (see fastckpt.store.records)
+ROOT/<index>/          one self-contained directory per committed index
+ROOT/.tmp-<...>/       an index being written (removed by the next save if a crash left it)
+ROOT/.fastckpt.lock    held (flock) by the one process saving into ROOT; gone when none is
+```
+
+An index is staged (locally: a temporary sibling, every file and directory fsynced, renamed
+into place), then ``manifest.json`` is replaced atomically: the manifest is the commit point,
+nothing it names is partial. Writers of one root are serialized by the backend's lock
+(:class:`RootLock` locally), which the kernel drops when its holder dies, so a killed writer
+never leaves a stale lock.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastckpt.errors import CheckpointFormatError
+from fastckpt.store.backend import (
+    ATOMIC_TEMP_INFIX,
+    TEMP_PREFIX,
+    TRASH_PREFIX,
+    StorageBackend,
+    backend_for,
+    make_dirs,
+)
+from fastckpt.store.lock import RootLock
+from fastckpt.store.records import MANIFEST, Manifest, json_bytes
+
+__all__ = ["DirectoryWriter", "IndexWriter", "RootLock", "clean_leftovers"]
+
+
+class DirectoryWriter:
+    """Writes the files of one directory so that they appear together at :meth:`commit`.
+
+    Use :meth:`add_tensors` / :meth:`add_json` for each file, then :meth:`commit`, or
+    :meth:`abort`. The backend decides how (locally: a temporary sibling directory swapped
+    into place, see :class:`~fastckpt.store.backend.LocalStaging`).
+
+    Attributes:
+        final: the directory.
+        files: relpath -> ``{"size", "crc32c"}`` of every file written so far.
+    """
+
+    def __init__(
+        self,
+        final: Path,
+        *,
+        direct_io: bool | None = None,
+        threads: int | None = None,
+        backend: StorageBackend | None = None,
+    ) -> None:
+        """Start staging ``final``."""
+        self.final = Path(final)
+        self.backend = backend or backend_for(self.final)
+        self.staging = self.backend.stage(self.final, direct_io=direct_io, threads=threads)
+
+    @property
+    def files(self) -> dict[str, dict[str, int]]:
+        """relpath -> ``{"size", "crc32c"}`` of every file written so far."""
+        return self.staging.files
+
+    @property
+    def location(self) -> str:
+        """Where the files are staged (another rank's writer can :meth:`adopt` from it)."""
+        return self.staging.location
+
+    def add_tensors(self, relpath: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write a safetensors file (durably) and record its size and crc32c."""
+        self.staging.put_tensors(relpath, tensors)
+
+    def add_json(self, relpath: str, document: Any) -> None:
+        """Write a JSON file (durably) and record its size and crc32c."""
+        self.staging.put_bytes(relpath, json_bytes(document))
+
+    def adopt(self, location: str, files: Mapping[str, dict[str, int]]) -> None:
+        """Take over files another writer staged at ``location``, with their records."""
+        for relpath, record in files.items():
+            self.staging.adopt(location, relpath, record)
+
+    def commit(self) -> None:
+        """Make the directory visible, replacing what was there."""
+        self.staging.publish()
+
+    def abort(self) -> None:
+        """Drop what was written."""
+        self.staging.discard()
+
+
+class IndexWriter(DirectoryWriter):
+    """A :class:`DirectoryWriter` for ``ROOT/<index>`` whose commit also records the index
+    in the manifest (the commit point).
+
+    Creating it takes the root's lock (held until :meth:`commit_entry` or :meth:`abort`
+    returns), then removes what crashed saves left, then picks the index: so two processes
+    saving into one root are serialized, and with ``index=None`` they never pick the same
+    index.
+
+    Attributes:
+        index: the index being written (decided under the lock when ``index`` was None).
+        lock: the held lock.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        index: int | None = None,
+        *,
+        direct_io: bool | None = None,
+        lock_timeout: float | None = None,
+    ) -> None:
+        """Prepare to write index ``index`` of ``root`` (None: the next one, decided under
+        the lock); ``lock_timeout`` None waits for other writers as long as they take.
+
+        Raises:
+            ValueError: a negative index.
+            TimeoutError: another process held the root longer than ``lock_timeout``.
+            CheckpointFormatError: ``index`` is None and the manifest is damaged.
+        """
+        root = Path(root)
+        if index is not None and index < 0:
+            raise ValueError(f"checkpoint index must be >= 0 (or None for the next), got {index}")
+        make_dirs(root)
+        self.root = root
+        backend = backend_for(root)
+        self.lock = backend.lock(root, timeout=lock_timeout)
+        self.lock.acquire()
+        try:
+            clean_leftovers(root)
+            if index is None:
+                latest = Manifest.load(root).latest
+                index = 0 if latest is None else latest + 1
+            self.index: int = index
+            super().__init__(root / str(index), direct_io=direct_io, backend=backend)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def commit_entry(self, entry: dict[str, Any]) -> None:
+        """Put the index directory in place, then commit ``entry`` to the manifest.
+
+        Replacing a committed index first withdraws it from the manifest, so the manifest never
+        names a directory whose files differ from its records (a crash in between loses the
+        replaced index, never corrupts it). If the final manifest write fails, the directory
+        is removed again. The root lock is released in every case.
+        """
+        try:
+            manifest = Manifest.load(self.root)
+            if manifest.entries.pop(self.index, None) is not None:
+                manifest.commit()
+            self.commit()
+            manifest.entries[self.index] = {**entry, "files": self.files}
+            try:
+                manifest.commit()
+            except BaseException:
+                self.backend.delete(self.final)
+                raise
+        finally:
+            self.lock.release()
+
+    def abort(self) -> None:
+        """Drop what was written and release the root lock."""
+        try:
+            super().abort()
+        finally:
+            self.lock.release()
+
+
+def _is_index_name(name: str) -> bool:
+    return name.isdigit() and len(name) <= 18 and str(int(name)) == name
+
+
+def clean_leftovers(root: Path) -> list[str]:
+    """Remove what crashed saves and prunes left in a checkpoint root.
+
+    That is: temporary and trash directories, manifest temp files, and index directories the
+    manifest no longer names that are older than its latest index (a prune or a replacement
+    interrupted after its manifest commit). Newer unnamed index directories are left alone:
+    the next save of that index replaces them.
+
+    Call it only while holding the root's lock (as :class:`IndexWriter` does): everything
+    temporary in the root then belongs to a dead writer. Returns what was removed.
+    """
+    removed: list[str] = []
+    if not root.is_dir():
+        return removed
+    backend = backend_for(root)
+    try:
+        manifest: Manifest | None = Manifest.load(root)
+    except (CheckpointFormatError, OSError):
+        manifest = None  # never delete index directories on the word of a damaged manifest
+    latest = None if manifest is None else manifest.latest
+    for name in backend.list_dir(root):
+        child = root / name
+        if name.startswith((TEMP_PREFIX, TRASH_PREFIX)) and (child.is_dir() or child.is_symlink()):
+            backend.delete(child)
+        elif name.startswith(f".{MANIFEST}{ATOMIC_TEMP_INFIX}"):
+            child.unlink(missing_ok=True)
+        elif (
+            manifest is not None
+            and latest is not None
+            and _is_index_name(name)
+            and int(name) < latest
+            and int(name) not in manifest.entries
+            and child.is_dir()
+            and not os.path.islink(child)
+        ):
+            backend.delete(child)
+        else:
+            continue
+        removed.append(name)
+    return removed

@@ -1,0 +1,77 @@
+"""What a path names: a save_checkpoint root, one of its indices, a CheckpointManager
+checkpoint, or a lone file."""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from fastckpt.store.records import COMMIT_RECORD, MANIFEST
+
+__all__ = ["KIND_NAMES", "Kind", "Location", "locate"]
+
+#: ``root``: a save_checkpoint root (``manifest.json`` inside). ``index``: one index
+#: directory of such a root. ``manager``: a CheckpointManager checkpoint (``commit.json``
+#: inside). ``file``: a lone (safetensors) file.
+Kind = Literal["root", "index", "manager", "file"]
+#: How each kind is called in messages.
+KIND_NAMES: dict[str, str] = {
+    "root": "save_checkpoint root",
+    "index": "save_checkpoint index",
+    "manager": "CheckpointManager checkpoint",
+    "file": "safetensors file",
+}
+
+
+@dataclass
+class Location:
+    """What a path names.
+
+    Attributes:
+        kind: see :data:`Kind`.
+        path: the path as given (``manifest.json`` / ``commit.json`` resolved to their
+            directory).
+        root: the save_checkpoint root (kinds root and index).
+        index: the index directory's own index (kind index).
+    """
+
+    kind: Kind
+    path: Path
+    root: Path | None = None
+    index: int | None = None
+
+
+def locate(path_or_root: str | os.PathLike[str]) -> Location:
+    """Work out what kind of checkpoint ``path_or_root`` names.
+
+    Raises:
+        FileNotFoundError: it does not exist, is neither a regular file nor a directory, or is
+            a directory that is not a fastckpt checkpoint (the message says which).
+    """
+    path = Path(path_or_root)
+    if path.is_file():
+        if path.name in (MANIFEST, COMMIT_RECORD):
+            return locate(path.parent)
+        return Location("file", path)
+    if path.is_dir():
+        # A record that is there but damaged (a directory, a FIFO...) still says what the
+        # directory is: verifying it then reports the damage.
+        if os.path.lexists(path / MANIFEST):
+            return Location("root", path, root=path)
+        if os.path.lexists(path / COMMIT_RECORD):
+            return Location("manager", path)
+        if path.name.isdigit() and os.path.lexists(path.parent / MANIFEST):
+            return Location("index", path, root=path.parent, index=int(path.name))
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{path} is not a fastckpt checkpoint: no {MANIFEST} (save_checkpoint root) or "
+            f"{COMMIT_RECORD} (CheckpointManager checkpoint) in it, and it is not an index "
+            "directory of a root",
+            str(path),
+        )
+    if os.path.lexists(path):
+        raise FileNotFoundError(errno.ENOENT, f"{path}: not a regular file or directory", str(path))
+    raise FileNotFoundError(errno.ENOENT, f"{path}: no such file or directory", str(path))

@@ -1,0 +1,394 @@
+"""The two commit records, defined once: names, schema versions, parsing and serialization.
+
+```
+ROOT/manifest.json     save_checkpoint root: schema_version, latest, one entry per index
+ROOT/<index>/          the files of one committed index (named by its manifest entry)
+CKPT/commit.json       CheckpointManager checkpoint: format, world_size, items, files
+```
+
+Each record names every file of its checkpoint with ``{"size", "crc32c"}``; nothing it says is
+trusted: names are checked before they touch the filesystem, and every field a loader relies
+on is type-checked here, so damage fails with a :class:`~fastckpt.errors.CheckpointFormatError`
+naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastckpt import _native
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.store.backend import FileRecord, StorageBackend, backend_for
+from fastckpt.store.paths import check_name, check_relpath, safe_join
+
+__all__ = [
+    "COMMIT_RECORD",
+    "ENTRY_FIELDS",
+    "MANAGER_FORMAT",
+    "MANAGER_SCHEMA_VERSION",
+    "MANIFEST",
+    "MANIFEST_CRC_FIELD",
+    "SCHEMA_VERSION",
+    "Manifest",
+    "commit_record",
+    "json_bytes",
+    "load_json",
+    "read_commit_record",
+    "seal_manifest",
+]
+
+#: The commit record of a save_checkpoint root.
+MANIFEST = "manifest.json"
+#: The commit record of a CheckpointManager checkpoint.
+COMMIT_RECORD = "commit.json"
+#: Manifest schema this fastckpt writes (and the newest it reads).
+SCHEMA_VERSION = 1
+#: ``format`` field of a CheckpointManager commit record.
+MANAGER_FORMAT = "fastckpt-manager"
+#: CheckpointManager commit-record schema this fastckpt writes (and the newest it reads).
+MANAGER_SCHEMA_VERSION = 1
+#: Top-level manifest field holding the crc32c of the rest of the document (see Manifest).
+MANIFEST_CRC_FIELD = "crc32c"
+_MANIFEST_FIELDS = frozenset(
+    {"format", "schema_version", "latest", "checkpoints", MANIFEST_CRC_FIELD}
+)
+#: Fields every manifest entry has (written by fastckpt.checkpoint.write_snapshot).
+ENTRY_FIELDS = ("created", "counters", "components", "associations", "files")
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def json_bytes(document: Any) -> bytes:
+    """Canonical JSON encoding of a checkpoint document (NaN refused: it is not JSON)."""
+    return json.dumps(document, indent=1, allow_nan=False).encode()
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise CheckpointFormatError(f"duplicate key {key!r}")
+        document[key] = value
+    return document
+
+
+def load_json(path: str | os.PathLike[str], raw: bytes) -> Any:
+    """Parse a checkpoint JSON document: invalid UTF-8/JSON, absurd nesting or numbers, and
+    duplicate keys (which JSON parsers silently resolve) are all format errors naming the
+    file."""
+    try:
+        return json.loads(raw, object_pairs_hook=_unique_keys)
+    except CheckpointFormatError as err:
+        raise CheckpointFormatError(f"{path}: {err}") from None
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, ...
+        raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_files(where: str, files: Any) -> dict[str, FileRecord]:
+    """Check a ``files`` object: relpath -> ``{"size": int >= 0, "crc32c": 32-bit int}``."""
+    if not isinstance(files, dict):
+        raise CheckpointFormatError(f"{where}.files must be an object")
+    for relpath, record in files.items():
+        check_relpath(relpath, f"{where}.files entry")
+        if not (
+            isinstance(record, dict)
+            and _is_int(record.get("size"))
+            and _is_int(record.get("crc32c"))
+            and record["size"] >= 0
+            and 0 <= record["crc32c"] <= 0xFFFFFFFF
+        ):
+            raise CheckpointFormatError(
+                f"{where}.files[{relpath!r}] needs int size >= 0 and a 32-bit crc32c"
+            )
+    return files
+
+
+# --------------------------------------------------------------------------- the manifest
+
+
+def _canonical(document: Mapping[str, Any]) -> bytes:
+    """The bytes the manifest checksum covers: the document without the checksum field, in a
+    canonical encoding (so indentation does not matter, every value does)."""
+    body = {k: v for k, v in document.items() if k != MANIFEST_CRC_FIELD}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def seal_manifest(document: dict[str, Any]) -> dict[str, Any]:
+    """Set the ``crc32c`` field of a hand-edited manifest document to match its content.
+
+    For tools and tests that edit ``manifest.json`` on purpose; returns ``document``.
+    """
+    document[MANIFEST_CRC_FIELD] = _native.crc32c(_canonical(document))
+    return document
+
+
+@dataclass
+class Manifest:
+    """The commit record of a checkpoint root.
+
+    The serialized manifest carries a ``crc32c`` of its own canonical content, so damage to
+    the fields no other check covers (counters, associations, timestamps) is detectable:
+    :meth:`load` with ``verify_checksum=True`` (what :func:`fastckpt.verify.verify` uses)
+    refuses a manifest whose checksum does not match.
+
+    Attributes:
+        root: the checkpoint root directory.
+        entries: index -> entry (``created``, ``counters``, ``components``, ``files``...).
+        stored_crc32c: the checksum read from disk (None: absent, or not loaded from disk).
+        actual_crc32c: the checksum of what was read (None when not loaded from disk).
+        size: bytes read from disk (None when not loaded from disk).
+    """
+
+    root: Path
+    entries: dict[int, dict[str, Any]] = field(default_factory=dict)
+    stored_crc32c: int | None = None
+    actual_crc32c: int | None = None
+    size: int | None = None
+
+    @property
+    def path(self) -> Path:
+        """``ROOT/manifest.json``."""
+        return self.root / MANIFEST
+
+    @property
+    def latest(self) -> int | None:
+        """The newest committed index, or None for an empty root."""
+        return max(self.entries) if self.entries else None
+
+    @property
+    def backend(self) -> StorageBackend:
+        """Where the root lives."""
+        return backend_for(self.root)
+
+    @classmethod
+    def load(cls, root: str | os.PathLike[str], *, verify_checksum: bool = False) -> Manifest:
+        """Read and validate ``ROOT/manifest.json``; an absent manifest is an empty root.
+
+        Args:
+            root: the checkpoint root.
+            verify_checksum: also require the manifest's own crc32c to match its content
+                (manifests written before the checksum existed have none and pass).
+
+        Raises:
+            CheckpointFormatError: malformed JSON, unknown schema, invalid names or fields.
+            ChecksumMismatchError: ``verify_checksum`` and the content does not match.
+        """
+        root = Path(root)
+        path = root / MANIFEST
+        try:
+            raw = backend_for(root).read_bytes(path)
+        except FileNotFoundError:
+            return cls(root)
+        except IsADirectoryError:
+            raise CheckpointFormatError(f"{path}: is a directory, not a manifest") from None
+        data = load_json(path, raw)
+        entries = _parse_entries(path, data)
+        stored = data.get(MANIFEST_CRC_FIELD)
+        if stored is not None and not _is_int(stored):
+            raise CheckpointFormatError(f"{path}: field {MANIFEST_CRC_FIELD!r} must be an int")
+        actual = _native.crc32c(_canonical(data))
+        manifest = cls(root, entries, stored, actual, len(raw))
+        if verify_checksum:
+            unknown = sorted(set(data) - _MANIFEST_FIELDS)
+            if unknown:
+                raise CheckpointFormatError(f"{path}: unexpected field(s) {unknown}")
+            if stored is not None and stored != actual:
+                raise ChecksumMismatchError(
+                    f"{path}: content crc32c {actual:08x} differs from the recorded "
+                    f"{stored:08x} (field {MANIFEST_CRC_FIELD!r}); the manifest is corrupt or "
+                    "was edited: restore it from a copy"
+                )
+        return manifest
+
+    def to_json(self) -> bytes:
+        """Serialized manifest (with its own checksum)."""
+        document: dict[str, Any] = {
+            "format": "fastckpt",
+            "schema_version": SCHEMA_VERSION,
+            "latest": self.latest,
+            "checkpoints": {str(i): self.entries[i] for i in sorted(self.entries)},
+        }
+        return json.dumps(seal_manifest(document), indent=1, sort_keys=False).encode()
+
+    def commit(self) -> None:
+        """Replace ``manifest.json`` atomically and durably."""
+        self.backend.put_record(self.path, self.to_json())
+
+    def directory(self, index: int) -> Path:
+        """``ROOT/<index>``."""
+        return self.root / str(index)
+
+    def file_path(self, index: int, relpath: str) -> Path:
+        """Where file ``relpath`` of ``index`` is, checked to stay inside the root."""
+        return safe_join(self.directory(index), relpath, within=self.root)
+
+    def resolve(self, index: int) -> int:
+        """Map ``-1`` to the latest index and check that ``index`` is committed.
+
+        Raises:
+            FileNotFoundError: the root has no committed checkpoint.
+            KeyError: ``index`` is not committed (lists the available ones).
+        """
+        if not self.entries:
+            raise FileNotFoundError(f"{self.path}: no committed checkpoint here")
+        if index == -1:
+            return self.latest  # type: ignore[return-value]
+        if index not in self.entries:
+            raise KeyError(
+                f"checkpoint index {index} is not in {self.path}; available: {sorted(self.entries)}"
+            )
+        return index
+
+
+def _parse_entries(path: Path, data: Any) -> dict[int, dict[str, Any]]:
+    if not isinstance(data, dict):
+        raise CheckpointFormatError(f"{path}: manifest must be a JSON object")
+    version = data.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointFormatError(f"{path}: field 'schema_version' missing or not an int")
+    if version > SCHEMA_VERSION:
+        raise CheckpointFormatError(
+            f"{path}: schema_version {version} was written by a newer fastckpt (this one reads "
+            f"up to {SCHEMA_VERSION}); upgrade fastckpt to load it"
+        )
+    if version < 1:
+        raise CheckpointFormatError(f"{path}: schema_version {version} does not exist")
+    if data.get("format", "fastckpt") != "fastckpt":
+        raise CheckpointFormatError(f"{path}: field 'format' must be \"fastckpt\"")
+    checkpoints = data.get("checkpoints")
+    if not isinstance(checkpoints, dict):
+        raise CheckpointFormatError(f"{path}: field 'checkpoints' must be an object")
+    entries: dict[int, dict[str, Any]] = {}
+    for key, entry in checkpoints.items():
+        if not (key.isdigit() and len(key) <= 18 and str(int(key)) == key):
+            raise CheckpointFormatError(f"{path}: checkpoint index {key!r} is not an integer")
+        where = f"{path}: checkpoints.{key}"
+        if not isinstance(entry, dict):
+            raise CheckpointFormatError(f"{where}.files must be an object")
+        _check_files(where, entry.get("files"))
+        _check_entry_fields(where, entry)
+        entries[int(key)] = entry
+    latest = data.get("latest", max(entries, default=None))
+    if latest != max(entries, default=None) or isinstance(latest, bool):
+        raise CheckpointFormatError(
+            f"{path}: field 'latest' ({latest!r}) is not the newest committed index "
+            f"({max(entries, default=None)!r})"
+        )
+    return entries
+
+
+def _check_entry_fields(where: str, entry: dict[str, Any]) -> None:
+    """Check the entry fields loaders rely on, types and cross-references, so that a damaged
+    or hostile manifest fails here with a typed error instead of deep inside a loader, or,
+    worse, loading less than was saved (a renamed ``associations`` key would silently drop
+    optimizers)."""
+    missing = [name for name in ENTRY_FIELDS if name not in entry]
+    if missing:
+        raise CheckpointFormatError(f"{where}: missing field(s) {missing}")
+    if not isinstance(entry["created"], str):
+        raise CheckpointFormatError(f"{where}.created must be a string")
+    if not isinstance(entry["counters"], dict):
+        raise CheckpointFormatError(f"{where}.counters must be an object")
+    components = entry["components"]
+    if not isinstance(components, dict):
+        raise CheckpointFormatError(f"{where}.components must be an object")
+    names: dict[str, set[str]] = {}
+    for kind, listed in components.items():
+        if not isinstance(listed, list):
+            raise CheckpointFormatError(f"{where}.components.{kind} must be a list of names")
+        names[kind] = {check_name(name, f"{where}.components.{kind} entry") for name in listed}
+        if len(names[kind]) != len(listed):
+            raise CheckpointFormatError(f"{where}.components.{kind} lists a name twice")
+    associations = entry["associations"]
+    if not isinstance(associations, dict):
+        raise CheckpointFormatError(f"{where}.associations must be an object")
+    # optimizer -> its model (or null), scheduler -> its optimizer
+    for kind, target_kind in (("optimizers", "models"), ("schedulers", "optimizers")):
+        mapping = associations.get(kind, {})
+        if not isinstance(mapping, dict):
+            raise CheckpointFormatError(f"{where}.associations.{kind} must be an object")
+        if set(mapping) != names.get(kind, set()):
+            raise CheckpointFormatError(
+                f"{where}.associations.{kind} names {sorted(mapping)} but components.{kind} "
+                f"lists {sorted(names.get(kind, set()))}"
+            )
+        for name, target in mapping.items():
+            allowed_none = kind == "optimizers"
+            if not (
+                (target is None and allowed_none)
+                or (isinstance(target, str) and target in names.get(target_kind, set()))
+            ):
+                raise CheckpointFormatError(
+                    f"{where}.associations.{kind}.{name} = {target!r} is not one of "
+                    f"components.{target_kind}"
+                )
+
+
+# --------------------------------------------------------------------------- commit.json
+
+
+def commit_record(
+    items: list[str], files: Mapping[str, Mapping[str, int]], world_size: int
+) -> dict[str, Any]:
+    """The ``commit.json`` document of a CheckpointManager checkpoint."""
+    return {
+        "format": MANAGER_FORMAT,
+        "schema_version": MANAGER_SCHEMA_VERSION,
+        "world_size": world_size,
+        "items": items,
+        "files": {relpath: dict(record) for relpath, record in files.items()},
+    }
+
+
+def read_commit_record(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate ``CKPT/commit.json`` of a CheckpointManager checkpoint.
+
+    Returns:
+        The record: ``format``, ``schema_version``, ``world_size``, ``items`` (checked names),
+        ``files`` (relpath -> ``{"size", "crc32c"}``, checked).
+
+    Raises:
+        FileNotFoundError: no commit record (not a committed checkpoint).
+        CheckpointFormatError: malformed record (names the file and the field).
+    """
+    directory = Path(directory)
+    path = safe_join(directory, COMMIT_RECORD)
+    try:
+        data = backend_for(directory).read_bytes(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{directory} is not a committed fastckpt checkpoint (no {COMMIT_RECORD})",
+            str(path),
+        ) from None
+    except IsADirectoryError:
+        raise CheckpointFormatError(f"{path}: is a directory, not a commit record") from None
+    record = load_json(path, data)
+    if not isinstance(record, dict) or record.get("format") != MANAGER_FORMAT:
+        raise CheckpointFormatError(f"{path}: not a {MANAGER_FORMAT} commit record")
+    version = record.get("schema_version")
+    if not isinstance(version, int) or version > MANAGER_SCHEMA_VERSION:
+        raise CheckpointFormatError(
+            f"{path}: schema_version {version!r} is unknown to this fastckpt; upgrade it"
+        )
+    items = record.get("items")
+    if not isinstance(items, list) or not isinstance(record.get("files"), dict):
+        raise CheckpointFormatError(f"{path}: 'items' and 'files' are required")
+    for key in items:
+        check_name(key, f"{path}: item")
+    _check_files(str(path), record["files"])
+    world_size = record.get("world_size", 1)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise CheckpointFormatError(f"{path}: field 'world_size' must be an int >= 1")
+    return record
