@@ -6,13 +6,24 @@ Figures are "median (min-max)" over the repetitions.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from fastckpt.bench.stats import summarize
 
-__all__ = ["Table", "render_markdown", "render_text", "tables", "write_outputs", "write_png"]
+__all__ = [
+    "PLOT_MISSING",
+    "Table",
+    "plotting_available",
+    "render_markdown",
+    "render_text",
+    "tables",
+    "write_outputs",
+    "write_png",
+]
 
 
 class Table:
@@ -335,9 +346,24 @@ def write_outputs(results: dict[str, Any], out: Path, plot: bool = True) -> dict
     paths["json"].write_text(json.dumps(results, indent=2, sort_keys=False) + "\n")
     paths["md"].write_text(render_markdown(results))
     if plot:
-        paths["png"] = out / f"{tag}.png"
-        write_png(results, paths["png"])
+        if plotting_available():
+            paths["png"] = out / f"{tag}.png"
+            write_png(results, paths["png"])
+        else:
+            print(f"skipped {tag}.png: {PLOT_MISSING}", file=sys.stderr)
     return paths
+
+
+#: What to do when the chart cannot be drawn (matplotlib is an optional extra).
+PLOT_MISSING = (
+    "matplotlib is not installed; install the 'plot' extra (pip install 'fastckpt-io[plot]') "
+    "for the PNG chart, or pass --no-plot"
+)
+
+
+def plotting_available() -> bool:
+    """Whether matplotlib can be imported (the ``plot`` extra), without importing it."""
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def _write_mode(entry: dict[str, Any]) -> str:
