@@ -1,0 +1,129 @@
+"""The on-disk layout of a sharded checkpoint and its commit protocol.
+
+```text
+CHECKPOINT/                         the DCP checkpoint id (a directory)
+    fastckpt-dcp.json               the commit record: generation, files, DCP metadata (JSON)
+    g<millis>-<random>/             one generation per save
+        rank-00000.safetensors      rank 0's tensor chunks (DCP sharding offsets in the header)
+        rank-00000.values           rank 0's non-tensor values (raw bytes / JSON), if any
+        rank-00001.safetensors      ...
+```
+
+Every save writes into a fresh generation directory whose name the coordinator picks and sends
+to all ranks with the plan. Each rank writes its files there (temp -> fsync -> rename). Only
+after every rank reported its files durable does the coordinator replace the commit record
+atomically (temp -> fsync -> rename -> fsync of the directory): that rename is the commit.
+Then it removes every other generation directory. So
+
+* a save interrupted at any point (a rank killed, a full disk) leaves the record, and with it
+  the previous checkpoint under the same id, untouched; its half-written generation is never
+  read and is removed by the next successful save;
+* readers never see a mix of two saves: the record names exactly one generation.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from fastckpt import _native
+from fastckpt.dcp.errors import NotCommittedError
+from fastckpt.dcp.metadata import Record, decode_record
+
+__all__ = [
+    "RECORD_NAME",
+    "data_file_name",
+    "generation_dirs",
+    "make_generation_dir",
+    "new_generation",
+    "read_record",
+    "remove_other_generations",
+    "write_record",
+]
+
+#: Name of the commit record inside a checkpoint directory.
+RECORD_NAME = "fastckpt-dcp.json"
+_GENERATION_PREFIX = "g"
+
+
+def new_generation() -> str:
+    """A fresh, unique generation directory name (sorts by creation time)."""
+    return f"{_GENERATION_PREFIX}{time.time_ns() // 1_000_000:013d}-{uuid.uuid4().hex[:8]}"
+
+
+def _is_generation(name: str) -> bool:
+    head, _, tail = name.partition("-")
+    return (
+        head.startswith(_GENERATION_PREFIX)
+        and head[1:].isdigit()
+        and len(tail) == 8
+        and all(c in "0123456789abcdef" for c in tail)
+    )
+
+
+def generation_dirs(path: Path) -> list[Path]:
+    """Generation directories present under a checkpoint directory, oldest first."""
+    try:
+        entries = sorted(path.iterdir())
+    except FileNotFoundError:
+        return []
+    return [entry for entry in entries if entry.is_dir() and _is_generation(entry.name)]
+
+
+def data_file_name(rank: int, part: int, suffix: str) -> str:
+    """``rank-00003.safetensors`` (``part`` > 0: ``rank-00003-1.safetensors``)."""
+    extra = f"-{part}" if part else ""
+    return f"rank-{rank:05d}{extra}{suffix}"
+
+
+def write_record(path: Path, data: bytes) -> None:
+    """Commit: replace ``path``'s record with ``data`` atomically and durably."""
+    _native.write_bytes_atomic(str(path / RECORD_NAME), data, True)
+
+
+def read_record(path: Path) -> Record:
+    """Read and validate the commit record of the checkpoint directory ``path``.
+
+    Raises:
+        NotCommittedError: no record (never committed, or only interrupted saves).
+        CheckpointFormatError: the record is not a valid JSON record (names file and field).
+    """
+    record_path = path / RECORD_NAME
+    try:
+        raw = record_path.read_bytes()
+    except FileNotFoundError:
+        leftovers = generation_dirs(path)
+        detail = (
+            f"; {len(leftovers)} uncommitted generation(s) ({leftovers[-1].name}, ...) are "
+            "left from an interrupted save"
+            if leftovers
+            else ""
+        )
+        raise NotCommittedError(
+            f"{path}: no committed sharded checkpoint ({RECORD_NAME} is missing){detail}. "
+            "Load another checkpoint or save again."
+        ) from None
+    return decode_record(record_path, raw)
+
+
+def remove_other_generations(path: Path, keep: str) -> list[Path]:
+    """Remove every generation directory but ``keep`` (after a commit). Returns the removed."""
+    removed = []
+    for directory in generation_dirs(path):
+        if directory.name != keep:
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    if removed:
+        _native.fsync_dir(str(path))
+    return removed
+
+
+def make_generation_dir(path: Path, generation: str) -> Path:
+    """Create ``path/generation`` (and ``path``) durably; returns it."""
+    directory = path / generation
+    os.makedirs(directory, exist_ok=True)
+    _native.fsync_dir(str(path))
+    return directory

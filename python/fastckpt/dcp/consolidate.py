@@ -1,0 +1,199 @@
+"""Tools for a sharded checkpoint that need no process group: verify, describe, consolidate.
+
+* :func:`verify_sharded` checks every file the commit record lists (size, whole-file crc32c,
+  every tensor's crc32c) and reports instead of raising, like :func:`fastckpt.verify`.
+* :func:`describe_sharded` summarizes the record: generation, files, tensors and their chunks.
+* :func:`consolidate` assembles the full tensors from all ranks' chunks and writes them as one
+  safetensors file (verified reads, Rust writer); non-tensor values go into its metadata.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from fastckpt import _native
+from fastckpt.dcp.chunks import ChunkFiles
+from fastckpt.dcp.commit import RECORD_NAME, generation_dirs, read_record
+from fastckpt.dcp.values import decode_value
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.files import DEFAULT_THREADS, save_file
+from fastckpt.verify import FileReport, VerifyReport
+
+__all__ = ["VALUES_METADATA_KEY", "consolidate", "describe_sharded", "verify_sharded"]
+
+#: safetensors metadata key of a consolidated file holding the non-tensor values, as JSON:
+#: ``{fqn: {"json": <fastckpt.tree skeleton>} | {"base64": "<raw bytes>"}}``.
+VALUES_METADATA_KEY = "fastckpt.dcp.values"
+_PIECE = 16 << 20
+
+
+def _file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as handle:
+        while piece := handle.read(_PIECE):
+            crc = _native.crc32c(piece, crc)
+    return crc
+
+
+def verify_sharded(path: str | os.PathLike[str], *, threads: int | None = None) -> VerifyReport:
+    """Check a sharded checkpoint on disk without loading it or a process group.
+
+    The commit record must parse; every file it lists must exist with the recorded size and
+    crc32c, and every tensor entry must match its own crc32c. Problems are reported in the
+    returned :class:`fastckpt.VerifyReport` (``kind`` ``"sharded"``), not raised.
+    """
+    root = Path(path)
+    report = VerifyReport(root, cast(Any, "sharded"))
+    record_path = root / RECORD_NAME
+    try:
+        record = read_record(root)
+    except (CheckpointFormatError, FileNotFoundError, OSError) as err:
+        status = "missing" if isinstance(err, FileNotFoundError) else "corrupt"
+        report.files.append(FileReport(record_path, cast(Any, status), message=str(err)))
+        return report
+    report.files.append(FileReport(record_path, "ok"))
+    directory = root / record.generation
+    for name, info in record.files.items():
+        file = directory / name
+        expected_size, expected_crc = info["size"], info["crc32c"]
+        entry = FileReport(file, "ok", expected_size, expected_crc)
+        report.files.append(entry)
+        try:
+            entry.actual_size = file.stat().st_size
+            if entry.actual_size != expected_size:
+                entry.status = "mismatch"
+                entry.message = (
+                    f"{file}: size {entry.actual_size} differs from the recorded "
+                    f"{expected_size}; the file was truncated or replaced"
+                )
+                continue
+            if name.endswith(".safetensors"):
+                crc, unchecked = _native.verify_file(str(file), threads or DEFAULT_THREADS)
+                entry.unchecked_tensors = list(unchecked)
+            else:
+                crc = _file_crc(file)
+            entry.actual_crc32c = crc
+            if expected_crc is not None and crc != expected_crc:
+                entry.status = "mismatch"
+                entry.message = (
+                    f"{file}: crc32c {crc:08x} differs from the recorded {expected_crc:08x}; "
+                    "the file was changed after the commit"
+                )
+        except FileNotFoundError:
+            entry.status, entry.message = "missing", f"{file}: missing (listed in the record)"
+        except (ChecksumMismatchError, CheckpointFormatError) as err:
+            entry.status, entry.message = "corrupt", str(err)
+        except OSError as err:
+            entry.status, entry.message = "corrupt", f"{file}: cannot be read ({err})"
+    return report
+
+
+def describe_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A JSON-able summary of a sharded checkpoint's commit record.
+
+    Returns:
+        ``{"path", "generation", "uncommitted": [names of leftover generations], "files":
+        {name: {"size", "crc32c"}}, "tensors": {fqn: {"dtype", "shape", "chunks"}},
+        "values": [fqns]}``.
+
+    Raises:
+        NotCommittedError, CheckpointFormatError: as :class:`fastckpt.dcp.Reader`.
+    """
+    root = Path(path)
+    record = read_record(root)
+    tensors: dict[str, Any] = {}
+    values = []
+    for fqn, entry in record.metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            tensors[fqn] = {
+                "dtype": str(entry.properties.dtype).removeprefix("torch."),
+                "shape": list(entry.size),
+                "chunks": len(entry.chunks),
+            }
+        else:
+            values.append(fqn)
+    return {
+        "path": str(root),
+        "generation": record.generation,
+        "uncommitted": [d.name for d in generation_dirs(root) if d.name != record.generation],
+        "files": record.files,
+        "tensors": tensors,
+        "values": values,
+    }
+
+
+def consolidate(
+    path: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Write the full tensors of a sharded checkpoint into one safetensors file.
+
+    No process group is needed: the chunks of every rank are read (verified) and placed at
+    their DCP offsets. Tensors are named by their DCP fully qualified names (``model.w``,
+    ``optim.state.model.w.exp_avg``); non-tensor values are stored in the file's metadata
+    under :data:`VALUES_METADATA_KEY`. The whole state is held in memory once.
+
+    Returns:
+        ``{"tensors": int, "bytes": int, "values": [fqns]}``.
+
+    Raises:
+        NotCommittedError, CheckpointFormatError, ChecksumMismatchError: as when loading.
+    """
+    root = Path(path)
+    record = read_record(root)
+    tensors: dict[str, torch.Tensor] = {}
+    values: dict[str, Any] = {}
+    with ChunkFiles(root / record.generation, verify=verify) as files:
+        for fqn, entry in record.metadata.state_dict_metadata.items():
+            if isinstance(entry, BytesStorageMetadata):
+                chunk = record.storage.get(MetadataIndex(fqn))
+                if chunk is None:
+                    raise CheckpointFormatError(f"{record.path}: no stored value for {fqn!r}")
+                payload = files.read_bytes(chunk).numpy().tobytes()
+                if chunk.kind == "json":
+                    values[fqn] = {"json": json.loads(payload)}
+                    decode_value(f"{files.directory / chunk.file}: {fqn!r}", "json", payload)
+                else:
+                    values[fqn] = {"base64": base64.b64encode(payload).decode()}
+                continue
+            full = torch.empty(list(entry.size), dtype=entry.properties.dtype)
+            covered = 0
+            for meta in entry.chunks:
+                chunk = record.storage.get(MetadataIndex(fqn, meta.offsets))
+                if chunk is None:
+                    raise CheckpointFormatError(
+                        f"{record.path}: no stored chunk of {fqn!r} at {list(meta.offsets)}"
+                    )
+                target = full
+                for dim, (offset, size) in enumerate(zip(meta.offsets, meta.sizes, strict=True)):
+                    target = target.narrow(dim, offset, size)
+                target.copy_(files.read_chunk(chunk))
+                covered += math.prod(meta.sizes)
+            if covered != full.numel():
+                raise CheckpointFormatError(
+                    f"{record.path}: the chunks of {fqn!r} cover {covered} of {full.numel()} "
+                    "elements"
+                )
+            tensors[fqn] = full
+    metadata = {VALUES_METADATA_KEY: json.dumps(values)} if values else None
+    save_file(tensors, output, metadata, threads=threads)
+    return {
+        "tensors": len(tensors),
+        "bytes": sum(t.nbytes for t in tensors.values()),
+        "values": sorted(values),
+    }

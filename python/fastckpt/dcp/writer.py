@@ -1,0 +1,301 @@
+"""``fastckpt.dcp.Writer``: a ``torch.distributed.checkpoint`` storage writer on fastckpt.
+
+```python
+import torch.distributed.checkpoint as dcp
+import fastckpt.dcp
+
+dcp.save(state, storage_writer=fastckpt.dcp.Writer("ckpt/step-100"))
+future = dcp.async_save(state, storage_writer=fastckpt.dcp.Writer("ckpt/step-200"))
+```
+
+DCP plans (which rank writes which chunk, deduplication); the writer stores each rank's chunks
+in safetensors files written by the Rust core (crc32c per entry, temp -> fsync -> rename), with
+DCP's sharding offsets in the header (``DCP_SHARDING_INFO``, as torch's own safetensors
+writer records them), non-tensor values without pickle, and commits with a JSON record written
+last by the coordinator (see :mod:`fastckpt.dcp.commit`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from fastckpt import _native
+from fastckpt.dcp.chunks import DEFAULT_BLOCK_BYTES, block_checksums
+from fastckpt.dcp.commit import (
+    data_file_name,
+    make_generation_dir,
+    new_generation,
+    remove_other_generations,
+    write_record,
+)
+from fastckpt.dcp.metadata import StoredChunk, encode_record
+from fastckpt.dcp.stager import DcpStager
+from fastckpt.dcp.values import encode_value, planner_object
+from fastckpt.files import byte_view, host_tensor, read_metadata, write_tensors
+from fastckpt.staging import StagerOptions
+
+__all__ = ["DCP_SHARDING_INFO_KEY", "Writer"]
+
+#: safetensors metadata key under which DCP's safetensors support records chunk offsets.
+DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+_DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION
+_HF_DCP_VERSION = "1.0"  # torch's safetensors sharding-info version
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankPlan:
+    """What the coordinator tells each rank: the generation to write into, and its rank."""
+
+    generation: str
+    rank: int
+
+
+class Writer(StorageWriter, DcpStager):
+    """A DCP ``StorageWriter`` (and ``AsyncStager``) that saves through fastckpt.
+
+    Args:
+        path: the checkpoint directory (the DCP checkpoint id). Saving again to the same path
+            replaces the checkpoint atomically.
+        threads: writer threads per file (see :func:`fastckpt.save_file`).
+        direct_io: O_DIRECT mode (None: chosen per file, see :func:`fastckpt.save_file`).
+        fsync: make files durable before committing (turn off only for scratch runs).
+        block_bytes: chunks larger than this also get one crc32c per block of this size, so a
+            resharding load can verify partial reads.
+        stager_options: how ``dcp.async_save`` stages CUDA tensors.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        threads: int | None = None,
+        direct_io: bool | None = None,
+        fsync: bool = True,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        stager_options: StagerOptions | None = None,
+    ) -> None:
+        """Point the writer at ``path``; nothing is written until a save."""
+        StorageWriter.__init__(self)
+        DcpStager.__init__(self, stager_options)
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        self.path = Path(path)
+        self.threads = threads
+        self.direct_io = direct_io
+        self.fsync = fsync
+        self.block_bytes = block_bytes
+        self.is_coordinator = False
+        self.rank = 0
+        self._generation: str | None = None
+        self.save_id = new_generation()
+
+    # ------------------------------------------------------------------ DCP protocol
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new save, optionally into another checkpoint directory."""
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.save_id = new_generation()
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Record this rank's role.
+
+        Raises:
+            ValueError: ``use_collectives=False`` (fastckpt commits through the coordinator).
+        """
+        if not kwargs.get("use_collectives", True):
+            raise ValueError(
+                "fastckpt.dcp.Writer commits through the coordinator rank; call dcp.save "
+                "with use_collectives=True (the default)"
+            )
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Nothing to add locally."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Pick a fresh generation directory for this save and tell every rank."""
+        generation = new_generation()
+        self._generation = generation
+        return [
+            dataclasses.replace(plan, storage_data=_RankPlan(generation, rank))
+            for rank, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's chunks and values into the generation directory, durably."""
+        try:
+            results = self._write(plan, planner)
+        finally:
+            self.release()
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: commit the record (after every rank's files are durable), then remove
+        older generations."""
+        storage: dict[MetadataIndex, StoredChunk] = {}
+        for rank_results in results:
+            for result in rank_results:
+                storage[result.index] = result.storage_data
+        generation = self._generation
+        if generation is None:
+            raise RuntimeError("fastckpt.dcp.Writer.finish called before prepare_global_plan")
+        metadata.version = _DCP_VERSION
+        metadata.storage_data = storage
+        metadata.storage_meta = self.storage_meta()
+        make_generation_dir(self.path, generation)  # a save with no data at all
+        write_record(self.path, encode_record(generation, metadata, storage))
+        remove_other_generations(self.path, keep=generation)
+
+    def storage_meta(self) -> StorageMeta | None:
+        """DCP's storage metadata: the checkpoint id and this save's id."""
+        return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory."""
+        return str(self.path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Any local path can be a checkpoint directory."""
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    # ------------------------------------------------------------------ writing
+
+    def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        rank_plan = plan.storage_data
+        if not isinstance(rank_plan, _RankPlan):
+            raise RuntimeError(
+                "fastckpt.dcp.Writer got a plan without its generation; plan caching "
+                "(enable_plan_caching) is not supported"
+            )
+        if not plan.items:
+            return []
+        directory = make_generation_dir(self.path, rank_plan.generation)
+        tensor_items = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        value_items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+        results: list[WriteResult] = []
+        for part, items in enumerate(_files_of(tensor_items)):
+            name = data_file_name(rank_plan.rank, part, ".safetensors")
+            results += self._write_tensors(directory, name, items, planner)
+        if value_items:
+            name = data_file_name(rank_plan.rank, 0, ".values")
+            results += self._write_values(directory / name, name, value_items, planner)
+        return results
+
+    def _write_tensors(
+        self, directory: Path, name: str, items: Sequence[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
+        tensors: dict[str, torch.Tensor] = {}
+        sharding: dict[str, dict[str, list[int]]] = {}
+        for item in items:
+            fqn = item.index.fqn
+            tensor = planner.resolve_data(item)
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{fqn}: the planner resolved a tensor item to {type(tensor)}")
+            tensors[fqn] = host_tensor(fqn, tensor)
+            offsets = item.tensor_data.chunk.offsets if item.tensor_data else ()
+            sharding[fqn] = {"saved_offsets": [int(o) for o in offsets]}
+        path = directory / name
+        report = write_tensors(
+            tensors,
+            path,
+            {
+                DCP_SHARDING_INFO_KEY: json.dumps(sharding),
+                "DCP_VERSION": _HF_DCP_VERSION,
+                "format": "pt",
+            },
+            threads=self.threads,
+            direct_io=self.direct_io,
+            fsync=self.fsync,
+        )
+        header = read_metadata(path)
+        results = []
+        for item in items:
+            fqn = item.index.fqn
+            entry = header["tensors"][fqn]
+            begin, end = entry["data_offsets"]
+            length = end - begin
+            blocks = None
+            if length > self.block_bytes:
+                blocks = block_checksums(byte_view(tensors[fqn]), self.block_bytes)
+            chunk = StoredChunk(
+                file=name,
+                kind="tensor",
+                offset=header["data_start"] + begin,
+                length=length,
+                crc32c=int(report["checksums"][fqn]),
+                name=fqn,
+                dtype=entry["dtype"],
+                shape=tuple(entry["shape"]),
+                block_bytes=self.block_bytes if blocks is not None else None,
+                blocks=blocks,
+                file_len=int(report["file_len"]),
+                file_crc32c=report.get("file_crc32c"),
+            )
+            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=chunk))
+        return results
+
+    def _write_values(
+        self, path: Path, name: str, items: Sequence[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
+        payloads = []
+        offset = 0
+        placed = []
+        for item in items:
+            kind, payload = encode_value(item.index.fqn, planner_object(planner, item))
+            placed.append((item, kind, offset, payload))
+            payloads.append(payload)
+            offset += len(payload)
+        data = b"".join(payloads)
+        _native.write_bytes_atomic(str(path), data, self.fsync)
+        file_crc = _native.crc32c(data)
+        return [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=len(payload),
+                storage_data=StoredChunk(
+                    file=name,
+                    kind=kind,
+                    offset=start,
+                    length=len(payload),
+                    crc32c=_native.crc32c(payload),
+                    file_len=len(data),
+                    file_crc32c=file_crc,
+                ),
+            )
+            for item, kind, start, payload in placed
+        ]
+
+
+def _files_of(items: Sequence[WriteItem]) -> list[list[WriteItem]]:
+    """Split a rank's tensor items into files that hold each name at most once (a rank rarely
+    owns two chunks of one tensor; safetensors names must be unique)."""
+    files: list[list[WriteItem]] = []
+    names: list[set[str]] = []
+    for item in items:
+        for bucket, seen in zip(files, names, strict=True):
+            if item.index.fqn not in seen:
+                bucket.append(item)
+                seen.add(item.index.fqn)
+                break
+        else:
+            files.append([item])
+            names.append({item.index.fqn})
+    return files

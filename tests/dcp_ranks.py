@@ -1,0 +1,152 @@
+"""Rank scripts of the sharded (DCP) tests, run by ``dcp_support.launch`` or
+``training_support.run_two_ranks`` as ``python -c "import dcp_ranks; dcp_ranks.NAME()"
+CHECKPOINT RANK RENDEZVOUS [WORLD [ARGS...]]`` with a real gloo process group on CPU."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import fastckpt.dcp
+from dcp_support import build_model, compare, full_state, train_step
+from training_support import leave_process_group
+
+BLOCK_BYTES = 1024  # small verification blocks, so resharded reads can skip most of a chunk
+
+
+def _setup() -> tuple[Path, int, int]:
+    root, rank, rendezvous = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    world = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    return root, rank, world
+
+
+def _sharded(world: int) -> tuple[DeviceMesh, nn.Module, torch.optim.Optimizer]:
+    mesh = init_device_mesh("cpu", (world,))
+    model = build_model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return mesh, model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _tp_full() -> torch.Tensor:
+    return torch.arange(13 * 29, dtype=torch.float32).reshape(13, 29) / 7
+
+
+def _state(mesh: DeviceMesh, model: nn.Module, optimizer: Any, extra: dict[str, Any]) -> Any:
+    msd, osd = get_state_dict(model, optimizer)
+    tp = distribute_tensor(_tp_full(), mesh, [Shard(1)])  # a column-sharded TP weight
+    return {"model": msd, "optim": osd, "tp": {"weight": tp}, "extra": extra}
+
+
+def save_fsdp() -> None:
+    """Train 2 steps on FSDP2 + AdamW, dcp.save to ROOT/sync; one more step, dcp.async_save
+    to ROOT/async and train on while it uploads. Rank 0 writes the gathered full states."""
+    root, rank, world = _setup()
+    mesh, model, optimizer = _sharded(world)
+    losses = [train_step(model, optimizer, step) for step in range(2)]
+    extra = {"step": 2, "tag": "run-1", "loss": losses[-1], "blob": io.BytesIO(b"\x00raw\xff")}
+    dcp.save(
+        _state(mesh, model, optimizer, extra),
+        storage_writer=fastckpt.dcp.Writer(root / "sync", block_bytes=BLOCK_BYTES),
+    )
+    reference = full_state(model, optimizer)
+    if rank == 0:
+        safetensors.torch.save_file(reference, root / "reference-sync.safetensors")
+
+    losses.append(train_step(model, optimizer, 2))
+    extra = {"step": 3, "tag": "run-1", "loss": losses[-1], "blob": io.BytesIO(b"three")}
+    reference = full_state(model, optimizer)
+    checkpoint_group = dist.new_group(backend="gloo")
+    future = dcp.async_save(
+        _state(mesh, model, optimizer, extra),
+        storage_writer=fastckpt.dcp.Writer(root / "async", block_bytes=BLOCK_BYTES),
+        process_group=checkpoint_group,
+    )
+    losses.append(train_step(model, optimizer, 3))  # changes every tensor during the upload
+    future.result()  # type: ignore[union-attr]
+    if rank == 0:
+        safetensors.torch.save_file(reference, root / "reference-async.safetensors")
+        print(json.dumps({"losses": losses}))
+    leave_process_group()
+
+
+def load_fsdp() -> None:
+    """Load ROOT/sync into an FSDP2 model on WORLD ranks, compare the gathered state with the
+    saved one bitwise, then take the next training step and compare with the original run."""
+    root, rank, world = _setup()
+    mesh, model, optimizer = _sharded(world)
+    extra = {"step": 0, "tag": "", "loss": 0.0, "blob": io.BytesIO()}
+    state = _state(mesh, model, optimizer, extra)
+    state["tp"]["weight"] = distribute_tensor(torch.zeros(13, 29), mesh, [Shard(1)])
+    reader = fastckpt.dcp.Reader(root / "sync")
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    loaded = full_state(model, optimizer)
+    tp_ok = torch.equal(state["tp"]["weight"].full_tensor(), _tp_full())
+    loss = train_step(model, optimizer, 2)
+    stepped = full_state(model, optimizer)
+    report: dict[str, Any] = {"rank": rank, "bytes_read": reader.bytes_read, "tp_ok": tp_ok}
+    if rank == 0:
+        saved = safetensors.torch.load_file(root / "reference-sync.safetensors")
+        expected = safetensors.torch.load_file(root / "reference-async.safetensors")
+        report["bad"] = compare(saved, loaded)
+        report["n_tensors"] = len(loaded)
+        report["extra"] = {k: v for k, v in extra.items() if k != "blob"}
+        report["blob"] = state["extra"]["blob"].getvalue().decode("latin-1")
+        report["loss"] = loss
+        report["resumed_close"] = all(
+            torch.allclose(expected[name], stepped[name], rtol=1e-4, atol=1e-6) for name in expected
+        )
+    print(json.dumps(report))
+    leave_process_group()
+
+
+def torn_save() -> None:
+    """Commit one save to ROOT, then start a second where rank 1 is SIGKILLed after writing its
+    files and before the commit. Rank 0 reports how its save ended."""
+    root, rank, _ = _setup()
+    dcp.save({f"r{rank}": torch.full((64, 3), 1.0)}, storage_writer=fastckpt.dcp.Writer(root))
+    dist.barrier()
+
+    class KilledAfterWrite(fastckpt.dcp.Writer):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            future = super().write_data(plan, planner)
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return future
+
+    try:
+        dcp.save({f"r{rank}": torch.full((64, 3), 2.0)}, storage_writer=KilledAfterWrite(root))
+        print("committed")
+    except BaseException as err:  # DCP raises CheckpointException (a BaseException)
+        print(f"failed {type(err).__name__}")
+    sys.stdout.flush()
+    os._exit(0)  # the process group lost a rank: no orderly teardown

@@ -1,0 +1,116 @@
+"""Importable pieces for the sharded (DCP) tests: the model, its flat full state, and an
+N-rank launcher that reports each rank's exit (rank scripts live in ``dcp_ranks.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+TESTS = Path(__file__).resolve().parent
+
+
+def build_model() -> nn.Module:
+    """A small MLP whose dimensions divide neither by 2 nor by 3; its last weight has one row,
+    so FSDP2 on 2 or 3 ranks leaves some ranks an empty shard."""
+    torch.manual_seed(7)
+    return nn.Sequential(
+        nn.Linear(37, 301), nn.ReLU(), nn.Linear(301, 5), nn.ReLU(), nn.Linear(5, 1)
+    )
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same deterministic batch on every rank."""
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(16, 37, generator=gen)
+    return x, x[:, :1] * 2.0 - 1.0
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> float:
+    """One AdamW step on :func:`batch`; returns the loss."""
+    x, y = batch(step)
+    loss = (model(x) - y).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss.item())
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every model and optimizer tensor, gathered to full tensors on rank 0 (collective under a
+    process group; other ranks get an empty dict)."""
+    msd, osd = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    out = {f"model.{k}": v.detach().clone() for k, v in msd.items()}
+    for fqn, state in osd.get("state", {}).items():
+        for key, value in state.items():
+            tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            out[f"optim.{fqn}.{key}"] = tensor.detach().clone()
+    return out
+
+
+def launch(
+    function: str, checkpoint: Path, world: int, *args: str, timeout: float = 240
+) -> list[tuple[int, str, str]]:
+    """Run ``dcp_ranks.<function>`` as ranks ``0..world-1`` (gloo, file rendezvous next to
+    ``checkpoint``); returns ``(returncode, stdout, stderr)`` per rank, whatever they were."""
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
+    rendezvous = checkpoint.parent / f"rendezvous-{function}-{world}-{os.getpid()}"
+    rendezvous.unlink(missing_ok=True)
+    code = f"import dcp_ranks; dcp_ranks.{function}()"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                code,
+                str(checkpoint),
+                str(rank),
+                str(rendezvous),
+                str(world),
+                *list(args),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in range(world)
+    ]
+    results: list[tuple[int, str, str]] = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        results.append((proc.returncode, out, err))
+    return results
+
+
+def check_ok(results: list[tuple[int, str, str]]) -> list[str]:
+    """Each rank's stdout; fails with the stderr of any rank that did not exit 0."""
+    for rank, (code, _, err) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}:\n{err[-4000:]}"
+    return [out for _, out, _ in results]
+
+
+def compare(expected: dict[str, torch.Tensor], actual: dict[str, Any]) -> list[str]:
+    """Names whose tensors differ (dtype, shape or any bit), or are missing/extra."""
+    bad = sorted(set(expected) ^ set(actual))
+    for name in sorted(set(expected) & set(actual)):
+        a, b = expected[name], actual[name]
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(_bits(a), _bits(b)):
+            bad.append(name)
+    return bad
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).contiguous().view(torch.uint8)

@@ -1,0 +1,362 @@
+"""fastckpt as the storage layer of torch.distributed.checkpoint (issue 12, part 1 and tools).
+
+Real gloo process groups (2 and 3 ranks, spawned here), real FSDP2, real DCP planners, real
+safetensors and torch's own safetensors consolidation; single-process checks use DCP's
+no-process-group mode.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+    consolidate_safetensors_files,
+)
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import fastckpt
+import fastckpt.dcp
+from dcp_support import build_model, check_ok, compare, full_state, launch, train_step
+from fastckpt.dcp.commit import RECORD_NAME, generation_dirs
+from training_support import run_two_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
+    """ROOT/sync (dcp.save) and ROOT/async (dcp.async_save) from a 2-rank FSDP2 run."""
+    root = tmp_path_factory.mktemp("dcp")
+    outputs = run_two_ranks(
+        "import dcp_ranks; dcp_ranks.save_fsdp()", root, root / "rendezvous-save"
+    )
+    losses = json.loads(outputs[0])["losses"]
+    return root, losses
+
+
+@pytest.fixture(scope="module")
+def loaded_on_3(saved: tuple[Path, list[float]]) -> list[dict[str, Any]]:
+    """Each rank's report from loading ROOT/sync on 3 FSDP2 ranks."""
+    root, _ = saved
+    outputs = check_ok(launch("load_fsdp", root, 3))
+    return [json.loads(out) for out in outputs]
+
+
+def _generation(checkpoint: Path) -> Path:
+    record = json.loads((checkpoint / RECORD_NAME).read_text())
+    return checkpoint / record["generation"]
+
+
+def _plain_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    msd, osd = get_state_dict(model, optimizer)
+    extra = {"step": 0, "tag": "", "loss": 0.0, "blob": io.BytesIO()}
+    return {"model": msd, "optim": osd, "tp": {"weight": torch.zeros(13, 29)}, "extra": extra}
+
+
+def _load_on_one_rank(checkpoint: Path) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = _plain_state(model, optimizer)
+    dcp.load(state, storage_reader=fastckpt.dcp.Reader(checkpoint))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    return model, optimizer, state
+
+
+# ------------------------------------------------------------------------- FSDP2 round trips
+
+
+def test_fsdp2_saved_on_2_ranks_loads_on_3_bitwise_and_trains_on(
+    saved: tuple[Path, list[float]], loaded_on_3: list[dict[str, Any]]
+) -> None:
+    _, losses = saved
+    rank0 = loaded_on_3[0]
+    assert rank0["n_tensors"] == 24  # 6 parameters + AdamW step/exp_avg/exp_avg_sq each
+    assert rank0["bad"] == []
+    assert all(report["tp_ok"] for report in loaded_on_3)  # Shard(1) TP weight, resharded
+    assert rank0["extra"] == {"step": 2, "tag": "run-1", "loss": losses[1]}
+    assert rank0["blob"] == "\x00raw\xff"
+    # the next step on 3 ranks continues the 2-rank run
+    assert rank0["loss"] == pytest.approx(losses[2], rel=1e-5)
+    assert rank0["resumed_close"]
+
+
+def test_resharded_load_reads_only_the_rows_each_rank_needs(
+    saved: tuple[Path, list[float]], loaded_on_3: list[dict[str, Any]]
+) -> None:
+    root, _ = saved
+    stored = sum(f.stat().st_size for f in _generation(root / "sync").iterdir())
+    for report in loaded_on_3:
+        assert 0 < report["bytes_read"] < 0.5 * stored, report
+    assert sum(r["bytes_read"] for r in loaded_on_3) < 1.2 * stored
+
+
+def test_fsdp2_checkpoints_load_on_one_rank_bitwise(saved: tuple[Path, list[float]]) -> None:
+    root, losses = saved
+    model, optimizer, state = _load_on_one_rank(root / "sync")
+    reference = safetensors.torch.load_file(root / "reference-sync.safetensors")
+    assert compare(reference, full_state(model, optimizer)) == []
+    assert torch.equal(state["tp"]["weight"], torch.arange(13 * 29).reshape(13, 29) / 7)
+    assert state["extra"]["step"] == 2 and state["extra"]["blob"].getvalue() == b"\x00raw\xff"
+    assert train_step(model, optimizer, 2) == pytest.approx(losses[2], rel=1e-5)
+
+    # async_save: the snapshot taken at staging, although training changed every tensor after
+    model, optimizer, state = _load_on_one_rank(root / "async")
+    reference = safetensors.torch.load_file(root / "reference-async.safetensors")
+    assert compare(reference, full_state(model, optimizer)) == []
+    assert state["extra"]["step"] == 3 and state["extra"]["blob"].getvalue() == b"three"
+    assert train_step(model, optimizer, 3) == pytest.approx(losses[3], rel=1e-5)
+
+
+# ------------------------------------------------------------------------- files and tools
+
+
+def test_rank_files_open_with_safetensors_and_torch_consolidation(
+    saved: tuple[Path, list[float]], tmp_path: Path
+) -> None:
+    root, _ = saved
+    generation = _generation(root / "sync")
+    files = sorted(generation.glob("*.safetensors"))
+    assert [f.name for f in files] == ["rank-00000.safetensors", "rank-00001.safetensors"]
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            sharding = json.loads(handle.metadata()["DCP_SHARDING_INFO"])
+            keys = handle.keys()
+            assert set(sharding) == set(keys)
+            for key in keys:
+                assert len(sharding[key]["saved_offsets"]) == len(handle.get_slice(key).get_shape())
+    reference = safetensors.torch.load_file(root / "reference-sync.safetensors")
+    model_keys = [k for k in reference if k.startswith("model.")]
+    consolidate_safetensors_files(str(generation), str(tmp_path), dict.fromkeys(model_keys, 1))
+    (output,) = tmp_path.glob("*.safetensors")
+    consolidated = safetensors.torch.load_file(output)
+    assert compare({k: reference[k] for k in model_keys}, consolidated) == []
+
+
+def test_consolidate_writes_full_tensors_without_a_process_group(
+    saved: tuple[Path, list[float]], tmp_path: Path
+) -> None:
+    root, _ = saved
+    summary = fastckpt.dcp.consolidate(root / "sync", tmp_path / "full.safetensors")
+    full = fastckpt.load_file(tmp_path / "full.safetensors")
+    reference = safetensors.torch.load_file(root / "reference-sync.safetensors")
+    renamed = {k.replace("optim.state.", "optim.", 1): v for k, v in full.items()}
+    assert compare(reference, {k: renamed[k] for k in reference}) == []
+    assert torch.equal(full["tp.weight"], torch.arange(13 * 29).reshape(13, 29) / 7)
+    assert summary["tensors"] == len(full) == 25
+    values = json.loads(
+        fastckpt.read_metadata(tmp_path / "full.safetensors")["metadata"]["fastckpt.dcp.values"]
+    )
+    assert values["extra.step"] == {"json": 2}
+    assert values["optim.param_groups.0.lr"] == {"json": 0.01}
+
+
+def test_no_file_in_the_checkpoint_is_a_pickle(saved: tuple[Path, list[float]]) -> None:
+    root, _ = saved
+    checkpoint = root / "sync"
+    files = [p for p in checkpoint.rglob("*") if p.is_file()]
+    assert len(files) == 4
+    for path in files:
+        raw = path.read_bytes()
+        assert not raw.startswith((b"\x80", b"PK")), path  # pickle protocol >= 2, torch.save
+        if path.name == RECORD_NAME:
+            json.loads(raw)
+        elif path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt"):
+                pass
+        else:
+            assert path.suffix == ".values"
+            with pytest.raises(pickle.UnpicklingError):
+                pickle.loads(raw)
+
+
+class _Payload:
+    """Unpickling this creates a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _load_failure(checkpoint: Path) -> BaseException:
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(_plain_state(model, optimizer), storage_reader=fastckpt.dcp.Reader(checkpoint))
+    return caught.value
+
+
+def test_pickle_payload_in_any_non_tensor_file_runs_nothing(
+    saved: tuple[Path, list[float]], tmp_path: Path
+) -> None:
+    root, _ = saved
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(root / "sync", checkpoint)
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Payload(marker))
+    record_path = checkpoint / RECORD_NAME
+    record = record_path.read_bytes()
+    (values_path,) = _generation(checkpoint).glob("*.values")
+
+    record_path.write_bytes(payload)
+    with pytest.raises(fastckpt.CheckpointFormatError, match=RECORD_NAME):
+        fastckpt.dcp.Reader(checkpoint).read_metadata()
+    assert RECORD_NAME in str(_load_failure(checkpoint))
+    record_path.write_bytes(record)
+
+    values_path.write_bytes(payload.ljust(values_path.stat().st_size))  # same size, other bytes
+    failure = _load_failure(checkpoint)
+    (error, _), *_ = failure.failures.values()  # type: ignore[attr-defined]
+    assert isinstance(error, fastckpt.ChecksumMismatchError)
+    assert values_path.name in str(error)
+
+    # a consistent forgery (payload plus matching checksums in the record) is still refused
+    values_path.write_bytes(payload)
+    data = json.loads(record)
+    for item in data["dcp"]["storage_data"]:
+        if item["file"] == values_path.name:
+            item.update(byte_offset=0, length=len(payload), crc32c=fastckpt._native.crc32c(payload))
+    data["files"][values_path.name] = {"size": len(payload), "crc32c": None}
+    record_path.write_text(json.dumps(data))
+    failure = _load_failure(checkpoint)
+    (error, _), *_ = failure.failures.values()  # type: ignore[attr-defined]
+    assert isinstance(error, fastckpt.CheckpointFormatError)
+    assert "not JSON" in str(error)
+    assert not marker.exists()
+
+
+def test_flipped_byte_raises_checksum_mismatch_naming_file_and_tensor(
+    saved: tuple[Path, list[float]], tmp_path: Path
+) -> None:
+    root, _ = saved
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(root / "sync", checkpoint)
+    file = _generation(checkpoint) / "rank-00001.safetensors"
+    header = fastckpt.read_metadata(file)
+    begin, _ = header["tensors"]["model.0.weight"]["data_offsets"]
+    with open(file, "r+b") as handle:
+        handle.seek(header["data_start"] + begin + 5)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0x10]))
+    failure = _load_failure(checkpoint)
+    (error, _), *_ = failure.failures.values()  # type: ignore[attr-defined]
+    assert isinstance(error, fastckpt.ChecksumMismatchError)
+    assert "rank-00001.safetensors" in str(error) and "model.0.weight" in str(error)
+    report = fastckpt.dcp.verify_sharded(checkpoint)
+    assert not report.ok
+    assert [f.path.name for f in report.failures] == ["rank-00001.safetensors"]
+    assert fastckpt.dcp.verify_sharded(root / "sync").ok
+
+
+# ------------------------------------------------------------------------- commit protocol
+
+
+def test_rank_killed_mid_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    results = launch("torn_save", checkpoint, 2)
+    assert results[1][0] == -9, results[1][2][-2000:]
+    assert results[0][0] == 0 and results[0][1].startswith("failed"), results[0]
+    described = fastckpt.dcp.describe_sharded(checkpoint)
+    (torn,) = described["uncommitted"]
+    assert (checkpoint / torn / "rank-00001.safetensors").exists()  # written, never committed
+    state = {"r0": torch.zeros(64, 3), "r1": torch.zeros(64, 3)}
+    dcp.load(state, storage_reader=fastckpt.dcp.Reader(checkpoint))
+    assert torch.equal(state["r0"], torch.ones(64, 3)) and torch.equal(state["r1"], state["r0"])
+    assert fastckpt.dcp.verify_sharded(checkpoint).ok
+
+    dcp.save({"r0": torch.full((2,), 3.0)}, storage_writer=fastckpt.dcp.Writer(checkpoint))
+    assert [d.name for d in generation_dirs(checkpoint)] == [_generation(checkpoint).name]
+
+
+def test_never_committed_directory_raises_not_committed(tmp_path: Path) -> None:
+    (tmp_path / "g0000000000001-0123abcd").mkdir()
+    with pytest.raises(fastckpt.dcp.NotCommittedError, match="interrupted save"):
+        fastckpt.dcp.Reader(tmp_path).read_metadata()
+    assert not fastckpt.dcp.verify_sharded(tmp_path).ok
+
+
+def test_overwriting_a_checkpoint_id_switches_atomically(tmp_path: Path) -> None:
+    writer = fastckpt.dcp.Writer(tmp_path, block_bytes=64)
+    dcp.save({"w": torch.zeros(40, 3), "n": 1}, storage_writer=writer)
+    first = _generation(tmp_path)
+    dcp.save({"w": torch.arange(120.0).reshape(40, 3), "n": 2}, storage_writer=writer)
+    assert not first.exists() and len(generation_dirs(tmp_path)) == 1
+    state: dict[str, Any] = {"w": torch.zeros(40, 3), "n": 0}
+    reader = fastckpt.dcp.Reader(tmp_path)
+    dcp.load(state, storage_reader=reader)
+    assert torch.equal(state["w"], torch.arange(120.0).reshape(40, 3)) and state["n"] == 2
+
+
+# ------------------------------------------------------------------------- values and edge cases
+
+
+def test_values_edge_tensors_and_partial_reads_round_trip(tmp_path: Path) -> None:
+    state = {
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 4),
+        "ints": torch.arange(10, dtype=torch.int64),
+        "bf16": torch.randn(33, 5).to(torch.bfloat16),
+        "meta": {"t": (1, 2.0, "x"), "nan": math.nan, "none": None, "flags": [True, False]},
+        "raw": b"\x00\x01",
+        "stream": io.BytesIO(b"stream bytes"),
+    }
+    dcp.save(state, storage_writer=fastckpt.dcp.Writer(tmp_path, block_bytes=16))
+    target: dict[str, Any] = {
+        "scalar": torch.tensor(0.0, dtype=torch.float64),
+        "empty": torch.empty(0, 4),
+        "ints": torch.zeros(10, dtype=torch.int64),
+        "bf16": torch.zeros(33, 5, dtype=torch.bfloat16),
+        "meta": {"t": None, "nan": 0.0, "none": 1, "flags": None},
+        "raw": None,
+        "stream": None,
+    }
+    dcp.load(target, storage_reader=fastckpt.dcp.Reader(tmp_path))
+    for key in ("scalar", "empty", "ints", "bf16"):
+        assert compare({key: state[key]}, {key: target[key]}) == []
+    assert target["meta"]["t"] == (1, 2.0, "x") and math.isnan(target["meta"]["nan"])
+    assert target["meta"]["none"] is None and target["meta"]["flags"] == [True, False]
+    assert target["raw"] == b"\x00\x01" and target["stream"].getvalue() == b"stream bytes"
+
+
+def test_value_that_needs_pickle_is_refused_before_anything_commits(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save({"w": torch.ones(2), "bad": {1, 2}}, storage_writer=fastckpt.dcp.Writer(tmp_path))
+    (error, _), *_ = caught.value.failures.values()  # type: ignore[attr-defined]
+    assert isinstance(error, fastckpt.dcp.UnsupportedValueError)
+    assert "bad" in str(error)
+    assert not (tmp_path / RECORD_NAME).exists()
+
+
+def test_stager_reuses_buffers_only_after_release() -> None:
+    stager = fastckpt.dcp.DcpStager()
+    live = {"a": torch.ones(4), "nested": {"b": torch.zeros(3)}, "v": io.BytesIO(b"x")}
+    first = stager.stage(live)
+    live["a"].add_(1)
+    assert torch.equal(first["a"], torch.ones(4))  # a snapshot, not a view
+    second = stager.stage(live)  # first not released: fresh buffers
+    assert second["a"].data_ptr() != first["a"].data_ptr()
+    stager.release()
+    third = stager.stage(live)
+    assert third["a"].data_ptr() == second["a"].data_ptr()
+    assert torch.equal(third["a"], torch.full((4,), 2.0)) and third["v"].getvalue() == b"x"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert isinstance(fastckpt.dcp.Writer(Path("x")), dcp.staging.AsyncStager)
