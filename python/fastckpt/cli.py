@@ -33,7 +33,8 @@ from typing import Any, NoReturn, cast
 import torch
 
 from fastckpt import __version__, tree
-from fastckpt.checkpoint import IndexReader, list_checkpoints, prune
+from fastckpt.checkpoint import list_checkpoints, prune
+from fastckpt.components import IndexReader
 from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.files import load_file, read_metadata, save_file
 from fastckpt.progress import format_bytes, io_progress

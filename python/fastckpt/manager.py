@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from fastckpt import tree
-from fastckpt.checkpoint import log_throughput
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError
 from fastckpt.files import DEFAULT_WRITE_THREADS
+from fastckpt.progress import log_throughput
 from fastckpt.staging import (
     Stager,
     StagerOptions,

@@ -13,16 +13,19 @@ parse the output never see control characters.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
-__all__ = ["IOMeter", "ProgressBar", "format_bytes", "io_progress"]
+__all__ = ["IOMeter", "ProgressBar", "format_bytes", "io_progress", "log_throughput"]
+
+log = logging.getLogger(__name__)
 
 _PROC_IO = Path("/proc/self/io")
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -197,3 +200,24 @@ def io_progress(
         if poller.is_alive():
             poller.join()
         bar.close()
+
+
+def log_throughput(
+    action: str, where: str, records: Iterable[Mapping[str, int]], start: float
+) -> None:
+    """Log a save/load at INFO on the ``fastckpt`` logger: files, bytes, seconds, GiB/s."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    seconds = time.perf_counter() - start
+    records = list(records)
+    nbytes = sum(record["size"] for record in records)
+    rate = nbytes / 2**30 / seconds if seconds > 0 else float("inf")
+    log.info(
+        "%s %s: %d files, %.1f MiB in %.3f s (%.2f GiB/s)",
+        action,
+        where,
+        len(records),
+        nbytes / 2**20,
+        seconds,
+        rate,
+    )

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastckpt import checkpoint as ckpt
+from fastckpt import components as codec
 from fastckpt import specs, tree
 from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
 from fastckpt.hooks.context import (
@@ -65,7 +65,7 @@ class OptimizerConfig:
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer) -> OptimizerConfig:
         """A config with the live optimizer's class and ``defaults``."""
-        return cls(type(optimizer), ckpt.accepted_kwargs(type(optimizer), optimizer.defaults))
+        return cls(type(optimizer), codec.accepted_kwargs(type(optimizer), optimizer.defaults))
 
     def build(
         self, params: Iterable[torch.nn.Parameter], trusted: Trusted = None
@@ -372,7 +372,7 @@ class TrainingStrategy:
         except TypeError:
             return MUST_BE_SUPPLIED
 
-    def checkpoint_snapshot(self) -> ckpt.Snapshot:
+    def checkpoint_snapshot(self) -> codec.Snapshot:
         """Everything a checkpoint of this strategy holds, captured now (no file I/O)."""
         models = {name: (model, None) for name, model in self.models.items()}
         optimizers = {name: (opt, None) for name, opt in self.optimizers.items()}
@@ -384,7 +384,9 @@ class TrainingStrategy:
             "optimizers": {name: name for name in optimizers},
             "schedulers": {name: name for name in schedulers},
         }
-        snapshot = ckpt.create_snapshot(models, optimizers, schedulers, associations, self.counters)
+        snapshot = codec.create_snapshot(
+            models, optimizers, schedulers, associations, self.counters
+        )
         runtime = {"rng": _rng_state(), "epoch_start_rng": self._epoch_start_rng}
         skeleton, tensors = tree.flatten(runtime)
         snapshot.tensor_files["strategy.safetensors"] = tensors
@@ -422,7 +424,7 @@ class TrainingStrategy:
 
     def save_checkpoint(self, root: str | Path, *, checkpoint_index: int = -1) -> int:
         """Write this strategy as a committed checkpoint index of ``root``; returns it."""
-        return ckpt.write_snapshot(root, self.checkpoint_snapshot(), checkpoint_index)
+        return codec.write_snapshot(root, self.checkpoint_snapshot(), checkpoint_index)
 
     def restore_checkpoint(
         self,
@@ -440,7 +442,7 @@ class TrainingStrategy:
         """
         manifest = Manifest.load(root)
         index = manifest.resolve(int(checkpoint_index))
-        reader = ckpt.IndexReader(manifest, index)
+        reader = codec.IndexReader(manifest, index)
         recipe = _read_recipe(reader)
         entry = manifest.entries[index]
         saved_models = entry.get("components", {}).get("models", [])
@@ -450,11 +452,11 @@ class TrainingStrategy:
                 f"{sorted(self.models)}"
             )
         for name, model in self.models.items():
-            target = ckpt.unwrap_model(model)
+            target = codec.unwrap_model(model)
             target.load_state_dict(reader.tensors(f"models/{name}.safetensors", owned=False))
             if map_location is not None:
                 target.to(map_location)
-            ckpt.run_validators(validators, name, target)
+            codec.run_validators(validators, name, target)
         for name, optimizer in self.optimizers.items():
             state = reader.component_state("optimizers", name, map_location)
             optimizer.load_state_dict(state)
@@ -463,7 +465,7 @@ class TrainingStrategy:
         self._restore_runtime(reader, recipe)
         return index
 
-    def _restore_runtime(self, reader: ckpt.IndexReader, recipe: Mapping[str, Any]) -> None:
+    def _restore_runtime(self, reader: codec.IndexReader, recipe: Mapping[str, Any]) -> None:
         counters = recipe.get("counters", {})
         for name in COUNTERS:
             value = counters.get(name, 0)
@@ -501,7 +503,7 @@ class TrainingStrategy:
             ValueError: a component-only checkpoint (use ``fastckpt.load_checkpoint``), or the
                 training function must be supplied.
         """
-        result = ckpt.load_components(
+        result = codec.load_components(
             root, checkpoint_index, map_location, validators=validators, trusted=trusted
         )
         strategy = cls.from_loaded(
@@ -519,7 +521,7 @@ class TrainingStrategy:
     def from_loaded(
         cls,
         models: Mapping[str, Mapping[str, Any]],
-        reader: ckpt.IndexReader,
+        reader: codec.IndexReader,
         *,
         hooks: Sequence[Any] | None = None,
         training_fn: Callable[..., Any] | None = None,
@@ -572,7 +574,7 @@ class TrainingStrategy:
         return strategy
 
 
-def _read_recipe(reader: ckpt.IndexReader) -> dict[str, Any]:
+def _read_recipe(reader: codec.IndexReader) -> dict[str, Any]:
     if "strategy.json" not in reader.files:
         raise ValueError(
             f"{reader.directory} is a component-only checkpoint (no strategy recipe); load it "
@@ -642,7 +644,7 @@ class FineTuningStrategy(TrainingStrategy):
             optimizer_lr: learning rate of the new optimizers.
             strategy_kwargs: other ``TrainingStrategy`` arguments (they win).
         """
-        result = ckpt.load_components(
+        result = codec.load_components(
             checkpoint_dir, checkpoint_index, map_location, trusted=trusted
         )
         recipe = _read_recipe(result["reader"])

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
-from fastckpt.checkpoint import Snapshot, prune, write_snapshot
+from fastckpt.components import Snapshot, write_snapshot
 from fastckpt.hooks.context import TrainContext, TrainingStage
 from fastckpt.staging import (
     Stager,
@@ -27,6 +27,7 @@ from fastckpt.staging import (
     make_stager,
     stage_groups,
 )
+from fastckpt.store.commit import prune_indices
 
 __all__ = ["CheckpointHook"]
 
@@ -211,7 +212,7 @@ class CheckpointHook:
     def _write(self, snapshot: Snapshot) -> int:
         index = write_snapshot(self.checkpoint_dir, snapshot)
         if self.keep_last is not None:
-            prune(self.checkpoint_dir, keep_last=self.keep_last)
+            prune_indices(self.checkpoint_dir, self.keep_last)
         return index
 
 

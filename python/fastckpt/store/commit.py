@@ -35,7 +35,7 @@ from fastckpt.store.backend import (
 from fastckpt.store.lock import RootLock
 from fastckpt.store.records import MANIFEST, Manifest, json_bytes
 
-__all__ = ["DirectoryWriter", "IndexWriter", "RootLock", "clean_leftovers"]
+__all__ = ["DirectoryWriter", "IndexWriter", "RootLock", "clean_leftovers", "prune_indices"]
 
 
 class DirectoryWriter:
@@ -218,3 +218,29 @@ def clean_leftovers(root: Path) -> list[str]:
             continue
         removed.append(name)
     return removed
+
+
+def prune_indices(root: Path, keep_last: int) -> list[int]:
+    """Delete all but the newest ``keep_last`` indices of ``root`` (never the latest).
+
+    Under the root's lock, the manifest is committed first, so a crash mid-prune leaves only
+    unreferenced directories (removed by the next save), never a manifest naming a deleted
+    index. Returns the deleted indices.
+
+    Raises:
+        ValueError: ``keep_last < 1``.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the latest is never deleted), got {keep_last}")
+    backend = backend_for(root)
+    with backend.lock(root):
+        manifest = Manifest.load(root)
+        doomed = sorted(manifest.entries)[:-keep_last]
+        if not doomed:
+            return []
+        for index in doomed:
+            del manifest.entries[index]
+        manifest.commit()
+        for index in doomed:
+            backend.delete(manifest.directory(index))
+    return doomed

@@ -58,7 +58,7 @@ MANIFEST_CRC_FIELD = "crc32c"
 _MANIFEST_FIELDS = frozenset(
     {"format", "schema_version", "latest", "checkpoints", MANIFEST_CRC_FIELD}
 )
-#: Fields every manifest entry has (written by fastckpt.checkpoint.write_snapshot).
+#: Fields every manifest entry has (written by fastckpt.components.write_snapshot).
 ENTRY_FIELDS = ("created", "counters", "components", "associations", "files")
 
 
