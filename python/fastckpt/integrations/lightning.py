@@ -1,0 +1,463 @@
+"""PyTorch Lightning ``CheckpointIO`` plugins that write checkpoints through fastckpt.
+
+```python
+trainer = lightning.Trainer(plugins=[FastCheckpointIO()])        # or AsyncFastCheckpointIO()
+trainer.fit(model, ckpt_path="checkpoints/last.ckpt")             # resumes as usual
+```
+
+Each checkpoint path Lightning asks for (``epoch=0-step=10.ckpt``) becomes a directory in
+:class:`fastckpt.CheckpointManager`'s format, so every fastckpt tool reads it
+(``CheckpointManager.load``, :func:`fastckpt.safe_open`, ``fastckpt verify``):
+
+```
+epoch=0-step=10.ckpt/
+    commit.json               every file's size and crc32c; written last (the commit)
+    checkpoint.json           Lightning's checkpoint dict without its tensors (JSON)
+    checkpoint.safetensors    its tensors, each with a crc32c
+    lightning.json/.safetensors   this plugin's format marker and the state_dict's metadata
+    pickled.json/.safetensors     only with allow_pickle=True and values JSON cannot hold
+```
+
+The directory is written as a hidden temporary sibling, fsynced, and swapped into place in
+one step: Lightning (and a crash) sees the previous checkpoint or the new one, never a mix.
+Nothing is pickled unless ``allow_pickle=True``; see ``docs/lightning.md`` for what Lightning
+content needs it and how loading it is guarded.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import shutil
+from collections import OrderedDict
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "fastckpt.integrations.lightning needs PyTorch Lightning (the 'lightning' package): "
+        "pip install 'fastckpt-io[lightning]'"
+    ) from err
+
+from fastckpt import _native, tree
+from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
+from fastckpt.staging import StagerOptions, background_executor, make_stager, stage_groups
+from fastckpt.store.commit import DirectoryWriter
+from fastckpt.store.paths import safe_join
+from fastckpt.store.reader import read_json, read_tensor_file
+from fastckpt.store.records import COMMIT_RECORD, commit_record, read_commit_record
+
+__all__ = ["AsyncFastCheckpointIO", "FastCheckpointIO", "load_lightning_checkpoint"]
+
+#: ``format`` of the ``lightning`` item; its ``version`` is the newest this code reads.
+FORMAT = "fastckpt-lightning"
+VERSION = 1
+CHECKPOINT_ITEM = "checkpoint"
+INFO_ITEM = "lightning"
+PICKLED_ITEM = "pickled"
+#: A value stored with ``torch.save`` is replaced in the JSON skeleton by
+#: ``{PICKLED_MARKER: <position in the pickled item>}``; the key is reserved in saved dicts.
+PICKLED_MARKER = "__fastckpt_pickled__"
+_KEY_TYPES = (str, int, float, bool, type(None))
+
+
+# --------------------------------------------------------------------------- planning a save
+
+
+@dataclass
+class Plan:
+    """One checkpoint ready to write: per item its JSON skeleton and flat tensors.
+
+    Attributes:
+        items: item name -> ``(skeleton, {tensor name: tensor})``.
+        pickled_paths: key paths of the values stored with ``torch.save``.
+    """
+
+    items: dict[str, tuple[Any, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    pickled_paths: list[str] = field(default_factory=list)
+
+
+class _Splitter:
+    """Copies a checkpoint nest, replacing what JSON + tensors cannot hold."""
+
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.blobs: list[torch.Tensor] = []
+        self.paths: list[str] = []
+
+    def split(self, value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor) or value is None:
+            return value
+        if isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, Mapping) and all(isinstance(k, _KEY_TYPES) for k in value):
+            if PICKLED_MARKER in value:
+                raise TypeError(
+                    f"{tree.join_path(path, PICKLED_MARKER)}: this dict key is reserved by "
+                    "fastckpt's Lightning plugin; rename it"
+                )
+            return {k: self.split(v, tree.join_path(path, k)) for k, v in value.items()}
+        if type(value) is tuple:
+            return tuple(self.split(v, tree.join_path(path, i)) for i, v in enumerate(value))
+        if isinstance(value, list):
+            return [self.split(v, tree.join_path(path, i)) for i, v in enumerate(value)]
+        return self.pickle(value, path)
+
+    def pickle(self, value: Any, path: str) -> Any:
+        where = path or "<root>"
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        if not self.allow_pickle:
+            raise TypeError(
+                f"{where}: a {kind} cannot be stored without pickle. Convert it to tensors, "
+                "numbers, strings, lists or dicts (e.g. in on_save_checkpoint or by saving "
+                "plain hyperparameters), or use FastCheckpointIO(allow_pickle=True): it is "
+                "then stored with torch.save and loaded through torch.load(weights_only=True)"
+            )
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        self.blobs.append(torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8))
+        self.paths.append(where)
+        return {PICKLED_MARKER: len(self.blobs) - 1}
+
+
+def plan_checkpoint(checkpoint: Mapping[str, Any], *, allow_pickle: bool = False) -> Plan:
+    """Split Lightning's checkpoint dict into the items written to disk (no I/O).
+
+    Raises:
+        TypeError: a value JSON and tensors cannot hold (and ``allow_pickle`` is off), or a
+            reserved key, named by its key path.
+    """
+    if not isinstance(checkpoint, Mapping):
+        raise TypeError(f"checkpoint must be a dict, got {type(checkpoint).__name__}")
+    splitter = _Splitter(allow_pickle)
+    body = splitter.split(checkpoint, "")
+    metadata = getattr(checkpoint.get("state_dict"), "_metadata", None)
+    info = {
+        "format": FORMAT,
+        "version": VERSION,
+        "state_dict_metadata": splitter.split(metadata, "state_dict._metadata"),
+    }
+    plan = Plan()
+    plan.items[CHECKPOINT_ITEM] = tree.flatten(body)
+    plan.items[INFO_ITEM] = tree.flatten(info)
+    if splitter.blobs:
+        plan.items[PICKLED_ITEM] = tree.flatten(splitter.blobs)
+    plan.pickled_paths = splitter.paths
+    return plan
+
+
+def write_plan(
+    path: str | Path, plan: Plan, *, direct_io: bool | None = None, threads: int | None = None
+) -> None:
+    """Write a planned checkpoint as directory ``path``, atomically and durably."""
+    writer = DirectoryWriter(Path(path), direct_io=direct_io, threads=threads)
+    try:
+        for item, (skeleton, tensors) in plan.items.items():
+            writer.add_tensors(f"{item}.safetensors", tensors)
+            writer.add_json(f"{item}.json", {"skeleton": skeleton})
+        writer.add_json(COMMIT_RECORD, commit_record(list(plan.items), writer.files, 1))
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _load_item(directory: Path, record: Mapping[str, Any], item: str) -> Any:
+    source = str(directory / COMMIT_RECORD)
+
+    def recorded(relpath: str) -> tuple[Path, Mapping[str, int]]:
+        entry = record["files"].get(relpath)
+        if entry is None:
+            raise CheckpointFormatError(f"{directory / relpath}: not listed in {COMMIT_RECORD}")
+        return safe_join(directory, relpath), entry
+
+    document = read_json(*recorded(f"{item}.json"), source=source)
+    if not isinstance(document, Mapping) or "skeleton" not in document:
+        raise CheckpointFormatError(f"{directory / item}.json: field 'skeleton' is required")
+    tensors = read_tensor_file(*recorded(f"{item}.safetensors"), source=source)
+    # Owned copies: views would keep the file mapped (and its disk space in use after
+    # ModelCheckpoint removes it) for as long as the run keeps the optimizer state.
+    owned = {name: tensor.clone() for name, tensor in tensors.items()}
+    return tree.unflatten(document["skeleton"], owned, item)
+
+
+class _Unpickler:
+    """Puts back the values stored with ``torch.save``, through ``torch.load``."""
+
+    def __init__(self, directory: Path, blobs: list[Any], weights_only: bool) -> None:
+        self.where = directory / f"{PICKLED_ITEM}.safetensors"
+        self.blobs = blobs
+        self.weights_only = weights_only
+
+    def restore(self, value: Any, path: str) -> Any:
+        if isinstance(value, dict):
+            if set(value) == {PICKLED_MARKER}:
+                return self.load(value[PICKLED_MARKER], path)
+            return {k: self.restore(v, tree.join_path(path, k)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.restore(v, tree.join_path(path, i)) for i, v in enumerate(value)]
+        if type(value) is tuple:
+            return tuple(self.restore(v, tree.join_path(path, i)) for i, v in enumerate(value))
+        return value
+
+    def load(self, position: Any, path: str) -> Any:
+        where = path or "<root>"
+        if not (isinstance(position, int) and 0 <= position < len(self.blobs)):
+            raise CheckpointFormatError(
+                f"{self.where}: {where} refers to pickled value {position!r}, which is missing"
+            )
+        blob = self.blobs[position]
+        if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8:
+            raise CheckpointFormatError(f"{self.where}: pickled value {position} is malformed")
+        data = io.BytesIO(blob.numpy().tobytes())
+        try:
+            return torch.load(data, map_location="cpu", weights_only=self.weights_only)
+        except pickle.UnpicklingError as err:
+            raise UntrustedTargetError(
+                f"{self.where}: the value at {where} was stored with pickle and "
+                f"torch.load(weights_only=True) refused it ({err}). If you trust this "
+                "checkpoint, allow its types with torch.serialization.add_safe_globals([...]) "
+                "or load with weights_only=False (trainer.fit(..., weights_only=False))"
+            ) from err
+
+
+def load_lightning_checkpoint(
+    path: str | Path, map_location: Any = None, weights_only: bool | None = None
+) -> dict[str, Any]:
+    """Load a checkpoint directory written by :class:`FastCheckpointIO` as Lightning's dict.
+
+    Every file is checked against ``commit.json`` (size, crc32c) and every tensor against its
+    own crc32c. Values saved with ``allow_pickle=True`` are restored with
+    ``torch.load(weights_only=True)`` unless ``weights_only`` is ``False``.
+
+    Args:
+        path: the checkpoint directory (the path Lightning saved to).
+        map_location: a device (``"cpu"``, ``torch.device``) to move tensors to; other
+            forms (callables, dicts) load on the CPU, where Lightning moves them itself.
+        weights_only: ``False`` allows arbitrary unpickling of pickled values.
+
+    Raises:
+        FileNotFoundError: no such checkpoint, or a recorded file is missing.
+        CheckpointFormatError / ChecksumMismatchError: damaged files (named).
+        UntrustedTargetError: a pickled value the weights-only unpickler refuses.
+    """
+    directory = Path(path)
+    record = read_commit_record(directory)
+    items = record["items"]
+    for item in (CHECKPOINT_ITEM, INFO_ITEM):
+        if item not in items:
+            raise CheckpointFormatError(
+                f"{directory / COMMIT_RECORD}: item {item!r} is missing; this is not a "
+                "checkpoint written by fastckpt's Lightning plugin"
+            )
+    info = _load_item(directory, record, INFO_ITEM)
+    version = info.get("version") if isinstance(info, dict) else None
+    if not isinstance(info, dict) or info.get("format") != FORMAT or not isinstance(version, int):
+        raise CheckpointFormatError(f"{directory / INFO_ITEM}.json: not a {FORMAT} record")
+    if version > VERSION:
+        raise CheckpointFormatError(
+            f"{directory}: written by a newer fastckpt ({FORMAT} version {version}, this one "
+            f"reads up to {VERSION}); upgrade fastckpt"
+        )
+    checkpoint = _load_item(directory, record, CHECKPOINT_ITEM)
+    if not isinstance(checkpoint, dict):
+        raise CheckpointFormatError(f"{directory / CHECKPOINT_ITEM}.json: must hold a dict")
+    metadata = info.get("state_dict_metadata")
+    if PICKLED_ITEM in items:
+        blobs = _load_item(directory, record, PICKLED_ITEM)
+        unpickler = _Unpickler(directory, blobs, weights_only is not False)
+        checkpoint = unpickler.restore(checkpoint, "")
+        metadata = unpickler.restore(metadata, "state_dict._metadata")
+    state_dict = checkpoint.get("state_dict")
+    if isinstance(state_dict, dict):
+        ordered: Any = OrderedDict(state_dict)
+        if metadata is not None:
+            ordered._metadata = metadata
+        checkpoint["state_dict"] = ordered
+    if isinstance(map_location, (str, torch.device)):
+        device = torch.device(map_location)
+        checkpoint = tree.map_tensors(checkpoint, lambda tensor: tensor.to(device))
+    return checkpoint
+
+
+def _remove(path: Path) -> None:
+    """Remove a checkpoint: its commit record first (durably), so that an interrupted
+    removal never leaves something that looks like a complete checkpoint."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        (path / COMMIT_RECORD).unlink(missing_ok=True)
+        _native.fsync_dir(str(path))
+        shutil.rmtree(path)
+    else:
+        return
+    _native.fsync_dir(str(path.parent))
+
+
+# --------------------------------------------------------------------------- the plugins
+
+
+class FastCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` writing checkpoints through fastckpt (see the module doc).
+
+    Pass it to the trainer: ``Trainer(plugins=[FastCheckpointIO()])``. ``ModelCheckpoint``
+    (``save_top_k``, ``save_last``), ``trainer.save_checkpoint`` and
+    ``trainer.fit(ckpt_path=...)`` work unchanged; each checkpoint path is a directory.
+
+    Args:
+        allow_pickle: store values JSON and tensors cannot hold with ``torch.save`` instead of
+            refusing them with a ``TypeError`` naming their key path.
+        direct_io: write mode of the tensor files (None: fastckpt picks per file).
+        threads: writer threads per tensor file (None: fastckpt's default).
+    """
+
+    def __init__(
+        self,
+        *,
+        allow_pickle: bool = False,
+        direct_io: bool | None = None,
+        threads: int | None = None,
+    ) -> None:
+        """See the class docstring."""
+        super().__init__()
+        self.allow_pickle = allow_pickle
+        self.direct_io = direct_io
+        self.threads = threads
+
+    def _plan(self, checkpoint: dict[str, Any], storage_options: Any) -> Plan:
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__} takes no storage_options (got {storage_options!r}); "
+                "configure it through its constructor"
+            )
+        return plan_checkpoint(checkpoint, allow_pickle=self.allow_pickle)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Write ``checkpoint`` as directory ``path``; returns once it is durable.
+
+        Raises:
+            TypeError: a value that cannot be stored (key path named), or storage_options.
+            OSError: the write failed (``path`` keeps its previous content).
+        """
+        plan = self._plan(checkpoint, storage_options)
+        write_plan(path, plan, direct_io=self.direct_io, threads=self.threads)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load a checkpoint: a directory this plugin wrote, or a ``torch.save`` file.
+
+        Files written by Lightning's ``TorchCheckpointIO`` load through ``torch.load`` with
+        ``weights_only=True`` unless ``weights_only`` is ``False`` (for switching a run over).
+        """
+        target = Path(path)
+        if target.is_file():
+            location = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
+            loaded: dict[str, Any] = torch.load(
+                target, map_location=location, weights_only=weights_only is not False
+            )
+            return loaded
+        return load_lightning_checkpoint(target, map_location, weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove a checkpoint directory (or a file / link at ``path``); absent is fine."""
+        _remove(Path(path))
+
+
+class AsyncFastCheckpointIO(FastCheckpointIO):
+    """:class:`FastCheckpointIO` whose writes run on a background thread.
+
+    ``save_checkpoint`` copies the checkpoint's tensors into staging buffers that are
+    allocated once and reused by later saves (pinned memory and a side stream for CUDA
+    tensors), then returns; the write runs at lowered priority with the GIL released. One
+    write is in flight at a time: the next save waits for it first, ``load_checkpoint``
+    waits for it, ``remove_checkpoint`` waits when it removes the path being written, and
+    ``teardown`` (end of ``fit``) waits for the last one. A failed write is raised by the next
+    of these calls, chained to its cause.
+    """
+
+    def __init__(
+        self,
+        *,
+        allow_pickle: bool = False,
+        direct_io: bool | None = None,
+        threads: int | None = None,
+    ) -> None:
+        """See :class:`FastCheckpointIO`."""
+        super().__init__(allow_pickle=allow_pickle, direct_io=direct_io, threads=threads)
+        cuda = torch.cuda.is_available()
+        self._stager = make_stager(StagerOptions(pinned=cuda, non_blocking=cuda))
+        self._executor: ThreadPoolExecutor | None = None
+        self._future: Future[None] | None = None
+        self._pending: Path | None = None
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is durable.
+
+        Raises:
+            RuntimeError: that write failed (chained to its error).
+        """
+        future, pending = self._future, self._pending
+        self._future, self._pending = None, None
+        if future is None:
+            return
+        error = future.exception()
+        if error is not None:
+            raise RuntimeError(
+                f"the background checkpoint write to {pending} failed: {error}"
+            ) from (error)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Snapshot ``checkpoint`` and write it in the background (see the class doc)."""
+        self.wait()
+        plan = self._plan(checkpoint, storage_options)
+        groups = {item: tensors for item, (_, tensors) in plan.items.items()}
+        stage_groups(self._stager, groups, _every)
+        if self._executor is None:
+            self._executor = background_executor("fastckpt-lightning")
+        target = Path(path)
+        self._pending = target
+        self._future = self._executor.submit(
+            write_plan, target, plan, direct_io=self.direct_io, threads=self.threads
+        )
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Wait for the write in flight, then load (see :class:`FastCheckpointIO`)."""
+        self.wait()
+        return super().load_checkpoint(path, map_location, weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove a checkpoint, first waiting if it is the one being written."""
+        if self._pending is not None and Path(path).absolute() == self._pending.absolute():
+            self.wait()
+        super().remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        """Wait for the last write and stop the background thread (called by Lightning)."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+
+def _every(group: str, name: str) -> bool:
+    """Stage every tensor (Lightning holds no lock around its updates)."""
+    return True

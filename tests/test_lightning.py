@@ -1,0 +1,322 @@
+"""fastckpt.integrations.lightning: real ``Trainer.fit`` runs on CPU, stopped and resumed
+through fastckpt, compared bit for bit with Lightning's own ``TorchCheckpointIO``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import fastckpt
+from fastckpt.errors import ChecksumMismatchError, UntrustedTargetError
+from fastckpt.lazy import safe_open
+
+L = pytest.importorskip("lightning", reason="the 'lightning' extra is not installed")
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins import TorchCheckpointIO  # noqa: E402
+
+from fastckpt.integrations.lightning import (  # noqa: E402
+    AsyncFastCheckpointIO,
+    FastCheckpointIO,
+    load_lightning_checkpoint,
+)
+
+STOP, END = 6, 11  # 4 batches per epoch: the run stops mid-epoch and resumes there
+
+
+@pytest.fixture(autouse=True)
+def quiet_lightning() -> Iterator[None]:
+    """Lightning's info logs and tips say nothing these tests check."""
+    logger = logging.getLogger("lightning.pytorch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    logger.setLevel(level)
+
+
+class TinyModule(L.LightningModule):
+    """Linear -> BatchNorm (a buffer, and a state_dict with module versions) -> Linear, Adam
+    with a step scheduler: every kind of state a resume has to restore."""
+
+    def __init__(self, hidden: int = 8, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.Linear(hidden, 1)
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+
+def loader(shuffle: bool) -> DataLoader[Any]:
+    generator = torch.Generator().manual_seed(1)
+    data = TensorDataset(
+        torch.randn(32, 4, generator=generator), torch.randn(32, 1, generator=generator)
+    )
+    order = torch.Generator().manual_seed(2) if shuffle else None
+    return DataLoader(data, batch_size=8, shuffle=shuffle, generator=order)
+
+
+def fit(
+    io: Any, dirpath: Path, max_steps: int, ckpt_path: Path | None = None, shuffle: bool = True
+) -> tuple[TinyModule, Any]:
+    """One deterministic CPU run; checkpoints every 2 steps, top 2 by loss, plus last."""
+    torch.manual_seed(0)
+    module = TinyModule()
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        plugins=[io],
+        accelerator="cpu",
+        deterministic=True,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        default_root_dir=dirpath,
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=dirpath,
+                monitor="train_loss",
+                save_top_k=2,
+                every_n_train_steps=2,
+                save_last=True,
+            )
+        ],
+    )
+    trainer.fit(module, loader(shuffle), ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def assert_same_state(a: TinyModule, b: TinyModule) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def assert_equal_nests(a: Any, b: Any, path: str = "") -> None:
+    """Equal structure, equal leaves, tensors bit for bit (dict types may differ)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), path
+        for key in a:
+            assert_equal_nests(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_equal_nests(x, y, f"{path}.{i}")
+    else:
+        assert a == b and type(a) is type(b), path
+
+
+def without_paths(checkpoint: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """ModelCheckpoint's state names its own directory: make two runs' states comparable."""
+    text = str(directory)
+
+    def fix(value: Any) -> Any:
+        if isinstance(value, str):
+            return value.replace(text, "<dir>")
+        if isinstance(value, dict):
+            return {fix(k): fix(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [fix(v) for v in value]
+        return value
+
+    return fix(checkpoint)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def torch_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The same run through Lightning's own TorchCheckpointIO: stopped, then resumed."""
+    directory = tmp_path_factory.mktemp("torch_io")
+    stopped, _ = fit(TorchCheckpointIO(), directory, STOP)
+    names = sorted(os.listdir(directory))
+    last = torch.load(directory / "last.ckpt", weights_only=False)
+    resumed, _ = fit(TorchCheckpointIO(), directory, END, directory / "last.ckpt")
+    return {
+        "dir": directory,
+        "stopped": stopped,
+        "names": names,
+        "last": last,
+        "resumed": resumed,
+        "resumed_names": sorted(os.listdir(directory)),
+    }
+
+
+IO_KINDS: dict[str, Callable[[], Any]] = {
+    "sync": FastCheckpointIO,
+    "async": AsyncFastCheckpointIO,
+}
+
+
+@pytest.mark.parametrize("kind", list(IO_KINDS))
+def test_fit_stop_resume_matches_torch_checkpoint_io_bitwise(
+    kind: str, tmp_path: Path, torch_reference: dict[str, Any]
+) -> None:
+    directory = tmp_path / "ckpts"
+    stopped, _ = fit(IO_KINDS[kind](), directory, STOP)
+    assert_same_state(stopped, torch_reference["stopped"])
+    # ModelCheckpoint kept and removed the same checkpoints (top 2 by loss, and last)
+    assert sorted(os.listdir(directory)) == torch_reference["names"]
+    for name in torch_reference["names"]:
+        assert (directory / name / "commit.json").is_file()
+        assert fastckpt.verify(directory / name).ok
+    # what was saved is what Lightning's own checkpoint holds, tensors bit for bit
+    ours = load_lightning_checkpoint(directory / "last.ckpt")
+    assert_equal_nests(
+        without_paths(ours, directory),
+        without_paths(torch_reference["last"], torch_reference["dir"]),
+    )
+
+    resumed, trainer = fit(IO_KINDS[kind](), directory, END, directory / "last.ckpt")
+    assert trainer.global_step == END
+    assert_same_state(resumed, torch_reference["resumed"])
+    assert sorted(os.listdir(directory)) == torch_reference["resumed_names"]
+
+
+def test_resume_at_an_epoch_boundary_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    fit(FastCheckpointIO(), tmp_path / "a", 4, shuffle=False)
+    resumed, _ = fit(
+        FastCheckpointIO(), tmp_path / "a", 8, tmp_path / "a" / "last.ckpt", shuffle=False
+    )
+    straight, _ = fit(FastCheckpointIO(), tmp_path / "b", 8, shuffle=False)
+    assert_same_state(resumed, straight)
+
+
+def test_checkpoints_are_fastckpt_manager_checkpoints(
+    tmp_path: Path, torch_reference: dict[str, Any]
+) -> None:
+    directory = tmp_path / "ckpts"
+    module, _ = fit(FastCheckpointIO(), directory, 2)
+    path = directory / "last.ckpt"
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as mgr:
+        loaded = mgr.load(path)
+    weight = module.net[0].weight.detach()
+    assert torch.equal(loaded["checkpoint"]["state_dict"]["net.0.weight"], weight)
+    with safe_open(path, part="checkpoint") as handle:
+        assert torch.equal(handle.get_tensor("state_dict.net.0.weight"), weight)
+    # the state_dict keeps the modules' versions (BatchNorm reads them on load)
+    ours = load_lightning_checkpoint(path)
+    assert ours["state_dict"]._metadata == module.state_dict()._metadata
+    # a TorchCheckpointIO file loads through the plugin too (switching a run over)
+    torch_file = torch_reference["dir"] / "last.ckpt"
+    assert_equal_nests(
+        FastCheckpointIO().load_checkpoint(torch_file), torch.load(torch_file, weights_only=False)
+    )
+
+
+def test_a_corrupted_checkpoint_fails_the_resume_naming_the_file(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpts"
+    fit(FastCheckpointIO(), directory, 2)
+    tensors = directory / "last.ckpt" / "checkpoint.safetensors"
+    info = fastckpt.read_metadata(tensors)
+    begin, _ = info["tensors"]["state_dict.net.0.weight"]["data_offsets"]
+    with open(tensors, "r+b") as handle:
+        handle.seek(info["data_start"] + begin)
+        byte = handle.read(1)
+        handle.seek(info["data_start"] + begin)
+        handle.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ChecksumMismatchError, match=r"state_dict\.net\.0\.weight") as caught:
+        fit(FastCheckpointIO(), directory, 4, directory / "last.ckpt")
+    assert str(tensors) in str(caught.value)
+
+
+class Opaque:
+    """A user object JSON cannot hold."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque) and other.value == self.value
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def checkpoint_with(extra: Any) -> dict[str, Any]:
+    return {
+        "epoch": 1,
+        "global_step": 10,
+        "state_dict": {"w": torch.arange(4.0)},
+        "hyper_parameters": {"lr": 0.1, "extra": extra},
+    }
+
+
+def test_values_json_cannot_hold_are_refused_by_default(tmp_path: Path) -> None:
+    path = tmp_path / "x.ckpt"
+    with pytest.raises(TypeError, match=r"hyper_parameters\.extra: .*Opaque.*allow_pickle"):
+        FastCheckpointIO().save_checkpoint(checkpoint_with(Opaque(3)), path)
+    assert not path.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name != "x.ckpt"]  # no temporary left
+    with pytest.raises(TypeError, match="reserved"):
+        FastCheckpointIO().save_checkpoint(checkpoint_with({"__fastckpt_pickled__": 0}), path)
+
+
+def test_pickled_values_load_only_through_the_weights_only_unpickler(tmp_path: Path) -> None:
+    io = FastCheckpointIO(allow_pickle=True)
+    allowed = tmp_path / "allowed.ckpt"
+    io.save_checkpoint(checkpoint_with([torch.float16, torch.Size([2, 3])]), allowed)
+    loaded = io.load_checkpoint(allowed)
+    assert loaded["hyper_parameters"]["extra"] == [torch.float16, torch.Size([2, 3])]
+    assert torch.equal(loaded["state_dict"]["w"], torch.arange(4.0))
+
+    opaque = tmp_path / "opaque.ckpt"
+    io.save_checkpoint(checkpoint_with({"thing": Opaque(5), "path": pathlib.Path("p")}), opaque)
+    with pytest.raises(UntrustedTargetError, match=r"hyper_parameters\.extra\.thing"):
+        io.load_checkpoint(opaque)
+    trusted = io.load_checkpoint(opaque, weights_only=False)
+    assert trusted["hyper_parameters"]["extra"] == {"thing": Opaque(5), "path": pathlib.Path("p")}
+
+
+def test_remove_checkpoint_handles_directories_files_links_and_absence(tmp_path: Path) -> None:
+    io = FastCheckpointIO()
+    directory = tmp_path / "a.ckpt"
+    io.save_checkpoint(checkpoint_with(1), directory)
+    link = tmp_path / "last.ckpt"
+    link.symlink_to(directory.name)
+    single = tmp_path / "torch.ckpt"
+    torch.save({"x": 1}, single)
+    io.remove_checkpoint(link)
+    assert not os.path.lexists(link) and directory.is_dir()  # the link, not its target
+    io.remove_checkpoint(directory)
+    io.remove_checkpoint(single)
+    io.remove_checkpoint(tmp_path / "never-written.ckpt")
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_failed_background_write_is_raised_by_the_next_call(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where a directory must go")
+    io = AsyncFastCheckpointIO()
+    io.save_checkpoint(checkpoint_with(1), blocker / "x.ckpt")  # fails on the writer thread
+    with pytest.raises(RuntimeError, match="background checkpoint write") as caught:
+        io.save_checkpoint(checkpoint_with(2), tmp_path / "y.ckpt")
+    assert isinstance(caught.value.__cause__, OSError)
+    io.save_checkpoint(checkpoint_with(3), tmp_path / "y.ckpt")  # raised once: next one works
+    io.teardown()
+    assert io.load_checkpoint(tmp_path / "y.ckpt")["hyper_parameters"]["extra"] == 3
+
+
+def test_storage_options_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="storage_options"):
+        FastCheckpointIO().save_checkpoint(checkpoint_with(1), tmp_path / "x.ckpt", {"a": 1})
