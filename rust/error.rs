@@ -32,6 +32,13 @@ pub enum Error {
         expected: u32,
         actual: u32,
     },
+    /// The path names something other than a regular file (a FIFO, a device, a socket, or a
+    /// symbolic link where none is allowed); refused before reading a byte.
+    #[error(
+        "{path}: not a regular file ({kind}); fastckpt reads only regular files, refused \
+         without reading it"
+    )]
+    NotRegularFile { path: PathBuf, kind: &'static str },
     /// The caller passed something the core cannot work with.
     #[error("{0}")]
     InvalidArgument(String),

@@ -7,18 +7,32 @@
 //! ```
 //! The JSON header maps tensor names to `{dtype, shape, data_offsets: [begin, end]}` (offsets
 //! relative to the start of the data section) and has an optional `__metadata__` str->str map.
-//! fastckpt stores the crc32c of every tensor as a JSON string under the metadata key
-//! [`CHECKSUM_KEY`].
+//! fastckpt adds two metadata entries: the crc32c of every tensor under [`CHECKSUM_KEY`], and
+//! the crc32c of the header itself under [`HEADER_CRC_KEY`], so that no edit of a dtype, shape,
+//! offset, checksum or metadata value goes unnoticed (docs/on-disk-format.md, "Header
+//! checksum", describes the rules).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use serde_json::{Map, Value};
 
+use crate::checksum;
 use crate::error::{Error, Result};
+use crate::json;
 
 /// Metadata key holding `{"tensor name": "crc32c as 8 hex digits", ...}` as a JSON string.
 pub const CHECKSUM_KEY: &str = "fastckpt.crc32c";
+/// Metadata key holding the crc32c (8 lowercase hex digits) of the canonical JSON of the whole
+/// header without this entry (see [`header_crc32c`]).
+pub const HEADER_CRC_KEY: &str = "fastckpt.header_crc32c";
+/// The metadata keys fastckpt writes; user metadata may not use them or anything within
+/// [`NEAR_MISS_BYTES`] of them.
+pub const RESERVED_KEYS: [&str; 2] = [CHECKSUM_KEY, HEADER_CRC_KEY];
+/// A metadata key of the same length as a reserved key differing from it in at most this many
+/// bytes is treated as a damaged reserved key: one bit flip changes one byte, and a file that
+/// lost its checksum key must not read as a file that never had one.
+pub const NEAR_MISS_BYTES: usize = 2;
 /// The key safetensors reserves for user metadata.
 pub const METADATA_KEY: &str = "__metadata__";
 /// Largest header we accept (safetensors uses the same order of magnitude). A file claiming a
@@ -26,6 +40,9 @@ pub const METADATA_KEY: &str = "__metadata__";
 pub const MAX_HEADER_LEN: u64 = 100 * 1024 * 1024;
 /// Length of the little-endian header-size prefix.
 pub const PREFIX_LEN: u64 = 8;
+/// Largest number of elements (and stride) a dimension list may describe: frameworks index
+/// tensors with signed 64-bit integers.
+const MAX_ELEMENTS: u64 = i64::MAX as u64;
 
 /// Element types safetensors knows, with their on-disk names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -46,11 +63,18 @@ pub enum Dtype {
     C64,
     F8E4M3,
     F8E5M2,
+    F8E4M3Fnuz,
+    F8E5M2Fnuz,
+    F8E8M0,
+    /// Two 4-bit values per byte (torch `float4_e2m1fn_x2`; the header counts 4-bit elements).
+    F4,
+    F6E2M3,
+    F6E3M2,
 }
 
 impl Dtype {
     /// Every dtype, for tests and for listing in errors.
-    pub const ALL: [Dtype; 16] = [
+    pub const ALL: [Dtype; 22] = [
         Dtype::Bool,
         Dtype::U8,
         Dtype::I8,
@@ -67,6 +91,12 @@ impl Dtype {
         Dtype::C64,
         Dtype::F8E4M3,
         Dtype::F8E5M2,
+        Dtype::F8E4M3Fnuz,
+        Dtype::F8E5M2Fnuz,
+        Dtype::F8E8M0,
+        Dtype::F4,
+        Dtype::F6E2M3,
+        Dtype::F6E3M2,
     ];
 
     /// The safetensors name (`"F32"`, `"BF16"`, ...).
@@ -88,6 +118,12 @@ impl Dtype {
             Dtype::C64 => "C64",
             Dtype::F8E4M3 => "F8_E4M3",
             Dtype::F8E5M2 => "F8_E5M2",
+            Dtype::F8E4M3Fnuz => "F8_E4M3FNUZ",
+            Dtype::F8E5M2Fnuz => "F8_E5M2FNUZ",
+            Dtype::F8E8M0 => "F8_E8M0",
+            Dtype::F4 => "F4",
+            Dtype::F6E2M3 => "F6_E2M3",
+            Dtype::F6E3M2 => "F6_E3M2",
         }
     }
 
@@ -96,22 +132,110 @@ impl Dtype {
         Dtype::ALL.into_iter().find(|dtype| dtype.name() == name)
     }
 
-    /// Bytes per element.
-    pub fn size(self) -> u64 {
+    /// Bits per element.
+    pub fn bits(self) -> u64 {
         match self {
-            Dtype::Bool | Dtype::U8 | Dtype::I8 | Dtype::F8E4M3 | Dtype::F8E5M2 => 1,
-            Dtype::U16 | Dtype::I16 | Dtype::F16 | Dtype::Bf16 => 2,
-            Dtype::U32 | Dtype::I32 | Dtype::F32 => 4,
-            Dtype::U64 | Dtype::I64 | Dtype::F64 | Dtype::C64 => 8,
+            Dtype::F4 => 4,
+            Dtype::F6E2M3 | Dtype::F6E3M2 => 6,
+            Dtype::Bool
+            | Dtype::U8
+            | Dtype::I8
+            | Dtype::F8E4M3
+            | Dtype::F8E5M2
+            | Dtype::F8E4M3Fnuz
+            | Dtype::F8E5M2Fnuz
+            | Dtype::F8E8M0 => 8,
+            Dtype::U16 | Dtype::I16 | Dtype::F16 | Dtype::Bf16 => 16,
+            Dtype::U32 | Dtype::I32 | Dtype::F32 => 32,
+            Dtype::U64 | Dtype::I64 | Dtype::F64 | Dtype::C64 => 64,
+        }
+    }
+
+    /// Alignment of a tensor's first byte: the element size, one byte for sub-byte types.
+    pub fn align(self) -> u64 {
+        (self.bits() / 8).max(1)
+    }
+}
+
+/// Why a dtype and shape do not describe a storable tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SizeError {
+    /// The element count (or a stride) exceeds 2**63 - 1, or the byte count overflows.
+    TooLarge,
+    /// Sub-byte elements that do not fill whole bytes.
+    PartialByte,
+}
+
+impl SizeError {
+    /// What to tell the user.
+    pub fn describe(self) -> &'static str {
+        match self {
+            SizeError::TooLarge => {
+                "the dimensions multiply to more than 2**63 - 1 elements (counting empty \
+                 dimensions as 1, as strides do); no framework can index such a tensor"
+            }
+            SizeError::PartialByte => "the elements do not fill a whole number of bytes",
         }
     }
 }
 
-/// Number of bytes a tensor of `dtype` and `shape` occupies, or None on overflow.
-pub fn tensor_nbytes(dtype: Dtype, shape: &[u64]) -> Option<u64> {
-    shape
-        .iter()
-        .try_fold(dtype.size(), |acc, &dim| acc.checked_mul(dim))
+/// Number of bytes a tensor of `dtype` and `shape` occupies.
+///
+/// The product of the dimensions, with empty ones counted as 1 (that is the largest stride a
+/// framework computes), must stay within 2**63 - 1, also for tensors with no elements: a
+/// header claiming shape `[0, 2**64 - 1]` describes zero bytes but no loadable tensor.
+pub fn tensor_nbytes(dtype: Dtype, shape: &[u64]) -> std::result::Result<u64, SizeError> {
+    let mut strides = 1u64;
+    let mut numel = 1u64;
+    for &dim in shape {
+        strides = strides
+            .checked_mul(dim.max(1))
+            .filter(|&n| n <= MAX_ELEMENTS)
+            .ok_or(SizeError::TooLarge)?;
+        numel *= dim; // <= strides, cannot overflow
+    }
+    let bits = numel.checked_mul(dtype.bits()).ok_or(SizeError::TooLarge)?;
+    if bits % 8 != 0 {
+        return Err(SizeError::PartialByte);
+    }
+    Ok(bits / 8)
+}
+
+/// The reserved key `key` is a damaged copy of, if any: not equal to it, but equal ignoring
+/// ASCII case, or of the same length and differing in at most [`NEAR_MISS_BYTES`] bytes.
+pub fn near_reserved_key(key: &str) -> Option<&'static str> {
+    RESERVED_KEYS.into_iter().find(|reserved| {
+        key != *reserved
+            && (key.eq_ignore_ascii_case(reserved)
+                || (key.len() == reserved.len()
+                    && key
+                        .bytes()
+                        .zip(reserved.bytes())
+                        .filter(|(a, b)| a != b)
+                        .count()
+                        <= NEAR_MISS_BYTES))
+    })
+}
+
+/// crc32c of the canonical JSON ([`json::canonical`]) of a parsed header object with the
+/// [`HEADER_CRC_KEY`] entry left out of `__metadata__`: what [`HEADER_CRC_KEY`] stores.
+pub fn header_crc32c(root: &Map<String, Value>) -> u32 {
+    let mut root = root.clone();
+    if let Some(Value::Object(meta)) = root.get_mut(METADATA_KEY) {
+        meta.shift_remove(HEADER_CRC_KEY);
+    }
+    checksum::append(0, json::canonical(&Value::Object(root)).as_bytes())
+}
+
+/// Parses 8 lowercase hex digits, the only spelling fastckpt writes (so that even a bit flip
+/// that only changes a digit's case is noticed).
+fn parse_hex_crc(text: &str) -> Option<u32> {
+    let lowercase_hex = |c: u8| c.is_ascii_digit() || (b'a'..=b'f').contains(&c);
+    if text.len() == 8 && text.bytes().all(lowercase_hex) {
+        u32::from_str_radix(text, 16).ok()
+    } else {
+        None
+    }
 }
 
 /// One tensor as described by the header.
@@ -149,6 +273,9 @@ pub struct Header {
     pub metadata: BTreeMap<String, String>,
     /// crc32c per tensor name, when the file was written by fastckpt.
     pub checksums: HashMap<String, u32>,
+    /// The verified header checksum, when the file has one (fastckpt writes it since the
+    /// on-disk format gained it; older fastckpt files and safetensors files have none).
+    pub header_crc32c: Option<u32>,
     /// Absolute file offset where the data section starts.
     pub data_start: u64,
 }
@@ -165,12 +292,21 @@ impl Header {
     }
 }
 
-/// Validates a user metadata map (str -> str, reserved keys refused).
+/// Validates a user metadata map: fastckpt's reserved keys, and keys a reader would take for a
+/// damaged reserved key, are refused.
 fn check_metadata(metadata: &BTreeMap<String, String>) -> Result<()> {
-    if metadata.contains_key(CHECKSUM_KEY) {
-        return Err(Error::InvalidArgument(format!(
-            "metadata key `{CHECKSUM_KEY}` is reserved for fastckpt's checksums; rename it"
-        )));
+    for key in metadata.keys() {
+        if RESERVED_KEYS.contains(&key.as_str()) {
+            return Err(Error::InvalidArgument(format!(
+                "metadata key `{key}` is reserved for fastckpt's checksums; rename it"
+            )));
+        }
+        if let Some(reserved) = near_reserved_key(key) {
+            return Err(Error::InvalidArgument(format!(
+                "metadata key `{key}` is too close to fastckpt's reserved key `{reserved}` \
+                 (readers would take it for a damaged checksum entry); rename it"
+            )));
+        }
     }
     Ok(())
 }
@@ -197,15 +333,21 @@ pub fn plan_layout(descs: Vec<TensorDesc>) -> Result<Vec<TensorInfo>> {
     let mut descs = descs;
     descs.sort_by(|a, b| {
         b.dtype
-            .size()
-            .cmp(&a.dtype.size())
+            .align()
+            .cmp(&a.dtype.align())
             .then_with(|| a.name.cmp(&b.name))
     });
     let mut offset = 0u64;
     let mut tensors = Vec::with_capacity(descs.len());
     for desc in descs {
-        let nbytes = tensor_nbytes(desc.dtype, &desc.shape).ok_or_else(|| {
-            Error::InvalidArgument(format!("tensor `{}`: size overflows u64", desc.name))
+        let nbytes = tensor_nbytes(desc.dtype, &desc.shape).map_err(|e| {
+            Error::InvalidArgument(format!(
+                "tensor `{}`: dtype {} x shape {:?}: {}",
+                desc.name,
+                desc.dtype.name(),
+                desc.shape,
+                e.describe()
+            ))
         })?;
         let end = offset
             .checked_add(nbytes)
@@ -265,7 +407,10 @@ pub fn encode_header(
         );
     }
     let mut root = Map::new();
-    root.insert(METADATA_KEY.to_string(), Value::Object(meta));
+    // Like safetensors, no `__metadata__` at all when there is nothing to put in it.
+    if !meta.is_empty() {
+        root.insert(METADATA_KEY.to_string(), Value::Object(meta));
+    }
     for tensor in tensors {
         let mut entry = Map::new();
         entry.insert("dtype".into(), Value::String(tensor.dtype.name().into()));
@@ -278,6 +423,16 @@ pub fn encode_header(
             Value::Array(vec![Value::from(tensor.begin), Value::from(tensor.end)]),
         );
         root.insert(tensor.name.clone(), Value::Object(entry));
+    }
+    if let Some(crcs) = values {
+        // Computed over everything else in the header, this entry included last.
+        let header_crc = crcs.map_or(0, |_| header_crc32c(&root));
+        if let Some(Value::Object(meta)) = root.get_mut(METADATA_KEY) {
+            meta.insert(
+                HEADER_CRC_KEY.to_string(),
+                Value::String(format!("{header_crc:08x}")),
+            );
+        }
     }
     let mut json = Value::Object(root).to_string().into_bytes();
     // Pad with spaces so the data section starts 8-byte aligned (valid JSON whitespace).
@@ -346,100 +501,157 @@ fn parse_offsets(path: &Path, name: &str, value: Option<&Value>) -> Result<(u64,
 
 fn parse_checksums(path: &Path, text: &str) -> Result<HashMap<String, u32>> {
     let bad = |msg: &str| Error::format(path, CHECKSUM_KEY, msg.to_string());
-    let value: Value = serde_json::from_str(text).map_err(|_| bad("not valid JSON"))?;
+    let value = json::parse_strict(text).map_err(|e| bad(&format!("not valid JSON: {e}")))?;
     let object = value.as_object().ok_or_else(|| bad("not a JSON object"))?;
     object
         .iter()
         .map(|(name, crc)| {
-            let hex = crc.as_str().filter(|hex| hex.len() == 8);
-            let crc = hex
-                .and_then(|hex| u32::from_str_radix(hex, 16).ok())
-                .ok_or_else(|| bad(&format!("entry `{name}` is not 8 hex digits")))?;
+            let crc = crc
+                .as_str()
+                .and_then(parse_hex_crc)
+                .ok_or_else(|| bad(&format!("entry `{name}` is not 8 lowercase hex digits")))?;
             Ok((name.clone(), crc))
         })
         .collect()
 }
 
-fn parse_metadata(
-    path: &Path,
-    value: &Value,
-) -> Result<(BTreeMap<String, String>, HashMap<String, u32>)> {
+/// User metadata, tensor checksums and the header checksum found in `__metadata__`.
+struct Metadata {
+    user: BTreeMap<String, String>,
+    checksums: Option<HashMap<String, u32>>,
+    header_crc: Option<u32>,
+}
+
+fn parse_metadata(path: &Path, value: &Value) -> Result<Metadata> {
     let object = value
         .as_object()
         .ok_or_else(|| Error::format(path, METADATA_KEY, "must be a str -> str mapping"))?;
-    let mut metadata = BTreeMap::new();
-    let mut checksums = HashMap::new();
+    let mut parsed = Metadata {
+        user: BTreeMap::new(),
+        checksums: None,
+        header_crc: None,
+    };
     for (key, value) in object {
-        let text = value.as_str().ok_or_else(|| {
-            Error::format(
-                path,
-                format!("{METADATA_KEY}.{key}"),
-                "metadata values must be strings",
-            )
-        })?;
+        let field = format!("{METADATA_KEY}.{key}");
+        let text = value
+            .as_str()
+            .ok_or_else(|| Error::format(path, &field, "metadata values must be strings"))?;
         if key == CHECKSUM_KEY {
-            checksums = parse_checksums(path, text)?;
+            parsed.checksums = Some(parse_checksums(path, text)?);
+        } else if key == HEADER_CRC_KEY {
+            parsed.header_crc = Some(parse_hex_crc(text).ok_or_else(|| {
+                Error::format(path, HEADER_CRC_KEY, "not 8 lowercase hex digits")
+            })?);
+        } else if let Some(reserved) = near_reserved_key(key) {
+            return Err(Error::format(
+                path,
+                field,
+                format!(
+                    "looks like fastckpt's `{reserved}` key with damaged bytes: the header is \
+                     corrupt (restore the file or load an older checkpoint)"
+                ),
+            ));
         } else {
-            metadata.insert(key.clone(), text.to_string());
+            parsed.user.insert(key.clone(), text.to_string());
         }
     }
-    Ok((metadata, checksums))
+    if parsed.header_crc.is_some() && parsed.checksums.is_none() {
+        return Err(Error::format(
+            path,
+            CHECKSUM_KEY,
+            format!("missing although `{HEADER_CRC_KEY}` is present: the header is corrupt"),
+        ));
+    }
+    Ok(parsed)
+}
+
+/// One tensor entry of the header, validated on its own.
+fn parse_tensor(path: &Path, name: &str, entry: &Value) -> Result<TensorInfo> {
+    let entry = entry.as_object().ok_or_else(|| {
+        Error::format(path, name, "must be an object {dtype, shape, data_offsets}")
+    })?;
+    let dtype_name = entry.get("dtype").and_then(Value::as_str).unwrap_or("");
+    let dtype = Dtype::from_name(dtype_name).ok_or_else(|| {
+        Error::format(
+            path,
+            format!("{name}.dtype"),
+            format!("unknown dtype `{dtype_name}`"),
+        )
+    })?;
+    let shape = parse_shape(path, name, entry.get("shape"))?;
+    let (begin, end) = parse_offsets(path, name, entry.get("data_offsets"))?;
+    let expected = tensor_nbytes(dtype, &shape).map_err(|e| {
+        Error::format(
+            path,
+            format!("{name}.shape"),
+            format!("{shape:?} with dtype {}: {}", dtype.name(), e.describe()),
+        )
+    })?;
+    if end - begin != expected {
+        return Err(Error::format(
+            path,
+            format!("{name}.data_offsets"),
+            format!(
+                "covers {} bytes but dtype {} x shape {:?} needs {expected}",
+                end - begin,
+                dtype.name(),
+                shape
+            ),
+        ));
+    }
+    Ok(TensorInfo {
+        name: name.to_string(),
+        dtype,
+        shape,
+        begin,
+        end,
+    })
 }
 
 /// Parses and validates the JSON header of a file of `file_len` bytes.
 ///
-/// Checks: valid UTF-8 JSON object; every entry has a known dtype, integer shape and offsets;
-/// `end - begin == dtype size x numel`; tensors tile the data section without gaps or
+/// Checks: valid UTF-8 JSON object without duplicate keys; the header checksum, when present,
+/// matches (checked first: any edit of a fastckpt header is reported as such); no metadata key
+/// is a damaged copy of a reserved one; every entry has a known dtype, integer shape and
+/// offsets; `end - begin == dtype size x numel`; tensors tile the data section without gaps or
 /// overlaps from offset 0; the data section ends exactly at the end of the file (a shorter
 /// file is truncated, a longer one is not something we wrote); checksums name real tensors.
 pub fn parse_header(path: &Path, json: &[u8], file_len: u64) -> Result<Header> {
     let data_start = PREFIX_LEN + json.len() as u64;
     let text = std::str::from_utf8(json)
         .map_err(|_| Error::format(path, "header", "header is not valid UTF-8"))?;
-    let root: Value = serde_json::from_str(text.trim_end_matches(' '))
+    let root = json::parse_strict(text.trim_end_matches(' '))
         .map_err(|err| Error::format(path, "header", format!("invalid JSON: {err}")))?;
     let root = root
         .as_object()
         .ok_or_else(|| Error::format(path, "header", "header must be a JSON object"))?;
-    let mut metadata = BTreeMap::new();
-    let mut checksums = HashMap::new();
-    let mut tensors = Vec::with_capacity(root.len());
-    for (name, entry) in root {
-        if name == METADATA_KEY {
-            (metadata, checksums) = parse_metadata(path, entry)?;
-            continue;
-        }
-        let dtype_name = entry.get("dtype").and_then(Value::as_str).unwrap_or("");
-        let dtype = Dtype::from_name(dtype_name).ok_or_else(|| {
-            Error::format(
-                path,
-                format!("{name}.dtype"),
-                format!("unknown dtype `{dtype_name}`"),
-            )
-        })?;
-        let shape = parse_shape(path, name, entry.get("shape"))?;
-        let (begin, end) = parse_offsets(path, name, entry.get("data_offsets"))?;
-        let expected = tensor_nbytes(dtype, &shape)
-            .ok_or_else(|| Error::format(path, format!("{name}.shape"), "size overflows u64"))?;
-        if end - begin != expected {
+    let metadata = match root.get(METADATA_KEY) {
+        Some(value) => parse_metadata(path, value)?,
+        None => Metadata {
+            user: BTreeMap::new(),
+            checksums: None,
+            header_crc: None,
+        },
+    };
+    if let Some(stored) = metadata.header_crc {
+        let actual = header_crc32c(root);
+        if actual != stored {
             return Err(Error::format(
                 path,
-                format!("{name}.data_offsets"),
+                HEADER_CRC_KEY,
                 format!(
-                    "covers {} bytes but dtype {} x shape {:?} needs {expected}",
-                    end - begin,
-                    dtype.name(),
-                    shape
+                    "the header does not match its checksum (stored {stored:08x}, computed \
+                     {actual:08x}): a dtype, shape, offset, checksum or metadata entry was \
+                     changed; the file is corrupt (restore it or load an older checkpoint)"
                 ),
             ));
         }
-        tensors.push(TensorInfo {
-            name: name.clone(),
-            dtype,
-            shape,
-            begin,
-            end,
-        });
+    }
+    let mut tensors = Vec::with_capacity(root.len());
+    for (name, entry) in root {
+        if name != METADATA_KEY {
+            tensors.push(parse_tensor(path, name, entry)?);
+        }
     }
     tensors.sort_by_key(|t| (t.begin, t.end));
     let mut cursor = 0u64;
@@ -471,6 +683,7 @@ pub fn parse_header(path: &Path, json: &[u8], file_len: u64) -> Result<Header> {
             format!("header describes {described} bytes but the file has {file_len}: {problem}"),
         ));
     }
+    let checksums = metadata.checksums.unwrap_or_default();
     if let Some(unknown) = checksums.keys().find(|name| !root.contains_key(*name)) {
         return Err(Error::format(
             path,
@@ -478,10 +691,23 @@ pub fn parse_header(path: &Path, json: &[u8], file_len: u64) -> Result<Header> {
             format!("checksum for unknown tensor `{unknown}`"),
         ));
     }
+    if metadata.header_crc.is_some() {
+        if let Some(missing) = tensors.iter().find(|t| !checksums.contains_key(&t.name)) {
+            return Err(Error::format(
+                path,
+                CHECKSUM_KEY,
+                format!(
+                    "no checksum for tensor `{}`: the header is corrupt",
+                    missing.name
+                ),
+            ));
+        }
+    }
     Ok(Header {
         tensors,
-        metadata,
+        metadata: metadata.user,
         checksums,
+        header_crc32c: metadata.header_crc,
         data_start,
     })
 }
@@ -500,10 +726,11 @@ mod tests {
 
     fn encode(descs: Vec<TensorDesc>, crcs: Option<&[u32]>) -> (Vec<TensorInfo>, Vec<u8>) {
         let tensors = plan_layout(descs).unwrap();
+        let zeros = vec![0; tensors.len()];
         let header = encode_header(
             &tensors,
             &BTreeMap::new(),
-            crcs.map_or(Checksums::Placeholder, Checksums::Values),
+            Checksums::Values(crcs.unwrap_or(&zeros)),
         )
         .unwrap();
         (tensors, header)
@@ -527,8 +754,10 @@ mod tests {
         for dtype in Dtype::ALL {
             assert_eq!(Dtype::from_name(dtype.name()), Some(dtype));
         }
-        assert_eq!(Dtype::Bf16.size(), 2);
-        assert_eq!(Dtype::F8E4M3.size(), 1);
+        assert_eq!(Dtype::Bf16.bits(), 16);
+        assert_eq!(Dtype::F8E4M3.align(), 1);
+        assert_eq!(Dtype::F4.align(), 1);
+        assert_eq!(Dtype::from_name("F8_E8M0"), Some(Dtype::F8E8M0));
         assert_eq!(Dtype::from_name("F128"), None);
     }
 
@@ -686,6 +915,70 @@ mod tests {
     }
 
     #[test]
+    fn element_counts_beyond_i64_are_refused_even_when_empty() {
+        let field = format_field(parse(&raw_file(
+            r#"{"a":{"dtype":"F32","shape":[0,18446744073709551615],"data_offsets":[0,0]}}"#,
+            0,
+        )));
+        assert_eq!(field, "a.shape");
+        let max = i64::MAX as u64;
+        assert_eq!(tensor_nbytes(Dtype::F32, &[0, max]), Ok(0));
+        assert_eq!(
+            tensor_nbytes(Dtype::U8, &[0, 1 << 62, 2]),
+            Err(SizeError::TooLarge)
+        );
+        assert_eq!(
+            tensor_nbytes(Dtype::U64, &[1 << 62]),
+            Err(SizeError::TooLarge)
+        );
+    }
+
+    #[test]
+    fn sub_byte_dtypes_need_whole_bytes() {
+        assert_eq!(tensor_nbytes(Dtype::F4, &[2, 4]), Ok(4));
+        assert_eq!(tensor_nbytes(Dtype::F4, &[3]), Err(SizeError::PartialByte));
+        assert_eq!(tensor_nbytes(Dtype::F6E2M3, &[4]), Ok(3));
+        let refused = plan_layout(vec![desc("q", Dtype::F4, &[1])]);
+        assert!(matches!(refused, Err(Error::InvalidArgument(m)) if m.contains("whole number")));
+    }
+
+    #[test]
+    fn metadata_keys_close_to_reserved_ones_are_refused_on_write() {
+        for key in [
+            CHECKSUM_KEY,
+            HEADER_CRC_KEY,
+            "fastckpt.crc32d",
+            "FASTCKPT.CRC32C",
+        ] {
+            let meta = BTreeMap::from([(key.to_string(), "x".to_string())]);
+            let refused = encode_header(&[], &meta, Checksums::Omitted);
+            assert!(matches!(refused, Err(Error::InvalidArgument(_))), "{key}");
+        }
+        let fine = BTreeMap::from([("fastckpt.source".to_string(), "x".to_string())]);
+        assert!(encode_header(&[], &fine, Checksums::Omitted).is_ok());
+    }
+
+    #[test]
+    fn no_metadata_object_without_metadata_or_checksums() {
+        let tensors = plan_layout(vec![desc("a", Dtype::U8, &[1])]).unwrap();
+        let header = encode_header(&tensors, &BTreeMap::new(), Checksums::Omitted).unwrap();
+        let json = std::str::from_utf8(&header[8..]).unwrap();
+        assert!(!json.contains(METADATA_KEY), "{json}");
+    }
+
+    #[test]
+    fn the_header_checksum_is_the_crc_of_the_canonical_header_without_it() {
+        let tensors = plan_layout(vec![desc("w", Dtype::F32, &[2])]).unwrap();
+        let header = encode_header(&tensors, &BTreeMap::new(), Checksums::Values(&[7])).unwrap();
+        let parsed = parse(&file_with_data(&header, 8)).unwrap();
+        let canonical = r#"{"__metadata__":{"fastckpt.crc32c":"{\"w\":\"00000007\"}"},"w":{"data_offsets":[0,8],"dtype":"F32","shape":[2]}}"#;
+        assert_eq!(
+            parsed.header_crc32c,
+            Some(checksum::append(0, canonical.as_bytes()))
+        );
+    }
+
+    #[test]
     fn huge_or_truncated_header_length_is_refused_without_allocating() {
         let path = Path::new("t");
         let huge = u64::MAX.to_le_bytes();
@@ -711,15 +1004,15 @@ mod tests {
     proptest::proptest! {
         #[test]
         fn any_layout_round_trips(shapes in proptest::collection::vec(
-            (0usize..16, proptest::collection::vec(0u64..5, 0..4)), 0..12)) {
+            (0usize..Dtype::ALL.len(), proptest::collection::vec(0u64..5, 0..4)), 0..12)) {
             let descs: Vec<_> = shapes.iter().enumerate().map(|(i, (d, shape))| {
                 desc(&format!("t{i}"), Dtype::ALL[*d], shape)
-            }).collect();
+            }).filter(|d| tensor_nbytes(d.dtype, &d.shape).is_ok()).collect();
             let (tensors, header) = encode(descs, None);
             let data_len = tensors.last().map_or(0, |t| t.end);
             let parsed = parse(&file_with_data(&header, data_len)).unwrap();
             for t in &parsed.tensors {
-                proptest::prop_assert_eq!(t.begin % t.dtype.size(), 0);
+                proptest::prop_assert_eq!(t.begin % t.dtype.align(), 0);
             }
             proptest::prop_assert_eq!(parsed.tensors.len(), tensors.len());
         }
@@ -775,7 +1068,7 @@ mod tests {
             for tensor in &header.tensors {
                 prop_assert_eq!(tensor.begin, cursor);
                 prop_assert_eq!(
-                    Some(tensor.nbytes()),
+                    Ok(tensor.nbytes()),
                     tensor_nbytes(tensor.dtype, &tensor.shape)
                 );
                 cursor = tensor.end;
@@ -784,6 +1077,84 @@ mod tests {
                 prop_assert!(header.tensor(name).is_some());
             }
             Ok(())
+        }
+
+        /// Rewrites the JSON of `file` through `edit`, with a consistent length prefix.
+        fn edit_json(file: &[u8], edit: impl FnOnce(&str) -> String) -> Vec<u8> {
+            let len = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+            let json = std::str::from_utf8(&file[8..8 + len]).unwrap();
+            let mut edited = edit(json.trim_end()).into_bytes();
+            edited.resize(edited.len().div_ceil(8) * 8, b' ');
+            let mut out = (edited.len() as u64).to_le_bytes().to_vec();
+            out.extend_from_slice(&edited);
+            out.extend_from_slice(&file[8 + len..]);
+            out
+        }
+
+        fn failed_field(result: Result<Header>) -> String {
+            match result {
+                Err(Error::Format { field, .. }) => field,
+                other => panic!("expected a format error, got {other:?}"),
+            }
+        }
+
+        #[test]
+        fn every_single_bit_flip_in_the_header_is_refused() {
+            let file = real_file();
+            let header_end = 8 + u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+            for position in 0..header_end {
+                for bit in 0..8 {
+                    let mut damaged = file.clone();
+                    damaged[position] ^= 1 << bit;
+                    assert!(
+                        parse_file(&damaged).is_err(),
+                        "flipping bit {bit} of byte {position} ({:?}) went unnoticed",
+                        file[position] as char
+                    );
+                }
+            }
+        }
+
+        #[test]
+        fn a_damaged_checksum_key_is_not_a_file_without_checksums() {
+            let file = real_file();
+            for (key, damaged) in [
+                (CHECKSUM_KEY, "fastckpt.crb32c"),
+                (CHECKSUM_KEY, "Fastckpt.crc32c"),
+                (HEADER_CRC_KEY, "fastckpt.header_crc32b"),
+            ] {
+                let edited = edit_json(&file, |json| json.replace(key, damaged));
+                let field = failed_field(parse_file(&edited));
+                assert!(field.ends_with(damaged), "{damaged}: {field}");
+            }
+        }
+
+        #[test]
+        fn edits_of_empty_shapes_dtypes_and_checksums_are_refused() {
+            let file = real_file();
+            for (from, to) in [
+                (r#""shape":[0,5]"#, r#""shape":[5,0]"#),
+                (r#""dtype":"F32""#, r#""dtype":"I32""#),
+                (r#""format":"pt""#, r#""format":"np""#),
+                ("12345678", "12345679"),
+            ] {
+                assert!(
+                    file.windows(from.len()).any(|w| w == from.as_bytes()),
+                    "{from}"
+                );
+                let edited = edit_json(&file, |json| json.replacen(from, to, 1));
+                assert_eq!(failed_field(parse_file(&edited)), HEADER_CRC_KEY, "{from}");
+            }
+        }
+
+        #[test]
+        fn a_duplicate_metadata_object_is_refused() {
+            let file = real_file();
+            let edited = edit_json(&file, |json| {
+                format!(r#"{{"__metadata__":{{}},{}"#, &json[1..])
+            });
+            let err = parse_file(&edited).unwrap_err().to_string();
+            assert!(err.contains("duplicate key `__metadata__`"), "{err}");
         }
 
         #[test]

@@ -1,13 +1,14 @@
 //! fastckpt's Rust core: safetensors-compatible files written with parallel chunked I/O and
 //! per-tensor crc32c checksums, and the PyO3 bindings that expose it as `fastckpt._native`.
 //!
-//! The core modules (`format`, `checksum`, `writer`, `replace`, `reader`, `error`) know nothing
+//! The core modules (`format`, `json`, `checksum`, `writer`, `replace`, `reader`, `error`) know nothing
 //! about Python; the bindings, and the mapping of core errors to Python exceptions, live in
 //! `py_api` and are compiled only with the `python` feature (maturin).
 
 pub mod checksum;
 pub mod error;
 pub mod format;
+pub mod json;
 pub mod reader;
 pub mod replace;
 pub mod writer;
@@ -20,8 +21,8 @@ mod py_api;
 mod _native {
     #[pymodule_export]
     use crate::py_api::{
-        check_mapped, crc32c, fsync_dir, read_header, save_file, temp_prefix, verify_file,
-        write_bytes_atomic, write_ceiling,
+        check_mapped, crc32c, fsync_dir, open_regular, read_header, save_file, temp_prefix,
+        verify_file, write_bytes_atomic, write_ceiling,
     };
 
     #[pymodule_export]

@@ -52,7 +52,9 @@ impl From<Error> for PyErr {
                 )),
                 None => PyOSError::new_err(message),
             },
-            Error::Format { .. } => python_error("CheckpointFormatError", message),
+            Error::Format { .. } | Error::NotRegularFile { .. } => {
+                python_error("CheckpointFormatError", message)
+            }
             Error::Checksum { .. } => python_error("ChecksumMismatchError", message),
             Error::InvalidArgument(_) => PyValueError::new_err(message),
         }
@@ -197,10 +199,16 @@ pub fn check_mapped<'py>(
 
 /// Returns the validated header of `path` as a dict:
 /// `{"tensors": [{"name", "dtype", "shape", "data_offsets"}], "metadata": {..},
-/// "checksums": {name: int}, "data_start": int, "file_len": int}`.
+/// "checksums": {name: int}, "header_crc32c": int | None, "data_start": int, "file_len": int}`.
+/// `path` must be a regular file (a symbolic link is followed only with `follow_symlinks`).
 #[pyfunction]
-pub fn read_header(py: Python<'_>, path: PathBuf) -> PyResult<Bound<'_, PyDict>> {
-    let reader = py.detach(|| Reader::open(&path))?;
+#[pyo3(signature = (path, follow_symlinks=true))]
+pub fn read_header(
+    py: Python<'_>,
+    path: PathBuf,
+    follow_symlinks: bool,
+) -> PyResult<Bound<'_, PyDict>> {
+    let reader = py.detach(|| Reader::open(&path, follow_symlinks))?;
     header_dict(py, reader.header())
 }
 
@@ -218,17 +226,36 @@ fn header_dict<'py>(py: Python<'py>, header: &Header) -> PyResult<Bound<'py, PyD
     result.set_item("tensors", tensors)?;
     result.set_item("metadata", header.metadata.clone())?;
     result.set_item("checksums", header.checksums.clone())?;
+    result.set_item("header_crc32c", header.header_crc32c)?;
     result.set_item("data_start", header.data_start)?;
     result.set_item("file_len", header.file_len())?;
     Ok(result)
 }
 
-/// Reads every tensor of `path` and checks its crc32c; raises on any mismatch. Returns
+/// Reads every tensor of `path` (a regular file; a symbolic link is followed only with
+/// `follow_symlinks`) and checks its crc32c; raises on any mismatch. Returns
 /// `(file_crc32c, names of tensors without a stored checksum)`.
 #[pyfunction]
-#[pyo3(signature = (path, threads))]
-pub fn verify_file(py: Python<'_>, path: PathBuf, threads: usize) -> PyResult<(u32, Vec<String>)> {
-    Ok(py.detach(|| Reader::open(&path)?.verify(threads.max(1)))?)
+#[pyo3(signature = (path, threads, follow_symlinks=true))]
+pub fn verify_file(
+    py: Python<'_>,
+    path: PathBuf,
+    threads: usize,
+    follow_symlinks: bool,
+) -> PyResult<(u32, Vec<String>)> {
+    Ok(py.detach(|| Reader::open(&path, follow_symlinks)?.verify(threads.max(1)))?)
+}
+
+/// Opens `path` read-only if it is a regular file and returns the descriptor (the caller owns
+/// it: wrap it with `os.fdopen` or close it). FIFOs, devices and sockets raise
+/// `CheckpointFormatError` at once without blocking or reading; a symbolic link as the last
+/// component is refused unless `follow_symlinks`; a directory raises `IsADirectoryError`.
+#[pyfunction]
+#[pyo3(signature = (path, follow_symlinks=true))]
+pub fn open_regular(py: Python<'_>, path: PathBuf, follow_symlinks: bool) -> PyResult<i32> {
+    use std::os::fd::IntoRawFd;
+    let file = py.detach(|| crate::reader::open_regular(&path, follow_symlinks))?;
+    Ok(file.into_raw_fd())
 }
 
 /// crc32c of a bytes-like object (hardware accelerated), continuing from `value`.

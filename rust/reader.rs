@@ -3,9 +3,9 @@
 //! for verifying files without keeping them) or over the whole file already in memory
 //! ([`MappedFile`], the caller's private mapping that loaded tensors are views of).
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -147,6 +147,54 @@ fn pieces(header: &Header) -> Vec<Piece> {
     out
 }
 
+/// Opens `path` for reading only if it is a regular file, without ever blocking: the open is
+/// non-blocking (a FIFO without a writer does not hang it) and the type is checked on the
+/// opened descriptor (`fstat`), so a FIFO, a device such as `/dev/zero` or a socket is refused
+/// before anything is read. With `follow_symlinks` false a symbolic link as the last component
+/// is refused too (`O_NOFOLLOW`); with it true a link is followed and its target checked.
+/// A directory is an `EISDIR` I/O error, as `open()` reports it for writing.
+pub fn open_regular(path: &Path, follow_symlinks: bool) -> Result<File> {
+    let mut flags = libc::O_NONBLOCK | libc::O_CLOEXEC;
+    if !follow_symlinks {
+        flags |= libc::O_NOFOLLOW;
+    }
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(flags)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) if !follow_symlinks && is_symlink(path) => Error::NotRegularFile {
+                path: path.to_path_buf(),
+                kind: "a symbolic link",
+            },
+            _ => Error::io(path, e),
+        })?;
+    let kind = file.metadata().map_err(|e| Error::io(path, e))?.file_type();
+    let refused = if kind.is_file() {
+        return Ok(file);
+    } else if kind.is_dir() {
+        return Err(Error::io(path, io::Error::from_raw_os_error(libc::EISDIR)));
+    } else if kind.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "not a plain file"
+    };
+    Err(Error::NotRegularFile {
+        path: path.to_path_buf(),
+        kind: refused,
+    })
+}
+
+fn is_symlink(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink())
+}
+
 /// An open file with its validated header, read with positional reads.
 pub struct Reader {
     file: File,
@@ -168,9 +216,10 @@ fn read_exact(file: &File, path: &Path, buf: &mut [u8], offset: u64) -> Result<(
 }
 
 impl Reader {
-    /// Opens `path` and validates its header against the file size.
-    pub fn open(path: &Path) -> Result<Reader> {
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    /// Opens `path` (a regular file, see [`open_regular`]; a symbolic link is followed only
+    /// with `follow_symlinks`) and validates its header against the file size.
+    pub fn open(path: &Path, follow_symlinks: bool) -> Result<Reader> {
+        let file = open_regular(path, follow_symlinks)?;
         let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         if file_len < format::PREFIX_LEN {
             return Err(too_short(path, file_len));
@@ -399,7 +448,7 @@ mod tests {
             for ((_, _, _, want), got) in sample().iter().zip(&bufs) {
                 assert_eq!(want, got);
             }
-            let (file_crc, unchecked) = Reader::open(&path).unwrap().verify(2).unwrap();
+            let (file_crc, unchecked) = Reader::open(&path, true).unwrap().verify(2).unwrap();
             assert!(unchecked.is_empty());
             let whole = std::fs::read(&path).unwrap();
             assert_eq!(file_crc, crate::checksum::append(0, &whole));
@@ -416,7 +465,7 @@ mod tests {
         write(&path, &large, WriteOptions::default());
         let newer = vec![("only", Dtype::U8, vec![3], vec![9, 8, 7])];
         write(&path, &newer, WriteOptions::default());
-        let reader = Reader::open(&path).unwrap();
+        let reader = Reader::open(&path, true).unwrap();
         assert_eq!(reader.header().tensors.len(), 1);
         // The old version is deleted in the background after the commit.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
@@ -435,7 +484,7 @@ mod tests {
         let path = dir.path().join("x.safetensors");
         write(&path, &sample(), WriteOptions::default());
         let mut bytes = std::fs::read(&path).unwrap();
-        let header = Reader::open(&path).unwrap().header().clone();
+        let header = Reader::open(&path, true).unwrap().header().clone();
         let big = header.tensor("big").unwrap();
         bytes[(header.data_start + big.begin + 5_000_000) as usize] ^= 0x01;
         std::fs::write(&path, &bytes).unwrap();
@@ -444,7 +493,7 @@ mod tests {
             other => panic!("expected checksum error, got {:?}", other.map(|_| ())),
         }
         assert!(matches!(
-            Reader::open(&path).unwrap().verify(2),
+            Reader::open(&path, true).unwrap().verify(2),
             Err(Error::Checksum { .. })
         ));
         // Unverified reads do not look at checksums.
@@ -460,7 +509,7 @@ mod tests {
         for cut in [0, 4, 8, 20, bytes.len() - 1] {
             std::fs::write(&path, &bytes[..cut]).unwrap();
             assert!(
-                matches!(Reader::open(&path), Err(Error::Format { .. })),
+                matches!(Reader::open(&path, true), Err(Error::Format { .. })),
                 "cut at {cut}"
             );
             assert!(
@@ -471,6 +520,51 @@ mod tests {
                 "cut at {cut}"
             );
         }
+    }
+
+    #[test]
+    fn special_files_are_refused_at_once_without_reading() {
+        use std::ffi::CString;
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("pipe.safetensors");
+        let c_path = CString::new(fifo.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path; mkfifo only creates a directory entry.
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        let zero = dir.path().join("zero.safetensors");
+        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+        let real = dir.path().join("real.safetensors");
+        write(&real, &sample(), WriteOptions::default());
+        let link = dir.path().join("link.safetensors");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        for (path, follow, kind) in [
+            (&fifo, true, "FIFO"),
+            (&zero, true, "character device"),
+            (&link, false, "symbolic link"),
+        ] {
+            match Reader::open(path, follow) {
+                Err(Error::NotRegularFile {
+                    path: named,
+                    kind: got,
+                }) => {
+                    assert_eq!(&named, path);
+                    assert!(got.contains(kind), "{got}");
+                }
+                other => panic!(
+                    "{}: expected a refusal, got {:?}",
+                    path.display(),
+                    other.err()
+                ),
+            }
+        }
+        assert!(
+            Reader::open(&link, true).is_ok(),
+            "links are followed when allowed"
+        );
+        assert!(matches!(
+            Reader::open(dir.path(), true),
+            Err(Error::Io { source, .. }) if source.raw_os_error() == Some(libc::EISDIR)
+        ));
     }
 
     #[test]

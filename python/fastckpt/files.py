@@ -314,7 +314,9 @@ def read_tensors(
     """
     name = os.fspath(path)
     storage: Any = torch.UntypedStorage(0)
-    with open(name, "rb") as handle:  # FileNotFoundError / PermissionError, typed
+    # A regular file or a typed error at once (FIFOs and devices are refused without blocking
+    # or reading); FileNotFoundError / PermissionError keep their types.
+    with os.fdopen(_native.open_regular(name), "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
         if size:
             # Map the file this handle opened, not whatever the path names by now (a save

@@ -1,0 +1,289 @@
+"""The header of a fastckpt file protects itself (issue 14, items 2, 6 and 7 for lone files).
+
+- A bit flip anywhere in the header of a file fastckpt wrote is refused, including flips in
+  the checksum keys themselves (a damaged key must not turn the file into an "unchecked" one).
+- Duplicate JSON keys, edits of empty tensors' shapes and dtype edits are refused.
+- A shape no framework can index is a CheckpointFormatError naming file and field in
+  load_file, read_metadata and verify alike.
+- FIFOs and devices (also behind a symbolic link) are refused at once, without blocking.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+
+import fastckpt
+from fastckpt import CheckpointFormatError, ChecksumMismatchError, _native
+
+HEADER_CRC_KEY = "fastckpt.header_crc32c"
+CHECKSUM_KEY = "fastckpt.crc32c"
+
+
+def header_of(path: Path) -> tuple[int, dict[str, Any]]:
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    return length, json.loads(data[8 : 8 + length])
+
+
+def replace_in_header(path: Path, old: bytes, new: bytes) -> None:
+    """Replace bytes inside the JSON header in place (same length: offsets stay valid)."""
+    assert len(old) == len(new)
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = data[8 : 8 + length]
+    assert header.count(old) == 1, old
+    path.write_bytes(data[:8] + header.replace(old, new) + data[8 + length :])
+
+
+def write_raw(path: Path, header: dict[str, Any], data: bytes) -> None:
+    """A safetensors file with exactly this header (what a hostile writer produces)."""
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
+
+
+def verify_error(path: Path) -> str:
+    """fastckpt.verify's verdict on a lone file: its message when damaged, else ''."""
+    report = fastckpt.verify(path)
+    return "" if report.ok else report.files[0].message
+
+
+READERS: list[tuple[str, Callable[[Path], object]]] = [
+    ("load_file", fastckpt.load_file),
+    ("read_metadata", fastckpt.read_metadata),
+    ("verify_file", lambda path: _native.verify_file(str(path), 2)),
+]
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> Path:
+    path = tmp_path / "small.safetensors"
+    fastckpt.save_file(
+        {
+            "w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+            "empty": torch.empty(0, 4),
+            "step": torch.tensor(7),
+        },
+        path,
+        metadata={"format": "pt"},
+    )
+    return path
+
+
+def test_every_single_bit_flip_in_the_header_is_refused(small: Path) -> None:
+    original = small.read_bytes()
+    length, _ = header_of(small)
+    missed = []
+    for position in range(8 + length):
+        for bit in range(8):
+            damaged = bytearray(original)
+            damaged[position] ^= 1 << bit
+            small.write_bytes(bytes(damaged))
+            try:
+                fastckpt.read_metadata(small)
+            except CheckpointFormatError as err:
+                assert str(small) in str(err)
+                continue
+            missed.append((position, bit))
+    assert missed == [], f"{len(missed)} flips went unnoticed, e.g. {missed[:5]}"
+
+
+@pytest.mark.parametrize("damaged_key", ["fastckpt.crb32c", "fastckpt.crc32C"])
+def test_a_damaged_checksum_key_does_not_make_the_file_unchecked(
+    small: Path, damaged_key: str
+) -> None:
+    meta = fastckpt.read_metadata(small)
+    begin = meta["tensors"]["w"]["data_offsets"][0]
+    replace_in_header(small, CHECKSUM_KEY.encode(), damaged_key.encode())
+    data = bytearray(small.read_bytes())
+    data[meta["data_start"] + begin] ^= 0x10  # a second flip, in the data
+    small.write_bytes(bytes(data))
+    for name, read in READERS:
+        with pytest.raises(CheckpointFormatError, match=damaged_key) as excinfo:
+            read(small)
+        assert str(small) in str(excinfo.value), name
+    assert damaged_key in verify_error(small)
+
+
+def test_a_damaged_header_checksum_key_is_refused(small: Path) -> None:
+    replace_in_header(small, HEADER_CRC_KEY.encode(), b"fastckpt.header_crc32b")
+    with pytest.raises(CheckpointFormatError, match="header_crc32b"):
+        fastckpt.load_file(small)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (b'"shape":[0,4]', b'"shape":[4,0]'),  # an empty tensor's shape: no bytes change
+        (b'"w":{"dtype":"F32"', b'"w":{"dtype":"I32"'),  # same size: the data crc still holds
+        (b'"format":"pt"', b'"format":"np"'),  # user metadata
+    ],
+)
+def test_header_edits_a_data_checksum_cannot_see_are_refused(
+    small: Path, old: bytes, new: bytes
+) -> None:
+    replace_in_header(small, old, new)
+    for name, read in READERS:
+        with pytest.raises(CheckpointFormatError, match=HEADER_CRC_KEY) as excinfo:
+            read(small)
+        assert str(small) in str(excinfo.value), name
+
+
+def test_duplicate_keys_are_refused(small: Path, tmp_path: Path) -> None:
+    # A second __metadata__ (the last one would win in a lenient parser) drops the checksums.
+    length, header = header_of(small)
+    data = small.read_bytes()[8 + length :]
+    body = json.dumps(header, separators=(",", ":"))
+    forged = '{"__metadata__":{},' + body[1:]
+    encoded = forged.encode() + b" " * (-len(forged) % 8)
+    small.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
+    with pytest.raises(CheckpointFormatError, match="duplicate key `__metadata__`"):
+        fastckpt.load_file(small)
+    # The same rule for files other writers produce, and inside the checksum table.
+    plain = tmp_path / "plain.safetensors"
+    entry = '{"dtype":"U8","shape":[1],"data_offsets":[0,1]}'
+    raw = f'{{"a":{entry},"a":{entry}}}'
+    plain.write_bytes(struct.pack("<Q", len(raw)) + raw.encode() + b"\x00")
+    with pytest.raises(CheckpointFormatError, match="duplicate key `a`"):
+        fastckpt.read_metadata(plain)
+    table = tmp_path / "table.safetensors"
+    write_raw(
+        table,
+        {
+            "__metadata__": {CHECKSUM_KEY: '{"a":"00000000","a":"00000000"}'},
+            "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+        },
+        b"\x00",
+    )
+    with pytest.raises(CheckpointFormatError, match="duplicate key `a`"):
+        fastckpt.read_metadata(table)
+
+
+def test_files_without_a_header_checksum_still_load(tmp_path: Path) -> None:
+    # safetensors' own files, and fastckpt files written before the header checksum existed.
+    theirs = tmp_path / "theirs.safetensors"
+    safetensors.torch.save_file({"a": torch.ones(3)}, str(theirs))
+    assert torch.equal(fastckpt.load_file(theirs)["a"], torch.ones(3))
+    older = tmp_path / "older.safetensors"
+    crc = _native.crc32c(b"\x07")
+    write_raw(
+        older,
+        {
+            "__metadata__": {CHECKSUM_KEY: json.dumps({"a": f"{crc:08x}"})},
+            "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+        },
+        b"\x07",
+    )
+    assert fastckpt.read_metadata(older)["tensors"]["a"]["crc32c"] == crc
+    write_raw(
+        older,
+        {
+            "__metadata__": {CHECKSUM_KEY: json.dumps({"a": "00000000"})},
+            "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+        },
+        b"\x07",
+    )
+    with pytest.raises(ChecksumMismatchError):
+        fastckpt.load_file(older)
+
+
+def test_reserved_and_look_alike_metadata_keys_are_refused_on_save(tmp_path: Path) -> None:
+    path = tmp_path / "x.safetensors"
+    for key in (CHECKSUM_KEY, HEADER_CRC_KEY, "fastckpt.crc32d", "FASTCKPT.CRC32C"):
+        with pytest.raises(ValueError, match="rename it"):
+            fastckpt.save_file({"a": torch.ones(1)}, path, metadata={key: "x"})
+    assert not path.exists()
+    fastckpt.save_file({"a": torch.ones(1)}, path, metadata={"fastckpt.source": "x"})
+    assert fastckpt.read_metadata(path)["metadata"] == {"fastckpt.source": "x"}
+
+
+@pytest.mark.parametrize("shape", [[0, 2**64 - 1], [0, 2**62, 2], [2**63]])
+def test_unindexable_shapes_are_format_errors_everywhere(tmp_path: Path, shape: list[int]) -> None:
+    path = tmp_path / "huge.safetensors"
+    write_raw(path, {"a": {"dtype": "U8", "shape": shape, "data_offsets": [0, 0]}}, b"")
+    for name, read in READERS:
+        with pytest.raises(CheckpointFormatError, match=r"a\.shape") as excinfo:
+            read(path)
+        assert str(path) in str(excinfo.value), name
+    message = verify_error(path)
+    assert "a.shape" in message and str(path) in message
+
+
+def test_the_largest_indexable_empty_shape_still_loads(tmp_path: Path) -> None:
+    path = tmp_path / "edge.safetensors"
+    write_raw(path, {"a": {"dtype": "U8", "shape": [0, 2**63 - 1], "data_offsets": [0, 0]}}, b"")
+    assert fastckpt.load_file(path)["a"].shape == (0, 2**63 - 1)
+
+
+SPECIAL_FILES_CHILD = textwrap.dedent(
+    """
+    import json, os, sys
+    import fastckpt
+    from fastckpt import CheckpointFormatError, _native
+
+    readers = {
+        "load_file": fastckpt.load_file,
+        "read_metadata": fastckpt.read_metadata,
+        "verify_file": lambda p: _native.verify_file(p, 2),
+    }
+    results = {}
+    for path in sys.argv[1:]:
+        for name, read in readers.items():
+            try:
+                read(path)
+                outcome = "read"
+            except CheckpointFormatError as err:
+                outcome = "refused" if path in str(err) else f"unnamed: {err}"
+            except Exception as err:
+                outcome = f"{type(err).__name__}: {err}"
+            results[f"{name} {path}"] = outcome
+    print(json.dumps(results))
+    """
+)
+
+
+def test_fifos_and_devices_are_refused_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.safetensors"
+    zero.symlink_to("/dev/zero")
+    to_fifo = tmp_path / "to-pipe.safetensors"
+    to_fifo.symlink_to(fifo)
+    paths = [str(fifo), str(zero), str(to_fifo), "/dev/zero"]
+    # A child process, so that a hang (the old behaviour: open() of a FIFO blocks forever, and
+    # /dev/zero reads until MemoryError) fails the test through the timeout.
+    child = subprocess.run(
+        [sys.executable, "-c", SPECIAL_FILES_CHILD, *paths],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    results = json.loads(child.stdout)
+    assert results and all(outcome == "refused" for outcome in results.values()), results
+
+
+def test_a_symbolic_link_to_a_regular_file_is_followed_for_lone_files(small: Path) -> None:
+    # Hugging Face caches store files as links to blobs; load_file follows them, as
+    # safetensors does. The checkpoint readers refuse links with follow_symlinks=False.
+    link = small.parent / "link.safetensors"
+    link.symlink_to(small)
+    assert set(fastckpt.load_file(link)) == {"w", "empty", "step"}
+    with pytest.raises(CheckpointFormatError, match="symbolic link"):
+        _native.read_header(str(link), follow_symlinks=False)
+    fd = _native.open_regular(str(small), follow_symlinks=False)
+    os.close(fd)
+    with pytest.raises(IsADirectoryError):
+        fastckpt.read_metadata(small.parent)
