@@ -1,0 +1,390 @@
+"""The object-store client: one bucket, typed errors, GIL-free transfers.
+
+Data moves through ``obstore`` (the Rust ``object_store`` crate): requests run on Rust threads
+with the GIL released, large bodies go up as parallel multipart uploads and come down as
+parallel ranged GETs. The two S3 calls ``object_store`` does not expose, listing and aborting
+unfinished multipart uploads, go through ``boto3`` (control plane only, a few small requests).
+docs/object-storage.md records the measurements behind this choice.
+
+Every method raises :class:`~fastckpt.store.s3errors.ObjectStoreError` subclasses naming the
+``s3://`` URL involved (see :func:`~fastckpt.store.s3errors.translate`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import numpy as np
+
+from fastckpt.store.s3config import ResolvedS3, S3Options, S3Url
+from fastckpt.store.s3errors import ObjectStoreError, translate
+
+__all__ = ["ObjectMeta", "PendingUpload", "S3Client", "client_for"]
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """One object as listed or probed.
+
+    Attributes:
+        key: the full object key.
+        size: bytes.
+        etag: the store's entity tag (for conditional replacement), when known.
+    """
+
+    key: str
+    size: int
+    etag: str | None = None
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    """An unfinished multipart upload (its parts are stored, hidden, and billed)."""
+
+    key: str
+    upload_id: str
+    initiated: datetime | None
+
+
+class S3Client:
+    """All object-store calls fastckpt makes, for one bucket.
+
+    Args:
+        url: any URL in the bucket (only the bucket is used; keys are absolute).
+        options: per-call settings (:class:`~fastckpt.store.s3config.S3Options` or a mapping);
+            unset fields come from the environment and the AWS config files.
+
+    Raises:
+        AccessDeniedError: no credentials could be found.
+        TypeError / ValueError: bad options (named).
+    """
+
+    def __init__(self, url: S3Url, options: S3Options | Mapping[str, Any] | None = None) -> None:
+        import obstore.store
+
+        self.bucket_url = S3Url(url.bucket, "")
+        self.options = S3Options.from_mapping(options)
+        self.resolved: ResolvedS3 = self.options.resolved(str(url))
+        self.endpoint = self.resolved.endpoint_url
+        opts = self.options
+        config: dict[str, Any] = {
+            "region": self.resolved.region,
+            "unsigned_payload": opts.unsigned_payload,
+        }
+        if self.endpoint:
+            config["endpoint"] = self.endpoint
+        credential_provider = None
+        if self.resolved.refresh_session is not None:
+            credential_provider = _refreshing_provider(self.resolved)
+        else:
+            config["access_key_id"] = self.resolved.access_key_id
+            config["secret_access_key"] = self.resolved.secret_access_key
+            if self.resolved.session_token:
+                config["session_token"] = self.resolved.session_token
+        self.store = obstore.store.S3Store(
+            url.bucket,
+            config=config,  # type: ignore[arg-type]
+            client_options={
+                "allow_http": self.resolved.allow_http,
+                "connect_timeout": timedelta(seconds=opts.connect_timeout_s),
+                "timeout": timedelta(seconds=opts.request_timeout_s),
+            },
+            retry_config={
+                "max_retries": opts.max_retries,
+                "retry_timeout": timedelta(seconds=opts.retry_timeout_s),
+                "backoff": {
+                    "init_backoff": timedelta(seconds=0.1),
+                    "max_backoff": timedelta(seconds=2),
+                    "base": 2,
+                },
+            },
+            credential_provider=credential_provider,
+        )
+        self._boto: Any = None
+        self._boto_lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def url(self, key: str) -> str:
+        """``s3://bucket/key``."""
+        return self.bucket_url.url_of(key)
+
+    def _fail(self, err: BaseException, key: str) -> ObjectStoreError:
+        return translate(err, self.url(key), self.endpoint)
+
+    def _control(self) -> Any:
+        """A boto3 client with the same endpoint, region, credentials and timeouts."""
+        with self._boto_lock:
+            if self._boto is None:
+                import boto3
+                import botocore.config
+
+                resolved, opts = self.resolved, self.options
+                session = boto3.session.Session(
+                    aws_access_key_id=resolved.access_key_id,
+                    aws_secret_access_key=resolved.secret_access_key,
+                    aws_session_token=resolved.session_token,
+                    region_name=resolved.region,
+                )
+                self._boto = session.client(
+                    "s3",
+                    endpoint_url=self.endpoint,
+                    config=botocore.config.Config(
+                        connect_timeout=opts.connect_timeout_s,
+                        read_timeout=opts.request_timeout_s,
+                        retries={"max_attempts": opts.max_retries + 1, "mode": "standard"},
+                    ),
+                )
+            return self._boto
+
+    # ------------------------------------------------------------------------------ objects
+
+    def put(self, key: str, data: bytes, *, mode: str | dict[str, Any] = "overwrite") -> str | None:
+        """Store a small object in one request.
+
+        Args:
+            mode: ``"overwrite"``; ``"create"`` (fails if the key exists: If-None-Match);
+                or ``{"e_tag": etag}`` (fails unless the object still has that etag: If-Match).
+
+        Returns:
+            The new object's etag.
+
+        Raises:
+            CommitConflictError: the condition of ``mode`` failed.
+        """
+        import obstore
+
+        try:
+            result = obstore.put(self.store, key, data, mode=mode, use_multipart=False)  # type: ignore[arg-type]
+        except Exception as err:
+            raise self._fail(err, key) from err
+        return result.get("e_tag")
+
+    def put_stream(self, key: str, pieces: Iterable[Any], total: int) -> None:
+        """Upload ``total`` bytes given as buffers, in parallel parts of ``part_size``.
+
+        At most ``part_size`` bytes: one PUT. Larger: a multipart upload with ``concurrency``
+        parts in flight on Rust threads; an upload that fails is aborted by the client (a
+        killed process leaves it pending: see :meth:`pending_uploads`).
+        """
+        import obstore
+
+        opts = self.options
+        try:
+            if total <= opts.part_size:
+                obstore.put(
+                    self.store, key, b"".join(bytes(p) for p in pieces), use_multipart=False
+                )
+            else:
+                obstore.put(
+                    self.store,
+                    key,
+                    iter(pieces),
+                    chunk_size=opts.part_size,
+                    max_concurrency=opts.concurrency,
+                    use_multipart=True,
+                )
+        except Exception as err:
+            raise self._fail(err, key) from err
+
+    def get(self, key: str, *, limit: int) -> tuple[bytes, ObjectMeta]:
+        """The whole content of a small object and its metadata.
+
+        Raises:
+            ObjectNotFoundError: no such object.
+            ObjectStoreError: larger than ``limit`` bytes.
+        """
+        import obstore
+
+        try:
+            result = obstore.get(self.store, key)
+            meta = result.meta
+            if meta["size"] > limit:
+                raise ObjectStoreError(
+                    f"{self.url(key)}: {meta['size']} bytes, more than the {limit} a record "
+                    "may have"
+                )
+            data = bytes(result.bytes())
+        except Exception as err:
+            raise self._fail(err, key) from err
+        return data, ObjectMeta(key, meta["size"], meta.get("e_tag"))
+
+    def head(self, key: str) -> ObjectMeta:
+        """Size and etag of an object.
+
+        Raises:
+            ObjectNotFoundError: no such object.
+        """
+        import obstore
+
+        try:
+            meta = obstore.head(self.store, key)
+        except Exception as err:
+            raise self._fail(err, key) from err
+        return ObjectMeta(key, meta["size"], meta.get("e_tag"))
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of an object (fewer at its end)."""
+        import obstore
+
+        if end <= start:
+            return b""
+        try:
+            return bytes(obstore.get_range(self.store, key, start=start, end=end))
+        except Exception as err:
+            raise self._fail(err, key) from err
+
+    def read_into(self, key: str, dest: np.ndarray, start: int) -> None:
+        """Fill ``dest`` (a contiguous uint8 array) with the object's bytes from ``start``.
+
+        The span is fetched as parallel ranged GETs of ``read_part_size`` bytes, ``concurrency``
+        at a time; each range lands in its slice of ``dest`` (numpy copies without the GIL).
+
+        Raises:
+            ObjectStoreError: a range failed or came back short (the object changed or is
+                truncated).
+        """
+        import obstore
+
+        total = dest.nbytes
+        step = self.options.read_part_size
+        spans = [(offset, min(total, offset + step)) for offset in range(0, total, step)]
+
+        def fetch(span: tuple[int, int]) -> None:
+            lo, hi = span
+            try:
+                piece = obstore.get_range(self.store, key, start=start + lo, end=start + hi)
+            except Exception as err:
+                raise self._fail(err, key) from err
+            view = np.frombuffer(memoryview(piece), dtype=np.uint8)
+            if view.nbytes != hi - lo:
+                raise ObjectStoreError(
+                    f"{self.url(key)}: bytes {start + lo}-{start + hi} came back as "
+                    f"{view.nbytes} bytes; the object is shorter than its record says"
+                )
+            np.copyto(dest[lo:hi], view)
+
+        if len(spans) <= 1:
+            for span in spans:
+                fetch(span)
+            return
+        with ThreadPoolExecutor(min(self.options.concurrency, len(spans))) as pool:
+            for _ in pool.map(fetch, spans):
+                pass
+
+    def list_objects(self, prefix: str) -> list[ObjectMeta]:
+        """Every object whose key starts with ``prefix`` (add a trailing ``/`` for a folder)."""
+        import obstore
+
+        found: list[ObjectMeta] = []
+        try:
+            for chunk in obstore.list(self.store, prefix):
+                found.extend(ObjectMeta(m["path"], m["size"], m.get("e_tag")) for m in chunk)
+        except Exception as err:
+            raise self._fail(err, prefix) from err
+        return sorted(found, key=lambda m: m.key)
+
+    def list_dir(self, prefix: str) -> tuple[list[str], list[ObjectMeta]]:
+        """One level under the folder ``prefix``: ``(sub-folder names, objects)``."""
+        import obstore
+
+        folder = prefix.rstrip("/")
+        try:
+            result = obstore.list_with_delimiter(self.store, folder or None)
+        except Exception as err:
+            raise self._fail(err, prefix) from err
+        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in result["common_prefixes"])
+        objects = [ObjectMeta(m["path"], m["size"], m.get("e_tag")) for m in result["objects"]]
+        return names, sorted(objects, key=lambda m: m.key)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete objects (absent ones are fine)."""
+        import obstore
+
+        batch = list(keys)
+        for start in range(0, len(batch), 1000):
+            chunk = batch[start : start + 1000]
+            try:
+                obstore.delete(self.store, chunk)
+            except Exception as err:
+                failed = translate(err, self.url(chunk[0]), self.endpoint)
+                if not isinstance(failed, FileNotFoundError):
+                    raise failed from err
+
+    # ------------------------------------------------------------------- multipart uploads
+
+    def pending_uploads(self, prefix: str) -> list[PendingUpload]:
+        """Unfinished multipart uploads under ``prefix`` (a killed writer leaves these)."""
+        client = self._control()
+        pending: list[PendingUpload] = []
+        marker: dict[str, str] = {}
+        try:
+            while True:
+                page = client.list_multipart_uploads(
+                    Bucket=self.bucket_url.bucket, Prefix=prefix, **marker
+                )
+                pending.extend(
+                    PendingUpload(u["Key"], u["UploadId"], u.get("Initiated"))
+                    for u in page.get("Uploads", [])
+                )
+                if not page.get("IsTruncated"):
+                    return pending
+                marker = {
+                    "KeyMarker": page["NextKeyMarker"],
+                    "UploadIdMarker": page["NextUploadIdMarker"],
+                }
+        except Exception as err:
+            raise self._fail(err, prefix) from err
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        """Abort an unfinished multipart upload (its stored parts are freed)."""
+        try:
+            self._control().abort_multipart_upload(
+                Bucket=self.bucket_url.bucket, Key=upload.key, UploadId=upload.upload_id
+            )
+        except Exception as err:
+            failed = translate(err, self.url(upload.key), self.endpoint)
+            if not isinstance(failed, FileNotFoundError):
+                raise failed from err
+
+
+def _refreshing_provider(resolved: ResolvedS3) -> Any:
+    """An obstore credential provider that refreshes temporary credentials through boto3."""
+    import boto3
+    from obstore.auth.boto3 import Boto3CredentialProvider
+
+    session = boto3.session.Session(botocore_session=resolved.refresh_session)
+    return Boto3CredentialProvider(session)
+
+
+_CLIENTS: dict[tuple[Any, ...], S3Client] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def client_for(url: S3Url, options: S3Options | Mapping[str, Any] | None = None) -> S3Client:
+    """A shared :class:`S3Client` for ``url``'s bucket and these options.
+
+    Connections and credentials are reused across calls with the same bucket, options and
+    ``AWS_*`` environment; a forked child builds its own (a client is not fork-safe).
+    """
+    import os
+
+    opts = S3Options.from_mapping(options)
+    environment = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    cache_key = (os.getpid(), url.bucket, opts, environment)
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(cache_key)
+        if client is None:
+            client = _CLIENTS[cache_key] = S3Client(url, opts)
+        return client
+
+
+def iter_pieces(view: np.ndarray, piece: int) -> Iterator[np.ndarray]:
+    """Consecutive slices of at most ``piece`` bytes of a uint8 array (none when empty)."""
+    for start in range(0, view.nbytes, piece):
+        yield view[start : start + piece]

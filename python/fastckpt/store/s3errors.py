@@ -1,0 +1,133 @@
+"""The typed errors of object storage, and the one place client errors are translated.
+
+Every failure of an ``s3://`` operation surfaces as an :class:`ObjectStoreError` naming the URL
+it happened on and what to do about it. The classes also derive from the builtin exception a
+caller would expect from a filesystem (``FileNotFoundError``, ``PermissionError``,
+``ConnectionError``, ``FileExistsError``), so code written for local paths keeps working.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fastckpt.errors import FastCkptError
+
+__all__ = [
+    "AccessDeniedError",
+    "BucketNotFoundError",
+    "CommitConflictError",
+    "EndpointUnreachableError",
+    "ObjectNotFoundError",
+    "ObjectStoreError",
+    "translate",
+]
+
+
+class ObjectStoreError(FastCkptError, OSError):
+    """An object-store operation failed; the message names the URL and the fix."""
+
+
+class ObjectNotFoundError(ObjectStoreError, FileNotFoundError):
+    """No object at the URL (a committed record names an object that is gone, or a typo)."""
+
+
+class BucketNotFoundError(ObjectNotFoundError):
+    """The bucket of the URL does not exist on the endpoint."""
+
+
+class AccessDeniedError(ObjectStoreError, PermissionError):
+    """The store refused the credentials (wrong key or secret) or the key lacks a permission."""
+
+
+class EndpointUnreachableError(ObjectStoreError, ConnectionError):
+    """The endpoint did not answer (down, wrong address or port, network) within the timeouts."""
+
+
+class CommitConflictError(ObjectStoreError, FileExistsError):
+    """A conditional put lost: another writer committed the same record first."""
+
+
+_DENIED_CODES = (
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AccessDenied",
+    "ExpiredToken",
+    "InvalidToken",
+    "AuthorizationHeaderMalformed",
+)
+_UNREACHABLE_HINTS = (
+    "error sending request",
+    "connection refused",
+    "connection reset",
+    "timed out",
+    "timeout",
+    "dns error",
+    "could not connect",
+    "connect timeout",
+    "endpoint url",
+    "connection closed",
+    "broken pipe",
+    "incomplete message",
+)
+
+
+def _code(text: str) -> str | None:
+    """The S3 error code (``<Code>...</Code>`` or ``(Code)``) inside a client message."""
+    match = re.search(r"<Code>([A-Za-z]+)</Code>", text) or re.search(
+        r"\(([A-Za-z]+)\) when calling", text
+    )
+    return match.group(1) if match else None
+
+
+def translate(err: BaseException, url: str, endpoint: str | None) -> ObjectStoreError:
+    """The typed error for a client exception raised while working on ``url``.
+
+    Args:
+        err: what obstore or botocore raised.
+        url: the ``s3://`` URL of the object or prefix involved.
+        endpoint: the endpoint in use (None: the provider's default), for the message.
+
+    Returns:
+        The :class:`ObjectStoreError` subclass to raise (``raise translate(...) from err``).
+    """
+    if isinstance(err, ObjectStoreError):
+        return err
+    text = str(err)
+    kind = type(err).__name__
+    code = _code(text) or getattr(err, "response", {}).get("Error", {}).get("Code")
+    where = endpoint or "the default AWS endpoint"
+    if code == "NoSuchBucket":
+        bucket = url.split("/")[2] if url.count("/") >= 2 else url
+        return BucketNotFoundError(
+            f"{url}: bucket {bucket!r} does not exist on {where}; create it, or fix the URL "
+            "or the endpoint (endpoint_url / AWS_ENDPOINT_URL)"
+        )
+    if code in ("NoSuchKey", "NotFound", "404") or kind in ("NotFoundError", "FileNotFoundError"):
+        return ObjectNotFoundError(f"{url}: no such object on {where}")
+    if code == "NoSuchUpload":
+        return ObjectNotFoundError(f"{url}: the multipart upload is gone (finished or aborted)")
+    if code in _DENIED_CODES or kind in ("PermissionDeniedError", "UnauthenticatedError"):
+        return AccessDeniedError(
+            f"{url}: {where} refused the request ({code or kind}): check the access key and "
+            "secret (storage_options access_key_id/secret_access_key, AWS_ACCESS_KEY_ID/"
+            "AWS_SECRET_ACCESS_KEY, or the AWS profile) and that the key may use this bucket"
+        )
+    if code in ("PreconditionFailed", "ConditionalRequestConflict") or kind in (
+        "AlreadyExistsError",
+        "PreconditionError",
+    ):
+        return CommitConflictError(
+            f"{url}: another writer committed this record first (conditional put refused); "
+            "reload the latest checkpoint and save again"
+        )
+    lowered = text.lower()
+    if kind in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError") or any(
+        hint in lowered for hint in _UNREACHABLE_HINTS
+    ):
+        return EndpointUnreachableError(
+            f"{url}: cannot reach {where} ({kind}); check that the endpoint is up and the "
+            "address is right (endpoint_url / AWS_ENDPOINT_URL), or raise connect_timeout_s / "
+            "retry_timeout_s for a slow network"
+        )
+    first_line = text.strip().splitlines()[0] if text.strip() else kind
+    return ObjectStoreError(f"{url}: {kind}: {first_line[:400]}")

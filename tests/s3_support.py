@@ -1,0 +1,315 @@
+"""A real S3-compatible server for the tests: moto in server mode, in its own process.
+
+:class:`S3Server` starts ``python tests/s3_support.py serve`` on a free port of 127.0.0.1. The
+child creates an IAM user with an access key allowed ``s3:*`` and one bucket, then switches
+moto's request authentication on: from then on a wrong key is refused (403), as on a real
+store. The child keeps its objects in memory (large ones spooled to temporary files) for its
+whole life, so :meth:`S3Server.stop` can take the listener down (connections refused, open
+ones cut) and :meth:`S3Server.start` bring it back on the same port with every object intact:
+a server outage that loses nothing, as a real store's would.
+
+Tests get a server from the :func:`s3_server` fixture (one per test module) and a fresh
+``s3://`` URL per test from :func:`s3_root`. No part of a client library is mocked: every
+byte goes through HTTP to moto's S3 implementation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BUCKET = "fastckpt-tests"
+REGION = "us-east-1"
+_START_TIMEOUT_S = 120.0
+
+
+class S3Server:
+    """Handle on a moto S3 server process (see the module docstring).
+
+    Attributes:
+        endpoint: ``http://127.0.0.1:<port>``.
+        access_key_id / secret_access_key: the key the server accepts.
+        bucket: the bucket it was started with.
+    """
+
+    def __init__(self) -> None:
+        env = dict(os.environ)
+        # A test run must never reach a real account: no inherited AWS settings.
+        for name in list(env):
+            if name.startswith("AWS_"):
+                del env[name]
+        self._process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        info = json.loads(self._reply(_START_TIMEOUT_S))
+        self.endpoint: str = info["endpoint"]
+        self.access_key_id: str = info["access_key_id"]
+        self.secret_access_key: str = info["secret_access_key"]
+        self.bucket: str = info["bucket"]
+
+    def _reply(self, timeout: float) -> str:
+        assert self._process.stdout is not None
+        result: list[str] = []
+        reader = threading.Thread(target=lambda: result.append(self._process.stdout.readline()))  # type: ignore[union-attr]
+        reader.start()
+        reader.join(timeout)
+        if not result or not result[0]:
+            self.close()
+            raise RuntimeError("the moto S3 server did not answer (see its stderr above)")
+        return result[0].strip()
+
+    def _command(self, word: str) -> None:
+        assert self._process.stdin is not None
+        self._process.stdin.write(word + "\n")
+        self._process.stdin.flush()
+        if self._reply(_START_TIMEOUT_S) != "ok":
+            raise RuntimeError(f"the moto S3 server refused {word!r}")
+
+    def options(self, **overrides: Any) -> dict[str, Any]:
+        """``storage_options`` that reach this server with its valid key (plus ``overrides``)."""
+        options: dict[str, Any] = {
+            "endpoint_url": self.endpoint,
+            "region": REGION,
+            "access_key_id": self.access_key_id,
+            "secret_access_key": self.secret_access_key,
+        }
+        options.update(overrides)
+        return options
+
+    def url(self, prefix: str) -> str:
+        """``s3://<bucket>/<prefix>``."""
+        return f"s3://{self.bucket}/{prefix}"
+
+    def client(self) -> Any:
+        """A boto3 client on this server (for tests that tamper with objects directly)."""
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=REGION,
+            aws_access_key_id=self.access_key_id,
+            aws_secret_access_key=self.secret_access_key,
+        )
+
+    def stop(self) -> None:
+        """Take the listener down: new connections are refused, open ones are cut."""
+        self._command("stop")
+
+    def start(self) -> None:
+        """Listen again on the same port, with every object kept."""
+        self._command("start")
+
+    def close(self) -> None:
+        """End the server process."""
+        if self._process.poll() is None:
+            if self._process.stdin is not None:
+                self._process.stdin.close()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[S3Server]:
+    """One moto S3 server per test module (started in a child process, ended after)."""
+    server = S3Server()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def s3_root(s3_server: S3Server) -> str:
+    """A fresh ``s3://`` URL (a unique prefix in the server's bucket) for one test."""
+    return s3_server.url(f"t-{uuid.uuid4().hex[:12]}")
+
+
+# --------------------------------------------------------------------------- saver processes
+
+
+class SaverFactory:
+    """Starts saver processes quickly: a child that imported torch and fastckpt once forks a
+    fresh saver per request (no object-store call happened before the fork, so no client
+    thread is copied). Each saver saves :func:`saver_state` to one root in a loop until it
+    is killed, pruning to the newest three indices."""
+
+    def __init__(self) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "zygote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def spawn(self, url: str, options: dict[str, Any]) -> int:
+        """Fork a saver for ``url``; returns its pid (kill it with SIGKILL)."""
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write(json.dumps({"url": url, "options": options}) + "\n")
+        self._process.stdin.flush()
+        line = self._process.stdout.readline()
+        if not line:
+            raise RuntimeError("the saver factory died (see its stderr above)")
+        return int(line)
+
+    def close(self) -> None:
+        """End the factory."""
+        if self._process.poll() is None:
+            assert self._process.stdin is not None
+            self._process.stdin.close()
+            self._process.wait(timeout=30)
+
+
+def saver_state(index: int) -> dict[str, Any]:
+    """What the saver commits as ``index``: ~6 MiB of tensors (a multipart upload with 5 MiB
+    parts) whose values say which index they belong to, plus a small JSON file."""
+    import torch
+
+    return {
+        "state.safetensors": {
+            "weights": torch.full((1536, 1024), float(index), dtype=torch.float32),
+            "step": torch.tensor([index], dtype=torch.int64),
+        },
+        "meta.json": json.dumps({"index": index}).encode(),
+    }
+
+
+def _zygote() -> None:
+    """Child process: fork one looping saver per request line on stdin."""
+    import signal
+
+    from fastckpt.store.s3commit import S3Root  # imported before forking; not used here
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # savers are reaped automatically
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                root = S3Root(request["url"], request["options"])
+                while True:
+                    index = root.latest()
+                    index = 0 if index is None else index + 1
+                    root.save(saver_state(index), index=index)
+                    root.prune(keep_last=3)
+            finally:
+                os._exit(1)
+        print(pid, flush=True)
+
+
+# ----------------------------------------------------------------------------- server process
+
+
+def _serve() -> None:
+    """Child process: run moto on 127.0.0.1, bootstrap a user and a bucket, obey stdin."""
+    logging.disable(logging.WARNING)
+    import boto3
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from werkzeug.serving import BaseWSGIServer, make_server
+
+    connections: set[socket.socket] = set()
+    lock = threading.Lock()
+
+    class TrackedHandler(MotoRequestHandler):  # type: ignore[misc]
+        """Remembers its connection so that a stop can cut it."""
+
+        def setup(self) -> None:
+            super().setup()
+            with lock:
+                connections.add(self.connection)
+
+        def finish(self) -> None:
+            with lock:
+                connections.discard(self.connection)
+            super().finish()
+
+    app = DomainDispatcherApplication(create_backend_app)
+    state: dict[str, Any] = {"port": 0}
+
+    def listen() -> tuple[BaseWSGIServer, threading.Thread]:
+        server = make_server(
+            "127.0.0.1", state["port"], app, threaded=True, request_handler=TrackedHandler
+        )
+        state["port"] = server.server_address[1]
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        return server, thread
+
+    server, thread = listen()
+    endpoint = f"http://127.0.0.1:{state['port']}"
+    bootstrap = {"endpoint_url": endpoint, "region_name": REGION}
+    anonymous = {"aws_access_key_id": "bootstrap", "aws_secret_access_key": "bootstrap"}
+    iam = boto3.client("iam", **bootstrap, **anonymous)
+    iam.create_user(UserName="fastckpt")
+    policy = {
+        "Version": "2012-10-17",
+        "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+    }
+    iam.put_user_policy(UserName="fastckpt", PolicyName="s3", PolicyDocument=json.dumps(policy))
+    key = iam.create_access_key(UserName="fastckpt")["AccessKey"]
+    boto3.client("s3", **bootstrap, **anonymous).create_bucket(Bucket=BUCKET)
+    # From here on every request must be signed with the user's key.
+    request = urllib.request.Request(
+        f"{endpoint}/moto-api/reset-auth",
+        data=b"0",
+        method="POST",
+        headers={"Content-Type": "text/plain"},
+    )
+    urllib.request.urlopen(request, timeout=30).read()
+    print(
+        json.dumps(
+            {
+                "endpoint": endpoint,
+                "access_key_id": key["AccessKeyId"],
+                "secret_access_key": key["SecretAccessKey"],
+                "bucket": BUCKET,
+            }
+        ),
+        flush=True,
+    )
+    running = True
+    for line in sys.stdin:
+        word = line.strip()
+        if word == "stop" and running:
+            server.shutdown()
+            server.server_close()
+            thread.join()
+            with lock:
+                for connection in list(connections):
+                    with contextlib.suppress(OSError):
+                        connection.shutdown(socket.SHUT_RDWR)
+            running = False
+        elif word == "start" and not running:
+            server, thread = listen()
+            running = True
+        print("ok", flush=True)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["serve"]:
+    _serve()
+elif __name__ == "__main__" and sys.argv[1:] == ["zygote"]:
+    _zygote()
