@@ -10,11 +10,14 @@ from __future__ import annotations
 import builtins
 import datetime as dt
 import functools
+import importlib
 import json
 import math
 import os
 import subprocess
 import sys
+import types
+from collections import OrderedDict
 from typing import Any
 
 import pytest
@@ -25,6 +28,9 @@ from fastckpt import specs
 from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
 from fastckpt.specs import (
     BaseSpec,
+    attach_spec,
+    build_model,
+    check_recordable,
     create_model_spec,
     decode_value,
     dotted_path,
@@ -33,6 +39,7 @@ from fastckpt.specs import (
     register_trusted,
     register_type_serializer,
     resolve_target,
+    resolve_training_fn,
 )
 
 MOD = __name__
@@ -478,8 +485,8 @@ def test_checkpoint_spec_wins() -> None:
 def test_model_spec_errors_are_clear() -> None:
     with pytest.raises(TypeError, match=r"'hidden' of Unrecoverable.*checkpoint_spec\(\)"):
         model_spec(Unrecoverable(3))
-    with pytest.raises(TypeError, match=r"Sequential.*checkpoint_spec\(\)"):
-        model_spec(nn.Sequential(nn.Linear(1, 1)))
+    with pytest.raises(TypeError, match=r"Sequential child '1'.*'hidden' of Unrecoverable"):
+        model_spec(nn.Sequential(nn.Linear(1, 1), Unrecoverable(2)))
     with pytest.raises(TypeError, match=r"must return a BaseSpec or None"):
         model_spec(BadSpec())
 
@@ -740,3 +747,375 @@ def test_failing_deserializer_is_a_format_error() -> None:
         BaseSpec.from_json(data)
     with pytest.raises(TypeError, match="must be a class"):
         register_type_serializer("Point", str, str)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------
+# Containers, attach_spec and the early recordability check
+# ------------------------------------------------------------------------------------------
+
+
+def _same_tensors(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return list(sa) == list(sb) and all(sa[k].shape == sb[k].shape for k in sa)
+
+
+def test_containers_record_nested_specs_and_rebuild() -> None:
+    model = nn.Sequential(
+        OrderedDict(
+            fc=nn.Linear(4, 3),
+            act=nn.ReLU(),
+            blocks=nn.ModuleList([Block(3), nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))]),
+            heads=nn.ModuleDict({"b": nn.Linear(3, 1, bias=False), "a": nn.Linear(3, 2)}),
+        )
+    )
+    spec = model_spec(model)
+    data = json.loads(json.dumps(spec.to_json()))
+    assert data["cls_path"] == "fastckpt.containers.sequential"
+    assert list(data["kwargs"]["children"]) == ["fc", "act", "blocks", "heads"]
+    blocks = data["kwargs"]["children"]["blocks"]["__spec__"]
+    assert blocks["cls_path"] == "fastckpt.containers.module_list"
+    rebuilt = BaseSpec.from_json(data).build()  # the default policy admits the containers
+    assert type(rebuilt) is nn.Sequential and _same_tensors(model, rebuilt)
+    assert type(rebuilt.heads) is nn.ModuleDict and list(rebuilt.heads) == ["b", "a"]
+    rebuilt.load_state_dict(model.state_dict())
+    x = torch.randn(2, 4)
+    assert torch.equal(rebuilt.fc(x), model.fc(x))
+
+
+def test_sequential_model_checkpoints_and_reloads(tmp_path: Any) -> None:
+    import fastckpt
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Dropout(0.1), nn.Linear(8, 1))
+    check_recordable(model)
+    fastckpt.save_checkpoint(tmp_path / "seq", models={"main": (model, None)})
+    loaded = fastckpt.load_checkpoint(tmp_path / "seq")["models"]["main"]["model"]
+    assert type(loaded) is nn.Sequential
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value)
+
+
+class WideningNet(nn.Module):
+    """Keeps a constructor argument under its name but with another meaning."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.width = width * 2
+
+
+def test_check_recordable_fails_early_with_fixes_that_work(tmp_path: Any) -> None:
+    import fastckpt
+
+    with pytest.raises(TypeError) as info:
+        check_recordable(Unrecoverable(3), "main")
+    message = str(info.value)
+    assert "model 'main'" in message and "checkpoint_spec()" in message
+    assert "fastckpt.specs.attach_spec(model" in message
+
+    with pytest.raises(TypeError, match=r"rebuilds a model with other tensors.*lin\.weight"):
+        check_recordable(WideningNet(2))
+
+    # A torch class whose constructor arguments are not all kept: the recorded recipe would
+    # build 6 layers instead of 1. Only attach_spec is suggested (torch cannot be edited).
+    arch = {"d_model": 8, "nhead": 2, "num_encoder_layers": 1, "num_decoder_layers": 1}
+    transformer = nn.Transformer(**arch, dim_feedforward=16)
+    with pytest.raises(TypeError) as info:
+        check_recordable(transformer)
+    assert "attach_spec" in str(info.value) and "checkpoint_spec()" not in str(info.value)
+
+    # The suggested fix works, through a real save and load.
+    attach_spec(transformer, create_model_spec(nn.Transformer, **arch, dim_feedforward=16))
+    fixed = Unrecoverable(3)
+    attach_spec(fixed, create_model_spec(Unrecoverable, hidden=3))
+    for name, model in {"t": transformer, "u": fixed}.items():
+        check_recordable(model, name)
+        fastckpt.save_checkpoint(tmp_path / name, models={"main": (model, None)})
+        loaded = fastckpt.load_checkpoint(tmp_path / name)["models"]["main"]["model"]
+        assert _same_tensors(model, loaded)
+    with pytest.raises(TypeError, match="must be a BaseSpec"):
+        attach_spec(fixed, {"cls_path": "x.y"})  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------
+# A user package on disk: imports are observable
+# ------------------------------------------------------------------------------------------
+
+USERPKG_TRAIN = """
+import functools
+import os.path
+from os.path import join
+from torch import nn
+
+def step(model, batch):
+    return model(batch).sum()
+
+as_lambda = lambda model, batch: 0
+as_partial = functools.partial(step)
+
+class Net(nn.Module):
+    def __init__(self, width=2):
+        super().__init__()
+        self.width = width
+        self.lin = nn.Linear(width, width)
+
+    @staticmethod
+    def helper(model, batch):
+        return 0
+"""
+
+USERPKG_EVIL = """
+import pathlib
+pathlib.Path({marker!r}).write_text("imported")
+from torch import nn
+
+class Net(nn.Module):
+    pass
+
+def step(model, batch):
+    return 0
+"""
+
+
+@pytest.fixture
+def userpkg(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fresh package ``fc_user_<n>`` with ``train`` (imported) and ``evil`` (not imported;
+    importing it writes ``marker``) submodules."""
+    name = f"fc_user_{os.getpid()}_{len(list(tmp_path.parent.iterdir()))}"
+    package = tmp_path / name
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(USERPKG_TRAIN)
+    marker = tmp_path / "marker"
+    (package / "evil.py").write_text(USERPKG_EVIL.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    train = importlib.import_module(f"{name}.train")
+    yield types.SimpleNamespace(name=name, train=train, marker=marker)
+    for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[module]
+
+
+def test_trust_check_never_imports_an_unimported_submodule(userpkg: Any) -> None:
+    path = f"{userpkg.name}.evil.Net"
+    spec = BaseSpec.from_json({**GOOD, "cls_path": path})
+    for attempt in (
+        lambda: resolve_target(path, "model"),
+        lambda: resolve_target(path, "optimizer"),
+        lambda: spec.build(),
+        lambda: spec.accepts_kwarg("device"),
+        lambda: build_model(spec, expected={}),
+        lambda: resolve_training_fn(f"{userpkg.name}.evil.step"),
+    ):
+        with pytest.raises(UntrustedTargetError, match=rf"'{userpkg.name}\.evil' is not imported"):
+            attempt()
+    assert not userpkg.marker.exists()
+    assert f"{userpkg.name}.evil" not in sys.modules
+    # Trusting the path is the way to allow the import.
+    assert isinstance(build_model(spec, trusted=[path]), nn.Module)
+    assert userpkg.marker.read_text() == "imported"
+
+
+def test_trust_check_does_not_import_torch_internals() -> None:
+    name = "torch.testing._internal.common_utils"
+    if name in sys.modules:
+        pytest.skip(f"{name} already imported")
+    with pytest.raises(UntrustedTargetError, match="is not imported"):
+        resolve_target(f"{name}.TestCase", "model")
+    assert name not in sys.modules
+
+
+# ------------------------------------------------------------------------------------------
+# Training functions restored without training_fn=
+# ------------------------------------------------------------------------------------------
+
+
+def test_training_fn_from_an_imported_user_module_is_restored(userpkg: Any) -> None:
+    assert resolve_training_fn(f"{userpkg.name}.train.step") is userpkg.train.step
+    assert resolve_training_fn(f"{MOD}.echo") is echo  # the test module is user code too
+
+
+@pytest.mark.parametrize(
+    ("path", "reason"),
+    [
+        ("builtins.print", "not a plain Python function"),
+        ("posixpath.join", "standard library"),
+        ("json.dumps", "standard library"),
+        ("torch.nn.functional.mse_loss", "torch"),
+        ("fastckpt.specs.model_spec", "fastckpt"),
+        ("safetensors.torch.save_file", "installed third-party module"),
+        ("{pkg}.train.join", "not a function defined at module level"),
+        ("{pkg}.train.Net", "not a plain Python function"),
+        ("{pkg}.train.Net.helper", "not a function defined at module level"),
+        ("{pkg}.train.as_lambda", "not a function defined at module level"),
+        ("{pkg}.train.as_partial", "not a plain Python function"),
+        ("{pkg}.train.missing", "is not imported"),
+        ("{pkg}.nothere.step", "'{pkg}.nothere' is not imported"),
+    ],
+)
+def test_training_fn_refusals_say_to_pass_it(userpkg: Any, path: str, reason: str) -> None:
+    importlib.import_module("safetensors.torch")  # imported: refused for another reason
+    path = path.format(pkg=userpkg.name)
+    with pytest.raises(UntrustedTargetError) as info:
+        resolve_training_fn(path)
+    message = str(info.value)
+    assert reason.format(pkg=userpkg.name) in message
+    assert "training_fn=" in message and repr(path) in message
+
+
+def test_training_fn_recorded_in_main_is_always_needed() -> None:
+    with pytest.raises(UntrustedTargetError, match=r"__main__.*always has to be passed"):
+        resolve_training_fn("__main__.training_fn")
+    assert resolve_training_fn(f"{MOD}.echo", trusted=[echo]) is echo
+
+
+INSTALLED_SCRIPT = """
+import sys
+import torch
+from fastckpt.errors import UntrustedTargetError
+from fastckpt.specs import resolve_training_fn
+import instpkg.train, instpkg.nets
+try:
+    resolve_training_fn("instpkg.train.step")
+except UntrustedTargetError as err:
+    assert "installed third-party module" in str(err), err
+else:
+    sys.exit("an installed package's function was restored without a model from it")
+fn = resolve_training_fn("instpkg.train.step", models=[instpkg.nets.Net(), torch.nn.Linear(1, 1)])
+assert fn is instpkg.train.step
+print("ok")
+"""
+
+
+def test_training_fn_of_an_installed_package_needs_a_model_from_it(tmp_path: Any) -> None:
+    """In a real venv whose site-packages holds ``instpkg``: its function is restored only
+    when a model class of the checkpoint comes from the same package."""
+    import sysconfig
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    package = os.path.join(site, "instpkg")
+    os.makedirs(package)
+    for name, text in {
+        "__init__.py": "",
+        "train.py": "def step(model, batch):\n    return 0\n",
+        "nets.py": "from torch import nn\nclass Net(nn.Module):\n    pass\n",
+    }.items():
+        with open(os.path.join(package, name), "w") as handle:
+            handle.write(text)
+    source = os.path.dirname(os.path.dirname(specs.__file__))
+    with open(os.path.join(site, "project.pth"), "w") as handle:
+        handle.write(f"{sysconfig.get_paths()['purelib']}\n{source}\n")
+    result = subprocess.run(
+        [str(python), "-c", INSTALLED_SCRIPT], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
+
+
+# ------------------------------------------------------------------------------------------
+# build_model: meta device first, only modules, checked against the checkpoint
+# ------------------------------------------------------------------------------------------
+
+
+class Masked(nn.Module):
+    """A tiny parameter and a large non-persistent buffer."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+        self.scale = nn.Parameter(torch.ones(1))
+        self.register_buffer("mask", torch.zeros(size, size), persistent=False)
+
+
+class NeedsValues(nn.Module):
+    """Reads a tensor value in its constructor, which the meta device cannot do."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = int(torch.tensor(float(width)).item())
+        self.lin = nn.Linear(self.width, 1)
+
+
+class TensorFactory(nn.Module):
+    @staticmethod
+    def unannotated(size):  # type: ignore[no-untyped-def]
+        CALLS.append(torch.empty(size).device.type)
+        return torch.empty(size, size)
+
+    @staticmethod
+    def annotated(size: int) -> torch.Tensor:
+        CALLS.append("annotated")
+        return torch.empty(size)
+
+
+def test_build_model_checks_then_builds_for_real() -> None:
+    spec = create_model_spec(nn.Linear, in_features=3, out_features=2)
+    weights = nn.Linear(3, 2).state_dict()
+    model = build_model(spec, expected=weights, device="cpu")
+    assert isinstance(model, nn.Linear) and model.weight.device.type == "cpu"
+    header = {k: {"dtype": "F32", "shape": list(v.shape)} for k, v in weights.items()}
+    assert isinstance(build_model(spec, expected=header), nn.Linear)
+    with pytest.raises(CheckpointFormatError, match=r"not in the model: \['extra'\]"):
+        build_model(spec, expected={**weights, "extra": torch.zeros(1)})
+
+
+def test_non_module_factories_refused_before_any_call() -> None:
+    path = "torch.nn.Transformer.generate_square_subsequent_mask"
+    with pytest.raises(UntrustedTargetError, match=r"annotated to return torch\.Tensor"):
+        resolve_target(path, "model")
+    spec = BaseSpec(cls_path=path, kwargs={"sz": 30000})
+    with pytest.raises(UntrustedTargetError):
+        build_model(spec, expected={})
+    with pytest.raises(UntrustedTargetError, match="annotated to return"):
+        build_model(BaseSpec(cls_path=f"{MOD}.TensorFactory.annotated", kwargs={"size": 2}))
+    assert CALLS == []
+    # Without an annotation the factory is admitted, but runs on the meta device only.
+    spec = BaseSpec(cls_path=f"{MOD}.TensorFactory.unannotated", kwargs={"size": 2**16})
+    with pytest.raises(CheckpointFormatError, match=r"did not build an nn\.Module"):
+        build_model(spec)
+    assert CALLS == ["meta"]
+
+
+def test_large_non_persistent_buffers_refused_on_meta() -> None:
+    spec = create_model_spec(Masked, size=2**15)  # a 4 GiB mask for 4 bytes of weights
+    with pytest.raises(CheckpointFormatError, match="would hold 4294967300 bytes"):
+        build_model(spec, expected={"scale": torch.ones(1)})
+    small = build_model(create_model_spec(Masked, size=8), expected={"scale": torch.ones(1)})
+    assert small.mask.shape == (8, 8)
+
+
+def test_meta_unfriendly_constructor_needs_trust() -> None:
+    spec = create_model_spec(NeedsValues, width=3)
+    expected = NeedsValues(3).state_dict()
+    with pytest.raises(CheckpointFormatError, match=r"meta device.*trusted=\["):
+        build_model(spec, expected=expected)
+    assert isinstance(build_model(spec, expected=expected, trusted=[spec.cls_path]), NeedsValues)
+
+
+RESEALED_SCRIPT = """
+import resource, torch
+from fastckpt.errors import CheckpointFormatError
+from fastckpt.specs import BaseSpec, build_model
+spec = BaseSpec(cls_path="torch.nn.Linear", kwargs={"in_features": 2**15, "out_features": 2**15})
+weights = torch.nn.Linear(2, 2).state_dict()  # what the checkpoint's file holds
+try:
+    build_model(spec, expected=weights)
+except CheckpointFormatError as err:
+    assert "[32768, 32768]" in str(err) and "[2, 2]" in str(err), err
+else:
+    raise SystemExit("built")
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_resealed_huge_linear_fails_without_allocating() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", RESEALED_SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    peak = int(result.stdout.split()[-1])
+    assert peak < 2 * 2**30, f"peak RSS {peak} bytes: the 4 GiB weight was allocated"

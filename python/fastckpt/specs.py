@@ -29,21 +29,31 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import importlib
+import importlib.util
 import inspect
 import math
+import site
 import sys
+import sysconfig
 import types
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from fastckpt import containers
 from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
 
 __all__ = [
+    "EXTRA_BUFFER_BYTES",
     "TARGET_KINDS",
     "BaseSpec",
+    "attach_spec",
+    "build_model",
+    "check_recordable",
     "create_model_spec",
     "decode_value",
     "dotted_path",
@@ -52,6 +62,7 @@ __all__ = [
     "register_trusted",
     "register_type_serializer",
     "resolve_target",
+    "resolve_training_fn",
     "validate_dotted_path",
 ]
 
@@ -476,18 +487,77 @@ _MISSING: Any = object()
 
 
 def _resolve_loaded(path: str) -> Any:
-    """Walk ``path`` through modules that are already imported; never imports anything."""
+    """Walk ``path`` through modules that are already imported; never imports anything.
+
+    Module attributes are read from the module's ``__dict__`` (a module-level ``__getattr__``
+    may import lazily, so it is not called) and class attributes with
+    ``inspect.getattr_static`` (only classmethods are bound, which runs no user code).
+    """
     parts = path.split(".")
     for split in range(len(parts) - 1, 0, -1):
         module = sys.modules.get(".".join(parts[:split]))
         if module is not None:
             obj: Any = module
             for attr in parts[split:]:
-                obj = getattr(obj, attr, _MISSING)
+                obj = _static_attr(obj, attr)
                 if obj is _MISSING:
                     return _MISSING
             return obj
     return _MISSING
+
+
+def _static_attr(obj: Any, attr: str) -> Any:
+    if isinstance(obj, types.ModuleType):
+        return vars(obj).get(attr, _MISSING)
+    if isinstance(obj, type):
+        raw = inspect.getattr_static(obj, attr, _MISSING)
+        if isinstance(raw, classmethod):
+            return types.MethodType(raw.__func__, obj)
+        if isinstance(raw, staticmethod):
+            return raw.__func__
+        return raw
+    return _MISSING
+
+
+def _missing_attribute(path: str) -> ImportError:
+    """The ImportError for a path whose module is imported but lacks the attribute."""
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        walked = ".".join(parts[:split])
+        obj: Any = sys.modules.get(walked)
+        if obj is None:
+            continue
+        for attr in parts[split:]:
+            found = _static_attr(obj, attr)
+            if found is _MISSING:
+                return ImportError(f"cannot resolve {path!r}: {walked!r} has no attribute {attr!r}")
+            obj, walked = found, f"{walked}.{attr}"
+    return ImportError(f"cannot resolve {path!r}: no prefix of it is an imported module")
+
+
+def _unimported_module(path: str) -> str | None:
+    """The first module ``path`` names that is importable but not imported yet, if any.
+
+    Only the finder runs (``importlib.util.find_spec`` with the parent package already
+    imported): the module's own code does not.
+    """
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        if ".".join(parts[:split]) in sys.modules:
+            break
+    else:
+        return parts[0]
+    parent = sys.modules[".".join(parts[:split])]
+    if not isinstance(parent, types.ModuleType) or split >= len(parts):
+        return None
+    if parts[split] in vars(parent) or not hasattr(parent, "__path__"):
+        return None  # an attribute of the module (or a plain module has no submodules)
+    name = ".".join(parts[: split + 1])
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    return name if found is not None else None
 
 
 def _import_module_prefix(path: str) -> tuple[Any, list[str]]:
@@ -561,13 +631,65 @@ def _normalize_trusted(
     return paths, objects
 
 
+def _is_module_factory(parent: Any, attr: str) -> bool:
+    """Whether ``parent.attr`` is a classmethod/staticmethod of an ``nn.Module`` subclass."""
+    if not (isinstance(parent, type) and issubclass(parent, torch.nn.Module)):
+        return False
+    return isinstance(inspect.getattr_static(parent, attr, None), (classmethod, staticmethod))
+
+
+def _annotation_text(func: Any) -> str:
+    annotation = getattr(func, "__annotations__", {}).get("return", inspect.Parameter.empty)
+    if isinstance(annotation, type):
+        return _type_name(annotation)
+    return repr(annotation)
+
+
+def _may_return_module(func: Any, owner: type) -> bool:
+    """False when ``func``'s return annotation names something other than a module.
+
+    Unannotated (or unreadable) factories are admitted; :func:`build_model` then calls them on
+    the meta device first and refuses a result that is not a module before any real memory is
+    allocated. Annotation strings are looked up, never evaluated.
+    """
+    annotations = getattr(func, "__annotations__", None)
+    if not isinstance(annotations, dict) or "return" not in annotations:
+        return True
+    annotation = annotations["return"]
+    if annotation is None:
+        return False  # "-> None"
+    if isinstance(annotation, str):
+        text = annotation.strip().strip("'\"")
+        if text in {"Self", "typing.Self", "typing_extensions.Self", owner.__name__}:
+            return True
+        found = _resolve_loaded(text) if "." in text else _MISSING
+        if found is _MISSING:
+            namespace = getattr(func, "__globals__", {})
+            found = namespace.get(text, _MISSING) if text.isidentifier() else _MISSING
+        if found is _MISSING:
+            return True  # e.g. "Optional[Net]": unknown, checked on the meta device
+        annotation = found
+    if isinstance(annotation, type):
+        return issubclass(annotation, torch.nn.Module)
+    return True
+
+
+#: Container factories (``fastckpt.containers``) that the model policy admits by default.
+_CONTAINER_FACTORIES: tuple[Any, ...] = (
+    containers.sequential,
+    containers.module_list,
+    containers.module_dict,
+)
+
+
 def _policy_allows(kind: str, obj: Any, parent: Any, attr: str) -> bool:
     if kind == "model":
         if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
             return True
-        if isinstance(parent, type) and issubclass(parent, torch.nn.Module):
-            raw = inspect.getattr_static(parent, attr, None)
-            return isinstance(raw, (classmethod, staticmethod))
+        if any(obj is factory for factory in _CONTAINER_FACTORIES):
+            return True
+        if _is_module_factory(parent, attr):
+            return _may_return_module(obj, parent)
         return False
     if kind == "optimizer":
         return isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)
@@ -615,11 +737,13 @@ def resolve_target(
     policy for ``kind`` applies: ``"model"`` allows ``nn.Module`` subclasses and
     classmethods/staticmethods of them, ``"optimizer"`` allows ``torch.optim.Optimizer``
     subclasses, ``"scheduler"`` allows LR-scheduler classes (including ``ReduceLROnPlateau``),
-    and ``"callable"`` allows nothing. For ``"callable"`` an untrusted path is refused without
-    importing anything; for the other kinds an untrusted path is only imported when its
-    top-level package is already imported in this process (so a tampered spec cannot trigger
-    the import side effects of an arbitrary installed module). Resolution imports only the
-    module part of the path and walks the rest with ``getattr``; nothing is called.
+    and ``"callable"`` allows nothing. A classmethod/staticmethod is a model target only if
+    its return annotation (when it has one) names an ``nn.Module``; ``fastckpt.containers``'
+    factories are model targets too. An untrusted path is decided without importing anything:
+    it is looked up only through modules that are already imported (a tampered spec must not
+    be able to run the import-time code of an installed module, or of a submodule of an
+    imported package), and a path that needs a module not imported yet is refused. A trusted
+    path is imported as needed. Nothing is called.
 
     Args:
         path: The dotted path, e.g. ``"torch.nn.Linear"`` or ``"pkg.Model.from_config"``.
@@ -652,28 +776,180 @@ def resolve_target(
         if loaded is not _MISSING and any(_same_target(loaded, obj) for obj in objects):
             return loaded
         raise _refuse(path, kind, "it is not in the trusted list")
-    package = path.split(".", 1)[0]
-    if package not in sys.modules:
+    obj = _resolve_loaded(path)
+    if obj is _MISSING:
         # Importing a module runs its code: a tampered spec must not be able to make us import
-        # an arbitrary installed package (``this``, ``antigravity``...) before the check.
+        # anything (an installed package, or a submodule of an imported one) before the check.
+        missing = _unimported_module(path)
+        if missing is None:
+            raise _missing_attribute(path)
         raise _refuse(
             path,
             kind,
-            f"its package {package!r} is not imported in this process (import the package "
-            "that defines it before loading)",
+            f"the module {missing!r} is not imported in this process, and fastckpt does not "
+            f"import modules a checkpoint names (import {missing} yourself before loading)",
         )
-    parent_path, _, attr = path.rpartition(".")
-    obj = _import_path(path)
     if any(_same_target(obj, trusted_obj) for trusted_obj in objects):
         return obj
+    parent_path, _, attr = path.rpartition(".")
     parent = _resolve_loaded(parent_path)
     if _policy_allows(kind, obj, parent, attr):
         return obj
     if isinstance(obj, type):
         found = f"it resolves to the class {_type_name(obj)!r}"
+    elif kind == "model" and _is_module_factory(parent, attr):
+        found = (
+            f"it is annotated to return {_annotation_text(obj)}, not an nn.Module, so it is "
+            "not a model constructor"
+        )
     else:
         found = f"it resolves to a {type(obj).__name__}, not a class"
     raise _refuse(path, kind, found)
+
+
+def _is_trusted_path(path: str, trusted: Iterable[str | Callable[..., Any]] | None) -> bool:
+    """Whether the caller allowed ``path`` explicitly (``trusted=`` or registration)."""
+    paths, objects = _normalize_trusted(trusted)
+    if path in paths:
+        return True
+    loaded = _resolve_loaded(path) if objects else _MISSING
+    return loaded is not _MISSING and any(_same_target(loaded, obj) for obj in objects)
+
+
+#: Top-level packages whose functions are never restored as a training function by default.
+_NEVER_TRAINING_FN_PACKAGES = frozenset({"torch", "fastckpt", "builtins", "__main__"})
+
+
+def _installed_roots() -> list[Path]:
+    """Directories of the standard library and of installed (site-packages) distributions."""
+    roots: set[str] = set()
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        value = sysconfig.get_paths().get(key)
+        if value:
+            roots.add(value)
+    getsitepackages = getattr(site, "getsitepackages", None)
+    if getsitepackages is not None:
+        roots.update(getsitepackages())
+    if site.ENABLE_USER_SITE and site.USER_SITE:
+        roots.add(site.USER_SITE)
+    return [Path(root).resolve() for root in roots]
+
+
+def _is_installed_module(module: types.ModuleType) -> bool:
+    """True for standard-library, built-in and site-packages modules (not the user's code)."""
+    filename = getattr(module, "__file__", None)
+    if not isinstance(filename, str):
+        return True  # built-in, frozen or namespace-only: not the user's source file
+    where = Path(filename).resolve()
+    return any(where.is_relative_to(root) for root in _installed_roots())
+
+
+def _top_package(module_name: str) -> str:
+    return module_name.split(".", 1)[0]
+
+
+def _model_packages(models: Iterable[Any]) -> set[str]:
+    packages = set()
+    for model in models:
+        cls = model if isinstance(model, type) else type(model)
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+            package = _top_package(cls.__module__)
+            if package not in _NEVER_TRAINING_FN_PACKAGES and package not in _stdlib_names():
+                packages.add(package)
+    return packages
+
+
+def _stdlib_names() -> frozenset[str]:
+    return frozenset(getattr(sys, "stdlib_module_names", ())) | frozenset(sys.builtin_module_names)
+
+
+def _refuse_training_fn(path: str, why: str) -> UntrustedTargetError:
+    return UntrustedTargetError(
+        f"cannot restore the training function {path!r} by itself: {why}. Pass "
+        f"training_fn=<the function> to the load call; if you trust this checkpoint you can "
+        f"instead allow the recorded path with trusted=[{path!r}] or "
+        f"fastckpt.specs.register_trusted({path!r})"
+    )
+
+
+def resolve_training_fn(
+    path: str,
+    trusted: Iterable[str | Callable[..., Any]] | None = None,
+    *,
+    models: Iterable[Any] = (),
+) -> Callable[..., Any]:
+    """Resolve the training function a strategy checkpoint recorded, without importing.
+
+    A path listed in ``trusted`` or registered with :func:`register_trusted` is allowed (and
+    imported if needed). Otherwise the function is restored only when all of these hold:
+
+    * its module is already imported in this process (nothing is imported to find it);
+    * it is a plain Python function (``def``) defined at module level where the path says,
+      not a builtin, class, method, ``functools.partial`` or callable object, and not a name
+      re-exported from another module;
+    * it is the user's code: not from the standard library, torch or fastckpt, and either not
+      installed in site-packages or in the same top-level package as one of ``models``' classes
+      (the model classes the checkpoint rebuilt under the trust policy);
+    * it was not recorded as ``__main__.<name>``: the ``__main__`` of a loading process is a
+      different script, so such a function must always be passed as ``training_fn=``.
+
+    Args:
+        path: The recorded dotted path, e.g. ``"mytrainer.losses.step"``.
+        trusted: Extra dotted paths or callables to allow.
+        models: The rebuilt models (or their classes) whose packages count as the user's.
+
+    Returns:
+        The function.
+
+    Raises:
+        CheckpointFormatError: If ``path`` is not a valid dotted path.
+        UntrustedTargetError: If the function cannot be restored this way; the message says
+            why and to pass ``training_fn=``.
+    """
+    try:
+        validate_dotted_path(path)
+    except ValueError as exc:
+        raise CheckpointFormatError(f"invalid training function path: {exc}") from exc
+    if _is_trusted_path(path, trusted):
+        return resolve_target(path, "callable", trusted)
+    module_name, _, name = path.rpartition(".")
+    if _top_package(path) == "__main__":
+        raise _refuse_training_fn(
+            path,
+            "it was defined in the script that ran the training (__main__), which is not the "
+            "script loading it; a function recorded as __main__.<name> always has to be passed",
+        )
+    obj = _resolve_loaded(path)
+    if obj is _MISSING:
+        missing = _unimported_module(path) or module_name
+        raise _refuse_training_fn(
+            path,
+            f"the module {missing!r} is not imported in this process and fastckpt does not "
+            f"import modules a checkpoint names (import {missing} before loading, or pass it)",
+        )
+    if not isinstance(obj, types.FunctionType):
+        raise _refuse_training_fn(
+            path, f"it is a {type(obj).__name__}, not a plain Python function defined with def"
+        )
+    if obj.__module__ != module_name or obj.__qualname__ != name:
+        raise _refuse_training_fn(
+            path,
+            f"it is {obj.__module__}.{obj.__qualname__}, not a function defined at module level "
+            f"in {module_name}",
+        )
+    package = _top_package(module_name)
+    if package in _NEVER_TRAINING_FN_PACKAGES or package in _stdlib_names():
+        raise _refuse_training_fn(
+            path, f"functions of {package!r} (standard library, torch, fastckpt) are not restored"
+        )
+    module = sys.modules[module_name]
+    if _is_installed_module(module) and package not in _model_packages(models):
+        raise _refuse_training_fn(
+            path,
+            f"{module_name} is an installed third-party module, and no model in the checkpoint "
+            f"comes from the package {package!r}",
+        )
+    return obj
 
 
 # --------------------------------------------------------------------------------------------
@@ -1009,15 +1285,88 @@ def create_model_spec(target: Callable[..., Any], **kwargs: Any) -> BaseSpec:
     return spec
 
 
+_ATTACHED_SPEC = "_fastckpt_spec"
+
+
+def attach_spec(model: torch.nn.Module, spec: BaseSpec) -> torch.nn.Module:
+    """Record how to rebuild this one model instance, for classes you cannot (or would rather
+    not) give a ``checkpoint_spec()`` method.
+
+    :func:`model_spec`, and so every checkpoint of ``model`` (``TrainingStrategy``,
+    ``CheckpointHook``, ``save_checkpoint(models={name: (model, None)})``), uses ``spec``.
+
+    Args:
+        model: The module.
+        spec: A spec that builds a module with the same parameters and buffers, e.g.
+            ``fastckpt.create_model_spec(make_model, width=512)``. A factory function needs
+            ``trusted=[...]`` when loading; a class or a classmethod of an ``nn.Module`` does not.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        TypeError: If ``spec`` is not a :class:`BaseSpec` or cannot be stored.
+    """
+    if not isinstance(spec, BaseSpec):
+        raise TypeError(f"attach_spec: spec must be a BaseSpec, got {type(spec).__name__}")
+    spec.to_json()  # fail now if an argument cannot be stored
+    object.__setattr__(model, _ATTACHED_SPEC, spec)
+    return model
+
+
+def _recipe_advice(cls: type) -> str:
+    """How to make a model of class ``cls`` recordable (only fixes that work for it)."""
+    name = cls.__qualname__
+    attach = (
+        "attach a recipe to the instance: fastckpt.specs.attach_spec(model, "
+        "fastckpt.create_model_spec(<module-level class, classmethod or factory>, **kwargs))"
+    )
+    module = sys.modules.get(cls.__module__)
+    if module is None or _is_installed_module(module):
+        return attach  # a class from torch or another installed package cannot be edited
+    return (
+        f"give {name} a checkpoint_spec() method returning fastckpt.create_model_spec(...), "
+        f"keep each constructor argument as an attribute of the same name, or {attach}"
+    )
+
+
+_CONTAINERS: dict[type, Callable[..., Any]] = {
+    torch.nn.Sequential: containers.sequential,
+    torch.nn.ModuleDict: containers.module_dict,
+    torch.nn.ModuleList: containers.module_list,
+}
+
+
+def _container_spec(model: torch.nn.Module) -> BaseSpec:
+    """Sequential / ModuleDict / ModuleList: one nested spec per child, in order."""
+    cls = type(model)
+    children: dict[str, BaseSpec] = {}
+    for child_name, child in model.named_children():
+        try:
+            children[child_name] = model_spec(child)
+        except TypeError as exc:
+            raise TypeError(f"{cls.__name__} child {child_name!r}: {exc}") from exc
+    factory = _CONTAINERS[cls]
+    if factory is containers.module_list:
+        expected = [str(i) for i in range(len(children))]
+        if list(children) != expected:
+            raise TypeError(f"ModuleList children are named {list(children)}, not {expected}")
+        return create_model_spec(factory, children=list(children.values()))
+    return create_model_spec(factory, children=children)
+
+
 def model_spec(model: torch.nn.Module) -> BaseSpec:
     """Derive a spec that rebuilds ``model`` (with fresh weights).
 
-    If the model has a ``checkpoint_spec()`` method returning a :class:`BaseSpec`, that spec
-    is used. If it returns ``None`` or is absent, the constructor of ``type(model)`` is
-    introspected: each parameter takes the value of the model attribute with the same name;
-    a parameter with a ``bool`` default whose attribute is a tensor or ``None`` becomes
-    ``attribute is not None`` (so ``nn.Linear(bias=...)`` works); a parameter without a
-    matching attribute is omitted if it has a default.
+    A spec attached with :func:`attach_spec` comes first. Then, if the model has a
+    ``checkpoint_spec()`` method returning a :class:`BaseSpec`, that spec is used.
+    ``nn.Sequential``, ``nn.ModuleList`` and ``nn.ModuleDict`` (exactly those classes) are
+    recorded as calls to :mod:`fastckpt.containers` with the children's specs, recursively.
+    Otherwise the constructor of ``type(model)`` is introspected: each parameter takes the
+    value of the model attribute with the same name; a parameter with a ``bool`` default whose
+    attribute is a tensor or ``None`` becomes ``attribute is not None`` (so
+    ``nn.Linear(bias=...)`` works); a parameter without a matching attribute is omitted if it
+    has a default.
 
     Args:
         model: The module.
@@ -1028,9 +1377,11 @@ def model_spec(model: torch.nn.Module) -> BaseSpec:
     Raises:
         TypeError: If ``checkpoint_spec()`` returns something other than a spec or ``None``,
             or a constructor argument cannot be recovered from the model (the message names
-            the class and parameter and suggests implementing ``checkpoint_spec()`` or passing
-            an explicit spec).
+            the class and parameter and the fixes that work for that class).
     """
+    attached = vars(model).get(_ATTACHED_SPEC)
+    if isinstance(attached, BaseSpec):
+        return attached
     hook = getattr(model, "checkpoint_spec", None)
     if callable(hook):
         custom = hook()
@@ -1042,11 +1393,10 @@ def model_spec(model: torch.nn.Module) -> BaseSpec:
                 f"got {type(custom).__name__}"
             )
     cls = type(model)
+    if cls in _CONTAINERS:
+        return _container_spec(model)
     name = cls.__qualname__
-    advice = (
-        f"implement {name}.checkpoint_spec() returning fastckpt.specs.create_model_spec(...), "
-        "or pass an explicit spec"
-    )
+    advice = _recipe_advice(cls)
     init = cls.__init__
     if init is torch.nn.Module.__init__:
         return create_model_spec(cls)
@@ -1085,3 +1435,221 @@ def model_spec(model: torch.nn.Module) -> BaseSpec:
             ) from exc
         kwargs[param.name] = value
     return create_model_spec(cls, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Building models safely, and checking a model can be rebuilt
+# --------------------------------------------------------------------------------------------
+
+#: Memory a model may hold beyond its checkpointed tensors (non-persistent buffers such as
+#: attention masks or rotary tables): at most this, or as much as the checkpoint, if larger.
+EXTRA_BUFFER_BYTES = 64 * 2**20
+
+
+def _tree_paths(spec: BaseSpec) -> list[str]:
+    paths = [spec.cls_path]
+    for nested in _nested_specs(spec.kwargs):
+        paths.extend(_tree_paths(nested))
+    return paths
+
+
+def _build_on_meta(spec: BaseSpec, targets: dict[int, Any], accepts_device: bool) -> Any:
+    overrides = {"device": torch.device("meta")} if accepts_device else {}
+    with torch.device("meta"):
+        return spec._build_with(targets, overrides)
+
+
+def _shape_of(value: Any) -> tuple[int, ...] | None:
+    shape = getattr(value, "shape", None)
+    if shape is None and isinstance(value, Mapping):
+        shape = value.get("shape")
+    if shape is None:
+        return None
+    try:
+        return tuple(int(dim) for dim in shape)
+    except (TypeError, ValueError):
+        return None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _compare_with_checkpoint(
+    probe: torch.nn.Module, expected: Mapping[str, Any], where: str
+) -> None:
+    """Refuse a model whose tensors do not match the checkpoint's, before it is allocated."""
+    state = {k: v for k, v in probe.state_dict().items() if isinstance(v, torch.Tensor)}
+    missing = [key for key in state if key not in expected]
+    unexpected = [key for key in expected if key not in state]
+    if missing or unexpected:
+        raise CheckpointFormatError(
+            f"{where}: the model the spec builds does not match the checkpoint's tensors "
+            f"(missing from the checkpoint: {missing[:5]}, not in the model: {unexpected[:5]}); "
+            "it was not built"
+        )
+    checkpoint_bytes = 0
+    for key, tensor in state.items():
+        recorded = _shape_of(expected[key])
+        if recorded != tuple(tensor.shape):
+            raise CheckpointFormatError(
+                f"{where}: tensor {key!r} of the model the spec builds has shape "
+                f"{list(tensor.shape)}, the checkpoint holds {list(recorded or ())}; the spec "
+                "and the weights do not belong together, so the model was not built"
+            )
+        checkpoint_bytes += math.prod(recorded) * tensor.element_size()
+    unique = {id(t): t for t in [*probe.parameters(), *probe.buffers()]}
+    model_bytes = sum(_nbytes(t) for t in unique.values() if t.device.type == "meta")
+    allowance = checkpoint_bytes + max(EXTRA_BUFFER_BYTES, checkpoint_bytes)
+    if model_bytes > allowance:
+        raise CheckpointFormatError(
+            f"{where}: the model the spec builds would hold {model_bytes} bytes of tensors, far "
+            f"more than the {checkpoint_bytes} bytes of the checkpoint's; it was not built"
+        )
+
+
+def build_model(
+    spec: BaseSpec,
+    *,
+    expected: Mapping[str, Any] | None = None,
+    device: str | torch.device | None = None,
+    trusted: Iterable[str | Callable[..., Any]] | None = None,
+    where: str | None = None,
+) -> torch.nn.Module:
+    """Build the model a checkpoint's spec describes, checking it before memory is allocated.
+
+    1. Every target in the spec tree passes the trust policy (kind ``"model"``); nothing is
+       imported for an untrusted path and nothing is called yet.
+    2. The spec is built once on the meta device (``with torch.device("meta")``, and
+       ``device="meta"`` for targets that accept ``device``), which allocates no tensor
+       memory. A result that is not an ``nn.Module`` is refused. With ``expected``, its
+       ``state_dict`` must have exactly the checkpoint's tensor names and shapes, and all its
+       parameters and buffers may exceed the checkpoint's bytes by at most
+       ``max(EXTRA_BUFFER_BYTES, checkpoint bytes)``.
+    3. Only then is it built for real (on ``device`` when the target accepts ``device``).
+
+    If the meta build itself fails (a constructor that reads tensor values, say), the model is
+    built for real only when the root target was trusted explicitly (``trusted=`` or
+    :func:`register_trusted`); otherwise that is an error saying so.
+
+    Args:
+        spec: The model spec read from the checkpoint.
+        expected: Tensor name -> the checkpoint's tensor (anything with ``.shape``, e.g. the
+            mapped tensors of the weights file) or header entry (a mapping with ``"shape"``).
+        device: Passed as ``device=`` to targets that accept it.
+        trusted: Extra dotted paths or callables to allow (see :func:`resolve_target`).
+        where: How to name the checkpoint file in messages.
+
+    Returns:
+        The model, with freshly initialized weights.
+
+    Raises:
+        UntrustedTargetError: If the trust policy refuses a target.
+        CheckpointFormatError: If the spec does not build a module, does not match
+            ``expected``, cannot be checked on the meta device, or its constructor fails.
+    """
+    where = where or f"spec {spec.cls_path!r}"
+    targets: dict[int, Any] = {}
+    spec._resolve_tree(targets, "model", trusted, set())
+    root = targets[id(spec)]
+    try:
+        accepts_device = _signature_accepts(inspect.signature(root), "device")
+    except (TypeError, ValueError):
+        accepts_device = False
+    try:
+        probe = _build_on_meta(spec, targets, accepts_device)
+    except UntrustedTargetError:
+        raise
+    except Exception as err:
+        if not _is_trusted_path(spec.cls_path, trusted):
+            raise CheckpointFormatError(
+                f"{where}: {spec.cls_path!r} cannot be built on the meta device ({err}), so its "
+                "size cannot be checked before memory is allocated; if you trust this "
+                f"checkpoint, pass trusted=[{spec.cls_path!r}] to build it directly"
+            ) from err
+        probe = None
+    if probe is not None:
+        if not isinstance(probe, torch.nn.Module):
+            raise CheckpointFormatError(
+                f"{where}: {spec.cls_path!r} did not build an nn.Module (it returned a "
+                f"{type(probe).__name__}); it was called on the meta device only"
+            )
+        if expected is not None:
+            _compare_with_checkpoint(probe, expected, where)
+        del probe
+    overrides = {"device": torch.device(device)} if device is not None and accepts_device else {}
+    try:
+        model = spec._build_with(targets, overrides)
+    except Exception as err:
+        raise CheckpointFormatError(
+            f"{where}: cannot build model {spec.cls_path!r}: {err}"
+        ) from err
+    if not isinstance(model, torch.nn.Module):
+        raise CheckpointFormatError(f"{where}: {spec.cls_path!r} did not build an nn.Module")
+    return model
+
+
+def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
+    """Fail now, not at the first checkpoint, if ``model``'s recipe cannot be recorded.
+
+    Call it when a training run is set up (``TrainingStrategy`` does, for every model). The
+    spec :func:`model_spec` derives is built on the meta device (no memory) with every
+    target it names allowed, and its parameters and buffers must have the names and shapes
+    of ``model``'s: otherwise a checkpoint would record a recipe that builds a different model.
+
+    Args:
+        model: The (unwrapped) model.
+        name: Its name in the run, for messages.
+
+    Returns:
+        The spec checkpoints will record.
+
+    Raises:
+        TypeError: If no spec can be derived, or the derived spec builds a model with other
+            tensors; the message says what to do for this class.
+    """
+    cls = type(model)
+    try:
+        spec = model_spec(model)
+    except TypeError as exc:
+        raise TypeError(
+            f"model {name!r} ({cls.__module__}.{cls.__qualname__}) cannot be checkpointed: "
+            f"its recipe cannot be recorded: {exc}"
+        ) from exc
+    advice = _recipe_advice(cls)
+    paths = _tree_paths(spec)
+    targets: dict[int, Any] = {}
+    try:
+        spec._resolve_tree(targets, "model", paths, set())
+        root = targets[id(spec)]
+        try:
+            accepts_device = _signature_accepts(inspect.signature(root), "device")
+        except (TypeError, ValueError):
+            accepts_device = False
+        probe = _build_on_meta(spec, targets, accepts_device)
+    except Exception as exc:
+        warnings.warn(
+            f"model {name!r}: its recorded spec {spec.cls_path!r} could not be built on the "
+            f"meta device ({exc}); loading its checkpoints will need "
+            f"trusted=[{spec.cls_path!r}]",
+            stacklevel=2,
+        )
+        return spec
+    if not isinstance(probe, torch.nn.Module):
+        raise TypeError(
+            f"model {name!r}: its recorded spec {spec.cls_path!r} does not build an nn.Module "
+            f"(it returned a {type(probe).__name__}); {advice}"
+        )
+    live = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    rebuilt = {
+        k: tuple(v.shape) for k, v in probe.state_dict().items() if isinstance(v, torch.Tensor)
+    }
+    if live != rebuilt:
+        diff = sorted(k for k in live.keys() | rebuilt.keys() if live.get(k) != rebuilt.get(k))
+        details = ", ".join(f"{k}: {live.get(k)} vs {rebuilt.get(k)}" for k in diff[:5])
+        raise TypeError(
+            f"model {name!r} ({cls.__qualname__}) cannot be checkpointed: the recipe recorded "
+            f"for it ({spec.cls_path}) rebuilds a model with other tensors (model vs rebuilt: "
+            f"{details}); {advice}"
+        )
+    return spec
