@@ -360,3 +360,15 @@ def test_stager_reuses_buffers_only_after_release() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert isinstance(fastckpt.dcp.Writer(Path("x")), dcp.staging.AsyncStager)
+
+
+def test_sharded_benchmark_compares_all_backends(tmp_path: Path) -> None:
+    from fastckpt.bench.sharded import BACKENDS, ShardedConfig, format_report, run_sharded
+
+    report = run_sharded(ShardedConfig(size_mib=2, repeats=1, work_dir=tmp_path, cold=False))
+    assert list(report["rows"]) == list(BACKENDS)
+    for row in report["rows"].values():
+        assert all(row[op]["median"] > 0 for op in ("save_s", "load_s", "stall_s")), row
+    assert report["cache"] == "warm"
+    assert "save_speedup_vs_dcp-1t" in format_report(report)
+    assert list(tmp_path.iterdir()) == []  # the run cleans up after itself
