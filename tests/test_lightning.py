@@ -284,8 +284,19 @@ def test_pickled_values_load_only_through_the_weights_only_unpickler(tmp_path: P
     io.save_checkpoint(checkpoint_with({"thing": Opaque(5), "path": pathlib.Path("p")}), opaque)
     with pytest.raises(UntrustedTargetError, match=r"hyper_parameters\.extra\.thing"):
         io.load_checkpoint(opaque)
-    trusted = io.load_checkpoint(opaque, weights_only=False)
+    with pytest.raises(UntrustedTargetError):  # never a general unpickler, even when asked
+        io.load_checkpoint(opaque, weights_only=False)
+    torch.serialization.add_safe_globals([Opaque, type(pathlib.Path("p"))])
+    try:
+        trusted = io.load_checkpoint(opaque)
+    finally:
+        torch.serialization.clear_safe_globals()
     assert trusted["hyper_parameters"]["extra"] == {"thing": Opaque(5), "path": pathlib.Path("p")}
+
+    torch_file = tmp_path / "torch.ckpt"  # a TorchCheckpointIO file: the same guard
+    torch.save(checkpoint_with(Opaque(1)), torch_file)
+    with pytest.raises(UntrustedTargetError, match=r"torch\.ckpt"):
+        io.load_checkpoint(torch_file, weights_only=False)
 
 
 def test_remove_checkpoint_handles_directories_files_links_and_absence(tmp_path: Path) -> None:

@@ -27,7 +27,6 @@ content needs it and how loading it is guarded.
 from __future__ import annotations
 
 import io
-import pickle
 import shutil
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -192,12 +191,12 @@ def _load_item(directory: Path, record: Mapping[str, Any], item: str) -> Any:
 
 
 class _Unpickler:
-    """Puts back the values stored with ``torch.save``, through ``torch.load``."""
+    """Puts back the values stored with ``torch.save``, through the weights-only
+    ``torch.load`` (never a general unpickler)."""
 
-    def __init__(self, directory: Path, blobs: list[Any], weights_only: bool) -> None:
+    def __init__(self, directory: Path, blobs: list[Any]) -> None:
         self.where = directory / f"{PICKLED_ITEM}.safetensors"
         self.blobs = blobs
-        self.weights_only = weights_only
 
     def restore(self, value: Any, path: str) -> Any:
         if isinstance(value, dict):
@@ -221,30 +220,28 @@ class _Unpickler:
             raise CheckpointFormatError(f"{self.where}: pickled value {position} is malformed")
         data = io.BytesIO(blob.numpy().tobytes())
         try:
-            return torch.load(data, map_location="cpu", weights_only=self.weights_only)
-        except pickle.UnpicklingError as err:
+            return torch.load(data, map_location="cpu", weights_only=True)
+        except Exception as err:  # the bytes passed their crc32c: the unpickler refused them
             raise UntrustedTargetError(
-                f"{self.where}: the value at {where} was stored with pickle and "
-                f"torch.load(weights_only=True) refused it ({err}). If you trust this "
-                "checkpoint, allow its types with torch.serialization.add_safe_globals([...]) "
-                "or load with weights_only=False (trainer.fit(..., weights_only=False))"
+                f"{self.where}: the value at {where} was stored with pickle and the "
+                f"weights-only unpickler refused it ({err}). fastckpt never unpickles "
+                "arbitrary objects: if you trust this checkpoint, allow the types it names "
+                "with torch.serialization.add_safe_globals([...]) and load again"
             ) from err
 
 
-def load_lightning_checkpoint(
-    path: str | Path, map_location: Any = None, weights_only: bool | None = None
-) -> dict[str, Any]:
+def load_lightning_checkpoint(path: str | Path, map_location: Any = None) -> dict[str, Any]:
     """Load a checkpoint directory written by :class:`FastCheckpointIO` as Lightning's dict.
 
     Every file is checked against ``commit.json`` (size, crc32c) and every tensor against its
     own crc32c. Values saved with ``allow_pickle=True`` are restored with
-    ``torch.load(weights_only=True)`` unless ``weights_only`` is ``False``.
+    ``torch.load(weights_only=True)``: only the types PyTorch's weights-only unpickler allows
+    (plus those registered with ``torch.serialization.add_safe_globals``).
 
     Args:
         path: the checkpoint directory (the path Lightning saved to).
         map_location: a device (``"cpu"``, ``torch.device``) to move tensors to; other
             forms (callables, dicts) load on the CPU, where Lightning moves them itself.
-        weights_only: ``False`` allows arbitrary unpickling of pickled values.
 
     Raises:
         FileNotFoundError: no such checkpoint, or a recorded file is missing.
@@ -275,7 +272,7 @@ def load_lightning_checkpoint(
     metadata = info.get("state_dict_metadata")
     if PICKLED_ITEM in items:
         blobs = _load_item(directory, record, PICKLED_ITEM)
-        unpickler = _Unpickler(directory, blobs, weights_only is not False)
+        unpickler = _Unpickler(directory, blobs)
         checkpoint = unpickler.restore(checkpoint, "")
         metadata = unpickler.restore(metadata, "state_dict._metadata")
     state_dict = checkpoint.get("state_dict")
@@ -359,17 +356,28 @@ class FastCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """Load a checkpoint: a directory this plugin wrote, or a ``torch.save`` file.
 
-        Files written by Lightning's ``TorchCheckpointIO`` load through ``torch.load`` with
-        ``weights_only=True`` unless ``weights_only`` is ``False`` (for switching a run over).
+        Pickled content (values saved with ``allow_pickle=True``, and files written by
+        Lightning's ``TorchCheckpointIO``, which load here so that a run can switch plugins)
+        goes through ``torch.load(weights_only=True)`` only, whatever ``weights_only`` says:
+        fastckpt never unpickles arbitrary objects. Allow more types with
+        ``torch.serialization.add_safe_globals``.
         """
+        del weights_only  # always weights-only, see above
         target = Path(path)
         if target.is_file():
             location = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
-            loaded: dict[str, Any] = torch.load(
-                target, map_location=location, weights_only=weights_only is not False
-            )
+            try:
+                loaded: dict[str, Any] = torch.load(
+                    target, map_location=location, weights_only=True
+                )
+            except Exception as err:
+                raise UntrustedTargetError(
+                    f"{target}: torch.load(weights_only=True) refused this file ({err}); if "
+                    "you trust it, allow the types it names with "
+                    "torch.serialization.add_safe_globals([...]) and load again"
+                ) from err
             return loaded
-        return load_lightning_checkpoint(target, map_location, weights_only)
+        return load_lightning_checkpoint(target, map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint directory (or a file / link at ``path``); absent is fine."""
