@@ -117,6 +117,21 @@ def pread_exact(fd: int, offset: int, length: int, where: str) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+def pread_into(fd: int, offset: int, target: np.ndarray, where: str) -> None:
+    """Fill the contiguous uint8 array ``target`` from ``offset`` with ``preadv`` (no
+    intermediate copy); a truncated file is a :class:`CheckpointFormatError`."""
+    view = target.data.cast("B")
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done : done + READ_CHUNK]], offset + done)
+        if got == 0:
+            raise CheckpointFormatError(
+                f"{where}: file ended {len(view) - done} bytes early at offset {offset + done}; "
+                "it was truncated while open"
+            )
+        done += got
+
+
 @dataclass
 class _Entry:
     """Where one tensor lives: its file and byte range."""
@@ -502,13 +517,15 @@ class SafeOpen:
         out = torch.empty(entry.shape, dtype=dtype)
         target = out.reshape(-1).view(torch.uint8).numpy()
         where = f"{entry.file.path}: tensor {entry.name!r}"
+        if not (self.verify and entry.crc32c is not None):
+            pread_into(entry.file.fd, entry.begin, target, where)
+            return out
         crc = 0
         for at in range(entry.begin, entry.end, READ_CHUNK):
             data = pread_exact(entry.file.fd, at, min(READ_CHUNK, entry.end - at), where)
-            if self.verify and entry.crc32c is not None:
-                crc = _native.crc32c(data, crc)
+            crc = _native.crc32c(data, crc)
             target[at - entry.begin : at - entry.begin + len(data)] = np.frombuffer(data, np.uint8)
-        if self.verify and entry.crc32c is not None and crc != entry.crc32c:
+        if crc != entry.crc32c:
             raise ChecksumMismatchError(
                 f"{entry.file.path}: checksum mismatch in tensor {entry.name!r} (stored crc32c "
                 f"{entry.crc32c:08x}, computed {crc:08x}); the file is corrupt: restore it from "
@@ -543,12 +560,16 @@ class SafeOpen:
         strides = _strides(entry.shape)
         position = 0
         for piece in _plan(dims, strides, itemsize):
-            data = pread_exact(
-                entry.file.fd, entry.begin + piece.first * itemsize, piece.length * itemsize, where
-            )
-            span = np.frombuffer(data, _UINTS[itemsize])
+            offset = entry.begin + piece.first * itemsize
             counts = [d.count for d in piece.dims]
             count = math.prod(counts)
+            if count == piece.length:  # contiguous: straight into the result
+                target = flat[position : position + count].view(np.uint8)
+                pread_into(entry.file.fd, offset, target, where)
+                position += count
+                continue
+            data = pread_exact(entry.file.fd, offset, piece.length * itemsize, where)
+            span = np.frombuffer(data, _UINTS[itemsize])
             view = np.lib.stride_tricks.as_strided(
                 span,
                 shape=counts,
