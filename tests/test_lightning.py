@@ -331,3 +331,30 @@ def test_a_failed_background_write_is_raised_by_the_next_call(tmp_path: Path) ->
 def test_storage_options_are_refused(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="storage_options"):
         FastCheckpointIO().save_checkpoint(checkpoint_with(1), tmp_path / "x.ckpt", {"a": 1})
+
+
+def test_save_last_as_a_link_and_ckpt_path_last_resolve_to_fastckpt_directories(
+    tmp_path: Path,
+) -> None:
+    def run(max_steps: int, ckpt_path: str | None) -> Any:
+        torch.manual_seed(0)
+        trainer = L.Trainer(
+            max_steps=max_steps,
+            plugins=[FastCheckpointIO()],
+            accelerator="cpu",
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            logger=False,
+            default_root_dir=tmp_path,
+            callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last="link")],
+        )
+        trainer.fit(TinyModule(), loader(shuffle=False), ckpt_path=ckpt_path)
+        return trainer
+
+    run(4, None)
+    last = tmp_path / "last.ckpt"
+    assert last.is_symlink() and (last / "commit.json").is_file()
+    assert load_lightning_checkpoint(last)["global_step"] == 4
+    resumed = run(6, "last")
+    assert resumed.global_step == 6
+    assert load_lightning_checkpoint(last)["global_step"] == 6
