@@ -7,6 +7,13 @@ working. Operating-system failures keep their usual Python types (``FileNotFound
 
 The Rust extension raises these same classes (it looks them up in this module), so there is
 exactly one hierarchy.
+
+Relation to ``safetensors``: safetensors raises ``ValueError`` for arguments it cannot store
+and ``safetensors.SafetensorError`` (an ``Exception``) for malformed files. fastckpt raises
+:class:`InvalidInputError` (a ``ValueError`` and a ``TypeError``) for the former and
+:class:`CheckpointFormatError` (a ``ValueError``) for the latter; fastckpt does not import
+safetensors, so its errors are not ``SafetensorError`` subclasses: code that handles both
+libraries catches ``(ValueError, SafetensorError)``.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ __all__ = [
     "CheckpointMismatchError",
     "ChecksumMismatchError",
     "FastCkptError",
+    "InvalidInputError",
     "UntrustedTargetError",
 ]
 
@@ -36,6 +44,17 @@ class CheckpointFormatError(FastCkptError, ValueError):
     """A file or manifest is malformed: bad header, lying offsets, truncation, bad JSON.
 
     The message names the file and the offending field.
+    """
+
+
+class InvalidInputError(FastCkptError, TypeError, ValueError):
+    """An argument fastckpt cannot store or represent: not a mapping of ``str`` names to dense
+    tensors, a dtype the safetensors format has no name for (or a file's dtype this torch has
+    no type for), metadata that is not a ``str -> str`` mapping.
+
+    It is a ``TypeError`` (what fastckpt raised for these before) and a ``ValueError`` (what
+    ``safetensors.torch.save_file`` raises), so either ``except`` keeps working. The message
+    names the key and the fix.
     """
 
 
