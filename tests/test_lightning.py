@@ -216,8 +216,9 @@ def test_checkpoints_are_fastckpt_manager_checkpoints(
     with safe_open(path, part="checkpoint") as handle:
         assert torch.equal(handle.get_tensor("state_dict.net.0.weight"), weight)
     # the state_dict keeps the modules' versions (BatchNorm reads them on load)
-    ours = load_lightning_checkpoint(path)
-    assert ours["state_dict"]._metadata == module.state_dict()._metadata
+    for location in (None, "cpu"):
+        ours = load_lightning_checkpoint(path, map_location=location)
+        assert ours["state_dict"]._metadata == module.state_dict()._metadata
     # a TorchCheckpointIO file loads through the plugin too (switching a run over)
     torch_file = torch_reference["dir"] / "last.ckpt"
     assert_equal_nests(

@@ -275,15 +275,15 @@ def load_lightning_checkpoint(path: str | Path, map_location: Any = None) -> dic
         unpickler = _Unpickler(directory, blobs)
         checkpoint = unpickler.restore(checkpoint, "")
         metadata = unpickler.restore(metadata, "state_dict._metadata")
+    if isinstance(map_location, (str, torch.device)):
+        device = torch.device(map_location)
+        checkpoint = tree.map_tensors(checkpoint, lambda tensor: tensor.to(device))
     state_dict = checkpoint.get("state_dict")
     if isinstance(state_dict, dict):
         ordered: Any = OrderedDict(state_dict)
         if metadata is not None:
             ordered._metadata = metadata
         checkpoint["state_dict"] = ordered
-    if isinstance(map_location, (str, torch.device)):
-        device = torch.device(map_location)
-        checkpoint = tree.map_tensors(checkpoint, lambda tensor: tensor.to(device))
     return checkpoint
 
 
