@@ -220,11 +220,8 @@ pub fn near_reserved_key(key: &str) -> Option<&'static str> {
 /// crc32c of the canonical JSON ([`json::canonical`]) of a parsed header object with the
 /// [`HEADER_CRC_KEY`] entry left out of `__metadata__`: what [`HEADER_CRC_KEY`] stores.
 pub fn header_crc32c(root: &Map<String, Value>) -> u32 {
-    let mut root = root.clone();
-    if let Some(Value::Object(meta)) = root.get_mut(METADATA_KEY) {
-        meta.shift_remove(HEADER_CRC_KEY);
-    }
-    checksum::append(0, json::canonical(&Value::Object(root)).as_bytes())
+    let canonical = json::canonical_without(root, METADATA_KEY, HEADER_CRC_KEY);
+    checksum::append(0, canonical.as_bytes())
 }
 
 /// Parses 8 lowercase hex digits, the only spelling fastckpt writes (so that even a bit flip

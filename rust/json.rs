@@ -103,6 +103,59 @@ pub fn canonical(value: &Value) -> String {
     out
 }
 
+/// The canonical form of `object` as if its member `nested` (when an object) lacked the key
+/// `skip`, without copying anything: what a checksum stored at `object[nested][skip]` covers.
+pub fn canonical_without(object: &Map<String, Value>, nested: &str, skip: &str) -> String {
+    let mut out = String::with_capacity(object.len() * 64);
+    write_object(object, &mut out, |key, value, out| match value {
+        Value::Object(inner) if key == nested => {
+            write_string(key, out);
+            out.push(':');
+            write_object(inner, out, |key, value, out| {
+                if key != skip {
+                    write_member(key, value, out);
+                }
+            });
+        }
+        _ => write_member(key, value, out),
+    });
+    out
+}
+
+/// Writes `{...}` with the members in sorted key order, each through `member` (which may
+/// write nothing); commas go between the members written.
+fn write_object(
+    object: &Map<String, Value>,
+    out: &mut String,
+    member: impl Fn(&str, &Value, &mut String),
+) {
+    // Rust orders `str`s by UTF-8 bytes, which is code-point order, as Python does.
+    let mut keys: Vec<&String> = object.keys().collect();
+    keys.sort_unstable();
+    out.push('{');
+    let mut first = true;
+    for key in keys {
+        let before = out.len();
+        if !first {
+            out.push(',');
+        }
+        let with_comma = out.len();
+        member(key, &object[key], out);
+        if out.len() == with_comma {
+            out.truncate(before); // nothing written: no comma either
+        } else {
+            first = false;
+        }
+    }
+    out.push('}');
+}
+
+fn write_member(key: &str, value: &Value, out: &mut String) {
+    write_string(key, out);
+    out.push(':');
+    write_canonical(value, out);
+}
+
 fn write_canonical(value: &Value, out: &mut String) {
     match value {
         Value::Null => out.push_str("null"),
@@ -121,21 +174,7 @@ fn write_canonical(value: &Value, out: &mut String) {
             }
             out.push(']');
         }
-        Value::Object(object) => {
-            // Rust orders `String`s by UTF-8 bytes, which is code-point order, as Python does.
-            let mut keys: Vec<&String> = object.keys().collect();
-            keys.sort();
-            out.push('{');
-            for (i, key) in keys.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                write_string(key, out);
-                out.push(':');
-                write_canonical(&object[key], out);
-            }
-            out.push('}');
-        }
+        Value::Object(object) => write_object(object, out, write_member),
     }
 }
 
@@ -200,6 +239,23 @@ mod tests {
         let text = r#"{"a":[1,-2,3.5,true,false,null,"s\u00e9"],"b":{}}"#;
         let strict: StrictValue = serde_json::from_str(text).unwrap();
         assert_eq!(strict.0, serde_json::from_str::<Value>(text).unwrap());
+    }
+
+    #[test]
+    fn canonical_without_skips_one_nested_key() {
+        let value = parse_strict(r#"{"m":{"b":1,"skip":2,"a":3},"z":{"skip":4},"a":[]}"#).unwrap();
+        let Value::Object(object) = &value else {
+            unreachable!()
+        };
+        assert_eq!(
+            canonical_without(object, "m", "skip"),
+            r#"{"a":[],"m":{"a":3,"b":1},"z":{"skip":4}}"#
+        );
+        let only = parse_strict(r#"{"m":{"skip":1}}"#).unwrap();
+        let Value::Object(only) = &only else {
+            unreachable!()
+        };
+        assert_eq!(canonical_without(only, "m", "skip"), r#"{"m":{}}"#);
     }
 
     #[test]
