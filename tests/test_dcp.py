@@ -372,3 +372,22 @@ def test_sharded_benchmark_compares_all_backends(tmp_path: Path) -> None:
     assert report["cache"] == "warm"
     assert "save_speedup_vs_dcp-1t" in format_report(report)
     assert list(tmp_path.iterdir()) == []  # the run cleans up after itself
+
+
+def test_overlapping_async_saves_with_one_writer_commit_one_whole_state(tmp_path: Path) -> None:
+    writer = fastckpt.dcp.Writer(tmp_path)
+    states = [{"w": torch.full((256, 64), float(i)), "i": i} for i in range(3)]
+    futures = [dcp.async_save(state, storage_writer=writer) for state in states]
+    outcomes = []
+    for future in futures:
+        try:
+            future.result()  # type: ignore[union-attr]
+            outcomes.append("ok")
+        except BaseException as err:  # an older save whose generation a newer commit removed
+            assert "nothing was committed" in str(err) or isinstance(err, CheckpointException)
+            outcomes.append("failed")
+    assert "ok" in outcomes
+    target: dict[str, Any] = {"w": torch.zeros(256, 64), "i": -1}
+    dcp.load(target, storage_reader=fastckpt.dcp.Reader(tmp_path))
+    assert torch.equal(target["w"], states[target["i"]]["w"])
+    assert fastckpt.dcp.verify_sharded(tmp_path).ok

@@ -23,10 +23,13 @@ Then it removes every other generation directory. So
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from fastckpt import _native
@@ -35,18 +38,19 @@ from fastckpt.dcp.metadata import Record, decode_record
 
 __all__ = [
     "RECORD_NAME",
+    "commit",
     "data_file_name",
     "generation_dirs",
     "make_generation_dir",
     "new_generation",
     "read_record",
     "remove_other_generations",
-    "write_record",
 ]
 
 #: Name of the commit record inside a checkpoint directory.
 RECORD_NAME = "fastckpt-dcp.json"
 _GENERATION_PREFIX = "g"
+_COMMIT_LOCK = threading.Lock()
 
 
 def new_generation() -> str:
@@ -79,9 +83,37 @@ def data_file_name(rank: int, part: int, suffix: str) -> str:
     return f"rank-{rank:05d}{extra}{suffix}"
 
 
-def write_record(path: Path, data: bytes) -> None:
-    """Commit: replace ``path``'s record with ``data`` atomically and durably."""
-    _native.write_bytes_atomic(str(path / RECORD_NAME), data, True)
+def commit(path: Path, generation: str, data: bytes, check: Callable[[], None]) -> None:
+    """Commit ``generation``: replace ``path``'s record with ``data`` atomically and durably,
+    then remove the generations created before it.
+
+    Commits in this process are serialized, and one never replaces a record that already
+    names a newer generation (overlapping saves to one checkpoint: the newest wins, the older
+    one fails with nothing committed). ``check`` runs just before the record is written (it
+    confirms the generation's files are all there).
+
+    Raises:
+        RuntimeError: a newer generation is already committed.
+    """
+    with _COMMIT_LOCK:
+        current = _committed_generation(path)
+        if current is not None and current > generation:
+            raise RuntimeError(
+                f"{path}: a newer save ({current}) committed while this one ({generation}) "
+                "was running; nothing was committed"
+            )
+        check()
+        _native.write_bytes_atomic(str(path / RECORD_NAME), data, True)
+        remove_other_generations(path, keep=generation)
+
+
+def _committed_generation(path: Path) -> str | None:
+    try:
+        data = json.loads((path / RECORD_NAME).read_bytes())
+    except (OSError, ValueError):
+        return None
+    generation = data.get("generation") if isinstance(data, dict) else None
+    return generation if isinstance(generation, str) else None
 
 
 def read_record(path: Path) -> Record:
@@ -110,10 +142,12 @@ def read_record(path: Path) -> Record:
 
 
 def remove_other_generations(path: Path, keep: str) -> list[Path]:
-    """Remove every generation directory but ``keep`` (after a commit). Returns the removed."""
+    """After committing ``keep``, remove the generations created before it: earlier commits
+    and interrupted saves. Newer ones (a save still under way) are left alone. Returns the
+    removed directories."""
     removed = []
     for directory in generation_dirs(path):
-        if directory.name != keep:
+        if directory.name < keep:
             shutil.rmtree(directory, ignore_errors=True)
             removed.append(directory)
     if removed:

@@ -68,6 +68,7 @@ class StoredChunk:
         blocks: crc32c of each ``block_bytes`` piece of the chunk, in order (last one short).
         file_len: size of the whole file (carried to the coordinator for the files table).
         file_crc32c: crc32c of the whole file, when the writer computed it.
+        generation: the generation directory the file is in (the record stores it once).
     """
 
     file: str
@@ -82,6 +83,7 @@ class StoredChunk:
     blocks: tuple[int, ...] | None = None
     file_len: int = 0
     file_crc32c: int | None = None
+    generation: str = ""
 
 
 @dataclass
@@ -269,7 +271,9 @@ class _Decoder:
             chunks=chunks,
         )
 
-    def chunk(self, data: Any, i: int, files: dict[str, Any]) -> tuple[MetadataIndex, StoredChunk]:
+    def chunk(
+        self, data: Any, i: int, files: dict[str, Any], generation: str
+    ) -> tuple[MetadataIndex, StoredChunk]:
         where = f"storage_data[{i}]"
         data = self.typed(data, dict, where)
         fqn = self.typed(data.get("fqn"), str, f"{where}.fqn")
@@ -292,6 +296,7 @@ class _Decoder:
             "crc32c": self.ints([data.get("crc32c")], f"{where}.crc32c")[0],
             "file_len": info["size"],
             "file_crc32c": info["crc32c"],
+            "generation": generation,
         }
         if kind == "tensor":
             blocks = data.get("blocks")
@@ -375,7 +380,7 @@ def decode_record(path: Path, raw: bytes) -> Record:
         for fqn, entry in entries.items()
     }
     storage = dict(
-        decoder.chunk(item, i, files)
+        decoder.chunk(item, i, files, generation)
         for i, item in enumerate(decoder.typed(dcp.get("storage_data"), list, "storage_data"))
     )
     try:

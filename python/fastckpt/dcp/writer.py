@@ -32,13 +32,7 @@ from torch.futures import Future
 
 from fastckpt import _native
 from fastckpt.dcp.chunks import DEFAULT_BLOCK_BYTES, block_checksums
-from fastckpt.dcp.commit import (
-    data_file_name,
-    make_generation_dir,
-    new_generation,
-    remove_other_generations,
-    write_record,
-)
+from fastckpt.dcp.commit import commit, data_file_name, make_generation_dir, new_generation
 from fastckpt.dcp.metadata import StoredChunk, encode_record
 from fastckpt.dcp.stager import DcpStager
 from fastckpt.dcp.values import encode_value, planner_object
@@ -152,15 +146,24 @@ class Writer(StorageWriter, DcpStager):
         for rank_results in results:
             for result in rank_results:
                 storage[result.index] = result.storage_data
-        generation = self._generation
-        if generation is None:
-            raise RuntimeError("fastckpt.dcp.Writer.finish called before prepare_global_plan")
+        # The results name their generation (a writer may run overlapping async saves).
+        generations: set[str | None] = {chunk.generation for chunk in storage.values()}
+        generations = generations or {self._generation}
+        if len(generations) != 1 or None in generations:
+            raise RuntimeError(f"fastckpt.dcp.Writer: inconsistent save results {generations}")
+        (generation,) = generations
+        assert generation is not None
+        directory = self.path / generation
         metadata.version = _DCP_VERSION
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
         make_generation_dir(self.path, generation)  # a save with no data at all
-        write_record(self.path, encode_record(generation, metadata, storage))
-        remove_other_generations(self.path, keep=generation)
+        commit(
+            self.path,
+            generation,
+            encode_record(generation, metadata, storage),
+            lambda: _check_files_present(directory, storage),
+        )
 
     def storage_meta(self) -> StorageMeta | None:
         """DCP's storage metadata: the checkpoint id and this save's id."""
@@ -248,6 +251,7 @@ class Writer(StorageWriter, DcpStager):
                 blocks=blocks,
                 file_len=int(report["file_len"]),
                 file_crc32c=report.get("file_crc32c"),
+                generation=directory.name,
             )
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=chunk))
         return results
@@ -278,10 +282,28 @@ class Writer(StorageWriter, DcpStager):
                     crc32c=_native.crc32c(payload),
                     file_len=len(data),
                     file_crc32c=file_crc,
+                    generation=path.parent.name,
                 ),
             )
             for item, kind, start, payload in placed
         ]
+
+
+def _check_files_present(directory: Path, storage: dict[MetadataIndex, StoredChunk]) -> None:
+    """Refuse to commit unless every file the results name is in place with its size (a
+    concurrent save's cleanup may have removed an older, still unfinished generation)."""
+    for name, size in {chunk.file: chunk.file_len for chunk in storage.values()}.items():
+        path = directory / name
+        try:
+            actual = path.stat().st_size
+        except FileNotFoundError:
+            actual = None
+        if actual != size:
+            raise RuntimeError(
+                f"{path}: {'missing' if actual is None else f'{actual} bytes, not {size}'} at "
+                "commit time (a concurrent save to the same checkpoint removed this "
+                "unfinished generation); nothing was committed, save again"
+            )
 
 
 def _files_of(items: Sequence[WriteItem]) -> list[list[WriteItem]]:
