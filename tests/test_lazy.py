@@ -353,7 +353,7 @@ def test_fifos_and_other_non_files_are_refused_without_blocking(tmp_path: Path) 
     previous = signal.signal(signal.SIGALRM, hung)
     signal.alarm(10)
     try:
-        with pytest.raises(CheckpointFormatError, match="not a regular file"):
+        with pytest.raises(CheckpointFormatError, match=r"not a regular file \(a FIFO"):
             safe_open(fifo)
     finally:
         signal.alarm(0)
@@ -394,3 +394,45 @@ def test_a_malformed_header_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(CheckpointFormatError) as caught:
         safe_open(path)
     assert str(path) in str(caught.value) and "/proc/self/fd" not in str(caught.value)
+
+
+def test_an_edited_header_is_refused_when_opening(tmp_path: Path) -> None:
+    path = tmp_path / "x.safetensors"
+    fastckpt.save_file({"a": torch.zeros(4)}, path)
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b'"F32"')
+    raw[at : at + 5] = b'"I32"'  # same length: only the header's own crc32c can tell
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointFormatError, match="header_crc32c") as caught:
+        safe_open(path)
+    assert str(path) in str(caught.value)
+
+
+def test_a_symlink_you_pass_is_followed_once(tmp_path: Path) -> None:
+    real = tmp_path / "blobs" / "abc123"
+    real.parent.mkdir()
+    fastckpt.save_file({"a": torch.arange(3)}, real)
+    link = tmp_path / "model.safetensors"  # the layout of a download cache
+    link.symlink_to(real)
+    with safe_open(link) as handle:
+        assert torch.equal(handle.get_tensor("a"), torch.arange(3))
+        assert handle.info("a")["file"] == str(real)
+
+
+def test_f4_tensors_read_whole_and_by_leading_dimensions(tmp_path: Path) -> None:
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        pytest.skip("this torch has no float4_e2m1fn_x2")
+    packed = torch.randint(0, 255, (4, 6), dtype=torch.uint8, generator=torch.Generator())
+    tensor = packed.view(torch.float4_e2m1fn_x2)
+    path = tmp_path / "f4.safetensors"
+    fastckpt.save_file({"f4": tensor}, path)
+    theirs = st_safe_open(str(path), framework="pt")
+    with safe_open(path) as handle:
+        lazy = handle.get_slice("f4")
+        assert lazy.get_shape() == theirs.get_slice("f4").get_shape() == [4, 12]  # 4-bit values
+        whole = handle.get_tensor("f4")
+        assert whole.dtype == tensor.dtype and whole.shape == (4, 6)
+        assert raw(whole) == raw(tensor) == raw(theirs.get_tensor("f4"))
+        assert raw(lazy[1:3]) == raw(tensor[1:3])
+        with pytest.raises(ValueError, match="two values per byte"):
+            lazy[:, 1:3]

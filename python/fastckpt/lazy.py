@@ -21,10 +21,13 @@ What is verified:
   the whole tensor. By default it is returned unverified. With ``verify_slices=True`` the
   whole covering tensor is read once (its size in memory), verified, and the slice is cut
   from those verified bytes.
-* The header itself is validated structurally (offsets, dtypes, shapes against the file size)
-  but carries no checksum of its own; for a checkpoint root or ``CheckpointManager``
-  checkpoint the file's size is checked against the commit record, while the record's
-  whole-file crc32c needs the whole file: run :func:`fastckpt.verify` for that.
+* The header (names, dtypes, shapes, offsets, the checksum table, metadata) is checked when
+  the file is opened: against its own crc32c (``fastckpt.header_crc32c``) where the file has
+  one, and for consistency with itself and the file's size in every case (files of the
+  ``safetensors`` package and of older fastckpt versions have no header checksum).
+* For a checkpoint root or ``CheckpointManager`` checkpoint, each file's size is checked
+  against the commit record; the record's whole-file crc32c needs the whole file: run
+  :func:`fastckpt.verify` for that.
 
 Targets: a single safetensors file; one committed index of a :func:`fastckpt.save_checkpoint`
 root (``safe_open(root, index=3)`` or ``safe_open("root/3")``); a
@@ -36,10 +39,8 @@ such as ``model``); ``part=`` selects one file, whose tensors keep their plain n
 
 from __future__ import annotations
 
-import errno
 import math
 import os
-import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,7 @@ import torch
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.files import dtype_from_name
+from fastckpt.files import dtype_from_name, torch_shape
 from fastckpt.store.locate import locate
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import Manifest, read_commit_record
@@ -69,35 +70,6 @@ _UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 # --------------------------------------------------------------------------- opening files
-
-
-def open_regular(path: Path) -> int:
-    """Open ``path`` read-only without following a final symlink or blocking (a FIFO), and
-    return the descriptor once ``fstat`` shows a regular file.
-
-    Raises:
-        CheckpointFormatError: not a regular file (FIFO, device, socket, directory, link).
-        FileNotFoundError / PermissionError: as ``os.open``.
-    """
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise CheckpointFormatError(
-                f"{path}: is a symbolic link that changed after it was resolved; open the file "
-                "itself"
-            ) from None
-        raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (FIFO, device?)"
-        raise CheckpointFormatError(
-            f"{path}: is {kind}; safe_open reads regular safetensors files, checkpoint roots "
-            "and CheckpointManager checkpoint directories only"
-        )
-    return fd
 
 
 def pread_exact(fd: int, offset: int, length: int, where: str) -> bytes:
@@ -139,10 +111,15 @@ class _Entry:
     file: _File
     name: str
     dtype: str
-    shape: list[int]
+    shape: list[int]  # as the header says (F4: counting 4-bit values)
     begin: int  # absolute file offsets
     end: int
     crc32c: int | None
+
+    @property
+    def torch_shape(self) -> list[int]:
+        """The shape torch holds it in (F4: pairs of 4-bit values, ``float4_e2m1fn_x2``)."""
+        return torch_shape(f"{self.file.path}: tensor {self.name!r}", self.dtype, self.shape)
 
 
 class _File:
@@ -150,7 +127,9 @@ class _File:
 
     def __init__(self, path: Path, expected_size: int | None) -> None:
         self.path = path
-        self.fd = open_regular(path)
+        # Regular files only (a FIFO or device is refused without blocking), and the
+        # resolved path is opened without following a link swapped in since.
+        self.fd = _native.open_regular(str(path), False)
         try:
             size = os.fstat(self.fd).st_size
             if expected_size is not None and size != expected_size:
@@ -202,7 +181,8 @@ def _resolve_files(
         location = locate(path)
     except FileNotFoundError:
         if os.path.lexists(path) and not path.is_dir():
-            open_regular(path)  # a FIFO, a device...: says what it is without blocking
+            # A FIFO, a device...: the core says what it is, without blocking on it.
+            os.close(_native.open_regular(str(path), False))
         raise
     if location.kind == "file":
         if index is not None or part is not None:
@@ -514,7 +494,7 @@ class SafeOpen:
 
     def _read_whole(self, name: str, entry: _Entry) -> torch.Tensor:
         dtype = dtype_from_name(entry.dtype)
-        out = torch.empty(entry.shape, dtype=dtype)
+        out = torch.empty(entry.torch_shape, dtype=dtype)
         target = out.reshape(-1).view(torch.uint8).numpy()
         where = f"{entry.file.path}: tensor {entry.name!r}"
         if not (self.verify and entry.crc32c is not None):
@@ -537,8 +517,19 @@ class SafeOpen:
         self._check_open()
         where = f"{entry.file.path}: tensor {entry.name!r}"
         dims = _normalize(key, entry.shape, where)
+        held = entry.torch_shape
+        if held != entry.shape:  # F4: torch holds pairs of 4-bit values
+            last = dims[-1]
+            if not (
+                last.keep and last.start == 0 and last.step == 1 and last.count == entry.shape[-1]
+            ):
+                raise ValueError(
+                    f"{where}: {entry.dtype} packs two values per byte; slice the leading "
+                    "dimensions only and keep the last one whole"
+                )
+            dims[-1] = _Dim(0, 1, held[-1], True)
         shape = [d.count for d in dims if d.keep]
-        numel = math.prod(entry.shape)
+        numel = math.prod(held)
         if math.prod(d.count for d in dims) == numel or (self.verify_slices and self.verify):
             whole = self._read_whole(name, entry)
             picked = whole[
@@ -557,7 +548,7 @@ class SafeOpen:
             return self._to_device(out)
         itemsize = dtype.itemsize
         flat = out.reshape(-1).view(torch.uint8).numpy().view(_UINTS[itemsize])
-        strides = _strides(entry.shape)
+        strides = _strides(held)
         position = 0
         for piece in _plan(dims, strides, itemsize):
             offset = entry.begin + piece.first * itemsize
@@ -618,8 +609,9 @@ def safe_open(
     Raises:
         FileNotFoundError: no such path, a directory that is not a checkpoint, or a file the
             record names is missing.
-        CheckpointFormatError: not a regular file (FIFO, device), malformed header, or a
-            size that differs from the commit record.
+        CheckpointFormatError: not a regular file (FIFO, device, a link swapped in), a
+            malformed header or one that fails its own crc32c, or a size that differs from
+            the commit record.
         ChecksumMismatchError: a damaged manifest (for roots).
         KeyError: an index or part that the checkpoint does not have.
         ValueError: an unsupported framework, or index/part given for a single file.
