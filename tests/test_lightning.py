@@ -329,9 +329,18 @@ def test_a_failed_background_write_is_raised_by_the_next_call(tmp_path: Path) ->
     assert io.load_checkpoint(tmp_path / "y.ckpt")["hyper_parameters"]["extra"] == 3
 
 
-def test_storage_options_are_refused(tmp_path: Path) -> None:
+def test_storage_options_and_urls_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(TypeError, match="storage_options"):
         FastCheckpointIO().save_checkpoint(checkpoint_with(1), tmp_path / "x.ckpt", {"a": 1})
+    monkeypatch.chdir(tmp_path)
+    for io in (FastCheckpointIO(), AsyncFastCheckpointIO()):
+        with pytest.raises(ValueError, match=r"s3://bucket/run/last\.ckpt: .*local"):
+            io.save_checkpoint(checkpoint_with(1), "s3://bucket/run/last.ckpt")
+        with pytest.raises(ValueError, match="URLs"):
+            io.load_checkpoint("s3://bucket/run/last.ckpt")
+    assert list(tmp_path.iterdir()) == []  # no local 's3:' directory
 
 
 def test_save_last_as_a_link_and_ckpt_path_last_resolve_to_fastckpt_directories(

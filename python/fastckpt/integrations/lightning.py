@@ -304,6 +304,18 @@ def _remove(path: Path) -> None:
 # --------------------------------------------------------------------------- the plugins
 
 
+def _local(path: Any) -> Path:
+    """``path`` as a local path; URLs (``s3://``, ``gs://``...) are refused, not written to a
+    local directory named after them."""
+    text = str(path)
+    if "://" in text:
+        raise ValueError(
+            f"{text}: fastckpt's Lightning plugin writes to local (or mounted) filesystems, not "
+            "to URLs; give ModelCheckpoint a local dirpath"
+        )
+    return Path(text)
+
+
 class FastCheckpointIO(CheckpointIO):
     """Lightning ``CheckpointIO`` writing checkpoints through fastckpt (see the module doc).
 
@@ -348,8 +360,9 @@ class FastCheckpointIO(CheckpointIO):
             TypeError: a value that cannot be stored (key path named), or storage_options.
             OSError: the write failed (``path`` keeps its previous content).
         """
+        target = _local(path)
         plan = self._plan(checkpoint, storage_options)
-        write_plan(path, plan, direct_io=self.direct_io, threads=self.threads)
+        write_plan(target, plan, direct_io=self.direct_io, threads=self.threads)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -363,7 +376,7 @@ class FastCheckpointIO(CheckpointIO):
         ``torch.serialization.add_safe_globals``.
         """
         del weights_only  # always weights-only, see above
-        target = Path(path)
+        target = _local(path)
         if target.is_file():
             location = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
             try:
@@ -381,7 +394,7 @@ class FastCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint directory (or a file / link at ``path``); absent is fine."""
-        _remove(Path(path))
+        _remove(_local(path))
 
 
 class AsyncFastCheckpointIO(FastCheckpointIO):
@@ -432,12 +445,12 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
     ) -> None:
         """Snapshot ``checkpoint`` and write it in the background (see the class doc)."""
         self.wait()
+        target = _local(path)
         plan = self._plan(checkpoint, storage_options)
         groups = {item: tensors for item, (_, tensors) in plan.items.items()}
         stage_groups(self._stager, groups, _every)
         if self._executor is None:
             self._executor = background_executor("fastckpt-lightning")
-        target = Path(path)
         self._pending = target
         self._future = self._executor.submit(
             write_plan, target, plan, direct_io=self.direct_io, threads=self.threads
@@ -452,7 +465,7 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint, first waiting if it is the one being written."""
-        if self._pending is not None and Path(path).absolute() == self._pending.absolute():
+        if self._pending is not None and _local(path).absolute() == self._pending.absolute():
             self.wait()
         super().remove_checkpoint(path)
 
