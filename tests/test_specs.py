@@ -1119,3 +1119,17 @@ def test_resealed_huge_linear_fails_without_allocating() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     peak = int(result.stdout.split()[-1])
     assert peak < 2 * 2**30, f"peak RSS {peak} bytes: the 4 GiB weight was allocated"
+
+
+def test_fastckpt_own_modules_may_be_imported() -> None:
+    """``python -m fastckpt.demo`` saves ``fastckpt.demo.DemoModel`` from ``__main__``; a
+    resume in that process resolves it by importing fastckpt's own module."""
+    code = (
+        "import sys, fastckpt\n"
+        "from fastckpt.specs import resolve_target\n"
+        "assert 'fastckpt.demo' not in sys.modules\n"
+        "cls = resolve_target('fastckpt.demo.DemoModel', 'model')\n"
+        "assert cls.__module__ == 'fastckpt.demo'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

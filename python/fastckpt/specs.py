@@ -742,8 +742,8 @@ def resolve_target(
     factories are model targets too. An untrusted path is decided without importing anything:
     it is looked up only through modules that are already imported (a tampered spec must not
     be able to run the import-time code of an installed module, or of a submodule of an
-    imported package), and a path that needs a module not imported yet is refused. A trusted
-    path is imported as needed. Nothing is called.
+    imported package), and a path that needs a module not imported yet is refused (fastckpt's
+    own modules excepted). A trusted path is imported as needed. Nothing is called.
 
     Args:
         path: The dotted path, e.g. ``"torch.nn.Linear"`` or ``"pkg.Model.from_config"``.
@@ -777,6 +777,10 @@ def resolve_target(
             return loaded
         raise _refuse(path, kind, "it is not in the trusted list")
     obj = _resolve_loaded(path)
+    if obj is _MISSING and _top_package(path) == __name__.split(".", 1)[0]:
+        # fastckpt's own modules (``fastckpt.demo`` run as a script, say) are this library's
+        # code, which is already running: importing one is no new trust.
+        obj = _import_path(path)
     if obj is _MISSING:
         # Importing a module runs its code: a tampered spec must not be able to make us import
         # anything (an installed package, or a submodule of an imported one) before the check.
