@@ -436,3 +436,14 @@ def test_f4_tensors_read_whole_and_by_leading_dimensions(tmp_path: Path) -> None
         assert raw(lazy[1:3]) == raw(tensor[1:3])
         with pytest.raises(ValueError, match="two values per byte"):
             lazy[:, 1:3]
+
+
+def test_an_open_handle_keeps_reading_the_file_it_opened(tmp_path: Path) -> None:
+    path = tmp_path / "x.safetensors"
+    fastckpt.save_file({"a": torch.zeros(1000)}, path)
+    with safe_open(path) as handle:
+        fastckpt.save_file({"a": torch.ones(1000)}, path)  # atomic replacement meanwhile
+        assert not handle.get_tensor("a").any()
+        assert not handle.get_slice("a")[10:20].any()
+    with safe_open(path) as handle:
+        assert handle.get_tensor("a").all()

@@ -6,6 +6,10 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import signal
+import subprocess
+import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -368,3 +372,44 @@ def test_save_last_as_a_link_and_ckpt_path_last_resolve_to_fastckpt_directories(
     resumed = run(6, "last")
     assert resumed.global_step == 6
     assert load_lightning_checkpoint(last)["global_step"] == 6
+
+
+CRASH_WRITER = """
+import sys
+import torch
+from fastckpt.integrations.lightning import FastCheckpointIO
+
+io = FastCheckpointIO()
+step = 0
+while True:
+    step += 1
+    io.save_checkpoint(
+        {"global_step": step, "state_dict": {"w": torch.full((4 << 20,), float(step))}},
+        sys.argv[1],
+    )
+    print(step, flush=True)
+"""
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> None:
+    path = tmp_path / "last.ckpt"
+    child = subprocess.Popen(
+        [sys.executable, "-c", CRASH_WRITER, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        committed = [int(child.stdout.readline()) for _ in range(2)]
+        time.sleep(0.02)  # inside the next 16 MiB save
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+        committed += [int(line) for line in child.stdout.read().split()]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    loaded = load_lightning_checkpoint(path)
+    step = loaded["global_step"]
+    assert step in (committed[-1], committed[-1] + 1)  # the last reported one, or one that
+    # committed before the kill but was not reported yet: never a mix, never a torn file
+    assert torch.equal(loaded["state_dict"]["w"], torch.full((4 << 20,), float(step)))
+    assert fastckpt.verify(path).ok
