@@ -24,6 +24,13 @@ from fastckpt.dcp.consolidate import consolidate, describe_sharded, verify_shard
 from fastckpt.dcp.errors import NotCommittedError, UnsupportedValueError
 from fastckpt.dcp.reader import Reader
 from fastckpt.dcp.stager import DcpStager
+from fastckpt.dcp.state import (
+    async_save_state,
+    contains_dtensors,
+    is_sharded_checkpoint,
+    load_state,
+    save_state,
+)
 from fastckpt.dcp.writer import Writer
 
 __all__ = [
@@ -33,7 +40,12 @@ __all__ = [
     "Reader",
     "UnsupportedValueError",
     "Writer",
+    "async_save_state",
     "consolidate",
+    "contains_dtensors",
     "describe_sharded",
+    "is_sharded_checkpoint",
+    "load_state",
+    "save_state",
     "verify_sharded",
 ]

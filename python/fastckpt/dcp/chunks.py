@@ -9,10 +9,8 @@ block. Smaller chunks are one block, checked against the entry's own crc32c.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +28,11 @@ __all__ = ["DEFAULT_BLOCK_BYTES", "ChunkFiles", "block_checksums", "crc32c_of"]
 #: verified while reading at most one block more than needed at each end of a range.
 DEFAULT_BLOCK_BYTES = 4 << 20
 _PIECE = 8 << 20
-_THREADS = 2  # verifier threads per read
 
 
 def _accepts_buffers() -> bool:
     try:
-        _native.crc32c(memoryview(b"x"))  # type: ignore[arg-type]
+        _native.crc32c(memoryview(b"x"))
     except TypeError:
         return False
     return True
@@ -47,7 +44,7 @@ _BUFFERS = _accepts_buffers()
 def crc32c_of(data: np.ndarray) -> int:
     """crc32c of a contiguous uint8 array (hashed by the Rust core without the GIL)."""
     if _BUFFERS:
-        return _native.crc32c(data)  # type: ignore[arg-type]
+        return _native.crc32c(data)
     crc = 0
     for start in range(0, data.size, _PIECE):
         crc = _native.crc32c(data[start : start + _PIECE].tobytes(), crc)
@@ -171,49 +168,55 @@ class ChunkFiles:
         self, chunk: StoredChunk, pieces: list[tuple[int, int, int]]
     ) -> torch.Tensor:
         """Read the contiguous pieces ``(begin, end, crc32c)`` of a chunk into the reusable
-        buffer and check each piece's crc32c.
-
-        The buffer is laid out as a small safetensors file (a header listing the pieces as U8
-        entries with their checksums, then the bytes), so the Rust core verifies it in place,
-        on several threads and without the GIL. The returned bytes stay valid until the next
-        read.
-        """
+        buffer and check each piece's crc32c there (Rust, without the GIL). The returned
+        bytes stay valid until the next read."""
         if not pieces or pieces[-1][1] == pieces[0][0]:
             return torch.empty(0, dtype=torch.uint8)
         start, stop = pieces[0][0], pieces[-1][1]
-        entries: dict[str, Any] = {}
-        checksums = {}
-        for i, (begin, end, crc) in enumerate(pieces):
-            entries[f"b{i}"] = {
-                "dtype": "U8",
-                "shape": [end - begin],
-                "data_offsets": [begin - start, end - start],
-            }
-            checksums[f"b{i}"] = f"{crc:08x}"
-        entries["__metadata__"] = {"fastckpt.crc32c": json.dumps(checksums)}
-        header = json.dumps(entries).encode()
-        header += b" " * (-(len(header) + 8) % 8)
-        head = 8 + len(header)
-        total = head + stop - start
-        if self._buffer.size < total:
-            self._buffer = np.empty(max(total, 2 * self._buffer.size), dtype=np.uint8)
-        buffer = self._buffer[:total]
-        buffer[:8] = np.frombuffer(struct.pack("<Q", len(header)), dtype=np.uint8)
-        buffer[8:head] = np.frombuffer(header, dtype=np.uint8)
-        self._pread_into(chunk, start, buffer[head:])
+        if self._buffer.size < stop - start:
+            self._buffer = np.empty(max(stop - start, 2 * self._buffer.size), dtype=np.uint8)
+        buffer = self._buffer[: stop - start]
+        self._pread_into(chunk, start, buffer)
         if self.verify:
-            try:
-                _native.check_mapped(str(self.directory / chunk.file), buffer, True, _THREADS)
-            except ChecksumMismatchError:
-                for begin, end, crc in pieces:
-                    actual = crc32c_of(buffer[head + begin - start : head + end - start])
-                    if actual != crc:
-                        where = (
-                            "" if (begin, end) == (0, chunk.length) else f" (bytes {begin}-{end})"
-                        )
-                        raise self._mismatch(chunk, where, crc, actual) from None
-                raise
-        return torch.from_numpy(buffer[head:])
+            for begin, end, crc in pieces:
+                actual = crc32c_of(buffer[begin - start : end - start])
+                if actual != crc:
+                    where = "" if (begin, end) == (0, chunk.length) else f" (bytes {begin}-{end})"
+                    raise self._mismatch(chunk, where, crc, actual)
+        return torch.from_numpy(buffer)
+
+    def read_into(self, chunk: StoredChunk, target: torch.Tensor) -> bool:
+        """Read a whole stored tensor chunk straight into ``target`` and verify it there.
+
+        Returns False (and reads nothing) when ``target`` cannot take the bytes directly: not a
+        contiguous CPU tensor of the chunk's dtype and element count.
+        """
+        dtype = dtype_from_name(chunk.dtype or "")
+        if (
+            target.device.type != "cpu"
+            or target.dtype != dtype
+            or not target.is_contiguous()
+            or target.numel() * dtype.itemsize != chunk.length
+            or chunk.length == 0
+        ):
+            return False
+        data = target.detach().reshape(-1).view(torch.uint8).numpy()
+        self._pread_into(chunk, 0, data)
+        if self.verify:
+            if chunk.blocks is None or chunk.block_bytes is None:
+                pieces = [(0, chunk.length, chunk.crc32c)]
+            else:
+                block = chunk.block_bytes
+                pieces = [
+                    (k * block, min((k + 1) * block, chunk.length), crc)
+                    for k, crc in enumerate(chunk.blocks)
+                ]
+            for begin, end, crc in pieces:
+                actual = crc32c_of(data[begin:end])
+                if actual != crc:
+                    where = "" if (begin, end) == (0, chunk.length) else f" (bytes {begin}-{end})"
+                    raise self._mismatch(chunk, where, crc, actual)
+        return True
 
     def read_box(self, chunk: StoredChunk, offsets: Any, lengths: Any) -> torch.Tensor:
         """The sub-box ``offsets``/``lengths`` of a stored tensor chunk, verified.

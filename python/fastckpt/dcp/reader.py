@@ -157,8 +157,14 @@ class Reader(StorageReader):
             return
         if chunk.kind != "tensor":
             raise CheckpointFormatError(f"{item.storage_index.fqn}: stored as {chunk.kind}")
-        source = files.read_box(chunk, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
+        whole = list(item.storage_offsets) == [0] * len(item.lengths) and tuple(
+            item.lengths
+        ) == tuple(chunk.shape or ())
+        if whole and target.size() == tuple(item.lengths) and files.read_into(chunk, target):
+            planner.commit_tensor(item, target)
+            return
+        source = files.read_box(chunk, item.storage_offsets, item.lengths)
         if target.size() != source.size():
             raise CheckpointFormatError(
                 f"{item.storage_index.fqn}: the plan wants {list(target.size())} but the stored "
