@@ -21,10 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from fastckpt.errors import CheckpointFormatError
 from fastckpt.store.s3config import ResolvedS3, S3Options, S3Url
 from fastckpt.store.s3errors import ObjectStoreError, translate
 
 __all__ = ["ObjectMeta", "PendingUpload", "S3Client", "client_for"]
+
+_CHUNK = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -197,21 +200,21 @@ class S3Client:
 
         Raises:
             ObjectNotFoundError: no such object.
-            ObjectStoreError: larger than ``limit`` bytes.
+            CheckpointFormatError: larger than ``limit`` bytes (not a record fastckpt wrote).
         """
         import obstore
 
         try:
             result = obstore.get(self.store, key)
             meta = result.meta
-            if meta["size"] > limit:
-                raise ObjectStoreError(
-                    f"{self.url(key)}: {meta['size']} bytes, more than the {limit} a record "
-                    "may have"
-                )
-            data = bytes(result.bytes())
+            if meta["size"] <= limit:
+                data = bytes(result.bytes())
         except Exception as err:
             raise self._fail(err, key) from err
+        if meta["size"] > limit:
+            raise CheckpointFormatError(
+                f"{self.url(key)}: {meta['size']} bytes, more than the {limit} a record may have"
+            )
         return data, ObjectMeta(key, meta["size"], meta.get("e_tag"))
 
     def head(self, key: str) -> ObjectMeta:
@@ -243,7 +246,8 @@ class S3Client:
         """Fill ``dest`` (a contiguous uint8 array) with the object's bytes from ``start``.
 
         The span is fetched as parallel ranged GETs of ``read_part_size`` bytes, ``concurrency``
-        at a time; each range lands in its slice of ``dest`` (numpy copies without the GIL).
+        at a time; each range streams into its slice of ``dest`` in chunks of a few MiB
+        (numpy copies without the GIL).
 
         Raises:
             ObjectStoreError: a range failed or came back short (the object changed or is
@@ -257,17 +261,23 @@ class S3Client:
 
         def fetch(span: tuple[int, int]) -> None:
             lo, hi = span
+            position = lo
             try:
-                piece = obstore.get_range(self.store, key, start=start + lo, end=start + hi)
+                result = obstore.get(self.store, key, options={"range": (start + lo, start + hi)})
+                # Streamed in chunks straight into dest: no whole-range buffer in between.
+                for chunk in result.stream(min_chunk_size=_CHUNK):
+                    view = np.frombuffer(memoryview(chunk), dtype=np.uint8)
+                    if position + view.nbytes > hi:
+                        break
+                    np.copyto(dest[position : position + view.nbytes], view)
+                    position += view.nbytes
             except Exception as err:
                 raise self._fail(err, key) from err
-            view = np.frombuffer(memoryview(piece), dtype=np.uint8)
-            if view.nbytes != hi - lo:
+            if position != hi:
                 raise ObjectStoreError(
                     f"{self.url(key)}: bytes {start + lo}-{start + hi} came back as "
-                    f"{view.nbytes} bytes; the object is shorter than its record says"
+                    f"{position - lo} bytes; the object is not the size its record says"
                 )
-            np.copyto(dest[lo:hi], view)
 
         if len(spans) <= 1:
             for span in spans:

@@ -24,7 +24,7 @@ import json
 import struct
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -75,10 +75,13 @@ def _x2n_table() -> list[int]:
 
 
 _X2N = _x2n_table()
+_NATIVE_COMBINE = hasattr(_native, "crc32c_combine")
 
 
 def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     """The crc32c of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``."""
+    if _NATIVE_COMBINE:
+        return int(_native.crc32c_combine(crc1, crc2, len2))
     p, k, n = 1 << 31, 3, len2  # x^0; each byte is 8 = 2^3 bits
     while n:
         if n & 1:
@@ -90,7 +93,7 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 
 def _native_takes_buffers() -> bool:
     try:
-        _native.crc32c(memoryview(b"x"))  # type: ignore[arg-type]
+        _native.crc32c(cast(bytes, memoryview(b"x")))
     except TypeError:
         return False
     return True
@@ -106,7 +109,7 @@ def crc32c_of(view: np.ndarray | memoryview | bytes, value: int = 0) -> int:
     (a build that accepts any buffer is used without the copy).
     """
     if isinstance(view, bytes) or _ZERO_COPY_CRC:
-        return _native.crc32c(view, value)  # type: ignore[arg-type]
+        return _native.crc32c(cast(bytes, view), value)
     return _native.crc32c(bytes(view), value)
 
 
@@ -126,8 +129,16 @@ def _pieces_crc(views: list[np.ndarray]) -> list[int]:
 # ---------------------------------------------------------------------------------- header
 
 
+_NATIVE_HEADER = hasattr(_native, "encode_header")
+
+
+def _descriptions(layout: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int]]]:
+    return [(name, dtype_name(t.dtype), list(t.shape)) for name, t in layout]
+
+
 def _layout(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """The Rust writer's order: larger element size first, then by name (keeps alignment)."""
+    """The tensors in the order the Rust writer lays them out (larger element size first,
+    then by name, which keeps every tensor aligned), as dense CPU tensors."""
     hosts = []
     for name, tensor in tensors.items():
         if not isinstance(name, str):
@@ -135,6 +146,10 @@ def _layout(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor
         if name == "__metadata__":
             raise ValueError("tensor name '__metadata__' is reserved by safetensors; rename it")
         hosts.append((name, host_tensor(name, tensor)))
+    if _NATIVE_HEADER:
+        by_name = dict(hosts)
+        _, ranges = _native.encode_header(_descriptions(hosts), {}, None)
+        return [(name, by_name[name]) for name, _, _ in ranges]
     hosts.sort(key=lambda item: (-item[1].element_size(), item[0]))
     return hosts
 
@@ -144,7 +159,22 @@ def encode_header(
     metadata: Mapping[str, str] | None,
     crcs: list[int] | None,
 ) -> bytes:
-    """The safetensors prefix + JSON header (space-padded to 8 bytes) for ``layout``."""
+    """The safetensors prefix + JSON header (space-padded to 8 bytes) for ``layout``.
+
+    Uses the Rust core's encoder when the extension exports it (then the object is byte for
+    byte what ``save_file`` writes, header checksum included); otherwise an equivalent
+    header without the header checksum.
+    """
+    if _NATIVE_HEADER:
+        checksums = None
+        if crcs is not None:
+            checksums = {name: crc for (name, _), crc in zip(layout, crcs, strict=True)}
+        encoded, ranges = _native.encode_header(
+            _descriptions(layout), dict(metadata or {}), checksums
+        )
+        if [name for name, _, _ in ranges] != [name for name, _ in layout]:
+            raise AssertionError("the Rust core laid the tensors out in another order")
+        return bytes(encoded)
     meta = dict(metadata or {})
     if CHECKSUM_KEY in meta:
         raise ValueError(f"metadata key {CHECKSUM_KEY!r} is reserved for checksums; rename it")
@@ -152,8 +182,8 @@ def encode_header(
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"metadata must map str to str; got {key!r}: {type(value).__name__}")
     if crcs is not None:
-        checksums = {name: f"{crc:08x}" for (name, _), crc in zip(layout, crcs, strict=True)}
-        meta[CHECKSUM_KEY] = json.dumps(checksums, separators=(",", ":"))
+        table = {name: f"{crc:08x}" for (name, _), crc in zip(layout, crcs, strict=True)}
+        meta[CHECKSUM_KEY] = json.dumps(table, separators=(",", ":"))
     header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
     for name, tensor in layout:

@@ -1,0 +1,398 @@
+"""The object-store implementation of :class:`~fastckpt.store.backend.StorageBackend`.
+
+Paths are ``s3://bucket/key`` URLs (also in their ``pathlib`` spelling ``s3:/bucket/key``,
+which is what ``Path("s3://...")`` turns them into). How the interface maps onto a store
+without rename or directories:
+
+* a *directory* is a key prefix: :meth:`S3Backend.list_dir` lists one level of it,
+  :meth:`S3Backend.delete` removes every object under it and aborts unfinished multipart
+  uploads there;
+* :meth:`S3Backend.stage` returns an :class:`S3Staging` that puts each file straight under
+  its final key (safetensors files as parallel multipart uploads with per-tensor crc32c);
+  ``publish`` has nothing left to do: the commit record, written after, is what makes the
+  files part of a checkpoint;
+* :meth:`S3Backend.put_record` is a *conditional* put: it only replaces the version of the
+  record this backend last read (``If-Match``), or only creates it when it read none
+  (``If-None-Match: *``); a writer that lost a race gets
+  :class:`~fastckpt.store.s3errors.CommitConflictError` instead of overwriting a commit;
+* :meth:`S3Backend.lock` is :class:`S3RootLock`, a lease held as the object
+  ``ROOT/.fastckpt.lock``, created conditionally, renewed by a heartbeat and taken over once
+  its holder stopped renewing it (a killed holder blocks others for at most ``ttl_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastckpt import _native
+from fastckpt.errors import CheckpointFormatError
+from fastckpt.files import byte_view
+from fastckpt.store.backend import MAX_RECORD_BYTES, FileRecord, ObjectInfo, Staging, StorageBackend
+from fastckpt.store.lock import LOCK_FILE, RootLock
+from fastckpt.store.s3client import S3Client, client_for
+from fastckpt.store.s3config import S3Options, S3Url
+from fastckpt.store.s3errors import CommitConflictError, ObjectNotFoundError
+from fastckpt.store.s3tensors import get_tensors, put_tensors
+
+__all__ = [
+    "S3Backend",
+    "S3RootLock",
+    "S3Staging",
+    "backend_for_url",
+    "register_storage_options",
+]
+
+_READ_PIECE = 16 << 20
+_OPTIONS: dict[str, S3Options] = {}
+_OPTIONS_LOCK = threading.Lock()
+
+
+def register_storage_options(url: str, options: S3Options | Mapping[str, Any] | None) -> None:
+    """Use ``options`` for every path under ``url`` that is opened without explicit ones
+    (the longest registered prefix wins; None removes the registration)."""
+    prefix = str(S3Url.parse(url))
+    with _OPTIONS_LOCK:
+        if options is None:
+            _OPTIONS.pop(prefix, None)
+        else:
+            _OPTIONS[prefix] = S3Options.from_mapping(options)
+
+
+def _registered(url: S3Url) -> S3Options | None:
+    text = str(url)
+    with _OPTIONS_LOCK:
+        matches = [p for p in _OPTIONS if text == p or text.startswith(p.rstrip("/") + "/")]
+        return _OPTIONS[max(matches, key=len)] if matches else None
+
+
+def backend_for_url(
+    path: str | os.PathLike[str], storage_options: S3Options | Mapping[str, Any] | None = None
+) -> S3Backend:
+    """The backend for an ``s3://`` path (``storage_options`` None: the registered options
+    for its prefix, else the AWS environment and config files)."""
+    url = S3Url.parse(path)
+    options = (
+        S3Options.from_mapping(storage_options) if storage_options is not None else _registered(url)
+    )
+    return S3Backend(client_for(url, options))
+
+
+class S3Backend(StorageBackend):
+    """:class:`StorageBackend` over one bucket (see the module docstring).
+
+    Args:
+        client: the bucket's client (:func:`~fastckpt.store.s3client.client_for`).
+    """
+
+    def __init__(self, client: S3Client) -> None:
+        self.client = client
+        self._etags: dict[str, str | None] = {}  # record key -> etag last seen (None: absent)
+        self._etags_lock = threading.Lock()
+
+    def _key(self, path: str | os.PathLike[str]) -> str:
+        url = S3Url.parse(path)
+        if url.bucket != self.client.bucket_url.bucket:
+            raise ValueError(f"{url} is not in bucket {self.client.bucket_url.bucket!r}")
+        return url.prefix
+
+    # ------------------------------------------------------------------------------- reading
+
+    def stat(self, path: Path) -> ObjectInfo:
+        """An object's size (``regular=True``), or a non-empty prefix (``regular=False``)."""
+        key = self._key(path)
+        try:
+            return ObjectInfo(self.client.head(key).size, True)
+        except ObjectNotFoundError:
+            if self.list_dir(path):
+                return ObjectInfo(0, False)
+            raise
+
+    def exists(self, path: Path) -> bool:
+        """An object or a non-empty prefix is there."""
+        try:
+            self.stat(path)
+        except ObjectNotFoundError:
+            return False
+        return True
+
+    def read_bytes(self, path: Path, *, limit: int = MAX_RECORD_BYTES) -> bytes:
+        """One GET; remembers the version read, for a later conditional :meth:`put_record`."""
+        key = self._key(path)
+        try:
+            data, meta = self.client.get(key, limit=limit)
+        except ObjectNotFoundError:
+            with self._etags_lock:
+                self._etags[key] = None
+            raise
+        with self._etags_lock:
+            self._etags[key] = meta.etag
+        return data
+
+    def read_range(self, path: Path, offset: int, length: int) -> bytes:
+        """One ranged GET."""
+        return self.client.get_range(self._key(path), offset, offset + length)
+
+    def checksum(self, path: Path) -> tuple[int, int]:
+        """``(size, crc32c)`` of the object, streamed in 16 MiB ranges."""
+        key = self._key(path)
+        size = self.client.head(key).size
+        crc = 0
+        for offset in range(0, size, _READ_PIECE):
+            crc = _native.crc32c(self.client.get_range(key, offset, offset + _READ_PIECE), crc)
+        return size, crc
+
+    def verify_tensors(self, path: Path, threads: int) -> tuple[int, list[str]]:
+        """Download and run the Rust verifier: ``(whole-object crc32c, unchecked names)``."""
+        key = self._key(path)
+        buffer = torch.empty(self.client.head(key).size, dtype=torch.uint8)
+        flat = byte_view(buffer)
+        self.client.read_into(key, flat, 0)
+        header = _native.check_mapped(self.client.url(key), flat, True, threads)
+        checked = set(header["checksums"])
+        unchecked = [t["name"] for t in header["tensors"] if t["name"] not in checked]
+        return int(header["file_crc32c"]), unchecked
+
+    def open_tensors(
+        self, path: Path, *, verify: bool = True, threads: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Parallel ranged GETs into one buffer, verified by the Rust core."""
+        return get_tensors(self.client, self._key(path), verify=verify, threads=threads or 4)
+
+    def list_dir(self, directory: Path) -> list[str]:
+        """Sub-prefix and object names one level under ``directory``."""
+        folders, objects = self.client.list_dir(self._key(directory))
+        names = set(folders) | {meta.key.rsplit("/", 1)[-1] for meta in objects}
+        return sorted(names)
+
+    # ------------------------------------------------------------------------------- writing
+
+    def stage(
+        self, final: Path, *, direct_io: bool | None = None, threads: int | None = None
+    ) -> S3Staging:
+        """An :class:`S3Staging` writing under ``final``'s prefix (``direct_io`` and
+        ``threads`` concern local disks and are ignored)."""
+        del direct_io, threads
+        return S3Staging(self, S3Url.parse(final))
+
+    def put_record(self, path: Path, data: bytes) -> None:
+        """Replace a commit record only if it is still the version last read here.
+
+        Raises:
+            CommitConflictError: another writer replaced (or created) it meanwhile.
+        """
+        key = self._key(path)
+        with self._etags_lock:
+            known = key in self._etags
+            etag = self._etags.get(key)
+        if not known:
+            try:
+                etag = self.client.head(key).etag
+            except ObjectNotFoundError:
+                etag = None
+        mode: str | dict[str, Any] = {"e_tag": etag} if etag else "create"
+        new_etag = self.client.put(key, data, mode=mode)
+        with self._etags_lock:
+            self._etags[key] = new_etag
+
+    def delete(self, path: Path) -> None:
+        """Remove the object at ``path`` and everything under it (unfinished uploads too)."""
+        key = self._key(path)
+        folder = key.rstrip("/") + "/"
+        for upload in self.client.pending_uploads(folder):
+            self.client.abort_upload(upload)
+        self.client.delete([key, *(meta.key for meta in self.client.list_objects(folder))])
+        with self._etags_lock:
+            self._etags.pop(key, None)
+
+    def lock(self, root: Path, *, timeout: float | None = None) -> RootLock:
+        """The lease lock of ``root`` (:class:`S3RootLock`, not yet acquired)."""
+        return S3RootLock(self.client, S3Url.parse(root), timeout=timeout)
+
+
+class S3Staging(Staging):
+    """Files of one container put under their final keys (see the module docstring).
+
+    Attributes:
+        final: the container's URL in ``pathlib`` spelling.
+        files: relpath -> ``{"size", "crc32c"}``.
+    """
+
+    def __init__(self, backend: S3Backend, url: S3Url) -> None:
+        self.backend = backend
+        self.url = url
+        self.final = Path(str(url))
+        self.files = {}
+
+    @property
+    def location(self) -> str:
+        """The container's URL (files are already at their final keys)."""
+        return str(self.url)
+
+    def _key(self, relpath: str) -> str:
+        from fastckpt.store.paths import check_relpath
+
+        check_relpath(relpath, "file")
+        return self.url.key(relpath)
+
+    def put_bytes(self, relpath: str, data: bytes) -> FileRecord:
+        """One PUT; records size and crc32c."""
+        self.backend.client.put(self._key(relpath), data)
+        record = {"size": len(data), "crc32c": _native.crc32c(data)}
+        self.files[relpath] = record
+        return record
+
+    def put_tensors(
+        self,
+        relpath: str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        direct_io: bool | None = None,
+        threads: int | None = None,
+    ) -> FileRecord:
+        """A parallel multipart upload of a safetensors object; records size and crc32c."""
+        del direct_io, threads
+        report = put_tensors(self.backend.client, self._key(relpath), tensors)
+        record = {"size": report["size"], "crc32c": report["crc32c"]}
+        self.files[relpath] = record
+        return record
+
+    def adopt(self, location: str, relpath: str, record: FileRecord) -> None:
+        """Take a file another staging wrote: nothing to move when it wrote to this
+        container, a server-side copy otherwise."""
+        import obstore
+
+        source = S3Url.parse(location)
+        if source != self.url:
+            client = self.backend.client
+            try:
+                obstore.copy(client.store, source.key(relpath), self._key(relpath))
+            except Exception as err:
+                raise client._fail(err, source.key(relpath)) from err
+        self.files[relpath] = dict(record)
+
+    def publish(self) -> None:
+        """Nothing to do: the files are in place; the commit record, written next, commits."""
+
+    def discard(self) -> None:
+        """Delete the files put so far (best effort is not enough: errors propagate)."""
+        self.backend.client.delete([self.url.key(relpath) for relpath in self.files])
+        self.files = {}
+
+
+class S3RootLock(RootLock):
+    """A lease on a checkpoint root held as the object ``ROOT/.fastckpt.lock``.
+
+    Acquiring creates the object conditionally (``If-None-Match: *``) with this holder's id
+    and an expiry ``ttl_s`` ahead; a thread renews it every ``ttl_s / 3`` (conditionally on
+    its own version). A lease that was not renewed before its expiry belongs to a dead or
+    stuck holder and is taken over, again conditionally, so two waiters never both win.
+    Clocks of the hosts involved must agree to well within ``ttl_s``.
+
+    Raises (``acquire``):
+        TimeoutError: ``timeout`` elapsed (names the lock object and its holder).
+    """
+
+    def __init__(
+        self,
+        client: S3Client,
+        root: S3Url,
+        *,
+        timeout: float | None = None,
+        ttl_s: float = 30.0,
+    ) -> None:
+        self.client = client
+        self.key = root.key(LOCK_FILE)
+        self.path = Path(client.url(self.key))
+        self.timeout = timeout
+        self.ttl_s = ttl_s
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._etag: str | None = None
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+        self._state_lock = threading.Lock()
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lease."""
+        return self._etag is not None
+
+    def _body(self) -> bytes:
+        return json.dumps({"owner": self.owner, "expires": time.time() + self.ttl_s}).encode()
+
+    def acquire(self) -> None:
+        """Block until the lease is held (see the class docstring)."""
+        if self.held:
+            raise RuntimeError(f"{self.path}: already held by this lock")
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        holder = "unknown"
+        while True:
+            try:
+                self._etag = self.client.put(self.key, self._body(), mode="create")
+                break
+            except CommitConflictError:
+                pass
+            try:
+                raw, meta = self.client.get(self.key, limit=1 << 16)
+                lease = json.loads(raw)
+                holder = str(lease.get("owner"))
+                if float(lease["expires"]) < time.time():
+                    self._etag = self.client.put(self.key, self._body(), mode={"e_tag": meta.etag})
+                    break
+            except (ObjectNotFoundError, CommitConflictError):
+                continue  # released or taken over meanwhile: try again at once
+            except (ValueError, KeyError, TypeError, CheckpointFormatError):
+                raise CheckpointFormatError(
+                    f"{self.path}: not a fastckpt lease; remove it if no writer is running"
+                ) from None
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.path}: held by {holder} for more than {self.timeout} s; "
+                    f"a dead holder's lease expires {self.ttl_s} s after its last renewal"
+                )
+            time.sleep(0.2)
+        self._stop.clear()
+        self._renewer = threading.Thread(target=self._renew, daemon=True, name="s3-lease")
+        self._renewer.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            with self._state_lock:
+                if self._etag is None:
+                    return
+                try:
+                    self._etag = self.client.put(self.key, self._body(), mode={"e_tag": self._etag})
+                except Exception:
+                    return  # lost or unreachable: the conditional record put still guards
+
+    def release(self) -> None:
+        """Stop renewing and remove the lease (if it is still ours)."""
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+            self._renewer = None
+        with self._state_lock:
+            etag, self._etag = self._etag, None
+        if etag is None:
+            return
+        try:
+            if self.client.head(self.key).etag == etag:
+                self.client.delete([self.key])
+        except ObjectNotFoundError:
+            pass
+
+    def __enter__(self) -> S3RootLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,157 @@
+"""The object-store StorageBackend (fastckpt.store.s3backend) against a real moto server."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastckpt import _native
+from fastckpt.errors import ChecksumMismatchError
+from fastckpt.store.s3backend import (
+    S3Backend,
+    S3RootLock,
+    backend_for_url,
+    register_storage_options,
+)
+from fastckpt.store.s3client import S3Client
+from fastckpt.store.s3config import S3Url
+from fastckpt.store.s3errors import CommitConflictError, ObjectNotFoundError
+from s3_support import S3Server, s3_root, s3_server
+
+__all__ = ["s3_root", "s3_server"]  # fixtures used by name below
+
+PARTS = {"part_size": 5 << 20, "read_part_size": 4 << 20, "concurrency": 4}
+
+
+def _backend(server: S3Server, url: str) -> S3Backend:
+    return S3Backend(S3Client(S3Url.parse(url), server.options(**PARTS)))
+
+
+def test_staged_files_records_and_directories(s3_server: S3Server, s3_root: str) -> None:
+    backend = _backend(s3_server, s3_root)
+    final = Path(f"{s3_root}/3")  # the pathlib spelling (s3:/bucket/...) is accepted
+    staging = backend.stage(final)
+    tensors = {"w": torch.randn(1024, 1536), "b": torch.arange(3, dtype=torch.int16)}
+    record = staging.put_tensors("models/main.safetensors", tensors)
+    small = staging.put_bytes("models/main.spec.json", b'{"a": 1}')
+    staging.publish()
+    assert small == {"size": 8, "crc32c": _native.crc32c(b'{"a": 1}')}
+    assert set(staging.files) == {"models/main.safetensors", "models/main.spec.json"}
+    backend.put_record(Path(f"{s3_root}/manifest.json"), b"{}")
+
+    path = final / "models" / "main.safetensors"
+    assert backend.stat(path).size == record["size"] and backend.stat(path).regular
+    assert not backend.stat(final / "models").regular and backend.exists(final)
+    assert backend.list_dir(Path(s3_root)) == ["3", "manifest.json"]
+    assert backend.list_dir(final / "models") == ["main.safetensors", "main.spec.json"]
+    assert backend.checksum(path) == (record["size"], record["crc32c"])
+    assert backend.verify_tensors(path, 2) == (record["crc32c"], [])
+    loaded, info = backend.open_tensors(path)
+    assert info["file_crc32c"] == record["crc32c"]
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    assert backend.read_range(path, 0, 8) == backend.read_bytes(path)[:8]
+
+    backend.delete(final)
+    assert not backend.exists(final) and backend.list_dir(Path(s3_root)) == ["manifest.json"]
+    with pytest.raises(ObjectNotFoundError, match=r"main\.safetensors"):
+        backend.open_tensors(path)
+
+
+def test_corrupt_object_fails_verification(s3_server: S3Server, s3_root: str) -> None:
+    backend = _backend(s3_server, s3_root)
+    staging = backend.stage(Path(s3_root))
+    staging.put_tensors("x.safetensors", {"x": torch.arange(1000.0)})
+    key = S3Url.parse(s3_root).key("x.safetensors")
+    client = s3_server.client()
+    data = bytearray(client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read())
+    data[-1] ^= 0x10
+    client.put_object(Bucket=s3_server.bucket, Key=key, Body=bytes(data))
+    with pytest.raises(ChecksumMismatchError, match="x"):
+        backend.verify_tensors(Path(f"{s3_root}/x.safetensors"), 2)
+
+
+def test_put_record_is_conditional_on_the_version_read(s3_server: S3Server, s3_root: str) -> None:
+    record = Path(f"{s3_root}/manifest.json")
+    first, second = _backend(s3_server, s3_root), _backend(s3_server, s3_root)
+    for backend in (first, second):
+        with pytest.raises(ObjectNotFoundError):
+            backend.read_bytes(record)  # both see no record yet
+    first.put_record(record, b"v1")
+    with pytest.raises(CommitConflictError, match="another writer"):
+        second.put_record(record, b"v1-from-second")  # it would create, but one exists
+    assert second.read_bytes(record) == b"v1"
+    second.put_record(record, b"v2")
+    with pytest.raises(CommitConflictError):
+        first.put_record(record, b"v2-from-first")  # first last saw v1
+    assert first.read_bytes(record) == b"v2"
+    first.put_record(record, b"v3")
+    assert second.read_bytes(record) == b"v3"
+
+
+def test_registered_options_reach_paths_opened_without_options(
+    s3_server: S3Server, s3_root: str
+) -> None:
+    register_storage_options(s3_root, s3_server.options(**PARTS))
+    try:
+        backend = backend_for_url(Path(f"{s3_root}/sub/manifest.json"))
+        backend.put_record(Path(f"{s3_root}/sub/manifest.json"), b"{}")
+        assert backend.client.options.part_size == PARTS["part_size"]
+        assert backend.list_dir(Path(f"{s3_root}/sub")) == ["manifest.json"]
+    finally:
+        register_storage_options(s3_root, None)
+
+
+def test_lease_lock_excludes_and_is_taken_over_after_its_holder_is_killed(
+    s3_server: S3Server, s3_root: str
+) -> None:
+    client = S3Client(S3Url.parse(s3_root), s3_server.options())
+    first = S3RootLock(client, S3Url.parse(s3_root), ttl_s=3)
+    second = S3RootLock(client, S3Url.parse(s3_root), timeout=1, ttl_s=3)
+    with first, pytest.raises(TimeoutError, match=r"\.fastckpt\.lock"):
+        second.acquire()
+    with second:  # released: free again
+        assert second.held
+    assert not second.held
+
+    # A holder killed with SIGKILL stops renewing; its lease is taken over after expiry.
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import sys, time
+                from fastckpt.store.s3client import S3Client
+                from fastckpt.store.s3backend import S3RootLock
+                from fastckpt.store.s3config import S3Url
+                url = S3Url.parse({s3_root!r})
+                lock = S3RootLock(S3Client(url, {s3_server.options()!r}), url, ttl_s=2)
+                lock.acquire()
+                print("held", flush=True)
+                time.sleep(600)
+                """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        blocked = S3RootLock(client, S3Url.parse(s3_root), timeout=0.5)
+        with pytest.raises(TimeoutError):
+            blocked.acquire()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    taker = S3RootLock(client, S3Url.parse(s3_root), timeout=60)
+    taker.acquire()
+    lease = json.loads(client.get(S3Url.parse(s3_root).key(".fastckpt.lock"), limit=1 << 16)[0])
+    assert lease["owner"] == taker.owner
+    taker.release()
