@@ -75,6 +75,7 @@ def save_fsdp() -> None:
         _state(mesh, model, optimizer, extra),
         storage_writer=fastckpt.dcp.Writer(root / "sync", block_bytes=BLOCK_BYTES),
     )
+    fastckpt.dcp.save_state(root / "manager-sync", _state(mesh, model, optimizer, extra))
     reference = full_state(model, optimizer)
     if rank == 0:
         safetensors.torch.save_file(reference, root / "reference-sync.safetensors")
@@ -83,13 +84,21 @@ def save_fsdp() -> None:
     extra = {"step": 3, "tag": "run-1", "loss": losses[-1], "blob": io.BytesIO(b"three")}
     reference = full_state(model, optimizer)
     checkpoint_group = dist.new_group(backend="gloo")
+    manager_group = dist.new_group(backend="gloo")
     future = dcp.async_save(
         _state(mesh, model, optimizer, extra),
         storage_writer=fastckpt.dcp.Writer(root / "async", block_bytes=BLOCK_BYTES),
         process_group=checkpoint_group,
     )
-    losses.append(train_step(model, optimizer, 3))  # changes every tensor during the upload
+    manager_future = fastckpt.dcp.async_save_state(
+        root / "manager-async",
+        _state(mesh, model, optimizer, extra),
+        writer=fastckpt.dcp.Writer(root / "manager-async"),
+        process_group=manager_group,
+    )
+    losses.append(train_step(model, optimizer, 3))  # changes every tensor during the uploads
     future.result()  # type: ignore[union-attr]
+    manager_future.result()
     if rank == 0:
         safetensors.torch.save_file(reference, root / "reference-async.safetensors")
         print(json.dumps({"losses": losses}))
@@ -114,10 +123,24 @@ def load_fsdp() -> None:
     loss = train_step(model, optimizer, 2)
     stepped = full_state(model, optimizer)
     report: dict[str, Any] = {"rank": rank, "bytes_read": reader.bytes_read, "tp_ok": tp_ok}
+
+    # the CheckpointManager-shaped path: async-saved on 2 ranks, loaded strictly on WORLD
+    _, model, optimizer = _sharded(world)
+    templates = _state(mesh, model, optimizer, {"step": 0, "tag": "", "loss": 0.0, "blob": None})
+    loaded_state = fastckpt.dcp.load_state(root / "manager-async", into=templates, strict=True)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=loaded_state["model"],
+        optim_state_dict=loaded_state["optim"],
+    )
+    manager_loaded = full_state(model, optimizer)
+    report["manager_step"] = loaded_state["extra"]["step"]
     if rank == 0:
         saved = safetensors.torch.load_file(root / "reference-sync.safetensors")
         expected = safetensors.torch.load_file(root / "reference-async.safetensors")
         report["bad"] = compare(saved, loaded)
+        report["manager_bad"] = compare(expected, manager_loaded)
         report["n_tensors"] = len(loaded)
         report["extra"] = {k: v for k, v in extra.items() if k != "blob"}
         report["blob"] = state["extra"]["blob"].getvalue().decode("latin-1")

@@ -94,6 +94,9 @@ def test_fsdp2_saved_on_2_ranks_loads_on_3_bitwise_and_trains_on(
     # the next step on 3 ranks continues the 2-rank run
     assert rank0["loss"] == pytest.approx(losses[2], rel=1e-5)
     assert rank0["resumed_close"]
+    # fastckpt.dcp.async_save_state on 2 ranks -> load_state(strict=True) on 3
+    assert rank0["manager_bad"] == []
+    assert all(report["manager_step"] == 3 for report in loaded_on_3)
 
 
 def test_resharded_load_reads_only_the_rows_each_rank_needs(
@@ -391,3 +394,36 @@ def test_overlapping_async_saves_with_one_writer_commit_one_whole_state(tmp_path
     dcp.load(target, storage_reader=fastckpt.dcp.Reader(tmp_path))
     assert torch.equal(target["w"], states[target["i"]]["w"])
     assert fastckpt.dcp.verify_sharded(tmp_path).ok
+
+
+def test_load_state_full_tensors_and_typed_mismatches(saved: tuple[Path, list[float]]) -> None:
+    root, _ = saved
+    checkpoint = root / "manager-sync"
+    assert fastckpt.dcp.is_sharded_checkpoint(checkpoint)
+    assert not fastckpt.dcp.is_sharded_checkpoint(root)
+    everything = fastckpt.dcp.load_state(checkpoint)  # no templates: full, unsharded tensors
+    reference = safetensors.torch.load_file(root / "reference-sync.safetensors")
+    assert sorted(everything) == ["extra", "model", "optim", "tp"]
+    assert (
+        compare(
+            {k: v for k, v in reference.items() if k.startswith("model.")},
+            {f"model.{k}": v for k, v in everything["model"].items()},
+        )
+        == []
+    )
+    assert everything["extra"]["step"] == 2
+    assert everything["extra"]["blob"].getvalue() == b"\x00raw\xff"
+
+    with pytest.raises(fastckpt.CheckpointMismatchError, match=r"model\.0\.weight.*\[301, 37\]"):
+        fastckpt.dcp.load_state(checkpoint, into={"model": {"0.weight": torch.zeros(3, 3)}})
+    with pytest.raises(fastckpt.CheckpointMismatchError, match=r"model\.9\.weight"):
+        fastckpt.dcp.load_state(
+            checkpoint, into={"model": {"9.weight": torch.zeros(1)}}, strict=True
+        )
+    with pytest.raises(fastckpt.CheckpointMismatchError, match="nope"):
+        fastckpt.dcp.load_state(checkpoint, into={"nope": {}}, strict=True)
+    kept = fastckpt.dcp.load_state(
+        checkpoint, into={"nope": "as is", "extra": {"step": 0, "tag": None}}
+    )
+    assert kept == {"nope": "as is", "extra": {"step": 2, "tag": "run-1"}}
+    assert fastckpt.dcp.contains_dtensors({"a": [1, {"b": torch.ones(1)}]}) is False
