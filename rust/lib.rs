@@ -21,8 +21,8 @@ mod py_api;
 mod _native {
     #[pymodule_export]
     use crate::py_api::{
-        check_mapped, crc32c, fsync_dir, open_regular, read_header, save_file, temp_prefix,
-        verify_file, write_bytes_atomic, write_ceiling,
+        check_mapped, crc32c, crc32c_combine, encode_header, fsync_dir, open_regular, read_header,
+        save_file, temp_prefix, verify_file, write_bytes_atomic, write_ceiling,
     };
 
     #[pymodule_export]

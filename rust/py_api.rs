@@ -258,11 +258,71 @@ pub fn open_regular(py: Python<'_>, path: PathBuf, follow_symlinks: bool) -> PyR
     Ok(file.into_raw_fd())
 }
 
-/// crc32c of a bytes-like object (hardware accelerated), continuing from `value`.
+/// crc32c of any C-contiguous buffer (`bytes`, `memoryview`, a numpy array...; hardware
+/// accelerated, GIL released, no copy), continuing from `value`.
 #[pyfunction]
 #[pyo3(signature = (data, value=0))]
-pub fn crc32c(py: Python<'_>, data: &[u8], value: u32) -> u32 {
-    py.detach(|| crate::checksum::append(value, data))
+pub fn crc32c(py: Python<'_>, data: Bound<'_, PyAny>, value: u32) -> PyResult<u32> {
+    let buffer = PyBuffer::<u8>::get(&data)?;
+    let raw = RawBytes::of(&buffer, "crc32c input")?;
+    // SAFETY: `buffer` keeps the exporter alive and pinned until this function returns.
+    let crc = py.detach(|| crate::checksum::append(value, unsafe { raw.as_slice() }));
+    drop(buffer);
+    Ok(crc)
+}
+
+/// crc32c of the concatenation A + B from `crc32c(A)`, `crc32c(B)` and `len(B)`.
+#[pyfunction]
+pub fn crc32c_combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
+    crate::checksum::combine(crc_a, crc_b, len_b)
+}
+
+/// The safetensors header fastckpt writes for `tensors` (`(name, dtype, shape)`, in any
+/// order) and `metadata`: the tensors are laid out as `save_file` lays them out, and with
+/// `checksums` (`{name: crc32c}`) the header carries the per-tensor table and the header
+/// checksum. Returns `(header bytes: prefix + padded JSON, [(name, begin, end)] in data order)`
+/// so that a writer elsewhere (object storage) produces exactly what `save_file` would.
+#[pyfunction]
+#[pyo3(signature = (tensors, metadata, checksums=None))]
+#[allow(clippy::type_complexity)]
+pub fn encode_header<'py>(
+    py: Python<'py>,
+    tensors: Vec<(String, String, Vec<u64>)>,
+    metadata: BTreeMap<String, String>,
+    checksums: Option<std::collections::HashMap<String, u32>>,
+) -> PyResult<(Bound<'py, pyo3::types::PyBytes>, Vec<(String, u64, u64)>)> {
+    let mut descs = Vec::with_capacity(tensors.len());
+    for (name, dtype, shape) in tensors {
+        descs.push(TensorDesc {
+            dtype: parse_dtype(&dtype, &name)?,
+            name,
+            shape,
+        });
+    }
+    let layout = crate::format::plan_layout(descs)?;
+    let crcs = match &checksums {
+        None => None,
+        Some(by_name) => Some(
+            layout
+                .iter()
+                .map(|t| {
+                    by_name.get(&t.name).copied().ok_or_else(|| {
+                        PyValueError::new_err(format!("no checksum given for tensor `{}`", t.name))
+                    })
+                })
+                .collect::<PyResult<Vec<u32>>>()?,
+        ),
+    };
+    let kind = match &crcs {
+        None => crate::format::Checksums::Omitted,
+        Some(values) => crate::format::Checksums::Values(values),
+    };
+    let header = crate::format::encode_header(&layout, &metadata, kind)?;
+    let ranges = layout
+        .into_iter()
+        .map(|t| (t.name, t.begin, t.end))
+        .collect();
+    Ok((pyo3::types::PyBytes::new(py, &header), ranges))
 }
 
 /// Replaces `path` with `data` atomically and (with `fsync`) durably.

@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 
 import fastckpt
-from fastckpt import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.files import dtype_name
+from fastckpt import CheckpointFormatError, ChecksumMismatchError, _native
+from fastckpt.files import byte_view, dtype_name, header_shape, write_tensors
 
 ALL_DTYPES = [
     torch.bool,
@@ -418,3 +418,36 @@ def test_file_truncated_after_mapping_is_an_error_not_a_crash(tmp_path: Path) ->
     assert result.returncode == 0, (result.returncode, result.stderr)
     assert "OSError:" in result.stdout and "shrinks.safetensors" in result.stdout, result.stdout
     assert "truncated while loading" in result.stdout, result.stdout
+
+
+def test_the_exported_header_encoder_writes_what_save_file_writes(tmp_path: Path) -> None:
+    # Object storage builds its files from these pieces; they must be save_file's bytes.
+    tensors = {
+        "w": torch.randn(3, 4),
+        "b": torch.arange(5, dtype=torch.int16),
+        "q": torch.zeros(2, 4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+    }
+    path = tmp_path / "ref.safetensors"
+    written = write_tensors(tensors, path, {"m": "1"})
+    described = [(name, dtype_name(t.dtype), header_shape(name, t)) for name, t in tensors.items()]
+    header, ranges = _native.encode_header(described, {"m": "1"}, written["checksums"])
+    data = b"".join(byte_view(tensors[name]).tobytes() for name, _, _ in ranges)
+    assert header + data == path.read_bytes()
+    assert [end - begin for _, begin, end in ranges] == [
+        tensors[name].nbytes for name, _, _ in ranges
+    ]
+    unchecked, _ = _native.encode_header(described, {})
+    assert b"fastckpt" not in unchecked
+    with pytest.raises(ValueError, match="no checksum given for tensor `b`"):
+        _native.encode_header(described, {}, {"w": 1, "q": 2})
+
+
+def test_crc32c_takes_any_buffer_and_combines() -> None:
+    data = bytes(range(256)) * 40
+    whole = _native.crc32c(data)
+    assert _native.crc32c(memoryview(data)) == whole
+    assert _native.crc32c(bytearray(data)) == whole
+    assert _native.crc32c(torch.frombuffer(bytearray(data), dtype=torch.uint8).numpy()) == whole
+    head, tail = data[:1000], data[1000:]
+    assert _native.crc32c(tail, _native.crc32c(head)) == whole
+    assert _native.crc32c_combine(_native.crc32c(head), _native.crc32c(tail), len(tail)) == whole
