@@ -171,11 +171,24 @@ def test_duplicate_keys_are_refused(small: Path, tmp_path: Path) -> None:
         fastckpt.read_metadata(table)
 
 
+def test_read_metadata_reports_the_verified_header_checksum(small: Path) -> None:
+    _, header = header_of(small)
+    stored = int(header["__metadata__"][HEADER_CRC_KEY], 16)
+    meta = fastckpt.read_metadata(small)
+    assert meta["header_crc32c"] == stored
+    assert meta["metadata"] == {"format": "pt"}  # fastckpt's keys are not user metadata
+    # What the stored value is, recomputed with the standard library (docs/on-disk-format.md).
+    del header["__metadata__"][HEADER_CRC_KEY]
+    canonical = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    assert _native.crc32c(canonical.encode()) == stored
+
+
 def test_files_without_a_header_checksum_still_load(tmp_path: Path) -> None:
     # safetensors' own files, and fastckpt files written before the header checksum existed.
     theirs = tmp_path / "theirs.safetensors"
     safetensors.torch.save_file({"a": torch.ones(3)}, str(theirs))
     assert torch.equal(fastckpt.load_file(theirs)["a"], torch.ones(3))
+    assert fastckpt.read_metadata(theirs)["header_crc32c"] is None
     older = tmp_path / "older.safetensors"
     crc = _native.crc32c(b"\x07")
     write_raw(

@@ -475,11 +475,13 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Returns:
         ``{"tensors": {name: {"dtype", "shape", "data_offsets", "crc32c"}}, "metadata": {...},
-        "data_start": int, "file_len": int}``; ``crc32c`` is an int or ``None`` for files
-        written without checksums.
+        "header_crc32c": int | None, "data_start": int, "file_len": int}``; ``crc32c`` is an
+        int or ``None`` for files written without checksums, ``header_crc32c`` the verified
+        header checksum (``None`` for files of other writers and older fastckpt files),
+        ``metadata`` the user's entries only.
 
     Raises:
-        CheckpointFormatError: malformed or truncated header.
+        CheckpointFormatError: malformed, damaged or truncated header, or not a regular file.
     """
     header = _native.read_header(os.fspath(path))
     checksums = header["checksums"]
@@ -494,6 +496,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
             for entry in header["tensors"]
         },
         "metadata": dict(header["metadata"]),
+        "header_crc32c": header["header_crc32c"],
         "data_start": header["data_start"],
         "file_len": header["file_len"],
     }
