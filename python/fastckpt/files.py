@@ -215,9 +215,10 @@ def choose_direct_io(nbytes: int) -> bool:
 
     Below the allowance (``vm.dirty_background_bytes``, or ``vm.dirty_background_ratio`` % of
     available memory) the page cache takes the whole file at memory speed and the fsync then
-    writes it back with a deep queue: 2.6 vs 1.5 GiB/s for a 1.5 GiB file on the development
-    VM. Above it buffered writers are throttled to writeback speed while filling the cache
-    (4 GiB: 1.1 vs 1.5 GiB/s), so O_DIRECT wins. When the settings cannot be read, O_DIRECT.
+    writes it back with a deep queue, which beats O_DIRECT. Above it buffered writers are
+    throttled to writeback speed while filling the cache, so O_DIRECT wins. When the settings
+    cannot be read, O_DIRECT. The measurements are in docs/performance.md and
+    benches/results.
     """
     allowance = writeback_allowance()
     return allowance is None or nbytes > allowance
