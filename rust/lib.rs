@@ -1,9 +1,10 @@
 //! fastckpt's Rust core: safetensors-compatible files written with parallel chunked I/O and
-//! per-tensor crc32c checksums, and the PyO3 bindings that expose it as `fastckpt._native`.
+//! per-tensor and header crc32c checksums, and the PyO3 bindings that expose it as
+//! `fastckpt._native`.
 //!
-//! The core modules (`format`, `json`, `checksum`, `writer`, `replace`, `reader`, `error`) know nothing
-//! about Python; the bindings, and the mapping of core errors to Python exceptions, live in
-//! `py_api` and are compiled only with the `python` feature (maturin).
+//! The core modules (`format`, `json`, `checksum`, `writer`, `replace`, `reader`, `error`)
+//! know nothing about Python; the bindings, and the mapping of core errors to Python
+//! exceptions, live in `py_api` and are compiled only with the `python` feature (maturin).
 
 pub mod checksum;
 pub mod error;
