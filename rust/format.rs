@@ -968,7 +968,10 @@ mod tests {
         let tensors = plan_layout(vec![desc("w", Dtype::F32, &[2])]).unwrap();
         let header = encode_header(&tensors, &BTreeMap::new(), Checksums::Values(&[7])).unwrap();
         let parsed = parse(&file_with_data(&header, 8)).unwrap();
-        let canonical = r#"{"__metadata__":{"fastckpt.crc32c":"{\"w\":\"00000007\"}"},"w":{"data_offsets":[0,8],"dtype":"F32","shape":[2]}}"#;
+        let canonical = concat!(
+            r#"{"__metadata__":{"fastckpt.crc32c":"{\"w\":\"00000007\"}"},"#,
+            r#""w":{"data_offsets":[0,8],"dtype":"F32","shape":[2]}}"#
+        );
         assert_eq!(
             parsed.header_crc32c,
             Some(checksum::append(0, canonical.as_bytes()))
