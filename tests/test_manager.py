@@ -237,6 +237,50 @@ def test_failed_background_write_is_raised_once_then_usable(tmp_path: Path) -> N
     assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
 
 
+def test_a_timed_out_write_stays_tracked_and_its_failure_is_raised_once(
+    tmp_path: Path,
+) -> None:
+    """A save that outwaits ``wait_timeout_secs`` names the write still in flight; that write
+    is not forgotten: its failure is raised by the next save, once."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    config = CheckpointManager.Config.with_async_save()
+    config.save.wait_timeout_secs = 0.2
+    manager = CheckpointManager(config)
+    with manager.lock():  # holds the capture lock: the background write cannot go on
+        manager.save(blocker / "stuck", {"x": torch.ones(3)})
+        with pytest.raises(TimeoutError, match=r"stuck.*still running") as timeout:
+            manager.save(tmp_path / "next", {"x": torch.ones(3)})
+        assert timeout.value.errno == errno.ETIMEDOUT
+    assert not (tmp_path / "next").exists()  # nothing new was started
+    with pytest.raises(RuntimeError, match="previous background checkpoint write failed") as info:
+        manager.save(tmp_path / "next", {"x": torch.ones(3)})
+    assert isinstance(info.value.__cause__, NotADirectoryError)
+    assert "stuck" in str(info.value)
+    later = manager.save(tmp_path / "next", {"x": torch.full((3,), 2.0)})
+    assert later is not None
+    later.result()
+    manager.close()
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as reader:
+        assert torch.equal(reader.load(tmp_path / "next")["x"], torch.full((3,), 2.0))
+
+
+def test_close_reports_the_failure_of_a_write_that_timed_out(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    config = CheckpointManager.Config.with_async_save()
+    config.save.wait_timeout_secs = 0.2
+    manager = CheckpointManager(config)
+    with manager.lock():
+        manager.save(blocker / "stuck", {"x": torch.ones(3)})
+        with pytest.raises(TimeoutError, match="stuck"):
+            manager.save(tmp_path / "next", {"x": torch.ones(3)})
+    with pytest.raises(RuntimeError, match="previous background checkpoint write failed") as info:
+        manager.close()
+    assert isinstance(info.value.__cause__, NotADirectoryError)
+    manager.close()  # reported once: closing again is quiet
+
+
 def mount_small_tmpfs(path: Path, size: str) -> bool:
     path.mkdir()
     result = subprocess.run(

@@ -15,7 +15,6 @@ blocks only while a capture is in progress.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
@@ -30,9 +29,9 @@ from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError
 from fastckpt.files import DEFAULT_WRITE_THREADS
 from fastckpt.progress import log_throughput
 from fastckpt.staging import (
+    BackgroundWriter,
     Stager,
     StagerOptions,
-    background_executor,
     make_stager,
     stage_groups,
 )
@@ -245,11 +244,11 @@ class CheckpointManager:
         self._direct_io = storage.use_direct_io
         self._threads = self.config.save.writer_config.file_write_max_threads
         self._dist = _DistributedContext()
-        self._executor = background_executor("fastckpt-writer") if self._async else None
-        self._future: Future[None] | None = None
-        self._capture_lock = threading.Lock()
-        self._capture_done = threading.Event()
-        self._capture_done.set()
+        self._writer: BackgroundWriter[None] | None = (
+            BackgroundWriter("fastckpt-writer", wait_timeout=self.config.save.wait_timeout_secs)
+            if self._async
+            else None
+        )
         self._closed = False
 
     # ------------------------------------------------------------------ context manager
@@ -277,18 +276,6 @@ class CheckpointManager:
             )
         return spec
 
-    def _collect_previous(self) -> None:
-        """Wait for the in-flight write; re-raise its failure once, chained."""
-        future, self._future = self._future, None
-        if future is None:
-            return
-        timeout = self.config.save.wait_timeout_secs
-        error = future.exception(timeout=timeout)
-        if error is not None:
-            raise RuntimeError(
-                f"the previous background checkpoint write failed: {error}"
-            ) from error
-
     def save(self, checkpoint_id: str | Path, state: Mapping[str, Any]) -> Future[None] | None:
         """Save ``state`` as checkpoint directory ``checkpoint_id`` (replaced atomically).
 
@@ -302,10 +289,13 @@ class CheckpointManager:
         Raises:
             RuntimeError: the manager is closed, or the previous background write failed
                 (raised once; the next save works).
+            TimeoutError: the previous background write is still running after
+                ``wait_timeout_secs`` (nothing new is started; it stays tracked).
             ValueError / KeyError / TypeError: invalid keys or values (nothing written).
         """
         self._check_open("save")
-        self._collect_previous()
+        if self._writer is not None:
+            self._writer.collect()
         path = Path(checkpoint_id)
         check_name(path.name, "checkpoint directory name")
         skeletons: dict[str, Any] = {}
@@ -318,35 +308,30 @@ class CheckpointManager:
             if spec.required and key not in state:
                 raise KeyError(f"required item {key!r} is missing from the saved state")
         snapshot = _Snapshot(path, skeletons, tensors)
-        if self._executor is None:
+        if self._writer is None:
             self._write(snapshot)
             return None
-        if self._async_staging:
-            self._capture_done.clear()
-            self._future = self._executor.submit(self._capture_and_write, snapshot)
-        else:
-            self._capture(snapshot)
-            self._future = self._executor.submit(self._write, snapshot)
-        return self._future
 
-    def _capture(self, snapshot: _Snapshot) -> None:
-        with self._capture_lock:
+        def capture() -> None:
             stage_groups(
                 self._stager, snapshot.tensors, lambda key, _: self._spec(key).requires_copy
             )
 
-    def _capture_and_write(self, snapshot: _Snapshot) -> None:
-        try:
-            self._capture(snapshot)
-        finally:
-            self._capture_done.set()
-        self._write(snapshot)
+        if not self._async_staging:
+            self._writer.capture(capture)
+        return self._writer.submit(
+            str(path),
+            lambda: self._write(snapshot),
+            capture=capture if self._async_staging else None,
+        )
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
         """Hold while mutating saved state; blocks only while a capture is in progress."""
-        self._capture_done.wait()
-        with self._capture_lock:
+        if self._writer is None:
+            yield
+            return
+        with self._writer.guard():
             yield
 
     def _tensor_file(self, key: str) -> str:
@@ -449,11 +434,8 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._collect_previous()
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
+        if self._writer is not None:
+            self._writer.close()
 
 
 def _load_item(

@@ -9,21 +9,28 @@ memory stays bounded by one copy of the state and flat across repeated saves.
   when pinned memory is off).
 * :class:`CudaStager` - pinned host buffers filled by non-blocking device-to-host copies on a
   side stream, synchronized before the snapshot is handed to the writer.
+
+:class:`BackgroundWriter` is the engine both :class:`fastckpt.CheckpointManager` and
+:class:`fastckpt.CheckpointHook` run their async saves on: one write in flight, an optional
+capture (staging) phase that training waits on, a bounded wait for the previous write.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import threading
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 __all__ = [
     "BACKGROUND_NICE",
+    "BackgroundWriter",
     "CpuStager",
     "CudaStager",
     "Stager",
@@ -188,3 +195,147 @@ def make_stager(options: StagerOptions) -> Stager:
     if torch.cuda.is_available():
         return CudaStager(options)
     return CpuStager()
+
+
+T = TypeVar("T")
+
+
+class BackgroundWriter(Generic[T]):
+    """One background checkpoint write in flight at a time, on one lowered-priority thread.
+
+    A write may start with a *capture* (copying live tensors into staging buffers) that runs
+    on the background thread under the capture lock; code that mutates the saved state holds
+    :meth:`guard` meanwhile, which waits only while a capture is in progress. Before the next
+    write, :meth:`collect` waits (at most ``wait_timeout`` seconds) for the previous one:
+
+    * it succeeded: its result is returned;
+    * it failed: its error is raised once, chained (the next write then starts cleanly);
+    * it is still running: ``TimeoutError`` says what is being written, and the write stays
+      tracked, so its outcome is reported by a later :meth:`collect` or :meth:`close`.
+
+    Args:
+        name: the thread name prefix.
+        wait_timeout: seconds :meth:`collect` waits for the previous write (None: forever).
+    """
+
+    def __init__(self, name: str, *, wait_timeout: float | None = None) -> None:
+        """Prepare the writer; the thread starts at :meth:`start` (or the first submit)."""
+        self.name = name
+        self.wait_timeout = wait_timeout
+        self._executor: ThreadPoolExecutor | None = None
+        self._future: Future[T] | None = None
+        self._what = ""
+        self._capture_lock = threading.Lock()
+        self._capture_done = threading.Event()
+        self._capture_done.set()
+
+    @property
+    def running(self) -> bool:
+        """Whether the background thread is started."""
+        return self._executor is not None
+
+    @property
+    def in_flight(self) -> str | None:
+        """What the write in flight (or finished but not collected) writes, or None."""
+        return None if self._future is None else self._what
+
+    def start(self) -> None:
+        """Start the background thread (idempotent)."""
+        if self._executor is None:
+            self._executor = background_executor(self.name)
+
+    def capture(self, copy: Callable[[], None]) -> None:
+        """Run ``copy`` on this thread under the capture lock."""
+        with self._capture_lock:
+            copy()
+
+    def submit(
+        self, what: str, write: Callable[[], T], *, capture: Callable[[], None] | None = None
+    ) -> Future[T]:
+        """Run ``capture`` (under the capture lock) then ``write`` on the background thread.
+
+        Args:
+            what: what is written, for messages (e.g. the checkpoint path).
+            write: the write; its result is what :meth:`collect` returns.
+            capture: copies the state first; :meth:`guard` waits until it is done.
+
+        Raises:
+            RuntimeError: a write is still tracked (:meth:`collect` it first).
+        """
+        if self._future is not None:
+            raise RuntimeError(
+                f"a background checkpoint write of {self._what} is still tracked; collect it "
+                "before starting another"
+            )
+        self.start()
+        assert self._executor is not None
+        if capture is not None:
+            self._capture_done.clear()
+        try:
+            self._future = self._executor.submit(self._run, capture, write)
+        except BaseException:
+            self._capture_done.set()
+            raise
+        self._what = what
+        return self._future
+
+    def _run(self, capture: Callable[[], None] | None, write: Callable[[], T]) -> T:
+        if capture is not None:
+            try:
+                self.capture(capture)
+            finally:
+                self._capture_done.set()
+        return write()
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Hold while mutating saved state: waits for an in-progress capture, then keeps the
+        next capture from starting until the block ends."""
+        self._capture_done.wait()
+        with self._capture_lock:
+            yield
+
+    def collect(self) -> T | None:
+        """Wait (at most :attr:`wait_timeout` seconds) for the tracked write; report it once.
+
+        Returns:
+            The write's result, or None when no write is tracked.
+
+        Raises:
+            TimeoutError: the write is still running (it stays tracked; the message names it).
+            RuntimeError: the write failed (chained to its error; raised once).
+        """
+        return self._collect(self.wait_timeout)
+
+    def _collect(self, timeout: float | None) -> T | None:
+        future = self._future
+        if future is None:
+            return None
+        try:
+            error = future.exception(timeout=timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                errno.ETIMEDOUT,
+                f"the background checkpoint write of {self._what} is still running after "
+                f"{timeout} s; it stays tracked and its outcome is reported by the next save or "
+                "close (raise the wait timeout if writes take this long)",
+            ) from None
+        self._future = None
+        if error is not None:
+            raise RuntimeError(
+                f"the previous background checkpoint write failed ({self._what}): {error}"
+            ) from error
+        return future.result()
+
+    def close(self) -> T | None:
+        """Wait for the tracked write however long it takes, report it, stop the thread.
+
+        Raises:
+            RuntimeError: the tracked write failed (chained to its error).
+        """
+        try:
+            return self._collect(None)
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None

@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
 from fastckpt.components import Snapshot, write_snapshot
 from fastckpt.hooks.context import TrainContext, TrainingStage
 from fastckpt.staging import (
+    BackgroundWriter,
     Stager,
     StagerOptions,
-    background_executor,
     make_stager,
     stage_groups,
 )
@@ -49,13 +47,16 @@ class CheckpointHook:
         async_save: capture on the training thread, write on a background thread.
         rank_zero_only: under a process group, only global rank 0 writes.
         keep_last: after each save keep only the newest N indices (None keeps all).
+        wait_timeout_secs: how long a save waits for the previous background write (None:
+            as long as it takes); a write still running then raises ``TimeoutError`` and stays
+            tracked, its outcome reported by a later save or by ``close``.
 
     Attributes:
         last_checkpoint_index: newest index known to be committed (async: updated when the
             background write is collected).
 
     Raises:
-        ValueError: zero or two intervals, a non-positive interval or keep_last.
+        ValueError: zero or two intervals, a non-positive interval, keep_last or timeout.
         TypeError: no checkpoint_dir, or given both positionally and as a keyword (Python's
             own "multiple values" error).
     """
@@ -69,6 +70,7 @@ class CheckpointHook:
         async_save: bool = True,
         rank_zero_only: bool = True,
         keep_last: int | None = None,
+        wait_timeout_secs: float | None = 600,
     ) -> None:
         """Validate the policy; the background writer starts when the hook is entered."""
         if checkpoint_dir is None:
@@ -76,6 +78,10 @@ class CheckpointHook:
         _positive("step_interval", step_interval)
         _positive("epoch_interval", epoch_interval)
         _positive("keep_last", keep_last)
+        if wait_timeout_secs is not None and not wait_timeout_secs > 0:
+            raise ValueError(
+                f"CheckpointHook wait_timeout_secs must be > 0 or None, got {wait_timeout_secs!r}"
+            )
         if (step_interval is None) == (epoch_interval is None):
             raise ValueError("CheckpointHook needs exactly one of step_interval or epoch_interval")
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -85,21 +91,20 @@ class CheckpointHook:
         self.rank_zero_only = rank_zero_only
         self.keep_last = keep_last
         self.last_checkpoint_index: int | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._future: Future[int] | None = None
+        self._writer: BackgroundWriter[int] = BackgroundWriter(
+            "fastckpt-hook", wait_timeout=wait_timeout_secs
+        )
         options = StagerOptions(pinned=_cuda_available(), non_blocking=_cuda_available())
         self._stager: Stager = make_stager(options)
         # Volatile tensors get their own pool: each pool keeps exactly the names it stages.
         self._volatile_stager: Stager = make_stager(options)
-        self._capture_done = threading.Event()
-        self._capture_done.set()
 
     # ------------------------------------------------------------------ lifecycle
 
     def __enter__(self) -> CheckpointHook:
         """Start the background writer (async mode)."""
-        if self.async_save and self._executor is None:
-            self._executor = background_executor("fastckpt-hook")
+        if self.async_save:
+            self._writer.start()
         return self
 
     def __exit__(
@@ -121,30 +126,17 @@ class CheckpointHook:
         Raises:
             RuntimeError: the pending background write failed (chained to its error).
         """
-        try:
-            self._collect()
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+        self._record(self._writer.close())
 
-    def _collect(self) -> None:
-        """Wait for the in-flight write; raise its failure once, chained."""
-        future, self._future = self._future, None
-        if future is None:
-            return
-        error = future.exception()
-        if error is not None:
-            raise RuntimeError(
-                f"background checkpoint write to {self.checkpoint_dir} failed: {error}"
-            ) from error
-        self.last_checkpoint_index = future.result()
+    def _record(self, index: int | None) -> None:
+        if index is not None:
+            self.last_checkpoint_index = index
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """Held by the strategy around its optimizer step: waits for an in-progress capture."""
-        self._capture_done.wait()
-        yield
+        with self._writer.guard():
+            yield
 
     # ------------------------------------------------------------------ policy
 
@@ -170,28 +162,30 @@ class CheckpointHook:
         Raises:
             RuntimeError: no strategy in ``ctx.workflow``, the async writer was not started, or
                 the previous background write failed.
+            TimeoutError: the previous background write is still running after
+                ``wait_timeout_secs`` (it stays tracked).
         """
         if ctx.workflow is None:
             raise RuntimeError(
                 "CheckpointHook needs TrainContext.workflow to be the running TrainingStrategy"
             )
-        self._collect()  # at most one write in flight; keeps indices ordered
+        self._record(self._writer.collect())  # one write in flight; keeps indices ordered
         snapshot: Snapshot = ctx.workflow.checkpoint_snapshot()
         if not self.async_save:
             self.last_checkpoint_index = self._write(snapshot)
             return
-        if self._executor is None:
+        if not self._writer.running:
             raise RuntimeError(
                 "CheckpointHook's async writer is not running: run it through "
                 "TrainingStrategy.run (which enters hooks) or use it as a context manager"
             )
+        # Buffers change outside the optimizer step: copied now, on the training thread.
         self._stage(snapshot, only_volatile=True)
-        self._capture_done.clear()
-        try:
-            self._future = self._executor.submit(self._capture_and_write, snapshot)
-        except BaseException:
-            self._capture_done.set()
-            raise
+        self._writer.submit(
+            str(self.checkpoint_dir),
+            lambda: self._write(snapshot),
+            capture=lambda: self._stage(snapshot, only_volatile=False),
+        )
 
     def _stage(self, snapshot: Snapshot, *, only_volatile: bool) -> None:
         """Replace the snapshot's tensors with staged copies (volatile ones or the rest)."""
@@ -201,13 +195,6 @@ class CheckpointHook:
             snapshot.tensor_files,
             lambda relpath, name: ((relpath, name) in snapshot.volatile) == only_volatile,
         )
-
-    def _capture_and_write(self, snapshot: Snapshot) -> int:
-        try:
-            self._stage(snapshot, only_volatile=False)
-        finally:
-            self._capture_done.set()
-        return self._write(snapshot)
 
     def _write(self, snapshot: Snapshot) -> int:
         index = write_snapshot(self.checkpoint_dir, snapshot)
