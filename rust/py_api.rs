@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyValueError};
@@ -16,6 +17,7 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::error::Error;
 use crate::format::{Dtype, Header, TensorDesc};
+use crate::progress::Progress;
 use crate::reader::{MappedFile, Reader};
 use crate::replace;
 use crate::writer::{self, WriteOptions};
@@ -97,6 +99,35 @@ impl RawBytes {
     }
 }
 
+/// A byte counter the Rust core advances while it writes, reads or hashes tensor bytes (GIL
+/// released): pass one as `progress=` to `save_file`, `check_mapped` or `verify_file` and
+/// read `.value` from another thread to draw a progress bar.
+#[pyclass(frozen, module = "fastckpt._native")]
+pub struct ByteCounter {
+    inner: Arc<Progress>,
+}
+
+#[pymethods]
+impl ByteCounter {
+    #[new]
+    fn new() -> Self {
+        ByteCounter {
+            inner: Arc::new(Progress::default()),
+        }
+    }
+
+    /// Bytes of tensor data done so far.
+    #[getter]
+    fn value(&self) -> u64 {
+        self.inner.get()
+    }
+}
+
+/// The core's counter behind an optional Python `ByteCounter` (a private one when None).
+fn counter(progress: Option<PyRef<'_, ByteCounter>>) -> Arc<Progress> {
+    progress.map_or_else(|| Arc::new(Progress::default()), |p| p.inner.clone())
+}
+
 fn parse_dtype(name: &str, tensor: &str) -> PyResult<Dtype> {
     Dtype::from_name(name).ok_or_else(|| {
         PyValueError::new_err(format!(
@@ -107,10 +138,13 @@ fn parse_dtype(name: &str, tensor: &str) -> PyResult<Dtype> {
 
 /// Writes tensors to `path` as a safetensors file with crc32c checksums, atomically.
 ///
-/// `tensors` is a list of `(name, dtype, shape, bytes_view)`. Returns
+/// `tensors` is a list of `(name, dtype, shape, bytes_view)`; `progress` (a `ByteCounter`)
+/// advances by the tensor bytes written. Returns
 /// `{"file_len": int, "direct_io": bool, "checksums": {name: int}}`.
 #[pyfunction]
-#[pyo3(signature = (path, tensors, metadata, threads, chunk_size, direct_io, fsync, checksums=true))]
+#[pyo3(signature = (
+    path, tensors, metadata, threads, chunk_size, direct_io, fsync, checksums=true, progress=None
+))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 pub fn save_file<'py>(
     py: Python<'py>,
@@ -122,7 +156,9 @@ pub fn save_file<'py>(
     direct_io: bool,
     fsync: bool,
     checksums: bool,
+    progress: Option<PyRef<'py, ByteCounter>>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let progress = counter(progress);
     let mut descs = Vec::with_capacity(tensors.len());
     let mut buffers = Vec::with_capacity(tensors.len());
     let mut raws = Vec::with_capacity(tensors.len());
@@ -149,7 +185,7 @@ pub fn save_file<'py>(
             .iter()
             .map(|(name, raw)| (name.clone(), unsafe { raw.as_slice() }))
             .collect();
-        writer::write_file(&path, descs, inputs, &metadata, &options)
+        writer::write_file(&path, descs, inputs, &metadata, &options, &progress)
     })?;
     drop(buffers);
     let result = PyDict::new(py);
@@ -166,26 +202,29 @@ pub fn save_file<'py>(
 
 /// Validates the safetensors file whose whole content is `data` (a byte view of a private
 /// mapping of `path`, which names the file in errors) and, with `verify`, checks every
-/// tensor's crc32c reading `data` on `threads` threads without the GIL.
+/// tensor's crc32c reading `data` on `threads` threads without the GIL (advancing `progress`
+/// by the bytes hashed).
 ///
 /// Returns the header as :func:`read_header` does, plus `"file_crc32c"` (an int with
 /// `verify`, else None).
 #[pyfunction]
-#[pyo3(signature = (path, data, verify, threads))]
+#[pyo3(signature = (path, data, verify, threads, progress=None))]
 pub fn check_mapped<'py>(
     py: Python<'py>,
     path: PathBuf,
     data: Bound<'py, PyAny>,
     verify: bool,
     threads: usize,
+    progress: Option<PyRef<'py, ByteCounter>>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let progress = counter(progress);
     let buffer = PyBuffer::<u8>::get(&data)?;
     let raw = RawBytes::of(&buffer, &path.display().to_string())?;
     let (header, file_crc) = py.detach(|| {
         // SAFETY: `buffer` keeps the mapping alive until this function returns.
         let mapped = MappedFile::parse(&path, unsafe { raw.as_slice() })?;
         let file_crc = if verify {
-            Some(mapped.verify(threads.max(1))?)
+            Some(mapped.verify(threads.max(1), &progress)?)
         } else {
             None
         };
@@ -233,17 +272,20 @@ fn header_dict<'py>(py: Python<'py>, header: &Header) -> PyResult<Bound<'py, PyD
 }
 
 /// Reads every tensor of `path` (a regular file; a symbolic link is followed only with
-/// `follow_symlinks`) and checks its crc32c; raises on any mismatch. Returns
+/// `follow_symlinks`) and checks its crc32c (advancing `progress` by the bytes read); raises
+/// on any mismatch. Returns
 /// `(file_crc32c, names of tensors without a stored checksum)`.
 #[pyfunction]
-#[pyo3(signature = (path, threads, follow_symlinks=true))]
+#[pyo3(signature = (path, threads, follow_symlinks=true, progress=None))]
 pub fn verify_file(
     py: Python<'_>,
     path: PathBuf,
     threads: usize,
     follow_symlinks: bool,
+    progress: Option<PyRef<'_, ByteCounter>>,
 ) -> PyResult<(u32, Vec<String>)> {
-    Ok(py.detach(|| Reader::open(&path, follow_symlinks)?.verify(threads.max(1)))?)
+    let progress = counter(progress);
+    Ok(py.detach(|| Reader::open(&path, follow_symlinks)?.verify(threads.max(1), &progress))?)
 }
 
 /// Opens `path` read-only if it is a regular file and returns the descriptor (the caller owns

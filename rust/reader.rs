@@ -13,6 +13,7 @@ use std::sync::Mutex;
 use crate::checksum::{self, PieceCrc};
 use crate::error::{Error, Result};
 use crate::format::{self, Header};
+use crate::progress::Progress;
 
 /// Bytes read and hashed per piece: large enough for throughput, small enough to be hashed
 /// while still in cache.
@@ -245,9 +246,9 @@ impl Reader {
     }
 
     /// Reads every tensor through small scratch buffers and checks its crc32c without keeping
-    /// the data. Returns the whole-file crc32c and the names of the tensors that have no
-    /// stored checksum.
-    pub fn verify(&self, threads: usize) -> Result<(u32, Vec<String>)> {
+    /// the data, advancing `progress` by each piece's bytes. Returns the whole-file crc32c and
+    /// the names of the tensors that have no stored checksum.
+    pub fn verify(&self, threads: usize, progress: &Progress) -> Result<(u32, Vec<String>)> {
         let header = self.header();
         // Scratch buffers are reused: fresh memory costs page faults on every piece.
         let scratch = Mutex::new(Vec::<Vec<u8>>::new());
@@ -257,6 +258,7 @@ impl Reader {
             let bytes = &mut buf[..piece.len];
             let result = read_exact(&self.file, self.path(), bytes, header.data_start + piece.at)
                 .map(|()| piece_crc(piece.tensor, piece.offset, bytes));
+            progress.add(piece.len as u64);
             scratch
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -312,14 +314,17 @@ impl<'a> MappedFile<'a> {
     }
 
     /// Hashes every tensor in pieces on `threads` threads and checks the stored checksums
-    /// (tensors without one pass). Returns the crc32c of the whole file.
-    pub fn verify(&self, threads: usize) -> Result<u32> {
+    /// (tensors without one pass), advancing `progress` by each piece's bytes. Returns the
+    /// crc32c of the whole file.
+    pub fn verify(&self, threads: usize, progress: &Progress) -> Result<u32> {
         let start = self.header().data_start;
         let mut crcs = parallel(pieces(self.header()), threads, |piece| {
             let begin = (start + piece.at) as usize;
             let bytes = &self.data[begin..begin + piece.len];
             populate(&self.valid.path, bytes)?;
-            Ok(piece_crc(piece.tensor, piece.offset, bytes))
+            let crc = piece_crc(piece.tensor, piece.offset, bytes);
+            progress.add(piece.len as u64);
+            Ok(crc)
         })?;
         self.valid.check_all(&mut crcs)
     }
@@ -396,7 +401,15 @@ mod tests {
             .iter()
             .map(|(n, _, _, b)| (n.to_string(), b.as_slice()))
             .collect();
-        write_file(path, descs, inputs, &BTreeMap::new(), &opts).unwrap();
+        write_file(
+            path,
+            descs,
+            inputs,
+            &BTreeMap::new(),
+            &opts,
+            &Progress::default(),
+        )
+        .unwrap();
     }
 
     fn sample() -> Vec<(&'static str, Dtype, Vec<u64>, Vec<u8>)> {
@@ -418,7 +431,10 @@ mod tests {
         let data = std::fs::read(path).unwrap();
         let mapped = MappedFile::parse(path, &data)?;
         if verify {
-            assert_eq!(mapped.verify(3)?, crate::checksum::append(0, &data));
+            assert_eq!(
+                mapped.verify(3, &Progress::default())?,
+                crate::checksum::append(0, &data)
+            );
         }
         let header = mapped.header();
         Ok(sample()
@@ -448,13 +464,56 @@ mod tests {
             for ((_, _, _, want), got) in sample().iter().zip(&bufs) {
                 assert_eq!(want, got);
             }
-            let (file_crc, unchecked) = Reader::open(&path, true).unwrap().verify(2).unwrap();
+            let (file_crc, unchecked) = Reader::open(&path, true)
+                .unwrap()
+                .verify(2, &Progress::default())
+                .unwrap();
             assert!(unchecked.is_empty());
             let whole = std::fs::read(&path).unwrap();
             assert_eq!(file_crc, crate::checksum::append(0, &whole));
         }
         // Only the committed files remain: no temp siblings.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+    }
+
+    #[test]
+    fn progress_counts_every_tensor_byte_written_and_verified() {
+        let dir = tempfile::tempdir().unwrap();
+        let total: u64 = sample().iter().map(|(.., bytes)| bytes.len() as u64).sum();
+        for direct_io in [false, true] {
+            let path = dir.path().join(format!("p{direct_io}.safetensors"));
+            let descs = sample()
+                .iter()
+                .map(|(n, d, s, _)| TensorDesc {
+                    name: n.to_string(),
+                    dtype: *d,
+                    shape: s.clone(),
+                })
+                .collect();
+            let owned = sample();
+            let inputs = owned
+                .iter()
+                .map(|(n, _, _, b)| (n.to_string(), b.as_slice()))
+                .collect();
+            let options = WriteOptions {
+                chunk_size: 1 << 20,
+                direct_io,
+                ..WriteOptions::default()
+            };
+            let written = Progress::default();
+            write_file(&path, descs, inputs, &BTreeMap::new(), &options, &written).unwrap();
+            assert_eq!(written.get(), total, "direct_io={direct_io}");
+            let read = Progress::default();
+            Reader::open(&path, true).unwrap().verify(3, &read).unwrap();
+            assert_eq!(read.get(), total);
+            let data = std::fs::read(&path).unwrap();
+            let hashed = Progress::default();
+            MappedFile::parse(&path, &data)
+                .unwrap()
+                .verify(2, &hashed)
+                .unwrap();
+            assert_eq!(hashed.get(), total);
+        }
     }
 
     #[test]
@@ -493,7 +552,9 @@ mod tests {
             other => panic!("expected checksum error, got {:?}", other.map(|_| ())),
         }
         assert!(matches!(
-            Reader::open(&path, true).unwrap().verify(2),
+            Reader::open(&path, true)
+                .unwrap()
+                .verify(2, &Progress::default()),
             Err(Error::Checksum { .. })
         ));
         // Unverified reads do not look at checksums.
@@ -583,6 +644,7 @@ mod tests {
             inputs,
             &BTreeMap::new(),
             &WriteOptions::default(),
+            &Progress::default(),
         );
         assert!(matches!(err, Err(Error::Io { .. })));
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);

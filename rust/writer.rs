@@ -25,6 +25,7 @@ use std::sync::{mpsc, Mutex};
 use crate::checksum::{self, PieceCrc};
 use crate::error::{Error, Result};
 use crate::format::{self, Checksums, TensorDesc, TensorInfo};
+use crate::progress::Progress;
 use crate::replace::TempFile;
 
 /// Alignment of chunk offsets and O_DIRECT buffers (a page; covers 512 B and 4 KiB sectors).
@@ -405,12 +406,14 @@ fn write_buffered_stream(
     sources: &Sources,
     chunks: &[Chunk],
     hash: bool,
+    progress: &Progress,
 ) -> Result<Vec<PieceCrc>> {
     let mut crcs = Vec::new();
     for (index, chunk) in chunks.iter().enumerate() {
         for seg in &chunk.segments {
             let crc = write_segment_buffered(target, sources.slice(seg), seg.file_offset, hash)?;
             crcs.push(PieceCrc::of(seg, crc));
+            progress.add(seg.len);
         }
         target.start_writeback(chunk);
         if let Some(older) = index.checked_sub(WRITE_BEHIND).map(|i| &chunks[i]) {
@@ -428,6 +431,7 @@ fn write_direct_pipeline(
     sources: &Sources,
     chunks: &[Chunk],
     options: &WriteOptions,
+    progress: &Progress,
 ) -> Result<Vec<PieceCrc>> {
     let preparers = options
         .threads
@@ -466,7 +470,7 @@ fn write_direct_pipeline(
             });
         }
         drop(filled_tx);
-        let outcome = write_in_order(target, chunks, filled_rx, &free_tx);
+        let outcome = write_in_order(target, chunks, filled_rx, &free_tx, progress);
         drop(free_tx); // wakes preparers waiting for a buffer
         outcome
     });
@@ -484,6 +488,7 @@ fn write_in_order(
     chunks: &[Chunk],
     filled_rx: mpsc::Receiver<(usize, AlignedBuf, Vec<PieceCrc>)>,
     free_tx: &mpsc::Sender<AlignedBuf>,
+    progress: &Progress,
 ) -> Result<Vec<PieceCrc>> {
     let mut pending = BTreeMap::new();
     let mut crcs = Vec::new();
@@ -505,28 +510,32 @@ fn write_in_order(
                 return_buffer(returned.0);
             }
             result?;
+            progress.add(chunk.segments.iter().map(|seg| seg.len).sum());
             expected += 1;
         }
     }
     Ok(crcs)
 }
 
-/// Writes the chunk plan; returns every piece's checksum.
+/// Writes the chunk plan, advancing `progress` by the tensor bytes of each chunk written;
+/// returns every piece's checksum.
 fn write_chunks(
     target: &Target,
     sources: &Sources,
     chunks: &[Chunk],
     options: &WriteOptions,
+    progress: &Progress,
 ) -> Result<Vec<PieceCrc>> {
     if target.direct.is_some() {
-        write_direct_pipeline(target, sources, chunks, options)
+        write_direct_pipeline(target, sources, chunks, options, progress)
     } else {
-        write_buffered_stream(target, sources, chunks, options.checksums)
+        write_buffered_stream(target, sources, chunks, options.checksums, progress)
     }
 }
 
 /// Writes `inputs` (name -> raw little-endian bytes, with dtype and shape in `descs`) to `path`
-/// as a safetensors file with crc32c checksums, durably and atomically.
+/// as a safetensors file with crc32c checksums, durably and atomically, advancing `progress`
+/// by the tensor bytes written.
 ///
 /// On any error the temporary file is removed and `path` is untouched.
 pub fn write_file(
@@ -535,6 +544,7 @@ pub fn write_file(
     inputs: BTreeMap<String, &[u8]>,
     metadata: &BTreeMap<String, String>,
     options: &WriteOptions,
+    progress: &Progress,
 ) -> Result<WriteReport> {
     if descs.len() != inputs.len() {
         return Err(Error::InvalidArgument(
@@ -555,7 +565,7 @@ pub fn write_file(
 
     let temp = TempFile::beside(path)?;
     let target = Target::open(temp.path(), path, options.direct_io)?;
-    let mut pieces = write_chunks(&target, &sources, &chunks, options)?;
+    let mut pieces = write_chunks(&target, &sources, &chunks, options, progress)?;
     let crcs = checksum::fold(sources.tensors.len(), &mut pieces);
     let final_kind = if options.checksums {
         Checksums::Values(&crcs)

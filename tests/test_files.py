@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 import fastckpt
 from fastckpt import CheckpointFormatError, ChecksumMismatchError, _native
-from fastckpt.files import byte_view, dtype_name, header_shape, write_tensors
+from fastckpt.files import byte_view, dtype_name, header_shape, read_tensors, write_tensors
 
 ALL_DTYPES = [
     torch.bool,
@@ -451,3 +451,49 @@ def test_crc32c_takes_any_buffer_and_combines() -> None:
     head, tail = data[:1000], data[1000:]
     assert _native.crc32c(tail, _native.crc32c(head)) == whole
     assert _native.crc32c_combine(_native.crc32c(head), _native.crc32c(tail), len(tail)) == whole
+
+
+def observed_progress(counter: _native.ByteCounter, action: Callable[[], object]) -> list[int]:
+    """Run ``action`` while another thread samples ``counter.value``; returns the samples."""
+    samples: list[int] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            samples.append(counter.value)
+            time.sleep(0.0005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        action()
+    finally:
+        done.set()
+        sampler.join()
+    return samples
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_progress_is_counted_by_the_core_while_it_works(tmp_path: Path, direct_io: bool) -> None:
+    path = tmp_path / "progress.safetensors"
+    tensors = {"big": torch.ones(48 << 20), "small": torch.arange(10)}
+    total = sum(t.nbytes for t in tensors.values())
+    written = _native.ByteCounter()
+    during_save = observed_progress(
+        written,
+        lambda: write_tensors(
+            tensors, path, chunk_size=1 << 20, direct_io=direct_io, progress=written
+        ),
+    )
+    loaded = _native.ByteCounter()
+    during_load = observed_progress(loaded, lambda: read_tensors(path, threads=2, progress=loaded))
+    verified = _native.ByteCounter()
+    _native.verify_file(str(path), 2, progress=verified)
+    assert written.value == loaded.value == verified.value == total
+    for samples in (during_save, during_load):
+        assert samples == sorted(samples), "the count only grows"
+        # The count moves while the work runs (the GIL is released), not only at the end.
+        assert any(0 < value < total for value in samples), samples[:: max(1, len(samples) // 20)]
+    unverified = _native.ByteCounter()
+    read_tensors(path, verify=False, progress=unverified)
+    assert unverified.value == 0  # nothing is read until the tensors are touched

@@ -306,8 +306,12 @@ def write_tensors(
     direct_io: bool | None = None,
     fsync: bool = True,
     checksums: bool = True,
+    progress: _native.ByteCounter | None = None,
 ) -> dict[str, Any]:
     """:func:`save_file` that returns the writer's report.
+
+    ``progress`` (a :class:`fastckpt._native.ByteCounter`) advances by the tensor bytes
+    written, from the writer threads, for a progress display polling it.
 
     Returns:
         ``{"file_len": int, "file_crc32c": int | None, "direct_io": bool (O_DIRECT actually
@@ -339,6 +343,7 @@ def write_tensors(
         direct_io,
         fsync,
         checksums,
+        progress,
     )
 
 
@@ -425,6 +430,7 @@ def read_tensors(
     verify: bool = True,
     threads: int | None = None,
     backend: str = "mmap",
+    progress: _native.ByteCounter | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """:func:`load_file` on CPU that also returns ``{"metadata": ..., "file_crc32c": ...}``.
 
@@ -436,7 +442,9 @@ def read_tensors(
     not aligned to its element size is copied.
 
     ``file_crc32c`` is the checksum of the whole file when ``verify`` is set, so callers
-    holding a manifest can confirm it is the file they recorded.
+    holding a manifest can confirm it is the file they recorded. ``progress`` (a
+    :class:`fastckpt._native.ByteCounter`) advances by the bytes hashed while verifying, which
+    is when a mapped file is read in (it stays at 0 without ``verify``).
     """
     if backend not in BACKENDS:
         raise InvalidInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -452,7 +460,9 @@ def read_tensors(
     # Explicitly on the CPU: a `with torch.device("meta")` block or set_default_device must
     # not move the empty tensors the file's storage is attached to.
     flat = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage)
-    header = _native.check_mapped(name, byte_view(flat), verify, threads or DEFAULT_THREADS)
+    header = _native.check_mapped(
+        name, byte_view(flat), verify, threads or DEFAULT_THREADS, progress
+    )
     start = header["data_start"]
     tensors: dict[str, torch.Tensor] = {}
     for entry in header["tensors"]:
