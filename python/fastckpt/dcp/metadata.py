@@ -199,7 +199,7 @@ def encode_record(
             "storage_data": [_encode_chunk(index, chunk) for index, chunk in storage.items()],
         },
     }
-    return json.dumps(record, indent=1, allow_nan=False).encode()
+    return json.dumps(record, separators=(",", ":"), allow_nan=False).encode()
 
 
 # ------------------------------------------------------------------------------ decoding

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from fastckpt.dcp.chunks import ChunkFiles
-from fastckpt.dcp.commit import new_generation, read_record
+from fastckpt.dcp.commit import RECORD_NAME, new_generation, read_record
 from fastckpt.dcp.metadata import Record, StoredChunk
 from fastckpt.dcp.values import as_planner_bytes, decode_value
 from fastckpt.errors import CheckpointFormatError
@@ -134,8 +134,6 @@ class Reader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """A directory with a fastckpt commit record."""
-        from fastckpt.dcp.commit import RECORD_NAME
-
         return (Path(checkpoint_id) / RECORD_NAME).is_file()
 
     # ------------------------------------------------------------------ reading
