@@ -120,8 +120,9 @@ def _writers(
 ) -> dict[str, Writer]:
     """name -> (upload(state) or None for a download-only variant, download() -> tensors,
     tidy() untimed between repeats)."""
-    import safetensors.torch
     from boto3.s3.transfer import TransferConfig
+    from safetensors.torch import load as load_bytes
+    from safetensors.torch import save as save_bytes
 
     from fastckpt.store.s3commit import S3Root
 
@@ -161,13 +162,13 @@ def _writers(
         return one_get.load().files["state.safetensors"]
 
     def boto3_up(state: dict[str, torch.Tensor]) -> None:
-        data = safetensors.torch.save(state)
+        data = save_bytes(state)
         client.upload_fileobj(io.BytesIO(data), bucket, boto_key, Config=transfer)
 
     def boto3_down() -> Any:
         sink = io.BytesIO()
         client.download_fileobj(bucket, boto_key, sink, Config=transfer)
-        return safetensors.torch.load(sink.getvalue())
+        return load_bytes(sink.getvalue())
 
     writers: dict[str, Writer] = {
         "fastckpt": (fastckpt_up, fastckpt_down, fastckpt_tidy),
@@ -188,13 +189,13 @@ def _writers(
     fs_path = f"{bucket}/{prefix}/s3fs/state.safetensors"
 
     def s3fs_up(state: dict[str, torch.Tensor]) -> None:
-        data = safetensors.torch.save(state)
+        data = save_bytes(state)
         with fs.open(fs_path, "wb", block_size=part) as handle:
             handle.write(data)
 
     def s3fs_down() -> Any:
         with fs.open(fs_path, "rb", block_size=part) as handle:
-            return safetensors.torch.load(handle.read())
+            return load_bytes(handle.read())
 
     writers["s3fs"] = (s3fs_up, s3fs_down, nothing)
     return writers
