@@ -22,6 +22,7 @@ import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint._consolidate_hf_safetensors import (
     consolidate_safetensors_files,
 )
@@ -149,6 +150,18 @@ def test_rank_files_open_with_safetensors_and_torch_consolidation(
     (output,) = tmp_path.glob("*.safetensors")
     consolidated = safetensors.torch.load_file(output)
     assert compare({k: reference[k] for k in model_keys}, consolidated) == []
+    # torch's safetensors reader resharding the same files (into one process)
+    target = {
+        "model": {k.removeprefix("model."): torch.zeros_like(reference[k]) for k in model_keys}
+    }
+    dcp.load(target, storage_reader=HuggingFaceStorageReader(str(generation)))
+    assert (
+        compare(
+            {k: reference[k] for k in model_keys},
+            {f"model.{k}": v for k, v in target["model"].items()},
+        )
+        == []
+    )
 
 
 def test_consolidate_writes_full_tensors_without_a_process_group(
