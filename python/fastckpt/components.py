@@ -436,6 +436,8 @@ def _rebuild_optimizer(
 
 
 def run_validators(validators: Any, model_name: str, model: torch.nn.Module) -> None:
+    """Run the validators selected for ``model_name`` on ``model``; a failure raises
+    ``ValueError`` naming both."""
     if validators is None:
         return
     selected = validators.get(model_name, ()) if isinstance(validators, Mapping) else validators

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from fastckpt import tree
-from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError
+from fastckpt.errors import CheckpointMismatchError
 from fastckpt.files import DEFAULT_WRITE_THREADS
 from fastckpt.progress import log_throughput
 from fastckpt.staging import (
@@ -37,8 +37,8 @@ from fastckpt.staging import (
 )
 from fastckpt.store.backend import TEMP_PREFIX
 from fastckpt.store.commit import DirectoryWriter
-from fastckpt.store.paths import check_name, safe_join
-from fastckpt.store.reader import read_json, read_tensor_file
+from fastckpt.store.paths import check_name
+from fastckpt.store.reader import read_manager_item
 from fastckpt.store.records import COMMIT_RECORD, commit_record, read_commit_record
 
 __all__ = [
@@ -442,26 +442,10 @@ def _load_item(
     directory: Path, record: Mapping[str, Any], key: str, rank: int, map_location: Any
 ) -> Any:
     """One item of a checkpoint: its skeleton and this rank's tensors, both verified."""
-    source = str(directory / COMMIT_RECORD)
-
-    def recorded(relpath: str) -> tuple[Path, Mapping[str, int]]:
-        entry = record["files"].get(relpath)
-        if entry is None:
-            raise CheckpointFormatError(f"{directory / relpath}: not listed in {COMMIT_RECORD}")
-        return safe_join(directory, relpath), entry
-
-    document = read_json(*recorded(f"{key}.json"), source=source)
-    if not isinstance(document, Mapping) or "skeleton" not in document:
-        raise CheckpointFormatError(f"{directory / key}.json: field 'skeleton' is required")
-    tensor_path = f"{key}.rank{rank}.safetensors"
-    if tensor_path not in record["files"]:
-        tensor_path = f"{key}.rank0.safetensors"
-    if tensor_path not in record["files"]:
-        tensor_path = f"{key}.safetensors"
-    tensors = read_tensor_file(*recorded(tensor_path), source=source)
+    skeleton, tensors = read_manager_item(directory, record, key, rank)
     if map_location is not None:
         tensors = {name: t.to(map_location) for name, t in tensors.items()}
-    return tree.unflatten(document["skeleton"], tensors, key)
+    return tree.unflatten(skeleton, tensors, key)
 
 
 def _merge(template: Any, value: Any, path: str, strict: bool) -> Any:

@@ -20,7 +20,8 @@ import torch
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.store.backend import StorageBackend, backend_for
-from fastckpt.store.records import load_json
+from fastckpt.store.paths import safe_join
+from fastckpt.store.records import COMMIT_RECORD, item_files, load_json
 
 __all__ = [
     "Checked",
@@ -28,6 +29,7 @@ __all__ = [
     "Status",
     "check_recorded",
     "read_json",
+    "read_manager_item",
     "read_tensor_file",
     "verify_content",
 ]
@@ -205,3 +207,24 @@ def read_tensor_file(
         return tensors, info["file_crc32c"]
 
     return check_recorded(path, expected, content, source=source).value_or_raise()
+
+
+def read_manager_item(
+    directory: Path, record: Mapping[str, Any], key: str, rank: int = 0
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The skeleton and the tensors of item ``key`` of a CheckpointManager checkpoint whose
+    commit record is ``record``, both checked against it (rebuild the value with
+    :func:`fastckpt.tree.unflatten`)."""
+    source = str(directory / COMMIT_RECORD)
+
+    def recorded(relpath: str) -> tuple[Path, Mapping[str, int]]:
+        entry = record["files"].get(relpath)
+        if entry is None:
+            raise CheckpointFormatError(f"{directory / relpath}: not listed in {COMMIT_RECORD}")
+        return safe_join(directory, relpath), entry
+
+    skeleton_file, tensor_file = item_files(record, key, rank)
+    document = read_json(*recorded(skeleton_file), source=source)
+    if not isinstance(document, Mapping) or "skeleton" not in document:
+        raise CheckpointFormatError(f"{directory / skeleton_file}: field 'skeleton' is required")
+    return document["skeleton"], read_tensor_file(*recorded(tensor_file), source=source)

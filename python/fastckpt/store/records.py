@@ -37,6 +37,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "Manifest",
     "commit_record",
+    "item_files",
     "json_bytes",
     "load_json",
     "read_commit_record",
@@ -392,3 +393,17 @@ def read_commit_record(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(world_size, int) or world_size < 1:
         raise CheckpointFormatError(f"{path}: field 'world_size' must be an int >= 1")
     return record
+
+
+def item_files(record: Mapping[str, Any], key: str, rank: int = 0) -> tuple[str, str]:
+    """``(skeleton JSON, tensor file)`` relpaths of item ``key`` for ``rank``.
+
+    An item is ``<key>.json`` plus ``<key>.safetensors``, or one ``<key>.rank<r>.safetensors``
+    per rank when it was saved under a process group (a rank without its own file reads rank
+    0's).
+    """
+    files = record["files"]
+    for tensors in (f"{key}.rank{rank}.safetensors", f"{key}.rank0.safetensors"):
+        if tensors in files:
+            return f"{key}.json", tensors
+    return f"{key}.json", f"{key}.safetensors"

@@ -1,0 +1,124 @@
+"""What every command shares: exit statuses, user errors, and finding the checkpoint a PATH
+names.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fastckpt.files import read_metadata
+from fastckpt.store import locate as store_locate
+from fastckpt.store.backend import backend_for
+from fastckpt.store.locate import KIND_NAMES, Location
+from fastckpt.store.records import MANIFEST, Manifest, load_json
+
+TENSOR_SUFFIX = ".safetensors"
+EXIT_OK, EXIT_BAD, EXIT_ERROR = 0, 1, 2
+
+
+class UserError(Exception):
+    """A problem with what the user asked for; printed as one line, exit status 2."""
+
+
+def one_line(text: str) -> str:
+    """The non-empty lines of ``text`` joined into one."""
+    return "; ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def error_text(err: BaseException) -> str:
+    """A one-line message for an exception (OSError without the ``[Errno N]`` noise)."""
+    if isinstance(err, OSError) and err.strerror:
+        message = err.strerror
+        if err.filename is not None and str(err.filename) not in message:
+            message = f"{err.filename}: {message}"
+        return one_line(message)
+    if isinstance(err, KeyError) and err.args:
+        return one_line(str(err.args[0]))
+    return one_line(str(err) or type(err).__name__)
+
+
+# --------------------------------------------------------------------------- locating checkpoints
+
+
+def locate(text: str | os.PathLike[str]) -> Location:
+    """Work out what kind of checkpoint ``text`` names.
+
+    Raises:
+        UserError: it does not exist or is not a fastckpt checkpoint.
+    """
+    try:
+        return store_locate.locate(text)
+    except FileNotFoundError as err:
+        raise UserError(err.strerror) from None
+
+
+def resolve_index(location: Location, requested: int | None) -> tuple[Manifest, int]:
+    """The manifest and the committed index a root/index location (plus ``--index``) means.
+
+    Raises:
+        UserError: not a root or index, empty root, index not committed or contradictory.
+    """
+    if location.root is None:
+        raise UserError(
+            f"{location.path} is a {KIND_NAMES[location.kind]}; this needs a save_checkpoint "
+            "root or one of its index directories"
+        )
+    manifest = Manifest.load(location.root)
+    if location.kind == "index":
+        own = location.index
+        assert own is not None
+        if requested is not None and requested not in (-1, own):
+            raise UserError(f"{location.path} is index {own}; --index {requested} contradicts it")
+        if own not in manifest.entries:
+            raise UserError(
+                f"{location.path}: index {own} is not committed in {location.root / MANIFEST} "
+                f"(committed: {sorted(manifest.entries)}); it may be a leftover of a crash"
+            )
+        return manifest, own
+    if not manifest.entries:
+        raise UserError(f"{location.root}: no committed checkpoint yet")
+    try:
+        return manifest, manifest.resolve(-1 if requested is None else requested)
+    except KeyError as err:
+        raise UserError(error_text(err)) from None
+
+
+def no_index(location: Location, requested: int | None) -> None:
+    """Refuse ``--index`` for anything but a root or one of its indices."""
+    if requested is not None and location.kind not in ("root", "index"):
+        raise UserError(
+            f"{location.path} is a {KIND_NAMES[location.kind]}; --index only applies to a "
+            "save_checkpoint root"
+        )
+
+
+def read_document(path: Path) -> Any:
+    """A JSON document of a checkpoint, parsed by the store (not checked against a record:
+    ``fastckpt verify`` does that)."""
+    return load_json(path, backend_for(path).read_bytes(path))
+
+
+def _tensor_list(header: Mapping[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for name, info in header["tensors"].items():
+        start, end = info["data_offsets"]
+        rows.append(
+            {"name": name, "dtype": info["dtype"], "shape": info["shape"], "bytes": end - start}
+        )
+    return rows
+
+
+def describe_tensor_file(path: Path) -> dict[str, Any]:
+    """Size, tensors, checksum presence and metadata of a safetensors file (header only)."""
+    header = read_metadata(path)
+    tensors = _tensor_list(header)
+    return {
+        "size": header["file_len"],
+        "tensors": tensors,
+        "tensor_bytes": sum(t["bytes"] for t in tensors),
+        "checksums": all(i["crc32c"] is not None for i in header["tensors"].values()),
+        "metadata": header["metadata"],
+    }

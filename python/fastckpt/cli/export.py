@@ -1,0 +1,118 @@
+"""``fastckpt export PATH --to FILE``: one model's weights as a plain safetensors file."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from fastckpt import tree
+from fastckpt.cli.common import (
+    EXIT_OK,
+    TENSOR_SUFFIX,
+    UserError,
+    locate,
+    no_index,
+    resolve_index,
+)
+from fastckpt.cli.render import (
+    print_json,
+)
+from fastckpt.components import IndexReader
+from fastckpt.files import save_file
+from fastckpt.progress import format_bytes, io_progress
+from fastckpt.store.locate import Location
+from fastckpt.store.reader import read_manager_item
+from fastckpt.store.records import item_files, read_commit_record
+
+# --------------------------------------------------------------------------- fastckpt export
+
+
+def _pick(names: Sequence[str], wanted: str | None, what: str, where: Path) -> str:
+    if wanted is not None:
+        if wanted not in names:
+            raise UserError(f"{where} has no {what} {wanted!r}; it has: {', '.join(names)}")
+        return wanted
+    if len(names) == 1:
+        return names[0]
+    if not names:
+        raise UserError(f"{where} holds no {what}")
+    raise UserError(f"{where} has several {what}s ({', '.join(names)}); choose one with --model")
+
+
+@dataclasses.dataclass
+class _Export:
+    """What ``fastckpt export`` reads: a loader for the tensors, their file size, provenance."""
+
+    load: Callable[[], dict[str, torch.Tensor]]
+    size: int
+    metadata: dict[str, str]
+
+
+def _export_plan(location: Location, index: int | None, model: str | None) -> _Export:
+    if location.kind == "manager":
+        record = read_commit_record(location.path)
+        items = [str(key) for key in record["items"]]
+        preferred = "model" if model is None and "model" in items else model
+        key = _pick(items, preferred, "item", location.path)
+        size = record["files"].get(item_files(record, key)[1], {"size": 0})["size"]
+        return _Export(
+            lambda: _manager_item_tensors(location.path, key),
+            size,
+            {"fastckpt.source": str(location.path), "fastckpt.item": key},
+        )
+    if location.kind == "file":
+        raise UserError(f"{location.path} is already a single safetensors file")
+    manifest, chosen = resolve_index(location, index)
+    entry = manifest.entries[chosen]
+    names = [str(n) for n in entry.get("components", {}).get("models", [])]
+    name = _pick(names, model, "model", manifest.root / str(chosen))
+    relpath = f"models/{name}{TENSOR_SUFFIX}"
+    record = entry["files"].get(relpath, {"size": 0})
+    return _Export(
+        lambda: IndexReader(manifest, chosen).tensors(relpath),
+        record["size"],
+        {
+            "fastckpt.source": str(manifest.root),
+            "fastckpt.index": str(chosen),
+            "fastckpt.model": name,
+        },
+    )
+
+
+def _manager_item_tensors(directory: Path, key: str) -> dict[str, torch.Tensor]:
+    """The tensors of one CheckpointManager item, named by their key paths (verified)."""
+    skeleton, tensors = read_manager_item(directory, read_commit_record(directory), key)
+    return tree.flatten(tree.unflatten(skeleton, tensors, key))[1]
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``fastckpt export PATH [--index N] --to OUT [--model NAME] [--force]``."""
+    location = locate(args.path)
+    no_index(location, args.index)
+    out = Path(args.to)
+    if out.is_dir():
+        raise UserError(f"{out} is a directory; --to names the file to write")
+    if out.exists() and not args.force:
+        raise UserError(f"{out} already exists; pass --force to replace it")
+    plan = _export_plan(location, args.index, args.model)
+    with io_progress(f"export {location.path}", 2 * plan.size):  # read it, then write it
+        tensors = plan.load()
+        save_file(tensors, out, metadata={"format": "pt", **plan.metadata})
+    size = out.stat().st_size
+    summary = {
+        "source": str(location.path),
+        "to": str(out),
+        "tensors": len(tensors),
+        "bytes": size,
+        "metadata": plan.metadata,
+    }
+    if args.json:
+        print_json(summary)
+    else:
+        origin = ", ".join(f"{k.removeprefix('fastckpt.')} {v}" for k, v in plan.metadata.items())
+        print(f"wrote {out}: {len(tensors)} tensor(s), {format_bytes(size)} ({origin})")
+    return EXIT_OK

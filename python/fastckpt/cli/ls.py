@@ -1,0 +1,155 @@
+"""``fastckpt ls ROOT``: the committed indices of a root, or the CheckpointManager checkpoints
+of a directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fastckpt.checkpoint import list_checkpoints
+from fastckpt.cli.common import (
+    EXIT_OK,
+    UserError,
+    error_text,
+    read_document,
+)
+from fastckpt.cli.render import (
+    counter,
+    dash,
+    mtime_iso,
+    print_json,
+    table,
+    when,
+)
+from fastckpt.errors import FastCkptError
+from fastckpt.progress import format_bytes
+from fastckpt.store.paths import safe_join
+from fastckpt.store.records import COMMIT_RECORD, MANIFEST, read_commit_record
+
+# --------------------------------------------------------------------------- fastckpt ls
+
+
+def _ls_root(root: Path) -> dict[str, Any]:
+    return {"root": str(root), "kind": "root", "checkpoints": list_checkpoints(root)}
+
+
+def _manager_item_value(directory: Path, record: Mapping[str, Any], item: str) -> Any:
+    """The value of a scalar item (``step``, ``epoch``) of a manager checkpoint, or None."""
+    if item not in record["items"] or f"{item}.json" not in record["files"]:
+        return None
+    try:
+        document = read_document(safe_join(directory, f"{item}.json"))
+    except (OSError, FastCkptError):
+        return None
+    value = document.get("skeleton") if isinstance(document, dict) else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _ls_managers(parent: Path) -> dict[str, Any]:
+    checkpoints: list[dict[str, Any]] = []
+    for child in sorted(parent.iterdir()):
+        if child.name.startswith(".") or not (child / COMMIT_RECORD).is_file():
+            continue
+        row: dict[str, Any] = {"name": child.name, "path": str(child)}
+        try:
+            record = read_commit_record(child)
+        except (OSError, FastCkptError) as err:
+            row.update(committed=None, size=None, items=[], error=error_text(err))
+            checkpoints.append(row)
+            continue
+        row.update(
+            committed=mtime_iso(child / COMMIT_RECORD),
+            size=sum(entry["size"] for entry in record["files"].values()),
+            items=list(record["items"]),
+            step=_manager_item_value(child, record, "step"),
+            epoch=_manager_item_value(child, record, "epoch"),
+        )
+        checkpoints.append(row)
+    if not checkpoints:
+        raise UserError(
+            f"{parent} holds no checkpoints: it is neither a save_checkpoint root (no "
+            f"{MANIFEST}) nor a directory of CheckpointManager checkpoints"
+        )
+    dated = [row for row in checkpoints if row["committed"]]
+    newest = max(dated, key=lambda row: row["committed"], default=None)
+    for row in checkpoints:
+        row["latest"] = row is newest
+    return {"root": str(parent), "kind": "manager", "checkpoints": checkpoints}
+
+
+def _ls_text(listing: Mapping[str, Any]) -> str:
+    rows = listing["checkpoints"]
+    if listing["kind"] == "root":
+        if not rows:
+            return f"{listing['root']}: no committed checkpoint yet"
+        total = sum(row["size"] for row in rows)
+        title = f"{listing['root']}: {len(rows)} committed index(es), {format_bytes(total)}"
+        rendered = table(
+            ["", "INDEX", "CREATED (UTC)", "SIZE", "STEP", "EPOCH", "COMPONENTS"],
+            (
+                [
+                    "*" if row["latest"] else "",
+                    row["index"],
+                    when(row["created"]),
+                    format_bytes(row["size"]),
+                    dash(counter(row["counters"], "step_count", "step", "global_step")),
+                    dash(counter(row["counters"], "epoch_count", "epoch")),
+                    _components_text(row["components"]),
+                ]
+                for row in rows
+            ),
+        )
+    else:
+        title = f"{listing['root']}: {len(rows)} CheckpointManager checkpoint(s)"
+        rendered = table(
+            ["", "NAME", "COMMITTED (UTC)", "SIZE", "STEP", "EPOCH", "ITEMS"],
+            (
+                [
+                    "*" if row["latest"] else "",
+                    row["name"],
+                    when(row["committed"]),
+                    "?" if row["size"] is None else format_bytes(row["size"]),
+                    dash(row.get("step")),
+                    dash(row.get("epoch")),
+                    row.get("error") or ", ".join(row["items"]),
+                ]
+                for row in rows
+            ),
+        )
+    return f"{title}\n{rendered}\n(* = latest)"
+
+
+def _components_text(components: Mapping[str, Sequence[str]]) -> str:
+    parts = [f"{kind}: {', '.join(names)}" for kind, names in components.items() if names]
+    return "; ".join(parts) or "-"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """``fastckpt ls ROOT``."""
+    path = Path(args.root)
+    if not path.exists():
+        raise UserError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise UserError(f"{path} is a file; ls lists a checkpoint root (use fastckpt inspect)")
+    if (path / MANIFEST).is_file():
+        listing = _ls_root(path)
+    elif (path / COMMIT_RECORD).is_file():
+        raise UserError(
+            f"{path} is one CheckpointManager checkpoint; list its parent directory, or use "
+            f"fastckpt inspect {path}"
+        )
+    elif path.name.isdigit() and (path.parent / MANIFEST).is_file():
+        raise UserError(
+            f"{path} is one index of the root {path.parent}; list the root, or use "
+            f"fastckpt inspect {path}"
+        )
+    else:
+        listing = _ls_managers(path)
+    if args.json:
+        print_json(listing)
+    else:
+        print(_ls_text(listing))
+    return EXIT_OK

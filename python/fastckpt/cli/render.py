@@ -1,0 +1,124 @@
+"""Text rendering for the commands: tables, timestamps, shapes, specs, file listings."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastckpt.errors import CheckpointFormatError
+from fastckpt.progress import format_bytes
+from fastckpt.specs import BaseSpec
+
+
+def print_json(document: Any) -> None:
+    """Print ``document`` as indented JSON (unknown types as strings)."""
+    print(json.dumps(document, indent=2, default=str))
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], indent: str = "") -> str:
+    """Left-aligned columns separated by two spaces."""
+    cells = [[str(h) for h in headers], *([str(c) for c in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(indent + line.rstrip() for line in lines)
+
+
+def when(iso: str | None) -> str:
+    """An ISO-8601 timestamp as ``YYYY-MM-DD HH:MM:SS`` in UTC (``-`` when absent)."""
+    if not iso:
+        return "-"
+    try:
+        moment = _dt.datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    except ValueError:
+        return iso
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(_dt.timezone.utc)
+    return moment.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def mtime_iso(path: Path) -> str:
+    """A file's modification time as an ISO-8601 UTC timestamp."""
+    stamp = path.stat().st_mtime
+    return _dt.datetime.fromtimestamp(stamp, _dt.timezone.utc).isoformat()
+
+
+def counter(counters: Mapping[str, Any], *names: str) -> Any:
+    """The first of ``names`` present in ``counters`` (None when none is)."""
+    for name in names:
+        if name in counters:
+            return counters[name]
+    return None
+
+
+def dash(value: Any) -> str:
+    """``str(value)``, or ``-`` for None."""
+    return "-" if value is None else str(value)
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    """A shape as ``[d0, d1, ...]``."""
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """A compact rendering of a decoded spec argument."""
+    if isinstance(value, BaseSpec):
+        text = f"{value.cls_path}({_kwargs_text(value.kwargs, limit)})"
+    elif isinstance(value, torch.Tensor):
+        text = f"tensor({str(value.dtype).removeprefix('torch.')}, {shape_text(value.shape)})"
+    elif isinstance(value, tuple):
+        text = "(" + ", ".join(_short(v, limit) for v in value) + ("," if len(value) == 1 else "")
+        text += ")"
+    elif isinstance(value, list):
+        text = "[" + ", ".join(_short(v, limit) for v in value) + "]"
+    elif isinstance(value, dict):
+        text = "{" + ", ".join(f"{k!r}: {_short(v, limit)}" for k, v in value.items()) + "}"
+    else:
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _kwargs_text(kwargs: Mapping[str, Any], limit: int = 60) -> str:
+    return ", ".join(f"{key}={_short(value, limit)}" for key, value in kwargs.items())
+
+
+def spec_text(document: Any, where: str) -> str:
+    """``cls.path(kw=value, ...)`` for a stored spec document."""
+    if not isinstance(document, Mapping):
+        raise CheckpointFormatError(f"{where}: spec must be a JSON object")
+    spec = BaseSpec.from_json(document, source=where)
+    return f"{spec.cls_path}({_kwargs_text(spec.kwargs)})"
+
+
+def tensor_table(tensors: Sequence[Mapping[str, Any]], indent: str) -> str:
+    """One row per tensor: name, dtype, shape, bytes."""
+    return table(
+        ["TENSOR", "DTYPE", "SHAPE", "BYTES"],
+        (
+            [t["name"], t["dtype"], shape_text(t["shape"]), format_bytes(t["bytes"])]
+            for t in tensors
+        ),
+        indent,
+    )
+
+
+def file_lines(files: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The file listing of ``inspect``: size, tensor count, metadata, tensor table."""
+    lines = []
+    for item in files:
+        if "tensors" not in item:
+            lines.append(f"{item['path']}  {format_bytes(item['size'])}")
+            continue
+        count = len(item["tensors"])
+        lines.append(f"{item['path']}  {format_bytes(item['size'])}, {count} tensor(s)")
+        if item["metadata"]:
+            meta = ", ".join(f"{k}={v}" for k, v in item["metadata"].items())
+            lines.append(f"  metadata: {meta}")
+        if count:
+            lines.append(tensor_table(item["tensors"], "  "))
+    return lines
