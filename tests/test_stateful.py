@@ -1,9 +1,8 @@
 """Stateful objects (``state_dict()`` / ``load_state_dict()``) in saved state and templates.
 
-The first tests exercise :mod:`fastckpt.stateful` directly. The ``test_manager_*`` tests go
-through ``CheckpointManager``'s public API and need its hook-up (``prepare_save`` in
-``save``, ``check_template`` + ``restore`` in ``load``): until ``fastckpt.manager`` imports
-them they are expected to fail (strict xfail); once it does, they run as plain tests.
+The first tests exercise :mod:`fastckpt.stateful` directly; the ``test_manager_*`` tests go
+through ``CheckpointManager``'s public API (``prepare_save`` in ``save``, ``check_template`` +
+``restore`` in ``load``).
 """
 
 from __future__ import annotations
@@ -15,15 +14,8 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import manager as manager_module
 from fastckpt.errors import CheckpointMismatchError
 from fastckpt.stateful import check_template, is_stateful, prepare_save, restore
-
-#: Whether CheckpointManager uses fastckpt.stateful yet (see the module docstring).
-WIRED = all(hasattr(manager_module, name) for name in ("prepare_save", "check_template", "restore"))
-needs_hookup = pytest.mark.xfail(
-    not WIRED, reason="CheckpointManager does not use fastckpt.stateful yet", strict=True
-)
 
 
 class Counter:
@@ -155,7 +147,6 @@ def manager(kind: str) -> fastckpt.CheckpointManager:
     return fastckpt.CheckpointManager(config)
 
 
-@needs_hookup
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_manager_round_trips_module_optimizer_scheduler_and_user_class(
     kind: str, tmp_path: Path
@@ -189,7 +180,6 @@ def test_manager_round_trips_module_optimizer_scheduler_and_user_class(
         assert torch.equal(fresh[0].state_dict()[name], tensor), name
 
 
-@needs_hookup
 def test_manager_load_into_a_module_is_never_silently_ignored(tmp_path: Path) -> None:
     source, target = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     with manager("sync") as mgr:
@@ -202,7 +192,6 @@ def test_manager_load_into_a_module_is_never_silently_ignored(tmp_path: Path) ->
             mgr.load(tmp_path / "ckpt", into={"model": torch.nn.Linear(3, 5)})
 
 
-@needs_hookup
 def test_manager_save_names_the_key_path_of_what_it_cannot_store(tmp_path: Path) -> None:
     with manager("sync") as mgr, pytest.raises(TypeError, match=r"^model\.sub: .*state_dict"):
         mgr.save(tmp_path / "ckpt", {"model": {"sub": object()}})

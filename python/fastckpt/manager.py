@@ -35,6 +35,7 @@ from fastckpt.staging import (
     make_stager,
     stage_groups,
 )
+from fastckpt.stateful import check_template, prepare_save, restore
 from fastckpt.store.backend import TEMP_PREFIX
 from fastckpt.store.commit import DirectoryWriter
 from fastckpt.store.paths import check_name
@@ -281,7 +282,9 @@ class CheckpointManager:
 
         Args:
             checkpoint_id: directory path of the checkpoint.
-            state: top-level keys become files; values are nests of tensors and plain values.
+            state: top-level keys become files; values are nests of tensors and plain values,
+                and objects with ``state_dict()`` / ``load_state_dict()`` (modules,
+                optimizers, schedulers, your own classes), saved as their ``state_dict()``.
 
         Returns:
             Async: a Future resolved when the checkpoint is durable. Sync: None.
@@ -303,7 +306,7 @@ class CheckpointManager:
         for key, value in state.items():
             check_name(key, "state key")
             self._spec(key)
-            skeletons[key], tensors[key] = tree.flatten(value)
+            skeletons[key], tensors[key] = tree.flatten(prepare_save(value, key))
         for key, spec in self.config.items.items():
             if spec.required and key not in state:
                 raise KeyError(f"required item {key!r} is missing from the saved state")
@@ -390,7 +393,9 @@ class CheckpointManager:
             checkpoint_id: the checkpoint directory.
             into: ``{key: template}``; only the template's keys/indices are loaded. Tensor
                 leaves are filled in place (dtype and shape must match), non-tensor leaves are
-                replaced, and a ``None`` template loads the whole item. ``None`` loads all.
+                replaced, objects with ``load_state_dict()`` are restored through it (their
+                tensors checked first), and a ``None`` template loads the whole item. ``None``
+                loads all.
             map_location: device for tensors that are not copied into a template.
             strict: raise on keys a template has but the checkpoint lacks.
 
@@ -399,6 +404,7 @@ class CheckpointManager:
 
         Raises:
             RuntimeError: the manager is closed.
+            TypeError: a template value a load cannot apply, by key path (nothing is read).
             CheckpointMismatchError: dtype/shape mismatch or (strict) missing key, by key path.
             CheckpointFormatError / ChecksumMismatchError: damaged files.
             FileNotFoundError: no such checkpoint.
@@ -409,6 +415,9 @@ class CheckpointManager:
         record = read_commit_record(directory)
         available = record["items"]
         keys = list(available) if into is None else list(into)
+        if into is not None:
+            for key in keys:
+                check_template(into[key], key)
         result: dict[str, Any] = {}
         for key in keys:
             if key not in available:
@@ -419,7 +428,7 @@ class CheckpointManager:
                 continue
             value = _load_item(directory, record, key, self._dist.rank, map_location)
             template = None if into is None else into[key]
-            result[key] = _merge(template, value, key, strict)
+            result[key] = restore(template, value, key, strict, _merge)
         log_throughput("loaded", str(directory), record["files"].values(), start)
         return result
 
