@@ -7,36 +7,38 @@ See RELIABILITY.md for the guarantees these tests back.
 from __future__ import annotations
 
 import contextlib
-import copy
-import errno
 import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
-import threading
-import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from torch import nn
 
+from checkpoint_support import (
+    TYPED,
+    Saved,
+    altered,
+    assert_intact,
+    assert_same,
+    detected,
+    flip,
+    loaded_states,
+    mload,
+    only_failure,
+    symlink_outside,
+)
 from fastckpt import (
-    CheckpointManager,
     _native,
-    create_model_spec,
     load_checkpoint,
     load_file,
     read_metadata,
-    save_checkpoint,
 )
 from fastckpt.errors import (
     CheckpointFormatError,
@@ -44,16 +46,9 @@ from fastckpt.errors import (
     FastCkptError,
     UntrustedTargetError,
 )
-from fastckpt.store import backend
-from fastckpt.store.commit import RootLock
-from fastckpt.store.paths import safe_join
 from fastckpt.store.records import MANIFEST, Manifest, seal_manifest
-from fastckpt.verify import CheckpointSkippedWarning, VerifyReport, latest_intact, verify
+from fastckpt.verify import CheckpointSkippedWarning, latest_intact, verify
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import crash_harness
-
-TYPED = (FastCkptError, OSError)
 #: What hostile input may raise; anything else (AttributeError, IndexError, RecursionError,
 #: a crash) is a bug.
 ALLOWED = (FastCkptError, ValueError, KeyError, TypeError, OSError)
@@ -65,195 +60,7 @@ def must_not_run(*args: Any, **kwargs: Any) -> Any:
     CALLS.append("called")
 
 
-# --------------------------------------------------------------------------- fixtures
-
-
-class Net(nn.Module):
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        self.width = width
-        self.a = nn.Linear(width, 16)
-        self.b = nn.Linear(16, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
-
-
-Trained = tuple[Net, torch.optim.Optimizer, Any]
-
-
-def trained(seed: int, steps: int = 3) -> Trained:
-    torch.manual_seed(seed)
-    model = Net()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        model(torch.randn(4, 8)).square().mean().backward()
-        optimizer.step()
-        scheduler.step()
-    return model, optimizer, scheduler
-
-
-def save(root: Path, state: Trained) -> int:
-    model, optimizer, scheduler = state
-    return save_checkpoint(
-        root,
-        models={"main": (model, create_model_spec(Net, width=8))},
-        optimizers={"adam": (optimizer, None)},
-        schedulers={"sched": (scheduler, None)},
-        counters={"step": 3},
-    )
-
-
-def states(state: Trained) -> dict[str, Any]:
-    model, optimizer, scheduler = state
-    return {
-        "main": copy.deepcopy(model.state_dict()),
-        "adam": copy.deepcopy(optimizer.state_dict()),
-        "sched": copy.deepcopy(scheduler.state_dict()),
-    }
-
-
-def loaded_states(result: dict[str, Any]) -> dict[str, Any]:
-    main = result["models"]["main"]
-    return {
-        "main": main["model"].state_dict(),
-        "adam": main["optimizers"]["adam"]["optimizer"].state_dict(),
-        "sched": main["schedulers"]["sched"]["scheduler"].state_dict(),
-    }
-
-
-@dataclass
-class Saved:
-    root: Path
-    expected: dict[int, dict[str, Any]]
-    manager_dirs: dict[str, Path]
-    manager_expected: dict[str, dict[str, Any]]
-
-    def files(self, index: int) -> list[str]:
-        return sorted(Manifest.load(self.root).entries[index]["files"])
-
-
-def manager_state(state: Trained) -> dict[str, Any]:
-    model, optimizer, _ = state
-    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "meta": {"step": 3}}
-
-
-@pytest.fixture
-def saved(tmp_path: Path) -> Saved:
-    root = tmp_path / "root"
-    first, second = trained(1), trained(2)
-    assert save(root, first) == 0
-    assert save(root, second) == 1
-    dirs = {"a": tmp_path / "mgr" / "a", "b": tmp_path / "mgr" / "b"}
-    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as writer:
-        writer.save(dirs["a"], manager_state(first))
-        writer.save(dirs["b"], manager_state(second))
-    return Saved(
-        root,
-        {0: states(first), 1: states(second)},
-        dirs,
-        {"a": copy.deepcopy(manager_state(first)), "b": copy.deepcopy(manager_state(second))},
-    )
-
-
-def mload(directory: Path) -> dict[str, Any]:
-    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as reader:
-        return reader.load(directory)
-
-
-def assert_same(expected: Any, actual: Any) -> None:
-    found = crash_harness.difference(expected, actual)
-    assert found is None, found
-
-
-def assert_intact(saved: Saved, index: int) -> None:
-    assert_same(saved.expected[index], loaded_states(load_checkpoint(saved.root, index)))
-
-
-def detected(load: Callable[[], Any], *names: str) -> BaseException:
-    """``load`` must raise a typed error whose message names every one of ``names``."""
-    try:
-        load()
-    except TYPED as err:
-        for name in names:
-            assert name in str(err), f"{name!r} not named in: {err!r}"
-        return err
-    raise AssertionError("damaged checkpoint loaded without an error")
-
-
-def only_failure(report: VerifyReport, path: Path, status: str | None = None) -> None:
-    assert [f.path for f in report.failures] == [path], report.summary()
-    if status is not None:
-        assert report.failures[0].status == status, report.summary()
-
-
-@contextlib.contextmanager
-def altered(path: Path, data: bytes) -> Iterator[None]:
-    original = path.read_bytes()
-    path.write_bytes(data)
-    try:
-        yield
-    finally:
-        path.write_bytes(original)
-
-
-def flip(data: bytes, position: int, bit: int) -> bytes:
-    changed = bytearray(data)
-    changed[position] ^= 1 << bit
-    return bytes(changed)
-
-
 # --------------------------------------------------------------------------- the verify API
-
-
-def test_verify_accepts_every_kind_of_target(saved: Saved, tmp_path: Path) -> None:
-    root = saved.root
-    report = verify(root)
-    assert report.ok and report.kind == "root" and report.indices == [0, 1]
-    assert report.files[0].path == root / MANIFEST
-    assert report.files[0].expected_crc32c == report.files[0].actual_crc32c is not None
-    assert len(report.files) == 1 + len(saved.files(0)) + len(saved.files(1))
-    for record in report.files[1:]:
-        assert record.expected_size == record.actual_size
-        assert record.expected_crc32c == record.actual_crc32c
-        assert record.index in (0, 1) and record.status == "ok"
-    assert verify(root, 0).indices == [0]
-    assert verify(root, -1).indices == [1]
-    assert verify(root / MANIFEST).indices == [0, 1]
-    index_report = verify(root / "1")
-    assert index_report.kind == "index" and index_report.indices == [1] and index_report.ok
-    lone = verify(root / "1" / "models" / "main.safetensors")
-    assert lone.kind == "file" and lone.ok and lone.files[0].expected_crc32c is None
-    assert lone.files[0].actual_crc32c == _native.crc32c(lone.files[0].path.read_bytes())
-    manager_report = verify(saved.manager_dirs["a"])
-    assert manager_report.kind == "manager" and manager_report.ok
-    assert verify(saved.manager_dirs["a"] / "commit.json").kind == "manager"
-    assert "ok" in str(report) and report.failed_indices() == []
-    with pytest.raises(KeyError, match="available"):
-        verify(root, 7)
-    with pytest.raises(ValueError, match="index="):
-        verify(saved.manager_dirs["a"], 0)
-    with pytest.raises(FileNotFoundError, match="not a fastckpt checkpoint"):
-        verify(tmp_path)
-    with pytest.raises(FileNotFoundError):
-        verify(tmp_path / "nothing-here")
-    assert latest_intact(tmp_path / "nothing-here") is None
-
-
-def test_latest_intact_warns_about_a_damaged_manifest_but_checks_every_index(
-    saved: Saved,
-) -> None:
-    path = saved.root / MANIFEST
-    document = json.loads(path.read_bytes())
-    document["checkpoints"]["1"]["counters"]["step"] = 4  # the checksum no longer matches
-    path.write_text(json.dumps(document))
-    report = verify(saved.root)
-    assert [f.path for f in report.failures] == [path]
-    assert report.failures[0].status == "mismatch" and report.failed_indices() == [0, 1]
-    with pytest.warns(CheckpointSkippedWarning, match="differs from the recorded"):
-        assert latest_intact(saved.root) == 1
 
 
 # --------------------------------------------------------------------------- corruption
@@ -683,6 +490,9 @@ import fastckpt
 from fastckpt import _native, load_file, read_metadata, load_checkpoint
 from fastckpt.verify import verify
 
+
+#: The ``saved`` fixture (two indices of a root and two manager checkpoints).
+pytest_plugins = ["checkpoint_support"]
 with open("/proc/self/status") as status:
     size = next(int(l.split()[1]) for l in status if l.startswith("VmSize")) * 1024
 # No more than 1 GiB of new address space: allocating what a hostile header claims would fail.
@@ -758,78 +568,6 @@ def test_headers_claiming_huge_sizes_do_not_allocate_them(saved: Saved, tmp_path
     assert result.stdout.split() == ["refused", str(4 * len(hostile) + 2)]
 
 
-def test_path_traversal_and_absolute_paths_are_refused(saved: Saved) -> None:
-    root = saved.root
-    manifest_path = root / MANIFEST
-    pristine = json.loads(manifest_path.read_bytes())
-    for bad in ("../escape.json", "/etc/passwd", "models/../../x", "models//x", "models/.x"):
-        document = copy.deepcopy(pristine)
-        files = document["checkpoints"]["1"]["files"]
-        files[bad] = files.pop("models/main.spec.json")
-        manifest_path.write_text(json.dumps(seal_manifest(document)))
-        detected(lambda: load_checkpoint(root, 1), repr(bad))
-        report = verify(root)
-        assert report.files[0].status == "corrupt" and repr(bad) in report.files[0].message
-    for field, bad in (("models", "../../etc"), ("optimizers", "/abs"), ("schedulers", "a/b")):
-        document = copy.deepcopy(pristine)
-        document["checkpoints"]["1"]["components"][field] = [bad]
-        manifest_path.write_text(json.dumps(seal_manifest(document)))
-        err = detected(lambda: load_checkpoint(root, 1), repr(bad))
-        assert isinstance(err, CheckpointFormatError)
-    manifest_path.write_text(json.dumps(pristine))
-    assert_intact(saved, 1)
-
-    directory = saved.manager_dirs["a"]
-    record_path = directory / "commit.json"
-    record = json.loads(record_path.read_bytes())
-    for bad in ("../b/model.json", "/etc/passwd"):
-        changed = copy.deepcopy(record)
-        changed["files"][bad] = changed["files"].pop("model.json")
-        record_path.write_text(json.dumps(changed))
-        detected(lambda: mload(directory), repr(bad))
-        assert verify(directory).files[0].status == "corrupt"
-    changed = copy.deepcopy(record)
-    changed["items"] = ["../b/model"]
-    record_path.write_text(json.dumps(changed))
-    detected(lambda: mload(directory), "../b/model")
-    record_path.write_text(json.dumps(record))
-    with (
-        CheckpointManager(CheckpointManager.Config.with_sync_save()) as writer,
-        pytest.raises(CheckpointFormatError),
-    ):
-        writer.save(directory.parent / "..", {"x": torch.ones(1)})
-
-
-def _symlink_outside(path: Path, outside: Path) -> None:
-    outside.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(path, outside)  # identical bytes: only the location is wrong
-    path.unlink()
-    path.symlink_to(outside)
-
-
-def test_symlinks_escaping_the_checkpoint_are_refused_by_verify(
-    saved: Saved, tmp_path: Path
-) -> None:
-    root = saved.root
-    link = root / "1" / "models" / "main.safetensors"
-    _symlink_outside(link, tmp_path / "elsewhere" / "main.safetensors")
-    report = verify(root)
-    only_failure(report, link, "corrupt")
-    assert "outside the checkpoint" in report.failures[0].message
-    with pytest.raises(CheckpointFormatError, match="outside the checkpoint"):
-        safe_join(root / "1", "models/main.safetensors", within=root)
-
-    shutil.copytree(root / "0", tmp_path / "elsewhere" / "0")
-    shutil.rmtree(root / "0")
-    (root / "0").symlink_to(tmp_path / "elsewhere" / "0")
-    assert set(verify(root).failed_indices()) == {0, 1}
-
-    directory = saved.manager_dirs["a"]
-    link = directory / "optim.safetensors"
-    _symlink_outside(link, tmp_path / "elsewhere" / "optim.safetensors")
-    only_failure(verify(directory), link, "corrupt")
-
-
 def test_symlinks_inside_the_checkpoint_are_allowed(saved: Saved) -> None:
     root = saved.root
     spec = root / "1" / "models" / "main.spec.json"
@@ -847,7 +585,7 @@ def test_symlinks_inside_the_checkpoint_are_allowed(saved: Saved) -> None:
 
 def test_load_checkpoint_refuses_symlinks_escaping_the_root(saved: Saved, tmp_path: Path) -> None:
     link = saved.root / "1" / "models" / "main.safetensors"
-    _symlink_outside(link, tmp_path / "elsewhere" / "main.safetensors")
+    symlink_outside(link, tmp_path / "elsewhere" / "main.safetensors")
     with pytest.raises(CheckpointFormatError, match="outside the checkpoint"):
         load_checkpoint(saved.root, 1)
 
@@ -856,7 +594,7 @@ def test_manager_load_refuses_symlinks_escaping_the_checkpoint(
     saved: Saved, tmp_path: Path
 ) -> None:
     link = saved.manager_dirs["a"] / "model.safetensors"
-    _symlink_outside(link, tmp_path / "elsewhere" / "model.safetensors")
+    symlink_outside(link, tmp_path / "elsewhere" / "model.safetensors")
     with pytest.raises(CheckpointFormatError, match="outside the checkpoint"):
         mload(saved.manager_dirs["a"])
 
@@ -895,253 +633,7 @@ def test_dotted_paths_outside_the_trust_policy_are_refused(
 # --------------------------------------------------------------------------- full disk
 
 
-def _mount_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
-    return result.returncode == 0
-
-
-def _leave_free(disk: Path, pages: int) -> None:
-    filler = disk / "filler"
-    filler.unlink(missing_ok=True)
-    info = os.statvfs(disk)
-    size = max(0, (info.f_bavail - pages) * info.f_frsize)
-    if size:
-        with open(filler, "wb") as handle:
-            os.posix_fallocate(handle.fileno(), 0, size)
-
-
-def test_disk_full_at_every_point_of_a_save(tmp_path: Path) -> None:
-    disk = tmp_path / "disk"
-    if not _mount_tmpfs(disk, "2m"):
-        pytest.skip("cannot mount a size-limited tmpfs here (needs root and mount rights)")
-    try:
-        root = disk / "root"
-        first, second = trained(1), trained(2)
-        stages: set[str] = set()
-        for free in range(40):
-            shutil.rmtree(root, ignore_errors=True)
-            (disk / "filler").unlink(missing_ok=True)
-            save(root, first)
-            before = (root / MANIFEST).read_bytes()
-            _leave_free(disk, free)
-            try:
-                save(root, second)
-            except OSError as err:
-                assert err.errno == errno.ENOSPC, err
-                named = Path(err.filename or "")
-                assert named.name and named.name in str(err), err
-                assert named.name.endswith((".safetensors", ".json")), err
-                stages.add("manifest" if named.name == MANIFEST else named.suffix)
-                assert (root / MANIFEST).read_bytes() == before
-                assert sorted(p.name for p in root.iterdir()) == ["0", MANIFEST]
-                assert verify(root).ok
-                assert_same(states(first), loaded_states(load_checkpoint(root)))
-                continue
-            assert verify(root).ok
-            assert_same(states(second), loaded_states(load_checkpoint(root, 1)))
-            assert sorted(p.name for p in root.iterdir()) == ["0", "1", MANIFEST]
-            break
-        else:
-            raise AssertionError("the save never fit")
-        assert stages == {".safetensors", ".json", "manifest"}, stages
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
-
-
 # --------------------------------------------------------------------------- concurrent writers
 
 
-def test_root_lock_excludes_other_holders(tmp_path: Path) -> None:
-    inside: list[int] = []
-    errors: list[str] = []
-
-    def worker(me: int) -> None:
-        for _ in range(100):
-            with RootLock(tmp_path):
-                if inside:
-                    errors.append(f"{me} entered while {inside} held the lock")
-                inside.append(me)
-                time.sleep(0.0001)
-                inside.remove(me)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
-    assert not (tmp_path / ".fastckpt.lock").exists()
-
-
-def test_root_lock_dies_with_its_holder(tmp_path: Path) -> None:
-    process, conn = crash_harness.start(crash_harness.hold_root_lock, str(tmp_path))
-    try:
-        assert conn.poll(60) and conn.recv_bytes() == b"locked"
-        with pytest.raises(TimeoutError, match="another process is saving"):
-            RootLock(tmp_path, timeout=0.2).acquire()
-        os.kill(process.pid, signal.SIGKILL)
-        process.join()
-        began = time.monotonic()
-        with RootLock(tmp_path, timeout=5):
-            assert time.monotonic() - began < 1
-        save_checkpoint(tmp_path, models={"main": (nn.Linear(2, 2), None)})
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["0", MANIFEST]
-    finally:
-        if process.is_alive():
-            process.kill()
-
-
-def _lock_waiters(lock_file: Path) -> int:
-    """How many processes/threads wait for an flock on ``lock_file`` (from /proc/locks)."""
-    try:
-        inode = os.stat(lock_file).st_ino
-    except FileNotFoundError:
-        return 0
-    waiting = 0
-    for line in Path("/proc/locks").read_text().splitlines():
-        fields = line.split()
-        at = fields.index("->") if "->" in fields else -1
-        if at >= 0 and fields[at + 1] == "FLOCK" and int(fields[at + 5].split(":")[2]) == inode:
-            waiting += 1
-    return waiting
-
-
-def test_next_index_is_chosen_under_the_lock(tmp_path: Path) -> None:
-    root = tmp_path / "root"
-    first, second = trained(1), trained(2)
-    save(root, first)
-    result: dict[str, Any] = {}
-    lock = RootLock(root)
-    lock.acquire()
-    thread = threading.Thread(target=lambda: result.update(index=save(root, second)))
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while _lock_waiters(root / ".fastckpt.lock") == 0:  # the save now waits for us
-            assert time.monotonic() < deadline, "save_checkpoint never waited for the lock"
-            time.sleep(0.01)
-        # Meanwhile "another writer" (we hold the lock) commits index 1.
-        shutil.copytree(root / "0", root / "1")
-        manifest = Manifest.load(root)
-        manifest.entries[1] = copy.deepcopy(manifest.entries[0])
-        manifest.commit()
-    finally:
-        lock.release()
-        thread.join()
-    assert result["index"] == 2
-    assert sorted(Manifest.load(root).entries) == [0, 1, 2]
-    assert verify(root).ok
-
-
-def _run_writers(root: Path, api: str, writers: int = 2, count: int = 12) -> dict[int, list[int]]:
-    started = [
-        crash_harness.start(crash_harness.concurrent_saver, str(root), w, count, api)
-        for w in range(writers)
-    ]
-    got: dict[int, list[int]] = {}
-    for writer, (process, conn) in enumerate(started):
-        assert conn.poll(300), "writer did not finish"
-        status, payload = conn.recv()
-        process.join(60)
-        assert status == "ok", payload
-        got[writer] = payload
-    return got
-
-
-def test_two_processes_with_index_writers_are_serialized(tmp_path: Path) -> None:
-    root = tmp_path / "root"
-    got = _run_writers(root, "index_writer")
-    indices = [i for w in got.values() for i in w]
-    assert sorted(indices) == list(range(len(indices)))  # distinct, no gaps
-    manifest = Manifest.load(root, verify_checksum=True)
-    assert sorted(manifest.entries) == sorted(indices)
-    assert verify(root).ok
-    for writer, mine in got.items():
-        for i, index in enumerate(mine):
-            assert manifest.entries[index]["counters"] == {"writer": writer, "i": i}
-            marker = load_file(root / str(index) / "models" / "main.safetensors")["marker"]
-            assert torch.equal(marker, torch.full((4,), float(1000 * writer + i)))
-    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]
-
-
-def test_two_processes_saving_into_one_root(tmp_path: Path) -> None:
-    root = tmp_path / "root"
-    got = _run_writers(root, "save_checkpoint")
-    indices = [i for w in got.values() for i in w]
-    assert len(set(indices)) == len(indices), got
-    assert verify(root).ok
-    for writer, mine in got.items():
-        for i, index in enumerate(mine):
-            result = load_checkpoint(root, index)
-            assert result["manifest"]["counters"] == {"writer": writer, "i": i}
-            marker = result["models"]["main"]["model"].marker
-            assert torch.equal(marker, torch.full((4,), float(1000 * writer + i)))
-
-
 # --------------------------------------------------------------------------- repair paths
-
-
-def _dead_pid() -> int:
-    process = subprocess.Popen(["true"])
-    process.wait()
-    return process.pid
-
-
-def test_interrupted_fallback_replace_is_repaired(tmp_path: Path) -> None:
-    """Where the filesystem cannot exchange directories, replacing one takes two renames; a
-    crash between them leaves the old checkpoint in a trash sibling. The next writer puts it
-    back."""
-    directory = tmp_path / "step_1"
-    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as writer:
-        writer.save(directory, {"x": torch.arange(4.0)})
-    host = backend._HOST
-    trash = tmp_path / f".trash-step_1~{_dead_pid()}~{host}~0badcafe"
-    directory.rename(trash)  # the crash: old checkpoint moved aside, new one not in place
-    temp = tmp_path / f".tmp-step_1~{_dead_pid()}~{host}~0badcafe"
-    temp.mkdir()
-    (temp / "half-written").write_bytes(b"x")
-    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as writer:
-        writer.save(tmp_path / "step_2", {"x": torch.ones(2)})
-        assert torch.equal(writer.load(directory)["x"], torch.arange(4.0))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2"]
-
-
-def test_crash_while_replacing_a_committed_index_leaves_a_consistent_root(
-    tmp_path: Path,
-) -> None:
-    """Replacing index 1 withdraws it from the manifest before the swap: a crash right after
-    the swap (before the manifest records the new files) leaves a root that verifies."""
-    root = tmp_path / "root"
-    first, second, third = trained(1), trained(2), trained(3)
-    save(root, first)
-    save(root, second)
-    process, conn = crash_harness.start(crash_harness.replace_index_and_die, str(root), 1)
-    assert conn.poll(120) and conn.recv_bytes() == b"swapped"
-    process.join(60)
-    assert process.exitcode == -signal.SIGKILL
-    assert sorted(Manifest.load(root).entries) == [0]
-    assert verify(root).ok
-    assert_same(states(first), loaded_states(load_checkpoint(root)))
-    assert save(root, third) == 1
-    assert verify(root).ok
-    assert_same(states(third), loaded_states(load_checkpoint(root, 1)))
-    assert sorted(p.name for p in root.iterdir()) == ["0", "1", MANIFEST]
-
-
-def test_the_next_save_finishes_an_interrupted_prune(tmp_path: Path) -> None:
-    """prune commits the manifest first, then deletes directories; a crash in between leaves
-    directories nothing names. The next save (under the root lock) removes those older than
-    the latest index, and leaves a newer one (an uncommitted next index) for that save."""
-    root = tmp_path / "root"
-    for seed in range(3):
-        save(root, trained(seed))
-    manifest = Manifest.load(root)
-    del manifest.entries[0]
-    manifest.commit()  # the crash: index 0 withdrawn, its directory still there
-    (root / "9").mkdir()  # an uncommitted directory newer than the latest index
-    assert save(root, trained(4)) == 3
-    assert sorted(p.name for p in root.iterdir()) == ["1", "2", "3", "9", MANIFEST]
-    assert verify(root).ok

@@ -1,0 +1,337 @@
+"""fastckpt.store: names read from records, the root lock, atomic commits under full disks,
+concurrent writers, and the repair of what crashed saves and prunes left."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from checkpoint_support import (
+    Saved,
+    assert_intact,
+    assert_same,
+    crash_harness,
+    detected,
+    loaded_states,
+    mload,
+    save,
+    states,
+    trained,
+)
+from fastckpt import (
+    CheckpointManager,
+    load_checkpoint,
+    load_file,
+    save_checkpoint,
+)
+from fastckpt.errors import (
+    CheckpointFormatError,
+)
+from fastckpt.store import backend
+from fastckpt.store.commit import RootLock
+from fastckpt.store.records import MANIFEST, Manifest, seal_manifest
+from fastckpt.verify import verify
+
+#: The ``saved`` fixture (two indices of a root and two manager checkpoints).
+pytest_plugins = ["checkpoint_support"]
+
+
+def test_path_traversal_and_absolute_paths_are_refused(saved: Saved) -> None:
+    root = saved.root
+    manifest_path = root / MANIFEST
+    pristine = json.loads(manifest_path.read_bytes())
+    for bad in ("../escape.json", "/etc/passwd", "models/../../x", "models//x", "models/.x"):
+        document = copy.deepcopy(pristine)
+        files = document["checkpoints"]["1"]["files"]
+        files[bad] = files.pop("models/main.spec.json")
+        manifest_path.write_text(json.dumps(seal_manifest(document)))
+        detected(lambda: load_checkpoint(root, 1), repr(bad))
+        report = verify(root)
+        assert report.files[0].status == "corrupt" and repr(bad) in report.files[0].message
+    for field, bad in (("models", "../../etc"), ("optimizers", "/abs"), ("schedulers", "a/b")):
+        document = copy.deepcopy(pristine)
+        document["checkpoints"]["1"]["components"][field] = [bad]
+        manifest_path.write_text(json.dumps(seal_manifest(document)))
+        err = detected(lambda: load_checkpoint(root, 1), repr(bad))
+        assert isinstance(err, CheckpointFormatError)
+    manifest_path.write_text(json.dumps(pristine))
+    assert_intact(saved, 1)
+
+    directory = saved.manager_dirs["a"]
+    record_path = directory / "commit.json"
+    record = json.loads(record_path.read_bytes())
+    for bad in ("../b/model.json", "/etc/passwd"):
+        changed = copy.deepcopy(record)
+        changed["files"][bad] = changed["files"].pop("model.json")
+        record_path.write_text(json.dumps(changed))
+        detected(lambda: mload(directory), repr(bad))
+        assert verify(directory).files[0].status == "corrupt"
+    changed = copy.deepcopy(record)
+    changed["items"] = ["../b/model"]
+    record_path.write_text(json.dumps(changed))
+    detected(lambda: mload(directory), "../b/model")
+    record_path.write_text(json.dumps(record))
+    with (
+        CheckpointManager(CheckpointManager.Config.with_sync_save()) as writer,
+        pytest.raises(CheckpointFormatError),
+    ):
+        writer.save(directory.parent / "..", {"x": torch.ones(1)})
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    return result.returncode == 0
+
+
+def _leave_free(disk: Path, pages: int) -> None:
+    filler = disk / "filler"
+    filler.unlink(missing_ok=True)
+    info = os.statvfs(disk)
+    size = max(0, (info.f_bavail - pages) * info.f_frsize)
+    if size:
+        with open(filler, "wb") as handle:
+            os.posix_fallocate(handle.fileno(), 0, size)
+
+
+def test_disk_full_at_every_point_of_a_save(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "2m"):
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root and mount rights)")
+    try:
+        root = disk / "root"
+        first, second = trained(1), trained(2)
+        stages: set[str] = set()
+        for free in range(40):
+            shutil.rmtree(root, ignore_errors=True)
+            (disk / "filler").unlink(missing_ok=True)
+            save(root, first)
+            before = (root / MANIFEST).read_bytes()
+            _leave_free(disk, free)
+            try:
+                save(root, second)
+            except OSError as err:
+                assert err.errno == errno.ENOSPC, err
+                named = Path(err.filename or "")
+                assert named.name and named.name in str(err), err
+                assert named.name.endswith((".safetensors", ".json")), err
+                stages.add("manifest" if named.name == MANIFEST else named.suffix)
+                assert (root / MANIFEST).read_bytes() == before
+                assert sorted(p.name for p in root.iterdir()) == ["0", MANIFEST]
+                assert verify(root).ok
+                assert_same(states(first), loaded_states(load_checkpoint(root)))
+                continue
+            assert verify(root).ok
+            assert_same(states(second), loaded_states(load_checkpoint(root, 1)))
+            assert sorted(p.name for p in root.iterdir()) == ["0", "1", MANIFEST]
+            break
+        else:
+            raise AssertionError("the save never fit")
+        assert stages == {".safetensors", ".json", "manifest"}, stages
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_root_lock_excludes_other_holders(tmp_path: Path) -> None:
+    inside: list[int] = []
+    errors: list[str] = []
+
+    def worker(me: int) -> None:
+        for _ in range(100):
+            with RootLock(tmp_path):
+                if inside:
+                    errors.append(f"{me} entered while {inside} held the lock")
+                inside.append(me)
+                time.sleep(0.0001)
+                inside.remove(me)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert not (tmp_path / ".fastckpt.lock").exists()
+
+
+def test_root_lock_dies_with_its_holder(tmp_path: Path) -> None:
+    process, conn = crash_harness.start(crash_harness.hold_root_lock, str(tmp_path))
+    try:
+        assert conn.poll(60) and conn.recv_bytes() == b"locked"
+        with pytest.raises(TimeoutError, match="another process is saving"):
+            RootLock(tmp_path, timeout=0.2).acquire()
+        os.kill(process.pid, signal.SIGKILL)
+        process.join()
+        began = time.monotonic()
+        with RootLock(tmp_path, timeout=5):
+            assert time.monotonic() - began < 1
+        save_checkpoint(tmp_path, models={"main": (nn.Linear(2, 2), None)})
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["0", MANIFEST]
+    finally:
+        if process.is_alive():
+            process.kill()
+
+
+def _lock_waiters(lock_file: Path) -> int:
+    """How many processes/threads wait for an flock on ``lock_file`` (from /proc/locks)."""
+    try:
+        inode = os.stat(lock_file).st_ino
+    except FileNotFoundError:
+        return 0
+    waiting = 0
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        at = fields.index("->") if "->" in fields else -1
+        if at >= 0 and fields[at + 1] == "FLOCK" and int(fields[at + 5].split(":")[2]) == inode:
+            waiting += 1
+    return waiting
+
+
+def test_next_index_is_chosen_under_the_lock(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    first, second = trained(1), trained(2)
+    save(root, first)
+    result: dict[str, Any] = {}
+    lock = RootLock(root)
+    lock.acquire()
+    thread = threading.Thread(target=lambda: result.update(index=save(root, second)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while _lock_waiters(root / ".fastckpt.lock") == 0:  # the save now waits for us
+            assert time.monotonic() < deadline, "save_checkpoint never waited for the lock"
+            time.sleep(0.01)
+        # Meanwhile "another writer" (we hold the lock) commits index 1.
+        shutil.copytree(root / "0", root / "1")
+        manifest = Manifest.load(root)
+        manifest.entries[1] = copy.deepcopy(manifest.entries[0])
+        manifest.commit()
+    finally:
+        lock.release()
+        thread.join()
+    assert result["index"] == 2
+    assert sorted(Manifest.load(root).entries) == [0, 1, 2]
+    assert verify(root).ok
+
+
+def _run_writers(root: Path, api: str, writers: int = 2, count: int = 12) -> dict[int, list[int]]:
+    started = [
+        crash_harness.start(crash_harness.concurrent_saver, str(root), w, count, api)
+        for w in range(writers)
+    ]
+    got: dict[int, list[int]] = {}
+    for writer, (process, conn) in enumerate(started):
+        assert conn.poll(300), "writer did not finish"
+        status, payload = conn.recv()
+        process.join(60)
+        assert status == "ok", payload
+        got[writer] = payload
+    return got
+
+
+def test_two_processes_with_index_writers_are_serialized(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    got = _run_writers(root, "index_writer")
+    indices = [i for w in got.values() for i in w]
+    assert sorted(indices) == list(range(len(indices)))  # distinct, no gaps
+    manifest = Manifest.load(root, verify_checksum=True)
+    assert sorted(manifest.entries) == sorted(indices)
+    assert verify(root).ok
+    for writer, mine in got.items():
+        for i, index in enumerate(mine):
+            assert manifest.entries[index]["counters"] == {"writer": writer, "i": i}
+            marker = load_file(root / str(index) / "models" / "main.safetensors")["marker"]
+            assert torch.equal(marker, torch.full((4,), float(1000 * writer + i)))
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]
+
+
+def test_two_processes_saving_into_one_root(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    got = _run_writers(root, "save_checkpoint")
+    indices = [i for w in got.values() for i in w]
+    assert len(set(indices)) == len(indices), got
+    assert verify(root).ok
+    for writer, mine in got.items():
+        for i, index in enumerate(mine):
+            result = load_checkpoint(root, index)
+            assert result["manifest"]["counters"] == {"writer": writer, "i": i}
+            marker = result["models"]["main"]["model"].marker
+            assert torch.equal(marker, torch.full((4,), float(1000 * writer + i)))
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def test_interrupted_fallback_replace_is_repaired(tmp_path: Path) -> None:
+    """Where the filesystem cannot exchange directories, replacing one takes two renames; a
+    crash between them leaves the old checkpoint in a trash sibling. The next writer puts it
+    back."""
+    directory = tmp_path / "step_1"
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as writer:
+        writer.save(directory, {"x": torch.arange(4.0)})
+    host = backend._HOST
+    trash = tmp_path / f".trash-step_1~{_dead_pid()}~{host}~0badcafe"
+    directory.rename(trash)  # the crash: old checkpoint moved aside, new one not in place
+    temp = tmp_path / f".tmp-step_1~{_dead_pid()}~{host}~0badcafe"
+    temp.mkdir()
+    (temp / "half-written").write_bytes(b"x")
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as writer:
+        writer.save(tmp_path / "step_2", {"x": torch.ones(2)})
+        assert torch.equal(writer.load(directory)["x"], torch.arange(4.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2"]
+
+
+def test_crash_while_replacing_a_committed_index_leaves_a_consistent_root(
+    tmp_path: Path,
+) -> None:
+    """Replacing index 1 withdraws it from the manifest before the swap: a crash right after
+    the swap (before the manifest records the new files) leaves a root that verifies."""
+    root = tmp_path / "root"
+    first, second, third = trained(1), trained(2), trained(3)
+    save(root, first)
+    save(root, second)
+    process, conn = crash_harness.start(crash_harness.replace_index_and_die, str(root), 1)
+    assert conn.poll(120) and conn.recv_bytes() == b"swapped"
+    process.join(60)
+    assert process.exitcode == -signal.SIGKILL
+    assert sorted(Manifest.load(root).entries) == [0]
+    assert verify(root).ok
+    assert_same(states(first), loaded_states(load_checkpoint(root)))
+    assert save(root, third) == 1
+    assert verify(root).ok
+    assert_same(states(third), loaded_states(load_checkpoint(root, 1)))
+    assert sorted(p.name for p in root.iterdir()) == ["0", "1", MANIFEST]
+
+
+def test_the_next_save_finishes_an_interrupted_prune(tmp_path: Path) -> None:
+    """prune commits the manifest first, then deletes directories; a crash in between leaves
+    directories nothing names. The next save (under the root lock) removes those older than
+    the latest index, and leaves a newer one (an uncommitted next index) for that save."""
+    root = tmp_path / "root"
+    for seed in range(3):
+        save(root, trained(seed))
+    manifest = Manifest.load(root)
+    del manifest.entries[0]
+    manifest.commit()  # the crash: index 0 withdrawn, its directory still there
+    (root / "9").mkdir()  # an uncommitted directory newer than the latest index
+    assert save(root, trained(4)) == 3
+    assert sorted(p.name for p in root.iterdir()) == ["1", "2", "3", "9", MANIFEST]
+    assert verify(root).ok

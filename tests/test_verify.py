@@ -1,0 +1,99 @@
+"""fastckpt.verify: what it accepts, what it reports, and latest_intact (the damage it detects
+in every region of a checkpoint is tested in test_reliability.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from checkpoint_support import (
+    Saved,
+    only_failure,
+    symlink_outside,
+)
+from fastckpt import (
+    _native,
+)
+from fastckpt.errors import (
+    CheckpointFormatError,
+)
+from fastckpt.store.paths import safe_join
+from fastckpt.store.records import MANIFEST
+from fastckpt.verify import CheckpointSkippedWarning, latest_intact, verify
+
+#: The ``saved`` fixture (two indices of a root and two manager checkpoints).
+pytest_plugins = ["checkpoint_support"]
+
+
+def test_verify_accepts_every_kind_of_target(saved: Saved, tmp_path: Path) -> None:
+    root = saved.root
+    report = verify(root)
+    assert report.ok and report.kind == "root" and report.indices == [0, 1]
+    assert report.files[0].path == root / MANIFEST
+    assert report.files[0].expected_crc32c == report.files[0].actual_crc32c is not None
+    assert len(report.files) == 1 + len(saved.files(0)) + len(saved.files(1))
+    for record in report.files[1:]:
+        assert record.expected_size == record.actual_size
+        assert record.expected_crc32c == record.actual_crc32c
+        assert record.index in (0, 1) and record.status == "ok"
+    assert verify(root, 0).indices == [0]
+    assert verify(root, -1).indices == [1]
+    assert verify(root / MANIFEST).indices == [0, 1]
+    index_report = verify(root / "1")
+    assert index_report.kind == "index" and index_report.indices == [1] and index_report.ok
+    lone = verify(root / "1" / "models" / "main.safetensors")
+    assert lone.kind == "file" and lone.ok and lone.files[0].expected_crc32c is None
+    assert lone.files[0].actual_crc32c == _native.crc32c(lone.files[0].path.read_bytes())
+    manager_report = verify(saved.manager_dirs["a"])
+    assert manager_report.kind == "manager" and manager_report.ok
+    assert verify(saved.manager_dirs["a"] / "commit.json").kind == "manager"
+    assert "ok" in str(report) and report.failed_indices() == []
+    with pytest.raises(KeyError, match="available"):
+        verify(root, 7)
+    with pytest.raises(ValueError, match="index="):
+        verify(saved.manager_dirs["a"], 0)
+    with pytest.raises(FileNotFoundError, match="not a fastckpt checkpoint"):
+        verify(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        verify(tmp_path / "nothing-here")
+    assert latest_intact(tmp_path / "nothing-here") is None
+
+
+def test_latest_intact_warns_about_a_damaged_manifest_but_checks_every_index(
+    saved: Saved,
+) -> None:
+    path = saved.root / MANIFEST
+    document = json.loads(path.read_bytes())
+    document["checkpoints"]["1"]["counters"]["step"] = 4  # the checksum no longer matches
+    path.write_text(json.dumps(document))
+    report = verify(saved.root)
+    assert [f.path for f in report.failures] == [path]
+    assert report.failures[0].status == "mismatch" and report.failed_indices() == [0, 1]
+    with pytest.warns(CheckpointSkippedWarning, match="differs from the recorded"):
+        assert latest_intact(saved.root) == 1
+
+
+def test_symlinks_escaping_the_checkpoint_are_refused_by_verify(
+    saved: Saved, tmp_path: Path
+) -> None:
+    root = saved.root
+    link = root / "1" / "models" / "main.safetensors"
+    symlink_outside(link, tmp_path / "elsewhere" / "main.safetensors")
+    report = verify(root)
+    only_failure(report, link, "corrupt")
+    assert "outside the checkpoint" in report.failures[0].message
+    with pytest.raises(CheckpointFormatError, match="outside the checkpoint"):
+        safe_join(root / "1", "models/main.safetensors", within=root)
+
+    shutil.copytree(root / "0", tmp_path / "elsewhere" / "0")
+    shutil.rmtree(root / "0")
+    (root / "0").symlink_to(tmp_path / "elsewhere" / "0")
+    assert set(verify(root).failed_indices()) == {0, 1}
+
+    directory = saved.manager_dirs["a"]
+    link = directory / "optim.safetensors"
+    symlink_outside(link, tmp_path / "elsewhere" / "optim.safetensors")
+    only_failure(verify(directory), link, "corrupt")
