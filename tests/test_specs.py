@@ -1193,3 +1193,17 @@ def test_load_checkpoint_checks_a_resealed_spec_before_building(tmp_path: Any) -
     (tmp_path / MANIFEST).write_text(json.dumps(seal_manifest(manifest)))
     with pytest.raises(CheckpointFormatError, match=r"\[4096, 4096\].*was not built"):
         fastckpt.load_checkpoint(tmp_path)
+
+
+def test_submodule_constructor_arguments_become_nested_specs() -> None:
+    """``Net(encoder=<module>, layers=[...])`` keeps its submodules as attributes of the same
+    names: each is recorded by its own recipe, and the whole net rebuilds."""
+    net = Net(encoder=nn.Sequential(nn.Linear(2, 3), nn.ReLU()), layers=[Block(3), Block(3)])
+    spec = check_recordable(net)
+    data = json.loads(json.dumps(spec.to_json()))
+    assert data["kwargs"]["encoder"]["__spec__"]["cls_path"] == "fastckpt.containers.sequential"
+    assert data["kwargs"]["layers"]["__spec__"]["cls_path"] == "fastckpt.containers.module_list"
+    rebuilt = BaseSpec.from_json(data).build()
+    assert _same_tensors(net, rebuilt) and rebuilt.scale == (1, 1)
+    with pytest.raises(TypeError, match=r"Net\.encoder: .*'hidden' of Unrecoverable"):
+        model_spec(Net(encoder=Unrecoverable(2), layers=[]))

@@ -1367,7 +1367,8 @@ def model_spec(model: torch.nn.Module) -> BaseSpec:
     ``nn.Sequential``, ``nn.ModuleList`` and ``nn.ModuleDict`` (exactly those classes) are
     recorded as calls to :mod:`fastckpt.containers` with the children's specs, recursively.
     Otherwise the constructor of ``type(model)`` is introspected: each parameter takes the
-    value of the model attribute with the same name; a parameter with a ``bool`` default whose
+    value of the model attribute with the same name (a submodule becomes its own nested spec,
+    recursively); a parameter with a ``bool`` default whose
     attribute is a tensor or ``None`` becomes ``attribute is not None`` (so
     ``nn.Linear(bias=...)`` works); a parameter without a matching attribute is omitted if it
     has a default.
@@ -1431,6 +1432,13 @@ def model_spec(model: torch.nn.Module) -> BaseSpec:
         value = getattr(model, param.name)
         if isinstance(param.default, bool) and (value is None or isinstance(value, torch.Tensor)):
             value = value is not None
+        if isinstance(value, torch.nn.Module):
+            # A submodule passed to the constructor (``Net(encoder=...)``): its own recipe.
+            try:
+                kwargs[param.name] = model_spec(value)
+            except TypeError as exc:
+                raise TypeError(f"{name}.{param.name}: {exc}") from exc
+            continue
         try:
             encode_value(value, f"{name}.{param.name}")
         except TypeError as exc:
