@@ -1,9 +1,10 @@
 """Stagers: copy live tensors into host buffers that are allocated once and reused.
 
 An async save must not write live tensors (training mutates them), so it first *stages* a
-snapshot. Fresh host pages cost a page fault each (about 3x a copy into warm memory), so the
-stagers keep one buffer per tensor name and reuse it as long as dtype and shape match: host
-memory stays bounded by one copy of the state and flat across repeated saves.
+snapshot. Fresh host pages cost a page fault each (far more than a copy into warm memory; see
+docs/performance.md), so the stagers keep one buffer per tensor name and reuse it as long as
+dtype and shape match: host memory stays bounded by one copy of the state and flat across
+repeated saves.
 
 * :class:`CpuStager` - plain host buffers, synchronous copies (CPU tensors, or CUDA tensors
   when pinned memory is off).
