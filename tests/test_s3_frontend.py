@@ -3,7 +3,7 @@ list_checkpoints / prune, verify, CheckpointManager (sync, async, ``load(into=)`
 TrainingStrategy + CheckpointHook exact resume, and the CLI, against a real moto server.
 
 These need the storage backend to dispatch ``s3://`` paths to
-:mod:`fastckpt.store.s3backend` (``store/backend.py``: ``backend_for``), and the commit and
+:mod:`fastckpt.store.s3backend` (the store's ``backend_for``), and the commit and
 locate code to ask the backend instead of the local filesystem (``store/commit.py``,
 ``store/locate.py``, ``cli.py``). Until that hook-up lands they are expected to fail (strict:
 once it lands, an unexpected pass fails the run, so the marker gets removed with it). Every
@@ -30,7 +30,7 @@ __all__ = ["s3_root", "s3_server"]  # fixtures used by name below
 
 needs_store_hookup = pytest.mark.xfail(
     strict=True,
-    reason="issue 13: s3:// dispatch in store/backend.py backend_for, and store/commit.py / "
+    reason="issue 13: s3:// dispatch in the store's backend_for, and store/commit.py / "
     "store/locate.py asking the backend instead of the local filesystem",
 )
 needs_cli_hookup = pytest.mark.xfail(
