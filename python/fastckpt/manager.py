@@ -15,6 +15,7 @@ blocks only while a capture is in progress.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from fastckpt import tree
-from fastckpt.errors import CheckpointMismatchError
+from fastckpt.errors import CheckpointMismatchError, FastCkptError
 from fastckpt.files import DEFAULT_WRITE_THREADS
 from fastckpt.progress import log_throughput
 from fastckpt.staging import (
@@ -35,7 +36,7 @@ from fastckpt.staging import (
     make_stager,
     stage_groups,
 )
-from fastckpt.stateful import check_template, prepare_save, restore
+from fastckpt.stateful import check_template, contains_stateful, prepare_save, restore
 from fastckpt.store.backend import TEMP_PREFIX
 from fastckpt.store.commit import DirectoryWriter
 from fastckpt.store.paths import check_name
@@ -236,11 +237,11 @@ class CheckpointManager:
             else CheckpointStagerConfig()
         )
         self._async_staging = self._async and staging.use_async_staging
-        self._stager: Stager = make_stager(
-            StagerOptions(
-                pinned=staging.use_pinned_memory, non_blocking=staging.use_non_blocking_copy
-            )
+        self._stager_options = StagerOptions(
+            pinned=staging.use_pinned_memory, non_blocking=staging.use_non_blocking_copy
         )
+        self._stager: Stager = make_stager(self._stager_options)
+        self._dcp_writer: Any = None  # fastckpt.dcp.Writer, made at the first sharded save
         storage = self.config.storage_config or LocalFileSystemStorageConfig()
         self._direct_io = storage.use_direct_io
         self._threads = self.config.save.writer_config.file_write_max_threads
@@ -301,15 +302,20 @@ class CheckpointManager:
             self._writer.collect()
         path = Path(checkpoint_id)
         check_name(path.name, "checkpoint directory name")
-        skeletons: dict[str, Any] = {}
-        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        prepared: dict[str, Any] = {}
         for key, value in state.items():
             check_name(key, "state key")
             self._spec(key)
-            skeletons[key], tensors[key] = tree.flatten(prepare_save(value, key))
+            prepared[key] = prepare_save(value, key)
         for key, spec in self.config.items.items():
             if spec.required and key not in state:
                 raise KeyError(f"required item {key!r} is missing from the saved state")
+        if _sharded_state(prepared):
+            return self._save_sharded(path, prepared)
+        skeletons: dict[str, Any] = {}
+        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in prepared.items():
+            skeletons[key], tensors[key] = tree.flatten(value)
         snapshot = _Snapshot(path, skeletons, tensors)
         if self._writer is None:
             self._write(snapshot)
@@ -327,6 +333,41 @@ class CheckpointManager:
             lambda: self._write(snapshot),
             capture=capture if self._async_staging else None,
         )
+
+    def _save_sharded(self, path: Path, state: dict[str, Any]) -> Future[None] | None:
+        """Save state holding DTensors as a sharded checkpoint through :mod:`fastckpt.dcp`
+        (collective: every rank saves its own shards; the coordinator commits)."""
+        from fastckpt.dcp.state import async_save_state, save_state
+
+        writer = self._sharded_writer(path)
+        if self._writer is None:
+            with _typed_dcp_errors():
+                save_state(path, state, writer=writer, process_group=self._dist.group)
+            return None
+        # DCP stages this rank's shards into the writer's reused buffers before returning;
+        # the manager's background thread then tracks the upload like any other write, so
+        # collect(), wait_timeout_secs and close() treat both kinds alike.
+        with _typed_dcp_errors():
+            future = async_save_state(path, state, writer=writer, process_group=self._dist.group)
+
+        def wait() -> None:
+            with _typed_dcp_errors():
+                future.result()
+
+        return self._writer.submit(str(path), wait)
+
+    def _sharded_writer(self, path: Path) -> Any:
+        """The manager's one :class:`fastckpt.dcp.Writer` (its staging buffers are reused)."""
+        if self._dcp_writer is None:
+            from fastckpt.dcp.writer import Writer
+
+            self._dcp_writer = Writer(
+                path,
+                threads=self._threads,
+                direct_io=self._direct_io,
+                stager_options=self._stager_options,
+            )
+        return self._dcp_writer
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
@@ -412,12 +453,14 @@ class CheckpointManager:
         self._check_open("load")
         start = time.perf_counter()
         directory = Path(checkpoint_id)
+        if into is not None:
+            for key, template in into.items():
+                check_template(template, key)
+        if _is_sharded(directory):
+            return self._load_sharded(directory, into, map_location, strict)
         record = read_commit_record(directory)
         available = record["items"]
         keys = list(available) if into is None else list(into)
-        if into is not None:
-            for key in keys:
-                check_template(into[key], key)
         result: dict[str, Any] = {}
         for key in keys:
             if key not in available:
@@ -430,6 +473,33 @@ class CheckpointManager:
             template = None if into is None else into[key]
             result[key] = restore(template, value, key, strict, _merge)
         log_throughput("loaded", str(directory), record["files"].values(), start)
+        return result
+
+    def _load_sharded(
+        self,
+        directory: Path,
+        into: Mapping[str, Any] | None,
+        map_location: str | torch.device | None,
+        strict: bool,
+    ) -> dict[str, Any]:
+        """Load a sharded checkpoint (collective): templates are filled in place, DTensors
+        resharded onto their own placements; stateful objects get ``load_state_dict()``."""
+        from fastckpt.dcp.state import load_state
+
+        templates = (
+            None if into is None else {key: prepare_save(value, key) for key, value in into.items()}
+        )
+        with _typed_dcp_errors():
+            loaded = load_state(directory, templates, strict=strict, process_group=self._dist.group)
+        result: dict[str, Any] = {}
+        for key, value in loaded.items():
+            template = None if into is None else into[key]
+            if template is None:
+                result[key] = _to_location(value, map_location)
+            elif contains_stateful(template):
+                result[key] = restore(template, value, key, strict, _merge)
+            else:
+                result[key] = value  # the template itself, filled in place
         return result
 
     # ------------------------------------------------------------------ close
@@ -445,6 +515,45 @@ class CheckpointManager:
         self._closed = True
         if self._writer is not None:
             self._writer.close()
+
+
+def _sharded_state(state: Mapping[str, Any]) -> bool:
+    """Whether a (prepared) state holds DTensors, i.e. must be saved through DCP."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False  # nobody made a DTensor in this process
+    from fastckpt.dcp.state import contains_dtensors
+
+    return contains_dtensors(state)
+
+
+@contextlib.contextmanager
+def _typed_dcp_errors() -> Iterator[None]:
+    """Re-raise DCP's ``CheckpointException`` (a ``BaseException`` that ``except Exception``
+    misses) as the fastckpt error a rank raised (``ChecksumMismatchError`` naming the file,
+    ``UnsupportedValueError``, ...), chained; the same on every rank, since DCP gathers the
+    failures. Other failures become a ``RuntimeError`` carrying DCP's per-rank report."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
+        failures = [failure for failure, _ in err.failures.values()]
+        for failure in failures:
+            if isinstance(failure, FastCkptError):
+                raise failure from err
+        raise RuntimeError(str(err)) from err
+
+
+def _is_sharded(directory: Path) -> bool:
+    from fastckpt.dcp.commit import RECORD_NAME
+
+    return (directory / RECORD_NAME).is_file()
+
+
+def _to_location(value: Any, map_location: str | torch.device | None) -> Any:
+    if map_location is None:
+        return value
+    return tree.map_tensors(value, lambda tensor: tensor.to(map_location))
 
 
 def _load_item(

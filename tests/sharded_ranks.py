@@ -1,0 +1,197 @@
+"""Rank scripts of the sharded CheckpointManager / TrainingStrategy tests, run by :func:`launch`
+as ``python -c "import sharded_ranks; sharded_ranks.NAME()" CHECKPOINT RANK RENDEZVOUS WORLD``
+with a real gloo process group on CPU (FSDP2 models from ``dcp_support``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import fastckpt
+from dcp_support import batch, build_model, compare, full_state, train_step
+from training_support import leave_process_group
+
+TESTS = Path(__file__).resolve().parent
+
+
+def launch(
+    function: str, checkpoint: Path, world: int, timeout: float = 240
+) -> list[tuple[int, str, str]]:
+    """Run ``sharded_ranks.<function>`` as ranks ``0..world-1``; ``(returncode, stdout,
+    stderr)`` per rank."""
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
+    rendezvous = checkpoint.parent / f"rendezvous-{function}-{world}-{os.getpid()}"
+    rendezvous.unlink(missing_ok=True)
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"import sharded_ranks; sharded_ranks.{function}()",
+                str(checkpoint),
+                str(rank),
+                str(rendezvous),
+                str(world),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in range(world)
+    ]
+    results: list[tuple[int, str, str]] = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        results.append((proc.returncode, out, err))
+    return results
+
+
+def _setup() -> tuple[Path, int, int]:
+    root, rank, rendezvous, world = (
+        Path(sys.argv[1]),
+        int(sys.argv[2]),
+        sys.argv[3],
+        int(sys.argv[4]),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    return root, rank, world
+
+
+def shard(model: nn.Module) -> nn.Module:
+    """FSDP2 on the default mesh: each Linear, then the root (the ``parallelize=`` function)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _sharded() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = shard(build_model())
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _strict_manager(kind: str) -> fastckpt.CheckpointManager:
+    config = (
+        fastckpt.CheckpointManager.Config.with_sync_save()
+        if kind == "sync"
+        else fastckpt.CheckpointManager.Config.with_async_save()
+    )
+    config.items = {"model": fastckpt.ItemSpec(), "optim": fastckpt.ItemSpec()}
+    config.items["step"] = fastckpt.ItemSpec(requires_copy=False)
+    config.default = None  # strict: unknown keys refused
+    return fastckpt.CheckpointManager(config)
+
+
+def manager_save() -> None:
+    """Train 2 steps (FSDP2 + AdamW), save through a sync manager to ROOT/sync; train one
+    more, save through an async manager to ROOT/async and train on (under lock()) while it
+    uploads. Rank 0 writes the gathered references and the losses."""
+    root, rank, _ = _setup()
+    model, optimizer = _sharded()
+    losses = [train_step(model, optimizer, step) for step in range(2)]
+    report: dict[str, Any] = {}
+    with _strict_manager("sync") as manager:
+        msd, osd = get_state_dict(model, optimizer)
+        assert manager.save(root / "sync", {"model": msd, "optim": osd, "step": 2}) is None
+        try:
+            manager.save(root / "refused", {"model": msd, "optim": osd, "step": 2, "lr": 0.1})
+        except KeyError as err:
+            report["strict"] = str(err)
+    reference = full_state(model, optimizer)
+    if rank == 0:
+        safetensors.torch.save_file(reference, root / "reference-sync.safetensors")
+
+    with _strict_manager("async") as manager:
+        losses.append(train_step(model, optimizer, 2))
+        msd, osd = get_state_dict(model, optimizer)
+        reference = full_state(model, optimizer)
+        first = manager.save(root / "async", {"model": msd, "optim": osd, "step": 3})
+        x, y = batch(3)
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        with manager.lock():  # changes every saved tensor while the upload may still run
+            optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.item()))
+        assert first is not None
+        first.result()
+        # a second save reuses the manager's writer once the first is collected
+        msd, osd = get_state_dict(model, optimizer)
+        second = manager.save(root / "async-2", {"model": msd, "optim": osd, "step": 4})
+        reference_2 = full_state(model, optimizer)
+    report["second_done"] = second is not None and second.done()
+    if rank == 0:
+        safetensors.torch.save_file(reference, root / "reference-async.safetensors")
+        safetensors.torch.save_file(reference_2, root / "reference-async-2.safetensors")
+        report["losses"] = losses
+        print(json.dumps(report))
+    leave_process_group()
+
+
+def manager_load() -> None:
+    """On WORLD ranks: load ROOT/sync and ROOT/async through the manager into FSDP2
+    get_state_dict templates (resharded in place), compare with the references bitwise,
+    check the typed errors, and take the next training step."""
+    root, rank, _ = _setup()
+    report: dict[str, Any] = {"rank": rank}
+    manager = fastckpt.CheckpointManager()
+    for name in ("sync", "async"):
+        model, optimizer = _sharded()
+        msd, osd = get_state_dict(model, optimizer)
+        loaded = manager.load(
+            root / name, into={"model": msd, "optim": osd, "step": 0}, strict=True
+        )
+        set_state_dict(
+            model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+        )
+        gathered = full_state(model, optimizer)
+        step = loaded["step"]
+        report[f"{name}_step"] = step
+        report[f"{name}_loss"] = train_step(model, optimizer, step)
+        if rank == 0:
+            expected = safetensors.torch.load_file(root / f"reference-{name}.safetensors")
+            report[f"{name}_bad"] = compare(expected, gathered)
+    model, optimizer = _sharded()
+    msd, osd = get_state_dict(model, optimizer)
+    errors: dict[str, str] = {}
+    wrong = {"0.weight": torch.zeros(301, 38)}  # a plain template of the wrong global shape
+    for label, into, strict in (
+        ("shape", {"model": wrong}, False),
+        ("strict", {"model": msd, "optim": osd, "epoch": 0}, True),
+        ("template", {"model": {"0.weight": object()}}, False),
+    ):
+        try:
+            manager.load(root / "sync", into=into, strict=strict)
+        except (fastckpt.CheckpointMismatchError, TypeError) as err:
+            errors[label] = f"{type(err).__name__}: {err}"
+    report["errors"] = errors
+    manager.close()
+    print(json.dumps(report))
+    leave_process_group()

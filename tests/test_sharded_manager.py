@@ -1,0 +1,116 @@
+"""CheckpointManager on sharded (FSDP2 / DTensor) state: saved on 2 gloo ranks through
+``fastckpt.dcp`` (sync and async managers), loaded on 1 rank (plain templates, in this process)
+and on 3 ranks (DTensor templates, resharded in place), bitwise."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import fastckpt
+from dcp_support import build_model, check_ok, compare, full_state, train_step
+from fastckpt.dcp import RECORD_NAME, is_sharded_checkpoint
+from sharded_ranks import launch
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("sharded-manager") / "ckpt"
+    root.mkdir()
+    outputs = check_ok(launch("manager_save", root, 2))
+    return root, json.loads(outputs[0].strip().splitlines()[-1])
+
+
+def test_sharded_saves_are_dcp_checkpoints_and_strict_schema_applies(
+    saved: tuple[Path, dict[str, Any]],
+) -> None:
+    root, report = saved
+    for name in ("sync", "async", "async-2"):
+        assert is_sharded_checkpoint(root / name), name
+        assert not (root / name / "commit.json").exists()
+    assert "'lr'" in report["strict"] and "strict mode" in report["strict"]
+    assert not (root / "refused").exists()
+    assert report["second_done"]
+
+
+def _load_plain(root: Path, name: str) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(model, optimizer)
+    with fastckpt.CheckpointManager() as manager:
+        loaded = manager.load(root / name, into={"model": msd, "optim": osd, "step": 0})
+    set_state_dict(
+        model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
+    return model, optimizer, loaded
+
+
+@pytest.mark.parametrize(("name", "step"), [("sync", 2), ("async", 3), ("async-2", 4)])
+def test_sharded_manager_checkpoint_loads_on_one_rank_bitwise(
+    saved: tuple[Path, dict[str, Any]], name: str, step: int
+) -> None:
+    root, report = saved
+    model, optimizer, loaded = _load_plain(root, name)
+    expected = safetensors.torch.load_file(root / f"reference-{name}.safetensors")
+    assert compare(expected, full_state(model, optimizer)) == []
+    assert loaded["step"] == step
+    if step < len(report["losses"]):  # training goes on as the 2-rank run did
+        assert train_step(model, optimizer, step) == pytest.approx(report["losses"][step], 1e-5)
+
+
+def test_sharded_manager_checkpoint_loads_whole_without_templates(
+    saved: tuple[Path, dict[str, Any]],
+) -> None:
+    root, _ = saved
+    with fastckpt.CheckpointManager() as manager:
+        everything = manager.load(root / "sync")
+    assert sorted(everything) == ["model", "optim", "step"]
+    expected = safetensors.torch.load_file(root / "reference-sync.safetensors")
+    for name, tensor in everything["model"].items():
+        assert torch.equal(tensor, expected[f"model.{name}"]), name
+    assert everything["step"] == 2
+
+
+def test_sharded_manager_checkpoint_loads_on_three_ranks_resharded(
+    saved: tuple[Path, dict[str, Any]],
+) -> None:
+    root, report = saved
+    reports = [
+        json.loads(out.strip().splitlines()[-1])
+        for out in check_ok(launch("manager_load", root, 3))
+    ]
+    rank0 = reports[0]
+    assert rank0["sync_bad"] == [] and rank0["async_bad"] == []
+    assert all(r["sync_step"] == 2 and r["async_step"] == 3 for r in reports)
+    assert rank0["sync_loss"] == pytest.approx(report["losses"][2], rel=1e-5)
+    assert rank0["async_loss"] == pytest.approx(report["losses"][3], rel=1e-5)
+    errors = rank0["errors"]
+    assert errors["shape"].startswith("CheckpointMismatchError: model.0.weight")
+    assert "[301, 38]" in errors["shape"]
+    assert errors["strict"].startswith("CheckpointMismatchError: epoch: not in checkpoint")
+    assert errors["template"].startswith("TypeError: model.0.weight: cannot load into")
+
+
+def test_damaged_sharded_checkpoint_is_refused_by_the_manager(
+    saved: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, _ = saved
+    record = json.loads((root / "sync" / RECORD_NAME).read_text())
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "sync", copy)
+    shard = max((copy / record["generation"]).glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[-7] ^= 0x40
+    shard.write_bytes(data)
+    with (
+        fastckpt.CheckpointManager() as manager,
+        pytest.raises(fastckpt.ChecksumMismatchError, match=shard.name),
+    ):
+        manager.load(copy)
