@@ -947,8 +947,9 @@ def test_training_fn_from_an_imported_user_module_is_restored(userpkg: Any) -> N
         ("{pkg}.train.Net.helper", "not a function defined at module level"),
         ("{pkg}.train.as_lambda", "not a function defined at module level"),
         ("{pkg}.train.as_partial", "not a plain Python function"),
-        ("{pkg}.train.missing", "is not imported"),
-        ("{pkg}.nothere.step", "'{pkg}.nothere' is not imported"),
+        ("{pkg}.train.missing", "'{pkg}.train' has no attribute 'missing'"),
+        ("{pkg}.nothere.step", "'{pkg}' has no attribute 'nothere'"),
+        ("{pkg}.evil.step", "'{pkg}.evil' is not imported"),
     ],
 )
 def test_training_fn_refusals_say_to_pass_it(userpkg: Any, path: str, reason: str) -> None:

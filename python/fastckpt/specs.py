@@ -925,7 +925,9 @@ def resolve_training_fn(
         )
     obj = _resolve_loaded(path)
     if obj is _MISSING:
-        missing = _unimported_module(path) or module_name
+        missing = _unimported_module(path)
+        if missing is None:
+            raise _refuse_training_fn(path, str(_missing_attribute(path)))
         raise _refuse_training_fn(
             path,
             f"the module {missing!r} is not imported in this process and fastckpt does not "
@@ -946,8 +948,8 @@ def resolve_training_fn(
         raise _refuse_training_fn(
             path, f"functions of {package!r} (standard library, torch, fastckpt) are not restored"
         )
-    module = sys.modules[module_name]
-    if _is_installed_module(module) and package not in _model_packages(models):
+    module = sys.modules.get(module_name)
+    if module is None or (_is_installed_module(module) and package not in _model_packages(models)):
         raise _refuse_training_fn(
             path,
             f"{module_name} is an installed third-party module, and no model in the checkpoint "
