@@ -87,39 +87,37 @@ def _ls_text(listing: Mapping[str, Any]) -> str:
             return f"{listing['root']}: no committed checkpoint yet"
         total = sum(row["size"] for row in rows)
         title = f"{listing['root']}: {len(rows)} committed index(es), {format_bytes(total)}"
-        rendered = table(
-            ["", "INDEX", "CREATED (UTC)", "SIZE", "STEP", "EPOCH", "COMPONENTS"],
+        headers = ["INDEX", "CREATED (UTC)", "SIZE", "STEP", "EPOCH", "COMPONENTS"]
+        cells = [
             (
-                [
-                    "*" if row["latest"] else "",
-                    row["index"],
-                    when(row["created"]),
-                    format_bytes(row["size"]),
-                    dash(counter(row["counters"], "step_count", "step", "global_step")),
-                    dash(counter(row["counters"], "epoch_count", "epoch")),
-                    _components_text(row["components"]),
-                ]
-                for row in rows
-            ),
-        )
+                row["index"],
+                when(row["created"]),
+                format_bytes(row["size"]),
+                counter(row["counters"], "step_count", "step", "global_step"),
+                counter(row["counters"], "epoch_count", "epoch"),
+                _components_text(row["components"]),
+            )
+            for row in rows
+        ]
     else:
         title = f"{listing['root']}: {len(rows)} CheckpointManager checkpoint(s)"
-        rendered = table(
-            ["", "NAME", "COMMITTED (UTC)", "SIZE", "STEP", "EPOCH", "ITEMS"],
+        headers = ["NAME", "COMMITTED (UTC)", "SIZE", "STEP", "EPOCH", "ITEMS"]
+        cells = [
             (
-                [
-                    "*" if row["latest"] else "",
-                    row["name"],
-                    when(row["committed"]),
-                    "?" if row["size"] is None else format_bytes(row["size"]),
-                    dash(row.get("step")),
-                    dash(row.get("epoch")),
-                    row.get("error") or ", ".join(row["items"]),
-                ]
-                for row in rows
-            ),
-        )
-    return f"{title}\n{rendered}\n(* = latest)"
+                row["name"],
+                when(row["committed"]),
+                "?" if row["size"] is None else format_bytes(row["size"]),
+                row.get("step"),
+                row.get("epoch"),
+                row.get("error") or ", ".join(row["items"]),
+            )
+            for row in rows
+        ]
+    marked = (
+        ["*" if row["latest"] else "", *values[:3], dash(values[3]), dash(values[4]), values[5]]
+        for row, values in zip(rows, cells, strict=True)
+    )
+    return f"{title}\n{table(['', *headers], marked)}\n(* = latest)"
 
 
 def _components_text(components: Mapping[str, Sequence[str]]) -> str:

@@ -14,7 +14,6 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
 
 from fastckpt.components import Snapshot, write_snapshot
 from fastckpt.hooks.context import TrainContext, TrainingStage
@@ -107,12 +106,7 @@ class CheckpointHook:
             self._writer.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         """Flush the pending write; its error is raised unless another one is propagating."""
         try:
             self.close()

@@ -111,15 +111,9 @@ class Staging(ABC):
         """Write one small file durably and record it."""
 
     @abstractmethod
-    def put_tensors(
-        self,
-        relpath: str,
-        tensors: Mapping[str, torch.Tensor],
-        *,
-        direct_io: bool | None = None,
-        threads: int | None = None,
-    ) -> FileRecord:
-        """Write a safetensors file durably (through the Rust core) and record it."""
+    def put_tensors(self, relpath: str, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
+        """Write a safetensors file durably (through the Rust core) and record it (the write
+        options are the staging's, given to :meth:`StorageBackend.stage`)."""
 
     @abstractmethod
     def adopt(self, location: str, relpath: str, record: FileRecord) -> None:
@@ -368,20 +362,10 @@ class LocalStaging(Staging):
         self.files[relpath] = record
         return record
 
-    def put_tensors(
-        self,
-        relpath: str,
-        tensors: Mapping[str, torch.Tensor],
-        *,
-        direct_io: bool | None = None,
-        threads: int | None = None,
-    ) -> FileRecord:
+    def put_tensors(self, relpath: str, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
         """Write a safetensors file (fsynced) and record its size and crc32c."""
         report = write_tensors(
-            tensors,
-            self._target(relpath),
-            direct_io=self.direct_io if direct_io is None else direct_io,
-            threads=threads or self.threads,
+            tensors, self._target(relpath), direct_io=self.direct_io, threads=self.threads
         )
         record = {"size": report["file_len"], "crc32c": report["file_crc32c"]}
         self.files[relpath] = record

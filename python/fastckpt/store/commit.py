@@ -28,7 +28,6 @@ from fastckpt.store.backend import (
     ATOMIC_TEMP_INFIX,
     TEMP_PREFIX,
     TRASH_PREFIX,
-    StorageBackend,
     backend_for,
     make_dirs,
 )
@@ -51,16 +50,11 @@ class DirectoryWriter:
     """
 
     def __init__(
-        self,
-        final: Path,
-        *,
-        direct_io: bool | None = None,
-        threads: int | None = None,
-        backend: StorageBackend | None = None,
+        self, final: Path, *, direct_io: bool | None = None, threads: int | None = None
     ) -> None:
-        """Start staging ``final``."""
+        """Start staging ``final`` (with the Rust writer's options, default: its own)."""
         self.final = Path(final)
-        self.backend = backend or backend_for(self.final)
+        self.backend = backend_for(self.final)
         self.staging = self.backend.stage(self.final, direct_io=direct_io, threads=threads)
 
     @property
@@ -130,8 +124,7 @@ class IndexWriter(DirectoryWriter):
             raise ValueError(f"checkpoint index must be >= 0 (or None for the next), got {index}")
         make_dirs(root)
         self.root = root
-        backend = backend_for(root)
-        self.lock = backend.lock(root, timeout=lock_timeout)
+        self.lock = backend_for(root).lock(root, timeout=lock_timeout)
         self.lock.acquire()
         try:
             clean_leftovers(root)
@@ -139,7 +132,7 @@ class IndexWriter(DirectoryWriter):
                 latest = Manifest.load(root).latest
                 index = 0 if latest is None else latest + 1
             self.index: int = index
-            super().__init__(root / str(index), direct_io=direct_io, backend=backend)
+            super().__init__(root / str(index), direct_io=direct_io)
         except BaseException:
             self.lock.release()
             raise
