@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import fastckpt
+from fastckpt.store.backend import TEMP_PREFIX
 from fastckpt.verify import latest_intact, verify
 
 TRAINING_FN = "fastckpt.demo.demo_training_fn"
@@ -95,7 +96,7 @@ def committed(root: Path) -> int:
 
 def saving_now(root: Path) -> bool:
     """Whether an index is being written (its temporary directory exists)."""
-    return root.is_dir() and any(p.name.startswith(".tmp-") for p in root.iterdir())
+    return root.is_dir() and any(p.name.startswith(TEMP_PREFIX) for p in root.iterdir())
 
 
 def crash_and_resume(root: Path) -> bool:
