@@ -60,3 +60,68 @@ def test_background_executor_runs_at_lower_priority() -> None:
         executor.shutdown()
     assert theirs == min(19, mine + BACKGROUND_NICE)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+
+
+# --------------------------------------------------------------------------- BackgroundWriter
+
+
+def test_background_writer_returns_results_and_raises_a_failure_once() -> None:
+    from fastckpt.staging import BackgroundWriter
+
+    writer: BackgroundWriter[int] = BackgroundWriter("test", wait_timeout=30)
+    assert writer.collect() is None and writer.in_flight is None
+    writer.submit("first", lambda: 7)
+    assert writer.in_flight == "first"
+    with pytest.raises(RuntimeError, match="still tracked"):
+        writer.submit("second", lambda: 8)
+    assert writer.collect() == 7 and writer.in_flight is None
+
+    def fail() -> int:
+        raise OSError(28, "No space left on device")
+
+    writer.submit("ckpt/step_2", fail)
+    with pytest.raises(RuntimeError, match=r"ckpt/step_2.*No space left") as info:
+        writer.collect()
+    assert isinstance(info.value.__cause__, OSError)
+    assert writer.collect() is None  # raised once
+    writer.submit("third", lambda: 9)
+    assert writer.close() == 9
+    assert not writer.running
+
+
+def test_background_writer_guard_waits_for_the_capture_only() -> None:
+    import threading
+
+    from fastckpt.staging import BackgroundWriter
+
+    writer: BackgroundWriter[None] = BackgroundWriter("test", wait_timeout=30)
+    events: list[str] = []
+    release, finish = threading.Event(), threading.Event()
+
+    def capture() -> None:
+        release.wait(30)
+        events.append("captured")
+
+    def write() -> None:
+        finish.wait(30)
+        events.append("written")
+
+    with writer.guard():  # nothing is being captured: does not wait
+        events.append("guarded")
+    writer.submit("ckpt", write, capture=capture)
+    entered: list[str] = []
+
+    def mutate() -> None:
+        with writer.guard():
+            entered.append(events[-1])
+
+    waiter = threading.Thread(target=mutate)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and entered == []  # blocked while the capture runs
+    release.set()
+    waiter.join(30)
+    assert entered == ["captured"]  # entered once the capture was done, the write still running
+    finish.set()
+    writer.close()
+    assert events == ["guarded", "captured", "written"]
