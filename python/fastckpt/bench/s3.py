@@ -242,13 +242,13 @@ def run(
                         _check_equal(name, result, state)
                     del result
                 tidy()
-        from fastckpt.store.s3tensors import _pieces_crc
+        from fastckpt.store.s3tensors import tensor_crcs
 
         hashing = []
         views = [t.reshape(-1).view(torch.uint8).numpy() for t in state.values()]
         for _ in range(repeats):
             start = time.perf_counter()
-            _pieces_crc(views)
+            tensor_crcs(views)
             hashing.append(time.perf_counter() - start)
     rows = {}
     for name, figures in raw.items():

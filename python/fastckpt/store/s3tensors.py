@@ -1,16 +1,14 @@
 """Safetensors files as objects: upload with per-tensor crc32c, verified parallel download.
 
-An object written here is a safetensors file laid out as :func:`fastckpt.save_file` lays
-out the same tensors (same order and offsets, the crc32c of every tensor under the
-``fastckpt.crc32c`` metadata key), so it opens with ``safetensors`` and, once downloaded, with
-:func:`fastckpt.load_file`. It carries no header checksum (``fastckpt.header_crc32c``): the
-extension does not export its header encoder, and the commit record's whole-object crc32c
-covers the header instead.
+An object written here is byte for byte the file :func:`fastckpt.save_file` writes for the
+same tensors: the header comes from the Rust core's own encoder (``_native.encode_header``:
+same layout, per-tensor crc32c table and header checksum), so it opens with ``safetensors`` and,
+once downloaded, with :func:`fastckpt.load_file`.
 
 Upload: the checksums live in the header at the front of the object, and a multipart stream
-sends the front first, so the tensors are hashed (Rust, GIL released, in parallel pieces)
-just before their bytes stream out; the header is built, then header and tensor memory go up
-as zero-copy buffers in parallel parts on Rust threads.
+sends the front first, so the tensors are hashed (Rust, GIL released, zero-copy, in parallel
+pieces) just before their bytes stream out; then header and tensor memory go up as zero-copy
+buffers in parallel parts on Rust threads.
 
 Download: the object is fetched by parallel ranged GETs straight into one buffer, then the
 Rust verifier checks the header and every tensor's crc32c on several threads (the same code
@@ -20,11 +18,9 @@ commit record's. Tensors are views of that buffer: no further copy.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,102 +30,27 @@ from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.files import byte_view, dtype_from_name, dtype_name, host_tensor
 from fastckpt.store.s3client import S3Client, iter_pieces
 
-__all__ = [
-    "CHECKSUM_KEY",
-    "crc32c_combine",
-    "crc32c_of",
-    "encode_header",
-    "get_tensors",
-    "put_tensors",
-]
+__all__ = ["encode_header", "get_tensors", "put_tensors", "tensor_crcs"]
 
-#: Metadata key of the per-tensor checksums (the Rust core's ``format::CHECKSUM_KEY``).
-CHECKSUM_KEY = "fastckpt.crc32c"
 _HASH_PIECE = 16 << 20
 _HASH_THREADS = 4
 
-# ------------------------------------------------------------------------------- crc32c math
 
-_POLY = 0x82F63B78  # crc32c, reflected
-
-
-def _multmodp(a: int, b: int) -> int:
-    """``a * b`` modulo the crc32c polynomial (reflected bit order)."""
-    m, product = 1 << 31, 0
-    while True:
-        if a & m:
-            product ^= b
-            if not a & (m - 1):
-                return product
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-def _x2n_table() -> list[int]:
-    table, p = [], 1 << 30  # x^1
-    # 64 entries, no wrap-around: crc32c's polynomial is not primitive, so x^(2^32) != x.
-    for _ in range(64):
-        table.append(p)
-        p = _multmodp(p, p)
-    return table
-
-
-_X2N = _x2n_table()
-_NATIVE_COMBINE = hasattr(_native, "crc32c_combine")
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The crc32c of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``."""
-    if _NATIVE_COMBINE:
-        return int(_native.crc32c_combine(crc1, crc2, len2))
-    p, k, n = 1 << 31, 3, len2  # x^0; each byte is 8 = 2^3 bits
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k], p)
-        n >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
-
-
-def _native_takes_buffers() -> bool:
-    try:
-        _native.crc32c(cast(bytes, memoryview(b"x")))
-    except TypeError:
-        return False
-    return True
-
-
-_ZERO_COPY_CRC = _native_takes_buffers()
-
-
-def crc32c_of(view: np.ndarray | memoryview | bytes, value: int = 0) -> int:
-    """crc32c of a buffer in the Rust core (GIL released).
-
-    The extension's ``crc32c`` takes ``bytes`` in this build: other buffers are copied first
-    (a build that accepts any buffer is used without the copy).
-    """
-    if isinstance(view, bytes) or _ZERO_COPY_CRC:
-        return _native.crc32c(cast(bytes, view), value)
-    return _native.crc32c(bytes(view), value)
-
-
-def _pieces_crc(views: list[np.ndarray]) -> list[int]:
-    """crc32c of each tensor, hashed as pieces in parallel and combined in order."""
+def tensor_crcs(views: list[np.ndarray]) -> list[int]:
+    """crc32c of each uint8 view, hashed as 16 MiB pieces on 4 threads (GIL released, no
+    copy) and combined in order."""
     jobs: list[tuple[int, np.ndarray]] = []
     for index, view in enumerate(views):
         jobs.extend((index, piece) for piece in iter_pieces(view, _HASH_PIECE))
     with ThreadPoolExecutor(_HASH_THREADS) as pool:
-        crcs = list(pool.map(lambda job: crc32c_of(job[1]), jobs))
+        crcs = list(pool.map(lambda job: _native.crc32c(job[1]), jobs))
     result = [0] * len(views)
     for (index, piece), crc in zip(jobs, crcs, strict=True):
-        result[index] = crc32c_combine(result[index], crc, piece.nbytes)
+        result[index] = _native.crc32c_combine(result[index], crc, piece.nbytes)
     return result
 
 
 # ---------------------------------------------------------------------------------- header
-
-
-_NATIVE_HEADER = hasattr(_native, "encode_header")
 
 
 def _descriptions(layout: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int]]]:
@@ -137,21 +58,15 @@ def _descriptions(layout: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str
 
 
 def _layout(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """The tensors in the order the Rust writer lays them out (larger element size first,
-    then by name, which keeps every tensor aligned), as dense CPU tensors."""
+    """The tensors as dense CPU tensors, in the order the Rust writer lays them out."""
     hosts = []
     for name, tensor in tensors.items():
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be str, got {name!r}")
-        if name == "__metadata__":
-            raise ValueError("tensor name '__metadata__' is reserved by safetensors; rename it")
         hosts.append((name, host_tensor(name, tensor)))
-    if _NATIVE_HEADER:
-        by_name = dict(hosts)
-        _, ranges = _native.encode_header(_descriptions(hosts), {}, None)
-        return [(name, by_name[name]) for name, _, _ in ranges]
-    hosts.sort(key=lambda item: (-item[1].element_size(), item[0]))
-    return hosts
+    by_name = dict(hosts)
+    _, ranges = _native.encode_header(_descriptions(hosts), {}, None)
+    return [(name, by_name[name]) for name, _, _ in ranges]
 
 
 def encode_header(
@@ -159,44 +74,18 @@ def encode_header(
     metadata: Mapping[str, str] | None,
     crcs: list[int] | None,
 ) -> bytes:
-    """The safetensors prefix + JSON header (space-padded to 8 bytes) for ``layout``.
+    """The header (prefix + padded JSON) ``save_file`` writes for ``layout`` (Rust core).
 
-    Uses the Rust core's encoder when the extension exports it (then the object is byte for
-    byte what ``save_file`` writes, header checksum included); otherwise an equivalent
-    header without the header checksum.
+    Raises:
+        TypeError / ValueError: bad metadata or names (the core's messages).
     """
-    if _NATIVE_HEADER:
-        checksums = None
-        if crcs is not None:
-            checksums = {name: crc for (name, _), crc in zip(layout, crcs, strict=True)}
-        encoded, ranges = _native.encode_header(
-            _descriptions(layout), dict(metadata or {}), checksums
-        )
-        if [name for name, _, _ in ranges] != [name for name, _ in layout]:
-            raise AssertionError("the Rust core laid the tensors out in another order")
-        return bytes(encoded)
-    meta = dict(metadata or {})
-    if CHECKSUM_KEY in meta:
-        raise ValueError(f"metadata key {CHECKSUM_KEY!r} is reserved for checksums; rename it")
-    for key, value in meta.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise TypeError(f"metadata must map str to str; got {key!r}: {type(value).__name__}")
+    checksums = None
     if crcs is not None:
-        table = {name: f"{crc:08x}" for (name, _), crc in zip(layout, crcs, strict=True)}
-        meta[CHECKSUM_KEY] = json.dumps(table, separators=(",", ":"))
-    header: dict[str, Any] = {"__metadata__": meta}
-    offset = 0
-    for name, tensor in layout:
-        end = offset + tensor.nbytes
-        header[name] = {
-            "dtype": dtype_name(tensor.dtype),
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, end],
-        }
-        offset = end
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
+        checksums = {name: crc for (name, _), crc in zip(layout, crcs, strict=True)}
+    encoded, ranges = _native.encode_header(_descriptions(layout), dict(metadata or {}), checksums)
+    if [name for name, _, _ in ranges] != [name for name, _ in layout]:
+        raise AssertionError("the Rust core laid the tensors out in another order")
+    return bytes(encoded)
 
 
 # ---------------------------------------------------------------------------------- upload
@@ -219,11 +108,11 @@ def put_tensors(
     """
     layout = _layout(tensors)
     views = [byte_view(tensor) for _, tensor in layout]
-    crcs = _pieces_crc(views)
+    crcs = tensor_crcs(views)
     header = encode_header(layout, metadata, crcs)
-    file_crc = crc32c_of(header)
+    file_crc = _native.crc32c(header)
     for view, crc in zip(views, crcs, strict=True):
-        file_crc = crc32c_combine(file_crc, crc, view.nbytes)
+        file_crc = _native.crc32c_combine(file_crc, crc, view.nbytes)
     size = len(header) + sum(view.nbytes for view in views)
 
     def pieces() -> Any:
