@@ -335,3 +335,98 @@ def test_the_next_save_finishes_an_interrupted_prune(tmp_path: Path) -> None:
     assert save(root, trained(4)) == 3
     assert sorted(p.name for p in root.iterdir()) == ["1", "2", "3", "9", MANIFEST]
     assert verify(root).ok
+
+
+# --------------------------------------------------------------------------- the store's parts
+
+
+def test_locate_names_every_kind_of_path(saved: Saved, tmp_path: Path) -> None:
+    from fastckpt.store.locate import locate
+
+    root = saved.root
+    assert (locate(root).kind, locate(root).root) == ("root", root)
+    assert locate(root / MANIFEST).path == root
+    index = locate(root / "1")
+    assert (index.kind, index.root, index.index) == ("index", root, 1)
+    assert locate(saved.manager_dirs["a"] / "commit.json").kind == "manager"
+    assert locate(root / "1" / "models" / "main.safetensors").kind == "file"
+    with pytest.raises(FileNotFoundError, match="not a fastckpt checkpoint"):
+        locate(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        locate(tmp_path / "missing")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(FileNotFoundError, match="not a regular file or directory"):
+        locate(fifo)
+
+
+def test_one_check_of_a_recorded_file_reports_or_raises(tmp_path: Path) -> None:
+    from fastckpt import _native
+    from fastckpt.errors import ChecksumMismatchError
+    from fastckpt.store.reader import check_recorded, read_json
+
+    path = tmp_path / "doc.json"
+    data = b'{"a": 1}'
+    path.write_bytes(data)
+    record = {"size": len(data), "crc32c": _native.crc32c(data)}
+    source = str(tmp_path / MANIFEST)
+    assert read_json(path, record, source=source) == {"a": 1}
+
+    def read(p: Path) -> tuple[bytes, int]:
+        raw = p.read_bytes()
+        return raw, _native.crc32c(raw)
+
+    checked = check_recorded(path, {**record, "size": 3}, read, source=source, index=4)
+    assert (checked.report.status, checked.report.index) == ("mismatch", 4)
+    assert "size 8 differs from the recorded 3" in checked.report.message
+    with pytest.raises(CheckpointFormatError, match=r"doc\.json: size 8"):
+        checked.value_or_raise()
+    checked = check_recorded(path, {**record, "crc32c": 1}, read, source=source)
+    assert checked.report.status == "mismatch" and MANIFEST in checked.report.message
+    with pytest.raises(ChecksumMismatchError, match=r"doc\.json: file crc32c"):
+        checked.value_or_raise()
+    checked = check_recorded(tmp_path / "gone.json", record, read, source=source)
+    assert checked.report.status == "missing"
+    with pytest.raises(FileNotFoundError, match=r"gone\.json"):
+        checked.value_or_raise()
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # refused before any read: nothing blocks
+    checked = check_recorded(fifo, record, read, source=source)
+    assert checked.report.status == "corrupt" and "not a regular file" in checked.report.message
+    lone = check_recorded(path, None, read, source="no record")
+    assert lone.report.ok and lone.value == data
+
+
+def test_records_in_place_of_special_files_are_refused_at_once(
+    saved: Saved, tmp_path: Path
+) -> None:
+    from fastckpt.store.records import read_commit_record
+
+    root = tmp_path / "fifo-root"
+    root.mkdir()
+    os.mkfifo(root / MANIFEST)
+    with pytest.raises(CheckpointFormatError, match="not a regular file"):
+        Manifest.load(root)
+    directory = saved.manager_dirs["a"]
+    (directory / "commit.json").unlink()
+    os.mkfifo(directory / "commit.json")
+    with pytest.raises(CheckpointFormatError, match="not a regular file"):
+        read_commit_record(directory)
+    assert verify(directory).files[0].status == "corrupt"
+
+
+def test_commit_records_round_trip_and_refuse_bad_fields(tmp_path: Path) -> None:
+    from fastckpt.store.records import commit_record, item_files, json_bytes, read_commit_record
+
+    files = {"x.json": {"size": 3, "crc32c": 7}, "x.rank0.safetensors": {"size": 9, "crc32c": 1}}
+    document = commit_record(["x"], files, 2)
+    (tmp_path / "commit.json").write_bytes(json_bytes(document))
+    assert read_commit_record(tmp_path) == document
+    assert item_files(document, "x", rank=1) == ("x.json", "x.rank0.safetensors")
+    for field, value in (("world_size", 0), ("items", ["../x"]), ("schema_version", 99)):
+        (tmp_path / "commit.json").write_bytes(json_bytes({**document, field: value}))
+        with pytest.raises(CheckpointFormatError, match=field if field != "items" else "item"):
+            read_commit_record(tmp_path)
+    (tmp_path / "commit.json").write_bytes(b'{"format": "fastckpt-manager", "format": "x"}')
+    with pytest.raises(CheckpointFormatError, match="duplicate key"):
+        read_commit_record(tmp_path)
