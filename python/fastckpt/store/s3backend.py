@@ -251,16 +251,8 @@ class S3Staging(Staging):
         self.files[relpath] = record
         return record
 
-    def put_tensors(
-        self,
-        relpath: str,
-        tensors: Mapping[str, torch.Tensor],
-        *,
-        direct_io: bool | None = None,
-        threads: int | None = None,
-    ) -> FileRecord:
+    def put_tensors(self, relpath: str, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
         """A parallel multipart upload of a safetensors object; records size and crc32c."""
-        del direct_io, threads
         report = put_tensors(self.backend.client, self._key(relpath), tensors)
         record = {"size": report["size"], "crc32c": report["crc32c"]}
         self.files[relpath] = record
