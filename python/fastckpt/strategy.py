@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from fastckpt import components as codec
-from fastckpt import specs, tree
+from fastckpt import sharded_training, specs, tree
 from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
 from fastckpt.hooks.context import (
     CheckpointableHook,
@@ -191,6 +191,8 @@ class TrainingStrategy:
         )
         if not self.models:
             raise ValueError("TrainingStrategy needs at least one model")
+        for name, model in self.models.items():
+            sharded_training.check_not_fsdp1(name, model)
         self.device = None if device is None else torch.device(device)
         if self.device is not None:
             for model in self.models.values():
@@ -372,8 +374,21 @@ class TrainingStrategy:
         except TypeError:
             return MUST_BE_SUPPLIED
 
+    @property
+    def sharded(self) -> bool:
+        """Whether a model is FSDP2-sharded: checkpoints then keep model and optimizer state
+        as every rank's shards (``ROOT/sharded/<index>``), and every rank must save."""
+        return any(sharded_training.is_sharded_model(model) for model in self.models.values())
+
     def checkpoint_snapshot(self) -> codec.Snapshot:
-        """Everything a checkpoint of this strategy holds, captured now (no file I/O)."""
+        """Everything a checkpoint of this strategy holds, captured now (no file I/O).
+
+        For a :attr:`sharded` strategy, the part of an index that exists once (recipe with
+        each model's spec, counters, RNG, scheduler and hook states); :meth:`save_checkpoint`
+        writes the shards.
+        """
+        if self.sharded:
+            return self._sharded_snapshot()
         models = {name: (model, None) for name, model in self.models.items()}
         optimizers = {name: (opt, None) for name, opt in self.optimizers.items()}
         schedulers = {
@@ -387,7 +402,26 @@ class TrainingStrategy:
         snapshot = codec.create_snapshot(
             models, optimizers, schedulers, associations, self.counters
         )
-        runtime = {"rng": _rng_state(), "epoch_start_rng": self._epoch_start_rng}
+        self._add_runtime(snapshot, {})
+        return snapshot
+
+    def _sharded_snapshot(self) -> codec.Snapshot:
+        snapshot = codec.create_snapshot(counters=self.counters)
+        schedulers = {name: sched.state_dict() for name, sched in self.schedulers.items()}
+        self._add_runtime(snapshot, {"schedulers": schedulers})
+        snapshot.json_files["strategy.json"]["sharded"] = {
+            "directory": sharded_training.SHARDED_DIR,
+            "models": {
+                name: sharded_training.unsharded_spec(model).to_json()
+                for name, model in self.models.items()
+            },
+            "optimizers": sorted(self.optimizers),
+        }
+        return snapshot
+
+    def _add_runtime(self, snapshot: codec.Snapshot, extra: dict[str, Any]) -> None:
+        """Add the recipe, counters, RNG states (plus ``extra``) and hook states."""
+        runtime = {"rng": _rng_state(), "epoch_start_rng": self._epoch_start_rng, **extra}
         skeleton, tensors = tree.flatten(runtime)
         snapshot.tensor_files["strategy.safetensors"] = tensors
         snapshot.json_files["strategy.json"] = {
@@ -412,7 +446,6 @@ class TrainingStrategy:
         skeleton, tensors = tree.flatten(hook_states)
         snapshot.json_files["hooks.json"] = {"hooks": skeleton}
         snapshot.tensor_files["hooks.safetensors"] = tensors
-        return snapshot
 
     def _scheduler_spec(self, name: str, scheduler: Any) -> specs.BaseSpec | None:
         config = self.optimizer_configs.get(name)
@@ -423,8 +456,43 @@ class TrainingStrategy:
         )
 
     def save_checkpoint(self, root: str | Path, *, checkpoint_index: int = -1) -> int:
-        """Write this strategy as a committed checkpoint index of ``root``; returns it."""
-        return codec.write_snapshot(root, self.checkpoint_snapshot(), checkpoint_index)
+        """Write this strategy as a committed checkpoint index of ``root``; returns it.
+
+        A :attr:`sharded` strategy's save is collective: every rank calls it, writes its own
+        shards, and rank 0 then commits the index (the recipe and counters, once).
+        """
+        if not self.sharded:
+            return codec.write_snapshot(root, self.checkpoint_snapshot(), checkpoint_index)
+        return self._save_sharded(Path(root), checkpoint_index)
+
+    def _save_sharded(self, root: Path, checkpoint_index: int) -> int:
+        import torch.distributed as dist
+
+        rank, world = _world()
+        decided: list[Any] = [None]
+        if rank == 0:
+            latest = Manifest.load(root).latest
+            next_index = 0 if latest is None else latest + 1
+            decided[0] = next_index if checkpoint_index == -1 else int(checkpoint_index)
+        if world > 1:
+            dist.broadcast_object_list(decided, src=0)
+        index = int(decided[0])
+        if index < 0:
+            raise ValueError(f"checkpoint_index must be -1 or >= 0, got {checkpoint_index}")
+        sharded_training.save_sharded(root, index, self.models, self.optimizers)
+        outcome: list[Any] = [None]
+        if rank == 0:
+            try:
+                codec.write_snapshot(root, self.checkpoint_snapshot(), index)
+            except Exception as err:
+                if world == 1:
+                    raise
+                outcome[0] = f"{type(err).__name__}: {err}"
+        if world > 1:
+            dist.broadcast_object_list(outcome, src=0)  # every rank learns how the commit went
+        if outcome[0] is not None:
+            raise RuntimeError(f"rank 0 could not commit index {index} of {root}: {outcome[0]}")
+        return index
 
     def restore_checkpoint(
         self,
@@ -444,6 +512,11 @@ class TrainingStrategy:
         index = manifest.resolve(int(checkpoint_index))
         reader = codec.IndexReader(manifest, index)
         recipe = _read_recipe(reader)
+        sharded = recipe.get("sharded")
+        if sharded is not None:
+            self._restore_sharded(Path(root), index, sharded, validators)
+            self._restore_runtime(reader, recipe)
+            return index
         entry = manifest.entries[index]
         saved_models = entry.get("components", {}).get("models", [])
         if sorted(saved_models) != sorted(self.models):
@@ -465,6 +538,19 @@ class TrainingStrategy:
         self._restore_runtime(reader, recipe)
         return index
 
+    def _restore_sharded(self, root: Path, index: int, sharded: Any, validators: Any) -> None:
+        if not isinstance(sharded, Mapping) or not isinstance(sharded.get("models"), Mapping):
+            raise CheckpointFormatError(f"{root}/{index}/strategy.json: bad 'sharded' record")
+        if sorted(sharded["models"]) != sorted(self.models):
+            raise ValueError(
+                f"checkpoint {index} has models {sorted(sharded['models'])}, this strategy has "
+                f"{sorted(self.models)}"
+            )
+        path = sharded_training.sharded_path(root, index)
+        sharded_training.load_sharded(path, self.models, self.optimizers)
+        for name, model in self.models.items():
+            codec.run_validators(validators, name, model)
+
     def _restore_runtime(self, reader: codec.IndexReader, recipe: Mapping[str, Any]) -> None:
         counters = recipe.get("counters", {})
         for name in COUNTERS:
@@ -475,6 +561,9 @@ class TrainingStrategy:
         runtime = tree.unflatten(recipe.get("runtime"), reader.tensors("strategy.safetensors"))
         _set_rng_state(runtime["rng"])
         self._epoch_start_rng = runtime["epoch_start_rng"]
+        for name, state in dict(runtime.get("schedulers") or {}).items():
+            if name in self.schedulers:
+                self.schedulers[name].load_state_dict(state)
         hooks_doc = reader.json("hooks.json")
         saved = tree.unflatten(hooks_doc.get("hooks", []), reader.tensors("hooks.safetensors"))
         _restore_hook_states(self.hooks, saved)
@@ -490,6 +579,7 @@ class TrainingStrategy:
         training_fn: Callable[..., Any] | None = None,
         validators: Any = None,
         trusted: Trusted = None,
+        parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     ) -> TrainingStrategy:
         """Rebuild a strategy from a checkpoint: models from their specs, optimizers and
         schedulers from the recipe, then every piece of state.
@@ -498,11 +588,38 @@ class TrainingStrategy:
             training_fn: always wins; otherwise the recorded dotted path is used (it must be
                 registered or listed in ``trusted``).
             hooks: runtime hooks; checkpointable ones get their saved state.
+            parallelize: for a checkpoint of FSDP2-sharded models, ``fn(model) -> model``
+                applied to each rebuilt model before its optimizer is built (e.g. your
+                ``fully_shard`` calls on the current mesh); the shards are then loaded and
+                resharded to the current world size (collective: every rank calls this).
+                Without it, such a checkpoint loads into unsharded models.
 
         Raises:
-            ValueError: a component-only checkpoint (use ``fastckpt.load_checkpoint``), or the
-                training function must be supplied.
+            ValueError: a component-only checkpoint (use ``fastckpt.load_checkpoint``), the
+                training function must be supplied, or ``parallelize`` was given for a
+                checkpoint of unsharded models.
         """
+        manifest = Manifest.load(root)
+        index = manifest.resolve(int(checkpoint_index))
+        peek = codec.IndexReader(manifest, index)
+        recipe = _read_recipe(peek) if "strategy.json" in peek.files else {}
+        if recipe.get("sharded") is not None:
+            return cls._load_sharded(
+                Path(root),
+                index,
+                recipe,
+                map_location,
+                hooks,
+                training_fn,
+                validators,
+                trusted,
+                parallelize,
+            )
+        if parallelize is not None:
+            raise ValueError(
+                f"index {index} of {root} holds unsharded models; parallelize= applies to "
+                "checkpoints of FSDP2-sharded models (load, then wrap the models yourself)"
+            )
         result = codec.load_components(
             root, checkpoint_index, map_location, validators=validators, trusted=trusted
         )
@@ -515,6 +632,55 @@ class TrainingStrategy:
             map_location=map_location,
         )
         assert strategy is not None  # require_training_fn=True raises instead
+        return strategy
+
+    @classmethod
+    def _load_sharded(
+        cls,
+        root: Path,
+        index: int,
+        recipe: Mapping[str, Any],
+        map_location: str | torch.device | None,
+        hooks: Sequence[Any] | None,
+        training_fn: Callable[..., Any] | None,
+        validators: Any,
+        trusted: Trusted,
+        parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None,
+    ) -> TrainingStrategy:
+        sharded = recipe["sharded"]
+        if not isinstance(sharded, Mapping) or not isinstance(sharded.get("models"), Mapping):
+            raise CheckpointFormatError(f"{root}/{index}/strategy.json: bad 'sharded' record")
+        models: dict[str, torch.nn.Module] = {}
+        for name, document in sharded["models"].items():
+            where = f"{root}/{index}/strategy.json: model {name!r}"
+            spec = specs.BaseSpec.from_json(document, source=where)
+            model = specs.build_model(spec, device=map_location, trusted=trusted, where=where)
+            if parallelize is not None:
+                model = parallelize(model)
+                if not isinstance(model, torch.nn.Module):
+                    raise TypeError(f"parallelize must return the nn.Module, got {type(model)}")
+            models[name] = model
+        fn = training_fn if training_fn is not None else _recorded_training_fn(recipe, trusted)
+        strategy = cls.__new__(cls)
+        TrainingStrategy.__init__(
+            strategy,
+            models,
+            None,
+            fn,
+            hooks or (),
+            recipe.get("num_steps"),
+            recipe.get("num_epochs"),
+        )
+        for name, data in dict(recipe.get("optimizer_configs") or {}).items():
+            if name not in models:
+                raise CheckpointFormatError(f"{root}/{index}: optimizer for unknown model {name!r}")
+            config = OptimizerConfig.from_json(data)
+            optimizer, scheduler = config.build(models[name].parameters(), trusted)
+            strategy.optimizers[name] = optimizer
+            strategy.optimizer_configs[name] = config
+            if scheduler is not None:
+                strategy.schedulers[name] = scheduler
+        strategy.restore_checkpoint(root, index, validators=validators)
         return strategy
 
     @classmethod
@@ -538,15 +704,8 @@ class TrainingStrategy:
         recipe = _read_recipe(reader)
         fn = training_fn
         if fn is None:
-            path = recipe.get("training_fn")
             try:
-                if path == MUST_BE_SUPPLIED or not isinstance(path, str):
-                    raise ValueError(
-                        "this checkpoint's training function was not importable (a lambda, "
-                        "closure or local function), so it must be supplied: pass "
-                        "training_fn=... to load_checkpoint"
-                    )
-                fn = specs.resolve_target(path, "callable", trusted)
+                fn = _recorded_training_fn(recipe, trusted)
             except (ValueError, UntrustedTargetError):
                 if require_training_fn:
                     raise
@@ -572,6 +731,17 @@ class TrainingStrategy:
             strategy.optimizer_configs[name] = OptimizerConfig.from_json(data)
         strategy._restore_runtime(reader, recipe)
         return strategy
+
+
+def _recorded_training_fn(recipe: Mapping[str, Any], trusted: Trusted) -> Any:
+    """The training function a recipe names (through the trust policy)."""
+    path = recipe.get("training_fn")
+    if path == MUST_BE_SUPPLIED or not isinstance(path, str):
+        raise ValueError(
+            "this checkpoint's training function was not importable (a lambda, closure or "
+            "local function), so it must be supplied: pass training_fn=... to load_checkpoint"
+        )
+    return specs.resolve_target(path, "callable", trusted)
 
 
 def _read_recipe(reader: codec.IndexReader) -> dict[str, Any]:

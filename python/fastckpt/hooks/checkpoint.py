@@ -44,7 +44,8 @@ class CheckpointHook:
         epoch_interval: save after every N completed epochs (AFTER_EPOCH). Exactly one of the
             two intervals must be given.
         async_save: capture on the training thread, write on a background thread.
-        rank_zero_only: under a process group, only global rank 0 writes.
+        rank_zero_only: under a process group, only global rank 0 writes (unsharded state;
+            a strategy with FSDP2-sharded models is saved by every rank, synchronously).
         keep_last: after each save keep only the newest N indices (None keeps all).
         wait_timeout_secs: how long a save waits for the previous background write (None:
             as long as it takes); a write still running then raises ``TimeoutError`` and stays
@@ -135,7 +136,9 @@ class CheckpointHook:
     # ------------------------------------------------------------------ policy
 
     def _should_save(self, ctx: TrainContext, stage: TrainingStage) -> bool:
-        if self.rank_zero_only and ctx.global_rank != 0:
+        # Sharded (FSDP2) models: every rank holds shards, so every rank takes part.
+        sharded = bool(getattr(ctx.workflow, "sharded", False))
+        if self.rank_zero_only and ctx.global_rank != 0 and not sharded:
             return False
         if stage is TrainingStage.AFTER_BATCH and self.step_interval is not None:
             return ctx.step_count > 0 and ctx.step_count % self.step_interval == 0
@@ -164,6 +167,9 @@ class CheckpointHook:
                 "CheckpointHook needs TrainContext.workflow to be the running TrainingStrategy"
             )
         self._record(self._writer.collect())  # one write in flight; keeps indices ordered
+        if getattr(ctx.workflow, "sharded", False):
+            self._save_sharded(ctx)
+            return
         snapshot: Snapshot = ctx.workflow.checkpoint_snapshot()
         if not self.async_save:
             self.last_checkpoint_index = self._write(snapshot)
@@ -180,6 +186,18 @@ class CheckpointHook:
             lambda: self._write(snapshot),
             capture=lambda: self._stage(snapshot, only_volatile=False),
         )
+
+    def _save_sharded(self, ctx: TrainContext) -> None:
+        """A strategy with FSDP2-sharded models: every rank writes its shards and rank 0
+        commits the index (:meth:`TrainingStrategy.save_checkpoint`), inline on the training
+        thread; then rank 0 prunes, sharded parts included."""
+        from fastckpt.sharded_training import remove_sharded
+
+        assert ctx.workflow is not None
+        index = ctx.workflow.save_checkpoint(self.checkpoint_dir)
+        self.last_checkpoint_index = index
+        if self.keep_last is not None and ctx.global_rank == 0:
+            remove_sharded(self.checkpoint_dir, prune_indices(self.checkpoint_dir, self.keep_last))
 
     def _stage(self, snapshot: Snapshot, *, only_volatile: bool) -> None:
         """Replace the snapshot's tensors with staged copies (volatile ones or the rest)."""

@@ -1,0 +1,98 @@
+"""TrainingStrategy + CheckpointHook with FSDP2: a 2-rank gloo run saved by every rank, resumed
+with ``load_checkpoint(..., parallelize=)`` on 1 and 3 ranks (and unsharded in this process)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+
+import fastckpt
+from dcp_support import check_ok
+from fastckpt.dcp import is_sharded_checkpoint
+from sharded_ranks import Recorder, launch, loader, training_fn
+
+
+def _reports(results: list[tuple[int, str, str]]) -> list[dict[str, Any]]:
+    return [json.loads(out.strip().splitlines()[-1]) for out in check_ok(results)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
+    root = tmp_path_factory.mktemp("sharded-strategy") / "run"
+    reports = _reports(launch("strategy_train", root, 2))
+    assert reports[0]["losses"] == reports[1]["losses"]
+    assert [r["last"] for r in reports] == [2, 2]  # every rank took part in every save
+    return root, reports[0]["losses"]
+
+
+def test_every_rank_saves_its_shards_and_rank_0_commits_once(
+    trained: tuple[Path, list[float]],
+) -> None:
+    root, _ = trained
+    assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [1, 2]  # keep_last=2
+    assert sorted(p.name for p in (root / "sharded").iterdir()) == ["1", "2"]  # 0 pruned too
+    for index in (1, 2):
+        assert is_sharded_checkpoint(root / "sharded" / str(index))
+        recipe = json.loads((root / str(index) / "strategy.json").read_text())
+        assert sorted(recipe["sharded"]["models"]) == ["main"]
+        assert not (root / str(index) / "models").exists()  # model state only as shards
+    ranks = {p.name for p in (root / "sharded" / "2").rglob("*.safetensors")}
+    assert len(ranks) == 2, ranks
+
+
+def test_resume_on_one_rank_with_parallelize_continues_bitwise(
+    trained: tuple[Path, list[float]],
+) -> None:
+    root, losses = trained
+    report = _reports(launch("strategy_resume", root, 1))[0]
+    assert report["sharded"] and report["step"] == 4
+    assert report["loaded_bad"] == []  # gathered state == the 2-rank run's at step 4
+    assert report["losses"] == losses[4:]  # identical gradients averaged over 2 ranks: exact
+    assert report["final_bad"] == []
+    assert "FullyShardedDataParallel (FSDP1)" in report["fsdp1"]
+    assert "torch.distributed.fsdp.fully_shard" in report["fsdp1"]
+
+
+def test_resume_on_three_ranks_with_parallelize_reshards_and_trains_on(
+    trained: tuple[Path, list[float]],
+) -> None:
+    root, losses = trained
+    reports = _reports(launch("strategy_resume", root, 3))
+    rank0 = reports[0]
+    assert all(r["step"] == 4 and r["sharded"] for r in reports)
+    assert rank0["loaded_bad"] == []
+    assert rank0["lr"] == pytest.approx([5e-3])  # StepLR state restored (halved at step 3)
+    assert rank0["losses"] == pytest.approx(losses[4:], rel=1e-5)
+    assert rank0["final_close"]
+
+
+def test_sharded_checkpoint_resumes_unsharded_without_a_process_group(
+    trained: tuple[Path, list[float]],
+) -> None:
+    root, losses = trained
+    recorder = Recorder(root.parent)
+    strategy = fastckpt.TrainingStrategy.load_checkpoint(
+        root, 1, hooks=[recorder], training_fn=training_fn
+    )
+    assert not strategy.sharded and strategy.step_count == 4
+    step4 = safetensors.torch.load_file(root.parent / "reference-step4.safetensors")
+    model = strategy.models["main"]
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, step4[f"model.{name}"]), name
+    strategy.run(loader())
+    assert recorder.losses == pytest.approx(losses[4:], rel=1e-6)
+
+
+def test_parallelize_is_refused_for_unsharded_checkpoints(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 1)
+    strategy = fastckpt.TrainingStrategy(
+        model, fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}), training_fn=training_fn
+    )
+    strategy.save_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="parallelize= applies to checkpoints of FSDP2"):
+        fastckpt.TrainingStrategy.load_checkpoint(tmp_path, parallelize=lambda m: m)
