@@ -76,7 +76,7 @@ def test_wait_timeout_is_validated() -> None:
 
 @pytest.mark.parametrize("async_save", [True, False])
 def test_step_cadence_writes_the_right_indices(tmp_path: Path, async_save: bool) -> None:
-    hook = CheckpointHook(tmp_path, step_interval=2, async_save=async_save)
+    hook = CheckpointHook(tmp_path, step_interval=2, async_save=async_save, save_last=False)
     support.new_strategy([hook], num_steps=7).run(support.loader())
     listing = fastckpt.list_checkpoints(tmp_path)
     assert [c["counters"]["step_count"] for c in listing] == [2, 4, 6]
@@ -199,3 +199,76 @@ def test_failed_background_write_surfaces_once(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="background checkpoint write") as info:
         strategy.run(support.loader())
     assert isinstance(info.value.__cause__, NotADirectoryError)
+
+
+def saved_steps(root: Path) -> list[int]:
+    """The step count recorded by each committed index of a root, oldest first."""
+    return [entry["counters"]["step_count"] for entry in fastckpt.list_checkpoints(root)]
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_the_final_step_is_saved_when_the_cadence_misses_it(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """num_steps=10, step_interval=3: steps 3, 6, 9 on the cadence, then 10 at the end."""
+    hook = CheckpointHook(tmp_path, step_interval=3, async_save=async_save)
+    strategy = support.new_strategy([hook], num_steps=10)
+    strategy.run(support.loader())
+    assert saved_steps(tmp_path) == [3, 6, 9, 10]
+    assert hook.last_checkpoint_index == fastckpt.list_checkpoints(tmp_path)[-1]["index"]
+    restored = support.new_strategy([], num_steps=10)
+    restored.restore_checkpoint(tmp_path)
+    for name, value in strategy.models["main"].state_dict().items():
+        assert torch.equal(restored.models["main"].state_dict()[name], value), name
+
+
+def test_the_final_save_is_not_repeated_when_the_cadence_saved_it(tmp_path: Path) -> None:
+    hook = CheckpointHook(tmp_path, step_interval=3)
+    support.new_strategy([hook], num_steps=9).run(support.loader())
+    assert saved_steps(tmp_path) == [3, 6, 9]
+
+
+def test_save_last_false_saves_only_on_the_cadence(tmp_path: Path) -> None:
+    hook = CheckpointHook(tmp_path, step_interval=3, save_last=False)
+    support.new_strategy([hook], num_steps=10).run(support.loader())
+    assert saved_steps(tmp_path) == [3, 6, 9]
+
+
+def test_the_final_save_respects_keep_last(tmp_path: Path) -> None:
+    hook = CheckpointHook(tmp_path, step_interval=3, keep_last=2)
+    support.new_strategy([hook], num_steps=10).run(support.loader())
+    assert saved_steps(tmp_path) == [9, 10]
+
+
+def test_the_final_save_after_epochs_and_a_resume_with_nothing_left(tmp_path: Path) -> None:
+    """Epoch cadence (8 batches an epoch): 20 steps end mid-epoch 3, saved at the end. Rerunning
+    the restored strategy to the same total trains nothing and saves nothing new."""
+    hook = CheckpointHook(tmp_path, epoch_interval=1)
+    support.new_strategy([hook], num_steps=20).run(support.loader())
+    assert saved_steps(tmp_path) == [8, 16, 20]
+    resumed = support.new_strategy([CheckpointHook(tmp_path, epoch_interval=1)], num_steps=20)
+    resumed.restore_checkpoint(tmp_path)
+    resumed.run(support.loader())
+    assert saved_steps(tmp_path) == [8, 16, 20]
+
+
+def test_save_last_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="save_last"):
+        CheckpointHook("x", step_interval=1, save_last="yes")  # type: ignore[arg-type]
+
+
+def test_ema_hook_arguments_are_checked_when_it_is_made() -> None:
+    """EMAHook(0.9) passes the decay as the model name: refused at once, with the fix."""
+    with pytest.raises(TypeError, match=r"model_key.*0\.9.*EMAHook\(decay=0\.9\)"):
+        EMAHook(0.9)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="model_key"):
+        EMAHook("")
+    with pytest.raises(TypeError, match="decay"):
+        EMAHook(decay="0.9")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="decay"):
+        EMAHook(decay=1.0)
+    with pytest.raises(TypeError, match="update_every"):
+        EMAHook(update_every=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="update_every"):
+        EMAHook(update_every=0)
+    assert EMAHook("main", 0.9).decay == 0.9

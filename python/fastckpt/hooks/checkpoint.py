@@ -47,6 +47,10 @@ class CheckpointHook:
         rank_zero_only: under a process group, only global rank 0 writes (unsharded state;
             a strategy with FSDP2-sharded models is saved by every rank, synchronously).
         keep_last: after each save keep only the newest N indices (None keeps all).
+        save_last: at the end of ``run`` (AFTER_TRAINING), save once more when the run
+            advanced past the last saved step (``num_steps=10, step_interval=3`` saves step
+            10 too); ``keep_last`` applies to that save as well. False saves only on the
+            cadence.
         wait_timeout_secs: how long a save waits for the previous background write (None:
             as long as it takes); a write still running then raises ``TimeoutError`` and stays
             tracked, its outcome reported by a later save or by ``close``.
@@ -71,6 +75,7 @@ class CheckpointHook:
         rank_zero_only: bool = True,
         keep_last: int | None = None,
         wait_timeout_secs: float | None = 600,
+        save_last: bool = True,
     ) -> None:
         """Validate the policy; the background writer starts when the hook is entered."""
         if checkpoint_dir is None:
@@ -90,7 +95,13 @@ class CheckpointHook:
         self.async_save = async_save
         self.rank_zero_only = rank_zero_only
         self.keep_last = keep_last
+        if not isinstance(save_last, bool):
+            raise TypeError(f"CheckpointHook save_last must be a bool, got {save_last!r}")
+        self.save_last = save_last
         self.last_checkpoint_index: int | None = None
+        # The step count of the last save and of the run's start (for save_last).
+        self._saved_step: int | None = None
+        self._start_step: int | None = None
         self._writer: BackgroundWriter[int] = BackgroundWriter(
             "fastckpt-hook", wait_timeout=wait_timeout_secs
         )
@@ -144,10 +155,15 @@ class CheckpointHook:
             return ctx.step_count > 0 and ctx.step_count % self.step_interval == 0
         if stage is TrainingStage.AFTER_EPOCH and self.epoch_interval is not None:
             return ctx.epoch > 0 and ctx.epoch % self.epoch_interval == 0
+        if stage is TrainingStage.AFTER_TRAINING and self.save_last:
+            # Only a state this run trained, and only if the cadence did not just save it.
+            return ctx.step_count != self._start_step and ctx.step_count != self._saved_step
         return False
 
     def __call__(self, ctx: TrainContext, stage: TrainingStage) -> None:
-        """Save when the cadence is reached."""
+        """Save when the cadence is reached, and at the end of the run (``save_last``)."""
+        if stage is TrainingStage.BEFORE_TRAINING:
+            self._start_step = ctx.step_count
         if self._should_save(ctx, stage):
             self.save(ctx)
 
@@ -167,6 +183,7 @@ class CheckpointHook:
                 "CheckpointHook needs TrainContext.workflow to be the running TrainingStrategy"
             )
         self._record(self._writer.collect())  # one write in flight; keeps indices ordered
+        self._saved_step = ctx.step_count
         if getattr(ctx.workflow, "sharded", False):
             self._save_sharded(ctx)
             return

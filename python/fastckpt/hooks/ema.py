@@ -24,6 +24,9 @@ class EMAHook:
         update_every: update after every N-th optimizer step.
 
     Raises:
+        TypeError: ``model_key`` is not a non-empty string (``EMAHook(0.9)`` passes the decay
+            as the model name: write ``EMAHook(decay=0.9)``), or a non-numeric decay or
+            non-integer ``update_every``.
         ValueError: decay outside ``[0, 1)`` or ``update_every < 1``.
     """
 
@@ -31,12 +34,26 @@ class EMAHook:
         self, model_key: str = "main", decay: float = 0.999, update_every: int = 1
     ) -> None:
         """Configure the hook; the shadow weights are created at the first update."""
+        if not isinstance(model_key, str) or not model_key:
+            hint = (
+                f"; did you mean EMAHook(decay={model_key!r})?"
+                if isinstance(model_key, float)
+                else ""
+            )
+            raise TypeError(
+                f"EMAHook model_key must be a model name (a non-empty str such as 'main'), "
+                f"got {model_key!r}{hint}"
+            )
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)):
+            raise TypeError(f"EMAHook decay must be a number in [0, 1), got {decay!r}")
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"EMAHook decay must be in [0, 1), got {decay}")
+        if isinstance(update_every, bool) or not isinstance(update_every, int):
+            raise TypeError(f"EMAHook update_every must be an int >= 1, got {update_every!r}")
         if update_every < 1:
             raise ValueError(f"EMAHook update_every must be >= 1, got {update_every}")
         self.model_key = model_key
-        self.decay = decay
+        self.decay = float(decay)
         self.update_every = update_every
         self.num_updates = 0
         self.shadow: dict[str, torch.Tensor] = {}
