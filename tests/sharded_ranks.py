@@ -124,6 +124,8 @@ def manager_save() -> None:
             manager.save(root / "refused", {"model": msd, "optim": osd, "step": 2, "lr": 0.1})
         except KeyError as err:
             report["strict"] = str(err)
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as plain:
+        plain.save(root / "module", {"model": model, "step": 2})  # the FSDP2 module itself
     reference = full_state(model, optimizer)
     if rank == 0:
         safetensors.torch.save_file(reference, root / "reference-sync.safetensors")
@@ -179,6 +181,15 @@ def manager_load() -> None:
             expected = safetensors.torch.load_file(root / f"reference-{name}.safetensors")
             report[f"{name}_bad"] = compare(expected, gathered)
     model, optimizer = _sharded()
+    loaded = manager.load(root / "module", into={"model": model, "step": 0}, strict=True)
+    report["module_is_template"] = loaded["model"] is model
+    gathered = full_state(model, optimizer)
+    if rank == 0:
+        expected = safetensors.torch.load_file(root / "reference-sync.safetensors")
+        report["module_bad"] = compare(
+            {name: tensor for name, tensor in expected.items() if name.startswith("model.")},
+            {name: tensor for name, tensor in gathered.items() if name.startswith("model.")},
+        )
     msd, osd = get_state_dict(model, optimizer)
     errors: dict[str, str] = {}
     wrong = {"0.weight": torch.zeros(301, 38)}  # a plain template of the wrong global shape

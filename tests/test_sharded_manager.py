@@ -32,7 +32,7 @@ def test_sharded_saves_are_dcp_checkpoints_and_strict_schema_applies(
     saved: tuple[Path, dict[str, Any]],
 ) -> None:
     root, report = saved
-    for name in ("sync", "async", "async-2"):
+    for name in ("sync", "async", "async-2", "module"):
         assert is_sharded_checkpoint(root / name), name
         assert not (root / name / "commit.json").exists()
     assert "'lr'" in report["strict"] and "strict mode" in report["strict"]
@@ -91,6 +91,9 @@ def test_sharded_manager_checkpoint_loads_on_three_ranks_resharded(
     assert all(r["sync_step"] == 2 and r["async_step"] == 3 for r in reports)
     assert rank0["sync_loss"] == pytest.approx(report["losses"][2], rel=1e-5)
     assert rank0["async_loss"] == pytest.approx(report["losses"][3], rel=1e-5)
+    # an FSDP2 module saved and loaded as a stateful object: restored in place, resharded
+    assert all(r["module_is_template"] for r in reports)
+    assert rank0["module_bad"] == []
     errors = rank0["errors"]
     assert errors["shape"].startswith("CheckpointMismatchError: model.0.weight")
     assert "[301, 38]" in errors["shape"]
