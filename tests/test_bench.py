@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from fastckpt.bench import bar, cli, state
+from fastckpt.bench import bar, cli, state, stats
 from fastckpt.bench.readers import READERS
 from fastckpt.bench.training import SCENARIOS
 from fastckpt.bench.writers import WRITERS, ceiling_block
@@ -28,7 +28,7 @@ TINY_TRAINING += ["--train-layers", "1", "--train-batch", "4"]
 #: Writers/scenarios that may legitimately be missing: the manager is optional.
 OPTIONAL = {"fastckpt-async"}
 
-SUMMARY_KEYS = {"median", "min", "max"}
+SUMMARY_KEYS = {"median", "p90", "min", "max", "spread"}
 WRITER_KEYS = {"label", "status", "available", "reason", "runs", "async", "warmup", "seconds"}
 WRITER_KEYS |= {"stall_seconds", "gib_per_s", "details", "bytes_on_disk"}
 WRITER_RUN_KEYS = {"rep", "seconds", "stall_seconds", "gib_per_s", "bytes_on_disk", "details"}
@@ -136,7 +136,7 @@ def test_json_has_versions_environment_and_bar(
     )
     assert results["memcpy"]["gib_per_s"] > 0
     checks = [row["check"] for row in results["bar"]]
-    assert len(checks) == 15
+    assert len(checks) == 16
     assert any(c.startswith("fastckpt sync / O_DIRECT ceiling >= 0.9") for c in checks)
     for row in results["bar"]:
         assert {"figure", "check", "value", "threshold", "op", "status", "note"} <= set(row)
@@ -229,3 +229,38 @@ def test_missing_manager_is_recorded_as_not_available(
     assert results["training"]["scenarios"]["dcp-async"]["status"] == "ok"
     stall = next(r for r in results["bar"] if r["check"].startswith("fastckpt async stall / DCP"))
     assert stall["status"] == "n/a"
+
+
+def test_summary_exposes_a_bimodal_writer() -> None:
+    # Three fast runs and two slow ones: the median is a fast run, p90 and spread are not.
+    runs = [0.7, 2.9, 0.65, 3.1, 0.8]
+    summary = stats.summarize(runs)
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["median"] == 0.8
+    assert summary["p90"] == pytest.approx(2.9 + 0.6 * (3.1 - 2.9))
+    assert summary["spread"] == pytest.approx(3.1 - 0.65)
+    assert stats.summarize([1.5])["p90"] == 1.5
+    assert stats.summarize([]) == dict.fromkeys(SUMMARY_KEYS)
+    with pytest.raises(ValueError, match="0-100"):
+        stats.percentile(runs, 101)
+
+
+def test_bar_checks_the_slow_runs_against_safetensors() -> None:
+    def writer(runs: list[float]) -> dict[str, Any]:
+        return {"available": True, "seconds": stats.summarize(runs)}
+
+    results: dict[str, Any] = {
+        "state": {"bytes": 1 << 30},
+        "writers": {
+            # Better median than safetensors, far worse slow runs.
+            "fastckpt": writer([0.7, 0.7, 0.75, 3.0, 3.1]),
+            "safetensors": writer([0.9, 0.95, 1.0, 1.0, 1.1]),
+        },
+        "readers": {},
+    }
+    row = next(r for r in bar.evaluate(results) if "p90" in r["check"])
+    assert row["status"] == "missed"
+    assert row["value"] == pytest.approx(stats.percentile([0.7, 0.7, 0.75, 3.0, 3.1], 90) / 1.06)
+    results["writers"]["fastckpt"] = writer([0.5, 0.55, 0.6, 0.6, 0.62])
+    row = next(r for r in bar.evaluate(results) if "p90" in r["check"])
+    assert row["status"] == "met"

@@ -194,31 +194,34 @@ def test_large_tensor_round_trip(tmp_path: Path, direct_io: bool) -> None:
     assert torch.equal(loaded["tail"], tensors["tail"])
 
 
-def test_default_write_mode_is_buffered_below_the_writeback_allowance(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_default_write_mode_is_o_direct_from_the_threshold(tmp_path: Path) -> None:
     from fastckpt import files
 
-    monkeypatch.setattr(files, "writeback_allowance", lambda: 8 << 20)
-    assert files.choose_direct_io(8 << 20) is False
-    assert files.choose_direct_io((8 << 20) + 1) is True
-    monkeypatch.setattr(files, "writeback_allowance", lambda: None)
-    assert files.choose_direct_io(1) is True  # settings unreadable: O_DIRECT
-    state = {"w": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB
-    monkeypatch.setattr(files, "writeback_allowance", lambda: 8 << 20)
-    assert files.write_tensors(state, tmp_path / "a.safetensors")["direct_io"] is False
-    # A file above the allowance goes through O_DIRECT (tmp_path is on a disk filesystem in
-    # CI; on tmpfs the writer falls back to buffered by itself, as the forced run shows).
-    monkeypatch.setattr(files, "writeback_allowance", lambda: 1 << 20)
-    report = files.write_tensors(state, tmp_path / "b.safetensors")
-    forced = files.write_tensors(state, tmp_path / "c.safetensors", direct_io=True)
+    limit = files.DIRECT_IO_MIN_BYTES
+    assert files.choose_direct_io(limit - 1) is False
+    assert files.choose_direct_io(limit) is True
+    assert files.choose_direct_io(100 << 30) is True  # no size where buffered comes back
+    small = {"w": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB: buffered
+    assert files.write_tensors(small, tmp_path / "a.safetensors")["direct_io"] is False
+    # A file at the threshold goes through O_DIRECT where the filesystem allows it (tmp_path
+    # is on a disk filesystem in CI; on tmpfs the writer falls back to buffered by itself, as
+    # the forced run shows), with the header and the unaligned tail written correctly.
+    large = {
+        "w": random_tensor(torch.float32, (limit // 4,), seed=3),
+        "tail": torch.arange(7, dtype=torch.int8),
+    }
+    report = files.write_tensors(large, tmp_path / "b.safetensors")
+    forced = files.write_tensors(large, tmp_path / "c.safetensors", direct_io=True)
     assert report["direct_io"] is forced["direct_io"]
-    assert (
-        files.write_tensors(state, tmp_path / "d.safetensors", direct_io=False)["direct_io"]
-        is False
-    )
-    for name in "abcd":
-        assert torch.equal(fastckpt.load_file(tmp_path / f"{name}.safetensors")["w"], state["w"])
+    assert report["file_crc32c"] == forced["file_crc32c"]
+    buffered = files.write_tensors(large, tmp_path / "d.safetensors", direct_io=False)
+    assert buffered["direct_io"] is False
+    assert buffered["file_crc32c"] == report["file_crc32c"]
+    assert torch.equal(fastckpt.load_file(tmp_path / "a.safetensors")["w"], small["w"])
+    for name in "bcd":
+        loaded = fastckpt.load_file(tmp_path / f"{name}.safetensors")
+        assert bitwise_equal(loaded["w"], large["w"])
+        assert torch.equal(loaded["tail"], large["tail"])
 
 
 def test_files_open_with_safetensors_and_back(tmp_path: Path) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +24,7 @@ __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_THREADS",
     "DEFAULT_WRITE_THREADS",
+    "DIRECT_IO_MIN_BYTES",
     "choose_direct_io",
     "dtype_from_name",
     "dtype_name",
@@ -35,7 +35,6 @@ __all__ = [
     "save_file",
     "torch_shape",
     "write_tensors",
-    "writeback_allowance",
 ]
 
 #: Reader threads used when ``threads`` is not given (the Rust reader has no default).
@@ -47,6 +46,9 @@ DEFAULT_WRITE_THREADS: int = _native.DEFAULT_WRITE_THREADS
 #: Bytes per write chunk when ``chunk_size`` is not given (two such aligned buffers are kept
 #: for O_DIRECT). Defined by the Rust core; see docs/performance.md for measurements.
 DEFAULT_CHUNK_SIZE: int = _native.DEFAULT_CHUNK_SIZE
+#: Files of at least this many bytes are written with O_DIRECT when ``direct_io=None``
+#: (:func:`choose_direct_io`): four default chunks. Below it both modes measured the same.
+DIRECT_IO_MIN_BYTES: int = 4 * DEFAULT_CHUNK_SIZE
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
@@ -210,37 +212,18 @@ def _the_path(filename: str | os.PathLike[str] | None, path: str | os.PathLike[s
 
 
 def choose_direct_io(nbytes: int) -> bool:
-    """The write mode ``direct_io=None`` picks for a file of ``nbytes``: O_DIRECT when the file
-    exceeds the kernel's background-writeback allowance, buffered writes below it.
+    """The write mode ``direct_io=None`` picks for a file of ``nbytes``: O_DIRECT from
+    :data:`DIRECT_IO_MIN_BYTES` up, buffered below (the writer falls back to buffered writes by
+    itself where the filesystem refuses O_DIRECT, e.g. tmpfs).
 
-    Below the allowance (``vm.dirty_background_bytes``, or ``vm.dirty_background_ratio`` % of
-    available memory) the page cache takes the whole file at memory speed and the fsync then
-    writes it back with a deep queue, which beats O_DIRECT. Above it buffered writers are
-    throttled to writeback speed while filling the cache, so O_DIRECT wins. When the settings
-    cannot be read, O_DIRECT. The measurements are in docs/performance.md and
-    benches/results.
+    O_DIRECT runs at the disk's speed whatever the machine's memory is doing; a buffered write
+    first has the kernel allocate and fill one page-cache page per 4 KiB (about 4x the kernel
+    CPU of O_DIRECT per GiB), so its time depends on free CPU and on the state of memory
+    management, and on a busy machine it was both slower and bimodal. Small files write equally
+    fast either way, and buffered keeps them cached. The measurements are in
+    docs/performance.md ("Write mode").
     """
-    allowance = writeback_allowance()
-    return allowance is None or nbytes > allowance
-
-
-def writeback_allowance() -> int | None:
-    """Bytes of dirty page cache the kernel lets a writer build up before background writeback
-    starts: ``vm.dirty_background_bytes``, else ``vm.dirty_background_ratio`` % of available
-    memory. None where these cannot be read."""
-    try:
-        allowance = int(Path("/proc/sys/vm/dirty_background_bytes").read_text())
-        if allowance == 0:
-            ratio = int(Path("/proc/sys/vm/dirty_background_ratio").read_text())
-            available = next(
-                int(line.split()[1]) * 1024
-                for line in Path("/proc/meminfo").read_text().splitlines()
-                if line.startswith("MemAvailable:")
-            )
-            allowance = available * ratio // 100
-    except (OSError, ValueError, StopIteration, IndexError):
-        return None
-    return allowance
+    return nbytes >= DIRECT_IO_MIN_BYTES
 
 
 def save_file(

@@ -22,13 +22,15 @@ class _Missing(Exception):
     """A figure the check needs is absent."""
 
 
-def _median(results: dict[str, Any], section: str, name: str, key: str) -> float:
+def _median(
+    results: dict[str, Any], section: str, name: str, key: str, stat: str = "median"
+) -> float:
     entry = results.get(section, {}).get(name)
     if not entry or not entry.get("available"):
         raise _Missing(f"{section} {name!r} did not run")
-    value = entry.get(key, {}).get("median")
+    value = entry.get(key, {}).get(stat)
     if value is None:
-        raise _Missing(f"{section} {name!r} has no {key}")
+        raise _Missing(f"{section} {name!r} has no {stat} {key}")
     return float(value)
 
 
@@ -101,6 +103,16 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
             "fastckpt sync / safetensors+fsync",
             ratio(w, "fastckpt", "safetensors", "gib_per_s"),
             ">=",
+            1.0,
+        ),
+        (
+            "durable sync save, slow runs",
+            "fastckpt sync p90 / safetensors+fsync p90 (seconds)",
+            lambda: (
+                _median(results, w, "fastckpt", "seconds", "p90")
+                / _median(results, w, "safetensors", "seconds", "p90")
+            ),
+            "<=",
             1.0,
         ),
         (

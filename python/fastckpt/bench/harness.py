@@ -377,7 +377,7 @@ def _run(config: BenchConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         state = build_state(spec)
         nbytes = state_bytes(state)
-        # The default write mode depends on free memory; decide it once so that every
+        # Decide the default write mode once (it depends on the size only) so that every
         # repetition of "fastckpt" and "fastckpt-nocrc" runs the same mode.
         fix_default_write_mode(writers, nbytes)
         log(

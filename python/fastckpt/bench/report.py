@@ -1,7 +1,9 @@
 """Presenting results: terminal table, JSON, markdown and a PNG chart.
 
 All four are rendered from the results dict that :func:`fastckpt.bench.harness.run` returns.
-Figures are "median (min-max)" over the repetitions.
+Figures are "median (min-max)" over the repetitions; durations also get their 90th percentile
+and spread (max - min) in columns of their own, so a bimodal writer cannot hide behind its
+median.
 """
 
 from __future__ import annotations
@@ -83,6 +85,14 @@ def _range(summary: dict[str, Any] | None, digits: int = 3) -> str:
     )
 
 
+def _tail(summary: dict[str, Any] | None, digits: int = 3) -> list[str]:
+    """The p90 and spread cells of a duration summary (``-`` where absent, e.g. in results
+    written before the harness recorded them)."""
+    if not summary or summary.get("p90") is None:
+        return ["-", "-"]
+    return [_num(summary["p90"], digits), _num(summary.get("spread"), digits)]
+
+
 def _write_rows(results: dict[str, Any]) -> list[list[str]]:
     writers = results["writers"]
     memory = results.get("memory", {}).get("writers", {})
@@ -90,7 +100,7 @@ def _write_rows(results: dict[str, Any]) -> list[list[str]]:
     rows = []
     for name, entry in writers.items():
         if not entry["available"]:
-            rows.append([name, entry["status"], "-", "-", "-", "-", "-", "-"])
+            rows.append([name, entry["status"], "-", "-", "-", "-", "-", "-", "-", "-"])
             continue
         gibs = entry["gib_per_s"]["median"]
         mem = memory.get(name, {})
@@ -106,6 +116,7 @@ def _write_rows(results: dict[str, Any]) -> list[list[str]]:
             [
                 name,
                 _range(entry["seconds"]),
+                *_tail(entry["seconds"]),
                 _range(entry["gib_per_s"], 2),
                 stall,
                 reusable_cell,
@@ -123,7 +134,7 @@ def _read_rows(results: dict[str, Any]) -> list[list[str]]:
     rows = []
     for name, entry in readers.items():
         if not entry["available"]:
-            rows.append([name, entry["status"], "-", "-", "-", "-"])
+            rows.append([name, entry["status"], "-", "-", "-", "-", "-", "-"])
             continue
         gibs = entry["gib_per_s"]["median"]
         verified = {True: "yes", False: "NO", None: "-"}[entry.get("verified")]
@@ -131,6 +142,7 @@ def _read_rows(results: dict[str, Any]) -> list[list[str]]:
             [
                 name,
                 _range(entry["seconds"]),
+                *_tail(entry["seconds"]),
                 _range(entry["gib_per_s"], 2),
                 _num(gibs / ceiling if ceiling else None, 2),
                 str(entry.get("cache", "")),
@@ -144,7 +156,7 @@ def _training_rows(results: dict[str, Any]) -> list[list[str]]:
     rows = []
     for name, entry in results.get("training", {}).get("scenarios", {}).items():
         if not entry["available"]:
-            rows.append([name, entry["status"], "-", "-", "-", "-"])
+            rows.append([name, entry["status"], "-", "-", "-", "-", "-"])
             continue
         overhead = entry.get("overhead")
         rows.append(
@@ -154,6 +166,7 @@ def _training_rows(results: dict[str, Any]) -> list[list[str]]:
                 _num(entry.get("ratio_vs_none"), 3),
                 "-" if overhead is None else f"{overhead * 100:+.1f} %",
                 _range(entry.get("stall_seconds_per_checkpoint")),
+                _tail(entry.get("stall_seconds_per_checkpoint"))[0],
                 _range(entry.get("lock_wait_seconds")),
             ]
         )
@@ -197,6 +210,8 @@ def tables(results: dict[str, Any]) -> list[Table]:
             [
                 "writer",
                 "seconds",
+                "p90 s",
+                "spread s",
                 "GiB/s",
                 "stall s",
                 "reusable after s",
@@ -209,7 +224,7 @@ def tables(results: dict[str, Any]) -> list[Table]:
         ),
         Table(
             f"Reads ({results['cache']['label']} cache)",
-            ["reader", "seconds", "GiB/s", "x ceiling", "cache", "verified"],
+            ["reader", "seconds", "p90 s", "spread s", "GiB/s", "x ceiling", "cache", "verified"],
             _read_rows(results),
             _above_ceiling(results["readers"], "read"),
         ),
@@ -236,6 +251,7 @@ def tables(results: dict[str, Any]) -> list[Table]:
                     "vs none",
                     "overhead",
                     "stall s / ckpt",
+                    "p90 stall s",
                     "lock wait s / run",
                 ],
                 _training_rows(results),
@@ -255,7 +271,7 @@ def _preamble(results: dict[str, Any]) -> list[str]:
     return [
         f"State: {state['gib']:.3f} GiB ({state['tensors']} tensors, {state['dtype']}: weights "
         f"+ Adam exp_avg/exp_avg_sq), {results['config']['repeats']} repetitions, "
-        "median (min-max).",
+        "median (min-max); p90 = 90th percentile (linear between ranks), spread = max - min.",
         f"Machine: {env['cpu_model']}, {env['cpu_count']} CPUs, {env['memory_gib']} GiB RAM; "
         f"files on {fs['mount']} ({fs['type']}, {fs['device']}); reads {cache['label']}"
         + (f" ({cache['reason']})" if cache["reason"] else "")
