@@ -24,6 +24,7 @@ from fastckpt import specs
 __all__ = [
     "SHARDED_DIR",
     "check_not_fsdp1",
+    "check_recordable",
     "is_sharded_model",
     "load_sharded",
     "remove_sharded",
@@ -93,6 +94,13 @@ def unsharded_spec(model: torch.nn.Module) -> specs.BaseSpec:
     """The spec that rebuilds ``model`` unsharded (an attached spec wins, as always)."""
     with _original_classes(model):
         return specs.model_spec(model)
+
+
+def check_recordable(name: str, model: torch.nn.Module) -> None:
+    """:func:`fastckpt.specs.check_recordable` for an FSDP2 model (its unsharded recipe; the
+    parameters' global shapes)."""
+    with _original_classes(model):
+        specs.check_recordable(model, name)
 
 
 def _state(
