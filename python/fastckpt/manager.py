@@ -15,9 +15,11 @@ blocks only while a capture is in progress.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import logging
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +29,17 @@ import torch
 
 from fastckpt import tree
 from fastckpt.errors import CheckpointMismatchError, FastCkptError
-from fastckpt.files import DEFAULT_WRITE_THREADS
+from fastckpt.manager_config import (
+    AsyncCheckpointSaverConfig,
+    CheckpointLoaderConfig,
+    CheckpointSaverConfig,
+    CheckpointStagerConfig,
+    CheckpointWriterConfig,
+    ItemSpec,
+    LocalFileSystemStorageConfig,
+    StrictConfig,
+    SyncCheckpointSaverConfig,
+)
 from fastckpt.progress import log_throughput
 from fastckpt.staging import (
     BackgroundWriter,
@@ -37,7 +49,6 @@ from fastckpt.staging import (
     stage_groups,
 )
 from fastckpt.stateful import check_template, contains_stateful, prepare_save, restore
-from fastckpt.store.backend import TEMP_PREFIX
 from fastckpt.store.commit import DirectoryWriter
 from fastckpt.store.paths import check_name
 from fastckpt.store.reader import read_manager_item
@@ -47,6 +58,7 @@ __all__ = [
     "AsyncCheckpointSaverConfig",
     "CheckpointLoaderConfig",
     "CheckpointManager",
+    "CheckpointSaverConfig",
     "CheckpointStagerConfig",
     "CheckpointWriterConfig",
     "ItemSpec",
@@ -55,97 +67,12 @@ __all__ = [
 ]
 
 
-def _cuda() -> bool:
-    return torch.cuda.is_available()
-
-
 @dataclass
-class ItemSpec:
-    """How one top-level key of the state is saved.
+class _ManagerConfig(StrictConfig):
+    """``CheckpointManager.Config``: per-item specs, saver, loader, storage and callbacks.
 
-    Attributes:
-        requires_copy: stage a snapshot copy before the background write. ``False`` writes the
-            live tensors directly (only safe if they are not mutated until the write is done).
-        layout: file layout; only ``None`` (one safetensors + one JSON file per item).
-        required: at load, a missing required item is an error; optional items are skipped.
-    """
-
-    requires_copy: bool = True
-    layout: str | None = None
-    required: bool = True
-
-
-@dataclass
-class CheckpointStagerConfig:
-    """Staging options; the CUDA-dependent defaults are decided when the config is built.
-
-    Attributes:
-        use_pinned_memory: pinned host buffers for CUDA tensors.
-        use_shared_memory: accepted for compatibility; staging stays in this process.
-        use_async_staging: capture on the background thread (``save`` returns at once; hold
-            :meth:`CheckpointManager.lock` while mutating state).
-        use_non_blocking_copy: non-blocking device-to-host copies on a side stream.
-    """
-
-    use_pinned_memory: bool = field(default_factory=_cuda)
-    use_shared_memory: bool = False
-    use_async_staging: bool = True
-    use_non_blocking_copy: bool = field(default_factory=_cuda)
-
-
-@dataclass
-class CheckpointWriterConfig:
-    """Writer options.
-
-    Attributes:
-        file_write_max_threads: parallel writer threads per file.
-        temp_dir_prefix: accepted for compatibility (temporary siblings use ``.tmp-``).
-    """
-
-    file_write_max_threads: int = DEFAULT_WRITE_THREADS
-    temp_dir_prefix: str = TEMP_PREFIX
-
-
-@dataclass
-class AsyncCheckpointSaverConfig:
-    """Background saving: ``save`` returns a Future resolved once the write is durable."""
-
-    staging_config: CheckpointStagerConfig = field(default_factory=CheckpointStagerConfig)
-    writer_config: CheckpointWriterConfig = field(default_factory=CheckpointWriterConfig)
-    wait_timeout_secs: float = 600
-
-
-@dataclass
-class SyncCheckpointSaverConfig:
-    """Inline saving: ``save`` writes durably and returns None."""
-
-    writer_config: CheckpointWriterConfig = field(default_factory=CheckpointWriterConfig)
-    wait_timeout_secs: float = 600
-
-
-@dataclass
-class CheckpointLoaderConfig:
-    """Loader options (``use_mmap`` accepted for compatibility: loads always map the files
-    privately and verify them, see :func:`fastckpt.files.read_tensors`)."""
-
-    use_mmap: bool = False
-
-
-@dataclass
-class LocalFileSystemStorageConfig:
-    """Local filesystem storage.
-
-    ``use_direct_io``: True tries O_DIRECT (falling back safely), False writes through the page
-    cache, None (default) picks per file (:func:`fastckpt.files.choose_direct_io`: buffered
-    while a file fits in the kernel's background-writeback allowance, O_DIRECT above).
-    """
-
-    use_direct_io: bool | None = None
-
-
-@dataclass
-class _ManagerConfig:
-    """``CheckpointManager.Config``: per-item specs, saver, loader and storage choices.
+    Fields are checked when set (``ValueError``/``TypeError`` naming the field) and unknown
+    attributes are refused (``config.finalize_calback = fn`` raises ``AttributeError``).
 
     Attributes:
         items: per top-level key :class:`ItemSpec`.
@@ -153,6 +80,18 @@ class _ManagerConfig:
         save: :class:`AsyncCheckpointSaverConfig` or :class:`SyncCheckpointSaverConfig`.
         load: :class:`CheckpointLoaderConfig`.
         storage_config: :class:`LocalFileSystemStorageConfig` (default when None).
+        subprocess_init_fn / subprocess_init_args: only ``None`` / ``()``: fastckpt writes on a
+            thread of this process, so there is no subprocess to initialize (run setup code
+            before building the manager instead).
+        pre_finalize_callback: ``fn(checkpoint_id, logger)`` called on every rank once this
+            rank's files of a checkpoint are written and fsynced, before the checkpoint is
+            committed (made visible). Unsharded state only: a sharded save refuses it.
+        finalize_callback: ``fn(checkpoint_id, logger)`` called on every rank once the
+            checkpoint is durable and committed: before a sync ``save`` returns; for async
+            saves on the writer thread, before the Future resolves. An exception in it fails
+            that save like a write failure (raised by sync ``save``; for async, by the Future,
+            the next ``save`` and ``close``). ``logger`` is the ``logging.Logger``
+            ``"fastckpt.manager"`` (torch_checkpointing passes its EventLogger there).
     """
 
     items: dict[str, ItemSpec] = field(default_factory=dict)
@@ -162,6 +101,42 @@ class _ManagerConfig:
     )
     load: CheckpointLoaderConfig = field(default_factory=CheckpointLoaderConfig)
     storage_config: LocalFileSystemStorageConfig | None = None
+    subprocess_init_fn: Callable[..., None] | None = None
+    subprocess_init_args: tuple[Any, ...] = ()
+    pre_finalize_callback: Callable[[str, Any], None] | None = None
+    finalize_callback: Callable[[str, Any], None] | None = None
+
+    def _check(self, name: str, value: Any) -> None:
+        expected: dict[str, tuple[type, ...]] = {
+            "save": (AsyncCheckpointSaverConfig, SyncCheckpointSaverConfig),
+            "load": (CheckpointLoaderConfig,),
+            "storage_config": (LocalFileSystemStorageConfig, type(None)),
+            "default": (ItemSpec, type(None)),
+        }
+        if name in expected and not isinstance(value, expected[name]):
+            kinds = " or ".join(kind.__name__ for kind in expected[name])
+            raise TypeError(f"Config.{name} must be {kinds}, got {type(value).__name__}")
+        if name == "items":
+            if not isinstance(value, Mapping):
+                raise TypeError(f"Config.items must be a dict of ItemSpec, got {value!r}")
+            for key, spec in value.items():
+                if not isinstance(spec, ItemSpec):
+                    raise TypeError(
+                        f"Config.items[{key!r}] must be an ItemSpec, got {type(spec).__name__}"
+                    )
+        if name in ("subprocess_init_fn", "subprocess_init_args") and value not in (None, ()):
+            raise self._fail(
+                name,
+                "fastckpt writes on a background thread of this process; there is no "
+                "subprocess to initialize: run the setup before building the manager",
+            )
+        callbacks = ("pre_finalize_callback", "finalize_callback")
+        if name in callbacks and value is not None and not callable(value):
+            raise TypeError(f"Config.{name} must be callable or None, got {value!r}")
+
+    def build(self) -> CheckpointManager:
+        """A :class:`CheckpointManager` with this configuration."""
+        return CheckpointManager(self)
 
     @classmethod
     def with_async_save(cls) -> _ManagerConfig:
@@ -181,19 +156,27 @@ class _Snapshot:
     path: Path
     skeletons: dict[str, Any]
     tensors: dict[str, dict[str, torch.Tensor]]
+    checkpoint_id: str = ""
+
+
+_LOGGER = logging.getLogger("fastckpt.manager")
 
 
 class _DistributedContext:
     """Rank information and a gloo group for the writer thread's collectives."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_secs: float) -> None:
         import torch.distributed as dist
 
         self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.active else 0
         self.world_size = dist.get_world_size() if self.active else 1
         # A dedicated group so background-thread collectives never interleave with training's.
-        self.group: Any = dist.new_group(backend="gloo") if self.active else None
+        self.group: Any = (
+            dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_secs))
+            if self.active
+            else None
+        )
 
     def barrier(self) -> None:
         if self.active:
@@ -225,11 +208,10 @@ class CheckpointManager:
     def __init__(self, config: _ManagerConfig | None = None) -> None:
         """Create a manager (``config`` defaults to ``Config()``: async saves)."""
         self.config = config or _ManagerConfig()
-        for key, spec in self.config.items.items():
-            if spec.layout is not None:
-                raise ValueError(
-                    f"item {key!r}: layout {spec.layout!r} is not supported (use None)"
-                )
+        if not isinstance(self.config, _ManagerConfig):
+            raise TypeError(
+                f"CheckpointManager takes a CheckpointManager.Config, got {type(config).__name__}"
+            )
         self._async = isinstance(self.config.save, AsyncCheckpointSaverConfig)
         staging = (
             self.config.save.staging_config
@@ -245,7 +227,9 @@ class CheckpointManager:
         storage = self.config.storage_config or LocalFileSystemStorageConfig()
         self._direct_io = storage.use_direct_io
         self._threads = self.config.save.writer_config.file_write_max_threads
-        self._dist = _DistributedContext()
+        self._dist = _DistributedContext(
+            self.config.save.writer_config.checkpoint_write_barrier_timeout_sec
+        )
         self._writer: BackgroundWriter[None] | None = (
             BackgroundWriter("fastckpt-writer", wait_timeout=self.config.save.wait_timeout_secs)
             if self._async
@@ -311,14 +295,20 @@ class CheckpointManager:
             if spec.required and key not in state:
                 raise KeyError(f"required item {key!r} is missing from the saved state")
         if _sharded_state(prepared):
-            return self._save_sharded(path, prepared)
+            if self.config.pre_finalize_callback is not None:
+                raise ValueError(
+                    "Config.pre_finalize_callback is not supported for sharded (DTensor) state: "
+                    "its files are committed by fastckpt.dcp in one step; use finalize_callback"
+                )
+            return self._save_sharded(path, prepared, str(checkpoint_id))
         skeletons: dict[str, Any] = {}
         tensors: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in prepared.items():
             skeletons[key], tensors[key] = tree.flatten(value)
-        snapshot = _Snapshot(path, skeletons, tensors)
+        snapshot = _Snapshot(path, skeletons, tensors, str(checkpoint_id))
         if self._writer is None:
             self._write(snapshot)
+            self._finalize(snapshot.checkpoint_id)
             return None
 
         def capture() -> None:
@@ -328,13 +318,18 @@ class CheckpointManager:
 
         if not self._async_staging:
             self._writer.capture(capture)
+
+        def write() -> None:
+            self._write(snapshot)
+            self._finalize(snapshot.checkpoint_id)
+
         return self._writer.submit(
-            str(path),
-            lambda: self._write(snapshot),
-            capture=capture if self._async_staging else None,
+            str(path), write, capture=capture if self._async_staging else None
         )
 
-    def _save_sharded(self, path: Path, state: dict[str, Any]) -> Future[None] | None:
+    def _save_sharded(
+        self, path: Path, state: dict[str, Any], checkpoint_id: str
+    ) -> Future[None] | None:
         """Save state holding DTensors as a sharded checkpoint through :mod:`fastckpt.dcp`
         (collective: every rank saves its own shards; the coordinator commits)."""
         from fastckpt.dcp.state import async_save_state, save_state
@@ -343,6 +338,7 @@ class CheckpointManager:
         if self._writer is None:
             with _typed_dcp_errors():
                 save_state(path, state, writer=writer, process_group=self._dist.group)
+            self._finalize(checkpoint_id)
             return None
         # DCP stages this rank's shards into the writer's reused buffers before returning;
         # the manager's background thread then tracks the upload like any other write, so
@@ -353,6 +349,7 @@ class CheckpointManager:
         def wait() -> None:
             with _typed_dcp_errors():
                 future.result()
+            self._finalize(checkpoint_id)
 
         return self._writer.submit(str(path), wait)
 
@@ -368,6 +365,45 @@ class CheckpointManager:
                 stager_options=self._stager_options,
             )
         return self._dcp_writer
+
+    def _finalize(self, checkpoint_id: str) -> None:
+        """Run ``Config.finalize_callback`` (the checkpoint is durable and committed)."""
+        if self.config.finalize_callback is not None:
+            self.config.finalize_callback(checkpoint_id, _LOGGER)
+
+    def prewarm_staging(self, state: Mapping[str, Any]) -> None:
+        """Allocate the staging buffers a save of ``state`` will reuse, now.
+
+        Async managers copy ``requires_copy`` items into reusable host buffers (pinned when
+        ``use_pinned_memory``); the first save otherwise pays for allocating them. Call it
+        with the state you will save (same keys, shapes and dtypes); it waits for a write in
+        flight first (``wait_timeout_secs``), since that write may still read the buffers.
+        A synchronous manager writes the live tensors and has no buffers: it returns at once.
+
+        Raises:
+            RuntimeError: the manager is closed, or the previous background write failed.
+            TimeoutError: the previous background write is still running.
+            ValueError: ``state`` holds DTensors (fastckpt.dcp's writer allocates their
+                buffers at the first sharded save), or invalid keys/values as for ``save``.
+        """
+        self._check_open("prewarm staging")
+        if self._writer is None:
+            return
+        self._writer.collect()
+        prepared = {}
+        for key, value in state.items():
+            check_name(key, "state key")
+            self._spec(key)
+            prepared[key] = prepare_save(value, key)
+        if _sharded_state(prepared):
+            raise ValueError(
+                "prewarm_staging covers unsharded state; DTensor state is staged by "
+                "fastckpt.dcp's writer, which allocates its buffers at the first save"
+            )
+        groups = {key: tree.flatten(value)[1] for key, value in prepared.items()}
+        self._writer.capture(
+            lambda: stage_groups(self._stager, groups, lambda key, _: self._spec(key).requires_copy)
+        )
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
@@ -394,6 +430,8 @@ class CheckpointManager:
                 writer.add_tensors(self._tensor_file(key), snapshot.tensors[key])
                 if self._dist.rank == 0:
                     writer.add_json(f"{key}.json", {"skeleton": skeleton})
+            if self.config.pre_finalize_callback is not None:
+                self.config.pre_finalize_callback(snapshot.checkpoint_id, _LOGGER)
             self._commit(writer, list(snapshot.skeletons))
         except BaseException:
             writer.abort()
@@ -469,7 +507,9 @@ class CheckpointManager:
                 if into is not None:
                     result[key] = into[key]
                 continue
-            value = _load_item(directory, record, key, self._dist.rank, map_location)
+            value = _load_item(
+                directory, record, key, self._dist.rank, map_location, self.config.load.use_mmap
+            )
             template = None if into is None else into[key]
             result[key] = restore(template, value, key, strict, _merge)
         log_throughput("loaded", str(directory), record["files"].values(), start)
@@ -557,12 +597,20 @@ def _to_location(value: Any, map_location: str | torch.device | None) -> Any:
 
 
 def _load_item(
-    directory: Path, record: Mapping[str, Any], key: str, rank: int, map_location: Any
+    directory: Path,
+    record: Mapping[str, Any],
+    key: str,
+    rank: int,
+    map_location: Any,
+    use_mmap: bool = True,
 ) -> Any:
-    """One item of a checkpoint: its skeleton and this rank's tensors, both verified."""
+    """One item of a checkpoint: its skeleton and this rank's tensors, both verified
+    (``use_mmap=False``: copied out of the file mapping)."""
     skeleton, tensors = read_manager_item(directory, record, key, rank)
-    if map_location is not None:
-        tensors = {name: t.to(map_location) for name, t in tensors.items()}
+    if map_location is not None or not use_mmap:
+        tensors = {
+            name: t.to(map_location or t.device, copy=not use_mmap) for name, t in tensors.items()
+        }
     return tree.unflatten(skeleton, tensors, key)
 
 

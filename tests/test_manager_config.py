@@ -1,0 +1,296 @@
+"""CheckpointManager.Config as a torch_checkpointing user writes it: build(), validation,
+strict attributes, finalize callbacks, prewarm_staging, use_mmap, and the fields fastckpt's
+threaded design cannot honour (refused with the reason, never silently ignored)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fastckpt.manager import (
+    AsyncCheckpointSaverConfig,
+    CheckpointLoaderConfig,
+    CheckpointManager,
+    CheckpointStagerConfig,
+    CheckpointWriterConfig,
+    ItemSpec,
+    LocalFileSystemStorageConfig,
+    SyncCheckpointSaverConfig,
+)
+
+
+def cpu_async_config() -> Any:
+    return CheckpointManager.Config(
+        save=AsyncCheckpointSaverConfig(
+            staging_config=CheckpointStagerConfig(
+                use_pinned_memory=False, use_non_blocking_copy=False
+            ),
+            wait_timeout_secs=30,
+        )
+    )
+
+
+def payload() -> dict[str, Any]:
+    return {"model": {"w": torch.arange(1000, dtype=torch.float32)}, "step": 10}
+
+
+# --------------------------------------------------------------------------- build and defaults
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_build_returns_a_manager_that_round_trips(tmp_path: Path, kind: str) -> None:
+    config = CheckpointManager.Config.with_sync_save() if kind == "sync" else cpu_async_config()
+    config.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)
+    manager = config.build()
+    assert isinstance(manager, CheckpointManager) and manager.config is config
+    with manager:
+        result = manager.save(tmp_path / "c", payload())
+        if kind == "async":
+            assert result is not None
+            result.result(timeout=30)
+        else:
+            assert result is None
+        loaded = manager.load(tmp_path / "c", into={"model": {"w": torch.zeros(1000)}, "step": 0})
+    assert torch.equal(loaded["model"]["w"], payload()["model"]["w"]) and loaded["step"] == 10
+
+
+def test_defaults_follow_the_reference_where_they_mean_the_same() -> None:
+    config = CheckpointManager.Config()
+    assert isinstance(config.save, AsyncCheckpointSaverConfig)
+    assert config.save.wait_timeout_secs == 600
+    assert config.load.use_mmap is True
+    staging = config.save.staging_config
+    assert staging.use_pinned_memory == torch.cuda.is_available()
+    assert staging.use_non_blocking_copy == torch.cuda.is_available()
+    assert staging.use_async_staging and not staging.use_shared_memory
+    assert config.save.writer_config.checkpoint_write_barrier_timeout_sec == 600
+    assert AsyncCheckpointSaverConfig(wait_timeout_secs=None).wait_timeout_secs is None
+    assert isinstance(CheckpointManager.Config.with_sync_save().save, SyncCheckpointSaverConfig)
+    assert not isinstance(AsyncCheckpointSaverConfig(), SyncCheckpointSaverConfig)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: AsyncCheckpointSaverConfig(wait_timeout_secs=-1), "wait_timeout_secs"),
+        (lambda: SyncCheckpointSaverConfig(wait_timeout_secs=-0.5), "wait_timeout_secs"),
+        (lambda: CheckpointWriterConfig(file_write_max_threads=0), "file_write_max_threads"),
+        (
+            lambda: CheckpointWriterConfig(checkpoint_write_barrier_timeout_sec=0),
+            "checkpoint_write_barrier_timeout_sec",
+        ),
+    ],
+)
+def test_bad_values_raise_value_error_naming_the_field(make: Any, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_fields_are_checked_when_assigned_later_too() -> None:
+    config = cpu_async_config()
+    with pytest.raises(ValueError, match=r"wait_timeout_secs.*non-negative or None"):
+        config.save.wait_timeout_secs = -1
+    assert config.save.wait_timeout_secs == 30  # unchanged
+    with pytest.raises(ValueError, match="file_write_max_threads"):
+        config.save.writer_config.file_write_max_threads = 0
+    with pytest.raises(TypeError, match="file_write_max_threads"):
+        config.save.writer_config.file_write_max_threads = 2.5
+    with pytest.raises(TypeError, match="use_mmap"):
+        config.load.use_mmap = "yes"
+    with pytest.raises(TypeError, match=r"Config.save"):
+        config.save = CheckpointLoaderConfig()
+    with pytest.raises(TypeError, match=r"Config.items\['model'\]"):
+        config.items = {"model": {"requires_copy": False}}
+    with pytest.raises(TypeError, match=r"finalize_callback.*callable"):
+        config.finalize_callback = "print"
+    with pytest.raises(TypeError, match=r"CheckpointManager.Config"):
+        CheckpointManager({"save": None})  # type: ignore[arg-type]
+
+
+def test_unknown_attributes_are_refused_with_the_closest_field() -> None:
+    """A typo must not silently add an attribute nobody reads."""
+    config = CheckpointManager.Config()
+    with pytest.raises(AttributeError, match=r"no field 'finalize_calback'.*'finalize_callback'"):
+        config.finalize_calback = print
+    with pytest.raises(AttributeError, match="use_pinned_memory"):
+        config.save.staging_config.use_pinned_mem = True  # type: ignore[union-attr]
+    with pytest.raises(AttributeError, match="requires_copy"):
+        ItemSpec().require_copy = False
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        CheckpointWriterConfig(max_threads=4)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda: CheckpointStagerConfig(use_shared_memory=True), "thread.*shared memory"),
+        (lambda: AsyncCheckpointSaverConfig(process_config=object()), "no process"),
+        (lambda: CheckpointWriterConfig(barrier_config=object()), "gloo"),
+        (lambda: CheckpointWriterConfig(temp_dir_prefix=".staging-"), "'.tmp-'.*prune"),
+        (lambda: ItemSpec(resharder=object()), "resharded"),
+        (lambda: ItemSpec(layout="flat"), "not supported"),
+        (lambda: CheckpointManager.Config(subprocess_init_fn=print), "no\\s+subprocess"),
+        (lambda: CheckpointManager.Config(subprocess_init_args=(1,)), "no\\s+subprocess"),
+    ],
+)
+def test_fields_fastckpt_cannot_honour_are_refused_with_the_reason(make: Any, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        make()
+
+
+# --------------------------------------------------------------------------- callbacks
+
+
+def test_sync_finalize_callback_runs_once_the_checkpoint_is_durable(tmp_path: Path) -> None:
+    calls: list[tuple[str, Any, bool, int]] = []
+    target = str(tmp_path / "sync")
+
+    def finalize(checkpoint_id: str, logger: Any) -> None:
+        # The checkpoint is committed and loads, verified, from inside the callback.
+        step = CheckpointManager(CheckpointManager.Config.with_sync_save()).load(checkpoint_id)
+        calls.append(
+            (checkpoint_id, logger, (Path(checkpoint_id) / "commit.json").is_file(), step["step"])
+        )
+
+    config = CheckpointManager.Config.with_sync_save()
+    config.finalize_callback = finalize
+    with config.build() as manager:
+        assert manager.save(target, payload()) is None
+        assert len(calls) == 1  # before save returned
+    checkpoint_id, logger, committed, step = calls[0]
+    assert checkpoint_id == target and committed and step == 10
+    assert isinstance(logger, logging.Logger)
+
+
+def test_pre_finalize_callback_runs_before_the_checkpoint_is_visible(tmp_path: Path) -> None:
+    seen: list[bool] = []
+    config = CheckpointManager.Config.with_sync_save()
+    config.pre_finalize_callback = lambda cid, _: seen.append(Path(cid).exists())
+    config.finalize_callback = lambda cid, _: seen.append(Path(cid).exists())
+    with config.build() as manager:
+        manager.save(tmp_path / "c", payload())
+    assert seen == [False, True]
+
+
+def test_async_finalize_callback_runs_on_the_writer_thread_before_the_future(
+    tmp_path: Path,
+) -> None:
+    seen: list[tuple[str, bool]] = []
+
+    def finalize(checkpoint_id: str, _logger: Any) -> None:
+        seen.append(
+            (threading.current_thread().name, (Path(checkpoint_id) / "commit.json").is_file())
+        )
+
+    config = cpu_async_config()
+    config.finalize_callback = finalize
+    with config.build() as manager:
+        future = manager.save(tmp_path / "a", payload())
+        assert future is not None
+        future.result(timeout=30)
+        assert len(seen) == 1  # the Future resolves after the callback
+    thread, committed = seen[0]
+    assert thread != threading.current_thread().name and committed
+
+
+def test_a_failing_async_finalize_callback_is_reported_like_a_write_failure(
+    tmp_path: Path,
+) -> None:
+    def finalize(checkpoint_id: str, _logger: Any) -> None:
+        raise OSError(f"could not upload {checkpoint_id}")
+
+    config = cpu_async_config()
+    config.finalize_callback = finalize
+    manager = config.build()
+    future = manager.save(tmp_path / "a", payload())
+    assert future is not None
+    with pytest.raises(OSError, match="could not upload"):
+        future.result(timeout=30)
+    with pytest.raises(RuntimeError, match="previous background checkpoint write failed") as info:
+        manager.save(tmp_path / "b", payload())
+    assert isinstance(info.value.__cause__, OSError)
+    config.finalize_callback = None
+    future = manager.save(tmp_path / "b", payload())  # the manager stays usable
+    assert future is not None
+    future.result(timeout=30)
+    manager.close()
+
+
+def test_a_failing_sync_finalize_callback_raises_from_save(tmp_path: Path) -> None:
+    config = CheckpointManager.Config.with_sync_save()
+
+    def finalize(checkpoint_id: str, _logger: Any) -> None:
+        raise ValueError("rejected")
+
+    config.finalize_callback = finalize
+    with config.build() as manager, pytest.raises(ValueError, match="rejected"):
+        manager.save(tmp_path / "s", payload())
+
+
+# --------------------------------------------------------------------------- prewarm_staging
+
+
+def test_prewarm_staging_allocates_the_buffers_the_first_save_reuses(tmp_path: Path) -> None:
+    config = cpu_async_config()
+    config.items = {"frozen": ItemSpec(requires_copy=False)}
+    state: dict[str, Any] = {
+        "model": {"w": torch.randn(256, 256)},
+        "frozen": {"e": torch.randn(512)},
+        "step": 1,
+    }
+    with config.build() as manager:
+        stager: Any = manager._stager
+        assert stager.nbytes == 0
+        manager.prewarm_staging(state)
+        # Only the requires_copy item is staged.
+        assert stager.nbytes == 256 * 256 * 4
+        buffers = {name: t.data_ptr() for name, t in stager._pool.buffers.items()}
+        future = manager.save(tmp_path / "c", state)
+        assert future is not None
+        future.result(timeout=30)
+        after = {name: t.data_ptr() for name, t in stager._pool.buffers.items()}
+        assert after == buffers  # no allocation at the first save
+        loaded = manager.load(tmp_path / "c")
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"])
+
+
+def test_prewarm_staging_checks_keys_like_save_and_is_nothing_for_sync(tmp_path: Path) -> None:
+    config = cpu_async_config()
+    config.default = None
+    with config.build() as manager, pytest.raises(KeyError, match="strict mode"):
+        manager.prewarm_staging({"model": torch.zeros(2)})
+    with CheckpointManager.Config.with_sync_save().build() as manager:
+        manager.prewarm_staging(payload())  # sync saves write the live tensors: no buffers
+        assert manager._stager.nbytes == 0
+    closed = cpu_async_config().build()
+    closed.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        closed.prewarm_staging(payload())
+
+
+# --------------------------------------------------------------------------- use_mmap
+
+
+def mapped(path: Path) -> bool:
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.parametrize("use_mmap", [True, False])
+def test_use_mmap_decides_whether_loaded_tensors_map_the_file(
+    tmp_path: Path, use_mmap: bool
+) -> None:
+    config = CheckpointManager.Config.with_sync_save()
+    config.load = CheckpointLoaderConfig(use_mmap=use_mmap)
+    with config.build() as manager:
+        manager.save(tmp_path / "c", payload())
+        loaded = manager.load(tmp_path / "c")
+        assert torch.equal(loaded["model"]["w"], payload()["model"]["w"])
+        assert mapped(tmp_path / "c" / "model.safetensors") == use_mmap
