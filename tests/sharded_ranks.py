@@ -249,8 +249,9 @@ def strategy_train() -> None:
     """FSDP2 + AdamW + StepLR for 6 steps with a CheckpointHook every 2 steps (keep_last=2)."""
     root, rank, _ = _setup()
     torch.manual_seed(0)
-    recorder = Recorder(root.parent, save_at=(4, 6))
-    hook = fastckpt.CheckpointHook(root, step_interval=2, keep_last=2)
+    recorder = Recorder(root.parent, save_at=(3, 4, 6))
+    hook = fastckpt.CheckpointHook(root, step_interval=2, keep_last=2)  # async (default)
+    sync_hook = fastckpt.CheckpointHook(root.parent / "sync-run", step_interval=3, async_save=False)
     strategy = fastckpt.TrainingStrategy(
         shard(build_model()),
         fastckpt.OptimizerConfig(
@@ -260,11 +261,12 @@ def strategy_train() -> None:
             {"step_size": 3, "gamma": 0.5},
         ),
         training_fn=training_fn,
-        hooks=[hook, recorder],
+        hooks=[hook, sync_hook, recorder],
         num_steps=6,
     )
     strategy.run(loader())
-    print(json.dumps({"rank": rank, "losses": recorder.losses, "last": hook.last_checkpoint_index}))
+    last = [hook.last_checkpoint_index, sync_hook.last_checkpoint_index]
+    print(json.dumps({"rank": rank, "losses": recorder.losses, "last": last}))
     leave_process_group()
 
 

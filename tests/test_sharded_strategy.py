@@ -26,7 +26,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]
     root = tmp_path_factory.mktemp("sharded-strategy") / "run"
     reports = _reports(launch("strategy_train", root, 2))
     assert reports[0]["losses"] == reports[1]["losses"]
-    assert [r["last"] for r in reports] == [2, 2]  # every rank took part in every save
+    # every rank took part in every save: async every 2 steps, sync at steps 3 and 6
+    assert [r["last"] for r in reports] == [[2, 1], [2, 1]]
     return root, reports[0]["losses"]
 
 
@@ -86,6 +87,19 @@ def test_sharded_checkpoint_resumes_unsharded_without_a_process_group(
         assert torch.equal(tensor, step4[f"model.{name}"]), name
     strategy.run(loader())
     assert recorder.losses == pytest.approx(losses[4:], rel=1e-6)
+
+
+def test_synchronous_hook_saves_load_too(trained: tuple[Path, list[float]]) -> None:
+    root, _ = trained
+    run = root.parent / "sync-run"
+    assert [c["index"] for c in fastckpt.list_checkpoints(run)] == [0, 1]
+    strategy = fastckpt.TrainingStrategy.load_checkpoint(run, 0, training_fn=training_fn)
+    assert strategy.step_count == 3
+    step3 = safetensors.torch.load_file(root.parent / "reference-step3.safetensors")
+    for name, tensor in strategy.models["main"].state_dict().items():
+        assert torch.equal(tensor, step3[f"model.{name}"]), name
+    optimizer = strategy.optimizers["main"].state_dict()
+    assert optimizer["state"][0]["step"].item() == 3.0
 
 
 def test_parallelize_is_refused_for_unsharded_checkpoints(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from fastckpt import specs
 
 __all__ = [
     "SHARDED_DIR",
+    "async_save_sharded",
     "check_not_fsdp1",
     "check_recordable",
     "is_sharded_model",
@@ -132,6 +133,26 @@ def save_sharded(
     path = sharded_path(root, index)
     save_state(path, _state(models, optimizers))
     return path
+
+
+def async_save_sharded(
+    root: str | Path,
+    index: int,
+    models: Mapping[str, torch.nn.Module],
+    optimizers: Mapping[str, torch.optim.Optimizer],
+    *,
+    writer: Any,
+    process_group: Any = None,
+) -> Any:
+    """:func:`save_sharded` in the background: returns once every rank's shards are staged
+    into ``writer``'s (a :class:`fastckpt.dcp.Writer`, reused) buffers, with the future of
+    the upload and commit."""
+    from fastckpt.dcp.state import async_save_state
+
+    path = sharded_path(root, index)
+    return async_save_state(
+        path, _state(models, optimizers), writer=writer, process_group=process_group
+    )
 
 
 def load_sharded(

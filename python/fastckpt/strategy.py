@@ -465,7 +465,8 @@ class TrainingStrategy:
             return codec.write_snapshot(root, self.checkpoint_snapshot(), checkpoint_index)
         return self._save_sharded(Path(root), checkpoint_index)
 
-    def _save_sharded(self, root: Path, checkpoint_index: int) -> int:
+    def _sharded_index(self, root: Path, checkpoint_index: int) -> int:
+        """The index every rank saves into: rank 0's choice, broadcast (collective)."""
         import torch.distributed as dist
 
         rank, world = _world()
@@ -479,6 +480,34 @@ class TrainingStrategy:
         index = int(decided[0])
         if index < 0:
             raise ValueError(f"checkpoint_index must be -1 or >= 0, got {checkpoint_index}")
+        return index
+
+    def start_sharded_save(
+        self, root: str | Path, *, writer: Any, process_group: Any = None
+    ) -> tuple[int, Any]:
+        """Begin an async checkpoint of a :attr:`sharded` strategy (collective; used by
+        :class:`~fastckpt.hooks.CheckpointHook`).
+
+        Every rank stages its shards into ``writer``'s reused buffers (training may go on once
+        this returns) and uploads them in the background on ``process_group`` (a gloo group
+        for checkpoints only). Rank 0 commits the index afterwards, once the returned future
+        resolved: ``write_snapshot(root, snapshot, index)`` with a :meth:`checkpoint_snapshot`
+        taken now.
+
+        Returns:
+            The index and the future of the sharded part.
+        """
+        index = self._sharded_index(Path(root), -1)
+        future = sharded_training.async_save_sharded(
+            root, index, self.models, self.optimizers, writer=writer, process_group=process_group
+        )
+        return index, future
+
+    def _save_sharded(self, root: Path, checkpoint_index: int) -> int:
+        import torch.distributed as dist
+
+        rank, world = _world()
+        index = self._sharded_index(root, checkpoint_index)
         sharded_training.save_sharded(root, index, self.models, self.optimizers)
         outcome: list[Any] = [None]
         if rank == 0:

@@ -14,6 +14,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from fastckpt.components import Snapshot, write_snapshot
 from fastckpt.hooks.context import TrainContext, TrainingStage
@@ -45,7 +46,7 @@ class CheckpointHook:
             two intervals must be given.
         async_save: capture on the training thread, write on a background thread.
         rank_zero_only: under a process group, only global rank 0 writes (unsharded state;
-            a strategy with FSDP2-sharded models is saved by every rank, synchronously).
+            a strategy with FSDP2-sharded models is saved by every rank, each its shards).
         keep_last: after each save keep only the newest N indices (None keeps all).
         save_last: at the end of ``run`` (AFTER_TRAINING), save once more when the run
             advanced past the last saved step (``num_steps=10, step_interval=3`` saves step
@@ -109,6 +110,7 @@ class CheckpointHook:
         self._stager: Stager = make_stager(options)
         # Volatile tensors get their own pool: each pool keeps exactly the names it stages.
         self._volatile_stager: Stager = make_stager(options)
+        self._dcp_writer: tuple[Any, Any] | None = None  # (fastckpt.dcp.Writer, group)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -205,15 +207,67 @@ class CheckpointHook:
         )
 
     def _save_sharded(self, ctx: TrainContext) -> None:
-        """A strategy with FSDP2-sharded models: every rank writes its shards and rank 0
-        commits the index (:meth:`TrainingStrategy.save_checkpoint`), inline on the training
-        thread; then rank 0 prunes, sharded parts included."""
+        """A strategy with FSDP2-sharded models: every rank writes its shards, then rank 0
+        commits the index (recipe, counters, RNG, scheduler and hook states) and prunes,
+        sharded parts included.
+
+        Sync: :meth:`TrainingStrategy.save_checkpoint` on the training thread. Async: every
+        rank stages its shards into this hook's reused :class:`fastckpt.dcp.Writer` now; the
+        background thread waits for their upload (on a gloo group for checkpoints only), then
+        rank 0 stages the hook states and commits the index.
+        """
+        assert ctx.workflow is not None
+        if not self.async_save:
+            self.last_checkpoint_index = ctx.workflow.save_checkpoint(self.checkpoint_dir)
+            if ctx.global_rank == 0:
+                self._prune_sharded()
+            return
+        if not self._writer.running:
+            raise RuntimeError(
+                "CheckpointHook's async writer is not running: run it through "
+                "TrainingStrategy.run (which enters hooks) or use it as a context manager"
+            )
+        writer, group = self._sharded_writer()
+        index, future = ctx.workflow.start_sharded_save(
+            self.checkpoint_dir, writer=writer, process_group=group
+        )
+        snapshot: Snapshot | None = None
+        if ctx.global_rank == 0:
+            snapshot = ctx.workflow.checkpoint_snapshot()
+            self._stage(snapshot, only_volatile=True)
+
+        def write() -> int:
+            future.result()
+            if snapshot is not None:
+                write_snapshot(self.checkpoint_dir, snapshot, index)
+                self._prune_sharded()
+            return index
+
+        def capture() -> None:
+            if snapshot is not None:
+                self._stage(snapshot, only_volatile=False)
+
+        self._writer.submit(str(self.checkpoint_dir), write, capture=capture)
+
+    def _sharded_writer(self) -> tuple[Any, Any]:
+        """This hook's DCP writer and checkpoint process group, made at the first async
+        sharded save (every rank is there, so the group creation is collective)."""
+        if self._dcp_writer is None:
+            import torch.distributed as dist
+
+            from fastckpt.dcp.writer import Writer
+
+            group = None
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                group = dist.new_group(backend="gloo")
+            options = StagerOptions(pinned=_cuda_available(), non_blocking=_cuda_available())
+            self._dcp_writer = (Writer(self.checkpoint_dir, stager_options=options), group)
+        return self._dcp_writer
+
+    def _prune_sharded(self) -> None:
         from fastckpt.sharded_training import remove_sharded
 
-        assert ctx.workflow is not None
-        index = ctx.workflow.save_checkpoint(self.checkpoint_dir)
-        self.last_checkpoint_index = index
-        if self.keep_last is not None and ctx.global_rank == 0:
+        if self.keep_last is not None:
             remove_sharded(self.checkpoint_dir, prune_indices(self.checkpoint_dir, self.keep_last))
 
     def _stage(self, snapshot: Snapshot, *, only_volatile: bool) -> None:
