@@ -38,7 +38,7 @@ MEMORY_KEYS = {"available", "reason", "status", "saves", "peak_reset", "baseline
 MEMORY_KEYS |= {"peak_extra_mib", "peak_extra_all_saves_mib", "rss_after_saves_mib", "growth_mib"}
 TRAINING_KEYS = {"label", "status", "available", "reason", "runs", "warmup", "steps_per_s"}
 TRAINING_KEYS |= {"stall_seconds_per_checkpoint", "lock_wait_seconds", "ratio_vs_none"}
-TRAINING_KEYS |= {"overhead"}
+TRAINING_KEYS |= {"overhead", "overhead_of_medians", "overhead_per_run", "closing"}
 ENV_KEYS = {"python", "torch", "safetensors", "numpy", "fastckpt", "cpu_model", "cpu_count"}
 ENV_KEYS |= {"memory_gib", "filesystem", "dir", "platform", "torch_threads"}
 ENV_KEYS |= {"load_average_start", "load_average_end"}
@@ -121,6 +121,14 @@ def test_memory_and_training_figures(full_run: tuple[dict[str, Any], Path, str])
         assert set(entry) >= TRAINING_KEYS, name
         _ok_or_optional(name, entry)
     assert scenarios["none"]["ratio_vs_none"] == pytest.approx(1.0)
+    assert scenarios["none"]["closing"]["rep"] == results["config"]["repeats"] + 1
+    for name in ("fastckpt-async", "dcp-async"):
+        if scenarios[name]["status"] == "ok":
+            run = scenarios[name]["runs"][0]
+            assert run["overhead"] == pytest.approx(
+                1 - run["steps_per_s"] / run["baseline_steps_per_s"]
+            )
+            assert scenarios[name]["overhead"] == pytest.approx(run["overhead"])  # one repetition
     assert set(results["training"]["config"]) >= {"steps", "every", "hidden", "layers", "batch"}
 
 

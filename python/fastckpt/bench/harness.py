@@ -5,7 +5,8 @@ writes (one untimed warm-up round, then ``repeats`` rounds, each running every w
 drift hits all of them alike; each output deleted and the filesystem synced between runs);
 reads (inputs written once, then ``repeats`` interleaved rounds, caches dropped before each
 read); memory (one child process per writer); the training loop (scenarios interleaved per
-repetition); the bar.
+repetition, each checkpointing run compared with the baseline runs on both sides of it); the
+bar.
 """
 
 from __future__ import annotations
@@ -296,6 +297,44 @@ def _run_memory(names: list[str], root: Path, config: BenchConfig) -> dict[str, 
     }
 
 
+def _training_once(
+    name: str, entry: dict[str, Any], root: Path, config: BenchConfig
+) -> dict[str, Any] | None:
+    """One run of a training scenario; a failure or absence is recorded in ``entry``."""
+    try:
+        result = training.run_training(name, config.training_config, root)
+    except Exception as err:
+        entry.update(status="failed", available=False, reason=_error_text(err))
+        traceback.print_exc(file=sys.stderr)
+        return None
+    if not result["available"]:
+        entry.update(status="not available", available=False, reason=result["reason"])
+        config.log(f"  {name}: not available ({result['reason']})")
+        return None
+    return result
+
+
+def _paired_overheads(scenarios: dict[str, Any]) -> None:
+    """Per run, the throughput loss against the mean of the baseline runs just before and just
+    after it (the same repetition's ``none`` run and the next one, or the closing run), so
+    that load drifting between repetitions cancels; stored per run and summarized."""
+    baseline = scenarios["none"]
+    by_rep = {run["rep"]: run["steps_per_s"] for run in baseline["runs"]}
+    closing = baseline.get("closing")
+    if closing is not None:
+        by_rep[closing["rep"]] = closing["steps_per_s"]
+    for name, entry in scenarios.items():
+        losses = []
+        for run in entry["runs"]:
+            around = [by_rep[r] for r in (run["rep"], run["rep"] + 1) if r in by_rep]
+            if name == "none" or not around:
+                continue
+            run["baseline_steps_per_s"] = sum(around) / len(around)
+            run["overhead"] = 1.0 - run["steps_per_s"] / run["baseline_steps_per_s"]
+            losses.append(run["overhead"])
+        entry["overhead_per_run"] = summarize(losses)
+
+
 def _run_training(root: Path, config: BenchConfig) -> dict[str, Any]:
     tc = config.training_config
     scenarios: dict[str, Any] = {name: _entry(name, "ok", None) for name in training.SCENARIOS}
@@ -304,15 +343,8 @@ def _run_training(root: Path, config: BenchConfig) -> dict[str, Any]:
             entry = scenarios[name]
             if not entry["available"]:
                 continue
-            try:
-                result = training.run_training(name, tc, root)
-            except Exception as err:
-                entry.update(status="failed", available=False, reason=_error_text(err))
-                traceback.print_exc(file=sys.stderr)
-                continue
-            if not result["available"]:
-                entry.update(status="not available", available=False, reason=result["reason"])
-                config.log(f"  {name}: not available ({result['reason']})")
+            result = _training_once(name, entry, root, config)
+            if result is None:
                 continue
             result["rep"] = rep
             if rep == 0:
@@ -324,22 +356,45 @@ def _run_training(root: Path, config: BenchConfig) -> dict[str, Any]:
                 f"  {label} {name:15s} {result['steps_per_s']:7.2f} steps/s"
                 f"  ({result['checkpoints']} checkpoints of {result['checkpoint_mib']:.0f} MiB)"
             )
-    baseline = summarize([r["steps_per_s"] for r in scenarios["none"]["runs"]])["median"]
+    # A closing baseline run, so that the last repetition's checkpointing runs have a baseline
+    # after them too.
+    none = scenarios["none"]
+    closing = _training_once("none", none, root, config) if none["available"] else None
+    if closing is not None:
+        closing["rep"] = config.repeats + 1
+        config.log(f"  closing none           {closing['steps_per_s']:7.2f} steps/s")
+    none["closing"] = closing
+    baseline = summarize([r["steps_per_s"] for r in none["runs"]])["median"]
+    _paired_overheads(scenarios)
     for entry in scenarios.values():
         runs = entry["runs"]
         entry.setdefault("warmup", None)
+        entry.setdefault("closing", None)
         entry["steps_per_s"] = summarize([r["steps_per_s"] for r in runs])
         stalls = [s for r in runs for s in r["stall_seconds"]]
         entry["stall_seconds_per_checkpoint"] = summarize(stalls)
         entry["lock_wait_seconds"] = summarize([r["lock_wait_seconds"] for r in runs])
         median = entry["steps_per_s"]["median"]
+        paired = entry["overhead_per_run"]["median"]
         if entry["available"] and baseline and median:
             entry["ratio_vs_none"] = median / baseline
-            entry["overhead"] = 1.0 - median / baseline
+            entry["overhead_of_medians"] = 1.0 - median / baseline
+            # The loss against the neighbouring baseline runs (0 for the baseline itself).
+            entry["overhead"] = paired if paired is not None else 1.0 - median / baseline
         else:
             entry["ratio_vs_none"] = None
+            entry["overhead_of_medians"] = None
             entry["overhead"] = None
-    return {"config": tc.as_dict(), "scenarios": scenarios}
+    return {
+        "config": tc.as_dict(),
+        "method": (
+            "scenarios interleaved in every repetition (none, fastckpt-async, dcp-async), plus "
+            "a closing none run; overhead = median over runs of 1 - steps/s / mean(steps/s of "
+            "the none runs just before and after it); overhead_of_medians = 1 - median "
+            "steps/s / median none steps/s"
+        ),
+        "scenarios": scenarios,
+    }
 
 
 def run(config: BenchConfig) -> dict[str, Any]:

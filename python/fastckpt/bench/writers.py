@@ -150,7 +150,7 @@ class FastckptWriter(Writer):
     (:func:`fastckpt.files.choose_direct_io`), checksums on. The notes say which mode ran."""
 
     name = "fastckpt"
-    label = "fastckpt save_file (default: O_DIRECT or buffered by size)"
+    label = "fastckpt save_file (default mode: O_DIRECT from 64 MiB)"
     suffix = ".safetensors"
     direct_io: bool | None = None
     checksums = True
@@ -171,6 +171,15 @@ class FastckptDirectWriter(FastckptWriter):
     name = "fastckpt-direct"
     label = "fastckpt save_file (O_DIRECT forced)"
     direct_io = True
+
+
+class FastckptBufferedWriter(FastckptWriter):
+    """``fastckpt.save_file`` through the page cache (``direct_io=False``): the other write
+    mode, measured side by side with the default so the choice can be checked."""
+
+    name = "fastckpt-buffered"
+    label = "fastckpt save_file (buffered forced)"
+    direct_io = False
 
 
 class FastckptNoChecksumWriter(FastckptWriter):
@@ -413,6 +422,7 @@ WRITERS: dict[str, type[Writer]] = {
     for cls in (
         FastckptWriter,
         FastckptDirectWriter,
+        FastckptBufferedWriter,
         FastckptNoChecksumWriter,
         FastckptAsyncWriter,
         TorchSaveWriter,
