@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from checkpoint_support import (
     crash_harness,
     detected,
     loaded_states,
+    manager_state,
     mload,
     save,
     states,
@@ -44,6 +46,7 @@ from fastckpt.store import backend
 from fastckpt.store.commit import RootLock
 from fastckpt.store.records import MANIFEST, Manifest, seal_manifest
 from fastckpt.verify import verify
+from replace_writer import save_at
 
 #: The ``saved`` fixture (two indices of a root and two manager checkpoints).
 pytest_plugins = ["checkpoint_support"]
@@ -145,6 +148,97 @@ def test_disk_full_at_every_point_of_a_save(tmp_path: Path) -> None:
         assert stages == {".safetensors", ".json", "manifest"}, stages
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_replacing_an_index_on_a_full_disk_keeps_the_old_or_the_new(tmp_path: Path) -> None:
+    """Issue 14.1: free space swept one page at a time around a replacement of index 0 (and of
+    the latest index 1): after every failure the index is committed, old or new, and loads."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "2m"):
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root and mount rights)")
+    try:
+        root = disk / "root"
+        old, new, other = trained(1), trained(2), trained(3)
+        failures: dict[int, int] = {}
+        for index in (0, 1):
+            for free in range(60):
+                shutil.rmtree(root, ignore_errors=True)
+                (disk / "filler").unlink(missing_ok=True)
+                save_at(root, old if index == 0 else other, 0)
+                save_at(root, old if index == 1 else other, 1)
+                # A reader still has the old index open (as a training run that loaded it
+                # does): deleting its directory frees no space.
+                held = [os.open(path, os.O_RDONLY) for path in (root / str(index)).rglob("*.*")]
+                _leave_free(disk, free)
+                try:  # the new entry records more: the manifest grows by a few pages
+                    save_at(root, new, index, counters=800)
+                except OSError as err:
+                    assert err.errno == errno.ENOSPC, err
+                    failures[index] = failures.get(index, 0) + 1
+                    (disk / "filler").unlink()
+                    for fd in held:
+                        os.close(fd)
+                    assert Manifest.load(root, verify_checksum=True).entries.keys() == {0, 1}
+                    assert verify(root).ok, verify(root)
+                    loaded = loaded_states(load_checkpoint(root, index))
+                    try:
+                        assert_same(states(old), loaded)
+                    except AssertionError:
+                        assert_same(states(new), loaded)
+                    assert_same(states(other), loaded_states(load_checkpoint(root, 1 - index)))
+                    leftovers = [p.name for p in root.iterdir() if p.name.startswith(".")]
+                    assert leftovers == [], leftovers
+                    continue
+                (disk / "filler").unlink()
+                for fd in held:
+                    os.close(fd)
+                assert verify(root).ok
+                assert_same(states(new), loaded_states(load_checkpoint(root, index)))
+                break
+            else:
+                raise AssertionError("the replacement never fit")
+        assert failures.get(0, 0) > 5 and failures.get(1, 0) > 5, failures
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+@pytest.mark.parametrize("mode", ["index", "manager", "prune"])
+def test_a_reader_during_replacements_sees_the_old_or_the_new(tmp_path: Path, mode: str) -> None:
+    """Issue 14.4: one process replaces a checkpoint in a loop (index 0 of a root, a
+    CheckpointManager id, or new indices with a prune of the older ones), this one loads it
+    meanwhile: every load returns one of the two saved states, none raises."""
+    first, second = trained(1), trained(2)
+    path = tmp_path / ("ckpt" if mode == "manager" else "root")
+    if mode == "manager":
+        with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+            manager.save(path, manager_state(first))
+        expected = [manager_state(first), manager_state(second)]
+    else:
+        save_at(path, first, 0 if mode == "index" else -1)
+        expected = [states(first), states(second)]
+    writer = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "replace_writer.py"), mode, str(path), "25"],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+    )
+    loads = 0
+    try:
+        while writer.poll() is None or loads < 5:
+            if mode == "manager":
+                got = mload(path)
+            else:
+                got = loaded_states(load_checkpoint(path, 0 if mode == "index" else -1))
+            for candidate in expected:
+                if crash_harness.difference(candidate, got) is None:
+                    break
+            else:
+                raise AssertionError(f"load {loads} returned neither saved state")
+            loads += 1
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+        writer.wait()
+    assert writer.returncode == 0
+    assert loads >= 5
 
 
 def test_root_lock_excludes_other_holders(tmp_path: Path) -> None:

@@ -33,8 +33,10 @@ from fastckpt.components import (
     load_components,
     write_snapshot,
 )
+from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.store.commit import prune_indices
-from fastckpt.store.records import Manifest
+from fastckpt.store.records import MANIFEST, Manifest
+from fastckpt.store.snapshot import read_consistently
 from fastckpt.strategy import TrainingStrategy
 
 __all__ = [
@@ -136,13 +138,40 @@ def load_checkpoint(
         UntrustedTargetError: a spec names code outside the trust policy.
     """
     del strategy  # accepted for signature compatibility: the checkpoint says what it holds
-    result = load_components(
-        root, checkpoint_index, map_location, model_names, validators=validators, trusted=trusted
-    )
-    reader = result.pop("reader")
-    if "strategy.json" in reader.files and model_names is None:
-        result["strategy"] = TrainingStrategy.from_loaded(
-            result["models"],
+
+    def attempt() -> dict[str, Any]:
+        result = load_components(
+            root,
+            checkpoint_index,
+            map_location,
+            model_names,
+            validators=validators,
+            trusted=trusted,
+        )
+        reader = result.pop("reader")
+        if "strategy.json" in reader.files and model_names is None:
+            result["strategy"] = _restore_strategy(
+                result["models"], reader, hooks, training_fn, trusted, map_location
+            )
+        return result
+
+    # A save replacing the index, or a prune, while this reads: read again (bounded).
+    return read_consistently(Path(root) / MANIFEST, attempt, lock_root=Path(root))
+
+
+def _restore_strategy(
+    models: dict[str, Any],
+    reader: Any,
+    hooks: Any,
+    training_fn: Any,
+    trusted: Trusted,
+    map_location: str | torch.device | None,
+) -> Any:
+    """``TrainingStrategy.from_loaded``, with the malformed-field errors of a hostile
+    ``strategy.json`` / ``hooks.json`` (whose checksums were re-sealed) as typed errors."""
+    try:
+        return TrainingStrategy.from_loaded(
+            models,
             reader,
             hooks=hooks,
             training_fn=training_fn,
@@ -150,7 +179,13 @@ def load_checkpoint(
             map_location=map_location,
             require_training_fn=False,
         )
-    return result
+    except FastCkptError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as err:
+        raise CheckpointFormatError(
+            f"{reader.directory}/strategy.json or hooks.json: a field has the wrong type or "
+            f"value ({type(err).__name__}: {err}); the checkpoint was edited or is damaged"
+        ) from err
 
 
 # --------------------------------------------------------------------------- housekeeping

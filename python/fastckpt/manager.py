@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from fastckpt import tree
-from fastckpt.errors import CheckpointMismatchError, FastCkptError
+from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, FastCkptError
 from fastckpt.manager_config import (
     AsyncCheckpointSaverConfig,
     CheckpointLoaderConfig,
@@ -52,7 +52,8 @@ from fastckpt.stateful import check_template, contains_stateful, prepare_save, r
 from fastckpt.store.commit import DirectoryWriter
 from fastckpt.store.paths import check_name
 from fastckpt.store.reader import read_manager_item
-from fastckpt.store.records import COMMIT_RECORD, commit_record, read_commit_record
+from fastckpt.store.records import COMMIT_RECORD, commit_record, item_files, read_commit_record
+from fastckpt.store.snapshot import read_consistently
 
 __all__ = [
     "AsyncCheckpointSaverConfig",
@@ -496,7 +497,20 @@ class CheckpointManager:
                 check_template(template, key)
         if _is_sharded(directory):
             return self._load_sharded(directory, into, map_location, strict)
-        record = read_commit_record(directory)
+
+        def read_all() -> tuple[dict[str, Any], dict[str, Any]]:
+            # The record and every item it names, as one snapshot (nothing applied yet).
+            record = read_commit_record(directory)
+            values: dict[str, Any] = {}
+            for key in record["items"] if into is None else into:
+                if key in record["items"]:
+                    values[key] = _load_checked_item(
+                        directory, record, key, self._dist.rank, map_location, self.config
+                    )
+            return record, values
+
+        # A save replacing this checkpoint while it is read: read again (bounded).
+        record, values = read_consistently(directory / COMMIT_RECORD, read_all)
         available = record["items"]
         keys = list(available) if into is None else list(into)
         result: dict[str, Any] = {}
@@ -507,11 +521,8 @@ class CheckpointManager:
                 if into is not None:
                     result[key] = into[key]
                 continue
-            value = _load_item(
-                directory, record, key, self._dist.rank, map_location, self.config.load.use_mmap
-            )
             template = None if into is None else into[key]
-            result[key] = restore(template, value, key, strict, _merge)
+            result[key] = restore(template, values[key], key, strict, _merge)
         log_throughput("loaded", str(directory), record["files"].values(), start)
         return result
 
@@ -612,6 +623,22 @@ def _load_item(
             name: t.to(map_location or t.device, copy=not use_mmap) for name, t in tensors.items()
         }
     return tree.unflatten(skeleton, tensors, key)
+
+
+def _load_checked_item(
+    directory: Path, record: Mapping[str, Any], key: str, rank: int, map_location: Any, config: Any
+) -> Any:
+    """:func:`_load_item`, with the malformed-skeleton errors of a hostile item JSON (whose
+    checksum was re-sealed) as :class:`CheckpointFormatError` naming the file."""
+    try:
+        return _load_item(directory, record, key, rank, map_location, config.load.use_mmap)
+    except FastCkptError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as err:
+        raise CheckpointFormatError(
+            f"{directory / item_files(record, key, rank)[0]}: field 'skeleton' is malformed "
+            f"({type(err).__name__}: {err}); the checkpoint was edited or is damaged"
+        ) from err
 
 
 def _merge(template: Any, value: Any, path: str, strict: bool) -> Any:

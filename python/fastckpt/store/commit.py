@@ -17,17 +17,20 @@ never leaves a stale lock.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.store.backend import (
     ATOMIC_TEMP_INFIX,
     TEMP_PREFIX,
     TRASH_PREFIX,
+    LocalStaging,
     backend_for,
     make_dirs,
 )
@@ -142,11 +145,18 @@ class IndexWriter(DirectoryWriter):
 
         Replacing a committed index first withdraws it from the manifest, so the manifest never
         names a directory whose files differ from its records (a crash in between loses the
-        replaced index, never corrupts it). If the final manifest write fails, the directory
-        is removed again. The root lock is released in every case.
+        replaced index, never corrupts it). Locally, an *error* at any step (a full disk
+        included) leaves the old index committed or the new one, never neither: the new
+        manifest is written (not yet renamed) before anything is withdrawn, the old manifest
+        and the old directory are kept (a hard link and a rename, no space needed) until the
+        new manifest is renamed into place and fsynced, and a failure puts them back by
+        renames alone. The root lock is released in every case.
         """
         try:
             manifest = Manifest.load(self.root)
+            if self.index in manifest.entries and isinstance(self.staging, LocalStaging):
+                _replace_local(self, manifest, {**entry, "files": self.files})
+                return
             if manifest.entries.pop(self.index, None) is not None:
                 manifest.commit()
             self.commit()
@@ -165,6 +175,74 @@ class IndexWriter(DirectoryWriter):
             super().abort()
         finally:
             self.lock.release()
+
+
+def _write_aside(path: Path, data: bytes) -> None:
+    """Write ``data`` durably to the new file ``path`` (not renamed anywhere)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_local(writer: IndexWriter, manifest: Manifest, entry: dict[str, Any]) -> None:
+    """Replace committed index ``writer.index`` of a local root (see
+    :meth:`IndexWriter.commit_entry`): on an error, the old index is committed again (or the
+    new one already is) before the error propagates."""
+    root, final = writer.root, writer.final
+    tag = f"{os.getpid()}.{os.urandom(4).hex()}"
+    record = root / MANIFEST
+    new_record = root / f".{MANIFEST}{ATOMIC_TEMP_INFIX}new.{tag}"
+    old_record = root / f".{MANIFEST}{ATOMIC_TEMP_INFIX}old.{tag}"
+    old_directory = root / f"{TRASH_PREFIX}{final.name}~{tag}"
+    withdrawn = Manifest(root, dict(manifest.entries))
+    del withdrawn.entries[writer.index]
+    replaced = Manifest(root, {**manifest.entries, writer.index: entry})
+    step = "start"
+    try:
+        _write_aside(new_record, replaced.to_json())  # the space the commit needs, taken first
+        try:
+            os.link(record, old_record)  # the old record, kept without a copy
+        except OSError:  # a filesystem without hard links: a copy, before anything changes
+            _write_aside(old_record, manifest.to_json())
+        step = "withdrawn"
+        withdrawn.commit()
+        step = "set aside"
+        if os.path.lexists(final):
+            os.rename(final, old_directory)
+        step = "published"
+        writer.commit()
+        step = "renamed"
+        os.rename(new_record, record)
+        _native.fsync_dir(str(root))
+        step = "done"
+    except BaseException:
+        _roll_back(step, record, old_record, final, old_directory, writer)
+        raise
+    finally:
+        for leftover in (new_record, old_record):
+            leftover.unlink(missing_ok=True)
+    shutil.rmtree(old_directory, ignore_errors=True)
+
+
+def _roll_back(
+    step: str, record: Path, old_record: Path, final: Path, old: Path, writer: IndexWriter
+) -> None:
+    """Undo :func:`_replace_local` up to ``step`` by renames only (no space needed)."""
+    if step in ("published", "renamed") and os.path.lexists(final):
+        aside = final.parent / f"{TEMP_PREFIX}{final.name}~undo.{os.urandom(4).hex()}"
+        os.rename(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    if step in ("set aside", "published", "renamed") and os.path.lexists(old):
+        os.rename(old, final)
+    if step in ("withdrawn", "set aside", "published", "renamed") and os.path.lexists(old_record):
+        os.rename(old_record, record)
+    _native.fsync_dir(str(record.parent))
+    writer.staging.discard()
 
 
 def _is_index_name(name: str) -> bool:
