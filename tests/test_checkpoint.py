@@ -102,7 +102,8 @@ def test_nested_specs_and_factory_with_device(tmp_path: Path) -> None:
     result = load_checkpoint(tmp_path, map_location="cpu")
     assert same_params(mlp, result["models"]["mlp"]["model"])
     assert same_params(net, result["models"]["net"]["model"])
-    assert FactoryNet.seen_devices == [torch.device("cpu")]
+    # Built once on the meta device (checked against the checkpoint), then for real.
+    assert FactoryNet.seen_devices == [torch.device("meta"), torch.device("cpu")]
 
 
 def two_models_setup() -> dict[str, Any]:

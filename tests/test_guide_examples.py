@@ -198,8 +198,9 @@ def test_factory_model_pattern(tmp_path: Path) -> None:
     restored = TrainingStrategy.load_checkpoint(
         tmp_path, map_location=torch.device("cpu"), hooks=[restored_ema], training_fn=training_fn
     )
-    assert FactoryWrapper.calls == [
-        {"path": "small-0b", "device": torch.device("cpu"), "cueq": True}
+    assert FactoryWrapper.calls == [  # checked on the meta device first, then built
+        {"path": "small-0b", "device": torch.device("meta"), "cueq": True},
+        {"path": "small-0b", "device": torch.device("cpu"), "cueq": True},
     ]
     assert torch.equal(restored.models["main"].net.weight, model.net.weight)
     assert restored_ema.num_updates == ema.num_updates

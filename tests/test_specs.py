@@ -1137,10 +1137,8 @@ def test_fastckpt_own_modules_may_be_imported() -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# Through the loaders (these pass once strategy.py / components.py call the functions above)
+# Through the loaders
 # ------------------------------------------------------------------------------------------
-
-CALL_SITE = "needs the call-site change in strategy.py/components.py described in the report"
 
 
 def train_step(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -1148,7 +1146,6 @@ def train_step(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return model(batch).square().mean()
 
 
-@pytest.mark.xfail(strict=True, reason=CALL_SITE)
 def test_strategy_restores_an_importable_training_fn_without_the_argument(tmp_path: Any) -> None:
     import fastckpt
 
@@ -1163,7 +1160,6 @@ def test_strategy_restores_an_importable_training_fn_without_the_argument(tmp_pa
     assert fastckpt.TrainingStrategy.load_checkpoint(tmp_path).training_fn is train_step
 
 
-@pytest.mark.xfail(strict=True, reason=CALL_SITE)
 def test_strategy_with_an_unrecordable_model_fails_at_construction() -> None:
     import fastckpt
 
@@ -1173,7 +1169,6 @@ def test_strategy_with_an_unrecordable_model_fails_at_construction() -> None:
         )
 
 
-@pytest.mark.xfail(strict=True, reason=CALL_SITE)
 def test_load_checkpoint_checks_a_resealed_spec_before_building(tmp_path: Any) -> None:
     import fastckpt
     from fastckpt import _native

@@ -226,11 +226,6 @@ def test_bench_without_matplotlib_exits_zero(clean_venv: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["state-0.001gib.json", "state-0.001gib.md"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fastckpt/__init__.py reads version('fastckpt'); it must read version('fastckpt-io') "
-    "now that the distribution is renamed (then `fastckpt --version` is right from a wheel)",
-)
 def test_version_comes_from_the_installed_distribution(clean_venv: Path, wheel: Path) -> None:
     result = subprocess.run(
         [str(clean_venv / "bin" / "fastckpt"), "--version"],

@@ -40,7 +40,7 @@ from fastckpt.strategy import FineTuningStrategy, OptimizerConfig, TrainingStrat
 from fastckpt.verify import VerifyReport, latest_intact, verify
 
 try:
-    __version__ = version("fastckpt")
+    __version__ = version("fastckpt-io")
 except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0.0.0"
 

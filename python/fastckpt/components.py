@@ -51,19 +51,22 @@ KINDS = ("models", "optimizers", "schedulers")
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Return the module to checkpoint: DDP unwrapped; FSDP/FSDP2 refused.
+    """Return the module to checkpoint whole: DDP unwrapped; FSDP/FSDP2 refused.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: FSDP/FSDP2-wrapped models (they need sharded checkpointing).
+        ValueError: FSDP/FSDP2-wrapped models (they are checkpointed sharded, see
+            :mod:`fastckpt.sharded_training`).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
     if _is_fsdp(model):
         raise ValueError(
             f"{type(model).__name__} is FSDP/FSDP2-sharded: each rank holds only a shard, so a "
-            "fastckpt strategy checkpoint would be incomplete. Use sharded checkpointing "
-            "(torch.distributed.checkpoint, or fastckpt.CheckpointManager with a process group)."
+            "whole-model component file would be incomplete. Checkpoint FSDP2 (fully_shard) "
+            "models sharded: TrainingStrategy + CheckpointHook, CheckpointManager, or "
+            "torch.distributed.checkpoint with fastckpt.dcp.Writer (FSDP1 is not supported: "
+            "shard with torch.distributed.fsdp.fully_shard)."
         )
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return unwrap_model(model.module)
@@ -391,21 +394,6 @@ def _spec_from(document: Any, where: str) -> specs.BaseSpec:
     return specs.BaseSpec.from_json(document, source=where)
 
 
-def _build_model(spec: specs.BaseSpec, map_location: Any, trusted: Trusted) -> torch.nn.Module:
-    overrides = {}
-    if map_location is not None and spec.accepts_kwarg("device", trusted=trusted):
-        overrides["device"] = torch.device(map_location)
-    try:
-        model = spec.build(trusted=trusted, kind="model", **overrides)
-    except FastCkptError:
-        raise
-    except Exception as err:  # ImportError, constructor errors on hostile kwargs, ...
-        raise CheckpointFormatError(f"cannot build model {spec.cls_path!r}: {err}") from err
-    if not isinstance(model, torch.nn.Module):
-        raise CheckpointFormatError(f"spec {spec.cls_path} did not build an nn.Module")
-    return model
-
-
 def _rebuild_optimizer(
     document: Mapping[str, Any],
     state: Any,
@@ -480,9 +468,16 @@ def load_components(
 
     models: dict[str, dict[str, Any]] = {}
     for name in wanted:
-        spec = _spec_from(reader.json(f"models/{name}.spec.json"), f"models/{name}.spec.json")
-        model = _build_model(spec, map_location, trusted)
+        where = f"models/{name}.spec.json"
+        spec = _spec_from(reader.json(where), where)
         weights = reader.tensors(f"models/{name}.safetensors", owned=False)
+        model = specs.build_model(
+            spec,
+            expected=weights,
+            device=map_location,
+            trusted=trusted,
+            where=f"{reader.directory}/{where}",
+        )
         try:
             model.load_state_dict(weights)
         except RuntimeError as err:

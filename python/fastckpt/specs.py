@@ -1600,7 +1600,8 @@ def build_model(
         ) from err
     if not isinstance(model, torch.nn.Module):
         raise CheckpointFormatError(f"{where}: {spec.cls_path!r} did not build an nn.Module")
-    return model
+    # Checkpoints of the rebuilt model record the recipe it was built from (already checked).
+    return attach_spec(model, spec)
 
 
 def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
@@ -1610,6 +1611,8 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
     spec :func:`model_spec` derives is built on the meta device (no memory) with every
     target it names allowed, and its parameters and buffers must have the names and shapes
     of ``model``'s: otherwise a checkpoint would record a recipe that builds a different model.
+    A spec attached to the instance (:func:`attach_spec`, or by :func:`build_model` when the
+    model was rebuilt from a checkpoint) is returned as it is.
 
     Args:
         model: The (unwrapped) model.
@@ -1623,6 +1626,9 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
             tensors; the message says what to do for this class.
     """
     cls = type(model)
+    attached = vars(model).get(_ATTACHED_SPEC)
+    if isinstance(attached, BaseSpec):
+        return attached  # given by the caller, or the checkpoint recipe it was built from
     try:
         spec = model_spec(model)
     except TypeError as exc:

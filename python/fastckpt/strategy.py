@@ -193,6 +193,10 @@ class TrainingStrategy:
             raise ValueError("TrainingStrategy needs at least one model")
         for name, model in self.models.items():
             sharded_training.check_not_fsdp1(name, model)
+            if sharded_training.is_sharded_model(model):
+                sharded_training.check_recordable(name, model)
+            else:
+                specs.check_recordable(codec.unwrap_model(model), name)
         self.device = None if device is None else torch.device(device)
         if self.device is not None:
             for model in self.models.values():
@@ -689,7 +693,9 @@ class TrainingStrategy:
                 if not isinstance(model, torch.nn.Module):
                     raise TypeError(f"parallelize must return the nn.Module, got {type(model)}")
             models[name] = model
-        fn = training_fn if training_fn is not None else _recorded_training_fn(recipe, trusted)
+        fn = training_fn
+        if fn is None:
+            fn = _recorded_training_fn(recipe, trusted, models.values())
         strategy = cls.__new__(cls)
         TrainingStrategy.__init__(
             strategy,
@@ -734,7 +740,9 @@ class TrainingStrategy:
         fn = training_fn
         if fn is None:
             try:
-                fn = _recorded_training_fn(recipe, trusted)
+                fn = _recorded_training_fn(
+                    recipe, trusted, [record["model"] for record in models.values()]
+                )
             except (ValueError, UntrustedTargetError):
                 if require_training_fn:
                     raise
@@ -762,15 +770,21 @@ class TrainingStrategy:
         return strategy
 
 
-def _recorded_training_fn(recipe: Mapping[str, Any], trusted: Trusted) -> Any:
-    """The training function a recipe names (through the trust policy)."""
+def _recorded_training_fn(
+    recipe: Mapping[str, Any], trusted: Trusted, models: Iterable[torch.nn.Module]
+) -> Any:
+    """The training function a recipe names (see :func:`fastckpt.specs.resolve_training_fn`).
+
+    ``models`` are the models the checkpoint rebuilt: a function in the same top-level package
+    as one of their classes may be restored even when that package is installed.
+    """
     path = recipe.get("training_fn")
     if path == MUST_BE_SUPPLIED or not isinstance(path, str):
         raise ValueError(
             "this checkpoint's training function was not importable (a lambda, closure or "
             "local function), so it must be supplied: pass training_fn=... to load_checkpoint"
         )
-    return specs.resolve_target(path, "callable", trusted)
+    return specs.resolve_training_fn(path, trusted, models=models)
 
 
 def _read_recipe(reader: codec.IndexReader) -> dict[str, Any]:
@@ -868,12 +882,7 @@ class FineTuningStrategy(TrainingStrategy):
                 configs[name] = config
             kwargs["optimizers"] = configs
         if "training_fn" not in kwargs and use_original_loss:
-            path = recipe.get("training_fn")
-            if not isinstance(path, str) or path == MUST_BE_SUPPLIED:
-                raise ValueError(
-                    "the original training function was not importable; pass training_fn="
-                )
-            kwargs["training_fn"] = specs.resolve_target(path, "callable", trusted)
+            kwargs["training_fn"] = _recorded_training_fn(recipe, trusted, models.values())
         strategy = cls(models if list(models) != ["main"] else models["main"], **kwargs)
         strategy.fine_tuned_from = {
             "path": str(Path(checkpoint_dir)),
