@@ -234,7 +234,7 @@ def _serve() -> None:
     connections: set[socket.socket] = set()
     lock = threading.Lock()
 
-    class TrackedHandler(MotoRequestHandler):  # type: ignore[misc]
+    class TrackedHandler(MotoRequestHandler):
         """Remembers its connection so that a stop can cut it."""
 
         def setup(self) -> None:

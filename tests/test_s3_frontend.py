@@ -13,16 +13,19 @@ cannot write into the repository.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import fastckpt
 import training_support as ts
+from fastckpt.store.records import read_commit_record
 from fastckpt.verify import verify
 from s3_support import S3Server, s3_root, s3_server
 
@@ -62,7 +65,6 @@ def _keys(server: S3Server, url: str) -> list[str]:
     return sorted(item["Key"][len(prefix) :] for item in listing.get("Contents", []))
 
 
-@needs_store_hookup
 def test_save_load_list_prune_and_verify_a_root_on_s3(
     s3_server: S3Server, s3_root: str, s3_env: dict[str, str]
 ) -> None:
@@ -70,9 +72,9 @@ def test_save_load_list_prune_and_verify_a_root_on_s3(
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(3, 64)).sum().backward()
     optimizer.step()
-    components = {"models": {"main": model}, "optimizers": {"adam": optimizer}}
-    assert fastckpt.save_checkpoint(s3_root, **components) == 0
-    assert fastckpt.save_checkpoint(s3_root, **components) == 1
+    models, optimizers = {"main": model}, {"adam": optimizer}
+    assert fastckpt.save_checkpoint(s3_root, models=models, optimizers=optimizers) == 0
+    assert fastckpt.save_checkpoint(s3_root, models=models, optimizers=optimizers) == 1
     assert "manifest.json" in _keys(s3_server, s3_root)  # on the server, not on local disk
     assert [c["index"] for c in fastckpt.list_checkpoints(s3_root)] == [0, 1]
     loaded = fastckpt.load_checkpoint(s3_root)["models"]["main"]
@@ -83,7 +85,6 @@ def test_save_load_list_prune_and_verify_a_root_on_s3(
     assert verify(s3_root).ok
 
 
-@needs_store_hookup
 def test_checkpoint_manager_sync_async_into_and_replace_on_s3(
     s3_server: S3Server, s3_root: str, s3_env: dict[str, str]
 ) -> None:
@@ -93,7 +94,7 @@ def test_checkpoint_manager_sync_async_into_and_replace_on_s3(
         future = mgr.save(checkpoint, {"model": model.state_dict(), "step": 1})
         assert future is not None
         future.result()
-        target = {"model": torch.nn.Linear(128, 128).state_dict(), "step": 0}
+        target: dict[str, Any] = {"model": torch.nn.Linear(128, 128).state_dict(), "step": 0}
         loaded = mgr.load(checkpoint, into=target)
         assert torch.equal(target["model"]["weight"], model.weight.detach())  # in place
         assert loaded["step"] == 1
@@ -103,7 +104,6 @@ def test_checkpoint_manager_sync_async_into_and_replace_on_s3(
     assert "commit.json" in _keys(s3_server, checkpoint)
 
 
-@needs_store_hookup
 def test_training_strategy_and_hook_resume_exactly_from_s3(
     s3_server: S3Server, s3_root: str, s3_env: dict[str, str]
 ) -> None:
@@ -133,3 +133,72 @@ def test_cli_lists_and_verifies_an_s3_root(
             timeout=120,
         )
         assert result.returncode == 0, (command, result.stdout, result.stderr)
+
+
+def test_manager_replacement_on_s3_writes_a_new_generation_then_drops_the_old(
+    s3_server: S3Server, s3_root: str, s3_env: dict[str, str]
+) -> None:
+    checkpoint = f"{s3_root}/ckpt"
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as mgr:
+        mgr.save(checkpoint, {"x": torch.zeros(1000), "step": 1})
+        first = {key.split("/")[0] for key in _keys(s3_server, checkpoint)}
+        mgr.save(checkpoint, {"x": torch.ones(1000), "step": 2})
+        second = {key.split("/")[0] for key in _keys(s3_server, checkpoint)}
+        loaded = mgr.load(checkpoint)
+    # One commit record and one generation prefix each time, never the same prefix twice.
+    assert len(first) == len(second) == 2 and "commit.json" in first & second
+    assert not (first & second) - {"commit.json"}
+    record = read_commit_record(checkpoint)
+    assert f"{record['generation']}" in second
+    assert all(relpath.startswith(record["generation"] + "/") for relpath in record["files"])
+    assert loaded["step"] == 2 and torch.equal(loaded["x"], torch.ones(1000))
+    assert verify(checkpoint).ok
+
+
+_KILLED_SAVER = """
+import sys, torch, fastckpt
+checkpoint = sys.argv[1]
+with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as mgr:
+    step = 1
+    while True:
+        mgr.save(checkpoint, {"x": torch.full((4 << 20,), float(step)), "step": step})
+        print(step, flush=True)
+        step += 1
+"""
+
+
+def test_a_killed_manager_save_to_s3_leaves_the_previous_checkpoint_loadable(
+    s3_server: S3Server, s3_root: str, s3_env: dict[str, str]
+) -> None:
+    """SIGKILL a process replacing one checkpoint id in a loop, at varying moments: the id
+    always loads a state that was committed (never a mix, never a missing object), and the
+    next save removes what the killed one left."""
+    checkpoint = f"{s3_root}/ckpt"
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as mgr:
+        mgr.save(checkpoint, {"x": torch.full((4 << 20,), 0.0), "step": 0})
+    env = {**os.environ, **s3_env}
+    generator = torch.Generator().manual_seed(13)
+    for _ in range(4):
+        child = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_SAVER, checkpoint],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert child.stdout is not None
+        assert child.stdout.readline().strip().isdigit()  # one save committed
+        delay = float(torch.rand((), generator=generator)) * 0.5
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=delay)
+        child.kill()
+        child.wait()
+        with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as mgr:
+            loaded = mgr.load(checkpoint)
+        assert torch.equal(loaded["x"], torch.full((4 << 20,), float(loaded["step"])))
+        assert verify(checkpoint).ok
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as mgr:
+        mgr.save(checkpoint, {"x": torch.ones(3), "step": -1})
+    assert len({key.split("/")[0] for key in _keys(s3_server, checkpoint)}) == 2
+    prefix = checkpoint.split("/", 3)[3] + "/"
+    uploads = s3_server.client().list_multipart_uploads(Bucket=s3_server.bucket, Prefix=prefix)
+    assert not uploads.get("Uploads")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.files import DEFAULT_THREADS
-from fastckpt.store.backend import backend_for
+from fastckpt.store.dispatch import backend_for
 from fastckpt.store.locate import Kind, locate
 from fastckpt.store.paths import safe_join
 from fastckpt.store.reader import FileReport, Status, check_recorded, verify_content

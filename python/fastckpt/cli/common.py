@@ -9,18 +9,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fastckpt.cli.status import EXIT_BAD, EXIT_ERROR, EXIT_OK, EXIT_UNCHECKED, UserError
 from fastckpt.files import read_metadata
 from fastckpt.store import locate as store_locate
-from fastckpt.store.backend import backend_for
+from fastckpt.store.dispatch import backend_for
 from fastckpt.store.locate import KIND_NAMES, Location
-from fastckpt.store.records import MANIFEST, Manifest, load_json
+from fastckpt.store.records import COMMIT_RECORD, MANIFEST, Manifest, load_json
+
+__all__ = ["EXIT_BAD", "EXIT_ERROR", "EXIT_OK", "EXIT_UNCHECKED", "UserError", "locate"]
 
 TENSOR_SUFFIX = ".safetensors"
-EXIT_OK, EXIT_BAD, EXIT_ERROR = 0, 1, 2
-
-
-class UserError(Exception):
-    """A problem with what the user asked for; printed as one line, exit status 2."""
 
 
 def one_line(text: str) -> str:
@@ -53,6 +51,27 @@ def locate(text: str | os.PathLike[str]) -> Location:
         return store_locate.locate(text)
     except FileNotFoundError as err:
         raise UserError(err.strerror) from None
+
+
+def manager_children(text: str | os.PathLike[str]) -> list[Path]:
+    """The CheckpointManager checkpoints directly inside ``text`` (what ``fastckpt ls`` lists
+    there), oldest commit first; empty when ``text`` is itself a checkpoint or no local
+    directory."""
+    path = Path(text)
+    if (
+        not path.is_dir()
+        or os.path.lexists(path / MANIFEST)
+        or os.path.lexists(path / COMMIT_RECORD)
+    ):
+        return []
+    if path.name.isdigit() and os.path.lexists(path.parent / MANIFEST):
+        return []
+    children = [
+        child
+        for child in path.iterdir()
+        if not child.name.startswith(".") and (child / COMMIT_RECORD).is_file()
+    ]
+    return sorted(children, key=lambda child: ((child / COMMIT_RECORD).stat().st_mtime, child.name))
 
 
 def resolve_index(location: Location, requested: int | None) -> tuple[Manifest, int]:

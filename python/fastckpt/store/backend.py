@@ -58,7 +58,6 @@ __all__ = [
     "ObjectInfo",
     "Staging",
     "StorageBackend",
-    "backend_for",
     "clean_dead_siblings",
     "exchange_paths",
 ]
@@ -484,9 +483,3 @@ class LocalFileSystem(StorageBackend):
 
 
 LOCAL = LocalFileSystem()
-
-
-def backend_for(path: str | os.PathLike[str]) -> StorageBackend:
-    """The backend that stores ``path`` (the local filesystem; object-store URLs come next)."""
-    del path
-    return LOCAL

@@ -16,6 +16,9 @@ never leaves a stale lock.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
 import shutil
 from collections.abc import Mapping
@@ -30,14 +33,25 @@ from fastckpt.store.backend import (
     ATOMIC_TEMP_INFIX,
     TEMP_PREFIX,
     TRASH_PREFIX,
+    LocalFileSystem,
     LocalStaging,
-    backend_for,
+    StorageBackend,
     make_dirs,
 )
+from fastckpt.store.dispatch import backend_for, is_local
 from fastckpt.store.lock import RootLock
-from fastckpt.store.records import MANIFEST, Manifest, json_bytes
+from fastckpt.store.records import (
+    COMMIT_RECORD,
+    GENERATION_PREFIX,
+    MANIFEST,
+    Manifest,
+    json_bytes,
+    new_generation,
+)
 
 __all__ = ["DirectoryWriter", "IndexWriter", "RootLock", "clean_leftovers", "prune_indices"]
+
+_LOG = logging.getLogger(__name__)
 
 
 class DirectoryWriter:
@@ -47,23 +61,55 @@ class DirectoryWriter:
     :meth:`abort`. The backend decides how (locally: a temporary sibling directory swapped
     into place, see :class:`~fastckpt.store.backend.LocalStaging`).
 
+    On an object store (no rename) a CheckpointManager checkpoint is written as a
+    *generation*: the data objects go under ``final/g-<random>/``, a prefix no other save
+    uses, and the ``commit.json`` given to :meth:`add_json` is held back and written last by
+    the backend's conditional :meth:`~fastckpt.store.backend.StorageBackend.put_record` at
+    :meth:`commit`, naming the generation's files (``g-<random>/<relpath>``). Only then are
+    the replaced generation and what killed saves left under ``final`` deleted. A crash
+    before that put leaves the previous record, and the files it names, untouched.
+
     Attributes:
         final: the directory.
         files: relpath -> ``{"size", "crc32c"}`` of every file written so far.
+        generation: the generation prefix (object stores; None locally).
     """
 
     def __init__(
-        self, final: Path, *, direct_io: bool | None = None, threads: int | None = None
+        self,
+        final: Path,
+        *,
+        direct_io: bool | None = None,
+        threads: int | None = None,
+        generations: bool = True,
     ) -> None:
-        """Start staging ``final`` (with the Rust writer's options, default: its own)."""
+        """Start staging ``final`` (with the Rust writer's options, default: its own);
+        ``generations`` False: on an object store, delete what is at ``final`` and write in
+        place instead (for an index whose manifest entry was already withdrawn)."""
         self.final = Path(final)
         self.backend = backend_for(self.final)
-        self.staging = self.backend.stage(self.final, direct_io=direct_io, threads=threads)
+        self.generation: str | None = None
+        self._record: bytes | None = None
+        stage_at = self.final
+        if not is_local(self.backend):
+            if generations:
+                _remember_record_version(self.backend, self.final)
+                self.generation = new_generation()
+                stage_at = self.final / self.generation
+            else:
+                # Also aborts unfinished multipart uploads a killed attempt left.
+                self.backend.delete(self.final)
+        self.staging = self.backend.stage(stage_at, direct_io=direct_io, threads=threads)
+
+    def _prefixed(self, relpath: str) -> str:
+        return relpath if self.generation is None else f"{self.generation}/{relpath}"
 
     @property
     def files(self) -> dict[str, dict[str, int]]:
         """relpath -> ``{"size", "crc32c"}`` of every file written so far."""
-        return self.staging.files
+        if self.generation is None:
+            return self.staging.files
+        return {self._prefixed(relpath): record for relpath, record in self.staging.files.items()}
 
     @property
     def location(self) -> str:
@@ -75,17 +121,31 @@ class DirectoryWriter:
         self.staging.put_tensors(relpath, tensors)
 
     def add_json(self, relpath: str, document: Any) -> None:
-        """Write a JSON file (durably) and record its size and crc32c."""
+        """Write a JSON file (durably) and record its size and crc32c (a generation's
+        ``commit.json`` is held back for :meth:`commit`, see the class docstring)."""
+        if self.generation is not None and relpath == COMMIT_RECORD:
+            self._record = json_bytes({**document, "generation": self.generation})
+            return
         self.staging.put_bytes(relpath, json_bytes(document))
 
     def adopt(self, location: str, files: Mapping[str, dict[str, int]]) -> None:
         """Take over files another writer staged at ``location``, with their records."""
         for relpath, record in files.items():
+            if self.generation is not None and relpath.startswith(GENERATION_PREFIX):
+                relpath = relpath.split("/", 1)[1]  # the other writer's generation prefix
             self.staging.adopt(location, relpath, record)
 
     def commit(self) -> None:
         """Make the directory visible, replacing what was there."""
         self.staging.publish()
+        if self._record is None:
+            return
+        self.backend.put_record(self.final / COMMIT_RECORD, self._record)
+        self._record = None
+        # Committed: the replaced generation and killed saves' objects are garbage now.
+        for name in self.backend.list_dir(self.final):
+            if name not in (COMMIT_RECORD, self.generation):
+                self.backend.delete(self.final / name)
 
     def abort(self) -> None:
         """Drop what was written."""
@@ -125,9 +185,11 @@ class IndexWriter(DirectoryWriter):
         root = Path(root)
         if index is not None and index < 0:
             raise ValueError(f"checkpoint index must be >= 0 (or None for the next), got {index}")
-        make_dirs(root)
+        backend = backend_for(root)
+        if is_local(backend):
+            make_dirs(root)
         self.root = root
-        self.lock = backend_for(root).lock(root, timeout=lock_timeout)
+        self.lock = backend.lock(root, timeout=lock_timeout)
         self.lock.acquire()
         try:
             clean_leftovers(root)
@@ -135,7 +197,14 @@ class IndexWriter(DirectoryWriter):
                 latest = Manifest.load(root).latest
                 index = 0 if latest is None else latest + 1
             self.index: int = index
-            super().__init__(root / str(index), direct_io=direct_io)
+            if not is_local(backend):
+                # Objects are written in place (delete first, no rename): a committed index
+                # being replaced leaves the manifest before its objects go, so the manifest
+                # never names a missing or partial object.
+                manifest = Manifest.load(root)
+                if manifest.entries.pop(index, None) is not None:
+                    manifest.commit()
+            super().__init__(root / str(index), direct_io=direct_io, generations=False)
         except BaseException:
             self.lock.release()
             raise
@@ -261,9 +330,11 @@ def clean_leftovers(root: Path) -> list[str]:
     temporary in the root then belongs to a dead writer. Returns what was removed.
     """
     removed: list[str] = []
+    backend = backend_for(root)
+    if not is_local(backend):
+        return _clean_object_root(root, backend)
     if not root.is_dir():
         return removed
-    backend = backend_for(root)
     try:
         manifest: Manifest | None = Manifest.load(root)
     except (CheckpointFormatError, OSError):
@@ -291,20 +362,58 @@ def clean_leftovers(root: Path) -> list[str]:
     return removed
 
 
-def prune_indices(root: Path, keep_last: int) -> list[int]:
+def _clean_object_root(root: Path, backend: StorageBackend) -> list[str]:
+    """:func:`clean_leftovers` on an object store: index prefixes the manifest does not name
+    that are older than its latest index (with their unfinished uploads). Newer ones are
+    deleted by the next save of that index."""
+    try:
+        manifest = Manifest.load(root)
+    except (CheckpointFormatError, OSError):
+        return []
+    latest = manifest.latest
+    if latest is None:
+        return []
+    removed = []
+    for name in backend.list_dir(root):
+        if _is_index_name(name) and int(name) < latest and int(name) not in manifest.entries:
+            backend.delete(root / name)
+            removed.append(name)
+    return removed
+
+
+def _remember_record_version(backend: StorageBackend, final: Path) -> None:
+    """Read ``final``'s commit record (if any), so that the backend's conditional put at
+    commit replaces exactly that version: a writer that committed meanwhile is not
+    overwritten (the later put fails with a typed conflict error instead)."""
+    with contextlib.suppress(FileNotFoundError, CheckpointFormatError):
+        backend.read_bytes(final / COMMIT_RECORD)
+
+
+def prune_indices(root: Path, keep_last: int, *, lock_timeout: float | None = None) -> list[int]:
     """Delete all but the newest ``keep_last`` indices of ``root`` (never the latest).
 
     Under the root's lock, the manifest is committed first, so a crash mid-prune leaves only
     unreferenced directories (removed by the next save), never a manifest naming a deleted
-    index. Returns the deleted indices.
+    index. An index directory that is a symlink loses the link and, when the link points
+    inside the root, what it points to; a target outside the root is left alone (logged).
+    Returns the deleted indices.
+
+    Args:
+        root: the checkpoint root.
+        keep_last: how many of the newest indices to keep (>= 1).
+        lock_timeout: give up waiting for another process's save or prune of ``root`` after
+            this many seconds (None: wait; who holds the lock is logged after a second).
 
     Raises:
         ValueError: ``keep_last < 1``.
+        TimeoutError: another process held the root longer than ``lock_timeout`` (the
+            message names it: pid and host).
+        OSError: an index could not be deleted (it is no longer committed either way).
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the latest is never deleted), got {keep_last}")
     backend = backend_for(root)
-    with backend.lock(root):
+    with backend.lock(root, timeout=lock_timeout):
         manifest = Manifest.load(root)
         doomed = sorted(manifest.entries)[:-keep_last]
         if not doomed:
@@ -313,5 +422,28 @@ def prune_indices(root: Path, keep_last: int) -> list[int]:
             del manifest.entries[index]
         manifest.commit()
         for index in doomed:
-            backend.delete(manifest.directory(index))
+            _delete_index(backend, root, manifest.directory(index), set(manifest.entries))
     return doomed
+
+
+def _delete_index(
+    backend: StorageBackend, root: Path, directory: Path, committed: set[int]
+) -> None:
+    """Delete an index directory (and, when it is a symlink to a directory of the root that
+    no committed index uses, its target)."""
+    if os.path.islink(directory):
+        target = os.path.realpath(directory)
+        limit = os.path.realpath(root).rstrip(os.sep) + os.sep
+        directory.unlink()
+        top = target[len(limit) :].split(os.sep, 1)[0] if target.startswith(limit) else ""
+        ours = top and not top.startswith(".") and os.path.isdir(target)
+        if ours and not (_is_index_name(top) and int(top) in committed):
+            backend.delete(Path(target))
+        else:
+            _LOG.warning("pruned %s, a symlink; left its target %s", directory, target)
+        return
+    backend.delete(directory)
+    if isinstance(backend, LocalFileSystem) and os.path.lexists(directory):
+        raise OSError(
+            errno.ENOTEMPTY, f"{directory}: pruned but could not be deleted", str(directory)
+        )

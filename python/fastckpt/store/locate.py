@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from fastckpt.store.backend import StorageBackend
+from fastckpt.store.dispatch import backend_for, is_local
 from fastckpt.store.records import COMMIT_RECORD, MANIFEST
 
 __all__ = ["KIND_NAMES", "Kind", "Location", "locate"]
@@ -52,6 +54,9 @@ def locate(path_or_root: str | os.PathLike[str]) -> Location:
             a directory that is not a fastckpt checkpoint (the message says which).
     """
     path = Path(path_or_root)
+    backend = backend_for(path)
+    if not is_local(backend):
+        return _locate_object(path, backend)
     if path.is_file():
         if path.name in (MANIFEST, COMMIT_RECORD):
             return locate(path.parent)
@@ -75,3 +80,29 @@ def locate(path_or_root: str | os.PathLike[str]) -> Location:
     if os.path.lexists(path):
         raise FileNotFoundError(errno.ENOENT, f"{path}: not a regular file or directory", str(path))
     raise FileNotFoundError(errno.ENOENT, f"{path}: no such file or directory", str(path))
+
+
+def _locate_object(path: Path, backend: StorageBackend) -> Location:
+    """:func:`locate` on an object store, where a "directory" is a key prefix."""
+    if path.name in (MANIFEST, COMMIT_RECORD) and backend.exists(path):
+        return _locate_object(path.parent, backend)
+    if backend.exists(path / MANIFEST):
+        return Location("root", path, root=path)
+    if backend.exists(path / COMMIT_RECORD):
+        return Location("manager", path)
+    if path.name.isdigit() and backend.exists(path.parent / MANIFEST):
+        return Location("index", path, root=path.parent, index=int(path.name))
+    try:
+        info = backend.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT, f"{path}: no such object or prefix", str(path)
+        ) from None
+    if info.regular:
+        return Location("file", path)
+    raise FileNotFoundError(
+        errno.ENOENT,
+        f"{path} is not a fastckpt checkpoint: no {MANIFEST} (save_checkpoint root) or "
+        f"{COMMIT_RECORD} (CheckpointManager checkpoint) under it",
+        str(path),
+    )

@@ -19,7 +19,8 @@ import torch
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.store.backend import StorageBackend, backend_for
+from fastckpt.store.backend import StorageBackend
+from fastckpt.store.dispatch import backend_for
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import COMMIT_RECORD, item_files, load_json
 
@@ -115,7 +116,7 @@ def check_recorded(
             Format and checksum errors it raises make the file ``corrupt``.
         source: the record, for messages (``ROOT/manifest.json``, ``CKPT/commit.json``).
         index: the committed index, copied into the report.
-        backend: where the file lives (default: :func:`~fastckpt.store.backend.backend_for`).
+        backend: where the file lives (default: :func:`~fastckpt.store.dispatch.backend_for`).
     """
     store = backend or backend_for(path)
     size = None if expected is None else expected["size"]

@@ -24,12 +24,14 @@ from typing import Any
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.store.backend import FileRecord, StorageBackend, backend_for
+from fastckpt.store.backend import FileRecord, StorageBackend
+from fastckpt.store.dispatch import backend_for
 from fastckpt.store.paths import check_name, check_relpath, safe_join
 
 __all__ = [
     "COMMIT_RECORD",
     "ENTRY_FIELDS",
+    "GENERATION_PREFIX",
     "MANAGER_FORMAT",
     "MANAGER_SCHEMA_VERSION",
     "MANIFEST",
@@ -40,7 +42,9 @@ __all__ = [
     "item_files",
     "json_bytes",
     "load_json",
+    "new_generation",
     "read_commit_record",
+    "record_file",
     "seal_manifest",
 ]
 
@@ -54,6 +58,9 @@ SCHEMA_VERSION = 1
 MANAGER_FORMAT = "fastckpt-manager"
 #: CheckpointManager commit-record schema this fastckpt writes (and the newest it reads).
 MANAGER_SCHEMA_VERSION = 1
+#: Object stores: the data of a CheckpointManager checkpoint lives under ``CKPT/g-<hex>/``
+#: (a generation), and its commit record names it in the field ``generation``.
+GENERATION_PREFIX = "g-"
 #: Top-level manifest field holding the crc32c of the rest of the document (see Manifest).
 MANIFEST_CRC_FIELD = "crc32c"
 _MANIFEST_FIELDS = frozenset(
@@ -352,6 +359,18 @@ def commit_record(
     }
 
 
+def new_generation() -> str:
+    """A generation prefix no other save uses (``g-`` + 128 random bits)."""
+    return f"{GENERATION_PREFIX}{os.urandom(16).hex()}"
+
+
+def record_file(record: Mapping[str, Any], name: str) -> str:
+    """The relpath under which a commit record lists its file ``name`` (prefixed by the
+    record's generation on object stores, see :data:`GENERATION_PREFIX`)."""
+    generation = record.get("generation")
+    return f"{generation}/{name}" if isinstance(generation, str) else name
+
+
 def read_commit_record(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and validate ``CKPT/commit.json`` of a CheckpointManager checkpoint.
 
@@ -392,6 +411,15 @@ def read_commit_record(directory: str | os.PathLike[str]) -> dict[str, Any]:
     world_size = record.get("world_size", 1)
     if not isinstance(world_size, int) or world_size < 1:
         raise CheckpointFormatError(f"{path}: field 'world_size' must be an int >= 1")
+    generation = record.get("generation")
+    if generation is not None and not (
+        isinstance(generation, str) and generation.startswith(GENERATION_PREFIX)
+    ):
+        raise CheckpointFormatError(
+            f"{path}: field 'generation' must be a string starting with {GENERATION_PREFIX!r}"
+        )
+    if generation is not None:
+        check_name(generation, f"{path}: generation")
     return record
 
 
@@ -403,7 +431,8 @@ def item_files(record: Mapping[str, Any], key: str, rank: int = 0) -> tuple[str,
     0's).
     """
     files = record["files"]
-    for tensors in (f"{key}.rank{rank}.safetensors", f"{key}.rank0.safetensors"):
+    for name in (f"{key}.rank{rank}.safetensors", f"{key}.rank0.safetensors"):
+        tensors = record_file(record, name)
         if tensors in files:
-            return f"{key}.json", tensors
-    return f"{key}.json", f"{key}.safetensors"
+            return record_file(record, f"{key}.json"), tensors
+    return record_file(record, f"{key}.json"), record_file(record, f"{key}.safetensors")
