@@ -44,6 +44,10 @@ REQUIRED = [
     "performance.md",
     "migrating.md",
     "cli.md",
+    "sharded.md",
+    "object-storage.md",
+    "lazy-reads.md",
+    "lightning.md",
 ]
 
 

@@ -6,7 +6,9 @@ with the GIL released. Start with :func:`save_file` / :func:`load_file`.
 
 from __future__ import annotations
 
+import importlib
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from fastckpt.checkpoint import list_checkpoints, load_checkpoint, prune, save_checkpoint
 from fastckpt.errors import (
@@ -14,6 +16,7 @@ from fastckpt.errors import (
     CheckpointMismatchError,
     ChecksumMismatchError,
     FastCkptError,
+    InvalidInputError,
     UntrustedTargetError,
 )
 from fastckpt.files import load_file, read_metadata, save_file
@@ -25,6 +28,7 @@ from fastckpt.hooks import (
     TrainContext,
     TrainingStage,
 )
+from fastckpt.lazy import SafeOpen, TensorSlice, safe_open
 from fastckpt.manager import (
     AsyncCheckpointSaverConfig,
     CheckpointLoaderConfig,
@@ -38,6 +42,18 @@ from fastckpt.manager import (
 from fastckpt.specs import BaseSpec, create_model_spec, register_type_serializer
 from fastckpt.strategy import FineTuningStrategy, OptimizerConfig, TrainingStrategy
 from fastckpt.verify import VerifyReport, latest_intact, verify
+
+#: Subpackages imported on first attribute access (``fastckpt.dcp``): each costs import time
+#: (DCP pulls in torch.distributed.checkpoint) that most users of the package never need.
+_LAZY_SUBMODULES = ("dcp", "integrations")
+
+
+def __getattr__(name: str) -> Any:
+    """Import :mod:`fastckpt.dcp` / :mod:`fastckpt.integrations` when first used."""
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"fastckpt.{name}")
+    raise AttributeError(f"module 'fastckpt' has no attribute {name!r}")
+
 
 try:
     __version__ = version("fastckpt-io")
@@ -60,10 +76,13 @@ __all__ = [
     "FastCkptError",
     "FineTuningStrategy",
     "Hook",
+    "InvalidInputError",
     "ItemSpec",
     "LocalFileSystemStorageConfig",
     "OptimizerConfig",
+    "SafeOpen",
     "SyncCheckpointSaverConfig",
+    "TensorSlice",
     "TrainContext",
     "TrainingStage",
     "TrainingStrategy",
@@ -78,6 +97,7 @@ __all__ = [
     "prune",
     "read_metadata",
     "register_type_serializer",
+    "safe_open",
     "save_checkpoint",
     "save_file",
     "verify",
