@@ -117,7 +117,6 @@ def test_training_strategy_and_hook_resume_exactly_from_s3(
     assert "manifest.json" in _keys(s3_server, s3_root)
 
 
-@needs_cli_hookup
 def test_cli_lists_and_verifies_an_s3_root(
     s3_server: S3Server, s3_root: str, s3_env: dict[str, str]
 ) -> None:

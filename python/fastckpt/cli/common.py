@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.cli.status import EXIT_BAD, EXIT_ERROR, EXIT_OK, EXIT_UNCHECKED, UserError
-from fastckpt.files import read_metadata
 from fastckpt.store import locate as store_locate
-from fastckpt.store.dispatch import backend_for
+from fastckpt.store.dispatch import backend_for, is_local
 from fastckpt.store.locate import KIND_NAMES, Location
 from fastckpt.store.records import COMMIT_RECORD, MANIFEST, Manifest, load_json
 
@@ -58,20 +57,22 @@ def manager_children(text: str | os.PathLike[str]) -> list[Path]:
     there), oldest commit first; empty when ``text`` is itself a checkpoint or no local
     directory."""
     path = Path(text)
-    if (
-        not path.is_dir()
-        or os.path.lexists(path / MANIFEST)
-        or os.path.lexists(path / COMMIT_RECORD)
-    ):
+    backend = backend_for(path)
+    if is_local(backend) and not path.is_dir():
         return []
-    if path.name.isdigit() and os.path.lexists(path.parent / MANIFEST):
+    if backend.exists(path / MANIFEST) or backend.exists(path / COMMIT_RECORD):
         return []
-    children = [
-        child
-        for child in path.iterdir()
-        if not child.name.startswith(".") and (child / COMMIT_RECORD).is_file()
-    ]
-    return sorted(children, key=lambda child: ((child / COMMIT_RECORD).stat().st_mtime, child.name))
+    if path.name.isdigit() and backend.exists(path.parent / MANIFEST):
+        return []
+    stamps: dict[Path, float] = {}
+    for name in backend.list_dir(path):
+        record = path / name / COMMIT_RECORD
+        if name.startswith(".") or not backend.exists(record):
+            continue
+        info = backend.stat(record)
+        if info.regular:
+            stamps[path / name] = info.modified or 0.0
+    return sorted(stamps, key=lambda child: (stamps[child], child.name))
 
 
 def resolve_index(location: Location, requested: int | None) -> tuple[Manifest, int]:
@@ -132,7 +133,7 @@ def _tensor_list(header: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def describe_tensor_file(path: Path) -> dict[str, Any]:
     """Size, tensors, checksum presence and metadata of a safetensors file (header only)."""
-    header = read_metadata(path)
+    header = backend_for(path).read_header(path)
     tensors = _tensor_list(header)
     return {
         "size": header["file_len"],

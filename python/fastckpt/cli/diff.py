@@ -22,7 +22,7 @@ from fastckpt.cli.render import (
 from fastckpt.diff import TensorFiles, diff_checkpoints
 from fastckpt.progress import io_progress
 from fastckpt.store.paths import safe_join
-from fastckpt.store.records import read_commit_record
+from fastckpt.store.records import read_commit_record, record_file
 
 # --------------------------------------------------------------------------- fastckpt diff
 
@@ -34,8 +34,11 @@ def _diff_side(text: str) -> TensorFiles:
         return TensorFiles(str(location.path), {"": location.path})
     if location.kind == "manager":
         record = read_commit_record(location.path)
+        generation = record_file(record, "")  # object stores: "g-<hex>/"; locally ""
         files = {
-            relpath.removesuffix(TENSOR_SUFFIX): safe_join(location.path, relpath)
+            relpath.removeprefix(generation).removesuffix(TENSOR_SUFFIX): safe_join(
+                location.path, relpath
+            )
             for relpath in sorted(record["files"])
             if relpath.endswith(TENSOR_SUFFIX)
         }

@@ -26,10 +26,20 @@ from fastckpt.cli.render import (
 )
 from fastckpt.errors import FastCkptError
 from fastckpt.progress import format_bytes
+from fastckpt.store.backend import StorageBackend
+from fastckpt.store.dispatch import backend_for
 from fastckpt.store.paths import safe_join
-from fastckpt.store.records import COMMIT_RECORD, MANIFEST, read_commit_record
+from fastckpt.store.records import COMMIT_RECORD, MANIFEST, read_commit_record, record_file
 
 # --------------------------------------------------------------------------- fastckpt ls
+
+
+def _is_file(backend: StorageBackend, path: Path) -> bool:
+    """A regular file (an object) is at ``path`` (symlinks followed)."""
+    try:
+        return backend.stat(path).regular
+    except OSError:
+        return False
 
 
 def _ls_root(root: Path) -> dict[str, Any]:
@@ -38,10 +48,11 @@ def _ls_root(root: Path) -> dict[str, Any]:
 
 def _manager_item_value(directory: Path, record: Mapping[str, Any], item: str) -> Any:
     """The value of a scalar item (``step``, ``epoch``) of a manager checkpoint, or None."""
-    if item not in record["items"] or f"{item}.json" not in record["files"]:
+    relpath = record_file(record, f"{item}.json")
+    if item not in record["items"] or relpath not in record["files"]:
         return None
     try:
-        document = read_document(safe_join(directory, f"{item}.json"))
+        document = read_document(safe_join(directory, relpath))
     except (OSError, FastCkptError):
         return None
     value = document.get("skeleton") if isinstance(document, dict) else None
@@ -50,8 +61,10 @@ def _manager_item_value(directory: Path, record: Mapping[str, Any], item: str) -
 
 def _ls_managers(parent: Path) -> dict[str, Any]:
     checkpoints: list[dict[str, Any]] = []
-    for child in sorted(parent.iterdir()):
-        if child.name.startswith(".") or not (child / COMMIT_RECORD).is_file():
+    backend = backend_for(parent)
+    for name in backend.list_dir(parent):
+        child = parent / name
+        if name.startswith(".") or not _is_file(backend, child / COMMIT_RECORD):
             continue
         row: dict[str, Any] = {"name": child.name, "path": str(child)}
         try:
@@ -128,18 +141,21 @@ def _components_text(components: Mapping[str, Sequence[str]]) -> str:
 def cmd_ls(args: argparse.Namespace) -> int:
     """``fastckpt ls ROOT``."""
     path = Path(args.root)
-    if not path.exists():
-        raise UserError(f"{path}: no such file or directory")
-    if not path.is_dir():
+    backend = backend_for(path)
+    try:
+        regular = backend.stat(path).regular
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file or directory") from None
+    if regular:
         raise UserError(f"{path} is a file; ls lists a checkpoint root (use fastckpt inspect)")
-    if (path / MANIFEST).is_file():
+    if _is_file(backend, path / MANIFEST):
         listing = _ls_root(path)
-    elif (path / COMMIT_RECORD).is_file():
+    elif _is_file(backend, path / COMMIT_RECORD):
         raise UserError(
             f"{path} is one CheckpointManager checkpoint; list its parent directory, or use "
             f"fastckpt inspect {path}"
         )
-    elif path.name.isdigit() and (path.parent / MANIFEST).is_file():
+    elif path.name.isdigit() and _is_file(backend, path.parent / MANIFEST):
         raise UserError(
             f"{path} is one index of the root {path.parent}; list the root, or use "
             f"fastckpt inspect {path}"

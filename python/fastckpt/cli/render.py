@@ -13,6 +13,7 @@ import torch
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.progress import format_bytes
 from fastckpt.specs import BaseSpec
+from fastckpt.store.dispatch import backend_for
 
 
 def print_json(document: Any) -> None:
@@ -41,9 +42,12 @@ def when(iso: str | None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S")
 
 
-def mtime_iso(path: Path) -> str:
-    """A file's modification time as an ISO-8601 UTC timestamp."""
-    stamp = path.stat().st_mtime
+def mtime_iso(path: Path) -> str | None:
+    """A file's (or object's) modification time as an ISO-8601 UTC timestamp (None when the
+    store does not say)."""
+    stamp = backend_for(path).stat(path).modified
+    if stamp is None:
+        return None
     return _dt.datetime.fromtimestamp(stamp, _dt.timezone.utc).isoformat()
 
 

@@ -43,7 +43,7 @@ import torch
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
-from fastckpt.files import read_tensors, write_tensors
+from fastckpt.files import read_metadata, read_tensors, write_tensors
 from fastckpt.store.lock import RootLock
 from fastckpt.store.paths import check_relpath
 
@@ -83,10 +83,12 @@ class ObjectInfo:
     Attributes:
         size: bytes.
         regular: a plain file (not a directory, FIFO, device...).
+        modified: last modification, seconds since the epoch (None when unknown).
     """
 
     size: int
     regular: bool
+    modified: float | None = None
 
 
 class Staging(ABC):
@@ -172,6 +174,15 @@ class StorageBackend(ABC):
         self, path: Path, *, verify: bool = True, threads: int | None = None
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The tensors of a safetensors file and ``{"metadata", "file_crc32c"}``."""
+
+    @abstractmethod
+    def read_header(self, path: Path) -> dict[str, Any]:
+        """A safetensors file's validated header, no tensor data read (the document of
+        :func:`fastckpt.files.read_metadata`).
+
+        Raises:
+            CheckpointFormatError: malformed, damaged or truncated header.
+        """
 
     @abstractmethod
     def list_dir(self, directory: Path) -> list[str]:
@@ -404,7 +415,7 @@ class LocalFileSystem(StorageBackend):
     def stat(self, path: Path) -> ObjectInfo:
         """``os.stat`` (symlinks followed: callers check containment with ``safe_join``)."""
         info = os.stat(path)
-        return ObjectInfo(info.st_size, stat.S_ISREG(info.st_mode))
+        return ObjectInfo(info.st_size, stat.S_ISREG(info.st_mode), info.st_mtime)
 
     def exists(self, path: Path) -> bool:
         """``os.path.lexists``."""
@@ -455,6 +466,10 @@ class LocalFileSystem(StorageBackend):
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """A private mapping of the file (:func:`fastckpt.files.read_tensors`)."""
         return read_tensors(path, verify=verify, threads=threads)
+
+    def read_header(self, path: Path) -> dict[str, Any]:
+        """:func:`fastckpt.files.read_metadata`."""
+        return read_metadata(path)
 
     def list_dir(self, directory: Path) -> list[str]:
         """``os.listdir`` (empty for a missing directory)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -36,7 +37,7 @@ import torch
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
-from fastckpt.files import byte_view
+from fastckpt.files import byte_view, read_metadata
 from fastckpt.store.backend import MAX_RECORD_BYTES, FileRecord, ObjectInfo, Staging, StorageBackend
 from fastckpt.store.lock import LOCK_FILE, RootLock
 from fastckpt.store.s3client import S3Client, client_for
@@ -53,6 +54,7 @@ __all__ = [
 ]
 
 _READ_PIECE = 16 << 20
+_MAX_HEADER = 100 << 20  # the safetensors limit on a header's size
 _OPTIONS: dict[str, S3Options] = {}
 _OPTIONS_LOCK = threading.Lock()
 
@@ -111,11 +113,12 @@ class S3Backend(StorageBackend):
         """An object's size (``regular=True``), or a non-empty prefix (``regular=False``)."""
         key = self._key(path)
         try:
-            return ObjectInfo(self.client.head(key).size, True)
+            meta = self.client.head(key)
         except ObjectNotFoundError:
             if self.list_dir(path):
                 return ObjectInfo(0, False)
             raise
+        return ObjectInfo(meta.size, True, meta.modified)
 
     def exists(self, path: Path) -> bool:
         """An object or a non-empty prefix is there."""
@@ -167,6 +170,32 @@ class S3Backend(StorageBackend):
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Parallel ranged GETs into one buffer, verified by the Rust core."""
         return get_tensors(self.client, self._key(path), verify=verify, threads=threads or 4)
+
+    def read_header(self, path: Path) -> dict[str, Any]:
+        """Two ranged GETs (the length word, then the header), validated by the Rust core.
+
+        The header bytes are placed at the start of a sparse local temporary file as long as
+        the object, so the core checks the data offsets against the real size without any
+        tensor data being downloaded or stored.
+        """
+        key = self._key(path)
+        size = self.client.head(key).size
+        url = self.client.url(key)
+        prefix = self.client.get_range(key, 0, 8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+        if len(prefix) < 8 or length > min(size - 8, _MAX_HEADER):
+            raise CheckpointFormatError(
+                f"{url}: not a safetensors file (header length {length} in a {size}-byte object)"
+            )
+        header = prefix + self.client.get_range(key, 8, 8 + length)
+        with tempfile.NamedTemporaryFile(prefix="fastckpt-header-") as scratch:
+            scratch.write(header)
+            scratch.truncate(size)
+            scratch.flush()
+            try:
+                return read_metadata(scratch.name)
+            except CheckpointFormatError as err:
+                raise CheckpointFormatError(str(err).replace(scratch.name, url)) from None
 
     def list_dir(self, directory: Path) -> list[str]:
         """Sub-prefix and object names one level under ``directory``."""

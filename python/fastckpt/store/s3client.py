@@ -38,11 +38,13 @@ class ObjectMeta:
         key: the full object key.
         size: bytes.
         etag: the store's entity tag (for conditional replacement), when known.
+        modified: last modification, seconds since the epoch, when known.
     """
 
     key: str
     size: int
     etag: str | None = None
+    modified: float | None = None
 
 
 @dataclass(frozen=True)
@@ -229,7 +231,9 @@ class S3Client:
             meta = obstore.head(self.store, key)
         except Exception as err:
             raise self._fail(err, key) from err
-        return ObjectMeta(key, meta["size"], meta.get("e_tag"))
+        stamp = meta.get("last_modified")
+        modified = stamp.timestamp() if stamp is not None else None
+        return ObjectMeta(key, meta["size"], meta.get("e_tag"), modified)
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of an object (fewer at its end)."""
