@@ -6,9 +6,11 @@ from __future__ import annotations
 import copy
 import errno
 import json
+import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -35,12 +37,15 @@ from checkpoint_support import (
 )
 from fastckpt import (
     CheckpointManager,
+    list_checkpoints,
     load_checkpoint,
     load_file,
+    prune,
     save_checkpoint,
 )
 from fastckpt.errors import (
     CheckpointFormatError,
+    ChecksumMismatchError,
 )
 from fastckpt.store import backend
 from fastckpt.store.commit import RootLock
@@ -267,7 +272,7 @@ def test_root_lock_dies_with_its_holder(tmp_path: Path) -> None:
     process, conn = crash_harness.start(crash_harness.hold_root_lock, str(tmp_path))
     try:
         assert conn.poll(60) and conn.recv_bytes() == b"locked"
-        with pytest.raises(TimeoutError, match="another process is saving"):
+        with pytest.raises(TimeoutError, match=f"pid {process.pid} on host .* holds"):
             RootLock(tmp_path, timeout=0.2).acquire()
         os.kill(process.pid, signal.SIGKILL)
         process.join()
@@ -279,6 +284,70 @@ def test_root_lock_dies_with_its_holder(tmp_path: Path) -> None:
     finally:
         if process.is_alive():
             process.kill()
+
+
+def test_a_waiting_prune_names_the_holder_and_times_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 14.9: a prune waiting on another process's root lock says who holds it (pid,
+    host) after a second, and gives up at its timeout with a TimeoutError naming it."""
+    root = tmp_path / "root"
+    save_at(root, trained(1), -1)
+    save_at(root, trained(2), -1)
+    process, conn = crash_harness.start(crash_harness.hold_root_lock, str(root))
+    try:
+        assert conn.poll(60) and conn.recv_bytes() == b"locked"
+        holder = f"pid {process.pid} on host {socket.gethostname()}"
+        with (
+            caplog.at_level(logging.WARNING, logger="fastckpt.store.lock"),
+            pytest.raises(TimeoutError, match=f"{holder} holds"),
+        ):
+            prune(root, 1, lock_timeout=1.5)
+        assert any(holder in record.getMessage() for record in caplog.records), caplog.text
+        assert sorted(Manifest.load(root).entries) == [0, 1]
+    finally:
+        process.kill()
+        process.join()
+    assert prune(root, 1, lock_timeout=5) == [0]
+
+
+def test_prune_deletes_a_symlinked_index_and_what_it_points_to_in_the_root(
+    tmp_path: Path,
+) -> None:
+    """Issue 14.9: an index directory that is a symlink to a directory of the root is gone,
+    link and target, when prune says it is; a target outside the root is left alone, a
+    committed index a link points to is never deleted."""
+    root = tmp_path / "root"
+    outside = tmp_path / "outside"
+    for _ in range(4):
+        save_at(root, trained(1), -1)
+    (root / "0").rename(root / "data0")
+    (root / "0").symlink_to(root / "data0")
+    (root / "1").rename(outside)
+    (root / "1").symlink_to(outside)
+    assert prune(root, 1) == [0, 1, 2]
+    assert sorted(p.name for p in root.iterdir()) == ["3", MANIFEST]
+    assert outside.is_dir()
+    for _ in range(2):
+        save_at(root, trained(1), -1)
+    shutil.rmtree(root / "3")
+    (root / "3").symlink_to(root / "5")  # a damaged root: index 3 is index 5's directory
+    assert prune(root, 1) == [3, 4]
+    assert (root / "5").is_dir() and verify(root).ok
+
+
+def test_list_checkpoints_applies_the_manifest_checksum_rule_of_load(saved: Saved) -> None:
+    """Issue 14.9: a manifest whose self-checksum no longer matches is refused by
+    list_checkpoints as it is by load_checkpoint."""
+    path = saved.root / MANIFEST
+    document = json.loads(path.read_bytes())
+    document["checkpoints"]["1"]["counters"]["step"] = 999
+    path.write_text(json.dumps(document))
+    for read in (lambda: load_checkpoint(saved.root), lambda: list_checkpoints(saved.root)):
+        with pytest.raises(ChecksumMismatchError, match=r"manifest\.json"):
+            read()
+    path.write_text(json.dumps(seal_manifest(document)))
+    assert [c["counters"]["step"] for c in list_checkpoints(saved.root)] == [3, 999]
 
 
 def _lock_waiters(lock_file: Path) -> int:

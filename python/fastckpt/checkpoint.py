@@ -197,8 +197,12 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[dict[str, Any]]:
     Returns:
         One dict per index: ``index``, ``created``, ``size`` (bytes), ``counters``,
         ``components``, ``latest`` (bool).
+
+    Raises:
+        CheckpointFormatError / ChecksumMismatchError: the manifest is damaged (the same
+            checks as :func:`load_checkpoint`, its own crc32c included).
     """
-    manifest = Manifest.load(root)
+    manifest = Manifest.load(root, verify_checksum=True)
     return [
         {
             "index": index,
@@ -212,13 +216,17 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[dict[str, Any]]:
     ]
 
 
-def prune(root: str | os.PathLike[str], keep_last: int) -> list[int]:
+def prune(
+    root: str | os.PathLike[str], keep_last: int, *, lock_timeout: float | None = None
+) -> list[int]:
     """Delete all but the newest ``keep_last`` indices (never the latest).
 
     The manifest is committed first, so a crash mid-prune leaves only unreferenced
-    directories, never a manifest naming a deleted index.
+    directories, never a manifest naming a deleted index. A prune waits for another
+    process's save or prune of the root: after a second it logs who that is (pid, host);
+    ``lock_timeout`` (seconds) gives up with a ``TimeoutError`` naming it.
 
     Returns:
         The deleted indices.
     """
-    return prune_indices(Path(root), keep_last)
+    return prune_indices(Path(root), keep_last, lock_timeout=lock_timeout)

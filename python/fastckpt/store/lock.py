@@ -4,15 +4,49 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
+import socket
 import time
 import weakref
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCK_FILE", "RootLock"]
+__all__ = ["LOCK_FILE", "WARN_AFTER_SECS", "RootLock", "lock_holder"]
 
 LOCK_FILE = ".fastckpt.lock"
+#: How long an acquirer waits before it logs who holds the lock (seconds).
+WARN_AFTER_SECS = 1.0
+_LOG = logging.getLogger(__name__)
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def lock_holder(root: str | os.PathLike[str]) -> str:
+    """Who holds ``root``'s lock, as its lock file says (``pid N on host H``), for messages;
+    ``an unknown process`` when it does not say (or is not a regular file)."""
+    try:
+        fd = os.open(os.path.join(root, LOCK_FILE), _READ_FLAGS)
+    except OSError:
+        return "an unknown process"
+    try:
+        text = os.read(fd, 256).decode("ascii", "replace").split()
+    except OSError:
+        text = []
+    finally:
+        os.close(fd)
+    if len(text) == 2 and text[0].isdigit():
+        return f"pid {text[0]} on host {text[1]}"
+    return "an unknown process"
+
+
+def _say_holder(fd: int) -> None:
+    """Write ``pid host`` into the held lock file, for :func:`lock_holder` (best effort: a
+    full disk must not stop a save that needs no new space)."""
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    except OSError:
+        pass
 
 
 class RootLock:
@@ -55,6 +89,7 @@ class RootLock:
             try:
                 self._flock(fd, deadline)
                 if self._is_current(fd):
+                    _say_holder(fd)
                     self._fd = fd
                     self._finalizer = weakref.finalize(self, os.close, fd)
                     return
@@ -64,23 +99,36 @@ class RootLock:
             os.close(fd)  # we locked a lock file its previous holder had deleted: retry
 
     def _flock(self, fd: int, deadline: float | None) -> None:
-        if deadline is None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            return
+        """Take the flock, polling; after :data:`WARN_AFTER_SECS` log who holds it, and at
+        the deadline raise a TimeoutError naming the holder."""
         pause = 0.001
+        warn_at: float | None = time.monotonic() + WARN_AFTER_SECS
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return
             except BlockingIOError:
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
                     raise TimeoutError(
                         errno.ETIMEDOUT,
-                        f"another process is saving into {self.path.parent} (it holds "
-                        f"{self.path}) and did not finish within {self.timeout} s; wait for "
-                        "it or save into another root",
+                        f"{lock_holder(self.path.parent)} holds {self.path} (it is saving into "
+                        f"or pruning {self.path.parent}) and did not finish within "
+                        f"{self.timeout} s; wait for it, stop it, or use another root",
                         str(self.path),
                     ) from None
+                if warn_at is not None and now >= warn_at:
+                    warn_at = None
+                    _LOG.warning(
+                        "waiting for %s, held by %s (saving into or pruning %s)%s",
+                        self.path,
+                        lock_holder(self.path.parent),
+                        self.path.parent,
+                        "" if self.timeout is None else f"; giving up after {self.timeout} s",
+                    )
+                    if deadline is None:
+                        fcntl.flock(fd, fcntl.LOCK_EX)  # said who we wait for: now just wait
+                        return
                 time.sleep(pause)
                 pause = min(pause * 2, 0.05)
 
