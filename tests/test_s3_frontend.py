@@ -2,13 +2,9 @@
 list_checkpoints / prune, verify, CheckpointManager (sync, async, ``load(into=)``, replacement),
 TrainingStrategy + CheckpointHook exact resume, and the CLI, against a real moto server.
 
-These need the storage backend to dispatch ``s3://`` paths to
-:mod:`fastckpt.store.s3backend` (the store's ``backend_for``), and the commit and
-locate code to ask the backend instead of the local filesystem (``store/commit.py``,
-``store/locate.py``, ``cli.py``). Until that hook-up lands they are expected to fail (strict:
-once it lands, an unexpected pass fails the run, so the marker gets removed with it). Every
-test runs in a temporary working directory, so a path that still goes to the local filesystem
-cannot write into the repository.
+``s3://`` paths reach :mod:`fastckpt.store.s3backend` through
+:func:`fastckpt.store.dispatch.backend_for`. Every test runs in a temporary working directory,
+so a path that still went to the local filesystem could not write into the repository.
 """
 
 from __future__ import annotations
@@ -25,22 +21,12 @@ import torch
 
 import fastckpt
 import training_support as ts
+from fastckpt.files import load_file
 from fastckpt.store.records import read_commit_record
 from fastckpt.verify import verify
 from s3_support import S3Server, s3_root, s3_server
 
 __all__ = ["s3_root", "s3_server"]  # fixtures used by name below
-
-needs_store_hookup = pytest.mark.xfail(
-    strict=True,
-    reason="issue 13: s3:// dispatch in the store's backend_for, and store/commit.py / "
-    "store/locate.py asking the backend instead of the local filesystem",
-)
-needs_cli_hookup = pytest.mark.xfail(
-    strict=True,
-    reason="issue 13: the store hook-up, and cli.py ls/inspect asking the backend "
-    "(exists/stat, a header read through it) instead of the local filesystem",
-)
 
 
 @pytest.fixture
@@ -117,13 +103,19 @@ def test_training_strategy_and_hook_resume_exactly_from_s3(
     assert "manifest.json" in _keys(s3_server, s3_root)
 
 
-def test_cli_lists_and_verifies_an_s3_root(
-    s3_server: S3Server, s3_root: str, s3_env: dict[str, str]
+def test_cli_ls_verify_inspect_prune_export_on_s3(
+    s3_server: S3Server, s3_root: str, s3_env: dict[str, str], tmp_path: Path
 ) -> None:
-    fastckpt.save_checkpoint(s3_root, models={"main": torch.nn.Linear(4, 4)})
+    model = torch.nn.Linear(4, 4)
+    fastckpt.save_checkpoint(s3_root, models={"main": model})
+    fastckpt.save_checkpoint(s3_root, models={"main": model})
+    managers = f"{s3_root}-managers"
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as mgr:
+        mgr.save(f"{managers}/a", {"x": torch.arange(6.0), "step": 7})
     assert "manifest.json" in _keys(s3_server, s3_root)
     env = {**os.environ, **s3_env}
-    for command in (["ls", s3_root], ["verify", s3_root], ["inspect", s3_root]):
+
+    def cli(*command: str) -> str:
         result = subprocess.run(
             [sys.executable, "-m", "fastckpt", *command],
             capture_output=True,
@@ -132,6 +124,23 @@ def test_cli_lists_and_verifies_an_s3_root(
             timeout=120,
         )
         assert result.returncode == 0, (command, result.stdout, result.stderr)
+        return result.stdout
+
+    assert "2 committed index(es)" in cli("ls", s3_root)
+    cli("verify", s3_root)
+    assert "main" in cli("inspect", s3_root)
+    listing = cli("ls", managers)
+    assert "a " in listing and " 7 " in listing  # the step read through the generation
+    assert "item x: 1 tensor(s)" in cli("inspect", f"{managers}/a")
+    cli("verify", f"{managers}/a")
+    cli("export", s3_root, "--to", str(tmp_path / "main.safetensors"))
+    exported = load_file(tmp_path / "main.safetensors")
+    assert torch.equal(exported["weight"], model.weight.detach())
+    cli("export", f"{managers}/a", "--model", "x", "--to", str(tmp_path / "x.safetensors"))
+    assert torch.equal(load_file(tmp_path / "x.safetensors")["tensor"], torch.arange(6.0))
+    cli("prune", s3_root, "--keep-last", "1")
+    assert [c["index"] for c in fastckpt.list_checkpoints(s3_root)] == [1]
+    assert not any(key.startswith("0/") for key in _keys(s3_server, s3_root))
 
 
 def test_manager_replacement_on_s3_writes_a_new_generation_then_drops_the_old(

@@ -32,7 +32,7 @@ from fastckpt.cli.render import (
 from fastckpt.errors import FastCkptError
 from fastckpt.progress import format_bytes
 from fastckpt.store.paths import safe_join
-from fastckpt.store.records import COMMIT_RECORD, Manifest, read_commit_record
+from fastckpt.store.records import COMMIT_RECORD, Manifest, read_commit_record, record_file
 
 # --------------------------------------------------------------------------- fastckpt inspect
 
@@ -139,16 +139,20 @@ def _describe_manager(directory: Path) -> dict[str, Any]:
     items = []
     for key in record["items"]:
         values: dict[str, Any] = {}
-        if f"{key}.json" in record["files"]:
-            stored = read_document(safe_join(directory, f"{key}.json"))
+        skeleton_file = record_file(record, f"{key}.json")  # object stores: g-<hex>/...
+        if skeleton_file in record["files"]:
+            stored = read_document(safe_join(directory, skeleton_file))
             skeleton = stored.get("skeleton") if isinstance(stored, dict) else None
             refs = cast(Mapping[str, torch.Tensor], _Refs())
             _leaves(tree.unflatten(skeleton, refs, str(key)), str(key), values)
         tensor_files = [
             f["path"]
             for f in files
-            if f["path"] == f"{key}{TENSOR_SUFFIX}"
-            or (f["path"].startswith(f"{key}.rank") and f["path"].endswith(TENSOR_SUFFIX))
+            if f["path"] == record_file(record, f"{key}{TENSOR_SUFFIX}")
+            or (
+                f["path"].startswith(record_file(record, f"{key}.rank"))
+                and f["path"].endswith(TENSOR_SUFFIX)
+            )
         ]
         items.append({"name": key, "values": values, "tensor_files": tensor_files})
     return {
