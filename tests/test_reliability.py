@@ -11,6 +11,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import traceback
@@ -36,6 +37,7 @@ from checkpoint_support import (
 )
 from fastckpt import (
     _native,
+    list_checkpoints,
     load_checkpoint,
     load_file,
     read_metadata,
@@ -51,6 +53,9 @@ from fastckpt.verify import CheckpointSkippedWarning, latest_intact, verify
 
 #: What hostile input may raise; anything else (AttributeError, IndexError, RecursionError,
 #: a crash) is a bug.
+#: The ``saved`` fixture (two indices of a root and two manager checkpoints).
+pytest_plugins = ["checkpoint_support"]
+
 ALLOWED = (FastCkptError, ValueError, KeyError, TypeError, OSError)
 CALLS: list[str] = []
 
@@ -490,9 +495,6 @@ import fastckpt
 from fastckpt import _native, load_file, read_metadata, load_checkpoint
 from fastckpt.verify import verify
 
-
-#: The ``saved`` fixture (two indices of a root and two manager checkpoints).
-pytest_plugins = ["checkpoint_support"]
 with open("/proc/self/status") as status:
     size = next(int(l.split()[1]) for l in status if l.startswith("VmSize")) * 1024
 # No more than 1 GiB of new address space: allocating what a hostile header claims would fail.
@@ -637,3 +639,73 @@ def test_dotted_paths_outside_the_trust_policy_are_refused(
 
 
 # --------------------------------------------------------------------------- repair paths
+
+
+# --------------------------------------------------------------------------- special files
+
+
+@contextlib.contextmanager
+def _within(seconds: int) -> Any:
+    """Fail (instead of hanging the suite) when the block takes longer than ``seconds``."""
+
+    def expired(signum: int, frame: Any) -> None:
+        raise AssertionError(f"still running after {seconds} s: a read blocks or does not end")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _replace_by(path: Path, kind: str, outside: Path) -> None:
+    """Put a FIFO, a link to /dev/zero, or a link to an identical copy outside the checkpoint
+    in place of ``path``."""
+    if kind == "outside":
+        symlink_outside(path, outside / path.name)
+        return
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "outside"])
+@pytest.mark.parametrize(
+    "relpath",
+    [
+        MANIFEST,
+        "1/models/main.spec.json",
+        "1/models/main.safetensors",
+        "1/optimizers/adam.json",
+        "mgr:commit.json",
+        "mgr:model.json",
+        "mgr:model.safetensors",
+    ],
+)
+def test_special_files_in_a_checkpoint_are_refused_at_once(
+    saved: Saved, tmp_path: Path, relpath: str, kind: str
+) -> None:
+    """Issue 14.2: a FIFO, a link to /dev/zero, or a link out of the checkpoint in place of a
+    record, a JSON or a tensor file: load_checkpoint / CheckpointManager.load and verify end
+    at once with a typed error (or a failed report) naming the file; nothing hangs or reads
+    without bound."""
+    manager = relpath.startswith("mgr:")
+    base = saved.manager_dirs["a"] if manager else saved.root
+    path = base / relpath.removeprefix("mgr:")
+    _replace_by(path, kind, tmp_path / "outside")
+    with _within(20):
+        if manager:
+            detected(lambda: mload(base), path.name)
+        else:
+            detected(lambda: load_checkpoint(saved.root, 1), path.name)
+            if relpath == MANIFEST:
+                detected(lambda: list_checkpoints(saved.root), path.name)
+        report = verify(base)
+    assert not report.ok
+    assert any(path.name in f.message for f in report.files if not f.ok) or path.name in str(
+        report
+    ), report

@@ -24,8 +24,8 @@ from typing import Any
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.store.backend import FileRecord, StorageBackend
-from fastckpt.store.dispatch import backend_for
+from fastckpt.store.backend import MAX_RECORD_BYTES, FileRecord, StorageBackend
+from fastckpt.store.dispatch import backend_for, is_local
 from fastckpt.store.paths import check_name, check_relpath, safe_join
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "load_json",
     "new_generation",
     "read_commit_record",
+    "read_record_bytes",
     "record_file",
     "seal_manifest",
 ]
@@ -97,6 +98,37 @@ def load_json(path: str | os.PathLike[str], raw: bytes) -> Any:
         raise CheckpointFormatError(f"{path}: {err}") from None
     except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, ...
         raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from None
+
+
+def read_record_bytes(directory: str | os.PathLike[str], name: str) -> bytes:
+    """The bytes of the record ``name`` of ``directory`` (``manifest.json``, ``commit.json``).
+
+    Locally the record must be a regular file inside ``directory``, itself not a symlink: it
+    is opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat`` before any read, and
+    read up to :data:`~fastckpt.store.backend.MAX_RECORD_BYTES`, so a FIFO, a device, or a link
+    (to ``/dev/zero``, out of the checkpoint) is a typed error naming the file, at once.
+
+    Raises:
+        FileNotFoundError: no record. IsADirectoryError: a directory in its place.
+        CheckpointFormatError: anything else that is not a small regular file.
+    """
+    backend = backend_for(directory)
+    path = Path(directory) / name
+    if not is_local(backend):
+        return backend.read_bytes(path)
+    fd = _native.open_regular(str(path), False)
+    with os.fdopen(fd, "rb") as handle:
+        size = os.fstat(fd).st_size
+        if size > MAX_RECORD_BYTES:
+            raise CheckpointFormatError(
+                f"{path}: {size} bytes, more than the {MAX_RECORD_BYTES} a record may have"
+            )
+        data = handle.read(MAX_RECORD_BYTES + 1)
+    if len(data) > MAX_RECORD_BYTES:
+        raise CheckpointFormatError(
+            f"{path}: grew past the {MAX_RECORD_BYTES} bytes a record may have"
+        )
+    return data
 
 
 def _is_int(value: Any) -> bool:
@@ -195,7 +227,7 @@ class Manifest:
         root = Path(root)
         path = root / MANIFEST
         try:
-            raw = backend_for(root).read_bytes(path)
+            raw = read_record_bytes(root, MANIFEST)
         except FileNotFoundError:
             return cls(root)
         except IsADirectoryError:
@@ -385,7 +417,7 @@ def read_commit_record(directory: str | os.PathLike[str]) -> dict[str, Any]:
     directory = Path(directory)
     path = safe_join(directory, COMMIT_RECORD)
     try:
-        data = backend_for(directory).read_bytes(path)
+        data = read_record_bytes(directory, COMMIT_RECORD)
     except FileNotFoundError:
         raise FileNotFoundError(
             errno.ENOENT,
