@@ -249,7 +249,9 @@ def test_diff_reports_changed_tensors_and_exits_1(runs: dict[str, Any]) -> None:
     assert weight[:5] == ["changed", "models/main:weight", "F32", "[2,", "4]"]
     assert weight[5] == "8/8"
     assert float(weight[6]) > 0
-    assert lines[-1].endswith("0 added, 0 removed")
+    assert "0 added, 0 removed" in lines[-1]
+    assert lines[-1].endswith("plain value(s) differ")  # the counters: step 1 vs 3
+    assert next(line for line in lines if "counters:step " in line).split()[2:] == ["1", "3"]
 
 
 def test_prune_deletes_old_indices(runs: dict[str, Any], ckpts: Path) -> None:
@@ -461,7 +463,12 @@ def test_export_model_choice_and_overwrite(fastckpt_cli: Run, ckpts: Path) -> No
 def test_usage_errors_are_one_line(fastckpt_cli: Run) -> None:
     status, _, err = fastckpt_cli("verify", "run", "--index", "9")
     assert status == 2 and "index 9" in err and "available: [0, 1, 2]" in err
-    usage_errors = (["verify", "run", "--index", "x"], ["nope"], [], ["diff", "run"])
+    usage_errors: tuple[list[str], ...] = (
+        ["verify", "run", "--index", "x"],
+        ["nope"],
+        [],
+        ["diff", "run"],
+    )
     for args in (*usage_errors, ["prune", "run"], ["prune", "run", "--keep-last", "0"]):
         status, out, err = fastckpt_cli(*args)
         assert status == 2 and out == ""
@@ -563,3 +570,221 @@ def test_format_bytes() -> None:
         "1.5 KiB",
         "5.0 GiB",
     ]
+
+
+# --------------------------------------------------------------------------- issue 16
+
+
+def test_verify_never_calls_unchecked_bytes_verified(fastckpt_cli: Run, ckpts: Path) -> None:
+    """A file without checksums (written by safetensors) is read, not verified: exit 3 and the
+    text says so, damaged or not."""
+    status, out, _ = fastckpt_cli("verify", "plain.safetensors")
+    assert status == 3, out
+    assert out.startswith("UNCHECKED:") and "not verified" in out and "x" in out
+    assert not out.startswith("ok")
+    status, out, _ = fastckpt_cli("--json", "verify", "plain.safetensors")
+    report = json.loads(out)
+    assert status == 3 and report["status"] == "unchecked" and report["ok"] is False
+    assert report["unchecked_files"] == ["plain.safetensors"]
+    damaged = ckpts / "plain-damaged.safetensors"
+    shutil.copy(ckpts / "plain.safetensors", damaged)
+    flip_byte(damaged)
+    status, out, _ = fastckpt_cli("verify", damaged.name)
+    assert status == 3 and "UNCHECKED" in out
+    status, out, _ = fastckpt_cli("verify", "run")
+    assert status == 0 and out.startswith("ok:")  # every byte under a checksum
+
+
+def test_exit_statuses_are_documented_in_main_and_the_docs() -> None:
+    import importlib
+
+    main_module = importlib.import_module("fastckpt.cli.main")
+
+    assert (main_module.EXIT_OK, main_module.EXIT_BAD, main_module.EXIT_ERROR) == (0, 1, 2)
+    assert main_module.EXIT_UNCHECKED == 3
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    for status, word in ((0, "ok"), (1, "damage"), (2, "error"), (3, "unchecked")):
+        assert f"| {status} |" in doc and word in doc.lower(), status
+    assert "3 verify found bytes without checksums" in cli.build_parser().epilog  # type: ignore[operator]
+
+
+LIGHT_CLI = """
+import sys, types
+# The CLI package alone, without fastckpt/__init__.py's eager imports.
+package = types.ModuleType("fastckpt")
+package.__path__ = [{source!r}]
+sys.modules["fastckpt"] = package
+from fastckpt.cli.main import main
+for args in (["--version"], ["--help"], ["verify", "--help"], ["verify"], ["nope"],
+             ["--json", "prune", "x"]):
+    try:
+        main(args)
+    except SystemExit:
+        pass
+heavy = sorted(m for m in ("torch", "numpy", "safetensors", "fastckpt._native") if m in sys.modules)
+print("IMPORTED", heavy)
+"""
+
+
+def test_help_version_and_usage_errors_do_not_import_torch() -> None:
+    source = str(Path(fastckpt.__file__).parent)
+    result = subprocess.run(
+        [sys.executable, "-c", LIGHT_CLI.format(source=source)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "IMPORTED []" in result.stdout, result.stdout[-2000:]
+    assert f"fastckpt {fastckpt.__version__}" in result.stdout
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fastckpt/__init__.py imports torch eagerly; `fastckpt --version` cannot avoid it "
+    "until the package's top-level names are imported lazily (PEP 562 __getattr__)",
+)
+def test_the_installed_command_does_not_import_torch_for_version() -> None:
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "fastckpt", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported
+
+
+def test_json_errors_are_json(fastckpt_cli: Run) -> None:
+    status, out, err = fastckpt_cli("--json", "verify", "no/such/dir")
+    document = json.loads(out)
+    assert status == 2 and err == ""
+    assert document["exit_status"] == 2 and document["command"] == "fastckpt verify"
+    assert "no/such/dir" in document["error"]
+    status, out, _ = fastckpt_cli("verify", "run", "--index", "x", "--json")
+    assert status == 2 and "not an integer index" in json.loads(out)["error"]
+
+
+def test_every_subcommand_argument_has_help() -> None:
+    import argparse
+
+    parser = cli.build_parser()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = [
+        f"{name} {action.dest}"
+        for name, sub in commands.choices.items()
+        if name != "bench"
+        for action in sub._actions
+        if not action.help
+    ]
+    assert missing == []
+    assert all(action.help for action in parser._actions)
+
+
+def test_diff_reports_plain_value_differences(fastckpt_cli: Run) -> None:
+    """Two manager checkpoints of the same weights at steps 10 and 20 are not identical."""
+    status, out, _ = fastckpt_cli("diff", "mgr/step_10", "mgr/step_20")
+    assert status == 1, out
+    assert "step.json:skeleton" in out and "10" in out and "20" in out
+    status, out, _ = fastckpt_cli("--json", "diff", "mgr/step_10", "mgr/step_20")
+    result = json.loads(out)
+    assert result["identical"] is False and result["changed"] == []
+    assert result["values_changed"] == [{"name": "step.json:skeleton", "a": 10, "b": 20}]
+    status, out, _ = fastckpt_cli("--json", "diff", "run/0", "run/2")
+    changed = {v["name"]: (v["a"], v["b"]) for v in json.loads(out)["values_changed"]}
+    assert changed["counters:step"] == (1, 3)
+    status, out, _ = fastckpt_cli("diff", "run/2", "run")
+    assert status == 0 and "plain value(s) compared" in out
+
+
+def test_diff_compares_a_root_with_its_own_export(fastckpt_cli: Run, ckpts: Path) -> None:
+    status, _, _ = fastckpt_cli("export", "run", "--to", "run-main.safetensors")
+    assert status == 0
+    status, out, _ = fastckpt_cli("diff", "run", "run-main.safetensors")
+    assert status == 0, out
+    assert "[models/main]" in out and "identical: 2 tensor(s)" in out
+    status, out, _ = fastckpt_cli("diff", "run/0", "run-main.safetensors")
+    assert status == 1 and "models/main:weight" in out  # index 0's weights differ from 2's
+    status, out, _ = fastckpt_cli("export", "mgr/step_20", "--to", "mgr-model.safetensors")
+    status, out, _ = fastckpt_cli("diff", "mgr-model.safetensors", "mgr/step_20")
+    assert status == 0 and "[model]" in out
+
+
+def test_verify_inspect_and_prune_take_a_directory_of_manager_checkpoints(
+    fastckpt_cli: Run, ckpts: Path
+) -> None:
+    shutil.copytree(ckpts / "mgr", ckpts / "mgr-dir")
+    status, out, _ = fastckpt_cli("verify", "mgr-dir")
+    assert status == 0 and out.count("ok:") == 2 and "step_10" in out and "step_20" in out
+    status, out, _ = fastckpt_cli("inspect", "mgr-dir")
+    assert status == 0 and "newest of 2 CheckpointManager checkpoint(s)" in out
+    assert "step_20" in out.splitlines()[0]
+    status, out, _ = fastckpt_cli("prune", "mgr-dir", "--keep-last", "1", "--dry-run")
+    assert status == 0 and out.startswith("would delete step_10")
+    status, out, _ = fastckpt_cli("--json", "prune", "mgr-dir", "--keep-last", "1")
+    assert status == 0 and json.loads(out)["deleted"] == ["step_10"]
+    assert sorted(p.name for p in (ckpts / "mgr-dir").iterdir()) == ["step_20"]
+    status, out, _ = fastckpt_cli("--json", "ls", "mgr-dir")
+    assert [c["name"] for c in json.loads(out)["checkpoints"]] == ["step_20"]
+    flip_byte(ckpts / "mgr-dir" / "step_20" / "model.safetensors")
+    status, out, _ = fastckpt_cli("verify", "mgr-dir")
+    assert status == 1 and "BAD" in out
+
+
+HOLD_LOCK = """
+import sys, time
+from fastckpt.store.lock import RootLock
+lock = RootLock(sys.argv[1])
+lock.acquire()
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_prune_says_who_holds_the_lock_and_gives_up_after_the_timeout(
+    fastckpt_cli: Run, ckpts: Path
+) -> None:
+    shutil.copytree(ckpts / "run", ckpts / "locked")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(ckpts / "locked")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        status, out, err = fastckpt_cli(
+            "prune", "locked", "--keep-last", "1", "--lock-timeout", "0.3"
+        )
+        assert status == 2 and out == ""
+        assert f"locked by pid {holder.pid}" in err and "waiting (at most 0.3 s" in err
+        assert "still locked" in err and "--lock-timeout" in err
+        assert len(fastckpt.list_checkpoints(ckpts / "locked")) == 3
+    finally:
+        holder.kill()
+        holder.wait()
+    status, out, _ = fastckpt_cli("prune", "locked", "--keep-last", "1", "--lock-timeout", "5")
+    assert status == 0 and out.startswith("deleted index(es) 0, 1")
+
+
+def test_export_model_ema_writes_the_averaged_weights(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    ema = fastckpt.EMAHook(decay=0.9)
+    strategy = fastckpt.TrainingStrategy(
+        nn.Linear(4, 2),
+        fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}),
+        training_fn=train_step,
+        hooks=[ema, fastckpt.CheckpointHook(tmp_path / "s", step_interval=3, async_save=False)],
+        num_steps=3,
+    )
+    strategy.run([torch.randn(2, 4) for _ in range(3)])
+    out = tmp_path / "ema.safetensors"
+    assert cli.main(["export", str(tmp_path / "s"), "--model", "ema", "--to", str(out)]) == 0
+    exported = fastckpt.load_file(out)
+    assert set(exported) == {"weight", "bias"}
+    assert all(torch.equal(exported[k], ema.shadow[k]) for k in exported)
+    weights = dict(strategy.models["main"].named_parameters())
+    assert not torch.equal(exported["weight"], weights["weight"])  # not the raw weights
+    metadata = fastckpt.read_metadata(out)["metadata"]
+    assert metadata["fastckpt.model"] == "ema" and metadata["fastckpt.ema_of"] == "main"
+    assert cli.main(["export", str(tmp_path / "s"), "--model", "ema1", "--to", "x.st"]) == 2

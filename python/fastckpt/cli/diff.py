@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from fastckpt.cli.common import (
@@ -12,6 +15,7 @@ from fastckpt.cli.common import (
     TENSOR_SUFFIX,
     UserError,
     locate,
+    read_document,
     resolve_index,
 )
 from fastckpt.cli.render import (
@@ -21,17 +25,62 @@ from fastckpt.cli.render import (
 )
 from fastckpt.diff import TensorFiles, diff_checkpoints
 from fastckpt.progress import io_progress
+from fastckpt.store.dispatch import backend_for
 from fastckpt.store.paths import safe_join
-from fastckpt.store.records import read_commit_record, record_file
+from fastckpt.store.records import COMMIT_RECORD, read_commit_record, record_file
 
 # --------------------------------------------------------------------------- fastckpt diff
 
 
-def _diff_side(text: str) -> TensorFiles:
-    """The tensor files of the checkpoint ``text`` names (a root: its latest index)."""
+@dataclasses.dataclass
+class _Side:
+    """One side of ``fastckpt diff``: its tensor files and its plain values (flattened)."""
+
+    tensors: TensorFiles
+    values: dict[str, Any]
+    metadata: dict[str, str]
+
+
+#: Recording times: they differ between any two saves and say nothing about the state.
+_NOT_COMPARED = frozenset({"timestamp", "created"})
+
+
+def _flatten_values(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    """``{"a.b[0]": leaf}`` for the plain values of a JSON document."""
+    if isinstance(value, Mapping) and value:
+        for key, sub in value.items():
+            if key in _NOT_COMPARED:
+                continue
+            _flatten_values(f"{prefix}.{key}" if prefix else str(key), sub, out)
+    elif isinstance(value, list) and value:
+        for i, sub in enumerate(value):
+            _flatten_values(f"{prefix}[{i}]", sub, out)
+    else:
+        out[prefix] = value
+
+
+def _header(path: Path) -> dict[str, Any]:
+    return backend_for(path).read_header(path)
+
+
+def _json_values(
+    directory: Path, relpaths: list[str], within: Path, generation: str = ""
+) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for relpath in relpaths:
+        if relpath.endswith(".json") and relpath != COMMIT_RECORD:
+            document = read_document(safe_join(directory, relpath, within=within))
+            _flatten_values(f"{relpath.removeprefix(generation)}:", document, values)
+    return {name.replace(":.", ":"): value for name, value in values.items()}
+
+
+def _diff_side(text: str) -> _Side:
+    """The tensor files and plain values of the checkpoint ``text`` names (a root: its
+    latest index)."""
     location = locate(text)
     if location.kind == "file":
-        return TensorFiles(str(location.path), {"": location.path})
+        metadata = _header(location.path)["metadata"] or {}
+        return _Side(TensorFiles(str(location.path), {"": location.path}), {}, metadata)
     if location.kind == "manager":
         record = read_commit_record(location.path)
         generation = record_file(record, "")  # object stores: "g-<hex>/"; locally ""
@@ -42,16 +91,76 @@ def _diff_side(text: str) -> TensorFiles:
             for relpath in sorted(record["files"])
             if relpath.endswith(TENSOR_SUFFIX)
         }
-        return TensorFiles(f"{location.path} (CheckpointManager checkpoint)", files)
+        values = _json_values(location.path, sorted(record["files"]), location.path, generation)
+        label = f"{location.path} (CheckpointManager checkpoint)"
+        return _Side(TensorFiles(label, files), values, {})
     manifest, index = resolve_index(location, None)
     directory = manifest.root / str(index)
+    listed = sorted(manifest.entries[index]["files"])
     files = {
         relpath.removesuffix(TENSOR_SUFFIX): safe_join(directory, relpath, within=manifest.root)
-        for relpath in sorted(manifest.entries[index]["files"])
+        for relpath in listed
         if relpath.endswith(TENSOR_SUFFIX)
     }
+    counters: dict[str, Any] = {}
+    _flatten_values("counters:", manifest.entries[index].get("counters", {}), counters)
+    plain = {name.replace(":.", ":"): value for name, value in counters.items()}
+    plain.update(_json_values(directory, listed, manifest.root))
     latest = ", latest" if index == manifest.latest else ""
-    return TensorFiles(f"{directory} (index {index}{latest})", files)
+    return _Side(TensorFiles(f"{directory} (index {index}{latest})", files), plain, {})
+
+
+def _match_export(single: _Side, whole: _Side) -> str | None:
+    """The prefix (``models/main``, a manager item) of ``whole`` that the lone file
+    ``single`` holds: named by its export metadata, else the one sharing most tensor names."""
+    prefixes = list(whole.tensors.files)
+    named = [
+        candidate
+        for key, candidate in (
+            ("fastckpt.model", f"models/{single.metadata.get('fastckpt.model')}"),
+            ("fastckpt.item", str(single.metadata.get("fastckpt.item"))),
+        )
+        if key in single.metadata
+    ]
+    for candidate in named:
+        for prefix in prefixes:
+            if prefix == candidate or prefix.startswith(f"{candidate}.rank"):
+                return prefix
+    names = set(_header(single.tensors.files[""])["tensors"])
+    overlap = {p: len(names & set(_header(f)["tensors"])) for p, f in whole.tensors.files.items()}
+    best = max(overlap, key=lambda p: overlap[p], default=None)
+    return best if best is not None and overlap[best] > 0 else None
+
+
+def _align(a: _Side, b: _Side) -> tuple[TensorFiles, TensorFiles]:
+    """Compare a lone file (an export) with the part of a checkpoint it came from."""
+    lone_a, lone_b = set(a.tensors.files) == {""}, set(b.tensors.files) == {""}
+    if lone_a == lone_b:
+        return a.tensors, b.tensors
+    single, whole = (a, b) if lone_a else (b, a)
+    prefix = _match_export(single, whole)
+    if prefix is None:
+        return a.tensors, b.tensors
+    narrowed = TensorFiles(
+        f"{whole.tensors.label} [{prefix}]", {prefix: whole.tensors.files[prefix]}
+    )
+    renamed = TensorFiles(single.tensors.label, {prefix: single.tensors.files[""]})
+    return (renamed, narrowed) if lone_a else (narrowed, renamed)
+
+
+def _diff_values(a: _Side, b: _Side) -> dict[str, list[dict[str, Any]]]:
+    """Plain values (counters, steps, hyperparameters, hook settings) that differ."""
+    if not a.values or not b.values:
+        return {"values_changed": [], "values_added": [], "values_removed": []}
+    return {
+        "values_changed": [
+            {"name": n, "a": a.values[n], "b": b.values[n]}
+            for n in a.values
+            if n in b.values and a.values[n] != b.values[n]
+        ],
+        "values_added": [{"name": n, "b": b.values[n]} for n in b.values if n not in a.values],
+        "values_removed": [{"name": n, "a": a.values[n]} for n in a.values if n not in b.values],
+    }
 
 
 def _diff_text(result: Mapping[str, Any]) -> str:
@@ -82,28 +191,53 @@ def _diff_text(result: Mapping[str, Any]) -> str:
         rows += [[change, t["name"], t["dtype"], shape_text(t["shape"]), "-", "-"] for t in items]
     if rows:
         lines.append(table(["CHANGE", "TENSOR", "DTYPE", "SHAPE", "DIFFERING", "MAX |A-B|"], rows))
+    value_rows = [
+        ["changed", v["name"], _value_text(v["a"]), _value_text(v["b"])]
+        for v in result["values_changed"]
+    ]
+    value_rows += [["added", v["name"], "-", _value_text(v["b"])] for v in result["values_added"]]
+    value_rows += [
+        ["removed", v["name"], _value_text(v["a"]), "-"] for v in result["values_removed"]
+    ]
+    if value_rows:
+        lines.append(table(["CHANGE", "VALUE", "A", "B"], value_rows))
     differ = len(result["changed"]) + len(result["mismatched"])
+    values = len(value_rows)
     if result["identical"]:
-        lines.append(f"identical: {result['compared']} tensor(s) compared")
+        lines.append(
+            f"identical: {result['compared']} tensor(s) and {result['values_compared']} "
+            "plain value(s) compared"
+        )
     else:
         lines.append(
             f"{differ} of {result['compared']} common tensor(s) differ, "
-            f"{len(result['added'])} added, {len(result['removed'])} removed"
+            f"{len(result['added'])} added, {len(result['removed'])} removed; "
+            f"{values} plain value(s) differ"
         )
     return "\n".join(lines)
+
+
+def _value_text(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     """``fastckpt diff A B``: exit 0 when identical, 1 when anything differs."""
     if args.atol < 0:
         raise UserError(f"--atol must be >= 0, got {args.atol}")
-    a, b = _diff_side(args.a), _diff_side(args.b)
+    side_a, side_b = _diff_side(args.a), _diff_side(args.b)
+    a, b = _align(side_a, side_b)
     total = sum(p.stat().st_size for side in (a, b) for p in side.files.values())
     with io_progress("diff", total):
         try:
             result = diff_checkpoints(a, b, args.atol)
         except TypeError as err:  # a dtype this torch build lacks
             raise UserError(str(err)) from None
+    values = _diff_values(side_a, side_b)
+    result.update(values)
+    result["values_compared"] = len(set(side_a.values) & set(side_b.values))
+    result["identical"] = result["identical"] and not any(values.values())
     if args.json:
         print_json(result)
     else:

@@ -26,7 +26,7 @@ from fastckpt.files import save_file
 from fastckpt.progress import format_bytes, io_progress
 from fastckpt.store.locate import Location
 from fastckpt.store.reader import read_manager_item
-from fastckpt.store.records import item_files, read_commit_record
+from fastckpt.store.records import Manifest, item_files, read_commit_record
 
 # --------------------------------------------------------------------------- fastckpt export
 
@@ -69,6 +69,8 @@ def _export_plan(location: Location, index: int | None, model: str | None) -> _E
     manifest, chosen = resolve_index(location, index)
     entry = manifest.entries[chosen]
     names = [str(n) for n in entry.get("components", {}).get("models", [])]
+    if model is not None and model.startswith(EMA) and model not in names:
+        return _ema_plan(manifest, chosen, model)
     name = _pick(names, model, "model", manifest.root / str(chosen))
     relpath = f"models/{name}{TENSOR_SUFFIX}"
     record = entry["files"].get(relpath, {"size": 0})
@@ -79,6 +81,54 @@ def _export_plan(location: Location, index: int | None, model: str | None) -> _E
             "fastckpt.source": str(manifest.root),
             "fastckpt.index": str(chosen),
             "fastckpt.model": name,
+        },
+    )
+
+
+EMA = "ema"
+_EMA_CLASS = "fastckpt.hooks.ema.EMAHook"
+_HOOKS_JSON, _HOOKS_TENSORS = "hooks.json", "hooks.safetensors"
+
+
+def _ema_plan(manifest: Manifest, index: int, model: str) -> _Export:
+    """``--model ema`` (``ema1``, ... for a second EMAHook): the averaged weights an EMAHook
+    saved with a strategy checkpoint, named like the model's parameters."""
+    where = manifest.root / str(index)
+    occurrence_text = model.removeprefix(EMA) or "0"
+    if not occurrence_text.isdigit():
+        raise UserError(f"--model {model}: write 'ema' (or 'ema1' for a second EMAHook)")
+    occurrence = int(occurrence_text)
+    reader = IndexReader(manifest, index)
+    if _HOOKS_JSON not in reader.files:
+        raise UserError(f"{where} holds no hook states, so no EMA weights")
+    document = reader.json(_HOOKS_JSON)
+    skeleton = document.get("hooks", []) if isinstance(document, dict) else []
+    emas = [
+        i
+        for i, hook in enumerate(skeleton)
+        if isinstance(hook, dict) and hook.get("class") == _EMA_CLASS
+    ]
+    if occurrence >= len(emas):
+        raise UserError(
+            f"{where} has {len(emas)} EMAHook state(s); --model {model} needs {occurrence + 1}"
+        )
+    size = reader.files.get(_HOOKS_TENSORS, {"size": 0})["size"]
+
+    def load() -> dict[str, torch.Tensor]:
+        hooks = tree.unflatten(skeleton, reader.tensors(_HOOKS_TENSORS), "hooks")
+        state = hooks[emas[occurrence]]["state"]
+        return {str(name): tensor for name, tensor in dict(state["shadow"]).items()}
+
+    state_skeleton = skeleton[emas[occurrence]].get("state")
+    ema_of = state_skeleton.get("model_key") if isinstance(state_skeleton, dict) else None
+    return _Export(
+        load,
+        size,
+        {
+            "fastckpt.source": str(manifest.root),
+            "fastckpt.index": str(index),
+            "fastckpt.model": model,
+            "fastckpt.ema_of": str(ema_of),
         },
     )
 

@@ -17,6 +17,7 @@ from fastckpt.cli.common import (
     describe_tensor_file,
     error_text,
     locate,
+    manager_children,
     no_index,
     read_document,
     resolve_index,
@@ -31,6 +32,7 @@ from fastckpt.cli.render import (
 )
 from fastckpt.errors import FastCkptError
 from fastckpt.progress import format_bytes
+from fastckpt.store.locate import Location
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import COMMIT_RECORD, Manifest, read_commit_record, record_file
 
@@ -238,8 +240,18 @@ def _file_text(info: Mapping[str, Any]) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """``fastckpt inspect PATH [--index N]``."""
-    location = locate(args.path)
+    """``fastckpt inspect PATH [--index N]`` (a directory of manager checkpoints: its newest)."""
+    children = manager_children(args.path)
+    note = None
+    if children:
+        newest = children[-1]
+        note = (
+            f"newest of {len(children)} CheckpointManager checkpoint(s) in {args.path}: "
+            f"{newest.name} (fastckpt ls {args.path} lists them)"
+        )
+        location = Location("manager", newest)
+    else:
+        location = locate(args.path)
     no_index(location, args.index)
     try:
         if location.kind in ("root", "index"):
@@ -255,7 +267,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"{error_text(err)} (fastckpt verify {location.path} checks every file)"
         ) from err
     if args.json:
-        print_json(info)
+        print_json(info if note is None else {**info, "selected": note})
     else:
-        print(text(info))
+        print(text(info) if note is None else f"{note}\n{text(info)}")
     return EXIT_OK

@@ -1,22 +1,38 @@
 """The ``fastckpt`` command: list, inspect, verify, diff, prune and export checkpoints.
 
 Every subcommand prints a human-readable table by default and a JSON document with
-``--json``. Exit status: 0 success, 1 the answer is "bad" or "different" (``verify`` found a
-damaged file, ``diff`` found a difference), 2 the command could not run (missing path, bad
-index, unreadable checkpoint, usage error). Errors are one line on stderr, never a traceback
-(``--debug`` shows it). Long operations draw a progress bar on stderr when it is a terminal.
+``--json``. Errors are one line on stderr, never a traceback (``--debug`` shows it); with
+``--json`` they are a JSON document on stdout (``{"error": ..., "command": ...,
+"exit_status": 2}``). Long operations draw a progress bar on stderr when it is a terminal.
+
+Exit statuses (:mod:`fastckpt.cli.status`):
+
+* 0 (``EXIT_OK``): success; ``verify``: every byte checked against a checksum;
+* 1 (``EXIT_BAD``): ``verify`` found damage, ``diff`` found a difference;
+* 2 (``EXIT_ERROR``): the command could not run (usage error, missing path, bad index,
+  unreadable checkpoint, ``prune --lock-timeout`` elapsed);
+* 3 (``EXIT_UNCHECKED``): ``verify`` found no damage, but some bytes have no checksum (a
+  file written without checksums, outside any commit record): read, not verified;
+* 130 (``EXIT_INTERRUPTED``): interrupted.
+
+``--help``, ``--version`` and usage errors do not import torch: the subcommands' modules are
+imported only to run them.
 
 A checkpoint PATH may be:
 
 * a :func:`fastckpt.save_checkpoint` root (holds ``manifest.json``),
 * one index directory of such a root (``ROOT/<index>``),
 * a :class:`fastckpt.CheckpointManager` checkpoint (a directory holding ``commit.json``),
-* a single ``.safetensors`` file.
+* a single ``.safetensors`` file,
+* for ``verify``, ``inspect`` and ``prune``: a directory of CheckpointManager checkpoints (what
+  ``fastckpt ls`` lists there).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import logging
 import os
 import sys
@@ -24,21 +40,49 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
-from fastckpt import __version__
-from fastckpt.cli.bench import run_bench
-from fastckpt.cli.common import (
+from fastckpt.cli.status import (
+    EXIT_BAD,
     EXIT_ERROR,
+    EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_UNCHECKED,
     UserError,
-    error_text,
 )
-from fastckpt.cli.diff import cmd_diff
-from fastckpt.cli.export import cmd_export
-from fastckpt.cli.inspect import cmd_inspect
-from fastckpt.cli.ls import cmd_ls
-from fastckpt.cli.prune import cmd_prune
-from fastckpt.cli.verify import cmd_verify
-from fastckpt.errors import FastCkptError
+
+__all__ = [
+    "EXIT_BAD",
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_UNCHECKED",
+    "build_parser",
+    "main",
+]
+
+
+def _version() -> str:
+    """The installed distribution's version, read without importing fastckpt's modules."""
+    from importlib.metadata import PackageNotFoundError, packages_distributions, version
+
+    # Editable installs list no modules in their RECORD: then try the distribution names.
+    for name in packages_distributions().get("fastckpt") or ["fastckpt-io", "fastckpt"]:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "0.0.0"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: print and exit, reading the version only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(f"fastckpt {_version()}")
+        parser.exit(EXIT_OK)
+
 
 # --------------------------------------------------------------------------- the parser
 
@@ -46,9 +90,18 @@ from fastckpt.errors import FastCkptError
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line."""
 
+    json_errors = False
+
     def error(self, message: str) -> NoReturn:
-        """Print ``prog: error: message`` on one line and exit with status 2."""
+        """Print ``prog: error: message`` on one line (JSON with ``--json``), exit status 2."""
+        if _Parser.json_errors:
+            print(_error_json(self.prog, f"{message} (see {self.prog} --help)"))
+            self.exit(EXIT_ERROR)
         self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _error_json(command: str, message: str) -> str:
+    return json.dumps({"error": message, "command": command, "exit_status": EXIT_ERROR})
 
 
 def _positive(text: str) -> int:
@@ -69,6 +122,35 @@ def _index(text: str) -> int:
     if value < -1:
         raise argparse.ArgumentTypeError(f"must be >= 0 (or -1 for the latest), got {value}")
     return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _handler(module: str, function: str) -> Callable[[argparse.Namespace], int]:
+    """A subcommand's handler, imported when it runs (so ``--help`` stays light)."""
+
+    def run(args: argparse.Namespace) -> int:
+        command: Callable[[argparse.Namespace], int] = getattr(
+            importlib.import_module(f"fastckpt.cli.{module}"), function
+        )
+        return command(args)
+
+    return run
+
+
+_PATH_HELP = (
+    "a save_checkpoint root, one of its index directories, a CheckpointManager checkpoint "
+    "or a .safetensors file"
+)
+_DIR_HELP = "; or a directory of CheckpointManager checkpoints"
 
 
 def _common(*, top: bool) -> _Parser:
@@ -94,60 +176,109 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="fastckpt",
         description="Inspect and maintain fastckpt checkpoints.",
-        epilog="exit status: 0 ok, 1 verify found damage / diff found differences, 2 error",
+        epilog=(
+            "exit status: 0 ok, 1 verify found damage / diff found differences, 2 error, "
+            "3 verify found bytes without checksums (unchecked), 130 interrupted"
+        ),
         parents=[_common(top=True)],
     )
-    parser.add_argument("--version", action="version", version=f"fastckpt {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
+    commands = parser.add_subparsers(
+        dest="command",
+        metavar="COMMAND",
+        required=True,
+        help="what to do (fastckpt COMMAND --help describes its arguments)",
+    )
     common = [_common(top=False)]
 
     ls = commands.add_parser(
         "ls", parents=common, help="list the committed indices of a root (or manager checkpoints)"
     )
-    ls.add_argument("root", metavar="ROOT")
-    ls.set_defaults(handler=cmd_ls)
+    ls.add_argument(
+        "root",
+        metavar="ROOT",
+        help="a save_checkpoint root, or a directory of CheckpointManager checkpoints",
+    )
+    ls.set_defaults(handler=_handler("ls", "cmd_ls"))
 
     inspect = commands.add_parser(
         "inspect", parents=common, help="components, tensors, specs and metadata of a checkpoint"
     )
-    inspect.add_argument("path", metavar="PATH")
+    inspect.add_argument(
+        "path", metavar="PATH", help=_PATH_HELP + _DIR_HELP + " (its newest is inspected)"
+    )
     inspect.add_argument("--index", type=_index, help="index of a root (default: latest)")
-    inspect.set_defaults(handler=cmd_inspect)
+    inspect.set_defaults(handler=_handler("inspect", "cmd_inspect"))
 
     verify = commands.add_parser(
-        "verify", parents=common, help="check every file's size and crc32c; exit 1 if damaged"
+        "verify",
+        parents=common,
+        help="check every file's size and crc32c; exit 1 if damaged, 3 if bytes are unchecked",
     )
-    verify.add_argument("path", metavar="PATH")
+    verify.add_argument("path", metavar="PATH", help=_PATH_HELP + _DIR_HELP + " (all of them)")
     verify.add_argument("--index", type=_index, help="only this index of a root (-1: latest)")
-    verify.set_defaults(handler=cmd_verify)
+    verify.set_defaults(handler=_handler("verify", "cmd_verify"))
 
     diff = commands.add_parser(
         "diff", parents=common, help="which tensors differ between two checkpoints; exit 1 if any"
     )
-    diff.add_argument("a", metavar="A")
-    diff.add_argument("b", metavar="B")
+    diff.add_argument("a", metavar="A", help="the first checkpoint: " + _PATH_HELP)
+    diff.add_argument(
+        "b",
+        metavar="B",
+        help="the second checkpoint (a file exported from A is compared with that model)",
+    )
     diff.add_argument(
         "--atol", type=float, default=0.0, help="count tensors within this max |a-b| as equal"
     )
-    diff.set_defaults(handler=cmd_diff)
+    diff.set_defaults(handler=_handler("diff", "cmd_diff"))
 
     prune_cmd = commands.add_parser(
-        "prune", parents=common, help="delete all but the newest N indices of a root"
+        "prune",
+        parents=common,
+        help="delete all but the newest N indices of a root (or manager checkpoints)",
     )
-    prune_cmd.add_argument("root", metavar="ROOT")
-    prune_cmd.add_argument("--keep-last", type=_positive, required=True, metavar="N")
+    prune_cmd.add_argument(
+        "root",
+        metavar="ROOT",
+        help="a save_checkpoint root" + _DIR_HELP + " (newest by commit time are kept)",
+    )
+    prune_cmd.add_argument(
+        "--keep-last",
+        type=_positive,
+        required=True,
+        metavar="N",
+        help="how many of the newest checkpoints to keep (>= 1; the latest is never deleted)",
+    )
     prune_cmd.add_argument("--dry-run", action="store_true", help="only say what would go")
-    prune_cmd.set_defaults(handler=cmd_prune)
+    prune_cmd.add_argument(
+        "--lock-timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="give up (exit 2) if another process holds the root's lock this long "
+        "(default: wait, saying who holds it)",
+    )
+    prune_cmd.set_defaults(handler=_handler("prune", "cmd_prune"))
 
     export = commands.add_parser(
         "export", parents=common, help="write one model's weights as a plain safetensors file"
     )
-    export.add_argument("path", metavar="PATH")
+    export.add_argument(
+        "path",
+        metavar="PATH",
+        help="a save_checkpoint root, one of its index directories, or a CheckpointManager "
+        "checkpoint",
+    )
     export.add_argument("--to", required=True, metavar="FILE", help="the file to write")
     export.add_argument("--index", type=_index, help="index of a root (default: latest)")
-    export.add_argument("--model", help="model name (or manager item); needed if several")
+    export.add_argument(
+        "--model",
+        help="model name (or manager item); needed if several; 'ema' exports the EMAHook's "
+        "averaged weights",
+    )
     export.add_argument("--force", action="store_true", help="replace FILE if it exists")
-    export.set_defaults(handler=cmd_export)
+    export.set_defaults(handler=_handler("export", "cmd_export"))
 
     commands.add_parser(
         "bench",
@@ -205,25 +336,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         _configure_logging("-v" in flags or "--verbose" in flags)
         as_json = "--json" in flags or "--json" in rest
         rest = [arg for arg in rest if arg != "--json"]
-        return _run(lambda: run_bench(rest, as_json=as_json), "bench", "--debug" in flags)
-    args = build_parser().parse_args(arguments)
+
+        def run_bench() -> int:
+            from fastckpt.cli.bench import run_bench
+
+            return run_bench(rest, as_json=as_json)
+
+        return _run(run_bench, "bench", "--debug" in flags, as_json)
+    _Parser.json_errors = "--json" in arguments
+    try:
+        args = build_parser().parse_args(arguments)
+    finally:
+        _Parser.json_errors = False
     _configure_logging(args.verbose)
     handler: Callable[[argparse.Namespace], int] = args.handler
-    return _run(lambda: handler(args), args.command, args.debug)
+    return _run(lambda: handler(args), args.command, args.debug, args.json)
 
 
-def _run(action: Callable[[], int], command: str, debug: bool) -> int:
-    """Run a subcommand, turning user errors into one line on stderr and exit status 2."""
+def _run(action: Callable[[], int], command: str, debug: bool, as_json: bool = False) -> int:
+    """Run a subcommand, turning user errors into one line on stderr (a JSON document on
+    stdout with ``--json``) and exit status 2."""
     try:
         with _broken_pipe_guard():
             return action()
-    except (UserError, FastCkptError, OSError) as err:
-        if debug:
+    except (UserError, OSError) as err:
+        return _report(err, command, debug, as_json)
+    except Exception as err:
+        from fastckpt.errors import FastCkptError
+
+        if not isinstance(err, FastCkptError):
             raise
-        print(f"fastckpt {command}: error: {error_text(err)}", file=sys.stderr)
-        return EXIT_ERROR
+        return _report(err, command, debug, as_json)
     except KeyboardInterrupt:
         if debug:
             raise
         print(f"fastckpt {command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+
+
+def _report(err: Exception, command: str, debug: bool, as_json: bool) -> int:
+    if debug:
+        raise err
+    from fastckpt.cli.common import error_text
+
+    if as_json:
+        print(_error_json(f"fastckpt {command}", error_text(err)))
+    else:
+        print(f"fastckpt {command}: error: {error_text(err)}", file=sys.stderr)
+    return EXIT_ERROR

@@ -5,14 +5,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
 from fastckpt.cli.common import (
     EXIT_BAD,
     EXIT_OK,
+    EXIT_UNCHECKED,
     UserError,
     error_text,
     locate,
+    manager_children,
     no_index,
     one_line,
 )
@@ -24,7 +27,7 @@ from fastckpt.errors import FastCkptError
 from fastckpt.progress import format_bytes, io_progress
 from fastckpt.store.locate import Location
 from fastckpt.store.records import Manifest, read_commit_record
-from fastckpt.verify import VerifyReport, verify
+from fastckpt.verify import FileReport, VerifyReport, verify
 
 # --------------------------------------------------------------------------- fastckpt verify
 
@@ -54,9 +57,24 @@ def _expected_bytes(location: Location, index: int | None) -> int | None:
         return None
 
 
+def unchecked_files(report: VerifyReport) -> list[FileReport]:
+    """Intact files some of whose bytes no checksum covers (tensors without a crc32c in a
+    file that no commit record lists with its own crc32c)."""
+    return [f for f in report.files if f.ok and f.unchecked_tensors and f.expected_crc32c is None]
+
+
+def _status(report: VerifyReport) -> int:
+    if not report.ok:
+        return EXIT_BAD
+    return EXIT_UNCHECKED if unchecked_files(report) else EXIT_OK
+
+
 def _verify_json(report: VerifyReport, seconds: float) -> dict[str, Any]:
+    unchecked = unchecked_files(report)
     return {
-        "ok": report.ok,
+        "ok": report.ok and not unchecked,
+        "status": {EXIT_OK: "ok", EXIT_BAD: "bad", EXIT_UNCHECKED: "unchecked"}[_status(report)],
+        "unchecked_files": [str(f.path) for f in unchecked],
         "failed_indices": report.failed_indices(),
         "bytes": sum(f.actual_size or 0 for f in report.files),
         "seconds": round(seconds, 6),
@@ -75,6 +93,26 @@ def _verify_text(report: VerifyReport, seconds: float) -> str:
     if report.indices:
         scope += f" of index(es) {', '.join(str(i) for i in report.indices)}"
     rate = f"{format_bytes(checked / seconds)}/s" if seconds > 0 else "-"
+    unchecked = unchecked_files(report)
+    if report.ok and unchecked:
+        lines = [
+            f"UNCHECKED: {report.target}: no damage found in {scope}, but "
+            f"{len(unchecked)} file(s) have tensors without checksums; their bytes were read, "
+            "not verified"
+        ]
+        for f in unchecked:
+            names = ", ".join(f.unchecked_tensors[:5])
+            more = (
+                f" (+{len(f.unchecked_tensors) - 5} more)" if len(f.unchecked_tensors) > 5 else ""
+            )
+            lines.append(
+                f"  {f.path}: {len(f.unchecked_tensors)} tensor(s) unchecked: {names}{more}"
+            )
+        lines.append(
+            "  (written without fastckpt's checksums, e.g. by the safetensors package; "
+            "re-save it with fastckpt.save_file to protect it)"
+        )
+        return "\n".join(lines)
     if report.ok:
         return (
             f"ok: {report.target}: {scope} verified, {format_bytes(checked)} in "
@@ -95,8 +133,41 @@ def _verify_text(report: VerifyReport, seconds: float) -> str:
     return "\n".join(lines)
 
 
+def _verify_managers(args: argparse.Namespace, children: list[Path]) -> int:
+    """Verify every CheckpointManager checkpoint of a directory; the worst status wins."""
+    if args.index is not None:
+        raise UserError(
+            f"{args.path} is a directory of CheckpointManager checkpoints; --index "
+            "only applies to a save_checkpoint root"
+        )
+    results = []
+    total = sum(_expected_bytes(locate(child), None) or 0 for child in children)
+    started = time.perf_counter()
+    with io_progress(f"verify {args.path}", total):
+        for child in children:
+            results.append(verify(child))
+    seconds = time.perf_counter() - started
+    statuses = [_status(report) for report in results]
+    worst = EXIT_BAD if EXIT_BAD in statuses else max(statuses)
+    if args.json:
+        print_json(
+            {
+                "path": str(args.path),
+                "ok": worst == EXIT_OK,
+                "checkpoints": [_verify_json(report, seconds) for report in results],
+            }
+        )
+    else:
+        print("\n".join(_verify_text(report, seconds) for report in results))
+    return worst
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    """``fastckpt verify PATH [--index N]``: exit 0 when intact, 1 when anything is bad."""
+    """``fastckpt verify PATH [--index N]``: exit 0 when every byte verified, 1 when anything
+    is damaged, 3 when nothing is damaged but some bytes carry no checksum."""
+    children = manager_children(args.path)
+    if children:
+        return _verify_managers(args, children)
     location = locate(args.path)
     no_index(location, args.index)
     total = _expected_bytes(location, args.index)
@@ -113,4 +184,4 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print_json(_verify_json(report, seconds))
     else:
         print(_verify_text(report, seconds))
-    return EXIT_OK if report.ok else EXIT_BAD
+    return _status(report)
