@@ -28,6 +28,7 @@ from fastckpt.hooks import (
     TrainContext,
     TrainingStage,
 )
+from fastckpt.incremental import mark_frozen
 from fastckpt.lazy import SafeOpen, TensorSlice, safe_open
 from fastckpt.manager import (
     AsyncCheckpointSaverConfig,
@@ -94,6 +95,7 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "load_file",
+    "mark_frozen",
     "prune",
     "read_metadata",
     "register_type_serializer",

@@ -57,6 +57,7 @@ def save_checkpoint(
     strategy: Any = None,
     *,
     counters: Mapping[str, int] | None = None,
+    incremental: bool = True,
 ) -> int:
     """Save models, optimizers and schedulers (or a whole strategy) as one committed index.
 
@@ -77,6 +78,9 @@ def save_checkpoint(
         strategy: a ``TrainingStrategy`` to save whole (components, recipe, counters, RNG
             states, data position, hook states); the component arguments must then be empty.
         counters: optional integer counters recorded in the manifest (step, epoch, ...).
+        incremental: write only the tensors that changed since this process's last save
+            into ``root``, recording the others as references to the bytes already there
+            (see docs/incremental.md); False writes everything.
 
     Returns:
         The committed index.
@@ -93,6 +97,7 @@ def save_checkpoint(
         snapshot = strategy.checkpoint_snapshot()
     else:
         snapshot = create_snapshot(models, optimizers, schedulers, associations, counters)
+    snapshot.incremental = incremental
     return write_snapshot(root, snapshot, checkpoint_index)
 
 

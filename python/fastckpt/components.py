@@ -20,13 +20,20 @@ from typing import Any
 
 import torch
 
-from fastckpt import specs, tree
+from fastckpt import incremental, specs, tree
 from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.progress import log_throughput
 from fastckpt.store.commit import IndexWriter
 from fastckpt.store.paths import check_name
 from fastckpt.store.reader import read_json, read_tensor_file
 from fastckpt.store.records import Manifest
+from fastckpt.store.refs import (
+    REFS_FILE,
+    Reference,
+    index_references,
+    refs_document,
+    resolve_references,
+)
 
 __all__ = [
     "KINDS",
@@ -37,6 +44,7 @@ __all__ = [
     "accepted_kwargs",
     "create_snapshot",
     "load_components",
+    "plan_incremental",
     "run_validators",
     "unwrap_model",
     "write_snapshot",
@@ -184,6 +192,9 @@ class Snapshot:
         volatile: ``(relpath, name)`` of tensors that change outside the optimizer step (model
             buffers such as BatchNorm statistics): an async capture copies these first.
         entry: the manifest entry (created, counters, components, associations).
+        incremental: write only what changed since the last save into the root (see
+            :mod:`fastckpt.incremental`); False writes every tensor.
+        plan: the incremental plan, once :func:`plan_incremental` made it.
     """
 
     def __init__(self) -> None:
@@ -197,6 +208,8 @@ class Snapshot:
             "schedulers": {},
         }
         self.counters: dict[str, int] = {}
+        self.incremental = True
+        self.plan: incremental.Plan | None = None
 
     @property
     def entry(self) -> dict[str, Any]:
@@ -232,33 +245,70 @@ def create_snapshot(
     return snapshot
 
 
+def plan_incremental(root: str | os.PathLike[str], snapshot: Snapshot) -> None:
+    """Take the tensors of ``snapshot`` that are unchanged since the last save into ``root``
+    out of it, as references (no-op when ``snapshot.incremental`` is False or it was planned
+    already). Call it before staging copies: it looks at the live tensors."""
+    if snapshot.incremental and snapshot.plan is None:
+        snapshot.plan = incremental.plan(root, snapshot.tensor_files)
+
+
 def write_snapshot(
     root: str | os.PathLike[str], snapshot: Snapshot, checkpoint_index: int = -1
 ) -> int:
-    """Write a snapshot as a committed index of ``root`` (see :func:`save_checkpoint`).
+    """Write a snapshot as a committed index of ``root`` (see :func:`save_checkpoint`);
+    incrementally unless ``snapshot.incremental`` is False.
 
     Returns:
         The committed index.
+
+    Raises:
+        ValueError: ``checkpoint_index`` names a committed index that later ones reference.
     """
     root = Path(root)
     manifest = Manifest.load(root)
     index = _next_index(manifest) if checkpoint_index == -1 else int(checkpoint_index)
     if index < 0:
         raise ValueError(f"checkpoint_index must be -1 or >= 0, got {checkpoint_index}")
+    plan_incremental(root, snapshot)
     start = time.perf_counter()
     writer = IndexWriter(root, None if checkpoint_index == -1 else index)
     index = writer.index
     try:
+        refs = _check_references(writer, snapshot)
         for relpath, tensors in snapshot.tensor_files.items():
             writer.add_tensors(relpath, tensors)
         for relpath, document in snapshot.json_files.items():
             writer.add_json(relpath, document)
+        if refs:
+            writer.add_json(REFS_FILE, refs_document(refs))
         writer.commit_entry(snapshot.entry)
     except BaseException:
         writer.abort()
         raise
+    incremental.record_saved(root, index, snapshot.plan)
     log_throughput("saved", f"{root}/{index}", writer.files.values(), start)
     return index
+
+
+def _check_references(writer: IndexWriter, snapshot: Snapshot) -> dict[str, dict[str, Reference]]:
+    """Under the root's lock: refuse to replace an index others reference, and write the
+    tensors whose referenced bytes are gone (or are in the index being replaced)."""
+    manifest = Manifest.load(writer.root)
+    if writer.index in manifest.entries:
+        users = incremental.referenced_by_others(manifest, writer.index)
+        if users:
+            raise ValueError(
+                f"{writer.root}: index {writer.index} holds tensors that indices {users} "
+                "reference; save a new index instead (checkpoint_index=-1), or prune those"
+            )
+    plan = snapshot.plan
+    if plan is None:
+        return {}
+    restore = incremental.check_plan(manifest, plan, replacing=writer.index)
+    for relpath, tensors in restore.items():
+        snapshot.tensor_files[relpath].update(tensors)
+    return plan.refs
 
 
 def _plan_components(
@@ -349,6 +399,14 @@ class IndexReader:
         self.root = manifest.root
         self.directory = manifest.directory(index)
         self.files: dict[str, dict[str, int]] = manifest.entries[index]["files"]
+        self._refs: dict[str, dict[str, Reference]] | None = None
+
+    @property
+    def references(self) -> dict[str, dict[str, Reference]]:
+        """relpath -> {tensor name: reference} of an incremental index (empty otherwise)."""
+        if self._refs is None:
+            self._refs = index_references(self.manifest, self.index)
+        return self._refs
 
     def _record(self, relpath: str) -> tuple[Path, dict[str, int]]:
         record = self.files.get(relpath)
@@ -385,6 +443,9 @@ class IndexReader:
         tensors = read_tensor_file(path, record, source=str(self.manifest.path))
         if owned:
             tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+        refs = self.references.get(relpath) if REFS_FILE in self.files else None
+        if refs:
+            tensors.update(resolve_references(self.manifest, refs, owned=owned))
         return tensors
 
 

@@ -30,6 +30,7 @@ from fastckpt.store.locate import Kind, locate
 from fastckpt.store.paths import safe_join
 from fastckpt.store.reader import FileReport, Status, check_recorded, verify_content
 from fastckpt.store.records import COMMIT_RECORD, MANIFEST, Manifest, read_commit_record
+from fastckpt.store.refs import REFS_FILE, reference_reports
 
 __all__ = [
     "CheckpointSkippedWarning",
@@ -156,7 +157,9 @@ def _load_manifest(root: Path) -> tuple[FileReport, Manifest | None]:
 def _index_files(manifest: Manifest, index: int, threads: int) -> list[FileReport]:
     directory = manifest.directory(index)
     files = manifest.entries[index]["files"]
-    return [
+    # An incremental index: the bytes it references in other (or pruned) indices too.
+    referenced = reference_reports(manifest, index, threads) if REFS_FILE in files else []
+    return referenced + [
         _check_recorded(
             directory,
             relpath,

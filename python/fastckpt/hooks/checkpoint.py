@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fastckpt.components import Snapshot, write_snapshot
+from fastckpt.components import Snapshot, plan_incremental, write_snapshot
 from fastckpt.hooks.context import TrainContext, TrainingStage
 from fastckpt.staging import (
     BackgroundWriter,
@@ -52,6 +52,9 @@ class CheckpointHook:
             advanced past the last saved step (``num_steps=10, step_interval=3`` saves step
             10 too); ``keep_last`` applies to that save as well. False saves only on the
             cadence.
+        incremental: each save writes only the tensors that changed since the hook's previous
+            save (the others are references to bytes already on disk, which ``keep_last``
+            keeps while referenced; see docs/incremental.md). False writes everything.
         wait_timeout_secs: how long a save waits for the previous background write (None:
             as long as it takes); a write still running then raises ``TimeoutError`` and stays
             tracked, its outcome reported by a later save or by ``close``.
@@ -77,6 +80,7 @@ class CheckpointHook:
         keep_last: int | None = None,
         wait_timeout_secs: float | None = 600,
         save_last: bool = True,
+        incremental: bool = True,
     ) -> None:
         """Validate the policy; the background writer starts when the hook is entered."""
         if checkpoint_dir is None:
@@ -99,6 +103,7 @@ class CheckpointHook:
         if not isinstance(save_last, bool):
             raise TypeError(f"CheckpointHook save_last must be a bool, got {save_last!r}")
         self.save_last = save_last
+        self.incremental = bool(incremental)
         self.last_checkpoint_index: int | None = None
         # The step count of the last save and of the run's start (for save_last).
         self._saved_step: int | None = None
@@ -190,6 +195,9 @@ class CheckpointHook:
             self._save_sharded(ctx)
             return
         snapshot: Snapshot = ctx.workflow.checkpoint_snapshot()
+        # Unchanged tensors become references now, before anything is staged.
+        snapshot.incremental = self.incremental
+        plan_incremental(self.checkpoint_dir, snapshot)
         if not self.async_save:
             self.last_checkpoint_index = self._write(snapshot)
             return

@@ -29,6 +29,7 @@ import torch
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
+from fastckpt.store import refs
 from fastckpt.store.backend import (
     ATOMIC_TEMP_INFIX,
     TEMP_PREFIX,
@@ -418,11 +419,21 @@ def prune_indices(root: Path, keep_last: int, *, lock_timeout: float | None = No
         doomed = sorted(manifest.entries)[:-keep_last]
         if not doomed:
             return []
+        # Bytes a kept (incremental) index references outlive their pruned index, renamed
+        # to ROOT/.ref-<index> before the manifest lets it go (fastckpt.store.refs).
+        kept = [index for index in manifest.entries if index not in doomed]
+        needed = refs.referenced_indices(manifest, kept) if is_local(backend) else set()
+        for index in doomed:
+            if index in needed:
+                refs.retain_for_references(root, index)
         for index in doomed:
             del manifest.entries[index]
         manifest.commit()
         for index in doomed:
-            _delete_index(backend, root, manifest.directory(index), set(manifest.entries))
+            if index not in needed:
+                _delete_index(backend, root, manifest.directory(index), set(manifest.entries))
+        if is_local(backend):
+            refs.collect_garbage(root, needed)
     return doomed
 
 

@@ -1,0 +1,295 @@
+"""Tensor references of incremental saves: ``refs.json``, where referenced bytes live, and
+which indices retention must keep.
+
+An index written incrementally holds only the tensors that changed; each unchanged tensor is
+a *reference* to bytes an earlier index already wrote, listed in the index's ``refs.json``
+(itself a recorded file of the index, so its size and crc32c are in the manifest)::
+
+    {"format": "fastckpt-refs", "schema_version": 1,
+     "refs": {"<relpath of the tensor file>": {"<tensor name>": {
+         "index": 0, "file": "models/main.safetensors", "name": "weight",
+         "crc32c": 123, "nbytes": 24, "dtype": "F32", "shape": [2, 3],
+         "file_size": 280, "file_crc32c": 456}}}}
+
+A reference always names the index that holds the bytes (never another reference). The
+referenced file is ``ROOT/<index>/<file>`` while that index is committed, and
+``ROOT/.ref-<index>/<file>`` once a prune removed the index but a kept index still references
+it (the directory is renamed, not rewritten: see :func:`retain_for_references`). Loads check
+the referenced file against ``file_size``/``file_crc32c`` and the tensor against ``crc32c``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastckpt import _native
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.store.paths import safe_join
+from fastckpt.store.reader import (
+    FileReport,
+    check_recorded,
+    read_json,
+    read_tensor_file,
+    verify_content,
+)
+from fastckpt.store.records import Manifest
+
+__all__ = [
+    "REFS_FILE",
+    "RETAINED_PREFIX",
+    "Reference",
+    "check_reference",
+    "collect_garbage",
+    "index_references",
+    "matches",
+    "reference_reports",
+    "referenced_indices",
+    "refs_document",
+    "resolve_references",
+    "retain_for_references",
+    "source_path",
+]
+
+#: The file of an index listing its references.
+REFS_FILE = "refs.json"
+#: A pruned index still referenced by a kept one lives on as ``ROOT/.ref-<index>/``.
+RETAINED_PREFIX = ".ref-"
+
+#: One reference (see the module docstring for the fields).
+Reference = dict[str, Any]
+
+_FIELDS = {
+    "index": int,
+    "file": str,
+    "name": str,
+    "crc32c": int,
+    "nbytes": int,
+    "dtype": str,
+    "shape": list,
+    "file_size": int,
+    "file_crc32c": int,
+}
+
+
+def refs_document(refs: Mapping[str, Mapping[str, Reference]]) -> dict[str, Any]:
+    """The ``refs.json`` document for ``{relpath: {tensor name: reference}}``."""
+    return {
+        "format": "fastckpt-refs",
+        "schema_version": 1,
+        "refs": {relpath: dict(names) for relpath, names in refs.items()},
+    }
+
+
+def _parse(document: Any, where: str) -> dict[str, dict[str, Reference]]:
+    if not isinstance(document, Mapping) or document.get("format") != "fastckpt-refs":
+        raise CheckpointFormatError(f"{where}: not a fastckpt refs.json")
+    refs = document.get("refs")
+    if not isinstance(refs, Mapping):
+        raise CheckpointFormatError(f"{where}: field 'refs' must be an object")
+    parsed: dict[str, dict[str, Reference]] = {}
+    for relpath, names in refs.items():
+        if not isinstance(names, Mapping):
+            raise CheckpointFormatError(f"{where}: refs[{relpath!r}] must be an object")
+        for name, ref in names.items():
+            if not isinstance(ref, Mapping):
+                raise CheckpointFormatError(f"{where}: refs[{relpath!r}][{name!r}] not an object")
+            for field, kind in _FIELDS.items():
+                value = ref.get(field)
+                if not isinstance(value, kind) or isinstance(value, bool):
+                    raise CheckpointFormatError(
+                        f"{where}: refs[{relpath!r}][{name!r}].{field} must be "
+                        f"{kind.__name__}, got {value!r}"
+                    )
+            if ref["index"] < 0:
+                raise CheckpointFormatError(f"{where}: refs[{relpath!r}][{name!r}].index < 0")
+        parsed[str(relpath)] = {str(name): dict(ref) for name, ref in names.items()}
+    return parsed
+
+
+def index_references(manifest: Manifest, index: int) -> dict[str, dict[str, Reference]]:
+    """The verified references of committed index ``index`` (empty for a full index).
+
+    Raises:
+        CheckpointFormatError / ChecksumMismatchError: a damaged ``refs.json``.
+    """
+    record = manifest.entries[index]["files"].get(REFS_FILE)
+    if record is None:
+        return {}
+    path = manifest.file_path(index, REFS_FILE)
+    return _parse(read_json(path, record, source=str(manifest.path)), str(path))
+
+
+def source_path(manifest: Manifest, ref: Reference) -> Path:
+    """Where the bytes of ``ref`` live: the committed index's directory, else the retained
+    copy of a pruned one (which may not exist: the caller checks)."""
+    index = ref["index"]
+    committed = manifest.root / str(index)
+    entry = manifest.entries.get(index)
+    record = None if entry is None else entry["files"].get(ref["file"])
+    if matches(record, ref) and os.path.isdir(committed):
+        return safe_join(committed, ref["file"])
+    return safe_join(manifest.root / f"{RETAINED_PREFIX}{index}", ref["file"])
+
+
+def matches(record: Mapping[str, int] | None, ref: Reference) -> bool:
+    """Whether a manifest file record is the file ``ref`` was taken from."""
+    return (
+        record is not None
+        and record.get("size") == ref["file_size"]
+        and record.get("crc32c") == ref["file_crc32c"]
+    )
+
+
+def _read_source(manifest: Manifest, ref: Reference) -> dict[str, torch.Tensor]:
+    path = source_path(manifest, ref)
+    record = {"size": ref["file_size"], "crc32c": ref["file_crc32c"]}
+    return read_tensor_file(path, record, source=f"{manifest.root}/{REFS_FILE} reference")
+
+
+def _check_tensor(ref: Reference, tensor: torch.Tensor, header_crc: int | None, where: str) -> None:
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes != ref["nbytes"] or list(tensor.shape) != ref["shape"]:
+        raise CheckpointFormatError(
+            f"{where}: referenced tensor {ref['name']!r} has shape {list(tensor.shape)} "
+            f"({nbytes} B), the reference says {ref['shape']} ({ref['nbytes']} B)"
+        )
+    if header_crc is not None and header_crc != ref["crc32c"]:
+        raise ChecksumMismatchError(
+            f"{where}: referenced tensor {ref['name']!r} has crc32c {header_crc:08x}, the "
+            f"reference says {ref['crc32c']:08x}; the referenced checkpoint was replaced"
+        )
+
+
+def resolve_references(
+    manifest: Manifest, refs: Mapping[str, Reference], *, owned: bool
+) -> dict[str, torch.Tensor]:
+    """Read the referenced tensors ``{name: reference}`` of one tensor file (each referenced
+    file read, and verified, once).
+
+    Raises:
+        FileNotFoundError: a referenced file is gone.
+        CheckpointFormatError / ChecksumMismatchError: it does not match the reference.
+    """
+    by_source: dict[tuple[int, str], list[tuple[str, Reference]]] = {}
+    for name, ref in refs.items():
+        by_source.setdefault((ref["index"], ref["file"]), []).append((name, ref))
+    tensors: dict[str, torch.Tensor] = {}
+    for pairs in by_source.values():
+        path = source_path(manifest, pairs[0][1])
+        source = _read_source(manifest, pairs[0][1])
+        checksums = _header_checksums(path)
+        for name, ref in pairs:
+            tensor = source.get(ref["name"])
+            if tensor is None:
+                raise CheckpointFormatError(
+                    f"{path}: has no tensor {ref['name']!r}, which {name!r} references"
+                )
+            _check_tensor(ref, tensor, checksums.get(ref["name"]), str(path))
+            tensors[name] = tensor.clone() if owned else tensor
+    return tensors
+
+
+def _header_checksums(path: Path) -> dict[str, int | None]:
+    header = _native.read_header(os.fspath(path))
+    return dict(header["checksums"])
+
+
+def check_reference(manifest: Manifest, ref: Reference) -> str | None:
+    """Why ``ref`` does not resolve (None: it does). Reads only the referenced file's
+    record and header (verification of its bytes is the loader's/verify's file check)."""
+    path = source_path(manifest, ref)
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return f"{path}: missing (referenced by a kept index)"
+    if size != ref["file_size"]:
+        return f"{path}: size {size} differs from the referenced {ref['file_size']}"
+    try:
+        header = _native.read_header(os.fspath(path))
+    except (CheckpointFormatError, OSError) as err:
+        return f"{path}: {err}"
+    crc = dict(header["checksums"]).get(ref["name"])
+    if crc != ref["crc32c"]:
+        return f"{path}: tensor {ref['name']!r} is not the referenced one (crc32c differs)"
+    return None
+
+
+def reference_reports(manifest: Manifest, index: int, threads: int) -> list[FileReport]:
+    """``fastckpt.verify``'s check of the references of committed index ``index``: each
+    referenced file verified whole (size, crc32c, every tensor's checksum), and each
+    referenced tensor matched against the file's header. One report per referenced file."""
+    try:
+        refs = index_references(manifest, index)
+    except (CheckpointFormatError, OSError) as err:
+        path = manifest.file_path(index, REFS_FILE)
+        return [FileReport(path, "corrupt", message=str(err), index=index)]
+    by_source: dict[tuple[int, str], list[Reference]] = {}
+    for names in refs.values():
+        for ref in names.values():
+            by_source.setdefault((ref["index"], ref["file"]), []).append(ref)
+    reports = []
+    for group in by_source.values():
+        try:
+            path = source_path(manifest, group[0])
+        except (CheckpointFormatError, OSError) as err:
+            reports.append(FileReport(manifest.root, "corrupt", message=str(err), index=index))
+            continue
+        record = {"size": group[0]["file_size"], "crc32c": group[0]["file_crc32c"]}
+        checked = check_recorded(
+            path,
+            record,
+            verify_content(threads),
+            source=f"{manifest.file_path(index, REFS_FILE)}",
+            index=index,
+        )
+        report = checked.report
+        if report.ok:
+            problems = [check_reference(manifest, ref) for ref in group]
+            found = [problem for problem in problems if problem is not None]
+            if found:
+                report.status, report.message = "corrupt", found[0]
+        elif report.status == "missing":
+            report.message = f"{report.message}; index {index} references it"
+        reports.append(report)
+    return reports
+
+
+def referenced_indices(manifest: Manifest, indices: Iterable[int]) -> set[int]:
+    """The indices whose bytes the given committed indices reference."""
+    found: set[int] = set()
+    for index in indices:
+        for names in index_references(manifest, index).values():
+            found.update(ref["index"] for ref in names.values())
+    return found
+
+
+def retain_for_references(root: Path, index: int) -> None:
+    """Keep the bytes of index ``index`` (about to be pruned) for the kept indices that
+    reference them: ``ROOT/<index>`` is renamed to ``ROOT/.ref-<index>`` (no copy)."""
+    directory = root / str(index)
+    retained = root / f"{RETAINED_PREFIX}{index}"
+    if not os.path.isdir(directory) or os.path.islink(directory):
+        return
+    if os.path.lexists(retained):
+        shutil.rmtree(retained)
+    os.rename(directory, retained)
+    _native.fsync_dir(str(root))
+
+
+def collect_garbage(root: Path, referenced: set[int]) -> list[str]:
+    """Delete retained directories (``ROOT/.ref-<index>``) no committed index references."""
+    removed = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if not name.startswith(RETAINED_PREFIX):
+            continue
+        tail = name[len(RETAINED_PREFIX) :]
+        if tail.isdigit() and int(tail) not in referenced:
+            shutil.rmtree(root / name, ignore_errors=True)
+            removed.append(name)
+    return removed

@@ -1,0 +1,423 @@
+"""Incremental saves: unchanged tensors are references to bytes already on disk.
+
+Every way torch changes a tensor (in-place edits, ``.data`` assignment, optimizer steps,
+``load_state_dict``, a new tensor at the same key) must be rewritten; unchanged ones are
+referenced, load transparently and bitwise, survive pruning of the index that holds them, are
+checked by ``verify``, exported whole, and a SIGKILL at any moment leaves the newest committed
+checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fastckpt
+import training_support as support
+from fastckpt.training import CheckpointHook
+
+FROZEN_WIDTH = 128
+
+
+class Tuned(nn.Module):
+    """A frozen backbone (most bytes) and a small trainable head."""
+
+    scale: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Linear(FROZEN_WIDTH, FROZEN_WIDTH)
+        self.head = nn.Linear(FROZEN_WIDTH, 2)
+        self.register_buffer("scale", torch.ones(FROZEN_WIDTH))
+        self.backbone.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.backbone(x * self.scale)))
+
+
+def _setup() -> tuple[Tuned, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Tuned()
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return model, optimizer
+
+
+def _step(model: Tuned, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    model(torch.randn(4, FROZEN_WIDTH)).square().mean().backward()
+    optimizer.step()
+
+
+def _save(root: Path, model: nn.Module, optimizer: Any = None, **kwargs: Any) -> int:
+    optimizers = {} if optimizer is None else {"adam": (optimizer, None)}
+    return fastckpt.save_checkpoint(
+        root, models={"m": (model, None)}, optimizers=optimizers, **kwargs
+    )
+
+
+def _refs(root: Path, index: int) -> dict[str, dict[str, Any]]:
+    path = root / str(index) / "refs.json"
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())["refs"]
+
+
+def _referenced(root: Path, index: int, relpath: str = "models/m.safetensors") -> set[str]:
+    return set(_refs(root, index).get(relpath, {}))
+
+
+def _loaded(root: Path, index: int = -1) -> dict[str, torch.Tensor]:
+    result = fastckpt.load_checkpoint(root, index)
+    return dict(result["models"]["m"]["model"].state_dict())
+
+
+def _assert_bitwise(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert set(expected) == set(actual)
+    for name, tensor in expected.items():
+        assert torch.equal(tensor, actual[name]), name
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_trackers() -> Any:
+    fastckpt.incremental.forget()
+    yield
+    fastckpt.incremental.forget()
+
+
+def test_unchanged_tensors_are_referenced_and_load_bitwise(tmp_path: Path) -> None:
+    model, optimizer = _setup()
+    _step(model, optimizer)
+    assert _save(tmp_path, model, optimizer) == 0
+    assert _refs(tmp_path, 0) == {}  # the first save is full
+    _step(model, optimizer)
+    assert _save(tmp_path, model, optimizer) == 1
+    # The frozen backbone and the untouched buffer are referenced; the head and Adam's
+    # moments (stepped) were written.
+    assert _referenced(tmp_path, 1) == {"backbone.weight", "backbone.bias", "scale"}
+    assert _referenced(tmp_path, 1, "optimizers/adam.safetensors") == set()
+    written = fastckpt.read_metadata(tmp_path / "1" / "models" / "m.safetensors")["tensors"]
+    assert set(written) == {"head.weight", "head.bias"}
+    ref = _refs(tmp_path, 1)["models/m.safetensors"]["backbone.weight"]
+    assert (ref["index"], ref["file"], ref["name"]) == (
+        0,
+        "models/m.safetensors",
+        "backbone.weight",
+    )
+    assert ref["nbytes"] == FROZEN_WIDTH * FROZEN_WIDTH * 4
+    # A third save references index 0 directly (never a reference to a reference).
+    _step(model, optimizer)
+    _save(tmp_path, model, optimizer)
+    assert {ref["index"] for ref in _refs(tmp_path, 2)["models/m.safetensors"].values()} == {0}
+    _assert_bitwise(_snapshot(model), _loaded(tmp_path))
+    result = fastckpt.load_checkpoint(tmp_path)
+    restored = result["models"]["m"]["optimizers"]["adam"]["optimizer"].state_dict()["state"]
+    for key, state in optimizer.state_dict()["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, restored[key][name]), (key, name)
+    assert fastckpt.verify(tmp_path).ok
+
+
+def test_in_place_edit_of_a_frozen_parameter_is_rewritten(tmp_path: Path) -> None:
+    model, _ = _setup()
+    _save(tmp_path, model)
+    with torch.no_grad():
+        model.backbone.weight.mul_(2)  # requires_grad=False does not mean unchanged
+    _save(tmp_path, model)
+    assert "backbone.weight" not in _referenced(tmp_path, 1)
+    assert "backbone.bias" in _referenced(tmp_path, 1)
+    _assert_bitwise(_snapshot(model), _loaded(tmp_path))
+
+
+def test_in_place_edit_through_a_view_is_rewritten(tmp_path: Path) -> None:
+    model, _ = _setup()
+    _save(tmp_path, model)
+    model.scale[3:5] = 7.0  # a view shares the version counter
+    _save(tmp_path, model)
+    assert "scale" not in _referenced(tmp_path, 1)
+    _assert_bitwise(_snapshot(model), _loaded(tmp_path))
+
+
+def test_data_assignment_is_rewritten(tmp_path: Path) -> None:
+    model, _ = _setup()
+    _save(tmp_path, model)
+    model.backbone.weight.data = torch.zeros_like(model.backbone.weight)  # a new storage
+    _save(tmp_path, model)
+    assert "backbone.weight" not in _referenced(tmp_path, 1)
+    _assert_bitwise(_snapshot(model), _loaded(tmp_path))
+
+
+def test_optimizer_steps_are_rewritten(tmp_path: Path) -> None:
+    model, optimizer = _setup()
+    model.backbone.requires_grad_(True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _step(model, optimizer)
+    _save(tmp_path, model, optimizer)
+    _step(model, optimizer)
+    _save(tmp_path, model, optimizer)
+    assert _referenced(tmp_path, 1) == {"scale"}
+    assert _referenced(tmp_path, 1, "optimizers/adam.safetensors") == set()
+    _assert_bitwise(_snapshot(model), _loaded(tmp_path))
+
+
+def test_load_state_dict_is_rewritten_even_with_equal_values(tmp_path: Path) -> None:
+    model, _ = _setup()
+    _save(tmp_path, model)
+    other = Tuned()
+    model.load_state_dict(other.state_dict())  # copy_ bumps every version counter
+    _save(tmp_path, model)
+    assert _referenced(tmp_path, 1) == set()
+    _assert_bitwise(_snapshot(model), _loaded(tmp_path))
+    model.load_state_dict(_snapshot(model))  # the same values again: still rewritten
+    _save(tmp_path, model)
+    assert _referenced(tmp_path, 2) == set()
+
+
+def test_a_new_tensor_at_the_same_key_is_rewritten(tmp_path: Path) -> None:
+    model, _ = _setup()
+    _save(tmp_path, model)
+    for _ in range(5):  # freed and reallocated: the address may come back, the tensor differs
+        model.scale = torch.full((FROZEN_WIDTH,), 3.0)
+        model.backbone.bias = nn.Parameter(torch.randn(FROZEN_WIDTH), requires_grad=False)
+        index = _save(tmp_path, model)
+        assert "scale" not in _referenced(tmp_path, index)
+        assert "backbone.bias" not in _referenced(tmp_path, index)
+        assert "backbone.weight" in _referenced(tmp_path, index)
+        _assert_bitwise(_snapshot(model), _loaded(tmp_path))
+
+
+def test_mark_frozen_skips_the_version_check(tmp_path: Path) -> None:
+    model, _ = _setup()
+    fastckpt.mark_frozen(model.backbone)
+    _save(tmp_path, model)
+    model.backbone.weight.requires_grad_(False)
+    with torch.no_grad():
+        model.backbone.weight.add_(0)  # bumps the version; the caller vouched for it
+    _save(tmp_path, model)
+    assert {"backbone.weight", "backbone.bias"} <= _referenced(tmp_path, 1)
+    model.backbone.weight = nn.Parameter(torch.ones_like(model.backbone.weight))
+    _save(tmp_path, model)  # a new storage is never taken as frozen
+    assert "backbone.weight" not in _referenced(tmp_path, 2)
+    _assert_bitwise(_snapshot(model), _loaded(tmp_path))
+
+
+def test_incremental_false_writes_everything(tmp_path: Path) -> None:
+    model, _ = _setup()
+    _save(tmp_path, model)
+    _save(tmp_path, model, incremental=False)
+    assert not (tmp_path / "1" / "refs.json").exists()
+    # The next incremental save starts over from a full one.
+    _save(tmp_path, model)
+    assert _refs(tmp_path, 2) == {}
+    _save(tmp_path, model)
+    assert {ref["index"] for ref in _refs(tmp_path, 3)["models/m.safetensors"].values()} == {2}
+
+
+def test_pruning_the_base_keeps_the_referenced_bytes_and_loads_bitwise(tmp_path: Path) -> None:
+    model, optimizer = _setup()
+    for _ in range(4):
+        _step(model, optimizer)
+        _save(tmp_path, model, optimizer)
+    expected = _snapshot(model)
+    assert fastckpt.prune(tmp_path, keep_last=1) == [0, 1, 2]
+    assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path)] == [3]
+    names = sorted(os.listdir(tmp_path))
+    assert ".ref-0" in names and "0" not in names and "1" not in names and "2" not in names
+    _assert_bitwise(expected, _loaded(tmp_path))
+    assert fastckpt.verify(tmp_path).ok
+    # Once nothing references the retained bytes, the next prune deletes them.
+    _save(tmp_path, model, optimizer, incremental=False)
+    fastckpt.prune(tmp_path, keep_last=1)
+    assert ".ref-0" not in os.listdir(tmp_path)
+    _assert_bitwise(expected, _loaded(tmp_path))
+
+
+def test_verify_and_load_catch_damaged_referenced_bytes(tmp_path: Path) -> None:
+    model, _ = _setup()
+    _save(tmp_path, model)
+    _save(tmp_path, model)
+    fastckpt.prune(tmp_path, keep_last=1)
+    target = tmp_path / ".ref-0" / "models" / "m.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-10] ^= 0x40
+    target.write_bytes(bytes(data))
+    report = fastckpt.verify(tmp_path)
+    assert not report.ok
+    assert any(".ref-0" in str(failure.path) for failure in report.failures)
+    with pytest.raises(fastckpt.ChecksumMismatchError, match=r"\.ref-0"):
+        fastckpt.load_checkpoint(tmp_path)
+    target.unlink()
+    assert any(f.status == "missing" for f in fastckpt.verify(tmp_path).failures)
+    with pytest.raises(FileNotFoundError, match=r"\.ref-0"):
+        fastckpt.load_checkpoint(tmp_path)
+
+
+def test_replacing_a_referenced_index_is_refused(tmp_path: Path) -> None:
+    model, _ = _setup()
+    _save(tmp_path, model)
+    _save(tmp_path, model)
+    with pytest.raises(ValueError, match=r"index 0 holds tensors that indices \[1\]"):
+        _save(tmp_path, model, checkpoint_index=0)
+    _assert_bitwise(_snapshot(model), _loaded(tmp_path, 0))
+    # Replacing the latest index (referenced by nobody) never references itself.
+    _save(tmp_path, model, checkpoint_index=1)
+    assert {ref["index"] for ref in _refs(tmp_path, 1)["models/m.safetensors"].values()} == {0}
+    _save(tmp_path, model, checkpoint_index=1)
+    _assert_bitwise(_snapshot(model), _loaded(tmp_path))
+
+
+def test_a_recreated_root_is_written_in_full(tmp_path: Path) -> None:
+    model, _ = _setup()
+    _save(tmp_path / "r", model)
+    shutil.rmtree(tmp_path / "r")
+    _save(tmp_path / "r", model)  # the tracker still knows the tensors; their bytes are gone
+    assert _refs(tmp_path / "r", 0) == {}
+    _assert_bitwise(_snapshot(model), _loaded(tmp_path / "r"))
+
+
+def test_export_writes_a_self_contained_file(tmp_path: Path) -> None:
+    model, optimizer = _setup()
+    _save(tmp_path / "root", model, optimizer)
+    _step(model, optimizer)
+    _save(tmp_path / "root", model, optimizer)
+    fastckpt.prune(tmp_path / "root", keep_last=1)
+    out = tmp_path / "m.safetensors"
+    subprocess.run(
+        [sys.executable, "-m", "fastckpt", "export", str(tmp_path / "root"), "--to", str(out)],
+        check=True,
+        capture_output=True,
+    )
+    shutil.rmtree(tmp_path / "root")
+    _assert_bitwise(_snapshot(model), fastckpt.load_file(out))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_checkpoint_hook_saves_incrementally_and_keeps_referenced_bytes(
+    tmp_path: Path, async_save: bool
+) -> None:
+    hook = CheckpointHook(tmp_path, step_interval=2, async_save=async_save, keep_last=2)
+    strategy = support.new_strategy([hook], num_steps=8)
+    model: Any = strategy.models["main"]
+    model.net[0].requires_grad_(False)  # the frozen first layer
+    strategy.run(support.loader())
+    indices = [c["index"] for c in fastckpt.list_checkpoints(tmp_path)]
+    assert indices == [2, 3]
+    for index in indices:
+        assert _referenced(tmp_path, index, "models/main.safetensors") == {
+            "net.0.weight",
+            "net.0.bias",
+        }
+    assert ".ref-0" in os.listdir(tmp_path)
+    assert fastckpt.verify(tmp_path).ok
+    loaded = fastckpt.load_checkpoint(tmp_path)["models"]["main"]["model"].state_dict()
+    _assert_bitwise(dict(strategy.models["main"].state_dict()), dict(loaded))
+
+
+def test_fine_tuning_strategy_saves_incrementally(tmp_path: Path) -> None:
+    source = support.new_strategy([], num_steps=1)
+    source.save_checkpoint(tmp_path / "pre")
+    tuned = fastckpt.FineTuningStrategy.from_pretrained_checkpoint(
+        tmp_path / "pre", training_fn=support.training_fn, num_steps=2
+    )
+    model: Any = tuned.models["main"]
+    model.net[0].requires_grad_(False)
+    tuned.run(support.loader())
+    tuned.save_checkpoint(tmp_path / "ft")
+    tuned.run(support.loader())
+    tuned.num_steps = 4
+    tuned.run(support.loader())
+    tuned.save_checkpoint(tmp_path / "ft")
+    assert _referenced(tmp_path / "ft", 1, "models/main.safetensors") == {
+        "net.0.weight",
+        "net.0.bias",
+    }
+    loaded = fastckpt.load_checkpoint(tmp_path / "ft")["models"]["main"]["model"].state_dict()
+    _assert_bitwise(dict(tuned.models["main"].state_dict()), dict(loaded))
+
+
+# --------------------------------------------------------------------------- SIGKILL
+
+_CHILD = r"""
+import sys, torch, fastckpt
+from torch import nn
+root, start = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 4))
+model[0].requires_grad_(False)
+if start > 0:
+    model.load_state_dict(fastckpt.load_checkpoint(root)["models"]["m"]["model"].state_dict())
+    # load_state_dict bumped every version: the first save of this process is full
+for n in range(start, start + 10**6):
+    with torch.no_grad():
+        model[1].weight.fill_(n)
+        model[1].bias.fill_(n)
+    print(f"saving {n}", flush=True)
+    fastckpt.save_checkpoint(root, models={"m": (model, None)}, counters={"n": n})
+    fastckpt.prune(root, keep_last=2)
+    print(f"saved {n}", flush=True)
+"""
+
+
+def test_sigkill_during_incremental_saves_and_prunes_leaves_the_latest_loadable(
+    tmp_path: Path,
+) -> None:
+    """A child saves a model with a frozen layer after every step and prunes to 2 indices
+    (so base indices are retained, referenced and garbage collected all the time); it is
+    SIGKILLed at random moments. After every kill the latest committed index verifies and
+    loads bitwise, never older than the last acknowledged save."""
+    torch.manual_seed(0)
+    frozen = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 4))[0].state_dict()
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    root = tmp_path / "root"
+    rng = random.Random(11)
+    acknowledged = -1
+    kills = 0
+    start = 0
+    while kills < 12:
+        child = subprocess.Popen(
+            [sys.executable, str(script), str(root), str(start)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None
+        lines = 0
+        target = rng.randint(1, 6)
+        while True:
+            line = child.stdout.readline()
+            assert line, "the child died on its own"
+            if line.startswith("saved "):
+                acknowledged = int(line.split()[1])
+            lines += 1
+            if lines >= target:
+                break
+        time.sleep(rng.random() * 0.05)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        kills += 1
+        assert fastckpt.verify(root).ok, str(fastckpt.verify(root))
+        result = fastckpt.load_checkpoint(root)
+        n = result["manifest"]["counters"]["n"]
+        assert n >= acknowledged
+        state = result["models"]["m"]["model"].state_dict()
+        assert torch.equal(state["1.weight"], torch.full_like(state["1.weight"], n))
+        assert torch.equal(state["1.bias"], torch.full_like(state["1.bias"], n))
+        for name, tensor in frozen.items():
+            assert torch.equal(state[f"0.{name}"], tensor), name
+        start = n + 1
+    assert any(_refs(root, c["index"]) for c in fastckpt.list_checkpoints(root))
