@@ -709,3 +709,113 @@ def test_special_files_in_a_checkpoint_are_refused_at_once(
     assert any(path.name in f.message for f in report.files if not f.ok) or path.name in str(
         report
     ), report
+
+
+# --------------------------------------------------------------------------- hostile JSON, typed
+
+
+def test_resealed_strategy_hooks_and_item_json_raise_only_checkpoint_format_errors(
+    saved: Saved, tmp_path: Path
+) -> None:
+    """Issue 14.7: strategy.json, hooks.json and CheckpointManager item JSON mutated (wrong
+    types, missing or extra fields, bytes) with their checksums re-sealed: every load succeeds
+    or raises a fastckpt typed error (CheckpointFormatError...) naming the file, never a bare
+    AttributeError/KeyError/TypeError/ValueError."""
+    import training_support as support
+    from fastckpt import EMAHook
+
+    strategy = support.new_strategy([EMAHook(model_key="main", decay=0.9)], num_steps=2)
+    strategy.run(support.loader())
+    source = tmp_path / "strategy"
+    strategy.save_checkpoint(source)
+    (index,) = Manifest.load(source).entries
+    targets = ["strategy.json", "hooks.json", "mgr:model.json", "mgr:optim.json", "mgr:meta.json"]
+    rng = random.Random(14)
+    work = tmp_path / "fuzz"
+    outcomes: dict[str, int] = {}
+    problems: list[str] = []
+    for iteration in range(300):
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(source, work / "root")
+        shutil.copytree(saved.manager_dirs["b"], work / "mgr")
+        target = targets[iteration % len(targets)]
+        if target.startswith("mgr:"):
+            _write_mutation(target, work / "root", work / "mgr", rng)
+            load: Callable[[], Any] = lambda: mload(work / "mgr")  # noqa: E731
+            name = target[4:]
+        else:
+            path = work / "root" / str(index) / target
+            original = json.loads(path.read_bytes())
+            data = (
+                json.dumps(_mutate_value(rng, original)).encode()
+                if rng.random() < 0.85
+                else _mutate_bytes(rng, path.read_bytes())
+            )
+            path.write_bytes(data)
+            document = json.loads((work / "root" / MANIFEST).read_bytes())
+            _reseal(document["checkpoints"][str(index)]["files"], target, data)
+            (work / "root" / MANIFEST).write_text(json.dumps(seal_manifest(document)))
+            load = lambda: load_checkpoint(  # noqa: E731
+                work / "root",
+                hooks=[EMAHook(model_key="main", decay=0.9)],
+                training_fn=support.training_fn,
+            )
+            name = target
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # unmatched hook states
+                load()
+            outcome = "ok"
+        except UntrustedTargetError:
+            outcome = "UntrustedTargetError"  # a mutated class path: names the target
+        except FastCkptError as err:
+            outcome = type(err).__name__
+            if name not in str(err):
+                problems.append(f"iteration {iteration} ({target}): file not named: {err}")
+        except Exception as err:  # an untyped error is a bug
+            outcome = "BUG"
+            problems.append(f"iteration {iteration} ({target}): {type(err).__name__}: {err}")
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert problems == [], "\n".join(problems[:20])
+    assert outcomes.get("ok", 0) < sum(outcomes.values()), outcomes
+
+
+SIGBUS_SCRIPT = r"""
+import sys
+from pathlib import Path
+import torch
+import fastckpt
+
+root, lone = Path(sys.argv[1]), Path(sys.argv[2])
+model = torch.nn.Linear(64, 64)
+fastckpt.save_file({"w": torch.arange(4096.0)}, lone)
+mapped = fastckpt.load_file(lone)  # views of a file mapping
+expected = mapped["w"].clone()
+fastckpt.save_checkpoint(root, models={"m": (model, None)}, checkpoint_index=0)
+weights = fastckpt.load_file(root / "0" / "models" / "m.safetensors")
+kept = {k: v.clone() for k, v in weights.items()}
+for _ in range(3):  # fastckpt rewrites both files while the views are alive
+    fastckpt.save_file({"w": torch.zeros(1)}, lone)
+    torch.nn.init.zeros_(model.weight)
+    fastckpt.save_checkpoint(root, models={"m": (model, None)}, checkpoint_index=0)
+    fastckpt.save_checkpoint(root, models={"m": (model, None)})
+    fastckpt.prune(root, keep_last=1)
+assert torch.equal(mapped["w"], expected)  # every page still readable, unchanged
+for name, value in weights.items():
+    assert torch.equal(value, kept[name]), name
+print("intact")
+"""
+
+
+def test_fastckpt_never_changes_a_file_whose_tensors_are_mapped(tmp_path: Path) -> None:
+    """Issue 14.9 (SIGBUS): fastckpt replaces files by rename and deletes by unlink, never
+    truncating or overwriting in place, so tensors mapped from a file survive save_file over
+    it, a replacement of its index and a prune (a child process, so a SIGBUS cannot take the
+    test runner down)."""
+    result = subprocess.run(
+        [sys.executable, "-c", SIGBUS_SCRIPT, str(tmp_path / "root"), str(tmp_path / "a.st")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0 and "intact" in result.stdout, (result.returncode, result.stderr)

@@ -173,7 +173,9 @@ def _restore_strategy(
     map_location: str | torch.device | None,
 ) -> Any:
     """``TrainingStrategy.from_loaded``, with the malformed-field errors of a hostile
-    ``strategy.json`` / ``hooks.json`` (whose checksums were re-sealed) as typed errors."""
+    ``strategy.json`` / ``hooks.json`` (whose checksums were re-sealed) as typed errors
+    naming the files."""
+    where = f"{reader.directory}/strategy.json (or hooks.json)"
     try:
         return TrainingStrategy.from_loaded(
             models,
@@ -184,12 +186,16 @@ def _restore_strategy(
             map_location=map_location,
             require_training_fn=False,
         )
+    except CheckpointFormatError as err:
+        if "strategy.json" in str(err) or "hooks.json" in str(err):
+            raise
+        raise CheckpointFormatError(f"{where}: {err}") from err
     except FastCkptError:
         raise
     except (AttributeError, KeyError, TypeError, ValueError, IndexError) as err:
         raise CheckpointFormatError(
-            f"{reader.directory}/strategy.json or hooks.json: a field has the wrong type or "
-            f"value ({type(err).__name__}: {err}); the checkpoint was edited or is damaged"
+            f"{where}: a field has the wrong type or value ({type(err).__name__}: {err}); the "
+            "checkpoint was edited or is damaged"
         ) from err
 
 

@@ -630,14 +630,19 @@ def _load_checked_item(
 ) -> Any:
     """:func:`_load_item`, with the malformed-skeleton errors of a hostile item JSON (whose
     checksum was re-sealed) as :class:`CheckpointFormatError` naming the file."""
+    where = directory / item_files(record, key, rank)[0]
     try:
         return _load_item(directory, record, key, rank, map_location, config.load.use_mmap)
+    except CheckpointFormatError as err:
+        if str(directory) in str(err):
+            raise
+        raise CheckpointFormatError(f"{where}: field 'skeleton': {err}") from err
     except FastCkptError:
         raise
     except (AttributeError, KeyError, TypeError, ValueError, IndexError) as err:
         raise CheckpointFormatError(
-            f"{directory / item_files(record, key, rank)[0]}: field 'skeleton' is malformed "
-            f"({type(err).__name__}: {err}); the checkpoint was edited or is damaged"
+            f"{where}: field 'skeleton' is malformed ({type(err).__name__}: {err}); the "
+            "checkpoint was edited or is damaged"
         ) from err
 
 
