@@ -13,6 +13,7 @@ import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ import torch
 import fastckpt
 import training_support as ts
 from fastckpt.files import load_file
+from fastckpt.store.dispatch import configure_storage
 from fastckpt.store.records import read_commit_record
+from fastckpt.store.s3errors import AccessDeniedError
 from fastckpt.verify import verify
 from s3_support import S3Server, s3_root, s3_server
 
@@ -30,7 +33,9 @@ __all__ = ["s3_root", "s3_server"]  # fixtures used by name below
 
 
 @pytest.fixture
-def s3_env(s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+def s3_env(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[dict[str, str]]:
     """The server reached through the standard AWS variables, in a scratch working dir."""
     monkeypatch.chdir(tmp_path)
     env = {
@@ -42,7 +47,10 @@ def s3_env(s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    return env
+    yield env
+    # Nothing of an s3:// path may have gone to the local filesystem (Path("s3://b") is
+    # the relative path s3:/b).
+    assert not (tmp_path / "s3:").exists(), sorted(p.name for p in tmp_path.iterdir())
 
 
 def _keys(server: S3Server, url: str) -> list[str]:
@@ -210,3 +218,46 @@ def test_a_killed_manager_save_to_s3_leaves_the_previous_checkpoint_loadable(
     prefix = checkpoint.split("/", 3)[3] + "/"
     uploads = s3_server.client().list_multipart_uploads(Bucket=s3_server.bucket, Prefix=prefix)
     assert not uploads.get("Uploads")
+
+
+def test_configure_storage_options_for_a_prefix_override_the_environment(
+    s3_server: S3Server, s3_root: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With no AWS variables at all, options configured for the root's prefix reach the
+    server; wrong credentials configured for a longer prefix are a typed error naming it."""
+    monkeypatch.chdir(tmp_path)
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    options = s3_server.options()
+    configure_storage(s3_root, endpoint_url=options["endpoint_url"], region="us-east-1")
+    configure_storage(
+        s3_root,
+        {"endpoint_url": options["endpoint_url"], "region": "us-east-1"},
+        access_key_id=options["access_key_id"],
+        secret_access_key=options["secret_access_key"],
+    )
+    bad = f"{s3_root}/bad"
+    configure_storage(
+        bad,
+        endpoint_url=options["endpoint_url"],
+        access_key_id="AKIAWRONG",
+        secret_access_key="wrong",
+        max_retries=0,
+    )
+    try:
+        fastckpt.save_checkpoint(s3_root, models={"main": torch.nn.Linear(2, 2)})
+        assert [c["index"] for c in fastckpt.list_checkpoints(s3_root)] == [0]
+        with pytest.raises(AccessDeniedError, match="bad"):
+            fastckpt.save_checkpoint(bad, models={"main": torch.nn.Linear(2, 2)})
+        with pytest.raises(TypeError, match="valid keys"):
+            configure_storage(s3_root, endpont_url="x")
+        with pytest.raises(ValueError, match="s3://"):
+            configure_storage(str(tmp_path), region="us-east-1")
+    finally:
+        configure_storage(s3_root)
+        configure_storage(bad)
+    assert not (tmp_path / "s3:").exists()

@@ -37,7 +37,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -58,6 +58,7 @@ __all__ = [
     "ObjectInfo",
     "Staging",
     "StorageBackend",
+    "WriterLock",
     "clean_dead_siblings",
     "exchange_paths",
 ]
@@ -74,6 +75,24 @@ ATOMIC_TEMP_INFIX = ".fastckpt-tmp."
 #: it read without bound).
 MAX_RECORD_BYTES = 1 << 30
 _READ_PIECE = 16 << 20
+
+
+class WriterLock(Protocol):
+    """The exclusive writer lock of a container, as :meth:`StorageBackend.lock` returns it
+    (locally :class:`~fastckpt.store.lock.RootLock`, a ``flock``; on an object store a lease
+    object, :class:`~fastckpt.store.s3backend.S3RootLock`)."""
+
+    def acquire(self) -> None:
+        """Block until held (or the lock's timeout elapses: ``TimeoutError``)."""
+
+    def release(self) -> None:
+        """Give it up (idempotent)."""
+
+    def __enter__(self) -> Any:
+        """:meth:`acquire`."""
+
+    def __exit__(self, *exc: object) -> None:
+        """:meth:`release`."""
 
 
 @dataclass(frozen=True)
@@ -203,7 +222,7 @@ class StorageBackend(ABC):
         """Remove a file or a whole directory; nothing there is fine."""
 
     @abstractmethod
-    def lock(self, root: Path, *, timeout: float | None = None) -> RootLock:
+    def lock(self, root: Path, *, timeout: float | None = None) -> WriterLock:
         """The exclusive writer lock of ``root`` (not yet acquired)."""
 
 

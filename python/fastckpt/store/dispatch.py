@@ -8,10 +8,41 @@ module (dispatching there would be an import cycle).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from fastckpt.store.backend import LOCAL, LocalFileSystem, StorageBackend
 
-__all__ = ["backend_for", "is_local", "is_object_url"]
+__all__ = ["backend_for", "configure_storage", "is_local", "is_object_url"]
+
+
+def configure_storage(
+    url: str, storage_options: Mapping[str, Any] | None = None, **options: Any
+) -> None:
+    """Set the object-store client options for every path under ``url`` (``s3://bucket`` or
+    ``s3://bucket/prefix``): endpoint, region, credentials, part size, concurrency, timeouts
+    (the fields of :class:`fastckpt.store.s3config.S3Options`). Fields left out are resolved
+    from the standard AWS environment variables and config files, as without a call.
+
+    The longest configured prefix of a path wins, so one prefix can override its bucket's
+    settings. ``configure_storage(url)`` with no options removes the setting.
+
+    Example::
+
+        fastckpt.store.dispatch.configure_storage(
+            "s3://ckpts", endpoint_url="http://127.0.0.1:9000", region="us-east-1"
+        )
+
+    Raises:
+        ValueError: ``url`` is not an ``s3://`` URL, or an option is out of range.
+        TypeError: an unknown option (the message lists the valid ones).
+    """
+    from fastckpt.store.s3backend import register_storage_options
+
+    if not is_object_url(url):
+        raise ValueError(f"configure_storage({url!r}): only s3:// URLs take storage options")
+    merged = {**(storage_options or {}), **options}
+    register_storage_options(url, merged or None)
 
 
 def is_object_url(path: str | os.PathLike[str]) -> bool:

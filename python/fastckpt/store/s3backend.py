@@ -39,7 +39,7 @@ from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.files import byte_view, read_metadata
 from fastckpt.store.backend import MAX_RECORD_BYTES, FileRecord, ObjectInfo, Staging, StorageBackend
-from fastckpt.store.lock import LOCK_FILE, RootLock
+from fastckpt.store.lock import LOCK_FILE
 from fastckpt.store.s3client import S3Client, client_for
 from fastckpt.store.s3config import S3Options, S3Url
 from fastckpt.store.s3errors import CommitConflictError, ObjectNotFoundError
@@ -243,7 +243,7 @@ class S3Backend(StorageBackend):
         with self._etags_lock:
             self._etags.pop(key, None)
 
-    def lock(self, root: Path, *, timeout: float | None = None) -> RootLock:
+    def lock(self, root: Path, *, timeout: float | None = None) -> S3RootLock:
         """The lease lock of ``root`` (:class:`S3RootLock`, not yet acquired)."""
         return S3RootLock(self.client, S3Url.parse(root), timeout=timeout)
 
@@ -310,7 +310,7 @@ class S3Staging(Staging):
         self.files = {}
 
 
-class S3RootLock(RootLock):
+class S3RootLock:
     """A lease on a checkpoint root held as the object ``ROOT/.fastckpt.lock``.
 
     Acquiring creates the object conditionally (``If-None-Match: *``) with this holder's id
