@@ -294,3 +294,43 @@ def test_use_mmap_decides_whether_loaded_tensors_map_the_file(
         loaded = manager.load(tmp_path / "c")
         assert torch.equal(loaded["model"]["w"], payload()["model"]["w"])
         assert mapped(tmp_path / "c" / "model.safetensors") == use_mmap
+
+
+# --------------------------------------------------------------------------- barrier timeout
+
+BARRIER_SCRIPT = """
+import os, sys, time, torch, torch.distributed as dist
+from pathlib import Path
+from fastckpt import CheckpointManager
+from fastckpt.manager import CheckpointWriterConfig
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2)
+config = CheckpointManager.Config.with_sync_save()
+config.save.writer_config = CheckpointWriterConfig(checkpoint_write_barrier_timeout_sec=1)
+manager = config.build()  # both ranks: the manager's gloo group is made collectively
+done = Path(sys.argv[1] + ".rank0-done")
+if rank == 0:
+    try:
+        manager.save(sys.argv[1], {"w": torch.zeros(2)})
+        print("saved")
+    except RuntimeError as err:
+        print("failed:", str(err).splitlines()[0][:200])
+    done.write_text("x")
+else:
+    while not done.exists():  # rank 1 never joins the save
+        time.sleep(0.05)
+    print("skipped")
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_the_barrier_timeout_bounds_how_long_ranks_wait_for_each_other(tmp_path: Path) -> None:
+    """Rank 1 never takes part in the save: rank 0 gives up after the configured 1 s instead of
+    the default 600 s (with the default, this test would hang until run_two_ranks' limit)."""
+    from training_support import run_two_ranks
+
+    rank0, rank1 = run_two_ranks(BARRIER_SCRIPT, tmp_path / "c", tmp_path / "pg")
+    assert rank0.startswith("failed:") and "Timed out waiting 1000ms" in rank0, rank0
+    assert rank1.strip() == "skipped"
+    assert not (tmp_path / "c" / "commit.json").exists()
