@@ -155,3 +155,12 @@ def test_lease_lock_excludes_and_is_taken_over_after_its_holder_is_killed(
     lease = json.loads(client.get(S3Url.parse(s3_root).key(".fastckpt.lock"), limit=1 << 16)[0])
     assert lease["owner"] == taker.owner
     taker.release()
+
+
+def test_require_local_refuses_an_s3_url_with_a_typed_error_naming_it() -> None:
+    from fastckpt.store.dispatch import require_local
+    from fastckpt.store.s3errors import UnsupportedOnObjectStoreError
+
+    require_local("/tmp/ckpt", "fastckpt.dcp.Writer", "use a shared filesystem")
+    with pytest.raises(UnsupportedOnObjectStoreError, match=r"s3://b/run: fastckpt\.dcp\.Writer"):
+        require_local(Path("s3://b/run"), "fastckpt.dcp.Writer", "use a shared filesystem")

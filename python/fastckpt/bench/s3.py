@@ -11,6 +11,11 @@ one state (weights + Adam moments, as the main harness does) and moves it up and
 * ``s3fs``: the same bytes through ``fsspec`` file objects (what DCP's ``FsspecWriter`` /
   ``FsspecReader`` do).
 
+Async stall: the same state saved by ``CheckpointManager`` with ``async_save`` to a local
+directory and to ``s3://`` on the same server: the seconds until the caller may mutate the
+state again (``save()`` plus ``manager.lock()``: the stall a training loop sees) and the
+seconds until the save is durable (``future.result()``).
+
 Every writer gets the same part size and concurrency; the writers interleave across repeats.
 Throughput is state bytes / wall seconds of the user-visible call (serialization included).
 Client and server CPU seconds per GiB are recorded too: on one small machine the server's
@@ -41,7 +46,7 @@ from fastckpt.bench.environment import describe, load_average
 from fastckpt.bench.state import build_state, plan_state, state_bytes
 from fastckpt.bench.stats import summarize
 
-__all__ = ["main", "run"]
+__all__ = ["async_stall", "main", "run"]
 
 BUCKET = "fastckpt-bench"
 _KEY_ID = "bench"
@@ -242,6 +247,19 @@ def run(
                         _check_equal(name, result, state)
                     del result
                 tidy()
+        import tempfile
+
+        stall_options: dict[str, Any] = {"part_size": part, "concurrency": concurrency}
+        if url is not None:
+            stall_options["endpoint_url"] = url
+        if local:
+            stall_options.update(
+                access_key_id=_KEY_ID, secret_access_key=_SECRET, region="us-east-1"
+            )
+        with tempfile.TemporaryDirectory(prefix="fastckpt-stall-", dir=".") as scratch:
+            stall = async_stall(
+                state, f"s3://{bucket}/{prefix}/stall", stall_options, Path(scratch), repeats
+            )
         from fastckpt.store.s3tensors import tensor_crcs
 
         hashing = []
@@ -274,9 +292,42 @@ def run(
         "repeats": repeats,
         "crc32c_prepass_s": summarize(hashing),
         "writers": rows,
+        "async_stall": stall,
         "load_average": {"before": load_before, "after": load_average()},
         "environment": describe("."),
     }
+
+
+def async_stall(
+    state: dict[str, torch.Tensor], url: str, options: dict[str, Any], local_dir: Path, repeats: int
+) -> dict[str, Any]:
+    """Stall and total seconds of an async ``CheckpointManager.save`` of ``state`` to
+    ``local_dir`` and to the ``s3://`` prefix ``url`` (``options``: its client options)."""
+    from fastckpt.manager import CheckpointManager
+    from fastckpt.store.dispatch import configure_storage
+
+    configure_storage(url, options)
+    rows: dict[str, Any] = {}
+    try:
+        for name, target in (("local", str(local_dir / "ckpt")), ("s3", f"{url}/ckpt")):
+            stalls: list[float] = []
+            totals: list[float] = []
+            with CheckpointManager(CheckpointManager.Config.with_async_save()) as manager:
+                for _ in range(repeats + 1):  # the first save warms the staging buffers
+                    start = time.perf_counter()
+                    future = manager.save(target, {"state": state})
+                    with manager.lock():  # what the next optimizer step waits for
+                        stalled = time.perf_counter() - start
+                    if future is not None:
+                        future.result()
+                    stalls.append(stalled)
+                    totals.append(time.perf_counter() - start)
+            rows[name] = {"stall_s": summarize(stalls[1:]), "total_s": summarize(totals[1:])}
+    finally:
+        configure_storage(url)
+    local, remote = rows["local"]["stall_s"]["median"], rows["s3"]["stall_s"]["median"]
+    rows["stall_ratio_s3_over_local"] = remote / local if local else None
+    return rows
 
 
 @contextmanager
@@ -299,6 +350,11 @@ def _cpu(row: dict[str, Any], phase: str) -> str:
     client = row[f"{phase}_client_cpu_s_per_gib"]["median"]
     server = row[f"{phase}_server_cpu_s_per_gib"]["median"]
     return "-" if client is None else f"{client:.2f} / {server:.2f}"
+
+
+def _span(summary: dict[str, Any]) -> str:
+    ms = {key: 1000 * summary[key] for key in ("median", "min", "max")}
+    return f"{ms['median']:.1f} ({ms['min']:.1f}-{ms['max']:.1f})"
 
 
 def _fmt(value: float | None, pattern: str = "{:.3f}") -> str:
@@ -336,6 +392,21 @@ def markdown(document: dict[str, Any]) -> str:
                 f"| vs {name} | {ours['upload_gib_s'] / row['upload_gib_s']:.2f}x "
                 f"| {ours['download_gib_s'] / row['download_gib_s']:.2f}x |"
             )
+    stall = document.get("async_stall")
+    if stall is not None:
+        lines += [
+            "",
+            "CheckpointManager async save: milliseconds until the caller may mutate the state "
+            "again (stall: save() + manager.lock()) and until the checkpoint is durable "
+            "(total), median (min-max).",
+            "",
+            "| destination | stall ms | total ms |",
+            "|---|---|---|",
+        ]
+        for name in ("local", "s3"):
+            row = stall[name]
+            lines.append(f"| {name} | {_span(row['stall_s'])} | {_span(row['total_s'])} |")
+        lines += ["", f"stall ratio s3 / local disk: {stall['stall_ratio_s3_over_local']:.2f}x"]
     prepass = document["crc32c_prepass_s"]["median"]
     lines += [
         "",

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastckpt.store.backend import LOCAL, LocalFileSystem, StorageBackend
 
-__all__ = ["backend_for", "configure_storage", "is_local", "is_object_url"]
+__all__ = ["backend_for", "configure_storage", "is_local", "is_object_url", "require_local"]
 
 
 def configure_storage(
@@ -58,6 +58,23 @@ def backend_for(path: str | os.PathLike[str]) -> StorageBackend:
 
         return backend_for_url(os.fspath(path))
     return LOCAL
+
+
+def require_local(path: str | os.PathLike[str], what: str, instead: str) -> None:
+    """Refuse an object-store URL for a feature that writes through a filesystem (so it never
+    lands in a local directory named ``s3:``).
+
+    Raises:
+        UnsupportedOnObjectStoreError: ``path`` is an ``s3://`` URL; the message names it,
+            ``what`` refused it and ``instead`` (what to use).
+    """
+    if is_object_url(path):
+        from fastckpt.store.s3errors import UnsupportedOnObjectStoreError
+
+        url = "s3://" + os.fspath(path)[len("s3:/") :].lstrip("/")
+        raise UnsupportedOnObjectStoreError(
+            f"{url}: {what} needs a filesystem path, not object storage; {instead}"
+        )
 
 
 def is_local(backend: StorageBackend) -> bool:

@@ -19,6 +19,7 @@ __all__ = [
     "EndpointUnreachableError",
     "ObjectNotFoundError",
     "ObjectStoreError",
+    "UnsupportedOnObjectStoreError",
     "translate",
 ]
 
@@ -45,6 +46,11 @@ class EndpointUnreachableError(ObjectStoreError, ConnectionError):
 
 class CommitConflictError(ObjectStoreError, FileExistsError):
     """A conditional put lost: another writer committed the same record first."""
+
+
+class UnsupportedOnObjectStoreError(FastCkptError, NotImplementedError):
+    """A feature that needs a filesystem was given an ``s3://`` URL (the message names the
+    URL and what to use instead)."""
 
 
 _DENIED_CODES = (
