@@ -286,7 +286,7 @@ def write_snapshot(
     except BaseException:
         writer.abort()
         raise
-    incremental.record_saved(root, index, snapshot.plan)
+    incremental.record_saved(root, index, snapshot.plan, writer.files)
     log_throughput("saved", f"{root}/{index}", writer.files.values(), start)
     return index
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,26 +212,27 @@ def _still_there(manifest: Manifest, ref: Reference) -> bool:
         return False
 
 
-def record_saved(root: str | os.PathLike[str], index: int, result: Plan | None) -> None:
-    """After index ``index`` committed: remember the fingerprints of what it wrote (with the
-    crc32c the files' headers hold) and keep those of what it referenced. ``result`` None
-    (a full save with ``incremental=False``) forgets the root."""
+def record_saved(
+    root: str | os.PathLike[str],
+    index: int,
+    result: Plan | None,
+    files: Mapping[str, Mapping[str, int]],
+) -> None:
+    """After index ``index`` committed with the file records ``files``: remember the
+    fingerprints of what it wrote (with the crc32c the files' headers hold) and keep those of
+    what it referenced. ``result`` None (a full save with ``incremental=False``) forgets the
+    root."""
     if result is None:
-        forget(root)
-        return
-    manifest = Manifest.load(root)
-    entry = manifest.entries.get(index)
-    if entry is None:
         forget(root)
         return
     tracked: dict[tuple[str, str], tuple[Tracked, Reference]] = {}
     from fastckpt.files import read_metadata
 
     for relpath, prints in result.fingerprints.items():
-        record = entry["files"].get(relpath)
+        record = files.get(relpath)
         if record is None:
             continue
-        path = manifest.file_path(index, relpath)
+        path = Path(root) / str(index) / relpath
         header = read_metadata(path)["tensors"]
         for name, fingerprint_and_storage in prints.items():
             info = header.get(name)
