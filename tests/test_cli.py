@@ -788,3 +788,21 @@ def test_export_model_ema_writes_the_averaged_weights(tmp_path: Path) -> None:
     metadata = fastckpt.read_metadata(out)["metadata"]
     assert metadata["fastckpt.model"] == "ema" and metadata["fastckpt.ema_of"] == "main"
     assert cli.main(["export", str(tmp_path / "s"), "--model", "ema1", "--to", "x.st"]) == 2
+
+
+def test_export_progress_counts_the_bytes_the_core_writes(tmp_path: Path) -> None:
+    """The bar is fed by the Rust writer's ByteCounter: it reaches the file's tensor bytes
+    (100 %), where counting this process's read/write syscalls stopped near half."""
+    from fastckpt.cli.render import counted_progress
+    from fastckpt.files import write_tensors
+
+    tensors = {"a": torch.zeros(4 << 20), "b": torch.ones(1 << 20, dtype=torch.float64)}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    stream = io.StringIO()
+    with counted_progress("export", nbytes, stream=stream, enabled=True, interval=0.01) as counter:
+        write_tensors(tensors, tmp_path / "x.safetensors", progress=counter)
+    assert counter.value == nbytes
+    drawn = [line for line in stream.getvalue().split("\r\x1b[2K") if line]
+    assert drawn[0].startswith("export [") and "  0%" in drawn[0]
+    assert "100%" in drawn[-1] and format_bytes(nbytes) in drawn[-1]
+    assert stream.getvalue().endswith("\r\x1b[2K")  # erased at the end

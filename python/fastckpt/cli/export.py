@@ -19,11 +19,12 @@ from fastckpt.cli.common import (
     resolve_index,
 )
 from fastckpt.cli.render import (
+    counted_progress,
     print_json,
 )
 from fastckpt.components import IndexReader
-from fastckpt.files import save_file
-from fastckpt.progress import format_bytes, io_progress
+from fastckpt.files import write_tensors
+from fastckpt.progress import format_bytes
 from fastckpt.store.locate import Location
 from fastckpt.store.reader import read_manager_item
 from fastckpt.store.records import Manifest, item_files, read_commit_record
@@ -149,9 +150,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         raise UserError(f"{out} already exists; pass --force to replace it")
     plan = _export_plan(location, args.index, args.model)
-    with io_progress(f"export {location.path}", 2 * plan.size):  # read it, then write it
+    # The bar counts the bytes the Rust writer writes (the read before it maps the file).
+    with counted_progress(f"export {location.path}", plan.size) as counter:
         tensors = plan.load()
-        save_file(tensors, out, metadata={"format": "pt", **plan.metadata})
+        write_tensors(tensors, out, metadata={"format": "pt", **plan.metadata}, progress=counter)
     size = out.stat().st_size
     summary = {
         "source": str(location.path),
