@@ -350,6 +350,25 @@ def test_list_checkpoints_applies_the_manifest_checksum_rule_of_load(saved: Save
     assert [c["counters"]["step"] for c in list_checkpoints(saved.root)] == [3, 999]
 
 
+def test_a_lock_file_that_is_a_link_or_a_fifo_is_refused_untouched(tmp_path: Path) -> None:
+    """The lock holder writes its pid into the lock file: a root whose lock file is a link (to
+    a file elsewhere) or a FIFO is refused with a typed error naming it, the target intact."""
+    root = tmp_path / "root"
+    save_at(root, trained(1), -1)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (root / ".fastckpt.lock").symlink_to(victim)
+    with pytest.raises(CheckpointFormatError, match=r"\.fastckpt\.lock: not a regular file"):
+        save_at(root, trained(2), -1)
+    assert victim.read_text() == "precious"
+    (root / ".fastckpt.lock").unlink()
+    os.mkfifo(root / ".fastckpt.lock")
+    with pytest.raises(CheckpointFormatError, match="not a regular file"):
+        prune(root, 1, lock_timeout=5)
+    (root / ".fastckpt.lock").unlink()
+    assert save_at(root, trained(2), -1) == 1
+
+
 def _lock_waiters(lock_file: Path) -> int:
     """How many processes/threads wait for an flock on ``lock_file`` (from /proc/locks)."""
     try:

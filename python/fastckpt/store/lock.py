@@ -7,10 +7,13 @@ import fcntl
 import logging
 import os
 import socket
+import stat
 import time
 import weakref
 from pathlib import Path
 from typing import Any
+
+from fastckpt.errors import CheckpointFormatError
 
 __all__ = ["LOCK_FILE", "WARN_AFTER_SECS", "RootLock", "lock_holder"]
 
@@ -85,7 +88,7 @@ class RootLock:
             raise RuntimeError(f"{self.path}: already held by this RootLock")
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = self._open()
             try:
                 self._flock(fd, deadline)
                 if self._is_current(fd):
@@ -97,6 +100,25 @@ class RootLock:
                 os.close(fd)
                 raise
             os.close(fd)  # we locked a lock file its previous holder had deleted: retry
+
+    def _open(self) -> int:
+        """Open (create) the lock file: a regular file in the root, never a link followed (the
+        holder writes into it)."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            fd = -1
+        if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+            if fd >= 0:
+                os.close(fd)
+            raise CheckpointFormatError(
+                f"{self.path}: not a regular file (a symlink, FIFO or device in place of the "
+                "root's lock file); remove it if no fastckpt process is saving into the root"
+            )
+        return fd
 
     def _flock(self, fd: int, deadline: float | None) -> None:
         """Take the flock, polling; after :data:`WARN_AFTER_SECS` log who holds it, and at
