@@ -304,6 +304,8 @@ def test_a_waiting_prune_names_the_holder_and_times_out(
         ):
             prune(root, 1, lock_timeout=1.5)
         assert any(holder in record.getMessage() for record in caplog.records), caplog.text
+        with pytest.raises(TimeoutError, match=f"{holder} holds"):
+            save_checkpoint(root, models={"main": (nn.Linear(2, 2), None)}, lock_timeout=0.5)
         assert sorted(Manifest.load(root).entries) == [0, 1]
     finally:
         process.kill()

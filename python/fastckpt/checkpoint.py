@@ -58,6 +58,7 @@ def save_checkpoint(
     *,
     counters: Mapping[str, int] | None = None,
     incremental: bool = True,
+    lock_timeout: float | None = None,
 ) -> int:
     """Save models, optimizers and schedulers (or a whole strategy) as one committed index.
 
@@ -81,6 +82,8 @@ def save_checkpoint(
         incremental: write only the tensors that changed since this process's last save
             into ``root``, recording the others as references to the bytes already there
             (see docs/incremental.md); False writes everything.
+        lock_timeout: give up waiting for another process saving into or pruning ``root``
+            after this many seconds (None: wait; who holds the lock is logged after a second).
 
     Returns:
         The committed index.
@@ -88,6 +91,8 @@ def save_checkpoint(
     Raises:
         TypeError / ValueError: bad components (nothing is written).
         OSError: writing failed (nothing is committed; earlier indices are untouched).
+        TimeoutError: ``lock_timeout`` passed while another process held the root (the
+            message names it: pid and host).
     """
     if models is not None and not isinstance(models, Mapping):
         strategy, models = models, None
@@ -98,7 +103,7 @@ def save_checkpoint(
     else:
         snapshot = create_snapshot(models, optimizers, schedulers, associations, counters)
     snapshot.incremental = incremental
-    return write_snapshot(root, snapshot, checkpoint_index)
+    return write_snapshot(root, snapshot, checkpoint_index, lock_timeout=lock_timeout)
 
 
 def load_checkpoint(

@@ -254,10 +254,16 @@ def plan_incremental(root: str | os.PathLike[str], snapshot: Snapshot) -> None:
 
 
 def write_snapshot(
-    root: str | os.PathLike[str], snapshot: Snapshot, checkpoint_index: int = -1
+    root: str | os.PathLike[str],
+    snapshot: Snapshot,
+    checkpoint_index: int = -1,
+    *,
+    lock_timeout: float | None = None,
 ) -> int:
     """Write a snapshot as a committed index of ``root`` (see :func:`save_checkpoint`);
-    incrementally unless ``snapshot.incremental`` is False.
+    incrementally unless ``snapshot.incremental`` is False. ``lock_timeout``: give up waiting
+    for another process's save or prune of ``root`` after that many seconds (TimeoutError
+    naming it; None waits, logging who holds the lock after a second).
 
     Returns:
         The committed index.
@@ -272,7 +278,7 @@ def write_snapshot(
         raise ValueError(f"checkpoint_index must be -1 or >= 0, got {checkpoint_index}")
     plan_incremental(root, snapshot)
     start = time.perf_counter()
-    writer = IndexWriter(root, None if checkpoint_index == -1 else index)
+    writer = IndexWriter(root, None if checkpoint_index == -1 else index, lock_timeout=lock_timeout)
     index = writer.index
     try:
         refs = _check_references(writer, snapshot)
