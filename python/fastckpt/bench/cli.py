@@ -79,7 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the harness with command-line ``argv``; returns the exit status."""
+    """Run the harness with command-line ``argv``; returns the exit status
+    (``s3 ...``: the object-storage scenario, :mod:`fastckpt.bench.s3`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["s3"]:
+        from fastckpt.bench import s3
+
+        return s3.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.size_gib <= 0 or args.repeats < 1:
         print("--size-gib must be > 0 and --repeats >= 1", file=sys.stderr)
