@@ -14,6 +14,7 @@ import logging
 import os
 import pty
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -757,8 +758,9 @@ def test_prune_says_who_holds_the_lock_and_gives_up_after_the_timeout(
             "prune", "locked", "--keep-last", "1", "--lock-timeout", "0.3"
         )
         assert status == 2 and out == ""
-        assert f"locked by pid {holder.pid}" in err and "waiting (at most 0.3 s" in err
-        assert "still locked" in err and "--lock-timeout" in err
+        assert f"locked by pid {holder.pid} (" in err and "waiting (at most 0.3 s" in err
+        assert socket.gethostname() in err and f"{sys.executable} -c" in err  # its command
+        assert "still locked" in err and "--lock-timeout" in err and len(err.splitlines()) == 2
         assert len(fastckpt.list_checkpoints(ckpts / "locked")) == 3
     finally:
         holder.kill()

@@ -24,38 +24,20 @@ from fastckpt.errors import FastCkptError
 from fastckpt.progress import format_bytes
 from fastckpt.store.backend import TEMP_PREFIX
 from fastckpt.store.locate import KIND_NAMES
-from fastckpt.store.lock import LOCK_FILE, RootLock
+from fastckpt.store.lock import RootLock, lock_holder
 from fastckpt.store.records import COMMIT_RECORD, MANIFEST, read_commit_record
 
 # --------------------------------------------------------------------------- the root lock
 
 
-def lock_holder(lock_file: Path) -> str:
-    """Who holds the ``flock`` on ``lock_file``: ``pid N (command) on HOST`` when the holder
-    runs on this machine (from ``/proc/locks``), else a description that says it may not."""
-    try:
-        info = os.stat(lock_file)
-        with open("/proc/locks", encoding="ascii") as handle:
-            lines = handle.read().splitlines()
-    except OSError:
-        return f"another process (it holds {lock_file})"
-    wanted = f":{info.st_ino}"
-    devices = {
-        f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}",
-        f"{os.major(info.st_dev)}:{os.minor(info.st_dev)}",
-    }
-    for line in lines:
-        fields = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" (blocked waiters carry "->")
-        if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK":
-            continue
-        pid, where = fields[4], fields[5]
-        if where.endswith(wanted) and where.rsplit(":", 1)[0] in devices:
-            return f"pid {pid} ({_command(pid)}) on {socket.gethostname()}"
-    return (
-        f"a process on another machine or in another container (it holds {lock_file}; no "
-        "process here does)"
-    )
+def describe_holder(root: Path) -> str:
+    """Who holds ``root``'s lock (the pid and host its lock file records), with the holder's
+    command line when it runs on this machine."""
+    holder = lock_holder(root)
+    words = holder.split()
+    if len(words) == 5 and words[0] == "pid" and words[4] == socket.gethostname():
+        return f"pid {words[1]} ({_command(words[1])}) on host {words[4]}"
+    return holder
 
 
 def _command(pid: str) -> str:
@@ -63,42 +45,26 @@ def _command(pid: str) -> str:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return "command unknown"
-    text = " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)
-    return text[:120] or "command unknown"
+    text = " ".join(raw.decode(errors="replace").replace("\0", " ").split())
+    return text[:100] or "command unknown"
 
 
-def wait_for_lock(root: Path, timeout: float | None) -> None:
-    """Return once ``root``'s lock is free; while another process holds it, say who (on
-    stderr) and wait at most ``timeout`` seconds (None: as long as it takes).
-
-    Raises:
-        UserError: the lock was still held after ``timeout`` (names the holder).
-    """
+def announce_lock(root: Path, timeout: float | None) -> None:
+    """While another process holds ``root``'s lock, say who on stderr before waiting for it
+    (the wait itself is the prune's, bounded by ``timeout``)."""
     probe = RootLock(root, timeout=0)
     try:
         probe.acquire()
     except TimeoutError:
-        pass
+        limit = "" if timeout is None else f" (at most {timeout:g} s, --lock-timeout)"
+        print(
+            f"fastckpt prune: {root} is locked by {describe_holder(root)} (a save or prune in "
+            f"progress); waiting{limit}",
+            file=sys.stderr,
+            flush=True,
+        )
     else:
         probe.release()
-        return
-    holder = lock_holder(root / LOCK_FILE)
-    limit = "" if timeout is None else f" (at most {timeout:g} s, --lock-timeout)"
-    print(
-        f"fastckpt prune: {root} is locked by {holder} (a save or prune in progress); "
-        f"waiting{limit}",
-        file=sys.stderr,
-        flush=True,
-    )
-    lock = RootLock(root, timeout=timeout)
-    try:
-        lock.acquire()
-    except TimeoutError:
-        raise UserError(
-            f"{root} is still locked by {holder} after {timeout:g} s; try again when it is "
-            "done, or raise --lock-timeout"
-        ) from None
-    lock.release()
 
 
 # --------------------------------------------------------------------------- manager checkpoints
@@ -168,13 +134,20 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"CheckpointManager checkpoints (each holding {COMMIT_RECORD})"
         )
     if not args.dry_run and Path(location.path).is_dir():
-        wait_for_lock(Path(location.path), args.lock_timeout)
+        announce_lock(Path(location.path), args.lock_timeout)
     entries = list_checkpoints(location.path)
     sizes = {row["index"]: row["size"] for row in entries}
     indices = sorted(sizes)
     doomed = indices[: -args.keep_last] if len(indices) > args.keep_last else []
     if not args.dry_run and doomed:
-        doomed = prune(location.path, keep_last=args.keep_last)
+        try:
+            doomed = prune(location.path, keep_last=args.keep_last, lock_timeout=args.lock_timeout)
+        except TimeoutError as err:
+            raise UserError(
+                f"{location.path} is still locked by {describe_holder(Path(location.path))} "
+                f"after {args.lock_timeout:g} s; wait for it to finish, stop it, or raise "
+                "--lock-timeout"
+            ) from err
     kept = [i for i in indices if i not in doomed]
     freed = sum(sizes[i] for i in doomed)
     if args.json:
