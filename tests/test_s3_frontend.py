@@ -22,6 +22,7 @@ import torch
 
 import fastckpt
 import training_support as ts
+from fastckpt.errors import ChecksumMismatchError
 from fastckpt.files import load_file
 from fastckpt.store.dispatch import configure_storage
 from fastckpt.store.records import read_commit_record
@@ -261,3 +262,34 @@ def test_configure_storage_options_for_a_prefix_override_the_environment(
         configure_storage(s3_root)
         configure_storage(bad)
     assert not (tmp_path / "s3:").exists()
+
+
+def test_a_flipped_byte_or_a_missing_object_on_s3_is_a_typed_error(
+    s3_server: S3Server, s3_root: str, s3_env: dict[str, str]
+) -> None:
+    model = torch.nn.Linear(32, 32)
+    fastckpt.save_checkpoint(s3_root, models={"main": model})
+    checkpoint = f"{s3_root}-mgr/ckpt"
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as mgr:
+        mgr.save(checkpoint, {"x": torch.arange(4096.0)})
+    client, bucket = s3_server.client(), s3_server.bucket
+    root_key = s3_root.split("/", 3)[3]
+    tensors = [k for k in _keys(s3_server, s3_root) if k.endswith(".safetensors")]
+    assert tensors
+    key = f"{root_key}/{tensors[0]}"
+    body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[-3] ^= 0x10  # in the tensor data, past the header
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    with pytest.raises(ChecksumMismatchError, match=tensors[0].rsplit("/", 1)[-1]):
+        fastckpt.load_checkpoint(s3_root)
+    assert not verify(s3_root).ok
+    manager_key = checkpoint.split("/", 3)[3]
+    data = [k for k in _keys(s3_server, checkpoint) if k.endswith("x.safetensors")]
+    client.delete_object(Bucket=bucket, Key=f"{manager_key}/{data[0]}")
+    with (
+        fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as mgr,
+        pytest.raises(
+            FileNotFoundError, match=r"x\.safetensors: missing \(listed in .*commit\.json"
+        ),
+    ):
+        mgr.load(checkpoint)
