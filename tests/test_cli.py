@@ -640,11 +640,6 @@ def test_help_version_and_usage_errors_do_not_import_torch() -> None:
     assert f"fastckpt {fastckpt.__version__}" in result.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fastckpt/__init__.py imports torch eagerly; `fastckpt --version` cannot avoid it "
-    "until the package's top-level names are imported lazily (PEP 562 __getattr__)",
-)
 def test_the_installed_command_does_not_import_torch_for_version() -> None:
     result = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "fastckpt", "--version"],

@@ -7,53 +7,122 @@ with the GIL released. Start with :func:`save_file` / :func:`load_file`.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastckpt.checkpoint import list_checkpoints, load_checkpoint, prune, save_checkpoint
-from fastckpt.errors import (
-    CheckpointFormatError,
-    CheckpointMismatchError,
-    ChecksumMismatchError,
-    FastCkptError,
-    InvalidInputError,
-    UntrustedTargetError,
-)
-from fastckpt.files import load_file, read_metadata, save_file
-from fastckpt.hooks import (
-    CheckpointableHook,
-    CheckpointHook,
-    EMAHook,
-    Hook,
-    TrainContext,
-    TrainingStage,
-)
-from fastckpt.incremental import mark_frozen
-from fastckpt.lazy import SafeOpen, TensorSlice, safe_open
-from fastckpt.manager import (
-    AsyncCheckpointSaverConfig,
-    CheckpointLoaderConfig,
-    CheckpointManager,
-    CheckpointStagerConfig,
-    CheckpointWriterConfig,
-    ItemSpec,
-    LocalFileSystemStorageConfig,
-    SyncCheckpointSaverConfig,
-)
-from fastckpt.specs import BaseSpec, create_model_spec, register_type_serializer
-from fastckpt.strategy import FineTuningStrategy, OptimizerConfig, TrainingStrategy
-from fastckpt.verify import VerifyReport, latest_intact, verify
+if TYPE_CHECKING:  # the names below, for type checkers; at run time they load on first use
+    from fastckpt.checkpoint import list_checkpoints, load_checkpoint, prune, save_checkpoint
+    from fastckpt.errors import (
+        CheckpointFormatError,
+        CheckpointMismatchError,
+        ChecksumMismatchError,
+        FastCkptError,
+        InvalidInputError,
+        UntrustedTargetError,
+    )
+    from fastckpt.files import load_file, read_metadata, save_file
+    from fastckpt.hooks import (
+        CheckpointableHook,
+        CheckpointHook,
+        EMAHook,
+        Hook,
+        TrainContext,
+        TrainingStage,
+    )
+    from fastckpt.incremental import mark_frozen
+    from fastckpt.lazy import SafeOpen, TensorSlice, safe_open
+    from fastckpt.manager import (
+        AsyncCheckpointSaverConfig,
+        CheckpointLoaderConfig,
+        CheckpointManager,
+        CheckpointStagerConfig,
+        CheckpointWriterConfig,
+        ItemSpec,
+        LocalFileSystemStorageConfig,
+        SyncCheckpointSaverConfig,
+    )
+    from fastckpt.specs import BaseSpec, create_model_spec, register_type_serializer
+    from fastckpt.strategy import FineTuningStrategy, OptimizerConfig, TrainingStrategy
+    from fastckpt.verify import VerifyReport, latest_intact, verify
 
-#: Subpackages imported on first attribute access (``fastckpt.dcp``): each costs import time
-#: (DCP pulls in torch.distributed.checkpoint) that most users of the package never need.
+#: Where each public name lives. ``import fastckpt`` imports none of them (so ``fastckpt
+#: --version`` and ``--help`` never import torch); the first use of a name imports its module.
+_NAMES = {
+    "fastckpt.checkpoint": ("list_checkpoints", "load_checkpoint", "prune", "save_checkpoint"),
+    "fastckpt.errors": (
+        "CheckpointFormatError",
+        "CheckpointMismatchError",
+        "ChecksumMismatchError",
+        "FastCkptError",
+        "InvalidInputError",
+        "UntrustedTargetError",
+    ),
+    "fastckpt.files": ("load_file", "read_metadata", "save_file"),
+    "fastckpt.hooks": (
+        "CheckpointableHook",
+        "CheckpointHook",
+        "EMAHook",
+        "Hook",
+        "TrainContext",
+        "TrainingStage",
+    ),
+    "fastckpt.incremental": ("mark_frozen",),
+    "fastckpt.lazy": ("SafeOpen", "TensorSlice", "safe_open"),
+    "fastckpt.manager": (
+        "AsyncCheckpointSaverConfig",
+        "CheckpointLoaderConfig",
+        "CheckpointManager",
+        "CheckpointStagerConfig",
+        "CheckpointWriterConfig",
+        "ItemSpec",
+        "LocalFileSystemStorageConfig",
+        "SyncCheckpointSaverConfig",
+    ),
+    "fastckpt.specs": ("BaseSpec", "create_model_spec", "register_type_serializer"),
+    "fastckpt.strategy": ("FineTuningStrategy", "OptimizerConfig", "TrainingStrategy"),
+    "fastckpt.verify": ("VerifyReport", "latest_intact", "verify"),
+}
+_MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
+
+#: Subpackages imported on first attribute access (``fastckpt.dcp``): DCP pulls in
+#: torch.distributed.checkpoint, which most users of the package never need.
 _LAZY_SUBMODULES = ("dcp", "integrations")
 
 
 def __getattr__(name: str) -> Any:
-    """Import :mod:`fastckpt.dcp` / :mod:`fastckpt.integrations` when first used."""
+    """Import a public name's module (or a lazy subpackage) when the name is first used."""
+    module = _MODULE_OF.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"fastckpt.{name}")
     raise AttributeError(f"module 'fastckpt' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """The package's module type: a public name wins over a submodule of the same name.
+
+    Importing a submodule binds it as an attribute of its package, so the first
+    ``import fastckpt.verify`` anywhere would replace the function ``fastckpt.verify`` by the
+    module ``fastckpt.verify``; the public name must keep meaning the function.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _MODULE_OF and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __dir__() -> list[str]:
+    """The public names, as ``dir(fastckpt)`` should list them."""
+    return sorted({*globals(), *_MODULE_OF, *_LAZY_SUBMODULES})
 
 
 try:
