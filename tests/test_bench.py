@@ -272,3 +272,21 @@ def test_bar_checks_the_slow_runs_against_safetensors() -> None:
     results["writers"]["fastckpt"] = writer([0.5, 0.55, 0.6, 0.6, 0.62])
     row = next(r for r in bar.evaluate(results) if "p90" in r["check"])
     assert row["status"] == "met"
+
+
+def test_bar_refuses_a_checkpointing_run_faster_than_its_baseline() -> None:
+    def scenario(overhead: float) -> dict[str, Any]:
+        return {"available": True, "overhead": overhead}
+
+    results: dict[str, Any] = {
+        "state": {"bytes": 1 << 30},
+        "writers": {},
+        "readers": {},
+        "training": {"scenarios": {"fastckpt-async": scenario(-0.6), "dcp-async": scenario(0.1)}},
+    }
+    rows = [r for r in bar.evaluate(results) if r["figure"] == "training-loop overhead"]
+    assert [r["status"] for r in rows] == ["n/a", "n/a"]
+    assert "not comparable" in rows[0]["note"]
+    results["training"]["scenarios"]["fastckpt-async"] = scenario(0.03)
+    rows = [r for r in bar.evaluate(results) if r["figure"] == "training-loop overhead"]
+    assert [r["status"] for r in rows] == ["met", "met"]
