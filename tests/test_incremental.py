@@ -306,6 +306,29 @@ def test_export_writes_a_self_contained_file(tmp_path: Path) -> None:
     _assert_bitwise(_snapshot(model), fastckpt.load_file(out))
 
 
+def test_diff_sees_referenced_tensors(tmp_path: Path) -> None:
+    model, optimizer = _setup()
+    _save(tmp_path / "root", model, optimizer)
+    with torch.no_grad():
+        model.head.bias.add_(1)
+    _save(tmp_path / "root", model, optimizer)
+    out = tmp_path / "m.safetensors"
+
+    def cli(*args: str) -> dict[str, Any]:
+        done = subprocess.run(
+            [sys.executable, "-m", "fastckpt", *args, "--json"], capture_output=True, text=True
+        )
+        assert done.returncode in (0, 1), done.stderr
+        return dict(json.loads(done.stdout))
+
+    result = cli("diff", str(tmp_path / "root" / "0"), str(tmp_path / "root" / "1"))
+    assert [row["name"] for row in result["changed"]] == ["models/m:head.bias"]
+    assert result["added"] == [] and result["removed"] == []
+    assert result["compared"] == len(model.state_dict())  # none left out as "removed"
+    cli("export", str(tmp_path / "root"), "--to", str(out))
+    assert cli("diff", str(tmp_path / "root"), str(out))["identical"]
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_checkpoint_hook_saves_incrementally_and_keeps_referenced_bytes(
     tmp_path: Path, async_save: bool

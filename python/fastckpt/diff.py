@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fastckpt.files import load_file, read_metadata
+from fastckpt.store.dispatch import backend_for
 
 __all__ = ["TensorFiles", "compare_tensors", "diff_checkpoints"]
 
@@ -27,10 +27,14 @@ class TensorFiles:
     Attributes:
         label: how the side is named in the result.
         files: prefix -> safetensors file (prefix ``""``: tensor names stay as they are).
+        references: prefix -> referenced tensors of that prefix (default none).
     """
 
     label: str
     files: dict[str, Path]
+    #: prefix -> {tensor name: (file, name in that file)}: tensors of an incremental
+    #: checkpoint index that live in another index's file (see :mod:`fastckpt.store.refs`).
+    references: dict[str, dict[str, tuple[Path, str]]] = dataclasses.field(default_factory=dict)
 
 
 def _qualified(prefix: str, name: str) -> str:
@@ -60,7 +64,21 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
 def _headers(side: TensorFiles) -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
     for prefix, path in side.files.items():
-        for name, info in read_metadata(path)["tensors"].items():
+        for name, info in backend_for(path).read_header(path)["tensors"].items():
+            found[_qualified(prefix, name)] = {
+                "prefix": prefix,
+                "name": name,
+                "dtype": info["dtype"],
+                "shape": info["shape"],
+            }
+    sources: dict[Path, dict[str, Any]] = {}
+    for prefix, names in side.references.items():
+        for name, (path, source_name) in names.items():
+            if path not in sources:
+                sources[path] = backend_for(path).read_header(path)["tensors"]
+            info = sources[path].get(source_name)
+            if info is None:
+                raise KeyError(f"{path}: no tensor {source_name!r} (referenced as {name!r})")
             found[_qualified(prefix, name)] = {
                 "prefix": prefix,
                 "name": name,
@@ -70,9 +88,22 @@ def _headers(side: TensorFiles) -> dict[str, dict[str, Any]]:
     return found
 
 
+def _load_prefix(side: TensorFiles, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of one prefix: its file's and the ones it references."""
+    tensors = _load(side.files[prefix]) if prefix in side.files else {}
+    by_source: dict[Path, list[tuple[str, str]]] = {}
+    for name, (path, source_name) in side.references.get(prefix, {}).items():
+        by_source.setdefault(path, []).append((name, source_name))
+    for path, pairs in by_source.items():
+        source = _load(path)
+        tensors.update({name: source[source_name] for name, source_name in pairs})
+    return tensors
+
+
 def _load(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a file on any backend (local or ``s3://``), checksums verified."""
     try:
-        return load_file(path)
+        return backend_for(path).open_tensors(path, verify=True)[0]
     except TypeError as err:  # a dtype this torch build lacks
         raise TypeError(f"{path}: {err}") from None
 
@@ -110,7 +141,7 @@ def diff_checkpoints(a: TensorFiles, b: TensorFiles, atol: float = 0.0) -> dict[
         key = (head_a[name]["prefix"], head_b[name]["prefix"])
         by_pair.setdefault(key, []).append(name)
     for (prefix_a, prefix_b), names in by_pair.items():
-        tensors_a, tensors_b = _load(a.files[prefix_a]), _load(b.files[prefix_b])
+        tensors_a, tensors_b = _load_prefix(a, prefix_a), _load_prefix(b, prefix_b)
         for name in names:
             left = tensors_a[head_a[name]["name"]]
             right = tensors_b[head_b[name]["name"]]

@@ -28,6 +28,7 @@ from fastckpt.progress import io_progress
 from fastckpt.store.dispatch import backend_for
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import COMMIT_RECORD, read_commit_record, record_file
+from fastckpt.store.refs import REFS_FILE, index_references, source_path
 
 # --------------------------------------------------------------------------- fastckpt diff
 
@@ -96,18 +97,26 @@ def _diff_side(text: str) -> _Side:
         return _Side(TensorFiles(label, files), values, {})
     manifest, index = resolve_index(location, None)
     directory = manifest.root / str(index)
-    listed = sorted(manifest.entries[index]["files"])
+    # refs.json (an incremental index) is where tensors are, not a value to compare.
+    listed = sorted(name for name in manifest.entries[index]["files"] if name != REFS_FILE)
     files = {
         relpath.removesuffix(TENSOR_SUFFIX): safe_join(directory, relpath, within=manifest.root)
         for relpath in listed
         if relpath.endswith(TENSOR_SUFFIX)
+    }
+    references = {
+        relpath.removesuffix(TENSOR_SUFFIX): {
+            name: (source_path(manifest, ref), ref["name"]) for name, ref in names.items()
+        }
+        for relpath, names in index_references(manifest, index).items()
     }
     counters: dict[str, Any] = {}
     _flatten_values("counters:", manifest.entries[index].get("counters", {}), counters)
     plain = {name.replace(":.", ":"): value for name, value in counters.items()}
     plain.update(_json_values(directory, listed, manifest.root))
     latest = ", latest" if index == manifest.latest else ""
-    return _Side(TensorFiles(f"{directory} (index {index}{latest})", files), plain, {})
+    side = TensorFiles(f"{directory} (index {index}{latest})", files, references)
+    return _Side(side, plain, {})
 
 
 def _match_export(single: _Side, whole: _Side) -> str | None:
@@ -127,7 +136,11 @@ def _match_export(single: _Side, whole: _Side) -> str | None:
             if prefix == candidate or prefix.startswith(f"{candidate}.rank"):
                 return prefix
     names = set(_header(single.tensors.files[""])["tensors"])
-    overlap = {p: len(names & set(_header(f)["tensors"])) for p, f in whole.tensors.files.items()}
+    referenced = whole.tensors.references
+    overlap = {
+        p: len(names & (set(_header(f)["tensors"]) | set(referenced.get(p, {}))))
+        for p, f in whole.tensors.files.items()
+    }
     best = max(overlap, key=lambda p: overlap[p], default=None)
     return best if best is not None and overlap[best] > 0 else None
 
@@ -142,7 +155,9 @@ def _align(a: _Side, b: _Side) -> tuple[TensorFiles, TensorFiles]:
     if prefix is None:
         return a.tensors, b.tensors
     narrowed = TensorFiles(
-        f"{whole.tensors.label} [{prefix}]", {prefix: whole.tensors.files[prefix]}
+        f"{whole.tensors.label} [{prefix}]",
+        {prefix: whole.tensors.files[prefix]},
+        {prefix: whole.tensors.references.get(prefix, {})},
     )
     renamed = TensorFiles(single.tensors.label, {prefix: single.tensors.files[""]})
     return (renamed, narrowed) if lone_a else (narrowed, renamed)
