@@ -329,6 +329,25 @@ def test_diff_sees_referenced_tensors(tmp_path: Path) -> None:
     assert cli("diff", str(tmp_path / "root"), str(out))["identical"]
 
 
+def test_safe_open_reads_referenced_tensors(tmp_path: Path) -> None:
+    model, _ = _setup()
+    _save(tmp_path, model)
+    with torch.no_grad():
+        model.head.bias.add_(1)
+    _save(tmp_path, model)
+    fastckpt.prune(tmp_path, keep_last=1)
+    expected = _snapshot(model)
+    with fastckpt.safe_open(tmp_path, framework="pt") as handle:
+        assert handle.keys() == sorted(f"models/m/{name}" for name in expected)
+        for name, tensor in expected.items():
+            assert torch.equal(handle.get_tensor(f"models/m/{name}"), tensor), name
+        assert torch.equal(
+            handle.get_slice("models/m/backbone.weight")[2:4], expected["backbone.weight"][2:4]
+        )
+    with fastckpt.safe_open(tmp_path, framework="pt", part="models/m") as handle:
+        assert handle.keys() == sorted(expected)
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_checkpoint_hook_saves_incrementally_and_keeps_referenced_bytes(
     tmp_path: Path, async_save: bool

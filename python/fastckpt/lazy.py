@@ -55,6 +55,7 @@ from fastckpt.files import dtype_from_name, torch_shape
 from fastckpt.store.locate import locate
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import Manifest, read_commit_record
+from fastckpt.store.refs import REFS_FILE, index_references, source_path
 
 __all__ = ["SafeOpen", "TensorSlice", "safe_open"]
 
@@ -173,10 +174,14 @@ class _File:
 # --------------------------------------------------------------------------- targets
 
 
-def _resolve_files(
-    path: Path, index: int | None, part: str | None
-) -> tuple[list[tuple[str, Path, int | None]], str]:
-    """``[(part label, file, expected size)]`` and a description of the target."""
+#: ``(part label, file, expected size, only)``: ``only`` None takes every tensor of the file;
+#: else ``{name in the file: (name to show, crc32c it must have)}``, the tensors an incremental
+#: index references in another index's file (:mod:`fastckpt.store.refs`).
+_Target = tuple[str, Path, int | None, "dict[str, tuple[str, int]] | None"]
+
+
+def _resolve_files(path: Path, index: int | None, part: str | None) -> tuple[list[_Target], str]:
+    """The files to open and a description of the target."""
     try:
         location = locate(path)
     except FileNotFoundError:
@@ -187,7 +192,7 @@ def _resolve_files(
     if location.kind == "file":
         if index is not None or part is not None:
             raise ValueError(f"{path} is a single file; index= and part= apply to checkpoints")
-        return [("", Path(os.path.realpath(path)), None)], str(path)
+        return [("", Path(os.path.realpath(path)), None, None)], str(path)
     if location.kind == "manager":
         if index is not None:
             raise ValueError(
@@ -209,7 +214,26 @@ def _resolve_files(
     directory = location.root / str(resolved)
     where = f"{directory} (index {resolved} of {location.root})"
     files = manifest.entries[resolved]["files"]
-    return _select(files, directory, location.root, part, where), where
+    selected = _select(files, directory, location.root, part, where)
+    if REFS_FILE in files:
+        selected += _referenced(manifest, resolved, part)
+    return selected, where
+
+
+def _referenced(manifest: Manifest, index: int, part: str | None) -> list[_Target]:
+    """The referenced tensors of incremental index ``index``, one target per source file."""
+    by_source: dict[tuple[str, Path], dict[str, tuple[str, int]]] = {}
+    sizes: dict[Path, int] = {}
+    for relpath, names in index_references(manifest, index).items():
+        label = relpath[: -len(SUFFIX)]
+        if part is not None and label != part:
+            continue
+        for name, ref in names.items():
+            source = Path(os.path.realpath(source_path(manifest, ref)))
+            sizes[source] = ref["file_size"]
+            key = (label if part is None else "", source)
+            by_source.setdefault(key, {})[ref["name"]] = (name, ref["crc32c"])
+    return [(label, path, sizes[path], only) for (label, path), only in by_source.items()]
 
 
 def _select(
@@ -218,16 +242,16 @@ def _select(
     within: Path,
     part: str | None,
     where: str,
-) -> list[tuple[str, Path, int | None]]:
+) -> list[_Target]:
     labels = {relpath[: -len(SUFFIX)]: relpath for relpath in files if relpath.endswith(SUFFIX)}
     if part is not None:
         if part not in labels:
             raise KeyError(f"{where} has no tensor file {part!r}; parts: {sorted(labels)}")
         labels = {part: labels[part]}
-    selected: list[tuple[str, Path, int | None]] = []
+    selected: list[_Target] = []
     for label, relpath in sorted(labels.items()):
         real = Path(os.path.realpath(safe_join(directory, relpath, within=within)))
-        selected.append((label if part is None else "", real, files[relpath]["size"]))
+        selected.append((label if part is None else "", real, files[relpath]["size"], None))
     return selected
 
 
@@ -376,7 +400,7 @@ class SafeOpen:
 
     def __init__(
         self,
-        files: list[tuple[str, Path, int | None]],
+        files: list[_Target],
         where: str,
         device: torch.device,
         verify: bool,
@@ -391,11 +415,21 @@ class SafeOpen:
         self._files: list[_File] = []
         self._entries: dict[str, _Entry] = {}
         try:
-            for label, path, size in files:
+            for label, path, size, only in files:
                 handle = _File(path, size)
                 self._files.append(handle)
                 for entry in handle.entries():
-                    key = f"{label}/{entry.name}" if label else entry.name
+                    name = entry.name
+                    if only is not None:
+                        if entry.name not in only:
+                            continue
+                        name, crc = only[entry.name]
+                        if entry.crc32c != crc:
+                            raise ChecksumMismatchError(
+                                f"{path}: tensor {entry.name!r} is not the one {where} "
+                                f"references as {name!r} (crc32c differs)"
+                            )
+                    key = f"{label}/{name}" if label else name
                     if key in self._entries:
                         raise CheckpointFormatError(
                             f"{where}: tensor key {key!r} is ambiguous (two files name it); "
