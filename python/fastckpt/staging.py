@@ -205,7 +205,10 @@ class BackgroundWriter(Generic[T]):
     """One background checkpoint write in flight at a time, on one lowered-priority thread.
 
     A write may start with a *capture* (copying live tensors into staging buffers) that runs
-    on the background thread under the capture lock; code that mutates the saved state holds
+    under the capture lock on a second background thread at the caller's priority: training
+    waits for the capture before its next optimizer step, so a lowered priority would only
+    make it wait longer while the training threads hold the CPU (measured in
+    docs/performance.md). Code that mutates the saved state holds
     :meth:`guard` meanwhile, which waits only while a capture is in progress. Before the next
     write, :meth:`collect` waits (at most ``wait_timeout`` seconds) for the previous one:
 
@@ -224,6 +227,7 @@ class BackgroundWriter(Generic[T]):
         self.name = name
         self.wait_timeout = wait_timeout
         self._executor: ThreadPoolExecutor | None = None
+        self._capture_executor: ThreadPoolExecutor | None = None
         self._future: Future[T] | None = None
         self._what = ""
         self._capture_lock = threading.Lock()
@@ -241,9 +245,16 @@ class BackgroundWriter(Generic[T]):
         return None if self._future is None else self._what
 
     def start(self) -> None:
-        """Start the background thread (idempotent)."""
+        """Start the background threads (idempotent)."""
         if self._executor is None:
             self._executor = background_executor(self.name)
+        if self._capture_executor is None:
+            self._capture_executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"{self.name}-capture"
+            )
+            # Create its thread now, from the caller's thread, so that it inherits the caller's
+            # priority (the pool would otherwise spawn it from the lowered-priority writer).
+            self._capture_executor.submit(lambda: None)
 
     def capture(self, copy: Callable[[], None]) -> None:
         """Run ``copy`` on this thread under the capture lock."""
@@ -283,7 +294,10 @@ class BackgroundWriter(Generic[T]):
     def _run(self, capture: Callable[[], None] | None, write: Callable[[], T]) -> T:
         if capture is not None:
             try:
-                self.capture(capture)
+                assert self._capture_executor is not None
+                # This (lowered-priority) thread only waits; the capture thread runs at the
+                # priority of the thread that started the writer.
+                self._capture_executor.submit(self.capture, capture).result()
             finally:
                 self._capture_done.set()
         return write()
@@ -340,3 +354,6 @@ class BackgroundWriter(Generic[T]):
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            if self._capture_executor is not None:
+                self._capture_executor.shutdown(wait=True)
+                self._capture_executor = None
