@@ -541,6 +541,25 @@ def test_progress_bar_draws_percent_and_rate_then_erases() -> None:
     assert "[" in frames[2] and "#" in frames[2]
 
 
+@pytest.mark.parametrize("columns", [20, 40, 60, 200])
+@pytest.mark.parametrize("total", [None, 3 << 30])
+def test_progress_bar_lines_never_reach_the_terminal_width(
+    columns: int, total: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A line as wide as the terminal wraps, and each redraw then leaves a stale line behind.
+    monkeypatch.setenv("COLUMNS", str(columns))
+    now = [0.0]
+    for label in ("verify", "verify runs/a-rather-long-checkpoint-directory-name/17"):
+        bar = ProgressBar(label, total, stream=FakeTerminal(), clock=lambda: now[0])
+        for done in (0, 1 << 20, 1 << 30, 3 << 30):
+            now[0] += 1.0
+            bar.update(done, force=True)
+            line = bar.line()
+            assert 0 < len(line) < columns, (columns, line)
+            if total is not None and len(label) < columns - 12:
+                assert "%" in line  # the percentage is the last detail to go
+
+
 def test_progress_is_silent_off_a_terminal() -> None:
     stream = io.StringIO()
     with io_progress("export", 100, stream=stream) as bar:

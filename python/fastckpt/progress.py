@@ -1,11 +1,10 @@
 """A one-line progress bar for long command-line operations, shown only on a terminal.
 
 fastckpt's heavy work (reading, checksumming, writing) runs inside single Rust calls with the
-GIL released, so there is no per-chunk callback to hook a bar into. Instead :func:`io_progress`
-watches the bytes this process has read and written (``rchar`` + ``wchar`` of
-``/proc/self/io``, which count every ``read``/``pread``/``write`` of every thread) from a
-background thread and draws them against the expected total. Where ``/proc/self/io`` is absent
-the bar simply jumps to done at the end.
+GIL released. :func:`polled_progress` draws a bar from a background thread that polls a byte
+count: a :class:`fastckpt._native.ByteCounter` that the Rust core advances where the bytes are
+moved, or (:func:`io_progress`) the bytes this process has read and written (``rchar`` +
+``wchar`` of ``/proc/self/io``). Where no counter exists the bar simply jumps to done.
 
 Nothing is drawn when the stream is not a terminal (pipes, files, CI logs): scripts that
 parse the output never see control characters.
@@ -19,11 +18,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TextIO
 
-__all__ = ["IOMeter", "ProgressBar", "format_bytes", "io_progress", "log_throughput"]
+__all__ = [
+    "IOMeter",
+    "ProgressBar",
+    "format_bytes",
+    "io_progress",
+    "log_throughput",
+    "polled_progress",
+]
 
 log = logging.getLogger(__name__)
 
@@ -125,19 +131,28 @@ class ProgressBar:
             self._draw(now)
 
     def line(self, now: float | None = None) -> str:
-        """The text of the bar as it would be drawn now."""
+        """The text of the bar as it would be drawn now, narrower than the terminal.
+
+        A line as wide as the terminal wraps, and every later redraw (``\\r``) then leaves the
+        wrapped part behind, so the bar drops detail to fit: first the rate, then the byte
+        counts; the label is cut last.
+        """
         elapsed = max((self._clock() if now is None else now) - self._started, 1e-9)
         done = min(self.done, self.total) if self.total else self.done
+        width = max(shutil.get_terminal_size((80, 24)).columns - 1, 1)
         rate = f"{format_bytes(done / elapsed)}/s"
         if self.total is None:
-            return f"{self.label}  {format_bytes(done)}  {rate}"
+            return _fit([self.label, format_bytes(done), rate], width)
         fraction = done / self.total
-        amounts = f"{fraction * 100:3.0f}%  {format_bytes(done)} / {format_bytes(self.total)}"
-        width = shutil.get_terminal_size((80, 24)).columns
-        room = width - len(self.label) - len(amounts) - len(rate) - 10
-        cells = max(10, min(40, room))
-        filled = int(fraction * cells)
-        return f"{self.label} [{'#' * filled}{'-' * (cells - filled)}] {amounts}  {rate}"
+        percent = f"{fraction * 100:3.0f}%"
+        amounts = f"{format_bytes(done)} / {format_bytes(self.total)}"
+        for details in ([percent, amounts, rate], [percent, amounts], [percent]):
+            tail = "  ".join(details)
+            cells = min(40, width - len(self.label) - len(tail) - 4)  # " [" + "] "
+            if cells >= 10:
+                filled = int(fraction * cells)
+                return f"{self.label} [{'#' * filled}{'-' * (cells - filled)}] {tail}"
+        return _fit([self.label, percent], width)
 
     def _draw(self, now: float) -> None:
         self.stream.write("\r\x1b[2K" + self.line(now))
@@ -153,6 +168,13 @@ class ProgressBar:
                 self._drawn = False
 
 
+def _fit(parts: list[str], width: int) -> str:
+    """``parts`` joined by two spaces, dropping trailing parts (then cutting) to fit ``width``."""
+    while len(parts) > 1 and len("  ".join(parts)) > width:
+        parts = parts[:-1]
+    return "  ".join(parts)[:width]
+
+
 def _is_terminal(stream: TextIO) -> bool:
     isatty = getattr(stream, "isatty", None)
     try:
@@ -162,18 +184,20 @@ def _is_terminal(stream: TextIO) -> bool:
 
 
 @contextmanager
-def io_progress(
+def polled_progress(
     label: str,
     total: int | None,
+    moved: Callable[[], int | None],
     *,
     stream: TextIO | None = None,
     enabled: bool | None = None,
     interval: float = 0.1,
 ) -> Iterator[ProgressBar]:
-    """Draw a :class:`ProgressBar` fed by this process's I/O for the duration of the block.
+    """Draw a :class:`ProgressBar` for the duration of the block, polling ``moved()``.
 
-    ``total`` is the number of bytes the block is expected to read plus write. On a non-
-    terminal nothing runs at all (no thread, no output).
+    ``moved()`` returns the bytes done so far (``None``: no counter on this platform, so the
+    bar only shows the start and the end). On a non-terminal nothing runs at all (no thread,
+    no output). The final count is drawn before the bar is erased.
 
     Yields:
         The bar (callers may :meth:`ProgressBar.update` it themselves as well).
@@ -183,15 +207,14 @@ def io_progress(
         yield bar
         return
     bar.update(0, force=True)  # show at once that something is going on
-    meter = IOMeter()
     stop = threading.Event()
 
     def poll() -> None:
         while not stop.wait(interval):
-            bar.update(meter.moved())
+            bar.update(moved() or 0)
 
     poller = threading.Thread(target=poll, name="fastckpt-progress", daemon=True)
-    if meter.available:
+    if moved() is not None:
         poller.start()
     try:
         yield bar
@@ -199,7 +222,33 @@ def io_progress(
         stop.set()
         if poller.is_alive():
             poller.join()
+            bar.update(moved() or 0, force=True)
         bar.close()
+
+
+def io_progress(
+    label: str,
+    total: int | None,
+    *,
+    stream: TextIO | None = None,
+    enabled: bool | None = None,
+    interval: float = 0.1,
+) -> AbstractContextManager[ProgressBar]:
+    """:func:`polled_progress` fed by this process's I/O counters (``/proc/self/io``).
+
+    ``total`` is the number of bytes the block is expected to read plus write. Reads through a
+    file mapping are page faults, not ``read`` calls, and do not count: where the Rust core
+    does the work, pass it a :class:`fastckpt._native.ByteCounter` and poll that instead.
+    """
+    meter = IOMeter()
+    return polled_progress(
+        label,
+        total,
+        meter.moved if meter.available else lambda: None,
+        stream=stream,
+        enabled=enabled,
+        interval=interval,
+    )
 
 
 def log_throughput(

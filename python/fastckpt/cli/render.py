@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
-from fastckpt.progress import ProgressBar, format_bytes
+from fastckpt.progress import format_bytes, polled_progress
 from fastckpt.specs import BaseSpec
 from fastckpt.store.dispatch import backend_for
 
@@ -30,29 +29,12 @@ def counted_progress(
 ) -> Iterator[_native.ByteCounter]:
     """A progress bar (on stderr, terminals only, unless ``stream``/``enabled`` say
     otherwise) fed by a :class:`fastckpt._native.ByteCounter` that the Rust core advances where
-    the bytes are moved: pass it as ``progress=``. The final count is drawn before the bar is
-    erased."""
+    the bytes are moved: pass it as ``progress=``."""
     counter = _native.ByteCounter()
-    bar = ProgressBar(label, total, stream=stream, enabled=enabled, min_interval=interval)
-    if not bar.enabled:
+    with polled_progress(
+        label, total, lambda: counter.value, stream=stream, enabled=enabled, interval=interval
+    ):
         yield counter
-        return
-    bar.update(0, force=True)
-    stop = threading.Event()
-
-    def poll() -> None:
-        while not stop.wait(interval):
-            bar.update(counter.value)
-
-    poller = threading.Thread(target=poll, name="fastckpt-progress", daemon=True)
-    poller.start()
-    try:
-        yield counter
-    finally:
-        stop.set()
-        poller.join()
-        bar.update(counter.value, force=True)
-        bar.close()
 
 
 def print_json(document: Any) -> None:
