@@ -463,3 +463,60 @@ def test_sigkill_during_incremental_saves_and_prunes_leaves_the_latest_loadable(
             assert torch.equal(state[f"0.{name}"], tensor), name
         start = n + 1
     assert any(_refs(root, c["index"]) for c in fastckpt.list_checkpoints(root))
+
+
+_HOOK_CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[2])
+import fastckpt
+import training_support as support
+from fastckpt.training import CheckpointHook
+
+hook = CheckpointHook(sys.argv[1], step_interval=1, keep_last=2, async_save=True)
+
+
+def report(ctx, stage):
+    if stage is fastckpt.TrainingStage.AFTER_BATCH:
+        print(f"acknowledged {hook.last_checkpoint_index}", flush=True)
+
+
+strategy = support.new_strategy([hook, report], num_steps=10**6)
+strategy.models["main"].net[0].requires_grad_(False)
+strategy.run(support.loader())
+"""
+
+
+def test_sigkill_during_async_incremental_hook_saves_leaves_the_latest_loadable(
+    tmp_path: Path,
+) -> None:
+    """A TrainingStrategy with a frozen layer and an async CheckpointHook (every step,
+    keep_last=2) is SIGKILLed at random moments; each time the latest index verifies, loads,
+    is not older than the last index the hook acknowledged, and holds the frozen layer."""
+    frozen = support.new_strategy([], num_steps=1).models["main"].state_dict()
+    script = tmp_path / "child.py"
+    script.write_text(_HOOK_CHILD)
+    root = tmp_path / "root"
+    rng = random.Random(5)
+    for _ in range(6):
+        child = subprocess.Popen(
+            [sys.executable, str(script), str(root), str(Path(__file__).parent)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None
+        acknowledged = -1
+        for _ in range(rng.randint(3, 12)):
+            line = child.stdout.readline()
+            assert line, "the child died on its own"
+            value = line.split()[1]
+            acknowledged = -1 if value == "None" else int(value)
+        time.sleep(rng.random() * 0.05)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        assert fastckpt.verify(root).ok, str(fastckpt.verify(root))
+        result = fastckpt.load_checkpoint(root)
+        assert result["checkpoint_index"] >= acknowledged
+        state = result["models"]["main"]["model"].state_dict()
+        for name in ("net.0.weight", "net.0.bias"):
+            assert torch.equal(state[name], frozen[name]), name
+    assert any(_refs(root, c["index"]) for c in fastckpt.list_checkpoints(root))
