@@ -274,10 +274,16 @@ def test_replacing_a_referenced_index_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"index 0 holds tensors that indices \[1\]"):
         _save(tmp_path, model, checkpoint_index=0)
     _assert_bitwise(_snapshot(model), _loaded(tmp_path, 0))
+    # Nor is saving again at the number of a pruned index whose bytes are still referenced.
+    _save(tmp_path, model)
+    fastckpt.prune(tmp_path, keep_last=2)
+    assert ".ref-0" in os.listdir(tmp_path)
+    with pytest.raises(ValueError, match=r"index 0 holds tensors that indices \[1, 2\]"):
+        _save(tmp_path, model, checkpoint_index=0)
     # Replacing the latest index (referenced by nobody) never references itself.
-    _save(tmp_path, model, checkpoint_index=1)
-    assert {ref["index"] for ref in _refs(tmp_path, 1)["models/m.safetensors"].values()} == {0}
-    _save(tmp_path, model, checkpoint_index=1)
+    _save(tmp_path, model, checkpoint_index=2)
+    assert {ref["index"] for ref in _refs(tmp_path, 2)["models/m.safetensors"].values()} == {0}
+    _save(tmp_path, model, checkpoint_index=2)
     _assert_bitwise(_snapshot(model), _loaded(tmp_path))
 
 

@@ -29,6 +29,7 @@ from fastckpt.store.reader import read_json, read_tensor_file
 from fastckpt.store.records import Manifest
 from fastckpt.store.refs import (
     REFS_FILE,
+    RETAINED_PREFIX,
     Reference,
     index_references,
     refs_document,
@@ -301,7 +302,8 @@ def _check_references(writer: IndexWriter, snapshot: Snapshot) -> dict[str, dict
     """Under the root's lock: refuse to replace an index others reference, and write the
     tensors whose referenced bytes are gone (or are in the index being replaced)."""
     manifest = Manifest.load(writer.root)
-    if writer.index in manifest.entries:
+    retained = writer.root / f"{RETAINED_PREFIX}{writer.index}"  # a pruned, referenced index
+    if writer.index in manifest.entries or os.path.lexists(retained):
         users = incremental.referenced_by_others(manifest, writer.index)
         if users:
             raise ValueError(
