@@ -367,3 +367,24 @@ def test_two_ranks_write_their_own_files(tmp_path: Path) -> None:
     assert "model.rank0.safetensors" in files and "model.rank1.safetensors" in files
     assert "commit.json" in files
     assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+
+
+def test_sync_save_writes_cpu_tensors_without_staging_copies(tmp_path: Path) -> None:
+    model = torch.nn.Linear(8, 8)
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        manager.save(tmp_path / "c", {"model": model.state_dict()})
+        assert manager._stager.nbytes == 0  # only device tensors are staged
+        loaded = manager.load(tmp_path / "c")
+    assert torch.equal(loaded["model"]["weight"], model.weight.detach())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sync_save_stages_device_tensors_through_the_pinned_pool(tmp_path: Path) -> None:
+    model = torch.nn.Linear(64, 64).cuda()
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        manager.save(tmp_path / "c", {"model": model.state_dict()})
+        assert manager._stager.nbytes == state_bytes
+        loaded = manager.load(tmp_path / "c")
+    assert torch.equal(loaded["model"]["weight"], model.weight.detach().cpu())

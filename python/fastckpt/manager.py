@@ -50,6 +50,7 @@ from fastckpt.staging import (
 )
 from fastckpt.stateful import check_template, contains_stateful, prepare_save, restore
 from fastckpt.store.commit import DirectoryWriter
+from fastckpt.store.dispatch import use_storage_options
 from fastckpt.store.paths import check_name
 from fastckpt.store.reader import read_manager_item
 from fastckpt.store.records import COMMIT_RECORD, commit_record, item_files, read_commit_record
@@ -227,6 +228,7 @@ class CheckpointManager:
         self._dcp_writer: Any = None  # fastckpt.dcp.Writer, made at the first sharded save
         storage = self.config.storage_config or LocalFileSystemStorageConfig()
         self._direct_io = storage.use_direct_io
+        self._storage_options = storage.storage_options
         self._threads = self.config.save.writer_config.file_write_max_threads
         self._dist = _DistributedContext(
             self.config.save.writer_config.checkpoint_write_barrier_timeout_sec
@@ -283,6 +285,7 @@ class CheckpointManager:
             ValueError / KeyError / TypeError: invalid keys or values (nothing written).
         """
         self._check_open("save")
+        use_storage_options(checkpoint_id, self._storage_options, "CheckpointManager.save")
         if self._writer is not None:
             self._writer.collect()
         path = Path(checkpoint_id)
@@ -308,6 +311,13 @@ class CheckpointManager:
             skeletons[key], tensors[key] = tree.flatten(value)
         snapshot = _Snapshot(path, skeletons, tensors, str(checkpoint_id))
         if self._writer is None:
+            # Device tensors go through the same pinned buffers and side-stream copies as an
+            # async save (one synchronization) instead of one pageable .cpu() copy each.
+            stage_groups(
+                self._stager,
+                snapshot.tensors,
+                lambda key, name: snapshot.tensors[key][name].device.type != "cpu",
+            )
             self._write(snapshot)
             self._finalize(snapshot.checkpoint_id)
             return None
@@ -490,6 +500,7 @@ class CheckpointManager:
             FileNotFoundError: no such checkpoint.
         """
         self._check_open("load")
+        use_storage_options(checkpoint_id, self._storage_options, "CheckpointManager.load")
         start = time.perf_counter()
         directory = Path(checkpoint_id)
         if into is not None:

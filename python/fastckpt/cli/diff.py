@@ -243,7 +243,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         raise UserError(f"--atol must be >= 0, got {args.atol}")
     side_a, side_b = _diff_side(args.a), _diff_side(args.b)
     a, b = _align(side_a, side_b)
-    total = sum(p.stat().st_size for side in (a, b) for p in side.files.values())
+    total = sum(backend_for(p).stat(p).size for side in (a, b) for p in side.files.values())
     with io_progress("diff", total):
         try:
             result = diff_checkpoints(a, b, args.atol)
