@@ -371,6 +371,46 @@ def test_a_lock_file_that_is_a_link_or_a_fifo_is_refused_untouched(tmp_path: Pat
     assert save_at(root, trained(2), -1) == 1
 
 
+PRUNE_AND_DIE = r"""
+import os, signal, sys
+from fastckpt import prune
+from fastckpt.store.records import Manifest
+
+commit = Manifest.commit
+def commit_then_die(self):
+    if sys.argv[2] == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    commit(self)
+    os.kill(os.getpid(), signal.SIGKILL)
+Manifest.commit = commit_then_die
+prune(sys.argv[1], keep_last=2)
+"""
+
+
+@pytest.mark.parametrize("moment", ["before", "after"])
+def test_a_prune_killed_around_its_commit_keeps_referenced_bytes(
+    tmp_path: Path, moment: str
+) -> None:
+    """A prune of an index whose bytes kept (incremental) indices reference, SIGKILLed right
+    before or right after its manifest commit: every committed index verifies and loads, and
+    the next save cleans up (before the fix the directory was moved aside before the commit:
+    a kill in between left the manifest naming a missing directory)."""
+    root = tmp_path / "root"
+    state = trained(1)
+    for _ in range(3):
+        save_at(root, state, -1)  # unchanged tensors: 1 and 2 reference 0's bytes
+    child = subprocess.run([sys.executable, "-c", PRUNE_AND_DIE, str(root), moment], timeout=120)
+    assert child.returncode == -signal.SIGKILL
+    assert sorted(Manifest.load(root).entries) == ([0, 1, 2] if moment == "before" else [1, 2])
+    assert verify(root).ok, verify(root)
+    for index in Manifest.load(root).entries:
+        assert_same(states(state), loaded_states(load_checkpoint(root, index)))
+    save_at(root, trained(2), -1)
+    assert verify(root).ok
+    assert prune(root, 1) and verify(root).ok
+    assert_same(states(trained(2)), loaded_states(load_checkpoint(root)))
+
+
 def _lock_waiters(lock_file: Path) -> int:
     """How many processes/threads wait for an flock on ``lock_file`` (from /proc/locks)."""
     try:

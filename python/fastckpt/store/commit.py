@@ -341,6 +341,7 @@ def clean_leftovers(root: Path) -> list[str]:
     except (CheckpointFormatError, OSError):
         manifest = None  # never delete index directories on the word of a damaged manifest
     latest = None if manifest is None else manifest.latest
+    referenced: set[int] | None = None
     for name in backend.list_dir(root):
         child = root / name
         if name.startswith((TEMP_PREFIX, TRASH_PREFIX)) and (child.is_dir() or child.is_symlink()):
@@ -356,11 +357,27 @@ def clean_leftovers(root: Path) -> list[str]:
             and child.is_dir()
             and not os.path.islink(child)
         ):
-            backend.delete(child)
+            if referenced is None:
+                referenced = _referenced(manifest)
+            if int(name) in referenced:
+                # A prune committed, then died before setting the bytes kept indices
+                # reference aside: finish it.
+                refs.retain_for_references(root, int(name))
+            else:
+                backend.delete(child)
         else:
             continue
         removed.append(name)
     return removed
+
+
+def _referenced(manifest: Manifest) -> set[int]:
+    """The indices whose bytes the committed indices reference (all, when the references
+    cannot be read: never delete on the word of a damaged record)."""
+    try:
+        return refs.referenced_indices(manifest, list(manifest.entries))
+    except (CheckpointFormatError, OSError):
+        return set(range((manifest.latest or 0) + 1))
 
 
 def _clean_object_root(root: Path, backend: StorageBackend) -> list[str]:
@@ -420,21 +437,54 @@ def prune_indices(root: Path, keep_last: int, *, lock_timeout: float | None = No
         if not doomed:
             return []
         # Bytes a kept (incremental) index references outlive their pruned index, renamed
-        # to ROOT/.ref-<index> before the manifest lets it go (fastckpt.store.refs).
+        # to ROOT/.ref-<index> (fastckpt.store.refs).
         kept = [index for index in manifest.entries if index not in doomed]
+        # Hard links make the retained copy before the manifest lets the index go, so a
+        # kill at any point leaves the committed indices and their references whole.
         needed = refs.referenced_indices(manifest, kept) if is_local(backend) else set()
-        for index in doomed:
-            if index in needed:
-                refs.retain_for_references(root, index)
+        linked = {index for index in needed if _link_retained(root, index)}
+        for index in needed - linked:  # no hard links here: moved before the commit
+            refs.retain_for_references(root, index)
         for index in doomed:
             del manifest.entries[index]
         manifest.commit()
         for index in doomed:
-            if index not in needed:
+            if index not in needed or index in linked:
                 _delete_index(backend, root, manifest.directory(index), set(manifest.entries))
         if is_local(backend):
             refs.collect_garbage(root, needed)
     return doomed
+
+
+def _link_retained(root: Path, index: int) -> bool:
+    """Make ``ROOT/.ref-<index>`` a copy of ``ROOT/<index>`` by hard links (no data copied),
+    durably, leaving the index in place; False when links are not possible here."""
+    directory = root / str(index)
+    if not directory.is_dir() or directory.is_symlink():
+        return False
+    temp = root / f"{TEMP_PREFIX}{refs.RETAINED_PREFIX[1:]}{index}~{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    try:
+        for source in sorted(directory.rglob("*")):
+            target = temp / source.relative_to(directory)
+            if source.is_dir() and not source.is_symlink():
+                target.mkdir(parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.link(source, target, follow_symlinks=False)
+        temp.mkdir(exist_ok=True)
+        for folder in sorted((p for p in temp.rglob("*") if p.is_dir()), reverse=True):
+            _native.fsync_dir(str(folder))
+        _native.fsync_dir(str(temp))
+    except OSError:
+        shutil.rmtree(temp, ignore_errors=True)
+        return False
+    retained = root / f"{refs.RETAINED_PREFIX}{index}"
+    if os.path.lexists(retained):
+        shutil.rmtree(retained)
+    os.rename(temp, retained)
+    _native.fsync_dir(str(root))
+    return True
 
 
 def _delete_index(

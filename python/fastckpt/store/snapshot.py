@@ -108,12 +108,12 @@ def read_consistently(record: Path, read: Callable[[], T], *, lock_root: Path | 
 
 def _wait_for_change(record: Path, before: tuple[int, int] | None, root: Path) -> bool:
     """Wait (at most :data:`WRITER_WAIT_SECS`) while a writer holds ``root``'s lock for
-    ``record`` to change; whether it did."""
+    ``record`` to change or the writer to finish; whether one of them happened."""
     deadline = time.monotonic() + WRITER_WAIT_SECS
     while time.monotonic() < deadline:
         time.sleep(0.002)
         if fingerprint(record) != before:
             return True
         if not _writer_active(root):
-            return fingerprint(record) != before
+            return True  # the writer finished (it may have set files aside): read once more
     return False
