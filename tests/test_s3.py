@@ -358,8 +358,9 @@ def test_sigkilled_savers_never_break_the_committed_checkpoints(
 
 
 def test_fastckpt_bench_s3_runs_every_writer_and_the_async_stall(tmp_path: Path) -> None:
-    """``fastckpt bench s3`` on a tiny state: every writer round-trips the state (the scenario
-    checks each download bitwise), and the stall rows for local disk and s3:// are there."""
+    """``fastckpt bench s3 --json`` on a tiny state: every writer round-trips the state (the
+    scenario checks each download bitwise), the stall rows for local disk and s3:// are there,
+    and the result document printed on stdout is the one written to ``--out``."""
     result = subprocess.run(
         [
             sys.executable,
@@ -369,6 +370,7 @@ def test_fastckpt_bench_s3_runs_every_writer_and_the_async_stall(tmp_path: Path)
             "s3",
             *("--size-mib", "8", "--repeats", "1"),
             *("--part-mib", "5", "--out", str(tmp_path)),
+            "--json",
         ],
         capture_output=True,
         text=True,
@@ -377,6 +379,7 @@ def test_fastckpt_bench_s3_runs_every_writer_and_the_async_stall(tmp_path: Path)
     )
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads((tmp_path / "s3-8mib.json").read_text())
+    assert json.loads(result.stdout) == document  # the table went to stderr
     assert set(document["writers"]) >= {"fastckpt", "boto3", "s3fs"}
     stall = document["async_stall"]
     assert stall["local"]["stall_s"]["median"] > 0 and stall["s3"]["total_s"]["median"] > 0

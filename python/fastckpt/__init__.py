@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
         SyncCheckpointSaverConfig,
     )
     from fastckpt.specs import BaseSpec, create_model_spec, register_type_serializer
+    from fastckpt.store.dispatch import configure_storage
     from fastckpt.strategy import FineTuningStrategy, OptimizerConfig, TrainingStrategy
     from fastckpt.verify import VerifyReport, latest_intact, verify
 
@@ -81,6 +82,7 @@ _NAMES = {
         "SyncCheckpointSaverConfig",
     ),
     "fastckpt.specs": ("BaseSpec", "create_model_spec", "register_type_serializer"),
+    "fastckpt.store.dispatch": ("configure_storage",),
     "fastckpt.strategy": ("FineTuningStrategy", "OptimizerConfig", "TrainingStrategy"),
     "fastckpt.verify": ("VerifyReport", "latest_intact", "verify"),
 }
@@ -159,6 +161,7 @@ __all__ = [
     "UntrustedTargetError",
     "VerifyReport",
     "__version__",
+    "configure_storage",
     "create_model_spec",
     "latest_intact",
     "list_checkpoints",

@@ -35,6 +35,7 @@ from fastckpt.components import (
 )
 from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.store.commit import prune_indices
+from fastckpt.store.dispatch import use_storage_options
 from fastckpt.store.records import MANIFEST, Manifest
 from fastckpt.store.snapshot import read_consistently
 from fastckpt.strategy import TrainingStrategy
@@ -59,6 +60,7 @@ def save_checkpoint(
     counters: Mapping[str, int] | None = None,
     incremental: bool = True,
     lock_timeout: float | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> int:
     """Save models, optimizers and schedulers (or a whole strategy) as one committed index.
 
@@ -84,6 +86,11 @@ def save_checkpoint(
             (see docs/incremental.md); False writes everything.
         lock_timeout: give up waiting for another process saving into or pruning ``root``
             after this many seconds (None: wait; who holds the lock is logged after a second).
+        storage_options: object-store client options for an ``s3://`` root (endpoint_url,
+            region, access_key_id, ... as for :func:`fastckpt.configure_storage`), over the
+            AWS environment; they are registered for ``root``'s prefix (as
+            ``configure_storage(root, storage_options)``) and stay in effect for it. A local
+            ``root`` refuses them (``StorageOptionsError``).
 
     Returns:
         The committed index.
@@ -94,6 +101,7 @@ def save_checkpoint(
         TimeoutError: ``lock_timeout`` passed while another process held the root (the
             message names it: pid and host).
     """
+    use_storage_options(root, storage_options, "save_checkpoint")
     if models is not None and not isinstance(models, Mapping):
         strategy, models = models, None
     if strategy is not None:
@@ -117,6 +125,7 @@ def load_checkpoint(
     training_fn: Any = None,
     strategy: Any = None,
     trusted: Trusted = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load a committed checkpoint index, rebuilding models, optimizers and schedulers.
 
@@ -132,6 +141,11 @@ def load_checkpoint(
             dotted path).
         strategy: accepted for compatibility; ignored.
         trusted: extra dotted paths / callables the trust policy admits for this load.
+        storage_options: object-store client options for an ``s3://`` root (endpoint_url,
+            region, access_key_id, ... as for :func:`fastckpt.configure_storage`), over the
+            AWS environment; they are registered for ``root``'s prefix (as
+            ``configure_storage(root, storage_options)``) and stay in effect for it. A local
+            ``root`` refuses them (``StorageOptionsError``).
 
     Returns:
         ``{"checkpoint_index", "manifest", "strategy", "source": {"format", "path"},
@@ -148,6 +162,7 @@ def load_checkpoint(
         UntrustedTargetError: a spec names code outside the trust policy.
     """
     del strategy  # accepted for signature compatibility: the checkpoint says what it holds
+    use_storage_options(root, storage_options, "load_checkpoint")
 
     def attempt() -> dict[str, Any]:
         result = load_components(
@@ -207,8 +222,18 @@ def _restore_strategy(
 # --------------------------------------------------------------------------- housekeeping
 
 
-def list_checkpoints(root: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def list_checkpoints(
+    root: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """Committed indices of a root, oldest first.
+
+    Args:
+        root: checkpoint root.
+        storage_options: object-store client options for an ``s3://`` root (endpoint_url,
+            region, access_key_id, ... as for :func:`fastckpt.configure_storage`), over the
+            AWS environment; they are registered for ``root``'s prefix (as
+            ``configure_storage(root, storage_options)``) and stay in effect for it. A local
+            ``root`` refuses them (``StorageOptionsError``).
 
     Returns:
         One dict per index: ``index``, ``created``, ``size`` (bytes), ``counters``,
@@ -218,6 +243,7 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[dict[str, Any]]:
         CheckpointFormatError / ChecksumMismatchError: the manifest is damaged (the same
             checks as :func:`load_checkpoint`, its own crc32c included).
     """
+    use_storage_options(root, storage_options, "list_checkpoints")
     manifest = Manifest.load(root, verify_checksum=True)
     return [
         {
@@ -233,7 +259,11 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def prune(
-    root: str | os.PathLike[str], keep_last: int, *, lock_timeout: float | None = None
+    root: str | os.PathLike[str],
+    keep_last: int,
+    *,
+    lock_timeout: float | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Delete all but the newest ``keep_last`` indices (never the latest).
 
@@ -242,7 +272,18 @@ def prune(
     process's save or prune of the root: after a second it logs who that is (pid, host);
     ``lock_timeout`` (seconds) gives up with a ``TimeoutError`` naming it.
 
+    Args:
+        root: checkpoint root.
+        keep_last: how many of the newest indices to keep.
+        lock_timeout: see above.
+        storage_options: object-store client options for an ``s3://`` root (endpoint_url,
+            region, access_key_id, ... as for :func:`fastckpt.configure_storage`), over the
+            AWS environment; they are registered for ``root``'s prefix (as
+            ``configure_storage(root, storage_options)``) and stay in effect for it. A local
+            ``root`` refuses them (``StorageOptionsError``).
+
     Returns:
         The deleted indices.
     """
+    use_storage_options(root, storage_options, "prune")
     return prune_indices(Path(root), keep_last, lock_timeout=lock_timeout)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,17 +277,35 @@ class CheckpointLoaderConfig(StrictConfig):
 
 @dataclass
 class LocalFileSystemStorageConfig(StrictConfig):
-    """Local filesystem storage.
+    """Storage: the local filesystem, and client options for ``s3://`` checkpoint ids.
 
     Attributes:
         use_direct_io: True tries O_DIRECT (falling back safely), False writes through the
             page cache, None (default) picks per file (:func:`fastckpt.files.choose_direct_io`:
             buffered while a file fits in the kernel's background-writeback allowance, O_DIRECT
             above).
+        storage_options: object-store client options (endpoint_url, region, access_key_id,
+            ... as for :func:`fastckpt.configure_storage`) for every ``s3://`` checkpoint id
+            the manager saves or loads, over the AWS environment: they are registered for
+            each id's prefix (as ``configure_storage(id, storage_options)``) when the manager
+            touches it. None (default): the AWS environment and config files. A local id is
+            refused while they are set (``StorageOptionsError``).
     """
 
     use_direct_io: bool | None = None
+    storage_options: Mapping[str, Any] | None = None
 
     def _check(self, name: str, value: Any) -> None:
+        if name == "storage_options":
+            if value is not None:
+                from fastckpt.store.s3config import S3Options
+
+                if not isinstance(value, Mapping):
+                    raise TypeError(
+                        f"{type(self).__name__}.storage_options must be a mapping of client "
+                        f"options or None, got {value!r}"
+                    )
+                S3Options.from_mapping(value)  # unknown keys / bad values fail here
+            return
         if value is not None:
             self._need_bool(name, value)

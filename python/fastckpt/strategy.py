@@ -33,6 +33,7 @@ from fastckpt.hooks.context import (
     TrainContext,
     TrainingStage,
 )
+from fastckpt.store.dispatch import use_storage_options
 from fastckpt.store.records import Manifest
 
 __all__ = ["FineTuningStrategy", "OptimizerConfig", "TrainingStrategy"]
@@ -613,6 +614,7 @@ class TrainingStrategy:
         validators: Any = None,
         trusted: Trusted = None,
         parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> TrainingStrategy:
         """Rebuild a strategy from a checkpoint: models from their specs, optimizers and
         schedulers from the recipe, then every piece of state.
@@ -626,12 +628,17 @@ class TrainingStrategy:
                 ``fully_shard`` calls on the current mesh); the shards are then loaded and
                 resharded to the current world size (collective: every rank calls this).
                 Without it, such a checkpoint loads into unsharded models.
+            storage_options: object-store client options for an ``s3://`` root (endpoint_url,
+                region, access_key_id, ... as for :func:`fastckpt.configure_storage`), over the AWS
+                environment; registered for its prefix (as ``configure_storage``) and kept in
+                effect for it. A local path refuses them (``StorageOptionsError``).
 
         Raises:
             ValueError: a component-only checkpoint (use ``fastckpt.load_checkpoint``), the
                 training function must be supplied, or ``parallelize`` was given for a
                 checkpoint of unsharded models.
         """
+        use_storage_options(root, storage_options, "TrainingStrategy.load_checkpoint")
         manifest = Manifest.load(root)
         index = manifest.resolve(int(checkpoint_index))
         peek = codec.IndexReader(manifest, index)

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.files import DEFAULT_THREADS
-from fastckpt.store.dispatch import backend_for
+from fastckpt.store.dispatch import backend_for, use_storage_options
 from fastckpt.store.locate import Kind, locate
 from fastckpt.store.paths import safe_join
 from fastckpt.store.reader import FileReport, Status, check_recorded, verify_content
@@ -224,6 +226,7 @@ def verify(
     index: int | None = None,
     *,
     threads: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Verify a checkpoint on disk: every file's size and crc32c against its commit record.
 
@@ -244,6 +247,10 @@ def verify(
         path_or_root: what to verify (see above).
         index: for a root, one committed index instead of all of them.
         threads: reader threads per tensor file (default ``fastckpt.files.DEFAULT_THREADS``).
+        storage_options: object-store client options for an ``s3://`` path (endpoint_url, region,
+            access_key_id, ... as for :func:`fastckpt.configure_storage`), over the AWS
+            environment; registered for its prefix (as ``configure_storage``) and kept in
+            effect for it. A local path refuses them (``StorageOptionsError``).
 
     Returns:
         A :class:`VerifyReport`; damage is reported there (``report.ok`` is False), not raised.
@@ -254,6 +261,7 @@ def verify(
         KeyError: ``index`` is not committed in the root.
         ValueError: ``index`` given for something that is not a root.
     """
+    use_storage_options(path_or_root, storage_options, "verify")
     location = locate(path_or_root)
     workers = max(1, threads or DEFAULT_THREADS)
     if location.kind == "root":

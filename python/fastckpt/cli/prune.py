@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -23,8 +24,9 @@ from fastckpt.cli.render import (
 from fastckpt.errors import FastCkptError
 from fastckpt.progress import format_bytes
 from fastckpt.store.backend import TEMP_PREFIX
+from fastckpt.store.dispatch import backend_for, is_object_url
 from fastckpt.store.locate import KIND_NAMES
-from fastckpt.store.lock import RootLock, lock_holder
+from fastckpt.store.lock import LOCK_FILE, lock_holder
 from fastckpt.store.records import COMMIT_RECORD, MANIFEST, read_commit_record
 
 # --------------------------------------------------------------------------- the root lock
@@ -32,7 +34,14 @@ from fastckpt.store.records import COMMIT_RECORD, MANIFEST, read_commit_record
 
 def describe_holder(root: Path) -> str:
     """Who holds ``root``'s lock (the pid and host its lock file records), with the holder's
-    command line when it runs on this machine."""
+    command line when it runs on this machine; on object storage, the owner its lease
+    object names: ``host:pid:id``)."""
+    if is_object_url(root):
+        try:
+            lease = json.loads(backend_for(root).read_bytes(root / LOCK_FILE, limit=1 << 16))
+            return f"lease owner {lease['owner']} (host:pid:id)"
+        except (OSError, FastCkptError, ValueError, KeyError, TypeError):
+            return "an unknown process"
     holder = lock_holder(root)
     words = holder.split()
     if len(words) == 5 and words[0] == "pid" and words[4] == socket.gethostname():
@@ -52,7 +61,7 @@ def _command(pid: str) -> str:
 def announce_lock(root: Path, timeout: float | None) -> None:
     """While another process holds ``root``'s lock, say who on stderr before waiting for it
     (the wait itself is the prune's, bounded by ``timeout``)."""
-    probe = RootLock(root, timeout=0)
+    probe = backend_for(root).lock(root, timeout=0)
     try:
         probe.acquire()
     except TimeoutError:
@@ -133,7 +142,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"save_checkpoint root (a directory holding {MANIFEST}) or a directory of "
             f"CheckpointManager checkpoints (each holding {COMMIT_RECORD})"
         )
-    if not args.dry_run and Path(location.path).is_dir():
+    if not args.dry_run and (is_object_url(location.path) or Path(location.path).is_dir()):
         announce_lock(Path(location.path), args.lock_timeout)
     entries = list_checkpoints(location.path)
     sizes = {row["index"]: row["size"] for row in entries}

@@ -27,8 +27,15 @@ from fastckpt.dcp.commit import RECORD_NAME, new_generation, read_record
 from fastckpt.dcp.metadata import Record, StoredChunk
 from fastckpt.dcp.values import as_planner_bytes, decode_value
 from fastckpt.errors import CheckpointFormatError
+from fastckpt.store.dispatch import require_local
 
 __all__ = ["Reader"]
+
+#: What to use instead of an ``s3://`` URL (sharded checkpoints write through a filesystem).
+_INSTEAD = (
+    "load sharded (DCP) checkpoints from a shared filesystem path every rank can reach "
+    "(object storage is not supported for them yet)"
+)
 
 
 class Reader(StorageReader):
@@ -47,6 +54,7 @@ class Reader(StorageReader):
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
         """Point the reader at ``path``; nothing is read until a load."""
         super().__init__()
+        require_local(path, "fastckpt.dcp.Reader", _INSTEAD)
         self.path = Path(path)
         self.verify = verify
         self.bytes_read = 0
@@ -58,6 +66,7 @@ class Reader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load, optionally from another checkpoint directory."""
         if checkpoint_id:
+            require_local(checkpoint_id, "fastckpt.dcp.Reader", _INSTEAD)
             self.path = Path(checkpoint_id)
         self._record = None
         self.load_id = new_generation()

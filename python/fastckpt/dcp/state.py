@@ -30,6 +30,7 @@ from fastckpt.dcp.commit import RECORD_NAME
 from fastckpt.dcp.reader import Reader
 from fastckpt.dcp.writer import Writer
 from fastckpt.errors import CheckpointMismatchError
+from fastckpt.store.dispatch import require_local
 
 __all__ = [
     "async_save_state",
@@ -38,6 +39,10 @@ __all__ = [
     "load_state",
     "save_state",
 ]
+
+
+#: What to use instead of an ``s3://`` URL.
+_SHARED_FS = "use a shared filesystem path every rank can reach for sharded (DCP) checkpoints"
 
 
 def contains_dtensors(state: Any) -> bool:
@@ -71,6 +76,7 @@ def save_state(
         writer: a writer to reuse (its options and staging buffers); one is made otherwise.
         process_group: the group DCP coordinates on (default: the default group, if any).
     """
+    require_local(path, "fastckpt.dcp.save_state", _SHARED_FS)
     writer = writer or Writer(path)
     writer.reset(path)
     dcp.save(dict(state), storage_writer=writer, process_group=process_group)
@@ -92,6 +98,7 @@ def async_save_state(
     Returns:
         A future resolved when the checkpoint is committed (raises what the save raised).
     """
+    require_local(path, "fastckpt.dcp.async_save_state", _SHARED_FS)
     writer.reset(path)
     future = dcp.async_save(dict(state), storage_writer=writer, process_group=process_group)
     return future  # type: ignore[return-value]
@@ -180,6 +187,7 @@ def load_state(
         torch.distributed.checkpoint.api.CheckpointException: a read failed on some rank
             (e.g. ``ChecksumMismatchError`` naming the file and tensor).
     """
+    require_local(path, "fastckpt.dcp.load_state", _SHARED_FS)
     root = Path(path)
     reader = reader or Reader(root)
     reader.reset(root)

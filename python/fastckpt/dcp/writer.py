@@ -38,8 +38,15 @@ from fastckpt.dcp.stager import DcpStager
 from fastckpt.dcp.values import encode_value, planner_object
 from fastckpt.files import byte_view, host_tensor, read_metadata, write_tensors
 from fastckpt.staging import StagerOptions
+from fastckpt.store.dispatch import require_local
 
 __all__ = ["DCP_SHARDING_INFO_KEY", "Writer"]
+
+#: What to use instead of an ``s3://`` URL (sharded checkpoints write through a filesystem).
+_INSTEAD = (
+    "save sharded (DCP) checkpoints to a shared filesystem path every rank can reach "
+    "(object storage is not supported for them yet)"
+)
 
 #: safetensors metadata key under which DCP's safetensors support records chunk offsets.
 DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
@@ -84,6 +91,7 @@ class Writer(StorageWriter, DcpStager):
         DcpStager.__init__(self, stager_options)
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        require_local(path, "fastckpt.dcp.Writer", _INSTEAD)
         self.path = Path(path)
         self.threads = threads
         self.direct_io = direct_io
@@ -99,6 +107,7 @@ class Writer(StorageWriter, DcpStager):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, optionally into another checkpoint directory."""
         if checkpoint_id:
+            require_local(checkpoint_id, "fastckpt.dcp.Writer", _INSTEAD)
             self.path = Path(checkpoint_id)
         self.save_id = new_generation()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from fastckpt.staging import (
     stage_groups,
 )
 from fastckpt.store.commit import prune_indices
+from fastckpt.store.dispatch import use_storage_options
 
 __all__ = ["CheckpointHook"]
 
@@ -81,10 +82,18 @@ class CheckpointHook:
         wait_timeout_secs: float | None = 600,
         save_last: bool = True,
         incremental: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        """Validate the policy; the background writer starts when the hook is entered."""
+        """Validate the policy; the background writer starts when the hook is entered.
+
+        ``storage_options``: object-store client options for an ``s3://`` checkpoint_dir
+        (endpoint_url, region, access_key_id, ... as for :func:`fastckpt.configure_storage`),
+        over the AWS environment; registered for its prefix (as ``configure_storage``) and
+        kept in effect for it. A local path refuses them (``StorageOptionsError``).
+        """
         if checkpoint_dir is None:
             raise TypeError("CheckpointHook needs a checkpoint_dir")
+        use_storage_options(checkpoint_dir, storage_options, "CheckpointHook")
         _positive("step_interval", step_interval)
         _positive("epoch_interval", epoch_interval)
         _positive("keep_last", keep_last)

@@ -13,7 +13,14 @@ from typing import Any
 
 from fastckpt.store.backend import LOCAL, LocalFileSystem, StorageBackend
 
-__all__ = ["backend_for", "configure_storage", "is_local", "is_object_url", "require_local"]
+__all__ = [
+    "backend_for",
+    "configure_storage",
+    "is_local",
+    "is_object_url",
+    "require_local",
+    "use_storage_options",
+]
 
 
 def configure_storage(
@@ -45,6 +52,36 @@ def configure_storage(
     register_storage_options(url, merged or None)
 
 
+def use_storage_options(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None, what: str
+) -> None:
+    """Apply the ``storage_options=`` a front door (``what``, e.g. ``save_checkpoint``) was
+    given for ``path``: they are registered for ``path``'s prefix exactly as
+    :func:`configure_storage` would, so every backend opened under ``path`` (in this call and
+    in background saves it starts) uses them; they stay in effect for that prefix afterwards,
+    until replaced (by another call's options or ``configure_storage``). None does nothing.
+
+    Raises:
+        StorageOptionsError: options given for a local path (they configure object stores).
+        TypeError / ValueError: an unknown option or a value out of range.
+    """
+    if storage_options is None:
+        return
+    if not is_object_url(path):
+        from fastckpt.store.s3errors import StorageOptionsError
+
+        raise StorageOptionsError(
+            f"{os.fspath(path)}: {what}(storage_options=...) configures object storage, but "
+            "this is a local path; drop storage_options or use an s3:// URL"
+        )
+    configure_storage(_url(path), storage_options)
+
+
+def _url(path: str | os.PathLike[str]) -> str:
+    """``s3://bucket/key`` for either spelling (``s3:/bucket/key`` from ``pathlib``)."""
+    return "s3://" + os.fspath(path)[len("s3:/") :].lstrip("/")
+
+
 def is_object_url(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is an object-store URL (``s3://...`` or ``s3:/...``)."""
     return os.fspath(path).startswith("s3:/")
@@ -71,7 +108,7 @@ def require_local(path: str | os.PathLike[str], what: str, instead: str) -> None
     if is_object_url(path):
         from fastckpt.store.s3errors import UnsupportedOnObjectStoreError
 
-        url = "s3://" + os.fspath(path)[len("s3:/") :].lstrip("/")
+        url = _url(path)
         raise UnsupportedOnObjectStoreError(
             f"{url}: {what} needs a filesystem path, not object storage; {instead}"
         )

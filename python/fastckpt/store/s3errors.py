@@ -19,6 +19,7 @@ __all__ = [
     "EndpointUnreachableError",
     "ObjectNotFoundError",
     "ObjectStoreError",
+    "StorageOptionsError",
     "UnsupportedOnObjectStoreError",
     "translate",
 ]
@@ -51,6 +52,10 @@ class CommitConflictError(ObjectStoreError, FileExistsError):
 class UnsupportedOnObjectStoreError(FastCkptError, NotImplementedError):
     """A feature that needs a filesystem was given an ``s3://`` URL (the message names the
     URL and what to use instead)."""
+
+
+class StorageOptionsError(FastCkptError, ValueError):
+    """``storage_options=`` were given for a path they cannot apply to (a local path)."""
 
 
 _DENIED_CODES = (

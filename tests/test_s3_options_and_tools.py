@@ -1,0 +1,200 @@
+"""``s3://`` in the remaining places, against a real moto server: ``fastckpt diff`` between two
+object-store roots, ``fastckpt.dcp`` refusing an ``s3://`` URL with a typed error (never a local
+``s3:`` directory), ``fastckpt prune`` naming the holder of a root's lease, and per-call
+``storage_options=`` on every front door with no AWS environment at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastckpt
+import training_support as ts
+from fastckpt.store.dispatch import backend_for, configure_storage
+from fastckpt.store.s3backend import S3RootLock
+from fastckpt.store.s3errors import (
+    AccessDeniedError,
+    StorageOptionsError,
+    UnsupportedOnObjectStoreError,
+)
+from s3_support import S3Server, s3_root, s3_server
+
+__all__ = ["s3_root", "s3_server"]  # fixtures used by name below
+
+
+@pytest.fixture
+def s3_env(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[dict[str, str]]:
+    """The server reached through the standard AWS variables, in a scratch working dir."""
+    monkeypatch.chdir(tmp_path)
+    env = {
+        "AWS_ENDPOINT_URL": s3_server.endpoint,
+        "AWS_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": s3_server.access_key_id,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_access_key,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    yield env
+    assert not (tmp_path / "s3:").exists(), sorted(p.name for p in tmp_path.iterdir())
+
+
+@pytest.fixture
+def no_aws_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No AWS variable and no AWS config file: only options given per call reach a server."""
+    monkeypatch.chdir(tmp_path)
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    yield
+    assert not (tmp_path / "s3:").exists(), sorted(p.name for p in tmp_path.iterdir())
+
+
+def _cli(env: dict[str, str], *command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fastckpt", *command],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
+
+
+def test_cli_diff_between_two_s3_roots(s3_root: str, s3_env: dict[str, str]) -> None:
+    """Equal tensors compare identical (exit 0); one changed weight is reported by name with
+    its differing element count (exit 1) - all read from the server."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    a, b, c = f"{s3_root}/a", f"{s3_root}/b", f"{s3_root}/c"
+    fastckpt.save_checkpoint(a, models={"main": model})
+    fastckpt.save_checkpoint(b, models={"main": model})
+    with torch.no_grad():
+        model.weight[0, :3] += 1.0
+    fastckpt.save_checkpoint(c, models={"main": model})
+    same = _cli(s3_env, "diff", a, b, "--json")
+    assert same.returncode == 0, same.stderr
+    report = json.loads(same.stdout)
+    assert report["identical"] and report["compared"] >= 2 and report["same"] >= 2
+    changed = _cli(s3_env, "diff", a, c, "--json")
+    assert changed.returncode == 1, changed.stderr
+    report = json.loads(changed.stdout)
+    assert [(t["name"], t["differing"]) for t in report["changed"]] == [("models/main:weight", 3)]
+
+
+def test_fastckpt_dcp_refuses_an_s3_url_with_a_typed_error(
+    s3_root: str, s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Writer, Reader (construction and a checkpoint_id reset) and the save/load helpers
+    refuse an ``s3://`` URL naming it; no local ``s3:`` directory appears (fixture check)."""
+    from fastckpt import dcp
+    from fastckpt.dcp.state import load_state, save_state
+
+    url = f"{s3_root}/sharded"
+    for make in (lambda: dcp.Writer(url), lambda: dcp.Reader(url)):
+        with pytest.raises(UnsupportedOnObjectStoreError, match=f"{url}: .*shared filesystem"):
+            make()
+    writer = dcp.Writer(tmp_path / "local")
+    with pytest.raises(UnsupportedOnObjectStoreError, match=url):
+        writer.reset(url)
+    with pytest.raises(UnsupportedOnObjectStoreError, match=url):
+        dcp.Reader(tmp_path / "local").reset(url)
+    with pytest.raises(UnsupportedOnObjectStoreError, match=url):
+        save_state(url, {"x": torch.zeros(2)})
+    with pytest.raises(UnsupportedOnObjectStoreError, match=url):
+        load_state(url)
+    assert not backend_for(url).list_dir(Path(url))  # nothing went to the server either
+
+
+def test_cli_prune_on_s3_waits_for_the_lease_and_names_its_holder(
+    s3_root: str, s3_env: dict[str, str]
+) -> None:
+    """While this process holds the root's lease, ``fastckpt prune`` says who holds it and
+    gives up after --lock-timeout; once released, the same prune deletes the old index."""
+    model = torch.nn.Linear(2, 2)
+    fastckpt.save_checkpoint(s3_root, models={"main": model})
+    fastckpt.save_checkpoint(s3_root, models={"main": model})
+    lease = backend_for(s3_root).lock(Path(s3_root), timeout=5)
+    assert isinstance(lease, S3RootLock)
+    lease.acquire()
+    try:
+        blocked = _cli(s3_env, "prune", s3_root, "--keep-last", "1", "--lock-timeout", "1")
+    finally:
+        lease.release()
+    assert blocked.returncode != 0
+    assert f"locked by lease owner {lease.owner}" in blocked.stderr, blocked.stderr
+    assert [c["index"] for c in fastckpt.list_checkpoints(s3_root)] == [0, 1]
+    done = _cli(s3_env, "prune", s3_root, "--keep-last", "1")
+    assert done.returncode == 0, done.stderr
+    assert [c["index"] for c in fastckpt.list_checkpoints(s3_root)] == [1]
+
+
+def test_storage_options_per_call_reach_the_server_with_no_aws_environment(
+    s3_server: S3Server, s3_root: str, no_aws_env: None
+) -> None:
+    """Options given to each front door (no AWS variable or file exists) reach the server;
+    a wrong key given per call is AccessDeniedError naming the URL; a local path refuses
+    options with StorageOptionsError."""
+    options = s3_server.options()
+    root, ids, hooked = f"{s3_root}/root", f"{s3_root}/ids/ckpt", f"{s3_root}/hook"
+    bad = f"{s3_root}/bad"
+    try:
+        model = torch.nn.Linear(8, 4)
+        saved = {"main": model}
+        assert fastckpt.save_checkpoint(root, models=saved, storage_options=options) == 0
+        assert fastckpt.save_checkpoint(root, models=saved, storage_options=options) == 1
+        listed = fastckpt.list_checkpoints(root, storage_options=options)
+        assert [c["index"] for c in listed] == [0, 1]
+        loaded = fastckpt.load_checkpoint(root, storage_options=options)["models"]["main"]
+        assert torch.equal(loaded["model"].weight, model.weight)
+        assert fastckpt.verify(root, storage_options=options).ok
+        assert fastckpt.prune(root, keep_last=1, storage_options=options) == [0]
+
+        config = fastckpt.CheckpointManager.Config.with_sync_save()
+        config.storage_config = fastckpt.LocalFileSystemStorageConfig(storage_options=options)
+        with fastckpt.CheckpointManager(config) as manager:
+            manager.save(ids, {"x": torch.arange(5.0), "step": 3})
+            assert torch.equal(manager.load(ids)["x"], torch.arange(5.0))
+
+        hook = fastckpt.CheckpointHook(
+            hooked, step_interval=2, async_save=True, storage_options=options
+        )
+        strategy = ts.new_strategy([hook], num_steps=4)
+        strategy.run(ts.loader())
+        restored = fastckpt.TrainingStrategy.load_checkpoint(
+            hooked, training_fn=ts.training_fn, storage_options=options
+        )
+        assert restored.step_count == 4
+        for name, tensor in strategy.models["main"].state_dict().items():
+            assert torch.equal(restored.models["main"].state_dict()[name], tensor)
+
+        wrong = s3_server.options(secret_access_key="wrong", max_retries=0)
+        with pytest.raises(AccessDeniedError, match=bad):
+            fastckpt.save_checkpoint(bad, models=saved, storage_options=wrong)
+        with pytest.raises(AccessDeniedError, match=bad):
+            fastckpt.list_checkpoints(bad, storage_options=wrong)
+        with pytest.raises(StorageOptionsError, match="local path"):
+            fastckpt.save_checkpoint("local-root", models=saved, storage_options=options)
+        with pytest.raises(TypeError, match="valid keys"):
+            fastckpt.list_checkpoints(root, storage_options={"endpont_url": "x"})
+        assert not Path("local-root").exists()
+    finally:
+        for url in (root, ids, hooked, bad):
+            configure_storage(url)
+
+
+def test_configure_storage_is_a_public_name() -> None:
+    assert fastckpt.configure_storage is configure_storage
+    assert "configure_storage" in fastckpt.__all__
