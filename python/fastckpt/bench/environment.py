@@ -99,6 +99,13 @@ def describe(directory: str | os.PathLike[str]) -> dict[str, Any]:
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        # OpenMP's wait policy decides how much CPU torch's idle intra-op threads burn
+        # spinning, which changes step throughput on an oversubscribed machine.
+        "openmp_env": {
+            name: os.environ[name]
+            for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+            if name in os.environ
+        },
         "memory_gib": round(mem_total / 2**20, 2) if mem_total else None,
         "filesystem": filesystem_of(directory),
         "dir": str(Path(directory).resolve()),
