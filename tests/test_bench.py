@@ -159,7 +159,7 @@ def test_json_has_versions_environment_and_bar(
 def test_markdown_png_and_terminal_table(full_run: tuple[dict[str, Any], Path, str]) -> None:
     _, out, stdout = full_run
     markdown = (out / "tiny.md").read_text()
-    for heading in ("Durable writes", "Reads", "Training loop", "Bar (BENCHMARKS.md)"):
+    for heading in ("Durable writes", "Reads", "Training loop", "Bar (docs/performance.md)"):
         assert heading in markdown and heading in stdout
     for name in WRITERS:
         assert f"| {name} " in markdown

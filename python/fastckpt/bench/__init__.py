@@ -5,7 +5,7 @@ tensors to every writer (fastckpt sync in its default mode, with O_DIRECT forced
 checksums, and async; ``torch.save``, safetensors, PyTorch DCP with 1 and 2 threads and
 ``async_save``, and the O_DIRECT disk ceiling) and reader,
 measures memory per writer and a training loop's step throughput with periodic async
-checkpoints, and checks the bar of BENCHMARKS.md. See ``benches/README.md``.
+checkpoints, and checks the bar of ``docs/performance.md``. See ``benches/README.md``.
 
 Modules: :mod:`~fastckpt.bench.state` (the state), :mod:`~fastckpt.bench.writers`,
 :mod:`~fastckpt.bench.readers`, :mod:`~fastckpt.bench.cache` (cold reads),
