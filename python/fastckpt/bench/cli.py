@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m fastckpt.bench",
         description=(
             "Durable save / load throughput, stall, memory and training-loop overhead of "
-            "fastckpt and its peers on one state, side by side, with the bar of docs/performance.md."
+            "fastckpt and its peers on one state, side by side, with the bar of "
+            "docs/performance.md."
         ),
     )
     parser.add_argument("--size-gib", type=float, default=1.5, help="state size (default 1.5)")

@@ -266,7 +266,9 @@ def tables(results: dict[str, Any]) -> list[Table]:
             )
         )
     out.append(
-        Table("Bar (docs/performance.md)", ["figure", "check", "value", "status"], _bar_rows(results))
+        Table(
+            "Bar (docs/performance.md)", ["figure", "check", "value", "status"], _bar_rows(results)
+        )
     )
     return out
 
