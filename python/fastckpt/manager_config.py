@@ -282,8 +282,7 @@ class LocalFileSystemStorageConfig(StrictConfig):
     Attributes:
         use_direct_io: True tries O_DIRECT (falling back safely), False writes through the
             page cache, None (default) picks per file (:func:`fastckpt.files.choose_direct_io`:
-            buffered while a file fits in the kernel's background-writeback allowance, O_DIRECT
-            above).
+            O_DIRECT for files of 64 MiB and more, buffered below).
         storage_options: object-store client options (endpoint_url, region, access_key_id,
             ... as for :func:`fastckpt.configure_storage`) for every ``s3://`` checkpoint id
             the manager saves or loads, over the AWS environment: they are registered for
