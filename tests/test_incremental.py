@@ -396,6 +396,8 @@ def test_fine_tuning_strategy_saves_incrementally(tmp_path: Path) -> None:
     }
     loaded = fastckpt.load_checkpoint(tmp_path / "ft")["models"]["main"]["model"].state_dict()
     _assert_bitwise(dict(tuned.models["main"].state_dict()), dict(loaded))
+    tuned.save_checkpoint(tmp_path / "ft", incremental=False)
+    assert _refs(tmp_path / "ft", 2) == {}
 
 
 # --------------------------------------------------------------------------- SIGKILL

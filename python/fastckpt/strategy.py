@@ -460,14 +460,20 @@ class TrainingStrategy:
             cls_path=_path_of(config.scheduler_cls), kwargs=dict(config.scheduler_kwargs or {})
         )
 
-    def save_checkpoint(self, root: str | Path, *, checkpoint_index: int = -1) -> int:
+    def save_checkpoint(
+        self, root: str | Path, *, checkpoint_index: int = -1, incremental: bool = True
+    ) -> int:
         """Write this strategy as a committed checkpoint index of ``root``; returns it.
 
         A :attr:`sharded` strategy's save is collective: every rank calls it, writes its own
         shards, and rank 0 then commits the index (the recipe and counters, once).
+        ``incremental`` (unsharded strategies): write only the tensors that changed since this
+        process's last save into ``root`` (see docs/incremental.md); False writes everything.
         """
         if not self.sharded:
-            return codec.write_snapshot(root, self.checkpoint_snapshot(), checkpoint_index)
+            snapshot = self.checkpoint_snapshot()
+            snapshot.incremental = incremental
+            return codec.write_snapshot(root, snapshot, checkpoint_index)
         return self._save_sharded(Path(root), checkpoint_index)
 
     def _sharded_index(self, root: Path, checkpoint_index: int) -> int:
