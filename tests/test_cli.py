@@ -822,3 +822,28 @@ def test_export_progress_counts_the_bytes_the_core_writes(tmp_path: Path) -> Non
     assert drawn[0].startswith("export [") and "  0%" in drawn[0]
     assert "100%" in drawn[-1] and format_bytes(nbytes) in drawn[-1]
     assert stream.getvalue().endswith("\r\x1b[2K")  # erased at the end
+
+
+def test_mapped_loads_advance_the_active_counter(tmp_path: Path) -> None:
+    """diff loads through a file mapping (page faults, not read calls): its bar counts the
+    bytes the core verifies, through the counter made active for the command."""
+    from fastckpt.cli.render import counted_progress
+    from fastckpt.progress import counting
+    from fastckpt.store.dispatch import backend_for
+
+    tensors = {"a": torch.zeros(3 << 20), "b": torch.ones(1 << 20, dtype=torch.float64)}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    path = tmp_path / "x.safetensors"
+    fastckpt.save_file(tensors, path)
+    stream = io.StringIO()
+    with (
+        counted_progress("diff", 2 * nbytes, stream=stream, enabled=True) as counter,
+        counting(counter),
+    ):
+        for _ in range(2):
+            loaded, _ = backend_for(path).open_tensors(path, verify=True)
+            assert torch.equal(loaded["b"], tensors["b"])
+    assert counter.value == 2 * nbytes
+    assert "100%" in [line for line in stream.getvalue().split("\r\x1b[2K") if line][-1]
+    backend_for(path).open_tensors(path, verify=True)  # outside the block: not counted
+    assert counter.value == 2 * nbytes

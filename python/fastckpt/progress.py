@@ -12,6 +12,7 @@ parse the output never see control characters.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import shutil
 import sys
@@ -20,11 +21,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 __all__ = [
     "IOMeter",
     "ProgressBar",
+    "active_counter",
+    "counting",
     "format_bytes",
     "io_progress",
     "log_throughput",
@@ -35,6 +38,28 @@ log = logging.getLogger(__name__)
 
 _PROC_IO = Path("/proc/self/io")
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+#: The byte counter that loads through a file mapping advance, for the duration of
+#: :func:`counting` in this thread. Mapped reads are page faults, not ``read`` calls, so only the
+#: core (which hashes every byte it maps) can count them for a progress bar.
+_ACTIVE_COUNTER: contextvars.ContextVar[Any] = contextvars.ContextVar("fastckpt_progress")
+
+
+@contextmanager
+def counting(counter: Any) -> Iterator[Any]:
+    """Make ``counter`` (a :class:`fastckpt._native.ByteCounter`) the one that mapped loads of
+    this thread advance (see :func:`active_counter`) until the block ends."""
+    token = _ACTIVE_COUNTER.set(counter)
+    try:
+        yield counter
+    finally:
+        _ACTIVE_COUNTER.reset(token)
+
+
+def active_counter() -> Any:
+    """The counter set by the innermost :func:`counting` block of this thread, or None."""
+    return _ACTIVE_COUNTER.get(None)
 
 
 def format_bytes(count: float) -> str:

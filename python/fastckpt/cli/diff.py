@@ -19,12 +19,13 @@ from fastckpt.cli.common import (
     resolve_index,
 )
 from fastckpt.cli.render import (
+    counted_progress,
     print_json,
     shape_text,
     table,
 )
 from fastckpt.diff import TensorFiles, diff_checkpoints
-from fastckpt.progress import io_progress
+from fastckpt.progress import counting
 from fastckpt.store.dispatch import backend_for
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import COMMIT_RECORD, read_commit_record, record_file
@@ -244,7 +245,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
     side_a, side_b = _diff_side(args.a), _diff_side(args.b)
     a, b = _align(side_a, side_b)
     total = sum(backend_for(p).stat(p).size for side in (a, b) for p in side.files.values())
-    with io_progress("diff", total):
+    # Loads map the files, so the bar counts the bytes the core verifies, not read calls.
+    with counted_progress("diff", total) as counter, counting(counter):
         try:
             result = diff_checkpoints(a, b, args.atol)
         except TypeError as err:  # a dtype this torch build lacks

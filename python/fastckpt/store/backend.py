@@ -44,6 +44,7 @@ import torch
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.files import read_metadata, read_tensors, write_tensors
+from fastckpt.progress import active_counter
 from fastckpt.store.lock import RootLock
 from fastckpt.store.paths import check_relpath
 
@@ -483,8 +484,9 @@ class LocalFileSystem(StorageBackend):
     def open_tensors(
         self, path: Path, *, verify: bool = True, threads: int | None = None
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """A private mapping of the file (:func:`fastckpt.files.read_tensors`)."""
-        return read_tensors(path, verify=verify, threads=threads)
+        """A private mapping of the file (:func:`fastckpt.files.read_tensors`), verified bytes
+        counted on the :func:`fastckpt.progress.active_counter` if one is set."""
+        return read_tensors(path, verify=verify, threads=threads, progress=active_counter())
 
     def read_header(self, path: Path) -> dict[str, Any]:
         """:func:`fastckpt.files.read_metadata`."""
