@@ -791,14 +791,14 @@ model = torch.nn.Linear(64, 64)
 fastckpt.save_file({"w": torch.arange(4096.0)}, lone)
 mapped = fastckpt.load_file(lone)  # views of a file mapping
 expected = mapped["w"].clone()
-fastckpt.save_checkpoint(root, models={"m": (model, None)}, checkpoint_index=0)
+fastckpt.save_checkpoint(root, models={"m": (model, None)}, checkpoint_index=0, incremental=False)
 weights = fastckpt.load_file(root / "0" / "models" / "m.safetensors")
 kept = {k: v.clone() for k, v in weights.items()}
 for _ in range(3):  # fastckpt rewrites both files while the views are alive
     fastckpt.save_file({"w": torch.zeros(1)}, lone)
     torch.nn.init.zeros_(model.weight)
-    fastckpt.save_checkpoint(root, models={"m": (model, None)}, checkpoint_index=0)
-    fastckpt.save_checkpoint(root, models={"m": (model, None)})
+    fastckpt.save_checkpoint(root, {"m": (model, None)}, checkpoint_index=0, incremental=False)
+    fastckpt.save_checkpoint(root, {"m": (model, None)}, incremental=False)
     fastckpt.prune(root, keep_last=1)
 assert torch.equal(mapped["w"], expected)  # every page still readable, unchanged
 for name, value in weights.items():

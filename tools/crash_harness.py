@@ -648,6 +648,18 @@ class Harness:
         if self.verbose:
             print("FAILURE", self.stats.failures[-1], flush=True)
 
+    def _retained_in_use(self) -> set[str]:
+        """``.ref-<index>`` directories of a root that committed (incremental) indices still
+        reference: checkpoint content, not leftovers."""
+        from fastckpt.store.records import MANIFEST, Manifest
+        from fastckpt.store.refs import RETAINED_PREFIX, referenced_indices
+
+        if not (self.root / MANIFEST).exists():
+            return set()
+        manifest = Manifest.load(self.root)
+        used = referenced_indices(manifest, list(manifest.entries))
+        return {f"{RETAINED_PREFIX}{index}" for index in used if index not in manifest.entries}
+
     def _check(self, pid: int | None, *, cleaned: bool) -> None:
         try:
             if self.mode == "save_checkpoint":
@@ -782,7 +794,11 @@ class Harness:
         if process.exitcode != 0 or state["acked_here"] != 1:
             self._fail(f"the clean save after the last kill failed (exit {process.exitcode})")
         self._check(process.pid, cleaned=True)
-        left = [name for name in os.listdir(self.root) if name.startswith(".")]
+        left = [
+            name
+            for name in os.listdir(self.root)
+            if name.startswith(".") and name not in self._retained_in_use()
+        ]
         if left:
             self._fail(f"temporary files left after a clean save: {left}")
         if self.stats.orphans:

@@ -39,6 +39,7 @@ from fastckpt.store.backend import (
     StorageBackend,
     make_dirs,
 )
+from fastckpt.store.backend import _sibling as temp_sibling
 from fastckpt.store.dispatch import backend_for, is_local
 from fastckpt.store.lock import RootLock
 from fastckpt.store.records import (
@@ -368,6 +369,9 @@ def clean_leftovers(root: Path) -> list[str]:
         else:
             continue
         removed.append(name)
+    if manifest is not None and any(n.startswith(refs.RETAINED_PREFIX) for n in os.listdir(root)):
+        # Retained copies no committed index references (a prune killed before its commit).
+        removed += refs.collect_garbage(root, referenced or _referenced(manifest))
     return removed
 
 
@@ -462,8 +466,7 @@ def _link_retained(root: Path, index: int) -> bool:
     directory = root / str(index)
     if not directory.is_dir() or directory.is_symlink():
         return False
-    temp = root / f"{TEMP_PREFIX}{refs.RETAINED_PREFIX[1:]}{index}~{os.getpid()}"
-    shutil.rmtree(temp, ignore_errors=True)
+    temp = temp_sibling(TEMP_PREFIX, root / f"ref-{index}")  # .tmp-ref-<index>~pid~host~rnd
     try:
         for source in sorted(directory.rglob("*")):
             target = temp / source.relative_to(directory)

@@ -46,9 +46,11 @@ _MISSING = (FileNotFoundError, KeyError)
 _FINGERPRINT_LIMIT = 1 << 30
 
 
-def fingerprint(record: Path) -> tuple[int, int] | None:
-    """``(size, crc32c)`` of a commit record's content, or None when it cannot be read (absent,
-    not a regular file, a symlink, too large): what tells a reader that a writer committed."""
+def fingerprint(record: Path) -> tuple[int, ...] | None:
+    """``(inode, mtime, ctime, size, crc32c)`` of a commit record, or None when it cannot be
+    read (absent, not a regular file, a symlink, too large): what tells a reader that a writer
+    committed. The file's identity counts, not only its content: a writer alternating two
+    states writes the same bytes again (old, new, old), in a new file each time."""
     try:
         fd = os.open(record, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -61,7 +63,7 @@ def fingerprint(record: Path) -> tuple[int, int] | None:
         while piece := os.read(fd, 1 << 20):
             crc = _native.crc32c(piece, crc)
             size += len(piece)
-        return size, crc
+        return info.st_ino, info.st_mtime_ns, info.st_ctime_ns, size, crc
     except OSError:
         return None
     finally:
@@ -106,7 +108,7 @@ def read_consistently(record: Path, read: Callable[[], T], *, lock_root: Path | 
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _wait_for_change(record: Path, before: tuple[int, int] | None, root: Path) -> bool:
+def _wait_for_change(record: Path, before: tuple[int, ...] | None, root: Path) -> bool:
     """Wait (at most :data:`WRITER_WAIT_SECS`) while a writer holds ``root``'s lock for
     ``record`` to change or the writer to finish; whether one of them happened."""
     deadline = time.monotonic() + WRITER_WAIT_SECS
