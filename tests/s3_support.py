@@ -151,8 +151,17 @@ def s3_root(s3_server: S3Server) -> str:
 class SaverFactory:
     """Starts saver processes quickly: a child that imported torch and fastckpt once forks a
     fresh saver per request (no object-store call happened before the fork, so no client
-    thread is copied). Each saver saves :func:`saver_state` to one root in a loop until it
-    is killed, pruning to the newest three indices."""
+    thread is copied). Each saver saves in a loop until it is killed, through ``door``:
+
+    * ``"s3root"``: :func:`saver_state` with :class:`fastckpt.store.s3commit.S3Root`, pruning
+      to the newest three indices;
+    * ``"save_checkpoint"``: :func:`front_door_model` through ``fastckpt.save_checkpoint``
+      (``counters={"step": step}``, ``incremental=False``), then ``fastckpt.prune`` to three;
+    * ``"manager"``: ``{"x": front_door_tensor(step), "step": step}`` replacing one
+      ``CheckpointManager`` checkpoint id (sync saves).
+
+    ``step`` is unique to the saver and the save (``(pid % 10000) * 1000 + n``), so a loaded
+    state says which save wrote it."""
 
     def __init__(self) -> None:
         self._process = subprocess.Popen(
@@ -162,10 +171,11 @@ class SaverFactory:
             text=True,
         )
 
-    def spawn(self, url: str, options: dict[str, Any]) -> int:
+    def spawn(self, url: str, options: dict[str, Any], door: str = "s3root") -> int:
         """Fork a saver for ``url``; returns its pid (kill it with SIGKILL)."""
         assert self._process.stdin is not None and self._process.stdout is not None
-        self._process.stdin.write(json.dumps({"url": url, "options": options}) + "\n")
+        request = {"url": url, "options": options, "door": door}
+        self._process.stdin.write(json.dumps(request) + "\n")
         self._process.stdin.flush()
         line = self._process.stdout.readline()
         if not line:
@@ -194,10 +204,54 @@ def saver_state(index: int) -> dict[str, Any]:
     }
 
 
+def front_door_model(step: int) -> Any:
+    """A ``Linear(1024, 1536)`` (~6 MiB: a multipart upload with 5 MiB parts) whose every
+    parameter equals ``step``."""
+    import torch
+
+    model = torch.nn.Linear(1024, 1536)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(float(step))
+    return model
+
+
+def front_door_tensor(step: int) -> Any:
+    """~6 MiB of float32 all equal to ``step``."""
+    import torch
+
+    return torch.full((1536 * 1024,), float(step))
+
+
+def _front_door_saver(door: str, url: str, options: dict[str, Any]) -> None:
+    """Save through a public front door in a loop (see :class:`SaverFactory`)."""
+    import fastckpt
+    from fastckpt.store.dispatch import configure_storage
+
+    configure_storage(url, options)
+    first = (os.getpid() % 10000) * 1000
+    if door == "save_checkpoint":
+        for step in range(first, first + 1000):
+            model = front_door_model(step)
+            fastckpt.save_checkpoint(
+                url, models={"main": model}, counters={"step": step}, incremental=False
+            )
+            fastckpt.prune(url, keep_last=3)
+    elif door == "manager":
+        config = fastckpt.CheckpointManager.Config.with_sync_save()
+        with fastckpt.CheckpointManager(config) as manager:
+            for step in range(first, first + 1000):
+                manager.save(url, {"x": front_door_tensor(step), "step": step})
+    else:
+        raise ValueError(f"unknown door {door!r}")
+
+
 def _zygote() -> None:
     """Child process: fork one looping saver per request line on stdin."""
     import signal
 
+    import fastckpt.checkpoint
+    import fastckpt.manager  # noqa: F401
     from fastckpt.store.s3commit import S3Root  # imported before forking; not used here
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # savers are reaped automatically
@@ -206,12 +260,18 @@ def _zygote() -> None:
         pid = os.fork()
         if pid == 0:
             try:
+                if request.get("door", "s3root") != "s3root":
+                    _front_door_saver(request["door"], request["url"], request["options"])
                 root = S3Root(request["url"], request["options"])
                 while True:
                     index = root.latest()
                     index = 0 if index is None else index + 1
                     root.save(saver_state(index), index=index)
                     root.prune(keep_last=3)
+            except BaseException:  # a saver that fails on its own says why (stderr)
+                import traceback
+
+                traceback.print_exc()
             finally:
                 os._exit(1)
         print(pid, flush=True)

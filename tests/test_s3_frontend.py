@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,11 +27,18 @@ import fastckpt
 import training_support as ts
 from fastckpt.errors import ChecksumMismatchError
 from fastckpt.files import load_file
-from fastckpt.store.dispatch import configure_storage
-from fastckpt.store.records import read_commit_record
+from fastckpt.store.dispatch import backend_for, configure_storage
+from fastckpt.store.records import Manifest, read_commit_record
 from fastckpt.store.s3errors import AccessDeniedError
 from fastckpt.verify import verify
-from s3_support import S3Server, s3_root, s3_server
+from s3_support import (
+    S3Server,
+    SaverFactory,
+    front_door_model,
+    front_door_tensor,
+    s3_root,
+    s3_server,
+)
 
 __all__ = ["s3_root", "s3_server"]  # fixtures used by name below
 
@@ -172,53 +182,139 @@ def test_manager_replacement_on_s3_writes_a_new_generation_then_drops_the_old(
     assert verify(checkpoint).ok
 
 
-_KILLED_SAVER = """
-import sys, torch, fastckpt
-checkpoint = sys.argv[1]
-with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as mgr:
-    step = 1
-    while True:
-        mgr.save(checkpoint, {"x": torch.full((4 << 20,), float(step)), "step": step})
-        print(step, flush=True)
-        step += 1
-"""
+def _top_level(server: S3Server, url: str) -> set[str]:
+    return {key.split("/")[0] for key in _keys(server, url)}
 
 
-def test_a_killed_manager_save_to_s3_leaves_the_previous_checkpoint_loadable(
-    s3_server: S3Server, s3_root: str, s3_env: dict[str, str]
+def _pending_uploads(server: S3Server, url: str) -> list[Any]:
+    prefix = url.split("/", 3)[3] + "/"
+    found = server.client().list_multipart_uploads(Bucket=server.bucket, Prefix=prefix)
+    return list(found.get("Uploads", []))
+
+
+def _committed_marker(url: str) -> Any:
+    """What changes with every commit at ``url`` (a root: its newest index and step; a
+    manager id: its record's generation), read from the manifest or record only (None:
+    nothing committed)."""
+    try:
+        if url.endswith("/root"):
+            rows = fastckpt.list_checkpoints(url)
+            return (rows[-1]["index"], rows[-1]["counters"]["step"]) if rows else None
+        return read_commit_record(url)["generation"]
+    except FileNotFoundError:
+        return None
+
+
+def _complete(url: str, files: dict[str, Any], within: str) -> None:
+    """Every object a committed record lists exists with its recorded size (a HEAD each)."""
+    for relpath, record in files.items():
+        path = Path(f"{within}/{relpath}")
+        assert backend_for(path).stat(path).size == record["size"], (url, relpath)
+
+
+def _check_root(url: str) -> int | None:
+    """Every committed index of a save_checkpoint root names complete objects (their sizes;
+    the crc32c of each is checked by the loads and the final verify), and the newest loads
+    bitwise: every parameter equals the step its save recorded. Returns that step (None:
+    nothing committed yet)."""
+    try:
+        manifest = Manifest.load(url)
+    except FileNotFoundError:
+        return None
+    if manifest.latest is None:
+        return None
+    for index, entry in manifest.entries.items():
+        _complete(url, entry["files"], f"{url}/{index}")
+    rows = fastckpt.list_checkpoints(url)
+    step = rows[-1]["counters"]["step"]
+    loaded = fastckpt.load_checkpoint(url)
+    assert loaded["checkpoint_index"] == rows[-1]["index"]
+    model = loaded["models"]["main"]["model"]
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, torch.full_like(tensor, float(step))), (url, name, step)
+    return int(step)
+
+
+def _check_manager_id(url: str) -> int | None:
+    """The id's commit record names complete objects, and it loads bitwise (``x`` equals
+    the ``step`` saved with it). Returns that step (None: nothing committed yet)."""
+    try:
+        record = read_commit_record(url)
+    except FileNotFoundError:
+        return None
+    _complete(url, record["files"], url)
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as mgr:
+        loaded = mgr.load(url)
+    assert torch.equal(loaded["x"], front_door_tensor(loaded["step"])), (url, loaded["step"])
+    return int(loaded["step"])
+
+
+def test_sigkilled_front_door_saves_to_s3_never_break_the_committed_checkpoints(
+    s3_server: S3Server, s3_root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SIGKILL a process replacing one checkpoint id in a loop, at varying moments: the id
-    always loads a state that was committed (never a mix, never a missing object), and the
-    next save removes what the killed one left."""
-    checkpoint = f"{s3_root}/ckpt"
-    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as mgr:
-        mgr.save(checkpoint, {"x": torch.full((4 << 20,), 0.0), "step": 0})
-    env = {**os.environ, **s3_env}
-    generator = torch.Generator().manual_seed(13)
-    for _ in range(4):
-        child = subprocess.Popen(
-            [sys.executable, "-c", _KILLED_SAVER, checkpoint],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
+    """50 savers, forked ready to run (no interpreter start per kill), each SIGKILLed at a
+    random moment while saving in a loop through a front door: ``save_checkpoint`` + ``prune``
+    into a root, and ``CheckpointManager.save`` replacing one checkpoint id, alternately.
+    After every kill, every committed index/record names complete objects (verify) and the
+    newest loads bitwise; a later save removes what the killed ones left (no stray data, no
+    unfinished multipart upload)."""
+    monkeypatch.chdir(tmp_path)
+    root, checkpoint = f"{s3_root}/root", f"{s3_root}/ids/ckpt"
+    options = s3_server.options(part_size=5 << 20, read_part_size=4 << 20, concurrency=4)
+    rng = random.Random(4321)
+    kills = mid_upload = 0
+    progress: dict[str, set[int | None]] = {"root": set(), "manager": set()}
+    factory = SaverFactory()
+    try:
+        for url in (root, checkpoint):
+            configure_storage(url, options)
+        for round_ in range(50):
+            door, url = ("save_checkpoint", root) if round_ % 2 == 0 else ("manager", checkpoint)
+            before = _committed_marker(url)
+            pid = factory.spawn(url, options, door)
+            # Mostly short lives (kills land in uploads, commits, clean-ups); every fifth
+            # saver of a door first commits once (however slow the machine), then dies at a
+            # random moment of its next save, so both doors make progress.
+            if round_ % 10 in (8, 9):
+                deadline = time.monotonic() + 60
+                while _committed_marker(url) == before and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            time.sleep(rng.uniform(0.05, 0.7))
+            os.kill(pid, signal.SIGKILL)
+            kills += 1
+            with contextlib.suppress(OSError):  # the zygote reaps it; wait until it is gone
+                while True:
+                    os.kill(pid, 0)
+                    time.sleep(0.01)
+            mid_upload += bool(_pending_uploads(s3_server, url))
+            if door == "save_checkpoint":
+                step = _check_root(root)
+                progress["root"].add(step)
+            else:
+                step = _check_manager_id(checkpoint)
+                progress["manager"].add(step)
+        assert kills == 50
+        assert mid_upload > 0, "no kill landed inside a multipart upload"
+        assert len(progress["root"] - {None}) >= 3 and len(progress["manager"] - {None}) >= 3
+        # The next saves (here, through the same doors) clean up what the killed ones left.
+        model = front_door_model(-1)
+        index = fastckpt.save_checkpoint(
+            root, models={"main": model}, counters={"step": -1}, incremental=False
         )
-        assert child.stdout is not None
-        assert child.stdout.readline().strip().isdigit()  # one save committed
-        delay = float(torch.rand((), generator=generator)) * 0.5
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.wait(timeout=delay)
-        child.kill()
-        child.wait()
+        fastckpt.prune(root, keep_last=1)
+        assert _check_root(root) == -1 and verify(root).ok
+        assert _top_level(s3_server, root) == {"manifest.json", str(index)}
         with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as mgr:
-            loaded = mgr.load(checkpoint)
-        assert torch.equal(loaded["x"], torch.full((4 << 20,), float(loaded["step"])))
-        assert verify(checkpoint).ok
-    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as mgr:
-        mgr.save(checkpoint, {"x": torch.ones(3), "step": -1})
-    assert len({key.split("/")[0] for key in _keys(s3_server, checkpoint)}) == 2
-    prefix = checkpoint.split("/", 3)[3] + "/"
-    uploads = s3_server.client().list_multipart_uploads(Bucket=s3_server.bucket, Prefix=prefix)
-    assert not uploads.get("Uploads")
+            mgr.save(checkpoint, {"x": front_door_tensor(-1), "step": -1})
+        assert _check_manager_id(checkpoint) == -1 and verify(checkpoint).ok
+        assert len(_top_level(s3_server, checkpoint)) == 2  # commit.json + one generation
+        assert not _pending_uploads(s3_server, root)
+        assert not _pending_uploads(s3_server, checkpoint)
+    finally:
+        factory.close()
+        for url in (root, checkpoint):
+            configure_storage(url)
+    assert not (tmp_path / "s3:").exists()
 
 
 def test_configure_storage_options_for_a_prefix_override_the_environment(

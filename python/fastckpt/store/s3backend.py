@@ -198,9 +198,20 @@ class S3Backend(StorageBackend):
                 raise CheckpointFormatError(str(err).replace(scratch.name, url)) from None
 
     def list_dir(self, directory: Path) -> list[str]:
-        """Sub-prefix and object names one level under ``directory``."""
-        folders, objects = self.client.list_dir(self._key(directory))
+        """Sub-prefix and object names one level under ``directory``.
+
+        A sub-prefix holding nothing but unfinished multipart uploads (a save killed before
+        its first object completed) is listed too, so that a clean-up deleting what it lists
+        (:meth:`delete` aborts uploads) leaves no upload behind.
+        """
+        key = self._key(directory)
+        folders, objects = self.client.list_dir(key)
         names = set(folders) | {meta.key.rsplit("/", 1)[-1] for meta in objects}
+        folder = key.rstrip("/") + "/" if key.rstrip("/") else ""
+        for upload in self.client.pending_uploads(folder):
+            rest = upload.key[len(folder) :]
+            if rest:
+                names.add(rest.split("/", 1)[0])
         return sorted(names)
 
     # ------------------------------------------------------------------------------- writing
