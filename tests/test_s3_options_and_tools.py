@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -198,3 +199,28 @@ def test_storage_options_per_call_reach_the_server_with_no_aws_environment(
 def test_configure_storage_is_a_public_name() -> None:
     assert fastckpt.configure_storage is configure_storage
     assert "configure_storage" in fastckpt.__all__
+
+
+def test_storage_options_are_checked_and_refused_for_local_paths(tmp_path: Path) -> None:
+    """A manager's storage_options are checked when configured; a local checkpoint id, hook
+    root or verify path with options is a StorageOptionsError naming it (nothing written)."""
+    with pytest.raises(TypeError, match="valid keys"):
+        fastckpt.LocalFileSystemStorageConfig(storage_options={"endpont_url": "x"})
+    with pytest.raises(TypeError, match="mapping"):
+        fastckpt.LocalFileSystemStorageConfig(storage_options="us-east-1")  # type: ignore[arg-type]
+    options = {"region": "us-east-1"}
+    config = fastckpt.CheckpointManager.Config.with_sync_save()
+    config.storage_config = fastckpt.LocalFileSystemStorageConfig(storage_options=options)
+    local = tmp_path / "ckpt"
+    with fastckpt.CheckpointManager(config) as manager:
+        with pytest.raises(StorageOptionsError, match=re.escape(str(local))):
+            manager.save(local, {"x": torch.zeros(2)})
+        with pytest.raises(StorageOptionsError, match=re.escape(str(local))):
+            manager.load(local)
+    assert not local.exists()
+    with pytest.raises(StorageOptionsError, match="CheckpointHook"):
+        fastckpt.CheckpointHook(tmp_path / "hook", step_interval=1, storage_options=options)
+    with pytest.raises(StorageOptionsError, match="verify"):
+        fastckpt.verify(tmp_path, storage_options=options)
+    with pytest.raises(StorageOptionsError, match=r"TrainingStrategy\.load_checkpoint"):
+        fastckpt.TrainingStrategy.load_checkpoint(tmp_path, storage_options=options)
