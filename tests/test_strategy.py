@@ -287,6 +287,19 @@ def test_fsdp1_is_refused_at_construction_and_fsdp2_saves(tmp_path: Path) -> Non
     out = run_python(FSDP_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "pg"))
     assert out.split() == ["refused", "saved", "0"]
     assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / "ckpt")] == [0]
+    # verify covers the index's sharded part; export consolidates the model from it.
+    report = fastckpt.verify(tmp_path / "ckpt")
+    assert report.ok
+    assert any("sharded" in f.path.parts and f.path.name.startswith("rank-") for f in report.files)
+    exported = tmp_path / "main.safetensors"
+    done = subprocess.run(
+        [sys.executable, "-m", "fastckpt", "export", str(tmp_path / "ckpt"), "--to", str(exported)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert set(fastckpt.load_file(exported)) == set(support.DropoutMLP().state_dict())
 
 
 def test_a_resumed_run_keeps_no_checkpoint_file_mapped(tmp_path: Path) -> None:

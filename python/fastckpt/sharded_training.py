@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from fastckpt import specs
+from fastckpt.store import records
 
 __all__ = [
     "SHARDED_DIR",
@@ -35,7 +36,7 @@ __all__ = [
 ]
 
 #: The subdirectory of a strategy root holding the sharded part of each index.
-SHARDED_DIR = "sharded"
+SHARDED_DIR = records.SHARDED_DIR
 
 
 def is_sharded_model(model: torch.nn.Module) -> bool:

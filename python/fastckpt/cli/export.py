@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from fastckpt import tree
+from fastckpt.cli import sharded
 from fastckpt.cli.common import (
     EXIT_OK,
     TENSOR_SUFFIX,
@@ -86,6 +87,29 @@ def _export_plan(location: Location, index: int | None, model: str | None) -> _E
     )
 
 
+def _sharded_models(manifest: Manifest, index: int) -> list[str]:
+    """The FSDP2 models a strategy index keeps in its sharded part."""
+    reader = IndexReader(manifest, index)
+    recipe = reader.json("strategy.json") if "strategy.json" in reader.files else {}
+    models = recipe.get("sharded", {}).get("models", {}) if isinstance(recipe, dict) else {}
+    return [str(name) for name in models] if isinstance(models, dict) else []
+
+
+def _export_sharded(args: argparse.Namespace, source: Path, out: Path, prefix: str | None) -> int:
+    """Consolidate a sharded checkpoint (or one model of a strategy's sharded part)."""
+    count = sharded.export(source, out, prefix)
+    size = out.stat().st_size
+    summary = {"source": str(source), "to": str(out), "tensors": count, "bytes": size}
+    if args.json:
+        print_json(summary)
+    else:
+        print(
+            f"wrote {out}: {count} tensor(s), {format_bytes(size)} (consolidated "
+            f"from the sharded checkpoint {source})"
+        )
+    return EXIT_OK
+
+
 EMA = "ema"
 _EMA_CLASS = "fastckpt.hooks.ema.EMAHook"
 _HOOKS_JSON, _HOOKS_TENSORS = "hooks.json", "hooks.safetensors"
@@ -149,6 +173,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UserError(f"{out} is a directory; --to names the file to write")
     if out.exists() and not args.force:
         raise UserError(f"{out} already exists; pass --force to replace it")
+    if location.kind == "sharded":
+        return _export_sharded(args, location.path, out, None)
+    if location.kind in ("root", "index"):
+        manifest, chosen = resolve_index(location, args.index)
+        part = sharded.strategy_part(manifest, chosen)
+        if part is not None and (args.model is None or not args.model.startswith(EMA)):
+            name = _pick(_sharded_models(manifest, chosen), args.model, "model", part)
+            return _export_sharded(args, part, out, f"models.{name}.")
     plan = _export_plan(location, args.index, args.model)
     # The bar counts the bytes the Rust writer writes (the read before it maps the file).
     with counted_progress(f"export {location.path}", plan.size) as counter:

@@ -10,6 +10,7 @@ from typing import Any, cast
 import torch
 
 from fastckpt import tree
+from fastckpt.cli import sharded
 from fastckpt.cli.common import (
     EXIT_OK,
     TENSOR_SUFFIX,
@@ -260,6 +261,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             text = _index_text
         elif location.kind == "manager":
             info, text = _describe_manager(location.path), _manager_text
+        elif location.kind == "sharded":
+            info, text = sharded.describe(location.path), sharded.text
         else:
             info, text = _describe_file(location.path), _file_text
     except (OSError, FastCkptError) as err:

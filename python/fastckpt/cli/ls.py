@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.checkpoint import list_checkpoints
+from fastckpt.cli import sharded
 from fastckpt.cli.common import (
     EXIT_OK,
     UserError,
@@ -29,7 +30,13 @@ from fastckpt.progress import format_bytes
 from fastckpt.store.backend import StorageBackend
 from fastckpt.store.dispatch import backend_for
 from fastckpt.store.paths import safe_join
-from fastckpt.store.records import COMMIT_RECORD, MANIFEST, read_commit_record, record_file
+from fastckpt.store.records import (
+    COMMIT_RECORD,
+    MANIFEST,
+    SHARDED_RECORD,
+    read_commit_record,
+    record_file,
+)
 
 # --------------------------------------------------------------------------- fastckpt ls
 
@@ -59,12 +66,33 @@ def _manager_item_value(directory: Path, record: Mapping[str, Any], item: str) -
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _sharded_row(directory: Path) -> dict[str, Any]:
+    """A sharded checkpoint's row (items: the top-level keys of its state)."""
+    try:
+        return sharded.listing_row(directory)
+    except (OSError, FastCkptError) as err:
+        return {
+            "name": directory.name,
+            "path": str(directory),
+            "committed": None,
+            "size": None,
+            "items": [],
+            "error": error_text(err),
+            "sharded": True,
+        }
+
+
 def _ls_managers(parent: Path) -> dict[str, Any]:
     checkpoints: list[dict[str, Any]] = []
     backend = backend_for(parent)
     for name in backend.list_dir(parent):
         child = parent / name
-        if name.startswith(".") or not _is_file(backend, child / COMMIT_RECORD):
+        if name.startswith("."):
+            continue
+        if _is_file(backend, child / SHARDED_RECORD):
+            checkpoints.append(_sharded_row(child))
+            continue
+        if not _is_file(backend, child / COMMIT_RECORD):
             continue
         row: dict[str, Any] = {"name": child.name, "path": str(child)}
         try:
@@ -153,6 +181,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     elif _is_file(backend, path / COMMIT_RECORD):
         raise UserError(
             f"{path} is one CheckpointManager checkpoint; list its parent directory, or use "
+            f"fastckpt inspect {path}"
+        )
+    elif _is_file(backend, path / SHARDED_RECORD):
+        raise UserError(
+            f"{path} is one sharded checkpoint; list its parent directory, or use "
             f"fastckpt inspect {path}"
         )
     elif path.name.isdigit() and _is_file(backend, path.parent / MANIFEST):

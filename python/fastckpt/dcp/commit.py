@@ -35,6 +35,7 @@ from pathlib import Path
 from fastckpt import _native
 from fastckpt.dcp.errors import NotCommittedError
 from fastckpt.dcp.metadata import Record, decode_record
+from fastckpt.store.records import SHARDED_RECORD
 
 __all__ = [
     "RECORD_NAME",
@@ -48,7 +49,7 @@ __all__ = [
 ]
 
 #: Name of the commit record inside a checkpoint directory.
-RECORD_NAME = "fastckpt-dcp.json"
+RECORD_NAME = SHARDED_RECORD
 _GENERATION_PREFIX = "g"
 _COMMIT_LOCK = threading.Lock()
 

@@ -14,7 +14,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -23,81 +23,66 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from fastckpt import _native
 from fastckpt.dcp.chunks import ChunkFiles
 from fastckpt.dcp.commit import RECORD_NAME, generation_dirs, read_record
 from fastckpt.dcp.values import decode_value
-from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.errors import CheckpointFormatError
 from fastckpt.files import DEFAULT_THREADS, save_file
-from fastckpt.verify import FileReport, VerifyReport
+from fastckpt.store.paths import safe_join
+from fastckpt.store.reader import FileReport, check_recorded, verify_content
+from fastckpt.store.report import VerifyReport
 
-__all__ = ["VALUES_METADATA_KEY", "consolidate", "describe_sharded", "verify_sharded"]
+__all__ = [
+    "VALUES_METADATA_KEY",
+    "consolidate",
+    "describe_sharded",
+    "sharded_file_reports",
+    "verify_sharded",
+]
 
 #: safetensors metadata key of a consolidated file holding the non-tensor values, as JSON:
 #: ``{fqn: {"json": <fastckpt.tree skeleton>} | {"base64": "<raw bytes>"}}``.
 VALUES_METADATA_KEY = "fastckpt.dcp.values"
-_PIECE = 16 << 20
 
 
-def _file_crc(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as handle:
-        while piece := handle.read(_PIECE):
-            crc = _native.crc32c(piece, crc)
-    return crc
+def sharded_file_reports(
+    path: str | os.PathLike[str], *, threads: int | None = None, index: int | None = None
+) -> list[FileReport]:
+    """The commit record's report, then one per file it lists, each checked by the store's
+    one recorded-file check (size, whole-file crc32c, every tensor entry's crc32c).
+
+    ``index`` is copied into the reports (the sharded part of a strategy root's index).
+    """
+    root = Path(path)
+    record_path = root / RECORD_NAME
+    record_report = FileReport(record_path, "ok", index=index)
+    try:
+        record = read_record(root)
+    except (CheckpointFormatError, OSError) as err:  # NotCommittedError: FileNotFoundError
+        record_report.status = "missing" if isinstance(err, FileNotFoundError) else "corrupt"
+        record_report.message = str(err)
+        return [record_report]
+    reports = [record_report]
+    content = verify_content(max(1, threads or DEFAULT_THREADS))
+    for name in sorted(record.files):
+        try:
+            file = safe_join(root / record.generation, name, within=root)
+        except CheckpointFormatError as err:
+            reports.append(FileReport(root / name, "corrupt", message=str(err), index=index))
+            continue
+        checked = check_recorded(file, record.files[name], content, source=str(record_path))
+        checked.report.index = index
+        checked.report.unchecked_tensors = list(checked.value or [])
+        reports.append(checked.report)
+    return reports
 
 
 def verify_sharded(path: str | os.PathLike[str], *, threads: int | None = None) -> VerifyReport:
-    """Check a sharded checkpoint on disk without loading it or a process group.
-
-    The commit record must parse; every file it lists must exist with the recorded size and
-    crc32c, and every tensor entry must match its own crc32c. Problems are reported in the
-    returned :class:`fastckpt.VerifyReport` (``kind`` ``"sharded"``), not raised.
+    """Check a sharded checkpoint on disk without loading it or a process group (the same
+    check as :func:`fastckpt.verify` on its directory). Problems, a missing record included,
+    are reported in the returned :class:`VerifyReport` (``kind`` ``"sharded"``), not raised.
     """
-    root = Path(path)
-    report = VerifyReport(root, cast(Any, "sharded"))
-    record_path = root / RECORD_NAME
-    try:
-        record = read_record(root)
-    except (CheckpointFormatError, FileNotFoundError, OSError) as err:
-        status = "missing" if isinstance(err, FileNotFoundError) else "corrupt"
-        report.files.append(FileReport(record_path, cast(Any, status), message=str(err)))
-        return report
-    report.files.append(FileReport(record_path, "ok"))
-    directory = root / record.generation
-    for name, info in record.files.items():
-        file = directory / name
-        expected_size, expected_crc = info["size"], info["crc32c"]
-        entry = FileReport(file, "ok", expected_size, expected_crc)
-        report.files.append(entry)
-        try:
-            entry.actual_size = file.stat().st_size
-            if entry.actual_size != expected_size:
-                entry.status = "mismatch"
-                entry.message = (
-                    f"{file}: size {entry.actual_size} differs from the recorded "
-                    f"{expected_size}; the file was truncated or replaced"
-                )
-                continue
-            if name.endswith(".safetensors"):
-                crc, unchecked = _native.verify_file(str(file), threads or DEFAULT_THREADS)
-                entry.unchecked_tensors = list(unchecked)
-            else:
-                crc = _file_crc(file)
-            entry.actual_crc32c = crc
-            if expected_crc is not None and crc != expected_crc:
-                entry.status = "mismatch"
-                entry.message = (
-                    f"{file}: crc32c {crc:08x} differs from the recorded {expected_crc:08x}; "
-                    "the file was changed after the commit"
-                )
-        except FileNotFoundError:
-            entry.status, entry.message = "missing", f"{file}: missing (listed in the record)"
-        except (ChecksumMismatchError, CheckpointFormatError) as err:
-            entry.status, entry.message = "corrupt", str(err)
-        except OSError as err:
-            entry.status, entry.message = "corrupt", f"{file}: cannot be read ({err})"
-    return report
+    return VerifyReport(Path(path), "sharded", sharded_file_reports(path, threads=threads))
 
 
 def describe_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -11,19 +11,22 @@ from typing import Literal
 
 from fastckpt.store.backend import StorageBackend
 from fastckpt.store.dispatch import backend_for, is_local
-from fastckpt.store.records import COMMIT_RECORD, MANIFEST
+from fastckpt.store.records import COMMIT_RECORD, MANIFEST, SHARDED_RECORD
 
 __all__ = ["KIND_NAMES", "Kind", "Location", "locate"]
 
 #: ``root``: a save_checkpoint root (``manifest.json`` inside). ``index``: one index
 #: directory of such a root. ``manager``: a CheckpointManager checkpoint (``commit.json``
-#: inside). ``file``: a lone (safetensors) file.
-Kind = Literal["root", "index", "manager", "file"]
+#: inside). ``sharded``: a sharded checkpoint of :mod:`fastckpt.dcp` (``fastckpt-dcp.json``
+#: inside: ``dcp.save`` with ``fastckpt.dcp.Writer``, a CheckpointManager save of DTensor
+#: state, or the sharded part of a strategy index). ``file``: a lone (safetensors) file.
+Kind = Literal["root", "index", "manager", "sharded", "file"]
 #: How each kind is called in messages.
 KIND_NAMES: dict[str, str] = {
     "root": "save_checkpoint root",
     "index": "save_checkpoint index",
     "manager": "CheckpointManager checkpoint",
+    "sharded": "sharded (DCP) checkpoint",
     "file": "safetensors file",
 }
 
@@ -58,7 +61,7 @@ def locate(path_or_root: str | os.PathLike[str]) -> Location:
     if not is_local(backend):
         return _locate_object(path, backend)
     if path.is_file():
-        if path.name in (MANIFEST, COMMIT_RECORD):
+        if path.name in (MANIFEST, COMMIT_RECORD, SHARDED_RECORD):
             return locate(path.parent)
         return Location("file", path)
     if path.is_dir():
@@ -68,13 +71,15 @@ def locate(path_or_root: str | os.PathLike[str]) -> Location:
             return Location("root", path, root=path)
         if os.path.lexists(path / COMMIT_RECORD):
             return Location("manager", path)
+        if os.path.lexists(path / SHARDED_RECORD):
+            return Location("sharded", path)
         if path.name.isdigit() and os.path.lexists(path.parent / MANIFEST):
             return Location("index", path, root=path.parent, index=int(path.name))
         raise FileNotFoundError(
             errno.ENOENT,
-            f"{path} is not a fastckpt checkpoint: no {MANIFEST} (save_checkpoint root) or "
-            f"{COMMIT_RECORD} (CheckpointManager checkpoint) in it, and it is not an index "
-            "directory of a root",
+            f"{path} is not a fastckpt checkpoint: no {MANIFEST} (save_checkpoint root), "
+            f"{COMMIT_RECORD} (CheckpointManager checkpoint) or {SHARDED_RECORD} (sharded "
+            "checkpoint) in it, and it is not an index directory of a root",
             str(path),
         )
     if os.path.lexists(path):

@@ -100,7 +100,7 @@ class Checked(Generic[T]):
 
 def check_recorded(
     path: Path,
-    expected: Mapping[str, int] | None,
+    expected: Mapping[str, int | None] | None,
     content: Content[T],
     *,
     source: str,

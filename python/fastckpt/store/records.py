@@ -37,6 +37,8 @@ __all__ = [
     "MANIFEST",
     "MANIFEST_CRC_FIELD",
     "SCHEMA_VERSION",
+    "SHARDED_DIR",
+    "SHARDED_RECORD",
     "Manifest",
     "commit_record",
     "item_files",
@@ -53,6 +55,10 @@ __all__ = [
 MANIFEST = "manifest.json"
 #: The commit record of a CheckpointManager checkpoint.
 COMMIT_RECORD = "commit.json"
+#: The commit record of a sharded (:mod:`fastckpt.dcp`) checkpoint.
+SHARDED_RECORD = "fastckpt-dcp.json"
+#: Where a save_checkpoint root keeps the sharded part of index ``i``: ``ROOT/sharded/<i>``.
+SHARDED_DIR = "sharded"
 #: Manifest schema this fastckpt writes (and the newest it reads).
 SCHEMA_VERSION = 1
 #: ``format`` field of a CheckpointManager commit record.

@@ -1,0 +1,99 @@
+"""Sharded (DCP) checkpoints in fastckpt.verify and the command line: verify, ls, inspect and
+export understand them without a process group (issue 12, part 4)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import fastckpt
+import fastckpt.dcp
+
+
+def fastckpt_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fastckpt", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A one-process DCP checkpoint written through fastckpt.dcp.Writer, among manager ones."""
+    runs = tmp_path_factory.mktemp("runs")
+    torch.manual_seed(0)
+    state = {"model": {"w": torch.randn(7, 5), "b": torch.zeros(5)}, "step": torch.tensor(3)}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state, storage_writer=fastckpt.dcp.Writer(runs / "step_3"))
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(runs / "step_1", {"model": {"w": torch.ones(2)}, "step": 1})
+    flat = {"model.w": state["model"]["w"], "model.b": state["model"]["b"], "step": state["step"]}
+    return runs / "step_3", flat
+
+
+def test_verify_reports_a_sharded_checkpoint_and_its_damage(
+    sharded: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    checkpoint, _ = sharded
+    report = fastckpt.verify(checkpoint)
+    assert report.ok and report.kind == "sharded"
+    names = [f.path.name for f in report.files]
+    assert names[0] == "fastckpt-dcp.json" and "rank-00000.safetensors" in names
+    done = fastckpt_cli("verify", str(checkpoint), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    damaged = tmp_path / "damaged"
+    subprocess.run(["cp", "-r", str(checkpoint), str(damaged)], check=True)
+    (rank_file,) = damaged.glob("g*/rank-00000.safetensors")
+    data = bytearray(rank_file.read_bytes())
+    data[-3] ^= 0x40
+    rank_file.write_bytes(bytes(data))
+    report = fastckpt.verify(damaged)
+    assert not report.ok
+    assert [f.path.name for f in report.failures] == ["rank-00000.safetensors"]
+    assert not fastckpt.dcp.verify_sharded(damaged).ok  # the same check
+    done = fastckpt_cli("verify", str(damaged), cwd=tmp_path)
+    assert done.returncode == 1 and "rank-00000.safetensors" in done.stdout + done.stderr
+
+
+def test_inspect_and_ls_show_global_shapes_and_list_it(
+    sharded: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    checkpoint, _ = sharded
+    done = fastckpt_cli("inspect", str(checkpoint), "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["kind"] == "sharded"
+    assert info["tensors"]["model.w"] == {"dtype": "float32", "shape": [7, 5], "chunks": 1}
+    text = fastckpt_cli("inspect", str(checkpoint), cwd=tmp_path).stdout
+    assert "sharded checkpoint (DCP)" in text and "model.w" in text and "[7, 5]" in text
+
+    listing = fastckpt_cli("ls", str(checkpoint.parent), "--json", cwd=tmp_path)
+    assert listing.returncode == 0, listing.stderr
+    rows = {row["name"]: row for row in json.loads(listing.stdout)["checkpoints"]}
+    assert set(rows) == {"step_1", "step_3"}
+    assert rows["step_3"]["sharded"] and rows["step_3"]["items"] == ["model", "step"]
+    one = fastckpt_cli("ls", str(checkpoint), cwd=tmp_path)
+    assert one.returncode == 2 and "one sharded checkpoint" in one.stderr
+
+
+def test_export_consolidates_full_tensors(
+    sharded: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    checkpoint, expected = sharded
+    out = tmp_path / "full.safetensors"
+    done = fastckpt_cli("export", str(checkpoint), "--to", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    exported = fastckpt.load_file(out)
+    assert set(exported) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(exported[name], tensor), name
