@@ -104,34 +104,24 @@ def _error_json(command: str, message: str) -> str:
     return json.dumps({"error": message, "command": command, "exit_status": EXIT_ERROR})
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _number(convert: Callable[[str], Any], what: str, low: float, rule: str) -> Any:
+    """An argparse type: ``convert(text)``, refused with ``rule`` below ``low``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"{rule}, got {text}")
+        return value
+
+    return parse
 
 
-def _index(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer index") from None
-    if value < -1:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (or -1 for the latest), got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+_positive = _number(int, "an integer", 1, "must be >= 1")
+_index = _number(int, "an integer index", -1, "must be >= 0 (or -1 for the latest)")
+_seconds = _number(float, "a number of seconds", 0, "must be >= 0")
 
 
 def _handler(module: str, function: str) -> Callable[[argparse.Namespace], int]:
