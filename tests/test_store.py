@@ -313,6 +313,35 @@ def test_a_waiting_prune_names_the_holder_and_times_out(
     assert prune(root, 1, lock_timeout=5) == [0]
 
 
+def test_a_checkpoint_hook_gives_up_on_a_held_lock_naming_the_holder(tmp_path: Path) -> None:
+    """Issue 14.9: CheckpointHook(lock_timeout=...) fails the save with a TimeoutError naming
+    the process that holds the root's lock, instead of waiting silently forever."""
+    from fastckpt import CheckpointHook, OptimizerConfig, TrainingStrategy
+
+    root = tmp_path / "root"
+    save_at(root, trained(1), -1)
+    process, conn = crash_harness.start(crash_harness.hold_root_lock, str(root))
+    try:
+        assert conn.poll(60) and conn.recv_bytes() == b"locked"
+        holder = f"pid {process.pid} on host {socket.gethostname()}"
+        hook = CheckpointHook(root, step_interval=1, async_save=False, lock_timeout=0.5)
+        strategy = TrainingStrategy(
+            nn.Linear(2, 1),
+            OptimizerConfig(torch.optim.SGD, {"lr": 0.1}),
+            training_fn=lambda model, batch: model(batch).square().mean(),
+            hooks=[hook],
+            num_steps=1,
+        )
+        with pytest.raises(TimeoutError, match=f"{holder} holds"):
+            strategy.run([torch.ones(4, 2)])
+    finally:
+        process.kill()
+        process.join()
+    assert sorted(Manifest.load(root).entries) == [0]
+    with pytest.raises(ValueError, match="lock_timeout"):
+        CheckpointHook(root, step_interval=1, lock_timeout=-1)
+
+
 def test_prune_deletes_a_symlinked_index_and_what_it_points_to_in_the_root(
     tmp_path: Path,
 ) -> None:

@@ -59,6 +59,9 @@ class CheckpointHook:
         wait_timeout_secs: how long a save waits for the previous background write (None:
             as long as it takes); a write still running then raises ``TimeoutError`` and stays
             tracked, its outcome reported by a later save or by ``close``.
+        lock_timeout: how long a save or ``keep_last`` prune waits for another process that
+            holds the root's lock (who holds it is logged after a second); then the save fails
+            with ``TimeoutError`` naming the holder. None (default) waits as long as it takes.
 
     Attributes:
         last_checkpoint_index: newest index known to be committed (async: updated when the
@@ -83,6 +86,7 @@ class CheckpointHook:
         save_last: bool = True,
         incremental: bool = True,
         storage_options: Mapping[str, Any] | None = None,
+        lock_timeout: float | None = None,
     ) -> None:
         """Validate the policy; the background writer starts when the hook is entered.
 
@@ -101,6 +105,10 @@ class CheckpointHook:
             raise ValueError(
                 f"CheckpointHook wait_timeout_secs must be > 0 or None, got {wait_timeout_secs!r}"
             )
+        if lock_timeout is not None and not lock_timeout >= 0:
+            raise ValueError(
+                f"CheckpointHook lock_timeout must be >= 0 or None, got {lock_timeout!r}"
+            )
         if (step_interval is None) == (epoch_interval is None):
             raise ValueError("CheckpointHook needs exactly one of step_interval or epoch_interval")
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -109,6 +117,7 @@ class CheckpointHook:
         self.async_save = async_save
         self.rank_zero_only = rank_zero_only
         self.keep_last = keep_last
+        self.lock_timeout = lock_timeout
         if not isinstance(save_last, bool):
             raise TypeError(f"CheckpointHook save_last must be a bool, got {save_last!r}")
         self.save_last = save_last
@@ -285,7 +294,10 @@ class CheckpointHook:
         from fastckpt.sharded_training import remove_sharded
 
         if self.keep_last is not None:
-            remove_sharded(self.checkpoint_dir, prune_indices(self.checkpoint_dir, self.keep_last))
+            remove_sharded(
+                self.checkpoint_dir,
+                prune_indices(self.checkpoint_dir, self.keep_last, lock_timeout=self.lock_timeout),
+            )
 
     def _stage(self, snapshot: Snapshot, *, only_volatile: bool) -> None:
         """Replace the snapshot's tensors with staged copies (volatile ones or the rest)."""
@@ -297,9 +309,9 @@ class CheckpointHook:
         )
 
     def _write(self, snapshot: Snapshot) -> int:
-        index = write_snapshot(self.checkpoint_dir, snapshot)
+        index = write_snapshot(self.checkpoint_dir, snapshot, lock_timeout=self.lock_timeout)
         if self.keep_last is not None:
-            prune_indices(self.checkpoint_dir, self.keep_last)
+            prune_indices(self.checkpoint_dir, self.keep_last, lock_timeout=self.lock_timeout)
         return index
 
 
