@@ -38,10 +38,6 @@ class SaveOnly:
         return {}
 
 
-def no_merge(template: Any, value: Any, path: str, strict: bool) -> Any:
-    raise AssertionError(f"plain merge called for {path}")
-
-
 def trained(seed: int = 0, steps: int = 3) -> tuple[Any, Any, Any, Counter]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
@@ -106,7 +102,7 @@ def test_restore_loads_objects_in_place_through_load_state_dict() -> None:
     target = trained(seed=2, steps=0)  # fresh: the optimizer has no state yet
     saved = prepare_save(list(source), "")
     saved = [tree_clone(item) for item in saved]
-    result = restore(list(target), saved, "run", True, no_merge)
+    result = restore(list(target), saved, "run", True)
     model, optimizer, scheduler, counter = result
     assert model is target[0] and optimizer is target[1]
     assert torch.equal(model[0].weight, source[0][0].weight)
@@ -127,12 +123,12 @@ def test_restore_refuses_mismatched_tensors_by_key_path() -> None:
     model = torch.nn.Linear(4, 2)
     state = tree_clone(prepare_save(torch.nn.Linear(4, 3), ""))
     with pytest.raises(CheckpointMismatchError, match=r"model\.weight: .*shape \(2, 4\)"):
-        restore({"model": model}, {"model": state}, "", False, no_merge)
+        restore({"model": model}, {"model": state}, "", False)
     half = tree_clone(prepare_save(torch.nn.Linear(4, 2).half(), ""))
     with pytest.raises(CheckpointMismatchError, match=r"model\.weight: .*float16"):
-        restore({"model": model}, {"model": half}, "", False, no_merge)
+        restore({"model": model}, {"model": half}, "", False)
     with pytest.raises(CheckpointMismatchError, match=r"(?s)model: .*load_state_dict.*Missing"):
-        restore({"model": model}, {"model": {"weight": torch.zeros(2, 4)}}, "", False, no_merge)
+        restore({"model": model}, {"model": {"weight": torch.zeros(2, 4)}}, "", False)
 
 
 # --------------------------------------------------------------------------- through the manager

@@ -533,7 +533,7 @@ class CheckpointManager:
                     result[key] = into[key]
                 continue
             template = None if into is None else into[key]
-            result[key] = restore(template, values[key], key, strict, _merge)
+            result[key] = restore(template, values[key], key, strict)
         log_throughput("loaded", str(directory), record["files"].values(), start)
         return result
 
@@ -559,7 +559,7 @@ class CheckpointManager:
             if template is None:
                 result[key] = _to_location(value, map_location)
             elif contains_stateful(template):
-                result[key] = restore(template, value, key, strict, _merge)
+                result[key] = restore(template, value, key, strict)
             else:
                 result[key] = value  # the template itself, filled in place
         return result
@@ -655,56 +655,3 @@ def _load_checked_item(
             f"{where}: field 'skeleton' is malformed ({type(err).__name__}: {err}); the "
             "checkpoint was edited or is damaged"
         ) from err
-
-
-def _merge(template: Any, value: Any, path: str, strict: bool) -> Any:
-    """Apply a loaded value to a template (see :meth:`CheckpointManager.load`)."""
-    if template is None:
-        return value
-    if isinstance(template, torch.Tensor):
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointMismatchError(
-                f"{path}: expected a tensor, found {type(value).__name__}"
-            )
-        if template.dtype != value.dtype or template.shape != value.shape:
-            raise CheckpointMismatchError(
-                f"{path}: template has dtype {template.dtype} shape {tuple(template.shape)}, "
-                f"checkpoint has dtype {value.dtype} shape {tuple(value.shape)}; no implicit "
-                "cast or broadcast is done: fix the template or convert after loading"
-            )
-        with torch.no_grad():
-            template.copy_(value)
-        return template
-    if isinstance(template, Mapping):
-        if not isinstance(value, Mapping):
-            raise CheckpointMismatchError(
-                f"{path}: expected a mapping, found {type(value).__name__}"
-            )
-        merged = dict(template)
-        for key, sub in template.items():
-            if key in value:
-                merged[key] = _merge(sub, value[key], tree.join_path(path, key), strict)
-            elif strict:
-                raise CheckpointMismatchError(f"{tree.join_path(path, key)}: missing in checkpoint")
-        if isinstance(template, dict):
-            template.update(merged)
-            return template
-        return merged
-    if isinstance(template, (list, tuple)):
-        if not isinstance(value, (list, tuple)):
-            raise CheckpointMismatchError(
-                f"{path}: expected a sequence, found {type(value).__name__}"
-            )
-        items = []
-        for i, sub in enumerate(template):
-            if i < len(value):
-                items.append(_merge(sub, value[i], tree.join_path(path, i), strict))
-            elif strict:
-                raise CheckpointMismatchError(f"{tree.join_path(path, i)}: missing in checkpoint")
-            else:
-                items.append(sub)
-        if isinstance(template, list):
-            template[:] = items
-            return template
-        return tuple(items)
-    return value

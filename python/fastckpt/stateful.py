@@ -10,13 +10,13 @@ scheduler, a user class - may stand anywhere in a saved state or in a load templ
   would otherwise silently ignore;
 * :func:`restore` loads a value into a template: each stateful object gets
   ``load_state_dict()`` with the loaded state, after the tensors the object currently holds
-  were checked against it (dtype and shape, by key path); everything else goes to the plain
-  template merge the caller passes in.
+  were checked against it (dtype and shape, by key path); tensors elsewhere in the template
+  are filled in place, mappings and sequences are walked (the manager's one template merge).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -35,7 +35,6 @@ __all__ = [
 
 _SCALARS = (bool, int, float, str, type(None))
 _KEY_TYPES = (str, int, float, bool, type(None))
-Merge = Callable[[Any, Any, str, bool], Any]
 
 
 @runtime_checkable
@@ -190,19 +189,22 @@ def _load_into(obj: Any, value: Any, path: str) -> Any:
     return obj
 
 
-def restore(template: Any, value: Any, path: str, strict: bool, merge: Merge) -> Any:
+def restore(template: Any, value: Any, path: str, strict: bool) -> Any:
     """Load ``value`` into ``template`` (see the module docstring).
+
+    A ``None`` template takes the loaded value; a tensor template gets the loaded tensor
+    copied in (same dtype and shape, no implicit cast or broadcast); mappings, lists and
+    tuples are walked key by key; any other template value is replaced by the loaded one.
 
     Args:
         template: the template (checked with :func:`check_template` beforehand).
         value: the loaded value (as :func:`fastckpt.tree.unflatten` returns it).
         path: key path of ``template``, for messages.
         strict: raise on template keys the checkpoint lacks.
-        merge: ``merge(template, value, path, strict)``, the plain template merge applied to
-            subtrees without stateful objects (the manager's).
 
     Returns:
-        The template, updated (the same stateful objects, dicts and lists, restored in place).
+        The template, updated (the same stateful objects, tensors, dicts and lists, restored
+        in place).
 
     Raises:
         CheckpointMismatchError: a dtype/shape mismatch, a structure mismatch, a key missing
@@ -210,8 +212,10 @@ def restore(template: Any, value: Any, path: str, strict: bool, merge: Merge) ->
     """
     if is_stateful(template):
         return _load_into(template, value, path)
-    if not contains_stateful(template):
-        return merge(template, value, path, strict)
+    if template is None:
+        return value
+    if isinstance(template, torch.Tensor):
+        return _copy_tensor(template, value, path)
     if isinstance(template, Mapping):
         if not isinstance(value, Mapping):
             raise CheckpointMismatchError(
@@ -221,13 +225,15 @@ def restore(template: Any, value: Any, path: str, strict: bool, merge: Merge) ->
         for key, sub in template.items():
             where = tree.join_path(path, key)
             if key in value:
-                merged[key] = restore(sub, value[key], where, strict, merge)
+                merged[key] = restore(sub, value[key], where, strict)
             elif strict:
                 raise CheckpointMismatchError(f"{where}: missing in checkpoint")
         if isinstance(template, dict):
             template.update(merged)
             return template
         return merged
+    if not isinstance(template, (list, tuple)):
+        return value
     if not isinstance(value, (list, tuple)):
         raise CheckpointMismatchError(
             f"{path or '<root>'}: expected a sequence, found {type(value).__name__}"
@@ -236,7 +242,7 @@ def restore(template: Any, value: Any, path: str, strict: bool, merge: Merge) ->
     for i, sub in enumerate(template):
         where = tree.join_path(path, i)
         if i < len(value):
-            items.append(restore(sub, value[i], where, strict, merge))
+            items.append(restore(sub, value[i], where, strict))
         elif strict:
             raise CheckpointMismatchError(f"{where}: missing in checkpoint")
         else:
@@ -245,3 +251,21 @@ def restore(template: Any, value: Any, path: str, strict: bool, merge: Merge) ->
         template[:] = items
         return template
     return tuple(items)
+
+
+def _copy_tensor(template: torch.Tensor, value: Any, path: str) -> torch.Tensor:
+    """Copy a loaded tensor into a tensor template of the same dtype and shape."""
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointMismatchError(
+            f"{path or '<root>'}: expected a tensor, found {type(value).__name__}"
+        )
+    if template.dtype != value.dtype or template.shape != value.shape:
+        raise CheckpointMismatchError(
+            f"{path or '<root>'}: template has dtype {template.dtype} shape "
+            f"{tuple(template.shape)}, checkpoint has dtype {value.dtype} shape "
+            f"{tuple(value.shape)}; no implicit cast or broadcast is done: fix the template "
+            "or convert after loading"
+        )
+    with torch.no_grad():
+        template.copy_(value)
+    return template
