@@ -49,8 +49,7 @@ from fastckpt import _native, tree
 from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
 from fastckpt.staging import StagerOptions, background_executor, make_stager, stage_groups
 from fastckpt.store.commit import DirectoryWriter
-from fastckpt.store.paths import safe_join
-from fastckpt.store.reader import read_json, read_tensor_file
+from fastckpt.store.reader import read_manager_item
 from fastckpt.store.records import COMMIT_RECORD, commit_record, read_commit_record
 
 __all__ = ["AsyncFastCheckpointIO", "FastCheckpointIO", "load_lightning_checkpoint"]
@@ -172,22 +171,11 @@ def write_plan(
 
 
 def _load_item(directory: Path, record: Mapping[str, Any], item: str) -> Any:
-    source = str(directory / COMMIT_RECORD)
-
-    def recorded(relpath: str) -> tuple[Path, Mapping[str, int]]:
-        entry = record["files"].get(relpath)
-        if entry is None:
-            raise CheckpointFormatError(f"{directory / relpath}: not listed in {COMMIT_RECORD}")
-        return safe_join(directory, relpath), entry
-
-    document = read_json(*recorded(f"{item}.json"), source=source)
-    if not isinstance(document, Mapping) or "skeleton" not in document:
-        raise CheckpointFormatError(f"{directory / item}.json: field 'skeleton' is required")
-    tensors = read_tensor_file(*recorded(f"{item}.safetensors"), source=source)
+    skeleton, tensors = read_manager_item(directory, record, item)
     # Owned copies: views would keep the file mapped (and its disk space in use after
     # ModelCheckpoint removes it) for as long as the run keeps the optimizer state.
     owned = {name: tensor.clone() for name, tensor in tensors.items()}
-    return tree.unflatten(document["skeleton"], owned, item)
+    return tree.unflatten(skeleton, owned, item)
 
 
 class _Unpickler:
