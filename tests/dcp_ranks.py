@@ -9,8 +9,6 @@ import json
 import os
 import signal
 import sys
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import safetensors.torch
@@ -24,24 +22,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import fastckpt.dcp
-from dcp_support import build_model, compare, full_state, train_step
+from dcp_support import build_model, compare, full_state, setup_rank, train_step
 from training_support import leave_process_group
 
 BLOCK_BYTES = 1024  # small verification blocks, so resharded reads can skip most of a chunk
-
-
-def _setup() -> tuple[Path, int, int]:
-    root, rank, rendezvous = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    world = int(sys.argv[4]) if len(sys.argv) > 4 else 2
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{rendezvous}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-    return root, rank, world
 
 
 def _sharded(world: int) -> tuple[DeviceMesh, nn.Module, torch.optim.Optimizer]:
@@ -67,7 +51,7 @@ def _state(mesh: DeviceMesh, model: nn.Module, optimizer: Any, extra: dict[str, 
 def save_fsdp() -> None:
     """Train 2 steps on FSDP2 + AdamW, dcp.save to ROOT/sync; one more step, dcp.async_save
     to ROOT/async and train on while it uploads. Rank 0 writes the gathered full states."""
-    root, rank, world = _setup()
+    root, rank, world = setup_rank()
     mesh, model, optimizer = _sharded(world)
     losses = [train_step(model, optimizer, step) for step in range(2)]
     extra = {"step": 2, "tag": "run-1", "loss": losses[-1], "blob": io.BytesIO(b"\x00raw\xff")}
@@ -108,7 +92,7 @@ def save_fsdp() -> None:
 def load_fsdp() -> None:
     """Load ROOT/sync into an FSDP2 model on WORLD ranks, compare the gathered state with the
     saved one bitwise, then take the next training step and compare with the original run."""
-    root, rank, world = _setup()
+    root, rank, world = setup_rank()
     mesh, model, optimizer = _sharded(world)
     extra = {"step": 0, "tag": "", "loss": 0.0, "blob": io.BytesIO()}
     state = _state(mesh, model, optimizer, extra)
@@ -155,7 +139,7 @@ def load_fsdp() -> None:
 def torn_save() -> None:
     """Commit one save to ROOT, then start a second where rank 1 is SIGKILLed after writing its
     files and before the commit. Rank 0 reports how its save ended."""
-    root, rank, _ = _setup()
+    root, rank, _ = setup_rank()
     dcp.save({f"r{rank}": torch.full((64, 3), 1.0)}, storage_writer=fastckpt.dcp.Writer(root))
     dist.barrier()
 

@@ -1,15 +1,18 @@
 """Importable pieces for the sharded (DCP) tests: the model, its flat full state, and an
-N-rank launcher that reports each rank's exit (rank scripts live in ``dcp_ranks.py``)."""
+N-rank launcher that reports each rank's exit (rank scripts live in ``dcp_ranks.py`` and
+``sharded_ranks.py``, which start their process group with :func:`setup_rank`)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -57,14 +60,20 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
 
 
 def launch(
-    function: str, checkpoint: Path, world: int, *args: str, timeout: float = 240
+    function: str,
+    checkpoint: Path,
+    world: int,
+    *args: str,
+    ranks: str = "dcp_ranks",
+    timeout: float = 240,
 ) -> list[tuple[int, str, str]]:
-    """Run ``dcp_ranks.<function>`` as ranks ``0..world-1`` (gloo, file rendezvous next to
-    ``checkpoint``); returns ``(returncode, stdout, stderr)`` per rank, whatever they were."""
+    """Run ``<ranks>.<function>`` (``ranks``: the rank-script module, ``dcp_ranks`` or
+    ``sharded_ranks``) as ranks ``0..world-1`` (gloo, file rendezvous next to ``checkpoint``);
+    returns ``(returncode, stdout, stderr)`` per rank, whatever they were."""
     env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
     rendezvous = checkpoint.parent / f"rendezvous-{function}-{world}-{os.getpid()}"
     rendezvous.unlink(missing_ok=True)
-    code = f"import dcp_ranks; dcp_ranks.{function}()"
+    code = f"import {ranks}; {ranks}.{function}()"
     procs = [
         subprocess.Popen(
             [
@@ -93,6 +102,23 @@ def launch(
             out, err = proc.communicate()
         results.append((proc.returncode, out, err))
     return results
+
+
+def setup_rank() -> tuple[Path, int, int]:
+    """In a rank started by :func:`launch`: join the gloo process group named by the command
+    line (``CHECKPOINT RANK RENDEZVOUS [WORLD]``, world 2 when absent); returns
+    ``(checkpoint, rank, world)``."""
+    root, rank, rendezvous = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    world = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    return root, rank, world
 
 
 def check_ok(results: list[tuple[int, str, str]]) -> list[str]:

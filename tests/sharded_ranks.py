@@ -1,14 +1,11 @@
-"""Rank scripts of the sharded CheckpointManager / TrainingStrategy tests, run by :func:`launch`
-as ``python -c "import sharded_ranks; sharded_ranks.NAME()" CHECKPOINT RANK RENDEZVOUS WORLD``
+"""Rank scripts of the sharded CheckpointManager / TrainingStrategy tests, run by
+``dcp_support.launch(..., ranks="sharded_ranks")`` as
+``python -c "import sharded_ranks; sharded_ranks.NAME()" CHECKPOINT RANK RENDEZVOUS WORLD``
 with a real gloo process group on CPU (FSDP2 models from ``dcp_support``)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,65 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import fastckpt
-from dcp_support import batch, build_model, compare, full_state, train_step
+from dcp_support import batch, build_model, compare, full_state, setup_rank, train_step
 from training_support import leave_process_group
-
-TESTS = Path(__file__).resolve().parent
-
-
-def launch(
-    function: str, checkpoint: Path, world: int, timeout: float = 240
-) -> list[tuple[int, str, str]]:
-    """Run ``sharded_ranks.<function>`` as ranks ``0..world-1``; ``(returncode, stdout,
-    stderr)`` per rank."""
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
-    rendezvous = checkpoint.parent / f"rendezvous-{function}-{world}-{os.getpid()}"
-    rendezvous.unlink(missing_ok=True)
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                f"import sharded_ranks; sharded_ranks.{function}()",
-                str(checkpoint),
-                str(rank),
-                str(rendezvous),
-                str(world),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for rank in range(world)
-    ]
-    results: list[tuple[int, str, str]] = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        results.append((proc.returncode, out, err))
-    return results
-
-
-def _setup() -> tuple[Path, int, int]:
-    root, rank, rendezvous, world = (
-        Path(sys.argv[1]),
-        int(sys.argv[2]),
-        sys.argv[3],
-        int(sys.argv[4]),
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{rendezvous}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-    return root, rank, world
 
 
 def shard(model: nn.Module) -> nn.Module:
@@ -113,7 +53,7 @@ def manager_save() -> None:
     """Train 2 steps (FSDP2 + AdamW), save through a sync manager to ROOT/sync; train one
     more, save through an async manager to ROOT/async and train on (under lock()) while it
     uploads. Rank 0 writes the gathered references and the losses."""
-    root, rank, _ = _setup()
+    root, rank, _ = setup_rank()
     model, optimizer = _sharded()
     losses = [train_step(model, optimizer, step) for step in range(2)]
     report: dict[str, Any] = {}
@@ -161,7 +101,7 @@ def manager_load() -> None:
     """On WORLD ranks: load ROOT/sync and ROOT/async through the manager into FSDP2
     get_state_dict templates (resharded in place), compare with the references bitwise,
     check the typed errors, and take the next training step."""
-    root, rank, _ = _setup()
+    root, rank, _ = setup_rank()
     report: dict[str, Any] = {"rank": rank}
     manager = fastckpt.CheckpointManager()
     for name in ("sync", "async"):
@@ -247,7 +187,7 @@ class Recorder:
 
 def strategy_train() -> None:
     """FSDP2 + AdamW + StepLR for 6 steps with a CheckpointHook every 2 steps (keep_last=2)."""
-    root, rank, _ = _setup()
+    root, rank, _ = setup_rank()
     torch.manual_seed(0)
     recorder = Recorder(root.parent, save_at=(3, 4, 6))
     hook = fastckpt.CheckpointHook(root, step_interval=2, keep_last=2)  # async (default)
@@ -273,7 +213,7 @@ def strategy_train() -> None:
 def strategy_resume() -> None:
     """Rebuild the strategy from index 1 (step 4) with parallelize=shard on WORLD ranks, check
     the gathered state against the reference, and train on to step 6."""
-    root, rank, _ = _setup()
+    root, rank, _ = setup_rank()
     recorder = Recorder(root.parent)
     strategy = fastckpt.TrainingStrategy.load_checkpoint(
         root, 1, hooks=[recorder], training_fn=training_fn, parallelize=shard

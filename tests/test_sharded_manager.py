@@ -15,16 +15,15 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import fastckpt
-from dcp_support import build_model, check_ok, compare, full_state, train_step
+from dcp_support import build_model, check_ok, compare, full_state, launch, train_step
 from fastckpt.dcp import RECORD_NAME, is_sharded_checkpoint
-from sharded_ranks import launch
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     root = tmp_path_factory.mktemp("sharded-manager") / "ckpt"
     root.mkdir()
-    outputs = check_ok(launch("manager_save", root, 2))
+    outputs = check_ok(launch("manager_save", root, 2, ranks="sharded_ranks"))
     return root, json.loads(outputs[0].strip().splitlines()[-1])
 
 
@@ -84,7 +83,7 @@ def test_sharded_manager_checkpoint_loads_on_three_ranks_resharded(
     root, report = saved
     reports = [
         json.loads(out.strip().splitlines()[-1])
-        for out in check_ok(launch("manager_load", root, 3))
+        for out in check_ok(launch("manager_load", root, 3, ranks="sharded_ranks"))
     ]
     rank0 = reports[0]
     assert rank0["sync_bad"] == [] and rank0["async_bad"] == []

@@ -12,9 +12,9 @@ import safetensors.torch
 import torch
 
 import fastckpt
-from dcp_support import check_ok
+from dcp_support import check_ok, launch
 from fastckpt.dcp import is_sharded_checkpoint
-from sharded_ranks import Recorder, launch, loader, training_fn
+from sharded_ranks import Recorder, loader, training_fn
 
 
 def _reports(results: list[tuple[int, str, str]]) -> list[dict[str, Any]]:
@@ -24,7 +24,7 @@ def _reports(results: list[tuple[int, str, str]]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
     root = tmp_path_factory.mktemp("sharded-strategy") / "run"
-    reports = _reports(launch("strategy_train", root, 2))
+    reports = _reports(launch("strategy_train", root, 2, ranks="sharded_ranks"))
     assert reports[0]["losses"] == reports[1]["losses"]
     # every rank took part in every save: async every 2 steps, sync at steps 3 and 6
     assert [r["last"] for r in reports] == [[2, 1], [2, 1]]
@@ -50,7 +50,7 @@ def test_resume_on_one_rank_with_parallelize_continues_bitwise(
     trained: tuple[Path, list[float]],
 ) -> None:
     root, losses = trained
-    report = _reports(launch("strategy_resume", root, 1))[0]
+    report = _reports(launch("strategy_resume", root, 1, ranks="sharded_ranks"))[0]
     assert report["sharded"] and report["step"] == 4
     assert report["loaded_bad"] == []  # gathered state == the 2-rank run's at step 4
     assert report["losses"] == losses[4:]  # identical gradients averaged over 2 ranks: exact
@@ -63,7 +63,7 @@ def test_resume_on_three_ranks_with_parallelize_reshards_and_trains_on(
     trained: tuple[Path, list[float]],
 ) -> None:
     root, losses = trained
-    reports = _reports(launch("strategy_resume", root, 3))
+    reports = _reports(launch("strategy_resume", root, 3, ranks="sharded_ranks"))
     rank0 = reports[0]
     assert all(r["step"] == 4 and r["sharded"] for r in reports)
     assert rank0["loaded_bad"] == []
