@@ -70,8 +70,9 @@ FileRecord = dict[str, int]
 #: Hidden siblings of a directory being written / set aside (``.tmp-<name>~<pid>~<host>~<rnd>``).
 TEMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
-#: The Rust core's temporary name for an atomic file replacement: ``.<name>.fastckpt-tmp.<...>``.
-ATOMIC_TEMP_INFIX = ".fastckpt-tmp."
+#: The Rust core's temporary name for an atomic file replacement: ``.<name>.fastckpt-tmp.<...>``
+#: (the marker is defined once, in the core's ``replace`` module).
+ATOMIC_TEMP_INFIX = _native.TEMP_MARKER
 #: The largest commit record or JSON document fastckpt reads whole (a hostile file cannot make
 #: it read without bound).
 MAX_RECORD_BYTES = 1 << 30
