@@ -8,9 +8,10 @@ whole life, so :meth:`S3Server.stop` can take the listener down (connections ref
 ones cut) and :meth:`S3Server.start` bring it back on the same port with every object intact:
 a server outage that loses nothing, as a real store's would.
 
-Tests get a server from the :func:`s3_server` fixture (one per test module) and a fresh
-``s3://`` URL per test from :func:`s3_root`. No part of a client library is mocked: every
-byte goes through HTTP to moto's S3 implementation.
+Tests get a server from the :func:`s3_server` fixture (one per test module), a fresh
+``s3://`` URL per test from :func:`s3_root`, and the standard AWS variables pointing at the
+server (in a scratch working directory) from :func:`s3_env`. No part of a client library is
+mocked: every byte goes through HTTP to moto's S3 implementation.
 """
 
 from __future__ import annotations
@@ -143,6 +144,27 @@ def s3_server() -> Iterator[S3Server]:
 def s3_root(s3_server: S3Server) -> str:
     """A fresh ``s3://`` URL (a unique prefix in the server's bucket) for one test."""
     return s3_server.url(f"t-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def s3_env(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[dict[str, str]]:
+    """The server reached through the standard AWS variables, in a scratch working dir."""
+    monkeypatch.chdir(tmp_path)
+    env = {
+        "AWS_ENDPOINT_URL": s3_server.endpoint,
+        "AWS_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": s3_server.access_key_id,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_access_key,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    yield env
+    # Nothing of an s3:// path may have gone to the local filesystem (Path("s3://b") is
+    # the relative path s3:/b).
+    assert not (tmp_path / "s3:").exists(), sorted(p.name for p in tmp_path.iterdir())
 
 
 # --------------------------------------------------------------------------- saver processes

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,32 +35,12 @@ from s3_support import (
     SaverFactory,
     front_door_model,
     front_door_tensor,
+    s3_env,
     s3_root,
     s3_server,
 )
 
-__all__ = ["s3_root", "s3_server"]  # fixtures used by name below
-
-
-@pytest.fixture
-def s3_env(
-    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[dict[str, str]]:
-    """The server reached through the standard AWS variables, in a scratch working dir."""
-    monkeypatch.chdir(tmp_path)
-    env = {
-        "AWS_ENDPOINT_URL": s3_server.endpoint,
-        "AWS_REGION": "us-east-1",
-        "AWS_ACCESS_KEY_ID": s3_server.access_key_id,
-        "AWS_SECRET_ACCESS_KEY": s3_server.secret_access_key,
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    yield env
-    # Nothing of an s3:// path may have gone to the local filesystem (Path("s3://b") is
-    # the relative path s3:/b).
-    assert not (tmp_path / "s3:").exists(), sorted(p.name for p in tmp_path.iterdir())
+__all__ = ["s3_env", "s3_root", "s3_server"]  # fixtures used by name below
 
 
 def _keys(server: S3Server, url: str) -> list[str]:

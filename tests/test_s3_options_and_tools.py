@@ -26,28 +26,9 @@ from fastckpt.store.s3errors import (
     StorageOptionsError,
     UnsupportedOnObjectStoreError,
 )
-from s3_support import S3Server, s3_root, s3_server
+from s3_support import S3Server, s3_env, s3_root, s3_server
 
-__all__ = ["s3_root", "s3_server"]  # fixtures used by name below
-
-
-@pytest.fixture
-def s3_env(
-    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[dict[str, str]]:
-    """The server reached through the standard AWS variables, in a scratch working dir."""
-    monkeypatch.chdir(tmp_path)
-    env = {
-        "AWS_ENDPOINT_URL": s3_server.endpoint,
-        "AWS_REGION": "us-east-1",
-        "AWS_ACCESS_KEY_ID": s3_server.access_key_id,
-        "AWS_SECRET_ACCESS_KEY": s3_server.secret_access_key,
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    yield env
-    assert not (tmp_path / "s3:").exists(), sorted(p.name for p in tmp_path.iterdir())
+__all__ = ["s3_env", "s3_root", "s3_server"]  # fixtures used by name below
 
 
 @pytest.fixture
