@@ -88,9 +88,10 @@ _NAMES = {
 }
 _MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
 
-#: Subpackages imported on first attribute access (``fastckpt.dcp``): DCP pulls in
-#: torch.distributed.checkpoint, which most users of the package never need.
-_LAZY_SUBMODULES = ("dcp", "integrations")
+#: Submodules imported on first attribute access (``fastckpt.dcp``, the extension
+#: ``fastckpt._native``): DCP pulls in torch.distributed.checkpoint, which most users of the
+#: package never need.
+_LAZY_SUBMODULES = ("_native", "dcp", "integrations")
 
 
 def __getattr__(name: str) -> Any:
