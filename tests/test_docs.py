@@ -48,6 +48,7 @@ REQUIRED = [
     "object-storage.md",
     "lazy-reads.md",
     "lightning.md",
+    "incremental.md",
 ]
 
 
