@@ -10,8 +10,9 @@ a server outage that loses nothing, as a real store's would.
 
 Tests get a server from the :func:`s3_server` fixture (one per test module), a fresh
 ``s3://`` URL per test from :func:`s3_root`, and the standard AWS variables pointing at the
-server (in a scratch working directory) from :func:`s3_env`. No part of a client library is
-mocked: every byte goes through HTTP to moto's S3 implementation.
+server (in a scratch working directory) from :func:`s3_env`, or none of them from
+:func:`no_aws_env`. No part of a client library is mocked: every byte goes through HTTP to
+moto's S3 implementation.
 """
 
 from __future__ import annotations
@@ -164,6 +165,20 @@ def s3_env(
     yield env
     # Nothing of an s3:// path may have gone to the local filesystem (Path("s3://b") is
     # the relative path s3:/b).
+    assert not (tmp_path / "s3:").exists(), sorted(p.name for p in tmp_path.iterdir())
+
+
+@pytest.fixture
+def no_aws_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No AWS variable and no AWS config file: only options given per call reach a server."""
+    monkeypatch.chdir(tmp_path)
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    yield
     assert not (tmp_path / "s3:").exists(), sorted(p.name for p in tmp_path.iterdir())
 
 

@@ -35,12 +35,13 @@ from s3_support import (
     SaverFactory,
     front_door_model,
     front_door_tensor,
+    no_aws_env,
     s3_env,
     s3_root,
     s3_server,
 )
 
-__all__ = ["s3_env", "s3_root", "s3_server"]  # fixtures used by name below
+__all__ = ["no_aws_env", "s3_env", "s3_root", "s3_server"]  # fixtures used by name below
 
 
 def _keys(server: S3Server, url: str) -> list[str]:
@@ -297,17 +298,10 @@ def test_sigkilled_front_door_saves_to_s3_never_break_the_committed_checkpoints(
 
 
 def test_configure_storage_options_for_a_prefix_override_the_environment(
-    s3_server: S3Server, s3_root: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    s3_server: S3Server, s3_root: str, no_aws_env: None, tmp_path: Path
 ) -> None:
     """With no AWS variables at all, options configured for the root's prefix reach the
     server; wrong credentials configured for a longer prefix are a typed error naming it."""
-    monkeypatch.chdir(tmp_path)
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     options = s3_server.options()
     configure_storage(s3_root, endpoint_url=options["endpoint_url"], region="us-east-1")
     configure_storage(

@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,23 +25,9 @@ from fastckpt.store.s3errors import (
     StorageOptionsError,
     UnsupportedOnObjectStoreError,
 )
-from s3_support import S3Server, s3_env, s3_root, s3_server
+from s3_support import S3Server, no_aws_env, s3_env, s3_root, s3_server
 
-__all__ = ["s3_env", "s3_root", "s3_server"]  # fixtures used by name below
-
-
-@pytest.fixture
-def no_aws_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No AWS variable and no AWS config file: only options given per call reach a server."""
-    monkeypatch.chdir(tmp_path)
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    yield
-    assert not (tmp_path / "s3:").exists(), sorted(p.name for p in tmp_path.iterdir())
+__all__ = ["no_aws_env", "s3_env", "s3_root", "s3_server"]  # fixtures used by name below
 
 
 def _cli(env: dict[str, str], *command: str) -> subprocess.CompletedProcess[str]:
