@@ -27,7 +27,8 @@ from fastckpt.store.backend import TEMP_PREFIX
 from fastckpt.store.dispatch import backend_for, is_object_url
 from fastckpt.store.locate import KIND_NAMES
 from fastckpt.store.lock import LOCK_FILE, lock_holder
-from fastckpt.store.records import COMMIT_RECORD, MANIFEST, read_commit_record
+from fastckpt.store.records import COMMIT_RECORD, MANIFEST, Manifest, read_commit_record
+from fastckpt.store.refs import referenced_indices
 
 # --------------------------------------------------------------------------- the root lock
 
@@ -130,6 +131,14 @@ def _size(directory: Path) -> int:
 # --------------------------------------------------------------------------- fastckpt prune
 
 
+def _referenced_by(root: Path | str, kept: list[int]) -> set[int]:
+    """Indices whose bytes the kept indices of ``root`` reference (incremental saves)."""
+    if not kept:
+        return set()
+    manifest = Manifest.load(root, verify_checksum=True)
+    return referenced_indices(manifest, [i for i in kept if i in manifest.entries])
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
     """``fastckpt prune ROOT --keep-last N [--dry-run] [--lock-timeout S]``."""
     children = manager_children(args.root)
@@ -158,7 +167,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 "--lock-timeout"
             ) from err
     kept = [i for i in indices if i not in doomed]
-    freed = sum(sizes[i] for i in doomed)
+    # A pruned index whose bytes a kept incremental index references is retained
+    # (ROOT/.ref-<index>), so its bytes are not freed.
+    retained = sorted(_referenced_by(location.path, kept) & set(doomed))
+    freed = sum(sizes[i] for i in doomed if i not in retained)
     if args.json:
         print_json(
             {
@@ -167,11 +179,17 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 "dry_run": args.dry_run,
                 "deleted": doomed,
                 "kept": kept,
+                "retained_for_references": retained,
                 "freed_bytes": freed,
             }
         )
         return EXIT_OK
     kept_text = ", ".join(str(i) for i in kept) or "-"
+    if retained:
+        kept_text += (
+            f" (the bytes of index(es) {', '.join(str(i) for i in retained)} stay as "
+            "references of kept incremental saves)"
+        )
     if not doomed:
         print(f"nothing to delete: {len(indices)} index(es), keeping the last {args.keep_last}")
     elif args.dry_run:
