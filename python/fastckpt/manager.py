@@ -10,6 +10,12 @@ Async saves stage a snapshot into reusable host buffers (:mod:`fastckpt.staging`
 single background thread writes it through the Rust core with the GIL released. Hold
 :meth:`CheckpointManager.lock` around code that mutates the state (the optimizer step): it
 blocks only while a capture is in progress.
+
+Saves are incremental (``Config.incremental``, on by default): when the previous save of the
+manager went to the same directory or a sibling, the tensors unchanged since then are not
+written again but kept in hard links to that checkpoint's files, made inside the new one
+(``linked/``), so that every checkpoint stays self-contained (see
+:mod:`fastckpt.manager_incremental` and :mod:`fastckpt.store.links`).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from fastckpt.manager_config import (
     StrictConfig,
     SyncCheckpointSaverConfig,
 )
+from fastckpt.manager_incremental import LinkPlan, Tracker
 from fastckpt.progress import log_throughput
 from fastckpt.staging import (
     BackgroundWriter,
@@ -51,8 +58,8 @@ from fastckpt.staging import (
 from fastckpt.stateful import check_template, contains_stateful, prepare_save, restore
 from fastckpt.store.commit import DirectoryWriter
 from fastckpt.store.dispatch import use_storage_options
+from fastckpt.store.links import REFS_FIELD, Reference, read_item
 from fastckpt.store.paths import check_name
-from fastckpt.store.reader import read_manager_item
 from fastckpt.store.records import COMMIT_RECORD, commit_record, item_files, read_commit_record
 from fastckpt.store.snapshot import read_consistently
 
@@ -94,6 +101,12 @@ class _ManagerConfig(StrictConfig):
             that save like a write failure (raised by sync ``save``; for async, by the Future,
             the next ``save`` and ``close``). ``logger`` is the ``logging.Logger``
             ``"fastckpt.manager"`` (torch_checkpointing passes its EventLogger there).
+        incremental: tensors unchanged since the manager's previous save (same directory or
+            a sibling, or the ``base=`` of ``save``) are kept as hard links to that
+            checkpoint's files instead of being written again (docs/incremental.md).
+            ``False`` writes every tensor of every save. Unsharded, single-process state on
+            a local filesystem only; process groups, DTensor state and object storage are
+            always written in full.
     """
 
     items: dict[str, ItemSpec] = field(default_factory=dict)
@@ -107,6 +120,7 @@ class _ManagerConfig(StrictConfig):
     subprocess_init_args: tuple[Any, ...] = ()
     pre_finalize_callback: Callable[[str, Any], None] | None = None
     finalize_callback: Callable[[str, Any], None] | None = None
+    incremental: bool = True
 
     def _check(self, name: str, value: Any) -> None:
         expected: dict[str, tuple[type, ...]] = {
@@ -132,6 +146,8 @@ class _ManagerConfig(StrictConfig):
                 "fastckpt writes on a background thread of this process; there is no "
                 "subprocess to initialize: run the setup before building the manager",
             )
+        if name == "incremental":
+            self._need_bool(name, value)
         callbacks = ("pre_finalize_callback", "finalize_callback")
         if name in callbacks and value is not None and not callable(value):
             raise TypeError(f"Config.{name} must be callable or None, got {value!r}")
@@ -159,6 +175,7 @@ class _Snapshot:
     skeletons: dict[str, Any]
     tensors: dict[str, dict[str, torch.Tensor]]
     checkpoint_id: str = ""
+    plan: LinkPlan | None = None
 
 
 _LOGGER = logging.getLogger("fastckpt.manager")
@@ -238,6 +255,7 @@ class CheckpointManager:
             if self._async
             else None
         )
+        self._tracker = Tracker()
         self._closed = False
 
     # ------------------------------------------------------------------ context manager
@@ -265,14 +283,28 @@ class CheckpointManager:
             )
         return spec
 
-    def save(self, checkpoint_id: str | Path, state: Mapping[str, Any]) -> Future[None] | None:
+    def save(
+        self,
+        checkpoint_id: str | Path,
+        state: Mapping[str, Any],
+        *,
+        base: str | Path | None = None,
+    ) -> Future[None] | None:
         """Save ``state`` as checkpoint directory ``checkpoint_id`` (replaced atomically).
+
+        With ``Config.incremental`` (the default), the tensors unchanged since this
+        manager's previous save are hard links to that checkpoint's files when it is the
+        same directory or a sibling of ``checkpoint_id`` (or ``base``): deleting it later
+        does not affect this one (docs/incremental.md).
 
         Args:
             checkpoint_id: directory path of the checkpoint.
             state: top-level keys become files; values are nests of tensors and plain values,
                 and objects with ``state_dict()`` / ``load_state_dict()`` (modules,
                 optimizers, schedulers, your own classes), saved as their ``state_dict()``.
+            base: reference this checkpoint's unchanged tensors even when it is not a
+                sibling of ``checkpoint_id``; it must be this manager's previous save (None:
+                the previous save when it is a sibling, else a full write).
 
         Returns:
             Async: a Future resolved when the checkpoint is durable. Sync: None.
@@ -282,7 +314,8 @@ class CheckpointManager:
                 (raised once; the next save works).
             TimeoutError: the previous background write is still running after
                 ``wait_timeout_secs`` (nothing new is started; it stays tracked).
-            ValueError / KeyError / TypeError: invalid keys or values (nothing written).
+            ValueError / KeyError / TypeError: invalid keys or values, or a ``base`` that is
+                not the previous save or with ``Config.incremental`` False (nothing written).
         """
         self._check_open("save")
         use_storage_options(checkpoint_id, self._storage_options, "CheckpointManager.save")
@@ -298,7 +331,13 @@ class CheckpointManager:
         for key, spec in self.config.items.items():
             if spec.required and key not in state:
                 raise KeyError(f"required item {key!r} is missing from the saved state")
+        incremental = self.config.incremental and not self._dist.active
+        if base is not None and not self.config.incremental:
+            raise ValueError("save(base=...) needs Config.incremental = True")
+        if base is not None:
+            self._tracker.base_for(path, base)  # raises before anything is captured
         if _sharded_state(prepared):
+            self._tracker.forget()
             if self.config.pre_finalize_callback is not None:
                 raise ValueError(
                     "Config.pre_finalize_callback is not supported for sharded (DTensor) state: "
@@ -310,28 +349,52 @@ class CheckpointManager:
         for key, value in prepared.items():
             skeletons[key], tensors[key] = tree.flatten(value)
         snapshot = _Snapshot(path, skeletons, tensors, str(checkpoint_id))
+        if not incremental:
+            self._tracker.forget()
+
+        def plan() -> None:
+            # Unchanged tensors leave the snapshot here (never staged); the others are
+            # fingerprinted before they are copied.
+            if incremental:
+                snapshot.plan = self._tracker.plan(path, base, snapshot.tensors)
+
         if self._writer is None:
-            # Device tensors go through the same pinned buffers and side-stream copies as an
-            # async save (one synchronization) instead of one pageable .cpu() copy each.
-            stage_groups(
-                self._stager,
-                snapshot.tensors,
-                lambda key, name: snapshot.tensors[key][name].device.type != "cpu",
-            )
-            self._write(snapshot)
+            plan()
+            try:
+                # Device tensors go through the same pinned buffers and side-stream copies as
+                # an async save (one synchronization) instead of one pageable .cpu() copy each.
+                stage_groups(
+                    self._stager,
+                    snapshot.tensors,
+                    lambda key, name: snapshot.tensors[key][name].device.type != "cpu",
+                )
+                self._write(snapshot)
+            finally:
+                if snapshot.plan is not None:
+                    snapshot.plan.close()
             self._finalize(snapshot.checkpoint_id)
             return None
 
         def capture() -> None:
-            stage_groups(
-                self._stager, snapshot.tensors, lambda key, _: self._spec(key).requires_copy
-            )
+            plan()
+            try:
+                stage_groups(
+                    self._stager, snapshot.tensors, lambda key, _: self._spec(key).requires_copy
+                )
+            except BaseException:
+                if snapshot.plan is not None:
+                    snapshot.plan.close()
+                raise
 
         if not self._async_staging:
             self._writer.capture(capture)
 
         def write() -> None:
-            self._write(snapshot)
+            try:
+                self._write(snapshot)
+            finally:
+                if snapshot.plan is not None:
+                    snapshot.plan.close()
             self._finalize(snapshot.checkpoint_id)
 
         return self._writer.submit(
@@ -436,22 +499,47 @@ class CheckpointManager:
         start = time.perf_counter()
         final = snapshot.path
         writer = DirectoryWriter(final, direct_io=self._direct_io, threads=self._threads)
+        plan = snapshot.plan
+        refs: dict[str, dict[str, Reference]] = {}
         try:
             for key, skeleton in snapshot.skeletons.items():
+                if plan is not None:
+                    # The hard links first: a file that cannot be linked adds its tensors
+                    # to the ones written below.
+                    refs[key] = plan.link(writer, key, snapshot.tensors[key])
                 writer.add_tensors(self._tensor_file(key), snapshot.tensors[key])
                 if self._dist.rank == 0:
                     writer.add_json(f"{key}.json", {"skeleton": skeleton})
             if self.config.pre_finalize_callback is not None:
                 self.config.pre_finalize_callback(snapshot.checkpoint_id, _LOGGER)
-            self._commit(writer, list(snapshot.skeletons))
+            record_refs = {self._tensor_file(key): names for key, names in refs.items() if names}
+            self._commit(writer, list(snapshot.skeletons), record_refs)
         except BaseException:
             writer.abort()
             raise
-        log_throughput("saved", str(final), writer.files.values(), start)
+        if plan is not None:
+            # Committed: from now on the next save may link this checkpoint's files.
+            own = {key: self._tensor_file(key) for key in snapshot.skeletons}
+            try:
+                self._tracker.record(final, plan, writer.files, own, refs)
+            except OSError as err:  # e.g. the checkpoint was deleted at once
+                self._tracker.forget()
+                _LOGGER.info("%s: not tracked for incremental saves (%s)", final, err)
+        linked = set() if plan is None else set(plan.linked)
+        written = [record for relpath, record in writer.files.items() if relpath not in linked]
+        log_throughput("saved", str(final), written, start)
 
-    def _commit(self, writer: DirectoryWriter, items: list[str]) -> None:
+    def _commit(
+        self,
+        writer: DirectoryWriter,
+        items: list[str],
+        refs: Mapping[str, Mapping[str, Reference]] | None = None,
+    ) -> None:
         if not self._dist.active:
-            writer.add_json(COMMIT_RECORD, commit_record(items, writer.files, 1))
+            record = commit_record(items, writer.files, 1)
+            if refs:
+                record[REFS_FIELD] = {relpath: dict(names) for relpath, names in refs.items()}
+            writer.add_json(COMMIT_RECORD, record)
             writer.commit()
             return
         # Each rank staged its own files; rank 0 gathers the files records, adopts every
@@ -628,7 +716,7 @@ def _load_item(
 ) -> Any:
     """One item of a checkpoint: its skeleton and this rank's tensors, both verified
     (``use_mmap=False``: copied out of the file mapping)."""
-    skeleton, tensors = read_manager_item(directory, record, key, rank)
+    skeleton, tensors = read_item(directory, record, key, rank)
     if map_location is not None or not use_mmap:
         tensors = {
             name: t.to(map_location or t.device, copy=not use_mmap) for name, t in tensors.items()
