@@ -1,0 +1,496 @@
+"""CheckpointManager incremental saves: unchanged tensors are hard links to the previous
+sibling checkpoint's files (``linked/``), changed ones are written; every checkpoint stays
+loadable after its base is deleted; crashes at any moment leave committed checkpoints whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt import ChecksumMismatchError
+from fastckpt.files import read_metadata
+from fastckpt.incremental import mark_frozen
+from fastckpt.manager import CheckpointManager
+from fastckpt.store.links import check_references, read_references
+from fastckpt.store.records import read_commit_record
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _model(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    model[0].requires_grad_(False)  # the frozen backbone
+    return model
+
+
+def _linear(model: torch.nn.Sequential, index: int) -> torch.nn.Linear:
+    layer = model[index]
+    assert isinstance(layer, torch.nn.Linear)
+    return layer
+
+
+def _sync() -> CheckpointManager:
+    return CheckpointManager(CheckpointManager.Config.with_sync_save())
+
+
+def _async() -> CheckpointManager:
+    return CheckpointManager(CheckpointManager.Config.with_async_save())
+
+
+def _save(manager: CheckpointManager, path: Path, state: dict[str, object], **kw: object) -> None:
+    future = manager.save(path, state, **kw)  # type: ignore[arg-type]
+    if future is not None:
+        future.result()
+
+
+def _written(checkpoint: Path, item: str = "model") -> set[str]:
+    """The tensors the checkpoint's own item file holds."""
+    return set(read_metadata(checkpoint / f"{item}.safetensors")["tensors"])
+
+
+def _referenced(checkpoint: Path, item: str = "model") -> set[str]:
+    record = read_commit_record(checkpoint)
+    return set(read_references(record, str(checkpoint)).get(f"{item}.safetensors", {}))
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+def _assert_bitwise(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert set(loaded) == set(expected)
+    for name, tensor in expected.items():
+        assert loaded[name].dtype == tensor.dtype, name
+        assert torch.equal(loaded[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+# --------------------------------------------------------------------------- what is written
+
+
+def _in_place(model: torch.nn.Sequential) -> set[str]:
+    with torch.no_grad():
+        _linear(model, 1).weight.mul_(2)
+    return {"1.weight"}
+
+
+def _data_assignment(model: torch.nn.Sequential) -> set[str]:
+    layer = _linear(model, 1)
+    layer.weight.data = layer.weight.data.clone()  # same values, another storage
+    return {"1.weight"}
+
+
+def _optimizer_step(model: torch.nn.Sequential) -> set[str]:
+    optimizer = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    model(torch.randn(4, 64)).square().mean().backward()
+    optimizer.step()
+    return {"1.weight", "1.bias"}
+
+
+def _load_state_dict(model: torch.nn.Sequential) -> set[str]:
+    model.load_state_dict(_snapshot(model))  # equal values, copied in place: all written
+    return {"0.weight", "0.bias", "1.weight", "1.bias"}
+
+
+def _new_tensor(model: torch.nn.Sequential) -> set[str]:
+    _linear(model, 1).bias = torch.nn.Parameter(torch.zeros(8))
+    return {"1.bias"}
+
+
+CHANGES: dict[str, Callable[[torch.nn.Sequential], set[str]]] = {
+    "in_place": _in_place,
+    "data_assignment": _data_assignment,
+    "optimizer_step": _optimizer_step,
+    "load_state_dict": _load_state_dict,
+    "new_tensor": _new_tensor,
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+@pytest.mark.parametrize("make", [_sync, _async], ids=["sync", "async"])
+def test_changed_tensors_are_written_and_unchanged_ones_linked(
+    change: str, make: Callable[[], CheckpointManager], tmp_path: Path
+) -> None:
+    model = _model()
+    with make() as manager:
+        _save(manager, tmp_path / "a", {"model": model})
+        changed = CHANGES[change](model)
+        expected = _snapshot(model)
+        _save(manager, tmp_path / "b", {"model": model})
+        unchanged = set(expected) - changed
+        assert _written(tmp_path / "b") == changed
+        assert _referenced(tmp_path / "b") == unchanged
+        if unchanged:
+            # The link is the base's file itself (same inode): no byte was copied.
+            link = os.stat(tmp_path / "b" / "linked" / "model.0.safetensors")
+            assert link.st_ino == os.stat(tmp_path / "a" / "model.safetensors").st_ino
+        loaded = manager.load(tmp_path / "b")["model"]
+    _assert_bitwise(loaded, expected)
+
+
+def test_unchanged_state_writes_only_what_changed(tmp_path: Path) -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(model[1].parameters(), lr=1e-3)
+    with _sync() as manager:
+        for step in range(3):
+            model(torch.randn(4, 64)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            _save(manager, tmp_path / f"step_{step}", {"model": model, "optim": optimizer})
+        full = (tmp_path / "step_0" / "model.safetensors").stat().st_size
+        own = (tmp_path / "step_2" / "model.safetensors").stat().st_size
+        # The backbone is 64*64+64 of 64*64+64+64*8+8 floats: the rest is under 12 %.
+        assert own < full * 0.15
+        assert _referenced(tmp_path / "step_2") == {"0.weight", "0.bias"}
+        # The optimizer's moments change at every step: written every time.
+        assert _referenced(tmp_path / "step_2", "optim") == set()
+        record = read_commit_record(tmp_path / "step_2")
+        refs = read_references(record, "commit.json")["model.safetensors"]
+        for name, ref in refs.items():
+            assert ref["file"] == "linked/model.0.safetensors"
+            assert ref["name"] == name and ref["nbytes"] == ref["offsets"][1] - ref["offsets"][0]
+        assert record["files"]["linked/model.0.safetensors"]["size"] == full
+
+
+def test_mark_frozen_skips_the_version_check(tmp_path: Path) -> None:
+    model = _model()
+    mark_frozen(model[0])
+    with _sync() as manager:
+        _save(manager, tmp_path / "a", {"model": model})
+        with torch.no_grad():
+            _linear(model, 0).weight.add_(0)  # bumps the version counter, same bytes
+            _linear(model, 1).weight.add_(0)  # not marked: written
+        _save(manager, tmp_path / "b", {"model": model})
+    assert _written(tmp_path / "b") == {"1.weight"}
+    assert _referenced(tmp_path / "b") == {"0.weight", "0.bias", "1.bias"}
+
+
+def test_async_capture_does_not_stage_unchanged_tensors(tmp_path: Path) -> None:
+    model = _model()
+    with _async() as manager:
+        _save(manager, tmp_path / "a", {"model": model})
+        full = manager._stager.nbytes
+        with manager.lock(), torch.no_grad():
+            _linear(model, 1).weight.add_(1)
+        expected = _snapshot(model)
+        future = manager.save(tmp_path / "b", {"model": model})
+        # lock() waits for the capture: the checkpoint holds the state before this.
+        with manager.lock(), torch.no_grad():
+            _linear(model, 1).weight.add_(1)
+            _linear(model, 0).weight.add_(1)
+        assert future is not None
+        future.result()
+        # Only the changed tensor was copied into staging memory.
+        assert manager._stager.nbytes == _linear(model, 1).weight.numel() * 4 < full
+        loaded = manager.load(tmp_path / "b")["model"]
+    _assert_bitwise(loaded, expected)
+    assert _referenced(tmp_path / "b") == {"0.weight", "0.bias", "1.bias"}
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@pytest.mark.parametrize("make", [_sync, _async], ids=["sync", "async"])
+def test_round_trip_after_the_bases_are_deleted(
+    make: Callable[[], CheckpointManager], tmp_path: Path
+) -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model[1].parameters(), lr=0.1, momentum=0.9)
+    with make() as manager:
+        for step in range(4):
+            model(torch.randn(4, 64)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            state = {"model": model, "optim": optimizer, "step": step}
+            _save(manager, tmp_path / f"step_{step}", state)
+        expected = _snapshot(model)
+        expected_optim = optimizer.state_dict()
+        for step in range(3):
+            shutil.rmtree(tmp_path / f"step_{step}")  # what users do: no retention API
+        last = tmp_path / "step_3"
+        assert _referenced(last) == {"0.weight", "0.bias"}
+        assert fastckpt.verify(last).ok
+        assert check_references(last, read_commit_record(last)) == []
+        loaded = manager.load(last)
+        _assert_bitwise(loaded["model"], expected)
+        assert loaded["step"] == 3
+        # into=: templates filled in place, stateful objects restored.
+        fresh = _model(seed=1)
+        fresh_optim = torch.optim.SGD(fresh[1].parameters(), lr=0.1, momentum=0.9)
+        manager.load(last, into={"model": fresh, "optim": fresh_optim})
+        _assert_bitwise(_snapshot(fresh), expected)
+        buffers = fresh_optim.state_dict()["state"]
+        for index, entry in expected_optim["state"].items():
+            assert torch.equal(buffers[index]["momentum_buffer"], entry["momentum_buffer"])
+        # A partial template: only the named tensors are read.
+        part = {"0.weight": torch.empty(64, 64)}
+        manager.load(last, into={"model": part})
+        assert torch.equal(part["0.weight"], expected["0.weight"])
+        moved = manager.load(last, map_location="cpu")["model"]
+        _assert_bitwise(moved, expected)
+
+
+def test_copies_out_of_the_mapping_when_use_mmap_is_off(tmp_path: Path) -> None:
+    config = CheckpointManager.Config.with_sync_save()
+    config.load.use_mmap = False
+    model = _model()
+    with CheckpointManager(config) as manager:
+        _save(manager, tmp_path / "a", {"model": model})
+        _save(manager, tmp_path / "b", {"model": model})
+        shutil.rmtree(tmp_path / "a")
+        loaded = manager.load(tmp_path / "b")["model"]
+    _assert_bitwise(loaded, _snapshot(model))
+
+
+def test_saving_the_same_directory_again_is_incremental(tmp_path: Path) -> None:
+    model = _model()
+    with _sync() as manager:
+        for value in range(3):
+            with torch.no_grad():
+                _linear(model, 1).bias.fill_(value)
+            _save(manager, tmp_path / "latest", {"model": model})
+            if value:
+                assert _written(tmp_path / "latest") == {"1.bias"}
+        loaded = manager.load(tmp_path / "latest")["model"]
+    _assert_bitwise(loaded, _snapshot(model))
+    assert sorted(os.listdir(tmp_path)) == ["latest"]
+
+
+def test_corrupt_linked_bytes_raise_checksum_mismatch(tmp_path: Path) -> None:
+    model = _model()
+    with _sync() as manager:
+        _save(manager, tmp_path / "a", {"model": model, "step": 0})
+        with torch.no_grad():
+            _linear(model, 1).weight.add_(1)
+        _save(manager, tmp_path / "b", {"model": model, "step": 1})
+        shutil.rmtree(tmp_path / "a")
+        linked = tmp_path / "b" / "linked" / "model.0.safetensors"
+        header = read_metadata(linked)
+        begin = header["data_start"] + header["tensors"]["0.weight"]["data_offsets"][0]
+        with open(linked, "r+b") as handle:
+            handle.seek(begin + 10)
+            byte = handle.read(1)
+            handle.seek(begin + 10)
+            handle.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(ChecksumMismatchError, match=r"model\.0\.safetensors"):
+            manager.load(tmp_path / "b")
+        assert not fastckpt.verify(tmp_path / "b").ok
+        # An item that does not reference it still loads.
+        assert manager.load(tmp_path / "b", into={"step": None}) == {"step": 1}
+
+
+def test_a_missing_link_names_the_file_and_the_fix(tmp_path: Path) -> None:
+    model = _model()
+    with _sync() as manager:
+        _save(manager, tmp_path / "a", {"model": model})
+        _save(manager, tmp_path / "b", {"model": model})
+        (tmp_path / "b" / "linked" / "model.0.safetensors").unlink()
+        with pytest.raises(
+            FileNotFoundError, match=r"linked/model\.0\.safetensors: missing.*Restore"
+        ):
+            manager.load(tmp_path / "b")
+        assert not fastckpt.verify(tmp_path / "b").ok
+        assert "missing" in check_references(tmp_path / "b", read_commit_record(tmp_path / "b"))[0]
+
+
+def test_a_reference_that_does_not_match_the_linked_header_is_refused(tmp_path: Path) -> None:
+    model = _model()
+    with _sync() as manager:
+        _save(manager, tmp_path / "a", {"model": model})
+        _save(manager, tmp_path / "b", {"model": model})
+        path = tmp_path / "b" / "commit.json"
+        record = json.loads(path.read_text())
+        record["refs"]["model.safetensors"]["0.bias"]["crc32c"] ^= 1
+        path.write_text(json.dumps(record))
+        with pytest.raises(ChecksumMismatchError, match=r"'0\.bias'"):
+            manager.load(tmp_path / "b")
+        problems = check_references(tmp_path / "b", read_commit_record(tmp_path / "b"))
+        assert len(problems) == 1 and "0.bias" in problems[0]
+
+
+# --------------------------------------------------------------------------- when it applies
+
+
+def test_incremental_false_writes_everything(tmp_path: Path) -> None:
+    config = CheckpointManager.Config.with_sync_save()
+    config.incremental = False
+    model = _model()
+    with CheckpointManager(config) as manager:
+        _save(manager, tmp_path / "a", {"model": model})
+        _save(manager, tmp_path / "b", {"model": model})
+        with pytest.raises(ValueError, match=r"Config\.incremental"):
+            manager.save(tmp_path / "c", {"model": model}, base=tmp_path / "b")
+    assert _written(tmp_path / "b") == set(model.state_dict())
+    assert "refs" not in read_commit_record(tmp_path / "b")
+    assert not (tmp_path / "b" / "linked").exists()
+    with pytest.raises(TypeError, match="incremental must be a bool"):
+        CheckpointManager.Config(incremental="yes")  # type: ignore[arg-type]
+
+
+def test_only_siblings_or_an_explicit_base_are_referenced(tmp_path: Path) -> None:
+    model = _model()
+    with _sync() as manager:
+        _save(manager, tmp_path / "one" / "a", {"model": model})
+        _save(manager, tmp_path / "two" / "b", {"model": model})  # another parent: full
+        assert _referenced(tmp_path / "two" / "b") == set()
+        _save(manager, tmp_path / "three" / "c", {"model": model}, base=tmp_path / "two" / "b")
+        assert _referenced(tmp_path / "three" / "c") == set(model.state_dict())
+        with pytest.raises(ValueError, match="previous save"):
+            manager.save(tmp_path / "three" / "d", {"model": model}, base=tmp_path / "one" / "a")
+        shutil.rmtree(tmp_path / "one")
+        shutil.rmtree(tmp_path / "two")
+        loaded = manager.load(tmp_path / "three" / "c")["model"]
+    _assert_bitwise(loaded, _snapshot(model))
+
+
+def test_a_deleted_base_is_written_in_full(tmp_path: Path) -> None:
+    model = _model()
+    with _sync() as manager:
+        _save(manager, tmp_path / "a", {"model": model})
+        shutil.rmtree(tmp_path / "a")
+        _save(manager, tmp_path / "b", {"model": model})
+        assert _written(tmp_path / "b") == set(model.state_dict())
+        # ... and the next save references that full one again.
+        _save(manager, tmp_path / "c", {"model": model})
+        assert _referenced(tmp_path / "c") == set(model.state_dict())
+
+
+def _other_filesystem(tmp_path: Path) -> Path:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on another filesystem than the temporary directory")
+    return shm
+
+
+@pytest.mark.parametrize("make", [_sync, _async], ids=["sync", "async"])
+def test_no_links_across_filesystems_falls_back_to_a_full_write(
+    make: Callable[[], CheckpointManager], tmp_path: Path
+) -> None:
+    other = _other_filesystem(tmp_path) / f"fastckpt-test-{os.getpid()}-{random.random()}"
+    model = _model()
+    try:
+        with make() as manager:
+            _save(manager, other / "a", {"model": model})
+            with torch.no_grad():
+                _linear(model, 1).bias.add_(1)
+            _save(manager, tmp_path / "b", {"model": model}, base=other / "a")
+            # The link failed (EXDEV): the unchanged tensors were read back from the base
+            # (checked against their crc32c) and written.
+            assert _written(tmp_path / "b") == set(model.state_dict())
+            assert "refs" not in read_commit_record(tmp_path / "b")
+            assert not (tmp_path / "b" / "linked").exists()
+            shutil.rmtree(other)
+            loaded = manager.load(tmp_path / "b")["model"]
+            # The full one is the base of the next save, on this filesystem.
+            _save(manager, tmp_path / "c", {"model": model})
+            assert _referenced(tmp_path / "c") == set(model.state_dict())
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
+    _assert_bitwise(loaded, _snapshot(model))
+
+
+def test_a_base_deleted_while_an_async_save_is_in_flight_is_still_read(tmp_path: Path) -> None:
+    """The base's files are opened at capture: deleting the base before the write links
+    them makes the write read the unchanged tensors back from the open files."""
+    model = _model()
+    big = {"big": torch.randn(4_000_000)}  # a first item that takes a while to write
+    with _async() as manager:
+        _save(manager, tmp_path / "a", {"big": big, "model": model})
+        with manager.lock():
+            big["big"] = torch.randn(4_000_000)
+        future = manager.save(tmp_path / "b", {"big": big, "model": model})
+        shutil.rmtree(tmp_path / "a")
+        assert future is not None
+        future.result()
+        loaded = manager.load(tmp_path / "b")["model"]
+    _assert_bitwise(loaded, _snapshot(model))
+    # Linked before the deletion, or read back after it: never lost.
+    assert _referenced(tmp_path / "b") | _written(tmp_path / "b") == set(model.state_dict())
+
+
+# --------------------------------------------------------------------------- crashes
+
+CHILD = textwrap.dedent(
+    """
+    import shutil, sys
+    import torch
+    from fastckpt import CheckpointManager
+
+    root, step = sys.argv[1], int(sys.argv[2])
+    generator = torch.Generator().manual_seed(0)
+    frozen = torch.randn(512, 512, generator=generator)
+    trainable = torch.zeros(128, 128)
+    manager = CheckpointManager(CheckpointManager.Config.with_async_save())
+    print("ready", flush=True)
+    while True:
+        with manager.lock():
+            trainable.fill_(float(step))
+        manager.save(
+            f"{root}/step_{step:06d}",
+            {"model": {"frozen": frozen, "trainable": trainable}, "step": step},
+        )
+        if step % 3 == 0:  # delete the base at once: linked, or read back from it
+            shutil.rmtree(f"{root}/step_{step - 1:06d}", ignore_errors=True)
+        shutil.rmtree(f"{root}/step_{step - 4:06d}", ignore_errors=True)
+        step += 1
+    """
+)
+
+
+def test_sigkill_during_incremental_saves_leaves_every_committed_checkpoint_whole(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    rng = random.Random(15)
+    frozen = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "python")}
+    kills, checked, incremental = 14, 0, 0
+    step = 0
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as reader:
+        for _ in range(kills):
+            child = subprocess.Popen(
+                [sys.executable, str(script), str(root), str(step)],
+                stdout=subprocess.PIPE,
+                env=env,
+            )
+            assert child.stdout is not None
+            assert child.stdout.readline().strip() == b"ready"
+            time.sleep(rng.uniform(0.05, 0.6))
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+            child.stdout.close()
+            committed = sorted(
+                path
+                for path in root.iterdir()
+                if path.name.startswith("step_") and (path / "commit.json").is_file()
+            )
+            for path in committed:
+                number = int(path.name.removeprefix("step_"))
+                loaded = reader.load(path)
+                assert loaded["step"] == number
+                assert torch.equal(loaded["model"]["frozen"], frozen), path
+                expected = torch.full((128, 128), float(number))
+                assert torch.equal(loaded["model"]["trainable"], expected), path
+                incremental += bool(_referenced(path))
+                checked += 1
+            numbers = [int(p.name.removeprefix("step_")) for p in committed]
+            step = max(numbers, default=step) + 1
+    assert checked >= kills
+    assert incremental > 0  # the kills landed in runs of incremental saves
