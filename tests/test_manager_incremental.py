@@ -25,8 +25,14 @@ from fastckpt import ChecksumMismatchError
 from fastckpt.files import read_metadata
 from fastckpt.incremental import mark_frozen
 from fastckpt.manager import CheckpointManager
-from fastckpt.store.links import check_references, read_references
+from fastckpt.store.links import (
+    check_references,
+    read_references,
+    reference_reports,
+    referenced_sources,
+)
 from fastckpt.store.records import read_commit_record
+from training_support import run_two_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -318,8 +324,14 @@ def test_a_reference_that_does_not_match_the_linked_header_is_refused(tmp_path: 
         path.write_text(json.dumps(record))
         with pytest.raises(ChecksumMismatchError, match=r"'0\.bias'"):
             manager.load(tmp_path / "b")
-        problems = check_references(tmp_path / "b", read_commit_record(tmp_path / "b"))
+        record = read_commit_record(tmp_path / "b")
+        problems = check_references(tmp_path / "b", record)
         assert len(problems) == 1 and "0.bias" in problems[0]
+        reports = reference_reports(tmp_path / "b", record)
+        assert [report.status for report in reports] == ["corrupt"]
+        sources = referenced_sources(tmp_path / "b", record)["model.safetensors"]
+        linked = tmp_path / "b" / "linked" / "model.0.safetensors"
+        assert sources["0.bias"] == (linked, "0.bias")
 
 
 # --------------------------------------------------------------------------- when it applies
@@ -494,3 +506,49 @@ def test_sigkill_during_incremental_saves_leaves_every_committed_checkpoint_whol
             step = max(numbers, default=step) + 1
     assert checked >= kills
     assert incremental > 0  # the kills landed in runs of incremental saves
+
+
+# --------------------------------------------------------------------------- process groups
+
+TWO_RANKS = """
+import shutil, sys, torch, torch.distributed as dist
+from fastckpt import CheckpointManager
+from training_support import leave_process_group
+root, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2)
+frozen = torch.full((256,), float(rank))
+head = torch.zeros(4)
+with CheckpointManager(CheckpointManager.Config.with_async_save()) as manager:
+    manager.save(f"{root}/a", {"model": {"frozen": frozen, "head": head}}).result()
+    with manager.lock():
+        head.add_(1 + rank)
+    manager.save(f"{root}/b", {"model": {"frozen": frozen, "head": head}}).result()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(f"{root}/a")
+    dist.barrier()
+    loaded = manager.load(f"{root}/b")["model"]
+    assert torch.equal(loaded["frozen"], frozen) and torch.equal(loaded["head"], head), loaded
+print("ok", rank)
+leave_process_group()
+"""
+
+
+def test_each_rank_links_its_own_file_under_a_process_group(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    outputs = run_two_ranks(TWO_RANKS, root, tmp_path / "pg")
+    assert [out.split() for out in outputs] == [["ok", "0"], ["ok", "1"]]
+    record = read_commit_record(root / "b")
+    refs = read_references(record, "commit.json")
+    assert {relpath: sorted(names) for relpath, names in refs.items()} == {
+        "model.rank0.safetensors": ["frozen"],
+        "model.rank1.safetensors": ["frozen"],
+    }
+    assert refs["model.rank1.safetensors"]["frozen"]["file"] == "linked/model.rank1.0.safetensors"
+    for rank in range(2):
+        assert set(read_metadata(root / "b" / f"model.rank{rank}.safetensors")["tensors"]) == {
+            "head"
+        }
+    assert fastckpt.verify(root / "b").ok
+    assert check_references(root / "b", record) == []

@@ -57,7 +57,7 @@ from fastckpt.staging import (
 )
 from fastckpt.stateful import check_template, contains_stateful, prepare_save, restore
 from fastckpt.store.commit import DirectoryWriter
-from fastckpt.store.dispatch import use_storage_options
+from fastckpt.store.dispatch import backend_for, is_local, use_storage_options
 from fastckpt.store.links import REFS_FIELD, Reference, read_item
 from fastckpt.store.paths import check_name
 from fastckpt.store.records import COMMIT_RECORD, commit_record, item_files, read_commit_record
@@ -104,9 +104,9 @@ class _ManagerConfig(StrictConfig):
         incremental: tensors unchanged since the manager's previous save (same directory or
             a sibling, or the ``base=`` of ``save``) are kept as hard links to that
             checkpoint's files instead of being written again (docs/incremental.md).
-            ``False`` writes every tensor of every save. Unsharded, single-process state on
-            a local filesystem only; process groups, DTensor state and object storage are
-            always written in full.
+            ``False`` writes every tensor of every save. Local filesystems only; DTensor
+            state and object storage are always written in full (under a process group
+            each rank links its own file).
     """
 
     items: dict[str, ItemSpec] = field(default_factory=dict)
@@ -331,7 +331,8 @@ class CheckpointManager:
         for key, spec in self.config.items.items():
             if spec.required and key not in state:
                 raise KeyError(f"required item {key!r} is missing from the saved state")
-        incremental = self.config.incremental and not self._dist.active
+        # Object stores have no hard links: full writes there.
+        incremental = self.config.incremental and is_local(backend_for(path))
         if base is not None and not self.config.incremental:
             raise ValueError("save(base=...) needs Config.incremental = True")
         if base is not None:
@@ -506,7 +507,8 @@ class CheckpointManager:
                 if plan is not None:
                     # The hard links first: a file that cannot be linked adds its tensors
                     # to the ones written below.
-                    refs[key] = plan.link(writer, key, snapshot.tensors[key])
+                    stem = f"{key}.rank{self._dist.rank}" if self._dist.active else key
+                    refs[key] = plan.link(writer, key, snapshot.tensors[key], stem)
                 writer.add_tensors(self._tensor_file(key), snapshot.tensors[key])
                 if self._dist.rank == 0:
                     writer.add_json(f"{key}.json", {"skeleton": skeleton})
@@ -544,11 +546,16 @@ class CheckpointManager:
             return
         # Each rank staged its own files; rank 0 gathers the files records, adopts every
         # rank's files and commits once all ranks are done.
-        gathered = self._dist.gather((writer.location, writer.files))
+        gathered = self._dist.gather((writer.location, writer.files, dict(refs or {})))
         if self._dist.rank == 0:
-            for location, files in gathered[1:]:
-                writer.adopt(location, files)
+            merged: dict[str, dict[str, Reference]] = {}
+            for location, files, rank_refs in gathered:
+                if location != writer.location:
+                    writer.adopt(location, files)  # with the rank's linked files
+                merged.update({relpath: dict(names) for relpath, names in rank_refs.items()})
             record = commit_record(items, writer.files, self._dist.world_size)
+            if merged:
+                record[REFS_FIELD] = merged
             writer.add_json(COMMIT_RECORD, record)
             writer.commit()
         self._dist.barrier()

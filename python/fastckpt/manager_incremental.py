@@ -118,12 +118,14 @@ class LinkPlan:
                 source.fd = -1
 
     def link(
-        self, writer: DirectoryWriter, key: str, tensors: dict[str, torch.Tensor]
+        self, writer: DirectoryWriter, key: str, tensors: dict[str, torch.Tensor], stem: str
     ) -> dict[str, Reference]:
         """Before item ``key``'s own file is written: hard-link the base files holding its
-        referenced tensors into ``writer``'s staging directory and return the references
-        (relpaths of the new checkpoint). A file that cannot be linked has its referenced
-        tensors read back (verified) and added to ``tensors``, to be written in full."""
+        referenced tensors into ``writer``'s staging directory (as
+        ``linked/<stem>.<n>.safetensors``; the stem names the rank under a process group)
+        and return the references (relpaths of the new checkpoint). A file that cannot be
+        linked has its referenced tensors read back (verified) and added to ``tensors``, to
+        be written in full."""
         refs = self.refs.get(key, {})
         if not refs:
             return {}
@@ -133,7 +135,7 @@ class LinkPlan:
         result: dict[str, Reference] = {}
         for number, (relpath, names) in enumerate(sorted(by_file.items())):
             source = self.sources[relpath]
-            target = linked_relpath(key, number)
+            target = linked_relpath(stem, number)
             if _link(writer, source, target):
                 self.linked[target] = relpath
                 for name in names:

@@ -54,6 +54,7 @@ __all__ = [
     "read_item",
     "read_references",
     "reference_reports",
+    "referenced_sources",
 ]
 
 #: The folder of a checkpoint holding the files hard-linked from its base.
@@ -75,10 +76,11 @@ _FIELDS: dict[str, type] = {
 }
 
 
-def linked_relpath(key: str, number: int) -> str:
-    """The relpath of the ``number``-th file item ``key`` links from its base
-    (``linked/<key>.<number>.safetensors``: a folder, so no item's own file can collide)."""
-    return f"{LINKED_DIR}/{check_name(key, 'state key')}.{number}.safetensors"
+def linked_relpath(stem: str, number: int) -> str:
+    """The relpath of the ``number``-th file an item links from its base:
+    ``linked/<stem>.<number>.safetensors``, the stem being the item's key, or
+    ``<key>.rank<r>`` under a process group (a folder, so no item's own file can collide)."""
+    return f"{LINKED_DIR}/{check_name(stem, 'state key')}.{number}.safetensors"
 
 
 def is_linked_file(relpath: str) -> bool:
@@ -209,6 +211,26 @@ def read_item(
                 )
             tensors[name] = source[ref["name"]]
     return skeleton, tensors
+
+
+def referenced_sources(
+    directory: Path, record: Mapping[str, Any]
+) -> dict[str, dict[str, tuple[Path, str]]]:
+    """Where the referenced tensors of a manager checkpoint are, for tools that open tensor
+    files themselves (lazy reads, diff): item tensor file relpath -> tensor name -> (linked
+    file, the tensor's name in it). Such tools must skip the linked files themselves
+    (:func:`is_linked_file`): they can hold stale tensors no reference names.
+
+    Raises:
+        CheckpointFormatError: malformed references, or a path escaping the checkpoint.
+    """
+    refs = read_references(record, str(directory / COMMIT_RECORD))
+    return {
+        relpath: {
+            name: (safe_join(directory, ref["file"]), ref["name"]) for name, ref in names.items()
+        }
+        for relpath, names in refs.items()
+    }
 
 
 def check_references(directory: Path, record: Mapping[str, Any]) -> list[str]:
