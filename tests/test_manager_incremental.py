@@ -552,3 +552,24 @@ def test_each_rank_links_its_own_file_under_a_process_group(tmp_path: Path) -> N
         }
     assert fastckpt.verify(root / "b").ok
     assert check_references(root / "b", record) == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("make", [_sync, _async], ids=["sync", "async"])
+def test_cuda_state_stages_only_the_changed_tensors(
+    make: Callable[[], CheckpointManager], tmp_path: Path
+) -> None:
+    model = _model().cuda()
+    with make() as manager:
+        _save(manager, tmp_path / "a", {"model": model})
+        with manager.lock(), torch.no_grad():
+            _linear(model, 1).weight.add_(1)
+        _save(manager, tmp_path / "b", {"model": model})
+        # Only the changed tensor went through the pinned staging pool.
+        assert manager._stager.nbytes == _linear(model, 1).weight.numel() * 4
+        shutil.rmtree(tmp_path / "a")
+        loaded = manager.load(tmp_path / "b", map_location="cuda")["model"]
+    assert _written(tmp_path / "b") == {"1.weight"}
+    expected = {name: tensor.cpu() for name, tensor in model.state_dict().items()}
+    _assert_bitwise({name: tensor.cpu() for name, tensor in loaded.items()}, expected)

@@ -670,8 +670,11 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        if self._writer is not None:
-            self._writer.close()
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            self._tracker.forget()  # releases the storages held for the next save
 
 
 def _sharded_state(state: Mapping[str, Any]) -> bool:
