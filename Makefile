@@ -20,7 +20,7 @@ PY_SOURCES := $(shell find python -name '*.py' -o -name '*.pyi' -o -name 'py.typ
 WHEEL_TAG := manylinux2014
 BENCH_ARGS ?= --size-gib 1.5 --repeats 3 --out benches/results
 
-.PHONY: setup demo wheel test lint bench cargo-test pytest clean
+.PHONY: setup demo wheel test lint bench cargo-test pytest clean s3-server
 
 setup: $(VENV)/.fastckpt-built
 
@@ -76,8 +76,18 @@ pytest: setup wheel
 
 test: setup wheel cargo-test lint pytest
 
-bench: setup
+bench: setup s3-server
 	$(PY) -m fastckpt.bench $(BENCH_ARGS)
+
+# The Rust S3 server the object-storage benchmark prefers to moto (fastckpt.bench.s3
+# --server auto): built once into .tools/ (ignored by git), for `make bench` only; without
+# it (no cargo, no registry) the benchmark falls back to moto.
+S3S_FS := .tools/bin/s3s-fs
+s3-server: $(S3S_FS)
+$(S3S_FS):
+	@mkdir -p .tools && printf '*\n' > .tools/.gitignore
+	cargo install s3s-fs --version 0.14.1 --features binary --locked --root .tools -j 2 \
+		|| echo "==> s3s-fs did not build: the s3 benchmark will use moto"
 
 clean:
 	rm -rf target dist $(VENV) python/fastckpt/_native*.so

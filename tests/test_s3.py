@@ -31,6 +31,8 @@ from fastckpt.store.s3errors import (
     CommitConflictError,
     EndpointUnreachableError,
     ObjectNotFoundError,
+    ObjectStoreError,
+    translate,
 )
 from fastckpt.store.s3tensors import get_tensors, put_tensors
 from s3_support import S3Server, SaverFactory, s3_root, s3_server, saver_state
@@ -88,6 +90,32 @@ def test_url_parsing_and_options_validation() -> None:
         S3Options.from_mapping({"endpoint": "http://x"})
     with pytest.raises(ValueError, match="5 MiB"):
         S3Options.from_mapping({"part_size": 1 << 20})
+    defaults = S3Options.from_mapping({"part_size": 6 << 20, "read_part_size": 3 << 20})
+    assert (defaults.single_put_max, defaults.single_get_max) == (6 << 20, 3 << 20)
+    with pytest.raises(ValueError, match="5 GiB"):
+        S3Options.from_mapping({"multipart_threshold": 6 << 30})
+    with pytest.raises(ValueError, match="ranged_get_threshold"):
+        S3Options.from_mapping({"ranged_get_threshold": -1})
+
+
+def test_translate_keeps_a_server_answer_apart_from_an_unreachable_endpoint() -> None:
+    """obstore's message after retries names its ``retry_timeout`` setting; a server that
+    answered (HTTP 500) is not an unreachable endpoint."""
+    import obstore.exceptions
+
+    answered = obstore.exceptions.GenericError(
+        "Generic S3 error: Error performing POST http://127.0.0.1:1/b?delete in 3ms, after 3 "
+        "retries, max_retries: 3, retry_timeout: 15s - Server returned non-2xx status code: "
+        "500 Internal Server Error: <Error><Code>InternalError</Code></Error>"
+    )
+    failed = translate(answered, "s3://b/k", "http://127.0.0.1:1")
+    assert type(failed) is ObjectStoreError
+    assert "HTTP 500" in str(failed) and "s3://b/k" in str(failed)
+    refused = obstore.exceptions.GenericError(
+        "Generic S3 error: error sending request: Connection refused (os error 111), "
+        "retry_timeout: 15s"
+    )
+    assert isinstance(translate(refused, "s3://b/k", None), EndpointUnreachableError)
 
 
 # ------------------------------------------------------------------------------ with server
@@ -116,6 +144,26 @@ def test_tensor_object_round_trip_is_bitwise_and_a_safetensors_file(
         assert torch.equal(loaded[name], tensor) and torch.equal(reference[name], tensor)
     # 6 MiB with 5 MiB parts went up as a multipart upload (its ETag counts the parts).
     assert str(client.head(key).etag).strip('"').endswith("-2")
+
+
+def test_request_shapes_follow_the_thresholds(s3_server: S3Server, s3_root: str) -> None:
+    """``multipart_threshold`` above the object: one PUT (a plain ETag, no part count);
+    ``ranged_get_threshold`` below it: ranged GETs, and at or above it one GET; every shape
+    round-trips bitwise and verified."""
+    url = S3Url.parse(s3_root)
+    state = _state()  # ~6 MiB
+    shapes: dict[str, dict[str, int | None]] = {
+        "one-put": {"multipart_threshold": 8 << 20, "ranged_get_threshold": 0},
+        "multipart": {"multipart_threshold": None, "ranged_get_threshold": 1 << 40},
+    }
+    for name, thresholds in shapes.items():
+        client = S3Client(url, s3_server.options(**SMALL_PARTS, **thresholds))
+        key = url.key(f"{name}.safetensors")
+        record = put_tensors(client, key, state)
+        etag = str(client.head(key).etag).strip('"')
+        assert etag.endswith("-2") == (name == "multipart"), etag
+        loaded, _ = get_tensors(client, key, size=record["size"], crc32c=record["crc32c"])
+        assert all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
 def test_root_round_trip_bytes_and_tensors(s3_server: S3Server, s3_root: str) -> None:
@@ -370,6 +418,7 @@ def test_fastckpt_bench_s3_runs_every_writer_and_the_async_stall(tmp_path: Path)
             "s3",
             *("--size-mib", "8", "--repeats", "1"),
             *("--part-mib", "5", "--out", str(tmp_path)),
+            *("--server", "moto"),  # s3s-fs is built by `make bench` only
             "--json",
         ],
         capture_output=True,
@@ -381,6 +430,7 @@ def test_fastckpt_bench_s3_runs_every_writer_and_the_async_stall(tmp_path: Path)
     document = json.loads((tmp_path / "s3-8mib.json").read_text())
     assert json.loads(result.stdout) == document  # the table went to stderr
     assert set(document["writers"]) >= {"fastckpt", "boto3", "s3fs"}
+    assert document["server"].startswith("moto")
     stall = document["async_stall"]
     assert stall["local"]["stall_s"]["median"] > 0 and stall["s3"]["total_s"]["median"] > 0
     assert "stall ratio s3 / local disk" in (tmp_path / "s3-8mib.md").read_text()

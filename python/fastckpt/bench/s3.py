@@ -30,6 +30,7 @@ import io
 import json
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -68,31 +69,108 @@ def _process_cpu(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@contextmanager
-def local_server() -> Iterator[tuple[str, int]]:
-    """A moto S3 server in a child process on a free port of 127.0.0.1: ``(endpoint, pid)``."""
+#: Where ``make s3-server`` installs the ``s3s-fs`` binary (relative to the repository).
+S3S_FS_BINARY = Path(".tools") / "bin" / "s3s-fs"
+SERVERS = ("auto", "s3s", "moto")
+
+
+def s3s_fs_binary() -> Path | None:
+    """The ``s3s-fs`` server binary: ``$FASTCKPT_S3S_FS``, else ``.tools/bin/s3s-fs`` in the
+    current directory or the source checkout (``make s3-server`` builds it there), else one on
+    ``PATH``; None when there is none."""
+    named = os.environ.get("FASTCKPT_S3S_FS")
+    if named:
+        return Path(named)
+    checkout = Path(__file__).resolve().parents[3]
+    for candidate in (Path.cwd() / S3S_FS_BINARY, checkout / S3S_FS_BINARY):
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("s3s-fs")
+    return Path(found) if found else None
+
+
+def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _wait_listening(process: subprocess.Popen[bytes], port: int, name: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"the {name} server did not start") from None
+            time.sleep(0.1)
+
+
+@contextmanager
+def local_server(kind: str = "moto", data_dir: Path | None = None) -> Iterator[tuple[str, int]]:
+    """A local S3-compatible server in a child process on a free port of 127.0.0.1:
+    ``(endpoint, pid)``.
+
+    Args:
+        kind: ``"moto"`` (moto's Python server, from the ``dev`` extra; accepts any key) or
+            ``"s3s"`` (the Rust ``s3s-fs`` server from ``make s3-server``; accepts only the
+            benchmark's key ``bench`` / ``bench-secret``).
+        data_dir: where ``s3s-fs`` keeps its objects (a directory it may fill).
+
+    Raises:
+        RuntimeError: the server did not start, or ``s3s`` was asked for and is not installed.
+    """
+    port = _free_port()
+    if kind == "moto":
+        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    elif kind == "s3s":
+        binary = s3s_fs_binary()
+        if binary is None:
+            raise RuntimeError("s3s-fs is not installed; run `make s3-server` (or --server moto)")
+        if data_dir is None:
+            raise ValueError("the s3s server needs a data_dir")
+        command = [
+            str(binary),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--access-key",
+            _KEY_ID,
+            "--secret-key",
+            _SECRET,
+            str(data_dir),
+        ]
+    else:
+        raise ValueError(f"unknown server {kind!r}; use one of {SERVERS[1:]}")
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError("the moto server did not start") from None
-                time.sleep(0.1)
+        _wait_listening(process, port, kind)
         yield f"http://127.0.0.1:{port}", process.pid
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def _s3s_version(binary: Path) -> str:
+    try:
+        out = subprocess.run(
+            [str(binary), "--version"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "s3s-fs"
+    return out or "s3s-fs"
+
+
+def _purge_finished_parts(data_dir: Path) -> None:
+    """Remove the part files ``s3s-fs`` keeps after completing a multipart upload (it leaks
+    them; between repeats no upload is in flight, so every part file is a finished one)."""
+    for leaked in data_dir.glob(".upload_id-*.part-*"):
+        leaked.unlink(missing_ok=True)
+    for leaked in data_dir.glob(".upload-*.json"):
+        leaked.unlink(missing_ok=True)
 
 
 def _boto3_client(endpoint: str | None, concurrency: int, local: bool) -> Any:
@@ -117,14 +195,40 @@ def _boto3_client(endpoint: str | None, concurrency: int, local: bool) -> Any:
 
 
 Upload = Callable[[dict[str, torch.Tensor]], None]
-Writer = tuple[Upload | None, Callable[[], Any], Callable[[], None]]
+Writer = tuple[Upload, Callable[[], Any], Callable[[], None]]
+
+
+#: Request shapes measured best per local server (``S3Options`` thresholds; None: the
+#: defaults, which suit AWS S3: multipart above one part, ranged GETs above one range).
+#: s3s-fs writes each part to a file and copies all of them into the object when the upload
+#: completes, so one PUT costs it 2.7 server CPU-s/GiB against 6.1 for any multipart
+#: shape; it answers 32 MiB ranges (2.9 CPU-s/GiB) more cheaply than one whole-object GET
+#: (3.8-5.8). moto reads the whole object to answer each range, so one GET is cheapest there.
+#: (docs/object-storage.md has the measurements.)
+PROFILES: dict[str, dict[str, int | None]] = {
+    "s3s": {"multipart_threshold": 5 << 30, "ranged_get_threshold": None},
+    "moto": {"multipart_threshold": None, "ranged_get_threshold": 1 << 50},
+    "endpoint": {"multipart_threshold": None, "ranged_get_threshold": None},
+}
 
 
 def _writers(
-    endpoint: str | None, bucket: str, prefix: str, part: int, concurrency: int, local: bool
+    endpoint: str | None,
+    bucket: str,
+    prefix: str,
+    part: int,
+    concurrency: int,
+    local: bool,
+    profile: dict[str, int | None],
 ) -> dict[str, Writer]:
-    """name -> (upload(state) or None for a download-only variant, download() -> tensors,
-    tidy() untimed between repeats)."""
+    """name -> (upload(state), download() -> tensors, tidy() untimed between repeats).
+
+    ``fastckpt`` uses the server's ``profile`` (request shapes measured best there);
+    ``fastckpt-defaults`` the default shapes; ``boto3`` and ``s3fs`` the shapes the issue
+    names (multipart above one part, ranges / blocks of one part); ``boto3-profile`` boto3
+    with the same request shapes as ``fastckpt`` (isolates what the shape, not the client,
+    is worth on this server).
+    """
     from boto3.s3.transfer import TransferConfig
     from safetensors.torch import load as load_bytes
     from safetensors.torch import save as save_bytes
@@ -140,46 +244,56 @@ def _writers(
         options["endpoint_url"] = endpoint
     if local:
         options.update(access_key_id=_KEY_ID, secret_access_key=_SECRET, region="us-east-1")
-    root = S3Root(f"s3://{bucket}/{prefix}/fastckpt", options)
     client = _boto3_client(endpoint, concurrency, local)
-    transfer = TransferConfig(
-        multipart_threshold=part, multipart_chunksize=part, max_concurrency=concurrency
-    )
-    boto_key = f"{prefix}/boto3/state.safetensors"
 
-    def fastckpt_up(state: dict[str, torch.Tensor]) -> None:
-        root.save({"state.safetensors": state})
+    def fastckpt_writer(name: str, extra: dict[str, Any]) -> Writer:
+        root = S3Root(f"s3://{bucket}/{prefix}/{name}", {**options, **extra})
 
-    def fastckpt_tidy() -> None:
-        root.prune(keep_last=1)  # keeps the server's memory flat across repeats
+        def up(state: dict[str, torch.Tensor]) -> None:
+            root.save({"state.safetensors": state})
 
-    def nothing() -> None:
-        pass
+        def down() -> Any:
+            return root.load().files["state.safetensors"]
 
-    def fastckpt_down() -> Any:
-        return root.load().files["state.safetensors"]
+        def tidy() -> None:
+            root.prune(keep_last=1)  # keeps the server's storage flat across repeats
 
-    # The same objects read back as one streamed GET per object instead of ranges: isolates
-    # what a server charges per ranged GET (moto reads the whole object for each).
-    one_get = S3Root(root.url, {**options, "read_part_size": 1 << 50})
+        return up, down, tidy
 
-    def fastckpt_one_get_down() -> Any:
-        return one_get.load().files["state.safetensors"]
+    def boto3_writer(name: str, up_threshold: int, down_threshold: int) -> Writer:
+        key = f"{prefix}/{name}/state.safetensors"
+        up_config, down_config = (
+            TransferConfig(
+                multipart_threshold=threshold, multipart_chunksize=part, max_concurrency=concurrency
+            )
+            for threshold in (up_threshold, down_threshold)
+        )
 
-    def boto3_up(state: dict[str, torch.Tensor]) -> None:
-        data = save_bytes(state)
-        client.upload_fileobj(io.BytesIO(data), bucket, boto_key, Config=transfer)
+        def up(state: dict[str, torch.Tensor]) -> None:
+            data = save_bytes(state)
+            client.upload_fileobj(io.BytesIO(data), bucket, key, Config=up_config)
 
-    def boto3_down() -> Any:
-        sink = io.BytesIO()
-        client.download_fileobj(bucket, boto_key, sink, Config=transfer)
-        return load_bytes(sink.getvalue())
+        def down() -> Any:
+            sink = io.BytesIO()
+            client.download_fileobj(bucket, key, sink, Config=down_config)
+            return load_bytes(sink.getvalue())
 
-    writers: dict[str, Writer] = {
-        "fastckpt": (fastckpt_up, fastckpt_down, fastckpt_tidy),
-        "fastckpt-1get": (None, fastckpt_one_get_down, nothing),
-        "boto3": (boto3_up, boto3_down, nothing),
-    }
+        return up, down, _nothing
+
+    tuned = {k: v for k, v in profile.items() if v is not None}
+    writers: dict[str, Writer] = {"fastckpt": fastckpt_writer("fastckpt", tuned)}
+    if tuned:
+        writers["fastckpt-defaults"] = fastckpt_writer("fastckpt-defaults", {})
+    writers["boto3"] = boto3_writer("boto3", part, part)
+    if tuned:
+        # boto3 takes one threshold per direction, applied to the object size as ours is.
+        up_max = profile["multipart_threshold"]
+        down_max = profile["ranged_get_threshold"]
+        writers["boto3-profile"] = boto3_writer(
+            "boto3-profile",
+            part if up_max is None else up_max + 1,
+            part if down_max is None else down_max + 1,
+        )
     try:
         import s3fs
     except ImportError:
@@ -202,8 +316,12 @@ def _writers(
         with fs.open(fs_path, "rb", block_size=part) as handle:
             return load_bytes(handle.read())
 
-    writers["s3fs"] = (s3fs_up, s3fs_down, nothing)
+    writers["s3fs"] = (s3fs_up, s3fs_down, _nothing)
     return writers
+
+
+def _nothing() -> None:
+    pass
 
 
 def run(
@@ -213,8 +331,13 @@ def run(
     concurrency: int,
     endpoint: str | None = None,
     bucket: str = BUCKET,
+    server: str = "auto",
 ) -> dict[str, Any]:
-    """Measure every writer; returns the JSON document (see :func:`main`)."""
+    """Measure every writer; returns the JSON document (see :func:`main`).
+
+    ``server``: the local server to start when no ``endpoint`` is given: ``"s3s"``,
+    ``"moto"``, or ``"auto"`` (``s3s`` when ``make s3-server`` installed it, else moto).
+    """
     spec = plan_state(size_mib / 1024)
     state = build_state(spec)
     nbytes = state_bytes(state)
@@ -222,31 +345,40 @@ def run(
     part = part_mib << 20
     local = endpoint is None
     load_before = load_average()
-    with _server(endpoint) as (url, server_pid):
+    kind = "endpoint" if endpoint is not None else resolve_server(server)
+    with _server(endpoint, server, nbytes) as (url, server_pid, server_label, data_dir):
         if local:
             _boto3_client(url, concurrency, local).create_bucket(Bucket=bucket)
         prefix = f"bench-{uuid.uuid4().hex[:8]}"
-        writers = _writers(url, bucket, prefix, part, concurrency, local)
+        profile = PROFILES[kind]
+        writers = _writers(url, bucket, prefix, part, concurrency, local, profile)
         raw: dict[str, dict[str, list[float]]] = {name: {} for name in writers}
-        for _ in range(repeats):
-            for name, (upload, download, tidy) in writers.items():
-                phases: list[tuple[str, Callable[[], Any]]] = [("download", download)]
-                if upload is not None:
-                    phases.insert(0, ("upload", functools.partial(upload, state)))
+        order = list(writers.items())
+        for repeat in range(repeats):
+            # Interleaved: each repeat starts with another writer, so no writer always runs
+            # first (or last) into a server and page cache its predecessor warmed.
+            shift = repeat % len(order)
+            for name, (upload, download, tidy) in order[shift:] + order[:shift]:
+                phases: list[tuple[str, Callable[[], Any]]] = [
+                    ("upload", functools.partial(upload, state)),
+                    ("download", download),
+                ]
                 for phase, call in phases:
-                    cpu, server = _cpu_seconds(), _process_cpu(server_pid)
+                    cpu, served = _cpu_seconds(), _process_cpu(server_pid)
                     start = time.perf_counter()
                     result = call()
                     elapsed = time.perf_counter() - start
                     figures = raw[name]
                     figures.setdefault(f"{phase}_s", []).append(elapsed)
                     figures.setdefault(f"{phase}_client_cpu_s", []).append(_cpu_seconds() - cpu)
-                    server_cpu = _process_cpu(server_pid) - server
+                    server_cpu = _process_cpu(server_pid) - served
                     figures.setdefault(f"{phase}_server_cpu_s", []).append(server_cpu)
                     if phase == "download":
                         _check_equal(name, result, state)
                     del result
                 tidy()
+                if data_dir is not None:
+                    _purge_finished_parts(data_dir)
         import tempfile
 
         stall_options: dict[str, Any] = {"part_size": part, "concurrency": concurrency}
@@ -256,6 +388,7 @@ def run(
             stall_options.update(
                 access_key_id=_KEY_ID, secret_access_key=_SECRET, region="us-east-1"
             )
+        stall_options.update({k: v for k, v in profile.items() if v is not None})
         with tempfile.TemporaryDirectory(prefix="fastckpt-stall-", dir=".") as scratch:
             stall = async_stall(
                 state, f"s3://{bucket}/{prefix}/stall", stall_options, Path(scratch), repeats
@@ -284,10 +417,11 @@ def run(
                 rows[name][f"{phase}_{side}_cpu_s_per_gib"] = summarize(per_gib)
     return {
         "scenario": "s3",
-        "server": "moto (local, 127.0.0.1)" if endpoint is None else endpoint,
+        "server": server_label,
         "state_bytes": nbytes,
         "tensors": len(state),
         "part_bytes": part,
+        "fastckpt_profile": profile,
         "concurrency": concurrency,
         "repeats": repeats,
         "crc32c_prepass_s": summarize(hashing),
@@ -302,41 +436,106 @@ def async_stall(
     state: dict[str, torch.Tensor], url: str, options: dict[str, Any], local_dir: Path, repeats: int
 ) -> dict[str, Any]:
     """Stall and total seconds of an async ``CheckpointManager.save`` of ``state`` to
-    ``local_dir`` and to the ``s3://`` prefix ``url`` (``options``: its client options)."""
+    ``local_dir`` and to the ``s3://`` prefix ``url`` (``options``: its client options).
+
+    Every tensor changes between saves (as after an optimizer step; an unchanged tensor
+    would be an incremental reference, neither staged nor written), and the two
+    destinations alternate save by save, each with its own manager.
+    """
+    from contextlib import ExitStack
+
     from fastckpt.manager import CheckpointManager
     from fastckpt.store.dispatch import configure_storage
 
     configure_storage(url, options)
-    rows: dict[str, Any] = {}
+    targets = {"local": str(local_dir / "ckpt"), "s3": f"{url}/ckpt"}
+    stalls: dict[str, list[float]] = {name: [] for name in targets}
+    totals: dict[str, list[float]] = {name: [] for name in targets}
     try:
-        for name, target in (("local", str(local_dir / "ckpt")), ("s3", f"{url}/ckpt")):
-            stalls: list[float] = []
-            totals: list[float] = []
-            with CheckpointManager(CheckpointManager.Config.with_async_save()) as manager:
-                for _ in range(repeats + 1):  # the first save warms the staging buffers
+        with ExitStack() as stack:
+            managers = {
+                name: stack.enter_context(
+                    CheckpointManager(CheckpointManager.Config.with_async_save())
+                )
+                for name in targets
+            }
+            for _ in range(repeats + 1):  # the first save warms the staging buffers
+                for name, target in targets.items():
+                    _step(state)
+                    manager = managers[name]
                     start = time.perf_counter()
                     future = manager.save(target, {"state": state})
                     with manager.lock():  # what the next optimizer step waits for
                         stalled = time.perf_counter() - start
                     if future is not None:
                         future.result()
-                    stalls.append(stalled)
-                    totals.append(time.perf_counter() - start)
-            rows[name] = {"stall_s": summarize(stalls[1:]), "total_s": summarize(totals[1:])}
+                    stalls[name].append(stalled)
+                    totals[name].append(time.perf_counter() - start)
     finally:
         configure_storage(url)
+    rows: dict[str, Any] = {
+        name: {"stall_s": summarize(stalls[name][1:]), "total_s": summarize(totals[name][1:])}
+        for name in targets
+    }
     local, remote = rows["local"]["stall_s"]["median"], rows["s3"]["stall_s"]["median"]
     rows["stall_ratio_s3_over_local"] = remote / local if local else None
     return rows
 
 
+def _step(state: dict[str, torch.Tensor]) -> None:
+    """Change every element of every tensor (a stand-in for an optimizer step)."""
+    with torch.no_grad():
+        for tensor in state.values():
+            if tensor.is_floating_point():
+                tensor.neg_()  # flips the sign bit, zeros included
+            elif tensor.dtype == torch.bool:
+                tensor.logical_not_()
+            else:
+                tensor.add_(1)
+
+
+def resolve_server(server: str) -> str:
+    """``"s3s"`` or ``"moto"`` for a ``--server`` choice (``auto``: s3s when installed)."""
+    if server not in SERVERS:
+        raise ValueError(f"unknown server {server!r}; use one of {SERVERS}")
+    if server == "auto":
+        return "s3s" if s3s_fs_binary() is not None else "moto"
+    return server
+
+
+def _scratch_parent(nbytes: int) -> str | None:
+    """Memory-backed /dev/shm when it has room for the objects the run keeps at once (three
+    writers' objects plus one upload's parts), else the default temporary directory."""
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return "/dev/shm" if stats.f_bavail * stats.f_frsize > 6 * nbytes + (1 << 30) else None
+
+
 @contextmanager
-def _server(endpoint: str | None) -> Iterator[tuple[str | None, int | None]]:
+def _server(
+    endpoint: str | None, server: str, nbytes: int
+) -> Iterator[tuple[str | None, int | None, str, Path | None]]:
+    """``(endpoint, server pid, label for the results, s3s data directory)``."""
     if endpoint is not None:
-        yield endpoint, None
+        yield endpoint, None, endpoint, None
         return
-    with local_server() as (url, pid):
-        yield url, pid
+    kind = resolve_server(server)
+    if kind == "moto":
+        with local_server("moto") as (url, pid):
+            yield url, pid, "moto (Python, local, 127.0.0.1)", None
+        return
+    import tempfile
+
+    binary = s3s_fs_binary()
+    assert binary is not None
+    with tempfile.TemporaryDirectory(prefix="fastckpt-s3s-", dir=_scratch_parent(nbytes)) as tmp:
+        data_dir = Path(tmp)
+        where = "memory (/dev/shm)" if tmp.startswith("/dev/shm") else "disk"
+        label = f"{_s3s_version(binary)} (Rust, local, 127.0.0.1, objects in {where})"
+        with local_server("s3s", data_dir) as (url, pid):
+            yield url, pid, label, data_dir
 
 
 def _check_equal(
@@ -361,6 +560,15 @@ def _fmt(value: float | None, pattern: str = "{:.3f}") -> str:
     return "-" if value is None else pattern.format(value)
 
 
+def _shapes(profile: dict[str, int | None]) -> str:
+    up, down = profile["multipart_threshold"], profile["ranged_get_threshold"]
+    put = "multipart above one part" if up is None else f"one PUT up to {up / 2**30:g} GiB"
+    get = "ranged GETs above one range" if down is None else "one GET per object"
+    if down is not None and down < 1 << 40:
+        get = f"one GET up to {down / 2**20:g} MiB"
+    return f"{put}, {get}"
+
+
 def markdown(document: dict[str, Any]) -> str:
     """The results as a markdown table (ratios against each peer)."""
     rows = document["writers"]
@@ -371,6 +579,10 @@ def markdown(document: dict[str, Any]) -> str:
         f"{document['tensors']} tensors, parts/ranges of {document['part_bytes'] >> 20} MiB, "
         f"concurrency {document['concurrency']}, {document['repeats']} repeats (median, "
         "min-max). CPU: seconds per GiB moved, client process / server process.",
+        "",
+        f"fastckpt's request shapes for this server: {_shapes(document['fastckpt_profile'])}; "
+        "fastckpt-defaults: the defaults (multipart above one part, ranged GETs above one "
+        "range); boto3-profile: boto3 with fastckpt's shapes.",
         "",
         "| writer | upload GiB/s | download GiB/s | upload s (min-max) | download s (min-max) "
         "| upload CPU client/server | download CPU client/server |",
@@ -427,16 +639,29 @@ def main(argv: list[str] | None = None) -> int:
         "--endpoint", default=None, help="an existing server (credentials from AWS_*)"
     )
     parser.add_argument("--bucket", default=BUCKET)
+    parser.add_argument(
+        "--server",
+        choices=SERVERS,
+        default="auto",
+        help="local server without --endpoint: s3s-fs (Rust, `make s3-server`), moto "
+        "(Python), or auto (s3s when installed)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     document = run(
-        args.size_mib, args.repeats, args.part_mib, args.concurrency, args.endpoint, args.bucket
+        args.size_mib,
+        args.repeats,
+        args.part_mib,
+        args.concurrency,
+        args.endpoint,
+        args.bucket,
+        args.server,
     )
     table = markdown(document)
     print(table)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"s3-{args.size_mib}mib"
+        stem = args.out / f"s3-{args.size_mib}mib"  # the server is named inside
         stem.with_suffix(".json").write_text(json.dumps(document, indent=2) + "\n")
         stem.with_suffix(".md").write_text(table)
     return 0

@@ -250,7 +250,11 @@ class S3Backend(StorageBackend):
         folder = key.rstrip("/") + "/"
         for upload in self.client.pending_uploads(folder):
             self.client.abort_upload(upload)
-        self.client.delete([key, *(meta.key for meta in self.client.list_objects(folder))])
+        # One LIST of the bare key's prefix finds the object at ``key`` and those under
+        # ``key/``; only keys that exist are deleted (a store that keeps folders, such as
+        # s3s-fs on a filesystem, refuses to delete a key that names one).
+        listed = self.client.list_objects(key)
+        self.client.delete(m.key for m in listed if m.key == key or m.key.startswith(folder))
         with self._etags_lock:
             self._etags.pop(key, None)
 

@@ -12,6 +12,7 @@ Every method raises :class:`~fastckpt.store.s3errors.ObjectStoreError` subclasse
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,8 @@ from fastckpt.store.s3errors import ObjectStoreError, translate
 __all__ = ["ObjectMeta", "PendingUpload", "S3Client", "client_for"]
 
 _CHUNK = 4 << 20
+_LOG = logging.getLogger(__name__)
+_WARNED_UNLISTED: set[str | None] = set()  # endpoints that cannot list multipart uploads
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,7 @@ class S3Client:
         )
         self._boto: Any = None
         self._boto_lock = threading.Lock()
+        self._uploads_unlisted = False  # the store answered ListMultipartUploads: NotImplemented
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -173,18 +177,17 @@ class S3Client:
     def put_stream(self, key: str, pieces: Iterable[Any], total: int) -> None:
         """Upload ``total`` bytes given as buffers, in parallel parts of ``part_size``.
 
-        At most ``part_size`` bytes: one PUT. Larger: a multipart upload with ``concurrency``
-        parts in flight on Rust threads; an upload that fails is aborted by the client (a
-        killed process leaves it pending: see :meth:`pending_uploads`).
+        At most ``multipart_threshold`` bytes (default: ``part_size``): one PUT, the buffers
+        handed over without a Python-side copy. Larger: a multipart upload with
+        ``concurrency`` parts in flight on Rust threads; an upload that fails is aborted by
+        the client (a killed process leaves it pending: see :meth:`pending_uploads`).
         """
         import obstore
 
         opts = self.options
         try:
-            if total <= opts.part_size:
-                obstore.put(
-                    self.store, key, b"".join(bytes(p) for p in pieces), use_multipart=False
-                )
+            if total <= opts.single_put_max:
+                obstore.put(self.store, key, list(pieces), use_multipart=False)
             else:
                 obstore.put(
                     self.store,
@@ -249,9 +252,10 @@ class S3Client:
     def read_into(self, key: str, dest: np.ndarray, start: int) -> None:
         """Fill ``dest`` (a contiguous uint8 array) with the object's bytes from ``start``.
 
-        The span is fetched as parallel ranged GETs of ``read_part_size`` bytes, ``concurrency``
-        at a time; each range streams into its slice of ``dest`` in chunks of a few MiB
-        (numpy copies without the GIL).
+        A span of at most ``ranged_get_threshold`` bytes (default: ``read_part_size``) comes
+        as one GET; a larger one as parallel ranged GETs of ``read_part_size`` bytes,
+        ``concurrency`` at a time. Each response streams into its slice of ``dest`` in chunks
+        (numpy copies without the GIL), so no whole-range buffer sits in between.
 
         Raises:
             ObjectStoreError: a range failed or came back short (the object changed or is
@@ -260,7 +264,7 @@ class S3Client:
         import obstore
 
         total = dest.nbytes
-        step = self.options.read_part_size
+        step = total if total <= self.options.single_get_max else self.options.read_part_size
         spans = [(offset, min(total, offset + step)) for offset in range(0, total, step)]
 
         def fetch(span: tuple[int, int]) -> None:
@@ -333,7 +337,14 @@ class S3Client:
     # ------------------------------------------------------------------- multipart uploads
 
     def pending_uploads(self, prefix: str) -> list[PendingUpload]:
-        """Unfinished multipart uploads under ``prefix`` (a killed writer leaves these)."""
+        """Unfinished multipart uploads under ``prefix`` (a killed writer leaves these).
+
+        A store that does not implement ListMultipartUploads (some S3-compatible servers,
+        e.g. ``s3s-fs``) answers ``NotImplemented``: then none can be found, the list is empty
+        and a warning (once per endpoint) says to let a bucket lifecycle rule abort them.
+        """
+        if self._uploads_unlisted:
+            return []
         client = self._control()
         pending: list[PendingUpload] = []
         marker: dict[str, str] = {}
@@ -353,6 +364,20 @@ class S3Client:
                     "UploadIdMarker": page["NextUploadIdMarker"],
                 }
         except Exception as err:
+            if _error_code(err) == "NotImplemented":
+                self._uploads_unlisted = True
+                if self.endpoint in _WARNED_UNLISTED:
+                    return []
+                _WARNED_UNLISTED.add(self.endpoint)
+                _LOG.warning(
+                    "%s: the store at %s cannot list unfinished multipart uploads "
+                    "(ListMultipartUploads is not implemented); uploads a killed save left "
+                    "there are not aborted by fastckpt: add a lifecycle rule that aborts "
+                    "incomplete multipart uploads",
+                    self.url(prefix),
+                    self.endpoint or "AWS",
+                )
+                return []
             raise self._fail(err, prefix) from err
 
     def abort_upload(self, upload: PendingUpload) -> None:
@@ -365,6 +390,15 @@ class S3Client:
             failed = translate(err, self.url(upload.key), self.endpoint)
             if not isinstance(failed, FileNotFoundError):
                 raise failed from err
+
+
+def _error_code(err: BaseException) -> str | None:
+    """The S3 error code of a botocore ``ClientError`` (None for anything else)."""
+    response = getattr(err, "response", None)
+    if not isinstance(response, dict):
+        return None
+    code = response.get("Error", {}).get("Code")
+    return code if isinstance(code, str) else None
 
 
 def _refreshing_provider(resolved: ResolvedS3) -> Any:

@@ -27,6 +27,7 @@ from fastckpt.store.s3errors import AccessDeniedError
 __all__ = ["S3Options", "S3Url", "is_s3_url"]
 
 _SCHEME = "s3://"
+_MAX_SINGLE_PUT = 5 << 30  # S3's limit on one PUT
 
 
 def is_s3_url(path: object) -> bool:
@@ -111,6 +112,11 @@ class S3Options:
         part_size: bytes per multipart-upload part (>= 5 MiB, S3's minimum).
         read_part_size: bytes per ranged GET.
         concurrency: parts uploaded / ranges fetched at once.
+        multipart_threshold: objects up to this many bytes go up in one PUT, larger ones as
+            parallel multipart uploads (None: ``part_size``; at most 5 GiB, S3's limit).
+        ranged_get_threshold: objects up to this many bytes come down in one GET, larger
+            ones as parallel ranged GETs of ``read_part_size`` (None: ``read_part_size``).
+            Which is faster depends on the store (see docs/object-storage.md).
         unsigned_payload: do not hash bodies into the request signature (the crc32c of every
             tensor and file already covers them; TLS protects them on the wire).
     """
@@ -130,6 +136,20 @@ class S3Options:
     read_part_size: int = 32 << 20
     concurrency: int = 8
     unsigned_payload: bool = True
+    multipart_threshold: int | None = None
+    ranged_get_threshold: int | None = None
+
+    @property
+    def single_put_max(self) -> int:
+        """The largest object uploaded with one PUT (see ``multipart_threshold``)."""
+        return self.part_size if self.multipart_threshold is None else self.multipart_threshold
+
+    @property
+    def single_get_max(self) -> int:
+        """The largest object downloaded with one GET (see ``ranged_get_threshold``)."""
+        if self.ranged_get_threshold is None:
+            return self.read_part_size
+        return self.ranged_get_threshold
 
     @classmethod
     def from_mapping(cls, options: S3Options | Mapping[str, Any] | None) -> S3Options:
@@ -166,6 +186,14 @@ class S3Options:
         for name in ("concurrency", "connect_timeout_s", "request_timeout_s", "retry_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        for name in ("multipart_threshold", "ranged_get_threshold"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name}={value} must be >= 0 (or None)")
+        if self.single_put_max > _MAX_SINGLE_PUT:
+            raise ValueError(
+                f"multipart_threshold={self.single_put_max}: S3 takes at most 5 GiB in one PUT"
+            )
         if self.max_retries < 0:
             raise ValueError(f"max_retries={self.max_retries} must be >= 0")
 

@@ -131,6 +131,12 @@ def translate(err: BaseException, url: str, endpoint: str | None) -> ObjectStore
             f"{url}: another writer committed this record first (conditional put refused); "
             "reload the latest checkpoint and save again"
         )
+    status = re.search(r"non-2xx status code: (\d{3})", text)
+    if status is not None:  # the server answered: reachable, whatever the retry settings say
+        first_line = text.strip().splitlines()[0]
+        return ObjectStoreError(
+            f"{url}: {where} answered HTTP {status.group(1)} ({code or kind}): {first_line[:400]}"
+        )
     lowered = text.lower()
     if kind in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError") or any(
         hint in lowered for hint in _UNREACHABLE_HINTS
