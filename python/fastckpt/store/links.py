@@ -215,20 +215,19 @@ def read_item(
 
 def referenced_sources(
     directory: Path, record: Mapping[str, Any]
-) -> dict[str, dict[str, tuple[Path, str]]]:
+) -> dict[str, dict[str, tuple[Path, Reference]]]:
     """Where the referenced tensors of a manager checkpoint are, for tools that open tensor
     files themselves (lazy reads, diff): item tensor file relpath -> tensor name -> (linked
-    file, the tensor's name in it). Such tools must skip the linked files themselves
-    (:func:`is_linked_file`): they can hold stale tensors no reference names.
+    file, its reference: the tensor's ``name`` in that file, ``crc32c``, ...). Such tools
+    must skip the linked files themselves (:func:`is_linked_file`): they can hold stale
+    tensors no reference names.
 
     Raises:
         CheckpointFormatError: malformed references, or a path escaping the checkpoint.
     """
     refs = read_references(record, str(directory / COMMIT_RECORD))
     return {
-        relpath: {
-            name: (safe_join(directory, ref["file"]), ref["name"]) for name, ref in names.items()
-        }
+        relpath: {name: (safe_join(directory, ref["file"]), ref) for name, ref in names.items()}
         for relpath, names in refs.items()
     }
 
