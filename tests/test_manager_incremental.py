@@ -27,6 +27,7 @@ from fastckpt.incremental import mark_frozen
 from fastckpt.manager import CheckpointManager
 from fastckpt.store.links import (
     check_references,
+    freed_bytes,
     read_references,
     reference_reports,
     referenced_sources,
@@ -248,6 +249,35 @@ def test_round_trip_after_the_bases_are_deleted(
         assert torch.equal(part["0.weight"], expected["0.weight"])
         moved = manager.load(last, map_location="cpu")["model"]
         _assert_bitwise(moved, expected)
+
+
+def test_fastckpt_prune_of_the_bases_keeps_the_newest_loadable(tmp_path: Path) -> None:
+    model = _model()
+    root = tmp_path / "runs"
+    with _sync() as manager:
+        for step in range(3):
+            with torch.no_grad():
+                _linear(model, 1).bias.fill_(step)
+            _save(manager, root / f"step_{step}", {"model": model})
+            time.sleep(0.02)  # distinct commit times: prune keeps the newest by commit
+        doomed, kept = [root / "step_0", root / "step_1"], [root / "step_2"]
+        frozen_file = (root / "step_0" / "model.safetensors").stat().st_size
+        own_files = sum((d / "model.safetensors").stat().st_size for d in doomed[1:])
+        small = sum(p.stat().st_size for d in doomed for p in d.glob("*.json"))
+        # step_0's file lives on in step_2's link: only the rest is freed.
+        assert freed_bytes(doomed, kept) == own_files + small
+        assert freed_bytes(doomed, kept) < frozen_file
+        result = subprocess.run(
+            [sys.executable, "-m", "fastckpt", "prune", str(root), "--keep-last", "1"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO / "python")},
+        )
+        assert result.returncode == 0, result.stderr
+        assert sorted(os.listdir(root)) == ["step_2"]
+        loaded = manager.load(root / "step_2")["model"]
+    _assert_bitwise(loaded, _snapshot(model))
+    assert fastckpt.verify(root / "step_2").ok
 
 
 def test_copies_out_of_the_mapping_when_use_mmap_is_off(tmp_path: Path) -> None:

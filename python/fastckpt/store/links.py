@@ -27,8 +27,10 @@ them.
 
 from __future__ import annotations
 
+import contextlib
 import errno
-from collections.abc import Mapping
+import stat
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,7 @@ __all__ = [
     "REFS_FIELD",
     "Reference",
     "check_references",
+    "freed_bytes",
     "is_linked_file",
     "linked_relpath",
     "read_item",
@@ -230,6 +233,29 @@ def referenced_sources(
         relpath: {name: (safe_join(directory, ref["file"]), ref) for name, ref in names.items()}
         for relpath, names in refs.items()
     }
+
+
+def freed_bytes(doomed: Iterable[Path], kept: Iterable[Path]) -> int:
+    """Bytes that deleting the ``doomed`` local checkpoint directories frees while the
+    ``kept`` ones stay: files hard-linked into a kept checkpoint (incremental saves), or
+    linked twice among the doomed, are counted once and only when no kept one holds them."""
+
+    def inodes(directory: Path) -> dict[tuple[int, int], int]:
+        found = {}
+        for path in directory.rglob("*"):
+            with contextlib.suppress(OSError):
+                info = path.lstat()
+                if stat.S_ISREG(info.st_mode):
+                    found[(info.st_dev, info.st_ino)] = info.st_size
+        return found
+
+    held: set[tuple[int, int]] = set()
+    for directory in kept:
+        held.update(inodes(directory))
+    freed: dict[tuple[int, int], int] = {}
+    for directory in doomed:
+        freed.update(inodes(directory))
+    return sum(size for inode, size in freed.items() if inode not in held)
 
 
 def check_references(directory: Path, record: Mapping[str, Any]) -> list[str]:
