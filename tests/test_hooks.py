@@ -272,3 +272,48 @@ def test_ema_hook_arguments_are_checked_when_it_is_made() -> None:
     with pytest.raises(ValueError, match="update_every"):
         EMAHook(update_every=0)
     assert EMAHook("main", 0.9).decay == 0.9
+
+
+# --------------------------------------------------------------------------- staging prewarm
+
+
+class _AllocationProbe:
+    """Records the checkpoint hook's staging allocations at each stage (runs after it)."""
+
+    def __init__(self, hook: CheckpointHook) -> None:
+        self.hook = hook
+        self.seen: list[tuple[str, int, int]] = []
+
+    def __call__(self, ctx: fastckpt.TrainContext, stage: TrainingStage) -> None:
+        if stage not in (TrainingStage.BEFORE_TRAINING, TrainingStage.AFTER_BATCH):
+            return  # (AFTER_OPTIMIZER_STEP fires under the guard already)
+        with self.hook.guard():  # a capture in progress finishes first
+            self.seen.append((stage.value, ctx.step_count, self.hook.staging_allocations))
+
+
+def test_async_hook_allocates_its_staging_buffers_before_the_first_save(tmp_path: Path) -> None:
+    """The buffers of the model exist before training starts, those of Adam's moments (made
+    by the first optimizer step) right after it, and no save allocates any."""
+    hook = CheckpointHook(tmp_path, step_interval=3, async_save=True)
+    probe = _AllocationProbe(hook)
+    strategy = support.new_strategy([hook, probe], num_steps=7)
+    strategy.run(support.loader())
+    before = [n for stage, _, n in probe.seen if stage == TrainingStage.BEFORE_TRAINING.value]
+    after_batch = {step: n for stage, step, n in probe.seen if stage == "after_batch"}
+    model_tensors = len(strategy.models["main"].state_dict())
+    assert len(before) == 1 and before[0] >= model_tensors  # model (+ RNG) state, no Adam yet
+    assert after_batch[1] > before[0]  # the moments (and step counters) of the first step
+    # Saves at steps 3 and 6 (their captures finished before the probe read the count), 7.
+    assert after_batch[3] == after_batch[6] == after_batch[7] == after_batch[1]
+    assert hook.staging_allocations == after_batch[1]  # nor did the final save (step 7)
+    assert [row["index"] for row in fastckpt.list_checkpoints(tmp_path)] == [0, 1, 2]
+    loaded = fastckpt.load_checkpoint(tmp_path, training_fn=support.training_fn)
+    for name, tensor in strategy.models["main"].state_dict().items():
+        assert torch.equal(loaded["models"]["main"]["model"].state_dict()[name], tensor)
+
+
+def test_prewarm_staging_of_a_sync_hook_allocates_nothing(tmp_path: Path) -> None:
+    hook = CheckpointHook(tmp_path, step_interval=1, async_save=False)
+    strategy = support.new_strategy([hook], num_steps=1)
+    assert hook.prewarm_staging(strategy) == 0
+    assert hook.staging_allocations == 0

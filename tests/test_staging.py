@@ -125,3 +125,20 @@ def test_background_writer_guard_waits_for_the_capture_only() -> None:
     finish.set()
     writer.close()
     assert events == ["guarded", "captured", "written"]
+
+
+def test_reserved_buffers_are_the_ones_a_stage_fills() -> None:
+    """reserve allocates (and zeroes) what stage will use, once; stage then allocates
+    nothing and copies the live values into those very buffers."""
+    stager = CpuStager()
+    live = {"w": torch.arange(6, dtype=torch.float32), "b": torch.ones(3, dtype=torch.float64)}
+    assert stager.reserve(live) == 6 * 4 + 3 * 8
+    assert stager.allocations == 2
+    assert stager.reserve(live) == 0  # already there
+    reserved = {name: buffer.data_ptr() for name, buffer in stager._pool.buffers.items()}
+    staged = stager.stage(live)
+    assert stager.allocations == 2
+    assert {name: t.data_ptr() for name, t in staged.items()} == reserved
+    assert torch.equal(staged["w"], live["w"]) and torch.equal(staged["b"], live["b"])
+    assert stager.reserve({"w": torch.zeros(2, 3)}) == 24  # a new shape: a new buffer
+    assert stager.allocations == 3

@@ -181,9 +181,14 @@ def check_plan(
             gone (cannot happen unless the state is mutated during an async capture).
     """
     restore: dict[str, dict[str, torch.Tensor]] = {}
+    # Most references of a save point into the same few files: check each file once.
+    there: dict[tuple[int, str, int, int], bool] = {}
     for relpath, names in list(result.refs.items()):
         for name, ref in list(names.items()):
-            if ref["index"] != replacing and _still_there(manifest, ref):
+            source = (ref["index"], ref["file"], ref["file_size"], ref["file_crc32c"])
+            if source not in there:
+                there[source] = _still_there(manifest, ref)
+            if ref["index"] != replacing and there[source]:
                 continue
             tensor = result.live[relpath].pop(name)
             tracked = result.referenced[relpath].pop(name)

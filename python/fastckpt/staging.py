@@ -38,6 +38,7 @@ __all__ = [
     "StagerOptions",
     "background_executor",
     "make_stager",
+    "reserve_groups",
     "stage_groups",
 ]
 
@@ -78,6 +79,16 @@ class Stager(Protocol):
         """Return host copies of ``tensors`` (complete when this returns)."""
         ...
 
+    def reserve(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Allocate (and touch) the buffers a :meth:`stage` of ``tensors`` will use, without
+        copying; returns the bytes newly allocated."""
+        ...
+
+    @property
+    def allocations(self) -> int:
+        """How many buffers were allocated so far (a warm stage allocates none)."""
+        ...
+
     @property
     def nbytes(self) -> int:
         """Bytes currently held in staging buffers."""
@@ -90,15 +101,32 @@ class _BufferPool:
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned
         self.buffers: dict[str, torch.Tensor] = {}
+        self.allocations = 0
         self._lock = threading.Lock()
 
     def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        return self._get(name, like)[0]
+
+    def _get(self, name: str, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
         with self._lock:
             buffer = self.buffers.get(name)
             if buffer is None or buffer.dtype != like.dtype or buffer.shape != like.shape:
                 buffer = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pinned)
                 self.buffers[name] = buffer
-            return buffer
+                self.allocations += 1
+                return buffer, True
+            return buffer, False
+
+    def reserve(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Allocate the missing buffers for ``tensors`` and touch their pages (a page fault
+        per fresh page is most of a first copy's cost); returns the bytes allocated."""
+        allocated = 0
+        for name, tensor in tensors.items():
+            buffer, fresh = self._get(name, tensor)
+            if fresh:
+                buffer.zero_()
+                allocated += buffer.numel() * buffer.element_size()
+        return allocated
 
     def retain_only(self, names: set[str]) -> None:
         """Drop buffers of tensors that are no longer part of the state."""
@@ -127,6 +155,16 @@ class CpuStager:
             staged[name] = buffer
         self._pool.retain_only(set(tensors))
         return staged
+
+    def reserve(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Allocate and touch the buffers a :meth:`stage` of ``tensors`` will use (no copy);
+        returns the bytes newly allocated."""
+        return self._pool.reserve(tensors)
+
+    @property
+    def allocations(self) -> int:
+        """Buffers allocated so far."""
+        return self._pool.allocations
 
     @property
     def nbytes(self) -> int:
@@ -164,6 +202,16 @@ class CudaStager:
         self._pool.retain_only(set(tensors))
         return {name: staged[name] for name in tensors}
 
+    def reserve(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Allocate (pinned, per the options) and touch the buffers a :meth:`stage` of
+        ``tensors`` will use (no copy); returns the bytes newly allocated."""
+        return self._pool.reserve(tensors)
+
+    @property
+    def allocations(self) -> int:
+        """Buffers allocated so far."""
+        return self._pool.allocations
+
     @property
     def nbytes(self) -> int:
         """Bytes held in staging buffers."""
@@ -189,6 +237,23 @@ def stage_groups(
     for key, staged in stager.stage(selected).items():
         group, name = key.split("\0", 1)
         groups[group][name] = staged
+
+
+def reserve_groups(
+    stager: Stager,
+    groups: Mapping[str, Mapping[str, torch.Tensor]],
+    select: Callable[[str, str], bool],
+) -> int:
+    """Allocate the buffers :func:`stage_groups` with the same arguments will use (keyed the
+    same way), without copying; returns the bytes newly allocated."""
+    return stager.reserve(
+        {
+            f"{group}\0{name}": tensor
+            for group, tensors in groups.items()
+            for name, tensor in tensors.items()
+            if select(group, name)
+        }
+    )
 
 
 def make_stager(options: StagerOptions) -> Stager:

@@ -23,6 +23,7 @@ from fastckpt.staging import (
     Stager,
     StagerOptions,
     make_stager,
+    reserve_groups,
     stage_groups,
 )
 from fastckpt.store.commit import prune_indices
@@ -134,6 +135,7 @@ class CheckpointHook:
         # Volatile tensors get their own pool: each pool keeps exactly the names it stages.
         self._volatile_stager: Stager = make_stager(options)
         self._dcp_writer: tuple[Any, Any] | None = None  # (fastckpt.dcp.Writer, group)
+        self._prewarm_pending = False  # allocate the first step's new state after it
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -158,6 +160,12 @@ class CheckpointHook:
             RuntimeError: the pending background write failed (chained to its error).
         """
         self._record(self._writer.close())
+
+    @property
+    def staging_allocations(self) -> int:
+        """How many staging buffers this hook allocated so far (async saves; a save into
+        prewarmed buffers allocates none)."""
+        return self._stager.allocations + self._volatile_stager.allocations
 
     def _record(self, index: int | None) -> None:
         if index is not None:
@@ -186,11 +194,53 @@ class CheckpointHook:
         return False
 
     def __call__(self, ctx: TrainContext, stage: TrainingStage) -> None:
-        """Save when the cadence is reached, and at the end of the run (``save_last``)."""
+        """Save when the cadence is reached, and at the end of the run (``save_last``).
+
+        Async: the staging buffers are allocated before training starts, and those of state
+        the first step creates (e.g. Adam's moments) after that step, so no save in the loop
+        pays for fresh memory (see :meth:`prewarm_staging`).
+        """
         if stage is TrainingStage.BEFORE_TRAINING:
             self._start_step = ctx.step_count
+            self._prewarm_pending = True
+            self._prewarm(ctx)
+        elif stage is TrainingStage.AFTER_BATCH and self._prewarm_pending:
+            self._prewarm_pending = False
+            self._prewarm(ctx)
         if self._should_save(ctx, stage):
             self.save(ctx)
+
+    def _prewarm(self, ctx: TrainContext) -> None:
+        sharded = bool(getattr(ctx.workflow, "sharded", False))
+        if not self.async_save or ctx.workflow is None or sharded:
+            return
+        if self.rank_zero_only and ctx.global_rank != 0:
+            return
+        self.prewarm_staging(ctx.workflow)
+
+    def prewarm_staging(self, strategy: Any) -> int:
+        """Allocate (and touch) the staging buffers an async save of ``strategy`` will copy
+        into, now, instead of at its first save (fresh memory costs a page fault per page,
+        pinned memory an expensive registration: seconds per GiB on a GPU machine). Buffers
+        that exist are kept; nothing is copied. The hook calls it before training starts and
+        again after the first step (whose optimizer step may create state, e.g. Adam's
+        moments); call it yourself when driving :meth:`save` by hand. A sync hook or a
+        sharded strategy (staged by fastckpt.dcp's writer) has nothing to allocate.
+
+        Returns:
+            The bytes newly allocated.
+        """
+        if not self.async_save or getattr(strategy, "sharded", False):
+            return 0
+        snapshot: Snapshot = strategy.checkpoint_snapshot()
+
+        def volatile(relpath: str, name: str) -> bool:
+            return (relpath, name) in snapshot.volatile
+
+        files = snapshot.tensor_files
+        return reserve_groups(self._volatile_stager, files, volatile) + reserve_groups(
+            self._stager, files, lambda relpath, name: not volatile(relpath, name)
+        )
 
     # ------------------------------------------------------------------ saving
 

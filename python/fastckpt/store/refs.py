@@ -260,12 +260,44 @@ def reference_reports(manifest: Manifest, index: int, threads: int) -> list[File
     return reports
 
 
+#: refs.json path, size and crc32c -> (the file's identity when read, the indices it
+#: references). Committed files are never modified in place (an index is replaced by a new
+#: directory), so a file with the same identity need not be read and parsed again at every
+#: save and prune; anything else (a new inode, size or mtime) is read again.
+_REFERENCED: dict[tuple[str, int, int], tuple[tuple[int, int, int, int], frozenset[int]]] = {}
+_REFERENCED_MAX = 256
+
+
 def referenced_indices(manifest: Manifest, indices: Iterable[int]) -> set[int]:
     """The indices whose bytes the given committed indices reference."""
     found: set[int] = set()
     for index in indices:
-        for names in index_references(manifest, index).values():
-            found.update(ref["index"] for ref in names.values())
+        record = manifest.entries[index]["files"].get(REFS_FILE)
+        if record is None:
+            continue
+        path = manifest.file_path(index, REFS_FILE)
+        key = (os.fspath(path), record["size"], record["crc32c"])
+        try:
+            info = os.stat(path)
+        except OSError:
+            info = None
+        identity = (
+            None if info is None else (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+        )
+        cached = _REFERENCED.get(key)
+        if identity is not None and cached is not None and cached[0] == identity:
+            found.update(cached[1])
+            continue
+        mine = frozenset(
+            ref["index"]
+            for names in index_references(manifest, index).values()
+            for ref in names.values()
+        )
+        if identity is not None:
+            if len(_REFERENCED) >= _REFERENCED_MAX:
+                _REFERENCED.clear()
+            _REFERENCED[key] = (identity, mine)
+        found.update(mine)
     return found
 
 
