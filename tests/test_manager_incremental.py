@@ -531,9 +531,14 @@ def test_sigkill_during_incremental_saves_leaves_every_committed_checkpoint_whol
                 expected = torch.full((128, 128), float(number))
                 assert torch.equal(loaded["model"]["trainable"], expected), path
                 incremental += bool(_referenced(path))
+                assert fastckpt.verify(path).ok, path
                 checked += 1
             numbers = [int(p.name.removeprefix("step_")) for p in committed]
             step = max(numbers, default=step) + 1
+        # The next save next to them removes what the killed saves left (dead writers'
+        # staging directories, with their links).
+        reader.save(root / "after", {"step": step})
+        assert not [name for name in os.listdir(root) if name.startswith(".")]
     assert checked >= kills
     assert incremental > 0  # the kills landed in runs of incremental saves
 
