@@ -52,6 +52,7 @@ import torch
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.files import dtype_from_name, torch_shape
+from fastckpt.store.links import is_linked_file, referenced_sources
 from fastckpt.store.locate import locate
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import Manifest, read_commit_record
@@ -200,10 +201,12 @@ def _resolve_files(path: Path, index: int | None, part: str | None) -> tuple[lis
                 "save_checkpoint root"
             )
         record = read_commit_record(location.path)
-        files = record["files"]
-        return _select(files, location.path, location.path, part, str(location.path)), str(
-            location.path
-        )
+        # Linked files (incremental saves) are read through the references only: they may
+        # hold stale tensors no reference names.
+        files = {r: v for r, v in record["files"].items() if not is_linked_file(r)}
+        selected = _select(files, location.path, location.path, part, str(location.path))
+        selected += _linked(location.path, record, part)
+        return selected, str(location.path)
     assert location.root is not None
     if location.kind == "index":
         if index is not None and index != location.index:
@@ -233,6 +236,25 @@ def _referenced(manifest: Manifest, index: int, part: str | None) -> list[_Targe
             sizes[source] = ref["file_size"]
             key = (label if part is None else "", source)
             by_source.setdefault(key, {})[ref["name"]] = (name, ref["crc32c"])
+    return [(label, path, sizes[path], only) for (label, path), only in by_source.items()]
+
+
+def _linked(directory: Path, record: Mapping[str, Any], part: str | None) -> list[_Target]:
+    """The referenced tensors of an incremental manager checkpoint, one target per linked
+    file."""
+    by_source: dict[tuple[str, Path], dict[str, tuple[str, int]]] = {}
+    sizes: dict[Path, int] = {}
+    for relpath, names in referenced_sources(directory, record).items():
+        label = relpath[: -len(SUFFIX)]
+        if part is not None and label != part:
+            continue
+        for name, (path, ref) in names.items():
+            source = Path(os.path.realpath(path))
+            sizes[source] = record["files"][ref["file"]]["size"]
+            by_source.setdefault((label if part is None else "", source), {})[ref["name"]] = (
+                name,
+                ref["crc32c"],
+            )
     return [(label, path, sizes[path], only) for (label, path), only in by_source.items()]
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.files import DEFAULT_THREADS
 from fastckpt.store.dispatch import backend_for, use_storage_options
+from fastckpt.store.links import reference_reports as link_reports
 from fastckpt.store.locate import Kind, locate
 from fastckpt.store.paths import safe_join
 from fastckpt.store.reader import FileReport, Status, check_recorded, verify_content
@@ -181,6 +182,8 @@ def _verify_manager(directory: Path, threads: int) -> VerifyReport:
                 threads=threads,
             )
         )
+    # Incremental checkpoints: each reference resolves in its linked file's header.
+    report.files += link_reports(directory, record)
     return report
 
 

@@ -27,6 +27,7 @@ from fastckpt.cli.render import (
 from fastckpt.diff import TensorFiles, diff_checkpoints
 from fastckpt.progress import counting
 from fastckpt.store.dispatch import backend_for
+from fastckpt.store.links import is_linked_file, referenced_sources
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import COMMIT_RECORD, read_commit_record, record_file
 from fastckpt.store.refs import REFS_FILE, index_references, source_path
@@ -91,11 +92,18 @@ def _diff_side(text: str) -> _Side:
                 location.path, relpath
             )
             for relpath in sorted(record["files"])
-            if relpath.endswith(TENSOR_SUFFIX)
+            if relpath.endswith(TENSOR_SUFFIX) and not is_linked_file(relpath)
+        }
+        # Incremental saves: unchanged tensors live in linked files (see fastckpt.store.links).
+        linked = {
+            relpath.removesuffix(TENSOR_SUFFIX): {
+                name: (path, ref["name"]) for name, (path, ref) in names.items()
+            }
+            for relpath, names in referenced_sources(location.path, record).items()
         }
         values = _json_values(location.path, sorted(record["files"]), location.path, generation)
         label = f"{location.path} (CheckpointManager checkpoint)"
-        return _Side(TensorFiles(label, files), values, {})
+        return _Side(TensorFiles(label, files, linked), values, {})
     manifest, index = resolve_index(location, None)
     directory = manifest.root / str(index)
     # refs.json (an incremental index) is where tensors are, not a value to compare.

@@ -26,8 +26,8 @@ from fastckpt.cli.render import (
 from fastckpt.components import IndexReader
 from fastckpt.files import write_tensors
 from fastckpt.progress import format_bytes
+from fastckpt.store.links import read_item, read_references
 from fastckpt.store.locate import Location
-from fastckpt.store.reader import read_manager_item
 from fastckpt.store.records import Manifest, item_files, read_commit_record
 
 # --------------------------------------------------------------------------- fastckpt export
@@ -60,7 +60,11 @@ def _export_plan(location: Location, index: int | None, model: str | None) -> _E
         items = [str(key) for key in record["items"]]
         preferred = "model" if model is None and "model" in items else model
         key = _pick(items, preferred, "item", location.path)
-        size = record["files"].get(item_files(record, key)[1], {"size": 0})["size"]
+        relpath = item_files(record, key)[1]
+        size = record["files"].get(relpath, {"size": 0})["size"]
+        # An incremental checkpoint's unchanged tensors are in its linked files.
+        linked = read_references(record, str(location.path)).get(relpath, {})
+        size += sum(ref["nbytes"] for ref in linked.values())
         return _Export(
             lambda: _manager_item_tensors(location.path, key),
             size,
@@ -160,7 +164,7 @@ def _ema_plan(manifest: Manifest, index: int, model: str) -> _Export:
 
 def _manager_item_tensors(directory: Path, key: str) -> dict[str, torch.Tensor]:
     """The tensors of one CheckpointManager item, named by their key paths (verified)."""
-    skeleton, tensors = read_manager_item(directory, read_commit_record(directory), key)
+    skeleton, tensors = read_item(directory, read_commit_record(directory), key)
     return tree.flatten(tree.unflatten(skeleton, tensors, key))[1]
 
 

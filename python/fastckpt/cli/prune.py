@@ -9,7 +9,6 @@ import shutil
 import socket
 import sys
 from pathlib import Path
-from typing import Any
 
 from fastckpt.checkpoint import list_checkpoints, prune
 from fastckpt.cli.common import (
@@ -25,9 +24,10 @@ from fastckpt.errors import FastCkptError
 from fastckpt.progress import format_bytes
 from fastckpt.store.backend import TEMP_PREFIX
 from fastckpt.store.dispatch import backend_for, is_object_url
+from fastckpt.store.links import freed_bytes
 from fastckpt.store.locate import KIND_NAMES
 from fastckpt.store.lock import LOCK_FILE, lock_holder
-from fastckpt.store.records import COMMIT_RECORD, MANIFEST, Manifest, read_commit_record
+from fastckpt.store.records import COMMIT_RECORD, MANIFEST, Manifest
 from fastckpt.store.refs import referenced_indices
 
 # --------------------------------------------------------------------------- the root lock
@@ -87,13 +87,13 @@ def _prune_managers(args: argparse.Namespace, children: list[Path]) -> int:
     an interrupted delete leaves only a leftover recognised as such), then removed."""
     doomed = children[: -args.keep_last] if len(children) > args.keep_last else []
     kept = [child for child in children if child not in doomed]
-    sizes = {child: _size(child) for child in doomed}
+    # Incremental saves: files a kept checkpoint hard-links are not freed.
+    freed = freed_bytes(doomed, kept)
     if not args.dry_run:
         for child in doomed:
             aside = child.with_name(f"{TEMP_PREFIX}pruned-{os.getpid()}-{child.name}")
             os.rename(child, aside)
             shutil.rmtree(aside)
-    freed = sum(sizes.values())
     if args.json:
         print_json(
             {
@@ -118,14 +118,6 @@ def _prune_managers(args: argparse.Namespace, children: list[Path]) -> int:
     else:
         print(f"deleted {names} ({format_bytes(freed)} freed); kept {kept_text}")
     return EXIT_OK
-
-
-def _size(directory: Path) -> int:
-    try:
-        record: Any = read_commit_record(directory)
-        return sum(int(entry["size"]) for entry in record["files"].values())
-    except (OSError, FastCkptError):  # a damaged record: count what is on disk
-        return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
 
 # --------------------------------------------------------------------------- fastckpt prune
