@@ -171,6 +171,10 @@ def test_unchanged_state_writes_only_what_changed(tmp_path: Path) -> None:
             assert ref["file"] == "linked/model.0.safetensors"
             assert ref["name"] == name and ref["nbytes"] == ref["offsets"][1] - ref["offsets"][0]
         assert record["files"]["linked/model.0.safetensors"]["size"] == full
+        # A record with references says so in its schema version (an older fastckpt then asks
+        # for an upgrade instead of missing tensors); a full one stays at version 1.
+        assert record["schema_version"] == 2
+        assert read_commit_record(tmp_path / "step_0")["schema_version"] == 1
 
 
 def test_mark_frozen_skips_the_version_check(tmp_path: Path) -> None:

@@ -58,7 +58,7 @@ from fastckpt.staging import (
 from fastckpt.stateful import check_template, contains_stateful, prepare_save, restore
 from fastckpt.store.commit import DirectoryWriter
 from fastckpt.store.dispatch import backend_for, is_local, use_storage_options
-from fastckpt.store.links import REFS_FIELD, Reference, read_item
+from fastckpt.store.links import Reference, read_item
 from fastckpt.store.paths import check_name
 from fastckpt.store.records import COMMIT_RECORD, commit_record, item_files, read_commit_record
 from fastckpt.store.snapshot import read_consistently
@@ -538,10 +538,7 @@ class CheckpointManager:
         refs: Mapping[str, Mapping[str, Reference]] | None = None,
     ) -> None:
         if not self._dist.active:
-            record = commit_record(items, writer.files, 1)
-            if refs:
-                record[REFS_FIELD] = {relpath: dict(names) for relpath, names in refs.items()}
-            writer.add_json(COMMIT_RECORD, record)
+            writer.add_json(COMMIT_RECORD, commit_record(items, writer.files, 1, refs))
             writer.commit()
             return
         # Each rank staged its own files; rank 0 gathers the files records, adopts every
@@ -553,9 +550,7 @@ class CheckpointManager:
                 if location != writer.location:
                     writer.adopt(location, files)  # with the rank's linked files
                 merged.update({relpath: dict(names) for relpath, names in rank_refs.items()})
-            record = commit_record(items, writer.files, self._dist.world_size)
-            if merged:
-                record[REFS_FIELD] = merged
+            record = commit_record(items, writer.files, self._dist.world_size, merged)
             writer.add_json(COMMIT_RECORD, record)
             writer.commit()
         self._dist.barrier()

@@ -49,7 +49,7 @@ from fastckpt import _native, tree
 from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
 from fastckpt.staging import StagerOptions, background_executor, make_stager, stage_groups
 from fastckpt.store.commit import DirectoryWriter
-from fastckpt.store.reader import read_manager_item
+from fastckpt.store.links import read_item
 from fastckpt.store.records import COMMIT_RECORD, commit_record, read_commit_record
 
 __all__ = ["AsyncFastCheckpointIO", "FastCheckpointIO", "load_lightning_checkpoint"]
@@ -171,7 +171,8 @@ def write_plan(
 
 
 def _load_item(directory: Path, record: Mapping[str, Any], item: str) -> Any:
-    skeleton, tensors = read_manager_item(directory, record, item)
+    # read_item follows the references of incremental CheckpointManager checkpoints.
+    skeleton, tensors = read_item(directory, record, item)
     # Owned copies: views would keep the file mapped (and its disk space in use after
     # ModelCheckpoint removes it) for as long as the run keeps the optimizer state.
     owned = {name: tensor.clone() for name, tensor in tensors.items()}

@@ -44,7 +44,7 @@ from fastckpt.store.reader import (
     read_manager_item,
     read_tensor_file,
 )
-from fastckpt.store.records import COMMIT_RECORD, item_files
+from fastckpt.store.records import COMMIT_RECORD, MANAGER_REFS, item_files
 
 __all__ = [
     "LINKED_DIR",
@@ -63,7 +63,7 @@ __all__ = [
 #: The folder of a checkpoint holding the files hard-linked from its base.
 LINKED_DIR = "linked"
 #: The ``commit.json`` field listing the references.
-REFS_FIELD = "refs"
+REFS_FIELD = MANAGER_REFS
 
 #: One reference: ``file``, ``name``, ``crc32c``, ``nbytes``, ``dtype``, ``shape``, ``offsets``.
 Reference = dict[str, Any]

@@ -33,6 +33,7 @@ __all__ = [
     "ENTRY_FIELDS",
     "GENERATION_PREFIX",
     "MANAGER_FORMAT",
+    "MANAGER_REFS",
     "MANAGER_SCHEMA_VERSION",
     "MANIFEST",
     "MANIFEST_CRC_FIELD",
@@ -63,8 +64,13 @@ SHARDED_DIR = "sharded"
 SCHEMA_VERSION = 1
 #: ``format`` field of a CheckpointManager commit record.
 MANAGER_FORMAT = "fastckpt-manager"
-#: CheckpointManager commit-record schema this fastckpt writes (and the newest it reads).
-MANAGER_SCHEMA_VERSION = 1
+#: CheckpointManager commit-record schema: 1 for a checkpoint written in full, 2 for one with
+#: references to hard-linked files (field :data:`MANAGER_REFS`, see
+#: :mod:`fastckpt.store.links`), so that a fastckpt that cannot follow them says "upgrade"
+#: instead of missing tensors. The newest this fastckpt reads.
+MANAGER_SCHEMA_VERSION = 2
+#: The commit-record field listing an incremental checkpoint's references.
+MANAGER_REFS = "refs"
 #: Object stores: the data of a CheckpointManager checkpoint lives under ``CKPT/g-<hex>/``
 #: (a generation), and its commit record names it in the field ``generation``.
 GENERATION_PREFIX = "g-"
@@ -385,16 +391,26 @@ def _check_entry_fields(where: str, entry: dict[str, Any]) -> None:
 
 
 def commit_record(
-    items: list[str], files: Mapping[str, Mapping[str, int]], world_size: int
+    items: list[str],
+    files: Mapping[str, Mapping[str, int]],
+    world_size: int,
+    refs: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
 ) -> dict[str, Any]:
-    """The ``commit.json`` document of a CheckpointManager checkpoint."""
-    return {
+    """The ``commit.json`` document of a CheckpointManager checkpoint (``refs``: the
+    references of an incremental one, relpath -> tensor name -> reference)."""
+    record: dict[str, Any] = {
         "format": MANAGER_FORMAT,
-        "schema_version": MANAGER_SCHEMA_VERSION,
+        "schema_version": MANAGER_SCHEMA_VERSION if refs else 1,
         "world_size": world_size,
         "items": items,
         "files": {relpath: dict(record) for relpath, record in files.items()},
     }
+    if refs:
+        record[MANAGER_REFS] = {
+            relpath: {name: dict(ref) for name, ref in names.items()}
+            for relpath, names in refs.items()
+        }
+    return record
 
 
 def new_generation() -> str:
