@@ -3,9 +3,17 @@
 A small MLP is trained with AdamW on fixed random data for ``steps`` steps; every ``every``
 steps (not at the last step) its weights and Adam moments are checkpointed asynchronously. If
 the previous checkpoint is still in flight at the next one, the loop waits for it (that wait
-counts as stall, as it would in training). With fastckpt, the optimizer step runs under
-``CheckpointManager.lock()`` as the manager requires (it blocks while a snapshot is being
-captured; that wait is recorded as ``lock_wait_seconds``). The clock runs from the first timed
+counts as stall, as it would in training). Scenarios: ``none`` (no checkpoints),
+``fastckpt-async`` (``CheckpointManager`` with async saves of the flat state, its staging
+buffers allocated by ``prewarm_staging`` before the clock starts),
+``fastckpt-hook`` (``CheckpointHook(async_save=True)`` saving the ``TrainingStrategy`` that
+owns the model and optimizer: what a strategy's training loop runs; the loop calls
+``hook.save(strategy.context)`` at the same steps, and the hook's staging buffers are
+allocated before the clock starts, as the hook does at ``BEFORE_TRAINING``) and
+``dcp-async`` (``torch.distributed.checkpoint.async_save``). With fastckpt, the optimizer
+step runs under ``CheckpointManager.lock()`` / ``CheckpointHook.guard()`` as they require
+(it blocks while a snapshot is being captured; that wait is recorded as
+``lock_wait_seconds``). The clock runs from the first timed
 step until the last checkpoint is durable, so an async writer cannot hide its tail after the
 loop.
 """
@@ -29,7 +37,7 @@ from fastckpt.bench.writers import WriterUnavailable, open_async_manager, remove
 __all__ = ["SCENARIOS", "TrainingConfig", "run_training"]
 
 #: Scenarios in the order they run within a repetition.
-SCENARIOS = ("none", "fastckpt-async", "dcp-async")
+SCENARIOS = ("none", "fastckpt-async", "fastckpt-hook", "dcp-async")
 
 
 @dataclass(frozen=True)
@@ -81,9 +89,11 @@ Checkpointer = Callable[[dict[str, torch.Tensor], Path], "Future[Any]"]
 
 
 Guard = Callable[[], AbstractContextManager[Any]]
+#: Called once with the state after the warm-up steps, before the clock starts.
+Prepare = Callable[[dict[str, torch.Tensor]], None]
 
 
-def _dcp_checkpointer() -> tuple[Checkpointer, Callable[[], None], Guard]:
+def _dcp_checkpointer() -> tuple[Checkpointer, Callable[[], None], Guard, Prepare]:
     try:
         import torch.distributed.checkpoint as dcp
     except ImportError as err:
@@ -98,18 +108,55 @@ def _dcp_checkpointer() -> tuple[Checkpointer, Callable[[], None], Guard]:
         future: Future[Any] = getattr(response, "upload_completion", response)
         return future
 
-    return save, lambda: None, nullcontext
+    return save, lambda: None, nullcontext, lambda state: None
 
 
-def _fastckpt_checkpointer() -> tuple[Checkpointer, Callable[[], None], Guard]:
+def _fastckpt_checkpointer() -> tuple[Checkpointer, Callable[[], None], Guard, Prepare]:
     manager = open_async_manager()
 
     def save(state: dict[str, torch.Tensor], path: Path) -> Future[Any]:
         future: Future[Any] = manager.save(str(path), {"state": state})
         return future
 
+    def prepare(state: dict[str, torch.Tensor]) -> None:
+        # The manager's documented way to allocate its staging buffers before the first save.
+        if hasattr(manager, "prewarm_staging"):
+            manager.prewarm_staging({"state": state})
+
     guard: Guard = getattr(manager, "lock", nullcontext)
-    return save, manager.close, guard
+    return save, manager.close, guard, prepare
+
+
+class _HookCheckpointer:
+    """``CheckpointHook(async_save=True)`` on a ``TrainingStrategy`` owning the model and
+    optimizer; :meth:`save` is what the hook does at a cadence step."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        from fastckpt.hooks import CheckpointHook
+        from fastckpt.strategy import TrainingStrategy
+
+        self.strategy = TrainingStrategy(model, optimizer, num_steps=1)
+        self.hook: Any = None
+        self.hook_class = CheckpointHook
+
+    def open(self, root: Path) -> None:
+        self.hook = self.hook_class(root, step_interval=1, async_save=True, save_last=False)
+        self.hook.__enter__()
+        self.hook.prewarm_staging(self.strategy)
+
+    def save(self, step: int) -> Future[Any]:
+        self.strategy.step_count = step
+        self.hook.save(self.strategy.context)
+        done: Future[Any] = Future()
+        done.set_result(None)  # the hook's next save (or close) waits for this one itself
+        return done
+
+    def guard(self) -> AbstractContextManager[Any]:
+        return self.hook.guard() if self.hook is not None else nullcontext()
+
+    def close(self) -> None:
+        if self.hook is not None:
+            self.hook.close()
 
 
 def run_training(scenario: str, config: TrainingConfig, directory: Path) -> dict[str, Any]:
@@ -129,16 +176,25 @@ def run_training(scenario: str, config: TrainingConfig, directory: Path) -> dict
     checkpoint: Checkpointer | None = None
     close: Callable[[], None] = lambda: None  # noqa: E731
     guard: Guard = nullcontext
+    prepare: Prepare = lambda state: None  # noqa: E731
     try:
         if scenario == "fastckpt-async":
-            checkpoint, close, guard = _fastckpt_checkpointer()
+            checkpoint, close, guard, prepare = _fastckpt_checkpointer()
         elif scenario == "dcp-async":
-            checkpoint, close, guard = _dcp_checkpointer()
+            checkpoint, close, guard, prepare = _dcp_checkpointer()
     except WriterUnavailable as err:
         return {"available": False, "reason": str(err)}
 
     model = _model(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    hooked: _HookCheckpointer | None = None
+    if scenario == "fastckpt-hook":
+        try:
+            hooked = _HookCheckpointer(model, optimizer)
+        except Exception as err:  # ImportError, or a strategy refusing this model
+            return {"available": False, "reason": f"CheckpointHook: {err!r}"}
+        guard = hooked.guard
+        close = hooked.close
     gen = torch.Generator().manual_seed(1)
     inputs = torch.randn(config.batch, config.hidden, generator=gen)
     targets = torch.randn(config.batch, 1, generator=gen)
@@ -160,6 +216,9 @@ def run_training(scenario: str, config: TrainingConfig, directory: Path) -> dict
     state_bytes = sum(t.numel() * t.element_size() for t in _flat_state(model, optimizer).values())
     root = directory / f"train-{scenario}"
     root.mkdir(parents=True, exist_ok=True)
+    if hooked is not None:
+        hooked.open(root)  # allocates the staging buffers, before the clock
+    prepare(_flat_state(model, optimizer))
     pending: Future[Any] | None = None
     stalls: list[float] = []
     lock_wait = 0.0
@@ -174,8 +233,14 @@ def run_training(scenario: str, config: TrainingConfig, directory: Path) -> dict
                     pending.result()
                 pending = checkpoint(_flat_state(model, optimizer), root / f"step-{index}")
                 stalls.append(time.perf_counter() - blocked)
+            elif hooked is not None and due:
+                blocked = time.perf_counter()
+                hooked.save(index)  # waits for the previous write itself
+                stalls.append(time.perf_counter() - blocked)
         if pending is not None:
             pending.result()
+        if hooked is not None:
+            hooked.close()  # the last checkpoint is durable
         seconds = time.perf_counter() - start
     finally:
         close()
