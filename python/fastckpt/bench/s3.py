@@ -203,11 +203,12 @@ Writer = tuple[Upload, Callable[[], Any], Callable[[], None]]
 #: s3s-fs writes each part to a file and copies all of them into the object when the upload
 #: completes, so one PUT costs it 2.7 server CPU-s/GiB against 6.1 for any multipart
 #: shape; it answers 32 MiB ranges (2.9 CPU-s/GiB) more cheaply than one whole-object GET
-#: (3.8-5.8). moto reads the whole object to answer each range, so one GET is cheapest there.
+#: (3.8-5.8). moto spends 6.5 CPU-s/GiB on one PUT against 12 on a multipart upload, and
+#: reads the whole object to answer each range, so one GET is cheapest there.
 #: (docs/object-storage.md has the measurements.)
 PROFILES: dict[str, dict[str, int | None]] = {
     "s3s": {"multipart_threshold": 5 << 30, "ranged_get_threshold": None},
-    "moto": {"multipart_threshold": None, "ranged_get_threshold": 1 << 50},
+    "moto": {"multipart_threshold": 5 << 30, "ranged_get_threshold": 1 << 50},
     "endpoint": {"multipart_threshold": None, "ranged_get_threshold": None},
 }
 
@@ -633,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastckpt.bench.s3", description=__doc__)
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--part-mib", type=int, default=16)
+    parser.add_argument("--part-mib", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument(
         "--endpoint", default=None, help="an existing server (credentials from AWS_*)"
