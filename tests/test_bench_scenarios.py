@@ -23,6 +23,10 @@ def test_the_hook_scenario_checkpoints_at_the_same_steps_as_the_manager(tmp_path
     assert hook["checkpoints"] == manager["checkpoints"] == 2
     assert len(hook["stall_seconds"]) == 2
     assert hook["checkpoint_mib"] == manager["checkpoint_mib"]
+    for result in (hook, manager):  # steps overlapping a checkpoint, against the others
+        assert 0 <= result["overlapped_steps"] <= TINY.steps
+        assert "in_run_overhead" in result
+    assert run_training("none", TINY, tmp_path)["in_run_overhead"] is None
     assert list(tmp_path.iterdir()) == []  # each run removes its checkpoints
 
 

@@ -305,6 +305,12 @@ class BackgroundWriter(Generic[T]):
         return self._executor is not None
 
     @property
+    def busy(self) -> bool:
+        """Whether a write was submitted and has not finished yet."""
+        future = self._future
+        return future is not None and not future.done()
+
+    @property
     def in_flight(self) -> str | None:
         """What the write in flight (or finished but not collected) writes, or None."""
         return None if self._future is None else self._what

@@ -374,6 +374,8 @@ def _run_training(root: Path, config: BenchConfig) -> dict[str, Any]:
         stalls = [s for r in runs for s in r["stall_seconds"]]
         entry["stall_seconds_per_checkpoint"] = summarize(stalls)
         entry["lock_wait_seconds"] = summarize([r["lock_wait_seconds"] for r in runs])
+        in_run = [r["in_run_overhead"] for r in runs if r.get("in_run_overhead") is not None]
+        entry["in_run_overhead"] = summarize(in_run)
         median = entry["steps_per_s"]["median"]
         paired = entry["overhead_per_run"]["median"]
         if entry["available"] and baseline and median:
@@ -388,10 +390,12 @@ def _run_training(root: Path, config: BenchConfig) -> dict[str, Any]:
     return {
         "config": tc.as_dict(),
         "method": (
-            "scenarios interleaved in every repetition (none, fastckpt-async, dcp-async), plus "
-            "a closing none run; overhead = median over runs of 1 - steps/s / mean(steps/s of "
-            "the none runs just before and after it); overhead_of_medians = 1 - median "
-            "steps/s / median none steps/s"
+            f"scenarios interleaved in every repetition ({', '.join(training.SCENARIOS)}), "
+            "plus a closing none run; overhead = median over runs of 1 - steps/s / "
+            "mean(steps/s of the none runs just before and after it); overhead_of_medians = "
+            "1 - median steps/s / median none steps/s; in_run_overhead = per run, the time the "
+            "steps overlapping a checkpoint took beyond the median of the run's other steps, "
+            "as a share of the run (summarized over runs)"
         ),
         "scenarios": scenarios,
     }

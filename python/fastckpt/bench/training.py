@@ -20,6 +20,7 @@ loop.
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -151,6 +152,9 @@ class _HookCheckpointer:
         done.set_result(None)  # the hook's next save (or close) waits for this one itself
         return done
 
+    def busy(self) -> bool:
+        return self.hook is not None and bool(self.hook.writing)
+
     def guard(self) -> AbstractContextManager[Any]:
         return self.hook.guard() if self.hook is not None else nullcontext()
 
@@ -159,14 +163,39 @@ class _HookCheckpointer:
             self.hook.close()
 
 
+def _in_run_overhead(
+    step_seconds: list[float], overlapped: list[bool], seconds: float
+) -> dict[str, Any]:
+    """The steps that overlapped a checkpoint in flight against the run's other steps: the
+    time they took beyond the median of the others, as a share of the run. Both come from the
+    same run, so load drifting between runs (which makes run-to-run throughput comparisons
+    noisy on a shared machine) mostly cancels; time lost outside those steps is not counted
+    (the throughput comparison with the baseline runs does count it)."""
+    quiet = [t for t, busy in zip(step_seconds, overlapped, strict=True) if not busy]
+    loud = [t for t, busy in zip(step_seconds, overlapped, strict=True) if busy]
+    if not quiet or not loud:
+        return {"overlapped_steps": len(loud), "in_run_overhead": None}
+    typical = statistics.median(quiet)
+    extra = sum(t - typical for t in loud)
+    return {
+        "overlapped_steps": len(loud),
+        "quiet_step_seconds": typical,
+        "overlapped_step_seconds": statistics.median(loud),
+        "in_run_overhead": extra / seconds,
+    }
+
+
 def run_training(scenario: str, config: TrainingConfig, directory: Path) -> dict[str, Any]:
     """Run one scenario (``"none"``, ``"fastckpt-async"`` or ``"dcp-async"``) once.
 
     Returns:
         ``{"available", "reason", "seconds", "steps_per_s", "checkpoints", "checkpoint_mib",
-        "stall_seconds", "lock_wait_seconds"}`` where ``stall_seconds`` lists, per checkpoint,
-        how long the training thread was blocked (waiting for the previous one plus the save
-        call itself) and ``lock_wait_seconds`` totals the waits to enter the manager's lock.
+        "stall_seconds", "lock_wait_seconds", "overlapped_steps", "in_run_overhead", ...}``
+        where ``stall_seconds`` lists, per checkpoint, how long the training thread was
+        blocked (waiting for the previous one plus the save call itself),
+        ``lock_wait_seconds`` totals the waits to enter the manager's lock, and
+        ``in_run_overhead`` is the extra time of the steps that overlapped a checkpoint as a
+        share of the run (see ``_in_run_overhead``; None without checkpoints).
 
     Raises:
         ValueError: unknown scenario.
@@ -222,10 +251,23 @@ def run_training(scenario: str, config: TrainingConfig, directory: Path) -> dict
     pending: Future[Any] | None = None
     stalls: list[float] = []
     lock_wait = 0.0
+
+    def busy() -> bool:
+        """Whether a checkpoint is being captured or written right now."""
+        if hooked is not None:
+            return hooked.busy()
+        return pending is not None and not pending.done()
+
+    step_seconds: list[float] = []
+    overlapped: list[bool] = []
     try:
         start = time.perf_counter()
         for index in range(1, config.steps + 1):
+            during = busy()
+            began = time.perf_counter()
             step()
+            step_seconds.append(time.perf_counter() - began)
+            overlapped.append(during or busy())
             due = index % config.every == 0 and index < config.steps
             if checkpoint is not None and due:
                 blocked = time.perf_counter()
@@ -248,6 +290,7 @@ def run_training(scenario: str, config: TrainingConfig, directory: Path) -> dict
     return {
         "available": True,
         "reason": None,
+        **_in_run_overhead(step_seconds, overlapped, seconds),
         "seconds": seconds,
         "steps_per_s": config.steps / seconds,
         "checkpoints": len(stalls),

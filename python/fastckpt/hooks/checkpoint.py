@@ -162,6 +162,11 @@ class CheckpointHook:
         self._record(self._writer.close())
 
     @property
+    def writing(self) -> bool:
+        """Whether a background write is in progress (async mode)."""
+        return self._writer.busy
+
+    @property
     def staging_allocations(self) -> int:
         """How many staging buffers this hook allocated so far (async saves; a save into
         prewarmed buffers allocates none)."""

@@ -275,6 +275,11 @@ class IndexWriter(DirectoryWriter):
         self.wait_written()
         return super().files
 
+    def commit(self) -> None:
+        """Make the directory visible (once every background write finished)."""
+        self.wait_written()
+        super().commit()
+
     def commit_entry(self, entry: dict[str, Any]) -> None:
         """Put the index directory in place, then commit ``entry`` to the manifest.
 
