@@ -183,10 +183,15 @@ def test_root_round_trip_bytes_and_tensors(s3_server: S3Server, s3_root: str) ->
     assert not root.leftovers()
 
 
+@pytest.mark.parametrize(
+    "shapes",
+    [{}, {"multipart_threshold": 64 << 20, "ranged_get_threshold": 64 << 20}],
+    ids=["multipart-and-ranges", "one-put-and-one-get"],
+)
 def test_gil_is_released_while_saving_to_and_loading_from_s3(
-    s3_server: S3Server, s3_root: str
+    s3_server: S3Server, s3_root: str, shapes: dict[str, int]
 ) -> None:
-    root = S3Root(s3_root, s3_server.options(**SMALL_PARTS))
+    root = S3Root(s3_root, s3_server.options(**SMALL_PARTS, **shapes))
     state = {"w": torch.ones(24 << 20, dtype=torch.uint8), "v": torch.ones(2 << 20)}
 
     def round_trip() -> None:

@@ -1,22 +1,27 @@
 """Object-storage benchmark: one state to one S3-compatible server, fastckpt vs its peers.
 
-``python -m fastckpt.bench.s3 --size-mib 256 --out benches/results`` starts a local moto
-server on 127.0.0.1 (or uses ``--endpoint`` with credentials from the AWS environment), builds
-one state (weights + Adam moments, as the main harness does) and moves it up and down with:
+``python -m fastckpt.bench.s3 --size-mib 1024 --out benches/results`` starts a local server
+on 127.0.0.1 (``--server``: ``s3s`` for the Rust ``s3s-fs`` that ``make s3-server`` builds,
+``moto``, or ``auto``, s3s when built), or uses ``--endpoint`` with credentials from the AWS
+environment; builds one state (weights + Adam moments, as the main harness does) and moves it
+up and down with:
 
 * ``fastckpt``: :class:`fastckpt.store.s3commit.S3Root` ``save`` / ``load`` (per-tensor crc32c,
-  parallel multipart upload and parallel ranged GETs on Rust threads, verified download);
+  uploads and ranged GETs on Rust threads, verified download) with the request shapes measured
+  best for the server (:data:`PROFILES`); ``fastckpt-defaults``: the default shapes;
 * ``boto3``: ``safetensors.torch.save`` + ``upload_fileobj`` with a threaded ``TransferConfig``,
-  ``download_fileobj`` + ``safetensors.torch.load``;
+  ``download_fileobj`` + ``safetensors.torch.load``; ``boto3-profile``: the same with
+  fastckpt's shapes;
 * ``s3fs``: the same bytes through ``fsspec`` file objects (what DCP's ``FsspecWriter`` /
   ``FsspecReader`` do).
 
 Async stall: the same state saved by ``CheckpointManager`` with ``async_save`` to a local
-directory and to ``s3://`` on the same server: the seconds until the caller may mutate the
-state again (``save()`` plus ``manager.lock()``: the stall a training loop sees) and the
-seconds until the save is durable (``future.result()``).
+directory and to ``s3://`` on the same server, alternately, every tensor changed before each
+save: the seconds until the caller may mutate the state again (``save()`` plus
+``manager.lock()``: the stall a training loop sees) and the seconds until the save is durable
+(``future.result()``).
 
-Every writer gets the same part size and concurrency; the writers interleave across repeats.
+Every writer gets the same part size and concurrency; each repeat starts with another writer.
 Throughput is state bytes / wall seconds of the user-visible call (serialization included).
 Client and server CPU seconds per GiB are recorded too: on one small machine the server's
 CPU, not the client, usually sets the pace.
