@@ -61,6 +61,26 @@ def test_cli_diff_between_two_s3_roots(s3_root: str, s3_env: dict[str, str]) -> 
     assert [(t["name"], t["differing"]) for t in report["changed"]] == [("models/main:weight", 3)]
 
 
+def test_cli_prints_s3_urls_as_users_write_them(s3_root: str, s3_env: dict[str, str]) -> None:
+    """pathlib collapses ``s3://`` to ``s3:/``; what the CLI prints must be the URL itself."""
+    model = torch.nn.Linear(4, 2)
+    a, b = f"{s3_root}/a", f"{s3_root}/b"
+    fastckpt.save_checkpoint(a, models={"main": model})
+    fastckpt.save_checkpoint(b, models={"main": model})
+    outputs = {
+        "diff": _cli(s3_env, "diff", a, b),
+        "ls": _cli(s3_env, "ls", a, "--json"),
+        "verify": _cli(s3_env, "verify", a),
+        "inspect": _cli(s3_env, "inspect", a, "--json"),
+    }
+    for command, result in outputs.items():
+        assert result.returncode == 0, (command, result.stderr)
+        assert a in result.stdout, (command, result.stdout)
+        assert re.search(r"s3:/[^/]", result.stdout + result.stderr) is None, command
+    assert json.loads(outputs["ls"].stdout)["root"] == a
+    assert str(fastckpt.verify(a)).startswith(a)
+
+
 def test_fastckpt_dcp_refuses_an_s3_url_with_a_typed_error(
     s3_root: str, s3_env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -26,7 +26,7 @@ from fastckpt.cli.render import (
 )
 from fastckpt.diff import TensorFiles, diff_checkpoints
 from fastckpt.progress import counting
-from fastckpt.store.dispatch import backend_for
+from fastckpt.store.dispatch import backend_for, display_path
 from fastckpt.store.links import is_linked_file, referenced_sources
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import COMMIT_RECORD, read_commit_record, record_file
@@ -83,7 +83,7 @@ def _diff_side(text: str) -> _Side:
     location = locate(text)
     if location.kind == "file":
         metadata = _header(location.path)["metadata"] or {}
-        return _Side(TensorFiles(str(location.path), {"": location.path}), {}, metadata)
+        return _Side(TensorFiles(display_path(location.path), {"": location.path}), {}, metadata)
     if location.kind == "manager":
         record = read_commit_record(location.path)
         generation = record_file(record, "")  # object stores: "g-<hex>/"; locally ""
@@ -102,7 +102,7 @@ def _diff_side(text: str) -> _Side:
             for relpath, names in referenced_sources(location.path, record).items()
         }
         values = _json_values(location.path, sorted(record["files"]), location.path, generation)
-        label = f"{location.path} (CheckpointManager checkpoint)"
+        label = f"{display_path(location.path)} (CheckpointManager checkpoint)"
         return _Side(TensorFiles(label, files, linked), values, {})
     manifest, index = resolve_index(location, None)
     directory = manifest.root / str(index)
@@ -124,7 +124,7 @@ def _diff_side(text: str) -> _Side:
     plain = {name.replace(":.", ":"): value for name, value in counters.items()}
     plain.update(_json_values(directory, listed, manifest.root))
     latest = ", latest" if index == manifest.latest else ""
-    side = TensorFiles(f"{directory} (index {index}{latest})", files, references)
+    side = TensorFiles(f"{display_path(directory)} (index {index}{latest})", files, references)
     return _Side(side, plain, {})
 
 

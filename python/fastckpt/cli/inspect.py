@@ -33,6 +33,7 @@ from fastckpt.cli.render import (
 )
 from fastckpt.errors import FastCkptError
 from fastckpt.progress import format_bytes
+from fastckpt.store.dispatch import display_path
 from fastckpt.store.locate import Location
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import COMMIT_RECORD, Manifest, read_commit_record, record_file
@@ -83,8 +84,8 @@ def _describe_index(manifest: Manifest, index: int) -> dict[str, Any]:
                 hooks.append({"class": hook.get("class"), "occurrence": hook.get("occurrence")})
     return {
         "kind": "index",
-        "root": str(manifest.root),
-        "path": str(directory),
+        "root": display_path(manifest.root),
+        "path": display_path(directory),
         "index": index,
         "latest": index == manifest.latest,
         "indices": sorted(manifest.entries),
@@ -160,7 +161,7 @@ def _describe_manager(directory: Path) -> dict[str, Any]:
         items.append({"name": key, "values": values, "tensor_files": tensor_files})
     return {
         "kind": "manager",
-        "path": str(directory),
+        "path": display_path(directory),
         "committed": mtime_iso(directory / COMMIT_RECORD),
         "world_size": record.get("world_size", 1),
         "items": items,
@@ -170,7 +171,7 @@ def _describe_manager(directory: Path) -> dict[str, Any]:
 
 
 def _describe_file(path: Path) -> dict[str, Any]:
-    return {"kind": "file", "path": str(path), **describe_tensor_file(path)}
+    return {"kind": "file", "path": display_path(path), **describe_tensor_file(path)}
 
 
 def _index_text(info: Mapping[str, Any]) -> str:
@@ -267,7 +268,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             info, text = _describe_file(location.path), _file_text
     except (OSError, FastCkptError) as err:
         raise UserError(
-            f"{error_text(err)} (fastckpt verify {location.path} checks every file)"
+            f"{error_text(err)} (fastckpt verify {display_path(location.path)} checks every file)"
         ) from err
     if args.json:
         print_json(info if note is None else {**info, "selected": note})

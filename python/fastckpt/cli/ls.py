@@ -28,7 +28,7 @@ from fastckpt.cli.render import (
 from fastckpt.errors import FastCkptError
 from fastckpt.progress import format_bytes
 from fastckpt.store.backend import StorageBackend
-from fastckpt.store.dispatch import backend_for
+from fastckpt.store.dispatch import backend_for, display_path
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import (
     COMMIT_RECORD,
@@ -50,7 +50,7 @@ def _is_file(backend: StorageBackend, path: Path) -> bool:
 
 
 def _ls_root(root: Path) -> dict[str, Any]:
-    return {"root": str(root), "kind": "root", "checkpoints": list_checkpoints(root)}
+    return {"root": display_path(root), "kind": "root", "checkpoints": list_checkpoints(root)}
 
 
 def _manager_item_value(directory: Path, record: Mapping[str, Any], item: str) -> Any:
@@ -73,7 +73,7 @@ def _sharded_row(directory: Path) -> dict[str, Any]:
     except (OSError, FastCkptError) as err:
         return {
             "name": directory.name,
-            "path": str(directory),
+            "path": display_path(directory),
             "committed": None,
             "size": None,
             "items": [],
@@ -94,7 +94,7 @@ def _ls_managers(parent: Path) -> dict[str, Any]:
             continue
         if not _is_file(backend, child / COMMIT_RECORD):
             continue
-        row: dict[str, Any] = {"name": child.name, "path": str(child)}
+        row: dict[str, Any] = {"name": child.name, "path": display_path(child)}
         try:
             record = read_commit_record(child)
         except (OSError, FastCkptError) as err:
@@ -111,14 +111,14 @@ def _ls_managers(parent: Path) -> dict[str, Any]:
         checkpoints.append(row)
     if not checkpoints:
         raise UserError(
-            f"{parent} holds no checkpoints: it is neither a save_checkpoint root (no "
-            f"{MANIFEST}) nor a directory of CheckpointManager checkpoints"
+            f"{display_path(parent)} holds no checkpoints: it is neither a save_checkpoint root "
+            f"(no {MANIFEST}) nor a directory of CheckpointManager checkpoints"
         )
     dated = [row for row in checkpoints if row["committed"]]
     newest = max(dated, key=lambda row: row["committed"], default=None)
     for row in checkpoints:
         row["latest"] = row is newest
-    return {"root": str(parent), "kind": "manager", "checkpoints": checkpoints}
+    return {"root": display_path(parent), "kind": "manager", "checkpoints": checkpoints}
 
 
 def _ls_text(listing: Mapping[str, Any]) -> str:

@@ -23,7 +23,7 @@ from fastckpt.cli.render import (
 from fastckpt.errors import FastCkptError
 from fastckpt.progress import format_bytes
 from fastckpt.store.backend import TEMP_PREFIX
-from fastckpt.store.dispatch import backend_for, is_object_url
+from fastckpt.store.dispatch import backend_for, display_path, is_object_url
 from fastckpt.store.links import freed_bytes
 from fastckpt.store.locate import KIND_NAMES
 from fastckpt.store.lock import LOCK_FILE, lock_holder
@@ -68,8 +68,8 @@ def announce_lock(root: Path, timeout: float | None) -> None:
     except TimeoutError:
         limit = "" if timeout is None else f" (at most {timeout:g} s, --lock-timeout)"
         print(
-            f"fastckpt prune: {root} is locked by {describe_holder(root)} (a save or prune in "
-            f"progress); waiting{limit}",
+            f"fastckpt prune: {display_path(root)} is locked by {describe_holder(root)} "
+            f"(a save or prune in progress); waiting{limit}",
             file=sys.stderr,
             flush=True,
         )
@@ -139,7 +139,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     location = locate(args.root)
     if location.kind != "root":
         raise UserError(
-            f"{location.path} is a {KIND_NAMES[location.kind]}; prune works on a "
+            f"{display_path(location.path)} is a {KIND_NAMES[location.kind]}; prune works on a "
             f"save_checkpoint root (a directory holding {MANIFEST}) or a directory of "
             f"CheckpointManager checkpoints (each holding {COMMIT_RECORD})"
         )
@@ -154,9 +154,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
             doomed = prune(location.path, keep_last=args.keep_last, lock_timeout=args.lock_timeout)
         except TimeoutError as err:
             raise UserError(
-                f"{location.path} is still locked by {describe_holder(Path(location.path))} "
-                f"after {args.lock_timeout:g} s; wait for it to finish, stop it, or raise "
-                "--lock-timeout"
+                f"{display_path(location.path)} is still locked by "
+                f"{describe_holder(Path(location.path))} after {args.lock_timeout:g} s; "
+                "wait for it to finish, stop it, or raise --lock-timeout"
             ) from err
     kept = [i for i in indices if i not in doomed]
     # A pruned index whose bytes a kept incremental index references is retained
@@ -166,7 +166,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if args.json:
         print_json(
             {
-                "root": str(location.path),
+                "root": display_path(location.path),
                 "keep_last": args.keep_last,
                 "dry_run": args.dry_run,
                 "deleted": doomed,

@@ -25,6 +25,7 @@ from fastckpt.cli.render import (
 )
 from fastckpt.errors import FastCkptError
 from fastckpt.progress import format_bytes, io_progress
+from fastckpt.store.dispatch import display_path
 from fastckpt.store.locate import Location
 from fastckpt.store.records import Manifest, read_commit_record
 from fastckpt.verify import FileReport, VerifyReport, verify
@@ -96,7 +97,7 @@ def _verify_text(report: VerifyReport, seconds: float) -> str:
     unchecked = unchecked_files(report)
     if report.ok and unchecked:
         lines = [
-            f"UNCHECKED: {report.target}: no damage found in {scope}, but "
+            f"UNCHECKED: {display_path(report.target)}: no damage found in {scope}, but "
             f"{len(unchecked)} file(s) have tensors without checksums; their bytes were read, "
             "not verified"
         ]
@@ -115,11 +116,11 @@ def _verify_text(report: VerifyReport, seconds: float) -> str:
         return "\n".join(lines)
     if report.ok:
         return (
-            f"ok: {report.target}: {scope} verified, {format_bytes(checked)} in "
+            f"ok: {display_path(report.target)}: {scope} verified, {format_bytes(checked)} in "
             f"{seconds:.2f} s ({rate})"
         )
     failures = report.failures
-    lines = [f"BAD: {report.target}: {len(failures)} problem(s) in {scope}"]
+    lines = [f"BAD: {display_path(report.target)}: {len(failures)} problem(s) in {scope}"]
     rows = [["-" if f.index is None else f.index, f.status, one_line(f.message)] for f in failures]
     lines.append(table(["INDEX", "STATUS", "PROBLEM"], rows, "  "))
     if report.indices:
@@ -172,7 +173,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     no_index(location, args.index)
     total = _expected_bytes(location, args.index)
     started = time.perf_counter()
-    with io_progress(f"verify {location.path}", total):
+    with io_progress(f"verify {display_path(location.path)}", total):
         try:
             report = verify(location.path, args.index)
         except (KeyError, ValueError) as err:

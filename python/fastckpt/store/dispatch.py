@@ -16,6 +16,7 @@ from fastckpt.store.backend import LOCAL, LocalFileSystem, StorageBackend
 __all__ = [
     "backend_for",
     "configure_storage",
+    "display_path",
     "is_local",
     "is_object_url",
     "require_local",
@@ -80,6 +81,12 @@ def use_storage_options(
 def _url(path: str | os.PathLike[str]) -> str:
     """``s3://bucket/key`` for either spelling (``s3:/bucket/key`` from ``pathlib``)."""
     return "s3://" + os.fspath(path)[len("s3:/") :].lstrip("/")
+
+
+def display_path(path: str | os.PathLike[str]) -> str:
+    """``path`` as users write it: ``s3://bucket/key`` for an object-store URL (``pathlib``
+    collapses it to ``s3:/bucket/key``), the path itself otherwise."""
+    return _url(path) if is_object_url(path) else os.fspath(path)
 
 
 def is_object_url(path: str | os.PathLike[str]) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fastckpt.store.dispatch import display_path
 from fastckpt.store.locate import Kind
 from fastckpt.store.reader import FileReport
 
@@ -55,8 +56,8 @@ class VerifyReport:
         if self.indices:
             scope += f" of index(es) {self.indices}"
         if self.ok:
-            return f"{self.target}: ok ({scope} verified)"
-        lines = [f"{self.target}: {len(self.failures)} problem(s) in {scope}"]
+            return f"{display_path(self.target)}: ok ({scope} verified)"
+        lines = [f"{display_path(self.target)}: {len(self.failures)} problem(s) in {scope}"]
         lines += [f"  {r.status}: {r.message}" for r in self.failures]
         return "\n".join(lines)
 
