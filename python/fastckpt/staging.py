@@ -4,7 +4,7 @@ An async save must not write live tensors (training mutates them), so it first *
 snapshot. Fresh host pages cost a page fault each (far more than a copy into warm memory; see
 docs/performance.md), so the stagers keep one buffer per tensor name and reuse it as long as
 dtype and shape match: host memory stays bounded by one copy of the state and flat across
-repeated saves.
+repeated saves. :meth:`Stager.reserve` allocates (and touches) them ahead of the first save.
 
 * :class:`CpuStager` - plain host buffers, synchronous copies (CPU tensors, or CUDA tensors
   when pinned memory is off).

@@ -5,7 +5,9 @@ references collected), copies the tensors that can change outside the optimizer 
 buffers) immediately, and hands the rest to a single background thread. That thread copies
 parameters, optimizer and hook state into reusable staging buffers and then writes the index
 through the Rust core. The strategy holds :meth:`CheckpointHook.guard` around its optimizer
-step, so the copy overlaps the next forward/backward instead of stalling training.
+step, so the copy overlaps the next forward/backward instead of stalling training. The
+staging buffers are allocated before training starts (and after the first step, for state it
+creates), not at the first save: see :meth:`CheckpointHook.prewarm_staging`.
 """
 
 from __future__ import annotations
