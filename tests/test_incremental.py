@@ -528,3 +528,25 @@ def test_sigkill_during_async_incremental_hook_saves_leaves_the_latest_loadable(
         for name in ("net.0.weight", "net.0.bias"):
             assert torch.equal(state[name], frozen[name]), name
     assert any(_refs(root, c["index"]) for c in fastckpt.list_checkpoints(root))
+
+
+def test_a_file_that_fails_in_the_background_fails_the_save_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """An index's files are written on background threads: a write error still fails the
+    save with its own type, commits nothing, leaves no staging directory, and releases the
+    root (the next save works)."""
+    root = tmp_path / "root"
+    good = nn.Linear(4, 4)
+    fastckpt.save_checkpoint(root, models={"main": (good, None)})
+    bad = nn.Linear(4, 4)
+    bad.register_buffer("ghost", torch.zeros(3, device="meta"))  # has no bytes to write
+    with pytest.raises(NotImplementedError, match="meta"):
+        fastckpt.save_checkpoint(root, models={"main": (bad, None)}, incremental=False)
+    assert [row["index"] for row in fastckpt.list_checkpoints(root)] == [0]
+    assert sorted(os.listdir(root)) == ["0", "manifest.json"]
+    with torch.no_grad():
+        good.weight.add_(1.0)
+    assert fastckpt.save_checkpoint(root, models={"main": (good, None)}, lock_timeout=5) == 1
+    loaded = fastckpt.load_checkpoint(root)["models"]["main"]["model"]
+    assert torch.equal(loaded.weight, good.weight)
