@@ -338,8 +338,12 @@ def _paired_overheads(scenarios: dict[str, Any]) -> None:
 def _run_training(root: Path, config: BenchConfig) -> dict[str, Any]:
     tc = config.training_config
     scenarios: dict[str, Any] = {name: _entry(name, "ok", None) for name in training.SCENARIOS}
+    checkpointing = [name for name in training.SCENARIOS if name != "none"]
     for rep in range(config.repeats + 1):  # round 0 is the warm-up (code paths, page cache)
-        for name in training.SCENARIOS:
+        # The baseline opens every repetition; the checkpointing scenarios rotate after it, so
+        # none of them always runs right after the baseline (or after another's leftovers).
+        shift = rep % len(checkpointing)
+        for name in ["none", *checkpointing[shift:], *checkpointing[:shift]]:
             entry = scenarios[name]
             if not entry["available"]:
                 continue
@@ -390,9 +394,10 @@ def _run_training(root: Path, config: BenchConfig) -> dict[str, Any]:
     return {
         "config": tc.as_dict(),
         "method": (
-            f"scenarios interleaved in every repetition ({', '.join(training.SCENARIOS)}), "
-            "plus a closing none run; overhead = median over runs of 1 - steps/s / "
-            "mean(steps/s of the none runs just before and after it); overhead_of_medians = "
+            f"scenarios interleaved in every repetition ({', '.join(training.SCENARIOS)}; "
+            "none first, the others rotated by one each repetition), plus a closing none run; "
+            "overhead = median over runs of 1 - steps/s / mean(steps/s of the none runs just "
+            "before and after it); overhead_of_medians = "
             "1 - median steps/s / median none steps/s; in_run_overhead = per run, the time the "
             "steps overlapping a checkpoint took beyond the median of the run's other steps, "
             "as a share of the run (summarized over runs)"
