@@ -176,7 +176,7 @@ def _association_for(associations: Mapping[str, Any] | None, kind: str, name: st
 
 
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat()
+    return _dt.datetime.now(_dt.UTC).isoformat()
 
 
 def _next_index(manifest: Manifest) -> int:

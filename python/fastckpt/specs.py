@@ -964,7 +964,7 @@ def resolve_training_fn(
 
 
 def _utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat()
+    return _dt.datetime.now(_dt.UTC).isoformat()
 
 
 @dataclass(eq=False)

@@ -900,6 +900,6 @@ class FineTuningStrategy(TrainingStrategy):
         strategy.fine_tuned_from = {
             "path": str(Path(checkpoint_dir)),
             "checkpoint_index": result["checkpoint_index"],
-            "loaded": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+            "loaded": _dt.datetime.now(_dt.UTC).isoformat(),
         }
         return strategy

@@ -474,7 +474,7 @@ def _run(config: BenchConfig) -> dict[str, Any]:
     results: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
         "tag": config.tag or default_tag(config.size_gib),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "duration_s": time.time() - started,
         "command": " ".join([Path(sys.executable).name, "-m", "fastckpt.bench", *sys.argv[1:]]),
         "config": {

@@ -59,7 +59,7 @@ def when(iso: str | None) -> str:
     except ValueError:
         return iso
     if moment.tzinfo is not None:
-        moment = moment.astimezone(_dt.timezone.utc)
+        moment = moment.astimezone(_dt.UTC)
     return moment.strftime("%Y-%m-%d %H:%M:%S")
 
 
@@ -69,7 +69,7 @@ def mtime_iso(path: Path) -> str | None:
     stamp = backend_for(path).stat(path).modified
     if stamp is None:
         return None
-    return _dt.datetime.fromtimestamp(stamp, _dt.timezone.utc).isoformat()
+    return _dt.datetime.fromtimestamp(stamp, _dt.UTC).isoformat()
 
 
 def counter(counters: Mapping[str, Any], *names: str) -> Any:
