@@ -44,7 +44,7 @@ from fastckpt.store.reader import (
     read_manager_item,
     read_tensor_file,
 )
-from fastckpt.store.records import COMMIT_RECORD, MANAGER_REFS, item_files
+from fastckpt.store.records import COMMIT_RECORD, MANAGER_REFS, check_fields, item_files
 
 __all__ = [
     "LINKED_DIR",
@@ -118,12 +118,7 @@ def read_references(record: Mapping[str, Any], where: str) -> dict[str, dict[str
             at = f"{where}: {REFS_FIELD}[{relpath!r}][{name!r}]"
             if not isinstance(ref, Mapping):
                 raise CheckpointFormatError(f"{at} must be an object")
-            for field, kind in _FIELDS.items():
-                value = ref.get(field)
-                if not isinstance(value, kind) or isinstance(value, bool):
-                    raise CheckpointFormatError(
-                        f"{at}.{field} must be {kind.__name__}, got {value!r}"
-                    )
+            check_fields(ref, _FIELDS, at)
             offsets = ref["offsets"]
             if not (
                 len(offsets) == 2

@@ -41,6 +41,7 @@ __all__ = [
     "SHARDED_DIR",
     "SHARDED_RECORD",
     "Manifest",
+    "check_fields",
     "commit_record",
     "item_files",
     "json_bytes",
@@ -145,6 +146,18 @@ def read_record_bytes(directory: str | os.PathLike[str], name: str) -> bytes:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_fields(record: Mapping[str, Any], fields: Mapping[str, type], where: str) -> None:
+    """Check that ``record`` has every field of ``fields`` with its type (bools are not ints).
+
+    Raises:
+        CheckpointFormatError: names ``where``, the field, the expected type and the value.
+    """
+    for name, kind in fields.items():
+        value = record.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CheckpointFormatError(f"{where}.{name} must be {kind.__name__}, got {value!r}")
 
 
 def _check_files(where: str, files: Any) -> dict[str, FileRecord]:

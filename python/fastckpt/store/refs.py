@@ -38,7 +38,7 @@ from fastckpt.store.reader import (
     read_tensor_file,
     verify_content,
 )
-from fastckpt.store.records import Manifest
+from fastckpt.store.records import Manifest, check_fields
 
 __all__ = [
     "REFS_FILE",
@@ -99,13 +99,7 @@ def _parse(document: Any, where: str) -> dict[str, dict[str, Reference]]:
         for name, ref in names.items():
             if not isinstance(ref, Mapping):
                 raise CheckpointFormatError(f"{where}: refs[{relpath!r}][{name!r}] not an object")
-            for field, kind in _FIELDS.items():
-                value = ref.get(field)
-                if not isinstance(value, kind) or isinstance(value, bool):
-                    raise CheckpointFormatError(
-                        f"{where}: refs[{relpath!r}][{name!r}].{field} must be "
-                        f"{kind.__name__}, got {value!r}"
-                    )
+            check_fields(ref, _FIELDS, f"{where}: refs[{relpath!r}][{name!r}]")
             if ref["index"] < 0:
                 raise CheckpointFormatError(f"{where}: refs[{relpath!r}][{name!r}].index < 0")
         parsed[str(relpath)] = {str(name): dict(ref) for name, ref in names.items()}
