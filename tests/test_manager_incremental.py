@@ -368,6 +368,35 @@ def test_a_reference_that_does_not_match_the_linked_header_is_refused(tmp_path: 
         assert sources["0.bias"][0] == linked and sources["0.bias"][1]["name"] == "0.bias"
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("nbytes", "24", r"\.nbytes must be int, got '24'"),
+        ("crc32c", True, r"\.crc32c must be int, got True"),
+        ("offsets", [8, 4], r"\.offsets must be \[begin, begin \+ nbytes\]"),
+        ("file", "../../etc/passwd", r"\.file"),
+        ("file", "linked/elsewhere.safetensors", r"is not listed in the record's files"),
+    ],
+)
+def test_hostile_reference_fields_are_typed_errors(
+    tmp_path: Path, field: str, value: object, message: str
+) -> None:
+    """A commit record whose references were edited is refused before any byte is read,
+    naming the file, the tensor and the field."""
+    model = _model()
+    with _sync() as manager:
+        _save(manager, tmp_path / "a", {"model": model})
+        _save(manager, tmp_path / "b", {"model": model})
+        path = tmp_path / "b" / "commit.json"
+        record = json.loads(path.read_text())
+        record["refs"]["model.safetensors"]["0.weight"][field] = value
+        path.write_text(json.dumps(record))
+        with pytest.raises(fastckpt.CheckpointFormatError, match=message) as caught:
+            manager.load(tmp_path / "b")
+        assert "commit.json" in str(caught.value) and "0.weight" in str(caught.value)
+        assert not fastckpt.verify(tmp_path / "b").ok
+
+
 # --------------------------------------------------------------------------- when it applies
 
 
