@@ -150,7 +150,10 @@ def test_disk_full_at_every_point_of_a_save(tmp_path: Path) -> None:
             break
         else:
             raise AssertionError("the save never fit")
-        assert stages == {".safetensors", ".json", "manifest"}, stages
+        # The tensor files and the small JSON files of an index are written at the same time
+        # (IndexWriter's background lanes), so which of them meets the full disk first is a
+        # race; the tensor file (the first error raised) and the manifest always do once.
+        assert {".safetensors", "manifest"} <= stages <= {".safetensors", ".json", "manifest"}
     finally:
         subprocess.run(["umount", str(disk)], check=False)
 

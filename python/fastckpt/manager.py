@@ -57,7 +57,7 @@ from fastckpt.staging import (
 )
 from fastckpt.stateful import check_template, contains_stateful, prepare_save, restore
 from fastckpt.store.commit import DirectoryWriter
-from fastckpt.store.dispatch import backend_for, is_local, use_storage_options
+from fastckpt.store.dispatch import backend_for, display_path, is_local, use_storage_options
 from fastckpt.store.links import Reference, read_item
 from fastckpt.store.paths import check_name
 from fastckpt.store.records import COMMIT_RECORD, commit_record, item_files, read_commit_record
@@ -399,7 +399,7 @@ class CheckpointManager:
             self._finalize(snapshot.checkpoint_id)
 
         return self._writer.submit(
-            str(path), write, capture=capture if self._async_staging else None
+            display_path(path), write, capture=capture if self._async_staging else None
         )
 
     def _save_sharded(
@@ -426,7 +426,7 @@ class CheckpointManager:
                 future.result()
             self._finalize(checkpoint_id)
 
-        return self._writer.submit(str(path), wait)
+        return self._writer.submit(display_path(path), wait)
 
     def _sharded_writer(self, path: Path) -> Any:
         """The manager's one :class:`fastckpt.dcp.Writer` (its staging buffers are reused)."""

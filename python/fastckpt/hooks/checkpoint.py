@@ -29,7 +29,7 @@ from fastckpt.staging import (
     stage_groups,
 )
 from fastckpt.store.commit import prune_indices
-from fastckpt.store.dispatch import use_storage_options
+from fastckpt.store.dispatch import display_path, use_storage_options
 
 __all__ = ["CheckpointHook"]
 
@@ -284,7 +284,7 @@ class CheckpointHook:
         # Buffers change outside the optimizer step: copied now, on the training thread.
         self._stage(snapshot, only_volatile=True)
         self._writer.submit(
-            str(self.checkpoint_dir),
+            display_path(self.checkpoint_dir),
             lambda: self._write(snapshot),
             capture=lambda: self._stage(snapshot, only_volatile=False),
         )
