@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from fastckpt.store.dispatch import backend_for, is_local
-from fastckpt.store.records import Manifest
+from fastckpt.store.records import Manifest, tensor_reference
 from fastckpt.store.refs import REFS_FILE, Reference, index_references, matches, source_path
 
 __all__ = ["Plan", "forget", "is_frozen", "mark_frozen", "plan", "record_saved"]
@@ -243,17 +243,11 @@ def record_saved(
             info = header.get(name)
             if info is None or info["crc32c"] is None:
                 continue
-            begin, end = info["data_offsets"]
             tracked[(relpath, name)] = (
                 fingerprint_and_storage,
                 {
                     "index": index,
-                    "file": relpath,
-                    "name": name,
-                    "crc32c": info["crc32c"],
-                    "nbytes": end - begin,
-                    "dtype": info["dtype"],
-                    "shape": list(info["shape"]),
+                    **tensor_reference(relpath, name, info),
                     "file_size": record["size"],
                     "file_crc32c": record["crc32c"],
                 },

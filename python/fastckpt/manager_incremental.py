@@ -45,6 +45,7 @@ from fastckpt.store.backend import LocalStaging
 from fastckpt.store.commit import DirectoryWriter
 from fastckpt.store.dispatch import backend_for, is_local
 from fastckpt.store.links import Reference, linked_relpath
+from fastckpt.store.records import tensor_reference
 
 __all__ = ["LinkPlan", "SavedCheckpoint", "Tracker", "same_place"]
 
@@ -348,13 +349,4 @@ class Tracker:
 
 
 def _reference(relpath: str, name: str, info: Mapping[str, Any]) -> Reference:
-    begin, end = info["data_offsets"]
-    return {
-        "file": relpath,
-        "name": name,
-        "crc32c": info["crc32c"],
-        "nbytes": end - begin,
-        "dtype": info["dtype"],
-        "shape": list(info["shape"]),
-        "offsets": [begin, end],
-    }
+    return {**tensor_reference(relpath, name, info), "offsets": list(info["data_offsets"])}

@@ -44,7 +44,13 @@ from fastckpt.store.reader import (
     read_manager_item,
     read_tensor_file,
 )
-from fastckpt.store.records import COMMIT_RECORD, MANAGER_REFS, check_fields, item_files
+from fastckpt.store.records import (
+    COMMIT_RECORD,
+    MANAGER_REFS,
+    TENSOR_REFERENCE_FIELDS,
+    check_fields,
+    item_files,
+)
 
 __all__ = [
     "LINKED_DIR",
@@ -68,15 +74,7 @@ REFS_FIELD = MANAGER_REFS
 #: One reference: ``file``, ``name``, ``crc32c``, ``nbytes``, ``dtype``, ``shape``, ``offsets``.
 Reference = dict[str, Any]
 
-_FIELDS: dict[str, type] = {
-    "file": str,
-    "name": str,
-    "crc32c": int,
-    "nbytes": int,
-    "dtype": str,
-    "shape": list,
-    "offsets": list,
-}
+_FIELDS: dict[str, type] = {**TENSOR_REFERENCE_FIELDS, "offsets": list}
 
 
 def linked_relpath(stem: str, number: int) -> str:

@@ -40,6 +40,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "SHARDED_DIR",
     "SHARDED_RECORD",
+    "TENSOR_REFERENCE_FIELDS",
     "Manifest",
     "check_fields",
     "commit_record",
@@ -51,6 +52,7 @@ __all__ = [
     "read_record_bytes",
     "record_file",
     "seal_manifest",
+    "tensor_reference",
 ]
 
 #: The commit record of a save_checkpoint root.
@@ -146,6 +148,32 @@ def read_record_bytes(directory: str | os.PathLike[str], name: str) -> bytes:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+#: The fields every reference to a tensor stored elsewhere has (``refs.json`` of an incremental
+#: index, the ``refs`` of an incremental manager checkpoint), with their types.
+TENSOR_REFERENCE_FIELDS: dict[str, type] = {
+    "file": str,
+    "name": str,
+    "crc32c": int,
+    "nbytes": int,
+    "dtype": str,
+    "shape": list,
+}
+
+
+def tensor_reference(relpath: str, name: str, info: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`TENSOR_REFERENCE_FIELDS` of tensor ``name`` of file ``relpath``, from its
+    header entry ``info`` (``dtype``, ``shape``, ``data_offsets``, ``crc32c``)."""
+    begin, end = info["data_offsets"]
+    return {
+        "file": relpath,
+        "name": name,
+        "crc32c": info["crc32c"],
+        "nbytes": end - begin,
+        "dtype": info["dtype"],
+        "shape": list(info["shape"]),
+    }
 
 
 def check_fields(record: Mapping[str, Any], fields: Mapping[str, type], where: str) -> None:

@@ -38,7 +38,7 @@ from fastckpt.store.reader import (
     read_tensor_file,
     verify_content,
 )
-from fastckpt.store.records import Manifest, check_fields
+from fastckpt.store.records import TENSOR_REFERENCE_FIELDS, Manifest, check_fields
 
 __all__ = [
     "REFS_FILE",
@@ -64,17 +64,7 @@ RETAINED_PREFIX = ".ref-"
 #: One reference (see the module docstring for the fields).
 Reference = dict[str, Any]
 
-_FIELDS = {
-    "index": int,
-    "file": str,
-    "name": str,
-    "crc32c": int,
-    "nbytes": int,
-    "dtype": str,
-    "shape": list,
-    "file_size": int,
-    "file_crc32c": int,
-}
+_FIELDS = {"index": int, **TENSOR_REFERENCE_FIELDS, "file_size": int, "file_crc32c": int}
 
 
 def refs_document(refs: Mapping[str, Mapping[str, Reference]]) -> dict[str, Any]:
