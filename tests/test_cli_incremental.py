@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ def _fresh_trackers() -> None:
     incremental.forget()
 
 
-def _save_four(root: Path) -> None:
+def _save_four(root: Path) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 2))
     model[0].requires_grad_(False)  # the frozen part: index 0 holds its bytes
@@ -30,6 +31,7 @@ def _save_four(root: Path) -> None:
         model(torch.randn(4, 256)).sum().backward()
         optimizer.step()
         fastckpt.save_checkpoint(root, models={"m": (model, None)})
+    return model
 
 
 def test_prune_counts_retained_bytes_as_kept(
@@ -57,3 +59,23 @@ def test_prune_text_names_the_retained_index(
     out = capsys.readouterr().out
     assert out.startswith("would delete index(es) 0, 1, 2 (")
     assert "index(es) 0 stay as references of kept incremental saves" in out
+
+
+def test_prune_retains_only_pruned_bases_and_stale_copies_are_cleaned(tmp_path: Path) -> None:
+    """Bytes of a kept index stay in the index itself: a prune makes no ``.ref-<i>`` copy of
+    it; a copy left by a prune killed before its commit (the index still committed) is
+    removed by the next save; loads stay bitwise."""
+    root = tmp_path / "run"
+    model = _save_four(root)  # 1, 2 and 3 reference index 0
+    # What a kill between the retained copy and the manifest commit leaves: a copy of an
+    # index that is still committed (and referenced).
+    shutil.copytree(root / "0", root / ".ref-0")
+    fastckpt.save_checkpoint(root, models={"m": (model, None)}, incremental=False)  # 4: full
+    assert not [n for n in os.listdir(root) if n.startswith(".")]
+    fastckpt.save_checkpoint(root, models={"m": (model, None)})  # 5 references 4
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    assert fastckpt.prune(root, keep_last=3) == [0, 1, 2]  # keeps 3 (-> 0), 4, 5 (-> 4)
+    assert sorted(n for n in os.listdir(root) if n.startswith(".")) == [".ref-0"]
+    loaded = fastckpt.load_checkpoint(root)["models"]["m"]["model"].state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+    assert fastckpt.verify(root).ok

@@ -442,8 +442,10 @@ def clean_leftovers(root: Path) -> list[str]:
             continue
         removed.append(name)
     if manifest is not None and any(n.startswith(refs.RETAINED_PREFIX) for n in os.listdir(root)):
-        # Retained copies no committed index references (a prune killed before its commit).
-        removed += refs.collect_garbage(root, referenced or _referenced(manifest))
+        # Retained copies no committed index references, or of an index still committed
+        # (a prune killed before its commit): readers find those bytes in the index itself.
+        in_use = referenced if referenced is not None else _referenced(manifest)
+        removed += refs.collect_garbage(root, in_use - set(manifest.entries))
     return removed
 
 
@@ -517,7 +519,8 @@ def prune_indices(root: Path, keep_last: int, *, lock_timeout: float | None = No
         kept = [index for index in manifest.entries if index not in doomed]
         # Hard links make the retained copy before the manifest lets the index go, so a
         # kill at any point leaves the committed indices and their references whole.
-        needed = refs.referenced_indices(manifest, kept) if is_local(backend) else set()
+        referenced = refs.referenced_indices(manifest, kept) if is_local(backend) else set()
+        needed = referenced & set(doomed)  # a kept index's bytes stay where they are
         linked = {index for index in needed if _link_retained(root, index)}
         for index in needed - linked:  # no hard links here: moved before the commit
             refs.retain_for_references(root, index)
@@ -528,7 +531,7 @@ def prune_indices(root: Path, keep_last: int, *, lock_timeout: float | None = No
             if index not in needed or index in linked:
                 _delete_index(backend, root, manifest.directory(index), set(manifest.entries))
         if is_local(backend):
-            refs.collect_garbage(root, needed)
+            refs.collect_garbage(root, referenced - set(manifest.entries))
     return doomed
 
 
