@@ -441,6 +441,21 @@ pub fn encode_header(
     Ok(out)
 }
 
+/// Pads an [`encode_header`] result with spaces (valid JSON whitespace, which readers trim)
+/// to exactly `len` bytes, prefix included, and rewrites the prefix: the data section then
+/// starts at `len`. Fails when the header is already longer, or `len` is not a multiple of 8.
+pub fn pad_header(header: &mut Vec<u8>, len: u64) -> Result<()> {
+    if (header.len() as u64) > len || len % 8 != 0 || len > PREFIX_LEN + MAX_HEADER_LEN {
+        return Err(Error::InvalidArgument(format!(
+            "a {}-byte header cannot be padded to {len} bytes",
+            header.len()
+        )));
+    }
+    header.resize(len as usize, b' ');
+    header[..PREFIX_LEN as usize].copy_from_slice(&(len - PREFIX_LEN).to_le_bytes());
+    Ok(())
+}
+
 /// Reads the header length from the 8-byte prefix and checks it against the cap and the file.
 pub fn parse_prefix(path: &Path, prefix: &[u8; 8], file_len: u64) -> Result<u64> {
     let header_len = u64::from_le_bytes(*prefix);

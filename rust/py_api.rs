@@ -20,6 +20,7 @@ use crate::format::{Dtype, Header, TensorDesc};
 use crate::progress::Progress;
 use crate::reader::{MappedFile, Reader};
 use crate::replace;
+use crate::image;
 use crate::writer::{self, WriteOptions};
 
 /// Builds an instance of `fastckpt.errors.<name>(message)`; falls back to ValueError if the
@@ -96,6 +97,18 @@ impl RawBytes {
         // SAFETY: the caller keeps the exporting object (and its `PyBuffer`) alive, so `addr`
         // points to `len` readable bytes for the whole call.
         unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+
+    /// # Safety
+    ///
+    /// As [`RawBytes::as_slice`], for a writable buffer, and nothing else may read or write it
+    /// meanwhile.
+    unsafe fn as_mut_slice<'a>(self) -> &'a mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: as above; the exporter said the buffer is writable.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
     }
 }
 
@@ -188,6 +201,10 @@ pub fn save_file<'py>(
         writer::write_file(&path, descs, inputs, &metadata, &options, &progress)
     })?;
     drop(buffers);
+    report_dict(py, report)
+}
+
+fn report_dict(py: Python<'_>, report: writer::WriteReport) -> PyResult<Bound<'_, PyDict>> {
     let result = PyDict::new(py);
     result.set_item("file_len", report.file_len)?;
     result.set_item("direct_io", report.direct_io)?;
@@ -333,15 +350,7 @@ pub fn encode_header<'py>(
     metadata: BTreeMap<String, String>,
     checksums: Option<std::collections::HashMap<String, u32>>,
 ) -> PyResult<(Bound<'py, pyo3::types::PyBytes>, Vec<(String, u64, u64)>)> {
-    let mut descs = Vec::with_capacity(tensors.len());
-    for (name, dtype, shape) in tensors {
-        descs.push(TensorDesc {
-            dtype: parse_dtype(&dtype, &name)?,
-            name,
-            shape,
-        });
-    }
-    let layout = crate::format::plan_layout(descs)?;
+    let layout = crate::format::plan_layout(tensor_descs(tensors)?)?;
     let crcs = match &checksums {
         None => None,
         Some(by_name) => Some(
@@ -365,6 +374,99 @@ pub fn encode_header<'py>(
         .map(|t| (t.name, t.begin, t.end))
         .collect();
     Ok((pyo3::types::PyBytes::new(py, &header), ranges))
+}
+
+fn tensor_descs(tensors: Vec<(String, String, Vec<u64>)>) -> PyResult<Vec<TensorDesc>> {
+    tensors
+        .into_iter()
+        .map(|(name, dtype, shape)| {
+            Ok(TensorDesc {
+                dtype: parse_dtype(&dtype, &name)?,
+                name,
+                shape,
+            })
+        })
+        .collect()
+}
+
+/// The file image layout of `tensors` (`(name, dtype, shape)`, any order) and `metadata`: an
+/// async save stages its tensors into one aligned buffer laid out like this and hands it to
+/// [`write_image`]. Returns `(data_start, image_len, [(name, begin, end)] in data order)`,
+/// offsets relative to `data_start`.
+#[pyfunction]
+#[pyo3(signature = (tensors, metadata, checksums=true))]
+#[allow(clippy::type_complexity)]
+pub fn image_layout(
+    tensors: Vec<(String, String, Vec<u64>)>,
+    metadata: BTreeMap<String, String>,
+    checksums: bool,
+) -> PyResult<(u64, u64, Vec<(String, u64, u64)>)> {
+    let layout = image::image_layout(tensor_descs(tensors)?, &metadata, checksums)?;
+    let ranges = layout
+        .tensors
+        .into_iter()
+        .map(|t| (t.name, t.begin, t.end))
+        .collect();
+    Ok((layout.data_start, layout.image_len, ranges))
+}
+
+/// Writes a file image (a writable, 4096-byte aligned byte buffer laid out by
+/// [`image_layout`] for the same `tensors`, `metadata` and `checksums`, tensor bytes in
+/// place) to `path` atomically, without copying it: O_DIRECT straight from the image with
+/// `direct_io`, the checksums computed by a second thread. `data_start` must be the one
+/// `image_layout` returned. Returns what `save_file` returns.
+#[pyfunction]
+#[pyo3(signature = (
+    path, tensors, image, data_start, metadata, chunk_size, direct_io, fsync, checksums=true,
+    progress=None
+))]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+pub fn write_image<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    tensors: Vec<(String, String, Vec<u64>)>,
+    image: Bound<'py, PyAny>,
+    data_start: u64,
+    metadata: BTreeMap<String, String>,
+    chunk_size: u64,
+    direct_io: bool,
+    fsync: bool,
+    checksums: bool,
+    progress: Option<PyRef<'py, ByteCounter>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let progress = counter(progress);
+    let layout = image::image_layout(tensor_descs(tensors)?, &metadata, checksums)?;
+    if layout.data_start != data_start {
+        return Err(PyValueError::new_err(format!(
+            "{}: the file image was laid out for data at {data_start}, but these tensors and \
+             metadata put it at {}; lay it out again with image_layout",
+            path.display(),
+            layout.data_start
+        )));
+    }
+    let buffer = PyBuffer::<u8>::get(&image)?;
+    if buffer.readonly() {
+        return Err(PyValueError::new_err(format!(
+            "{}: the file image must be writable (its header region is filled in)",
+            path.display()
+        )));
+    }
+    let raw = RawBytes::of(&buffer, "file image")?;
+    let options = WriteOptions {
+        threads: 2,
+        chunk_size,
+        direct_io,
+        fsync,
+        checksums,
+    };
+    let report = py.detach(|| {
+        // SAFETY: `buffer` (alive until this function returns) keeps the writable image valid;
+        // the caller does not touch it while the write runs.
+        let image = unsafe { raw.as_mut_slice() };
+        image::write_image(&path, &layout, image, &metadata, &options, &progress)
+    })?;
+    drop(buffer);
+    report_dict(py, report)
 }
 
 /// Replaces `path` with `data` atomically and (with `fsync`) durably.

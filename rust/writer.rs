@@ -32,7 +32,7 @@ use crate::replace::TempFile;
 pub const ALIGN: u64 = 4096;
 /// Bytes hashed and written per step inside a chunk: small enough to stay in cache between
 /// the checksum and the copy.
-const PIECE: usize = 1 << 20;
+pub(crate) const PIECE: usize = 1 << 20;
 /// Buffered writes keep at most this many chunks of dirty pages before waiting for writeback.
 const WRITE_BEHIND: usize = 2;
 /// Default chunk size (the one definition: Python reads it as
@@ -207,7 +207,7 @@ fn return_buffer(buf: AlignedBuf) {
 }
 
 /// The open temporary file: a buffered handle, and an O_DIRECT one when the filesystem allows.
-struct Target<'a> {
+pub(crate) struct Target<'a> {
     path: &'a Path,
     buffered: File,
     direct: Option<File>,
@@ -215,7 +215,7 @@ struct Target<'a> {
 }
 
 impl<'a> Target<'a> {
-    fn open(temp: &Path, path: &'a Path, want_direct: bool) -> Result<Target<'a>> {
+    pub(crate) fn open(temp: &Path, path: &'a Path, want_direct: bool) -> Result<Target<'a>> {
         let buffered = OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -240,7 +240,7 @@ impl<'a> Target<'a> {
         })
     }
 
-    fn write_buffered(&self, bytes: &[u8], offset: u64) -> Result<()> {
+    pub(crate) fn write_buffered(&self, bytes: &[u8], offset: u64) -> Result<()> {
         self.buffered
             .write_all_at(bytes, offset)
             .map_err(|e| Error::io(self.path, e))
@@ -277,9 +277,23 @@ impl<'a> Target<'a> {
         }
     }
 
+    /// Cuts the file to `file_len` (direct writes round the last chunk up to the alignment)
+    /// and, with `fsync`, makes it durable; returns whether O_DIRECT was used for the data.
+    pub(crate) fn finish(self, file_len: u64, fsync: bool) -> Result<bool> {
+        self.buffered
+            .set_len(file_len)
+            .map_err(|e| Error::io(self.path, e))?;
+        if fsync {
+            self.buffered
+                .sync_all()
+                .map_err(|e| Error::io(self.path, e))?;
+        }
+        Ok(self.direct_ok.load(Ordering::Relaxed))
+    }
+
     /// Writes an aligned buffer with O_DIRECT; on EINVAL switches the whole file to buffered
     /// writes and writes `exact_len` bytes of it that way instead.
-    fn write_aligned(&self, buf: &[u8], exact_len: usize, offset: u64) -> Result<()> {
+    pub(crate) fn write_aligned(&self, buf: &[u8], exact_len: usize, offset: u64) -> Result<()> {
         if let (Some(direct), true) = (&self.direct, self.direct_ok.load(Ordering::Relaxed)) {
             match direct.write_all_at(buf, offset) {
                 Ok(()) => return Ok(()),
@@ -579,16 +593,7 @@ pub fn write_file(
         "checksums have a fixed width"
     );
     target.write_buffered(&header, 0)?;
-    // Direct writes round the last chunk up to the alignment; cut the padding off.
-    target
-        .buffered
-        .set_len(file_len)
-        .map_err(|e| Error::io(path, e))?;
-    if options.fsync {
-        target.buffered.sync_all().map_err(|e| Error::io(path, e))?;
-    }
-    let direct_io = target.direct_ok.load(Ordering::Relaxed);
-    drop(target);
+    let direct_io = target.finish(file_len, options.fsync)?;
     temp.commit(path, options.fsync)?;
     let file_crc32c = options.checksums.then(|| {
         let sizes = sources.tensors.iter().map(TensorInfo::nbytes);

@@ -52,7 +52,9 @@ from fastckpt.staging import (
     BackgroundWriter,
     Stager,
     StagerOptions,
+    make_image_pool,
     make_stager,
+    reserve_groups,
     stage_groups,
 )
 from fastckpt.stateful import check_template, contains_stateful, prepare_save, restore
@@ -242,6 +244,8 @@ class CheckpointManager:
             pinned=staging.use_pinned_memory, non_blocking=staging.use_non_blocking_copy
         )
         self._stager: Stager = make_stager(self._stager_options)
+        # Async captures copy each file's tensors into a file image the writer writes as is.
+        self._images = make_image_pool(self._stager_options)
         self._dcp_writer: Any = None  # fastckpt.dcp.Writer, made at the first sharded save
         storage = self.config.storage_config or LocalFileSystemStorageConfig()
         self._direct_io = storage.use_direct_io
@@ -380,7 +384,10 @@ class CheckpointManager:
             plan()
             try:
                 stage_groups(
-                    self._stager, snapshot.tensors, lambda key, _: self._spec(key).requires_copy
+                    self._stager,
+                    snapshot.tensors,
+                    lambda key, _: self._spec(key).requires_copy,
+                    self._images,
                 )
             except BaseException:
                 if snapshot.plan is not None:
@@ -477,7 +484,9 @@ class CheckpointManager:
             )
         groups = {key: tree.flatten(value)[1] for key, value in prepared.items()}
         self._writer.capture(
-            lambda: stage_groups(self._stager, groups, lambda key, _: self._spec(key).requires_copy)
+            lambda: reserve_groups(
+                self._stager, groups, lambda key, _: self._spec(key).requires_copy, self._images
+            )
         )
 
     @contextlib.contextmanager

@@ -5,6 +5,8 @@ snapshot. Fresh host pages cost a page fault each (far more than a copy into war
 docs/performance.md), so the stagers keep one buffer per tensor name and reuse it as long as
 dtype and shape match: host memory stays bounded by one copy of the state and flat across
 repeated saves. :meth:`Stager.reserve` allocates (and touches) them ahead of the first save.
+Given a file image's views (:mod:`fastckpt.file_images`), a stager copies into those instead,
+so that the file's writer needs no second copy.
 
 * :class:`CpuStager` - plain host buffers, synchronous copies (CPU tensors, or CUDA tensors
   when pinned memory is off).
@@ -22,12 +24,14 @@ import contextlib
 import errno
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 import torch
+
+from fastckpt.file_images import ImagePool
 
 __all__ = [
     "BACKGROUND_NICE",
@@ -37,6 +41,7 @@ __all__ = [
     "Stager",
     "StagerOptions",
     "background_executor",
+    "make_image_pool",
     "make_stager",
     "reserve_groups",
     "stage_groups",
@@ -75,13 +80,22 @@ class StagerOptions:
 class Stager(Protocol):
     """Copies tensors into reusable host buffers."""
 
-    def stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Return host copies of ``tensors`` (complete when this returns)."""
+    def stage(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        into: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Return host copies of ``tensors`` (complete when this returns): copied into
+        ``into[name]`` where given (a file image's view), else into the stager's own buffer."""
         ...
 
-    def reserve(self, tensors: Mapping[str, torch.Tensor]) -> int:
+    def reserve(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        into: Mapping[str, torch.Tensor] | None = None,
+    ) -> int:
         """Allocate (and touch) the buffers a :meth:`stage` of ``tensors`` will use, without
-        copying; returns the bytes newly allocated."""
+        copying; returns the bytes newly allocated (names in ``into`` need none)."""
         ...
 
     @property
@@ -104,7 +118,12 @@ class _BufferPool:
         self.allocations = 0
         self._lock = threading.Lock()
 
-    def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
+    def get(
+        self, name: str, like: torch.Tensor, into: Mapping[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """``into[name]`` when given, else this pool's buffer for ``name``."""
+        if into is not None and name in into:
+            return into[name]
         return self._get(name, like)[0]
 
     def _get(self, name: str, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -117,19 +136,28 @@ class _BufferPool:
                 return buffer, True
             return buffer, False
 
-    def reserve(self, tensors: Mapping[str, torch.Tensor]) -> int:
-        """Allocate the missing buffers for ``tensors`` and touch their pages (a page fault
-        per fresh page is most of a first copy's cost); returns the bytes allocated."""
+    def reserve(
+        self, tensors: Mapping[str, torch.Tensor], into: Mapping[str, torch.Tensor] | None
+    ) -> int:
+        """Allocate the missing buffers for ``tensors`` (except names in ``into``) and touch
+        their pages (a page fault per fresh page is most of a first copy's cost); returns the
+        bytes allocated."""
         allocated = 0
         for name, tensor in tensors.items():
+            if into is not None and name in into:
+                continue
             buffer, fresh = self._get(name, tensor)
             if fresh:
                 buffer.zero_()
                 allocated += buffer.numel() * buffer.element_size()
         return allocated
 
-    def retain_only(self, names: set[str]) -> None:
-        """Drop buffers of tensors that are no longer part of the state."""
+    def retain_only(
+        self, names: Iterable[str], into: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """Drop buffers of tensors that are no longer part of the state, or that are now
+        staged into ``into``."""
+        names = set(names) - set(into or ())
         with self._lock:
             for name in set(self.buffers) - names:
                 del self.buffers[name]
@@ -146,20 +174,28 @@ class CpuStager:
         """Create an empty pool; buffers appear on the first :meth:`stage`."""
         self._pool = _BufferPool(pinned=False)
 
-    def stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy every tensor into its pooled buffer and return the buffers."""
+    def stage(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        into: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Copy every tensor into ``into[name]`` or its pooled buffer; return the copies."""
         staged = {}
         for name, tensor in tensors.items():
-            buffer = self._pool.get(name, tensor)
+            buffer = self._pool.get(name, tensor, into)
             buffer.copy_(tensor.detach())
             staged[name] = buffer
-        self._pool.retain_only(set(tensors))
+        self._pool.retain_only(tensors, into)
         return staged
 
-    def reserve(self, tensors: Mapping[str, torch.Tensor]) -> int:
+    def reserve(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        into: Mapping[str, torch.Tensor] | None = None,
+    ) -> int:
         """Allocate and touch the buffers a :meth:`stage` of ``tensors`` will use (no copy);
         returns the bytes newly allocated."""
-        return self._pool.reserve(tensors)
+        return self._pool.reserve(tensors, into)
 
     @property
     def allocations(self) -> int:
@@ -181,8 +217,13 @@ class CudaStager:
         self._pool = _BufferPool(pinned=options.pinned)
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
-    def stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy every tensor to its pooled host buffer; returns once all copies finished."""
+    def stage(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        into: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Copy every tensor to ``into[name]`` (pinned when the image is) or its pooled host
+        buffer; returns once all copies finished."""
         staged = {}
         cuda_tensors = {n: t for n, t in tensors.items() if t.is_cuda}
         if cuda_tensors and self._stream is not None:
@@ -190,22 +231,26 @@ class CudaStager:
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):
                 for name, tensor in cuda_tensors.items():
-                    buffer = self._pool.get(name, tensor)
+                    buffer = self._pool.get(name, tensor, into)
                     buffer.copy_(tensor.detach(), non_blocking=self.options.non_blocking)
                     staged[name] = buffer
             self._stream.synchronize()
         for name, tensor in tensors.items():
             if name not in staged:
-                buffer = self._pool.get(name, tensor)
+                buffer = self._pool.get(name, tensor, into)
                 buffer.copy_(tensor.detach())
                 staged[name] = buffer
-        self._pool.retain_only(set(tensors))
+        self._pool.retain_only(tensors, into)
         return {name: staged[name] for name in tensors}
 
-    def reserve(self, tensors: Mapping[str, torch.Tensor]) -> int:
+    def reserve(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        into: Mapping[str, torch.Tensor] | None = None,
+    ) -> int:
         """Allocate (pinned, per the options) and touch the buffers a :meth:`stage` of
         ``tensors`` will use (no copy); returns the bytes newly allocated."""
-        return self._pool.reserve(tensors)
+        return self._pool.reserve(tensors, into)
 
     @property
     def allocations(self) -> int:
@@ -222,19 +267,25 @@ def stage_groups(
     stager: Stager,
     groups: dict[str, dict[str, torch.Tensor]],
     select: Callable[[str, str], bool],
+    images: ImagePool | None = None,
 ) -> None:
     """Replace the selected tensors of ``{group: {name: tensor}}`` by staged copies, in place.
 
     ``select(group, name)`` says which tensors to copy now; the stager's pool is keyed by
-    group and name, so the same tensor reuses the same buffer on every save.
+    group and name, so the same tensor reuses the same buffer on every save. With ``images``
+    each group (one file) large enough is staged into its :class:`~fastckpt.file_images.
+    FileImage` instead, which the file's writer then writes without copying it again
+    (every tensor of the group must be staged, by this call or an earlier one of the same
+    save, for the writer to use the image).
     """
+    into = None if images is None else images.destinations(groups, select)[0]
     selected = {
         f"{group}\0{name}": tensor
         for group, tensors in groups.items()
         for name, tensor in tensors.items()
         if select(group, name)
     }
-    for key, staged in stager.stage(selected).items():
+    for key, staged in stager.stage(selected, into).items():
         group, name = key.split("\0", 1)
         groups[group][name] = staged
 
@@ -243,17 +294,29 @@ def reserve_groups(
     stager: Stager,
     groups: Mapping[str, Mapping[str, torch.Tensor]],
     select: Callable[[str, str], bool],
+    images: ImagePool | None = None,
 ) -> int:
-    """Allocate the buffers :func:`stage_groups` with the same arguments will use (keyed the
-    same way), without copying; returns the bytes newly allocated."""
-    return stager.reserve(
+    """Allocate (and touch) the buffers :func:`stage_groups` with the same arguments will
+    use (keyed the same way, images included), without copying; returns the bytes newly
+    allocated."""
+    into, allocated = (
+        (None, 0) if images is None else images.destinations(groups, select, touch=True)
+    )
+    return allocated + stager.reserve(
         {
             f"{group}\0{name}": tensor
             for group, tensors in groups.items()
             for name, tensor in tensors.items()
             if select(group, name)
-        }
+        },
+        into,
     )
+
+
+def make_image_pool(options: StagerOptions) -> ImagePool:
+    """The file-image pool for stagers made by :func:`make_stager` with ``options``
+    (pinned images only when CUDA is available and pinned memory is asked for)."""
+    return ImagePool(pinned=options.pinned and torch.cuda.is_available())
 
 
 def make_stager(options: StagerOptions) -> Stager:

@@ -24,6 +24,7 @@ from fastckpt.staging import (
     BackgroundWriter,
     Stager,
     StagerOptions,
+    make_image_pool,
     make_stager,
     reserve_groups,
     stage_groups,
@@ -136,6 +137,9 @@ class CheckpointHook:
         self._stager: Stager = make_stager(options)
         # Volatile tensors get their own pool: each pool keeps exactly the names it stages.
         self._volatile_stager: Stager = make_stager(options)
+        # Both pools copy into the same file images (one per file): the writer then writes
+        # each file straight from its image.
+        self._images = make_image_pool(options)
         self._dcp_writer: tuple[Any, Any] | None = None  # (fastckpt.dcp.Writer, group)
         self._prewarm_pending = False  # allocate the first step's new state after it
 
@@ -172,7 +176,11 @@ class CheckpointHook:
     def staging_allocations(self) -> int:
         """How many staging buffers this hook allocated so far (async saves; a save into
         prewarmed buffers allocates none)."""
-        return self._stager.allocations + self._volatile_stager.allocations
+        return (
+            self._stager.allocations
+            + self._volatile_stager.allocations
+            + self._images.allocations
+        )
 
     def _record(self, index: int | None) -> None:
         if index is not None:
@@ -245,8 +253,10 @@ class CheckpointHook:
             return (relpath, name) in snapshot.volatile
 
         files = snapshot.tensor_files
-        return reserve_groups(self._volatile_stager, files, volatile) + reserve_groups(
-            self._stager, files, lambda relpath, name: not volatile(relpath, name)
+        return reserve_groups(
+            self._volatile_stager, files, volatile, self._images
+        ) + reserve_groups(
+            self._stager, files, lambda relpath, name: not volatile(relpath, name), self._images
         )
 
     # ------------------------------------------------------------------ saving
@@ -363,6 +373,7 @@ class CheckpointHook:
             stager,
             snapshot.tensor_files,
             lambda relpath, name: ((relpath, name) in snapshot.volatile) == only_volatile,
+            self._images,
         )
 
     def _write(self, snapshot: Snapshot) -> int:

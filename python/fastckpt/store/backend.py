@@ -43,6 +43,7 @@ import torch
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
+from fastckpt.file_images import find_image, write_image
 from fastckpt.files import read_metadata, read_tensors, write_tensors
 from fastckpt.progress import active_counter
 from fastckpt.store.lock import RootLock
@@ -394,10 +395,15 @@ class LocalStaging(Staging):
         return record
 
     def put_tensors(self, relpath: str, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
-        """Write a safetensors file (fsynced) and record its size and crc32c."""
-        report = write_tensors(
-            tensors, self._target(relpath), direct_io=self.direct_io, threads=self.threads
-        )
+        """Write a safetensors file (fsynced) and record its size and crc32c; tensors staged
+        into a file image are written straight from it (no copy)."""
+        image = find_image(tensors)
+        if image is not None:
+            report = write_image(image, self._target(relpath), direct_io=self.direct_io)
+        else:
+            report = write_tensors(
+                tensors, self._target(relpath), direct_io=self.direct_io, threads=self.threads
+            )
         record = {"size": report["file_len"], "crc32c": report["file_crc32c"]}
         self.files[relpath] = record
         return record
