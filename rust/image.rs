@@ -209,7 +209,8 @@ mod tests {
     impl Aligned {
         fn new(len: usize) -> Aligned {
             let bytes = vec![0u8; len + ALIGN as usize];
-            let start = (ALIGN as usize - bytes.as_ptr() as usize % ALIGN as usize) % ALIGN as usize;
+            let start =
+                (ALIGN as usize - bytes.as_ptr() as usize % ALIGN as usize) % ALIGN as usize;
             Aligned { bytes, start, len }
         }
 
@@ -279,7 +280,10 @@ mod tests {
         .unwrap();
         assert_eq!(progress.get(), layout.file_len - layout.data_start);
         let from_tensors = dir.path().join("tensors.safetensors");
-        let inputs = owned.iter().map(|(n, b)| (n.clone(), b.as_slice())).collect();
+        let inputs = owned
+            .iter()
+            .map(|(n, b)| (n.clone(), b.as_slice()))
+            .collect();
         let expected = write_file(
             &from_tensors,
             descs(),

@@ -17,10 +17,10 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::error::Error;
 use crate::format::{Dtype, Header, TensorDesc};
+use crate::image;
 use crate::progress::Progress;
 use crate::reader::{MappedFile, Reader};
 use crate::replace;
-use crate::image;
 use crate::writer::{self, WriteOptions};
 
 /// Builds an instance of `fastckpt.errors.<name>(message)`; falls back to ValueError if the

@@ -43,6 +43,23 @@ def encode_header(
     metadata: dict[str, str],
     checksums: dict[str, int] | None = None,
 ) -> tuple[bytes, list[tuple[str, int, int]]]: ...
+def image_layout(
+    tensors: Sequence[tuple[str, str, Sequence[int]]],
+    metadata: dict[str, str],
+    checksums: bool = True,
+) -> tuple[int, int, list[tuple[str, int, int]]]: ...
+def write_image(
+    path: str,
+    tensors: Sequence[tuple[str, str, Sequence[int]]],
+    image: Any,
+    data_start: int,
+    metadata: dict[str, str],
+    chunk_size: int,
+    direct_io: bool,
+    fsync: bool,
+    checksums: bool = True,
+    progress: ByteCounter | None = None,
+) -> dict[str, Any]: ...
 def write_bytes_atomic(path: str, data: bytes, fsync: bool = True) -> None: ...
 def fsync_dir(path: str) -> None: ...
 def write_ceiling(path: str, length: int, block: int) -> bool: ...

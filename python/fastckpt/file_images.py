@@ -40,8 +40,8 @@ __all__ = ["ALIGN", "IMAGE_MIN_BYTES", "FileImage", "ImagePool", "find_image", "
 #: Alignment of an image's start and of its data section (O_DIRECT's block alignment).
 ALIGN = 4096
 #: Files with fewer tensor bytes are staged tensor by tensor as before: the image saves
-#: nothing worth an up-to-4-KiB padded header there.
-IMAGE_MIN_BYTES = 1 << 20
+#: nothing worth a header padded to 4 KiB there (at most 1.6 % of this size).
+IMAGE_MIN_BYTES = 256 << 10
 
 _IMAGES: weakref.WeakValueDictionary[int, FileImage] = weakref.WeakValueDictionary()
 _IMAGES_LOCK = threading.Lock()
@@ -198,7 +198,8 @@ class ImagePool:
                 if not any(select(group, name) for name in tensors):
                     continue
                 if not _eligible(tensors):
-                    self.images.pop(group, None)
+                    # Kept: a save that rewrites little (incremental) is often followed by
+                    # one that rewrites the whole file again.
                     continue
                 image = self.images.get(group)
                 if image is None or image.signature != _signature(tensors):
@@ -215,4 +216,3 @@ class ImagePool:
     def nbytes(self) -> int:
         """Bytes held in images."""
         return sum(image.nbytes for image in self.images.values())
-

@@ -483,11 +483,13 @@ class CheckpointManager:
                 "fastckpt.dcp's writer, which allocates its buffers at the first save"
             )
         groups = {key: tree.flatten(value)[1] for key, value in prepared.items()}
-        self._writer.capture(
-            lambda: reserve_groups(
+
+        def reserve() -> None:
+            reserve_groups(
                 self._stager, groups, lambda key, _: self._spec(key).requires_copy, self._images
             )
-        )
+
+        self._writer.capture(reserve)
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:

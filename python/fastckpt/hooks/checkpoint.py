@@ -177,9 +177,7 @@ class CheckpointHook:
         """How many staging buffers this hook allocated so far (async saves; a save into
         prewarmed buffers allocates none)."""
         return (
-            self._stager.allocations
-            + self._volatile_stager.allocations
-            + self._images.allocations
+            self._stager.allocations + self._volatile_stager.allocations + self._images.allocations
         )
 
     def _record(self, index: int | None) -> None:
