@@ -824,8 +824,10 @@ def _is_trusted_path(path: str, trusted: Iterable[str | Callable[..., Any]] | No
 _NEVER_TRAINING_FN_PACKAGES = frozenset({"torch", "fastckpt", "builtins", "__main__"})
 
 
-def _installed_roots() -> list[Path]:
-    """Directories of the standard library and of installed (site-packages) distributions."""
+@functools.cache
+def _installed_roots() -> tuple[Path, ...]:
+    """Directories of the standard library and of installed (site-packages) distributions
+    (computed once: every save of a model asks, and resolving them took milliseconds)."""
     roots: set[str] = set()
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
         value = sysconfig.get_paths().get(key)
@@ -836,7 +838,7 @@ def _installed_roots() -> list[Path]:
         roots.update(getsitepackages())
     if site.ENABLE_USER_SITE and site.USER_SITE:
         roots.add(site.USER_SITE)
-    return [Path(root).resolve() for root in roots]
+    return tuple(Path(root).resolve() for root in roots)
 
 
 def _is_installed_module(module: types.ModuleType) -> bool:
@@ -844,6 +846,11 @@ def _is_installed_module(module: types.ModuleType) -> bool:
     filename = getattr(module, "__file__", None)
     if not isinstance(filename, str):
         return True  # built-in, frozen or namespace-only: not the user's source file
+    return _is_installed_file(filename)
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_installed_file(filename: str) -> bool:
     where = Path(filename).resolve()
     return any(where.is_relative_to(root) for root in _installed_roots())
 
