@@ -144,7 +144,7 @@ def test_json_has_versions_environment_and_bar(
     )
     assert results["memcpy"]["gib_per_s"] > 0
     checks = [row["check"] for row in results["bar"]]
-    assert len(checks) == 17
+    assert len(checks) == 20
     assert any(c.startswith("CheckpointHook(async_save=True) step-throughput loss") for c in checks)
     assert any(c.startswith("fastckpt sync / O_DIRECT ceiling >= 0.9") for c in checks)
     for row in results["bar"]:
@@ -299,3 +299,38 @@ def test_bar_refuses_a_checkpointing_run_faster_than_its_baseline() -> None:
     results["training"]["scenarios"]["fastckpt-hook"] = scenario(0.04)
     rows = [r for r in bar.evaluate(results) if r["figure"] == "training-loop overhead"]
     assert [r["status"] for r in rows] == ["met", "met", "met"]
+
+
+def test_in_run_overhead_counts_overlapped_steps_and_stalls() -> None:
+    from fastckpt.bench.training import _in_run_overhead
+
+    steps = [1.0, 1.0, 3.0, 1.2, 2.0, 1.0]
+    overlapped = [False, False, True, False, True, False]
+    result = _in_run_overhead(steps, overlapped, 10.0, [0.5])
+    # Quiet median 1.0: the overlapped steps took 2.0 + 1.0 extra, the save call 0.5.
+    assert result["in_run_overhead"] == pytest.approx(0.35)
+    assert result["overlapped_steps"] == 2
+    assert _in_run_overhead(steps, [False] * 6, 10.0, [])["in_run_overhead"] is None
+
+
+def test_bar_checks_the_in_run_overhead_of_both_fastckpt_loops_against_dcp() -> None:
+    def scenario(in_run: float | None) -> dict[str, Any]:
+        return {"available": True, "overhead": 0.0, "in_run_overhead": {"median": in_run}}
+
+    results: dict[str, Any] = {
+        "state": {"bytes": 1 << 30},
+        "writers": {},
+        "readers": {},
+        "training": {
+            "scenarios": {
+                "fastckpt-async": scenario(0.03),
+                "fastckpt-hook": scenario(0.06),
+                "dcp-async": scenario(0.02),
+            }
+        },
+    }
+    rows = [r for r in bar.evaluate(results) if r["figure"] == "training-loop overhead (in-run)"]
+    assert [r["status"] for r in rows] == ["met", "missed", "missed"]
+    results["training"]["scenarios"]["fastckpt-hook"] = scenario(None)
+    rows = [r for r in bar.evaluate(results) if r["figure"] == "training-loop overhead (in-run)"]
+    assert [r["status"] for r in rows] == ["met", "n/a", "missed"]

@@ -400,7 +400,7 @@ def _run_training(root: Path, config: BenchConfig) -> dict[str, Any]:
             "before and after it); overhead_of_medians = "
             "1 - median steps/s / median none steps/s; in_run_overhead = per run, the time the "
             "steps overlapping a checkpoint took beyond the median of the run's other steps, "
-            "as a share of the run (summarized over runs)"
+            "plus the stalls in the save calls, as a share of the run (summarized over runs)"
         ),
         "scenarios": scenarios,
     }

@@ -266,8 +266,9 @@ def tables(results: dict[str, Any]) -> list[Table]:
                     "baseline runs just before and after each run (drift in load cancels); "
                     "overhead of medians: 1 - median steps/s / median baseline steps/s; "
                     "in-run overhead: median over runs of the time the steps overlapping a "
-                    "checkpoint took beyond the median of the same run's other steps, as a share "
-                    "of the run (stalls and time outside those steps not counted)."
+                    "checkpoint took beyond the median of the same run's other steps, plus the "
+                    "stalls, as a share of the run (a slowdown of steps that overlap no "
+                    "checkpoint is not counted)."
                 ],
             )
         )

@@ -164,19 +164,22 @@ class _HookCheckpointer:
 
 
 def _in_run_overhead(
-    step_seconds: list[float], overlapped: list[bool], seconds: float
+    step_seconds: list[float], overlapped: list[bool], seconds: float, stalls: list[float]
 ) -> dict[str, Any]:
-    """The steps that overlapped a checkpoint in flight against the run's other steps: the
-    time they took beyond the median of the others, as a share of the run. Both come from the
-    same run, so load drifting between runs (which makes run-to-run throughput comparisons
-    noisy on a shared machine) mostly cancels; time lost outside those steps is not counted
-    (the throughput comparison with the baseline runs does count it)."""
+    """What checkpointing cost the run, measured against the run itself: the time the steps
+    that overlapped a checkpoint in flight took beyond the median of the run's other steps,
+    plus the time the training thread was blocked in the save calls (``stalls``, spent
+    between steps), as a share of the run. Both sides come from the same seconds of the same
+    run, so the speed swings between runs (on this VM the same loop without checkpoints
+    varies by +-20 % from one 5-second run to the next) cancel; what it does not count is a
+    slowdown of steps that overlap no checkpoint (the throughput comparison with the baseline
+    runs does)."""
     quiet = [t for t, busy in zip(step_seconds, overlapped, strict=True) if not busy]
     loud = [t for t, busy in zip(step_seconds, overlapped, strict=True) if busy]
     if not quiet or not loud:
         return {"overlapped_steps": len(loud), "in_run_overhead": None}
     typical = statistics.median(quiet)
-    extra = sum(t - typical for t in loud)
+    extra = sum(t - typical for t in loud) + sum(stalls)
     return {
         "overlapped_steps": len(loud),
         "quiet_step_seconds": typical,
@@ -194,8 +197,9 @@ def run_training(scenario: str, config: TrainingConfig, directory: Path) -> dict
         where ``stall_seconds`` lists, per checkpoint, how long the training thread was
         blocked (waiting for the previous one plus the save call itself),
         ``lock_wait_seconds`` totals the waits to enter the manager's lock, and
-        ``in_run_overhead`` is the extra time of the steps that overlapped a checkpoint as a
-        share of the run (see ``_in_run_overhead``; None without checkpoints).
+        ``in_run_overhead`` is the extra time of the steps that overlapped a checkpoint, plus
+        the stalls, as a share of the run (see ``_in_run_overhead``; None without
+        checkpoints).
 
     Raises:
         ValueError: unknown scenario.
@@ -290,7 +294,7 @@ def run_training(scenario: str, config: TrainingConfig, directory: Path) -> dict
     return {
         "available": True,
         "reason": None,
-        **_in_run_overhead(step_seconds, overlapped, seconds),
+        **_in_run_overhead(step_seconds, overlapped, seconds, stalls),
         "seconds": seconds,
         "steps_per_s": config.steps / seconds,
         "checkpoints": len(stalls),
