@@ -248,16 +248,20 @@ def test_prewarm_staging_allocates_the_buffers_the_first_save_reuses(tmp_path: P
     }
     with config.build() as manager:
         stager: Any = manager._stager
-        assert stager.nbytes == 0
+        images: Any = manager._images
+        assert stager.nbytes == 0 and images.nbytes == 0
         manager.prewarm_staging(state)
-        # Only the requires_copy item is staged.
-        assert stager.nbytes == 256 * 256 * 4
-        buffers = {name: t.data_ptr() for name, t in stager._pool.buffers.items()}
+        # Only the requires_copy item is staged: 256 KiB, so into a file image (its header
+        # region and alignment padding on top), not into per-tensor buffers.
+        assert set(images.images) == {"model"} and stager.nbytes == 0
+        assert images.nbytes == 4096 + 256 * 256 * 4
+        buffer = images.images["model"].buffer.data_ptr()
         future = manager.save(tmp_path / "c", state)
         assert future is not None
         future.result(timeout=30)
-        after = {name: t.data_ptr() for name, t in stager._pool.buffers.items()}
-        assert after == buffers  # no allocation at the first save
+        # No allocation at the first save.
+        assert images.allocations == 1 and images.images["model"].buffer.data_ptr() == buffer
+        assert stager.allocations == 0
         loaded = manager.load(tmp_path / "c")
     assert torch.equal(loaded["model"]["w"], state["model"]["w"])
 

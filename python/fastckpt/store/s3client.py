@@ -12,9 +12,10 @@ Every method raises :class:`~fastckpt.store.s3errors.ObjectStoreError` subclasse
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -26,7 +27,16 @@ from fastckpt.errors import CheckpointFormatError
 from fastckpt.store.s3config import ResolvedS3, S3Options, S3Url
 from fastckpt.store.s3errors import ObjectStoreError, translate
 
-__all__ = ["ObjectMeta", "PendingUpload", "S3Client", "client_for"]
+__all__ = [
+    "MAX_PART",
+    "MIN_PART",
+    "CopyPart",
+    "DataPart",
+    "ObjectMeta",
+    "PendingUpload",
+    "S3Client",
+    "client_for",
+]
 
 _CHUNK = 4 << 20
 _LOG = logging.getLogger(__name__)
@@ -48,6 +58,52 @@ class ObjectMeta:
     size: int
     etag: str | None = None
     modified: float | None = None
+
+
+#: S3's smallest multipart part (every part but the last).
+MIN_PART = 5 << 20
+#: S3's largest part, uploaded or copied.
+MAX_PART = 5 << 30
+
+
+@dataclass(frozen=True)
+class CopyPart:
+    """Bytes ``[start, end)`` of the object ``source_key`` (same bucket), copied by the store."""
+
+    source_key: str
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes copied."""
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class DataPart:
+    """A part uploaded from this process: buffers, and ranges of other objects fetched first
+    (``(source_key, start, end)``), concatenated in order."""
+
+    pieces: tuple[Any, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes uploaded."""
+        return sum(_piece_len(piece) for piece in self.pieces)
+
+    def read(self, client: S3Client) -> list[Any]:
+        """The part's bytes, piece by piece (fetching the ranges)."""
+        return [
+            client.get_range(*piece) if isinstance(piece, tuple) else piece
+            for piece in self.pieces
+        ]
+
+
+def _piece_len(piece: Any) -> int:
+    if isinstance(piece, tuple):
+        return int(piece[2] - piece[1])
+    return int(memoryview(piece).nbytes)
 
 
 @dataclass(frozen=True)
@@ -335,6 +391,57 @@ class S3Client:
                     raise failed from err
 
     # ------------------------------------------------------------------- multipart uploads
+
+    def compose(self, key: str, parts: Sequence[DataPart | CopyPart]) -> None:
+        """Create ``key`` as one multipart upload whose parts are either uploaded bytes
+        (:class:`DataPart`) or ranges of other objects of the bucket that the store copies
+        itself (:class:`CopyPart`, S3's UploadPartCopy: the bytes never reach this client).
+        Every part but the last must hold at least :data:`MIN_PART` bytes. Parts go up
+        ``concurrency`` at a time; on any failure the upload is aborted.
+
+        Raises:
+            ObjectNotFoundError: a copied object is gone.
+            ObjectStoreError: any other failure (``NotImplemented`` when the store has no
+                UploadPartCopy: the caller uploads the bytes instead).
+        """
+        client = self._control()
+        bucket = self.bucket_url.bucket
+        try:
+            upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        except Exception as err:
+            raise self._fail(err, key) from err
+
+        def send(number: int, part: DataPart | CopyPart) -> dict[str, Any]:
+            common = {"Bucket": bucket, "Key": key, "UploadId": upload_id, "PartNumber": number}
+            if isinstance(part, CopyPart):
+                try:
+                    reply = client.upload_part_copy(
+                        CopySource={"Bucket": bucket, "Key": part.source_key},
+                        CopySourceRange=f"bytes={part.start}-{part.end - 1}",
+                        **common,
+                    )
+                except Exception as err:
+                    raise self._fail(err, part.source_key) from err
+                return {"PartNumber": number, "ETag": reply["CopyPartResult"]["ETag"]}
+            body = b"".join(part.read(self))
+            try:
+                reply = client.upload_part(Body=body, **common)
+            except Exception as err:
+                raise self._fail(err, key) from err
+            return {"PartNumber": number, "ETag": reply["ETag"]}
+
+        try:
+            with ThreadPoolExecutor(max(1, min(self.options.concurrency, len(parts)))) as pool:
+                done = list(pool.map(send, range(1, len(parts) + 1), parts))
+            client.complete_multipart_upload(
+                Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done}
+            )
+        except BaseException as err:
+            with contextlib.suppress(Exception):
+                client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+            if isinstance(err, Exception) and not isinstance(err, ObjectStoreError):
+                raise self._fail(err, key) from err
+            raise
 
     def pending_uploads(self, prefix: str) -> list[PendingUpload]:
         """Unfinished multipart uploads under ``prefix`` (a killed writer leaves these).

@@ -1,0 +1,250 @@
+"""Incremental saves on object storage: unchanged tensors are copied by the store, not uploaded.
+
+A local incremental save records an unchanged tensor as a reference to the bytes an earlier
+index holds (:mod:`fastckpt.store.refs`). On an object store the earlier object's bytes can be
+reused without references: the new object is assembled as a multipart upload whose parts are
+either uploaded (the header and the tensors that changed) or *copied by the store* from a byte
+range of the earlier object (S3's UploadPartCopy). The unchanged bytes never travel to or from
+this process, and every object stays a complete safetensors file: loading, verifying,
+exporting and pruning see nothing new, and deleting an older index never breaks a newer one.
+
+S3 wants every part but the last to hold at least 5 MiB. :func:`plan_parts` therefore lays
+the object out as parts: copied ranges of at least 5 MiB stay copies (split at 5 GiB, S3's
+largest part); the uploaded runs between them are topped up to 5 MiB with the first bytes of
+the next copied range, fetched with a ranged GET (never read from live tensors, which an async
+save's training loop may be changing); copied ranges too short to stand alone are fetched and
+uploaded. A store without UploadPartCopy gets the whole object uploaded, the unchanged bytes
+fetched first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fastckpt import _native
+from fastckpt.files import byte_view, dtype_name, header_shape, host_tensor
+from fastckpt.store.s3client import (
+    MAX_PART,
+    MIN_PART,
+    CopyNotSupportedError,
+    CopyPart,
+    DataPart,
+    S3Client,
+    iter_pieces,
+)
+from fastckpt.store.s3tensors import tensor_crcs
+
+__all__ = ["CopiedTensor", "plan_parts", "put_tensors_copying"]
+
+
+@dataclass(frozen=True)
+class CopiedTensor:
+    """A tensor whose bytes are already stored: ``[start, end)`` of object ``source_key``.
+
+    Attributes:
+        dtype: its safetensors dtype name.
+        shape: its shape as the header gives it.
+        crc32c: the checksum of its bytes (from the source object's header).
+    """
+
+    source_key: str
+    start: int
+    end: int
+    dtype: str
+    shape: list[int]
+    crc32c: int
+
+
+Segment = Any  # a byte buffer (uploaded) or a CopyPart (copied)
+Piece = Any  # a byte buffer, or (source key, start, end) to fetch
+
+
+def _length(piece: Piece) -> int:
+    if isinstance(piece, tuple):
+        return int(piece[2] - piece[1])
+    return int(memoryview(piece).nbytes)
+
+
+def _cut(pieces: list[Piece], sizes: list[int]) -> list[DataPart]:
+    """Split ``pieces`` (in order) into consecutive parts of ``sizes`` bytes."""
+    parts: list[DataPart] = []
+    queue = list(pieces)
+    for size in sizes:
+        taken: list[Piece] = []
+        while size > 0:
+            piece = queue.pop(0)
+            n = _length(piece)
+            if n <= size:
+                taken.append(piece)
+                size -= n
+                continue
+            if isinstance(piece, tuple):
+                key, start, end = piece
+                taken.append((key, start, start + size))
+                queue.insert(0, (key, start + size, end))
+            else:
+                view = memoryview(piece).cast("B")
+                taken.append(view[:size])
+                queue.insert(0, view[size:])
+            size = 0
+        parts.append(DataPart(tuple(taken)))
+    return parts
+
+
+def plan_parts(
+    segments: Sequence[Segment],
+    *,
+    data_part: int,
+    min_part: int = MIN_PART,
+    max_part: int = MAX_PART,
+) -> list[DataPart | CopyPart]:
+    """Lay an object out as multipart-upload parts (see the module docstring).
+
+    Args:
+        segments: the object's content in order: byte buffers to upload and
+            :class:`~fastckpt.store.s3client.CopyPart` ranges the store copies.
+        data_part: the size uploaded runs are cut into (>= ``min_part``).
+        min_part: the smallest part but the last.
+        max_part: the largest part.
+
+    Returns:
+        Parts whose bytes, in order, are exactly the segments'; every part but the last holds
+        at least ``min_part`` bytes and none more than ``max_part``.
+    """
+    merged: list[Segment] = []
+    for segment in segments:
+        if isinstance(segment, CopyPart):
+            last = merged[-1] if merged else None
+            if (
+                isinstance(last, CopyPart)
+                and last.source_key == segment.source_key
+                and last.end == segment.start
+            ):
+                merged[-1] = CopyPart(last.source_key, last.start, segment.end)
+            elif segment.nbytes:
+                merged.append(segment)
+        elif _length(segment):
+            merged.append(segment)
+
+    parts: list[DataPart | CopyPart] = []
+    pending: list[Piece] = []
+
+    def flush() -> None:
+        total = sum(_length(piece) for piece in pending)
+        if total == 0:
+            return
+        count = max(1, total // data_part, -(-total // max_part))
+        bounds = [total * i // count for i in range(count + 1)]
+        parts.extend(_cut(pending, [b - a for a, b in zip(bounds, bounds[1:], strict=False)]))
+        pending.clear()
+
+    for segment in merged:
+        if not isinstance(segment, CopyPart):
+            pending.append(segment)
+            continue
+        key, start, end = segment.source_key, segment.start, segment.end
+        if pending:
+            short = min_part - sum(_length(piece) for piece in pending)
+            if short > 0:
+                take = min(short, end - start)
+                pending.append((key, start, start + take))
+                start += take
+        if end - start >= min_part:
+            flush()
+            while start < end:
+                n = min(max_part, end - start)
+                if 0 < end - start - n < min_part:
+                    n = end - start - min_part
+                parts.append(CopyPart(key, start, start + n))
+                start += n
+        elif end > start:
+            pending.append((key, start, end))
+    flush()
+    return parts
+
+
+def put_tensors_copying(
+    client: S3Client,
+    key: str,
+    tensors: Mapping[str, torch.Tensor],
+    copies: Mapping[str, CopiedTensor],
+    metadata: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Store ``tensors`` and the already stored ``copies`` as one safetensors object at
+    ``key``, byte for byte what :func:`fastckpt.store.s3tensors.put_tensors` writes for the
+    same tensors, with the copied bytes moved by the store.
+
+    Returns:
+        ``{"size", "crc32c", "checksums": {name: crc32c}, "copied_bytes", "uploaded_bytes"}``
+        (the last two count tensor and header bytes sent by this process or copied by the
+        store; bytes fetched to fill parts count as uploaded).
+
+    Raises:
+        ValueError: a name is both uploaded and copied.
+        ObjectNotFoundError: a copied object is gone. ObjectStoreError: the upload failed.
+    """
+    both = set(tensors) & set(copies)
+    if both:
+        raise ValueError(f"{key}: tensors {sorted(both)} are both uploaded and copied")
+    hosts = {name: host_tensor(name, tensor) for name, tensor in tensors.items()}
+    descriptions = [(name, dtype_name(t.dtype), header_shape(name, t)) for name, t in hosts.items()]
+    descriptions += [(name, c.dtype, c.shape) for name, c in copies.items()]
+    _, ranges = _native.encode_header(descriptions, dict(metadata or {}), None)
+    uploaded = [name for name, _, _ in ranges if name in hosts]
+    views = {name: byte_view(hosts[name]) for name in uploaded}
+    checksums = dict(zip(uploaded, tensor_crcs([views[n] for n in uploaded]), strict=True))
+    checksums.update((name, copy.crc32c) for name, copy in copies.items())
+    header = bytes(_native.encode_header(descriptions, dict(metadata or {}), checksums)[0])
+    segments: list[Segment] = [header]
+    file_crc = _native.crc32c(header)
+    size = len(header)
+    for name, begin, end in ranges:
+        if name in copies:
+            copy = copies[name]
+            if copy.end - copy.start != end - begin:
+                raise ValueError(
+                    f"{client.url(copy.source_key)}: tensor {name!r} has {copy.end - copy.start} "
+                    f"bytes there, but its dtype and shape need {end - begin}"
+                )
+            segments.append(CopyPart(copy.source_key, copy.start, copy.end))
+        else:
+            segments.append(views[name])
+        file_crc = _native.crc32c_combine(file_crc, checksums[name], end - begin)
+        size += end - begin
+    parts = plan_parts(segments, data_part=client.options.part_size)
+    copied = sum(part.nbytes for part in parts if isinstance(part, CopyPart))
+    if copied:
+        try:
+            client.compose(key, parts)
+        except CopyNotSupportedError:
+            copied = 0
+    if not copied:
+        _upload_all(client, key, parts, size)
+    return {
+        "size": size,
+        "crc32c": file_crc,
+        "checksums": checksums,
+        "copied_bytes": copied,
+        "uploaded_bytes": size - copied,
+    }
+
+
+def _upload_all(client: S3Client, key: str, parts: list[DataPart | CopyPart], size: int) -> None:
+    """Upload the whole object, fetching what the parts would have copied."""
+
+    def pieces() -> Any:
+        for part in parts:
+            if isinstance(part, CopyPart):
+                for offset in range(part.start, part.end, client.options.part_size):
+                    yield client.get_range(
+                        part.source_key, offset, min(part.end, offset + client.options.part_size)
+                    )
+            else:
+                for piece in part.read(client):
+                    yield from iter_pieces(memoryview(piece).cast("B"), client.options.part_size)
+
+    client.put_stream(key, pieces(), size)
