@@ -192,8 +192,10 @@ class SaverFactory:
 
     * ``"s3root"``: :func:`saver_state` with :class:`fastckpt.store.s3commit.S3Root`, pruning
       to the newest three indices;
-    * ``"save_checkpoint"``: :func:`front_door_model` through ``fastckpt.save_checkpoint``
-      (``counters={"step": step}``, ``incremental=False``), then ``fastckpt.prune`` to three;
+    * ``"save_checkpoint"``: one :func:`front_door_model` whose bias is set to ``step``
+      before each incremental ``fastckpt.save_checkpoint`` (``counters={"step": step}``: the
+      store copies the frozen weight from the saver's previous index), then
+      ``fastckpt.prune`` to three;
     * ``"manager"``: ``{"x": front_door_tensor(step), "step": step}`` replacing one
       ``CheckpointManager`` checkpoint id (sync saves).
 
@@ -241,15 +243,21 @@ def saver_state(index: int) -> dict[str, Any]:
     }
 
 
+#: The value of every element of :func:`front_door_model`'s weight, whatever the step.
+FROZEN_WEIGHT = 0.25
+
+
 def front_door_model(step: int) -> Any:
-    """A ``Linear(1024, 1536)`` (~6 MiB: a multipart upload with 5 MiB parts) whose every
-    parameter equals ``step``."""
+    """A ``Linear(1024, 1536)`` (~6 MiB: a multipart upload with 5 MiB parts) whose weight is
+    frozen at :data:`FROZEN_WEIGHT` and whose bias equals ``step``: an incremental save of it
+    after a bias update has the store copy the weight."""
     import torch
 
     model = torch.nn.Linear(1024, 1536)
     with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.fill_(float(step))
+        model.weight.fill_(FROZEN_WEIGHT)
+        model.bias.fill_(float(step))
+    model.weight.requires_grad_(False)
     return model
 
 
@@ -262,17 +270,20 @@ def front_door_tensor(step: int) -> Any:
 
 def _front_door_saver(door: str, url: str, options: dict[str, Any]) -> None:
     """Save through a public front door in a loop (see :class:`SaverFactory`)."""
+    import torch
+
     import fastckpt
     from fastckpt.store.dispatch import configure_storage
 
     configure_storage(url, options)
     first = (os.getpid() % 10000) * 1000
     if door == "save_checkpoint":
+        model = front_door_model(first)
         for step in range(first, first + 1000):
-            model = front_door_model(step)
-            fastckpt.save_checkpoint(
-                url, models={"main": model}, counters={"step": step}, incremental=False
-            )
+            with torch.no_grad():
+                model.bias.fill_(float(step))
+            # Incremental: from the saver's second save on, the store copies the weight.
+            fastckpt.save_checkpoint(url, models={"main": model}, counters={"step": step})
             fastckpt.prune(url, keep_last=3)
     elif door == "manager":
         config = fastckpt.CheckpointManager.Config.with_sync_save()

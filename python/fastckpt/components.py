@@ -23,7 +23,9 @@ import torch
 from fastckpt import incremental, specs, tree
 from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.progress import log_throughput
+from fastckpt.store.backend import CopySource
 from fastckpt.store.commit import IndexWriter
+from fastckpt.store.dispatch import backend_for, is_local
 from fastckpt.store.paths import check_name
 from fastckpt.store.reader import read_json, read_tensor_file
 from fastckpt.store.records import Manifest
@@ -283,19 +285,42 @@ def write_snapshot(
     index = writer.index
     try:
         refs = _check_references(writer, snapshot)
+        copies = {} if is_local(backend_for(root)) else _copy_sources(root, refs)
         for relpath, tensors in snapshot.tensor_files.items():
-            writer.add_tensors(relpath, tensors)
+            writer.add_tensors(relpath, tensors, copies.get(relpath))
         for relpath, document in snapshot.json_files.items():
             writer.add_json(relpath, document)
-        if refs:
+        if refs and not copies:
             writer.add_json(REFS_FILE, refs_document(refs))
         writer.commit_entry(snapshot.entry)
     except BaseException:
         writer.abort()
+        if snapshot.plan is not None and snapshot.plan.refs:
+            incremental.forget(root)  # what the next save could reference is unsure now
         raise
     incremental.record_saved(root, index, snapshot.plan, writer.files)
     log_throughput("saved", f"{root}/{index}", writer.files.values(), start)
     return index
+
+
+def _copy_sources(
+    root: Path, refs: dict[str, dict[str, Reference]]
+) -> dict[str, dict[str, CopySource]]:
+    """On an object store, the referenced tensors of each file as tensors the store copies
+    from the committed objects that hold them (every object stays self-contained)."""
+    return {
+        relpath: {
+            name: CopySource(
+                Path(root) / str(ref["index"]) / ref["file"],
+                ref["name"],
+                ref["dtype"],
+                list(ref["shape"]),
+                ref["crc32c"],
+            )
+            for name, ref in names.items()
+        }
+        for relpath, names in refs.items()
+    }
 
 
 def _check_references(writer: IndexWriter, snapshot: Snapshot) -> dict[str, dict[str, Reference]]:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from fastckpt.store.dispatch import backend_for, is_local
+from fastckpt.store.dispatch import backend_for, display_path, is_local, is_object_url
 from fastckpt.store.records import Manifest, tensor_reference
 from fastckpt.store.refs import REFS_FILE, Reference, index_references, matches, source_path
 
@@ -53,6 +53,8 @@ _FROZEN: dict[tuple[str, int], weakref.ref[torch.Tensor]] = {}
 
 
 def _key(root: str | os.PathLike[str]) -> str:
+    if is_object_url(root):
+        return display_path(root).rstrip("/")
     return os.path.abspath(os.fspath(root))
 
 
@@ -144,11 +146,9 @@ class Plan:
 
 def plan(root: str | os.PathLike[str], tensor_files: dict[str, dict[str, torch.Tensor]]) -> Plan:
     """Split ``tensor_files`` (live tensors) into what to write and what to reference: the
-    unchanged tensors are removed from ``tensor_files`` (in place) and listed in the plan.
-    Roots on object stores are always written in full."""
+    unchanged tensors are removed from ``tensor_files`` (in place) and listed in the plan
+    (on an object store they are copied by the store instead: :mod:`fastckpt.store.s3copy`)."""
     result = Plan()
-    if not is_local(backend_for(Path(root))):
-        return result
     with _LOCK:
         known = dict(_TRACKERS.get(_key(root), {}))
     for relpath, tensors in tensor_files.items():
@@ -225,20 +225,24 @@ def record_saved(
 ) -> None:
     """After index ``index`` committed with the file records ``files``: remember the
     fingerprints of what it wrote (with the crc32c the files' headers hold) and keep those of
-    what it referenced. ``result`` None (a full save with ``incremental=False``) forgets the
-    root."""
+    what it referenced (on an object store, where the referenced tensors were copied into
+    this index, remember them here too). ``result`` None (a full save with
+    ``incremental=False``) forgets the root."""
     if result is None:
         forget(root)
         return
+    backend = backend_for(root)
+    copied = not is_local(backend)
     tracked: dict[tuple[str, str], tuple[Tracked, Reference]] = {}
-    from fastckpt.files import read_metadata
-
-    for relpath, prints in result.fingerprints.items():
+    written = {relpath: dict(prints) for relpath, prints in result.fingerprints.items()}
+    if copied:
+        for relpath, prints in result.referenced.items():
+            written.setdefault(relpath, {}).update(prints)
+    for relpath, prints in written.items():
         record = files.get(relpath)
         if record is None:
             continue
-        path = Path(root) / str(index) / relpath
-        header = read_metadata(path)["tensors"]
+        header = backend.read_header(Path(root) / str(index) / relpath)["tensors"]
         for name, fingerprint_and_storage in prints.items():
             info = header.get(name)
             if info is None or info["crc32c"] is None:
@@ -256,7 +260,7 @@ def record_saved(
         previous = _TRACKERS.get(_key(root), {})
     for relpath, names in result.refs.items():
         for name in names:
-            if (relpath, name) in previous:
+            if (relpath, name) in previous and (relpath, name) not in tracked:
                 tracked[(relpath, name)] = previous[(relpath, name)]
     with _LOCK:
         _TRACKERS[_key(root)] = tracked

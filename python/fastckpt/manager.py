@@ -336,7 +336,7 @@ class CheckpointManager:
             if spec.required and key not in state:
                 raise KeyError(f"required item {key!r} is missing from the saved state")
         # Object stores have no hard links: full writes there.
-        incremental = self.config.incremental and is_local(backend_for(path))
+        incremental = self.config.incremental
         if base is not None and not self.config.incremental:
             raise ValueError("save(base=...) needs Config.incremental = True")
         if base is not None:
@@ -520,7 +520,8 @@ class CheckpointManager:
                     # to the ones written below.
                     stem = f"{key}.rank{self._dist.rank}" if self._dist.active else key
                     refs[key] = plan.link(writer, key, snapshot.tensors[key], stem)
-                writer.add_tensors(self._tensor_file(key), snapshot.tensors[key])
+                copies = None if plan is None else plan.copies.get(key)
+                writer.add_tensors(self._tensor_file(key), snapshot.tensors[key], copies)
                 if self._dist.rank == 0:
                     writer.add_json(f"{key}.json", {"skeleton": skeleton})
             if self.config.pre_finalize_callback is not None:
@@ -529,10 +530,12 @@ class CheckpointManager:
             self._commit(writer, list(snapshot.skeletons), record_refs)
         except BaseException:
             writer.abort()
+            if plan is not None and plan.refs:
+                self._tracker.forget()  # the next save is full: its base may be the cause
             raise
         if plan is not None:
             # Committed: from now on the next save may link this checkpoint's files.
-            own = {key: self._tensor_file(key) for key in snapshot.skeletons}
+            own = {key: writer.stored_relpath(self._tensor_file(key)) for key in snapshot.skeletons}
             try:
                 self._tracker.record(final, plan, writer.files, own, refs)
             except OSError as err:  # e.g. the checkpoint was deleted at once

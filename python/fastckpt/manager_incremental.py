@@ -19,6 +19,10 @@ be made (another filesystem, links refused) the referenced tensors are read back
 open file, checked against their crc32c, and written in full. The tracker moves on only once
 the checkpoint is committed.
 
+On an object store (``s3://`` ids) there are no links: the unchanged tensors are copied by the
+store from the previous checkpoint's object into the new one (:mod:`fastckpt.store.s3copy`),
+so each checkpoint is a complete set of objects and deleting the previous one is still safe.
+
 Which checkpoint is the base: the manager's previous save, when it went to the same
 directory or a sibling (same parent directory); ``save(..., base=...)`` names it explicitly
 (any directory on the same filesystem). Only this process's saves can be bases: what a
@@ -41,9 +45,9 @@ import torch
 
 from fastckpt.files import read_metadata, read_tensors
 from fastckpt.incremental import Tracked, fingerprint
-from fastckpt.store.backend import LocalStaging
+from fastckpt.store.backend import CopySource, LocalStaging
 from fastckpt.store.commit import DirectoryWriter
-from fastckpt.store.dispatch import backend_for, is_local
+from fastckpt.store.dispatch import backend_for, is_object_url
 from fastckpt.store.links import Reference, linked_relpath
 from fastckpt.store.records import tensor_reference
 
@@ -104,6 +108,9 @@ class LinkPlan:
     sources: dict[str, _Source] = field(default_factory=dict)
     #: relpath in the new checkpoint -> relpath of base it links (filled while writing)
     linked: dict[str, str] = field(default_factory=dict)
+    #: item -> tensor name -> the base's tensor an object store copies into the item's file
+    #: (filled while writing, instead of links)
+    copies: dict[str, dict[str, CopySource]] = field(default_factory=dict)
 
     @property
     def referenced_bytes(self) -> int:
@@ -129,6 +136,20 @@ class LinkPlan:
         be written in full."""
         refs = self.refs.get(key, {})
         if not refs:
+            return {}
+        if not isinstance(writer.staging, LocalStaging):
+            # An object store copies the bytes into the item's own object (no links there):
+            # the new checkpoint references nothing.
+            self.copies[key] = {
+                name: CopySource(
+                    self.sources[ref["file"]].path,
+                    ref["name"],
+                    ref["dtype"],
+                    list(ref["shape"]),
+                    ref["crc32c"],
+                )
+                for name, ref in refs.items()
+            }
             return {}
         by_file: dict[str, list[str]] = {}
         for name, ref in refs.items():
@@ -200,8 +221,26 @@ def same_place(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
 
 
 def _canonical(path: str | os.PathLike[str]) -> Path:
+    if is_object_url(path):
+        return Path(os.fspath(path).rstrip("/"))  # pathlib's one spelling of an s3:// URL
     path = Path(os.path.abspath(os.fspath(path)))
     return Path(os.path.realpath(path.parent)) / path.name
+
+
+def _stored_identity(path: Path) -> Identity | None:
+    """What :data:`Identity` a committed file has now (None: gone). On an object store only
+    the size is known (an object replaced by one of the same size is caught by the header
+    check of the copy)."""
+    if is_object_url(path):
+        try:
+            info = backend_for(path).stat(path)
+        except FileNotFoundError:
+            return None
+        return (0, 0, info.size, 0) if info.regular else None
+    try:
+        return _identity(os.stat(path, follow_symlinks=False))
+    except OSError:
+        return None
 
 
 class Tracker:
@@ -247,8 +286,6 @@ class Tracker:
         """At capture: take the unchanged tensors out of ``groups`` (in place) and open the
         base files holding them; fingerprint the others (before they are staged)."""
         plan = LinkPlan(base=self.base_for(path, base))
-        if not is_local(backend_for(path)):
-            plan.base = None
         known = {} if plan.base is None else plan.base.tensors
         candidates: dict[str, dict[str, tuple[Tracked, Reference]]] = {}
         for key, tensors in groups.items():
@@ -289,6 +326,12 @@ class Tracker:
         for relpath in sorted(needed):
             record, identity = base.files[relpath]
             path = base.directory / relpath
+            if is_object_url(path):
+                # Nothing to hold open: the store copies from the object at write time.
+                plan.sources[relpath] = _Source(relpath, path, -1, dict(record))
+                if _stored_identity(path) == identity:
+                    usable.add(relpath)
+                continue
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             except OSError:
@@ -319,9 +362,10 @@ class Tracker:
             self.forget()
             return
         saved = SavedCheckpoint(_canonical(directory))
+        backend = backend_for(saved.directory)
         for key, relpath in own_files.items():
             self._track_file(saved, relpath, files)
-            header = read_metadata(saved.directory / relpath)["tensors"]
+            header = backend.read_header(saved.directory / relpath)["tensors"]
             for name, info in header.items():
                 tracked = plan.written.get(key, {}).get(name) or plan.referenced.get(key, {}).get(
                     name
@@ -340,12 +384,11 @@ class Tracker:
     ) -> None:
         if relpath in saved.files:
             return
-        info = os.stat(saved.directory / relpath, follow_symlinks=False)
+        identity = _stored_identity(saved.directory / relpath)
+        if identity is None:
+            raise FileNotFoundError(errno.ENOENT, "gone right after its commit", relpath)
         record = files[relpath]
-        saved.files[relpath] = (
-            {"size": record["size"], "crc32c": record["crc32c"]},
-            _identity(info),
-        )
+        saved.files[relpath] = ({"size": record["size"], "crc32c": record["crc32c"]}, identity)
 
 
 def _reference(relpath: str, name: str, info: Mapping[str, Any]) -> Reference:

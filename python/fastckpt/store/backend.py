@@ -54,6 +54,7 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "TEMP_PREFIX",
     "TRASH_PREFIX",
+    "CopySource",
     "FileRecord",
     "LocalFileSystem",
     "LocalStaging",
@@ -67,6 +68,24 @@ __all__ = [
 
 #: ``{"size": bytes, "crc32c": whole-file crc32c}``: what a commit record says of one file.
 FileRecord = dict[str, int]
+
+
+@dataclass(frozen=True)
+class CopySource:
+    """A tensor whose bytes are already in a committed file of the same store.
+
+    Attributes:
+        path: that file.
+        name: the tensor's name in it.
+        dtype / shape / crc32c: what the tensor must be there (its header is checked).
+    """
+
+    path: Path
+    name: str
+    dtype: str
+    shape: list[int]
+    crc32c: int
+
 
 #: Hidden siblings of a directory being written / set aside (``.tmp-<name>~<pid>~<host>~<rnd>``).
 TEMP_PREFIX = ".tmp-"
@@ -134,9 +153,19 @@ class Staging(ABC):
         """Write one small file durably and record it."""
 
     @abstractmethod
-    def put_tensors(self, relpath: str, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
+    def put_tensors(
+        self,
+        relpath: str,
+        tensors: Mapping[str, torch.Tensor],
+        copies: Mapping[str, CopySource] | None = None,
+    ) -> FileRecord:
         """Write a safetensors file durably (through the Rust core) and record it (the write
-        options are the staging's, given to :meth:`StorageBackend.stage`)."""
+        options are the staging's, given to :meth:`StorageBackend.stage`).
+
+        ``copies`` (object stores only: local incremental saves reference instead) names
+        further tensors of the file whose bytes are already stored, in a committed file of the
+        same store: the store copies them (see :mod:`fastckpt.store.s3copy`).
+        """
 
     @abstractmethod
     def adopt(self, location: str, relpath: str, record: FileRecord) -> None:
@@ -394,9 +423,23 @@ class LocalStaging(Staging):
         self.files[relpath] = record
         return record
 
-    def put_tensors(self, relpath: str, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
+    def put_tensors(
+        self,
+        relpath: str,
+        tensors: Mapping[str, torch.Tensor],
+        copies: Mapping[str, CopySource] | None = None,
+    ) -> FileRecord:
         """Write a safetensors file (fsynced) and record its size and crc32c; tensors staged
-        into a file image are written straight from it (no copy)."""
+        into a file image are written straight from it (no copy).
+
+        Raises:
+            ValueError: ``copies`` given (a local root references unchanged tensors).
+        """
+        if copies:
+            raise ValueError(
+                f"{self.final}: a local checkpoint references unchanged tensors instead of "
+                "copying them"
+            )
         image = find_image(tensors)
         if image is not None:
             report = write_image(image, self._target(relpath), direct_io=self.direct_io)

@@ -35,6 +35,7 @@ from fastckpt.store.backend import (
     ATOMIC_TEMP_INFIX,
     TEMP_PREFIX,
     TRASH_PREFIX,
+    CopySource,
     LocalFileSystem,
     LocalStaging,
     StorageBackend,
@@ -109,6 +110,11 @@ class DirectoryWriter:
     def _prefixed(self, relpath: str) -> str:
         return relpath if self.generation is None else f"{self.generation}/{relpath}"
 
+    def stored_relpath(self, relpath: str) -> str:
+        """Where file ``relpath`` is under :attr:`final` (and in :attr:`files`): the same
+        relpath, under the generation prefix on an object store."""
+        return self._prefixed(relpath)
+
     @property
     def files(self) -> dict[str, dict[str, int]]:
         """relpath -> ``{"size", "crc32c"}`` of every file written so far."""
@@ -121,9 +127,15 @@ class DirectoryWriter:
         """Where the files are staged (another rank's writer can :meth:`adopt` from it)."""
         return self.staging.location
 
-    def add_tensors(self, relpath: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Write a safetensors file (durably) and record its size and crc32c."""
-        self.staging.put_tensors(relpath, tensors)
+    def add_tensors(
+        self,
+        relpath: str,
+        tensors: Mapping[str, torch.Tensor],
+        copies: Mapping[str, CopySource] | None = None,
+    ) -> None:
+        """Write a safetensors file (durably) and record its size and crc32c; tensors in
+        ``copies`` are copied by an object store (see :meth:`Staging.put_tensors`)."""
+        self.staging.put_tensors(relpath, tensors, copies)
 
     def add_json(self, relpath: str, document: Any) -> None:
         """Write a JSON file (durably) and record its size and crc32c (a generation's
@@ -240,12 +252,18 @@ class IndexWriter(DirectoryWriter):
             pool = self._json_lane
         self._pending.append(pool.submit(work))
 
-    def add_tensors(self, relpath: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Write a safetensors file (durably, in the background on a local root)."""
+    def add_tensors(
+        self,
+        relpath: str,
+        tensors: Mapping[str, torch.Tensor],
+        copies: Mapping[str, CopySource] | None = None,
+    ) -> None:
+        """Write a safetensors file (durably, in the background on a local root); tensors in
+        ``copies`` are copied by an object store (see :meth:`Staging.put_tensors`)."""
         if not self._background:
-            super().add_tensors(relpath, tensors)
+            super().add_tensors(relpath, tensors, copies)
             return
-        self._submit("tensors", lambda: self.staging.put_tensors(relpath, tensors))
+        self._submit("tensors", lambda: self.staging.put_tensors(relpath, tensors, copies))
 
     def add_json(self, relpath: str, document: Any) -> None:
         """Write a JSON file (durably, in the background on a local root)."""

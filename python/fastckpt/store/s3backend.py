@@ -36,12 +36,20 @@ from typing import Any
 import torch
 
 from fastckpt import _native
-from fastckpt.errors import CheckpointFormatError
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.files import byte_view, read_metadata
-from fastckpt.store.backend import MAX_RECORD_BYTES, FileRecord, ObjectInfo, Staging, StorageBackend
+from fastckpt.store.backend import (
+    MAX_RECORD_BYTES,
+    CopySource,
+    FileRecord,
+    ObjectInfo,
+    Staging,
+    StorageBackend,
+)
 from fastckpt.store.lock import LOCK_FILE
 from fastckpt.store.s3client import S3Client, client_for
 from fastckpt.store.s3config import S3Options, S3Url
+from fastckpt.store.s3copy import CopiedTensor, put_tensors_copying
 from fastckpt.store.s3errors import CommitConflictError, ObjectNotFoundError
 from fastckpt.store.s3tensors import get_tensors, put_tensors
 
@@ -269,6 +277,8 @@ class S3Staging(Staging):
     Attributes:
         final: the container's URL in ``pathlib`` spelling.
         files: relpath -> ``{"size", "crc32c"}``.
+        copied_bytes: bytes the store copied instead of this process uploading them
+            (incremental saves).
     """
 
     def __init__(self, backend: S3Backend, url: S3Url) -> None:
@@ -276,6 +286,7 @@ class S3Staging(Staging):
         self.url = url
         self.final = Path(str(url))
         self.files = {}
+        self.copied_bytes = 0
 
     @property
     def location(self) -> str:
@@ -295,12 +306,58 @@ class S3Staging(Staging):
         self.files[relpath] = record
         return record
 
-    def put_tensors(self, relpath: str, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
-        """A parallel multipart upload of a safetensors object; records size and crc32c."""
-        report = put_tensors(self.backend.client, self._key(relpath), tensors)
+    def put_tensors(
+        self,
+        relpath: str,
+        tensors: Mapping[str, torch.Tensor],
+        copies: Mapping[str, CopySource] | None = None,
+    ) -> FileRecord:
+        """A parallel multipart upload of a safetensors object; records size and crc32c.
+        Tensors in ``copies`` are copied by the store from the objects that hold them
+        (:mod:`fastckpt.store.s3copy`), whose headers are read to find their bytes.
+
+        Raises:
+            ChecksumMismatchError: a copied tensor is not what ``copies`` says any more (its
+                object was replaced).
+        """
+        client = self.backend.client
+        if copies:
+            report = put_tensors_copying(client, self._key(relpath), tensors, self._locate(copies))
+            self.copied_bytes += report["copied_bytes"]
+        else:
+            report = put_tensors(client, self._key(relpath), tensors)
         record = {"size": report["size"], "crc32c": report["crc32c"]}
         self.files[relpath] = record
         return record
+
+    def _locate(self, copies: Mapping[str, CopySource]) -> dict[str, CopiedTensor]:
+        """Where each copied tensor's bytes are (one header read per source object)."""
+        headers: dict[Path, dict[str, Any]] = {}
+        located = {}
+        for name, source in copies.items():
+            if source.path not in headers:
+                headers[source.path] = self.backend.read_header(source.path)
+            header = headers[source.path]
+            entry = header["tensors"].get(source.name)
+            found = None if entry is None else (entry["dtype"], entry["shape"], entry["crc32c"])
+            if found != (source.dtype, list(source.shape), source.crc32c):
+                expected = (source.dtype, list(source.shape), source.crc32c)
+                raise ChecksumMismatchError(
+                    f"{self.backend.client.url(self.backend._key(source.path))}: tensor "
+                    f"{source.name!r} is (dtype, shape, crc32c) {found}, not the {expected} an "
+                    "incremental save expected; the object was replaced: save again (in full)"
+                )
+            begin, end = entry["data_offsets"]
+            start = header["data_start"]
+            located[name] = CopiedTensor(
+                self.backend._key(source.path),
+                start + begin,
+                start + end,
+                source.dtype,
+                list(source.shape),
+                source.crc32c,
+            )
+        return located
 
     def adopt(self, location: str, relpath: str, record: FileRecord) -> None:
         """Take a file another staging wrote: nothing to move when it wrote to this

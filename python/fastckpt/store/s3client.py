@@ -30,12 +30,14 @@ from fastckpt.store.s3errors import ObjectStoreError, translate
 __all__ = [
     "MAX_PART",
     "MIN_PART",
+    "CopyNotSupportedError",
     "CopyPart",
     "DataPart",
     "ObjectMeta",
     "PendingUpload",
     "S3Client",
     "client_for",
+    "piece_length",
 ]
 
 _CHUNK = 4 << 20
@@ -90,20 +92,24 @@ class DataPart:
     @property
     def nbytes(self) -> int:
         """Bytes uploaded."""
-        return sum(_piece_len(piece) for piece in self.pieces)
+        return sum(piece_length(piece) for piece in self.pieces)
 
     def read(self, client: S3Client) -> list[Any]:
         """The part's bytes, piece by piece (fetching the ranges)."""
         return [
-            client.get_range(*piece) if isinstance(piece, tuple) else piece
-            for piece in self.pieces
+            client.get_range(*piece) if isinstance(piece, tuple) else piece for piece in self.pieces
         ]
 
 
-def _piece_len(piece: Any) -> int:
+def piece_length(piece: Any) -> int:
+    """Bytes of a :class:`DataPart` piece: a buffer, or a ``(key, start, end)`` range."""
     if isinstance(piece, tuple):
         return int(piece[2] - piece[1])
     return int(memoryview(piece).nbytes)
+
+
+class CopyNotSupportedError(ObjectStoreError):
+    """The store has no UploadPartCopy (the bytes must be uploaded instead)."""
 
 
 @dataclass(frozen=True)
@@ -421,6 +427,11 @@ class S3Client:
                         **common,
                     )
                 except Exception as err:
+                    if _error_code(err) == "NotImplemented":
+                        raise CopyNotSupportedError(
+                            f"{self.url(key)}: the store at {self.endpoint or 'AWS'} cannot "
+                            "copy object ranges (UploadPartCopy is not implemented)"
+                        ) from err
                     raise self._fail(err, part.source_key) from err
                 return {"PartNumber": number, "ETag": reply["CopyPartResult"]["ETag"]}
             body = b"".join(part.read(self))

@@ -10,15 +10,17 @@ exporting and pruning see nothing new, and deleting an older index never breaks 
 
 S3 wants every part but the last to hold at least 5 MiB. :func:`plan_parts` therefore lays
 the object out as parts: copied ranges of at least 5 MiB stay copies (split at 5 GiB, S3's
-largest part); the uploaded runs between them are topped up to 5 MiB with the first bytes of
-the next copied range, fetched with a ranged GET (never read from live tensors, which an async
-save's training loop may be changing); copied ranges too short to stand alone are fetched and
-uploaded. A store without UploadPartCopy gets the whole object uploaded, the unchanged bytes
+largest part; the object's last part may be shorter); the uploaded runs between them are
+topped up to 5 MiB with the first bytes of the next copied range, fetched with a ranged GET
+(never read from live tensors, which an async save's training loop may be changing); copied
+ranges too short to stand alone are fetched and uploaded. So an object needs a run of about
+10 MiB of unchanged bytes (5 MiB after the header's part) before the store copies anything. A store without UploadPartCopy gets the whole object uploaded, the unchanged bytes
 fetched first.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +36,7 @@ from fastckpt.store.s3client import (
     CopyPart,
     DataPart,
     S3Client,
-    iter_pieces,
+    piece_length,
 )
 from fastckpt.store.s3tensors import tensor_crcs
 
@@ -63,12 +65,6 @@ Segment = Any  # a byte buffer (uploaded) or a CopyPart (copied)
 Piece = Any  # a byte buffer, or (source key, start, end) to fetch
 
 
-def _length(piece: Piece) -> int:
-    if isinstance(piece, tuple):
-        return int(piece[2] - piece[1])
-    return int(memoryview(piece).nbytes)
-
-
 def _cut(pieces: list[Piece], sizes: list[int]) -> list[DataPart]:
     """Split ``pieces`` (in order) into consecutive parts of ``sizes`` bytes."""
     parts: list[DataPart] = []
@@ -77,7 +73,7 @@ def _cut(pieces: list[Piece], sizes: list[int]) -> list[DataPart]:
         taken: list[Piece] = []
         while size > 0:
             piece = queue.pop(0)
-            n = _length(piece)
+            n = piece_length(piece)
             if n <= size:
                 taken.append(piece)
                 size -= n
@@ -127,33 +123,34 @@ def plan_parts(
                 merged[-1] = CopyPart(last.source_key, last.start, segment.end)
             elif segment.nbytes:
                 merged.append(segment)
-        elif _length(segment):
+        elif piece_length(segment):
             merged.append(segment)
 
     parts: list[DataPart | CopyPart] = []
     pending: list[Piece] = []
 
     def flush() -> None:
-        total = sum(_length(piece) for piece in pending)
+        total = sum(piece_length(piece) for piece in pending)
         if total == 0:
             return
         count = max(1, total // data_part, -(-total // max_part))
         bounds = [total * i // count for i in range(count + 1)]
-        parts.extend(_cut(pending, [b - a for a, b in zip(bounds, bounds[1:], strict=False)]))
+        parts.extend(_cut(pending, [b - a for a, b in itertools.pairwise(bounds)]))
         pending.clear()
 
-    for segment in merged:
+    for position, segment in enumerate(merged):
         if not isinstance(segment, CopyPart):
             pending.append(segment)
             continue
+        last = position == len(merged) - 1  # the object's last part may be short
         key, start, end = segment.source_key, segment.start, segment.end
         if pending:
-            short = min_part - sum(_length(piece) for piece in pending)
+            short = min_part - sum(piece_length(piece) for piece in pending)
             if short > 0:
                 take = min(short, end - start)
                 pending.append((key, start, start + take))
                 start += take
-        if end - start >= min_part:
+        if end - start >= min_part or (last and end > start):
             flush()
             while start < end:
                 n = min(max_part, end - start)
@@ -245,6 +242,8 @@ def _upload_all(client: S3Client, key: str, parts: list[DataPart | CopyPart], si
                     )
             else:
                 for piece in part.read(client):
-                    yield from iter_pieces(memoryview(piece).cast("B"), client.options.part_size)
+                    view = memoryview(piece).cast("B")
+                    for offset in range(0, view.nbytes, client.options.part_size):
+                        yield view[offset : offset + client.options.part_size]
 
     client.put_stream(key, pieces(), size)
