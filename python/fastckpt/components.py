@@ -283,9 +283,11 @@ def write_snapshot(
     start = time.perf_counter()
     writer = IndexWriter(root, None if checkpoint_index == -1 else index, lock_timeout=lock_timeout)
     index = writer.index
+    copies: dict[str, dict[str, CopySource]] = {}
     try:
         refs = _check_references(writer, snapshot)
-        copies = {} if is_local(backend_for(root)) else _copy_sources(root, refs)
+        if not is_local(backend_for(root)):
+            copies = _copy_sources(root, refs)
         for relpath, tensors in snapshot.tensor_files.items():
             writer.add_tensors(relpath, tensors, copies.get(relpath))
         for relpath, document in snapshot.json_files.items():
@@ -295,8 +297,10 @@ def write_snapshot(
         writer.commit_entry(snapshot.entry)
     except BaseException:
         writer.abort()
-        if snapshot.plan is not None and snapshot.plan.refs:
-            incremental.forget(root)  # what the next save could reference is unsure now
+        if copies:
+            # A copy failed (or something after it): what the next save could have the store
+            # copy is unsure now, so it is written in full.
+            incremental.forget(root)
         raise
     incremental.record_saved(root, index, snapshot.plan, writer.files)
     log_throughput("saved", f"{root}/{index}", writer.files.values(), start)
