@@ -125,8 +125,8 @@ def test_a_composed_object_is_byte_for_byte_the_uploaded_one(
     report = put_tensors_copying(client, f"{prefix}/new.safetensors", changed, copies)
     expected = put_tensors(client, f"{prefix}/expected.safetensors", {**state, **changed})
     # The header's part is filled up to 5 MiB with the start of "frozen" (fetched); the store
-    # copies the rest (7 MiB plus the header's length). "also_frozen" (3 MiB, after the small "trained") is fetched to
-    # fill the part "trained" starts.
+    # copies the rest (7 MiB plus the header's length). "also_frozen" (3 MiB, after the small
+    # "trained") is fetched to fill the part "trained" starts.
     assert (7 << 20) < report["copied_bytes"] <= (7 << 20) + 4096
     assert (report["size"], report["crc32c"]) == (expected["size"], expected["crc32c"])
     new = client.get_range(f"{prefix}/new.safetensors", 0, report["size"])
@@ -135,8 +135,10 @@ def test_a_composed_object_is_byte_for_byte_the_uploaded_one(
 
     # A store without UploadPartCopy gets the same object uploaded whole (copies fetched).
     parts = plan_parts(
-        [client.get_range(f"{prefix}/new.safetensors", 0, data_start)]
-        + [CopyPart(f"{prefix}/new.safetensors", data_start, report["size"])],
+        [
+            client.get_range(f"{prefix}/new.safetensors", 0, data_start),
+            CopyPart(f"{prefix}/new.safetensors", data_start, report["size"]),
+        ],
         data_part=client.options.part_size,
     )
     _upload_all(client, f"{prefix}/whole.safetensors", parts, report["size"])

@@ -59,7 +59,7 @@ from fastckpt.staging import (
 )
 from fastckpt.stateful import check_template, contains_stateful, prepare_save, restore
 from fastckpt.store.commit import DirectoryWriter
-from fastckpt.store.dispatch import backend_for, display_path, is_local, use_storage_options
+from fastckpt.store.dispatch import display_path, use_storage_options
 from fastckpt.store.links import Reference, read_item
 from fastckpt.store.paths import check_name
 from fastckpt.store.records import COMMIT_RECORD, commit_record, item_files, read_commit_record

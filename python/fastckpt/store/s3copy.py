@@ -14,8 +14,9 @@ largest part; the object's last part may be shorter); the uploaded runs between 
 topped up to 5 MiB with the first bytes of the next copied range, fetched with a ranged GET
 (never read from live tensors, which an async save's training loop may be changing); copied
 ranges too short to stand alone are fetched and uploaded. So an object needs a run of about
-10 MiB of unchanged bytes (5 MiB after the header's part) before the store copies anything. A store without UploadPartCopy gets the whole object uploaded, the unchanged bytes
-fetched first.
+10 MiB of unchanged bytes (5 MiB after the header's part) before the store copies anything.
+A store without UploadPartCopy gets the whole object uploaded, the unchanged bytes fetched
+first.
 """
 
 from __future__ import annotations
