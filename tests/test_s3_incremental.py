@@ -183,7 +183,7 @@ def test_save_checkpoint_on_s3_copies_the_frozen_bytes_and_prunes_safely(
     model = Backbone()
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     expected = []
-    for step in range(3):
+    for _ in range(3):
         model(torch.randint(0, 4096, (4, 8))).sum().backward()
         optimizer.step()
         fastckpt.save_checkpoint(s3_root, models={"main": model}, optimizers={"sgd": optimizer})
@@ -219,7 +219,7 @@ def test_an_incremental_save_on_s3_whose_source_was_replaced_fails_typed_then_sa
     tampered["embed.weight"] = torch.zeros_like(tampered["embed.weight"])
     fastckpt.save_file(tampered, "tampered.safetensors")
     client.put_object(
-        Bucket=s3_server.bucket, Key=key, Body=open("tampered.safetensors", "rb").read()
+        Bucket=s3_server.bucket, Key=key, Body=Path("tampered.safetensors").read_bytes()
     )
     with pytest.raises(ChecksumMismatchError, match="replaced"):
         fastckpt.save_checkpoint(s3_root, models={"main": model})
