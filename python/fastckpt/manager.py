@@ -15,7 +15,8 @@ Saves are incremental (``Config.incremental``, on by default): when the previous
 manager went to the same directory or a sibling, the tensors unchanged since then are not
 written again but kept in hard links to that checkpoint's files, made inside the new one
 (``linked/``), so that every checkpoint stays self-contained (see
-:mod:`fastckpt.manager_incremental` and :mod:`fastckpt.store.links`).
+:mod:`fastckpt.manager_incremental` and :mod:`fastckpt.store.links`); on an object store the
+store copies them into the new checkpoint's objects (:mod:`fastckpt.store.s3copy`).
 """
 
 from __future__ import annotations
@@ -105,10 +106,11 @@ class _ManagerConfig(StrictConfig):
             ``"fastckpt.manager"`` (torch_checkpointing passes its EventLogger there).
         incremental: tensors unchanged since the manager's previous save (same directory or
             a sibling, or the ``base=`` of ``save``) are kept as hard links to that
-            checkpoint's files instead of being written again (docs/incremental.md).
-            ``False`` writes every tensor of every save. Local filesystems only; DTensor
-            state and object storage are always written in full (under a process group
-            each rank links its own file).
+            checkpoint's files instead of being written again (docs/incremental.md); on an
+            object store the store copies them from that checkpoint's objects instead of
+            this process uploading them. ``False`` writes every tensor of every save.
+            DTensor state is always written in full (under a process group each rank links
+            its own file).
     """
 
     items: dict[str, ItemSpec] = field(default_factory=dict)
