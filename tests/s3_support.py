@@ -194,7 +194,7 @@ class SaverFactory:
       to the newest three indices;
     * ``"save_checkpoint"``: one :func:`front_door_model` whose bias is set to ``step``
       before each incremental ``fastckpt.save_checkpoint`` (``counters={"step": step}``: the
-      store copies the frozen weight from the saver's previous index), then
+      frozen weight comes from the saver's previous index, partly copied by the store), then
       ``fastckpt.prune`` to three;
     * ``"manager"``: ``{"x": front_door_tensor(step), "step": step}`` replacing one
       ``CheckpointManager`` checkpoint id (sync saves).
@@ -282,7 +282,8 @@ def _front_door_saver(door: str, url: str, options: dict[str, Any]) -> None:
         for step in range(first, first + 1000):
             with torch.no_grad():
                 model.bias.fill_(float(step))
-            # Incremental: from the saver's second save on, the store copies the weight.
+            # Incremental: from the saver's second save on, the weight comes from the previous
+            # index (its last part copied by the store, the rest fetched to fill a 5 MiB part).
             fastckpt.save_checkpoint(url, models={"main": model}, counters={"step": step})
             fastckpt.prune(url, keep_last=3)
     elif door == "manager":

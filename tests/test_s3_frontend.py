@@ -212,7 +212,7 @@ def _check_root(url: str) -> int | None:
     assert loaded["checkpoint_index"] == rows[-1]["index"]
     model = loaded["models"]["main"]["model"]
     assert torch.equal(model.bias, torch.full_like(model.bias, float(step))), (url, step)
-    # The weight is frozen: incremental saves have the store copy it from the previous index.
+    # The weight is frozen: incremental saves take it from the previous index.
     assert torch.equal(model.weight, torch.full_like(model.weight, FROZEN_WEIGHT)), (url, step)
     return int(step)
 
@@ -236,7 +236,7 @@ def test_sigkilled_front_door_saves_to_s3_never_break_the_committed_checkpoints(
 ) -> None:
     """50 savers, forked ready to run (no interpreter start per kill), each SIGKILLed at a
     random moment while saving in a loop through a front door: incremental ``save_checkpoint``
-    (the store copies the frozen weight) + ``prune`` into a root, and
+    (the frozen weight comes from the previous index) + ``prune`` into a root, and
     ``CheckpointManager.save`` replacing one checkpoint id, alternately.
     After every kill, every committed index/record names complete objects (verify) and the
     newest loads bitwise; a later save removes what the killed ones left (no stray data, no
