@@ -333,6 +333,22 @@ def test_a_failed_background_write_is_raised_by_the_next_call(tmp_path: Path) ->
     assert io.load_checkpoint(tmp_path / "y.ckpt")["hyper_parameters"]["extra"] == 3
 
 
+def test_async_io_writes_large_items_from_a_file_image(tmp_path: Path) -> None:
+    io = AsyncFastCheckpointIO()
+    checkpoint = checkpoint_with(1)
+    checkpoint["state_dict"] = {"w": torch.randn(512, 256), "b": torch.zeros(256)}  # 513 KiB
+    expected = checkpoint["state_dict"]["w"].clone()
+    io.save_checkpoint(checkpoint, tmp_path / "x.ckpt")
+    checkpoint["state_dict"]["w"].add_(1)  # after the capture: not in the checkpoint
+    io.teardown()
+    files = sorted((tmp_path / "x.ckpt").rglob("*.safetensors"))
+    starts = {f.name: 8 + int.from_bytes(f.read_bytes()[:8], "little") for f in files}
+    # The item holding the state dict went through its image (data aligned to 4096 bytes).
+    assert 4096 in starts.values(), starts
+    loaded = io.load_checkpoint(tmp_path / "x.ckpt")
+    assert torch.equal(loaded["state_dict"]["w"], expected)
+
+
 def test_storage_options_and_urls_are_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

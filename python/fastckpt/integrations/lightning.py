@@ -47,7 +47,13 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 
 from fastckpt import _native, tree
 from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
-from fastckpt.staging import StagerOptions, background_executor, make_stager, stage_groups
+from fastckpt.staging import (
+    StagerOptions,
+    background_executor,
+    make_image_pool,
+    make_stager,
+    stage_groups,
+)
 from fastckpt.store.commit import DirectoryWriter
 from fastckpt.store.links import read_item
 from fastckpt.store.records import COMMIT_RECORD, commit_record, read_commit_record
@@ -408,7 +414,10 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
         """See :class:`FastCheckpointIO`."""
         super().__init__(allow_pickle=allow_pickle, direct_io=direct_io, threads=threads)
         cuda = torch.cuda.is_available()
-        self._stager = make_stager(StagerOptions(pinned=cuda, non_blocking=cuda))
+        options = StagerOptions(pinned=cuda, non_blocking=cuda)
+        self._stager = make_stager(options)
+        # Each item's file is staged into one file image, written without a second copy.
+        self._images = make_image_pool(options)
         self._executor: ThreadPoolExecutor | None = None
         self._future: Future[None] | None = None
         self._pending: Path | None = None
@@ -437,7 +446,7 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
         target = _local(path)
         plan = self._plan(checkpoint, storage_options)
         groups = {item: tensors for item, (_, tensors) in plan.items.items()}
-        stage_groups(self._stager, groups, _every)
+        stage_groups(self._stager, groups, _every, self._images)
         if self._executor is None:
             self._executor = background_executor("fastckpt-lightning")
         self._pending = target
