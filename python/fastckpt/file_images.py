@@ -203,7 +203,13 @@ class ImagePool:
                     continue
                 image = self.images.get(group)
                 if image is None or image.signature != _signature(tensors):
-                    image = FileImage(tensors, pinned=self.pinned)
+                    try:
+                        image = FileImage(tensors, pinned=self.pinned)
+                    except (TypeError, ValueError, RuntimeError):
+                        # A tensor the format cannot hold as laid out (the file's writer
+                        # reports it): staged and written the ordinary way.
+                        self.images.pop(group, None)
+                        continue
                     self.images[group] = image
                     self.allocations += 1
                     allocated += image.nbytes
