@@ -452,12 +452,13 @@ pub fn write_image<'py>(
         )));
     }
     let raw = RawBytes::of(&buffer, "file image")?;
+    // The image writer always runs one writing and one hashing thread: `threads` is unused.
     let options = WriteOptions {
-        threads: 2,
         chunk_size,
         direct_io,
         fsync,
         checksums,
+        ..WriteOptions::default()
     };
     let report = py.detach(|| {
         // SAFETY: `buffer` (alive until this function returns) keeps the writable image valid;

@@ -89,7 +89,7 @@ def test_a_run_of_copies_too_short_for_a_part_is_fetched_and_a_long_one_is_copie
 # ------------------------------------------------------------------------------ one object
 
 
-def _client(server: S3Server, root: str) -> tuple[S3Client, str]:
+def _client(root: str) -> tuple[S3Client, str]:
     backend: Any = backend_for(root)
     return backend.client, root.split("/", 3)[3]
 
@@ -97,7 +97,7 @@ def _client(server: S3Server, root: str) -> tuple[S3Client, str]:
 def test_a_composed_object_is_byte_for_byte_the_uploaded_one(
     s3_server: S3Server, s3_root: str, s3_env: dict[str, str]
 ) -> None:
-    client, prefix = _client(s3_server, s3_root)
+    client, prefix = _client(s3_root)
     gen = torch.Generator().manual_seed(0)
     state = {
         "frozen": torch.randn(3 << 20, generator=gen),  # 12 MiB
