@@ -40,6 +40,7 @@ such as ``model``); ``part=`` selects one file, whose tensors keep their plain n
 from __future__ import annotations
 
 import math
+import operator
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ import numpy as np
 import torch
 
 from fastckpt import _native
-from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError, InvalidInputError
 from fastckpt.files import dtype_from_name, torch_shape
 from fastckpt.store.links import is_linked_file, referenced_sources
 from fastckpt.store.locate import locate
@@ -291,6 +292,19 @@ class _Dim:
 
 
 def _normalize(key: Any, shape: Sequence[int], where: str) -> list[_Dim]:
+    """The selection ``key`` makes of a tensor of ``shape``, one :class:`_Dim` per dimension,
+    exactly as torch indexing selects: ints (negative from the end), slices with any start and
+    stop (clipped to the dimension, as Python and torch clip them) and a positive step, one
+    ``...``.
+
+    Refused the way torch refuses them, each naming ``where``: an index out of range or too
+    many indices (``IndexError``); a step of zero or below
+    (:class:`~fastckpt.errors.InvalidInputError`, a ``ValueError`` as torch raises); any other
+    kind of index (``InvalidInputError``, a ``TypeError``).
+    """
+    if isinstance(key, slice):
+        # A lone slice: torch checks its step before the tensor's dimensions.
+        _step(key, 0, where)
     items = list(key) if isinstance(key, tuple) else [key]
     if sum(item is Ellipsis for item in items) > 1:
         raise IndexError(f"{where}: an index can only have a single ellipsis ('...')")
@@ -306,15 +320,22 @@ def _normalize(key: Any, shape: Sequence[int], where: str) -> list[_Dim]:
     dims = []
     for axis, (item, size) in enumerate(zip(items, shape, strict=True)):
         if isinstance(item, (bool, np.bool_)) or not isinstance(item, (int, np.integer, slice)):
-            raise TypeError(
+            raise InvalidInputError(
                 f"{where}: dimension {axis}: index {item!r} is not supported; use integers, "
                 "slices with a positive step, and '...'"
             )
         if isinstance(item, slice):
-            start, stop, step = item.indices(size)
-            if step <= 0:
-                raise ValueError(f"{where}: dimension {axis}: step must be positive, got {step}")
-            dims.append(_Dim(start, step, len(range(start, stop, step)), True))
+            step = _step(item, axis, where)
+            try:
+                start, stop, _ = item.indices(size)
+            except TypeError as err:
+                raise InvalidInputError(
+                    f"{where}: dimension {axis}: index {item!r} is not supported ({err}); "
+                    "slice bounds must be integers or None"
+                ) from None
+            count = len(range(start, stop, step))
+            # An empty selection starts at 0: nothing is read, and no bound can wrap around.
+            dims.append(_Dim(start if count else 0, step, count, True))
             continue
         position = int(item) + (size if item < 0 else 0)
         if not 0 <= position < size:
@@ -323,6 +344,32 @@ def _normalize(key: Any, shape: Sequence[int], where: str) -> list[_Dim]:
             )
         dims.append(_Dim(position, 1, 1, False))
     return dims
+
+
+def _step(item: slice, axis: int, where: str) -> int:
+    """The step of slice ``item`` (1 when None); zero or below is refused, as torch does."""
+    if item.step is None:
+        return 1
+    try:
+        step = operator.index(item.step)
+    except TypeError:
+        raise InvalidInputError(
+            f"{where}: dimension {axis}: slice step {item.step!r} is not an integer"
+        ) from None
+    if step <= 0:
+        raise InvalidInputError(
+            f"{where}: dimension {axis}: step must be positive, got {step} (torch refuses "
+            "zero and negative steps too; flip the result with torch.flip instead)"
+        )
+    return step
+
+
+def _as_index(dim: _Dim) -> slice | int:
+    """``dim`` as a torch index of the whole tensor: the slice of its ``count`` elements (its
+    stop never below its start, so it cannot wrap around), or the integer it keeps."""
+    if not dim.keep:
+        return dim.start
+    return slice(dim.start, dim.start + dim.count * dim.step, dim.step)
 
 
 def _strides(shape: Sequence[int]) -> list[int]:
@@ -413,7 +460,11 @@ class TensorSlice:
         return self._entry.shape[0]
 
     def __getitem__(self, key: Any) -> torch.Tensor:
-        """Read the selected elements (see the module docstring for what is verified)."""
+        """Read the selected elements: exactly the shape and values ``tensor[key]`` has in
+        torch, for ints, slices (any start and stop, a positive step; empty selections
+        included) and one ``...``; what torch refuses is refused (``IndexError``, or
+        :class:`~fastckpt.errors.InvalidInputError` for a step of zero or below and for other
+        kinds of index). See the module docstring for what is verified."""
         return self._handle._read_slice(self._name, self._entry, key)
 
 
@@ -576,8 +627,9 @@ class SafeOpen:
         held = entry.torch_shape
         if held != entry.shape:  # F4: torch holds pairs of 4-bit values
             last = dims[-1]
+            # Whole: every value, in order (the step does not matter below two values).
             if not (
-                last.keep and last.start == 0 and last.step == 1 and last.count == entry.shape[-1]
+                last.keep and last.count == entry.shape[-1] and (last.step == 1 or last.count < 2)
             ):
                 raise ValueError(
                     f"{where}: {entry.dtype} packs two values per byte; slice the leading "
@@ -588,14 +640,7 @@ class SafeOpen:
         numel = math.prod(held)
         if math.prod(d.count for d in dims) == numel or (self.verify_slices and self.verify):
             whole = self._read_whole(name, entry)
-            picked = whole[
-                tuple(
-                    slice(d.start, d.start + (d.count - 1) * d.step + 1, d.step)
-                    if d.keep
-                    else d.start
-                    for d in dims
-                )
-            ]
+            picked = whole[tuple(_as_index(d) for d in dims)]
             # A part is copied out, so the whole tensor it was cut from can be freed.
             return self._to_device(picked if picked.numel() == numel else picked.clone())
         dtype = dtype_from_name(entry.dtype)

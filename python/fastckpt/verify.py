@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.files import DEFAULT_THREADS
+from fastckpt.store.backend import MAX_RECORD_BYTES, StorageBackend
 from fastckpt.store.dispatch import backend_for, use_storage_options
 from fastckpt.store.links import reference_reports as link_reports
 from fastckpt.store.locate import Kind, locate
@@ -33,11 +35,15 @@ from fastckpt.store.paths import safe_join
 from fastckpt.store.reader import FileReport, Status, check_recorded, verify_content
 from fastckpt.store.records import (
     COMMIT_RECORD,
+    MANAGER_FORMAT,
     MANIFEST,
+    MANIFEST_CRC_FIELD,
     SHARDED_DIR,
     SHARDED_RECORD,
     Manifest,
+    load_json,
     read_commit_record,
+    seal_manifest,
 )
 from fastckpt.store.refs import REFS_FILE, reference_reports
 from fastckpt.store.report import VerifyReport
@@ -88,6 +94,108 @@ def _check_recorded(
     except CheckpointFormatError as err:
         return FileReport(directory / str(relpath), "corrupt", message=str(err), index=index)
     return _check_file(path, record, source=source, index=index, threads=threads)
+
+
+# --------------------------------------------------------------------------- lone files
+
+#: The suffix of a safetensors file.
+SUFFIX = ".safetensors"
+#: The ``format`` of a sharded checkpoint record (``fastckpt.dcp.metadata.FORMAT``; not
+#: imported, that module needs torch.distributed).
+SHARDED_FORMAT = "fastckpt-dcp"
+#: Records that carry no checksum of their own: format -> (what it is, its name in place).
+_UNSEALED_RECORDS = {
+    MANAGER_FORMAT: ("a CheckpointManager commit record", COMMIT_RECORD),
+    SHARDED_FORMAT: ("a sharded checkpoint record", SHARDED_RECORD),
+}
+
+
+def _lone_content(threads: int) -> Callable[[Path], tuple[list[str], int | None]]:
+    """Check a lone file (no commit record lists it) by what its content is, whatever its
+    name: a safetensors file tensor by tensor (the value: its tensors without a checksum); a
+    save_checkpoint manifest against its own crc32c. Anything else cannot be checked: a
+    :class:`CheckpointFormatError` saying so (the file is then not ok)."""
+
+    def read(path: Path) -> tuple[list[str], int | None]:
+        store = backend_for(path)
+        size = store.stat(path).size
+        head = store.read_range(path, 0, 9) if size else b""
+        why_not = _not_safetensors(head, size)
+        if path.name.endswith(SUFFIX) or why_not is None:
+            crc, unchecked = store.verify_tensors(path, threads)
+            return unchecked, crc
+        return [], _check_record(store, path, head, size, why_not)
+
+    return read
+
+
+def _not_safetensors(head: bytes, size: int) -> str | None:
+    """Why a file of ``size`` bytes starting with ``head`` is not a safetensors file (None: it
+    has the shape of one, an 8-byte little-endian header length the file can hold followed by
+    a JSON object; its header and tensors are then checked in full)."""
+    if size < 10:
+        return f"it has {size} byte(s), fewer than the 8-byte header length and a header"
+    length = int.from_bytes(head[:8], "little")
+    if length < 2 or length > size - 8:
+        return (
+            f"its first 8 bytes, read as the header length, say {length} bytes, and the file "
+            f"holds {size}"
+        )
+    if head[8:9] != b"{":
+        return "its header does not start with '{'"
+    return None
+
+
+def _check_record(store: StorageBackend, path: Path, head: bytes, size: int, why_not: str) -> int:
+    """The whole-file crc32c of ``path`` once its content checked as a fastckpt record.
+
+    Raises:
+        CheckpointFormatError: not a record, or a record that has no checksum of its own.
+        ChecksumMismatchError: a manifest whose content differs from its own crc32c.
+    """
+    cannot = "fastckpt cannot tell what this file is, so its bytes were not verified"
+    if size > MAX_RECORD_BYTES or head.lstrip()[:1] not in (b"{", b""):
+        raise CheckpointFormatError(
+            f"{path}: not a safetensors file ({why_not}), nor a JSON fastckpt record; {cannot}"
+        )
+    data = store.read_bytes(path)
+    try:
+        document = load_json(path, data)
+    except CheckpointFormatError as err:
+        raise CheckpointFormatError(
+            f"{path}: not a safetensors file ({why_not}), nor a JSON fastckpt record ({err}); "
+            f"{cannot}"
+        ) from None
+    kind = document.get("format") if isinstance(document, dict) else None
+    if isinstance(kind, str) and kind in _UNSEALED_RECORDS:
+        what, name = _UNSEALED_RECORDS[kind]
+        raise CheckpointFormatError(
+            f"{path}: {what}, which has no checksum of its own: its bytes were not verified; "
+            f"a record is checked in its checkpoint directory, as {name}, with the files it "
+            "lists: verify that directory"
+        )
+    if not (
+        isinstance(document, dict) and kind in (None, "fastckpt") and "checkpoints" in document
+    ):
+        raise CheckpointFormatError(
+            f"{path}: not a safetensors file ({why_not}), and JSON but not a fastckpt record; "
+            f"{cannot}"
+        )
+    stored = document.get(MANIFEST_CRC_FIELD)
+    if not isinstance(stored, int) or isinstance(stored, bool):
+        raise CheckpointFormatError(
+            f"{path}: a save_checkpoint manifest without a checksum of its own (field "
+            f"{MANIFEST_CRC_FIELD!r}; older fastckpt versions wrote none): its bytes were not "
+            f"verified; verify its root, where it is {MANIFEST}"
+        )
+    actual = seal_manifest(dict(document))[MANIFEST_CRC_FIELD]
+    if actual != stored:
+        raise ChecksumMismatchError(
+            f"{path}: a save_checkpoint manifest whose content crc32c {actual:08x} differs from "
+            f"the recorded {stored:08x} (field {MANIFEST_CRC_FIELD!r}); it is corrupt or was "
+            "edited: restore it from a copy"
+        )
+    return _native.crc32c(data)
 
 
 # --------------------------------------------------------------------------- roots
@@ -207,8 +315,12 @@ def verify(
     * a :class:`fastckpt.CheckpointManager` checkpoint directory (``commit.json`` inside);
     * a sharded checkpoint directory (``fastckpt-dcp.json`` inside: :mod:`fastckpt.dcp`, a
       manager save of DTensor state); a root's indices include their sharded parts;
-    * a single ``.safetensors`` file: its header and every tensor checksum (no record to
-      compare the whole file with);
+    * a single file, told by its content whatever its name: a safetensors file (an 8-byte
+      header length and a JSON header) has its header and every tensor checksum checked (no
+      record to compare the whole file with); a ``manifest.json`` under another name is
+      checked against its own crc32c. Anything else (random bytes, text, a record without a
+      checksum of its own such as a renamed ``commit.json``) cannot be checked: its report is
+      ``corrupt``, saying so, never ``ok``;
     * ``manifest.json`` or ``commit.json`` itself (same as its directory).
 
     The manifest's own checksum is verified too. Tensor files are read completely (through
@@ -251,9 +363,9 @@ def verify(
         return VerifyReport(location.path, "sharded", _sharded_files(location.path, workers))
     _no_index(index, location.path, "a single file")
     report = VerifyReport(location.path, "file")
-    report.files.append(
-        _check_file(location.path, None, source="no record", index=None, threads=workers)
-    )
+    checked = check_recorded(location.path, None, _lone_content(workers), source="no record")
+    checked.report.unchecked_tensors = list(checked.value or [])
+    report.files.append(checked.report)
     return report
 
 
