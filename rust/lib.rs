@@ -2,11 +2,12 @@
 //! per-tensor and header crc32c checksums, and the PyO3 bindings that expose it as
 //! `fastckpt._native`.
 //!
-//! The core modules (`format`, `json`, `checksum`, `writer`, `image`, `replace`, `reader`,
+//! The core modules (`format`, `json`, `checksum`, `digest`, `writer`, `image`, `replace`, `reader`,
 //! `progress`, `error`) know nothing about Python; the bindings, and the mapping of core errors to Python
 //! exceptions, live in `py_api` and are compiled only with the `python` feature (maturin).
 
 pub mod checksum;
+pub mod digest;
 pub mod error;
 pub mod format;
 pub mod image;
@@ -24,9 +25,9 @@ mod py_api;
 mod _native {
     #[pymodule_export]
     use crate::py_api::{
-        check_mapped, crc32c, crc32c_combine, encode_header, fsync_dir, image_layout, open_regular,
-        read_header, save_file, temp_prefix, verify_file, write_bytes_atomic, write_ceiling,
-        write_image, ByteCounter,
+        check_mapped, crc32c, crc32c_combine, digests, encode_header, fsync_dir, image_layout,
+        open_regular, read_header, save_file, temp_prefix, verify_file, write_bytes_atomic,
+        write_ceiling, write_image, ByteCounter,
     };
 
     #[pymodule_export]

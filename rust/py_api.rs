@@ -13,7 +13,7 @@ use std::sync::Arc;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::error::Error;
 use crate::format::{Dtype, Header, TensorDesc};
@@ -328,6 +328,32 @@ pub fn crc32c(py: Python<'_>, data: Bound<'_, PyAny>, value: u32) -> PyResult<u3
     let crc = py.detach(|| crate::checksum::append(value, unsafe { raw.as_slice() }));
     drop(buffer);
     Ok(crc)
+}
+
+/// BLAKE3 digests (32 bytes each) of C-contiguous buffers, in order, computed on up to
+/// `threads` threads with the GIL released (no copy): the content proof incremental saves
+/// compare before they skip a tensor.
+#[pyfunction]
+#[pyo3(signature = (buffers, threads=2))]
+pub fn digests<'py>(
+    py: Python<'py>,
+    buffers: Vec<Bound<'py, PyAny>>,
+    threads: usize,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let mut held = Vec::with_capacity(buffers.len());
+    let mut raws = Vec::with_capacity(buffers.len());
+    for data in &buffers {
+        let buffer = PyBuffer::<u8>::get(data)?;
+        raws.push(RawBytes::of(&buffer, "digest input")?);
+        held.push(buffer);
+    }
+    let values = py.detach(|| {
+        // SAFETY: `held` keeps every exporter alive and pinned until this function returns.
+        let inputs: Vec<&[u8]> = raws.iter().map(|raw| unsafe { raw.as_slice() }).collect();
+        crate::digest::digest_all(&inputs, threads)
+    });
+    drop(held);
+    Ok(values.iter().map(|v| PyBytes::new(py, v)).collect())
 }
 
 /// crc32c of the concatenation A + B from `crc32c(A)`, `crc32c(B)` and `len(B)`.

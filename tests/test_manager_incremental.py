@@ -190,7 +190,9 @@ def test_mark_frozen_skips_the_version_check(tmp_path: Path) -> None:
     assert _referenced(tmp_path / "b") == {"0.weight", "0.bias", "1.bias"}
 
 
-def test_async_capture_does_not_stage_unchanged_tensors(tmp_path: Path) -> None:
+def test_async_capture_stages_everything_and_links_what_the_staged_digest_proves(
+    tmp_path: Path,
+) -> None:
     model = _model()
     with _async() as manager:
         _save(manager, tmp_path / "a", {"model": model})
@@ -205,8 +207,9 @@ def test_async_capture_does_not_stage_unchanged_tensors(tmp_path: Path) -> None:
             _linear(model, 0).weight.add_(1)
         assert future is not None
         future.result()
-        # Only the changed tensor was copied into staging memory.
-        assert manager._stager.nbytes == _linear(model, 1).weight.numel() * 4 < full
+        # Every tensor was staged (the digest proving "unchanged" is of the staged copy,
+        # taken off the training thread); the live edits after the capture do not matter.
+        assert manager._stager.nbytes == full
         loaded = manager.load(tmp_path / "b")["model"]
     _assert_bitwise(loaded, expected)
     assert _referenced(tmp_path / "b") == {"0.weight", "0.bias", "1.bias"}

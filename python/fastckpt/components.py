@@ -280,6 +280,9 @@ def write_snapshot(
     if index < 0:
         raise ValueError(f"checkpoint_index must be -1 or >= 0, got {checkpoint_index}")
     plan_incremental(root, snapshot)
+    if snapshot.plan is not None:
+        # The content proof: digests of the bytes about to be written (outside the lock).
+        incremental.confirm(snapshot.plan, snapshot.tensor_files)
     start = time.perf_counter()
     writer = IndexWriter(root, None if checkpoint_index == -1 else index, lock_timeout=lock_timeout)
     index = writer.index

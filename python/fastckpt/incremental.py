@@ -1,22 +1,29 @@
 """Incremental saves: which tensors are unchanged since the last save into a root.
 
-Knowing that a tensor is unchanged must not cost a read of it. torch already tracks what is
-needed: every in-place write to a tensor (``add_``, ``copy_``, an optimizer step,
-``load_state_dict``) bumps its version counter (``tensor._version``), which its views and
-``detach()``-ed aliases (what ``state_dict()`` returns) share; assigning ``param.data = t``
-swaps its storage. So each save records, per tensor (file + name), a *fingerprint*: storage
-address and size, storage offset, shape, stride, dtype, device and version counter, together
-with where its bytes went (index, file, crc32c). At the next save into the same root a tensor
-whose fingerprint is identical is recorded as a reference to those bytes
-(:mod:`fastckpt.store.refs`) instead of being written again. Anything else, a new tensor at
-the key, a different storage, a bumped version, is written. When in doubt, write.
+A tensor is skipped only when it is *proven* unchanged: its bytes have the same 256-bit
+BLAKE3 digest (:func:`digest_tensors`, Rust threads, GIL released) as the bytes the last
+save wrote or referenced for it. torch's version counter (``tensor._version``) cannot prove
+that: fused and foreach optimizers (``Adam(fused=True)``...), writes through ``.data``, numpy
+views, DLPack, ``untyped_storage()`` or ctypes change the bytes without moving it. So the
+counter is used only the other way round, as a cheap *changed* signal:
 
-One case torch cannot see: writing through ``param.data`` (``p.data.add_(x)``) does not bump
-``p``'s version counter, because ``.data`` is a new alias with its own counter. Code that does
-that must pass ``incremental=False`` (or call :func:`forget`).
+* each save records, per tensor (file + name), a *fingerprint* (storage address and size,
+  storage offset, shape, stride, dtype, device and version counter) and the digest of what
+  it saved, with where its bytes went (index, file, crc32c);
+* at the next save, a tensor whose fingerprint differs (moved counter, new storage, new
+  layout, a new tensor at the key) is written without a digest comparison;
+* a tensor whose fingerprint is identical is a *candidate*: it is staged like any other,
+  and just before the write (:func:`confirm`) the digest of the staged bytes is compared
+  with the recorded one; equal, it becomes a reference to the bytes on disk
+  (:mod:`fastckpt.store.refs`), otherwise it is written.
 
-Tensors the caller marks with :func:`mark_frozen` skip the version check: they are taken as
-unchanged while they keep their storage and layout.
+Every written tensor's digest is computed in the same step (what the next save compares
+with), so each save reads every tensor's bytes once more in memory: the price of soundness,
+measured in docs/incremental.md. The disk writes saved are unchanged.
+
+Tensors the caller marks with :func:`mark_frozen` are the documented opt-in to trust
+without proof: while they keep their storage and layout they are referenced without a
+digest comparison, whatever their bytes.
 
 The tracker lives in this process, keyed by the root's absolute path; a new process starts
 with a full save.
@@ -27,23 +34,60 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fastckpt import _native
+from fastckpt.files import byte_view, host_tensor
 from fastckpt.store.dispatch import backend_for, display_path, is_local, is_object_url
 from fastckpt.store.records import Manifest, tensor_reference
 from fastckpt.store.refs import REFS_FILE, Reference, index_references, matches, source_path
 
-__all__ = ["Plan", "forget", "is_frozen", "mark_frozen", "plan", "record_saved"]
+__all__ = [
+    "Plan",
+    "Tracked",
+    "confirm",
+    "digest_tensors",
+    "forget",
+    "is_frozen",
+    "mark_frozen",
+    "plan",
+    "record_saved",
+]
 
 Fingerprint = tuple[Any, ...]
-#: A fingerprint and the storage it was taken of. Holding the storage keeps its address from
-#: being reused by a new tensor (which would otherwise look like the same one).
-Tracked = tuple[Fingerprint, Any]
+
+#: Threads that compute digests (memory-bound: a few are enough).
+DIGEST_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+@dataclass
+class Tracked:
+    """What a save knows of one tensor it saved.
+
+    Attributes:
+        fingerprint: :func:`fingerprint` of the live tensor, taken before it was staged.
+        storage: the live tensor's storage; holding it keeps its address from being reused
+            by a new tensor (which would otherwise look like the same one).
+        digest: BLAKE3 of the bytes saved (None until :func:`confirm` computed it; a
+            tracked tensor without one is never referenced).
+    """
+
+    fingerprint: Fingerprint
+    storage: Any
+    digest: bytes | None = None
+
+
+def digest_tensors(tensors: Sequence[torch.Tensor]) -> list[bytes]:
+    """The BLAKE3 digest of each tensor's bytes as a file would hold them (contiguous, on
+    the host; device tensors are copied to the host first), in order."""
+    hosts = [host_tensor("digest input", tensor) for tensor in tensors]
+    return _native.digests([byte_view(host) for host in hosts], DIGEST_THREADS)
+
 
 _LOCK = threading.Lock()
 #: root -> {(relpath, name): (fingerprint, reference to the bytes on disk)}
@@ -59,11 +103,12 @@ def _key(root: str | os.PathLike[str]) -> str:
 
 
 def mark_frozen(*tensors: torch.Tensor | torch.nn.Module) -> None:
-    """Declare tensors (or all parameters and buffers of modules) frozen: incremental saves
-    take them as unchanged while they keep their storage and layout, whatever their version
-    counter says. Use it for weights written through ``.data`` that you know do not change;
-    a tensor that does change after this must be unmarked (:func:`forget` the root or save
-    with ``incremental=False``)."""
+    """Promise that tensors (or all parameters and buffers of modules) never change: while
+    they keep their storage and layout, incremental saves reference them without comparing
+    their digest (no read of their bytes), whatever their version counter says. This is the
+    one case where fastckpt trusts instead of proving: a marked tensor whose bytes do change
+    is saved with its old bytes. To undo it, :func:`forget` the root or save with
+    ``incremental=False``."""
     for item in tensors:
         if isinstance(item, torch.nn.Module):
             mark_frozen(*item.parameters(), *item.buffers())
@@ -125,18 +170,28 @@ class Plan:
     """What an incremental save writes and references.
 
     Attributes:
-        refs: relpath -> {tensor name: reference} of the tensors not written.
-        live: relpath -> {tensor name: live tensor} of the referenced tensors (written after
-            all if the referenced bytes went away before the commit and the tensor is still
-            unchanged).
-        fingerprints: relpath -> {tensor name: fingerprint} of the tensors written (taken
-            before they are copied, so they can only be older than the bytes written).
+        candidates: relpath -> {tensor name: (tracked now, tracked at the last save,
+            reference to its bytes)} of the tensors whose fingerprint did not change: still
+            in the snapshot (staged like the others) until :func:`confirm` compares digests.
+        refs: relpath -> {tensor name: reference} of the tensors not written (filled by
+            :func:`confirm`).
+        live: relpath -> {tensor name: tensor} of the referenced tensors, as they were
+            confirmed (written after all if the referenced bytes went away before the
+            commit).
+        fingerprints: relpath -> {tensor name: tracked} of the tensors written (fingerprint
+            taken before they were staged, digest of the bytes written).
+        referenced: relpath -> {tensor name: tracked} of the referenced tensors.
+        confirmed: whether :func:`confirm` ran.
     """
 
+    candidates: dict[str, dict[str, tuple[Tracked, Tracked, Reference]]] = field(
+        default_factory=dict
+    )
     refs: dict[str, dict[str, Reference]] = field(default_factory=dict)
     live: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     fingerprints: dict[str, dict[str, Tracked]] = field(default_factory=dict)
     referenced: dict[str, dict[str, Tracked]] = field(default_factory=dict)
+    confirmed: bool = False
 
     @property
     def referenced_bytes(self) -> int:
@@ -145,27 +200,82 @@ class Plan:
 
 
 def plan(root: str | os.PathLike[str], tensor_files: dict[str, dict[str, torch.Tensor]]) -> Plan:
-    """Split ``tensor_files`` (live tensors) into what to write and what to reference: the
-    unchanged tensors are removed from ``tensor_files`` (in place) and listed in the plan
-    (on an object store they are copied by the store instead: :mod:`fastckpt.store.s3copy`)."""
+    """Fingerprint the live tensors of ``tensor_files`` before they are staged, and list
+    as candidates those whose fingerprint equals the last save's into ``root``. Nothing is
+    taken out of ``tensor_files`` yet: :func:`confirm` does that once the digests of the
+    bytes to write are known."""
     result = Plan()
     with _LOCK:
         known = dict(_TRACKERS.get(_key(root), {}))
     for relpath, tensors in tensor_files.items():
-        for name in list(tensors):
-            tensor = tensors[name]
+        for name, tensor in tensors.items():
             print_ = fingerprint(tensor) if isinstance(tensor, torch.Tensor) else None
             if print_ is None:
                 continue
+            tracked = Tracked(print_, tensor.untyped_storage())
             previous = known.get((relpath, name))
-            tracked = (print_, tensor.untyped_storage())
-            if previous is not None and previous[0][0] == print_:
-                result.refs.setdefault(relpath, {})[name] = previous[1]
-                result.live.setdefault(relpath, {})[name] = tensors.pop(name)
-                result.referenced.setdefault(relpath, {})[name] = previous[0]
+            if previous is not None and previous[0].fingerprint == print_:
+                result.candidates.setdefault(relpath, {})[name] = (tracked, *previous)
             else:
                 result.fingerprints.setdefault(relpath, {})[name] = tracked
     return result
+
+
+def confirm(result: Plan, tensor_files: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Just before writing ``tensor_files`` (the tensors as they will be written: staged
+    copies for an async save): compute the digest of every tracked tensor, reference the
+    candidates whose digest equals the one recorded at the last save (taken out of
+    ``tensor_files``, in place) and leave the others to be written. Frozen candidates
+    (:func:`mark_frozen`) are referenced without a comparison. Idempotent."""
+    if result.confirmed:
+        return
+    result.confirmed = True
+    keys = [
+        (relpath, name)
+        for relpath, names in result.fingerprints.items()
+        for name in names
+        if name in tensor_files.get(relpath, {})
+    ]
+    keys += [
+        (relpath, name)
+        for relpath, pending in result.candidates.items()
+        for name, (now, _, _) in pending.items()
+        if not _is_frozen_print(now.fingerprint) and name in tensor_files.get(relpath, {})
+    ]
+    hosts = [
+        host_tensor(f"{relpath}:{name}", tensor_files[relpath][name]) for relpath, name in keys
+    ]
+    values = _native.digests([byte_view(host) for host in hosts], DIGEST_THREADS)
+    digests = dict(zip(keys, values, strict=True))
+    for (relpath, name), host in zip(keys, hosts, strict=True):
+        original = tensor_files[relpath][name]
+        if original.device.type != "cpu":
+            tensor_files[relpath][name] = host  # copied to the host once, written from there
+    for relpath, written in result.fingerprints.items():
+        for name, seen in written.items():
+            seen.digest = digests.get((relpath, name))
+    for relpath, pending in result.candidates.items():
+        for name, (tracked, previous, ref) in pending.items():
+            tensors = tensor_files.get(relpath, {})
+            if name not in tensors:
+                continue
+            if _is_frozen_print(tracked.fingerprint):
+                tracked.digest = previous.digest
+                same = True
+            else:
+                tracked.digest = digests[(relpath, name)]
+                same = previous.digest is not None and tracked.digest == previous.digest
+            if same:
+                result.refs.setdefault(relpath, {})[name] = ref
+                result.live.setdefault(relpath, {})[name] = tensors.pop(name)
+                result.referenced.setdefault(relpath, {})[name] = tracked
+            else:
+                result.fingerprints.setdefault(relpath, {})[name] = tracked
+    result.candidates = {}
+
+
+def _is_frozen_print(print_: Fingerprint) -> bool:
+    return print_[-1] == "frozen"
 
 
 def check_plan(
@@ -173,13 +283,8 @@ def check_plan(
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Under the root's lock, before writing index ``replacing``: drop references whose bytes
     are no longer where they were (the root was pruned by another process, deleted and
-    recreated, or the index replaced) or are in ``replacing`` itself. Returns the live
-    tensors to write instead, which must still be unchanged.
-
-    Raises:
-        RuntimeError: a referenced tensor changed since it was planned and its old bytes are
-            gone (cannot happen unless the state is mutated during an async capture).
-    """
+    recreated, or the index replaced) or are in ``replacing`` itself. Returns the confirmed
+    tensors to write instead (the very bytes whose digest was compared)."""
     restore: dict[str, dict[str, torch.Tensor]] = {}
     # Most references of a save point into the same few files: check each file once.
     there: dict[tuple[int, str, int, int], bool] = {}
@@ -193,11 +298,6 @@ def check_plan(
             tensor = result.live[relpath].pop(name)
             tracked = result.referenced[relpath].pop(name)
             del names[name]
-            if fingerprint(tensor) != tracked[0]:
-                raise RuntimeError(
-                    f"{relpath}:{name} was referenced but its bytes are gone and the tensor "
-                    "changed meanwhile; save again"
-                )
             result.fingerprints.setdefault(relpath, {})[name] = tracked
             restore.setdefault(relpath, {})[name] = tensor
         if not names:
@@ -243,12 +343,12 @@ def record_saved(
         if record is None:
             continue
         header = backend.read_header(Path(root) / str(index) / relpath)["tensors"]
-        for name, fingerprint_and_storage in prints.items():
+        for name, seen in prints.items():
             info = header.get(name)
             if info is None or info["crc32c"] is None:
                 continue
             tracked[(relpath, name)] = (
-                fingerprint_and_storage,
+                seen,
                 {
                     "index": index,
                     **tensor_reference(relpath, name, info),
@@ -261,7 +361,12 @@ def record_saved(
     for relpath, names in result.refs.items():
         for name in names:
             if (relpath, name) in previous and (relpath, name) not in tracked:
-                tracked[(relpath, name)] = previous[(relpath, name)]
+                # Its bytes are still where the last save put them; what it is now (the
+                # same fingerprint and digest, the live storage) is what the next save sees.
+                tracked[(relpath, name)] = (
+                    result.referenced[relpath][name],
+                    previous[(relpath, name)][1],
+                )
     with _LOCK:
         _TRACKERS[_key(root)] = tracked
 

@@ -8,16 +8,17 @@ staging directory before it is committed (see :mod:`fastckpt.store.links` for th
 every checkpoint is self-contained by name, and deleting the previous one frees only what no
 later checkpoint links.
 
-Unchanged is decided without reading a byte, by :func:`fastckpt.incremental.fingerprint`
-(same storage, layout and version counter since the previous save; :func:`mark_frozen`
-honored): an in-place edit, an optimizer step, ``load_state_dict``, ``.data`` assignment or
-a new tensor at the key are written. The decision is taken when the state is captured (for
-async saves: under :meth:`~fastckpt.CheckpointManager.lock`, and unchanged tensors are not
-even copied into staging memory), and the files to link are opened then, so the bytes stay
-reachable whatever happens to the previous checkpoint before the write. Where a link cannot
-be made (another filesystem, links refused) the referenced tensors are read back from the
-open file, checked against their crc32c, and written in full. The tracker moves on only once
-the checkpoint is committed.
+Unchanged is *proven*, as for roots (:mod:`fastckpt.incremental`): a tensor whose
+fingerprint (storage, layout, version counter) moved is written; one whose fingerprint did
+not is a candidate, staged like the others, and is linked only if the BLAKE3 digest of the
+staged bytes equals the digest of what the previous save wrote (:meth:`LinkPlan.confirm`,
+just before the write); :func:`mark_frozen` tensors are trusted without the comparison. The
+candidates are chosen when the state is captured (for async saves: under
+:meth:`~fastckpt.CheckpointManager.lock`), and the base files holding them are opened then,
+so the bytes stay reachable whatever happens to the previous checkpoint before the write.
+Where a link cannot be made (another filesystem, links refused) the referenced tensors are
+read back from the open file, checked against their crc32c, and written in full. The
+tracker moves on only once the checkpoint is committed.
 
 On an object store (``s3://`` ids) there are no links: the unchanged tensors are copied by the
 store from the previous checkpoint's object into the new one (:mod:`fastckpt.store.s3copy`),
@@ -43,8 +44,9 @@ from typing import Any
 
 import torch
 
-from fastckpt.files import read_metadata, read_tensors
-from fastckpt.incremental import Tracked, fingerprint
+from fastckpt import _native
+from fastckpt.files import byte_view, host_tensor, read_metadata, read_tensors
+from fastckpt.incremental import DIGEST_THREADS, Tracked, fingerprint
 from fastckpt.store.backend import CopySource, LocalStaging
 from fastckpt.store.commit import DirectoryWriter
 from fastckpt.store.dispatch import backend_for, is_object_url
@@ -95,13 +97,21 @@ class LinkPlan:
 
     Attributes:
         base: the checkpoint referenced (None: a full save that is still tracked).
-        refs: item -> tensor name -> reference into ``base`` (``file`` is a relpath of base).
-        written: item -> tensor name -> fingerprint of the tensors written (taken at capture).
-        referenced: item -> tensor name -> fingerprint of the tensors referenced.
+        candidates: item -> tensor name -> (tracked now, tracked at the previous save,
+            reference into ``base``) of the tensors whose fingerprint did not move: still in
+            the state (staged like the others) until :meth:`confirm` compares digests.
+        refs: item -> tensor name -> reference into ``base`` (``file`` is a relpath of base),
+            filled by :meth:`confirm`.
+        written: item -> tensor name -> tracked state of the tensors written (fingerprint at
+            capture, digest of the bytes written).
+        referenced: item -> tensor name -> tracked state of the tensors referenced.
         sources: relpath of base -> the opened file.
     """
 
     base: SavedCheckpoint | None = None
+    candidates: dict[str, dict[str, tuple[Tracked, Tracked, Reference]]] = field(
+        default_factory=dict
+    )
     refs: dict[str, dict[str, Reference]] = field(default_factory=dict)
     written: dict[str, dict[str, Tracked]] = field(default_factory=dict)
     referenced: dict[str, dict[str, Tracked]] = field(default_factory=dict)
@@ -116,6 +126,51 @@ class LinkPlan:
     def referenced_bytes(self) -> int:
         """Bytes this save does not write."""
         return sum(ref["nbytes"] for names in self.refs.values() for ref in names.values())
+
+    def confirm(self, groups: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Just before the write, with ``groups`` holding the tensors as they will be
+        written (staged copies for an async save): compute the digest of every tracked
+        tensor; a candidate whose digest equals the previous save's is taken out of
+        ``groups`` (in place) and referenced, the others are written. Frozen candidates are
+        referenced without a comparison. Idempotent."""
+        keys = [
+            (key, name)
+            for key, names in self.written.items()
+            for name in names
+            if name in groups.get(key, {})
+        ]
+        keys += [
+            (key, name)
+            for key, pending in self.candidates.items()
+            for name, (now, _, _) in pending.items()
+            if now.fingerprint[-1] != "frozen" and name in groups.get(key, {})
+        ]
+        hosts = [host_tensor(f"{key}:{name}", groups[key][name]) for key, name in keys]
+        values = _native.digests([byte_view(host) for host in hosts], DIGEST_THREADS)
+        digests = dict(zip(keys, values, strict=True))
+        for (key, name), host in zip(keys, hosts, strict=True):
+            if groups[key][name].device.type != "cpu":
+                groups[key][name] = host  # copied to the host once, written from there
+        for key, written in self.written.items():
+            for name, seen in written.items():
+                seen.digest = digests.get((key, name), seen.digest)
+        for key, pending in self.candidates.items():
+            for name, (tracked, previous, ref) in pending.items():
+                if name not in groups.get(key, {}):
+                    continue
+                if tracked.fingerprint[-1] == "frozen":
+                    tracked.digest = previous.digest
+                    same = True
+                else:
+                    tracked.digest = digests[(key, name)]
+                    same = previous.digest is not None and tracked.digest == previous.digest
+                if same:
+                    self.refs.setdefault(key, {})[name] = dict(ref)
+                    self.referenced.setdefault(key, {})[name] = tracked
+                    del groups[key][name]
+                else:
+                    self.written.setdefault(key, {})[name] = tracked
+        self.candidates = {}
 
     def close(self) -> None:
         """Close the base files opened at capture (idempotent)."""
@@ -283,45 +338,45 @@ class Tracker:
         base: str | os.PathLike[str] | None,
         groups: dict[str, dict[str, torch.Tensor]],
     ) -> LinkPlan:
-        """At capture: take the unchanged tensors out of ``groups`` (in place) and open the
-        base files holding them; fingerprint the others (before they are staged)."""
+        """At capture, before anything is staged: fingerprint every tensor of ``groups``,
+        list as candidates those whose fingerprint equals the previous save's and open the
+        base files holding them (:meth:`LinkPlan.confirm` decides at the write)."""
         plan = LinkPlan(base=self.base_for(path, base))
         known = {} if plan.base is None else plan.base.tensors
-        candidates: dict[str, dict[str, tuple[Tracked, Reference]]] = {}
+        candidates: dict[str, dict[str, tuple[Tracked, Tracked, Reference]]] = {}
         for key, tensors in groups.items():
             for name, tensor in tensors.items():
                 print_ = fingerprint(tensor) if isinstance(tensor, torch.Tensor) else None
                 if print_ is None:
                     continue
                 previous = known.get((key, name))
-                if previous is not None and previous[0][0] == print_:
-                    candidates.setdefault(key, {})[name] = previous
+                tracked = Tracked(print_, tensor.untyped_storage())
+                if previous is not None and previous[0].fingerprint == print_:
+                    candidates.setdefault(key, {})[name] = (tracked, *previous)
                 else:
-                    plan.written.setdefault(key, {})[name] = (print_, tensor.untyped_storage())
+                    plan.written.setdefault(key, {})[name] = tracked
         try:
             usable = self._open_sources(plan, candidates)
         except BaseException:
             plan.close()
             raise
-        for key, names in candidates.items():
-            for name, (tracked, ref) in names.items():
+        for key, pending in candidates.items():
+            for name, (now, before, ref) in pending.items():
                 if ref["file"] in usable:
-                    plan.refs.setdefault(key, {})[name] = dict(ref)
-                    plan.referenced.setdefault(key, {})[name] = tracked
-                    del groups[key][name]
+                    plan.candidates.setdefault(key, {})[name] = (now, before, ref)
                 else:
-                    plan.written.setdefault(key, {})[name] = tracked
+                    plan.written.setdefault(key, {})[name] = now
         return plan
 
     @staticmethod
     def _open_sources(
-        plan: LinkPlan, candidates: Mapping[str, Mapping[str, tuple[Tracked, Reference]]]
+        plan: LinkPlan, candidates: Mapping[str, Mapping[str, tuple[Tracked, Tracked, Reference]]]
     ) -> set[str]:
         """Open the base files the candidates are in; those still as committed are usable."""
         base = plan.base
         if base is None:
             return set()
-        needed = {ref["file"] for names in candidates.values() for _, ref in names.values()}
+        needed = {ref["file"] for names in candidates.values() for _, _, ref in names.values()}
         usable = set()
         for relpath in sorted(needed):
             record, identity = base.files[relpath]
