@@ -360,8 +360,8 @@ class CheckpointManager:
             self._tracker.forget()
 
         def plan() -> None:
-            # Unchanged tensors leave the snapshot here (never staged); the others are
-            # fingerprinted before they are copied.
+            # Every tensor is fingerprinted before it is copied; those whose fingerprint
+            # did not move are candidates, linked at the write if their digest matches.
             if incremental:
                 snapshot.plan = self._tracker.plan(path, base, snapshot.tensors)
 
@@ -516,6 +516,9 @@ class CheckpointManager:
         plan = snapshot.plan
         refs: dict[str, dict[str, Reference]] = {}
         try:
+            if plan is not None:
+                # The content proof: digests of the bytes about to be written.
+                plan.confirm(snapshot.tensors)
             for key, skeleton in snapshot.skeletons.items():
                 if plan is not None:
                     # The hard links first: a file that cannot be linked adds its tensors
