@@ -275,3 +275,20 @@ def test_a_resumed_strategy_with_fused_adamw_holds_the_weights_of_its_step(
         step = resumed.step_count
         weights = resumed.models["main"].state_dict()
         _assert_same_tree(weights, seen[step], f"index {row['index']} (step {step})")
+
+
+def test_mark_frozen_is_the_one_opt_in_to_trust(tmp_path: Path) -> None:
+    """Documented: a marked tensor is referenced without reading its bytes, so a change the
+    counter does not see is not saved (the caller promised there would be none); an
+    unmarked neighbour changed the same way is saved."""
+    torch.manual_seed(0)
+    model = Pair()
+    fastckpt.mark_frozen(model.still.weight)
+    fastckpt.save_checkpoint(tmp_path, models={"m": (model, None)})
+    before = model.still.weight.detach().clone()
+    model.still.weight.detach().numpy()[0, 0] += 1.0  # breaks the promise
+    model.moving.weight.detach().numpy()[0, 0] += 1.0
+    index = fastckpt.save_checkpoint(tmp_path, models={"m": (model, None)})
+    loaded = fastckpt.load_checkpoint(tmp_path, index)["models"]["m"]["model"].state_dict()
+    assert torch.equal(loaded["still.weight"], before)
+    assert torch.equal(loaded["moving.weight"], model.moving.weight)
