@@ -686,3 +686,36 @@ def test_commit_records_round_trip_and_refuse_bad_fields(tmp_path: Path) -> None
     (tmp_path / "commit.json").write_bytes(b'{"format": "fastckpt-manager", "format": "x"}')
     with pytest.raises(CheckpointFormatError, match="duplicate key"):
         read_commit_record(tmp_path)
+
+
+def _flip_a_tensor_bit(path: Path) -> None:
+    """Flip one bit in the middle of the tensor data of a safetensors file (in place)."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    data[(start + len(data)) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_prune_never_deletes_the_newest_index_that_verifies(tmp_path: Path) -> None:
+    """keep_last counts on the kept indices being good: when the newest ones fail their
+    checksums, the newest index that still verifies is kept too; when none verifies, nothing
+    is deleted; once a good index is kept again, pruning resumes as asked."""
+    root = tmp_path / "root"
+    saved = [trained(seed) for seed in (1, 2, 3)]
+    for state in saved:
+        save_at(root, state, -1)
+    for index in (1, 2):  # rotten after they were committed
+        _flip_a_tensor_bit(root / str(index) / "models" / "main.safetensors")
+    assert prune(root, keep_last=1) == [1]
+    assert sorted(Manifest.load(root).entries) == [0, 2]
+    assert_same(states(saved[0]), loaded_states(load_checkpoint(root, 0)))
+
+    _flip_a_tensor_bit(root / "0" / "models" / "main.safetensors")
+    assert prune(root, keep_last=1) == []  # nothing verifies: nothing is deleted
+    assert sorted(Manifest.load(root).entries) == [0, 2]
+
+    good = trained(4)
+    save_at(root, good, -1)
+    assert prune(root, keep_last=1) == [0, 2]
+    assert verify(root).ok
+    assert_same(states(good), loaded_states(load_checkpoint(root)))

@@ -78,27 +78,32 @@ Send = Callable[[str], None]
 
 
 class CrashNet(nn.Module):
-    """The model the children train: two linear layers and a marker buffer."""
+    """The model the children train: two linear layers and a marker buffer (and, with
+    ``frozen`` > 0, a buffer of that many floats that training never changes: incremental
+    saves reference it in the first index a process saved)."""
 
-    def __init__(self, width: int = WIDTH, hidden: int = HIDDEN) -> None:
-        """Build it (``width`` inputs/outputs, ``hidden`` units)."""
+    def __init__(self, width: int = WIDTH, hidden: int = HIDDEN, frozen: int = 0) -> None:
+        """Build it (``width`` inputs/outputs, ``hidden`` units, ``frozen`` constant floats)."""
         super().__init__()
         self.width = width
         self.hidden = hidden
         self.inp = nn.Linear(width, hidden)
         self.out = nn.Linear(hidden, width)
         self.register_buffer("marker", torch.zeros(4))
+        if frozen:
+            values = torch.arange(frozen, dtype=torch.float32).remainder_(997).div_(997)
+            self.register_buffer("frozen", values)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Compute the output."""
         return self.out(torch.tanh(self.inp(x)))
 
 
-def fresh_state() -> tuple[CrashNet, torch.optim.Optimizer]:
-    """The deterministic starting point (iteration -1)."""
+def fresh_state(frozen: int = 0) -> tuple[CrashNet, torch.optim.Optimizer]:
+    """The deterministic starting point (iteration -1); ``frozen``: see :class:`CrashNet`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = CrashNet()
+        model = CrashNet(frozen=frozen)
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
@@ -214,13 +219,14 @@ def difference(expected: Any, actual: Any, path: str = "") -> str | None:
 class Reference:
     """Replays the children's training in this process: the state after each iteration."""
 
-    def __init__(self, keep: int = 16) -> None:
-        """Start from :func:`fresh_state`, caching the last ``keep`` states."""
+    def __init__(self, keep: int = 16, frozen: int = 0) -> None:
+        """Start from :func:`fresh_state` (with ``frozen``), caching the last ``keep`` states."""
         self.keep = keep
+        self.frozen = frozen
         self._reset()
 
     def _reset(self) -> None:
-        self.model, self.optimizer = fresh_state()
+        self.model, self.optimizer = fresh_state(self.frozen)
         self.n = -1
         self.cache: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
 
@@ -479,6 +485,79 @@ def replace_index_and_die(root: str, index: int, conn: Connection) -> None:
 
     writer.commit = swap_then_die  # type: ignore[method-assign]
     writer.commit_entry({"created": "", "counters": {}, "components": {}, "associations": {}})
+
+
+#: Floats of the frozen buffer of the prune children (256 KiB, referenced by later saves).
+PRUNE_FROZEN = 64 * 1024
+
+
+class MutationCounter:
+    """Counts the filesystem mutations this process makes (links, renames, unlinks, rmdirs,
+    mkdirs, directory fsyncs and commit-record writes) once :meth:`arm` was called, and
+    SIGKILLs the process right before mutation number ``kill_at`` (0: never).
+
+    Installed by patching the functions every store operation goes through (``os``'s, the
+    Rust core's ``fsync_dir`` and the local backend's ``put_record``), so every step of a
+    prune, including each file its directory deletions remove, is a kill point."""
+
+    def __init__(self, kill_at: int) -> None:
+        """Patch the functions (counting starts at :meth:`arm`)."""
+        from fastckpt import _native
+        from fastckpt.store.backend import LocalFileSystem
+
+        self.kill_at = kill_at
+        self.count = 0
+        self.armed = False
+        for owner, name in (
+            (os, "link"),
+            (os, "rename"),
+            (os, "replace"),
+            (os, "unlink"),
+            (os, "rmdir"),
+            (os, "mkdir"),
+            (_native, "fsync_dir"),
+            (LocalFileSystem, "put_record"),
+        ):
+            setattr(owner, name, self._wrap(getattr(owner, name)))
+
+    def _wrap(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.armed:
+                self.count += 1
+                if self.count == self.kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return function(*args, **kwargs)
+
+        return counted
+
+    def arm(self) -> None:
+        """Start counting (and killing)."""
+        self.armed = True
+
+
+def prune_at_kill_point(root: str, kill_at: int, conn: Connection) -> None:
+    """Child of the prune kill-point test: four incremental saves (iterations 0-3 as indices
+    0-3; the later three reference index 0's frozen buffer), then ``prune(root, 2)`` (index 0
+    goes, its bytes kept as ``.ref-0``, and index 1), SIGKILLed right before its filesystem
+    mutation number ``kill_at`` (see :class:`MutationCounter`). Sends the number of mutations
+    the prune made when it was not killed."""
+    from fastckpt import create_model_spec, prune, save_checkpoint
+
+    torch.set_num_threads(1)
+    counter = MutationCounter(kill_at)
+    model, optimizer = fresh_state(PRUNE_FROZEN)
+    spec = create_model_spec(CrashNet, width=WIDTH, hidden=HIDDEN, frozen=PRUNE_FROZEN)
+    for n in range(4):
+        advance(model, optimizer, n)
+        save_checkpoint(
+            root,
+            models={"main": (model, spec)},
+            optimizers={"adam": (optimizer, None)},
+            counters={"n": n},
+        )
+    counter.arm()
+    prune(root, keep_last=2)
+    conn.send(counter.count)
 
 
 def start(target: Callable[..., None], *args: Any) -> tuple[Any, Connection]:

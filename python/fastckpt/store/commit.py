@@ -42,8 +42,9 @@ from fastckpt.store.backend import (
     make_dirs,
 )
 from fastckpt.store.backend import _sibling as temp_sibling
-from fastckpt.store.dispatch import backend_for, is_local
+from fastckpt.store.dispatch import backend_for, display_path, is_local
 from fastckpt.store.lock import RootLock
+from fastckpt.store.reader import check_recorded, verify_content
 from fastckpt.store.records import (
     COMMIT_RECORD,
     GENERATION_PREFIX,
@@ -53,7 +54,14 @@ from fastckpt.store.records import (
     new_generation,
 )
 
-__all__ = ["DirectoryWriter", "IndexWriter", "RootLock", "clean_leftovers", "prune_indices"]
+__all__ = [
+    "DirectoryWriter",
+    "IndexWriter",
+    "RootLock",
+    "clean_leftovers",
+    "index_intact",
+    "prune_indices",
+]
 
 _LOG = logging.getLogger(__name__)
 #: Threads writing an index's JSON documents next to its tensor files.
@@ -455,7 +463,7 @@ def clean_leftovers(root: Path) -> list[str]:
                 # reference aside: finish it.
                 refs.retain_for_references(root, int(name))
             else:
-                backend.delete(child)
+                refs.remove_directory(root, child)
         else:
             continue
         removed.append(name)
@@ -512,6 +520,11 @@ def prune_indices(root: Path, keep_last: int, *, lock_timeout: float | None = No
     inside the root, what it points to; a target outside the root is left alone (logged).
     Returns the deleted indices.
 
+    The newest index that verifies is never deleted: the kept indices are verified newest
+    first (every file against the manifest, every tensor and reference; normally only the
+    latest is read), and when none of them verifies, the newest doomed index that does is
+    kept too (a warning names the damaged ones). When no index verifies, nothing is deleted.
+
     Args:
         root: the checkpoint root.
         keep_last: how many of the newest indices to keep (>= 1).
@@ -530,6 +543,8 @@ def prune_indices(root: Path, keep_last: int, *, lock_timeout: float | None = No
     with backend.lock(root, timeout=lock_timeout):
         manifest = Manifest.load(root)
         doomed = sorted(manifest.entries)[:-keep_last]
+        if doomed:
+            doomed = _spare_newest_intact(manifest, doomed)
         if not doomed:
             return []
         # Bytes a kept (incremental) index references outlive their pruned index, renamed
@@ -551,6 +566,62 @@ def prune_indices(root: Path, keep_last: int, *, lock_timeout: float | None = No
         if is_local(backend):
             refs.collect_garbage(root, referenced - set(manifest.entries))
     return doomed
+
+
+#: Threads checking an index's tensors before a prune deletes anything.
+_VERIFY_THREADS = 4
+
+
+def index_intact(manifest: Manifest, index: int, *, threads: int = _VERIFY_THREADS) -> str | None:
+    """Why committed ``index`` does not verify (None: it does): every file against its
+    manifest record (size, crc32c, each tensor's checksum) and, for an incremental index,
+    every referenced file and tensor."""
+    files = manifest.entries[index]["files"]
+    if refs.REFS_FILE in files:
+        for report in refs.reference_reports(manifest, index, threads):
+            if not report.ok:
+                return report.message or f"{report.path}: {report.status}"
+    for relpath in sorted(files):
+        try:
+            path = manifest.file_path(index, relpath)
+        except CheckpointFormatError as err:
+            return str(err)
+        checked = check_recorded(
+            path, files[relpath], verify_content(threads), source=str(manifest.path), index=index
+        )
+        if not checked.report.ok:
+            return checked.report.message or f"{path}: {checked.report.status}"
+    return None
+
+
+def _spare_newest_intact(manifest: Manifest, doomed: list[int]) -> list[int]:
+    """``doomed`` without the newest index that verifies, when no kept index verifies (all
+    of ``doomed``'s indices are kept when none verifies at all); see :func:`prune_indices`."""
+    kept = sorted((i for i in manifest.entries if i not in doomed), reverse=True)
+    damaged: list[str] = []
+    for index in kept:
+        problem = index_intact(manifest, index)
+        if problem is None:
+            return doomed
+        damaged.append(f"index {index}: {problem}")
+    for index in sorted(doomed, reverse=True):
+        problem = index_intact(manifest, index)
+        if problem is None:
+            _LOG.warning(
+                "%s: keeping index %d, the newest that verifies, although prune would delete "
+                "it: the newer indices fail verification (%s)",
+                display_path(manifest.root),
+                index,
+                "; ".join(damaged),
+            )
+            return [i for i in doomed if i != index]
+        damaged.append(f"index {index}: {problem}")
+    _LOG.warning(
+        "%s: prune deleted nothing: no committed index verifies (%s)",
+        display_path(manifest.root),
+        "; ".join(damaged),
+    )
+    return []
 
 
 def _link_retained(root: Path, index: int) -> bool:
@@ -576,10 +647,16 @@ def _link_retained(root: Path, index: int) -> bool:
         shutil.rmtree(temp, ignore_errors=True)
         return False
     retained = root / f"{refs.RETAINED_PREFIX}{index}"
-    if os.path.lexists(retained):
-        shutil.rmtree(retained)
+    # A retained copy is whole or absent at every instant: an older one (of this index, still
+    # committed) is renamed away before the new one takes its name, and deleted after.
+    stale = temp_sibling(TEMP_PREFIX, root / f"gone-ref-{index}")
+    replaced = os.path.lexists(retained)
+    if replaced:
+        os.rename(retained, stale)
     os.rename(temp, retained)
     _native.fsync_dir(str(root))
+    if replaced:
+        shutil.rmtree(stale, ignore_errors=True)
     return True
 
 
@@ -599,7 +676,12 @@ def _delete_index(
         else:
             _LOG.warning("pruned %s, a symlink; left its target %s", directory, target)
         return
-    backend.delete(directory)
+    if isinstance(backend, LocalFileSystem) and os.path.isdir(directory):
+        # Renamed away first: an index directory is whole or absent (a kill mid-deletion
+        # leaves a temporary directory, never a partial ROOT/<index>).
+        refs.remove_directory(root, directory)
+    else:
+        backend.delete(directory)
     if isinstance(backend, LocalFileSystem) and os.path.lexists(directory):
         raise OSError(
             errno.ENOTEMPTY, f"{directory}: pruned but could not be deleted", str(directory)

@@ -30,6 +30,8 @@ import torch
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.store.backend import TEMP_PREFIX
+from fastckpt.store.backend import _sibling as temp_sibling
 from fastckpt.store.paths import safe_join
 from fastckpt.store.reader import (
     FileReport,
@@ -51,6 +53,7 @@ __all__ = [
     "reference_reports",
     "referenced_indices",
     "refs_document",
+    "remove_directory",
     "resolve_references",
     "retain_for_references",
     "source_path",
@@ -285,27 +288,48 @@ def referenced_indices(manifest: Manifest, indices: Iterable[int]) -> set[int]:
     return found
 
 
+def remove_directory(root: Path, directory: Path) -> None:
+    """Delete ``directory`` of ``root`` so that, under its own name, it is whole or absent at
+    every instant: it is renamed to a hidden temporary name (``.tmp-<name>~<pid>~<host>~...``,
+    durably) and deleted there. A kill during the deletion leaves that temporary directory,
+    which the next save into the root removes; never a partial index or retained copy."""
+    aside = temp_sibling(TEMP_PREFIX, root / f"gone-{directory.name}")
+    try:
+        os.rename(directory, aside)
+    except FileNotFoundError:
+        return
+    _native.fsync_dir(str(root))
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def retain_for_references(root: Path, index: int) -> None:
-    """Keep the bytes of index ``index`` (about to be pruned) for the kept indices that
-    reference them: ``ROOT/<index>`` is renamed to ``ROOT/.ref-<index>`` (no copy)."""
+    """Keep the bytes of index ``index`` (pruned, or about to be) for the kept indices that
+    reference them: ``ROOT/<index>`` is renamed to ``ROOT/.ref-<index>`` (no copy).
+
+    An existing ``ROOT/.ref-<index>`` is never replaced: a retained copy appears whole (one
+    rename of a durable directory, made before the prune's commit) and goes only by a rename
+    (:func:`remove_directory`), so it is complete, while ``ROOT/<index>`` next to it is what
+    a killed prune was deleting after its commit (possibly partly): that one is removed."""
     directory = root / str(index)
     retained = root / f"{RETAINED_PREFIX}{index}"
     if not os.path.isdir(directory) or os.path.islink(directory):
         return
     if os.path.lexists(retained):
-        shutil.rmtree(retained)
+        remove_directory(root, directory)
+        return
     os.rename(directory, retained)
     _native.fsync_dir(str(root))
 
 
 def collect_garbage(root: Path, referenced: set[int]) -> list[str]:
-    """Delete retained directories (``ROOT/.ref-<index>``) no committed index references."""
+    """Delete retained directories (``ROOT/.ref-<index>``) no committed index references
+    (each by :func:`remove_directory`: a kill never leaves a partial retained copy)."""
     removed = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         if not name.startswith(RETAINED_PREFIX):
             continue
         tail = name[len(RETAINED_PREFIX) :]
         if tail.isdigit() and int(tail) not in referenced:
-            shutil.rmtree(root / name, ignore_errors=True)
+            remove_directory(root, root / name)
             removed.append(name)
     return removed
