@@ -49,7 +49,13 @@ from fastckpt.store.backend import (
 from fastckpt.store.lock import LOCK_FILE
 from fastckpt.store.s3client import S3Client, client_for
 from fastckpt.store.s3config import S3Options, S3Url
-from fastckpt.store.s3copy import CopiedTensor, put_tensors_copying
+from fastckpt.store.s3copy import (
+    CopiedTensor,
+    is_known_intact,
+    prove_copied_tensors,
+    put_tensors_copying,
+    remember_written,
+)
 from fastckpt.store.s3errors import CommitConflictError, ObjectNotFoundError
 from fastckpt.store.s3tensors import get_tensors, put_tensors
 
@@ -314,28 +320,40 @@ class S3Staging(Staging):
     ) -> FileRecord:
         """A parallel multipart upload of a safetensors object; records size and crc32c.
         Tensors in ``copies`` are copied by the store from the objects that hold them
-        (:mod:`fastckpt.store.s3copy`), whose headers are read to find their bytes.
+        (:mod:`fastckpt.store.s3copy`), whose headers are read to find their bytes, and only
+        from objects whose bytes are proven intact (see :meth:`_locate`).
 
         Raises:
             ChecksumMismatchError: a copied tensor is not what ``copies`` says any more (its
-                object was replaced).
+                object was replaced), or its stored bytes fail its checksum.
         """
         client = self.backend.client
+        key = self._key(relpath)
         if copies:
-            report = put_tensors_copying(client, self._key(relpath), tensors, self._locate(copies))
+            report = put_tensors_copying(client, key, tensors, self._locate(copies))
             self.copied_bytes += report["copied_bytes"]
         else:
-            report = put_tensors(client, self._key(relpath), tensors)
+            report = put_tensors(client, key, tensors)
+        remember_written(client, key, report["etag"])
         record = {"size": report["size"], "crc32c": report["crc32c"]}
         self.files[relpath] = record
         return record
 
     def _locate(self, copies: Mapping[str, CopySource]) -> dict[str, CopiedTensor]:
-        """Where each copied tensor's bytes are (one header read per source object)."""
+        """Where each copied tensor's bytes are (one HEAD and one header read per source
+        object), each pinned to the source's current version (its etag).
+
+        A source is trusted as it is only when that version is one this process wrote (or
+        proved before); otherwise the copied tensors' bytes are read back from it and checked
+        against their crc32c first (:func:`~fastckpt.store.s3copy.prove_copied_tensors`), so
+        a store never copies damaged bytes into a new checkpoint."""
+        client = self.backend.client
         headers: dict[Path, dict[str, Any]] = {}
+        versions: dict[Path, str | None] = {}
         located = {}
         for name, source in copies.items():
             if source.path not in headers:
+                versions[source.path] = client.head(self.backend._key(source.path)).etag
                 headers[source.path] = self.backend.read_header(source.path)
             header = headers[source.path]
             entry = header["tensors"].get(source.name)
@@ -356,7 +374,15 @@ class S3Staging(Staging):
                 source.dtype,
                 list(source.shape),
                 source.crc32c,
+                versions[source.path],
             )
+        unproven = {
+            name: copy
+            for name, copy in located.items()
+            if not is_known_intact(client, copy.source_key, copy.etag)
+        }
+        if unproven:
+            prove_copied_tensors(client, unproven)
         return located
 
     def adopt(self, location: str, relpath: str, record: FileRecord) -> None:

@@ -70,11 +70,14 @@ MAX_PART = 5 << 30
 
 @dataclass(frozen=True)
 class CopyPart:
-    """Bytes ``[start, end)`` of the object ``source_key`` (same bucket), copied by the store."""
+    """Bytes ``[start, end)`` of the object ``source_key`` (same bucket), copied by the store;
+    with ``etag``, only from that version of it (``x-amz-copy-source-if-match``: a store
+    refuses the copy once the object was replaced)."""
 
     source_key: str
     start: int
     end: int
+    etag: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -85,7 +88,8 @@ class CopyPart:
 @dataclass(frozen=True)
 class DataPart:
     """A part uploaded from this process: buffers, and ranges of other objects fetched first
-    (``(source_key, start, end)``), concatenated in order."""
+    (``(source_key, start, end)``, or ``(source_key, start, end, etag)`` to fetch only from
+    that version of the object), concatenated in order."""
 
     pieces: tuple[Any, ...]
 
@@ -102,7 +106,8 @@ class DataPart:
 
 
 def piece_length(piece: Any) -> int:
-    """Bytes of a :class:`DataPart` piece: a buffer, or a ``(key, start, end)`` range."""
+    """Bytes of a :class:`DataPart` piece: a buffer, or a ``(key, start, end[, etag])``
+    range."""
     if isinstance(piece, tuple):
         return int(piece[2] - piece[1])
     return int(memoryview(piece).nbytes)
@@ -236,22 +241,25 @@ class S3Client:
             raise self._fail(err, key) from err
         return result.get("e_tag")
 
-    def put_stream(self, key: str, pieces: Iterable[Any], total: int) -> None:
+    def put_stream(self, key: str, pieces: Iterable[Any], total: int) -> str | None:
         """Upload ``total`` bytes given as buffers, in parallel parts of ``part_size``.
 
         At most ``multipart_threshold`` bytes (default: ``part_size``): one PUT, the buffers
         handed over without a Python-side copy. Larger: a multipart upload with
         ``concurrency`` parts in flight on Rust threads; an upload that fails is aborted by
         the client (a killed process leaves it pending: see :meth:`pending_uploads`).
+
+        Returns:
+            The new object's etag (when the store gave one).
         """
         import obstore
 
         opts = self.options
         try:
             if total <= opts.single_put_max:
-                obstore.put(self.store, key, list(pieces), use_multipart=False)
+                result = obstore.put(self.store, key, list(pieces), use_multipart=False)
             else:
-                obstore.put(
+                result = obstore.put(
                     self.store,
                     key,
                     iter(pieces),
@@ -261,6 +269,7 @@ class S3Client:
                 )
         except Exception as err:
             raise self._fail(err, key) from err
+        return result.get("e_tag")
 
     def get(self, key: str, *, limit: int) -> tuple[bytes, ObjectMeta]:
         """The whole content of a small object and its metadata.
@@ -300,14 +309,24 @@ class S3Client:
         modified = stamp.timestamp() if stamp is not None else None
         return ObjectMeta(key, meta["size"], meta.get("e_tag"), modified)
 
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of an object (fewer at its end)."""
+    def get_range(self, key: str, start: int, end: int, if_match: str | None = None) -> bytes:
+        """Bytes ``[start, end)`` of an object (fewer at its end); with ``if_match``, only
+        from the version of the object with that etag.
+
+        Raises:
+            CommitConflictError: ``if_match`` is not the object's etag any more (replaced).
+        """
         import obstore
 
         if end <= start:
             return b""
         try:
-            return bytes(obstore.get_range(self.store, key, start=start, end=end))
+            if if_match is None:
+                return bytes(obstore.get_range(self.store, key, start=start, end=end))
+            result = obstore.get(
+                self.store, key, options={"range": (start, end), "if_match": if_match}
+            )
+            return bytes(result.bytes())
         except Exception as err:
             raise self._fail(err, key) from err
 
@@ -398,12 +417,16 @@ class S3Client:
 
     # ------------------------------------------------------------------- multipart uploads
 
-    def compose(self, key: str, parts: Sequence[DataPart | CopyPart]) -> None:
+    def compose(self, key: str, parts: Sequence[DataPart | CopyPart]) -> str | None:
         """Create ``key`` as one multipart upload whose parts are either uploaded bytes
         (:class:`DataPart`) or ranges of other objects of the bucket that the store copies
-        itself (:class:`CopyPart`, S3's UploadPartCopy: the bytes never reach this client).
+        itself (:class:`CopyPart`, S3's UploadPartCopy: the bytes never reach this client;
+        a part's ``etag`` makes the copy conditional on that version of the source).
         Every part but the last must hold at least :data:`MIN_PART` bytes. Parts go up
         ``concurrency`` at a time; on any failure the upload is aborted.
+
+        Returns:
+            The new object's etag (when the store gave one).
 
         Raises:
             ObjectNotFoundError: a copied object is gone.
@@ -420,10 +443,12 @@ class S3Client:
         def send(number: int, part: DataPart | CopyPart) -> dict[str, Any]:
             common = {"Bucket": bucket, "Key": key, "UploadId": upload_id, "PartNumber": number}
             if isinstance(part, CopyPart):
+                condition = {} if part.etag is None else {"CopySourceIfMatch": part.etag}
                 try:
                     reply = client.upload_part_copy(
                         CopySource={"Bucket": bucket, "Key": part.source_key},
                         CopySourceRange=f"bytes={part.start}-{part.end - 1}",
+                        **condition,
                         **common,
                     )
                 except Exception as err:
@@ -444,7 +469,7 @@ class S3Client:
         try:
             with ThreadPoolExecutor(max(1, min(self.options.concurrency, len(parts)))) as pool:
                 done = list(pool.map(send, range(1, len(parts) + 1), parts))
-            client.complete_multipart_upload(
+            reply = client.complete_multipart_upload(
                 Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done}
             )
         except BaseException as err:
@@ -453,6 +478,8 @@ class S3Client:
             if isinstance(err, Exception) and not isinstance(err, ObjectStoreError):
                 raise self._fail(err, key) from err
             raise
+        etag = reply.get("ETag")
+        return etag if isinstance(etag, str) else None
 
     def pending_uploads(self, prefix: str) -> list[PendingUpload]:
         """Unfinished multipart uploads under ``prefix`` (a killed writer leaves these).

@@ -17,11 +17,22 @@ ranges too short to stand alone are fetched and uploaded. So an object needs a r
 10 MiB of unchanged bytes (5 MiB after the header's part) before the store copies anything.
 A store without UploadPartCopy gets the whole object uploaded, the unchanged bytes fetched
 first.
+
+What the store copies is never taken on trust: a copied range comes only from an object whose
+bytes are known to be intact, by its version. Every object this process writes has its etag
+remembered (:func:`remember_written`); a copy from it, and every fetch that fills a part, is
+conditional on that etag (``x-amz-copy-source-if-match`` / ``If-Match``), so an object that
+was replaced since (a rewrite with one bit changed, a different file) is never copied. A
+source whose etag is not one this process wrote or proved is read back first and each copied
+tensor's crc32c compared with its header before anything is copied
+(:func:`prove_copied_tensors`); a damaged one fails the save with ``ChecksumMismatchError``
+naming the object and the tensor, before anything is committed.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +40,7 @@ from typing import Any
 import torch
 
 from fastckpt import _native
+from fastckpt.errors import ChecksumMismatchError
 from fastckpt.files import byte_view, dtype_name, header_shape, host_tensor
 from fastckpt.store.s3client import (
     MAX_PART,
@@ -39,9 +51,49 @@ from fastckpt.store.s3client import (
     S3Client,
     piece_length,
 )
+from fastckpt.store.s3errors import CommitConflictError
 from fastckpt.store.s3tensors import tensor_crcs
 
-__all__ = ["CopiedTensor", "plan_parts", "put_tensors_copying"]
+__all__ = [
+    "CopiedTensor",
+    "is_known_intact",
+    "plan_parts",
+    "prove_copied_tensors",
+    "put_tensors_copying",
+    "remember_written",
+]
+
+_PROOF_PIECE = 16 << 20
+#: (endpoint, bucket, key) -> etag of an object this process wrote or proved intact.
+_INTACT: dict[tuple[str | None, str, str], str] = {}
+_INTACT_MAX = 4096
+_INTACT_LOCK = threading.Lock()
+
+
+def _etag_key(etag: str) -> str:
+    return etag.strip().strip('"')
+
+
+def remember_written(client: S3Client, key: str, etag: str | None) -> None:
+    """Remember that version ``etag`` of object ``key`` holds exactly the bytes this process
+    wrote there (or read back and checked): later incremental saves may have the store copy
+    from it without reading it first. None (a store that gave no etag) forgets the key."""
+    where = (client.endpoint, client.bucket_url.bucket, key)
+    with _INTACT_LOCK:
+        _INTACT.pop(where, None)
+        if etag:
+            if len(_INTACT) >= _INTACT_MAX:
+                del _INTACT[next(iter(_INTACT))]
+            _INTACT[where] = _etag_key(etag)
+
+
+def is_known_intact(client: S3Client, key: str, etag: str | None) -> bool:
+    """Whether version ``etag`` of ``key`` is one :func:`remember_written` vouched for."""
+    if not etag:
+        return False
+    with _INTACT_LOCK:
+        known = _INTACT.get((client.endpoint, client.bucket_url.bucket, key))
+    return known is not None and known == _etag_key(etag)
 
 
 @dataclass(frozen=True)
@@ -52,6 +104,8 @@ class CopiedTensor:
         dtype: its safetensors dtype name.
         shape: its shape as the header gives it.
         crc32c: the checksum of its bytes (from the source object's header).
+        etag: the version of the source object those bytes were proven intact in; copies
+            and fetches are conditional on it (None: unconditional).
     """
 
     source_key: str
@@ -60,6 +114,50 @@ class CopiedTensor:
     dtype: str
     shape: list[int]
     crc32c: int
+    etag: str | None = None
+
+
+def prove_copied_tensors(client: S3Client, copies: Mapping[str, CopiedTensor]) -> None:
+    """Read back the bytes of each copied tensor (from the version its ``etag`` names) and
+    check them against its crc32c; remember each source object proven this way.
+
+    Raises:
+        ChecksumMismatchError: a tensor's stored bytes differ from its checksum (names the
+            object and the tensor), or its object was replaced while being read.
+    """
+    proven: dict[str, str | None] = {}
+    for name, copy in copies.items():
+        crc = 0
+        for offset in range(copy.start, copy.end, _PROOF_PIECE):
+            end = min(copy.end, offset + _PROOF_PIECE)
+            try:
+                piece = client.get_range(copy.source_key, offset, end, copy.etag)
+            except CommitConflictError:
+                raise _replaced(client, copy.source_key) from None
+            crc = _native.crc32c(piece, crc)
+        if crc != copy.crc32c:
+            raise ChecksumMismatchError(
+                f"{client.url(copy.source_key)}: tensor {name!r} fails its crc32c in the store "
+                f"(stored {copy.crc32c:08x}, computed {crc:08x}): the stored bytes are damaged, "
+                "so this incremental save cannot copy them; nothing was committed, and the "
+                "next save writes every tensor in full (the checkpoints holding this object "
+                "fail verification)"
+            )
+        proven[copy.source_key] = copy.etag
+    for key, etag in proven.items():
+        remember_written(client, key, etag)
+
+
+def _replaced(client: S3Client, key: str) -> ChecksumMismatchError:
+    return ChecksumMismatchError(
+        f"{client.url(key)}: the object was replaced while an incremental save copied from "
+        "it; nothing was committed, and the next save writes every tensor in full"
+    )
+
+
+def _range(key: str, start: int, end: int, etag: str | None) -> tuple[Any, ...]:
+    """A :class:`DataPart` piece fetching ``[start, end)`` of ``key`` (from version ``etag``)."""
+    return (key, start, end) if etag is None else (key, start, end, etag)
 
 
 Segment = Any  # a byte buffer (uploaded) or a CopyPart (copied)
@@ -80,9 +178,9 @@ def _cut(pieces: list[Piece], sizes: list[int]) -> list[DataPart]:
                 size -= n
                 continue
             if isinstance(piece, tuple):
-                key, start, end = piece
-                taken.append((key, start, start + size))
-                queue.insert(0, (key, start + size, end))
+                key, start, end, *etag = piece
+                taken.append((key, start, start + size, *etag))
+                queue.insert(0, (key, start + size, end, *etag))
             else:
                 view = memoryview(piece).cast("B")
                 taken.append(view[:size])
@@ -119,9 +217,10 @@ def plan_parts(
             if (
                 isinstance(last, CopyPart)
                 and last.source_key == segment.source_key
+                and last.etag == segment.etag
                 and last.end == segment.start
             ):
-                merged[-1] = CopyPart(last.source_key, last.start, segment.end)
+                merged[-1] = CopyPart(last.source_key, last.start, segment.end, last.etag)
             elif segment.nbytes:
                 merged.append(segment)
         elif piece_length(segment):
@@ -144,12 +243,12 @@ def plan_parts(
             pending.append(segment)
             continue
         last = position == len(merged) - 1  # the object's last part may be short
-        key, start, end = segment.source_key, segment.start, segment.end
+        key, start, end, etag = segment.source_key, segment.start, segment.end, segment.etag
         if pending:
             short = min_part - sum(piece_length(piece) for piece in pending)
             if short > 0:
                 take = min(short, end - start)
-                pending.append((key, start, start + take))
+                pending.append(_range(key, start, start + take, etag))
                 start += take
         if end - start >= min_part or (last and end > start):
             flush()
@@ -157,10 +256,10 @@ def plan_parts(
                 n = min(max_part, end - start)
                 if 0 < end - start - n < min_part:
                     n = end - start - min_part
-                parts.append(CopyPart(key, start, start + n))
+                parts.append(CopyPart(key, start, start + n, etag))
                 start += n
         elif end > start:
-            pending.append((key, start, end))
+            pending.append(_range(key, start, end, etag))
     flush()
     return parts
 
@@ -177,12 +276,14 @@ def put_tensors_copying(
     same tensors, with the copied bytes moved by the store.
 
     Returns:
-        ``{"size", "crc32c", "checksums": {name: crc32c}, "copied_bytes", "uploaded_bytes"}``
-        (the last two count tensor and header bytes sent by this process or copied by the
-        store; bytes fetched to fill parts count as uploaded).
+        ``{"size", "crc32c", "checksums": {name: crc32c}, "copied_bytes", "uploaded_bytes",
+        "etag"}`` (the copied and uploaded bytes count tensor and header bytes sent by this
+        process or copied by the store; bytes fetched to fill parts count as uploaded).
 
     Raises:
         ValueError: a name is both uploaded and copied.
+        ChecksumMismatchError: a source object was replaced while it was copied from (the
+            copies' ``etag`` no longer matches).
         ObjectNotFoundError: a copied object is gone. ObjectStoreError: the upload failed.
     """
     both = set(tensors) & set(copies)
@@ -208,43 +309,50 @@ def put_tensors_copying(
                     f"{client.url(copy.source_key)}: tensor {name!r} has {copy.end - copy.start} "
                     f"bytes there, but its dtype and shape need {end - begin}"
                 )
-            segments.append(CopyPart(copy.source_key, copy.start, copy.end))
+            segments.append(CopyPart(copy.source_key, copy.start, copy.end, copy.etag))
         else:
             segments.append(views[name])
         file_crc = _native.crc32c_combine(file_crc, checksums[name], end - begin)
         size += end - begin
     parts = plan_parts(segments, data_part=client.options.part_size)
     copied = sum(part.nbytes for part in parts if isinstance(part, CopyPart))
-    if copied:
-        try:
-            client.compose(key, parts)
-        except CopyNotSupportedError:
-            copied = 0
-    if not copied:
-        _upload_all(client, key, parts, size)
+    etag: str | None = None
+    try:
+        if copied:
+            try:
+                etag = client.compose(key, parts)
+            except CopyNotSupportedError:
+                copied = 0
+        if not copied:
+            etag = _upload_all(client, key, parts, size)
+    except CommitConflictError:  # a conditional copy or fetch: the source was replaced
+        sources = sorted({c.source_key for c in copies.values()})
+        raise _replaced(client, sources[0] if len(sources) == 1 else key) from None
     return {
         "size": size,
         "crc32c": file_crc,
         "checksums": checksums,
         "copied_bytes": copied,
         "uploaded_bytes": size - copied,
+        "etag": etag,
     }
 
 
-def _upload_all(client: S3Client, key: str, parts: list[DataPart | CopyPart], size: int) -> None:
-    """Upload the whole object, fetching what the parts would have copied."""
+def _upload_all(
+    client: S3Client, key: str, parts: list[DataPart | CopyPart], size: int
+) -> str | None:
+    """Upload the whole object, fetching what the parts would have copied; returns its etag."""
 
     def pieces() -> Any:
         for part in parts:
             if isinstance(part, CopyPart):
                 for offset in range(part.start, part.end, client.options.part_size):
-                    yield client.get_range(
-                        part.source_key, offset, min(part.end, offset + client.options.part_size)
-                    )
+                    end = min(part.end, offset + client.options.part_size)
+                    yield client.get_range(part.source_key, offset, end, part.etag)
             else:
                 for piece in part.read(client):
                     view = memoryview(piece).cast("B")
                     for offset in range(0, view.nbytes, client.options.part_size):
                         yield view[offset : offset + client.options.part_size]
 
-    client.put_stream(key, pieces(), size)
+    return client.put_stream(key, pieces(), size)

@@ -100,7 +100,8 @@ def put_tensors(
     """Upload ``tensors`` as one safetensors object at ``key``.
 
     Returns:
-        ``{"size": bytes, "crc32c": whole-object crc32c, "checksums": {name: crc32c}}``.
+        ``{"size": bytes, "crc32c": whole-object crc32c, "checksums": {name: crc32c},
+        "etag": the new object's etag (None when the store gave none)}``.
 
     Raises:
         TypeError / ValueError: bad tensors or metadata (named).
@@ -121,11 +122,12 @@ def put_tensors(
             # Bounded pieces keep the client's buffering per part small.
             yield from iter_pieces(view, client.options.part_size)
 
-    client.put_stream(key, pieces(), size)
+    etag = client.put_stream(key, pieces(), size)
     return {
         "size": size,
         "crc32c": file_crc,
         "checksums": {name: crc for (name, _), crc in zip(layout, crcs, strict=True)},
+        "etag": etag,
     }
 
 
