@@ -7,6 +7,7 @@ with the GIL released. Start with :func:`save_file` / :func:`load_file`.
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import sys
 import types
 from importlib.metadata import PackageNotFoundError, version
@@ -88,21 +89,42 @@ _NAMES = {
 }
 _MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
 
-#: Submodules imported on first attribute access (``fastckpt.dcp``, the extension
-#: ``fastckpt._native``): DCP pulls in torch.distributed.checkpoint, which most users of the
-#: package never need.
-_LAZY_SUBMODULES = ("_native", "dcp", "integrations")
+#: The extension, reachable as ``fastckpt._native`` like the public submodules below.
+_PRIVATE_SUBMODULES = ("_native",)
+
+
+def _public_submodules() -> tuple[str, ...]:
+    """The package's public submodules (``errors``, ``specs``, ``store``, ``dcp``, ...).
+
+    Read from the package's directory (a listing, no import), so that a new module is
+    reachable as ``fastckpt.<name>`` without being registered here.
+    """
+    return tuple(
+        sorted(
+            info.name for info in pkgutil.iter_modules(__path__) if not info.name.startswith("_")
+        )
+    )
+
+
+#: Every submodule is an attribute of the package, imported on first use: ``import fastckpt``
+#: imports none of them (``fastckpt.dcp`` pulls in torch.distributed.checkpoint, which most
+#: users never need), and ``fastckpt.errors.FastCkptError`` works without ``import
+#: fastckpt.errors``. Where a public name and a submodule share a name (``verify``), the
+#: attribute is the public name; the module stays importable as ``fastckpt.verify``.
+_SUBMODULES = _public_submodules()
+_LAZY_SUBMODULES = frozenset(_SUBMODULES + _PRIVATE_SUBMODULES) - _MODULE_OF.keys()
 
 
 def __getattr__(name: str) -> Any:
-    """Import a public name's module (or a lazy subpackage) when the name is first used."""
+    """Import a public name's module, or a submodule, when the name is first used."""
     module = _MODULE_OF.get(name)
     if module is not None:
         value = getattr(importlib.import_module(module), name)
         globals()[name] = value  # later lookups skip this function
         return value
     if name in _LAZY_SUBMODULES:
-        return importlib.import_module(f"fastckpt.{name}")
+        # Importing binds the submodule as an attribute of the package, so this runs once.
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'fastckpt' has no attribute {name!r}")
 
 
@@ -124,8 +146,8 @@ sys.modules[__name__].__class__ = _Package
 
 
 def __dir__() -> list[str]:
-    """The public names, as ``dir(fastckpt)`` should list them."""
-    return sorted({*globals(), *_MODULE_OF, *_LAZY_SUBMODULES})
+    """The public names and the submodules, as ``dir(fastckpt)`` should list them."""
+    return sorted({*globals(), *_MODULE_OF, *_SUBMODULES})
 
 
 try:
