@@ -22,7 +22,14 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import fastckpt.dcp
-from dcp_support import build_model, compare, full_state, setup_rank, train_step
+from dcp_support import (
+    build_model,
+    compare,
+    full_state,
+    row_tensors,
+    setup_rank,
+    train_step,
+)
 from training_support import leave_process_group
 
 BLOCK_BYTES = 1024  # small verification blocks, so resharded reads can skip most of a chunk
@@ -157,3 +164,53 @@ def torn_save() -> None:
         print(f"failed {type(err).__name__}")
     sys.stdout.flush()
     os._exit(0)  # the process group lost a rank: no orderly teardown
+
+
+def save_rows() -> None:
+    """Save :func:`dcp_support.row_tensors` row-sharded over WORLD ranks (one chunk of each
+    tensor per rank file) with a plain value, as ROOT/rows through ``save_state``."""
+    root, _, world = setup_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    full = row_tensors()
+    state = {
+        "model": {
+            "w": distribute_tensor(full["model.w"], mesh, [Shard(0)]),
+            "b": distribute_tensor(full["model.b"], mesh, [Shard(0)]),
+        },
+        "meta": {"step": 5, "tag": "rows"},
+    }
+    fastckpt.dcp.save_state(root / "rows", state)
+    leave_process_group()
+
+
+def load_corrupt() -> None:
+    """Load ROOT/corrupt (a copy of ROOT/rows with one chunk of rank 1's file damaged) into
+    row-sharded DTensor templates holding a sentinel, through ``load_state`` and through
+    ``CheckpointManager.load``; report per rank what was raised and whether its templates kept
+    every bit."""
+    root, rank, world = setup_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    report: dict[str, Any] = {"rank": rank}
+    for label in ("load_state", "manager"):
+        sentinel = {name: torch.full_like(t, -3.5) for name, t in row_tensors().items()}
+        templates = {
+            "model": {
+                "w": distribute_tensor(sentinel["model.w"], mesh, [Shard(0)]),
+                "b": distribute_tensor(sentinel["model.b"], mesh, [Shard(0)]),
+            },
+            "meta": {"step": -1, "tag": "none"},
+        }
+        try:
+            if label == "load_state":
+                fastckpt.dcp.load_state(root / "corrupt", into=templates)
+            else:
+                fastckpt.CheckpointManager().load(root / "corrupt", into=templates)
+            report[label] = "loaded"
+        except BaseException as err:
+            report[label] = type(err).__name__
+        local = {name: templates["model"][name.split(".")[1]].to_local() for name in sentinel}
+        expected = {name: sentinel[name].chunk(world)[rank] for name in sentinel}
+        report[f"{label}_changed"] = compare(expected, local)
+        report[f"{label}_meta"] = templates["meta"]
+    print(json.dumps(report))
+    leave_process_group()

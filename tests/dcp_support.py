@@ -35,6 +35,15 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :1] * 2.0 - 1.0
 
 
+def row_tensors() -> dict[str, torch.Tensor]:
+    """The full tensors that ``dcp_ranks.save_rows`` saves row-sharded (``model.w``,
+    ``model.b``)."""
+    return {
+        "model.w": torch.arange(40 * 6, dtype=torch.float32).reshape(40, 6) / 3,
+        "model.b": torch.arange(40, dtype=torch.float32) - 11,
+    }
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> float:
     """One AdamW step on :func:`batch`; returns the loss."""
     x, y = batch(step)
@@ -70,11 +79,28 @@ def launch(
     """Run ``<ranks>.<function>`` (``ranks``: the rank-script module, ``dcp_ranks`` or
     ``sharded_ranks``) as ranks ``0..world-1`` (gloo, file rendezvous next to ``checkpoint``);
     returns ``(returncode, stdout, stderr)`` per rank, whatever they were."""
+    procs = spawn(function, checkpoint, world, *args, ranks=ranks)
+    results: list[tuple[int, str, str]] = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        results.append((proc.returncode, out, err))
+    return results
+
+
+def spawn(
+    function: str, checkpoint: Path, world: int, *args: str, ranks: str = "dcp_ranks"
+) -> list[subprocess.Popen[str]]:
+    """Start ``<ranks>.<function>`` as ranks ``0..world-1`` (see :func:`launch`) and return the
+    processes at once (stdout and stderr piped, text), for tests that kill or race them."""
     env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
     rendezvous = checkpoint.parent / f"rendezvous-{function}-{world}-{os.getpid()}"
     rendezvous.unlink(missing_ok=True)
     code = f"import {ranks}; {ranks}.{function}()"
-    procs = [
+    return [
         subprocess.Popen(
             [
                 sys.executable,
@@ -93,15 +119,6 @@ def launch(
         )
         for rank in range(world)
     ]
-    results: list[tuple[int, str, str]] = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        results.append((proc.returncode, out, err))
-    return results
 
 
 def setup_rank() -> tuple[Path, int, int]:

@@ -6,6 +6,7 @@ with a real gloo process group on CPU (FSDP2 models from ``dcp_support``)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -245,4 +246,102 @@ def strategy_resume() -> None:
     except ValueError as err:
         report["fsdp1"] = str(err)
     print(json.dumps(report))
+    leave_process_group()
+
+
+# --------------------------------------------------------------------------- replacements
+
+
+def _strategy(steps: int) -> fastckpt.TrainingStrategy:
+    """FSDP2 + AdamW + StepLR (seeded), trained for ``steps`` steps."""
+    torch.manual_seed(0)
+    strategy = fastckpt.TrainingStrategy(
+        shard(build_model()),
+        fastckpt.OptimizerConfig(
+            torch.optim.AdamW,
+            {"lr": 1e-2},
+            torch.optim.lr_scheduler.StepLR,
+            {"step_size": 3, "gamma": 0.5},
+        ),
+        training_fn=training_fn,
+        num_steps=steps,
+    )
+    strategy.run(loader())
+    return strategy
+
+
+def _write_reference(strategy: fastckpt.TrainingStrategy, path: Path, rank: int) -> None:
+    """The gathered full model and optimizer state (collective; rank 0 writes it)."""
+    state = full_state(strategy.models["main"], strategy.optimizers["main"])
+    if rank == 0:
+        safetensors.torch.save_file(state, path)
+
+
+def replace_killed() -> None:
+    """Save index 0 of ROOT at step 2 (reference-step2), train to step 4, then replace index 0
+    with rank 0 SIGKILLed once the sharded part is committed, right before the index's
+    manifest commit. Rank 1 then waits for rank 0 until the test kills it."""
+    import os
+    import signal
+
+    from fastckpt import components
+
+    root, rank, _ = setup_rank()
+    strategy = _strategy(2)
+    _write_reference(strategy, root.parent / "reference-step2.safetensors", rank)
+    assert strategy.save_checkpoint(root) == 0
+    strategy.num_steps = 4
+    strategy.run(loader())
+    if rank == 0:
+
+        def killed(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        components.write_snapshot = killed  # type: ignore[assignment]
+    print("replacing", flush=True)
+    strategy.save_checkpoint(root, checkpoint_index=0)
+    print("replaced", flush=True)  # never reached on rank 0
+    leave_process_group()
+
+
+def replace_loop() -> None:
+    """One rank: train two states A (step 2) and B (step 4), write their references, save A,
+    touch ROOT.ready, then replace the checkpoint ITERATIONS times alternating B, A, B, ...
+
+    MODE ``index``: index 0 of the strategy root ROOT (``save_checkpoint(checkpoint_index=0)``).
+    MODE ``manager``: the CheckpointManager checkpoint ROOT (model, optim and step)."""
+    root, rank, _ = setup_rank()
+    mode, iterations = sys.argv[5], int(sys.argv[6])
+    states = [_strategy(2), _strategy(4)]
+    for strategy in states:
+        name = f"reference-step{strategy.step_count}.safetensors"
+        _write_reference(strategy, root.parent / name, rank)
+    manager = fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save())
+
+    def save(strategy: fastckpt.TrainingStrategy) -> None:
+        if mode == "index":
+            strategy.save_checkpoint(root, checkpoint_index=0)
+        else:
+            model, optimizer = strategy.models["main"], strategy.optimizers["main"]
+            msd, osd = get_state_dict(model, optimizer)
+            manager.save(root, {"model": msd, "optim": osd, "step": strategy.step_count})
+
+    save(states[0])
+    Path(f"{root}.ready").touch()
+    for i in range(iterations):
+        save(states[(i + 1) % 2])
+    manager.close()
+    print(json.dumps({"rank": rank, "saves": iterations + 1}))
+    leave_process_group()
+
+
+def save_indices() -> None:
+    """Save indices 0, 1 and 2 of ROOT at steps 1, 2 and 3 (one rank or more)."""
+    root, _, _ = setup_rank()
+    strategy = _strategy(1)
+    strategy.save_checkpoint(root)
+    for steps in (2, 3):
+        strategy.num_steps = steps
+        strategy.run(loader())
+        strategy.save_checkpoint(root)
     leave_process_group()

@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import fastckpt
 import fastckpt.dcp
 from dcp_support import build_model, check_ok, compare, full_state, launch, train_step
-from fastckpt.dcp.commit import RECORD_NAME, generation_dirs
+from fastckpt.dcp.commit import RECORD_NAME, generation_dirs, read_record
+from fastckpt.store.records import seal_manifest
 from training_support import run_two_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -233,8 +234,9 @@ def test_pickle_payload_in_any_non_tensor_file_runs_nothing(
 
     record_path.write_bytes(payload)
     with pytest.raises(fastckpt.CheckpointFormatError, match=RECORD_NAME):
-        fastckpt.dcp.Reader(checkpoint).read_metadata()
-    assert RECORD_NAME in str(_load_failure(checkpoint))
+        read_record(checkpoint)
+    (error, _), *_ = _load_failure(checkpoint).failures.values()  # type: ignore[attr-defined]
+    assert isinstance(error, fastckpt.CheckpointFormatError) and RECORD_NAME in str(error)
     record_path.write_bytes(record)
 
     values_path.write_bytes(payload.ljust(values_path.stat().st_size))  # same size, other bytes
@@ -250,7 +252,7 @@ def test_pickle_payload_in_any_non_tensor_file_runs_nothing(
         if item["file"] == values_path.name:
             item.update(byte_offset=0, length=len(payload), crc32c=fastckpt._native.crc32c(payload))
     data["files"][values_path.name] = {"size": len(payload), "crc32c": None}
-    record_path.write_text(json.dumps(data))
+    record_path.write_text(json.dumps(seal_manifest(data)))  # the record's checksum, too
     failure = _load_failure(checkpoint)
     (error, _), *_ = failure.failures.values()  # type: ignore[attr-defined]
     assert isinstance(error, fastckpt.CheckpointFormatError)
@@ -305,7 +307,13 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint(tmp_path: Path) -> None
 def test_never_committed_directory_raises_not_committed(tmp_path: Path) -> None:
     (tmp_path / "g0000000000001-0123abcd").mkdir()
     with pytest.raises(fastckpt.dcp.NotCommittedError, match="interrupted save"):
-        fastckpt.dcp.Reader(tmp_path).read_metadata()
+        read_record(tmp_path)
+    with pytest.raises(CheckpointException) as caught:  # dcp.load: the typed error inside
+        dcp.load({"w": torch.zeros(1)}, storage_reader=fastckpt.dcp.Reader(tmp_path))
+    (error, _), *_ = caught.value.failures.values()
+    assert isinstance(error, fastckpt.dcp.NotCommittedError)
+    with pytest.raises(fastckpt.dcp.NotCommittedError, match="interrupted save"):
+        fastckpt.dcp.load_state(tmp_path)
     assert not fastckpt.dcp.verify_sharded(tmp_path).ok
 
 

@@ -719,9 +719,13 @@ def _typed_dcp_errors() -> Iterator[None]:
 
 
 def _is_sharded(directory: Path) -> bool:
+    """Whether ``directory`` holds a sharded commit record: anything by its name, so that a
+    FIFO or a link in its place is refused by the sharded reader, not taken for a missing
+    ``commit.json``."""
     from fastckpt.dcp.commit import RECORD_NAME
 
-    return (directory / RECORD_NAME).is_file()
+    record = directory / RECORD_NAME
+    return record.is_symlink() or record.exists()
 
 
 def _to_location(value: Any, map_location: str | torch.device | None) -> Any:

@@ -21,6 +21,7 @@ from fastckpt import _native
 from fastckpt.dcp.metadata import StoredChunk
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.files import dtype_from_name
+from fastckpt.store.paths import safe_join
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "ChunkFiles", "block_checksums", "crc32c_of"]
 
@@ -61,17 +62,26 @@ def block_checksums(data: np.ndarray, block_bytes: int) -> tuple[int, ...]:
 class ChunkFiles:
     """Open data files of one generation directory and read verified ranges from them.
 
+    Files are opened as the other readers of fastckpt open them: the path must stay inside the
+    checkpoint directory once every symlink is resolved (:func:`~fastckpt.store.paths.safe_join`:
+    a rank file or a generation directory linked out of it is refused), and the file must be a
+    regular file, checked on the open descriptor without blocking (a FIFO or a device in its
+    place is a :class:`~fastckpt.CheckpointFormatError` at once, not a read that never ends).
+
     Args:
         directory: the generation directory.
         verify: check crc32c of everything read (on by default).
+        within: the checkpoint directory the files must stay in (default: ``directory``'s
+            parent, the checkpoint directory of a generation).
 
     Attributes:
         bytes_read: bytes read from disk so far (for tests and benchmarks).
     """
 
-    def __init__(self, directory: Path, *, verify: bool = True) -> None:
+    def __init__(self, directory: Path, *, verify: bool = True, within: Path | None = None) -> None:
         """Remember the directory; files are opened on first use."""
         self.directory = directory
+        self.within = directory.parent if within is None else within
         self.verify = verify
         self.bytes_read = 0
         self._fds: dict[str, int] = {}
@@ -94,8 +104,12 @@ class ChunkFiles:
     def _fd(self, chunk: StoredChunk) -> int:
         fd = self._fds.get(chunk.file)
         if fd is None:
-            path = self.directory / chunk.file
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            relpath = f"{self.directory.name}/{chunk.file}"
+            path = safe_join(self.directory.parent, relpath, within=self.within, what="data file")
+            try:
+                fd = _native.open_regular(str(path), True)
+            except IsADirectoryError:
+                raise CheckpointFormatError(f"{path}: is a directory, not a data file") from None
             size = os.fstat(fd).st_size
             if size != chunk.file_len:
                 os.close(fd)

@@ -35,7 +35,8 @@ from pathlib import Path
 from fastckpt import _native
 from fastckpt.dcp.errors import NotCommittedError
 from fastckpt.dcp.metadata import Record, decode_record
-from fastckpt.store.records import SHARDED_RECORD
+from fastckpt.errors import CheckpointFormatError
+from fastckpt.store.records import SHARDED_RECORD, read_record_bytes
 
 __all__ = [
     "RECORD_NAME",
@@ -110,8 +111,8 @@ def commit(path: Path, generation: str, data: bytes, check: Callable[[], None]) 
 
 def _committed_generation(path: Path) -> str | None:
     try:
-        data = json.loads((path / RECORD_NAME).read_bytes())
-    except (OSError, ValueError):
+        data = json.loads(read_record_bytes(path, RECORD_NAME))
+    except (OSError, ValueError):  # CheckpointFormatError (a FIFO, a link...) is a ValueError
         return None
     generation = data.get("generation") if isinstance(data, dict) else None
     return generation if isinstance(generation, str) else None
@@ -120,13 +121,21 @@ def _committed_generation(path: Path) -> str | None:
 def read_record(path: Path) -> Record:
     """Read and validate the commit record of the checkpoint directory ``path``.
 
+    The record must be a regular file (not a link, a FIFO or a device: it is opened with
+    ``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat``, as ``manifest.json`` is) of at
+    most :data:`~fastckpt.store.backend.MAX_RECORD_BYTES`, and its own checksum must match.
+
     Raises:
         NotCommittedError: no record (never committed, or only interrupted saves).
-        CheckpointFormatError: the record is not a valid JSON record (names file and field).
+        CheckpointFormatError: the record is not a regular file or not a valid JSON record
+            (names file and field).
+        ChecksumMismatchError: the record's content differs from its own checksum.
     """
     record_path = path / RECORD_NAME
     try:
-        raw = record_path.read_bytes()
+        raw = read_record_bytes(path, RECORD_NAME)
+    except IsADirectoryError:
+        raise CheckpointFormatError(f"{record_path}: is a directory, not a commit record") from None
     except FileNotFoundError:
         leftovers = generation_dirs(path)
         detail = (

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 from fastckpt.dcp.chunks import ChunkFiles
 from fastckpt.dcp.commit import RECORD_NAME, generation_dirs, read_record
 from fastckpt.dcp.values import decode_value
-from fastckpt.errors import CheckpointFormatError
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.files import DEFAULT_THREADS, save_file
 from fastckpt.store.paths import safe_join
 from fastckpt.store.reader import FileReport, check_recorded, verify_content
@@ -46,27 +46,46 @@ VALUES_METADATA_KEY = "fastckpt.dcp.values"
 
 
 def sharded_file_reports(
-    path: str | os.PathLike[str], *, threads: int | None = None, index: int | None = None
+    path: str | os.PathLike[str],
+    *,
+    threads: int | None = None,
+    index: int | None = None,
+    record_crc32c: int | None = None,
+    within: str | os.PathLike[str] | None = None,
 ) -> list[FileReport]:
     """The commit record's report, then one per file it lists, each checked by the store's
     one recorded-file check (size, whole-file crc32c, every tensor entry's crc32c).
 
-    ``index`` is copied into the reports (the sharded part of a strategy root's index).
+    The record itself is read as every loader reads it (a regular file, its own checksum
+    checked). ``index`` is copied into the reports (the sharded part of a strategy root's
+    index); ``record_crc32c`` is the whole-file crc32c that index recorded for the part's
+    record (a different record is a ``mismatch``); ``within``: the directory the files must
+    stay in (default ``path``).
     """
     root = Path(path)
+    limit = root if within is None else Path(within)
     record_path = root / RECORD_NAME
     record_report = FileReport(record_path, "ok", index=index)
     try:
         record = read_record(root)
-    except (CheckpointFormatError, OSError) as err:  # NotCommittedError: FileNotFoundError
+    except (CheckpointFormatError, ChecksumMismatchError, OSError) as err:
         record_report.status = "missing" if isinstance(err, FileNotFoundError) else "corrupt"
         record_report.message = str(err)
+        return [record_report]
+    record_report.actual_crc32c = record.file_crc32c
+    record_report.expected_crc32c = record_crc32c
+    if record_crc32c is not None and record.file_crc32c != record_crc32c:
+        record_report.status = "mismatch"
+        record_report.message = (
+            f"{record_path}: crc32c {record.file_crc32c:08x} differs from the {record_crc32c:08x} "
+            f"its index {index} recorded; the sharded part was replaced or damaged"
+        )
         return [record_report]
     reports = [record_report]
     content = verify_content(max(1, threads or DEFAULT_THREADS))
     for name in sorted(record.files):
         try:
-            file = safe_join(root / record.generation, name, within=root)
+            file = safe_join(root / record.generation, name, within=limit)
         except CheckpointFormatError as err:
             reports.append(FileReport(root / name, "corrupt", message=str(err), index=index))
             continue
@@ -143,7 +162,7 @@ def consolidate(
     record = read_record(root)
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, Any] = {}
-    with ChunkFiles(root / record.generation, verify=verify) as files:
+    with ChunkFiles(root / record.generation, verify=verify, within=root) as files:
         for fqn, entry in record.metadata.state_dict_metadata.items():
             if isinstance(entry, BytesStorageMetadata):
                 chunk = record.storage.get(MetadataIndex(fqn))

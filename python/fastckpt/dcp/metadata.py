@@ -7,7 +7,13 @@ information as JSON (:func:`encode_record`) and rebuilds it from plain JSON valu
 torch's own objects, never imported or called.
 
 The record also names the *generation* directory that holds the data files and lists every
-file with its size and crc32c (see :mod:`fastckpt.dcp.commit`).
+file with its size and crc32c (see :mod:`fastckpt.dcp.commit`), and carries a crc32c of its
+own canonical content (field :data:`RECORD_CRC_FIELD`, sealed like ``manifest.json``, see
+:func:`fastckpt.store.records.seal_manifest`), checked on every read: a flipped bit anywhere
+in it (a tensor name, a shape, a file name) is a :class:`~fastckpt.ChecksumMismatchError`
+naming the file, never a load that silently skips a tensor. Records written before the field
+existed (fastckpt 0.x up to this change) have none: they are read as before, provided they
+hold exactly the fields such records had.
 """
 
 from __future__ import annotations
@@ -28,12 +34,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from fastckpt.errors import CheckpointFormatError
+from fastckpt import _native
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.store.records import MANIFEST_CRC_FIELD, load_json, seal_manifest
 from fastckpt.tree import flatten, unflatten
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "RECORD_CRC_FIELD",
     "Record",
     "StoredChunk",
     "decode_record",
@@ -44,6 +53,13 @@ __all__ = [
 FORMAT = "fastckpt-dcp"
 #: ``format_version`` this code writes and reads.
 FORMAT_VERSION = 1
+
+#: Top-level field holding the crc32c of the rest of the record (the manifest's field name
+#: and canonical form: sort_keys, compact, ASCII).
+RECORD_CRC_FIELD = MANIFEST_CRC_FIELD
+#: The top-level fields of a record; records written before the checksum lack only it.
+_LEGACY_FIELDS = frozenset({"format", "format_version", "generation", "files", "dcp"})
+_FIELDS = _LEGACY_FIELDS | {RECORD_CRC_FIELD}
 
 ValueKind = Literal["tensor", "bytes", "bytesio", "json"]
 _KINDS = ("tensor", "bytes", "bytesio", "json")
@@ -88,13 +104,26 @@ class StoredChunk:
 
 @dataclass
 class Record:
-    """A decoded commit record: the generation, its files and DCP's metadata."""
+    """A decoded commit record: the generation, its files and DCP's metadata.
+
+    Attributes:
+        path: the record file.
+        generation: the generation directory its files are in.
+        files: file name -> ``{"size", "crc32c"}``.
+        metadata: DCP's metadata.
+        storage: where each DCP item lies (see :class:`StoredChunk`).
+        file_crc32c: crc32c of the record file's bytes (what a strategy index records of the
+            sharded part it committed).
+        sealed: whether the record carries its own checksum (False: written before it existed).
+    """
 
     path: Path
     generation: str
     files: dict[str, dict[str, int | None]]
     metadata: Metadata
     storage: dict[MetadataIndex, StoredChunk] = field(default_factory=dict)
+    file_crc32c: int = 0
+    sealed: bool = True
 
 
 # ------------------------------------------------------------------------------ encoding
@@ -183,7 +212,7 @@ def encode_record(
         raise CheckpointFormatError(f"DCP planner data cannot be stored as JSON: {err}") from None
     if planner_tensors:
         raise CheckpointFormatError("DCP planner data holds tensors; it cannot be stored as JSON")
-    record = {
+    record: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "generation": generation,
@@ -199,7 +228,7 @@ def encode_record(
             "storage_data": [_encode_chunk(index, chunk) for index, chunk in storage.items()],
         },
     }
-    return json.dumps(record, separators=(",", ":"), allow_nan=False).encode()
+    return json.dumps(seal_manifest(record), separators=(",", ":"), allow_nan=False).encode()
 
 
 # ------------------------------------------------------------------------------ decoding
@@ -355,13 +384,14 @@ def decode_record(path: Path, raw: bytes) -> Record:
     """
     decoder = _Decoder(path)
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        data = load_json(path, raw)
+    except CheckpointFormatError as err:
         raise CheckpointFormatError(
-            f"{path}: not a JSON commit record ({err}); the file was replaced or damaged, and "
-            "fastckpt never unpickles it. Load another checkpoint."
+            f"{err}: not a JSON commit record; the file was replaced or damaged (fastckpt "
+            "never unpickles it). Load another checkpoint."
         ) from None
     data = decoder.typed(data, dict, "<root>")
+    sealed = _check_seal(path, data)
     if data.get("format") != FORMAT:
         raise decoder.fail("format", f"expected {FORMAT!r}, got {data.get('format')!r}")
     if data.get("format_version") != FORMAT_VERSION:
@@ -395,4 +425,32 @@ def decode_record(path: Path, raw: bytes) -> Record:
         storage_meta=decoder.storage_meta(dcp.get("storage_meta")),
         version=None if version is None else decoder.typed(version, str, "version"),
     )
-    return Record(path, generation, files, metadata, storage)
+    return Record(path, generation, files, metadata, storage, _native.crc32c(raw), sealed)
+
+
+def _check_seal(path: Path, data: dict[str, Any]) -> bool:
+    """Check the record's own checksum; whether it has one.
+
+    Raises:
+        ChecksumMismatchError: the content does not match the stored checksum.
+        CheckpointFormatError: an unknown top-level field, or a checksum that is not an int.
+    """
+    unknown = sorted(set(data) - _FIELDS)
+    if unknown:
+        raise CheckpointFormatError(
+            f"{path}: unexpected field(s) {unknown}; the record is damaged or was written by a "
+            "newer fastckpt (upgrade it)"
+        )
+    if RECORD_CRC_FIELD not in data:
+        return False  # written before records carried a checksum
+    stored = data[RECORD_CRC_FIELD]
+    if not isinstance(stored, int) or isinstance(stored, bool):
+        raise CheckpointFormatError(f"{path}: field {RECORD_CRC_FIELD!r} must be an int")
+    actual = seal_manifest(dict(data))[RECORD_CRC_FIELD]
+    if actual != stored:
+        raise ChecksumMismatchError(
+            f"{path}: content crc32c {actual:08x} differs from the recorded {stored:08x} "
+            f"(field {RECORD_CRC_FIELD!r}); the commit record is corrupt or was edited. Restore "
+            "it from a copy or load another checkpoint"
+        )
+    return True

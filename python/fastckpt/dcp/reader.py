@@ -8,15 +8,24 @@ The reader takes DCP's metadata from the JSON commit record (never a pickle), re
 file only the rows of each chunk that this rank's plan asks for (rounded out to verification
 blocks), checks their crc32c, and copies them into DCP's target tensors. Resharding (a
 different world size or mesh) is DCP's planning; the reader only serves byte ranges.
+
+Nothing is handed to the planner before every byte of this rank's plan was read and verified:
+the reads go to scratch tensors first (host memory for this rank's share of the load, freed
+when the load ends), and only then are the targets filled and the values set. A damaged chunk
+therefore leaves this rank's targets as they were. A planner that stages its targets itself
+(attribute :data:`STAGES_READS` true, as :func:`fastckpt.dcp.load_state` uses, which fills
+the templates only once every rank's reads verified) is read into directly.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -26,10 +35,14 @@ from fastckpt.dcp.chunks import ChunkFiles
 from fastckpt.dcp.commit import RECORD_NAME, new_generation, read_record
 from fastckpt.dcp.metadata import Record, StoredChunk
 from fastckpt.dcp.values import as_planner_bytes, decode_value
-from fastckpt.errors import CheckpointFormatError
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.store.dispatch import require_local
 
-__all__ = ["Reader"]
+__all__ = ["STAGES_READS", "Reader"]
+
+#: Name of the planner attribute that says its resolved targets are scratch tensors already
+#: (filled into the real state later), so the reader need not stage the reads itself.
+STAGES_READS = "fastckpt_stages_reads"
 
 #: What to use instead of an ``s3://`` URL (sharded checkpoints write through a filesystem).
 _INSTEAD = (
@@ -60,6 +73,8 @@ class Reader(StorageReader):
         self.bytes_read = 0
         self.load_id = new_generation()
         self._record: Record | None = None
+        self._pinned: Record | None = None
+        self._metadata_error: BaseException | None = None
 
     # ------------------------------------------------------------------ DCP protocol
 
@@ -69,16 +84,35 @@ class Reader(StorageReader):
             require_local(checkpoint_id, "fastckpt.dcp.Reader", _INSTEAD)
             self.path = Path(checkpoint_id)
         self._record = None
+        self._pinned = None
+        self._metadata_error = None
         self.load_id = new_generation()
 
-    def read_metadata(self) -> Metadata:
-        """DCP's metadata, decoded from the JSON commit record.
+    def use_record(self, record: Record) -> None:
+        """Make the next load read ``record`` (already read and checked by the caller, e.g.
+        against the templates) instead of reading the commit record again, so that what was
+        checked is what is loaded even if a save commits in between."""
+        self._pinned = record
 
-        Raises:
-            NotCommittedError: the directory has no committed checkpoint.
-            CheckpointFormatError: the record is not a valid JSON record (e.g. a pickle).
+    def read_metadata(self) -> Metadata:
+        """DCP's metadata, decoded from the JSON commit record (or the record given to
+        :meth:`use_record`).
+
+        A record that cannot be read is not raised here: DCP would replace the error by an
+        untyped ``AssertionError("metadata is None ...")``. It is raised by
+        :meth:`set_up_storage_reader`, the next call, so that DCP's ``CheckpointException``
+        carries the typed error (``NotCommittedError``, ``CheckpointFormatError``,
+        ``ChecksumMismatchError``) as the rank's failure.
         """
-        self._record = read_record(self.path)
+        self._metadata_error = None
+        try:
+            self._record = self._pinned if self._pinned is not None else read_record(self.path)
+        except (OSError, CheckpointFormatError, ChecksumMismatchError) as err:
+            self._record = None
+            self._metadata_error = err
+            return Metadata(state_dict_metadata={})
+        finally:
+            self._pinned = None
         metadata = self._record.metadata
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -88,7 +122,15 @@ class Reader(StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        """Keep the storage index of the metadata DCP planned with."""
+        """Keep the storage index of the metadata DCP planned with.
+
+        Raises:
+            NotCommittedError, CheckpointFormatError, ChecksumMismatchError: the commit record
+                could not be read (see :meth:`read_metadata`).
+        """
+        if self._metadata_error is not None:
+            error, self._metadata_error = self._metadata_error, None
+            raise error
         if self._record is None or self._record.metadata is not metadata:
             raise RuntimeError("fastckpt.dcp.Reader: read_metadata() must come first")
 
@@ -113,7 +155,8 @@ class Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read, verify and hand over every item of this rank's plan."""
+        """Read and verify every item of this rank's plan, then hand them all over (nothing
+        reaches the planner's targets when a read fails)."""
         record = self._require_record()
         by_file: dict[str, list[tuple[ReadItem, StoredChunk]]] = {}
         for item in plan.items:
@@ -124,13 +167,18 @@ class Reader(StorageReader):
                     f"{list(item.storage_index.offset or [])}"
                 )
             by_file.setdefault(chunk.file, []).append((item, chunk))
-        with ChunkFiles(self.path / record.generation, verify=self.verify) as files:
+        staged = bool(getattr(planner, STAGES_READS, False))
+        handovers: list[Callable[[], None]] = []
+        directory = self.path / record.generation
+        with ChunkFiles(directory, verify=self.verify, within=self.path) as files:
             try:
                 for file in sorted(by_file):
                     for item, chunk in sorted(by_file[file], key=lambda pair: pair[1].offset):
-                        self._read_item(files, item, chunk, planner)
+                        handovers.append(self._read_item(files, item, chunk, planner, staged))
             finally:
                 self.bytes_read = files.bytes_read
+        for handover in handovers:
+            handover()
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -153,29 +201,46 @@ class Reader(StorageReader):
         return self._record
 
     def _read_item(
-        self, files: ChunkFiles, item: ReadItem, chunk: StoredChunk, planner: LoadPlanner
-    ) -> None:
+        self,
+        files: ChunkFiles,
+        item: ReadItem,
+        chunk: StoredChunk,
+        planner: LoadPlanner,
+        staged: bool,
+    ) -> Callable[[], None]:
+        """Read and verify one item; returns what hands it to the planner. Unless the planner
+        stages (``staged``), a tensor is read into a scratch tensor, copied into its target
+        by the hand-over."""
         if item.type == LoadItemType.BYTE_IO:
             if chunk.kind == "tensor":
                 raise CheckpointFormatError(f"{item.storage_index.fqn}: stored as a tensor")
             payload = files.read_bytes(chunk).numpy().tobytes()
             where = f"{files.directory / chunk.file}: {item.storage_index.fqn!r}"
-            planner.load_bytes(item, as_planner_bytes(decode_value(where, chunk.kind, payload)))
-            return
+            value = decode_value(where, chunk.kind, payload)
+            return lambda: planner.load_bytes(item, as_planner_bytes(value))
         if chunk.kind != "tensor":
             raise CheckpointFormatError(f"{item.storage_index.fqn}: stored as {chunk.kind}")
         target = planner.resolve_tensor(item).detach()
+        destination = target if staged else torch.empty(target.size(), dtype=target.dtype)
         whole = list(item.storage_offsets) == [0] * len(item.lengths) and tuple(
             item.lengths
         ) == tuple(chunk.shape or ())
-        if whole and target.size() == tuple(item.lengths) and files.read_into(chunk, target):
+        if not (
+            whole
+            and destination.size() == tuple(item.lengths)
+            and files.read_into(chunk, destination)
+        ):
+            source = files.read_box(chunk, item.storage_offsets, item.lengths)
+            if destination.size() != source.size():
+                raise CheckpointFormatError(
+                    f"{item.storage_index.fqn}: the plan wants {list(destination.size())} but "
+                    f"the stored chunk gives {list(source.size())}"
+                )
+            destination.copy_(source)
+
+        def handover() -> None:
+            if destination is not target:
+                target.copy_(destination)
             planner.commit_tensor(item, target)
-            return
-        source = files.read_box(chunk, item.storage_offsets, item.lengths)
-        if target.size() != source.size():
-            raise CheckpointFormatError(
-                f"{item.storage_index.fqn}: the plan wants {list(target.size())} but the stored "
-                f"chunk gives {list(source.size())}"
-            )
-        target.copy_(source)
-        planner.commit_tensor(item, target)
+
+        return handover

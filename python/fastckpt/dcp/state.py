@@ -9,35 +9,57 @@ the state one subtree of it.
   world size or mesh changed); keys and shapes are checked against the checkpoint first, so a
   mismatch raises :class:`fastckpt.CheckpointMismatchError` naming the key path instead of a
   raw DCP error. A ``None`` template loads an item as full, unsharded tensors.
+
+A load never leaves templates half-filled: every rank reads and verifies its share into
+scratch tensors (host memory: one more copy of this rank's share of the templates, freed when
+the load returns), DCP gathers every rank's outcome, and only when all ranks succeeded are
+the templates filled (a copy per tensor) and plain values set. A damaged chunk on any rank
+raises on every rank with every template as it was. DCP's ``CheckpointException`` (a
+``BaseException``) is raised as the typed error a rank hit (:func:`typed_dcp_errors`). In one
+process, a load that races a save replacing the checkpoint is read again (the record changed:
+:func:`fastckpt.store.snapshot.read_consistently`), so it returns the old or the new state,
+whole.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from fastckpt.dcp.commit import RECORD_NAME
-from fastckpt.dcp.reader import Reader
+from fastckpt.dcp.commit import RECORD_NAME, read_record
+from fastckpt.dcp.metadata import Record
+from fastckpt.dcp.reader import STAGES_READS, Reader
 from fastckpt.dcp.writer import Writer
-from fastckpt.errors import CheckpointMismatchError
+from fastckpt.errors import CheckpointMismatchError, FastCkptError
 from fastckpt.store.dispatch import require_local
+from fastckpt.store.snapshot import read_consistently
 
 __all__ = [
     "async_save_state",
     "contains_dtensors",
     "is_sharded_checkpoint",
+    "load_record_state",
     "load_state",
     "save_state",
+    "single_process",
+    "typed_dcp_error",
+    "typed_dcp_errors",
 ]
 
 
@@ -59,6 +81,88 @@ def contains_dtensors(state: Any) -> bool:
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a committed sharded (DCP) checkpoint directory."""
     return (Path(path) / RECORD_NAME).is_file()
+
+
+def single_process(process_group: Any = None) -> bool:
+    """Whether DCP runs in this process alone (no process group, or a group of one rank):
+    then a load may be retried on its own, without the other ranks."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    return bool(dist.get_world_size(process_group) == 1)
+
+
+def typed_dcp_error(error: CheckpointException) -> BaseException:
+    """The error to raise for DCP's ``CheckpointException``: the first fastckpt error a rank
+    raised (``ChecksumMismatchError`` naming the file, ``CheckpointFormatError``...), else the
+    first ``OSError`` (a missing file, named), else the first ``Exception``; ``error`` itself
+    when no rank raised an ``Exception``. DCP gathers the failures of every rank, so every rank
+    picks the same one."""
+    failures = [failure for _, (failure, _) in sorted(error.failures.items())]
+    for kind in (FastCkptError, OSError, Exception):
+        for failure in failures:
+            if isinstance(failure, kind):
+                return failure
+    return error
+
+
+@contextlib.contextmanager
+def typed_dcp_errors() -> Iterator[None]:
+    """Re-raise DCP's ``CheckpointException`` (a ``BaseException`` that ``except Exception``
+    misses) as :func:`typed_dcp_error` picks it, with the ``CheckpointException`` as its
+    cause."""
+    try:
+        yield
+    except CheckpointException as err:
+        failure = typed_dcp_error(err)
+        if failure is err:
+            raise
+        raise failure from err
+
+
+class _StagedLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that nothing reaches the state before
+    :meth:`apply`: the reader fills a scratch tensor for every tensor item and the values are
+    held, so a load that fails on any rank leaves the state as it was. Items under the
+    top-level keys in ``direct`` (fresh tensors made by the load itself) are read in place.
+    """
+
+    def __init__(self, *, allow_partial_load: bool, direct: set[str]) -> None:
+        super().__init__(allow_partial_load=allow_partial_load)
+        setattr(self, STAGES_READS, True)
+        self._direct = direct
+        self._tensors: list[tuple[ReadItem, torch.Tensor]] = []
+        self._values: list[tuple[ReadItem, bytes]] = []
+
+    def _in_place(self, item: ReadItem) -> bool:
+        path = self.mappings.get(item.dest_index.fqn) if self.flatten_state_dict else None
+        key = str(path[0]) if path else item.dest_index.fqn.split(".")[0]
+        return key in self._direct
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        """A scratch tensor shaped like the target (the target itself for ``direct`` keys)."""
+        target = super().resolve_tensor(read_item)
+        if self._in_place(read_item):
+            return target
+        scratch = torch.empty(target.size(), dtype=target.dtype)
+        self._tensors.append((read_item, scratch))
+        return scratch
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Hold the value for :meth:`apply` (set it at once for ``direct`` keys)."""
+        if self._in_place(read_item):
+            super().load_bytes(read_item, value)
+        else:
+            self._values.append((read_item, value.getvalue()))
+
+    def apply(self) -> None:
+        """Fill the targets from the scratch tensors and set the held values (call it once
+        DCP's load returned, i.e. every rank's reads verified)."""
+        for item, scratch in self._tensors:
+            super().resolve_tensor(item).detach().copy_(scratch)
+        for item, data in self._values:
+            super().load_bytes(item, io.BytesIO(data))
+        self._tensors.clear()
+        self._values.clear()
 
 
 def save_state(
@@ -169,10 +273,16 @@ def load_state(
 ) -> dict[str, Any]:
     """Load a sharded checkpoint, optionally into templates; collective.
 
+    Templates are filled only once every rank read and verified all of its share (see the
+    module docstring); on any error they are as they were. In one process (no process group,
+    or a group of one) a load that races a save replacing ``path`` is read again, so it returns
+    the old or the new checkpoint, whole.
+
     Args:
         path: the checkpoint directory.
         into: ``{key: template}``. Tensor and DTensor leaves are filled in place (resharded as
-            the template's placements say); plain values are replaced; a ``None`` template
+            the template's placements say); plain values are replaced; objects with
+            ``state_dict()``/``load_state_dict()`` get their state loaded; a ``None`` template
             loads that item as full tensors. ``None`` loads every item that way.
         strict: raise on template keys the checkpoint lacks (otherwise they keep their value).
         process_group: the group DCP coordinates on.
@@ -183,19 +293,41 @@ def load_state(
 
     Raises:
         CheckpointMismatchError: dtype/shape mismatch, or (strict) a missing key, by key path.
-        NotCommittedError, CheckpointFormatError: no or a damaged commit record.
-        torch.distributed.checkpoint.api.CheckpointException: a read failed on some rank
-            (e.g. ``ChecksumMismatchError`` naming the file and tensor).
+        NotCommittedError, CheckpointFormatError, ChecksumMismatchError: no or a damaged commit
+            record, a damaged or missing data file (named, with the tensor), on every rank.
+        FileNotFoundError: a data file is missing (named).
     """
     require_local(path, "fastckpt.dcp.load_state", _SHARED_FS)
     root = Path(path)
-    reader = reader or Reader(root)
-    reader.reset(root)
-    metadata = Reader(root).read_metadata()
+
+    def attempt() -> dict[str, Any]:
+        return load_record_state(
+            read_record(root), into, strict=strict, process_group=process_group, reader=reader
+        )
+
+    if not single_process(process_group):
+        return attempt()  # ranks cannot retry one by one: a retry would hang the others
+    return read_consistently(root / RECORD_NAME, attempt)
+
+
+def load_record_state(
+    record: Record,
+    into: Mapping[str, Any] | None = None,
+    *,
+    strict: bool = False,
+    process_group: Any = None,
+    reader: Reader | None = None,
+) -> dict[str, Any]:
+    """:func:`load_state` of an already read commit record (no retry): what is loaded is what
+    ``record`` names, even if a save commits meanwhile (its files then vanish: an error)."""
+    root = record.path.parent
+    metadata = record.metadata
     stored_keys = {str(path[0]) for path in _paths(metadata).values()}
     keys = sorted(stored_keys) if into is None else list(into)
     state: dict[str, Any] = {}
     result: dict[str, Any] = {}
+    fresh: set[str] = set()
+    stateful: dict[str, Any] = {}
     for key in keys:
         template = None if into is None else into[key]
         if key not in stored_keys:
@@ -203,14 +335,27 @@ def load_state(
                 raise CheckpointMismatchError(f"{key}: not in checkpoint {root}")
             result[key] = template
             continue
-        state[key] = _full_template(metadata, key) if template is None else template
+        if template is None:
+            state[key] = _full_template(metadata, key)
+            fresh.add(key)
+        elif isinstance(template, Stateful):
+            stateful[key] = template
+            state[key] = template.state_dict()
+        else:
+            state[key] = template
     _check_templates(root, metadata, state, strict)
     if state:
-        dcp.load(
-            state,
-            storage_reader=reader,
-            planner=DefaultLoadPlanner(allow_partial_load=not strict),
-            process_group=process_group,
-        )
+        reader = reader or Reader(root)
+        reader.reset(root)
+        reader.use_record(record)
+        planner = _StagedLoadPlanner(allow_partial_load=not strict, direct=fresh)
+        with typed_dcp_errors():
+            dcp.load(state, storage_reader=reader, planner=planner, process_group=process_group)
+        planner.apply()
+        # DCP loaded into a copy of the top-level dict: top-level plain values are set there.
+        state.update({key: planner.original_state_dict[key] for key in state})
+        for key, template in stateful.items():
+            template.load_state_dict(state[key])
+            state[key] = template
     result.update(state)
     return {key: result[key] for key in keys}
