@@ -40,9 +40,9 @@ def test_a_timed_out_hook_write_stays_tracked_and_its_failure_is_raised_once(
             with pytest.raises(TimeoutError, match=r"ckpt.*still running") as timeout:
                 hook.save(strategy.context)
             assert timeout.value.errno == errno.ETIMEDOUT
-        with pytest.raises(RuntimeError, match="background checkpoint write") as info:
+        with pytest.raises(NotADirectoryError) as info:  # its own type, as a sync save's
             hook.close()
-        assert isinstance(info.value.__cause__, NotADirectoryError)
+        assert "background checkpoint write" in "\n".join(info.value.__notes__)
         assert hook.last_checkpoint_index is None
     hook.close()  # reported once
 
@@ -196,9 +196,10 @@ def test_failed_background_write_surfaces_once(tmp_path: Path) -> None:
     blocker.write_text("x")
     hook = CheckpointHook(blocker / "ckpt", step_interval=1)
     strategy = support.new_strategy([hook], num_steps=3)
-    with pytest.raises(RuntimeError, match="background checkpoint write") as info:
+    with pytest.raises(NotADirectoryError) as info:  # its own type, as a sync save's
         strategy.run(support.loader())
-    assert isinstance(info.value.__cause__, NotADirectoryError)
+    assert "background checkpoint write" in "\n".join(info.value.__notes__)
+    hook.close()  # raised once: closing again is quiet
 
 
 def saved_steps(root: Path) -> list[int]:

@@ -224,7 +224,9 @@ def test_failed_background_write_is_raised_once_then_usable(tmp_path: Path) -> N
         assert good is not None
         good.result()
         bad = manager.save(blocker / "ckpt", {"x": torch.ones(3)})
-        assert bad is not None and isinstance(bad.exception(), NotADirectoryError)
+        assert bad is not None
+        while not bad.done():  # the Future is not asked: the next save reports the failure
+            pass
         with pytest.raises(
             RuntimeError, match="previous background checkpoint write failed"
         ) as info:
@@ -303,8 +305,7 @@ def test_disk_full_during_async_save(tmp_path: Path) -> None:
             error = full.exception()
             assert isinstance(error, OSError) and error.errno == errno.ENOSPC
             assert "full" in str(error)
-            with pytest.raises(RuntimeError):
-                manager.save(disk / "after", {"x": torch.ones(1)})
+            # Its Future delivered the failure: the next save does not raise it again.
             assert torch.equal(manager.load(disk / "ok")["x"], torch.ones(1 << 18))
             retry = manager.save(disk / "after", {"x": torch.ones(1)})
             assert retry is not None

@@ -23,11 +23,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -40,6 +42,7 @@ __all__ = [
     "CudaStager",
     "Stager",
     "StagerOptions",
+    "WriteFuture",
     "background_executor",
     "make_image_pool",
     "make_stager",
@@ -329,6 +332,70 @@ def make_stager(options: StagerOptions) -> Stager:
 T = TypeVar("T")
 
 
+class WriteFuture(Future[T]):
+    """The Future of one background write; it remembers whether it delivered a failure.
+
+    A failure is reported exactly once: :meth:`result` raising it or :meth:`exception`
+    returning it to the caller counts as reporting it, and :meth:`BackgroundWriter.collect`
+    (the next save) and :meth:`BackgroundWriter.close` then stay quiet about it.
+    """
+
+    def __init__(self) -> None:
+        """A pending Future (the writer thread resolves it)."""
+        super().__init__()
+        self.failure_reported = False
+
+    def result(self, timeout: float | None = None) -> T:
+        """The write's result; its failure is raised (and counts as reported)."""
+        # Waits like result() (TimeoutError, CancelledError), then tells a failure apart.
+        if super().exception(timeout) is not None:
+            self.failure_reported = True
+        return super().result(0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The write's failure or None; a failure returned counts as reported."""
+        error = super().exception(timeout)
+        if error is not None:
+            self.failure_reported = True
+        return error
+
+
+def _stderr_line(message: str) -> None:
+    """Write ``fastckpt: <message>`` to stderr (at interpreter exit, where nobody can catch
+    an error)."""
+    try:
+        sys.stderr.write(f"fastckpt: {message}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # stderr closed or gone: nowhere to say it
+        pass
+
+
+#: Every :class:`BackgroundWriter` that has submitted a write (weakly: a writer that is
+#: garbage collected leaves). :func:`_finish_pending_writes` goes through them at exit.
+_WRITERS: weakref.WeakSet[BackgroundWriter[Any]] = weakref.WeakSet()
+
+
+def _finish_pending_writes() -> None:
+    """At interpreter exit: finish every write still pending (see
+    :meth:`BackgroundWriter.finish_at_exit`)."""
+    for writer in list(_WRITERS):
+        writer.finish_at_exit()
+
+
+# Registered with threading's own exit hooks, which run at the start of interpreter shutdown,
+# before threads are joined and in reverse order of registration: registered after
+# concurrent.futures' (imported above), this runs before it stops accepting work, so a pending
+# write can still start its capture. Plain ``atexit`` runs after that, too late.
+_register_threading_exit = getattr(threading, "_register_atexit", None)
+if _register_threading_exit is not None:
+    with contextlib.suppress(RuntimeError):  # imported during shutdown: too late to register
+        _register_threading_exit(_finish_pending_writes)
+else:  # pragma: no cover - CPython >= 3.9 has it
+    import atexit
+
+    atexit.register(_finish_pending_writes)
+
+
 class BackgroundWriter(Generic[T]):
     """One background checkpoint write in flight at a time, on one lowered-priority thread.
 
@@ -342,22 +409,34 @@ class BackgroundWriter(Generic[T]):
 
     * it succeeded: its result is returned;
     * it failed: its error is raised once, chained (the next write then starts cleanly);
+      a failure its :class:`WriteFuture` already delivered (``result()`` raised it,
+      ``exception()`` returned it) is not raised again;
     * it is still running: ``TimeoutError`` says what is being written, and the write stays
       tracked, so its outcome is reported by a later :meth:`collect` or :meth:`close`.
+
+    A write still tracked when the interpreter exits (its owner never called :meth:`close`)
+    is finished then (:meth:`finish_at_exit`); when it fails or outlasts ``wait_timeout``, a
+    warning on stderr names it.
 
     Args:
         name: the thread name prefix.
         wait_timeout: seconds :meth:`collect` waits for the previous write (None: forever).
+        typed_errors: raise a failed write's own exception (with a note naming the write)
+            instead of a ``RuntimeError`` chained to it.
     """
 
-    def __init__(self, name: str, *, wait_timeout: float | None = None) -> None:
+    def __init__(
+        self, name: str, *, wait_timeout: float | None = None, typed_errors: bool = False
+    ) -> None:
         """Prepare the writer; the thread starts at :meth:`start` (or the first submit)."""
         self.name = name
         self.wait_timeout = wait_timeout
+        self.typed_errors = typed_errors
         self._executor: ThreadPoolExecutor | None = None
         self._capture_executor: ThreadPoolExecutor | None = None
-        self._future: Future[T] | None = None
+        self._future: WriteFuture[T] | None = None
         self._what = ""
+        self._pid = os.getpid()
         self._capture_lock = threading.Lock()
         self._capture_done = threading.Event()
         self._capture_done.set()
@@ -417,13 +496,31 @@ class BackgroundWriter(Generic[T]):
         assert self._executor is not None
         if capture is not None:
             self._capture_done.clear()
+        future: WriteFuture[T] = WriteFuture()
         try:
-            self._future = self._executor.submit(self._run, capture, write)
+            self._executor.submit(self._execute, future, capture, write)
         except BaseException:
             self._capture_done.set()
             raise
+        self._future = future
         self._what = what
-        return self._future
+        self._pid = os.getpid()
+        _WRITERS.add(self)
+        return future
+
+    def _execute(
+        self, future: WriteFuture[T], capture: Callable[[], None] | None, write: Callable[[], T]
+    ) -> None:
+        """The background thread's job: run the write and resolve its Future."""
+        if not future.set_running_or_notify_cancel():  # cancelled before it started
+            self._capture_done.set()
+            return
+        try:
+            result = self._run(capture, write)
+        except BaseException as err:
+            future.set_exception(err)
+        else:
+            future.set_result(result)
 
     def _run(self, capture: Callable[[], None] | None, write: Callable[[], T]) -> T:
         if capture is not None:
@@ -452,7 +549,9 @@ class BackgroundWriter(Generic[T]):
 
         Raises:
             TimeoutError: the write is still running (it stays tracked; the message names it).
-            RuntimeError: the write failed (chained to its error; raised once).
+            RuntimeError: the write failed (chained to its error; raised once, and not at
+                all when its Future already delivered it). With ``typed_errors``: the
+                write's own exception instead.
         """
         return self._collect(self.wait_timeout)
 
@@ -461,7 +560,8 @@ class BackgroundWriter(Generic[T]):
         if future is None:
             return None
         try:
-            error = future.exception(timeout=timeout)
+            # The base class's method: waiting here does not count as the caller seeing it.
+            error = Future.exception(future, timeout=timeout)
         except TimeoutError:
             raise TimeoutError(
                 errno.ETIMEDOUT,
@@ -469,18 +569,73 @@ class BackgroundWriter(Generic[T]):
                 f"{timeout} s; it stays tracked and its outcome is reported by the next save or "
                 "close (raise the wait timeout if writes take this long)",
             ) from None
+        except CancelledError:  # the caller cancelled it before it started: nothing written
+            self._future = None
+            return None
         self._future = None
         if error is not None:
+            if future.failure_reported:
+                return None  # its Future already raised it: reported once
+            if self.typed_errors:
+                error.add_note(
+                    f"raised by the background checkpoint write of {self._what} (reported "
+                    "once, by the call after it)"
+                )
+                raise error
             raise RuntimeError(
                 f"the previous background checkpoint write failed ({self._what}): {error}"
             ) from error
-        return future.result()
+        return Future.result(future)
+
+    def finish_at_exit(self) -> None:
+        """Finish the tracked write at interpreter exit (called by the exit hook).
+
+        Waits up to :attr:`wait_timeout`; a write still running then is named on stderr (a
+        kill from now on loses it) and waited for until it ends. A write that failed, and
+        whose failure nobody was shown, is named on stderr as not saved. Never raises.
+        """
+        future = self._future
+        if future is None or self._pid != os.getpid():  # nothing pending, or a forked child
+            return
+        what = self._what
+        outlasted = False
+        try:
+            try:
+                error = Future.exception(future, timeout=self.wait_timeout)
+            except TimeoutError:
+                outlasted = True
+                _stderr_line(
+                    f"WARNING: the interpreter is exiting while the background checkpoint write of "
+                    f"{what} is still running after {self.wait_timeout} s (close() was not "
+                    "called); waiting for it to end: killing the process now loses it"
+                )
+                error = Future.exception(future)
+        except CancelledError:
+            return
+        except BaseException as err:  # Ctrl-C while waiting: say what may be lost, go on
+            _stderr_line(
+                f"WARNING: interrupted ({type(err).__name__}) while waiting at exit for the "
+                f"background checkpoint write of {what}; it may NOT be saved"
+            )
+            return
+        if error is None:
+            self._future = None
+            if outlasted:
+                _stderr_line(f"the background checkpoint write of {what} ended: it is saved")
+            return
+        if not future.failure_reported:
+            _stderr_line(
+                f"WARNING: {what} was NOT saved: its background checkpoint write failed and "
+                f"close() was not called to report it: {type(error).__name__}: {error}"
+            )
+        self._future = None
 
     def close(self) -> T | None:
         """Wait for the tracked write however long it takes, report it, stop the thread.
 
         Raises:
-            RuntimeError: the tracked write failed (chained to its error).
+            RuntimeError: the tracked write failed (chained to its error; with
+                ``typed_errors``, its own exception), unless its Future already delivered it.
         """
         try:
             return self._collect(None)

@@ -26,7 +26,12 @@ import torch
 
 from fastckpt import components as codec
 from fastckpt import sharded_training, specs, tree
-from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
+from fastckpt.errors import (
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    FastCkptError,
+    UntrustedTargetError,
+)
 from fastckpt.hooks.context import (
     CheckpointableHook,
     MutationGuard,
@@ -34,7 +39,8 @@ from fastckpt.hooks.context import (
     TrainingStage,
 )
 from fastckpt.store.dispatch import use_storage_options
-from fastckpt.store.records import Manifest
+from fastckpt.store.records import MANIFEST, Manifest
+from fastckpt.store.snapshot import read_consistently
 
 __all__ = ["FineTuningStrategy", "OptimizerConfig", "TrainingStrategy"]
 
@@ -379,6 +385,10 @@ class TrainingStrategy:
         except TypeError:
             return MUST_BE_SUPPLIED
 
+    #: The part fields of the sharded save under way (see :meth:`start_sharded_save`), for
+    #: the next :meth:`checkpoint_snapshot` to name in the index.
+    _pending_sharded_part: dict[str, Any] | None = None
+
     @property
     def sharded(self) -> bool:
         """Whether a model is FSDP2-sharded: checkpoints then keep model and optimizer state
@@ -414,14 +424,19 @@ class TrainingStrategy:
         snapshot = codec.create_snapshot(counters=self.counters)
         schedulers = {name: sched.state_dict() for name, sched in self.schedulers.items()}
         self._add_runtime(snapshot, {"schedulers": schedulers})
-        snapshot.json_files["strategy.json"]["sharded"] = {
-            "directory": sharded_training.SHARDED_DIR,
-            "models": {
+        # The part this save wrote (its commit record's crc32c is added once it committed:
+        # the async save fills in this very dict before its future resolves).
+        record = self._pending_sharded_part if self._pending_sharded_part is not None else {}
+        self._pending_sharded_part = None
+        record.update(
+            directory=sharded_training.SHARDED_DIR,
+            models={
                 name: sharded_training.unsharded_spec(model).to_json()
                 for name, model in self.models.items()
             },
-            "optimizers": sorted(self.optimizers),
-        }
+            optimizers=sorted(self.optimizers),
+        )
+        snapshot.json_files["strategy.json"]["sharded"] = record
         return snapshot
 
     def _add_runtime(self, snapshot: codec.Snapshot, extra: dict[str, Any]) -> None:
@@ -476,22 +491,26 @@ class TrainingStrategy:
             return codec.write_snapshot(root, snapshot, checkpoint_index)
         return self._save_sharded(Path(root), checkpoint_index)
 
-    def _sharded_index(self, root: Path, checkpoint_index: int) -> int:
-        """The index every rank saves into: rank 0's choice, broadcast (collective)."""
+    def _sharded_index(self, root: Path, checkpoint_index: int) -> tuple[int, str]:
+        """The index every rank saves into and the fresh part its shards go to: rank 0's
+        choice, broadcast (collective)."""
         import torch.distributed as dist
 
+        from fastckpt.dcp.parts import new_part
+
         rank, world = _world()
-        decided: list[Any] = [None]
+        decided: list[Any] = [None, None]
         if rank == 0:
             latest = Manifest.load(root).latest
             next_index = 0 if latest is None else latest + 1
             decided[0] = next_index if checkpoint_index == -1 else int(checkpoint_index)
+            decided[1] = new_part()
         if world > 1:
             dist.broadcast_object_list(decided, src=0)
         index = int(decided[0])
         if index < 0:
             raise ValueError(f"checkpoint_index must be -1 or >= 0, got {checkpoint_index}")
-        return index
+        return index, str(decided[1])
 
     def start_sharded_save(
         self, root: str | Path, *, writer: Any, process_group: Any = None
@@ -501,33 +520,45 @@ class TrainingStrategy:
 
         Every rank stages its shards into ``writer``'s reused buffers (training may go on once
         this returns) and uploads them in the background on ``process_group`` (a gloo group
-        for checkpoints only). Rank 0 commits the index afterwards, once the returned future
-        resolved: ``write_snapshot(root, snapshot, index)`` with a :meth:`checkpoint_snapshot`
-        taken now.
+        for checkpoints only), into a fresh part of the index. Rank 0 commits the index
+        afterwards, once the returned future resolved: ``write_snapshot(root, snapshot,
+        index)`` with the next :meth:`checkpoint_snapshot`, taken now (it names the part; the
+        part's record checksum is filled in before the future resolves).
 
         Returns:
             The index and the future of the sharded part.
         """
-        index = self._sharded_index(Path(root), -1)
-        future = sharded_training.async_save_sharded(
-            root, index, self.models, self.optimizers, writer=writer, process_group=process_group
+        index, part = self._sharded_index(Path(root), -1)
+        fields, future = sharded_training.async_save_sharded(
+            root,
+            index,
+            part,
+            self.models,
+            self.optimizers,
+            writer=writer,
+            process_group=process_group,
         )
+        self._pending_sharded_part = fields
         return index, future
 
     def _save_sharded(self, root: Path, checkpoint_index: int) -> int:
         import torch.distributed as dist
 
         rank, world = _world()
-        index = self._sharded_index(root, checkpoint_index)
-        sharded_training.save_sharded(root, index, self.models, self.optimizers)
+        index, part = self._sharded_index(root, checkpoint_index)
+        path = sharded_training.save_sharded(root, index, part, self.models, self.optimizers)
         outcome: list[Any] = [None]
         if rank == 0:
             try:
-                codec.write_snapshot(root, self.checkpoint_snapshot(), index)
+                self._pending_sharded_part = sharded_training.part_record(path)
+                codec.write_snapshot(root, self.checkpoint_snapshot(), index)  # the commit
             except Exception as err:
                 if world == 1:
                     raise
                 outcome[0] = f"{type(err).__name__}: {err}"
+            else:
+                with contextlib.suppress(OSError, CheckpointFormatError):  # committed anyway
+                    sharded_training.sweep_parts(root)  # the replaced part, killed saves'
         if world > 1:
             dist.broadcast_object_list(outcome, src=0)  # every rank learns how the commit went
         if outcome[0] is not None:
@@ -548,15 +579,9 @@ class TrainingStrategy:
         Raises:
             ValueError: the checkpoint is component-only, or its models differ from this one's.
         """
-        manifest = Manifest.load(root)
-        index = manifest.resolve(int(checkpoint_index))
-        reader = codec.IndexReader(manifest, index)
-        recipe = _read_recipe(reader)
-        sharded = recipe.get("sharded")
-        if sharded is not None:
-            self._restore_sharded(Path(root), index, sharded, validators)
-            self._restore_runtime(reader, recipe)
-            return index
+        manifest, index, reader, recipe = _read_index(root, checkpoint_index)
+        if recipe.get("sharded") is not None:
+            return self._restore_sharded(Path(root), index, validators)
         entry = manifest.entries[index]
         saved_models = entry.get("components", {}).get("models", [])
         if sorted(saved_models) != sorted(self.models):
@@ -564,6 +589,8 @@ class TrainingStrategy:
                 f"checkpoint {index} has models {sorted(saved_models)}, this strategy has "
                 f"{sorted(self.models)}"
             )
+        # strategy.json / hooks.json are checked before anything live changes.
+        runtime = _parse_runtime(reader, recipe)
         for name, model in self.models.items():
             target = codec.unwrap_model(model)
             target.load_state_dict(reader.tensors(f"models/{name}.safetensors", owned=False))
@@ -575,38 +602,58 @@ class TrainingStrategy:
             optimizer.load_state_dict(state)
         for name, scheduler in self.schedulers.items():
             scheduler.load_state_dict(reader.component_state("schedulers", name, None))
-        self._restore_runtime(reader, recipe)
+        self._apply_runtime(runtime, reader)
         return index
 
-    def _restore_sharded(self, root: Path, index: int, sharded: Any, validators: Any) -> None:
-        if not isinstance(sharded, Mapping) or not isinstance(sharded.get("models"), Mapping):
-            raise CheckpointFormatError(f"{root}/{index}/strategy.json: bad 'sharded' record")
-        if sorted(sharded["models"]) != sorted(self.models):
-            raise ValueError(
-                f"checkpoint {index} has models {sorted(sharded['models'])}, this strategy has "
-                f"{sorted(self.models)}"
-            )
-        path = sharded_training.sharded_path(root, index)
-        sharded_training.load_sharded(path, self.models, self.optimizers)
+    def _restore_sharded(self, root: Path, index: int, validators: Any) -> int:
+        """Restore committed index ``index`` of FSDP2-sharded models: its strategy.json, run
+        state and the part it names, read as one snapshot (in one process, read again when a
+        save replaced the index meanwhile), then applied."""
+
+        def attempt() -> tuple[codec.IndexReader, _Runtime]:
+            manifest = Manifest.load(root)
+            manifest.resolve(index)
+            reader = codec.IndexReader(manifest, index)
+            recipe = _read_recipe(reader)
+            where = f"{reader.directory}/strategy.json"
+            sharded = recipe.get("sharded")
+            if not isinstance(sharded, Mapping) or not isinstance(sharded.get("models"), Mapping):
+                raise CheckpointFormatError(f"{where}: bad 'sharded' record")
+            if sorted(sharded["models"]) != sorted(self.models):
+                raise ValueError(
+                    f"checkpoint {index} has models {sorted(sharded['models'])}, this strategy "
+                    f"has {sorted(self.models)}"
+                )
+            runtime = _parse_runtime(reader, recipe)
+            part = sharded_training.committed_part(root, index, sharded, where)
+            sharded_training.load_sharded(part, self.models, self.optimizers)  # last: applies
+            return reader, runtime
+
+        if _world()[1] == 1:
+            reader, runtime = read_consistently(root / MANIFEST, attempt, lock_root=root)
+        else:  # the ranks cannot retry one by one: a retry would hang the others
+            reader, runtime = attempt()
         for name, model in self.models.items():
             codec.run_validators(validators, name, model)
+        self._apply_runtime(runtime, reader)
+        return index
 
     def _restore_runtime(self, reader: codec.IndexReader, recipe: Mapping[str, Any]) -> None:
-        counters = recipe.get("counters", {})
-        for name in COUNTERS:
-            value = counters.get(name, 0)
-            if not isinstance(value, int):
-                raise CheckpointFormatError(f"strategy.json: counter {name} must be an int")
+        """Restore counters, RNG, data position, scheduler and hook states (checked first:
+        a malformed field is a :class:`CheckpointFormatError` naming its file and field)."""
+        self._apply_runtime(_parse_runtime(reader, recipe), reader)
+
+    def _apply_runtime(self, runtime: _Runtime, reader: codec.IndexReader) -> None:
+        for name, value in runtime.counters.items():
             setattr(self, name, value)
-        runtime = tree.unflatten(recipe.get("runtime"), reader.tensors("strategy.safetensors"))
-        _set_rng_state(runtime["rng"])
-        self._epoch_start_rng = runtime["epoch_start_rng"]
-        for name, state in dict(runtime.get("schedulers") or {}).items():
+        _set_rng_state(runtime.rng)
+        self._epoch_start_rng = runtime.epoch_start_rng
+        where = f"{reader.directory}/strategy.json"
+        for name, state in runtime.schedulers.items():
             if name in self.schedulers:
-                self.schedulers[name].load_state_dict(state)
-        hooks_doc = reader.json("hooks.json")
-        saved = tree.unflatten(hooks_doc.get("hooks", []), reader.tensors("hooks.safetensors"))
-        _restore_hook_states(self.hooks, saved)
+                with _malformed(where, f"runtime.schedulers.{name}"):
+                    self.schedulers[name].load_state_dict(state)
+        _restore_hook_states(self.hooks, runtime.hooks, f"{reader.directory}/hooks.json")
 
     @classmethod
     def load_checkpoint(
@@ -645,10 +692,7 @@ class TrainingStrategy:
                 checkpoint of unsharded models.
         """
         use_storage_options(root, storage_options, "TrainingStrategy.load_checkpoint")
-        manifest = Manifest.load(root)
-        index = manifest.resolve(int(checkpoint_index))
-        peek = codec.IndexReader(manifest, index)
-        recipe = _read_recipe(peek) if "strategy.json" in peek.files else {}
+        _, index, _, recipe = _read_index(root, checkpoint_index, recipe_required=False)
         if recipe.get("sharded") is not None:
             return cls._load_sharded(
                 Path(root),
@@ -760,6 +804,16 @@ class TrainingStrategy:
                 if require_training_fn:
                     raise
                 return None
+        where = f"{reader.directory}/strategy.json"
+        limits = {name: _run_limit(recipe, name, where) for name in ("num_steps", "num_epochs")}
+        configs: dict[str, OptimizerConfig] = {}
+        optimizer_configs = recipe.get("optimizer_configs") or {}
+        if not isinstance(optimizer_configs, Mapping):
+            raise CheckpointFormatError(f"{where}: field 'optimizer_configs' must be an object")
+        for name, data in optimizer_configs.items():
+            with _malformed(where, f"optimizer_configs.{name}"):
+                configs[name] = OptimizerConfig.from_json(data)
+        runtime = _parse_runtime(reader, recipe)
         live_models = {name: record["model"] for name, record in models.items()}
         strategy = cls.__new__(cls)
         TrainingStrategy.__init__(
@@ -768,8 +822,8 @@ class TrainingStrategy:
             None,
             fn,
             hooks or (),
-            recipe.get("num_steps"),
-            recipe.get("num_epochs"),
+            limits["num_steps"],
+            limits["num_epochs"],
             map_location,
         )
         for record in models.values():
@@ -777,9 +831,8 @@ class TrainingStrategy:
                 strategy.optimizers[opt_name] = item["optimizer"]
             for sched_name, item in record["schedulers"].items():
                 strategy.schedulers[sched_name] = item["scheduler"]
-        for name, data in dict(recipe.get("optimizer_configs") or {}).items():
-            strategy.optimizer_configs[name] = OptimizerConfig.from_json(data)
-        strategy._restore_runtime(reader, recipe)
+        strategy.optimizer_configs.update(configs)
+        strategy._apply_runtime(runtime, reader)
         return strategy
 
 
@@ -800,6 +853,24 @@ def _recorded_training_fn(
     return specs.resolve_training_fn(path, trusted, models=models)
 
 
+def _read_index(
+    root: str | Path, checkpoint_index: int, *, recipe_required: bool = True
+) -> tuple[Manifest, int, codec.IndexReader, dict[str, Any]]:
+    """The manifest, the resolved index, its reader and its recipe (``{}`` when it has none
+    and ``recipe_required`` is False), read as one snapshot: a save replacing the index
+    meanwhile makes it read again (see :func:`fastckpt.store.snapshot.read_consistently`)."""
+
+    def attempt() -> tuple[Manifest, int, codec.IndexReader, dict[str, Any]]:
+        manifest = Manifest.load(root)
+        index = manifest.resolve(int(checkpoint_index))
+        reader = codec.IndexReader(manifest, index)
+        if not recipe_required and "strategy.json" not in reader.files:
+            return manifest, index, reader, {}
+        return manifest, index, reader, _read_recipe(reader)
+
+    return read_consistently(Path(root) / MANIFEST, attempt, lock_root=Path(root))
+
+
 def _read_recipe(reader: codec.IndexReader) -> dict[str, Any]:
     if "strategy.json" not in reader.files:
         raise ValueError(
@@ -812,10 +883,140 @@ def _read_recipe(reader: codec.IndexReader) -> dict[str, Any]:
     return recipe
 
 
-def _restore_hook_states(hooks: Sequence[Any], saved: Any) -> None:
-    """Give each checkpointable hook the state saved for its class and occurrence."""
+#: What a field of a hostile strategy.json / hooks.json makes the parsing code raise.
+_MALFORMED = (AttributeError, KeyError, TypeError, ValueError, IndexError, OverflowError)
+
+
+@contextlib.contextmanager
+def _malformed(where: str, field_path: str) -> Iterator[None]:
+    """Re-raise what a malformed field makes the code in the block raise as a
+    :class:`CheckpointFormatError` naming the file (``where``) and the field."""
+    try:
+        yield
+    except CheckpointFormatError as err:
+        if where in str(err):
+            raise
+        raise CheckpointFormatError(f"{where}: field {field_path!r}: {err}") from err
+    except (UntrustedTargetError, CheckpointMismatchError):
+        raise
+    except (*_MALFORMED, RuntimeError) as err:
+        raise CheckpointFormatError(
+            f"{where}: field {field_path!r} is malformed ({type(err).__name__}: {err}); the "
+            "checkpoint was edited or is damaged"
+        ) from err
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _run_limit(recipe: Mapping[str, Any], name: str, where: str) -> int | None:
+    """``num_steps`` / ``num_epochs`` of a recipe: None or an int >= 0."""
+    value = recipe.get(name)
+    if value is not None and not _is_count(value):
+        raise CheckpointFormatError(
+            f"{where}: field {name!r} must be null or an integer >= 0, got {value!r}"
+        )
+    return value
+
+
+@dataclass
+class _Runtime:
+    """The run state of a strategy checkpoint (counters, RNG, data position, scheduler and
+    hook states), parsed and checked before any of it is applied."""
+
+    counters: dict[str, int]
+    rng: dict[str, Any]
+    epoch_start_rng: torch.Tensor | None
+    schedulers: dict[str, Any]
+    hooks: list[dict[str, Any]]
+
+
+def _check_rng_state(state: Any) -> None:
+    """Apply an RNG state to scratch generators: whatever they refuse, the process's own
+    generators would refuse half-way."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"must be an object, got {type(state).__name__}")
+    version, internal, gauss = state["python"]
+    random.Random().setstate((version, tuple(int(x) for x in internal.tolist()), gauss))
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    np.random.RandomState().set_state(
+        (np_name, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss)
+    )
+    _check_torch_rng(state["torch"])
+    if "cuda" in state:
+        if not isinstance(state["cuda"], (list, tuple)):
+            raise TypeError(f"'cuda' must be a list, got {type(state['cuda']).__name__}")
+        for device_state in state["cuda"]:
+            _check_torch_rng(device_state)
+
+
+def _check_torch_rng(state: Any) -> None:
+    if not isinstance(state, torch.Tensor):
+        raise TypeError(f"a torch RNG state must be a tensor, got {type(state).__name__}")
+    torch.Generator().set_state(state)
+
+
+def _parse_runtime(reader: codec.IndexReader, recipe: Mapping[str, Any]) -> _Runtime:
+    """Read and check the run state of ``reader``'s index (``recipe``: its strategy.json).
+
+    Raises:
+        CheckpointFormatError: a field of strategy.json or hooks.json is malformed (named).
+    """
+    where = f"{reader.directory}/strategy.json"
+    counters = recipe.get("counters", {})
+    if not isinstance(counters, Mapping):
+        raise CheckpointFormatError(f"{where}: field 'counters' must be an object")
+    parsed: dict[str, int] = {}
+    for name in COUNTERS:
+        value = counters.get(name, 0)
+        if not _is_count(value):
+            raise CheckpointFormatError(
+                f"{where}: field 'counters.{name}' must be an integer >= 0, got {value!r}"
+            )
+        parsed[name] = value
+    tensors = reader.tensors("strategy.safetensors")
+    with _malformed(where, "runtime"):
+        runtime = tree.unflatten(recipe.get("runtime"), tensors, "runtime")
+    if not isinstance(runtime, dict):
+        raise CheckpointFormatError(f"{where}: field 'runtime' must be an object")
+    with _malformed(where, "runtime.rng"):
+        _check_rng_state(runtime.get("rng"))
+    epoch_start_rng = runtime.get("epoch_start_rng")
+    if epoch_start_rng is not None:
+        with _malformed(where, "runtime.epoch_start_rng"):
+            _check_torch_rng(epoch_start_rng)
+    schedulers = runtime.get("schedulers") or {}
+    if not isinstance(schedulers, dict):
+        raise CheckpointFormatError(f"{where}: field 'runtime.schedulers' must be an object")
+    hooks_where = f"{reader.directory}/hooks.json"
+    hooks_doc = reader.json("hooks.json")
+    if not isinstance(hooks_doc, Mapping):
+        raise CheckpointFormatError(f"{hooks_where}: must be an object")
+    hook_tensors = reader.tensors("hooks.safetensors")
+    with _malformed(hooks_where, "hooks"):
+        saved = tree.unflatten(hooks_doc.get("hooks", []), hook_tensors, "hooks")
     if not isinstance(saved, list):
-        raise CheckpointFormatError("hooks.json: 'hooks' must be a list")
+        raise CheckpointFormatError(f"{hooks_where}: field 'hooks' must be a list")
+    for i, item in enumerate(saved):
+        if (
+            not isinstance(item, dict)
+            or not isinstance(item.get("class"), str)
+            or not _is_count(item.get("occurrence"))
+            or "state" not in item
+        ):
+            raise CheckpointFormatError(
+                f"{hooks_where}: field 'hooks[{i}]' must be an object with 'class' (a string), "
+                f"'occurrence' (an integer >= 0) and 'state'"
+            )
+    return _Runtime(parsed, runtime["rng"], epoch_start_rng, schedulers, saved)
+
+
+def _restore_hook_states(hooks: Sequence[Any], saved: Any, where: str = "hooks.json") -> None:
+    """Give each checkpointable hook the state saved for its class and occurrence; a state
+    the hook refuses is a :class:`CheckpointFormatError` naming ``where`` and the entry."""
+    if not isinstance(saved, list):
+        raise CheckpointFormatError(f"{where}: field 'hooks' must be a list")
     live: dict[tuple[str, int], Any] = {}
     occurrences: dict[str, int] = {}
     for hook in hooks:
@@ -824,7 +1025,7 @@ def _restore_hook_states(hooks: Sequence[Any], saved: Any) -> None:
             occurrence = occurrences.get(cls_path, 0)
             occurrences[cls_path] = occurrence + 1
             live[(cls_path, occurrence)] = hook
-    for item in saved:
+    for i, item in enumerate(saved):
         key = (item.get("class"), item.get("occurrence"))
         hook = live.get(key)
         if hook is None:
@@ -834,7 +1035,15 @@ def _restore_hook_states(hooks: Sequence[Any], saved: Any) -> None:
                 stacklevel=3,
             )
             continue
-        hook.load_state_dict(item["state"])
+        try:
+            hook.load_state_dict(item["state"])
+        except FastCkptError:
+            raise
+        except (*_MALFORMED, RuntimeError) as err:
+            raise CheckpointFormatError(
+                f"{where}: field 'hooks[{i}].state': {key[0]} refused it "
+                f"({type(err).__name__}: {err})"
+            ) from err
 
 
 class FineTuningStrategy(TrainingStrategy):

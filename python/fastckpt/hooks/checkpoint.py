@@ -130,8 +130,9 @@ class CheckpointHook:
         # The step count of the last save and of the run's start (for save_last).
         self._saved_step: int | None = None
         self._start_step: int | None = None
+        # A failed background write is raised with its own type, as a sync save raises it.
         self._writer: BackgroundWriter[int] = BackgroundWriter(
-            "fastckpt-hook", wait_timeout=wait_timeout_secs
+            "fastckpt-hook", wait_timeout=wait_timeout_secs, typed_errors=True
         )
         options = StagerOptions(pinned=_cuda_available(), non_blocking=_cuda_available())
         self._stager: Stager = make_stager(options)
@@ -162,8 +163,13 @@ class CheckpointHook:
     def close(self) -> None:
         """Wait for the pending write and stop the background writer.
 
+        A hook that is never closed (entered by hand, the process ends) still has its
+        pending write finished at interpreter exit; a failure then is named on stderr.
+
         Raises:
-            RuntimeError: the pending background write failed (chained to its error).
+            Exception: the pending background write failed: its own error (``OSError``,
+                ``AccessDeniedError``, ``CheckpointFormatError``, ...), with a note naming
+                the write; raised once.
         """
         self._record(self._writer.close())
 
@@ -263,10 +269,11 @@ class CheckpointHook:
         """Capture the strategy now and write it (in the background when async).
 
         Raises:
-            RuntimeError: no strategy in ``ctx.workflow``, the async writer was not started, or
-                the previous background write failed.
+            RuntimeError: no strategy in ``ctx.workflow``, or the async writer was not started.
             TimeoutError: the previous background write is still running after
                 ``wait_timeout_secs`` (it stays tracked).
+            Exception: the previous background write failed: its own error, with a note
+                naming it (raised once; as a sync save would raise it).
         """
         if ctx.workflow is None:
             raise RuntimeError(
@@ -292,7 +299,7 @@ class CheckpointHook:
         # Buffers change outside the optimizer step: copied now, on the training thread.
         self._stage(snapshot, only_volatile=True)
         self._writer.submit(
-            display_path(self.checkpoint_dir),
+            f"{display_path(self.checkpoint_dir)} (the save at step {ctx.step_count})",
             lambda: self._write(snapshot),
             capture=lambda: self._stage(snapshot, only_volatile=False),
         )
@@ -338,7 +345,11 @@ class CheckpointHook:
             if snapshot is not None:
                 self._stage(snapshot, only_volatile=False)
 
-        self._writer.submit(str(self.checkpoint_dir), write, capture=capture)
+        self._writer.submit(
+            f"{display_path(self.checkpoint_dir)} (the save at step {ctx.step_count})",
+            write,
+            capture=capture,
+        )
 
     def _sharded_writer(self) -> tuple[Any, Any]:
         """This hook's DCP writer and checkpoint process group, made at the first async

@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
@@ -48,6 +48,7 @@ __all__ = [
     "json_bytes",
     "load_json",
     "new_generation",
+    "read_by_size",
     "read_commit_record",
     "read_record_bytes",
     "record_file",
@@ -115,6 +116,29 @@ def load_json(path: str | os.PathLike[str], raw: bytes) -> Any:
         raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from None
 
 
+def read_by_size(handle: BinaryIO, size: int, limit: int) -> bytes:
+    """Read an open file whose ``fstat`` size is ``size``, never more than ``limit`` + 1 bytes.
+
+    Asks for ``size`` + 1 bytes (the one more shows whether the file grew since the
+    ``fstat``) and only if it did reads on, in 1 MiB pieces, until the end or past ``limit``:
+    a small record never needs the cap's worth of memory (an up-front buffer of the cap fails
+    under ``ulimit -v`` however small the file is). The caller compares the length with
+    ``limit``.
+    """
+    data = handle.read(min(size, limit) + 1)
+    if len(data) <= size:
+        return data
+    pieces = [data]
+    total = len(data)
+    while total <= limit:
+        piece = handle.read(min(1 << 20, limit + 1 - total))
+        if not piece:
+            break
+        pieces.append(piece)
+        total += len(piece)
+    return b"".join(pieces)
+
+
 def read_record_bytes(directory: str | os.PathLike[str], name: str) -> bytes:
     """The bytes of the record ``name`` of ``directory`` (``manifest.json``, ``commit.json``).
 
@@ -138,7 +162,7 @@ def read_record_bytes(directory: str | os.PathLike[str], name: str) -> bytes:
             raise CheckpointFormatError(
                 f"{path}: {size} bytes, more than the {MAX_RECORD_BYTES} a record may have"
             )
-        data = handle.read(MAX_RECORD_BYTES + 1)
+        data = read_by_size(handle, size, MAX_RECORD_BYTES)
     if len(data) > MAX_RECORD_BYTES:
         raise CheckpointFormatError(
             f"{path}: grew past the {MAX_RECORD_BYTES} bytes a record may have"
