@@ -102,7 +102,7 @@ class _ManagerConfig(StrictConfig):
             checkpoint is durable and committed: before a sync ``save`` returns; for async
             saves on the writer thread, before the Future resolves. An exception in it fails
             that save like a write failure (raised by sync ``save``; for async, by the Future,
-            the next ``save`` and ``close``). ``logger`` is the ``logging.Logger``
+            or else once by the next ``save`` or ``close``). ``logger`` is the ``logging.Logger``
             ``"fastckpt.manager"`` (torch_checkpointing passes its EventLogger there).
         incremental: tensors unchanged since the manager's previous save (same directory or
             a sibling, or the ``base=`` of ``save``) are kept as hard links to that
@@ -317,7 +317,9 @@ class CheckpointManager:
 
         Raises:
             RuntimeError: the manager is closed, or the previous background write failed
-                (raised once; the next save works).
+                and its Future did not deliver the failure (``result()`` raising it or
+                ``exception()`` returning it): each failure is raised once; the next save
+                works.
             TimeoutError: the previous background write is still running after
                 ``wait_timeout_secs`` (nothing new is started; it stays tracked).
             ValueError / KeyError / TypeError: invalid keys or values, or a ``base`` that is
@@ -678,8 +680,12 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait until the last checkpoint is durable, then release the writer. Idempotent.
 
+        A manager never closed still has its last write finished at interpreter exit (a
+        failure then is named on stderr); closing reports it here instead.
+
         Raises:
-            RuntimeError: the last background write failed (chained to its error).
+            RuntimeError: the last background write failed (chained to its error) and its
+                Future did not deliver the failure.
         """
         if self._closed:
             return
