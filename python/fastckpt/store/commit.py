@@ -330,6 +330,10 @@ class IndexWriter(DirectoryWriter):
             manifest.entries[self.index] = {**entry, "files": self.files}
             try:
                 manifest.commit()
+            except FileExistsError:
+                # Another writer committed first (an object store's conditional put, or a
+                # lost lease): what is at self.final may be its objects by now; leave them.
+                raise
             except BaseException:
                 self.backend.delete(self.final)
                 raise

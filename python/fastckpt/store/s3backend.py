@@ -17,12 +17,20 @@ without rename or directories:
   :class:`~fastckpt.store.s3errors.CommitConflictError` instead of overwriting a commit;
 * :meth:`S3Backend.lock` is :class:`S3RootLock`, a lease held as the object
   ``ROOT/.fastckpt.lock``, created conditionally, renewed by a heartbeat and taken over once
-  its holder stopped renewing it (a killed holder blocks others for at most ``ttl_s``).
+  its holder stopped renewing it (a killed holder blocks others for at most ``lease_ttl_s``);
+* while this process holds a root's lease, the backend *fences* every write under that root
+  with it: objects are written and deleted only while the lease is still this holder's
+  (:meth:`S3RootLock.check`), and a commit record is replaced only if it is still the version
+  this holder first read under the lease or last wrote (not a version re-read just before the
+  put), right after a conditional renewal of the lease. A writer that was paused past its
+  lease and taken over gets :class:`~fastckpt.store.s3errors.LeaseLostError` and commits and
+  deletes nothing.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -56,7 +64,12 @@ from fastckpt.store.s3copy import (
     put_tensors_copying,
     remember_written,
 )
-from fastckpt.store.s3errors import CommitConflictError, ObjectNotFoundError
+from fastckpt.store.s3errors import (
+    CommitConflictError,
+    LeaseLostError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+)
 from fastckpt.store.s3tensors import get_tensors, put_tensors
 
 __all__ = [
@@ -67,6 +80,7 @@ __all__ = [
     "register_storage_options",
 ]
 
+_LOG = logging.getLogger(__name__)
 _READ_PIECE = 16 << 20
 _MAX_HEADER = 100 << 20  # the safetensors limit on a header's size
 _OPTIONS: dict[str, S3Options] = {}
@@ -121,6 +135,18 @@ class S3Backend(StorageBackend):
             raise ValueError(f"{url} is not in bucket {self.client.bucket_url.bucket!r}")
         return url.prefix
 
+    def fence(self, key: str) -> S3RootLock | None:
+        """Before a write of ``key``: the lease this process holds on its root, checked
+        (None: no lease covers it).
+
+        Raises:
+            LeaseLostError: the lease was taken over (nothing may be written any more).
+        """
+        lease = held_lease(self.client, key)
+        if lease is not None:
+            lease.check()
+        return lease
+
     # ------------------------------------------------------------------------------- reading
 
     def stat(self, path: Path) -> ObjectInfo:
@@ -145,14 +171,19 @@ class S3Backend(StorageBackend):
     def read_bytes(self, path: Path, *, limit: int = MAX_RECORD_BYTES) -> bytes:
         """One GET; remembers the version read, for a later conditional :meth:`put_record`."""
         key = self._key(path)
+        lease = held_lease(self.client, key)
         try:
             data, meta = self.client.get(key, limit=limit)
         except ObjectNotFoundError:
             with self._etags_lock:
                 self._etags[key] = None
+            if lease is not None:
+                lease.saw_version(key, None)
             raise
         with self._etags_lock:
             self._etags[key] = meta.etag
+        if lease is not None:
+            lease.saw_version(key, meta.etag)
         return data
 
     def read_range(self, path: Path, offset: int, length: int) -> bytes:
@@ -241,13 +272,25 @@ class S3Backend(StorageBackend):
     def put_record(self, path: Path, data: bytes) -> None:
         """Replace a commit record only if it is still the version last read here.
 
+        Under a lease this process holds on the record's root, "last read" is the version
+        this holder *first* read under the lease (or last wrote itself): a record another
+        writer committed meanwhile is never overwritten, however often it was re-read. The
+        lease is renewed (conditionally) right before the put.
+
         Raises:
+            LeaseLostError: this holder's lease was taken over; nothing was written.
             CommitConflictError: another writer replaced (or created) it meanwhile.
         """
         key = self._key(path)
-        with self._etags_lock:
-            known = key in self._etags
-            etag = self._etags.get(key)
+        lease = held_lease(self.client, key)
+        known, etag = False, None
+        if lease is not None:
+            lease.confirm()
+            known, etag = lease.record_version(key)
+        if not known:
+            with self._etags_lock:
+                known = key in self._etags
+                etag = self._etags.get(key)
         if not known:
             try:
                 etag = self.client.head(key).etag
@@ -257,10 +300,17 @@ class S3Backend(StorageBackend):
         new_etag = self.client.put(key, data, mode=mode)
         with self._etags_lock:
             self._etags[key] = new_etag
+        if lease is not None:
+            lease.saw_version(key, new_etag, wrote=True)
 
     def delete(self, path: Path) -> None:
-        """Remove the object at ``path`` and everything under it (unfinished uploads too)."""
+        """Remove the object at ``path`` and everything under it (unfinished uploads too).
+
+        Raises:
+            LeaseLostError: under a root whose lease this process lost (nothing deleted).
+        """
         key = self._key(path)
+        self.fence(key)
         folder = key.rstrip("/") + "/"
         for upload in self.client.pending_uploads(folder):
             self.client.abort_upload(upload)
@@ -273,8 +323,11 @@ class S3Backend(StorageBackend):
             self._etags.pop(key, None)
 
     def lock(self, root: Path, *, timeout: float | None = None) -> S3RootLock:
-        """The lease lock of ``root`` (:class:`S3RootLock`, not yet acquired)."""
-        return S3RootLock(self.client, S3Url.parse(root), timeout=timeout)
+        """The lease lock of ``root`` (:class:`S3RootLock`, not yet acquired; its time to
+        live is the client's ``lease_ttl_s`` option)."""
+        return S3RootLock(
+            self.client, S3Url.parse(root), timeout=timeout, ttl_s=self.client.options.lease_ttl_s
+        )
 
 
 class S3Staging(Staging):
@@ -293,6 +346,15 @@ class S3Staging(Staging):
         self.final = Path(str(url))
         self.files = {}
         self.copied_bytes = 0
+        #: The lease this process held on the container's root when staging began: every
+        #: write is fenced with it (see :meth:`S3RootLock.check`).
+        self.lease = held_lease(backend.client, url.prefix)
+
+    def _fence(self, key: str) -> None:
+        if self.lease is not None:
+            self.lease.check()
+        else:
+            self.backend.fence(key)
 
     @property
     def location(self) -> str:
@@ -307,7 +369,9 @@ class S3Staging(Staging):
 
     def put_bytes(self, relpath: str, data: bytes) -> FileRecord:
         """One PUT; records size and crc32c."""
-        self.backend.client.put(self._key(relpath), data)
+        key = self._key(relpath)
+        self._fence(key)
+        self.backend.client.put(key, data)
         record = {"size": len(data), "crc32c": _native.crc32c(data)}
         self.files[relpath] = record
         return record
@@ -329,6 +393,7 @@ class S3Staging(Staging):
         """
         client = self.backend.client
         key = self._key(relpath)
+        self._fence(key)
         if copies:
             report = put_tensors_copying(client, key, tensors, self._locate(copies))
             self.copied_bytes += report["copied_bytes"]
@@ -393,6 +458,7 @@ class S3Staging(Staging):
         source = S3Url.parse(location)
         if source != self.url:
             client = self.backend.client
+            self._fence(self._key(relpath))
             try:
                 obstore.copy(client.store, source.key(relpath), self._key(relpath))
             except Exception as err:
@@ -403,9 +469,45 @@ class S3Staging(Staging):
         """Nothing to do: the files are in place; the commit record, written next, commits."""
 
     def discard(self) -> None:
-        """Delete the files put so far (best effort is not enough: errors propagate)."""
-        self.backend.client.delete([self.url.key(relpath) for relpath in self.files])
+        """Delete the files put so far (best effort is not enough: errors propagate).
+
+        Staged under a root's lease, they are deleted only while that lease is still held:
+        once it was lost (or released), the keys may hold the next writer's objects, so they
+        are left to its clean-up (a newer index's leftovers go when that index is written).
+        """
+        keys = [self.url.key(relpath) for relpath in self.files]
         self.files = {}
+        if not keys:
+            return
+        if self.lease is not None:
+            try:
+                self.lease.check()
+            except LeaseLostError as err:
+                _LOG.warning("%s: not deleting what this save wrote: %s", self.url, err)
+                return
+        else:
+            self.backend.fence(keys[0])
+        self.backend.client.delete(keys)
+
+
+#: Leases held by this process: (endpoint, bucket, root prefix) -> the lock holding it.
+_HELD: dict[tuple[str | None, str, str], S3RootLock] = {}
+#: Owner ids of this process's leases that may still be stored although no lock uses them any
+#: more (a release or an acquire that failed mid-outage): the next acquire takes them over at
+#: once instead of waiting for them to expire.
+_ABANDONED: set[str] = set()
+_HELD_LOCK = threading.Lock()
+
+
+def held_lease(client: S3Client, key: str) -> S3RootLock | None:
+    """The lease this process holds on a root containing object ``key`` (None: none)."""
+    with _HELD_LOCK:
+        for (endpoint, bucket, root), lock in _HELD.items():
+            if endpoint != client.endpoint or bucket != client.bucket_url.bucket:
+                continue
+            if not root or key == root or key.startswith(root + "/"):
+                return lock
+    return None
 
 
 class S3RootLock:
@@ -416,6 +518,16 @@ class S3RootLock:
     its own version). A lease that was not renewed before its expiry belongs to a dead or
     stuck holder and is taken over, again conditionally, so two waiters never both win.
     Clocks of the hosts involved must agree to well within ``ttl_s``.
+
+    The lease *fences* its holder (see :class:`S3Backend`): while it is held, every write
+    under the root first checks it (:meth:`check`), each commit record is replaced only if it
+    is still the version this holder first read under the lease (or last wrote itself), and
+    right before such a put the lease is renewed conditionally (:meth:`confirm`). A holder
+    that was paused or cut off past its expiry and taken over therefore gets
+    :class:`~fastckpt.store.s3errors.LeaseLostError` instead of committing or deleting
+    anything. What it cannot fence: a holder paused for more than ``ttl_s`` in the moment
+    between its last check and the request that follows (milliseconds); S3 has no
+    conditional write spanning two objects.
 
     Raises (``acquire``):
         TimeoutError: ``timeout`` elapsed (names the lock object and its holder).
@@ -430,33 +542,48 @@ class S3RootLock:
         ttl_s: float = 30.0,
     ) -> None:
         self.client = client
+        self.root = root
         self.key = root.key(LOCK_FILE)
         self.path = Path(client.url(self.key))
         self.timeout = timeout
         self.ttl_s = ttl_s
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._etag: str | None = None
+        self._expires = 0.0  # wall-clock expiry written into the lease last
+        self._lost = False
+        self._versions: dict[str, str | None] = {}  # record key -> etag under this lease
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._state_lock = threading.Lock()
 
     @property
     def held(self) -> bool:
-        """Whether this object holds the lease."""
-        return self._etag is not None
+        """Whether this object holds the lease (as far as it knows: see :meth:`check`)."""
+        return self._etag is not None and not self._lost
 
-    def _body(self) -> bytes:
-        return json.dumps({"owner": self.owner, "expires": time.time() + self.ttl_s}).encode()
+    @property
+    def lost(self) -> bool:
+        """Whether the lease was taken over while this object held it (stays True after
+        :meth:`release`, until the next :meth:`acquire`)."""
+        return self._lost
+
+    def _body(self) -> tuple[bytes, float]:
+        expires = time.time() + self.ttl_s
+        return json.dumps({"owner": self.owner, "expires": expires}).encode(), expires
+
+    def _registry_key(self) -> tuple[str | None, str, str]:
+        return (self.client.endpoint, self.root.bucket, self.root.prefix)
 
     def acquire(self) -> None:
         """Block until the lease is held (see the class docstring)."""
-        if self.held:
+        if self._etag is not None:
             raise RuntimeError(f"{self.path}: already held by this lock")
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         holder = "unknown"
         while True:
+            body, expires = self._body()
             try:
-                self._etag = self.client.put(self.key, self._body(), mode="create")
+                self._etag = self._put(body, "create")
                 break
             except CommitConflictError:
                 pass
@@ -464,8 +591,13 @@ class S3RootLock:
                 raw, meta = self.client.get(self.key, limit=1 << 16)
                 lease = json.loads(raw)
                 holder = str(lease.get("owner"))
-                if float(lease["expires"]) < time.time():
-                    self._etag = self.client.put(self.key, self._body(), mode={"e_tag": meta.etag})
+                with _HELD_LOCK:
+                    ours = holder in _ABANDONED
+                if ours or float(lease["expires"]) < time.time():
+                    body, expires = self._body()
+                    self._etag = self._put(body, {"e_tag": meta.etag})
+                    with _HELD_LOCK:
+                        _ABANDONED.discard(holder)
                     break
             except (ObjectNotFoundError, CommitConflictError):
                 continue  # released or taken over meanwhile: try again at once
@@ -479,35 +611,143 @@ class S3RootLock:
                     f"a dead holder's lease expires {self.ttl_s} s after its last renewal"
                 )
             time.sleep(0.2)
+        self._expires = expires
+        self._lost = False
+        self._versions = {}
+        with _HELD_LOCK:
+            _HELD[self._registry_key()] = self
         self._stop.clear()
         self._renewer = threading.Thread(target=self._renew, daemon=True, name="s3-lease")
         self._renewer.start()
 
+    def _put(self, body: bytes, mode: str | dict[str, Any]) -> str | None:
+        """Write the lease conditionally; an outcome the store did not report (the request
+        failed, it may have landed) marks this owner's lease as abandoned."""
+        try:
+            return self.client.put(self.key, body, mode=mode)
+        except CommitConflictError:
+            raise
+        except ObjectStoreError:
+            with _HELD_LOCK:
+                _ABANDONED.add(self.owner)
+            raise
+
+    def _renew_once(self) -> None:
+        """One conditional renewal (caller holds ``_state_lock``).
+
+        Raises:
+            LeaseLostError: another writer took the lease over.
+        """
+        if self._lost or self._etag is None:
+            raise self._lost_error()
+        body, expires = self._body()
+        try:
+            self._etag = self.client.put(self.key, body, mode={"e_tag": self._etag})
+        except (CommitConflictError, ObjectNotFoundError):
+            self._lost = True
+            raise self._lost_error() from None
+        self._expires = expires
+
+    def _lost_error(self) -> LeaseLostError:
+        if not self._lost:
+            return LeaseLostError(
+                f"{self.client.url(self.root.prefix)}: this writer no longer holds its lease "
+                f"{self.path} (released), so it writes and deletes nothing more under the root"
+            )
+        try:
+            raw, _ = self.client.get(self.key, limit=1 << 16)
+            holder = str(json.loads(raw).get("owner"))
+        except Exception:
+            holder = "nobody now"
+        late = max(0.0, time.time() - (self._expires - self.ttl_s))
+        return LeaseLostError(
+            f"{self.client.url(self.root.prefix)}: this writer lost its lease {self.path} "
+            f"(held by {holder} now) after {late:.1f} s without renewing it (lease_ttl_s="
+            f"{self.ttl_s}); another writer may have saved since, so this one commits and "
+            "deletes nothing: load the latest checkpoint and save again (raise lease_ttl_s if "
+            "writers pause that long)"
+        )
+
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             with self._state_lock:
-                if self._etag is None:
+                if self._etag is None or self._lost:
                     return
                 try:
-                    self._etag = self.client.put(self.key, self._body(), mode={"e_tag": self._etag})
+                    self._renew_once()
+                except LeaseLostError:
+                    return  # fenced: every later write of this holder is refused
                 except Exception:
-                    return  # lost or unreachable: the conditional record put still guards
+                    continue  # unreachable for now: the next renewal (or check) tells
+
+    def check(self) -> None:
+        """Refuse to go on once the lease is lost: raises at once when a renewal found it
+        taken over, and renews it (conditionally) first when its expiry is near or past,
+        e.g. after the process was paused. Cheap otherwise (no request).
+
+        Raises:
+            LeaseLostError: another writer took it over.
+        """
+        with self._state_lock:
+            if self._lost or self._etag is None:
+                raise self._lost_error()
+            if time.time() < self._expires - self.ttl_s / 3:
+                return
+            self._renew_once()
+
+    def confirm(self) -> None:
+        """Renew the lease now (conditionally on this holder's version), so that the request
+        that follows, a commit, runs with a whole ``ttl_s`` ahead of it.
+
+        Raises:
+            LeaseLostError: another writer took it over.
+        """
+        with self._state_lock:
+            self._renew_once()
+
+    def record_version(self, key: str) -> tuple[bool, str | None]:
+        """``(known, etag)`` of commit record ``key`` under this lease (``etag`` None: absent)."""
+        with self._state_lock:
+            return key in self._versions, self._versions.get(key)
+
+    def saw_version(self, key: str, etag: str | None, *, wrote: bool = False) -> None:
+        """Remember the version of record ``key`` this holder read (only the first read under
+        the lease counts: later reads do not move it) or ``wrote`` (always)."""
+        with self._state_lock:
+            if wrote or key not in self._versions:
+                self._versions[key] = etag
 
     def release(self) -> None:
-        """Stop renewing and remove the lease (if it is still ours)."""
+        """Stop renewing and remove the lease (if it is still ours). Never raises for an
+        unreachable store: the lease is then left (logged), and the next acquire of this
+        process takes it over at once (other processes: once it expired)."""
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join()
             self._renewer = None
+        with _HELD_LOCK:
+            if _HELD.get(self._registry_key()) is self:
+                del _HELD[self._registry_key()]
         with self._state_lock:
             etag, self._etag = self._etag, None
-        if etag is None:
+            lost = self._lost
+        if etag is None or lost:
             return
         try:
             if self.client.head(self.key).etag == etag:
                 self.client.delete([self.key])
         except ObjectNotFoundError:
             pass
+        except ObjectStoreError as err:
+            with _HELD_LOCK:
+                _ABANDONED.add(self.owner)
+            _LOG.warning(
+                "%s: could not remove the lease (%s); this process's next save of the root "
+                "takes it over at once, other writers once it expires (%s s)",
+                self.path,
+                err,
+                self.ttl_s,
+            )
 
     def __enter__(self) -> S3RootLock:
         self.acquire()

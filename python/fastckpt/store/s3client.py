@@ -41,6 +41,8 @@ __all__ = [
 ]
 
 _CHUNK = 4 << 20
+#: Requests moving at most this many bytes go through the store with the read timeout.
+_SMALL = 1 << 20
 _LOG = logging.getLogger(__name__)
 _WARNED_UNLISTED: set[str | None] = set()  # endpoints that cannot list multipart uploads
 
@@ -161,26 +163,42 @@ class S3Client:
             config["secret_access_key"] = self.resolved.secret_access_key
             if self.resolved.session_token:
                 config["session_token"] = self.resolved.session_token
+        client_options: dict[str, Any] = {
+            "allow_http": self.resolved.allow_http,
+            "connect_timeout": timedelta(seconds=opts.connect_timeout_s),
+            "timeout": timedelta(seconds=opts.request_timeout_s),
+        }
+        retry_config: dict[str, Any] = {
+            "max_retries": opts.max_retries,
+            "retry_timeout": timedelta(seconds=opts.retry_timeout_s),
+            "backoff": {
+                "init_backoff": timedelta(seconds=0.1),
+                "max_backoff": timedelta(seconds=2),
+                "base": 2,
+            },
+        }
+        #: Data transfers (parts, large ranges): bounded by ``request_timeout_s`` only, since
+        #: the client's read timeout also runs while a request body is being sent.
         self.store = obstore.store.S3Store(
             url.bucket,
             config=config,  # type: ignore[arg-type]
-            client_options={
-                "allow_http": self.resolved.allow_http,
-                "connect_timeout": timedelta(seconds=opts.connect_timeout_s),
-                "timeout": timedelta(seconds=opts.request_timeout_s),
-            },
-            retry_config={
-                "max_retries": opts.max_retries,
-                "retry_timeout": timedelta(seconds=opts.retry_timeout_s),
-                "backoff": {
-                    "init_backoff": timedelta(seconds=0.1),
-                    "max_backoff": timedelta(seconds=2),
-                    "base": 2,
-                },
-            },
+            client_options=client_options,  # type: ignore[arg-type]
+            retry_config=retry_config,  # type: ignore[arg-type]
             credential_provider=credential_provider,
         )
-        self._boto: Any = None
+        #: Everything else (records, the lease, HEADs, listings, deletes, small ranges): a
+        #: server that stops answering is given up after ``read_timeout_s``.
+        self.control_store = obstore.store.S3Store(
+            url.bucket,
+            config=config,  # type: ignore[arg-type]
+            client_options={
+                **client_options,
+                "read_timeout": timedelta(seconds=opts.read_timeout_s),
+            },  # type: ignore[arg-type]
+            retry_config=retry_config,  # type: ignore[arg-type]
+            credential_provider=credential_provider,
+        )
+        self._boto: dict[bool, Any] = {}
         self._boto_lock = threading.Lock()
         self._uploads_unlisted = False  # the store answered ListMultipartUploads: NotImplemented
 
@@ -193,10 +211,12 @@ class S3Client:
     def _fail(self, err: BaseException, key: str) -> ObjectStoreError:
         return translate(err, self.url(key), self.endpoint)
 
-    def _control(self) -> Any:
-        """A boto3 client with the same endpoint, region, credentials and timeouts."""
+    def _control(self, *, transfer: bool = False) -> Any:
+        """A boto3 client with the same endpoint, region, credentials and timeouts: its
+        socket reads wait at most ``read_timeout_s`` (``request_timeout_s`` for one that
+        moves parts, ``transfer``)."""
         with self._boto_lock:
-            if self._boto is None:
+            if transfer not in self._boto:
                 import boto3
                 import botocore.config
 
@@ -207,16 +227,16 @@ class S3Client:
                     aws_session_token=resolved.session_token,
                     region_name=resolved.region,
                 )
-                self._boto = session.client(
+                self._boto[transfer] = session.client(
                     "s3",
                     endpoint_url=self.endpoint,
                     config=botocore.config.Config(
                         connect_timeout=opts.connect_timeout_s,
-                        read_timeout=opts.request_timeout_s,
+                        read_timeout=opts.request_timeout_s if transfer else opts.read_timeout_s,
                         retries={"max_attempts": opts.max_retries + 1, "mode": "standard"},
                     ),
                 )
-            return self._boto
+            return self._boto[transfer]
 
     # ------------------------------------------------------------------------------ objects
 
@@ -235,8 +255,9 @@ class S3Client:
         """
         import obstore
 
+        store = self.control_store if len(data) <= _SMALL else self.store
         try:
-            result = obstore.put(self.store, key, data, mode=mode, use_multipart=False)  # type: ignore[arg-type]
+            result = obstore.put(store, key, data, mode=mode, use_multipart=False)  # type: ignore[arg-type]
         except Exception as err:
             raise self._fail(err, key) from err
         return result.get("e_tag")
@@ -281,7 +302,7 @@ class S3Client:
         import obstore
 
         try:
-            result = obstore.get(self.store, key)
+            result = obstore.get(self.control_store, key)
             meta = result.meta
             if meta["size"] <= limit:
                 data = bytes(result.bytes())
@@ -302,7 +323,7 @@ class S3Client:
         import obstore
 
         try:
-            meta = obstore.head(self.store, key)
+            meta = obstore.head(self.control_store, key)
         except Exception as err:
             raise self._fail(err, key) from err
         stamp = meta.get("last_modified")
@@ -320,12 +341,11 @@ class S3Client:
 
         if end <= start:
             return b""
+        store = self.control_store if end - start <= _SMALL else self.store
         try:
             if if_match is None:
-                return bytes(obstore.get_range(self.store, key, start=start, end=end))
-            result = obstore.get(
-                self.store, key, options={"range": (start, end), "if_match": if_match}
-            )
+                return bytes(obstore.get_range(store, key, start=start, end=end))
+            result = obstore.get(store, key, options={"range": (start, end), "if_match": if_match})
             return bytes(result.bytes())
         except Exception as err:
             raise self._fail(err, key) from err
@@ -382,7 +402,7 @@ class S3Client:
 
         found: list[ObjectMeta] = []
         try:
-            for chunk in obstore.list(self.store, prefix):
+            for chunk in obstore.list(self.control_store, prefix):
                 found.extend(ObjectMeta(m["path"], m["size"], m.get("e_tag")) for m in chunk)
         except Exception as err:
             raise self._fail(err, prefix) from err
@@ -394,7 +414,7 @@ class S3Client:
 
         folder = prefix.rstrip("/")
         try:
-            result = obstore.list_with_delimiter(self.store, folder or None)
+            result = obstore.list_with_delimiter(self.control_store, folder or None)
         except Exception as err:
             raise self._fail(err, prefix) from err
         names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in result["common_prefixes"])
@@ -409,7 +429,7 @@ class S3Client:
         for start in range(0, len(batch), 1000):
             chunk = batch[start : start + 1000]
             try:
-                obstore.delete(self.store, chunk)
+                obstore.delete(self.control_store, chunk)
             except Exception as err:
                 failed = translate(err, self.url(chunk[0]), self.endpoint)
                 if not isinstance(failed, FileNotFoundError):
@@ -433,7 +453,7 @@ class S3Client:
             ObjectStoreError: any other failure (``NotImplemented`` when the store has no
                 UploadPartCopy: the caller uploads the bytes instead).
         """
-        client = self._control()
+        client = self._control(transfer=True)
         bucket = self.bucket_url.bucket
         try:
             upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]

@@ -106,9 +106,20 @@ class S3Options:
         profile: the AWS profile to read from the config files.
         allow_http: permit a plain-HTTP endpoint (None: only when ``endpoint_url`` says http).
         connect_timeout_s: seconds to open a connection.
-        request_timeout_s: seconds one request (a whole part) may take.
+        read_timeout_s: seconds a request that moves no data in bulk (a commit record, the
+            lease, a HEAD, a listing, a delete, a header or other small range) may wait for
+            the server's next byte before it is given up (and retried within
+            ``retry_timeout_s``). A server that accepts connections but never answers is an
+            ``EndpointUnreachableError`` after about ``retry_timeout_s + read_timeout_s``.
+        request_timeout_s: seconds one request (a whole part) may take; data transfers (parts,
+            large ranges, server-side copies) are bounded by this alone, since a slow link
+            may need many seconds per part.
         max_retries: retries of a failed request (with backoff).
         retry_timeout_s: a request is not retried after this many seconds.
+        lease_ttl_s: seconds a writer's lease on a root (``ROOT/.fastckpt.lock``) lasts
+            without renewal (it is renewed every third of it). A killed writer blocks the
+            next one for at most this long; a writer that could not renew in time (paused,
+            cut off) has lost the root: its commit is refused with ``LeaseLostError``.
         part_size: bytes per multipart-upload part (>= 5 MiB, S3's minimum).
         read_part_size: bytes per ranged GET.
         concurrency: parts uploaded / ranges fetched at once.
@@ -129,9 +140,11 @@ class S3Options:
     profile: str | None = None
     allow_http: bool | None = None
     connect_timeout_s: float = 5.0
+    read_timeout_s: float = 5.0
     request_timeout_s: float = 120.0
     max_retries: int = 3
     retry_timeout_s: float = 15.0
+    lease_ttl_s: float = 30.0
     part_size: int = 32 << 20
     read_part_size: int = 32 << 20
     concurrency: int = 8
@@ -183,7 +196,14 @@ class S3Options:
             raise ValueError(f"part_size={self.part_size}: S3 parts must be at least 5 MiB")
         if self.read_part_size < 1:
             raise ValueError(f"read_part_size={self.read_part_size} must be positive")
-        for name in ("concurrency", "connect_timeout_s", "request_timeout_s", "retry_timeout_s"):
+        for name in (
+            "concurrency",
+            "connect_timeout_s",
+            "read_timeout_s",
+            "request_timeout_s",
+            "retry_timeout_s",
+            "lease_ttl_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         for name in ("multipart_threshold", "ranged_get_threshold"):

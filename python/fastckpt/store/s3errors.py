@@ -17,6 +17,7 @@ __all__ = [
     "BucketNotFoundError",
     "CommitConflictError",
     "EndpointUnreachableError",
+    "LeaseLostError",
     "ObjectNotFoundError",
     "ObjectStoreError",
     "StorageOptionsError",
@@ -47,6 +48,13 @@ class EndpointUnreachableError(ObjectStoreError, ConnectionError):
 
 class CommitConflictError(ObjectStoreError, FileExistsError):
     """A conditional put lost: another writer committed the same record first."""
+
+
+class LeaseLostError(CommitConflictError):
+    """This writer's lease on a root (``ROOT/.fastckpt.lock``) was taken over by another
+    writer: it went longer than ``lease_ttl_s`` without renewing it (paused, cut off), so
+    another writer may have saved since. A writer that lost its lease commits nothing and
+    deletes nothing; load the latest checkpoint and save again."""
 
 
 class UnsupportedOnObjectStoreError(FastCkptError, NotImplementedError):
@@ -142,9 +150,10 @@ def translate(err: BaseException, url: str, endpoint: str | None) -> ObjectStore
         hint in lowered for hint in _UNREACHABLE_HINTS
     ):
         return EndpointUnreachableError(
-            f"{url}: cannot reach {where} ({kind}); check that the endpoint is up and the "
-            "address is right (endpoint_url / AWS_ENDPOINT_URL), or raise connect_timeout_s / "
-            "retry_timeout_s for a slow network"
+            f"{url}: cannot reach {where} ({kind}): it refused, dropped or did not answer "
+            "the request within the timeouts; check that the endpoint is up and the address "
+            "is right (endpoint_url / AWS_ENDPOINT_URL), or raise connect_timeout_s / "
+            "read_timeout_s / retry_timeout_s for a slow network"
         )
     first_line = text.strip().splitlines()[0] if text.strip() else kind
     return ObjectStoreError(f"{url}: {kind}: {first_line[:400]}")
