@@ -479,12 +479,6 @@ def test_records_are_read_by_their_size_under_an_address_space_limit(tmp_path: P
     run_limited(tmp_path, "records")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="fastckpt/store/backend.py LocalBackend.read_bytes (an index's JSON files, manager "
-    "item JSON) still reads limit + 1 bytes up front: use store.records.read_by_size there",
-)
 def test_a_checkpoint_loads_under_an_address_space_limit(tmp_path: Path) -> None:
     """Issue 22.12: the same limit, whole loads (``load_checkpoint``, ``CheckpointManager
     .load``): every JSON file of a checkpoint is read by its size."""

@@ -37,7 +37,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
@@ -64,10 +64,34 @@ __all__ = [
     "WriterLock",
     "clean_dead_siblings",
     "exchange_paths",
+    "read_by_size",
 ]
 
 #: ``{"size": bytes, "crc32c": whole-file crc32c}``: what a commit record says of one file.
 FileRecord = dict[str, int]
+
+
+def read_by_size(handle: BinaryIO, size: int, limit: int) -> bytes:
+    """Read an open file whose ``fstat`` size is ``size``, never more than ``limit`` + 1 bytes.
+
+    Asks for ``size`` + 1 bytes (the one more shows whether the file grew since the
+    ``fstat``) and only if it did reads on, in 1 MiB pieces, until the end or past ``limit``:
+    a small record never needs the cap's worth of memory (an up-front buffer of the cap fails
+    under ``ulimit -v`` however small the file is). The caller compares the length with
+    ``limit``.
+    """
+    data = handle.read(min(size, limit) + 1)
+    if len(data) <= size:
+        return data
+    pieces = [data]
+    total = len(data)
+    while total <= limit:
+        piece = handle.read(min(1 << 20, limit + 1 - total))
+        if not piece:
+            break
+        pieces.append(piece)
+        total += len(piece)
+    return b"".join(pieces)
 
 
 @dataclass(frozen=True)
@@ -507,7 +531,7 @@ class LocalFileSystem(StorageBackend):
                 raise CheckpointFormatError(
                     f"{path}: {info.st_size} bytes, more than the {limit} a record may have"
                 )
-            data = handle.read(limit + 1)
+            data = read_by_size(handle, info.st_size, limit)
         if len(data) > limit:
             raise CheckpointFormatError(f"{path}: more than the {limit} bytes a record may have")
         return data

@@ -20,11 +20,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.store.backend import MAX_RECORD_BYTES, FileRecord, StorageBackend
+from fastckpt.store.backend import MAX_RECORD_BYTES, FileRecord, StorageBackend, read_by_size
 from fastckpt.store.dispatch import backend_for, is_local
 from fastckpt.store.paths import check_name, check_relpath, safe_join
 
@@ -114,29 +114,6 @@ def load_json(path: str | os.PathLike[str], raw: bytes) -> Any:
         raise CheckpointFormatError(f"{path}: {err}") from None
     except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, ...
         raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from None
-
-
-def read_by_size(handle: BinaryIO, size: int, limit: int) -> bytes:
-    """Read an open file whose ``fstat`` size is ``size``, never more than ``limit`` + 1 bytes.
-
-    Asks for ``size`` + 1 bytes (the one more shows whether the file grew since the
-    ``fstat``) and only if it did reads on, in 1 MiB pieces, until the end or past ``limit``:
-    a small record never needs the cap's worth of memory (an up-front buffer of the cap fails
-    under ``ulimit -v`` however small the file is). The caller compares the length with
-    ``limit``.
-    """
-    data = handle.read(min(size, limit) + 1)
-    if len(data) <= size:
-        return data
-    pieces = [data]
-    total = len(data)
-    while total <= limit:
-        piece = handle.read(min(1 << 20, limit + 1 - total))
-        if not piece:
-            break
-        pieces.append(piece)
-        total += len(piece)
-    return b"".join(pieces)
 
 
 def read_record_bytes(directory: str | os.PathLike[str], name: str) -> bytes:
