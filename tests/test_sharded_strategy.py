@@ -12,6 +12,7 @@ import safetensors.torch
 import torch
 
 import fastckpt
+import fastckpt.dcp
 from dcp_support import check_ok, launch
 from fastckpt.dcp import is_sharded_checkpoint
 from sharded_ranks import Recorder, loader, training_fn
@@ -38,10 +39,14 @@ def test_every_rank_saves_its_shards_and_rank_0_commits_once(
     assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [1, 2]  # keep_last=2
     assert sorted(p.name for p in (root / "sharded").iterdir()) == ["1", "2"]  # 0 pruned too
     for index in (1, 2):
-        assert is_sharded_checkpoint(root / "sharded" / str(index))
         recipe = json.loads((root / str(index) / "strategy.json").read_text())
         assert sorted(recipe["sharded"]["models"]) == ["main"]
         assert not (root / str(index) / "models").exists()  # model state only as shards
+        # the index names the one part its save wrote, with its commit record's crc32c
+        (part,) = (root / "sharded" / str(index)).iterdir()
+        assert recipe["sharded"]["part"] == part.name and is_sharded_checkpoint(part)
+        record = (part / fastckpt.dcp.RECORD_NAME).read_bytes()
+        assert recipe["sharded"]["record_crc32c"] == fastckpt._native.crc32c(record)
     ranks = {p.name for p in (root / "sharded" / "2").rglob("*.safetensors")}
     assert len(ranks) == 2, ranks
 

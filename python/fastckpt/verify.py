@@ -246,13 +246,30 @@ def _verify_root(root: Path, index: int | None, kind: Kind, threads: int) -> Ver
     report.indices = sorted(manifest.entries) if index is None else [manifest.resolve(index)]
     for i in report.indices:
         report.files += _index_files(manifest, i, threads)
-        sharded = root / SHARDED_DIR / str(i)  # the shards of an FSDP2 strategy's index
-        if os.path.lexists(sharded / SHARDED_RECORD):
-            report.files += _sharded_files(sharded, threads, index=i)
+        if (root / SHARDED_DIR).is_dir():  # the shards of an FSDP2 strategy's index
+            report.files += _strategy_part_files(manifest, i, threads)
     return report
 
 
 # --------------------------------------------------------------------------- sharded checkpoints
+
+
+def _strategy_part_files(manifest: Manifest, index: int, threads: int) -> list[FileReport]:
+    """The reports of the sharded part index ``index`` names in its strategy.json (none when
+    it names none, or when strategy.json cannot be read: that is reported already); its
+    commit record must be the one the index recorded."""
+    from fastckpt.dcp.consolidate import sharded_file_reports
+    from fastckpt.dcp.parts import committed_part
+
+    try:
+        part = committed_part(manifest, index)
+    except (CheckpointFormatError, ChecksumMismatchError, OSError):
+        return []
+    if part is None:
+        return []
+    return sharded_file_reports(
+        part.path, threads=threads, index=index, record_crc32c=part.record_crc32c
+    )
 
 
 def _sharded_files(directory: Path, threads: int, index: int | None = None) -> list[FileReport]:

@@ -75,9 +75,14 @@ def listing_row(directory: Path) -> dict[str, Any]:
 
 
 def strategy_part(manifest: Manifest, index: int) -> Path | None:
-    """The sharded part of a strategy index (FSDP2 models), if it has one."""
-    part = manifest.root / SHARDED_DIR / str(index)
-    return part if (part / SHARDED_RECORD).exists() else None
+    """The sharded part of a strategy index (FSDP2 models), if it has one: the part its
+    strategy.json names (see :mod:`fastckpt.dcp.parts`)."""
+    from fastckpt.dcp.parts import committed_part
+
+    if not (manifest.root / SHARDED_DIR).is_dir():
+        return None
+    part = committed_part(manifest, index)
+    return None if part is None else part.path
 
 
 def export(directory: Path, out: Path, prefix: str | None = None) -> int:

@@ -49,6 +49,7 @@ from fastckpt.store.records import (
     COMMIT_RECORD,
     GENERATION_PREFIX,
     MANIFEST,
+    SHARDED_DIR,
     Manifest,
     json_bytes,
     new_generation,
@@ -226,7 +227,7 @@ class IndexWriter(DirectoryWriter):
         self.lock = backend.lock(root, timeout=lock_timeout)
         self.lock.acquire()
         try:
-            clean_leftovers(root)
+            clean_leftovers(root, writing=index)
             if index is None:
                 latest = Manifest.load(root).latest
                 index = 0 if latest is None else latest + 1
@@ -422,13 +423,15 @@ def _is_index_name(name: str) -> bool:
     return name.isdigit() and len(name) <= 18 and str(int(name)) == name
 
 
-def clean_leftovers(root: Path) -> list[str]:
+def clean_leftovers(root: Path, *, writing: int | None = None) -> list[str]:
     """Remove what crashed saves and prunes left in a checkpoint root.
 
     That is: temporary and trash directories, manifest temp files, and index directories the
     manifest no longer names that are older than its latest index (a prune or a replacement
     interrupted after its manifest commit). Newer unnamed index directories are left alone:
-    the next save of that index replaces them.
+    the next save of that index replaces them. Sharded parts (``ROOT/sharded``) no committed
+    index names go too (:func:`fastckpt.dcp.parts.sweep`), but never those of index
+    ``writing``, whose save is under way.
 
     Call it only while holding the root's lock (as :class:`IndexWriter` does): everything
     temporary in the root then belongs to a dead writer. Returns what was removed.
@@ -476,7 +479,19 @@ def clean_leftovers(root: Path) -> list[str]:
         # (a prune killed before its commit): readers find those bytes in the index itself.
         in_use = referenced if referenced is not None else _referenced(manifest)
         removed += refs.collect_garbage(root, in_use - set(manifest.entries))
+    if manifest is not None:
+        removed += _sweep_sharded(root, manifest, writing)
     return removed
+
+
+def _sweep_sharded(root: Path, manifest: Manifest, writing: int | None = None) -> list[str]:
+    """The sharded parts of a local root no committed index names, removed (see
+    :func:`fastckpt.dcp.parts.sweep`); nothing to do, and nothing imported, without any."""
+    if not (root / SHARDED_DIR).is_dir():
+        return []
+    from fastckpt.dcp.parts import sweep  # deferred: only roots of FSDP2 strategies have parts
+
+    return [str(path.relative_to(root)) for path in sweep(root, manifest, writing=writing)]
 
 
 def _referenced(manifest: Manifest) -> set[int]:
@@ -550,6 +565,8 @@ def prune_indices(root: Path, keep_last: int, *, lock_timeout: float | None = No
         if doomed:
             doomed = _spare_newest_intact(manifest, doomed)
         if not doomed:
+            if is_local(backend):
+                _sweep_sharded(root, manifest)  # what a prune killed after its commit left
             return []
         # Bytes a kept (incremental) index references outlive their pruned index, renamed
         # to ROOT/.ref-<index> (fastckpt.store.refs).
@@ -569,6 +586,7 @@ def prune_indices(root: Path, keep_last: int, *, lock_timeout: float | None = No
                 _delete_index(backend, root, manifest.directory(index), set(manifest.entries))
         if is_local(backend):
             refs.collect_garbage(root, referenced - set(manifest.entries))
+            _sweep_sharded(root, manifest)  # the pruned indices' sharded parts, after the commit
     return doomed
 
 
