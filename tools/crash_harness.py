@@ -1,16 +1,23 @@
 """Crash-consistency harness: SIGKILL processes that are saving checkpoints, check what survives.
 
 A child process trains a small model with Adam and saves after every step, in a loop, with
-one of three writers: ``fastckpt.save_checkpoint`` (mode ``save_checkpoint``, pruning to the
+one of these writers: ``fastckpt.save_checkpoint`` (mode ``save_checkpoint``, pruning to the
 last 3 indices), an async ``fastckpt.CheckpointManager`` rotating over 3 checkpoint
-directories (mode ``manager_async``), or a ``TrainingStrategy`` run with an async
-``CheckpointHook(step_interval=1, keep_last=3)`` (mode ``checkpoint_hook``). Its weights
-encode the iteration (step) number. It reports ``saving N`` before each save and ``saved N``
-once the save was acknowledged (returned; for the async writers, once its future or the
-hook's ``last_checkpoint_index`` reported it committed). The harness SIGKILLs it at a random
-moment: either anywhere (loading, training, saving) or a random fraction of a save's duration
-after a ``saving`` line, so that kills land inside file writes, fsyncs, renames and the
-manifest commit. After each kill it checks:
+directories (mode ``manager_async``), a ``TrainingStrategy`` run with an async
+``CheckpointHook(step_interval=1, keep_last=3)`` (mode ``checkpoint_hook``), incremental
+``save_checkpoint`` + ``prune`` to 2 of a model with a frozen buffer, whose later saves
+reference the first index of their process, so prunes set referenced bytes aside as
+``.ref-<index>`` (mode ``prune``), or the same with 3 kept in an ``s3://`` root on a local
+moto server the harness starts, where the store copies the frozen 12 MiB (UploadPartCopy)
+and writers hold a 1.5 s lease (mode ``s3``). Its weights encode the iteration (step)
+number. It reports ``saving N`` before each save and ``saved N`` once the save was
+acknowledged (returned; for the async writers, once its future or the hook's
+``last_checkpoint_index`` reported it committed), and ``pruning N`` / ``pruned N`` around
+each prune in the last two modes. The harness SIGKILLs it at a random moment: either
+anywhere (loading, training, saving) or a random fraction of a save's (or, mostly in mode
+``prune``, a prune's) duration after its announcement, so that kills land inside file
+writes, fsyncs, renames, uploads, deletions and the manifest commit. After each kill it
+checks:
 
 * every committed checkpoint verifies (``fastckpt.verify``) and the latest one loads;
 * what loads is bitwise one of the states that were saved (model *and* optimizer state,
@@ -31,6 +38,7 @@ imported torch and fastckpt once, so a kill cycle costs tens of milliseconds, no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import multiprocessing as mp
 import os
@@ -58,7 +66,18 @@ WIDTH = 64
 HIDDEN = 1024
 KEEP_LAST = 3
 SLOTS = 3
-MODES = ("save_checkpoint", "manager_async", "checkpoint_hook")
+MODES = ("save_checkpoint", "manager_async", "checkpoint_hook", "prune", "s3")
+#: Modes that write a ``save_checkpoint`` root and prune it, announcing each prune.
+PRUNING_MODES = ("prune", "s3")
+#: Mode ``prune``: indices kept, and the frozen buffer later saves reference (256 KiB).
+PRUNE_KEEP_LAST = 2
+#: Mode ``s3``: the frozen buffer (12 MiB: incremental saves have the store copy most of it
+#: with UploadPartCopy), the indices kept, and the writers' lease (short: a killed writer's
+#: lease blocks the next child until it expires).
+S3_FROZEN = 3 << 20
+S3_KEEP_LAST = 3
+S3_LEASE_TTL_S = 1.5
+S3_BUCKET = "crash-harness"
 #: Imported once by the forkserver, so that children start warm. ``torch._dynamo`` is imported
 #: lazily by the first optimizer step otherwise (about a second per child).
 PRELOAD = [
@@ -284,8 +303,15 @@ class HookReference:
 # --------------------------------------------------------------------------- the children
 
 
-def child_main(mode: str, root: str, conn: Connection, iterations: int) -> None:
-    """Entry point of a child process: save in a loop, reporting over ``conn``."""
+def child_main(
+    mode: str,
+    root: str,
+    conn: Connection,
+    iterations: int,
+    options: dict[str, Any] | None = None,
+) -> None:
+    """Entry point of a child process: save in a loop, reporting over ``conn`` (``options``:
+    the object-store options of mode ``s3``, whose ``root`` is an ``s3://`` URL)."""
     torch.set_num_threads(1)
     lock = threading.Lock()
 
@@ -300,6 +326,13 @@ def child_main(mode: str, root: str, conn: Connection, iterations: int) -> None:
             _child_manager(Path(root), send, iterations)
         elif mode == "checkpoint_hook":
             _child_checkpoint_hook(Path(root), send, iterations)
+        elif mode == "prune":
+            _child_pruning(root, send, iterations, PRUNE_FROZEN, PRUNE_KEEP_LAST)
+        elif mode == "s3":
+            from fastckpt.store.dispatch import configure_storage
+
+            configure_storage(root, options)
+            _child_pruning(root, send, iterations, S3_FROZEN, S3_KEEP_LAST)
         else:
             raise ValueError(f"unknown mode {mode!r}")
         send("done")
@@ -331,6 +364,46 @@ def _child_save_checkpoint(root: Path, send: Send, iterations: int) -> None:
         )
         send(f"saved {n} {index}")
         prune(root, keep_last=KEEP_LAST)
+        n += 1
+
+
+def _child_pruning(root: str, send: Send, iterations: int, frozen: int, keep_last: int) -> None:
+    """Modes ``prune`` and ``s3``: incremental ``save_checkpoint`` + ``prune`` of a model with
+    a frozen buffer, so that every save after a process's first references (locally) or has
+    the store copy (``s3://``) the buffer of that first index, and pruning that index keeps
+    its bytes (``.ref-<index>``). Announces ``pruning N`` / ``pruned N`` around each prune."""
+    from fastckpt import create_model_spec, load_checkpoint, prune, save_checkpoint
+    from fastckpt.store.dispatch import backend_for, is_local
+    from fastckpt.store.records import Manifest
+
+    backend = backend_for(root)
+    if not is_local(backend):
+        # Wait out the lease a killed predecessor left (it expires unrenewed) before the
+        # first announced save, so that the save durations the kills are timed by are saves.
+        with backend.lock(Path(root)):
+            pass
+    if Manifest.load(root).latest is not None:
+        loaded = load_checkpoint(root)["models"]["main"]
+        model, optimizer = loaded["model"], loaded["optimizers"]["adam"]["optimizer"]
+        n = encoded(model) + 1
+    else:
+        model, optimizer = fresh_state(frozen)
+        n = 0
+    send(f"resumed {n - 1}")
+    spec = create_model_spec(CrashNet, width=WIDTH, hidden=HIDDEN, frozen=frozen)
+    for _ in range(iterations):
+        advance(model, optimizer, n)
+        send(f"saving {n}")
+        index = save_checkpoint(
+            root,
+            models={"main": (model, spec)},
+            optimizers={"adam": (optimizer, None)},
+            counters={"n": n},
+        )
+        send(f"saved {n} {index}")
+        send(f"pruning {n}")
+        prune(root, keep_last=keep_last)
+        send(f"pruned {n}")
         n += 1
 
 
@@ -580,6 +653,7 @@ class Stats:
     mode: str
     kills: int = 0
     kills_in_save: int = 0
+    kills_in_prune: int = 0
     acknowledged: int = 0
     latest: int = -1
     orphans: int = 0
@@ -588,8 +662,11 @@ class Stats:
 
     def line(self) -> str:
         """One-line summary."""
+        inside = f"{self.kills_in_save} inside a save"
+        if self.mode in PRUNING_MODES:
+            inside += f", {self.kills_in_prune} inside a prune"
         return (
-            f"{self.mode}: {self.kills} kills ({self.kills_in_save} inside a save), "
+            f"{self.mode}: {self.kills} kills ({inside}), "
             f"{self.acknowledged} acknowledged saves, latest state {self.latest}, "
             f"{self.orphans} unreferenced index dirs, {len(self.failures)} failure(s), "
             f"{self.seconds:.1f} s"
@@ -614,7 +691,12 @@ def _leftover_pid(name: str) -> int | None:
 
 
 class Harness:
-    """Runs kill cycles for one mode against one directory and checks after each."""
+    """Runs kill cycles for one mode against one directory and checks after each.
+
+    Mode ``s3`` writes ``s3://crash-harness/<run>`` on a local moto server that the harness
+    starts (``fastckpt.bench.s3.local_server``) and stops when :meth:`run` returns (or at
+    :meth:`close`); ``root`` then only holds nothing (the local-leftover check finds it empty).
+    """
 
     def __init__(self, mode: str, root: Path, *, seed: int = 0, verbose: bool = False) -> None:
         """Prepare (``root`` is created; it should start empty)."""
@@ -625,23 +707,64 @@ class Harness:
         self.rng = random.Random(seed)
         self.verbose = verbose
         self.context = _context()
+        frozen = {"prune": PRUNE_FROZEN, "s3": S3_FROZEN}.get(mode, 0)
         self.reference: Reference | HookReference = (
-            HookReference() if mode == "checkpoint_hook" else Reference()
+            HookReference() if mode == "checkpoint_hook" else Reference(frozen=frozen)
         )
         self.stats = Stats(mode)
         self.acked = -1
         self.attempted: set[int] = set()
         self.slots_acked: set[int] = set()
-        self.save_seconds = 0.05
+        # First guesses of a save's and a prune's duration (learned from the children's).
+        self.save_seconds = 0.6 if mode == "s3" else 0.05
+        self.prune_seconds = 0.3 if mode == "s3" else 0.02
         root.mkdir(parents=True, exist_ok=True)
         torch.set_num_threads(1)
+        self._server = contextlib.ExitStack()
+        self.options: dict[str, Any] | None = None
+        self.target = str(root)
+        self._stray_before: set[int] = set()
+        if mode == "s3":
+            self._start_server(seed)
+
+    def _start_server(self, seed: int) -> None:
+        import boto3
+
+        from fastckpt.bench.s3 import local_server
+        from fastckpt.store.dispatch import configure_storage
+
+        endpoint, _ = self._server.enter_context(local_server("moto"))
+        keys = {"access_key_id": "harness", "secret_access_key": "harness"}
+        self.options = {
+            "endpoint_url": endpoint,
+            "region": "us-east-1",
+            **keys,
+            "part_size": 5 << 20,
+            "lease_ttl_s": S3_LEASE_TTL_S,
+        }
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="harness",
+            aws_secret_access_key="harness",
+        ).create_bucket(Bucket=S3_BUCKET)
+        self.target = f"s3://{S3_BUCKET}/run-{seed}-{os.getpid()}"
+        configure_storage(self.target, self.options)
+        self._server.callback(configure_storage, self.target)
+
+    def close(self) -> None:
+        """Stop the harness's object-store server (mode ``s3``; nothing otherwise)."""
+        self._server.close()
 
     # ---------------------------------------------------------------- one child
 
     def _start(self, iterations: int) -> tuple[Any, Connection]:
         reader, writer = self.context.Pipe(duplex=False)
         process = self.context.Process(
-            target=child_main, args=(self.mode, str(self.root), writer, iterations), daemon=True
+            target=child_main,
+            args=(self.mode, self.target, writer, iterations, self.options),
+            daemon=True,
         )
         process.start()
         writer.close()
@@ -666,6 +789,13 @@ class Harness:
             began = state["saving"].pop(n, None)
             if began is not None:
                 self.save_seconds = 0.8 * self.save_seconds + 0.2 * (now - began)
+        elif kind == "pruning":
+            state["pruning"] = now
+            state["prunings_seen"] += 1
+        elif kind == "pruned":
+            began = state.pop("pruning", None)
+            if began is not None:
+                self.prune_seconds = 0.8 * self.prune_seconds + 0.2 * (now - began)
         elif kind == "error":
             self.stats.failures.append(f"child failed: {rest}")
             state["error"] = True
@@ -673,14 +803,28 @@ class Harness:
     def cycle(self) -> None:
         """Start a child, SIGKILL it at a random moment, check the directory."""
         process, reader = self._start(iterations=1_000_000)
-        state: dict[str, Any] = {"saving": {}, "open": None, "savings_seen": 0, "acked_here": 0}
+        state: dict[str, Any] = {
+            "saving": {},
+            "open": None,
+            "savings_seen": 0,
+            "prunings_seen": 0,
+            "acked_here": 0,
+        }
         started = time.monotonic()
+        # Which announcement the kill is timed after: a save's, or (modes that prune) a
+        # prune's, a random fraction of its usual duration later.
+        marker, seen = "saving", "savings_seen"
+        if self.mode in PRUNING_MODES and self.rng.random() < (
+            0.8 if self.mode == "prune" else 0.35
+        ):
+            marker, seen = "pruning", "prunings_seen"
         if self.rng.random() < 0.25:
             deadline: float | None = started + self.rng.uniform(0.0, 0.5)
             target = 0
         else:
-            deadline, target = None, self.rng.randint(1, 3)
-        delay = self.rng.uniform(0.0, 1.3 * self.save_seconds)
+            deadline, target = None, self.rng.randint(1, 4 if marker == "pruning" else 3)
+        usual = self.prune_seconds if marker == "pruning" else self.save_seconds
+        delay = self.rng.uniform(0.0, 1.3 * usual)
         exited = False
         while True:
             now = time.monotonic()
@@ -701,7 +845,7 @@ class Harness:
             self._handle(message, now, state)
             if state.get("error"):
                 break
-            if target and message.startswith("saving") and state["savings_seen"] == target:
+            if target and message.startswith(marker) and state[seen] == target:
                 deadline = now + delay
         if not exited:
             os.kill(process.pid, signal.SIGKILL)
@@ -718,6 +862,7 @@ class Harness:
             self.stats.failures.append(f"{self.mode}: child exited on its own ({process.exitcode})")
         self.stats.kills += 1
         self.stats.kills_in_save += state["open"] is not None
+        self.stats.kills_in_prune += "pruning" in state
         self._check(process.pid, cleaned=state["acked_here"] > 0)
 
     # ---------------------------------------------------------------- checks
@@ -741,8 +886,10 @@ class Harness:
 
     def _check(self, pid: int | None, *, cleaned: bool) -> None:
         try:
-            if self.mode == "save_checkpoint":
+            if self.mode in ("save_checkpoint", "prune"):
                 self._check_root()
+            elif self.mode == "s3":
+                self._check_s3(cleaned=cleaned)
             elif self.mode == "checkpoint_hook":
                 self._check_hook()
             else:
@@ -791,6 +938,63 @@ class Harness:
         self.stats.orphans = len(on_disk - committed)
         if committed - on_disk:
             self._fail(f"committed indices without a directory: {sorted(committed - on_disk)}")
+
+    def _check_s3(self, *, cleaned: bool) -> None:
+        """Mode ``s3``: every committed index verifies (its objects whole, every tensor's
+        checksum); the latest loads bitwise as a saved state, never older than the last
+        acknowledged one; an uncommitted index prefix older than the latest (what a prune
+        killed after its commit left) is gone once a later process saved (``cleaned``).
+        Newer ones are what a killed save was writing: the next save of that index deletes
+        them first."""
+        from fastckpt import load_checkpoint
+        from fastckpt.store.records import Manifest
+        from fastckpt.verify import verify
+
+        manifest = Manifest.load(self.target)
+        if manifest.latest is None:
+            if self.acked >= 0:
+                self._fail("the manifest is gone (or empty) after an acknowledged save")
+            return
+        report = verify(self.target)
+        if not report.ok:
+            self._fail(report.summary())
+            return
+        result = load_checkpoint(self.target)
+        loaded = result["models"]["main"]
+        n = encoded(loaded["model"])
+        if result["checkpoint_index"] != n:
+            self._fail(f"index {result['checkpoint_index']} holds iteration {n}")
+        self._compare(n, loaded["model"].state_dict(), loaded["optimizers"]["adam"]["optimizer"])
+        self._judge_latest(n)
+        stray = self._s3_prefixes() - set(manifest.entries)
+        self.stats.orphans = len(stray)
+        older = {i for i in stray if i < manifest.latest}
+        survived = sorted(older & self._stray_before) if cleaned else []
+        if survived:
+            self._fail(f"uncommitted index prefixes survived a later save: {survived}")
+        self._stray_before = older
+
+    def _s3_prefixes(self) -> set[int]:
+        from fastckpt.store.dispatch import backend_for
+
+        names = backend_for(self.target).list_dir(Path(self.target))
+        return {int(name) for name in names if name.isdigit()}
+
+    def _s3_leftovers(self) -> list[str]:
+        """What a clean last save must not leave on the store: uncommitted index prefixes,
+        unfinished multipart uploads, the lease."""
+        from fastckpt.store.dispatch import backend_for
+        from fastckpt.store.lock import LOCK_FILE
+        from fastckpt.store.records import Manifest
+
+        backend: Any = backend_for(self.target)
+        committed = set(Manifest.load(self.target).entries)
+        left = [str(i) for i in sorted(self._s3_prefixes() - committed)]
+        prefix = self.target.split("/", 3)[3] + "/"
+        left += [upload.key for upload in backend.client.pending_uploads(prefix)]
+        if LOCK_FILE in backend.list_dir(Path(self.target)):
+            left.append(LOCK_FILE)
+        return left
 
     def _check_hook(self) -> None:
         from fastckpt import TrainingStrategy
@@ -859,7 +1063,13 @@ class Harness:
     def finish(self) -> None:
         """A last child saves once and exits normally: nothing temporary may remain."""
         process, reader = self._start(iterations=1)
-        state: dict[str, Any] = {"saving": {}, "open": None, "savings_seen": 0, "acked_here": 0}
+        state: dict[str, Any] = {
+            "saving": {},
+            "open": None,
+            "savings_seen": 0,
+            "prunings_seen": 0,
+            "acked_here": 0,
+        }
         done = False
         while not done and reader.poll(120):
             try:
@@ -878,6 +1088,8 @@ class Harness:
             for name in os.listdir(self.root)
             if name.startswith(".") and name not in self._retained_in_use()
         ]
+        if self.mode == "s3":
+            left += self._s3_leftovers()
         if left:
             self._fail(f"temporary files left after a clean save: {left}")
         if self.stats.orphans:
@@ -886,13 +1098,16 @@ class Harness:
     def run(self, kills: int, *, time_limit: float | None = None) -> Stats:
         """``kills`` kill cycles (fewer if ``time_limit`` seconds run out), then :meth:`finish`."""
         began = time.monotonic()
-        for _ in range(kills):
-            if time_limit is not None and time.monotonic() - began > time_limit:
-                break
-            self.cycle()
-            if self.verbose and self.stats.kills % 25 == 0:
-                print(self.stats.line(), flush=True)
-        self.finish()
+        try:
+            for _ in range(kills):
+                if time_limit is not None and time.monotonic() - began > time_limit:
+                    break
+                self.cycle()
+                if self.verbose and self.stats.kills % 25 == 0:
+                    print(self.stats.line(), flush=True)
+            self.finish()
+        finally:
+            self.close()
         self.stats.seconds = time.monotonic() - began
         return self.stats
 
@@ -926,7 +1141,11 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(s.kills for s in all_stats)
     failures = sum(len(s.failures) for s in all_stats)
     inside = sum(s.kills_in_save for s in all_stats)
-    print(f"TOTAL: {total} kills ({inside} inside a save), {failures} failure(s)")
+    pruning = sum(s.kills_in_prune for s in all_stats)
+    print(
+        f"TOTAL: {total} kills ({inside} inside a save, {pruning} inside a prune), "
+        f"{failures} failure(s)"
+    )
     return 1 if failures else 0
 
 
