@@ -237,10 +237,24 @@ class ChunkFiles:
 
         Only the rows (along the first dimension) that the box covers are read, rounded out to
         verification blocks.
+
+        Raises:
+            CheckpointFormatError: the box does not lie inside the chunk's shape.
         """
         dtype = dtype_from_name(chunk.dtype or "")
         shape = list(chunk.shape or ())
-        offsets, lengths = list(offsets), list(lengths)
+        offsets, lengths = [int(o) for o in offsets], [int(n) for n in lengths]
+        if not (
+            len(offsets) == len(lengths) == len(shape)
+            and all(
+                o >= 0 and n >= 0 and o + n <= size
+                for o, n, size in zip(offsets, lengths, shape, strict=True)
+            )
+        ):
+            raise CheckpointFormatError(
+                f"{self.directory / chunk.file}: the load asks for rows {offsets} + {lengths} "
+                f"of {chunk.name!r}, which is stored with shape {shape}"
+            )
         if math.prod(lengths) == 0:
             return torch.empty(lengths, dtype=dtype)
         if not shape:

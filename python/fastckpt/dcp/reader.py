@@ -10,22 +10,21 @@ blocks), checks their crc32c, and copies them into DCP's target tensors. Reshard
 different world size or mesh) is DCP's planning; the reader only serves byte ranges.
 
 Nothing is handed to the planner before every byte of this rank's plan was read and verified:
-the reads go to scratch tensors first (host memory for this rank's share of the load, freed
-when the load ends), and only then are the targets filled and the values set. A damaged chunk
-therefore leaves this rank's targets as they were. A planner that stages its targets itself
-(attribute :data:`STAGES_READS` true, as :func:`fastckpt.dcp.load_state` uses, which fills
-the templates only once every rank's reads verified) is read into directly.
+a load reads each range twice, first to verify it (into one reusable buffer, so no more memory
+than the largest verification piece), then into DCP's targets (verified again), with the files
+opened once for both. A damaged chunk therefore leaves this rank's targets as they were, at the
+cost of a second read of what the load needs (from the page cache when it fits there).
+:func:`fastckpt.dcp.load_state` runs the two passes as two DCP loads, so that no rank fills a
+target before every rank verified its share (see :attr:`Reader.passes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -38,11 +37,12 @@ from fastckpt.dcp.values import as_planner_bytes, decode_value
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.store.dispatch import require_local
 
-__all__ = ["STAGES_READS", "Reader"]
+__all__ = ["Passes", "Reader"]
 
-#: Name of the planner attribute that says its resolved targets are scratch tensors already
-#: (filled into the real state later), so the reader need not stage the reads itself.
-STAGES_READS = "fastckpt_stages_reads"
+#: Which passes a load runs: ``both`` (verify this rank's share, then read it into the
+#: targets), ``verify`` (only check it; keep the files open for a ``fill`` load next) or
+#: ``fill`` (read it into the targets, verified again, from the files a ``verify`` load kept).
+Passes = Literal["both", "verify", "fill"]
 
 #: What to use instead of an ``s3://`` URL (sharded checkpoints write through a filesystem).
 _INSTEAD = (
@@ -61,7 +61,11 @@ class Reader(StorageReader):
             reports inside its ``CheckpointException``.
 
     Attributes:
-        bytes_read: bytes this reader read from data files during the last load.
+        bytes_read: bytes of the data files the last load needed (the byte ranges of its
+            plan, rounded out to verification blocks; each range is read twice, verified and
+            then into its target, and counted once).
+        passes: what the next load does (see :data:`Passes`; ``both`` unless a caller that
+            coordinates the ranks, :func:`fastckpt.dcp.load_state`, splits them).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
@@ -75,6 +79,8 @@ class Reader(StorageReader):
         self._record: Record | None = None
         self._pinned: Record | None = None
         self._metadata_error: BaseException | None = None
+        self.passes: Passes = "both"
+        self._held: ChunkFiles | None = None
 
     # ------------------------------------------------------------------ DCP protocol
 
@@ -86,7 +92,15 @@ class Reader(StorageReader):
         self._record = None
         self._pinned = None
         self._metadata_error = None
+        self.passes = "both"
+        self.release()
         self.load_id = new_generation()
+
+    def release(self) -> None:
+        """Close the files a ``verify`` load kept open for the ``fill`` load."""
+        if self._held is not None:
+            self._held.close()
+            self._held = None
 
     def use_record(self, record: Record) -> None:
         """Make the next load read ``record`` (already read and checked by the caller, e.g.
@@ -155,30 +169,41 @@ class Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read and verify every item of this rank's plan, then hand them all over (nothing
-        reaches the planner's targets when a read fails)."""
+        """Verify every item of this rank's plan, then read them into the planner's targets
+        (see :attr:`passes`): nothing reaches a target while any byte is unverified.
+
+        Raises:
+            ChecksumMismatchError: a chunk's bytes differ from their crc32c (names the file
+                and the tensor); no target was written.
+            CheckpointFormatError, FileNotFoundError: a data file is not what the record says.
+        """
         record = self._require_record()
-        by_file: dict[str, list[tuple[ReadItem, StoredChunk]]] = {}
-        for item in plan.items:
-            chunk = record.storage.get(item.storage_index)
-            if chunk is None:
-                raise CheckpointFormatError(
-                    f"{record.path}: no stored data for {item.storage_index.fqn!r} at "
-                    f"{list(item.storage_index.offset or [])}"
-                )
-            by_file.setdefault(chunk.file, []).append((item, chunk))
-        staged = bool(getattr(planner, STAGES_READS, False))
-        handovers: list[Callable[[], None]] = []
-        directory = self.path / record.generation
-        with ChunkFiles(directory, verify=self.verify, within=self.path) as files:
-            try:
-                for file in sorted(by_file):
-                    for item, chunk in sorted(by_file[file], key=lambda pair: pair[1].offset):
-                        handovers.append(self._read_item(files, item, chunk, planner, staged))
-            finally:
+        items = self._located(record, plan)
+        files = self._held
+        self._held = None
+        if files is None:
+            directory = self.path / record.generation
+            files = ChunkFiles(directory, verify=self.verify, within=self.path)
+        keep = False
+        try:
+            if self.passes != "fill" and self.verify:
+                files.bytes_read = 0
+                for item, chunk in items:
+                    _check_item(files, item, chunk)
                 self.bytes_read = files.bytes_read
-        for handover in handovers:
-            handover()
+            if self.passes == "verify":
+                keep = True
+            else:
+                read_before = files.bytes_read
+                for item, chunk in items:
+                    self._fill_item(files, item, chunk, planner)
+                if self.passes == "fill" or not self.verify:
+                    self.bytes_read = files.bytes_read - read_before
+        finally:
+            if keep:
+                self._held = files
+            else:
+                files.close()
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -200,47 +225,68 @@ class Reader(StorageReader):
             raise RuntimeError("fastckpt.dcp.Reader: read_metadata() must come first")
         return self._record
 
-    def _read_item(
-        self,
-        files: ChunkFiles,
-        item: ReadItem,
-        chunk: StoredChunk,
-        planner: LoadPlanner,
-        staged: bool,
-    ) -> Callable[[], None]:
-        """Read and verify one item; returns what hands it to the planner. Unless the planner
-        stages (``staged``), a tensor is read into a scratch tensor, copied into its target
-        by the hand-over."""
+    def _located(self, record: Record, plan: LoadPlan) -> list[tuple[ReadItem, StoredChunk]]:
+        """The plan's items with their stored chunks, in file and offset order."""
+        located = []
+        for item in plan.items:
+            chunk = record.storage.get(item.storage_index)
+            if chunk is None:
+                raise CheckpointFormatError(
+                    f"{record.path}: no stored data for {item.storage_index.fqn!r} at "
+                    f"{list(item.storage_index.offset or [])}"
+                )
+            located.append((item, chunk))
+        return sorted(located, key=lambda pair: (pair[1].file, pair[1].offset))
+
+    def _fill_item(
+        self, files: ChunkFiles, item: ReadItem, chunk: StoredChunk, planner: LoadPlanner
+    ) -> None:
+        """Read one (verified) item into its target, checked again, and hand it over."""
         if item.type == LoadItemType.BYTE_IO:
-            if chunk.kind == "tensor":
-                raise CheckpointFormatError(f"{item.storage_index.fqn}: stored as a tensor")
-            payload = files.read_bytes(chunk).numpy().tobytes()
-            where = f"{files.directory / chunk.file}: {item.storage_index.fqn!r}"
-            value = decode_value(where, chunk.kind, payload)
-            return lambda: planner.load_bytes(item, as_planner_bytes(value))
-        if chunk.kind != "tensor":
-            raise CheckpointFormatError(f"{item.storage_index.fqn}: stored as {chunk.kind}")
+            planner.load_bytes(item, as_planner_bytes(_value(files, item, chunk)))
+            return
+        _require_tensor(item, chunk)
         target = planner.resolve_tensor(item).detach()
-        destination = target if staged else torch.empty(target.size(), dtype=target.dtype)
         whole = list(item.storage_offsets) == [0] * len(item.lengths) and tuple(
             item.lengths
         ) == tuple(chunk.shape or ())
-        if not (
-            whole
-            and destination.size() == tuple(item.lengths)
-            and files.read_into(chunk, destination)
-        ):
-            source = files.read_box(chunk, item.storage_offsets, item.lengths)
-            if destination.size() != source.size():
-                raise CheckpointFormatError(
-                    f"{item.storage_index.fqn}: the plan wants {list(destination.size())} but "
-                    f"the stored chunk gives {list(source.size())}"
-                )
-            destination.copy_(source)
-
-        def handover() -> None:
-            if destination is not target:
-                target.copy_(destination)
+        if whole and target.size() == tuple(item.lengths) and files.read_into(chunk, target):
             planner.commit_tensor(item, target)
+            return
+        source = files.read_box(chunk, item.storage_offsets, item.lengths)
+        if target.size() != source.size():
+            raise CheckpointFormatError(
+                f"{item.storage_index.fqn}: the plan wants {list(target.size())} but the stored "
+                f"chunk gives {list(source.size())}"
+            )
+        target.copy_(source)
+        planner.commit_tensor(item, target)
 
-        return handover
+
+def _require_tensor(item: ReadItem, chunk: StoredChunk) -> None:
+    if chunk.kind != "tensor":
+        raise CheckpointFormatError(f"{item.storage_index.fqn}: stored as {chunk.kind}")
+
+
+def _value(files: ChunkFiles, item: ReadItem, chunk: StoredChunk) -> Any:
+    """The verified, decoded non-tensor value of an item."""
+    if chunk.kind == "tensor":
+        raise CheckpointFormatError(f"{item.storage_index.fqn}: stored as a tensor")
+    payload = files.read_bytes(chunk).numpy().tobytes()
+    where = f"{files.directory / chunk.file}: {item.storage_index.fqn!r}"
+    return decode_value(where, chunk.kind, payload)
+
+
+def _check_item(files: ChunkFiles, item: ReadItem, chunk: StoredChunk) -> None:
+    """Read and verify what one item needs (into the reusable buffer), and check that it
+    can be handed over, without touching any target."""
+    if item.type == LoadItemType.BYTE_IO:
+        _value(files, item, chunk)
+        return
+    _require_tensor(item, chunk)
+    box = files.read_box(chunk, item.storage_offsets, item.lengths)
+    if tuple(box.size()) != tuple(item.lengths):
+        raise CheckpointFormatError(
+            f"{item.storage_index.fqn}: the plan wants {list(item.lengths)} but the stored "
+            f"chunk gives {list(box.size())}"
+        )

@@ -10,13 +10,15 @@ the state one subtree of it.
   mismatch raises :class:`fastckpt.CheckpointMismatchError` naming the key path instead of a
   raw DCP error. A ``None`` template loads an item as full, unsharded tensors.
 
-A load never leaves templates half-filled: every rank reads and verifies its share into
-scratch tensors (host memory: one more copy of this rank's share of the templates, freed when
-the load returns), DCP gathers every rank's outcome, and only when all ranks succeeded are
-the templates filled (a copy per tensor) and plain values set. A damaged chunk on any rank
-raises on every rank with every template as it was. DCP's ``CheckpointException`` (a
-``BaseException``) is raised as the typed error a rank hit (:func:`typed_dcp_errors`). In one
-process, a load that races a save replacing the checkpoint is read again (the record changed:
+A load never leaves templates half-filled: it runs as two DCP loads of the same commit record
+with the files opened once. In the first every rank reads and verifies its share (into one
+reusable buffer: no copy of the state is held); DCP gathers every rank's outcome, so a damaged
+chunk on any rank raises on every rank with every template as it was. Only then does the
+second read the same ranges into the templates (verified again) and set the plain values. The
+cost is a second read of each rank's share (from the page cache when it fits there) and a
+second round of DCP planning, not memory. DCP's ``CheckpointException`` (a ``BaseException``)
+is raised as the typed error a rank hit (:func:`typed_dcp_errors`). In one process, a load that
+races a save replacing the checkpoint is read again (the record changed:
 :func:`fastckpt.store.snapshot.read_consistently`), so it returns the old or the new state,
 whole.
 """
@@ -24,7 +26,6 @@ whole.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
@@ -38,13 +39,12 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from fastckpt.dcp.commit import RECORD_NAME, read_record
 from fastckpt.dcp.metadata import Record
-from fastckpt.dcp.reader import STAGES_READS, Reader
+from fastckpt.dcp.reader import Passes, Reader
 from fastckpt.dcp.writer import Writer
 from fastckpt.errors import CheckpointMismatchError, FastCkptError
 from fastckpt.store.dispatch import require_local
@@ -117,52 +117,6 @@ def typed_dcp_errors() -> Iterator[None]:
         if failure is err:
             raise
         raise failure from err
-
-
-class _StagedLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, except that nothing reaches the state before
-    :meth:`apply`: the reader fills a scratch tensor for every tensor item and the values are
-    held, so a load that fails on any rank leaves the state as it was. Items under the
-    top-level keys in ``direct`` (fresh tensors made by the load itself) are read in place.
-    """
-
-    def __init__(self, *, allow_partial_load: bool, direct: set[str]) -> None:
-        super().__init__(allow_partial_load=allow_partial_load)
-        setattr(self, STAGES_READS, True)
-        self._direct = direct
-        self._tensors: list[tuple[ReadItem, torch.Tensor]] = []
-        self._values: list[tuple[ReadItem, bytes]] = []
-
-    def _in_place(self, item: ReadItem) -> bool:
-        path = self.mappings.get(item.dest_index.fqn) if self.flatten_state_dict else None
-        key = str(path[0]) if path else item.dest_index.fqn.split(".")[0]
-        return key in self._direct
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        """A scratch tensor shaped like the target (the target itself for ``direct`` keys)."""
-        target = super().resolve_tensor(read_item)
-        if self._in_place(read_item):
-            return target
-        scratch = torch.empty(target.size(), dtype=target.dtype)
-        self._tensors.append((read_item, scratch))
-        return scratch
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        """Hold the value for :meth:`apply` (set it at once for ``direct`` keys)."""
-        if self._in_place(read_item):
-            super().load_bytes(read_item, value)
-        else:
-            self._values.append((read_item, value.getvalue()))
-
-    def apply(self) -> None:
-        """Fill the targets from the scratch tensors and set the held values (call it once
-        DCP's load returned, i.e. every rank's reads verified)."""
-        for item, scratch in self._tensors:
-            super().resolve_tensor(item).detach().copy_(scratch)
-        for item, data in self._values:
-            super().load_bytes(item, io.BytesIO(data))
-        self._tensors.clear()
-        self._values.clear()
 
 
 def save_state(
@@ -326,7 +280,6 @@ def load_record_state(
     keys = sorted(stored_keys) if into is None else list(into)
     state: dict[str, Any] = {}
     result: dict[str, Any] = {}
-    fresh: set[str] = set()
     stateful: dict[str, Any] = {}
     for key in keys:
         template = None if into is None else into[key]
@@ -337,7 +290,6 @@ def load_record_state(
             continue
         if template is None:
             state[key] = _full_template(metadata, key)
-            fresh.add(key)
         elif isinstance(template, Stateful):
             stateful[key] = template
             state[key] = template.state_dict()
@@ -347,13 +299,21 @@ def load_record_state(
     if state:
         reader = reader or Reader(root)
         reader.reset(root)
-        reader.use_record(record)
-        planner = _StagedLoadPlanner(allow_partial_load=not strict, direct=fresh)
-        with typed_dcp_errors():
-            dcp.load(state, storage_reader=reader, planner=planner, process_group=process_group)
-        planner.apply()
-        # DCP loaded into a copy of the top-level dict: top-level plain values are set there.
-        state.update({key: planner.original_state_dict[key] for key in state})
+        try:
+            # every rank verifies its share; DCP raises everywhere if one rank failed ...
+            passes: tuple[Passes, ...] = ("verify", "fill") if reader.verify else ("fill",)
+            for which in passes:
+                reader.use_record(record)
+                reader.passes = which
+                planner = DefaultLoadPlanner(allow_partial_load=not strict)
+                with typed_dcp_errors():
+                    dcp.load(
+                        state, storage_reader=reader, planner=planner, process_group=process_group
+                    )
+            # ... and only then are the templates filled (the second pass)
+        finally:
+            reader.release()
+            reader.passes = "both"
         for key, template in stateful.items():
             template.load_state_dict(state[key])
             state[key] = template
