@@ -238,7 +238,7 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
     "list.json": ("corrupt", ("nor a JSON fastckpt record", "not verified")),
     "skeleton.json": ("corrupt", ("JSON but not a fastckpt record", "not verified")),
     "edited-manifest.json": ("corrupt", ("manifest", "crc32c")),
-    "commit.bak": ("corrupt", ("commit record", "no checksum of its own")),
+    "commit.bak": ("corrupt", ("commit record", "were not verified here")),
 }
 
 

@@ -104,7 +104,8 @@ SUFFIX = ".safetensors"
 #: imported, that module needs torch.distributed).
 SHARDED_FORMAT = "fastckpt-dcp"
 #: Records that carry no checksum of their own: format -> (what it is, its name in place).
-_UNSEALED_RECORDS = {
+#: Records that only mean something with the files they list (checked in their directory).
+_DIRECTORY_RECORDS = {
     MANAGER_FORMAT: ("a CheckpointManager commit record", COMMIT_RECORD),
     SHARDED_FORMAT: ("a sharded checkpoint record", SHARDED_RECORD),
 }
@@ -150,7 +151,7 @@ def _check_record(store: StorageBackend, path: Path, head: bytes, size: int, why
     """The whole-file crc32c of ``path`` once its content checked as a fastckpt record.
 
     Raises:
-        CheckpointFormatError: not a record, or a record that has no checksum of its own.
+        CheckpointFormatError: not a record, or a record checked only with its directory.
         ChecksumMismatchError: a manifest whose content differs from its own crc32c.
     """
     cannot = "fastckpt cannot tell what this file is, so its bytes were not verified"
@@ -167,12 +168,11 @@ def _check_record(store: StorageBackend, path: Path, head: bytes, size: int, why
             f"{cannot}"
         ) from None
     kind = document.get("format") if isinstance(document, dict) else None
-    if isinstance(kind, str) and kind in _UNSEALED_RECORDS:
-        what, name = _UNSEALED_RECORDS[kind]
+    if isinstance(kind, str) and kind in _DIRECTORY_RECORDS:
+        what, name = _DIRECTORY_RECORDS[kind]
         raise CheckpointFormatError(
-            f"{path}: {what}, which has no checksum of its own: its bytes were not verified; "
-            f"a record is checked in its checkpoint directory, as {name}, with the files it "
-            "lists: verify that directory"
+            f"{path}: {what}, whose bytes were not verified here: a record is checked in its "
+            f"checkpoint directory, as {name}, with the files it lists: verify that directory"
         )
     if not (
         isinstance(document, dict) and kind in (None, "fastckpt") and "checkpoints" in document
