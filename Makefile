@@ -57,7 +57,7 @@ $(VENV)/.deps-installed: pyproject.toml $(VENV)/.python-checked
 	@echo "==> installing the Python dependencies (the first run downloads torch, a few GB, into $(WHEELHOUSE))"
 	mkdir -p $(WHEELHOUSE)
 	eval $(PY) -m pip download --quiet --dest $(WHEELHOUSE) $(DEPS)
-	eval $(PY) -m pip install --progress-bar on --find-links $(WHEELHOUSE) $(DEPS)
+	eval $(PY) -m pip install --progress-bar on --no-compile --find-links $(WHEELHOUSE) $(DEPS)
 	touch $@
 
 # The distribution was called `fastckpt` before it became `fastckpt-io`: an old development
@@ -126,7 +126,7 @@ $(VENV_LOWEST)/.deps-installed: pyproject.toml tools/deps.py $(VENV)/.deps-insta
 	@echo "==> installing the lowest claimed dependencies into $(VENV_LOWEST): $$($(PY) tools/deps.py lowest)"
 	mkdir -p $(WHEELHOUSE)
 	eval $(PY) -m pip download --quiet --only-binary :all: --python-version 3.11 --dest $(WHEELHOUSE) $$($(PY) tools/deps.py lowest)
-	eval $(PY_LOWEST) -m pip install --quiet --no-index --find-links $(WHEELHOUSE) $$($(PY) tools/deps.py lowest)
+	eval $(PY_LOWEST) -m pip install --quiet --no-compile --no-index --find-links $(WHEELHOUSE) $$($(PY) tools/deps.py lowest)
 	touch $@
 
 test-lowest: wheel $(VENV_LOWEST)/.deps-installed
