@@ -214,9 +214,7 @@ def test_a_failing_async_finalize_callback_is_reported_like_a_write_failure(
     assert future is not None
     with pytest.raises(OSError, match="could not upload"):
         future.result(timeout=30)
-    with pytest.raises(RuntimeError, match="previous background checkpoint write failed") as info:
-        manager.save(tmp_path / "b", payload())
-    assert isinstance(info.value.__cause__, OSError)
+    # Raised once: the future delivered it, so the next save does not raise it again.
     config.finalize_callback = None
     future = manager.save(tmp_path / "b", payload())  # the manager stays usable
     assert future is not None

@@ -84,12 +84,13 @@ def test_path_traversal_and_absolute_paths_are_refused(saved: Saved) -> None:
     for bad in ("../b/model.json", "/etc/passwd"):
         changed = copy.deepcopy(record)
         changed["files"][bad] = changed["files"].pop("model.json")
-        record_path.write_text(json.dumps(changed))
+        record_path.write_text(json.dumps(seal_manifest(changed)))  # re-sealed, as an attacker
+
         detected(lambda: mload(directory), repr(bad))
         assert verify(directory).files[0].status == "corrupt"
     changed = copy.deepcopy(record)
     changed["items"] = ["../b/model"]
-    record_path.write_text(json.dumps(changed))
+    record_path.write_text(json.dumps(seal_manifest(changed)))
     detected(lambda: mload(directory), "../b/model")
     record_path.write_text(json.dumps(record))
     with (

@@ -289,7 +289,7 @@ def _verify_manager(directory: Path, threads: int) -> VerifyReport:
     report.files.append(record_report)
     try:
         record = read_commit_record(directory)
-    except (CheckpointFormatError, OSError) as err:
+    except (CheckpointFormatError, ChecksumMismatchError, OSError) as err:
         message = str(err) if str(record_path) in str(err) else f"{record_path}: {err!r}"
         record_report.status, record_report.message = "corrupt", message
         return report

@@ -53,6 +53,7 @@ from fastckpt.store.records import (
     Manifest,
     json_bytes,
     new_generation,
+    seal_manifest,
 )
 
 __all__ = [
@@ -149,9 +150,14 @@ class DirectoryWriter:
     def add_json(self, relpath: str, document: Any) -> None:
         """Write a JSON file (durably) and record its size and crc32c (a generation's
         ``commit.json`` is held back for :meth:`commit`, see the class docstring)."""
-        if self.generation is not None and relpath == COMMIT_RECORD:
-            self._record = json_bytes({**document, "generation": self.generation})
-            return
+        if relpath == COMMIT_RECORD:
+            document = dict(document)
+            if self.generation is not None:
+                document["generation"] = self.generation
+            seal_manifest(document)  # the record's own crc32c, over every field
+            if self.generation is not None:
+                self._record = json_bytes(document)
+                return
         self.staging.put_bytes(relpath, json_bytes(document))
 
     def adopt(self, location: str, files: Mapping[str, dict[str, int]]) -> None:

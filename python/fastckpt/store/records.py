@@ -43,6 +43,7 @@ __all__ = [
     "TENSOR_REFERENCE_FIELDS",
     "Manifest",
     "check_fields",
+    "check_seal",
     "commit_record",
     "item_files",
     "json_bytes",
@@ -219,12 +220,39 @@ def _canonical(document: Mapping[str, Any]) -> bytes:
 
 
 def seal_manifest(document: dict[str, Any]) -> dict[str, Any]:
-    """Set the ``crc32c`` field of a hand-edited manifest document to match its content.
+    """Set the ``crc32c`` field of a record document (``manifest.json``, ``commit.json``,
+    ``fastckpt-dcp.json``) to the crc32c of its canonical content.
 
-    For tools and tests that edit ``manifest.json`` on purpose; returns ``document``.
+    Every record is sealed so when it is written; tools and tests that edit a record on
+    purpose call it too. Returns ``document``.
     """
     document[MANIFEST_CRC_FIELD] = _native.crc32c(_canonical(document))
     return document
+
+
+def check_seal(path: str | os.PathLike[str], document: Mapping[str, Any]) -> bool:
+    """Check a record's own ``crc32c`` field against its canonical content.
+
+    Returns:
+        Whether the record is sealed (False: written by a fastckpt that did not seal it).
+
+    Raises:
+        CheckpointFormatError: the field is not an int.
+        ChecksumMismatchError: the content differs from the field (names the file).
+    """
+    stored = document.get(MANIFEST_CRC_FIELD)
+    if stored is None:
+        return False
+    if not _is_int(stored):
+        raise CheckpointFormatError(f"{path}: field {MANIFEST_CRC_FIELD!r} must be an int")
+    actual = _native.crc32c(_canonical(document))
+    if actual != stored:
+        raise ChecksumMismatchError(
+            f"{path}: content crc32c {actual:08x} differs from the recorded {stored:08x} "
+            f"(field {MANIFEST_CRC_FIELD!r}); the record is corrupt or was edited: restore it "
+            "from a copy, or save the checkpoint again"
+        )
+    return True
 
 
 @dataclass
@@ -432,6 +460,21 @@ def _check_entry_fields(where: str, entry: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- commit.json
 
 
+#: Every top-level field a ``commit.json`` may have.
+_COMMIT_FIELDS = frozenset(
+    {
+        "format",
+        "schema_version",
+        "world_size",
+        "items",
+        "files",
+        MANAGER_REFS,
+        "generation",
+        MANIFEST_CRC_FIELD,
+    }
+)
+
+
 def commit_record(
     items: list[str],
     files: Mapping[str, Mapping[str, int]],
@@ -439,7 +482,8 @@ def commit_record(
     refs: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """The ``commit.json`` document of a CheckpointManager checkpoint (``refs``: the
-    references of an incremental one, relpath -> tensor name -> reference)."""
+    references of an incremental one, relpath -> tensor name -> reference). Unsealed: the
+    writer seals it (:func:`seal_manifest`) once every field is set."""
     record: dict[str, Any] = {
         "format": MANAGER_FORMAT,
         "schema_version": MANAGER_SCHEMA_VERSION if refs else 1,
@@ -493,6 +537,12 @@ def read_commit_record(directory: str | os.PathLike[str]) -> dict[str, Any]:
     record = load_json(path, data)
     if not isinstance(record, dict) or record.get("format") != MANAGER_FORMAT:
         raise CheckpointFormatError(f"{path}: not a {MANAGER_FORMAT} commit record")
+    # A flipped bit anywhere (a field name included) is caught: unknown fields are refused,
+    # and the record's own crc32c covers every value (records of earlier versions have none).
+    unknown = sorted(set(record) - _COMMIT_FIELDS)
+    if unknown:
+        raise CheckpointFormatError(f"{path}: unexpected field(s) {unknown}")
+    check_seal(path, record)
     version = record.get("schema_version")
     if not isinstance(version, int) or version > MANAGER_SCHEMA_VERSION:
         raise CheckpointFormatError(
