@@ -500,14 +500,17 @@ _HELD_LOCK = threading.Lock()
 
 
 def held_lease(client: S3Client, key: str) -> S3RootLock | None:
-    """The lease this process holds on a root containing object ``key`` (None: none)."""
+    """The lease this process holds on the innermost root containing object ``key`` (None:
+    none)."""
+    found: tuple[int, S3RootLock] | None = None
     with _HELD_LOCK:
         for (endpoint, bucket, root), lock in _HELD.items():
             if endpoint != client.endpoint or bucket != client.bucket_url.bucket:
                 continue
-            if not root or key == root or key.startswith(root + "/"):
-                return lock
-    return None
+            inside = not root or key == root or key.startswith(root + "/")
+            if inside and (found is None or len(root) > found[0]):
+                found = (len(root), lock)
+    return None if found is None else found[1]
 
 
 class S3RootLock:
