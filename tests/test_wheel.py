@@ -298,7 +298,8 @@ def _provide_runtime_dependencies(venv: Path, version: str, deps: Path) -> list[
                     "--dest", str(WHEELHOUSE), *own]  # fmt: skip
         subprocess.run(download, check=True, timeout=1800)
         install = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
-                   "--no-index", "--no-deps", "--find-links", str(WHEELHOUSE), *own]  # fmt: skip
+                   "--no-compile", "--no-index", "--no-deps", "--find-links", str(WHEELHOUSE),
+                   *own]  # fmt: skip
         subprocess.run(install, check=True, timeout=1800)
     return sorted(closure)
 
