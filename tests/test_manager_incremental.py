@@ -32,7 +32,7 @@ from fastckpt.store.links import (
     reference_reports,
     referenced_sources,
 )
-from fastckpt.store.records import read_commit_record
+from fastckpt.store.records import read_commit_record, seal_manifest
 from training_support import run_two_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -358,7 +358,7 @@ def test_a_reference_that_does_not_match_the_linked_header_is_refused(tmp_path: 
         path = tmp_path / "b" / "commit.json"
         record = json.loads(path.read_text())
         record["refs"]["model.safetensors"]["0.bias"]["crc32c"] ^= 1
-        path.write_text(json.dumps(record))
+        path.write_text(json.dumps(seal_manifest(record)))
         with pytest.raises(ChecksumMismatchError, match=r"'0\.bias'"):
             manager.load(tmp_path / "b")
         record = read_commit_record(tmp_path / "b")
@@ -393,7 +393,7 @@ def test_hostile_reference_fields_are_typed_errors(
         path = tmp_path / "b" / "commit.json"
         record = json.loads(path.read_text())
         record["refs"]["model.safetensors"]["0.weight"][field] = value
-        path.write_text(json.dumps(record))
+        path.write_text(json.dumps(seal_manifest(record)))
         with pytest.raises(fastckpt.CheckpointFormatError, match=message) as caught:
             manager.load(tmp_path / "b")
         assert "commit.json" in str(caught.value) and "0.weight" in str(caught.value)
