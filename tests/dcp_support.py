@@ -87,8 +87,16 @@ def launch(
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
-        results.append((proc.returncode, out, err))
+        results.append((proc.returncode, without_gloo_banners(out), err))
     return results
+
+
+def without_gloo_banners(stdout: str) -> str:
+    """A rank's stdout less the lines gloo itself prints there: torch 2.9 writes
+    ``[Gloo] Rank N is connected to M peer ranks...`` when a process group forms."""
+    return "".join(
+        line for line in stdout.splitlines(keepends=True) if not line.startswith("[Gloo] ")
+    )
 
 
 def spawn(

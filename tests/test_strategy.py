@@ -45,7 +45,7 @@ def run_python(code: str, *args: str, timeout: int = 300) -> str:
         env=env,
     )
     assert result.returncode == 0, result.stderr
-    return result.stdout
+    return support.without_gloo_banners(result.stdout)
 
 
 # --------------------------------------------------------------------------- exact resume

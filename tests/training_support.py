@@ -98,7 +98,15 @@ def run_two_ranks(script: str, checkpoint: Path, rendezvous: Path) -> list[str]:
     outputs = [proc.communicate(timeout=300) for proc in procs]
     for proc, (_, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err
-    return [out for out, _ in outputs]
+    return [without_gloo_banners(out) for out, _ in outputs]
+
+
+def without_gloo_banners(stdout: str) -> str:
+    """A rank's stdout less the lines gloo itself prints there: torch 2.9 writes
+    ``[Gloo] Rank N is connected to M peer ranks...`` when a process group forms."""
+    return "".join(
+        line for line in stdout.splitlines(keepends=True) if not line.startswith("[Gloo] ")
+    )
 
 
 def leave_process_group() -> NoReturn:

@@ -19,7 +19,7 @@ hold exactly the fields such records had.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -129,6 +129,11 @@ class Record:
 # ------------------------------------------------------------------------------ encoding
 
 
+#: Whether torch's TensorProperties records a tensor's strides (a field newer torch added;
+#: torch 2.9 has none). Records keep "strides" either way: null where torch gave none.
+_PROPERTIES_HAVE_STRIDES = "strides" in {f.name for f in fields(TensorProperties)}
+
+
 def _torch_name(value: object) -> str:
     text = str(value)
     if not text.startswith("torch."):
@@ -137,13 +142,14 @@ def _torch_name(value: object) -> str:
 
 
 def _encode_properties(props: TensorProperties) -> dict[str, Any]:
+    strides = getattr(props, "strides", None)
     return {
         "dtype": _torch_name(props.dtype),
         "layout": _torch_name(props.layout),
         "requires_grad": bool(props.requires_grad),
         "memory_format": _torch_name(props.memory_format),
         "pin_memory": bool(props.pin_memory),
-        "strides": None if props.strides is None else [int(s) for s in props.strides],
+        "strides": None if strides is None else [int(s) for s in strides],
     }
 
 
@@ -267,6 +273,12 @@ class _Decoder:
     def properties(self, data: Any, where: str) -> TensorProperties:
         data = self.typed(data, dict, where)
         strides = data.get("strides")
+        # A record written by a newer torch may carry strides this torch cannot hold.
+        extra: dict[str, Any] = {}
+        if _PROPERTIES_HAVE_STRIDES:
+            extra["strides"] = (
+                None if strides is None else tuple(self.ints(strides, f"{where}.strides"))
+            )
         return TensorProperties(
             dtype=self.torch_object(data.get("dtype"), torch.dtype, f"{where}.dtype"),
             layout=self.torch_object(data.get("layout"), torch.layout, f"{where}.layout"),
@@ -275,7 +287,7 @@ class _Decoder:
                 data.get("memory_format"), torch.memory_format, f"{where}.memory_format"
             ),
             pin_memory=bool(self.typed(data.get("pin_memory"), bool, where)),
-            strides=None if strides is None else tuple(self.ints(strides, f"{where}.strides")),
+            **extra,
         )
 
     def entry(self, fqn: str, data: Any) -> TensorStorageMetadata | BytesStorageMetadata:
