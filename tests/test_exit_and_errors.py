@@ -175,6 +175,40 @@ def test_a_save_that_fails_at_exit_is_named_on_stderr(tmp_path: Path, writer: st
         assert any("step 40" in line for line in lines), result.stderr
 
 
+# A manager created inside a function and dropped there, its last save failing: nothing
+# references the manager (or its writer) any more when the interpreter exits.
+DROPPED_MANAGER_CHILD = textwrap.dedent(
+    """
+    import gc, sys, time
+    import torch
+    from fastckpt import CheckpointManager
+
+    def train(root, last):
+        manager = CheckpointManager(CheckpointManager.Config.with_async_save())
+        model = torch.nn.Linear(8, 8)
+        manager.save(f"{root}/step_10", {"model": model.state_dict()}).result()
+        manager.save(last, {"model": model.state_dict()})
+
+    train(sys.argv[1], sys.argv[2])
+    time.sleep(2)  # the last write fails meanwhile
+    gc.collect()  # and the dropped manager, its writer included, is collected
+    print("loop done", flush=True)
+    """
+)
+
+
+def test_a_failed_save_of_a_dropped_manager_is_named_at_exit(tmp_path: Path) -> None:
+    """Issue 22.10, the usual shape of a training script: the manager lives in ``train()``
+    and is garbage collected before exit; its failed last save must still be named."""
+    root = tmp_path / "ckpt"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("a file where a directory must go")
+    last = blocker / "step_20"
+    result = run_child(tmp_path, DROPPED_MANAGER_CHILD, str(root), str(last))
+    lines = [line for line in result.stderr.splitlines() if "fastckpt" in line]
+    assert any(str(last) in line and "NOT saved" in line for line in lines), result.stderr
+
+
 def test_a_save_still_running_at_exit_is_named_then_finished(tmp_path: Path) -> None:
     """Issue 22.10: a pending save that outlasts the writer's wait timeout at exit is named
     on stderr (a kill now would lose it); the interpreter then waits for it, and it is saved."""

@@ -25,7 +25,6 @@ import errno
 import os
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -370,15 +369,20 @@ def _stderr_line(message: str) -> None:
         pass
 
 
-#: Every :class:`BackgroundWriter` that has submitted a write (weakly: a writer that is
-#: garbage collected leaves). :func:`_finish_pending_writes` goes through them at exit.
-_WRITERS: weakref.WeakSet[BackgroundWriter[Any]] = weakref.WeakSet()
+#: Every :class:`BackgroundWriter` with a tracked write (one not yet reported), held
+#: strongly: a writer whose owner (a manager, a hook) was dropped without ``close()`` is kept
+#: until its write is reported, so a failure nobody saw still reaches stderr at exit.
+#: :func:`_finish_pending_writes` goes through them at exit.
+_TRACKED: set[BackgroundWriter[Any]] = set()
+_TRACKED_LOCK = threading.Lock()
 
 
 def _finish_pending_writes() -> None:
     """At interpreter exit: finish every write still pending (see
     :meth:`BackgroundWriter.finish_at_exit`)."""
-    for writer in list(_WRITERS):
+    with _TRACKED_LOCK:
+        writers = list(_TRACKED)
+    for writer in writers:
         writer.finish_at_exit()
 
 
@@ -505,8 +509,15 @@ class BackgroundWriter(Generic[T]):
         self._future = future
         self._what = what
         self._pid = os.getpid()
-        _WRITERS.add(self)
+        with _TRACKED_LOCK:
+            _TRACKED.add(self)
         return future
+
+    def _untrack(self) -> None:
+        """The tracked write was reported (or cancelled): forget it."""
+        self._future = None
+        with _TRACKED_LOCK:
+            _TRACKED.discard(self)
 
     def _execute(
         self, future: WriteFuture[T], capture: Callable[[], None] | None, write: Callable[[], T]
@@ -570,9 +581,9 @@ class BackgroundWriter(Generic[T]):
                 "close (raise the wait timeout if writes take this long)",
             ) from None
         except CancelledError:  # the caller cancelled it before it started: nothing written
-            self._future = None
+            self._untrack()
             return None
-        self._future = None
+        self._untrack()
         if error is not None:
             if future.failure_reported:
                 return None  # its Future already raised it: reported once
@@ -619,7 +630,7 @@ class BackgroundWriter(Generic[T]):
             )
             return
         if error is None:
-            self._future = None
+            self._untrack()
             if outlasted:
                 _stderr_line(f"the background checkpoint write of {what} ended: it is saved")
             return
@@ -628,7 +639,7 @@ class BackgroundWriter(Generic[T]):
                 f"WARNING: {what} was NOT saved: its background checkpoint write failed and "
                 f"close() was not called to report it: {type(error).__name__}: {error}"
             )
-        self._future = None
+        self._untrack()
 
     def close(self) -> T | None:
         """Wait for the tracked write however long it takes, report it, stop the thread.
