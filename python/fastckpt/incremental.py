@@ -51,7 +51,7 @@ __all__ = [
     "Plan",
     "Tracked",
     "confirm",
-    "digest_tensors",
+    "digest_groups",
     "forget",
     "is_frozen",
     "mark_frozen",
@@ -82,11 +82,22 @@ class Tracked:
     digest: bytes | None = None
 
 
-def digest_tensors(tensors: Sequence[torch.Tensor]) -> list[bytes]:
-    """The BLAKE3 digest of each tensor's bytes as a file would hold them (contiguous, on
-    the host; device tensors are copied to the host first), in order."""
-    hosts = [host_tensor("digest input", tensor) for tensor in tensors]
-    return _native.digests([byte_view(host) for host in hosts], DIGEST_THREADS)
+def digest_groups(
+    groups: Mapping[str, Mapping[str, torch.Tensor]], keys: Sequence[tuple[str, str]]
+) -> dict[tuple[str, str], bytes]:
+    """The BLAKE3 digest of ``groups[group][name]`` for each ``(group, name)`` of ``keys``:
+    of its bytes as a file would hold them (contiguous, on the host). Device tensors are
+    copied to the host one group (one file) at a time, and the copies dropped after: a save
+    never holds more than one file's worth of extra host memory for them."""
+    by_group: dict[str, list[str]] = {}
+    for group, name in keys:
+        by_group.setdefault(group, []).append(name)
+    result: dict[tuple[str, str], bytes] = {}
+    for group, names in by_group.items():
+        hosts = [host_tensor(f"{group}:{name}", groups[group][name]) for name in names]
+        values = _native.digests([byte_view(host) for host in hosts], DIGEST_THREADS)
+        result.update(((group, name), value) for name, value in zip(names, values, strict=True))
+    return result
 
 
 _LOCK = threading.Lock()
@@ -242,15 +253,7 @@ def confirm(result: Plan, tensor_files: dict[str, dict[str, torch.Tensor]]) -> N
         for name, (now, _, _) in pending.items()
         if not _is_frozen_print(now.fingerprint) and name in tensor_files.get(relpath, {})
     ]
-    hosts = [
-        host_tensor(f"{relpath}:{name}", tensor_files[relpath][name]) for relpath, name in keys
-    ]
-    values = _native.digests([byte_view(host) for host in hosts], DIGEST_THREADS)
-    digests = dict(zip(keys, values, strict=True))
-    for (relpath, name), host in zip(keys, hosts, strict=True):
-        original = tensor_files[relpath][name]
-        if original.device.type != "cpu":
-            tensor_files[relpath][name] = host  # copied to the host once, written from there
+    digests = digest_groups(tensor_files, keys)
     for relpath, written in result.fingerprints.items():
         for name, seen in written.items():
             seen.digest = digests.get((relpath, name))

@@ -44,9 +44,8 @@ from typing import Any
 
 import torch
 
-from fastckpt import _native
-from fastckpt.files import byte_view, host_tensor, read_metadata, read_tensors
-from fastckpt.incremental import DIGEST_THREADS, Tracked, fingerprint
+from fastckpt.files import read_metadata, read_tensors
+from fastckpt.incremental import Tracked, digest_groups, fingerprint
 from fastckpt.store.backend import CopySource, LocalStaging
 from fastckpt.store.commit import DirectoryWriter
 from fastckpt.store.dispatch import backend_for, is_object_url
@@ -121,6 +120,8 @@ class LinkPlan:
     #: item -> tensor name -> the base's tensor an object store copies into the item's file
     #: (filled while writing, instead of links)
     copies: dict[str, dict[str, CopySource]] = field(default_factory=dict)
+    #: whether :meth:`confirm` ran
+    confirmed: bool = False
 
     @property
     def referenced_bytes(self) -> int:
@@ -133,6 +134,9 @@ class LinkPlan:
         tensor; a candidate whose digest equals the previous save's is taken out of
         ``groups`` (in place) and referenced, the others are written. Frozen candidates are
         referenced without a comparison. Idempotent."""
+        if self.confirmed:
+            return
+        self.confirmed = True
         keys = [
             (key, name)
             for key, names in self.written.items()
@@ -145,12 +149,7 @@ class LinkPlan:
             for name, (now, _, _) in pending.items()
             if now.fingerprint[-1] != "frozen" and name in groups.get(key, {})
         ]
-        hosts = [host_tensor(f"{key}:{name}", groups[key][name]) for key, name in keys]
-        values = _native.digests([byte_view(host) for host in hosts], DIGEST_THREADS)
-        digests = dict(zip(keys, values, strict=True))
-        for (key, name), host in zip(keys, hosts, strict=True):
-            if groups[key][name].device.type != "cpu":
-                groups[key][name] = host  # copied to the host once, written from there
+        digests = digest_groups(groups, keys)
         for key, written in self.written.items():
             for name, seen in written.items():
                 seen.digest = digests.get((key, name), seen.digest)
