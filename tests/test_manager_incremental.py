@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -644,3 +645,28 @@ def test_cuda_state_stages_only_the_changed_tensors(
     assert _written(tmp_path / "b") == {"1.weight"}
     expected = {name: tensor.cpu() for name, tensor in model.state_dict().items()}
     _assert_bitwise({name: tensor.cpu() for name, tensor in loaded.items()}, expected)
+
+
+def test_a_write_cancelled_before_it_starts_closes_the_base_files_it_opened(
+    tmp_path: Path,
+) -> None:
+    """With ``use_async_staging=False`` the capture (which opens the base files to link) runs
+    in ``save``; a write cancelled before its thread starts it must still close them."""
+    config = CheckpointManager.Config.with_async_save()
+    config.save.staging_config.use_async_staging = False
+    model = _model()
+    with CheckpointManager(config) as manager:
+        _save(manager, tmp_path / "a", {"model": model})
+        writer = manager._writer
+        assert writer is not None and writer._executor is not None
+        release = threading.Event()
+        blocker = writer._executor.submit(release.wait)  # the write thread is busy
+        before = len(os.listdir("/proc/self/fd"))
+        future = manager.save(tmp_path / "b", {"model": model})
+        assert future is not None
+        assert len(os.listdir("/proc/self/fd")) > before  # the base file is held open
+        assert future.cancel()
+        release.set()
+        blocker.result()
+        assert len(os.listdir("/proc/self/fd")) == before
+    assert not (tmp_path / "b").exists()

@@ -409,9 +409,18 @@ class CheckpointManager:
                     snapshot.plan.close()
             self._finalize(snapshot.checkpoint_id)
 
-        return self._writer.submit(
+        future = self._writer.submit(
             display_path(path), write, capture=capture if self._async_staging else None
         )
+
+        def closed_if_cancelled(done: Future[None]) -> None:
+            # A write cancelled before it started never runs its ``finally``: the base files
+            # a capture opened for hard links are closed here instead.
+            if done.cancelled() and snapshot.plan is not None:
+                snapshot.plan.close()
+
+        future.add_done_callback(closed_if_cancelled)
+        return future
 
     def _save_sharded(
         self, path: Path, state: dict[str, Any], checkpoint_id: str
