@@ -249,3 +249,32 @@ def test_a_damaged_or_swapped_part_record_is_refused_by_load_and_verify(
         _loaded(root, 1)
     report = fastckpt.verify(root)
     assert not report.ok and report.failed_indices() == [1], report.summary()
+
+
+def test_the_sweep_keeps_an_earlier_part_that_a_live_writer_may_still_be_writing(
+    tmp_path: Path,
+) -> None:
+    """Part names sort by the writer's clock: an earlier-named part of a live process (a
+    replacement under way whose clock is behind) is kept; this process's own earlier parts,
+    dead writers' parts and other hosts' parts older than the grace period go."""
+    from fastckpt.dcp import parts
+
+    host = parts._HOST
+    named = f"p{2_000_000_000_000:013d}-00000000~{os.getpid()}~{host}"
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    names = {
+        "live_other_process": f"p{1_999_999_999_000:013d}-11111111~{os.getppid()}~{host}",
+        "own_earlier": f"p{1_999_999_999_500:013d}-22222222~{os.getpid()}~{host}",
+        "dead_writer": f"p{1_999_999_999_600:013d}-33333333~{int(dead.stdout)}~{host}",
+        "foreign_recent": f"p{1_999_999_999_700:013d}-44444444~123~elsewhere",
+        "foreign_old": f"p{1_000_000_000_000:013d}-55555555~123~elsewhere",
+    }
+    for name in (*names.values(), named):
+        (tmp_path / name).mkdir()
+    doomed = {path.name for path in parts._doomed_entries(tmp_path, named)}
+    assert doomed == {names["own_earlier"], names["dead_writer"], names["foreign_old"]}

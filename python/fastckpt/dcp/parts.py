@@ -159,19 +159,44 @@ def _is_index_name(name: str) -> bool:
     return name.isdigit() and len(name) <= 18 and str(int(name)) == name
 
 
+#: An earlier part written on another host (whose writer cannot be asked whether it lives)
+#: is removed once it is this much older than the committed one.
+FOREIGN_PART_GRACE_S = 3600
+
+
+def _writer_gone(name: str, named: str) -> bool:
+    """Whether the part ``name``, created before the committed part ``named``, can no longer
+    be written by anyone: written by this process (its saves of an index run one after the
+    other), by a process of this host that is gone, or on another host long before."""
+    match = _PART.match(name)
+    if match is None:
+        return True
+    if match.group(4) == _HOST:
+        return int(match.group(3)) == os.getpid() or _writer_dead(name)
+    committed = _PART.match(named)
+    age_ms = int(committed.group(1)) - int(match.group(1)) if committed else 0
+    return age_ms >= FOREIGN_PART_GRACE_S * 1000
+
+
 def _doomed_entries(directory: Path, named: str) -> list[Path]:
     """What of ``ROOT/sharded/<i>`` goes when the committed index names part ``named``: the
-    parts before it (replaced, or saves that never committed), the layout from before parts,
-    and later parts whose writer died on this host (a later part of a live writer may be a
-    replacement under way)."""
-    doomed = []
-    for entry in sorted(directory.iterdir()):
-        name = entry.name
-        if name == named:
-            continue
-        if not _PART.match(name) or name < named or _writer_dead(name):
-            doomed.append(entry)
-    return doomed
+    layout from before parts; parts created before it (replaced, or saves that never
+    committed) whose writer is gone (:func:`_writer_gone`: a live writer's earlier part may
+    be a replacement under way, whose clock is behind); and later parts whose writer died on
+    this host."""
+    return [
+        entry
+        for entry in sorted(directory.iterdir())
+        if entry.name != named and _is_doomed(entry.name, named)
+    ]
+
+
+def _is_doomed(name: str, named: str) -> bool:
+    if not _PART.match(name):
+        return True
+    if name < named:
+        return _writer_gone(name, named)
+    return _writer_dead(name)
 
 
 def _remove(path: Path) -> None:
