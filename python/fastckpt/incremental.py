@@ -57,6 +57,7 @@ __all__ = [
     "mark_frozen",
     "plan",
     "record_saved",
+    "settle",
 ]
 
 Fingerprint = tuple[Any, ...]
@@ -80,6 +81,11 @@ class Tracked:
     fingerprint: Fingerprint
     storage: Any
     digest: bytes | None = None
+
+
+#: group (a file, or a manager item) -> tensor name -> (tracked now, tracked at the last save,
+#: reference to the last save's bytes): the tensors whose fingerprint did not move.
+Candidates = dict[str, dict[str, tuple[Tracked, Tracked, Reference]]]
 
 
 def digest_groups(
@@ -195,9 +201,7 @@ class Plan:
         confirmed: whether :func:`confirm` ran.
     """
 
-    candidates: dict[str, dict[str, tuple[Tracked, Tracked, Reference]]] = field(
-        default_factory=dict
-    )
+    candidates: Candidates = field(default_factory=dict)
     refs: dict[str, dict[str, Reference]] = field(default_factory=dict)
     live: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     fingerprints: dict[str, dict[str, Tracked]] = field(default_factory=dict)
@@ -232,48 +236,62 @@ def plan(root: str | os.PathLike[str], tensor_files: dict[str, dict[str, torch.T
     return result
 
 
-def confirm(result: Plan, tensor_files: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Just before writing ``tensor_files`` (the tensors as they will be written: staged
-    copies for an async save): compute the digest of every tracked tensor, reference the
-    candidates whose digest equals the one recorded at the last save (taken out of
-    ``tensor_files``, in place) and leave the others to be written. Frozen candidates
-    (:func:`mark_frozen`) are referenced without a comparison. Idempotent."""
-    if result.confirmed:
-        return
-    result.confirmed = True
+def settle(
+    written: dict[str, dict[str, Tracked]],
+    candidates: Candidates,
+    groups: Mapping[str, Mapping[str, torch.Tensor]],
+) -> list[tuple[str, str, Tracked, Reference]]:
+    """The content proof, shared by roots and the manager. With ``groups`` holding the
+    tensors as they will be written (staged copies for an async save): give every tracked
+    tensor of ``written`` and ``candidates`` the digest of its bytes, move the candidates
+    whose digest differs from the one recorded at the last save into ``written``, and return
+    the others, proven unchanged, as ``(group, name, tracked, reference)`` (frozen ones,
+    :func:`mark_frozen`, without a comparison). ``groups`` is not changed."""
     keys = [
-        (relpath, name)
-        for relpath, names in result.fingerprints.items()
+        (group, name)
+        for group, names in written.items()
         for name in names
-        if name in tensor_files.get(relpath, {})
+        if name in groups.get(group, {})
     ]
     keys += [
-        (relpath, name)
-        for relpath, pending in result.candidates.items()
+        (group, name)
+        for group, pending in candidates.items()
         for name, (now, _, _) in pending.items()
-        if not _is_frozen_print(now.fingerprint) and name in tensor_files.get(relpath, {})
+        if not _is_frozen_print(now.fingerprint) and name in groups.get(group, {})
     ]
-    digests = digest_groups(tensor_files, keys)
-    for relpath, written in result.fingerprints.items():
-        for name, seen in written.items():
-            seen.digest = digests.get((relpath, name))
-    for relpath, pending in result.candidates.items():
+    digests = digest_groups(groups, keys)
+    for group, tracked_files in written.items():
+        for name, seen in tracked_files.items():
+            seen.digest = digests.get((group, name), seen.digest)
+    unchanged = []
+    for group, pending in candidates.items():
         for name, (tracked, previous, ref) in pending.items():
-            tensors = tensor_files.get(relpath, {})
-            if name not in tensors:
+            if name not in groups.get(group, {}):
                 continue
             if _is_frozen_print(tracked.fingerprint):
                 tracked.digest = previous.digest
                 same = True
             else:
-                tracked.digest = digests[(relpath, name)]
+                tracked.digest = digests[(group, name)]
                 same = previous.digest is not None and tracked.digest == previous.digest
             if same:
-                result.refs.setdefault(relpath, {})[name] = ref
-                result.live.setdefault(relpath, {})[name] = tensors.pop(name)
-                result.referenced.setdefault(relpath, {})[name] = tracked
+                unchanged.append((group, name, tracked, ref))
             else:
-                result.fingerprints.setdefault(relpath, {})[name] = tracked
+                written.setdefault(group, {})[name] = tracked
+    return unchanged
+
+
+def confirm(result: Plan, tensor_files: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Just before writing ``tensor_files`` (the tensors as they will be written: staged
+    copies for an async save): :func:`settle` the plan, then take the tensors proven
+    unchanged out of ``tensor_files`` (in place) as references. Idempotent."""
+    if result.confirmed:
+        return
+    result.confirmed = True
+    for relpath, name, tracked, ref in settle(result.fingerprints, result.candidates, tensor_files):
+        result.refs.setdefault(relpath, {})[name] = ref
+        result.live.setdefault(relpath, {})[name] = tensor_files[relpath].pop(name)
+        result.referenced.setdefault(relpath, {})[name] = tracked
     result.candidates = {}
 
 

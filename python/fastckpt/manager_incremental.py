@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from fastckpt.files import read_metadata, read_tensors
-from fastckpt.incremental import Tracked, digest_groups, fingerprint
+from fastckpt.incremental import Tracked, fingerprint, settle
 from fastckpt.store.backend import CopySource, LocalStaging
 from fastckpt.store.commit import DirectoryWriter
 from fastckpt.store.dispatch import backend_for, is_object_url
@@ -131,44 +131,15 @@ class LinkPlan:
     def confirm(self, groups: dict[str, dict[str, torch.Tensor]]) -> None:
         """Just before the write, with ``groups`` holding the tensors as they will be
         written (staged copies for an async save): compute the digest of every tracked
-        tensor; a candidate whose digest equals the previous save's is taken out of
-        ``groups`` (in place) and referenced, the others are written. Frozen candidates are
-        referenced without a comparison. Idempotent."""
+        tensor (:func:`fastckpt.incremental.settle`); a candidate proven unchanged is taken
+        out of ``groups`` (in place) and linked, the others are written. Idempotent."""
         if self.confirmed:
             return
         self.confirmed = True
-        keys = [
-            (key, name)
-            for key, names in self.written.items()
-            for name in names
-            if name in groups.get(key, {})
-        ]
-        keys += [
-            (key, name)
-            for key, pending in self.candidates.items()
-            for name, (now, _, _) in pending.items()
-            if now.fingerprint[-1] != "frozen" and name in groups.get(key, {})
-        ]
-        digests = digest_groups(groups, keys)
-        for key, written in self.written.items():
-            for name, seen in written.items():
-                seen.digest = digests.get((key, name), seen.digest)
-        for key, pending in self.candidates.items():
-            for name, (tracked, previous, ref) in pending.items():
-                if name not in groups.get(key, {}):
-                    continue
-                if tracked.fingerprint[-1] == "frozen":
-                    tracked.digest = previous.digest
-                    same = True
-                else:
-                    tracked.digest = digests[(key, name)]
-                    same = previous.digest is not None and tracked.digest == previous.digest
-                if same:
-                    self.refs.setdefault(key, {})[name] = dict(ref)
-                    self.referenced.setdefault(key, {})[name] = tracked
-                    del groups[key][name]
-                else:
-                    self.written.setdefault(key, {})[name] = tracked
+        for key, name, tracked, ref in settle(self.written, self.candidates, groups):
+            self.refs.setdefault(key, {})[name] = dict(ref)
+            self.referenced.setdefault(key, {})[name] = tracked
+            del groups[key][name]
         self.candidates = {}
 
     def close(self) -> None:

@@ -41,9 +41,9 @@ from fastckpt.store.records import (
     SHARDED_DIR,
     SHARDED_RECORD,
     Manifest,
+    check_seal,
     load_json,
     read_commit_record,
-    seal_manifest,
 )
 from fastckpt.store.refs import REFS_FILE, reference_reports
 from fastckpt.store.report import VerifyReport
@@ -181,19 +181,11 @@ def _check_record(store: StorageBackend, path: Path, head: bytes, size: int, why
             f"{path}: not a safetensors file ({why_not}), and JSON but not a fastckpt record; "
             f"{cannot}"
         )
-    stored = document.get(MANIFEST_CRC_FIELD)
-    if not isinstance(stored, int) or isinstance(stored, bool):
+    if not check_seal(path, document):
         raise CheckpointFormatError(
             f"{path}: a save_checkpoint manifest without a checksum of its own (field "
             f"{MANIFEST_CRC_FIELD!r}; older fastckpt versions wrote none): its bytes were not "
             f"verified; verify its root, where it is {MANIFEST}"
-        )
-    actual = seal_manifest(dict(document))[MANIFEST_CRC_FIELD]
-    if actual != stored:
-        raise ChecksumMismatchError(
-            f"{path}: a save_checkpoint manifest whose content crc32c {actual:08x} differs from "
-            f"the recorded {stored:08x} (field {MANIFEST_CRC_FIELD!r}); it is corrupt or was "
-            "edited: restore it from a copy"
         )
     return _native.crc32c(data)
 

@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from fastckpt import _native
-from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.store.records import MANIFEST_CRC_FIELD, load_json, seal_manifest
+from fastckpt.errors import CheckpointFormatError
+from fastckpt.store.records import MANIFEST_CRC_FIELD, check_seal, load_json, seal_manifest
 from fastckpt.tree import flatten, unflatten
 
 __all__ = [
@@ -453,16 +453,5 @@ def _check_seal(path: Path, data: dict[str, Any]) -> bool:
             f"{path}: unexpected field(s) {unknown}; the record is damaged or was written by a "
             "newer fastckpt (upgrade it)"
         )
-    if RECORD_CRC_FIELD not in data:
-        return False  # written before records carried a checksum
-    stored = data[RECORD_CRC_FIELD]
-    if not isinstance(stored, int) or isinstance(stored, bool):
-        raise CheckpointFormatError(f"{path}: field {RECORD_CRC_FIELD!r} must be an int")
-    actual = seal_manifest(dict(data))[RECORD_CRC_FIELD]
-    if actual != stored:
-        raise ChecksumMismatchError(
-            f"{path}: content crc32c {actual:08x} differs from the recorded {stored:08x} "
-            f"(field {RECORD_CRC_FIELD!r}); the commit record is corrupt or was edited. Restore "
-            "it from a copy or load another checkpoint"
-        )
-    return True
+    # False: written before records carried a checksum.
+    return check_seal(path, data)
