@@ -267,10 +267,15 @@ def _fits_any_python(dist: metadata.Distribution) -> bool:
     return not any(str(f).endswith(".so") for f in dist.files or [])
 
 
-def _provide_runtime_dependencies(venv: Path, version: str, deps: Path) -> list[str]:
+def _provide_runtime_dependencies(
+    venv: Path, version: str, deps: Path, own_root: Path
+) -> list[str]:
     """Make fastckpt-io's runtime dependencies importable in ``venv`` (CPython ``version``):
-    link what fits any Python into ``deps`` (on the venv's path via a ``.pth`` file), install
-    the rest from the wheelhouse at the versions this project's venv has."""
+    link what fits any Python into ``deps``, install the rest (torch, numpy: built per
+    Python) from the wheelhouse at the versions this project's venv has into
+    ``own_root/<version>``, once per version for the whole session, and put both folders on
+    the venv's path with a ``.pth`` file. Sharing that install keeps one torch per Python on
+    disk (each is over 2 GB) instead of one per venv."""
     closure = _dependency_closure(PROJECT["dependencies"], version)
     site = Path(sysconfig.get_paths()["purelib"]).resolve()
     running = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -289,18 +294,24 @@ def _provide_runtime_dependencies(venv: Path, version: str, deps: Path) -> list[
             if top == ".." or not source.exists() or (deps / top).exists():
                 continue
             (deps / top).symlink_to(source)
-    purelib = venv / "lib" / f"python{version}" / "site-packages"
-    (purelib / "runtime-deps.pth").write_text(f"{deps}\n")
+    folders = [deps]
     if own:
-        WHEELHOUSE.mkdir(parents=True, exist_ok=True)
-        download = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                    "--only-binary", ":all:", "--python-version", version,
-                    "--dest", str(WHEELHOUSE), *own]  # fmt: skip
-        subprocess.run(download, check=True, timeout=1800)
-        install = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
-                   "--no-compile", "--no-index", "--no-deps", "--find-links", str(WHEELHOUSE),
-                   *own]  # fmt: skip
-        subprocess.run(install, check=True, timeout=1800)
+        target = own_root / version
+        if not (target / ".complete").exists():
+            shutil.rmtree(target, ignore_errors=True)
+            WHEELHOUSE.mkdir(parents=True, exist_ok=True)
+            download = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                        "--only-binary", ":all:", "--python-version", version,
+                        "--dest", str(WHEELHOUSE), *own]  # fmt: skip
+            subprocess.run(download, check=True, timeout=1800)
+            install = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
+                       "--no-compile", "--no-index", "--no-deps", "--find-links",
+                       str(WHEELHOUSE), "--target", str(target), *own]  # fmt: skip
+            subprocess.run(install, check=True, timeout=1800)
+            (target / ".complete").touch()
+        folders.append(target)
+    purelib = venv / "lib" / f"python{version}" / "site-packages"
+    (purelib / "runtime-deps.pth").write_text("".join(f"{folder}\n" for folder in folders))
     return sorted(closure)
 
 
@@ -335,7 +346,7 @@ def _with_rust_env(venv: Path) -> dict[str, str]:
     return env
 
 
-def _make_venv(base: Path, version: str) -> Path:
+def _make_venv(base: Path, version: str, own_root: Path) -> Path:
     """A fresh venv of the claimed CPython ``version`` under ``base``, with the runtime
     dependencies provided (see :func:`_provide_runtime_dependencies`)."""
     python = claimed_python(version)
@@ -348,25 +359,39 @@ def _make_venv(base: Path, version: str) -> Path:
          "setuptools"],
         check=True, capture_output=True,
     )  # fmt: skip
-    linked = _provide_runtime_dependencies(venv, version, base / "deps")
+    linked = _provide_runtime_dependencies(venv, version, base / "deps", own_root)
     assert {"torch", "numpy", "safetensors"} <= set(linked)
     return venv
 
 
+@pytest.fixture(scope="session")
+def per_python_deps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Where each claimed Python's own torch and numpy are installed once for all venvs of
+    this session (see :func:`_provide_runtime_dependencies`); removed at the end."""
+    root = tmp_path_factory.mktemp("per-python-deps")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture(scope="module", params=CLAIMED_PYTHONS)
 def clean_venv(
-    request: pytest.FixtureRequest, wheel: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    wheel: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    per_python_deps: Path,
 ) -> Iterator[Path]:
-    """A fresh venv of each claimed CPython with the wheel installed (no index, no Rust)."""
+    """A fresh venv of each claimed CPython with the wheel installed (no index, no Rust);
+    removed when its tests are done, so that venvs do not pile up on the disk."""
     version = request.param
     base = tmp_path_factory.mktemp(f"clean-{version}")
-    venv = _make_venv(base, version)
+    venv = _make_venv(base, version, per_python_deps)
     subprocess.run(
         [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-index", "--no-deps",
          "--quiet", str(wheel)],
         check=True, env=_no_rust_env(venv),
     )  # fmt: skip
     yield venv
+    shutil.rmtree(base, ignore_errors=True)
 
 
 SMOKE = """
@@ -508,11 +533,12 @@ def test_source_install_builds_and_runs(
     artifacts: Artifacts,
     build_requirements: Path,
     tmp_path: Path,
+    per_python_deps: Path,
 ) -> None:
     """``pip install`` from source on each claimed CPython: the sdist (the oldest Python
     builds from the checkout instead), compiled by the installed Rust toolchain, then the
     same smoke run as the wheel's."""
-    venv = _make_venv(tmp_path, python)
+    venv = _make_venv(tmp_path, python, per_python_deps)
     source = ROOT if python == CLAIMED_PYTHONS[0] else artifacts.sdist
     env = _with_rust_env(venv)
     done = _pip_install_source(venv, source, env, build_requirements, timeout=1500)
