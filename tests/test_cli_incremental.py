@@ -3,9 +3,11 @@ checkpoints' references as kept, not freed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,13 +17,23 @@ from torch import nn
 import fastckpt
 from fastckpt import cli, incremental
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import crash_harness
+
 
 @pytest.fixture(autouse=True)
 def _fresh_trackers() -> None:
     incremental.forget()
 
 
-def _save_four(root: Path) -> nn.Module:
+def _save_four(root: Path, *, legacy: bool = False) -> nn.Module:
+    """Four saves; ``legacy``: as earlier versions wrote them (references into index 0's own
+    file, see crash_harness.legacy_references)."""
+    with crash_harness.legacy_references() if legacy else contextlib.nullcontext():
+        return _save_four_now(root)
+
+
+def _save_four_now(root: Path) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 2))
     model[0].requires_grad_(False)  # the frozen part: index 0 holds its bytes
@@ -34,11 +46,34 @@ def _save_four(root: Path) -> nn.Module:
     return model
 
 
+def test_prune_counts_linked_bytes_as_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Index 3 holds a hard link to index 0's file of the frozen layer: deleting 0, 1 and 2
+    frees only what no kept file shares, and nothing is retained as ``.ref-<i>``."""
+    root = tmp_path / "run"
+    _save_four(root)
+    frozen = (root / "0" / "models" / "m.safetensors").stat().st_size
+    assert (root / "3" / "linked" / "0.safetensors").stat().st_size == frozen
+    before = shutil.disk_usage(root).used
+    sizes = {row["index"]: row["size"] for row in fastckpt.list_checkpoints(root)}
+    assert cli.main(["prune", str(root), "--keep-last", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["deleted"] == [0, 1, 2]
+    assert report["retained_for_references"] == []
+    # list_checkpoints' sizes are what each save wrote (indices 1 and 2 link that file):
+    # everything they wrote is freed, but index 0's file, which index 3 holds.
+    assert report["freed_bytes"] == sum(sizes[i] for i in (0, 1, 2)) - frozen
+    assert sorted(os.listdir(root)) == ["3", "manifest.json"]
+    assert shutil.disk_usage(root).used <= before
+    assert fastckpt.verify(root).ok
+
+
 def test_prune_counts_retained_bytes_as_kept(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root = tmp_path / "run"
-    _save_four(root)
+    _save_four(root, legacy=True)
     sizes = {row["index"]: row["size"] for row in fastckpt.list_checkpoints(root)}
     assert cli.main(["prune", str(root), "--keep-last", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -54,7 +89,7 @@ def test_prune_text_names_the_retained_index(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root = tmp_path / "run"
-    _save_four(root)
+    _save_four(root, legacy=True)
     assert cli.main(["prune", str(root), "--keep-last", "1", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("would delete index(es) 0, 1, 2 (")
@@ -66,13 +101,14 @@ def test_prune_retains_only_pruned_bases_and_stale_copies_are_cleaned(tmp_path: 
     it; a copy left by a prune killed before its commit (the index still committed) is
     removed by the next save; loads stay bitwise."""
     root = tmp_path / "run"
-    model = _save_four(root)  # 1, 2 and 3 reference index 0
+    model = _save_four(root, legacy=True)  # 1, 2 and 3 reference index 0
     # What a kill between the retained copy and the manifest commit leaves: a copy of an
     # index that is still committed (and referenced).
     shutil.copytree(root / "0", root / ".ref-0")
     fastckpt.save_checkpoint(root, models={"m": (model, None)}, incremental=False)  # 4: full
     assert not [n for n in os.listdir(root) if n.startswith(".")]
-    fastckpt.save_checkpoint(root, models={"m": (model, None)})  # 5 references 4
+    with crash_harness.legacy_references():
+        fastckpt.save_checkpoint(root, models={"m": (model, None)})  # 5 references 4
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     assert fastckpt.prune(root, keep_last=3) == [0, 1, 2]  # keeps 3 (-> 0), 4, 5 (-> 4)
     assert sorted(n for n in os.listdir(root) if n.startswith(".")) == [".ref-0"]

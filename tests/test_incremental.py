@@ -9,9 +9,11 @@ checkpoint loadable.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -26,6 +28,10 @@ from torch import nn
 
 import fastckpt
 import training_support as support
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import crash_harness
+
 from fastckpt.training import CheckpointHook
 
 FROZEN_WIDTH = 128
@@ -114,16 +120,22 @@ def test_unchanged_tensors_are_referenced_and_load_bitwise(tmp_path: Path) -> No
     written = fastckpt.read_metadata(tmp_path / "1" / "models" / "m.safetensors")["tensors"]
     assert set(written) == {"head.weight", "head.bias"}
     ref = _refs(tmp_path, 1)["models/m.safetensors"]["backbone.weight"]
+    # The reference points into index 1 itself: index 0's file, hard-linked in (the same
+    # inode, no byte copied), so that index 1 is self-contained.
     assert (ref["index"], ref["file"], ref["name"]) == (
-        0,
-        "models/m.safetensors",
+        1,
+        "linked/0.safetensors",
         "backbone.weight",
     )
     assert ref["nbytes"] == FROZEN_WIDTH * FROZEN_WIDTH * 4
-    # A third save references index 0 directly (never a reference to a reference).
+    linked = os.stat(tmp_path / "1" / "linked" / "0.safetensors")
+    assert linked.st_ino == os.stat(tmp_path / "0" / "models" / "m.safetensors").st_ino
+    # A third save links the same file again, from index 1 (no chain of references).
     _step(model, optimizer)
     _save(tmp_path, model, optimizer)
-    assert {ref["index"] for ref in _refs(tmp_path, 2)["models/m.safetensors"].values()} == {0}
+    third = _refs(tmp_path, 2)["models/m.safetensors"].values()
+    assert {(ref["index"], ref["file"]) for ref in third} == {(2, "linked/0.safetensors")}
+    assert os.stat(tmp_path / "2" / "linked" / "0.safetensors").st_ino == linked.st_ino
     _assert_bitwise(_snapshot(model), _loaded(tmp_path))
     result = fastckpt.load_checkpoint(tmp_path)
     restored = result["models"]["m"]["optimizers"]["adam"]["optimizer"].state_dict()["state"]
@@ -225,14 +237,49 @@ def test_incremental_false_writes_everything(tmp_path: Path) -> None:
     _save(tmp_path, model)
     assert _refs(tmp_path, 2) == {}
     _save(tmp_path, model)
-    assert {ref["index"] for ref in _refs(tmp_path, 3)["models/m.safetensors"].values()} == {2}
+    assert {ref["index"] for ref in _refs(tmp_path, 3)["models/m.safetensors"].values()} == {3}
+    linked = os.stat(tmp_path / "3" / "linked" / "0.safetensors").st_ino
+    assert linked == os.stat(tmp_path / "2" / "models" / "m.safetensors").st_ino
 
 
-def test_pruning_the_base_keeps_the_referenced_bytes_and_loads_bitwise(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["rm -rf", "prune"])
+def test_deleting_every_earlier_index_leaves_the_newest_loading_bitwise(
+    tmp_path: Path, how: str
+) -> None:
+    """Every index is self-contained: ``rm -rf`` of the earlier ones (or a prune) breaks
+    nothing, leaves no ``.ref-<i>`` copy, and the unchanged bytes were still not written."""
     model, optimizer = _setup()
     for _ in range(4):
         _step(model, optimizer)
         _save(tmp_path, model, optimizer)
+    expected = _snapshot(model)
+
+    # Bytes index 3 wrote itself (its linked files are index 0's inodes) against a full save.
+    def written(index: int) -> int:
+        files = (tmp_path / str(index)).rglob("*")
+        return sum(f.stat().st_size for f in files if f.is_file() and "linked" not in f.parts)
+
+    assert written(3) < written(0) / 2
+    if how == "rm -rf":
+        for index in range(3):
+            shutil.rmtree(tmp_path / str(index))
+    else:
+        assert fastckpt.prune(tmp_path, keep_last=1) == [0, 1, 2]
+        assert sorted(os.listdir(tmp_path)) == ["3", "manifest.json"]
+    _assert_bitwise(expected, _loaded(tmp_path, 3))
+    report = fastckpt.verify(tmp_path, 3)
+    assert report.ok, report
+
+
+def test_pruning_the_base_of_an_earlier_versions_index_keeps_its_bytes(tmp_path: Path) -> None:
+    """Roots written before every index was self-contained reference the earlier index's
+    own file: a prune keeps those bytes as ``.ref-<index>`` and the kept index loads."""
+    model, optimizer = _setup()
+    with crash_harness.legacy_references():
+        for _ in range(4):
+            _step(model, optimizer)
+            _save(tmp_path, model, optimizer)
+    assert {ref["index"] for ref in _refs(tmp_path, 3)["models/m.safetensors"].values()} == {0}
     expected = _snapshot(model)
     assert fastckpt.prune(tmp_path, keep_last=1) == [0, 1, 2]
     assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path)] == [3]
@@ -247,41 +294,67 @@ def test_pruning_the_base_keeps_the_referenced_bytes_and_loads_bitwise(tmp_path:
     _assert_bitwise(expected, _loaded(tmp_path))
 
 
-def test_verify_and_load_catch_damaged_referenced_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("legacy", [False, True], ids=["linked", "earlier-version-retained"])
+def test_verify_and_load_catch_damaged_referenced_bytes(tmp_path: Path, legacy: bool) -> None:
+    """The referenced bytes live in the index's own linked file, or (roots of an earlier
+    version) in the pruned base's retained ``.ref-0``: damaged or gone, verify and load say
+    so and name it."""
     model, _ = _setup()
-    _save(tmp_path, model)
-    _save(tmp_path, model)
+    with crash_harness.legacy_references() if legacy else contextlib.nullcontext():
+        _save(tmp_path, model)
+        _save(tmp_path, model)
     fastckpt.prune(tmp_path, keep_last=1)
-    target = tmp_path / ".ref-0" / "models" / "m.safetensors"
+    relpath = ".ref-0/models/m.safetensors" if legacy else "1/linked/0.safetensors"
+    target, named = tmp_path / relpath, re.escape(relpath)
     data = bytearray(target.read_bytes())
     data[-10] ^= 0x40
     target.write_bytes(bytes(data))
     report = fastckpt.verify(tmp_path)
     assert not report.ok
-    assert any(".ref-0" in str(failure.path) for failure in report.failures)
-    with pytest.raises(fastckpt.ChecksumMismatchError, match=r"\.ref-0"):
+    assert any(str(failure.path).endswith(relpath) for failure in report.failures)
+    with pytest.raises(fastckpt.ChecksumMismatchError, match=named):
         fastckpt.load_checkpoint(tmp_path)
     target.unlink()
     assert any(f.status == "missing" for f in fastckpt.verify(tmp_path).failures)
-    with pytest.raises(FileNotFoundError, match=r"\.ref-0"):
+    with pytest.raises(FileNotFoundError, match=named):
         fastckpt.load_checkpoint(tmp_path)
 
 
-def test_replacing_a_referenced_index_is_refused(tmp_path: Path) -> None:
+def test_replacing_an_earlier_index_leaves_the_later_ones_whole(tmp_path: Path) -> None:
+    """A later index holds its own link to the bytes: replacing the index they came from
+    (``checkpoint_index=``) changes nothing it loads."""
     model, _ = _setup()
     _save(tmp_path, model)
     _save(tmp_path, model)
+    expected = _snapshot(model)
+    with torch.no_grad():
+        model.backbone.weight.add_(1)
+    _save(tmp_path, model, checkpoint_index=0)
+    _assert_bitwise(expected, _loaded(tmp_path, 1))
+    _assert_bitwise(_snapshot(model), _loaded(tmp_path, 0))
+    assert fastckpt.verify(tmp_path).ok
+
+
+def test_replacing_an_index_an_earlier_versions_index_references_is_refused(
+    tmp_path: Path,
+) -> None:
+    model, _ = _setup()
+    with crash_harness.legacy_references():
+        _save(tmp_path, model)
+        _save(tmp_path, model)
     with pytest.raises(ValueError, match=r"index 0 holds tensors that indices \[1\]"):
         _save(tmp_path, model, checkpoint_index=0)
     _assert_bitwise(_snapshot(model), _loaded(tmp_path, 0))
     # Nor is saving again at the number of a pruned index whose bytes are still referenced.
-    _save(tmp_path, model)
+    with crash_harness.legacy_references():
+        _save(tmp_path, model)
     fastckpt.prune(tmp_path, keep_last=2)
     assert ".ref-0" in os.listdir(tmp_path)
     with pytest.raises(ValueError, match=r"index 0 holds tensors that indices \[1, 2\]"):
         _save(tmp_path, model, checkpoint_index=0)
     # Replacing the latest index (referenced by nobody) never references itself.
-    _save(tmp_path, model, checkpoint_index=2)
+    with crash_harness.legacy_references():
+        _save(tmp_path, model, checkpoint_index=2)
     assert {ref["index"] for ref in _refs(tmp_path, 2)["models/m.safetensors"].values()} == {0}
     _save(tmp_path, model, checkpoint_index=2)
     _assert_bitwise(_snapshot(model), _loaded(tmp_path))
@@ -370,10 +443,16 @@ def test_checkpoint_hook_saves_incrementally_and_keeps_referenced_bytes(
             "net.0.weight",
             "net.0.bias",
         }
-    assert ".ref-0" in os.listdir(tmp_path)
+    # Each kept index holds its own link: the pruned ones left nothing behind.
+    assert sorted(os.listdir(tmp_path)) == ["2", "3", "manifest.json"]
     assert fastckpt.verify(tmp_path).ok
     loaded = fastckpt.load_checkpoint(tmp_path)["models"]["main"]["model"].state_dict()
     _assert_bitwise(dict(strategy.models["main"].state_dict()), dict(loaded))
+    # And `rm -rf` of the other kept one breaks nothing either.
+    shutil.rmtree(tmp_path / "2")
+    loaded = fastckpt.load_checkpoint(tmp_path, 3)["models"]["main"]["model"].state_dict()
+    _assert_bitwise(dict(strategy.models["main"].state_dict()), dict(loaded))
+    assert fastckpt.verify(tmp_path, 3).ok
 
 
 def test_fine_tuning_strategy_saves_incrementally(tmp_path: Path) -> None:

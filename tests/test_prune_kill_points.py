@@ -1,10 +1,11 @@
 """A prune SIGKILLed at every one of its steps never costs a committed index its bytes.
 
-Incremental indices reference the bytes of the index their process saved first; pruning that
-index keeps them as ``ROOT/.ref-<index>``. The child (``crash_harness.prune_at_kill_point``,
-a real process) makes four incremental saves, then prunes to two indices with every
-filesystem mutation counted (links, renames, unlinks, rmdirs, mkdirs, directory fsyncs, the
-manifest write) and SIGKILLs itself right before mutation ``k``, for every ``k`` the prune
+Incremental indices hold their unchanged tensors' files as hard links to the index their
+process saved first; roots written by earlier versions reference that index's files instead,
+and pruning it keeps them as ``ROOT/.ref-<index>``. Both layouts are pruned here. The child
+(``crash_harness.prune_at_kill_point``, a real process) makes four incremental saves, then
+prunes to two indices with every filesystem mutation counted (links, renames, unlinks,
+rmdirs, mkdirs, directory fsyncs, the manifest write) and SIGKILLs itself right before mutation ``k``, for every ``k`` the prune
 makes. After each kill: every committed index verifies and loads bitwise; then a save in
 another process (the next writer, which cleans up what the prune left) and a prune; again
 every committed index verifies and the latest loads bitwise.
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from fastckpt import create_model_spec, load_checkpoint, prune, save_checkpoint
@@ -30,9 +32,11 @@ import crash_harness
 REFERENCE = crash_harness.Reference(frozen=crash_harness.PRUNE_FROZEN)
 
 
-def _run_child(root: Path, kill_at: int) -> tuple[int | None, Any]:
+def _run_child(root: Path, kill_at: int, legacy: bool) -> tuple[int | None, Any]:
     """Run the child; returns ``(exit code, what it sent or None)``."""
-    process, conn = crash_harness.start(crash_harness.prune_at_kill_point, str(root), kill_at)
+    process, conn = crash_harness.start(
+        crash_harness.prune_at_kill_point, str(root), kill_at, legacy
+    )
     sent = None
     if conn.poll(120):
         try:
@@ -85,17 +89,19 @@ def _next_save(root: Path, latest: int) -> None:
     assert index == latest + 1
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["self-contained", "legacy-refs"])
 def test_a_prune_sigkilled_at_each_of_its_steps_keeps_every_committed_index(
-    tmp_path: Path,
+    tmp_path: Path, legacy: bool
 ) -> None:
     torch.set_num_threads(1)
-    code, mutations = _run_child(tmp_path / "dry", 0)
-    assert code == 0 and isinstance(mutations, int) and mutations > 10, (code, mutations)
+    code, mutations = _run_child(tmp_path / "dry", 0, legacy)
+    assert code == 0 and isinstance(mutations, int) and mutations > 5, (code, mutations)
     assert sorted(Manifest.load(tmp_path / "dry").entries) == [2, 3]
-    assert (tmp_path / "dry" / ".ref-0").is_dir()
+    # Only an index written by an earlier version needs its pruned base's bytes retained.
+    assert (tmp_path / "dry" / ".ref-0").is_dir() is legacy
     for kill_at in range(1, mutations + 1):
         root = tmp_path / f"kill{kill_at}"
-        code, _ = _run_child(root, kill_at)
+        code, _ = _run_child(root, kill_at, legacy)
         assert code == -signal.SIGKILL, f"kill point {kill_at}: exit {code}"
         where = f"kill point {kill_at} of {mutations}"
         latest = _assert_committed_indices_intact(root, f"{where}, after the kill")

@@ -294,3 +294,29 @@ def test_manager_async_saves_to_sibling_s3_ids_copy_unchanged_tensors(
     assert torch.equal(loaded["model"]["frozen"], frozen)
     assert torch.equal(loaded["model"]["trained"], expected[2])
     assert verify(f"{s3_root}/step2").ok
+
+
+def test_deleting_an_earlier_s3_index_object_by_object_leaves_the_newest_loading(
+    s3_server: S3Server, s3_root: str, s3_env: dict[str, str], copy_spy: list[int]
+) -> None:
+    """What `aws s3 rm --recursive ROOT/0/` does, behind fastckpt's back: the newer index
+    holds its own copy of every unchanged byte (copied by the store, not uploaded), so it
+    loads bitwise and verifies."""
+    torch.manual_seed(5)
+    model = Backbone()
+    fastckpt.save_checkpoint(s3_root, models={"main": model})
+    fastckpt.save_checkpoint(s3_root, models={"main": model})  # nothing changed
+    client = s3_server.client()
+    prefix = s3_root.split("/", 3)[3]
+    key = f"{prefix}/1/models/main.safetensors"
+    size = client.head_object(Bucket=s3_server.bucket, Key=key)["ContentLength"]
+    # Less than half of the second save's bytes were uploaded: the store copied the rest.
+    assert len(copy_spy) == 1 and copy_spy[0] > size / 2, (copy_spy, size)
+    listing = client.list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{prefix}/0/")
+    assert listing.get("Contents")
+    for item in listing["Contents"]:
+        client.delete_object(Bucket=s3_server.bucket, Key=item["Key"])
+    loaded = fastckpt.load_checkpoint(s3_root, 1, trusted=[Backbone])
+    got = loaded["models"]["main"]["model"].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+    assert verify(s3_root, 1).ok

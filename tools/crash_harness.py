@@ -608,26 +608,50 @@ class MutationCounter:
         self.armed = True
 
 
-def prune_at_kill_point(root: str, kill_at: int, conn: Connection) -> None:
+@contextlib.contextmanager
+def legacy_references() -> Any:
+    """Save incrementally as fastckpt did before every index was self-contained: unchanged
+    tensors referenced in the earlier index's own file (``refs.json`` naming that index), no
+    file linked in. Roots written so must keep loading and pruning safely (a pruned index
+    that a kept one references lives on as ``.ref-<index>``)."""
+    from fastckpt import components
+
+    original = components.link_into
+
+    def keep_references(
+        staging: Any, manifest: Any, index: int, refs: Any
+    ) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str]]]:
+        return {relpath: dict(names) for relpath, names in refs.items()}, []
+
+    components.link_into = keep_references  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        components.link_into = original  # type: ignore[assignment]
+
+
+def prune_at_kill_point(root: str, kill_at: int, legacy: bool, conn: Connection) -> None:
     """Child of the prune kill-point test: four incremental saves (iterations 0-3 as indices
     0-3; the later three reference index 0's frozen buffer), then ``prune(root, 2)`` (index 0
-    goes, its bytes kept as ``.ref-0``, and index 1), SIGKILLed right before its filesystem
-    mutation number ``kill_at`` (see :class:`MutationCounter`). Sends the number of mutations
-    the prune made when it was not killed."""
+    goes, and index 1), SIGKILLed right before its filesystem mutation number ``kill_at``
+    (see :class:`MutationCounter`). ``legacy``: the saves are written as earlier versions
+    wrote them (:func:`legacy_references`), so the prune keeps index 0's bytes as ``.ref-0``.
+    Sends the number of mutations the prune made when it was not killed."""
     from fastckpt import create_model_spec, prune, save_checkpoint
 
     torch.set_num_threads(1)
     counter = MutationCounter(kill_at)
     model, optimizer = fresh_state(PRUNE_FROZEN)
     spec = create_model_spec(CrashNet, width=WIDTH, hidden=HIDDEN, frozen=PRUNE_FROZEN)
-    for n in range(4):
-        advance(model, optimizer, n)
-        save_checkpoint(
-            root,
-            models={"main": (model, spec)},
-            optimizers={"adam": (optimizer, None)},
-            counters={"n": n},
-        )
+    with legacy_references() if legacy else contextlib.nullcontext():
+        for n in range(4):
+            advance(model, optimizer, n)
+            save_checkpoint(
+                root,
+                models={"main": (model, spec)},
+                optimizers={"adam": (optimizer, None)},
+                counters={"n": n},
+            )
     counter.arm()
     prune(root, keep_last=2)
     conn.send(counter.count)

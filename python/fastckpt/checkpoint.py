@@ -36,6 +36,7 @@ from fastckpt.components import (
 from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.store.commit import prune_indices
 from fastckpt.store.dispatch import use_storage_options
+from fastckpt.store.links import split_sizes
 from fastckpt.store.records import MANIFEST, Manifest
 from fastckpt.store.snapshot import read_consistently
 from fastckpt.strategy import TrainingStrategy
@@ -236,8 +237,10 @@ def list_checkpoints(
             ``root`` refuses them (``StorageOptionsError``).
 
     Returns:
-        One dict per index: ``index``, ``created``, ``size`` (bytes), ``counters``,
-        ``components``, ``latest`` (bool).
+        One dict per index: ``index``, ``created``, ``size`` (the bytes its save wrote),
+        ``linked_size`` (the bytes of unchanged tensors' files it holds as hard links to an
+        earlier index's, written by that one), ``counters``, ``components``, ``latest``
+        (bool).
 
     Raises:
         CheckpointFormatError / ChecksumMismatchError: the manifest is damaged (the same
@@ -245,17 +248,21 @@ def list_checkpoints(
     """
     use_storage_options(root, storage_options, "list_checkpoints")
     manifest = Manifest.load(root, verify_checksum=True)
-    return [
-        {
-            "index": index,
-            "created": entry.get("created"),
-            "size": sum(record["size"] for record in entry["files"].values()),
-            "counters": entry.get("counters", {}),
-            "components": entry.get("components", {}),
-            "latest": index == manifest.latest,
-        }
-        for index, entry in sorted(manifest.entries.items())
-    ]
+    rows = []
+    for index, entry in sorted(manifest.entries.items()):
+        written, linked = split_sizes(entry["files"])
+        rows.append(
+            {
+                "index": index,
+                "created": entry.get("created"),
+                "size": written,
+                "linked_size": linked,
+                "counters": entry.get("counters", {}),
+                "components": entry.get("components", {}),
+                "latest": index == manifest.latest,
+            }
+        )
+    return rows
 
 
 def prune(

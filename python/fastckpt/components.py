@@ -23,7 +23,7 @@ import torch
 from fastckpt import incremental, specs, tree
 from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.progress import log_throughput
-from fastckpt.store.backend import CopySource
+from fastckpt.store.backend import CopySource, LocalStaging
 from fastckpt.store.commit import IndexWriter
 from fastckpt.store.dispatch import backend_for, is_local
 from fastckpt.store.paths import check_name
@@ -34,6 +34,7 @@ from fastckpt.store.refs import (
     RETAINED_PREFIX,
     Reference,
     index_references,
+    link_into,
     refs_document,
     resolve_references,
 )
@@ -346,6 +347,12 @@ def _check_references(writer: IndexWriter, snapshot: Snapshot) -> dict[str, dict
     if plan is None:
         return {}
     restore = incremental.check_plan(manifest, plan, replacing=writer.index)
+    if plan.refs and isinstance(writer.staging, LocalStaging):
+        # Every index self-contained: the files holding the referenced bytes are linked in.
+        linked, unlinked = link_into(writer.staging, manifest, writer.index, plan.refs)
+        for relpath, tensors in incremental.unreference(plan, unlinked).items():
+            restore.setdefault(relpath, {}).update(tensors)
+        plan.refs = linked
     for relpath, tensors in restore.items():
         snapshot.tensor_files[relpath].update(tensors)
     return plan.refs

@@ -58,6 +58,7 @@ __all__ = [
     "plan",
     "record_saved",
     "settle",
+    "unreference",
 ]
 
 Fingerprint = tuple[Any, ...]
@@ -316,12 +317,24 @@ def check_plan(
                 there[source] = _still_there(manifest, ref)
             if ref["index"] != replacing and there[source]:
                 continue
-            tensor = result.live[relpath].pop(name)
-            tracked = result.referenced[relpath].pop(name)
-            del names[name]
-            result.fingerprints.setdefault(relpath, {})[name] = tracked
-            restore.setdefault(relpath, {})[name] = tensor
-        if not names:
+            for group, tensors in unreference(result, [(relpath, name)]).items():
+                restore.setdefault(group, {}).update(tensors)
+    return restore
+
+
+def unreference(
+    result: Plan, keys: Sequence[tuple[str, str]]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Take the references ``(relpath, name)`` out of the plan: those tensors are written
+    after all. Returns them ``{relpath: {name: tensor}}`` (the very bytes whose digest was
+    compared), for the caller to put back into the files it writes."""
+    restore: dict[str, dict[str, torch.Tensor]] = {}
+    for relpath, name in keys:
+        restore.setdefault(relpath, {})[name] = result.live[relpath].pop(name)
+        tracked = result.referenced[relpath].pop(name)
+        result.fingerprints.setdefault(relpath, {})[name] = tracked
+        del result.refs[relpath][name]
+        if not result.refs[relpath]:
             del result.refs[relpath]
     return restore
 
@@ -377,17 +390,13 @@ def record_saved(
                     "file_crc32c": record["crc32c"],
                 },
             )
-    with _LOCK:
-        previous = _TRACKERS.get(_key(root), {})
     for relpath, names in result.refs.items():
-        for name in names:
-            if (relpath, name) in previous and (relpath, name) not in tracked:
-                # Its bytes are still where the last save put them; what it is now (the
-                # same fingerprint and digest, the live storage) is what the next save sees.
-                tracked[(relpath, name)] = (
-                    result.referenced[relpath][name],
-                    previous[(relpath, name)][1],
-                )
+        for name, ref in names.items():
+            if (relpath, name) not in tracked:
+                # What it is now (the same fingerprint and digest, the live storage) is what
+                # the next save sees; its bytes are where this index's reference says (a
+                # file linked into this index, see fastckpt.store.refs.link_into).
+                tracked[(relpath, name)] = (result.referenced[relpath][name], dict(ref))
     with _LOCK:
         _TRACKERS[_key(root)] = tracked
 

@@ -218,7 +218,9 @@ def _resolve_files(path: Path, index: int | None, part: str | None) -> tuple[lis
     directory = location.root / str(resolved)
     where = f"{directory} (index {resolved} of {location.root})"
     files = manifest.entries[resolved]["files"]
-    selected = _select(files, directory, location.root, part, where)
+    # Linked files (fastckpt.store.refs.link_into) are read through the references only.
+    own = {r: v for r, v in files.items() if not is_linked_file(r)}
+    selected = _select(own, directory, location.root, part, where)
     if REFS_FILE in files:
         selected += _referenced(manifest, resolved, part)
     return selected, where

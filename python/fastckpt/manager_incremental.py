@@ -36,7 +36,6 @@ import contextlib
 import errno
 import logging
 import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,31 +192,17 @@ class LinkPlan:
 
 
 def _link(writer: DirectoryWriter, source: _Source, target: str) -> bool:
-    """Hard-link the opened ``source`` as ``target`` of the staging directory, by name, then
-    check that the link is the very inode that was opened (a base replaced meanwhile is not
-    linked). False when not possible (the link is removed again)."""
+    """Hard-link the opened ``source`` as ``target`` of the staging directory, recorded like
+    a written file (the base's size and crc32c), only if the link is the very inode that was
+    opened (a base replaced meanwhile is not linked). False when not possible."""
     if not isinstance(writer.staging, LocalStaging) or source.fd < 0:
         return False
-    destination = Path(writer.location) / target
-    made = not destination.parent.exists()
+    opened = os.fstat(source.fd)
     try:
-        destination.parent.mkdir(exist_ok=True)
-        os.link(source.path, destination, follow_symlinks=False)
-        linked = os.stat(destination, follow_symlinks=False)
-        if not stat.S_ISREG(linked.st_mode) or _identity(linked) != _identity(os.fstat(source.fd)):
-            destination.unlink()
-            raise FileExistsError(errno.EEXIST, "the base file was replaced", str(source.path))
+        writer.staging.put_link(target, source.path, source.record, (opened.st_dev, opened.st_ino))
     except OSError as err:
         _LOG.info("%s: not linked (%s); its unchanged tensors are written in full", target, err)
-        with contextlib.suppress(OSError):
-            destination.unlink()
-        if made:
-            with contextlib.suppress(OSError):
-                destination.parent.rmdir()
         return False
-    # Recorded like a written file (its size and crc32c are the base's); the staging
-    # directory fsyncs the new directory entry at commit.
-    writer.adopt(writer.location, {target: dict(source.record)})
     return True
 
 

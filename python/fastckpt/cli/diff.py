@@ -107,7 +107,12 @@ def _diff_side(text: str) -> _Side:
     manifest, index = resolve_index(location, None)
     directory = manifest.root / str(index)
     # refs.json (an incremental index) is where tensors are, not a value to compare.
-    listed = sorted(name for name in manifest.entries[index]["files"] if name != REFS_FILE)
+    # Linked files hold referenced tensors (possibly stale ones too): read through the refs.
+    listed = sorted(
+        name
+        for name in manifest.entries[index]["files"]
+        if name != REFS_FILE and not is_linked_file(name)
+    )
     files = {
         relpath.removesuffix(TENSOR_SUFFIX): safe_join(directory, relpath, within=manifest.root)
         for relpath in listed

@@ -29,6 +29,7 @@ from fastckpt.errors import FastCkptError
 from fastckpt.progress import format_bytes
 from fastckpt.store.backend import StorageBackend
 from fastckpt.store.dispatch import backend_for, display_path
+from fastckpt.store.links import split_sizes
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import (
     COMMIT_RECORD,
@@ -103,7 +104,7 @@ def _ls_managers(parent: Path) -> dict[str, Any]:
             continue
         row.update(
             committed=mtime_iso(child / COMMIT_RECORD),
-            size=sum(entry["size"] for entry in record["files"].values()),
+            size=split_sizes(record["files"])[0],
             items=list(record["items"]),
             step=_manager_item_value(child, record, "step"),
             epoch=_manager_item_value(child, record, "epoch"),

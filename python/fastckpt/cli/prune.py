@@ -24,7 +24,7 @@ from fastckpt.errors import FastCkptError
 from fastckpt.progress import format_bytes
 from fastckpt.store.backend import TEMP_PREFIX
 from fastckpt.store.dispatch import backend_for, display_path, is_object_url
-from fastckpt.store.links import freed_bytes
+from fastckpt.store.links import file_inodes, freed_bytes
 from fastckpt.store.locate import KIND_NAMES
 from fastckpt.store.lock import LOCK_FILE, lock_holder
 from fastckpt.store.records import COMMIT_RECORD, MANIFEST, Manifest
@@ -148,6 +148,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
     entries = list_checkpoints(location.path)
     sizes = {row["index"]: row["size"] for row in entries}
     indices = sorted(sizes)
+    # Locally, what each index's files are (taken before anything is deleted): a file
+    # hard-linked into a kept index is not freed by deleting the index it came from.
+    local = not is_object_url(location.path)
+    inodes = {i: file_inodes(Path(location.path) / str(i)) for i in indices} if local else {}
     doomed = indices[: -args.keep_last] if len(indices) > args.keep_last else []
     if not args.dry_run and doomed:
         try:
@@ -162,7 +166,12 @@ def cmd_prune(args: argparse.Namespace) -> int:
     # A pruned index whose bytes a kept incremental index references is retained
     # (ROOT/.ref-<index>), so its bytes are not freed.
     retained = sorted(_referenced_by(location.path, kept) & set(doomed))
-    freed = sum(sizes[i] for i in doomed if i not in retained)
+    if local:
+        freed = freed_bytes(
+            [inodes[i] for i in doomed if i not in retained], [inodes[i] for i in kept]
+        )
+    else:
+        freed = sum(sizes[i] for i in doomed if i not in retained)
     if args.json:
         print_json(
             {

@@ -26,6 +26,7 @@ written last, stays the only commit point.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -474,6 +475,38 @@ class LocalStaging(Staging):
         record = {"size": report["file_len"], "crc32c": report["file_crc32c"]}
         self.files[relpath] = record
         return record
+
+    def put_link(
+        self, relpath: str, source: Path, record: FileRecord, identity: tuple[int, int]
+    ) -> None:
+        """Hard-link the committed file ``source`` as ``relpath`` (no byte copied; the
+        directory entry is fsynced at :meth:`publish`) and record it with ``record`` (the
+        source's size and crc32c). ``identity``: the ``(st_dev, st_ino)`` the caller checked
+        ``source`` under; a link to any other inode (``source`` replaced meanwhile) is
+        removed again.
+
+        Raises:
+            OSError: no hard link possible here (EXDEV, EPERM, EMLINK...) or the inode
+                differs (FileExistsError); nothing is recorded.
+        """
+        check_relpath(relpath, "file")
+        target = self.temp / relpath
+        made = not target.parent.is_dir()
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(source, target, follow_symlinks=False)
+            linked = os.stat(target, follow_symlinks=False)
+            if not stat.S_ISREG(linked.st_mode) or (linked.st_dev, linked.st_ino) != identity:
+                raise FileExistsError(errno.EEXIST, "the source file was replaced", str(source))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                target.unlink()
+            if made:
+                with contextlib.suppress(OSError):
+                    target.parent.rmdir()  # no empty folder left in the checkpoint
+            raise
+        self._dirs.add(target.parent)
+        self.files[relpath] = dict(record)
 
     def adopt(self, location: str, relpath: str, record: FileRecord) -> None:
         """Move a file from another staging directory into this one."""

@@ -57,6 +57,7 @@ __all__ = [
     "REFS_FIELD",
     "Reference",
     "check_references",
+    "file_inodes",
     "freed_bytes",
     "is_linked_file",
     "linked_relpath",
@@ -64,6 +65,7 @@ __all__ = [
     "read_references",
     "reference_reports",
     "referenced_sources",
+    "split_sizes",
 ]
 
 #: The folder of a checkpoint holding the files hard-linked from its base.
@@ -88,6 +90,15 @@ def is_linked_file(relpath: str) -> bool:
     """Whether ``relpath`` of a commit record is a linked file (holds referenced tensors, and
     possibly stale ones no reference names: not an item's tensor file)."""
     return relpath.startswith(f"{LINKED_DIR}/")
+
+
+def split_sizes(files: Mapping[str, Mapping[str, Any]]) -> tuple[int, int]:
+    """``(written, linked)`` bytes of a checkpoint's file records: what its save wrote, and
+    what it holds in files hard-linked from earlier checkpoints (``linked/``, no byte
+    written; freed only with the last checkpoint holding them). The one definition of a
+    checkpoint's size: ``fastckpt ls`` and ``list_checkpoints`` show ``written``."""
+    linked = sum(record["size"] for relpath, record in files.items() if is_linked_file(relpath))
+    return sum(record["size"] for record in files.values()) - linked, linked
 
 
 def read_references(record: Mapping[str, Any], where: str) -> dict[str, dict[str, Reference]]:
@@ -228,19 +239,29 @@ def referenced_sources(
     }
 
 
-def freed_bytes(doomed: Iterable[Path], kept: Iterable[Path]) -> int:
-    """Bytes that deleting the ``doomed`` local checkpoint directories frees while the
-    ``kept`` ones stay: files hard-linked into a kept checkpoint (incremental saves), or
-    linked twice among the doomed, are counted once and only when no kept one holds them."""
+def file_inodes(directory: Path) -> dict[tuple[int, int], int]:
+    """``(st_dev, st_ino) -> size`` of every regular file under ``directory`` (empty when
+    it is gone): what :func:`freed_bytes` counts."""
+    found = {}
+    for path in directory.rglob("*"):
+        with contextlib.suppress(OSError):
+            info = path.lstat()
+            if stat.S_ISREG(info.st_mode):
+                found[(info.st_dev, info.st_ino)] = info.st_size
+    return found
 
-    def inodes(directory: Path) -> dict[tuple[int, int], int]:
-        found = {}
-        for path in directory.rglob("*"):
-            with contextlib.suppress(OSError):
-                info = path.lstat()
-                if stat.S_ISREG(info.st_mode):
-                    found[(info.st_dev, info.st_ino)] = info.st_size
-        return found
+
+def freed_bytes(
+    doomed: Iterable[Path | Mapping[tuple[int, int], int]],
+    kept: Iterable[Path | Mapping[tuple[int, int], int]],
+) -> int:
+    """Bytes that deleting the ``doomed`` local checkpoint directories frees while the
+    ``kept`` ones stay (each a directory, or its :func:`file_inodes` taken earlier): files
+    hard-linked into a kept checkpoint (incremental saves), or linked twice among the doomed,
+    are counted once and only when no kept one holds them."""
+
+    def inodes(where: Path | Mapping[tuple[int, int], int]) -> Mapping[tuple[int, int], int]:
+        return file_inodes(where) if isinstance(where, Path) else where
 
     held: set[tuple[int, int]] = set()
     for directory in kept:

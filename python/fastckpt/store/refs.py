@@ -1,25 +1,33 @@
 """Tensor references of incremental saves: ``refs.json``, where referenced bytes live, and
 which indices retention must keep.
 
-An index written incrementally holds only the tensors that changed; each unchanged tensor is
-a *reference* to bytes an earlier index already wrote, listed in the index's ``refs.json``
-(itself a recorded file of the index, so its size and crc32c are in the manifest)::
+An index written incrementally writes only the tensors that changed; each unchanged tensor
+is a *reference*, listed in the index's ``refs.json`` (itself a recorded file of the index,
+so its size and crc32c are in the manifest)::
 
     {"format": "fastckpt-refs", "schema_version": 1,
      "refs": {"<relpath of the tensor file>": {"<tensor name>": {
-         "index": 0, "file": "models/main.safetensors", "name": "weight",
+         "index": 3, "file": "linked/0.safetensors", "name": "weight",
          "crc32c": 123, "nbytes": 24, "dtype": "F32", "shape": [2, 3],
          "file_size": 280, "file_crc32c": 456}}}}
 
-A reference always names the index that holds the bytes (never another reference). The
-referenced file is ``ROOT/<index>/<file>`` while that index is committed, and
-``ROOT/.ref-<index>/<file>`` once a prune removed the index but a kept index still references
-it (the directory is renamed, not rewritten: see :func:`retain_for_references`). Loads check
-the referenced file against ``file_size``/``file_crc32c`` and the tensor against ``crc32c``.
+**Every index is self-contained** (:func:`link_into`): the earlier files holding its
+unchanged bytes are hard-linked into the index itself, as ``linked/<n>.safetensors`` (listed
+in its manifest entry like any file), and its references name the index itself. Deleting any
+other index (``rm -rf ROOT/<i>``, a prune) frees nothing it needs. Where a link is not
+possible, the unchanged tensors are written in full.
+
+Roots written by earlier versions have references naming the earlier index that holds the
+bytes (never another reference). That file is ``ROOT/<index>/<file>`` while the index is
+committed, and ``ROOT/.ref-<index>/<file>`` once a prune removed the index but a kept index
+still references it (see :func:`retain_for_references`); such roots keep loading and pruning.
+Loads check the referenced file against ``file_size``/``file_crc32c`` and the tensor against
+``crc32c``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Iterable, Mapping
@@ -30,8 +38,9 @@ import torch
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.store.backend import TEMP_PREFIX
+from fastckpt.store.backend import TEMP_PREFIX, LocalStaging
 from fastckpt.store.backend import _sibling as temp_sibling
+from fastckpt.store.links import LINKED_DIR
 from fastckpt.store.paths import safe_join
 from fastckpt.store.reader import (
     FileReport,
@@ -49,6 +58,8 @@ __all__ = [
     "check_reference",
     "collect_garbage",
     "index_references",
+    "link_into",
+    "linked_file",
     "matches",
     "reference_reports",
     "referenced_indices",
@@ -58,6 +69,8 @@ __all__ = [
     "retain_for_references",
     "source_path",
 ]
+
+_LOG = logging.getLogger(__name__)
 
 #: The file of an index listing its references.
 REFS_FILE = "refs.json"
@@ -182,6 +195,60 @@ def resolve_references(
     return tensors
 
 
+def linked_file(number: int) -> str:
+    """The relpath of the ``number``-th file an index hard-links from earlier indices."""
+    return f"{LINKED_DIR}/{number}.safetensors"
+
+
+def link_into(
+    staging: LocalStaging,
+    manifest: Manifest,
+    index: int,
+    refs: Mapping[str, Mapping[str, Reference]],
+) -> tuple[dict[str, dict[str, Reference]], list[tuple[str, str]]]:
+    """Make the index being written (``index``, staged in ``staging``) self-contained: every
+    file holding bytes it references is hard-linked into it as ``linked/<n>.safetensors``
+    (recorded with the file's size and crc32c) and the references are rewritten to point
+    there. Deleting the earlier index (``rm -rf``, prune) then frees nothing it needs.
+    Called under the root's lock; each source is checked (size, header crc32c of every
+    referenced tensor) and linked by inode, so what is linked is what was checked.
+
+    Returns:
+        The rewritten references ``{relpath: {name: reference}}``, and the ``(relpath,
+        name)`` of the tensors whose file could not be linked here (no hard links on this
+        filesystem, or it is no longer the referenced file): the caller writes those in full.
+    """
+    by_source: dict[tuple[int, str, int, int], list[tuple[str, str]]] = {}
+    for relpath, names in refs.items():
+        for name, ref in names.items():
+            key = (ref["index"], ref["file"], ref["file_size"], ref["file_crc32c"])
+            by_source.setdefault(key, []).append((relpath, name))
+    linked: dict[str, dict[str, Reference]] = {}
+    unlinked: list[tuple[str, str]] = []
+    for number, members in enumerate(by_source[key] for key in sorted(by_source)):
+        first = refs[members[0][0]][members[0][1]]
+        target = linked_file(number)
+        try:
+            path = source_path(manifest, first)
+            info = os.stat(path, follow_symlinks=False)
+            problems = [check_reference(manifest, refs[r][n]) for r, n in members]
+            if any(problem is not None for problem in problems):
+                raise FileNotFoundError(next(p for p in problems if p is not None))
+            record = {"size": first["file_size"], "crc32c": first["file_crc32c"]}
+            staging.put_link(target, path, record, (info.st_dev, info.st_ino))
+        except (OSError, CheckpointFormatError) as err:
+            _LOG.info("%s: not linked (%s); its tensors are written in full", target, err)
+            unlinked.extend(members)
+            continue
+        for relpath, name in members:
+            linked.setdefault(relpath, {})[name] = {
+                **refs[relpath][name],
+                "index": index,
+                "file": target,
+            }
+    return linked, unlinked
+
+
 def _header_checksums(path: Path) -> dict[str, int | None]:
     header = _native.read_header(os.fspath(path))
     return dict(header["checksums"])
@@ -221,11 +288,20 @@ def reference_reports(manifest: Manifest, index: int, threads: int) -> list[File
         for ref in names.values():
             by_source.setdefault((ref["index"], ref["file"]), []).append(ref)
     reports = []
+    own_files = manifest.entries[index]["files"]
     for group in by_source.values():
         try:
             path = source_path(manifest, group[0])
         except (CheckpointFormatError, OSError) as err:
             reports.append(FileReport(manifest.root, "corrupt", message=str(err), index=index))
+            continue
+        if group[0]["index"] == index and matches(own_files.get(group[0]["file"]), group[0]):
+            # A file linked into this index: its bytes are checked as one of the index's
+            # own files; here only that it holds the referenced tensors.
+            if os.path.lexists(path):
+                found = [p for p in (check_reference(manifest, ref) for ref in group) if p]
+                if found:
+                    reports.append(FileReport(path, "corrupt", message=found[0], index=index))
             continue
         record = {"size": group[0]["file_size"], "crc32c": group[0]["file_crc32c"]}
         checked = check_recorded(
