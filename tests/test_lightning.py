@@ -9,6 +9,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -331,6 +332,80 @@ def test_a_failed_background_write_is_raised_by_the_next_call(tmp_path: Path) ->
     io.save_checkpoint(checkpoint_with(3), tmp_path / "y.ckpt")  # raised once: next one works
     io.teardown()
     assert io.load_checkpoint(tmp_path / "y.ckpt")["hyper_parameters"]["extra"] == 3
+
+
+def test_async_io_waits_at_most_its_timeout_and_keeps_the_write_tracked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plugin runs on fastckpt's one async engine: a save that finds the previous write
+    still running after ``wait_timeout`` raises ``TimeoutError`` naming it, the write stays
+    tracked, and the next save after it ended goes through."""
+    from fastckpt.integrations import lightning as plugin
+
+    release = threading.Event()
+    real = plugin.write_plan
+
+    def slow(*args: Any, **kwargs: Any) -> None:
+        assert release.wait(60)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(plugin, "write_plan", slow)
+    io = AsyncFastCheckpointIO(wait_timeout=0.2)
+    io.save_checkpoint(checkpoint_with(1), tmp_path / "a.ckpt")
+    with pytest.raises(TimeoutError, match=r"a\.ckpt is still running after 0\.2 s"):
+        io.save_checkpoint(checkpoint_with(2), tmp_path / "b.ckpt")
+    release.set()
+    io.save_checkpoint(checkpoint_with(2), tmp_path / "b.ckpt")
+    io.teardown()
+    assert io.load_checkpoint(tmp_path / "a.ckpt")["hyper_parameters"]["extra"] == 1
+    assert io.load_checkpoint(tmp_path / "b.ckpt")["hyper_parameters"]["extra"] == 2
+
+
+def test_async_io_guard_keeps_a_copy_from_seeing_a_half_updated_state(tmp_path: Path) -> None:
+    """A thread mutating the state under ``guard()`` excludes the save's copy: the saved
+    tensors are from before or after the whole update, never between."""
+    io = AsyncFastCheckpointIO()
+    checkpoint = checkpoint_with(1)
+    a, b = torch.zeros(1 << 16), torch.zeros(1 << 16)
+    checkpoint["state_dict"] = {"a": a, "b": b}
+    inside = threading.Event()
+
+    def update() -> None:
+        with io.guard():
+            a.add_(1)
+            inside.set()
+            time.sleep(0.3)  # the save below starts while the update is half done
+            b.add_(1)
+
+    thread = threading.Thread(target=update)
+    thread.start()
+    assert inside.wait(10)
+    io.save_checkpoint(checkpoint, tmp_path / "x.ckpt")
+    thread.join()
+    io.teardown()
+    saved = io.load_checkpoint(tmp_path / "x.ckpt")["state_dict"]
+    assert torch.equal(saved["a"], saved["b"]) and float(saved["a"][0]) == 1.0
+
+
+def test_async_io_finishes_a_pending_write_at_interpreter_exit(tmp_path: Path) -> None:
+    """A script that never calls ``teardown`` (no ``fit``) still gets its last write: the
+    engine finishes it when the interpreter exits."""
+    code = f"""
+import time, torch
+from fastckpt.integrations import lightning as plugin
+real = plugin.write_plan
+def slow(*args, **kwargs):
+    time.sleep(1.0)
+    real(*args, **kwargs)
+plugin.write_plan = slow
+io = plugin.AsyncFastCheckpointIO()
+state = {{"state_dict": {{"w": torch.arange(8.0)}}, "epoch": 3}}
+io.save_checkpoint(state, {str(tmp_path / "x.ckpt")!r})
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded = FastCheckpointIO().load_checkpoint(tmp_path / "x.ckpt")
+    assert torch.equal(loaded["state_dict"]["w"], torch.arange(8.0)) and loaded["epoch"] == 3
 
 
 def test_async_io_writes_large_items_from_a_file_image(tmp_path: Path) -> None:

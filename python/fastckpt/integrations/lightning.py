@@ -26,11 +26,11 @@ content needs it and how loading it is guarded.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import shutil
 from collections import OrderedDict
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,8 +48,8 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 from fastckpt import _native, tree
 from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
 from fastckpt.staging import (
+    BackgroundWriter,
     StagerOptions,
-    background_executor,
     make_image_pool,
     make_stager,
     stage_groups,
@@ -397,11 +397,18 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
 
     ``save_checkpoint`` copies the checkpoint's tensors into staging buffers that are
     allocated once and reused by later saves (pinned memory and a side stream for CUDA
-    tensors), then returns; the write runs at lowered priority with the GIL released. One
-    write is in flight at a time: the next save waits for it first, ``load_checkpoint``
-    waits for it, ``remove_checkpoint`` waits when it removes the path being written, and
-    ``teardown`` (end of ``fit``) waits for the last one. A failed write is raised by the next
-    of these calls, chained to its cause.
+    tensors), then returns; the write runs at lowered priority with the GIL released, on the
+    same engine as the ``CheckpointHook``'s and ``CheckpointManager``'s async saves
+    (:class:`~fastckpt.staging.BackgroundWriter`). One write is in flight at a time: the next
+    save waits for it first (at most ``wait_timeout`` seconds: a ``TimeoutError`` names it,
+    and it stays tracked), ``load_checkpoint`` waits for it, ``remove_checkpoint`` waits when
+    it removes the path being written, and ``teardown`` (end of ``fit``) waits for the last
+    one however long it takes. A failed write is raised once, by the next of these calls, as a
+    ``RuntimeError`` chained to its cause. A write still pending when the interpreter exits
+    (no ``teardown``) is finished then, or named on stderr.
+
+    The copy runs under the writer's capture lock: code on other threads that mutates the
+    saved state can hold :meth:`guard` to keep it from being captured half-updated.
     """
 
     def __init__(
@@ -410,33 +417,33 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
         allow_pickle: bool = False,
         direct_io: bool | None = None,
         threads: int | None = None,
+        wait_timeout: float | None = None,
     ) -> None:
-        """See :class:`FastCheckpointIO`."""
+        """See :class:`FastCheckpointIO`; ``wait_timeout``: seconds a save, load or remove
+        waits for the previous write (None: as long as it takes)."""
         super().__init__(allow_pickle=allow_pickle, direct_io=direct_io, threads=threads)
         cuda = torch.cuda.is_available()
         options = StagerOptions(pinned=cuda, non_blocking=cuda)
         self._stager = make_stager(options)
         # Each item's file is staged into one file image, written without a second copy.
         self._images = make_image_pool(options)
-        self._executor: ThreadPoolExecutor | None = None
-        self._future: Future[None] | None = None
-        self._pending: Path | None = None
+        self._writer: BackgroundWriter[None] = BackgroundWriter(
+            "fastckpt-lightning", wait_timeout=wait_timeout
+        )
 
     def wait(self) -> None:
-        """Block until the write in flight (if any) is durable.
+        """Block until the write in flight (if any) is durable (at most ``wait_timeout``).
 
         Raises:
-            RuntimeError: that write failed (chained to its error).
+            RuntimeError: that write failed (chained to its error; raised once).
+            TimeoutError: it is still running after ``wait_timeout`` seconds.
         """
-        future, pending = self._future, self._pending
-        self._future, self._pending = None, None
-        if future is None:
-            return
-        error = future.exception()
-        if error is not None:
-            raise RuntimeError(
-                f"the background checkpoint write to {pending} failed: {error}"
-            ) from (error)
+        self._writer.collect()
+
+    def guard(self) -> contextlib.AbstractContextManager[None]:
+        """Hold while mutating saved state from another thread: waits for a copy in
+        progress, and keeps the next one from starting until the block ends."""
+        return self._writer.guard()
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -446,12 +453,12 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
         target = _local(path)
         plan = self._plan(checkpoint, storage_options)
         groups = {item: tensors for item, (_, tensors) in plan.items.items()}
-        stage_groups(self._stager, groups, _every, self._images)
-        if self._executor is None:
-            self._executor = background_executor("fastckpt-lightning")
-        self._pending = target
-        self._future = self._executor.submit(
-            write_plan, target, plan, direct_io=self.direct_io, threads=self.threads
+        # Lightning calls this from the training loop and mutates the state after it returns:
+        # the copy is made here, before returning, under the capture lock.
+        self._writer.capture(lambda: stage_groups(self._stager, groups, _every, self._images))
+        self._writer.submit(
+            str(target.absolute()),
+            lambda: write_plan(target, plan, direct_io=self.direct_io, threads=self.threads),
         )
 
     def load_checkpoint(
@@ -463,18 +470,14 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint, first waiting if it is the one being written."""
-        if self._pending is not None and _local(path).absolute() == self._pending.absolute():
+        if self._writer.in_flight == str(_local(path).absolute()):
             self.wait()
         super().remove_checkpoint(path)
 
     def teardown(self) -> None:
-        """Wait for the last write and stop the background thread (called by Lightning)."""
-        try:
-            self.wait()
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+        """Wait for the last write however long it takes, report it, and stop the
+        background threads (called by Lightning)."""
+        self._writer.close()
 
 
 def _every(group: str, name: str) -> bool:
