@@ -389,3 +389,23 @@ def test_sync_save_stages_device_tensors_through_the_pinned_pool(tmp_path: Path)
         assert manager._stager.nbytes == state_bytes
         loaded = manager.load(tmp_path / "c")
     assert torch.equal(loaded["model"]["weight"], model.weight.detach().cpu())
+
+
+def test_loading_an_unsharded_checkpoint_does_not_import_torch_distributed_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """``load`` tells a sharded checkpoint by its record's name alone: a plain resume pays no
+    ``torch.distributed.checkpoint`` import (about a second on a small machine)."""
+    code = f"""
+import sys, torch, fastckpt
+with fastckpt.CheckpointManager() as manager:
+    future = manager.save({str(tmp_path / "a")!r}, {{"x": torch.ones(3)}})
+    if future is not None:
+        future.result()
+    assert "torch.distributed.checkpoint" not in sys.modules
+    assert torch.equal(manager.load({str(tmp_path / "a")!r})["x"], torch.ones(3))
+print("imported" if "torch.distributed.checkpoint" in sys.modules else "not imported")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "not imported"

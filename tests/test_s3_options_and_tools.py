@@ -23,7 +23,6 @@ from fastckpt.store.s3backend import S3RootLock
 from fastckpt.store.s3errors import (
     AccessDeniedError,
     StorageOptionsError,
-    UnsupportedOnObjectStoreError,
 )
 from s3_support import S3Server, no_aws_env, s3_env, s3_root, s3_server
 
@@ -81,28 +80,30 @@ def test_cli_prints_s3_urls_as_users_write_them(s3_root: str, s3_env: dict[str, 
     assert str(fastckpt.verify(a)).startswith(a)
 
 
-def test_fastckpt_dcp_refuses_an_s3_url_with_a_typed_error(
+def test_fastckpt_dcp_takes_an_s3_url_and_writes_nothing_local(
     s3_root: str, s3_env: dict[str, str], tmp_path: Path
 ) -> None:
-    """Writer, Reader (construction and a checkpoint_id reset) and the save/load helpers
-    refuse an ``s3://`` URL naming it; no local ``s3:`` directory appears (fixture check)."""
+    """Writer, Reader (construction and a checkpoint_id reset) and the save/load helpers take
+    an ``s3://`` URL like a path: the objects go to the server, no local ``s3:`` directory
+    appears (fixture check); an id nothing was committed to is a typed NotCommittedError
+    naming it (sharded saves and loads on 2 and 3 ranks: tests/test_sharded_s3.py)."""
     from fastckpt import dcp
-    from fastckpt.dcp.state import load_state, save_state
+    from fastckpt.dcp.state import is_sharded_checkpoint, load_state, save_state
 
     url = f"{s3_root}/sharded"
-    for make in (lambda: dcp.Writer(url), lambda: dcp.Reader(url)):
-        with pytest.raises(UnsupportedOnObjectStoreError, match=f"{url}: .*shared filesystem"):
-            make()
-    writer = dcp.Writer(tmp_path / "local")
-    with pytest.raises(UnsupportedOnObjectStoreError, match=url):
-        writer.reset(url)
-    with pytest.raises(UnsupportedOnObjectStoreError, match=url):
-        dcp.Reader(tmp_path / "local").reset(url)
-    with pytest.raises(UnsupportedOnObjectStoreError, match=url):
-        save_state(url, {"x": torch.zeros(2)})
-    with pytest.raises(UnsupportedOnObjectStoreError, match=url):
+    assert not is_sharded_checkpoint(url)
+    with pytest.raises(dcp.NotCommittedError, match=r"sharded: no committed"):
         load_state(url)
-    assert not backend_for(url).list_dir(Path(url))  # nothing went to the server either
+    writer = dcp.Writer(tmp_path / "local")
+    writer.reset(url)
+    assert writer.checkpoint_id == str(Path(url))
+    save_state(url, {"x": torch.arange(4.0)}, writer=writer)
+    assert is_sharded_checkpoint(url) and dcp.Reader.validate_checkpoint_id(url)
+    reader = dcp.Reader(tmp_path / "local")
+    reader.reset(url)
+    assert torch.equal(load_state(url, reader=reader)["x"], torch.arange(4.0))
+    names = backend_for(url).list_dir(Path(url))
+    assert "fastckpt-dcp.json" in names and len(names) == 2, names  # the record, one generation
 
 
 def test_cli_prune_on_s3_waits_for_the_lease_and_names_its_holder(

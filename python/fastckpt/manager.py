@@ -60,10 +60,16 @@ from fastckpt.staging import (
 )
 from fastckpt.stateful import check_template, contains_stateful, prepare_save, restore
 from fastckpt.store.commit import DirectoryWriter
-from fastckpt.store.dispatch import display_path, use_storage_options
+from fastckpt.store.dispatch import backend_for, display_path, is_object_url, use_storage_options
 from fastckpt.store.links import Reference, read_item
 from fastckpt.store.paths import check_name
-from fastckpt.store.records import COMMIT_RECORD, commit_record, item_files, read_commit_record
+from fastckpt.store.records import (
+    COMMIT_RECORD,
+    SHARDED_RECORD,
+    commit_record,
+    item_files,
+    read_commit_record,
+)
 from fastckpt.store.snapshot import read_consistently
 
 __all__ = [
@@ -737,9 +743,9 @@ def _is_sharded(directory: Path) -> bool:
     """Whether ``directory`` holds a sharded commit record: anything by its name, so that a
     FIFO or a link in its place is refused by the sharded reader, not taken for a missing
     ``commit.json``."""
-    from fastckpt.dcp.commit import RECORD_NAME
-
-    record = directory / RECORD_NAME
+    record = directory / SHARDED_RECORD  # the name only: no torch.distributed import
+    if is_object_url(record):
+        return backend_for(record).exists(record)
     return record.is_symlink() or record.exists()
 
 

@@ -26,6 +26,7 @@ import torch
 from fastckpt import _native, specs
 from fastckpt.errors import ChecksumMismatchError
 from fastckpt.store import records
+from fastckpt.store.dispatch import backend_for, is_local
 
 if TYPE_CHECKING:  # importing fastckpt.dcp loads torch.distributed.checkpoint: deferred
     from fastckpt.dcp.parts import Part
@@ -264,5 +265,9 @@ def load_sharded(
 
 def remove_sharded(root: str | Path, indices: list[int]) -> None:
     """Delete the sharded parts of pruned indices (all their parts)."""
+    backend = backend_for(root)
     for index in indices:
-        shutil.rmtree(sharded_path(root, index), ignore_errors=True)
+        if is_local(backend):
+            shutil.rmtree(sharded_path(root, index), ignore_errors=True)
+        else:
+            backend.delete(sharded_path(root, index))

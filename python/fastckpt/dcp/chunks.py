@@ -21,7 +21,8 @@ from fastckpt import _native
 from fastckpt.dcp.metadata import StoredChunk
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.files import dtype_from_name
-from fastckpt.store.paths import safe_join
+from fastckpt.store.dispatch import backend_for, is_local
+from fastckpt.store.paths import check_relpath, safe_join
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "ChunkFiles", "block_checksums", "crc32c_of"]
 
@@ -86,6 +87,9 @@ class ChunkFiles:
         self.bytes_read = 0
         self._fds: dict[str, int] = {}
         self._buffer = np.empty(0, dtype=np.uint8)
+        self._backend = backend_for(directory)
+        #: on an object store: the files whose size was checked against the record
+        self._objects: set[str] = set()
 
     def close(self) -> None:
         """Close every open file."""
@@ -120,8 +124,27 @@ class ChunkFiles:
             self._fds[chunk.file] = fd
         return fd
 
+    def _object_path(self, chunk: StoredChunk) -> Path:
+        """An object-store data file, its size checked against the record (once)."""
+        path = self.directory / check_relpath(chunk.file, "data file")
+        if chunk.file not in self._objects:
+            info = self._backend.stat(path)
+            if not info.regular or info.size != chunk.file_len:
+                raise CheckpointFormatError(
+                    f"{path}: size {info.size} differs from the {chunk.file_len} bytes the "
+                    "commit record lists; the object was truncated or replaced"
+                )
+            self._objects.add(chunk.file)
+        return path
+
     def _pread_into(self, chunk: StoredChunk, begin: int, out: np.ndarray) -> None:
-        """Fill ``out`` with the chunk's bytes from ``begin`` on."""
+        """Fill ``out`` with the chunk's bytes from ``begin`` on (on an object store, ranged
+        GETs of exactly those bytes)."""
+        if not is_local(self._backend):
+            if out.nbytes:
+                self._backend.read_into(self._object_path(chunk), chunk.offset + begin, out)
+            self.bytes_read += out.nbytes
+            return
         fd = self._fd(chunk)
         view = memoryview(out)  # type: ignore[arg-type]
         done = 0

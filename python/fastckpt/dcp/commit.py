@@ -10,10 +10,12 @@ CHECKPOINT/                         the DCP checkpoint id (a directory)
 ```
 
 Every save writes into a fresh generation directory whose name the coordinator picks and sends
-to all ranks with the plan. Each rank writes its files there (temp -> fsync -> rename). Only
-after every rank reported its files durable does the coordinator replace the commit record
-atomically (temp -> fsync -> rename -> fsync of the directory): that rename is the commit.
-Then it removes every other generation directory. So
+to all ranks with the plan. Each rank writes its files there through the storage backend
+(locally temp -> fsync -> rename; on ``s3://`` parallel multipart uploads under the
+generation's prefix). Only after every rank reported its files durable does the coordinator
+replace the commit record atomically (``StorageBackend.put_record``: temp -> fsync -> rename
+-> fsync of the directory, or a conditional put on an object store): that is the commit. Then
+it removes every other generation. So
 
 * a save interrupted at any point (a rank killed, a full disk) leaves the record, and with it
   the previous checkpoint under the same id, untouched; its half-written generation is never
@@ -36,6 +38,7 @@ from fastckpt import _native
 from fastckpt.dcp.errors import NotCommittedError
 from fastckpt.dcp.metadata import Record, decode_record
 from fastckpt.errors import CheckpointFormatError
+from fastckpt.store.dispatch import backend_for, is_local
 from fastckpt.store.records import SHARDED_RECORD, read_record_bytes
 
 __all__ = [
@@ -71,7 +74,11 @@ def _is_generation(name: str) -> bool:
 
 
 def generation_dirs(path: Path) -> list[Path]:
-    """Generation directories present under a checkpoint directory, oldest first."""
+    """Generation directories (prefixes on an object store) present under a checkpoint
+    directory, oldest first."""
+    backend = backend_for(path)
+    if not is_local(backend):
+        return [path / name for name in backend.list_dir(path) if _is_generation(name)]
     try:
         entries = sorted(path.iterdir())
     except FileNotFoundError:
@@ -105,7 +112,9 @@ def commit(path: Path, generation: str, data: bytes, check: Callable[[], None]) 
                 "was running; nothing was committed"
             )
         check()
-        _native.write_bytes_atomic(str(path / RECORD_NAME), data, True)
+        # Locally temp + fsync + rename; on an object store a put conditional on the version
+        # _committed_generation just read (another writer's commit meanwhile is refused).
+        backend_for(path).put_record(path / RECORD_NAME, data)
         remove_other_generations(path, keep=generation)
 
 
@@ -155,19 +164,26 @@ def remove_other_generations(path: Path, keep: str) -> list[Path]:
     """After committing ``keep``, remove the generations created before it: earlier commits
     and interrupted saves. Newer ones (a save still under way) are left alone. Returns the
     removed directories."""
+    backend = backend_for(path)
     removed = []
     for directory in generation_dirs(path):
         if directory.name < keep:
-            shutil.rmtree(directory, ignore_errors=True)
+            if is_local(backend):
+                shutil.rmtree(directory, ignore_errors=True)
+            else:
+                backend.delete(directory)  # its objects, and unfinished uploads under it
             removed.append(directory)
-    if removed:
+    if removed and is_local(backend):
         _native.fsync_dir(str(path))
     return removed
 
 
 def make_generation_dir(path: Path, generation: str) -> Path:
-    """Create ``path/generation`` (and ``path``) durably; returns it."""
+    """Create ``path/generation`` (and ``path``) durably; returns it (on an object store,
+    where prefixes need no creation, only returns it)."""
     directory = path / generation
+    if not is_local(backend_for(path)):
+        return directory
     os.makedirs(directory, exist_ok=True)
     _native.fsync_dir(str(path))
     return directory

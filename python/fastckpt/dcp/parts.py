@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.errors import CheckpointFormatError
+from fastckpt.store.dispatch import backend_for, is_local
 from fastckpt.store.paths import check_name
 from fastckpt.store.reader import read_json
 from fastckpt.store.records import SHARDED_DIR, Manifest
@@ -60,15 +61,17 @@ PART_CRC_FIELD = "record_crc32c"
 _PREFIX = "p"
 #: This host as part names record it (the characters a name may hold).
 _HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
-_PART = re.compile(r"^p(\d{13})-([0-9a-f]{8})~(\d+)~([A-Za-z0-9.-]+)$")
+#: ``.`` separates the writer's pid and host (``~`` in parts of earlier versions, still read:
+#: an object-store prefix holding ``~`` is refused by some servers' request signing).
+_PART = re.compile(r"^p(\d{13})-([0-9a-f]{8})[~.](\d+)[~.]([A-Za-z0-9.-]+)$")
 
 
 def new_part() -> str:
-    """A fresh part name: ``p<millis>-<random>~<pid>~<host>`` (sorts by creation time; says
+    """A fresh part name: ``p<millis>-<random>.<pid>.<host>`` (sorts by creation time; says
     which process wrote it, so that a sweep on this host can tell a killed save's part from
     one still being written)."""
     millis = time.time_ns() // 1_000_000
-    return f"{_PREFIX}{millis:013d}-{uuid.uuid4().hex[:8]}~{os.getpid()}~{_HOST}"
+    return f"{_PREFIX}{millis:013d}-{uuid.uuid4().hex[:8]}.{os.getpid()}.{_HOST}"
 
 
 def index_dir(root: str | os.PathLike[str], index: int) -> Path:
@@ -178,6 +181,14 @@ def _writer_gone(name: str, named: str) -> bool:
     return age_ms >= FOREIGN_PART_GRACE_S * 1000
 
 
+def _entries(directory: Path) -> list[str]:
+    """The names under ``directory`` (a local directory, or an object-store prefix)."""
+    backend = backend_for(directory)
+    if not is_local(backend):
+        return backend.list_dir(directory)
+    return sorted(entry.name for entry in directory.iterdir())
+
+
 def _doomed_entries(directory: Path, named: str) -> list[Path]:
     """What of ``ROOT/sharded/<i>`` goes when the committed index names part ``named``: the
     layout from before parts; parts created before it (replaced, or saves that never
@@ -185,9 +196,9 @@ def _doomed_entries(directory: Path, named: str) -> list[Path]:
     be a replacement under way, whose clock is behind); and later parts whose writer died on
     this host."""
     return [
-        entry
-        for entry in sorted(directory.iterdir())
-        if entry.name != named and _is_doomed(entry.name, named)
+        directory / name
+        for name in _entries(directory)
+        if name != named and _is_doomed(name, named)
     ]
 
 
@@ -200,7 +211,10 @@ def _is_doomed(name: str, named: str) -> bool:
 
 
 def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
+    backend = backend_for(path)
+    if not is_local(backend):
+        backend.delete(path)  # the objects under it, and unfinished uploads
+    elif path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
@@ -230,12 +244,15 @@ def sweep(
         The removed paths.
     """
     base = Path(root) / SHARDED_DIR
-    if not base.is_dir() or base.is_symlink():
+    local = is_local(backend_for(base))
+    if local and (not base.is_dir() or base.is_symlink()):
         return []
     latest = manifest.latest
     removed: list[Path] = []
-    for directory in sorted(base.iterdir()):
-        if not _is_index_name(directory.name) or directory.is_symlink() or not directory.is_dir():
+    for directory in (base / name for name in _entries(base)):
+        if not _is_index_name(directory.name):
+            continue
+        if local and (directory.is_symlink() or not directory.is_dir()):
             continue
         index = int(directory.name)
         if index == writing:
@@ -253,7 +270,7 @@ def sweep(
         elif latest is not None and index < latest:
             doomed = [directory]
         else:
-            doomed = [entry for entry in directory.iterdir() if _writer_dead(entry.name)]
+            doomed = [directory / name for name in _entries(directory) if _writer_dead(name)]
         for path in doomed:
             _remove(path)
         removed += doomed

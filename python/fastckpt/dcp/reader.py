@@ -35,7 +35,7 @@ from fastckpt.dcp.commit import RECORD_NAME, new_generation, read_record
 from fastckpt.dcp.metadata import Record, StoredChunk
 from fastckpt.dcp.values import as_planner_bytes, decode_value
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.store.dispatch import require_local
+from fastckpt.store.dispatch import backend_for
 
 __all__ = ["Passes", "Reader"]
 
@@ -43,12 +43,6 @@ __all__ = ["Passes", "Reader"]
 #: targets), ``verify`` (only check it; keep the files open for a ``fill`` load next) or
 #: ``fill`` (read it into the targets, verified again, from the files a ``verify`` load kept).
 Passes = Literal["both", "verify", "fill"]
-
-#: What to use instead of an ``s3://`` URL (sharded checkpoints write through a filesystem).
-_INSTEAD = (
-    "load sharded (DCP) checkpoints from a shared filesystem path every rank can reach "
-    "(object storage is not supported for them yet)"
-)
 
 
 class Reader(StorageReader):
@@ -71,7 +65,6 @@ class Reader(StorageReader):
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
         """Point the reader at ``path``; nothing is read until a load."""
         super().__init__()
-        require_local(path, "fastckpt.dcp.Reader", _INSTEAD)
         self.path = Path(path)
         self.verify = verify
         self.bytes_read = 0
@@ -87,7 +80,6 @@ class Reader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load, optionally from another checkpoint directory."""
         if checkpoint_id:
-            require_local(checkpoint_id, "fastckpt.dcp.Reader", _INSTEAD)
             self.path = Path(checkpoint_id)
         self._record = None
         self._pinned = None
@@ -215,8 +207,13 @@ class Reader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """A directory with a fastckpt commit record."""
-        return (Path(checkpoint_id) / RECORD_NAME).is_file()
+        """A directory (or ``s3://`` prefix) with a fastckpt commit record."""
+        record = Path(checkpoint_id) / RECORD_NAME
+        try:
+            info = backend_for(record).stat(record)
+        except (OSError, ValueError):
+            return False
+        return info.regular
 
     # ------------------------------------------------------------------ reading
 

@@ -47,7 +47,6 @@ from fastckpt.dcp.metadata import Record
 from fastckpt.dcp.reader import Passes, Reader
 from fastckpt.dcp.writer import Writer
 from fastckpt.errors import CheckpointMismatchError, FastCkptError
-from fastckpt.store.dispatch import require_local
 from fastckpt.store.snapshot import read_consistently
 
 __all__ = [
@@ -63,10 +62,6 @@ __all__ = [
 ]
 
 
-#: What to use instead of an ``s3://`` URL.
-_SHARED_FS = "use a shared filesystem path every rank can reach for sharded (DCP) checkpoints"
-
-
 def contains_dtensors(state: Any) -> bool:
     """Whether a nest of mappings/lists/tuples holds a ``DTensor`` (FSDP2, TP) anywhere."""
     if isinstance(state, DTensor):
@@ -79,8 +74,9 @@ def contains_dtensors(state: Any) -> bool:
 
 
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a committed sharded (DCP) checkpoint directory."""
-    return (Path(path) / RECORD_NAME).is_file()
+    """Whether ``path`` is a committed sharded (DCP) checkpoint directory (or ``s3://``
+    prefix)."""
+    return Reader.validate_checkpoint_id(path)
 
 
 def single_process(process_group: Any = None) -> bool:
@@ -134,7 +130,6 @@ def save_state(
         writer: a writer to reuse (its options and staging buffers); one is made otherwise.
         process_group: the group DCP coordinates on (default: the default group, if any).
     """
-    require_local(path, "fastckpt.dcp.save_state", _SHARED_FS)
     writer = writer or Writer(path)
     writer.reset(path)
     dcp.save(dict(state), storage_writer=writer, process_group=process_group)
@@ -156,7 +151,6 @@ def async_save_state(
     Returns:
         A future resolved when the checkpoint is committed (raises what the save raised).
     """
-    require_local(path, "fastckpt.dcp.async_save_state", _SHARED_FS)
     writer.reset(path)
     future = dcp.async_save(dict(state), storage_writer=writer, process_group=process_group)
     return future  # type: ignore[return-value]
@@ -251,7 +245,6 @@ def load_state(
             record, a damaged or missing data file (named, with the tensor), on every rank.
         FileNotFoundError: a data file is missing (named).
     """
-    require_local(path, "fastckpt.dcp.load_state", _SHARED_FS)
     root = Path(path)
 
     def attempt() -> dict[str, Any]:

@@ -9,7 +9,9 @@ future = dcp.async_save(state, storage_writer=fastckpt.dcp.Writer("ckpt/step-200
 ```
 
 DCP plans (which rank writes which chunk, deduplication); the writer stores each rank's chunks
-in safetensors files written by the Rust core (crc32c per entry, temp -> fsync -> rename), with
+in safetensors files written by the Rust core (crc32c per entry, temp -> fsync -> rename; on
+an ``s3://`` checkpoint id, each rank's own parallel multipart uploads, crc32c computed in the
+same pass), with
 DCP's sharding offsets in the header (``DCP_SHARDING_INFO``, as torch's own safetensors
 writer records them), non-tensor values without pickle, and commits with a JSON record written
 last by the coordinator (see :mod:`fastckpt.dcp.commit`).
@@ -38,15 +40,9 @@ from fastckpt.dcp.stager import DcpStager
 from fastckpt.dcp.values import encode_value, planner_object
 from fastckpt.files import byte_view, host_tensor, read_metadata, write_tensors
 from fastckpt.staging import StagerOptions
-from fastckpt.store.dispatch import require_local
+from fastckpt.store.dispatch import backend_for, is_local, is_object_url
 
 __all__ = ["DCP_SHARDING_INFO_KEY", "Writer"]
-
-#: What to use instead of an ``s3://`` URL (sharded checkpoints write through a filesystem).
-_INSTEAD = (
-    "save sharded (DCP) checkpoints to a shared filesystem path every rank can reach "
-    "(object storage is not supported for them yet)"
-)
 
 #: safetensors metadata key under which DCP's safetensors support records chunk offsets.
 DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
@@ -91,7 +87,6 @@ class Writer(StorageWriter, DcpStager):
         DcpStager.__init__(self, stager_options)
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
-        require_local(path, "fastckpt.dcp.Writer", _INSTEAD)
         self.path = Path(path)
         self.threads = threads
         self.direct_io = direct_io
@@ -107,7 +102,6 @@ class Writer(StorageWriter, DcpStager):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, optionally into another checkpoint directory."""
         if checkpoint_id:
-            require_local(checkpoint_id, "fastckpt.dcp.Writer", _INSTEAD)
             self.path = Path(checkpoint_id)
         self.save_id = new_generation()
 
@@ -185,7 +179,7 @@ class Writer(StorageWriter, DcpStager):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Any local path can be a checkpoint directory."""
+        """Any local path or ``s3://`` URL can be a checkpoint directory."""
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     # ------------------------------------------------------------------ writing
@@ -225,19 +219,33 @@ class Writer(StorageWriter, DcpStager):
             offsets = item.tensor_data.chunk.offsets if item.tensor_data else ()
             sharding[fqn] = {"saved_offsets": [int(o) for o in offsets]}
         path = directory / name
-        report = write_tensors(
-            tensors,
-            path,
-            {
-                DCP_SHARDING_INFO_KEY: json.dumps(sharding),
-                "DCP_VERSION": _HF_DCP_VERSION,
-                "format": "pt",
-            },
-            threads=self.threads,
-            direct_io=self.direct_io,
-            fsync=self.fsync,
-        )
-        header = read_metadata(path)
+        metadata = {
+            DCP_SHARDING_INFO_KEY: json.dumps(sharding),
+            "DCP_VERSION": _HF_DCP_VERSION,
+            "format": "pt",
+        }
+        backend = backend_for(path)
+        if is_local(backend):
+            report = write_tensors(
+                tensors,
+                path,
+                metadata,
+                threads=self.threads,
+                direct_io=self.direct_io,
+                fsync=self.fsync,
+            )
+            header = read_metadata(path)
+        else:
+            # This rank's own upload, under the generation's prefix (no rename to wait for:
+            # the coordinator's record, written last, is the commit).
+            staging = backend.stage(directory)
+            record = staging.put_tensors(name, tensors, metadata=metadata)
+            header = backend.read_header(path)
+            report = {
+                "file_len": record["size"],
+                "file_crc32c": record["crc32c"],
+                "checksums": {fqn: info["crc32c"] for fqn, info in header["tensors"].items()},
+            }
         results = []
         for item in items:
             fqn = item.index.fqn
@@ -277,7 +285,10 @@ class Writer(StorageWriter, DcpStager):
             payloads.append(payload)
             offset += len(payload)
         data = b"".join(payloads)
-        _native.write_bytes_atomic(str(path), data, self.fsync)
+        if is_object_url(path):
+            backend_for(path).stage(path.parent).put_bytes(name, data)
+        else:
+            _native.write_bytes_atomic(str(path), data, self.fsync)
         file_crc = _native.crc32c(data)
         return [
             WriteResult(
@@ -301,10 +312,11 @@ class Writer(StorageWriter, DcpStager):
 def _check_files_present(directory: Path, storage: dict[MetadataIndex, StoredChunk]) -> None:
     """Refuse to commit unless every file the results name is in place with its size (a
     concurrent save's cleanup may have removed an older, still unfinished generation)."""
+    backend = backend_for(directory)
     for name, size in {chunk.file: chunk.file_len for chunk in storage.values()}.items():
         path = directory / name
         try:
-            actual = path.stat().st_size
+            actual: int | None = backend.stat(path).size
         except FileNotFoundError:
             actual = None
         if actual != size:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+import numpy as np
 import torch
 
 from fastckpt import _native
@@ -183,13 +184,16 @@ class Staging(ABC):
         relpath: str,
         tensors: Mapping[str, torch.Tensor],
         copies: Mapping[str, CopySource] | None = None,
+        *,
+        metadata: Mapping[str, str] | None = None,
     ) -> FileRecord:
         """Write a safetensors file durably (through the Rust core) and record it (the write
         options are the staging's, given to :meth:`StorageBackend.stage`).
 
         ``copies`` (object stores only: local incremental saves reference instead) names
         further tensors of the file whose bytes are already stored, in a committed file of the
-        same store: the store copies them (see :mod:`fastckpt.store.s3copy`).
+        same store: the store copies them (see :mod:`fastckpt.store.s3copy`). ``metadata``:
+        the header's ``__metadata__`` strings (not with ``copies``).
         """
 
     @abstractmethod
@@ -232,6 +236,21 @@ class StorageBackend(ABC):
     @abstractmethod
     def read_range(self, path: Path, offset: int, length: int) -> bytes:
         """``length`` bytes from ``offset`` (fewer at the end of the file)."""
+
+    def read_into(self, path: Path, offset: int, dest: np.ndarray) -> None:
+        """Fill ``dest`` (a contiguous uint8 array) with the bytes of ``path`` from
+        ``offset`` (a backend may read in parallel pieces).
+
+        Raises:
+            CheckpointFormatError: the file ends before ``dest`` is full.
+        """
+        data = self.read_range(path, offset, dest.nbytes)
+        if len(data) != dest.nbytes:
+            raise CheckpointFormatError(
+                f"{path}: ends at {offset + len(data)}, inside the {dest.nbytes} bytes read from "
+                f"{offset}; the file is truncated"
+            )
+        dest[:] = np.frombuffer(data, dtype=np.uint8)
 
     @abstractmethod
     def checksum(self, path: Path) -> tuple[int, int]:
@@ -453,9 +472,12 @@ class LocalStaging(Staging):
         relpath: str,
         tensors: Mapping[str, torch.Tensor],
         copies: Mapping[str, CopySource] | None = None,
+        *,
+        metadata: Mapping[str, str] | None = None,
     ) -> FileRecord:
         """Write a safetensors file (fsynced) and record its size and crc32c; tensors staged
-        into a file image are written straight from it (no copy).
+        into a file image are written straight from it (no copy) unless ``metadata`` is
+        given (an image's header is fixed when it is staged).
 
         Raises:
             ValueError: ``copies`` given (a local root references unchanged tensors).
@@ -465,12 +487,16 @@ class LocalStaging(Staging):
                 f"{self.final}: a local checkpoint references unchanged tensors instead of "
                 "copying them"
             )
-        image = find_image(tensors)
+        image = find_image(tensors) if metadata is None else None
         if image is not None:
             report = write_image(image, self._target(relpath), direct_io=self.direct_io)
         else:
             report = write_tensors(
-                tensors, self._target(relpath), direct_io=self.direct_io, threads=self.threads
+                tensors,
+                self._target(relpath),
+                metadata,
+                direct_io=self.direct_io,
+                threads=self.threads,
             )
         record = {"size": report["file_len"], "crc32c": report["file_crc32c"]}
         self.files[relpath] = record

@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fastckpt import _native
@@ -189,6 +190,14 @@ class S3Backend(StorageBackend):
     def read_range(self, path: Path, offset: int, length: int) -> bytes:
         """One ranged GET."""
         return self.client.get_range(self._key(path), offset, offset + length)
+
+    def read_into(self, path: Path, offset: int, dest: np.ndarray) -> None:
+        """Parallel ranged GETs streamed into ``dest`` (:meth:`S3Client.read_into`).
+
+        Raises:
+            ObjectStoreError: a range failed or came back short (typed, naming the URL).
+        """
+        self.client.read_into(self._key(path), dest, offset)
 
     def checksum(self, path: Path) -> tuple[int, int]:
         """``(size, crc32c)`` of the object, streamed in 16 MiB ranges."""
@@ -381,6 +390,8 @@ class S3Staging(Staging):
         relpath: str,
         tensors: Mapping[str, torch.Tensor],
         copies: Mapping[str, CopySource] | None = None,
+        *,
+        metadata: Mapping[str, str] | None = None,
     ) -> FileRecord:
         """A parallel multipart upload of a safetensors object; records size and crc32c.
         Tensors in ``copies`` are copied by the store from the objects that hold them
@@ -395,10 +406,12 @@ class S3Staging(Staging):
         key = self._key(relpath)
         self._fence(key)
         if copies:
+            if metadata:
+                raise ValueError(f"{self.backend.client.url(key)}: metadata with copies")
             report = put_tensors_copying(client, key, tensors, self._locate(copies))
             self.copied_bytes += report["copied_bytes"]
         else:
-            report = put_tensors(client, key, tensors)
+            report = put_tensors(client, key, tensors, metadata)
         remember_written(client, key, report["etag"])
         record = {"size": report["size"], "crc32c": report["crc32c"]}
         self.files[relpath] = record

@@ -1,0 +1,203 @@
+"""Rank scripts of the sharded-on-``s3://`` tests (``tests/test_sharded_s3.py``), run by
+``dcp_support.launch`` as ``python -c "import s3_dcp_ranks; s3_dcp_ranks.NAME()" LOCAL RANK
+RENDEZVOUS WORLD URL``: a real gloo process group on CPU, FSDP2, and a real S3 server (moto,
+reached through the AWS variables every rank inherits). LOCAL is a local scratch directory
+(rendezvous, the reference states); URL the checkpoints' ``s3://`` prefix."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import set_state_dict
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import fastckpt
+import fastckpt.dcp
+from dcp_ranks import BLOCK_BYTES, _sharded, _state, _tp_full
+from dcp_support import compare, full_state, setup_rank, train_step
+from fastckpt.store.s3client import S3Client
+from training_support import leave_process_group
+
+
+def _url() -> str:
+    return sys.argv[5]
+
+
+def save() -> None:
+    """Two FSDP2 + AdamW steps, then ``dcp.save`` to URL/sync; one more step, then
+    ``dcp.async_save`` to URL/async and a ``CheckpointManager`` save to URL/manager, with a
+    training step while they upload. Rank 0 writes the gathered full states to LOCAL."""
+    local, rank, world = setup_rank()
+    url = _url()
+    mesh, model, optimizer = _sharded(world)
+    for step in range(2):
+        train_step(model, optimizer, step)
+    extra = {"step": 2, "tag": "s3", "blob": io.BytesIO(b"\x00raw\xff")}
+    dcp.save(
+        _state(mesh, model, optimizer, extra),
+        storage_writer=fastckpt.dcp.Writer(f"{url}/sync", block_bytes=BLOCK_BYTES),
+    )
+    if rank == 0:
+        safetensors.torch.save_file(full_state(model, optimizer), local / "reference-sync.st")
+    else:
+        full_state(model, optimizer)  # collective
+    train_step(model, optimizer, 2)
+    reference = full_state(model, optimizer)
+    extra = {"step": 3, "tag": "s3", "blob": io.BytesIO(b"three")}
+    group = dist.new_group(backend="gloo")
+    future = dcp.async_save(
+        _state(mesh, model, optimizer, extra),
+        storage_writer=fastckpt.dcp.Writer(f"{url}/async", block_bytes=BLOCK_BYTES),
+        process_group=group,
+    )
+    with fastckpt.CheckpointManager() as manager:
+        plain = {"step": 3, "tag": "s3"}  # a manager takes no file objects
+        manager.save(f"{url}/manager", _state(mesh, model, optimizer, plain))
+    train_step(model, optimizer, 3)  # changes every tensor while the async save uploads
+    future.result()  # type: ignore[union-attr]
+    if rank == 0:
+        safetensors.torch.save_file(reference, local / "reference-async.st")
+    leave_process_group()
+
+
+def load() -> None:
+    """Load URL/sync (``dcp.load``), URL/async (``fastckpt.dcp.load_state`` into templates) and
+    URL/manager (``CheckpointManager.load(into=)``) onto WORLD FSDP2 ranks; rank 0 compares
+    each gathered state with the saved one bitwise and prints a report."""
+    local, rank, world = setup_rank()
+    url = _url()
+    report: dict[str, Any] = {"rank": rank}
+    for name, how in (("sync", "dcp"), ("async", "load_state"), ("manager", "manager")):
+        mesh, model, optimizer = _sharded(world)
+        values: dict[str, Any] = {"step": 0, "tag": ""}
+        if how != "manager":
+            values["blob"] = io.BytesIO()
+        templates = _state(mesh, model, optimizer, values)
+        templates["tp"]["weight"] = distribute_tensor(torch.zeros(13, 29), mesh, [Shard(1)])
+        if how == "dcp":
+            reader = fastckpt.dcp.Reader(f"{url}/{name}")
+            dcp.load(templates, storage_reader=reader)
+            state = templates
+            report[f"{name}_bytes_read"] = reader.bytes_read
+        elif how == "load_state":
+            state = fastckpt.dcp.load_state(f"{url}/{name}", into=templates, strict=True)
+        else:
+            with fastckpt.CheckpointManager() as manager:
+                state = manager.load(f"{url}/{name}", into=templates)
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        loaded = full_state(model, optimizer)
+        tp_ok = torch.equal(state["tp"]["weight"].full_tensor(), _tp_full())
+        if rank == 0:
+            saved_as = "async" if name == "manager" else name  # the same training state
+            expected = safetensors.torch.load_file(local / f"reference-{saved_as}.st")
+            report[name] = {
+                "bad": compare(expected, loaded),
+                "n": len(loaded),
+                "tp_ok": tp_ok,
+                "step": state["extra"]["step"],
+                "blob": state["extra"]["blob"].getvalue().decode("latin-1")
+                if "blob" in state["extra"]
+                else None,
+            }
+    print(json.dumps(report))
+    leave_process_group()
+
+
+def save_and_hang() -> None:
+    """Save URL/sync again (five training steps and a 24 MiB sharded tensor more: 12 MiB per
+    rank, uploaded as multipart uploads of 5 MiB parts), and stop forever inside this rank's
+    upload once more than a part of it went out: the test waits until both ranks' uploads
+    exist on the server, then SIGKILLs every rank there."""
+    _, rank, world = setup_rank()
+    url = _url()
+    fastckpt.configure_storage(url, part_size=5 << 20)
+    mesh, model, optimizer = _sharded(world)
+    for step in range(5):
+        train_step(model, optimizer, step)
+    real = S3Client.put_stream
+
+    def put_stream(self: S3Client, key: str, pieces: Any, size: int) -> Any:
+        if size <= self.options.single_put_max:
+            return real(self, key, pieces, size)
+
+        def announced() -> Any:
+            sent = 0
+            for piece in pieces:
+                yield piece
+                sent += memoryview(piece).nbytes
+                if sent > self.options.part_size:  # the first part is on its way
+                    Path(os.environ["FASTCKPT_TEST_MARK"] + f".{rank}").touch()
+                    time.sleep(3600)
+
+        return real(self, key, announced(), size)
+
+    S3Client.put_stream = put_stream  # type: ignore[method-assign]
+    state = _state(mesh, model, optimizer, {"step": 5, "tag": "killed", "blob": io.BytesIO()})
+    state["big"] = distribute_tensor(torch.randn(2 * world, 3 << 19), mesh, [Shard(0)])
+    dcp.save(state, storage_writer=fastckpt.dcp.Writer(f"{url}/sync", block_bytes=BLOCK_BYTES))
+
+
+def strategy_train() -> None:
+    """A ``TrainingStrategy`` on FSDP2 + AdamW for 6 steps whose async ``CheckpointHook``
+    saves to URL/run every 2 steps (keep_last=2); rank 0 writes the gathered state at step 4
+    to LOCAL and prints the losses."""
+    from dcp_support import build_model
+    from sharded_ranks import Recorder, loader, shard, training_fn
+
+    local, rank, _ = setup_rank()
+    torch.manual_seed(0)
+    recorder = Recorder(local, save_at=(4, 6))
+    hook = fastckpt.CheckpointHook(f"{_url()}/run", step_interval=2, keep_last=2)
+    strategy = fastckpt.TrainingStrategy(
+        shard(build_model()),
+        fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
+        training_fn=training_fn,
+        hooks=[hook, recorder],
+        num_steps=6,
+    )
+    strategy.run(loader())
+    print(json.dumps({"rank": rank, "losses": recorder.losses, "last": hook.last_checkpoint_index}))
+    leave_process_group()
+
+
+def strategy_resume() -> None:
+    """Rebuild the strategy from URL/run index 1 (step 4) with ``parallelize=`` on WORLD
+    ranks; rank 0 compares the gathered state with the saving run's at step 4, bitwise, trains
+    on to step 6 and compares again (within float tolerance: another world size sums in
+    another order)."""
+    from sharded_ranks import Recorder, loader, shard, training_fn
+
+    local, rank, _ = setup_rank()
+    strategy = fastckpt.TrainingStrategy.load_checkpoint(
+        f"{_url()}/run", 1, hooks=[Recorder(local)], training_fn=training_fn, parallelize=shard
+    )
+    model, optimizer = strategy.models["main"], strategy.optimizers["main"]
+    loaded = full_state(model, optimizer)
+    report: dict[str, Any] = {
+        "rank": rank,
+        "sharded": strategy.sharded,
+        "step": strategy.step_count,
+    }
+    strategy.run(loader())
+    final = full_state(model, optimizer)
+    if rank == 0:
+        step4 = safetensors.torch.load_file(local / "reference-step4.safetensors")
+        step6 = safetensors.torch.load_file(local / "reference-step6.safetensors")
+        report["loaded_bad"] = compare(step4, loaded)
+        report["final_close"] = all(
+            torch.allclose(step6[name], final[name], rtol=1e-4, atol=1e-6) for name in step6
+        )
+    print(json.dumps(report))
+    leave_process_group()

@@ -1,0 +1,218 @@
+"""Sharded (FSDP2/TP) checkpoints on ``s3://``: ``fastckpt.dcp.Writer``/``Reader`` through
+``dcp.save``, ``dcp.async_save`` and ``CheckpointManager``, 2 gloo ranks saving to a real S3
+server (moto, in its own process), loaded bitwise on 1 and 3 ranks (resharded); a flipped
+byte in an object is a ``ChecksumMismatchError``; a save SIGKILLed on every rank mid-upload
+leaves the previous checkpoint loadable and its leftovers are removed by the next save; no
+object holds a pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+
+import fastckpt
+import fastckpt.dcp
+from dcp_support import check_ok, launch, spawn
+from fastckpt.dcp.commit import RECORD_NAME
+from s3_support import S3Server, s3_server
+
+__all__ = ["s3_server"]  # a fixture used by name below
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def env(s3_server: S3Server) -> Iterator[dict[str, str]]:
+    """The server reached through the AWS variables (inherited by every rank)."""
+    values = {
+        "AWS_ENDPOINT_URL": s3_server.endpoint,
+        "AWS_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": s3_server.access_key_id,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_access_key,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    yield values
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def saved(
+    s3_server: S3Server, env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, str]:
+    """URL/sync, URL/async and URL/manager from a 2-rank FSDP2 run (see s3_dcp_ranks.save);
+    the local scratch directory holds the reference states."""
+    local = tmp_path_factory.mktemp("sharded-s3")
+    url = s3_server.url(f"sharded-{os.getpid()}-{time.time_ns()}")
+    check_ok(launch("save", local, 2, url, ranks="s3_dcp_ranks"))
+    return local, url
+
+
+def _keys(s3_server: S3Server, url: str) -> list[str]:
+    prefix = url.split("/", 3)[3]
+    client = s3_server.client()
+    pages = client.get_paginator("list_objects_v2").paginate(
+        Bucket=s3_server.bucket, Prefix=f"{prefix}/"
+    )
+    return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_two_rank_save_to_s3_loads_bitwise_resharded(
+    s3_server: S3Server, saved: tuple[Path, str], world: int
+) -> None:
+    local, url = saved
+    outputs = check_ok(launch("load", local, world, url, ranks="s3_dcp_ranks"))
+    report: dict[str, Any] = json.loads(outputs[0])
+    for name, step, blob in (("sync", 2, "\x00raw\xff"), ("async", 3, "three")):
+        assert report[name]["bad"] == [], (name, report[name])
+        assert report[name]["n"] > 10 and report[name]["tp_ok"], (name, report[name])
+        assert (report[name]["step"], report[name]["blob"]) == (step, blob), name
+    assert report["manager"]["bad"] == [] and report["manager"]["step"] == 3
+    if world == 3:
+        # Rank 0 fetched only the byte ranges of its own shards (rounded out to blocks).
+        prefix = url.split("/", 3)[3]
+        listing = s3_server.client().list_objects_v2(
+            Bucket=s3_server.bucket, Prefix=f"{prefix}/sync/"
+        )
+        sizes = [o["Size"] for o in listing["Contents"] if o["Key"].endswith(".safetensors")]
+        assert 0 < report["sync_bytes_read"] < sum(sizes) / 2, (report, sizes)
+
+
+def test_every_rank_uploaded_its_own_objects_and_none_holds_a_pickle(
+    s3_server: S3Server, saved: tuple[Path, str]
+) -> None:
+    _, url = saved
+    keys = _keys(s3_server, url)
+    for name in ("sync", "async", "manager"):
+        ours = [k for k in keys if f"/{name}/" in k]
+        assert any(k.endswith(f"/{name}/{RECORD_NAME}") for k in ours), ours
+        assert {k.rsplit("/", 1)[1] for k in ours if k.endswith(".safetensors")} == {
+            "rank-00000.safetensors",
+            "rank-00001.safetensors",
+        }, ours
+    client = s3_server.client()
+    for key in keys:
+        body = client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read()
+        assert not body.startswith(b"\x80"), f"{key} starts like a pickle"
+        assert b"torch._utils" not in body and b"cpickle" not in body.lower(), key
+
+
+def test_a_flipped_byte_in_a_sharded_object_is_a_checksum_mismatch(
+    s3_server: S3Server, env: dict[str, str], tmp_path: Path
+) -> None:
+    url = s3_server.url(f"flip-{os.getpid()}-{time.time_ns()}")
+    state = {"w": torch.randn(64, 33), "b": torch.arange(9.0)}
+    fastckpt.dcp.save_state(f"{url}/c", state)
+    (key,) = [k for k in _keys(s3_server, url) if k.endswith(".safetensors")]
+    client = s3_server.client()
+    data = bytearray(client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read())
+    data[-5] ^= 0x01
+    client.put_object(Bucket=s3_server.bucket, Key=key, Body=bytes(data))
+    templates = {"w": torch.zeros(64, 33), "b": torch.full((9,), 7.0)}
+    with pytest.raises(fastckpt.ChecksumMismatchError, match=r"rank-00000\.safetensors"):
+        fastckpt.dcp.load_state(f"{url}/c", into=templates)
+    assert torch.equal(templates["b"], torch.full((9,), 7.0))  # nothing filled
+
+
+def test_a_save_killed_on_every_rank_mid_upload_leaves_the_previous_checkpoint(
+    s3_server: S3Server, saved: tuple[Path, str], tmp_path: Path
+) -> None:
+    local, url = saved
+    before = [k for k in _keys(s3_server, url) if "/sync/" in k]
+    mark = tmp_path / "uploading"
+    os.environ["FASTCKPT_TEST_MARK"] = str(mark)
+    try:
+        procs = spawn("save_and_hang", tmp_path / "ranks", 2, url, ranks="s3_dcp_ranks")
+    finally:
+        del os.environ["FASTCKPT_TEST_MARK"]
+    client = s3_server.client()
+    prefix = url.split("/", 3)[3]
+
+    def pending() -> list[str]:
+        uploads = client.list_multipart_uploads(Bucket=s3_server.bucket, Prefix=f"{prefix}/sync/")
+        return [upload["Key"] for upload in uploads.get("Uploads", [])]
+
+    try:
+        deadline = time.monotonic() + 180
+        while not (all(Path(f"{mark}.{r}").exists() for r in range(2)) and len(pending()) >= 2):
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+            assert time.monotonic() < deadline, "the ranks never got inside their uploads"
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate()
+    killed = pending()
+    assert {key.rsplit("/", 1)[1] for key in killed} >= {
+        "rank-00000.safetensors",
+        "rank-00001.safetensors",
+    }, killed
+    after = [k for k in _keys(s3_server, url) if "/sync/" in k]
+    assert after == before  # the record and the objects it names, untouched
+    # The previous checkpoint loads whole on one process.
+    expected = safetensors.torch.load_file(local / "reference-sync.st")
+    loaded = fastckpt.dcp.load_state(f"{url}/sync")
+    assert torch.equal(loaded["model"]["0.weight"], expected["model.0.weight"])
+    # The next save to the same id removes the killed ranks' unfinished uploads with every
+    # other generation.
+    fastckpt.dcp.save_state(f"{url}/sync", {"x": torch.ones(3)})
+    assert pending() == [], killed
+    generations = {k.split("/")[-2] for k in _keys(s3_server, url) if "/sync/g" in k}
+    assert len(generations) == 1, generations
+
+
+@pytest.fixture(scope="module")
+def trained(
+    s3_server: S3Server, env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, str]:
+    """URL/run: a 2-rank FSDP2 TrainingStrategy whose async CheckpointHook saved every 2
+    steps (keep_last=2), see s3_dcp_ranks.strategy_train."""
+    local = tmp_path_factory.mktemp("strategy-s3")
+    url = s3_server.url(f"strategy-{os.getpid()}-{time.time_ns()}")
+    outputs = check_ok(launch("strategy_train", local, 2, url, ranks="s3_dcp_ranks"))
+    reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert reports[0]["losses"] == reports[1]["losses"]
+    assert [r["last"] for r in reports] == [2, 2]
+    return local, url
+
+
+def test_a_strategy_hook_saves_fsdp2_state_to_s3_and_prunes_its_parts(
+    s3_server: S3Server, trained: tuple[Path, str]
+) -> None:
+    _, url = trained
+    assert [c["index"] for c in fastckpt.list_checkpoints(f"{url}/run")] == [1, 2]
+    keys = _keys(s3_server, f"{url}/run")
+    # keep_last=2 removed index 0 and its sharded part; each kept index names one part,
+    # into which both ranks uploaded their shards.
+    assert sorted({k.split("/sharded/")[1].split("/")[0] for k in keys if "/sharded/" in k}) == [
+        "1",
+        "2",
+    ], keys
+    for index in ("1", "2"):
+        ours = [k for k in keys if f"/sharded/{index}/" in k]
+        assert len({k.split(f"/sharded/{index}/")[1].split("/")[0] for k in ours}) == 1, ours
+        assert len([k for k in ours if k.endswith(".safetensors")]) == 2, ours
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_strategy_saved_on_s3_resumes_resharded(trained: tuple[Path, str], world: int) -> None:
+    local, url = trained
+    outputs = check_ok(launch("strategy_resume", local, world, url, ranks="s3_dcp_ranks"))
+    report = json.loads(outputs[0].strip().splitlines()[-1])
+    assert report["sharded"] and report["step"] == 4
+    assert report["loaded_bad"] == [] and report["final_close"], report
