@@ -5,10 +5,11 @@ process saved first; roots written by earlier versions reference that index's fi
 and pruning it keeps them as ``ROOT/.ref-<index>``. Both layouts are pruned here. The child
 (``crash_harness.prune_at_kill_point``, a real process) makes four incremental saves, then
 prunes to two indices with every filesystem mutation counted (links, renames, unlinks,
-rmdirs, mkdirs, directory fsyncs, the manifest write) and SIGKILLs itself right before mutation ``k``, for every ``k`` the prune
-makes. After each kill: every committed index verifies and loads bitwise; then a save in
-another process (the next writer, which cleans up what the prune left) and a prune; again
-every committed index verifies and the latest loads bitwise.
+rmdirs, mkdirs, directory fsyncs, the manifest write) and SIGKILLs itself right before
+mutation ``k``, for every ``k`` the prune makes. After each kill: every committed index
+verifies and loads bitwise; then a save in another process (the next writer, which cleans up
+what the prune left) and a prune; again every committed index verifies and the latest loads
+bitwise.
 """
 
 from __future__ import annotations
