@@ -559,7 +559,9 @@ import fastckpt
 import training_support as support
 from fastckpt.training import CheckpointHook
 
-hook = CheckpointHook(sys.argv[1], step_interval=1, keep_last=2, async_save=True)
+# Each child starts a fresh run (step 0) into the root the killed one left: overwrite=True,
+# or the hook refuses to mix two runs in one root (MixedRunError).
+hook = CheckpointHook(sys.argv[1], step_interval=1, keep_last=2, async_save=True, overwrite=True)
 
 
 def report(ctx, stage):

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
         ChecksumMismatchError,
         FastCkptError,
         InvalidInputError,
+        MixedRunError,
         UntrustedTargetError,
     )
     from fastckpt.files import load_file, read_metadata, save_file
@@ -59,6 +60,7 @@ _NAMES = {
         "ChecksumMismatchError",
         "FastCkptError",
         "InvalidInputError",
+        "MixedRunError",
         "UntrustedTargetError",
     ),
     "fastckpt.files": ("load_file", "read_metadata", "save_file"),
@@ -174,6 +176,7 @@ __all__ = [
     "InvalidInputError",
     "ItemSpec",
     "LocalFileSystemStorageConfig",
+    "MixedRunError",
     "OptimizerConfig",
     "SafeOpen",
     "SyncCheckpointSaverConfig",

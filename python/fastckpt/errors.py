@@ -24,6 +24,7 @@ __all__ = [
     "ChecksumMismatchError",
     "FastCkptError",
     "InvalidInputError",
+    "MixedRunError",
     "UntrustedTargetError",
 ]
 
@@ -60,6 +61,16 @@ class InvalidInputError(FastCkptError, TypeError, ValueError):
 
 class CheckpointMismatchError(FastCkptError, ValueError):
     """A load target disagrees with the checkpoint (dtype or shape), named by key path."""
+
+
+class MixedRunError(FastCkptError, ValueError):
+    """A training run would save into a root whose newest committed checkpoint is further
+    along (more steps) than the run: most likely the script was started again instead of
+    resumed, and its checkpoints would interleave with the earlier run's.
+
+    The message names the root, both step counts and the fixes: resume
+    (``TrainingStrategy.load_checkpoint``), another root, or ``overwrite=True``.
+    """
 
 
 class UntrustedTargetError(FastCkptError):

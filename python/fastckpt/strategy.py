@@ -38,6 +38,7 @@ from fastckpt.hooks.context import (
     TrainContext,
     TrainingStage,
 )
+from fastckpt.hooks.rebuild import CONFIGS_FIELD, parse_hook_configs, rebuild_hooks, record_hooks
 from fastckpt.store.dispatch import use_storage_options
 from fastckpt.store.records import MANIFEST, Manifest
 from fastckpt.store.snapshot import read_consistently
@@ -464,7 +465,10 @@ class TrainingStrategy:
                     {"class": cls_path, "occurrence": occurrence, "state": hook.state_dict()}
                 )
         skeleton, tensors = tree.flatten(hook_states)
-        snapshot.json_files["hooks.json"] = {"hooks": skeleton}
+        snapshot.json_files["hooks.json"] = {
+            "hooks": skeleton,
+            CONFIGS_FIELD: record_hooks(self.hooks),
+        }
         snapshot.tensor_files["hooks.safetensors"] = tensors
 
     def _scheduler_spec(self, name: str, scheduler: Any) -> specs.BaseSpec | None:
@@ -675,7 +679,11 @@ class TrainingStrategy:
         Args:
             training_fn: always wins; otherwise the recorded dotted path is used (it must be
                 registered or listed in ``trusted``).
-            hooks: runtime hooks; checkpointable ones get their saved state.
+            hooks: the resumed run's hooks (checkpointable ones get their saved state). None
+                (default): the run's recorded ``CheckpointHook``/``EMAHook`` are rebuilt from
+                their configuration, with their state, so that the resumed run keeps
+                checkpointing; a recorded hook that cannot be rebuilt (a function, a class of
+                yours) is named in a warning. ``[]``: no hooks.
             parallelize: for a checkpoint of FSDP2-sharded models, ``fn(model) -> model``
                 applied to each rebuilt model before its optimizer is built (e.g. your
                 ``fully_shard`` calls on the current mesh); the shards are then loaded and
@@ -692,8 +700,11 @@ class TrainingStrategy:
                 checkpoint of unsharded models.
         """
         use_storage_options(root, storage_options, "TrainingStrategy.load_checkpoint")
-        _, index, _, recipe = _read_index(root, checkpoint_index, recipe_required=False)
+        _, index, reader, recipe = _read_index(root, checkpoint_index, recipe_required=False)
         if recipe.get("sharded") is not None:
+            if hooks is None:
+                where = f"{reader.directory}/hooks.json"
+                hooks = rebuild_hooks(parse_hook_configs(reader.json("hooks.json"), where), where)
             return cls._load_sharded(
                 Path(root),
                 index,
@@ -723,6 +734,27 @@ class TrainingStrategy:
         )
         assert strategy is not None  # require_training_fn=True raises instead
         return strategy
+
+    @classmethod
+    def resume_or_start(
+        cls,
+        root: str | Path,
+        start: Callable[[], TrainingStrategy],
+        **load: Any,
+    ) -> TrainingStrategy:
+        """The one call of a restartable training script: the strategy resumed from
+        ``root``'s newest committed index (:meth:`load_checkpoint` with ``load``'s keyword
+        arguments; its recorded hooks rebuilt unless ``hooks=`` is given) when there is one,
+        else ``start()``, your fresh strategy (whose ``CheckpointHook`` saves into ``root``).
+
+        Raises:
+            CheckpointFormatError / ChecksumMismatchError: ``root``'s manifest is damaged
+                (never taken for "no checkpoint": a fresh start would bury the old run).
+        """
+        use_storage_options(root, load.pop("storage_options", None), "resume_or_start")
+        if Manifest.load(root).latest is None:
+            return start()
+        return cls.load_checkpoint(root, **load)
 
     @classmethod
     def _load_sharded(
@@ -814,6 +846,8 @@ class TrainingStrategy:
             with _malformed(where, f"optimizer_configs.{name}"):
                 configs[name] = OptimizerConfig.from_json(data)
         runtime = _parse_runtime(reader, recipe)
+        if hooks is None:
+            hooks = rebuild_hooks(runtime.hook_configs, f"{reader.directory}/hooks.json")
         live_models = {name: record["model"] for name, record in models.items()}
         strategy = cls.__new__(cls)
         TrainingStrategy.__init__(
@@ -821,7 +855,7 @@ class TrainingStrategy:
             live_models,
             None,
             fn,
-            hooks or (),
+            hooks,
             limits["num_steps"],
             limits["num_epochs"],
             map_location,
@@ -930,6 +964,8 @@ class _Runtime:
     epoch_start_rng: torch.Tensor | None
     schedulers: dict[str, Any]
     hooks: list[dict[str, Any]]
+    #: the run's hooks as recorded (see fastckpt.hooks.rebuild)
+    hook_configs: list[dict[str, Any]]
 
 
 def _check_rng_state(state: Any) -> None:
@@ -1009,7 +1045,8 @@ def _parse_runtime(reader: codec.IndexReader, recipe: Mapping[str, Any]) -> _Run
                 f"{hooks_where}: field 'hooks[{i}]' must be an object with 'class' (a string), "
                 f"'occurrence' (an integer >= 0) and 'state'"
             )
-    return _Runtime(parsed, runtime["rng"], epoch_start_rng, schedulers, saved)
+    configs = parse_hook_configs(hooks_doc, hooks_where)
+    return _Runtime(parsed, runtime["rng"], epoch_start_rng, schedulers, saved, configs)
 
 
 def _restore_hook_states(hooks: Sequence[Any], saved: Any, where: str = "hooks.json") -> None:

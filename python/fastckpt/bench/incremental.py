@@ -115,7 +115,9 @@ def _fastckpt_saver(root: Path, inc: bool) -> Callable[[Tuned, Any, int], tuple[
             incremental=inc,
         )
         seconds = time.perf_counter() - start
-        written = path_bytes(root / str(index))
+        # What the save wrote (list_checkpoints' size: its files hard-linked from an earlier
+        # index are not written again).
+        (written,) = [r["size"] for r in fastckpt.list_checkpoints(root) if r["index"] == index]
         fastckpt.prune(root, keep_last=2)
         return seconds, written
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.components import Snapshot, plan_incremental, write_snapshot
+from fastckpt.errors import FastCkptError, MixedRunError
 from fastckpt.hooks.context import TrainContext, TrainingStage
 from fastckpt.staging import (
     BackgroundWriter,
@@ -31,6 +32,7 @@ from fastckpt.staging import (
 )
 from fastckpt.store.commit import prune_indices
 from fastckpt.store.dispatch import display_path, use_storage_options
+from fastckpt.store.records import Manifest
 
 __all__ = ["CheckpointHook"]
 
@@ -91,8 +93,15 @@ class CheckpointHook:
         incremental: bool = True,
         storage_options: Mapping[str, Any] | None = None,
         lock_timeout: float | None = None,
+        overwrite: bool = False,
     ) -> None:
         """Validate the policy; the background writer starts when the hook is entered.
+
+        ``overwrite``: save even when ``checkpoint_dir``'s newest committed checkpoint is
+        further along than the run (a run restarted from step 0, or resumed from an earlier
+        index on purpose); by default training then stops before its first step with
+        :class:`~fastckpt.errors.MixedRunError`, so two runs never interleave in one root
+        unnoticed. The new checkpoints get the next indices either way (nothing is deleted).
 
         ``storage_options``: object-store client options for an ``s3://`` checkpoint_dir
         (endpoint_url, region, access_key_id, ... as for :func:`fastckpt.configure_storage`),
@@ -125,6 +134,9 @@ class CheckpointHook:
         if not isinstance(save_last, bool):
             raise TypeError(f"CheckpointHook save_last must be a bool, got {save_last!r}")
         self.save_last = save_last
+        if not isinstance(overwrite, bool):
+            raise TypeError(f"CheckpointHook overwrite must be a bool, got {overwrite!r}")
+        self.overwrite = overwrite
         self.incremental = bool(incremental)
         self.last_checkpoint_index: int | None = None
         # The step count of the last save and of the run's start (for save_last).
@@ -196,6 +208,24 @@ class CheckpointHook:
         with self._writer.guard():
             yield
 
+    def hook_config(self) -> dict[str, Any]:
+        """How this hook was configured (JSON values): what a strategy checkpoint records so
+        that ``TrainingStrategy.load_checkpoint`` can rebuild it (see
+        :mod:`fastckpt.hooks.rebuild`). ``storage_options`` are not recorded (they may hold
+        credentials): a rebuilt hook uses what ``configure_storage`` or the environment give."""
+        return {
+            "checkpoint_dir": os.fspath(self.checkpoint_dir),
+            "step_interval": self.step_interval,
+            "epoch_interval": self.epoch_interval,
+            "async_save": self.async_save,
+            "rank_zero_only": self.rank_zero_only,
+            "keep_last": self.keep_last,
+            "wait_timeout_secs": self._writer.wait_timeout,
+            "save_last": self.save_last,
+            "incremental": self.incremental,
+            "lock_timeout": self.lock_timeout,
+        }
+
     # ------------------------------------------------------------------ policy
 
     def _should_save(self, ctx: TrainContext, stage: TrainingStage) -> bool:
@@ -220,6 +250,8 @@ class CheckpointHook:
         pays for fresh memory (see :meth:`prewarm_staging`).
         """
         if stage is TrainingStage.BEFORE_TRAINING:
+            if not self.overwrite:
+                self._refuse_a_mixed_run(ctx)
             self._start_step = ctx.step_count
             self._prewarm_pending = True
             self._prewarm(ctx)
@@ -228,6 +260,29 @@ class CheckpointHook:
             self._prewarm(ctx)
         if self._should_save(ctx, stage):
             self.save(ctx)
+
+    def _refuse_a_mixed_run(self, ctx: TrainContext) -> None:
+        """Raise :class:`MixedRunError` when the root's newest committed index is at a later
+        step than the run starts at (every rank checks, so that none trains on alone)."""
+        try:
+            manifest = Manifest.load(self.checkpoint_dir)
+        except (OSError, FastCkptError):
+            return  # unreadable: the first save reports it, with its own error
+        latest = manifest.latest
+        if latest is None:
+            return
+        saved = manifest.entries[latest].get("counters", {}).get("step_count")
+        if not isinstance(saved, int) or isinstance(saved, bool) or saved <= ctx.step_count:
+            return
+        root = display_path(self.checkpoint_dir)
+        raise MixedRunError(
+            f"{root}: its newest checkpoint (index {latest}) is at step {saved}, but this run "
+            f"starts at step {ctx.step_count}; its saves would interleave with that run's. "
+            f"Resume it (TrainingStrategy.load_checkpoint({root!r}, ...)), give the "
+            "CheckpointHook another checkpoint_dir, or pass CheckpointHook(..., "
+            "overwrite=True) to save there anyway (e.g. resuming from an earlier index on "
+            "purpose)"
+        )
 
     def _prewarm(self, ctx: TrainContext) -> None:
         sharded = bool(getattr(ctx.workflow, "sharded", False))

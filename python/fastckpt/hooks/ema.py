@@ -93,6 +93,11 @@ class EMAHook:
         for name, param in model.named_parameters():
             param.copy_(self.shadow[name])
 
+    def hook_config(self) -> dict[str, Any]:
+        """How this hook was configured (what a strategy checkpoint records to rebuild it,
+        see :mod:`fastckpt.hooks.rebuild`)."""
+        return {"model_key": self.model_key, "decay": self.decay, "update_every": self.update_every}
+
     def state_dict(self) -> dict[str, Any]:
         """The averaged weights and the configuration they were made with."""
         return {

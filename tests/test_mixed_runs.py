@@ -1,0 +1,75 @@
+"""A training script started again (instead of resumed) into a root holding a later run's
+checkpoints is refused before its first step, with the fixes named; resuming, a new root, or
+``overwrite=True`` go on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import fastckpt
+import training_support as support
+
+
+def _indices(root: Path) -> list[int]:
+    return [row["index"] for row in fastckpt.list_checkpoints(root)]
+
+
+def _first_run(root: Path) -> None:
+    hook = fastckpt.CheckpointHook(root, step_interval=2, async_save=False)
+    support.new_strategy([hook], num_steps=6).run(support.loader())
+    assert _indices(root) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_restarted_run_is_refused_before_its_first_step(tmp_path: Path, async_save: bool) -> None:
+    _first_run(tmp_path)
+    hook = fastckpt.CheckpointHook(tmp_path, step_interval=2, async_save=async_save)
+    again = support.new_strategy([hook], num_steps=6)
+    with pytest.raises(fastckpt.MixedRunError) as caught:
+        again.run(support.loader())
+    message = str(caught.value)
+    assert str(tmp_path) in message and "index 2 is at step 6" in message.replace(")", "")
+    assert "starts at step 0" in message and "load_checkpoint" in message
+    assert "overwrite=True" in message
+    assert again.step_count == 0 and _indices(tmp_path) == [0, 1, 2]  # nothing trained or saved
+
+
+def test_resuming_the_newest_index_goes_on(tmp_path: Path) -> None:
+    _first_run(tmp_path)
+    hook = fastckpt.CheckpointHook(tmp_path, step_interval=2, async_save=False)
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(
+        tmp_path, hooks=[hook], training_fn=support.training_fn
+    )
+    resumed.num_steps = 10
+    resumed.run(support.loader())
+    assert resumed.step_count == 10 and _indices(tmp_path) == [0, 1, 2, 3, 4]
+
+
+def test_resuming_an_earlier_index_needs_overwrite(tmp_path: Path) -> None:
+    _first_run(tmp_path)
+
+    def resume(hook: fastckpt.CheckpointHook) -> fastckpt.TrainingStrategy:
+        strategy = fastckpt.TrainingStrategy.load_checkpoint(
+            tmp_path, 0, hooks=[hook], training_fn=support.training_fn
+        )
+        strategy.num_steps = 4
+        return strategy
+
+    refused = resume(fastckpt.CheckpointHook(tmp_path, step_interval=2, async_save=False))
+    with pytest.raises(fastckpt.MixedRunError, match="starts at step 2"):
+        refused.run(support.loader())
+    allowed = resume(
+        fastckpt.CheckpointHook(tmp_path, step_interval=2, async_save=False, overwrite=True)
+    )
+    allowed.run(support.loader())
+    assert _indices(tmp_path) == [0, 1, 2, 3]  # the rolled-back run's step 4, after the rest
+    assert fastckpt.list_checkpoints(tmp_path)[-1]["counters"]["step_count"] == 4
+
+
+def test_a_new_root_and_a_bad_overwrite_value(tmp_path: Path) -> None:
+    _first_run(tmp_path / "a")
+    _first_run(tmp_path / "b")  # a fresh root: no refusal
+    with pytest.raises(TypeError, match="overwrite must be a bool"):
+        fastckpt.CheckpointHook(tmp_path, step_interval=2, overwrite="yes")  # type: ignore[arg-type]

@@ -1,0 +1,132 @@
+"""A resumed strategy keeps checkpointing: ``TrainingStrategy.load_checkpoint`` without
+``hooks=`` rebuilds the run's recorded ``CheckpointHook`` and ``EMAHook`` (with their state),
+warns about hooks it cannot rebuild, and ``hooks=`` replaces them; ``resume_or_start`` is the
+one call of a restartable script."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fastckpt
+import training_support as support
+from fastckpt.hooks import rebuild
+
+
+def log_losses(ctx: fastckpt.TrainContext, stage: fastckpt.TrainingStage) -> None:
+    """A plain function hook (nothing fastckpt can rebuild)."""
+
+
+def _train(root: Path, steps: int = 4, *, extra: list[Any] | None = None) -> tuple[Any, Any]:
+    hook = fastckpt.CheckpointHook(root, step_interval=2, keep_last=3, lock_timeout=30.0)
+    ema = fastckpt.EMAHook(decay=0.9)
+    strategy = support.new_strategy([hook, ema, *(extra or [])], num_steps=steps)
+    strategy.run(support.loader())
+    return strategy, ema
+
+
+def _resume(root: Path, **kwargs: Any) -> fastckpt.TrainingStrategy:
+    return fastckpt.TrainingStrategy.load_checkpoint(
+        root, training_fn=support.training_fn, **kwargs
+    )
+
+
+def test_the_recorded_hooks_are_rebuilt_with_their_state_and_keep_checkpointing(
+    tmp_path: Path,
+) -> None:
+    _, ema = _train(tmp_path, extra=[log_losses])
+    with pytest.warns(UserWarning, match=r"hook tests?\.?.*log_losses.*cannot rebuild"):
+        resumed = _resume(tmp_path)
+    hook, rebuilt_ema = resumed.hooks
+    assert isinstance(hook, fastckpt.CheckpointHook) and isinstance(rebuilt_ema, fastckpt.EMAHook)
+    assert hook.checkpoint_dir == tmp_path and hook.step_interval == 2
+    assert (hook.keep_last, hook.async_save, hook.lock_timeout) == (3, True, 30.0)
+    assert (rebuilt_ema.decay, rebuilt_ema.num_updates) == (0.9, ema.num_updates)
+    for name, tensor in ema.shadow.items():
+        assert torch.equal(rebuilt_ema.shadow[name], tensor), name
+    resumed.num_steps = 8
+    resumed.run(support.loader())
+    rows = fastckpt.list_checkpoints(tmp_path)
+    assert [row["counters"]["step_count"] for row in rows] == [4, 6, 8]  # keep_last=3
+
+
+def test_hooks_given_replace_the_recorded_ones_and_an_empty_list_means_none(
+    tmp_path: Path,
+) -> None:
+    _train(tmp_path, extra=[log_losses])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _resume(tmp_path, hooks=[]).hooks == []
+        mine = fastckpt.EMAHook(decay=0.9)
+        assert _resume(tmp_path, hooks=[log_losses, mine]).hooks == [log_losses, mine]
+    # The caller chose the hooks: nothing about rebuilding; only that hooks=[] drops the
+    # recorded EMA state (as before).
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "cannot rebuild" in m], messages
+    assert len([m for m in messages if "EMAHook (occurrence 0)" in m]) == 1, messages
+    assert mine.num_updates == 4  # the state went into the hook given
+
+
+def test_a_checkpoint_without_recorded_hooks_resumes_without_hooks_or_warnings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What earlier versions wrote (no ``configs`` in hooks.json) loads as before."""
+    monkeypatch.setattr(fastckpt.strategy, "record_hooks", lambda hooks: [])
+    _train(tmp_path)
+    monkeypatch.undo()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = _resume(tmp_path)
+    assert resumed.hooks == []
+    assert not [w for w in caught if "cannot rebuild" in str(w.message)]
+
+
+def test_a_recorded_configuration_the_hook_refuses_is_a_typed_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad = [{"class": "fastckpt.hooks.checkpoint.CheckpointHook", "config": {"step_interval": 2}}]
+    monkeypatch.setattr(fastckpt.strategy, "record_hooks", lambda hooks: bad)
+    _train(tmp_path)
+    with pytest.raises(fastckpt.CheckpointFormatError, match=r"hooks\.json: field 'configs\[0\]"):
+        _resume(tmp_path)
+    # Only fastckpt's own classes are ever built: a name the checkpoint gives is not imported.
+    other = [{"class": "os.system", "config": {"command": "false"}}]
+    monkeypatch.setattr(fastckpt.strategy, "record_hooks", lambda hooks: other)
+    _train(tmp_path / "other")
+    with pytest.warns(UserWarning, match="os.system, which fastckpt cannot rebuild"):
+        assert _resume(tmp_path / "other").hooks == []
+    assert set(rebuild.REBUILDABLE) == {
+        "fastckpt.hooks.checkpoint.CheckpointHook",
+        "fastckpt.hooks.ema.EMAHook",
+    }
+
+
+def test_resume_or_start_starts_fresh_then_resumes(tmp_path: Path) -> None:
+    started: list[int] = []
+
+    def start() -> fastckpt.TrainingStrategy:
+        started.append(1)
+        hook = fastckpt.CheckpointHook(tmp_path, step_interval=2, async_save=False)
+        return support.new_strategy([hook], num_steps=4)
+
+    first = fastckpt.TrainingStrategy.resume_or_start(
+        tmp_path, start, training_fn=support.training_fn
+    )
+    assert started == [1] and first.step_count == 0
+    first.run(support.loader())
+    second = fastckpt.TrainingStrategy.resume_or_start(
+        tmp_path, start, training_fn=support.training_fn
+    )
+    assert started == [1] and second.step_count == 4
+    assert isinstance(second.hooks[0], fastckpt.CheckpointHook)  # the recorded hook, rebuilt
+
+
+def test_resume_or_start_refuses_a_damaged_manifest(tmp_path: Path) -> None:
+    _train(tmp_path)
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(fastckpt.CheckpointFormatError):
+        fastckpt.TrainingStrategy.resume_or_start(tmp_path, lambda: pytest.fail("started"))
