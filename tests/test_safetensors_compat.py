@@ -242,3 +242,36 @@ def test_differences_by_design(tmp_path: Path) -> None:
     # Every file safetensors reads back is the same data (readers ignore the checksum keys).
     theirs = safetensors.torch.load_file(str(path))
     assert all(torch.equal(theirs[k], aliased[k]) for k in aliased)
+
+
+def test_safe_open_takes_the_calls_safetensors_code_makes(tmp_path: Path) -> None:
+    """The gaps safetensors' own torch tests found (issue 25): ``backend=``, ``get_tensors()``,
+    ``metadata()`` of a file saved without metadata, an empty-list index, and the error a
+    closed handle raises; each compared with safetensors on the same file."""
+    plain = tmp_path / "plain.safetensors"
+    tensors = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.arange(3, dtype=torch.int64)}
+    safetensors.torch.save_file(tensors, str(plain))  # no metadata
+    ours_file = tmp_path / "ours.safetensors"
+    fastckpt.save_file(tensors, ours_file)  # only fastckpt's own checksum entries
+    for backend in ("mmap", "pread"):
+        with (
+            safe_open(str(plain), "pt", backend=backend) as theirs,
+            fastckpt.safe_open(plain, "pt", backend=backend) as ours,
+        ):
+            assert ours.metadata() is None and theirs.metadata() is None
+            got, expected = ours.get_tensors(), theirs.get_tensors()
+            assert list(got) == list(expected) == ours.offset_keys()
+            assert all(torch.equal(got[k], expected[k]) for k in expected)
+            assert ours.get_slice("w")[[]].shape == theirs.get_slice("w")[[]].shape
+            for key in ([], (slice(None), []), (1, [])):  # as torch selects them
+                assert ours.get_slice("w")[key].shape == tensors["w"][key].shape, key
+    with fastckpt.safe_open(ours_file) as ours:
+        assert ours.metadata() is None  # fastckpt's checksum entries are not metadata
+    with pytest.raises(InvalidInputError, match="backend 'gds' is not supported"):
+        fastckpt.safe_open(plain, backend="gds")
+    handle = fastckpt.safe_open(plain)
+    handle.close()
+    with pytest.raises(SafetensorError, match="closed") as caught:
+        handle.keys()
+    assert isinstance(caught.value, fastckpt.FastCkptError)
+    assert isinstance(caught.value, ValueError)  # what fastckpt raised before, still caught

@@ -49,17 +49,23 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from fastckpt import _native
-from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError, InvalidInputError
-from fastckpt.files import dtype_from_name, torch_shape
+from fastckpt.errors import (
+    CheckpointFormatError,
+    ChecksumMismatchError,
+    FastCkptError,
+    InvalidInputError,
+)
+from fastckpt.files import BACKENDS, dtype_from_name, torch_shape
 from fastckpt.store.links import is_linked_file, referenced_sources
 from fastckpt.store.locate import locate
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import Manifest, read_commit_record
 from fastckpt.store.refs import REFS_FILE, index_references, source_path
 
-__all__ = ["SafeOpen", "TensorSlice", "safe_open"]
+__all__ = ["HandleClosedError", "SafeOpen", "TensorSlice", "safe_open"]
 
 SUFFIX = ".safetensors"
 #: Largest single read; also bounds the extra memory of a verified read (one chunk).
@@ -321,6 +327,10 @@ def _normalize(key: Any, shape: Sequence[int], where: str) -> list[_Dim]:
     items += [slice(None)] * (len(shape) - len(items))
     dims = []
     for axis, (item, size) in enumerate(zip(items, shape, strict=True)):
+        if isinstance(item, list) and not item:
+            # An empty list selects nothing along its dimension, as in torch and safetensors.
+            dims.append(_Dim(0, 1, 0, True))
+            continue
         if isinstance(item, (bool, np.bool_)) or not isinstance(item, (int, np.integer, slice)):
             raise InvalidInputError(
                 f"{where}: dimension {axis}: index {item!r} is not supported; use integers, "
@@ -435,6 +445,11 @@ def _with(dims: list[_Dim], axis: int, dim: _Dim) -> list[_Dim]:
 # --------------------------------------------------------------------------- the handle
 
 
+class HandleClosedError(FastCkptError, SafetensorError, ValueError):
+    """A closed :class:`SafeOpen` handle was used. A ``safetensors.SafetensorError`` too (what
+    safetensors raises for a closed handle), so code written for safetensors catches it."""
+
+
 class TensorSlice:
     """A tensor not read yet; index it (``[...]``, ints, slices) to read part of it.
 
@@ -528,12 +543,13 @@ class SafeOpen:
         return list(self._entries)
 
     def metadata(self) -> dict[str, str] | None:
-        """The file's ``__metadata__`` without fastckpt's checksum entry; None when the handle
-        spans several files."""
+        """The file's ``__metadata__`` without fastckpt's checksum entries; None when it has
+        none (as safetensors says of a file saved without metadata) or when the handle spans
+        several files."""
         self._check_open()
         if len(self._files) != 1:
             return None
-        return dict(self._files[0].header["metadata"])
+        return dict(self._files[0].header["metadata"]) or None
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """Read one whole tensor; its crc32c is verified (when the file has one and
@@ -545,6 +561,11 @@ class SafeOpen:
         """
         entry = self._entry(name)
         return self._to_device(self._read_whole(name, entry))
+
+    def get_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor, ``{name: tensor}`` in file order (:meth:`get_tensor` of each of
+        :meth:`offset_keys`, each verified as it is read)."""
+        return {name: self.get_tensor(name) for name in self.offset_keys()}
 
     def get_slice(self, name: str) -> TensorSlice:
         """A lazy view of tensor ``name``: ``get_shape()``, ``get_dtype()``, ``[...]``."""
@@ -587,7 +608,7 @@ class SafeOpen:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(f"{self.where}: this safe_open handle is closed")
+            raise HandleClosedError(f"{self.where}: this safe_open handle is closed")
 
     def _entry(self, name: str) -> _Entry:
         self._check_open()
@@ -684,6 +705,7 @@ def safe_open(
     part: str | None = None,
     verify: bool = True,
     verify_slices: bool = False,
+    backend: str = "mmap",
 ) -> SafeOpen:
     """Open a safetensors file or a fastckpt checkpoint for lazy reads of single tensors.
 
@@ -705,6 +727,10 @@ def safe_open(
             (a manager item); its tensors then keep their plain names.
         verify: check each whole tensor's crc32c when it is read.
         verify_slices: also verify partial slices, by reading their whole tensor.
+        backend: ``"mmap"`` (default) or ``"pread"``, as safetensors takes them. The handle
+            reads each tensor's bytes with positional reads into fresh memory either way (a
+            mapping could change under a verified tensor), so both give the same tensors;
+            another value is refused.
 
     Returns:
         A :class:`SafeOpen` handle (a context manager; close it to release the files).
@@ -717,8 +743,14 @@ def safe_open(
             the commit record.
         ChecksumMismatchError: a damaged manifest (for roots).
         KeyError: an index or part that the checkpoint does not have.
-        ValueError: an unsupported framework, or index/part given for a single file.
+        ValueError: an unsupported framework or backend, or index/part given for a single
+            file.
     """
+    if backend not in BACKENDS:
+        raise InvalidInputError(
+            f"backend {backend!r} is not supported: use one of {', '.join(BACKENDS)} (fastckpt "
+            "reads with positional reads for both)"
+        )
     if framework not in _FRAMEWORKS:
         raise ValueError(
             f"framework {framework!r} is not supported: fastckpt.safe_open returns torch "
