@@ -448,3 +448,15 @@ def test_load_state_full_tensors_and_typed_mismatches(saved: tuple[Path, list[fl
     )
     assert kept == {"nope": "as is", "extra": {"step": 2, "tag": "run-1"}}
     assert fastckpt.dcp.contains_dtensors({"a": [1, {"b": torch.ones(1)}]}) is False
+
+
+def test_dcp_stream_transforms_are_refused_naming_the_alternative(tmp_path: Path) -> None:
+    """DCP's ``_extensions`` (ZStandard compression...) are refused at construction, typed and
+    named, instead of an unexpected-keyword ``TypeError``; nothing is written."""
+    extension = pytest.importorskip("torch.distributed.checkpoint._extension")
+    # Made without its constructor, which needs the optional zstandard package.
+    zstd = object.__new__(extension.ZStandard)
+    with pytest.raises(ValueError, match=r"ZStandard.*FileSystemWriter\(path, _extensions"):
+        fastckpt.dcp.Writer(tmp_path / "c", _extensions=[zstd])
+    assert not (tmp_path / "c").exists()
+    fastckpt.dcp.Writer(tmp_path / "c", _extensions=[])  # none given: the plain writer

@@ -70,6 +70,10 @@ class Writer(StorageWriter, DcpStager):
         block_bytes: chunks larger than this also get one crc32c per block of this size, so a
             resharding load can verify partial reads.
         stager_options: how ``dcp.async_save`` stages CUDA tensors.
+        _extensions: DCP's stream transforms (``FileSystemWriter(_extensions=[ZStandard()])``)
+            are refused when given (``ValueError`` naming the alternative): fastckpt stores
+            each chunk as is, with a crc32c per block, so that a resharding load reads and
+            verifies only its byte ranges; a compressed stream could not be read in ranges.
     """
 
     def __init__(
@@ -81,8 +85,18 @@ class Writer(StorageWriter, DcpStager):
         fsync: bool = True,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         stager_options: StagerOptions | None = None,
+        _extensions: Sequence[Any] | None = None,
     ) -> None:
         """Point the writer at ``path``; nothing is written until a save."""
+        if _extensions:
+            names = ", ".join(type(extension).__name__ for extension in _extensions)
+            raise ValueError(
+                f"fastckpt.dcp.Writer does not apply DCP stream transforms ({names}): it "
+                "stores chunks as they are, with a crc32c per block, so resharded loads read "
+                "and verify only their byte ranges. For compressed sharded checkpoints use "
+                "torch.distributed.checkpoint.FileSystemWriter(path, _extensions=[...]) (and "
+                "its FileSystemReader to load them)"
+            )
         StorageWriter.__init__(self)
         DcpStager.__init__(self, stager_options)
         if block_bytes <= 0:
