@@ -9,6 +9,7 @@
 #   make test-lowest  the focused suite in .venv-min: pyproject.toml's lower bounds, pinned
 #   make lint    cargo fmt --check, clippy -D warnings, ruff check/format, mypy
 #   make bench   setup, then the benchmark harness (see BENCH_ARGS)
+#   make bench-s3  setup, the Rust S3 server (built once), then the object-storage scenario
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -36,10 +37,10 @@ VENV_LOWEST ?= .venv-min
 PY_LOWEST := $(VENV_LOWEST)/bin/python
 LOWEST_TESTS := tests/test_files.py tests/test_checkpoint.py tests/test_manager.py \
 	tests/test_strategy.py tests/test_staging.py tests/test_dcp.py tests/test_sharded_strategy.py
-BENCH_ARGS ?= --size-gib 1.5 --repeats 3 --out benches/results
+BENCH_ARGS ?= --size-gib 1.5 --repeats 3 --drop-caches --out benches/results
 
 .PHONY: setup demo wheel test lint bench cargo-test cargo-test-aarch64 aarch64-tools pytest \
-	test-lowest clean s3-server
+	test-lowest clean s3-server bench-s3
 
 setup: $(VENV)/.fastckpt-built
 
@@ -136,8 +137,13 @@ test-lowest: wheel $(VENV_LOWEST)/.deps-installed
 
 test: setup wheel cargo-test cargo-test-aarch64 lint pytest test-lowest
 
-bench: setup s3-server
+bench: setup
 	$(PY) -m fastckpt.bench $(BENCH_ARGS)
+
+# The object-storage scenario, against the Rust S3 server (built once) or moto.
+BENCH_S3_ARGS ?= --size-mib 1024 --out benches/results
+bench-s3: setup s3-server
+	$(PY) -m fastckpt.bench s3 $(BENCH_S3_ARGS)
 
 # The Rust S3 server the object-storage benchmark prefers to moto (fastckpt.bench.s3
 # --server auto): built once into .tools/ (ignored by git), for `make bench` only; without

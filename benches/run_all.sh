@@ -7,5 +7,5 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 [[ -x "$PY" ]] || PY=python3
 for size in 1.5 4; do
-    "$PY" -m fastckpt.bench --size-gib "$size" --repeats 3 --out benches/results "$@"
+    "$PY" -m fastckpt.bench --size-gib "$size" --repeats 3 --drop-caches --out benches/results "$@"
 done

@@ -21,7 +21,7 @@ from fastckpt.bench.readers import READERS
 from fastckpt.bench.training import SCENARIOS
 from fastckpt.bench.writers import WRITERS, ceiling_block
 
-TINY = ["--size-gib", "0.004", "--repeats", "1", "--warm"]
+TINY = ["--size-gib", "0.004", "--repeats", "1"]
 TINY_TRAINING = ["--train-steps", "4", "--train-every", "2", "--train-hidden", "32"]
 TINY_TRAINING += ["--train-layers", "1", "--train-batch", "4"]
 
@@ -98,7 +98,7 @@ def test_every_reader_ran_and_verified(full_run: tuple[dict[str, Any], Path, str
         assert set(entry) >= READER_KEYS, name
         assert entry["status"] == "ok", (name, entry)
         assert entry["verified"] is True, name
-        assert entry["cache"] == "warm"  # the tests pass --warm
+        assert entry["cache"] == "warm"  # caches are dropped only with --drop-caches
     assert results["cache"]["cold"] is False
 
 
@@ -158,7 +158,11 @@ def test_json_has_versions_environment_and_bar(
 
 
 def test_markdown_png_and_terminal_table(full_run: tuple[dict[str, Any], Path, str]) -> None:
-    _, out, stdout = full_run
+    results, out, stdout = full_run
+    assert stdout.splitlines()[0] == f"writing results to {out}"
+    wide = [line for line in stdout.splitlines() if len(line) > 100]
+    assert not wide, wide  # the terminal report fits 100 columns (ranges stay in the .md)
+    assert "pass --drop-caches" in results["cache"]["reason"]
     markdown = (out / "tiny.md").read_text()
     for heading in ("Durable writes", "Reads", "Training loop", "Bar (docs/performance.md)"):
         assert heading in markdown and heading in stdout
@@ -334,3 +338,20 @@ def test_bar_checks_the_in_run_overhead_of_both_fastckpt_loops_against_dcp() -> 
     results["training"]["scenarios"]["fastckpt-hook"] = scenario(None)
     rows = [r for r in bar.evaluate(results) if r["figure"] == "training-loop overhead (in-run)"]
     assert [r["status"] for r in rows] == ["met", "n/a", "missed"]
+
+
+def test_default_output_is_a_fresh_directory_named_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --out, results go to a new fastckpt-bench-<time> directory of the current
+    directory (never over committed results), named on the first line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benches" / "results").mkdir(parents=True)
+    argv = [*TINY, "--writers", "fastckpt", "--readers", "fastckpt", "--no-plot", "--no-memory"]
+    assert cli.main([*argv, "--no-training", "--dir", str(tmp_path)]) == 0
+    assert cli.main([*argv, "--no-training", "--dir", str(tmp_path)]) == 0
+    first_lines = [line for line in capsys.readouterr().out.splitlines() if "writing" in line]
+    made = sorted(p for p in tmp_path.iterdir() if p.name.startswith("fastckpt-bench-"))
+    assert len(made) == 2 and first_lines == [f"writing results to {p}" for p in made]
+    assert all((p / "state-0.004gib.json").is_file() for p in made)
+    assert list((tmp_path / "benches" / "results").iterdir()) == []

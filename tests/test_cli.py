@@ -502,7 +502,7 @@ def test_bench_forwards_its_arguments(fastckpt_cli: Run) -> None:
 
 
 def test_bench_json_prints_the_result_file(fastckpt_cli: Run, ckpts: Path) -> None:
-    args = ["--size-gib", "0.002", "--repeats", "1", "--warm", "--writers", "fastckpt"]
+    args = ["--size-gib", "0.002", "--repeats", "1", "--writers", "fastckpt"]
     args += ["--readers", "fastckpt", "--no-plot", "--no-memory", "--no-training"]
     args += ["--out", str(ckpts / "bench-out"), "--dir", str(ckpts)]
     status, out, err = fastckpt_cli("bench", "--json", *args)

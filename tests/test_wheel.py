@@ -484,7 +484,7 @@ def test_bench_without_matplotlib_exits_zero(clean_venv: Path) -> None:
     out = clean_venv.parent / "bench-out"
     result = subprocess.run(
         [str(clean_venv / "bin" / "fastckpt"), "bench", "--size-gib", "0.001", "--repeats",
-         "1", "--no-memory", "--no-training", "--warm", "--writers", "fastckpt",
+         "1", "--no-memory", "--no-training", "--writers", "fastckpt",
          "--readers", "fastckpt", "--out", str(out)],
         cwd=clean_venv.parent, env=env, capture_output=True, text=True,
     )  # fmt: skip

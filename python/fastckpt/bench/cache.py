@@ -44,7 +44,7 @@ class CacheControl:
     def probe(cls, enabled: bool = True) -> CacheControl:
         """Try one drop and report whether cold-cache reads are possible."""
         if not enabled:
-            return cls(cold=False, reason="disabled by --warm")
+            return cls(cold=False, reason="page cache not dropped: pass --drop-caches (as root)")
         if not sys.platform.startswith("linux"):
             return cls(cold=False, reason=f"cannot drop caches on {sys.platform}")
         control = cls(cold=True, cached_before_kib=meminfo_kib("Cached"))

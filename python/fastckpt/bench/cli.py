@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,14 +62,21 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated subset of {','.join(READERS)} (default all)",
     )
     parser.add_argument(
-        "--out", type=Path, default=Path("benches/results"), help="output dir (benches/results)"
+        "--out",
+        type=Path,
+        default=None,
+        help="output dir (default: a fresh fastckpt-bench-<time> directory in the current "
+        "directory, named on the first line; `make bench` writes benches/results)",
     )
     parser.add_argument("--tag", default=None, help="output file stem (default state-<size>gib)")
     parser.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
     parser.add_argument("--no-training", action="store_true", help="skip the training loop")
     parser.add_argument(
-        "--warm", action="store_true", help="do not drop caches before reads even if allowed"
+        "--drop-caches",
+        action="store_true",
+        help="drop the system-wide page cache before each timed read, for cold reads (needs "
+        "root; slows everything else on the machine); default: reads are labelled warm",
     )
     defaults = TrainingConfig()
     group = parser.add_argument_group("training loop")
@@ -77,6 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--train-layers", type=int, default=defaults.layers)
     group.add_argument("--train-batch", type=int, default=defaults.batch)
     return parser
+
+
+def fresh_output_dir(parent: Path | None = None) -> Path:
+    """A new ``fastckpt-bench-<UTC time>[-<n>]`` directory under ``parent`` (default: the
+    current directory): a run never overwrites results, committed ones included."""
+    parent = Path.cwd() if parent is None else parent
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    for n in range(1000):
+        candidate = parent / (f"fastckpt-bench-{stamp}" + (f"-{n}" if n else ""))
+        try:
+            candidate.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        return candidate
+    raise FileExistsError(f"{parent}: no free fastckpt-bench-{stamp}-<n> name")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.size_gib <= 0 or args.repeats < 1:
         print("--size-gib must be > 0 and --repeats >= 1", file=sys.stderr)
         return 2
+    if args.out is None:
+        args.out = fresh_output_dir()
+    print(f"writing results to {args.out}", flush=True)
     config = harness.BenchConfig(
         size_gib=args.size_gib,
         repeats=args.repeats,
@@ -109,12 +136,18 @@ def main(argv: list[str] | None = None) -> int:
             layers=args.train_layers,
             batch=args.train_batch,
         ),
-        cold=not args.warm,
-        log=lambda line: print(line, flush=True),
+        cold=args.drop_caches,
+        log=_print_wrapped,
     )
     results = harness.run(config)
     paths = report.write_outputs(results, config.out, plot=config.plot)
     print()
     print(report.render_text(results))
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    _print_wrapped("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+def _print_wrapped(line: str) -> None:
+    """A progress line, wrapped to the terminal report's width."""
+    for piece in textwrap.wrap(line, report.TEXT_WIDTH, subsequent_indent="  ") or [""]:
+        print(piece, flush=True)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,22 @@ __all__ = [
     "write_outputs",
     "write_png",
 ]
+
+
+#: Columns of the terminal report.
+TEXT_WIDTH = 100
+
+
+#: A cell's ``" (min-max)"`` range (left out of the terminal table when it does not fit).
+_RANGE = re.compile(r" \([^()]*\)$")
+
+
+def _widths(headers: list[str], rows: list[list[str]]) -> list[int]:
+    return [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
+
+
+def _width(headers: list[str], rows: list[list[str]]) -> int:
+    return sum(_widths(headers, rows)) + 2 * (len(headers) - 1)
 
 
 class Table:
@@ -46,15 +64,43 @@ class Table:
                 widths[i] = max(widths[i], len(cell))
         return widths
 
-    def text(self) -> str:
-        """Aligned plain text with a rule under the header."""
-        widths = self._widths()
+    def text(self, width: int = TEXT_WIDTH) -> str:
+        """Aligned plain text with a rule under the header, at most ``width`` columns. A wider
+        table shows medians only (its ``(min-max)`` ranges stay in the markdown report), then
+        leaves out its last columns (named under it), keeping at least three; one still too
+        wide is shown one row per paragraph (``name: header value; ...``, wrapped). Notes are
+        wrapped."""
+        headers, rows = self.headers, self.rows
+        dropped: list[str] = []
+        if _width(headers, rows) > width:
+            rows = [[_RANGE.sub("", cell) for cell in row] for row in rows]
+            while _width(headers, rows) > width and len(headers) > 3:
+                dropped.insert(0, headers[-1])
+                headers, rows = headers[:-1], [row[:-1] for row in rows]
         lines = [self.title]
-        lines.append("  ".join(h.ljust(w) for h, w in zip(self.headers, widths, strict=True)))
-        lines.append("  ".join("-" * w for w in widths))
-        for row in self.rows:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
-        lines.extend(f"note: {note}" for note in self.notes)
+        if _width(headers, rows) <= width:
+            widths = _widths(headers, rows)
+            lines.append("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
+            lines.append("  ".join("-" * w for w in widths))
+            for row in rows:
+                padded = (c.ljust(w) for c, w in zip(row, widths, strict=True))
+                lines.append("  ".join(padded).rstrip())
+            if dropped:
+                lines.append(f"(medians; {', '.join(dropped)} and the ranges: see the .md report)")
+            elif rows != self.rows:
+                lines.append("(medians; the ranges: see the .md report)")
+        else:
+            for name, *cells in self.rows:
+                pairs = [f"{h} {c}" for h, c in zip(self.headers[1:], cells, strict=True) if c]
+                lines += textwrap.wrap(
+                    f"{name}: " + "; ".join(pairs),
+                    width,
+                    initial_indent="  ",
+                    subsequent_indent="      ",
+                    break_on_hyphens=False,
+                )
+        for note in self.notes:
+            lines += textwrap.wrap(f"note: {note}", width, subsequent_indent="  ")
         return "\n".join(lines)
 
     def markdown(self) -> str:
@@ -307,8 +353,11 @@ def _load(env: dict[str, Any], when: str) -> str:
 
 
 def render_text(results: dict[str, Any]) -> str:
-    """The terminal report."""
-    parts = [f"fastckpt benchmark: {results['tag']}", *_preamble(results), ""]
+    """The terminal report, at most :data:`TEXT_WIDTH` columns."""
+    parts = [f"fastckpt benchmark: {results['tag']}"]
+    for line in _preamble(results):
+        parts += textwrap.wrap(line, TEXT_WIDTH, subsequent_indent="  ")
+    parts.append("")
     for table in tables(results):
         parts += [table.text(), ""]
     return "\n".join(parts)

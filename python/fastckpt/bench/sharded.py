@@ -10,7 +10,7 @@ and saved with ``dcp.async_save`` by each backend, side by side in one run:
 Timings are the wall time of the collective call, measured on rank 0 between barriers; the
 async *stall* is how long ``dcp.async_save`` blocks the caller (staging), after one warm-up
 save with the same writer. Loads read from a dropped page cache where the process may drop it
-(root on Linux), and are labelled ``warm`` otherwise.
+(root on Linux) when asked (``--drop-caches``), and are labelled ``warm`` otherwise.
 
 ```bash
 python -m fastckpt.bench.sharded --size-mib 1024 --repeats 3 --out benches/results/sharded-1gib.json
@@ -271,7 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work-dir", type=Path, default=Path.cwd())
-    parser.add_argument("--warm", action="store_true", help="do not drop the page cache")
+    parser.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="drop the system-wide page cache before each load (needs root); default: warm",
+    )
     parser.add_argument(
         "--out", type=Path, help="write the JSON report here (and the table next to it, .md)"
     )
@@ -287,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             world=args.world,
             repeats=args.repeats,
             work_dir=args.work_dir,
-            cold=not args.warm,
+            cold=args.drop_caches,
         )
     )
     print(format_report(report))

@@ -31,6 +31,9 @@ def run_bench(argv: Sequence[str], *, as_json: bool) -> int:
     from fastckpt.bench.harness import default_tag
 
     options = bench_cli.build_parser().parse_args(list(argv))
+    if options.out is None:
+        options.out = bench_cli.fresh_output_dir()
+        argv = [*argv, "--out", str(options.out)]
     with redirect_stdout(sys.stderr):
         status = bench_cli.main(list(argv))
     if status == EXIT_OK:
