@@ -48,18 +48,53 @@ class _Side:
 _NOT_COMPARED = frozenset({"timestamp", "created"})
 
 
+#: The markers of fastckpt's JSON encodings (fastckpt.tree, fastckpt.specs): a tensor's
+#: place (its bytes are compared as tensors), a tuple, a dict with non-string keys, a nested
+#: spec, a non-finite float.
+_TENSOR, _TUPLE, _DICT, _SPEC, _FLOAT = (
+    "__tensor__",
+    "__tuple__",
+    "__dict__",
+    "__spec__",
+    "__float__",
+)
+#: The wrapper field of a CheckpointManager item's document: its values are the item's own.
+_SKELETON = "skeleton"
+
+
 def _flatten_values(prefix: str, value: Any, out: dict[str, Any]) -> None:
-    """``{"a.b[0]": leaf}`` for the plain values of a JSON document."""
+    """``{"a.b.0": leaf}`` for the plain values of a JSON document, at the key paths of the
+    state the user saved: fastckpt's encodings are read back (a tuple is a list, a dict with
+    int keys keeps them, a nested spec is its fields, a non-finite float its text) and tensor
+    places are left out (tensors are compared as tensors)."""
+    join = (lambda key: f"{prefix}.{key}") if prefix else str
+    if isinstance(value, Mapping) and len(value) == 1 and next(iter(value)) in _MARKERS:
+        ((marker, inner),) = value.items()
+        if marker == _TENSOR:
+            return
+        if marker == _FLOAT:
+            out[prefix] = inner
+            return
+        if marker == _DICT and isinstance(inner, list):
+            for pair in inner:
+                if isinstance(pair, list) and len(pair) == 2:
+                    _flatten_values(join(pair[0]), pair[1], out)
+            return
+        _flatten_values(prefix, inner, out)  # a tuple, a spec, a dict of marker-like keys
+        return
     if isinstance(value, Mapping) and value:
         for key, sub in value.items():
             if key in _NOT_COMPARED:
                 continue
-            _flatten_values(f"{prefix}.{key}" if prefix else str(key), sub, out)
+            _flatten_values(join(key), sub, out)
     elif isinstance(value, list) and value:
         for i, sub in enumerate(value):
-            _flatten_values(f"{prefix}[{i}]", sub, out)
+            _flatten_values(join(i), sub, out)
     else:
         out[prefix] = value
+
+
+_MARKERS = frozenset({_TENSOR, _TUPLE, _DICT, _SPEC, _FLOAT})
 
 
 def _header(path: Path) -> dict[str, Any]:
@@ -73,8 +108,12 @@ def _json_values(
     for relpath in relpaths:
         if relpath.endswith(".json") and relpath != COMMIT_RECORD:
             document = read_document(safe_join(directory, relpath, within=within))
-            _flatten_values(f"{relpath.removeprefix(generation)}:", document, values)
-    return {name.replace(":.", ":"): value for name, value in values.items()}
+            # models/main.spec.json -> models/main; a manager item's {"skeleton": ...} -> item
+            name = relpath.removeprefix(generation).removesuffix(".json").removesuffix(".spec")
+            if isinstance(document, Mapping) and set(document) == {_SKELETON}:
+                document = document[_SKELETON]
+            _flatten_values(f"{name}:", document, values)
+    return {name.replace(":.", ":").removesuffix(":"): value for name, value in values.items()}
 
 
 def _diff_side(text: str) -> _Side:
@@ -192,8 +231,15 @@ def _diff_values(a: _Side, b: _Side) -> dict[str, list[dict[str, Any]]]:
     }
 
 
-def _diff_text(result: Mapping[str, Any]) -> str:
-    lines = [f"a: {result['a']}", f"b: {result['b']}"]
+def _limited(rows: list[list[Any]], limit: int) -> tuple[list[list[Any]], str | None]:
+    """The first ``limit`` rows (all when ``limit`` is 0), and the line saying what was cut."""
+    if not limit or len(rows) <= limit:
+        return rows, None
+    return rows[:limit], f"... and {len(rows) - limit} more (--limit 0 shows every row)"
+
+
+def _diff_text(result: Mapping[str, Any], limit: int = 0) -> str:
+    lines = [f"a: {result['a']}", f"b: {result['b']}", _summary(result)]
     rows: list[list[Any]] = []
     for item in result["changed"]:
         biggest = item["max_abs_diff"]
@@ -219,7 +265,9 @@ def _diff_text(result: Mapping[str, Any]) -> str:
     for change, items in (("added", result["added"]), ("removed", result["removed"])):
         rows += [[change, t["name"], t["dtype"], shape_text(t["shape"]), "-", "-"] for t in items]
     if rows:
-        lines.append(table(["CHANGE", "TENSOR", "DTYPE", "SHAPE", "DIFFERING", "MAX |A-B|"], rows))
+        shown, cut = _limited(rows, limit)
+        lines.append(table(["CHANGE", "TENSOR", "DTYPE", "SHAPE", "DIFFERING", "MAX |A-B|"], shown))
+        lines += [cut] if cut else []
     value_rows = [
         ["changed", v["name"], _value_text(v["a"]), _value_text(v["b"])]
         for v in result["values_changed"]
@@ -229,21 +277,26 @@ def _diff_text(result: Mapping[str, Any]) -> str:
         ["removed", v["name"], _value_text(v["a"]), "-"] for v in result["values_removed"]
     ]
     if value_rows:
-        lines.append(table(["CHANGE", "VALUE", "A", "B"], value_rows))
-    differ = len(result["changed"]) + len(result["mismatched"])
-    values = len(value_rows)
+        shown, cut = _limited(value_rows, limit)
+        lines.append(table(["CHANGE", "VALUE", "A", "B"], shown))
+        lines += [cut] if cut else []
+    return "\n".join(lines)
+
+
+def _summary(result: Mapping[str, Any]) -> str:
+    """The one line saying what differs (first in the report)."""
     if result["identical"]:
-        lines.append(
+        return (
             f"identical: {result['compared']} tensor(s) and {result['values_compared']} "
             "plain value(s) compared"
         )
-    else:
-        lines.append(
-            f"{differ} of {result['compared']} common tensor(s) differ, "
-            f"{len(result['added'])} added, {len(result['removed'])} removed; "
-            f"{values} plain value(s) differ"
-        )
-    return "\n".join(lines)
+    differ = len(result["changed"]) + len(result["mismatched"])
+    values = sum(len(result[k]) for k in ("values_changed", "values_added", "values_removed"))
+    return (
+        f"{differ} of {result['compared']} common tensor(s) differ, "
+        f"{len(result['added'])} added, {len(result['removed'])} removed; "
+        f"{values} plain value(s) differ"
+    )
 
 
 def _value_text(value: Any) -> str:
@@ -255,6 +308,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
     """``fastckpt diff A B``: exit 0 when identical, 1 when anything differs."""
     if args.atol < 0:
         raise UserError(f"--atol must be >= 0, got {args.atol}")
+    if args.limit < 0:
+        raise UserError(f"--limit must be >= 0, got {args.limit}")
     side_a, side_b = _diff_side(args.a), _diff_side(args.b)
     a, b = _align(side_a, side_b)
     total = sum(backend_for(p).stat(p).size for side in (a, b) for p in side.files.values())
@@ -271,5 +326,5 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result)
     else:
-        print(_diff_text(result))
+        print(_diff_text(result, args.limit))
     return EXIT_OK if result["identical"] else EXIT_BAD

@@ -221,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument(
         "--atol", type=float, default=0.0, help="count tensors within this max |a-b| as equal"
     )
+    diff.add_argument(
+        "--limit",
+        type=int,
+        default=20,
+        help="rows shown per table (default 20; 0: all; --json always lists all)",
+    )
     diff.set_defaults(handler=_handler("diff", "cmd_diff"))
 
     prune_cmd = commands.add_parser(
