@@ -173,31 +173,10 @@ def strategy_train() -> None:
 
 
 def strategy_resume() -> None:
-    """Rebuild the strategy from URL/run index 1 (step 4) with ``parallelize=`` on WORLD
-    ranks; rank 0 compares the gathered state with the saving run's at step 4, bitwise, trains
-    on to step 6 and compares again (within float tolerance: another world size sums in
-    another order)."""
-    from sharded_ranks import Recorder, loader, shard, training_fn
+    """``sharded_ranks.resume_and_compare`` of URL/run (index 1, step 4) on WORLD ranks:
+    bitwise at step 4 against the saving run, close at step 6 after training on."""
+    from sharded_ranks import resume_and_compare
 
     local, rank, _ = setup_rank()
-    strategy = fastckpt.TrainingStrategy.load_checkpoint(
-        f"{_url()}/run", 1, hooks=[Recorder(local)], training_fn=training_fn, parallelize=shard
-    )
-    model, optimizer = strategy.models["main"], strategy.optimizers["main"]
-    loaded = full_state(model, optimizer)
-    report: dict[str, Any] = {
-        "rank": rank,
-        "sharded": strategy.sharded,
-        "step": strategy.step_count,
-    }
-    strategy.run(loader())
-    final = full_state(model, optimizer)
-    if rank == 0:
-        step4 = safetensors.torch.load_file(local / "reference-step4.safetensors")
-        step6 = safetensors.torch.load_file(local / "reference-step6.safetensors")
-        report["loaded_bad"] = compare(step4, loaded)
-        report["final_close"] = all(
-            torch.allclose(step6[name], final[name], rtol=1e-4, atol=1e-6) for name in step6
-        )
-    print(json.dumps(report))
+    print(json.dumps(resume_and_compare(f"{_url()}/run", local, rank)))
     leave_process_group()

@@ -211,11 +211,11 @@ def strategy_train() -> None:
     leave_process_group()
 
 
-def strategy_resume() -> None:
-    """Rebuild the strategy from index 1 (step 4) with parallelize=shard on WORLD ranks, check
-    the gathered state against the reference, and train on to step 6."""
-    root, rank, _ = setup_rank()
-    recorder = Recorder(root.parent)
+def resume_and_compare(root: str | Path, references: Path, rank: int) -> dict[str, Any]:
+    """Rebuild the strategy from ``root``'s index 1 (step 4) with parallelize=shard on this
+    process group, check the gathered state against ``references``' step-4 state (bitwise),
+    train on to step 6 and compare with the step-6 one; returns the report (rank 0 compares)."""
+    recorder = Recorder(references)
     strategy = fastckpt.TrainingStrategy.load_checkpoint(
         root, 1, hooks=[recorder], training_fn=training_fn, parallelize=shard
     )
@@ -225,19 +225,26 @@ def strategy_resume() -> None:
         "rank": rank,
         "sharded": strategy.sharded,
         "step": strategy.step_count,
-        "lr": strategy.schedulers["main"].get_last_lr(),
+        "lr": strategy.schedulers["main"].get_last_lr() if strategy.schedulers else None,
     }
     strategy.run(loader())
     final = full_state(model, optimizer)
     report["losses"] = recorder.losses
     if rank == 0:
-        step4 = safetensors.torch.load_file(root.parent / "reference-step4.safetensors")
-        step6 = safetensors.torch.load_file(root.parent / "reference-step6.safetensors")
+        step4 = safetensors.torch.load_file(references / "reference-step4.safetensors")
+        step6 = safetensors.torch.load_file(references / "reference-step6.safetensors")
         report["loaded_bad"] = compare(step4, loaded)
         report["final_bad"] = compare(step6, final)
         report["final_close"] = all(
             torch.allclose(step6[name], final[name], rtol=1e-4, atol=1e-6) for name in step6
         )
+    return report
+
+
+def strategy_resume() -> None:
+    """:func:`resume_and_compare` of ROOT on WORLD ranks, and FSDP1 refused at construction."""
+    root, rank, _ = setup_rank()
+    report = resume_and_compare(root, root.parent, rank)
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     fsdp1 = FullyShardedDataParallel(build_model(), device_id=torch.device("cpu"))
