@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -231,9 +231,9 @@ def link_into(
         try:
             path = source_path(manifest, first)
             info = os.stat(path, follow_symlinks=False)
-            problems = [check_reference(manifest, refs[r][n]) for r, n in members]
-            if any(problem is not None for problem in problems):
-                raise FileNotFoundError(next(p for p in problems if p is not None))
+            problem = _source_problem(path, [refs[r][n] for r, n in members])
+            if problem is not None:
+                raise FileNotFoundError(problem)
             record = {"size": first["file_size"], "crc32c": first["file_crc32c"]}
             staging.put_link(target, path, record, (info.st_dev, info.st_ino))
         except (OSError, CheckpointFormatError) as err:
@@ -257,20 +257,26 @@ def _header_checksums(path: Path) -> dict[str, int | None]:
 def check_reference(manifest: Manifest, ref: Reference) -> str | None:
     """Why ``ref`` does not resolve (None: it does). Reads only the referenced file's
     record and header (verification of its bytes is the loader's/verify's file check)."""
-    path = source_path(manifest, ref)
+    return _source_problem(source_path(manifest, ref), [ref])
+
+
+def _source_problem(path: Path, refs: Sequence[Reference]) -> str | None:
+    """Why the file at ``path`` is not the one ``refs`` (references into that one file) were
+    taken from (None: it is): its size, and each tensor's crc32c in its header, read once."""
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
         return f"{path}: missing (referenced by a kept index)"
-    if size != ref["file_size"]:
-        return f"{path}: size {size} differs from the referenced {ref['file_size']}"
+    for ref in refs:
+        if size != ref["file_size"]:
+            return f"{path}: size {size} differs from the referenced {ref['file_size']}"
     try:
-        header = _native.read_header(os.fspath(path))
+        checksums = _header_checksums(path)
     except (CheckpointFormatError, OSError) as err:
         return f"{path}: {err}"
-    crc = dict(header["checksums"]).get(ref["name"])
-    if crc != ref["crc32c"]:
-        return f"{path}: tensor {ref['name']!r} is not the referenced one (crc32c differs)"
+    for ref in refs:
+        if checksums.get(ref["name"]) != ref["crc32c"]:
+            return f"{path}: tensor {ref['name']!r} is not the referenced one (crc32c differs)"
     return None
 
 
@@ -298,10 +304,9 @@ def reference_reports(manifest: Manifest, index: int, threads: int) -> list[File
         if group[0]["index"] == index and matches(own_files.get(group[0]["file"]), group[0]):
             # A file linked into this index: its bytes are checked as one of the index's
             # own files; here only that it holds the referenced tensors.
-            if os.path.lexists(path):
-                found = [p for p in (check_reference(manifest, ref) for ref in group) if p]
-                if found:
-                    reports.append(FileReport(path, "corrupt", message=found[0], index=index))
+            problem = _source_problem(path, group) if os.path.lexists(path) else None
+            if problem is not None:
+                reports.append(FileReport(path, "corrupt", message=problem, index=index))
             continue
         record = {"size": group[0]["file_size"], "crc32c": group[0]["file_crc32c"]}
         checked = check_recorded(
@@ -313,10 +318,9 @@ def reference_reports(manifest: Manifest, index: int, threads: int) -> list[File
         )
         report = checked.report
         if report.ok:
-            problems = [check_reference(manifest, ref) for ref in group]
-            found = [problem for problem in problems if problem is not None]
-            if found:
-                report.status, report.message = "corrupt", found[0]
+            problem = _source_problem(path, group)
+            if problem is not None:
+                report.status, report.message = "corrupt", problem
         elif report.status == "missing":
             report.message = f"{report.message}; index {index} references it"
         reports.append(report)
