@@ -7,14 +7,14 @@ with the GIL released. Start with :func:`save_file` / :func:`load_file`.
 from __future__ import annotations
 
 import importlib
-import pkgutil
+import os
 import sys
 import types
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below, for type checkers; at run time they load on first use
-    from fastckpt.checkpoint import list_checkpoints, load_checkpoint, prune, save_checkpoint
+    __version__: str
+    from fastckpt.checkpoint import load_checkpoint, prune, save_checkpoint
     from fastckpt.errors import (
         CheckpointFormatError,
         CheckpointMismatchError,
@@ -47,13 +47,14 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
     )
     from fastckpt.specs import BaseSpec, create_model_spec, register_type_serializer
     from fastckpt.store.dispatch import configure_storage
+    from fastckpt.store.listing import list_checkpoints
     from fastckpt.strategy import FineTuningStrategy, OptimizerConfig, TrainingStrategy
     from fastckpt.verify import VerifyReport, latest_intact, verify
 
 #: Where each public name lives. ``import fastckpt`` imports none of them (so ``fastckpt
 #: --version`` and ``--help`` never import torch); the first use of a name imports its module.
 _NAMES = {
-    "fastckpt.checkpoint": ("list_checkpoints", "load_checkpoint", "prune", "save_checkpoint"),
+    "fastckpt.checkpoint": ("load_checkpoint", "prune", "save_checkpoint"),
     "fastckpt.errors": (
         "CheckpointFormatError",
         "CheckpointMismatchError",
@@ -86,6 +87,7 @@ _NAMES = {
     ),
     "fastckpt.specs": ("BaseSpec", "create_model_spec", "register_type_serializer"),
     "fastckpt.store.dispatch": ("configure_storage",),
+    "fastckpt.store.listing": ("list_checkpoints",),
     "fastckpt.strategy": ("FineTuningStrategy", "OptimizerConfig", "TrainingStrategy"),
     "fastckpt.verify": ("VerifyReport", "latest_intact", "verify"),
 }
@@ -101,11 +103,15 @@ def _public_submodules() -> tuple[str, ...]:
     Read from the package's directory (a listing, no import), so that a new module is
     reachable as ``fastckpt.<name>`` without being registered here.
     """
-    return tuple(
-        sorted(
-            info.name for info in pkgutil.iter_modules(__path__) if not info.name.startswith("_")
-        )
-    )
+    names = set()
+    for directory in __path__:
+        for entry in os.scandir(directory):
+            name = entry.name
+            if entry.is_dir() and os.path.isfile(os.path.join(entry.path, "__init__.py")):
+                names.add(name)
+            elif name.endswith(".py") and entry.is_file():
+                names.add(name.removesuffix(".py"))
+    return tuple(sorted(name for name in names if not name.startswith("_")))
 
 
 #: Every submodule is an attribute of the package, imported on first use: ``import fastckpt``
@@ -123,6 +129,10 @@ def __getattr__(name: str) -> Any:
     if module is not None:
         value = getattr(importlib.import_module(module), name)
         globals()[name] = value  # later lookups skip this function
+        return value
+    if name == "__version__":
+        value = _installed_version()
+        globals()[name] = value
         return value
     if name in _LAZY_SUBMODULES:
         # Importing binds the submodule as an attribute of the package, so this runs once.
@@ -149,13 +159,19 @@ sys.modules[__name__].__class__ = _Package
 
 def __dir__() -> list[str]:
     """The public names and the submodules, as ``dir(fastckpt)`` should list them."""
-    return sorted({*globals(), *_MODULE_OF, *_SUBMODULES})
+    return sorted({*globals(), *_MODULE_OF, *_SUBMODULES, "__version__"})
 
 
-try:
-    __version__ = version("fastckpt-io")
-except PackageNotFoundError:  # running from a source tree without an install
-    __version__ = "0.0.0"
+def _installed_version() -> str:
+    """The installed distribution's version (``fastckpt.__version__``), read on first use:
+    importlib.metadata alone costs about 40 ms of every start-up (the CLI's included)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fastckpt-io")
+    except PackageNotFoundError:  # running from a source tree without an install
+        return "0.0.0"
+
 
 __all__ = [
     "AsyncCheckpointSaverConfig",

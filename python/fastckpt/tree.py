@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fastckpt.errors import CheckpointFormatError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["flatten", "join_path", "map_tensors", "unflatten"]
 
@@ -61,6 +62,8 @@ class _Flattener:
         return name
 
     def encode(self, value: Any, path: str) -> Any:
+        import torch  # deferred: only flattening meets tensors; unflatten (inspect) needs none
+
         if isinstance(value, torch.Tensor):
             name = self.name_for(path)
             self.tensors[name] = value
@@ -180,6 +183,8 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
     Mappings become dicts; lists, tuples and named tuples keep their type.
     """
+    import torch  # deferred: this module's readers (inspect) start without torch
+
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, Mapping):

@@ -26,7 +26,7 @@ from typing import Any
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.files import DEFAULT_THREADS
+from fastckpt.headers import DEFAULT_THREADS
 from fastckpt.store.backend import MAX_RECORD_BYTES, StorageBackend
 from fastckpt.store.dispatch import backend_for, use_storage_options
 from fastckpt.store.links import reference_reports as link_reports

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, cast
-
-import torch
+from typing import TYPE_CHECKING, Any, cast
 
 from fastckpt import tree
 from fastckpt.cli import sharded
@@ -37,6 +35,9 @@ from fastckpt.store.dispatch import display_path
 from fastckpt.store.locate import Location
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import COMMIT_RECORD, Manifest, read_commit_record, record_file
+
+if TYPE_CHECKING:
+    import torch
 
 # --------------------------------------------------------------------------- fastckpt inspect
 
@@ -147,7 +148,7 @@ def _describe_manager(directory: Path) -> dict[str, Any]:
         if skeleton_file in record["files"]:
             stored = read_document(safe_join(directory, skeleton_file))
             skeleton = stored.get("skeleton") if isinstance(stored, dict) else None
-            refs = cast(Mapping[str, torch.Tensor], _Refs())
+            refs = cast("Mapping[str, torch.Tensor]", _Refs())
             _leaves(tree.unflatten(skeleton, refs, str(key)), str(key), values)
         tensor_files = [
             f["path"]

@@ -9,7 +9,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fastckpt.checkpoint import list_checkpoints
 from fastckpt.cli import sharded
 from fastckpt.cli.common import (
     EXIT_OK,
@@ -30,6 +29,7 @@ from fastckpt.progress import format_bytes
 from fastckpt.store.backend import StorageBackend
 from fastckpt.store.dispatch import backend_for, display_path
 from fastckpt.store.links import split_sizes
+from fastckpt.store.listing import list_checkpoints
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import (
     COMMIT_RECORD,

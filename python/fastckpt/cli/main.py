@@ -64,8 +64,12 @@ def _version() -> str:
     """The installed distribution's version, read without importing fastckpt's modules."""
     from importlib.metadata import PackageNotFoundError, packages_distributions, version
 
-    # Editable installs list no modules in their RECORD: then try the distribution names.
-    for name in packages_distributions().get("fastckpt") or ["fastckpt-io", "fastckpt"]:
+    try:  # the distribution's name: one lookup (a scan of every distribution costs 0.4 s)
+        return version("fastckpt-io")
+    except PackageNotFoundError:
+        pass
+    # Installed under another name: the distribution that holds the package.
+    for name in packages_distributions().get("fastckpt") or ["fastckpt"]:
         try:
             return version(name)
         except PackageNotFoundError:

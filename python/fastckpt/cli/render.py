@@ -9,12 +9,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
-import torch
-
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.progress import format_bytes, polled_progress
-from fastckpt.specs import BaseSpec
 from fastckpt.store.dispatch import backend_for
 
 
@@ -90,22 +87,64 @@ def shape_text(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
+#: The markers of the JSON encoding of a spec's keyword arguments (fastckpt.specs).
+_TUPLE, _SPEC, _TYPE, _DICT = "__tuple__", "__spec__", "__type__", "__dict__"
+
+
 def _short(value: Any, limit: int = 60) -> str:
-    """A compact rendering of a decoded spec argument."""
-    if isinstance(value, BaseSpec):
-        text = f"{value.cls_path}({_kwargs_text(value.kwargs, limit)})"
-    elif isinstance(value, torch.Tensor):
-        text = f"tensor({str(value.dtype).removeprefix('torch.')}, {shape_text(value.shape)})"
-    elif isinstance(value, tuple):
-        text = "(" + ", ".join(_short(v, limit) for v in value) + ("," if len(value) == 1 else "")
-        text += ")"
+    """A compact rendering of a spec argument as stored (the JSON encoding of fastckpt.specs,
+    read without decoding it: no torch, nothing imported)."""
+    if isinstance(value, Mapping) and len(value) == 1 and next(iter(value)) in (_TUPLE, _SPEC):
+        ((marker, inner),) = value.items()
+        if marker == _SPEC and isinstance(inner, Mapping):
+            text = _spec_call(inner, "spec", limit)
+        else:
+            items = inner if isinstance(inner, list) else [inner]
+            text = (
+                "(" + ", ".join(_short(v, limit) for v in items) + ("," if len(items) == 1 else "")
+            )
+            text += ")"
+    elif isinstance(value, Mapping) and set(value) == {_TYPE, "value"}:
+        text = _typed_text(str(value[_TYPE]), value["value"], limit)
+    elif isinstance(value, Mapping) and set(value) == {_DICT}:
+        inner = value[_DICT]
+        pairs = inner.items() if isinstance(inner, Mapping) else inner
+        text = "{" + ", ".join(_pair_text(pair, limit) for pair in pairs) + "}"
     elif isinstance(value, list):
         text = "[" + ", ".join(_short(v, limit) for v in value) + "]"
-    elif isinstance(value, dict):
+    elif isinstance(value, Mapping):
         text = "{" + ", ".join(f"{k!r}: {_short(v, limit)}" for k, v in value.items()) + "}"
     else:
         text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _pair_text(pair: Any, limit: int) -> str:
+    if isinstance(pair, (list, tuple)) and len(pair) == 2:
+        return f"{_short(pair[0], limit)}: {_short(pair[1], limit)}"
+    return _short(pair, limit)
+
+
+def _typed_text(type_name: str, value: Any, limit: int) -> str:
+    """A registered type's value: tensors by dtype and shape, dtypes and devices as torch
+    prints them, others as ``Type(value)``."""
+    if type_name == "torch.Tensor" and isinstance(value, Mapping):
+        return f"tensor({value.get('dtype')}, {shape_text(value.get('shape') or [])})"
+    if type_name == "torch.dtype":
+        return str(value)
+    if type_name == "torch.device":
+        return f"device({value!r})"
+    return f"{type_name.rsplit('.', 1)[-1]}({_short(value, limit)})"
+
+
+def _spec_call(document: Mapping[str, Any], where: str, limit: int = 60) -> str:
+    cls_path = document.get("cls_path")
+    kwargs = document.get("kwargs")
+    if not isinstance(cls_path, str) or not isinstance(kwargs, Mapping):
+        raise CheckpointFormatError(
+            f"{where}: a spec needs a string cls_path and an object of kwargs"
+        )
+    return f"{cls_path}({_kwargs_text(kwargs, limit)})"
 
 
 def _kwargs_text(kwargs: Mapping[str, Any], limit: int = 60) -> str:
@@ -113,11 +152,11 @@ def _kwargs_text(kwargs: Mapping[str, Any], limit: int = 60) -> str:
 
 
 def spec_text(document: Any, where: str) -> str:
-    """``cls.path(kw=value, ...)`` for a stored spec document."""
+    """``cls.path(kw=value, ...)`` for a stored spec document (read as stored: listing never
+    imports the classes it names, nor torch)."""
     if not isinstance(document, Mapping):
         raise CheckpointFormatError(f"{where}: spec must be a JSON object")
-    spec = BaseSpec.from_json(document, source=where)
-    return f"{spec.cls_path}({_kwargs_text(spec.kwargs)})"
+    return _spec_call(document, where)
 
 
 def tensor_table(tensors: Sequence[Mapping[str, Any]], indent: str) -> str:

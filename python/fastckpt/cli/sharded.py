@@ -13,7 +13,6 @@ from typing import Any
 
 from fastckpt.cli.common import UserError
 from fastckpt.cli.render import mtime_iso, table
-from fastckpt.files import load_file, write_tensors
 from fastckpt.progress import format_bytes
 from fastckpt.store.records import SHARDED_DIR, SHARDED_RECORD, Manifest
 
@@ -89,7 +88,8 @@ def export(directory: Path, out: Path, prefix: str | None = None) -> int:
     """Consolidate ``directory`` into the safetensors file ``out`` (full tensors, no process
     group); with ``prefix``, only the tensors under it, named without it. Returns the number of
     tensors written."""
-    from fastckpt.dcp import consolidate
+    from fastckpt.dcp import consolidate  # deferred: torch.distributed.checkpoint, for export only
+    from fastckpt.files import load_file, write_tensors  # deferred: torch, for export only
 
     if prefix is None:
         return int(consolidate(directory, out)["tensors"])

@@ -38,18 +38,18 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
-from fastckpt.file_images import find_image, write_image
-from fastckpt.files import read_metadata, read_tensors, write_tensors
+from fastckpt.headers import read_metadata
 from fastckpt.progress import active_counter
 from fastckpt.store.lock import RootLock
 from fastckpt.store.paths import check_relpath
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 __all__ = [
     "ATOMIC_TEMP_INFIX",
@@ -250,7 +250,7 @@ class StorageBackend(ABC):
                 f"{path}: ends at {offset + len(data)}, inside the {dest.nbytes} bytes read from "
                 f"{offset}; the file is truncated"
             )
-        dest[:] = np.frombuffer(data, dtype=np.uint8)
+        dest.data.cast("B")[:] = data
 
     @abstractmethod
     def checksum(self, path: Path) -> tuple[int, int]:
@@ -487,6 +487,11 @@ class LocalStaging(Staging):
                 f"{self.final}: a local checkpoint references unchanged tensors instead of "
                 "copying them"
             )
+        # Deferred: torch is imported by the tensor writers only, so that listing and verifying
+        # (which use this module) start without it.
+        from fastckpt.file_images import find_image, write_image
+        from fastckpt.files import write_tensors
+
         image = find_image(tensors) if metadata is None else None
         if image is not None:
             report = write_image(image, self._target(relpath), direct_io=self.direct_io)
@@ -619,6 +624,8 @@ class LocalFileSystem(StorageBackend):
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """A private mapping of the file (:func:`fastckpt.files.read_tensors`), verified bytes
         counted on the :func:`fastckpt.progress.active_counter` if one is set."""
+        from fastckpt.files import read_tensors  # deferred: torch, for tensor reads only
+
         return read_tensors(path, verify=verify, threads=threads, progress=active_counter())
 
     def read_header(self, path: Path) -> dict[str, Any]:

@@ -32,12 +32,10 @@ import errno
 import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.files import read_metadata
+from fastckpt.headers import read_metadata
 from fastckpt.store.paths import check_name, check_relpath, safe_join
 from fastckpt.store.reader import (
     FileReport,
@@ -51,6 +49,9 @@ from fastckpt.store.records import (
     check_fields,
     item_files,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "LINKED_DIR",

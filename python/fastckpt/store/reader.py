@@ -13,9 +13,7 @@ import errno
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
@@ -23,6 +21,9 @@ from fastckpt.store.backend import StorageBackend
 from fastckpt.store.dispatch import backend_for
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import COMMIT_RECORD, item_files, load_json
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Checked",

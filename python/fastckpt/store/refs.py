@@ -32,9 +32,7 @@ import os
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
@@ -50,6 +48,9 @@ from fastckpt.store.reader import (
     verify_content,
 )
 from fastckpt.store.records import TENSOR_REFERENCE_FIELDS, Manifest, check_fields
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "REFS_FILE",
