@@ -46,6 +46,16 @@ def _save_four_now(root: Path) -> nn.Module:
     return model
 
 
+def _bytes_on_disk(root: Path) -> int:
+    """The bytes of the indices' files, each hard-linked file once (the manifest left out)."""
+    sizes = {}
+    for path in root.rglob("*"):
+        if path.is_file() and path != root / "manifest.json":
+            info = path.stat()
+            sizes[(info.st_dev, info.st_ino)] = info.st_size
+    return sum(sizes.values())
+
+
 def test_prune_counts_linked_bytes_as_kept(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -55,7 +65,7 @@ def test_prune_counts_linked_bytes_as_kept(
     _save_four(root)
     frozen = (root / "0" / "models" / "m.safetensors").stat().st_size
     assert (root / "3" / "linked" / "0.safetensors").stat().st_size == frozen
-    before = shutil.disk_usage(root).used
+    before = _bytes_on_disk(root)
     sizes = {row["index"]: row["size"] for row in fastckpt.list_checkpoints(root)}
     assert cli.main(["prune", str(root), "--keep-last", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -65,7 +75,7 @@ def test_prune_counts_linked_bytes_as_kept(
     # everything they wrote is freed, but index 0's file, which index 3 holds.
     assert report["freed_bytes"] == sum(sizes[i] for i in (0, 1, 2)) - frozen
     assert sorted(os.listdir(root)) == ["3", "manifest.json"]
-    assert shutil.disk_usage(root).used <= before
+    assert _bytes_on_disk(root) == before - report["freed_bytes"]
     assert fastckpt.verify(root).ok
 
 
@@ -115,3 +125,62 @@ def test_prune_retains_only_pruned_bases_and_stale_copies_are_cleaned(tmp_path: 
     loaded = fastckpt.load_checkpoint(root)["models"]["m"]["model"].state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in expected.items())
     assert fastckpt.verify(root).ok
+
+
+def _cli_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    cli.main([*args, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_ls_inspect_and_verify_show_one_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One definition of a checkpoint's size (the bytes its save wrote, and the bytes it holds
+    as links to files an earlier save wrote), the same in ls, inspect and verify, as JSON and
+    as text; verify reports the bytes it read besides."""
+    root = tmp_path / "run"
+    _save_four(root)
+    rows = _cli_json(capsys, "ls", str(root))["checkpoints"]
+    assert isinstance(rows, list)
+    by_index = {row["index"]: (row["size"], row["linked_size"]) for row in rows}
+    assert by_index[0][1] == 0 and by_index[3][1] > 0  # index 3 links index 0's frozen layer
+    assert by_index == {
+        row["index"]: (row["size"], row["linked_size"]) for row in fastckpt.list_checkpoints(root)
+    }
+    for index, (size, linked) in by_index.items():
+        shown = _cli_json(capsys, "inspect", str(root / str(index)))
+        assert (shown["size"], shown["linked_size"]) == (size, linked)
+        checked = _cli_json(capsys, "verify", str(root), "--index", str(index))
+        assert (checked["size"], checked["linked_size"]) == (size, linked)
+        assert checked["bytes"] >= size + linked  # the record is read too
+    whole = _cli_json(capsys, "verify", str(root))
+    assert whole["size"] == sum(s for s, _ in by_index.values())
+    assert whole["linked_size"] == sum(linked for _, linked in by_index.values())
+
+    size, linked = by_index[3]
+    text = fastckpt.progress.format_bytes(size) + " + " + fastckpt.progress.format_bytes(linked)
+    for args in (
+        ["ls", str(root)],
+        ["inspect", str(root / "3")],
+        ["verify", str(root), "--index", "3"],
+    ):
+        cli.main(args)
+        assert f"{text} linked" in capsys.readouterr().out, args
+
+
+def test_manager_sizes_agree_between_ls_inspect_and_verify(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    parent = tmp_path / "ckpts"
+    with fastckpt.CheckpointManager() as manager:
+        for step in (1, 2):
+            manager.save(str(parent / f"step_{step}"), {"model": model.state_dict(), "step": step})
+    rows = _cli_json(capsys, "ls", str(parent))["checkpoints"]
+    assert isinstance(rows, list) and len(rows) == 2
+    for row in rows:
+        shown = _cli_json(capsys, "inspect", row["path"])
+        checked = _cli_json(capsys, "verify", row["path"])
+        assert shown["size"] == checked["size"] == row["size"] > 0
+        assert shown["linked_size"] == checked["linked_size"] == row["linked_size"]

@@ -25,6 +25,7 @@ from fastckpt.cli.render import (
     file_lines,
     mtime_iso,
     print_json,
+    size_text,
     spec_text,
     tensor_table,
     when,
@@ -32,6 +33,7 @@ from fastckpt.cli.render import (
 from fastckpt.errors import FastCkptError
 from fastckpt.progress import format_bytes
 from fastckpt.store.dispatch import display_path
+from fastckpt.store.links import split_sizes
 from fastckpt.store.locate import Location
 from fastckpt.store.paths import safe_join
 from fastckpt.store.records import COMMIT_RECORD, Manifest, read_commit_record, record_file
@@ -97,9 +99,19 @@ def _describe_index(manifest: Manifest, index: int) -> dict[str, Any]:
         "specs": specs,
         "strategy": strategy,
         "hooks": hooks,
-        "size": sum(record["size"] for record in listed.values()),
+        **_sizes(listed),
         "files": files,
     }
+
+
+def _sizes(files: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """``size`` and ``linked_size`` of a checkpoint's file records, as ``ls`` shows them."""
+    size, linked_size = split_sizes(files)
+    return {"size": size, "linked_size": linked_size}
+
+
+def _size_line(info: Mapping[str, Any]) -> str:
+    return f"{size_text(info['size'], info['linked_size'])} in {len(info['files'])} file(s)"
 
 
 class _TensorRef:
@@ -166,7 +178,7 @@ def _describe_manager(directory: Path) -> dict[str, Any]:
         "committed": mtime_iso(directory / COMMIT_RECORD),
         "world_size": record.get("world_size", 1),
         "items": items,
-        "size": sum(entry["size"] for entry in record["files"].values()),
+        **_sizes(record["files"]),
         "files": files,
     }
 
@@ -201,7 +213,7 @@ def _index_text(info: Mapping[str, Any]) -> str:
         fields.append(("strategy", f"{strategy.get('strategy_cls')}  training_fn={fn}  {run}"))
     for hook in info["hooks"]:
         fields.append(("hook", f"{hook['class']} #{hook['occurrence']}"))
-    fields.append(("size", f"{format_bytes(info['size'])} in {len(info['files'])} file(s)"))
+    fields.append(("size", _size_line(info)))
     width = max(len(label) for label, _ in fields)
     lines += [f"{label.ljust(width)}  {text}" for label, text in fields]
     return "\n".join([*lines, "", *file_lines(info["files"])])
@@ -215,7 +227,7 @@ def _manager_text(info: Mapping[str, Any]) -> str:
         f"{info['path']}: CheckpointManager checkpoint, {len(info['items'])} item(s), "
         f"world size {info['world_size']}",
         f"committed  {when(info['committed'])} UTC",
-        f"size       {format_bytes(info['size'])} in {len(info['files'])} file(s)",
+        f"size       {_size_line(info)}",
     ]
     counts = {f["path"]: len(f.get("tensors", [])) for f in info["files"]}
     for item in info["items"]:

@@ -21,11 +21,11 @@ from fastckpt.cli.render import (
     dash,
     mtime_iso,
     print_json,
+    size_text,
     table,
     when,
 )
 from fastckpt.errors import FastCkptError
-from fastckpt.progress import format_bytes
 from fastckpt.store.backend import StorageBackend
 from fastckpt.store.dispatch import backend_for, display_path
 from fastckpt.store.links import split_sizes
@@ -77,6 +77,7 @@ def _sharded_row(directory: Path) -> dict[str, Any]:
             "path": display_path(directory),
             "committed": None,
             "size": None,
+            "linked_size": None,
             "items": [],
             "error": error_text(err),
             "sharded": True,
@@ -99,12 +100,14 @@ def _ls_managers(parent: Path) -> dict[str, Any]:
         try:
             record = read_commit_record(child)
         except (OSError, FastCkptError) as err:
-            row.update(committed=None, size=None, items=[], error=error_text(err))
+            row.update(committed=None, size=None, linked_size=None, items=[], error=error_text(err))
             checkpoints.append(row)
             continue
+        size, linked_size = split_sizes(record["files"])
         row.update(
             committed=mtime_iso(child / COMMIT_RECORD),
-            size=split_sizes(record["files"])[0],
+            size=size,
+            linked_size=linked_size,
             items=list(record["items"]),
             step=_manager_item_value(child, record, "step"),
             epoch=_manager_item_value(child, record, "epoch"),
@@ -127,14 +130,14 @@ def _ls_text(listing: Mapping[str, Any]) -> str:
     if listing["kind"] == "root":
         if not rows:
             return f"{listing['root']}: no committed checkpoint yet"
-        total = sum(row["size"] for row in rows)
-        title = f"{listing['root']}: {len(rows)} committed index(es), {format_bytes(total)}"
+        total = size_text(sum(row["size"] for row in rows), sum(row["linked_size"] for row in rows))
+        title = f"{listing['root']}: {len(rows)} committed index(es), {total}"
         headers = ["INDEX", "CREATED (UTC)", "SIZE", "STEP", "EPOCH", "COMPONENTS"]
         cells = [
             (
                 row["index"],
                 when(row["created"]),
-                format_bytes(row["size"]),
+                size_text(row["size"], row["linked_size"]),
                 counter(row["counters"], "step_count", "step", "global_step"),
                 counter(row["counters"], "epoch_count", "epoch"),
                 _components_text(row["components"]),
@@ -148,7 +151,7 @@ def _ls_text(listing: Mapping[str, Any]) -> str:
             (
                 row["name"],
                 when(row["committed"]),
-                "?" if row["size"] is None else format_bytes(row["size"]),
+                "?" if row["size"] is None else size_text(row["size"], row.get("linked_size") or 0),
                 row.get("step"),
                 row.get("epoch"),
                 row.get("error") or ", ".join(row["items"]),

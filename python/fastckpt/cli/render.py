@@ -82,6 +82,14 @@ def dash(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def size_text(size: int, linked_size: int = 0) -> str:
+    """A checkpoint's size as every command shows it (the definition is
+    :func:`fastckpt.store.links.split_sizes`): the bytes its save wrote, then the bytes it holds
+    as links to files an earlier save wrote (``17.5 KiB + 16.5 KiB linked``)."""
+    text = format_bytes(size)
+    return f"{text} + {format_bytes(linked_size)} linked" if linked_size else text
+
+
 def shape_text(shape: Sequence[int]) -> str:
     """A shape as ``[d0, d1, ...]``."""
     return "[" + ", ".join(str(d) for d in shape) + "]"

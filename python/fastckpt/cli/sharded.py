@@ -68,6 +68,7 @@ def listing_row(directory: Path) -> dict[str, Any]:
         "path": str(directory),
         "committed": info["committed"],
         "size": info["size"],
+        "linked_size": 0,
         "items": items,
         "sharded": True,
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,13 @@ from fastckpt.cli.common import (
 )
 from fastckpt.cli.render import (
     print_json,
+    size_text,
     table,
 )
 from fastckpt.errors import FastCkptError
 from fastckpt.progress import format_bytes, io_progress
 from fastckpt.store.dispatch import display_path
+from fastckpt.store.links import split_sizes
 from fastckpt.store.locate import Location
 from fastckpt.store.records import Manifest, read_commit_record
 from fastckpt.verify import FileReport, VerifyReport, verify
@@ -33,29 +36,52 @@ from fastckpt.verify import FileReport, VerifyReport, verify
 # --------------------------------------------------------------------------- fastckpt verify
 
 
-def _expected_bytes(location: Location, index: int | None) -> int | None:
-    """What verifying will read, for the progress bar (None when it cannot be told)."""
+def _recorded_files(
+    location: Location, index: int | None
+) -> list[Mapping[str, Mapping[str, Any]]] | None:
+    """The file records (one mapping per checkpoint) that verifying will read, or None when
+    they cannot be told (a lone file, a damaged record: the verifier reports it)."""
     try:
-        if location.kind == "file":
-            return location.path.stat().st_size
         if location.kind == "manager":
-            record = read_commit_record(location.path)
-            return sum(entry["size"] for entry in record["files"].values())
-        if location.root is None:
+            return [read_commit_record(location.path)["files"]]
+        if location.kind == "file" or location.root is None:
             return None
         manifest = Manifest.load(location.root)
         chosen = location.index if location.kind == "index" else index
         if chosen == -1:
             chosen = manifest.latest
         indices = sorted(manifest.entries) if chosen is None else [chosen]
-        return sum(
-            record["size"]
-            for i in indices
-            if i in manifest.entries
-            for record in manifest.entries[i]["files"].values()
-        )
+        return [manifest.entries[i]["files"] for i in indices if i in manifest.entries]
     except (OSError, FastCkptError):
         return None
+
+
+def _expected_bytes(location: Location, index: int | None) -> int | None:
+    """What verifying will read, for the progress bar (None when it cannot be told)."""
+    if location.kind == "file":
+        try:
+            return location.path.stat().st_size
+        except OSError:
+            return None
+    recorded = _recorded_files(location, index)
+    if recorded is None:
+        return None
+    return sum(entry["size"] for files in recorded for entry in files.values())
+
+
+def _sizes(location: Location, index: int | None) -> tuple[int, int] | None:
+    """``(size, linked_size)`` of what was verified, as ``fastckpt ls`` counts them (a lone
+    file: its length), or None when there are no records to count."""
+    if location.kind == "file":
+        try:
+            return location.path.stat().st_size, 0
+        except OSError:
+            return None
+    recorded = _recorded_files(location, index)
+    if recorded is None:
+        return None
+    pairs = [split_sizes(files) for files in recorded]
+    return sum(size for size, _ in pairs), sum(linked for _, linked in pairs)
 
 
 def unchecked_files(report: VerifyReport) -> list[FileReport]:
@@ -70,14 +96,19 @@ def _status(report: VerifyReport) -> int:
     return EXIT_UNCHECKED if unchecked_files(report) else EXIT_OK
 
 
-def _verify_json(report: VerifyReport, seconds: float) -> dict[str, Any]:
+def _verify_json(
+    report: VerifyReport, seconds: float, sizes: tuple[int, int] | None
+) -> dict[str, Any]:
     unchecked = unchecked_files(report)
+    size, linked_size = sizes if sizes is not None else (None, None)
     return {
         "ok": report.ok and not unchecked,
         "status": {EXIT_OK: "ok", EXIT_BAD: "bad", EXIT_UNCHECKED: "unchecked"}[_status(report)],
         "unchecked_files": [str(f.path) for f in unchecked],
         "failed_indices": report.failed_indices(),
         "bytes": sum(f.actual_size or 0 for f in report.files),
+        "size": size,
+        "linked_size": linked_size,
         "seconds": round(seconds, 6),
         **dataclasses.asdict(report),
     }
@@ -88,7 +119,7 @@ def _newest_intact(report: VerifyReport) -> int | None:
     return max(intact) if intact else None
 
 
-def _verify_text(report: VerifyReport, seconds: float) -> str:
+def _verify_text(report: VerifyReport, seconds: float, sizes: tuple[int, int] | None) -> str:
     checked = sum(f.actual_size or 0 for f in report.files)
     scope = f"{len(report.files)} file(s)"
     if report.indices:
@@ -115,9 +146,10 @@ def _verify_text(report: VerifyReport, seconds: float) -> str:
         )
         return "\n".join(lines)
     if report.ok:
+        size = "" if sizes is None else f"{size_text(*sizes)}; "
         return (
-            f"ok: {display_path(report.target)}: {scope} verified, {format_bytes(checked)} in "
-            f"{seconds:.2f} s ({rate})"
+            f"ok: {display_path(report.target)}: {scope} verified, {size}"
+            f"{format_bytes(checked)} read in {seconds:.2f} s ({rate})"
         )
     failures = report.failures
     lines = [f"BAD: {display_path(report.target)}: {len(failures)} problem(s) in {scope}"]
@@ -148,6 +180,7 @@ def _verify_managers(args: argparse.Namespace, children: list[Path]) -> int:
         for child in children:
             results.append(verify(child))
     seconds = time.perf_counter() - started
+    child_sizes = [_sizes(locate(child), None) for child in children]
     statuses = [_status(report) for report in results]
     worst = EXIT_BAD if EXIT_BAD in statuses else max(statuses)
     if args.json:
@@ -155,11 +188,19 @@ def _verify_managers(args: argparse.Namespace, children: list[Path]) -> int:
             {
                 "path": str(args.path),
                 "ok": worst == EXIT_OK,
-                "checkpoints": [_verify_json(report, seconds) for report in results],
+                "checkpoints": [
+                    _verify_json(report, seconds, sizes)
+                    for report, sizes in zip(results, child_sizes, strict=True)
+                ],
             }
         )
     else:
-        print("\n".join(_verify_text(report, seconds) for report in results))
+        print(
+            "\n".join(
+                _verify_text(report, seconds, sizes)
+                for report, sizes in zip(results, child_sizes, strict=True)
+            )
+        )
     return worst
 
 
@@ -182,7 +223,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise UserError(error_text(err)) from None
     seconds = time.perf_counter() - started
     if args.json:
-        print_json(_verify_json(report, seconds))
+        print_json(_verify_json(report, seconds, _sizes(location, args.index)))
     else:
-        print(_verify_text(report, seconds))
+        print(_verify_text(report, seconds, _sizes(location, args.index)))
     return _status(report)
