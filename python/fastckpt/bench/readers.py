@@ -29,6 +29,7 @@ from fastckpt.bench.writers import (
     ceiling_block,
     fsync_path,
     remove_path,
+    torch_checkpointing_manager,
 )
 
 __all__ = ["READERS", "ReadTiming", "Reader", "make_readers", "read_ceiling"]
@@ -135,6 +136,92 @@ class FastckptReader(Reader):
     def load(self, destination: Any) -> Any:
         """``fastckpt.load_file(path, verify=True)``."""
         return files.load_file(self.path, verify=True)
+
+
+def _templates(state: State) -> dict[str, Any]:
+    """``{"state": {name: empty tensor like it}}``: the ``into=`` of a manager load, allocated
+    before the clock starts (pages not yet touched), as a resuming run's model and optimizer
+    hold them."""
+    return {"state": {name: torch.empty_like(tensor) for name, tensor in state.items()}}
+
+
+class FastckptManagerReader(Reader):
+    """``CheckpointManager.load(path, into=templates)`` of a sync manager save: the call a
+    resume makes, checksums verified, next to ``load_file`` of the same bytes."""
+
+    name = "fastckpt-manager"
+    label = "fastckpt CheckpointManager load(into=) (crc verified)"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._manager: Any = None
+
+    def _write(self, state: State) -> None:
+        from fastckpt.manager import CheckpointManager
+
+        self._manager = CheckpointManager(CheckpointManager.Config.with_sync_save())
+        self._manager.save(str(self.path), {"state": dict(state)})
+
+    def destination(self, state: State) -> Any:
+        """Templates of the state's shapes and dtypes."""
+        return _templates(state)
+
+    def load(self, destination: Any) -> Any:
+        """``manager.load(path, into=destination)``; the loaded state's tensors."""
+        return self._manager.load(str(self.path), into=destination)["state"]
+
+    def cleanup(self) -> None:
+        """Close the manager and delete the input."""
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+        super().cleanup()
+
+
+class TorchCheckpointingReader(Reader):
+    """torch_checkpointing's ``CheckpointManager.load(path, into=templates)`` of its own sync
+    save, with the storage the writer rows use (:data:`fastckpt.bench.writers.TC_STORAGE`,
+    buffered reads)."""
+
+    name = "tc"
+    label = "torch_checkpointing load(into=) (buffered storage)"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._manager: Any = None
+
+    def prepare(self, state: State, directory: Path) -> None:
+        """Write the input with torch_checkpointing.
+
+        Raises:
+            WriterUnavailable: torch_checkpointing is not installed.
+        """
+        self._manager = torch_checkpointing_manager(async_save=False, direct_io=False)
+        super().prepare(state, directory)
+
+    def _write(self, state: State) -> None:
+        self._manager.save(str(self.path), {"state": dict(state)})
+
+    def destination(self, state: State) -> Any:
+        """Templates of the state's shapes and dtypes."""
+        return _templates(state)
+
+    def load(self, destination: Any) -> Any:
+        """``manager.load(path, into=destination)``; the loaded state's tensors."""
+        return self._manager.load(str(self.path), into=destination)["state"]
+
+    def details(self, loaded: Any) -> dict[str, Any]:
+        """torch_checkpointing's version."""
+        import torch_checkpointing
+
+        return {"version": str(getattr(torch_checkpointing, "__version__", "?"))}
+
+    def cleanup(self) -> None:
+        """Close the manager and delete the input."""
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+        super().cleanup()
 
 
 class TorchLoadReader(Reader):
@@ -294,7 +381,15 @@ class CeilingReader(Reader):
 #: Every reader, in the order they run within a repetition.
 READERS: dict[str, type[Reader]] = {
     cls.name: cls
-    for cls in (FastckptReader, TorchLoadReader, SafetensorsReader, DcpReader, CeilingReader)
+    for cls in (
+        FastckptReader,
+        FastckptManagerReader,
+        TorchLoadReader,
+        SafetensorsReader,
+        DcpReader,
+        TorchCheckpointingReader,
+        CeilingReader,
+    )
 }
 
 

@@ -252,6 +252,41 @@ def _above_ceiling(entries: dict[str, Any], what: str) -> list[str]:
     ]
 
 
+def _status_notes(entries: dict[str, Any]) -> list[str]:
+    """A note per entry that did not run (not available, or failed), with its reason."""
+    return [
+        f"{name} {entry['status']}: {entry.get('reason') or 'no reason recorded'}"
+        for name, entry in entries.items()
+        if not entry["available"]
+    ]
+
+
+def _tc_notes(entries: dict[str, Any], writes: bool) -> list[str]:
+    """What the torch_checkpointing rows ran with, where the table has any."""
+    names = [n for n in entries if n.startswith("tc")]
+    if not names:
+        return []
+    versions = {
+        str(run["details"]["version"])
+        for name in names
+        for run in entries[name].get("runs", [])
+        if "version" in run.get("details", {})
+    }
+    version = f" {', '.join(sorted(versions))}" if versions else ""
+    storage = "LocalFileSystemStorageConfig(use_direct_io=False) (buffered)"
+    if not writes:
+        return [
+            f"{', '.join(names)}: torch_checkpointing{version} load(into=) of its own sync save "
+            f"of the state as one item {{'state': ...}}, with {storage}."
+        ]
+    return [
+        f"{', '.join(names)}: torch_checkpointing{version}, the state saved as one item "
+        f"{{'state': ...}} like the fastckpt-manager rows, with {storage}, except tc-direct: "
+        "its default storage (O_DIRECT writes). It does not fsync; the harness does, inside "
+        "the timed region. The tc-async writer subprocess's memory is not in peak +RSS."
+    ]
+
+
 def tables(results: dict[str, Any]) -> list[Table]:
     """The report's tables: writes, reads, memory, training loop, bar."""
     out = [
@@ -270,13 +305,17 @@ def tables(results: dict[str, Any]) -> list[Table]:
                 "notes",
             ],
             _write_rows(results),
-            _above_ceiling(results["writers"], "write"),
+            _above_ceiling(results["writers"], "write")
+            + _tc_notes(results["writers"], writes=True)
+            + _status_notes(results["writers"]),
         ),
         Table(
             f"Reads ({results['cache']['label']} cache)",
             ["reader", "seconds", "p90 s", "spread s", "GiB/s", "x ceiling", "cache", "verified"],
             _read_rows(results),
-            _above_ceiling(results["readers"], "read"),
+            _above_ceiling(results["readers"], "read")
+            + _tc_notes(results["readers"], writes=False)
+            + _status_notes(results["readers"]),
         ),
     ]
     repeated = results.get("memory", {}).get("async_repeated", {})

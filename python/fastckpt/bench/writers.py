@@ -8,6 +8,7 @@ region, along with their directory, the same as fastckpt does for its files.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -25,6 +26,7 @@ from fastckpt import _native, files
 
 __all__ = [
     "CEILING_BLOCK",
+    "TC_STORAGE",
     "WRITERS",
     "WriteTiming",
     "Writer",
@@ -35,6 +37,7 @@ __all__ = [
     "make_writers",
     "path_bytes",
     "remove_path",
+    "torch_checkpointing_manager",
 ]
 
 #: Block size of the O_DIRECT ceiling stream (the same as fastckpt's default chunk).
@@ -250,6 +253,171 @@ def open_async_manager() -> Any:
         raise WriterUnavailable(f"CheckpointManager(Config.with_async_save()): {err!r}") from err
 
 
+class FastckptManagerWriter(Writer):
+    """``CheckpointManager`` with sync saves (``Config.with_sync_save()``): durable, committed
+    and fsynced when ``save()`` returns. The state is saved as one item, ``{"state": ...}``,
+    as the async writer saves it."""
+
+    name = "fastckpt-manager"
+    label = "fastckpt CheckpointManager sync"
+
+    def __init__(self) -> None:
+        self._manager: Any = None
+
+    def open(self) -> None:
+        """Create the manager (one for every repetition, as in a training run)."""
+        from fastckpt.manager import CheckpointManager
+
+        self._manager = CheckpointManager(CheckpointManager.Config.with_sync_save())
+
+    def write(self, state: State, target: Path) -> WriteTiming:
+        """``manager.save(target, {"state": state})``."""
+        seconds, _ = _timed_sync(lambda: self._manager.save(str(target), {"state": dict(state)}))
+        return WriteTiming(seconds, seconds)
+
+    def close(self) -> None:
+        """Close the manager."""
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+
+
+#: What the torch_checkpointing rows run with: its ``LocalFileSystemStorage`` through the page
+#: cache. Its default, ``use_direct_io=True``, writes the file with O_DIRECT and fails with
+#: EINVAL on the unaligned tail of a file on ext4 (the ``tc-direct`` row records that).
+TC_STORAGE = "LocalFileSystemStorageConfig(use_direct_io=False)"
+
+
+def torch_checkpointing_manager(*, async_save: bool, direct_io: bool) -> Any:
+    """A ``torch_checkpointing.CheckpointManager`` (sync or async preset) whose file storage
+    uses O_DIRECT or not.
+
+    Raises:
+        WriterUnavailable: torch_checkpointing (PyPI ``torch-checkpointing``) is not installed.
+    """
+    try:
+        from torch_checkpointing import CheckpointManager
+        from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+    except Exception as err:  # ImportError, or a torch too old for it
+        raise WriterUnavailable(f"torch_checkpointing: {err!r}") from err
+    presets = CheckpointManager.Config
+    config = presets.with_async_save() if async_save else presets.with_sync_save()
+    config.storage_config = LocalFileSystemStorageConfig(use_direct_io=direct_io)
+    return config.build()
+
+
+def _tc_version() -> dict[str, str]:
+    """``{"version": torch_checkpointing.__version__}`` (empty if it has none)."""
+    import torch_checkpointing
+
+    version = getattr(torch_checkpointing, "__version__", None)
+    return {} if version is None else {"version": str(version)}
+
+
+def _remove_tc_leftovers(target: Path) -> None:
+    """torch_checkpointing writes into ``tmp_<name>`` beside the target and renames it; a
+    failed write leaves that directory behind."""
+    remove_path(target.with_name(f"tmp_{target.name}"))
+
+
+class TorchCheckpointingWriter(Writer):
+    """torch_checkpointing's ``CheckpointManager`` sync save (``Config.with_sync_save()``) with
+    :data:`TC_STORAGE`. It does not fsync: the harness fsyncs its files and directories inside
+    the timed region."""
+
+    name = "tc-sync"
+    label = "torch_checkpointing CheckpointManager sync (buffered storage) + fsync"
+    direct_io = False
+
+    def __init__(self) -> None:
+        self._manager: Any = None
+
+    def open(self) -> None:
+        """Create the manager.
+
+        Raises:
+            WriterUnavailable: torch_checkpointing is not installed.
+        """
+        self._manager = torch_checkpointing_manager(async_save=False, direct_io=self.direct_io)
+
+    def write(self, state: State, target: Path) -> WriteTiming:
+        """``manager.save(target, {"state": state})``, then fsync."""
+
+        def action() -> None:
+            self._manager.save(str(target), {"state": dict(state)})
+            fsync_path(target)
+
+        try:
+            seconds, _ = _timed_sync(action)
+        except OSError as err:
+            _remove_tc_leftovers(target)
+            if err.errno == errno.EINVAL and self.direct_io:
+                raise RuntimeError(
+                    "torch_checkpointing's default storage, LocalFileSystemStorageConfig("
+                    "use_direct_io=True), failed: O_DIRECT refused the file's unaligned tail "
+                    f"on this filesystem ({err})"
+                ) from err
+            raise
+        return WriteTiming(seconds, seconds, {"direct_io": self.direct_io, **_tc_version()})
+
+    def close(self) -> None:
+        """Close the manager."""
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+
+
+class TorchCheckpointingDirectWriter(TorchCheckpointingWriter):
+    """torch_checkpointing's sync save with its default storage (``use_direct_io=True``), which
+    fails with EINVAL on filesystems that refuse unaligned O_DIRECT writes (ext4): a failed
+    row that says so, not a crash."""
+
+    name = "tc-direct"
+    label = "torch_checkpointing CheckpointManager sync (default O_DIRECT storage) + fsync"
+    direct_io = True
+
+
+class TorchCheckpointingAsyncWriter(Writer):
+    """torch_checkpointing's ``CheckpointManager`` async save (``Config.with_async_save()``,
+    staging through shared memory, a writer subprocess) with :data:`TC_STORAGE`: stall until
+    ``save()`` returns, total until its future resolved and the harness fsynced the files.
+
+    The subprocess starts on the first save (the warm-up round); its memory is not the
+    training process's, so the memory figure does not include it.
+    """
+
+    name = "tc-async"
+    label = "torch_checkpointing CheckpointManager async (buffered storage) + fsync"
+    is_async = True
+
+    def __init__(self) -> None:
+        self._manager: Any = None
+
+    def open(self) -> None:
+        """Create the manager.
+
+        Raises:
+            WriterUnavailable: torch_checkpointing is not installed.
+        """
+        self._manager = torch_checkpointing_manager(async_save=True, direct_io=False)
+
+    def write(self, state: State, target: Path) -> WriteTiming:
+        """Start the save, wait for its future, fsync what it wrote."""
+        start = time.perf_counter()
+        future = self._manager.save(str(target), {"state": dict(state)})
+        stall = time.perf_counter() - start
+        future.result()
+        fsync_path(target)
+        details = {"direct_io": False, **_tc_version()}
+        return WriteTiming(time.perf_counter() - start, stall, details)
+
+    def close(self) -> None:
+        """Close the manager (waits for its subprocess)."""
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+
+
 class TorchSaveWriter(Writer):
     """``torch.save`` into an open file, then flush + fsync (file and directory)."""
 
@@ -424,12 +592,16 @@ WRITERS: dict[str, type[Writer]] = {
         FastckptDirectWriter,
         FastckptBufferedWriter,
         FastckptNoChecksumWriter,
+        FastckptManagerWriter,
         FastckptAsyncWriter,
         TorchSaveWriter,
         SafetensorsWriter,
         DcpWriter,
         Dcp2Writer,
         DcpAsyncWriter,
+        TorchCheckpointingWriter,
+        TorchCheckpointingAsyncWriter,
+        TorchCheckpointingDirectWriter,
         CeilingWriter,
     )
 }
