@@ -8,7 +8,11 @@ on ``sys.path``). Its fenced blocks run in page order:
 * ```bash blocks must start with ``fastckpt ``; every line is run as ``python -m fastckpt``
   with the same arguments against the files the page's python blocks created, and must exit
   0, or N when the line ends with ``# exit status N``;
-* ```text, ```console and ```json blocks are shown, never run (``make demo``, sample output).
+* ```text, ```console and ```json blocks are shown, never run (``make demo``, sample output);
+  a ```text block right after a one-command bash block is that command's sample output: it
+  must be what the command prints now, up to the parts that differ between runs (times,
+  durations, rates, temporary paths; :func:`normalized`). ``FASTCKPT_REGEN_DOCS=1`` rewrites
+  such blocks from the real output instead of comparing.
 
 Relative links between the guide's pages must point at existing pages.
 """
@@ -16,6 +20,7 @@ Relative links between the guide's pages must point at existing pages.
 from __future__ import annotations
 
 import copy
+import os
 import re
 import shlex
 import subprocess
@@ -52,6 +57,23 @@ REQUIRED = [
 ]
 
 
+#: What differs between two runs of a command: ISO and table timestamps, durations, rates.
+VOLATILE = [
+    (re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(\.\d+)?(\+00:00)?"), "<time>"),
+    (re.compile(r"\b\d+(\.\d+)? s\b"), "<seconds> s"),
+    (re.compile(r"\(\d+(\.\d+)? [KMGT]?i?B/s\)"), "(<rate>)"),
+]
+REGENERATE = os.environ.get("FASTCKPT_REGEN_DOCS") == "1"
+
+
+def normalized(text: str) -> str:
+    """``text`` with the parts that differ between runs replaced by placeholders, table
+    padding collapsed (a timestamp's width is fixed, but a placeholder's is not)."""
+    for pattern, placeholder in VOLATILE:
+        text = pattern.sub(placeholder, text)
+    return "\n".join(re.sub(r"  +", "  ", line.rstrip()) for line in text.strip().splitlines())
+
+
 @dataclass
 class Block:
     """One fenced block of a page."""
@@ -59,15 +81,30 @@ class Block:
     language: str
     body: str
     line: int
+    start: int  # offsets of the body in the page
+    end: int
+    follows_directly: bool  # only blank lines between the previous block and this one
 
 
 def blocks(page: Path) -> list[Block]:
     """The fenced blocks of ``page`` in order, with the line each starts on."""
     text = page.read_text()
-    return [
-        Block(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1)
-        for m in FENCE.finditer(text)
-    ]
+    found = []
+    previous_end = None
+    for m in FENCE.finditer(text):
+        direct = previous_end is not None and not text[previous_end : m.start()].strip()
+        found.append(
+            Block(
+                m.group(1),
+                m.group(2),
+                text.count("\n", 0, m.start()) + 1,
+                m.start(2),
+                m.end(2),
+                direct,
+            )
+        )
+        previous_end = m.end()
+    return found
 
 
 def fastckpt_lines(block: Block) -> list[tuple[list[str], int]]:
@@ -109,8 +146,11 @@ def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
         monkeypatch.setattr(specs, registry, copy.copy(getattr(specs, registry)))
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
     written: list[str] = []
+    last_output: str | None = None  # stdout of the bash block just run, if it ran one command
+    rewrites: list[tuple[Block, str]] = []
     try:
         for block in blocks(page):
+            output, last_output = last_output, None
             where = f"{page.name}:{block.line}"
             if block.language == "python":
                 first = block.body.splitlines()[0] if block.body else ""
@@ -121,7 +161,8 @@ def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
                     continue
                 exec(compile(block.body, where, "exec"), namespace)
             elif block.language == "bash":
-                for args, expected in fastckpt_lines(block):
+                commands = fastckpt_lines(block)
+                for args, expected in commands:
                     result = subprocess.run(
                         [sys.executable, "-m", "fastckpt", *args],
                         capture_output=True,
@@ -133,6 +174,16 @@ def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
                         f"expected {expected}\n{result.stdout}{result.stderr}"
                     )
                     assert "Traceback" not in result.stderr, result.stderr
+                    if len(commands) == 1:
+                        last_output = result.stdout
+            elif block.language == "text" and block.follows_directly and output is not None:
+                if REGENERATE:
+                    rewrites.append((block, output))
+                else:
+                    assert normalized(block.body) == normalized(output), (
+                        f"{where}: the sample output differs from what the command prints now "
+                        f"(FASTCKPT_REGEN_DOCS=1 rewrites it):\n{output}"
+                    )
             else:
                 assert block.language in SHOWN_ONLY, (
                     f"{where}: fence language {block.language!r}; use python or bash to run "
@@ -141,3 +192,8 @@ def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
     finally:
         for name in written:  # modules the page wrote must not leak into other pages
             sys.modules.pop(name, None)
+    if rewrites:
+        text = page.read_text()
+        for block, output in sorted(rewrites, key=lambda pair: -pair[0].start):
+            text = text[: block.start] + output.rstrip("\n") + "\n" + text[block.end :]
+        page.write_text(text)
