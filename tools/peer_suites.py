@@ -288,11 +288,24 @@ def pytest_runtest_logreport(report: Any) -> None:
         if entry["outcome"] == "passed":
             crash = getattr(report.longrepr, "reprcrash", None)
             message = crash.message if crash is not None else str(report.longrepr)
-            entry.update(outcome=outcome, message=message.strip().splitlines()[0][:300])
+            message = message.strip().splitlines()[0][:300]
+            if crash is not None:  # where: the test file's line, or the deepest frame's
+                message += f" [{_failing_line(report.longrepr, crash)}]"
+            entry.update(outcome=outcome, message=message)
     elif report.skipped and entry["outcome"] == "passed":
         longrepr = report.longrepr
         reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
         entry.update(outcome="skipped", message=str(reason)[:300])
+
+
+def _failing_line(longrepr: Any, crash: Any) -> str:
+    """``file:line`` of the last traceback entry inside the test file (else the crash's)."""
+    entries = getattr(getattr(longrepr, "reprtraceback", None), "reprentries", [])
+    for entry in reversed(entries):
+        location = getattr(entry, "reprfileloc", None)
+        if location is not None and Path(location.path).name.startswith("test_"):
+            return f"{Path(location.path).name}:{location.lineno}"
+    return f"{Path(crash.path).name}:{crash.lineno}"
 
 
 def pytest_unconfigure(config: Any) -> None:
