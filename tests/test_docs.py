@@ -9,17 +9,19 @@ on ``sys.path``). Its fenced blocks run in page order:
   with the same arguments against the files the page's python blocks created, and must exit
   0, or N when the line ends with ``# exit status N``;
 * ```text, ```console and ```json blocks are shown, never run (``make demo``, sample output);
-  a ```text block right after a one-command bash block is that command's sample output: it
-  must be what the command prints now, up to the parts that differ between runs (times,
-  durations, rates, temporary paths; :func:`normalized`). ``FASTCKPT_REGEN_DOCS=1`` rewrites
-  such blocks from the real output instead of comparing.
+  a ```text block right after a bash block (its commands' output, in order), or after a
+  python block that prints, is that block's sample output: it must be what the block prints
+  now, up to the parts that differ between runs (times, durations, rates; :func:`normalized`).
+  ``FASTCKPT_REGEN_DOCS=1`` rewrites the blocks that differ from the real output instead.
 
 Relative links between the guide's pages must point at existing pages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import os
 import re
 import shlex
@@ -146,7 +148,7 @@ def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
         monkeypatch.setattr(specs, registry, copy.copy(getattr(specs, registry)))
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
     written: list[str] = []
-    last_output: str | None = None  # stdout of the bash block just run, if it ran one command
+    last_output: str | None = None  # what the block just run printed (None: nothing)
     rewrites: list[tuple[Block, str]] = []
     try:
         for block in blocks(page):
@@ -159,10 +161,13 @@ def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
                     (tmp_path / marker.group(1)).write_text(block.body)
                     written.append(Path(marker.group(1)).stem)
                     continue
-                exec(compile(block.body, where, "exec"), namespace)
+                printed = io.StringIO()
+                with contextlib.redirect_stdout(printed):
+                    exec(compile(block.body, where, "exec"), namespace)
+                last_output = printed.getvalue() or None
             elif block.language == "bash":
-                commands = fastckpt_lines(block)
-                for args, expected in commands:
+                outputs = []
+                for args, expected in fastckpt_lines(block):
                     result = subprocess.run(
                         [sys.executable, "-m", "fastckpt", *args],
                         capture_output=True,
@@ -174,14 +179,15 @@ def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
                         f"expected {expected}\n{result.stdout}{result.stderr}"
                     )
                     assert "Traceback" not in result.stderr, result.stderr
-                    if len(commands) == 1:
-                        last_output = result.stdout
+                    outputs.append(result.stdout)
+                last_output = "".join(outputs)
             elif block.language == "text" and block.follows_directly and output is not None:
                 if REGENERATE:
-                    rewrites.append((block, output))
+                    if normalized(block.body) != normalized(output):
+                        rewrites.append((block, output))
                 else:
                     assert normalized(block.body) == normalized(output), (
-                        f"{where}: the sample output differs from what the command prints now "
+                        f"{where}: the sample output differs from what the block prints now "
                         f"(FASTCKPT_REGEN_DOCS=1 rewrites it):\n{output}"
                     )
             else:
