@@ -52,22 +52,22 @@ $(VENV)/.python-checked:
 	@touch $@
 
 # Reuses an existing venv and pip's cache; works from nothing on a fresh machine.
-$(VENV)/.deps-installed: pyproject.toml $(VENV)/.python-checked
+$(VENV)/.deps-installed: pyproject.toml tools/constraints.txt $(VENV)/.python-checked
 	@echo "==> upgrading pip"
 	$(PY) -m pip install --quiet --upgrade pip
 	@echo "==> installing the Python dependencies (the first run downloads torch, a few GB, into $(WHEELHOUSE))"
-	mkdir -p $(WHEELHOUSE)
-	eval $(PY) -m pip download --quiet --dest $(WHEELHOUSE) $(DEPS)
-	eval $(PY) -m pip install --progress-bar on --no-compile --find-links $(WHEELHOUSE) $(DEPS)
-	touch $@
+	@mkdir -p $(WHEELHOUSE)
+	@eval $(PY) -m pip download --quiet --dest $(WHEELHOUSE) -c tools/constraints.txt $(DEPS)
+	@eval $(PY) -m pip install --quiet --no-compile --find-links $(WHEELHOUSE) -c tools/constraints.txt $(DEPS)
+	@touch $@
 
 # The distribution was called `fastckpt` before it became `fastckpt-io`: an old development
 # install of that name is removed first so that two records never own the same files.
 $(VENV)/.fastckpt-built: $(VENV)/.deps-installed $(RUST_SOURCES)
 	@echo "==> building the Rust extension (release) into $(VENV)"
-	$(PY) -m pip uninstall --yes --quiet fastckpt 2>/dev/null || true
-	$(VENV)/bin/maturin develop --release
-	touch $@
+	@$(PY) -m pip uninstall --yes --quiet fastckpt 2>/dev/null || true
+	@$(VENV)/bin/maturin develop --release --quiet
+	@touch $@
 
 # The wheels and the sdist, built once and reused by tests/test_wheel.py (FASTCKPT_DIST). The
 # extension uses CPython's stable ABI (abi3, 3.11+), so one wheel per architecture serves
@@ -108,8 +108,7 @@ aarch64-tools:
 
 lint: setup
 	cargo fmt --check
-	cargo clippy --all-targets --features python -- -D warnings
-	cargo clippy --all-targets -- -D warnings
+	cargo clippy --quiet --all-targets --features python -- -D warnings
 	$(VENV)/bin/ruff check python tests tools $(wildcard benches/*.py)
 	$(VENV)/bin/ruff format --check python tests tools $(wildcard benches/*.py)
 	$(VENV)/bin/mypy
