@@ -26,8 +26,8 @@ mod _native {
     #[pymodule_export]
     use crate::py_api::{
         check_mapped, crc32c, crc32c_combine, digests, encode_header, fsync_dir, image_layout,
-        open_regular, read_header, save_file, temp_prefix, verify_file, write_bytes_atomic,
-        write_ceiling, write_image, ByteCounter,
+        open_regular, read_header, read_into, save_file, temp_prefix, verify_file,
+        write_bytes_atomic, write_ceiling, write_image, ByteCounter,
     };
 
     #[pymodule_export]

@@ -19,7 +19,7 @@ use crate::error::Error;
 use crate::format::{Dtype, Header, TensorDesc};
 use crate::image;
 use crate::progress::Progress;
-use crate::reader::{MappedFile, Reader};
+use crate::reader::{Destination, MappedFile, Reader};
 use crate::replace;
 use crate::writer::{self, WriteOptions};
 
@@ -303,6 +303,73 @@ pub fn verify_file(
 ) -> PyResult<(u32, Vec<String>)> {
     let progress = counter(progress);
     Ok(py.detach(|| Reader::open(&path, follow_symlinks)?.verify(threads.max(1), &progress))?)
+}
+
+/// Reads tensors of `path` (a regular file; a symbolic link is followed only with
+/// `follow_symlinks`) straight into the caller's buffers with positional reads on `threads`
+/// threads, GIL released: `tensors` lists `(name, dtype, shape, buffer)`, each buffer a
+/// writable C-contiguous byte view (a uint8 numpy view of a tensor's memory) of exactly that
+/// tensor's size; buffers must not overlap. Every tensor is hashed as it is read (the others
+/// through scratch buffers) and its crc32c checked; raises on any mismatch, naming file and
+/// tensor (the buffers then hold partial or damaged bytes). Returns the whole-file crc32c.
+#[pyfunction]
+#[pyo3(signature = (path, tensors, threads, follow_symlinks=true, progress=None))]
+#[allow(clippy::type_complexity)]
+pub fn read_into<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    tensors: Vec<(String, String, Vec<u64>, Bound<'py, PyAny>)>,
+    threads: usize,
+    follow_symlinks: bool,
+    progress: Option<PyRef<'py, ByteCounter>>,
+) -> PyResult<u32> {
+    let progress = counter(progress);
+    let mut buffers = Vec::with_capacity(tensors.len());
+    let mut targets = Vec::with_capacity(tensors.len());
+    for (name, dtype, shape, data) in tensors {
+        let buffer = PyBuffer::<u8>::get(&data)?;
+        if buffer.readonly() {
+            return Err(PyValueError::new_err(format!(
+                "{}: the buffer of tensor `{name}` is read-only",
+                path.display()
+            )));
+        }
+        let raw = RawBytes::of(&buffer, &name)?;
+        buffers.push(buffer);
+        targets.push((name.clone(), parse_dtype(&dtype, &name)?, shape, raw));
+    }
+    // The destinations become `&mut` slices used by several threads: they must be disjoint.
+    let mut spans: Vec<(usize, usize, &str)> = targets
+        .iter()
+        .filter(|(.., raw)| raw.len > 0)
+        .map(|(name, .., raw)| (raw.addr, raw.addr + raw.len, name.as_str()))
+        .collect();
+    spans.sort_unstable();
+    if let Some(pair) = spans.windows(2).find(|pair| pair[0].1 > pair[1].0) {
+        return Err(PyValueError::new_err(format!(
+            "{}: the buffers of tensors `{}` and `{}` overlap",
+            path.display(),
+            pair[0].2,
+            pair[1].2
+        )));
+    }
+    let crc = py.detach(|| {
+        let destinations = targets
+            .into_iter()
+            .map(|(name, dtype, shape, raw)| Destination {
+                name,
+                dtype,
+                shape,
+                // SAFETY: `buffers` (alive until this function returns) keeps every writable
+                // buffer valid, the spans were checked to be disjoint, and the caller does not
+                // touch them while the read runs.
+                bytes: unsafe { raw.as_mut_slice() },
+            })
+            .collect();
+        Reader::open(&path, follow_symlinks)?.read_into(destinations, threads.max(1), &progress)
+    })?;
+    drop(buffers);
+    Ok(crc)
 }
 
 /// Opens `path` read-only if it is a regular file and returns the descriptor (the caller owns

@@ -1,8 +1,10 @@
 //! Reading a safetensors file: header validation, then the crc32c of every tensor checked in
-//! parallel pieces, either with positional reads through small scratch buffers ([`Reader`],
-//! for verifying files without keeping them) or over the whole file already in memory
+//! parallel pieces, either with positional reads ([`Reader`]: through small scratch buffers
+//! for verifying files without keeping them, or straight into the caller's buffers, e.g. the
+//! tensors a checkpoint is loaded into) or over the whole file already in memory
 //! ([`MappedFile`], the caller's private mapping that loaded tensors are views of).
 
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
@@ -12,7 +14,7 @@ use std::sync::Mutex;
 
 use crate::checksum::{self, PieceCrc};
 use crate::error::{Error, Result};
-use crate::format::{self, Header};
+use crate::format::{self, Dtype, Header};
 use crate::progress::Progress;
 
 /// Bytes read and hashed per piece: large enough for throughput, small enough to be hashed
@@ -250,22 +252,7 @@ impl Reader {
     /// the names of the tensors that have no stored checksum.
     pub fn verify(&self, threads: usize, progress: &Progress) -> Result<(u32, Vec<String>)> {
         let header = self.header();
-        // Scratch buffers are reused: fresh memory costs page faults on every piece.
-        let scratch = Mutex::new(Vec::<Vec<u8>>::new());
-        let mut crcs = parallel(pieces(header), threads, |piece| {
-            let mut buf = scratch.lock().unwrap_or_else(|e| e.into_inner()).pop();
-            let buf = buf.get_or_insert_with(|| vec![0u8; READ_PIECE]);
-            let bytes = &mut buf[..piece.len];
-            let result = read_exact(&self.file, self.path(), bytes, header.data_start + piece.at)
-                .map(|()| piece_crc(piece.tensor, piece.offset, bytes));
-            progress.add(piece.len as u64);
-            scratch
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(std::mem::take(buf));
-            result
-        })?;
-        let file_crc = self.valid.check_all(&mut crcs)?;
+        let file_crc = self.read_pieces(Vec::new(), threads, progress)?;
         let unchecked = header
             .tensors
             .iter()
@@ -274,6 +261,135 @@ impl Reader {
             .collect();
         Ok((file_crc, unchecked))
     }
+
+    /// Reads the tensors named by `destinations` straight into their buffers with positional
+    /// reads on `threads` threads, hashing each piece as it lands (still in cache), and every
+    /// other tensor through scratch buffers; then checks every stored checksum. Returns the
+    /// whole-file crc32c.
+    ///
+    /// Each destination must describe a tensor of the file exactly (name, dtype, shape, and a
+    /// buffer of its size), else nothing is read and a format error says the file differs
+    /// from what the caller expected (it was replaced since the caller read its header); a
+    /// tensor may be named once. On a checksum or read error the buffers hold what was read
+    /// until then: the caller must not use them.
+    pub fn read_into(
+        &self,
+        destinations: Vec<Destination<'_>>,
+        threads: usize,
+        progress: &Progress,
+    ) -> Result<u32> {
+        let header = self.header();
+        let index: HashMap<&str, usize> = header
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, info)| (info.name.as_str(), i))
+            .collect();
+        let mut slots: Vec<Option<&mut [u8]>> = Vec::new();
+        slots.resize_with(header.tensors.len(), || None);
+        for dest in destinations {
+            let Some(&i) = index.get(dest.name.as_str()) else {
+                return Err(self.changed(&dest.name, "the file has no such tensor"));
+            };
+            let info = &header.tensors[i];
+            if info.dtype != dest.dtype
+                || info.shape != dest.shape
+                || info.nbytes() != dest.bytes.len() as u64
+            {
+                return Err(self.changed(
+                    &dest.name,
+                    &format!(
+                        "the file holds {} {:?} ({} bytes), the destination is {} {:?} ({} bytes)",
+                        info.dtype.name(),
+                        info.shape,
+                        info.nbytes(),
+                        dest.dtype.name(),
+                        dest.shape,
+                        dest.bytes.len()
+                    ),
+                ));
+            }
+            if slots[i].is_some() {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: tensor `{}` is given two destinations",
+                    self.path().display(),
+                    dest.name
+                )));
+            }
+            slots[i] = Some(dest.bytes);
+        }
+        self.read_pieces(slots, threads, progress)
+    }
+
+    fn changed(&self, tensor: &str, what: &str) -> Error {
+        Error::format(
+            self.path(),
+            format!("tensors.{tensor}"),
+            format!("{what}; the file changed since its header was read"),
+        )
+    }
+
+    /// Reads every tensor in pieces on `threads` threads: into `slots[i]` for tensor `i` when
+    /// given (a buffer of its size), else through reused scratch buffers; checks the stored
+    /// checksums and returns the whole-file crc32c. An empty `slots` reads everything through
+    /// scratch buffers.
+    fn read_pieces(
+        &self,
+        slots: Vec<Option<&mut [u8]>>,
+        threads: usize,
+        progress: &Progress,
+    ) -> Result<u32> {
+        let header = self.header();
+        let mut slots = slots.into_iter();
+        let mut work: Vec<(Piece, Option<&mut [u8]>)> = Vec::new();
+        let mut all = pieces(header).into_iter().peekable();
+        for tensor in 0..header.tensors.len() {
+            // A destination is cut where the pieces are, so that each is hashed alone.
+            let mut chunks = slots.next().flatten().map(|buf| buf.chunks_mut(READ_PIECE));
+            while let Some(piece) = all.next_if(|piece| piece.tensor == tensor) {
+                let chunk = chunks.as_mut().and_then(Iterator::next);
+                work.push((piece, chunk));
+            }
+        }
+        // Scratch buffers are reused: fresh memory costs page faults on every piece.
+        let scratch = Mutex::new(Vec::<Vec<u8>>::new());
+        let data_start = header.data_start;
+        let mut crcs = parallel(work, threads, |(piece, dest)| {
+            let at = data_start + piece.at;
+            let result = match dest {
+                Some(bytes) => read_exact(&self.file, self.path(), bytes, at)
+                    .map(|()| piece_crc(piece.tensor, piece.offset, bytes)),
+                None => {
+                    let mut buf = scratch.lock().unwrap_or_else(|e| e.into_inner()).pop();
+                    let buf = buf.get_or_insert_with(|| vec![0u8; READ_PIECE]);
+                    let bytes = &mut buf[..piece.len];
+                    let result = read_exact(&self.file, self.path(), bytes, at)
+                        .map(|()| piece_crc(piece.tensor, piece.offset, bytes));
+                    scratch
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(std::mem::take(buf));
+                    result
+                }
+            };
+            progress.add(piece.len as u64);
+            result
+        })?;
+        self.valid.check_all(&mut crcs)
+    }
+}
+
+/// A caller's buffer that [`Reader::read_into`] fills with one tensor of the file, and what
+/// the caller expects that tensor to be.
+pub struct Destination<'a> {
+    /// The tensor's name in the header.
+    pub name: String,
+    /// Its dtype, as the caller expects it.
+    pub dtype: Dtype,
+    /// Its shape (header convention), as the caller expects it.
+    pub shape: Vec<u64>,
+    /// Exactly the tensor's bytes.
+    pub bytes: &'a mut [u8],
 }
 
 fn piece_crc(tensor: usize, offset: u64, bytes: &[u8]) -> PieceCrc {
@@ -559,6 +675,120 @@ mod tests {
         ));
         // Unverified reads do not look at checksums.
         assert!(read_all(&path, false).is_ok());
+    }
+
+    /// The destinations of `bufs`: (name, dtype, shape, buffer) each.
+    fn destinations<'a>(
+        bufs: &'a mut [(String, Dtype, Vec<u64>, Vec<u8>)],
+    ) -> Vec<Destination<'a>> {
+        bufs.iter_mut()
+            .map(|(name, dtype, shape, bytes)| Destination {
+                name: name.clone(),
+                dtype: *dtype,
+                shape: shape.clone(),
+                bytes: bytes.as_mut_slice(),
+            })
+            .collect()
+    }
+
+    /// Zeroed buffers for the sample tensors named in `names`.
+    fn empty_buffers(names: &[&str]) -> Vec<(String, Dtype, Vec<u64>, Vec<u8>)> {
+        sample()
+            .into_iter()
+            .filter(|(name, ..)| names.contains(name))
+            .map(|(name, dtype, shape, bytes)| {
+                (name.to_string(), dtype, shape, vec![0; bytes.len()])
+            })
+            .collect()
+    }
+
+    #[test]
+    fn read_into_fills_the_destinations_and_checks_every_tensor() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.safetensors");
+        write(&path, &sample(), WriteOptions::default());
+        let whole = std::fs::read(&path).unwrap();
+        let reader = Reader::open(&path, true).unwrap();
+        // "big" spans several pieces (read by several threads); "small" is left to scratch.
+        let mut bufs = empty_buffers(&["big", "empty", "scalar"]);
+        let read = Progress::default();
+        let crc = reader.read_into(destinations(&mut bufs), 3, &read).unwrap();
+        assert_eq!(crc, crate::checksum::append(0, &whole));
+        let total: u64 = sample().iter().map(|(.., b)| b.len() as u64).sum();
+        assert_eq!(read.get(), total);
+        let want = sample();
+        for (name, _, _, got) in &bufs {
+            let (.., expected) = want.iter().find(|(n, ..)| n == name).unwrap();
+            assert_eq!(got, expected, "{name}");
+        }
+    }
+
+    #[test]
+    fn read_into_reports_a_flipped_byte_in_a_destination_tensor() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.safetensors");
+        write(&path, &sample(), WriteOptions::default());
+        let header = Reader::open(&path, true).unwrap().header().clone();
+        let mut bytes = std::fs::read(&path).unwrap();
+        let big = header.tensor("big").unwrap();
+        bytes[(header.data_start + big.begin + 9_000_000) as usize] ^= 0x10;
+        std::fs::write(&path, &bytes).unwrap();
+        let mut bufs = empty_buffers(&["big"]);
+        let reader = Reader::open(&path, true).unwrap();
+        match reader.read_into(destinations(&mut bufs), 2, &Progress::default()) {
+            Err(Error::Checksum {
+                tensor, path: p, ..
+            }) => {
+                assert_eq!(tensor, "big");
+                assert_eq!(p, path);
+            }
+            other => panic!("expected a checksum error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn read_into_refuses_destinations_that_do_not_match_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.safetensors");
+        write(&path, &sample(), WriteOptions::default());
+        let reader = Reader::open(&path, true).unwrap();
+        let mut buf = [0u8; 10];
+        let cases = [
+            ("nope", Dtype::I16, vec![5], 10),
+            ("small", Dtype::U16, vec![5], 10),
+            ("small", Dtype::I16, vec![10], 10),
+            ("small", Dtype::I16, vec![5], 8),
+        ];
+        for (name, dtype, shape, len) in cases {
+            let dest = Destination {
+                name: name.into(),
+                dtype,
+                shape,
+                bytes: &mut buf[..len],
+            };
+            assert!(
+                matches!(
+                    reader.read_into(vec![dest], 2, &Progress::default()),
+                    Err(Error::Format { .. })
+                ),
+                "{name} {dtype:?} {len}"
+            );
+        }
+        let (mut a, mut b) = (vec![0u8; 10], vec![0u8; 10]);
+        let twice = ["small", "small"]
+            .iter()
+            .zip([&mut a, &mut b])
+            .map(|(name, bytes)| Destination {
+                name: name.to_string(),
+                dtype: Dtype::I16,
+                shape: vec![5],
+                bytes: bytes.as_mut_slice(),
+            })
+            .collect();
+        assert!(matches!(
+            reader.read_into(twice, 2, &Progress::default()),
+            Err(Error::InvalidArgument(_))
+        ));
     }
 
     #[test]

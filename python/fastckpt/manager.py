@@ -48,6 +48,7 @@ from fastckpt.manager_config import (
     SyncCheckpointSaverConfig,
 )
 from fastckpt.manager_incremental import LinkPlan, Tracker
+from fastckpt.manager_load import plan_direct_read
 from fastckpt.progress import log_throughput
 from fastckpt.staging import (
     BackgroundWriter,
@@ -641,8 +642,15 @@ class CheckpointManager:
             values: dict[str, Any] = {}
             for key in record["items"] if into is None else into:
                 if key in record["items"]:
+                    template = None if into is None else into[key]
                     values[key] = _load_checked_item(
-                        directory, record, key, self._dist.rank, map_location, self.config
+                        directory,
+                        record,
+                        key,
+                        self._dist.rank,
+                        map_location,
+                        self.config,
+                        template,
                     )
             return record, values
 
@@ -774,12 +782,24 @@ def _load_item(
 
 
 def _load_checked_item(
-    directory: Path, record: Mapping[str, Any], key: str, rank: int, map_location: Any, config: Any
+    directory: Path,
+    record: Mapping[str, Any],
+    key: str,
+    rank: int,
+    map_location: Any,
+    config: Any,
+    template: Any = None,
 ) -> Any:
-    """:func:`_load_item`, with the malformed-skeleton errors of a hostile item JSON (whose
-    checksum was re-sealed) as :class:`CheckpointFormatError` naming the file."""
+    """:func:`_load_item`, or the direct read into ``template`` where some template tensor can
+    take one (:mod:`fastckpt.manager_load`; local checkpoints), with the malformed-skeleton
+    errors of a hostile item JSON (whose checksum was re-sealed) as
+    :class:`CheckpointFormatError` naming the file."""
     where = directory / item_files(record, key, rank)[0]
     try:
+        if template is not None and not is_object_url(directory):
+            plan = plan_direct_read(directory, record, key, rank, template)
+            if plan is not None:
+                return plan.load(map_location)
         return _load_item(directory, record, key, rank, map_location, config.load.use_mmap)
     except CheckpointFormatError as err:
         if str(directory) in str(err):

@@ -1,0 +1,254 @@
+"""CheckpointManager.load(into=...) reads tensors straight into the templates' memory
+(positional reads, crc32c on the same pass): bit-exact, the templates themselves returned,
+damage named by file and tensor, and the copy path kept where a template cannot take a direct
+read (non-contiguous, mismatched, overlapping, stateful)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fastckpt.manager as manager_module
+import fastckpt.manager_load as manager_load
+from fastckpt import CheckpointMismatchError, ChecksumMismatchError
+from fastckpt.files import read_metadata
+from fastckpt.manager import CheckpointManager
+
+
+def _sync() -> CheckpointManager:
+    return CheckpointManager(CheckpointManager.Config.with_sync_save())
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=generator).to(dtype)
+    if dtype is torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    return torch.randint(0, 100, shape, generator=generator).to(dtype)
+
+
+def _state() -> dict[str, Any]:
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64]
+    dtypes += [torch.int8, torch.uint8, torch.bool, torch.complex64]
+    model = {f"t_{str(d).split('.')[-1]}": _random((5, 7), d, i) for i, d in enumerate(dtypes)}
+    model["scalar"] = torch.tensor(3.5)  # 0-d
+    model["empty"] = torch.empty(0, 4)
+    # Several 4 MiB read pieces, read by several threads.
+    model["big"] = _random((3, 1_500_001), torch.float32, 99)
+    optim = {
+        "state": {0: {"step": torch.tensor(10.0), "exp_avg": _random((64,), torch.float32, 1)}},
+        "param_groups": [{"lr": 0.1, "params": [0]}],
+    }
+    return {"model": model, "optim": optim, "step": 7}
+
+
+def _templates(state: dict[str, Any]) -> dict[str, Any]:
+    def blank(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return torch.zeros_like(value)
+        if isinstance(value, dict):
+            return {key: blank(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [blank(item) for item in value]
+        return value
+
+    return {key: blank(value) for key, value in state.items()}
+
+
+def _leaves(value: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(item, f"{path}.{key}" if path else str(key))
+
+
+@pytest.fixture
+def direct_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str]]]:
+    """The direct reads made: (file, tensor names) per call. An item holding tensors may not
+    take the mapped path (items of plain values, with no tensor to read into, may)."""
+    calls: list[tuple[str, list[str]]] = []
+    real_read = manager_load._native.read_into
+    real_load = manager_module._load_item
+
+    def spy(path: str, tensors: Any, *args: Any, **kwargs: Any) -> int:
+        calls.append((path, [entry[0] for entry in tensors]))
+        return real_read(path, tensors, *args, **kwargs)
+
+    def mapped(directory: Path, record: Any, key: str, *args: Any) -> Any:
+        value = real_load(directory, record, key, *args)
+        assert not list(_leaves(value)), f"item {key!r} took the mapped path"
+        return value
+
+    monkeypatch.setattr(manager_load._native, "read_into", spy)
+    monkeypatch.setattr(manager_module, "_load_item", mapped)
+    return calls
+
+
+def test_round_trip_is_bit_exact_into_the_templates_themselves(
+    tmp_path: Path, direct_reads: list[tuple[str, list[str]]]
+) -> None:
+    state = _state()
+    templates = _templates(state)
+    pointers = {path: tensor.data_ptr() for path, tensor in _leaves(templates)}
+    objects = {path: tensor for path, tensor in _leaves(templates)}
+    with _sync() as manager:
+        manager.save(tmp_path / "c", state)
+        loaded = manager.load(tmp_path / "c", into=templates)
+    assert loaded["step"] == 7
+    saved = dict(_leaves(state))
+    for path, tensor in _leaves(loaded):
+        assert tensor is objects[path], path
+        assert tensor.data_ptr() == pointers[path], path
+        assert tensor.dtype == saved[path].dtype and tensor.shape == saved[path].shape
+        assert _bytes(tensor) == _bytes(saved[path]), path
+    assert sorted(Path(path).name for path, _ in direct_reads) == [
+        "model.safetensors",
+        "optim.safetensors",
+    ]
+    model_read = next(names for path, names in direct_reads if path.endswith("model.safetensors"))
+    assert "big" in model_read and "scalar" in model_read and "empty" in model_read
+
+
+def test_a_flipped_byte_is_a_checksum_error_naming_file_and_tensor(
+    tmp_path: Path, direct_reads: list[tuple[str, list[str]]]
+) -> None:
+    state = _state()
+    with _sync() as manager:
+        manager.save(tmp_path / "c", state)
+        path = tmp_path / "c" / "model.safetensors"
+        header = read_metadata(path)
+        begin, _ = header["tensors"]["big"]["data_offsets"]
+        with open(path, "r+b") as handle:
+            at = header["data_start"] + begin + 7_000_000
+            handle.seek(at)
+            byte = handle.read(1)
+            handle.seek(at)
+            handle.write(bytes([byte[0] ^ 0x20]))
+        templates = _templates(state)
+        with pytest.raises(ChecksumMismatchError) as caught:
+            manager.load(tmp_path / "c", into=templates)
+    message = str(caught.value)
+    assert str(path) in message and "big" in message
+
+
+def test_a_file_that_differs_from_the_commit_record_is_refused(
+    tmp_path: Path, direct_reads: list[tuple[str, list[str]]]
+) -> None:
+    """A tensor file whose own checksums agree but which is not the recorded file (another
+    checkpoint's, of the same size) is refused by the record's crc32c."""
+    state = _state()
+    other = _state()
+    other["model"]["scalar"] = torch.tensor(4.5)
+    with _sync() as manager, _sync() as separate:  # d: a full save, not linked to c
+        manager.save(tmp_path / "c", state)
+        separate.save(tmp_path / "d", other)
+        os.replace(tmp_path / "d" / "model.safetensors", tmp_path / "c" / "model.safetensors")
+        with pytest.raises(ChecksumMismatchError, match=r"model\.safetensors.*recorded"):
+            manager.load(tmp_path / "c", into=_templates(state))
+
+
+def test_templates_that_cannot_take_a_direct_read_are_copied(
+    tmp_path: Path, direct_reads: list[tuple[str, list[str]]]
+) -> None:
+    state = {
+        "model": {
+            "plain": torch.arange(12.0).reshape(3, 4),
+            "strided": torch.arange(12.0).reshape(4, 3).t().contiguous(),
+            "tied_a": torch.arange(6.0),
+            "tied_b": torch.arange(6.0),
+        }
+    }
+    strided = torch.zeros(4, 3).t()  # non-contiguous (3, 4)
+    tied = torch.zeros(6)  # one template for two stored tensors
+    plain = torch.zeros(3, 4)
+    templates = {"model": {"plain": plain, "strided": strided, "tied_a": tied, "tied_b": tied}}
+    with _sync() as manager:
+        manager.save(tmp_path / "c", state)
+        loaded = manager.load(tmp_path / "c", into=templates)
+    assert not strided.is_contiguous()
+    assert loaded["model"]["strided"] is strided
+    assert torch.equal(strided, state["model"]["strided"])
+    assert torch.equal(plain, state["model"]["plain"])
+    assert loaded["model"]["tied_a"] is tied and torch.equal(tied, torch.arange(6.0))
+    # One read of the file: "plain" into its template, the others into fresh memory.
+    assert [sorted(names) for _, names in direct_reads] == [
+        ["plain", "strided", "tied_a", "tied_b"]
+    ]
+
+
+def test_overlapping_templates_are_not_read_in_parallel() -> None:
+    base = torch.zeros(10)
+    direct = {"a": base[:6], "b": base[4:], "c": torch.zeros(3), "d": torch.zeros(0)}
+    assert sorted(manager_load._without_overlaps(direct)) == ["c", "d"]
+
+
+def test_a_dtype_or_shape_mismatch_still_raises(
+    tmp_path: Path, direct_reads: list[tuple[str, list[str]]]
+) -> None:
+    state = {"model": {"w": torch.ones(2, 3), "b": torch.zeros(3)}}
+    with _sync() as manager:
+        manager.save(tmp_path / "c", state)
+        wrong_dtype = {"model": {"w": torch.empty(2, 3, dtype=torch.float64), "b": torch.empty(3)}}
+        with pytest.raises(CheckpointMismatchError, match=r"model\.w.*float64"):
+            manager.load(tmp_path / "c", into=wrong_dtype)
+        wrong_shape = {"model": {"w": torch.empty(2, 3), "b": torch.empty(1)}}
+        with pytest.raises(CheckpointMismatchError, match=r"model\.b"):
+            manager.load(tmp_path / "c", into=wrong_shape)
+
+
+def test_parameters_and_partial_templates(
+    tmp_path: Path, direct_reads: list[tuple[str, list[str]]]
+) -> None:
+    state = {"model": {"w": torch.randn(4, 4), "b": torch.randn(4)}}
+    weight = torch.nn.Parameter(torch.zeros(4, 4))
+    version = weight._version
+    with _sync() as manager:
+        manager.save(tmp_path / "c", state)
+        loaded = manager.load(tmp_path / "c", into={"model": {"w": weight}})
+    assert loaded == {"model": {"w": weight}}  # only the template's keys
+    assert torch.equal(weight.detach(), state["model"]["w"]) and weight.requires_grad
+    # The load counts as an in-place write (incremental saves rely on the version counter).
+    assert weight._version > version
+
+
+def test_stateful_and_none_templates_keep_the_mapped_path(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    with _sync() as manager:
+        manager.save(tmp_path / "c", {"model": model, "extra": {"x": torch.ones(2)}})
+        fresh = torch.nn.Linear(3, 2)
+        loaded = manager.load(tmp_path / "c", into={"model": fresh, "extra": None})
+    assert loaded["model"] is fresh
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    assert torch.equal(loaded["extra"]["x"], torch.ones(2))
+
+
+def test_incremental_checkpoints_read_linked_files_directly(
+    tmp_path: Path, direct_reads: list[tuple[str, list[str]]]
+) -> None:
+    frozen = torch.randn(300, 300)
+    state = {"model": {"frozen": frozen, "head": torch.randn(8)}}
+    with _sync() as manager:
+        manager.save(tmp_path / "step_1", state)
+        state["model"]["head"] += 1
+        manager.save(tmp_path / "step_2", state)
+        linked = list((tmp_path / "step_2" / "linked").iterdir())
+        assert linked, "the unchanged tensor was not linked"
+        templates = {"model": {"frozen": torch.zeros(300, 300), "head": torch.zeros(8)}}
+        manager.load(tmp_path / "step_2", into=templates)
+        assert torch.equal(templates["model"]["frozen"], frozen)
+        assert torch.equal(templates["model"]["head"], state["model"]["head"])
+        assert any("linked" in path and "frozen" in names for path, names in direct_reads)
+        linked[0].unlink()
+        with pytest.raises(FileNotFoundError, match="hard link"):
+            manager.load(tmp_path / "step_2", into=templates)
