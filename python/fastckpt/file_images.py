@@ -3,7 +3,7 @@
 An async save copies the live state into staging buffers (training mutates it meanwhile);
 the writer then used to copy those buffers again, into the aligned buffers an O_DIRECT write
 needs, computing the checksums on the way. On a machine with few cores both copies compete
-with training for CPU time and memory bandwidth (docs/performance.md, "Training-loop
+with training for CPU time and memory bandwidth (benches/NOTES.md, "Training-loop
 overhead").
 
 A :class:`FileImage` is one 4096-byte aligned host buffer (pinned when asked) laid out

@@ -26,10 +26,10 @@ __all__ = [
 DEFAULT_THREADS = 4
 #: Writer threads used when ``threads`` is not given: with O_DIRECT, one thread copies and
 #: hashes chunks ahead of one thread that writes them in file order (raise it for disks faster
-#: than a core can copy). Defined by the Rust core; see docs/performance.md for measurements.
+#: than a core can copy). Defined by the Rust core; see benches/NOTES.md for measurements.
 DEFAULT_WRITE_THREADS: int = _native.DEFAULT_WRITE_THREADS
 #: Bytes per write chunk when ``chunk_size`` is not given (two such aligned buffers are kept
-#: for O_DIRECT). Defined by the Rust core; see docs/performance.md for measurements.
+#: for O_DIRECT). Defined by the Rust core; see benches/NOTES.md for measurements.
 DEFAULT_CHUNK_SIZE: int = _native.DEFAULT_CHUNK_SIZE
 #: Files of at least this many bytes are written with O_DIRECT when ``direct_io=None``
 #: (:func:`choose_direct_io`): four default chunks. Below it both modes measured the same.
@@ -46,7 +46,7 @@ def choose_direct_io(nbytes: int) -> bool:
     CPU of O_DIRECT per GiB), so its time depends on free CPU and on the state of memory
     management, and on a busy machine it was both slower and bimodal. Small files write equally
     fast either way, and buffered keeps them cached. The measurements are in
-    docs/performance.md ("Write mode").
+    benches/NOTES.md ("Write mode").
     """
     return nbytes >= DIRECT_IO_MIN_BYTES
 

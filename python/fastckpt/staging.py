@@ -2,7 +2,7 @@
 
 An async save must not write live tensors (training mutates them), so it first *stages* a
 snapshot. Fresh host pages cost a page fault each (far more than a copy into warm memory; see
-docs/performance.md), so the stagers keep one buffer per tensor name and reuse it as long as
+benches/NOTES.md), so the stagers keep one buffer per tensor name and reuse it as long as
 dtype and shape match: host memory stays bounded by one copy of the state and flat across
 repeated saves. :meth:`Stager.reserve` allocates (and touches) them ahead of the first save.
 Given a file image's views (:mod:`fastckpt.file_images`), a stager copies into those instead,
@@ -407,7 +407,7 @@ class BackgroundWriter(Generic[T]):
     under the capture lock on a second background thread at the caller's priority: training
     waits for the capture before its next optimizer step, so a lowered priority would only
     make it wait longer while the training threads hold the CPU (measured in
-    docs/performance.md). Code that mutates the saved state holds
+    benches/NOTES.md). Code that mutates the saved state holds
     :meth:`guard` meanwhile, which waits only while a capture is in progress. Before the next
     write, :meth:`collect` waits (at most ``wait_timeout`` seconds) for the previous one:
 

@@ -1,4 +1,4 @@
-"""The bar (``docs/performance.md``, "The bar") as ratios computed from one run's results.
+"""The bar (``docs/performance.md``, "Reading the report"): ratios computed from one run.
 
 Every check becomes a row ``{"figure", "check", "value", "threshold", "op", "status", "note"}``
 with status ``"met"``, ``"missed"`` or ``"n/a"`` (the run lacks the data: a writer was left out

@@ -197,7 +197,7 @@ class IndexWriter(DirectoryWriter):
     tensor files one after the other on one thread, the JSON documents next to them on
     others, so that the small files' fsyncs overlap the tensor writes instead of following
     them (each durable small file costs two fsyncs, a few milliseconds each on a virtual
-    disk, which is most of an incremental save's time; see docs/performance.md). The
+    disk, which is most of an incremental save's time; see benches/NOTES.md). The
     tensors and documents given must not change until :meth:`commit_entry` or :meth:`abort`
     returns. :attr:`files`, :meth:`commit_entry` and :meth:`abort` wait for the writes; the
     first write error is raised by the first of them.
