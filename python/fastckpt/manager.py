@@ -609,10 +609,11 @@ class CheckpointManager:
         Args:
             checkpoint_id: the checkpoint directory.
             into: ``{key: template}``; only the template's keys/indices are loaded. Tensor
-                leaves are filled in place (dtype and shape must match), non-tensor leaves are
-                replaced, objects with ``load_state_dict()`` are restored through it (their
-                tensors checked first), and a ``None`` template loads the whole item. ``None``
-                loads all.
+                leaves are filled in place (dtype and shape must match; plain contiguous CPU
+                tensors are read into directly, with no mapping and no copy: see
+                :mod:`fastckpt.manager_load`), non-tensor leaves are replaced, objects with
+                ``load_state_dict()`` are restored through it (their tensors checked first),
+                and a ``None`` template loads the whole item. ``None`` loads all.
             map_location: device for tensors that are not copied into a template.
             strict: raise on keys a template has but the checkpoint lacks.
 
@@ -623,7 +624,9 @@ class CheckpointManager:
             RuntimeError: the manager is closed.
             TypeError: a template value a load cannot apply, by key path (nothing is read).
             CheckpointMismatchError: dtype/shape mismatch or (strict) missing key, by key path.
-            CheckpointFormatError / ChecksumMismatchError: damaged files.
+            CheckpointFormatError / ChecksumMismatchError: damaged files, naming file and
+                tensor. Nothing is returned, but templates read into directly may hold
+                partial or damaged bytes by then: load a good checkpoint before using them.
             FileNotFoundError: no such checkpoint.
         """
         self._check_open("load")
