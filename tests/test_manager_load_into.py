@@ -6,6 +6,8 @@ read (non-contiguous, mismatched, overlapping, stateful)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -252,3 +254,37 @@ def test_incremental_checkpoints_read_linked_files_directly(
         linked[0].unlink()
         with pytest.raises(FileNotFoundError, match="hard link"):
             manager.load(tmp_path / "step_2", into=templates)
+
+
+def test_templates_read_during_replacements_hold_one_saved_state(tmp_path: Path) -> None:
+    """Another process replaces the checkpoint in a loop while this one loads it into
+    templates: a read that raced a replacement is read again whole, so after every load all
+    the templates hold one saved state, never a mixture."""
+    from checkpoint_support import manager_state, trained
+
+    first, second = manager_state(trained(1)), manager_state(trained(2))
+    path = tmp_path / "ckpt"
+    with _sync() as manager:
+        manager.save(path, first)
+    script = Path(__file__).parent / "replace_writer.py"
+    writer = subprocess.Popen(
+        [sys.executable, str(script), "manager", str(path), "25"],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+    )
+    templates = {"model": {name: torch.zeros_like(t) for name, t in first["model"].items()}}
+    loads = 0
+    try:
+        with _sync() as manager:
+            while writer.poll() is None or loads < 5:
+                manager.load(path, into=templates)
+                matches = [
+                    all(torch.equal(templates["model"][n], t) for n, t in state["model"].items())
+                    for state in (first, second)
+                ]
+                assert any(matches), f"load {loads} left a mixture in the templates"
+                loads += 1
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+        writer.wait()
+    assert writer.returncode == 0
