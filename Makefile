@@ -114,7 +114,7 @@ lint: setup
 	$(VENV)/bin/mypy
 
 pytest: setup wheel
-	FASTCKPT_DIST=dist $(PY) -m pytest -q tests
+	FASTCKPT_DIST=dist $(PY) -m pytest -q --durations=20 tests
 
 # The lowest claimed torch and numpy (pyproject.toml's lower bounds, pinned by tools/deps.py)
 # on the oldest claimed Python, with the host's wheel installed: a second venv, .venv-min,

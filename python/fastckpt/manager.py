@@ -35,7 +35,12 @@ from typing import Any
 import torch
 
 from fastckpt import tree
-from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, FastCkptError
+from fastckpt.errors import (
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    ChecksumMismatchError,
+    FastCkptError,
+)
 from fastckpt.manager_config import (
     AsyncCheckpointSaverConfig,
     CheckpointLoaderConfig,
@@ -802,7 +807,15 @@ def _load_checked_item(
         if template is not None and not is_object_url(directory):
             plan = plan_direct_read(directory, record, key, rank, template)
             if plan is not None:
-                return plan.load(map_location)
+                try:
+                    return plan.load(map_location)
+                except (ChecksumMismatchError, CheckpointFormatError) as err:
+                    # The templates were read into: say so where the user reads the error.
+                    raise type(err)(
+                        f"{err}; the tensors given in into={{{key!r}: ...}} were read into "
+                        "directly and may now hold partial bytes: load an intact checkpoint "
+                        "into them (fastckpt.verify.latest_intact finds one) before using them"
+                    ) from err
         return _load_item(directory, record, key, rank, map_location, config.load.use_mmap)
     except CheckpointFormatError as err:
         if str(directory) in str(err):
