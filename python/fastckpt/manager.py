@@ -41,6 +41,7 @@ from fastckpt.errors import (
     ChecksumMismatchError,
     FastCkptError,
 )
+from fastckpt.manager_callbacks import run_callback
 from fastckpt.manager_config import (
     AsyncCheckpointSaverConfig,
     CheckpointLoaderConfig,
@@ -107,10 +108,15 @@ class _ManagerConfig(StrictConfig):
         subprocess_init_fn / subprocess_init_args: only ``None`` / ``()``: fastckpt writes on a
             thread of this process, so there is no subprocess to initialize (run setup code
             before building the manager instead).
-        pre_finalize_callback: ``fn(checkpoint_id, logger)`` called on every rank once this
+        pre_finalize_callback: ``fn(args)`` with a
+            :class:`~fastckpt.manager_callbacks.CallbackArgs` (as torch_checkpointing 0.1.1
+            calls it; ``args.path`` is where the files were written), or
+            ``fn(checkpoint_id, logger)`` (its earlier form), called on every rank once this
             rank's files of a checkpoint are written and fsynced, before the checkpoint is
             committed (made visible). Unsharded state only: a sharded save refuses it.
-        finalize_callback: ``fn(checkpoint_id, logger)`` called on every rank once the
+        finalize_callback: ``fn(args)`` (``args.path``: the committed checkpoint) or
+            ``fn(checkpoint_id, logger)`` (:mod:`fastckpt.manager_callbacks`), called on every
+            rank once the
             checkpoint is durable and committed: before a sync ``save`` returns; for async
             saves on the writer thread, before the Future resolves. An exception in it fails
             that save like a write failure (raised by sync ``save``; for async, by the Future,
@@ -134,8 +140,8 @@ class _ManagerConfig(StrictConfig):
     storage_config: LocalFileSystemStorageConfig | None = None
     subprocess_init_fn: Callable[..., None] | None = None
     subprocess_init_args: tuple[Any, ...] = ()
-    pre_finalize_callback: Callable[[str, Any], None] | None = None
-    finalize_callback: Callable[[str, Any], None] | None = None
+    pre_finalize_callback: Callable[..., None] | None = None
+    finalize_callback: Callable[..., None] | None = None
     incremental: bool = True
 
     def _check(self, name: str, value: Any) -> None:
@@ -476,7 +482,13 @@ class CheckpointManager:
     def _finalize(self, checkpoint_id: str) -> None:
         """Run ``Config.finalize_callback`` (the checkpoint is durable and committed)."""
         if self.config.finalize_callback is not None:
-            self.config.finalize_callback(checkpoint_id, _LOGGER)
+            run_callback(
+                self.config.finalize_callback,
+                checkpoint_id=checkpoint_id,
+                path=checkpoint_id,
+                storage=backend_for(Path(checkpoint_id)),
+                logger=_LOGGER,
+            )
 
     def prewarm_staging(self, state: Mapping[str, Any]) -> None:
         """Allocate the staging buffers a save of ``state`` will reuse, now.
@@ -553,7 +565,13 @@ class CheckpointManager:
                 if self._dist.rank == 0:
                     writer.add_json(f"{key}.json", {"skeleton": skeleton})
             if self.config.pre_finalize_callback is not None:
-                self.config.pre_finalize_callback(snapshot.checkpoint_id, _LOGGER)
+                run_callback(
+                    self.config.pre_finalize_callback,
+                    checkpoint_id=snapshot.checkpoint_id,
+                    path=writer.staging.location,
+                    storage=writer.backend,
+                    logger=_LOGGER,
+                )
             record_refs = {self._tensor_file(key): names for key, names in refs.items() if names}
             self._commit(writer, list(snapshot.skeletons), record_refs)
         except BaseException:

@@ -266,7 +266,9 @@ class CheckpointLoaderConfig(StrictConfig):
     Attributes:
         use_mmap: ``True`` (default): loaded tensors that are not copied into a template are
             views of a private, read-only-backed mapping of the verified file (no copy).
-            ``False``: they are copied into ordinary memory and the mapping is released.
+            ``False``: they are copied into ordinary memory and the mapping is released. An
+            item read straight into its templates (:mod:`fastckpt.manager_load`) maps
+            nothing: its other tensors are read into private memory either way.
     """
 
     use_mmap: bool = True

@@ -34,10 +34,11 @@ import torch
 
 from fastckpt import _native, tree
 from fastckpt.errors import CheckpointFormatError
-from fastckpt.files import DEFAULT_THREADS, dtype_from_name, read_metadata, torch_shape
+from fastckpt.files import dtype_from_name, torch_shape
+from fastckpt.headers import DEFAULT_THREADS, read_metadata
 from fastckpt.progress import active_counter
 from fastckpt.stateful import is_stateful
-from fastckpt.store.links import _check_against_header, read_references
+from fastckpt.store.links import check_against_header, read_references
 from fastckpt.store.paths import safe_join
 from fastckpt.store.reader import check_recorded, read_json
 from fastckpt.store.records import COMMIT_RECORD, item_files
@@ -175,7 +176,7 @@ def plan_direct_read(
         relpath = ref["file"]
         if relpath not in headers:
             headers[relpath] = _header(directory, record, relpath, own, key, source)
-        _check_against_header(safe_join(directory, relpath), ref, headers[relpath], name)
+        check_against_header(safe_join(directory, relpath), ref, headers[relpath], name)
         if name in tensors:
             raise CheckpointFormatError(
                 f"{source}: {name!r} of item {key!r} is both written and referenced"

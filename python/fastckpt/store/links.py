@@ -57,6 +57,7 @@ __all__ = [
     "LINKED_DIR",
     "REFS_FIELD",
     "Reference",
+    "check_against_header",
     "check_references",
     "file_inodes",
     "freed_bytes",
@@ -146,10 +147,12 @@ def read_references(record: Mapping[str, Any], where: str) -> dict[str, dict[str
     return parsed
 
 
-def _check_against_header(
+def check_against_header(
     path: Path, ref: Reference, header: Mapping[str, Any], referenced_as: str
 ) -> None:
-    """Raise when the header of the linked file disagrees with the reference."""
+    """Raise :class:`CheckpointFormatError` when the header of the linked file at ``path``
+    disagrees with ``ref`` (no such tensor, other offsets, dtype or shape); ``referenced_as``
+    names the tensor that references it, for the message."""
     info = header.get(ref["name"])
     if info is None:
         raise CheckpointFormatError(
@@ -212,7 +215,7 @@ def read_item(
             ) from None
         described = read_metadata(path)["tensors"]
         for name, ref in pairs:
-            _check_against_header(path, ref, described, name)
+            check_against_header(path, ref, described, name)
             if name in tensors:
                 raise CheckpointFormatError(
                     f"{where}: {name!r} of item {key!r} is both written and referenced"
@@ -298,7 +301,7 @@ def check_references(directory: Path, record: Mapping[str, Any]) -> list[str]:
                 continue
             for name, ref in pairs:
                 try:
-                    _check_against_header(path, ref, described, f"{relpath}:{name}")
+                    check_against_header(path, ref, described, f"{relpath}:{name}")
                 except (CheckpointFormatError, ChecksumMismatchError) as err:
                     problems.append(str(err))
     return problems

@@ -1,0 +1,97 @@
+"""Commit callbacks in both forms: ``fn(CallbackArgs)`` (torch_checkpointing 0.1.1) and
+``fn(checkpoint_id, logger)`` (its earlier releases), for sync and async saves."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.manager_callbacks import CallbackArgs, takes_callback_args
+
+
+def _manager(async_save: bool, **callbacks: Any) -> fastckpt.CheckpointManager:
+    config = (
+        fastckpt.CheckpointManager.Config.with_async_save()
+        if async_save
+        else fastckpt.CheckpointManager.Config.with_sync_save()
+    )
+    for name, fn in callbacks.items():
+        setattr(config, name, fn)
+    return config.build()
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_one_argument_callbacks_get_callback_args(tmp_path: Path, async_save: bool) -> None:
+    seen: dict[str, Any] = {}
+    target = tmp_path / "step_1"
+
+    def pre_finalize(args: CallbackArgs) -> None:
+        # This rank's files are written where args.path says, and not yet visible at target.
+        seen["pre"] = args
+        seen["pre_files"] = sorted(args.storage.list_dir(Path(args.path)))
+        seen["visible_before_commit"] = (target / "commit.json").exists()
+
+    def finalize(args: CallbackArgs) -> None:
+        seen["final"] = args
+        seen["committed"] = (Path(args.path) / "commit.json").exists()
+
+    manager = _manager(async_save, pre_finalize_callback=pre_finalize, finalize_callback=finalize)
+    future = manager.save(str(target), {"model": {"w": torch.arange(4.0)}, "step": 1})
+    if future is not None:
+        future.result()
+    manager.close()
+
+    final, pre = seen["final"], seen["pre"]
+    assert isinstance(final, CallbackArgs) and isinstance(pre, CallbackArgs)
+    assert final.path == str(target) and seen["committed"]
+    assert final.storage.exists(target / "commit.json")
+    assert isinstance(final.event_logger, logging.Logger)
+    assert pre.path != str(target) and "model.safetensors" in seen["pre_files"]
+    assert not seen["visible_before_commit"]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_two_argument_callbacks_get_the_id_and_the_logger(tmp_path: Path, async_save: bool) -> None:
+    calls: list[tuple[str, str, Any]] = []
+    manager = _manager(
+        async_save,
+        pre_finalize_callback=lambda checkpoint_id, logger: calls.append(
+            ("pre", checkpoint_id, logger)
+        ),
+        finalize_callback=lambda checkpoint_id, logger: calls.append(
+            ("final", checkpoint_id, logger)
+        ),
+    )
+    future = manager.save(str(tmp_path / "c"), {"model": {"w": torch.ones(2)}})
+    if future is not None:
+        future.result()
+    manager.close()
+    assert [(kind, cid) for kind, cid, _ in calls] == [
+        ("pre", str(tmp_path / "c")),
+        ("final", str(tmp_path / "c")),
+    ]
+    assert all(logger.name == "fastckpt.manager" for _, _, logger in calls)
+
+
+def test_the_form_is_read_from_the_signature() -> None:
+    def one(args: CallbackArgs) -> None: ...
+    def one_with_option(args: CallbackArgs, verbose: bool = False) -> None: ...
+    def two(checkpoint_id: str, logger: Any) -> None: ...
+    def star(*args: Any) -> None: ...
+
+    class Bound:
+        def method(self, args: CallbackArgs) -> None: ...
+
+    assert takes_callback_args(one)
+    assert takes_callback_args(Bound().method)
+    assert takes_callback_args(functools.partial(two, "fixed"))
+    assert not takes_callback_args(one_with_option)  # may take a second positional argument
+    assert not takes_callback_args(two)
+    assert not takes_callback_args(star)
+    assert not takes_callback_args(print)  # builtins whose signature has *args
