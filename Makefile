@@ -54,7 +54,7 @@ $(VENV)/.python-checked:
 # Reuses an existing venv and pip's cache; works from nothing on a fresh machine.
 $(VENV)/.deps-installed: pyproject.toml tools/constraints.txt $(VENV)/.python-checked
 	@echo "==> upgrading pip"
-	$(PY) -m pip install --quiet --upgrade pip
+	@$(PY) -m pip install --quiet --upgrade pip
 	@echo "==> installing the Python dependencies (the first run downloads torch, a few GB, into $(WHEELHOUSE))"
 	@mkdir -p $(WHEELHOUSE)
 	@eval $(PY) -m pip download --quiet --dest $(WHEELHOUSE) -c tools/constraints.txt $(DEPS)
@@ -76,9 +76,9 @@ $(VENV)/.fastckpt-built: $(VENV)/.deps-installed $(RUST_SOURCES)
 dist/.wheel-built: $(VENV)/.deps-installed $(RUST_SOURCES) $(PY_SOURCES) README.md LICENSE
 	@echo "==> building the release wheels ($(HOST_ARCH), $(CROSS_TARGET)) for $(WHEEL_TAG) with zig, and the sdist"
 	rm -f dist/*.whl dist/*.tar.gz
-	rustup target add $(CROSS_TARGET)
-	$(VENV)/bin/maturin build --release --zig --compatibility $(WHEEL_TAG) -i $(PY) --out dist
-	$(VENV)/bin/maturin build --release --zig --compatibility $(WHEEL_TAG) -i $(PY) --target $(CROSS_TARGET) --out dist
+	@rustup --quiet target add $(CROSS_TARGET)
+	$(VENV)/bin/maturin build --release --zig --compatibility $(WHEEL_TAG) -i $(PY) --out dist --quiet
+	$(VENV)/bin/maturin build --release --zig --compatibility $(WHEEL_TAG) -i $(PY) --target $(CROSS_TARGET) --out dist --quiet
 	$(VENV)/bin/maturin sdist --out dist
 	touch $@
 
@@ -96,7 +96,7 @@ cargo-test:
 AARCH64_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu"
 cargo-test-aarch64: aarch64-tools
-	rustup target add $(CROSS_TARGET)
+	@rustup --quiet target add $(CROSS_TARGET)
 	$(AARCH64_ENV) cargo test --quiet --target $(CROSS_TARGET)
 
 aarch64-tools:
