@@ -66,7 +66,7 @@ $(VENV)/.deps-installed: pyproject.toml tools/constraints.txt $(VENV)/.python-ch
 $(VENV)/.fastckpt-built: $(VENV)/.deps-installed $(RUST_SOURCES)
 	@echo "==> building the Rust extension (release) into $(VENV)"
 	@$(PY) -m pip uninstall --yes --quiet fastckpt 2>/dev/null || true
-	@$(VENV)/bin/maturin develop --release --quiet
+	@PIP_QUIET=1 $(VENV)/bin/maturin develop --release --quiet
 	@touch $@
 
 # The wheels and the sdist, built once and reused by tests/test_wheel.py (FASTCKPT_DIST). The
