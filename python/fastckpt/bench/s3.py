@@ -6,6 +6,10 @@ on 127.0.0.1 (``--server``: ``s3s`` for the Rust ``s3s-fs`` that ``make s3-serve
 environment; builds one state (weights + Adam moments, as the main harness does) and moves it
 up and down with:
 
+* ``save_checkpoint`` and ``manager``: the front doors users call, on an ``s3://`` root / id
+  (``save_checkpoint`` / ``load_checkpoint`` of the state held by a module, and a sync
+  ``CheckpointManager`` ``save`` / ``load``), every save a full write (``incremental=False``),
+  with the same request shapes as ``fastckpt``;
 * ``fastckpt``: :class:`fastckpt.store.s3commit.S3Root` ``save`` / ``load`` (per-tensor crc32c,
   uploads and ranged GETs on Rust threads, verified download) with the request shapes measured
   best for the server (:data:`PROFILES`); ``fastckpt-defaults``: the default shapes;
@@ -52,7 +56,7 @@ from fastckpt.bench.environment import describe, load_average
 from fastckpt.bench.state import build_state, plan_state, state_bytes
 from fastckpt.bench.stats import summarize
 
-__all__ = ["async_stall", "main", "run"]
+__all__ = ["StateModule", "async_stall", "front_door_writers", "main", "run"]
 
 BUCKET = "fastckpt-bench"
 _KEY_ID = "bench"
@@ -287,7 +291,8 @@ def _writers(
         return up, down, _nothing
 
     tuned = {k: v for k, v in profile.items() if v is not None}
-    writers: dict[str, Writer] = {"fastckpt": fastckpt_writer("fastckpt", tuned)}
+    writers: dict[str, Writer] = front_door_writers(f"s3://{bucket}/{prefix}", {**options, **tuned})
+    writers["fastckpt"] = fastckpt_writer("fastckpt", tuned)
     if tuned:
         writers["fastckpt-defaults"] = fastckpt_writer("fastckpt-defaults", {})
     writers["boto3"] = boto3_writer("boto3", part, part)
@@ -328,6 +333,77 @@ def _writers(
 
 def _nothing() -> None:
     pass
+
+
+class StateModule(torch.nn.Module):
+    """A module whose buffers are a flat state (``save_checkpoint`` saves modules), rebuilt
+    from the names, shapes and dtypes it records; the buffers are named ``t0``, ``t1``, ...
+    because state keys hold dots."""
+
+    def __init__(self, layout: list[list[Any]]) -> None:
+        """``layout``: ``[name, shape, dtype name]`` per tensor, in order."""
+        super().__init__()
+        self.names = [name for name, _, _ in layout]
+        for index, (_, shape, dtype) in enumerate(layout):
+            self.register_buffer(f"t{index}", torch.empty(shape, dtype=getattr(torch, dtype)))
+
+    @classmethod
+    def holding(cls, state: dict[str, torch.Tensor]) -> StateModule:
+        """A module whose buffers are ``state``'s tensors themselves (no copy), with its spec."""
+        from fastckpt.specs import attach_spec, create_model_spec
+
+        layout = [
+            [name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in state.items()
+        ]
+        module = cls([[name, [0], dtype] for name, _, dtype in layout])
+        for index, tensor in enumerate(state.values()):
+            module._buffers[f"t{index}"] = tensor
+        attach_spec(module, create_model_spec(cls, layout=layout))
+        return module
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The flat state back, by its original names."""
+        return {name: getattr(self, f"t{i}") for i, name in enumerate(self.names)}
+
+
+def front_door_writers(url: str, options: dict[str, Any]) -> dict[str, Writer]:
+    """``save_checkpoint`` and ``manager`` rows: the state through the public calls to an
+    ``s3://`` root and a manager checkpoint id under ``url`` (``options`` registered for it
+    with :func:`fastckpt.configure_storage`), every save a full write."""
+    import fastckpt
+
+    fastckpt.configure_storage(url, options)
+    root = f"{url}/save_checkpoint"
+
+    def sc_up(state: dict[str, torch.Tensor]) -> None:
+        module = StateModule.holding(state)
+        fastckpt.save_checkpoint(root, models={"state": (module, None)}, incremental=False)
+
+    def sc_down() -> Any:
+        loaded = fastckpt.load_checkpoint(root)
+        module = loaded["models"]["state"]["model"]
+        assert isinstance(module, StateModule)
+        return module.state()
+
+    def sc_tidy() -> None:
+        fastckpt.prune(root, keep_last=1)  # keeps the server's storage flat across repeats
+
+    config = fastckpt.CheckpointManager.Config.with_sync_save()
+    config.incremental = False
+    checkpoint_id = f"{url}/manager/ckpt"
+
+    def manager_up(state: dict[str, torch.Tensor]) -> None:
+        with fastckpt.CheckpointManager(config) as manager:
+            manager.save(checkpoint_id, {"state": state})
+
+    def manager_down() -> Any:
+        with fastckpt.CheckpointManager(config) as manager:
+            return manager.load(checkpoint_id)["state"]
+
+    return {
+        "save_checkpoint": (sc_up, sc_down, sc_tidy),
+        "manager": (manager_up, manager_down, _nothing),
+    }
 
 
 def run(
@@ -575,6 +651,10 @@ def _shapes(profile: dict[str, int | None]) -> str:
     return f"{put}, {get}"
 
 
+#: fastckpt's rows, compared with every peer: the two front doors, then the S3Root class.
+_OURS = ("save_checkpoint", "manager", "fastckpt", "fastckpt-defaults")
+
+
 def markdown(document: dict[str, Any]) -> str:
     """The results as a markdown table (ratios against each peer)."""
     rows = document["writers"]
@@ -602,14 +682,24 @@ def markdown(document: dict[str, Any]) -> str:
             f"| {up_range} | {down['min']:.2f}-{down['max']:.2f} "
             f"| {_cpu(row, 'upload')} | {_cpu(row, 'download')} |"
         )
-    ours = rows["fastckpt"]
-    lines += ["", "| ratio (fastckpt / peer) | upload | download |", "|---|---|---|"]
-    for name, row in rows.items():
-        if not name.startswith("fastckpt"):
-            lines.append(
-                f"| vs {name} | {ours['upload_gib_s'] / row['upload_gib_s']:.2f}x "
-                f"| {ours['download_gib_s'] / row['download_gib_s']:.2f}x |"
-            )
+    ours = [name for name in _OURS if name in rows]
+    peers = [name for name in rows if name not in ours and not name.startswith("fastckpt")]
+    lines += [
+        "",
+        "save_checkpoint and manager: the front doors (every save a full write); fastckpt: "
+        "the S3Root class.",
+        "",
+        "| ratio (ours / peer) | " + " | ".join(f"{p} up | {p} down" for p in peers) + " |",
+        "|---|" + "---|---|" * len(peers),
+    ]
+    for name in ours:
+        mine = rows[name]
+        cells = [
+            f"{mine['upload_gib_s'] / rows[p]['upload_gib_s']:.2f}x "
+            f"| {mine['download_gib_s'] / rows[p]['download_gib_s']:.2f}x"
+            for p in peers
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     stall = document.get("async_stall")
     if stall is not None:
         lines += [
