@@ -700,11 +700,23 @@ class TrainingStrategy:
                 checkpoint of unsharded models.
         """
         use_storage_options(root, storage_options, "TrainingStrategy.load_checkpoint")
-        _, index, reader, recipe = _read_index(root, checkpoint_index, recipe_required=False)
+
+        def attempt() -> tuple[int, dict[str, Any], list[dict[str, Any]] | None, str]:
+            # The recipe and (for a sharded index) the recorded hooks, from one snapshot: a
+            # save replacing the index meanwhile makes both read again.
+            _, index, reader, recipe = _index_snapshot(root, checkpoint_index, False)
+            where = f"{reader.directory}/hooks.json"
+            configs = None
+            if recipe.get("sharded") is not None and hooks is None:
+                configs = parse_hook_configs(reader.json("hooks.json"), where)
+            return index, recipe, configs, where
+
+        index, recipe, configs, where = read_consistently(
+            Path(root) / MANIFEST, attempt, lock_root=Path(root)
+        )
         if recipe.get("sharded") is not None:
-            if hooks is None:
-                where = f"{reader.directory}/hooks.json"
-                hooks = rebuild_hooks(parse_hook_configs(reader.json("hooks.json"), where), where)
+            if configs is not None:
+                hooks = rebuild_hooks(configs, where)
             return cls._load_sharded(
                 Path(root),
                 index,
@@ -894,15 +906,23 @@ def _read_index(
     and ``recipe_required`` is False), read as one snapshot: a save replacing the index
     meanwhile makes it read again (see :func:`fastckpt.store.snapshot.read_consistently`)."""
 
-    def attempt() -> tuple[Manifest, int, codec.IndexReader, dict[str, Any]]:
-        manifest = Manifest.load(root)
-        index = manifest.resolve(int(checkpoint_index))
-        reader = codec.IndexReader(manifest, index)
-        if not recipe_required and "strategy.json" not in reader.files:
-            return manifest, index, reader, {}
-        return manifest, index, reader, _read_recipe(reader)
+    return read_consistently(
+        Path(root) / MANIFEST,
+        lambda: _index_snapshot(root, checkpoint_index, recipe_required),
+        lock_root=Path(root),
+    )
 
-    return read_consistently(Path(root) / MANIFEST, attempt, lock_root=Path(root))
+
+def _index_snapshot(
+    root: str | Path, checkpoint_index: int, recipe_required: bool
+) -> tuple[Manifest, int, codec.IndexReader, dict[str, Any]]:
+    """One attempt of :func:`_read_index` (raises when a save raced it)."""
+    manifest = Manifest.load(root)
+    index = manifest.resolve(int(checkpoint_index))
+    reader = codec.IndexReader(manifest, index)
+    if not recipe_required and "strategy.json" not in reader.files:
+        return manifest, index, reader, {}
+    return manifest, index, reader, _read_recipe(reader)
 
 
 def _read_recipe(reader: codec.IndexReader) -> dict[str, Any]:
