@@ -125,8 +125,8 @@ $(VENV_LOWEST)/.deps-installed: pyproject.toml tools/deps.py $(VENV)/.deps-insta
 	@$(PY_LOWEST) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "$(VENV_LOWEST) must be CPython 3.11, the oldest claimed; it has " + sys.version.split()[0])'
 	@echo "==> installing the lowest claimed dependencies into $(VENV_LOWEST): $$($(PY) tools/deps.py lowest)"
 	mkdir -p $(WHEELHOUSE)
-	eval $(PY) -m pip download --quiet --only-binary :all: --python-version 3.11 --dest $(WHEELHOUSE) $$($(PY) tools/deps.py lowest)
-	eval $(PY_LOWEST) -m pip install --quiet --no-compile --no-index --find-links $(WHEELHOUSE) $$($(PY) tools/deps.py lowest)
+	@eval $(PY) -m pip download --quiet --only-binary :all: --python-version 3.11 --dest $(WHEELHOUSE) $$($(PY) tools/deps.py lowest)
+	@eval $(PY_LOWEST) -m pip install --quiet --no-compile --no-index --find-links $(WHEELHOUSE) $$($(PY) tools/deps.py lowest)
 	touch $@
 
 test-lowest: wheel $(VENV_LOWEST)/.deps-installed
