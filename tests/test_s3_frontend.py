@@ -243,7 +243,11 @@ def test_sigkilled_front_door_saves_to_s3_never_break_the_committed_checkpoints(
     unfinished multipart upload)."""
     monkeypatch.chdir(tmp_path)
     root, checkpoint = f"{s3_root}/root", f"{s3_root}/ids/ckpt"
-    options = s3_server.options(part_size=5 << 20, read_part_size=4 << 20, concurrency=4)
+    # A killed saver's lease blocks the next saver of the root until it expires: a short
+    # lease (renewed every third of it) keeps the test from waiting 30 s after most kills.
+    options = s3_server.options(
+        part_size=5 << 20, read_part_size=4 << 20, concurrency=4, lease_ttl_s=8.0
+    )
     rng = random.Random(4321)
     kills = mid_upload = 0
     progress: dict[str, set[int | None]] = {"root": set(), "manager": set()}
