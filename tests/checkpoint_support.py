@@ -23,11 +23,11 @@ from fastckpt import (
     load_checkpoint,
     save_checkpoint,
 )
+from fastckpt.container.verify import VerifyReport
 from fastckpt.errors import (
     FastCkptError,
 )
-from fastckpt.store.records import Manifest
-from fastckpt.verify import VerifyReport
+from fastckpt.format.records import Manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import crash_harness

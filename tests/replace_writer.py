@@ -14,7 +14,7 @@ from typing import Any
 
 from checkpoint_support import Net, manager_state, trained
 from fastckpt import CheckpointManager, prune, save_checkpoint
-from fastckpt.specs import create_model_spec
+from fastckpt.checkpoint.specs import create_model_spec
 
 
 def save_at(root: Path, state: Any, index: int, counters: int = 1) -> int:

@@ -25,7 +25,7 @@ import fastckpt
 import fastckpt.dcp
 from dcp_ranks import BLOCK_BYTES, _sharded, _state, _tp_full
 from dcp_support import compare, full_state, setup_rank, train_step
-from fastckpt.store.s3client import S3Client
+from fastckpt.storage.s3.client import S3Client
 from training_support import leave_process_group
 
 

@@ -190,7 +190,7 @@ class SaverFactory:
     fresh saver per request (no object-store call happened before the fork, so no client
     thread is copied). Each saver saves in a loop until it is killed, through ``door``:
 
-    * ``"s3root"``: :func:`saver_state` with :class:`fastckpt.store.s3commit.S3Root`, pruning
+    * ``"s3root"``: :func:`saver_state` with :class:`fastckpt.container.s3root.S3Root`, pruning
       to the newest three indices;
     * ``"save_checkpoint"``: one :func:`front_door_model` whose bias is set to ``step``
       before each incremental ``fastckpt.save_checkpoint`` (``counters={"step": step}``: the
@@ -273,7 +273,7 @@ def _front_door_saver(door: str, url: str, options: dict[str, Any]) -> None:
     import torch
 
     import fastckpt
-    from fastckpt.store.dispatch import configure_storage
+    from fastckpt.storage.registry import configure_storage
 
     configure_storage(url, options)
     first = (os.getpid() % 10000) * 1000
@@ -299,9 +299,9 @@ def _zygote() -> None:
     """Child process: fork one looping saver per request line on stdin."""
     import signal
 
-    import fastckpt.checkpoint
+    import fastckpt.checkpoint.api
     import fastckpt.manager  # noqa: F401
-    from fastckpt.store.s3commit import S3Root  # imported before forking; not used here
+    from fastckpt.container.s3root import S3Root  # imported before forking; not used here
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # savers are reaped automatically
     for line in sys.stdin:

@@ -291,7 +291,7 @@ def replace_killed() -> None:
     import os
     import signal
 
-    from fastckpt import components
+    from fastckpt.checkpoint import components
 
     root, rank, _ = setup_rank()
     strategy = _strategy(2)

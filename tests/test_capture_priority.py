@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from fastckpt.staging import BACKGROUND_NICE, BackgroundWriter
+from fastckpt.container.background import BACKGROUND_NICE, BackgroundWriter
 
 
 def _nice() -> int:

@@ -27,8 +27,8 @@ from torch import nn
 import fastckpt
 import training_support as support
 from fastckpt import CheckpointManager
-from fastckpt.store.links import read_references
-from fastckpt.store.records import read_commit_record
+from fastckpt.container.links import read_references
+from fastckpt.format.records import read_commit_record
 from fastckpt.training import CheckpointHook
 
 

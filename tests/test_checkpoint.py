@@ -14,10 +14,10 @@ from torch import nn
 
 import fastckpt
 from fastckpt import _native
-from fastckpt.checkpoint import list_checkpoints, load_checkpoint, prune, save_checkpoint
+from fastckpt.checkpoint.api import list_checkpoints, load_checkpoint, prune, save_checkpoint
+from fastckpt.checkpoint.specs import create_model_spec
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError, UntrustedTargetError
-from fastckpt.specs import create_model_spec
-from fastckpt.store.records import seal_manifest
+from fastckpt.format.records import seal_manifest
 
 CALLS: list[str] = []
 

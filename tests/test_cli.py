@@ -30,7 +30,7 @@ from torch import nn
 
 import fastckpt
 from fastckpt import cli
-from fastckpt.progress import IOMeter, ProgressBar, format_bytes, io_progress
+from fastckpt.io.progress import IOMeter, ProgressBar, format_bytes, io_progress
 
 # --------------------------------------------------------------------------- checkpoints
 
@@ -204,7 +204,7 @@ def test_inspect_strategy_checkpoint(runs: dict[str, Any]) -> None:
     assert "main: torch.nn.modules.linear.Linear(in_features=4, out_features=1, bias=True)" in out
     assert "torch.optim.sgd.SGD(lr=0.1" in out
     assert "training_fn=test_cli.train_step" in out
-    assert "fastckpt.hooks.ema.EMAHook #0" in out
+    assert "fastckpt.training.hooks.ema.EMAHook #0" in out
     assert "models/main.safetensors" in out
     assert "weight  F32    [1, 4]  16 B" in out
 
@@ -489,8 +489,8 @@ def test_verbose_shows_the_library_log(
     try:
         status, _, _ = fastckpt_cli("-v", "ls", "run")
         assert status == 0
-        logging.getLogger("fastckpt.checkpoint").info("saved 3 files")  # as the library does
-        assert "fastckpt.checkpoint: saved 3 files" in capsys.readouterr().err
+        logging.getLogger("fastckpt.checkpoint.api").info("saved 3 files")  # as the library does
+        assert "fastckpt.checkpoint.api: saved 3 files" in capsys.readouterr().err
     finally:
         logger.handlers[:] = handlers
         logger.setLevel(level)
@@ -750,7 +750,7 @@ def test_verify_inspect_and_prune_take_a_directory_of_manager_checkpoints(
 
 HOLD_LOCK = """
 import sys, time
-from fastckpt.store.lock import RootLock
+from fastckpt.storage.lock import RootLock
 lock = RootLock(sys.argv[1])
 lock.acquire()
 print("held", flush=True)
@@ -811,7 +811,7 @@ def test_export_progress_counts_the_bytes_the_core_writes(tmp_path: Path) -> Non
     """The bar is fed by the Rust writer's ByteCounter: it reaches the file's tensor bytes
     (100 %), where counting this process's read/write syscalls stopped near half."""
     from fastckpt.cli.render import counted_progress
-    from fastckpt.files import write_tensors
+    from fastckpt.io.files import write_tensors
 
     tensors = {"a": torch.zeros(4 << 20), "b": torch.ones(1 << 20, dtype=torch.float64)}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -829,8 +829,8 @@ def test_mapped_loads_advance_the_active_counter(tmp_path: Path) -> None:
     """diff loads through a file mapping (page faults, not read calls): its bar counts the
     bytes the core verifies, through the counter made active for the command."""
     from fastckpt.cli.render import counted_progress
-    from fastckpt.progress import counting
-    from fastckpt.store.dispatch import backend_for
+    from fastckpt.io.progress import counting
+    from fastckpt.storage.registry import backend_for
 
     tensors = {"a": torch.zeros(3 << 20), "b": torch.ones(1 << 20, dtype=torch.float64)}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import fastckpt
-from fastckpt import cli, incremental
+from fastckpt import cli
+from fastckpt.container import incremental
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import crash_harness
@@ -158,7 +159,9 @@ def test_ls_inspect_and_verify_show_one_size(
     assert whole["linked_size"] == sum(linked for _, linked in by_index.values())
 
     size, linked = by_index[3]
-    text = fastckpt.progress.format_bytes(size) + " + " + fastckpt.progress.format_bytes(linked)
+    text = (
+        fastckpt.io.progress.format_bytes(size) + " + " + fastckpt.io.progress.format_bytes(linked)
+    )
     for args in (
         ["ls", str(root)],
         ["inspect", str(root / "3")],

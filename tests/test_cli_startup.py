@@ -95,7 +95,7 @@ def test_inspect_renders_spec_arguments_from_the_stored_json(tmp_path: Path) -> 
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
-    fastckpt.specs.attach_spec(model, spec)
+    fastckpt.checkpoint.specs.attach_spec(model, spec)
     fastckpt.save_checkpoint(tmp_path / "root", models={"m": model})
     probe, out = _run("inspect", str(tmp_path / "root"))
     assert probe["torch"] is False

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import fastckpt
 import fastckpt.dcp
 from dcp_support import build_model, check_ok, compare, full_state, launch, train_step
-from fastckpt.dcp.commit import RECORD_NAME, generation_dirs, read_record
-from fastckpt.store.records import seal_manifest
+from fastckpt.container.sharded.commit import RECORD_NAME, generation_dirs, read_record
+from fastckpt.format.records import seal_manifest
 from training_support import run_two_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -177,7 +177,9 @@ def test_consolidate_writes_full_tensors_without_a_process_group(
     assert torch.equal(full["tp.weight"], torch.arange(13 * 29).reshape(13, 29) / 7)
     assert summary["tensors"] == len(full) == 25
     values = json.loads(
-        fastckpt.read_metadata(tmp_path / "full.safetensors")["metadata"]["fastckpt.dcp.values"]
+        fastckpt.read_metadata(tmp_path / "full.safetensors")["metadata"][
+            "fastckpt.container.sharded.values"
+        ]
     )
     assert values["extra.step"] == {"json": 2}
     assert values["optim.param_groups.0.lr"] == {"json": 0.01}

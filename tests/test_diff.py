@@ -1,4 +1,5 @@
-"""fastckpt.diff: the bitwise tensor comparison behind ``fastckpt diff`` (the command itself is
+"""fastckpt.container.diff: the bitwise tensor comparison behind ``fastckpt diff`` (the command
+itself is
 tested in test_cli.py)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 import torch
 
 import fastckpt
-from fastckpt import diff
+from fastckpt.container import diff
 
 
 def test_compare_tensors_is_bitwise_and_reports_nan() -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from fastckpt import specs
+from fastckpt.checkpoint import specs
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PAGES = sorted(DOCS.glob("*.md"))

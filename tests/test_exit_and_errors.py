@@ -25,8 +25,8 @@ import fastckpt
 import training_support as support
 from fastckpt import CheckpointManager, EMAHook, TrainingStrategy
 from fastckpt.errors import FastCkptError
-from fastckpt.store.records import MANIFEST, Manifest, seal_manifest
-from fastckpt.store.s3errors import AccessDeniedError
+from fastckpt.format.records import MANIFEST, Manifest, seal_manifest
+from fastckpt.storage.s3.errors import AccessDeniedError
 from s3_support import S3Server, no_aws_env, s3_root, s3_server
 
 __all__ = ["no_aws_env", "s3_root", "s3_server"]  # fixtures used by name below
@@ -323,7 +323,7 @@ REPLACEMENTS: list[Any] = [
     "",
     "x",
     "step_count",
-    "fastckpt.hooks.ema.EMAHook",
+    "fastckpt.training.hooks.ema.EMAHook",
     [],
     [None],
     [1, 2],
@@ -458,7 +458,7 @@ RLIMIT_CHILD = textwrap.dedent(
     from pathlib import Path
     import torch
     import fastckpt
-    from fastckpt.store.records import Manifest, read_commit_record
+    from fastckpt.format.records import Manifest, read_commit_record
 
     out, what = Path(sys.argv[1]), sys.argv[2]
     model = torch.nn.Linear(32, 32)

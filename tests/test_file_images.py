@@ -18,10 +18,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fastckpt
 from fastckpt import _native
-from fastckpt.file_images import ALIGN, IMAGE_MIN_BYTES, FileImage, ImagePool, find_image
-from fastckpt.file_images import write_image as write_file_image
-from fastckpt.staging import CpuStager, reserve_groups, stage_groups
-from fastckpt.store.backend import LocalStaging
+from fastckpt.io.images import ALIGN, IMAGE_MIN_BYTES, FileImage, ImagePool, find_image
+from fastckpt.io.images import write_image as write_file_image
+from fastckpt.io.staging import CpuStager, reserve_groups, stage_groups
+from fastckpt.storage.backend import LocalStaging
 
 ALL = lambda group, name: True  # noqa: E731
 

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 import fastckpt
 from fastckpt import CheckpointFormatError, ChecksumMismatchError, _native
-from fastckpt.files import byte_view, dtype_name, header_shape, read_tensors, write_tensors
+from fastckpt.io.files import byte_view, dtype_name, header_shape, read_tensors, write_tensors
 
 ALL_DTYPES = [
     torch.bool,
@@ -195,7 +195,7 @@ def test_large_tensor_round_trip(tmp_path: Path, direct_io: bool) -> None:
 
 
 def test_default_write_mode_is_o_direct_from_the_threshold(tmp_path: Path) -> None:
-    from fastckpt import files
+    from fastckpt.io import files
 
     limit = files.DIRECT_IO_MIN_BYTES
     assert files.choose_direct_io(limit - 1) is False
@@ -394,7 +394,7 @@ def test_save_failing_midway_leaves_old_file_and_no_temp(tmp_path: Path, direct_
 TRUNCATED_WHILE_MAPPED = """
 import os, sys, torch, fastckpt
 from fastckpt import _native
-from fastckpt.files import byte_view
+from fastckpt.io.files import byte_view
 path = sys.argv[1]
 fastckpt.save_file({"w": torch.ones(4 << 20)}, path)
 storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=os.path.getsize(path))

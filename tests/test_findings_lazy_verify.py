@@ -19,9 +19,9 @@ import safetensors.torch
 import torch
 
 import fastckpt
+from fastckpt.container.lazy import safe_open
+from fastckpt.container.verify import verify
 from fastckpt.errors import ChecksumMismatchError, FastCkptError
-from fastckpt.lazy import safe_open
-from fastckpt.verify import verify
 
 # --------------------------------------------------------------------------- finding 5: slices
 
@@ -317,6 +317,6 @@ def test_the_cli_never_says_ok_about_a_lone_file_it_did_not_check(
 def test_the_sharded_record_format_verify_knows_is_dcps() -> None:
     import importlib
 
-    from fastckpt.dcp.metadata import FORMAT
+    from fastckpt.format.sharded import FORMAT
 
     assert importlib.import_module("fastckpt.verify").SHARDED_FORMAT == FORMAT

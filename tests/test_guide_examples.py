@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from fastckpt.specs import register_trusted
+from fastckpt.checkpoint.specs import register_trusted
 from fastckpt.training import (
     CheckpointHook,
     EMAHook,
@@ -45,7 +45,7 @@ def job(hooks: list[Any] = (), num_steps: int = 4) -> dict[str, Any]:  # type: i
 
 @pytest.fixture
 def registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    import fastckpt.specs as specs
+    import fastckpt.checkpoint.specs as specs
 
     monkeypatch.setattr(specs, "_TRUSTED_PATHS", set(specs._TRUSTED_PATHS))
     monkeypatch.setattr(specs, "_TRUSTED_OBJECTS", list(specs._TRUSTED_OBJECTS))

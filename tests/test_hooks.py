@@ -13,7 +13,6 @@ from torch import nn
 
 import fastckpt
 import training_support as support
-from fastckpt.hooks import TrainingStage
 from fastckpt.training import (
     CheckpointHook,
     EMAHook,
@@ -21,6 +20,7 @@ from fastckpt.training import (
     TrainingStrategy,
 )
 from fastckpt.training.hooks import CheckpointHook as SeedPathHook
+from fastckpt.training.hooks import TrainingStage
 
 
 def test_a_timed_out_hook_write_stays_tracked_and_its_failure_is_raised_once(

@@ -2,6 +2,9 @@
 
 Imports are read with ``ast`` from every module of ``python/fastckpt``, at module level and
 inside functions alike (a function-level import is still a dependency, only a deferred one).
+An import under ``if TYPE_CHECKING:`` never runs (a package face such as
+``fastckpt/checkpoint/__init__.py`` names its lazily loaded exports there for type checkers),
+so it is not an edge.
 """
 
 from __future__ import annotations
@@ -23,11 +26,34 @@ def module_names(package: Path) -> dict[str, Path]:
     return modules
 
 
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _run_time_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` except the bodies of ``if TYPE_CHECKING:`` blocks."""
+    found: list[ast.AST] = []
+    pending: list[ast.AST] = [tree]
+    while pending:
+        node = pending.pop()
+        found.append(node)
+        for child in ast.iter_child_nodes(node):
+            if _is_type_checking(child):
+                assert isinstance(child, ast.If)
+                pending.extend(child.orelse)
+            else:
+                pending.append(child)
+    return found
+
+
 def imported(name: str, path: Path) -> set[str]:
     """Every dotted name ``name`` (in ``path``) imports, relative imports resolved."""
     found: set[str] = set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _run_time_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -132,3 +158,21 @@ def test_importing_a_submodule_runs_its_package_init(tmp_path: Path) -> None:
     assert graph["pkg.front"] == {"pkg.hooks", "pkg.hooks.context"}
     assert graph["pkg.hooks.context"] == {"pkg.hooks.saver"}
     assert cycles(graph) == [["pkg.front", "pkg.hooks", "pkg.hooks.context", "pkg.hooks.saver"]]
+
+
+def test_type_checking_imports_are_not_edges(tmp_path: Path) -> None:
+    """An import under ``if TYPE_CHECKING:`` never runs; its ``else`` branch does."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import typing\n"
+        "if TYPE_CHECKING:\n    from pkg.b import x\n"
+        "if typing.TYPE_CHECKING:\n    import pkg.b\nelse:\n    import pkg.c\n"
+    )
+    (package / "b.py").write_text("import pkg.a\n")
+    (package / "c.py").write_text("")
+    graph = dependency_graph(package)
+    assert graph["pkg.a"] == {"pkg.c"}
+    assert cycles(graph) == []

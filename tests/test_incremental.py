@@ -101,9 +101,9 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(autouse=True)
 def _fresh_trackers() -> Any:
-    fastckpt.incremental.forget()
+    fastckpt.container.incremental.forget()
     yield
-    fastckpt.incremental.forget()
+    fastckpt.container.incremental.forget()
 
 
 def test_unchanged_tensors_are_referenced_and_load_bitwise(tmp_path: Path) -> None:

@@ -21,87 +21,29 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "io: one file or one nest of tensors at a time",
         (
             "fastckpt._native",
+            "fastckpt._exports",
             "fastckpt.errors",
-            "fastckpt.progress",
-            "fastckpt.headers",
-            "fastckpt.files",
-            "fastckpt.file_images",
-            "fastckpt.tree",
             "fastckpt.version",
+            "fastckpt.io",
         ),
     ),
-    (
-        "format: on-disk names and records",
-        (
-            "fastckpt.store.paths",
-            "fastckpt.store.records",
-            "fastckpt.dcp.metadata",
-            "fastckpt.dcp.errors",
-        ),
-    ),
-    (
-        "storage: where bytes live",
-        (
-            "fastckpt.store",
-            "fastckpt.store.lock",
-            "fastckpt.store.backend",
-            "fastckpt.store.dispatch",
-            "fastckpt.store.s3config",
-            "fastckpt.store.s3errors",
-            "fastckpt.store.s3client",
-            "fastckpt.store.s3tensors",
-            "fastckpt.store.s3copy",
-            "fastckpt.store.s3backend",
-        ),
-    ),
-    (
-        "container: a committed set of files, written, read, verified",
-        (
-            "fastckpt.store.reader",
-            "fastckpt.store.refs",
-            "fastckpt.store.report",
-            "fastckpt.store.snapshot",
-            "fastckpt.store.links",
-            "fastckpt.store.listing",
-            "fastckpt.store.locate",
-            "fastckpt.store.commit",
-            "fastckpt.store.s3commit",
-            "fastckpt.staging",
-            "fastckpt.verify",
-            "fastckpt.lazy",
-            "fastckpt.diff",
-            "fastckpt.incremental",
-            "fastckpt.dcp.commit",
-            "fastckpt.dcp.parts",
-            "fastckpt.dcp.chunks",
-            "fastckpt.dcp.values",
-            "fastckpt.dcp.consolidate",
-        ),
-    ),
+    ("format: on-disk names and records", ("fastckpt.format",)),
+    ("storage: where bytes live", ("fastckpt.storage",)),
+    ("container: a committed set of files, written, read, verified", ("fastckpt.container",)),
     (
         "front doors: what training code calls",
         (
-            "fastckpt.containers",
-            "fastckpt.specs",
-            "fastckpt.stateful",
-            "fastckpt.components",
             "fastckpt.checkpoint",
             "fastckpt.manager",
-            "fastckpt.manager_config",
-            "fastckpt.manager_callbacks",
-            "fastckpt.manager_incremental",
-            "fastckpt.manager_load",
-            "fastckpt.hooks",
-            "fastckpt.strategy",
-            "fastckpt.sharded_training",
             "fastckpt.training",
             "fastckpt.dcp",
             "fastckpt.integrations",
         ),
     ),
     (
-        "clients: the package face, the command line, the benchmark, the demo",
-        ("fastckpt", "fastckpt.__main__", "fastckpt.cli", "fastckpt.bench", "fastckpt.demo"),
+        "clients: the package face (and the old module paths), the command line, the "
+        "benchmark, the demo",
+        ("fastckpt", "fastckpt.cli", "fastckpt.bench", "fastckpt.demo"),
     ),
 )
 
@@ -110,8 +52,8 @@ KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset(
     {
         # records.py reads and writes the commit records through the storage backend; the
         # format layer should only parse and seal them (issue 23, item 6).
-        ("fastckpt.store.records", "fastckpt.store.backend"),
-        ("fastckpt.store.records", "fastckpt.store.dispatch"),
+        ("fastckpt.format.records", "fastckpt.storage.backend"),
+        ("fastckpt.format.records", "fastckpt.storage.registry"),
     }
 )
 
@@ -201,9 +143,9 @@ def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     probe.write_text(
         "from fastckpt.manager import CheckpointManager\n"
         "def f():\n"
-        "    from .strategy import TrainingStrategy\n"
+        "    from ..training.strategy import TrainingStrategy\n"
         "    import fastckpt.cli.main\n"
     )
-    seen = _imported("fastckpt.files", probe, _modules())
-    assert {"fastckpt.manager", "fastckpt.strategy", "fastckpt.cli.main"} <= seen
-    assert all(layer_of(target) > layer_of("fastckpt.files") for target in seen)  # type: ignore[operator]
+    seen = _imported("fastckpt.io.files", probe, _modules())
+    assert {"fastckpt.manager", "fastckpt.training.strategy", "fastckpt.cli.main"} <= seen
+    assert all(layer_of(target) > layer_of("fastckpt.io.files") for target in seen)  # type: ignore[operator]

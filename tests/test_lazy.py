@@ -21,9 +21,10 @@ import torch
 from safetensors import safe_open as st_safe_open
 
 import fastckpt
-from fastckpt import _native, lazy
+from fastckpt import _native
+from fastckpt.container import lazy
+from fastckpt.container.lazy import safe_open
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.lazy import safe_open
 
 GIB = 1 << 30
 
@@ -79,7 +80,7 @@ def big_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
     for name, tensor in payload:
         data = tensor.numpy().tobytes()
         header[name] = {
-            "dtype": fastckpt.files.dtype_name(tensor.dtype),
+            "dtype": fastckpt.io.files.dtype_name(tensor.dtype),
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + len(data)],
         }

@@ -21,8 +21,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import fastckpt
+from fastckpt.container.lazy import safe_open
 from fastckpt.errors import ChecksumMismatchError, UntrustedTargetError
-from fastckpt.lazy import safe_open
 
 L = pytest.importorskip("lightning", reason="the 'lightning' extra is not installed")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402

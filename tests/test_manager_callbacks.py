@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.manager_callbacks import CallbackArgs, takes_callback_args
+from fastckpt.manager.callbacks import CallbackArgs, takes_callback_args
 
 
 def _manager(async_save: bool, **callbacks: Any) -> fastckpt.CheckpointManager:

@@ -23,17 +23,17 @@ import torch
 
 import fastckpt
 from fastckpt import ChecksumMismatchError
-from fastckpt.files import read_metadata
-from fastckpt.incremental import mark_frozen
-from fastckpt.manager import CheckpointManager
-from fastckpt.store.links import (
+from fastckpt.container.incremental import mark_frozen
+from fastckpt.container.links import (
     check_references,
     freed_bytes,
     read_references,
     reference_reports,
     referenced_sources,
 )
-from fastckpt.store.records import read_commit_record, seal_manifest
+from fastckpt.format.records import read_commit_record, seal_manifest
+from fastckpt.io.files import read_metadata
+from fastckpt.manager import CheckpointManager
 from training_support import run_two_ranks
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import fastckpt.manager as manager_module
-import fastckpt.manager_load as manager_load
+import fastckpt.manager.load as manager_load
 from fastckpt import CheckpointMismatchError, ChecksumMismatchError
-from fastckpt.files import read_metadata
+from fastckpt.io.files import read_metadata
 from fastckpt.manager import CheckpointManager
 
 

@@ -97,14 +97,15 @@ print(json.dumps({{"bound_at_import": bound_at_import, "failures": failures}}))
 
 def test_every_name_the_docs_write_resolves_from_a_bare_import() -> None:
     """``import fastckpt`` and then ``fastckpt.errors.FastCkptError``,
-    ``fastckpt.specs.register_trusted``, ``fastckpt.store.dispatch``, ``fastckpt.dcp.save_state``
+    ``fastckpt.checkpoint.specs.register_trusted``, ``fastckpt.storage.registry``,
+    ``fastckpt.dcp.save_state``
     ... : every dotted name in the README and docs/ resolves through attribute access (the
     first step always; deeper ones as attribute or submodule), except the metadata keys the
     package writes into files, which are strings, not names."""
     documented = _documented_names()
     names = sorted(n for n in documented if not _is_a_metadata_key(n))
     first_steps = {n.split(".")[1] for n in names}
-    assert {"errors", "specs", "store", "dcp", "files", "integrations"} <= first_steps
+    assert {"errors", "checkpoint", "storage", "dcp", "io", "integrations"} <= first_steps
     code = WALK.format(submodules=fastckpt._SUBMODULES, names=names)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -160,3 +161,34 @@ def test_help_through_the_real_package_face_imports_no_torch() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "usage: fastckpt" in result.stdout
     assert "IMPORTED []" in result.stdout, result.stdout[-2000:]
+
+
+def test_every_earlier_module_path_is_the_moved_module() -> None:
+    """The layered layout moved modules (docs/architecture.md); every earlier path still
+    imports, and gives the module itself (so a monkeypatch through either path is seen by
+    both), in a fresh process so that nothing was imported before."""
+    from fastckpt._moved import MOVED
+
+    code = f"""
+import importlib, json
+failures = []
+for old, new in {sorted(MOVED.items())!r}:
+    try:
+        if importlib.import_module(old) is not importlib.import_module(new):
+            failures.append((old, "a different module"))
+    except Exception as err:  # report every path, not only the first
+        failures.append((old, repr(err)))
+from fastckpt.files import save_file
+from fastckpt.store.commit import DirectoryWriter
+from fastckpt.hooks.checkpoint import CheckpointHook
+from fastckpt.dcp.errors import NotCommittedError
+import fastckpt, fastckpt.specs
+moved = importlib.import_module("fastckpt.checkpoint.specs")
+assert fastckpt.specs.register_trusted is moved.register_trusted
+assert callable(fastckpt.verify)  # the function, though also an old module path
+print(json.dumps(failures))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert json.loads(done.stdout) == []

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from fastckpt import create_model_spec, load_checkpoint, prune, save_checkpoint
-from fastckpt.store.records import Manifest
-from fastckpt.verify import verify
+from fastckpt.container.verify import verify
+from fastckpt.format.records import Manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import crash_harness

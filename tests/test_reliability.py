@@ -42,14 +42,14 @@ from fastckpt import (
     load_file,
     read_metadata,
 )
+from fastckpt.container.verify import CheckpointSkippedWarning, latest_intact, verify
 from fastckpt.errors import (
     CheckpointFormatError,
     ChecksumMismatchError,
     FastCkptError,
     UntrustedTargetError,
 )
-from fastckpt.store.records import MANIFEST, Manifest, seal_manifest
-from fastckpt.verify import CheckpointSkippedWarning, latest_intact, verify
+from fastckpt.format.records import MANIFEST, Manifest, seal_manifest
 
 #: What hostile input may raise; anything else (AttributeError, IndexError, RecursionError,
 #: a crash) is a bug.
@@ -489,7 +489,7 @@ HUGE_SCRIPT = r"""
 import resource, sys
 import fastckpt
 from fastckpt import _native, load_file, read_metadata, load_checkpoint
-from fastckpt.verify import verify
+from fastckpt.container.verify import verify
 
 with open("/proc/self/status") as status:
     size = next(int(l.split()[1]) for l in status if l.startswith("VmSize")) * 1024

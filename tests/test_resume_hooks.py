@@ -14,7 +14,7 @@ import torch
 
 import fastckpt
 import training_support as support
-from fastckpt.hooks import rebuild
+from fastckpt.training.hooks import rebuild
 
 
 def log_losses(ctx: fastckpt.TrainContext, stage: fastckpt.TrainingStage) -> None:
@@ -75,7 +75,7 @@ def test_a_checkpoint_without_recorded_hooks_resumes_without_hooks_or_warnings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What earlier versions wrote (no ``configs`` in hooks.json) loads as before."""
-    monkeypatch.setattr(fastckpt.strategy, "record_hooks", lambda hooks: [])
+    monkeypatch.setattr(fastckpt.training.strategy, "record_hooks", lambda hooks: [])
     _train(tmp_path)
     monkeypatch.undo()
     with warnings.catch_warnings(record=True) as caught:
@@ -88,20 +88,25 @@ def test_a_checkpoint_without_recorded_hooks_resumes_without_hooks_or_warnings(
 def test_a_recorded_configuration_the_hook_refuses_is_a_typed_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    bad = [{"class": "fastckpt.hooks.checkpoint.CheckpointHook", "config": {"step_interval": 2}}]
-    monkeypatch.setattr(fastckpt.strategy, "record_hooks", lambda hooks: bad)
+    bad = [
+        {
+            "class": "fastckpt.training.hooks.checkpoint.CheckpointHook",
+            "config": {"step_interval": 2},
+        }
+    ]
+    monkeypatch.setattr(fastckpt.training.strategy, "record_hooks", lambda hooks: bad)
     _train(tmp_path)
     with pytest.raises(fastckpt.CheckpointFormatError, match=r"hooks\.json: field 'configs\[0\]"):
         _resume(tmp_path)
     # Only fastckpt's own classes are ever built: a name the checkpoint gives is not imported.
     other = [{"class": "os.system", "config": {"command": "false"}}]
-    monkeypatch.setattr(fastckpt.strategy, "record_hooks", lambda hooks: other)
+    monkeypatch.setattr(fastckpt.training.strategy, "record_hooks", lambda hooks: other)
     _train(tmp_path / "other")
     with pytest.warns(UserWarning, match="os.system, which fastckpt cannot rebuild"):
         assert _resume(tmp_path / "other").hooks == []
     assert set(rebuild.REBUILDABLE) == {
-        "fastckpt.hooks.checkpoint.CheckpointHook",
-        "fastckpt.hooks.ema.EMAHook",
+        "fastckpt.training.hooks.checkpoint.CheckpointHook",
+        "fastckpt.training.hooks.ema.EMAHook",
     }
 
 

@@ -21,11 +21,11 @@ import torch
 
 import fastckpt
 from fastckpt import _native
+from fastckpt.container.s3root import S3Root
 from fastckpt.errors import ChecksumMismatchError
-from fastckpt.store.s3client import S3Client
-from fastckpt.store.s3commit import S3Root
-from fastckpt.store.s3config import S3Options, S3Url, is_s3_url
-from fastckpt.store.s3errors import (
+from fastckpt.storage.s3.client import S3Client
+from fastckpt.storage.s3.config import S3Options, S3Url, is_s3_url
+from fastckpt.storage.s3.errors import (
     AccessDeniedError,
     BucketNotFoundError,
     CommitConflictError,
@@ -34,7 +34,7 @@ from fastckpt.store.s3errors import (
     ObjectStoreError,
     translate,
 )
-from fastckpt.store.s3tensors import get_tensors, put_tensors
+from fastckpt.storage.s3.tensors import get_tensors, put_tensors
 from s3_support import S3Server, SaverFactory, s3_root, s3_server, saver_state
 from test_files import counter_progress
 

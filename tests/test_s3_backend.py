@@ -1,4 +1,4 @@
-"""The object-store StorageBackend (fastckpt.store.s3backend) against a real moto server."""
+"""The object-store StorageBackend (fastckpt.storage.s3.backend) against a real moto server."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import torch
 
 from fastckpt import _native
 from fastckpt.errors import ChecksumMismatchError
-from fastckpt.store.s3backend import (
+from fastckpt.storage.s3.backend import (
     S3Backend,
     S3RootLock,
     backend_for_url,
     register_storage_options,
 )
-from fastckpt.store.s3client import S3Client
-from fastckpt.store.s3config import S3Url
-from fastckpt.store.s3errors import CommitConflictError, ObjectNotFoundError
+from fastckpt.storage.s3.client import S3Client
+from fastckpt.storage.s3.config import S3Url
+from fastckpt.storage.s3.errors import CommitConflictError, ObjectNotFoundError
 from s3_support import S3Server, s3_root, s3_server
 
 __all__ = ["s3_root", "s3_server"]  # fixtures used by name below
@@ -128,9 +128,9 @@ def test_lease_lock_excludes_and_is_taken_over_after_its_holder_is_killed(
             textwrap.dedent(
                 f"""
                 import sys, time
-                from fastckpt.store.s3client import S3Client
-                from fastckpt.store.s3backend import S3RootLock
-                from fastckpt.store.s3config import S3Url
+                from fastckpt.storage.s3.client import S3Client
+                from fastckpt.storage.s3.backend import S3RootLock
+                from fastckpt.storage.s3.config import S3Url
                 url = S3Url.parse({s3_root!r})
                 lock = S3RootLock(S3Client(url, {s3_server.options()!r}), url, ttl_s=2)
                 lock.acquire()
@@ -158,8 +158,8 @@ def test_lease_lock_excludes_and_is_taken_over_after_its_holder_is_killed(
 
 
 def test_require_local_refuses_an_s3_url_with_a_typed_error_naming_it() -> None:
-    from fastckpt.store.dispatch import require_local
-    from fastckpt.store.s3errors import UnsupportedOnObjectStoreError
+    from fastckpt.storage.registry import require_local
+    from fastckpt.storage.s3.errors import UnsupportedOnObjectStoreError
 
     require_local("/tmp/ckpt", "fastckpt.dcp.Writer", "use a shared filesystem")
     with pytest.raises(UnsupportedOnObjectStoreError, match=r"s3://b/run: fastckpt\.dcp\.Writer"):

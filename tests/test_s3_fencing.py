@@ -23,12 +23,12 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.store.dispatch import configure_storage
-from fastckpt.store.records import Manifest
-from fastckpt.store.s3backend import S3Staging
-from fastckpt.store.s3config import S3Options
-from fastckpt.store.s3errors import EndpointUnreachableError
-from fastckpt.verify import verify
+from fastckpt.container.verify import verify
+from fastckpt.format.records import Manifest
+from fastckpt.storage.registry import configure_storage
+from fastckpt.storage.s3.backend import S3Staging
+from fastckpt.storage.s3.config import S3Options
+from fastckpt.storage.s3.errors import EndpointUnreachableError
 from s3_support import REGION, S3Server, no_aws_env, s3_root, s3_server
 
 __all__ = ["no_aws_env", "s3_root", "s3_server"]  # fixtures used by name below
@@ -40,8 +40,9 @@ WRITER_A = r"""
 import json, os, signal, sys
 import torch
 import fastckpt
-from fastckpt.store import commit, s3backend
-from fastckpt.store.dispatch import configure_storage
+from fastckpt.container import commit
+from fastckpt.storage.s3 import backend as s3backend
+from fastckpt.storage.registry import configure_storage
 
 url, options, moment = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 configure_storage(url, options)

@@ -2,8 +2,8 @@
 list_checkpoints / prune, verify, CheckpointManager (sync, async, ``load(into=)``, replacement),
 TrainingStrategy + CheckpointHook exact resume, and the CLI, against a real moto server.
 
-``s3://`` paths reach :mod:`fastckpt.store.s3backend` through
-:func:`fastckpt.store.dispatch.backend_for`. Every test runs in a temporary working directory,
+``s3://`` paths reach :mod:`fastckpt.storage.s3.backend` through
+:func:`fastckpt.storage.registry.backend_for`. Every test runs in a temporary working directory,
 so a path that still went to the local filesystem could not write into the repository.
 """
 
@@ -24,12 +24,12 @@ import torch
 
 import fastckpt
 import training_support as ts
+from fastckpt.container.verify import verify
 from fastckpt.errors import ChecksumMismatchError
-from fastckpt.files import load_file
-from fastckpt.store.dispatch import backend_for, configure_storage
-from fastckpt.store.records import Manifest, read_commit_record
-from fastckpt.store.s3errors import AccessDeniedError
-from fastckpt.verify import verify
+from fastckpt.format.records import Manifest, read_commit_record
+from fastckpt.io.files import load_file
+from fastckpt.storage.registry import backend_for, configure_storage
+from fastckpt.storage.s3.errors import AccessDeniedError
 from s3_support import (
     FROZEN_WEIGHT,
     S3Server,

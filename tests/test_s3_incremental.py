@@ -17,12 +17,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fastckpt
+from fastckpt.container.verify import verify
 from fastckpt.errors import ChecksumMismatchError
-from fastckpt.store.dispatch import backend_for
-from fastckpt.store.s3client import CopyPart, DataPart, S3Client
-from fastckpt.store.s3copy import CopiedTensor, _upload_all, plan_parts, put_tensors_copying
-from fastckpt.store.s3tensors import put_tensors
-from fastckpt.verify import verify
+from fastckpt.storage.registry import backend_for
+from fastckpt.storage.s3.client import CopyPart, DataPart, S3Client
+from fastckpt.storage.s3.copy import CopiedTensor, _upload_all, plan_parts, put_tensors_copying
+from fastckpt.storage.s3.tensors import put_tensors
 from s3_support import S3Server, s3_env, s3_root, s3_server
 
 __all__ = ["s3_env", "s3_root", "s3_server"]  # fixtures used by name below

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import fastckpt
+from fastckpt.container.verify import verify
 from fastckpt.errors import ChecksumMismatchError
-from fastckpt.store.records import Manifest
-from fastckpt.verify import verify
+from fastckpt.format.records import Manifest
 from s3_support import S3Server, s3_env, s3_root, s3_server
 
 __all__ = ["s3_env", "s3_root", "s3_server"]  # fixtures used by name below
@@ -109,7 +109,7 @@ def test_keep_last_on_s3_never_deletes_the_newest_index_that_verifies(
         saved.append(_state(model))
     for index in (1, 2):  # rotten after they were committed
         _flip_bit(s3_server, _key(s3_root, index), "head.weight", where=0.5)
-    with caplog.at_level(logging.WARNING, logger="fastckpt.store.commit"):
+    with caplog.at_level(logging.WARNING, logger="fastckpt.container.commit"):
         assert fastckpt.prune(s3_root, keep_last=1) == [1]
     assert "keeping index 0, the newest that verifies" in caplog.text
     assert sorted(Manifest.load(s3_root).entries) == [0, 2]
@@ -123,7 +123,7 @@ def test_copies_from_objects_this_process_wrote_are_not_read_back(
     """The proof costs nothing in the normal case: an object this process wrote is pinned by
     the etag its write returned, so copying from it needs no read-back (only a source whose
     version is unknown, or was replaced, is read back and checked)."""
-    from fastckpt.store import s3backend
+    from fastckpt.storage.s3 import backend as s3backend
 
     proofs: list[list[str]] = []
     real = s3backend.prove_copied_tensors

@@ -18,9 +18,9 @@ import torch
 
 import fastckpt
 import training_support as ts
-from fastckpt.store.dispatch import backend_for, configure_storage
-from fastckpt.store.s3backend import S3RootLock
-from fastckpt.store.s3errors import (
+from fastckpt.storage.registry import backend_for, configure_storage
+from fastckpt.storage.s3.backend import S3RootLock
+from fastckpt.storage.s3.errors import (
     AccessDeniedError,
     StorageOptionsError,
 )

@@ -22,7 +22,7 @@ import torch
 
 import fastckpt
 from dcp_support import TESTS, check_ok, compare, full_state, launch, spawn
-from fastckpt.store.records import Manifest, seal_manifest
+from fastckpt.format.records import Manifest, seal_manifest
 from sharded_ranks import training_fn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -147,7 +147,7 @@ def test_prune_deletes_the_sharded_parts_of_the_indices_it_prunes(
 
 _KILLED_PRUNE = """
 import os, signal, sys
-from fastckpt.store import records
+from fastckpt.format import records
 commit = records.Manifest.commit
 def commit_and_die(self):
     commit(self)
@@ -257,7 +257,7 @@ def test_the_sweep_keeps_an_earlier_part_that_a_live_writer_may_still_be_writing
     """Part names sort by the writer's clock: an earlier-named part of a live process (a
     replacement under way whose clock is behind) is kept; this process's own earlier parts,
     dead writers' parts and other hosts' parts older than the grace period go."""
-    from fastckpt.dcp import parts
+    from fastckpt.container.sharded import parts
 
     host = parts._HOST
     named = f"p{2_000_000_000_000:013d}-00000000~{os.getpid()}~{host}"

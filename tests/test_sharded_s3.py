@@ -22,7 +22,7 @@ import torch
 import fastckpt
 import fastckpt.dcp
 from dcp_support import check_ok, launch, spawn
-from fastckpt.dcp.commit import RECORD_NAME
+from fastckpt.container.sharded.commit import RECORD_NAME
 from s3_support import S3Server, s3_server
 
 __all__ = ["s3_server"]  # a fixture used by name below

@@ -41,7 +41,7 @@ from dcp_support import (
     launch,
     row_tensors,
 )
-from fastckpt.dcp.commit import RECORD_NAME
+from fastckpt.container.sharded.commit import RECORD_NAME
 from fastckpt.errors import FastCkptError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -24,9 +24,8 @@ import pytest
 import torch
 from torch import nn
 
-from fastckpt import specs
-from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
-from fastckpt.specs import (
+from fastckpt.checkpoint import specs
+from fastckpt.checkpoint.specs import (
     BaseSpec,
     attach_spec,
     build_model,
@@ -41,6 +40,7 @@ from fastckpt.specs import (
     resolve_target,
     resolve_training_fn,
 )
+from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
 
 MOD = __name__
 assert sys.modules[MOD].__dict__ is globals(), "the test module must be importable by its name"
@@ -534,7 +534,7 @@ def test_policy_refuses_with_instructions(path: str, kind: str) -> None:
     assert repr(path) in message
     assert f"as a {kind} target" in message
     assert f"trusted=[{path!r}]" in message
-    assert f"fastckpt.specs.register_trusted({path!r})" in message
+    assert f"fastckpt.checkpoint.specs.register_trusted({path!r})" in message
 
 
 def test_trusted_argument_and_registration_allow() -> None:
@@ -770,10 +770,10 @@ def test_containers_record_nested_specs_and_rebuild() -> None:
     )
     spec = model_spec(model)
     data = json.loads(json.dumps(spec.to_json()))
-    assert data["cls_path"] == "fastckpt.containers.sequential"
+    assert data["cls_path"] == "fastckpt.checkpoint.containers.sequential"
     assert list(data["kwargs"]["children"]) == ["fc", "act", "blocks", "heads"]
     blocks = data["kwargs"]["children"]["blocks"]["__spec__"]
-    assert blocks["cls_path"] == "fastckpt.containers.module_list"
+    assert blocks["cls_path"] == "fastckpt.checkpoint.containers.module_list"
     rebuilt = BaseSpec.from_json(data).build()  # the default policy admits the containers
     assert type(rebuilt) is nn.Sequential and _same_tensors(model, rebuilt)
     assert type(rebuilt.heads) is nn.ModuleDict and list(rebuilt.heads) == ["b", "a"]
@@ -810,7 +810,7 @@ def test_check_recordable_fails_early_with_fixes_that_work(tmp_path: Any) -> Non
         check_recordable(Unrecoverable(3), "main")
     message = str(info.value)
     assert "model 'main'" in message and "checkpoint_spec()" in message
-    assert "fastckpt.specs.attach_spec(model" in message
+    assert "fastckpt.checkpoint.specs.attach_spec(model" in message
 
     with pytest.raises(TypeError, match=r"rebuilds a model with other tensors.*lin\.weight"):
         check_recordable(WideningNet(2))
@@ -940,7 +940,7 @@ def test_training_fn_from_an_imported_user_module_is_restored(userpkg: Any) -> N
         ("posixpath.join", "standard library"),
         ("json.dumps", "standard library"),
         ("torch.nn.functional.mse_loss", "torch"),
-        ("fastckpt.specs.model_spec", "fastckpt"),
+        ("fastckpt.checkpoint.specs.model_spec", "fastckpt"),
         ("safetensors.torch.save_file", "installed third-party module"),
         ("{pkg}.train.join", "not a function defined at module level"),
         ("{pkg}.train.Net", "not a plain Python function"),
@@ -972,7 +972,7 @@ INSTALLED_SCRIPT = """
 import sys
 import torch
 from fastckpt.errors import UntrustedTargetError
-from fastckpt.specs import resolve_training_fn
+from fastckpt.checkpoint.specs import resolve_training_fn
 import instpkg.train, instpkg.nets
 try:
     resolve_training_fn("instpkg.train.step")
@@ -1007,7 +1007,7 @@ def test_training_fn_of_an_installed_package_needs_a_model_from_it(tmp_path: Any
     }.items():
         with open(os.path.join(package, name), "w") as handle:
             handle.write(text)
-    source = os.path.dirname(os.path.dirname(specs.__file__))
+    source = os.path.dirname(os.path.dirname(os.path.dirname(specs.__file__)))
     with open(os.path.join(site, "project.pth"), "w") as handle:
         handle.write(f"{sysconfig.get_paths()['purelib']}\n{source}\n")
     result = subprocess.run(
@@ -1103,7 +1103,7 @@ import re, torch
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 from fastckpt.errors import CheckpointFormatError
-from fastckpt.specs import BaseSpec, build_model
+from fastckpt.checkpoint.specs import BaseSpec, build_model
 spec = BaseSpec(cls_path="torch.nn.Linear", kwargs={"in_features": 2**15, "out_features": 2**15})
 weights = torch.nn.Linear(2, 2).state_dict()  # what the checkpoint's file holds
 try:
@@ -1131,7 +1131,7 @@ def test_fastckpt_own_modules_may_be_imported() -> None:
     resume in that process resolves it by importing fastckpt's own module."""
     code = (
         "import sys, fastckpt\n"
-        "from fastckpt.specs import resolve_target\n"
+        "from fastckpt.checkpoint.specs import resolve_target\n"
         "assert 'fastckpt.demo' not in sys.modules\n"
         "cls = resolve_target('fastckpt.demo.DemoModel', 'model')\n"
         "assert cls.__module__ == 'fastckpt.demo'\n"
@@ -1176,7 +1176,7 @@ def test_strategy_with_an_unrecordable_model_fails_at_construction() -> None:
 def test_load_checkpoint_checks_a_resealed_spec_before_building(tmp_path: Any) -> None:
     import fastckpt
     from fastckpt import _native
-    from fastckpt.store.records import MANIFEST, seal_manifest
+    from fastckpt.format.records import MANIFEST, seal_manifest
 
     fastckpt.save_checkpoint(tmp_path, models={"main": (nn.Linear(2, 2), None)})
     relpath = "models/main.spec.json"
@@ -1201,8 +1201,14 @@ def test_submodule_constructor_arguments_become_nested_specs() -> None:
     net = Net(encoder=nn.Sequential(nn.Linear(2, 3), nn.ReLU()), layers=[Block(3), Block(3)])
     spec = check_recordable(net)
     data = json.loads(json.dumps(spec.to_json()))
-    assert data["kwargs"]["encoder"]["__spec__"]["cls_path"] == "fastckpt.containers.sequential"
-    assert data["kwargs"]["layers"]["__spec__"]["cls_path"] == "fastckpt.containers.module_list"
+    assert (
+        data["kwargs"]["encoder"]["__spec__"]["cls_path"]
+        == "fastckpt.checkpoint.containers.sequential"
+    )
+    assert (
+        data["kwargs"]["layers"]["__spec__"]["cls_path"]
+        == "fastckpt.checkpoint.containers.module_list"
+    )
     rebuilt = BaseSpec.from_json(data).build()
     assert _same_tensors(net, rebuilt) and rebuilt.scale == (1, 1)
     with pytest.raises(TypeError, match=r"Net\.encoder: .*'hidden' of Unrecoverable"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastckpt.staging import CpuStager, CudaStager, StagerOptions, make_stager
+from fastckpt.io.staging import CpuStager, CudaStager, StagerOptions, make_stager
 
 
 def test_cpu_stager_reuses_buffers_and_copies() -> None:
@@ -48,7 +48,7 @@ def test_background_executor_runs_at_lower_priority() -> None:
     import os
     import threading
 
-    from fastckpt.staging import BACKGROUND_NICE, background_executor
+    from fastckpt.container.background import BACKGROUND_NICE, background_executor
 
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     executor = background_executor("test")
@@ -66,7 +66,7 @@ def test_background_executor_runs_at_lower_priority() -> None:
 
 
 def test_background_writer_returns_results_and_raises_a_failure_once() -> None:
-    from fastckpt.staging import BackgroundWriter
+    from fastckpt.container.background import BackgroundWriter
 
     writer: BackgroundWriter[int] = BackgroundWriter("test", wait_timeout=30)
     assert writer.collect() is None and writer.in_flight is None
@@ -92,7 +92,7 @@ def test_background_writer_returns_results_and_raises_a_failure_once() -> None:
 def test_background_writer_guard_waits_for_the_capture_only() -> None:
     import threading
 
-    from fastckpt.staging import BackgroundWriter
+    from fastckpt.container.background import BackgroundWriter
 
     writer: BackgroundWriter[None] = BackgroundWriter("test", wait_timeout=30)
     events: list[str] = []

@@ -1,6 +1,6 @@
 """Stateful objects (``state_dict()`` / ``load_state_dict()``) in saved state and templates.
 
-The first tests exercise :mod:`fastckpt.stateful` directly; the ``test_manager_*`` tests go
+The first tests exercise :mod:`fastckpt.manager.stateful` directly; the ``test_manager_*`` tests go
 through ``CheckpointManager``'s public API (``prepare_save`` in ``save``, ``check_template`` +
 ``restore`` in ``load``).
 """
@@ -15,7 +15,7 @@ import torch
 
 import fastckpt
 from fastckpt.errors import CheckpointMismatchError
-from fastckpt.stateful import check_template, is_stateful, prepare_save, restore
+from fastckpt.manager.stateful import check_template, is_stateful, prepare_save, restore
 
 
 class Counter:
@@ -116,7 +116,7 @@ def test_restore_loads_objects_in_place_through_load_state_dict() -> None:
 
 
 def tree_clone(value: Any) -> Any:
-    return fastckpt.tree.map_tensors(value, lambda tensor: tensor.clone())
+    return fastckpt.io.tree.map_tensors(value, lambda tensor: tensor.clone())
 
 
 def test_restore_refuses_mismatched_tensors_by_key_path() -> None:

@@ -43,14 +43,14 @@ from fastckpt import (
     prune,
     save_checkpoint,
 )
+from fastckpt.container.commit import RootLock
+from fastckpt.container.verify import verify
 from fastckpt.errors import (
     CheckpointFormatError,
     ChecksumMismatchError,
 )
-from fastckpt.store import backend
-from fastckpt.store.commit import RootLock
-from fastckpt.store.records import MANIFEST, Manifest, seal_manifest
-from fastckpt.verify import verify
+from fastckpt.format.records import MANIFEST, Manifest, seal_manifest
+from fastckpt.storage import backend
 from replace_writer import save_at
 
 #: The ``saved`` fixture (two indices of a root and two manager checkpoints).
@@ -303,7 +303,7 @@ def test_a_waiting_prune_names_the_holder_and_times_out(
         assert conn.poll(60) and conn.recv_bytes() == b"locked"
         holder = f"pid {process.pid} on host {socket.gethostname()}"
         with (
-            caplog.at_level(logging.WARNING, logger="fastckpt.store.lock"),
+            caplog.at_level(logging.WARNING, logger="fastckpt.storage.lock"),
             pytest.raises(TimeoutError, match=f"{holder} holds"),
         ):
             prune(root, 1, lock_timeout=1.5)
@@ -407,7 +407,7 @@ def test_a_lock_file_that_is_a_link_or_a_fifo_is_refused_untouched(tmp_path: Pat
 PRUNE_AND_DIE = r"""
 import os, signal, sys
 from fastckpt import prune
-from fastckpt.store.records import Manifest
+from fastckpt.format.records import Manifest
 
 commit = Manifest.commit
 def commit_then_die(self):
@@ -598,7 +598,7 @@ def test_the_next_save_finishes_an_interrupted_prune(tmp_path: Path) -> None:
 
 
 def test_locate_names_every_kind_of_path(saved: Saved, tmp_path: Path) -> None:
-    from fastckpt.store.locate import locate
+    from fastckpt.container.locate import locate
 
     root = saved.root
     assert (locate(root).kind, locate(root).root) == ("root", root)
@@ -619,8 +619,8 @@ def test_locate_names_every_kind_of_path(saved: Saved, tmp_path: Path) -> None:
 
 def test_one_check_of_a_recorded_file_reports_or_raises(tmp_path: Path) -> None:
     from fastckpt import _native
+    from fastckpt.container.reader import check_recorded, read_json
     from fastckpt.errors import ChecksumMismatchError
-    from fastckpt.store.reader import check_recorded, read_json
 
     path = tmp_path / "doc.json"
     data = b'{"a": 1}'
@@ -657,7 +657,7 @@ def test_one_check_of_a_recorded_file_reports_or_raises(tmp_path: Path) -> None:
 def test_records_in_place_of_special_files_are_refused_at_once(
     saved: Saved, tmp_path: Path
 ) -> None:
-    from fastckpt.store.records import read_commit_record
+    from fastckpt.format.records import read_commit_record
 
     root = tmp_path / "fifo-root"
     root.mkdir()
@@ -673,7 +673,7 @@ def test_records_in_place_of_special_files_are_refused_at_once(
 
 
 def test_commit_records_round_trip_and_refuse_bad_fields(tmp_path: Path) -> None:
-    from fastckpt.store.records import commit_record, item_files, json_bytes, read_commit_record
+    from fastckpt.format.records import commit_record, item_files, json_bytes, read_commit_record
 
     files = {"x.json": {"size": 3, "crc32c": 7}, "x.rank0.safetensors": {"size": 9, "crc32c": 1}}
     document = commit_record(["x"], files, 2)

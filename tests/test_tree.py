@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastckpt.errors import CheckpointFormatError
-from fastckpt.tree import flatten, unflatten
+from fastckpt.io.tree import flatten, unflatten
 
 
 def through_json(state: object) -> object:

@@ -17,12 +17,12 @@ from checkpoint_support import (
 from fastckpt import (
     _native,
 )
+from fastckpt.container.verify import CheckpointSkippedWarning, latest_intact, verify
 from fastckpt.errors import (
     CheckpointFormatError,
 )
-from fastckpt.store.paths import safe_join
-from fastckpt.store.records import MANIFEST
-from fastckpt.verify import CheckpointSkippedWarning, latest_intact, verify
+from fastckpt.format.paths import safe_join
+from fastckpt.format.records import MANIFEST
 
 #: The ``saved`` fixture (two indices of a root and two manager checkpoints).
 pytest_plugins = ["checkpoint_support"]

@@ -59,8 +59,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastckpt.store.backend import ATOMIC_TEMP_INFIX, TEMP_PREFIX, TRASH_PREFIX
-from fastckpt.store.records import MANIFEST
+from fastckpt.format.records import MANIFEST
+from fastckpt.storage.backend import ATOMIC_TEMP_INFIX, TEMP_PREFIX, TRASH_PREFIX
 
 WIDTH = 64
 HIDDEN = 1024
@@ -329,7 +329,7 @@ def child_main(
         elif mode == "prune":
             _child_pruning(root, send, iterations, PRUNE_FROZEN, PRUNE_KEEP_LAST)
         elif mode == "s3":
-            from fastckpt.store.dispatch import configure_storage
+            from fastckpt.storage.registry import configure_storage
 
             configure_storage(root, options)
             _child_pruning(root, send, iterations, S3_FROZEN, S3_KEEP_LAST)
@@ -373,8 +373,8 @@ def _child_pruning(root: str, send: Send, iterations: int, frozen: int, keep_las
     the store copy (``s3://``) the buffer of that first index, and pruning that index keeps
     its bytes (``.ref-<index>``). Announces ``pruning N`` / ``pruned N`` around each prune."""
     from fastckpt import create_model_spec, load_checkpoint, prune, save_checkpoint
-    from fastckpt.store.dispatch import backend_for, is_local
-    from fastckpt.store.records import Manifest
+    from fastckpt.format.records import Manifest
+    from fastckpt.storage.registry import backend_for, is_local
 
     backend = backend_for(root)
     if not is_local(backend):
@@ -504,7 +504,7 @@ def concurrent_saver(root: str, writer: int, count: int, api: str, conn: Connect
     """
     torch.set_num_threads(1)
     from fastckpt import create_model_spec, save_checkpoint
-    from fastckpt.store.commit import IndexWriter
+    from fastckpt.container.commit import IndexWriter
 
     spec = create_model_spec(CrashNet, width=8, hidden=8)
     indices = []
@@ -534,7 +534,7 @@ def concurrent_saver(root: str, writer: int, count: int, api: str, conn: Connect
 
 def hold_root_lock(root: str, conn: Connection) -> None:
     """Child of the lock tests: take the root lock, say so, and wait to be killed."""
-    from fastckpt.store.commit import RootLock
+    from fastckpt.container.commit import RootLock
 
     lock = RootLock(Path(root))
     lock.acquire()
@@ -545,7 +545,7 @@ def hold_root_lock(root: str, conn: Connection) -> None:
 def replace_index_and_die(root: str, index: int, conn: Connection) -> None:
     """Child: replace committed ``index`` of ``root`` and SIGKILL itself right after the new
     directory is swapped in, before the manifest records it."""
-    from fastckpt.store.commit import IndexWriter
+    from fastckpt.container.commit import IndexWriter
 
     writer = IndexWriter(Path(root), index)
     writer.add_tensors("models/main.safetensors", {"x": torch.ones(3)})
@@ -576,7 +576,7 @@ class MutationCounter:
     def __init__(self, kill_at: int) -> None:
         """Patch the functions (counting starts at :meth:`arm`)."""
         from fastckpt import _native
-        from fastckpt.store.backend import LocalFileSystem
+        from fastckpt.storage.backend import LocalFileSystem
 
         self.kill_at = kill_at
         self.count = 0
@@ -614,7 +614,7 @@ def legacy_references() -> Any:
     tensors referenced in the earlier index's own file (``refs.json`` naming that index), no
     file linked in. Roots written so must keep loading and pruning safely (a pruned index
     that a kept one references lives on as ``.ref-<index>``)."""
-    from fastckpt import components
+    from fastckpt.checkpoint import components
 
     original = components.link_into
 
@@ -755,7 +755,7 @@ class Harness:
         import boto3
 
         from fastckpt.bench.s3 import local_server
-        from fastckpt.store.dispatch import configure_storage
+        from fastckpt.storage.registry import configure_storage
 
         endpoint, _ = self._server.enter_context(local_server("moto"))
         keys = {"access_key_id": "harness", "secret_access_key": "harness"}
@@ -899,8 +899,8 @@ class Harness:
     def _retained_in_use(self) -> set[str]:
         """``.ref-<index>`` directories of a root that committed (incremental) indices still
         reference: checkpoint content, not leftovers."""
-        from fastckpt.store.records import MANIFEST, Manifest
-        from fastckpt.store.refs import RETAINED_PREFIX, referenced_indices
+        from fastckpt.container.refs import RETAINED_PREFIX, referenced_indices
+        from fastckpt.format.records import MANIFEST, Manifest
 
         if not (self.root / MANIFEST).exists():
             return set()
@@ -928,7 +928,7 @@ class Harness:
     def _root_verifies(self) -> bool:
         """Whether the root has a manifest (required once a save was acknowledged) and every
         committed checkpoint verifies; failures are recorded."""
-        from fastckpt.verify import verify
+        from fastckpt.container.verify import verify
 
         if not (self.root / MANIFEST).exists():
             if self.acked >= 0:
@@ -955,7 +955,7 @@ class Harness:
         self._count_orphans()
 
     def _count_orphans(self) -> None:
-        from fastckpt.store.records import Manifest
+        from fastckpt.format.records import Manifest
 
         committed = set(Manifest.load(self.root).entries)
         on_disk = {int(p.name) for p in self.root.iterdir() if p.name.isdigit()}
@@ -971,8 +971,8 @@ class Harness:
         Newer ones are what a killed save was writing: the next save of that index deletes
         them first."""
         from fastckpt import load_checkpoint
-        from fastckpt.store.records import Manifest
-        from fastckpt.verify import verify
+        from fastckpt.container.verify import verify
+        from fastckpt.format.records import Manifest
 
         manifest = Manifest.load(self.target)
         if manifest.latest is None:
@@ -999,7 +999,7 @@ class Harness:
         self._stray_before = older
 
     def _s3_prefixes(self) -> set[int]:
-        from fastckpt.store.dispatch import backend_for
+        from fastckpt.storage.registry import backend_for
 
         names = backend_for(self.target).list_dir(Path(self.target))
         return {int(name) for name in names if name.isdigit()}
@@ -1007,9 +1007,9 @@ class Harness:
     def _s3_leftovers(self) -> list[str]:
         """What a clean last save must not leave on the store: uncommitted index prefixes,
         unfinished multipart uploads, the lease."""
-        from fastckpt.store.dispatch import backend_for
-        from fastckpt.store.lock import LOCK_FILE
-        from fastckpt.store.records import Manifest
+        from fastckpt.format.records import Manifest
+        from fastckpt.storage.lock import LOCK_FILE
+        from fastckpt.storage.registry import backend_for
 
         backend: Any = backend_for(self.target)
         committed = set(Manifest.load(self.target).entries)
@@ -1022,7 +1022,7 @@ class Harness:
 
     def _check_hook(self) -> None:
         from fastckpt import TrainingStrategy
-        from fastckpt.store.records import Manifest
+        from fastckpt.format.records import Manifest
 
         if not self._root_verifies():
             return
@@ -1038,7 +1038,7 @@ class Harness:
 
     def _check_manager(self) -> None:
         from fastckpt import CheckpointManager
-        from fastckpt.verify import verify
+        from fastckpt.container.verify import verify
 
         latest = -1
         with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:

@@ -83,7 +83,7 @@ def make_tensors(device: torch.device, total_bytes: int, count: int) -> dict[str
 
 def measure_staging(device: torch.device, total_bytes: int, repeats: int) -> dict[str, Any]:
     """Staging throughput of fastckpt's stager vs a plain (pinned) ``copy_`` of the same bytes."""
-    from fastckpt.staging import StagerOptions, make_stager
+    from fastckpt.io.staging import StagerOptions, make_stager
 
     tensors = make_tensors(device, total_bytes, 32)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())

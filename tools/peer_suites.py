@@ -144,7 +144,7 @@ def _install(modules: dict[str, types.ModuleType]) -> None:
 def alias_torch_checkpointing() -> dict[str, types.ModuleType]:
     """The ``torch_checkpointing`` alias modules (see the module docstring)."""
     import fastckpt.manager
-    import fastckpt.manager_config
+    import fastckpt.manager.config
     import fastckpt.version
 
     upstream = importlib.import_module(UPSTREAM_TC)
@@ -159,15 +159,15 @@ def alias_torch_checkpointing() -> dict[str, types.ModuleType]:
 
     counterparts: list[tuple[Any, Any]] = [
         (peer("checkpoint_manager", "CheckpointManager"), fastckpt.manager.CheckpointManager),
-        (peer("schema", "ItemSpec"), fastckpt.manager_config.ItemSpec),
-        (peer("staging", "CheckpointStagerConfig"), fastckpt.manager_config.CheckpointStagerConfig),
+        (peer("schema", "ItemSpec"), fastckpt.manager.config.ItemSpec),
+        (peer("staging", "CheckpointStagerConfig"), fastckpt.manager.config.CheckpointStagerConfig),
         (
             peer("checkpoint_writer", "CheckpointWriterConfig"),
-            fastckpt.manager_config.CheckpointWriterConfig,
+            fastckpt.manager.config.CheckpointWriterConfig,
         ),
         (
             peer("storage.filesystem", "LocalFileSystemStorageConfig"),
-            fastckpt.manager_config.LocalFileSystemStorageConfig,
+            fastckpt.manager.config.LocalFileSystemStorageConfig,
         ),
         (peer("version", "Version"), fastckpt.version.Version),
         (peer("version", "get_version"), fastckpt.version.get_version),
@@ -179,7 +179,7 @@ def alias_torch_checkpointing() -> dict[str, types.ModuleType]:
         "CheckpointSaverConfig",
         "SyncCheckpointSaverConfig",
     ):
-        counterparts.append((peer("config", config), getattr(fastckpt.manager_config, config)))
+        counterparts.append((peer("config", config), getattr(fastckpt.manager.config, config)))
     swaps = {id(theirs): ours for theirs, ours in counterparts}
     modules: dict[str, types.ModuleType] = {}
     for name in names:
@@ -199,13 +199,13 @@ def alias_safetensors() -> dict[str, types.ModuleType]:
     import safetensors.numpy  # stays safetensors' own
     import safetensors.torch
 
-    import fastckpt.files
-    import fastckpt.lazy
+    import fastckpt.container.lazy
+    import fastckpt.io.files
 
     ours = {
-        "safe_open": fastckpt.lazy.safe_open,
-        "save_file": fastckpt.files.save_file,
-        "load_file": fastckpt.files.load_file,
+        "safe_open": fastckpt.container.lazy.safe_open,
+        "save_file": fastckpt.io.files.save_file,
+        "load_file": fastckpt.io.files.load_file,
     }
     top = _copy_module("safetensors", safetensors, {id(safetensors.safe_open): ours["safe_open"]})
     top.__path__ = list(safetensors.__path__)  # safetensors.numpy etc. import as they are

@@ -12,9 +12,18 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+from fastckpt import _moved
+
+_moved.install()  # earlier releases' module paths (fastckpt.files, fastckpt.store.commit, ...)
+
 if TYPE_CHECKING:  # the names below, for type checkers; at run time they load on first use
     __version__: str
-    from fastckpt.checkpoint import load_checkpoint, prune, save_checkpoint
+    from fastckpt.checkpoint.api import load_checkpoint, prune, save_checkpoint
+    from fastckpt.checkpoint.specs import BaseSpec, create_model_spec, register_type_serializer
+    from fastckpt.container.incremental import mark_frozen
+    from fastckpt.container.lazy import SafeOpen, TensorSlice, safe_open
+    from fastckpt.container.listing import list_checkpoints
+    from fastckpt.container.verify import VerifyReport, latest_intact, verify
     from fastckpt.errors import (
         CheckpointFormatError,
         CheckpointMismatchError,
@@ -24,17 +33,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
         MixedRunError,
         UntrustedTargetError,
     )
-    from fastckpt.files import load_file, read_metadata, save_file
-    from fastckpt.hooks import (
-        CheckpointableHook,
-        CheckpointHook,
-        EMAHook,
-        Hook,
-        TrainContext,
-        TrainingStage,
-    )
-    from fastckpt.incremental import mark_frozen
-    from fastckpt.lazy import SafeOpen, TensorSlice, safe_open
+    from fastckpt.io.files import load_file, read_metadata, save_file
     from fastckpt.manager import (
         AsyncCheckpointSaverConfig,
         CheckpointLoaderConfig,
@@ -45,16 +44,21 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
         LocalFileSystemStorageConfig,
         SyncCheckpointSaverConfig,
     )
-    from fastckpt.specs import BaseSpec, create_model_spec, register_type_serializer
-    from fastckpt.store.dispatch import configure_storage
-    from fastckpt.store.listing import list_checkpoints
-    from fastckpt.strategy import FineTuningStrategy, OptimizerConfig, TrainingStrategy
-    from fastckpt.verify import VerifyReport, latest_intact, verify
+    from fastckpt.storage.registry import configure_storage
+    from fastckpt.training.hooks import (
+        CheckpointableHook,
+        CheckpointHook,
+        EMAHook,
+        Hook,
+        TrainContext,
+        TrainingStage,
+    )
+    from fastckpt.training.strategy import FineTuningStrategy, OptimizerConfig, TrainingStrategy
 
 #: Where each public name lives. ``import fastckpt`` imports none of them (so ``fastckpt
 #: --version`` and ``--help`` never import torch); the first use of a name imports its module.
 _NAMES = {
-    "fastckpt.checkpoint": ("load_checkpoint", "prune", "save_checkpoint"),
+    "fastckpt.checkpoint.api": ("load_checkpoint", "prune", "save_checkpoint"),
     "fastckpt.errors": (
         "CheckpointFormatError",
         "CheckpointMismatchError",
@@ -64,8 +68,8 @@ _NAMES = {
         "MixedRunError",
         "UntrustedTargetError",
     ),
-    "fastckpt.files": ("load_file", "read_metadata", "save_file"),
-    "fastckpt.hooks": (
+    "fastckpt.io.files": ("load_file", "read_metadata", "save_file"),
+    "fastckpt.training.hooks": (
         "CheckpointableHook",
         "CheckpointHook",
         "EMAHook",
@@ -73,8 +77,8 @@ _NAMES = {
         "TrainContext",
         "TrainingStage",
     ),
-    "fastckpt.incremental": ("mark_frozen",),
-    "fastckpt.lazy": ("SafeOpen", "TensorSlice", "safe_open"),
+    "fastckpt.container.incremental": ("mark_frozen",),
+    "fastckpt.container.lazy": ("SafeOpen", "TensorSlice", "safe_open"),
     "fastckpt.manager": (
         "AsyncCheckpointSaverConfig",
         "CheckpointLoaderConfig",
@@ -85,10 +89,10 @@ _NAMES = {
         "LocalFileSystemStorageConfig",
         "SyncCheckpointSaverConfig",
     ),
-    "fastckpt.specs": ("BaseSpec", "create_model_spec", "register_type_serializer"),
-    "fastckpt.store.dispatch": ("configure_storage",),
-    "fastckpt.store.listing": ("list_checkpoints",),
-    "fastckpt.strategy": ("FineTuningStrategy", "OptimizerConfig", "TrainingStrategy"),
+    "fastckpt.checkpoint.specs": ("BaseSpec", "create_model_spec", "register_type_serializer"),
+    "fastckpt.storage.registry": ("configure_storage",),
+    "fastckpt.container.listing": ("list_checkpoints",),
+    "fastckpt.training.strategy": ("FineTuningStrategy", "OptimizerConfig", "TrainingStrategy"),
     "fastckpt.verify": ("VerifyReport", "latest_intact", "verify"),
 }
 _MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
@@ -120,7 +124,9 @@ def _public_submodules() -> tuple[str, ...]:
 #: fastckpt.errors``. Where a public name and a submodule share a name (``verify``), the
 #: attribute is the public name; the module stays importable as ``fastckpt.verify``.
 _SUBMODULES = _public_submodules()
-_LAZY_SUBMODULES = frozenset(_SUBMODULES + _PRIVATE_SUBMODULES) - _MODULE_OF.keys()
+_LAZY_SUBMODULES = (
+    frozenset(_SUBMODULES + _PRIVATE_SUBMODULES + _moved.TOP_LEVEL) - _MODULE_OF.keys()
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -159,7 +165,7 @@ sys.modules[__name__].__class__ = _Package
 
 def __dir__() -> list[str]:
     """The public names and the submodules, as ``dir(fastckpt)`` should list them."""
-    return sorted({*globals(), *_MODULE_OF, *_SUBMODULES, "__version__"})
+    return sorted({*globals(), *_MODULE_OF, *_SUBMODULES, *_moved.TOP_LEVEL, "__version__"})
 
 
 def _installed_version() -> str:

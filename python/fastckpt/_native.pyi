@@ -5,9 +5,9 @@ from typing import Any
 
 #: Marker in the name of every temporary sibling the core creates (see ``temp_prefix``).
 TEMP_MARKER: str
-#: Default bytes per write chunk (the one definition; ``fastckpt.files`` re-exports it).
+#: Default bytes per write chunk (the one definition; ``fastckpt.io.files`` re-exports it).
 DEFAULT_CHUNK_SIZE: int
-#: Default writer threads (the one definition; ``fastckpt.files`` re-exports it).
+#: Default writer threads (the one definition; ``fastckpt.io.files`` re-exports it).
 DEFAULT_WRITE_THREADS: int
 
 class ByteCounter:

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 import fastckpt
-from fastckpt.store.backend import TEMP_PREFIX
-from fastckpt.verify import latest_intact, verify
+from fastckpt.container.verify import latest_intact, verify
+from fastckpt.storage.backend import TEMP_PREFIX
 
 TRAINING_FN = "fastckpt.demo.demo_training_fn"
 

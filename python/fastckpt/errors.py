@@ -25,6 +25,8 @@ __all__ = [
     "FastCkptError",
     "InvalidInputError",
     "MixedRunError",
+    "NotCommittedError",
+    "UnsupportedValueError",
     "UntrustedTargetError",
 ]
 
@@ -77,4 +79,24 @@ class UntrustedTargetError(FastCkptError):
     """A checkpoint names a dotted path the trust policy refuses to import or call.
 
     The message names the path and how to allow it (``trusted=`` at load, or a registration).
+    """
+
+
+# The two errors only a sharded (DCP) checkpoint can raise.
+
+
+class NotCommittedError(FastCkptError, FileNotFoundError):
+    """The checkpoint directory has no commit record: nothing was ever committed there, or the
+    only save into it was interrupted (its files are ignored and removed by the next save).
+
+    Load an older checkpoint id, or save again.
+    """
+
+
+class UnsupportedValueError(FastCkptError, TypeError):
+    """A non-tensor value that cannot be stored without pickle (the message names its key).
+
+    Supported: ``io.BytesIO`` and ``bytes`` (stored raw), and nests of dicts/lists/tuples of
+    None, bool, int, float and str (stored as JSON). Convert other objects to one of these (or
+    to a tensor) before saving.
     """

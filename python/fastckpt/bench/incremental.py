@@ -34,7 +34,6 @@ import torch
 from torch import nn
 
 import fastckpt
-from fastckpt import incremental, tree
 from fastckpt.bench.environment import describe, load_average
 from fastckpt.bench.stats import percentile
 from fastckpt.bench.writers import (
@@ -46,6 +45,8 @@ from fastckpt.bench.writers import (
     path_bytes,
     remove_path,
 )
+from fastckpt.container import incremental
+from fastckpt.io import tree
 
 __all__ = ["PAIR", "build", "main", "measure", "measure_fastckpt", "render_markdown", "run"]
 

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from fastckpt import _native, files
+from fastckpt import _native
 from fastckpt.bench.writers import (
     CEILING_BLOCK,
     WriterUnavailable,
@@ -31,6 +31,7 @@ from fastckpt.bench.writers import (
     remove_path,
     torch_checkpointing_manager,
 )
+from fastckpt.io import files
 
 __all__ = ["READERS", "ReadTiming", "Reader", "make_readers", "read_ceiling"]
 

@@ -10,7 +10,7 @@ up and down with:
   (``save_checkpoint`` / ``load_checkpoint`` of the state held by a module, and a sync
   ``CheckpointManager`` ``save`` / ``load``), every save a full write (``incremental=False``),
   with the same request shapes as ``fastckpt``;
-* ``fastckpt``: :class:`fastckpt.store.s3commit.S3Root` ``save`` / ``load`` (per-tensor crc32c,
+* ``fastckpt``: :class:`fastckpt.container.s3root.S3Root` ``save`` / ``load`` (per-tensor crc32c,
   uploads and ranged GETs on Rust threads, verified download) with the request shapes measured
   best for the server (:data:`PROFILES`); ``fastckpt-defaults``: the default shapes;
 * ``boto3``: ``safetensors.torch.save`` + ``upload_fileobj`` with a threaded ``TransferConfig``,
@@ -243,7 +243,7 @@ def _writers(
     from safetensors.torch import load as load_bytes
     from safetensors.torch import save as save_bytes
 
-    from fastckpt.store.s3commit import S3Root
+    from fastckpt.container.s3root import S3Root
 
     options: dict[str, Any] = {
         "part_size": part,
@@ -350,7 +350,7 @@ class StateModule(torch.nn.Module):
     @classmethod
     def holding(cls, state: dict[str, torch.Tensor]) -> StateModule:
         """A module whose buffers are ``state``'s tensors themselves (no copy), with its spec."""
-        from fastckpt.specs import attach_spec, create_model_spec
+        from fastckpt.checkpoint.specs import attach_spec, create_model_spec
 
         layout = [
             [name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in state.items()
@@ -475,7 +475,7 @@ def run(
             stall = async_stall(
                 state, f"s3://{bucket}/{prefix}/stall", stall_options, Path(scratch), repeats
             )
-        from fastckpt.store.s3tensors import tensor_crcs
+        from fastckpt.storage.s3.tensors import tensor_crcs
 
         hashing = []
         views = [t.reshape(-1).view(torch.uint8).numpy() for t in state.values()]
@@ -527,7 +527,7 @@ def async_stall(
     from contextlib import ExitStack
 
     from fastckpt.manager import CheckpointManager
-    from fastckpt.store.dispatch import configure_storage
+    from fastckpt.storage.registry import configure_storage
 
     configure_storage(url, options)
     targets = {"local": str(local_dir / "ckpt"), "s3": f"{url}/ckpt"}

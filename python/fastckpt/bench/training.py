@@ -133,8 +133,8 @@ class _HookCheckpointer:
     optimizer; :meth:`save` is what the hook does at a cadence step."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        from fastckpt.hooks import CheckpointHook
-        from fastckpt.strategy import TrainingStrategy
+        from fastckpt.training.hooks import CheckpointHook
+        from fastckpt.training.strategy import TrainingStrategy
 
         self.strategy = TrainingStrategy(model, optimizer, num_steps=1)
         self.hook: Any = None

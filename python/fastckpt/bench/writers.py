@@ -22,7 +22,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from fastckpt import _native, files
+from fastckpt import _native
+from fastckpt.io import files
 
 __all__ = [
     "CEILING_BLOCK",
@@ -150,7 +151,7 @@ def _timed_sync(action: Callable[[], Any]) -> tuple[float, Any]:
 
 class FastckptWriter(Writer):
     """``fastckpt.save_file`` (sync) as users get it: the automatic write mode
-    (:func:`fastckpt.files.choose_direct_io`), checksums on. The notes say which mode ran."""
+    (:func:`fastckpt.io.files.choose_direct_io`), checksums on. The notes say which mode ran."""
 
     name = "fastckpt"
     label = "fastckpt save_file (default mode: O_DIRECT from 64 MiB)"
@@ -159,7 +160,7 @@ class FastckptWriter(Writer):
     checksums = True
 
     def write(self, state: State, target: Path) -> WriteTiming:
-        """Save with :func:`fastckpt.files.write_tensors` (fsync + rename + dir fsync)."""
+        """Save with :func:`fastckpt.io.files.write_tensors` (fsync + rename + dir fsync)."""
         seconds, report = _timed_sync(
             lambda: files.write_tensors(
                 state, target, direct_io=self.direct_io, checksums=self.checksums
@@ -622,7 +623,7 @@ def make_writers(names: list[str] | None = None) -> list[Writer]:
 
 def fix_default_write_mode(writers: list[Writer], nbytes: int) -> None:
     """Resolve the automatic write mode of the fastckpt writers once, for a state of
-    ``nbytes`` (:func:`fastckpt.files.choose_direct_io`), so all their runs use the same."""
+    ``nbytes`` (:func:`fastckpt.io.files.choose_direct_io`), so all their runs use the same."""
     mode = files.choose_direct_io(nbytes)
     for writer in writers:
         if isinstance(writer, FastckptWriter) and writer.direct_io is None:

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.cli.status import EXIT_BAD, EXIT_ERROR, EXIT_OK, EXIT_UNCHECKED, UserError
-from fastckpt.store import locate as store_locate
-from fastckpt.store.dispatch import backend_for, is_local
-from fastckpt.store.locate import KIND_NAMES, Location
-from fastckpt.store.records import COMMIT_RECORD, MANIFEST, Manifest, load_json
+from fastckpt.container import locate as store_locate
+from fastckpt.container.locate import KIND_NAMES, Location
+from fastckpt.format.records import COMMIT_RECORD, MANIFEST, Manifest, load_json
+from fastckpt.storage.registry import backend_for, is_local
 
 __all__ = ["EXIT_BAD", "EXIT_ERROR", "EXIT_OK", "EXIT_UNCHECKED", "UserError", "locate"]
 

@@ -24,13 +24,13 @@ from fastckpt.cli.render import (
     shape_text,
     table,
 )
-from fastckpt.diff import TensorFiles, diff_checkpoints
-from fastckpt.progress import counting
-from fastckpt.store.dispatch import backend_for, display_path
-from fastckpt.store.links import is_linked_file, referenced_sources
-from fastckpt.store.paths import safe_join
-from fastckpt.store.records import COMMIT_RECORD, read_commit_record, record_file
-from fastckpt.store.refs import REFS_FILE, index_references, source_path
+from fastckpt.container.diff import TensorFiles, diff_checkpoints
+from fastckpt.container.links import is_linked_file, referenced_sources
+from fastckpt.container.refs import REFS_FILE, index_references, source_path
+from fastckpt.format.paths import safe_join
+from fastckpt.format.records import COMMIT_RECORD, read_commit_record, record_file
+from fastckpt.io.progress import counting
+from fastckpt.storage.registry import backend_for, display_path
 
 # --------------------------------------------------------------------------- fastckpt diff
 
@@ -48,7 +48,8 @@ class _Side:
 _NOT_COMPARED = frozenset({"timestamp", "created"})
 
 
-#: The markers of fastckpt's JSON encodings (fastckpt.tree, fastckpt.specs): a tensor's
+#: The markers of fastckpt's JSON encodings (fastckpt.io.tree, fastckpt.checkpoint.specs): a
+#: tensor's
 #: place (its bytes are compared as tensors), a tuple, a dict with non-string keys, a nested
 #: spec, a non-finite float.
 _TENSOR, _TUPLE, _DICT, _SPEC, _FLOAT = (
@@ -133,7 +134,7 @@ def _diff_side(text: str) -> _Side:
             for relpath in sorted(record["files"])
             if relpath.endswith(TENSOR_SUFFIX) and not is_linked_file(relpath)
         }
-        # Incremental saves: unchanged tensors live in linked files (see fastckpt.store.links).
+        # Incremental saves: unchanged tensors live in linked files (see fastckpt.container.links).
         linked = {
             relpath.removesuffix(TENSOR_SUFFIX): {
                 name: (path, ref["name"]) for name, (path, ref) in names.items()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from fastckpt import tree
+from fastckpt.checkpoint.components import IndexReader
 from fastckpt.cli import sharded
 from fastckpt.cli.common import (
     EXIT_OK,
@@ -23,12 +23,12 @@ from fastckpt.cli.render import (
     counted_progress,
     print_json,
 )
-from fastckpt.components import IndexReader
-from fastckpt.files import write_tensors
-from fastckpt.progress import format_bytes
-from fastckpt.store.links import read_item, read_references
-from fastckpt.store.locate import Location
-from fastckpt.store.records import Manifest, item_files, read_commit_record
+from fastckpt.container.links import read_item, read_references
+from fastckpt.container.locate import Location
+from fastckpt.format.records import Manifest, item_files, read_commit_record
+from fastckpt.io import tree
+from fastckpt.io.files import write_tensors
+from fastckpt.io.progress import format_bytes
 
 # --------------------------------------------------------------------------- fastckpt export
 
@@ -115,7 +115,7 @@ def _export_sharded(args: argparse.Namespace, source: Path, out: Path, prefix: s
 
 
 EMA = "ema"
-_EMA_CLASS = "fastckpt.hooks.ema.EMAHook"
+_EMA_CLASS = "fastckpt.training.hooks.ema.EMAHook"
 _HOOKS_JSON, _HOOKS_TENSORS = "hooks.json", "hooks.safetensors"
 
 

@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from fastckpt import tree
 from fastckpt.cli import sharded
 from fastckpt.cli.common import (
     EXIT_OK,
@@ -30,13 +29,14 @@ from fastckpt.cli.render import (
     tensor_table,
     when,
 )
+from fastckpt.container.links import split_sizes
+from fastckpt.container.locate import Location
 from fastckpt.errors import FastCkptError
-from fastckpt.progress import format_bytes
-from fastckpt.store.dispatch import display_path
-from fastckpt.store.links import split_sizes
-from fastckpt.store.locate import Location
-from fastckpt.store.paths import safe_join
-from fastckpt.store.records import COMMIT_RECORD, Manifest, read_commit_record, record_file
+from fastckpt.format.paths import safe_join
+from fastckpt.format.records import COMMIT_RECORD, Manifest, read_commit_record, record_file
+from fastckpt.io import tree
+from fastckpt.io.progress import format_bytes
+from fastckpt.storage.registry import display_path
 
 if TYPE_CHECKING:
     import torch
@@ -122,7 +122,7 @@ class _TensorRef:
 
 
 class _Refs(dict[str, _TensorRef]):
-    """A tensor mapping for :func:`fastckpt.tree.unflatten` that has every name (as a ref)."""
+    """A tensor mapping for :func:`fastckpt.io.tree.unflatten` that has every name (as a ref)."""
 
     def __missing__(self, key: str) -> _TensorRef:
         return _TensorRef(key)

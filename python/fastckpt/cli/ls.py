@@ -25,19 +25,19 @@ from fastckpt.cli.render import (
     table,
     when,
 )
+from fastckpt.container.links import split_sizes
+from fastckpt.container.listing import list_checkpoints
 from fastckpt.errors import FastCkptError
-from fastckpt.store.backend import StorageBackend
-from fastckpt.store.dispatch import backend_for, display_path
-from fastckpt.store.links import split_sizes
-from fastckpt.store.listing import list_checkpoints
-from fastckpt.store.paths import safe_join
-from fastckpt.store.records import (
+from fastckpt.format.paths import safe_join
+from fastckpt.format.records import (
     COMMIT_RECORD,
     MANIFEST,
     SHARDED_RECORD,
     read_commit_record,
     record_file,
 )
+from fastckpt.storage.backend import StorageBackend
+from fastckpt.storage.registry import backend_for, display_path
 
 # --------------------------------------------------------------------------- fastckpt ls
 

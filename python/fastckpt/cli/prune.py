@@ -10,7 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
-from fastckpt.checkpoint import list_checkpoints, prune
+from fastckpt.checkpoint.api import list_checkpoints, prune
 from fastckpt.cli.common import (
     EXIT_OK,
     UserError,
@@ -20,15 +20,15 @@ from fastckpt.cli.common import (
 from fastckpt.cli.render import (
     print_json,
 )
+from fastckpt.container.links import file_inodes, freed_bytes
+from fastckpt.container.locate import KIND_NAMES
+from fastckpt.container.refs import referenced_indices
 from fastckpt.errors import FastCkptError
-from fastckpt.progress import format_bytes
-from fastckpt.store.backend import TEMP_PREFIX
-from fastckpt.store.dispatch import backend_for, display_path, is_object_url
-from fastckpt.store.links import file_inodes, freed_bytes
-from fastckpt.store.locate import KIND_NAMES
-from fastckpt.store.lock import LOCK_FILE, lock_holder
-from fastckpt.store.records import COMMIT_RECORD, MANIFEST, Manifest
-from fastckpt.store.refs import referenced_indices
+from fastckpt.format.records import COMMIT_RECORD, MANIFEST, Manifest
+from fastckpt.io.progress import format_bytes
+from fastckpt.storage.backend import TEMP_PREFIX
+from fastckpt.storage.lock import LOCK_FILE, lock_holder
+from fastckpt.storage.registry import backend_for, display_path, is_object_url
 
 # --------------------------------------------------------------------------- the root lock
 

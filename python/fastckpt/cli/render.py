@@ -11,8 +11,8 @@ from typing import Any, TextIO
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
-from fastckpt.progress import format_bytes, polled_progress
-from fastckpt.store.dispatch import backend_for
+from fastckpt.io.progress import format_bytes, polled_progress
+from fastckpt.storage.registry import backend_for
 
 
 @contextmanager
@@ -84,7 +84,7 @@ def dash(value: Any) -> str:
 
 def size_text(size: int, linked_size: int = 0) -> str:
     """A checkpoint's size as every command shows it (the definition is
-    :func:`fastckpt.store.links.split_sizes`): the bytes its save wrote, then the bytes it holds
+    :func:`fastckpt.container.links.split_sizes`): the bytes its save wrote, then the bytes it holds
     as links to files an earlier save wrote (``17.5 KiB + 16.5 KiB linked``)."""
     text = format_bytes(size)
     return f"{text} + {format_bytes(linked_size)} linked" if linked_size else text
@@ -95,12 +95,13 @@ def shape_text(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-#: The markers of the JSON encoding of a spec's keyword arguments (fastckpt.specs).
+#: The markers of the JSON encoding of a spec's keyword arguments (fastckpt.checkpoint.specs).
 _TUPLE, _SPEC, _TYPE, _DICT = "__tuple__", "__spec__", "__type__", "__dict__"
 
 
 def _short(value: Any, limit: int = 60) -> str:
-    """A compact rendering of a spec argument as stored (the JSON encoding of fastckpt.specs,
+    """A compact rendering of a spec argument as stored (the JSON encoding of
+    fastckpt.checkpoint.specs,
     read without decoding it: no torch, nothing imported)."""
     if isinstance(value, Mapping) and len(value) == 1 and next(iter(value)) in (_TUPLE, _SPEC):
         ((marker, inner),) = value.items()

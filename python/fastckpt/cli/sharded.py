@@ -13,8 +13,8 @@ from typing import Any
 
 from fastckpt.cli.common import UserError
 from fastckpt.cli.render import mtime_iso, table
-from fastckpt.progress import format_bytes
-from fastckpt.store.records import SHARDED_DIR, SHARDED_RECORD, Manifest
+from fastckpt.format.records import SHARDED_DIR, SHARDED_RECORD, Manifest
+from fastckpt.io.progress import format_bytes
 
 __all__ = ["describe", "export", "listing_row", "strategy_part", "text"]
 
@@ -76,8 +76,8 @@ def listing_row(directory: Path) -> dict[str, Any]:
 
 def strategy_part(manifest: Manifest, index: int) -> Path | None:
     """The sharded part of a strategy index (FSDP2 models), if it has one: the part its
-    strategy.json names (see :mod:`fastckpt.dcp.parts`)."""
-    from fastckpt.dcp.parts import committed_part
+    strategy.json names (see :mod:`fastckpt.container.sharded.parts`)."""
+    from fastckpt.container.sharded.parts import committed_part
 
     if not (manifest.root / SHARDED_DIR).is_dir():
         return None
@@ -89,8 +89,9 @@ def export(directory: Path, out: Path, prefix: str | None = None) -> int:
     """Consolidate ``directory`` into the safetensors file ``out`` (full tensors, no process
     group); with ``prefix``, only the tensors under it, named without it. Returns the number of
     tensors written."""
-    from fastckpt.dcp import consolidate  # deferred: torch.distributed.checkpoint, for export only
-    from fastckpt.files import load_file, write_tensors  # deferred: torch, for export only
+    # deferred: torch.distributed.checkpoint, for export only
+    from fastckpt.container.sharded.consolidate import consolidate
+    from fastckpt.io.files import load_file, write_tensors  # deferred: torch, for export only
 
     if prefix is None:
         return int(consolidate(directory, out)["tensors"])

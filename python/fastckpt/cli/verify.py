@@ -25,13 +25,13 @@ from fastckpt.cli.render import (
     size_text,
     table,
 )
+from fastckpt.container.links import split_sizes
+from fastckpt.container.locate import Location
+from fastckpt.container.verify import FileReport, VerifyReport, verify
 from fastckpt.errors import FastCkptError
-from fastckpt.progress import format_bytes, io_progress
-from fastckpt.store.dispatch import display_path
-from fastckpt.store.links import split_sizes
-from fastckpt.store.locate import Location
-from fastckpt.store.records import Manifest, read_commit_record
-from fastckpt.verify import FileReport, VerifyReport, verify
+from fastckpt.format.records import Manifest, read_commit_record
+from fastckpt.io.progress import format_bytes, io_progress
+from fastckpt.storage.registry import display_path
 
 # --------------------------------------------------------------------------- fastckpt verify
 

@@ -19,9 +19,8 @@ See ``docs/sharded.md``.
 
 from __future__ import annotations
 
-from fastckpt.dcp.commit import RECORD_NAME
-from fastckpt.dcp.consolidate import consolidate, describe_sharded, verify_sharded
-from fastckpt.dcp.errors import NotCommittedError, UnsupportedValueError
+from fastckpt.container.sharded.commit import RECORD_NAME
+from fastckpt.container.sharded.consolidate import consolidate, describe_sharded, verify_sharded
 from fastckpt.dcp.reader import Reader
 from fastckpt.dcp.stager import DcpStager
 from fastckpt.dcp.state import (
@@ -32,6 +31,7 @@ from fastckpt.dcp.state import (
     save_state,
 )
 from fastckpt.dcp.writer import Writer
+from fastckpt.errors import NotCommittedError, UnsupportedValueError
 
 __all__ = [
     "RECORD_NAME",

@@ -30,12 +30,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from fastckpt.dcp.chunks import ChunkFiles
-from fastckpt.dcp.commit import RECORD_NAME, new_generation, read_record
-from fastckpt.dcp.metadata import Record, StoredChunk
-from fastckpt.dcp.values import as_planner_bytes, decode_value
+from fastckpt.container.sharded.chunks import ChunkFiles
+from fastckpt.container.sharded.commit import RECORD_NAME, new_generation, read_record
+from fastckpt.container.sharded.values import as_planner_bytes, decode_value
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.store.dispatch import backend_for
+from fastckpt.format.sharded import Record, StoredChunk
+from fastckpt.storage.registry import backend_for
 
 __all__ = ["Passes", "Reader"]
 

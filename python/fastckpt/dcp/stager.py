@@ -3,7 +3,7 @@
 ``dcp.async_save`` first asks a stager for a "training-safe" copy of the state dict and then
 writes that copy in the background. DCP's default stagers allocate a fresh host copy of the
 whole state on every save (or cache one pinned copy); fastckpt's stagers
-(:mod:`fastckpt.staging`) keep one host buffer per tensor and refill it on each save, so the
+(:mod:`fastckpt.io.staging`) keep one host buffer per tensor and refill it on each save, so the
 training loop stalls only for the copy into warm memory.
 
 :class:`DcpStager` stages nests of dicts/lists/tuples of tensors and DTensors (a DTensor's
@@ -23,9 +23,9 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from fastckpt.dcp.errors import UnsupportedValueError
-from fastckpt.staging import Stager, StagerOptions, make_stager
-from fastckpt.tree import join_path
+from fastckpt.errors import UnsupportedValueError
+from fastckpt.io.staging import Stager, StagerOptions, make_stager
+from fastckpt.io.tree import join_path
 
 __all__ = ["DcpStager"]
 

@@ -19,7 +19,7 @@ cost is a second read of each rank's share (from the page cache when it fits the
 second round of DCP planning, not memory. DCP's ``CheckpointException`` (a ``BaseException``)
 is raised as the typed error a rank hit (:func:`typed_dcp_errors`). In one process, a load that
 races a save replacing the checkpoint is read again (the record changed:
-:func:`fastckpt.store.snapshot.read_consistently`), so it returns the old or the new state,
+:func:`fastckpt.container.snapshot.read_consistently`), so it returns the old or the new state,
 whole.
 """
 
@@ -42,12 +42,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from fastckpt.dcp.commit import RECORD_NAME, read_record
-from fastckpt.dcp.metadata import Record
+from fastckpt.container.sharded.commit import RECORD_NAME, read_record
+from fastckpt.container.snapshot import read_consistently
 from fastckpt.dcp.reader import Passes, Reader
 from fastckpt.dcp.writer import Writer
 from fastckpt.errors import CheckpointMismatchError, FastCkptError
-from fastckpt.store.snapshot import read_consistently
+from fastckpt.format.sharded import Record
 
 __all__ = [
     "async_save_state",

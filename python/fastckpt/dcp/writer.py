@@ -14,7 +14,7 @@ an ``s3://`` checkpoint id, each rank's own parallel multipart uploads, crc32c c
 same pass), with
 DCP's sharding offsets in the header (``DCP_SHARDING_INFO``, as torch's own safetensors
 writer records them), non-tensor values without pickle, and commits with a JSON record written
-last by the coordinator (see :mod:`fastckpt.dcp.commit`).
+last by the coordinator (see :mod:`fastckpt.container.sharded.commit`).
 """
 
 from __future__ import annotations
@@ -33,14 +33,19 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from fastckpt import _native
-from fastckpt.dcp.chunks import DEFAULT_BLOCK_BYTES, block_checksums
-from fastckpt.dcp.commit import commit, data_file_name, make_generation_dir, new_generation
-from fastckpt.dcp.metadata import StoredChunk, encode_record
+from fastckpt.container.sharded.chunks import DEFAULT_BLOCK_BYTES, block_checksums
+from fastckpt.container.sharded.commit import (
+    commit,
+    data_file_name,
+    make_generation_dir,
+    new_generation,
+)
+from fastckpt.container.sharded.values import encode_value, planner_object
 from fastckpt.dcp.stager import DcpStager
-from fastckpt.dcp.values import encode_value, planner_object
-from fastckpt.files import byte_view, host_tensor, read_metadata, write_tensors
-from fastckpt.staging import StagerOptions
-from fastckpt.store.dispatch import backend_for, is_local, is_object_url
+from fastckpt.format.sharded import StoredChunk, encode_record
+from fastckpt.io.files import byte_view, host_tensor, read_metadata, write_tensors
+from fastckpt.io.staging import StagerOptions
+from fastckpt.storage.registry import backend_for, is_local, is_object_url
 
 __all__ = ["DCP_SHARDING_INFO_KEY", "Writer"]
 

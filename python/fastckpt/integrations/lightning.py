@@ -45,18 +45,14 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "pip install 'fastckpt-io[lightning]'"
     ) from err
 
-from fastckpt import _native, tree
+from fastckpt import _native
+from fastckpt.container.background import BackgroundWriter
+from fastckpt.container.commit import DirectoryWriter
+from fastckpt.container.links import read_item
 from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
-from fastckpt.staging import (
-    BackgroundWriter,
-    StagerOptions,
-    make_image_pool,
-    make_stager,
-    stage_groups,
-)
-from fastckpt.store.commit import DirectoryWriter
-from fastckpt.store.links import read_item
-from fastckpt.store.records import COMMIT_RECORD, commit_record, read_commit_record
+from fastckpt.format.records import COMMIT_RECORD, commit_record, read_commit_record
+from fastckpt.io import tree
+from fastckpt.io.staging import StagerOptions, make_image_pool, make_stager, stage_groups
 
 __all__ = ["AsyncFastCheckpointIO", "FastCheckpointIO", "load_lightning_checkpoint"]
 
@@ -399,7 +395,8 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
     allocated once and reused by later saves (pinned memory and a side stream for CUDA
     tensors), then returns; the write runs at lowered priority with the GIL released, on the
     same engine as the ``CheckpointHook``'s and ``CheckpointManager``'s async saves
-    (:class:`~fastckpt.staging.BackgroundWriter`). One write is in flight at a time: the next
+    (:class:`~fastckpt.container.background.BackgroundWriter`). One write is in flight at a time:
+    the next
     save waits for it first (at most ``wait_timeout`` seconds: a ``TimeoutError`` names it,
     and it stays tracked), ``load_checkpoint`` waits for it, ``remove_checkpoint`` waits when
     it removes the path being written, and ``teardown`` (end of ``fit``) waits for the last

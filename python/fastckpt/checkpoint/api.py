@@ -1,0 +1,254 @@
+"""Component checkpoints: ``save_checkpoint`` / ``load_checkpoint`` and root housekeeping.
+
+A checkpoint index holds, for each component given as ``{name: (obj, spec)}``:
+
+```
+models/<name>.safetensors      weights (DDP unwrapped: no ``module.`` prefixes)
+models/<name>.spec.json        the reconstruction spec
+optimizers/<name>.safetensors  tensor state (exp_avg, step, ...)
+optimizers/<name>.json         spec, parameter references, the JSON skeleton of state_dict()
+schedulers/<name>.safetensors  tensor state, if any
+schedulers/<name>.json         spec and the JSON skeleton of state_dict()
+```
+
+and the manifest entry records associations (optimizer -> model, scheduler -> optimizer),
+counters, and every file with its size and crc32c. Loading verifies each file against the
+manifest, rebuilds components through the trust policy (:mod:`fastckpt.checkpoint.specs`), and never
+unpickles anything.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastckpt.checkpoint.components import (
+    Components,
+    Trusted,
+    create_snapshot,
+    load_components,
+    write_snapshot,
+)
+from fastckpt.container.commit import prune_indices
+from fastckpt.container.listing import list_checkpoints
+from fastckpt.container.snapshot import read_consistently
+from fastckpt.errors import CheckpointFormatError, FastCkptError
+from fastckpt.format.records import MANIFEST
+from fastckpt.storage.registry import use_storage_options
+from fastckpt.training.strategy import TrainingStrategy
+
+__all__ = [
+    "list_checkpoints",
+    "load_checkpoint",
+    "prune",
+    "save_checkpoint",
+]
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    models: Components | Any = None,
+    optimizers: Components | None = None,
+    schedulers: Components | None = None,
+    associations: Mapping[str, Any] | None = None,
+    checkpoint_index: int = -1,
+    strategy: Any = None,
+    *,
+    counters: Mapping[str, int] | None = None,
+    incremental: bool = True,
+    lock_timeout: float | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> int:
+    """Save models, optimizers and schedulers (or a whole strategy) as one committed index.
+
+    Args:
+        root: checkpoint root directory (created if needed).
+        models: ``{name: (module, spec)}``; spec may be None to introspect the constructor or
+            use the module's ``checkpoint_spec()``. DDP wrappers are unwrapped. A
+            ``TrainingStrategy`` here is taken as ``strategy``.
+        optimizers: ``{name: (optimizer, spec)}``; spec None records the optimizer class and
+            its ``defaults``.
+        schedulers: ``{name: (scheduler, spec)}``; spec None records the class and the
+            constructor arguments found in its ``state_dict()``.
+        associations: ``{"optimizers": {opt: model}, "schedulers": {sched: opt}}`` (or a flat
+            ``{component: target}``); missing ones are inferred (optimizer -> the model owning
+            its parameters, scheduler -> its optimizer).
+        checkpoint_index: ``-1`` for the next index, or an explicit index (replaced atomically
+            if it exists).
+        strategy: a ``TrainingStrategy`` to save whole (components, recipe, counters, RNG
+            states, data position, hook states); the component arguments must then be empty.
+        counters: optional integer counters recorded in the manifest (step, epoch, ...).
+        incremental: write only the tensors that changed since this process's last save
+            into ``root``, recording the others as references to the bytes already there
+            (see docs/incremental.md); False writes everything.
+        lock_timeout: give up waiting for another process saving into or pruning ``root``
+            after this many seconds (None: wait; who holds the lock is logged after a second).
+        storage_options: object-store client options for an ``s3://`` root (endpoint_url,
+            region, access_key_id, ... as for :func:`fastckpt.configure_storage`), over the
+            AWS environment; they are registered for ``root``'s prefix (as
+            ``configure_storage(root, storage_options)``) and stay in effect for it. A local
+            ``root`` refuses them (``StorageOptionsError``).
+
+    Returns:
+        The committed index.
+
+    Raises:
+        TypeError / ValueError: bad components (nothing is written).
+        OSError: writing failed (nothing is committed; earlier indices are untouched).
+        TimeoutError: ``lock_timeout`` passed while another process held the root (the
+            message names it: pid and host).
+    """
+    use_storage_options(root, storage_options, "save_checkpoint")
+    if models is not None and not isinstance(models, Mapping):
+        strategy, models = models, None
+    if strategy is not None:
+        if models or optimizers or schedulers:
+            raise TypeError("pass either a strategy or components, not both")
+        snapshot = strategy.checkpoint_snapshot()
+    else:
+        snapshot = create_snapshot(models, optimizers, schedulers, associations, counters)
+    snapshot.incremental = incremental
+    return write_snapshot(root, snapshot, checkpoint_index, lock_timeout=lock_timeout)
+
+
+def load_checkpoint(
+    root: str | os.PathLike[str],
+    checkpoint_index: int = -1,
+    map_location: str | torch.device | None = None,
+    model_names: Sequence[str] | None = None,
+    *,
+    validators: Any = None,
+    hooks: Any = None,
+    training_fn: Any = None,
+    strategy: Any = None,
+    trusted: Trusted = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Load a committed checkpoint index, rebuilding models, optimizers and schedulers.
+
+    Args:
+        root: checkpoint root.
+        checkpoint_index: ``-1`` for the latest committed index, or an explicit one.
+        map_location: device for tensors; factories that accept ``device`` receive it.
+        model_names: load only these models (and the optimizers/schedulers tied to them).
+        validators: callables ``validator(model)`` (or ``{model_name: [validators]}``) run
+            after weights are loaded; a failure raises ``ValueError`` naming both.
+        hooks: runtime hooks for a strategy checkpoint (checkpointable ones get their state).
+        training_fn: the training function for a strategy checkpoint (wins over the recorded
+            dotted path).
+        strategy: accepted for compatibility; ignored.
+        trusted: extra dotted paths / callables the trust policy admits for this load.
+        storage_options: object-store client options for an ``s3://`` root (endpoint_url,
+            region, access_key_id, ... as for :func:`fastckpt.configure_storage`), over the
+            AWS environment; they are registered for ``root``'s prefix (as
+            ``configure_storage(root, storage_options)``) and stay in effect for it. A local
+            ``root`` refuses them (``StorageOptionsError``).
+
+    Returns:
+        ``{"checkpoint_index", "manifest", "strategy", "source": {"format", "path"},
+        "models": {name: {"model", "spec", "optimizers": {name: {"optimizer", "spec"}},
+        "schedulers": {name: {"scheduler", "spec"}}, "metadata": {"associations"}}}}``.
+        ``strategy`` is the restored ``TrainingStrategy`` for a strategy checkpoint loaded
+        whole, or None (component-only checkpoint, a ``model_names`` subset, or a training
+        function that must be supplied / is not trusted).
+
+    Raises:
+        FileNotFoundError: no checkpoint, or a file the manifest lists is missing.
+        KeyError: unknown index or model names (lists the available ones).
+        CheckpointFormatError / ChecksumMismatchError: damaged or tampered files.
+        UntrustedTargetError: a spec names code outside the trust policy.
+    """
+    del strategy  # accepted for signature compatibility: the checkpoint says what it holds
+    use_storage_options(root, storage_options, "load_checkpoint")
+
+    def attempt() -> dict[str, Any]:
+        result = load_components(
+            root,
+            checkpoint_index,
+            map_location,
+            model_names,
+            validators=validators,
+            trusted=trusted,
+        )
+        reader = result.pop("reader")
+        if "strategy.json" in reader.files and model_names is None:
+            result["strategy"] = _restore_strategy(
+                result["models"], reader, hooks, training_fn, trusted, map_location
+            )
+        return result
+
+    # A save replacing the index, or a prune, while this reads: read again (bounded).
+    return read_consistently(Path(root) / MANIFEST, attempt, lock_root=Path(root))
+
+
+def _restore_strategy(
+    models: dict[str, Any],
+    reader: Any,
+    hooks: Any,
+    training_fn: Any,
+    trusted: Trusted,
+    map_location: str | torch.device | None,
+) -> Any:
+    """``TrainingStrategy.from_loaded``, with the malformed-field errors of a hostile
+    ``strategy.json`` / ``hooks.json`` (whose checksums were re-sealed) as typed errors
+    naming the files."""
+    where = f"{reader.directory}/strategy.json (or hooks.json)"
+    try:
+        return TrainingStrategy.from_loaded(
+            models,
+            reader,
+            hooks=hooks,
+            training_fn=training_fn,
+            trusted=trusted,
+            map_location=map_location,
+            require_training_fn=False,
+        )
+    except CheckpointFormatError as err:
+        if "strategy.json" in str(err) or "hooks.json" in str(err):
+            raise
+        raise CheckpointFormatError(f"{where}: {err}") from err
+    except FastCkptError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as err:
+        raise CheckpointFormatError(
+            f"{where}: a field has the wrong type or value ({type(err).__name__}: {err}); the "
+            "checkpoint was edited or is damaged"
+        ) from err
+
+
+# --------------------------------------------------------------------------- housekeeping
+
+
+def prune(
+    root: str | os.PathLike[str],
+    keep_last: int,
+    *,
+    lock_timeout: float | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Delete all but the newest ``keep_last`` indices (never the latest).
+
+    The manifest is committed first, so a crash mid-prune leaves only unreferenced
+    directories, never a manifest naming a deleted index. A prune waits for another
+    process's save or prune of the root: after a second it logs who that is (pid, host);
+    ``lock_timeout`` (seconds) gives up with a ``TimeoutError`` naming it.
+
+    Args:
+        root: checkpoint root.
+        keep_last: how many of the newest indices to keep.
+        lock_timeout: see above.
+        storage_options: object-store client options for an ``s3://`` root (endpoint_url,
+            region, access_key_id, ... as for :func:`fastckpt.configure_storage`), over the
+            AWS environment; they are registered for ``root``'s prefix (as
+            ``configure_storage(root, storage_options)``) and stay in effect for it. A local
+            ``root`` refuses them (``StorageOptionsError``).
+
+    Returns:
+        The deleted indices.
+    """
+    use_storage_options(root, storage_options, "prune")
+    return prune_indices(Path(root), keep_last, lock_timeout=lock_timeout)

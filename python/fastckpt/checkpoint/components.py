@@ -1,0 +1,684 @@
+"""The component codec: models, optimizers and schedulers to and from checkpoint files.
+
+:func:`create_snapshot` turns live components into what an index holds (tensor files, JSON
+documents, the manifest entry) without copying or writing anything; :func:`write_snapshot`
+commits a snapshot as an index of a root. :func:`load_components` rebuilds the components of
+an index (models from their specs through the trust policy, optimizers and schedulers from
+their recorded state), reading every file through an :class:`IndexReader`, which checks it
+against the manifest. :mod:`fastckpt.checkpoint.api` is the front door built on this module, and
+:mod:`fastckpt.training.strategy` builds strategy checkpoints on it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import fastckpt.checkpoint.specs as specs
+from fastckpt.container import incremental
+from fastckpt.container.commit import IndexWriter
+from fastckpt.container.reader import read_json, read_tensor_file
+from fastckpt.container.refs import (
+    REFS_FILE,
+    RETAINED_PREFIX,
+    Reference,
+    index_references,
+    link_into,
+    refs_document,
+    resolve_references,
+)
+from fastckpt.errors import CheckpointFormatError, FastCkptError
+from fastckpt.format.paths import check_name
+from fastckpt.format.records import Manifest
+from fastckpt.io import tree
+from fastckpt.io.progress import log_throughput
+from fastckpt.storage.backend import CopySource, LocalStaging
+from fastckpt.storage.registry import backend_for, is_local
+
+__all__ = [
+    "KINDS",
+    "Components",
+    "IndexReader",
+    "Snapshot",
+    "Trusted",
+    "accepted_kwargs",
+    "create_snapshot",
+    "load_components",
+    "plan_incremental",
+    "run_validators",
+    "unwrap_model",
+    "write_snapshot",
+]
+
+Components = Mapping[str, Any]
+Trusted = Iterable[str | Callable[..., Any]] | None
+KINDS = ("models", "optimizers", "schedulers")
+
+
+# --------------------------------------------------------------------------- save
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Return the module to checkpoint whole: DDP unwrapped; FSDP/FSDP2 refused.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: FSDP/FSDP2-wrapped models (they are checkpointed sharded, see
+            :mod:`fastckpt.training.sharded`).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    if _is_fsdp(model):
+        raise ValueError(
+            f"{type(model).__name__} is FSDP/FSDP2-sharded: each rank holds only a shard, so a "
+            "whole-model component file would be incomplete. Checkpoint FSDP2 (fully_shard) "
+            "models sharded: TrainingStrategy + CheckpointHook, CheckpointManager, or "
+            "torch.distributed.checkpoint with fastckpt.dcp.Writer (FSDP1 is not supported: "
+            "shard with torch.distributed.fsdp.fully_shard)."
+        )
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return unwrap_model(model.module)
+    return model
+
+
+def _is_fsdp(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    if isinstance(model, FullyShardedDataParallel):
+        return True
+    fsdp2 = getattr(torch.distributed.fsdp, "FSDPModule", None)
+    return fsdp2 is not None and isinstance(model, fsdp2)
+
+
+def _split(component: Any, what: str, name: str) -> tuple[Any, specs.BaseSpec | None]:
+    """Accept ``obj`` or ``(obj, spec)`` with spec a BaseSpec or None."""
+    if isinstance(component, tuple):
+        if len(component) != 2:
+            raise TypeError(f"{what} {name!r}: expected (object, spec), got {len(component)} items")
+        obj, spec = component
+    else:
+        obj, spec = component, None
+    if spec is not None and not isinstance(spec, specs.BaseSpec):
+        raise TypeError(f"{what} {name!r}: spec must be a BaseSpec or None, not {type(spec)}")
+    return obj, spec
+
+
+def _constructor_kwargs(obj: Any, state: Mapping[str, Any], skip: int) -> dict[str, Any]:
+    """Keyword arguments to rebuild a scheduler: constructor parameters found in its state."""
+    import inspect
+
+    kwargs: dict[str, Any] = {}
+    parameters = list(inspect.signature(type(obj).__init__).parameters.values())[1 + skip :]
+    for parameter in parameters:
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if parameter.name in state:
+            kwargs[parameter.name] = state[parameter.name]
+        elif parameter.default is parameter.empty:
+            raise TypeError(
+                f"cannot rebuild {type(obj).__qualname__}: constructor argument "
+                f"{parameter.name!r} is not in its state_dict(); pass an explicit spec "
+                "(fastckpt.create_model_spec) for it"
+            )
+    return kwargs
+
+
+def accepted_kwargs(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``values`` that ``cls.__init__`` accepts (all of them with ``**kwargs``).
+
+    ``Optimizer.defaults`` may hold entries the constructor does not take (e.g. AdamW's
+    ``decoupled_weight_decay``); rebuilding with them would fail.
+    """
+    import inspect
+
+    parameters = inspect.signature(cls).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return dict(values)
+    return {key: value for key, value in values.items() if key in parameters}
+
+
+def _infer_optimizer_owner(
+    optimizer: torch.optim.Optimizer, models: Mapping[str, torch.nn.Module]
+) -> tuple[str | None, list[list[str]]]:
+    """The model owning most of the optimizer's parameters, and a ``[model, param]`` ref per
+    optimizer parameter in state_dict order."""
+    owners: dict[int, tuple[str, str]] = {}
+    for model_name, model in models.items():
+        for param_name, param in model.named_parameters(remove_duplicate=False):
+            owners.setdefault(id(param), (model_name, param_name))
+    refs: list[list[str]] = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in owners:
+                raise ValueError(
+                    "an optimizer parameter belongs to none of the saved models; save the model "
+                    "that owns it in the same checkpoint"
+                )
+            refs.append(list(owners[id(param)]))
+    counts: dict[str, int] = {}
+    for model_name, _ in refs:
+        counts[model_name] = counts.get(model_name, 0) + 1
+    owner = max(counts, key=lambda name: counts[name]) if counts else None
+    return owner, refs
+
+
+def _association_for(associations: Mapping[str, Any] | None, kind: str, name: str) -> str | None:
+    if not associations:
+        return None
+    nested = associations.get(kind)
+    if isinstance(nested, Mapping) and name in nested:
+        return str(nested[name])
+    value = associations.get(name)
+    return None if value is None or isinstance(value, Mapping) else str(value)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat()
+
+
+def _next_index(manifest: Manifest) -> int:
+    latest = manifest.latest
+    return 0 if latest is None else latest + 1
+
+
+class Snapshot:
+    """Everything to write for one index, computed before any file is touched.
+
+    Attributes:
+        tensor_files: relpath -> ``{name: tensor}`` (live tensors, or staged copies).
+        json_files: relpath -> JSON document (already detached from live objects).
+        volatile: ``(relpath, name)`` of tensors that change outside the optimizer step (model
+            buffers such as BatchNorm statistics): an async capture copies these first.
+        entry: the manifest entry (created, counters, components, associations).
+        incremental: write only what changed since the last save into the root (see
+            :mod:`fastckpt.container.incremental`); False writes every tensor.
+        plan: the incremental plan, once :func:`plan_incremental` made it.
+    """
+
+    def __init__(self) -> None:
+        """An empty snapshot."""
+        self.tensor_files: dict[str, dict[str, torch.Tensor]] = {}
+        self.json_files: dict[str, Any] = {}
+        self.volatile: set[tuple[str, str]] = set()
+        self.names: dict[str, list[str]] = {kind: [] for kind in KINDS}
+        self.associations: dict[str, dict[str, str | None]] = {
+            "optimizers": {},
+            "schedulers": {},
+        }
+        self.counters: dict[str, int] = {}
+        self.incremental = True
+        self.plan: incremental.Plan | None = None
+
+    @property
+    def entry(self) -> dict[str, Any]:
+        """The manifest entry for this snapshot (without the files record)."""
+        return {
+            "created": _now(),
+            "counters": dict(self.counters),
+            "components": {kind: sorted(self.names[kind]) for kind in KINDS},
+            "associations": self.associations,
+        }
+
+
+def create_snapshot(
+    models: Components | None = None,
+    optimizers: Components | None = None,
+    schedulers: Components | None = None,
+    associations: Mapping[str, Any] | None = None,
+    counters: Mapping[str, int] | None = None,
+) -> Snapshot:
+    """Validate components and collect what :func:`write_snapshot` writes (no copies, no I/O).
+
+    Raises:
+        TypeError / ValueError / CheckpointFormatError: invalid components or names.
+    """
+    models = dict(models or {})
+    optimizers = dict(optimizers or {})
+    schedulers = dict(schedulers or {})
+    for kind, components in zip(KINDS, (models, optimizers, schedulers), strict=True):
+        for name in components:
+            check_name(name, f"{kind[:-1]} name")
+    snapshot = _plan_components(models, optimizers, schedulers, associations)
+    snapshot.counters = dict(counters or {})
+    return snapshot
+
+
+def plan_incremental(root: str | os.PathLike[str], snapshot: Snapshot) -> None:
+    """Take the tensors of ``snapshot`` that are unchanged since the last save into ``root``
+    out of it, as references (no-op when ``snapshot.incremental`` is False or it was planned
+    already). Call it before staging copies: it looks at the live tensors."""
+    if snapshot.incremental and snapshot.plan is None:
+        snapshot.plan = incremental.plan(root, snapshot.tensor_files)
+
+
+def write_snapshot(
+    root: str | os.PathLike[str],
+    snapshot: Snapshot,
+    checkpoint_index: int = -1,
+    *,
+    lock_timeout: float | None = None,
+) -> int:
+    """Write a snapshot as a committed index of ``root`` (see :func:`save_checkpoint`);
+    incrementally unless ``snapshot.incremental`` is False. ``lock_timeout``: give up waiting
+    for another process's save or prune of ``root`` after that many seconds (TimeoutError
+    naming it; None waits, logging who holds the lock after a second).
+
+    Returns:
+        The committed index.
+
+    Raises:
+        ValueError: ``checkpoint_index`` names a committed index that later ones reference.
+    """
+    root = Path(root)
+    manifest = Manifest.load(root)
+    index = _next_index(manifest) if checkpoint_index == -1 else int(checkpoint_index)
+    if index < 0:
+        raise ValueError(f"checkpoint_index must be -1 or >= 0, got {checkpoint_index}")
+    plan_incremental(root, snapshot)
+    if snapshot.plan is not None:
+        # The content proof: digests of the bytes about to be written (outside the lock).
+        incremental.confirm(snapshot.plan, snapshot.tensor_files)
+    start = time.perf_counter()
+    writer = IndexWriter(root, None if checkpoint_index == -1 else index, lock_timeout=lock_timeout)
+    index = writer.index
+    copies: dict[str, dict[str, CopySource]] = {}
+    try:
+        refs = _check_references(writer, snapshot)
+        if not is_local(backend_for(root)):
+            copies = _copy_sources(root, refs)
+        for relpath, tensors in snapshot.tensor_files.items():
+            writer.add_tensors(relpath, tensors, copies.get(relpath))
+        for relpath, document in snapshot.json_files.items():
+            writer.add_json(relpath, document)
+        if refs and not copies:
+            writer.add_json(REFS_FILE, refs_document(refs))
+        writer.commit_entry(snapshot.entry)
+    except BaseException:
+        writer.abort()
+        if copies:
+            # A copy failed (or something after it): what the next save could have the store
+            # copy is unsure now, so it is written in full.
+            incremental.forget(root)
+        raise
+    incremental.record_saved(root, index, snapshot.plan, writer.files)
+    log_throughput("saved", f"{root}/{index}", writer.files.values(), start)
+    return index
+
+
+def _copy_sources(
+    root: Path, refs: dict[str, dict[str, Reference]]
+) -> dict[str, dict[str, CopySource]]:
+    """On an object store, the referenced tensors of each file as tensors the store copies
+    from the committed objects that hold them (every object stays self-contained)."""
+    return {
+        relpath: {
+            name: CopySource(
+                Path(root) / str(ref["index"]) / ref["file"],
+                ref["name"],
+                ref["dtype"],
+                list(ref["shape"]),
+                ref["crc32c"],
+            )
+            for name, ref in names.items()
+        }
+        for relpath, names in refs.items()
+    }
+
+
+def _check_references(writer: IndexWriter, snapshot: Snapshot) -> dict[str, dict[str, Reference]]:
+    """Under the root's lock: refuse to replace an index others reference, and write the
+    tensors whose referenced bytes are gone (or are in the index being replaced)."""
+    manifest = Manifest.load(writer.root)
+    retained = writer.root / f"{RETAINED_PREFIX}{writer.index}"  # a pruned, referenced index
+    if writer.index in manifest.entries or os.path.lexists(retained):
+        users = incremental.referenced_by_others(manifest, writer.index)
+        if users:
+            raise ValueError(
+                f"{writer.root}: index {writer.index} holds tensors that indices {users} "
+                "reference; save a new index instead (checkpoint_index=-1), or prune those"
+            )
+    plan = snapshot.plan
+    if plan is None:
+        return {}
+    restore = incremental.check_plan(manifest, plan, replacing=writer.index)
+    if plan.refs and isinstance(writer.staging, LocalStaging):
+        # Every index self-contained: the files holding the referenced bytes are linked in.
+        linked, unlinked = link_into(writer.staging, manifest, writer.index, plan.refs)
+        for relpath, tensors in incremental.unreference(plan, unlinked).items():
+            restore.setdefault(relpath, {}).update(tensors)
+        plan.refs = linked
+    for relpath, tensors in restore.items():
+        snapshot.tensor_files[relpath].update(tensors)
+    return plan.refs
+
+
+def _plan_components(
+    models: dict[str, Any],
+    optimizers: dict[str, Any],
+    schedulers: dict[str, Any],
+    associations: Mapping[str, Any] | None,
+) -> Snapshot:
+    plan = Snapshot()
+    live_models: dict[str, torch.nn.Module] = {}
+    for name, component in models.items():
+        model, spec = _split(component, "model", name)
+        model = unwrap_model(model)
+        spec = spec or specs.model_spec(model)
+        live_models[name] = model
+        relpath = f"models/{name}.safetensors"
+        plan.tensor_files[relpath] = dict(model.state_dict())
+        parameter_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        plan.volatile.update(
+            (relpath, key) for key in plan.tensor_files[relpath] if key not in parameter_names
+        )
+        plan.json_files[f"models/{name}.spec.json"] = spec.to_json()
+        plan.names["models"].append(name)
+
+    optimizer_names: dict[int, str] = {}
+    for name, component in optimizers.items():
+        optimizer, spec = _split(component, "optimizer", name)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer {name!r}: expected a torch.optim.Optimizer")
+        owner, refs = _infer_optimizer_owner(optimizer, live_models)
+        owner = _association_for(associations, "optimizers", name) or owner
+        if owner is not None and owner not in live_models:
+            raise KeyError(f"optimizer {name!r} is associated with unknown model {owner!r}")
+        if spec is None:
+            spec = specs.BaseSpec(
+                cls_path=specs.dotted_path(type(optimizer)),
+                kwargs=accepted_kwargs(type(optimizer), optimizer.defaults),
+                timestamp=_now(),
+            )
+        skeleton, tensors = tree.flatten(optimizer.state_dict())
+        plan.tensor_files[f"optimizers/{name}.safetensors"] = tensors
+        plan.json_files[f"optimizers/{name}.json"] = {
+            "spec": spec.to_json(),
+            "params": refs,
+            "state": skeleton,
+        }
+        plan.associations["optimizers"][name] = owner
+        plan.names["optimizers"].append(name)
+        optimizer_names[id(optimizer)] = name
+
+    for name, component in schedulers.items():
+        scheduler, spec = _split(component, "scheduler", name)
+        state = scheduler.state_dict()
+        target = _association_for(associations, "schedulers", name) or optimizer_names.get(
+            id(getattr(scheduler, "optimizer", None))
+        )
+        if target is None or target not in optimizers:
+            raise ValueError(
+                f"scheduler {name!r}: its optimizer is not among the saved optimizers "
+                f"{sorted(optimizers)}; save it too or pass associations"
+            )
+        if spec is None:
+            spec = specs.BaseSpec(
+                cls_path=specs.dotted_path(type(scheduler)),
+                kwargs=_constructor_kwargs(scheduler, state, skip=1),
+                timestamp=_now(),
+            )
+        skeleton, tensors = tree.flatten(state)
+        plan.tensor_files[f"schedulers/{name}.safetensors"] = tensors
+        plan.json_files[f"schedulers/{name}.json"] = {"spec": spec.to_json(), "state": skeleton}
+        plan.associations["schedulers"][name] = target
+        plan.names["schedulers"].append(name)
+    return plan
+
+
+class IndexReader:
+    """Reads files of one committed index, checking each against the manifest.
+
+    Attributes:
+        directory: the index directory.
+        files: relpath -> ``{"size", "crc32c"}`` from the manifest.
+    """
+
+    def __init__(self, manifest: Manifest, index: int) -> None:
+        """Read index ``index`` of ``manifest`` (which must be committed)."""
+        self.manifest = manifest
+        self.index = index
+        self.root = manifest.root
+        self.directory = manifest.directory(index)
+        self.files: dict[str, dict[str, int]] = manifest.entries[index]["files"]
+        self._refs: dict[str, dict[str, Reference]] | None = None
+
+    @property
+    def references(self) -> dict[str, dict[str, Reference]]:
+        """relpath -> {tensor name: reference} of an incremental index (empty otherwise)."""
+        if self._refs is None:
+            self._refs = index_references(self.manifest, self.index)
+        return self._refs
+
+    def _record(self, relpath: str) -> tuple[Path, dict[str, int]]:
+        record = self.files.get(relpath)
+        if record is None:
+            raise CheckpointFormatError(
+                f"{self.directory / relpath}: not listed in the manifest; the checkpoint is "
+                "incomplete or the manifest was edited"
+            )
+        return self.manifest.file_path(self.index, relpath), record
+
+    def component_state(self, kind: str, name: str, map_location: Any = None) -> Any:
+        """The ``state_dict()`` saved for optimizer/scheduler ``name`` (kind: "optimizers" or
+        "schedulers"), tensors moved to ``map_location``."""
+        check_name(name, f"{kind[:-1]} name")
+        document = self.json(f"{kind}/{name}.json")
+        if not isinstance(document, Mapping):
+            raise CheckpointFormatError(f"{self.directory}/{kind}/{name}.json must be an object")
+        state = tree.unflatten(
+            document.get("state"), self.tensors(f"{kind}/{name}.safetensors"), name
+        )
+        return state if map_location is None else _move_tensors(state, map_location)
+
+    def json(self, relpath: str) -> Any:
+        """The verified JSON document ``relpath``."""
+        path, record = self._record(relpath)
+        return read_json(path, record, source=str(self.manifest.path))
+
+    def tensors(self, relpath: str, *, owned: bool = True) -> dict[str, torch.Tensor]:
+        """The verified tensors of ``relpath``. ``owned`` (default) copies them out of the file
+        mapping, for state a training run keeps (optimizer moments, EMA weights, RNG): views
+        would keep the file, and its disk space after a prune, alive for the whole run.
+        ``owned=False`` returns the views, for weights that ``load_state_dict`` copies."""
+        path, record = self._record(relpath)
+        tensors = read_tensor_file(path, record, source=str(self.manifest.path))
+        if owned:
+            tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+        refs = self.references.get(relpath) if REFS_FILE in self.files else None
+        if refs:
+            tensors.update(resolve_references(self.manifest, refs, owned=owned))
+        return tensors
+
+
+def _spec_from(document: Any, where: str) -> specs.BaseSpec:
+    if not isinstance(document, Mapping):
+        raise CheckpointFormatError(f"{where}: spec must be an object")
+    return specs.BaseSpec.from_json(document, source=where)
+
+
+def _rebuild_optimizer(
+    document: Mapping[str, Any],
+    state: Any,
+    loaded_models: Mapping[str, torch.nn.Module],
+    trusted: Trusted,
+    where: str,
+) -> tuple[torch.optim.Optimizer, specs.BaseSpec]:
+    spec = _spec_from(document.get("spec"), where)
+    cls = specs.resolve_target(spec.cls_path, "optimizer", trusted)
+    refs = document.get("params")
+    if not isinstance(refs, list) or not isinstance(state, dict):
+        raise CheckpointFormatError(f"{where}: 'params' and 'state' are required")
+    params = []
+    for ref in refs:
+        if not (isinstance(ref, list) and len(ref) == 2 and ref[0] in loaded_models):
+            raise CheckpointFormatError(f"{where}: bad parameter reference {ref!r}")
+        named = dict(loaded_models[ref[0]].named_parameters(remove_duplicate=False))
+        if ref[1] not in named:
+            raise CheckpointFormatError(f"{where}: model {ref[0]!r} has no parameter {ref[1]!r}")
+        params.append(named[ref[1]])
+    groups = []
+    for group in state.get("param_groups", []):
+        indices = group.get("params", [])
+        groups.append({"params": [params[i] for i in indices]})
+    optimizer = cls(groups or params, **spec.kwargs)
+    optimizer.load_state_dict(state)
+    return optimizer, spec
+
+
+def run_validators(validators: Any, model_name: str, model: torch.nn.Module) -> None:
+    """Run the validators selected for ``model_name`` on ``model``; a failure raises
+    ``ValueError`` naming both."""
+    if validators is None:
+        return
+    selected = validators.get(model_name, ()) if isinstance(validators, Mapping) else validators
+    if callable(selected):
+        selected = [selected]
+    for validator in selected:
+        try:
+            validator(model)
+        except Exception as err:
+            label = getattr(validator, "__qualname__", repr(validator))
+            raise ValueError(f"validator {label} rejected model {model_name!r}: {err}") from err
+
+
+def load_components(
+    root: str | os.PathLike[str],
+    checkpoint_index: int = -1,
+    map_location: str | torch.device | None = None,
+    model_names: Sequence[str] | None = None,
+    *,
+    validators: Any = None,
+    trusted: Trusted = None,
+) -> dict[str, Any]:
+    """:func:`load_checkpoint` without restoring a strategy (no RNG or hook side effects).
+
+    Returns:
+        The same dict with ``strategy`` None, plus ``reader``: the :class:`IndexReader` of
+        the loaded index.
+    """
+    start = time.perf_counter()
+    manifest = Manifest.load(root, verify_checksum=True)
+    index = manifest.resolve(int(checkpoint_index))
+    entry = manifest.entries[index]
+    reader = IndexReader(manifest, index)
+    components = entry.get("components", {})
+    available = [check_name(n, "model name") for n in components.get("models", [])]
+    wanted = list(available if model_names is None else model_names)
+    unknown = [name for name in wanted if name not in available]
+    if unknown:
+        raise KeyError(f"unknown model names {unknown}; this checkpoint has {available}")
+
+    models: dict[str, dict[str, Any]] = {}
+    for name in wanted:
+        where = f"models/{name}.spec.json"
+        spec = _spec_from(reader.json(where), where)
+        weights = reader.tensors(f"models/{name}.safetensors", owned=False)
+        model = specs.build_model(
+            spec,
+            expected=weights,
+            device=map_location,
+            trusted=trusted,
+            where=f"{reader.directory}/{where}",
+        )
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError as err:
+            raise CheckpointFormatError(
+                f"{reader.directory}/models/{name}.safetensors does not fit the model its "
+                f"spec builds: {err}"
+            ) from err
+        if map_location is not None:
+            model.to(map_location)
+        run_validators(validators, name, model)
+        models[name] = {
+            "model": model,
+            "spec": spec,
+            "optimizers": {},
+            "schedulers": {},
+            "metadata": {"associations": entry.get("associations", {})},
+        }
+
+    loaded = {name: record["model"] for name, record in models.items()}
+    associations = entry.get("associations", {})
+    optimizer_owner: dict[str, str] = {}
+    optimizer_states: dict[str, Any] = {}
+    for name in components.get("optimizers", []):
+        check_name(name, "optimizer name")
+        owner = associations.get("optimizers", {}).get(name)
+        where = f"optimizers/{name}.json"
+        document = reader.json(where)
+        if not isinstance(document, Mapping):
+            raise CheckpointFormatError(f"{where}: must be an object")
+        refs = document.get("params", [])
+        if owner not in loaded or not all(
+            isinstance(r, list) and r[:1] and r[0] in loaded for r in refs
+        ):
+            continue  # its model was not requested (malformed refs fail in the rebuild)
+        state = tree.unflatten(
+            document.get("state"), reader.tensors(f"optimizers/{name}.safetensors"), name
+        )
+        if map_location is not None:
+            state = _move_tensors(state, map_location)
+        try:
+            optimizer, spec = _rebuild_optimizer(document, state, loaded, trusted, where)
+        except FastCkptError:
+            raise
+        except Exception as err:
+            raise CheckpointFormatError(
+                f"{reader.directory / where}: cannot rebuild the optimizer: {err}"
+            ) from err
+        models[owner]["optimizers"][name] = {"optimizer": optimizer, "spec": spec}
+        optimizer_owner[name] = owner
+        optimizer_states[name] = state
+
+    for name in components.get("schedulers", []):
+        check_name(name, "scheduler name")
+        target = associations.get("schedulers", {}).get(name)
+        if target not in optimizer_owner:
+            continue
+        where = f"schedulers/{name}.json"
+        document = reader.json(where)
+        if not isinstance(document, Mapping):
+            raise CheckpointFormatError(f"{where}: must be an object")
+        spec = _spec_from(document.get("spec"), where)
+        owner = optimizer_owner[target]
+        optimizer = models[owner]["optimizers"][target]["optimizer"]
+        state = tree.unflatten(
+            document.get("state"), reader.tensors(f"schedulers/{name}.safetensors"), name
+        )
+        try:
+            cls = specs.resolve_target(spec.cls_path, "scheduler", trusted)
+            # Constructing a scheduler steps it once and rewrites the optimizer's learning
+            # rates; reloading the saved optimizer state and then the scheduler's restores both.
+            scheduler = cls(optimizer, **spec.kwargs)
+            optimizer.load_state_dict(optimizer_states[target])
+            scheduler.load_state_dict(state)
+        except FastCkptError:
+            raise
+        except Exception as err:
+            raise CheckpointFormatError(
+                f"{reader.directory / where}: cannot rebuild the scheduler: {err}"
+            ) from err
+        models[owner]["schedulers"][name] = {"scheduler": scheduler, "spec": spec}
+
+    log_throughput("loaded", str(reader.directory), reader.files.values(), start)
+    return {
+        "checkpoint_index": index,
+        "manifest": entry,
+        "strategy": None,
+        "reader": reader,
+        "source": {"format": "fastckpt", "path": str(manifest.root / str(index))},
+        "models": models,
+    }
+
+
+def _move_tensors(value: Any, device: str | torch.device) -> Any:
+    return tree.map_tensors(value, lambda tensor: tensor.to(device))

@@ -1,0 +1,372 @@
+"""The async engine: one background checkpoint write in flight, on a lowered-priority thread.
+
+:class:`BackgroundWriter` is what every async save runs on - :class:`fastckpt.CheckpointManager`,
+:class:`fastckpt.CheckpointHook` and Lightning's ``AsyncFastCheckpointIO``: an optional capture
+(staging) phase that training waits on, a bounded wait for the previous write, a failure
+raised once, a pending write finished at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from typing import Any, Generic, TypeVar
+
+__all__ = ["BACKGROUND_NICE", "BackgroundWriter", "WriteFuture", "background_executor"]
+
+#: How much lower than the training thread the background writer runs (Linux nice units).
+#: On a machine with few cores the writer's copies and syscalls otherwise take CPU from the
+#: training step; at a lower priority they fill the gaps instead.
+BACKGROUND_NICE = 10
+
+
+def _lower_thread_priority() -> None:
+    """Lower this OS thread's priority (threads it spawns, e.g. Rust writers, inherit it)."""
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), current + BACKGROUND_NICE)
+    except (OSError, AttributeError):  # not Linux, or not permitted: run at normal priority
+        pass
+
+
+def background_executor(name: str) -> ThreadPoolExecutor:
+    """A one-thread executor for background checkpoint work, at lowered priority."""
+    return ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix=name, initializer=_lower_thread_priority
+    )
+
+
+T = TypeVar("T")
+
+
+class WriteFuture(Future[T]):
+    """The Future of one background write; it remembers whether it delivered a failure.
+
+    A failure is reported exactly once: :meth:`result` raising it or :meth:`exception`
+    returning it to the caller counts as reporting it, and :meth:`BackgroundWriter.collect`
+    (the next save) and :meth:`BackgroundWriter.close` then stay quiet about it.
+    """
+
+    def __init__(self) -> None:
+        """A pending Future (the writer thread resolves it)."""
+        super().__init__()
+        self.failure_reported = False
+
+    def result(self, timeout: float | None = None) -> T:
+        """The write's result; its failure is raised (and counts as reported)."""
+        # Waits like result() (TimeoutError, CancelledError), then tells a failure apart.
+        if super().exception(timeout) is not None:
+            self.failure_reported = True
+        return super().result(0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The write's failure or None; a failure returned counts as reported."""
+        error = super().exception(timeout)
+        if error is not None:
+            self.failure_reported = True
+        return error
+
+
+def _stderr_line(message: str) -> None:
+    """Write ``fastckpt: <message>`` to stderr (at interpreter exit, where nobody can catch
+    an error)."""
+    try:
+        sys.stderr.write(f"fastckpt: {message}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # stderr closed or gone: nowhere to say it
+        pass
+
+
+#: Every :class:`BackgroundWriter` with a tracked write (one not yet reported), held
+#: strongly: a writer whose owner (a manager, a hook) was dropped without ``close()`` is kept
+#: until its write is reported, so a failure nobody saw still reaches stderr at exit.
+#: :func:`_finish_pending_writes` goes through them at exit.
+_TRACKED: set[BackgroundWriter[Any]] = set()
+_TRACKED_LOCK = threading.Lock()
+
+
+def _finish_pending_writes() -> None:
+    """At interpreter exit: finish every write still pending (see
+    :meth:`BackgroundWriter.finish_at_exit`)."""
+    with _TRACKED_LOCK:
+        writers = list(_TRACKED)
+    for writer in writers:
+        writer.finish_at_exit()
+
+
+# Registered with threading's own exit hooks, which run at the start of interpreter shutdown,
+# before threads are joined and in reverse order of registration: registered after
+# concurrent.futures' (imported above), this runs before it stops accepting work, so a pending
+# write can still start its capture. Plain ``atexit`` runs after that, too late.
+_register_threading_exit = getattr(threading, "_register_atexit", None)
+if _register_threading_exit is not None:
+    with contextlib.suppress(RuntimeError):  # imported during shutdown: too late to register
+        _register_threading_exit(_finish_pending_writes)
+else:  # pragma: no cover - CPython >= 3.9 has it
+    import atexit
+
+    atexit.register(_finish_pending_writes)
+
+
+class BackgroundWriter(Generic[T]):
+    """One background checkpoint write in flight at a time, on one lowered-priority thread.
+
+    A write may start with a *capture* (copying live tensors into staging buffers) that runs
+    under the capture lock on a second background thread at the caller's priority: training
+    waits for the capture before its next optimizer step, so a lowered priority would only
+    make it wait longer while the training threads hold the CPU (measured in
+    benches/NOTES.md). Code that mutates the saved state holds
+    :meth:`guard` meanwhile, which waits only while a capture is in progress. Before the next
+    write, :meth:`collect` waits (at most ``wait_timeout`` seconds) for the previous one:
+
+    * it succeeded: its result is returned;
+    * it failed: its error is raised once, chained (the next write then starts cleanly);
+      a failure its :class:`WriteFuture` already delivered (``result()`` raised it,
+      ``exception()`` returned it) is not raised again;
+    * it is still running: ``TimeoutError`` says what is being written, and the write stays
+      tracked, so its outcome is reported by a later :meth:`collect` or :meth:`close`.
+
+    A write still tracked when the interpreter exits (its owner never called :meth:`close`)
+    is finished then (:meth:`finish_at_exit`); when it fails or outlasts ``wait_timeout``, a
+    warning on stderr names it.
+
+    Args:
+        name: the thread name prefix.
+        wait_timeout: seconds :meth:`collect` waits for the previous write (None: forever).
+        typed_errors: raise a failed write's own exception (with a note naming the write)
+            instead of a ``RuntimeError`` chained to it.
+    """
+
+    def __init__(
+        self, name: str, *, wait_timeout: float | None = None, typed_errors: bool = False
+    ) -> None:
+        """Prepare the writer; the thread starts at :meth:`start` (or the first submit)."""
+        self.name = name
+        self.wait_timeout = wait_timeout
+        self.typed_errors = typed_errors
+        self._executor: ThreadPoolExecutor | None = None
+        self._capture_executor: ThreadPoolExecutor | None = None
+        self._future: WriteFuture[T] | None = None
+        self._what = ""
+        self._pid = os.getpid()
+        self._capture_lock = threading.Lock()
+        self._capture_done = threading.Event()
+        self._capture_done.set()
+
+    @property
+    def running(self) -> bool:
+        """Whether the background thread is started."""
+        return self._executor is not None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a write was submitted and has not finished yet."""
+        future = self._future
+        return future is not None and not future.done()
+
+    @property
+    def in_flight(self) -> str | None:
+        """What the write in flight (or finished but not collected) writes, or None."""
+        return None if self._future is None else self._what
+
+    def start(self) -> None:
+        """Start the background threads (idempotent)."""
+        if self._executor is None:
+            self._executor = background_executor(self.name)
+        if self._capture_executor is None:
+            self._capture_executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"{self.name}-capture"
+            )
+            # Create its thread now, from the caller's thread, so that it inherits the caller's
+            # priority (the pool would otherwise spawn it from the lowered-priority writer).
+            self._capture_executor.submit(lambda: None)
+
+    def capture(self, copy: Callable[[], None]) -> None:
+        """Run ``copy`` on this thread under the capture lock."""
+        with self._capture_lock:
+            copy()
+
+    def submit(
+        self, what: str, write: Callable[[], T], *, capture: Callable[[], None] | None = None
+    ) -> Future[T]:
+        """Run ``capture`` (under the capture lock) then ``write`` on the background thread.
+
+        Args:
+            what: what is written, for messages (e.g. the checkpoint path).
+            write: the write; its result is what :meth:`collect` returns.
+            capture: copies the state first; :meth:`guard` waits until it is done.
+
+        Raises:
+            RuntimeError: a write is still tracked (:meth:`collect` it first).
+        """
+        if self._future is not None:
+            raise RuntimeError(
+                f"a background checkpoint write of {self._what} is still tracked; collect it "
+                "before starting another"
+            )
+        self.start()
+        assert self._executor is not None
+        if capture is not None:
+            self._capture_done.clear()
+        future: WriteFuture[T] = WriteFuture()
+        try:
+            self._executor.submit(self._execute, future, capture, write)
+        except BaseException:
+            self._capture_done.set()
+            raise
+        self._future = future
+        self._what = what
+        self._pid = os.getpid()
+        with _TRACKED_LOCK:
+            _TRACKED.add(self)
+        return future
+
+    def _untrack(self) -> None:
+        """The tracked write was reported (or cancelled): forget it."""
+        self._future = None
+        with _TRACKED_LOCK:
+            _TRACKED.discard(self)
+
+    def _execute(
+        self, future: WriteFuture[T], capture: Callable[[], None] | None, write: Callable[[], T]
+    ) -> None:
+        """The background thread's job: run the write and resolve its Future."""
+        if not future.set_running_or_notify_cancel():  # cancelled before it started
+            self._capture_done.set()
+            return
+        try:
+            result = self._run(capture, write)
+        except BaseException as err:
+            future.set_exception(err)
+        else:
+            future.set_result(result)
+
+    def _run(self, capture: Callable[[], None] | None, write: Callable[[], T]) -> T:
+        if capture is not None:
+            try:
+                assert self._capture_executor is not None
+                # This (lowered-priority) thread only waits; the capture thread runs at the
+                # priority of the thread that started the writer.
+                self._capture_executor.submit(self.capture, capture).result()
+            finally:
+                self._capture_done.set()
+        return write()
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Hold while mutating saved state: waits for an in-progress capture, then keeps the
+        next capture from starting until the block ends."""
+        self._capture_done.wait()
+        with self._capture_lock:
+            yield
+
+    def collect(self) -> T | None:
+        """Wait (at most :attr:`wait_timeout` seconds) for the tracked write; report it once.
+
+        Returns:
+            The write's result, or None when no write is tracked.
+
+        Raises:
+            TimeoutError: the write is still running (it stays tracked; the message names it).
+            RuntimeError: the write failed (chained to its error; raised once, and not at
+                all when its Future already delivered it). With ``typed_errors``: the
+                write's own exception instead.
+        """
+        return self._collect(self.wait_timeout)
+
+    def _collect(self, timeout: float | None) -> T | None:
+        future = self._future
+        if future is None:
+            return None
+        try:
+            # The base class's method: waiting here does not count as the caller seeing it.
+            error = Future.exception(future, timeout=timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                errno.ETIMEDOUT,
+                f"the background checkpoint write of {self._what} is still running after "
+                f"{timeout} s; it stays tracked and its outcome is reported by the next save or "
+                "close (raise the wait timeout if writes take this long)",
+            ) from None
+        except CancelledError:  # the caller cancelled it before it started: nothing written
+            self._untrack()
+            return None
+        self._untrack()
+        if error is not None:
+            if future.failure_reported:
+                return None  # its Future already raised it: reported once
+            if self.typed_errors:
+                error.add_note(
+                    f"raised by the background checkpoint write of {self._what} (reported "
+                    "once, by the call after it)"
+                )
+                raise error
+            raise RuntimeError(
+                f"the previous background checkpoint write failed ({self._what}): {error}"
+            ) from error
+        return Future.result(future)
+
+    def finish_at_exit(self) -> None:
+        """Finish the tracked write at interpreter exit (called by the exit hook).
+
+        Waits up to :attr:`wait_timeout`; a write still running then is named on stderr (a
+        kill from now on loses it) and waited for until it ends. A write that failed, and
+        whose failure nobody was shown, is named on stderr as not saved. Never raises.
+        """
+        future = self._future
+        if future is None or self._pid != os.getpid():  # nothing pending, or a forked child
+            return
+        what = self._what
+        outlasted = False
+        try:
+            try:
+                error = Future.exception(future, timeout=self.wait_timeout)
+            except TimeoutError:
+                outlasted = True
+                _stderr_line(
+                    f"WARNING: the interpreter is exiting while the background checkpoint write of "
+                    f"{what} is still running after {self.wait_timeout} s (close() was not "
+                    "called); waiting for it to end: killing the process now loses it"
+                )
+                error = Future.exception(future)
+        except CancelledError:
+            return
+        except BaseException as err:  # Ctrl-C while waiting: say what may be lost, go on
+            _stderr_line(
+                f"WARNING: interrupted ({type(err).__name__}) while waiting at exit for the "
+                f"background checkpoint write of {what}; it may NOT be saved"
+            )
+            return
+        if error is None:
+            self._untrack()
+            if outlasted:
+                _stderr_line(f"the background checkpoint write of {what} ended: it is saved")
+            return
+        if not future.failure_reported:
+            _stderr_line(
+                f"WARNING: {what} was NOT saved: its background checkpoint write failed and "
+                f"close() was not called to report it: {type(error).__name__}: {error}"
+            )
+        self._untrack()
+
+    def close(self) -> T | None:
+        """Wait for the tracked write however long it takes, report it, stop the thread.
+
+        Raises:
+            RuntimeError: the tracked write failed (chained to its error; with
+                ``typed_errors``, its own exception), unless its Future already delivered it.
+        """
+        try:
+            return self._collect(None)
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            if self._capture_executor is not None:
+                self._capture_executor.shutdown(wait=True)
+                self._capture_executor = None

@@ -1,0 +1,719 @@
+"""Commit protocols: a directory that appears whole, and an index that the manifest commits.
+
+```
+ROOT/manifest.json     the commit record (see fastckpt.format.records)
+ROOT/<index>/          one self-contained directory per committed index
+ROOT/.tmp-<...>/       an index being written (removed by the next save if a crash left it)
+ROOT/.fastckpt.lock    held (flock) by the one process saving into ROOT; gone when none is
+```
+
+An index is staged (locally: a temporary sibling, every file and directory fsynced, renamed
+into place), then ``manifest.json`` is replaced atomically: the manifest is the commit point,
+nothing it names is partial. Writers of one root are serialized by the backend's lock
+(:class:`RootLock` locally), which the kernel drops when its holder dies, so a killed writer
+never leaves a stale lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastckpt import _native
+from fastckpt.container import refs
+from fastckpt.container.reader import check_recorded, verify_content
+from fastckpt.errors import CheckpointFormatError
+from fastckpt.format.records import (
+    COMMIT_RECORD,
+    GENERATION_PREFIX,
+    MANIFEST,
+    SHARDED_DIR,
+    Manifest,
+    json_bytes,
+    new_generation,
+    seal_manifest,
+)
+from fastckpt.storage.backend import (
+    ATOMIC_TEMP_INFIX,
+    TEMP_PREFIX,
+    TRASH_PREFIX,
+    CopySource,
+    LocalFileSystem,
+    LocalStaging,
+    StorageBackend,
+    make_dirs,
+)
+from fastckpt.storage.backend import _sibling as temp_sibling
+from fastckpt.storage.lock import RootLock
+from fastckpt.storage.registry import backend_for, display_path, is_local
+
+__all__ = [
+    "DirectoryWriter",
+    "IndexWriter",
+    "RootLock",
+    "clean_leftovers",
+    "index_intact",
+    "prune_indices",
+]
+
+_LOG = logging.getLogger(__name__)
+#: Threads writing an index's JSON documents next to its tensor files.
+_JSON_THREADS = 4
+
+
+class DirectoryWriter:
+    """Writes the files of one directory so that they appear together at :meth:`commit`.
+
+    Use :meth:`add_tensors` / :meth:`add_json` for each file, then :meth:`commit`, or
+    :meth:`abort`. The backend decides how (locally: a temporary sibling directory swapped
+    into place, see :class:`~fastckpt.storage.backend.LocalStaging`).
+
+    On an object store (no rename) a CheckpointManager checkpoint is written as a
+    *generation*: the data objects go under ``final/g-<random>/``, a prefix no other save
+    uses, and the ``commit.json`` given to :meth:`add_json` is held back and written last by
+    the backend's conditional :meth:`~fastckpt.storage.backend.StorageBackend.put_record` at
+    :meth:`commit`, naming the generation's files (``g-<random>/<relpath>``). Only then are
+    the replaced generation and what killed saves left under ``final`` deleted. A crash
+    before that put leaves the previous record, and the files it names, untouched.
+
+    Attributes:
+        final: the directory.
+        files: relpath -> ``{"size", "crc32c"}`` of every file written so far.
+        generation: the generation prefix (object stores; None locally).
+    """
+
+    def __init__(
+        self,
+        final: Path,
+        *,
+        direct_io: bool | None = None,
+        threads: int | None = None,
+        generations: bool = True,
+    ) -> None:
+        """Start staging ``final`` (with the Rust writer's options, default: its own);
+        ``generations`` False: on an object store, delete what is at ``final`` and write in
+        place instead (for an index whose manifest entry was already withdrawn)."""
+        self.final = Path(final)
+        self.backend = backend_for(self.final)
+        self.generation: str | None = None
+        self._record: bytes | None = None
+        stage_at = self.final
+        if not is_local(self.backend):
+            if generations:
+                _remember_record_version(self.backend, self.final)
+                self.generation = new_generation()
+                stage_at = self.final / self.generation
+            else:
+                # Also aborts unfinished multipart uploads a killed attempt left.
+                self.backend.delete(self.final)
+        self.staging = self.backend.stage(stage_at, direct_io=direct_io, threads=threads)
+
+    def _prefixed(self, relpath: str) -> str:
+        return relpath if self.generation is None else f"{self.generation}/{relpath}"
+
+    def stored_relpath(self, relpath: str) -> str:
+        """Where file ``relpath`` is under :attr:`final` (and in :attr:`files`): the same
+        relpath, under the generation prefix on an object store."""
+        return self._prefixed(relpath)
+
+    @property
+    def files(self) -> dict[str, dict[str, int]]:
+        """relpath -> ``{"size", "crc32c"}`` of every file written so far."""
+        if self.generation is None:
+            return self.staging.files
+        return {self._prefixed(relpath): record for relpath, record in self.staging.files.items()}
+
+    @property
+    def location(self) -> str:
+        """Where the files are staged (another rank's writer can :meth:`adopt` from it)."""
+        return self.staging.location
+
+    def add_tensors(
+        self,
+        relpath: str,
+        tensors: Mapping[str, torch.Tensor],
+        copies: Mapping[str, CopySource] | None = None,
+    ) -> None:
+        """Write a safetensors file (durably) and record its size and crc32c; tensors in
+        ``copies`` are copied by an object store (see :meth:`Staging.put_tensors`)."""
+        self.staging.put_tensors(relpath, tensors, copies)
+
+    def add_json(self, relpath: str, document: Any) -> None:
+        """Write a JSON file (durably) and record its size and crc32c (a generation's
+        ``commit.json`` is held back for :meth:`commit`, see the class docstring)."""
+        if relpath == COMMIT_RECORD:
+            document = dict(document)
+            if self.generation is not None:
+                document["generation"] = self.generation
+            seal_manifest(document)  # the record's own crc32c, over every field
+            if self.generation is not None:
+                self._record = json_bytes(document)
+                return
+        self.staging.put_bytes(relpath, json_bytes(document))
+
+    def adopt(self, location: str, files: Mapping[str, dict[str, int]]) -> None:
+        """Take over files another writer staged at ``location``, with their records."""
+        for relpath, record in files.items():
+            if self.generation is not None and relpath.startswith(GENERATION_PREFIX):
+                relpath = relpath.split("/", 1)[1]  # the other writer's generation prefix
+            self.staging.adopt(location, relpath, record)
+
+    def commit(self) -> None:
+        """Make the directory visible, replacing what was there."""
+        self.staging.publish()
+        if self._record is None:
+            return
+        self.backend.put_record(self.final / COMMIT_RECORD, self._record)
+        self._record = None
+        # Committed: the replaced generation and killed saves' objects are garbage now.
+        for name in self.backend.list_dir(self.final):
+            if name not in (COMMIT_RECORD, self.generation):
+                self.backend.delete(self.final / name)
+
+    def abort(self) -> None:
+        """Drop what was written."""
+        self.staging.discard()
+
+
+class IndexWriter(DirectoryWriter):
+    """A :class:`DirectoryWriter` for ``ROOT/<index>`` whose commit also records the index
+    in the manifest (the commit point).
+
+    Creating it takes the root's lock (held until :meth:`commit_entry` or :meth:`abort`
+    returns), then removes what crashed saves left, then picks the index: so two processes
+    saving into one root are serialized, and with ``index=None`` they never pick the same
+    index.
+
+    On a local root the files are written in the background while the caller goes on: the
+    tensor files one after the other on one thread, the JSON documents next to them on
+    others, so that the small files' fsyncs overlap the tensor writes instead of following
+    them (each durable small file costs two fsyncs, a few milliseconds each on a virtual
+    disk, which is most of an incremental save's time; see benches/NOTES.md). The
+    tensors and documents given must not change until :meth:`commit_entry` or :meth:`abort`
+    returns. :attr:`files`, :meth:`commit_entry` and :meth:`abort` wait for the writes; the
+    first write error is raised by the first of them.
+
+    Attributes:
+        index: the index being written (decided under the lock when ``index`` was None).
+        lock: the held lock.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        index: int | None = None,
+        *,
+        direct_io: bool | None = None,
+        lock_timeout: float | None = None,
+    ) -> None:
+        """Prepare to write index ``index`` of ``root`` (None: the next one, decided under
+        the lock); ``lock_timeout`` None waits for other writers as long as they take.
+
+        Raises:
+            ValueError: a negative index.
+            TimeoutError: another process held the root longer than ``lock_timeout``.
+            CheckpointFormatError: ``index`` is None and the manifest is damaged.
+        """
+        root = Path(root)
+        if index is not None and index < 0:
+            raise ValueError(f"checkpoint index must be >= 0 (or None for the next), got {index}")
+        backend = backend_for(root)
+        if is_local(backend):
+            make_dirs(root)
+        self.root = root
+        self.lock = backend.lock(root, timeout=lock_timeout)
+        self.lock.acquire()
+        try:
+            clean_leftovers(root, writing=index)
+            if index is None:
+                latest = Manifest.load(root).latest
+                index = 0 if latest is None else latest + 1
+            self.index: int = index
+            if not is_local(backend):
+                # Objects are written in place (delete first, no rename): a committed index
+                # being replaced leaves the manifest before its objects go, so the manifest
+                # never names a missing or partial object.
+                manifest = Manifest.load(root)
+                if manifest.entries.pop(index, None) is not None:
+                    manifest.commit()
+            super().__init__(root / str(index), direct_io=direct_io, generations=False)
+        except BaseException:
+            self.lock.release()
+            raise
+        self._background = is_local(self.backend)
+        self._tensor_lane: ThreadPoolExecutor | None = None
+        self._json_lane: ThreadPoolExecutor | None = None
+        self._pending: list[Future[object]] = []
+
+    def _submit(self, lane: str, work: Callable[[], object]) -> None:
+        if lane == "tensors":
+            if self._tensor_lane is None:
+                self._tensor_lane = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-tensors")
+            pool = self._tensor_lane
+        else:
+            if self._json_lane is None:
+                self._json_lane = ThreadPoolExecutor(
+                    _JSON_THREADS, thread_name_prefix="fastckpt-records"
+                )
+            pool = self._json_lane
+        self._pending.append(pool.submit(work))
+
+    def add_tensors(
+        self,
+        relpath: str,
+        tensors: Mapping[str, torch.Tensor],
+        copies: Mapping[str, CopySource] | None = None,
+    ) -> None:
+        """Write a safetensors file (durably, in the background on a local root); tensors in
+        ``copies`` are copied by an object store (see :meth:`Staging.put_tensors`)."""
+        if not self._background:
+            super().add_tensors(relpath, tensors, copies)
+            return
+        self._submit("tensors", lambda: self.staging.put_tensors(relpath, tensors, copies))
+
+    def add_json(self, relpath: str, document: Any) -> None:
+        """Write a JSON file (durably, in the background on a local root)."""
+        if not self._background:
+            super().add_json(relpath, document)
+            return
+        self._submit("json", lambda: self.staging.put_bytes(relpath, json_bytes(document)))
+
+    def wait_written(self) -> None:
+        """Wait for every background write; raise the first error (each error once)."""
+        pending, self._pending = self._pending, []
+        error: BaseException | None = None
+        for future in pending:
+            failure = future.exception()
+            if failure is not None and error is None:
+                error = failure
+        for pool in (self._tensor_lane, self._json_lane):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._tensor_lane = self._json_lane = None
+        if error is not None:
+            raise error
+
+    @property
+    def files(self) -> dict[str, dict[str, int]]:
+        """relpath -> ``{"size", "crc32c"}`` of every file written (waits for the writes)."""
+        self.wait_written()
+        return super().files
+
+    def commit(self) -> None:
+        """Make the directory visible (once every background write finished)."""
+        self.wait_written()
+        super().commit()
+
+    def commit_entry(self, entry: dict[str, Any]) -> None:
+        """Put the index directory in place, then commit ``entry`` to the manifest.
+
+        Replacing a committed index first withdraws it from the manifest, so the manifest never
+        names a directory whose files differ from its records (a crash in between loses the
+        replaced index, never corrupts it). Locally, an *error* at any step (a full disk
+        included) leaves the old index committed or the new one, never neither: the new
+        manifest is written (not yet renamed) before anything is withdrawn, the old manifest
+        and the old directory are kept (a hard link and a rename, no space needed) until the
+        new manifest is renamed into place and fsynced, and a failure puts them back by
+        renames alone. The root lock is released in every case.
+        """
+        try:
+            self.wait_written()
+            manifest = Manifest.load(self.root)
+            if self.index in manifest.entries and isinstance(self.staging, LocalStaging):
+                _replace_local(self, manifest, {**entry, "files": self.files})
+                return
+            if manifest.entries.pop(self.index, None) is not None:
+                manifest.commit()
+            self.commit()
+            manifest.entries[self.index] = {**entry, "files": self.files}
+            try:
+                manifest.commit()
+            except FileExistsError:
+                # Another writer committed first (an object store's conditional put, or a
+                # lost lease): what is at self.final may be its objects by now; leave them.
+                raise
+            except BaseException:
+                self.backend.delete(self.final)
+                raise
+        finally:
+            self.lock.release()
+
+    def abort(self) -> None:
+        """Drop what was written and release the root lock."""
+        try:
+            with contextlib.suppress(Exception):
+                self.wait_written()  # its error is the caller's to raise, not this one's
+            super().abort()
+        finally:
+            self.lock.release()
+
+
+def _write_aside(path: Path, data: bytes) -> None:
+    """Write ``data`` durably to the new file ``path`` (not renamed anywhere)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_local(writer: IndexWriter, manifest: Manifest, entry: dict[str, Any]) -> None:
+    """Replace committed index ``writer.index`` of a local root (see
+    :meth:`IndexWriter.commit_entry`): on an error, the old index is committed again (or the
+    new one already is) before the error propagates."""
+    root, final = writer.root, writer.final
+    tag = f"{os.getpid()}.{os.urandom(4).hex()}"
+    record = root / MANIFEST
+    new_record = root / f".{MANIFEST}{ATOMIC_TEMP_INFIX}new.{tag}"
+    old_record = root / f".{MANIFEST}{ATOMIC_TEMP_INFIX}old.{tag}"
+    old_directory = root / f"{TRASH_PREFIX}{final.name}~{tag}"
+    withdrawn = Manifest(root, dict(manifest.entries))
+    del withdrawn.entries[writer.index]
+    replaced = Manifest(root, {**manifest.entries, writer.index: entry})
+    step = "start"
+    try:
+        _write_aside(new_record, replaced.to_json())  # the space the commit needs, taken first
+        try:
+            os.link(record, old_record)  # the old record, kept without a copy
+        except OSError:  # a filesystem without hard links: a copy, before anything changes
+            _write_aside(old_record, manifest.to_json())
+        step = "withdrawn"
+        withdrawn.commit()
+        step = "set aside"
+        if os.path.lexists(final):
+            os.rename(final, old_directory)
+        step = "published"
+        writer.commit()
+        step = "renamed"
+        os.rename(new_record, record)
+        _native.fsync_dir(str(root))
+        step = "done"
+    except BaseException:
+        _roll_back(step, record, old_record, final, old_directory, writer)
+        raise
+    finally:
+        for leftover in (new_record, old_record):
+            leftover.unlink(missing_ok=True)
+    shutil.rmtree(old_directory, ignore_errors=True)
+
+
+def _roll_back(
+    step: str, record: Path, old_record: Path, final: Path, old: Path, writer: IndexWriter
+) -> None:
+    """Undo :func:`_replace_local` up to ``step`` by renames only (no space needed)."""
+    if step in ("published", "renamed") and os.path.lexists(final):
+        aside = final.parent / f"{TEMP_PREFIX}{final.name}~undo.{os.urandom(4).hex()}"
+        os.rename(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    if step in ("set aside", "published", "renamed") and os.path.lexists(old):
+        os.rename(old, final)
+    if step in ("withdrawn", "set aside", "published", "renamed") and os.path.lexists(old_record):
+        os.rename(old_record, record)
+    _native.fsync_dir(str(record.parent))
+    writer.staging.discard()
+
+
+def _is_index_name(name: str) -> bool:
+    return name.isdigit() and len(name) <= 18 and str(int(name)) == name
+
+
+def clean_leftovers(root: Path, *, writing: int | None = None) -> list[str]:
+    """Remove what crashed saves and prunes left in a checkpoint root.
+
+    That is: temporary and trash directories, manifest temp files, and index directories the
+    manifest no longer names that are older than its latest index (a prune or a replacement
+    interrupted after its manifest commit). Newer unnamed index directories are left alone:
+    the next save of that index replaces them. Sharded parts (``ROOT/sharded``) no committed
+    index names go too (:func:`fastckpt.container.sharded.parts.sweep`), but never those of index
+    ``writing``, whose save is under way.
+
+    Call it only while holding the root's lock (as :class:`IndexWriter` does): everything
+    temporary in the root then belongs to a dead writer. Returns what was removed.
+    """
+    removed: list[str] = []
+    backend = backend_for(root)
+    if not is_local(backend):
+        return _clean_object_root(root, backend)
+    if not root.is_dir():
+        return removed
+    try:
+        manifest: Manifest | None = Manifest.load(root)
+    except (CheckpointFormatError, OSError):
+        manifest = None  # never delete index directories on the word of a damaged manifest
+    latest = None if manifest is None else manifest.latest
+    referenced: set[int] | None = None
+    for name in backend.list_dir(root):
+        child = root / name
+        if name.startswith((TEMP_PREFIX, TRASH_PREFIX)) and (child.is_dir() or child.is_symlink()):
+            backend.delete(child)
+        elif name.startswith(f".{MANIFEST}{ATOMIC_TEMP_INFIX}"):
+            child.unlink(missing_ok=True)
+        elif (
+            manifest is not None
+            and latest is not None
+            and _is_index_name(name)
+            and int(name) < latest
+            and int(name) not in manifest.entries
+            and child.is_dir()
+            and not os.path.islink(child)
+        ):
+            if referenced is None:
+                referenced = _referenced(manifest)
+            if int(name) in referenced:
+                # A prune committed, then died before setting the bytes kept indices
+                # reference aside: finish it.
+                refs.retain_for_references(root, int(name))
+            else:
+                refs.remove_directory(root, child)
+        else:
+            continue
+        removed.append(name)
+    if manifest is not None and any(n.startswith(refs.RETAINED_PREFIX) for n in os.listdir(root)):
+        # Retained copies no committed index references, or of an index still committed
+        # (a prune killed before its commit): readers find those bytes in the index itself.
+        in_use = referenced if referenced is not None else _referenced(manifest)
+        removed += refs.collect_garbage(root, in_use - set(manifest.entries))
+    if manifest is not None:
+        removed += _sweep_sharded(root, manifest, writing)
+    return removed
+
+
+def _sweep_sharded(root: Path, manifest: Manifest, writing: int | None = None) -> list[str]:
+    """The sharded parts of a local root no committed index names, removed (see
+    :func:`fastckpt.container.sharded.parts.sweep`); nothing to do, and nothing imported, without
+    any."""
+    if not (root / SHARDED_DIR).is_dir():
+        return []
+    from fastckpt.container.sharded.parts import (
+        sweep,  # deferred: only roots of FSDP2 strategies have parts
+    )
+
+    return [str(path.relative_to(root)) for path in sweep(root, manifest, writing=writing)]
+
+
+def _referenced(manifest: Manifest) -> set[int]:
+    """The indices whose bytes the committed indices reference (all, when the references
+    cannot be read: never delete on the word of a damaged record)."""
+    try:
+        return refs.referenced_indices(manifest, list(manifest.entries))
+    except (CheckpointFormatError, OSError):
+        return set(range((manifest.latest or 0) + 1))
+
+
+def _clean_object_root(root: Path, backend: StorageBackend) -> list[str]:
+    """:func:`clean_leftovers` on an object store: index prefixes the manifest does not name
+    that are older than its latest index (with their unfinished uploads). Newer ones are
+    deleted by the next save of that index."""
+    try:
+        manifest = Manifest.load(root)
+    except (CheckpointFormatError, OSError):
+        return []
+    latest = manifest.latest
+    if latest is None:
+        return []
+    removed = []
+    for name in backend.list_dir(root):
+        if _is_index_name(name) and int(name) < latest and int(name) not in manifest.entries:
+            backend.delete(root / name)
+            removed.append(name)
+    return removed
+
+
+def _remember_record_version(backend: StorageBackend, final: Path) -> None:
+    """Read ``final``'s commit record (if any), so that the backend's conditional put at
+    commit replaces exactly that version: a writer that committed meanwhile is not
+    overwritten (the later put fails with a typed conflict error instead)."""
+    with contextlib.suppress(FileNotFoundError, CheckpointFormatError):
+        backend.read_bytes(final / COMMIT_RECORD)
+
+
+def prune_indices(root: Path, keep_last: int, *, lock_timeout: float | None = None) -> list[int]:
+    """Delete all but the newest ``keep_last`` indices of ``root`` (never the latest).
+
+    Under the root's lock, the manifest is committed first, so a crash mid-prune leaves only
+    unreferenced directories (removed by the next save), never a manifest naming a deleted
+    index. An index directory that is a symlink loses the link and, when the link points
+    inside the root, what it points to; a target outside the root is left alone (logged).
+    Returns the deleted indices.
+
+    The newest index that verifies is never deleted: the kept indices are verified newest
+    first (every file against the manifest, every tensor and reference; normally only the
+    latest is read), and when none of them verifies, the newest doomed index that does is
+    kept too (a warning names the damaged ones). When no index verifies, nothing is deleted.
+
+    Args:
+        root: the checkpoint root.
+        keep_last: how many of the newest indices to keep (>= 1).
+        lock_timeout: give up waiting for another process's save or prune of ``root`` after
+            this many seconds (None: wait; who holds the lock is logged after a second).
+
+    Raises:
+        ValueError: ``keep_last < 1``.
+        TimeoutError: another process held the root longer than ``lock_timeout`` (the
+            message names it: pid and host).
+        OSError: an index could not be deleted (it is no longer committed either way).
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the latest is never deleted), got {keep_last}")
+    backend = backend_for(root)
+    with backend.lock(root, timeout=lock_timeout):
+        manifest = Manifest.load(root)
+        doomed = sorted(manifest.entries)[:-keep_last]
+        if doomed:
+            doomed = _spare_newest_intact(manifest, doomed)
+        if not doomed:
+            if is_local(backend):
+                _sweep_sharded(root, manifest)  # what a prune killed after its commit left
+            return []
+        # Bytes a kept (incremental) index references outlive their pruned index, renamed
+        # to ROOT/.ref-<index> (fastckpt.container.refs).
+        kept = [index for index in manifest.entries if index not in doomed]
+        # Hard links make the retained copy before the manifest lets the index go, so a
+        # kill at any point leaves the committed indices and their references whole.
+        referenced = refs.referenced_indices(manifest, kept) if is_local(backend) else set()
+        needed = referenced & set(doomed)  # a kept index's bytes stay where they are
+        linked = {index for index in needed if _link_retained(root, index)}
+        for index in needed - linked:  # no hard links here: moved before the commit
+            refs.retain_for_references(root, index)
+        for index in doomed:
+            del manifest.entries[index]
+        manifest.commit()
+        for index in doomed:
+            if index not in needed or index in linked:
+                _delete_index(backend, root, manifest.directory(index), set(manifest.entries))
+        if is_local(backend):
+            refs.collect_garbage(root, referenced - set(manifest.entries))
+            _sweep_sharded(root, manifest)  # the pruned indices' sharded parts, after the commit
+    return doomed
+
+
+#: Threads checking an index's tensors before a prune deletes anything.
+_VERIFY_THREADS = 4
+
+
+def index_intact(manifest: Manifest, index: int, *, threads: int = _VERIFY_THREADS) -> str | None:
+    """Why committed ``index`` does not verify (None: it does): every file against its
+    manifest record (size, crc32c, each tensor's checksum) and, for an incremental index,
+    every referenced file and tensor."""
+    files = manifest.entries[index]["files"]
+    if refs.REFS_FILE in files:
+        for report in refs.reference_reports(manifest, index, threads):
+            if not report.ok:
+                return report.message or f"{report.path}: {report.status}"
+    for relpath in sorted(files):
+        try:
+            path = manifest.file_path(index, relpath)
+        except CheckpointFormatError as err:
+            return str(err)
+        checked = check_recorded(
+            path, files[relpath], verify_content(threads), source=str(manifest.path), index=index
+        )
+        if not checked.report.ok:
+            return checked.report.message or f"{path}: {checked.report.status}"
+    return None
+
+
+def _spare_newest_intact(manifest: Manifest, doomed: list[int]) -> list[int]:
+    """``doomed`` without the newest index that verifies, when no kept index verifies (all
+    of ``doomed``'s indices are kept when none verifies at all); see :func:`prune_indices`."""
+    kept = sorted((i for i in manifest.entries if i not in doomed), reverse=True)
+    damaged: list[str] = []
+    for index in kept:
+        problem = index_intact(manifest, index)
+        if problem is None:
+            return doomed
+        damaged.append(f"index {index}: {problem}")
+    for index in sorted(doomed, reverse=True):
+        problem = index_intact(manifest, index)
+        if problem is None:
+            _LOG.warning(
+                "%s: keeping index %d, the newest that verifies, although prune would delete "
+                "it: the newer indices fail verification (%s)",
+                display_path(manifest.root),
+                index,
+                "; ".join(damaged),
+            )
+            return [i for i in doomed if i != index]
+        damaged.append(f"index {index}: {problem}")
+    _LOG.warning(
+        "%s: prune deleted nothing: no committed index verifies (%s)",
+        display_path(manifest.root),
+        "; ".join(damaged),
+    )
+    return []
+
+
+def _link_retained(root: Path, index: int) -> bool:
+    """Make ``ROOT/.ref-<index>`` a copy of ``ROOT/<index>`` by hard links (no data copied),
+    durably, leaving the index in place; False when links are not possible here."""
+    directory = root / str(index)
+    if not directory.is_dir() or directory.is_symlink():
+        return False
+    temp = temp_sibling(TEMP_PREFIX, root / f"ref-{index}")  # .tmp-ref-<index>~pid~host~rnd
+    try:
+        for source in sorted(directory.rglob("*")):
+            target = temp / source.relative_to(directory)
+            if source.is_dir() and not source.is_symlink():
+                target.mkdir(parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.link(source, target, follow_symlinks=False)
+        temp.mkdir(exist_ok=True)
+        for folder in sorted((p for p in temp.rglob("*") if p.is_dir()), reverse=True):
+            _native.fsync_dir(str(folder))
+        _native.fsync_dir(str(temp))
+    except OSError:
+        shutil.rmtree(temp, ignore_errors=True)
+        return False
+    retained = root / f"{refs.RETAINED_PREFIX}{index}"
+    # A retained copy is whole or absent at every instant: an older one (of this index, still
+    # committed) is renamed away before the new one takes its name, and deleted after.
+    stale = temp_sibling(TEMP_PREFIX, root / f"gone-ref-{index}")
+    replaced = os.path.lexists(retained)
+    if replaced:
+        os.rename(retained, stale)
+    os.rename(temp, retained)
+    _native.fsync_dir(str(root))
+    if replaced:
+        shutil.rmtree(stale, ignore_errors=True)
+    return True
+
+
+def _delete_index(
+    backend: StorageBackend, root: Path, directory: Path, committed: set[int]
+) -> None:
+    """Delete an index directory (and, when it is a symlink to a directory of the root that
+    no committed index uses, its target)."""
+    if os.path.islink(directory):
+        target = os.path.realpath(directory)
+        limit = os.path.realpath(root).rstrip(os.sep) + os.sep
+        directory.unlink()
+        top = target[len(limit) :].split(os.sep, 1)[0] if target.startswith(limit) else ""
+        ours = top and not top.startswith(".") and os.path.isdir(target)
+        if ours and not (_is_index_name(top) and int(top) in committed):
+            backend.delete(Path(target))
+        else:
+            _LOG.warning("pruned %s, a symlink; left its target %s", directory, target)
+        return
+    if isinstance(backend, LocalFileSystem) and os.path.isdir(directory):
+        # Renamed away first: an index directory is whole or absent (a kill mid-deletion
+        # leaves a temporary directory, never a partial ROOT/<index>).
+        refs.remove_directory(root, directory)
+    else:
+        backend.delete(directory)
+    if isinstance(backend, LocalFileSystem) and os.path.lexists(directory):
+        raise OSError(
+            errno.ENOTEMPTY, f"{directory}: pruned but could not be deleted", str(directory)
+        )

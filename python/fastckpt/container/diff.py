@@ -1,0 +1,177 @@
+"""Comparing the tensors of two checkpoints bit for bit (what ``fastckpt diff`` reports).
+
+A side of a comparison is a :class:`TensorFiles`: safetensors files keyed by a prefix that
+qualifies the names of their tensors (``models/main:weight``); the command line builds them
+from a checkpoint path, a program can build them from any files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastckpt.storage.registry import backend_for
+
+__all__ = ["TensorFiles", "compare_tensors", "diff_checkpoints"]
+
+
+@dataclasses.dataclass
+class TensorFiles:
+    """One side of a diff: tensor files keyed by a prefix for tensor names.
+
+    Attributes:
+        label: how the side is named in the result.
+        files: prefix -> safetensors file (prefix ``""``: tensor names stay as they are).
+        references: prefix -> referenced tensors of that prefix (default none).
+    """
+
+    label: str
+    files: dict[str, Path]
+    #: prefix -> {tensor name: (file, name in that file)}: tensors of an incremental
+    #: checkpoint index that live in another index's file (see :mod:`fastckpt.container.refs`).
+    references: dict[str, dict[str, tuple[Path, str]]] = dataclasses.field(default_factory=dict)
+
+
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}:{name}" if prefix else name
+
+
+_INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
+    """Compare two tensors of equal dtype and shape bit for bit.
+
+    Returns:
+        ``(differing elements, max |a - b| over them)``; NaN when a differing element is NaN.
+    """
+    view = _INT_VIEWS[a.element_size()]
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    differ = flat_a.view(view) != flat_b.view(view)
+    count = int(differ.sum())
+    if count == 0:
+        return 0, 0.0
+    wide = torch.complex128 if a.is_complex() else torch.float64
+    delta = (flat_a[differ].to(wide) - flat_b[differ].to(wide)).abs()
+    return count, float(delta.max())
+
+
+def _headers(side: TensorFiles) -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = {}
+    for prefix, path in side.files.items():
+        for name, info in backend_for(path).read_header(path)["tensors"].items():
+            found[_qualified(prefix, name)] = {
+                "prefix": prefix,
+                "name": name,
+                "dtype": info["dtype"],
+                "shape": info["shape"],
+            }
+    sources: dict[Path, dict[str, Any]] = {}
+    for prefix, names in side.references.items():
+        for name, (path, source_name) in names.items():
+            if path not in sources:
+                sources[path] = backend_for(path).read_header(path)["tensors"]
+            info = sources[path].get(source_name)
+            if info is None:
+                raise KeyError(f"{path}: no tensor {source_name!r} (referenced as {name!r})")
+            found[_qualified(prefix, name)] = {
+                "prefix": prefix,
+                "name": name,
+                "dtype": info["dtype"],
+                "shape": info["shape"],
+            }
+    return found
+
+
+def _load_prefix(side: TensorFiles, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of one prefix: its file's and the ones it references."""
+    tensors = _load(side.files[prefix]) if prefix in side.files else {}
+    by_source: dict[Path, list[tuple[str, str]]] = {}
+    for name, (path, source_name) in side.references.get(prefix, {}).items():
+        by_source.setdefault(path, []).append((name, source_name))
+    for path, pairs in by_source.items():
+        source = _load(path)
+        tensors.update({name: source[source_name] for name, source_name in pairs})
+    return tensors
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a file on any backend (local or ``s3://``), checksums verified."""
+    try:
+        return backend_for(path).open_tensors(path, verify=True)[0]
+    except TypeError as err:  # a dtype this torch build lacks
+        raise TypeError(f"{path}: {err}") from None
+
+
+def diff_checkpoints(a: TensorFiles, b: TensorFiles, atol: float = 0.0) -> dict[str, Any]:
+    """Compare every tensor of two sides (see ``fastckpt diff``).
+
+    Args:
+        a, b: the two sides.
+        atol: tensors whose largest difference is at most this count as equal.
+
+    Returns:
+        ``{"a", "b", "atol", "identical", "compared", "same", "changed", "mismatched",
+        "added", "removed"}``: ``changed`` lists tensors whose values differ (with the count
+        of differing elements and the largest difference), ``mismatched`` those whose dtype
+        or shape differ, ``added``/``removed`` those only ``b``/``a`` has.
+
+    Raises:
+        TypeError: a tensor's dtype is unknown to this torch build (names the file).
+    """
+    head_a, head_b = _headers(a), _headers(b)
+    removed = [{"name": n, **_meta(head_a[n])} for n in head_a if n not in head_b]
+    added = [{"name": n, **_meta(head_b[n])} for n in head_b if n not in head_a]
+    common = [n for n in head_a if n in head_b]
+    mismatched = [
+        {"name": n, "a": _meta(head_a[n]), "b": _meta(head_b[n])}
+        for n in common
+        if _meta(head_a[n]) != _meta(head_b[n])
+    ]
+    comparable = [n for n in common if _meta(head_a[n]) == _meta(head_b[n])]
+    changed: list[dict[str, Any]] = []
+    same = 0
+    by_pair: dict[tuple[str, str], list[str]] = {}
+    for name in comparable:
+        key = (head_a[name]["prefix"], head_b[name]["prefix"])
+        by_pair.setdefault(key, []).append(name)
+    for (prefix_a, prefix_b), names in by_pair.items():
+        tensors_a, tensors_b = _load_prefix(a, prefix_a), _load_prefix(b, prefix_b)
+        for name in names:
+            left = tensors_a[head_a[name]["name"]]
+            right = tensors_b[head_b[name]["name"]]
+            count, biggest = compare_tensors(left, right)
+            if count == 0 or biggest <= atol:
+                same += 1
+                continue
+            changed.append(
+                {
+                    "name": name,
+                    **_meta(head_a[name]),
+                    "differing": count,
+                    "elements": left.numel(),
+                    "max_abs_diff": None if math.isnan(biggest) else biggest,
+                }
+            )
+        del tensors_a, tensors_b
+    return {
+        "a": a.label,
+        "b": b.label,
+        "atol": atol,
+        "identical": not (changed or mismatched or added or removed),
+        "compared": len(common),
+        "same": same,
+        "changed": changed,
+        "mismatched": mismatched,
+        "added": added,
+        "removed": removed,
+    }
+
+
+def _meta(header: Mapping[str, Any]) -> dict[str, Any]:
+    return {"dtype": header["dtype"], "shape": header["shape"]}

@@ -1,0 +1,413 @@
+"""Incremental saves: which tensors are unchanged since the last save into a root.
+
+A tensor is skipped only when it is *proven* unchanged: its bytes have the same 256-bit
+BLAKE3 digest (:func:`digest_tensors`, Rust threads, GIL released) as the bytes the last
+save wrote or referenced for it. torch's version counter (``tensor._version``) cannot prove
+that: fused and foreach optimizers (``Adam(fused=True)``...), writes through ``.data``, numpy
+views, DLPack, ``untyped_storage()`` or ctypes change the bytes without moving it. So the
+counter is used only the other way round, as a cheap *changed* signal:
+
+* each save records, per tensor (file + name), a *fingerprint* (storage address and size,
+  storage offset, shape, stride, dtype, device and version counter) and the digest of what
+  it saved, with where its bytes went (index, file, crc32c);
+* at the next save, a tensor whose fingerprint differs (moved counter, new storage, new
+  layout, a new tensor at the key) is written without a digest comparison;
+* a tensor whose fingerprint is identical is a *candidate*: it is staged like any other,
+  and just before the write (:func:`confirm`) the digest of the staged bytes is compared
+  with the recorded one; equal, it becomes a reference to the bytes on disk
+  (:mod:`fastckpt.container.refs`), otherwise it is written.
+
+Every written tensor's digest is computed in the same step (what the next save compares
+with), so each save reads every tensor's bytes once more in memory: the price of soundness,
+measured in docs/incremental.md. The disk writes saved are unchanged.
+
+Tensors the caller marks with :func:`mark_frozen` are the documented opt-in to trust
+without proof: while they keep their storage and layout they are referenced without a
+digest comparison, whatever their bytes.
+
+The tracker lives in this process, keyed by the root's absolute path; a new process starts
+with a full save.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastckpt import _native
+from fastckpt.container.refs import REFS_FILE, Reference, index_references, matches, source_path
+from fastckpt.format.records import Manifest, tensor_reference
+from fastckpt.io.files import byte_view, host_tensor
+from fastckpt.storage.registry import backend_for, display_path, is_local, is_object_url
+
+__all__ = [
+    "Plan",
+    "Tracked",
+    "confirm",
+    "digest_groups",
+    "forget",
+    "is_frozen",
+    "mark_frozen",
+    "plan",
+    "record_saved",
+    "settle",
+    "unreference",
+]
+
+Fingerprint = tuple[Any, ...]
+
+#: Threads that compute digests (memory-bound: a few are enough).
+DIGEST_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+@dataclass
+class Tracked:
+    """What a save knows of one tensor it saved.
+
+    Attributes:
+        fingerprint: :func:`fingerprint` of the live tensor, taken before it was staged.
+        storage: the live tensor's storage; holding it keeps its address from being reused
+            by a new tensor (which would otherwise look like the same one).
+        digest: BLAKE3 of the bytes saved (None until :func:`confirm` computed it; a
+            tracked tensor without one is never referenced).
+    """
+
+    fingerprint: Fingerprint
+    storage: Any
+    digest: bytes | None = None
+
+
+#: group (a file, or a manager item) -> tensor name -> (tracked now, tracked at the last save,
+#: reference to the last save's bytes): the tensors whose fingerprint did not move.
+Candidates = dict[str, dict[str, tuple[Tracked, Tracked, Reference]]]
+
+
+def digest_groups(
+    groups: Mapping[str, Mapping[str, torch.Tensor]], keys: Sequence[tuple[str, str]]
+) -> dict[tuple[str, str], bytes]:
+    """The BLAKE3 digest of ``groups[group][name]`` for each ``(group, name)`` of ``keys``:
+    of its bytes as a file would hold them (contiguous, on the host). Device tensors are
+    copied to the host one group (one file) at a time, and the copies dropped after: a save
+    never holds more than one file's worth of extra host memory for them."""
+    by_group: dict[str, list[str]] = {}
+    for group, name in keys:
+        by_group.setdefault(group, []).append(name)
+    result: dict[tuple[str, str], bytes] = {}
+    for group, names in by_group.items():
+        hosts = [host_tensor(f"{group}:{name}", groups[group][name]) for name in names]
+        values = _native.digests([byte_view(host) for host in hosts], DIGEST_THREADS)
+        result.update(((group, name), value) for name, value in zip(names, values, strict=True))
+    return result
+
+
+_LOCK = threading.Lock()
+#: root -> {(relpath, name): (fingerprint, reference to the bytes on disk)}
+_TRACKERS: dict[str, dict[tuple[str, str], tuple[Tracked, Reference]]] = {}
+#: id of a frozen tensor -> (weak reference, storage address), see mark_frozen
+_FROZEN: dict[tuple[str, int], weakref.ref[torch.Tensor]] = {}
+
+
+def _key(root: str | os.PathLike[str]) -> str:
+    if is_object_url(root):
+        return display_path(root).rstrip("/")
+    return os.path.abspath(os.fspath(root))
+
+
+def mark_frozen(*tensors: torch.Tensor | torch.nn.Module) -> None:
+    """Promise that tensors (or all parameters and buffers of modules) never change: while
+    they keep their storage and layout, incremental saves reference them without comparing
+    their digest (no read of their bytes), whatever their version counter says. This is the
+    one case where fastckpt trusts instead of proving: a marked tensor whose bytes do change
+    is saved with its old bytes. To undo it, :func:`forget` the root or save with
+    ``incremental=False``."""
+    for item in tensors:
+        if isinstance(item, torch.nn.Module):
+            mark_frozen(*item.parameters(), *item.buffers())
+            continue
+        if not isinstance(item, torch.Tensor):
+            raise TypeError(f"mark_frozen takes tensors or modules, not {type(item).__name__}")
+        with _LOCK:
+            _FROZEN[_storage_key(item)] = weakref.ref(item)
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    return (str(tensor.device), tensor.untyped_storage().data_ptr())
+
+
+def is_frozen(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (or a tensor sharing its storage) was marked with
+    :func:`mark_frozen` and that tensor is still alive."""
+    with _LOCK:
+        ref = _FROZEN.get(_storage_key(tensor))
+    if ref is None:
+        return False
+    marked = ref()
+    return marked is not None and marked.untyped_storage().data_ptr() == _storage_key(tensor)[1]
+
+
+def fingerprint(tensor: torch.Tensor) -> Fingerprint | None:
+    """What must be identical for ``tensor`` to be unchanged (None: never trusted, e.g.
+    sparse, meta or tensor subclasses)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided:
+        return None
+    if tensor.device.type == "meta" or tensor.is_neg() or tensor.is_conj():
+        return None
+    storage = tensor.untyped_storage()
+    version = "frozen" if is_frozen(tensor) else tensor._version
+    return (
+        str(tensor.device),
+        storage.data_ptr(),
+        storage.nbytes(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+        version,
+    )
+
+
+def forget(root: str | os.PathLike[str] | None = None) -> None:
+    """Drop what this process knows about ``root`` (all roots when None): its next save is
+    full."""
+    with _LOCK:
+        if root is None:
+            _TRACKERS.clear()
+        else:
+            _TRACKERS.pop(_key(root), None)
+
+
+@dataclass
+class Plan:
+    """What an incremental save writes and references.
+
+    Attributes:
+        candidates: relpath -> {tensor name: (tracked now, tracked at the last save,
+            reference to its bytes)} of the tensors whose fingerprint did not change: still
+            in the snapshot (staged like the others) until :func:`confirm` compares digests.
+        refs: relpath -> {tensor name: reference} of the tensors not written (filled by
+            :func:`confirm`).
+        live: relpath -> {tensor name: tensor} of the referenced tensors, as they were
+            confirmed (written after all if the referenced bytes went away before the
+            commit).
+        fingerprints: relpath -> {tensor name: tracked} of the tensors written (fingerprint
+            taken before they were staged, digest of the bytes written).
+        referenced: relpath -> {tensor name: tracked} of the referenced tensors.
+        confirmed: whether :func:`confirm` ran.
+    """
+
+    candidates: Candidates = field(default_factory=dict)
+    refs: dict[str, dict[str, Reference]] = field(default_factory=dict)
+    live: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    fingerprints: dict[str, dict[str, Tracked]] = field(default_factory=dict)
+    referenced: dict[str, dict[str, Tracked]] = field(default_factory=dict)
+    confirmed: bool = False
+
+    @property
+    def referenced_bytes(self) -> int:
+        """Bytes not written because they are referenced."""
+        return sum(ref["nbytes"] for names in self.refs.values() for ref in names.values())
+
+
+def plan(root: str | os.PathLike[str], tensor_files: dict[str, dict[str, torch.Tensor]]) -> Plan:
+    """Fingerprint the live tensors of ``tensor_files`` before they are staged, and list
+    as candidates those whose fingerprint equals the last save's into ``root``. Nothing is
+    taken out of ``tensor_files`` yet: :func:`confirm` does that once the digests of the
+    bytes to write are known."""
+    result = Plan()
+    with _LOCK:
+        known = dict(_TRACKERS.get(_key(root), {}))
+    for relpath, tensors in tensor_files.items():
+        for name, tensor in tensors.items():
+            print_ = fingerprint(tensor) if isinstance(tensor, torch.Tensor) else None
+            if print_ is None:
+                continue
+            tracked = Tracked(print_, tensor.untyped_storage())
+            previous = known.get((relpath, name))
+            if previous is not None and previous[0].fingerprint == print_:
+                result.candidates.setdefault(relpath, {})[name] = (tracked, *previous)
+            else:
+                result.fingerprints.setdefault(relpath, {})[name] = tracked
+    return result
+
+
+def settle(
+    written: dict[str, dict[str, Tracked]],
+    candidates: Candidates,
+    groups: Mapping[str, Mapping[str, torch.Tensor]],
+) -> list[tuple[str, str, Tracked, Reference]]:
+    """The content proof, shared by roots and the manager. With ``groups`` holding the
+    tensors as they will be written (staged copies for an async save): give every tracked
+    tensor of ``written`` and ``candidates`` the digest of its bytes, move the candidates
+    whose digest differs from the one recorded at the last save into ``written``, and return
+    the others, proven unchanged, as ``(group, name, tracked, reference)`` (frozen ones,
+    :func:`mark_frozen`, without a comparison). ``groups`` is not changed."""
+    keys = [
+        (group, name)
+        for group, names in written.items()
+        for name in names
+        if name in groups.get(group, {})
+    ]
+    keys += [
+        (group, name)
+        for group, pending in candidates.items()
+        for name, (now, _, _) in pending.items()
+        if not _is_frozen_print(now.fingerprint) and name in groups.get(group, {})
+    ]
+    digests = digest_groups(groups, keys)
+    for group, tracked_files in written.items():
+        for name, seen in tracked_files.items():
+            seen.digest = digests.get((group, name), seen.digest)
+    unchanged = []
+    for group, pending in candidates.items():
+        for name, (tracked, previous, ref) in pending.items():
+            if name not in groups.get(group, {}):
+                continue
+            if _is_frozen_print(tracked.fingerprint):
+                tracked.digest = previous.digest
+                same = True
+            else:
+                tracked.digest = digests[(group, name)]
+                same = previous.digest is not None and tracked.digest == previous.digest
+            if same:
+                unchanged.append((group, name, tracked, ref))
+            else:
+                written.setdefault(group, {})[name] = tracked
+    return unchanged
+
+
+def confirm(result: Plan, tensor_files: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Just before writing ``tensor_files`` (the tensors as they will be written: staged
+    copies for an async save): :func:`settle` the plan, then take the tensors proven
+    unchanged out of ``tensor_files`` (in place) as references. Idempotent."""
+    if result.confirmed:
+        return
+    result.confirmed = True
+    for relpath, name, tracked, ref in settle(result.fingerprints, result.candidates, tensor_files):
+        result.refs.setdefault(relpath, {})[name] = ref
+        result.live.setdefault(relpath, {})[name] = tensor_files[relpath].pop(name)
+        result.referenced.setdefault(relpath, {})[name] = tracked
+    result.candidates = {}
+
+
+def _is_frozen_print(print_: Fingerprint) -> bool:
+    return print_[-1] == "frozen"
+
+
+def check_plan(
+    manifest: Manifest, result: Plan, *, replacing: int
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Under the root's lock, before writing index ``replacing``: drop references whose bytes
+    are no longer where they were (the root was pruned by another process, deleted and
+    recreated, or the index replaced) or are in ``replacing`` itself. Returns the confirmed
+    tensors to write instead (the very bytes whose digest was compared)."""
+    restore: dict[str, dict[str, torch.Tensor]] = {}
+    # Most references of a save point into the same few files: check each file once.
+    there: dict[tuple[int, str, int, int], bool] = {}
+    for relpath, names in list(result.refs.items()):
+        for name, ref in list(names.items()):
+            source = (ref["index"], ref["file"], ref["file_size"], ref["file_crc32c"])
+            if source not in there:
+                there[source] = _still_there(manifest, ref)
+            if ref["index"] != replacing and there[source]:
+                continue
+            for group, tensors in unreference(result, [(relpath, name)]).items():
+                restore.setdefault(group, {}).update(tensors)
+    return restore
+
+
+def unreference(
+    result: Plan, keys: Sequence[tuple[str, str]]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Take the references ``(relpath, name)`` out of the plan: those tensors are written
+    after all. Returns them ``{relpath: {name: tensor}}`` (the very bytes whose digest was
+    compared), for the caller to put back into the files it writes."""
+    restore: dict[str, dict[str, torch.Tensor]] = {}
+    for relpath, name in keys:
+        restore.setdefault(relpath, {})[name] = result.live[relpath].pop(name)
+        tracked = result.referenced[relpath].pop(name)
+        result.fingerprints.setdefault(relpath, {})[name] = tracked
+        del result.refs[relpath][name]
+        if not result.refs[relpath]:
+            del result.refs[relpath]
+    return restore
+
+
+def _still_there(manifest: Manifest, ref: Reference) -> bool:
+    index = ref["index"]
+    entry = manifest.entries.get(index)
+    if entry is not None and matches(entry["files"].get(ref["file"]), ref):
+        return True
+    path = source_path(manifest, ref)
+    try:
+        return os.stat(path).st_size == ref["file_size"]
+    except OSError:
+        return False
+
+
+def record_saved(
+    root: str | os.PathLike[str],
+    index: int,
+    result: Plan | None,
+    files: Mapping[str, Mapping[str, int]],
+) -> None:
+    """After index ``index`` committed with the file records ``files``: remember the
+    fingerprints of what it wrote (with the crc32c the files' headers hold) and keep those of
+    what it referenced (on an object store, where the referenced tensors were copied into
+    this index, remember them here too). ``result`` None (a full save with
+    ``incremental=False``) forgets the root."""
+    if result is None:
+        forget(root)
+        return
+    backend = backend_for(root)
+    copied = not is_local(backend)
+    tracked: dict[tuple[str, str], tuple[Tracked, Reference]] = {}
+    written = {relpath: dict(prints) for relpath, prints in result.fingerprints.items()}
+    if copied:
+        for relpath, prints in result.referenced.items():
+            written.setdefault(relpath, {}).update(prints)
+    for relpath, prints in written.items():
+        record = files.get(relpath)
+        if record is None:
+            continue
+        header = backend.read_header(Path(root) / str(index) / relpath)["tensors"]
+        for name, seen in prints.items():
+            info = header.get(name)
+            if info is None or info["crc32c"] is None:
+                continue
+            tracked[(relpath, name)] = (
+                seen,
+                {
+                    "index": index,
+                    **tensor_reference(relpath, name, info),
+                    "file_size": record["size"],
+                    "file_crc32c": record["crc32c"],
+                },
+            )
+    for relpath, names in result.refs.items():
+        for name, ref in names.items():
+            if (relpath, name) not in tracked:
+                # What it is now (the same fingerprint and digest, the live storage) is what
+                # the next save sees; its bytes are where this index's reference says (a
+                # file linked into this index, see fastckpt.container.refs.link_into).
+                tracked[(relpath, name)] = (result.referenced[relpath][name], dict(ref))
+    with _LOCK:
+        _TRACKERS[_key(root)] = tracked
+
+
+def referenced_by_others(manifest: Manifest, index: int) -> list[int]:
+    """Committed indices other than ``index`` whose references point into ``index``."""
+    users = []
+    for other in manifest.entries:
+        if other == index or REFS_FILE not in manifest.entries[other]["files"]:
+            continue
+        refs = index_references(manifest, other)
+        if any(ref["index"] == index for names in refs.values() for ref in names.values()):
+            users.append(other)
+    return users

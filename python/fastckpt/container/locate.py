@@ -1,0 +1,113 @@
+"""What a path names: a save_checkpoint root, one of its indices, a CheckpointManager
+checkpoint, or a lone file."""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from fastckpt.format.records import COMMIT_RECORD, MANIFEST, SHARDED_RECORD
+from fastckpt.storage.backend import StorageBackend
+from fastckpt.storage.registry import backend_for, is_local
+
+__all__ = ["KIND_NAMES", "Kind", "Location", "locate"]
+
+#: ``root``: a save_checkpoint root (``manifest.json`` inside). ``index``: one index
+#: directory of such a root. ``manager``: a CheckpointManager checkpoint (``commit.json``
+#: inside). ``sharded``: a sharded checkpoint of :mod:`fastckpt.dcp` (``fastckpt-dcp.json``
+#: inside: ``dcp.save`` with ``fastckpt.dcp.Writer``, a CheckpointManager save of DTensor
+#: state, or the sharded part of a strategy index). ``file``: a lone (safetensors) file.
+Kind = Literal["root", "index", "manager", "sharded", "file"]
+#: How each kind is called in messages.
+KIND_NAMES: dict[str, str] = {
+    "root": "save_checkpoint root",
+    "index": "save_checkpoint index",
+    "manager": "CheckpointManager checkpoint",
+    "sharded": "sharded (DCP) checkpoint",
+    "file": "safetensors file",
+}
+
+
+@dataclass
+class Location:
+    """What a path names.
+
+    Attributes:
+        kind: see :data:`Kind`.
+        path: the path as given (``manifest.json`` / ``commit.json`` resolved to their
+            directory).
+        root: the save_checkpoint root (kinds root and index).
+        index: the index directory's own index (kind index).
+    """
+
+    kind: Kind
+    path: Path
+    root: Path | None = None
+    index: int | None = None
+
+
+def locate(path_or_root: str | os.PathLike[str]) -> Location:
+    """Work out what kind of checkpoint ``path_or_root`` names.
+
+    Raises:
+        FileNotFoundError: it does not exist, is neither a regular file nor a directory, or is
+            a directory that is not a fastckpt checkpoint (the message says which).
+    """
+    path = Path(path_or_root)
+    backend = backend_for(path)
+    if not is_local(backend):
+        return _locate_object(path, backend)
+    if path.is_file():
+        if path.name in (MANIFEST, COMMIT_RECORD, SHARDED_RECORD):
+            return locate(path.parent)
+        return Location("file", path)
+    if path.is_dir():
+        # A record that is there but damaged (a directory, a FIFO...) still says what the
+        # directory is: verifying it then reports the damage.
+        if os.path.lexists(path / MANIFEST):
+            return Location("root", path, root=path)
+        if os.path.lexists(path / COMMIT_RECORD):
+            return Location("manager", path)
+        if os.path.lexists(path / SHARDED_RECORD):
+            return Location("sharded", path)
+        if path.name.isdigit() and os.path.lexists(path.parent / MANIFEST):
+            return Location("index", path, root=path.parent, index=int(path.name))
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{path} is not a fastckpt checkpoint: no {MANIFEST} (save_checkpoint root), "
+            f"{COMMIT_RECORD} (CheckpointManager checkpoint) or {SHARDED_RECORD} (sharded "
+            "checkpoint) in it, and it is not an index directory of a root",
+            str(path),
+        )
+    if os.path.lexists(path):
+        raise FileNotFoundError(errno.ENOENT, f"{path}: not a regular file or directory", str(path))
+    raise FileNotFoundError(errno.ENOENT, f"{path}: no such file or directory", str(path))
+
+
+def _locate_object(path: Path, backend: StorageBackend) -> Location:
+    """:func:`locate` on an object store, where a "directory" is a key prefix."""
+    if path.name in (MANIFEST, COMMIT_RECORD) and backend.exists(path):
+        return _locate_object(path.parent, backend)
+    if backend.exists(path / MANIFEST):
+        return Location("root", path, root=path)
+    if backend.exists(path / COMMIT_RECORD):
+        return Location("manager", path)
+    if path.name.isdigit() and backend.exists(path.parent / MANIFEST):
+        return Location("index", path, root=path.parent, index=int(path.name))
+    try:
+        info = backend.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT, f"{path}: no such object or prefix", str(path)
+        ) from None
+    if info.regular:
+        return Location("file", path)
+    raise FileNotFoundError(
+        errno.ENOENT,
+        f"{path} is not a fastckpt checkpoint: no {MANIFEST} (save_checkpoint root) or "
+        f"{COMMIT_RECORD} (CheckpointManager checkpoint) under it",
+        str(path),
+    )

@@ -1,0 +1,416 @@
+"""Tensor references of incremental saves: ``refs.json``, where referenced bytes live, and
+which indices retention must keep.
+
+An index written incrementally writes only the tensors that changed; each unchanged tensor
+is a *reference*, listed in the index's ``refs.json`` (itself a recorded file of the index,
+so its size and crc32c are in the manifest)::
+
+    {"format": "fastckpt-refs", "schema_version": 1,
+     "refs": {"<relpath of the tensor file>": {"<tensor name>": {
+         "index": 3, "file": "linked/0.safetensors", "name": "weight",
+         "crc32c": 123, "nbytes": 24, "dtype": "F32", "shape": [2, 3],
+         "file_size": 280, "file_crc32c": 456}}}}
+
+**Every index is self-contained** (:func:`link_into`): the earlier files holding its
+unchanged bytes are hard-linked into the index itself, as ``linked/<n>.safetensors`` (listed
+in its manifest entry like any file), and its references name the index itself. Deleting any
+other index (``rm -rf ROOT/<i>``, a prune) frees nothing it needs. Where a link is not
+possible, the unchanged tensors are written in full.
+
+Roots written by earlier versions have references naming the earlier index that holds the
+bytes (never another reference). That file is ``ROOT/<index>/<file>`` while the index is
+committed, and ``ROOT/.ref-<index>/<file>`` once a prune removed the index but a kept index
+still references it (see :func:`retain_for_references`); such roots keep loading and pruning.
+Loads check the referenced file against ``file_size``/``file_crc32c`` and the tensor against
+``crc32c``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastckpt import _native
+from fastckpt.container.links import LINKED_DIR
+from fastckpt.container.reader import (
+    FileReport,
+    check_recorded,
+    read_json,
+    read_tensor_file,
+    verify_content,
+)
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.format.paths import safe_join
+from fastckpt.format.records import TENSOR_REFERENCE_FIELDS, Manifest, check_fields
+from fastckpt.storage.backend import TEMP_PREFIX, LocalStaging
+from fastckpt.storage.backend import _sibling as temp_sibling
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "REFS_FILE",
+    "RETAINED_PREFIX",
+    "Reference",
+    "check_reference",
+    "collect_garbage",
+    "index_references",
+    "link_into",
+    "linked_file",
+    "matches",
+    "reference_reports",
+    "referenced_indices",
+    "refs_document",
+    "remove_directory",
+    "resolve_references",
+    "retain_for_references",
+    "source_path",
+]
+
+_LOG = logging.getLogger(__name__)
+
+#: The file of an index listing its references.
+REFS_FILE = "refs.json"
+#: A pruned index still referenced by a kept one lives on as ``ROOT/.ref-<index>/``.
+RETAINED_PREFIX = ".ref-"
+
+#: One reference (see the module docstring for the fields).
+Reference = dict[str, Any]
+
+_FIELDS = {"index": int, **TENSOR_REFERENCE_FIELDS, "file_size": int, "file_crc32c": int}
+
+
+def refs_document(refs: Mapping[str, Mapping[str, Reference]]) -> dict[str, Any]:
+    """The ``refs.json`` document for ``{relpath: {tensor name: reference}}``."""
+    return {
+        "format": "fastckpt-refs",
+        "schema_version": 1,
+        "refs": {relpath: dict(names) for relpath, names in refs.items()},
+    }
+
+
+def _parse(document: Any, where: str) -> dict[str, dict[str, Reference]]:
+    if not isinstance(document, Mapping) or document.get("format") != "fastckpt-refs":
+        raise CheckpointFormatError(f"{where}: not a fastckpt refs.json")
+    refs = document.get("refs")
+    if not isinstance(refs, Mapping):
+        raise CheckpointFormatError(f"{where}: field 'refs' must be an object")
+    parsed: dict[str, dict[str, Reference]] = {}
+    for relpath, names in refs.items():
+        if not isinstance(names, Mapping):
+            raise CheckpointFormatError(f"{where}: refs[{relpath!r}] must be an object")
+        for name, ref in names.items():
+            if not isinstance(ref, Mapping):
+                raise CheckpointFormatError(f"{where}: refs[{relpath!r}][{name!r}] not an object")
+            check_fields(ref, _FIELDS, f"{where}: refs[{relpath!r}][{name!r}]")
+            if ref["index"] < 0:
+                raise CheckpointFormatError(f"{where}: refs[{relpath!r}][{name!r}].index < 0")
+        parsed[str(relpath)] = {str(name): dict(ref) for name, ref in names.items()}
+    return parsed
+
+
+def index_references(manifest: Manifest, index: int) -> dict[str, dict[str, Reference]]:
+    """The verified references of committed index ``index`` (empty for a full index).
+
+    Raises:
+        CheckpointFormatError / ChecksumMismatchError: a damaged ``refs.json``.
+    """
+    record = manifest.entries[index]["files"].get(REFS_FILE)
+    if record is None:
+        return {}
+    path = manifest.file_path(index, REFS_FILE)
+    return _parse(read_json(path, record, source=str(manifest.path)), str(path))
+
+
+def source_path(manifest: Manifest, ref: Reference) -> Path:
+    """Where the bytes of ``ref`` live: the committed index's directory, else the retained
+    copy of a pruned one (which may not exist: the caller checks)."""
+    index = ref["index"]
+    committed = manifest.root / str(index)
+    entry = manifest.entries.get(index)
+    record = None if entry is None else entry["files"].get(ref["file"])
+    if matches(record, ref) and os.path.isdir(committed):
+        return safe_join(committed, ref["file"])
+    return safe_join(manifest.root / f"{RETAINED_PREFIX}{index}", ref["file"])
+
+
+def matches(record: Mapping[str, int] | None, ref: Reference) -> bool:
+    """Whether a manifest file record is the file ``ref`` was taken from."""
+    return (
+        record is not None
+        and record.get("size") == ref["file_size"]
+        and record.get("crc32c") == ref["file_crc32c"]
+    )
+
+
+def _read_source(manifest: Manifest, ref: Reference) -> dict[str, torch.Tensor]:
+    path = source_path(manifest, ref)
+    record = {"size": ref["file_size"], "crc32c": ref["file_crc32c"]}
+    return read_tensor_file(path, record, source=f"{manifest.root}/{REFS_FILE} reference")
+
+
+def _check_tensor(ref: Reference, tensor: torch.Tensor, header_crc: int | None, where: str) -> None:
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes != ref["nbytes"] or list(tensor.shape) != ref["shape"]:
+        raise CheckpointFormatError(
+            f"{where}: referenced tensor {ref['name']!r} has shape {list(tensor.shape)} "
+            f"({nbytes} B), the reference says {ref['shape']} ({ref['nbytes']} B)"
+        )
+    if header_crc is not None and header_crc != ref["crc32c"]:
+        raise ChecksumMismatchError(
+            f"{where}: referenced tensor {ref['name']!r} has crc32c {header_crc:08x}, the "
+            f"reference says {ref['crc32c']:08x}; the referenced checkpoint was replaced"
+        )
+
+
+def resolve_references(
+    manifest: Manifest, refs: Mapping[str, Reference], *, owned: bool
+) -> dict[str, torch.Tensor]:
+    """Read the referenced tensors ``{name: reference}`` of one tensor file (each referenced
+    file read, and verified, once).
+
+    Raises:
+        FileNotFoundError: a referenced file is gone.
+        CheckpointFormatError / ChecksumMismatchError: it does not match the reference.
+    """
+    by_source: dict[tuple[int, str], list[tuple[str, Reference]]] = {}
+    for name, ref in refs.items():
+        by_source.setdefault((ref["index"], ref["file"]), []).append((name, ref))
+    tensors: dict[str, torch.Tensor] = {}
+    for pairs in by_source.values():
+        path = source_path(manifest, pairs[0][1])
+        source = _read_source(manifest, pairs[0][1])
+        checksums = _header_checksums(path)
+        for name, ref in pairs:
+            tensor = source.get(ref["name"])
+            if tensor is None:
+                raise CheckpointFormatError(
+                    f"{path}: has no tensor {ref['name']!r}, which {name!r} references"
+                )
+            _check_tensor(ref, tensor, checksums.get(ref["name"]), str(path))
+            tensors[name] = tensor.clone() if owned else tensor
+    return tensors
+
+
+def linked_file(number: int) -> str:
+    """The relpath of the ``number``-th file an index hard-links from earlier indices."""
+    return f"{LINKED_DIR}/{number}.safetensors"
+
+
+def link_into(
+    staging: LocalStaging,
+    manifest: Manifest,
+    index: int,
+    refs: Mapping[str, Mapping[str, Reference]],
+) -> tuple[dict[str, dict[str, Reference]], list[tuple[str, str]]]:
+    """Make the index being written (``index``, staged in ``staging``) self-contained: every
+    file holding bytes it references is hard-linked into it as ``linked/<n>.safetensors``
+    (recorded with the file's size and crc32c) and the references are rewritten to point
+    there. Deleting the earlier index (``rm -rf``, prune) then frees nothing it needs.
+    Called under the root's lock; each source is checked (size, header crc32c of every
+    referenced tensor) and linked by inode, so what is linked is what was checked.
+
+    Returns:
+        The rewritten references ``{relpath: {name: reference}}``, and the ``(relpath,
+        name)`` of the tensors whose file could not be linked here (no hard links on this
+        filesystem, or it is no longer the referenced file): the caller writes those in full.
+    """
+    by_source: dict[tuple[int, str, int, int], list[tuple[str, str]]] = {}
+    for relpath, names in refs.items():
+        for name, ref in names.items():
+            key = (ref["index"], ref["file"], ref["file_size"], ref["file_crc32c"])
+            by_source.setdefault(key, []).append((relpath, name))
+    linked: dict[str, dict[str, Reference]] = {}
+    unlinked: list[tuple[str, str]] = []
+    for number, members in enumerate(by_source[key] for key in sorted(by_source)):
+        first = refs[members[0][0]][members[0][1]]
+        target = linked_file(number)
+        try:
+            path = source_path(manifest, first)
+            info = os.stat(path, follow_symlinks=False)
+            problem = _source_problem(path, [refs[r][n] for r, n in members])
+            if problem is not None:
+                raise FileNotFoundError(problem)
+            record = {"size": first["file_size"], "crc32c": first["file_crc32c"]}
+            staging.put_link(target, path, record, (info.st_dev, info.st_ino))
+        except (OSError, CheckpointFormatError) as err:
+            _LOG.info("%s: not linked (%s); its tensors are written in full", target, err)
+            unlinked.extend(members)
+            continue
+        for relpath, name in members:
+            linked.setdefault(relpath, {})[name] = {
+                **refs[relpath][name],
+                "index": index,
+                "file": target,
+            }
+    return linked, unlinked
+
+
+def _header_checksums(path: Path) -> dict[str, int | None]:
+    header = _native.read_header(os.fspath(path))
+    return dict(header["checksums"])
+
+
+def check_reference(manifest: Manifest, ref: Reference) -> str | None:
+    """Why ``ref`` does not resolve (None: it does). Reads only the referenced file's
+    record and header (verification of its bytes is the loader's/verify's file check)."""
+    return _source_problem(source_path(manifest, ref), [ref])
+
+
+def _source_problem(path: Path, refs: Sequence[Reference]) -> str | None:
+    """Why the file at ``path`` is not the one ``refs`` (references into that one file) were
+    taken from (None: it is): its size, and each tensor's crc32c in its header, read once."""
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return f"{path}: missing (referenced by a kept index)"
+    for ref in refs:
+        if size != ref["file_size"]:
+            return f"{path}: size {size} differs from the referenced {ref['file_size']}"
+    try:
+        checksums = _header_checksums(path)
+    except (CheckpointFormatError, OSError) as err:
+        return f"{path}: {err}"
+    for ref in refs:
+        if checksums.get(ref["name"]) != ref["crc32c"]:
+            return f"{path}: tensor {ref['name']!r} is not the referenced one (crc32c differs)"
+    return None
+
+
+def reference_reports(manifest: Manifest, index: int, threads: int) -> list[FileReport]:
+    """``fastckpt.verify``'s check of the references of committed index ``index``: each
+    referenced file verified whole (size, crc32c, every tensor's checksum), and each
+    referenced tensor matched against the file's header. One report per referenced file."""
+    try:
+        refs = index_references(manifest, index)
+    except (CheckpointFormatError, OSError) as err:
+        path = manifest.file_path(index, REFS_FILE)
+        return [FileReport(path, "corrupt", message=str(err), index=index)]
+    by_source: dict[tuple[int, str], list[Reference]] = {}
+    for names in refs.values():
+        for ref in names.values():
+            by_source.setdefault((ref["index"], ref["file"]), []).append(ref)
+    reports = []
+    own_files = manifest.entries[index]["files"]
+    for group in by_source.values():
+        try:
+            path = source_path(manifest, group[0])
+        except (CheckpointFormatError, OSError) as err:
+            reports.append(FileReport(manifest.root, "corrupt", message=str(err), index=index))
+            continue
+        if group[0]["index"] == index and matches(own_files.get(group[0]["file"]), group[0]):
+            # A file linked into this index: its bytes are checked as one of the index's
+            # own files; here only that it holds the referenced tensors.
+            problem = _source_problem(path, group) if os.path.lexists(path) else None
+            if problem is not None:
+                reports.append(FileReport(path, "corrupt", message=problem, index=index))
+            continue
+        record = {"size": group[0]["file_size"], "crc32c": group[0]["file_crc32c"]}
+        checked = check_recorded(
+            path,
+            record,
+            verify_content(threads),
+            source=f"{manifest.file_path(index, REFS_FILE)}",
+            index=index,
+        )
+        report = checked.report
+        if report.ok:
+            problem = _source_problem(path, group)
+            if problem is not None:
+                report.status, report.message = "corrupt", problem
+        elif report.status == "missing":
+            report.message = f"{report.message}; index {index} references it"
+        reports.append(report)
+    return reports
+
+
+#: refs.json path, size and crc32c -> (the file's identity when read, the indices it
+#: references). Committed files are never modified in place (an index is replaced by a new
+#: directory), so a file with the same identity need not be read and parsed again at every
+#: save and prune; anything else (a new inode, size or mtime) is read again.
+_REFERENCED: dict[tuple[str, int, int], tuple[tuple[int, int, int, int], frozenset[int]]] = {}
+_REFERENCED_MAX = 256
+
+
+def referenced_indices(manifest: Manifest, indices: Iterable[int]) -> set[int]:
+    """The indices whose bytes the given committed indices reference."""
+    found: set[int] = set()
+    for index in indices:
+        record = manifest.entries[index]["files"].get(REFS_FILE)
+        if record is None:
+            continue
+        path = manifest.file_path(index, REFS_FILE)
+        key = (os.fspath(path), record["size"], record["crc32c"])
+        try:
+            info = os.stat(path)
+        except OSError:
+            info = None
+        identity = (
+            None if info is None else (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+        )
+        cached = _REFERENCED.get(key)
+        if identity is not None and cached is not None and cached[0] == identity:
+            found.update(cached[1])
+            continue
+        mine = frozenset(
+            ref["index"]
+            for names in index_references(manifest, index).values()
+            for ref in names.values()
+        )
+        if identity is not None:
+            if len(_REFERENCED) >= _REFERENCED_MAX:
+                _REFERENCED.clear()
+            _REFERENCED[key] = (identity, mine)
+        found.update(mine)
+    return found
+
+
+def remove_directory(root: Path, directory: Path) -> None:
+    """Delete ``directory`` of ``root`` so that, under its own name, it is whole or absent at
+    every instant: it is renamed to a hidden temporary name (``.tmp-<name>~<pid>~<host>~...``,
+    durably) and deleted there. A kill during the deletion leaves that temporary directory,
+    which the next save into the root removes; never a partial index or retained copy."""
+    aside = temp_sibling(TEMP_PREFIX, root / f"gone-{directory.name}")
+    try:
+        os.rename(directory, aside)
+    except FileNotFoundError:
+        return
+    _native.fsync_dir(str(root))
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def retain_for_references(root: Path, index: int) -> None:
+    """Keep the bytes of index ``index`` (pruned, or about to be) for the kept indices that
+    reference them: ``ROOT/<index>`` is renamed to ``ROOT/.ref-<index>`` (no copy).
+
+    An existing ``ROOT/.ref-<index>`` is never replaced: a retained copy appears whole (one
+    rename of a durable directory, made before the prune's commit) and goes only by a rename
+    (:func:`remove_directory`), so it is complete, while ``ROOT/<index>`` next to it is what
+    a killed prune was deleting after its commit (possibly partly): that one is removed."""
+    directory = root / str(index)
+    retained = root / f"{RETAINED_PREFIX}{index}"
+    if not os.path.isdir(directory) or os.path.islink(directory):
+        return
+    if os.path.lexists(retained):
+        remove_directory(root, directory)
+        return
+    os.rename(directory, retained)
+    _native.fsync_dir(str(root))
+
+
+def collect_garbage(root: Path, referenced: set[int]) -> list[str]:
+    """Delete retained directories (``ROOT/.ref-<index>``) no committed index references
+    (each by :func:`remove_directory`: a kill never leaves a partial retained copy)."""
+    removed = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if not name.startswith(RETAINED_PREFIX):
+            continue
+        tail = name[len(RETAINED_PREFIX) :]
+        if tail.isdigit() and int(tail) not in referenced:
+            remove_directory(root, root / name)
+            removed.append(name)
+    return removed

@@ -1,0 +1,427 @@
+"""Checking checkpoints on disk without loading them, and finding the newest intact one.
+
+:func:`verify` reads every file a checkpoint's commit record lists (``manifest.json`` of a
+:func:`fastckpt.save_checkpoint` root, ``commit.json`` of a :class:`fastckpt.CheckpointManager`
+checkpoint) and compares its size and crc32c with the record; tensor files are also checked
+tensor by tensor against the crc32c stored in their own header. Damage is *reported*, not
+raised: the :class:`VerifyReport` lists every file with its status. :func:`latest_intact` is
+the resume helper: the newest committed index that verifies, with a warning for each newer
+index it had to skip.
+
+```python
+report = fastckpt.verify("runs/exp1")           # every committed index
+if not report.ok:
+    print(report.summary())
+index = fastckpt.latest_intact("runs/exp1")     # None: nothing intact, start fresh
+```
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from fastckpt import _native
+from fastckpt.container.links import reference_reports as link_reports
+from fastckpt.container.locate import Kind, locate
+from fastckpt.container.reader import FileReport, Status, check_recorded, verify_content
+from fastckpt.container.refs import REFS_FILE, reference_reports
+from fastckpt.container.report import VerifyReport
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.format.paths import safe_join
+from fastckpt.format.records import (
+    COMMIT_RECORD,
+    MANAGER_FORMAT,
+    MANIFEST,
+    MANIFEST_CRC_FIELD,
+    SHARDED_DIR,
+    SHARDED_RECORD,
+    Manifest,
+    check_seal,
+    load_json,
+    read_commit_record,
+)
+from fastckpt.io.headers import DEFAULT_THREADS
+from fastckpt.storage.backend import MAX_RECORD_BYTES, StorageBackend
+from fastckpt.storage.registry import backend_for, use_storage_options
+
+__all__ = [
+    "CheckpointSkippedWarning",
+    "FileReport",
+    "Status",
+    "VerifyReport",
+    "latest_intact",
+    "verify",
+]
+
+
+class CheckpointSkippedWarning(UserWarning):
+    """:func:`latest_intact` skipped a committed index that failed verification."""
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _check_file(
+    path: Path,
+    record: dict[str, int] | None,
+    *,
+    source: str,
+    index: int | None,
+    threads: int,
+) -> FileReport:
+    """Check one file: existence, size, content checksums (tensor files tensor by tensor)."""
+    checked = check_recorded(path, record, verify_content(threads), source=source, index=index)
+    checked.report.unchecked_tensors = list(checked.value or [])
+    return checked.report
+
+
+def _check_recorded(
+    directory: Path,
+    relpath: str,
+    record: dict[str, int],
+    *,
+    within: Path,
+    source: str,
+    index: int | None,
+    threads: int,
+) -> FileReport:
+    try:
+        path = safe_join(directory, relpath, within=within)
+    except CheckpointFormatError as err:
+        return FileReport(directory / str(relpath), "corrupt", message=str(err), index=index)
+    return _check_file(path, record, source=source, index=index, threads=threads)
+
+
+# --------------------------------------------------------------------------- lone files
+
+#: The suffix of a safetensors file.
+SUFFIX = ".safetensors"
+#: The ``format`` of a sharded checkpoint record (``fastckpt.format.sharded.FORMAT``; not
+#: imported, that module needs torch.distributed).
+SHARDED_FORMAT = "fastckpt-dcp"
+#: Records that carry no checksum of their own: format -> (what it is, its name in place).
+#: Records that only mean something with the files they list (checked in their directory).
+_DIRECTORY_RECORDS = {
+    MANAGER_FORMAT: ("a CheckpointManager commit record", COMMIT_RECORD),
+    SHARDED_FORMAT: ("a sharded checkpoint record", SHARDED_RECORD),
+}
+
+
+def _lone_content(threads: int) -> Callable[[Path], tuple[list[str], int | None]]:
+    """Check a lone file (no commit record lists it) by what its content is, whatever its
+    name: a safetensors file tensor by tensor (the value: its tensors without a checksum); a
+    save_checkpoint manifest against its own crc32c. Anything else cannot be checked: a
+    :class:`CheckpointFormatError` saying so (the file is then not ok)."""
+
+    def read(path: Path) -> tuple[list[str], int | None]:
+        store = backend_for(path)
+        size = store.stat(path).size
+        head = store.read_range(path, 0, 9) if size else b""
+        why_not = _not_safetensors(head, size)
+        if path.name.endswith(SUFFIX) or why_not is None:
+            crc, unchecked = store.verify_tensors(path, threads)
+            return unchecked, crc
+        return [], _check_record(store, path, head, size, why_not)
+
+    return read
+
+
+def _not_safetensors(head: bytes, size: int) -> str | None:
+    """Why a file of ``size`` bytes starting with ``head`` is not a safetensors file (None: it
+    has the shape of one, an 8-byte little-endian header length the file can hold followed by
+    a JSON object; its header and tensors are then checked in full)."""
+    if size < 10:
+        return f"it has {size} byte(s), fewer than the 8-byte header length and a header"
+    length = int.from_bytes(head[:8], "little")
+    if length < 2 or length > size - 8:
+        return (
+            f"its first 8 bytes, read as the header length, say {length} bytes, and the file "
+            f"holds {size}"
+        )
+    if head[8:9] != b"{":
+        return "its header does not start with '{'"
+    return None
+
+
+def _check_record(store: StorageBackend, path: Path, head: bytes, size: int, why_not: str) -> int:
+    """The whole-file crc32c of ``path`` once its content checked as a fastckpt record.
+
+    Raises:
+        CheckpointFormatError: not a record, or a record checked only with its directory.
+        ChecksumMismatchError: a manifest whose content differs from its own crc32c.
+    """
+    cannot = "fastckpt cannot tell what this file is, so its bytes were not verified"
+    if size > MAX_RECORD_BYTES or head.lstrip()[:1] not in (b"{", b""):
+        raise CheckpointFormatError(
+            f"{path}: not a safetensors file ({why_not}), nor a JSON fastckpt record; {cannot}"
+        )
+    data = store.read_bytes(path)
+    try:
+        document = load_json(path, data)
+    except CheckpointFormatError as err:
+        raise CheckpointFormatError(
+            f"{path}: not a safetensors file ({why_not}), nor a JSON fastckpt record ({err}); "
+            f"{cannot}"
+        ) from None
+    kind = document.get("format") if isinstance(document, dict) else None
+    if isinstance(kind, str) and kind in _DIRECTORY_RECORDS:
+        what, name = _DIRECTORY_RECORDS[kind]
+        raise CheckpointFormatError(
+            f"{path}: {what}, whose bytes were not verified here: a record is checked in its "
+            f"checkpoint directory, as {name}, with the files it lists: verify that directory"
+        )
+    if not (
+        isinstance(document, dict) and kind in (None, "fastckpt") and "checkpoints" in document
+    ):
+        raise CheckpointFormatError(
+            f"{path}: not a safetensors file ({why_not}), and JSON but not a fastckpt record; "
+            f"{cannot}"
+        )
+    if not check_seal(path, document):
+        raise CheckpointFormatError(
+            f"{path}: a save_checkpoint manifest without a checksum of its own (field "
+            f"{MANIFEST_CRC_FIELD!r}; older fastckpt versions wrote none): its bytes were not "
+            f"verified; verify its root, where it is {MANIFEST}"
+        )
+    return _native.crc32c(data)
+
+
+# --------------------------------------------------------------------------- roots
+
+
+def _load_manifest(root: Path) -> tuple[FileReport, Manifest | None]:
+    report = FileReport(root / MANIFEST, "ok")
+    try:
+        manifest = Manifest.load(root, verify_checksum=True)
+    except ChecksumMismatchError as err:
+        report.status, report.message = "mismatch", str(err)
+        manifest = Manifest.load(root)  # parseable, so its records can still be checked
+    except (CheckpointFormatError, OSError) as err:
+        report.status, report.message = "corrupt", str(err)
+        return report, None
+    report.path = manifest.path
+    report.expected_crc32c = manifest.stored_crc32c
+    report.actual_crc32c = manifest.actual_crc32c
+    report.actual_size = manifest.size
+    return report, manifest
+
+
+def _index_files(manifest: Manifest, index: int, threads: int) -> list[FileReport]:
+    directory = manifest.directory(index)
+    files = manifest.entries[index]["files"]
+    # An incremental index: the bytes it references in other (or pruned) indices too.
+    referenced = reference_reports(manifest, index, threads) if REFS_FILE in files else []
+    return referenced + [
+        _check_recorded(
+            directory,
+            relpath,
+            files[relpath],
+            within=manifest.root,
+            source=str(manifest.path),
+            index=index,
+            threads=threads,
+        )
+        for relpath in sorted(files)
+    ]
+
+
+def _verify_root(root: Path, index: int | None, kind: Kind, threads: int) -> VerifyReport:
+    report = VerifyReport(root if kind == "root" else root / str(index), kind)
+    manifest_report, manifest = _load_manifest(root)
+    report.files.append(manifest_report)
+    if manifest is None:
+        return report
+    report.indices = sorted(manifest.entries) if index is None else [manifest.resolve(index)]
+    for i in report.indices:
+        report.files += _index_files(manifest, i, threads)
+        if (root / SHARDED_DIR).is_dir():  # the shards of an FSDP2 strategy's index
+            report.files += _strategy_part_files(manifest, i, threads)
+    return report
+
+
+# --------------------------------------------------------------------------- sharded checkpoints
+
+
+def _strategy_part_files(manifest: Manifest, index: int, threads: int) -> list[FileReport]:
+    """The reports of the sharded part index ``index`` names in its strategy.json (none when
+    it names none, or when strategy.json cannot be read: that is reported already); its
+    commit record must be the one the index recorded."""
+    from fastckpt.container.sharded.consolidate import sharded_file_reports
+    from fastckpt.container.sharded.parts import committed_part
+
+    try:
+        part = committed_part(manifest, index)
+    except (CheckpointFormatError, ChecksumMismatchError, OSError):
+        return []
+    if part is None:
+        return []
+    return sharded_file_reports(
+        part.path, threads=threads, index=index, record_crc32c=part.record_crc32c
+    )
+
+
+def _sharded_files(directory: Path, threads: int, index: int | None = None) -> list[FileReport]:
+    # Deferred: decoding the record needs torch.distributed.checkpoint's metadata types.
+    from fastckpt.container.sharded.consolidate import sharded_file_reports
+
+    return sharded_file_reports(directory, threads=threads, index=index)
+
+
+# --------------------------------------------------------------------------- manager checkpoints
+
+
+def _verify_manager(directory: Path, threads: int) -> VerifyReport:
+    report = VerifyReport(directory, "manager")
+    record_path = directory / COMMIT_RECORD
+    record_report = FileReport(record_path, "ok")
+    report.files.append(record_report)
+    try:
+        record = read_commit_record(directory)
+    except (CheckpointFormatError, ChecksumMismatchError, OSError) as err:
+        message = str(err) if str(record_path) in str(err) else f"{record_path}: {err!r}"
+        record_report.status, record_report.message = "corrupt", message
+        return report
+    record_report.actual_size = backend_for(directory).stat(record_path).size
+    files = record["files"]
+    for relpath in sorted(files):
+        report.files.append(
+            _check_recorded(
+                directory,
+                relpath,
+                files[relpath],
+                within=directory,
+                source=str(record_path),
+                index=None,
+                threads=threads,
+            )
+        )
+    # Incremental checkpoints: each reference resolves in its linked file's header.
+    report.files += link_reports(directory, record)
+    return report
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def verify(
+    path_or_root: str | os.PathLike[str],
+    index: int | None = None,
+    *,
+    threads: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> VerifyReport:
+    """Verify a checkpoint on disk: every file's size and crc32c against its commit record.
+
+    ``path_or_root`` may be:
+
+    * a :func:`fastckpt.save_checkpoint` root (``manifest.json`` inside): every committed index,
+      or only ``index`` (``-1``: the latest);
+    * one index directory of such a root (``ROOT/<index>``);
+    * a :class:`fastckpt.CheckpointManager` checkpoint directory (``commit.json`` inside);
+    * a sharded checkpoint directory (``fastckpt-dcp.json`` inside: :mod:`fastckpt.dcp`, a
+      manager save of DTensor state); a root's indices include their sharded parts;
+    * a single file, told by its content whatever its name: a safetensors file (an 8-byte
+      header length and a JSON header) has its header and every tensor checksum checked (no
+      record to compare the whole file with); a ``manifest.json`` under another name is
+      checked against its own crc32c. Anything else (random bytes, text, a record without a
+      checksum of its own such as a renamed ``commit.json``) cannot be checked: its report is
+      ``corrupt``, saying so, never ``ok``;
+    * ``manifest.json`` or ``commit.json`` itself (same as its directory).
+
+    The manifest's own checksum is verified too. Tensor files are read completely (through
+    small buffers, nothing is kept) with the GIL released.
+
+    Args:
+        path_or_root: what to verify (see above).
+        index: for a root, one committed index instead of all of them.
+        threads: reader threads per tensor file (default ``fastckpt.io.files.DEFAULT_THREADS``).
+        storage_options: object-store client options for an ``s3://`` path (endpoint_url, region,
+            access_key_id, ... as for :func:`fastckpt.configure_storage`), over the AWS
+            environment; registered for its prefix (as ``configure_storage``) and kept in
+            effect for it. A local path refuses them (``StorageOptionsError``).
+
+    Returns:
+        A :class:`VerifyReport`; damage is reported there (``report.ok`` is False), not raised.
+
+    Raises:
+        FileNotFoundError: ``path_or_root`` does not exist or is not a fastckpt checkpoint
+            (or the root has no committed index and ``index=-1``).
+        KeyError: ``index`` is not committed in the root.
+        ValueError: ``index`` given for something that is not a root.
+    """
+    use_storage_options(path_or_root, storage_options, "verify")
+    location = locate(path_or_root)
+    workers = max(1, threads or DEFAULT_THREADS)
+    if location.kind == "root":
+        return _verify_root(location.path, index, "root", workers)
+    if location.kind == "index":
+        own = location.index
+        assert own is not None and location.root is not None
+        if index is not None and index != own:
+            raise ValueError(f"{location.path} is index {own}; index={index} does not apply to it")
+        return _verify_root(location.root, own, "index", workers)
+    if location.kind == "manager":
+        _no_index(index, location.path, "a CheckpointManager checkpoint")
+        return _verify_manager(location.path, workers)
+    if location.kind == "sharded":
+        _no_index(index, location.path, "a sharded checkpoint")
+        return VerifyReport(location.path, "sharded", _sharded_files(location.path, workers))
+    _no_index(index, location.path, "a single file")
+    report = VerifyReport(location.path, "file")
+    checked = check_recorded(location.path, None, _lone_content(workers), source="no record")
+    checked.report.unchecked_tensors = list(checked.value or [])
+    report.files.append(checked.report)
+    return report
+
+
+def _no_index(index: int | None, path: Path, what: str) -> None:
+    if index is not None:
+        raise ValueError(f"{path} is {what}; index= only applies to a save_checkpoint root")
+
+
+def latest_intact(root: str | os.PathLike[str], *, threads: int | None = None) -> int | None:
+    """The newest committed index of a save_checkpoint root whose files all verify.
+
+    Newer indices that fail verification are skipped, each with a
+    :class:`CheckpointSkippedWarning` naming the index and its first problem. Use it to resume
+    after a crash or a disk fault: ``fastckpt.load_checkpoint(root, latest_intact(root))``.
+
+    Args:
+        root: the checkpoint root.
+        threads: reader threads per tensor file.
+
+    Returns:
+        The index, or None when the root has no committed index (or none verifies).
+
+    Raises:
+        CheckpointFormatError: ``manifest.json`` cannot be parsed at all (nothing can be
+            trusted; restore it from a copy). A manifest that parses but fails its own
+            checksum is only warned about: every index is still checked against it.
+    """
+    root = Path(root)
+    workers = max(1, threads or DEFAULT_THREADS)
+    try:
+        manifest = Manifest.load(root, verify_checksum=True)
+    except ChecksumMismatchError as err:
+        warnings.warn(
+            f"{err}; checking every index against it anyway",
+            CheckpointSkippedWarning,
+            stacklevel=2,
+        )
+        manifest = Manifest.load(root)
+    for index in sorted(manifest.entries, reverse=True):
+        failures = [r for r in _index_files(manifest, index, workers) if not r.ok]
+        if not failures:
+            return index
+        more = f" (and {len(failures) - 1} more problem(s))" if len(failures) > 1 else ""
+        warnings.warn(
+            f"{root}: skipping checkpoint index {index}, it failed verification: "
+            f"{failures[0].status}: {failures[0].message}{more}",
+            CheckpointSkippedWarning,
+            stacklevel=2,
+        )
+    return None

@@ -1,0 +1,584 @@
+"""The two commit records, defined once: names, schema versions, parsing and serialization.
+
+```
+ROOT/manifest.json     save_checkpoint root: schema_version, latest, one entry per index
+ROOT/<index>/          the files of one committed index (named by its manifest entry)
+CKPT/commit.json       CheckpointManager checkpoint: format, world_size, items, files
+```
+
+Each record names every file of its checkpoint with ``{"size", "crc32c"}``; nothing it says is
+trusted: names are checked before they touch the filesystem, and every field a loader relies
+on is type-checked here, so damage fails with a :class:`~fastckpt.errors.CheckpointFormatError`
+naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastckpt import _native
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.format.paths import check_name, check_relpath, safe_join
+from fastckpt.storage.backend import MAX_RECORD_BYTES, FileRecord, StorageBackend, read_by_size
+from fastckpt.storage.registry import backend_for, is_local
+
+__all__ = [
+    "COMMIT_RECORD",
+    "ENTRY_FIELDS",
+    "GENERATION_PREFIX",
+    "MANAGER_FORMAT",
+    "MANAGER_REFS",
+    "MANAGER_SCHEMA_VERSION",
+    "MANIFEST",
+    "MANIFEST_CRC_FIELD",
+    "SCHEMA_VERSION",
+    "SHARDED_DIR",
+    "SHARDED_RECORD",
+    "TENSOR_REFERENCE_FIELDS",
+    "Manifest",
+    "check_fields",
+    "check_seal",
+    "commit_record",
+    "item_files",
+    "json_bytes",
+    "load_json",
+    "new_generation",
+    "read_by_size",
+    "read_commit_record",
+    "read_record_bytes",
+    "record_file",
+    "seal_manifest",
+    "tensor_reference",
+]
+
+#: The commit record of a save_checkpoint root.
+MANIFEST = "manifest.json"
+#: The commit record of a CheckpointManager checkpoint.
+COMMIT_RECORD = "commit.json"
+#: The commit record of a sharded (:mod:`fastckpt.dcp`) checkpoint.
+SHARDED_RECORD = "fastckpt-dcp.json"
+#: Where a save_checkpoint root keeps the sharded part of index ``i``: ``ROOT/sharded/<i>``.
+SHARDED_DIR = "sharded"
+#: Manifest schema this fastckpt writes (and the newest it reads).
+SCHEMA_VERSION = 1
+#: ``format`` field of a CheckpointManager commit record.
+MANAGER_FORMAT = "fastckpt-manager"
+#: CheckpointManager commit-record schema: 1 for a checkpoint written in full, 2 for one with
+#: references to hard-linked files (field :data:`MANAGER_REFS`, see
+#: :mod:`fastckpt.container.links`), so that a fastckpt that cannot follow them says "upgrade"
+#: instead of missing tensors. The newest this fastckpt reads.
+MANAGER_SCHEMA_VERSION = 2
+#: The commit-record field listing an incremental checkpoint's references.
+MANAGER_REFS = "refs"
+#: Object stores: the data of a CheckpointManager checkpoint lives under ``CKPT/g-<hex>/``
+#: (a generation), and its commit record names it in the field ``generation``.
+GENERATION_PREFIX = "g-"
+#: Top-level manifest field holding the crc32c of the rest of the document (see Manifest).
+MANIFEST_CRC_FIELD = "crc32c"
+_MANIFEST_FIELDS = frozenset(
+    {"format", "schema_version", "latest", "checkpoints", MANIFEST_CRC_FIELD}
+)
+#: Fields every manifest entry has (written by fastckpt.checkpoint.components.write_snapshot).
+ENTRY_FIELDS = ("created", "counters", "components", "associations", "files")
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def json_bytes(document: Any) -> bytes:
+    """Canonical JSON encoding of a checkpoint document (NaN refused: it is not JSON)."""
+    return json.dumps(document, indent=1, allow_nan=False).encode()
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise CheckpointFormatError(f"duplicate key {key!r}")
+        document[key] = value
+    return document
+
+
+def load_json(path: str | os.PathLike[str], raw: bytes) -> Any:
+    """Parse a checkpoint JSON document: invalid UTF-8/JSON, absurd nesting or numbers, and
+    duplicate keys (which JSON parsers silently resolve) are all format errors naming the
+    file."""
+    try:
+        return json.loads(raw, object_pairs_hook=_unique_keys)
+    except CheckpointFormatError as err:
+        raise CheckpointFormatError(f"{path}: {err}") from None
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, ...
+        raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from None
+
+
+def read_record_bytes(directory: str | os.PathLike[str], name: str) -> bytes:
+    """The bytes of the record ``name`` of ``directory`` (``manifest.json``, ``commit.json``).
+
+    Locally the record must be a regular file inside ``directory``, itself not a symlink: it
+    is opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat`` before any read, and
+    read up to :data:`~fastckpt.storage.backend.MAX_RECORD_BYTES`, so a FIFO, a device, or a link
+    (to ``/dev/zero``, out of the checkpoint) is a typed error naming the file, at once.
+
+    Raises:
+        FileNotFoundError: no record. IsADirectoryError: a directory in its place.
+        CheckpointFormatError: anything else that is not a small regular file.
+    """
+    backend = backend_for(directory)
+    path = Path(directory) / name
+    if not is_local(backend):
+        return backend.read_bytes(path)
+    fd = _native.open_regular(str(path), False)
+    with os.fdopen(fd, "rb") as handle:
+        size = os.fstat(fd).st_size
+        if size > MAX_RECORD_BYTES:
+            raise CheckpointFormatError(
+                f"{path}: {size} bytes, more than the {MAX_RECORD_BYTES} a record may have"
+            )
+        data = read_by_size(handle, size, MAX_RECORD_BYTES)
+    if len(data) > MAX_RECORD_BYTES:
+        raise CheckpointFormatError(
+            f"{path}: grew past the {MAX_RECORD_BYTES} bytes a record may have"
+        )
+    return data
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+#: The fields every reference to a tensor stored elsewhere has (``refs.json`` of an incremental
+#: index, the ``refs`` of an incremental manager checkpoint), with their types.
+TENSOR_REFERENCE_FIELDS: dict[str, type] = {
+    "file": str,
+    "name": str,
+    "crc32c": int,
+    "nbytes": int,
+    "dtype": str,
+    "shape": list,
+}
+
+
+def tensor_reference(relpath: str, name: str, info: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`TENSOR_REFERENCE_FIELDS` of tensor ``name`` of file ``relpath``, from its
+    header entry ``info`` (``dtype``, ``shape``, ``data_offsets``, ``crc32c``)."""
+    begin, end = info["data_offsets"]
+    return {
+        "file": relpath,
+        "name": name,
+        "crc32c": info["crc32c"],
+        "nbytes": end - begin,
+        "dtype": info["dtype"],
+        "shape": list(info["shape"]),
+    }
+
+
+def check_fields(record: Mapping[str, Any], fields: Mapping[str, type], where: str) -> None:
+    """Check that ``record`` has every field of ``fields`` with its type (bools are not ints).
+
+    Raises:
+        CheckpointFormatError: names ``where``, the field, the expected type and the value.
+    """
+    for name, kind in fields.items():
+        value = record.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CheckpointFormatError(f"{where}.{name} must be {kind.__name__}, got {value!r}")
+
+
+def _check_files(where: str, files: Any) -> dict[str, FileRecord]:
+    """Check a ``files`` object: relpath -> ``{"size": int >= 0, "crc32c": 32-bit int}``."""
+    if not isinstance(files, dict):
+        raise CheckpointFormatError(f"{where}.files must be an object")
+    for relpath, record in files.items():
+        check_relpath(relpath, f"{where}.files entry")
+        if not (
+            isinstance(record, dict)
+            and _is_int(record.get("size"))
+            and _is_int(record.get("crc32c"))
+            and record["size"] >= 0
+            and 0 <= record["crc32c"] <= 0xFFFFFFFF
+        ):
+            raise CheckpointFormatError(
+                f"{where}.files[{relpath!r}] needs int size >= 0 and a 32-bit crc32c"
+            )
+    return files
+
+
+# --------------------------------------------------------------------------- the manifest
+
+
+def _canonical(document: Mapping[str, Any]) -> bytes:
+    """The bytes the manifest checksum covers: the document without the checksum field, in a
+    canonical encoding (so indentation does not matter, every value does)."""
+    body = {k: v for k, v in document.items() if k != MANIFEST_CRC_FIELD}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def seal_manifest(document: dict[str, Any]) -> dict[str, Any]:
+    """Set the ``crc32c`` field of a record document (``manifest.json``, ``commit.json``,
+    ``fastckpt-dcp.json``) to the crc32c of its canonical content.
+
+    Every record is sealed so when it is written; tools and tests that edit a record on
+    purpose call it too. Returns ``document``.
+    """
+    document[MANIFEST_CRC_FIELD] = _native.crc32c(_canonical(document))
+    return document
+
+
+def check_seal(path: str | os.PathLike[str], document: Mapping[str, Any]) -> bool:
+    """Check a record's own ``crc32c`` field against its canonical content.
+
+    Returns:
+        Whether the record is sealed (False: written by a fastckpt that did not seal it).
+
+    Raises:
+        CheckpointFormatError: the field is not an int.
+        ChecksumMismatchError: the content differs from the field (names the file).
+    """
+    stored = document.get(MANIFEST_CRC_FIELD)
+    if stored is None:
+        return False
+    if not _is_int(stored):
+        raise CheckpointFormatError(f"{path}: field {MANIFEST_CRC_FIELD!r} must be an int")
+    actual = _native.crc32c(_canonical(document))
+    if actual != stored:
+        raise ChecksumMismatchError(
+            f"{path}: content crc32c {actual:08x} differs from the recorded {stored:08x} "
+            f"(field {MANIFEST_CRC_FIELD!r}); the record is corrupt or was edited: restore it "
+            "from a copy, or save the checkpoint again"
+        )
+    return True
+
+
+@dataclass
+class Manifest:
+    """The commit record of a checkpoint root.
+
+    The serialized manifest carries a ``crc32c`` of its own canonical content, so damage to
+    the fields no other check covers (counters, associations, timestamps) is detectable:
+    :meth:`load` with ``verify_checksum=True`` (what :func:`fastckpt.container.verify.verify` uses)
+    refuses a manifest whose checksum does not match.
+
+    Attributes:
+        root: the checkpoint root directory.
+        entries: index -> entry (``created``, ``counters``, ``components``, ``files``...).
+        stored_crc32c: the checksum read from disk (None: absent, or not loaded from disk).
+        actual_crc32c: the checksum of what was read (None when not loaded from disk).
+        size: bytes read from disk (None when not loaded from disk).
+    """
+
+    root: Path
+    entries: dict[int, dict[str, Any]] = field(default_factory=dict)
+    stored_crc32c: int | None = None
+    actual_crc32c: int | None = None
+    size: int | None = None
+
+    @property
+    def path(self) -> Path:
+        """``ROOT/manifest.json``."""
+        return self.root / MANIFEST
+
+    @property
+    def latest(self) -> int | None:
+        """The newest committed index, or None for an empty root."""
+        return max(self.entries) if self.entries else None
+
+    @property
+    def backend(self) -> StorageBackend:
+        """Where the root lives."""
+        return backend_for(self.root)
+
+    @classmethod
+    def load(cls, root: str | os.PathLike[str], *, verify_checksum: bool = False) -> Manifest:
+        """Read and validate ``ROOT/manifest.json``; an absent manifest is an empty root.
+
+        Args:
+            root: the checkpoint root.
+            verify_checksum: also require the manifest's own crc32c to match its content
+                (manifests written before the checksum existed have none and pass).
+
+        Raises:
+            CheckpointFormatError: malformed JSON, unknown schema, invalid names or fields.
+            ChecksumMismatchError: ``verify_checksum`` and the content does not match.
+        """
+        root = Path(root)
+        path = root / MANIFEST
+        try:
+            raw = read_record_bytes(root, MANIFEST)
+        except FileNotFoundError:
+            return cls(root)
+        except IsADirectoryError:
+            raise CheckpointFormatError(f"{path}: is a directory, not a manifest") from None
+        data = load_json(path, raw)
+        entries = _parse_entries(path, data)
+        stored = data.get(MANIFEST_CRC_FIELD)
+        if stored is not None and not _is_int(stored):
+            raise CheckpointFormatError(f"{path}: field {MANIFEST_CRC_FIELD!r} must be an int")
+        actual = _native.crc32c(_canonical(data))
+        manifest = cls(root, entries, stored, actual, len(raw))
+        if verify_checksum:
+            unknown = sorted(set(data) - _MANIFEST_FIELDS)
+            if unknown:
+                raise CheckpointFormatError(f"{path}: unexpected field(s) {unknown}")
+            if stored is not None and stored != actual:
+                raise ChecksumMismatchError(
+                    f"{path}: content crc32c {actual:08x} differs from the recorded "
+                    f"{stored:08x} (field {MANIFEST_CRC_FIELD!r}); the manifest is corrupt or "
+                    "was edited: restore it from a copy"
+                )
+        return manifest
+
+    def to_json(self) -> bytes:
+        """Serialized manifest (with its own checksum)."""
+        document: dict[str, Any] = {
+            "format": "fastckpt",
+            "schema_version": SCHEMA_VERSION,
+            "latest": self.latest,
+            "checkpoints": {str(i): self.entries[i] for i in sorted(self.entries)},
+        }
+        return json.dumps(seal_manifest(document), indent=1, sort_keys=False).encode()
+
+    def commit(self) -> None:
+        """Replace ``manifest.json`` atomically and durably."""
+        self.backend.put_record(self.path, self.to_json())
+
+    def directory(self, index: int) -> Path:
+        """``ROOT/<index>``."""
+        return self.root / str(index)
+
+    def file_path(self, index: int, relpath: str) -> Path:
+        """Where file ``relpath`` of ``index`` is, checked to stay inside the root."""
+        return safe_join(self.directory(index), relpath, within=self.root)
+
+    def resolve(self, index: int) -> int:
+        """Map ``-1`` to the latest index and check that ``index`` is committed.
+
+        Raises:
+            FileNotFoundError: the root has no committed checkpoint.
+            KeyError: ``index`` is not committed (lists the available ones).
+        """
+        if not self.entries:
+            raise FileNotFoundError(f"{self.path}: no committed checkpoint here")
+        if index == -1:
+            return self.latest  # type: ignore[return-value]
+        if index not in self.entries:
+            raise KeyError(
+                f"checkpoint index {index} is not in {self.path}; available: {sorted(self.entries)}"
+            )
+        return index
+
+
+def _parse_entries(path: Path, data: Any) -> dict[int, dict[str, Any]]:
+    if not isinstance(data, dict):
+        raise CheckpointFormatError(f"{path}: manifest must be a JSON object")
+    version = data.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointFormatError(f"{path}: field 'schema_version' missing or not an int")
+    if version > SCHEMA_VERSION:
+        raise CheckpointFormatError(
+            f"{path}: schema_version {version} was written by a newer fastckpt (this one reads "
+            f"up to {SCHEMA_VERSION}); upgrade fastckpt to load it"
+        )
+    if version < 1:
+        raise CheckpointFormatError(f"{path}: schema_version {version} does not exist")
+    if data.get("format", "fastckpt") != "fastckpt":
+        raise CheckpointFormatError(f"{path}: field 'format' must be \"fastckpt\"")
+    checkpoints = data.get("checkpoints")
+    if not isinstance(checkpoints, dict):
+        raise CheckpointFormatError(f"{path}: field 'checkpoints' must be an object")
+    entries: dict[int, dict[str, Any]] = {}
+    for key, entry in checkpoints.items():
+        if not (key.isdigit() and len(key) <= 18 and str(int(key)) == key):
+            raise CheckpointFormatError(f"{path}: checkpoint index {key!r} is not an integer")
+        where = f"{path}: checkpoints.{key}"
+        if not isinstance(entry, dict):
+            raise CheckpointFormatError(f"{where}.files must be an object")
+        _check_files(where, entry.get("files"))
+        _check_entry_fields(where, entry)
+        entries[int(key)] = entry
+    latest = data.get("latest", max(entries, default=None))
+    if latest != max(entries, default=None) or isinstance(latest, bool):
+        raise CheckpointFormatError(
+            f"{path}: field 'latest' ({latest!r}) is not the newest committed index "
+            f"({max(entries, default=None)!r})"
+        )
+    return entries
+
+
+def _check_entry_fields(where: str, entry: dict[str, Any]) -> None:
+    """Check the entry fields loaders rely on, types and cross-references, so that a damaged
+    or hostile manifest fails here with a typed error instead of deep inside a loader, or,
+    worse, loading less than was saved (a renamed ``associations`` key would silently drop
+    optimizers)."""
+    missing = [name for name in ENTRY_FIELDS if name not in entry]
+    if missing:
+        raise CheckpointFormatError(f"{where}: missing field(s) {missing}")
+    if not isinstance(entry["created"], str):
+        raise CheckpointFormatError(f"{where}.created must be a string")
+    if not isinstance(entry["counters"], dict):
+        raise CheckpointFormatError(f"{where}.counters must be an object")
+    components = entry["components"]
+    if not isinstance(components, dict):
+        raise CheckpointFormatError(f"{where}.components must be an object")
+    names: dict[str, set[str]] = {}
+    for kind, listed in components.items():
+        if not isinstance(listed, list):
+            raise CheckpointFormatError(f"{where}.components.{kind} must be a list of names")
+        names[kind] = {check_name(name, f"{where}.components.{kind} entry") for name in listed}
+        if len(names[kind]) != len(listed):
+            raise CheckpointFormatError(f"{where}.components.{kind} lists a name twice")
+    associations = entry["associations"]
+    if not isinstance(associations, dict):
+        raise CheckpointFormatError(f"{where}.associations must be an object")
+    # optimizer -> its model (or null), scheduler -> its optimizer
+    for kind, target_kind in (("optimizers", "models"), ("schedulers", "optimizers")):
+        mapping = associations.get(kind, {})
+        if not isinstance(mapping, dict):
+            raise CheckpointFormatError(f"{where}.associations.{kind} must be an object")
+        if set(mapping) != names.get(kind, set()):
+            raise CheckpointFormatError(
+                f"{where}.associations.{kind} names {sorted(mapping)} but components.{kind} "
+                f"lists {sorted(names.get(kind, set()))}"
+            )
+        for name, target in mapping.items():
+            allowed_none = kind == "optimizers"
+            if not (
+                (target is None and allowed_none)
+                or (isinstance(target, str) and target in names.get(target_kind, set()))
+            ):
+                raise CheckpointFormatError(
+                    f"{where}.associations.{kind}.{name} = {target!r} is not one of "
+                    f"components.{target_kind}"
+                )
+
+
+# --------------------------------------------------------------------------- commit.json
+
+
+#: Every top-level field a ``commit.json`` may have.
+_COMMIT_FIELDS = frozenset(
+    {
+        "format",
+        "schema_version",
+        "world_size",
+        "items",
+        "files",
+        MANAGER_REFS,
+        "generation",
+        MANIFEST_CRC_FIELD,
+    }
+)
+
+
+def commit_record(
+    items: list[str],
+    files: Mapping[str, Mapping[str, int]],
+    world_size: int,
+    refs: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
+) -> dict[str, Any]:
+    """The ``commit.json`` document of a CheckpointManager checkpoint (``refs``: the
+    references of an incremental one, relpath -> tensor name -> reference). Unsealed: the
+    writer seals it (:func:`seal_manifest`) once every field is set."""
+    record: dict[str, Any] = {
+        "format": MANAGER_FORMAT,
+        "schema_version": MANAGER_SCHEMA_VERSION if refs else 1,
+        "world_size": world_size,
+        "items": items,
+        "files": {relpath: dict(record) for relpath, record in files.items()},
+    }
+    if refs:
+        record[MANAGER_REFS] = {
+            relpath: {name: dict(ref) for name, ref in names.items()}
+            for relpath, names in refs.items()
+        }
+    return record
+
+
+def new_generation() -> str:
+    """A generation prefix no other save uses (``g-`` + 128 random bits)."""
+    return f"{GENERATION_PREFIX}{os.urandom(16).hex()}"
+
+
+def record_file(record: Mapping[str, Any], name: str) -> str:
+    """The relpath under which a commit record lists its file ``name`` (prefixed by the
+    record's generation on object stores, see :data:`GENERATION_PREFIX`)."""
+    generation = record.get("generation")
+    return f"{generation}/{name}" if isinstance(generation, str) else name
+
+
+def read_commit_record(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate ``CKPT/commit.json`` of a CheckpointManager checkpoint.
+
+    Returns:
+        The record: ``format``, ``schema_version``, ``world_size``, ``items`` (checked names),
+        ``files`` (relpath -> ``{"size", "crc32c"}``, checked).
+
+    Raises:
+        FileNotFoundError: no commit record (not a committed checkpoint).
+        CheckpointFormatError: malformed record (names the file and the field).
+    """
+    directory = Path(directory)
+    path = safe_join(directory, COMMIT_RECORD)
+    try:
+        data = read_record_bytes(directory, COMMIT_RECORD)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{directory} is not a committed fastckpt checkpoint (no {COMMIT_RECORD})",
+            str(path),
+        ) from None
+    except IsADirectoryError:
+        raise CheckpointFormatError(f"{path}: is a directory, not a commit record") from None
+    record = load_json(path, data)
+    if not isinstance(record, dict) or record.get("format") != MANAGER_FORMAT:
+        raise CheckpointFormatError(f"{path}: not a {MANAGER_FORMAT} commit record")
+    # A flipped bit anywhere (a field name included) is caught: unknown fields are refused,
+    # and the record's own crc32c covers every value (records of earlier versions have none).
+    unknown = sorted(set(record) - _COMMIT_FIELDS)
+    if unknown:
+        raise CheckpointFormatError(f"{path}: unexpected field(s) {unknown}")
+    check_seal(path, record)
+    version = record.get("schema_version")
+    if not isinstance(version, int) or version > MANAGER_SCHEMA_VERSION:
+        raise CheckpointFormatError(
+            f"{path}: schema_version {version!r} is unknown to this fastckpt; upgrade it"
+        )
+    items = record.get("items")
+    if not isinstance(items, list) or not isinstance(record.get("files"), dict):
+        raise CheckpointFormatError(f"{path}: 'items' and 'files' are required")
+    for key in items:
+        check_name(key, f"{path}: item")
+    _check_files(str(path), record["files"])
+    world_size = record.get("world_size", 1)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise CheckpointFormatError(f"{path}: field 'world_size' must be an int >= 1")
+    generation = record.get("generation")
+    if generation is not None and not (
+        isinstance(generation, str) and generation.startswith(GENERATION_PREFIX)
+    ):
+        raise CheckpointFormatError(
+            f"{path}: field 'generation' must be a string starting with {GENERATION_PREFIX!r}"
+        )
+    if generation is not None:
+        check_name(generation, f"{path}: generation")
+    return record
+
+
+def item_files(record: Mapping[str, Any], key: str, rank: int = 0) -> tuple[str, str]:
+    """``(skeleton JSON, tensor file)`` relpaths of item ``key`` for ``rank``.
+
+    An item is ``<key>.json`` plus ``<key>.safetensors``, or one ``<key>.rank<r>.safetensors``
+    per rank when it was saved under a process group (a rank without its own file reads rank
+    0's).
+    """
+    files = record["files"]
+    for name in (f"{key}.rank{rank}.safetensors", f"{key}.rank0.safetensors"):
+        tensors = record_file(record, name)
+        if tensors in files:
+            return record_file(record, f"{key}.json"), tensors
+    return record_file(record, f"{key}.json"), record_file(record, f"{key}.safetensors")

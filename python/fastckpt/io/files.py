@@ -1,0 +1,444 @@
+"""Single safetensors files, written and read by the Rust core.
+
+Drop-in replacements for ``safetensors.torch.save_file`` / ``load_file`` with the same call
+shape (``filename=``, ``metadata=``, ``device=``, ``backend=``) and file format, plus durability
+(fsync + atomic rename), per-tensor and header crc32c checksums verified on load, and parallel
+chunked I/O with the GIL released. Where the two differ by design (tensors sharing memory are
+saved as copies, non-contiguous tensors are accepted, the checksum metadata keys) is listed in
+docs/migrating.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastckpt import _native
+from fastckpt.errors import CheckpointFormatError, InvalidInputError
+from fastckpt.io.headers import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_THREADS,
+    DEFAULT_WRITE_THREADS,
+    DIRECT_IO_MIN_BYTES,
+    choose_direct_io,
+    read_metadata,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_THREADS",
+    "DEFAULT_WRITE_THREADS",
+    "DIRECT_IO_MIN_BYTES",
+    "choose_direct_io",
+    "dtype_from_name",
+    "dtype_name",
+    "header_shape",
+    "load_file",
+    "read_metadata",
+    "read_tensors",
+    "save_file",
+    "torch_shape",
+    "write_tensors",
+]
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.complex64: "C64",
+}
+# Newer dtypes, present depending on the torch version.
+for _attr, _name in [
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+    ("float8_e8m0fnu", "F8_E8M0"),
+    ("float4_e2m1fn_x2", "F4"),
+]:
+    if hasattr(torch, _attr):
+        _DTYPE_NAMES[getattr(torch, _attr)] = _name
+_DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+#: The safetensors name whose elements torch packs two to a byte (``float4_e2m1fn_x2``): the
+#: header counts 4-bit elements, torch counts bytes.
+_PACKED_PAIRS = "F4"
+#: ``load_file(backend=...)`` values, as in safetensors.
+BACKENDS = ("mmap", "pread")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Return the safetensors name of a torch dtype (``torch.float32`` -> ``"F32"``).
+
+    Raises:
+        InvalidInputError: the dtype has no safetensors equivalent (a TypeError and a
+            ValueError).
+    """
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        supported = ", ".join(str(d) for d in _DTYPE_NAMES)
+        raise InvalidInputError(f"dtype {dtype} cannot be stored; supported: {supported}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Return the torch dtype for a safetensors dtype name (``"BF16"`` -> ``torch.bfloat16``).
+
+    Raises:
+        InvalidInputError: this torch build has no such dtype (``F6_E2M3``/``F6_E3M2`` never
+            have one).
+    """
+    try:
+        return _DTYPES_BY_NAME[name]
+    except KeyError:
+        raise InvalidInputError(
+            f"safetensors dtype {name!r} has no torch equivalent in torch {torch.__version__}"
+        ) from None
+
+
+def header_shape(name: str, tensor: torch.Tensor) -> list[int]:
+    """The shape a tensor has in a safetensors header: its torch shape, except for
+    ``float4_e2m1fn_x2``, whose last dimension counts bytes of two 4-bit ``F4`` elements (the
+    header counts elements, so it is doubled, as safetensors does).
+
+    Raises:
+        InvalidInputError: a 0-d ``float4_e2m1fn_x2`` tensor (no dimension to double).
+    """
+    shape = list(tensor.shape)
+    if _DTYPE_NAMES.get(tensor.dtype) == _PACKED_PAIRS:
+        if not shape:
+            raise InvalidInputError(
+                f"{name!r}: a 0-d {tensor.dtype} tensor has no safetensors F4 layout; "
+                "reshape it to (1,) first"
+            )
+        shape[-1] *= 2
+    return shape
+
+
+def torch_shape(where: str, dtype: str, shape: list[int]) -> list[int]:
+    """The torch shape of a tensor stored with safetensors ``dtype`` and header ``shape``
+    (the inverse of :func:`header_shape`; ``where`` names file and tensor in errors).
+
+    Raises:
+        InvalidInputError: an ``F4`` tensor whose last dimension is odd or absent (torch's
+            ``float4_e2m1fn_x2`` holds pairs).
+    """
+    if dtype != _PACKED_PAIRS:
+        return shape
+    if not shape or shape[-1] % 2:
+        raise InvalidInputError(
+            f"{where}: F4 shape {shape} cannot be loaded as torch.float4_e2m1fn_x2 (it packs "
+            "two values per byte: the last dimension must be even)"
+        )
+    return [*shape[:-1], shape[-1] // 2]
+
+
+def host_tensor(name: str, tensor: Any) -> torch.Tensor:
+    """Return ``tensor`` as a dense, contiguous CPU tensor whose bytes can be written.
+
+    Copies only when needed (non-CPU, non-contiguous, or lazily conjugated/negated tensors).
+
+    Raises:
+        InvalidInputError: not a tensor, sparse/quantized, or an unsupported dtype (names
+            ``name``; a TypeError and a ValueError). A meta tensor raises torch's RuntimeError
+            ("Cannot copy out of meta tensor"), as in safetensors.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidInputError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout is not torch.strided:
+        raise InvalidInputError(
+            f"{name!r}: {tensor.layout} tensors cannot be saved; call .to_dense()"
+        )
+    if tensor.is_quantized:
+        raise InvalidInputError(f"{name!r}: quantized tensors cannot be saved; dequantize() first")
+    dtype_name(tensor.dtype)
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    tensor = tensor.resolve_conj().resolve_neg()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return tensor
+
+
+def byte_view(tensor: torch.Tensor) -> np.ndarray:
+    """A zero-copy uint8 numpy view of a contiguous CPU tensor's bytes (writable)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidInputError(
+            f"metadata must be a mapping of str to str (or None), got {type(metadata).__name__}"
+        )
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise InvalidInputError(
+                f"metadata must map str to str; got {key!r}: {type(value).__name__} "
+                "(serialize values with json.dumps first)"
+            )
+    return dict(metadata)
+
+
+def _the_path(filename: str | os.PathLike[str] | None, path: str | os.PathLike[str] | None) -> str:
+    """The file named by safetensors' ``filename`` or fastckpt's older ``path`` keyword."""
+    if filename is None and path is None:
+        raise TypeError("missing the file: pass filename (or path=)")
+    if filename is not None and path is not None:
+        raise TypeError("pass the file once: filename or path=, not both")
+    chosen = filename if filename is not None else path
+    assert chosen is not None
+    return os.fspath(chosen)
+
+
+def save_file(
+    tensors: Mapping[str, torch.Tensor],
+    filename: str | os.PathLike[str] | None = None,
+    metadata: Mapping[str, str] | None = None,
+    *,
+    path: str | os.PathLike[str] | None = None,
+    threads: int | None = None,
+    chunk_size: int | None = None,
+    direct_io: bool | None = None,
+    fsync: bool = True,
+    checksums: bool = True,
+) -> None:
+    """Save tensors to a safetensors file, durably and atomically.
+
+    The file is written to a temporary sibling in parallel chunks (crc32c of each tensor
+    computed in the same pass), fsynced, renamed over ``filename`` and the directory fsynced.
+    If anything fails, ``filename`` is untouched and the temporary file removed.
+
+    Args:
+        tensors: name -> tensor. Any device; non-contiguous tensors are made contiguous, and
+            tensors sharing memory are each saved as their own copy.
+        filename: destination file (safetensors' name for it; ``path=`` is accepted too).
+        metadata: optional str -> str metadata stored in the header (``__metadata__``).
+        path: the destination, by fastckpt's earlier keyword name (give one of the two).
+        threads: writer threads (default :data:`DEFAULT_WRITE_THREADS`); with O_DIRECT all
+            but one prepare chunks (copy + crc32c) ahead of the one that writes them in order.
+            Buffered writes are one sequential stream with write-behind.
+        chunk_size: bytes per write chunk (default :data:`DEFAULT_CHUNK_SIZE`).
+        direct_io: True tries O_DIRECT (falling back to buffered writes if the filesystem
+            refuses it), False writes through the page cache; None (default) picks per file
+            with :func:`choose_direct_io`.
+        fsync: make the file durable before returning (turn off only for scratch files).
+        checksums: store per-tensor and header crc32c (turn off only to measure their cost;
+            the file then has no ``__metadata__`` unless ``metadata`` is given).
+
+    Raises:
+        InvalidInputError: not a mapping of str to dense tensors of a supported dtype, or
+            metadata not a str -> str mapping (a TypeError and a ValueError).
+        ValueError: duplicate or reserved names or metadata keys.
+        OSError: the file cannot be written (the message names it).
+    """
+    write_tensors(
+        tensors,
+        _the_path(filename, path),
+        metadata,
+        threads=threads,
+        chunk_size=chunk_size,
+        direct_io=direct_io,
+        fsync=fsync,
+        checksums=checksums,
+    )
+
+
+def write_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    threads: int | None = None,
+    chunk_size: int | None = None,
+    direct_io: bool | None = None,
+    fsync: bool = True,
+    checksums: bool = True,
+    progress: _native.ByteCounter | None = None,
+) -> dict[str, Any]:
+    """:func:`save_file` that returns the writer's report.
+
+    ``progress`` (a :class:`fastckpt._native.ByteCounter`) advances by the tensor bytes
+    written, from the writer threads, for a progress display polling it.
+
+    Returns:
+        ``{"file_len": int, "file_crc32c": int | None, "direct_io": bool (O_DIRECT actually
+        used), "checksums": {name: crc32c}}``.
+    """
+    if not isinstance(tensors, Mapping):
+        raise InvalidInputError(
+            f"tensors must be a mapping of name -> tensor, got {type(tensors).__name__}"
+        )
+    entries = []
+    keep_alive = []
+    nbytes = 0
+    for name, tensor in tensors.items():
+        if not isinstance(name, str):
+            raise InvalidInputError(f"tensor names must be str, got {name!r}")
+        host = host_tensor(name, tensor)
+        keep_alive.append(host)
+        shape = header_shape(name, host)
+        entries.append((name, dtype_name(host.dtype), shape, byte_view(host)))
+        nbytes += host.nbytes
+    if direct_io is None:
+        direct_io = choose_direct_io(nbytes)
+    return _native.save_file(
+        os.fspath(path),
+        entries,
+        _check_metadata(metadata),
+        threads or DEFAULT_WRITE_THREADS,
+        chunk_size or DEFAULT_CHUNK_SIZE,
+        direct_io,
+        fsync,
+        checksums,
+        progress,
+    )
+
+
+def load_file(
+    filename: str | os.PathLike[str] | None = None,
+    device: str | int | torch.device = "cpu",
+    *,
+    path: str | os.PathLike[str] | None = None,
+    backend: str = "mmap",
+    verify: bool = True,
+    threads: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Load every tensor of a safetensors file (written by fastckpt or by safetensors).
+
+    With the default ``backend="mmap"`` the file is mapped privately and each tensor is a
+    copy-on-write view of its bytes (as with ``safetensors.torch.load_file``); with
+    ``verify``, the Rust core hashes the mapping on ``threads`` threads without the GIL, which
+    is what reads the file in, and nothing is returned unless every checksum matched. Writing
+    to a returned tensor never changes the file. Like any file mapping, the tensors see the
+    file's bytes: replacing the file (as fastckpt's atomic saves do) is safe, editing or
+    truncating it in place while they are alive is not; ``backend="pread"`` reads the file
+    into private memory instead, so the tensors never depend on it afterwards.
+
+    Tensors are created on the CPU whatever ``torch.set_default_device`` or a
+    ``with torch.device(...)`` block says (as safetensors does), then moved to ``device``.
+
+    Args:
+        filename: the file (safetensors' name for it; ``path=`` is accepted too).
+        device: where the returned tensors live (``"cpu"``, ``"cuda:0"``, a device index...).
+        path: the file, by fastckpt's earlier keyword name (give one of the two).
+        backend: ``"mmap"`` (default) or ``"pread"``, as in safetensors.
+        verify: check crc32c checksums (files without them, e.g. from safetensors, load as-is).
+        threads: reader threads (default :data:`DEFAULT_THREADS`).
+
+    Returns:
+        name -> tensor, in file order.
+
+    Raises:
+        CheckpointFormatError: malformed or truncated file, or not a regular file (names file
+            and field).
+        ChecksumMismatchError: corrupt tensor bytes (names file and tensor).
+        InvalidInputError: a dtype this torch has no type for, or an unknown ``backend``.
+        FileNotFoundError: no such file.
+    """
+    tensors, _ = read_tensors(
+        _the_path(filename, path), verify=verify, threads=threads, backend=backend
+    )
+    target = torch.device(device)
+    if target.type != "cpu":
+        tensors = {name: t.to(target) for name, t in tensors.items()}
+    return tensors
+
+
+def _mapped(handle: Any, name: str, size: int) -> Any:
+    """A private (copy-on-write) mapping of the open file, as an untyped CPU storage."""
+    # Map the file this handle opened, not whatever the path names by now (a save may rename
+    # a new file over it meanwhile).
+    try:
+        return torch.UntypedStorage.from_file(
+            f"/proc/self/fd/{handle.fileno()}", shared=False, nbytes=size
+        )
+    except RuntimeError as err:
+        raise OSError(f"{name}: cannot map the file for reading: {err}") from None
+
+
+def _read_whole(handle: Any, name: str, size: int) -> Any:
+    """The file's bytes read into fresh CPU memory (``backend="pread"``)."""
+    buffer = torch.empty(size, dtype=torch.uint8, device="cpu")
+    view = buffer.numpy().data
+    done = 0
+    while done < size:
+        got = os.preadv(handle.fileno(), [view[done:]], done)
+        if got == 0:
+            raise CheckpointFormatError(
+                f"{name}: the file shrank from {size} to {done} bytes while it was read"
+            )
+        done += got
+    return buffer.untyped_storage()
+
+
+def read_tensors(
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    threads: int | None = None,
+    backend: str = "mmap",
+    progress: _native.ByteCounter | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """:func:`load_file` on CPU that also returns ``{"metadata": ..., "file_crc32c": ...}``.
+
+    With ``backend="mmap"`` the file is mapped privately (copy-on-write, like
+    ``safetensors.torch.load_file``) and the returned tensors are views of that mapping:
+    loading copies nothing, and hashing the mapping on ``threads`` threads is what reads the
+    file in. Writing to a returned tensor changes only this process's copy of that page. With
+    ``backend="pread"`` the file is read into private memory first. A tensor whose bytes are
+    not aligned to its element size is copied.
+
+    ``file_crc32c`` is the checksum of the whole file when ``verify`` is set, so callers
+    holding a manifest can confirm it is the file they recorded. ``progress`` (a
+    :class:`fastckpt._native.ByteCounter`) advances by the bytes hashed while verifying, which
+    is when a mapped file is read in (it stays at 0 without ``verify``).
+    """
+    if backend not in BACKENDS:
+        raise InvalidInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    name = os.fspath(path)
+    storage: Any = torch.UntypedStorage(0, device="cpu")
+    # A regular file or a typed error at once (FIFOs and devices are refused without blocking
+    # or reading); FileNotFoundError / PermissionError keep their types.
+    with os.fdopen(_native.open_regular(name), "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size:
+            read = _mapped if backend == "mmap" else _read_whole
+            storage = read(handle, name, size)
+    # Explicitly on the CPU: a `with torch.device("meta")` block or set_default_device must
+    # not move the empty tensors the file's storage is attached to.
+    flat = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage)
+    header = _native.check_mapped(
+        name, byte_view(flat), verify, threads or DEFAULT_THREADS, progress
+    )
+    start = header["data_start"]
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in header["tensors"]:
+        dtype = dtype_from_name(entry["dtype"])
+        shape = torch_shape(f"{name}: tensor {entry['name']!r}", entry["dtype"], entry["shape"])
+        begin, end = entry["data_offsets"]
+        # Each tensor gets its own storage starting at its first byte (a slice that keeps the
+        # mapping alive), not an offset into the file's: some torch APIs, e.g.
+        # torch.set_rng_state, ignore storage offsets.
+        data = torch.empty(0, dtype=torch.uint8, device="cpu").set_(
+            storage[start + begin : start + end]
+        )
+        if (start + begin) % dtype.itemsize:
+            data = data.clone()
+        tensors[entry["name"]] = data.view(dtype).reshape(shape)
+    return tensors, {"metadata": header["metadata"], "file_crc32c": header["file_crc32c"]}

@@ -1,0 +1,83 @@
+"""Safetensors headers and the I/O defaults, without torch.
+
+What a file holds (names, dtypes, shapes, offsets, checksums) is read by the Rust core from its
+header alone, so listing, inspecting and verifying checkpoints never imports torch or numpy:
+``fastckpt ls``/``inspect``/``verify`` start in a fraction of a second. The tensor I/O that
+needs torch is in :mod:`fastckpt.io.files`, which re-exports these names.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fastckpt import _native
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_THREADS",
+    "DEFAULT_WRITE_THREADS",
+    "DIRECT_IO_MIN_BYTES",
+    "choose_direct_io",
+    "read_metadata",
+]
+
+#: Reader threads used when ``threads`` is not given (the Rust reader has no default).
+DEFAULT_THREADS = 4
+#: Writer threads used when ``threads`` is not given: with O_DIRECT, one thread copies and
+#: hashes chunks ahead of one thread that writes them in file order (raise it for disks faster
+#: than a core can copy). Defined by the Rust core; see benches/NOTES.md for measurements.
+DEFAULT_WRITE_THREADS: int = _native.DEFAULT_WRITE_THREADS
+#: Bytes per write chunk when ``chunk_size`` is not given (two such aligned buffers are kept
+#: for O_DIRECT). Defined by the Rust core; see benches/NOTES.md for measurements.
+DEFAULT_CHUNK_SIZE: int = _native.DEFAULT_CHUNK_SIZE
+#: Files of at least this many bytes are written with O_DIRECT when ``direct_io=None``
+#: (:func:`choose_direct_io`): four default chunks. Below it both modes measured the same.
+DIRECT_IO_MIN_BYTES: int = 4 * DEFAULT_CHUNK_SIZE
+
+
+def choose_direct_io(nbytes: int) -> bool:
+    """The write mode ``direct_io=None`` picks for a file of ``nbytes``: O_DIRECT from
+    :data:`DIRECT_IO_MIN_BYTES` up, buffered below (the writer falls back to buffered writes by
+    itself where the filesystem refuses O_DIRECT, e.g. tmpfs).
+
+    O_DIRECT runs at the disk's speed whatever the machine's memory is doing; a buffered write
+    first has the kernel allocate and fill one page-cache page per 4 KiB (about 4x the kernel
+    CPU of O_DIRECT per GiB), so its time depends on free CPU and on the state of memory
+    management, and on a busy machine it was both slower and bimodal. Small files write equally
+    fast either way, and buffered keeps them cached. The measurements are in
+    benches/NOTES.md ("Write mode").
+    """
+    return nbytes >= DIRECT_IO_MIN_BYTES
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate a file's header without reading tensor data.
+
+    Returns:
+        ``{"tensors": {name: {"dtype", "shape", "data_offsets", "crc32c"}}, "metadata": {...},
+        "header_crc32c": int | None, "data_start": int, "file_len": int}``; ``crc32c`` is an
+        int or ``None`` for files written without checksums, ``header_crc32c`` the verified
+        header checksum (``None`` for files of other writers and older fastckpt files),
+        ``metadata`` the user's entries only.
+
+    Raises:
+        CheckpointFormatError: malformed, damaged or truncated header, or not a regular file.
+    """
+    header = _native.read_header(os.fspath(path))
+    checksums = header["checksums"]
+    return {
+        "tensors": {
+            entry["name"]: {
+                "dtype": entry["dtype"],
+                "shape": list(entry["shape"]),
+                "data_offsets": list(entry["data_offsets"]),
+                "crc32c": checksums.get(entry["name"]),
+            }
+            for entry in header["tensors"]
+        },
+        "metadata": dict(header["metadata"]),
+        "header_crc32c": header["header_crc32c"],
+        "data_start": header["data_start"],
+        "file_len": header["file_len"],
+    }

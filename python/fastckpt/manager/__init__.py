@@ -1,0 +1,848 @@
+"""``CheckpointManager``: async/sync saves of arbitrary training state, ``load(into=...)``.
+
+A checkpoint is a directory (``checkpoint_id``). Each top-level key of the saved state becomes
+``<key>.json`` (the structure, via :mod:`fastckpt.io.tree`) plus ``<key>.safetensors`` (its
+tensors; ``<key>.rank<r>.safetensors`` per rank under a process group), and ``commit.json``
+records every file with its size and crc32c. The directory is written as a temporary sibling
+and swapped into place, so a reader sees the old checkpoint or the new one, never a mix.
+
+Async saves stage a snapshot into reusable host buffers (:mod:`fastckpt.io.staging`), then a
+single background thread writes it through the Rust core with the GIL released. Hold
+:meth:`CheckpointManager.lock` around code that mutates the state (the optimizer step): it
+blocks only while a capture is in progress.
+
+Saves are incremental (``Config.incremental``, on by default): when the previous save of the
+manager went to the same directory or a sibling, the tensors unchanged since then are not
+written again but kept in hard links to that checkpoint's files, made inside the new one
+(``linked/``), so that every checkpoint stays self-contained (see
+:mod:`fastckpt.manager.incremental` and :mod:`fastckpt.container.links`); on an object store the
+store copies them into the new checkpoint's objects (:mod:`fastckpt.storage.s3.copy`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastckpt.container.background import BackgroundWriter
+from fastckpt.container.commit import DirectoryWriter
+from fastckpt.container.links import Reference, read_item
+from fastckpt.container.snapshot import read_consistently
+from fastckpt.errors import (
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    ChecksumMismatchError,
+    FastCkptError,
+)
+from fastckpt.format.paths import check_name
+from fastckpt.format.records import (
+    COMMIT_RECORD,
+    SHARDED_RECORD,
+    commit_record,
+    item_files,
+    read_commit_record,
+)
+from fastckpt.io import tree
+from fastckpt.io.progress import log_throughput
+from fastckpt.io.staging import (
+    Stager,
+    StagerOptions,
+    make_image_pool,
+    make_stager,
+    reserve_groups,
+    stage_groups,
+)
+from fastckpt.manager.callbacks import run_callback
+from fastckpt.manager.config import (
+    AsyncCheckpointSaverConfig,
+    CheckpointLoaderConfig,
+    CheckpointSaverConfig,
+    CheckpointStagerConfig,
+    CheckpointWriterConfig,
+    ItemSpec,
+    LocalFileSystemStorageConfig,
+    StrictConfig,
+    SyncCheckpointSaverConfig,
+)
+from fastckpt.manager.incremental import LinkPlan, Tracker
+from fastckpt.manager.load import plan_direct_read
+from fastckpt.manager.stateful import check_template, contains_stateful, prepare_save, restore
+from fastckpt.storage.registry import backend_for, display_path, is_object_url, use_storage_options
+
+__all__ = [
+    "AsyncCheckpointSaverConfig",
+    "CheckpointLoaderConfig",
+    "CheckpointManager",
+    "CheckpointSaverConfig",
+    "CheckpointStagerConfig",
+    "CheckpointWriterConfig",
+    "ItemSpec",
+    "LocalFileSystemStorageConfig",
+    "SyncCheckpointSaverConfig",
+]
+
+
+@dataclass
+class _ManagerConfig(StrictConfig):
+    """``CheckpointManager.Config``: per-item specs, saver, loader, storage and callbacks.
+
+    Fields are checked when set (``ValueError``/``TypeError`` naming the field) and unknown
+    attributes are refused (``config.finalize_calback = fn`` raises ``AttributeError``).
+
+    Attributes:
+        items: per top-level key :class:`ItemSpec`.
+        default: spec for keys not in ``items``; ``None`` is strict mode (unknown keys refused).
+        save: :class:`AsyncCheckpointSaverConfig` or :class:`SyncCheckpointSaverConfig`.
+        load: :class:`CheckpointLoaderConfig`.
+        storage_config: :class:`LocalFileSystemStorageConfig` (default when None).
+        subprocess_init_fn / subprocess_init_args: only ``None`` / ``()``: fastckpt writes on a
+            thread of this process, so there is no subprocess to initialize (run setup code
+            before building the manager instead).
+        pre_finalize_callback: ``fn(args)`` with a
+            :class:`~fastckpt.manager.callbacks.CallbackArgs` (as torch_checkpointing 0.1.1
+            calls it; ``args.path`` is where the files were written), or
+            ``fn(checkpoint_id, logger)`` (its earlier form), called on every rank once this
+            rank's files of a checkpoint are written and fsynced, before the checkpoint is
+            committed (made visible). Unsharded state only: a sharded save refuses it.
+        finalize_callback: ``fn(args)`` (``args.path``: the committed checkpoint) or
+            ``fn(checkpoint_id, logger)`` (:mod:`fastckpt.manager.callbacks`), called on every
+            rank once the
+            checkpoint is durable and committed: before a sync ``save`` returns; for async
+            saves on the writer thread, before the Future resolves. An exception in it fails
+            that save like a write failure (raised by sync ``save``; for async, by the Future,
+            or else once by the next ``save`` or ``close``). ``logger`` is the ``logging.Logger``
+            ``"fastckpt.manager"`` (torch_checkpointing passes its EventLogger there).
+        incremental: tensors unchanged since the manager's previous save (same directory or
+            a sibling, or the ``base=`` of ``save``) are kept as hard links to that
+            checkpoint's files instead of being written again (docs/incremental.md); on an
+            object store the store copies them from that checkpoint's objects instead of
+            this process uploading them. ``False`` writes every tensor of every save.
+            DTensor state is always written in full (under a process group each rank links
+            its own file).
+    """
+
+    items: dict[str, ItemSpec] = field(default_factory=dict)
+    default: ItemSpec | None = field(default_factory=ItemSpec)
+    save: AsyncCheckpointSaverConfig | SyncCheckpointSaverConfig = field(
+        default_factory=AsyncCheckpointSaverConfig
+    )
+    load: CheckpointLoaderConfig = field(default_factory=CheckpointLoaderConfig)
+    storage_config: LocalFileSystemStorageConfig | None = None
+    subprocess_init_fn: Callable[..., None] | None = None
+    subprocess_init_args: tuple[Any, ...] = ()
+    pre_finalize_callback: Callable[..., None] | None = None
+    finalize_callback: Callable[..., None] | None = None
+    incremental: bool = True
+
+    def _check(self, name: str, value: Any) -> None:
+        expected: dict[str, tuple[type, ...]] = {
+            "save": (AsyncCheckpointSaverConfig, SyncCheckpointSaverConfig),
+            "load": (CheckpointLoaderConfig,),
+            "storage_config": (LocalFileSystemStorageConfig, type(None)),
+            "default": (ItemSpec, type(None)),
+        }
+        if name in expected and not isinstance(value, expected[name]):
+            kinds = " or ".join(kind.__name__ for kind in expected[name])
+            raise TypeError(f"Config.{name} must be {kinds}, got {type(value).__name__}")
+        if name == "items":
+            if not isinstance(value, Mapping):
+                raise TypeError(f"Config.items must be a dict of ItemSpec, got {value!r}")
+            for key, spec in value.items():
+                if not isinstance(spec, ItemSpec):
+                    raise TypeError(
+                        f"Config.items[{key!r}] must be an ItemSpec, got {type(spec).__name__}"
+                    )
+        if name in ("subprocess_init_fn", "subprocess_init_args") and value not in (None, ()):
+            raise self._fail(
+                name,
+                "fastckpt writes on a background thread of this process; there is no "
+                "subprocess to initialize: run the setup before building the manager",
+            )
+        if name == "incremental":
+            self._need_bool(name, value)
+        callbacks = ("pre_finalize_callback", "finalize_callback")
+        if name in callbacks and value is not None and not callable(value):
+            raise TypeError(f"Config.{name} must be callable or None, got {value!r}")
+
+    def build(self) -> CheckpointManager:
+        """A :class:`CheckpointManager` with this configuration."""
+        return CheckpointManager(self)
+
+    @classmethod
+    def with_async_save(cls) -> _ManagerConfig:
+        """Background writes; CUDA staging when CUDA is available, CPU staging otherwise."""
+        return cls(save=AsyncCheckpointSaverConfig())
+
+    @classmethod
+    def with_sync_save(cls) -> _ManagerConfig:
+        """Inline durable writes."""
+        return cls(save=SyncCheckpointSaverConfig())
+
+
+@dataclass
+class _Snapshot:
+    """One checkpoint ready to write: per item its skeleton and (staged) tensors."""
+
+    path: Path
+    skeletons: dict[str, Any]
+    tensors: dict[str, dict[str, torch.Tensor]]
+    checkpoint_id: str = ""
+    plan: LinkPlan | None = None
+
+
+_LOGGER = logging.getLogger("fastckpt.manager")
+
+
+class _DistributedContext:
+    """Rank information and a gloo group for the writer thread's collectives."""
+
+    def __init__(self, timeout_secs: float) -> None:
+        import torch.distributed as dist
+
+        self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.active else 0
+        self.world_size = dist.get_world_size() if self.active else 1
+        # A dedicated group so background-thread collectives never interleave with training's.
+        self.group: Any = (
+            dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_secs))
+            if self.active
+            else None
+        )
+
+    def barrier(self) -> None:
+        if self.active:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def gather(self, value: Any) -> list[Any]:
+        if not self.active:
+            return [value]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
+
+
+class CheckpointManager:
+    """Saves and loads training state; see the module docstring for the on-disk format.
+
+    Example:
+        >>> manager = CheckpointManager(CheckpointManager.Config.with_async_save())
+        >>> future = manager.save("ckpt/step_100", {"model": model.state_dict(), "step": 100})
+        >>> manager.close()  # waits until the last checkpoint is durable
+    """
+
+    Config = _ManagerConfig
+
+    def __init__(self, config: _ManagerConfig | None = None) -> None:
+        """Create a manager (``config`` defaults to ``Config()``: async saves)."""
+        self.config = config or _ManagerConfig()
+        if not isinstance(self.config, _ManagerConfig):
+            raise TypeError(
+                f"CheckpointManager takes a CheckpointManager.Config, got {type(config).__name__}"
+            )
+        self._async = isinstance(self.config.save, AsyncCheckpointSaverConfig)
+        staging = (
+            self.config.save.staging_config
+            if isinstance(self.config.save, AsyncCheckpointSaverConfig)
+            else CheckpointStagerConfig()
+        )
+        self._async_staging = self._async and staging.use_async_staging
+        self._stager_options = StagerOptions(
+            pinned=staging.use_pinned_memory, non_blocking=staging.use_non_blocking_copy
+        )
+        self._stager: Stager = make_stager(self._stager_options)
+        # Async captures copy each file's tensors into a file image the writer writes as is.
+        self._images = make_image_pool(self._stager_options)
+        self._dcp_writer: Any = None  # fastckpt.dcp.Writer, made at the first sharded save
+        storage = self.config.storage_config or LocalFileSystemStorageConfig()
+        self._direct_io = storage.use_direct_io
+        self._storage_options = storage.storage_options
+        self._threads = self.config.save.writer_config.file_write_max_threads
+        self._dist = _DistributedContext(
+            self.config.save.writer_config.checkpoint_write_barrier_timeout_sec
+        )
+        self._writer: BackgroundWriter[None] | None = (
+            BackgroundWriter("fastckpt-writer", wait_timeout=self.config.save.wait_timeout_secs)
+            if self._async
+            else None
+        )
+        self._tracker = Tracker()
+        self._closed = False
+
+    # ------------------------------------------------------------------ context manager
+
+    def __enter__(self) -> CheckpointManager:
+        """Use as ``with CheckpointManager(...) as manager:``; closes on exit."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Wait for the last write and close."""
+        self.close()
+
+    # ------------------------------------------------------------------ save
+
+    def _check_open(self, action: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"CheckpointManager is closed; cannot {action}")
+
+    def _spec(self, key: str) -> ItemSpec:
+        spec = self.config.items.get(key, self.config.default)
+        if spec is None:
+            raise KeyError(
+                f"state key {key!r} has no ItemSpec and Config.default is None (strict mode); "
+                f"add it to Config.items or set Config.default"
+            )
+        return spec
+
+    def save(
+        self,
+        checkpoint_id: str | Path,
+        state: Mapping[str, Any],
+        *,
+        base: str | Path | None = None,
+    ) -> Future[None] | None:
+        """Save ``state`` as checkpoint directory ``checkpoint_id`` (replaced atomically).
+
+        With ``Config.incremental`` (the default), the tensors unchanged since this
+        manager's previous save are hard links to that checkpoint's files when it is the
+        same directory or a sibling of ``checkpoint_id`` (or ``base``): deleting it later
+        does not affect this one (docs/incremental.md).
+
+        Args:
+            checkpoint_id: directory path of the checkpoint.
+            state: top-level keys become files; values are nests of tensors and plain values,
+                and objects with ``state_dict()`` / ``load_state_dict()`` (modules,
+                optimizers, schedulers, your own classes), saved as their ``state_dict()``.
+            base: reference this checkpoint's unchanged tensors even when it is not a
+                sibling of ``checkpoint_id``; it must be this manager's previous save (None:
+                the previous save when it is a sibling, else a full write).
+
+        Returns:
+            Async: a Future resolved when the checkpoint is durable. Sync: None.
+
+        Raises:
+            RuntimeError: the manager is closed, or the previous background write failed
+                and its Future did not deliver the failure (``result()`` raising it or
+                ``exception()`` returning it): each failure is raised once; the next save
+                works.
+            TimeoutError: the previous background write is still running after
+                ``wait_timeout_secs`` (nothing new is started; it stays tracked).
+            ValueError / KeyError / TypeError: invalid keys or values, or a ``base`` that is
+                not the previous save or with ``Config.incremental`` False (nothing written).
+        """
+        self._check_open("save")
+        use_storage_options(checkpoint_id, self._storage_options, "CheckpointManager.save")
+        if self._writer is not None:
+            self._writer.collect()
+        path = Path(checkpoint_id)
+        check_name(path.name, "checkpoint directory name")
+        prepared: dict[str, Any] = {}
+        for key, value in state.items():
+            check_name(key, "state key")
+            self._spec(key)
+            prepared[key] = prepare_save(value, key)
+        for key, spec in self.config.items.items():
+            if spec.required and key not in state:
+                raise KeyError(f"required item {key!r} is missing from the saved state")
+        # Object stores have no hard links: full writes there.
+        incremental = self.config.incremental
+        if base is not None and not self.config.incremental:
+            raise ValueError("save(base=...) needs Config.incremental = True")
+        if base is not None:
+            self._tracker.base_for(path, base)  # raises before anything is captured
+        if _sharded_state(prepared):
+            self._tracker.forget()
+            if self.config.pre_finalize_callback is not None:
+                raise ValueError(
+                    "Config.pre_finalize_callback is not supported for sharded (DTensor) state: "
+                    "its files are committed by fastckpt.dcp in one step; use finalize_callback"
+                )
+            return self._save_sharded(path, prepared, str(checkpoint_id))
+        skeletons: dict[str, Any] = {}
+        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in prepared.items():
+            skeletons[key], tensors[key] = tree.flatten(value)
+        snapshot = _Snapshot(path, skeletons, tensors, str(checkpoint_id))
+        if not incremental:
+            self._tracker.forget()
+
+        def plan() -> None:
+            # Every tensor is fingerprinted before it is copied; those whose fingerprint
+            # did not move are candidates, linked at the write if their digest matches.
+            if incremental:
+                snapshot.plan = self._tracker.plan(path, base, snapshot.tensors)
+
+        if self._writer is None:
+            plan()
+            try:
+                # Device tensors go through the same pinned buffers and side-stream copies as
+                # an async save (one synchronization) instead of one pageable .cpu() copy each.
+                stage_groups(
+                    self._stager,
+                    snapshot.tensors,
+                    lambda key, name: snapshot.tensors[key][name].device.type != "cpu",
+                )
+                self._write(snapshot)
+            finally:
+                if snapshot.plan is not None:
+                    snapshot.plan.close()
+            self._finalize(snapshot.checkpoint_id)
+            return None
+
+        def capture() -> None:
+            plan()
+            try:
+                stage_groups(
+                    self._stager,
+                    snapshot.tensors,
+                    lambda key, _: self._spec(key).requires_copy,
+                    self._images,
+                )
+            except BaseException:
+                if snapshot.plan is not None:
+                    snapshot.plan.close()
+                raise
+
+        if not self._async_staging:
+            self._writer.capture(capture)
+
+        def write() -> None:
+            try:
+                self._write(snapshot)
+            finally:
+                if snapshot.plan is not None:
+                    snapshot.plan.close()
+            self._finalize(snapshot.checkpoint_id)
+
+        future = self._writer.submit(
+            display_path(path), write, capture=capture if self._async_staging else None
+        )
+
+        def closed_if_cancelled(done: Future[None]) -> None:
+            # A write cancelled before it started never runs its ``finally``: the base files
+            # a capture opened for hard links are closed here instead.
+            if done.cancelled() and snapshot.plan is not None:
+                snapshot.plan.close()
+
+        future.add_done_callback(closed_if_cancelled)
+        return future
+
+    def _save_sharded(
+        self, path: Path, state: dict[str, Any], checkpoint_id: str
+    ) -> Future[None] | None:
+        """Save state holding DTensors as a sharded checkpoint through :mod:`fastckpt.dcp`
+        (collective: every rank saves its own shards; the coordinator commits)."""
+        from fastckpt.dcp.state import async_save_state, save_state
+
+        writer = self._sharded_writer(path)
+        if self._writer is None:
+            with _typed_dcp_errors():
+                save_state(path, state, writer=writer, process_group=self._dist.group)
+            self._finalize(checkpoint_id)
+            return None
+        # DCP stages this rank's shards into the writer's reused buffers before returning;
+        # the manager's background thread then tracks the upload like any other write, so
+        # collect(), wait_timeout_secs and close() treat both kinds alike.
+        with _typed_dcp_errors():
+            future = async_save_state(path, state, writer=writer, process_group=self._dist.group)
+
+        def wait() -> None:
+            with _typed_dcp_errors():
+                future.result()
+            self._finalize(checkpoint_id)
+
+        return self._writer.submit(display_path(path), wait)
+
+    def _sharded_writer(self, path: Path) -> Any:
+        """The manager's one :class:`fastckpt.dcp.Writer` (its staging buffers are reused)."""
+        if self._dcp_writer is None:
+            from fastckpt.dcp.writer import Writer
+
+            self._dcp_writer = Writer(
+                path,
+                threads=self._threads,
+                direct_io=self._direct_io,
+                stager_options=self._stager_options,
+            )
+        return self._dcp_writer
+
+    def _finalize(self, checkpoint_id: str) -> None:
+        """Run ``Config.finalize_callback`` (the checkpoint is durable and committed)."""
+        if self.config.finalize_callback is not None:
+            run_callback(
+                self.config.finalize_callback,
+                checkpoint_id=checkpoint_id,
+                path=checkpoint_id,
+                storage=backend_for(Path(checkpoint_id)),
+                logger=_LOGGER,
+            )
+
+    def prewarm_staging(self, state: Mapping[str, Any]) -> None:
+        """Allocate the staging buffers a save of ``state`` will reuse, now.
+
+        Async managers copy ``requires_copy`` items into reusable host buffers (pinned when
+        ``use_pinned_memory``); the first save otherwise pays for allocating them. Call it
+        with the state you will save (same keys, shapes and dtypes); it waits for a write in
+        flight first (``wait_timeout_secs``), since that write may still read the buffers.
+        A synchronous manager writes the live tensors and has no buffers: it returns at once.
+
+        Raises:
+            RuntimeError: the manager is closed, or the previous background write failed.
+            TimeoutError: the previous background write is still running.
+            ValueError: ``state`` holds DTensors (fastckpt.dcp's writer allocates their
+                buffers at the first sharded save), or invalid keys/values as for ``save``.
+        """
+        self._check_open("prewarm staging")
+        if self._writer is None:
+            return
+        self._writer.collect()
+        prepared = {}
+        for key, value in state.items():
+            check_name(key, "state key")
+            self._spec(key)
+            prepared[key] = prepare_save(value, key)
+        if _sharded_state(prepared):
+            raise ValueError(
+                "prewarm_staging covers unsharded state; DTensor state is staged by "
+                "fastckpt.dcp's writer, which allocates its buffers at the first save"
+            )
+        groups = {key: tree.flatten(value)[1] for key, value in prepared.items()}
+
+        def reserve() -> None:
+            reserve_groups(
+                self._stager, groups, lambda key, _: self._spec(key).requires_copy, self._images
+            )
+
+        self._writer.capture(reserve)
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold while mutating saved state; blocks only while a capture is in progress."""
+        if self._writer is None:
+            yield
+            return
+        with self._writer.guard():
+            yield
+
+    def _tensor_file(self, key: str) -> str:
+        return (
+            f"{key}.rank{self._dist.rank}.safetensors"
+            if self._dist.active
+            else f"{key}.safetensors"
+        )
+
+    def _write(self, snapshot: _Snapshot) -> None:
+        start = time.perf_counter()
+        final = snapshot.path
+        writer = DirectoryWriter(final, direct_io=self._direct_io, threads=self._threads)
+        plan = snapshot.plan
+        refs: dict[str, dict[str, Reference]] = {}
+        try:
+            if plan is not None:
+                # The content proof: digests of the bytes about to be written.
+                plan.confirm(snapshot.tensors)
+            for key, skeleton in snapshot.skeletons.items():
+                if plan is not None:
+                    # The hard links first: a file that cannot be linked adds its tensors
+                    # to the ones written below.
+                    stem = f"{key}.rank{self._dist.rank}" if self._dist.active else key
+                    refs[key] = plan.link(writer, key, snapshot.tensors[key], stem)
+                copies = None if plan is None else plan.copies.get(key)
+                writer.add_tensors(self._tensor_file(key), snapshot.tensors[key], copies)
+                if self._dist.rank == 0:
+                    writer.add_json(f"{key}.json", {"skeleton": skeleton})
+            if self.config.pre_finalize_callback is not None:
+                run_callback(
+                    self.config.pre_finalize_callback,
+                    checkpoint_id=snapshot.checkpoint_id,
+                    path=writer.staging.location,
+                    storage=writer.backend,
+                    logger=_LOGGER,
+                )
+            record_refs = {self._tensor_file(key): names for key, names in refs.items() if names}
+            self._commit(writer, list(snapshot.skeletons), record_refs)
+        except BaseException:
+            writer.abort()
+            if plan is not None and plan.refs:
+                self._tracker.forget()  # the next save is full: its base may be the cause
+            raise
+        if plan is not None:
+            # Committed: from now on the next save may link this checkpoint's files.
+            own = {key: writer.stored_relpath(self._tensor_file(key)) for key in snapshot.skeletons}
+            try:
+                self._tracker.record(final, plan, writer.files, own, refs)
+            except OSError as err:  # e.g. the checkpoint was deleted at once
+                self._tracker.forget()
+                _LOGGER.info("%s: not tracked for incremental saves (%s)", final, err)
+        linked = set() if plan is None else set(plan.linked)
+        written = [record for relpath, record in writer.files.items() if relpath not in linked]
+        log_throughput("saved", str(final), written, start)
+
+    def _commit(
+        self,
+        writer: DirectoryWriter,
+        items: list[str],
+        refs: Mapping[str, Mapping[str, Reference]] | None = None,
+    ) -> None:
+        if not self._dist.active:
+            writer.add_json(COMMIT_RECORD, commit_record(items, writer.files, 1, refs))
+            writer.commit()
+            return
+        # Each rank staged its own files; rank 0 gathers the files records, adopts every
+        # rank's files and commits once all ranks are done.
+        gathered = self._dist.gather((writer.location, writer.files, dict(refs or {})))
+        if self._dist.rank == 0:
+            merged: dict[str, dict[str, Reference]] = {}
+            for location, files, rank_refs in gathered:
+                if location != writer.location:
+                    writer.adopt(location, files)  # with the rank's linked files
+                merged.update({relpath: dict(names) for relpath, names in rank_refs.items()})
+            record = commit_record(items, writer.files, self._dist.world_size, merged)
+            writer.add_json(COMMIT_RECORD, record)
+            writer.commit()
+        self._dist.barrier()
+        if self._dist.rank != 0:
+            writer.abort()
+
+    # ------------------------------------------------------------------ load
+
+    def load(
+        self,
+        checkpoint_id: str | Path,
+        into: Mapping[str, Any] | None = None,
+        *,
+        map_location: str | torch.device | None = None,
+        strict: bool = False,
+    ) -> dict[str, Any]:
+        """Load a checkpoint, optionally into templates.
+
+        Args:
+            checkpoint_id: the checkpoint directory.
+            into: ``{key: template}``; only the template's keys/indices are loaded. Tensor
+                leaves are filled in place (dtype and shape must match; plain contiguous CPU
+                tensors are read into directly, with no mapping and no copy: see
+                :mod:`fastckpt.manager.load`), non-tensor leaves are replaced, objects with
+                ``load_state_dict()`` are restored through it (their tensors checked first),
+                and a ``None`` template loads the whole item. ``None`` loads all.
+            map_location: device for tensors that are not copied into a template.
+            strict: raise on keys a template has but the checkpoint lacks.
+
+        Returns:
+            ``{key: value}`` for each loaded item.
+
+        Raises:
+            RuntimeError: the manager is closed.
+            TypeError: a template value a load cannot apply, by key path (nothing is read).
+            CheckpointMismatchError: dtype/shape mismatch or (strict) missing key, by key path.
+            CheckpointFormatError / ChecksumMismatchError: damaged files, naming file and
+                tensor. Nothing is returned, but templates read into directly may hold
+                partial or damaged bytes by then: load a good checkpoint before using them.
+            FileNotFoundError: no such checkpoint.
+        """
+        self._check_open("load")
+        use_storage_options(checkpoint_id, self._storage_options, "CheckpointManager.load")
+        start = time.perf_counter()
+        directory = Path(checkpoint_id)
+        if into is not None:
+            for key, template in into.items():
+                check_template(template, key)
+        if _is_sharded(directory):
+            return self._load_sharded(directory, into, map_location, strict)
+
+        def read_all() -> tuple[dict[str, Any], dict[str, Any]]:
+            # The record and every item it names, as one snapshot (nothing applied yet).
+            record = read_commit_record(directory)
+            values: dict[str, Any] = {}
+            for key in record["items"] if into is None else into:
+                if key in record["items"]:
+                    template = None if into is None else into[key]
+                    values[key] = _load_checked_item(
+                        directory,
+                        record,
+                        key,
+                        self._dist.rank,
+                        map_location,
+                        self.config,
+                        template,
+                    )
+            return record, values
+
+        # A save replacing this checkpoint while it is read: read again (bounded).
+        record, values = read_consistently(directory / COMMIT_RECORD, read_all)
+        available = record["items"]
+        keys = list(available) if into is None else list(into)
+        result: dict[str, Any] = {}
+        for key in keys:
+            if key not in available:
+                if strict:
+                    raise CheckpointMismatchError(f"{key}: not in checkpoint {directory}")
+                if into is not None:
+                    result[key] = into[key]
+                continue
+            template = None if into is None else into[key]
+            result[key] = restore(template, values[key], key, strict)
+        log_throughput("loaded", str(directory), record["files"].values(), start)
+        return result
+
+    def _load_sharded(
+        self,
+        directory: Path,
+        into: Mapping[str, Any] | None,
+        map_location: str | torch.device | None,
+        strict: bool,
+    ) -> dict[str, Any]:
+        """Load a sharded checkpoint (collective): templates are filled in place, DTensors
+        resharded onto their own placements; stateful objects get ``load_state_dict()``."""
+        from fastckpt.dcp.state import load_state
+
+        templates = (
+            None if into is None else {key: prepare_save(value, key) for key, value in into.items()}
+        )
+        with _typed_dcp_errors():
+            loaded = load_state(directory, templates, strict=strict, process_group=self._dist.group)
+        result: dict[str, Any] = {}
+        for key, value in loaded.items():
+            template = None if into is None else into[key]
+            if template is None:
+                result[key] = _to_location(value, map_location)
+            elif contains_stateful(template):
+                result[key] = restore(template, value, key, strict)
+            else:
+                result[key] = value  # the template itself, filled in place
+        return result
+
+    # ------------------------------------------------------------------ close
+
+    def close(self) -> None:
+        """Wait until the last checkpoint is durable, then release the writer. Idempotent.
+
+        A manager never closed still has its last write finished at interpreter exit (a
+        failure then is named on stderr); closing reports it here instead.
+
+        Raises:
+            RuntimeError: the last background write failed (chained to its error) and its
+                Future did not deliver the failure.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            self._tracker.forget()  # releases the storages held for the next save
+
+
+def _sharded_state(state: Mapping[str, Any]) -> bool:
+    """Whether a (prepared) state holds DTensors, i.e. must be saved through DCP."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False  # nobody made a DTensor in this process
+    from fastckpt.dcp.state import contains_dtensors
+
+    return contains_dtensors(state)
+
+
+@contextlib.contextmanager
+def _typed_dcp_errors() -> Iterator[None]:
+    """Re-raise DCP's ``CheckpointException`` (a ``BaseException`` that ``except Exception``
+    misses) as the fastckpt error a rank raised (``ChecksumMismatchError`` naming the file,
+    ``UnsupportedValueError``, ...), chained; the same on every rank, since DCP gathers the
+    failures. Other failures become a ``RuntimeError`` carrying DCP's per-rank report."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
+        failures = [failure for failure, _ in err.failures.values()]
+        for failure in failures:
+            if isinstance(failure, FastCkptError):
+                raise failure from err
+        raise RuntimeError(str(err)) from err
+
+
+def _is_sharded(directory: Path) -> bool:
+    """Whether ``directory`` holds a sharded commit record: anything by its name, so that a
+    FIFO or a link in its place is refused by the sharded reader, not taken for a missing
+    ``commit.json``."""
+    record = directory / SHARDED_RECORD  # the name only: no torch.distributed import
+    if is_object_url(record):
+        return backend_for(record).exists(record)
+    return record.is_symlink() or record.exists()
+
+
+def _to_location(value: Any, map_location: str | torch.device | None) -> Any:
+    if map_location is None:
+        return value
+    return tree.map_tensors(value, lambda tensor: tensor.to(map_location))
+
+
+def _load_item(
+    directory: Path,
+    record: Mapping[str, Any],
+    key: str,
+    rank: int,
+    map_location: Any,
+    use_mmap: bool = True,
+) -> Any:
+    """One item of a checkpoint: its skeleton and this rank's tensors, both verified
+    (``use_mmap=False``: copied out of the file mapping)."""
+    skeleton, tensors = read_item(directory, record, key, rank)
+    if map_location is not None or not use_mmap:
+        tensors = {
+            name: t.to(map_location or t.device, copy=not use_mmap) for name, t in tensors.items()
+        }
+    return tree.unflatten(skeleton, tensors, key)
+
+
+def _load_checked_item(
+    directory: Path,
+    record: Mapping[str, Any],
+    key: str,
+    rank: int,
+    map_location: Any,
+    config: Any,
+    template: Any = None,
+) -> Any:
+    """:func:`_load_item`, or the direct read into ``template`` where some template tensor can
+    take one (:mod:`fastckpt.manager.load`; local checkpoints), with the malformed-skeleton
+    errors of a hostile item JSON (whose checksum was re-sealed) as
+    :class:`CheckpointFormatError` naming the file."""
+    where = directory / item_files(record, key, rank)[0]
+    try:
+        if template is not None and not is_object_url(directory):
+            plan = plan_direct_read(directory, record, key, rank, template)
+            if plan is not None:
+                try:
+                    return plan.load(map_location)
+                except (ChecksumMismatchError, CheckpointFormatError) as err:
+                    # The templates were read into: say so where the user reads the error.
+                    raise type(err)(
+                        f"{err}; the tensors given in into={{{key!r}: ...}} were read into "
+                        "directly and may now hold partial bytes: load an intact checkpoint "
+                        "into them (fastckpt.latest_intact finds one) before using them"
+                    ) from err
+        return _load_item(directory, record, key, rank, map_location, config.load.use_mmap)
+    except CheckpointFormatError as err:
+        if str(directory) in str(err):
+            raise
+        raise CheckpointFormatError(f"{where}: field 'skeleton': {err}") from err
+    except FastCkptError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as err:
+        raise CheckpointFormatError(
+            f"{where}: field 'skeleton' is malformed ({type(err).__name__}: {err}); the "
+            "checkpoint was edited or is damaged"
+        ) from err

@@ -1,0 +1,298 @@
+"""``CheckpointManager.load(into=...)``: tensors read straight into the templates' memory.
+
+A resume loads a checkpoint into templates that already hold memory of the right dtype and
+shape (the model's parameters, the optimizer's moments). Mapping the file and copying each
+tensor into its template would move every byte twice; instead, each template tensor that can
+take the bytes as they are (a plain CPU tensor, contiguous, of the checkpoint's dtype and
+shape, not overlapping another) is the destination of positional reads of its file by the
+Rust core (parallel, GIL released), and every tensor's crc32c is computed on the same pass
+and checked before the load returns; the whole file's crc32c is then compared with the commit
+record, exactly as the mapped path does.
+
+The other tensors of such an item (CUDA or non-contiguous templates, dtype or shape
+mismatches, parts of the item under a ``None`` or stateful template) are read by the same
+pass into fresh CPU memory, and :func:`fastckpt.manager.stateful.restore` copies them into their
+templates or raises :class:`~fastckpt.errors.CheckpointMismatchError` as before. An item with
+no template tensor that can take a direct read keeps the mapped path
+(:func:`fastckpt.container.links.read_item`); so do loads without templates, for which
+``CheckpointLoaderConfig.use_mmap`` applies.
+
+When a check fails the load raises and returns nothing, but the templates read into may hold
+partial or damaged bytes by then: load again (another checkpoint) before using them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastckpt import _native
+from fastckpt.container.links import check_against_header, read_references
+from fastckpt.container.reader import check_recorded, read_json
+from fastckpt.errors import CheckpointFormatError
+from fastckpt.format.paths import safe_join
+from fastckpt.format.records import COMMIT_RECORD, item_files
+from fastckpt.io import tree
+from fastckpt.io.files import dtype_from_name, torch_shape
+from fastckpt.io.headers import DEFAULT_THREADS, read_metadata
+from fastckpt.io.progress import active_counter
+from fastckpt.manager.stateful import is_stateful
+
+__all__ = ["DirectRead", "plan_direct_read", "takes_direct_read"]
+
+#: The tensor types whose memory a direct read fills (subclasses may define their own storage).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+@dataclass
+class _Tensor:
+    """One tensor of the item: where its bytes are and what the header says it is."""
+
+    relpath: str  # the file holding it (the item's own, or a linked one)
+    name: str  # its name in that file
+    header_dtype: str
+    header_shape: list[int]
+    dtype: torch.dtype
+    shape: list[int]  # the torch shape
+
+
+@dataclass
+class DirectRead:
+    """How one item is read: per file, which tensors go straight into which template.
+
+    Made by :func:`plan_direct_read`; :meth:`load` reads and returns the item's value.
+
+    Attributes:
+        directory: the checkpoint directory.
+        record: its commit record.
+        key: the item.
+        own: the item's own tensor file (relpath; the linked ones are in ``tensors``).
+        skeleton: the item's structure (:func:`fastckpt.io.tree.unflatten`).
+        tensors: skeleton tensor name -> where it is.
+        direct: skeleton tensor name -> the template tensor its bytes are read into.
+    """
+
+    directory: Path
+    record: Mapping[str, Any]
+    key: str
+    own: str
+    skeleton: Any
+    tensors: dict[str, _Tensor]
+    direct: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def load(self, map_location: str | torch.device | None, threads: int = DEFAULT_THREADS) -> Any:
+        """Read every file of the item once (templates filled, other tensors into fresh CPU
+        memory, then moved to ``map_location`` when given), each checked against the commit
+        record; returns the item's value, whose direct tensors are the templates themselves.
+
+        Raises:
+            ChecksumMismatchError / CheckpointFormatError: damaged or replaced files, naming
+                file and tensor (the templates may then hold partial bytes).
+            FileNotFoundError: a file of the item is missing.
+        """
+        values: dict[str, torch.Tensor] = {}
+        by_file: dict[str, list[tuple[str, list[int], str, torch.Tensor]]] = {}
+        for name, where in self.tensors.items():
+            target = self.direct.get(name)
+            if target is None:
+                target = torch.empty(where.shape, dtype=where.dtype, device="cpu")
+            values[name] = target
+            by_file.setdefault(where.relpath, []).append(
+                (where.name, where.header_shape, where.header_dtype, target)
+            )
+        source = str(self.directory / COMMIT_RECORD)
+        own = self.own
+        for relpath in dict.fromkeys([own, *by_file]):
+            entries = [
+                (name, dtype, shape, _writable_bytes(target))
+                for name, shape, dtype, target in by_file.get(relpath, [])
+            ]
+            path = safe_join(self.directory, relpath)
+
+            def content(path: Path, entries: list[Any] = entries) -> tuple[None, int]:
+                crc = _native.read_into(str(path), entries, threads, progress=active_counter())
+                return None, crc
+
+            with _linked_file_named(relpath, own, path, self.key, source):
+                expected = self.record["files"][relpath]
+                check_recorded(path, expected, content, source=source).value_or_raise()
+        if map_location is not None:
+            for name in values:
+                if name not in self.direct:
+                    values[name] = values[name].to(map_location)
+        return tree.unflatten(self.skeleton, values, self.key)
+
+
+def takes_direct_read(template: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:
+    """Whether the bytes of a stored tensor of ``dtype`` and ``shape`` can be read straight
+    into ``template``'s memory: a plain dense CPU tensor, contiguous, of that dtype and shape,
+    with no lazy conjugation or negation, not an inference tensor (``copy_`` refuses those
+    outside inference mode; the copy path keeps that error)."""
+    return (
+        type(template) in _PLAIN_TENSORS
+        and template.device.type == "cpu"
+        and template.layout is torch.strided
+        and template.dtype == dtype
+        and list(template.shape) == shape
+        and template.is_contiguous()
+        and not template.is_conj()
+        and not template.is_neg()
+        and not template.is_inference()
+    )
+
+
+def plan_direct_read(
+    directory: Path, record: Mapping[str, Any], key: str, rank: int, template: Any
+) -> DirectRead | None:
+    """The direct read of item ``key`` into ``template``, or None when no template tensor can
+    take one (the caller then loads the item through the file mapping).
+
+    Reads the item's skeleton and the headers of its files (each checked against the commit
+    record first, as the mapped path does), and matches the template to the skeleton the way
+    :func:`fastckpt.manager.stateful.restore` walks them.
+
+    Raises:
+        CheckpointFormatError / ChecksumMismatchError: a damaged skeleton, header or record.
+        FileNotFoundError: a file of the item is missing.
+    """
+    source = str(directory / COMMIT_RECORD)
+    skeleton_file, own = item_files(record, key, rank)
+    document = read_json(*_recorded(directory, record, skeleton_file), source=source)
+    if not isinstance(document, Mapping) or "skeleton" not in document:
+        raise CheckpointFormatError(f"{directory / skeleton_file}: field 'skeleton' is required")
+    skeleton = document["skeleton"]
+    tensors = {
+        name: _describe(directory, own, name, info)
+        for name, info in _header(directory, record, own, own, key, source).items()
+    }
+    refs = read_references(record, source).get(own, {})
+    headers: dict[str, dict[str, Any]] = {}
+    for name, ref in refs.items():
+        relpath = ref["file"]
+        if relpath not in headers:
+            headers[relpath] = _header(directory, record, relpath, own, key, source)
+        check_against_header(safe_join(directory, relpath), ref, headers[relpath], name)
+        if name in tensors:
+            raise CheckpointFormatError(
+                f"{source}: {name!r} of item {key!r} is both written and referenced"
+            )
+        tensors[name] = _describe(directory, relpath, ref["name"], headers[relpath][ref["name"]])
+    # The skeleton with a meta tensor (dtype and shape, no memory) for each stored tensor.
+    slots = {
+        name: torch.empty(where.shape, dtype=where.dtype, device="meta")
+        for name, where in tensors.items()
+    }
+    names = {id(slot): name for name, slot in slots.items()}
+    direct: dict[str, torch.Tensor] = {}
+    _match(template, tree.unflatten(skeleton, slots, key), names, direct)
+    direct = _without_overlaps(direct)
+    if not direct:
+        return None
+    return DirectRead(directory, record, key, own, skeleton, tensors, direct)
+
+
+def _recorded(
+    directory: Path, record: Mapping[str, Any], relpath: str
+) -> tuple[Path, Mapping[str, int]]:
+    entry = record["files"].get(relpath)
+    if entry is None:
+        raise CheckpointFormatError(f"{directory / relpath}: not listed in {COMMIT_RECORD}")
+    return safe_join(directory, relpath), entry
+
+
+def _header(
+    directory: Path, record: Mapping[str, Any], relpath: str, own: str, key: str, source: str
+) -> dict[str, Any]:
+    """The tensors of a file's header (:func:`fastckpt.io.files.read_metadata`), the file first
+    checked to be there, regular and of its recorded size."""
+    path, expected = _recorded(directory, record, relpath)
+
+    def content(path: Path) -> tuple[dict[str, Any], None]:
+        return read_metadata(path)["tensors"], None
+
+    with _linked_file_named(relpath, own, path, key, source):
+        return check_recorded(path, expected, content, source=source).value_or_raise()
+
+
+@contextlib.contextmanager
+def _linked_file_named(relpath: str, own: str, path: Path, key: str, source: str) -> Iterator[None]:
+    """Re-raise a missing linked file's ``FileNotFoundError`` with what it held and the fix
+    (the item's own file keeps the record's message)."""
+    try:
+        yield
+    except FileNotFoundError:
+        if relpath == own:
+            raise
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{path}: missing; it holds the unchanged tensors of item {key!r} (a hard link to "
+            f"the checkpoint this one was saved after, listed in {source}). Restore the file "
+            "from a copy of the checkpoint, or load an older checkpoint",
+            str(path),
+        ) from None
+
+
+def _describe(directory: Path, relpath: str, name: str, info: Mapping[str, Any]) -> _Tensor:
+    where = f"{directory / relpath}: tensor {name!r}"
+    shape = list(info["shape"])
+    return _Tensor(
+        relpath,
+        name,
+        info["dtype"],
+        shape,
+        dtype_from_name(info["dtype"]),
+        torch_shape(where, info["dtype"], shape),
+    )
+
+
+def _match(
+    template: Any, value: Any, names: Mapping[int, str], out: dict[str, torch.Tensor]
+) -> None:
+    """Collect in ``out`` the template tensors that can take a direct read, by stored tensor
+    name, walking ``template`` and ``value`` (meta tensors for the stored ones) as
+    :func:`fastckpt.manager.stateful.restore` does; stateful objects are restored through their
+    ``load_state_dict`` and are left to it."""
+    if template is None or is_stateful(template):
+        return
+    if isinstance(template, torch.Tensor):
+        name = names.get(id(value))
+        if name is not None and takes_direct_read(template, value.dtype, list(value.shape)):
+            out[name] = template
+        return
+    if isinstance(template, Mapping) and isinstance(value, Mapping):
+        for key, sub in template.items():
+            if key in value:
+                _match(sub, value[key], names, out)
+    elif isinstance(template, (list, tuple)) and isinstance(value, (list, tuple)):
+        for sub, item in zip(template, value, strict=False):
+            _match(sub, item, names, out)
+
+
+def _without_overlaps(direct: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``direct`` without the templates whose memory overlaps another's (tied weights, views
+    of one another): parallel reads into shared memory would race, so those are copied in
+    order by ``restore``, as without direct reads."""
+    spans = sorted(
+        (tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes, name)
+        for name, tensor in direct.items()
+        if tensor.nbytes
+    )
+    shared: set[str] = set()
+    end, last = -1, ""
+    for begin, stop, name in spans:
+        if begin < end:
+            shared.update((name, last))
+        if stop > end:
+            end, last = stop, name
+    return {name: tensor for name, tensor in direct.items() if name not in shared}
+
+
+def _writable_bytes(tensor: torch.Tensor) -> Any:
+    """A writable uint8 numpy view of a contiguous CPU tensor's memory (no copy)."""
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()

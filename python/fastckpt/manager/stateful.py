@@ -1,0 +1,271 @@
+"""Stateful objects in saved state and load templates (the DCP / torchsnapshot convention).
+
+An object with ``state_dict()`` and ``load_state_dict()`` - a module, an optimizer, a
+scheduler, a user class - may stand anywhere in a saved state or in a load template:
+
+* :func:`prepare_save` replaces each one by its ``state_dict()`` (called at save time, so an
+  async save snapshots that moment), and checks every other value, raising ``TypeError``
+  naming its full key path (``model.layer``) for anything that cannot be checkpointed;
+* :func:`check_template` refuses, before anything is read, template values that a load
+  would otherwise silently ignore;
+* :func:`restore` loads a value into a template: each stateful object gets
+  ``load_state_dict()`` with the loaded state, after the tensors the object currently holds
+  were checked against it (dtype and shape, by key path); tensors elsewhere in the template
+  are filled in place, mappings and sequences are walked (the manager's one template merge).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from fastckpt.errors import CheckpointMismatchError
+from fastckpt.io import tree
+
+__all__ = [
+    "Stateful",
+    "check_template",
+    "contains_stateful",
+    "is_stateful",
+    "prepare_save",
+    "restore",
+]
+
+_SCALARS = (bool, int, float, str, type(None))
+_KEY_TYPES = (str, int, float, bool, type(None))
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """What :func:`is_stateful` accepts: ``state_dict()`` and ``load_state_dict(state)``."""
+
+    def state_dict(self) -> Any:
+        """The object's state: a nest of tensors and plain values."""
+
+    def load_state_dict(self, state_dict: Any) -> Any:
+        """Restore the object from a state its ``state_dict()`` returned."""
+
+
+def is_stateful(value: Any) -> bool:
+    """Whether ``value`` is an object (not a class, a mapping or a tensor) with callable
+    ``state_dict`` and ``load_state_dict``."""
+    if isinstance(value, (type, Mapping, torch.Tensor)):
+        return False
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    )
+
+
+def contains_stateful(value: Any) -> bool:
+    """Whether a stateful object stands anywhere in a nest of mappings, lists and tuples."""
+    if is_stateful(value):
+        return True
+    if isinstance(value, Mapping):
+        return any(contains_stateful(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(contains_stateful(item) for item in value)
+    return False
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _unsupported(value: Any, path: str, action: str) -> TypeError:
+    where = path or "<root>"
+    if callable(getattr(value, "state_dict", None)):
+        hint = (
+            "it has state_dict() but no load_state_dict(); pass value.state_dict() "
+            "(a plain state) or give it a load_state_dict()"
+        )
+    else:
+        hint = (
+            "supported are tensors, None, bool, int, float, str, dicts/lists/tuples of them, "
+            "and objects with state_dict() and load_state_dict() (modules, optimizers, "
+            "schedulers, your own classes); convert it, e.g. to a tensor or a list"
+        )
+    return TypeError(f"{where}: cannot {action} a {_describe(value)}; {hint}")
+
+
+def prepare_save(value: Any, path: str = "") -> Any:
+    """``value`` with every stateful object replaced by its ``state_dict()``, checked.
+
+    Containers are rebuilt (mappings become dicts; lists and plain tuples keep their type);
+    tensors and plain values are kept as they are (not copied).
+
+    Args:
+        value: a saved item (or the whole state).
+        path: its key path, for messages (the item key at the top level).
+
+    Raises:
+        TypeError: a value that cannot be checkpointed, or a dict key that cannot, named by
+            its full key path (with the fix: ``state_dict()`` objects are accepted).
+    """
+    if isinstance(value, (torch.Tensor, *_SCALARS)):
+        return value
+    if is_stateful(value):
+        return prepare_save(value.state_dict(), path)
+    if isinstance(value, Mapping):
+        for key in value:
+            if not isinstance(key, _KEY_TYPES):
+                raise TypeError(
+                    f"{tree.join_path(path, key)}: dict keys must be str, int, float, bool or "
+                    f"None, got {type(key).__name__}"
+                )
+        return {key: prepare_save(item, tree.join_path(path, key)) for key, item in value.items()}
+    if type(value) is tuple:
+        return tuple(prepare_save(item, tree.join_path(path, i)) for i, item in enumerate(value))
+    if isinstance(value, list):
+        return [prepare_save(item, tree.join_path(path, i)) for i, item in enumerate(value)]
+    raise _unsupported(value, path, "checkpoint")
+
+
+def check_template(template: Any, path: str = "") -> None:
+    """Refuse template values a load could not apply, before anything is read.
+
+    Accepted: ``None`` (load the value as saved), tensors (filled in place), plain values
+    (replaced), stateful objects (``load_state_dict``), and mappings, lists and tuples of
+    these.
+
+    Raises:
+        TypeError: any other template value, named by its key path.
+    """
+    if template is None or isinstance(template, (torch.Tensor, *_SCALARS)):
+        return
+    if is_stateful(template):
+        return
+    if isinstance(template, Mapping):
+        for key, item in template.items():
+            check_template(item, tree.join_path(path, key))
+        return
+    if isinstance(template, (list, tuple)):
+        for i, item in enumerate(template):
+            check_template(item, tree.join_path(path, i))
+        return
+    raise _unsupported(template, path, "load into")
+
+
+def _check_tensors(current: Any, loaded: Any, path: str) -> None:
+    """Compare the tensors an object holds with the loaded ones at the same key paths."""
+    if isinstance(current, torch.Tensor):
+        if not isinstance(loaded, torch.Tensor):
+            raise CheckpointMismatchError(
+                f"{path}: the object holds a tensor here, the checkpoint has a "
+                f"{type(loaded).__name__}"
+            )
+        if current.dtype != loaded.dtype or current.shape != loaded.shape:
+            raise CheckpointMismatchError(
+                f"{path}: the object holds dtype {current.dtype} shape {tuple(current.shape)}, "
+                f"the checkpoint has dtype {loaded.dtype} shape {tuple(loaded.shape)}; no "
+                "implicit cast or broadcast is done: fix the object or convert after loading"
+            )
+        return
+    if isinstance(current, Mapping) and isinstance(loaded, Mapping):
+        for key, item in current.items():
+            if key in loaded:
+                _check_tensors(item, loaded[key], tree.join_path(path, key))
+    elif isinstance(current, (list, tuple)) and isinstance(loaded, (list, tuple)):
+        for i, (item, other) in enumerate(zip(current, loaded, strict=False)):
+            _check_tensors(item, other, tree.join_path(path, i))
+
+
+def _owned(value: Any) -> Any:
+    """Tensors copied out of the file mapping: an object keeps what it is given (an
+    optimizer keeps its moments), and views would keep the checkpoint file mapped."""
+    return tree.map_tensors(value, lambda tensor: tensor.clone())
+
+
+def _load_into(obj: Any, value: Any, path: str) -> Any:
+    where = path or "<root>"
+    _check_tensors(obj.state_dict(), value, where)
+    try:
+        obj.load_state_dict(_owned(value))
+    except (RuntimeError, KeyError, ValueError, TypeError) as err:
+        raise CheckpointMismatchError(
+            f"{where}: {_describe(obj)}.load_state_dict() refused the checkpoint's state: {err}"
+        ) from err
+    return obj
+
+
+def restore(template: Any, value: Any, path: str, strict: bool) -> Any:
+    """Load ``value`` into ``template`` (see the module docstring).
+
+    A ``None`` template takes the loaded value; a tensor template gets the loaded tensor
+    copied in (same dtype and shape, no implicit cast or broadcast); mappings, lists and
+    tuples are walked key by key; any other template value is replaced by the loaded one.
+
+    Args:
+        template: the template (checked with :func:`check_template` beforehand).
+        value: the loaded value (as :func:`fastckpt.io.tree.unflatten` returns it).
+        path: key path of ``template``, for messages.
+        strict: raise on template keys the checkpoint lacks.
+
+    Returns:
+        The template, updated (the same stateful objects, tensors, dicts and lists, restored
+        in place).
+
+    Raises:
+        CheckpointMismatchError: a dtype/shape mismatch, a structure mismatch, a key missing
+            under ``strict``, or a ``load_state_dict`` that refused the state, by key path.
+    """
+    if is_stateful(template):
+        return _load_into(template, value, path)
+    if template is None:
+        return value
+    if isinstance(template, torch.Tensor):
+        return _copy_tensor(template, value, path)
+    if isinstance(template, Mapping):
+        if not isinstance(value, Mapping):
+            raise CheckpointMismatchError(
+                f"{path or '<root>'}: expected a mapping, found {type(value).__name__}"
+            )
+        merged = dict(template)
+        for key, sub in template.items():
+            where = tree.join_path(path, key)
+            if key in value:
+                merged[key] = restore(sub, value[key], where, strict)
+            elif strict:
+                raise CheckpointMismatchError(f"{where}: missing in checkpoint")
+        if isinstance(template, dict):
+            template.update(merged)
+            return template
+        return merged
+    if not isinstance(template, (list, tuple)):
+        return value
+    if not isinstance(value, (list, tuple)):
+        raise CheckpointMismatchError(
+            f"{path or '<root>'}: expected a sequence, found {type(value).__name__}"
+        )
+    items = []
+    for i, sub in enumerate(template):
+        where = tree.join_path(path, i)
+        if i < len(value):
+            items.append(restore(sub, value[i], where, strict))
+        elif strict:
+            raise CheckpointMismatchError(f"{where}: missing in checkpoint")
+        else:
+            items.append(sub)
+    if isinstance(template, list):
+        template[:] = items
+        return template
+    return tuple(items)
+
+
+def _copy_tensor(template: torch.Tensor, value: Any, path: str) -> torch.Tensor:
+    """Copy a loaded tensor into a tensor template of the same dtype and shape."""
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointMismatchError(
+            f"{path or '<root>'}: expected a tensor, found {type(value).__name__}"
+        )
+    if template.dtype != value.dtype or template.shape != value.shape:
+        raise CheckpointMismatchError(
+            f"{path or '<root>'}: template has dtype {template.dtype} shape "
+            f"{tuple(template.shape)}, checkpoint has dtype {value.dtype} shape "
+            f"{tuple(value.shape)}; no implicit cast or broadcast is done: fix the template "
+            "or convert after loading"
+        )
+    with torch.no_grad():
+        template.copy_(value)
+    return template

@@ -1,0 +1,661 @@
+"""The storage interface every checkpoint read and write goes through.
+
+A checkpoint is a set of *files* (immutable once written) and one *commit record* per
+container (``manifest.json`` of a root, ``commit.json`` of a manager checkpoint) that names
+them with their size and crc32c. The protocols above this module (:mod:`fastckpt.container.commit`)
+only ever ask a :class:`StorageBackend` to:
+
+* read: :meth:`~StorageBackend.stat`, :meth:`~StorageBackend.read_bytes` (whole small
+  object, size-capped), :meth:`~StorageBackend.read_range`, :meth:`~StorageBackend.checksum`
+  (streamed whole-object crc32c), :meth:`~StorageBackend.open_tensors` (a verified
+  safetensors file), :meth:`~StorageBackend.list_dir`;
+* write: :meth:`~StorageBackend.stage` a set of files that become visible together
+  (:class:`Staging`: ``put_bytes``/``put_tensors``, then ``publish`` or ``discard``), and
+  :meth:`~StorageBackend.put_record`, the atomic, durable replacement of a commit record: the
+  commit point, written after every file it names;
+* :meth:`~StorageBackend.delete` files or whole directories, and take the container's
+  :meth:`~StorageBackend.lock`.
+
+The local filesystem (:class:`LocalFileSystem`) stages into a hidden temporary sibling
+directory, fsyncs it, and publishes by one rename (``renameat2(RENAME_EXCHANGE)`` when
+replacing); records are replaced by temp file + fsync + rename. An object store has no rename:
+its staging puts data objects under their final keys (after the record withdrew what they
+replace), ``publish`` is a no-op, and ``put_record`` is a conditional put, so the record,
+written last, stays the only commit point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import re
+import shutil
+import socket
+import stat
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+
+from fastckpt import _native
+from fastckpt.errors import CheckpointFormatError
+from fastckpt.format.paths import check_relpath
+from fastckpt.io.headers import read_metadata
+from fastckpt.io.progress import active_counter
+from fastckpt.storage.lock import RootLock
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+__all__ = [
+    "ATOMIC_TEMP_INFIX",
+    "MAX_RECORD_BYTES",
+    "TEMP_PREFIX",
+    "TRASH_PREFIX",
+    "CopySource",
+    "FileRecord",
+    "LocalFileSystem",
+    "LocalStaging",
+    "ObjectInfo",
+    "Staging",
+    "StorageBackend",
+    "WriterLock",
+    "clean_dead_siblings",
+    "exchange_paths",
+    "read_by_size",
+]
+
+#: ``{"size": bytes, "crc32c": whole-file crc32c}``: what a commit record says of one file.
+FileRecord = dict[str, int]
+
+
+def read_by_size(handle: BinaryIO, size: int, limit: int) -> bytes:
+    """Read an open file whose ``fstat`` size is ``size``, never more than ``limit`` + 1 bytes.
+
+    Asks for ``size`` + 1 bytes (the one more shows whether the file grew since the
+    ``fstat``) and only if it did reads on, in 1 MiB pieces, until the end or past ``limit``:
+    a small record never needs the cap's worth of memory (an up-front buffer of the cap fails
+    under ``ulimit -v`` however small the file is). The caller compares the length with
+    ``limit``.
+    """
+    data = handle.read(min(size, limit) + 1)
+    if len(data) <= size:
+        return data
+    pieces = [data]
+    total = len(data)
+    while total <= limit:
+        piece = handle.read(min(1 << 20, limit + 1 - total))
+        if not piece:
+            break
+        pieces.append(piece)
+        total += len(piece)
+    return b"".join(pieces)
+
+
+@dataclass(frozen=True)
+class CopySource:
+    """A tensor whose bytes are already in a committed file of the same store.
+
+    Attributes:
+        path: that file.
+        name: the tensor's name in it.
+        dtype / shape / crc32c: what the tensor must be there (its header is checked).
+    """
+
+    path: Path
+    name: str
+    dtype: str
+    shape: list[int]
+    crc32c: int
+
+
+#: Hidden siblings of a directory being written / set aside (``.tmp-<name>~<pid>~<host>~<rnd>``).
+TEMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+#: The Rust core's temporary name for an atomic file replacement: ``.<name>.fastckpt-tmp.<...>``
+#: (the marker is defined once, in the core's ``replace`` module).
+ATOMIC_TEMP_INFIX = _native.TEMP_MARKER
+#: The largest commit record or JSON document fastckpt reads whole (a hostile file cannot make
+#: it read without bound).
+MAX_RECORD_BYTES = 1 << 30
+_READ_PIECE = 16 << 20
+
+
+class WriterLock(Protocol):
+    """The exclusive writer lock of a container, as :meth:`StorageBackend.lock` returns it
+    (locally :class:`~fastckpt.storage.lock.RootLock`, a ``flock``; on an object store a lease
+    object, :class:`~fastckpt.storage.s3.backend.S3RootLock`)."""
+
+    def acquire(self) -> None:
+        """Block until held (or the lock's timeout elapses: ``TimeoutError``)."""
+
+    def release(self) -> None:
+        """Give it up (idempotent)."""
+
+    def __enter__(self) -> Any:
+        """:meth:`acquire`."""
+
+    def __exit__(self, *exc: object) -> None:
+        """:meth:`release`."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What :meth:`StorageBackend.stat` reports.
+
+    Attributes:
+        size: bytes.
+        regular: a plain file (not a directory, FIFO, device...).
+        modified: last modification, seconds since the epoch (None when unknown).
+    """
+
+    size: int
+    regular: bool
+    modified: float | None = None
+
+
+class Staging(ABC):
+    """Files written for one container (a directory) that become visible together.
+
+    Attributes:
+        final: where the files appear after :meth:`publish`.
+        files: relpath -> :data:`FileRecord` of every file put (or adopted) so far.
+    """
+
+    final: Path
+    files: dict[str, FileRecord]
+
+    @property
+    @abstractmethod
+    def location(self) -> str:
+        """An opaque handle of this staging area another process can :meth:`adopt` from."""
+
+    @abstractmethod
+    def put_bytes(self, relpath: str, data: bytes) -> FileRecord:
+        """Write one small file durably and record it."""
+
+    @abstractmethod
+    def put_tensors(
+        self,
+        relpath: str,
+        tensors: Mapping[str, torch.Tensor],
+        copies: Mapping[str, CopySource] | None = None,
+        *,
+        metadata: Mapping[str, str] | None = None,
+    ) -> FileRecord:
+        """Write a safetensors file durably (through the Rust core) and record it (the write
+        options are the staging's, given to :meth:`StorageBackend.stage`).
+
+        ``copies`` (object stores only: local incremental saves reference instead) names
+        further tensors of the file whose bytes are already stored, in a committed file of the
+        same store: the store copies them (see :mod:`fastckpt.storage.s3.copy`). ``metadata``:
+        the header's ``__metadata__`` strings (not with ``copies``).
+        """
+
+    @abstractmethod
+    def adopt(self, location: str, relpath: str, record: FileRecord) -> None:
+        """Take over a file another staging area (``location``) wrote, with its record."""
+
+    @abstractmethod
+    def publish(self) -> None:
+        """Make every file visible under :attr:`final`, replacing what was there, durably."""
+
+    @abstractmethod
+    def discard(self) -> None:
+        """Drop what was staged (idempotent)."""
+
+
+class StorageBackend(ABC):
+    """Where checkpoints live; see the module docstring for the contract."""
+
+    @abstractmethod
+    def stat(self, path: Path) -> ObjectInfo:
+        """Size and kind of ``path``.
+
+        Raises:
+            FileNotFoundError: nothing there.
+        """
+
+    @abstractmethod
+    def exists(self, path: Path) -> bool:
+        """Whether anything is at ``path``."""
+
+    @abstractmethod
+    def read_bytes(self, path: Path, *, limit: int = MAX_RECORD_BYTES) -> bytes:
+        """The whole content of a small regular file.
+
+        Raises:
+            FileNotFoundError: nothing there. IsADirectoryError: a directory.
+            CheckpointFormatError: not a regular file, or larger than ``limit``.
+        """
+
+    @abstractmethod
+    def read_range(self, path: Path, offset: int, length: int) -> bytes:
+        """``length`` bytes from ``offset`` (fewer at the end of the file)."""
+
+    def read_into(self, path: Path, offset: int, dest: np.ndarray) -> None:
+        """Fill ``dest`` (a contiguous uint8 array) with the bytes of ``path`` from
+        ``offset`` (a backend may read in parallel pieces).
+
+        Raises:
+            CheckpointFormatError: the file ends before ``dest`` is full.
+        """
+        data = self.read_range(path, offset, dest.nbytes)
+        if len(data) != dest.nbytes:
+            raise CheckpointFormatError(
+                f"{path}: ends at {offset + len(data)}, inside the {dest.nbytes} bytes read from "
+                f"{offset}; the file is truncated"
+            )
+        dest.data.cast("B")[:] = data
+
+    @abstractmethod
+    def checksum(self, path: Path) -> tuple[int, int]:
+        """``(size, crc32c)`` of the whole file, read in pieces."""
+
+    @abstractmethod
+    def verify_tensors(self, path: Path, threads: int) -> tuple[int, list[str]]:
+        """Check a safetensors file tensor by tensor: ``(whole-file crc32c, unchecked names)``.
+
+        Raises:
+            CheckpointFormatError / ChecksumMismatchError: naming file and tensor.
+        """
+
+    @abstractmethod
+    def open_tensors(
+        self, path: Path, *, verify: bool = True, threads: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The tensors of a safetensors file and ``{"metadata", "file_crc32c"}``."""
+
+    @abstractmethod
+    def read_header(self, path: Path) -> dict[str, Any]:
+        """A safetensors file's validated header, no tensor data read (the document of
+        :func:`fastckpt.io.files.read_metadata`).
+
+        Raises:
+            CheckpointFormatError: malformed, damaged or truncated header.
+        """
+
+    @abstractmethod
+    def list_dir(self, directory: Path) -> list[str]:
+        """Names directly inside ``directory`` (empty when it does not exist)."""
+
+    @abstractmethod
+    def stage(
+        self, final: Path, *, direct_io: bool | None = None, threads: int | None = None
+    ) -> Staging:
+        """Start writing the files of the container ``final``."""
+
+    @abstractmethod
+    def put_record(self, path: Path, data: bytes) -> None:
+        """Replace a commit record atomically and durably (the commit point)."""
+
+    @abstractmethod
+    def delete(self, path: Path) -> None:
+        """Remove a file or a whole directory; nothing there is fine."""
+
+    @abstractmethod
+    def lock(self, root: Path, *, timeout: float | None = None) -> WriterLock:
+        """The exclusive writer lock of ``root`` (not yet acquired)."""
+
+
+# --------------------------------------------------------------------------- local filesystem
+
+_HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _load_renameat2() -> Any:
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):  # pragma: no cover - glibc < 2.28 or not Linux
+        return None
+    c_int, c_path = ctypes.c_int, ctypes.c_char_p
+    function.argtypes = [c_int, c_path, c_int, c_path, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_RENAMEAT2 = _load_renameat2()
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (``renameat2(RENAME_EXCHANGE)``).
+
+    Returns:
+        False when the kernel or filesystem cannot exchange (the caller falls back).
+
+    Raises:
+        OSError: the exchange failed for another reason.
+    """
+    if _RENAMEAT2 is None:  # pragma: no cover - see _load_renameat2
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, f"cannot swap {a} into place: {os.strerror(code)}", str(b))
+
+
+def _sibling(prefix: str, final: Path) -> Path:
+    """A hidden sibling of ``final`` whose name says which process and host made it."""
+    tag = f"{final.name}~{os.getpid()}~{_HOST}~{os.urandom(4).hex()}"
+    return final.parent / f"{prefix}{tag}"
+
+
+def _owner(name: str) -> tuple[str, str, int, str] | None:
+    """``(prefix, target name, pid, host)`` of a temp/trash sibling name, or None."""
+    for prefix in (TEMP_PREFIX, TRASH_PREFIX):
+        if name.startswith(prefix):
+            parts = name[len(prefix) :].rsplit("~", 3)
+            if len(parts) == 4 and parts[1].isdigit() and parts[0]:
+                return prefix, parts[0], int(parts[1]), parts[2]
+    return None
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def clean_dead_siblings(parent: Path) -> list[str]:
+    """Remove what crashed local stagings left in ``parent``.
+
+    Only siblings made on this host by processes that no longer exist are touched, so live
+    writers (other ranks, other processes) are safe. A leftover temporary directory is
+    deleted. A leftover trash directory holds a complete previous checkpoint: it is put back
+    if its checkpoint directory is missing (a crash between the two renames of the fallback
+    publish), deleted otherwise.
+
+    Returns:
+        The names removed or restored.
+    """
+    touched: list[str] = []
+    try:
+        children = list(parent.iterdir())
+    except FileNotFoundError:
+        return touched
+    for child in children:
+        owner = _owner(child.name)
+        if owner is None:
+            continue
+        prefix, target, pid, host = owner
+        if host != _HOST or _alive(pid):
+            continue
+        destination = parent / target
+        if prefix == TRASH_PREFIX and not os.path.lexists(destination):
+            try:
+                child.rename(destination)
+            except OSError:
+                continue
+        else:
+            _remove(child)
+        touched.append(child.name)
+    return touched
+
+
+def make_dirs(directory: Path) -> None:
+    """``mkdir -p`` that names the file standing in the way, if one does."""
+    for ancestor in (directory, *directory.parents):
+        if ancestor.exists() and not ancestor.is_dir():
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"cannot create {directory}: a file is in the way", str(ancestor)
+            )
+    directory.mkdir(parents=True, exist_ok=True)
+
+
+class LocalStaging(Staging):
+    """A hidden temporary sibling of ``final``, swapped into place by :meth:`publish`.
+
+    Creating it first removes what crashed writers (dead processes of this host) left next to
+    ``final``. :meth:`publish` fsyncs every file and directory, then puts the directory in
+    place: an existing ``final`` is exchanged atomically (``renameat2(RENAME_EXCHANGE)``; where
+    the filesystem cannot, it is renamed aside first and a crash in between is repaired by the
+    next writer) and deleted after.
+    """
+
+    def __init__(
+        self, final: Path, *, direct_io: bool | None = None, threads: int | None = None
+    ) -> None:
+        """Create the temporary sibling directory of ``final``."""
+        self.final = final
+        self.direct_io = direct_io
+        self.threads = threads
+        make_dirs(final.parent)
+        clean_dead_siblings(final.parent)
+        self.temp = _sibling(TEMP_PREFIX, final)
+        self.temp.mkdir()
+        self.files = {}
+        self._dirs: set[Path] = {self.temp}
+
+    @property
+    def location(self) -> str:
+        """The temporary directory."""
+        return str(self.temp)
+
+    def _target(self, relpath: str) -> Path:
+        check_relpath(relpath, "file")
+        path = self.temp / relpath
+        if path.parent not in self._dirs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._dirs.add(path.parent)
+        return path
+
+    def put_bytes(self, relpath: str, data: bytes) -> FileRecord:
+        """Write ``data`` (fsynced) and record its size and crc32c."""
+        _native.write_bytes_atomic(str(self._target(relpath)), data, True)
+        record = {"size": len(data), "crc32c": _native.crc32c(data)}
+        self.files[relpath] = record
+        return record
+
+    def put_tensors(
+        self,
+        relpath: str,
+        tensors: Mapping[str, torch.Tensor],
+        copies: Mapping[str, CopySource] | None = None,
+        *,
+        metadata: Mapping[str, str] | None = None,
+    ) -> FileRecord:
+        """Write a safetensors file (fsynced) and record its size and crc32c; tensors staged
+        into a file image are written straight from it (no copy) unless ``metadata`` is
+        given (an image's header is fixed when it is staged).
+
+        Raises:
+            ValueError: ``copies`` given (a local root references unchanged tensors).
+        """
+        if copies:
+            raise ValueError(
+                f"{self.final}: a local checkpoint references unchanged tensors instead of "
+                "copying them"
+            )
+        # Deferred: torch is imported by the tensor writers only, so that listing and verifying
+        # (which use this module) start without it.
+        from fastckpt.io.files import write_tensors
+        from fastckpt.io.images import find_image, write_image
+
+        image = find_image(tensors) if metadata is None else None
+        if image is not None:
+            report = write_image(image, self._target(relpath), direct_io=self.direct_io)
+        else:
+            report = write_tensors(
+                tensors,
+                self._target(relpath),
+                metadata,
+                direct_io=self.direct_io,
+                threads=self.threads,
+            )
+        record = {"size": report["file_len"], "crc32c": report["file_crc32c"]}
+        self.files[relpath] = record
+        return record
+
+    def put_link(
+        self, relpath: str, source: Path, record: FileRecord, identity: tuple[int, int]
+    ) -> None:
+        """Hard-link the committed file ``source`` as ``relpath`` (no byte copied; the
+        directory entry is fsynced at :meth:`publish`) and record it with ``record`` (the
+        source's size and crc32c). ``identity``: the ``(st_dev, st_ino)`` the caller checked
+        ``source`` under; a link to any other inode (``source`` replaced meanwhile) is
+        removed again.
+
+        Raises:
+            OSError: no hard link possible here (EXDEV, EPERM, EMLINK...) or the inode
+                differs (FileExistsError); nothing is recorded.
+        """
+        check_relpath(relpath, "file")
+        target = self.temp / relpath
+        made = not target.parent.is_dir()
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(source, target, follow_symlinks=False)
+            linked = os.stat(target, follow_symlinks=False)
+            if not stat.S_ISREG(linked.st_mode) or (linked.st_dev, linked.st_ino) != identity:
+                raise FileExistsError(errno.EEXIST, "the source file was replaced", str(source))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                target.unlink()
+            if made:
+                with contextlib.suppress(OSError):
+                    target.parent.rmdir()  # no empty folder left in the checkpoint
+            raise
+        self._dirs.add(target.parent)
+        self.files[relpath] = dict(record)
+
+    def adopt(self, location: str, relpath: str, record: FileRecord) -> None:
+        """Move a file from another staging directory into this one."""
+        Path(location, relpath).rename(self._target(relpath))
+        self.files[relpath] = dict(record)
+
+    def publish(self) -> None:
+        """fsync every directory, swap the temporary directory into place, fsync the parent."""
+        for directory in sorted(self._dirs, key=lambda p: len(p.parts), reverse=True):
+            _native.fsync_dir(str(directory))
+        old: Path | None = None
+        if os.path.lexists(self.final):
+            if exchange_paths(self.temp, self.final):
+                old = self.temp  # now holds the previous content
+            else:
+                old = _sibling(TRASH_PREFIX, self.final)
+                self.final.rename(old)
+                self.temp.rename(self.final)
+        else:
+            self.temp.rename(self.final)
+        _native.fsync_dir(str(self.final.parent))
+        if old is not None:
+            _remove(old)
+
+    def discard(self) -> None:
+        """Remove the temporary directory."""
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+class LocalFileSystem(StorageBackend):
+    """The local (or network-mounted POSIX) filesystem."""
+
+    def stat(self, path: Path) -> ObjectInfo:
+        """``os.stat`` (symlinks followed: callers check containment with ``safe_join``)."""
+        info = os.stat(path)
+        return ObjectInfo(info.st_size, stat.S_ISREG(info.st_mode), info.st_mtime)
+
+    def exists(self, path: Path) -> bool:
+        """``os.path.lexists``."""
+        return os.path.lexists(path)
+
+    def read_bytes(self, path: Path, *, limit: int = MAX_RECORD_BYTES) -> bytes:
+        """Read a regular file whole; FIFOs and devices are refused before any read."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except IsADirectoryError:
+            raise IsADirectoryError(errno.EISDIR, f"{path}: is a directory", str(path)) from None
+        with os.fdopen(fd, "rb") as handle:
+            info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):
+                raise IsADirectoryError(errno.EISDIR, f"{path}: is a directory", str(path))
+            if not stat.S_ISREG(info.st_mode):
+                raise CheckpointFormatError(f"{path}: not a regular file")
+            if info.st_size > limit:
+                raise CheckpointFormatError(
+                    f"{path}: {info.st_size} bytes, more than the {limit} a record may have"
+                )
+            data = read_by_size(handle, info.st_size, limit)
+        if len(data) > limit:
+            raise CheckpointFormatError(f"{path}: more than the {limit} bytes a record may have")
+        return data
+
+    def read_range(self, path: Path, offset: int, length: int) -> bytes:
+        """``pread`` of one range."""
+        with open(path, "rb") as handle:
+            return os.pread(handle.fileno(), length, offset)
+
+    def checksum(self, path: Path) -> tuple[int, int]:
+        """``(size, crc32c)`` read in 16 MiB pieces."""
+        crc = size = 0
+        with open(path, "rb") as handle:
+            while piece := handle.read(_READ_PIECE):
+                crc = _native.crc32c(piece, crc)
+                size += len(piece)
+        return size, crc
+
+    def verify_tensors(self, path: Path, threads: int) -> tuple[int, list[str]]:
+        """The Rust verifier (GIL released)."""
+        crc, unchecked = _native.verify_file(str(path), threads)
+        return crc, list(unchecked)
+
+    def open_tensors(
+        self, path: Path, *, verify: bool = True, threads: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """A private mapping of the file (:func:`fastckpt.io.files.read_tensors`), verified bytes
+        counted on the :func:`fastckpt.io.progress.active_counter` if one is set."""
+        from fastckpt.io.files import read_tensors  # deferred: torch, for tensor reads only
+
+        return read_tensors(path, verify=verify, threads=threads, progress=active_counter())
+
+    def read_header(self, path: Path) -> dict[str, Any]:
+        """:func:`fastckpt.io.files.read_metadata`."""
+        return read_metadata(path)
+
+    def list_dir(self, directory: Path) -> list[str]:
+        """``os.listdir`` (empty for a missing directory)."""
+        try:
+            return sorted(os.listdir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def stage(
+        self, final: Path, *, direct_io: bool | None = None, threads: int | None = None
+    ) -> LocalStaging:
+        """A :class:`LocalStaging` next to ``final``."""
+        return LocalStaging(final, direct_io=direct_io, threads=threads)
+
+    def put_record(self, path: Path, data: bytes) -> None:
+        """Temp file + fsync + rename + fsync of the directory (the Rust core)."""
+        _native.write_bytes_atomic(str(path), data, True)
+
+    def delete(self, path: Path) -> None:
+        """Remove a file, a symlink or a directory tree."""
+        _remove(path)
+
+    def lock(self, root: Path, *, timeout: float | None = None) -> RootLock:
+        """A :class:`~fastckpt.storage.lock.RootLock` on ``root``."""
+        return RootLock(root, timeout=timeout)
+
+
+LOCAL = LocalFileSystem()

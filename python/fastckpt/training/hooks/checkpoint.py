@@ -1,0 +1,453 @@
+"""``CheckpointHook``: periodic strategy checkpoints, written in the background.
+
+At its cadence the hook takes a snapshot of the strategy (JSON documents built at once; tensor
+references collected), copies the tensors that can change outside the optimizer step (model
+buffers) immediately, and hands the rest to a single background thread. That thread copies
+parameters, optimizer and hook state into reusable staging buffers and then writes the index
+through the Rust core. The strategy holds :meth:`CheckpointHook.guard` around its optimizer
+step, so the copy overlaps the next forward/backward instead of stalling training. The
+staging buffers are allocated before training starts (and after the first step, for state it
+creates), not at the first save: see :meth:`CheckpointHook.prewarm_staging`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from fastckpt.checkpoint.components import Snapshot, plan_incremental, write_snapshot
+from fastckpt.container.background import BackgroundWriter
+from fastckpt.container.commit import prune_indices
+from fastckpt.errors import FastCkptError, MixedRunError
+from fastckpt.format.records import Manifest
+from fastckpt.io.staging import (
+    Stager,
+    StagerOptions,
+    make_image_pool,
+    make_stager,
+    reserve_groups,
+    stage_groups,
+)
+from fastckpt.storage.registry import display_path, use_storage_options
+from fastckpt.training.hooks.context import TrainContext, TrainingStage
+
+__all__ = ["CheckpointHook"]
+
+
+def _positive(name: str, value: int | None) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"CheckpointHook {name} must be a positive integer, got {value!r}")
+    return value
+
+
+class CheckpointHook:
+    """Save a restartable ``TrainingStrategy`` checkpoint every N steps or N epochs.
+
+    Args:
+        checkpoint_dir: checkpoint root (positional or keyword, not both).
+        step_interval: save after every N completed optimizer steps (AFTER_BATCH).
+        epoch_interval: save after every N completed epochs (AFTER_EPOCH). Exactly one of the
+            two intervals must be given.
+        async_save: capture on the training thread, write on a background thread.
+        rank_zero_only: under a process group, only global rank 0 writes (unsharded state;
+            a strategy with FSDP2-sharded models is saved by every rank, each its shards).
+        keep_last: after each save keep only the newest N indices (None keeps all).
+        save_last: at the end of ``run`` (AFTER_TRAINING), save once more when the run
+            advanced past the last saved step (``num_steps=10, step_interval=3`` saves step
+            10 too); ``keep_last`` applies to that save as well. False saves only on the
+            cadence.
+        incremental: each save writes only the tensors that changed since the hook's previous
+            save (the others are references to bytes already on disk, which ``keep_last``
+            keeps while referenced; see docs/incremental.md). False writes everything.
+        wait_timeout_secs: how long a save waits for the previous background write (None:
+            as long as it takes); a write still running then raises ``TimeoutError`` and stays
+            tracked, its outcome reported by a later save or by ``close``.
+        lock_timeout: how long a save or ``keep_last`` prune waits for another process that
+            holds the root's lock (who holds it is logged after a second); then the save fails
+            with ``TimeoutError`` naming the holder. None (default) waits as long as it takes.
+
+    Attributes:
+        last_checkpoint_index: newest index known to be committed (async: updated when the
+            background write is collected).
+
+    Raises:
+        ValueError: zero or two intervals, a non-positive interval, keep_last or timeout.
+        TypeError: no checkpoint_dir, or given both positionally and as a keyword (Python's
+            own "multiple values" error).
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        *,
+        step_interval: int | None = None,
+        epoch_interval: int | None = None,
+        async_save: bool = True,
+        rank_zero_only: bool = True,
+        keep_last: int | None = None,
+        wait_timeout_secs: float | None = 600,
+        save_last: bool = True,
+        incremental: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
+        lock_timeout: float | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        """Validate the policy; the background writer starts when the hook is entered.
+
+        ``overwrite``: save even when ``checkpoint_dir``'s newest committed checkpoint is
+        further along than the run (a run restarted from step 0, or resumed from an earlier
+        index on purpose); by default training then stops before its first step with
+        :class:`~fastckpt.errors.MixedRunError`, so two runs never interleave in one root
+        unnoticed. The new checkpoints get the next indices either way (nothing is deleted).
+
+        ``storage_options``: object-store client options for an ``s3://`` checkpoint_dir
+        (endpoint_url, region, access_key_id, ... as for :func:`fastckpt.configure_storage`),
+        over the AWS environment; registered for its prefix (as ``configure_storage``) and
+        kept in effect for it. A local path refuses them (``StorageOptionsError``).
+        """
+        if checkpoint_dir is None:
+            raise TypeError("CheckpointHook needs a checkpoint_dir")
+        use_storage_options(checkpoint_dir, storage_options, "CheckpointHook")
+        _positive("step_interval", step_interval)
+        _positive("epoch_interval", epoch_interval)
+        _positive("keep_last", keep_last)
+        if wait_timeout_secs is not None and not wait_timeout_secs > 0:
+            raise ValueError(
+                f"CheckpointHook wait_timeout_secs must be > 0 or None, got {wait_timeout_secs!r}"
+            )
+        if lock_timeout is not None and not lock_timeout >= 0:
+            raise ValueError(
+                f"CheckpointHook lock_timeout must be >= 0 or None, got {lock_timeout!r}"
+            )
+        if (step_interval is None) == (epoch_interval is None):
+            raise ValueError("CheckpointHook needs exactly one of step_interval or epoch_interval")
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.step_interval = step_interval
+        self.epoch_interval = epoch_interval
+        self.async_save = async_save
+        self.rank_zero_only = rank_zero_only
+        self.keep_last = keep_last
+        self.lock_timeout = lock_timeout
+        if not isinstance(save_last, bool):
+            raise TypeError(f"CheckpointHook save_last must be a bool, got {save_last!r}")
+        self.save_last = save_last
+        if not isinstance(overwrite, bool):
+            raise TypeError(f"CheckpointHook overwrite must be a bool, got {overwrite!r}")
+        self.overwrite = overwrite
+        self.incremental = bool(incremental)
+        self.last_checkpoint_index: int | None = None
+        # The step count of the last save and of the run's start (for save_last).
+        self._saved_step: int | None = None
+        self._start_step: int | None = None
+        # A failed background write is raised with its own type, as a sync save raises it.
+        self._writer: BackgroundWriter[int] = BackgroundWriter(
+            "fastckpt-hook", wait_timeout=wait_timeout_secs, typed_errors=True
+        )
+        options = StagerOptions(pinned=_cuda_available(), non_blocking=_cuda_available())
+        self._stager: Stager = make_stager(options)
+        # Volatile tensors get their own pool: each pool keeps exactly the names it stages.
+        self._volatile_stager: Stager = make_stager(options)
+        # Both pools copy into the same file images (one per file): the writer then writes
+        # each file straight from its image.
+        self._images = make_image_pool(options)
+        self._dcp_writer: tuple[Any, Any] | None = None  # (fastckpt.dcp.Writer, group)
+        self._prewarm_pending = False  # allocate the first step's new state after it
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> CheckpointHook:
+        """Start the background writer (async mode)."""
+        if self.async_save:
+            self._writer.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        """Flush the pending write; its error is raised unless another one is propagating."""
+        try:
+            self.close()
+        except Exception:
+            if exc_type is None:
+                raise
+
+    def close(self) -> None:
+        """Wait for the pending write and stop the background writer.
+
+        A hook that is never closed (entered by hand, the process ends) still has its
+        pending write finished at interpreter exit; a failure then is named on stderr.
+
+        Raises:
+            Exception: the pending background write failed: its own error (``OSError``,
+                ``AccessDeniedError``, ``CheckpointFormatError``, ...), with a note naming
+                the write; raised once.
+        """
+        self._record(self._writer.close())
+
+    @property
+    def writing(self) -> bool:
+        """Whether a background write is in progress (async mode)."""
+        return self._writer.busy
+
+    @property
+    def staging_allocations(self) -> int:
+        """How many staging buffers this hook allocated so far (async saves; a save into
+        prewarmed buffers allocates none)."""
+        return (
+            self._stager.allocations + self._volatile_stager.allocations + self._images.allocations
+        )
+
+    def _record(self, index: int | None) -> None:
+        if index is not None:
+            self.last_checkpoint_index = index
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Held by the strategy around its optimizer step: waits for an in-progress capture."""
+        with self._writer.guard():
+            yield
+
+    def hook_config(self) -> dict[str, Any]:
+        """How this hook was configured (JSON values): what a strategy checkpoint records so
+        that ``TrainingStrategy.load_checkpoint`` can rebuild it (see
+        :mod:`fastckpt.training.hooks.rebuild`). ``storage_options`` are not recorded (they may hold
+        credentials): a rebuilt hook uses what ``configure_storage`` or the environment give."""
+        return {
+            "checkpoint_dir": os.fspath(self.checkpoint_dir),
+            "step_interval": self.step_interval,
+            "epoch_interval": self.epoch_interval,
+            "async_save": self.async_save,
+            "rank_zero_only": self.rank_zero_only,
+            "keep_last": self.keep_last,
+            "wait_timeout_secs": self._writer.wait_timeout,
+            "save_last": self.save_last,
+            "incremental": self.incremental,
+            "lock_timeout": self.lock_timeout,
+        }
+
+    # ------------------------------------------------------------------ policy
+
+    def _should_save(self, ctx: TrainContext, stage: TrainingStage) -> bool:
+        # Sharded (FSDP2) models: every rank holds shards, so every rank takes part.
+        sharded = bool(getattr(ctx.workflow, "sharded", False))
+        if self.rank_zero_only and ctx.global_rank != 0 and not sharded:
+            return False
+        if stage is TrainingStage.AFTER_BATCH and self.step_interval is not None:
+            return ctx.step_count > 0 and ctx.step_count % self.step_interval == 0
+        if stage is TrainingStage.AFTER_EPOCH and self.epoch_interval is not None:
+            return ctx.epoch > 0 and ctx.epoch % self.epoch_interval == 0
+        if stage is TrainingStage.AFTER_TRAINING and self.save_last:
+            # Only a state this run trained, and only if the cadence did not just save it.
+            return ctx.step_count != self._start_step and ctx.step_count != self._saved_step
+        return False
+
+    def __call__(self, ctx: TrainContext, stage: TrainingStage) -> None:
+        """Save when the cadence is reached, and at the end of the run (``save_last``).
+
+        Async: the staging buffers are allocated before training starts, and those of state
+        the first step creates (e.g. Adam's moments) after that step, so no save in the loop
+        pays for fresh memory (see :meth:`prewarm_staging`).
+        """
+        if stage is TrainingStage.BEFORE_TRAINING:
+            if not self.overwrite:
+                self._refuse_a_mixed_run(ctx)
+            self._start_step = ctx.step_count
+            self._prewarm_pending = True
+            self._prewarm(ctx)
+        elif stage is TrainingStage.AFTER_BATCH and self._prewarm_pending:
+            self._prewarm_pending = False
+            self._prewarm(ctx)
+        if self._should_save(ctx, stage):
+            self.save(ctx)
+
+    def _refuse_a_mixed_run(self, ctx: TrainContext) -> None:
+        """Raise :class:`MixedRunError` when the root's newest committed index is at a later
+        step than the run starts at (every rank checks, so that none trains on alone)."""
+        try:
+            manifest = Manifest.load(self.checkpoint_dir)
+        except (OSError, FastCkptError):
+            return  # unreadable: the first save reports it, with its own error
+        latest = manifest.latest
+        if latest is None:
+            return
+        saved = manifest.entries[latest].get("counters", {}).get("step_count")
+        if not isinstance(saved, int) or isinstance(saved, bool) or saved <= ctx.step_count:
+            return
+        root = display_path(self.checkpoint_dir)
+        raise MixedRunError(
+            f"{root}: its newest checkpoint (index {latest}) is at step {saved}, but this run "
+            f"starts at step {ctx.step_count}; its saves would interleave with that run's. "
+            f"Resume it (TrainingStrategy.load_checkpoint({root!r}, ...)), give the "
+            "CheckpointHook another checkpoint_dir, or pass CheckpointHook(..., "
+            "overwrite=True) to save there anyway (e.g. resuming from an earlier index on "
+            "purpose)"
+        )
+
+    def _prewarm(self, ctx: TrainContext) -> None:
+        sharded = bool(getattr(ctx.workflow, "sharded", False))
+        if not self.async_save or ctx.workflow is None or sharded:
+            return
+        if self.rank_zero_only and ctx.global_rank != 0:
+            return
+        self.prewarm_staging(ctx.workflow)
+
+    def prewarm_staging(self, strategy: Any) -> int:
+        """Allocate (and touch) the staging buffers an async save of ``strategy`` will copy
+        into, now, instead of at its first save (fresh memory costs a page fault per page,
+        pinned memory an expensive registration: seconds per GiB on a GPU machine). Buffers
+        that exist are kept; nothing is copied. The hook calls it before training starts and
+        again after the first step (whose optimizer step may create state, e.g. Adam's
+        moments); call it yourself when driving :meth:`save` by hand. A sync hook or a
+        sharded strategy (staged by fastckpt.dcp's writer) has nothing to allocate.
+
+        Returns:
+            The bytes newly allocated.
+        """
+        if not self.async_save or getattr(strategy, "sharded", False):
+            return 0
+        snapshot: Snapshot = strategy.checkpoint_snapshot()
+
+        def volatile(relpath: str, name: str) -> bool:
+            return (relpath, name) in snapshot.volatile
+
+        files = snapshot.tensor_files
+        return reserve_groups(
+            self._volatile_stager, files, volatile, self._images
+        ) + reserve_groups(
+            self._stager, files, lambda relpath, name: not volatile(relpath, name), self._images
+        )
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, ctx: TrainContext) -> None:
+        """Capture the strategy now and write it (in the background when async).
+
+        Raises:
+            RuntimeError: no strategy in ``ctx.workflow``, or the async writer was not started.
+            TimeoutError: the previous background write is still running after
+                ``wait_timeout_secs`` (it stays tracked).
+            Exception: the previous background write failed: its own error, with a note
+                naming it (raised once; as a sync save would raise it).
+        """
+        if ctx.workflow is None:
+            raise RuntimeError(
+                "CheckpointHook needs TrainContext.workflow to be the running TrainingStrategy"
+            )
+        self._record(self._writer.collect())  # one write in flight; keeps indices ordered
+        self._saved_step = ctx.step_count
+        if getattr(ctx.workflow, "sharded", False):
+            self._save_sharded(ctx)
+            return
+        snapshot: Snapshot = ctx.workflow.checkpoint_snapshot()
+        # Unchanged tensors become references now, before anything is staged.
+        snapshot.incremental = self.incremental
+        plan_incremental(self.checkpoint_dir, snapshot)
+        if not self.async_save:
+            self.last_checkpoint_index = self._write(snapshot)
+            return
+        if not self._writer.running:
+            raise RuntimeError(
+                "CheckpointHook's async writer is not running: run it through "
+                "TrainingStrategy.run (which enters hooks) or use it as a context manager"
+            )
+        # Buffers change outside the optimizer step: copied now, on the training thread.
+        self._stage(snapshot, only_volatile=True)
+        self._writer.submit(
+            f"{display_path(self.checkpoint_dir)} (the save at step {ctx.step_count})",
+            lambda: self._write(snapshot),
+            capture=lambda: self._stage(snapshot, only_volatile=False),
+        )
+
+    def _save_sharded(self, ctx: TrainContext) -> None:
+        """A strategy with FSDP2-sharded models: every rank writes its shards, then rank 0
+        commits the index (recipe, counters, RNG, scheduler and hook states) and prunes,
+        sharded parts included.
+
+        Sync: :meth:`TrainingStrategy.save_checkpoint` on the training thread. Async: every
+        rank stages its shards into this hook's reused :class:`fastckpt.dcp.Writer` now; the
+        background thread waits for their upload (on a gloo group for checkpoints only), then
+        rank 0 stages the hook states and commits the index.
+        """
+        assert ctx.workflow is not None
+        if not self.async_save:
+            self.last_checkpoint_index = ctx.workflow.save_checkpoint(self.checkpoint_dir)
+            if ctx.global_rank == 0:
+                self._prune_sharded()
+            return
+        if not self._writer.running:
+            raise RuntimeError(
+                "CheckpointHook's async writer is not running: run it through "
+                "TrainingStrategy.run (which enters hooks) or use it as a context manager"
+            )
+        writer, group = self._sharded_writer()
+        index, future = ctx.workflow.start_sharded_save(
+            self.checkpoint_dir, writer=writer, process_group=group
+        )
+        snapshot: Snapshot | None = None
+        if ctx.global_rank == 0:
+            snapshot = ctx.workflow.checkpoint_snapshot()
+            self._stage(snapshot, only_volatile=True)
+
+        def write() -> int:
+            future.result()
+            if snapshot is not None:
+                write_snapshot(self.checkpoint_dir, snapshot, index)
+                self._prune_sharded()
+            return index
+
+        def capture() -> None:
+            if snapshot is not None:
+                self._stage(snapshot, only_volatile=False)
+
+        self._writer.submit(
+            f"{display_path(self.checkpoint_dir)} (the save at step {ctx.step_count})",
+            write,
+            capture=capture,
+        )
+
+    def _sharded_writer(self) -> tuple[Any, Any]:
+        """This hook's DCP writer and checkpoint process group, made at the first async
+        sharded save (every rank is there, so the group creation is collective)."""
+        if self._dcp_writer is None:
+            import torch.distributed as dist
+
+            from fastckpt.dcp.writer import Writer
+
+            group = None
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                group = dist.new_group(backend="gloo")
+            options = StagerOptions(pinned=_cuda_available(), non_blocking=_cuda_available())
+            self._dcp_writer = (Writer(self.checkpoint_dir, stager_options=options), group)
+        return self._dcp_writer
+
+    def _prune_sharded(self) -> None:
+        from fastckpt.training.sharded import remove_sharded
+
+        if self.keep_last is not None:
+            remove_sharded(
+                self.checkpoint_dir,
+                prune_indices(self.checkpoint_dir, self.keep_last, lock_timeout=self.lock_timeout),
+            )
+
+    def _stage(self, snapshot: Snapshot, *, only_volatile: bool) -> None:
+        """Replace the snapshot's tensors with staged copies (volatile ones or the rest)."""
+        stager = self._volatile_stager if only_volatile else self._stager
+        stage_groups(
+            stager,
+            snapshot.tensor_files,
+            lambda relpath, name: ((relpath, name) in snapshot.volatile) == only_volatile,
+            self._images,
+        )
+
+    def _write(self, snapshot: Snapshot) -> int:
+        index = write_snapshot(self.checkpoint_dir, snapshot, lock_timeout=self.lock_timeout)
+        if self.keep_last is not None:
+            prune_indices(self.checkpoint_dir, self.keep_last, lock_timeout=self.lock_timeout)
+        return index
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,275 @@
+"""FSDP2-sharded models in :class:`~fastckpt.TrainingStrategy` checkpoints.
+
+A strategy whose models are sharded with ``torch.distributed.fsdp.fully_shard`` keeps its
+model and optimizer state in a sharded (DCP) checkpoint that every rank writes its own shards
+to through :mod:`fastckpt.dcp` (optimizer state keyed by parameter name, as ``get_state_dict``
+gives it, so it reshards onto any world size). Each save writes a fresh *part*,
+``ROOT/sharded/<index>/<part>`` (see :mod:`fastckpt.container.sharded.parts`). The index itself
+(``ROOT/<index>``, committed by rank 0 after the sharded part) holds what exists once: the
+recipe with each model's spec, counters, RNG states, scheduler and hook states, and the name
+of its part with the crc32c of the part's commit record. So the manifest commit of the index
+is the one commit point: a replacement killed before it leaves the old index, and its part,
+whole; readers see the old or the new index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import fastckpt.checkpoint.specs as specs
+from fastckpt import _native
+from fastckpt.errors import ChecksumMismatchError
+from fastckpt.format import records
+from fastckpt.storage.registry import backend_for, is_local
+
+if TYPE_CHECKING:  # importing fastckpt.dcp loads torch.distributed.checkpoint: deferred
+    from fastckpt.container.sharded.parts import Part
+
+__all__ = [
+    "SHARDED_DIR",
+    "async_save_sharded",
+    "check_not_fsdp1",
+    "check_recordable",
+    "committed_part",
+    "is_sharded_model",
+    "load_sharded",
+    "part_record",
+    "remove_sharded",
+    "save_sharded",
+    "sharded_path",
+    "sweep_parts",
+    "unsharded_spec",
+]
+
+#: The subdirectory of a strategy root holding the sharded part of each index.
+SHARDED_DIR = records.SHARDED_DIR
+
+
+def is_sharded_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is FSDP2-sharded (``fully_shard`` applied to it)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def check_not_fsdp1(name: str, model: torch.nn.Module) -> None:
+    """Refuse FSDP1 (``FullyShardedDataParallel``) with the fix.
+
+    Raises:
+        ValueError: ``model`` is wrapped in ``FullyShardedDataParallel``.
+    """
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return
+    if isinstance(model, FullyShardedDataParallel):
+        raise ValueError(
+            f"model {name!r} is wrapped in FullyShardedDataParallel (FSDP1), which "
+            "TrainingStrategy does not checkpoint: shard it with "
+            "torch.distributed.fsdp.fully_shard (FSDP2) instead; FSDP2 models are checkpointed "
+            "sharded and resume on any number of ranks (load_checkpoint(..., parallelize=fn))"
+        )
+
+
+def sharded_path(root: str | Path, index: int, part: str | None = None) -> Path:
+    """Where index ``index`` of ``root`` keeps the sharded part ``part`` (None: the
+    directory of its parts, which indices written before parts used as their part)."""
+    base = Path(root) / SHARDED_DIR / str(index)
+    return base if part is None else base / part
+
+
+def committed_part(root: str | Path, index: int, sharded: Any, where: str) -> Part:
+    """The part the ``sharded`` record of index ``index``'s strategy.json (``where``) names
+    (see :func:`fastckpt.container.sharded.parts.part_of`)."""
+    from fastckpt.container.sharded.parts import part_of
+
+    return part_of(root, index, sharded, where)
+
+
+def sweep_parts(root: str | Path) -> list[Path]:
+    """After a commit: under the root's lock, remove the sharded parts no committed index
+    names (the one a replacement replaced, those of killed saves; see
+    :func:`fastckpt.container.sharded.parts.sweep`). Returns them."""
+    from fastckpt.container.sharded.parts import sweep
+    from fastckpt.storage.registry import backend_for
+
+    with backend_for(root).lock(Path(root)):
+        return sweep(root, records.Manifest.load(root))
+
+
+def part_record(path: Path) -> dict[str, Any]:
+    """The fields an index's ``strategy.json`` records of its committed part ``path``: its
+    name and the crc32c of its commit record (read back from disk)."""
+    from fastckpt.container.sharded.commit import RECORD_NAME
+    from fastckpt.container.sharded.parts import PART_CRC_FIELD, PART_FIELD
+
+    data = records.read_record_bytes(path, RECORD_NAME)
+    return {PART_FIELD: path.name, PART_CRC_FIELD: _native.crc32c(data)}
+
+
+@contextlib.contextmanager
+def _original_classes(model: torch.nn.Module) -> Iterator[None]:
+    """Give every FSDP2 module its class from before ``fully_shard`` while the block runs
+    (``fully_shard`` swaps in a generated subclass, which is not importable)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    swapped: list[tuple[torch.nn.Module, type]] = []
+    try:
+        for module in model.modules():
+            cls = type(module)
+            if isinstance(module, FSDPModule):
+                original = next(base for base in cls.__bases__ if not issubclass(base, FSDPModule))
+                module.__class__ = original  # type: ignore[assignment]
+                swapped.append((module, cls))
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
+
+
+def unsharded_spec(model: torch.nn.Module) -> specs.BaseSpec:
+    """The spec that rebuilds ``model`` unsharded (an attached spec wins, as always)."""
+    with _original_classes(model):
+        return specs.model_spec(model)
+
+
+def check_recordable(name: str, model: torch.nn.Module) -> None:
+    """:func:`fastckpt.checkpoint.specs.check_recordable` for an FSDP2 model (its unsharded recipe;
+    the
+    parameters' global shapes)."""
+    with _original_classes(model):
+        specs.check_recordable(model, name)
+
+
+def _state(
+    models: Mapping[str, torch.nn.Module], optimizers: Mapping[str, torch.optim.Optimizer]
+) -> dict[str, Any]:
+    """``{"models": {name: sharded state}, "optimizers": {name: state by parameter name}}``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    state: dict[str, Any] = {"models": {}, "optimizers": {}}
+    for name, model in models.items():
+        optimizer = optimizers.get(name)
+        if optimizer is None:
+            state["models"][name] = get_model_state_dict(model)
+        else:
+            state["models"][name], state["optimizers"][name] = get_state_dict(model, optimizer)
+    return {section: value for section, value in state.items() if value}
+
+
+def save_sharded(
+    root: str | Path,
+    index: int,
+    part: str,
+    models: Mapping[str, torch.nn.Module],
+    optimizers: Mapping[str, torch.optim.Optimizer],
+) -> Path:
+    """Write the models' and optimizers' shards as the part ``ROOT/sharded/<index>/<part>``;
+    collective (every rank calls it with its own shards and the same ``part``). Returns the
+    part's directory."""
+    from fastckpt.dcp.state import save_state
+
+    path = sharded_path(root, index, part)
+    save_state(path, _state(models, optimizers))
+    return path
+
+
+def async_save_sharded(
+    root: str | Path,
+    index: int,
+    part: str,
+    models: Mapping[str, torch.nn.Module],
+    optimizers: Mapping[str, torch.optim.Optimizer],
+    *,
+    writer: Any,
+    process_group: Any = None,
+) -> tuple[dict[str, Any], Future[None]]:
+    """:func:`save_sharded` in the background: returns once every rank's shards are staged
+    into ``writer``'s (a :class:`fastckpt.dcp.Writer`, reused) buffers.
+
+    Returns:
+        The part's fields for the index's ``strategy.json`` (``part`` now; ``record_crc32c``
+        filled in once the part is committed, before the future resolves) and the future of
+        the upload and commit.
+    """
+    from fastckpt.container.sharded.parts import PART_FIELD
+    from fastckpt.dcp.state import async_save_state
+
+    path = sharded_path(root, index, part)
+    fields: dict[str, Any] = {PART_FIELD: part}
+    uploaded = async_save_state(
+        path, _state(models, optimizers), writer=writer, process_group=process_group
+    )
+    committed: Future[None] = Future()
+
+    def done(future: Any) -> None:
+        try:
+            future.result()
+            fields.update(part_record(path))
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            committed.set_exception(err)
+            return
+        committed.set_result(None)
+
+    uploaded.add_done_callback(done)
+    return fields, committed
+
+
+def load_sharded(
+    part: Part,
+    models: Mapping[str, torch.nn.Module],
+    optimizers: Mapping[str, torch.optim.Optimizer],
+) -> None:
+    """Load a sharded part into live (sharded or plain) models and optimizers, resharding as
+    their placements say; collective. Every tensor must be in the checkpoint (strict). Nothing
+    live changes unless every rank read and verified all of it.
+
+    Raises:
+        ChecksumMismatchError: the part's commit record is not the one its index recorded.
+        NotCommittedError, CheckpointFormatError, CheckpointMismatchError, FileNotFoundError:
+            as :func:`fastckpt.dcp.load_state`.
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    from fastckpt.container.sharded.commit import read_record
+    from fastckpt.dcp.state import load_record_state
+
+    record = read_record(part.path)
+    if part.record_crc32c is not None and record.file_crc32c != part.record_crc32c:
+        raise ChecksumMismatchError(
+            f"{record.path}: crc32c {record.file_crc32c:08x} differs from the "
+            f"{part.record_crc32c:08x} that {part.source} records; the index's sharded part "
+            "was replaced or damaged. Load another index"
+        )
+    templates = _state(models, optimizers)
+    loaded = load_record_state(record, templates, strict=True)
+    for name, model in models.items():
+        optimizer = optimizers.get(name)
+        if optimizer is None:
+            set_model_state_dict(model, loaded["models"][name])
+        else:
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=loaded["models"][name],
+                optim_state_dict=loaded["optimizers"][name],
+            )
+
+
+def remove_sharded(root: str | Path, indices: list[int]) -> None:
+    """Delete the sharded parts of pruned indices (all their parts)."""
+    backend = backend_for(root)
+    for index in indices:
+        if is_local(backend):
+            shutil.rmtree(sharded_path(root, index), ignore_errors=True)
+        else:
+            backend.delete(sharded_path(root, index))

@@ -1,0 +1,1181 @@
+"""``TrainingStrategy``: a training loop whose whole state checkpoints and resumes exactly.
+
+The strategy owns models, optimizers, schedulers, the training function, hooks and five
+counters. A strategy checkpoint (``save_checkpoint``) holds the components (as in
+:mod:`fastckpt.checkpoint.api`), a JSON recipe to rebuild them, the counters, the RNG states
+(python, numpy, torch CPU and CUDA) and the position inside the current epoch, plus the state
+of every :class:`~fastckpt.training.hooks.CheckpointableHook`. Resuming replays the epoch's data
+order
+from the RNG state saved at the epoch start and skips the batches already consumed, so a
+resumed run matches an uninterrupted one bit for bit (CPU, deterministic ops, a ``DataLoader``
+with ``num_workers=0``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import random
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import fastckpt.checkpoint.components as codec
+import fastckpt.checkpoint.specs as specs
+import fastckpt.training.sharded as sharded_training
+from fastckpt.container.snapshot import read_consistently
+from fastckpt.errors import (
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    FastCkptError,
+    UntrustedTargetError,
+)
+from fastckpt.format.records import MANIFEST, Manifest
+from fastckpt.io import tree
+from fastckpt.storage.registry import use_storage_options
+from fastckpt.training.hooks.context import (
+    CheckpointableHook,
+    MutationGuard,
+    TrainContext,
+    TrainingStage,
+)
+from fastckpt.training.hooks.rebuild import (
+    CONFIGS_FIELD,
+    parse_hook_configs,
+    rebuild_hooks,
+    record_hooks,
+)
+
+__all__ = ["FineTuningStrategy", "OptimizerConfig", "TrainingStrategy"]
+
+Trusted = Iterable[str | Callable[..., Any]] | None
+MUST_BE_SUPPLIED = "must be supplied"
+COUNTERS = ("step_count", "global_step_count", "batch_count", "epoch_count", "epoch_step_count")
+
+
+def _path_of(target: type | str) -> str:
+    return target if isinstance(target, str) else specs.dotted_path(target)
+
+
+@dataclass
+class OptimizerConfig:
+    """How to build a model's optimizer (and optionally its LR scheduler).
+
+    Attributes:
+        optimizer_cls: an Optimizer subclass or its dotted path.
+        optimizer_kwargs: keyword arguments (``lr``, ``betas``, ...).
+        scheduler_cls: an LR-scheduler class or dotted path, or None.
+        scheduler_kwargs: its keyword arguments (the optimizer is passed first).
+    """
+
+    optimizer_cls: type[torch.optim.Optimizer] | str
+    optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
+    scheduler_cls: type | str | None = None
+    scheduler_kwargs: dict[str, Any] | None = None
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer) -> OptimizerConfig:
+        """A config with the live optimizer's class and ``defaults``."""
+        return cls(type(optimizer), codec.accepted_kwargs(type(optimizer), optimizer.defaults))
+
+    def build(
+        self, params: Iterable[torch.nn.Parameter], trusted: Trusted = None
+    ) -> tuple[torch.optim.Optimizer, Any]:
+        """Build the optimizer on ``params`` and the scheduler on it (or None).
+
+        Dotted paths go through the trust policy (:func:`fastckpt.checkpoint.specs.resolve_target`).
+        """
+        optimizer_cls = self.optimizer_cls
+        if isinstance(optimizer_cls, str):
+            optimizer_cls = specs.resolve_target(optimizer_cls, "optimizer", trusted)
+        optimizer = optimizer_cls(params, **self.optimizer_kwargs)
+        scheduler = None
+        if self.scheduler_cls is not None:
+            scheduler_cls = self.scheduler_cls
+            if isinstance(scheduler_cls, str):
+                scheduler_cls = specs.resolve_target(scheduler_cls, "scheduler", trusted)
+            scheduler = scheduler_cls(optimizer, **(self.scheduler_kwargs or {}))
+        return optimizer, scheduler
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON recipe (classes as dotted paths, kwargs encoded by
+        :mod:`fastckpt.checkpoint.specs`)."""
+        return {
+            "optimizer_cls": _path_of(self.optimizer_cls),
+            "optimizer_kwargs": specs.encode_value(self.optimizer_kwargs, "optimizer_kwargs"),
+            "scheduler_cls": None if self.scheduler_cls is None else _path_of(self.scheduler_cls),
+            "scheduler_kwargs": specs.encode_value(self.scheduler_kwargs, "scheduler_kwargs"),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> OptimizerConfig:
+        """Inverse of :meth:`to_json` (classes stay dotted paths until :meth:`build`)."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("optimizer_cls"), str):
+            raise CheckpointFormatError(f"bad optimizer config {data!r}")
+        return cls(
+            optimizer_cls=data["optimizer_cls"],
+            optimizer_kwargs=specs.decode_value(data.get("optimizer_kwargs") or {}),
+            scheduler_cls=data.get("scheduler_cls"),
+            scheduler_kwargs=specs.decode_value(data.get("scheduler_kwargs")),
+        )
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every RNG a training step may draw from, as tensors and plain values."""
+    version, internal, gauss = random.getstate()
+    numpy_state: tuple[Any, ...] = tuple(np.random.get_state(legacy=True))
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = numpy_state
+    state: dict[str, Any] = {
+        "python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
+        "numpy": [
+            np_name,
+            torch.from_numpy(np_keys.astype(np.int64)),
+            np_pos,
+            np_has_gauss,
+            np_gauss,
+        ],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(int(x) for x in internal.tolist()), gauss))
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    np.random.set_state(
+        (np_name, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss)
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+def _to_device(value: Any, device: torch.device | None) -> Any:
+    if device is None:
+        return value
+    return tree.map_tensors(value, lambda tensor: tensor.to(device))
+
+
+class TrainingStrategy:
+    """Runs a training loop and checkpoints all of it.
+
+    Args:
+        models: an ``nn.Module`` (named ``"main"``) or a mapping name -> module (DDP-wrapped
+            modules are fine; they are unwrapped in checkpoints).
+        optimizers: an :class:`OptimizerConfig` (applied to every model), a live
+            ``torch.optim.Optimizer`` (single model), or a mapping model name -> either.
+        training_fn: ``training_fn(model, batch) -> loss`` (with several models the first
+            argument is the mapping of models), or its dotted path.
+        hooks: hooks called at every :class:`TrainingStage`.
+        num_steps: stop after this many optimizer steps in total.
+        num_epochs: stop after this many completed epochs in total.
+        device: move models and batches here.
+
+    Attributes:
+        models, optimizers, schedulers: live objects keyed by model name.
+        step_count, global_step_count, batch_count, epoch_count, epoch_step_count: counters.
+    """
+
+    def __init__(
+        self,
+        models: torch.nn.Module | Mapping[str, torch.nn.Module],
+        optimizers: Any = None,
+        training_fn: Callable[..., Any] | str | None = None,
+        hooks: Sequence[Any] = (),
+        num_steps: int | None = None,
+        num_epochs: int | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        """Build the optimizers and schedulers from their configs; counters start at 0."""
+        self.models: dict[str, torch.nn.Module] = (
+            {"main": models} if isinstance(models, torch.nn.Module) else dict(models)
+        )
+        if not self.models:
+            raise ValueError("TrainingStrategy needs at least one model")
+        for name, model in self.models.items():
+            sharded_training.check_not_fsdp1(name, model)
+            if sharded_training.is_sharded_model(model):
+                sharded_training.check_recordable(name, model)
+            else:
+                specs.check_recordable(codec.unwrap_model(model), name)
+        self.device = None if device is None else torch.device(device)
+        if self.device is not None:
+            for model in self.models.values():
+                model.to(self.device)
+        self.optimizer_configs: dict[str, OptimizerConfig] = {}
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.schedulers: dict[str, Any] = {}
+        self._setup_optimizers(optimizers)
+        self.training_fn = self._resolve_training_fn(training_fn)
+        self.hooks = list(hooks)
+        self.num_steps = num_steps
+        self.num_epochs = num_epochs
+        self.step_count = 0
+        self.global_step_count = 0
+        self.batch_count = 0
+        self.epoch_count = 0
+        self.epoch_step_count = 0
+        self._epoch_start_rng: torch.Tensor | None = None
+        self._ctx = TrainContext(workflow=self)
+
+    # ------------------------------------------------------------------ construction
+
+    def _setup_optimizers(self, optimizers: Any) -> None:
+        if optimizers is None:
+            return
+        if isinstance(optimizers, (OptimizerConfig, torch.optim.Optimizer)):
+            if isinstance(optimizers, torch.optim.Optimizer) and len(self.models) != 1:
+                raise ValueError("a live optimizer needs a single model; pass a mapping instead")
+            optimizers = dict.fromkeys(self.models, optimizers)
+        for name, config in dict(optimizers).items():
+            if name not in self.models:
+                raise KeyError(
+                    f"optimizer for unknown model {name!r}; models: {sorted(self.models)}"
+                )
+            if isinstance(config, torch.optim.Optimizer):
+                self.optimizers[name] = config
+                self.optimizer_configs[name] = OptimizerConfig.from_optimizer(config)
+                continue
+            if not isinstance(config, OptimizerConfig):
+                raise TypeError(f"optimizers[{name!r}] must be an OptimizerConfig or Optimizer")
+            optimizer, scheduler = config.build(self.models[name].parameters())
+            self.optimizers[name] = optimizer
+            self.optimizer_configs[name] = config
+            if scheduler is not None:
+                self.schedulers[name] = scheduler
+
+    @staticmethod
+    def _resolve_training_fn(training_fn: Callable[..., Any] | str | None) -> Any:
+        if isinstance(training_fn, str):
+            # The caller wrote this path in their own code: it is trusted by construction.
+            return specs.resolve_target(training_fn, "callable", trusted=[training_fn])
+        return training_fn
+
+    @property
+    def context(self) -> TrainContext:
+        """The context hooks receive (kept current by the loop)."""
+        return self._ctx
+
+    # ------------------------------------------------------------------ the loop
+
+    def _fire(self, stage: TrainingStage) -> None:
+        ctx = self._ctx
+        ctx.step_count = self.step_count
+        ctx.global_step_count = self.global_step_count
+        ctx.batch_count = self.batch_count
+        ctx.epoch_step_count = self.epoch_step_count
+        ctx.epoch = self.epoch_count
+        ctx.global_rank = _world()[0]
+        ctx.models = self.models
+        ctx.optimizers = self.optimizers
+        ctx.schedulers = self.schedulers
+        for hook in self.hooks:
+            hook(ctx, stage)
+
+    def _done(self) -> bool:
+        return (self.num_steps is not None and self.step_count >= self.num_steps) or (
+            self.num_epochs is not None and self.epoch_count >= self.num_epochs
+        )
+
+    def run(self, train_loader: Iterable[Any]) -> None:
+        """Train until ``num_steps`` steps or ``num_epochs`` epochs (totals), firing hooks.
+
+        A restored or previously stopped strategy continues mid-epoch where it stopped.
+
+        Raises:
+            ValueError: no training_fn, no optimizer, no stopping condition, or an empty loader.
+        """
+        if self.training_fn is None:
+            raise ValueError("TrainingStrategy.run needs a training_fn")
+        if not self.optimizers:
+            raise ValueError("TrainingStrategy.run needs optimizers")
+        if self.num_steps is None and self.num_epochs is None:
+            raise ValueError("set num_steps or num_epochs before run()")
+        with contextlib.ExitStack() as stack:
+            for hook in self.hooks:
+                if hasattr(hook, "__enter__") and hasattr(hook, "__exit__"):
+                    stack.enter_context(hook)
+            self._fire(TrainingStage.SETUP)
+            self._fire(TrainingStage.BEFORE_TRAINING)
+            while not self._done():
+                if not self._run_epoch(train_loader):
+                    break
+            self._fire(TrainingStage.AFTER_TRAINING)
+
+    def _epoch_iterator(self, train_loader: Iterable[Any]) -> Iterator[Any]:
+        """A fresh epoch, or the current one replayed from its start RNG and fast-forwarded."""
+        if self.epoch_step_count == 0 or self._epoch_start_rng is None:
+            self.epoch_step_count = 0
+            self._fire(TrainingStage.BEFORE_EPOCH)
+            self._epoch_start_rng = torch.get_rng_state()
+            return iter(train_loader)
+        current = torch.get_rng_state()
+        torch.set_rng_state(self._epoch_start_rng)
+        iterator = iter(train_loader)
+        for consumed in range(self.epoch_step_count):
+            try:
+                next(iterator)
+            except StopIteration:
+                raise ValueError(
+                    f"the loader has only {consumed} batches but the checkpoint stopped after "
+                    f"{self.epoch_step_count} in this epoch; resume with the same data"
+                ) from None
+        torch.set_rng_state(current)
+        return iterator
+
+    def _run_epoch(self, train_loader: Iterable[Any]) -> bool:
+        """Run (the rest of) one epoch; False when training must stop mid-epoch."""
+        seen = self.epoch_step_count
+        for batch in self._epoch_iterator(train_loader):
+            self._train_batch(batch)
+            seen += 1
+            if self._done():
+                return False
+        if seen == 0:
+            raise ValueError("the training loader yielded no batches")
+        self.epoch_count += 1
+        self.epoch_step_count = 0
+        self._epoch_start_rng = None
+        self._fire(TrainingStage.AFTER_EPOCH)
+        return True
+
+    def _train_batch(self, batch: Any) -> None:
+        self._ctx.batch = batch
+        self._fire(TrainingStage.BEFORE_BATCH)
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=True)
+        model_arg: Any = self.models["main"] if list(self.models) == ["main"] else self.models
+        loss = self.training_fn(model_arg, _to_device(batch, self.device))
+        loss.backward()
+        with contextlib.ExitStack() as guards:
+            for hook in self.hooks:
+                if isinstance(hook, MutationGuard):
+                    guards.enter_context(hook.guard())
+            for optimizer in self.optimizers.values():
+                optimizer.step()
+            for scheduler in self.schedulers.values():
+                scheduler.step()
+            self.step_count += 1
+            self.global_step_count += _world()[1]
+            self._fire(TrainingStage.AFTER_OPTIMIZER_STEP)
+        self.batch_count += 1
+        self.epoch_step_count += 1
+        self._ctx.loss = loss.detach()
+        self._fire(TrainingStage.AFTER_BATCH)
+        self._ctx.batch = None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The five counters."""
+        return {name: getattr(self, name) for name in COUNTERS}
+
+    def _training_fn_path(self) -> str:
+        if self.training_fn is None:
+            return MUST_BE_SUPPLIED
+        try:
+            return specs.dotted_path(self.training_fn)
+        except TypeError:
+            return MUST_BE_SUPPLIED
+
+    #: The part fields of the sharded save under way (see :meth:`start_sharded_save`), for
+    #: the next :meth:`checkpoint_snapshot` to name in the index.
+    _pending_sharded_part: dict[str, Any] | None = None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether a model is FSDP2-sharded: checkpoints then keep model and optimizer state
+        as every rank's shards (``ROOT/sharded/<index>``), and every rank must save."""
+        return any(sharded_training.is_sharded_model(model) for model in self.models.values())
+
+    def checkpoint_snapshot(self) -> codec.Snapshot:
+        """Everything a checkpoint of this strategy holds, captured now (no file I/O).
+
+        For a :attr:`sharded` strategy, the part of an index that exists once (recipe with
+        each model's spec, counters, RNG, scheduler and hook states); :meth:`save_checkpoint`
+        writes the shards.
+        """
+        if self.sharded:
+            return self._sharded_snapshot()
+        models = {name: (model, None) for name, model in self.models.items()}
+        optimizers = {name: (opt, None) for name, opt in self.optimizers.items()}
+        schedulers = {
+            name: (sched, self._scheduler_spec(name, sched))
+            for name, sched in self.schedulers.items()
+        }
+        associations = {
+            "optimizers": {name: name for name in optimizers},
+            "schedulers": {name: name for name in schedulers},
+        }
+        snapshot = codec.create_snapshot(
+            models, optimizers, schedulers, associations, self.counters
+        )
+        self._add_runtime(snapshot, {})
+        return snapshot
+
+    def _sharded_snapshot(self) -> codec.Snapshot:
+        snapshot = codec.create_snapshot(counters=self.counters)
+        schedulers = {name: sched.state_dict() for name, sched in self.schedulers.items()}
+        self._add_runtime(snapshot, {"schedulers": schedulers})
+        # The part this save wrote (its commit record's crc32c is added once it committed:
+        # the async save fills in this very dict before its future resolves).
+        record = self._pending_sharded_part if self._pending_sharded_part is not None else {}
+        self._pending_sharded_part = None
+        record.update(
+            directory=sharded_training.SHARDED_DIR,
+            models={
+                name: sharded_training.unsharded_spec(model).to_json()
+                for name, model in self.models.items()
+            },
+            optimizers=sorted(self.optimizers),
+        )
+        snapshot.json_files["strategy.json"]["sharded"] = record
+        return snapshot
+
+    def _add_runtime(self, snapshot: codec.Snapshot, extra: dict[str, Any]) -> None:
+        """Add the recipe, counters, RNG states (plus ``extra``) and hook states."""
+        runtime = {"rng": _rng_state(), "epoch_start_rng": self._epoch_start_rng, **extra}
+        skeleton, tensors = tree.flatten(runtime)
+        snapshot.tensor_files["strategy.safetensors"] = tensors
+        snapshot.json_files["strategy.json"] = {
+            "strategy_cls": specs.dotted_path(type(self)),
+            "optimizer_configs": {n: c.to_json() for n, c in self.optimizer_configs.items()},
+            "training_fn": self._training_fn_path(),
+            "num_steps": self.num_steps,
+            "num_epochs": self.num_epochs,
+            "counters": self.counters,
+            "runtime": skeleton,
+        }
+        hook_states = []
+        occurrences: dict[str, int] = {}
+        for hook in self.hooks:
+            if isinstance(hook, CheckpointableHook):
+                cls_path = specs.dotted_path(type(hook))
+                occurrence = occurrences.get(cls_path, 0)
+                occurrences[cls_path] = occurrence + 1
+                hook_states.append(
+                    {"class": cls_path, "occurrence": occurrence, "state": hook.state_dict()}
+                )
+        skeleton, tensors = tree.flatten(hook_states)
+        snapshot.json_files["hooks.json"] = {
+            "hooks": skeleton,
+            CONFIGS_FIELD: record_hooks(self.hooks),
+        }
+        snapshot.tensor_files["hooks.safetensors"] = tensors
+
+    def _scheduler_spec(self, name: str, scheduler: Any) -> specs.BaseSpec | None:
+        config = self.optimizer_configs.get(name)
+        if config is None or config.scheduler_cls is None:
+            return None
+        return specs.BaseSpec(
+            cls_path=_path_of(config.scheduler_cls), kwargs=dict(config.scheduler_kwargs or {})
+        )
+
+    def save_checkpoint(
+        self, root: str | Path, *, checkpoint_index: int = -1, incremental: bool = True
+    ) -> int:
+        """Write this strategy as a committed checkpoint index of ``root``; returns it.
+
+        A :attr:`sharded` strategy's save is collective: every rank calls it, writes its own
+        shards, and rank 0 then commits the index (the recipe and counters, once).
+        ``incremental`` (unsharded strategies): write only the tensors that changed since this
+        process's last save into ``root`` (see docs/incremental.md); False writes everything.
+        """
+        if not self.sharded:
+            snapshot = self.checkpoint_snapshot()
+            snapshot.incremental = incremental
+            return codec.write_snapshot(root, snapshot, checkpoint_index)
+        return self._save_sharded(Path(root), checkpoint_index)
+
+    def _sharded_index(self, root: Path, checkpoint_index: int) -> tuple[int, str]:
+        """The index every rank saves into and the fresh part its shards go to: rank 0's
+        choice, broadcast (collective)."""
+        import torch.distributed as dist
+
+        from fastckpt.container.sharded.parts import new_part
+
+        rank, world = _world()
+        decided: list[Any] = [None, None]
+        if rank == 0:
+            latest = Manifest.load(root).latest
+            next_index = 0 if latest is None else latest + 1
+            decided[0] = next_index if checkpoint_index == -1 else int(checkpoint_index)
+            decided[1] = new_part()
+        if world > 1:
+            dist.broadcast_object_list(decided, src=0)
+        index = int(decided[0])
+        if index < 0:
+            raise ValueError(f"checkpoint_index must be -1 or >= 0, got {checkpoint_index}")
+        return index, str(decided[1])
+
+    def start_sharded_save(
+        self, root: str | Path, *, writer: Any, process_group: Any = None
+    ) -> tuple[int, Any]:
+        """Begin an async checkpoint of a :attr:`sharded` strategy (collective; used by
+        :class:`~fastckpt.training.hooks.CheckpointHook`).
+
+        Every rank stages its shards into ``writer``'s reused buffers (training may go on once
+        this returns) and uploads them in the background on ``process_group`` (a gloo group
+        for checkpoints only), into a fresh part of the index. Rank 0 commits the index
+        afterwards, once the returned future resolved: ``write_snapshot(root, snapshot,
+        index)`` with the next :meth:`checkpoint_snapshot`, taken now (it names the part; the
+        part's record checksum is filled in before the future resolves).
+
+        Returns:
+            The index and the future of the sharded part.
+        """
+        index, part = self._sharded_index(Path(root), -1)
+        fields, future = sharded_training.async_save_sharded(
+            root,
+            index,
+            part,
+            self.models,
+            self.optimizers,
+            writer=writer,
+            process_group=process_group,
+        )
+        self._pending_sharded_part = fields
+        return index, future
+
+    def _save_sharded(self, root: Path, checkpoint_index: int) -> int:
+        import torch.distributed as dist
+
+        rank, world = _world()
+        index, part = self._sharded_index(root, checkpoint_index)
+        path = sharded_training.save_sharded(root, index, part, self.models, self.optimizers)
+        outcome: list[Any] = [None]
+        if rank == 0:
+            try:
+                self._pending_sharded_part = sharded_training.part_record(path)
+                codec.write_snapshot(root, self.checkpoint_snapshot(), index)  # the commit
+            except Exception as err:
+                if world == 1:
+                    raise
+                outcome[0] = f"{type(err).__name__}: {err}"
+            else:
+                with contextlib.suppress(OSError, CheckpointFormatError):  # committed anyway
+                    sharded_training.sweep_parts(root)  # the replaced part, killed saves'
+        if world > 1:
+            dist.broadcast_object_list(outcome, src=0)  # every rank learns how the commit went
+        if outcome[0] is not None:
+            raise RuntimeError(f"rank 0 could not commit index {index} of {root}: {outcome[0]}")
+        return index
+
+    def restore_checkpoint(
+        self,
+        root: str | Path,
+        checkpoint_index: int = -1,
+        map_location: str | torch.device | None = None,
+        *,
+        validators: Any = None,
+    ) -> int:
+        """Restore weights, optimizer/scheduler state, counters, RNG, data position and hook
+        states into this live strategy. Returns the restored index.
+
+        Raises:
+            ValueError: the checkpoint is component-only, or its models differ from this one's.
+        """
+        manifest, index, reader, recipe = _read_index(root, checkpoint_index)
+        if recipe.get("sharded") is not None:
+            return self._restore_sharded(Path(root), index, validators)
+        entry = manifest.entries[index]
+        saved_models = entry.get("components", {}).get("models", [])
+        if sorted(saved_models) != sorted(self.models):
+            raise ValueError(
+                f"checkpoint {index} has models {sorted(saved_models)}, this strategy has "
+                f"{sorted(self.models)}"
+            )
+        # strategy.json / hooks.json are checked before anything live changes.
+        runtime = _parse_runtime(reader, recipe)
+        for name, model in self.models.items():
+            target = codec.unwrap_model(model)
+            target.load_state_dict(reader.tensors(f"models/{name}.safetensors", owned=False))
+            if map_location is not None:
+                target.to(map_location)
+            codec.run_validators(validators, name, target)
+        for name, optimizer in self.optimizers.items():
+            state = reader.component_state("optimizers", name, map_location)
+            optimizer.load_state_dict(state)
+        for name, scheduler in self.schedulers.items():
+            scheduler.load_state_dict(reader.component_state("schedulers", name, None))
+        self._apply_runtime(runtime, reader)
+        return index
+
+    def _restore_sharded(self, root: Path, index: int, validators: Any) -> int:
+        """Restore committed index ``index`` of FSDP2-sharded models: its strategy.json, run
+        state and the part it names, read as one snapshot (in one process, read again when a
+        save replaced the index meanwhile), then applied."""
+
+        def attempt() -> tuple[codec.IndexReader, _Runtime]:
+            manifest = Manifest.load(root)
+            manifest.resolve(index)
+            reader = codec.IndexReader(manifest, index)
+            recipe = _read_recipe(reader)
+            where = f"{reader.directory}/strategy.json"
+            sharded = recipe.get("sharded")
+            if not isinstance(sharded, Mapping) or not isinstance(sharded.get("models"), Mapping):
+                raise CheckpointFormatError(f"{where}: bad 'sharded' record")
+            if sorted(sharded["models"]) != sorted(self.models):
+                raise ValueError(
+                    f"checkpoint {index} has models {sorted(sharded['models'])}, this strategy "
+                    f"has {sorted(self.models)}"
+                )
+            runtime = _parse_runtime(reader, recipe)
+            part = sharded_training.committed_part(root, index, sharded, where)
+            sharded_training.load_sharded(part, self.models, self.optimizers)  # last: applies
+            return reader, runtime
+
+        if _world()[1] == 1:
+            reader, runtime = read_consistently(root / MANIFEST, attempt, lock_root=root)
+        else:  # the ranks cannot retry one by one: a retry would hang the others
+            reader, runtime = attempt()
+        for name, model in self.models.items():
+            codec.run_validators(validators, name, model)
+        self._apply_runtime(runtime, reader)
+        return index
+
+    def _restore_runtime(self, reader: codec.IndexReader, recipe: Mapping[str, Any]) -> None:
+        """Restore counters, RNG, data position, scheduler and hook states (checked first:
+        a malformed field is a :class:`CheckpointFormatError` naming its file and field)."""
+        self._apply_runtime(_parse_runtime(reader, recipe), reader)
+
+    def _apply_runtime(self, runtime: _Runtime, reader: codec.IndexReader) -> None:
+        for name, value in runtime.counters.items():
+            setattr(self, name, value)
+        _set_rng_state(runtime.rng)
+        self._epoch_start_rng = runtime.epoch_start_rng
+        where = f"{reader.directory}/strategy.json"
+        for name, state in runtime.schedulers.items():
+            if name in self.schedulers:
+                with _malformed(where, f"runtime.schedulers.{name}"):
+                    self.schedulers[name].load_state_dict(state)
+        _restore_hook_states(self.hooks, runtime.hooks, f"{reader.directory}/hooks.json")
+
+    @classmethod
+    def load_checkpoint(
+        cls,
+        root: str | Path,
+        checkpoint_index: int = -1,
+        map_location: str | torch.device | None = None,
+        *,
+        hooks: Sequence[Any] | None = None,
+        training_fn: Callable[..., Any] | None = None,
+        validators: Any = None,
+        trusted: Trusted = None,
+        parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> TrainingStrategy:
+        """Rebuild a strategy from a checkpoint: models from their specs, optimizers and
+        schedulers from the recipe, then every piece of state.
+
+        Args:
+            training_fn: always wins; otherwise the recorded dotted path is used (it must be
+                registered or listed in ``trusted``).
+            hooks: the resumed run's hooks (checkpointable ones get their saved state). None
+                (default): the run's recorded ``CheckpointHook``/``EMAHook`` are rebuilt from
+                their configuration, with their state, so that the resumed run keeps
+                checkpointing; a recorded hook that cannot be rebuilt (a function, a class of
+                yours) is named in a warning. ``[]``: no hooks.
+            parallelize: for a checkpoint of FSDP2-sharded models, ``fn(model) -> model``
+                applied to each rebuilt model before its optimizer is built (e.g. your
+                ``fully_shard`` calls on the current mesh); the shards are then loaded and
+                resharded to the current world size (collective: every rank calls this).
+                Without it, such a checkpoint loads into unsharded models.
+            storage_options: object-store client options for an ``s3://`` root (endpoint_url,
+                region, access_key_id, ... as for :func:`fastckpt.configure_storage`), over the AWS
+                environment; registered for its prefix (as ``configure_storage``) and kept in
+                effect for it. A local path refuses them (``StorageOptionsError``).
+
+        Raises:
+            ValueError: a component-only checkpoint (use ``fastckpt.load_checkpoint``), the
+                training function must be supplied, or ``parallelize`` was given for a
+                checkpoint of unsharded models.
+        """
+        use_storage_options(root, storage_options, "TrainingStrategy.load_checkpoint")
+
+        def attempt() -> tuple[int, dict[str, Any], list[dict[str, Any]] | None, str]:
+            # The recipe and (for a sharded index) the recorded hooks, from one snapshot: a
+            # save replacing the index meanwhile makes both read again.
+            _, index, reader, recipe = _index_snapshot(root, checkpoint_index, False)
+            where = f"{reader.directory}/hooks.json"
+            configs = None
+            if recipe.get("sharded") is not None and hooks is None:
+                configs = parse_hook_configs(reader.json("hooks.json"), where)
+            return index, recipe, configs, where
+
+        index, recipe, configs, where = read_consistently(
+            Path(root) / MANIFEST, attempt, lock_root=Path(root)
+        )
+        if recipe.get("sharded") is not None:
+            if configs is not None:
+                hooks = rebuild_hooks(configs, where)
+            return cls._load_sharded(
+                Path(root),
+                index,
+                recipe,
+                map_location,
+                hooks,
+                training_fn,
+                validators,
+                trusted,
+                parallelize,
+            )
+        if parallelize is not None:
+            raise ValueError(
+                f"index {index} of {root} holds unsharded models; parallelize= applies to "
+                "checkpoints of FSDP2-sharded models (load, then wrap the models yourself)"
+            )
+        result = codec.load_components(
+            root, checkpoint_index, map_location, validators=validators, trusted=trusted
+        )
+        strategy = cls.from_loaded(
+            result["models"],
+            result["reader"],
+            hooks=hooks,
+            training_fn=training_fn,
+            trusted=trusted,
+            map_location=map_location,
+        )
+        assert strategy is not None  # require_training_fn=True raises instead
+        return strategy
+
+    @classmethod
+    def resume_or_start(
+        cls,
+        root: str | Path,
+        start: Callable[[], TrainingStrategy],
+        **load: Any,
+    ) -> TrainingStrategy:
+        """The one call of a restartable training script: the strategy resumed from
+        ``root``'s newest committed index (:meth:`load_checkpoint` with ``load``'s keyword
+        arguments; its recorded hooks rebuilt unless ``hooks=`` is given) when there is one,
+        else ``start()``, your fresh strategy (whose ``CheckpointHook`` saves into ``root``).
+
+        Raises:
+            CheckpointFormatError / ChecksumMismatchError: ``root``'s manifest is damaged
+                (never taken for "no checkpoint": a fresh start would bury the old run).
+        """
+        use_storage_options(root, load.pop("storage_options", None), "resume_or_start")
+        if Manifest.load(root).latest is None:
+            return start()
+        return cls.load_checkpoint(root, **load)
+
+    @classmethod
+    def _load_sharded(
+        cls,
+        root: Path,
+        index: int,
+        recipe: Mapping[str, Any],
+        map_location: str | torch.device | None,
+        hooks: Sequence[Any] | None,
+        training_fn: Callable[..., Any] | None,
+        validators: Any,
+        trusted: Trusted,
+        parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None,
+    ) -> TrainingStrategy:
+        sharded = recipe["sharded"]
+        if not isinstance(sharded, Mapping) or not isinstance(sharded.get("models"), Mapping):
+            raise CheckpointFormatError(f"{root}/{index}/strategy.json: bad 'sharded' record")
+        models: dict[str, torch.nn.Module] = {}
+        for name, document in sharded["models"].items():
+            where = f"{root}/{index}/strategy.json: model {name!r}"
+            spec = specs.BaseSpec.from_json(document, source=where)
+            model = specs.build_model(spec, device=map_location, trusted=trusted, where=where)
+            if parallelize is not None:
+                model = parallelize(model)
+                if not isinstance(model, torch.nn.Module):
+                    raise TypeError(f"parallelize must return the nn.Module, got {type(model)}")
+            models[name] = model
+        fn = training_fn
+        if fn is None:
+            fn = _recorded_training_fn(recipe, trusted, models.values())
+        strategy = cls.__new__(cls)
+        TrainingStrategy.__init__(
+            strategy,
+            models,
+            None,
+            fn,
+            hooks or (),
+            recipe.get("num_steps"),
+            recipe.get("num_epochs"),
+        )
+        for name, data in dict(recipe.get("optimizer_configs") or {}).items():
+            if name not in models:
+                raise CheckpointFormatError(f"{root}/{index}: optimizer for unknown model {name!r}")
+            config = OptimizerConfig.from_json(data)
+            optimizer, scheduler = config.build(models[name].parameters(), trusted)
+            strategy.optimizers[name] = optimizer
+            strategy.optimizer_configs[name] = config
+            if scheduler is not None:
+                strategy.schedulers[name] = scheduler
+        strategy.restore_checkpoint(root, index, validators=validators)
+        return strategy
+
+    @classmethod
+    def from_loaded(
+        cls,
+        models: Mapping[str, Mapping[str, Any]],
+        reader: codec.IndexReader,
+        *,
+        hooks: Sequence[Any] | None = None,
+        training_fn: Callable[..., Any] | None = None,
+        trusted: Trusted = None,
+        map_location: str | torch.device | None = None,
+        require_training_fn: bool = True,
+    ) -> TrainingStrategy | None:
+        """Assemble a strategy from components already rebuilt by ``fastckpt.load_checkpoint``
+        (its ``models`` result) and the recipe, counters, RNG and hook states in ``reader``.
+
+        Returns None instead of raising when ``require_training_fn`` is False and the training
+        function is neither supplied nor recorded and trusted.
+        """
+        recipe = _read_recipe(reader)
+        fn = training_fn
+        if fn is None:
+            try:
+                fn = _recorded_training_fn(
+                    recipe, trusted, [record["model"] for record in models.values()]
+                )
+            except (ValueError, UntrustedTargetError):
+                if require_training_fn:
+                    raise
+                return None
+        where = f"{reader.directory}/strategy.json"
+        limits = {name: _run_limit(recipe, name, where) for name in ("num_steps", "num_epochs")}
+        configs: dict[str, OptimizerConfig] = {}
+        optimizer_configs = recipe.get("optimizer_configs") or {}
+        if not isinstance(optimizer_configs, Mapping):
+            raise CheckpointFormatError(f"{where}: field 'optimizer_configs' must be an object")
+        for name, data in optimizer_configs.items():
+            with _malformed(where, f"optimizer_configs.{name}"):
+                configs[name] = OptimizerConfig.from_json(data)
+        runtime = _parse_runtime(reader, recipe)
+        if hooks is None:
+            hooks = rebuild_hooks(runtime.hook_configs, f"{reader.directory}/hooks.json")
+        live_models = {name: record["model"] for name, record in models.items()}
+        strategy = cls.__new__(cls)
+        TrainingStrategy.__init__(
+            strategy,
+            live_models,
+            None,
+            fn,
+            hooks,
+            limits["num_steps"],
+            limits["num_epochs"],
+            map_location,
+        )
+        for record in models.values():
+            for opt_name, item in record["optimizers"].items():
+                strategy.optimizers[opt_name] = item["optimizer"]
+            for sched_name, item in record["schedulers"].items():
+                strategy.schedulers[sched_name] = item["scheduler"]
+        strategy.optimizer_configs.update(configs)
+        strategy._apply_runtime(runtime, reader)
+        return strategy
+
+
+def _recorded_training_fn(
+    recipe: Mapping[str, Any], trusted: Trusted, models: Iterable[torch.nn.Module]
+) -> Any:
+    """The training function a recipe names (see
+    :func:`fastckpt.checkpoint.specs.resolve_training_fn`).
+
+    ``models`` are the models the checkpoint rebuilt: a function in the same top-level package
+    as one of their classes may be restored even when that package is installed.
+    """
+    path = recipe.get("training_fn")
+    if path == MUST_BE_SUPPLIED or not isinstance(path, str):
+        raise ValueError(
+            "this checkpoint's training function was not importable (a lambda, closure or "
+            "local function), so it must be supplied: pass training_fn=... to load_checkpoint"
+        )
+    return specs.resolve_training_fn(path, trusted, models=models)
+
+
+def _read_index(
+    root: str | Path, checkpoint_index: int, *, recipe_required: bool = True
+) -> tuple[Manifest, int, codec.IndexReader, dict[str, Any]]:
+    """The manifest, the resolved index, its reader and its recipe (``{}`` when it has none
+    and ``recipe_required`` is False), read as one snapshot: a save replacing the index
+    meanwhile makes it read again (see :func:`fastckpt.container.snapshot.read_consistently`)."""
+
+    return read_consistently(
+        Path(root) / MANIFEST,
+        lambda: _index_snapshot(root, checkpoint_index, recipe_required),
+        lock_root=Path(root),
+    )
+
+
+def _index_snapshot(
+    root: str | Path, checkpoint_index: int, recipe_required: bool
+) -> tuple[Manifest, int, codec.IndexReader, dict[str, Any]]:
+    """One attempt of :func:`_read_index` (raises when a save raced it)."""
+    manifest = Manifest.load(root)
+    index = manifest.resolve(int(checkpoint_index))
+    reader = codec.IndexReader(manifest, index)
+    if not recipe_required and "strategy.json" not in reader.files:
+        return manifest, index, reader, {}
+    return manifest, index, reader, _read_recipe(reader)
+
+
+def _read_recipe(reader: codec.IndexReader) -> dict[str, Any]:
+    if "strategy.json" not in reader.files:
+        raise ValueError(
+            f"{reader.directory} is a component-only checkpoint (no strategy recipe); load it "
+            "with fastckpt.load_checkpoint instead"
+        )
+    recipe = reader.json("strategy.json")
+    if not isinstance(recipe, dict):
+        raise CheckpointFormatError(f"{reader.directory}/strategy.json must be an object")
+    return recipe
+
+
+#: What a field of a hostile strategy.json / hooks.json makes the parsing code raise.
+_MALFORMED = (AttributeError, KeyError, TypeError, ValueError, IndexError, OverflowError)
+
+
+@contextlib.contextmanager
+def _malformed(where: str, field_path: str) -> Iterator[None]:
+    """Re-raise what a malformed field makes the code in the block raise as a
+    :class:`CheckpointFormatError` naming the file (``where``) and the field."""
+    try:
+        yield
+    except CheckpointFormatError as err:
+        if where in str(err):
+            raise
+        raise CheckpointFormatError(f"{where}: field {field_path!r}: {err}") from err
+    except (UntrustedTargetError, CheckpointMismatchError):
+        raise
+    except (*_MALFORMED, RuntimeError) as err:
+        raise CheckpointFormatError(
+            f"{where}: field {field_path!r} is malformed ({type(err).__name__}: {err}); the "
+            "checkpoint was edited or is damaged"
+        ) from err
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _run_limit(recipe: Mapping[str, Any], name: str, where: str) -> int | None:
+    """``num_steps`` / ``num_epochs`` of a recipe: None or an int >= 0."""
+    value = recipe.get(name)
+    if value is not None and not _is_count(value):
+        raise CheckpointFormatError(
+            f"{where}: field {name!r} must be null or an integer >= 0, got {value!r}"
+        )
+    return value
+
+
+@dataclass
+class _Runtime:
+    """The run state of a strategy checkpoint (counters, RNG, data position, scheduler and
+    hook states), parsed and checked before any of it is applied."""
+
+    counters: dict[str, int]
+    rng: dict[str, Any]
+    epoch_start_rng: torch.Tensor | None
+    schedulers: dict[str, Any]
+    hooks: list[dict[str, Any]]
+    #: the run's hooks as recorded (see fastckpt.training.hooks.rebuild)
+    hook_configs: list[dict[str, Any]]
+
+
+def _check_rng_state(state: Any) -> None:
+    """Apply an RNG state to scratch generators: whatever they refuse, the process's own
+    generators would refuse half-way."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"must be an object, got {type(state).__name__}")
+    version, internal, gauss = state["python"]
+    random.Random().setstate((version, tuple(int(x) for x in internal.tolist()), gauss))
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    np.random.RandomState().set_state(
+        (np_name, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss)
+    )
+    _check_torch_rng(state["torch"])
+    if "cuda" in state:
+        if not isinstance(state["cuda"], (list, tuple)):
+            raise TypeError(f"'cuda' must be a list, got {type(state['cuda']).__name__}")
+        for device_state in state["cuda"]:
+            _check_torch_rng(device_state)
+
+
+def _check_torch_rng(state: Any) -> None:
+    if not isinstance(state, torch.Tensor):
+        raise TypeError(f"a torch RNG state must be a tensor, got {type(state).__name__}")
+    torch.Generator().set_state(state)
+
+
+def _parse_runtime(reader: codec.IndexReader, recipe: Mapping[str, Any]) -> _Runtime:
+    """Read and check the run state of ``reader``'s index (``recipe``: its strategy.json).
+
+    Raises:
+        CheckpointFormatError: a field of strategy.json or hooks.json is malformed (named).
+    """
+    where = f"{reader.directory}/strategy.json"
+    counters = recipe.get("counters", {})
+    if not isinstance(counters, Mapping):
+        raise CheckpointFormatError(f"{where}: field 'counters' must be an object")
+    parsed: dict[str, int] = {}
+    for name in COUNTERS:
+        value = counters.get(name, 0)
+        if not _is_count(value):
+            raise CheckpointFormatError(
+                f"{where}: field 'counters.{name}' must be an integer >= 0, got {value!r}"
+            )
+        parsed[name] = value
+    tensors = reader.tensors("strategy.safetensors")
+    with _malformed(where, "runtime"):
+        runtime = tree.unflatten(recipe.get("runtime"), tensors, "runtime")
+    if not isinstance(runtime, dict):
+        raise CheckpointFormatError(f"{where}: field 'runtime' must be an object")
+    with _malformed(where, "runtime.rng"):
+        _check_rng_state(runtime.get("rng"))
+    epoch_start_rng = runtime.get("epoch_start_rng")
+    if epoch_start_rng is not None:
+        with _malformed(where, "runtime.epoch_start_rng"):
+            _check_torch_rng(epoch_start_rng)
+    schedulers = runtime.get("schedulers") or {}
+    if not isinstance(schedulers, dict):
+        raise CheckpointFormatError(f"{where}: field 'runtime.schedulers' must be an object")
+    hooks_where = f"{reader.directory}/hooks.json"
+    hooks_doc = reader.json("hooks.json")
+    if not isinstance(hooks_doc, Mapping):
+        raise CheckpointFormatError(f"{hooks_where}: must be an object")
+    hook_tensors = reader.tensors("hooks.safetensors")
+    with _malformed(hooks_where, "hooks"):
+        saved = tree.unflatten(hooks_doc.get("hooks", []), hook_tensors, "hooks")
+    if not isinstance(saved, list):
+        raise CheckpointFormatError(f"{hooks_where}: field 'hooks' must be a list")
+    for i, item in enumerate(saved):
+        if (
+            not isinstance(item, dict)
+            or not isinstance(item.get("class"), str)
+            or not _is_count(item.get("occurrence"))
+            or "state" not in item
+        ):
+            raise CheckpointFormatError(
+                f"{hooks_where}: field 'hooks[{i}]' must be an object with 'class' (a string), "
+                f"'occurrence' (an integer >= 0) and 'state'"
+            )
+    configs = parse_hook_configs(hooks_doc, hooks_where)
+    return _Runtime(parsed, runtime["rng"], epoch_start_rng, schedulers, saved, configs)
+
+
+def _restore_hook_states(hooks: Sequence[Any], saved: Any, where: str = "hooks.json") -> None:
+    """Give each checkpointable hook the state saved for its class and occurrence; a state
+    the hook refuses is a :class:`CheckpointFormatError` naming ``where`` and the entry."""
+    if not isinstance(saved, list):
+        raise CheckpointFormatError(f"{where}: field 'hooks' must be a list")
+    live: dict[tuple[str, int], Any] = {}
+    occurrences: dict[str, int] = {}
+    for hook in hooks:
+        if isinstance(hook, CheckpointableHook):
+            cls_path = specs.dotted_path(type(hook))
+            occurrence = occurrences.get(cls_path, 0)
+            occurrences[cls_path] = occurrence + 1
+            live[(cls_path, occurrence)] = hook
+    for i, item in enumerate(saved):
+        key = (item.get("class"), item.get("occurrence"))
+        hook = live.get(key)
+        if hook is None:
+            warnings.warn(
+                f"checkpoint has state for hook {key[0]} (occurrence {key[1]}) but no matching "
+                "hook was passed; its state is not restored",
+                stacklevel=3,
+            )
+            continue
+        try:
+            hook.load_state_dict(item["state"])
+        except FastCkptError:
+            raise
+        except (*_MALFORMED, RuntimeError) as err:
+            raise CheckpointFormatError(
+                f"{where}: field 'hooks[{i}].state': {key[0]} refused it "
+                f"({type(err).__name__}: {err})"
+            ) from err
+
+
+class FineTuningStrategy(TrainingStrategy):
+    """A fresh strategy seeded with a checkpoint's model weights only.
+
+    Attributes:
+        fine_tuned_from: where the weights came from (path, index, load time), or None.
+    """
+
+    fine_tuned_from: dict[str, Any] | None = None
+
+    @classmethod
+    def from_pretrained_checkpoint(
+        cls,
+        checkpoint_dir: str | Path,
+        *,
+        checkpoint_index: int = -1,
+        map_location: str | torch.device | None = None,
+        use_original_loss: bool = False,
+        use_original_opt_class: bool = False,
+        optimizer_lr: float = 1e-5,
+        trusted: Trusted = None,
+        **strategy_kwargs: Any,
+    ) -> FineTuningStrategy:
+        """Build a fine-tuning strategy from a strategy checkpoint's models.
+
+        No optimizer state, scheduler state, counters, hooks or run limits are carried over.
+
+        Args:
+            use_original_loss: reuse the recorded training function (dotted path, trust policy).
+            use_original_opt_class: reuse the recorded optimizer class (and scheduler) with
+                ``lr=optimizer_lr``; otherwise ``AdamW(lr=optimizer_lr)``.
+            optimizer_lr: learning rate of the new optimizers.
+            strategy_kwargs: other ``TrainingStrategy`` arguments (they win).
+        """
+        result = codec.load_components(
+            checkpoint_dir, checkpoint_index, map_location, trusted=trusted
+        )
+        recipe = _read_recipe(result["reader"])
+        models = {name: record["model"] for name, record in result["models"].items()}
+        kwargs: dict[str, Any] = dict(strategy_kwargs)
+        if "optimizers" not in kwargs:
+            configs = {}
+            for name in models:
+                original = recipe.get("optimizer_configs", {}).get(name)
+                if use_original_opt_class and original is not None:
+                    config = OptimizerConfig.from_json(original)
+                    config.optimizer_kwargs = {**config.optimizer_kwargs, "lr": optimizer_lr}
+                    config.optimizer_cls = specs.resolve_target(
+                        str(config.optimizer_cls), "optimizer", trusted
+                    )
+                    if config.scheduler_cls is not None:
+                        config.scheduler_cls = specs.resolve_target(
+                            str(config.scheduler_cls), "scheduler", trusted
+                        )
+                else:
+                    config = OptimizerConfig(torch.optim.AdamW, {"lr": optimizer_lr})
+                configs[name] = config
+            kwargs["optimizers"] = configs
+        if "training_fn" not in kwargs and use_original_loss:
+            kwargs["training_fn"] = _recorded_training_fn(recipe, trusted, models.values())
+        strategy = cls(models if list(models) != ["main"] else models["main"], **kwargs)
+        strategy.fine_tuned_from = {
+            "path": str(Path(checkpoint_dir)),
+            "checkpoint_index": result["checkpoint_index"],
+            "loaded": _dt.datetime.now(_dt.UTC).isoformat(),
+        }
+        return strategy
