@@ -10,6 +10,7 @@
 #   make lint    cargo fmt --check, clippy -D warnings, ruff check/format, mypy
 #   make bench   setup, then the benchmark harness (see BENCH_ARGS)
 #   make bench-s3  setup, the Rust S3 server (built once), then the object-storage scenario
+#   make bench-s3-sharded  setup, then sharded checkpoints (2 ranks) on a local moto server
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -40,7 +41,7 @@ LOWEST_TESTS := tests/test_files.py tests/test_checkpoint.py tests/test_manager.
 BENCH_ARGS ?= --size-gib 1.5 --repeats 3 --drop-caches --out benches/results
 
 .PHONY: setup demo wheel test lint bench cargo-test cargo-test-aarch64 aarch64-tools pytest \
-	test-lowest clean s3-server bench-s3
+	test-lowest clean s3-server bench-s3 bench-s3-sharded
 
 setup: $(VENV)/.fastckpt-built
 
@@ -143,6 +144,12 @@ bench: setup
 BENCH_S3_ARGS ?= --size-mib 1024 --out benches/results
 bench-s3: setup s3-server
 	$(PY) -m fastckpt.bench s3 $(BENCH_S3_ARGS)
+
+# Sharded checkpoints on object storage: 2 FSDP2 ranks, fastckpt.dcp against s3torchconnector's
+# and DCP's fsspec writers/readers, on a local moto server (fastckpt.bench.s3_sharded).
+BENCH_S3_SHARDED_ARGS ?= --size-mib 256 --repeat 3 --out benches/results
+bench-s3-sharded: setup
+	$(PY) -m fastckpt.bench s3-sharded $(BENCH_S3_SHARDED_ARGS)
 
 # The Rust S3 server the object-storage benchmark prefers to moto (fastckpt.bench.s3
 # --server auto): built once into .tools/ (ignored by git), for `make bench` only; without

@@ -105,12 +105,17 @@ def fresh_output_dir(parent: Path | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the harness with command-line ``argv``; returns the exit status
-    (``s3 ...``: the object-storage scenario, :mod:`fastckpt.bench.s3`)."""
+    (``s3 ...``: the object-storage scenario, :mod:`fastckpt.bench.s3`; ``s3-sharded ...``:
+    sharded checkpoints on object storage, :mod:`fastckpt.bench.s3_sharded`)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["s3"]:
         from fastckpt.bench import s3
 
         return s3.main(argv[1:])
+    if argv[:1] == ["s3-sharded"]:
+        from fastckpt.bench import s3_sharded
+
+        return s3_sharded.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.size_gib <= 0 or args.repeats < 1:
         print("--size-gib must be > 0 and --repeats >= 1", file=sys.stderr)
