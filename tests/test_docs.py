@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from fastckpt.checkpoint import specs
+from fastckpt.checkpoint import trust, values
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
@@ -143,9 +143,13 @@ def test_links_between_pages_resolve(page: Path) -> None:
 def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    for registry in ("_SERIALIZERS", "_TRUSTED_PATHS", "_TRUSTED_OBJECTS"):
+    for module, registry in (
+        (values, "_SERIALIZERS"),
+        (trust, "_TRUSTED_PATHS"),
+        (trust, "_TRUSTED_OBJECTS"),
+    ):
         # pages register serializers and trusted targets: keep them out of other tests
-        monkeypatch.setattr(specs, registry, copy.copy(getattr(specs, registry)))
+        monkeypatch.setattr(module, registry, copy.copy(getattr(module, registry)))
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
     written: list[str] = []
     last_output: str | None = None  # what the block just run printed (None: nothing)

@@ -45,10 +45,10 @@ def job(hooks: list[Any] = (), num_steps: int = 4) -> dict[str, Any]:  # type: i
 
 @pytest.fixture
 def registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    import fastckpt.checkpoint.specs as specs
+    import fastckpt.checkpoint.trust as trust
 
-    monkeypatch.setattr(specs, "_TRUSTED_PATHS", set(specs._TRUSTED_PATHS))
-    monkeypatch.setattr(specs, "_TRUSTED_OBJECTS", list(specs._TRUSTED_OBJECTS))
+    monkeypatch.setattr(trust, "_TRUSTED_PATHS", set(trust._TRUSTED_PATHS))
+    monkeypatch.setattr(trust, "_TRUSTED_OBJECTS", list(trust._TRUSTED_OBJECTS))
     register_trusted(training_fn)
 
 

@@ -24,12 +24,11 @@ import pytest
 import torch
 from torch import nn
 
-from fastckpt.checkpoint import specs
+from fastckpt.checkpoint import specs, trust, values
+from fastckpt.checkpoint.build import build_model, check_recordable
 from fastckpt.checkpoint.specs import (
     BaseSpec,
     attach_spec,
-    build_model,
-    check_recordable,
     create_model_spec,
     decode_value,
     dotted_path,
@@ -179,9 +178,9 @@ class CallableThing:
 def _clean_state(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test starts with no recorded calls and its own copies of the registries."""
     CALLS.clear()
-    monkeypatch.setattr(specs, "_TRUSTED_PATHS", set())
-    monkeypatch.setattr(specs, "_TRUSTED_OBJECTS", [])
-    monkeypatch.setattr(specs, "_SERIALIZERS", dict(specs._SERIALIZERS))
+    monkeypatch.setattr(trust, "_TRUSTED_PATHS", set())
+    monkeypatch.setattr(trust, "_TRUSTED_OBJECTS", [])
+    monkeypatch.setattr(values, "_SERIALIZERS", dict(values._SERIALIZERS))
 
 
 def via_json(spec: BaseSpec) -> BaseSpec:
@@ -534,7 +533,7 @@ def test_policy_refuses_with_instructions(path: str, kind: str) -> None:
     assert repr(path) in message
     assert f"as a {kind} target" in message
     assert f"trusted=[{path!r}]" in message
-    assert f"fastckpt.checkpoint.specs.register_trusted({path!r})" in message
+    assert f"fastckpt.checkpoint.trust.register_trusted({path!r})" in message
 
 
 def test_trusted_argument_and_registration_allow() -> None:
@@ -732,7 +731,7 @@ def test_registered_custom_type_round_trip() -> None:
     assert out == {"origin": Point(0.5, -1.0), "path": [Point(1, 2), (Point(3, 4),)]}
 
     # A process that never registered the type refuses clearly instead of guessing.
-    del specs._SERIALIZERS[f"{MOD}.Point"]
+    del values._SERIALIZERS[f"{MOD}.Point"]
     with pytest.raises(CheckpointFormatError, match=r"kwargs\['origin'\].*register_type"):
         BaseSpec.from_json(data)
 
@@ -1103,7 +1102,8 @@ import re, torch
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 from fastckpt.errors import CheckpointFormatError
-from fastckpt.checkpoint.specs import BaseSpec, build_model
+from fastckpt.checkpoint.build import build_model
+from fastckpt.checkpoint.specs import BaseSpec
 spec = BaseSpec(cls_path="torch.nn.Linear", kwargs={"in_features": 2**15, "out_features": 2**15})
 weights = torch.nn.Linear(2, 2).state_dict()  # what the checkpoint's file holds
 try:

@@ -19,7 +19,8 @@ _moved.install()  # earlier releases' module paths (fastckpt.files, fastckpt.sto
 if TYPE_CHECKING:  # the names below, for type checkers; at run time they load on first use
     __version__: str
     from fastckpt.checkpoint.api import load_checkpoint, prune, save_checkpoint
-    from fastckpt.checkpoint.specs import BaseSpec, create_model_spec, register_type_serializer
+    from fastckpt.checkpoint.specs import BaseSpec, create_model_spec
+    from fastckpt.checkpoint.values import register_type_serializer
     from fastckpt.container.incremental import mark_frozen
     from fastckpt.container.lazy import SafeOpen, TensorSlice, safe_open
     from fastckpt.container.listing import list_checkpoints
@@ -89,7 +90,8 @@ _NAMES = {
         "LocalFileSystemStorageConfig",
         "SyncCheckpointSaverConfig",
     ),
-    "fastckpt.checkpoint.specs": ("BaseSpec", "create_model_spec", "register_type_serializer"),
+    "fastckpt.checkpoint.specs": ("BaseSpec", "create_model_spec"),
+    "fastckpt.checkpoint.values": ("register_type_serializer",),
     "fastckpt.storage.registry": ("configure_storage",),
     "fastckpt.container.listing": ("list_checkpoints",),
     "fastckpt.training.strategy": ("FineTuningStrategy", "OptimizerConfig", "TrainingStrategy"),

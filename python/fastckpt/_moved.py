@@ -14,6 +14,7 @@ import importlib.machinery
 import sys
 import types
 from collections.abc import Sequence
+from typing import Any
 
 #: Old module path -> the module that now holds it (docs/architecture.md).
 MOVED: dict[str, str] = {
@@ -54,7 +55,6 @@ MOVED: dict[str, str] = {
     "fastckpt.dcp.chunks": "fastckpt.container.sharded.chunks",
     "fastckpt.dcp.values": "fastckpt.container.sharded.values",
     "fastckpt.components": "fastckpt.checkpoint.components",
-    "fastckpt.specs": "fastckpt.checkpoint.specs",
     "fastckpt.containers": "fastckpt.checkpoint.containers",
     "fastckpt.stateful": "fastckpt.manager.stateful",
     "fastckpt.manager_config": "fastckpt.manager.config",
@@ -70,9 +70,20 @@ MOVED: dict[str, str] = {
     "fastckpt.hooks.rebuild": "fastckpt.training.hooks.rebuild",
 }
 
+#: Old module paths whose names now live in several modules (``specs.py`` was split along its
+#: concepts): the old path is a view that finds each name in the first module defining it.
+SPLIT: dict[str, tuple[str, ...]] = {
+    "fastckpt.specs": (
+        "fastckpt.checkpoint.specs",
+        "fastckpt.checkpoint.trust",
+        "fastckpt.checkpoint.values",
+        "fastckpt.checkpoint.build",
+    ),
+}
+
 #: The old top-level names, reachable as attributes of ``fastckpt`` like any submodule.
 TOP_LEVEL: tuple[str, ...] = tuple(
-    sorted({old.split(".")[1] for old in MOVED if old.count(".") == 1})
+    sorted({old.split(".")[1] for old in [*MOVED, *SPLIT] if old.count(".") == 1})
 )
 
 
@@ -90,6 +101,50 @@ class _Alias(importlib.abc.Loader):
         sys.modules[module.__name__] = importlib.import_module(self.target)
 
 
+class _SplitModule(types.ModuleType):
+    """An old module path whose names moved to several modules: reading a name finds it in
+    the first module that has it, and setting one (a ``monkeypatch``) sets it there."""
+
+    def __init__(self, name: str, parts: tuple[str, ...]) -> None:
+        super().__init__(name)
+        object.__setattr__(self, "_parts", tuple(importlib.import_module(p) for p in parts))
+
+    def _owner(self, name: str) -> types.ModuleType | None:
+        return next((part for part in self._parts if hasattr(part, name)), None)
+
+    def __getattr__(self, name: str) -> Any:
+        owner = self._owner(name)
+        if owner is None:
+            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+        return getattr(owner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        owner = self._owner(name) if not name.startswith("__") else None
+        setattr(owner if owner is not None else super(), name, value)
+
+    def __delattr__(self, name: str) -> None:
+        owner = self._owner(name)
+        if owner is None:
+            raise AttributeError(name)
+        delattr(owner, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted({name for part in self._parts for name in dir(part)})
+
+
+class _Split(importlib.abc.Loader):
+    """Loads an old path of :data:`SPLIT` as a :class:`_SplitModule`."""
+
+    def __init__(self, parts: tuple[str, ...]) -> None:
+        self.parts = parts
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return _SplitModule(spec.name, self.parts)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass  # the view reads the parts; nothing to run
+
+
 class MovedModules(importlib.abc.MetaPathFinder):
     """The finder for :data:`MOVED`, installed once by ``import fastckpt``."""
 
@@ -100,9 +155,12 @@ class MovedModules(importlib.abc.MetaPathFinder):
         target: types.ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
         new = MOVED.get(fullname)
-        if new is None:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, _Alias(new))
+        if new is not None:
+            return importlib.machinery.ModuleSpec(fullname, _Alias(new))
+        parts = SPLIT.get(fullname)
+        if parts is not None:
+            return importlib.machinery.ModuleSpec(fullname, _Split(parts))
+        return None
 
 
 def install() -> None:

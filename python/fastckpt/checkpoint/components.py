@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
+import fastckpt.checkpoint.build as build
 import fastckpt.checkpoint.specs as specs
+import fastckpt.checkpoint.trust as trust
 from fastckpt.container import incremental
 from fastckpt.container.commit import IndexWriter
 from fastckpt.container.reader import read_json, read_tensor_file
@@ -393,7 +395,7 @@ def _plan_components(
             raise KeyError(f"optimizer {name!r} is associated with unknown model {owner!r}")
         if spec is None:
             spec = specs.BaseSpec(
-                cls_path=specs.dotted_path(type(optimizer)),
+                cls_path=trust.dotted_path(type(optimizer)),
                 kwargs=accepted_kwargs(type(optimizer), optimizer.defaults),
                 timestamp=_now(),
             )
@@ -421,7 +423,7 @@ def _plan_components(
             )
         if spec is None:
             spec = specs.BaseSpec(
-                cls_path=specs.dotted_path(type(scheduler)),
+                cls_path=trust.dotted_path(type(scheduler)),
                 kwargs=_constructor_kwargs(scheduler, state, skip=1),
                 timestamp=_now(),
             )
@@ -512,7 +514,7 @@ def _rebuild_optimizer(
     where: str,
 ) -> tuple[torch.optim.Optimizer, specs.BaseSpec]:
     spec = _spec_from(document.get("spec"), where)
-    cls = specs.resolve_target(spec.cls_path, "optimizer", trusted)
+    cls = trust.resolve_target(spec.cls_path, "optimizer", trusted)
     refs = document.get("params")
     if not isinstance(refs, list) or not isinstance(state, dict):
         raise CheckpointFormatError(f"{where}: 'params' and 'state' are required")
@@ -581,7 +583,7 @@ def load_components(
         where = f"models/{name}.spec.json"
         spec = _spec_from(reader.json(where), where)
         weights = reader.tensors(f"models/{name}.safetensors", owned=False)
-        model = specs.build_model(
+        model = build.build_model(
             spec,
             expected=weights,
             device=map_location,
@@ -655,7 +657,7 @@ def load_components(
             document.get("state"), reader.tensors(f"schedulers/{name}.safetensors"), name
         )
         try:
-            cls = specs.resolve_target(spec.cls_path, "scheduler", trusted)
+            cls = trust.resolve_target(spec.cls_path, "scheduler", trusted)
             # Constructing a scheduler steps it once and rewrites the optimizer's learning
             # rates; reloading the saved optimizer state and then the scheduler's restores both.
             scheduler = cls(optimizer, **spec.kwargs)

@@ -1,27 +1,70 @@
-"""Which storage backend holds a path: object storage for ``s3://`` URLs (also in their
-``pathlib`` spelling ``s3:/...``), the local filesystem for everything else.
+"""Which storage backend holds a path, by URL scheme: one table, :data:`SCHEMES`.
 
-Kept apart from :mod:`fastckpt.storage.backend` because the object-store backend builds on that
-module (dispatching there would be an import cycle).
+A path whose scheme is in the table (``s3://bucket/key``, also in its ``pathlib`` spelling
+``s3:/bucket/key``) is stored by that scheme's backend; every other path is on the local
+filesystem. A backend is a module with two functions, imported on first use:
+
+* ``backend_for_url(url) -> StorageBackend`` - the backend for a URL of the scheme, with the
+  options registered for its prefix;
+* ``register_storage_options(url, options)`` - options for every path under ``url``
+  (``None`` removes them).
+
+Adding a store (obstore also speaks GCS and Azure) is one new module under
+:mod:`fastckpt.storage` and one line in :data:`SCHEMES` (or a call of
+:func:`register_scheme`); the front doors, the container and the CLI need nothing new.
+
+Kept apart from :mod:`fastckpt.storage.backend` because the object-store backends build on
+that module (dispatching there would be an import cycle).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any
 
 from fastckpt.storage.backend import LOCAL, LocalFileSystem, StorageBackend
 
 __all__ = [
+    "SCHEMES",
     "backend_for",
     "configure_storage",
     "display_path",
     "is_local",
     "is_object_url",
+    "register_scheme",
     "require_local",
     "use_storage_options",
 ]
+
+#: URL scheme -> the module of its backend (see the module docstring).
+SCHEMES: dict[str, str] = {"s3": "fastckpt.storage.s3.backend"}
+
+
+def register_scheme(scheme: str, module: str) -> None:
+    """Store paths ``<scheme>://...`` with the backend module ``module`` (a dotted path,
+    imported on first use; see the module docstring for the two functions it provides)."""
+    if not scheme.isidentifier() or len(scheme) < 2:
+        raise ValueError(f"register_scheme({scheme!r}): a scheme is a name of 2+ letters")
+    SCHEMES[scheme] = module
+
+
+def _scheme(path: str | os.PathLike[str]) -> str | None:
+    """The registered scheme of ``path`` (``s3://x`` or ``s3:/x``), or None for a local path."""
+    text = os.fspath(path)
+    scheme, colon, rest = text.partition(":")
+    if colon and rest.startswith("/") and scheme in SCHEMES:
+        return scheme
+    return None
+
+
+def _backend_module(path: str | os.PathLike[str]) -> ModuleType:
+    scheme = _scheme(path)
+    if scheme is None:
+        raise ValueError(f"{os.fspath(path)}: not a URL of a registered scheme ({sorted(SCHEMES)})")
+    return importlib.import_module(SCHEMES[scheme])  # deferred: the store's client library
 
 
 def configure_storage(
@@ -29,8 +72,9 @@ def configure_storage(
 ) -> None:
     """Set the object-store client options for every path under ``url`` (``s3://bucket`` or
     ``s3://bucket/prefix``): endpoint, region, credentials, part size, concurrency, timeouts
-    (the fields of :class:`fastckpt.storage.s3.config.S3Options`). Fields left out are resolved
-    from the standard AWS environment variables and config files, as without a call.
+    (for ``s3://``, the fields of :class:`fastckpt.storage.s3.config.S3Options`). Fields left
+    out are resolved from the standard AWS environment variables and config files, as without
+    a call.
 
     The longest configured prefix of a path wins, so one prefix can override its bucket's
     settings. ``configure_storage(url)`` with no options removes the setting.
@@ -45,12 +89,11 @@ def configure_storage(
         ValueError: ``url`` is not an ``s3://`` URL, or an option is out of range.
         TypeError: an unknown option (the message lists the valid ones).
     """
-    from fastckpt.storage.s3.backend import register_storage_options
-
     if not is_object_url(url):
-        raise ValueError(f"configure_storage({url!r}): only s3:// URLs take storage options")
+        schemes = ", ".join(f"{scheme}://" for scheme in sorted(SCHEMES))
+        raise ValueError(f"configure_storage({url!r}): only {schemes} URLs take storage options")
     merged = {**(storage_options or {}), **options}
-    register_storage_options(url, merged or None)
+    _backend_module(url).register_storage_options(_url(url), merged or None)
 
 
 def use_storage_options(
@@ -80,7 +123,8 @@ def use_storage_options(
 
 def _url(path: str | os.PathLike[str]) -> str:
     """``s3://bucket/key`` for either spelling (``s3:/bucket/key`` from ``pathlib``)."""
-    return "s3://" + os.fspath(path)[len("s3:/") :].lstrip("/")
+    scheme, _, rest = os.fspath(path).partition(":")
+    return f"{scheme}://" + rest.lstrip("/")
 
 
 def display_path(path: str | os.PathLike[str]) -> str:
@@ -90,17 +134,17 @@ def display_path(path: str | os.PathLike[str]) -> str:
 
 
 def is_object_url(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is an object-store URL (``s3://...`` or ``s3:/...``)."""
-    return os.fspath(path).startswith("s3:/")
+    """Whether ``path`` is a URL of a registered scheme (``s3://...`` or ``s3:/...``)."""
+    return _scheme(path) is not None
 
 
 def backend_for(path: str | os.PathLike[str]) -> StorageBackend:
-    """The backend that stores ``path`` (for ``s3://``: the options registered for its
-    prefix with :func:`fastckpt.configure_storage`, else the AWS environment and config)."""
+    """The backend that stores ``path``: its scheme's (with the options registered for its
+    prefix with :func:`fastckpt.configure_storage`, else the store's environment and config),
+    or the local filesystem."""
     if is_object_url(path):
-        from fastckpt.storage.s3.backend import backend_for_url
-
-        return backend_for_url(os.fspath(path))
+        backend: StorageBackend = _backend_module(path).backend_for_url(os.fspath(path))
+        return backend
     return LOCAL
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import fastckpt.checkpoint.build as build
 import fastckpt.checkpoint.specs as specs
 from fastckpt import _native
 from fastckpt.errors import ChecksumMismatchError
@@ -143,11 +144,11 @@ def unsharded_spec(model: torch.nn.Module) -> specs.BaseSpec:
 
 
 def check_recordable(name: str, model: torch.nn.Module) -> None:
-    """:func:`fastckpt.checkpoint.specs.check_recordable` for an FSDP2 model (its unsharded recipe;
+    """:func:`fastckpt.checkpoint.build.check_recordable` for an FSDP2 model (its unsharded recipe;
     the
     parameters' global shapes)."""
     with _original_classes(model):
-        specs.check_recordable(model, name)
+        build.check_recordable(model, name)
 
 
 def _state(

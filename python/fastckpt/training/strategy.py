@@ -25,8 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
+import fastckpt.checkpoint.build as build
 import fastckpt.checkpoint.components as codec
 import fastckpt.checkpoint.specs as specs
+import fastckpt.checkpoint.trust as trust
 import fastckpt.training.sharded as sharded_training
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.errors import (
@@ -59,7 +61,7 @@ COUNTERS = ("step_count", "global_step_count", "batch_count", "epoch_count", "ep
 
 
 def _path_of(target: type | str) -> str:
-    return target if isinstance(target, str) else specs.dotted_path(target)
+    return target if isinstance(target, str) else trust.dotted_path(target)
 
 
 @dataclass
@@ -88,17 +90,17 @@ class OptimizerConfig:
     ) -> tuple[torch.optim.Optimizer, Any]:
         """Build the optimizer on ``params`` and the scheduler on it (or None).
 
-        Dotted paths go through the trust policy (:func:`fastckpt.checkpoint.specs.resolve_target`).
+        Dotted paths go through the trust policy (:func:`fastckpt.checkpoint.trust.resolve_target`).
         """
         optimizer_cls = self.optimizer_cls
         if isinstance(optimizer_cls, str):
-            optimizer_cls = specs.resolve_target(optimizer_cls, "optimizer", trusted)
+            optimizer_cls = trust.resolve_target(optimizer_cls, "optimizer", trusted)
         optimizer = optimizer_cls(params, **self.optimizer_kwargs)
         scheduler = None
         if self.scheduler_cls is not None:
             scheduler_cls = self.scheduler_cls
             if isinstance(scheduler_cls, str):
-                scheduler_cls = specs.resolve_target(scheduler_cls, "scheduler", trusted)
+                scheduler_cls = trust.resolve_target(scheduler_cls, "scheduler", trusted)
             scheduler = scheduler_cls(optimizer, **(self.scheduler_kwargs or {}))
         return optimizer, scheduler
 
@@ -213,7 +215,7 @@ class TrainingStrategy:
             if sharded_training.is_sharded_model(model):
                 sharded_training.check_recordable(name, model)
             else:
-                specs.check_recordable(codec.unwrap_model(model), name)
+                build.check_recordable(codec.unwrap_model(model), name)
         self.device = None if device is None else torch.device(device)
         if self.device is not None:
             for model in self.models.values():
@@ -264,7 +266,7 @@ class TrainingStrategy:
     def _resolve_training_fn(training_fn: Callable[..., Any] | str | None) -> Any:
         if isinstance(training_fn, str):
             # The caller wrote this path in their own code: it is trusted by construction.
-            return specs.resolve_target(training_fn, "callable", trusted=[training_fn])
+            return trust.resolve_target(training_fn, "callable", trusted=[training_fn])
         return training_fn
 
     @property
@@ -391,7 +393,7 @@ class TrainingStrategy:
         if self.training_fn is None:
             return MUST_BE_SUPPLIED
         try:
-            return specs.dotted_path(self.training_fn)
+            return trust.dotted_path(self.training_fn)
         except TypeError:
             return MUST_BE_SUPPLIED
 
@@ -455,7 +457,7 @@ class TrainingStrategy:
         skeleton, tensors = tree.flatten(runtime)
         snapshot.tensor_files["strategy.safetensors"] = tensors
         snapshot.json_files["strategy.json"] = {
-            "strategy_cls": specs.dotted_path(type(self)),
+            "strategy_cls": trust.dotted_path(type(self)),
             "optimizer_configs": {n: c.to_json() for n, c in self.optimizer_configs.items()},
             "training_fn": self._training_fn_path(),
             "num_steps": self.num_steps,
@@ -467,7 +469,7 @@ class TrainingStrategy:
         occurrences: dict[str, int] = {}
         for hook in self.hooks:
             if isinstance(hook, CheckpointableHook):
-                cls_path = specs.dotted_path(type(hook))
+                cls_path = trust.dotted_path(type(hook))
                 occurrence = occurrences.get(cls_path, 0)
                 occurrences[cls_path] = occurrence + 1
                 hook_states.append(
@@ -797,7 +799,7 @@ class TrainingStrategy:
         for name, document in sharded["models"].items():
             where = f"{root}/{index}/strategy.json: model {name!r}"
             spec = specs.BaseSpec.from_json(document, source=where)
-            model = specs.build_model(spec, device=map_location, trusted=trusted, where=where)
+            model = build.build_model(spec, device=map_location, trusted=trusted, where=where)
             if parallelize is not None:
                 model = parallelize(model)
                 if not isinstance(model, torch.nn.Module):
@@ -895,7 +897,7 @@ def _recorded_training_fn(
     recipe: Mapping[str, Any], trusted: Trusted, models: Iterable[torch.nn.Module]
 ) -> Any:
     """The training function a recipe names (see
-    :func:`fastckpt.checkpoint.specs.resolve_training_fn`).
+    :func:`fastckpt.checkpoint.trust.resolve_training_fn`).
 
     ``models`` are the models the checkpoint rebuilt: a function in the same top-level package
     as one of their classes may be restored even when that package is installed.
@@ -906,7 +908,7 @@ def _recorded_training_fn(
             "this checkpoint's training function was not importable (a lambda, closure or "
             "local function), so it must be supplied: pass training_fn=... to load_checkpoint"
         )
-    return specs.resolve_training_fn(path, trusted, models=models)
+    return trust.resolve_training_fn(path, trusted, models=models)
 
 
 def _read_index(
@@ -1088,7 +1090,7 @@ def _restore_hook_states(hooks: Sequence[Any], saved: Any, where: str = "hooks.j
     occurrences: dict[str, int] = {}
     for hook in hooks:
         if isinstance(hook, CheckpointableHook):
-            cls_path = specs.dotted_path(type(hook))
+            cls_path = trust.dotted_path(type(hook))
             occurrence = occurrences.get(cls_path, 0)
             occurrences[cls_path] = occurrence + 1
             live[(cls_path, occurrence)] = hook
@@ -1159,11 +1161,11 @@ class FineTuningStrategy(TrainingStrategy):
                 if use_original_opt_class and original is not None:
                     config = OptimizerConfig.from_json(original)
                     config.optimizer_kwargs = {**config.optimizer_kwargs, "lr": optimizer_lr}
-                    config.optimizer_cls = specs.resolve_target(
+                    config.optimizer_cls = trust.resolve_target(
                         str(config.optimizer_cls), "optimizer", trusted
                     )
                     if config.scheduler_cls is not None:
-                        config.scheduler_cls = specs.resolve_target(
+                        config.scheduler_cls = trust.resolve_target(
                             str(config.scheduler_cls), "scheduler", trusted
                         )
                 else:

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import fastckpt.checkpoint.specs as specs
+import fastckpt.checkpoint.trust as trust
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.training.hooks.checkpoint import CheckpointHook
 from fastckpt.training.hooks.ema import EMAHook
@@ -30,8 +30,8 @@ CONFIGS_FIELD = "configs"
 
 #: dotted path -> the hook classes fastckpt rebuilds from their recorded configuration.
 REBUILDABLE: dict[str, type] = {
-    specs.dotted_path(CheckpointHook): CheckpointHook,
-    specs.dotted_path(EMAHook): EMAHook,
+    trust.dotted_path(CheckpointHook): CheckpointHook,
+    trust.dotted_path(EMAHook): EMAHook,
 }
 
 
@@ -39,7 +39,7 @@ def _name(hook: Any) -> str:
     """A hook's dotted path (a function's own, else its class's), for records and messages."""
     for candidate in (hook, type(hook)):
         try:
-            return specs.dotted_path(candidate)
+            return trust.dotted_path(candidate)
         except TypeError:
             continue
     return repr(hook)

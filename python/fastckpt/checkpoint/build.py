@@ -1,0 +1,254 @@
+"""Building a model from its spec safely (on the meta device first, checked against the
+checkpoint), and checking before the first save that a model can be rebuilt.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from fastckpt.checkpoint.specs import (
+    _ATTACHED_SPEC,
+    BaseSpec,
+    _nested_specs,
+    _recipe_advice,
+    _signature_accepts,
+    attach_spec,
+    model_spec,
+)
+from fastckpt.checkpoint.trust import _is_trusted_path
+from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
+
+__all__ = [
+    "EXTRA_BUFFER_BYTES",
+    "build_model",
+    "check_recordable",
+]
+
+# --------------------------------------------------------------------------------------------
+# Building models safely, and checking a model can be rebuilt
+# --------------------------------------------------------------------------------------------
+
+#: Memory a model may hold beyond its checkpointed tensors (non-persistent buffers such as
+#: attention masks or rotary tables): at most this, or as much as the checkpoint, if larger.
+EXTRA_BUFFER_BYTES = 64 * 2**20
+
+
+def _tree_paths(spec: BaseSpec) -> list[str]:
+    paths = [spec.cls_path]
+    for nested in _nested_specs(spec.kwargs):
+        paths.extend(_tree_paths(nested))
+    return paths
+
+
+def _build_on_meta(spec: BaseSpec, targets: dict[int, Any], accepts_device: bool) -> Any:
+    overrides = {"device": torch.device("meta")} if accepts_device else {}
+    with torch.device("meta"):
+        return spec._build_with(targets, overrides)
+
+
+def _shape_of(value: Any) -> tuple[int, ...] | None:
+    shape = getattr(value, "shape", None)
+    if shape is None and isinstance(value, Mapping):
+        shape = value.get("shape")
+    if shape is None:
+        return None
+    try:
+        return tuple(int(dim) for dim in shape)
+    except (TypeError, ValueError):
+        return None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _compare_with_checkpoint(
+    probe: torch.nn.Module, expected: Mapping[str, Any], where: str
+) -> None:
+    """Refuse a model whose tensors do not match the checkpoint's, before it is allocated."""
+    state = {k: v for k, v in probe.state_dict().items() if isinstance(v, torch.Tensor)}
+    missing = [key for key in state if key not in expected]
+    unexpected = [key for key in expected if key not in state]
+    if missing or unexpected:
+        raise CheckpointFormatError(
+            f"{where}: the model the spec builds does not match the checkpoint's tensors "
+            f"(missing from the checkpoint: {missing[:5]}, not in the model: {unexpected[:5]}); "
+            "it was not built"
+        )
+    checkpoint_bytes = 0
+    for key, tensor in state.items():
+        recorded = _shape_of(expected[key])
+        if recorded != tuple(tensor.shape):
+            raise CheckpointFormatError(
+                f"{where}: tensor {key!r} of the model the spec builds has shape "
+                f"{list(tensor.shape)}, the checkpoint holds {list(recorded or ())}; the spec "
+                "and the weights do not belong together, so the model was not built"
+            )
+        checkpoint_bytes += math.prod(recorded) * tensor.element_size()
+    unique = {id(t): t for t in [*probe.parameters(), *probe.buffers()]}
+    model_bytes = sum(_nbytes(t) for t in unique.values() if t.device.type == "meta")
+    allowance = checkpoint_bytes + max(EXTRA_BUFFER_BYTES, checkpoint_bytes)
+    if model_bytes > allowance:
+        raise CheckpointFormatError(
+            f"{where}: the model the spec builds would hold {model_bytes} bytes of tensors, far "
+            f"more than the {checkpoint_bytes} bytes of the checkpoint's; it was not built"
+        )
+
+
+def build_model(
+    spec: BaseSpec,
+    *,
+    expected: Mapping[str, Any] | None = None,
+    device: str | torch.device | None = None,
+    trusted: Iterable[str | Callable[..., Any]] | None = None,
+    where: str | None = None,
+) -> torch.nn.Module:
+    """Build the model a checkpoint's spec describes, checking it before memory is allocated.
+
+    1. Every target in the spec tree passes the trust policy (kind ``"model"``); nothing is
+       imported for an untrusted path and nothing is called yet.
+    2. The spec is built once on the meta device (``with torch.device("meta")``, and
+       ``device="meta"`` for targets that accept ``device``), which allocates no tensor
+       memory. A result that is not an ``nn.Module`` is refused. With ``expected``, its
+       ``state_dict`` must have exactly the checkpoint's tensor names and shapes, and all its
+       parameters and buffers may exceed the checkpoint's bytes by at most
+       ``max(EXTRA_BUFFER_BYTES, checkpoint bytes)``.
+    3. Only then is it built for real (on ``device`` when the target accepts ``device``).
+
+    If the meta build itself fails (a constructor that reads tensor values, say), the model is
+    built for real only when the root target was trusted explicitly (``trusted=`` or
+    :func:`register_trusted`); otherwise that is an error saying so.
+
+    Args:
+        spec: The model spec read from the checkpoint.
+        expected: Tensor name -> the checkpoint's tensor (anything with ``.shape``, e.g. the
+            mapped tensors of the weights file) or header entry (a mapping with ``"shape"``).
+        device: Passed as ``device=`` to targets that accept it.
+        trusted: Extra dotted paths or callables to allow (see :func:`resolve_target`).
+        where: How to name the checkpoint file in messages.
+
+    Returns:
+        The model, with freshly initialized weights.
+
+    Raises:
+        UntrustedTargetError: If the trust policy refuses a target.
+        CheckpointFormatError: If the spec does not build a module, does not match
+            ``expected``, cannot be checked on the meta device, or its constructor fails.
+    """
+    where = where or f"spec {spec.cls_path!r}"
+    targets: dict[int, Any] = {}
+    spec._resolve_tree(targets, "model", trusted, set())
+    root = targets[id(spec)]
+    try:
+        accepts_device = _signature_accepts(inspect.signature(root), "device")
+    except (TypeError, ValueError):
+        accepts_device = False
+    try:
+        probe = _build_on_meta(spec, targets, accepts_device)
+    except UntrustedTargetError:
+        raise
+    except Exception as err:
+        if not _is_trusted_path(spec.cls_path, trusted):
+            raise CheckpointFormatError(
+                f"{where}: {spec.cls_path!r} cannot be built on the meta device ({err}), so its "
+                "size cannot be checked before memory is allocated; if you trust this "
+                f"checkpoint, pass trusted=[{spec.cls_path!r}] to build it directly"
+            ) from err
+        probe = None
+    if probe is not None:
+        if not isinstance(probe, torch.nn.Module):
+            raise CheckpointFormatError(
+                f"{where}: {spec.cls_path!r} did not build an nn.Module (it returned a "
+                f"{type(probe).__name__}); it was called on the meta device only"
+            )
+        if expected is not None:
+            _compare_with_checkpoint(probe, expected, where)
+        del probe
+    overrides = {"device": torch.device(device)} if device is not None and accepts_device else {}
+    try:
+        model = spec._build_with(targets, overrides)
+    except Exception as err:
+        raise CheckpointFormatError(
+            f"{where}: cannot build model {spec.cls_path!r}: {err}"
+        ) from err
+    if not isinstance(model, torch.nn.Module):
+        raise CheckpointFormatError(f"{where}: {spec.cls_path!r} did not build an nn.Module")
+    # Checkpoints of the rebuilt model record the recipe it was built from (already checked).
+    return attach_spec(model, spec)
+
+
+def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
+    """Fail now, not at the first checkpoint, if ``model``'s recipe cannot be recorded.
+
+    Call it when a training run is set up (``TrainingStrategy`` does, for every model). The
+    spec :func:`model_spec` derives is built on the meta device (no memory) with every
+    target it names allowed, and its parameters and buffers must have the names and shapes
+    of ``model``'s: otherwise a checkpoint would record a recipe that builds a different model.
+    A spec attached to the instance (:func:`attach_spec`, or by :func:`build_model` when the
+    model was rebuilt from a checkpoint) is returned as it is.
+
+    Args:
+        model: The (unwrapped) model.
+        name: Its name in the run, for messages.
+
+    Returns:
+        The spec checkpoints will record.
+
+    Raises:
+        TypeError: If no spec can be derived, or the derived spec builds a model with other
+            tensors; the message says what to do for this class.
+    """
+    cls = type(model)
+    attached = vars(model).get(_ATTACHED_SPEC)
+    if isinstance(attached, BaseSpec):
+        return attached  # given by the caller, or the checkpoint recipe it was built from
+    try:
+        spec = model_spec(model)
+    except TypeError as exc:
+        raise TypeError(
+            f"model {name!r} ({cls.__module__}.{cls.__qualname__}) cannot be checkpointed: "
+            f"its recipe cannot be recorded: {exc}"
+        ) from exc
+    advice = _recipe_advice(cls)
+    paths = _tree_paths(spec)
+    targets: dict[int, Any] = {}
+    try:
+        spec._resolve_tree(targets, "model", paths, set())
+        root = targets[id(spec)]
+        try:
+            accepts_device = _signature_accepts(inspect.signature(root), "device")
+        except (TypeError, ValueError):
+            accepts_device = False
+        probe = _build_on_meta(spec, targets, accepts_device)
+    except Exception as exc:
+        warnings.warn(
+            f"model {name!r}: its recorded spec {spec.cls_path!r} could not be built on the "
+            f"meta device ({exc}); loading its checkpoints will need "
+            f"trusted=[{spec.cls_path!r}]",
+            stacklevel=2,
+        )
+        return spec
+    if not isinstance(probe, torch.nn.Module):
+        raise TypeError(
+            f"model {name!r}: its recorded spec {spec.cls_path!r} does not build an nn.Module "
+            f"(it returned a {type(probe).__name__}); {advice}"
+        )
+    live = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    rebuilt = {
+        k: tuple(v.shape) for k, v in probe.state_dict().items() if isinstance(v, torch.Tensor)
+    }
+    if live != rebuilt:
+        diff = sorted(k for k in live.keys() | rebuilt.keys() if live.get(k) != rebuilt.get(k))
+        details = ", ".join(f"{k}: {live.get(k)} vs {rebuilt.get(k)}" for k in diff[:5])
+        raise TypeError(
+            f"model {name!r} ({cls.__qualname__}) cannot be checkpointed: the recipe recorded "
+            f"for it ({spec.cls_path}) rebuilds a model with other tensors (model vs rebuilt: "
+            f"{details}); {advice}"
+        )
+    return spec
