@@ -188,10 +188,9 @@ def no_aws_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None
 class SaverFactory:
     """Starts saver processes quickly: a child that imported torch and fastckpt once forks a
     fresh saver per request (no object-store call happened before the fork, so no client
-    thread is copied). Each saver saves in a loop until it is killed, through ``door``:
+    thread is copied). Each saver saves in a loop until it is killed, through a front door
+    (``door``):
 
-    * ``"s3root"``: :func:`saver_state` with :class:`fastckpt.container.s3root.S3Root`, pruning
-      to the newest three indices;
     * ``"save_checkpoint"``: one :func:`front_door_model` whose bias is set to ``step``
       before each incremental ``fastckpt.save_checkpoint`` (``counters={"step": step}``: the
       frozen weight comes from the saver's previous index, partly copied by the store), then
@@ -210,7 +209,7 @@ class SaverFactory:
             text=True,
         )
 
-    def spawn(self, url: str, options: dict[str, Any], door: str = "s3root") -> int:
+    def spawn(self, url: str, options: dict[str, Any], door: str) -> int:
         """Fork a saver for ``url``; returns its pid (kill it with SIGKILL)."""
         assert self._process.stdin is not None and self._process.stdout is not None
         request = {"url": url, "options": options, "door": door}
@@ -227,20 +226,6 @@ class SaverFactory:
             assert self._process.stdin is not None
             self._process.stdin.close()
             self._process.wait(timeout=30)
-
-
-def saver_state(index: int) -> dict[str, Any]:
-    """What the saver commits as ``index``: ~6 MiB of tensors (a multipart upload with 5 MiB
-    parts) whose values say which index they belong to, plus a small JSON file."""
-    import torch
-
-    return {
-        "state.safetensors": {
-            "weights": torch.full((1536, 1024), float(index), dtype=torch.float32),
-            "step": torch.tensor([index], dtype=torch.int64),
-        },
-        "meta.json": json.dumps({"index": index}).encode(),
-    }
 
 
 #: The value of every element of :func:`front_door_model`'s weight, whatever the step.
@@ -299,9 +284,8 @@ def _zygote() -> None:
     """Child process: fork one looping saver per request line on stdin."""
     import signal
 
-    import fastckpt.checkpoint.api
+    import fastckpt.checkpoint.api  # imported before forking, so a saver starts at once
     import fastckpt.manager  # noqa: F401
-    from fastckpt.container.s3root import S3Root  # imported before forking; not used here
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # savers are reaped automatically
     for line in sys.stdin:
@@ -309,14 +293,7 @@ def _zygote() -> None:
         pid = os.fork()
         if pid == 0:
             try:
-                if request.get("door", "s3root") != "s3root":
-                    _front_door_saver(request["door"], request["url"], request["options"])
-                root = S3Root(request["url"], request["options"])
-                while True:
-                    index = root.latest()
-                    index = 0 if index is None else index + 1
-                    root.save(saver_state(index), index=index)
-                    root.prune(keep_last=3)
+                _front_door_saver(request["door"], request["url"], request["options"])
             except BaseException:  # a saver that fails on its own says why (stderr)
                 import traceback
 

@@ -38,7 +38,6 @@ MOVED: dict[str, str] = {
     "fastckpt.store.s3copy": "fastckpt.storage.s3.copy",
     "fastckpt.store.s3backend": "fastckpt.storage.s3.backend",
     "fastckpt.store.commit": "fastckpt.container.commit",
-    "fastckpt.store.s3commit": "fastckpt.container.s3root",
     "fastckpt.store.reader": "fastckpt.container.reader",
     "fastckpt.store.snapshot": "fastckpt.container.snapshot",
     "fastckpt.store.refs": "fastckpt.container.refs",

@@ -8,11 +8,9 @@ up and down with:
 
 * ``save_checkpoint`` and ``manager``: the front doors users call, on an ``s3://`` root / id
   (``save_checkpoint`` / ``load_checkpoint`` of the state held by a module, and a sync
-  ``CheckpointManager`` ``save`` / ``load``), every save a full write (``incremental=False``),
-  with the same request shapes as ``fastckpt``;
-* ``fastckpt``: :class:`fastckpt.container.s3root.S3Root` ``save`` / ``load`` (per-tensor crc32c,
-  uploads and ranged GETs on Rust threads, verified download) with the request shapes measured
-  best for the server (:data:`PROFILES`); ``fastckpt-defaults``: the default shapes;
+  ``CheckpointManager`` ``save`` / ``load``), every save a full write (``incremental=False``;
+  per-tensor crc32c, uploads and ranged GETs on Rust threads, verified download), with the
+  request shapes measured best for the server (:data:`PROFILES`);
 * ``boto3``: ``safetensors.torch.save`` + ``upload_fileobj`` with a threaded ``TransferConfig``,
   ``download_fileobj`` + ``safetensors.torch.load``; ``boto3-profile``: the same with
   fastckpt's shapes;
@@ -233,17 +231,15 @@ def _writers(
 ) -> dict[str, Writer]:
     """name -> (upload(state), download() -> tensors, tidy() untimed between repeats).
 
-    ``fastckpt`` uses the server's ``profile`` (request shapes measured best there);
-    ``fastckpt-defaults`` the default shapes; ``boto3`` and ``s3fs`` the shapes the issue
-    names (multipart above one part, ranges / blocks of one part); ``boto3-profile`` boto3
-    with the same request shapes as ``fastckpt`` (isolates what the shape, not the client,
-    is worth on this server).
+    The front doors (``save_checkpoint``, ``manager``) use the server's ``profile`` (request
+    shapes measured best there); ``boto3`` and ``s3fs`` the shapes the issue names (multipart
+    above one part, ranges / blocks of one part); ``boto3-profile`` boto3 with the same
+    request shapes as the front doors (isolates what the shape, not the client, is worth on
+    this server).
     """
     from boto3.s3.transfer import TransferConfig
     from safetensors.torch import load as load_bytes
     from safetensors.torch import save as save_bytes
-
-    from fastckpt.container.s3root import S3Root
 
     options: dict[str, Any] = {
         "part_size": part,
@@ -255,20 +251,6 @@ def _writers(
     if local:
         options.update(access_key_id=_KEY_ID, secret_access_key=_SECRET, region="us-east-1")
     client = _boto3_client(endpoint, concurrency, local)
-
-    def fastckpt_writer(name: str, extra: dict[str, Any]) -> Writer:
-        root = S3Root(f"s3://{bucket}/{prefix}/{name}", {**options, **extra})
-
-        def up(state: dict[str, torch.Tensor]) -> None:
-            root.save({"state.safetensors": state})
-
-        def down() -> Any:
-            return root.load().files["state.safetensors"]
-
-        def tidy() -> None:
-            root.prune(keep_last=1)  # keeps the server's storage flat across repeats
-
-        return up, down, tidy
 
     def boto3_writer(name: str, up_threshold: int, down_threshold: int) -> Writer:
         key = f"{prefix}/{name}/state.safetensors"
@@ -292,9 +274,6 @@ def _writers(
 
     tuned = {k: v for k, v in profile.items() if v is not None}
     writers: dict[str, Writer] = front_door_writers(f"s3://{bucket}/{prefix}", {**options, **tuned})
-    writers["fastckpt"] = fastckpt_writer("fastckpt", tuned)
-    if tuned:
-        writers["fastckpt-defaults"] = fastckpt_writer("fastckpt-defaults", {})
     writers["boto3"] = boto3_writer("boto3", part, part)
     if tuned:
         # boto3 takes one threshold per direction, applied to the object size as ours is.
@@ -651,8 +630,25 @@ def _shapes(profile: dict[str, int | None]) -> str:
     return f"{put}, {get}"
 
 
-#: fastckpt's rows, compared with every peer: the two front doors, then the S3Root class.
-_OURS = ("save_checkpoint", "manager", "fastckpt", "fastckpt-defaults")
+#: fastckpt's rows, compared with every peer: the two front doors.
+_OURS = ("save_checkpoint", "manager")
+
+
+def _load_line(document: dict[str, Any]) -> str:
+    """The machine's load average around the run (1, 5, 15 minutes)."""
+    load = document.get("load_average") or {}
+    before, after = load.get("before"), load.get("after")
+    if not before or not after:
+        return "Load average: not recorded."
+    cores = os.cpu_count() or 0
+    text = (
+        f"Load average (1/5/15 min) before the run {before[0]:.2f} / {before[1]:.2f} / "
+        f"{before[2]:.2f}, after it {after[0]:.2f} / {after[1]:.2f} / {after[2]:.2f}, on "
+        f"{cores} cores"
+    )
+    if max(before[0], after[0]) > cores:
+        text += " (high: other jobs shared the cores during the run, the figures are noisier)"
+    return text + "."
 
 
 def markdown(document: dict[str, Any]) -> str:
@@ -667,8 +663,10 @@ def markdown(document: dict[str, Any]) -> str:
         "min-max). CPU: seconds per GiB moved, client process / server process.",
         "",
         f"fastckpt's request shapes for this server: {_shapes(document['fastckpt_profile'])}; "
-        "fastckpt-defaults: the defaults (multipart above one part, ranged GETs above one "
-        "range); boto3-profile: boto3 with fastckpt's shapes.",
+        "boto3-profile: boto3 with fastckpt's shapes; boto3 and s3fs: multipart above one "
+        "part, ranges / blocks of one part.",
+        "",
+        _load_line(document),
         "",
         "| writer | upload GiB/s | download GiB/s | upload s (min-max) | download s (min-max) "
         "| upload CPU client/server | download CPU client/server |",
@@ -683,11 +681,11 @@ def markdown(document: dict[str, Any]) -> str:
             f"| {_cpu(row, 'upload')} | {_cpu(row, 'download')} |"
         )
     ours = [name for name in _OURS if name in rows]
-    peers = [name for name in rows if name not in ours and not name.startswith("fastckpt")]
+    peers = [name for name in rows if name not in ours]
     lines += [
         "",
-        "save_checkpoint and manager: the front doors (every save a full write); fastckpt: "
-        "the S3Root class.",
+        "save_checkpoint and manager: the front doors (save_checkpoint / load_checkpoint on an "
+        "s3:// root, a sync CheckpointManager on an s3:// id), every save a full write.",
         "",
         "| ratio (ours / peer) | " + " | ".join(f"{p} up | {p} down" for p in peers) + " |",
         "|---|" + "---|---|" * len(peers),
