@@ -66,7 +66,8 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _process_cpu(pid: int | None) -> float:
+def process_cpu(pid: int | None) -> float:
+    """User + system CPU seconds of process ``pid`` so far (0 where unreadable)."""
     if pid is None:
         return 0.0
     try:
@@ -425,14 +426,14 @@ def run(
                     ("download", download),
                 ]
                 for phase, call in phases:
-                    cpu, served = _cpu_seconds(), _process_cpu(server_pid)
+                    cpu, served = _cpu_seconds(), process_cpu(server_pid)
                     start = time.perf_counter()
                     result = call()
                     elapsed = time.perf_counter() - start
                     figures = raw[name]
                     figures.setdefault(f"{phase}_s", []).append(elapsed)
                     figures.setdefault(f"{phase}_client_cpu_s", []).append(_cpu_seconds() - cpu)
-                    server_cpu = _process_cpu(server_pid) - served
+                    server_cpu = process_cpu(server_pid) - served
                     figures.setdefault(f"{phase}_server_cpu_s", []).append(server_cpu)
                     if phase == "download":
                         _check_equal(name, result, state)

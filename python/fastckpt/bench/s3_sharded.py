@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.bench.environment import describe, load_average
-from fastckpt.bench.s3 import local_server
+from fastckpt.bench.s3 import local_server, process_cpu
 from fastckpt.bench.state import build_state, plan_state
 from fastckpt.bench.stats import summarize
 
@@ -118,17 +118,6 @@ class S3ShardedConfig:
 
 
 # ------------------------------------------------------------------------------ orchestrator
-
-
-def _server_cpu(pid: int | None) -> float:
-    """User + system CPU seconds of process ``pid`` so far (0 where unreadable)."""
-    if pid is None:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextmanager
@@ -710,7 +699,7 @@ class _Rank:
         import torch.distributed as dist
 
         dist.barrier()
-        cpu, served = _cpu_seconds(), _server_cpu(self.server_pid)
+        cpu, served = _cpu_seconds(), process_cpu(self.server_pid)
         start = time.perf_counter()
         error = None
         try:
@@ -719,7 +708,7 @@ class _Rank:
             error = f"{type(exc).__name__}: {exc}"[:4000]
         dist.barrier()
         seconds = time.perf_counter() - start
-        server = _server_cpu(self.server_pid) - served
+        server = process_cpu(self.server_pid) - served
         used = torch.tensor([_cpu_seconds() - cpu], dtype=torch.float64)
         dist.all_reduce(used)
         return seconds, float(used.item()), server, self.first_error(error)
