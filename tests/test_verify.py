@@ -21,8 +21,8 @@ from fastckpt.container.verify import CheckpointSkippedWarning, latest_intact, v
 from fastckpt.errors import (
     CheckpointFormatError,
 )
-from fastckpt.format.paths import safe_join
 from fastckpt.format.records import MANIFEST
+from fastckpt.io.paths import safe_join
 
 #: The ``saved`` fixture (two indices of a root and two manager checkpoints).
 pytest_plugins = ["checkpoint_support"]

@@ -36,9 +36,9 @@ from fastckpt.container.refs import (
     resolve_references,
 )
 from fastckpt.errors import CheckpointFormatError, FastCkptError
-from fastckpt.format.paths import check_name
 from fastckpt.format.records import Manifest
 from fastckpt.io import tree
+from fastckpt.io.paths import check_name
 from fastckpt.io.progress import log_throughput
 from fastckpt.storage.backend import CopySource, LocalStaging
 from fastckpt.storage.registry import backend_for, is_local

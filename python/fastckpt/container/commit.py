@@ -1,26 +1,46 @@
-"""Commit protocols: a directory that appears whole, and an index that the manifest commits.
+"""The commit protocol of every container, and the two writers built on it.
+
+Every save, whatever its front door, commits the same way:
+
+1. its data goes under names no other save uses: a temporary sibling directory renamed into
+   place (a local index or CheckpointManager checkpoint), a fresh index prefix
+   (save_checkpoint roots on an object store), or a *generation* (a CheckpointManager
+   checkpoint on an object store and every sharded checkpoint; see
+   :data:`~fastckpt.format.records.GENERATION_PREFIX`);
+2. every byte of it is durable (fsynced files and directories; completed uploads) and its
+   size and crc32c are recorded;
+3. one commit record is written last, atomically, by the backend's
+   :meth:`~fastckpt.storage.backend.StorageBackend.put_record` (temp -> fsync -> rename ->
+   fsync of the directory locally; a put conditional on the version read before, on an
+   object store): ``manifest.json`` of a root, ``commit.json`` of a CheckpointManager
+   checkpoint, ``fastckpt-dcp.json`` of a sharded one;
+4. only then is what the record no longer names removed.
+
+A crash at any step leaves the previous record, and every file it names, untouched; what the
+interrupted save wrote is never read and is removed by the next save.
+:func:`commit_generation` is step 3-4 for generations (both writers of generations call it).
 
 ```
 ROOT/manifest.json     the commit record (see fastckpt.format.records)
 ROOT/<index>/          one self-contained directory per committed index
 ROOT/.tmp-<...>/       an index being written (removed by the next save if a crash left it)
 ROOT/.fastckpt.lock    held (flock) by the one process saving into ROOT; gone when none is
+CKPT/g-<ms>-<hex>/     a generation (object stores, sharded checkpoints)
 ```
 
-An index is staged (locally: a temporary sibling, every file and directory fsynced, renamed
-into place), then ``manifest.json`` is replaced atomically: the manifest is the commit point,
-nothing it names is partial. Writers of one root are serialized by the backend's lock
-(:class:`RootLock` locally), which the kernel drops when its holder dies, so a killed writer
-never leaves a stale lock.
+Writers of one root are serialized by the backend's lock (:class:`RootLock` locally), which
+the kernel drops when its holder dies, so a killed writer never leaves a stale lock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -38,8 +58,10 @@ from fastckpt.format.records import (
     MANIFEST,
     SHARDED_DIR,
     Manifest,
+    generation_order,
     json_bytes,
     new_generation,
+    read_record_bytes,
     seal_manifest,
 )
 from fastckpt.storage.backend import (
@@ -61,13 +83,140 @@ __all__ = [
     "IndexWriter",
     "RootLock",
     "clean_leftovers",
+    "commit_generation",
+    "committed_generation",
+    "generation_dirs",
     "index_intact",
+    "make_generation_dir",
     "prune_indices",
+    "remove_superseded",
 ]
 
 _LOG = logging.getLogger(__name__)
 #: Threads writing an index's JSON documents next to its tensor files.
 _JSON_THREADS = 4
+
+
+#: Serializes the commits of generations in this process (see :func:`commit_generation`).
+_COMMIT_LOCK = threading.Lock()
+
+
+def generation_dirs(directory: Path) -> list[Path]:
+    """The generations present under ``directory`` (directories, or prefixes on an object
+    store), oldest first."""
+    backend = backend_for(directory)
+    if is_local(backend):
+        try:
+            names = [entry.name for entry in directory.iterdir() if entry.is_dir()]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+    else:
+        names = backend.list_dir(directory)
+    ordered = sorted((key, name) for name in names if (key := generation_order(name)))
+    return [directory / name for _, name in ordered]
+
+
+def make_generation_dir(directory: Path, generation: str) -> Path:
+    """Create ``directory/generation`` (and ``directory``) durably and return it (on an
+    object store, where prefixes need no creation, only return it)."""
+    target = directory / generation
+    if is_local(backend_for(directory)):
+        os.makedirs(target, exist_ok=True)
+        _native.fsync_dir(str(directory))
+    return target
+
+
+def committed_generation(directory: Path, record_name: str) -> str | None:
+    """The generation the commit record ``record_name`` of ``directory`` names, if any
+    (on an object store, reading it also makes the next put conditional on this version)."""
+    try:
+        document = json.loads(read_record_bytes(directory, record_name))
+    except (OSError, ValueError):  # CheckpointFormatError (a FIFO, a link...) is a ValueError
+        return None
+    generation = document.get("generation") if isinstance(document, dict) else None
+    return generation if isinstance(generation, str) else None
+
+
+def commit_generation(
+    directory: Path,
+    record_name: str,
+    data: bytes,
+    generation: str,
+    *,
+    check: Callable[[], None] | None = None,
+    sweep_all: bool = False,
+    reread: bool = True,
+) -> list[Path]:
+    """Commit ``generation`` of ``directory``: write the record ``data`` last, then remove
+    what it superseded (steps 3 and 4 of the protocol, see the module docstring).
+
+    Commits in this process are serialized, and one never replaces a record that already
+    names a newer generation (overlapping saves to one checkpoint: the newest wins, the older
+    one fails with nothing committed). ``check`` runs just before the record is written (for
+    example: the generation's files are all there). Then the generations created before
+    ``generation`` are removed (killed saves' ones included); with ``sweep_all`` (a writer
+    holding the checkpoint's lock) everything else under ``directory`` too. Returns what was
+    removed.
+
+    The record is read again just before the put (``reread``), so that on an object store
+    the put is conditional on that version; a writer that read it when it started passes
+    ``reread=False`` to keep its put conditional on the version it started from (a commit
+    by anyone else meanwhile then fails the put with a typed conflict error).
+
+    Raises:
+        RuntimeError: a newer generation is already committed; nothing was committed.
+    """
+    with _COMMIT_LOCK:
+        current = committed_generation(directory, record_name) if reread else None
+        if current is not None and _newer(current, generation):
+            raise RuntimeError(
+                f"{display_path(directory)}: a newer save ({current}) committed while this one "
+                f"({generation}) was running; nothing was committed"
+            )
+        if check is not None:
+            check()
+        backend_for(directory).put_record(directory / record_name, data)
+        return remove_superseded(directory, generation, record_name, sweep_all=sweep_all)
+
+
+def _newer(current: str, generation: str) -> bool:
+    mine = generation_order(generation)
+    theirs = generation_order(current)
+    return mine is not None and theirs is not None and theirs > mine
+
+
+def remove_superseded(
+    directory: Path, keep: str, record_name: str, *, sweep_all: bool = False
+) -> list[Path]:
+    """After ``keep`` was committed: remove the generations of ``directory`` created before
+    it (earlier commits and interrupted saves; on an object store with their unfinished
+    uploads). Newer ones (a save still under way) are left alone, unless ``sweep_all``,
+    which removes everything but the record and ``keep``. Returns what was removed."""
+    backend = backend_for(directory)
+    local = is_local(backend)
+    kept = generation_order(keep)
+    if sweep_all:
+        names = (
+            [entry.name for entry in directory.iterdir()] if local else backend.list_dir(directory)
+        )
+        doomed = [directory / name for name in names if name not in (record_name, keep)]
+    else:
+        doomed = [
+            path
+            for path in generation_dirs(directory)
+            if kept is None or (generation_order(path.name) or kept) < kept
+        ]
+    for path in doomed:
+        if not local:
+            backend.delete(path)
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    if doomed and local:
+        _native.fsync_dir(str(directory))
+    return doomed
 
 
 class DirectoryWriter:
@@ -172,12 +321,13 @@ class DirectoryWriter:
         self.staging.publish()
         if self._record is None:
             return
-        self.backend.put_record(self.final / COMMIT_RECORD, self._record)
-        self._record = None
-        # Committed: the replaced generation and killed saves' objects are garbage now.
-        for name in self.backend.list_dir(self.final):
-            if name not in (COMMIT_RECORD, self.generation):
-                self.backend.delete(self.final / name)
+        assert self.generation is not None
+        record, self._record = self._record, None
+        # The writer holds the checkpoint's lock: whatever the record does not name (the
+        # replaced generation, killed saves' objects) is garbage once it is written.
+        commit_generation(
+            self.final, COMMIT_RECORD, record, self.generation, sweep_all=True, reread=False
+        )
 
     def abort(self) -> None:
         """Drop what was written."""

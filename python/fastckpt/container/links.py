@@ -40,7 +40,6 @@ from fastckpt.container.reader import (
     read_tensor_file,
 )
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.format.paths import check_name, check_relpath, safe_join
 from fastckpt.format.records import (
     COMMIT_RECORD,
     MANAGER_REFS,
@@ -49,6 +48,7 @@ from fastckpt.format.records import (
     item_files,
 )
 from fastckpt.io.headers import read_metadata
+from fastckpt.io.paths import check_name, check_relpath, safe_join
 
 if TYPE_CHECKING:
     import torch

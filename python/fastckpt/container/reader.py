@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.format.paths import safe_join
 from fastckpt.format.records import COMMIT_RECORD, item_files, load_json
+from fastckpt.io.paths import safe_join
 from fastckpt.storage.backend import StorageBackend
 from fastckpt.storage.registry import backend_for
 

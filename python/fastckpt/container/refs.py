@@ -44,8 +44,8 @@ from fastckpt.container.reader import (
     verify_content,
 )
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.format.paths import safe_join
 from fastckpt.format.records import TENSOR_REFERENCE_FIELDS, Manifest, check_fields
+from fastckpt.io.paths import safe_join
 from fastckpt.storage.backend import TEMP_PREFIX, LocalStaging
 from fastckpt.storage.backend import _sibling as temp_sibling
 

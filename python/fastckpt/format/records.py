@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.format.paths import check_name, check_relpath, safe_join
+from fastckpt.io.paths import check_name, check_relpath, safe_join
 from fastckpt.storage.backend import MAX_RECORD_BYTES, FileRecord, StorageBackend, read_by_size
 from fastckpt.storage.registry import backend_for, is_local
 
@@ -45,6 +46,7 @@ __all__ = [
     "check_fields",
     "check_seal",
     "commit_record",
+    "generation_order",
     "item_files",
     "json_bytes",
     "load_json",
@@ -76,8 +78,11 @@ MANAGER_FORMAT = "fastckpt-manager"
 MANAGER_SCHEMA_VERSION = 2
 #: The commit-record field listing an incremental checkpoint's references.
 MANAGER_REFS = "refs"
-#: Object stores: the data of a CheckpointManager checkpoint lives under ``CKPT/g-<hex>/``
-#: (a generation), and its commit record names it in the field ``generation``.
+#: A *generation* is the directory (a key prefix on an object store) that holds one save's
+#: data under a name no other save uses: ``g-<creation time in ms, 13 digits>-<64 random
+#: bits, hex>``, so names sort by creation time. The commit record written after the data
+#: names it in its field ``generation`` (see :mod:`fastckpt.container.commit`). Every sharded
+#: checkpoint and every CheckpointManager checkpoint on an object store is written this way.
 GENERATION_PREFIX = "g-"
 #: Top-level manifest field holding the crc32c of the rest of the document (see Manifest).
 MANIFEST_CRC_FIELD = "crc32c"
@@ -500,8 +505,31 @@ def commit_record(
 
 
 def new_generation() -> str:
-    """A generation prefix no other save uses (``g-`` + 128 random bits)."""
-    return f"{GENERATION_PREFIX}{os.urandom(16).hex()}"
+    """A fresh generation name (see :data:`GENERATION_PREFIX`): later calls sort after
+    earlier ones (to the millisecond), two calls never give the same name."""
+    return f"{GENERATION_PREFIX}{time.time_ns() // 1_000_000:013d}-{os.urandom(8).hex()}"
+
+
+def _is_hex(text: str, lengths: tuple[int, ...]) -> bool:
+    return len(text) in lengths and all(c in "0123456789abcdef" for c in text)
+
+
+def generation_order(name: str) -> tuple[int, str] | None:
+    """Sort key of the generation ``name`` (creation time first), None when ``name`` is not
+    a generation. Names written by earlier fastckpt versions are generations too:
+    ``g-<32 hex>`` (CheckpointManager on object stores; no time, so older than any other)
+    and ``g<13 digits>-<8 hex>`` (sharded checkpoints)."""
+    if name.startswith(GENERATION_PREFIX):
+        millis, _, tail = name[len(GENERATION_PREFIX) :].partition("-")
+        if len(millis) == 13 and millis.isdigit() and _is_hex(tail, (16,)):
+            return int(millis), name
+        if not tail and _is_hex(millis, (32,)):
+            return 0, name
+        return None
+    millis, _, tail = name[1:].partition("-")
+    if name.startswith("g") and len(millis) == 13 and millis.isdigit() and _is_hex(tail, (8,)):
+        return int(millis), name
+    return None
 
 
 def record_file(record: Mapping[str, Any], name: str) -> str:

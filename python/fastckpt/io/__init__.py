@@ -6,6 +6,8 @@
 * :mod:`fastckpt.io.staging` - the CPU and CUDA stagers.
 * :mod:`fastckpt.io.tree` - nested state <-> a JSON skeleton and flat tensors.
 * :mod:`fastckpt.io.progress` - byte counters and the progress bar.
+* :mod:`fastckpt.io.paths` - names and relative paths read from untrusted records, checked
+  before they touch a filesystem.
 
 Nothing here knows a checkpoint's layout. The package imports nothing itself.
 """

@@ -44,7 +44,6 @@ from fastckpt.errors import (
     ChecksumMismatchError,
     FastCkptError,
 )
-from fastckpt.format.paths import check_name
 from fastckpt.format.records import (
     COMMIT_RECORD,
     SHARDED_RECORD,
@@ -53,6 +52,7 @@ from fastckpt.format.records import (
     read_commit_record,
 )
 from fastckpt.io import tree
+from fastckpt.io.paths import check_name
 from fastckpt.io.progress import log_throughput
 from fastckpt.io.staging import (
     Stager,

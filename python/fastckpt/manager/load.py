@@ -36,11 +36,11 @@ from fastckpt import _native
 from fastckpt.container.links import check_against_header, read_references
 from fastckpt.container.reader import check_recorded, read_json
 from fastckpt.errors import CheckpointFormatError
-from fastckpt.format.paths import safe_join
 from fastckpt.format.records import COMMIT_RECORD, item_files
 from fastckpt.io import tree
 from fastckpt.io.files import dtype_from_name, torch_shape
 from fastckpt.io.headers import DEFAULT_THREADS, read_metadata
+from fastckpt.io.paths import safe_join
 from fastckpt.io.progress import active_counter
 from fastckpt.manager.stateful import is_stateful
 

@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
-from fastckpt.format.paths import check_relpath
 from fastckpt.io.headers import read_metadata
+from fastckpt.io.paths import check_relpath
 from fastckpt.io.progress import active_counter
 from fastckpt.storage.lock import RootLock
 

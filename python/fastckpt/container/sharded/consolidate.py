@@ -29,8 +29,8 @@ from fastckpt.container.sharded.chunks import ChunkFiles
 from fastckpt.container.sharded.commit import RECORD_NAME, generation_dirs, read_record
 from fastckpt.container.sharded.values import decode_value
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.format.paths import safe_join
 from fastckpt.io.files import DEFAULT_THREADS, save_file
+from fastckpt.io.paths import safe_join
 
 __all__ = [
     "VALUES_METADATA_KEY",

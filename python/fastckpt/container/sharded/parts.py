@@ -39,8 +39,8 @@ from typing import Any
 
 from fastckpt.container.reader import read_json
 from fastckpt.errors import CheckpointFormatError
-from fastckpt.format.paths import check_name
 from fastckpt.format.records import SHARDED_DIR, Manifest
+from fastckpt.io.paths import check_name
 from fastckpt.storage.registry import backend_for, is_local
 
 __all__ = [

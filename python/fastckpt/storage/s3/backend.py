@@ -47,6 +47,7 @@ import torch
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.io.files import byte_view, read_metadata
+from fastckpt.io.paths import check_relpath
 from fastckpt.storage.backend import (
     MAX_RECORD_BYTES,
     CopySource,
@@ -371,8 +372,6 @@ class S3Staging(Staging):
         return str(self.url)
 
     def _key(self, relpath: str) -> str:
-        from fastckpt.format.paths import check_relpath
-
         check_relpath(relpath, "file")
         return self.url.key(relpath)
 

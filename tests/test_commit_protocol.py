@@ -1,0 +1,146 @@
+"""The one commit protocol (fastckpt.container.commit): generation names, the record written
+last, what a commit removes, and that every writer of generations goes through it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from fastckpt.container import commit as protocol
+from fastckpt.container.sharded import commit as sharded_commit
+from fastckpt.format.records import GENERATION_PREFIX, generation_order, new_generation
+
+RECORD = "record.json"
+
+
+def _record(directory: Path, generation: str) -> bytes:
+    return json.dumps({"generation": generation}).encode()
+
+
+def _generation(directory: Path, name: str) -> Path:
+    path = directory / name
+    path.mkdir(parents=True)
+    (path / "data.bin").write_bytes(b"x" * 16)
+    return path
+
+
+def test_new_generations_are_unique_and_sort_by_creation_time() -> None:
+    first = new_generation()
+    time.sleep(0.003)
+    second = new_generation()
+    assert first.startswith(GENERATION_PREFIX) and second.startswith(GENERATION_PREFIX)
+    assert len({new_generation() for _ in range(1000)}) == 1000
+    first_key, second_key = generation_order(first), generation_order(second)
+    assert first_key is not None and second_key is not None
+    assert first_key < second_key
+
+
+def test_names_of_earlier_versions_are_generations_and_older_than_new_ones() -> None:
+    manager_v1 = "g-" + "ab" * 16  # CheckpointManager on object stores, before this version
+    sharded_v1 = "g1733000000000-0123abcd"  # sharded checkpoints, before this version
+    fresh = new_generation()
+    assert generation_order(manager_v1) == (0, manager_v1)
+    assert generation_order(sharded_v1) == (1733000000000, sharded_v1)
+    ordered = sorted([fresh, sharded_v1, manager_v1], key=lambda n: generation_order(n) or (0, n))
+    assert ordered == [manager_v1, sharded_v1, fresh]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["g-", "g-123", "g-1733000000000-xyz", "gen", "rank-00000.safetensors", ".tmp-g-1", "g1-ab"],
+)
+def test_other_names_are_not_generations(name: str) -> None:
+    assert generation_order(name) is None
+
+
+def test_commit_writes_the_record_then_removes_only_older_generations(tmp_path: Path) -> None:
+    old = _generation(tmp_path, "g1733000000000-0123abcd")  # committed, earlier version
+    (tmp_path / RECORD).write_bytes(_record(tmp_path, old.name))
+    killed = _generation(tmp_path, new_generation())  # an interrupted save
+    time.sleep(0.003)
+    mine = _generation(tmp_path, new_generation())
+    time.sleep(0.003)
+    running = _generation(tmp_path, new_generation())  # a newer save still under way
+    (tmp_path / "unrelated.txt").write_text("kept")
+
+    removed = protocol.commit_generation(tmp_path, RECORD, _record(tmp_path, mine.name), mine.name)
+
+    assert json.loads((tmp_path / RECORD).read_bytes()) == {"generation": mine.name}
+    assert sorted(removed) == sorted([old, killed])
+    assert not old.exists() and not killed.exists()
+    assert mine.exists() and running.exists() and (tmp_path / "unrelated.txt").exists()
+    assert protocol.generation_dirs(tmp_path) == [mine, running]
+
+
+def test_an_older_save_never_replaces_a_newer_commit(tmp_path: Path) -> None:
+    older = _generation(tmp_path, new_generation())
+    time.sleep(0.003)
+    newer = _generation(tmp_path, new_generation())
+    protocol.commit_generation(tmp_path, RECORD, _record(tmp_path, newer.name), newer.name)
+    checked: list[bool] = []
+
+    with pytest.raises(RuntimeError, match=r"a newer save .* nothing was committed"):
+        protocol.commit_generation(
+            tmp_path,
+            RECORD,
+            _record(tmp_path, older.name),
+            older.name,
+            check=lambda: checked.append(True),
+        )
+
+    assert checked == []  # refused before the check and the put
+    assert json.loads((tmp_path / RECORD).read_bytes()) == {"generation": newer.name}
+    assert newer.exists()
+
+
+def test_a_failed_check_commits_nothing_and_removes_nothing(tmp_path: Path) -> None:
+    old = _generation(tmp_path, new_generation())
+    (tmp_path / RECORD).write_bytes(_record(tmp_path, old.name))
+    time.sleep(0.003)
+    mine = _generation(tmp_path, new_generation())
+
+    def missing_files() -> None:
+        raise FileNotFoundError("rank 1's file is missing")
+
+    with pytest.raises(FileNotFoundError):
+        protocol.commit_generation(
+            tmp_path, RECORD, _record(tmp_path, mine.name), mine.name, check=missing_files
+        )
+    assert json.loads((tmp_path / RECORD).read_bytes()) == {"generation": old.name}
+    assert old.exists() and mine.exists()
+
+
+def test_sweep_all_keeps_only_the_record_and_the_committed_generation(tmp_path: Path) -> None:
+    mine = _generation(tmp_path, new_generation())
+    time.sleep(0.003)
+    _generation(tmp_path, new_generation())
+    (tmp_path / "model.safetensors").write_bytes(b"written in place by an earlier version")
+
+    protocol.commit_generation(
+        tmp_path, RECORD, _record(tmp_path, mine.name), mine.name, sweep_all=True
+    )
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([RECORD, mine.name])
+
+
+def test_the_sharded_commit_is_the_protocol(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sharded commit runs fastckpt.container.commit's code (no second copy of it): a
+    change there (here a spy on its cleanup step) is seen by a sharded commit."""
+    seen: list[tuple[Path, str, str]] = []
+    real = protocol.remove_superseded
+
+    def spy(directory: Path, keep: str, record_name: str, *, sweep_all: bool = False) -> list[Path]:
+        seen.append((directory, keep, record_name))
+        return real(directory, keep, record_name, sweep_all=sweep_all)
+
+    monkeypatch.setattr(protocol, "remove_superseded", spy)
+    generation = sharded_commit.new_generation()
+    sharded_commit.make_generation_dir(tmp_path, generation)
+    sharded_commit.commit(tmp_path, generation, _record(tmp_path, generation), lambda: None)
+    assert seen == [(tmp_path, generation, sharded_commit.RECORD_NAME)]
+    assert Path(protocol.__file__).read_text().count(".put_record(") == 1
