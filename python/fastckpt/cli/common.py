@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.cli.status import EXIT_BAD, EXIT_ERROR, EXIT_OK, EXIT_UNCHECKED, UserError
-from fastckpt.container import locate as store_locate
-from fastckpt.container.locate import KIND_NAMES, Location
+from fastckpt.container.kinds import Container, SavedContainer, open_container
 from fastckpt.format.records import COMMIT_RECORD, MANIFEST, Manifest, load_json
 from fastckpt.storage.registry import backend_for, is_local
 
@@ -40,14 +39,14 @@ def error_text(err: BaseException) -> str:
 # --------------------------------------------------------------------------- locating checkpoints
 
 
-def locate(text: str | os.PathLike[str]) -> Location:
-    """Work out what kind of checkpoint ``text`` names.
+def locate(text: str | os.PathLike[str]) -> Container:
+    """The container (of its kind, :mod:`fastckpt.container.kinds`) ``text`` names.
 
     Raises:
         UserError: it does not exist or is not a fastckpt checkpoint.
     """
     try:
-        return store_locate.locate(text)
+        return open_container(text)
     except FileNotFoundError as err:
         raise UserError(err.strerror) from None
 
@@ -75,42 +74,47 @@ def manager_children(text: str | os.PathLike[str]) -> list[Path]:
     return sorted(stamps, key=lambda child: (stamps[child], child.name))
 
 
-def resolve_index(location: Location, requested: int | None) -> tuple[Manifest, int]:
-    """The manifest and the committed index a root/index location (plus ``--index``) means.
+def needs_root(container: Container) -> UserError:
+    """The error for a container that is not a save_checkpoint root or one of its indices, where
+    the command needs one."""
+    return UserError(
+        f"{container.path} is a {container.name}; this needs a save_checkpoint root or one of "
+        "its index directories"
+    )
+
+
+def resolve_index(container: Container, requested: int | None) -> tuple[Manifest, int]:
+    """The manifest and the committed index a root/index container (plus ``--index``) means.
 
     Raises:
         UserError: not a root or index, empty root, index not committed or contradictory.
     """
-    if location.root is None:
-        raise UserError(
-            f"{location.path} is a {KIND_NAMES[location.kind]}; this needs a save_checkpoint "
-            "root or one of its index directories"
-        )
-    manifest = Manifest.load(location.root)
-    if location.kind == "index":
-        own = location.index
-        assert own is not None
+    if not isinstance(container, SavedContainer):
+        raise needs_root(container)
+    manifest = Manifest.load(container.root)
+    own = container.own_index
+    if own is not None:
         if requested is not None and requested not in (-1, own):
-            raise UserError(f"{location.path} is index {own}; --index {requested} contradicts it")
+            raise UserError(f"{container.path} is index {own}; --index {requested} contradicts it")
         if own not in manifest.entries:
             raise UserError(
-                f"{location.path}: index {own} is not committed in {location.root / MANIFEST} "
+                f"{container.path}: index {own} is not committed in {container.root / MANIFEST} "
                 f"(committed: {sorted(manifest.entries)}); it may be a leftover of a crash"
             )
         return manifest, own
     if not manifest.entries:
-        raise UserError(f"{location.root}: no committed checkpoint yet")
+        raise UserError(f"{container.root}: no committed checkpoint yet")
     try:
         return manifest, manifest.resolve(-1 if requested is None else requested)
     except KeyError as err:
         raise UserError(error_text(err)) from None
 
 
-def no_index(location: Location, requested: int | None) -> None:
+def no_index(container: Container, requested: int | None) -> None:
     """Refuse ``--index`` for anything but a root or one of its indices."""
-    if requested is not None and location.kind not in ("root", "index"):
+    if requested is not None and not container.takes_index:
         raise UserError(
-            f"{location.path} is a {KIND_NAMES[location.kind]}; --index only applies to a "
+            f"{container.path} is a {container.name}; --index only applies to a "
             "save_checkpoint root"
         )
 

@@ -15,6 +15,7 @@ from fastckpt.cli.common import (
     TENSOR_SUFFIX,
     UserError,
     locate,
+    needs_root,
     read_document,
     resolve_index,
 )
@@ -25,6 +26,15 @@ from fastckpt.cli.render import (
     table,
 )
 from fastckpt.container.diff import TensorFiles, diff_checkpoints
+from fastckpt.container.kinds import (
+    IndexContainer,
+    KindVisitor,
+    ManagerContainer,
+    RootContainer,
+    SavedContainer,
+    ShardedContainer,
+    TensorFile,
+)
 from fastckpt.container.links import is_linked_file, referenced_sources
 from fastckpt.container.refs import REFS_FILE, index_references, source_path
 from fastckpt.format.paths import safe_join
@@ -120,16 +130,24 @@ def _json_values(
 def _diff_side(text: str) -> _Side:
     """The tensor files and plain values of the checkpoint ``text`` names (a root: its
     latest index)."""
-    location = locate(text)
-    if location.kind == "file":
-        metadata = _header(location.path)["metadata"] or {}
-        return _Side(TensorFiles(display_path(location.path), {"": location.path}), {}, metadata)
-    if location.kind == "manager":
-        record = read_commit_record(location.path)
+    return locate(text).accept(_SideOf())
+
+
+class _SideOf(KindVisitor[_Side]):
+    """One side of ``fastckpt diff`` for each kind of container."""
+
+    def file(self, container: TensorFile) -> _Side:
+        path = container.path
+        metadata = _header(path)["metadata"] or {}
+        return _Side(TensorFiles(display_path(path), {"": path}), {}, metadata)
+
+    def manager(self, container: ManagerContainer) -> _Side:
+        directory = container.path
+        record = read_commit_record(directory)
         generation = record_file(record, "")  # object stores: "g-<hex>/"; locally ""
         files = {
             relpath.removeprefix(generation).removesuffix(TENSOR_SUFFIX): safe_join(
-                location.path, relpath
+                directory, relpath
             )
             for relpath in sorted(record["files"])
             if relpath.endswith(TENSOR_SUFFIX) and not is_linked_file(relpath)
@@ -139,38 +157,50 @@ def _diff_side(text: str) -> _Side:
             relpath.removesuffix(TENSOR_SUFFIX): {
                 name: (path, ref["name"]) for name, (path, ref) in names.items()
             }
-            for relpath, names in referenced_sources(location.path, record).items()
+            for relpath, names in referenced_sources(directory, record).items()
         }
-        values = _json_values(location.path, sorted(record["files"]), location.path, generation)
-        label = f"{display_path(location.path)} (CheckpointManager checkpoint)"
+        values = _json_values(directory, sorted(record["files"]), directory, generation)
+        label = f"{display_path(directory)} (CheckpointManager checkpoint)"
         return _Side(TensorFiles(label, files, linked), values, {})
-    manifest, index = resolve_index(location, None)
-    directory = manifest.root / str(index)
-    # refs.json (an incremental index) is where tensors are, not a value to compare.
-    # Linked files hold referenced tensors (possibly stale ones too): read through the refs.
-    listed = sorted(
-        name
-        for name in manifest.entries[index]["files"]
-        if name != REFS_FILE and not is_linked_file(name)
-    )
-    files = {
-        relpath.removesuffix(TENSOR_SUFFIX): safe_join(directory, relpath, within=manifest.root)
-        for relpath in listed
-        if relpath.endswith(TENSOR_SUFFIX)
-    }
-    references = {
-        relpath.removesuffix(TENSOR_SUFFIX): {
-            name: (source_path(manifest, ref), ref["name"]) for name, ref in names.items()
+
+    def sharded(self, container: ShardedContainer) -> _Side:
+        raise needs_root(container)
+
+    def root(self, container: RootContainer) -> _Side:
+        return self._index_side(container)
+
+    def index(self, container: IndexContainer) -> _Side:
+        return self._index_side(container)
+
+    @staticmethod
+    def _index_side(container: SavedContainer) -> _Side:
+        manifest, index = resolve_index(container, None)
+        directory = manifest.root / str(index)
+        # refs.json (an incremental index) is where tensors are, not a value to compare.
+        # Linked files hold referenced tensors (possibly stale ones too): read through the refs.
+        listed = sorted(
+            name
+            for name in manifest.entries[index]["files"]
+            if name != REFS_FILE and not is_linked_file(name)
+        )
+        files = {
+            relpath.removesuffix(TENSOR_SUFFIX): safe_join(directory, relpath, within=manifest.root)
+            for relpath in listed
+            if relpath.endswith(TENSOR_SUFFIX)
         }
-        for relpath, names in index_references(manifest, index).items()
-    }
-    counters: dict[str, Any] = {}
-    _flatten_values("counters:", manifest.entries[index].get("counters", {}), counters)
-    plain = {name.replace(":.", ":"): value for name, value in counters.items()}
-    plain.update(_json_values(directory, listed, manifest.root))
-    latest = ", latest" if index == manifest.latest else ""
-    side = TensorFiles(f"{display_path(directory)} (index {index}{latest})", files, references)
-    return _Side(side, plain, {})
+        references = {
+            relpath.removesuffix(TENSOR_SUFFIX): {
+                name: (source_path(manifest, ref), ref["name"]) for name, ref in names.items()
+            }
+            for relpath, names in index_references(manifest, index).items()
+        }
+        counters: dict[str, Any] = {}
+        _flatten_values("counters:", manifest.entries[index].get("counters", {}), counters)
+        plain = {name.replace(":.", ":"): value for name, value in counters.items()}
+        plain.update(_json_values(directory, listed, manifest.root))
+        latest = ", latest" if index == manifest.latest else ""
+        side = TensorFiles(f"{display_path(directory)} (index {index}{latest})", files, references)
+        return _Side(side, plain, {})
 
 
 def _match_export(single: _Side, whole: _Side) -> str | None:

@@ -23,8 +23,16 @@ from fastckpt.cli.render import (
     counted_progress,
     print_json,
 )
+from fastckpt.container.kinds import (
+    IndexContainer,
+    KindVisitor,
+    ManagerContainer,
+    RootContainer,
+    SavedContainer,
+    ShardedContainer,
+    TensorFile,
+)
 from fastckpt.container.links import read_item, read_references
-from fastckpt.container.locate import Location
 from fastckpt.format.records import Manifest, item_files, read_commit_record
 from fastckpt.io import tree
 from fastckpt.io.files import write_tensors
@@ -54,25 +62,26 @@ class _Export:
     metadata: dict[str, str]
 
 
-def _export_plan(location: Location, index: int | None, model: str | None) -> _Export:
-    if location.kind == "manager":
-        record = read_commit_record(location.path)
-        items = [str(key) for key in record["items"]]
-        preferred = "model" if model is None and "model" in items else model
-        key = _pick(items, preferred, "item", location.path)
-        relpath = item_files(record, key)[1]
-        size = record["files"].get(relpath, {"size": 0})["size"]
-        # An incremental checkpoint's unchanged tensors are in its linked files.
-        linked = read_references(record, str(location.path)).get(relpath, {})
-        size += sum(ref["nbytes"] for ref in linked.values())
-        return _Export(
-            lambda: _manager_item_tensors(location.path, key),
-            size,
-            {"fastckpt.source": str(location.path), "fastckpt.item": key},
-        )
-    if location.kind == "file":
-        raise UserError(f"{location.path} is already a single safetensors file")
-    manifest, chosen = resolve_index(location, index)
+def _manager_plan(directory: Path, model: str | None) -> _Export:
+    """One item of a CheckpointManager checkpoint (``model`` by default)."""
+    record = read_commit_record(directory)
+    items = [str(key) for key in record["items"]]
+    preferred = "model" if model is None and "model" in items else model
+    key = _pick(items, preferred, "item", directory)
+    relpath = item_files(record, key)[1]
+    size = record["files"].get(relpath, {"size": 0})["size"]
+    # An incremental checkpoint's unchanged tensors are in its linked files.
+    linked = read_references(record, str(directory)).get(relpath, {})
+    size += sum(ref["nbytes"] for ref in linked.values())
+    return _Export(
+        lambda: _manager_item_tensors(directory, key),
+        size,
+        {"fastckpt.source": str(directory), "fastckpt.item": key},
+    )
+
+
+def _index_plan(manifest: Manifest, chosen: int, model: str | None) -> _Export:
+    """One model (or ``--model ema``: the EMA weights) of a save_checkpoint index."""
     entry = manifest.entries[chosen]
     names = [str(n) for n in entry.get("components", {}).get("models", [])]
     if model is not None and model.startswith(EMA) and model not in names:
@@ -168,31 +177,49 @@ def _manager_item_tensors(directory: Path, key: str) -> dict[str, torch.Tensor]:
     return tree.flatten(tree.unflatten(skeleton, tensors, key))[1]
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    """``fastckpt export PATH [--index N] --to OUT [--model NAME] [--force]``."""
-    location = locate(args.path)
-    no_index(location, args.index)
-    out = Path(args.to)
-    if out.is_dir():
-        raise UserError(f"{out} is a directory; --to names the file to write")
-    if out.exists() and not args.force:
-        raise UserError(f"{out} already exists; pass --force to replace it")
-    if location.kind == "sharded":
-        return _export_sharded(args, location.path, out, None)
-    if location.kind in ("root", "index"):
-        manifest, chosen = resolve_index(location, args.index)
+class _Exporter(KindVisitor[int]):
+    """``fastckpt export`` of each kind of container; each method returns the exit status."""
+
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        self.args = args
+        self.out = out
+
+    def sharded(self, container: ShardedContainer) -> int:
+        return _export_sharded(self.args, container.path, self.out, None)
+
+    def root(self, container: RootContainer) -> int:
+        return self._saved(container)
+
+    def index(self, container: IndexContainer) -> int:
+        return self._saved(container)
+
+    def manager(self, container: ManagerContainer) -> int:
+        return _write(
+            self.args, container.path, self.out, _manager_plan(container.path, self.args.model)
+        )
+
+    def file(self, container: TensorFile) -> int:
+        raise UserError(f"{container.path} is already a single safetensors file")
+
+    def _saved(self, container: SavedContainer) -> int:
+        args = self.args
+        manifest, chosen = resolve_index(container, args.index)
         part = sharded.strategy_part(manifest, chosen)
         if part is not None and (args.model is None or not args.model.startswith(EMA)):
             name = _pick(_sharded_models(manifest, chosen), args.model, "model", part)
-            return _export_sharded(args, part, out, f"models.{name}.")
-    plan = _export_plan(location, args.index, args.model)
+            return _export_sharded(args, part, self.out, f"models.{name}.")
+        return _write(args, container.path, self.out, _index_plan(manifest, chosen, args.model))
+
+
+def _write(args: argparse.Namespace, source: Path, out: Path, plan: _Export) -> int:
+    """Write what ``plan`` loads to ``out`` and say so."""
     # The bar counts the bytes the Rust writer writes (the read before it maps the file).
-    with counted_progress(f"export {location.path}", plan.size) as counter:
+    with counted_progress(f"export {source}", plan.size) as counter:
         tensors = plan.load()
         write_tensors(tensors, out, metadata={"format": "pt", **plan.metadata}, progress=counter)
     size = out.stat().st_size
     summary = {
-        "source": str(location.path),
+        "source": str(source),
         "to": str(out),
         "tensors": len(tensors),
         "bytes": size,
@@ -204,3 +231,15 @@ def cmd_export(args: argparse.Namespace) -> int:
         origin = ", ".join(f"{k.removeprefix('fastckpt.')} {v}" for k, v in plan.metadata.items())
         print(f"wrote {out}: {len(tensors)} tensor(s), {format_bytes(size)} ({origin})")
     return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``fastckpt export PATH [--index N] --to OUT [--model NAME] [--force]``."""
+    container = locate(args.path)
+    no_index(container, args.index)
+    out = Path(args.to)
+    if out.is_dir():
+        raise UserError(f"{out} is a directory; --to names the file to write")
+    if out.exists() and not args.force:
+        raise UserError(f"{out} already exists; pass --force to replace it")
+    return container.accept(_Exporter(args, out))

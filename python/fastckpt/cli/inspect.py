@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -29,8 +29,17 @@ from fastckpt.cli.render import (
     tensor_table,
     when,
 )
+from fastckpt.container.kinds import (
+    Container,
+    IndexContainer,
+    KindVisitor,
+    ManagerContainer,
+    RootContainer,
+    SavedContainer,
+    ShardedContainer,
+    TensorFile,
+)
 from fastckpt.container.links import split_sizes
-from fastckpt.container.locate import Location
 from fastckpt.errors import FastCkptError
 from fastckpt.format.paths import safe_join
 from fastckpt.format.records import COMMIT_RECORD, Manifest, read_commit_record, record_file
@@ -254,6 +263,36 @@ def _file_text(info: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: A described container and how to show it as text.
+_View = tuple[dict[str, Any], Callable[[Mapping[str, Any]], str]]
+
+
+class _Describer(KindVisitor[_View]):
+    """``fastckpt inspect`` of each kind of container: its description and its text view."""
+
+    def __init__(self, index: int | None) -> None:
+        self.requested = index
+
+    def root(self, container: RootContainer) -> _View:
+        return self._saved(container)
+
+    def index(self, container: IndexContainer) -> _View:
+        return self._saved(container)
+
+    def manager(self, container: ManagerContainer) -> _View:
+        return _describe_manager(container.path), _manager_text
+
+    def sharded(self, container: ShardedContainer) -> _View:
+        return sharded.describe(container.path), sharded.text
+
+    def file(self, container: TensorFile) -> _View:
+        return _describe_file(container.path), _file_text
+
+    def _saved(self, container: SavedContainer) -> _View:
+        manifest, index = resolve_index(container, self.requested)
+        return _describe_index(manifest, index), _index_text
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``fastckpt inspect PATH [--index N]`` (a directory of manager checkpoints: its newest)."""
     children = manager_children(args.path)
@@ -264,24 +303,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"newest of {len(children)} CheckpointManager checkpoint(s) in {args.path}: "
             f"{newest.name} (fastckpt ls {args.path} lists them)"
         )
-        location = Location("manager", newest)
+        container: Container = ManagerContainer(newest)
     else:
-        location = locate(args.path)
-    no_index(location, args.index)
+        container = locate(args.path)
+    no_index(container, args.index)
     try:
-        if location.kind in ("root", "index"):
-            manifest, index = resolve_index(location, args.index)
-            info = _describe_index(manifest, index)
-            text = _index_text
-        elif location.kind == "manager":
-            info, text = _describe_manager(location.path), _manager_text
-        elif location.kind == "sharded":
-            info, text = sharded.describe(location.path), sharded.text
-        else:
-            info, text = _describe_file(location.path), _file_text
+        info, text = container.accept(_Describer(args.index))
     except (OSError, FastCkptError) as err:
         raise UserError(
-            f"{error_text(err)} (fastckpt verify {display_path(location.path)} checks every file)"
+            f"{error_text(err)} (fastckpt verify {display_path(container.path)} checks every file)"
         ) from err
     if args.json:
         print_json(info if note is None else {**info, "selected": note})

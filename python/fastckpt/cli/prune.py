@@ -20,8 +20,8 @@ from fastckpt.cli.common import (
 from fastckpt.cli.render import (
     print_json,
 )
+from fastckpt.container.kinds import RootContainer
 from fastckpt.container.links import file_inodes, freed_bytes
-from fastckpt.container.locate import KIND_NAMES
 from fastckpt.container.refs import referenced_indices
 from fastckpt.errors import FastCkptError
 from fastckpt.format.records import COMMIT_RECORD, MANIFEST, Manifest
@@ -137,9 +137,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if children:
         return _prune_managers(args, children)
     location = locate(args.root)
-    if location.kind != "root":
+    if not isinstance(location, RootContainer):
         raise UserError(
-            f"{display_path(location.path)} is a {KIND_NAMES[location.kind]}; prune works on a "
+            f"{display_path(location.path)} is a {location.name}; prune works on a "
             f"save_checkpoint root (a directory holding {MANIFEST}) or a directory of "
             f"CheckpointManager checkpoints (each holding {COMMIT_RECORD})"
         )

@@ -25,8 +25,17 @@ from fastckpt.cli.render import (
     size_text,
     table,
 )
+from fastckpt.container.kinds import (
+    Container,
+    IndexContainer,
+    KindVisitor,
+    ManagerContainer,
+    RootContainer,
+    SavedContainer,
+    ShardedContainer,
+    TensorFile,
+)
 from fastckpt.container.links import split_sizes
-from fastckpt.container.locate import Location
 from fastckpt.container.verify import FileReport, VerifyReport, verify
 from fastckpt.errors import FastCkptError
 from fastckpt.format.records import Manifest, read_commit_record
@@ -36,48 +45,63 @@ from fastckpt.storage.registry import display_path
 # --------------------------------------------------------------------------- fastckpt verify
 
 
-def _recorded_files(
-    location: Location, index: int | None
-) -> list[Mapping[str, Mapping[str, Any]]] | None:
-    """The file records (one mapping per checkpoint) that verifying will read, or None when
-    they cannot be told (a lone file, a damaged record: the verifier reports it)."""
-    try:
-        if location.kind == "manager":
-            return [read_commit_record(location.path)["files"]]
-        if location.kind == "file" or location.root is None:
-            return None
-        manifest = Manifest.load(location.root)
-        chosen = location.index if location.kind == "index" else index
+#: The file records of what verifying reads: one ``{relpath: {"size": ...}}`` per checkpoint.
+_Records = list[Mapping[str, Mapping[str, Any]]]
+
+
+class _RecordedFiles(KindVisitor[_Records | None]):
+    """What verifying each kind of container will read, as file records (None: it cannot be
+    told before verifying, as for a sharded checkpoint)."""
+
+    def __init__(self, index: int | None) -> None:
+        self.requested = index
+
+    def root(self, container: RootContainer) -> _Records | None:
+        return self._indices(container, self.requested)
+
+    def index(self, container: IndexContainer) -> _Records | None:
+        return self._indices(container, container.index)
+
+    def manager(self, container: ManagerContainer) -> _Records | None:
+        return [read_commit_record(container.path)["files"]]
+
+    def sharded(self, container: ShardedContainer) -> _Records | None:
+        return None
+
+    def file(self, container: TensorFile) -> _Records | None:
+        # A lone file: no record, itself (its length; nothing in it is linked).
+        return [{container.path.name: {"size": container.path.stat().st_size}}]
+
+    @staticmethod
+    def _indices(container: SavedContainer, chosen: int | None) -> _Records:
+        manifest = Manifest.load(container.root)
         if chosen == -1:
             chosen = manifest.latest
         indices = sorted(manifest.entries) if chosen is None else [chosen]
         return [manifest.entries[i]["files"] for i in indices if i in manifest.entries]
+
+
+def _recorded_files(container: Container, index: int | None) -> _Records | None:
+    """The file records (one mapping per checkpoint) that verifying will read, or None when
+    they cannot be told (a damaged record: the verifier reports it)."""
+    try:
+        return container.accept(_RecordedFiles(index))
     except (OSError, FastCkptError):
         return None
 
 
-def _expected_bytes(location: Location, index: int | None) -> int | None:
+def _expected_bytes(container: Container, index: int | None) -> int | None:
     """What verifying will read, for the progress bar (None when it cannot be told)."""
-    if location.kind == "file":
-        try:
-            return location.path.stat().st_size
-        except OSError:
-            return None
-    recorded = _recorded_files(location, index)
+    recorded = _recorded_files(container, index)
     if recorded is None:
         return None
     return sum(entry["size"] for files in recorded for entry in files.values())
 
 
-def _sizes(location: Location, index: int | None) -> tuple[int, int] | None:
+def _sizes(container: Container, index: int | None) -> tuple[int, int] | None:
     """``(size, linked_size)`` of what was verified, as ``fastckpt ls`` counts them (a lone
     file: its length), or None when there are no records to count."""
-    if location.kind == "file":
-        try:
-            return location.path.stat().st_size, 0
-        except OSError:
-            return None
-    recorded = _recorded_files(location, index)
+    recorded = _recorded_files(container, index)
     if recorded is None:
         return None
     pairs = [split_sizes(files) for files in recorded]
@@ -210,20 +234,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
     children = manager_children(args.path)
     if children:
         return _verify_managers(args, children)
-    location = locate(args.path)
-    no_index(location, args.index)
-    total = _expected_bytes(location, args.index)
+    container = locate(args.path)
+    no_index(container, args.index)
+    total = _expected_bytes(container, args.index)
     started = time.perf_counter()
-    with io_progress(f"verify {display_path(location.path)}", total):
+    with io_progress(f"verify {display_path(container.path)}", total):
         try:
-            report = verify(location.path, args.index)
+            report = verify(container.path, args.index)
         except (KeyError, ValueError) as err:
             if isinstance(err, FastCkptError):
                 raise
             raise UserError(error_text(err)) from None
     seconds = time.perf_counter() - started
     if args.json:
-        print_json(_verify_json(report, seconds, _sizes(location, args.index)))
+        print_json(_verify_json(report, seconds, _sizes(container, args.index)))
     else:
-        print(_verify_text(report, seconds, _sizes(location, args.index)))
+        print(_verify_text(report, seconds, _sizes(container, args.index)))
     return _status(report)

@@ -52,8 +52,17 @@ import torch
 from safetensors import SafetensorError
 
 from fastckpt import _native
+from fastckpt.container.kinds import (
+    IndexContainer,
+    KindVisitor,
+    ManagerContainer,
+    RootContainer,
+    SavedContainer,
+    ShardedContainer,
+    TensorFile,
+    open_container,
+)
 from fastckpt.container.links import is_linked_file, referenced_sources
-from fastckpt.container.locate import locate
 from fastckpt.container.refs import REFS_FILE, index_references, source_path
 from fastckpt.errors import (
     CheckpointFormatError,
@@ -191,45 +200,76 @@ _Target = tuple[str, Path, int | None, "dict[str, tuple[str, int]] | None"]
 def _resolve_files(path: Path, index: int | None, part: str | None) -> tuple[list[_Target], str]:
     """The files to open and a description of the target."""
     try:
-        location = locate(path)
+        container = open_container(path)
     except FileNotFoundError:
         if os.path.lexists(path) and not path.is_dir():
             # A FIFO, a device...: the core says what it is, without blocking on it.
             os.close(_native.open_regular(str(path), False))
         raise
-    if location.kind == "file":
-        if index is not None or part is not None:
-            raise ValueError(f"{path} is a single file; index= and part= apply to checkpoints")
-        return [("", Path(os.path.realpath(path)), None, None)], str(path)
-    if location.kind == "manager":
-        if index is not None:
+    return container.accept(_Targets(path, index, part))
+
+
+class _Targets(KindVisitor[tuple[list[_Target], str]]):
+    """The files :func:`safe_open` opens for each kind of container, and the description."""
+
+    def __init__(self, path: Path, index: int | None, part: str | None) -> None:
+        self.path = path
+        self.requested = index
+        self.part = part
+
+    def file(self, container: TensorFile) -> tuple[list[_Target], str]:
+        if self.requested is not None or self.part is not None:
+            raise ValueError(f"{self.path} is a single file; index= and part= apply to checkpoints")
+        return [("", Path(os.path.realpath(self.path)), None, None)], str(self.path)
+
+    def manager(self, container: ManagerContainer) -> tuple[list[_Target], str]:
+        if self.requested is not None:
             raise ValueError(
-                f"{path} is a CheckpointManager checkpoint; index= applies to a "
+                f"{self.path} is a CheckpointManager checkpoint; index= applies to a "
                 "save_checkpoint root"
             )
-        record = read_commit_record(location.path)
+        directory = container.path
+        record = read_commit_record(directory)
         # Linked files (incremental saves) are read through the references only: they may
         # hold stale tensors no reference names.
         files = {r: v for r, v in record["files"].items() if not is_linked_file(r)}
-        selected = _select(files, location.path, location.path, part, str(location.path))
-        selected += _linked(location.path, record, part)
-        return selected, str(location.path)
-    assert location.root is not None
-    if location.kind == "index":
-        if index is not None and index != location.index:
-            raise ValueError(f"{path} is index {location.index}; index={index} does not apply")
-        index = location.index
-    manifest = Manifest.load(location.root, verify_checksum=True)
-    resolved = manifest.resolve(-1 if index is None else int(index))
-    directory = location.root / str(resolved)
-    where = f"{directory} (index {resolved} of {location.root})"
-    files = manifest.entries[resolved]["files"]
-    # Linked files (fastckpt.container.refs.link_into) are read through the references only.
-    own = {r: v for r, v in files.items() if not is_linked_file(r)}
-    selected = _select(own, directory, location.root, part, where)
-    if REFS_FILE in files:
-        selected += _referenced(manifest, resolved, part)
-    return selected, where
+        selected = _select(files, directory, directory, self.part, str(directory))
+        selected += _linked(directory, record, self.part)
+        return selected, str(directory)
+
+    def sharded(self, container: ShardedContainer) -> tuple[list[_Target], str]:
+        raise ValueError(
+            f"{self.path} is a sharded (DCP) checkpoint: its tensors are chunks spread over "
+            "the ranks' files, which safe_open does not join; consolidate it into one "
+            f"safetensors file first (fastckpt export {self.path} --to FILE)"
+        )
+
+    def root(self, container: RootContainer) -> tuple[list[_Target], str]:
+        return self._index_files(container, self.requested)
+
+    def index(self, container: IndexContainer) -> tuple[list[_Target], str]:
+        if self.requested is not None and self.requested != container.index:
+            raise ValueError(
+                f"{self.path} is index {container.index}; index={self.requested} does not apply"
+            )
+        return self._index_files(container, container.index)
+
+    def _index_files(
+        self, container: SavedContainer, index: int | None
+    ) -> tuple[list[_Target], str]:
+        root = container.root
+        manifest = Manifest.load(root, verify_checksum=True)
+        resolved = manifest.resolve(-1 if index is None else int(index))
+        directory = root / str(resolved)
+        where = f"{directory} (index {resolved} of {root})"
+        files = manifest.entries[resolved]["files"]
+        # Linked files (fastckpt.container.refs.link_into) are read through the references
+        # only.
+        own = {r: v for r, v in files.items() if not is_linked_file(r)}
+        selected = _select(own, directory, root, self.part, where)
+        if REFS_FILE in files:
+            selected += _referenced(manifest, resolved, self.part)
+        return selected, where
 
 
 def _referenced(manifest: Manifest, index: int, part: str | None) -> list[_Target]:
@@ -743,8 +783,8 @@ def safe_open(
             the commit record.
         ChecksumMismatchError: a damaged manifest (for roots).
         KeyError: an index or part that the checkpoint does not have.
-        ValueError: an unsupported framework or backend, or index/part given for a single
-            file.
+        ValueError: an unsupported framework or backend, index/part given for a single
+            file, or a sharded (DCP) checkpoint (consolidate it with ``fastckpt export``).
     """
     if backend not in BACKENDS:
         raise InvalidInputError(

@@ -25,8 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt import _native
+from fastckpt.container.kinds import (
+    IndexContainer,
+    KindVisitor,
+    ManagerContainer,
+    RootContainer,
+    SavedContainer,
+    ShardedContainer,
+    TensorFile,
+    open_container,
+)
 from fastckpt.container.links import reference_reports as link_reports
-from fastckpt.container.locate import Kind, locate
 from fastckpt.container.reader import FileReport, Status, check_recorded, verify_content
 from fastckpt.container.refs import REFS_FILE, reference_reports
 from fastckpt.container.report import VerifyReport
@@ -229,8 +238,13 @@ def _index_files(manifest: Manifest, index: int, threads: int) -> list[FileRepor
     ]
 
 
-def _verify_root(root: Path, index: int | None, kind: Kind, threads: int) -> VerifyReport:
-    report = VerifyReport(root if kind == "root" else root / str(index), kind)
+def _verify_root(
+    container: SavedContainer, target: Path, index: int | None, threads: int
+) -> VerifyReport:
+    """Verify every committed index of a root, or only ``index``; ``target`` is what the
+    report names."""
+    root = container.root
+    report = VerifyReport(target, container.kind)
     manifest_report, manifest = _load_manifest(root)
     report.files.append(manifest_report)
     if manifest is None:
@@ -275,7 +289,7 @@ def _sharded_files(directory: Path, threads: int, index: int | None = None) -> l
 
 
 def _verify_manager(directory: Path, threads: int) -> VerifyReport:
-    report = VerifyReport(directory, "manager")
+    report = VerifyReport(directory, ManagerContainer.kind)
     record_path = directory / COMMIT_RECORD
     record_report = FileReport(record_path, "ok")
     report.files.append(record_report)
@@ -354,28 +368,47 @@ def verify(
         ValueError: ``index`` given for something that is not a root.
     """
     use_storage_options(path_or_root, storage_options, "verify")
-    location = locate(path_or_root)
-    workers = max(1, threads or DEFAULT_THREADS)
-    if location.kind == "root":
-        return _verify_root(location.path, index, "root", workers)
-    if location.kind == "index":
-        own = location.index
-        assert own is not None and location.root is not None
-        if index is not None and index != own:
-            raise ValueError(f"{location.path} is index {own}; index={index} does not apply to it")
-        return _verify_root(location.root, own, "index", workers)
-    if location.kind == "manager":
-        _no_index(index, location.path, "a CheckpointManager checkpoint")
-        return _verify_manager(location.path, workers)
-    if location.kind == "sharded":
-        _no_index(index, location.path, "a sharded checkpoint")
-        return VerifyReport(location.path, "sharded", _sharded_files(location.path, workers))
-    _no_index(index, location.path, "a single file")
-    report = VerifyReport(location.path, "file")
-    checked = check_recorded(location.path, None, _lone_content(workers), source="no record")
-    checked.report.unchecked_tensors = list(checked.value or [])
-    report.files.append(checked.report)
-    return report
+    container = open_container(path_or_root)
+    return container.accept(_Verifier(index, max(1, threads or DEFAULT_THREADS)))
+
+
+class _Verifier(KindVisitor[VerifyReport]):
+    """:func:`verify` of each kind of container."""
+
+    def __init__(self, index: int | None, threads: int) -> None:
+        self.requested = index
+        self.threads = threads
+
+    def root(self, container: RootContainer) -> VerifyReport:
+        return _verify_root(container, container.path, self.requested, self.threads)
+
+    def index(self, container: IndexContainer) -> VerifyReport:
+        own = container.index
+        if self.requested is not None and self.requested != own:
+            raise ValueError(
+                f"{container.path} is index {own}; index={self.requested} does not apply to it"
+            )
+        return _verify_root(container, container.root / str(own), own, self.threads)
+
+    def manager(self, container: ManagerContainer) -> VerifyReport:
+        _no_index(self.requested, container.path, "a CheckpointManager checkpoint")
+        return _verify_manager(container.path, self.threads)
+
+    def sharded(self, container: ShardedContainer) -> VerifyReport:
+        _no_index(self.requested, container.path, "a sharded checkpoint")
+        return VerifyReport(
+            container.path, container.kind, _sharded_files(container.path, self.threads)
+        )
+
+    def file(self, container: TensorFile) -> VerifyReport:
+        _no_index(self.requested, container.path, "a single file")
+        report = VerifyReport(container.path, container.kind)
+        checked = check_recorded(
+            container.path, None, _lone_content(self.threads), source="no record"
+        )
+        checked.report.unchecked_tensors = list(checked.value or [])
+        report.files.append(checked.report)
+        return report
 
 
 def _no_index(index: int | None, path: Path, what: str) -> None:
