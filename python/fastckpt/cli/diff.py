@@ -37,8 +37,8 @@ from fastckpt.container.kinds import (
 )
 from fastckpt.container.links import is_linked_file, referenced_sources
 from fastckpt.container.refs import REFS_FILE, index_references, source_path
-from fastckpt.format.paths import safe_join
 from fastckpt.format.records import COMMIT_RECORD, read_commit_record, record_file
+from fastckpt.io.paths import safe_join
 from fastckpt.io.progress import counting
 from fastckpt.storage.registry import backend_for, display_path
 

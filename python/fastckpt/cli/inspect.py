@@ -41,9 +41,9 @@ from fastckpt.container.kinds import (
 )
 from fastckpt.container.links import split_sizes
 from fastckpt.errors import FastCkptError
-from fastckpt.format.paths import safe_join
 from fastckpt.format.records import COMMIT_RECORD, Manifest, read_commit_record, record_file
 from fastckpt.io import tree
+from fastckpt.io.paths import safe_join
 from fastckpt.io.progress import format_bytes
 from fastckpt.storage.registry import display_path
 

@@ -28,7 +28,6 @@ from fastckpt.cli.render import (
 from fastckpt.container.links import split_sizes
 from fastckpt.container.listing import list_checkpoints
 from fastckpt.errors import FastCkptError
-from fastckpt.format.paths import safe_join
 from fastckpt.format.records import (
     COMMIT_RECORD,
     MANIFEST,
@@ -36,6 +35,7 @@ from fastckpt.format.records import (
     read_commit_record,
     record_file,
 )
+from fastckpt.io.paths import safe_join
 from fastckpt.storage.backend import StorageBackend
 from fastckpt.storage.registry import backend_for, display_path
 

@@ -70,9 +70,9 @@ from fastckpt.errors import (
     FastCkptError,
     InvalidInputError,
 )
-from fastckpt.format.paths import safe_join
 from fastckpt.format.records import Manifest, read_commit_record
 from fastckpt.io.files import BACKENDS, dtype_from_name, torch_shape
+from fastckpt.io.paths import safe_join
 
 __all__ = ["HandleClosedError", "SafeOpen", "TensorSlice", "safe_open"]
 

@@ -40,7 +40,6 @@ from fastckpt.container.reader import FileReport, Status, check_recorded, verify
 from fastckpt.container.refs import REFS_FILE, reference_reports
 from fastckpt.container.report import VerifyReport
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.format.paths import safe_join
 from fastckpt.format.records import (
     COMMIT_RECORD,
     MANAGER_FORMAT,
@@ -54,6 +53,7 @@ from fastckpt.format.records import (
     read_commit_record,
 )
 from fastckpt.io.headers import DEFAULT_THREADS
+from fastckpt.io.paths import safe_join
 from fastckpt.storage.backend import MAX_RECORD_BYTES, StorageBackend
 from fastckpt.storage.registry import backend_for, use_storage_options
 
