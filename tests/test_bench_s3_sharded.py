@@ -47,6 +47,9 @@ def test_the_s3_sharded_scenario_runs_and_verifies_every_load(tmp_path: Path) ->
             assert load["error"] is None, (name, world, load["error"])
             assert load["verified"] == [True], (name, world, row["raw"][f"load_{world}"])
             assert load["load_s"]["median"] is not None, (name, world)
+            if name == "fastckpt":  # what the reader needed and fetched, all ranks together
+                needed, fetched = load["needed_bytes"]["median"], load["fetched_bytes"]["median"]
+                assert 0 < needed <= fetched, (world, load)
     assert set(document["ratios"]) == {
         "save_speedup",
         "stall_ratio",
@@ -60,4 +63,5 @@ def test_the_s3_sharded_scenario_runs_and_verifies_every_load(tmp_path: Path) ->
     for name in WRITERS:
         assert f"| {name} |" in table
     assert "bitwise" in table and "MISMATCH" not in table and "failed" not in table
+    assert "MiB needed" in table
     assert not (tmp_path / "s3:").exists()  # nothing of an s3:// id reached the disk

@@ -268,6 +268,8 @@ def _document(
                 "client_cpu_s": summarize(figures.get("client_cpu_s", [])),
                 "server_cpu_s": summarize(figures.get("server_cpu_s", [])),
                 "verified": figures.get("verified", []),
+                "needed_bytes": summarize(figures.get("needed_bytes", [])),
+                "fetched_bytes": summarize(figures.get("fetched_bytes", [])),
                 "error": report["errors"].get(name)
                 or (None if name in report["loadable"] else "not saved (the save failed)"),
             }
@@ -415,6 +417,25 @@ def markdown(document: dict[str, Any]) -> str:
             entry = row["loads"][world]
             cells.append(f"{_cpu(entry['client_cpu_s'])} / {_cpu(entry['server_cpu_s'])}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    fetched = [
+        (world, rows["fastckpt"]["loads"][world])
+        for world in worlds
+        if "fastckpt" in rows and rows["fastckpt"]["loads"][world]["fetched_bytes"].get("median")
+    ]
+    if fetched:
+        from fastckpt.container.sharded.chunks import OBJECT_STORE_GAP
+
+        lines += [
+            "",
+            "fastckpt.dcp.Reader, all ranks together, per load: "
+            + "; ".join(
+                f"onto {world} rank(s) fetched {entry['fetched_bytes']['median'] / 2**20:.0f} "
+                f"MiB for {entry['needed_bytes']['median'] / 2**20:.0f} MiB needed"
+                for world, entry in fetched
+            )
+            + " (needed: the ranges of the plan rounded out to verification blocks; fetched: "
+            f"with the gaps of up to {OBJECT_STORE_GAP >> 20} MiB that coalesced ranges share).",
+        ]
     lines += [
         "",
         "fastckpt against the best peer (speedup: the peer's seconds / fastckpt's; stall "
@@ -732,6 +753,15 @@ class _Rank:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return [float(v) for v in tensor.tolist()]
 
+    def total(self, *values: float) -> list[float]:
+        """Each figure's sum over the ranks."""
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor)
+        return [float(v) for v in tensor.tolist()]
+
     def order(self, repeat: int, names: Sequence[str]) -> list[str]:
         shift = repeat % len(names) if names else 0
         return [*names[shift:], *names[:shift]]
@@ -853,6 +883,10 @@ def _load_phase(rank: _Rank) -> dict[str, Any]:
             raw[name]["verified"].append(everywhere is None)
             if everywhere is not None:
                 raw[name]["mismatches"].append(everywhere)
+            if name == "fastckpt":
+                needed, fetched = rank.total(reader.bytes_read, reader.bytes_fetched)
+                raw[name].setdefault("needed_bytes", []).append(needed)
+                raw[name].setdefault("fetched_bytes", []).append(fetched)
     return {"raw": raw, "errors": rank.errors, "loadable": loadable}
 
 
@@ -916,7 +950,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument(
-        "--out", type=Path, default=None, help="write s3-sharded-<size>mib-<server>.json/.md here"
+        "--out",
+        type=Path,
+        default=None,
+        help="write s3-sharded-<size>mib-<server>[-tuned].json/.md here (-tuned: with "
+        "--fastckpt-options)",
     )
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
@@ -925,7 +963,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the scenario, print the markdown, write ``s3-sharded-<size>mib-<server>.json`` /
+    """Run the scenario, print the markdown, write ``s3-sharded-<size>mib-<server>[-tuned].json`` /
     ``.md`` to ``--out``."""
     args = build_parser().parse_args(argv)
     if args.worker is not None:
@@ -951,7 +989,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"s3-sharded-{args.size_mib}mib-{args.server}"
+        tuned = "-tuned" if args.fastckpt_options else ""  # never over the defaults' run
+        stem = args.out / f"s3-sharded-{args.size_mib}mib-{args.server}{tuned}"
         stem.with_suffix(".json").write_text(json.dumps(document, indent=2) + "\n")
         stem.with_suffix(".md").write_text(table)
         print(f"wrote {stem}.json, {stem}.md")

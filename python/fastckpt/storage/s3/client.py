@@ -200,6 +200,8 @@ class S3Client:
         )
         self._boto: dict[bool, Any] = {}
         self._boto_lock = threading.Lock()
+        #: Ranged GETs of :meth:`read_into` in flight, over every thread that calls it.
+        self._gets = threading.BoundedSemaphore(opts.concurrency)
         self._uploads_unlisted = False  # the store answered ListMultipartUploads: NotImplemented
 
     # ------------------------------------------------------------------------------ helpers
@@ -354,9 +356,11 @@ class S3Client:
         """Fill ``dest`` (a contiguous uint8 array) with the object's bytes from ``start``.
 
         A span of at most ``ranged_get_threshold`` bytes (default: ``read_part_size``) comes
-        as one GET; a larger one as parallel ranged GETs of ``read_part_size`` bytes,
-        ``concurrency`` at a time. Each response streams into its slice of ``dest`` in chunks
-        (numpy copies without the GIL), so no whole-range buffer sits in between.
+        as one GET; a larger one as parallel ranged GETs of ``read_part_size`` bytes. At most
+        ``concurrency`` GETs are in flight at once, over all the threads that call this
+        (a reader may fetch many ranges together). Each response streams into its slice of
+        ``dest`` in chunks (numpy copies without the GIL), so no whole-range buffer sits in
+        between.
 
         Raises:
             ObjectStoreError: a range failed or came back short (the object changed or is
@@ -372,14 +376,17 @@ class S3Client:
             lo, hi = span
             position = lo
             try:
-                result = obstore.get(self.store, key, options={"range": (start + lo, start + hi)})
-                # Streamed in chunks straight into dest: no whole-range buffer in between.
-                for chunk in result.stream(min_chunk_size=_CHUNK):
-                    view = np.frombuffer(memoryview(chunk), dtype=np.uint8)
-                    if position + view.nbytes > hi:
-                        break
-                    np.copyto(dest[position : position + view.nbytes], view)
-                    position += view.nbytes
+                with self._gets:
+                    result = obstore.get(
+                        self.store, key, options={"range": (start + lo, start + hi)}
+                    )
+                    # Streamed in chunks straight into dest: no whole-range buffer in between.
+                    for chunk in result.stream(min_chunk_size=_CHUNK):
+                        view = np.frombuffer(memoryview(chunk), dtype=np.uint8)
+                        if position + view.nbytes > hi:
+                            break
+                        np.copyto(dest[position : position + view.nbytes], view)
+                        position += view.nbytes
             except Exception as err:
                 raise self._fail(err, key) from err
             if position != hi:
