@@ -114,8 +114,11 @@ lint: setup
 	$(VENV)/bin/ruff format --check python tests tools $(wildcard benches/*.py)
 	$(VENV)/bin/mypy
 
+# A test still running after PYTEST_TIMEOUT seconds fails with its threads' stacks (a hang is
+# a failure that names itself, not a CI run cut off at its time limit).
+PYTEST_TIMEOUT ?= 600
 pytest: setup wheel
-	FASTCKPT_DIST=dist $(PY) -m pytest -q --durations=20 tests
+	FASTCKPT_DIST=dist $(PY) -m pytest -q --durations=20 --timeout=$(PYTEST_TIMEOUT) tests
 
 # The lowest claimed torch and numpy (pyproject.toml's lower bounds, pinned by tools/deps.py)
 # on the oldest claimed Python, with the host's wheel installed: a second venv, .venv-min,
@@ -133,7 +136,7 @@ $(VENV_LOWEST)/.deps-installed: pyproject.toml tools/deps.py $(VENV)/.deps-insta
 test-lowest: wheel $(VENV_LOWEST)/.deps-installed
 	$(PY_LOWEST) -m pip install --quiet --no-index --no-deps --force-reinstall dist/*_$(HOST_ARCH).whl
 	VIRTUAL_ENV=$(abspath $(VENV_LOWEST)) PATH=$(abspath $(VENV_LOWEST))/bin:$$PATH \
-		$(PY_LOWEST) -m pytest -q -p no:cacheprovider $(LOWEST_TESTS)
+		$(PY_LOWEST) -m pytest -q -p no:cacheprovider --timeout=$(PYTEST_TIMEOUT) $(LOWEST_TESTS)
 
 test: setup wheel cargo-test cargo-test-aarch64 lint pytest test-lowest
 

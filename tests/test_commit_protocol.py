@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -134,9 +135,9 @@ def test_the_sharded_commit_is_the_protocol(
     seen: list[tuple[Path, str, str]] = []
     real = protocol.remove_superseded
 
-    def spy(directory: Path, keep: str, record_name: str, *, sweep_all: bool = False) -> list[Path]:
+    def spy(directory: Path, keep: str, record_name: str, **options: Any) -> list[Path]:
         seen.append((directory, keep, record_name))
-        return real(directory, keep, record_name, sweep_all=sweep_all)
+        return real(directory, keep, record_name, **options)
 
     monkeypatch.setattr(protocol, "remove_superseded", spy)
     generation = sharded_commit.new_generation()

@@ -97,8 +97,22 @@ _LOG = logging.getLogger(__name__)
 _JSON_THREADS = 4
 
 
-#: Serializes the commits of generations in this process (see :func:`commit_generation`).
-_COMMIT_LOCK = threading.Lock()
+#: One lock per checkpoint directory: serializes the commits of its generations in this
+#: process (see :func:`commit_generation`). Commits of different checkpoints run in parallel.
+#: Reentrant, so that code running inside a commit on the same thread (a callback, a test
+#: standing in for a second writer) meets the store's conditional put instead of a deadlock.
+_COMMIT_LOCKS: dict[str, threading.RLock] = {}
+_COMMIT_LOCKS_GUARD = threading.Lock()
+
+
+def _commit_lock(directory: Path) -> threading.RLock:
+    """The lock that serializes this process's commits to ``directory``."""
+    key = str(directory)
+    with _COMMIT_LOCKS_GUARD:
+        lock = _COMMIT_LOCKS.get(key)
+        if lock is None:
+            lock = _COMMIT_LOCKS[key] = threading.RLock()
+        return lock
 
 
 def generation_dirs(directory: Path) -> list[Path]:
@@ -126,11 +140,19 @@ def make_generation_dir(directory: Path, generation: str) -> Path:
     return target
 
 
-def committed_generation(directory: Path, record_name: str) -> str | None:
+def committed_generation(
+    directory: Path, record_name: str, backend: StorageBackend | None = None
+) -> str | None:
     """The generation the commit record ``record_name`` of ``directory`` names, if any
-    (on an object store, reading it also makes the next put conditional on this version)."""
+    (on an object store, reading it through ``backend`` also makes that backend's next put
+    of the record conditional on this version)."""
+    backend = backend or backend_for(directory)
     try:
-        document = json.loads(read_record_bytes(directory, record_name))
+        if is_local(backend):
+            raw = read_record_bytes(directory, record_name)
+        else:
+            raw = backend.read_bytes(directory / record_name)
+        document = json.loads(raw)
     except (OSError, ValueError):  # CheckpointFormatError (a FIFO, a link...) is a ValueError
         return None
     generation = document.get("generation") if isinstance(document, dict) else None
@@ -146,11 +168,12 @@ def commit_generation(
     check: Callable[[], None] | None = None,
     sweep_all: bool = False,
     reread: bool = True,
+    backend: StorageBackend | None = None,
 ) -> list[Path]:
     """Commit ``generation`` of ``directory``: write the record ``data`` last, then remove
     what it superseded (steps 3 and 4 of the protocol, see the module docstring).
 
-    Commits in this process are serialized, and one never replaces a record that already
+    Commits to one directory in this process are serialized, and one never replaces a record that already
     names a newer generation (overlapping saves to one checkpoint: the newest wins, the older
     one fails with nothing committed). ``check`` runs just before the record is written (for
     example: the generation's files are all there). Then the generations created before
@@ -161,13 +184,15 @@ def commit_generation(
     The record is read again just before the put (``reread``), so that on an object store
     the put is conditional on that version; a writer that read it when it started passes
     ``reread=False`` to keep its put conditional on the version it started from (a commit
-    by anyone else meanwhile then fails the put with a typed conflict error).
+    by anyone else meanwhile then fails the put with a typed conflict error). Such a writer
+    passes its ``backend`` too: the version it read is known to that instance only.
 
     Raises:
         RuntimeError: a newer generation is already committed; nothing was committed.
     """
-    with _COMMIT_LOCK:
-        current = committed_generation(directory, record_name) if reread else None
+    backend = backend or backend_for(directory)
+    with _commit_lock(directory):
+        current = committed_generation(directory, record_name, backend) if reread else None
         if current is not None and _newer(current, generation):
             raise RuntimeError(
                 f"{display_path(directory)}: a newer save ({current}) committed while this one "
@@ -175,8 +200,10 @@ def commit_generation(
             )
         if check is not None:
             check()
-        backend_for(directory).put_record(directory / record_name, data)
-        return remove_superseded(directory, generation, record_name, sweep_all=sweep_all)
+        backend.put_record(directory / record_name, data)
+        return remove_superseded(
+            directory, generation, record_name, sweep_all=sweep_all, backend=backend
+        )
 
 
 def _newer(current: str, generation: str) -> bool:
@@ -186,13 +213,18 @@ def _newer(current: str, generation: str) -> bool:
 
 
 def remove_superseded(
-    directory: Path, keep: str, record_name: str, *, sweep_all: bool = False
+    directory: Path,
+    keep: str,
+    record_name: str,
+    *,
+    sweep_all: bool = False,
+    backend: StorageBackend | None = None,
 ) -> list[Path]:
     """After ``keep`` was committed: remove the generations of ``directory`` created before
     it (earlier commits and interrupted saves; on an object store with their unfinished
     uploads). Newer ones (a save still under way) are left alone, unless ``sweep_all``,
     which removes everything but the record and ``keep``. Returns what was removed."""
-    backend = backend_for(directory)
+    backend = backend or backend_for(directory)
     local = is_local(backend)
     kept = generation_order(keep)
     if sweep_all:
@@ -326,7 +358,13 @@ class DirectoryWriter:
         # The writer holds the checkpoint's lock: whatever the record does not name (the
         # replaced generation, killed saves' objects) is garbage once it is written.
         commit_generation(
-            self.final, COMMIT_RECORD, record, self.generation, sweep_all=True, reread=False
+            self.final,
+            COMMIT_RECORD,
+            record,
+            self.generation,
+            sweep_all=True,
+            reread=False,
+            backend=self.backend,
         )
 
     def abort(self) -> None:
