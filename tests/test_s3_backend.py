@@ -64,6 +64,34 @@ def test_staged_files_records_and_directories(s3_server: S3Server, s3_root: str)
         backend.open_tensors(path)
 
 
+def test_the_written_header_is_the_stored_one_without_reading_it_back(
+    s3_server: S3Server, s3_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sharded rank learns its uploaded object's header (data offsets for the commit record)
+    from the bytes it sent: the same header a read-back gives, and no GET is sent for it."""
+    backend = _backend(s3_server, s3_root)
+    staging = backend.stage(Path(f"{s3_root}/g"))
+    tensors = {"w": torch.randn(1024, 1536), "b": torch.arange(3, dtype=torch.int16)}
+    staging.put_tensors("rank-00000.safetensors", tensors, metadata={"k": "v"})
+    gets: list[str] = []
+    real_get_range = S3Client.get_range
+
+    def counted(
+        self: S3Client, key: str, start: int, end: int, if_match: str | None = None
+    ) -> bytes:
+        gets.append(key)
+        return real_get_range(self, key, start, end, if_match)
+
+    monkeypatch.setattr(S3Client, "get_range", counted)
+    written = staging.written_header("rank-00000.safetensors")
+    assert gets == []
+    assert written == backend.read_header(Path(f"{s3_root}/g/rank-00000.safetensors"))
+    assert gets  # the read-back did send requests: the count above is real
+    assert written["metadata"]["k"] == "v" and set(written["tensors"]) == {"w", "b"}
+    with pytest.raises(KeyError):
+        staging.written_header("never-put.safetensors")
+
+
 def test_corrupt_object_fails_verification(s3_server: S3Server, s3_root: str) -> None:
     backend = _backend(s3_server, s3_root)
     staging = backend.stage(Path(s3_root))

@@ -173,13 +173,13 @@ def commit_generation(
     """Commit ``generation`` of ``directory``: write the record ``data`` last, then remove
     what it superseded (steps 3 and 4 of the protocol, see the module docstring).
 
-    Commits to one directory in this process are serialized, and one never replaces a record that already
-    names a newer generation (overlapping saves to one checkpoint: the newest wins, the older
-    one fails with nothing committed). ``check`` runs just before the record is written (for
-    example: the generation's files are all there). Then the generations created before
-    ``generation`` are removed (killed saves' ones included); with ``sweep_all`` (a writer
-    holding the checkpoint's lock) everything else under ``directory`` too. Returns what was
-    removed.
+    Commits to one directory in this process are serialized, and one never replaces a record
+    that already names a newer generation (overlapping saves to one checkpoint: the newest
+    wins, the older one fails with nothing committed). ``check`` runs just before the record
+    is written (for example: the generation's files are all there). Then the generations
+    created before ``generation`` are removed (killed saves' ones included); with
+    ``sweep_all`` (a writer holding the checkpoint's lock) everything else under
+    ``directory`` too. Returns what was removed.
 
     The record is read again just before the put (``reread``), so that on an object store
     the put is conditional on that version; a writer that read it when it started passes

@@ -259,7 +259,8 @@ class Writer(StorageWriter, DcpStager):
             # the coordinator's record, written last, is the commit).
             staging = backend.stage(directory)
             record = staging.put_tensors(name, tensors, metadata=metadata)
-            header = backend.read_header(path)
+            # The header this rank just uploaded (no read-back request).
+            header = staging.written_header(name)
             report = {
                 "file_len": record["size"],
                 "file_crc32c": record["crc32c"],

@@ -197,6 +197,12 @@ class Staging(ABC):
         """
 
     @abstractmethod
+    def written_header(self, relpath: str) -> dict[str, Any]:
+        """The header (as :func:`~fastckpt.io.files.read_metadata` gives it) of the
+        safetensors file :meth:`put_tensors` wrote at ``relpath``, without a request to a
+        remote store."""
+
+    @abstractmethod
     def adopt(self, location: str, relpath: str, record: FileRecord) -> None:
         """Take over a file another staging area (``location``) wrote, with its record."""
 
@@ -466,6 +472,10 @@ class LocalStaging(Staging):
         record = {"size": len(data), "crc32c": _native.crc32c(data)}
         self.files[relpath] = record
         return record
+
+    def written_header(self, relpath: str) -> dict[str, Any]:
+        """The header of the staged file at ``relpath`` (read from the local disk)."""
+        return read_metadata(self._target(relpath))
 
     def put_tensors(
         self,

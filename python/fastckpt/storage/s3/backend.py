@@ -119,6 +119,26 @@ def backend_for_url(
     return S3Backend(client_for(url, options))
 
 
+def parse_header(header: bytes, size: int, url: str) -> dict[str, Any]:
+    """The validated header of a ``size``-byte safetensors object whose first bytes are
+    ``header`` (length word included), as :func:`~fastckpt.io.files.read_metadata` gives it.
+
+    The bytes are placed at the start of a sparse local temporary file as long as the object,
+    so the Rust core checks the data offsets against the real size without any tensor data.
+
+    Raises:
+        CheckpointFormatError: not a valid header for that size (names ``url``).
+    """
+    with tempfile.NamedTemporaryFile(prefix="fastckpt-header-") as scratch:
+        scratch.write(header)
+        scratch.truncate(size)
+        scratch.flush()
+        try:
+            return read_metadata(scratch.name)
+        except CheckpointFormatError as err:
+            raise CheckpointFormatError(str(err).replace(scratch.name, url)) from None
+
+
 class S3Backend(StorageBackend):
     """:class:`StorageBackend` over one bucket (see the module docstring).
 
@@ -243,14 +263,7 @@ class S3Backend(StorageBackend):
                 f"{url}: not a safetensors file (header length {length} in a {size}-byte object)"
             )
         header = prefix + self.client.get_range(key, 8, 8 + length)
-        with tempfile.NamedTemporaryFile(prefix="fastckpt-header-") as scratch:
-            scratch.write(header)
-            scratch.truncate(size)
-            scratch.flush()
-            try:
-                return read_metadata(scratch.name)
-            except CheckpointFormatError as err:
-                raise CheckpointFormatError(str(err).replace(scratch.name, url)) from None
+        return parse_header(header, size, url)
 
     def list_dir(self, directory: Path) -> list[str]:
         """Sub-prefix and object names one level under ``directory``.
@@ -356,6 +369,7 @@ class S3Staging(Staging):
         self.final = Path(str(url))
         self.files = {}
         self.copied_bytes = 0
+        self._headers: dict[str, tuple[bytes, int]] = {}
         #: The lease this process held on the container's root when staging began: every
         #: write is fenced with it (see :meth:`S3RootLock.check`).
         self.lease = held_lease(backend.client, url.prefix)
@@ -414,7 +428,19 @@ class S3Staging(Staging):
         remember_written(client, key, report["etag"])
         record = {"size": report["size"], "crc32c": report["crc32c"]}
         self.files[relpath] = record
+        self._headers[relpath] = (report["header"], report["size"])
         return record
+
+    def written_header(self, relpath: str) -> dict[str, Any]:
+        """The header of the safetensors object :meth:`put_tensors` wrote at ``relpath``, as
+        :meth:`S3Backend.read_header` would read it back, from the bytes this process sent
+        (no request: the upload succeeded, so the store holds exactly these bytes).
+
+        Raises:
+            KeyError: nothing was put at ``relpath`` by this staging.
+        """
+        header, size = self._headers[relpath]
+        return parse_header(header, size, str(self.url) + "/" + relpath)
 
     def _locate(self, copies: Mapping[str, CopySource]) -> dict[str, CopiedTensor]:
         """Where each copied tensor's bytes are (one HEAD and one header read per source

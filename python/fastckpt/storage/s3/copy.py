@@ -335,6 +335,7 @@ def put_tensors_copying(
         "copied_bytes": copied,
         "uploaded_bytes": size - copied,
         "etag": etag,
+        "header": header,
     }
 
 

@@ -101,7 +101,8 @@ def put_tensors(
 
     Returns:
         ``{"size": bytes, "crc32c": whole-object crc32c, "checksums": {name: crc32c},
-        "etag": the new object's etag (None when the store gave none)}``.
+        "etag": the new object's etag (None when the store gave none), "header": the
+        object's safetensors header bytes (length word included)}``.
 
     Raises:
         TypeError / ValueError: bad tensors or metadata (named).
@@ -128,6 +129,7 @@ def put_tensors(
         "crc32c": file_crc,
         "checksums": {name: crc for (name, _), crc in zip(layout, crcs, strict=True)},
         "etag": etag,
+        "header": bytes(header),
     }
 
 
