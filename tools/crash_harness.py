@@ -657,6 +657,17 @@ def prune_at_kill_point(root: str, kill_at: int, legacy: bool, conn: Connection)
     conn.send(counter.count)
 
 
+def promote_and_report(source: str, target: str, index: int, conn: Connection) -> None:
+    """Child: promote index ``index`` of the root ``source`` into the root ``target``
+    (:func:`fastckpt.container.promote.promote_index`); sends ``"started"``, then
+    ``"promoted"`` once the target's manifest is committed."""
+    from fastckpt.container.promote import promote_index
+
+    conn.send("started")
+    promote_index(source, target, index)
+    conn.send("promoted")
+
+
 def start(target: Callable[..., None], *args: Any) -> tuple[Any, Connection]:
     """Run ``target(*args, conn)`` in a forkserver child; returns ``(process, conn)``."""
     context = _context()

@@ -26,6 +26,7 @@ __all__ = [
     "InvalidInputError",
     "MixedRunError",
     "NotCommittedError",
+    "PromotionError",
     "UnsupportedValueError",
     "UntrustedTargetError",
 ]
@@ -90,6 +91,14 @@ class NotCommittedError(FastCkptError, FileNotFoundError):
     only save into it was interrupted (its files are ignored and removed by the next save).
 
     Load an older checkpoint id, or save again.
+    """
+
+
+class PromotionError(FastCkptError):
+    """Copying checkpoints from a fast tier to a durable one failed (the message names the
+    tiers and the cause, which is chained). Training went on; the fast tier's checkpoints are
+    intact, and the next promotion retries what is missing (``fastckpt promote FAST DURABLE``
+    does it by hand).
     """
 
 

@@ -1,4 +1,4 @@
-"""The ``fastckpt`` command: list, inspect, verify, diff, prune and export checkpoints.
+"""The ``fastckpt`` command: list, inspect, verify, diff, prune, promote and export checkpoints.
 
 Every subcommand prints a human-readable table by default and a JSON document with
 ``--json``. Errors are one line on stderr, never a traceback (``--debug`` shows it); with
@@ -260,6 +260,25 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: wait, saying who holds it)",
     )
     prune_cmd.set_defaults(handler=_handler("prune", "cmd_prune"))
+
+    promote_cmd = commands.add_parser(
+        "promote",
+        parents=common,
+        help="copy a root's committed indices to another root (a durable tier), verified, "
+        "commit last",
+    )
+    promote_cmd.add_argument("source", metavar="SOURCE", help="a save_checkpoint root")
+    promote_cmd.add_argument(
+        "target", metavar="TARGET", help="the root to copy into (a directory or s3:// URL)"
+    )
+    promote_cmd.add_argument(
+        "--every",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="promote only indices that are multiples of N (and always the newest)",
+    )
+    promote_cmd.set_defaults(handler=_handler("promote", "cmd_promote"))
 
     export = commands.add_parser(
         "export", parents=common, help="write one model's weights as a plain safetensors file"

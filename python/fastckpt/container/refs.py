@@ -48,6 +48,7 @@ from fastckpt.format.records import TENSOR_REFERENCE_FIELDS, Manifest, check_fie
 from fastckpt.io.paths import safe_join
 from fastckpt.storage.backend import TEMP_PREFIX, LocalStaging
 from fastckpt.storage.backend import _sibling as temp_sibling
+from fastckpt.storage.registry import backend_for, is_local
 
 if TYPE_CHECKING:
     import torch
@@ -133,9 +134,16 @@ def source_path(manifest: Manifest, ref: Reference) -> Path:
     committed = manifest.root / str(index)
     entry = manifest.entries.get(index)
     record = None if entry is None else entry["files"].get(ref["file"])
-    if matches(record, ref) and os.path.isdir(committed):
+    if matches(record, ref) and _is_directory(committed):
         return safe_join(committed, ref["file"])
     return safe_join(manifest.root / f"{RETAINED_PREFIX}{index}", ref["file"])
+
+
+def _is_directory(path: Path) -> bool:
+    """A directory on a filesystem; on an object store, a prefix with objects under it (an
+    index promoted there keeps its links as files inside itself)."""
+    backend = backend_for(path)
+    return os.path.isdir(path) if is_local(backend) else backend.exists(path)
 
 
 def matches(record: Mapping[str, int] | None, ref: Reference) -> bool:
@@ -251,8 +259,11 @@ def link_into(
 
 
 def _header_checksums(path: Path) -> dict[str, int | None]:
-    header = _native.read_header(os.fspath(path))
-    return dict(header["checksums"])
+    backend = backend_for(path)
+    if is_local(backend):
+        return dict(_native.read_header(os.fspath(path))["checksums"])
+    tensors = backend.read_header(path)["tensors"]
+    return {name: info.get("crc32c") for name, info in tensors.items()}
 
 
 def check_reference(manifest: Manifest, ref: Reference) -> str | None:
@@ -265,7 +276,7 @@ def _source_problem(path: Path, refs: Sequence[Reference]) -> str | None:
     """Why the file at ``path`` is not the one ``refs`` (references into that one file) were
     taken from (None: it is): its size, and each tensor's crc32c in its header, read once."""
     try:
-        size = os.stat(path).st_size
+        size = backend_for(path).stat(path).size
     except FileNotFoundError:
         return f"{path}: missing (referenced by a kept index)"
     for ref in refs:

@@ -21,6 +21,7 @@ from typing import Any
 from fastckpt.checkpoint.components import Snapshot, plan_incremental, write_snapshot
 from fastckpt.container.background import BackgroundWriter
 from fastckpt.container.commit import prune_indices
+from fastckpt.container.promote import Promoter
 from fastckpt.errors import FastCkptError, MixedRunError
 from fastckpt.format.records import Manifest
 from fastckpt.io.staging import (
@@ -68,6 +69,15 @@ class CheckpointHook:
         lock_timeout: how long a save or ``keep_last`` prune waits for another process that
             holds the root's lock (who holds it is logged after a second); then the save fails
             with ``TimeoutError`` naming the holder. None (default) waits as long as it takes.
+        durable_dir: a second root (a shared filesystem, ``s3://``) that the checkpoints of
+            ``checkpoint_dir`` (then the fast tier: node-local disk, ``/dev/shm``) are promoted
+            to in the background, verified, commit last (see docs/tiers.md). None: one tier.
+        promote_every: promote the indices that are multiples of N (default 1: every one).
+        durable_keep_last: keep only the newest N indices of ``durable_dir`` (None: all).
+        strict_promotion: a failed promotion raises
+            :class:`~fastckpt.errors.PromotionError` at the next save; by default it is
+            reported (a warning, :attr:`promotion_healthy`), retried by the next save, and
+            raised by ``close``.
 
     Attributes:
         last_checkpoint_index: newest index known to be committed (async: updated when the
@@ -94,6 +104,10 @@ class CheckpointHook:
         storage_options: Mapping[str, Any] | None = None,
         lock_timeout: float | None = None,
         overwrite: bool = False,
+        durable_dir: str | os.PathLike[str] | None = None,
+        promote_every: int = 1,
+        durable_keep_last: int | None = None,
+        strict_promotion: bool = False,
     ) -> None:
         """Validate the policy; the background writer starts when the hook is entered.
 
@@ -154,6 +168,21 @@ class CheckpointHook:
         # each file straight from its image.
         self._images = make_image_pool(options)
         self._dcp_writer: tuple[Any, Any] | None = None  # (fastckpt.dcp.Writer, group)
+        _positive("promote_every", promote_every)
+        _positive("durable_keep_last", durable_keep_last)
+        self.durable_dir = None if durable_dir is None else Path(durable_dir)
+        self.promote_every = promote_every
+        self.durable_keep_last = durable_keep_last
+        self.strict_promotion = bool(strict_promotion)
+        self._promoter: Promoter | None = None
+        if self.durable_dir is not None:
+            self._promoter = Promoter(
+                self.checkpoint_dir,
+                self.durable_dir,
+                every=promote_every,
+                keep_last=durable_keep_last,
+                strict=self.strict_promotion,
+            )
         self._prewarm_pending = False  # allocate the first step's new state after it
 
     # ------------------------------------------------------------------ lifecycle
@@ -183,7 +212,21 @@ class CheckpointHook:
                 ``AccessDeniedError``, ``CheckpointFormatError``, ...), with a note naming
                 the write; raised once.
         """
-        self._record(self._writer.close())
+        try:
+            self._record(self._writer.close())
+        finally:
+            if self._promoter is not None:
+                self._promoter.close()
+
+    @property
+    def promotion_healthy(self) -> bool:
+        """False while the last promotion to ``durable_dir`` failed (True without one)."""
+        return self._promoter is None or self._promoter.healthy
+
+    @property
+    def promoter(self) -> Promoter | None:
+        """The background promotion to ``durable_dir`` (None without one)."""
+        return self._promoter
 
     @property
     def writing(self) -> bool:
@@ -213,7 +256,7 @@ class CheckpointHook:
         that ``TrainingStrategy.load_checkpoint`` can rebuild it (see
         :mod:`fastckpt.training.hooks.rebuild`). ``storage_options`` are not recorded (they may hold
         credentials): a rebuilt hook uses what ``configure_storage`` or the environment give."""
-        return {
+        config: dict[str, Any] = {
             "checkpoint_dir": os.fspath(self.checkpoint_dir),
             "step_interval": self.step_interval,
             "epoch_interval": self.epoch_interval,
@@ -225,6 +268,16 @@ class CheckpointHook:
             "incremental": self.incremental,
             "lock_timeout": self.lock_timeout,
         }
+        if self.durable_dir is not None:
+            # Only hooks with two tiers record these: a one-tier hook's record stays what
+            # earlier fastckpt versions rebuild.
+            config.update(
+                durable_dir=os.fspath(self.durable_dir),
+                promote_every=self.promote_every,
+                durable_keep_last=self.durable_keep_last,
+                strict_promotion=self.strict_promotion,
+            )
+        return config
 
     # ------------------------------------------------------------------ policy
 
@@ -444,6 +497,8 @@ class CheckpointHook:
         index = write_snapshot(self.checkpoint_dir, snapshot, lock_timeout=self.lock_timeout)
         if self.keep_last is not None:
             prune_indices(self.checkpoint_dir, self.keep_last, lock_timeout=self.lock_timeout)
+        if self._promoter is not None:
+            self._promoter.submit()  # in the background: training is not held up
         return index
 
 

@@ -1,0 +1,351 @@
+"""Promotion: a committed index of one root copied to another root, as a committed index.
+
+The first building block of tiers (a fast tier that takes every checkpoint, a durable one that
+takes some of them): :func:`promote_index` copies index ``i`` of a *source* root (say a
+node-local disk) into a *target* root (another filesystem, or ``s3://``) through the one
+commit protocol of :mod:`fastckpt.container.commit`:
+
+1. the target root's lock is taken and what interrupted saves or promotions left is removed;
+2. every file the source's manifest lists for the index is read, and its size and crc32c are
+   checked against that manifest *before* a byte of it is written to the target (a damaged
+   source file raises :class:`~fastckpt.errors.ChecksumMismatchError` naming it, and the
+   target is left as it was);
+3. the files are written durably under the index's staging name in the target, and what was
+   written is checked against the source's records once more;
+4. the target's manifest is committed last, with the source's entry (its counters, components,
+   creation time), so the promoted index loads, verifies and lists exactly like the original.
+
+A process killed at any moment leaves the target's manifest as it was before (the index is not
+named, or is named with its complete files); the next promotion or save into the target removes
+the leftovers, and :func:`promote` finishes the job (it copies every source index the target
+does not hold yet).
+
+Every index is self-contained (its unchanged tensors are hard links inside it, see
+:mod:`fastckpt.container.incremental`), so its files copy as they are. Not yet: indices of
+sharded (FSDP2) strategies, whose data live in the root's ``sharded/`` parts (refused with a
+typed error), and sharing unchanged bytes with the target's previous index (each promotion
+writes the index's whole size); each file is held in memory once while it is copied.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastckpt import _native
+from fastckpt.container.commit import IndexWriter, clean_leftovers, prune_indices
+from fastckpt.errors import (
+    CheckpointFormatError,
+    ChecksumMismatchError,
+    NotCommittedError,
+    PromotionError,
+)
+from fastckpt.format.records import SHARDED_DIR, Manifest
+from fastckpt.io.paths import check_relpath
+from fastckpt.storage.registry import backend_for, display_path
+
+__all__ = ["Promoter", "PromotionReport", "promote", "promote_index"]
+
+_LOG = logging.getLogger(__name__)
+
+
+@dataclass
+class PromotionReport:
+    """What :func:`promote` did.
+
+    Attributes:
+        promoted: the indices copied, in order.
+        skipped: the source indices the target already held (same files, same checksums).
+        bytes_copied: bytes read from the source and written to the target.
+    """
+
+    promoted: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    bytes_copied: int = 0
+
+
+def _distinct(source: Path, target: Path) -> None:
+    if os.path.abspath(source) == os.path.abspath(target):
+        raise ValueError(f"{display_path(source)}: promoting a root into itself")
+
+
+def _read_verified(source: Path, index: int, relpath: str, record: dict[str, Any]) -> bytes:
+    """The bytes of ``relpath`` in index ``index`` of ``source``, proven equal to the size and
+    crc32c the source's manifest records for them."""
+    check_relpath(relpath, "file")
+    path = source / str(index) / relpath
+    size, crc = int(record["size"]), int(record["crc32c"])
+    try:
+        data = backend_for(path).read_bytes(path, limit=size)
+    except FileNotFoundError:
+        raise CheckpointFormatError(
+            f"{display_path(path)}: missing, but {display_path(source)}'s manifest lists it in "
+            f"index {index}; that index cannot be promoted (verify the source root, promote an "
+            "intact index)"
+        ) from None
+    except CheckpointFormatError as err:
+        raise CheckpointFormatError(
+            f"{err}; index {index} of {display_path(source)} cannot be promoted"
+        ) from None
+    got = _native.crc32c(data)
+    if len(data) != size or got != crc:
+        raise ChecksumMismatchError(
+            f"{display_path(path)}: {len(data)} bytes with crc32c {got:08x}, but the manifest "
+            f"records {size} bytes with crc32c {crc:08x}; the file is damaged and index {index} "
+            "was not promoted (nothing was written to the target)"
+        )
+    return data
+
+
+def promote_index(
+    source: str | os.PathLike[str], target: str | os.PathLike[str], index: int
+) -> int:
+    """Copy the committed index ``index`` of the root ``source`` into the root ``target`` as
+    a committed index with the same number (replacing one already there); see the module
+    docstring for the protocol. Returns the bytes copied.
+
+    Raises:
+        NotCommittedError: ``source`` has no committed index ``index``.
+        ChecksumMismatchError / CheckpointFormatError: a source file is damaged or missing
+            (names it); the target is untouched.
+        ValueError: the index belongs to a sharded (FSDP2) strategy (not promotable yet).
+    """
+    source, target = Path(source), Path(target)
+    _distinct(source, target)
+    manifest = Manifest.load(source)
+    entry = manifest.entries.get(index)
+    if entry is None:
+        committed = sorted(manifest.entries)
+        raise NotCommittedError(
+            f"{display_path(source)}: no committed index {index} to promote (committed: "
+            f"{committed or 'none'})"
+        )
+    if backend_for(source).exists(source / SHARDED_DIR / str(index)):
+        raise ValueError(
+            f"{display_path(source)}: index {index} is a sharded (FSDP2) checkpoint whose data "
+            f"live under {SHARDED_DIR}/; promoting those is not supported yet (copy the whole "
+            "root instead)"
+        )
+    files: dict[str, dict[str, Any]] = dict(entry.get("files") or {})
+    # Every source file is read and proven before the target is touched at all.
+    contents = {relpath: _read_verified(source, index, relpath, r) for relpath, r in files.items()}
+    writer = IndexWriter(target, index)
+    try:
+        for relpath, data in contents.items():
+            writer.staging.put_bytes(relpath, data)
+        written = writer.files
+        for relpath, record in files.items():
+            got = written.get(relpath)
+            if got is None or (got["size"], got["crc32c"]) != (record["size"], record["crc32c"]):
+                raise ChecksumMismatchError(
+                    f"{display_path(target / str(index) / relpath)}: written as {got}, but "
+                    f"the source records {record}; index {index} was not promoted"
+                )
+    except BaseException:
+        writer.abort()
+        raise
+    writer.commit_entry({key: value for key, value in entry.items() if key != "files"})
+    return sum(len(data) for data in contents.values())
+
+
+def _clean(root: Path) -> None:
+    """Remove what interrupted writers left in ``root``, under its lock."""
+    lock = backend_for(root).lock(root)
+    lock.acquire()
+    try:
+        clean_leftovers(root)
+    finally:
+        lock.release()
+
+
+def _same_files(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    def key(entry: dict[str, Any] | None) -> dict[str, tuple[int, int]]:
+        files = (entry or {}).get("files") or {}
+        return {name: (int(r["size"]), int(r["crc32c"])) for name, r in files.items()}
+
+    return a is not None and b is not None and key(a) == key(b)
+
+
+def promote(
+    source: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    *,
+    every: int = 1,
+    newest: bool = True,
+) -> PromotionReport:
+    """Bring ``target`` up to date with ``source``: every committed index of ``source``
+    whose number is a multiple of ``every`` (and, with ``newest``, the newest whatever its
+    number) and is newer than ``target``'s newest index is promoted, oldest first (see
+    :func:`promote_index`); so is ``target``'s newest index itself when its files differ from
+    the source's. Older indices ``target`` lacks (pruned there) are not copied again.
+    A promotion that a killed process left unfinished is thereby finished.
+
+    Raises:
+        ValueError: ``every`` < 1, or ``target`` is ``source``.
+        what :func:`promote_index` raises, for the first index that fails (the indices before
+        it are committed in ``target``).
+    """
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
+    _distinct(Path(source), Path(target))
+    source_manifest = Manifest.load(source)
+    report = PromotionReport()
+    if source_manifest.latest is None:
+        return report
+    target_manifest = Manifest.load(target)
+    if target_manifest.latest is not None:
+        _clean(Path(target))  # what killed promotions (or saves) left there
+    floor = -1 if target_manifest.latest is None else target_manifest.latest
+    for index in sorted(source_manifest.entries):
+        if index % every and not (newest and index == source_manifest.latest):
+            continue
+        held = target_manifest.entries.get(index)
+        if index < floor or _same_files(source_manifest.entries[index], held):
+            report.skipped.append(index)
+            continue
+        report.bytes_copied += promote_index(source, target, index)
+        report.promoted.append(index)
+    return report
+
+
+class Promoter:
+    """Promotes a fast root's checkpoints to a durable root in the background.
+
+    :meth:`submit` after each commit into ``source``; one background thread then runs
+    :func:`promote` (``every``-th indices; submissions while it runs coalesce into one more
+    run), and prunes ``target`` to ``keep_last`` indices. Training is never blocked by it.
+
+    A failure does not stop training unless ``strict``: it is logged as a warning, kept in
+    :attr:`error` (:attr:`healthy` turns False) and retried by the next submission, whose
+    success clears it; :meth:`close` waits for the thread and raises
+    :class:`~fastckpt.errors.PromotionError` when the last attempt failed. ``strict=True``
+    raises that error from the next :meth:`submit` instead.
+
+    Args:
+        source: the fast root (node-local disk, ``/dev/shm``).
+        target: the durable root (a shared filesystem, ``s3://``).
+        every: promote the indices that are multiples of this.
+        keep_last: after each promotion keep the newest N indices of ``target`` (None: all).
+        strict: raise a failure at the next :meth:`submit`.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str],
+        target: str | os.PathLike[str],
+        *,
+        every: int = 1,
+        keep_last: int | None = None,
+        strict: bool = False,
+    ) -> None:
+        """Configure; the thread starts on the first :meth:`submit`."""
+        if every < 1:
+            raise ValueError(f"promote every must be >= 1, got {every}")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"durable keep_last must be >= 1 or None, got {keep_last}")
+        self.source, self.target = Path(source), Path(target)
+        _distinct(self.source, self.target)
+        self.every, self.keep_last, self.strict = every, keep_last, strict
+        #: The indices promoted so far by this promoter, in order.
+        self.promoted: list[int] = []
+        #: The last attempt's failure (None after a success).
+        self.error: PromotionError | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._pending = False
+        self._running = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """False while the last promotion attempt failed (see :attr:`error`)."""
+        return self.error is None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a promotion is queued or running."""
+        with self._lock:
+            return self._pending or self._running
+
+    def submit(self) -> None:
+        """Ask for a promotion run (after a commit into ``source``); returns at once.
+
+        Raises:
+            PromotionError: ``strict`` and the previous attempt failed.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{display_path(self.source)}: the promoter is closed")
+            if self.strict and self.error is not None:
+                raise self.error
+            self._pending = True
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="fastckpt-promote", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify()
+
+    def wait(self) -> None:
+        """Wait until no promotion is queued or running."""
+        with self._lock:
+            while self._pending or self._running:
+                self._wake.wait()
+
+    def close(self) -> None:
+        """Finish the queued promotion, stop the thread.
+
+        Raises:
+            PromotionError: the last attempt failed (the fast tier holds the checkpoints;
+                ``fastckpt promote`` retries by hand).
+        """
+        self.wait()
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._pending and not self._closed:
+                    self._wake.wait()
+                if not self._pending:
+                    return
+                self._pending, self._running = False, True
+            try:
+                self._promote_once()
+            finally:
+                with self._lock:
+                    self._running = False
+                    self._wake.notify_all()
+
+    def _promote_once(self) -> None:
+        try:
+            report = promote(self.source, self.target, every=self.every, newest=False)
+            if self.keep_last is not None and report.promoted:
+                # prune_indices never deletes the newest index that verifies.
+                prune_indices(self.target, self.keep_last)
+        except Exception as err:  # reported, retried by the next submission
+            error = PromotionError(
+                f"promoting {display_path(self.source)} to {display_path(self.target)} failed: "
+                f"{err}; training goes on, the next checkpoint retries (or run fastckpt promote "
+                f"{display_path(self.source)} {display_path(self.target)})"
+            )
+            error.__cause__ = err
+            _LOG.warning("%s", error)
+            warnings.warn(str(error), RuntimeWarning, stacklevel=1)
+            self.error = error
+            return
+        self.promoted.extend(report.promoted)
+        self.error = None

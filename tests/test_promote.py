@@ -1,0 +1,301 @@
+"""Promotion of committed indices from one root to another (the first piece of tiers).
+
+Real files with fsync, real SIGKILLed processes (forked warm from the crash harness's
+forkserver), a real moto server for ``s3://`` targets, a fresh process for the bitwise load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.container.promote import promote, promote_index
+from fastckpt.errors import (
+    CheckpointFormatError,
+    ChecksumMismatchError,
+    NotCommittedError,
+    PromotionError,
+)
+from fastckpt.format.records import Manifest
+from s3_support import S3Server, s3_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import crash_harness
+
+import training_support
+
+__all__ = ["s3_server"]  # a fixture used by name below
+
+#: Kills of a promoting process (each checked); FASTCKPT_CRASH_KILLS_SCALE scales it.
+KILLS = round(100 * float(os.environ.get("FASTCKPT_CRASH_KILLS_SCALE", "1")))
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 256))
+
+
+def _source(root: Path, saves: int = 3) -> list[dict[str, torch.Tensor]]:
+    """``saves`` indices of a training run in ``root`` (incremental: the first layer frozen,
+    so later indices hold it as a link inside themselves); returns each index's weights."""
+    model = _model(0)
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    states = []
+    for step in range(saves):
+        model(torch.randn(4, 512)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        fastckpt.save_checkpoint(
+            root,
+            models={"main": (model, None)},
+            optimizers={"sgd": (optimizer, None)},
+            counters={"step": step},
+        )
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    return states
+
+
+def _source_more(root: Path) -> None:
+    """One more index in ``root`` (a fresh model, saved in full)."""
+    fastckpt.save_checkpoint(root, models={"main": (_model(1), None)}, incremental=False)
+
+
+def _files(root: str | Path, index: int) -> dict[str, tuple[int, int]]:
+    entry = Manifest.load(root).entries[index]
+    return {name: (r["size"], r["crc32c"]) for name, r in entry["files"].items()}
+
+
+def test_a_promoted_root_loads_bitwise_in_a_fresh_process(tmp_path: Path) -> None:
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    states = _source(fast)
+    report = promote(fast, durable)
+    assert report.promoted == [0, 1, 2] and report.skipped == []
+    assert report.bytes_copied > 0
+    for index in range(3):
+        assert _files(durable, index) == _files(fast, index)
+        assert Manifest.load(durable).entries[index]["counters"] == {"step": index}
+    again = promote(fast, durable)
+    assert again.promoted == [] and again.skipped == [0, 1, 2] and again.bytes_copied == 0
+    # Self-contained: the fast tier gone, the durable copy loads and verifies on its own.
+    for path in sorted(fast.rglob("*"), reverse=True):
+        path.unlink() if path.is_file() else path.rmdir()
+    torch.save(states[2], tmp_path / "expected.pt")
+    script = (
+        "import sys, torch, fastckpt\n"
+        "expected = torch.load(sys.argv[2])\n"
+        "assert fastckpt.verify(sys.argv[1]).ok\n"
+        "got = fastckpt.load_checkpoint(sys.argv[1])['models']['main']['model'].state_dict()\n"
+        "assert set(got) == set(expected)\n"
+        "assert all(torch.equal(got[k], v) for k, v in expected.items())\n"
+        "print('bitwise')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(durable), str(tmp_path / "expected.pt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "bitwise", done.stderr
+
+
+def test_every_and_the_newest_and_the_command_line(tmp_path: Path) -> None:
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    _source(fast, saves=5)
+    assert promote(fast, durable, every=2).promoted == [0, 2, 4]
+    assert promote(tmp_path / "fast", tmp_path / "other", every=3).promoted == [0, 3, 4]
+    report = promote(fast, tmp_path / "cadence", every=2, newest=False)
+    assert report.promoted == [0, 2, 4]
+    # Only what is newer than the target's newest index is copied: 1 and 3 are not due
+    # there any more (a target pruned by its own retention does not get old indices back).
+    _source_more(fast)
+    command = [sys.executable, "-m", "fastckpt", "promote", str(fast), str(durable), "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["promoted"] == [5] and answer["skipped"] == [0, 1, 2, 3, 4]
+    assert answer["bytes_copied"] == sum(size for size, _ in _files(fast, 5).values())
+    same = subprocess.run(
+        [sys.executable, "-m", "fastckpt", "promote", str(fast), str(fast)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert same.returncode == 2 and "into itself" in same.stderr, same.stderr
+    assert "Traceback" not in same.stderr
+
+
+def test_a_damaged_source_file_is_refused_and_the_target_is_untouched(tmp_path: Path) -> None:
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    _source(fast)
+    promote_index(fast, durable, 0)
+    before = (durable / "manifest.json").read_bytes()
+    weights = fast / "1" / "models" / "main.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x10
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatchError, match=r"1/models/main\.safetensors"):
+        promote_index(fast, durable, 1)
+    assert (durable / "manifest.json").read_bytes() == before
+    assert sorted(os.listdir(durable)) == ["0", "manifest.json"]
+    (fast / "2" / "refs.json").unlink()
+    with pytest.raises(CheckpointFormatError, match=r"2/refs\.json: missing"):
+        promote_index(fast, durable, 2)
+    with pytest.raises(NotCommittedError, match="no committed index 7"):
+        promote_index(fast, durable, 7)
+    assert fastckpt.verify(durable).ok
+
+
+def test_sigkill_at_random_moments_of_promotions_never_leaves_a_partial_index(
+    tmp_path: Path,
+) -> None:
+    """A promoting process is killed ``KILLS`` times at random moments (replacing indices the
+    target already holds too). After every kill the target verifies, and every index its
+    manifest names has exactly the source's files; the next promotion finishes the job and
+    leaves no leftovers."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    _source(fast)
+    rng = random.Random(26)
+    kills = inside = completed = 0
+    while kills < KILLS:
+        index = rng.randrange(3)
+        process, conn = crash_harness.start(
+            crash_harness.promote_and_report, str(fast), str(durable), index
+        )
+        assert conn.poll(60), "the promoting child did not start"
+        assert conn.recv() == "started"
+        time.sleep(rng.uniform(0.0, 0.04))
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGKILL)
+            kills += 1
+        process.join(30)
+        messages = []
+        with contextlib.suppress(EOFError):  # a killed child's end of the pipe is closed
+            while conn.poll(0):
+                messages.append(conn.recv())
+        if "promoted" in messages:
+            completed += 1
+        elif process.exitcode == -signal.SIGKILL:
+            inside += 1
+        else:
+            pytest.fail(f"the child failed (exit code {process.exitcode})")
+        manifest = Manifest.load(durable)
+        for committed in manifest.entries:
+            assert _files(durable, committed) == _files(fast, committed), (kills, committed)
+        if manifest.entries:
+            report = fastckpt.verify(durable)
+            assert report.ok, (kills, report)
+    print(f"{kills} kills, {inside} inside a promotion, {completed} promotions completed")
+    assert inside >= KILLS // 3, (inside, completed)
+    report = promote(fast, durable)  # finishes the job: the newest index is there, whole
+    assert sorted(report.promoted + report.skipped) == [0, 1, 2]
+    assert Manifest.load(durable).latest == 2 and _files(durable, 2) == _files(fast, 2)
+    left = set(os.listdir(durable))  # what killed promotions left was removed
+    assert left <= {"0", "1", "2", "manifest.json"} and {"2", "manifest.json"} <= left, left
+    assert fastckpt.verify(durable).ok
+
+
+def test_promotion_to_s3_and_back(s3_server: S3Server, tmp_path: Path) -> None:
+    fast = tmp_path / "fast"
+    states = _source(fast)
+    durable = s3_server.url("durable")
+    fastckpt.configure_storage(durable, s3_server.options())
+    assert promote(fast, durable).promoted == [0, 1, 2]
+    assert fastckpt.verify(durable).ok
+    got = fastckpt.load_checkpoint(durable)["models"]["main"]["model"].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in states[2].items())
+    # A new node: the fast tier restored from the durable one.
+    restored = tmp_path / "restored"
+    assert promote(durable, restored).promoted == [0, 1, 2]
+    loaded: Any = fastckpt.load_checkpoint(restored, 1)["models"]["main"]["model"]
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in states[1].items())
+
+
+# --------------------------------------------------------------------------- the hook's tiers
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_hook_promotes_every_nth_checkpoint_and_resumes_from_the_durable_tier(
+    tmp_path: Path, async_save: bool
+) -> None:
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    hook = fastckpt.CheckpointHook(
+        fast,
+        step_interval=1,
+        async_save=async_save,
+        durable_dir=durable,
+        promote_every=2,
+        durable_keep_last=2,
+    )
+    strategy = training_support.new_strategy([hook], num_steps=8)
+    strategy.run(training_support.loader())
+    assert hook.promotion_healthy
+    assert [c["index"] for c in fastckpt.list_checkpoints(fast)] == list(range(8))
+    # Multiples of 2 were promoted; the durable tier keeps its newest 2.
+    assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [4, 6]
+    assert hook.promoter is not None and hook.promoter.promoted[-1] == 6
+    for index in (4, 6):
+        assert _files(durable, index) == _files(fast, index)
+    assert fastckpt.verify(durable).ok
+    # The fast tier lost (a new node): resume from the durable one, bitwise.
+    shutil.rmtree(fast)
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(
+        durable, training_fn=training_support.training_fn
+    )
+    assert resumed.step_count == 7
+    reference = training_support.new_strategy([], num_steps=7)
+    reference.run(training_support.loader())
+    got, want = resumed.models["main"].state_dict(), reference.models["main"].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_a_failing_durable_tier_does_not_stop_training_and_is_raised_at_close(
+    tmp_path: Path,
+) -> None:
+    fast = tmp_path / "fast"
+    (tmp_path / "file").write_text("not a directory")
+    durable = tmp_path / "file" / "durable"  # every promotion fails: its parent is a file
+    hook = fastckpt.CheckpointHook(
+        fast, step_interval=2, async_save=False, durable_dir=durable, save_last=False
+    )
+    strategy = training_support.new_strategy([hook], num_steps=6)
+    with (
+        pytest.warns(RuntimeWarning, match="training goes on"),
+        pytest.raises(PromotionError, match="durable") as raised,
+    ):
+        strategy.run(training_support.loader())
+    assert isinstance(raised.value.__cause__, OSError)
+    # Every checkpoint of the fast tier was taken and is intact: training went on.
+    assert strategy.step_count == 6
+    assert [c["index"] for c in fastckpt.list_checkpoints(fast)] == [0, 1, 2]
+    assert fastckpt.verify(fast).ok
+
+
+def test_a_strict_hook_stops_at_the_save_after_a_failed_promotion(tmp_path: Path) -> None:
+    fast = tmp_path / "fast"
+    (tmp_path / "file").write_text("not a directory")
+    hook = fastckpt.CheckpointHook(
+        fast,
+        step_interval=2,
+        async_save=False,
+        durable_dir=tmp_path / "file" / "durable",
+        strict_promotion=True,
+        save_last=False,
+    )
+    strategy = training_support.new_strategy([hook], num_steps=10)
+    with pytest.warns(RuntimeWarning), pytest.raises(PromotionError):
+        strategy.run(training_support.loader())
+    assert strategy.step_count < 10
