@@ -60,12 +60,15 @@ class PromotionReport:
 
     Attributes:
         promoted: the indices copied, in order.
-        skipped: the source indices the target already held (same files, same checksums).
+        skipped: the source indices the target already held (same files, same checksums),
+            or older than the target's newest.
+        vanished: indices the source's retention pruned while they were being promoted.
         bytes_copied: bytes read from the source and written to the target.
     """
 
     promoted: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
+    vanished: list[int] = field(default_factory=list)
     bytes_copied: int = 0
 
 
@@ -208,7 +211,15 @@ def promote(
         if index < floor or _same_files(source_manifest.entries[index], held):
             report.skipped.append(index)
             continue
-        report.bytes_copied += promote_index(source, target, index)
+        try:
+            report.bytes_copied += promote_index(source, target, index)
+        except (CheckpointFormatError, NotCommittedError, FileNotFoundError):
+            if index in Manifest.load(source).entries:
+                raise
+            # Pruned from the source while this ran (its retention): nothing to promote.
+            _LOG.warning("%s: index %d was pruned before it was promoted", source, index)
+            report.vanished.append(index)
+            continue
         report.promoted.append(index)
     return report
 
