@@ -299,3 +299,65 @@ def test_a_strict_hook_stops_at_the_save_after_a_failed_promotion(tmp_path: Path
     with pytest.warns(RuntimeWarning), pytest.raises(PromotionError):
         strategy.run(training_support.loader())
     assert strategy.step_count < 10
+
+
+# --------------------------------------------------------------------------- restore
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_load_takes_the_newest_intact_copy_across_tiers_and_says_which(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    states = _source(fast)
+    promote(fast, durable)
+    # Both tiers intact: the fast one is read.
+    loaded = fastckpt.load_checkpoint(fast, fallback_dirs=[durable])
+    assert loaded["restored_from"] == {"path": str(fast), "index": 2, "skipped": []}
+    # The fast tier's newest copy rots: the durable copy of the same index is loaded.
+    _flip_last_byte(fast / "2" / "models" / "main.safetensors")
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        loaded = fastckpt.load_checkpoint(fast, fallback_dirs=[durable])
+    where = loaded["restored_from"]
+    assert where["path"] == str(durable) and where["index"] == 2
+    assert len(where["skipped"]) == 1 and "fast index 2" in where["skipped"][0]
+    assert "checksum" in where["skipped"][0] and "skipped" in caplog.text
+    got = loaded["models"]["main"]["model"].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in states[2].items())
+    # The durable copy rots too: the newest intact one left is index 1, on the fast tier.
+    _flip_last_byte(durable / "2" / "models" / "main.safetensors")
+    loaded = fastckpt.load_checkpoint(fast, fallback_dirs=[durable])
+    assert loaded["restored_from"]["path"] == str(fast)
+    assert loaded["restored_from"]["index"] == 1 and len(loaded["restored_from"]["skipped"]) == 2
+    got = loaded["models"]["main"]["model"].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in states[1].items())
+    # An explicit index comes from the first tier holding it intact.
+    assert fastckpt.load_checkpoint(fast, 0, fallback_dirs=[durable])["restored_from"] == {
+        "path": str(fast),
+        "index": 0,
+        "skipped": [],
+    }
+    # Nothing intact anywhere: a typed error naming what was passed over.
+    with pytest.raises(NotCommittedError, match="no intact copy of index 2"):
+        fastckpt.load_checkpoint(fast, 2, fallback_dirs=[durable])
+
+
+def test_a_run_resumes_from_the_durable_tier_when_the_fast_one_is_gone(tmp_path: Path) -> None:
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    hook = fastckpt.CheckpointHook(fast, step_interval=2, durable_dir=durable)
+    strategy = training_support.new_strategy([hook], num_steps=6)
+    strategy.run(training_support.loader())
+    shutil.rmtree(fast)  # a new node
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(
+        fast, training_fn=training_support.training_fn, fallback_dirs=[durable]
+    )
+    assert resumed.restored_from is not None
+    assert resumed.restored_from.root == durable and resumed.restored_from.index == 2
+    assert resumed.step_count == 6
+    got, want = resumed.models["main"].state_dict(), strategy.models["main"].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())

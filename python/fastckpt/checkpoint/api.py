@@ -19,6 +19,7 @@ unpickles anything.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -35,11 +36,14 @@ from fastckpt.checkpoint.components import (
 )
 from fastckpt.container.commit import prune_indices
 from fastckpt.container.listing import list_checkpoints
+from fastckpt.container.promote import NearestCopy, nearest_intact
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.format.records import MANIFEST
-from fastckpt.storage.registry import use_storage_options
+from fastckpt.storage.registry import display_path, use_storage_options
 from fastckpt.training.strategy import TrainingStrategy
+
+_LOG = logging.getLogger(__name__)
 
 __all__ = [
     "list_checkpoints",
@@ -93,6 +97,12 @@ def save_checkpoint(
             ``configure_storage(root, storage_options)``) and stay in effect for it. A local
             ``root`` refuses them (``StorageOptionsError``).
 
+        fallback_dirs: other tiers holding copies of ``root``'s indices (durable roots it is
+            promoted to, see docs/tiers.md): the newest index that verifies on any of them is
+            loaded (``checkpoint_index``: that index), from ``root`` when it holds it intact;
+            a tier that is gone or damaged is passed over. The result's ``"restored_from"``
+            says which copy was used and what was skipped (logged as a warning when anything
+            was).
     Returns:
         The committed index.
 
@@ -127,6 +137,7 @@ def load_checkpoint(
     strategy: Any = None,
     trusted: Trusted = None,
     storage_options: Mapping[str, Any] | None = None,
+    fallback_dirs: Sequence[str | os.PathLike[str]] | None = None,
 ) -> dict[str, Any]:
     """Load a committed checkpoint index, rebuilding models, optimizers and schedulers.
 
@@ -164,6 +175,10 @@ def load_checkpoint(
     """
     del strategy  # accepted for signature compatibility: the checkpoint says what it holds
     use_storage_options(root, storage_options, "load_checkpoint")
+    copy: NearestCopy | None = None
+    if fallback_dirs:
+        copy = choose_copy(root, fallback_dirs, checkpoint_index)
+        root, checkpoint_index = copy.root, copy.index
 
     def attempt() -> dict[str, Any]:
         result = load_components(
@@ -182,7 +197,28 @@ def load_checkpoint(
         return result
 
     # A save replacing the index, or a prune, while this reads: read again (bounded).
-    return read_consistently(Path(root) / MANIFEST, attempt, lock_root=Path(root))
+    loaded = read_consistently(Path(root) / MANIFEST, attempt, lock_root=Path(root))
+    if copy is not None:
+        loaded["restored_from"] = {
+            "path": display_path(copy.root),
+            "index": copy.index,
+            "skipped": copy.skipped,
+        }
+    return loaded
+
+
+def choose_copy(
+    root: str | os.PathLike[str],
+    fallback_dirs: Sequence[str | os.PathLike[str]],
+    checkpoint_index: int = -1,
+) -> NearestCopy:
+    """The copy a load with ``fallback_dirs`` restores (see :func:`load_checkpoint`); logged,
+    as a warning when a newer or faster copy was passed over."""
+    copy = nearest_intact(
+        [root, *fallback_dirs], None if checkpoint_index == -1 else checkpoint_index
+    )
+    (_LOG.warning if copy.skipped else _LOG.info)("%s", copy.describe())
+    return copy
 
 
 def _restore_strategy(

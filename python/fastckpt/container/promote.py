@@ -33,15 +33,17 @@ import logging
 import os
 import threading
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fastckpt import _native
-from fastckpt.container.commit import IndexWriter, clean_leftovers, prune_indices
+from fastckpt.container.commit import IndexWriter, clean_leftovers, index_intact, prune_indices
 from fastckpt.errors import (
     CheckpointFormatError,
     ChecksumMismatchError,
+    FastCkptError,
     NotCommittedError,
     PromotionError,
 )
@@ -49,7 +51,14 @@ from fastckpt.format.records import SHARDED_DIR, Manifest
 from fastckpt.io.paths import check_relpath
 from fastckpt.storage.registry import backend_for, display_path
 
-__all__ = ["Promoter", "PromotionReport", "promote", "promote_index"]
+__all__ = [
+    "NearestCopy",
+    "Promoter",
+    "PromotionReport",
+    "nearest_intact",
+    "promote",
+    "promote_index",
+]
 
 _LOG = logging.getLogger(__name__)
 
@@ -360,3 +369,66 @@ class Promoter:
             return
         self.promoted.extend(report.promoted)
         self.error = None
+
+
+@dataclass
+class NearestCopy:
+    """Where :func:`nearest_intact` found the checkpoint to restore.
+
+    Attributes:
+        root: the tier (root) that holds it.
+        index: its index (the same number on every tier: promotion keeps it).
+        skipped: ``"<root> index <i>: <why>"`` for every newer copy that did not verify, and
+            ``"<root>: <why>"`` for a tier that could not be read at all.
+    """
+
+    root: Path
+    index: int
+    skipped: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """One line: which copy, and what was passed over."""
+        text = f"restoring index {self.index} from {display_path(self.root)}"
+        return text + (f" (skipped: {'; '.join(self.skipped)})" if self.skipped else "")
+
+
+def nearest_intact(
+    tiers: Sequence[str | os.PathLike[str]], index: int | None = None
+) -> NearestCopy:
+    """The copy to restore from ``tiers`` (fastest first: the fast root, then the durable
+    ones): the newest index that verifies on any tier (every file against its manifest
+    record, referenced tensors included), taken from the first tier that holds it intact;
+    with ``index``, that index from the first tier holding it intact. A tier that is gone
+    (a new node) or unreadable is passed over.
+
+    Raises:
+        NotCommittedError: no tier holds an intact copy (of ``index``); the message lists
+            what was passed over and why.
+    """
+    skipped: list[str] = []
+    best: tuple[int, Path] | None = None
+    for tier in (Path(t) for t in tiers):
+        try:
+            manifest = Manifest.load(tier)
+        except (OSError, FastCkptError) as err:
+            skipped.append(f"{display_path(tier)}: {err}")
+            continue
+        wanted = sorted(manifest.entries, reverse=True) if index is None else [index]
+        for candidate in wanted:
+            if candidate not in manifest.entries:
+                continue
+            if best is not None and candidate <= best[0]:
+                break  # an earlier (faster) tier already holds this one or a newer one
+            problem = index_intact(manifest, candidate)
+            if problem is None:
+                best = (candidate, tier)
+                break
+            skipped.append(f"{display_path(tier)} index {candidate}: {problem}")
+    if best is None:
+        what = "checkpoint" if index is None else f"copy of index {index}"
+        names = ", ".join(display_path(Path(t)) for t in tiers)
+        raise NotCommittedError(
+            f"no intact {what} in {names}"
+            + (f" (skipped: {'; '.join(skipped)})" if skipped else "")
+        )
+    return NearestCopy(best[1], best[0], skipped)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import logging
 import random
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -30,6 +31,7 @@ import fastckpt.checkpoint.components as codec
 import fastckpt.checkpoint.specs as specs
 import fastckpt.checkpoint.trust as trust
 import fastckpt.training.sharded as sharded_training
+from fastckpt.container.promote import NearestCopy, nearest_intact
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.errors import (
     CheckpointFormatError,
@@ -52,6 +54,8 @@ from fastckpt.training.hooks.rebuild import (
     rebuild_hooks,
     record_hooks,
 )
+
+_LOG = logging.getLogger(__name__)
 
 __all__ = ["FineTuningStrategy", "OptimizerConfig", "TrainingStrategy"]
 
@@ -226,6 +230,8 @@ class TrainingStrategy:
         self._setup_optimizers(optimizers)
         self.training_fn = self._resolve_training_fn(training_fn)
         self.hooks = list(hooks)
+        #: Which tier's copy :meth:`load_checkpoint` with ``fallback_dirs`` resumed from.
+        self.restored_from: NearestCopy | None = None
         self.num_steps = num_steps
         self.num_epochs = num_epochs
         self.step_count = 0
@@ -683,6 +689,7 @@ class TrainingStrategy:
         trusted: Trusted = None,
         parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        fallback_dirs: Sequence[str | Path] | None = None,
     ) -> TrainingStrategy:
         """Rebuild a strategy from a checkpoint: models from their specs, optimizers and
         schedulers from the recipe, then every piece of state.
@@ -704,6 +711,13 @@ class TrainingStrategy:
                 region, access_key_id, ... as for :func:`fastckpt.configure_storage`), over the AWS
                 environment; registered for its prefix (as ``configure_storage``) and kept in
                 effect for it. A local path refuses them (``StorageOptionsError``).
+            fallback_dirs: other tiers holding copies of ``root``'s indices (the durable
+                roots it is promoted to, docs/tiers.md): the run resumes from the newest
+                index that verifies on any tier, from ``root`` when it holds it intact (a new
+                node without the fast tier, or a damaged newest copy, falls back). The
+                returned strategy's ``restored_from``
+                (:class:`~fastckpt.container.promote.NearestCopy`) says which copy was used
+                and what was skipped; logged, as a warning when anything was.
 
         Raises:
             ValueError: a component-only checkpoint (use ``fastckpt.load_checkpoint``), the
@@ -711,6 +725,23 @@ class TrainingStrategy:
                 checkpoint of unsharded models.
         """
         use_storage_options(root, storage_options, "TrainingStrategy.load_checkpoint")
+        if fallback_dirs:
+            copy = nearest_intact(
+                [root, *fallback_dirs], None if checkpoint_index == -1 else checkpoint_index
+            )
+            (_LOG.warning if copy.skipped else _LOG.info)("%s", copy.describe())
+            resumed = cls.load_checkpoint(
+                copy.root,
+                copy.index,
+                map_location,
+                hooks=hooks,
+                training_fn=training_fn,
+                validators=validators,
+                trusted=trusted,
+                parallelize=parallelize,
+            )
+            resumed.restored_from = copy
+            return resumed
 
         def attempt() -> tuple[int, dict[str, Any], list[dict[str, Any]] | None, str]:
             # The recipe and (for a sharded index) the recorded hooks, from one snapshot: a
