@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.container.promote import promote, promote_index
+from fastckpt.container.promote import Promoter, promote, promote_index
 from fastckpt.errors import (
     CheckpointFormatError,
     ChecksumMismatchError,
@@ -361,3 +361,16 @@ def test_a_run_resumes_from_the_durable_tier_when_the_fast_one_is_gone(tmp_path:
     assert resumed.step_count == 6
     got, want = resumed.models["main"].state_dict(), strategy.models["main"].state_dict()
     assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_a_promoter_closed_after_one_run_promotes_again_in_the_next(tmp_path: Path) -> None:
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    _source(fast, saves=1)
+    promoter = Promoter(fast, durable)
+    promoter.submit()
+    promoter.close()
+    _source_more(fast)  # a second run of the same hook
+    promoter.submit()
+    promoter.close()
+    assert promoter.promoted == [0, 1] and promoter.healthy
+    assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [0, 1]

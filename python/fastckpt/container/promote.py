@@ -300,8 +300,6 @@ class Promoter:
             PromotionError: ``strict`` and the previous attempt failed.
         """
         with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{display_path(self.source)}: the promoter is closed")
             if self.strict and self.error is not None:
                 raise self.error
             self._pending = True
@@ -319,7 +317,8 @@ class Promoter:
                 self._wake.wait()
 
     def close(self) -> None:
-        """Finish the queued promotion, stop the thread.
+        """Finish the queued promotion, stop the thread (a later :meth:`submit` starts a new
+        one: a hook entered again for another run keeps promoting).
 
         Raises:
             PromotionError: the last attempt failed (the fast tier holds the checkpoints;
@@ -331,6 +330,8 @@ class Promoter:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join()
+        with self._lock:
+            self._thread, self._closed = None, False
         if self.error is not None:
             error, self.error = self.error, None
             raise error
