@@ -144,12 +144,19 @@ def promote_index(
             "root instead)"
         )
     files: dict[str, dict[str, Any]] = dict(entry.get("files") or {})
-    # Every source file is read and proven before the target is touched at all.
-    contents = {relpath: _read_verified(source, index, relpath, r) for relpath, r in files.items()}
+    # Every source file is proven before the target is touched at all (replacing an index on
+    # an object store withdraws it first), holding one file at a time; the copy pass below
+    # reads and proves each file again as it writes it.
+    for relpath, record in files.items():
+        _read_verified(source, index, relpath, record)
+    copied = 0
     writer = IndexWriter(target, index)
     try:
-        for relpath, data in contents.items():
+        for relpath, record in files.items():
+            data = _read_verified(source, index, relpath, record)
             writer.staging.put_bytes(relpath, data)
+            copied += len(data)
+            del data
         written = writer.files
         for relpath, record in files.items():
             got = written.get(relpath)
@@ -162,7 +169,7 @@ def promote_index(
         writer.abort()
         raise
     writer.commit_entry({key: value for key, value in entry.items() if key != "files"})
-    return sum(len(data) for data in contents.values())
+    return copied
 
 
 def _clean(root: Path) -> None:
