@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.container.promote import Promoter, promote, promote_index
+from fastckpt.container.promote import Promoter, forget_promoted, promote, promote_index
 from fastckpt.errors import (
     CheckpointFormatError,
     ChecksumMismatchError,
@@ -224,6 +224,81 @@ def test_promotion_to_s3_and_back(s3_server: S3Server, tmp_path: Path) -> None:
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in states[1].items())
 
 
+# --------------------------------------------------------------------------- unchanged files
+
+
+def _inode(path: Path) -> int:
+    return os.stat(path).st_ino
+
+
+def test_unchanged_files_are_linked_not_copied_and_each_index_stays_self_contained(
+    tmp_path: Path,
+) -> None:
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    forget_promoted()
+    states = _source(fast, saves=4)  # the first layer frozen: linked/ in indices 1..3
+    frozen = _files(fast, 0)["models/main.safetensors"][0]
+    report = promote(fast, durable, every=2)
+    assert report.promoted == [0, 2, 3]
+    # Index 2's linked file is index 0's tensor file, proven by its digest: a hard link in
+    # the durable tier, not a second copy (and so for index 3).
+    for index in (2, 3):
+        assert _inode(durable / str(index) / "linked" / "0.safetensors") == _inode(
+            durable / "0" / "models" / "main.safetensors"
+        )
+    assert report.bytes_reused >= 2 * frozen
+    total = sum(sum(size for size, _ in _files(fast, i).values()) for i in (0, 2, 3))
+    assert report.bytes_copied + report.bytes_reused == total
+    # Deleting the durable tier's older indices leaves the newest loading bitwise.
+    shutil.rmtree(durable / "0")
+    shutil.rmtree(durable / "2")
+    manifest = Manifest.load(durable)
+    del manifest.entries[0], manifest.entries[2]
+    manifest.commit()
+    got = fastckpt.load_checkpoint(durable)["models"]["main"]["model"].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in states[3].items())
+    assert fastckpt.verify(durable).ok
+
+
+def test_a_target_file_replaced_since_it_was_promoted_is_not_reused(tmp_path: Path) -> None:
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    forget_promoted()
+    _source(fast, saves=2)
+    promote_index(fast, durable, 0)
+    # Someone rewrites durable/0's tensor file (same bytes, another inode): what this process
+    # wrote is no longer what is there, so nothing is linked from it.
+    weights = durable / "0" / "models" / "main.safetensors"
+    data = weights.read_bytes()
+    weights.unlink()
+    weights.write_bytes(data)
+    done = promote_index(fast, durable, 1)
+    assert _inode(durable / "1" / "linked" / "0.safetensors") != _inode(weights)
+    # Only the untouched file (the optimizer's tensors, unchanged) was linked.
+    assert done.reused == _files(fast, 1)["optimizers/sgd.safetensors"][0]
+    assert done.copied + done.reused == sum(size for size, _ in _files(fast, 1).values())
+    # A new process knows nothing: full copies (forget_promoted stands in for it).
+    forget_promoted()
+    assert promote_index(fast, durable, 1).reused == 0
+    assert fastckpt.verify(durable).ok
+
+
+def test_unchanged_files_are_copied_by_the_s3_server(s3_server: S3Server, tmp_path: Path) -> None:
+    fast = tmp_path / "fast"
+    forget_promoted()
+    states = _source(fast, saves=3)
+    durable = s3_server.url("incremental")
+    fastckpt.configure_storage(durable, s3_server.options())
+    report = promote(fast, durable, every=2)
+    assert report.promoted == [0, 2]
+    assert report.bytes_reused >= _files(fast, 0)["models/main.safetensors"][0]
+    # Index 0 deleted from the bucket: index 2 holds its own copy of the frozen tensors.
+    fastckpt.prune(durable, keep_last=1)
+    assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [2]
+    got = fastckpt.load_checkpoint(durable)["models"]["main"]["model"].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in states[2].items())
+    assert fastckpt.verify(durable).ok
+
+
 # --------------------------------------------------------------------------- the hook's tiers
 
 
@@ -282,6 +357,52 @@ def test_a_failing_durable_tier_does_not_stop_training_and_is_raised_at_close(
     assert strategy.step_count == 6
     assert [c["index"] for c in fastckpt.list_checkpoints(fast)] == [0, 1, 2]
     assert fastckpt.verify(fast).ok
+
+
+def test_a_stopped_durable_server_spares_the_unpromoted_index_and_the_next_run_promotes_it(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    fast, durable = tmp_path / "fast", s3_server.url("stopped")
+    options = s3_server.options(max_retries=0, retry_timeout_s=1.0, connect_timeout_s=1.0)
+    fastckpt.configure_storage(durable, options)
+    errors: list[tuple[PromotionError, bool]] = []
+    hook = fastckpt.CheckpointHook(
+        fast,
+        step_interval=1,
+        async_save=False,
+        keep_last=1,
+        durable_dir=durable,
+        promote_every=2,
+        save_last=False,
+        on_promotion_error=lambda error: errors.append((error, hook.promotion_healthy)),
+    )
+    strategy = training_support.new_strategy([hook], num_steps=4)
+    s3_server.stop()
+    try:
+        with (
+            pytest.warns(RuntimeWarning, match="training goes on"),
+            pytest.raises(PromotionError, match="stopped"),
+        ):
+            strategy.run(training_support.loader())
+        assert strategy.step_count == 4  # training went on
+        # Each failure went to the callback while the hook reported itself unhealthy.
+        assert errors and all(isinstance(e, PromotionError) and not ok for e, ok in errors)
+        # keep_last=1, yet index 2 (due for promotion, never promoted) is kept with the
+        # newest: the fast tier's retention does not lose what the durable tier lacks.
+        assert [c["index"] for c in fastckpt.list_checkpoints(fast)] == [2, 3]
+    finally:
+        s3_server.start()
+    assert fastckpt.list_checkpoints(durable) == []
+    # The next process that opens the tiers finishes the promotion before it saves anything.
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(
+        fast, training_fn=training_support.training_fn
+    )
+    resumed.run(training_support.loader())  # already at num_steps: no step, no save
+    assert resumed.step_count == 4
+    assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [2]
+    got = fastckpt.load_checkpoint(durable)["models"]["main"]["model"].state_dict()
+    want = fastckpt.load_checkpoint(fast, 2)["models"]["main"]["model"].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
 
 
 def test_a_strict_hook_stops_at_the_save_after_a_failed_promotion(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -727,7 +727,13 @@ def _remember_record_version(backend: StorageBackend, final: Path) -> None:
         backend.read_bytes(final / COMMIT_RECORD)
 
 
-def prune_indices(root: Path, keep_last: int, *, lock_timeout: float | None = None) -> list[int]:
+def prune_indices(
+    root: Path,
+    keep_last: int,
+    *,
+    lock_timeout: float | None = None,
+    spare: Collection[int] = (),
+) -> list[int]:
     """Delete all but the newest ``keep_last`` indices of ``root`` (never the latest).
 
     Under the root's lock, the manifest is committed first, so a crash mid-prune leaves only
@@ -746,6 +752,8 @@ def prune_indices(root: Path, keep_last: int, *, lock_timeout: float | None = No
         keep_last: how many of the newest indices to keep (>= 1).
         lock_timeout: give up waiting for another process's save or prune of ``root`` after
             this many seconds (None: wait; who holds the lock is logged after a second).
+        spare: indices kept whatever their age (a fast tier's index not yet promoted, see
+            :meth:`fastckpt.container.promote.Promoter.awaiting`).
 
     Raises:
         ValueError: ``keep_last < 1``.
@@ -758,7 +766,7 @@ def prune_indices(root: Path, keep_last: int, *, lock_timeout: float | None = No
     backend = backend_for(root)
     with backend.lock(root, timeout=lock_timeout):
         manifest = Manifest.load(root)
-        doomed = sorted(manifest.entries)[:-keep_last]
+        doomed = [index for index in sorted(manifest.entries)[:-keep_last] if index not in spare]
         if doomed:
             doomed = _spare_newest_intact(manifest, doomed)
         if not doomed:

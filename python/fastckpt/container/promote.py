@@ -21,10 +21,25 @@ the leftovers, and :func:`promote` finishes the job (it copies every source inde
 does not hold yet).
 
 Every index is self-contained (its unchanged tensors are hard links inside it, see
-:mod:`fastckpt.container.incremental`), so its files copy as they are. Not yet: indices of
-sharded (FSDP2) strategies, whose data live in the root's ``sharded/`` parts (refused with a
-typed error), and sharing unchanged bytes with the target's previous index (each promotion
-writes the index's whole size); each file is held in memory once while it is copied.
+:mod:`fastckpt.container.incremental`), so its files copy as they are; each file is held in
+memory once while it is copied.
+
+**Unchanged files are not copied again.** The copy pass takes each source file's 256-bit
+BLAKE3 digest as it reads it. This process remembers, per target root, the digest of every file it
+promoted there and the exact version it wrote (:meth:`Staging.identity
+<fastckpt.storage.backend.Staging.identity>`: the inode locally, the etag on an object store).
+A file of a later index whose digest equals a remembered one, whose remembered index is still
+committed in the target with the same size and crc32c, is stored by the target itself from that
+version (:meth:`Staging.put_copy <fastckpt.storage.backend.Staging.put_copy>`: a hard link, a
+server-side copy conditional on the etag) instead of being uploaded; a target that cannot, or
+whose file was replaced since, gets the bytes uploaded. Bytes are reused only on that proof,
+never on a size or crc32c match; a new process starts with full copies (like incremental
+saves, see :mod:`fastckpt.container.incremental`). A fast tier's incremental saves keep
+unchanged tensors in ``linked/`` files that are the very files of an earlier index, so a
+promoted index whose frozen tensors did not change uploads only what did.
+
+Not yet: indices of sharded (FSDP2) strategies, whose data live in the root's ``sharded/``
+parts (refused with a typed error).
 """
 
 from __future__ import annotations
@@ -33,7 +48,7 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,18 +64,22 @@ from fastckpt.errors import (
 )
 from fastckpt.format.records import SHARDED_DIR, Manifest
 from fastckpt.io.paths import check_relpath
-from fastckpt.storage.registry import backend_for, display_path
+from fastckpt.storage.registry import backend_for, display_path, is_object_url
 
 __all__ = [
+    "IndexCopy",
     "NearestCopy",
     "Promoter",
     "PromotionReport",
+    "forget_promoted",
     "nearest_intact",
     "promote",
     "promote_index",
 ]
 
 _LOG = logging.getLogger(__name__)
+#: Threads taking a promoted file's BLAKE3 digest.
+_DIGEST_THREADS = 4
 
 
 @dataclass
@@ -73,12 +92,92 @@ class PromotionReport:
             or older than the target's newest.
         vanished: indices the source's retention pruned while they were being promoted.
         bytes_copied: bytes read from the source and written to the target.
+        bytes_reused: bytes the target stored from files it already held (proven identical,
+            see the module docstring), none of them transferred.
+        newest: the target's newest committed index afterwards (None: it holds none).
     """
 
     promoted: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     vanished: list[int] = field(default_factory=list)
     bytes_copied: int = 0
+    bytes_reused: int = 0
+    newest: int | None = None
+
+
+@dataclass(frozen=True)
+class IndexCopy:
+    """What :func:`promote_index` wrote: ``copied`` bytes transferred, ``reused`` bytes the
+    target stored from a file it already held (a hard link, a server-side copy)."""
+
+    copied: int
+    reused: int
+
+
+@dataclass(frozen=True)
+class _Promoted:
+    """A file this process promoted: where it is in the target, and its exact version."""
+
+    index: int
+    relpath: str
+    size: int
+    crc32c: int
+    identity: Hashable
+
+
+_PROMOTED_LOCK = threading.Lock()
+#: target root -> BLAKE3 digest of a file's bytes -> the newest file promoted with them.
+_PROMOTED: dict[str, dict[bytes, _Promoted]] = {}
+#: Files remembered per target (the newest win; older ones belong to pruned indices anyway).
+_PROMOTED_MAX = 4096
+
+
+def _target_key(root: Path) -> str:
+    if is_object_url(root):
+        return display_path(root).rstrip("/")
+    return os.path.abspath(root)
+
+
+def forget_promoted(target: str | os.PathLike[str] | None = None) -> None:
+    """Forget what this process promoted into ``target`` (None: every target), so the next
+    promotion there copies every file."""
+    with _PROMOTED_LOCK:
+        if target is None:
+            _PROMOTED.clear()
+        else:
+            _PROMOTED.pop(_target_key(Path(target)), None)
+
+
+def _reusable(
+    target: Path, manifest: Manifest, digest: bytes, record: dict[str, Any]
+) -> _Promoted | None:
+    """A file of a committed index of ``target`` this process wrote with the bytes whose
+    digest is ``digest`` (and the size and crc32c of ``record``), still listed there so."""
+    with _PROMOTED_LOCK:
+        known = _PROMOTED.get(_target_key(target), {}).get(digest)
+    if known is None or (known.size, known.crc32c) != (int(record["size"]), int(record["crc32c"])):
+        return None
+    entry = manifest.entries.get(known.index)
+    listed = None if entry is None else (entry.get("files") or {}).get(known.relpath)
+    if listed is None or (int(listed["size"]), int(listed["crc32c"])) != (known.size, known.crc32c):
+        return None
+    return known
+
+
+def _remember(
+    target: Path, index: int, promoted: dict[str, tuple[bytes, dict[str, Any], Hashable]]
+) -> None:
+    with _PROMOTED_LOCK:
+        known = _PROMOTED.setdefault(_target_key(target), {})
+        for relpath, (digest, record, identity) in promoted.items():
+            if identity is None:
+                continue
+            known.pop(digest, None)  # re-inserted last: the newest copy is kept longest
+            known[digest] = _Promoted(
+                index, relpath, int(record["size"]), int(record["crc32c"]), identity
+            )
+        while len(known) > _PROMOTED_MAX:
+            del known[next(iter(known))]
 
 
 def _distinct(source: Path, target: Path) -> None:
@@ -116,10 +215,10 @@ def _read_verified(source: Path, index: int, relpath: str, record: dict[str, Any
 
 def promote_index(
     source: str | os.PathLike[str], target: str | os.PathLike[str], index: int
-) -> int:
+) -> IndexCopy:
     """Copy the committed index ``index`` of the root ``source`` into the root ``target`` as
     a committed index with the same number (replacing one already there); see the module
-    docstring for the protocol. Returns the bytes copied.
+    docstring for the protocol and for the files that are not transferred again.
 
     Raises:
         NotCommittedError: ``source`` has no committed index ``index``.
@@ -149,14 +248,25 @@ def promote_index(
     # reads and proves each file again as it writes it.
     for relpath, record in files.items():
         _read_verified(source, index, relpath, record)
-    copied = 0
+    copied = reused = 0
     writer = IndexWriter(target, index)
+    promoted: dict[str, tuple[bytes, dict[str, Any], Hashable]] = {}
     try:
+        held = Manifest.load(target)
         for relpath, record in files.items():
+            staging = writer.staging
             data = _read_verified(source, index, relpath, record)
-            writer.staging.put_bytes(relpath, data)
-            copied += len(data)
+            digest = _native.digests([memoryview(data)], _DIGEST_THREADS)[0]
+            known = _reusable(target, held, digest, record)
+            if known is not None and staging.put_copy(
+                relpath, target / str(known.index) / known.relpath, record, known.identity
+            ):
+                reused += len(data)
+            else:
+                staging.put_bytes(relpath, data)
+                copied += len(data)
             del data
+            promoted[relpath] = (digest, record, staging.identity(relpath))
         written = writer.files
         for relpath, record in files.items():
             got = written.get(relpath)
@@ -169,7 +279,8 @@ def promote_index(
         writer.abort()
         raise
     writer.commit_entry({key: value for key, value in entry.items() if key != "files"})
-    return copied
+    _remember(target, index, promoted)
+    return IndexCopy(copied, reused)
 
 
 def _clean(root: Path) -> None:
@@ -214,9 +325,10 @@ def promote(
     _distinct(Path(source), Path(target))
     source_manifest = Manifest.load(source)
     report = PromotionReport()
+    target_manifest = Manifest.load(target)
+    report.newest = target_manifest.latest
     if source_manifest.latest is None:
         return report
-    target_manifest = Manifest.load(target)
     if target_manifest.latest is not None:
         _clean(Path(target))  # what killed promotions (or saves) left there
     floor = -1 if target_manifest.latest is None else target_manifest.latest
@@ -228,7 +340,9 @@ def promote(
             report.skipped.append(index)
             continue
         try:
-            report.bytes_copied += promote_index(source, target, index)
+            done = promote_index(source, target, index)
+            report.bytes_copied += done.copied
+            report.bytes_reused += done.reused
         except (CheckpointFormatError, NotCommittedError, FileNotFoundError):
             if index in Manifest.load(source).entries:
                 raise
@@ -237,6 +351,7 @@ def promote(
             report.vanished.append(index)
             continue
         report.promoted.append(index)
+    report.newest = Manifest.load(target).latest
     return report
 
 
@@ -248,8 +363,8 @@ class Promoter:
     run), and prunes ``target`` to ``keep_last`` indices. Training is never blocked by it.
 
     A failure does not stop training unless ``strict``: it is logged as a warning, kept in
-    :attr:`error` (:attr:`healthy` turns False) and retried by the next submission, whose
-    success clears it; :meth:`close` waits for the thread and raises
+    :attr:`error` (:attr:`healthy` turns False), given to ``on_error`` and retried by the
+    next submission, whose success clears it; :meth:`close` waits for the thread and raises
     :class:`~fastckpt.errors.PromotionError` when the last attempt failed. ``strict=True``
     raises that error from the next :meth:`submit` instead.
 
@@ -259,6 +374,8 @@ class Promoter:
         every: promote the indices that are multiples of this.
         keep_last: after each promotion keep the newest N indices of ``target`` (None: all).
         strict: raise a failure at the next :meth:`submit`.
+        on_error: called with each failure's :class:`~fastckpt.errors.PromotionError`, on the
+            promotion thread (an exception it raises is logged and dropped).
     """
 
     def __init__(
@@ -269,6 +386,7 @@ class Promoter:
         every: int = 1,
         keep_last: int | None = None,
         strict: bool = False,
+        on_error: Callable[[PromotionError], object] | None = None,
     ) -> None:
         """Configure; the thread starts on the first :meth:`submit`."""
         if every < 1:
@@ -278,8 +396,11 @@ class Promoter:
         self.source, self.target = Path(source), Path(target)
         _distinct(self.source, self.target)
         self.every, self.keep_last, self.strict = every, keep_last, strict
+        self.on_error = on_error
         #: The indices promoted so far by this promoter, in order.
         self.promoted: list[int] = []
+        #: The target's newest committed index after the last successful run (None before).
+        self.target_newest: int | None = None
         #: The last attempt's failure (None after a success).
         self.error: PromotionError | None = None
         self._lock = threading.Lock()
@@ -299,6 +420,16 @@ class Promoter:
         """Whether a promotion is queued or running."""
         with self._lock:
             return self._pending or self._running
+
+    def awaiting(self, newest: int) -> int | None:
+        """The index up to ``newest`` that the next promotion is due to copy and the target
+        was not seen holding: the newest multiple of ``every`` (None when the target already
+        holds it or a newer one). A fast tier's retention keeps it (see
+        :func:`~fastckpt.container.commit.prune_indices`'s ``spare``), so a promotion that lags
+        behind the saves, or a durable tier that is down, never loses it."""
+        due = newest - newest % self.every
+        held = self.target_newest
+        return due if held is None or due > held else None
 
     def submit(self) -> None:
         """Ask for a promotion run (after a commit into ``source``); returns at once.
@@ -374,8 +505,15 @@ class Promoter:
             _LOG.warning("%s", error)
             warnings.warn(str(error), RuntimeWarning, stacklevel=1)
             self.error = error
+            if self.on_error is not None:
+                try:
+                    self.on_error(error)
+                except Exception:
+                    _LOG.exception("the on_error callback of the promotion failed")
             return
         self.promoted.extend(report.promoted)
+        if report.newest is not None:
+            self.target_newest = report.newest
         self.error = None
 
 

@@ -35,7 +35,7 @@ import shutil
 import socket
 import stat
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
@@ -205,6 +205,25 @@ class Staging(ABC):
     @abstractmethod
     def adopt(self, location: str, relpath: str, record: FileRecord) -> None:
         """Take over a file another staging area (``location``) wrote, with its record."""
+
+    def identity(self, relpath: str) -> Hashable | None:
+        """What names the exact version of the file this staging put at ``relpath``, valid
+        once published (locally its ``(st_dev, st_ino)``; on an object store its etag), for a
+        later :meth:`put_copy` from it; None when this backend cannot tell."""
+        return None
+
+    def put_copy(self, relpath: str, source: Path, record: FileRecord, identity: Hashable) -> bool:
+        """Store at ``relpath`` the bytes of ``source``, a committed file of the same store,
+        without them passing through this process (a hard link; a server-side copy), and
+        record it with ``record`` (the source's size and crc32c). Only from the version of
+        ``source`` that ``identity`` names (what :meth:`identity` gave when it was written):
+        a source replaced since is never used.
+
+        Returns:
+            False when that is not possible here (no links or server-side copies, ``source``
+            gone or replaced): nothing was recorded, the caller writes the bytes instead.
+        """
+        return False
 
     @abstractmethod
     def publish(self) -> None:
@@ -548,6 +567,23 @@ class LocalStaging(Staging):
             raise
         self._dirs.add(target.parent)
         self.files[relpath] = dict(record)
+
+    def identity(self, relpath: str) -> Hashable | None:
+        """``(st_dev, st_ino)`` of the staged file (publishing renames its directory: the
+        inode stays)."""
+        info = os.stat(self._target(relpath), follow_symlinks=False)
+        return (info.st_dev, info.st_ino)
+
+    def put_copy(self, relpath: str, source: Path, record: FileRecord, identity: Hashable) -> bool:
+        """A hard link to ``source`` (:meth:`put_link`) when it is still the inode
+        ``identity`` names; False where no link can be made or the inode differs."""
+        if not isinstance(identity, tuple) or len(identity) != 2:
+            return False
+        try:
+            self.put_link(relpath, source, record, (int(identity[0]), int(identity[1])))
+        except OSError:
+            return False
+        return True
 
     def adopt(self, location: str, relpath: str, record: FileRecord) -> None:
         """Move a file from another staging directory into this one."""

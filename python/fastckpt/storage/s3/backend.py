@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ from fastckpt.storage.backend import (
     StorageBackend,
 )
 from fastckpt.storage.lock import LOCK_FILE
-from fastckpt.storage.s3.client import S3Client, client_for
+from fastckpt.storage.s3.client import MAX_PART, CopyPart, S3Client, client_for
 from fastckpt.storage.s3.config import S3Options, S3Url
 from fastckpt.storage.s3.copy import (
     CopiedTensor,
@@ -370,6 +370,7 @@ class S3Staging(Staging):
         self.files = {}
         self.copied_bytes = 0
         self._headers: dict[str, tuple[bytes, int]] = {}
+        self._etags: dict[str, str | None] = {}
         #: The lease this process held on the container's root when staging began: every
         #: write is fenced with it (see :meth:`S3RootLock.check`).
         self.lease = held_lease(backend.client, url.prefix)
@@ -393,7 +394,13 @@ class S3Staging(Staging):
         """One PUT; records size and crc32c."""
         key = self._key(relpath)
         self._fence(key)
-        self.backend.client.put(key, data)
+        client = self.backend.client
+        if len(data) <= client.options.single_put_max:
+            etag = client.put(key, data)
+        else:  # a large file (a promoted tensor file): parallel multipart
+            etag = client.put_stream(key, [memoryview(data)], len(data))
+        remember_written(client, key, etag)
+        self._etags[relpath] = etag
         record = {"size": len(data), "crc32c": _native.crc32c(data)}
         self.files[relpath] = record
         return record
@@ -426,6 +433,7 @@ class S3Staging(Staging):
         else:
             report = put_tensors(client, key, tensors, metadata)
         remember_written(client, key, report["etag"])
+        self._etags[relpath] = report["etag"]
         record = {"size": report["size"], "crc32c": report["crc32c"]}
         self.files[relpath] = record
         self._headers[relpath] = (report["header"], report["size"])
@@ -487,6 +495,39 @@ class S3Staging(Staging):
         if unproven:
             prove_copied_tensors(client, unproven)
         return located
+
+    def identity(self, relpath: str) -> Hashable | None:
+        """The etag the store gave the object put at ``relpath`` (None: it gave none)."""
+        return self._etags.get(relpath)
+
+    def put_copy(self, relpath: str, source: Path, record: FileRecord, identity: Hashable) -> bool:
+        """Have the store copy the object ``source`` (its version ``identity``, an etag) to
+        ``relpath``: a multipart upload of copied parts (UploadPartCopy, each conditional on
+        that etag), so no byte reaches this process. False when the store cannot copy, or
+        refuses because ``source`` is gone or was replaced."""
+        size = int(record["size"])
+        if not isinstance(identity, str) or not identity or size == 0:
+            return False
+        client = self.backend.client
+        key = self._key(relpath)
+        source_key = self.backend._key(source)
+        self._fence(key)
+        parts = [
+            CopyPart(source_key, start, min(start + MAX_PART, size), identity)
+            for start in range(0, size, MAX_PART)
+        ]
+        try:
+            etag = client.compose(key, parts)
+        except (ObjectStoreError, FileNotFoundError) as err:
+            if isinstance(err, CommitConflictError):
+                raise  # the lease was lost: no fallback write either
+            _LOG.info("%s: no server-side copy from %s (%s); uploading", key, source_key, err)
+            return False
+        remember_written(client, key, etag)
+        self._etags[relpath] = etag
+        self.copied_bytes += size
+        self.files[relpath] = dict(record)
+        return True
 
     def adopt(self, location: str, relpath: str, record: FileRecord) -> None:
         """Take a file another staging wrote: nothing to move when it wrote to this

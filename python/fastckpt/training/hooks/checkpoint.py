@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from fastckpt.checkpoint.components import Snapshot, plan_incremental, write_sna
 from fastckpt.container.background import BackgroundWriter
 from fastckpt.container.commit import prune_indices
 from fastckpt.container.promote import Promoter
-from fastckpt.errors import FastCkptError, MixedRunError
+from fastckpt.errors import FastCkptError, MixedRunError, PromotionError
 from fastckpt.format.records import Manifest
 from fastckpt.io.staging import (
     Stager,
@@ -76,8 +76,17 @@ class CheckpointHook:
         durable_keep_last: keep only the newest N indices of ``durable_dir`` (None: all).
         strict_promotion: a failed promotion raises
             :class:`~fastckpt.errors.PromotionError` at the next save; by default it is
-            reported (a warning, :attr:`promotion_healthy`), retried by the next save, and
-            raised by ``close``.
+            reported (a warning, :attr:`promotion_healthy`, ``on_promotion_error``), retried
+            by the next save, and raised by ``close``.
+        on_promotion_error: called with each failed promotion's
+            :class:`~fastckpt.errors.PromotionError` (on the promotion thread; not recorded
+            in the checkpoint, so a hook rebuilt on resume has none).
+
+    With a ``durable_dir``, ``keep_last`` never deletes the newest fast-tier index that is
+    due for promotion (a multiple of ``promote_every``) and not yet seen on the durable tier:
+    a promotion lagging behind the saves, or a durable tier that is down, costs one more
+    index on the fast tier instead of the durable copy. A run that starts (or resumes) with
+    the hook first finishes what an earlier process left unpromoted, in the background.
 
     Attributes:
         last_checkpoint_index: newest index known to be committed (async: updated when the
@@ -108,6 +117,7 @@ class CheckpointHook:
         promote_every: int = 1,
         durable_keep_last: int | None = None,
         strict_promotion: bool = False,
+        on_promotion_error: Callable[[PromotionError], object] | None = None,
     ) -> None:
         """Validate the policy; the background writer starts when the hook is entered.
 
@@ -182,6 +192,7 @@ class CheckpointHook:
                 every=promote_every,
                 keep_last=durable_keep_last,
                 strict=self.strict_promotion,
+                on_error=on_promotion_error,
             )
         self._prewarm_pending = False  # allocate the first step's new state after it
 
@@ -305,6 +316,7 @@ class CheckpointHook:
         if stage is TrainingStage.BEFORE_TRAINING:
             if not self.overwrite:
                 self._refuse_a_mixed_run(ctx)
+            self._start_promotion(ctx)
             self._start_step = ctx.step_count
             self._prewarm_pending = True
             self._prewarm(ctx)
@@ -313,6 +325,26 @@ class CheckpointHook:
             self._prewarm(ctx)
         if self._should_save(ctx, stage):
             self.save(ctx)
+
+    def _start_promotion(self, ctx: TrainContext) -> None:
+        """Two tiers: refuse a sharded strategy (not promotable yet), and let the saving
+        rank finish in the background what an earlier process left unpromoted."""
+        if self._promoter is None:
+            return
+        if getattr(ctx.workflow, "sharded", False):
+            raise ValueError(
+                "CheckpointHook(durable_dir=...): promoting sharded (FSDP2) checkpoints is not "
+                "supported yet; checkpoint straight to the durable root (checkpoint_dir="
+                f"{str(self.durable_dir)!r}) or copy the root yourself"
+            )
+        if self.rank_zero_only and ctx.global_rank != 0:
+            return
+        try:
+            committed = Manifest.load(self.checkpoint_dir).latest is not None
+        except (OSError, FastCkptError):
+            return  # the first save reports it
+        if committed:
+            self._promoter.submit()
 
     def _refuse_a_mixed_run(self, ctx: TrainContext) -> None:
         """Raise :class:`MixedRunError` when the root's newest committed index is at a later
@@ -496,7 +528,13 @@ class CheckpointHook:
     def _write(self, snapshot: Snapshot) -> int:
         index = write_snapshot(self.checkpoint_dir, snapshot, lock_timeout=self.lock_timeout)
         if self.keep_last is not None:
-            prune_indices(self.checkpoint_dir, self.keep_last, lock_timeout=self.lock_timeout)
+            awaiting = None if self._promoter is None else self._promoter.awaiting(index)
+            prune_indices(
+                self.checkpoint_dir,
+                self.keep_last,
+                lock_timeout=self.lock_timeout,
+                spare=() if awaiting is None else (awaiting,),
+            )
         if self._promoter is not None:
             self._promoter.submit()  # in the background: training is not held up
         return index
