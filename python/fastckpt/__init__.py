@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
         ItemSpec,
         LocalFileSystemStorageConfig,
         SyncCheckpointSaverConfig,
+        TiersConfig,
     )
     from fastckpt.storage.registry import configure_storage
     from fastckpt.training.hooks import (
@@ -89,6 +90,7 @@ _NAMES = {
         "ItemSpec",
         "LocalFileSystemStorageConfig",
         "SyncCheckpointSaverConfig",
+        "TiersConfig",
     ),
     "fastckpt.checkpoint.specs": ("BaseSpec", "create_model_spec"),
     "fastckpt.checkpoint.values": ("register_type_serializer",),
@@ -205,6 +207,7 @@ __all__ = [
     "SafeOpen",
     "SyncCheckpointSaverConfig",
     "TensorSlice",
+    "TiersConfig",
     "TrainContext",
     "TrainingStage",
     "TrainingStrategy",

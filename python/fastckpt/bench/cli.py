@@ -106,7 +106,8 @@ def fresh_output_dir(parent: Path | None = None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Run the harness with command-line ``argv``; returns the exit status
     (``s3 ...``: the object-storage scenario, :mod:`fastckpt.bench.s3`; ``s3-sharded ...``:
-    sharded checkpoints on object storage, :mod:`fastckpt.bench.s3_sharded`)."""
+    sharded checkpoints on object storage, :mod:`fastckpt.bench.s3_sharded`; ``tiers ...``: a
+    fast tier promoted to durable storage vs straight to it, :mod:`fastckpt.bench.tiers`)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["s3"]:
         from fastckpt.bench import s3
@@ -116,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         from fastckpt.bench import s3_sharded
 
         return s3_sharded.main(argv[1:])
+    if argv[:1] == ["tiers"]:
+        from fastckpt.bench import tiers
+
+        return tiers.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.size_gib <= 0 or args.repeats < 1:
         print("--size-gib must be > 0 and --repeats >= 1", file=sys.stderr)

@@ -47,8 +47,8 @@ from fastckpt.format.records import (
     check_fields,
     item_files,
 )
-from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_name, check_relpath, safe_join
+from fastckpt.storage.registry import backend_for
 
 if TYPE_CHECKING:
     import torch
@@ -213,7 +213,7 @@ def read_item(
                 "file from a copy of the checkpoint, or load an older checkpoint",
                 str(path),
             ) from None
-        described = read_metadata(path)["tensors"]
+        described = backend_for(path).read_header(path)["tensors"]
         for name, ref in pairs:
             check_against_header(path, ref, described, name)
             if name in tensors:
@@ -289,7 +289,7 @@ def check_references(directory: Path, record: Mapping[str, Any]) -> list[str]:
         for file, pairs in _group(names).items():
             try:
                 path = safe_join(directory, file)
-                described = read_metadata(path)["tensors"]
+                described = backend_for(path).read_header(path)["tensors"]
             except FileNotFoundError:
                 problems.append(
                     f"{directory / file}: missing; {relpath} references it (restore it from "

@@ -48,13 +48,19 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fastckpt import _native
-from fastckpt.container.commit import IndexWriter, clean_leftovers, index_intact, prune_indices
+from fastckpt.container.commit import (
+    DirectoryWriter,
+    IndexWriter,
+    clean_leftovers,
+    index_intact,
+    prune_indices,
+)
 from fastckpt.errors import (
     CheckpointFormatError,
     ChecksumMismatchError,
@@ -116,9 +122,11 @@ class IndexCopy:
 
 @dataclass(frozen=True)
 class _Promoted:
-    """A file this process promoted: where it is in the target, and its exact version."""
+    """A file this process promoted: where it is in the target root (``container``: an
+    index number or a checkpoint name; ``relpath`` as the container's record lists it), and
+    its exact version."""
 
-    index: int
+    container: str
     relpath: str
     size: int
     crc32c: int
@@ -130,6 +138,12 @@ _PROMOTED_LOCK = threading.Lock()
 _PROMOTED: dict[str, dict[bytes, _Promoted]] = {}
 #: Files remembered per target (the newest win; older ones belong to pruned indices anyway).
 _PROMOTED_MAX = 4096
+
+#: ``listed(container, relpath)``: the record (size, crc32c) under which the target's
+#: committed ``container`` lists ``relpath`` now, or None.
+Listed = Callable[[str, str], Mapping[str, Any] | None]
+#: A promoted file: its digest, its record and the identity of what was written.
+Written = dict[str, tuple[bytes, dict[str, Any], Hashable]]
 
 
 def _target_key(root: Path) -> str:
@@ -149,32 +163,30 @@ def forget_promoted(target: str | os.PathLike[str] | None = None) -> None:
 
 
 def _reusable(
-    target: Path, manifest: Manifest, digest: bytes, record: dict[str, Any]
+    target: Path, digest: bytes, record: Mapping[str, Any], listed: Listed
 ) -> _Promoted | None:
-    """A file of a committed index of ``target`` this process wrote with the bytes whose
+    """A file of a committed container of ``target`` this process wrote with the bytes whose
     digest is ``digest`` (and the size and crc32c of ``record``), still listed there so."""
     with _PROMOTED_LOCK:
         known = _PROMOTED.get(_target_key(target), {}).get(digest)
-    if known is None or (known.size, known.crc32c) != (int(record["size"]), int(record["crc32c"])):
+    size, crc = int(record["size"]), int(record["crc32c"])
+    if known is None or (known.size, known.crc32c) != (size, crc):
         return None
-    entry = manifest.entries.get(known.index)
-    listed = None if entry is None else (entry.get("files") or {}).get(known.relpath)
-    if listed is None or (int(listed["size"]), int(listed["crc32c"])) != (known.size, known.crc32c):
+    now = listed(known.container, known.relpath)
+    if now is None or (int(now["size"]), int(now["crc32c"])) != (size, crc):
         return None
     return known
 
 
-def _remember(
-    target: Path, index: int, promoted: dict[str, tuple[bytes, dict[str, Any], Hashable]]
-) -> None:
+def _remember(target: Path, container: str, written: Written) -> None:
     with _PROMOTED_LOCK:
         known = _PROMOTED.setdefault(_target_key(target), {})
-        for relpath, (digest, record, identity) in promoted.items():
+        for relpath, (digest, record, identity) in written.items():
             if identity is None:
                 continue
             known.pop(digest, None)  # re-inserted last: the newest copy is kept longest
             known[digest] = _Promoted(
-                index, relpath, int(record["size"]), int(record["crc32c"]), identity
+                container, relpath, int(record["size"]), int(record["crc32c"]), identity
             )
         while len(known) > _PROMOTED_MAX:
             del known[next(iter(known))]
@@ -185,32 +197,81 @@ def _distinct(source: Path, target: Path) -> None:
         raise ValueError(f"{display_path(source)}: promoting a root into itself")
 
 
-def _read_verified(source: Path, index: int, relpath: str, record: dict[str, Any]) -> bytes:
-    """The bytes of ``relpath`` in index ``index`` of ``source``, proven equal to the size and
-    crc32c the source's manifest records for them."""
-    check_relpath(relpath, "file")
-    path = source / str(index) / relpath
+def read_verified(path: Path, record: Mapping[str, Any], what: str) -> bytes:
+    """The bytes of the file ``path``, proven equal to the size and crc32c its commit record
+    gives (``record``); ``what`` names the container being promoted, for messages.
+
+    Raises:
+        CheckpointFormatError: missing or unreadable (nothing is promoted).
+        ChecksumMismatchError: damaged (nothing is promoted).
+    """
     size, crc = int(record["size"]), int(record["crc32c"])
     try:
         data = backend_for(path).read_bytes(path, limit=size)
     except FileNotFoundError:
         raise CheckpointFormatError(
-            f"{display_path(path)}: missing, but {display_path(source)}'s manifest lists it in "
-            f"index {index}; that index cannot be promoted (verify the source root, promote an "
-            "intact index)"
+            f"{display_path(path)}: missing, but the commit record of {what} lists it; it "
+            "cannot be promoted (verify the source, promote an intact checkpoint)"
         ) from None
     except CheckpointFormatError as err:
-        raise CheckpointFormatError(
-            f"{err}; index {index} of {display_path(source)} cannot be promoted"
-        ) from None
+        raise CheckpointFormatError(f"{err}; {what} cannot be promoted") from None
     got = _native.crc32c(data)
     if len(data) != size or got != crc:
         raise ChecksumMismatchError(
-            f"{display_path(path)}: {len(data)} bytes with crc32c {got:08x}, but the manifest "
-            f"records {size} bytes with crc32c {crc:08x}; the file is damaged and index {index} "
+            f"{display_path(path)}: {len(data)} bytes with crc32c {got:08x}, but the commit "
+            f"record holds {size} bytes with crc32c {crc:08x}; the file is damaged and {what} "
             "was not promoted (nothing was written to the target)"
         )
     return data
+
+
+def copy_files(
+    files: Mapping[str, tuple[Path, Mapping[str, Any]]],
+    writer: DirectoryWriter,
+    target: Path,
+    listed: Listed,
+    what: str,
+) -> tuple[IndexCopy, Written]:
+    """Write ``files`` (relpath in the new container -> (source file, its record)) through
+    ``writer`` (a staging in the target root ``target``), each read and proven against its
+    record again, and stored from a file the target already holds when this process proves
+    its bytes identical (see the module docstring); then check what the writer recorded.
+
+    Returns:
+        What was transferred and reused, and the files written (by their relpath in the
+        writer's records) for :func:`remember_written`.
+    """
+    copied = reused = 0
+    written: Written = {}
+    staging = writer.staging
+    for relpath, (path, record) in files.items():
+        data = read_verified(path, record, what)
+        digest = _native.digests([memoryview(data)], _DIGEST_THREADS)[0]
+        known = _reusable(target, digest, record, listed)
+        if known is not None and staging.put_copy(
+            relpath, target / known.container / known.relpath, dict(record), known.identity
+        ):
+            reused += len(data)
+        else:
+            staging.put_bytes(relpath, data)
+            copied += len(data)
+        del data
+        written[writer.stored_relpath(relpath)] = (digest, dict(record), staging.identity(relpath))
+    recorded = writer.files
+    for relpath, (_, record, _) in written.items():
+        got = recorded.get(relpath)
+        if got is None or (got["size"], got["crc32c"]) != (record["size"], record["crc32c"]):
+            raise ChecksumMismatchError(
+                f"{display_path(writer.final / relpath)}: written as {got}, but the source "
+                f"records {record}; {what} was not promoted"
+            )
+    return IndexCopy(copied, reused), written
+
+
+def remember_written(target: Path, container: str, written: Written) -> None:
+    """After ``container`` of the root ``target`` committed with ``written``: later
+    promotions into ``target`` may store those bytes from it (see the module docstring)."""
+    _remember(target, container, written)
 
 
 def promote_index(
@@ -242,45 +303,31 @@ def promote_index(
             f"live under {SHARDED_DIR}/; promoting those is not supported yet (copy the whole "
             "root instead)"
         )
-    files: dict[str, dict[str, Any]] = dict(entry.get("files") or {})
+    what = f"index {index} of {display_path(source)}"
+    files: dict[str, tuple[Path, Mapping[str, Any]]] = {}
+    for relpath, record in (entry.get("files") or {}).items():
+        check_relpath(relpath, "file")
+        files[relpath] = (source / str(index) / relpath, record)
     # Every source file is proven before the target is touched at all (replacing an index on
-    # an object store withdraws it first), holding one file at a time; the copy pass below
-    # reads and proves each file again as it writes it.
-    for relpath, record in files.items():
-        _read_verified(source, index, relpath, record)
-    copied = reused = 0
+    # an object store withdraws it first), holding one file at a time; the copy pass reads
+    # and proves each file again as it writes it.
+    for path, record in files.values():
+        read_verified(path, record, what)
     writer = IndexWriter(target, index)
-    promoted: dict[str, tuple[bytes, dict[str, Any], Hashable]] = {}
     try:
         held = Manifest.load(target)
-        for relpath, record in files.items():
-            staging = writer.staging
-            data = _read_verified(source, index, relpath, record)
-            digest = _native.digests([memoryview(data)], _DIGEST_THREADS)[0]
-            known = _reusable(target, held, digest, record)
-            if known is not None and staging.put_copy(
-                relpath, target / str(known.index) / known.relpath, record, known.identity
-            ):
-                reused += len(data)
-            else:
-                staging.put_bytes(relpath, data)
-                copied += len(data)
-            del data
-            promoted[relpath] = (digest, record, staging.identity(relpath))
-        written = writer.files
-        for relpath, record in files.items():
-            got = written.get(relpath)
-            if got is None or (got["size"], got["crc32c"]) != (record["size"], record["crc32c"]):
-                raise ChecksumMismatchError(
-                    f"{display_path(target / str(index) / relpath)}: written as {got}, but "
-                    f"the source records {record}; index {index} was not promoted"
-                )
+
+        def listed(container: str, relpath: str) -> Mapping[str, Any] | None:
+            held_entry = held.entries.get(int(container))
+            return None if held_entry is None else (held_entry.get("files") or {}).get(relpath)
+
+        done, written = copy_files(files, writer, target, listed, what)
     except BaseException:
         writer.abort()
         raise
     writer.commit_entry({key: value for key, value in entry.items() if key != "files"})
-    _remember(target, index, promoted)
-    return IndexCopy(copied, reused)
+    _remember(target, str(index), written)
+    return done
 
 
 def _clean(root: Path) -> None:
@@ -398,7 +445,7 @@ class Promoter:
         self.every, self.keep_last, self.strict = every, keep_last, strict
         self.on_error = on_error
         #: The indices promoted so far by this promoter, in order.
-        self.promoted: list[int] = []
+        self.promoted: list[int | str] = []
         #: The target's newest committed index after the last successful run (None before).
         self.target_newest: int | None = None
         #: The last attempt's failure (None after a success).
@@ -489,12 +536,20 @@ class Promoter:
                     self._running = False
                     self._wake.notify_all()
 
+    def _attempt(self) -> None:
+        """One promotion run: :func:`promote`, then the target's retention (raises what
+        fails)."""
+        report = promote(self.source, self.target, every=self.every, newest=False)
+        if self.keep_last is not None and report.promoted:
+            # prune_indices never deletes the newest index that verifies.
+            prune_indices(self.target, self.keep_last)
+        self.promoted.extend(report.promoted)
+        if report.newest is not None:
+            self.target_newest = report.newest
+
     def _promote_once(self) -> None:
         try:
-            report = promote(self.source, self.target, every=self.every, newest=False)
-            if self.keep_last is not None and report.promoted:
-                # prune_indices never deletes the newest index that verifies.
-                prune_indices(self.target, self.keep_last)
+            self._attempt()
         except Exception as err:  # reported, retried by the next submission
             error = PromotionError(
                 f"promoting {display_path(self.source)} to {display_path(self.target)} failed: "
@@ -511,9 +566,6 @@ class Promoter:
                 except Exception:
                     _LOG.exception("the on_error callback of the promotion failed")
             return
-        self.promoted.extend(report.promoted)
-        if report.newest is not None:
-            self.target_newest = report.newest
         self.error = None
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -37,6 +38,13 @@ import torch
 from fastckpt.container.background import BackgroundWriter
 from fastckpt.container.commit import DirectoryWriter
 from fastckpt.container.links import Reference, read_item
+from fastckpt.container.promote_checkpoints import (
+    CheckpointPromoter,
+    NearestCheckpoint,
+    committed_checkpoints,
+    nearest_intact_checkpoint,
+    prune_checkpoints,
+)
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.errors import (
     CheckpointFormatError,
@@ -73,6 +81,7 @@ from fastckpt.manager.config import (
     LocalFileSystemStorageConfig,
     StrictConfig,
     SyncCheckpointSaverConfig,
+    TiersConfig,
 )
 from fastckpt.manager.incremental import LinkPlan, Tracker
 from fastckpt.manager.load import plan_direct_read
@@ -89,6 +98,7 @@ __all__ = [
     "ItemSpec",
     "LocalFileSystemStorageConfig",
     "SyncCheckpointSaverConfig",
+    "TiersConfig",
 ]
 
 
@@ -129,6 +139,10 @@ class _ManagerConfig(StrictConfig):
             this process uploading them. ``False`` writes every tensor of every save.
             DTensor state is always written in full (under a process group each rank links
             its own file).
+        tiers: :class:`TiersConfig`: every save goes to a fast tier, every N-th is promoted
+            to a durable one in the background, and :meth:`CheckpointManager.load_latest`
+            restores the newest intact copy (docs/tiers.md). None (default): one tier, the
+            checkpoint ids as given.
     """
 
     items: dict[str, ItemSpec] = field(default_factory=dict)
@@ -143,9 +157,11 @@ class _ManagerConfig(StrictConfig):
     pre_finalize_callback: Callable[..., None] | None = None
     finalize_callback: Callable[..., None] | None = None
     incremental: bool = True
+    tiers: TiersConfig | None = None
 
     def _check(self, name: str, value: Any) -> None:
         expected: dict[str, tuple[type, ...]] = {
+            "tiers": (TiersConfig, type(None)),
             "save": (AsyncCheckpointSaverConfig, SyncCheckpointSaverConfig),
             "load": (CheckpointLoaderConfig,),
             "storage_config": (LocalFileSystemStorageConfig, type(None)),
@@ -281,6 +297,108 @@ class CheckpointManager:
         )
         self._tracker = Tracker()
         self._closed = False
+        #: Where :meth:`load_latest` restored from (None before it ran).
+        self.restored_from: NearestCheckpoint | None = None
+        self._tiers: tuple[Path, Path] | None = None
+        self._promoter: CheckpointPromoter | None = None
+        self._saves = 0  # saves committed by this manager (tiers: which ones are promoted)
+        if self.config.tiers is not None:
+            self._start_tiers(self.config.tiers)
+
+    def _start_tiers(self, tiers: TiersConfig) -> None:
+        """Check the tiers, start their promoter, and (the saving rank) queue the fast
+        tier's newest checkpoint: a promotion a killed process left unfinished is finished
+        in the background (one the durable tier already holds is not copied again)."""
+        fast, durable = tiers.roots()
+        if tiers.durable_storage_options is not None:
+            use_storage_options(durable, tiers.durable_storage_options, "TiersConfig")
+        self._tiers = (fast, durable)
+        self._promoter = CheckpointPromoter(
+            fast,
+            durable,
+            keep_last=tiers.durable_keep_last,
+            strict=tiers.strict,
+            on_error=tiers.on_error,
+        )
+        if self._dist.rank == 0:
+            names = committed_checkpoints(fast)
+            if names:
+                self._promoter.submit_checkpoint(names[-1])
+
+    @property
+    def promoter(self) -> CheckpointPromoter | None:
+        """The background promotion to the durable tier (None without tiers)."""
+        return self._promoter
+
+    @property
+    def promotion_healthy(self) -> bool:
+        """False while the last promotion to the durable tier failed (True without tiers)."""
+        return self._promoter is None or self._promoter.healthy
+
+    def _tier_path(self, checkpoint_id: str | Path) -> Path:
+        """Where ``checkpoint_id`` is saved: as given, or with tiers ``fast/<name>``."""
+        if self._tiers is None:
+            return Path(checkpoint_id)
+        fast = self._tiers[0]
+        path = Path(checkpoint_id)
+        if len(path.parts) == 1 and not path.is_absolute():
+            return fast / path
+        if os.path.abspath(path.parent) == os.path.abspath(fast):
+            return path
+        raise ValueError(
+            f"{checkpoint_id}: with tiers, save takes a checkpoint name (e.g. 'step_100') or a "
+            f"path directly inside the fast tier {display_path(fast)}"
+        )
+
+    def _promote_due(self, path: Path) -> None:
+        """After a save committed ``path`` (tiers, the saving rank): queue it for promotion
+        when due, then apply the fast tier's retention (sparing what waits for promotion)."""
+        tiers, promoter = self.config.tiers, self._promoter
+        if tiers is None or promoter is None or self._dist.rank != 0:
+            return
+        due = self._saves % tiers.promote_every == 0
+        self._saves += 1
+        if due:
+            promoter.submit_checkpoint(path.name)
+        if tiers.keep_last is not None:
+            spare = {path.name, *promoter.queued()}
+            prune_checkpoints(path.parent, tiers.keep_last, spare=spare)
+
+    def latest(self) -> NearestCheckpoint:
+        """The newest checkpoint that verifies on the tiers (the fast tier first; the
+        durable one when the fast copy is gone or damaged), with what was passed over.
+
+        Raises:
+            ValueError: the manager has no tiers (``Config.tiers``).
+            NotCommittedError: no tier holds an intact checkpoint (says what was skipped).
+        """
+        if self._tiers is None:
+            raise ValueError(
+                "CheckpointManager.latest needs Config.tiers (without tiers, checkpoint ids "
+                "are yours to order: load one by its id)"
+            )
+        return nearest_intact_checkpoint(self._tiers)
+
+    def load_latest(
+        self,
+        into: Mapping[str, Any] | None = None,
+        *,
+        map_location: str | torch.device | None = None,
+        strict: bool = False,
+    ) -> dict[str, Any]:
+        """:meth:`load` the checkpoint :meth:`latest` picks; where it came from is kept in
+        :attr:`restored_from` and logged (a warning when a newer copy was skipped).
+
+        Raises:
+            what :meth:`latest` and :meth:`load` raise.
+        """
+        self._check_open("load")
+        nearest = self.latest()
+        log = _LOGGER.warning if nearest.skipped else _LOGGER.info
+        log("%s", nearest.describe())
+        result = self.load(nearest.path, into, map_location=map_location, strict=strict)
+        self.restored_from = nearest
+        return result
 
     # ------------------------------------------------------------------ context manager
 
@@ -344,10 +462,11 @@ class CheckpointManager:
                 not the previous save or with ``Config.incremental`` False (nothing written).
         """
         self._check_open("save")
-        use_storage_options(checkpoint_id, self._storage_options, "CheckpointManager.save")
+        path = self._tier_path(checkpoint_id)
+        if self._tiers is None:
+            use_storage_options(checkpoint_id, self._storage_options, "CheckpointManager.save")
         if self._writer is not None:
             self._writer.collect()
-        path = Path(checkpoint_id)
         check_name(path.name, "checkpoint directory name")
         prepared: dict[str, Any] = {}
         for key, value in state.items():
@@ -364,6 +483,11 @@ class CheckpointManager:
         if base is not None:
             self._tracker.base_for(path, base)  # raises before anything is captured
         if _sharded_state(prepared):
+            if self._tiers is not None:
+                raise ValueError(
+                    "Config.tiers: promoting sharded (DTensor) checkpoints is not supported "
+                    "yet; save them straight to the durable root without tiers"
+                )
             self._tracker.forget()
             if self.config.pre_finalize_callback is not None:
                 raise ValueError(
@@ -399,6 +523,7 @@ class CheckpointManager:
             finally:
                 if snapshot.plan is not None:
                     snapshot.plan.close()
+            self._promote_due(path)
             self._finalize(snapshot.checkpoint_id)
             return None
 
@@ -425,6 +550,7 @@ class CheckpointManager:
             finally:
                 if snapshot.plan is not None:
                     snapshot.plan.close()
+            self._promote_due(path)
             self._finalize(snapshot.checkpoint_id)
 
         future = self._writer.submit(
@@ -744,6 +870,8 @@ class CheckpointManager:
                 self._writer.close()
         finally:
             self._tracker.forget()  # releases the storages held for the next save
+            if self._promoter is not None:
+                self._promoter.close()  # the last promotion's failure: PromotionError
 
 
 def _sharded_state(state: Mapping[str, Any]) -> bool:

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from fastckpt.io.files import DEFAULT_WRITE_THREADS
 from fastckpt.storage.backend import TEMP_PREFIX
+from fastckpt.storage.registry import display_path, is_object_url
 
 __all__ = [
     "AsyncCheckpointSaverConfig",
@@ -38,6 +41,7 @@ __all__ = [
     "LocalFileSystemStorageConfig",
     "StrictConfig",
     "SyncCheckpointSaverConfig",
+    "TiersConfig",
 ]
 
 DEFAULT_WAIT_TIMEOUT_SECS = 600
@@ -310,3 +314,85 @@ class LocalFileSystemStorageConfig(StrictConfig):
             return
         if value is not None:
             self._need_bool(name, value)
+
+
+@dataclass
+class TiersConfig(StrictConfig):
+    """A fast tier that takes every checkpoint and a durable tier that takes every N-th,
+    promoted in the background (``CheckpointManager.Config.tiers``; see docs/tiers.md).
+
+    With tiers, ``save(checkpoint_id, ...)`` takes a checkpoint *name* (``"step_100"``, or a
+    path directly inside ``fast``): the checkpoint is written to ``fast/<name>`` and, when
+    due, copied to ``durable/<name>`` as a committed checkpoint on a background thread.
+    :meth:`CheckpointManager.latest` / :meth:`CheckpointManager.load_latest` restore the
+    newest checkpoint that verifies on either tier, the fast one first.
+
+    Attributes:
+        fast: the fast tier root: node-local disk, or a ``/dev/shm`` directory for a RAM tier
+            that survives a crash of the training process (a local path).
+        durable: the durable tier root: a shared filesystem or ``s3://bucket/prefix``.
+        promote_every: promote every N-th save of this manager (the first save of a process
+            is promoted, then every N-th after it); default 1: every save.
+        keep_last: keep the newest N checkpoints on the fast tier (None: all). A checkpoint
+            still waiting for its promotion, and the newest one that verifies, are never
+            deleted.
+        durable_keep_last: keep the newest N checkpoints on the durable tier (None: all);
+            the newest one that verifies is never deleted.
+        strict: a failed promotion raises :class:`~fastckpt.errors.PromotionError` at the
+            next save; by default it is reported (a warning, ``on_error``,
+            ``CheckpointManager.promotion_healthy``), retried with the next promotion, and
+            raised by ``close``.
+        on_error: called with each failed promotion's ``PromotionError`` (on the promotion
+            thread).
+        durable_storage_options: object-store client options for an ``s3://`` durable tier
+            (as for :func:`fastckpt.configure_storage`); None: the AWS environment.
+    """
+
+    fast: str | os.PathLike[str] | None = None
+    durable: str | os.PathLike[str] | None = None
+    promote_every: int = 1
+    keep_last: int | None = None
+    durable_keep_last: int | None = None
+    strict: bool = False
+    on_error: Callable[..., object] | None = None
+    durable_storage_options: Mapping[str, Any] | None = None
+
+    def _check(self, name: str, value: Any) -> None:
+        if name in ("fast", "durable"):
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise TypeError(f"TiersConfig.{name} must be a path, got {value!r}")
+        elif name in ("promote_every", "keep_last", "durable_keep_last"):
+            if value is None and name != "promote_every":
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise self._fail(name, f"must be a positive integer, got {value!r}")
+        elif name == "strict":
+            self._need_bool(name, value)
+        elif name == "on_error" and value is not None and not callable(value):
+            raise TypeError(f"TiersConfig.on_error must be callable or None, got {value!r}")
+        elif name == "durable_storage_options" and value is not None:
+            from fastckpt.storage.s3.config import S3Options  # deferred: the S3 client
+
+            if not isinstance(value, Mapping):
+                raise TypeError(
+                    f"TiersConfig.durable_storage_options must be a mapping, got {value!r}"
+                )
+            S3Options.from_mapping(value)  # unknown keys / bad values fail here
+
+    def roots(self) -> tuple[Path, Path]:
+        """``(fast, durable)`` as paths.
+
+        Raises:
+            ValueError: one is missing, or the fast tier is not a local path.
+        """
+        if self.fast is None or self.durable is None:
+            raise ValueError("TiersConfig needs both fast= and durable= roots")
+        fast, durable = Path(self.fast), Path(self.durable)
+        if is_object_url(fast):
+            raise ValueError(
+                f"TiersConfig.fast must be a local directory (node-local disk or /dev/shm), "
+                f"got {display_path(fast)}"
+            )
+        if os.path.abspath(fast) == os.path.abspath(durable):
+            raise ValueError(f"TiersConfig: fast and durable are both {display_path(fast)}")
+        return fast, durable

@@ -1,0 +1,333 @@
+"""Tiers of CheckpointManager checkpoints: a fast root of checkpoint directories whose
+checkpoints are promoted to a durable root.
+
+A *tier root* is a directory (or ``s3://`` prefix) holding CheckpointManager checkpoints as
+its children (``ROOT/step_100/commit.json`` ...). :func:`promote_checkpoint` copies one of
+them to another tier root under the same name as a committed checkpoint, through the same
+protocol as :func:`fastckpt.container.promote.promote_index`: every file the source's commit
+record lists is proven against its size and crc32c before the target is touched, written
+durably under a name no other save uses (a temporary sibling locally, a fresh generation on an
+object store), proven again, and the commit record is written last. Files this process
+promoted before and proves identical by their BLAKE3 digest are stored by the target from
+what it holds (a hard link, a server-side copy: see :mod:`fastckpt.container.promote`).
+
+The order of a tier's checkpoints ("newest") is the modification time of their commit
+records, which is when each was committed there (then the name). Checkpoints are removed
+commit record first (:func:`remove_checkpoint`), so a process killed while removing one never
+leaves a commit record naming missing files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastckpt import _native
+from fastckpt.container.commit import DirectoryWriter
+from fastckpt.container.promote import (
+    IndexCopy,
+    Promoter,
+    copy_files,
+    read_verified,
+    remember_written,
+)
+from fastckpt.container.verify import verify
+from fastckpt.errors import FastCkptError, NotCommittedError
+from fastckpt.format.records import (
+    COMMIT_RECORD,
+    SHARDED_RECORD,
+    commit_record,
+    read_commit_record,
+)
+from fastckpt.io.paths import check_name, check_relpath
+from fastckpt.storage.registry import backend_for, display_path, is_local
+
+__all__ = [
+    "CheckpointPromoter",
+    "NearestCheckpoint",
+    "committed_checkpoints",
+    "nearest_intact_checkpoint",
+    "promote_checkpoint",
+    "prune_checkpoints",
+    "remove_checkpoint",
+]
+
+_LOG = logging.getLogger(__name__)
+
+
+def committed_checkpoints(root: str | os.PathLike[str]) -> list[str]:
+    """The names of the committed CheckpointManager checkpoints in the tier root ``root``,
+    oldest first (by when their commit records were written, then by name); a root that does
+    not exist has none. Sharded (DCP) checkpoints are not listed."""
+    root = Path(root)
+    backend = backend_for(root)
+    found: list[tuple[float, str]] = []
+    for name in backend.list_dir(root):
+        if name.startswith("."):
+            continue  # staging areas, trash, locks
+        try:
+            info = backend.stat(root / name / COMMIT_RECORD)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if info.regular:
+            found.append((info.modified or 0.0, name))
+    return [name for _, name in sorted(found)]
+
+
+def _stripped(record: Mapping[str, Any], relpath: str) -> str:
+    """``relpath`` of a commit record without its generation prefix (object stores)."""
+    generation = record.get("generation")
+    if isinstance(generation, str) and relpath.startswith(f"{generation}/"):
+        return relpath[len(generation) + 1 :]
+    return relpath
+
+
+def promote_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> IndexCopy:
+    """Copy the committed CheckpointManager checkpoint ``source`` to ``target`` (a
+    directory or ``s3://`` prefix; replaced atomically if it exists) as a committed
+    checkpoint; see the module docstring. Returns the bytes transferred and reused.
+
+    Raises:
+        FileNotFoundError: ``source`` is not a committed checkpoint.
+        ChecksumMismatchError / CheckpointFormatError: a source file is damaged or missing
+            (named); the target is untouched.
+        ValueError: ``source`` is a sharded (DCP) checkpoint (not promotable yet), or is
+            ``target``.
+    """
+    source, target = Path(source), Path(target)
+    if os.path.abspath(source) == os.path.abspath(target):
+        raise ValueError(f"{display_path(source)}: promoting a checkpoint onto itself")
+    check_name(target.name, "checkpoint directory name")
+    if backend_for(source).exists(source / SHARDED_RECORD):
+        raise ValueError(
+            f"{display_path(source)}: a sharded (DCP) checkpoint; promoting those is not "
+            "supported yet (save it straight to the durable tier)"
+        )
+    record = read_commit_record(source)
+    what = f"checkpoint {display_path(source)}"
+    files: dict[str, tuple[Path, Mapping[str, Any]]] = {}
+    for relpath, file_record in record["files"].items():
+        check_relpath(relpath, "file")
+        files[_stripped(record, relpath)] = (source / relpath, file_record)
+    for path, file_record in files.values():  # proven before the target is touched
+        read_verified(path, file_record, what)
+    root = target.parent
+    writer = DirectoryWriter(target)
+    held: dict[str, Mapping[str, Any] | None] = {}
+
+    def listed(container: str, relpath: str) -> Mapping[str, Any] | None:
+        if container not in held:
+            try:
+                held[container] = read_commit_record(root / container)["files"]
+            except (OSError, FastCkptError):
+                held[container] = None
+        files_there = held[container]
+        return None if files_there is None else files_there.get(relpath)
+
+    try:
+        done, written = copy_files(files, writer, root, listed, what)
+        refs = {
+            writer.stored_relpath(_stripped(record, relpath)): {
+                name: {**ref, "file": writer.stored_relpath(_stripped(record, ref["file"]))}
+                for name, ref in names.items()
+            }
+            for relpath, names in (record.get("refs") or {}).items()
+        }
+        document = commit_record(list(record["items"]), writer.files, record["world_size"], refs)
+        writer.add_json(COMMIT_RECORD, document)
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    remember_written(root, target.name, written)
+    return done
+
+
+def _same_files(source: Path, target: Path) -> bool:
+    """Whether ``target`` is committed with the files (names, sizes, crc32c) of ``source``."""
+
+    def files(path: Path) -> dict[str, tuple[int, int]] | None:
+        try:
+            record = read_commit_record(path)
+        except (OSError, FastCkptError):
+            return None
+        return {
+            _stripped(record, relpath): (int(r["size"]), int(r["crc32c"]))
+            for relpath, r in record["files"].items()
+        }
+
+    held = files(target)
+    return held is not None and held == files(source)
+
+
+def remove_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Delete the checkpoint directory ``path``, its commit record first (durably), so a
+    process killed meanwhile leaves an uncommitted directory, never a commit record naming
+    missing files. Nothing there is fine."""
+    path = Path(path)
+    backend = backend_for(path)
+    backend.delete(path / COMMIT_RECORD)
+    if is_local(backend) and os.path.isdir(path):
+        _native.fsync_dir(str(path))
+    backend.delete(path)
+
+
+def _problem(path: Path) -> str | None:
+    """Why the checkpoint ``path`` does not verify (None: every file does)."""
+    try:
+        report = verify(path)
+    except (OSError, FastCkptError) as err:
+        return str(err)
+    failures = report.failures
+    return None if not failures else failures[0].message or failures[0].status
+
+
+def prune_checkpoints(
+    root: str | os.PathLike[str], keep_last: int, *, spare: Collection[str] = ()
+) -> list[str]:
+    """Delete all but the newest ``keep_last`` committed checkpoints of the tier root
+    ``root`` (:func:`committed_checkpoints` order), never one named in ``spare`` and never
+    the newest one that verifies: the kept ones are verified newest first, and when none of
+    them does, the newest older one that verifies is kept too. Returns the deleted names.
+
+    Raises:
+        ValueError: ``keep_last < 1``.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the newest is never deleted), got {keep_last}")
+    root = Path(root)
+    names = committed_checkpoints(root)
+    doomed = [name for name in names[:-keep_last] if name not in spare]
+    if not doomed:
+        return []
+    kept = [name for name in names if name not in doomed]
+    if all(_problem(root / name) is not None for name in reversed(kept)):
+        for name in reversed(doomed):
+            if _problem(root / name) is None:
+                _LOG.warning(
+                    "%s: no newer checkpoint verifies; keeping %s", display_path(root), name
+                )
+                doomed.remove(name)
+                break
+    for name in doomed:
+        remove_checkpoint(root / name)
+    return doomed
+
+
+@dataclass
+class NearestCheckpoint:
+    """Where :func:`nearest_intact_checkpoint` found the checkpoint to restore.
+
+    Attributes:
+        path: the checkpoint directory.
+        tier: the tier root holding it.
+        name: its name (the same on every tier: promotion keeps it).
+        skipped: ``"<path>: <why>"`` for every newer copy that did not verify and every
+            tier that could not be read.
+    """
+
+    path: Path
+    tier: Path
+    name: str
+    skipped: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """One line: which copy, and what was passed over."""
+        text = f"restoring {self.name} from {display_path(self.tier)}"
+        return text + (f" (skipped: {'; '.join(self.skipped)})" if self.skipped else "")
+
+
+def nearest_intact_checkpoint(
+    tiers: Sequence[str | os.PathLike[str]], name: str | None = None
+) -> NearestCheckpoint:
+    """The copy to restore from the tier roots ``tiers`` (fastest first): the newest
+    checkpoint that verifies (every file against its commit record, linked files included)
+    on any tier, taken from the first tier that holds it intact; with ``name``, that
+    checkpoint from the first tier holding it intact. "Newest" follows the first tier that
+    holds the checkpoint (the fast tier saw every save; a durable tier a subset, in order).
+
+    Raises:
+        NotCommittedError: no tier holds an intact copy; the message lists what was passed
+            over and why.
+    """
+    skipped: list[str] = []
+    listings: list[tuple[Path, list[str]]] = []
+    for tier in (Path(t) for t in tiers):
+        try:
+            listings.append((tier, committed_checkpoints(tier)))
+        except (OSError, FastCkptError) as err:
+            skipped.append(f"{display_path(tier)}: {err}")
+    # Newest first: a tier's own order, the faster tier's first.
+    order: list[str] = []
+    for _, names in listings:
+        for candidate in reversed(names):
+            if candidate not in order:
+                order.append(candidate)
+    if name is not None:
+        order = [name] if name in order else []
+    for candidate in order:
+        for tier, names in listings:
+            if candidate not in names:
+                continue
+            problem = _problem(tier / candidate)
+            if problem is None:
+                return NearestCheckpoint(tier / candidate, tier, candidate, skipped)
+            skipped.append(f"{display_path(tier / candidate)}: {problem}")
+    what = "checkpoint" if name is None else f"copy of {name}"
+    roots = ", ".join(display_path(Path(t)) for t in tiers)
+    raise NotCommittedError(
+        f"no intact {what} in {roots}" + (f" (skipped: {'; '.join(skipped)})" if skipped else "")
+    )
+
+
+class CheckpointPromoter(Promoter):
+    """:class:`~fastckpt.container.promote.Promoter` for tier roots of CheckpointManager
+    checkpoints: :meth:`submit_checkpoint` after a checkpoint of ``source`` committed; the
+    background thread promotes the queued names in order (a failed one stays queued for the
+    next attempt), then keeps the newest ``keep_last`` checkpoints of ``target``
+    (:func:`prune_checkpoints`). Failures are reported as the base class reports them.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """As :class:`~fastckpt.container.promote.Promoter` (``every`` is the caller's to
+        apply: it decides which saves it submits)."""
+        super().__init__(*args, **kwargs)
+        self._queue: list[str] = []
+
+    def submit_checkpoint(self, name: str) -> None:
+        """Queue the checkpoint ``name`` of ``source`` for promotion; returns at once.
+
+        Raises:
+            PromotionError: ``strict`` and the previous attempt failed.
+        """
+        check_name(name, "checkpoint directory name")
+        with self._lock:
+            if name not in self._queue:
+                self._queue.append(name)
+        self.submit()
+
+    def queued(self) -> list[str]:
+        """The names waiting for promotion (kept by the fast tier's retention)."""
+        with self._lock:
+            return list(self._queue)
+
+    def _attempt(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    break
+                name = self._queue[0]
+            source = self.source / name
+            if not backend_for(source).exists(source / COMMIT_RECORD):
+                _LOG.warning("%s: removed before it was promoted", display_path(source))
+            elif not _same_files(source, self.target / name):
+                promote_checkpoint(source, self.target / name)
+                self.promoted.append(name)
+            with self._lock:
+                self._queue.remove(name)
+        if self.keep_last is not None:
+            prune_checkpoints(self.target, self.keep_last)

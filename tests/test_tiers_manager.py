@@ -1,0 +1,253 @@
+"""CheckpointManager tiers: every save to a fast root of checkpoints, every N-th promoted to a
+durable root in the background, and restores from the newest intact copy across the tiers.
+
+Real files with fsync, a real moto server for ``s3://`` durable tiers (stopped for the
+failure case), fresh processes for the bitwise loads.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.container.promote import forget_promoted
+from fastckpt.container.promote_checkpoints import (
+    committed_checkpoints,
+    promote_checkpoint,
+    prune_checkpoints,
+)
+from fastckpt.errors import ChecksumMismatchError, NotCommittedError, PromotionError
+from fastckpt.manager import CheckpointManager, TiersConfig
+from s3_support import S3Server, s3_server
+
+__all__ = ["s3_server"]  # a fixture used by name below
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 16))
+    model[0].requires_grad_(False)  # frozen: kept as linked files by incremental saves
+    return model
+
+
+def _train(model: torch.nn.Sequential, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(8, 256)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _manager(tiers: TiersConfig, *, async_save: bool = False) -> CheckpointManager:
+    config = (
+        CheckpointManager.Config.with_async_save()
+        if async_save
+        else CheckpointManager.Config.with_sync_save()
+    )
+    config.tiers = tiers
+    return CheckpointManager(config)
+
+
+def _run(manager: CheckpointManager, saves: int) -> list[dict[str, torch.Tensor]]:
+    """``saves`` saves named step_0, step_1, ...; returns each save's weights."""
+    model = _model()
+    optimizer = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    states = []
+    for step in range(saves):
+        _train(model, optimizer)
+        future = manager.save(f"step_{step}", {"model": model, "step": step})
+        if future is not None:
+            future.result()
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    return states
+
+
+def _weights(loaded: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return dict(loaded["model"])
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_every_nth_save_is_promoted_each_tier_keeps_its_own_and_a_fresh_process_loads_it(
+    tmp_path: Path, async_save: bool
+) -> None:
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    forget_promoted()
+    tiers = TiersConfig(
+        fast=fast, durable=durable, promote_every=2, keep_last=2, durable_keep_last=2
+    )
+    with _manager(tiers, async_save=async_save) as manager:
+        states = _run(manager, 6)
+    assert manager.promotion_healthy
+    assert committed_checkpoints(fast) == ["step_4", "step_5"]
+    # Saves 0, 2 and 4 were promoted; the durable tier keeps its newest two.
+    assert committed_checkpoints(durable) == ["step_2", "step_4"]
+    assert fastckpt.verify(durable / "step_4").ok
+    # The frozen layer's file was not copied again: a hard link inside the durable tier.
+    linked = [p for p in (durable / "step_4").rglob("*.safetensors") if "linked" in p.parts]
+    assert linked and all(os.stat(p).st_nlink >= 2 for p in linked)
+    # A fresh process loads the durable copy bitwise (the fast tier deleted first).
+    shutil.rmtree(fast)
+    torch.save(states[4], tmp_path / "want.pt")
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from fastckpt.manager import CheckpointManager
+        manager = CheckpointManager(CheckpointManager.Config.with_sync_save())
+        got = dict(manager.load({str(durable / "step_4")!r})["model"])
+        want = torch.load({str(tmp_path / "want.pt")!r})
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        print("bitwise")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "bitwise"
+
+
+def test_load_latest_takes_the_newest_intact_copy_and_says_which(tmp_path: Path) -> None:
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    tiers = TiersConfig(fast=fast, durable=durable, promote_every=2)
+    with _manager(tiers) as manager:
+        states = _run(manager, 4)  # step_0 and step_2 promoted
+        assert manager.latest().path == fast / "step_3"
+        assert _equal(_weights(manager.load_latest()), states[3])
+        assert manager.restored_from is not None and manager.restored_from.skipped == []
+        # The fast tier's newest copy rots: the next intact one is fast's step_2.
+        _flip_last_byte(fast / "step_3" / "model.safetensors")
+        assert _equal(_weights(manager.load_latest()), states[2])
+        where = manager.restored_from
+        assert where is not None and where.path == fast / "step_2"
+        assert len(where.skipped) == 1 and "step_3" in where.skipped[0]
+        # Its copy of step_2 rots too: the durable copy of step_2.
+        _flip_last_byte(fast / "step_2" / "model.safetensors")
+        assert _equal(_weights(manager.load_latest()), states[2])
+        assert manager.restored_from is not None
+        assert manager.restored_from.path == durable / "step_2"
+        assert "restoring step_2 from" in manager.restored_from.describe()
+        # A new node: no fast tier at all.
+        shutil.rmtree(fast)
+        assert _equal(_weights(manager.load_latest()), states[2])
+        # Nothing intact anywhere: a typed error naming what was passed over.
+        _flip_last_byte(durable / "step_2" / "model.safetensors")
+        _flip_last_byte(durable / "step_0" / "model.safetensors")
+        with pytest.raises(NotCommittedError, match="no intact checkpoint"):
+            manager.load_latest()
+
+
+def test_retention_keeps_what_waits_for_promotion_and_the_newest_intact(tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    tiers = TiersConfig(fast=root, durable=tmp_path / "other")
+    with _manager(tiers) as manager:
+        _run(manager, 4)
+    assert committed_checkpoints(root) == ["step_0", "step_1", "step_2", "step_3"]
+    # Spared by name whatever its age.
+    assert prune_checkpoints(root, 1, spare={"step_0"}) == ["step_1", "step_2"]
+    assert committed_checkpoints(root) == ["step_0", "step_3"]
+    # The newest does not verify: the newest older one that does is kept as well.
+    _flip_last_byte(root / "step_3" / "model.safetensors")
+    assert prune_checkpoints(root, 1) == []
+    assert committed_checkpoints(root) == ["step_0", "step_3"]
+
+
+def test_a_damaged_source_is_refused_and_the_target_untouched(tmp_path: Path) -> None:
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    tiers = TiersConfig(fast=fast, durable=tmp_path / "unused")
+    with _manager(tiers) as manager:
+        _run(manager, 2)
+    promote_checkpoint(fast / "step_0", durable / "step_0")
+    _flip_last_byte(fast / "step_1" / "model.safetensors")
+    with pytest.raises(ChecksumMismatchError, match=r"model\.safetensors"):
+        promote_checkpoint(fast / "step_1", durable / "step_1")
+    assert committed_checkpoints(durable) == ["step_0"]
+    assert sorted(p.name for p in durable.iterdir()) == ["step_0"]
+
+
+def test_a_stopped_durable_server_costs_the_saves_nothing_and_is_reported(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    fast, durable = tmp_path / "fast", s3_server.url("manager-stopped")
+    options = s3_server.options(max_retries=0, retry_timeout_s=1.0, connect_timeout_s=1.0)
+    errors: list[tuple[PromotionError, bool]] = []
+    manager: CheckpointManager
+
+    def report(error: PromotionError) -> None:
+        errors.append((error, manager.promotion_healthy))
+
+    tiers = TiersConfig(
+        fast=fast, durable=durable, keep_last=1, on_error=report, durable_storage_options=options
+    )
+    manager = _manager(tiers)
+    s3_server.stop()
+    try:
+        with pytest.warns(RuntimeWarning, match="training goes on"):
+            states = _run(manager, 3)
+            manager.promoter.wait()  # type: ignore[union-attr]
+        assert errors and all(isinstance(e, PromotionError) and not ok for e, ok in errors)
+        # keep_last=1, yet the newest save waiting for its promotion is kept as well.
+        assert committed_checkpoints(fast)[-1] == "step_2"
+        with pytest.raises(PromotionError, match="manager-stopped"):
+            manager.close()
+    finally:
+        s3_server.start()
+    # The next manager on these tiers finishes the promotion of the newest checkpoint.
+    with _manager(tiers) as again:
+        again.promoter.wait()  # type: ignore[union-attr]
+        assert again.promotion_healthy
+    assert committed_checkpoints(durable) == ["step_2"]
+    shutil.rmtree(fast)
+    with _manager(tiers) as restorer:
+        assert _equal(_weights(restorer.load_latest()), states[2])
+        assert restorer.restored_from is not None
+        assert str(restorer.restored_from.tier).endswith("manager-stopped")
+
+
+def test_incremental_checkpoints_promoted_to_s3_load_after_their_bases_are_gone(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    fast, durable = tmp_path / "fast", s3_server.url("manager-tiers")
+    forget_promoted()
+    tiers = TiersConfig(
+        fast=fast,
+        durable=durable,
+        durable_keep_last=1,
+        durable_storage_options=s3_server.options(),
+    )
+    with _manager(tiers, async_save=True) as manager:
+        states = _run(manager, 3)
+    assert committed_checkpoints(durable) == ["step_2"]
+    assert fastckpt.verify(f"{durable}/step_2").ok
+    shutil.rmtree(fast)
+    with _manager(tiers) as restorer:
+        assert _equal(_weights(restorer.load_latest()), states[2])
+
+
+def test_tiers_refuse_ids_outside_the_fast_tier_and_a_remote_fast_tier(tmp_path: Path) -> None:
+    tiers = TiersConfig(fast=tmp_path / "fast", durable=tmp_path / "durable")
+    with _manager(tiers) as manager, pytest.raises(ValueError, match="inside the fast tier"):
+        manager.save(tmp_path / "elsewhere" / "step_0", {"x": torch.zeros(2)})
+    with pytest.raises(ValueError, match="local directory"):
+        _manager(TiersConfig(fast="s3://bucket/fast", durable=tmp_path / "durable"))
+    with pytest.raises(ValueError, match="positive integer"):
+        TiersConfig(fast=tmp_path, durable=tmp_path / "d", promote_every=0)
+    with pytest.raises(ValueError, match=r"needs Config\.tiers"):
+        CheckpointManager(CheckpointManager.Config.with_sync_save()).latest()
