@@ -180,3 +180,44 @@ def strategy_resume() -> None:
     local, rank, _ = setup_rank()
     print(json.dumps(resume_and_compare(f"{_url()}/run", local, rank)))
     leave_process_group()
+
+
+def strategy_tiers_train() -> None:
+    """:func:`strategy_train` with two tiers: every checkpoint goes to the fast root
+    LOCAL/fast (a directory the ranks of this node share; keep_last=2) and is promoted in the
+    background to URL/tiers (durable_keep_last=2); prints the losses and the hook's health."""
+    from dcp_support import build_model
+    from sharded_ranks import Recorder, loader, shard, training_fn
+
+    local, rank, _ = setup_rank()
+    torch.manual_seed(0)
+    recorder = Recorder(local, save_at=(4, 6))
+    hook = fastckpt.CheckpointHook(
+        local / "fast",
+        step_interval=2,
+        keep_last=2,
+        durable_dir=f"{_url()}/tiers",
+        durable_keep_last=2,
+    )
+    strategy = fastckpt.TrainingStrategy(
+        shard(build_model()),
+        fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
+        training_fn=training_fn,
+        hooks=[hook, recorder],
+        num_steps=6,
+    )
+    strategy.run(loader())
+    report = {"rank": rank, "losses": recorder.losses, "healthy": hook.promotion_healthy}
+    print(json.dumps(report))
+    leave_process_group()
+
+
+def strategy_tiers_resume() -> None:
+    """``sharded_ranks.resume_and_compare`` of index 1 from the fast root LOCAL/fast (deleted
+    by the test: a new node) falling back to URL/tiers, on WORLD ranks."""
+    from sharded_ranks import resume_and_compare
+
+    local, rank, _ = setup_rank()
+    report = resume_and_compare(local / "fast", local, rank, fallback_dirs=[f"{_url()}/tiers"])
+    print(json.dumps(report))
+    leave_process_group()

@@ -211,13 +211,21 @@ def strategy_train() -> None:
     leave_process_group()
 
 
-def resume_and_compare(root: str | Path, references: Path, rank: int) -> dict[str, Any]:
-    """Rebuild the strategy from ``root``'s index 1 (step 4) with parallelize=shard on this
+def resume_and_compare(
+    root: str | Path, references: Path, rank: int, fallback_dirs: list[str] | None = None
+) -> dict[str, Any]:
+    """Rebuild the strategy from ``root``'s index 1 (step 4; from the first of
+    ``fallback_dirs`` holding it intact when ``root`` does not) with parallelize=shard on this
     process group, check the gathered state against ``references``' step-4 state (bitwise),
     train on to step 6 and compare with the step-6 one; returns the report (rank 0 compares)."""
     recorder = Recorder(references)
     strategy = fastckpt.TrainingStrategy.load_checkpoint(
-        root, 1, hooks=[recorder], training_fn=training_fn, parallelize=shard
+        root,
+        1,
+        hooks=[recorder],
+        training_fn=training_fn,
+        parallelize=shard,
+        fallback_dirs=fallback_dirs,
     )
     model, optimizer = strategy.models["main"], strategy.optimizers["main"]
     loaded = full_state(model, optimizer)
@@ -226,6 +234,9 @@ def resume_and_compare(root: str | Path, references: Path, rank: int) -> dict[st
         "sharded": strategy.sharded,
         "step": strategy.step_count,
         "lr": strategy.schedulers["main"].get_last_lr() if strategy.schedulers else None,
+        "restored_from": None
+        if strategy.restored_from is None
+        else str(strategy.restored_from.root),
     }
     strategy.run(loader())
     final = full_state(model, optimizer)

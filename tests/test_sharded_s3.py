@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -215,4 +216,55 @@ def test_a_strategy_saved_on_s3_resumes_resharded(trained: tuple[Path, str], wor
     outputs = check_ok(launch("strategy_resume", local, world, url, ranks="s3_dcp_ranks"))
     report = json.loads(outputs[0].strip().splitlines()[-1])
     assert report["sharded"] and report["step"] == 4
+    assert report["loaded_bad"] == [] and report["final_close"], report
+
+
+# --------------------------------------------------------------------------- tiers
+
+
+@pytest.fixture(scope="module")
+def tiered(
+    s3_server: S3Server, env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, str]:
+    """A 2-rank FSDP2 run whose hook saves to a local fast root and promotes every index to
+    URL/tiers (see s3_dcp_ranks.strategy_tiers_train); the fast root is then deleted."""
+    local = tmp_path_factory.mktemp("strategy-tiers")
+    url = s3_server.url(f"tiers-{os.getpid()}-{time.time_ns()}")
+    outputs = check_ok(launch("strategy_tiers_train", local, 2, url, ranks="s3_dcp_ranks"))
+    reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert reports[0]["losses"] == reports[1]["losses"]
+    assert all(report["healthy"] for report in reports)
+    # Every checkpoint went to the fast root (keep_last=2) and was promoted, each index with
+    # its sharded part: both ranks' files, the part's record, then the manifest.
+    assert [c["index"] for c in fastckpt.list_checkpoints(local / "fast")] == [1, 2]
+    assert [c["index"] for c in fastckpt.list_checkpoints(f"{url}/tiers")] == [1, 2]
+    assert fastckpt.verify(f"{url}/tiers").ok
+    return local, url
+
+
+def test_a_promoted_sharded_index_holds_every_ranks_shards_and_no_other_part(
+    s3_server: S3Server, tiered: tuple[Path, str]
+) -> None:
+    _, url = tiered
+    keys = _keys(s3_server, f"{url}/tiers")
+    assert sorted({k.split("/sharded/")[1].split("/")[0] for k in keys if "/sharded/" in k}) == [
+        "1",
+        "2",
+    ], keys
+    for index in ("1", "2"):
+        ours = [k for k in keys if f"/sharded/{index}/" in k]
+        assert len([k for k in ours if k.endswith(".safetensors")]) == 2, ours
+        assert len([k for k in ours if k.endswith(RECORD_NAME)]) == 1, ours
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_sharded_run_restores_resharded_from_the_durable_tier_when_the_fast_one_is_gone(
+    tiered: tuple[Path, str], world: int
+) -> None:
+    local, url = tiered
+    shutil.rmtree(local / "fast", ignore_errors=True)  # a new node
+    outputs = check_ok(launch("strategy_tiers_resume", local, world, url, ranks="s3_dcp_ranks"))
+    report = json.loads(outputs[0].strip().splitlines()[-1])
+    assert report["sharded"] and report["step"] == 4
+    assert report["restored_from"].endswith("/tiers"), report
     assert report["loaded_bad"] == [] and report["final_close"], report

@@ -24,22 +24,12 @@ Every index is self-contained (its unchanged tensors are hard links inside it, s
 :mod:`fastckpt.container.incremental`), so its files copy as they are; each file is held in
 memory once while it is copied.
 
-**Unchanged files are not copied again.** The copy pass takes each source file's 256-bit
-BLAKE3 digest as it reads it. This process remembers, per target root, the digest of every file it
-promoted there and the exact version it wrote (:meth:`Staging.identity
-<fastckpt.storage.backend.Staging.identity>`: the inode locally, the etag on an object store).
-A file of a later index whose digest equals a remembered one, whose remembered index is still
-committed in the target with the same size and crc32c, is stored by the target itself from that
-version (:meth:`Staging.put_copy <fastckpt.storage.backend.Staging.put_copy>`: a hard link, a
-server-side copy conditional on the etag) instead of being uploaded; a target that cannot, or
-whose file was replaced since, gets the bytes uploaded. Bytes are reused only on that proof,
-never on a size or crc32c match; a new process starts with full copies (like incremental
-saves, see :mod:`fastckpt.container.incremental`). A fast tier's incremental saves keep
-unchanged tensors in ``linked/`` files that are the very files of an earlier index, so a
-promoted index whose frozen tensors did not change uploads only what did.
+Files the target already holds (this process promoted them, and proves them identical by
+their BLAKE3 digest) are stored by the target from what it holds, a hard link or a server-side
+copy, instead of being transferred again: see :mod:`fastckpt.container.copy`.
 
-Not yet: indices of sharded (FSDP2) strategies, whose data live in the root's ``sharded/``
-parts (refused with a typed error).
+An index of a sharded (FSDP2 / TP) strategy brings its sharded part, every rank's files,
+written and committed before the index's own files: see :mod:`fastckpt.container.sharded.promote`.
 """
 
 from __future__ import annotations
@@ -48,44 +38,43 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastckpt import _native
-from fastckpt.container.commit import (
-    DirectoryWriter,
-    IndexWriter,
-    clean_leftovers,
-    index_intact,
-    prune_indices,
+from fastckpt.container.commit import IndexWriter, clean_leftovers, index_intact, prune_indices
+from fastckpt.container.copy import (
+    IndexCopy,
+    copy_files,
+    forget_promoted,
+    read_verified,
+    remember_written,
 )
+from fastckpt.container.sharded.parts import index_dir
+from fastckpt.container.sharded.promote import prove_part, write_part
 from fastckpt.errors import (
     CheckpointFormatError,
-    ChecksumMismatchError,
     FastCkptError,
     NotCommittedError,
     PromotionError,
 )
-from fastckpt.format.records import SHARDED_DIR, Manifest
+from fastckpt.format.records import Manifest
 from fastckpt.io.paths import check_relpath
-from fastckpt.storage.registry import backend_for, display_path, is_object_url
+from fastckpt.storage.registry import backend_for, display_path
 
 __all__ = [
-    "IndexCopy",
+    "IndexCopy",  # re-exported from fastckpt.container.copy
     "NearestCopy",
     "Promoter",
     "PromotionReport",
-    "forget_promoted",
+    "forget_promoted",  # re-exported from fastckpt.container.copy
     "nearest_intact",
     "promote",
     "promote_index",
 ]
 
 _LOG = logging.getLogger(__name__)
-#: Threads taking a promoted file's BLAKE3 digest.
-_DIGEST_THREADS = 4
 
 
 @dataclass
@@ -111,167 +100,9 @@ class PromotionReport:
     newest: int | None = None
 
 
-@dataclass(frozen=True)
-class IndexCopy:
-    """What :func:`promote_index` wrote: ``copied`` bytes transferred, ``reused`` bytes the
-    target stored from a file it already held (a hard link, a server-side copy)."""
-
-    copied: int
-    reused: int
-
-
-@dataclass(frozen=True)
-class _Promoted:
-    """A file this process promoted: where it is in the target root (``container``: an
-    index number or a checkpoint name; ``relpath`` as the container's record lists it), and
-    its exact version."""
-
-    container: str
-    relpath: str
-    size: int
-    crc32c: int
-    identity: Hashable
-
-
-_PROMOTED_LOCK = threading.Lock()
-#: target root -> BLAKE3 digest of a file's bytes -> the newest file promoted with them.
-_PROMOTED: dict[str, dict[bytes, _Promoted]] = {}
-#: Files remembered per target (the newest win; older ones belong to pruned indices anyway).
-_PROMOTED_MAX = 4096
-
-#: ``listed(container, relpath)``: the record (size, crc32c) under which the target's
-#: committed ``container`` lists ``relpath`` now, or None.
-Listed = Callable[[str, str], Mapping[str, Any] | None]
-#: A promoted file: its digest, its record and the identity of what was written.
-Written = dict[str, tuple[bytes, dict[str, Any], Hashable]]
-
-
-def _target_key(root: Path) -> str:
-    if is_object_url(root):
-        return display_path(root).rstrip("/")
-    return os.path.abspath(root)
-
-
-def forget_promoted(target: str | os.PathLike[str] | None = None) -> None:
-    """Forget what this process promoted into ``target`` (None: every target), so the next
-    promotion there copies every file."""
-    with _PROMOTED_LOCK:
-        if target is None:
-            _PROMOTED.clear()
-        else:
-            _PROMOTED.pop(_target_key(Path(target)), None)
-
-
-def _reusable(
-    target: Path, digest: bytes, record: Mapping[str, Any], listed: Listed
-) -> _Promoted | None:
-    """A file of a committed container of ``target`` this process wrote with the bytes whose
-    digest is ``digest`` (and the size and crc32c of ``record``), still listed there so."""
-    with _PROMOTED_LOCK:
-        known = _PROMOTED.get(_target_key(target), {}).get(digest)
-    size, crc = int(record["size"]), int(record["crc32c"])
-    if known is None or (known.size, known.crc32c) != (size, crc):
-        return None
-    now = listed(known.container, known.relpath)
-    if now is None or (int(now["size"]), int(now["crc32c"])) != (size, crc):
-        return None
-    return known
-
-
-def _remember(target: Path, container: str, written: Written) -> None:
-    with _PROMOTED_LOCK:
-        known = _PROMOTED.setdefault(_target_key(target), {})
-        for relpath, (digest, record, identity) in written.items():
-            if identity is None:
-                continue
-            known.pop(digest, None)  # re-inserted last: the newest copy is kept longest
-            known[digest] = _Promoted(
-                container, relpath, int(record["size"]), int(record["crc32c"]), identity
-            )
-        while len(known) > _PROMOTED_MAX:
-            del known[next(iter(known))]
-
-
 def _distinct(source: Path, target: Path) -> None:
     if os.path.abspath(source) == os.path.abspath(target):
         raise ValueError(f"{display_path(source)}: promoting a root into itself")
-
-
-def read_verified(path: Path, record: Mapping[str, Any], what: str) -> bytes:
-    """The bytes of the file ``path``, proven equal to the size and crc32c its commit record
-    gives (``record``); ``what`` names the container being promoted, for messages.
-
-    Raises:
-        CheckpointFormatError: missing or unreadable (nothing is promoted).
-        ChecksumMismatchError: damaged (nothing is promoted).
-    """
-    size, crc = int(record["size"]), int(record["crc32c"])
-    try:
-        data = backend_for(path).read_bytes(path, limit=size)
-    except FileNotFoundError:
-        raise CheckpointFormatError(
-            f"{display_path(path)}: missing, but the commit record of {what} lists it; it "
-            "cannot be promoted (verify the source, promote an intact checkpoint)"
-        ) from None
-    except CheckpointFormatError as err:
-        raise CheckpointFormatError(f"{err}; {what} cannot be promoted") from None
-    got = _native.crc32c(data)
-    if len(data) != size or got != crc:
-        raise ChecksumMismatchError(
-            f"{display_path(path)}: {len(data)} bytes with crc32c {got:08x}, but the commit "
-            f"record holds {size} bytes with crc32c {crc:08x}; the file is damaged and {what} "
-            "was not promoted (nothing was written to the target)"
-        )
-    return data
-
-
-def copy_files(
-    files: Mapping[str, tuple[Path, Mapping[str, Any]]],
-    writer: DirectoryWriter,
-    target: Path,
-    listed: Listed,
-    what: str,
-) -> tuple[IndexCopy, Written]:
-    """Write ``files`` (relpath in the new container -> (source file, its record)) through
-    ``writer`` (a staging in the target root ``target``), each read and proven against its
-    record again, and stored from a file the target already holds when this process proves
-    its bytes identical (see the module docstring); then check what the writer recorded.
-
-    Returns:
-        What was transferred and reused, and the files written (by their relpath in the
-        writer's records) for :func:`remember_written`.
-    """
-    copied = reused = 0
-    written: Written = {}
-    staging = writer.staging
-    for relpath, (path, record) in files.items():
-        data = read_verified(path, record, what)
-        digest = _native.digests([memoryview(data)], _DIGEST_THREADS)[0]
-        known = _reusable(target, digest, record, listed)
-        if known is not None and staging.put_copy(
-            relpath, target / known.container / known.relpath, dict(record), known.identity
-        ):
-            reused += len(data)
-        else:
-            staging.put_bytes(relpath, data)
-            copied += len(data)
-        del data
-        written[writer.stored_relpath(relpath)] = (digest, dict(record), staging.identity(relpath))
-    recorded = writer.files
-    for relpath, (_, record, _) in written.items():
-        got = recorded.get(relpath)
-        if got is None or (got["size"], got["crc32c"]) != (record["size"], record["crc32c"]):
-            raise ChecksumMismatchError(
-                f"{display_path(writer.final / relpath)}: written as {got}, but the source "
-                f"records {record}; {what} was not promoted"
-            )
-    return IndexCopy(copied, reused), written
-
-
-def remember_written(target: Path, container: str, written: Written) -> None:
-    """After ``container`` of the root ``target`` committed with ``written``: later
-    promotions into ``target`` may store those bytes from it (see the module docstring)."""
-    _remember(target, container, written)
 
 
 def promote_index(
@@ -285,7 +116,7 @@ def promote_index(
         NotCommittedError: ``source`` has no committed index ``index``.
         ChecksumMismatchError / CheckpointFormatError: a source file is damaged or missing
             (names it); the target is untouched.
-        ValueError: the index belongs to a sharded (FSDP2) strategy (not promotable yet).
+        ValueError: a sharded index written before parts existed (not promotable).
     """
     source, target = Path(source), Path(target)
     _distinct(source, target)
@@ -297,13 +128,8 @@ def promote_index(
             f"{display_path(source)}: no committed index {index} to promote (committed: "
             f"{committed or 'none'})"
         )
-    if backend_for(source).exists(source / SHARDED_DIR / str(index)):
-        raise ValueError(
-            f"{display_path(source)}: index {index} is a sharded (FSDP2) checkpoint whose data "
-            f"live under {SHARDED_DIR}/; promoting those is not supported yet (copy the whole "
-            "root instead)"
-        )
     what = f"index {index} of {display_path(source)}"
+    part = prove_part(source, manifest, index, what)
     files: dict[str, tuple[Path, Mapping[str, Any]]] = {}
     for relpath, record in (entry.get("files") or {}).items():
         check_relpath(relpath, "file")
@@ -311,10 +137,11 @@ def promote_index(
     # Every source file is proven before the target is touched at all (replacing an index on
     # an object store withdraws it first), holding one file at a time; the copy pass reads
     # and proves each file again as it writes it.
-    for path, record in files.values():
+    for path, record in [*files.values(), *(part.files.values() if part else ())]:
         read_verified(path, record, what)
-    writer = IndexWriter(target, index)
+    writer = IndexWriter(target, index)  # the target's lock, held until the commit
     try:
+        part_bytes = 0 if part is None else write_part(target, index, part, what)
         held = Manifest.load(target)
 
         def listed(container: str, relpath: str) -> Mapping[str, Any] | None:
@@ -326,8 +153,8 @@ def promote_index(
         writer.abort()
         raise
     writer.commit_entry({key: value for key, value in entry.items() if key != "files"})
-    _remember(target, str(index), written)
-    return done
+    remember_written(target, str(index), written)
+    return IndexCopy(done.copied + part_bytes, done.reused)
 
 
 def _clean(root: Path) -> None:
@@ -541,8 +368,11 @@ class Promoter:
         fails)."""
         report = promote(self.source, self.target, every=self.every, newest=False)
         if self.keep_last is not None and report.promoted:
-            # prune_indices never deletes the newest index that verifies.
-            prune_indices(self.target, self.keep_last)
+            # prune_indices never deletes the newest index that verifies; the sharded parts
+            # of the pruned indices go after it (a local root sweeps them itself).
+            backend = backend_for(self.target)
+            for pruned in prune_indices(self.target, self.keep_last):
+                backend.delete(index_dir(self.target, pruned))
         self.promoted.extend(report.promoted)
         if report.newest is not None:
             self.target_newest = report.newest

@@ -9,7 +9,7 @@ record lists is proven against its size and crc32c before the target is touched,
 durably under a name no other save uses (a temporary sibling locally, a fresh generation on an
 object store), proven again, and the commit record is written last. Files this process
 promoted before and proves identical by their BLAKE3 digest are stored by the target from
-what it holds (a hard link, a server-side copy: see :mod:`fastckpt.container.promote`).
+what it holds (a hard link, a server-side copy: see :mod:`fastckpt.container.copy`).
 
 The order of a tier's checkpoints ("newest") is the modification time of their commit
 records, which is when each was committed there (then the name). Checkpoints are removed
@@ -28,13 +28,8 @@ from typing import Any
 
 from fastckpt import _native
 from fastckpt.container.commit import DirectoryWriter
-from fastckpt.container.promote import (
-    IndexCopy,
-    Promoter,
-    copy_files,
-    read_verified,
-    remember_written,
-)
+from fastckpt.container.copy import IndexCopy, copy_files, read_verified, remember_written
+from fastckpt.container.promote import Promoter
 from fastckpt.container.verify import verify
 from fastckpt.errors import FastCkptError, NotCommittedError
 from fastckpt.format.records import (

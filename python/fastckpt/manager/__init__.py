@@ -361,7 +361,10 @@ class CheckpointManager:
         if due:
             promoter.submit_checkpoint(path.name)
         if tiers.keep_last is not None:
-            spare = {path.name, *promoter.queued()}
+            # The newest checkpoint waiting for promotion is kept (one more on the fast tier
+            # while the durable one lags or is down); older waiting ones may go (superseded).
+            queued = promoter.queued()
+            spare = {path.name, *queued[-1:]}
             prune_checkpoints(path.parent, tiers.keep_last, spare=spare)
 
     def latest(self) -> NearestCheckpoint:

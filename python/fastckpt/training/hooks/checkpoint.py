@@ -327,17 +327,12 @@ class CheckpointHook:
             self.save(ctx)
 
     def _start_promotion(self, ctx: TrainContext) -> None:
-        """Two tiers: refuse a sharded strategy (not promotable yet), and let the saving
-        rank finish in the background what an earlier process left unpromoted."""
+        """Two tiers: the rank that commits (rank 0 for sharded strategies) finishes in the
+        background what an earlier process left unpromoted."""
         if self._promoter is None:
             return
-        if getattr(ctx.workflow, "sharded", False):
-            raise ValueError(
-                "CheckpointHook(durable_dir=...): promoting sharded (FSDP2) checkpoints is not "
-                "supported yet; checkpoint straight to the durable root (checkpoint_dir="
-                f"{str(self.durable_dir)!r}) or copy the root yourself"
-            )
-        if self.rank_zero_only and ctx.global_rank != 0:
+        sharded = bool(getattr(ctx.workflow, "sharded", False))
+        if ctx.global_rank != 0 and (sharded or self.rank_zero_only):
             return
         try:
             committed = Manifest.load(self.checkpoint_dir).latest is not None
@@ -456,9 +451,12 @@ class CheckpointHook:
         """
         assert ctx.workflow is not None
         if not self.async_save:
-            self.last_checkpoint_index = ctx.workflow.save_checkpoint(self.checkpoint_dir)
+            index = ctx.workflow.save_checkpoint(self.checkpoint_dir)
+            self.last_checkpoint_index = index
             if ctx.global_rank == 0:
-                self._prune_sharded()
+                self._prune_sharded(index)
+                if self._promoter is not None:
+                    self._promoter.submit()
             return
         if not self._writer.running:
             raise RuntimeError(
@@ -478,7 +476,9 @@ class CheckpointHook:
             future.result()
             if snapshot is not None:
                 write_snapshot(self.checkpoint_dir, snapshot, index)
-                self._prune_sharded()
+                self._prune_sharded(index)
+                if self._promoter is not None:
+                    self._promoter.submit()
             return index
 
         def capture() -> None:
@@ -506,14 +506,23 @@ class CheckpointHook:
             self._dcp_writer = (Writer(self.checkpoint_dir, stager_options=options), group)
         return self._dcp_writer
 
-    def _prune_sharded(self) -> None:
+    def _prune_sharded(self, index: int) -> None:
         from fastckpt.training.sharded import remove_sharded
 
         if self.keep_last is not None:
-            remove_sharded(
-                self.checkpoint_dir,
-                prune_indices(self.checkpoint_dir, self.keep_last, lock_timeout=self.lock_timeout),
-            )
+            remove_sharded(self.checkpoint_dir, self._prune(index))
+
+    def _prune(self, newest: int) -> list[int]:
+        """``keep_last`` after the save of index ``newest``, sparing the index that waits
+        for its promotion (two tiers). Returns the pruned indices."""
+        assert self.keep_last is not None
+        awaiting = None if self._promoter is None else self._promoter.awaiting(newest)
+        return prune_indices(
+            self.checkpoint_dir,
+            self.keep_last,
+            lock_timeout=self.lock_timeout,
+            spare=() if awaiting is None else (awaiting,),
+        )
 
     def _stage(self, snapshot: Snapshot, *, only_volatile: bool) -> None:
         """Replace the snapshot's tensors with staged copies (volatile ones or the rest)."""
@@ -528,13 +537,7 @@ class CheckpointHook:
     def _write(self, snapshot: Snapshot) -> int:
         index = write_snapshot(self.checkpoint_dir, snapshot, lock_timeout=self.lock_timeout)
         if self.keep_last is not None:
-            awaiting = None if self._promoter is None else self._promoter.awaiting(index)
-            prune_indices(
-                self.checkpoint_dir,
-                self.keep_last,
-                lock_timeout=self.lock_timeout,
-                spare=() if awaiting is None else (awaiting,),
-            )
+            self._prune(index)
         if self._promoter is not None:
             self._promoter.submit()  # in the background: training is not held up
         return index
