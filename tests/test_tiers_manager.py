@@ -7,11 +7,15 @@ failure case), fresh processes for the bitwise loads.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +30,17 @@ from fastckpt.container.promote_checkpoints import (
     prune_checkpoints,
 )
 from fastckpt.errors import ChecksumMismatchError, NotCommittedError, PromotionError
+from fastckpt.format.records import read_commit_record
 from fastckpt.manager import CheckpointManager, TiersConfig
 from s3_support import S3Server, s3_server
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import crash_harness
+
 __all__ = ["s3_server"]  # a fixture used by name below
+
+#: Kills of a promoting process (each checked); FASTCKPT_CRASH_KILLS_SCALE scales it.
+KILLS = round(100 * float(os.environ.get("FASTCKPT_CRASH_KILLS_SCALE", "1")))
 
 
 def _model() -> torch.nn.Sequential:
@@ -251,3 +262,50 @@ def test_tiers_refuse_ids_outside_the_fast_tier_and_a_remote_fast_tier(tmp_path:
         TiersConfig(fast=tmp_path, durable=tmp_path / "d", promote_every=0)
     with pytest.raises(ValueError, match=r"needs Config\.tiers"):
         CheckpointManager(CheckpointManager.Config.with_sync_save()).latest()
+
+
+def _files(path: Path) -> dict[str, tuple[int, int]]:
+    return {n: (r["size"], r["crc32c"]) for n, r in read_commit_record(path)["files"].items()}
+
+
+def test_sigkill_at_random_moments_of_checkpoint_promotions_never_leaves_a_partial_one(
+    tmp_path: Path,
+) -> None:
+    """A process promoting manager checkpoints is killed ``KILLS`` times at random moments
+    (replacing checkpoints the durable tier already holds too). After every kill each
+    committed checkpoint of the durable tier verifies and has exactly the source's files;
+    the next promotion finishes the job and nothing the killed ones left remains."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    with _manager(TiersConfig(fast=fast, durable=tmp_path / "unused")) as manager:
+        _run(manager, 3)
+    names = committed_checkpoints(fast)
+    rng = random.Random(26)
+    kills = inside = 0
+    while kills < KILLS:
+        name = rng.choice(names)
+        process, conn = crash_harness.start(
+            crash_harness.promote_checkpoint_and_report, str(fast / name), str(durable / name)
+        )
+        assert conn.poll(60), "the promoting child did not start"
+        assert conn.recv() == "started"
+        time.sleep(rng.uniform(0.0, 0.03))
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGKILL)
+            kills += 1
+        process.join(30)
+        messages = []
+        with contextlib.suppress(EOFError):  # a killed child's end of the pipe is closed
+            while conn.poll(0):
+                messages.append(conn.recv())
+        if "promoted" not in messages:
+            assert process.exitcode == -signal.SIGKILL, process.exitcode
+            inside += 1
+        for committed in committed_checkpoints(durable):
+            assert _files(durable / committed) == _files(fast / committed), (kills, committed)
+            assert fastckpt.verify(durable / committed).ok, (kills, committed)
+    assert inside >= KILLS // 3, inside
+    for name in names:  # the next promotions finish the job
+        promote_checkpoint(fast / name, durable / name)
+    assert committed_checkpoints(durable) == names
+    assert sorted(os.listdir(durable)) == names  # no staging directory of a killed one left
+    assert all(fastckpt.verify(durable / name).ok for name in names)

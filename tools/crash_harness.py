@@ -668,6 +668,17 @@ def promote_and_report(source: str, target: str, index: int, conn: Connection) -
     conn.send("promoted")
 
 
+def promote_checkpoint_and_report(source: str, target: str, conn: Connection) -> None:
+    """Child: promote the CheckpointManager checkpoint ``source`` to ``target``
+    (:func:`fastckpt.container.promote_checkpoints.promote_checkpoint`); sends ``"started"``,
+    then ``"promoted"`` once the target's commit record is written."""
+    from fastckpt.container.promote_checkpoints import promote_checkpoint
+
+    conn.send("started")
+    promote_checkpoint(source, target)
+    conn.send("promoted")
+
+
 def start(target: Callable[..., None], *args: Any) -> tuple[Any, Connection]:
     """Run ``target(*args, conn)`` in a forkserver child; returns ``(process, conn)``."""
     context = _context()
