@@ -405,6 +405,66 @@ def test_a_stopped_durable_server_spares_the_unpromoted_index_and_the_next_run_p
     assert all(torch.equal(got[k], v) for k, v in want.items())
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failing_fast_tier_does_not_stop_a_two_tier_run_and_the_next_save_retries(
+    tmp_path: Path, async_save: bool
+) -> None:
+    blocker = tmp_path / "node"
+    blocker.write_text("the fast tier's disk is gone")  # saves under it fail
+    fast, durable = blocker / "fast", tmp_path / "durable"
+    failures: list[tuple[BaseException, bool]] = []
+
+    def on_save_error(error: BaseException) -> None:
+        failures.append((error, hook.healthy))
+        if blocker.is_file():  # the disk comes back
+            blocker.unlink()
+            blocker.mkdir()
+
+    hook = fastckpt.CheckpointHook(
+        fast,
+        step_interval=2,
+        async_save=async_save,
+        durable_dir=durable,
+        save_last=False,
+        on_save_error=on_save_error,
+    )
+    strategy = training_support.new_strategy([hook], num_steps=6)
+    with pytest.warns(RuntimeWarning, match="training goes on"):
+        strategy.run(training_support.loader())  # closes the hook: nothing raised
+    assert strategy.step_count == 6
+    assert len(failures) == 1 and isinstance(failures[0][0], OSError) and not failures[0][1]
+    assert hook.healthy and hook.save_error is None
+    # The saves after the failure were written and promoted.
+    assert [c["index"] for c in fastckpt.list_checkpoints(fast)] == [0, 1]
+    assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [0, 1]
+
+
+def test_a_fast_tier_failing_to_the_end_is_raised_at_close_and_strict_saves_raise_at_once(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "node").write_text("no disk")
+    fast, durable = tmp_path / "node" / "fast", tmp_path / "durable"
+    hook = fastckpt.CheckpointHook(
+        fast, step_interval=2, async_save=False, durable_dir=durable, save_last=False
+    )
+    strategy = training_support.new_strategy([hook], num_steps=6)
+    with pytest.warns(RuntimeWarning), pytest.raises(OSError):
+        strategy.run(training_support.loader())
+    assert strategy.step_count == 6  # every save failed, training went on to the end
+    strict = fastckpt.CheckpointHook(
+        fast,
+        step_interval=2,
+        async_save=False,
+        durable_dir=durable,
+        save_last=False,
+        strict_saves=True,
+    )
+    strategy = training_support.new_strategy([strict], num_steps=6)
+    with pytest.raises(OSError):
+        strategy.run(training_support.loader())
+    assert strategy.step_count == 2  # stopped at the first save
+
+
 def test_a_strict_hook_stops_at_the_save_after_a_failed_promotion(tmp_path: Path) -> None:
     fast = tmp_path / "fast"
     (tmp_path / "file").write_text("not a directory")

@@ -13,7 +13,9 @@ creates), not at the first save: see :meth:`CheckpointHook.prewarm_staging`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,8 @@ from fastckpt.storage.registry import display_path, use_storage_options
 from fastckpt.training.hooks.context import TrainContext, TrainingStage
 
 __all__ = ["CheckpointHook"]
+
+_LOG = logging.getLogger(__name__)
 
 
 def _positive(name: str, value: int | None) -> int | None:
@@ -81,6 +85,15 @@ class CheckpointHook:
         on_promotion_error: called with each failed promotion's
             :class:`~fastckpt.errors.PromotionError` (on the promotion thread; not recorded
             in the checkpoint, so a hook rebuilt on resume has none).
+        strict_saves: a failed save raises at once (sync) or at the next save (async). False:
+            it is reported (a ``RuntimeWarning``, :attr:`healthy`, ``on_save_error``),
+            training goes on, the next checkpoint is attempted as usual, and ``close`` raises
+            the failure unless a later save succeeded. None (default): False with a
+            ``durable_dir`` (a fast tier that fails must not stop a run the durable tier
+            keeps safe), True otherwise. Sharded strategies always raise (their saves are
+            collective: the ranks must agree).
+        on_save_error: called with each failed save's exception when saves are not strict
+            (not recorded in the checkpoint).
 
     With a ``durable_dir``, ``keep_last`` never deletes the newest fast-tier index that is
     due for promotion (a multiple of ``promote_every``) and not yet seen on the durable tier:
@@ -118,6 +131,8 @@ class CheckpointHook:
         durable_keep_last: int | None = None,
         strict_promotion: bool = False,
         on_promotion_error: Callable[[PromotionError], object] | None = None,
+        strict_saves: bool | None = None,
+        on_save_error: Callable[[BaseException], object] | None = None,
     ) -> None:
         """Validate the policy; the background writer starts when the hook is entered.
 
@@ -195,6 +210,14 @@ class CheckpointHook:
                 on_error=on_promotion_error,
             )
         self._prewarm_pending = False  # allocate the first step's new state after it
+        if strict_saves is not None and not isinstance(strict_saves, bool):
+            raise TypeError(
+                f"CheckpointHook strict_saves must be a bool or None, got {strict_saves!r}"
+            )
+        self.strict_saves = self.durable_dir is None if strict_saves is None else strict_saves
+        self.on_save_error = on_save_error
+        #: The last save's failure while saves are not strict (None after a success).
+        self.save_error: BaseException | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -224,10 +247,44 @@ class CheckpointHook:
                 the write; raised once.
         """
         try:
-            self._record(self._writer.close())
+            self._saved(self._writer.close)
+            if self.save_error is not None:
+                error, self.save_error = self.save_error, None
+                raise error
         finally:
             if self._promoter is not None:
                 self._promoter.close()
+
+    @property
+    def healthy(self) -> bool:
+        """False while the last save (not strict) or the last promotion failed."""
+        return self.save_error is None and self.promotion_healthy
+
+    def _saved(self, outcome: Callable[[], int | None]) -> None:
+        """Record the index ``outcome()`` returns (a save that committed); when saves are
+        not strict, report its failure instead of raising it (see ``strict_saves``)."""
+        try:
+            index = outcome()
+        except Exception as err:
+            if self.strict_saves or isinstance(err, PromotionError):
+                raise  # strict_promotion's failures are raised at once too
+            self.save_error = err
+            where = display_path(self.checkpoint_dir)
+            message = (
+                f"CheckpointHook: a save to {where} failed ({type(err).__name__}: {err}); "
+                "training goes on, the next checkpoint is attempted as usual"
+            )
+            _LOG.warning("%s", message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            if self.on_save_error is not None:
+                try:
+                    self.on_save_error(err)
+                except Exception:
+                    _LOG.exception("the on_save_error callback of the hook failed")
+            return
+        if index is not None:
+            self.last_checkpoint_index = index
+            self.save_error = None
 
     @property
     def promotion_healthy(self) -> bool:
@@ -288,6 +345,8 @@ class CheckpointHook:
                 durable_keep_last=self.durable_keep_last,
                 strict_promotion=self.strict_promotion,
             )
+        if self.strict_saves != (self.durable_dir is None):
+            config["strict_saves"] = self.strict_saves  # not the default: recorded
         return config
 
     # ------------------------------------------------------------------ policy
@@ -414,9 +473,13 @@ class CheckpointHook:
             raise RuntimeError(
                 "CheckpointHook needs TrainContext.workflow to be the running TrainingStrategy"
             )
-        self._record(self._writer.collect())  # one write in flight; keeps indices ordered
+        sharded = bool(getattr(ctx.workflow, "sharded", False))
+        if sharded:
+            self._record(self._writer.collect())  # collective: every rank raises
+        else:
+            self._saved(self._writer.collect)  # one write in flight; keeps indices ordered
         self._saved_step = ctx.step_count
-        if getattr(ctx.workflow, "sharded", False):
+        if sharded:
             self._save_sharded(ctx)
             return
         snapshot: Snapshot = ctx.workflow.checkpoint_snapshot()
@@ -424,7 +487,7 @@ class CheckpointHook:
         snapshot.incremental = self.incremental
         plan_incremental(self.checkpoint_dir, snapshot)
         if not self.async_save:
-            self.last_checkpoint_index = self._write(snapshot)
+            self._saved(lambda: self._write(snapshot))
             return
         if not self._writer.running:
             raise RuntimeError(
