@@ -309,3 +309,28 @@ def test_sigkill_at_random_moments_of_checkpoint_promotions_never_leaves_a_parti
     assert committed_checkpoints(durable) == names
     assert sorted(os.listdir(durable)) == names  # no staging directory of a killed one left
     assert all(fastckpt.verify(durable / name).ok for name in names)
+
+
+def test_the_command_line_promotes_a_tiers_newest_checkpoint_once(tmp_path: Path) -> None:
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    with _manager(TiersConfig(fast=fast, durable=tmp_path / "unused")) as manager:
+        states = _run(manager, 2)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "fastckpt", "promote", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    done = cli(str(fast), str(durable), "--json")
+    assert done.returncode == 0, done.stderr
+    assert '"promoted": [\n    "step_1"\n  ]' in done.stdout
+    again = cli(str(fast), str(durable))
+    assert again.returncode == 0 and "already holds step_1" in again.stdout
+    refused = cli(str(fast), str(durable), "--every", "2")
+    assert refused.returncode == 2 and "--every applies to save_checkpoint roots" in refused.stderr
+    assert committed_checkpoints(durable) == ["step_1"]
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as reader:
+        assert _equal(_weights(reader.load(durable / "step_1")), states[1])

@@ -264,10 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
     promote_cmd = commands.add_parser(
         "promote",
         parents=common,
-        help="copy a root's committed indices to another root (a durable tier), verified, "
-        "commit last",
+        help="copy a root's committed indices (or a tier's newest CheckpointManager "
+        "checkpoint) to another root (a durable tier), verified, commit last",
     )
-    promote_cmd.add_argument("source", metavar="SOURCE", help="a save_checkpoint root")
+    promote_cmd.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="a save_checkpoint root, or a tier root of CheckpointManager checkpoints",
+    )
     promote_cmd.add_argument(
         "target", metavar="TARGET", help="the root to copy into (a directory or s3:// URL)"
     )
@@ -276,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=1,
         metavar="N",
-        help="promote only indices that are multiples of N (and always the newest)",
+        help="promote only indices that are multiples of N (and always the newest); "
+        "save_checkpoint roots only",
     )
     promote_cmd.set_defaults(handler=_handler("promote", "cmd_promote"))
 

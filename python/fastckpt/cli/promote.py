@@ -1,4 +1,5 @@
-"""``fastckpt promote SOURCE TARGET``: copy a root's committed indices to another root."""
+"""``fastckpt promote SOURCE TARGET``: copy a root's committed indices to another root, or a
+tier's newest CheckpointManager checkpoint to another tier."""
 
 from __future__ import annotations
 
@@ -8,18 +9,29 @@ from pathlib import Path
 from fastckpt.cli.render import print_json
 from fastckpt.cli.status import EXIT_OK, UserError
 from fastckpt.container.promote import promote
+from fastckpt.container.promote_checkpoints import (
+    committed_checkpoints,
+    promote_checkpoint,
+    same_files,
+)
+from fastckpt.format.records import MANIFEST
 from fastckpt.io.progress import format_bytes
-from fastckpt.storage.registry import display_path
+from fastckpt.storage.registry import backend_for, display_path
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    """Promote every committed index of ``args.source`` (each ``args.every``-th and the
-    newest) that ``args.target`` does not hold yet, oldest first; finishes a promotion a
-    killed process left half done."""
+    """A save_checkpoint root: promote every committed index of ``args.source`` (each
+    ``args.every``-th and the newest) that ``args.target`` does not hold yet, oldest first.
+    A tier root of CheckpointManager checkpoints: promote its newest checkpoint unless the
+    target holds it already. Either finishes a promotion a killed process left half done."""
     source, target = Path(args.source), Path(args.target)
+    if not backend_for(source).exists(source / MANIFEST):
+        names = committed_checkpoints(source)
+        if names:
+            return _promote_newest_checkpoint(source, target, names[-1], args)
     try:
         report = promote(source, target, every=args.every)
-    except ValueError as err:  # a sharded index, or the root itself as the target
+    except ValueError as err:  # the root itself as the target, a pre-parts sharded index
         raise UserError(str(err)) from None
     if args.json:
         print_json(
@@ -29,6 +41,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
                 "promoted": report.promoted,
                 "skipped": report.skipped,
                 "bytes_copied": report.bytes_copied,
+                "bytes_reused": report.bytes_reused,
             }
         )
         return EXIT_OK
@@ -40,4 +53,41 @@ def cmd_promote(args: argparse.Namespace) -> int:
         )
     else:
         print(f"{display_path(target)} already holds every index of {display_path(source)}")
+    return EXIT_OK
+
+
+def _promote_newest_checkpoint(
+    source: Path, target: Path, name: str, args: argparse.Namespace
+) -> int:
+    if args.every != 1:
+        raise UserError(
+            f"{display_path(source)}: a tier of CheckpointManager checkpoints; --every applies "
+            "to save_checkpoint roots (the manager decides which saves it promotes)"
+        )
+    held = same_files(source / name, target / name)
+    copied = reused = 0
+    if not held:
+        try:
+            done = promote_checkpoint(source / name, target / name)
+        except ValueError as err:  # a sharded checkpoint, or the tier itself as the target
+            raise UserError(str(err)) from None
+        copied, reused = done.copied, done.reused
+    if args.json:
+        print_json(
+            {
+                "source": display_path(source),
+                "target": display_path(target),
+                "promoted": [] if held else [name],
+                "skipped": [name] if held else [],
+                "bytes_copied": copied,
+                "bytes_reused": reused,
+            }
+        )
+    elif held:
+        print(f"{display_path(target)} already holds {name}, the newest of {display_path(source)}")
+    else:
+        print(
+            f"promoted {name} of {display_path(source)} to {display_path(target)} "
+            f"({format_bytes(copied)})"
+        )
     return EXIT_OK

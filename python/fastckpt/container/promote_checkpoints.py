@@ -49,6 +49,7 @@ __all__ = [
     "promote_checkpoint",
     "prune_checkpoints",
     "remove_checkpoint",
+    "same_files",
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ def promote_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike
     return done
 
 
-def _same_files(source: Path, target: Path) -> bool:
+def same_files(source: Path, target: Path) -> bool:
     """Whether ``target`` is committed with the files (names, sizes, crc32c) of ``source``."""
 
     def files(path: Path) -> dict[str, tuple[int, int]] | None:
@@ -319,7 +320,7 @@ class CheckpointPromoter(Promoter):
             source = self.source / name
             if not backend_for(source).exists(source / COMMIT_RECORD):
                 _LOG.warning("%s: removed before it was promoted", display_path(source))
-            elif not _same_files(source, self.target / name):
+            elif not same_files(source, self.target / name):
                 promote_checkpoint(source, self.target / name)
                 self.promoted.append(name)
             with self._lock:
