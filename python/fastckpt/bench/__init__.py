@@ -12,6 +12,10 @@ Modules: :mod:`~fastckpt.bench.state` (the state), :mod:`~fastckpt.bench.writers
 :mod:`~fastckpt.bench.memory`, :mod:`~fastckpt.bench.training`, :mod:`~fastckpt.bench.bar`,
 :mod:`~fastckpt.bench.report`, :mod:`~fastckpt.bench.environment`,
 :mod:`~fastckpt.bench.harness` (the run) and :mod:`~fastckpt.bench.cli` (the options).
+Scenarios of their own: ``s3`` (:mod:`~fastckpt.bench.s3`), ``s3-sharded``
+(:mod:`~fastckpt.bench.s3_sharded`) and ``tiers`` (:mod:`~fastckpt.bench.tiers`: a fast tier
+promoted to S3 or to a throttled directory, :mod:`~fastckpt.bench.throttled`, vs straight to
+them; restore times).
 """
 
 from __future__ import annotations

@@ -23,17 +23,22 @@ checkpoint every ``--durable-every-steps`` training steps (default 50), whatever
 2-5 s a step of a large model takes, that is a durable checkpoint every few minutes; with this
 loop's short steps it is a much heavier durable load than production's.
 
-**One run** (per configuration, interval and repeat) trains ``lead_in`` quiet steps, then
-``c`` checkpoints N steps apart, each followed by its N steps, then waits (inside the clock)
-until every write and promotion the run started is done (``hook.close()``). ``c`` is
-``promote_every`` (capped at ``--max-checkpoints``; at ``--straight-checkpoints`` for the
-configurations without promotion), so a tiered run holds promotions in the proportion of the
-steady state (its first index is promoted; the next promoted one would be the next run's
-first). Its cost per checkpoint is the run's time beyond what its steps take without
-checkpoints, divided by ``c``; the **overhead at interval N** is that cost over N steps'
-time: the step-throughput loss of a run that checkpoints every N steps forever. A write longer
-than N steps queues (the next save waits for it) and its remainder at the end of the run is
-waited for, so it is counted in full. Two references for "what the steps take":
+**One run** (per configuration, interval and repeat; the same model and optimizer go on
+training from run to run, each run with a new hook and new roots) trains ``lead_in`` quiet
+steps, then ``c`` checkpoints N steps apart; after the last one it trains until that
+checkpoint's work (write, promotion) is done, at most N steps, then waits inside the clock
+until every write and promotion the run started is done (``hook.close()``), then trains
+``quiet_tail`` more steps. With promotion, ``c`` is ``promote_every``, at most
+``--max-checkpoints``, so a tiered run holds promotions in the proportion of the steady state
+(its first index is promoted; the next promoted one would be the next run's first) unless the
+cap cuts it (the short intervals: their promotion share is then overstated); without, ``c`` is
+at most ``--single-checkpoints`` (2: a write that queues behind the previous one is seen
+once, the rest is the same cost again). The run's **cost per
+checkpoint** is its time beyond what its steps take without checkpoints, divided by ``c``;
+the **overhead at interval N** is that cost over N steps' time: the step-throughput loss of
+a loop that checkpoints every N steps forever. A write longer than N steps queues (the next
+save waits for it), and the last one's remainder after N steps is waited for, so it counts in
+full, as in the steady state. Two references for "what the steps take":
 
 * *vs baseline*: the mean step time of the runs without checkpoints (two per repeat, at its
   start and end), the step-throughput comparison;
@@ -46,6 +51,10 @@ the local disk, ``s3://`` and the throttled directory, and ``fastckpt.load_check
 the newest index (model and optimizer rebuilt, every file verified against its crc32c) is
 timed from each, then compared bitwise with what was saved, outside the clock; its speed is
 set against a plain memcpy (``numpy.copyto`` between touched buffers) of the state's bytes.
+Also timed there: the verified read of the index's tensor files alone, into tensors allocated
+beforehand (the load without the model's construction), and one retention prune
+(``keep_last=2`` with three indices: the newest is read whole and verified before the oldest
+goes, after every save of a hook with ``keep_last``).
 
 Targets (issue 26): a checkpoint every 10 steps under 1 % overhead (``fast+s3``, the tiered
 configuration; the others are reported with it); restore from the RAM tier at >= 0.8x memcpy.
@@ -60,6 +69,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -88,7 +98,7 @@ __all__ = [
     "CONFIGS",
     "RESTORE_TIERS",
     "TARGETS",
-    "TiersConfig",
+    "TiersBenchConfig",
     "build_parser",
     "hidden_for",
     "main",
@@ -119,7 +129,7 @@ _SETTLE_STEPS = 2  # untimed steps after the hook allocated its staging buffers
 
 
 @dataclass
-class TiersConfig:
+class TiersBenchConfig:
     """One run of the scenario (see the module docstring).
 
     Attributes:
@@ -131,11 +141,14 @@ class TiersConfig:
         server: ``"auto"`` (s3s-fs when installed), ``"s3s"`` or ``"moto"``.
         throttle_write_mib_s / throttle_read_mib_s: the throttled directory's caps.
         durable_every_steps: the durable tier gets a checkpoint every this many steps.
-        keep_last: the fast tier's retention (and the one tier's, without promotion).
-        durable_keep_last: the durable tier's retention.
-        max_checkpoints: checkpoints per tiered run at most (``promote_every`` otherwise).
-        straight_checkpoints: checkpoints per run without promotion at most.
+        keep_last: the fast tier's retention (and the one tier's, without promotion);
+            None: keep every index.
+        durable_keep_last: the durable tier's retention (None: keep every index).
+        max_checkpoints: checkpoints per run with promotion at most (``promote_every``
+            otherwise).
+        single_checkpoints: checkpoints per run without promotion at most.
         lead_in: quiet steps before a run's first checkpoint.
+        quiet_tail: steps after a run's checkpoint work is all done.
         baseline_steps: steps of each run without checkpoints.
         layers / batch: of the MLP (the harness's training loop).
         directory: where the local roots go (default: a temporary directory in the current
@@ -152,12 +165,13 @@ class TiersConfig:
     throttle_write_mib_s: float = 100.0
     throttle_read_mib_s: float = 100.0
     durable_every_steps: int = 50
-    keep_last: int = 2
-    durable_keep_last: int = 2
-    max_checkpoints: int = 10
-    straight_checkpoints: int = 5
-    lead_in: int = 8
-    baseline_steps: int = 40
+    keep_last: int | None = 2
+    durable_keep_last: int | None = 2
+    max_checkpoints: int = 5
+    single_checkpoints: int = 2
+    lead_in: int = 6
+    quiet_tail: int = 4
+    baseline_steps: int = 30
     layers: int = TrainingConfig.layers
     batch: int = TrainingConfig.batch
     directory: Path | None = None
@@ -185,10 +199,10 @@ def promote_every(interval: int, durable_every_steps: int) -> int:
     return max(1, durable_every_steps // interval)
 
 
-def checkpoints_per_run(config: TiersConfig, kind: str, interval: int) -> int:
+def checkpoints_per_run(config: TiersBenchConfig, kind: str, interval: int) -> int:
     """How many checkpoints a run of ``kind`` at ``interval`` holds (module docstring)."""
     every = promote_every(interval, config.durable_every_steps)
-    cap = config.max_checkpoints if "+" in kind else config.straight_checkpoints
+    cap = config.max_checkpoints if "+" in kind else config.single_checkpoints
     return max(1, min(every, cap))
 
 
@@ -203,6 +217,7 @@ class _Places:
     share: Path  # the throttled directory's local side
     s3_prefix: str  # s3://bucket/prefix
     client: Any  # boto3, to clear prefixes between runs
+    s3_data: Path | None  # s3s-fs's directory (it keeps the parts of finished uploads)
 
     def fresh(self, kind: str, label: str) -> tuple[str, str | None]:
         """``(checkpoint_dir, durable_dir)`` for a new run of ``kind``."""
@@ -231,6 +246,12 @@ class _Places:
                 keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
                 if keys:
                     self.client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+            if self.s3_data is not None:
+                # s3s-fs leaks the part files of completed multipart uploads; between runs no
+                # upload is in flight, so every part file is a finished one.
+                for pattern in (".upload_id-*.part-*", ".upload-*.json"):
+                    for leaked in self.s3_data.rglob(pattern):
+                        leaked.unlink(missing_ok=True)
         elif root.startswith(f"{throttled.SCHEME}:"):
             shutil.rmtree(throttled.local_path(root), ignore_errors=True)
         else:
@@ -238,9 +259,9 @@ class _Places:
 
 
 @contextmanager
-def _s3(kind: str, nbytes: int) -> Iterator[tuple[str, int, str, Any]]:
-    """``(endpoint, server pid, label, boto3 client)`` of a fresh local server holding the
-    benchmark's bucket; fastckpt configured for it."""
+def _s3(kind: str, nbytes: int) -> Iterator[tuple[str, int, str, Any, Path | None]]:
+    """``(endpoint, server pid, label, boto3 client, s3s-fs data directory)`` of a fresh
+    local server holding the benchmark's bucket; fastckpt configured for it."""
     import boto3
 
     import fastckpt
@@ -270,7 +291,7 @@ def _s3(kind: str, nbytes: int) -> Iterator[tuple[str, int, str, Any]]:
         )
         label = {"moto": "moto (Python)", "s3s": "s3s-fs (Rust)"}.get(kind, kind)
         try:
-            yield endpoint, pid, f"{label}, local, 127.0.0.1{where}", client
+            yield endpoint, pid, f"{label}, local, 127.0.0.1{where}", client, data_dir
         finally:
             fastckpt.configure_storage(f"s3://{BUCKET}")
 
@@ -294,6 +315,7 @@ class _Loop:
     def __init__(self, train: TrainingConfig) -> None:
         from fastckpt.training.strategy import TrainingStrategy
 
+        self.config = train
         self.model = _model(train)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         gen = torch.Generator().manual_seed(1)
@@ -335,16 +357,16 @@ class _Warnings(logging.Handler):
 def _run(
     kind: str,
     interval: int,
-    config: TiersConfig,
-    train: TrainingConfig,
+    config: TiersBenchConfig,
+    loop: _Loop,
     places: _Places,
     server_pid: int | None,
 ) -> dict[str, Any]:
-    """One run (``kind`` ``"none"``: no checkpoints, ``config.baseline_steps`` steps)."""
+    """One run on ``loop`` (``kind`` ``"none"``: no checkpoints, ``config.baseline_steps``
+    steps); see the module docstring for its shape."""
     from fastckpt.errors import PromotionError
     from fastckpt.training.hooks import CheckpointHook
 
-    loop = _Loop(train)
     hook: Any = None
     root: str | None = None
     durable: str | None = None
@@ -372,8 +394,8 @@ def _run(
 
     for _ in range(_SETTLE_STEPS):  # untimed: caches settle after the staging allocation
         loop.step()
-    steps = config.baseline_steps if kind == "none" else config.lead_in + count * interval
     saves_at = {config.lead_in + k * interval for k in range(count)}
+    last_save = max(saves_at, default=0)
     step_seconds: list[float] = []
     overlapped: list[bool] = []
     stalls: list[float] = []
@@ -381,29 +403,50 @@ def _run(
     caught = _Warnings()
     logging.getLogger("fastckpt").addHandler(caught)
     served = process_cpu(server_pid)
+
+    def step() -> None:
+        during = busy()
+        began = time.perf_counter()
+        loop.step()
+        step_seconds.append(time.perf_counter() - began)
+        overlapped.append(during or busy())
+
     gc.collect()
     try:
         with warnings.catch_warnings(record=True) as raised:
             warnings.simplefilter("always")
             start = time.perf_counter()
-            for index in range(1, steps + 1):
-                during = busy()
-                began = time.perf_counter()
-                loop.step()
-                step_seconds.append(time.perf_counter() - began)
-                overlapped.append(during or busy())
-                if hook is not None and index in saves_at:
-                    blocked = time.perf_counter()
-                    hook.save(loop.strategy.context)
-                    stalls.append(time.perf_counter() - blocked)
+            if hook is None:
+                for _ in range(config.baseline_steps):
+                    step()
+            else:
+                for index in range(1, last_save + 1):
+                    step()
+                    if index in saves_at:
+                        blocked = time.perf_counter()
+                        hook.save(loop.strategy.context)
+                        stalls.append(time.perf_counter() - blocked)
+                # The last checkpoint's steps: up to N, fewer when its work is done sooner
+                # (the steps after that are quiet ones, they change nothing but the run's
+                # length); what is still running after N steps is waited for, as the next
+                # save would.
+                for _ in range(interval):
+                    step()
+                    if not busy():
+                        break
             waited = time.perf_counter()
             if hook is not None:
                 try:
                     hook.close()  # the last write durable, every promotion done
                 except PromotionError as err:
                     error = f"{type(err).__name__}: {err}"[:2000]
-            seconds = time.perf_counter() - start
+                finally:
+                    loop.guard = nullcontext
             tail = time.perf_counter() - waited
+            if hook is not None:
+                for _ in range(config.quiet_tail):
+                    step()
+            seconds = time.perf_counter() - start
     finally:
         logging.getLogger("fastckpt").removeHandler(caught)
     promoted = list(hook.promoter.promoted) if hook is not None and hook.promoter else []
@@ -417,7 +460,7 @@ def _run(
         "interval": interval,
         "promote_every": every if durable is not None else None,
         "checkpoints": count,
-        "steps": steps,
+        "steps": len(step_seconds),
         "seconds": seconds,
         "tail_wait_s": tail,
         "steps_seconds_sum": sum(step_seconds),
@@ -456,7 +499,7 @@ def _baseline_overhead(row: dict[str, Any], step_s: float | None) -> float | Non
 
 
 def _training(
-    config: TiersConfig, train: TrainingConfig, places: _Places, server_pid: int | None
+    config: TiersBenchConfig, loop: _Loop, places: _Places, server_pid: int | None
 ) -> dict[str, Any]:
     """Every configuration at every interval, ``repeats`` times; the baselines around each
     repeat. Returns ``{"baselines": [...], "runs": [...]}`` (raw rows, each with both
@@ -464,7 +507,7 @@ def _training(
     baselines: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
     for repeat in range(config.repeats):
-        around = [_run("none", 1, config, train, places, server_pid)]
+        around = [_run("none", 1, config, loop, places, server_pid)]
         config.log(
             f"repeat {repeat + 1}/{config.repeats}: baseline "
             f"{around[0]['steps'] / around[0]['seconds']:.2f} steps/s"
@@ -473,7 +516,7 @@ def _training(
         for position, interval in enumerate(config.intervals):
             shift = (repeat + position) % len(config.configs)
             for kind in (*config.configs[shift:], *config.configs[:shift]):
-                row = _run(kind, interval, config, train, places, server_pid)
+                row = _run(kind, interval, config, loop, places, server_pid)
                 gc.collect()
                 trim_allocator()
                 row["repeat"] = repeat
@@ -485,7 +528,7 @@ def _training(
                     f"{_percent(row['in_run_overhead'])}"
                     + (f" ERROR {row['error'][:200]}" if row["error"] else "")
                 )
-        around.append(_run("none", 1, config, train, places, server_pid))
+        around.append(_run("none", 1, config, loop, places, server_pid))
         step_s = statistics.fmean(b["seconds"] / b["steps"] for b in around)
         for row in around:
             row["repeat"] = repeat
@@ -497,7 +540,7 @@ def _training(
     return {"baselines": baselines, "runs": runs}
 
 
-def _summaries(config: TiersConfig, training: dict[str, Any]) -> dict[str, Any]:
+def _summaries(config: TiersBenchConfig, training: dict[str, Any]) -> dict[str, Any]:
     """Per configuration: per interval the median (min-max) of both overheads, and the
     shortest interval whose median stays under 1 %."""
     result: dict[str, Any] = {}
@@ -585,7 +628,8 @@ def _memcpy_s(nbytes: int, repeats: int = 5) -> dict[str, Any]:
     """A plain memcpy of ``nbytes``: ``numpy.copyto`` between touched buffers (seconds of
     each repeat), and once into fresh memory (allocation and first touch included)."""
     src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.zeros(nbytes, dtype=np.uint8)
+    dst = np.empty(nbytes, dtype=np.uint8)
+    dst.fill(0)  # touched: no page fault inside the timed copies
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -599,16 +643,63 @@ def _memcpy_s(nbytes: int, repeats: int = 5) -> dict[str, Any]:
     return {"seconds": times, "fresh_seconds": first_touch}
 
 
+def _read_index(root: str, dest: dict[tuple[str, str], torch.Tensor]) -> int:
+    """Read every tensor file of ``root``'s newest index through its backend, verified
+    (crc32c), into the preallocated tensors ``dest`` (filled with fresh ones on the first
+    call); returns the bytes copied."""
+    from fastckpt.format.records import Manifest
+    from fastckpt.storage.registry import backend_for
+
+    manifest = Manifest.load(Path(root))
+    index = manifest.latest
+    assert index is not None
+    copied = 0
+    for relpath in manifest.entries[index]["files"]:
+        if not relpath.endswith(".safetensors"):
+            continue
+        path = Path(root) / str(index) / relpath
+        tensors, _ = backend_for(path).open_tensors(path, verify=True)
+        for name, tensor in tensors.items():
+            target = dest.get((relpath, name))
+            if target is None:
+                target = dest[(relpath, name)] = torch.zeros_like(tensor)
+            target.copy_(tensor)
+            copied += tensor.numel() * tensor.element_size()
+        del tensors
+    return copied
+
+
+def _prune_cost(root: str, loop: _Loop) -> float:
+    """Seconds of ``prune_indices(root, keep_last=2)`` once ``root`` holds three indices
+    (two more saved here, the state changed before each): what a hook's ``keep_last`` does
+    after every save, verifying the newest index (reading it whole) before deleting the
+    oldest."""
+    from fastckpt.container.commit import prune_indices
+    from fastckpt.training.hooks import CheckpointHook
+
+    for _ in range(2):
+        loop.step()
+        with CheckpointHook(root, step_interval=1, save_last=False, async_save=False) as hook:
+            hook.save(loop.strategy.context)
+    start = time.perf_counter()
+    pruned = prune_indices(Path(root), 2)
+    seconds = time.perf_counter() - start
+    if not pruned:
+        raise RuntimeError(f"{root}: prune deleted nothing")
+    return seconds
+
+
 def _restore(
-    config: TiersConfig, train: TrainingConfig, places: _Places, caches: CacheControl
+    config: TiersBenchConfig, loop: _Loop, places: _Places, caches: CacheControl
 ) -> dict[str, Any]:
-    """Save one checkpoint to each tier, then time ``load_checkpoint`` from each."""
+    """Save one checkpoint to each tier, then time ``load_checkpoint`` (and the verified
+    read of its tensor files alone) from each; then the cost of a retention prune there."""
     import fastckpt
     from fastckpt.training.hooks import CheckpointHook
 
-    loop = _Loop(train)
     nbytes = loop.state_bytes()
     expected = _expected(loop)
+    train = loop.config
     ram_parent = Path("/dev/shm") if Path("/dev/shm").is_dir() else places.work
     ram = Path(tempfile.mkdtemp(prefix="fastckpt-tiers-ram-", dir=ram_parent))
     roots = {
@@ -619,14 +710,21 @@ def _restore(
     }
     roots = {tier: roots[tier] for tier in config.restore_tiers}
     rows: dict[str, Any] = {}
+    rebuild: list[float] = []
     try:
         for tier, root in roots.items():
             with CheckpointHook(root, step_interval=1, save_last=False, async_save=False) as hook:
                 hook.save(loop.strategy.context)
-            rows[tier] = {"root": root, "seconds": [], "verified": [], "mismatches": []}
-        del loop
+            rows[tier] = {
+                "root": root,
+                "seconds": [],
+                "read_seconds": [],
+                "verified": [],
+                "mismatches": [],
+            }
+        dest: dict[tuple[str, str], torch.Tensor] = {}
+        _read_index(roots[next(iter(roots))], dest)  # allocates and touches the targets
         gc.collect()
-        rebuild = []
         for repeat in range(config.repeats):
             start = time.perf_counter()
             model = _model(train)
@@ -647,10 +745,19 @@ def _restore(
                     rows[tier]["mismatches"].append(bad[:20])
                 del loaded
                 gc.collect()
+                caches.drop()
+                start = time.perf_counter()
+                _read_index(roots[tier], dest)
+                rows[tier]["read_seconds"].append(time.perf_counter() - start)
                 config.log(
-                    f"restore {repeat + 1}/{config.repeats} from {tier}: {seconds:.3f} s"
+                    f"restore {repeat + 1}/{config.repeats} from {tier}: load_checkpoint "
+                    f"{seconds:.3f} s, verified read {rows[tier]['read_seconds'][-1]:.3f} s"
                     + ("" if not bad else f" MISMATCH {bad[:3]}")
                 )
+        del dest
+        for tier, root in roots.items():
+            rows[tier]["prune_s"] = _prune_cost(root, loop)
+            config.log(f"prune (keep_last=2) on {tier}: {rows[tier]['prune_s']:.3f} s")
     finally:
         for root in roots.values():
             places.remove(root)
@@ -659,9 +766,13 @@ def _restore(
     copy_s = statistics.median(memcpy["seconds"])
     for row in rows.values():
         seconds = statistics.median(row["seconds"])
+        read = statistics.median(row["read_seconds"])
         row["summary"] = summarize(row["seconds"])
+        row["read_summary"] = summarize(row["read_seconds"])
         row["gib_s"] = nbytes / seconds / 2**30
         row["vs_memcpy"] = copy_s / seconds
+        row["read_gib_s"] = nbytes / read / 2**30
+        row["read_vs_memcpy"] = copy_s / read
     return {
         "state_bytes": nbytes,
         "tiers": rows,
@@ -679,7 +790,7 @@ def _restore(
 # ------------------------------------------------------------------------------ the run
 
 
-def run(config: TiersConfig) -> dict[str, Any]:
+def run(config: TiersBenchConfig) -> dict[str, Any]:
     """Run the scenario; returns the JSON document (see :func:`markdown` for its tables)."""
     unknown = [c for c in config.configs if c not in CONFIGS]
     unknown += [t for t in config.restore_tiers if t not in RESTORE_TIERS]
@@ -698,7 +809,7 @@ def run(config: TiersConfig) -> dict[str, Any]:
     caches = CacheControl.probe(config.drop_caches)
     with (
         tempfile.TemporaryDirectory(prefix="fastckpt-tiers-", dir=config.directory or ".") as tmp,
-        _s3(kind, nbytes) as (_endpoint, pid, label, client),
+        _s3(kind, nbytes) as (_endpoint, pid, label, client, s3_data),
     ):
         work = Path(tmp).resolve()
         share = work / "share"
@@ -711,7 +822,8 @@ def run(config: TiersConfig) -> dict[str, Any]:
             read_mib_s=config.throttle_read_mib_s,
             write_mib_s=config.throttle_write_mib_s,
         )
-        places = _Places(work, share, f"s3://{BUCKET}/tiers-{uuid.uuid4().hex[:8]}", client)
+        prefix = f"s3://{BUCKET}/tiers-{uuid.uuid4().hex[:8]}"
+        places = _Places(work, share, prefix, client, s3_data)
         try:
             config.log(
                 f"tiers: MLP {config.layers}x{hidden}, batch {config.batch}, "
@@ -719,8 +831,9 @@ def run(config: TiersConfig) -> dict[str, Any]:
                 f"{config.throttle_write_mib_s:g}/{config.throttle_read_mib_s:g} MiB/s "
                 "(write/read)"
             )
-            training = _training(config, train, places, pid)
-            restore = _restore(config, train, places, caches)
+            loop = _Loop(train)
+            training = _training(config, loop, places, pid)
+            restore = _restore(config, loop, places, caches)
             environment = describe(work)
         finally:
             fastckpt.configure_storage(share_url)
@@ -908,6 +1021,24 @@ def markdown(document: dict[str, Any]) -> str:
             stall, tail = entry["stall_s"]["median"], entry["tail_wait_s"]["median"]
             cells.append("-" if stall is None else f"{stall:.3f} / {tail:.2f}")
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    served = [kind for kind in document["configs"] if "s3" in kind]
+    if served:
+        lines += [
+            "",
+            "CPU seconds the local S3 server spent per run (median; the runs' checkpoints and "
+            "promotions, retention's verifying downloads included), taken from the same cores "
+            "as the training:",
+            "",
+            "| configuration | " + " | ".join(f"N={n}" for n in intervals) + " |",
+            "|---|" + "---|" * len(intervals),
+        ]
+        for kind in served:
+            cells = []
+            for n in intervals:
+                entry = document["configs"][kind]["intervals"][n]
+                cpu, count = entry["server_cpu_s"]["median"], entry["checkpoints_per_run"]
+                cells.append("-" if cpu is None else f"{cpu:.2f} ({count} ckpt)")
+            lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     restore = document["restore"]
     lines += [
         "",
@@ -916,23 +1047,31 @@ def markdown(document: dict[str, Any]) -> str:
         f"`fastckpt.load_checkpoint(root)`: model and optimizer rebuilt, every file verified "
         f"(crc32c), then compared bitwise with what was saved (outside the clock); "
         f"{restore['state_bytes'] / _MIB:.0f} MiB of tensors; page cache {restore['cache']}"
-        f"{' (' + restore['cache_note'] + ')' if restore['cache_note'] else ''}. "
-        f"memcpy: numpy.copyto of as many bytes between touched buffers. Building the model "
-        f"and optimizer alone (which the load does first): "
-        f"{_seconds(restore['model_rebuild_s'])} s.",
+        f"{' (' + restore['cache_note'] + ')' if restore['cache_note'] else ''}. Verified "
+        "read: the index's tensor files alone, through the tier's backend (crc32c checked), "
+        "copied into tensors allocated beforehand (what the load costs without building the "
+        "model). memcpy: numpy.copyto of as many bytes between touched buffers. Building the "
+        f"model and optimizer alone (the load does it first): "
+        f"{_seconds(restore['model_rebuild_s'])} s. Prune: `prune_indices(root, keep_last=2)` "
+        "with 3 indices there (what `keep_last` runs after every save: the newest index is "
+        "read whole and verified before the oldest is deleted), one measurement.",
         "",
-        "| tier | seconds | GiB/s | x memcpy | bitwise |",
-        "|---|---|---|---|---|",
+        "| tier | load_checkpoint s | GiB/s | x memcpy | bitwise | verified read s | GiB/s "
+        "| x memcpy | prune s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for tier, row in restore["tiers"].items():
         verified = "yes" if all(row["verified"]) else "MISMATCH"
         lines.append(
             f"| {tier} | {_seconds(row['summary'])} | {row['gib_s']:.2f} | "
-            f"{row['vs_memcpy']:.2f}x | {verified} |"
+            f"{row['vs_memcpy']:.2f}x | {verified} | {_seconds(row['read_summary'])} | "
+            f"{row['read_gib_s']:.2f} | {row['read_vs_memcpy']:.2f}x | "
+            f"{row.get('prune_s', float('nan')):.3f} |"
         )
     memcpy = restore["memcpy"]
     lines += [
-        f"| memcpy | {_seconds(memcpy['summary'])} | {memcpy['gib_s']:.2f} | 1.00x | - |",
+        f"| memcpy | {_seconds(memcpy['summary'])} | {memcpy['gib_s']:.2f} | 1.00x | - | - "
+        "| - | - | - |",
         "",
         f"(memcpy into fresh memory, first touch included: {memcpy['fresh_seconds']:.3f} s.)",
         "",
@@ -1015,7 +1154,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m fastckpt.bench tiers``."""
-    defaults = TiersConfig()
+    defaults = TiersBenchConfig()
     parser = argparse.ArgumentParser(
         prog="python -m fastckpt.bench tiers",
         description=__doc__,
@@ -1034,10 +1173,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--throttle-write-mib-s", type=float, default=defaults.throttle_write_mib_s)
     parser.add_argument("--throttle-read-mib-s", type=float, default=defaults.throttle_read_mib_s)
     parser.add_argument("--durable-every-steps", type=int, default=defaults.durable_every_steps)
-    parser.add_argument("--keep-last", type=int, default=defaults.keep_last)
-    parser.add_argument("--durable-keep-last", type=int, default=defaults.durable_keep_last)
+    parser.add_argument(
+        "--keep-last", type=int, default=defaults.keep_last, help="0: keep every index"
+    )
+    parser.add_argument(
+        "--durable-keep-last",
+        type=int,
+        default=defaults.durable_keep_last,
+        help="0: keep every index",
+    )
     parser.add_argument("--max-checkpoints", type=int, default=defaults.max_checkpoints)
-    parser.add_argument("--straight-checkpoints", type=int, default=defaults.straight_checkpoints)
+    parser.add_argument("--single-checkpoints", type=int, default=defaults.single_checkpoints)
+    parser.add_argument("--quiet-tail", type=int, default=defaults.quiet_tail)
     parser.add_argument("--lead-in", type=int, default=defaults.lead_in)
     parser.add_argument("--baseline-steps", type=int, default=defaults.baseline_steps)
     parser.add_argument("--layers", type=int, default=defaults.layers)
@@ -1049,6 +1196,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--out", type=Path, default=None, help="write tiers-<size>mib-<server>.json/.md here"
     )
+    parser.add_argument("--tag", default=None, help="output file stem instead")
     return parser
 
 
@@ -1056,10 +1204,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the scenario, print the markdown, write ``tiers-<size>mib-<server>.json`` /
     ``.md`` to ``--out``."""
     args = build_parser().parse_args(argv)
+    # A terminated run still stops its S3 server and removes its scratch roots.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.size_mib <= 0 or args.repeats < 1 or args.lead_in < 1 or args.baseline_steps < 2:
         print("need --size-mib > 0, --repeats, --lead-in >= 1, --baseline-steps >= 2")
         return 2
-    config = TiersConfig(
+    config = TiersBenchConfig(
         size_mib=args.size_mib,
         repeats=args.repeats,
         intervals=args.intervals,
@@ -1069,10 +1219,11 @@ def main(argv: list[str] | None = None) -> int:
         throttle_write_mib_s=args.throttle_write_mib_s,
         throttle_read_mib_s=args.throttle_read_mib_s,
         durable_every_steps=args.durable_every_steps,
-        keep_last=args.keep_last,
-        durable_keep_last=args.durable_keep_last,
+        keep_last=args.keep_last or None,
+        durable_keep_last=args.durable_keep_last or None,
         max_checkpoints=args.max_checkpoints,
-        straight_checkpoints=args.straight_checkpoints,
+        single_checkpoints=args.single_checkpoints,
+        quiet_tail=args.quiet_tail,
         lead_in=args.lead_in,
         baseline_steps=args.baseline_steps,
         layers=args.layers,
@@ -1086,7 +1237,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"tiers-{args.size_mib:g}mib-{document['server_kind']}"
+        stem = args.out / (args.tag or f"tiers-{args.size_mib:g}mib-{document['server_kind']}")
         stem.with_suffix(".json").write_text(json.dumps(document, indent=2) + "\n")
         stem.with_suffix(".md").write_text(table)
         print(f"wrote {stem}.json, {stem}.md")
