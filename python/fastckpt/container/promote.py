@@ -7,9 +7,10 @@ commit protocol of :mod:`fastckpt.container.commit`:
 
 1. the target root's lock is taken and what interrupted saves or promotions left is removed;
 2. every file the source's manifest lists for the index is read, and its size and crc32c are
-   checked against that manifest *before* a byte of it is written to the target (a damaged
-   source file raises :class:`~fastckpt.errors.ChecksumMismatchError` naming it, and the
-   target is left as it was);
+   checked against that manifest before it is written to the target (a damaged source file
+   raises :class:`~fastckpt.errors.ChecksumMismatchError` naming it, and the target is left
+   as it was: on an object store, where replacing an index withdraws it first, the whole
+   index is proven before the target is touched at all);
 3. the files are written durably under the index's staging name in the target, and what was
    written is checked against the source's records once more;
 4. the target's manifest is committed last, with the source's entry (its counters, components,
@@ -61,7 +62,7 @@ from fastckpt.errors import (
 )
 from fastckpt.format.records import Manifest
 from fastckpt.io.paths import check_relpath
-from fastckpt.storage.registry import backend_for, display_path
+from fastckpt.storage.registry import backend_for, display_path, is_local
 
 __all__ = [
     "IndexCopy",  # re-exported from fastckpt.container.copy
@@ -134,11 +135,13 @@ def promote_index(
     for relpath, record in (entry.get("files") or {}).items():
         check_relpath(relpath, "file")
         files[relpath] = (source / str(index) / relpath, record)
-    # Every source file is proven before the target is touched at all (replacing an index on
-    # an object store withdraws it first), holding one file at a time; the copy pass reads
-    # and proves each file again as it writes it.
-    for path, record in [*files.values(), *(part.files.values() if part else ())]:
-        read_verified(path, record, what)
+    # The copy pass reads and proves each file as it writes it; a damaged one aborts the
+    # staging, leaving the target's committed indices as they were. On an object store,
+    # where replacing an index withdraws it (and its objects) first, every source file is
+    # also proven before the target is touched at all, holding one file at a time.
+    if not is_local(backend_for(target)):
+        for path, record in [*files.values(), *(part.files.values() if part else ())]:
+            read_verified(path, record, what)
     writer = IndexWriter(target, index)  # the target's lock, held until the commit
     try:
         part_bytes = 0 if part is None else write_part(target, index, part, what)

@@ -5,9 +5,10 @@ A *tier root* is a directory (or ``s3://`` prefix) holding CheckpointManager che
 its children (``ROOT/step_100/commit.json`` ...). :func:`promote_checkpoint` copies one of
 them to another tier root under the same name as a committed checkpoint, through the same
 protocol as :func:`fastckpt.container.promote.promote_index`: every file the source's commit
-record lists is proven against its size and crc32c before the target is touched, written
-durably under a name no other save uses (a temporary sibling locally, a fresh generation on an
-object store), proven again, and the commit record is written last. Files this process
+record lists is read, proven against its size and crc32c and written durably under a name no
+other save uses (a temporary sibling locally, a fresh generation on an object store; a damaged
+file aborts them, leaving the committed checkpoint there as it was), what was written is
+checked against the record, and the commit record is written last. Files this process
 promoted before and proves identical by their BLAKE3 digest are stored by the target from
 what it holds (a hard link, a server-side copy: see :mod:`fastckpt.container.copy`).
 
@@ -28,7 +29,7 @@ from typing import Any
 
 from fastckpt import _native
 from fastckpt.container.commit import DirectoryWriter
-from fastckpt.container.copy import IndexCopy, copy_files, read_verified, remember_written
+from fastckpt.container.copy import IndexCopy, copy_files, remember_written
 from fastckpt.container.promote import Promoter
 from fastckpt.container.verify import verify
 from fastckpt.errors import FastCkptError, NotCommittedError
@@ -109,8 +110,6 @@ def promote_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike
     for relpath, file_record in record["files"].items():
         check_relpath(relpath, "file")
         files[_stripped(record, relpath)] = (source / relpath, file_record)
-    for path, file_record in files.values():  # proven before the target is touched
-        read_verified(path, file_record, what)
     root = target.parent
     writer = DirectoryWriter(target)
     held: dict[str, Mapping[str, Any] | None] = {}
