@@ -41,7 +41,7 @@ LOWEST_TESTS := tests/test_files.py tests/test_checkpoint.py tests/test_manager.
 BENCH_ARGS ?= --size-gib 1.5 --repeats 3 --drop-caches --out benches/results
 
 .PHONY: setup demo wheel test lint bench cargo-test cargo-test-aarch64 aarch64-tools pytest \
-	test-lowest clean s3-server bench-s3 bench-s3-sharded
+	test-lowest clean s3-server bench-s3 bench-s3-sharded bench-tiers
 
 setup: $(VENV)/.fastckpt-built
 
@@ -153,6 +153,12 @@ bench-s3: setup s3-server
 BENCH_S3_SHARDED_ARGS ?= --size-mib 256 --repeat 3 --out benches/results
 bench-s3-sharded: setup
 	$(PY) -m fastckpt.bench s3-sharded $(BENCH_S3_SHARDED_ARGS)
+
+# Tiers: a training loop checkpointing to a fast tier promoted to S3 / a throttled directory,
+# against straight to them, and restores from each tier (fastckpt.bench.tiers, docs/tiers.md).
+BENCH_TIERS_ARGS ?= --size-mib 256 --repeats 3 --out benches/results
+bench-tiers: setup s3-server
+	$(PY) -m fastckpt.bench tiers $(BENCH_TIERS_ARGS)
 
 # The Rust S3 server the object-storage benchmark prefers to moto (fastckpt.bench.s3
 # --server auto): built once into .tools/ (ignored by git), for `make bench` only; without
