@@ -14,11 +14,26 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 CONFIGS = ("fast", "fast+s3", "s3", "throttled", "fast+throttled")
+
+
+@pytest.fixture(autouse=True)
+def _schemes_restored() -> Iterator[None]:
+    """The bench registers its ``throttled://`` scheme in this process: take it out again
+    after each test, so that later tests see only the package's own schemes."""
+    from fastckpt.storage import registry
+
+    before = dict(registry.SCHEMES)
+    yield
+    registry.SCHEMES.clear()
+    registry.SCHEMES.update(before)
+
+
 TIERS = ("ram", "disk", "s3", "throttled")
 
 
