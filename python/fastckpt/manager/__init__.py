@@ -365,7 +365,15 @@ class CheckpointManager:
             # while the durable one lags or is down); older waiting ones may go (superseded).
             queued = promoter.queued()
             spare = {path.name, *queued[-1:]}
-            prune_checkpoints(path.parent, tiers.keep_last, spare=spare)
+            try:
+                prune_checkpoints(path.parent, tiers.keep_last, spare=spare)
+            except (OSError, FastCkptError) as err:  # the save itself is committed
+                _LOGGER.warning(
+                    "%s: the fast tier's keep_last=%d failed (%s); the next save retries",
+                    display_path(path.parent),
+                    tiers.keep_last,
+                    err,
+                )
 
     def latest(self) -> NearestCheckpoint:
         """The newest checkpoint that verifies on the tiers (the fast tier first; the
