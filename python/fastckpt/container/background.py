@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
-__all__ = ["BACKGROUND_NICE", "BackgroundWriter", "WriteFuture", "background_executor"]
+__all__ = [
+    "BACKGROUND_NICE",
+    "BackgroundWriter",
+    "WriteFuture",
+    "background_executor",
+    "report_tolerated",
+]
 
 #: How much lower than the training thread the background writer runs (Linux nice units).
 #: On a machine with few cores the writer's copies and syscalls otherwise take CPU from the
@@ -370,3 +378,23 @@ class BackgroundWriter(Generic[T]):
             if self._capture_executor is not None:
                 self._capture_executor.shutdown(wait=True)
                 self._capture_executor = None
+
+
+def report_tolerated(
+    logger: logging.Logger,
+    message: str,
+    error: BaseException,
+    callback: Callable[[Any], object] | None,
+    *,
+    stacklevel: int = 1,
+) -> None:
+    """Report a failure training goes on after (a save or a promotion that is not strict):
+    ``message`` logged as a warning and warned as a ``RuntimeWarning``, then ``error`` given
+    to ``callback``; an exception the callback raises is logged and dropped."""
+    logger.warning("%s", message)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+    if callback is not None:
+        try:
+            callback(error)
+        except Exception:
+            logger.exception("the error callback %r failed", callback)

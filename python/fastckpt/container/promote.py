@@ -38,12 +38,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastckpt.container.background import report_tolerated
 from fastckpt.container.commit import IndexWriter, clean_leftovers, index_intact, prune_indices
 from fastckpt.container.copy import (
     IndexCopy,
@@ -390,14 +390,8 @@ class Promoter:
                 f"{display_path(self.source)} {display_path(self.target)})"
             )
             error.__cause__ = err
-            _LOG.warning("%s", error)
-            warnings.warn(str(error), RuntimeWarning, stacklevel=1)
             self.error = error
-            if self.on_error is not None:
-                try:
-                    self.on_error(error)
-                except Exception:
-                    _LOG.exception("the on_error callback of the promotion failed")
+            report_tolerated(_LOG, str(error), error, self.on_error)
             return
         self.error = None
 

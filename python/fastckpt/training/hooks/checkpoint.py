@@ -15,13 +15,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from fastckpt.checkpoint.components import Snapshot, plan_incremental, write_snapshot
-from fastckpt.container.background import BackgroundWriter
+from fastckpt.container.background import BackgroundWriter, report_tolerated
 from fastckpt.container.commit import prune_indices
 from fastckpt.container.promote import Promoter
 from fastckpt.errors import FastCkptError, MixedRunError, PromotionError
@@ -274,13 +273,7 @@ class CheckpointHook:
                 f"CheckpointHook: a save to {where} failed ({type(err).__name__}: {err}); "
                 "training goes on, the next checkpoint is attempted as usual"
             )
-            _LOG.warning("%s", message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-            if self.on_save_error is not None:
-                try:
-                    self.on_save_error(err)
-                except Exception:
-                    _LOG.exception("the on_save_error callback of the hook failed")
+            report_tolerated(_LOG, message, err, self.on_save_error, stacklevel=3)
             return
         if index is not None:
             self.last_checkpoint_index = index
