@@ -266,8 +266,10 @@ def test_a_target_file_replaced_since_it_was_promoted_is_not_reused(tmp_path: Pa
     _source(fast, saves=2)
     promote_index(fast, durable, 0)
     # Someone rewrites durable/0's tensor file (same bytes, another inode): what this process
-    # wrote is no longer what is there, so nothing is linked from it.
+    # wrote is no longer what is there, so nothing is linked from it. (A link to the old
+    # inode is kept so that the new file cannot be given its number.)
     weights = durable / "0" / "models" / "main.safetensors"
+    os.link(weights, tmp_path / "old-inode")
     data = weights.read_bytes()
     weights.unlink()
     weights.write_bytes(data)
@@ -280,6 +282,33 @@ def test_a_target_file_replaced_since_it_was_promoted_is_not_reused(tmp_path: Pa
     forget_promoted()
     assert promote_index(fast, durable, 1).reused == 0
     assert fastckpt.verify(durable).ok
+
+
+def test_a_target_file_rewritten_in_place_is_not_linked(tmp_path: Path) -> None:
+    # Same inode, same size, other bytes (rewritten in place, or a deleted file's inode number
+    # handed to a new one): the inode proves nothing, the linked bytes are read back and the
+    # link dropped for a full copy.
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    forget_promoted()
+    states = _source(fast, saves=2)
+    promote_index(fast, durable, 0)
+    weights = durable / "0" / "models" / "main.safetensors"
+    before = os.stat(weights)
+    with open(weights, "r+b") as handle:
+        handle.seek(before.st_size - 4)
+        handle.write(b"\xde\xad\xbe\xef")
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert _inode(weights) == before.st_ino
+    done = promote_index(fast, durable, 1)
+    linked = durable / "1" / "linked" / "0.safetensors"
+    assert _inode(linked) != _inode(weights)
+    assert done.reused == _files(fast, 1)["optimizers/sgd.safetensors"][0]
+    assert done.copied + done.reused == sum(size for size, _ in _files(fast, 1).values())
+    got = fastckpt.load_checkpoint(durable, 1)["models"]["main"]["model"].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in states[1].items())
+    # The damaged index fails verification; the newest one is intact.
+    assert not fastckpt.verify(durable, 0).ok
+    assert fastckpt.verify(durable, 1).ok
 
 
 def test_unchanged_files_are_copied_by_the_s3_server(s3_server: S3Server, tmp_path: Path) -> None:

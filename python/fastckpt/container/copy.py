@@ -13,9 +13,10 @@ it promoted there and the exact version it wrote (:meth:`Staging.identity
 <fastckpt.storage.backend.Staging.identity>`: the inode locally, the etag on an object store).
 A later file whose digest equals a remembered one, whose container is still committed in the
 target listing it with the same size and crc32c, is stored by the target itself from that
-version (:meth:`Staging.put_copy <fastckpt.storage.backend.Staging.put_copy>`: a hard link, a
-server-side copy conditional on the etag) instead of being uploaded; a target that cannot, or
-whose file was replaced since, gets the bytes uploaded. Bytes are reused only on that proof,
+version (:meth:`Staging.put_copy <fastckpt.storage.backend.Staging.put_copy>`: a hard link
+whose bytes are read back against the record, a server-side copy conditional on the etag)
+instead of being uploaded; a target that cannot, or whose file was replaced or rewritten since,
+gets the bytes uploaded. Bytes are reused only on that proof,
 never on a size or crc32c match; a new process starts with full copies (like incremental
 saves, see :mod:`fastckpt.container.incremental`). A fast tier's incremental saves keep
 unchanged tensors in ``linked/`` files that are the very files of an earlier checkpoint, so a

@@ -125,6 +125,16 @@ MAX_RECORD_BYTES = 1 << 30
 _READ_PIECE = 16 << 20
 
 
+def _file_checksum(path: Path) -> tuple[int, int]:
+    """``(size, crc32c)`` of a local file, read in 16 MiB pieces."""
+    crc = size = 0
+    with open(path, "rb") as handle:
+        while piece := handle.read(_READ_PIECE):
+            crc = _native.crc32c(piece, crc)
+            size += len(piece)
+    return size, crc
+
+
 class WriterLock(Protocol):
     """The exclusive writer lock of a container, as :meth:`StorageBackend.lock` returns it
     (locally :class:`~fastckpt.storage.lock.RootLock`, a ``flock``; on an object store a lease
@@ -576,14 +586,27 @@ class LocalStaging(Staging):
 
     def put_copy(self, relpath: str, source: Path, record: FileRecord, identity: Hashable) -> bool:
         """A hard link to ``source`` (:meth:`put_link`) when it is still the inode
-        ``identity`` names; False where no link can be made or the inode differs."""
+        ``identity`` names and the linked bytes are proven to be ``record``'s (read back:
+        size and crc32c). An inode number is no proof on its own: a file deleted since may
+        have handed its number to another one, and a file may be rewritten in place. False
+        where no link can be made, the inode differs or the bytes do (the link is removed).
+        """
         if not isinstance(identity, tuple) or len(identity) != 2:
             return False
         try:
             self.put_link(relpath, source, record, (int(identity[0]), int(identity[1])))
         except OSError:
             return False
-        return True
+        linked = self._target(relpath)
+        try:
+            proven = _file_checksum(linked) == (int(record["size"]), int(record["crc32c"]))
+        except OSError:
+            proven = False
+        if not proven:
+            del self.files[relpath]
+            with contextlib.suppress(OSError):
+                linked.unlink()
+        return proven
 
     def adopt(self, location: str, relpath: str, record: FileRecord) -> None:
         """Move a file from another staging directory into this one."""
@@ -653,12 +676,7 @@ class LocalFileSystem(StorageBackend):
 
     def checksum(self, path: Path) -> tuple[int, int]:
         """``(size, crc32c)`` read in 16 MiB pieces."""
-        crc = size = 0
-        with open(path, "rb") as handle:
-            while piece := handle.read(_READ_PIECE):
-                crc = _native.crc32c(piece, crc)
-                size += len(piece)
-        return size, crc
+        return _file_checksum(path)
 
     def verify_tensors(self, path: Path, threads: int) -> tuple[int, list[str]]:
         """The Rust verifier (GIL released)."""
