@@ -212,6 +212,55 @@ def strategy_tiers_train() -> None:
     leave_process_group()
 
 
+def strategy_node_tiers_train() -> None:
+    """:func:`strategy_tiers_train` with node-local fast tiers: rank R saves to LOCAL/node<R>
+    (its own directory, one simulated node each), both promote to URL/node-tiers
+    (durable_keep_last=2); prints the losses, the hook's health and what the rank promoted."""
+    from dcp_support import build_model
+    from sharded_ranks import Recorder, loader, shard, training_fn
+
+    local, rank, _ = setup_rank()
+    torch.manual_seed(0)
+    recorder = Recorder(local, save_at=(4, 6))
+    hook = fastckpt.CheckpointHook(
+        local / f"node{rank}",
+        step_interval=2,
+        keep_last=2,
+        durable_dir=f"{_url()}/node-tiers",
+        durable_keep_last=2,
+    )
+    strategy = fastckpt.TrainingStrategy(
+        shard(build_model()),
+        fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
+        training_fn=training_fn,
+        hooks=[hook, recorder],
+        num_steps=6,
+    )
+    strategy.run(loader())
+    promoter = hook.promoter
+    report = {
+        "rank": rank,
+        "losses": recorder.losses,
+        "healthy": hook.promotion_healthy,
+        "promoter": type(promoter).__name__,
+        "promoted": [] if promoter is None else promoter.promoted,
+    }
+    print(json.dumps(report))
+    leave_process_group()
+
+
+def strategy_node_tiers_resume() -> None:
+    """``sharded_ranks.resume_and_compare`` of index 1 on WORLD ranks from the node-local fast
+    root LOCAL/node0 (which holds rank 0's shards only) falling back to URL/node-tiers."""
+    from sharded_ranks import resume_and_compare
+
+    local, rank, _ = setup_rank()
+    tiers = [f"{_url()}/node-tiers"]
+    report = resume_and_compare(local / "node0", local, rank, fallback_dirs=tiers)
+    print(json.dumps(report))
+    leave_process_group()
+
+
 def strategy_tiers_resume() -> None:
     """``sharded_ranks.resume_and_compare`` of index 1 from the fast root LOCAL/fast (deleted
     by the test: a new node) falling back to URL/tiers, on WORLD ranks."""

@@ -23,7 +23,10 @@ import torch
 import fastckpt
 import fastckpt.dcp
 from dcp_support import check_ok, launch, spawn
+from fastckpt.container.promote import promote_index
 from fastckpt.container.sharded.commit import RECORD_NAME
+from fastckpt.container.sharded.promote import upload_rank_files
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from s3_support import S3Server, s3_server
 
 __all__ = ["s3_server"]  # a fixture used by name below
@@ -268,3 +271,106 @@ def test_a_sharded_run_restores_resharded_from_the_durable_tier_when_the_fast_on
     assert report["sharded"] and report["step"] == 4
     assert report["restored_from"].endswith("/tiers"), report
     assert report["loaded_bad"] == [] and report["final_close"], report
+
+
+# --------------------------------------------------------------------------- node-local tiers
+
+
+@pytest.fixture(scope="module")
+def node_tiered(
+    s3_server: S3Server, env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, str]:
+    """A 2-rank FSDP2 run whose ranks save to their own fast roots (LOCAL/node0, LOCAL/node1:
+    one simulated node each) and promote to URL/node-tiers (see
+    s3_dcp_ranks.strategy_node_tiers_train)."""
+    local = tmp_path_factory.mktemp("node-tiers")
+    url = s3_server.url(f"node-tiers-{os.getpid()}-{time.time_ns()}")
+    outputs = check_ok(launch("strategy_node_tiers_train", local, 2, url, ranks="s3_dcp_ranks"))
+    reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert reports[0]["losses"] == reports[1]["losses"]
+    assert all(report["healthy"] for report in reports), reports
+    # Rank 0 committed (Promoter), rank 1 uploaded its own shards of each index (RankPromoter).
+    assert [r["promoter"] for r in reports] == ["Promoter", "RankPromoter"], reports
+    # (Which earlier indices each got to before the fast tiers' keep_last pruned them is a
+    # matter of timing; the newest is spared until promoted.)
+    assert all(r["promoted"][-1] == 2 for r in reports), reports
+    return local, url
+
+
+def test_node_local_fast_tiers_are_promoted_rank_by_rank(
+    s3_server: S3Server, node_tiered: tuple[Path, str]
+) -> None:
+    local, url = node_tiered
+    durable = f"{url}/node-tiers"
+    assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [1, 2]
+    assert fastckpt.verify(durable).ok
+    keys = _keys(s3_server, durable)
+    for index in ("1", "2"):
+        ours = [k for k in keys if f"/sharded/{index}/" in k]
+        names = sorted(k.rsplit("/", 1)[1] for k in ours if k.endswith(".safetensors"))
+        assert names == ["rank-00000.safetensors", "rank-00001.safetensors"], ours
+        assert len([k for k in ours if k.endswith(RECORD_NAME)]) == 1, ours
+    # Node 0 holds the indices (keep_last=2) with rank 0's shards; node 1 only rank 1's shards
+    # of the same indices (its retention follows rank 0's), each part with its record copied.
+    node0, node1 = local / "node0", local / "node1"
+    assert [c["index"] for c in fastckpt.list_checkpoints(node0)] == [1, 2]
+    assert not (node1 / "manifest.json").exists()
+    assert sorted(p.name for p in (node1 / "sharded").iterdir()) == ["1", "2"]
+    for index in ("1", "2"):
+        (part,) = (node1 / "sharded" / index).iterdir()
+        assert (part / RECORD_NAME).is_file()
+        assert sorted(f.name for f in part.glob("*/*.safetensors")) == ["rank-00001.safetensors"]
+        (part0,) = (node0 / "sharded" / index).iterdir()
+        assert (part0 / RECORD_NAME).read_bytes() == (part / RECORD_NAME).read_bytes()
+        assert sorted(f.name for f in part0.glob("*/*.safetensors")) == ["rank-00000.safetensors"]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_node_local_fast_tiers_restore_resharded_from_the_durable_tier(
+    node_tiered: tuple[Path, str], world: int
+) -> None:
+    # Node 0's copy of index 1 lacks rank 1's shards: the restore says so and reshards the
+    # durable copy onto WORLD ranks, bitwise.
+    local, url = node_tiered
+    outputs = check_ok(
+        launch("strategy_node_tiers_resume", local, world, url, ranks="s3_dcp_ranks")
+    )
+    report = json.loads(outputs[0].strip().splitlines()[-1])
+    assert report["sharded"] and report["step"] == 4
+    assert report["restored_from"].endswith("/node-tiers"), report
+    assert report["loaded_bad"] == [] and report["final_close"], report
+
+
+def test_a_node_local_part_is_committed_only_once_every_rank_uploaded_its_shards(
+    node_tiered: tuple[Path, str], tmp_path: Path
+) -> None:
+    local, _ = node_tiered
+    node0, node1, durable = local / "node0", local / "node1", tmp_path / "durable"
+    # Node 0 alone cannot promote index 2 as a whole: rank 1's shards are on node 1.
+    with pytest.raises(CheckpointFormatError, match=r"rank-00001\.safetensors"):
+        promote_index(node0, durable, 2)
+    # As rank 0 of node-local tiers it uploads its own and waits for rank 1's: in vain here,
+    # so nothing is committed.
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\]"):
+        promote_index(node0, durable, 2, node_local=True, wait_s=0.3)
+    assert not (durable / "manifest.json").exists()
+    # Rank 1 uploads its shards of every due index its node holds; then the commit goes through
+    # and the durable copy verifies, every rank's file proven against the part's record.
+    assert upload_rank_files(node1, durable, 2, 1, set()) == [2]
+    promote_index(node0, durable, 2, node_local=True, wait_s=0.3)
+    assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [2]
+    assert fastckpt.verify(durable).ok
+    (part,) = (durable / "sharded" / "2").iterdir()
+    names = sorted(f.name for f in part.glob("*/*.safetensors"))
+    assert names == ["rank-00000.safetensors", "rank-00001.safetensors"]
+    # A damaged shard on node 1 is refused by its rank's upload, naming it.
+    (part1,) = (node1 / "sharded" / "1").iterdir()
+    (shard,) = part1.glob("*/rank-00001.safetensors")
+    damaged = tmp_path / "node1"
+    shutil.copytree(node1, damaged)
+    target = damaged / shard.relative_to(node1)
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 0xFF
+    target.write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatchError, match=r"rank-00001\.safetensors"):
+        upload_rank_files(damaged, tmp_path / "other", 1, 1, set())

@@ -53,7 +53,12 @@ from fastckpt.container.copy import (
     remember_written,
 )
 from fastckpt.container.sharded.parts import index_dir
-from fastckpt.container.sharded.promote import prove_part, write_part
+from fastckpt.container.sharded.promote import (
+    part_problem,
+    prove_part,
+    upload_rank_files,
+    write_part,
+)
 from fastckpt.errors import (
     CheckpointFormatError,
     FastCkptError,
@@ -69,6 +74,7 @@ __all__ = [
     "NearestCopy",
     "Promoter",
     "PromotionReport",
+    "RankPromoter",
     "forget_promoted",  # re-exported from fastckpt.container.copy
     "nearest_intact",
     "promote",
@@ -107,17 +113,27 @@ def _distinct(source: Path, target: Path) -> None:
 
 
 def promote_index(
-    source: str | os.PathLike[str], target: str | os.PathLike[str], index: int
+    source: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    index: int,
+    *,
+    node_local: bool = False,
+    wait_s: float | None = None,
 ) -> IndexCopy:
     """Copy the committed index ``index`` of the root ``source`` into the root ``target`` as
     a committed index with the same number (replacing one already there); see the module
     docstring for the protocol and for the files that are not transferred again.
+
+    ``node_local``: ``source`` is rank 0's node-local fast root of a sharded run; the other
+    ranks' shards are uploaded by their ranks, waited for up to ``wait_s`` seconds (see
+    :mod:`fastckpt.container.sharded.promote`).
 
     Raises:
         NotCommittedError: ``source`` has no committed index ``index``.
         ChecksumMismatchError / CheckpointFormatError: a source file is damaged or missing
             (names it); the target is untouched.
         ValueError: a sharded index written before parts existed (not promotable).
+        TimeoutError: ``node_local`` and another rank's shards did not arrive in time.
     """
     source, target = Path(source), Path(target)
     _distinct(source, target)
@@ -130,7 +146,7 @@ def promote_index(
             f"{committed or 'none'})"
         )
     what = f"index {index} of {display_path(source)}"
-    part = prove_part(source, manifest, index, what)
+    part = prove_part(source, manifest, index, what, node_local=node_local)
     files: dict[str, tuple[Path, Mapping[str, Any]]] = {}
     for relpath, record in (entry.get("files") or {}).items():
         check_relpath(relpath, "file")
@@ -144,7 +160,7 @@ def promote_index(
             read_verified(path, record, what)
     writer = IndexWriter(target, index)  # the target's lock, held until the commit
     try:
-        part_bytes = 0 if part is None else write_part(target, index, part, what)
+        part_bytes = 0 if part is None else write_part(target, index, part, what, wait_s=wait_s)
         held = Manifest.load(target)
 
         def listed(container: str, relpath: str) -> Mapping[str, Any] | None:
@@ -184,13 +200,16 @@ def promote(
     *,
     every: int = 1,
     newest: bool = True,
+    node_local: bool = False,
+    wait_s: float | None = None,
 ) -> PromotionReport:
     """Bring ``target`` up to date with ``source``: every committed index of ``source``
     whose number is a multiple of ``every`` (and, with ``newest``, the newest whatever its
     number) and is newer than ``target``'s newest index is promoted, oldest first (see
     :func:`promote_index`); so is ``target``'s newest index itself when its files differ from
     the source's. Older indices ``target`` lacks (pruned there) are not copied again.
-    A promotion that a killed process left unfinished is thereby finished.
+    A promotion that a killed process left unfinished is thereby finished. ``node_local``,
+    ``wait_s``: as for :func:`promote_index`.
 
     Raises:
         ValueError: ``every`` < 1, or ``target`` is ``source``.
@@ -217,7 +236,7 @@ def promote(
             report.skipped.append(index)
             continue
         try:
-            done = promote_index(source, target, index)
+            done = promote_index(source, target, index, node_local=node_local, wait_s=wait_s)
             report.bytes_copied += done.copied
             report.bytes_reused += done.reused
         except (CheckpointFormatError, NotCommittedError, FileNotFoundError):
@@ -274,6 +293,11 @@ class Promoter:
         _distinct(self.source, self.target)
         self.every, self.keep_last, self.strict = every, keep_last, strict
         self.on_error = on_error
+        #: Rank 0 of a sharded run on node-local fast tiers (set by the hook when it sees
+        #: it): the other ranks upload their own shards (:class:`RankPromoter`), waited for
+        #: up to :attr:`wait_s` seconds.
+        self.node_local = False
+        self.wait_s: float | None = 600.0
         #: The indices promoted so far by this promoter, in order.
         self.promoted: list[int | str] = []
         #: The target's newest committed index after the last successful run (None before).
@@ -369,7 +393,14 @@ class Promoter:
     def _attempt(self) -> None:
         """One promotion run: :func:`promote`, then the target's retention (raises what
         fails)."""
-        report = promote(self.source, self.target, every=self.every, newest=False)
+        report = promote(
+            self.source,
+            self.target,
+            every=self.every,
+            newest=False,
+            node_local=self.node_local,
+            wait_s=self.wait_s,
+        )
         if self.keep_last is not None and report.promoted:
             # prune_indices never deletes the newest index that verifies; the sharded parts
             # of the pruned indices go after it (a local root sweeps them itself).
@@ -394,6 +425,37 @@ class Promoter:
             report_tolerated(_LOG, str(error), error, self.on_error)
             return
         self.error = None
+
+
+class RankPromoter(Promoter):
+    """A rank's share of promoting a sharded run whose fast tier is node-local (rank ``rank``
+    > 0): each run uploads this rank's files of the due parts of its node's fast root
+    (:func:`~fastckpt.container.sharded.promote.upload_rank_files`); rank 0's
+    :class:`Promoter` commits them. Reports, retries and :meth:`close` as :class:`Promoter`.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str],
+        target: str | os.PathLike[str],
+        rank: int,
+        *,
+        every: int = 1,
+        strict: bool = False,
+        on_error: Callable[[PromotionError], object] | None = None,
+    ) -> None:
+        """Configure; the thread starts on the first :meth:`submit`."""
+        super().__init__(source, target, every=every, strict=strict, on_error=on_error)
+        self.rank = rank
+        self._uploaded: set[str] = set()
+
+    def awaiting(self, newest: int) -> int | None:
+        """Not tracked here: rank 0's retention decides what every node keeps."""
+        return None
+
+    def _attempt(self) -> None:
+        done = upload_rank_files(self.source, self.target, self.every, self.rank, self._uploaded)
+        self.promoted.extend(done)
 
 
 @dataclass
@@ -422,9 +484,11 @@ def nearest_intact(
 ) -> NearestCopy:
     """The copy to restore from ``tiers`` (fastest first: the fast root, then the durable
     ones): the newest index that verifies on any tier (every file against its manifest
-    record, referenced tensors included), taken from the first tier that holds it intact;
-    with ``index``, that index from the first tier holding it intact. A tier that is gone
-    (a new node) or unreadable is passed over.
+    record, referenced tensors included; a sharded index's part record against the index and
+    every rank's file present with its size, the chunks being verified as they load), taken
+    from the first tier that holds it intact; with ``index``, that index from the first tier
+    holding it intact. A tier that is gone (a new node) or unreadable is passed over, and so
+    is a node-local fast tier, which holds only its own node's shards.
 
     Raises:
         NotCommittedError: no tier holds an intact copy (of ``index``); the message lists
@@ -444,7 +508,7 @@ def nearest_intact(
                 continue
             if best is not None and candidate <= best[0]:
                 break  # an earlier (faster) tier already holds this one or a newer one
-            problem = index_intact(manifest, candidate)
+            problem = index_intact(manifest, candidate) or part_problem(manifest, candidate)
             if problem is None:
                 best = (candidate, tier)
                 break

@@ -184,7 +184,7 @@ class Writer(StorageWriter, DcpStager):
             self.path,
             generation,
             encode_record(generation, metadata, storage),
-            lambda: _check_files_present(directory, storage),
+            lambda: _check_files_present(directory, storage, self.rank),
         )
 
     def storage_meta(self) -> StorageMeta | None:
@@ -329,11 +329,23 @@ class Writer(StorageWriter, DcpStager):
         ]
 
 
-def _check_files_present(directory: Path, storage: dict[MetadataIndex, StoredChunk]) -> None:
-    """Refuse to commit unless every file the results name is in place with its size (a
-    concurrent save's cleanup may have removed an older, still unfinished generation)."""
+def _check_files_present(
+    directory: Path, storage: dict[MetadataIndex, StoredChunk], rank: int
+) -> None:
+    """Refuse to commit unless the coordinator's own files (rank ``rank``; every file when it
+    wrote none) are in place with their sizes: a concurrent save's cleanup removes an older,
+    still unfinished generation as a whole. The other ranks' files are taken from their
+    results (each rank wrote its files durably before reporting them): on node-local
+    storage (each node its own disk, see docs/tiers.md) the coordinator cannot see them."""
     backend = backend_for(directory)
-    for name, size in {chunk.file: chunk.file_len for chunk in storage.values()}.items():
+    sizes = {chunk.file: chunk.file_len for chunk in storage.values()}
+    own = data_file_name(rank, 0, "")
+    mine = {
+        name: size
+        for name, size in sizes.items()
+        if name.startswith(own) and name[len(own) : len(own) + 1] in (".", "-")
+    }
+    for name, size in (mine or sizes).items():
         path = directory / name
         try:
             actual: int | None = backend.stat(path).size

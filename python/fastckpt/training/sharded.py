@@ -15,9 +15,11 @@ whole; readers see the old or the new index.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,7 @@ if TYPE_CHECKING:  # importing fastckpt.dcp loads torch.distributed.checkpoint: 
 
 __all__ = [
     "SHARDED_DIR",
+    "SharedCommit",
     "async_save_sharded",
     "check_not_fsdp1",
     "check_recordable",
@@ -45,6 +48,7 @@ __all__ = [
     "remove_sharded",
     "save_sharded",
     "sharded_path",
+    "share_commit",
     "sweep_parts",
     "unsharded_spec",
 ]
@@ -212,10 +216,17 @@ def async_save_sharded(
     )
     committed: Future[None] = Future()
 
+    import torch.distributed as dist
+
+    # Rank 0 names the part in the index it commits (another rank's root may not hold the
+    # record: a node-local disk, see share_commit).
+    commits = not dist.is_initialized() or dist.get_rank() == 0
+
     def done(future: Any) -> None:
         try:
             future.result()
-            fields.update(part_record(path))
+            if commits:
+                fields.update(part_record(path))
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             committed.set_exception(err)
             return
@@ -274,3 +285,94 @@ def remove_sharded(root: str | Path, indices: list[int]) -> None:
             shutil.rmtree(sharded_path(root, index), ignore_errors=True)
         else:
             backend.delete(sharded_path(root, index))
+
+
+@dataclass(frozen=True)
+class SharedCommit:
+    """What every rank learns after rank 0 committed a sharded index (:func:`share_commit`).
+
+    Attributes:
+        node_local: this rank's root lacks files of the committed part that other ranks
+            wrote: each node saves to its own disk (docs/tiers.md, node-local fast tiers).
+        kept: the indices rank 0's root holds after its retention.
+    """
+
+    node_local: bool
+    kept: tuple[int, ...]
+
+
+def share_commit(
+    root: str | Path,
+    index: int,
+    *,
+    failure: BaseException | None = None,
+    process_group: Any = None,
+) -> SharedCommit:
+    """After rank 0 committed index ``index`` of ``root`` (and applied its retention) or
+    failed to (``failure``, on rank 0): tell every rank (collective, on ``process_group``).
+
+    Rank 0 sends the committed part's name, its commit record and the indices it keeps. A
+    rank whose ``root`` does not hold that record (each node its own disk) writes it into its
+    node's copy of the part, whose files it wrote, so that the node can promote its shards
+    (:class:`fastckpt.container.promote.RankPromoter`), and removes the sharded parts of the
+    indices rank 0 no longer keeps.
+
+    Raises:
+        RuntimeError: rank 0 failed (on the other ranks; rank 0 raises ``failure`` itself).
+    """
+    import torch.distributed as dist
+
+    from fastckpt.container.sharded.commit import RECORD_NAME
+    from fastckpt.container.sharded.parts import committed_part
+    from fastckpt.container.sharded.promote import held_elsewhere
+
+    root = Path(root)
+    world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    message: list[Any] = [None]
+    if rank == 0:
+        try:
+            if failure is not None:
+                raise failure
+            manifest = records.Manifest.load(root)
+            part = committed_part(manifest, index)
+            record = None if part is None else records.read_record_bytes(part.path, RECORD_NAME)
+            name = None if part is None else part.name
+            message[0] = ("ok", name, record, tuple(sorted(manifest.entries)))
+        except BaseException as err:
+            message[0] = ("failed", f"{type(err).__name__}: {err}")
+            if world > 1:
+                dist.broadcast_object_list(message, src=0, group=process_group)
+            raise
+    if world > 1:
+        dist.broadcast_object_list(message, src=0, group=process_group)
+    if message[0][0] != "ok":
+        raise RuntimeError(f"rank 0 could not commit index {index} of {root}: {message[0][1]}")
+    _, name, record, kept = message[0]
+    if name is None or record is None:
+        return SharedCommit(False, kept)
+    path = sharded_path(root, index, name)
+    generation = json.loads(record)["generation"]
+    if rank != 0 and not (path / RECORD_NAME).is_file() and (path / generation).is_dir():
+        from fastckpt.container.commit import commit_generation
+
+        commit_generation(path, RECORD_NAME, record, generation)
+    files = json.loads(record)["files"]
+    node_local = bool(held_elsewhere(path, generation, files))
+    if node_local and rank != 0:
+        _prune_node(root, kept, index)
+    return SharedCommit(node_local, kept)
+
+
+def _prune_node(root: Path, kept: tuple[int, ...], newest: int) -> None:
+    """On a node-local root of a rank other than 0: remove the sharded parts of the indices
+    up to ``newest`` that rank 0 no longer keeps (its retention decides for every node)."""
+    base = Path(root) / SHARDED_DIR
+    try:
+        names = [name for name in base.iterdir() if name.name.isdigit()]
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for directory in names:
+        index = int(directory.name)
+        if index < newest and index not in kept and not directory.is_symlink():
+            shutil.rmtree(directory, ignore_errors=True)

@@ -18,27 +18,67 @@ A promotion killed before step 3 leaves a part no committed index names: the nex
 promotion or prune of the target removes it (:func:`fastckpt.container.sharded.parts.sweep`).
 Restoring from the promoted copy reshards like any sharded checkpoint (``parallelize=``).
 
-The fast root must be readable by the promoting process in full (one filesystem shared by the
-ranks of a node, the usual single-node case). Ranks on several nodes, each with its own
-node-local fast tier, are not supported yet.
+**Node-local fast tiers** (each node's ranks save to their own disk, so a node's fast root
+holds the index, manifest and part record only on rank 0's node, and every node only its own
+ranks' files; the part record is copied to every node at commit, see
+:func:`fastckpt.training.sharded.share_part_record`): the part is promoted rank by rank. Every
+rank uploads its own files (:func:`upload_rank_files`: read from its node, proven against the
+part record, written atomically into the target part's generation); rank 0 uploads its own,
+waits until every other rank's file is in the target with its recorded size
+(:func:`write_part` with ``wait_s``), and only then writes the part record, the index and the
+manifest. A rank that never uploads (its node died) times the promotion out: nothing is
+committed, the next promotion retries, and the files already uploaded are removed with the part
+by the target's next sweep once a later index is committed.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fastckpt import _native
 from fastckpt.container.commit import DirectoryWriter, commit_generation
-from fastckpt.container.copy import copy_files
+from fastckpt.container.copy import copy_files, read_verified
 from fastckpt.container.sharded.parts import Part, committed_part, index_dir
-from fastckpt.errors import ChecksumMismatchError
-from fastckpt.format.records import SHARDED_RECORD, Manifest, read_record_bytes
-from fastckpt.storage.registry import display_path
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.format.records import SHARDED_DIR, SHARDED_RECORD, Manifest, read_record_bytes
+from fastckpt.storage.registry import backend_for, display_path, is_local
 
-__all__ = ["PartCopy", "prove_part", "write_part"]
+__all__ = [
+    "PartCopy",
+    "held_elsewhere",
+    "node_local_root",
+    "part_problem",
+    "prove_part",
+    "rank_of",
+    "upload_rank_files",
+    "write_part",
+]
+
+#: ``rank-00003.safetensors``, ``rank-00003-1.safetensors``, ``rank-00003.values``
+#: (:func:`fastckpt.container.sharded.commit.data_file_name`).
+_RANK_FILE = re.compile(r"^rank-(\d{5,})(?:-\d+)?\.")
+#: Seconds between two looks at the target while waiting for the other ranks' uploads.
+_POLL_S = 0.2
+
+
+def rank_of(name: str) -> int | None:
+    """The rank that wrote the data file ``name`` of a sharded part (None: not a data
+    file name)."""
+    match = _RANK_FILE.match(name)
+    return None if match is None else int(match.group(1))
+
+
+def held_elsewhere(part: Path, generation: str, files: Mapping[str, Any]) -> list[str]:
+    """The files of a committed part's record (``files``) that this node's copy of the part
+    (``part``) does not hold: other nodes' ranks' files on node-local storage."""
+    return sorted(name for name in files if not os.path.exists(part / generation / name))
 
 
 @dataclass(frozen=True)
@@ -49,13 +89,17 @@ class PartCopy:
         part: the source part.
         record: the bytes of its commit record (checked against the index).
         generation: the generation directory its files are in.
-        files: file name -> (source path, ``{"size", "crc32c"}``).
+        files: file name -> (source path, ``{"size", "crc32c"}``): the files this process
+            copies.
+        elsewhere: on node-local storage, the other ranks' files (they upload them).
     """
 
     part: Part
     record: bytes
     generation: str
     files: dict[str, tuple[Path, Mapping[str, Any]]]
+    #: Node-local storage: file name -> record of the files other ranks upload themselves.
+    elsewhere: dict[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -63,10 +107,14 @@ class PartCopy:
         return sum(int(record["size"]) for _, record in self.files.values())
 
 
-def prove_part(source: Path, manifest: Manifest, index: int, what: str) -> PartCopy | None:
+def prove_part(
+    source: Path, manifest: Manifest, index: int, what: str, *, node_local: bool = False
+) -> PartCopy | None:
     """The sharded part of index ``index`` of ``source`` with its record proven against the
     index (None: the index has no sharded part); the data files are listed, not yet read (the
     caller proves them with :func:`~fastckpt.container.promote.read_verified`).
+    ``node_local``: ``source`` is rank 0's node-local root; only rank 0's files are copied
+    from it, the others are listed in ``elsewhere`` (their ranks upload them).
 
     Raises:
         ChecksumMismatchError: the part's record differs from the one the index committed.
@@ -92,22 +140,73 @@ def prove_part(source: Path, manifest: Manifest, index: int, what: str) -> PartC
         )
     record = decode_record(part.path / SHARDED_RECORD, raw)
     files: dict[str, tuple[Path, Mapping[str, Any]]] = {}
+    elsewhere: dict[str, Mapping[str, Any]] = {}
     for name, file_record in record.files.items():
         if file_record.get("crc32c") is None:
             raise ValueError(
                 f"{display_path(part.path / record.generation / name)}: recorded without a "
                 f"crc32c (an early fastckpt); {what} cannot be promoted with proof"
             )
-        files[name] = (part.path / record.generation / name, file_record)
-    return PartCopy(part, raw, record.generation, files)
+        if node_local and rank_of(name) != 0:
+            elsewhere[name] = file_record
+        else:
+            files[name] = (part.path / record.generation / name, file_record)
+    return PartCopy(part, raw, record.generation, files, elsewhere)
 
 
-def write_part(target: Path, index: int, copy: PartCopy, what: str) -> int:
+def part_problem(manifest: Manifest, index: int) -> str | None:
+    """Why the sharded part of committed index ``index`` cannot be restored from this root
+    (None: it can, or the index has none): its record differs from the one the index
+    recorded, or a file it lists is missing or has another size (another node's shards on
+    node-local storage, a deleted file). Sizes only: the bytes are verified as they are
+    loaded, which refuses a damaged chunk."""
+    try:
+        if committed_part(manifest, index) is None:
+            return None
+        what = f"index {index} of {display_path(manifest.root)}"
+        copy = prove_part(manifest.root, manifest, index, what)
+    except (CheckpointFormatError, ChecksumMismatchError, OSError, ValueError) as err:
+        return str(err)
+    if copy is None:
+        return None
+    for path, record in copy.files.values():
+        try:
+            size: int | None = backend_for(path).stat(path).size
+        except FileNotFoundError:
+            size = None
+        if size != int(record["size"]):
+            found = "missing" if size is None else f"{size} bytes"
+            return f"{display_path(path)}: {found}, the part's record holds {record['size']}"
+    return None
+
+
+def write_part(
+    target: Path, index: int, copy: PartCopy, what: str, *, wait_s: float | None = None
+) -> int:
     """Write the proven part ``copy`` as the part of index ``index`` of the root ``target``
     (its files, each read and proven again, then its commit record); the caller holds
-    ``target``'s lock and commits the index afterwards. Returns the bytes written."""
+    ``target``'s lock and commits the index afterwards. Returns the bytes written.
+
+    With files ``elsewhere`` (node-local storage), this process's files are put one by one
+    into the target's generation, next to the ones the other ranks upload
+    (:func:`upload_rank_files`), and the record is written only once every one of those is
+    there with its recorded size, waited for up to ``wait_s`` seconds.
+
+    Raises:
+        TimeoutError: files of other ranks still missing after ``wait_s`` (names them);
+            nothing was committed.
+    """
     assert copy.part.name is not None
     part_dir = index_dir(target, index) / copy.part.name
+    if copy.elsewhere:
+        written = 0
+        for name, (path, record) in copy.files.items():
+            data = read_verified(path, record, what)
+            _put_file(target, part_dir / copy.generation, name, data)
+            written += len(data)
+        _wait_for(part_dir / copy.generation, copy.elsewhere, wait_s, what)
+        commit_generation(part_dir, SHARDED_RECORD, copy.record, copy.generation)
+        return written
     writer = DirectoryWriter(part_dir / copy.generation, generations=False)
     try:
         done, _ = copy_files(copy.files, writer, part_dir, None, what)
@@ -117,3 +216,134 @@ def write_part(target: Path, index: int, copy: PartCopy, what: str) -> int:
         raise
     commit_generation(part_dir, SHARDED_RECORD, copy.record, copy.generation)
     return done.copied + done.reused
+
+
+def _put_file(root: Path, directory: Path, name: str, data: bytes) -> None:
+    """One file written atomically and durably into ``directory`` of the root ``root``
+    (locally temp -> fsync -> rename, with every directory made on the way fsynced; on an
+    object store one upload under the prefix), as the DCP writer writes each rank's files."""
+    backend = backend_for(directory)
+    if not is_local(backend):
+        backend.stage(directory).put_bytes(name, data)
+        return
+    os.makedirs(directory, exist_ok=True)
+    _native.write_bytes_atomic(str(directory / name), data, True)
+    here = directory
+    while here != root and here.parent != here:
+        _native.fsync_dir(str(here))
+        here = here.parent
+    _native.fsync_dir(str(root))
+
+
+def _wait_for(
+    directory: Path, files: Mapping[str, Mapping[str, Any]], wait_s: float | None, what: str
+) -> None:
+    """Until every file of ``files`` is in ``directory`` with its recorded size (each rank
+    writes its files atomically, after proving them against the same record)."""
+    deadline = None if wait_s is None else time.monotonic() + wait_s
+    while True:
+        missing = _missing(directory, files)
+        if not missing:
+            return
+        if deadline is None or time.monotonic() >= deadline:
+            ranks = sorted({rank_of(name) for name in missing}, key=lambda r: r or 0)
+            raise TimeoutError(
+                f"{display_path(directory)}: rank(s) {ranks} did not upload "
+                f"{sorted(missing)} within {wait_s}s (their nodes hold those shards: a "
+                f"node-local fast tier); {what} was not promoted, the next promotion retries"
+            )
+        time.sleep(_POLL_S)
+
+
+def _newest_committed_part(directory: Path) -> Path | None:
+    """The newest part under ``ROOT/sharded/<i>`` of this node holding a commit record."""
+    try:
+        names = sorted(os.listdir(directory), reverse=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    for name in names:
+        if os.path.isfile(directory / name / SHARDED_RECORD):
+            return directory / name
+    return None
+
+
+def node_local_root(root: Path) -> bool:
+    """Whether ``root`` is a node-local fast root of a sharded run: its newest committed
+    part (the record copied here at commit) lacks files other ranks wrote."""
+    base = root / SHARDED_DIR
+    try:
+        names = os.listdir(base)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    for index in sorted((int(n) for n in names if n.isdigit() and len(n) <= 18), reverse=True):
+        part = _newest_committed_part(base / str(index))
+        if part is None:
+            continue
+        try:
+            record = json.loads(read_record_bytes(part, SHARDED_RECORD))
+            return bool(held_elsewhere(part, record["generation"], record["files"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+    return False
+
+
+def upload_rank_files(
+    source: Path, target: Path, every: int, rank: int, uploaded: set[str]
+) -> list[int]:
+    """A rank's share of promoting node-local sharded parts: for every index of this node's
+    fast root ``source`` that is a multiple of ``every`` and newer than the target's newest
+    committed index, the files of rank ``rank`` in its newest committed part (the record
+    copied here at commit) are read, proven against the record, and put into the same part
+    and generation of ``target``, where rank 0 commits them (:func:`write_part`). ``uploaded``
+    (kept by the caller) names the parts done already, so each is uploaded once per process.
+    Returns the indices uploaded.
+
+    Raises:
+        ChecksumMismatchError / CheckpointFormatError: one of this rank's files is damaged or
+            missing (names it); what was uploaded before stays (rank 0 commits nothing
+            without every file).
+    """
+    # Deferred: decoding a part's record imports torch.distributed.checkpoint (heavy).
+    from fastckpt.format.sharded import decode_record
+
+    newest = Manifest.load(target).latest
+    base = source / SHARDED_DIR
+    try:
+        names = os.listdir(base)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    done: list[int] = []
+    for index in sorted(int(name) for name in names if name.isdigit() and len(name) <= 18):
+        if index % every or (newest is not None and index <= newest):
+            continue
+        part = _newest_committed_part(base / str(index))
+        if part is None:
+            continue
+        raw = read_record_bytes(part, SHARDED_RECORD)
+        record = decode_record(part / SHARDED_RECORD, raw)
+        key = f"{index}/{part.name}/{record.generation}"
+        directory = index_dir(target, index) / part.name / record.generation
+        mine = {name: rec for name, rec in record.files.items() if rank_of(name) == rank}
+        if key in uploaded and not _missing(directory, mine):
+            continue  # uploaded by this process and still there, waiting for rank 0's commit
+        what = f"rank {rank}'s shards of index {index} of {display_path(source)}"
+        for name, file_record in sorted(mine.items()):
+            data = read_verified(part / record.generation / name, file_record, what)
+            _put_file(target, directory, name, data)
+        uploaded.add(key)
+        done.append(index)
+    return done
+
+
+def _missing(directory: Path, files: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The files of ``files`` not in ``directory`` with their recorded size."""
+    backend = backend_for(directory)
+    missing = []
+    for name, record in files.items():
+        try:
+            if backend.stat(directory / name).size == int(record["size"]):
+                continue
+        except FileNotFoundError:
+            pass
+        missing.append(name)
+    return missing

@@ -22,7 +22,8 @@ from typing import Any
 from fastckpt.checkpoint.components import Snapshot, plan_incremental, write_snapshot
 from fastckpt.container.background import BackgroundWriter, report_tolerated
 from fastckpt.container.commit import prune_indices
-from fastckpt.container.promote import Promoter
+from fastckpt.container.promote import Promoter, RankPromoter
+from fastckpt.container.sharded.promote import node_local_root
 from fastckpt.errors import FastCkptError, MixedRunError, PromotionError
 from fastckpt.format.records import Manifest
 from fastckpt.io.staging import (
@@ -198,7 +199,11 @@ class CheckpointHook:
         self.promote_every = promote_every
         self.durable_keep_last = durable_keep_last
         self.strict_promotion = bool(strict_promotion)
+        self.wait_timeout_secs = wait_timeout_secs
+        self._on_promotion_error = on_promotion_error
         self._promoter: Promoter | None = None
+        # A rank > 0 of a sharded run on node-local fast tiers uploads its own shards.
+        self._rank_promoter: RankPromoter | None = None
         if self.durable_dir is not None:
             self._promoter = Promoter(
                 self.checkpoint_dir,
@@ -208,6 +213,9 @@ class CheckpointHook:
                 strict=self.strict_promotion,
                 on_error=on_promotion_error,
             )
+            # Node-local fast tiers: how long rank 0 waits for the other ranks' shards.
+            timeout = wait_timeout_secs
+            self._promoter.wait_s = float("inf") if timeout is None else float(timeout)
         self._prewarm_pending = False  # allocate the first step's new state after it
         if strict_saves is not None and not isinstance(strict_saves, bool):
             raise TypeError(
@@ -251,8 +259,12 @@ class CheckpointHook:
                 error, self.save_error = self.save_error, None
                 raise error
         finally:
-            if self._promoter is not None:
-                self._promoter.close()
+            try:
+                if self._rank_promoter is not None:
+                    self._rank_promoter.close()
+            finally:
+                if self._promoter is not None:
+                    self._promoter.close()
 
     @property
     def healthy(self) -> bool:
@@ -282,12 +294,14 @@ class CheckpointHook:
     @property
     def promotion_healthy(self) -> bool:
         """False while the last promotion to ``durable_dir`` failed (True without one)."""
-        return self._promoter is None or self._promoter.healthy
+        return all(p.healthy for p in (self._promoter, self._rank_promoter) if p is not None)
 
     @property
     def promoter(self) -> Promoter | None:
-        """The background promotion to ``durable_dir`` (None without one)."""
-        return self._promoter
+        """The background promotion to ``durable_dir`` (None without one); on a rank > 0 of
+        a sharded run on node-local fast tiers, once seen, the upload of this rank's shards
+        (:class:`~fastckpt.container.promote.RankPromoter`)."""
+        return self._rank_promoter or self._promoter
 
     @property
     def writing(self) -> bool:
@@ -384,6 +398,12 @@ class CheckpointHook:
         if self._promoter is None:
             return
         sharded = bool(getattr(ctx.workflow, "sharded", False))
+        if sharded and node_local_root(self.checkpoint_dir):
+            # Each node its own fast disk: every rank uploads its shards, rank 0 commits.
+            if ctx.global_rank != 0:
+                self._promote_rank_files(ctx.global_rank)
+                return
+            self._promoter.node_local = True
         if ctx.global_rank != 0 and (sharded or self.rank_zero_only):
             return
         try:
@@ -392,6 +412,40 @@ class CheckpointHook:
             return  # the first save reports it
         if committed:
             self._promoter.submit()
+
+    def _promote_rank_files(self, rank: int) -> None:
+        """Rank ``rank`` > 0 on a node-local fast tier: upload its due shards (background)."""
+        if self.durable_dir is None:
+            return
+        if self._rank_promoter is None:
+            self._rank_promoter = RankPromoter(
+                self.checkpoint_dir,
+                self.durable_dir,
+                rank,
+                every=self.promote_every,
+                strict=self.strict_promotion,
+                on_error=self._on_promotion_error,
+            )
+        self._rank_promoter.submit()
+
+    def _after_sharded_commit(
+        self, rank: int, index: int, failure: BaseException | None, group: Any
+    ) -> None:
+        """Every rank, after rank 0 committed index ``index`` and pruned (or failed to):
+        learn the outcome, and on node-local fast tiers keep this node's copy of the part
+        record and retention in step; then promote (rank 0 commits what every rank
+        uploads)."""
+        from fastckpt.training.sharded import share_commit
+
+        shared = share_commit(self.checkpoint_dir, index, failure=failure, process_group=group)
+        if self._promoter is None:
+            return
+        if rank != 0:
+            if shared.node_local:
+                self._promote_rank_files(rank)
+            return
+        self._promoter.node_local = shared.node_local
+        self._promoter.submit()
 
     def _refuse_a_mixed_run(self, ctx: TrainContext) -> None:
         """Raise :class:`MixedRunError` when the root's newest committed index is at a later
@@ -509,10 +563,13 @@ class CheckpointHook:
         if not self.async_save:
             index = ctx.workflow.save_checkpoint(self.checkpoint_dir)
             self.last_checkpoint_index = index
+            failure: BaseException | None = None
             if ctx.global_rank == 0:
-                self._prune_sharded(index)
-                if self._promoter is not None:
-                    self._promoter.submit()
+                try:
+                    self._prune_sharded(index)
+                except Exception as err:
+                    failure = err
+            self._after_sharded_commit(ctx.global_rank, index, failure, None)
             return
         if not self._writer.running:
             raise RuntimeError(
@@ -528,13 +585,18 @@ class CheckpointHook:
             snapshot = ctx.workflow.checkpoint_snapshot()
             self._stage(snapshot, only_volatile=True)
 
+        rank = ctx.global_rank
+
         def write() -> int:
             future.result()
+            failure: BaseException | None = None
             if snapshot is not None:
-                write_snapshot(self.checkpoint_dir, snapshot, index)
-                self._prune_sharded(index)
-                if self._promoter is not None:
-                    self._promoter.submit()
+                try:
+                    write_snapshot(self.checkpoint_dir, snapshot, index)
+                    self._prune_sharded(index)
+                except Exception as err:
+                    failure = err
+            self._after_sharded_commit(rank, index, failure, group)
             return index
 
         def capture() -> None:
