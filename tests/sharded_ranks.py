@@ -211,6 +211,24 @@ def strategy_train() -> None:
     leave_process_group()
 
 
+def strategy_node_train() -> None:
+    """:func:`strategy_train`'s run with each rank saving to its own fast root (ROOT/../node<R>:
+    one simulated node each, no durable tier); prints the losses and the last index."""
+    root, rank, _ = setup_rank()
+    torch.manual_seed(0)
+    hook = fastckpt.CheckpointHook(root.parent / f"node{rank}", step_interval=2, keep_last=2)
+    strategy = fastckpt.TrainingStrategy(
+        shard(build_model()),
+        fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
+        training_fn=training_fn,
+        hooks=[hook],
+        num_steps=6,
+    )
+    strategy.run(loader())
+    print(json.dumps({"rank": rank, "last": hook.last_checkpoint_index}))
+    leave_process_group()
+
+
 def resume_and_compare(
     root: str | Path, references: Path, rank: int, fallback_dirs: list[str] | None = None
 ) -> dict[str, Any]:

@@ -668,6 +668,20 @@ def promote_and_report(source: str, target: str, index: int, conn: Connection) -
     conn.send("promoted")
 
 
+def promote_part_and_report(
+    source: str, target: str, index: int, node_local: bool, conn: Connection
+) -> None:
+    """Child: promote index ``index`` of a sharded strategy's root ``source`` (with its
+    sharded part; ``node_local``: as rank 0 of node-local fast tiers, the other ranks' shards
+    already uploaded) into ``target``; sends ``"started"``, then ``"promoted"``."""
+    from fastckpt.container.promote import promote_index
+    from fastckpt.format import sharded  # noqa: F401  (imports DCP before the clock starts)
+
+    conn.send("started")
+    promote_index(source, target, index, node_local=node_local, wait_s=60)
+    conn.send("promoted")
+
+
 def promote_checkpoint_and_report(source: str, target: str, conn: Connection) -> None:
     """Child: promote the CheckpointManager checkpoint ``source`` to ``target``
     (:func:`fastckpt.container.promote_checkpoints.promote_checkpoint`); sends ``"started"``,

@@ -1,0 +1,124 @@
+"""SIGKILL during promotions of sharded (FSDP2) strategy indices: each index brings its part
+(every rank's shards, the part's record) before the index and the durable manifest. Fast roots
+come from real 2-rank gloo runs: one root the ranks share, and node-local roots (one directory
+per simulated node, rank 1's shards uploaded by its rank's share of the promotion)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import fastckpt
+from dcp_support import check_ok, launch
+from fastckpt.container.promote import promote
+from fastckpt.container.sharded.parts import committed_part
+from fastckpt.container.sharded.promote import upload_rank_files
+from fastckpt.format.records import Manifest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import crash_harness
+
+#: Kills of a promoting process per layout (each checked); FASTCKPT_CRASH_KILLS_SCALE scales it.
+KILLS = round(100 * float(os.environ.get("FASTCKPT_CRASH_KILLS_SCALE", "1")))
+
+
+@pytest.fixture(scope="module")
+def fast_roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``shared``: a root both ranks saved to (indices 1 and 2, keep_last=2); ``node0`` /
+    ``node1``: the same run saved to one root per rank."""
+    base = tmp_path_factory.mktemp("sharded-promote-crash")
+    check_ok(launch("strategy_train", base / "shared", 2, ranks="sharded_ranks"))
+    nodes = base / "nodes"
+    nodes.mkdir()
+    check_ok(launch("strategy_node_train", nodes / "run", 2, ranks="sharded_ranks"))
+    roots = {"shared": base / "shared", "node0": nodes / "node0", "node1": nodes / "node1"}
+    assert [c["index"] for c in fastckpt.list_checkpoints(roots["shared"])] == [1, 2]
+    assert [c["index"] for c in fastckpt.list_checkpoints(roots["node0"])] == [1, 2]
+    assert not (roots["node1"] / "manifest.json").exists()
+    return roots
+
+
+def _entry_files(root: Path, index: int) -> dict[str, tuple[int, int]]:
+    files = Manifest.load(root).entries[index]["files"]
+    return {name: (int(r["size"]), int(r["crc32c"])) for name, r in files.items()}
+
+
+@pytest.mark.parametrize("layout", ["shared", "node-local"])
+def test_sigkill_during_sharded_promotions_never_leaves_a_partial_index(
+    fast_roots: dict[str, Path], tmp_path: Path, layout: str
+) -> None:
+    """A process promoting sharded indices is killed ``KILLS`` times at random moments. After
+    every kill the durable root verifies (every committed index with its part: every rank's
+    shard, the record the index names) and holds exactly the source's files; the next
+    promotion finishes the job and leaves no part that no index names."""
+    node_local = layout == "node-local"
+    source = fast_roots["node0" if node_local else "shared"]
+    durable = tmp_path / "durable"
+    rng = random.Random(23)
+    kills = inside = completed = 0
+    uploaded: set[str] = set()
+    # One promotion run to its end first: the kills then land anywhere in one.
+    if node_local:
+        upload_rank_files(fast_roots["node1"], durable / "timing", 2, 1, set())
+    process, conn = crash_harness.start(
+        crash_harness.promote_part_and_report, str(source), str(durable / "timing"), 2, node_local
+    )
+    assert conn.poll(60) and conn.recv() == "started"
+    began = time.monotonic()
+    assert conn.poll(60) and conn.recv() == "promoted"
+    span = time.monotonic() - began
+    process.join(30)
+    while kills < KILLS:
+        index = 2 if node_local else rng.choice([1, 2])
+        if node_local:  # rank 1's share (re-uploaded when a sweep removed it)
+            upload_rank_files(fast_roots["node1"], durable, 2, 1, uploaded)
+        process, conn = crash_harness.start(
+            crash_harness.promote_part_and_report, str(source), str(durable), index, node_local
+        )
+        assert conn.poll(60), "the promoting child did not start"
+        assert conn.recv() == "started"
+        time.sleep(rng.uniform(0.0, 1.2 * span))
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGKILL)
+            kills += 1
+        process.join(30)
+        messages = []
+        with contextlib.suppress(EOFError):  # a killed child's end of the pipe is closed
+            while conn.poll(0):
+                messages.append(conn.recv())
+        if "promoted" in messages:
+            completed += 1
+        elif process.exitcode == -signal.SIGKILL:
+            inside += 1
+        else:
+            pytest.fail(f"the child failed (exit code {process.exitcode})")
+        manifest = Manifest.load(durable)
+        for committed in manifest.entries:
+            assert _entry_files(durable, committed) == _entry_files(source, committed)
+        if manifest.entries:
+            report = fastckpt.verify(durable)
+            assert report.ok, (kills, report)
+    print(f"{layout}: {kills} kills, {inside} inside a promotion, {completed} completed")
+    assert inside >= KILLS // 3 and completed >= 1, (inside, completed)
+    if node_local:
+        upload_rank_files(fast_roots["node1"], durable, 2, 1, uploaded)
+    every = 2 if node_local else 1
+    report = promote(source, durable, every=every, node_local=node_local, wait_s=60)
+    manifest = Manifest.load(durable)
+    assert manifest.latest == 2 and _entry_files(durable, 2) == _entry_files(source, 2), report
+    assert fastckpt.verify(durable).ok
+    # What killed promotions left is gone: each index directory under sharded/ holds exactly
+    # the part its committed index names.
+    shutil.rmtree(durable / "timing")
+    for name in os.listdir(durable / "sharded"):
+        part = committed_part(manifest, int(name)) if int(name) in manifest.entries else None
+        assert part is not None, name
+        assert os.listdir(durable / "sharded" / name) == [part.name]
