@@ -261,6 +261,43 @@ def strategy_node_tiers_resume() -> None:
     leave_process_group()
 
 
+def strategy_node_tiers_restart() -> None:
+    """Restart of :func:`strategy_node_tiers_train`'s run on its node-local fast roots with
+    the same hook (URL/node-tiers durable): restored from the durable tier, it trains to its
+    last step; prints where it resumed and the hook's health."""
+    from sharded_ranks import loader, shard, training_fn
+
+    local, rank, _ = setup_rank()
+    durable = f"{_url()}/node-tiers"
+    hook = fastckpt.CheckpointHook(
+        local / f"node{rank}",
+        step_interval=2,
+        keep_last=2,
+        durable_dir=durable,
+        durable_keep_last=2,
+    )
+    strategy = fastckpt.TrainingStrategy.load_checkpoint(
+        local / f"node{rank}",
+        hooks=[hook],
+        training_fn=training_fn,
+        parallelize=shard,
+        fallback_dirs=[durable],
+    )
+    assert strategy.restored_from is not None
+    start = strategy.step_count
+    restored = [strategy.restored_from.root.name, strategy.restored_from.index]
+    strategy.run(loader())
+    report = {
+        "rank": rank,
+        "start": start,
+        "restored": restored,
+        "step": strategy.step_count,
+        "healthy": hook.promotion_healthy,
+    }
+    print(json.dumps(report))
+    leave_process_group()
+
+
 def strategy_tiers_resume() -> None:
     """``sharded_ranks.resume_and_compare`` of index 1 from the fast root LOCAL/fast (deleted
     by the test: a new node) falling back to URL/tiers, on WORLD ranks."""

@@ -27,6 +27,7 @@ from fastckpt.container.promote import promote_index
 from fastckpt.container.sharded.commit import RECORD_NAME
 from fastckpt.container.sharded.promote import upload_rank_files
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.format.records import Manifest
 from s3_support import S3Server, s3_server
 
 __all__ = ["s3_server"]  # a fixture used by name below
@@ -374,3 +375,29 @@ def test_a_node_local_part_is_committed_only_once_every_rank_uploaded_its_shards
     target.write_bytes(bytes(data))
     with pytest.raises(ChecksumMismatchError, match=r"rank-00001\.safetensors"):
         upload_rank_files(damaged, tmp_path / "other", 1, 1, set())
+
+
+def test_a_node_local_run_restarts_from_the_durable_tier_and_saves_on(
+    s3_server: S3Server, env: dict[str, str], tmp_path: Path
+) -> None:
+    # The fast tiers are ahead of the durable one (index 2's promotion "did not happen"): the
+    # restart resumes from durable index 1 on both ranks, no rank refuses the fast tier's
+    # newer index as another run's (rank 0 decides for all), the newer index is promoted by
+    # the restart, and the run's own saves are promoted after it.
+    url = s3_server.url(f"node-restart-{os.getpid()}-{time.time_ns()}")
+    check_ok(launch("strategy_node_tiers_train", tmp_path, 2, url, ranks="s3_dcp_ranks"))
+    durable = f"{url}/node-tiers"
+    manifest = Manifest.load(durable)
+    del manifest.entries[2]
+    manifest.commit()
+    assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [1]
+    outputs = check_ok(
+        launch("strategy_node_tiers_restart", tmp_path, 2, url, ranks="s3_dcp_ranks")
+    )
+    reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    for report in reports:
+        assert report["restored"] == ["node-tiers", 1] and report["start"] == 4, report
+        assert report["step"] == 6 and report["healthy"], report
+    listed = fastckpt.list_checkpoints(durable)
+    assert [c["index"] for c in listed] == [2, 3], listed
+    assert fastckpt.verify(durable).ok

@@ -34,6 +34,7 @@ by the target's next sweep once a later index is committed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -64,6 +65,8 @@ __all__ = [
 #: ``rank-00003.safetensors``, ``rank-00003-1.safetensors``, ``rank-00003.values``
 #: (:func:`fastckpt.container.sharded.commit.data_file_name`).
 _RANK_FILE = re.compile(r"^rank-(\d{5,})(?:-\d+)?\.")
+_LOG = logging.getLogger(__name__)
+
 #: Seconds between two looks at the target while waiting for the other ranks' uploads.
 _POLL_S = 0.2
 
@@ -319,17 +322,24 @@ def upload_rank_files(
         part = _newest_committed_part(base / str(index))
         if part is None:
             continue
-        raw = read_record_bytes(part, SHARDED_RECORD)
-        record = decode_record(part / SHARDED_RECORD, raw)
-        key = f"{index}/{part.name}/{record.generation}"
-        directory = index_dir(target, index) / part.name / record.generation
-        mine = {name: rec for name, rec in record.files.items() if rank_of(name) == rank}
-        if key in uploaded and not _missing(directory, mine):
-            continue  # uploaded by this process and still there, waiting for rank 0's commit
-        what = f"rank {rank}'s shards of index {index} of {display_path(source)}"
-        for name, file_record in sorted(mine.items()):
-            data = read_verified(part / record.generation / name, file_record, what)
-            _put_file(target, directory, name, data)
+        try:
+            raw = read_record_bytes(part, SHARDED_RECORD)
+            record = decode_record(part / SHARDED_RECORD, raw)
+            key = f"{index}/{part.name}/{record.generation}"
+            directory = index_dir(target, index) / part.name / record.generation
+            mine = {name: rec for name, rec in record.files.items() if rank_of(name) == rank}
+            if key in uploaded and not _missing(directory, mine):
+                continue  # uploaded by this process and still there, waiting for the commit
+            what = f"rank {rank}'s shards of index {index} of {display_path(source)}"
+            for name, file_record in sorted(mine.items()):
+                data = read_verified(part / record.generation / name, file_record, what)
+                _put_file(target, directory, name, data)
+        except (CheckpointFormatError, FileNotFoundError):
+            if os.path.isdir(part):
+                raise
+            # Removed meanwhile by this node's retention (rank 0 no longer keeps the index).
+            _LOG.info("%s: index %d was pruned before its shards were uploaded", source, index)
+            continue
         uploaded.add(key)
         done.append(index)
     return done

@@ -449,19 +449,48 @@ class CheckpointHook:
 
     def _refuse_a_mixed_run(self, ctx: TrainContext) -> None:
         """Raise :class:`MixedRunError` when the root's newest committed index is at a later
-        step than the run starts at (every rank checks, so that none trains on alone)."""
+        step than the run starts at (every rank checks, so that none trains on alone; for a
+        sharded strategy rank 0 decides for all, as other ranks' roots may be node-local
+        disks without the index)."""
+        problem = self._mixed_run(ctx)
+        if getattr(ctx.workflow, "sharded", False):
+            import torch.distributed as dist
+
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                decided = [problem]
+                dist.broadcast_object_list(decided, src=0)
+                problem = decided[0]
+        if problem is not None:
+            raise MixedRunError(problem)
+
+    def _mixed_run(self, ctx: TrainContext) -> str | None:
+        """The :class:`MixedRunError` message, when this root's newest index is further
+        along than the run (None: it is not). A run resumed from the newest index of this
+        hook's durable tier (``restored_from``) continues the tiers' own run: the fast tier's
+        newer indices were passed over by that restore (damaged, or holding only a node's
+        shards) and are not another run's."""
         try:
             manifest = Manifest.load(self.checkpoint_dir)
         except (OSError, FastCkptError):
-            return  # unreadable: the first save reports it, with its own error
+            return None  # unreadable: the first save reports it, with its own error
         latest = manifest.latest
         if latest is None:
-            return
+            return None
         saved = manifest.entries[latest].get("counters", {}).get("step_count")
         if not isinstance(saved, int) or isinstance(saved, bool) or saved <= ctx.step_count:
-            return
+            return None
+        if self._resumed_from_durable(ctx):
+            _LOG.warning(
+                "%s: its newest index %d (step %d) is further along than the run, which "
+                "resumed from %s (the restore passed over the fast copies); saving on",
+                display_path(self.checkpoint_dir),
+                latest,
+                saved,
+                ctx.workflow.restored_from.describe(),
+            )
+            return None
         root = display_path(self.checkpoint_dir)
-        raise MixedRunError(
+        return (
             f"{root}: its newest checkpoint (index {latest}) is at step {saved}, but this run "
             f"starts at step {ctx.step_count}; its saves would interleave with that run's. "
             f"Resume it (TrainingStrategy.load_checkpoint({root!r}, ...)), give the "
@@ -469,6 +498,18 @@ class CheckpointHook:
             "overwrite=True) to save there anyway (e.g. resuming from an earlier index on "
             "purpose)"
         )
+
+    def _resumed_from_durable(self, ctx: TrainContext) -> bool:
+        """Whether the run was restored from the newest committed index of ``durable_dir``."""
+        copy = getattr(ctx.workflow, "restored_from", None)
+        if copy is None or self.durable_dir is None:
+            return False
+        if display_path(Path(copy.root)).rstrip("/") != display_path(self.durable_dir).rstrip("/"):
+            return False
+        try:
+            return bool(Manifest.load(self.durable_dir).latest == copy.index)
+        except (OSError, FastCkptError):
+            return False
 
     def _prewarm(self, ctx: TrainContext) -> None:
         sharded = bool(getattr(ctx.workflow, "sharded", False))
