@@ -23,7 +23,7 @@ import torch
 import fastckpt
 import fastckpt.dcp
 from dcp_support import check_ok, launch, spawn
-from fastckpt.container.promote import promote_index
+from fastckpt.container.promote import promote, promote_index
 from fastckpt.container.sharded.commit import RECORD_NAME
 from fastckpt.container.sharded.promote import upload_rank_files
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
@@ -292,9 +292,7 @@ def node_tiered(
     assert all(report["healthy"] for report in reports), reports
     # Rank 0 committed (Promoter), rank 1 uploaded its own shards of each index (RankPromoter).
     assert [r["promoter"] for r in reports] == ["Promoter", "RankPromoter"], reports
-    # (Which earlier indices each got to before the fast tiers' keep_last pruned them is a
-    # matter of timing; the newest is spared until promoted.)
-    assert all(r["promoted"][-1] == 2 for r in reports), reports
+    assert all(r["promoted"] == [0, 1, 2] for r in reports), reports
     return local, url
 
 
@@ -365,7 +363,7 @@ def test_a_node_local_part_is_committed_only_once_every_rank_uploaded_its_shards
     names = sorted(f.name for f in part.glob("*/*.safetensors"))
     assert names == ["rank-00000.safetensors", "rank-00001.safetensors"]
     # A damaged shard on node 1 is refused by its rank's upload, naming it.
-    (part1,) = (node1 / "sharded" / "1").iterdir()
+    (part1,) = (node1 / "sharded" / "2").iterdir()
     (shard,) = part1.glob("*/rank-00001.safetensors")
     damaged = tmp_path / "node1"
     shutil.copytree(node1, damaged)
@@ -400,4 +398,17 @@ def test_a_node_local_run_restarts_from_the_durable_tier_and_saves_on(
         assert report["step"] == 6 and report["healthy"], report
     listed = fastckpt.list_checkpoints(durable)
     assert [c["index"] for c in listed] == [2, 3], listed
+    assert fastckpt.verify(durable).ok
+
+
+def test_node_local_promotion_takes_the_newest_due_index_only(
+    node_tiered: tuple[Path, str], tmp_path: Path
+) -> None:
+    # Index 1's rank-1 shards never come (say node 1 was replaced): promoting node 0's
+    # indices does not wait for them; the newest due index is promoted, the older skipped.
+    local, _ = node_tiered
+    durable = tmp_path / "durable"
+    assert upload_rank_files(local / "node1", durable, 1, 1, set()) == [2]
+    report = promote(local / "node0", durable, every=1, node_local=True, wait_s=0.3)
+    assert report.promoted == [2] and report.skipped == [1], report
     assert fastckpt.verify(durable).ok

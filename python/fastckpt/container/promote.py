@@ -209,7 +209,7 @@ def promote(
     :func:`promote_index`); so is ``target``'s newest index itself when its files differ from
     the source's. Older indices ``target`` lacks (pruned there) are not copied again.
     A promotion that a killed process left unfinished is thereby finished. ``node_local``,
-    ``wait_s``: as for :func:`promote_index`.
+    ``wait_s``: as for :func:`promote_index`; only the newest due index is promoted then.
 
     Raises:
         ValueError: ``every`` < 1, or ``target`` is ``source``.
@@ -228,9 +228,17 @@ def promote(
     if target_manifest.latest is not None:
         _clean(Path(target))  # what killed promotions (or saves) left there
     floor = -1 if target_manifest.latest is None else target_manifest.latest
-    for index in sorted(source_manifest.entries):
-        if index % every and not (newest and index == source_manifest.latest):
-            continue
+    due = [
+        index
+        for index in sorted(source_manifest.entries)
+        if not index % every or (newest and index == source_manifest.latest)
+    ]
+    if node_local:
+        # Only the newest: an older index whose other shards never come (a node replaced
+        # since) must not hold up every later promotion.
+        report.skipped += due[:-1]
+        due = due[-1:]
+    for index in due:
         held = target_manifest.entries.get(index)
         if index < floor or _same_files(source_manifest.entries[index], held):
             report.skipped.append(index)

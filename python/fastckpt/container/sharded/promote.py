@@ -293,11 +293,12 @@ def node_local_root(root: Path) -> bool:
 def upload_rank_files(
     source: Path, target: Path, every: int, rank: int, uploaded: set[str]
 ) -> list[int]:
-    """A rank's share of promoting node-local sharded parts: for every index of this node's
-    fast root ``source`` that is a multiple of ``every`` and newer than the target's newest
-    committed index, the files of rank ``rank`` in its newest committed part (the record
-    copied here at commit) are read, proven against the record, and put into the same part
-    and generation of ``target``, where rank 0 commits them (:func:`write_part`). ``uploaded``
+    """A rank's share of promoting node-local sharded parts: for the newest index of this
+    node's fast root ``source`` that is a multiple of ``every`` and newer than the target's
+    newest committed index (rank 0 promotes that one only), the files of rank ``rank`` in its
+    newest committed part (the record copied here at commit) are read, proven against the
+    record, and put into the same part and generation of ``target``, where rank 0 commits
+    them (:func:`write_part`). ``uploaded``
     (kept by the caller) names the parts done already, so each is uploaded once per process.
     Returns the indices uploaded.
 
@@ -316,9 +317,14 @@ def upload_rank_files(
     except (FileNotFoundError, NotADirectoryError):
         return []
     done: list[int] = []
-    for index in sorted(int(name) for name in names if name.isdigit() and len(name) <= 18):
-        if index % every or (newest is not None and index <= newest):
-            continue
+    due = [
+        index
+        for index in sorted(int(name) for name in names if name.isdigit() and len(name) <= 18)
+        if not index % every
+        and (newest is None or index > newest)
+        and _newest_committed_part(base / str(index)) is not None
+    ]
+    for index in due[-1:]:  # rank 0 promotes the newest due index only
         part = _newest_committed_part(base / str(index))
         if part is None:
             continue

@@ -36,6 +36,7 @@ from fastckpt.io.staging import (
 )
 from fastckpt.storage.registry import display_path, use_storage_options
 from fastckpt.training.hooks.context import TrainContext, TrainingStage
+from fastckpt.training.sharded import share_commit
 
 __all__ = ["CheckpointHook"]
 
@@ -435,8 +436,6 @@ class CheckpointHook:
         learn the outcome, and on node-local fast tiers keep this node's copy of the part
         record and retention in step; then promote (rank 0 commits what every rank
         uploads)."""
-        from fastckpt.training.sharded import share_commit
-
         shared = share_commit(self.checkpoint_dir, index, failure=failure, process_group=group)
         if self._promoter is None:
             return
