@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -411,4 +413,29 @@ def test_node_local_promotion_takes_the_newest_due_index_only(
     assert upload_rank_files(local / "node1", durable, 1, 1, set()) == [2]
     report = promote(local / "node0", durable, every=1, node_local=True, wait_s=0.3)
     assert report.promoted == [2] and report.skipped == [1], report
+    assert fastckpt.verify(durable).ok
+
+
+def test_fastckpt_promote_on_each_node_finishes_a_node_local_promotion(
+    node_tiered: tuple[Path, str], tmp_path: Path
+) -> None:
+    # After a crash, `fastckpt promote` by hand: run on rank 0's node alone it waits for the
+    # other node's shards and gives up (exit 2, naming rank 1); run on node 1 it uploads that
+    # node's shards, and then on node 0 it commits the newest index.
+    local, _ = node_tiered
+    durable = tmp_path / "durable"
+
+    def promote_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "fastckpt", "promote", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+    alone = promote_cli(str(local / "node0"), str(durable), "--wait", "0.5")
+    assert alone.returncode == 2 and "rank(s) [1]" in alone.stderr, alone.stderr
+    assert not (durable / "manifest.json").exists()
+    node1 = promote_cli(str(local / "node1"), str(durable), "--json")
+    assert node1.returncode == 0, node1.stderr
+    assert json.loads(node1.stdout)["uploaded"] == [2]
+    node0 = promote_cli(str(local / "node0"), str(durable), "--json", "--wait", "30")
+    assert node0.returncode == 0, node0.stderr
+    assert json.loads(node0.stdout)["promoted"] == [2]
     assert fastckpt.verify(durable).ok

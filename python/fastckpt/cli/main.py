@@ -283,6 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="promote only indices that are multiples of N (and always the newest); "
         "save_checkpoint roots only",
     )
+    promote_cmd.add_argument(
+        "--wait",
+        type=_seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="a sharded run's node-local fast root: how long rank 0's node waits for the "
+        "other nodes' shards (run fastckpt promote on each node) before giving up (exit 2)",
+    )
     promote_cmd.set_defaults(handler=_handler("promote", "cmd_promote"))
 
     export = commands.add_parser(

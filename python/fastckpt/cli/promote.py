@@ -14,23 +14,36 @@ from fastckpt.container.promote_checkpoints import (
     promote_checkpoint,
     same_files,
 )
+from fastckpt.container.sharded.promote import node_local_root, upload_rank_files
 from fastckpt.format.records import MANIFEST
 from fastckpt.io.progress import format_bytes
-from fastckpt.storage.registry import backend_for, display_path
+from fastckpt.storage.registry import backend_for, display_path, is_local
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
     """A save_checkpoint root: promote every committed index of ``args.source`` (each
     ``args.every``-th and the newest) that ``args.target`` does not hold yet, oldest first.
     A tier root of CheckpointManager checkpoints: promote its newest checkpoint unless the
-    target holds it already. Either finishes a promotion a killed process left half done."""
+    target holds it already. Either finishes a promotion a killed process left half done.
+    One node's fast root of a sharded run on node-local tiers: this node's shards are
+    uploaded, and on rank 0's node the newest due index is committed once every rank's
+    shards are in the target (waited for up to ``args.wait`` seconds)."""
     source, target = Path(args.source), Path(args.target)
-    if not backend_for(source).exists(source / MANIFEST):
+    committed = backend_for(source).exists(source / MANIFEST)
+    if not committed:
         names = committed_checkpoints(source)
         if names:
             return _promote_newest_checkpoint(source, target, names[-1], args)
+    node_local = is_local(backend_for(source)) and node_local_root(source)
+    if node_local:
+        # One node's fast root of a sharded run on node-local tiers: this node's shards of
+        # ranks other than 0 go up first; rank 0's node then commits once every rank's are
+        # there (run this command on every node).
+        uploaded = upload_rank_files(source, target, args.every, None, set())
+        if not committed:
+            return _report_node_upload(source, target, uploaded, args)
     try:
-        report = promote(source, target, every=args.every)
+        report = promote(source, target, every=args.every, node_local=node_local, wait_s=args.wait)
     except ValueError as err:  # the root itself as the target, a pre-parts sharded index
         raise UserError(str(err)) from None
     if args.json:
@@ -53,6 +66,28 @@ def cmd_promote(args: argparse.Namespace) -> int:
         )
     else:
         print(f"{display_path(target)} already holds every index of {display_path(source)}")
+    return EXIT_OK
+
+
+def _report_node_upload(
+    source: Path, target: Path, uploaded: list[int], args: argparse.Namespace
+) -> int:
+    """A node other than rank 0's: what it uploaded (rank 0's node commits it)."""
+    if args.json:
+        print_json(
+            {
+                "source": display_path(source),
+                "target": display_path(target),
+                "uploaded": uploaded,
+            }
+        )
+    elif uploaded:
+        print(
+            f"uploaded this node's shards of index {uploaded[-1]} of {display_path(source)} to "
+            f"{display_path(target)}; `fastckpt promote` on rank 0's node commits it"
+        )
+    else:
+        print(f"{display_path(source)}: no shards to upload to {display_path(target)}")
     return EXIT_OK
 
 

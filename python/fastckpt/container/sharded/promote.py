@@ -291,14 +291,15 @@ def node_local_root(root: Path) -> bool:
 
 
 def upload_rank_files(
-    source: Path, target: Path, every: int, rank: int, uploaded: set[str]
+    source: Path, target: Path, every: int, rank: int | None, uploaded: set[str]
 ) -> list[int]:
     """A rank's share of promoting node-local sharded parts: for the newest index of this
     node's fast root ``source`` that is a multiple of ``every`` and newer than the target's
     newest committed index (rank 0 promotes that one only), the files of rank ``rank`` in its
     newest committed part (the record copied here at commit) are read, proven against the
     record, and put into the same part and generation of ``target``, where rank 0 commits
-    them (:func:`write_part`). ``uploaded``
+    them (:func:`write_part`). ``rank`` None (``fastckpt promote`` after a crash): the files
+    of every rank other than 0 that this node holds. ``uploaded``
     (kept by the caller) names the parts done already, so each is uploaded once per process.
     Returns the indices uploaded.
 
@@ -333,10 +334,20 @@ def upload_rank_files(
             record = decode_record(part / SHARDED_RECORD, raw)
             key = f"{index}/{part.name}/{record.generation}"
             directory = index_dir(target, index) / part.name / record.generation
-            mine = {name: rec for name, rec in record.files.items() if rank_of(name) == rank}
+            mine = {
+                name: rec
+                for name, rec in record.files.items()
+                if rank_of(name) == rank
+                or (
+                    rank is None
+                    and rank_of(name) not in (None, 0)
+                    and os.path.exists(part / record.generation / name)
+                )
+            }
             if key in uploaded and not _missing(directory, mine):
                 continue  # uploaded by this process and still there, waiting for the commit
-            what = f"rank {rank}'s shards of index {index} of {display_path(source)}"
+            whose = "this node's" if rank is None else f"rank {rank}'s"
+            what = f"{whose} shards of index {index} of {display_path(source)}"
             for name, file_record in sorted(mine.items()):
                 data = read_verified(part / record.generation / name, file_record, what)
                 _put_file(target, directory, name, data)
