@@ -213,10 +213,15 @@ def strategy_train() -> None:
 
 def strategy_node_train() -> None:
     """:func:`strategy_train`'s run with each rank saving to its own fast root (ROOT/../node<R>:
-    one simulated node each, no durable tier); prints the losses and the last index."""
+    one simulated node each) and its durable tier ROOT/../durable; prints the last index. With
+    ``refused`` as the last argument, without a durable tier: prints the save's error."""
     root, rank, _ = setup_rank()
     torch.manual_seed(0)
-    hook = fastckpt.CheckpointHook(root.parent / f"node{rank}", step_interval=2, keep_last=2)
+    refused = sys.argv[-1] == "refused"
+    durable = None if refused else root.parent / "durable"
+    hook = fastckpt.CheckpointHook(
+        root.parent / f"node{rank}", step_interval=2, keep_last=2, durable_dir=durable
+    )
     strategy = fastckpt.TrainingStrategy(
         shard(build_model()),
         fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
@@ -224,8 +229,14 @@ def strategy_node_train() -> None:
         hooks=[hook],
         num_steps=6,
     )
-    strategy.run(loader())
-    print(json.dumps({"rank": rank, "last": hook.last_checkpoint_index}))
+    try:
+        strategy.run(loader())
+    except ValueError as err:
+        if not refused:
+            raise
+        print(json.dumps({"rank": rank, "error": str(err)}))
+    else:
+        print(json.dumps({"rank": rank, "last": hook.last_checkpoint_index}))
     leave_process_group()
 
 

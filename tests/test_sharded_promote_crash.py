@@ -6,6 +6,7 @@ per simulated node, rank 1's shards uploaded by its rank's share of the promotio
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -122,3 +123,16 @@ def test_sigkill_during_sharded_promotions_never_leaves_a_partial_index(
         part = committed_part(manifest, int(name)) if int(name) in manifest.entries else None
         assert part is not None, name
         assert os.listdir(durable / "sharded" / name) == [part.name]
+
+
+def test_node_local_checkpoint_dirs_without_a_durable_tier_are_refused_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    # Each rank's checkpoint_dir its own (node-local) directory and nothing to promote to: the
+    # first save cannot ever be restored, and every rank says so instead of training on.
+    outputs = check_ok(
+        launch("strategy_node_train", tmp_path / "run", 2, "refused", ranks="sharded_ranks")
+    )
+    errors = [json.loads(out.strip().splitlines()[-1])["error"] for out in outputs]
+    assert all("not one directory the ranks share" in error for error in errors), errors
+    assert all("durable_dir" in error for error in errors), errors

@@ -438,6 +438,14 @@ class CheckpointHook:
         uploads)."""
         shared = share_commit(self.checkpoint_dir, index, failure=failure, process_group=group)
         if self._promoter is None:
+            if shared.node_local:  # every rank sees it: each lacks the others' shards
+                raise ValueError(
+                    f"{display_path(self.checkpoint_dir)} is not one directory the ranks "
+                    f"share (each rank's sees only its own node's shards), so index {index} "
+                    "saved there cannot be restored; give the CheckpointHook a durable_dir "
+                    "(a shared filesystem or s3://) that every rank promotes its shards to, "
+                    "or a checkpoint_dir on a filesystem every rank sees"
+                )
             return
         if rank != 0:
             if shared.node_local:
