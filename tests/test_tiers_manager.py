@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +30,7 @@ from fastckpt.container.promote_checkpoints import (
     committed_checkpoints,
     promote_checkpoint,
     prune_checkpoints,
+    remove_checkpoint,
 )
 from fastckpt.errors import ChecksumMismatchError, NotCommittedError, PromotionError
 from fastckpt.format.records import read_commit_record
@@ -178,6 +181,33 @@ def test_retention_keeps_what_waits_for_promotion_and_the_newest_intact(tmp_path
     _flip_last_byte(root / "step_3" / "model.safetensors")
     assert prune_checkpoints(root, 1) == []
     assert committed_checkpoints(root) == ["step_0", "step_3"]
+
+
+def test_a_removal_killed_midway_leaves_no_directory_under_the_name_and_is_cleaned(
+    tmp_path: Path,
+) -> None:
+    fast = tmp_path / "fast"
+    with _manager(TiersConfig(fast=fast, durable=tmp_path / "unused")) as manager:
+        _run(manager, 3)
+    # A removal is a rename to a hidden sibling naming its process, then the delete: nothing
+    # is left under the checkpoint's name at any moment.
+    remove_checkpoint(fast / "step_0")
+    assert sorted(p.name for p in fast.iterdir()) == ["step_1", "step_2"]
+    # What a process killed between the two steps leaves (a sibling naming a dead pid) is
+    # never listed, and the tier's next staging removes it.
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    host = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"  # as named
+    leftover = fast / f".tmp-step_1~{int(dead.stdout)}~{host}~0badc0de"
+    shutil.copytree(fast / "step_1", leftover)
+    assert committed_checkpoints(fast) == ["step_1", "step_2"]
+    promote_checkpoint(fast / "step_1", fast / "step_9")  # a staging in the tier itself
+    assert not leftover.exists()
+    assert committed_checkpoints(fast) == ["step_1", "step_2", "step_9"]
 
 
 def test_a_damaged_source_is_refused_and_the_target_untouched(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,8 @@ from fastckpt.format.records import (
     read_commit_record,
 )
 from fastckpt.io.paths import check_name, check_relpath
+from fastckpt.storage.backend import TEMP_PREFIX
+from fastckpt.storage.backend import _sibling as temp_sibling
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
 __all__ = [
@@ -160,15 +163,25 @@ def same_files(source: Path, target: Path) -> bool:
 
 
 def remove_checkpoint(path: str | os.PathLike[str]) -> None:
-    """Delete the checkpoint directory ``path``, its commit record first (durably), so a
-    process killed meanwhile leaves an uncommitted directory, never a commit record naming
-    missing files. Nothing there is fine."""
+    """Delete the checkpoint directory ``path``; nothing there is fine. Locally it is first
+    renamed to a hidden temporary sibling that names this process (atomic, made durable), so
+    a process killed meanwhile leaves a leftover the next staging in the tier removes
+    (:func:`~fastckpt.storage.backend.clean_dead_siblings`), never a directory under the
+    checkpoint's name. On an object store its commit record goes first, so a kill leaves an
+    uncommitted prefix, never a commit record naming missing files."""
     path = Path(path)
     backend = backend_for(path)
-    backend.delete(path / COMMIT_RECORD)
-    if is_local(backend) and os.path.isdir(path):
-        _native.fsync_dir(str(path))
-    backend.delete(path)
+    if not is_local(backend):
+        backend.delete(path / COMMIT_RECORD)
+        backend.delete(path)
+        return
+    aside = temp_sibling(TEMP_PREFIX, path)
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    _native.fsync_dir(str(path.parent))
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _problem(path: Path) -> str | None:
