@@ -349,8 +349,8 @@ def share_commit(
     if message[0][0] != "ok":
         raise RuntimeError(f"rank 0 could not commit index {index} of {root}: {message[0][1]}")
     _, name, record, kept = message[0]
-    if name is None or record is None:
-        return SharedCommit(False, kept)
+    if name is None or record is None or not is_local(backend_for(root)):
+        return SharedCommit(False, kept)  # an object store is one store for every rank
     path = sharded_path(root, index, name)
     generation = json.loads(record)["generation"]
     if rank != 0 and not (path / RECORD_NAME).is_file() and (path / generation).is_dir():
