@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -66,17 +65,21 @@ def test_sigkill_during_sharded_promotions_never_leaves_a_partial_index(
     rng = random.Random(23)
     kills = inside = completed = 0
     uploaded: set[str] = set()
-    # One promotion run to its end first: the kills then land anywhere in one.
+    # Promotions run to their end first (a first one and a replacement, the slower): the
+    # kills then land anywhere in one, and some after its end.
+    timing = tmp_path / "timing"
     if node_local:
-        upload_rank_files(fast_roots["node1"], durable / "timing", 2, 1, set())
-    process, conn = crash_harness.start(
-        crash_harness.promote_part_and_report, str(source), str(durable / "timing"), 2, node_local
-    )
-    assert conn.poll(60) and conn.recv() == "started"
-    began = time.monotonic()
-    assert conn.poll(60) and conn.recv() == "promoted"
-    span = time.monotonic() - began
-    process.join(30)
+        upload_rank_files(fast_roots["node1"], timing, 2, 1, set())
+    span = 0.0
+    for _ in range(2):
+        process, conn = crash_harness.start(
+            crash_harness.promote_part_and_report, str(source), str(timing), 2, node_local
+        )
+        assert conn.poll(60) and conn.recv() == "started"
+        began = time.monotonic()
+        assert conn.poll(60) and conn.recv() == "promoted"
+        span = max(span, time.monotonic() - began)
+        process.join(30)
     while kills < KILLS:
         index = 2 if node_local else rng.choice([1, 2])
         if node_local:  # rank 1's share (re-uploaded when a sweep removed it)
@@ -86,7 +89,7 @@ def test_sigkill_during_sharded_promotions_never_leaves_a_partial_index(
         )
         assert conn.poll(60), "the promoting child did not start"
         assert conn.recv() == "started"
-        time.sleep(rng.uniform(0.0, 1.2 * span))
+        time.sleep(rng.uniform(0.0, 1.5 * span))
         if process.is_alive():
             os.kill(process.pid, signal.SIGKILL)
             kills += 1
@@ -118,7 +121,6 @@ def test_sigkill_during_sharded_promotions_never_leaves_a_partial_index(
     assert fastckpt.verify(durable).ok
     # What killed promotions left is gone: each index directory under sharded/ holds exactly
     # the part its committed index names.
-    shutil.rmtree(durable / "timing")
     for name in os.listdir(durable / "sharded"):
         part = committed_part(manifest, int(name)) if int(name) in manifest.entries else None
         assert part is not None, name
