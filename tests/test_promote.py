@@ -6,7 +6,6 @@ forkserver), a real moto server for ``s3://`` targets, a fresh process for the b
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -14,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -172,26 +170,16 @@ def test_sigkill_at_random_moments_of_promotions_never_leaves_a_partial_index(
     kills = inside = completed = 0
     while kills < KILLS:
         index = rng.randrange(3)
-        process, conn = crash_harness.start(
-            crash_harness.promote_and_report, str(fast), str(durable), index
+        ended = crash_harness.kill_after(
+            crash_harness.promote_and_report, (str(fast), str(durable), index), rng.uniform(0, 0.04)
         )
-        assert conn.poll(60), "the promoting child did not start"
-        assert conn.recv() == "started"
-        time.sleep(rng.uniform(0.0, 0.04))
-        if process.is_alive():
-            os.kill(process.pid, signal.SIGKILL)
-            kills += 1
-        process.join(30)
-        messages = []
-        with contextlib.suppress(EOFError):  # a killed child's end of the pipe is closed
-            while conn.poll(0):
-                messages.append(conn.recv())
-        if "promoted" in messages:
+        kills += ended.killed
+        if ended.promoted:
             completed += 1
-        elif process.exitcode == -signal.SIGKILL:
+        elif ended.exitcode == -signal.SIGKILL:
             inside += 1
         else:
-            pytest.fail(f"the child failed (exit code {process.exitcode})")
+            pytest.fail(f"the child failed (exit code {ended.exitcode})")
         manifest = Manifest.load(durable)
         for committed in manifest.entries:
             assert _files(durable, committed) == _files(fast, committed), (kills, committed)

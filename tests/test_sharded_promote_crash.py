@@ -5,7 +5,6 @@ per simulated node, rank 1's shards uploaded by its rank's share of the promotio
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -84,26 +83,18 @@ def test_sigkill_during_sharded_promotions_never_leaves_a_partial_index(
         index = 2 if node_local else rng.choice([1, 2])
         if node_local:  # rank 1's share (re-uploaded when a sweep removed it)
             upload_rank_files(fast_roots["node1"], durable, 2, 1, uploaded)
-        process, conn = crash_harness.start(
-            crash_harness.promote_part_and_report, str(source), str(durable), index, node_local
+        ended = crash_harness.kill_after(
+            crash_harness.promote_part_and_report,
+            (str(source), str(durable), index, node_local),
+            rng.uniform(0.0, 1.5 * span),
         )
-        assert conn.poll(60), "the promoting child did not start"
-        assert conn.recv() == "started"
-        time.sleep(rng.uniform(0.0, 1.5 * span))
-        if process.is_alive():
-            os.kill(process.pid, signal.SIGKILL)
-            kills += 1
-        process.join(30)
-        messages = []
-        with contextlib.suppress(EOFError):  # a killed child's end of the pipe is closed
-            while conn.poll(0):
-                messages.append(conn.recv())
-        if "promoted" in messages:
+        kills += ended.killed
+        if ended.promoted:
             completed += 1
-        elif process.exitcode == -signal.SIGKILL:
+        elif ended.exitcode == -signal.SIGKILL:
             inside += 1
         else:
-            pytest.fail(f"the child failed (exit code {process.exitcode})")
+            pytest.fail(f"the child failed (exit code {ended.exitcode})")
         manifest = Manifest.load(durable)
         for committed in manifest.entries:
             assert _entry_files(durable, committed) == _entry_files(source, committed)

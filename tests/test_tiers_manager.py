@@ -7,7 +7,6 @@ failure case), fresh processes for the bitwise loads.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import re
@@ -17,7 +16,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -313,22 +311,14 @@ def test_sigkill_at_random_moments_of_checkpoint_promotions_never_leaves_a_parti
     kills = inside = 0
     while kills < KILLS:
         name = rng.choice(names)
-        process, conn = crash_harness.start(
-            crash_harness.promote_checkpoint_and_report, str(fast / name), str(durable / name)
+        ended = crash_harness.kill_after(
+            crash_harness.promote_checkpoint_and_report,
+            (str(fast / name), str(durable / name)),
+            rng.uniform(0.0, 0.03),
         )
-        assert conn.poll(60), "the promoting child did not start"
-        assert conn.recv() == "started"
-        time.sleep(rng.uniform(0.0, 0.03))
-        if process.is_alive():
-            os.kill(process.pid, signal.SIGKILL)
-            kills += 1
-        process.join(30)
-        messages = []
-        with contextlib.suppress(EOFError):  # a killed child's end of the pipe is closed
-            while conn.poll(0):
-                messages.append(conn.recv())
-        if "promoted" not in messages:
-            assert process.exitcode == -signal.SIGKILL, process.exitcode
+        kills += ended.killed
+        if not ended.promoted:
+            assert ended.exitcode == -signal.SIGKILL, ended.exitcode
             inside += 1
         for committed in committed_checkpoints(durable):
             assert _files(durable / committed) == _files(fast / committed), (kills, committed)

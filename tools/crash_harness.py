@@ -703,6 +703,41 @@ def start(target: Callable[..., None], *args: Any) -> tuple[Any, Connection]:
     return process, reader
 
 
+@dataclass(frozen=True)
+class Killed:
+    """How :func:`kill_after` ended: ``killed`` (a SIGKILL was sent), ``promoted`` (the child
+    said so first), the child's exit code."""
+
+    killed: bool
+    promoted: bool
+    exitcode: int | None
+
+
+def kill_after(target: Callable[..., None], args: tuple[Any, ...], delay: float) -> Killed:
+    """Run a ``*_and_report`` child (:func:`start`), SIGKILL it ``delay`` seconds after it
+    said ``"started"`` unless it ended already, and reap it.
+
+    Raises:
+        AssertionError: the child did not start within a minute.
+    """
+    process, conn = start(target, *args)
+    assert conn.poll(60), "the promoting child did not start"
+    assert conn.recv() == "started"
+    time.sleep(delay)
+    killed = process.is_alive()
+    if killed:
+        try:
+            os.kill(process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it ended meanwhile (a forkserver child is reaped there)
+            killed = False
+    process.join(30)
+    messages = []
+    with contextlib.suppress(EOFError):  # a killed child's end of the pipe is closed
+        while conn.poll(0):
+            messages.append(conn.recv())
+    return Killed(killed, "promoted" in messages, process.exitcode)
+
+
 # --------------------------------------------------------------------------- the parent
 
 

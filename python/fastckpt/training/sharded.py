@@ -352,13 +352,13 @@ def share_commit(
     if name is None or record is None or not is_local(backend_for(root)):
         return SharedCommit(False, kept)  # an object store is one store for every rank
     path = sharded_path(root, index, name)
-    generation = json.loads(record)["generation"]
+    document = json.loads(record)
+    generation = document["generation"]
     if rank != 0 and not (path / RECORD_NAME).is_file() and (path / generation).is_dir():
         from fastckpt.container.commit import commit_generation
 
         commit_generation(path, RECORD_NAME, record, generation)
-    files = json.loads(record)["files"]
-    node_local = bool(held_elsewhere(path, generation, files))
+    node_local = bool(held_elsewhere(path, generation, document["files"]))
     if node_local and rank != 0:
         _prune_node(root, kept, index)
     return SharedCommit(node_local, kept)

@@ -21,7 +21,7 @@ Restoring from the promoted copy reshards like any sharded checkpoint (``paralle
 **Node-local fast tiers** (each node's ranks save to their own disk, so a node's fast root
 holds the index, manifest and part record only on rank 0's node, and every node only its own
 ranks' files; the part record is copied to every node at commit, see
-:func:`fastckpt.training.sharded.share_part_record`): the part is promoted rank by rank. Every
+:func:`fastckpt.training.sharded.share_commit`): the part is promoted rank by rank. Every
 rank uploads its own files (:func:`upload_rank_files`: read from its node, proven against the
 part record, written atomically into the target part's generation); rank 0 uploads its own,
 waits until every other rank's file is in the target with its recorded size
@@ -270,24 +270,34 @@ def _newest_committed_part(directory: Path) -> Path | None:
     return None
 
 
-def node_local_root(root: Path) -> bool:
-    """Whether ``root`` is a node-local fast root of a sharded run: its newest committed
-    part (the record copied here at commit) lacks files other ranks wrote."""
+def _committed_parts(root: Path) -> list[tuple[int, Path]]:
+    """``(index, newest committed part)`` of every index under ``ROOT/sharded`` of this
+    node that has one, oldest index first."""
     base = root / SHARDED_DIR
     try:
         names = os.listdir(base)
     except (FileNotFoundError, NotADirectoryError):
-        return False
-    for index in sorted((int(n) for n in names if n.isdigit() and len(n) <= 18), reverse=True):
+        return []
+    parts = []
+    for index in sorted(int(n) for n in names if n.isdigit() and len(n) <= 18):
         part = _newest_committed_part(base / str(index))
-        if part is None:
-            continue
-        try:
-            record = json.loads(read_record_bytes(part, SHARDED_RECORD))
-            return bool(held_elsewhere(part, record["generation"], record["files"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
-    return False
+        if part is not None:
+            parts.append((index, part))
+    return parts
+
+
+def node_local_root(root: Path) -> bool:
+    """Whether ``root`` is a node-local fast root of a sharded run: its newest committed
+    part (the record copied here at commit) lacks files other ranks wrote."""
+    parts = _committed_parts(root)
+    if not parts:
+        return False
+    part = parts[-1][1]
+    try:
+        record = json.loads(read_record_bytes(part, SHARDED_RECORD))
+        return bool(held_elsewhere(part, record["generation"], record["files"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def upload_rank_files(
@@ -312,23 +322,13 @@ def upload_rank_files(
     from fastckpt.format.sharded import decode_record
 
     newest = Manifest.load(target).latest
-    base = source / SHARDED_DIR
-    try:
-        names = os.listdir(base)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    done: list[int] = []
     due = [
-        index
-        for index in sorted(int(name) for name in names if name.isdigit() and len(name) <= 18)
-        if not index % every
-        and (newest is None or index > newest)
-        and _newest_committed_part(base / str(index)) is not None
+        (index, part)
+        for index, part in _committed_parts(source)
+        if not index % every and (newest is None or index > newest)
     ]
-    for index in due[-1:]:  # rank 0 promotes the newest due index only
-        part = _newest_committed_part(base / str(index))
-        if part is None:
-            continue
+    done: list[int] = []
+    for index, part in due[-1:]:  # rank 0 promotes the newest due index only
         try:
             raw = read_record_bytes(part, SHARDED_RECORD)
             record = decode_record(part / SHARDED_RECORD, raw)
