@@ -155,10 +155,12 @@ bench-s3-sharded: setup
 	$(PY) -m fastckpt.bench s3-sharded $(BENCH_S3_SHARDED_ARGS)
 
 # Tiers: a training loop checkpointing to a fast tier promoted to S3 / a throttled directory,
-# against straight to them, and restores from each tier (fastckpt.bench.tiers, docs/tiers.md).
+# against straight to them, and restores from each tier (fastckpt.bench.tiers, docs/tiers.md);
+# then what a detached promoter costs and how soon it commits after a kill (bench.detached).
 BENCH_TIERS_ARGS ?= --size-mib 256 --repeats 3 --out benches/results
 bench-tiers: setup s3-server
 	$(PY) -m fastckpt.bench tiers $(BENCH_TIERS_ARGS)
+	$(PY) -m fastckpt.bench.detached --size-mib 256 --repeats 5 --out benches/results
 
 # The Rust S3 server the object-storage benchmark prefers to moto (fastckpt.bench.s3
 # --server auto): built once into .tools/ (ignored by git), for `make bench` only; without

@@ -212,6 +212,50 @@ def strategy_tiers_train() -> None:
     leave_process_group()
 
 
+def strategy_tiers_agreed_resume() -> None:
+    """Resume the newest index from LOCAL/fast (deleted by the test) falling back to
+    URL/tiers, on every rank; rank 1 looks as if before index 2 was promoted (its own look
+    finds index 1). Prints the index and step each rank resumed at."""
+    from fastckpt.container.promote import NearestCopy
+    from fastckpt.training import strategy as strategy_module
+    from sharded_ranks import shard, training_fn
+
+    local, rank, _ = setup_rank()
+    durable = f"{_url()}/tiers"
+    if rank == 1:
+        strategy_module.nearest_intact = lambda tiers, index=None: NearestCopy(  # type: ignore[assignment]
+            Path(durable), 1, []
+        )
+    strategy = fastckpt.TrainingStrategy.load_checkpoint(
+        local / "fast",
+        hooks=[],
+        training_fn=training_fn,
+        parallelize=shard,
+        fallback_dirs=[durable],
+    )
+    assert strategy.restored_from is not None
+    report = {"rank": rank, "index": strategy.restored_from.index, "step": strategy.step_count}
+    print(json.dumps(report))
+    leave_process_group()
+
+
+class _PromotedFirst:
+    """A hook after a CheckpointHook: at the run's first step, waits until the promotion the
+    hook started with the run (what the fast tier held) is done on this rank, so that the
+    run's own saves come after it (node-local tiers promote only the newest due index: a
+    save committed first would supersede it)."""
+
+    def __init__(self, hook: fastckpt.CheckpointHook) -> None:
+        self.hook = hook
+        self.done = False
+
+    def __call__(self, ctx: fastckpt.TrainContext, stage: fastckpt.TrainingStage) -> None:
+        if stage is fastckpt.TrainingStage.AFTER_BATCH and not self.done:
+            self.done = True
+            if self.hook.promoter is not None:
+                self.hook.promoter.wait()
+
+
 class _Settle:
     """A hook after a CheckpointHook: once it saved, waits for its background write and then
     for its promotion on this rank (no collective: each rank waits for its own), so that
@@ -282,21 +326,24 @@ def strategy_node_tiers_resume() -> None:
 def strategy_node_tiers_restart() -> None:
     """Restart of :func:`strategy_node_tiers_train`'s run on its node-local fast roots with
     the same hook (URL/node-tiers durable): restored from the durable tier, it trains to its
-    last step; prints where it resumed and the hook's health."""
+    last step; prints where it resumed and the hook's health. With ``detached`` after the URL,
+    every rank's promotions run in detached processes."""
     from sharded_ranks import loader, shard, training_fn
 
     local, rank, _ = setup_rank()
     durable = f"{_url()}/node-tiers"
+    detached = sys.argv[6:] == ["detached"]
     hook = fastckpt.CheckpointHook(
         local / f"node{rank}",
         step_interval=2,
         keep_last=2,
         durable_dir=durable,
         durable_keep_last=2,
+        detached_promotion=detached,
     )
     strategy = fastckpt.TrainingStrategy.load_checkpoint(
         local / f"node{rank}",
-        hooks=[hook],
+        hooks=[hook, _PromotedFirst(hook)],
         training_fn=training_fn,
         parallelize=shard,
         fallback_dirs=[durable],
@@ -311,6 +358,8 @@ def strategy_node_tiers_restart() -> None:
         "restored": restored,
         "step": strategy.step_count,
         "healthy": hook.promotion_healthy,
+        "detached": hook.promoter is not None and hook.promoter.detached,
+        "promoted": [] if hook.promoter is None else hook.promoter.promoted,
     }
     print(json.dumps(report))
     leave_process_group()

@@ -149,6 +149,66 @@ def manager_load() -> None:
     leave_process_group()
 
 
+def _tiers_manager(root: Path, kind: str) -> fastckpt.CheckpointManager:
+    config = (
+        fastckpt.CheckpointManager.Config.with_sync_save()
+        if kind == "sync"
+        else fastckpt.CheckpointManager.Config.with_async_save()
+    )
+    config.tiers = fastckpt.TiersConfig(
+        fast=root / "fast", durable=root / "durable", keep_last=2, durable_keep_last=2
+    )
+    return fastckpt.CheckpointManager(config)
+
+
+def manager_tiers_save() -> None:
+    """Train FSDP2 + AdamW and save step_1..step_3 through a manager with tiers (ROOT/fast,
+    promoted to ROOT/durable, each keeping 2), sync or async (the last argument); rank 0
+    writes the gathered state of step_3 and prints the promoter's report."""
+    root, rank, _ = setup_rank()
+    kind = sys.argv[-1]
+    model, optimizer = _sharded()
+    with _tiers_manager(root, kind) as manager:
+        for step in range(1, 4):
+            train_step(model, optimizer, step)
+            msd, osd = get_state_dict(model, optimizer)
+            future = manager.save(f"step_{step}", {"model": msd, "optim": osd, "step": step})
+            if future is not None:
+                future.result()
+        reference = full_state(model, optimizer)
+    report = {
+        "rank": rank,
+        "healthy": manager.promotion_healthy,
+        "promoted": [] if manager.promoter is None else manager.promoter.promoted,
+    }
+    if rank == 0:
+        safetensors.torch.save_file(reference, root / "reference-tiers.safetensors")
+    print(json.dumps(report))
+    leave_process_group()
+
+
+def manager_tiers_load() -> None:
+    """On WORLD ranks: ``load_latest`` from the tiers of ROOT (its fast tier deleted by the
+    test) into FSDP2 templates, resharded; rank 0 compares with the reference bitwise."""
+    root, rank, _ = setup_rank()
+    model, optimizer = _sharded()
+    msd, osd = get_state_dict(model, optimizer)
+    with _tiers_manager(root, "sync") as manager:
+        loaded = manager.load_latest(into={"model": msd, "optim": osd, "step": 0})
+        assert manager.restored_from is not None
+        restored = [manager.restored_from.tier.name, manager.restored_from.name]
+    set_state_dict(
+        model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
+    gathered = full_state(model, optimizer)
+    report: dict[str, Any] = {"rank": rank, "restored": restored, "step": loaded["step"]}
+    if rank == 0:
+        expected = safetensors.torch.load_file(root / "reference-tiers.safetensors")
+        report["bad"] = compare(expected, gathered)
+    print(json.dumps(report))
+    leave_process_group()
+
+
 # --------------------------------------------------------------------------- TrainingStrategy
 
 
@@ -231,12 +291,37 @@ def strategy_node_train() -> None:
     )
     try:
         strategy.run(loader())
-    except ValueError as err:
+    except Exception as err:  # the async save's failure, raised when the hook closes
         if not refused:
             raise
-        print(json.dumps({"rank": rank, "error": str(err)}))
+        print(json.dumps({"rank": rank, "error": f"{type(err).__name__}: {err}"}))
     else:
         print(json.dumps({"rank": rank, "last": hook.last_checkpoint_index}))
+    leave_process_group()
+
+
+def strategy_node_direct_save() -> None:
+    """Each rank calls ``TrainingStrategy.save_checkpoint`` on its own directory
+    (ROOT/../node<R>, one simulated node each): once plainly (prints the error every rank
+    gets), then with ``node_local=True`` (prints the index)."""
+    root, rank, _ = setup_rank()
+    torch.manual_seed(0)
+    strategy = fastckpt.TrainingStrategy(
+        shard(build_model()),
+        fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
+        training_fn=training_fn,
+        num_steps=2,
+    )
+    strategy.run(loader())
+    node = root.parent / f"node{rank}"
+    try:
+        strategy.save_checkpoint(node)
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}"
+    else:
+        error = None
+    index = strategy.save_checkpoint(node, node_local=True)
+    print(json.dumps({"rank": rank, "error": error, "index": index}))
     leave_process_group()
 
 

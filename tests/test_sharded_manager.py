@@ -116,3 +116,50 @@ def test_damaged_sharded_checkpoint_is_refused_by_the_manager(
         pytest.raises(fastckpt.ChecksumMismatchError, match=shard.name),
     ):
         manager.load(copy)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_sharded_manager_checkpoints_are_promoted_and_restore_from_the_durable_tier(
+    tmp_path: Path, kind: str
+) -> None:
+    # Tiers for DTensor state: each save (a DCP container written by both ranks) is promoted
+    # with every rank's files and its record; each tier keeps its newest 2; with the fast
+    # tier gone (a new node) load_latest restores from the durable copy, resharded on 1 rank
+    # (here) and on 3 ranks, bitwise.
+    from fastckpt.container.promote_checkpoints import committed_checkpoints
+    from fastckpt.format.records import read_record_bytes
+
+    outputs = check_ok(launch("manager_tiers_save", tmp_path, 2, kind, ranks="sharded_ranks"))
+    reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert all(r["healthy"] for r in reports), reports
+    assert reports[0]["promoted"] == ["step_1", "step_2", "step_3"], reports
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    assert committed_checkpoints(fast) == committed_checkpoints(durable) == ["step_2", "step_3"]
+    for name in ("step_2", "step_3"):
+        assert is_sharded_checkpoint(durable / name)
+        assert read_record_bytes(durable / name, RECORD_NAME) == read_record_bytes(
+            fast / name, RECORD_NAME
+        )
+        assert fastckpt.verify(durable / name).ok
+    shutil.rmtree(fast)
+    config = fastckpt.CheckpointManager.Config.with_sync_save()
+    config.tiers = fastckpt.TiersConfig(fast=fast, durable=durable)
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(model, optimizer)
+    with fastckpt.CheckpointManager(config) as manager:
+        loaded = manager.load_latest(into={"model": msd, "optim": osd, "step": 0})
+        assert manager.restored_from is not None
+        assert manager.restored_from.path == durable / "step_3"
+    set_state_dict(
+        model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
+    expected = safetensors.torch.load_file(tmp_path / "reference-tiers.safetensors")
+    assert compare(expected, full_state(model, optimizer)) == []
+    if kind == "async":
+        return  # the resharded load does not depend on how the save ran
+    loads = check_ok(launch("manager_tiers_load", tmp_path, 3, ranks="sharded_ranks"))
+    for out in loads:
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["restored"] == ["durable", "step_3"] and report["step"] == 3, report
+        assert report.get("bad", []) == [], report

@@ -129,3 +129,23 @@ def test_node_local_checkpoint_dirs_without_a_durable_tier_are_refused_on_every_
     errors = [json.loads(out.strip().splitlines()[-1])["error"] for out in outputs]
     assert all("not one directory the ranks share" in error for error in errors), errors
     assert all("durable_dir" in error for error in errors), errors
+    # Refused at the commit: nothing was committed on either node.
+    assert fastckpt.list_checkpoints(tmp_path / "node0") == []
+    assert not (tmp_path / "node1" / "manifest.json").exists()
+
+
+def test_a_direct_save_to_node_local_directories_is_refused_unless_asked_for(
+    tmp_path: Path,
+) -> None:
+    # TrainingStrategy.save_checkpoint on each node's own disk: rank 0 does not see rank 1's
+    # shards, so the commit is refused on every rank (nothing committed, instead of an index
+    # no process could restore); node_local=True (a caller promoting every rank's shards, as
+    # the hook does) commits it.
+    outputs = check_ok(
+        launch("strategy_node_direct_save", tmp_path / "run", 2, ranks="sharded_ranks")
+    )
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    for result in results:
+        assert "not one directory the ranks share" in result["error"], result
+        assert result["index"] == 0, result
+    assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / "node0")] == [0]

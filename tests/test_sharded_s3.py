@@ -276,6 +276,18 @@ def test_a_sharded_run_restores_resharded_from_the_durable_tier_when_the_fast_on
     assert report["loaded_bad"] == [] and report["final_close"], report
 
 
+def test_the_ranks_of_a_sharded_resume_take_the_copy_rank_0_picked(
+    tiered: tuple[Path, str],
+) -> None:
+    # Rank 1 would find index 1 on its own (as if it looked before index 2 was promoted, by
+    # a detached promoter say): a sharded load of two copies fails, so rank 0 picks for all.
+    local, url = tiered
+    shutil.rmtree(local / "fast", ignore_errors=True)
+    outputs = check_ok(launch("strategy_tiers_agreed_resume", local, 2, url, ranks="s3_dcp_ranks"))
+    reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert [(r["index"], r["step"]) for r in reports] == [(2, 6), (2, 6)], reports
+
+
 # --------------------------------------------------------------------------- node-local tiers
 
 
@@ -377,13 +389,15 @@ def test_a_node_local_part_is_committed_only_once_every_rank_uploaded_its_shards
         upload_rank_files(damaged, tmp_path / "other", 1, 1, set())
 
 
+@pytest.mark.parametrize("promoter", ["thread", "detached"])
 def test_a_node_local_run_restarts_from_the_durable_tier_and_saves_on(
-    s3_server: S3Server, env: dict[str, str], tmp_path: Path
+    s3_server: S3Server, env: dict[str, str], tmp_path: Path, promoter: str
 ) -> None:
     # The fast tiers are ahead of the durable one (index 2's promotion "did not happen"): the
     # restart resumes from durable index 1 on both ranks, no rank refuses the fast tier's
     # newer index as another run's (rank 0 decides for all), the newer index is promoted by
-    # the restart, and the run's own saves are promoted after it.
+    # the restart, and the run's own saves are promoted after it; so too when every rank's
+    # share of each promotion runs in a detached process (rank 0's commits, rank 1's uploads).
     url = s3_server.url(f"node-restart-{os.getpid()}-{time.time_ns()}")
     check_ok(launch("strategy_node_tiers_train", tmp_path, 2, url, ranks="s3_dcp_ranks"))
     durable = f"{url}/node-tiers"
@@ -391,13 +405,16 @@ def test_a_node_local_run_restarts_from_the_durable_tier_and_saves_on(
     del manifest.entries[2]
     manifest.commit()
     assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [1]
+    extra = ["detached"] if promoter == "detached" else []
     outputs = check_ok(
-        launch("strategy_node_tiers_restart", tmp_path, 2, url, ranks="s3_dcp_ranks")
+        launch("strategy_node_tiers_restart", tmp_path, 2, url, *extra, ranks="s3_dcp_ranks")
     )
     reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     for report in reports:
         assert report["restored"] == ["node-tiers", 1] and report["start"] == 4, report
         assert report["step"] == 6 and report["healthy"], report
+        assert report["detached"] == (promoter == "detached"), report
+    assert 3 in reports[0]["promoted"] and 3 in reports[1]["promoted"], reports
     listed = fastckpt.list_checkpoints(durable)
     assert [c["index"] for c in listed] == [2, 3], listed
     assert fastckpt.verify(durable).ok

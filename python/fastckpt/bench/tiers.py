@@ -154,6 +154,8 @@ class TiersBenchConfig:
         directory: where the local roots go (default: a temporary directory in the current
             directory, i.e. on its filesystem).
         drop_caches: drop the page cache before each timed restore (root).
+        detached_promotion: promote in detached processes
+            (``CheckpointHook(detached_promotion=True)``) instead of the hook's thread.
     """
 
     size_mib: float = 256.0
@@ -176,6 +178,7 @@ class TiersBenchConfig:
     batch: int = TrainingConfig.batch
     directory: Path | None = None
     drop_caches: bool = False
+    detached_promotion: bool = False
     log: Callable[[str], None] = field(default=print, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -380,6 +383,7 @@ def _run(
                 durable_dir=durable,
                 promote_every=every,
                 durable_keep_last=config.durable_keep_last,
+                detached_promotion=config.detached_promotion,
             )
         hook = CheckpointHook(root, step_interval=interval, save_last=False, **options)
         hook.__enter__()
@@ -978,7 +982,12 @@ def markdown(document: dict[str, Any]) -> str:
         f"store); throttled = a local directory capped at {settings['throttle_write_mib_s']:g} "
         f"MiB/s write / {settings['throttle_read_mib_s']:g} MiB/s read, a stand-in for a "
         "shared filesystem (see the notes). Retention: fast tier (and single tiers) keep_last "
-        f"{settings['keep_last']}, durable tier keep_last {settings['durable_keep_last']}.",
+        f"{settings['keep_last']}, durable tier keep_last {settings['durable_keep_last']}."
+        + (
+            " Promotions run in detached processes (`detached_promotion=True`)."
+            if settings.get("detached_promotion")
+            else ""
+        ),
         "",
         f"promote_every = max(1, {settings['durable_every_steps']} // N): the durable tier "
         f"gets a checkpoint every {settings['durable_every_steps']} steps "
@@ -1197,6 +1206,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=None, help="write tiers-<size>mib-<server>.json/.md here"
     )
     parser.add_argument("--tag", default=None, help="output file stem instead")
+    parser.add_argument(
+        "--detached-promotion", action="store_true", help="promote in detached processes"
+    )
     return parser
 
 
@@ -1230,6 +1242,7 @@ def main(argv: list[str] | None = None) -> int:
         batch=args.batch,
         directory=args.dir,
         drop_caches=args.drop_caches,
+        detached_promotion=args.detached_promotion,
         log=lambda line: print(line, flush=True),
     )
     document = run(config)

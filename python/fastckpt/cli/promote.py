@@ -104,7 +104,7 @@ def _promote_newest_checkpoint(
     if not held:
         try:
             done = promote_checkpoint(source / name, target / name)
-        except ValueError as err:  # a sharded checkpoint, or the tier itself as the target
+        except ValueError as err:  # the tier itself as the target, a file without a crc32c
             raise UserError(str(err)) from None
         copied, reused = done.copied, done.reused
     if args.json:

@@ -44,9 +44,7 @@ import threading
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fastckpt import _native
 from fastckpt.container import refs
@@ -77,6 +75,9 @@ from fastckpt.storage.backend import (
 from fastckpt.storage.backend import _sibling as temp_sibling
 from fastckpt.storage.lock import RootLock
 from fastckpt.storage.registry import backend_for, display_path, is_local
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DirectoryWriter",

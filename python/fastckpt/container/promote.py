@@ -35,8 +35,13 @@ written and committed before the index's own files: see :mod:`fastckpt.container
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import subprocess
+import sys
+import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,7 +72,7 @@ from fastckpt.errors import (
 )
 from fastckpt.format.records import Manifest
 from fastckpt.io.paths import check_relpath
-from fastckpt.storage.registry import backend_for, display_path, is_local
+from fastckpt.storage.registry import backend_for, display_path, is_local, storage_options_of
 
 __all__ = [
     "IndexCopy",  # re-exported from fastckpt.container.copy
@@ -82,6 +87,13 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger(__name__)
+
+#: How the detached promoter starts: ``python -c _DETACHED_BOOT SYS_PATH`` (the trainer's
+#: ``sys.path`` as JSON), then :mod:`fastckpt.container.detached` as ``__main__``.
+_DETACHED_BOOT = (
+    "import json, runpy, sys; sys.path[:] = json.loads(sys.argv[1]); "
+    "runpy.run_module('fastckpt.container.detached', run_name='__main__', alter_sys=True)"
+)
 
 
 @dataclass
@@ -259,12 +271,106 @@ def promote(
     return report
 
 
+class _DetachedProcess:
+    """A promoter's detached process (:mod:`fastckpt.container.detached`): started in a new
+    session with the trainer's ``sys.path`` (so it imports this very fastckpt); each run is
+    one JSON line on its stdin, answered by one JSON line on its stdout. Its stderr (warnings)
+    goes to a file, so that it can finish a run after the trainer died; it exits when its
+    stdin closes (:meth:`close`, or the trainer's death), after the run it is in."""
+
+    def __init__(self) -> None:
+        self._child: subprocess.Popen[bytes] | None = None
+        self._log: Any = None  # its stderr: a temporary file
+        self._logged = 0  # how much of it was relayed
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        if self._child is not None and self._child.poll() is None:
+            return self._child
+        self.close()
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - the process's lifetime, closed by close()
+        self._logged = 0
+        self._child = subprocess.Popen(
+            [sys.executable, "-c", _DETACHED_BOOT, json.dumps(sys.path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            start_new_session=True,
+        )
+        return self._child
+
+    def run(self, spec: Mapping[str, Any], handed: Callable[[int | None], None]) -> dict[str, Any]:
+        """Hand it ``spec``, call ``handed(pid)`` (then ``handed(None)`` once it answered),
+        return its outcome.
+
+        Raises:
+            RuntimeError: the run failed there, or the process died (the next run starts a
+                new one).
+        """
+        child = self._started()
+        assert child.stdin is not None and child.stdout is not None
+        line = b""
+        try:
+            with contextlib.suppress(BrokenPipeError):  # it died: reported below
+                child.stdin.write(json.dumps(spec).encode() + b"\n")
+                child.stdin.flush()
+                handed(child.pid)
+                line = child.stdout.readline()
+        finally:
+            handed(None)
+        self._relay(child.pid)
+        if not line:
+            code = child.wait()
+            self.close()
+            raise RuntimeError(f"the detached promoter (pid {child.pid}) exited with code {code}")
+        outcome = json.loads(line)
+        if "error" in outcome:
+            raise RuntimeError(
+                f"the detached promoter (pid {child.pid}) failed: {outcome['error']}"
+            )
+        result: dict[str, Any] = outcome
+        return result
+
+    def _relay(self, pid: int) -> None:
+        """Log what the process wrote to its stderr since the last run (its warnings)."""
+        if self._log is None:
+            return
+        self._log.seek(self._logged)
+        text = self._log.read()
+        self._logged += len(text)
+        if text.strip():
+            message = text.decode(errors="replace").strip()[-4000:]
+            _LOG.warning("detached promoter (pid %d): %s", pid, message)
+
+    def close(self) -> None:
+        """Close its stdin and wait for it to exit (after the run it may be in)."""
+        child, self._child = self._child, None
+        if child is not None:
+            assert child.stdin is not None
+            with contextlib.suppress(BrokenPipeError):
+                child.stdin.close()
+            child.wait()
+            if child.stdout is not None:
+                child.stdout.close()
+            self._relay(child.pid)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
 class Promoter:
     """Promotes a fast root's checkpoints to a durable root in the background.
 
     :meth:`submit` after each commit into ``source``; one background thread then runs
     :func:`promote` (``every``-th indices; submissions while it runs coalesce into one more
     run), and prunes ``target`` to ``keep_last`` indices. Training is never blocked by it.
+
+    With ``detached``, the runs happen in a process of its own, in a new session
+    (:mod:`fastckpt.container.detached`, started by the first run and kept until
+    :meth:`close`), which this thread hands each run to and waits for: a trainer killed while
+    it promotes (SIGKILL, or Ctrl-C of its process group) leaves that process to finish the
+    promotion, and exit, so the durable tier gets the checkpoint without waiting for a next
+    process (see docs/tiers.md). Each run hands it this promoter's configuration and the
+    object-store options registered for both roots.
 
     A failure does not stop training unless ``strict``: it is logged as a warning, kept in
     :attr:`error` (:attr:`healthy` turns False), given to ``on_error`` and retried by the
@@ -280,6 +386,7 @@ class Promoter:
         strict: raise a failure at the next :meth:`submit`.
         on_error: called with each failure's :class:`~fastckpt.errors.PromotionError`, on the
             promotion thread (an exception it raises is logged and dropped).
+        detached: run each promotion in a process of its own that outlives this one.
     """
 
     def __init__(
@@ -291,6 +398,7 @@ class Promoter:
         keep_last: int | None = None,
         strict: bool = False,
         on_error: Callable[[PromotionError], object] | None = None,
+        detached: bool = False,
     ) -> None:
         """Configure; the thread starts on the first :meth:`submit`."""
         if every < 1:
@@ -301,6 +409,10 @@ class Promoter:
         _distinct(self.source, self.target)
         self.every, self.keep_last, self.strict = every, keep_last, strict
         self.on_error = on_error
+        self.detached = bool(detached)
+        #: The process id of the detached promoter while it runs a promotion handed to it
+        #: (None: none is running).
+        self.detached_pid: int | None = None
         #: Rank 0 of a sharded run on node-local fast tiers (set by the hook when it sees
         #: it): the other ranks upload their own shards (:class:`RankPromoter`), waited for
         #: up to :attr:`wait_s` seconds.
@@ -318,6 +430,7 @@ class Promoter:
         self._running = False
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._process: _DetachedProcess | None = None  # started by the first detached run
 
     @property
     def healthy(self) -> bool:
@@ -379,6 +492,9 @@ class Promoter:
             self._thread.join()
         with self._lock:
             self._thread, self._closed = None, False
+        if self._process is not None:
+            self._process.close()
+            self._process = None
         if self.error is not None:
             error, self.error = self.error, None
             raise error
@@ -399,8 +515,19 @@ class Promoter:
                     self._wake.notify_all()
 
     def _attempt(self) -> None:
-        """One promotion run: :func:`promote`, then the target's retention (raises what
-        fails)."""
+        """One promotion run, here or in a detached process (raises what fails)."""
+        self._apply(self._run_detached() if self.detached else self.run_here())
+
+    def _apply(self, outcome: Mapping[str, Any]) -> None:
+        """Take in a run's outcome (see :meth:`run_here`)."""
+        self.promoted.extend(outcome["promoted"])
+        if outcome.get("target_newest") is not None:
+            self.target_newest = int(outcome["target_newest"])
+
+    def run_here(self) -> dict[str, Any]:
+        """One promotion run in this process: :func:`promote`, then the target's retention.
+        Returns what it did as the detached process reports it (JSON): ``promoted`` (the
+        indices) and ``target_newest``."""
         report = promote(
             self.source,
             self.target,
@@ -415,9 +542,39 @@ class Promoter:
             backend = backend_for(self.target)
             for pruned in prune_indices(self.target, self.keep_last):
                 backend.delete(index_dir(self.target, pruned))
-        self.promoted.extend(report.promoted)
-        if report.newest is not None:
-            self.target_newest = report.newest
+        return {"promoted": report.promoted, "target_newest": report.newest}
+
+    def spec(self) -> dict[str, Any]:
+        """This promoter's configuration as JSON, from which the detached process makes it
+        again (:func:`fastckpt.container.detached.promoter_from_spec`)."""
+        return {
+            "source": os.fspath(self.source),
+            "target": os.fspath(self.target),
+            "every": self.every,
+            "keep_last": self.keep_last,
+            "node_local": self.node_local,
+            "wait_s": self.wait_s,
+            "storage_options": {
+                os.fspath(root): options
+                for root in (self.source, self.target)
+                if (options := storage_options_of(root)) is not None
+            },
+        }
+
+    def _run_detached(self) -> dict[str, Any]:
+        """:meth:`run_here` in this promoter's detached process (see the class docstring);
+        waits for it and returns its outcome.
+
+        Raises:
+            RuntimeError: the run failed there (its error), or the process died (restarted
+                by the next attempt).
+        """
+        if self._process is None:
+            self._process = _DetachedProcess()
+        return self._process.run(self.spec(), self._handed)
+
+    def _handed(self, pid: int | None) -> None:
+        self.detached_pid = pid
 
     def _promote_once(self) -> None:
         try:
@@ -451,19 +608,33 @@ class RankPromoter(Promoter):
         every: int = 1,
         strict: bool = False,
         on_error: Callable[[PromotionError], object] | None = None,
+        detached: bool = False,
     ) -> None:
         """Configure; the thread starts on the first :meth:`submit`."""
-        super().__init__(source, target, every=every, strict=strict, on_error=on_error)
+        super().__init__(
+            source, target, every=every, strict=strict, on_error=on_error, detached=detached
+        )
         self.rank = rank
-        self._uploaded: set[str] = set()
+        #: This rank's files known to be in the target (not uploaded again).
+        self.uploaded: set[str] = set()
 
     def awaiting(self, newest: int) -> int | None:
         """Not tracked here: rank 0's retention decides what every node keeps."""
         return None
 
-    def _attempt(self) -> None:
-        done = upload_rank_files(self.source, self.target, self.every, self.rank, self._uploaded)
-        self.promoted.extend(done)
+    def run_here(self) -> dict[str, Any]:
+        """Upload this rank's files of the newest due part; returns ``promoted`` (the
+        indices) and ``uploaded`` (every file known to be in the target)."""
+        done = upload_rank_files(self.source, self.target, self.every, self.rank, self.uploaded)
+        return {"promoted": done, "uploaded": sorted(self.uploaded)}
+
+    def spec(self) -> dict[str, Any]:
+        """:meth:`Promoter.spec` with this rank and the files it knows are uploaded."""
+        return {**super().spec(), "rank": self.rank, "uploaded": sorted(self.uploaded)}
+
+    def _apply(self, outcome: Mapping[str, Any]) -> None:
+        super()._apply(outcome)
+        self.uploaded.update(outcome.get("uploaded") or ())
 
 
 @dataclass

@@ -12,6 +12,11 @@ checked against the record, and the commit record is written last. Files this pr
 promoted before and proves identical by their BLAKE3 digest are stored by the target from
 what it holds (a hard link, a server-side copy: see :mod:`fastckpt.container.copy`).
 
+A checkpoint of sharded (DTensor) state, a DCP container written by every rank, is copied the
+same way: every rank's file its record lists, proven as it is read, written as the record's
+generation under the target, then the record (:func:`~fastckpt.container.sharded.promote.
+write_generation`).
+
 The order of a tier's checkpoints ("newest") is the modification time of their commit
 records, which is when each was committed there (then the name). Checkpoints are removed
 commit record first (:func:`remove_checkpoint`), so a process killed while removing one never
@@ -30,8 +35,9 @@ from typing import Any
 
 from fastckpt import _native
 from fastckpt.container.commit import DirectoryWriter
-from fastckpt.container.copy import IndexCopy, copy_files, remember_written
+from fastckpt.container.copy import IndexCopy, copy_files, read_verified, remember_written
 from fastckpt.container.promote import Promoter
+from fastckpt.container.sharded.promote import record_files, write_generation
 from fastckpt.container.verify import verify
 from fastckpt.errors import FastCkptError, NotCommittedError
 from fastckpt.format.records import (
@@ -39,6 +45,7 @@ from fastckpt.format.records import (
     SHARDED_RECORD,
     commit_record,
     read_commit_record,
+    read_record_bytes,
 )
 from fastckpt.io.paths import check_name, check_relpath
 from fastckpt.storage.backend import TEMP_PREFIX
@@ -60,21 +67,23 @@ _LOG = logging.getLogger(__name__)
 
 
 def committed_checkpoints(root: str | os.PathLike[str]) -> list[str]:
-    """The names of the committed CheckpointManager checkpoints in the tier root ``root``,
-    oldest first (by when their commit records were written, then by name); a root that does
-    not exist has none. Sharded (DCP) checkpoints are not listed."""
+    """The names of the committed CheckpointManager checkpoints in the tier root ``root``
+    (of sharded state too), oldest first (by when their commit records were written, then
+    by name); a root that does not exist has none."""
     root = Path(root)
     backend = backend_for(root)
     found: list[tuple[float, str]] = []
     for name in backend.list_dir(root):
         if name.startswith("."):
             continue  # staging areas, trash, locks
-        try:
-            info = backend.stat(root / name / COMMIT_RECORD)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        if info.regular:
-            found.append((info.modified or 0.0, name))
+        for record in (COMMIT_RECORD, SHARDED_RECORD):
+            try:
+                info = backend.stat(root / name / record)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if info.regular:
+                found.append((info.modified or 0.0, name))
+                break
     return [name for _, name in sorted(found)]
 
 
@@ -95,20 +104,16 @@ def promote_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike
         FileNotFoundError: ``source`` is not a committed checkpoint.
         ChecksumMismatchError / CheckpointFormatError: a source file is damaged or missing
             (named); the target is untouched.
-        ValueError: ``source`` is a sharded (DCP) checkpoint (not promotable yet), or is
-            ``target``.
+        ValueError: ``source`` is ``target``.
     """
     source, target = Path(source), Path(target)
     if os.path.abspath(source) == os.path.abspath(target):
         raise ValueError(f"{display_path(source)}: promoting a checkpoint onto itself")
     check_name(target.name, "checkpoint directory name")
-    if backend_for(source).exists(source / SHARDED_RECORD):
-        raise ValueError(
-            f"{display_path(source)}: a sharded (DCP) checkpoint; promoting those is not "
-            "supported yet (save it straight to the durable tier)"
-        )
-    record = read_commit_record(source)
     what = f"checkpoint {display_path(source)}"
+    if backend_for(source).exists(source / SHARDED_RECORD):
+        return _promote_sharded(source, target, what)
+    record = read_commit_record(source)
     files: dict[str, tuple[Path, Mapping[str, Any]]] = {}
     for relpath, file_record in record["files"].items():
         check_relpath(relpath, "file")
@@ -145,8 +150,29 @@ def promote_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike
     return done
 
 
+def _promote_sharded(source: Path, target: Path, what: str) -> IndexCopy:
+    """:func:`promote_checkpoint` of a checkpoint of sharded state (see the module
+    docstring): its files keep their generation's name, so its record stays valid as is."""
+    raw = read_record_bytes(source, SHARDED_RECORD)
+    generation, files, _ = record_files(source, raw, what)
+    if not is_local(backend_for(target)):
+        # As for indices: every file proven before the target is touched at all.
+        for path, file_record in files.values():
+            read_verified(path, file_record, what)
+    return IndexCopy(write_generation(target, generation, files, raw, what), 0)
+
+
 def same_files(source: Path, target: Path) -> bool:
-    """Whether ``target`` is committed with the files (names, sizes, crc32c) of ``source``."""
+    """Whether ``target`` is committed with the files (names, sizes, crc32c) of ``source``
+    (for checkpoints of sharded state: the same commit record, naming the same generation
+    and files)."""
+    if backend_for(source).exists(source / SHARDED_RECORD):
+        try:
+            return read_record_bytes(target, SHARDED_RECORD) == read_record_bytes(
+                source, SHARDED_RECORD
+            )
+        except (OSError, FastCkptError):
+            return False
 
     def files(path: Path) -> dict[str, tuple[int, int]] | None:
         try:
@@ -173,6 +199,7 @@ def remove_checkpoint(path: str | os.PathLike[str]) -> None:
     backend = backend_for(path)
     if not is_local(backend):
         backend.delete(path / COMMIT_RECORD)
+        backend.delete(path / SHARDED_RECORD)
         backend.delete(path)
         return
     aside = temp_sibling(TEMP_PREFIX, path)
@@ -297,7 +324,8 @@ class CheckpointPromoter(Promoter):
     checkpoints: :meth:`submit_checkpoint` after a checkpoint of ``source`` committed; the
     background thread promotes the queued names in order (a failed one stays queued for the
     next attempt), then keeps the newest ``keep_last`` checkpoints of ``target``
-    (:func:`prune_checkpoints`). Failures are reported as the base class reports them.
+    (:func:`prune_checkpoints`). Failures are reported as the base class reports them;
+    ``detached`` runs each attempt in a process of its own, as for the base class.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -312,30 +340,54 @@ class CheckpointPromoter(Promoter):
         Raises:
             PromotionError: ``strict`` and the previous attempt failed.
         """
+        self.enqueue(name)
+        self.submit()
+
+    def enqueue(self, name: str) -> None:
+        """Queue the checkpoint ``name`` of ``source`` for the next promotion run, without
+        starting one."""
         check_name(name, "checkpoint directory name")
         with self._lock:
             if name not in self._queue:
                 self._queue.append(name)
-        self.submit()
 
     def queued(self) -> list[str]:
         """The names waiting for promotion (kept by the fast tier's retention)."""
         with self._lock:
             return list(self._queue)
 
-    def _attempt(self) -> None:
+    def run_here(self) -> dict[str, Any]:
+        """Promote the queued names in order, then the target's retention; returns
+        ``promoted`` and ``done`` (the names taken off the queue: promoted, already held
+        there, or removed from ``source`` before their turn)."""
+        promoted: list[str] = []
+        done: list[str] = []
         while True:
             with self._lock:
                 if not self._queue:
                     break
                 name = self._queue[0]
             source = self.source / name
-            if not backend_for(source).exists(source / COMMIT_RECORD):
+            backend = backend_for(source)
+            if not any(backend.exists(source / r) for r in (COMMIT_RECORD, SHARDED_RECORD)):
                 _LOG.warning("%s: removed before it was promoted", display_path(source))
             elif not same_files(source, self.target / name):
                 promote_checkpoint(source, self.target / name)
-                self.promoted.append(name)
+                promoted.append(name)
             with self._lock:
                 self._queue.remove(name)
+            done.append(name)
         if self.keep_last is not None:
             prune_checkpoints(self.target, self.keep_last)
+        return {"promoted": promoted, "done": done}
+
+    def spec(self) -> dict[str, Any]:
+        """:meth:`Promoter.spec` with the queued names."""
+        return {**super().spec(), "queue": self.queued()}
+
+    def _apply(self, outcome: Mapping[str, Any]) -> None:
+        super()._apply(outcome)
+        with self._lock:  # a detached run's names (this process's run took them off itself)
+            for name in outcome.get("done") or ():
+                if name in self._queue:
+                    self._queue.remove(name)

@@ -121,6 +121,7 @@ def save_state(
     *,
     writer: Writer | None = None,
     process_group: Any = None,
+    node_local: bool = False,
 ) -> None:
     """Save ``state`` (this rank's shards) as the sharded checkpoint ``path``; collective.
 
@@ -129,10 +130,13 @@ def save_state(
         state: ``{key: nest of tensors, DTensors and plain values}``.
         writer: a writer to reuse (its options and staging buffers); one is made otherwise.
         process_group: the group DCP coordinates on (default: the default group, if any).
+        node_local: for a writer made here: ``path`` may be each node's own disk (see
+            :class:`~fastckpt.dcp.Writer`).
     """
-    writer = writer or Writer(path)
+    writer = writer or Writer(path, node_local=node_local)
     writer.reset(path)
-    dcp.save(dict(state), storage_writer=writer, process_group=process_group)
+    with typed_dcp_errors():
+        dcp.save(dict(state), storage_writer=writer, process_group=process_group)
 
 
 def async_save_state(

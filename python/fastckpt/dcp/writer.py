@@ -75,6 +75,12 @@ class Writer(StorageWriter, DcpStager):
         block_bytes: chunks larger than this also get one crc32c per block of this size, so a
             resharding load can verify partial reads.
         stager_options: how ``dcp.async_save`` stages CUDA tensors.
+        node_local: each rank's ``path`` may be its own node's disk, holding only that rank's
+            files (a :class:`~fastckpt.training.hooks.CheckpointHook` with a ``durable_dir``
+            promotes every rank's files there, see docs/tiers.md): the coordinator checks only
+            its own files at commit. Otherwise (the default) every rank's file must be in
+            ``path`` as the coordinator sees it, or nothing is committed: a checkpoint whose
+            shards are spread over node-local disks could not be restored.
         _extensions: DCP's stream transforms (``FileSystemWriter(_extensions=[ZStandard()])``)
             are refused when given (``ValueError`` naming the alternative): fastckpt stores
             each chunk as is, with a crc32c per block, so that a resharding load reads and
@@ -90,6 +96,7 @@ class Writer(StorageWriter, DcpStager):
         fsync: bool = True,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         stager_options: StagerOptions | None = None,
+        node_local: bool = False,
         _extensions: Sequence[Any] | None = None,
     ) -> None:
         """Point the writer at ``path``; nothing is written until a save."""
@@ -111,6 +118,7 @@ class Writer(StorageWriter, DcpStager):
         self.direct_io = direct_io
         self.fsync = fsync
         self.block_bytes = block_bytes
+        self.node_local = node_local
         self.is_coordinator = False
         self.rank = 0
         self._generation: str | None = None
@@ -184,7 +192,7 @@ class Writer(StorageWriter, DcpStager):
             self.path,
             generation,
             encode_record(generation, metadata, storage),
-            lambda: _check_files_present(directory, storage, self.rank),
+            lambda: _check_files_present(directory, storage, self.rank, self.node_local),
         )
 
     def storage_meta(self) -> StorageMeta | None:
@@ -330,13 +338,16 @@ class Writer(StorageWriter, DcpStager):
 
 
 def _check_files_present(
-    directory: Path, storage: dict[MetadataIndex, StoredChunk], rank: int
+    directory: Path, storage: dict[MetadataIndex, StoredChunk], rank: int, node_local: bool
 ) -> None:
-    """Refuse to commit unless the coordinator's own files (rank ``rank``; every file when it
-    wrote none) are in place with their sizes: a concurrent save's cleanup removes an older,
-    still unfinished generation as a whole. The other ranks' files are taken from their
-    results (each rank wrote its files durably before reporting them): on node-local
-    storage (each node its own disk, see docs/tiers.md) the coordinator cannot see them."""
+    """Refuse to commit unless every file of the save is in ``directory`` with its size as the
+    coordinator (rank ``rank``) sees it: a concurrent save's cleanup removes an older, still
+    unfinished generation as a whole, and a rank whose directory is another disk (node-local
+    storage) leaves a checkpoint no process can restore. With ``node_local`` (the ranks'
+    files are promoted to a shared tier, see docs/tiers.md), and on an object store (one
+    store for every rank), only the coordinator's own files are checked (every file when it
+    wrote none); the others are taken from their ranks' results, each rank having written
+    its files durably before reporting them."""
     backend = backend_for(directory)
     sizes = {chunk.file: chunk.file_len for chunk in storage.values()}
     own = data_file_name(rank, 0, "")
@@ -345,18 +356,33 @@ def _check_files_present(
         for name, size in sizes.items()
         if name.startswith(own) and name[len(own) : len(own) + 1] in (".", "-")
     }
-    for name, size in (mine or sizes).items():
+    # On an object store every rank writes into the one store: their results prove their
+    # files (a stat per file of every rank would cost a request each at every commit).
+    only_mine = (node_local or not is_local(backend)) and mine
+    others = {} if only_mine else {n: s for n, s in sizes.items() if n not in mine}
+    # The coordinator's own files first: missing too, they mean a concurrent save's cleanup.
+    for name, size in [*sorted(mine.items()), *sorted(others.items())]:
         path = directory / name
         try:
             actual: int | None = backend.stat(path).size
         except FileNotFoundError:
             actual = None
-        if actual != size:
+        if actual == size:
+            continue
+        if mine and name not in mine and actual is None:
             raise RuntimeError(
-                f"{path}: {'missing' if actual is None else f'{actual} bytes, not {size}'} at "
-                "commit time (a concurrent save to the same checkpoint removed this "
-                "unfinished generation); nothing was committed, save again"
+                f"{path}: another rank's shard file is not in {directory.parent} as rank {rank} "
+                "sees it: that directory is not one directory the ranks share (each rank's "
+                "holds only its own node's shards), so a checkpoint committed there could not "
+                "be restored; nothing was committed. Save to a directory every rank sees, or "
+                "through a CheckpointHook with a durable_dir (a shared filesystem or s3://) "
+                "that every rank promotes its shards to"
             )
+        raise RuntimeError(
+            f"{path}: {'missing' if actual is None else f'{actual} bytes, not {size}'} at "
+            "commit time (a concurrent save to the same checkpoint removed this "
+            "unfinished generation); nothing was committed, save again"
+        )
 
 
 def _files_of(items: Sequence[WriteItem]) -> list[list[WriteItem]]:

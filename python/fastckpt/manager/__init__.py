@@ -319,6 +319,7 @@ class CheckpointManager:
             keep_last=tiers.durable_keep_last,
             strict=tiers.strict,
             on_error=tiers.on_error,
+            detached=tiers.detached,
         )
         if self._dist.rank == 0:
             names = committed_checkpoints(fast)
@@ -494,11 +495,6 @@ class CheckpointManager:
         if base is not None:
             self._tracker.base_for(path, base)  # raises before anything is captured
         if _sharded_state(prepared):
-            if self._tiers is not None:
-                raise ValueError(
-                    "Config.tiers: promoting sharded (DTensor) checkpoints is not supported "
-                    "yet; save them straight to the durable root without tiers"
-                )
             self._tracker.forget()
             if self.config.pre_finalize_callback is not None:
                 raise ValueError(
@@ -588,6 +584,7 @@ class CheckpointManager:
         if self._writer is None:
             with _typed_dcp_errors():
                 save_state(path, state, writer=writer, process_group=self._dist.group)
+            self._promote_due(path)
             self._finalize(checkpoint_id)
             return None
         # DCP stages this rank's shards into the writer's reused buffers before returning;
@@ -599,6 +596,7 @@ class CheckpointManager:
         def wait() -> None:
             with _typed_dcp_errors():
                 future.result()
+            self._promote_due(path)
             self._finalize(checkpoint_id)
 
         return self._writer.submit(display_path(path), wait)

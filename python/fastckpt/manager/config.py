@@ -346,6 +346,8 @@ class TiersConfig(StrictConfig):
             thread).
         durable_storage_options: object-store client options for an ``s3://`` durable tier
             (as for :func:`fastckpt.configure_storage`); None: the AWS environment.
+        detached: run the promotions in a process of its own (a new session) that a killed
+            trainer leaves to finish it (see :mod:`fastckpt.container.detached`).
     """
 
     fast: str | os.PathLike[str] | None = None
@@ -356,6 +358,7 @@ class TiersConfig(StrictConfig):
     strict: bool = False
     on_error: Callable[..., object] | None = None
     durable_storage_options: Mapping[str, Any] | None = None
+    detached: bool = False
 
     def _check(self, name: str, value: Any) -> None:
         if name in ("fast", "durable"):
@@ -366,7 +369,7 @@ class TiersConfig(StrictConfig):
                 return
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise self._fail(name, f"must be a positive integer, got {value!r}")
-        elif name == "strict":
+        elif name in ("strict", "detached"):
             self._need_bool(name, value)
         elif name == "on_error" and value is not None and not callable(value):
             raise TypeError(f"TiersConfig.on_error must be callable or None, got {value!r}")

@@ -7,7 +7,10 @@ filesystem. A backend is a module with two functions, imported on first use:
 * ``backend_for_url(url) -> StorageBackend`` - the backend for a URL of the scheme, with the
   options registered for its prefix;
 * ``register_storage_options(url, options)`` - options for every path under ``url``
-  (``None`` removes them).
+  (``None`` removes them);
+* ``registered_options(url) -> dict | None`` - the options registered for ``url``'s prefix,
+  as a mapping ``register_storage_options`` takes again (a process of its own, such as the
+  detached promoter, is handed them).
 
 Adding a store (obstore also speaks GCS and Azure) is one new module under
 :mod:`fastckpt.storage` and one line in :data:`SCHEMES` (or a call of
@@ -36,6 +39,7 @@ __all__ = [
     "is_object_url",
     "register_scheme",
     "require_local",
+    "storage_options_of",
     "use_storage_options",
 ]
 
@@ -119,6 +123,16 @@ def use_storage_options(
             "this is a local path; drop storage_options or use an s3:// URL"
         )
     configure_storage(_url(path), storage_options)
+
+
+def storage_options_of(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The object-store options in effect for ``path`` from :func:`configure_storage` (or a
+    front door's ``storage_options=``), as a mapping ``configure_storage`` takes; None for a
+    local path or when none are registered (the store's environment applies)."""
+    if not is_object_url(path):
+        return None
+    options: dict[str, Any] | None = _backend_module(path).registered_options(_url(path))
+    return options
 
 
 def _url(path: str | os.PathLike[str]) -> str:

@@ -177,14 +177,17 @@ def save_sharded(
     part: str,
     models: Mapping[str, torch.nn.Module],
     optimizers: Mapping[str, torch.optim.Optimizer],
+    *,
+    node_local: bool = False,
 ) -> Path:
     """Write the models' and optimizers' shards as the part ``ROOT/sharded/<index>/<part>``;
     collective (every rank calls it with its own shards and the same ``part``). Returns the
-    part's directory."""
+    part's directory. ``node_local``: each rank's ``root`` may be its own node's disk (see
+    :class:`fastckpt.dcp.Writer`); otherwise the commit is refused when it is."""
     from fastckpt.dcp.state import save_state
 
     path = sharded_path(root, index, part)
-    save_state(path, _state(models, optimizers))
+    save_state(path, _state(models, optimizers), node_local=node_local)
     return path
 
 
@@ -206,8 +209,10 @@ def async_save_sharded(
         filled in once the part is committed, before the future resolves) and the future of
         the upload and commit.
     """
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from fastckpt.container.sharded.parts import PART_FIELD
-    from fastckpt.dcp.state import async_save_state
+    from fastckpt.dcp.state import async_save_state, typed_dcp_error
 
     path = sharded_path(root, index, part)
     fields: dict[str, Any] = {PART_FIELD: part}
@@ -227,7 +232,10 @@ def async_save_sharded(
             future.result()
             if commits:
                 fields.update(part_record(path))
-        except BaseException as err:  # DCP's CheckpointException is a BaseException
+        except CheckpointException as err:  # a BaseException: raise what the rank raised
+            committed.set_exception(typed_dcp_error(err))
+            return
+        except BaseException as err:
             committed.set_exception(err)
             return
         committed.set_result(None)

@@ -37,6 +37,7 @@ from fastckpt.errors import (
     CheckpointFormatError,
     CheckpointMismatchError,
     FastCkptError,
+    NotCommittedError,
     UntrustedTargetError,
 )
 from fastckpt.format.records import MANIFEST, Manifest
@@ -137,6 +138,34 @@ def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _agreed_copy(tiers: Sequence[str | Path], index: int | None) -> NearestCopy:
+    """:func:`~fastckpt.container.promote.nearest_intact` decided by rank 0 for every rank
+    (collective): ranks looking on their own could pick different copies (a promotion, say a
+    detached one, committing a newer index between their looks), and a sharded load of
+    different copies fails. Each rank takes the tier at rank 0's position in its own list.
+
+    Raises:
+        NotCommittedError: no tier holds an intact copy (as rank 0 saw it).
+    """
+    import torch.distributed as dist
+
+    decided: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            copy = nearest_intact(tiers, index)
+            position = [Path(tier) for tier in tiers].index(copy.root)
+            decided[0] = ("ok", position, copy.index, copy.skipped)
+        except BaseException as err:
+            decided[0] = ("failed", f"{type(err).__name__}: {err}")
+            dist.broadcast_object_list(decided, src=0)
+            raise
+    dist.broadcast_object_list(decided, src=0)
+    if decided[0][0] != "ok":
+        raise NotCommittedError(f"rank 0 found no copy to restore: {decided[0][1]}")
+    _, position, chosen, skipped = decided[0]
+    return NearestCopy(Path(tiers[position]), int(chosen), list(skipped))
 
 
 def _rng_state() -> dict[str, Any]:
@@ -497,12 +526,21 @@ class TrainingStrategy:
         )
 
     def save_checkpoint(
-        self, root: str | Path, *, checkpoint_index: int = -1, incremental: bool = True
+        self,
+        root: str | Path,
+        *,
+        checkpoint_index: int = -1,
+        incremental: bool = True,
+        node_local: bool = False,
     ) -> int:
         """Write this strategy as a committed checkpoint index of ``root``; returns it.
 
         A :attr:`sharded` strategy's save is collective: every rank calls it, writes its own
-        shards, and rank 0 then commits the index (the recipe and counters, once).
+        shards, and rank 0 then commits the index (the recipe and counters, once); the commit
+        is refused (on every rank, nothing committed) when rank 0 does not see another rank's
+        shards in ``root``: a ``root`` on each node's own disk could not be restored.
+        ``node_local`` allows it, for a caller that promotes every rank's shards to a shared
+        tier (:class:`~fastckpt.training.hooks.CheckpointHook` with a ``durable_dir``).
         ``incremental`` (unsharded strategies): write only the tensors that changed since this
         process's last save into ``root`` (see docs/incremental.md); False writes everything.
         """
@@ -510,7 +548,7 @@ class TrainingStrategy:
             snapshot = self.checkpoint_snapshot()
             snapshot.incremental = incremental
             return codec.write_snapshot(root, snapshot, checkpoint_index)
-        return self._save_sharded(Path(root), checkpoint_index)
+        return self._save_sharded(Path(root), checkpoint_index, node_local)
 
     def _sharded_index(self, root: Path, checkpoint_index: int) -> tuple[int, str]:
         """The index every rank saves into and the fresh part its shards go to: rank 0's
@@ -562,12 +600,14 @@ class TrainingStrategy:
         self._pending_sharded_part = fields
         return index, future
 
-    def _save_sharded(self, root: Path, checkpoint_index: int) -> int:
+    def _save_sharded(self, root: Path, checkpoint_index: int, node_local: bool) -> int:
         import torch.distributed as dist
 
         rank, world = _world()
         index, part = self._sharded_index(root, checkpoint_index)
-        path = sharded_training.save_sharded(root, index, part, self.models, self.optimizers)
+        path = sharded_training.save_sharded(
+            root, index, part, self.models, self.optimizers, node_local=node_local
+        )
         outcome: list[Any] = [None]
         if rank == 0:
             try:
@@ -717,7 +757,10 @@ class TrainingStrategy:
                 node without the fast tier, or a damaged newest copy, falls back). The
                 returned strategy's ``restored_from``
                 (:class:`~fastckpt.container.promote.NearestCopy`) says which copy was used
-                and what was skipped; logged, as a warning when anything was.
+                and what was skipped; logged, as a warning when anything was. With
+                ``parallelize`` under a process group, rank 0 picks the copy for every rank
+                (each rank passes its tiers in the same order; its ``root`` may be its own
+                node's disk).
 
         Raises:
             ValueError: a component-only checkpoint (use ``fastckpt.load_checkpoint``), the
@@ -726,9 +769,12 @@ class TrainingStrategy:
         """
         use_storage_options(root, storage_options, "TrainingStrategy.load_checkpoint")
         if fallback_dirs:
-            copy = nearest_intact(
-                [root, *fallback_dirs], None if checkpoint_index == -1 else checkpoint_index
-            )
+            tiers = [root, *fallback_dirs]
+            wanted = None if checkpoint_index == -1 else checkpoint_index
+            if parallelize is not None and _world()[1] > 1:
+                copy = _agreed_copy(tiers, wanted)  # a collective load: one copy for all
+            else:
+                copy = nearest_intact(tiers, wanted)
             (_LOG.warning if copy.skipped else _LOG.info)("%s", copy.describe())
             resumed = cls.load_checkpoint(
                 copy.root,

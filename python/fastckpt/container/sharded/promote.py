@@ -58,7 +58,9 @@ __all__ = [
     "part_problem",
     "prove_part",
     "rank_of",
+    "record_files",
     "upload_rank_files",
+    "write_generation",
     "write_part",
 ]
 
@@ -123,9 +125,6 @@ def prove_part(
         ChecksumMismatchError: the part's record differs from the one the index committed.
         ValueError: an index written before parts existed (not promotable).
     """
-    # Deferred: decoding a part's record imports torch.distributed.checkpoint (heavy).
-    from fastckpt.format.sharded import decode_record
-
     part = committed_part(manifest, index)
     if part is None:
         return None
@@ -141,20 +140,39 @@ def prove_part(
             f"{display_path(part.path / SHARDED_RECORD)}: crc32c {crc:08x}, but {part.source} "
             f"records {part.record_crc32c:08x}; {what} was not promoted"
         )
-    record = decode_record(part.path / SHARDED_RECORD, raw)
+    generation, files, elsewhere = record_files(part.path, raw, what, node_local=node_local)
+    return PartCopy(part, raw, generation, files, elsewhere)
+
+
+def record_files(
+    directory: Path, raw: bytes, what: str, *, node_local: bool = False
+) -> tuple[str, dict[str, tuple[Path, Mapping[str, Any]]], dict[str, Mapping[str, Any]]]:
+    """The generation of the sharded container ``directory`` (a part, or a
+    CheckpointManager checkpoint of sharded state) whose commit record is ``raw``, and its
+    files: name -> (path, ``{"size", "crc32c"}``); with ``node_local``, the files of ranks
+    other than 0 go in the second mapping (name -> record) instead.
+
+    Raises:
+        CheckpointFormatError: ``raw`` is not a valid record.
+        ValueError: a file recorded without a crc32c (cannot be copied with proof).
+    """
+    # Deferred: decoding a record imports torch.distributed.checkpoint (heavy).
+    from fastckpt.format.sharded import decode_record
+
+    record = decode_record(directory / SHARDED_RECORD, raw)
     files: dict[str, tuple[Path, Mapping[str, Any]]] = {}
     elsewhere: dict[str, Mapping[str, Any]] = {}
     for name, file_record in record.files.items():
         if file_record.get("crc32c") is None:
             raise ValueError(
-                f"{display_path(part.path / record.generation / name)}: recorded without a "
+                f"{display_path(directory / record.generation / name)}: recorded without a "
                 f"crc32c (an early fastckpt); {what} cannot be promoted with proof"
             )
         if node_local and rank_of(name) != 0:
             elsewhere[name] = file_record
         else:
-            files[name] = (part.path / record.generation / name, file_record)
-    return PartCopy(part, raw, record.generation, files, elsewhere)
+            files[name] = (directory / record.generation / name, file_record)
+    return record.generation, files, elsewhere
 
 
 def part_problem(manifest: Manifest, index: int) -> str | None:
@@ -210,14 +228,32 @@ def write_part(
         _wait_for(part_dir / copy.generation, copy.elsewhere, wait_s, what)
         commit_generation(part_dir, SHARDED_RECORD, copy.record, copy.generation)
         return written
-    writer = DirectoryWriter(part_dir / copy.generation, generations=False)
+    return write_generation(part_dir, copy.generation, copy.files, copy.record, what)
+
+
+def write_generation(
+    directory: Path,
+    generation: str,
+    files: Mapping[str, tuple[Path, Mapping[str, Any]]],
+    record: bytes,
+    what: str,
+) -> int:
+    """Write ``files`` (each read and proven against its record as it is copied) durably
+    as ``directory/generation``, then commit the sharded container ``directory`` with the
+    record ``record`` (which supersedes its older generations). Returns the bytes written.
+
+    Raises:
+        ChecksumMismatchError / CheckpointFormatError: a source file is damaged or missing;
+            nothing was committed.
+    """
+    writer = DirectoryWriter(directory / generation, generations=False)
     try:
-        done, _ = copy_files(copy.files, writer, part_dir, None, what)
+        done, _ = copy_files(files, writer, directory, None, what)
         writer.commit()
     except BaseException:
         writer.abort()
         raise
-    commit_generation(part_dir, SHARDED_RECORD, copy.record, copy.generation)
+    commit_generation(directory, SHARDED_RECORD, record, generation)
     return done.copied + done.reused
 
 

@@ -29,6 +29,7 @@ without rename or directories:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -80,6 +81,7 @@ __all__ = [
     "S3Staging",
     "backend_for_url",
     "register_storage_options",
+    "registered_options",
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -105,6 +107,13 @@ def _registered(url: S3Url) -> S3Options | None:
     with _OPTIONS_LOCK:
         matches = [p for p in _OPTIONS if text == p or text.startswith(p.rstrip("/") + "/")]
         return _OPTIONS[max(matches, key=len)] if matches else None
+
+
+def registered_options(url: str) -> dict[str, Any] | None:
+    """The options registered for ``url``'s prefix (None: none), as a mapping
+    :func:`register_storage_options` takes again."""
+    options = _registered(S3Url.parse(url))
+    return None if options is None else dataclasses.asdict(options)
 
 
 def backend_for_url(

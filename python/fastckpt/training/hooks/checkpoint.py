@@ -86,6 +86,10 @@ class CheckpointHook:
         on_promotion_error: called with each failed promotion's
             :class:`~fastckpt.errors.PromotionError` (on the promotion thread; not recorded
             in the checkpoint, so a hook rebuilt on resume has none).
+        detached_promotion: run the promotions in a process of its own (a new session,
+            started at the first one, kept until ``close``), which a SIGKILL or Ctrl-C of
+            the trainer does not stop: it finishes the promotion it is in by itself instead
+            of leaving it to the next process (see :mod:`fastckpt.container.detached`).
         strict_saves: a failed save raises at once (sync) or at the next save (async). False:
             it is reported (a ``RuntimeWarning``, :attr:`healthy`, ``on_save_error``),
             training goes on, the next checkpoint is attempted as usual, and ``close`` raises
@@ -107,7 +111,9 @@ class CheckpointHook:
             background write is collected).
 
     Raises:
-        ValueError: zero or two intervals, a non-positive interval, keep_last or timeout.
+        ValueError: zero or two intervals, a non-positive interval, keep_last or timeout; a
+            promotion setting (``promote_every``, ``durable_keep_last``, ``strict_promotion``,
+            ``on_promotion_error``, ``detached_promotion``) without a ``durable_dir``.
         TypeError: no checkpoint_dir, or given both positionally and as a keyword (Python's
             own "multiple values" error).
     """
@@ -132,6 +138,7 @@ class CheckpointHook:
         durable_keep_last: int | None = None,
         strict_promotion: bool = False,
         on_promotion_error: Callable[[PromotionError], object] | None = None,
+        detached_promotion: bool = False,
         strict_saves: bool | None = None,
         on_save_error: Callable[[BaseException], object] | None = None,
     ) -> None:
@@ -196,6 +203,23 @@ class CheckpointHook:
         self._dcp_writer: tuple[Any, Any] | None = None  # (fastckpt.dcp.Writer, group)
         _positive("promote_every", promote_every)
         _positive("durable_keep_last", durable_keep_last)
+        if durable_dir is None:
+            given = [
+                name
+                for name, value, default in (
+                    ("promote_every", promote_every, 1),
+                    ("durable_keep_last", durable_keep_last, None),
+                    ("strict_promotion", strict_promotion, False),
+                    ("on_promotion_error", on_promotion_error, None),
+                    ("detached_promotion", detached_promotion, False),
+                )
+                if value != default
+            ]
+            if given:
+                raise ValueError(
+                    f"CheckpointHook: {', '.join(given)} configure the promotion to a durable "
+                    "tier, and this hook has none: give durable_dir=... or drop them"
+                )
         self.durable_dir = None if durable_dir is None else Path(durable_dir)
         self.promote_every = promote_every
         self.durable_keep_last = durable_keep_last
@@ -213,6 +237,7 @@ class CheckpointHook:
                 keep_last=durable_keep_last,
                 strict=self.strict_promotion,
                 on_error=on_promotion_error,
+                detached=detached_promotion,
             )
             # Node-local fast tiers: how long rank 0 waits for the other ranks' shards.
             timeout = wait_timeout_secs
@@ -353,6 +378,8 @@ class CheckpointHook:
                 durable_keep_last=self.durable_keep_last,
                 strict_promotion=self.strict_promotion,
             )
+            if self._promoter is not None and self._promoter.detached:
+                config["detached_promotion"] = True
         if self.strict_saves != (self.durable_dir is None):
             config["strict_saves"] = self.strict_saves  # not the default: recorded
         return config
@@ -426,6 +453,7 @@ class CheckpointHook:
                 every=self.promote_every,
                 strict=self.strict_promotion,
                 on_error=self._on_promotion_error,
+                detached=self._promoter is not None and self._promoter.detached,
             )
         self._rank_promoter.submit()
 
@@ -438,15 +466,7 @@ class CheckpointHook:
         uploads)."""
         shared = share_commit(self.checkpoint_dir, index, failure=failure, process_group=group)
         if self._promoter is None:
-            if shared.node_local:  # every rank sees it: each lacks the others' shards
-                raise ValueError(
-                    f"{display_path(self.checkpoint_dir)} is not one directory the ranks "
-                    f"share (each rank's sees only its own node's shards), so index {index} "
-                    "saved there cannot be restored; give the CheckpointHook a durable_dir "
-                    "(a shared filesystem or s3://) that every rank promotes its shards to, "
-                    "or a checkpoint_dir on a filesystem every rank sees"
-                )
-            return
+            return  # node-local roots were refused at the commit (the writer's check)
         if rank != 0:
             if shared.node_local:
                 self._promote_rank_files(rank)
@@ -609,7 +629,10 @@ class CheckpointHook:
         """
         assert ctx.workflow is not None
         if not self.async_save:
-            index = ctx.workflow.save_checkpoint(self.checkpoint_dir)
+            # node-local fast roots are allowed when every rank promotes its shards
+            index = ctx.workflow.save_checkpoint(
+                self.checkpoint_dir, node_local=self._promoter is not None
+            )
             self.last_checkpoint_index = index
             failure: BaseException | None = None
             if ctx.global_rank == 0:
@@ -669,7 +692,12 @@ class CheckpointHook:
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 group = dist.new_group(backend="gloo")
             options = StagerOptions(pinned=_cuda_available(), non_blocking=_cuda_available())
-            self._dcp_writer = (Writer(self.checkpoint_dir, stager_options=options), group)
+            writer = Writer(
+                self.checkpoint_dir,
+                stager_options=options,
+                node_local=self._promoter is not None,  # every rank promotes its shards
+            )
+            self._dcp_writer = (writer, group)
         return self._dcp_writer
 
     def _prune_sharded(self, index: int) -> None:
