@@ -52,7 +52,8 @@ the newest index (model and optimizer rebuilt, every file verified against its c
 timed from each, then compared bitwise with what was saved, outside the clock; its speed is
 set against a plain memcpy (``numpy.copyto`` between touched buffers) of the state's bytes.
 Also timed there: the verified read of the index's tensor files alone, into tensors allocated
-beforehand (the load without the model's construction), and one retention prune
+beforehand (straight into them on local tiers: a restore into a model that exists), and one
+retention prune
 (``keep_last=2`` with three indices: the newest is read whole and verified before the oldest
 goes, after every save of a hook with ``keep_last``).
 
@@ -648,20 +649,29 @@ def _memcpy_s(nbytes: int, repeats: int = 5) -> dict[str, Any]:
 
 
 def _read_index(root: str, dest: dict[tuple[str, str], torch.Tensor]) -> int:
-    """Read every tensor file of ``root``'s newest index through its backend, verified
-    (crc32c), into the preallocated tensors ``dest`` (filled with fresh ones on the first
-    call); returns the bytes copied."""
+    """Read every tensor file of ``root``'s newest index, verified (crc32c, each file against
+    the manifest), into the preallocated tensors ``dest`` (filled with fresh ones on the
+    first call): straight into them on a local root (what ``CheckpointManager.load(into=)``
+    does), else through the backend's reads and a copy; returns the bytes read."""
+    from fastckpt.container.reader import read_tensor_file_into
     from fastckpt.format.records import Manifest
-    from fastckpt.storage.registry import backend_for
+    from fastckpt.storage.registry import backend_for, is_local
 
     manifest = Manifest.load(Path(root))
     index = manifest.latest
     assert index is not None
     copied = 0
-    for relpath in manifest.entries[index]["files"]:
+    for relpath, record in manifest.entries[index]["files"].items():
         if not relpath.endswith(".safetensors"):
             continue
         path = Path(root) / str(index) / relpath
+        if is_local(backend_for(path)):
+            targets = {name: t for (file, name), t in dest.items() if file == relpath}
+            tensors = read_tensor_file_into(path, record, targets, source=root)
+            for name, tensor in tensors.items():
+                dest.setdefault((relpath, name), tensor)
+                copied += tensor.numel() * tensor.element_size()
+            continue
         tensors, _ = backend_for(path).open_tensors(path, verify=True)
         for name, tensor in tensors.items():
             target = dest.get((relpath, name))
@@ -1057,10 +1067,12 @@ def markdown(document: dict[str, Any]) -> str:
         f"(crc32c), then compared bitwise with what was saved (outside the clock); "
         f"{restore['state_bytes'] / _MIB:.0f} MiB of tensors; page cache {restore['cache']}"
         f"{' (' + restore['cache_note'] + ')' if restore['cache_note'] else ''}. Verified "
-        "read: the index's tensor files alone, through the tier's backend (crc32c checked), "
-        "copied into tensors allocated beforehand (what the load costs without building the "
-        "model). memcpy: numpy.copyto of as many bytes between touched buffers. Building the "
-        f"model and optimizer alone (the load does it first): "
+        "read: the index's tensor files alone (crc32c checked) into tensors allocated "
+        "beforehand, read straight into them on local tiers (as `CheckpointManager.load(into=)` "
+        "does), through the backend and copied elsewhere: a restore into a model that exists. "
+        "memcpy: numpy.copyto of as many bytes between touched buffers. Building the model "
+        "and optimizer for real, initialization included (which the load skips for a plain "
+        "model, reading into uninitialized memory): "
         f"{_seconds(restore['model_rebuild_s'])} s. Prune: `prune_indices(root, keep_last=2)` "
         "with 3 indices there (what `keep_last` runs after every save: the newest index is "
         "read whole and verified before the oldest is deleted), one measurement.",

@@ -101,6 +101,10 @@ def _compare_with_checkpoint(
         )
 
 
+def _all_meta(model: torch.nn.Module) -> bool:
+    return all(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+
+
 def build_model(
     spec: BaseSpec,
     *,
@@ -108,6 +112,7 @@ def build_model(
     device: str | torch.device | None = None,
     trusted: Iterable[str | Callable[..., Any]] | None = None,
     where: str | None = None,
+    uninitialized_if: Callable[[torch.nn.Module], bool] | None = None,
 ) -> torch.nn.Module:
     """Build the model a checkpoint's spec describes, checking it before memory is allocated.
 
@@ -120,6 +125,11 @@ def build_model(
        parameters and buffers may exceed the checkpoint's bytes by at most
        ``max(EXTRA_BUFFER_BYTES, checkpoint bytes)``.
     3. Only then is it built for real (on ``device`` when the target accepts ``device``).
+       With ``uninitialized_if``, when it holds for the meta-built model and all that
+       model's tensors are on the meta device, that model is given uninitialized memory
+       instead (``to_empty``, on the device the real build would use), and its constructor
+       is not run again (no initialization, no random draws): for a caller that is about to
+       overwrite every tensor (see :func:`fastckpt.checkpoint.fill.fully_restored_by`).
 
     If the meta build itself fails (a constructor that reads tensor values, say), the model is
     built for real only when the root target was trusted explicitly (``trusted=`` or
@@ -132,9 +142,11 @@ def build_model(
         device: Passed as ``device=`` to targets that accept it.
         trusted: Extra dotted paths or callables to allow (see :func:`resolve_target`).
         where: How to name the checkpoint file in messages.
+        uninitialized_if: Decides, on the meta-built model, whether the caller overwrites
+            every tensor it holds (then the memory is left uninitialized, see 3.).
 
     Returns:
-        The model, with freshly initialized weights.
+        The model, with freshly initialized weights (or uninitialized memory, see 3.).
 
     Raises:
         UntrustedTargetError: If the trust policy refuses a target.
@@ -169,6 +181,11 @@ def build_model(
             )
         if expected is not None:
             _compare_with_checkpoint(probe, expected, where)
+        if uninitialized_if is not None and _all_meta(probe) and uninitialized_if(probe):
+            target = torch.device(device) if device is not None and accepts_device else None
+            # Where the real build would put tensors: the default device outside the meta block.
+            probe.to_empty(device=target or torch.empty(()).device)
+            return attach_spec(probe, spec)
         del probe
     overrides = {"device": torch.device(device)} if device is not None and accepts_device else {}
     try:

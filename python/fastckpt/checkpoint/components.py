@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 import fastckpt.checkpoint.build as build
+import fastckpt.checkpoint.fill as fill
 import fastckpt.checkpoint.specs as specs
 import fastckpt.checkpoint.trust as trust
 from fastckpt.container import incremental
 from fastckpt.container.commit import IndexWriter
-from fastckpt.container.reader import read_json, read_tensor_file
+from fastckpt.container.reader import read_json, read_tensor_file, read_tensor_file_into
 from fastckpt.container.refs import (
     REFS_FILE,
     RETAINED_PREFIX,
@@ -38,6 +39,7 @@ from fastckpt.container.refs import (
 from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.format.records import Manifest
 from fastckpt.io import tree
+from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_name
 from fastckpt.io.progress import log_throughput
 from fastckpt.storage.backend import CopySource, LocalStaging
@@ -486,10 +488,15 @@ class IndexReader:
         return read_json(path, record, source=str(self.manifest.path))
 
     def tensors(self, relpath: str, *, owned: bool = True) -> dict[str, torch.Tensor]:
-        """The verified tensors of ``relpath``. ``owned`` (default) copies them out of the file
-        mapping, for state a training run keeps (optimizer moments, EMA weights, RNG): views
+        """The verified tensors of ``relpath``. ``owned`` (default) returns tensors in memory of
+        their own, for state a training run keeps (optimizer moments, EMA weights, RNG): views
         would keep the file, and its disk space after a prune, alive for the whole run.
-        ``owned=False`` returns the views, for weights that ``load_state_dict`` copies."""
+        ``owned=False`` returns views of the file mapping, for weights that
+        ``load_state_dict`` copies. Owned tensors of a local file that references no other
+        index are read into their memory directly (:meth:`read_into`), else copied out of
+        the mapping."""
+        if owned and self.reads_directly(relpath):
+            return self.read_into(relpath)
         path, record = self._record(relpath)
         tensors = read_tensor_file(path, record, source=str(self.manifest.path))
         if owned:
@@ -498,6 +505,71 @@ class IndexReader:
         if refs:
             tensors.update(resolve_references(self.manifest, refs, owned=owned))
         return tensors
+
+    def reads_directly(self, relpath: str) -> bool:
+        """Whether :meth:`read_into` can read ``relpath``: a file on the local filesystem
+        whose tensors are all in it (no references to earlier indices)."""
+        if not is_local(backend_for(self.directory)):
+            return False
+        return not (REFS_FILE in self.files and self.references.get(relpath))
+
+    def read_into(
+        self, relpath: str, targets: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The verified tensors of ``relpath`` read in one pass, those named in ``targets``
+        into those tensors, the others into fresh memory
+        (:func:`fastckpt.container.reader.read_tensor_file_into`); only for a file
+        :meth:`reads_directly` accepts."""
+        path, record = self._record(relpath)
+        return read_tensor_file_into(path, record, targets, source=str(self.manifest.path))
+
+    def header(self, relpath: str) -> dict[str, dict[str, Any]]:
+        """``{tensor name: {"dtype", "shape", ...}}`` of ``relpath``'s header (no tensor data
+        read; the bytes are checked when they are read)."""
+        path, _ = self._record(relpath)
+        return read_metadata(path)["tensors"]
+
+
+def _load_model(
+    reader: IndexReader,
+    name: str,
+    spec: specs.BaseSpec,
+    map_location: str | torch.device | None,
+    trusted: Trusted,
+) -> torch.nn.Module:
+    """Build model ``name`` from ``spec`` and load its weights. A local weights file of a plain
+    model (:mod:`fastckpt.checkpoint.fill`) is read straight into the parameters, which are
+    left uninitialized until then; otherwise the model is built and initialized, and the
+    mapped weights go through ``load_state_dict``."""
+    relpath = f"models/{name}.safetensors"
+    where = f"{reader.directory}/models/{name}.spec.json"
+    if reader.reads_directly(relpath):
+        header = reader.header(relpath)
+        model = build.build_model(
+            spec,
+            expected=header,
+            device=map_location,
+            trusted=trusted,
+            where=where,
+            uninitialized_if=lambda probe: fill.fully_restored_by(probe, header),
+        )
+        targets = fill.direct_targets(model, header)
+        if targets is not None:
+            reader.read_into(relpath, targets)
+            return model
+        weights = reader.tensors(relpath, owned=False)
+    else:
+        weights = reader.tensors(relpath, owned=False)
+        model = build.build_model(
+            spec, expected=weights, device=map_location, trusted=trusted, where=where
+        )
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as err:
+        raise CheckpointFormatError(
+            f"{reader.directory}/{relpath} does not fit the model its spec builds: {err}"
+        ) from err
+    return model
 
 
 def _spec_from(document: Any, where: str) -> specs.BaseSpec:
@@ -582,21 +654,7 @@ def load_components(
     for name in wanted:
         where = f"models/{name}.spec.json"
         spec = _spec_from(reader.json(where), where)
-        weights = reader.tensors(f"models/{name}.safetensors", owned=False)
-        model = build.build_model(
-            spec,
-            expected=weights,
-            device=map_location,
-            trusted=trusted,
-            where=f"{reader.directory}/{where}",
-        )
-        try:
-            model.load_state_dict(weights)
-        except RuntimeError as err:
-            raise CheckpointFormatError(
-                f"{reader.directory}/models/{name}.safetensors does not fit the model its "
-                f"spec builds: {err}"
-            ) from err
+        model = _load_model(reader, name, spec, map_location, trusted)
         if map_location is not None:
             model.to(map_location)
         run_validators(validators, name, model)

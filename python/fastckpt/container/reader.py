@@ -33,6 +33,8 @@ __all__ = [
     "read_json",
     "read_manager_item",
     "read_tensor_file",
+    "read_tensor_file_into",
+    "takes_direct_read",
     "verify_content",
 ]
 
@@ -207,6 +209,77 @@ def read_tensor_file(
     def content(path: Path) -> tuple[dict[str, torch.Tensor], int | None]:
         tensors, info = backend_for(path).open_tensors(path, verify=True)
         return tensors, info["file_crc32c"]
+
+    return check_recorded(path, expected, content, source=source).value_or_raise()
+
+
+def takes_direct_read(template: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:
+    """Whether the bytes of a stored tensor of ``dtype`` and ``shape`` can be read straight
+    into ``template``'s memory: a plain dense CPU tensor or parameter (subclasses may define
+    their own storage), contiguous, of that dtype and shape, with no lazy conjugation or
+    negation, not an inference tensor (``copy_`` refuses those outside inference mode; the
+    copy path keeps that error)."""
+    import torch  # deferred: the container layer imports without torch
+
+    return (
+        type(template) in (torch.Tensor, torch.nn.Parameter)
+        and template.device.type == "cpu"
+        and template.layout is torch.strided
+        and template.dtype == dtype
+        and list(template.shape) == shape
+        and template.is_contiguous()
+        and not template.is_conj()
+        and not template.is_neg()
+        and not template.is_inference()
+    )
+
+
+def read_tensor_file_into(
+    path: Path,
+    expected: Mapping[str, int],
+    targets: Mapping[str, torch.Tensor] | None = None,
+    *,
+    source: str,
+    threads: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """The verified tensors of a recorded safetensors file on the local filesystem, read by
+    positional reads straight into memory the caller keeps: each tensor named in ``targets``
+    into that tensor (the caller checked it takes the bytes as they are, see
+    :func:`takes_direct_read`), every other one into fresh CPU memory.
+    Each byte is moved once (no mapping, no copy after it) by the Rust core's threads, every
+    tensor's stored crc32c checked on that pass and the whole file's compared with
+    ``expected``, as :func:`read_tensor_file` does.
+
+    Raises what :func:`read_tensor_file` raises; the targets may then hold partial bytes.
+    """
+    import torch  # deferred: the container layer imports without torch
+
+    from fastckpt.io.files import dtype_from_name, torch_shape
+    from fastckpt.io.headers import DEFAULT_THREADS
+    from fastckpt.io.progress import active_counter
+
+    chosen = targets or {}
+
+    def content(path: Path) -> tuple[dict[str, torch.Tensor], int | None]:
+        header = _native.read_header(str(path))
+        tensors: dict[str, torch.Tensor] = {}
+        entries = []
+        for entry in header["tensors"]:
+            name = entry["name"]
+            tensor = chosen.get(name)
+            if tensor is None:
+                shape = torch_shape(f"{path}: tensor {name!r}", entry["dtype"], entry["shape"])
+                tensor = torch.empty(shape, dtype=dtype_from_name(entry["dtype"]), device="cpu")
+            tensors[name] = tensor
+            memory = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+            entries.append((name, entry["dtype"], list(entry["shape"]), memory))
+        unknown = sorted(set(chosen) - set(tensors))
+        if unknown:
+            raise CheckpointFormatError(f"{path}: has no tensor {unknown[0]!r}")
+        crc = _native.read_into(
+            str(path), entries, threads or DEFAULT_THREADS, progress=active_counter()
+        )
+        return tensors, crc
 
     return check_recorded(path, expected, content, source=source).value_or_raise()
 

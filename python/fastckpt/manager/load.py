@@ -34,7 +34,7 @@ import torch
 
 from fastckpt import _native
 from fastckpt.container.links import check_against_header, read_references
-from fastckpt.container.reader import check_recorded, read_json
+from fastckpt.container.reader import check_recorded, read_json, takes_direct_read
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.format.records import COMMIT_RECORD, item_files
 from fastckpt.io import tree
@@ -45,9 +45,6 @@ from fastckpt.io.progress import active_counter
 from fastckpt.manager.stateful import is_stateful
 
 __all__ = ["DirectRead", "plan_direct_read", "takes_direct_read"]
-
-#: The tensor types whose memory a direct read fills (subclasses may define their own storage).
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass
@@ -127,24 +124,6 @@ class DirectRead:
                 if name not in self.direct:
                     values[name] = values[name].to(map_location)
         return tree.unflatten(self.skeleton, values, self.key)
-
-
-def takes_direct_read(template: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:
-    """Whether the bytes of a stored tensor of ``dtype`` and ``shape`` can be read straight
-    into ``template``'s memory: a plain dense CPU tensor, contiguous, of that dtype and shape,
-    with no lazy conjugation or negation, not an inference tensor (``copy_`` refuses those
-    outside inference mode; the copy path keeps that error)."""
-    return (
-        type(template) in _PLAIN_TENSORS
-        and template.device.type == "cpu"
-        and template.layout is torch.strided
-        and template.dtype == dtype
-        and list(template.shape) == shape
-        and template.is_contiguous()
-        and not template.is_conj()
-        and not template.is_neg()
-        and not template.is_inference()
-    )
 
 
 def plan_direct_read(

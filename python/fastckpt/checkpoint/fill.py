@@ -1,0 +1,134 @@
+"""Filling a rebuilt model's tensors straight from its weights file.
+
+``load_checkpoint`` rebuilds each model from its spec and then loads the saved weights. The
+plain way, ``model.load_state_dict(mapped_tensors)``, initializes every parameter (random
+draws) only to overwrite it, and moves each byte twice (file -> mapping -> parameter). For a
+*plain* model the same result is reached with neither:
+
+* :func:`plain_state` proves that the model's ``state_dict`` is exactly its parameters and
+  buffers, saved and loaded by ``torch.nn.Module``'s own code (no module overrides how its
+  state is saved or loaded, other than torch's batch norm, whose override only adds a missing
+  ``num_batches_tracked``; no state-dict hooks; no extra state; no non-persistent buffers),
+  with the checkpoint's tensor names. ``load_state_dict`` of such a model copies each saved
+  tensor into its parameter or buffer and does nothing else.
+* :func:`fully_restored_by` adds that no tensor is tied to two names (``to_empty`` would
+  untie them) and the module tree keeps no tensor outside its parameters
+  and buffers (nor the meta device it was built on): then every tensor the model holds is
+  overwritten by the load, and the model
+  can be materialized from its meta-device build in uninitialized memory (``to_empty``)
+  instead of being built and initialized again (:func:`fastckpt.checkpoint.build.build_model`).
+* :func:`direct_targets` maps each saved tensor to the parameter or buffer whose memory can
+  take its bytes as they are (:func:`fastckpt.container.reader.takes_direct_read`, no two
+  sharing memory); the file is then read into them in one verified pass.
+
+A model that is not plain keeps the plain way, in full.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.nn.modules.batchnorm import _NormBase
+
+from fastckpt.container.reader import takes_direct_read
+from fastckpt.io.files import dtype_from_name, torch_shape
+
+__all__ = ["direct_targets", "fully_restored_by", "plain_state"]
+
+#: ``_load_from_state_dict`` implementations that load exactly what ``state_dict`` saved: the
+#: default, and batch norm's (it only supplies a ``num_batches_tracked`` that old checkpoints
+#: lack, which a checkpoint holding every tensor of the model does not).
+_PLAIN_LOADERS = (
+    torch.nn.Module._load_from_state_dict,
+    _NormBase._load_from_state_dict,
+)
+
+#: Methods a module must not override for its state_dict to be its parameters and buffers.
+_PLAIN_METHODS = ("state_dict", "_save_to_state_dict", "load_state_dict", "get_extra_state")
+
+#: The hook tables ``state_dict`` / ``load_state_dict`` run.
+_HOOK_TABLES = (
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def _plain_module(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    if cls._load_from_state_dict not in _PLAIN_LOADERS:
+        return False
+    if any(getattr(cls, name) is not getattr(torch.nn.Module, name) for name in _PLAIN_METHODS):
+        return False
+    if any(getattr(module, table, None) for table in _HOOK_TABLES):
+        return False
+    return not module._non_persistent_buffers_set
+
+
+def plain_state(model: torch.nn.Module, names: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
+    """The model's ``state_dict`` (its parameters and buffers themselves, ``keep_vars``) when
+    the model is plain (see the module docstring) and its keys are exactly ``names``; else
+    None."""
+    if not all(_plain_module(module) for module in model.modules()):
+        return None
+    state = model.state_dict(keep_vars=True)
+    if set(state) != set(names) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        return None
+    return state
+
+
+def fully_restored_by(model: torch.nn.Module, names: Mapping[str, Any]) -> bool:
+    """Whether loading a state dict with keys ``names`` overwrites every tensor ``model``
+    holds: it is plain with those keys, every parameter and buffer is in its ``state_dict``,
+    and no module keeps a tensor in a plain attribute (which a load would not touch)."""
+    state = plain_state(model, names)
+    if state is None:
+        return False
+    held = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    saved = {id(t) for t in state.values()}
+    if held - saved:
+        return False
+    if len(saved) < len(state):
+        return False  # tied tensors: to_empty would give each name a parameter of its own
+    for module in model.modules():
+        own = {id(t) for t in [*module._parameters.values(), *module._buffers.values()]}
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and id(value) not in own:
+                return False
+            if isinstance(value, torch.device) and value.type == "meta":
+                return False  # the meta build's device, kept where a real build keeps its own
+    return True
+
+
+def direct_targets(
+    model: torch.nn.Module, header: Mapping[str, Mapping[str, Any]]
+) -> dict[str, torch.Tensor] | None:
+    """``{saved tensor name: the parameter or buffer it is read into}`` when the model is plain
+    with the header's tensor names and every one of those tensors takes its bytes directly
+    (same dtype and shape, CPU, contiguous, no two sharing memory); else None.
+
+    Args:
+        model: the rebuilt model.
+        header: the weights file's tensors (``read_metadata(path)["tensors"]``).
+    """
+    state = plain_state(model, header)
+    if state is None:
+        return None
+    targets: dict[str, torch.Tensor] = {}
+    spans: list[tuple[int, int]] = []
+    for name, tensor in state.items():
+        entry = header[name]
+        shape = torch_shape(f"tensor {name!r}", entry["dtype"], list(entry["shape"]))
+        if not takes_direct_read(tensor, dtype_from_name(entry["dtype"]), shape):
+            return None
+        start = tensor.data_ptr()
+        spans.append((start, start + tensor.numel() * tensor.element_size()))
+        targets[name] = tensor.detach()
+    spans.sort()
+    if any(begin < end for (_, end), (begin, _) in itertools.pairwise(spans)):
+        return None  # tied or overlapping tensors: load_state_dict's order decides
+    return targets
