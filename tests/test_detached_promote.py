@@ -257,12 +257,21 @@ def test_the_detached_benchmark_runs(tmp_path: Path) -> None:
     assert "after a kill | detached process" in (tmp_path / "detached-2mib.md").read_text()
 
 
-def test_a_detached_promotion_of_plain_indices_does_not_import_torch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("durable_kind", ["local", "s3"])
+def test_a_detached_promotion_of_plain_indices_does_not_import_torch(
+    durable_kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     # What a detached promotion costs is mostly its process start: importing torch would
-    # add seconds to every promotion (it did, through the sharded-record decoder).
+    # add seconds to every promotion (it did, through the sharded-record decoder, and for
+    # s3:// through the object-store backend's tensor modules).
     fast = tmp_path / "fast"
     fastckpt.save_checkpoint(fast, models={"main": (torch.nn.Linear(8, 8), None)})
-    spec = Promoter(fast, tmp_path / "durable", keep_last=1).spec()
+    durable: str | Path = tmp_path / "durable"
+    if durable_kind == "s3":
+        server: S3Server = request.getfixturevalue("s3_server")
+        durable = server.url("no-torch")
+        configure_storage(durable, server.options())
+    spec = Promoter(fast, durable, keep_last=1).spec()
     script = (
         "import json, sys\n"
         "from fastckpt.container.detached import promoter_from_spec\n"

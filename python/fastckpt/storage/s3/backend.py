@@ -40,14 +40,13 @@ import time
 import uuid
 from collections.abc import Hashable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.io.files import byte_view, read_metadata
+from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_relpath
 from fastckpt.storage.backend import (
     MAX_RECORD_BYTES,
@@ -74,6 +73,9 @@ from fastckpt.storage.s3.errors import (
     ObjectStoreError,
 )
 from fastckpt.storage.s3.tensors import get_tensors, put_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "S3Backend",
@@ -241,8 +243,7 @@ class S3Backend(StorageBackend):
     def verify_tensors(self, path: Path, threads: int) -> tuple[int, list[str]]:
         """Download and run the Rust verifier: ``(whole-object crc32c, unchecked names)``."""
         key = self._key(path)
-        buffer = torch.empty(self.client.head(key).size, dtype=torch.uint8)
-        flat = byte_view(buffer)
+        flat = np.empty(self.client.head(key).size, dtype=np.uint8)
         self.client.read_into(key, flat, 0)
         header = _native.check_mapped(self.client.url(key), flat, True, threads)
         checked = set(header["checksums"])

@@ -35,13 +35,10 @@ import itertools
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fastckpt import _native
 from fastckpt.errors import ChecksumMismatchError
-from fastckpt.io.files import byte_view, dtype_name, header_shape, host_tensor
 from fastckpt.storage.s3.client import (
     MAX_PART,
     MIN_PART,
@@ -53,6 +50,9 @@ from fastckpt.storage.s3.client import (
 )
 from fastckpt.storage.s3.errors import CommitConflictError
 from fastckpt.storage.s3.tensors import tensor_crcs
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CopiedTensor",
@@ -289,6 +289,9 @@ def put_tensors_copying(
     both = set(tensors) & set(copies)
     if both:
         raise ValueError(f"{key}: tensors {sorted(both)} are both uploaded and copied")
+    # Deferred: torch, which a process that only copies objects (a promoter) never needs.
+    from fastckpt.io.files import byte_view, dtype_name, header_shape, host_tensor
+
     hosts = {name: host_tensor(name, tensor) for name, tensor in tensors.items()}
     descriptions = [(name, dtype_name(t.dtype), header_shape(name, t)) for name, t in hosts.items()]
     descriptions += [(name, c.dtype, c.shape) for name, c in copies.items()]

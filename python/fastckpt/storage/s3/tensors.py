@@ -14,21 +14,25 @@ Download: the object is fetched by parallel ranged GETs straight into one buffer
 Rust verifier checks the header and every tensor's crc32c on several threads (the same code
 that verifies local files) and reports the whole-object crc32c, which is compared with the
 commit record's. Tensors are views of that buffer: no further copy.
+
+torch is imported by the functions that make or take tensors, not with the module: a process
+that only copies objects (a detached promoter) starts without it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.io.files import byte_view, dtype_from_name, dtype_name, host_tensor
 from fastckpt.storage.s3.client import S3Client, iter_pieces
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["encode_header", "get_tensors", "put_tensors", "tensor_crcs"]
 
@@ -54,11 +58,15 @@ def tensor_crcs(views: list[np.ndarray]) -> list[int]:
 
 
 def _descriptions(layout: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int]]]:
+    from fastckpt.io.files import dtype_name  # deferred: torch (see the module docstring)
+
     return [(name, dtype_name(t.dtype), list(t.shape)) for name, t in layout]
 
 
 def _layout(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """The tensors as dense CPU tensors, in the order the Rust writer lays them out."""
+    from fastckpt.io.files import host_tensor  # deferred: torch (see the module docstring)
+
     hosts = []
     for name, tensor in tensors.items():
         if not isinstance(name, str):
@@ -108,6 +116,8 @@ def put_tensors(
         TypeError / ValueError: bad tensors or metadata (named).
         ObjectStoreError: the upload failed (typed, naming the URL).
     """
+    from fastckpt.io.files import byte_view  # deferred: torch (see the module docstring)
+
     layout = _layout(tensors)
     views = [byte_view(tensor) for _, tensor in layout]
     crcs = tensor_crcs(views)
@@ -162,6 +172,10 @@ def get_tensors(
         CheckpointFormatError: malformed header, or a size that disagrees with the record.
         ChecksumMismatchError: corrupt bytes (names the URL and the tensor).
     """
+    import torch  # deferred: see the module docstring
+
+    from fastckpt.io.files import byte_view, dtype_from_name
+
     url = client.url(key)
     actual = client.head(key).size
     if size is not None and actual != size:
