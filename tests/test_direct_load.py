@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from checkpoint_support import flip
 from fastckpt.checkpoint.api import load_checkpoint, save_checkpoint
 from fastckpt.checkpoint.fill import direct_targets, fully_restored_by
 from fastckpt.errors import ChecksumMismatchError
@@ -137,8 +138,6 @@ def test_a_damaged_optimizer_file_read_directly_is_a_checksum_error(tmp_path: Pa
     for key, value in optimizer.state_dict()["state"][0].items():
         assert torch.equal(loaded.state_dict()["state"][0][key], value), key
     path = tmp_path / "0" / "optimizers" / "o.safetensors"
-    data = bytearray(path.read_bytes())
-    data[-3] ^= 0x01
-    path.write_bytes(bytes(data))
+    path.write_bytes(flip(path.read_bytes(), path.stat().st_size - 3, 0))
     with pytest.raises(ChecksumMismatchError, match=r"o\.safetensors"):
         load_checkpoint(tmp_path)
