@@ -39,6 +39,7 @@ from fastckpt.container.refs import (
 from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.format.records import Manifest
 from fastckpt.io import tree
+from fastckpt.io.files import torch_shape
 from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_name
 from fastckpt.io.progress import log_throughput
@@ -545,9 +546,13 @@ def _load_model(
     where = f"{reader.directory}/models/{name}.spec.json"
     if reader.reads_directly(relpath):
         header = reader.header(relpath)
+        shapes = {  # torch shapes: a header counts F4 elements, torch pairs of them
+            name: {"shape": torch_shape(f"{relpath}: tensor {name!r}", e["dtype"], e["shape"])}
+            for name, e in header.items()
+        }
         model = build.build_model(
             spec,
-            expected=header,
+            expected=shapes,
             device=map_location,
             trusted=trusted,
             where=where,
