@@ -141,3 +141,25 @@ def test_a_damaged_optimizer_file_read_directly_is_a_checksum_error(tmp_path: Pa
     path.write_bytes(flip(path.read_bytes(), path.stat().st_size - 3, 0))
     with pytest.raises(ChecksumMismatchError, match=r"o\.safetensors"):
         load_checkpoint(tmp_path)
+
+
+class KeepsDevice(nn.Module):
+    """Takes ``device`` and keeps it, inside a config, for its forward: built with
+    device="meta" on the meta device, so the meta-built model must not be the one returned."""
+
+    def __init__(self, width: int = 8, device: Any = None) -> None:
+        super().__init__()
+        self.config = {"device": device}
+        self.linear = nn.Linear(width, width, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + torch.ones(x.shape[-1], device=self.config["device"])
+
+
+def test_a_model_that_takes_device_and_keeps_it_is_built_for_real(tmp_path: Path) -> None:
+    model = KeepsDevice()
+    save_checkpoint(tmp_path, models={"m": (model, None)})
+    loaded = load_checkpoint(tmp_path, map_location="cpu")["models"]["m"]["model"]
+    assert loaded.config["device"] == torch.device("cpu")
+    x = torch.ones(2, 8)
+    assert torch.equal(loaded(x), model.linear(x) + 1)

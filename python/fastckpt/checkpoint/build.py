@@ -101,6 +101,13 @@ def _compare_with_checkpoint(
         )
 
 
+def _may_keep_its_device(target: Any, accepts_device: bool) -> bool:
+    """Whether a target built with ``device="meta"`` may keep that device somewhere a later
+    forward reads it (``self.device = device``, a config): one that takes ``device`` and is
+    not torch's own (torch's modules use it for their tensors only)."""
+    return accepts_device and not str(getattr(target, "__module__", "")).startswith("torch.")
+
+
 def _all_meta(model: torch.nn.Module) -> bool:
     return all(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
 
@@ -125,8 +132,10 @@ def build_model(
        parameters and buffers may exceed the checkpoint's bytes by at most
        ``max(EXTRA_BUFFER_BYTES, checkpoint bytes)``.
     3. Only then is it built for real (on ``device`` when the target accepts ``device``).
-       With ``uninitialized_if``, when it holds for the meta-built model and all that
-       model's tensors are on the meta device, that model is given uninitialized memory
+       With ``uninitialized_if``, when it holds for the meta-built model, all that
+       model's tensors are on the meta device, and the root target does not take ``device``
+       (or is torch's own: another may have kept ``device="meta"``), that model is given
+       uninitialized memory
        instead (``to_empty``, on the device the real build would use), and its constructor
        is not run again (no initialization, no random draws): for a caller that is about to
        overwrite every tensor (see :func:`fastckpt.checkpoint.fill.fully_restored_by`).
@@ -181,7 +190,12 @@ def build_model(
             )
         if expected is not None:
             _compare_with_checkpoint(probe, expected, where)
-        if uninitialized_if is not None and _all_meta(probe) and uninitialized_if(probe):
+        if (
+            uninitialized_if is not None
+            and _all_meta(probe)
+            and not _may_keep_its_device(root, accepts_device)
+            and uninitialized_if(probe)
+        ):
             target = torch.device(device) if device is not None and accepts_device else None
             # Where the real build would put tensors: the default device outside the meta block.
             probe.to_empty(device=target or torch.empty(()).device)

@@ -99,7 +99,8 @@ def fully_restored_by(model: torch.nn.Module, names: Mapping[str, Any]) -> bool:
         for value in vars(module).values():
             if isinstance(value, torch.Tensor) and id(value) not in own:
                 return False
-            if isinstance(value, torch.device) and value.type == "meta":
+            meta = isinstance(value, torch.device) and value.type == "meta"
+            if meta or (isinstance(value, str) and value == "meta"):
                 return False  # the meta build's device, kept where a real build keeps its own
     return True
 
