@@ -95,9 +95,10 @@ def fully_restored_by(model: torch.nn.Module, names: Mapping[str, Any]) -> bool:
     if len(saved) < len(state):
         return False  # tied tensors: to_empty would give each name a parameter of its own
     for module in model.modules():
-        own = {id(t) for t in [*module._parameters.values(), *module._buffers.values()]}
+        # Parameters and buffers live in their tables: a tensor here is one the load does not
+        # reach (its own, or an alias of a buffer that to_empty would leave on the meta device).
         for value in vars(module).values():
-            if isinstance(value, torch.Tensor) and id(value) not in own:
+            if isinstance(value, torch.Tensor):
                 return False
             meta = isinstance(value, torch.device) and value.type == "meta"
             if meta or (isinstance(value, str) and value == "meta"):

@@ -254,7 +254,7 @@ def read_tensor_file_into(
     """
     import torch  # deferred: the container layer imports without torch
 
-    from fastckpt.io.files import dtype_from_name, torch_shape
+    from fastckpt.io.files import byte_view, dtype_from_name, torch_shape
     from fastckpt.io.headers import DEFAULT_THREADS
     from fastckpt.io.progress import active_counter
 
@@ -271,7 +271,7 @@ def read_tensor_file_into(
                 shape = torch_shape(f"{path}: tensor {name!r}", entry["dtype"], entry["shape"])
                 tensor = torch.empty(shape, dtype=dtype_from_name(entry["dtype"]), device="cpu")
             tensors[name] = tensor
-            memory = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+            memory = byte_view(tensor.detach())
             entries.append((name, entry["dtype"], list(entry["shape"]), memory))
         unknown = sorted(set(chosen) - set(tensors))
         if unknown:

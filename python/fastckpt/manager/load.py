@@ -38,7 +38,7 @@ from fastckpt.container.reader import check_recorded, read_json, takes_direct_re
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.format.records import COMMIT_RECORD, item_files
 from fastckpt.io import tree
-from fastckpt.io.files import dtype_from_name, torch_shape
+from fastckpt.io.files import byte_view, dtype_from_name, torch_shape
 from fastckpt.io.headers import DEFAULT_THREADS, read_metadata
 from fastckpt.io.paths import safe_join
 from fastckpt.io.progress import active_counter
@@ -107,7 +107,7 @@ class DirectRead:
         own = self.own
         for relpath in dict.fromkeys([own, *by_file]):
             entries = [
-                (name, dtype, shape, _writable_bytes(target))
+                (name, dtype, shape, byte_view(target.detach()))
                 for name, shape, dtype, target in by_file.get(relpath, [])
             ]
             path = safe_join(self.directory, relpath)
@@ -270,8 +270,3 @@ def _without_overlaps(direct: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         if stop > end:
             end, last = stop, name
     return {name: tensor for name, tensor in direct.items() if name not in shared}
-
-
-def _writable_bytes(tensor: torch.Tensor) -> Any:
-    """A writable uint8 numpy view of a contiguous CPU tensor's memory (no copy)."""
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
