@@ -325,9 +325,10 @@ def strategy_node_tiers_resume() -> None:
 
 def strategy_node_tiers_restart() -> None:
     """Restart of :func:`strategy_node_tiers_train`'s run on its node-local fast roots with
-    the same hook (URL/node-tiers durable): restored from the durable tier, it trains to its
-    last step; prints where it resumed and the hook's health. With ``detached`` after the URL,
-    every rank's promotions run in detached processes."""
+    the same hook (URL/node-tiers durable): restored from the newest index the nodes' fast
+    roots hold together, it trains 2 steps more than the first run (one more save); prints
+    where it resumed and the hook's health. With ``detached`` after the URL, every rank's
+    promotions run in detached processes."""
     from sharded_ranks import loader, shard, training_fn
 
     local, rank, _ = setup_rank()
@@ -351,6 +352,7 @@ def strategy_node_tiers_restart() -> None:
     assert strategy.restored_from is not None
     start = strategy.step_count
     restored = [strategy.restored_from.root.name, strategy.restored_from.index]
+    strategy.num_steps = 8
     strategy.run(loader())
     report = {
         "rank": rank,

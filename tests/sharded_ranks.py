@@ -279,6 +279,7 @@ def strategy_node_train() -> None:
     torch.manual_seed(0)
     refused = sys.argv[-1] == "refused"
     durable = None if refused else root.parent / "durable"
+    recorder = Recorder(root.parent, save_at=(4, 6))
     hook = fastckpt.CheckpointHook(
         root.parent / f"node{rank}", step_interval=2, keep_last=2, durable_dir=durable
     )
@@ -286,7 +287,7 @@ def strategy_node_train() -> None:
         shard(build_model()),
         fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
         training_fn=training_fn,
-        hooks=[hook],
+        hooks=[hook, recorder],
         num_steps=6,
     )
     try:
@@ -351,6 +352,7 @@ def resume_and_compare(
         "restored_from": None
         if strategy.restored_from is None
         else str(strategy.restored_from.root),
+        "node_local": strategy.restored_from is not None and strategy.restored_from.node_local,
     }
     strategy.run(loader())
     final = full_state(model, optimizer)
@@ -364,6 +366,24 @@ def resume_and_compare(
             torch.allclose(step6[name], final[name], rtol=1e-4, atol=1e-6) for name in step6
         )
     return report
+
+
+def strategy_node_local_resume() -> None:
+    """:func:`resume_and_compare` of :func:`strategy_node_train`'s index 1 on WORLD ranks,
+    each from its own node's fast root ROOT/../node<R> (absent on a node that joined), falling
+    back to ROOT/../durable; prints the report, or the error every rank got."""
+    root, rank, _ = setup_rank()
+    try:
+        report = resume_and_compare(
+            root.parent / f"node{rank}",
+            root.parent,
+            rank,
+            fallback_dirs=[str(root.parent / "durable")],
+        )
+    except Exception as err:
+        report = {"rank": rank, "error": f"{type(err).__name__}: {err}"}
+    print(json.dumps(report))
+    leave_process_group()
 
 
 def strategy_resume() -> None:

@@ -390,14 +390,15 @@ def test_a_node_local_part_is_committed_only_once_every_rank_uploaded_its_shards
 
 
 @pytest.mark.parametrize("promoter", ["thread", "detached"])
-def test_a_node_local_run_restarts_from_the_durable_tier_and_saves_on(
+def test_a_node_local_run_restarts_from_its_fast_tiers_and_saves_on(
     s3_server: S3Server, env: dict[str, str], tmp_path: Path, promoter: str
 ) -> None:
     # The fast tiers are ahead of the durable one (index 2's promotion "did not happen"): the
-    # restart resumes from durable index 1 on both ranks, no rank refuses the fast tier's
-    # newer index as another run's (rank 0 decides for all), the newer index is promoted by
-    # the restart, and the run's own saves are promoted after it; so too when every rank's
-    # share of each promotion runs in a detached process (rank 0's commits, rank 1's uploads).
+    # restart resumes from index 2 on both ranks, spread over the two nodes' fast roots (each
+    # rank names its own), no rank refuses the fast tier's indices as another run's (rank 0
+    # decides for all), index 2 is promoted by the restart, and the run's own save (index 3)
+    # after it; so too when every rank's share of each promotion runs in a detached process
+    # (rank 0's commits, rank 1's uploads).
     url = s3_server.url(f"node-restart-{os.getpid()}-{time.time_ns()}")
     check_ok(launch("strategy_node_tiers_train", tmp_path, 2, url, ranks="s3_dcp_ranks"))
     durable = f"{url}/node-tiers"
@@ -410,11 +411,12 @@ def test_a_node_local_run_restarts_from_the_durable_tier_and_saves_on(
         launch("strategy_node_tiers_restart", tmp_path, 2, url, *extra, ranks="s3_dcp_ranks")
     )
     reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
-    for report in reports:
-        assert report["restored"] == ["node-tiers", 1] and report["start"] == 4, report
-        assert report["step"] == 6 and report["healthy"], report
+    for rank, report in enumerate(reports):
+        assert report["restored"] == [f"node{rank}", 2] and report["start"] == 6, report
+        assert report["step"] == 8 and report["healthy"], report
         assert report["detached"] == (promoter == "detached"), report
-    assert 3 in reports[0]["promoted"] and 3 in reports[1]["promoted"], reports
+        assert 3 in report["promoted"], report
+    assert {2, 3} <= set(reports[0]["promoted"]), reports  # rank 0 commits
     listed = fastckpt.list_checkpoints(durable)
     assert [c["index"] for c in listed] == [2, 3], listed
     assert fastckpt.verify(durable).ok

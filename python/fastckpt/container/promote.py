@@ -57,7 +57,8 @@ from fastckpt.container.copy import (
     read_verified,
     remember_written,
 )
-from fastckpt.container.sharded.parts import index_dir
+from fastckpt.container.sharded.nodes import NodeHoldings, held_by_others
+from fastckpt.container.sharded.parts import Part, index_dir
 from fastckpt.container.sharded.promote import (
     part_problem,
     prove_part,
@@ -651,15 +652,41 @@ class NearestCopy:
     root: Path
     index: int
     skipped: list[str] = field(default_factory=list)
+    #: the copy is spread over the nodes' node-local fast tiers: ``root`` (rank 0's node)
+    #: lacks shards that other ranks' nodes hold (:mod:`fastckpt.container.sharded.nodes`)
+    node_local: bool = False
 
     def describe(self) -> str:
         """One line: which copy, and what was passed over."""
         text = f"restoring index {self.index} from {display_path(self.root)}"
+        if self.node_local:
+            text += " with the other nodes' copies of it (node-local tiers)"
         return text + (f" (skipped: {'; '.join(self.skipped)})" if self.skipped else "")
 
 
+def _other_nodes(
+    elsewhere: Sequence[NodeHoldings], position: int, index: int, answers: list[bool]
+) -> Callable[[Part, dict[str, int]], bool]:
+    """``part_problem``'s ``elsewhere`` for index ``index`` of tier ``position``: whether
+    other nodes hold the files missing here (each answer is appended to ``answers``)."""
+
+    def held(part: Part, missing: dict[str, int]) -> bool:
+        found = (
+            part.name is not None
+            and part.record_crc32c is not None
+            and held_by_others(elsewhere, position, index, part.name, part.record_crc32c, missing)
+        )
+        answers.append(found)
+        return found
+
+    return held
+
+
 def nearest_intact(
-    tiers: Sequence[str | os.PathLike[str]], index: int | None = None
+    tiers: Sequence[str | os.PathLike[str]],
+    index: int | None = None,
+    *,
+    elsewhere: Sequence[NodeHoldings] = (),
 ) -> NearestCopy:
     """The copy to restore from ``tiers`` (fastest first: the fast root, then the durable
     ones): the newest index that verifies on any tier (every file against its manifest
@@ -667,7 +694,10 @@ def nearest_intact(
     every rank's file present with its size, the chunks being verified as they load), taken
     from the first tier that holds it intact; with ``index``, that index from the first tier
     holding it intact. A tier that is gone (a new node) or unreadable is passed over, and so
-    is a node-local fast tier, which holds only its own node's shards.
+    is a node-local fast tier, which holds only its own node's shards, unless ``elsewhere``
+    (what the other ranks' nodes hold of the same tiers,
+    :func:`~fastckpt.container.sharded.nodes.node_holdings`) shows that the nodes together
+    hold every file of the part (the copy is then ``node_local``).
 
     Raises:
         NotCommittedError: no tier holds an intact copy (of ``index``); the message lists
@@ -675,7 +705,8 @@ def nearest_intact(
     """
     skipped: list[str] = []
     best: tuple[int, Path] | None = None
-    for tier in (Path(t) for t in tiers):
+    spread = False
+    for position, tier in enumerate(Path(t) for t in tiers):
         try:
             manifest = Manifest.load(tier)
         except (OSError, FastCkptError) as err:
@@ -687,9 +718,11 @@ def nearest_intact(
                 continue
             if best is not None and candidate <= best[0]:
                 break  # an earlier (faster) tier already holds this one or a newer one
-            problem = index_intact(manifest, candidate) or part_problem(manifest, candidate)
+            others: list[bool] = []
+            held = _other_nodes(elsewhere, position, candidate, others)
+            problem = index_intact(manifest, candidate) or part_problem(manifest, candidate, held)
             if problem is None:
-                best = (candidate, tier)
+                best, spread = (candidate, tier), any(others)
                 break
             skipped.append(f"{display_path(tier)} index {candidate}: {problem}")
     if best is None:
@@ -699,4 +732,4 @@ def nearest_intact(
             f"no intact {what} in {names}"
             + (f" (skipped: {'; '.join(skipped)})" if skipped else "")
         )
-    return NearestCopy(best[1], best[0], skipped)
+    return NearestCopy(best[1], best[0], skipped, spread)

@@ -49,6 +49,7 @@ from fastckpt.container.sharded.chunks import ChunkFiles, Want, box_view
 from fastckpt.container.sharded.commit import RECORD_NAME, new_generation, read_record
 from fastckpt.container.sharded.reads import DEFAULT_STAGE_BYTES, ReadPlan
 from fastckpt.container.sharded.values import as_planner_bytes, decode_value
+from fastckpt.dcp import peers
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.sharded import Record, StoredChunk
 from fastckpt.storage.registry import backend_for
@@ -185,24 +186,41 @@ class Reader(StorageReader):
             raise RuntimeError("fastckpt.dcp.Reader: read_metadata() must come first")
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Tag the plan with the generation this rank read, for the coordinator to compare."""
+        """Tag the plan with what the coordinator needs (:class:`~fastckpt.dcp.peers.Note`):
+        the generation this rank read, the record's files this node holds, and the ranges
+        this rank's items need of the files it does not (node-local storage)."""
         record = self._require_record()
-        return dataclasses.replace(plan, storage_data=record.generation)
+        items = self._located(record, plan)
+        files = self._files(record) if self._held is None else self._held.files
+        try:
+            ranges = [_want(files, item, chunk).range for item, chunk in items]
+            found = peers.note(record, files, [chunk for _, chunk in items], ranges)
+        finally:
+            if self._held is None:
+                files.close()
+        return dataclasses.replace(plan, storage_data=found)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Check that every rank read the same commit (a save may have committed between the
-        ranks' reads).
+        ranks' reads), and plan the ranges that ranks read from other ranks' nodes
+        (:func:`~fastckpt.dcp.peers.schedule`).
 
         Raises:
             CheckpointFormatError: ranks read different generations; load again.
+            FileNotFoundError: a file some rank needs is on no rank's node.
         """
-        generations = {plan.storage_data for plan in plans}
+        notes = [plan.storage_data for plan in plans]
+        generations = {note.generation for note in notes}
         if len(generations) > 1:
             raise CheckpointFormatError(
                 f"{self.path}: ranks read different commits ({sorted(map(str, generations))}); "
                 "a save committed during the load. Load again."
             )
-        return plans
+        transfers = peers.schedule(notes, self.path / notes[0].generation)
+        return [
+            dataclasses.replace(plan, storage_data=peers.Schedule(note.generation, transfers))
+            for plan, note in zip(plans, notes, strict=True)
+        ]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read and verify every item of this rank's plan, then fill the planner's targets
@@ -217,11 +235,13 @@ class Reader(StorageReader):
         items = self._located(record, plan)
         held, self._held = self._held, None
         if held is None:
-            directory = self.path / record.generation
-            held = _Held(ChunkFiles(directory, verify=self.verify, within=self.path))
+            held = _Held(self._files(record))
         files = held.files
         keep = self.passes == "verify"
         try:
+            transfers = plan.storage_data.transfers if plan.storage_data is not None else ()
+            chunks = {chunk.file: chunk for chunk in record.storage.values()}
+            peers.exchange(transfers, files, chunks)
             fetched = files.bytes_read
             if files.local:
                 self._read_each(files, items, planner)
@@ -252,6 +272,11 @@ class Reader(StorageReader):
         return info.regular
 
     # ------------------------------------------------------------------ reading
+
+    def _files(self, record: Record) -> ChunkFiles:
+        """The data files of ``record``'s generation (opened as they are read)."""
+        directory = self.path / record.generation
+        return ChunkFiles(directory, verify=self.verify, within=self.path)
 
     def _require_record(self) -> Record:
         if self._record is None:

@@ -248,10 +248,14 @@ def load_sharded(
     part: Part,
     models: Mapping[str, torch.nn.Module],
     optimizers: Mapping[str, torch.optim.Optimizer],
+    record_bytes: bytes | None = None,
 ) -> None:
     """Load a sharded part into live (sharded or plain) models and optimizers, resharding as
     their placements say; collective. Every tensor must be in the checkpoint (strict). Nothing
-    live changes unless every rank read and verified all of it.
+    live changes unless every rank read and verified all of it. ``record_bytes``: the part's
+    commit record as rank 0 read it (a node that holds no copy of it, node-local tiers);
+    files this node lacks are read from the ranks whose nodes hold them
+    (:mod:`fastckpt.dcp.peers`).
 
     Raises:
         ChecksumMismatchError: the part's commit record is not the one its index recorded.
@@ -260,10 +264,14 @@ def load_sharded(
     """
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    from fastckpt.container.sharded.commit import read_record
+    from fastckpt.container.sharded.commit import RECORD_NAME, read_record
     from fastckpt.dcp.state import load_record_state
+    from fastckpt.format.sharded import decode_record
 
-    record = read_record(part.path)
+    if record_bytes is None:
+        record = read_record(part.path)
+    else:
+        record = decode_record(part.path / RECORD_NAME, record_bytes)
     if part.record_crc32c is not None and record.file_crc32c != part.record_crc32c:
         raise ChecksumMismatchError(
             f"{record.path}: crc32c {record.file_crc32c:08x} differs from the "
@@ -384,3 +392,76 @@ def _prune_node(root: Path, kept: tuple[int, ...], newest: int) -> None:
         index = int(directory.name)
         if index < newest and index not in kept and not directory.is_symlink():
             shutil.rmtree(directory, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class NodeLocalIndex:
+    """A sharded index spread over node-local fast tiers, as one rank loads it
+    (:func:`node_local_index`).
+
+    Attributes:
+        root: where this rank reads the index's own files (manifest, ``strategy.json``, run
+            state): rank 0's fast root, or a private copy of them on another node.
+        part_root: this rank's own fast root, whose copy of the part it reads.
+        record: the part's commit record as rank 0's node holds it (None on rank 0).
+    """
+
+    root: Path
+    part_root: Path
+    record: bytes | None
+
+
+@contextlib.contextmanager
+def node_local_index(root: str | Path, index: int) -> Iterator[NodeLocalIndex]:
+    """Collective: make index ``index`` of rank 0's node-local fast root readable on every
+    rank. Rank 0 sends the manifest, the index's files (the strategy recipe, run state, hook
+    configurations: small) and its part's commit record; every other rank writes them into a
+    private temporary root (removed on exit) and keeps its own ``root`` (its node's copy,
+    possibly empty) for the part. The shards stay where they are: each rank reads its node's
+    and receives the rest from the ranks whose nodes hold them (:mod:`fastckpt.dcp.peers`).
+
+    Raises:
+        RuntimeError: rank 0 could not read the index (on the other ranks; rank 0 raises its
+            own error).
+    """
+    import tempfile
+
+    import torch.distributed as dist
+
+    from fastckpt.container.sharded.commit import RECORD_NAME
+    from fastckpt.container.sharded.parts import committed_part
+
+    root = Path(root)
+    message: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            manifest = records.Manifest.load(root)
+            files = {
+                str(manifest.file_path(index, name).relative_to(root)): (
+                    manifest.file_path(index, name).read_bytes()
+                )
+                for name in manifest.entries[index]["files"]
+            }
+            part = committed_part(manifest, index)
+            record = None if part is None else records.read_record_bytes(part.path, RECORD_NAME)
+            manifest_bytes = records.read_record_bytes(root, records.MANIFEST)
+            message[0] = ("ok", manifest_bytes, files, record)
+        except BaseException as err:
+            message[0] = ("failed", f"{type(err).__name__}: {err}")
+            dist.broadcast_object_list(message, src=0)
+            raise
+    dist.broadcast_object_list(message, src=0)
+    if message[0][0] != "ok":
+        raise RuntimeError(f"rank 0 could not read index {index} of {root}: {message[0][1]}")
+    _, manifest_bytes, files, record = message[0]
+    if dist.get_rank() == 0:
+        yield NodeLocalIndex(root, root, None)
+        return
+    with tempfile.TemporaryDirectory(prefix="fastckpt-node-index-") as scratch:
+        view = Path(scratch)
+        (view / records.MANIFEST).write_bytes(manifest_bytes)
+        for relpath, data in files.items():
+            target = view / relpath
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        yield NodeLocalIndex(view, root, record)

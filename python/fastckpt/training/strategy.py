@@ -145,18 +145,25 @@ def _agreed_copy(tiers: Sequence[str | Path], index: int | None) -> NearestCopy:
     (collective): ranks looking on their own could pick different copies (a promotion, say a
     detached one, committing a newer index between their looks), and a sharded load of
     different copies fails. Each rank takes the tier at rank 0's position in its own list.
+    Every rank first reports what its node holds of the tiers' sharded parts, so that an
+    index spread over node-local fast tiers counts as intact when the nodes together hold all
+    of it (``node_local`` in the result).
 
     Raises:
         NotCommittedError: no tier holds an intact copy (as rank 0 saw it).
     """
     import torch.distributed as dist
 
+    from fastckpt.container.sharded.nodes import node_holdings
+
+    holdings: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(holdings, node_holdings(tiers))
     decided: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            copy = nearest_intact(tiers, index)
+            copy = nearest_intact(tiers, index, elsewhere=holdings[1:])
             position = [Path(tier) for tier in tiers].index(copy.root)
-            decided[0] = ("ok", position, copy.index, copy.skipped)
+            decided[0] = ("ok", position, copy.index, copy.skipped, copy.node_local)
         except BaseException as err:
             decided[0] = ("failed", f"{type(err).__name__}: {err}")
             dist.broadcast_object_list(decided, src=0)
@@ -164,8 +171,8 @@ def _agreed_copy(tiers: Sequence[str | Path], index: int | None) -> NearestCopy:
     dist.broadcast_object_list(decided, src=0)
     if decided[0][0] != "ok":
         raise NotCommittedError(f"rank 0 found no copy to restore: {decided[0][1]}")
-    _, position, chosen, skipped = decided[0]
-    return NearestCopy(Path(tiers[position]), int(chosen), list(skipped))
+    _, position, chosen, skipped, spread = decided[0]
+    return NearestCopy(Path(tiers[position]), int(chosen), list(skipped), bool(spread))
 
 
 def _rng_state() -> dict[str, Any]:
@@ -666,10 +673,17 @@ class TrainingStrategy:
         self._apply_runtime(runtime, reader)
         return index
 
-    def _restore_sharded(self, root: Path, index: int, validators: Any) -> int:
+    def _restore_sharded(
+        self,
+        root: Path,
+        index: int,
+        validators: Any,
+        spread: sharded_training.NodeLocalIndex | None = None,
+    ) -> int:
         """Restore committed index ``index`` of FSDP2-sharded models: its strategy.json, run
         state and the part it names, read as one snapshot (in one process, read again when a
-        save replaced the index meanwhile), then applied."""
+        save replaced the index meanwhile), then applied. ``spread``: the index is spread over
+        node-local fast tiers; this rank's copy of the part is under ``spread.part_root``."""
 
         def attempt() -> tuple[codec.IndexReader, _Runtime]:
             manifest = Manifest.load(root)
@@ -686,8 +700,10 @@ class TrainingStrategy:
                     f"has {sorted(self.models)}"
                 )
             runtime = _parse_runtime(reader, recipe)
-            part = sharded_training.committed_part(root, index, sharded, where)
-            sharded_training.load_sharded(part, self.models, self.optimizers)  # last: applies
+            part_root = root if spread is None else spread.part_root
+            part = sharded_training.committed_part(part_root, index, sharded, where)
+            record = None if spread is None else spread.record
+            sharded_training.load_sharded(part, self.models, self.optimizers, record)  # applies
             return reader, runtime
 
         if _world()[1] == 1:
@@ -776,16 +792,29 @@ class TrainingStrategy:
             else:
                 copy = nearest_intact(tiers, wanted)
             (_LOG.warning if copy.skipped else _LOG.info)("%s", copy.describe())
-            resumed = cls.load_checkpoint(
-                copy.root,
-                copy.index,
-                map_location,
-                hooks=hooks,
-                training_fn=training_fn,
-                validators=validators,
-                trusted=trusted,
-                parallelize=parallelize,
-            )
+            if copy.node_local:
+                with sharded_training.node_local_index(copy.root, copy.index) as spread:
+                    resumed = cls._load_spread(
+                        spread,
+                        copy.index,
+                        map_location,
+                        hooks,
+                        training_fn,
+                        validators,
+                        trusted,
+                        parallelize,
+                    )
+            else:
+                resumed = cls.load_checkpoint(
+                    copy.root,
+                    copy.index,
+                    map_location,
+                    hooks=hooks,
+                    training_fn=training_fn,
+                    validators=validators,
+                    trusted=trusted,
+                    parallelize=parallelize,
+                )
             resumed.restored_from = copy
             return resumed
 
@@ -857,6 +886,43 @@ class TrainingStrategy:
         return cls.load_checkpoint(root, **load)
 
     @classmethod
+    def _load_spread(
+        cls,
+        spread: sharded_training.NodeLocalIndex,
+        index: int,
+        map_location: str | torch.device | None,
+        hooks: Sequence[Any] | None,
+        training_fn: Callable[..., Any] | None,
+        validators: Any,
+        trusted: Trusted,
+        parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None,
+    ) -> TrainingStrategy:
+        """:meth:`load_checkpoint` of a sharded index spread over node-local fast tiers
+        (collective): the recipe and run state from ``spread.root``, the shards from every
+        rank's node (:func:`~fastckpt.training.sharded.node_local_index`)."""
+        _, index, reader, recipe = _index_snapshot(spread.root, index, True)
+        if recipe.get("sharded") is None or parallelize is None:
+            raise ValueError(
+                f"index {index} of {spread.root} is spread over node-local tiers; it loads "
+                "only as a sharded checkpoint, with parallelize="
+            )
+        if hooks is None:
+            where = f"{reader.directory}/hooks.json"
+            hooks = rebuild_hooks(parse_hook_configs(reader.json("hooks.json"), where), where)
+        return cls._load_sharded(
+            spread.root,
+            index,
+            recipe,
+            map_location,
+            hooks,
+            training_fn,
+            validators,
+            trusted,
+            parallelize,
+            spread,
+        )
+
+    @classmethod
     def _load_sharded(
         cls,
         root: Path,
@@ -868,6 +934,7 @@ class TrainingStrategy:
         validators: Any,
         trusted: Trusted,
         parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None,
+        spread: sharded_training.NodeLocalIndex | None = None,
     ) -> TrainingStrategy:
         sharded = recipe["sharded"]
         if not isinstance(sharded, Mapping) or not isinstance(sharded.get("models"), Mapping):
@@ -904,7 +971,7 @@ class TrainingStrategy:
             strategy.optimizer_configs[name] = config
             if scheduler is not None:
                 strategy.schedulers[name] = scheduler
-        strategy.restore_checkpoint(root, index, validators=validators)
+        strategy._restore_sharded(root, index, validators, spread)
         return strategy
 
     @classmethod

@@ -139,6 +139,9 @@ class ChunkFiles:
         self.local = is_local(self._backend)
         #: on an object store: the files whose size was checked against the record
         self._objects: set[str] = set()
+        #: ranges of files this node does not hold, received from other ranks
+        #: (:meth:`receive`): file -> [(start, bytes, the rank that sent them)]
+        self._received: dict[str, list[tuple[int, np.ndarray, int]]] = {}
 
     def close(self) -> None:
         """Close every open file."""
@@ -186,8 +189,41 @@ class ChunkFiles:
             self._objects.add(chunk.file)
         return path
 
+    def receive(self, file: str, start: int, data: np.ndarray, sender: int) -> None:
+        """Serve bytes ``[start, start + len(data))`` of ``file`` (a file this node does not
+        hold) from ``data``, received from rank ``sender``
+        (:mod:`fastckpt.dcp.peers`); they are verified as they are read, like the disk's."""
+        self._received.setdefault(file, []).append((start, data, sender))
+
+    def received(self, where: Range) -> bool:
+        """Whether the bytes of ``where`` were received (:meth:`receive`)."""
+        return self._span_of(where.file, where.start, where.stop) is not None
+
+    def _span_of(self, file: str, start: int, stop: int) -> tuple[int, np.ndarray, int] | None:
+        for span in self._received.get(file, ()):
+            if span[0] <= start and stop <= span[0] + span[1].size:
+                return span
+        return None
+
+    def read_raw(self, chunk: StoredChunk, start: int, stop: int) -> np.ndarray:
+        """Bytes ``[start, stop)`` of the local data file of ``chunk``, unverified (for a rank
+        that holds them to send; the receiver verifies)."""
+        out = np.empty(stop - start, dtype=np.uint8)
+        self._pread(chunk, start, out)
+        return out
+
     def _pread(self, chunk: StoredChunk, offset: int, out: np.ndarray) -> None:
-        """Fill ``out`` from the local data file of ``chunk``, from the absolute ``offset``."""
+        """Fill ``out`` from the local data file of ``chunk``, from the absolute ``offset``
+        (or from the bytes received of it)."""
+        if chunk.file in self._received:
+            span = self._span_of(chunk.file, offset, offset + out.size)
+            if span is None:
+                raise CheckpointFormatError(
+                    f"{self.directory / chunk.file}: bytes {offset}-{offset + out.size} are "
+                    "neither on this node nor received from the rank holding the file"
+                )
+            out[:] = span[1][offset - span[0] : offset - span[0] + out.size]
+            return
         fd = self._fd(chunk)
         view = memoryview(out)  # type: ignore[arg-type]
         done = 0
@@ -238,6 +274,9 @@ class ChunkFiles:
 
     def _mismatch(self, chunk: StoredChunk, what: str, stored: int, actual: int) -> Exception:
         label = f"tensor {chunk.name!r}" if chunk.kind == "tensor" else "a non-tensor value"
+        senders = sorted({span[2] for span in self._received.get(chunk.file, ())})
+        if senders:
+            label = f"(received from the node of rank {senders[0]}) {label}"
         return ChecksumMismatchError(
             f"{self.directory / chunk.file}: {label}{what}: crc32c {actual:08x} does not match "
             f"the stored {stored:08x}; the file is corrupt (restore it or load an older "

@@ -38,7 +38,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,12 +175,21 @@ def record_files(
     return record.generation, files, elsewhere
 
 
-def part_problem(manifest: Manifest, index: int) -> str | None:
+def part_problem(
+    manifest: Manifest,
+    index: int,
+    elsewhere: Callable[[Part, dict[str, int]], bool] | None = None,
+) -> str | None:
     """Why the sharded part of committed index ``index`` cannot be restored from this root
     (None: it can, or the index has none): its record differs from the one the index
     recorded, or a file it lists is missing or has another size (another node's shards on
     node-local storage, a deleted file). Sizes only: the bytes are verified as they are
-    loaded, which refuses a damaged chunk."""
+    loaded, which refuses a damaged chunk.
+
+    ``elsewhere(part, missing)``: whether the files ``missing`` (name -> recorded size) of
+    this root's copy are held by other nodes' copies of the part (node-local fast tiers,
+    :mod:`fastckpt.container.sharded.nodes`); when it says so they are no problem.
+    """
     try:
         if committed_part(manifest, index) is None:
             return None
@@ -190,15 +199,24 @@ def part_problem(manifest: Manifest, index: int) -> str | None:
         return str(err)
     if copy is None:
         return None
-    for path, record in copy.files.values():
+    missing: dict[str, int] = {}
+    problem = None
+    for name, (path, record) in copy.files.items():
         try:
             size: int | None = backend_for(path).stat(path).size
         except FileNotFoundError:
             size = None
         if size != int(record["size"]):
             found = "missing" if size is None else f"{size} bytes"
-            return f"{display_path(path)}: {found}, the part's record holds {record['size']}"
-    return None
+            problem = problem or (
+                f"{display_path(path)}: {found}, the part's record holds {record['size']}"
+            )
+            if size is not None:
+                return problem  # a file of another size is damaged, wherever the others are
+            missing[name] = int(record["size"])
+    if problem is not None and elsewhere is not None and elsewhere(copy.part, missing):
+        return None
+    return problem
 
 
 def write_part(
