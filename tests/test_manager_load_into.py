@@ -227,7 +227,7 @@ def test_parameters_and_partial_templates(
     assert weight._version > version
 
 
-def test_stateful_and_none_templates_keep_the_mapped_path(tmp_path: Path) -> None:
+def test_a_module_and_a_none_template_are_restored(tmp_path: Path) -> None:
     model = torch.nn.Linear(3, 2)
     with _sync() as manager:
         manager.save(tmp_path / "c", {"model": model, "extra": {"x": torch.ones(2)}})
@@ -291,3 +291,78 @@ def test_templates_read_during_replacements_hold_one_saved_state(tmp_path: Path)
             writer.kill()
         writer.wait()
     assert writer.returncode == 0
+
+
+def _net() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 300),
+        torch.nn.BatchNorm1d(300),
+        torch.nn.ReLU(),
+        torch.nn.Linear(300, 8),
+    )
+
+
+def test_a_plain_module_is_read_into_directly_without_load_state_dict(
+    tmp_path: Path, direct_reads: list[tuple[str, list[str]]]
+) -> None:
+    # Every parameter and buffer (num_batches_tracked included) takes its bytes in the one
+    # verified read; load_state_dict, which would only copy each onto itself, is not called.
+    torch.manual_seed(0)
+    model = _net()
+    model(torch.randn(16, 64))  # running statistics and num_batches_tracked move
+    fresh = _net()
+    pointers = {name: t.data_ptr() for name, t in fresh.state_dict(keep_vars=True).items()}
+    versions = {name: t._version for name, t in fresh.state_dict(keep_vars=True).items()}
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("load_state_dict was called")
+
+    fresh.load_state_dict = refuse  # type: ignore[assignment,method-assign]
+    with _sync() as manager:
+        manager.save(tmp_path / "c", {"model": model, "step": 3})
+        loaded = manager.load(tmp_path / "c", into={"model": fresh, "step": None})
+    assert loaded["model"] is fresh and loaded["step"] == 3
+    for name, tensor in fresh.state_dict(keep_vars=True).items():
+        assert tensor.data_ptr() == pointers[name], name
+        assert _bytes(tensor) == _bytes(model.state_dict()[name]), name
+        assert tensor._version > versions[name], name  # counted as an in-place write
+    assert isinstance(fresh[0].weight, torch.nn.Parameter) and fresh[0].weight.requires_grad
+    ((path, names),) = direct_reads
+    assert path.endswith("model.safetensors")
+    assert sorted(names) == sorted(model.state_dict())
+
+
+def test_a_module_that_is_not_plain_keeps_its_load_state_dict(tmp_path: Path) -> None:
+    # A load hook (it might rename or transform the state) and tied weights (a direct read
+    # into both names would race) each keep the module's own load_state_dict.
+    calls: list[str] = []
+    model = _net()
+    hooked = _net()
+    hooked.register_load_state_dict_post_hook(lambda module, keys: calls.append("hook"))
+    tied = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    tied[1].weight = tied[0].weight
+    fresh_tied = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    fresh_tied[1].weight = fresh_tied[0].weight
+    with _sync() as manager:
+        manager.save(tmp_path / "c", {"model": model, "tied": tied})
+        manager.load(tmp_path / "c", into={"model": hooked, "tied": fresh_tied})
+    assert calls == ["hook"]
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(hooked.state_dict().values(), model.state_dict().values(), strict=True)
+    )
+    assert fresh_tied[1].weight is fresh_tied[0].weight
+    assert torch.equal(fresh_tied[0].weight, tied[0].weight)
+
+
+def test_a_damaged_module_file_is_refused_naming_the_module(tmp_path: Path) -> None:
+    model = _net()
+    with _sync() as manager:
+        manager.save(tmp_path / "c", {"model": model})
+        (path,) = (tmp_path / "c").rglob("model*.safetensors")
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x10
+        path.write_bytes(bytes(data))
+        with pytest.raises(ChecksumMismatchError, match="partial bytes") as info:
+            manager.load(tmp_path / "c", into={"model": _net()})
+    assert "model" in str(info.value)

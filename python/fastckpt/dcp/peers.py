@@ -5,7 +5,7 @@ node-local fast tiers, docs/tiers.md), a rank's load plan may need ranges of fil
 node does not hold: another rank's shards after a resharding, the values DCP deduplicated to
 one rank, or everything, on a node that joined the job. The load then goes like this:
 
-1. with its local plan, each rank reports which of the checkpoint's files its node holds
+1. with its local plan, each rank reports which of the files it wrote or needs its node holds
    (present, with the size the commit record lists) and the byte ranges it needs of the others
    (:func:`note`);
 2. the coordinator assigns each such range to a rank whose node holds the file (the rank that
@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from fastckpt.container.sharded.chunks import ChunkFiles
 from fastckpt.container.sharded.promote import rank_of
@@ -50,7 +51,8 @@ class Note:
         generation: the commit it read (every rank must read the same one).
         rank: its rank in the default group (-1: no process group).
         world: the default group's size.
-        held: the record's files its node holds, with their recorded sizes.
+        held: of the record's files it wrote or needs, those its node holds with their
+            recorded sizes.
         wants: ``(file, start, stop)``: the byte ranges its plan needs of files its node does
             not hold (coalesced, verification pieces whole).
     """
@@ -97,8 +99,6 @@ def held_files(directory: Path, files: Mapping[str, Mapping[str, Any]]) -> froze
 
 
 def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return -1, 1
@@ -111,9 +111,17 @@ def note(
     of the data files (``ranges[i]`` of ``chunks[i]``); ranges ``files`` already received (a
     ``verify`` load's, kept for the ``fill`` load) are not asked for again."""
     rank, world = _world()
-    if not files.local:  # an object store is one store for every rank
+    if not files.local or world == 1:  # one store for every rank, or no other rank to ask
         return Note(record.generation, rank, world, frozenset(record.files))
-    held = held_files(files.directory, record.files)
+    # Only the files this rank wrote (on node-local storage, its node holds them) and the
+    # ones its plan needs are looked at: a rank does not stat every rank's files.
+    needed_files = {chunk.file for chunk in chunks}
+    looked_at = {
+        name: entry
+        for name, entry in record.files.items()
+        if name in needed_files or rank_of(name) == rank
+    }
+    held = held_files(files.directory, looked_at)
     needed = [
         r
         for chunk, r in zip(chunks, ranges, strict=True)
@@ -127,21 +135,19 @@ def schedule(notes: Sequence[Note], where: Path) -> tuple[Transfer, ...]:
     """The transfers that serve every rank's wants (see the module docstring), in the order
     every rank runs them.
 
+    A load that does not run on the default process group (the ranks cannot be told apart)
+    gets no transfers: its reads of files its node lacks fail as they would without this
+    module (``FileNotFoundError`` naming the file).
+
     Raises:
         FileNotFoundError: a wanted file is on no rank's node (names it; restore from a copy
             that holds every rank's files, e.g. the durable tier).
-        ValueError: ranges are wanted but the load does not run on the default process group
-            (the ranks cannot be told apart).
     """
     if not any(n.wants for n in notes):
         return ()
     ranks = [n.rank for n in notes]
     if ranks != list(range(len(notes))) or any(n.world != len(notes) for n in notes):
-        files = sorted({file for n in notes for file, _, _ in n.wants})
-        raise ValueError(
-            f"{where}: this node lacks {files}, which other nodes' ranks hold; reading them "
-            "from those ranks needs a load on the default process group (every rank of the job)"
-        )
+        return ()
     transfers: list[Transfer] = []
     for receiver in notes:
         for file, start, stop in receiver.wants:
@@ -158,19 +164,22 @@ def schedule(notes: Sequence[Note], where: Path) -> tuple[Transfer, ...]:
     return tuple(transfers)
 
 
-_GLOO: list[Any] = []
+#: The gloo group made for transfers, with the default group it was made for.
+_GLOO: dict[str, tuple[Any, Any]] = {}
 
 
 def _group() -> Any:
-    """A gloo group over every rank (the default group when it is gloo), created once, by
-    every rank at the same load (they all run the same schedule)."""
-    import torch.distributed as dist
-
-    if dist.get_backend() == "gloo":
+    """A gloo group over every rank: the default group when it has a gloo backend (CPU
+    tensors go through it), else one created once per default group, by every rank at the
+    same load (they all run the same schedule)."""
+    if "gloo" in str(dist.get_backend()):
         return None
-    if not _GLOO:
-        _GLOO.append(dist.new_group(backend="gloo"))
-    return _GLOO[0]
+    world = dist.group.WORLD
+    made = _GLOO.get("group")
+    if made is None or made[0] is not world:
+        made = (world, dist.new_group(backend="gloo"))
+        _GLOO["group"] = made
+    return made[1]
 
 
 def exchange(
@@ -186,8 +195,6 @@ def exchange(
     """
     if not transfers:
         return
-    import torch.distributed as dist
-
     rank, _ = _world()
     group = _group()
     failure: BaseException | None = None

@@ -23,6 +23,11 @@ How a load reads depends on where the files are:
   the largest verification piece), then read again, from the page cache, straight into its
   target (verified again).
 
+On node-local storage (each node's copy of the checkpoint holds its own ranks' files, see
+``Writer(node_local=True)``) the ranges a rank needs of files its node lacks are sent to it by
+the ranks whose nodes hold them (:mod:`fastckpt.dcp.peers`, planned with DCP's plans) and
+verified on arrival like the disk's.
+
 A damaged chunk therefore leaves this rank's targets as they were.
 :func:`fastckpt.dcp.load_state` runs the verify and fill steps as two DCP loads, so that no
 rank fills a target before every rank verified its share (see :attr:`Reader.passes`); on an

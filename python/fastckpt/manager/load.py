@@ -9,8 +9,14 @@ Rust core (parallel, GIL released), and every tensor's crc32c is computed on the
 and checked before the load returns; the whole file's crc32c is then compared with the commit
 record, exactly as the mapped path does.
 
+A plain ``nn.Module`` template (:func:`fastckpt.checkpoint.fill.plain_state`: its
+``load_state_dict`` would only copy each saved tensor into its parameter or buffer, with the
+checkpoint's exact tensor names) whose every parameter and buffer can take its bytes directly
+is read into the same way, and its ``load_state_dict`` is not called (it would copy each
+tensor onto itself); any other module keeps its ``load_state_dict``.
+
 The other tensors of such an item (CUDA or non-contiguous templates, dtype or shape
-mismatches, parts of the item under a ``None`` or stateful template) are read by the same
+mismatches, parts of the item under a ``None`` or other stateful template) are read by the same
 pass into fresh CPU memory, and :func:`fastckpt.manager.stateful.restore` copies them into their
 templates or raises :class:`~fastckpt.errors.CheckpointMismatchError` as before. An item with
 no template tensor that can take a direct read keeps the mapped path
@@ -31,8 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 from fastckpt import _native
+from fastckpt.checkpoint.fill import plain_state
 from fastckpt.container.links import check_against_header, read_references
 from fastckpt.container.reader import check_recorded, read_json, takes_direct_read
 from fastckpt.errors import CheckpointFormatError
@@ -82,6 +90,10 @@ class DirectRead:
     skeleton: Any
     tensors: dict[str, _Tensor]
     direct: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: the template the item is read into
+    template: Any = None
+    #: ids of the template's modules whose every tensor is read directly (see ``_settle``)
+    filled: set[int] = field(default_factory=set)
 
     def load(self, map_location: str | torch.device | None, threads: int = DEFAULT_THREADS) -> Any:
         """Read every file of the item once (templates filled, other tensors into fresh CPU
@@ -119,11 +131,14 @@ class DirectRead:
             with _linked_file_named(relpath, own, path, self.key, source):
                 expected = self.record["files"][relpath]
                 check_recorded(path, expected, content, source=source).value_or_raise()
+        for target in self.direct.values():
+            increment_version(target)  # an in-place write, as copy_ would count it
         if map_location is not None:
             for name in values:
                 if name not in self.direct:
                     values[name] = values[name].to(map_location)
-        return tree.unflatten(self.skeleton, values, self.key)
+        value = tree.unflatten(self.skeleton, values, self.key)
+        return _settle(self.template, value, self.filled) if self.filled else value
 
 
 def plan_direct_read(
@@ -169,11 +184,20 @@ def plan_direct_read(
     }
     names = {id(slot): name for name, slot in slots.items()}
     direct: dict[str, torch.Tensor] = {}
-    _match(template, tree.unflatten(skeleton, slots, key), names, direct)
+    modules: dict[int, tuple[torch.nn.Module, frozenset[str]]] = {}
+    _match(template, tree.unflatten(skeleton, slots, key), names, direct, modules)
     direct = _without_overlaps(direct)
     if not direct:
         return None
-    return DirectRead(directory, record, key, own, skeleton, tensors, direct)
+    # A module is filled only when every one of its tensors kept its direct read.
+    filled = {ident for ident, (_, own_names) in modules.items() if own_names <= direct.keys()}
+    for ident, (_, own_names) in modules.items():
+        if ident not in filled:
+            for name in own_names:
+                direct.pop(name, None)  # its load_state_dict copies them all
+    if not direct:
+        return None
+    return DirectRead(directory, record, key, own, skeleton, tensors, direct, template, filled)
 
 
 def _recorded(
@@ -231,12 +255,26 @@ def _describe(directory: Path, relpath: str, name: str, info: Mapping[str, Any])
 
 
 def _match(
-    template: Any, value: Any, names: Mapping[int, str], out: dict[str, torch.Tensor]
+    template: Any,
+    value: Any,
+    names: Mapping[int, str],
+    out: dict[str, torch.Tensor],
+    modules: dict[int, tuple[torch.nn.Module, frozenset[str]]],
 ) -> None:
     """Collect in ``out`` the template tensors that can take a direct read, by stored tensor
     name, walking ``template`` and ``value`` (meta tensors for the stored ones) as
-    :func:`fastckpt.manager.stateful.restore` does; stateful objects are restored through their
+    :func:`fastckpt.manager.stateful.restore` does. A plain module
+    (:func:`~fastckpt.checkpoint.fill.plain_state`: its ``load_state_dict`` only copies each
+    saved tensor into its parameter or buffer) whose every tensor takes its bytes directly is
+    collected too, its tensors in ``out`` and itself in ``modules`` (id -> the module and its
+    stored tensor names); other stateful objects are restored through their
     ``load_state_dict`` and are left to it."""
+    if isinstance(template, torch.nn.Module) and isinstance(value, Mapping):
+        targets = _module_targets(template, value, names)
+        if targets is not None:
+            out.update(targets)
+            modules[id(template)] = (template, frozenset(targets))
+        return
     if template is None or is_stateful(template):
         return
     if isinstance(template, torch.Tensor):
@@ -247,10 +285,51 @@ def _match(
     if isinstance(template, Mapping) and isinstance(value, Mapping):
         for key, sub in template.items():
             if key in value:
-                _match(sub, value[key], names, out)
+                _match(sub, value[key], names, out, modules)
     elif isinstance(template, (list, tuple)) and isinstance(value, (list, tuple)):
         for sub, item in zip(template, value, strict=False):
-            _match(sub, item, names, out)
+            _match(sub, item, names, out, modules)
+
+
+def _module_targets(
+    module: torch.nn.Module, value: Mapping[str, Any], names: Mapping[int, str]
+) -> dict[str, torch.Tensor] | None:
+    """``{stored tensor name: the module's parameter or buffer}`` when ``module`` is plain
+    with exactly ``value``'s keys and every one of its tensors takes its stored bytes
+    directly; else None (the module is then loaded by its ``load_state_dict``)."""
+    state = plain_state(module, value)
+    if state is None:
+        return None
+    targets: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        slot = value[key]
+        name = names.get(id(slot))
+        if name is None or not takes_direct_read(tensor, slot.dtype, list(slot.shape)):
+            return None
+        targets[name] = tensor.detach()
+    return targets
+
+
+def _settle(template: Any, value: Any, filled: set[int]) -> Any:
+    """``value`` with each module in ``filled`` (every tensor of it read directly) put in
+    place of its loaded state: the module itself, which
+    :func:`fastckpt.manager.stateful.restore` then leaves as it is."""
+    if isinstance(template, torch.nn.Module):
+        return template if id(template) in filled else value
+    if template is None or is_stateful(template):
+        return value
+    if isinstance(template, Mapping) and isinstance(value, dict):
+        return {
+            key: _settle(template[key], sub, filled) if key in template else sub
+            for key, sub in value.items()
+        }
+    if isinstance(template, (list, tuple)) and isinstance(value, (list, tuple)):
+        settled = [
+            _settle(template[i], sub, filled) if i < len(template) else sub
+            for i, sub in enumerate(value)
+        ]
+        return type(value)(settled) if isinstance(value, list) else tuple(settled)
+    return value
 
 
 def _without_overlaps(direct: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

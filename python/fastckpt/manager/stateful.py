@@ -210,6 +210,8 @@ def restore(template: Any, value: Any, path: str, strict: bool) -> Any:
         CheckpointMismatchError: a dtype/shape mismatch, a structure mismatch, a key missing
             under ``strict``, or a ``load_state_dict`` that refused the state, by key path.
     """
+    if value is template:
+        return template  # restored in place already (a module read directly, manager.load)
     if is_stateful(template):
         return _load_into(template, value, path)
     if template is None:

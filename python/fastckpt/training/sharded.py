@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import tempfile
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -424,8 +425,6 @@ def node_local_index(root: str | Path, index: int) -> Iterator[NodeLocalIndex]:
         RuntimeError: rank 0 could not read the index (on the other ranks; rank 0 raises its
             own error).
     """
-    import tempfile
-
     import torch.distributed as dist
 
     from fastckpt.container.sharded.commit import RECORD_NAME

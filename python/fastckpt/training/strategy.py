@@ -32,6 +32,7 @@ import fastckpt.checkpoint.specs as specs
 import fastckpt.checkpoint.trust as trust
 import fastckpt.training.sharded as sharded_training
 from fastckpt.container.promote import NearestCopy, nearest_intact
+from fastckpt.container.sharded.nodes import node_holdings
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.errors import (
     CheckpointFormatError,
@@ -153,8 +154,6 @@ def _agreed_copy(tiers: Sequence[str | Path], index: int | None) -> NearestCopy:
         NotCommittedError: no tier holds an intact copy (as rank 0 saw it).
     """
     import torch.distributed as dist
-
-    from fastckpt.container.sharded.nodes import node_holdings
 
     holdings: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(holdings, node_holdings(tiers))
