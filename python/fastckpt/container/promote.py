@@ -57,7 +57,7 @@ from fastckpt.container.copy import (
     read_verified,
     remember_written,
 )
-from fastckpt.container.sharded.nodes import NodeHoldings, held_by_others
+from fastckpt.container.sharded.nodes import NodeHoldings, PartKey, held_by_others
 from fastckpt.container.sharded.parts import Part, index_dir
 from fastckpt.container.sharded.promote import (
     part_problem,
@@ -665,17 +665,22 @@ class NearestCopy:
 
 
 def _other_nodes(
-    elsewhere: Sequence[NodeHoldings], position: int, index: int, answers: list[bool]
+    elsewhere: Sequence[NodeHoldings],
+    position: int,
+    index: int,
+    answers: list[bool],
+    asked: list[PartKey] | None,
 ) -> Callable[[Part, dict[str, int]], bool]:
     """``part_problem``'s ``elsewhere`` for index ``index`` of tier ``position``: whether
-    other nodes hold the files missing here (each answer is appended to ``answers``)."""
+    other nodes hold the files missing here (each answer is appended to ``answers``, and the
+    part's key to ``asked``)."""
 
     def held(part: Part, missing: dict[str, int]) -> bool:
-        found = (
-            part.name is not None
-            and part.record_crc32c is not None
-            and held_by_others(elsewhere, position, index, part.name, part.record_crc32c, missing)
-        )
+        if part.name is None or part.record_crc32c is None:
+            return False
+        if asked is not None:
+            asked.append((position, index, part.name))
+        found = held_by_others(elsewhere, position, index, part.name, part.record_crc32c, missing)
         answers.append(found)
         return found
 
@@ -687,6 +692,7 @@ def nearest_intact(
     index: int | None = None,
     *,
     elsewhere: Sequence[NodeHoldings] = (),
+    asked: list[PartKey] | None = None,
 ) -> NearestCopy:
     """The copy to restore from ``tiers`` (fastest first: the fast root, then the durable
     ones): the newest index that verifies on any tier (every file against its manifest
@@ -697,7 +703,9 @@ def nearest_intact(
     is a node-local fast tier, which holds only its own node's shards, unless ``elsewhere``
     (what the other ranks' nodes hold of the same tiers,
     :func:`~fastckpt.container.sharded.nodes.node_holdings`) shows that the nodes together
-    hold every file of the part (the copy is then ``node_local``).
+    hold every file of the part (the copy is then ``node_local``). ``asked`` collects the
+    keys of the parts newer than the copy found whose files were missing here: what to ask
+    the other nodes about (:func:`~fastckpt.container.sharded.nodes.node_holdings`).
 
     Raises:
         NotCommittedError: no tier holds an intact copy (of ``index``); the message lists
@@ -719,7 +727,7 @@ def nearest_intact(
             if best is not None and candidate <= best[0]:
                 break  # an earlier (faster) tier already holds this one or a newer one
             others: list[bool] = []
-            held = _other_nodes(elsewhere, position, candidate, others)
+            held = _other_nodes(elsewhere, position, candidate, others, asked)
             problem = index_intact(manifest, candidate) or part_problem(manifest, candidate, held)
             if problem is None:
                 best, spread = (candidate, tier), any(others)

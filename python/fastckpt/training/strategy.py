@@ -146,32 +146,52 @@ def _agreed_copy(tiers: Sequence[str | Path], index: int | None) -> NearestCopy:
     (collective): ranks looking on their own could pick different copies (a promotion, say a
     detached one, committing a newer index between their looks), and a sharded load of
     different copies fails. Each rank takes the tier at rank 0's position in its own list.
-    Every rank first reports what its node holds of the tiers' sharded parts, so that an
-    index spread over node-local fast tiers counts as intact when the nodes together hold all
-    of it (``node_local`` in the result).
+    When rank 0's copies of newer parts lack files (node-local fast tiers), every rank reports
+    what its node holds of those parts, and an index the nodes hold together counts as intact
+    (``node_local`` in the result).
 
     Raises:
         NotCommittedError: no tier holds an intact copy (as rank 0 saw it).
     """
     import torch.distributed as dist
 
-    holdings: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(holdings, node_holdings(tiers))
-    decided: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            copy = nearest_intact(tiers, index, elsewhere=holdings[1:])
-            position = [Path(tier) for tier in tiers].index(copy.root)
-            decided[0] = ("ok", position, copy.index, copy.skipped, copy.node_local)
-        except BaseException as err:
-            decided[0] = ("failed", f"{type(err).__name__}: {err}")
-            dist.broadcast_object_list(decided, src=0)
-            raise
-    dist.broadcast_object_list(decided, src=0)
-    if decided[0][0] != "ok":
-        raise NotCommittedError(f"rank 0 found no copy to restore: {decided[0][1]}")
-    _, position, chosen, skipped, spread = decided[0]
+    rank = dist.get_rank()
+    message: list[Any] = [None]
+    if rank == 0:
+        message[0] = _decide(tiers, index, [])
+    dist.broadcast_object_list(message, src=0)
+    if message[0][0] == "ask":  # rank 0 asks every node about the parts it lacks files of
+        held = node_holdings(tiers, message[0][1])
+        gathered: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
+        dist.gather_object(held, gathered if rank == 0 else None, dst=0)
+        if rank == 0:
+            message[0] = _decide(tiers, index, gathered[1:], ask=False)
+        dist.broadcast_object_list(message, src=0)
+    if message[0][0] != "ok":
+        raise NotCommittedError(f"rank 0 found no copy to restore: {message[0][1]}")
+    _, position, chosen, skipped, spread = message[0]
     return NearestCopy(Path(tiers[position]), int(chosen), list(skipped), bool(spread))
+
+
+def _decide(
+    tiers: Sequence[str | Path], index: int | None, elsewhere: list[Any], *, ask: bool = True
+) -> tuple[Any, ...]:
+    """Rank 0's answer for :func:`_agreed_copy`: ``("ok", tier position, index, skipped,
+    node_local)``, ``("ask", part keys)`` (its copies of those newer parts lack files: ask
+    the other nodes) or ``("failed", why)``."""
+    asked: list[Any] = []
+    try:
+        copy = nearest_intact(tiers, index, elsewhere=elsewhere, asked=asked if ask else None)
+    except NotCommittedError as err:
+        if asked:
+            return ("ask", asked)
+        return ("failed", f"{type(err).__name__}: {err}")
+    except Exception as err:  # typed on rank 0's side; the others get its message
+        return ("failed", f"{type(err).__name__}: {err}")
+    if asked:
+        return ("ask", asked)
+    position = [Path(tier) for tier in tiers].index(copy.root)
+    return ("ok", position, copy.index, copy.skipped, copy.node_local)
 
 
 def _rng_state() -> dict[str, Any]:

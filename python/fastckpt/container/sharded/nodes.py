@@ -8,18 +8,19 @@ the part: such an index can be restored from the fast tiers, each rank reading i
 its own node and the ranges it needs of other nodes' files from the ranks that hold them
 (:mod:`fastckpt.dcp.peers`).
 
-Every rank reports what its node holds (:func:`node_holdings`, gathered by the caller); rank 0
-decides (:func:`fastckpt.container.promote.nearest_intact` with ``elsewhere``): a file missing
-from its own copy counts as held when another rank's node holds it in the same part (same part
-name, same commit record crc32c) with its recorded size. The bytes are verified as they are
-loaded, as for any sharded load.
+Rank 0 looks first on its own: when its copy of a part newer than what it would restore lacks
+files, it asks every rank what its node holds of those parts (:func:`node_holdings`, gathered
+by the caller) and decides again (:func:`fastckpt.container.promote.nearest_intact` with
+``elsewhere``): a file missing from its own copy counts as held when another rank's node holds
+it in the same part (same part name, same commit record crc32c) with its recorded size. The
+bytes are verified as they are loaded, as for any sharded load.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from fastckpt import _native
 from fastckpt.format.records import SHARDED_DIR, SHARDED_RECORD
 from fastckpt.storage.registry import backend_for, is_local
 
-__all__ = ["Holding", "NodeHoldings", "held_by_others", "node_holdings"]
+__all__ = ["Holding", "NodeHoldings", "PartKey", "held_by_others", "node_holdings"]
 
 #: The most bytes of a part record this module reads (records are small JSON documents).
 _MAX_RECORD = 64 << 20
@@ -46,32 +47,27 @@ class Holding:
     files: dict[str, int] = field(default_factory=dict)
 
 
-#: ``(tier position, index, part name) -> Holding``: what one rank's node holds, per tier.
-NodeHoldings = dict[tuple[int, int, str], Holding]
+#: ``(tier position, index, part name)``: one part of one tier, as every rank names it (each
+#: rank passes its tiers in the same order).
+PartKey = tuple[int, int, str]
+
+#: ``PartKey -> Holding``: what one rank's node holds.
+NodeHoldings = dict[PartKey, Holding]
 
 
-def node_holdings(tiers: Sequence[str | os.PathLike[str]]) -> NodeHoldings:
-    """The sharded parts this node's copies of ``tiers`` hold (local tiers only: an object
-    store is one store for every rank), with their files and sizes. Unreadable entries are
-    left out (they are not evidence of anything)."""
+def node_holdings(tiers: Sequence[str | os.PathLike[str]], keys: Iterable[PartKey]) -> NodeHoldings:
+    """What this node's copies of ``tiers`` hold of the parts ``keys`` (local tiers only: an
+    object store is one store for every rank): each part's record crc32c, files and sizes.
+    A part this node has no readable record of is left out (it is not evidence of anything).
+    """
     holdings: NodeHoldings = {}
-    for position, tier in enumerate(Path(t) for t in tiers):
-        if not is_local(backend_for(tier)):
+    for position, index, name in keys:
+        if not 0 <= position < len(tiers) or not is_local(backend_for(tiers[position])):
             continue
-        base = tier / SHARDED_DIR
-        try:
-            indices = [entry for entry in base.iterdir() if entry.name.isdigit()]
-        except OSError:
-            continue
-        for index_dir in indices:
-            try:
-                parts = list(index_dir.iterdir())
-            except OSError:
-                continue
-            for part in parts:
-                holding = _holding(part)
-                if holding is not None:
-                    holdings[(position, int(index_dir.name), part.name)] = holding
+        part = Path(tiers[position]) / SHARDED_DIR / str(index) / name
+        holding = _holding(part)
+        if holding is not None:
+            holdings[(position, index, name)] = holding
     return holdings
 
 
