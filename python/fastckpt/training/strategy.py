@@ -811,31 +811,51 @@ class TrainingStrategy:
             else:
                 copy = nearest_intact(tiers, wanted)
             (_LOG.warning if copy.skipped else _LOG.info)("%s", copy.describe())
-            if copy.node_local:
-                with sharded_training.node_local_index(copy.root, copy.index) as spread:
-                    resumed = cls._load_spread(
-                        spread,
-                        copy.index,
-                        map_location,
-                        hooks,
-                        training_fn,
-                        validators,
-                        trusted,
-                        parallelize,
-                    )
-            else:
-                resumed = cls.load_checkpoint(
-                    copy.root,
+            with contextlib.ExitStack() as stack:
+                spread = None
+                if copy.node_local:  # rank 0's node holds the index; every node its shards
+                    index_of = sharded_training.node_local_index(copy.root, copy.index)
+                    spread = stack.enter_context(index_of)
+                resumed = cls._load_from(
+                    copy.root if spread is None else spread.root,
                     copy.index,
                     map_location,
-                    hooks=hooks,
-                    training_fn=training_fn,
-                    validators=validators,
-                    trusted=trusted,
-                    parallelize=parallelize,
+                    hooks,
+                    training_fn,
+                    validators,
+                    trusted,
+                    parallelize,
+                    spread,
                 )
             resumed.restored_from = copy
             return resumed
+        return cls._load_from(
+            root,
+            checkpoint_index,
+            map_location,
+            hooks,
+            training_fn,
+            validators,
+            trusted,
+            parallelize,
+        )
+
+    @classmethod
+    def _load_from(
+        cls,
+        root: str | Path,
+        checkpoint_index: int,
+        map_location: str | torch.device | None,
+        hooks: Sequence[Any] | None,
+        training_fn: Callable[..., Any] | None,
+        validators: Any,
+        trusted: Trusted,
+        parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None,
+        spread: sharded_training.NodeLocalIndex | None = None,
+    ) -> TrainingStrategy:
+        """:meth:`load_checkpoint` of one root (``spread``: a sharded index spread over
+        node-local fast tiers, see :func:`~fastckpt.training.sharded.node_local_index`;
+        ``root`` is then where this rank reads the index's own files)."""
 
         def attempt() -> tuple[int, dict[str, Any], list[dict[str, Any]] | None, str]:
             # The recipe and (for a sharded index) the recorded hooks, from one snapshot: a
@@ -863,6 +883,7 @@ class TrainingStrategy:
                 validators,
                 trusted,
                 parallelize,
+                spread,
             )
         if parallelize is not None:
             raise ValueError(
@@ -903,43 +924,6 @@ class TrainingStrategy:
         if Manifest.load(root).latest is None:
             return start()
         return cls.load_checkpoint(root, **load)
-
-    @classmethod
-    def _load_spread(
-        cls,
-        spread: sharded_training.NodeLocalIndex,
-        index: int,
-        map_location: str | torch.device | None,
-        hooks: Sequence[Any] | None,
-        training_fn: Callable[..., Any] | None,
-        validators: Any,
-        trusted: Trusted,
-        parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None,
-    ) -> TrainingStrategy:
-        """:meth:`load_checkpoint` of a sharded index spread over node-local fast tiers
-        (collective): the recipe and run state from ``spread.root``, the shards from every
-        rank's node (:func:`~fastckpt.training.sharded.node_local_index`)."""
-        _, index, reader, recipe = _index_snapshot(spread.root, index, True)
-        if recipe.get("sharded") is None or parallelize is None:
-            raise ValueError(
-                f"index {index} of {spread.root} is spread over node-local tiers; it loads "
-                "only as a sharded checkpoint, with parallelize="
-            )
-        if hooks is None:
-            where = f"{reader.directory}/hooks.json"
-            hooks = rebuild_hooks(parse_hook_configs(reader.json("hooks.json"), where), where)
-        return cls._load_sharded(
-            spread.root,
-            index,
-            recipe,
-            map_location,
-            hooks,
-            training_fn,
-            validators,
-            trusted,
-            parallelize,
-            spread,
-        )
 
     @classmethod
     def _load_sharded(
