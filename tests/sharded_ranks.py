@@ -386,6 +386,34 @@ def strategy_node_local_resume() -> None:
     leave_process_group()
 
 
+def strategy_node_local_resume_or_start() -> None:
+    """``TrainingStrategy.resume_or_start`` of :func:`strategy_node_train`'s run on each
+    rank's own node root (rank 1's holds no manifest), ROOT/../durable as its durable tier;
+    prints the step it resumed at and where from (a fresh start prints step None)."""
+    root, rank, _ = setup_rank()
+    started: list[int] = []
+
+    def start() -> fastckpt.TrainingStrategy:
+        started.append(rank)
+        return _strategy(6)
+
+    strategy = fastckpt.TrainingStrategy.resume_or_start(
+        root.parent / f"node{rank}",
+        start,
+        training_fn=training_fn,
+        parallelize=shard,
+        fallback_dirs=[str(root.parent / "durable")],
+    )
+    copy = strategy.restored_from
+    report = {
+        "rank": rank,
+        "step": None if started else strategy.step_count,
+        "restored_from": None if copy is None else [str(copy.root), copy.index, copy.node_local],
+    }
+    print(json.dumps(report))
+    leave_process_group()
+
+
 def strategy_resume() -> None:
     """:func:`resume_and_compare` of ROOT on WORLD ranks, and FSDP1 refused at construction."""
     root, rank, _ = setup_rank()

@@ -92,3 +92,18 @@ def test_a_damaged_shard_received_from_another_node_is_a_checksum_mismatch(
     assert all("ChecksumMismatchError" in error for error in errors), errors
     assert any("rank-00001.safetensors" in error for error in errors), errors
     assert any("received from the node of rank 1" in error for error in errors), errors
+
+
+def test_resume_or_start_resumes_a_node_local_run_on_every_rank(
+    node_run: Path, tmp_path: Path
+) -> None:
+    # Rank 1's node root holds no manifest (only its shards): on its own it would start afresh
+    # while rank 0 resumes. Rank 0 decides for both, and both resume the newest index (2, at
+    # step 6) from the fast tiers.
+    nodes = _copy(node_run, tmp_path)
+    reports = _reports(
+        launch("strategy_node_local_resume_or_start", nodes / "run", 2, ranks="sharded_ranks")
+    )
+    for rank, report in enumerate(reports):
+        assert report["step"] == 6, report
+        assert report["restored_from"] == [str(nodes / f"node{rank}"), 2, True], report

@@ -130,6 +130,22 @@ def test_resume_or_start_starts_fresh_then_resumes(tmp_path: Path) -> None:
     assert isinstance(second.hooks[0], fastckpt.CheckpointHook)  # the recorded hook, rebuilt
 
 
+def test_resume_or_start_resumes_from_a_durable_tier_when_the_fast_one_is_empty(
+    tmp_path: Path,
+) -> None:
+    # A new node: its fast root is empty, the durable tier holds the run. Resuming, not a
+    # fresh start that would bury the run (and later prune its durable copies).
+    _train(tmp_path / "durable")
+    resumed = fastckpt.TrainingStrategy.resume_or_start(
+        tmp_path / "fast",
+        lambda: pytest.fail("started afresh"),
+        training_fn=support.training_fn,
+        fallback_dirs=[tmp_path / "durable"],
+    )
+    assert resumed.step_count > 0
+    assert resumed.restored_from is not None and resumed.restored_from.root == tmp_path / "durable"
+
+
 def test_resume_or_start_refuses_a_damaged_manifest(tmp_path: Path) -> None:
     _train(tmp_path)
     (tmp_path / "manifest.json").write_text("{not json")

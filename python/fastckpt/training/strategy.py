@@ -173,6 +173,30 @@ def _agreed_copy(tiers: Sequence[str | Path], index: int | None) -> NearestCopy:
     return NearestCopy(Path(tiers[position]), int(chosen), list(skipped), bool(spread))
 
 
+def _no_checkpoint(tiers: Sequence[str | Path]) -> bool:
+    """Whether no tier holds a committed index (a damaged manifest raises)."""
+    return all(Manifest.load(tier).latest is None for tier in tiers)
+
+
+def _rank_0_decides(decide: Callable[[], bool]) -> bool:
+    """``decide()`` on rank 0, its answer (or its error, as a ``RuntimeError`` naming it)
+    on every rank (collective)."""
+    import torch.distributed as dist
+
+    message: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            message[0] = ("ok", decide())
+        except Exception as err:
+            message[0] = ("failed", f"{type(err).__name__}: {err}")
+            dist.broadcast_object_list(message, src=0)
+            raise
+    dist.broadcast_object_list(message, src=0)
+    if message[0][0] != "ok":
+        raise RuntimeError(f"rank 0 could not tell whether to resume: {message[0][1]}")
+    return bool(message[0][1])
+
+
 def _decide(
     tiers: Sequence[str | Path], index: int | None, elsewhere: list[Any], *, ask: bool = True
 ) -> tuple[Any, ...]:
@@ -916,12 +940,22 @@ class TrainingStrategy:
         arguments; its recorded hooks rebuilt unless ``hooks=`` is given) when there is one,
         else ``start()``, your fresh strategy (whose ``CheckpointHook`` saves into ``root``).
 
+        With ``fallback_dirs`` (the durable tiers) the run resumes when any tier holds a
+        committed index (a new node's empty fast root does not start the run afresh). A
+        sharded resume (``parallelize`` under a process group) is decided by rank 0 for every
+        rank: on node-local fast tiers only rank 0's node holds the manifest.
+
         Raises:
-            CheckpointFormatError / ChecksumMismatchError: ``root``'s manifest is damaged
+            CheckpointFormatError / ChecksumMismatchError: a tier's manifest is damaged
                 (never taken for "no checkpoint": a fresh start would bury the old run).
         """
         use_storage_options(root, load.pop("storage_options", None), "resume_or_start")
-        if Manifest.load(root).latest is None:
+        tiers = [root, *(load.get("fallback_dirs") or ())]
+        if load.get("parallelize") is not None and _world()[1] > 1:
+            fresh = _rank_0_decides(lambda: _no_checkpoint(tiers))
+        else:
+            fresh = _no_checkpoint(tiers)
+        if fresh:
             return start()
         return cls.load_checkpoint(root, **load)
 
