@@ -256,30 +256,13 @@ class _PromotedFirst:
                 self.hook.promoter.wait()
 
 
-class _Settle:
-    """A hook after a CheckpointHook: once it saved, waits for its background write and then
-    for its promotion on this rank (no collective: each rank waits for its own), so that
-    every due index reaches the durable tier before the next one is saved."""
-
-    def __init__(self, hook: fastckpt.CheckpointHook) -> None:
-        self.hook = hook
-
-    def __call__(self, ctx: fastckpt.TrainContext, stage: fastckpt.TrainingStage) -> None:
-        if stage is not fastckpt.TrainingStage.AFTER_BATCH or ctx.step_count % 2:
-            return
-        while self.hook.writing:
-            time.sleep(0.01)
-        if self.hook.promoter is not None:
-            self.hook.promoter.wait()
-
-
 def strategy_node_tiers_train() -> None:
     """:func:`strategy_tiers_train` with node-local fast tiers: rank R saves to LOCAL/node<R>
     (its own directory, one simulated node each), both promote to URL/node-tiers
-    (durable_keep_last=2), each save promoted before the next (:class:`_Settle`); prints the
-    losses, the hook's health and what the rank promoted."""
+    (durable_keep_last=2), each save promoted before the next (:class:`sharded_ranks.Settle`);
+    prints the losses, the hook's health and what the rank promoted."""
     from dcp_support import build_model
-    from sharded_ranks import Recorder, loader, shard, training_fn
+    from sharded_ranks import Recorder, Settle, loader, shard, training_fn
 
     local, rank, _ = setup_rank()
     torch.manual_seed(0)
@@ -295,7 +278,7 @@ def strategy_node_tiers_train() -> None:
         shard(build_model()),
         fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
         training_fn=training_fn,
-        hooks=[hook, recorder, _Settle(hook)],
+        hooks=[hook, recorder, Settle(hook)],
         num_steps=6,
     )
     strategy.run(loader())

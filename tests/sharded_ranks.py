@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +247,23 @@ class Recorder:
                 safetensors.torch.save_file(state, self.directory / name)
 
 
+class Settle:
+    """A hook after a CheckpointHook: once it saved, waits for its background write and then
+    for its promotion on this rank (no collective: each rank waits for its own), so that
+    every due index reaches the durable tier before the next one is saved."""
+
+    def __init__(self, hook: fastckpt.CheckpointHook) -> None:
+        self.hook = hook
+
+    def __call__(self, ctx: fastckpt.TrainContext, stage: fastckpt.TrainingStage) -> None:
+        if stage is not fastckpt.TrainingStage.AFTER_BATCH or ctx.step_count % 2:
+            return
+        while self.hook.writing:
+            time.sleep(0.01)
+        if self.hook.promoter is not None:
+            self.hook.promoter.wait()
+
+
 def strategy_train() -> None:
     """FSDP2 + AdamW + StepLR for 6 steps with a CheckpointHook every 2 steps (keep_last=2)."""
     root, rank, _ = setup_rank()
@@ -273,8 +291,10 @@ def strategy_train() -> None:
 
 def strategy_node_train() -> None:
     """:func:`strategy_train`'s run with each rank saving to its own fast root (ROOT/../node<R>:
-    one simulated node each) and its durable tier ROOT/../durable; prints the last index. With
-    ``refused`` as the last argument, without a durable tier: prints the save's error."""
+    one simulated node each) and its durable tier ROOT/../durable, each save promoted before the
+    next (:class:`Settle`: node-local tiers promote only the newest due index); prints the last
+    index. With ``refused`` as the last argument, without a durable tier: prints the save's
+    error."""
     root, rank, _ = setup_rank()
     torch.manual_seed(0)
     refused = sys.argv[-1] == "refused"
@@ -287,7 +307,7 @@ def strategy_node_train() -> None:
         shard(build_model()),
         fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
         training_fn=training_fn,
-        hooks=[hook, recorder],
+        hooks=[hook, recorder, Settle(hook)],
         num_steps=6,
     )
     try:

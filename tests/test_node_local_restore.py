@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+import fastckpt
 from dcp_support import check_ok, launch
 
 
@@ -27,6 +28,8 @@ def node_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("node-local-restore")
     check_ok(launch("strategy_node_train", base / "run", 2, ranks="sharded_ranks"))
     assert not (base / "node1" / "manifest.json").exists()
+    durable = [c["index"] for c in fastckpt.list_checkpoints(base / "durable")]
+    assert durable == [0, 1, 2], durable  # every save promoted before the next
     return base
 
 
