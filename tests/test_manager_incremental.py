@@ -629,7 +629,7 @@ def test_each_rank_links_its_own_file_under_a_process_group(tmp_path: Path) -> N
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("make", [_sync, _async], ids=["sync", "async"])
-def test_cuda_state_stages_only_the_changed_tensors(
+def test_cuda_state_writes_only_the_changed_tensors(
     make: Callable[[], CheckpointManager], tmp_path: Path
 ) -> None:
     model = _model().cuda()
@@ -638,8 +638,11 @@ def test_cuda_state_stages_only_the_changed_tensors(
         with manager.lock(), torch.no_grad():
             _linear(model, 1).weight.add_(1)
         _save(manager, tmp_path / "b", {"model": model})
-        # Only the changed tensor went through the pinned staging pool.
-        assert manager._stager.nbytes == _linear(model, 1).weight.numel() * 4
+        # Every tensor went through the pinned staging pool: an unchanged one is proven so
+        # by the digest of its staged bytes (docs/incremental.md); only the changed one is
+        # written (below).
+        state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        assert manager._stager.nbytes == state_bytes
         shutil.rmtree(tmp_path / "a")
         loaded = manager.load(tmp_path / "b", map_location="cuda")["model"]
     assert _written(tmp_path / "b") == {"1.weight"}

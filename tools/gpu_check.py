@@ -160,6 +160,20 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]
     return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
 
+def _perturb(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Change every tensor of the state (weights and optimizer moments) in place, so that
+    the next save writes all of it: fastckpt saves into a directory incrementally, and an
+    unchanged state would be proven unchanged and linked instead of written."""
+    with torch.no_grad():
+        for tensor in list(model.state_dict().values()):
+            if tensor.is_floating_point():
+                tensor.add_(1e-3)
+        for per_param in optimizer.state.values():
+            for value in per_param.values():
+                if torch.is_tensor(value) and value.is_floating_point() and value.dim():
+                    value.add_(1e-3)
+
+
 def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     for per_param in optimizer.state_dict()["state"].values():
@@ -176,6 +190,7 @@ def measure_manager(
     stalls, totals = [], []
     with CheckpointManager(CheckpointManager.Config.with_async_save()) as manager:
         for i in range(repeats):
+            _perturb(model, optimizer)
             start = time.perf_counter()
             future = manager.save(root / f"async_{i}", _state(model, optimizer))
             stalls.append(time.perf_counter() - start)
@@ -185,6 +200,7 @@ def measure_manager(
     sync_times = []
     with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
         for i in range(repeats):
+            _perturb(model, optimizer)
             start = time.perf_counter()
             manager.save(root / f"sync_{i}", _state(model, optimizer))
             sync_times.append(time.perf_counter() - start)
@@ -224,15 +240,24 @@ def measure_dcp(
 
 
 def measure_hook(device: torch.device, state_bytes: int, root: Path, saves: int) -> dict[str, Any]:
-    """Stall of ``CheckpointHook(async_save=True)`` inside a ``TrainingStrategy`` loop."""
+    """Stall of ``CheckpointHook(async_save=True)`` inside a ``TrainingStrategy`` loop. The
+    loop's few steps take milliseconds on a GPU, far less than a write of the state: a save
+    would wait for the previous one's write (one write in flight). That wait is measured
+    apart (``waited_for_previous_s``), so that ``stall_s`` is the time a save itself blocks
+    training when checkpoints are spaced further apart than one write."""
     import fastckpt
 
     stalls: list[float] = []
+    waits: list[float] = []
 
     class TimedHook(fastckpt.CheckpointHook):
         """Records how long the training thread spends in the hook at each save."""
 
         def save(self, ctx: fastckpt.TrainContext) -> None:
+            start = time.perf_counter()
+            while self.writing:
+                time.sleep(0.001)
+            waits.append(time.perf_counter() - start)
             start = time.perf_counter()
             super().save(ctx)
             stalls.append(time.perf_counter() - start)
@@ -251,7 +276,12 @@ def measure_hook(device: torch.device, state_bytes: int, root: Path, saves: int)
     )
     batches = [torch.randn(64, width) for _ in range(interval * saves)]
     elapsed, _ = _timed(lambda: strategy.run(batches))
-    return {"stall_s": stalls, "stall_median_s": _median(stalls), "loop_s": elapsed}
+    return {
+        "stall_s": stalls,
+        "stall_median_s": _median(stalls),
+        "waited_for_previous_s": waits,
+        "loop_s": elapsed,
+    }
 
 
 def _square_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:

@@ -1197,13 +1197,28 @@ def _check_rng_state(state: Any) -> None:
         if not isinstance(state["cuda"], (list, tuple)):
             raise TypeError(f"'cuda' must be a list, got {type(state['cuda']).__name__}")
         for device_state in state["cuda"]:
-            _check_torch_rng(device_state)
+            _check_cuda_rng(device_state)
 
 
 def _check_torch_rng(state: Any) -> None:
     if not isinstance(state, torch.Tensor):
         raise TypeError(f"a torch RNG state must be a tensor, got {type(state).__name__}")
     torch.Generator().set_state(state)
+
+
+def _check_cuda_rng(state: Any) -> None:
+    """A CUDA generator's state is not a CPU generator's (16 bytes: seed and offset, not
+    5056): checked by a scratch CUDA generator where CUDA exists, by its form elsewhere (a
+    machine without CUDA does not apply it, see :func:`_set_rng_state`)."""
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+        got = (
+            f"{state.dim()}-D {state.dtype}"
+            if isinstance(state, torch.Tensor)
+            else type(state).__name__
+        )
+        raise TypeError(f"a CUDA RNG state must be a 1-D uint8 tensor, got {got}")
+    if torch.cuda.is_available():
+        torch.Generator(device="cuda").set_state(state)
 
 
 def _parse_runtime(reader: codec.IndexReader, recipe: Mapping[str, Any]) -> _Runtime:
