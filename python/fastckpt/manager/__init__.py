@@ -228,10 +228,13 @@ class _DistributedContext:
         self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.active else 0
         self.world_size = dist.get_world_size() if self.active else 1
-        # A dedicated group so background-thread collectives never interleave with training's.
+        # A dedicated group so background-thread collectives never interleave with training's;
+        # made on one rank too: DCP's async save needs a CPU backend, which a job on NCCL
+        # alone (one GPU) lacks.
+        initialized = dist.is_available() and dist.is_initialized()
         self.group: Any = (
             dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_secs))
-            if self.active
+            if initialized
             else None
         )
 

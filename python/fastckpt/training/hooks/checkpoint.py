@@ -689,7 +689,8 @@ class CheckpointHook:
             from fastckpt.dcp.writer import Writer
 
             group = None
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if dist.is_available() and dist.is_initialized():
+                # On one rank too: DCP's async save needs a CPU backend (NCCL alone lacks it).
                 group = dist.new_group(backend="gloo")
             options = StagerOptions(pinned=_cuda_available(), non_blocking=_cuda_available())
             writer = Writer(
