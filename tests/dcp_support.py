@@ -4,9 +4,11 @@ N-rank launcher that reports each rank's exit (rank scripts live in ``dcp_ranks.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import fastckpt
 
 TESTS = Path(__file__).resolve().parent
 
@@ -33,6 +39,53 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + step)
     x = torch.randn(16, 37, generator=gen)
     return x, x[:, :1] * 2.0 - 1.0
+
+
+def fsdp2_on(device_type: str) -> Callable[[nn.Module], nn.Module]:
+    """The ``parallelize=`` function of FSDP2 over every rank of the default group on
+    ``device_type`` ("cpu" or "cuda"): the model moved there, each Linear sharded, then the
+    root."""
+
+    def shard(model: nn.Module) -> nn.Module:
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+        model = model.to(device_type)
+        for layer in model.modules():
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    return shard
+
+
+def feature_batches(count: int) -> list[torch.Tensor]:
+    """``count`` seeded CPU batches of 16 x 37 features for :func:`first_feature_loss`."""
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randn(16, 37, generator=gen) for _ in range(count)]
+
+
+def first_feature_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """A training function: the batch moved to the model's device, the mean squared
+    distance of the output from the first feature."""
+    x = batch.to(next(model.parameters()).device)
+    return (model(x) - x[:, :1]).square().mean()
+
+
+def hooked_strategy(
+    shard: Callable[[nn.Module], nn.Module], root: Path
+) -> fastckpt.TrainingStrategy:
+    """A seeded FSDP2 + AdamW strategy trained 4 steps with an async ``CheckpointHook`` to
+    ``root`` every 2 steps (so its last index holds the final state)."""
+    torch.manual_seed(0)
+    strategy = fastckpt.TrainingStrategy(
+        shard(build_model()),
+        fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
+        training_fn=first_feature_loss,
+        hooks=[fastckpt.CheckpointHook(root, step_interval=2)],
+        num_steps=4,
+    )
+    strategy.run(feature_batches(4))
+    return strategy
 
 
 def row_tensors() -> dict[str, torch.Tensor]:
@@ -144,6 +197,23 @@ def setup_rank() -> tuple[Path, int, int]:
         timeout=timedelta(seconds=60),
     )
     return root, rank, world
+
+
+def script_report(script: str, *args: str, timeout: float = 300) -> dict[str, Any]:
+    """Run ``script`` (Python source) in a new process with this directory importable and
+    ``args`` as its arguments; returns the JSON object of its last stdout line, after
+    failing with its stderr when it did not exit 0."""
+    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"},
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return report
 
 
 def check_ok(results: list[tuple[int, str, str]]) -> list[str]:

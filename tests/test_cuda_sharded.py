@@ -12,29 +12,25 @@ machine."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-TESTS = Path(__file__).resolve().parent
+from dcp_support import script_report
 
 _SCRIPT = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
     import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
-    from torch import nn
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     import fastckpt, fastckpt.dcp
-    from dcp_support import build_model, compare, full_state
+    from dcp_support import (
+        build_model, compare, feature_batches, first_feature_loss, fsdp2_on, full_state,
+        hooked_strategy,
+    )
 
     work = Path(sys.argv[1])
     torch.cuda.set_device(0)
@@ -42,29 +38,13 @@ _SCRIPT = textwrap.dedent(
         "nccl", init_method=f"file://{work / 'rendezvous'}", rank=0, world_size=1,
         device_id=torch.device("cuda", 0),
     )
-
-    def shard(model):
-        mesh = init_device_mesh("cuda", (1,))
-        model = model.cuda()
-        for layer in model.modules():
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
-
-    def training_fn(model, batch):
-        x = batch.cuda()
-        return (model(x) - x[:, :1]).square().mean()
-
-    def batches(n):
-        gen = torch.Generator().manual_seed(5)
-        return [torch.randn(16, 37, generator=gen) for _ in range(n)]
+    shard = fsdp2_on("cuda")
 
     def trained():
         model = shard(build_model())
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for x in batches(3):
-            training_fn(model, x).backward()
+        for x in feature_batches(3):
+            first_feature_loss(model, x).backward()
             optimizer.step()
             optimizer.zero_grad()
         return model, optimizer
@@ -104,20 +84,12 @@ _SCRIPT = textwrap.dedent(
         report[kind] = compare(expected, full_state(target, target_optimizer))
         report[f"{kind}_step"] = loaded["step"]
 
-    torch.manual_seed(0)
-    strategy = fastckpt.TrainingStrategy(
-        shard(build_model()),
-        fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
-        training_fn=training_fn,
-        hooks=[fastckpt.CheckpointHook(work / "hooked", step_interval=2)],  # async saves
-        num_steps=4,
-    )
-    strategy.run(batches(4))
+    strategy = hooked_strategy(shard, work / "hooked")  # async saves
     saved = full_state(strategy.models["main"], strategy.optimizers["main"])
     strategy.save_checkpoint(work / "run")
     for name in ("run", "hooked"):
         resumed = fastckpt.TrainingStrategy.load_checkpoint(
-            work / name, training_fn=training_fn, parallelize=shard
+            work / name, training_fn=first_feature_loss, parallelize=shard
         )
         loaded = full_state(resumed.models["main"], resumed.optimizers["main"])
         report[name] = compare(saved, loaded)
@@ -132,19 +104,7 @@ _SCRIPT = textwrap.dedent(
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fsdp2_state_on_cuda_round_trips_bitwise_under_nccl(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = script_report(_SCRIPT, str(tmp_path))
     for path in ("dcp", "sync", "async", "run", "hooked"):
         assert report[path] == [], (path, report)
     assert report["dcp_verified"], report

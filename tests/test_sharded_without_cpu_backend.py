@@ -8,57 +8,26 @@ the same way."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+from dcp_support import script_report
 
 _SCRIPT = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
     import torch, torch.distributed as dist
-    from torch import nn
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     import fastckpt
-    from dcp_support import build_model, compare, full_state
+    from dcp_support import compare, first_feature_loss, fsdp2_on, full_state, hooked_strategy
 
     work = Path(sys.argv[1])
     dist.init_process_group(
         "cuda:gloo", init_method=f"file://{work / 'rendezvous'}", rank=0, world_size=1
     )
     report = {"cpu_backend": torch.device("cpu") in dist.group.WORLD._device_types}
-
-    def shard(model):
-        mesh = init_device_mesh("cpu", (1,))
-        for layer in model.modules():
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
-
-    def training_fn(model, x):
-        return (model(x) - x[:, :1]).square().mean()
-
-    def batches(n):
-        gen = torch.Generator().manual_seed(5)
-        return [torch.randn(16, 37, generator=gen) for _ in range(n)]
-
-    torch.manual_seed(0)
-    strategy = fastckpt.TrainingStrategy(
-        shard(build_model()),
-        fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
-        training_fn=training_fn,
-        hooks=[fastckpt.CheckpointHook(work / "hooked", step_interval=2)],  # async saves
-        num_steps=4,
-    )
-    strategy.run(batches(4))
+    strategy = hooked_strategy(fsdp2_on("cpu"), work / "hooked")  # async saves
     model, optimizer = strategy.models["main"], strategy.optimizers["main"]
     expected = full_state(model, optimizer)
     with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_async_save()) as manager:
@@ -68,7 +37,9 @@ _SCRIPT = textwrap.dedent(
     # Loads on this group would move object collectives to a CUDA device this machine lacks
     # (a real NCCL job has one): the checkpoints are loaded in one process instead.
     dist.destroy_process_group()
-    resumed = fastckpt.TrainingStrategy.load_checkpoint(work / "hooked", training_fn=training_fn)
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(
+        work / "hooked", training_fn=first_feature_loss
+    )
     restored = full_state(resumed.models["main"], resumed.optimizers["main"])
     report["hooked"] = compare(expected, restored)
     report["hooked_step"] = resumed.step_count
@@ -86,16 +57,7 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_async_sharded_saves_work_on_one_rank_without_a_cpu_backend(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = script_report(_SCRIPT, str(tmp_path))
     assert report["cpu_backend"] is False, report  # the group is the one a NCCL-only job has
     assert report["hooked"] == [] and report["hooked_step"] == 4, report
     assert report["managed"] == [], report
