@@ -210,6 +210,37 @@ def manager_tiers_load() -> None:
     leave_process_group()
 
 
+def manager_tiers_load_disagree() -> None:
+    """:func:`manager_tiers_load` on 2 ranks that see different durable tiers: rank 0
+    ROOT/durable (newest step_3), rank 1 ROOT/durable-old (step_2 only; the fast tier is gone
+    for both). Prints what each restored and skipped; rank 0 writes the gathered state it
+    loaded to ROOT/gathered-agreed.safetensors."""
+    root, rank, _ = setup_rank()
+    model, optimizer = _sharded()
+    msd, osd = get_state_dict(model, optimizer)
+    config = fastckpt.CheckpointManager.Config.with_sync_save()
+    durable = root / ("durable" if rank == 0 else "durable-old")
+    config.tiers = fastckpt.TiersConfig(fast=root / "fast", durable=durable)
+    with fastckpt.CheckpointManager(config) as manager:
+        loaded = manager.load_latest(into={"model": msd, "optim": osd, "step": 0})
+        copy = manager.restored_from
+        assert copy is not None
+    set_state_dict(
+        model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
+    gathered = full_state(model, optimizer)
+    if rank == 0:
+        safetensors.torch.save_file(gathered, root / "gathered-agreed.safetensors")
+    report = {
+        "rank": rank,
+        "restored": [copy.tier.name, copy.name],
+        "skipped": copy.skipped,
+        "step": loaded["step"],
+    }
+    print(json.dumps(report))
+    leave_process_group()
+
+
 # --------------------------------------------------------------------------- TrainingStrategy
 
 

@@ -163,3 +163,32 @@ def test_sharded_manager_checkpoints_are_promoted_and_restore_from_the_durable_t
         report = json.loads(out.strip().splitlines()[-1])
         assert report["restored"] == ["durable", "step_3"] and report["step"] == 3, report
         assert report.get("bad", []) == [], report
+
+
+def test_load_latest_loads_one_checkpoint_on_every_rank_when_their_tiers_disagree(
+    tmp_path: Path,
+) -> None:
+    # Rank 0 sees step_3 as the newest intact checkpoint, rank 1 (another durable tier,
+    # without step_3) step_2: loading each rank's own latest would mix two checkpoints'
+    # shards into one state. Both ranks load step_2, the one both hold, and say that step_3
+    # was passed over; the state is step_2's, bitwise.
+    check_ok(launch("manager_tiers_save", tmp_path, 2, "sync", ranks="sharded_ranks"))
+    shutil.rmtree(tmp_path / "fast")
+    shutil.copytree(tmp_path / "durable", tmp_path / "durable-old")
+    shutil.rmtree(tmp_path / "durable-old" / "step_3")
+    outputs = check_ok(launch("manager_tiers_load_disagree", tmp_path, 2, ranks="sharded_ranks"))
+    reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert [r["restored"] for r in reports] == [["durable", "step_2"], ["durable-old", "step_2"]]
+    assert all(r["step"] == 2 for r in reports), reports
+    assert any("step_3: not intact on every rank" in s for s in reports[0]["skipped"]), reports
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(model, optimizer)
+    loaded = fastckpt.CheckpointManager().load(
+        tmp_path / "durable" / "step_2", into={"model": msd, "optim": osd, "step": 0}
+    )
+    set_state_dict(
+        model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
+    agreed = safetensors.torch.load_file(tmp_path / "gathered-agreed.safetensors")
+    assert compare(full_state(model, optimizer), agreed) == []

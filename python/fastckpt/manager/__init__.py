@@ -51,6 +51,7 @@ from fastckpt.errors import (
     CheckpointMismatchError,
     ChecksumMismatchError,
     FastCkptError,
+    NotCommittedError,
 )
 from fastckpt.format.records import (
     COMMIT_RECORD,
@@ -404,16 +405,63 @@ class CheckpointManager:
         """:meth:`load` the checkpoint :meth:`latest` picks; where it came from is kept in
         :attr:`restored_from` and logged (a warning when a newer copy was skipped).
 
+        Under ``torch.distributed`` it is collective (every rank calls it) and every rank
+        loads the same checkpoint: when the ranks' :meth:`latest` differ (a tier one rank
+        cannot see, a promotion committed between their looks), the first of their choices,
+        in rank order, that every rank holds intact is loaded, and the others are reported
+        as skipped; a load of different checkpoints on different ranks would mix their
+        states.
+
         Raises:
+            NotCommittedError: under ``torch.distributed``, no checkpoint any rank chose is
+                held intact by every rank (names what each rank holds).
             what :meth:`latest` and :meth:`load` raise.
         """
         self._check_open("load")
-        nearest = self.latest()
+        nearest = self._agreed_latest()
         log = _LOGGER.warning if nearest.skipped else _LOGGER.info
         log("%s", nearest.describe())
         result = self.load(nearest.path, into, map_location=map_location, strict=strict)
         self.restored_from = nearest
         return result
+
+    def _agreed_latest(self) -> NearestCheckpoint:
+        """:meth:`latest`, the same checkpoint on every rank (see :meth:`load_latest`)."""
+        if not self._dist.active:
+            return self.latest()
+        try:
+            mine: NearestCheckpoint | None = self.latest()
+            problem = None
+        except NotCommittedError as err:
+            mine, problem = None, str(err)
+        chosen: list[str | None] = self._dist.gather(None if mine is None else mine.name)
+        if mine is not None and all(name == mine.name for name in chosen):
+            return mine
+        candidates = list(dict.fromkeys(name for name in chosen if name is not None))
+        if not candidates:  # no rank holds any (the same on every rank: no collective left)
+            raise NotCommittedError(str(problem))
+        copies: dict[str, NearestCheckpoint] = {}
+        for name in candidates:
+            with contextlib.suppress(NotCommittedError):
+                copies[name] = nearest_intact_checkpoint(self._tiers or [], name)
+        holdings: list[list[str]] = self._dist.gather(sorted(copies))
+        for name in candidates:
+            if all(name in held for held in holdings):
+                copy = copies[name]
+                others = sorted({n for n in chosen if n is not None and n != name})
+                if others:
+                    copy.skipped.append(f"{', '.join(others)}: not intact on every rank")
+                return copy
+        seen = "; ".join(
+            f"rank {rank}: latest {name or 'none'}, holds {held or 'none'}"
+            for rank, (name, held) in enumerate(zip(chosen, holdings, strict=True))
+        )
+        raise NotCommittedError(
+            f"the ranks hold no intact checkpoint in common ({seen})"
+            + (f"; this rank: {problem}" if problem else "")
+            + ": every rank must see the same tiers (a fast tier every rank sees, the same "
+            "durable tier)"
+        )
 
     # ------------------------------------------------------------------ context manager
 
