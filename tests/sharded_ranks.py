@@ -16,22 +16,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import fastckpt
-from dcp_support import batch, build_model, compare, full_state, setup_rank, train_step
+from dcp_support import (
+    batch,
+    build_model,
+    compare,
+    fsdp2_on,
+    full_state,
+    setup_rank,
+    train_step,
+)
 from training_support import leave_process_group
 
-
-def shard(model: nn.Module) -> nn.Module:
-    """FSDP2 on the default mesh: each Linear, then the root (the ``parallelize=`` function)."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.modules():
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+#: FSDP2 on the default CPU mesh: each Linear, then the root (the ``parallelize=`` function).
+shard = fsdp2_on("cpu")
 
 
 def _sharded() -> tuple[nn.Module, torch.optim.Optimizer]:

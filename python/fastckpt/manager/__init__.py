@@ -440,8 +440,10 @@ class CheckpointManager:
         candidates = list(dict.fromkeys(name for name in chosen if name is not None))
         if not candidates:  # no rank holds any (the same on every rank: no collective left)
             raise NotCommittedError(str(problem))
-        copies: dict[str, NearestCheckpoint] = {}
+        copies: dict[str, NearestCheckpoint] = {} if mine is None else {mine.name: mine}
         for name in candidates:
+            if name in copies:
+                continue  # this rank's own pick: verified by latest() just now
             with contextlib.suppress(NotCommittedError):
                 copies[name] = nearest_intact_checkpoint(self._tiers or [], name)
         holdings: list[list[str]] = self._dist.gather(sorted(copies))
