@@ -653,7 +653,10 @@ class _Rank:
                 thread_count=threads,
             )
         if name == "fsspec":
-            from torch.distributed.checkpoint import FsspecWriter
+            try:  # exported in recent torch; 2.11, say, holds it in a module of its own
+                from torch.distributed.checkpoint import FsspecWriter
+            except ImportError:
+                from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
             return FsspecWriter(path, thread_count=threads, **self.storage_options())
         raise ValueError(f"unknown writer {name!r}")
@@ -681,7 +684,10 @@ class _Rank:
                 REGION, path, s3client_config=S3ClientConfig(force_path_style=True)
             )
         if name == "fsspec":
-            from torch.distributed.checkpoint import FsspecReader
+            try:
+                from torch.distributed.checkpoint import FsspecReader
+            except ImportError:
+                from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
             return FsspecReader(path, **self.storage_options())
         raise ValueError(f"unknown writer {name!r}")

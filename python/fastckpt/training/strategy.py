@@ -248,7 +248,31 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
     )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state["cuda"]))
+        states = list(state["cuda"])
+        count = torch.cuda.device_count()
+        for device, device_state in enumerate(states[:count]):
+            torch.cuda.set_rng_state(device_state, device)
+        mismatch = _cuda_rng_mismatch(len(states), count)
+        if mismatch is not None:
+            warnings.warn(mismatch, stacklevel=3)
+
+
+def _cuda_rng_mismatch(recorded: int, visible: int) -> str | None:
+    """What a resume with ``recorded`` CUDA generator states on ``visible`` devices cannot
+    restore (the states of devices 0 .. min - 1 are; a recorded state without a device is
+    dropped, a device without a recorded state keeps its own), or None when they match."""
+    if recorded == visible:
+        return None
+    if recorded > visible:
+        lost = f"the states of devices {visible}..{recorded - 1} are dropped"
+    else:
+        lost = f"devices {recorded}..{visible - 1} keep their current state"
+    return (
+        f"the checkpoint recorded CUDA RNG states for {recorded} device(s) and this process "
+        f"sees {visible}: {lost}, so CUDA random ops on them do not repeat the saved run "
+        "exactly (restore on as many visible devices, e.g. the same CUDA_VISIBLE_DEVICES, for "
+        "an exact resume)"
+    )
 
 
 def _to_device(value: Any, device: torch.device | None) -> Any:
