@@ -33,6 +33,7 @@ from fastckpt.container.promote_checkpoints import (
 from fastckpt.errors import ChecksumMismatchError, NotCommittedError, PromotionError
 from fastckpt.format.records import read_commit_record
 from fastckpt.manager import CheckpointManager, TiersConfig
+from fastckpt.storage.registry import backend_for
 from s3_support import S3Server, s3_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -278,6 +279,34 @@ def test_incremental_checkpoints_promoted_to_s3_load_after_their_bases_are_gone(
     shutil.rmtree(fast)
     with _manager(tiers) as restorer:
         assert _equal(_weights(restorer.load_latest()), states[2])
+
+
+def test_checkpoints_promoted_to_s3_within_one_second_keep_their_order(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """S3 dates objects to the second (LastModified): checkpoints committed within one
+    second tie on it, and were then ordered by name, so a new node (fast tier gone) restored
+    an older one as the latest, and durable retention could delete the newest. The order
+    follows the commit records' generations (named to the millisecond) when dates tie. The
+    ids count down, so that every tie ordered by name is in the wrong order."""
+    fast, durable = tmp_path / "fast", s3_server.url("manager-order")
+    forget_promoted()
+    tiers = TiersConfig(fast=fast, durable=durable, durable_storage_options=s3_server.options())
+    names = [f"left_{n}" for n in range(6, 0, -1)]
+    with _manager(tiers) as manager:
+        model = _model()
+        for step, name in enumerate(names):
+            manager.save(name, {"model": model, "step": step})
+    assert manager.promotion_healthy
+    dates = [backend_for(durable).stat(f"{durable}/{n}/commit.json").modified for n in names]
+    assert len(set(dates)) < len(dates), "the premise: the store dated two commits alike"
+    assert committed_checkpoints(durable) == names
+    shutil.rmtree(fast)
+    with _manager(tiers) as restorer:
+        assert restorer.latest().name == names[-1]
+        assert restorer.load_latest()["step"] == len(names) - 1
+    prune_checkpoints(durable, keep_last=1)
+    assert committed_checkpoints(durable) == names[-1:]
 
 
 def test_tiers_refuse_ids_outside_the_fast_tier_and_a_remote_fast_tier(tmp_path: Path) -> None:

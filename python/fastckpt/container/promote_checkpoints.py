@@ -25,9 +25,11 @@ leaves a commit record naming missing files.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +46,7 @@ from fastckpt.format.records import (
     COMMIT_RECORD,
     SHARDED_RECORD,
     commit_record,
+    generation_order,
     read_commit_record,
     read_record_bytes,
 )
@@ -68,11 +71,13 @@ _LOG = logging.getLogger(__name__)
 
 def committed_checkpoints(root: str | os.PathLike[str]) -> list[str]:
     """The names of the committed CheckpointManager checkpoints in the tier root ``root``
-    (of sharded state too), oldest first (by when their commit records were written, then
-    by name); a root that does not exist has none."""
+    (of sharded state too), oldest first: by when their commit records were written, and
+    where the store dates two alike (S3 dates objects to the second), by the generations
+    their records name (to the millisecond, see :func:`generation_order`), then by name. A
+    root that does not exist has none."""
     root = Path(root)
     backend = backend_for(root)
-    found: list[tuple[float, str]] = []
+    found: dict[str, tuple[float, str]] = {}  # name -> (modified, record file)
     for name in backend.list_dir(root):
         if name.startswith("."):
             continue  # staging areas, trash, locks
@@ -82,9 +87,29 @@ def committed_checkpoints(root: str | os.PathLike[str]) -> list[str]:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             if info.regular:
-                found.append((info.modified or 0.0, name))
+                found[name] = (info.modified or 0.0, record)
                 break
-    return [name for _, name in sorted(found)]
+    ties = Counter(modified for modified, _ in found.values())
+
+    def order(name: str) -> tuple[float, int, str]:
+        modified, record = found[name]
+        if ties[modified] < 2:
+            return modified, 0, name
+        return modified, _generation_millis(root / name, record), name
+
+    return sorted(found, key=order)
+
+
+def _generation_millis(directory: Path, record: str) -> int:
+    """When the commit record ``directory/record`` was made, in milliseconds, from the
+    generation it names; 0 (older than any other) for a record that names none (a local
+    one, or one of an earlier fastckpt version) or cannot be read."""
+    try:
+        generation = json.loads(read_record_bytes(directory, record)).get("generation")
+    except (OSError, ValueError, AttributeError, FastCkptError):
+        return 0
+    found = generation_order(generation) if isinstance(generation, str) else None
+    return 0 if found is None else found[0]
 
 
 def _stripped(record: Mapping[str, Any], relpath: str) -> str:
