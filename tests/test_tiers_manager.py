@@ -7,6 +7,7 @@ failure case), fresh processes for the bitwise loads.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -34,12 +35,12 @@ from fastckpt.errors import ChecksumMismatchError, NotCommittedError, PromotionE
 from fastckpt.format.records import read_commit_record
 from fastckpt.manager import CheckpointManager, TiersConfig
 from fastckpt.storage.registry import backend_for
-from s3_support import S3Server, s3_server
+from s3_support import S3Server, s3_env, s3_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import crash_harness
 
-__all__ = ["s3_server"]  # a fixture used by name below
+__all__ = ["s3_env", "s3_server"]  # fixtures used by name below
 
 #: Kills of a promoting process (each checked); FASTCKPT_CRASH_KILLS_SCALE scales it.
 KILLS = round(100 * float(os.environ.get("FASTCKPT_CRASH_KILLS_SCALE", "1")))
@@ -282,7 +283,7 @@ def test_incremental_checkpoints_promoted_to_s3_load_after_their_bases_are_gone(
 
 
 def test_checkpoints_promoted_to_s3_within_one_second_keep_their_order(
-    s3_server: S3Server, tmp_path: Path
+    s3_server: S3Server, s3_env: dict[str, str], tmp_path: Path
 ) -> None:
     """S3 dates objects to the second (LastModified): checkpoints committed within one
     second tie on it, and were then ordered by name, so a new node (fast tier gone) restored
@@ -301,6 +302,16 @@ def test_checkpoints_promoted_to_s3_within_one_second_keep_their_order(
     dates = [backend_for(durable).stat(f"{durable}/{n}/commit.json").modified for n in names]
     assert len(set(dates)) < len(dates), "the premise: the store dated two commits alike"
     assert committed_checkpoints(durable) == names
+    listed = subprocess.run(
+        [sys.executable, "-m", "fastckpt", "ls", durable, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **s3_env},
+    )
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)["checkpoints"]  # oldest commit first
+    assert [row["name"] for row in rows] == names and rows[-1]["latest"]
     shutil.rmtree(fast)
     with _manager(tiers) as restorer:
         assert restorer.latest().name == names[-1]

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastckpt.cli.status import EXIT_BAD, EXIT_ERROR, EXIT_OK, EXIT_UNCHECKED, UserError
 from fastckpt.container.kinds import Container, SavedContainer, open_container
-from fastckpt.format.records import COMMIT_RECORD, MANIFEST, Manifest, load_json
+from fastckpt.format.records import COMMIT_RECORD, MANIFEST, Manifest, by_commit_time, load_json
 from fastckpt.storage.registry import backend_for, is_local
 
 __all__ = ["EXIT_BAD", "EXIT_ERROR", "EXIT_OK", "EXIT_UNCHECKED", "UserError", "locate"]
@@ -63,15 +63,15 @@ def manager_children(text: str | os.PathLike[str]) -> list[Path]:
         return []
     if path.name.isdigit() and backend.exists(path.parent / MANIFEST):
         return []
-    stamps: dict[Path, float] = {}
+    stamps: dict[str, tuple[float, str]] = {}
     for name in backend.list_dir(path):
         record = path / name / COMMIT_RECORD
         if name.startswith(".") or not backend.exists(record):
             continue
         info = backend.stat(record)
         if info.regular:
-            stamps[path / name] = info.modified or 0.0
-    return sorted(stamps, key=lambda child: (stamps[child], child.name))
+            stamps[name] = (info.modified or 0.0, COMMIT_RECORD)
+    return [path / name for name in by_commit_time(path, stamps)]
 
 
 def needs_root(container: Container) -> UserError:

@@ -32,6 +32,7 @@ from fastckpt.format.records import (
     COMMIT_RECORD,
     MANIFEST,
     SHARDED_RECORD,
+    by_commit_time,
     read_commit_record,
     record_file,
 )
@@ -118,11 +119,30 @@ def _ls_managers(parent: Path) -> dict[str, Any]:
             f"{display_path(parent)} holds no checkpoints: it is neither a save_checkpoint root "
             f"(no {MANIFEST}) nor a directory of CheckpointManager checkpoints"
         )
+    checkpoints = _by_commit_time(backend, parent, checkpoints)
     dated = [row for row in checkpoints if row["committed"]]
-    newest = max(dated, key=lambda row: row["committed"], default=None)
+    newest = dated[-1] if dated else None
     for row in checkpoints:
         row["latest"] = row is newest
     return {"root": display_path(parent), "kind": "manager", "checkpoints": checkpoints}
+
+
+def _by_commit_time(
+    backend: StorageBackend, parent: Path, rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """``rows`` oldest commit first, as the manager orders them (an object store's dates
+    are to the second: ties go by the records' generations, see
+    :func:`fastckpt.format.records.by_commit_time`); rows whose record cannot be dated last."""
+    stamps: dict[str, tuple[float, str]] = {}
+    for row in rows:
+        record = SHARDED_RECORD if row.get("sharded") else COMMIT_RECORD
+        try:
+            info = backend.stat(parent / row["name"] / record)
+        except OSError:
+            continue
+        stamps[row["name"]] = (info.modified or 0.0, record)
+    rank = {name: i for i, name in enumerate(by_commit_time(parent, stamps))}
+    return sorted(rows, key=lambda row: rank.get(row["name"], len(rank)))
 
 
 def _ls_text(listing: Mapping[str, Any]) -> str:

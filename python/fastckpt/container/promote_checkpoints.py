@@ -25,11 +25,9 @@ leaves a commit record naming missing files.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
-from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +43,8 @@ from fastckpt.errors import FastCkptError, NotCommittedError
 from fastckpt.format.records import (
     COMMIT_RECORD,
     SHARDED_RECORD,
+    by_commit_time,
     commit_record,
-    generation_order,
     read_commit_record,
     read_record_bytes,
 )
@@ -73,8 +71,8 @@ def committed_checkpoints(root: str | os.PathLike[str]) -> list[str]:
     """The names of the committed CheckpointManager checkpoints in the tier root ``root``
     (of sharded state too), oldest first: by when their commit records were written, and
     where the store dates two alike (S3 dates objects to the second), by the generations
-    their records name (to the millisecond, see :func:`generation_order`), then by name. A
-    root that does not exist has none."""
+    their records name (to the millisecond), then by name
+    (:func:`fastckpt.format.records.by_commit_time`). A root that does not exist has none."""
     root = Path(root)
     backend = backend_for(root)
     found: dict[str, tuple[float, str]] = {}  # name -> (modified, record file)
@@ -89,27 +87,7 @@ def committed_checkpoints(root: str | os.PathLike[str]) -> list[str]:
             if info.regular:
                 found[name] = (info.modified or 0.0, record)
                 break
-    ties = Counter(modified for modified, _ in found.values())
-
-    def order(name: str) -> tuple[float, int, str]:
-        modified, record = found[name]
-        if ties[modified] < 2:
-            return modified, 0, name
-        return modified, _generation_millis(root / name, record), name
-
-    return sorted(found, key=order)
-
-
-def _generation_millis(directory: Path, record: str) -> int:
-    """When the commit record ``directory/record`` was made, in milliseconds, from the
-    generation it names; 0 (older than any other) for a record that names none (a local
-    one, or one of an earlier fastckpt version) or cannot be read."""
-    try:
-        generation = json.loads(read_record_bytes(directory, record)).get("generation")
-    except (OSError, ValueError, AttributeError, FastCkptError):
-        return 0
-    found = generation_order(generation) if isinstance(generation, str) else None
-    return 0 if found is None else found[0]
+    return by_commit_time(root, found)
 
 
 def _stripped(record: Mapping[str, Any], relpath: str) -> str:

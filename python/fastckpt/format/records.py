@@ -43,6 +43,7 @@ __all__ = [
     "SHARDED_RECORD",
     "TENSOR_REFERENCE_FIELDS",
     "Manifest",
+    "by_commit_time",
     "check_fields",
     "check_seal",
     "commit_record",
@@ -530,6 +531,38 @@ def generation_order(name: str) -> tuple[int, str] | None:
     if name.startswith("g") and len(millis) == 13 and millis.isdigit() and _is_hex(tail, (8,)):
         return int(millis), name
     return None
+
+
+def by_commit_time(
+    root: str | os.PathLike[str], found: Mapping[str, tuple[float, str]]
+) -> list[str]:
+    """The checkpoints ``found`` in ``root`` (name -> (when its commit record was written, as
+    the store dates it; the record's file name)), oldest first. Where the store dates two
+    alike (S3 dates objects to the second), they go by the generations their records name
+    (to the millisecond, see :func:`generation_order`), then by name."""
+    ties: dict[float, int] = {}
+    for modified, _ in found.values():
+        ties[modified] = ties.get(modified, 0) + 1
+
+    def order(name: str) -> tuple[float, int, str]:
+        modified, record = found[name]
+        if ties[modified] < 2:
+            return modified, 0, name
+        return modified, _generation_millis(Path(root) / name, record), name
+
+    return sorted(found, key=order)
+
+
+def _generation_millis(directory: Path, record: str) -> int:
+    """When the commit record ``directory/record`` was made, in milliseconds, from the
+    generation it names; 0 (older than any other) for a record that names none (a local
+    one, or one of an earlier fastckpt version) or cannot be read."""
+    try:
+        generation = json.loads(read_record_bytes(directory, record)).get("generation")
+    except (OSError, ValueError, AttributeError, CheckpointFormatError):
+        return 0
+    found = generation_order(generation) if isinstance(generation, str) else None
+    return 0 if found is None else found[0]
 
 
 def record_file(record: Mapping[str, Any], name: str) -> str:
