@@ -27,6 +27,7 @@ import fastckpt
 from fastckpt.container.promote import forget_promoted
 from fastckpt.container.promote_checkpoints import (
     committed_checkpoints,
+    left_behind,
     promote_checkpoint,
     prune_checkpoints,
     remove_checkpoint,
@@ -166,6 +167,39 @@ def test_load_latest_takes_the_newest_intact_copy_and_says_which(tmp_path: Path)
         _flip_last_byte(durable / "step_0" / "model.safetensors")
         with pytest.raises(NotCommittedError, match="no intact checkpoint"):
             manager.load_latest()
+
+
+def test_a_fast_tier_left_from_an_earlier_run_neither_wins_nor_is_promoted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node's disk that held this job before (its fast tier stopped at step_1, an hour
+    ago) while the run went on elsewhere to step_5 on the durable tier: the newest
+    checkpoint is the durable step_5, not the node's old step_1, and opening the manager
+    does not promote step_1, where it would become the durable tier's newest and push the
+    run's real newest out of its retention (durable_keep_last=2). Before, the fast tier's
+    order came first: step_1 was restored and promoted, and step_4 deleted."""
+    old_node, durable = tmp_path / "old-node", tmp_path / "durable"
+    forget_promoted()
+    tiers = TiersConfig(fast=old_node, durable=durable, durable_keep_last=2)
+    with _manager(tiers) as manager:
+        _run(manager, 2)  # step_0, step_1 on the old node, both promoted
+    hour_ago = os.stat(old_node / "step_1" / "commit.json").st_mtime - 3600
+    for name in ("step_0", "step_1"):
+        os.utime(old_node / name / "commit.json", (hour_ago, hour_ago))
+    elsewhere = TiersConfig(fast=tmp_path / "other-node", durable=durable, durable_keep_last=2)
+    with _manager(elsewhere) as manager:
+        states = _run(manager, 6)  # the run went on elsewhere: step_0 .. step_5
+    assert committed_checkpoints(durable) == ["step_4", "step_5"]
+    forget_promoted()
+    with caplog.at_level("WARNING", logger="fastckpt"), _manager(tiers) as back:
+        assert back.latest().path == durable / "step_5"
+        assert _equal(_weights(back.load_latest()), states[5])
+        where = back.restored_from
+        assert where is not None and "left from an earlier run" in where.describe()
+    assert committed_checkpoints(durable) == ["step_4", "step_5"]
+    assert any("left from an earlier run" in r.getMessage() for r in caplog.records)
+    # A fast tier that is merely behind by a promotion's lag is not taken for one.
+    assert left_behind({"step_3": 1000.0}, {"step_2": 990.0, "step_4": 1005.0}) is None
 
 
 def test_retention_keeps_what_waits_for_promotion_and_the_newest_intact(tmp_path: Path) -> None:

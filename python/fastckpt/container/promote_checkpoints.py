@@ -25,6 +25,7 @@ leaves a commit record naming missing files.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import shutil
@@ -54,9 +55,12 @@ from fastckpt.storage.backend import _sibling as temp_sibling
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
 __all__ = [
+    "LEFT_BEHIND_S",
     "CheckpointPromoter",
     "NearestCheckpoint",
     "committed_checkpoints",
+    "dated_checkpoints",
+    "left_behind",
     "nearest_intact_checkpoint",
     "promote_checkpoint",
     "prune_checkpoints",
@@ -67,12 +71,25 @@ __all__ = [
 _LOG = logging.getLogger(__name__)
 
 
+#: How much later than every checkpoint of a faster tier a slower tier's checkpoint must be
+#: committed, the faster tier not holding it, for the faster tier to count as left from an
+#: earlier run (a node's disk that held a job before): the clocks of a node and a store differ
+#: by seconds, a promotion lags its save by about as much, a tier left behind by hours.
+LEFT_BEHIND_S = 600.0
+
+
 def committed_checkpoints(root: str | os.PathLike[str]) -> list[str]:
     """The names of the committed CheckpointManager checkpoints in the tier root ``root``
     (of sharded state too), oldest first: by when their commit records were written, and
     where the store dates two alike (S3 dates objects to the second), by the generations
     their records name (to the millisecond), then by name
     (:func:`fastckpt.format.records.by_commit_time`). A root that does not exist has none."""
+    return list(dated_checkpoints(root))
+
+
+def dated_checkpoints(root: str | os.PathLike[str]) -> dict[str, float]:
+    """:func:`committed_checkpoints` with when each was committed there (seconds since the
+    epoch, as the store dates its commit record), oldest first."""
     root = Path(root)
     backend = backend_for(root)
     found: dict[str, tuple[float, str]] = {}  # name -> (modified, record file)
@@ -87,7 +104,19 @@ def committed_checkpoints(root: str | os.PathLike[str]) -> list[str]:
             if info.regular:
                 found[name] = (info.modified or 0.0, record)
                 break
-    return by_commit_time(root, found)
+    return {name: found[name][0] for name in by_commit_time(root, found)}
+
+
+def left_behind(faster: Mapping[str, float], slower: Mapping[str, float]) -> str | None:
+    """Whether the faster tier whose checkpoints are ``faster`` is one left from an earlier
+    run (see :data:`LEFT_BEHIND_S`), judged by the slower tier's ``slower`` (both name ->
+    commit date): the name of the slower tier's newest checkpoint that the faster tier lacks
+    and that was committed after every one of its checkpoints, or None."""
+    if not faster:
+        return None
+    newest = max(faster.values())
+    ahead = [n for n, when in slower.items() if n not in faster and when > newest + LEFT_BEHIND_S]
+    return max(ahead, key=lambda n: slower[n]) if ahead else None
 
 
 def _stripped(record: Mapping[str, Any], relpath: str) -> str:
@@ -286,23 +315,42 @@ def nearest_intact_checkpoint(
     checkpoint that verifies (every file against its commit record, linked files included)
     on any tier, taken from the first tier that holds it intact; with ``name``, that
     checkpoint from the first tier holding it intact. "Newest" follows the first tier that
-    holds the checkpoint (the fast tier saw every save; a durable tier a subset, in order).
+    holds the checkpoint (the fast tier saw every save; a durable tier a subset, in order),
+    except where a slower tier shows the faster ones to be left from an earlier run
+    (:func:`left_behind`: it holds a checkpoint they lack, committed well after all of
+    theirs): that tier's order comes first, and ``skipped`` says so.
 
     Raises:
         NotCommittedError: no tier holds an intact copy; the message lists what was passed
             over and why.
     """
     skipped: list[str] = []
-    listings: list[tuple[Path, list[str]]] = []
+    listings: list[tuple[Path, dict[str, float]]] = []
     for tier in (Path(t) for t in tiers):
         try:
-            listings.append((tier, committed_checkpoints(tier)))
+            listings.append((tier, dated_checkpoints(tier)))
         except (OSError, FastCkptError) as err:
             skipped.append(f"{display_path(tier)}: {err}")
+    ranked = list(listings)
+    for i, (tier, dates) in enumerate(listings[1:], start=1):
+        faster: dict[str, float] = {}
+        for _, earlier in listings[:i]:
+            faster.update(earlier)
+        ahead = left_behind(faster, dates)
+        if ahead is not None:
+            newest = max(faster, key=lambda n: faster[n])
+            places = ", ".join(display_path(t) for t, _ in listings[:i])
+            skipped.append(
+                f"{places}: left from an earlier run? its newest checkpoint {newest} was "
+                f"committed {_date(faster[newest])}, before {display_path(tier / ahead)} "
+                f"({_date(dates[ahead])}), which it does not hold"
+            )
+            ranked.remove((tier, dates))
+            ranked.insert(0, (tier, dates))
     # Newest first: a tier's own order, the faster tier's first.
     order: list[str] = []
-    for _, names in listings:
-        for candidate in reversed(names):
+    for _, dates in ranked:
+        for candidate in reversed(dates):
             if candidate not in order:
                 order.append(candidate)
     if name is not None:
@@ -320,6 +368,10 @@ def nearest_intact_checkpoint(
     raise NotCommittedError(
         f"no intact {what} in {roots}" + (f" (skipped: {'; '.join(skipped)})" if skipped else "")
     )
+
+
+def _date(when: float) -> str:
+    return datetime.datetime.fromtimestamp(when, tz=datetime.UTC).isoformat(timespec="seconds")
 
 
 class CheckpointPromoter(Promoter):

@@ -42,6 +42,8 @@ from fastckpt.container.promote_checkpoints import (
     CheckpointPromoter,
     NearestCheckpoint,
     committed_checkpoints,
+    dated_checkpoints,
+    left_behind,
     nearest_intact_checkpoint,
     prune_checkpoints,
 )
@@ -327,8 +329,31 @@ class CheckpointManager:
         )
         if self._dist.rank == 0:
             names = committed_checkpoints(fast)
-            if names:
+            if names and not self._fast_left_behind(fast, durable):
                 self._promoter.submit_checkpoint(names[-1])
+
+    @staticmethod
+    def _fast_left_behind(fast: Path, durable: Path) -> bool:
+        """Whether the fast tier is left from an earlier run (its newest checkpoint older than
+        a durable one it lacks, see
+        :func:`~fastckpt.container.promote_checkpoints.left_behind`): then its newest is not
+        promoted at start, where it would become the durable tier's newest and push the run's
+        real newest out of the durable retention. A durable tier that cannot be listed does
+        not stop the manager (the promotion reports it)."""
+        try:
+            ahead = left_behind(dated_checkpoints(fast), dated_checkpoints(durable))
+        except (OSError, FastCkptError):
+            return False
+        if ahead is None:
+            return False
+        _LOGGER.warning(
+            "%s looks left from an earlier run: %s holds %s, committed after every checkpoint "
+            "of it; its newest is not promoted (latest() takes the durable one)",
+            display_path(fast),
+            display_path(durable),
+            ahead,
+        )
+        return True
 
     @property
     def promoter(self) -> CheckpointPromoter | None:
