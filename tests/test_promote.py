@@ -561,6 +561,34 @@ def test_a_run_resumes_from_the_durable_tier_when_the_fast_one_is_gone(tmp_path:
     assert all(torch.equal(got[k], v) for k, v in want.items())
 
 
+def test_a_run_resumed_from_the_durable_tier_numbers_its_saves_past_it(tmp_path: Path) -> None:
+    """A new node: its fast tier is empty, the run resumes from the durable index 2 (step 6)
+    and goes on to step 10. Its saves are numbered 3 and 4 and promoted; a restore with both
+    tiers takes step 10. Before, the fast root numbered them 0 and 1 again: the durable tier,
+    holding index 2, never took them, and a restore with both tiers resumed the durable step 6
+    silently, with the fast tier's step 10 intact."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    hook = fastckpt.CheckpointHook(fast, step_interval=2, durable_dir=durable)
+    training_support.new_strategy([hook], num_steps=6).run(training_support.loader())
+    shutil.rmtree(fast)  # a new node, same paths
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(
+        fast, training_fn=training_support.training_fn, fallback_dirs=[durable]
+    )
+    assert resumed.restored_from is not None and resumed.restored_from.root == durable
+    resumed.num_steps = 10
+    resumed.run(training_support.loader())
+    assert [c["index"] for c in fastckpt.list_checkpoints(fast)] == [3, 4]
+    assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [0, 1, 2, 3, 4]
+    for tiers in ([fast, durable], [tmp_path / "another-node", durable]):
+        again = fastckpt.TrainingStrategy.load_checkpoint(
+            tiers[0], training_fn=training_support.training_fn, fallback_dirs=tiers[1:]
+        )
+        assert again.step_count == 10
+        assert again.restored_from is not None and again.restored_from.index == 4
+        got, want = again.models["main"].state_dict(), resumed.models["main"].state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
 def test_a_promoter_closed_after_one_run_promotes_again_in_the_next(tmp_path: Path) -> None:
     fast, durable = tmp_path / "fast", tmp_path / "durable"
     _source(fast, saves=1)

@@ -646,7 +646,12 @@ class TrainingStrategy:
         return index, str(decided[1])
 
     def start_sharded_save(
-        self, root: str | Path, *, writer: Any, process_group: Any = None
+        self,
+        root: str | Path,
+        *,
+        writer: Any,
+        process_group: Any = None,
+        checkpoint_index: int = -1,
     ) -> tuple[int, Any]:
         """Begin an async checkpoint of a :attr:`sharded` strategy (collective; used by
         :class:`~fastckpt.training.hooks.CheckpointHook`).
@@ -658,10 +663,13 @@ class TrainingStrategy:
         index)`` with the next :meth:`checkpoint_snapshot`, taken now (it names the part; the
         part's record checksum is filled in before the future resolves).
 
+        ``checkpoint_index``: the index to save into (rank 0's counts), -1 for the root's
+        next.
+
         Returns:
             The index and the future of the sharded part.
         """
-        index, part = self._sharded_index(Path(root), -1)
+        index, part = self._sharded_index(Path(root), checkpoint_index)
         fields, future = sharded_training.async_save_sharded(
             root,
             index,

@@ -243,6 +243,8 @@ class CheckpointHook:
             timeout = wait_timeout_secs
             self._promoter.wait_s = float("inf") if timeout is None else float(timeout)
         self._prewarm_pending = False  # allocate the first step's new state after it
+        # Whether this hook's saves were checked against the durable tier's numbering.
+        self._numbering_checked = False
         if strict_saves is not None and not isinstance(strict_saves, bool):
             raise TypeError(
                 f"CheckpointHook strict_saves must be a bool or None, got {strict_saves!r}"
@@ -597,12 +599,13 @@ class CheckpointHook:
         if sharded:
             self._save_sharded(ctx)
             return
+        index = self._first_index(0)  # every rank that saves its own root checks
         snapshot: Snapshot = ctx.workflow.checkpoint_snapshot()
         # Unchanged tensors become references now, before anything is staged.
         snapshot.incremental = self.incremental
         plan_incremental(self.checkpoint_dir, snapshot)
         if not self.async_save:
-            self._saved(lambda: self._write(snapshot))
+            self._saved(lambda: self._write(snapshot, index))
             return
         if not self._writer.running:
             raise RuntimeError(
@@ -613,7 +616,7 @@ class CheckpointHook:
         self._stage(snapshot, only_volatile=True)
         self._writer.submit(
             f"{display_path(self.checkpoint_dir)} (the save at step {ctx.step_count})",
-            lambda: self._write(snapshot),
+            lambda: self._write(snapshot, index),
             capture=lambda: self._stage(snapshot, only_volatile=False),
         )
 
@@ -628,10 +631,13 @@ class CheckpointHook:
         rank 0 stages the hook states and commits the index.
         """
         assert ctx.workflow is not None
+        first = self._first_index(ctx.global_rank)  # rank 0's is the one used
         if not self.async_save:
             # node-local fast roots are allowed when every rank promotes its shards
             index = ctx.workflow.save_checkpoint(
-                self.checkpoint_dir, node_local=self._promoter is not None
+                self.checkpoint_dir,
+                checkpoint_index=first,
+                node_local=self._promoter is not None,
             )
             self.last_checkpoint_index = index
             failure: BaseException | None = None
@@ -649,7 +655,7 @@ class CheckpointHook:
             )
         writer, group = self._sharded_writer()
         index, future = ctx.workflow.start_sharded_save(
-            self.checkpoint_dir, writer=writer, process_group=group
+            self.checkpoint_dir, writer=writer, process_group=group, checkpoint_index=first
         )
         snapshot: Snapshot | None = None
         if ctx.global_rank == 0:
@@ -719,6 +725,38 @@ class CheckpointHook:
             spare=() if awaiting is None else (awaiting,),
         )
 
+    def _first_index(self, rank: int) -> int:
+        """The index of this hook's first save when the durable tier is ahead of the fast
+        one, else -1 (the fast root's next).
+
+        A run resumed from the durable tier (a new node: its fast tier empty, or left from
+        an earlier run) would number its saves from the fast root's own next index: ones the
+        durable tier already holds. They were then never promoted (the durable tier held an
+        index as new), and a restore with both tiers took the durable tier's older index as
+        the newest. The first save goes past the durable tier's newest index instead; later
+        ones follow it. Checked once per hook, on rank 0; a durable tier that cannot be read
+        is left to the promotion to report."""
+        if self._numbering_checked or self.durable_dir is None or rank != 0:
+            return -1
+        self._numbering_checked = True
+        try:
+            durable = Manifest.load(self.durable_dir).latest
+            fast = Manifest.load(self.checkpoint_dir).latest
+        except (OSError, FastCkptError):
+            return -1
+        if durable is None or (fast is not None and fast >= durable):
+            return -1
+        _LOG.info(
+            "%s: the durable tier %s holds index %d, past this fast tier's %s (a run resumed "
+            "from the durable tier): saves continue at index %d",
+            display_path(self.checkpoint_dir),
+            display_path(self.durable_dir),
+            durable,
+            "none" if fast is None else f"newest {fast}",
+            durable + 1,
+        )
+        return durable + 1
+
     def _stage(self, snapshot: Snapshot, *, only_volatile: bool) -> None:
         """Replace the snapshot's tensors with staged copies (volatile ones or the rest)."""
         stager = self._volatile_stager if only_volatile else self._stager
@@ -729,8 +767,8 @@ class CheckpointHook:
             self._images,
         )
 
-    def _write(self, snapshot: Snapshot) -> int:
-        index = write_snapshot(self.checkpoint_dir, snapshot, lock_timeout=self.lock_timeout)
+    def _write(self, snapshot: Snapshot, index: int = -1) -> int:
+        index = write_snapshot(self.checkpoint_dir, snapshot, index, lock_timeout=self.lock_timeout)
         if self.keep_last is not None:
             self._prune(index)
         if self._promoter is not None:
