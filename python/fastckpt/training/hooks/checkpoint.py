@@ -243,8 +243,9 @@ class CheckpointHook:
             timeout = wait_timeout_secs
             self._promoter.wait_s = float("inf") if timeout is None else float(timeout)
         self._prewarm_pending = False  # allocate the first step's new state after it
-        # Whether this hook's saves were checked against the durable tier's numbering.
-        self._numbering_checked = False
+        # The lowest index this hook saves into: past the durable tier's newest when this
+        # hook first saved (None: not read yet). See _save_index.
+        self._floor: int | None = None
         if strict_saves is not None and not isinstance(strict_saves, bool):
             raise TypeError(
                 f"CheckpointHook strict_saves must be a bool or None, got {strict_saves!r}"
@@ -599,7 +600,7 @@ class CheckpointHook:
         if sharded:
             self._save_sharded(ctx)
             return
-        index = self._first_index(0)  # every rank that saves its own root checks
+        index = self._save_index(0)  # every rank that saves its own root checks
         snapshot: Snapshot = ctx.workflow.checkpoint_snapshot()
         # Unchanged tensors become references now, before anything is staged.
         snapshot.incremental = self.incremental
@@ -631,7 +632,7 @@ class CheckpointHook:
         rank 0 stages the hook states and commits the index.
         """
         assert ctx.workflow is not None
-        first = self._first_index(ctx.global_rank)  # rank 0's is the one used
+        first = self._save_index(ctx.global_rank)  # rank 0's is the one used
         if not self.async_save:
             # node-local fast roots are allowed when every rank promotes its shards
             index = ctx.workflow.save_checkpoint(
@@ -725,37 +726,39 @@ class CheckpointHook:
             spare=() if awaiting is None else (awaiting,),
         )
 
-    def _first_index(self, rank: int) -> int:
-        """The index of this hook's first save when the durable tier is ahead of the fast
-        one, else -1 (the fast root's next).
+    def _save_index(self, rank: int) -> int:
+        """The index of this save: -1 (the fast root's next) unless the fast root is behind
+        the durable tier, then the durable tier's newest index + 1.
 
         A run resumed from the durable tier (a new node: its fast tier empty, or left from
         an earlier run) would number its saves from the fast root's own next index: ones the
         durable tier already holds. They were then never promoted (the durable tier held an
         index as new), and a restore with both tiers took the durable tier's older index as
-        the newest. The first save goes past the durable tier's newest index instead; later
-        ones follow it. Checked once per hook, on rank 0; a durable tier that cannot be read
-        is left to the promotion to report."""
-        if self._numbering_checked or self.durable_dir is None or rank != 0:
+        the newest. The durable tier is read once per hook (rank 0 decides for sharded
+        runs); until the fast root holds an index past it (a first save that failed
+        included), saves go to that floor. A durable tier that cannot be read is left to the
+        promotion to report."""
+        if self.durable_dir is None or rank != 0:
             return -1
-        self._numbering_checked = True
         try:
-            durable = Manifest.load(self.durable_dir).latest
+            if self._floor is None:
+                durable = Manifest.load(self.durable_dir).latest
+                self._floor = 0 if durable is None else durable + 1
             fast = Manifest.load(self.checkpoint_dir).latest
         except (OSError, FastCkptError):
             return -1
-        if durable is None or (fast is not None and fast >= durable):
+        if self._floor == 0 or (fast is not None and fast + 1 >= self._floor):
             return -1
         _LOG.info(
             "%s: the durable tier %s holds index %d, past this fast tier's %s (a run resumed "
-            "from the durable tier): saves continue at index %d",
+            "from the durable tier): this save goes to index %d",
             display_path(self.checkpoint_dir),
             display_path(self.durable_dir),
-            durable,
+            self._floor - 1,
             "none" if fast is None else f"newest {fast}",
-            durable + 1,
+            self._floor,
         )
-        return durable + 1
+        return self._floor
 
     def _stage(self, snapshot: Snapshot, *, only_volatile: bool) -> None:
         """Replace the snapshot's tensors with staged copies (volatile ones or the rest)."""
