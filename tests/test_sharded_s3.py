@@ -422,6 +422,32 @@ def test_a_node_local_run_restarts_from_its_fast_tiers_and_saves_on(
     assert fastckpt.verify(durable).ok
 
 
+def test_a_node_local_run_restarted_on_new_nodes_saves_past_the_durable_tier(
+    s3_server: S3Server, env: dict[str, str], tmp_path: Path
+) -> None:
+    # Both nodes are replaced (their fast roots gone): the restart resumes the durable
+    # index 2 (step 6) on both ranks, and its save at step 8 goes to index 3, not to the
+    # fresh fast roots' index 0 (which the durable tier, holding index 2, would never take);
+    # index 3 is promoted rank by rank, and the durable tier holds 2 and 3.
+    url = s3_server.url(f"node-new-{os.getpid()}-{time.time_ns()}")
+    check_ok(launch("strategy_node_tiers_train", tmp_path, 2, url, ranks="s3_dcp_ranks"))
+    durable = f"{url}/node-tiers"
+    assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [1, 2]
+    for rank in (0, 1):
+        shutil.rmtree(tmp_path / f"node{rank}")
+    outputs = check_ok(
+        launch("strategy_node_tiers_restart", tmp_path, 2, url, ranks="s3_dcp_ranks")
+    )
+    reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    for report in reports:
+        assert report["restored"] == ["node-tiers", 2] and report["start"] == 6, report
+        assert report["step"] == 8 and report["healthy"], report
+    assert 3 in reports[0]["promoted"], reports  # rank 0 commits
+    assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / "node0")] == [3]
+    assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [2, 3]
+    assert fastckpt.verify(durable).ok
+
+
 def test_node_local_promotion_takes_the_newest_due_index_only(
     node_tiered: tuple[Path, str], tmp_path: Path
 ) -> None:
