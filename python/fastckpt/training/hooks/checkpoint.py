@@ -744,10 +744,12 @@ class CheckpointHook:
             if self._floor is None:
                 durable = Manifest.load(self.durable_dir).latest
                 self._floor = 0 if durable is None else durable + 1
+            if self._floor == 0:  # the durable tier was empty: nothing to go past
+                return -1
             fast = Manifest.load(self.checkpoint_dir).latest
         except (OSError, FastCkptError):
             return -1
-        if self._floor == 0 or (fast is not None and fast + 1 >= self._floor):
+        if fast is not None and fast + 1 >= self._floor:
             return -1
         _LOG.info(
             "%s: the durable tier %s holds index %d, past this fast tier's %s (a run resumed "
