@@ -25,6 +25,7 @@ import torch
 import fastckpt
 import fastckpt.dcp
 from dcp_support import check_ok, launch, spawn
+from fastckpt.container.commit import prune_indices
 from fastckpt.container.promote import promote, promote_index
 from fastckpt.container.sharded.commit import RECORD_NAME
 from fastckpt.container.sharded.promote import upload_rank_files
@@ -245,6 +246,7 @@ def tiered(
     assert [c["index"] for c in fastckpt.list_checkpoints(local / "fast")] == [1, 2]
     assert [c["index"] for c in fastckpt.list_checkpoints(f"{url}/tiers")] == [1, 2]
     assert fastckpt.verify(f"{url}/tiers").ok
+    shutil.copytree(local / "fast", local / "fast-copy")  # tests below delete LOCAL/fast
     return local, url
 
 
@@ -261,6 +263,36 @@ def test_a_promoted_sharded_index_holds_every_ranks_shards_and_no_other_part(
         ours = [k for k in keys if f"/sharded/{index}/" in k]
         assert len([k for k in ours if k.endswith(".safetensors")]) == 2, ours
         assert len([k for k in ours if k.endswith(RECORD_NAME)]) == 1, ours
+
+
+def test_sharded_parts_no_index_names_on_s3_go_with_the_next_promotion_and_prune(
+    s3_server: S3Server, tiered: tuple[Path, str]
+) -> None:
+    """A promotion whose source index the fast tier's retention pruned under it, or that was
+    killed, leaves files of a part that no committed index names on the durable tier: the
+    next promotion (its clean-up) and every prune remove them, as on a local root."""
+    local, url = tiered
+    target = f"{url}/swept"
+    assert promote(local / "fast-copy", target, every=1).promoted == [1, 2]
+    prefix = target.split("/", 3)[3]
+    client = s3_server.client()
+
+    def plant() -> None:  # rank 1's shard of a promotion of index 0 that never committed
+        key = f"{prefix}/sharded/0/part-left/gen/rank-00001.safetensors"
+        client.put_object(Bucket=s3_server.bucket, Key=key, Body=b"left behind")
+
+    def sharded_indices() -> list[str]:
+        keys = _keys(s3_server, target)
+        return sorted({k.split("/sharded/")[1].split("/")[0] for k in keys if "/sharded/" in k})
+
+    plant()
+    assert sharded_indices() == ["0", "1", "2"]
+    assert promote(local / "fast-copy", target, every=1).promoted == []  # nothing new
+    assert sharded_indices() == ["1", "2"]
+    plant()
+    assert prune_indices(Path(target), keep_last=1) == [1]
+    assert sharded_indices() == ["2"]  # index 1's part went with it, the leftover too
+    assert fastckpt.verify(target).ok
 
 
 @pytest.mark.parametrize("world", [1, 3])

@@ -7,6 +7,7 @@ failure case), fresh processes for the bitwise loads.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -17,6 +18,9 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
+import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +32,13 @@ from fastckpt.container.promote import forget_promoted
 from fastckpt.container.promote_checkpoints import (
     committed_checkpoints,
     left_behind,
+    nearest_intact_checkpoint,
     promote_checkpoint,
     prune_checkpoints,
     remove_checkpoint,
 )
 from fastckpt.errors import ChecksumMismatchError, NotCommittedError, PromotionError
+from fastckpt.format import records
 from fastckpt.format.records import read_commit_record
 from fastckpt.manager import CheckpointManager, TiersConfig
 from fastckpt.storage.registry import backend_for
@@ -181,11 +187,8 @@ def test_a_fast_tier_left_from_an_earlier_run_neither_wins_nor_is_promoted(
     old_node, durable = tmp_path / "old-node", tmp_path / "durable"
     forget_promoted()
     tiers = TiersConfig(fast=old_node, durable=durable, durable_keep_last=2)
-    with _manager(tiers) as manager:
-        _run(manager, 2)  # step_0, step_1 on the old node, both promoted
-    hour_ago = os.stat(old_node / "step_1" / "commit.json").st_mtime - 3600
-    for name in ("step_0", "step_1"):
-        os.utime(old_node / name / "commit.json", (hour_ago, hour_ago))
+    with _clock_behind(3600), _manager(tiers) as manager:
+        _run(manager, 2)  # step_0, step_1 on the old node an hour ago, both promoted
     elsewhere = TiersConfig(fast=tmp_path / "other-node", durable=durable, durable_keep_last=2)
     with _manager(elsewhere) as manager:
         states = _run(manager, 6)  # the run went on elsewhere: step_0 .. step_5
@@ -200,6 +203,62 @@ def test_a_fast_tier_left_from_an_earlier_run_neither_wins_nor_is_promoted(
     assert any("left from an earlier run" in r.getMessage() for r in caplog.records)
     # A fast tier that is merely behind by a promotion's lag is not taken for one.
     assert left_behind({"step_3": 1000.0}, {"step_2": 990.0, "step_4": 1005.0}) is None
+
+
+@contextlib.contextmanager
+def _clock_behind(seconds: float) -> Iterator[None]:
+    """Saves date their checkpoints ``seconds`` earlier (the clock of fastckpt's records)."""
+    real = time.time_ns
+    behind = types.SimpleNamespace(time_ns=lambda: real() - int(seconds * 1e9))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(records, "time", behind)
+        yield
+
+
+def test_a_fast_tier_left_two_minutes_before_the_run_went_on_elsewhere_does_not_win(
+    tmp_path: Path,
+) -> None:
+    """A node that fails, then comes back a few minutes later to resume the job that went on
+    elsewhere meanwhile (its checkpoints already promoted): the durable tier's newest is
+    restored, not the node's own older newest. Checkpoints date when they were saved, a date
+    promotion carries; before, the tiers dated them by when each store committed them, and a
+    fast tier counted as left behind only by 10 minutes (promotion lag): step_1 won."""
+    old_node, durable = tmp_path / "old-node", tmp_path / "durable"
+    forget_promoted()
+    tiers = TiersConfig(fast=old_node, durable=durable)
+    with _clock_behind(120), _manager(tiers) as manager:
+        _run(manager, 2)  # step_0, step_1, two minutes ago
+    elsewhere = TiersConfig(fast=tmp_path / "other-node", durable=durable)
+    with _manager(elsewhere) as manager:
+        states = _run(manager, 4)  # the run went on: step_0 .. step_3, promoted
+    for name in ("step_2", "step_3"):  # a promoted copy dates as its source
+        here = read_commit_record(tmp_path / "other-node" / name)["saved_ns"]
+        assert read_commit_record(durable / name)["saved_ns"] == here
+    forget_promoted()
+    with _manager(tiers) as back:
+        nearest = back.latest()
+        assert nearest.path == durable / "step_3", nearest.describe()
+        assert "left from an earlier run" in nearest.describe()
+        assert _equal(_weights(back.load_latest()), states[3])
+    assert committed_checkpoints(durable)[-1] == "step_3"
+
+
+def test_checkpoints_committed_within_one_timestamp_tick_keep_their_order(
+    tmp_path: Path,
+) -> None:
+    """Filesystem timestamps tick coarsely (a few ms on many kernels): two checkpoints whose
+    commit records share one keep the order in which they were saved, not their names'."""
+    root = tmp_path / "fast"
+    with _manager(TiersConfig(fast=root, durable=tmp_path / "durable")) as manager:
+        names = [f"step_{i}" for i in (8, 9, 10, 11)]
+        model = _model()
+        for name in names:
+            manager.save(name, {"model": model})  # a sync save: committed on return
+    tick = os.stat(root / "step_8" / "commit.json").st_mtime
+    for name in names:
+        os.utime(root / name / "commit.json", (tick, tick))
+    assert committed_checkpoints(root) == names  # by name: step_10, step_11, step_8, step_9
+    assert nearest_intact_checkpoint([root]).name == "step_11"
 
 
 def test_retention_keeps_what_waits_for_promotion_and_the_newest_intact(tmp_path: Path) -> None:
@@ -241,7 +300,8 @@ def test_a_removal_killed_midway_leaves_no_directory_under_the_name_and_is_clean
     assert committed_checkpoints(fast) == ["step_1", "step_2"]
     promote_checkpoint(fast / "step_1", fast / "step_9")  # a staging in the tier itself
     assert not leftover.exists()
-    assert committed_checkpoints(fast) == ["step_1", "step_2", "step_9"]
+    # step_9, a copy of step_1, dates as its source: it goes with it, before step_2.
+    assert committed_checkpoints(fast) == ["step_1", "step_9", "step_2"]
 
 
 def test_a_damaged_source_is_refused_and_the_target_untouched(tmp_path: Path) -> None:

@@ -618,7 +618,9 @@ def _is_index_name(name: str) -> bool:
     return name.isdigit() and len(name) <= 18 and str(int(name)) == name
 
 
-def clean_leftovers(root: Path, *, writing: int | None = None) -> list[str]:
+def clean_leftovers(
+    root: Path, *, writing: int | None = None, promoting: bool = False
+) -> list[str]:
     """Remove what crashed saves and prunes left in a checkpoint root.
 
     That is: temporary and trash directories, manifest temp files, and index directories the
@@ -626,7 +628,9 @@ def clean_leftovers(root: Path, *, writing: int | None = None) -> list[str]:
     interrupted after its manifest commit). Newer unnamed index directories are left alone:
     the next save of that index replaces them. Sharded parts (``ROOT/sharded``) no committed
     index names go too (:func:`fastckpt.container.sharded.parts.sweep`), but never those of index
-    ``writing``, whose save is under way.
+    ``writing``, whose save is under way; on an object store, and where the caller is
+    ``promoting`` into ``root``, only those of indices older than the latest (other ranks may be
+    uploading into the newer ones: ``only_older``).
 
     Call it only while holding the root's lock (as :class:`IndexWriter` does): everything
     temporary in the root then belongs to a dead writer. Returns what was removed.
@@ -634,7 +638,7 @@ def clean_leftovers(root: Path, *, writing: int | None = None) -> list[str]:
     removed: list[str] = []
     backend = backend_for(root)
     if not is_local(backend):
-        return _clean_object_root(root, backend)
+        return _clean_object_root(root, backend, writing)
     if not root.is_dir():
         return removed
     try:
@@ -675,21 +679,28 @@ def clean_leftovers(root: Path, *, writing: int | None = None) -> list[str]:
         in_use = referenced if referenced is not None else _referenced(manifest)
         removed += refs.collect_garbage(root, in_use - set(manifest.entries))
     if manifest is not None:
-        removed += _sweep_sharded(root, manifest, writing)
+        removed += _sweep_sharded(root, manifest, writing, only_older=promoting)
     return removed
 
 
-def _sweep_sharded(root: Path, manifest: Manifest, writing: int | None = None) -> list[str]:
-    """The sharded parts of a local root no committed index names, removed (see
-    :func:`fastckpt.container.sharded.parts.sweep`); nothing to do, and nothing imported, without
-    any."""
-    if not (root / SHARDED_DIR).is_dir():
+def _sweep_sharded(
+    root: Path, manifest: Manifest, writing: int | None = None, *, only_older: bool = False
+) -> list[str]:
+    """The sharded parts of a root no committed index names, removed (see
+    :func:`fastckpt.container.sharded.parts.sweep`, ``only_older`` included); on a local root
+    without any, nothing to do and nothing imported (an object store is asked: one listing).
+    On an object store only the parts of indices older than the latest go: a sharded save
+    there sweeps its own (:func:`fastckpt.training.sharded.sweep_parts`), and promotions of
+    other ranks may be uploading into the newer ones."""
+    local = is_local(backend_for(root))
+    if local and not (root / SHARDED_DIR).is_dir():
         return []
     from fastckpt.container.sharded.parts import (
         sweep,  # deferred: only roots of FSDP2 strategies have parts
     )
 
-    return [str(path.relative_to(root)) for path in sweep(root, manifest, writing=writing)]
+    swept = sweep(root, manifest, writing=writing, only_older=only_older or not local)
+    return [str(path.relative_to(root)) for path in swept]
 
 
 def _referenced(manifest: Manifest) -> set[int]:
@@ -701,10 +712,11 @@ def _referenced(manifest: Manifest) -> set[int]:
         return set(range((manifest.latest or 0) + 1))
 
 
-def _clean_object_root(root: Path, backend: StorageBackend) -> list[str]:
+def _clean_object_root(root: Path, backend: StorageBackend, writing: int | None) -> list[str]:
     """:func:`clean_leftovers` on an object store: index prefixes the manifest does not name
-    that are older than its latest index (with their unfinished uploads). Newer ones are
-    deleted by the next save of that index."""
+    that are older than its latest index (with their unfinished uploads), and sharded parts no
+    committed index names but those of index ``writing``. Newer index prefixes are deleted by
+    the next save of that index."""
     try:
         manifest = Manifest.load(root)
     except (CheckpointFormatError, OSError):
@@ -717,7 +729,7 @@ def _clean_object_root(root: Path, backend: StorageBackend) -> list[str]:
         if _is_index_name(name) and int(name) < latest and int(name) not in manifest.entries:
             backend.delete(root / name)
             removed.append(name)
-    return removed
+    return removed + _sweep_sharded(root, manifest, writing)
 
 
 def _remember_record_version(backend: StorageBackend, final: Path) -> None:
@@ -771,8 +783,7 @@ def prune_indices(
         if doomed:
             doomed = _spare_newest_intact(manifest, doomed)
         if not doomed:
-            if is_local(backend):
-                _sweep_sharded(root, manifest)  # what a prune killed after its commit left
+            _sweep_sharded(root, manifest)  # what a prune killed after its commit left
             return []
         # Bytes a kept (incremental) index references outlive their pruned index, renamed
         # to ROOT/.ref-<index> (fastckpt.container.refs).
@@ -792,7 +803,7 @@ def prune_indices(
                 _delete_index(backend, root, manifest.directory(index), set(manifest.entries))
         if is_local(backend):
             refs.collect_garbage(root, referenced - set(manifest.entries))
-            _sweep_sharded(root, manifest)  # the pruned indices' sharded parts, after the commit
+        _sweep_sharded(root, manifest)  # the pruned indices' sharded parts, after the commit
     return doomed
 
 

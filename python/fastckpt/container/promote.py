@@ -58,7 +58,7 @@ from fastckpt.container.copy import (
     remember_written,
 )
 from fastckpt.container.sharded.nodes import NodeHoldings, PartKey, held_by_others
-from fastckpt.container.sharded.parts import Part, index_dir
+from fastckpt.container.sharded.parts import Part
 from fastckpt.container.sharded.promote import (
     part_problem,
     prove_part,
@@ -194,7 +194,7 @@ def _clean(root: Path) -> None:
     lock = backend_for(root).lock(root)
     lock.acquire()
     try:
-        clean_leftovers(root)
+        clean_leftovers(root, promoting=True)
     finally:
         lock.release()
 
@@ -538,11 +538,9 @@ class Promoter:
             wait_s=self.wait_s,
         )
         if self.keep_last is not None and report.promoted:
-            # prune_indices never deletes the newest index that verifies; the sharded parts
-            # of the pruned indices go after it (a local root sweeps them itself).
-            backend = backend_for(self.target)
-            for pruned in prune_indices(self.target, self.keep_last):
-                backend.delete(index_dir(self.target, pruned))
+            # prune_indices never deletes the newest index that verifies, and sweeps the
+            # sharded parts no kept index names (the pruned ones', a vanished promotion's).
+            prune_indices(self.target, self.keep_last)
         return {"promoted": report.promoted, "target_newest": report.newest}
 
     def spec(self) -> dict[str, Any]:

@@ -17,8 +17,9 @@ same way: every rank's file its record lists, proven as it is read, written as t
 generation under the target, then the record (:func:`~fastckpt.container.sharded.promote.
 write_generation`).
 
-The order of a tier's checkpoints ("newest") is the modification time of their commit
-records, which is when each was committed there (then the name). Checkpoints are removed
+The order of a tier's checkpoints ("newest") is when each was saved, a date its commit record
+holds and a promotion carries (records of earlier versions: the modification time of the
+record, when it was committed there), then the name. Checkpoints are removed
 commit record first (:func:`remove_checkpoint`), so a process killed while removing one never
 leaves a commit record naming missing files.
 """
@@ -32,7 +33,7 @@ import shutil
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastckpt import _native
 from fastckpt.container.commit import DirectoryWriter
@@ -43,11 +44,13 @@ from fastckpt.container.verify import verify
 from fastckpt.errors import FastCkptError, NotCommittedError
 from fastckpt.format.records import (
     COMMIT_RECORD,
+    SAVED_NS,
     SHARDED_RECORD,
     by_commit_time,
     commit_record,
     read_commit_record,
     read_record_bytes,
+    saved_seconds,
 )
 from fastckpt.io.paths import check_name, check_relpath
 from fastckpt.storage.backend import TEMP_PREFIX
@@ -56,43 +59,72 @@ from fastckpt.storage.registry import backend_for, display_path, is_local
 
 __all__ = [
     "LEFT_BEHIND_S",
+    "SAVED_LEFT_BEHIND_S",
     "CheckpointPromoter",
     "NearestCheckpoint",
+    "TierDates",
     "committed_checkpoints",
     "dated_checkpoints",
     "left_behind",
+    "left_behind_margin",
     "nearest_intact_checkpoint",
     "promote_checkpoint",
     "prune_checkpoints",
     "remove_checkpoint",
     "same_files",
+    "tier_dates",
 ]
 
 _LOG = logging.getLogger(__name__)
 
 
 #: How much later than every checkpoint of a faster tier a slower tier's checkpoint must be
-#: committed, the faster tier not holding it, for the faster tier to count as left from an
-#: earlier run (a node's disk that held a job before): the clocks of a node and a store differ
-#: by seconds, a promotion lags its save by about as much, a tier left behind by hours.
+#: dated, the faster tier not holding it, for the faster tier to count as left from an
+#: earlier run (a node's disk that held a job before), where some checkpoint of either tier is
+#: dated only by its store (a record of an earlier fastckpt version, without
+#: :data:`~fastckpt.format.records.SAVED_NS`): the clocks of a node and a store differ by
+#: seconds, a promotion lags its save by about as much, a tier left behind by hours.
 LEFT_BEHIND_S = 600.0
+#: The same bound where every checkpoint of both tiers is dated by when it was saved (the date
+#: a promotion carries): only the clocks of two nodes of one cluster differ then, and a run
+#: that moved elsewhere saved again well after that.
+SAVED_LEFT_BEHIND_S = 5.0
+
+
+class TierDates(NamedTuple):
+    """The committed checkpoints of a tier root, oldest first (:func:`tier_dates`)."""
+
+    #: name -> when it was saved (seconds since the epoch), or where its record does not say
+    #: (an earlier fastckpt version), when the store dates its commit record.
+    dates: dict[str, float]
+    #: Every date is a save time (none is the store's).
+    saved: bool
 
 
 def committed_checkpoints(root: str | os.PathLike[str]) -> list[str]:
     """The names of the committed CheckpointManager checkpoints in the tier root ``root``
-    (of sharded state too), oldest first: by when their commit records were written, and
-    where the store dates two alike (S3 dates objects to the second), by the generations
-    their records name (to the millisecond), then by name
-    (:func:`fastckpt.format.records.by_commit_time`). A root that does not exist has none."""
-    return list(dated_checkpoints(root))
+    (of sharded state too), oldest first (see :func:`tier_dates`). A root that does not
+    exist has none."""
+    return list(tier_dates(root).dates)
 
 
 def dated_checkpoints(root: str | os.PathLike[str]) -> dict[str, float]:
-    """:func:`committed_checkpoints` with when each was committed there (seconds since the
-    epoch, as the store dates its commit record), oldest first."""
+    """:func:`committed_checkpoints` with when each was saved, oldest first (see
+    :func:`tier_dates`)."""
+    return tier_dates(root).dates
+
+
+def tier_dates(root: str | os.PathLike[str]) -> TierDates:
+    """The committed checkpoints of the tier root ``root``, oldest first: by when each was
+    saved (:func:`fastckpt.format.records.saved_seconds`: a promotion carries it, so a
+    checkpoint dates the same on every tier), or where its record does not say, when the
+    store dates its commit record; where two dates tie (S3 dates objects to the second), by
+    the generations their records name (to the millisecond), then by name
+    (:func:`fastckpt.format.records.by_commit_time`)."""
     root = Path(root)
     backend = backend_for(root)
-    found: dict[str, tuple[float, str]] = {}  # name -> (modified, record file)
+    found: dict[str, tuple[float, str]] = {}  # name -> (date, record file)
+    every_saved = True
     for name in backend.list_dir(root):
         if name.startswith("."):
             continue  # staging areas, trash, locks
@@ -102,21 +134,33 @@ def dated_checkpoints(root: str | os.PathLike[str]) -> dict[str, float]:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             if info.regular:
-                found[name] = (info.modified or 0.0, record)
+                saved = saved_seconds(root / name, record)
+                every_saved = every_saved and saved is not None
+                found[name] = ((info.modified or 0.0) if saved is None else saved, record)
                 break
-    return {name: found[name][0] for name in by_commit_time(root, found)}
+    return TierDates({name: found[name][0] for name in by_commit_time(root, found)}, every_saved)
 
 
-def left_behind(faster: Mapping[str, float], slower: Mapping[str, float]) -> str | None:
+def left_behind(
+    faster: Mapping[str, float], slower: Mapping[str, float], margin: float = LEFT_BEHIND_S
+) -> str | None:
     """Whether the faster tier whose checkpoints are ``faster`` is one left from an earlier
-    run (see :data:`LEFT_BEHIND_S`), judged by the slower tier's ``slower`` (both name ->
-    commit date): the name of the slower tier's newest checkpoint that the faster tier lacks
-    and that was committed after every one of its checkpoints, or None."""
+    run, judged by the slower tier's ``slower`` (both name -> date, see :func:`tier_dates`):
+    the name of the slower tier's newest checkpoint that the faster tier lacks and that is
+    dated more than ``margin`` seconds after every one of its checkpoints
+    (:data:`LEFT_BEHIND_S`, or :data:`SAVED_LEFT_BEHIND_S` where both tiers' dates are
+    save times: :func:`left_behind_margin`), or None."""
     if not faster:
         return None
     newest = max(faster.values())
-    ahead = [n for n, when in slower.items() if n not in faster and when > newest + LEFT_BEHIND_S]
+    ahead = [n for n, when in slower.items() if n not in faster and when > newest + margin]
     return max(ahead, key=lambda n: slower[n]) if ahead else None
+
+
+def left_behind_margin(*tiers: TierDates) -> float:
+    """:func:`left_behind`'s margin for comparing ``tiers``: :data:`SAVED_LEFT_BEHIND_S`
+    where every date of every one of them is a save time, else :data:`LEFT_BEHIND_S`."""
+    return SAVED_LEFT_BEHIND_S if all(tier.saved for tier in tiers) else LEFT_BEHIND_S
 
 
 def _stripped(record: Mapping[str, Any], relpath: str) -> str:
@@ -172,7 +216,13 @@ def promote_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike
             }
             for relpath, names in (record.get("refs") or {}).items()
         }
-        document = commit_record(list(record["items"]), writer.files, record["world_size"], refs)
+        document = commit_record(
+            list(record["items"]),
+            writer.files,
+            record["world_size"],
+            refs,
+            saved_ns=record.get(SAVED_NS),  # the copy dates as its source (None: undated)
+        )
         writer.add_json(COMMIT_RECORD, document)
         writer.commit()
     except BaseException:
@@ -317,32 +367,33 @@ def nearest_intact_checkpoint(
     checkpoint from the first tier holding it intact. "Newest" follows the first tier that
     holds the checkpoint (the fast tier saw every save; a durable tier a subset, in order),
     except where a slower tier shows the faster ones to be left from an earlier run
-    (:func:`left_behind`: it holds a checkpoint they lack, committed well after all of
-    theirs): that tier's order comes first, and ``skipped`` says so.
+    (:func:`left_behind`: it holds a checkpoint they lack, saved after all of theirs by more
+    than :func:`left_behind_margin`): that tier's order comes first, and ``skipped`` says so.
 
     Raises:
         NotCommittedError: no tier holds an intact copy; the message lists what was passed
             over and why.
     """
     skipped: list[str] = []
-    listings: list[tuple[Path, dict[str, float]]] = []
+    found: list[tuple[Path, TierDates]] = []
     for tier in (Path(t) for t in tiers):
         try:
-            listings.append((tier, dated_checkpoints(tier)))
+            found.append((tier, tier_dates(tier)))
         except (OSError, FastCkptError) as err:
             skipped.append(f"{display_path(tier)}: {err}")
+    listings = [(tier, listed.dates) for tier, listed in found]
     ranked = list(listings)
     for i, (tier, dates) in enumerate(listings[1:], start=1):
         faster: dict[str, float] = {}
         for _, earlier in listings[:i]:
             faster.update(earlier)
-        ahead = left_behind(faster, dates)
+        ahead = left_behind(faster, dates, left_behind_margin(*(t for _, t in found[: i + 1])))
         if ahead is not None:
             newest = max(faster, key=lambda n: faster[n])
             places = ", ".join(display_path(t) for t, _ in listings[:i])
             skipped.append(
                 f"{places}: left from an earlier run? its newest checkpoint {newest} was "
-                f"committed {_date(faster[newest])}, before {display_path(tier / ahead)} "
+                f"saved {_date(faster[newest])}, before {display_path(tier / ahead)} "
                 f"({_date(dates[ahead])}), which it does not hold"
             )
             ranked.remove((tier, dates))

@@ -38,6 +38,8 @@ __all__ = [
     "MANAGER_SCHEMA_VERSION",
     "MANIFEST",
     "MANIFEST_CRC_FIELD",
+    "SAVED_NOW",
+    "SAVED_NS",
     "SCHEMA_VERSION",
     "SHARDED_DIR",
     "SHARDED_RECORD",
@@ -56,6 +58,7 @@ __all__ = [
     "read_commit_record",
     "read_record_bytes",
     "record_file",
+    "saved_seconds",
     "seal_manifest",
     "tensor_reference",
 ]
@@ -467,6 +470,13 @@ def _check_entry_fields(where: str, entry: dict[str, Any]) -> None:
 
 
 #: Every top-level field a ``commit.json`` may have.
+#: The commit-record field that says when the save that made the checkpoint began its
+#: commit (nanoseconds since the epoch, the saving host's clock); a promotion carries it to
+#: the copy, so a checkpoint dates the same on every tier (:func:`saved_seconds`).
+SAVED_NS = "saved_ns"
+#: :func:`commit_record`'s ``saved_ns`` default: now.
+SAVED_NOW = -1
+
 _COMMIT_FIELDS = frozenset(
     {
         "format",
@@ -476,6 +486,7 @@ _COMMIT_FIELDS = frozenset(
         "files",
         MANAGER_REFS,
         "generation",
+        SAVED_NS,
         MANIFEST_CRC_FIELD,
     }
 )
@@ -486,10 +497,14 @@ def commit_record(
     files: Mapping[str, Mapping[str, int]],
     world_size: int,
     refs: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
+    *,
+    saved_ns: int | None = SAVED_NOW,
 ) -> dict[str, Any]:
     """The ``commit.json`` document of a CheckpointManager checkpoint (``refs``: the
-    references of an incremental one, relpath -> tensor name -> reference). Unsealed: the
-    writer seals it (:func:`seal_manifest`) once every field is set."""
+    references of an incremental one, relpath -> tensor name -> reference; ``saved_ns``:
+    when it was saved, see :data:`SAVED_NS`: now by default, a promotion passes the source's,
+    None where the source has none). Unsealed: the writer seals it (:func:`seal_manifest`)
+    once every field is set."""
     record: dict[str, Any] = {
         "format": MANAGER_FORMAT,
         "schema_version": MANAGER_SCHEMA_VERSION if refs else 1,
@@ -502,6 +517,10 @@ def commit_record(
             relpath: {name: dict(ref) for name, ref in names.items()}
             for relpath, names in refs.items()
         }
+    if saved_ns == SAVED_NOW:
+        saved_ns = time.time_ns()
+    if saved_ns is not None:
+        record[SAVED_NS] = saved_ns
     return record
 
 
@@ -627,7 +646,28 @@ def read_commit_record(directory: str | os.PathLike[str]) -> dict[str, Any]:
         )
     if generation is not None:
         check_name(generation, f"{path}: generation")
+    saved = record.get(SAVED_NS)
+    if saved is not None and (type(saved) is not int or saved < 0):
+        raise CheckpointFormatError(f"{path}: field {SAVED_NS!r} must be an int >= 0")
     return record
+
+
+def saved_seconds(directory: str | os.PathLike[str], record: str) -> float | None:
+    """When the checkpoint ``directory`` (whose commit record is the file ``record``) was
+    saved, in seconds since the epoch: its CheckpointManager record's :data:`SAVED_NS`, or
+    the time in the generation its sharded record names (to the millisecond); the same on
+    every tier it was promoted to. None for a record of an earlier version, one that names
+    neither, or one that cannot be read (damaged: verification says so)."""
+    directory = Path(directory)
+    try:
+        if record == COMMIT_RECORD:
+            saved = read_commit_record(directory).get(SAVED_NS)
+            return None if saved is None else saved / 1e9
+        generation = json.loads(read_record_bytes(directory, record)).get("generation")
+    except (OSError, ValueError, AttributeError, CheckpointFormatError):
+        return None
+    found = generation_order(generation) if isinstance(generation, str) else None
+    return None if found is None or found[0] == 0 else found[0] / 1e3
 
 
 def item_files(record: Mapping[str, Any], key: str, rank: int = 0) -> tuple[str, str]:

@@ -42,10 +42,11 @@ from fastckpt.container.promote_checkpoints import (
     CheckpointPromoter,
     NearestCheckpoint,
     committed_checkpoints,
-    dated_checkpoints,
     left_behind,
+    left_behind_margin,
     nearest_intact_checkpoint,
     prune_checkpoints,
+    tier_dates,
 )
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.errors import (
@@ -341,13 +342,14 @@ class CheckpointManager:
         real newest out of the durable retention. A durable tier that cannot be listed does
         not stop the manager (the promotion reports it)."""
         try:
-            ahead = left_behind(dated_checkpoints(fast), dated_checkpoints(durable))
+            here, there = tier_dates(fast), tier_dates(durable)
         except (OSError, FastCkptError):
             return False
+        ahead = left_behind(here.dates, there.dates, left_behind_margin(here, there))
         if ahead is None:
             return False
         _LOGGER.warning(
-            "%s looks left from an earlier run: %s holds %s, committed after every checkpoint "
+            "%s looks left from an earlier run: %s holds %s, saved after every checkpoint "
             "of it; its newest is not promoted (latest() takes the durable one)",
             display_path(fast),
             display_path(durable),

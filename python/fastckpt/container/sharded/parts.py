@@ -226,6 +226,7 @@ def sweep(
     *,
     writing: int | None = None,
     uncommitted: bool = True,
+    only_older: bool = False,
 ) -> list[Path]:
     """Remove the sharded parts of ``root`` that no committed index names and no live save
     is writing. Call it after a commit (the manifest read after it), preferably under the
@@ -238,7 +239,12 @@ def sweep(
       one, the parts whose writer died on this host;
     * never index ``writing`` (a save of it is under way), an index written before parts, an
       index whose ``strategy.json`` cannot be read (never delete on the word of a damaged
-      record), or names that are not indices.
+      record), or names that are not indices;
+    * ``only_older``: nothing but the uncommitted indices older than the latest, whole. For a
+      root that other processes promote into: the parts of a newer index, or another part of a
+      committed one, may be receiving other ranks' files under the name of a writer that is
+      gone (a node-local promotion after a restart, see
+      :mod:`fastckpt.container.sharded.promote`).
 
     Returns:
         The removed paths.
@@ -256,6 +262,8 @@ def sweep(
             continue
         index = int(directory.name)
         if index == writing:
+            continue
+        if only_older and (index in manifest.entries or latest is None or index >= latest):
             continue
         if index in manifest.entries:
             try:
