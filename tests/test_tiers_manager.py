@@ -243,6 +243,33 @@ def test_a_fast_tier_left_two_minutes_before_the_run_went_on_elsewhere_does_not_
     assert committed_checkpoints(durable)[-1] == "step_3"
 
 
+def test_a_stale_fast_copy_under_a_name_the_run_saved_again_is_not_restored(
+    tmp_path: Path,
+) -> None:
+    """The run that went on elsewhere saved step_1 again (other weights) and its newer
+    checkpoint is damaged: the fallback is the run's step_1 from the durable tier, not the
+    left-behind node's step_1 of the earlier run. Before, a name's copy on the fast tier came
+    first, and the earlier run's weights were restored as the run's step_1."""
+    old_node, durable = tmp_path / "old-node", tmp_path / "durable"
+    forget_promoted()
+    tiers = TiersConfig(fast=old_node, durable=durable)
+    with _clock_behind(3600), _manager(tiers) as manager:
+        earlier = _model()
+        with torch.no_grad():
+            earlier[1].weight.add_(1.0)  # the earlier run's weights
+        manager.save("step_1", {"model": earlier, "step": 1})
+    elsewhere = TiersConfig(fast=tmp_path / "other-node", durable=durable)
+    with _manager(elsewhere) as manager:
+        states = _run(manager, 3)  # step_0 .. step_2, promoted (step_1 replaced there)
+    _flip_last_byte(durable / "step_2" / "model.safetensors")
+    nearest = nearest_intact_checkpoint([old_node, durable])
+    assert nearest.path == durable / "step_1", nearest.describe()
+    assert "another run's checkpoint" in nearest.describe()
+    forget_promoted()
+    with _manager(tiers) as back:
+        assert _equal(_weights(back.load_latest()), states[1])
+
+
 def test_checkpoints_committed_within_one_timestamp_tick_keep_their_order(
     tmp_path: Path,
 ) -> None:

@@ -368,7 +368,9 @@ def nearest_intact_checkpoint(
     holds the checkpoint (the fast tier saw every save; a durable tier a subset, in order),
     except where a slower tier shows the faster ones to be left from an earlier run
     (:func:`left_behind`: it holds a checkpoint they lack, saved after all of theirs by more
-    than :func:`left_behind_margin`): that tier's order comes first, and ``skipped`` says so.
+    than :func:`left_behind_margin`): that tier's order comes first, ``skipped`` says so, and
+    their copy of a name it holds too is taken only where both date alike (within that
+    margin): otherwise it is another run's checkpoint under the same name.
 
     Raises:
         NotCommittedError: no tier holds an intact copy; the message lists what was passed
@@ -383,12 +385,15 @@ def nearest_intact_checkpoint(
             skipped.append(f"{display_path(tier)}: {err}")
     listings = [(tier, listed.dates) for tier, listed in found]
     ranked = list(listings)
+    stale: dict[Path, float] = {}  # a tier left behind -> the margin it was judged by
     for i, (tier, dates) in enumerate(listings[1:], start=1):
         faster: dict[str, float] = {}
         for _, earlier in listings[:i]:
             faster.update(earlier)
-        ahead = left_behind(faster, dates, left_behind_margin(*(t for _, t in found[: i + 1])))
+        margin = left_behind_margin(*(t for _, t in found[: i + 1]))
+        ahead = left_behind(faster, dates, margin)
         if ahead is not None:
+            stale.update((t, margin) for t, _ in listings[:i])
             newest = max(faster, key=lambda n: faster[n])
             places = ", ".join(display_path(t) for t, _ in listings[:i])
             skipped.append(
@@ -407,8 +412,15 @@ def nearest_intact_checkpoint(
     if name is not None:
         order = [name] if name in order else []
     for candidate in order:
+        dated = next(dates[candidate] for _, dates in ranked if candidate in dates)
         for tier, names in listings:
             if candidate not in names:
+                continue
+            if tier in stale and abs(names[candidate] - dated) > stale[tier]:
+                skipped.append(
+                    f"{display_path(tier / candidate)}: another run's checkpoint under that name "
+                    f"(saved {_date(names[candidate])}; the run's was saved {_date(dated)})"
+                )
                 continue
             problem = _problem(tier / candidate)
             if problem is None:
