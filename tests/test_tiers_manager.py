@@ -286,6 +286,27 @@ def test_checkpoints_committed_within_one_timestamp_tick_keep_their_order(
         os.utime(root / name / "commit.json", (tick, tick))
     assert committed_checkpoints(root) == names  # by name: step_10, step_11, step_8, step_9
     assert nearest_intact_checkpoint([root]).name == "step_11"
+    # fastckpt ls and prune of the directory take the manager's order, and prune keeps the
+    # newest checkpoint that verifies, as the manager's retention does.
+    assert [row["name"] for row in _cli("ls", str(root), "--json")["checkpoints"]] == names
+    assert _cli("prune", str(root), "--keep-last", "1", "--dry-run", "--json")["deleted"] == [
+        "step_8",
+        "step_9",
+        "step_10",
+    ]
+    _flip_last_byte(root / "step_11" / "model.safetensors")
+    pruned = _cli("prune", str(root), "--keep-last", "1", "--json")
+    assert (pruned["deleted"], pruned["kept"]) == (["step_8", "step_9"], ["step_10", "step_11"])
+    assert committed_checkpoints(root) == ["step_10", "step_11"]
+
+
+def _cli(*args: str) -> Any:
+    """``fastckpt ARGS`` in a fresh process; its JSON output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "fastckpt", *args], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
 
 
 def test_retention_keeps_what_waits_for_promotion_and_the_newest_intact(tmp_path: Path) -> None:

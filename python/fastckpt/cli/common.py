@@ -11,7 +11,14 @@ from typing import Any
 
 from fastckpt.cli.status import EXIT_BAD, EXIT_ERROR, EXIT_OK, EXIT_UNCHECKED, UserError
 from fastckpt.container.kinds import Container, SavedContainer, open_container
-from fastckpt.format.records import COMMIT_RECORD, MANIFEST, Manifest, by_commit_time, load_json
+from fastckpt.format.records import (
+    COMMIT_RECORD,
+    MANIFEST,
+    Manifest,
+    by_commit_time,
+    load_json,
+    save_dated,
+)
 from fastckpt.storage.registry import backend_for, is_local
 
 __all__ = ["EXIT_BAD", "EXIT_ERROR", "EXIT_OK", "EXIT_UNCHECKED", "UserError", "locate"]
@@ -53,8 +60,9 @@ def locate(text: str | os.PathLike[str]) -> Container:
 
 def manager_children(text: str | os.PathLike[str]) -> list[Path]:
     """The CheckpointManager checkpoints directly inside ``text`` (what ``fastckpt ls`` lists
-    there), oldest commit first; empty when ``text`` is itself a checkpoint or no local
-    directory."""
+    there), oldest first as the manager orders them (when each was saved, see
+    :func:`fastckpt.format.records.save_dated`); empty when ``text`` is itself a checkpoint
+    or no local directory."""
     path = Path(text)
     backend = backend_for(path)
     if is_local(backend) and not path.is_dir():
@@ -71,7 +79,7 @@ def manager_children(text: str | os.PathLike[str]) -> list[Path]:
         info = backend.stat(record)
         if info.regular:
             stamps[name] = (info.modified or 0.0, COMMIT_RECORD)
-    return [path / name for name in by_commit_time(path, stamps)]
+    return [path / name for name in by_commit_time(path, save_dated(path, stamps)[0])]
 
 
 def needs_root(container: Container) -> UserError:

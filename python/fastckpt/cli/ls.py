@@ -35,6 +35,7 @@ from fastckpt.format.records import (
     by_commit_time,
     read_commit_record,
     record_file,
+    save_dated,
 )
 from fastckpt.io.paths import safe_join
 from fastckpt.storage.backend import StorageBackend
@@ -130,8 +131,9 @@ def _ls_managers(parent: Path) -> dict[str, Any]:
 def _by_commit_time(
     backend: StorageBackend, parent: Path, rows: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """``rows`` oldest commit first, as the manager orders them (an object store's dates
-    are to the second: ties go by the records' generations, see
+    """``rows`` oldest first, as the manager orders them: by when each was saved (see
+    :func:`fastckpt.format.records.save_dated`), or when the store dated its record (an
+    object store's dates are to the second: ties go by the records' generations, see
     :func:`fastckpt.format.records.by_commit_time`); rows whose record cannot be dated last."""
     stamps: dict[str, tuple[float, str]] = {}
     for row in rows:
@@ -141,7 +143,7 @@ def _by_commit_time(
         except OSError:
             continue
         stamps[row["name"]] = (info.modified or 0.0, record)
-    rank = {name: i for i, name in enumerate(by_commit_time(parent, stamps))}
+    rank = {name: i for i, name in enumerate(by_commit_time(parent, save_dated(parent, stamps)[0]))}
     return sorted(rows, key=lambda row: rank.get(row["name"], len(rank)))
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import socket
 import sys
 from pathlib import Path
@@ -22,13 +20,17 @@ from fastckpt.cli.render import (
 )
 from fastckpt.container.kinds import RootContainer
 from fastckpt.container.links import file_inodes, freed_bytes
+from fastckpt.container.promote_checkpoints import (
+    committed_checkpoints,
+    doomed_checkpoints,
+    remove_checkpoint,
+)
 from fastckpt.container.refs import referenced_indices
 from fastckpt.errors import FastCkptError
 from fastckpt.format.records import COMMIT_RECORD, MANIFEST, Manifest
 from fastckpt.io.progress import format_bytes
-from fastckpt.storage.backend import TEMP_PREFIX
 from fastckpt.storage.lock import LOCK_FILE, lock_holder
-from fastckpt.storage.registry import backend_for, display_path, is_object_url
+from fastckpt.storage.registry import backend_for, display_path, is_local, is_object_url
 
 # --------------------------------------------------------------------------- the root lock
 
@@ -81,19 +83,21 @@ def announce_lock(root: Path, timeout: float | None) -> None:
 
 
 def _prune_managers(args: argparse.Namespace, children: list[Path]) -> int:
-    """Delete all but the newest N (by commit time) manager checkpoints of a directory.
-
-    Each is first renamed to a hidden ``.tmp-`` sibling (atomic: ``ls`` stops listing it, and
-    an interrupted delete leaves only a leftover recognised as such), then removed."""
-    doomed = children[: -args.keep_last] if len(children) > args.keep_last else []
-    kept = [child for child in children if child not in doomed]
-    # Incremental saves: files a kept checkpoint hard-links are not freed.
-    freed = freed_bytes(doomed, kept)
+    """Delete all but the newest N manager checkpoints of a directory, as a manager's
+    retention does (:func:`~fastckpt.container.promote_checkpoints.prune_checkpoints`: in the
+    manager's order, never the newest one that verifies; each removed commit record first, so
+    that an interrupted delete leaves only a leftover recognised as such)."""
+    root = children[0].parent
+    children = [root / name for name in committed_checkpoints(root)]  # sharded ones too
+    doomed_names = set(doomed_checkpoints(root, args.keep_last))
+    doomed = [child for child in children if child.name in doomed_names]
+    kept = [child for child in children if child.name not in doomed_names]
+    # Incremental saves: files a kept checkpoint hard-links are not freed. Not counted on an
+    # object store (None).
+    freed = freed_bytes(doomed, kept) if is_local(backend_for(root)) else None
     if not args.dry_run:
         for child in doomed:
-            aside = child.with_name(f"{TEMP_PREFIX}pruned-{os.getpid()}-{child.name}")
-            os.rename(child, aside)
-            shutil.rmtree(aside)
+            remove_checkpoint(child)
     if args.json:
         print_json(
             {
@@ -114,10 +118,14 @@ def _prune_managers(args: argparse.Namespace, children: list[Path]) -> int:
             f"nothing to delete: {len(children)} checkpoint(s), keeping the last {args.keep_last}"
         )
     elif args.dry_run:
-        print(f"would delete {names} ({format_bytes(freed)}); would keep {kept_text}")
+        print(f"would delete {names}{_freed_text(freed, '')}; would keep {kept_text}")
     else:
-        print(f"deleted {names} ({format_bytes(freed)} freed); kept {kept_text}")
+        print(f"deleted {names}{_freed_text(freed, ' freed')}; kept {kept_text}")
     return EXIT_OK
+
+
+def _freed_text(freed: int | None, suffix: str) -> str:
+    return "" if freed is None else f" ({format_bytes(freed)}{suffix})"
 
 
 # --------------------------------------------------------------------------- fastckpt prune

@@ -50,7 +50,7 @@ from fastckpt.format.records import (
     commit_record,
     read_commit_record,
     read_record_bytes,
-    saved_seconds,
+    save_dated,
 )
 from fastckpt.io.paths import check_name, check_relpath
 from fastckpt.storage.backend import TEMP_PREFIX
@@ -65,6 +65,7 @@ __all__ = [
     "TierDates",
     "committed_checkpoints",
     "dated_checkpoints",
+    "doomed_checkpoints",
     "left_behind",
     "left_behind_margin",
     "nearest_intact_checkpoint",
@@ -123,8 +124,7 @@ def tier_dates(root: str | os.PathLike[str]) -> TierDates:
     (:func:`fastckpt.format.records.by_commit_time`)."""
     root = Path(root)
     backend = backend_for(root)
-    found: dict[str, tuple[float, str]] = {}  # name -> (date, record file)
-    every_saved = True
+    found: dict[str, tuple[float, str]] = {}  # name -> (store date, record file)
     for name in backend.list_dir(root):
         if name.startswith("."):
             continue  # staging areas, trash, locks
@@ -134,11 +134,10 @@ def tier_dates(root: str | os.PathLike[str]) -> TierDates:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             if info.regular:
-                saved = saved_seconds(root / name, record)
-                every_saved = every_saved and saved is not None
-                found[name] = ((info.modified or 0.0) if saved is None else saved, record)
+                found[name] = (info.modified or 0.0, record)
                 break
-    return TierDates({name: found[name][0] for name in by_commit_time(root, found)}, every_saved)
+    dated, undated = save_dated(root, found)
+    return TierDates({name: dated[name][0] for name in by_commit_time(root, dated)}, not undated)
 
 
 def left_behind(
@@ -314,6 +313,20 @@ def prune_checkpoints(
     Raises:
         ValueError: ``keep_last < 1``.
     """
+    doomed = doomed_checkpoints(root, keep_last, spare=spare)
+    for name in doomed:
+        remove_checkpoint(Path(root) / name)
+    return doomed
+
+
+def doomed_checkpoints(
+    root: str | os.PathLike[str], keep_last: int, *, spare: Collection[str] = ()
+) -> list[str]:
+    """What :func:`prune_checkpoints` would delete (oldest first), without deleting it.
+
+    Raises:
+        ValueError: ``keep_last < 1``.
+    """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the newest is never deleted), got {keep_last}")
     root = Path(root)
@@ -330,8 +343,6 @@ def prune_checkpoints(
                 )
                 doomed.remove(name)
                 break
-    for name in doomed:
-        remove_checkpoint(root / name)
     return doomed
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "read_commit_record",
     "read_record_bytes",
     "record_file",
+    "save_dated",
     "saved_seconds",
     "seal_manifest",
     "tensor_reference",
@@ -552,13 +553,31 @@ def generation_order(name: str) -> tuple[int, str] | None:
     return None
 
 
+def save_dated(
+    root: str | os.PathLike[str], found: Mapping[str, tuple[float, str]]
+) -> tuple[dict[str, tuple[float, str]], list[str]]:
+    """The checkpoints ``found`` in ``root`` (name -> (when the store dates its commit record;
+    the record's file name)) dated by when each was saved where its record says
+    (:func:`saved_seconds`, one read of each record), and the names whose record does not
+    (they keep the store's date)."""
+    dated: dict[str, tuple[float, str]] = {}
+    undated: list[str] = []
+    for name, (stored, record) in found.items():
+        saved = saved_seconds(Path(root) / name, record)
+        if saved is None:
+            undated.append(name)
+        dated[name] = (stored if saved is None else saved, record)
+    return dated, undated
+
+
 def by_commit_time(
     root: str | os.PathLike[str], found: Mapping[str, tuple[float, str]]
 ) -> list[str]:
-    """The checkpoints ``found`` in ``root`` (name -> (when its commit record was written, as
-    the store dates it; the record's file name)), oldest first. Where the store dates two
-    alike (S3 dates objects to the second), they go by the generations their records name
-    (to the millisecond, see :func:`generation_order`), then by name."""
+    """The checkpoints ``found`` in ``root`` (name -> (its date: when it was saved, see
+    :func:`save_dated`, or when the store dated its commit record; the record's file name)),
+    oldest first. Where two date alike (S3 dates objects to the second), they go by the
+    generations their records name (to the millisecond, see :func:`generation_order`), then by
+    name."""
     ties: dict[float, int] = {}
     for modified, _ in found.values():
         ties[modified] = ties.get(modified, 0) + 1
