@@ -458,7 +458,15 @@ def test_checkpoints_promoted_to_s3_within_one_second_keep_their_order(
     with _manager(tiers) as restorer:
         assert restorer.latest().name == names[-1]
         assert restorer.load_latest()["step"] == len(names) - 1
-    prune_checkpoints(durable, keep_last=1)
+    pruned = subprocess.run(  # fastckpt prune of the S3 directory: the manager's order
+        [sys.executable, "-m", "fastckpt", "prune", durable, "--keep-last", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **s3_env},
+    )
+    assert pruned.returncode == 0, pruned.stderr
+    assert json.loads(pruned.stdout)["deleted"] == names[:-1]
     assert committed_checkpoints(durable) == names[-1:]
 
 
