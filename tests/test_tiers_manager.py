@@ -37,7 +37,12 @@ from fastckpt.container.promote_checkpoints import (
     prune_checkpoints,
     remove_checkpoint,
 )
-from fastckpt.errors import ChecksumMismatchError, NotCommittedError, PromotionError
+from fastckpt.errors import (
+    CheckpointFormatError,
+    ChecksumMismatchError,
+    NotCommittedError,
+    PromotionError,
+)
 from fastckpt.format import records
 from fastckpt.format.records import read_commit_record
 from fastckpt.manager import CheckpointManager, TiersConfig
@@ -298,6 +303,27 @@ def test_checkpoints_committed_within_one_timestamp_tick_keep_their_order(
     pruned = _cli("prune", str(root), "--keep-last", "1", "--json")
     assert (pruned["deleted"], pruned["kept"]) == (["step_8", "step_9"], ["step_10", "step_11"])
     assert committed_checkpoints(root) == ["step_10", "step_11"]
+
+
+@pytest.mark.parametrize("value", ["1796411348945721639", -1, True, 1.5])
+def test_a_commit_record_with_a_malformed_saved_ns_is_refused_naming_the_field(
+    tmp_path: Path, value: object
+) -> None:
+    """A sealed record whose saved_ns is not an int >= 0 is refused as malformed (it would
+    otherwise order the checkpoint anywhere); listing the tier still works (it is undated)."""
+    root = tmp_path / "fast"
+    with _manager(TiersConfig(fast=root, durable=tmp_path / "durable")) as manager:
+        manager.save("step_0", {"model": _model()})
+    path = root / "step_0" / "commit.json"
+    record = json.loads(path.read_text())
+    record.pop(records.MANIFEST_CRC_FIELD, None)
+    record["saved_ns"] = value
+    path.write_text(json.dumps(records.seal_manifest(record)))
+    with pytest.raises(CheckpointFormatError, match="saved_ns"):
+        read_commit_record(root / "step_0")
+    assert committed_checkpoints(root) == ["step_0"]
+    with pytest.raises(NotCommittedError, match="saved_ns"):
+        nearest_intact_checkpoint([root])
 
 
 def _cli(*args: str) -> Any:
