@@ -714,9 +714,9 @@ def _referenced(manifest: Manifest) -> set[int]:
 
 def _clean_object_root(root: Path, backend: StorageBackend, writing: int | None) -> list[str]:
     """:func:`clean_leftovers` on an object store: index prefixes the manifest does not name
-    that are older than its latest index (with their unfinished uploads), and sharded parts no
-    committed index names but those of index ``writing``. Newer index prefixes are deleted by
-    the next save of that index."""
+    that are older than its latest index (with their unfinished uploads), and the sharded parts
+    of such indices (see :func:`_sweep_sharded`). Newer index prefixes are deleted by the next
+    save of that index."""
     try:
         manifest = Manifest.load(root)
     except (CheckpointFormatError, OSError):
