@@ -470,14 +470,14 @@ def _check_entry_fields(where: str, entry: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- commit.json
 
 
-#: Every top-level field a ``commit.json`` may have.
-#: The commit-record field that says when the save that made the checkpoint began its
-#: commit (nanoseconds since the epoch, the saving host's clock); a promotion carries it to
+#: The commit-record field that says when the save that made the checkpoint built its commit
+#: record (nanoseconds since the epoch, the saving host's clock); a promotion carries it to
 #: the copy, so a checkpoint dates the same on every tier (:func:`saved_seconds`).
 SAVED_NS = "saved_ns"
 #: :func:`commit_record`'s ``saved_ns`` default: now.
 SAVED_NOW = -1
 
+#: Every top-level field a ``commit.json`` may have.
 _COMMIT_FIELDS = frozenset(
     {
         "format",
@@ -678,15 +678,14 @@ def saved_seconds(directory: str | os.PathLike[str], record: str) -> float | Non
     every tier it was promoted to. None for a record of an earlier version, one that names
     neither, or one that cannot be read (damaged: verification says so)."""
     directory = Path(directory)
+    if record != COMMIT_RECORD:
+        millis = _generation_millis(directory, record)
+        return None if millis == 0 else millis / 1e3
     try:
-        if record == COMMIT_RECORD:
-            saved = read_commit_record(directory).get(SAVED_NS)
-            return None if saved is None else saved / 1e9
-        generation = json.loads(read_record_bytes(directory, record)).get("generation")
+        saved = read_commit_record(directory).get(SAVED_NS)
     except (OSError, ValueError, AttributeError, CheckpointFormatError):
         return None
-    found = generation_order(generation) if isinstance(generation, str) else None
-    return None if found is None or found[0] == 0 else found[0] / 1e3
+    return None if saved is None else saved / 1e9
 
 
 def item_files(record: Mapping[str, Any], key: str, rank: int = 0) -> tuple[str, str]:
