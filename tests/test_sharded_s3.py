@@ -31,9 +31,10 @@ from fastckpt.container.sharded.commit import RECORD_NAME
 from fastckpt.container.sharded.promote import upload_rank_files
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.records import Manifest
-from s3_support import S3Server, s3_server
+from fastckpt.storage.s3.errors import AccessDeniedError
+from s3_support import S3Server, no_aws_env, s3_env, s3_root, s3_server
 
-__all__ = ["s3_server"]  # a fixture used by name below
+__all__ = ["no_aws_env", "s3_env", "s3_root", "s3_server"]  # fixtures used by name below
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -516,3 +517,40 @@ def test_fastckpt_promote_on_each_node_finishes_a_node_local_promotion(
     assert node0.returncode == 0, node0.stderr
     assert json.loads(node0.stdout)["promoted"] == [2]
     assert fastckpt.verify(durable).ok
+
+
+def test_a_sharded_writer_or_reader_without_credentials_fails_when_made(
+    no_aws_env: None, s3_root: str
+) -> None:
+    """No credentials anywhere: making the writer (or reader) is the typed error naming the
+    URL and the fix, before any training step or save."""
+    with pytest.raises(AccessDeniedError, match=f"{s3_root}.*no AWS credentials"):
+        fastckpt.dcp.Writer(f"{s3_root}/ckpt")
+    with pytest.raises(AccessDeniedError, match=f"{s3_root}.*no AWS credentials"):
+        fastckpt.dcp.Reader(f"{s3_root}/ckpt")
+
+
+def test_the_first_sharded_save_and_load_set_up_no_client(
+    s3_env: dict[str, str], s3_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's clients are built with the writer and the reader, so the first save and
+    load stall no longer than later ones: with client construction made to fail after that,
+    a save (commit and clean-up included) and a load still succeed, bitwise."""
+    import boto3.session
+    import obstore.store
+    import torch.distributed.checkpoint as dcp
+
+    url = f"{s3_root}/first"
+    writer = fastckpt.dcp.Writer(url)
+    reader = fastckpt.dcp.Reader(url)
+
+    def no_new_client(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a client was built during the save or load")
+
+    monkeypatch.setattr(boto3.session, "Session", no_new_client)
+    monkeypatch.setattr(obstore.store, "S3Store", no_new_client)
+    state = {"w": torch.arange(4096, dtype=torch.float32), "step": 7}
+    dcp.save(state, storage_writer=writer)
+    loaded = {"w": torch.zeros(4096), "step": 0}
+    dcp.load(loaded, storage_reader=reader)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 7

@@ -108,7 +108,8 @@ class Reader(StorageReader):
         verify: bool = True,
         stage_bytes: int | None = DEFAULT_STAGE_BYTES,
     ) -> None:
-        """Point the reader at ``path``; nothing is read until a load."""
+        """Point the reader at ``path``; nothing is read until a load (on object storage the
+        store's client is built here)."""
         super().__init__()
         if stage_bytes is not None and stage_bytes < 0:
             raise ValueError(f"stage_bytes={stage_bytes} must be >= 0 (or None)")
@@ -123,6 +124,8 @@ class Reader(StorageReader):
         self._metadata_error: BaseException | None = None
         self.passes: Passes = "both"
         self._held: _Held | None = None
+        # The store's client (cached per process) is built now, not by the first load.
+        backend_for(self.path)
 
     # ------------------------------------------------------------------ DCP protocol
 
@@ -130,6 +133,7 @@ class Reader(StorageReader):
         """Start a new load, optionally from another checkpoint directory."""
         if checkpoint_id:
             self.path = Path(checkpoint_id)
+            backend_for(self.path)
         self._record = None
         self._pinned = None
         self._metadata_error = None

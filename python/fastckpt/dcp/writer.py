@@ -10,8 +10,8 @@ future = dcp.async_save(state, storage_writer=fastckpt.dcp.Writer("ckpt/step-200
 
 DCP plans (which rank writes which chunk, deduplication); the writer stores each rank's chunks
 in safetensors files written by the Rust core (crc32c per entry, temp -> fsync -> rename; on
-an ``s3://`` checkpoint id, each rank's own parallel multipart uploads, crc32c computed in the
-same pass), with
+an ``s3://`` checkpoint id, each rank's own parallel multipart uploads, each tensor's crc32c
+computed just before, for the header at the object's front), with
 DCP's sharding offsets in the header (``DCP_SHARDING_INFO``, as torch's own safetensors
 writer records them), non-tensor values without pickle, and commits with a JSON record written
 last by the coordinator (see :mod:`fastckpt.container.sharded.commit`).
@@ -99,7 +99,9 @@ class Writer(StorageWriter, DcpStager):
         node_local: bool = False,
         _extensions: Sequence[Any] | None = None,
     ) -> None:
-        """Point the writer at ``path``; nothing is written until a save."""
+        """Point the writer at ``path``; nothing is written until a save. On object storage
+        the store's clients are built here, not by the first save (which would stall that
+        long longer)."""
         if _extensions:
             names = ", ".join(type(extension).__name__ for extension in _extensions)
             raise ValueError(
@@ -123,6 +125,7 @@ class Writer(StorageWriter, DcpStager):
         self.rank = 0
         self._generation: str | None = None
         self.save_id = new_generation()
+        backend_for(self.path).prepare_writer()
 
     # ------------------------------------------------------------------ DCP protocol
 
@@ -130,6 +133,7 @@ class Writer(StorageWriter, DcpStager):
         """Start a new save, optionally into another checkpoint directory."""
         if checkpoint_id:
             self.path = Path(checkpoint_id)
+            backend_for(self.path).prepare_writer()
         self.save_id = new_generation()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -336,6 +336,12 @@ class StorageBackend(ABC):
     def lock(self, root: Path, *, timeout: float | None = None) -> WriterLock:
         """The exclusive writer lock of ``root`` (not yet acquired)."""
 
+    def prepare_writer(self) -> None:
+        """Set up now what a writer's first save would otherwise set up on its way (clients,
+        connections): a writer created before training calls this, so that its first save
+        stalls no longer than the next. Nothing to do on a filesystem."""
+        return None
+
 
 # --------------------------------------------------------------------------- local filesystem
 

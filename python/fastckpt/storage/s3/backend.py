@@ -362,6 +362,11 @@ class S3Backend(StorageBackend):
             self.client, S3Url.parse(root), timeout=timeout, ttl_s=self.client.options.lease_ttl_s
         )
 
+    def prepare_writer(self) -> None:
+        """Build the client a commit lists and aborts unfinished uploads with (boto3: its
+        import and set-up take a few hundred ms, which a writer's first commit would pay)."""
+        self.client.control_client()
+
 
 class S3Staging(Staging):
     """Files of one container put under their final keys (see the module docstring).

@@ -240,6 +240,11 @@ class S3Client:
                 )
             return self._boto[transfer]
 
+    def control_client(self) -> None:
+        """Build the boto3 client of the calls obstore lacks (listing and aborting multipart
+        uploads) now, not at the first such call."""
+        self._control()
+
     # ------------------------------------------------------------------------------ objects
 
     def put(self, key: str, data: bytes, *, mode: str | dict[str, Any] = "overwrite") -> str | None:
