@@ -554,3 +554,42 @@ def test_the_first_sharded_save_and_load_set_up_no_client(
     loaded = {"w": torch.zeros(4096), "step": 0}
     dcp.load(loaded, storage_reader=reader)
     assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 7
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_the_clean_up_before_replacing_an_older_index_keeps_its_uploaded_shards(
+    where: str, s3_server: S3Server, s3_env: dict[str, str], s3_root: str, tmp_path: Path
+) -> None:
+    """A sharded save with ``checkpoint_index=2`` into a root holding 0, 3 and 5 uploads its
+    shards to ``sharded/2/<part>`` before the index writer's clean-up runs: that clean-up
+    (``clean_leftovers(writing=2)``) sweeps uncommitted older indices, but never the one being
+    written, on S3 as on a local root. Before, on S3 it deleted the part, and index 2 was
+    committed naming shards that no longer existed."""
+    from fastckpt.container.commit import clean_leftovers
+    from fastckpt.container.sharded.parts import new_part
+
+    root = Path(s3_root) if where == "s3" else tmp_path / "root"
+    for index in (0, 3, 5):
+        fastckpt.save_checkpoint(root, {"m": (torch.nn.Linear(2, 2), None)}, checkpoint_index=index)
+    shard = f"sharded/2/{new_part()}/g0000000000000-00000000/rank-00000.safetensors"
+    stale = "sharded/1/p0000000000001-00000000.1.gone/g0000000000000-00000000/x.safetensors"
+    if where == "s3":
+        client, prefix = s3_server.client(), s3_root.split("/", 3)[3]
+        for key in (shard, stale):
+            client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/{key}", Body=b"shard")
+
+        def held() -> list[str]:
+            listed = client.list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{prefix}/sharded/")
+            return sorted(o["Key"][len(prefix) + 1 :] for o in listed.get("Contents", []))
+    else:
+        for key in (shard, stale):
+            (root / key).parent.mkdir(parents=True, exist_ok=True)
+            (root / key).write_bytes(b"shard")
+
+        def held() -> list[str]:
+            files = (root / "sharded").rglob("*")
+            return sorted(str(p.relative_to(root)) for p in files if p.is_file())
+
+    assert held() == sorted([shard, stale])
+    clean_leftovers(root, writing=2)
+    assert held() == [shard]  # uncommitted index 1's part went, index 2's stays

@@ -638,7 +638,7 @@ def clean_leftovers(
     removed: list[str] = []
     backend = backend_for(root)
     if not is_local(backend):
-        return _clean_object_root(root, backend)
+        return _clean_object_root(root, backend, writing)
     if not root.is_dir():
         return removed
     try:
@@ -712,7 +712,7 @@ def _referenced(manifest: Manifest) -> set[int]:
         return set(range((manifest.latest or 0) + 1))
 
 
-def _clean_object_root(root: Path, backend: StorageBackend) -> list[str]:
+def _clean_object_root(root: Path, backend: StorageBackend, writing: int | None) -> list[str]:
     """:func:`clean_leftovers` on an object store: index prefixes the manifest does not name
     that are older than its latest index (with their unfinished uploads), and the sharded parts
     of such indices (see :func:`_sweep_sharded`). Newer index prefixes are deleted by the next
@@ -729,7 +729,8 @@ def _clean_object_root(root: Path, backend: StorageBackend) -> list[str]:
         if _is_index_name(name) and int(name) < latest and int(name) not in manifest.entries:
             backend.delete(root / name)
             removed.append(name)
-    return removed + _sweep_sharded(root, manifest)  # only older indices: never one saved now
+    # Only older indices, but never ``writing``: a save may replace an older index.
+    return removed + _sweep_sharded(root, manifest, writing)
 
 
 def _remember_record_version(backend: StorageBackend, final: Path) -> None:
