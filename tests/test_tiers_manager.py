@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -30,12 +31,14 @@ import torch
 import fastckpt
 from fastckpt.container.promote import forget_promoted
 from fastckpt.container.promote_checkpoints import (
+    CheckpointPromoter,
     committed_checkpoints,
     left_behind,
     nearest_intact_checkpoint,
     promote_checkpoint,
     prune_checkpoints,
     remove_checkpoint,
+    tier_dates,
 )
 from fastckpt.errors import (
     CheckpointFormatError,
@@ -273,6 +276,112 @@ def test_a_stale_fast_copy_under_a_name_the_run_saved_again_is_not_restored(
     forget_promoted()
     with _manager(tiers) as back:
         assert _equal(_weights(back.load_latest()), states[1])
+
+
+def test_a_fast_tier_holding_only_names_the_run_saved_again_does_not_win(
+    tmp_path: Path,
+) -> None:
+    """The node saved step_0 and step_1 an hour ago; the run went on elsewhere and saved (and
+    promoted) step_0 and step_1 again, with other weights, so the durable tier holds no name
+    the node lacks. The node is still judged left behind (the durable copies were saved after
+    all of its checkpoints): the run's step_1 is restored, and the node's stale step_1 is not
+    promoted over it. Before, only a name the fast tier lacked counted: the stale step_1 was
+    restored, then promoted over the durable step_1, losing the run's newest everywhere."""
+    old_node, durable = tmp_path / "old-node", tmp_path / "durable"
+    forget_promoted()
+    tiers = TiersConfig(fast=old_node, durable=durable)
+    with _clock_behind(3600), _manager(tiers) as manager:
+        stale = _model()
+        with torch.no_grad():
+            stale[1].weight.add_(1.0)  # the earlier attempt's weights
+        for step in range(2):
+            manager.save(f"step_{step}", {"model": stale, "step": step})
+    elsewhere = TiersConfig(fast=tmp_path / "other-node", durable=durable)
+    with _manager(elsewhere) as manager:
+        states = _run(manager, 2)  # step_0, step_1 again, promoted
+    saved_ns = read_commit_record(durable / "step_1")["saved_ns"]
+    forget_promoted()
+    with _manager(tiers) as back:
+        nearest = back.latest()
+        assert nearest.path == durable / "step_1", nearest.describe()
+        assert "left from an earlier run" in nearest.describe()
+        assert _equal(_weights(back.load_latest()), states[1])
+        assert back.promoter is not None
+        back.promoter.wait()
+    assert read_commit_record(durable / "step_1")["saved_ns"] == saved_ns
+    assert committed_checkpoints(durable) == ["step_0", "step_1"]
+
+
+def test_a_promotion_never_replaces_a_later_save_under_the_same_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever queued it, a promotion of an older save of step_1 over a durable step_1 saved
+    later (by the run that went on elsewhere) is skipped with a warning naming both."""
+    old_node, durable = tmp_path / "old-node", tmp_path / "durable"
+    forget_promoted()
+    with _clock_behind(3600), _manager(TiersConfig(fast=old_node, durable=durable)) as manager:
+        manager.save("step_1", {"model": _model(), "step": 1})
+    elsewhere = TiersConfig(fast=tmp_path / "other-node", durable=durable)
+    with _manager(elsewhere) as manager:
+        states = _run(manager, 2)
+    promoter = CheckpointPromoter(old_node, durable)
+    with caplog.at_level(logging.WARNING):
+        outcome = promoter.run_here()  # nothing queued: nothing happens
+        promoter.enqueue("step_1")
+        outcome = promoter.run_here()
+    assert outcome == {"promoted": [], "done": ["step_1"]}
+    assert "was saved later" in caplog.text and str(durable / "step_1") in caplog.text
+    with _manager(TiersConfig(fast=tmp_path / "fresh", durable=durable)) as manager:
+        assert _equal(_weights(manager.load(durable / "step_1")), states[1])
+
+
+def test_a_checkpoint_of_an_earlier_version_promoted_late_keeps_its_place(
+    tmp_path: Path,
+) -> None:
+    """The first run after an upgrade: the fast tier's step_100 was saved by an earlier
+    version (its record has no save date), its promotion finishes after the run saved
+    step_110. The durable copy dates by when step_100 was saved (its record's date on the
+    fast tier), so the durable tier's retention keeps step_110. Before, the copy was dated by
+    its promotion, after step_110, and ``keep_last=1`` deleted step_110."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    forget_promoted()
+    with _manager(TiersConfig(fast=fast, durable=tmp_path / "elsewhere")) as manager:
+        manager.save("step_100", {"model": _model()})
+        record = json.loads((fast / "step_100" / "commit.json").read_text())
+        del record["saved_ns"], record[records.MANIFEST_CRC_FIELD]  # as an earlier version
+        (fast / "step_100" / "commit.json").write_text(json.dumps(records.seal_manifest(record)))
+        os.utime(fast / "step_100" / "commit.json", (time.time() - 60, time.time() - 60))
+        manager.save("step_110", {"model": _model()})
+    promote_checkpoint(fast / "step_110", durable / "step_110")
+    promote_checkpoint(fast / "step_100", durable / "step_100")  # late
+    assert committed_checkpoints(durable) == ["step_100", "step_110"]
+    assert prune_checkpoints(durable, 1) == ["step_100"]
+    assert committed_checkpoints(durable) == ["step_110"]
+
+
+def test_a_damaged_record_does_not_widen_the_left_behind_margin(tmp_path: Path) -> None:
+    """A tier whose commit records give save dates stays judged by the 5 s margin when one
+    record is damaged (it is no record of an earlier version): a node back two minutes after
+    the run went on elsewhere still restores the run's newest. Before, the damaged record
+    counted as undated, the margin went back to 10 minutes and the node's step_1 won."""
+    old_node, durable = tmp_path / "old-node", tmp_path / "durable"
+    forget_promoted()
+    tiers = TiersConfig(fast=old_node, durable=durable)
+    with _clock_behind(120), _manager(tiers) as manager:
+        _run(manager, 2)
+    elsewhere = TiersConfig(fast=tmp_path / "other-node", durable=durable)
+    with _manager(elsewhere) as manager:
+        states = _run(manager, 4)
+    record = old_node / "step_0" / "commit.json"
+    stamp = record.stat()
+    _flip_last_byte(record)  # bit rot: the date stays (two minutes ago, as its saved_ns)
+    os.utime(record, ns=(stamp.st_atime_ns, stamp.st_mtime_ns - 120 * 10**9))
+    assert tier_dates(old_node).saved and list(tier_dates(old_node).dates) == ["step_0", "step_1"]
+    nearest = nearest_intact_checkpoint([old_node, durable])
+    assert nearest.path == durable / "step_3", nearest.describe()
+    forget_promoted()
+    with _manager(tiers) as back:
+        assert _equal(_weights(back.load_latest()), states[3])
 
 
 def test_checkpoints_committed_within_one_timestamp_tick_keep_their_order(

@@ -1,20 +1,35 @@
-"""The committed indices of a ``save_checkpoint`` root, read from its manifest alone.
+"""What a checkpoint root holds: the committed indices of a ``save_checkpoint`` root (read from
+its manifest alone), and the committed CheckpointManager checkpoints of a directory (a tier
+root), oldest first.
 
 Listing needs neither torch nor the tensor files (``fastckpt ls`` starts without importing
-torch); :func:`fastckpt.list_checkpoints` is this function.
+torch); :func:`fastckpt.list_checkpoints` is the first.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from fastckpt.container.links import split_sizes
-from fastckpt.format.records import Manifest
-from fastckpt.storage.registry import use_storage_options
+from fastckpt.format.records import (
+    COMMIT_RECORD,
+    SHARDED_RECORD,
+    Manifest,
+    by_commit_time,
+    save_dated,
+)
+from fastckpt.storage.registry import backend_for, use_storage_options
 
-__all__ = ["list_checkpoints"]
+__all__ = [
+    "TierDates",
+    "committed_checkpoints",
+    "dated_checkpoints",
+    "list_checkpoints",
+    "tier_dates",
+]
 
 
 def list_checkpoints(
@@ -57,3 +72,51 @@ def list_checkpoints(
             }
         )
     return rows
+
+
+class TierDates(NamedTuple):
+    """The committed checkpoints of a tier root, oldest first (:func:`tier_dates`)."""
+
+    #: name -> when it was saved (seconds since the epoch), or where its record does not say
+    #: (an earlier fastckpt version), when the store dates its commit record.
+    dates: dict[str, float]
+    #: Every date is a save time (none is the store's).
+    saved: bool
+
+
+def committed_checkpoints(root: str | os.PathLike[str]) -> list[str]:
+    """The names of the committed CheckpointManager checkpoints in the tier root ``root``
+    (of sharded state too), oldest first (see :func:`tier_dates`). A root that does not
+    exist has none."""
+    return list(tier_dates(root).dates)
+
+
+def dated_checkpoints(root: str | os.PathLike[str]) -> dict[str, float]:
+    """:func:`committed_checkpoints` with when each was saved, oldest first (see
+    :func:`tier_dates`)."""
+    return tier_dates(root).dates
+
+
+def tier_dates(root: str | os.PathLike[str]) -> TierDates:
+    """The committed checkpoints of the tier root ``root``, oldest first: by when each was
+    saved (:func:`fastckpt.format.records.saved_seconds`: a promotion carries it, so a
+    checkpoint dates the same on every tier), or where its record does not say, when the
+    store dates its commit record; where two dates tie (S3 dates objects to the second), by
+    the generations their records name (to the millisecond), then by name
+    (:func:`fastckpt.format.records.by_commit_time`)."""
+    root = Path(root)
+    backend = backend_for(root)
+    found: dict[str, tuple[float, str]] = {}  # name -> (store date, record file)
+    for name in backend.list_dir(root):
+        if name.startswith("."):
+            continue  # staging areas, trash, locks
+        for record in (COMMIT_RECORD, SHARDED_RECORD):
+            try:
+                info = backend.stat(root / name / record)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if info.regular:
+                found[name] = (info.modified or 0.0, record)
+                break
+    dated, undated = save_dated(root, found)
+    return TierDates({name: dated[name][0] for name in by_commit_time(root, dated)}, not undated)

@@ -33,11 +33,17 @@ import shutil
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from fastckpt import _native
 from fastckpt.container.commit import DirectoryWriter
 from fastckpt.container.copy import IndexCopy, copy_files, read_verified, remember_written
+from fastckpt.container.listing import (  # listed here too, where they were first
+    TierDates,
+    committed_checkpoints,
+    dated_checkpoints,
+    tier_dates,
+)
 from fastckpt.container.promote import Promoter
 from fastckpt.container.sharded.promote import record_files, write_generation
 from fastckpt.container.verify import verify
@@ -46,11 +52,10 @@ from fastckpt.format.records import (
     COMMIT_RECORD,
     SAVED_NS,
     SHARDED_RECORD,
-    by_commit_time,
     commit_record,
     read_commit_record,
     read_record_bytes,
-    save_dated,
+    saved_seconds,
 )
 from fastckpt.io.paths import check_name, check_relpath
 from fastckpt.storage.backend import TEMP_PREFIX
@@ -80,11 +85,12 @@ _LOG = logging.getLogger(__name__)
 
 
 #: How much later than every checkpoint of a faster tier a slower tier's checkpoint must be
-#: dated, the faster tier not holding it, for the faster tier to count as left from an
-#: earlier run (a node's disk that held a job before), where some checkpoint of either tier is
-#: dated only by its store (a record of an earlier fastckpt version, without
-#: :data:`~fastckpt.format.records.SAVED_NS`): the clocks of a node and a store differ by
-#: seconds, a promotion lags its save by about as much, a tier left behind by hours.
+#: dated for the faster tier to count as left from an earlier run (a node's disk that held a
+#: job before), where some checkpoint of either tier is dated only by its store (a record of
+#: an earlier fastckpt version, without :data:`~fastckpt.format.records.SAVED_NS`): the clocks
+#: of a node and a store differ by seconds, a promotion lags its save by about as much (a
+#: promotion finished later, by the next process, makes the run restore the durable copy of
+#: the same save), a tier left behind by hours.
 LEFT_BEHIND_S = 600.0
 #: The same bound where every checkpoint of both tiers is dated by when it was saved (the date
 #: a promotion carries): only the clocks of two nodes of one cluster differ then, and a run
@@ -92,67 +98,21 @@ LEFT_BEHIND_S = 600.0
 SAVED_LEFT_BEHIND_S = 5.0
 
 
-class TierDates(NamedTuple):
-    """The committed checkpoints of a tier root, oldest first (:func:`tier_dates`)."""
-
-    #: name -> when it was saved (seconds since the epoch), or where its record does not say
-    #: (an earlier fastckpt version), when the store dates its commit record.
-    dates: dict[str, float]
-    #: Every date is a save time (none is the store's).
-    saved: bool
-
-
-def committed_checkpoints(root: str | os.PathLike[str]) -> list[str]:
-    """The names of the committed CheckpointManager checkpoints in the tier root ``root``
-    (of sharded state too), oldest first (see :func:`tier_dates`). A root that does not
-    exist has none."""
-    return list(tier_dates(root).dates)
-
-
-def dated_checkpoints(root: str | os.PathLike[str]) -> dict[str, float]:
-    """:func:`committed_checkpoints` with when each was saved, oldest first (see
-    :func:`tier_dates`)."""
-    return tier_dates(root).dates
-
-
-def tier_dates(root: str | os.PathLike[str]) -> TierDates:
-    """The committed checkpoints of the tier root ``root``, oldest first: by when each was
-    saved (:func:`fastckpt.format.records.saved_seconds`: a promotion carries it, so a
-    checkpoint dates the same on every tier), or where its record does not say, when the
-    store dates its commit record; where two dates tie (S3 dates objects to the second), by
-    the generations their records name (to the millisecond), then by name
-    (:func:`fastckpt.format.records.by_commit_time`)."""
-    root = Path(root)
-    backend = backend_for(root)
-    found: dict[str, tuple[float, str]] = {}  # name -> (store date, record file)
-    for name in backend.list_dir(root):
-        if name.startswith("."):
-            continue  # staging areas, trash, locks
-        for record in (COMMIT_RECORD, SHARDED_RECORD):
-            try:
-                info = backend.stat(root / name / record)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            if info.regular:
-                found[name] = (info.modified or 0.0, record)
-                break
-    dated, undated = save_dated(root, found)
-    return TierDates({name: dated[name][0] for name in by_commit_time(root, dated)}, not undated)
-
-
 def left_behind(
     faster: Mapping[str, float], slower: Mapping[str, float], margin: float = LEFT_BEHIND_S
 ) -> str | None:
     """Whether the faster tier whose checkpoints are ``faster`` is one left from an earlier
     run, judged by the slower tier's ``slower`` (both name -> date, see :func:`tier_dates`):
-    the name of the slower tier's newest checkpoint that the faster tier lacks and that is
-    dated more than ``margin`` seconds after every one of its checkpoints
-    (:data:`LEFT_BEHIND_S`, or :data:`SAVED_LEFT_BEHIND_S` where both tiers' dates are
-    save times: :func:`left_behind_margin`), or None."""
+    the name of the slower tier's newest checkpoint dated more than ``margin`` seconds after
+    every one of the faster tier's (:data:`LEFT_BEHIND_S`, or :data:`SAVED_LEFT_BEHIND_S`
+    where both tiers' dates are save times: :func:`left_behind_margin`), or None. Such a
+    checkpoint was saved after all of the faster tier's, so it is not a copy of one of them
+    even where the faster tier holds its name: a run that went on elsewhere saves the same
+    names (``step_1``, ``last``) again."""
     if not faster:
         return None
     newest = max(faster.values())
-    ahead = [n for n, when in slower.items() if n not in faster and when > newest + margin]
+    ahead = [n for n, when in slower.items() if when > newest + margin]
     return max(ahead, key=lambda n: slower[n]) if ahead else None
 
 
@@ -220,7 +180,7 @@ def promote_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike
             writer.files,
             record["world_size"],
             refs,
-            saved_ns=record.get(SAVED_NS),  # the copy dates as its source (None: undated)
+            saved_ns=_saved_ns(source, record),
         )
         writer.add_json(COMMIT_RECORD, document)
         writer.commit()
@@ -229,6 +189,19 @@ def promote_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike
         raise
     remember_written(root, target.name, written)
     return done
+
+
+def _saved_ns(source: Path, record: Mapping[str, Any]) -> int | None:
+    """The save date a copy of the checkpoint ``source`` (commit record ``record``) carries:
+    its own, so that it dates the same on every tier; for a record of an earlier version
+    (none), the date its store gave its record where it was saved. Left undated, the copy
+    would date by when the promotion committed it, possibly after checkpoints the run saved
+    meanwhile, which the target's retention would then delete as older."""
+    saved = record.get(SAVED_NS)
+    if isinstance(saved, int):
+        return saved
+    modified = backend_for(source).stat(source / COMMIT_RECORD).modified
+    return None if modified is None else int(modified * 1e9)
 
 
 def _promote_sharded(source: Path, target: Path, what: str) -> IndexCopy:
@@ -378,8 +351,9 @@ def nearest_intact_checkpoint(
     checkpoint from the first tier holding it intact. "Newest" follows the first tier that
     holds the checkpoint (the fast tier saw every save; a durable tier a subset, in order),
     except where a slower tier shows the faster ones to be left from an earlier run
-    (:func:`left_behind`: it holds a checkpoint they lack, saved after all of theirs by more
-    than :func:`left_behind_margin`): that tier's order comes first, ``skipped`` says so, and
+    (:func:`left_behind`: it holds a checkpoint saved after all of theirs by more than
+    :func:`left_behind_margin`, under a name of its own or one of theirs): that tier's order
+    comes first, ``skipped`` says so, and
     their copy of a name it holds too is taken only where both date alike (within that
     margin): otherwise it is another run's checkpoint under the same name.
 
@@ -410,7 +384,7 @@ def nearest_intact_checkpoint(
             skipped.append(
                 f"{places}: left from an earlier run? its newest checkpoint {newest} was "
                 f"saved {_date(faster[newest])}, before {display_path(tier / ahead)} "
-                f"({_date(dates[ahead])}), which it does not hold"
+                f"({_date(dates[ahead])})"
             )
             ranked.remove((tier, dates))
             ranked.insert(0, (tier, dates))
@@ -442,6 +416,24 @@ def nearest_intact_checkpoint(
     raise NotCommittedError(
         f"no intact {what} in {roots}" + (f" (skipped: {'; '.join(skipped)})" if skipped else "")
     )
+
+
+def _saved_later(source: Path, target: Path) -> float | None:
+    """When ``target`` (a committed copy under ``source``'s name on another tier) was saved,
+    where that is more than :data:`SAVED_LEFT_BEHIND_S` after ``source`` was: a later save
+    of the run under that name, which an older copy must not replace. None when it is not, or
+    when either record gives no save time (an earlier version's, or none at all)."""
+    dates = []
+    for directory in (source, target):
+        backend = backend_for(directory)
+        record = next(
+            (r for r in (COMMIT_RECORD, SHARDED_RECORD) if backend.exists(directory / r)), None
+        )
+        dates.append(None if record is None else saved_seconds(directory, record))
+    mine, theirs = dates
+    if mine is None or theirs is None or theirs <= mine + SAVED_LEFT_BEHIND_S:
+        return None
+    return theirs
 
 
 def _date(when: float) -> str:
@@ -500,6 +492,14 @@ class CheckpointPromoter(Promoter):
             backend = backend_for(source)
             if not any(backend.exists(source / r) for r in (COMMIT_RECORD, SHARDED_RECORD)):
                 _LOG.warning("%s: removed before it was promoted", display_path(source))
+            elif (later := _saved_later(source, self.target / name)) is not None:
+                _LOG.warning(
+                    "%s is not promoted: %s under that name was saved later (%s), by a run "
+                    "that went on elsewhere; this copy is older and would replace it",
+                    display_path(source),
+                    display_path(self.target / name),
+                    _date(later),
+                )
             elif not same_files(source, self.target / name):
                 promote_checkpoint(source, self.target / name)
                 promoted.append(name)

@@ -563,9 +563,9 @@ def save_dated(
     dated: dict[str, tuple[float, str]] = {}
     undated: list[str] = []
     for name, (stored, record) in found.items():
-        saved = saved_seconds(Path(root) / name, record)
-        if saved is None:
-            undated.append(name)
+        saved, readable = _save_time(Path(root) / name, record)
+        if saved is None and readable:
+            undated.append(name)  # a damaged record is no sign of an earlier version
         dated[name] = (stored if saved is None else saved, record)
     return dated, undated
 
@@ -595,10 +595,15 @@ def _generation_millis(directory: Path, record: str) -> int:
     """When the commit record ``directory/record`` was made, in milliseconds, from the
     generation it names; 0 (older than any other) for a record that names none (a local
     one, or one of an earlier fastckpt version) or cannot be read."""
+    return _named_millis(directory, record) or 0
+
+
+def _named_millis(directory: Path, record: str) -> int | None:
+    """:func:`_generation_millis`, but None for a record that cannot be read."""
     try:
         generation = json.loads(read_record_bytes(directory, record)).get("generation")
     except (OSError, ValueError, AttributeError, CheckpointFormatError):
-        return 0
+        return None
     found = generation_order(generation) if isinstance(generation, str) else None
     return 0 if found is None else found[0]
 
@@ -677,15 +682,19 @@ def saved_seconds(directory: str | os.PathLike[str], record: str) -> float | Non
     the time in the generation its sharded record names (to the millisecond); the same on
     every tier it was promoted to. None for a record of an earlier version, one that names
     neither, or one that cannot be read (damaged: verification says so)."""
-    directory = Path(directory)
-    if record != COMMIT_RECORD:
-        millis = _generation_millis(directory, record)
-        return None if millis == 0 else millis / 1e3
-    try:
-        saved = read_commit_record(directory).get(SAVED_NS)
-    except (OSError, ValueError, AttributeError, CheckpointFormatError):
-        return None
-    return None if saved is None else saved / 1e9
+    return _save_time(Path(directory), record)[0]
+
+
+def _save_time(directory: Path, record: str) -> tuple[float | None, bool]:
+    """:func:`saved_seconds`, and whether the record could be read at all."""
+    if record == COMMIT_RECORD:
+        try:
+            saved = read_commit_record(directory).get(SAVED_NS)
+        except (OSError, ValueError, AttributeError, CheckpointFormatError):
+            return None, False
+        return (None if saved is None else saved / 1e9), True
+    millis = _named_millis(directory, record)
+    return (None if not millis else millis / 1e3), millis is not None
 
 
 def item_files(record: Mapping[str, Any], key: str, rank: int = 0) -> tuple[str, str]:
