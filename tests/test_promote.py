@@ -600,3 +600,32 @@ def test_a_promoter_closed_after_one_run_promotes_again_in_the_next(tmp_path: Pa
     promoter.close()
     assert promoter.promoted == [0, 1] and promoter.healthy
     assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [0, 1]
+
+
+def test_a_promoters_prune_leaves_a_newer_index_part_of_a_gone_trainer(tmp_path: Path) -> None:
+    """A durable root on a shared filesystem: after a restart, other ranks upload into a
+    newer index's part named after the trainer that is gone (node-local promotion), so the
+    prune a promoter runs there (``promoting=True``) sweeps only uncommitted indices older
+    than the latest; a trainer's own prune also removes a newer index's part whose writer
+    died on this host."""
+    root = tmp_path / "durable"
+    for index in (0, 1, 2):
+        fastckpt.save_checkpoint(root, {"m": (torch.nn.Linear(2, 2), None)}, checkpoint_index=index)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    from fastckpt.container.commit import prune_indices
+    from fastckpt.container.sharded.parts import new_part
+
+    mine = new_part()
+    dead_part = mine.replace(f".{os.getpid()}.", f".{gone}.")
+    shard = root / "sharded" / "3" / dead_part / "g0000000000000-00000000" / "rank-00001.bin"
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"rank 1's upload")
+    assert prune_indices(root, 2, promoting=True) == [0]
+    assert shard.is_file()
+    assert prune_indices(root, 1) == [1]
+    assert not shard.exists()

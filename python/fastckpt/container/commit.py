@@ -747,6 +747,7 @@ def prune_indices(
     *,
     lock_timeout: float | None = None,
     spare: Collection[int] = (),
+    promoting: bool = False,
 ) -> list[int]:
     """Delete all but the newest ``keep_last`` indices of ``root`` (never the latest).
 
@@ -768,6 +769,10 @@ def prune_indices(
             this many seconds (None: wait; who holds the lock is logged after a second).
         spare: indices kept whatever their age (a fast tier's index not yet promoted, see
             :meth:`fastckpt.container.promote.Promoter.awaiting`).
+        promoting: the caller promotes into ``root`` (a durable tier): of the sharded parts
+            no committed index names, only those of indices older than the latest go (other
+            ranks may be uploading into a newer index's part under the name of a trainer
+            that is gone: ``only_older`` of :func:`fastckpt.container.sharded.parts.sweep`).
 
     Raises:
         ValueError: ``keep_last < 1``.
@@ -784,7 +789,8 @@ def prune_indices(
         if doomed:
             doomed = _spare_newest_intact(manifest, doomed)
         if not doomed:
-            _sweep_sharded(root, manifest)  # what a prune killed after its commit left
+            # What a prune killed after its commit left.
+            _sweep_sharded(root, manifest, only_older=promoting)
             return []
         # Bytes a kept (incremental) index references outlive their pruned index, renamed
         # to ROOT/.ref-<index> (fastckpt.container.refs).
@@ -804,7 +810,8 @@ def prune_indices(
                 _delete_index(backend, root, manifest.directory(index), set(manifest.entries))
         if is_local(backend):
             refs.collect_garbage(root, referenced - set(manifest.entries))
-        _sweep_sharded(root, manifest)  # the pruned indices' sharded parts, after the commit
+        # The pruned indices' sharded parts, after the commit.
+        _sweep_sharded(root, manifest, only_older=promoting)
     return doomed
 
 

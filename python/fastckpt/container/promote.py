@@ -539,8 +539,9 @@ class Promoter:
         )
         if self.keep_last is not None and report.promoted:
             # prune_indices never deletes the newest index that verifies, and sweeps the
-            # sharded parts no kept index names (the pruned ones', a vanished promotion's).
-            prune_indices(self.target, self.keep_last)
+            # sharded parts of older indices no kept index names (the pruned ones', a
+            # vanished promotion's), never a newer index's (ranks may be uploading there).
+            prune_indices(self.target, self.keep_last, promoting=True)
         return {"promoted": report.promoted, "target_newest": report.newest}
 
     def spec(self) -> dict[str, Any]:
