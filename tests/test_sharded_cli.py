@@ -97,3 +97,37 @@ def test_export_consolidates_full_tensors(
     assert set(exported) == set(expected)
     for name, tensor in expected.items():
         assert torch.equal(exported[name], tensor), name
+
+
+def test_a_directory_of_sharded_checkpoints_only_is_listed_verified_inspected_and_pruned(
+    tmp_path: Path,
+) -> None:
+    """A directory holding only sharded checkpoints (a manager's or a hook's of FSDP2 state, or
+    DCP saves through fastckpt.dcp.Writer) is a directory of checkpoints to every command:
+    ``verify`` checks each, ``inspect`` shows the newest, ``prune --keep-last 1`` deletes the
+    older. Before, only directories holding a ``commit.json`` checkpoint counted: verify,
+    inspect and prune refused it as "not a fastckpt checkpoint"."""
+    runs = tmp_path / "runs"
+    for step in (1, 2):
+        state = {"w": torch.full((4, 3), float(step)), "step": torch.tensor(step)}
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.save(state, storage_writer=fastckpt.dcp.Writer(runs / f"step_{step}"))
+    listed = fastckpt_cli("ls", "--json", str(runs), cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert [row["name"] for row in json.loads(listed.stdout)["checkpoints"]] == [
+        "step_1",
+        "step_2",
+    ]
+    checked = fastckpt_cli("verify", str(runs), cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "step_1" in checked.stdout and "step_2" in checked.stdout
+    shown = fastckpt_cli("inspect", str(runs), cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "newest of 2" in shown.stdout and "step_2" in shown.stdout
+    pruned = fastckpt_cli("prune", "--json", str(runs), "--keep-last", "1", cwd=tmp_path)
+    assert pruned.returncode == 0, pruned.stderr
+    assert json.loads(pruned.stdout)["deleted"] == ["step_1"]
+    assert sorted(p.name for p in runs.iterdir()) == ["step_2"]
+    loaded = {"w": torch.zeros(4, 3), "step": torch.tensor(0)}
+    dcp.load(loaded, storage_reader=fastckpt.dcp.Reader(runs / "step_2"))
+    assert torch.equal(loaded["w"], torch.full((4, 3), 2.0)) and int(loaded["step"]) == 2

@@ -11,13 +11,13 @@ from typing import Any
 
 from fastckpt.cli.status import EXIT_BAD, EXIT_ERROR, EXIT_OK, EXIT_UNCHECKED, UserError
 from fastckpt.container.kinds import Container, SavedContainer, open_container
+from fastckpt.container.listing import committed_checkpoints
 from fastckpt.format.records import (
     COMMIT_RECORD,
     MANIFEST,
+    SHARDED_RECORD,
     Manifest,
-    by_commit_time,
     load_json,
-    save_dated,
 )
 from fastckpt.storage.registry import backend_for, is_local
 
@@ -60,9 +60,9 @@ def locate(text: str | os.PathLike[str]) -> Container:
 
 def manager_children(text: str | os.PathLike[str]) -> list[Path]:
     """The CheckpointManager checkpoints directly inside ``text`` (what ``fastckpt ls`` lists
-    there), oldest first as the manager orders them (when each was saved, see
-    :func:`fastckpt.format.records.save_dated`); empty when ``text`` is itself a checkpoint
-    or no local directory."""
+    there; of sharded state too), oldest first as the manager orders them
+    (:func:`fastckpt.container.listing.committed_checkpoints`); empty when ``text`` is itself
+    a checkpoint or no local directory."""
     path = Path(text)
     backend = backend_for(path)
     if is_local(backend) and not path.is_dir():
@@ -71,15 +71,9 @@ def manager_children(text: str | os.PathLike[str]) -> list[Path]:
         return []
     if path.name.isdigit() and backend.exists(path.parent / MANIFEST):
         return []
-    stamps: dict[str, tuple[float, str]] = {}
-    for name in backend.list_dir(path):
-        record = path / name / COMMIT_RECORD
-        if name.startswith(".") or not backend.exists(record):
-            continue
-        info = backend.stat(record)
-        if info.regular:
-            stamps[name] = (info.modified or 0.0, COMMIT_RECORD)
-    return [path / name for name in by_commit_time(path, save_dated(path, stamps)[0])]
+    if backend.exists(path / SHARDED_RECORD):
+        return []
+    return [path / name for name in committed_checkpoints(path)]
 
 
 def needs_root(container: Container) -> UserError:

@@ -303,7 +303,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"newest of {len(children)} CheckpointManager checkpoint(s) in {args.path}: "
             f"{newest.name} (fastckpt ls {args.path} lists them)"
         )
-        container: Container = ManagerContainer(newest)
+        container: Container = locate(newest)  # a manager checkpoint, or of sharded state
     else:
         container = locate(args.path)
     no_index(container, args.index)

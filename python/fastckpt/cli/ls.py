@@ -26,16 +26,14 @@ from fastckpt.cli.render import (
     when,
 )
 from fastckpt.container.links import split_sizes
-from fastckpt.container.listing import list_checkpoints
+from fastckpt.container.listing import committed_checkpoints, list_checkpoints
 from fastckpt.errors import FastCkptError
 from fastckpt.format.records import (
     COMMIT_RECORD,
     MANIFEST,
     SHARDED_RECORD,
-    by_commit_time,
     read_commit_record,
     record_file,
-    save_dated,
 )
 from fastckpt.io.paths import safe_join
 from fastckpt.storage.backend import StorageBackend
@@ -120,7 +118,7 @@ def _ls_managers(parent: Path) -> dict[str, Any]:
             f"{display_path(parent)} holds no checkpoints: it is neither a save_checkpoint root "
             f"(no {MANIFEST}) nor a directory of CheckpointManager checkpoints"
         )
-    checkpoints = _by_commit_time(backend, parent, checkpoints)
+    checkpoints = _by_commit_time(parent, checkpoints)
     dated = [row for row in checkpoints if row["committed"]]
     newest = dated[-1] if dated else None
     for row in checkpoints:
@@ -128,22 +126,11 @@ def _ls_managers(parent: Path) -> dict[str, Any]:
     return {"root": display_path(parent), "kind": "manager", "checkpoints": checkpoints}
 
 
-def _by_commit_time(
-    backend: StorageBackend, parent: Path, rows: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """``rows`` oldest first, as the manager orders them: by when each was saved (see
-    :func:`fastckpt.format.records.save_dated`), or when the store dated its record (an
-    object store's dates are to the second: ties go by the records' generations, see
-    :func:`fastckpt.format.records.by_commit_time`); rows whose record cannot be dated last."""
-    stamps: dict[str, tuple[float, str]] = {}
-    for row in rows:
-        record = SHARDED_RECORD if row.get("sharded") else COMMIT_RECORD
-        try:
-            info = backend.stat(parent / row["name"] / record)
-        except OSError:
-            continue
-        stamps[row["name"]] = (info.modified or 0.0, record)
-    rank = {name: i for i, name in enumerate(by_commit_time(parent, save_dated(parent, stamps)[0]))}
+def _by_commit_time(parent: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` oldest first, as the manager orders them
+    (:func:`fastckpt.container.listing.committed_checkpoints`); rows whose record cannot be
+    dated last."""
+    rank = {name: i for i, name in enumerate(committed_checkpoints(parent))}
     return sorted(rows, key=lambda row: rank.get(row["name"], len(rank)))
 
 

@@ -21,7 +21,6 @@ from fastckpt.cli.render import (
 from fastckpt.container.kinds import RootContainer
 from fastckpt.container.links import file_inodes, freed_bytes
 from fastckpt.container.promote_checkpoints import (
-    committed_checkpoints,
     doomed_checkpoints,
     remove_checkpoint,
 )
@@ -88,7 +87,6 @@ def _prune_managers(args: argparse.Namespace, children: list[Path]) -> int:
     manager's order, never the newest one that verifies; each removed commit record first, so
     that an interrupted delete leaves only a leftover recognised as such)."""
     root = children[0].parent
-    children = [root / name for name in committed_checkpoints(root)]  # sharded ones too
     doomed_names = set(doomed_checkpoints(root, args.keep_last))
     doomed = [child for child in children if child.name in doomed_names]
     kept = [child for child in children if child.name not in doomed_names]
