@@ -251,13 +251,9 @@ def test_a_fast_tier_left_two_minutes_before_the_run_went_on_elsewhere_does_not_
     assert committed_checkpoints(durable)[-1] == "step_3"
 
 
-def test_a_stale_fast_copy_under_a_name_the_run_saved_again_is_not_restored(
-    tmp_path: Path,
-) -> None:
-    """The run that went on elsewhere saved step_1 again (other weights) and its newer
-    checkpoint is damaged: the fallback is the run's step_1 from the durable tier, not the
-    left-behind node's step_1 of the earlier run. Before, a name's copy on the fast tier came
-    first, and the earlier run's weights were restored as the run's step_1."""
+def _earlier_run(tmp_path: Path, names: list[str]) -> tuple[Path, Path, TiersConfig]:
+    """An old node's fast tier (``tmp_path/old-node``, durable ``tmp_path/durable``) that saved
+    ``names`` an hour ago with an earlier run's weights: ``(old node, durable, its tiers)``."""
     old_node, durable = tmp_path / "old-node", tmp_path / "durable"
     forget_promoted()
     tiers = TiersConfig(fast=old_node, durable=durable)
@@ -265,7 +261,19 @@ def test_a_stale_fast_copy_under_a_name_the_run_saved_again_is_not_restored(
         earlier = _model()
         with torch.no_grad():
             earlier[1].weight.add_(1.0)  # the earlier run's weights
-        manager.save("step_1", {"model": earlier, "step": 1})
+        for step, name in enumerate(names):
+            manager.save(name, {"model": earlier, "step": step})
+    return old_node, durable, tiers
+
+
+def test_a_stale_fast_copy_under_a_name_the_run_saved_again_is_not_restored(
+    tmp_path: Path,
+) -> None:
+    """The run that went on elsewhere saved step_1 again (other weights) and its newer
+    checkpoint is damaged: the fallback is the run's step_1 from the durable tier, not the
+    left-behind node's step_1 of the earlier run. Before, a name's copy on the fast tier came
+    first, and the earlier run's weights were restored as the run's step_1."""
+    old_node, durable, tiers = _earlier_run(tmp_path, ["step_1"])
     elsewhere = TiersConfig(fast=tmp_path / "other-node", durable=durable)
     with _manager(elsewhere) as manager:
         states = _run(manager, 3)  # step_0 .. step_2, promoted (step_1 replaced there)
@@ -287,15 +295,7 @@ def test_a_fast_tier_holding_only_names_the_run_saved_again_does_not_win(
     all of its checkpoints): the run's step_1 is restored, and the node's stale step_1 is not
     promoted over it. Before, only a name the fast tier lacked counted: the stale step_1 was
     restored, then promoted over the durable step_1, losing the run's newest everywhere."""
-    old_node, durable = tmp_path / "old-node", tmp_path / "durable"
-    forget_promoted()
-    tiers = TiersConfig(fast=old_node, durable=durable)
-    with _clock_behind(3600), _manager(tiers) as manager:
-        stale = _model()
-        with torch.no_grad():
-            stale[1].weight.add_(1.0)  # the earlier attempt's weights
-        for step in range(2):
-            manager.save(f"step_{step}", {"model": stale, "step": step})
+    _, durable, tiers = _earlier_run(tmp_path, ["step_0", "step_1"])
     elsewhere = TiersConfig(fast=tmp_path / "other-node", durable=durable)
     with _manager(elsewhere) as manager:
         states = _run(manager, 2)  # step_0, step_1 again, promoted
@@ -317,10 +317,7 @@ def test_a_promotion_never_replaces_a_later_save_under_the_same_name(
 ) -> None:
     """Whatever queued it, a promotion of an older save of step_1 over a durable step_1 saved
     later (by the run that went on elsewhere) is skipped with a warning naming both."""
-    old_node, durable = tmp_path / "old-node", tmp_path / "durable"
-    forget_promoted()
-    with _clock_behind(3600), _manager(TiersConfig(fast=old_node, durable=durable)) as manager:
-        manager.save("step_1", {"model": _model(), "step": 1})
+    old_node, durable, _ = _earlier_run(tmp_path, ["step_1"])
     elsewhere = TiersConfig(fast=tmp_path / "other-node", durable=durable)
     with _manager(elsewhere) as manager:
         states = _run(manager, 2)
