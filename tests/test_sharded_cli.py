@@ -131,3 +131,21 @@ def test_a_directory_of_sharded_checkpoints_only_is_listed_verified_inspected_an
     loaded = {"w": torch.zeros(4, 3), "step": torch.tensor(0)}
     dcp.load(loaded, storage_reader=fastckpt.dcp.Reader(runs / "step_2"))
     assert torch.equal(loaded["w"], torch.full((4, 3), 2.0)) and int(loaded["step"]) == 2
+
+
+def test_the_parts_directory_of_a_strategy_root_is_not_pruned_as_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """``ROOT/sharded/<i>`` holds the parts of index i (each with a sharded record; the
+    manifest names the committed one), not a directory of checkpoints: ``prune`` refuses it and
+    deletes nothing (keeping the newest part could delete the committed one)."""
+    root = tmp_path / "root"
+    fastckpt.save_checkpoint(root, {"m": (torch.nn.Linear(2, 2), None)})
+    parts = root / "sharded" / "0"
+    for part in ("p1764540000000-00000000.1.host", "p1764540099999-00000000.2.host"):
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.save({"w": torch.ones(3)}, storage_writer=fastckpt.dcp.Writer(parts / part))
+    for path in (parts, root / "sharded"):
+        pruned = fastckpt_cli("prune", str(path), "--keep-last", "1", cwd=tmp_path)
+        assert pruned.returncode == 2, pruned.stdout + pruned.stderr
+    assert len(list(parts.iterdir())) == 2

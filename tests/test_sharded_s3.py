@@ -121,6 +121,38 @@ def test_every_rank_uploaded_its_own_objects_and_none_holds_a_pickle(
         assert b"torch._utils" not in body and b"cpickle" not in body.lower(), key
 
 
+def test_the_cli_verifies_and_inspects_sharded_checkpoints_on_s3(
+    s3_server: S3Server, env: dict[str, str], saved: tuple[Path, str], tmp_path: Path
+) -> None:
+    """``fastckpt verify`` and ``inspect`` take a sharded checkpoint on ``s3://`` as they take
+    one on disk, and a prefix of them as a directory of checkpoints (verify: each one; ls:
+    all of them). Before, locating an object-store path knew no sharded record: both failed
+    with "not a fastckpt checkpoint"."""
+    _, url = saved
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-W", "ignore", "-m", "fastckpt", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    checked = cli("verify", f"{url}/sync")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    shown = cli("inspect", f"{url}/sync")
+    assert shown.returncode == 0 and "sharded checkpoint" in shown.stdout, shown.stderr
+    every = cli("verify", url)
+    assert every.returncode == 0, every.stdout + every.stderr
+    for name in ("sync", "async", "manager"):
+        assert f"{url}/{name}" in every.stdout, every.stdout
+    listed = cli("ls", "--json", url)
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)["checkpoints"]
+    assert sorted(row["name"] for row in rows) == ["async", "manager", "sync"]
+
+
 def test_a_flipped_byte_in_a_sharded_object_is_a_checksum_mismatch(
     s3_server: S3Server, env: dict[str, str], tmp_path: Path
 ) -> None:

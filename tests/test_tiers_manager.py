@@ -344,10 +344,7 @@ def test_a_checkpoint_of_an_earlier_version_promoted_late_keeps_its_place(
     forget_promoted()
     with _manager(TiersConfig(fast=fast, durable=tmp_path / "elsewhere")) as manager:
         manager.save("step_100", {"model": _model()})
-        record = json.loads((fast / "step_100" / "commit.json").read_text())
-        del record["saved_ns"], record[records.MANIFEST_CRC_FIELD]  # as an earlier version
-        (fast / "step_100" / "commit.json").write_text(json.dumps(records.seal_manifest(record)))
-        os.utime(fast / "step_100" / "commit.json", (time.time() - 60, time.time() - 60))
+        _as_earlier_version(fast / "step_100" / "commit.json", time.time() - 60)
         manager.save("step_110", {"model": _model()})
     promote_checkpoint(fast / "step_110", durable / "step_110")
     promote_checkpoint(fast / "step_100", durable / "step_100")  # late
@@ -379,6 +376,67 @@ def test_a_damaged_record_does_not_widen_the_left_behind_margin(tmp_path: Path) 
     forget_promoted()
     with _manager(tiers) as back:
         assert _equal(_weights(back.load_latest()), states[3])
+
+
+def test_a_damaged_durable_record_does_not_make_a_runs_own_fast_tier_look_left_behind(
+    tmp_path: Path,
+) -> None:
+    """A single-node run; the durable copy of its newest checkpoint has a damaged commit
+    record whose store date (its promotion's commit) is 30 s after the save. The damaged copy
+    is no evidence: the fast tier is not left behind and its intact newest is restored."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    forget_promoted()
+    with _manager(TiersConfig(fast=fast, durable=durable)) as manager:
+        states = _run(manager, 3)
+        assert manager.promoter is not None
+        manager.promoter.wait()
+    record = durable / "step_2" / "commit.json"
+    _flip_last_byte(record)
+    later = time.time() + 30
+    os.utime(record, (later, later))
+    nearest = nearest_intact_checkpoint([fast, durable])
+    assert nearest.path == fast / "step_2", nearest.describe()
+    assert "left from an earlier run" not in nearest.describe()
+    forget_promoted()
+    with _manager(TiersConfig(fast=fast, durable=durable)) as back:
+        assert _equal(_weights(back.load_latest()), states[2])
+
+
+def test_an_earlier_versions_late_promotion_does_not_hide_the_fast_tiers_newest(
+    tmp_path: Path,
+) -> None:
+    """Records of an earlier version (no save date) on both tiers: step_100's promotion
+    committed 16 minutes after its save, 11 after step_110 was saved on the fast tier (not
+    due for promotion). With store dates a copy of a save may date long after it, so a name
+    the fast tier holds is no sign of another run: step_110 stays the newest."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    forget_promoted()
+    with _manager(TiersConfig(fast=fast, durable=tmp_path / "unused")) as manager:
+        states = _run(manager, 2)
+    for step, name in enumerate(("step_100", "step_110")):
+        os.rename(fast / f"step_{step}", fast / name)
+    promote_checkpoint(fast / "step_100", durable / "step_100")
+    now = time.time()
+    for record, minutes_ago in (
+        (fast / "step_100", 30),
+        (fast / "step_110", 25),
+        (durable / "step_100", 14),  # the earlier promoter's copy: dated by its commit
+    ):
+        _as_earlier_version(record / "commit.json", now - minutes_ago * 60)
+    nearest = nearest_intact_checkpoint([fast, durable])
+    assert nearest.path == fast / "step_110", nearest.describe()
+    forget_promoted()
+    with _manager(TiersConfig(fast=fast, durable=durable)) as back:
+        assert _equal(_weights(back.load_latest()), states[1])
+
+
+def _as_earlier_version(record: Path, when: float) -> None:
+    """Rewrite a commit record as fastckpt versions before ``saved_ns`` wrote it, dated
+    ``when`` by its store."""
+    document = json.loads(record.read_text())
+    del document["saved_ns"], document[records.MANIFEST_CRC_FIELD]
+    record.write_text(json.dumps(records.seal_manifest(document)))
+    os.utime(record, (when, when))
 
 
 def test_checkpoints_committed_within_one_timestamp_tick_keep_their_order(

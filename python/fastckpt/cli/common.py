@@ -65,13 +65,16 @@ def manager_children(text: str | os.PathLike[str]) -> list[Path]:
     a checkpoint or no local directory."""
     path = Path(text)
     backend = backend_for(path)
-    if is_local(backend) and not path.is_dir():
+    local = is_local(backend)
+    if local and not path.is_dir():
         return []
-    if backend.exists(path / MANIFEST) or backend.exists(path / COMMIT_RECORD):
+    if any(backend.exists(path / r) for r in (MANIFEST, COMMIT_RECORD, SHARDED_RECORD)):
         return []
-    if path.name.isdigit() and backend.exists(path.parent / MANIFEST):
-        return []
-    if backend.exists(path / SHARDED_RECORD):
+    # Inside a save_checkpoint root (an index directory, ROOT/sharded, ROOT/sharded/<i>
+    # whose parts each hold a sharded record): the root's, not a directory of checkpoints.
+    # (On an object store, nothing above the bucket.)
+    above = [p for p in (path.parent, path.parent.parent) if local or len(p.parts) > 1]
+    if any(backend.exists(p / MANIFEST) for p in above):
         return []
     return [path / name for name in committed_checkpoints(path)]
 

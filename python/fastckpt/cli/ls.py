@@ -183,28 +183,29 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """``fastckpt ls ROOT``."""
     path = Path(args.root)
     backend = backend_for(path)
+    shown = display_path(path)
     try:
         regular = backend.stat(path).regular
     except FileNotFoundError:
-        raise UserError(f"{path}: no such file or directory") from None
+        raise UserError(f"{shown}: no such file or directory") from None
     if regular:
-        raise UserError(f"{path} is a file; ls lists a checkpoint root (use fastckpt inspect)")
+        raise UserError(f"{shown} is a file; ls lists a checkpoint root (use fastckpt inspect)")
     if _is_file(backend, path / MANIFEST):
         listing = _ls_root(path)
     elif _is_file(backend, path / COMMIT_RECORD):
         raise UserError(
-            f"{path} is one CheckpointManager checkpoint; list its parent directory, or use "
-            f"fastckpt inspect {path}"
+            f"{shown} is one CheckpointManager checkpoint; list its parent directory, or use "
+            f"fastckpt inspect {shown}"
         )
     elif _is_file(backend, path / SHARDED_RECORD):
         raise UserError(
-            f"{path} is one sharded checkpoint; list its parent directory, or use "
-            f"fastckpt inspect {path}"
+            f"{shown} is one sharded checkpoint; list its parent directory, or use "
+            f"fastckpt inspect {shown}"
         )
     elif path.name.isdigit() and _is_file(backend, path.parent / MANIFEST):
         raise UserError(
-            f"{path} is one index of the root {path.parent}; list the root, or use "
-            f"fastckpt inspect {path}"
+            f"{shown} is one index of the root {display_path(path.parent)}; list the root, or use "
+            f"fastckpt inspect {shown}"
         )
     else:
         listing = _ls_managers(path)

@@ -15,6 +15,7 @@ from fastckpt.cli.common import UserError
 from fastckpt.cli.render import mtime_iso, table
 from fastckpt.format.records import SHARDED_DIR, SHARDED_RECORD, Manifest
 from fastckpt.io.progress import format_bytes
+from fastckpt.storage.registry import display_path
 
 __all__ = ["describe", "export", "listing_row", "strategy_part", "text"]
 
@@ -26,7 +27,7 @@ def describe(directory: Path) -> dict[str, Any]:
     info = describe_sharded(directory)
     return {
         "kind": "sharded",
-        "path": str(directory),
+        "path": display_path(directory),
         "committed": mtime_iso(directory / SHARDED_RECORD),
         "generation": info["generation"],
         "uncommitted": info["uncommitted"],
@@ -65,7 +66,7 @@ def listing_row(directory: Path) -> dict[str, Any]:
     items = sorted({fqn.split(".", 1)[0] for fqn in [*info["tensors"], *info["values"]]})
     return {
         "name": directory.name,
-        "path": str(directory),
+        "path": display_path(directory),
         "committed": info["committed"],
         "size": info["size"],
         "linked_size": 0,

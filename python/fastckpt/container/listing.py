@@ -80,8 +80,15 @@ class TierDates(NamedTuple):
     #: name -> when it was saved (seconds since the epoch), or where its record does not say
     #: (an earlier fastckpt version), when the store dates its commit record.
     dates: dict[str, float]
-    #: Every date is a save time (none is the store's).
+    #: Every date is a save time (none is the store's), damaged records aside.
     saved: bool
+    #: The names whose commit record cannot be read (damaged): dated by their store, they
+    #: count as nobody's evidence of when the tier was written.
+    unreadable: frozenset[str] = frozenset()
+
+    def evidence(self) -> dict[str, float]:
+        """:attr:`dates` of the checkpoints whose records could be read."""
+        return {name: when for name, when in self.dates.items() if name not in self.unreadable}
 
 
 def committed_checkpoints(root: str | os.PathLike[str]) -> list[str]:
@@ -118,5 +125,6 @@ def tier_dates(root: str | os.PathLike[str]) -> TierDates:
             if info.regular:
                 found[name] = (info.modified or 0.0, record)
                 break
-    dated, undated = save_dated(root, found)
-    return TierDates({name: dated[name][0] for name in by_commit_time(root, dated)}, not undated)
+    dated, undated, unreadable = save_dated(root, found)
+    order = by_commit_time(root, dated)
+    return TierDates({name: dated[name][0] for name in order}, not undated, frozenset(unreadable))

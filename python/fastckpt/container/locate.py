@@ -89,12 +89,14 @@ def locate(path_or_root: str | os.PathLike[str]) -> Location:
 
 def _locate_object(path: Path, backend: StorageBackend) -> Location:
     """:func:`locate` on an object store, where a "directory" is a key prefix."""
-    if path.name in (MANIFEST, COMMIT_RECORD) and backend.exists(path):
+    if path.name in (MANIFEST, COMMIT_RECORD, SHARDED_RECORD) and backend.exists(path):
         return _locate_object(path.parent, backend)
     if backend.exists(path / MANIFEST):
         return Location("root", path, root=path)
     if backend.exists(path / COMMIT_RECORD):
         return Location("manager", path)
+    if backend.exists(path / SHARDED_RECORD):
+        return Location("sharded", path)
     if path.name.isdigit() and backend.exists(path.parent / MANIFEST):
         return Location("index", path, root=path.parent, index=int(path.name))
     try:
@@ -107,7 +109,8 @@ def _locate_object(path: Path, backend: StorageBackend) -> Location:
         return Location("file", path)
     raise FileNotFoundError(
         errno.ENOENT,
-        f"{path} is not a fastckpt checkpoint: no {MANIFEST} (save_checkpoint root) or "
-        f"{COMMIT_RECORD} (CheckpointManager checkpoint) under it",
+        f"{path} is not a fastckpt checkpoint: no {MANIFEST} (save_checkpoint root), "
+        f"{COMMIT_RECORD} (CheckpointManager checkpoint) or {SHARDED_RECORD} (sharded "
+        "checkpoint) under it",
         str(path),
     )

@@ -72,13 +72,13 @@ __all__ = [
     "dated_checkpoints",
     "doomed_checkpoints",
     "left_behind",
-    "left_behind_margin",
     "nearest_intact_checkpoint",
     "promote_checkpoint",
     "prune_checkpoints",
     "remove_checkpoint",
     "same_files",
     "tier_dates",
+    "tier_left_behind",
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -99,27 +99,45 @@ SAVED_LEFT_BEHIND_S = 5.0
 
 
 def left_behind(
-    faster: Mapping[str, float], slower: Mapping[str, float], margin: float = LEFT_BEHIND_S
+    faster: Mapping[str, float],
+    slower: Mapping[str, float],
+    margin: float = LEFT_BEHIND_S,
+    *,
+    same_names: bool = False,
 ) -> str | None:
     """Whether the faster tier whose checkpoints are ``faster`` is one left from an earlier
     run, judged by the slower tier's ``slower`` (both name -> date, see :func:`tier_dates`):
     the name of the slower tier's newest checkpoint dated more than ``margin`` seconds after
     every one of the faster tier's (:data:`LEFT_BEHIND_S`, or :data:`SAVED_LEFT_BEHIND_S`
-    where both tiers' dates are save times: :func:`left_behind_margin`), or None. Such a
-    checkpoint was saved after all of the faster tier's, so it is not a copy of one of them
-    even where the faster tier holds its name: a run that went on elsewhere saves the same
-    names (``step_1``, ``last``) again."""
+    where both tiers' dates are save times), or None.
+
+    Such a checkpoint was saved after all of the faster tier's. With ``same_names`` (both
+    tiers' dates are save times, which a promotion carries) one under a name the faster tier
+    holds counts too: it cannot be a copy of the faster tier's, so a run that went on
+    elsewhere saved that name (``step_1``, ``last``) again. Otherwise only a name the faster
+    tier lacks counts: a copy dated by its store is dated when its promotion committed, which
+    may be long after the save (:func:`tier_left_behind` decides both)."""
     if not faster:
         return None
     newest = max(faster.values())
-    ahead = [n for n, when in slower.items() if when > newest + margin]
+    later = [n for n, when in slower.items() if when > newest + margin]
+    ahead = [n for n in later if same_names or n not in faster]
     return max(ahead, key=lambda n: slower[n]) if ahead else None
 
 
-def left_behind_margin(*tiers: TierDates) -> float:
-    """:func:`left_behind`'s margin for comparing ``tiers``: :data:`SAVED_LEFT_BEHIND_S`
-    where every date of every one of them is a save time, else :data:`LEFT_BEHIND_S`."""
-    return SAVED_LEFT_BEHIND_S if all(tier.saved for tier in tiers) else LEFT_BEHIND_S
+def tier_left_behind(faster: Sequence[TierDates], slower: TierDates) -> tuple[str | None, float]:
+    """:func:`left_behind` of the tiers ``faster`` (together) judged by ``slower``: ``(the
+    slower tier's checkpoint saved after all of theirs, or None; the margin used)``. The margin
+    is :data:`SAVED_LEFT_BEHIND_S` and names they share count where every date of every tier is
+    a save time, else :data:`LEFT_BEHIND_S` and only names they lack. A checkpoint whose
+    commit record cannot be read is no evidence either way (its store's date may be anything:
+    a promotion's, a repair's)."""
+    saved = all(tier.saved for tier in (*faster, slower))
+    margin = SAVED_LEFT_BEHIND_S if saved else LEFT_BEHIND_S
+    merged: dict[str, float] = {}
+    for tier in faster:
+        merged.update(tier.evidence())
+    return left_behind(merged, slower.evidence(), margin, same_names=saved), margin
 
 
 def _stripped(record: Mapping[str, Any], relpath: str) -> str:
@@ -351,8 +369,9 @@ def nearest_intact_checkpoint(
     checkpoint from the first tier holding it intact. "Newest" follows the first tier that
     holds the checkpoint (the fast tier saw every save; a durable tier a subset, in order),
     except where a slower tier shows the faster ones to be left from an earlier run
-    (:func:`left_behind`: it holds a checkpoint saved after all of theirs by more than
-    :func:`left_behind_margin`, under a name of its own or one of theirs): that tier's order
+    (:func:`tier_left_behind`: it holds a checkpoint saved after all of theirs by more than
+    the margin, under a name of its own or, where all dates are save times, one of theirs):
+    that tier's order
     comes first, ``skipped`` says so, and
     their copy of a name it holds too is taken only where both date alike (within that
     margin): otherwise it is another run's checkpoint under the same name.
@@ -372,12 +391,11 @@ def nearest_intact_checkpoint(
     ranked = list(listings)
     stale: dict[Path, float] = {}  # a tier left behind -> the margin it was judged by
     for i, (tier, dates) in enumerate(listings[1:], start=1):
-        faster: dict[str, float] = {}
-        for _, earlier in listings[:i]:
-            faster.update(earlier)
-        margin = left_behind_margin(*(t for _, t in found[: i + 1]))
-        ahead = left_behind(faster, dates, margin)
+        ahead, margin = tier_left_behind([t for _, t in found[:i]], found[i][1])
         if ahead is not None:
+            faster: dict[str, float] = {}
+            for _, earlier in found[:i]:
+                faster.update(earlier.evidence())
             stale.update((t, margin) for t, _ in listings[:i])
             newest = max(faster, key=lambda n: faster[n])
             places = ", ".join(display_path(t) for t, _ in listings[:i])

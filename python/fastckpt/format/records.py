@@ -555,19 +555,21 @@ def generation_order(name: str) -> tuple[int, str] | None:
 
 def save_dated(
     root: str | os.PathLike[str], found: Mapping[str, tuple[float, str]]
-) -> tuple[dict[str, tuple[float, str]], list[str]]:
+) -> tuple[dict[str, tuple[float, str]], list[str], list[str]]:
     """The checkpoints ``found`` in ``root`` (name -> (when the store dates its commit record;
     the record's file name)) dated by when each was saved where its record says
-    (:func:`saved_seconds`, one read of each record), and the names whose record does not
-    (they keep the store's date)."""
+    (:func:`saved_seconds`, one read of each record); the names whose record does not (an
+    earlier version's); and those whose record cannot be read (damaged). Both keep the
+    store's date."""
     dated: dict[str, tuple[float, str]] = {}
     undated: list[str] = []
+    unreadable: list[str] = []
     for name, (stored, record) in found.items():
         saved, readable = _save_time(Path(root) / name, record)
-        if saved is None and readable:
-            undated.append(name)  # a damaged record is no sign of an earlier version
+        if saved is None:
+            (undated if readable else unreadable).append(name)
         dated[name] = (stored if saved is None else saved, record)
-    return dated, undated
+    return dated, undated, unreadable
 
 
 def by_commit_time(

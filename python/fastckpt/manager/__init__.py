@@ -42,11 +42,10 @@ from fastckpt.container.promote_checkpoints import (
     CheckpointPromoter,
     NearestCheckpoint,
     committed_checkpoints,
-    left_behind,
-    left_behind_margin,
     nearest_intact_checkpoint,
     prune_checkpoints,
     tier_dates,
+    tier_left_behind,
 )
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.errors import (
@@ -345,7 +344,7 @@ class CheckpointManager:
             here, there = tier_dates(fast), tier_dates(durable)
         except (OSError, FastCkptError):
             return False
-        ahead = left_behind(here.dates, there.dates, left_behind_margin(here, there))
+        ahead, _ = tier_left_behind([here], there)
         if ahead is None:
             return False
         _LOGGER.warning(
