@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -192,3 +193,54 @@ def test_require_local_refuses_an_s3_url_with_a_typed_error_naming_it() -> None:
     require_local("/tmp/ckpt", "fastckpt.dcp.Writer", "use a shared filesystem")
     with pytest.raises(UnsupportedOnObjectStoreError, match=r"s3://b/run: fastckpt\.dcp\.Writer"):
         require_local(Path("s3://b/run"), "fastckpt.dcp.Writer", "use a shared filesystem")
+
+
+_FORKED = """
+import os, sys, time, torch, fastckpt
+from fastckpt.storage.s3.errors import ForkedAfterUseError
+root, used = sys.argv[1], sys.argv[2] == "used"
+if used:
+    fastckpt.save_checkpoint(root + "/parent", {"m": (torch.nn.Linear(2, 2), None)})
+pid = os.fork()
+if pid == 0:
+    started = time.monotonic()
+    try:
+        fastckpt.save_checkpoint(root + "/child", {"m": (torch.nn.Linear(2, 2), None)})
+        print("saved", flush=True)
+    except ForkedAfterUseError as err:
+        print("refused", round(time.monotonic() - started), err, flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+@pytest.mark.parametrize("used", ["used", "unused"])
+def test_a_process_forked_after_s3_requests_is_refused_not_hung(
+    s3_server: S3Server, s3_root: str, tmp_path: Path, used: str
+) -> None:
+    """obstore's runtime (its threads) does not survive a fork: a child forked after its
+    parent made object-store requests waited forever on its first one. It gets
+    ``ForkedAfterUseError`` naming the fix (spawn / forkserver) at once instead; a child forked
+    before any request saves normally."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+        "AWS_ENDPOINT_URL": s3_server.endpoint,
+        "AWS_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": s3_server.access_key_id,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_access_key,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _FORKED, s3_root, used],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    if used == "used":
+        assert done.stdout.startswith("refused 0 "), done.stdout + done.stderr
+        assert "'spawn' or 'forkserver'" in done.stdout
+    else:
+        assert done.stdout.strip() == "saved", done.stdout + done.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,7 @@ import numpy as np
 
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.storage.s3.config import ResolvedS3, S3Options, S3Url
-from fastckpt.storage.s3.errors import ObjectStoreError, translate
+from fastckpt.storage.s3.errors import ForkedAfterUseError, ObjectStoreError, translate
 
 __all__ = [
     "MAX_PART",
@@ -179,7 +180,7 @@ class S3Client:
         }
         #: Data transfers (parts, large ranges): bounded by ``request_timeout_s`` only, since
         #: the client's read timeout also runs while a request body is being sent.
-        self.store = obstore.store.S3Store(
+        self._data_store = obstore.store.S3Store(
             url.bucket,
             config=config,  # type: ignore[arg-type]
             client_options=client_options,  # type: ignore[arg-type]
@@ -188,7 +189,7 @@ class S3Client:
         )
         #: Everything else (records, the lease, HEADs, listings, deletes, small ranges): a
         #: server that stops answering is given up after ``read_timeout_s``.
-        self.control_store = obstore.store.S3Store(
+        self._control_store = obstore.store.S3Store(
             url.bucket,
             config=config,  # type: ignore[arg-type]
             client_options={
@@ -203,6 +204,22 @@ class S3Client:
         #: Ranged GETs of :meth:`read_into` in flight, over every thread that calls it.
         self._gets = threading.BoundedSemaphore(opts.concurrency)
         self._uploads_unlisted = False  # the store answered ListMultipartUploads: NotImplemented
+
+    @property
+    def store(self) -> Any:
+        """The obstore store for data transfers (parts, large ranges).
+
+        Raises:
+            ForkedAfterUseError: see :func:`check_not_forked_after_use`.
+        """
+        check_not_forked_after_use(self.url(""))
+        return self._data_store
+
+    @property
+    def control_store(self) -> Any:
+        """The obstore store for everything else (records, the lease, HEADs, listings)."""
+        check_not_forked_after_use(self.url(""))
+        return self._control_store
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -591,14 +608,41 @@ _CLIENTS: dict[tuple[Any, ...], S3Client] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 
+#: The process that made this process's first object-store request (obstore starts its
+#: runtime, one per process, then); None before any. A forked child inherits the value.
+_REQUESTS_PID: int | None = None
+
+
+def check_not_forked_after_use(url: str) -> None:
+    """Note that this process makes object-store requests; refuse in a process forked from
+    one that had made some: obstore's runtime started in the parent and its threads do not
+    survive a fork, so the child's requests would hang forever (as any tokio-based client's).
+
+    Raises:
+        ForkedAfterUseError: naming ``url`` and the fix.
+    """
+    global _REQUESTS_PID
+    pid = os.getpid()
+    if _REQUESTS_PID is None:
+        _REQUESTS_PID = pid
+    elif pid != _REQUESTS_PID:
+        raise ForkedAfterUseError(
+            f"{url}: this process ({pid}) was forked from process {_REQUESTS_PID} after that "
+            "one used object storage; the object-store client's threads do not survive a "
+            "fork, so requests from here would never finish. Start processes that use "
+            "s3:// with the 'spawn' or 'forkserver' method (multiprocessing, "
+            "torch.multiprocessing), or fork before the first object-store request"
+        )
+
+
 def client_for(url: S3Url, options: S3Options | Mapping[str, Any] | None = None) -> S3Client:
     """A shared :class:`S3Client` for ``url``'s bucket and these options.
 
     Connections and credentials are reused across calls with the same bucket, options and
-    ``AWS_*`` environment; a forked child builds its own (a client is not fork-safe).
+    ``AWS_*`` environment; a forked child builds its own (a client is not fork-safe), and
+    one forked after this process made requests cannot make any
+    (:func:`check_not_forked_after_use`).
     """
-    import os
-
     opts = S3Options.from_mapping(options)
     environment = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
     cache_key = (os.getpid(), url.bucket, opts, environment)

@@ -17,6 +17,7 @@ __all__ = [
     "BucketNotFoundError",
     "CommitConflictError",
     "EndpointUnreachableError",
+    "ForkedAfterUseError",
     "LeaseLostError",
     "ObjectNotFoundError",
     "ObjectStoreError",
@@ -55,6 +56,11 @@ class LeaseLostError(CommitConflictError):
     writer: it went longer than ``lease_ttl_s`` without renewing it (paused, cut off), so
     another writer may have saved since. A writer that lost its lease commits nothing and
     deletes nothing; load the latest checkpoint and save again."""
+
+
+class ForkedAfterUseError(ObjectStoreError, RuntimeError):
+    """This process was forked from one that had made object-store requests: the client's
+    runtime (its threads) did not survive the fork, and a request here would never finish."""
 
 
 class UnsupportedOnObjectStoreError(FastCkptError, NotImplementedError):
