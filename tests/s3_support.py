@@ -84,6 +84,16 @@ class S3Server:
         if self._reply(_START_TIMEOUT_S) != "ok":
             raise RuntimeError(f"the moto S3 server refused {word!r}")
 
+    def aws_env(self) -> dict[str, str]:
+        """The standard AWS variables that reach this server (and no metadata service)."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_REGION": "us-east-1",
+            "AWS_ACCESS_KEY_ID": self.access_key_id,
+            "AWS_SECRET_ACCESS_KEY": self.secret_access_key,
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
     def options(self, **overrides: Any) -> dict[str, Any]:
         """``storage_options`` that reach this server with its valid key (plus ``overrides``)."""
         options: dict[str, Any] = {
@@ -153,13 +163,7 @@ def s3_env(
 ) -> Iterator[dict[str, str]]:
     """The server reached through the standard AWS variables, in a scratch working dir."""
     monkeypatch.chdir(tmp_path)
-    env = {
-        "AWS_ENDPOINT_URL": s3_server.endpoint,
-        "AWS_REGION": "us-east-1",
-        "AWS_ACCESS_KEY_ID": s3_server.access_key_id,
-        "AWS_SECRET_ACCESS_KEY": s3_server.secret_access_key,
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
+    env = s3_server.aws_env()
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     yield env

@@ -224,11 +224,7 @@ def test_a_process_forked_after_s3_requests_is_refused_not_hung(
     before any request saves normally."""
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
-        "AWS_ENDPOINT_URL": s3_server.endpoint,
-        "AWS_REGION": "us-east-1",
-        "AWS_ACCESS_KEY_ID": s3_server.access_key_id,
-        "AWS_SECRET_ACCESS_KEY": s3_server.secret_access_key,
-        "AWS_EC2_METADATA_DISABLED": "true",
+        **s3_server.aws_env(),
     }
     done = subprocess.run(
         [sys.executable, "-W", "ignore", "-c", _FORKED, s3_root, used],

@@ -212,13 +212,13 @@ class S3Client:
         Raises:
             ForkedAfterUseError: see :func:`check_not_forked_after_use`.
         """
-        check_not_forked_after_use(self.url(""))
+        check_not_forked_after_use(self.bucket_url)
         return self._data_store
 
     @property
     def control_store(self) -> Any:
         """The obstore store for everything else (records, the lease, HEADs, listings)."""
-        check_not_forked_after_use(self.url(""))
+        check_not_forked_after_use(self.bucket_url)
         return self._control_store
 
     # ------------------------------------------------------------------------------ helpers
@@ -613,13 +613,13 @@ _CLIENTS_LOCK = threading.Lock()
 _REQUESTS_PID: int | None = None
 
 
-def check_not_forked_after_use(url: str) -> None:
+def check_not_forked_after_use(bucket: S3Url) -> None:
     """Note that this process makes object-store requests; refuse in a process forked from
     one that had made some: obstore's runtime started in the parent and its threads do not
     survive a fork, so the child's requests would hang forever (as any tokio-based client's).
 
     Raises:
-        ForkedAfterUseError: naming ``url`` and the fix.
+        ForkedAfterUseError: naming ``bucket`` and the fix.
     """
     global _REQUESTS_PID
     pid = os.getpid()
@@ -627,11 +627,12 @@ def check_not_forked_after_use(url: str) -> None:
         _REQUESTS_PID = pid
     elif pid != _REQUESTS_PID:
         raise ForkedAfterUseError(
-            f"{url}: this process ({pid}) was forked from process {_REQUESTS_PID} after that "
-            "one used object storage; the object-store client's threads do not survive a "
-            "fork, so requests from here would never finish. Start processes that use "
-            "s3:// with the 'spawn' or 'forkserver' method (multiprocessing, "
-            "torch.multiprocessing), or fork before the first object-store request"
+            f"{bucket.url_of('')}: this process ({pid}) was forked from process "
+            f"{_REQUESTS_PID} after that one used object storage; the object-store "
+            "client's threads do not survive a fork, so requests from here would never "
+            "finish. Start processes that use s3:// with the 'spawn' or 'forkserver' method "
+            "(multiprocessing, torch.multiprocessing), or fork before the first object-store "
+            "request"
         )
 
 
