@@ -36,4 +36,6 @@ mod _native {
     const DEFAULT_CHUNK_SIZE: u64 = crate::writer::DEFAULT_CHUNK_SIZE;
     #[pymodule_export]
     const DEFAULT_WRITE_THREADS: usize = crate::writer::DEFAULT_WRITE_THREADS;
+    #[pymodule_export]
+    const DIRECT_IO_MIN_BYTES: u64 = crate::reader::DIRECT_IO_MIN_BYTES;
 }

@@ -16,10 +16,14 @@ use crate::checksum::{self, PieceCrc};
 use crate::error::{Error, Result};
 use crate::format::{self, Dtype, Header};
 use crate::progress::Progress;
+use crate::writer::{AlignedBuf, ALIGN, DEFAULT_CHUNK_SIZE};
 
 /// Bytes read and hashed per piece: large enough for throughput, small enough to be hashed
 /// while still in cache.
 const READ_PIECE: usize = 4 << 20;
+/// Bytes read by one positional read and hashed at once, small enough to stay in a core's
+/// L2 cache between the copy and the checksum.
+const HASH_BLOCK: usize = 256 << 10;
 
 /// A header that passed validation, with what checking the data against it needs.
 struct Validated {
@@ -201,6 +205,7 @@ fn is_symlink(path: &Path) -> bool {
 /// An open file with its validated header, read with positional reads.
 pub struct Reader {
     file: File,
+    file_len: u64,
     valid: Validated,
 }
 
@@ -234,7 +239,11 @@ impl Reader {
             read_exact(&file, path, &mut json, format::PREFIX_LEN)?;
             Ok(json.into())
         })?;
-        Ok(Reader { file, valid })
+        Ok(Reader {
+            file,
+            file_len,
+            valid,
+        })
     }
 
     /// The validated header.
@@ -250,9 +259,27 @@ impl Reader {
     /// Reads every tensor through small scratch buffers and checks its crc32c without keeping
     /// the data, advancing `progress` by each piece's bytes. Returns the whole-file crc32c and
     /// the names of the tensors that have no stored checksum.
+    ///
+    /// A file of at least [`DIRECT_IO_MIN_BYTES`] is read with O_DIRECT where the filesystem
+    /// allows it (see [`DirectReads`]), else through the page cache.
     pub fn verify(&self, threads: usize, progress: &Progress) -> Result<(u32, Vec<String>)> {
+        self.verify_reading(self.file_len >= DIRECT_IO_MIN_BYTES, threads, progress)
+    }
+
+    /// [`Reader::verify`], trying O_DIRECT reads when `try_direct`.
+    fn verify_reading(
+        &self,
+        try_direct: bool,
+        threads: usize,
+        progress: &Progress,
+    ) -> Result<(u32, Vec<String>)> {
         let header = self.header();
-        let file_crc = self.read_pieces(Vec::new(), threads, progress)?;
+        let direct = if try_direct {
+            DirectReads::open(self.path())
+        } else {
+            None
+        };
+        let file_crc = self.read_pieces(Vec::new(), direct.as_ref(), threads, progress)?;
         let unchecked = header
             .tensors
             .iter()
@@ -318,7 +345,7 @@ impl Reader {
             }
             slots[i] = Some(dest.bytes);
         }
-        self.read_pieces(slots, threads, progress)
+        self.read_pieces(slots, None, threads, progress)
     }
 
     fn changed(&self, tensor: &str, what: &str) -> Error {
@@ -336,6 +363,7 @@ impl Reader {
     fn read_pieces(
         &self,
         slots: Vec<Option<&mut [u8]>>,
+        direct: Option<&DirectReads>,
         threads: usize,
         progress: &Progress,
     ) -> Result<u32> {
@@ -353,18 +381,29 @@ impl Reader {
         }
         // Scratch buffers are reused: fresh memory costs page faults on every piece.
         let scratch = Mutex::new(Vec::<Vec<u8>>::new());
+        let aligned = Mutex::new(Vec::<AlignedBuf>::new());
         let data_start = header.data_start;
         let mut crcs = parallel(work, threads, |(piece, dest)| {
             let at = data_start + piece.at;
-            let result = match dest {
-                Some(bytes) => read_exact(&self.file, self.path(), bytes, at)
-                    .map(|()| piece_crc(piece.tensor, piece.offset, bytes)),
-                None => {
+            let hashed = match (&dest, direct) {
+                (None, Some(direct)) => {
+                    let pooled = aligned.lock().unwrap_or_else(|e| e.into_inner()).pop();
+                    let mut buf = pooled.unwrap_or_else(|| AlignedBuf::new(DirectReads::BUFFER));
+                    let crc = direct
+                        .read(buf.as_mut_slice(), at, piece.len)
+                        .map(|bytes| piece_crc(piece.tensor, piece.offset, bytes));
+                    aligned.lock().unwrap_or_else(|e| e.into_inner()).push(buf);
+                    crc
+                }
+                _ => None,
+            };
+            let result = match (hashed, dest) {
+                (Some(crc), _) => Ok(crc),
+                (None, Some(bytes)) => self.read_hashed(bytes, at, &piece),
+                (None, None) => {
                     let mut buf = scratch.lock().unwrap_or_else(|e| e.into_inner()).pop();
                     let buf = buf.get_or_insert_with(|| vec![0u8; READ_PIECE]);
-                    let bytes = &mut buf[..piece.len];
-                    let result = read_exact(&self.file, self.path(), bytes, at)
-                        .map(|()| piece_crc(piece.tensor, piece.offset, bytes));
+                    let result = self.read_hashed(&mut buf[..piece.len], at, &piece);
                     scratch
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
@@ -376,6 +415,89 @@ impl Reader {
             result
         })?;
         self.valid.check_all(&mut crcs)
+    }
+}
+
+/// Files of at least this many bytes are written with O_DIRECT by default and verified with
+/// O_DIRECT reads (the one definition: Python reads it as
+/// `fastckpt._native.DIRECT_IO_MIN_BYTES`): four default write chunks.
+pub const DIRECT_IO_MIN_BYTES: u64 = 4 * DEFAULT_CHUNK_SIZE;
+
+/// O_DIRECT reads of one file for [`Reader::verify`], which hashes every byte once and keeps
+/// none: what a save wrote with O_DIRECT is not in the page cache, and reading it back
+/// through the cache would cost a kernel copy and a page-cache page per 4 KiB (and push the
+/// training's own pages out) for bytes that are dropped at once; read straight from the
+/// device, the bytes checked are the ones stored there. Pages of the file still in the cache
+/// are written back first by the kernel, so the read sees the latest bytes either way.
+///
+/// Best effort: a filesystem without O_DIRECT (tmpfs on older kernels, some network
+/// filesystems) refuses the open, and a read it refuses (or that ends early: a truncated
+/// file) makes the caller read that piece, and every later one, through the page cache,
+/// which reports the real error.
+struct DirectReads {
+    file: File,
+    usable: AtomicBool,
+}
+
+impl DirectReads {
+    /// Bytes of each aligned read buffer: a whole piece plus the blocks around it.
+    const BUFFER: usize = READ_PIECE + 2 * ALIGN as usize;
+
+    fn open(path: &Path) -> Option<DirectReads> {
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(path)
+            .ok()?;
+        Some(DirectReads {
+            file,
+            usable: AtomicBool::new(true),
+        })
+    }
+
+    /// The `len` bytes at `at`, read into `buf` (aligned, [`Self::BUFFER`] bytes) as whole
+    /// aligned blocks; None when O_DIRECT failed for them (the caller reads them otherwise).
+    fn read<'b>(&self, buf: &'b mut [u8], at: u64, len: usize) -> Option<&'b [u8]> {
+        if !self.usable.load(Ordering::Relaxed) {
+            return None;
+        }
+        let start = at - at % ALIGN;
+        let skip = (at - start) as usize;
+        let end = (at + len as u64).div_ceil(ALIGN) * ALIGN;
+        let window = &mut buf[..(end - start) as usize];
+        let mut got = 0;
+        while got < skip + len {
+            match self.file.read_at(&mut window[got..], start + got as u64) {
+                Ok(n) if n > 0 && (got + n >= skip + len || n % ALIGN as usize == 0) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                _ => {
+                    self.usable.store(false, Ordering::Relaxed);
+                    return None;
+                }
+            }
+        }
+        Some(&window[skip..skip + len])
+    }
+}
+
+impl Reader {
+    /// Fills `bytes` (one piece) from the file at `at` in blocks of [`HASH_BLOCK`], hashing
+    /// each block right after it lands, while it is still in the core's cache: the piece is
+    /// then read from memory once, not once by the copy and again by the checksum.
+    fn read_hashed(&self, bytes: &mut [u8], at: u64, piece: &Piece) -> Result<PieceCrc> {
+        let mut crc = 0;
+        let mut offset = at;
+        for block in bytes.chunks_mut(HASH_BLOCK) {
+            read_exact(&self.file, self.path(), block, offset)?;
+            crc = checksum::append(crc, block);
+            offset += block.len() as u64;
+        }
+        Ok(PieceCrc {
+            tensor: piece.tensor,
+            offset: piece.offset,
+            len: bytes.len() as u64,
+            crc,
+        })
     }
 }
 
@@ -742,6 +864,74 @@ mod tests {
                 assert_eq!(tensor, "big");
                 assert_eq!(p, path);
             }
+            other => panic!("expected a checksum error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn direct_reads_return_any_unaligned_range_and_stop_at_the_end_of_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.bin");
+        let data = pattern(3 * ALIGN as usize * 1000 + 1234, 5);
+        std::fs::write(&path, &data).unwrap();
+        let Some(direct) = DirectReads::open(&path) else {
+            eprintln!("no O_DIRECT on this filesystem: nothing to test");
+            return;
+        };
+        let mut buf = AlignedBuf::new(DirectReads::BUFFER);
+        let len = data.len() as u64;
+        for (at, n) in [
+            (0, 10),
+            (4095, 2),
+            (5000, READ_PIECE),
+            (len - 7, 7),
+            (len - 1, 1),
+        ] {
+            let got = direct.read(buf.as_mut_slice(), at, n).expect("direct read");
+            assert_eq!(
+                got,
+                &data[at as usize..at as usize + n],
+                "at {at}, {n} bytes"
+            );
+        }
+        // Bytes past the end (a file truncated after its header was read) are not made up:
+        // the direct reads give up, and the caller's buffered read reports the truncation.
+        assert!(direct.read(buf.as_mut_slice(), len - 4, 8).is_none());
+        assert!(
+            direct.read(buf.as_mut_slice(), 0, 8).is_none(),
+            "given up for good"
+        );
+    }
+
+    #[test]
+    fn verifying_with_direct_reads_checks_the_same_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.safetensors");
+        write(&path, &sample(), WriteOptions::default());
+        let reader = Reader::open(&path, true).unwrap();
+        let buffered = reader
+            .verify_reading(false, 3, &Progress::default())
+            .unwrap();
+        let read = Progress::default();
+        let direct = reader.verify_reading(true, 3, &read).unwrap();
+        assert_eq!(direct, buffered);
+        assert_eq!(
+            direct.0,
+            crate::checksum::append(0, &std::fs::read(&path).unwrap())
+        );
+        assert_eq!(
+            read.get(),
+            sample().iter().map(|(.., b)| b.len() as u64).sum::<u64>()
+        );
+
+        let header = reader.header().clone();
+        let mut bytes = std::fs::read(&path).unwrap();
+        let big = header.tensor("big").unwrap();
+        bytes[(header.data_start + big.begin + 5_000_001) as usize] ^= 0x01;
+        std::fs::write(&path, &bytes).unwrap();
+        let reader = Reader::open(&path, true).unwrap();
+        match reader.verify_reading(true, 2, &Progress::default()) {
+            Err(Error::Checksum { tensor, .. }) => assert_eq!(tensor, "big"),
             other => panic!("expected a checksum error, got {other:?}"),
         }
     }

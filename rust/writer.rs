@@ -148,7 +148,7 @@ pub fn plan_chunks(tensors: &[TensorInfo], data_start: u64, chunk_size: u64) -> 
 }
 
 /// A zeroed, [`ALIGN`]-aligned heap buffer for O_DIRECT writes.
-struct AlignedBuf {
+pub(crate) struct AlignedBuf {
     ptr: *mut u8,
     len: usize,
 }
@@ -162,7 +162,7 @@ impl AlignedBuf {
         Layout::from_size_align(len, ALIGN as usize).expect("chunk size fits a Layout")
     }
 
-    fn new(len: usize) -> AlignedBuf {
+    pub(crate) fn new(len: usize) -> AlignedBuf {
         let layout = Self::layout(len);
         // SAFETY: `layout` has a non-zero size (chunk sizes are >= ALIGN).
         let ptr = unsafe { alloc::alloc_zeroed(layout) };
@@ -172,7 +172,7 @@ impl AlignedBuf {
         AlignedBuf { ptr, len }
     }
 
-    fn as_mut_slice(&mut self) -> &mut [u8] {
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: `ptr` points to `len` initialized (zeroed at allocation) bytes we own.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }

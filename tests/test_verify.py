@@ -97,3 +97,32 @@ def test_symlinks_escaping_the_checkpoint_are_refused_by_verify(
     link = directory / "optim.safetensors"
     symlink_outside(link, tmp_path / "elsewhere" / "optim.safetensors")
     only_failure(verify(directory), link, "corrupt")
+
+
+def test_a_flipped_byte_in_a_file_verified_with_direct_reads_is_found(tmp_path: Path) -> None:
+    """Files of DIRECT_IO_MIN_BYTES and more are read back with O_DIRECT where the
+    filesystem allows (a verify, the read-back before a prune): a flipped byte is found
+    there as everywhere, and the prune then keeps the older, intact index."""
+    import torch
+
+    import fastckpt
+    from fastckpt.io.headers import DIRECT_IO_MIN_BYTES
+
+    model = torch.nn.Linear(4096, DIRECT_IO_MIN_BYTES // (4 * 4096))  # weight alone: the size
+    root = tmp_path / "root"
+    fastckpt.save_checkpoint(root, {"m": (model, None)})
+    first = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1)
+    fastckpt.save_checkpoint(root, {"m": (model, None)})
+    path = root / "1" / "models" / "m.safetensors"
+    assert path.stat().st_size >= DIRECT_IO_MIN_BYTES
+    assert verify(root).ok
+    data = bytearray(path.read_bytes())
+    data[len(data) - DIRECT_IO_MIN_BYTES // 3] ^= 0x04
+    path.write_bytes(bytes(data))
+    report = verify(root)
+    assert [f.path for f in report.failures] == [path] and report.failed_indices() == [1]
+    assert fastckpt.prune(root, keep_last=1) == []  # the newest intact index stays
+    loaded = fastckpt.load_checkpoint(root, 0)["models"]["m"]["model"]
+    assert torch.equal(loaded.weight, first)

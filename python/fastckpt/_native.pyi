@@ -9,6 +9,8 @@ TEMP_MARKER: str
 DEFAULT_CHUNK_SIZE: int
 #: Default writer threads (the one definition; ``fastckpt.io.files`` re-exports it).
 DEFAULT_WRITE_THREADS: int
+#: Files from this size are written with O_DIRECT by default and verified with O_DIRECT reads.
+DIRECT_IO_MIN_BYTES: int
 
 class ByteCounter:
     """Bytes of tensor data the core has written, read or hashed so far (thread-safe)."""

@@ -17,9 +17,14 @@ counter is used only the other way round, as a cheap *changed* signal:
   with the recorded one; equal, it becomes a reference to the bytes on disk
   (:mod:`fastckpt.container.refs`), otherwise it is written.
 
-Every written tensor's digest is computed in the same step (what the next save compares
-with), so each save reads every tensor's bytes once more in memory: the price of soundness,
-measured in docs/incremental.md. The disk writes saved are unchanged.
+The digest of a written tensor is computed in the same step (what the next save compares
+with), except for a tensor *seen moving*: the same tensor as at the last save (storage,
+layout) whose version counter moved, i.e. one written in place since, as training does to
+every parameter and moment. It is expected to move again, so hashing it would read its bytes
+for nothing; its next save writes it whatever its bytes (no digest to compare with), and
+records the digest then. Skipping a digest can only cost a write, never reference stale
+bytes. Candidates are always hashed (the proof itself): a save reads their bytes once more in
+memory, the price of soundness, measured in docs/incremental.md.
 
 Tensors the caller marks with :func:`mark_frozen` are the documented opt-in to trust
 without proof: while they keep their storage and layout they are referenced without a
@@ -58,6 +63,7 @@ __all__ = [
     "plan",
     "record_saved",
     "settle",
+    "track",
     "unreference",
 ]
 
@@ -75,13 +81,17 @@ class Tracked:
         fingerprint: :func:`fingerprint` of the live tensor, taken before it was staged.
         storage: the live tensor's storage; holding it keeps its address from being reused
             by a new tensor (which would otherwise look like the same one).
-        digest: BLAKE3 of the bytes saved (None until :func:`confirm` computed it; a
-            tracked tensor without one is never referenced).
+        digest: BLAKE3 of the bytes saved (None until :func:`confirm` computed it, and for
+            a tensor written while ``moving``; a tracked tensor without one is never
+            referenced).
     """
 
     fingerprint: Fingerprint
     storage: Any
     digest: bytes | None = None
+    #: the same tensor as at the last save, its version counter moved: written without a
+    #: digest (see the module docstring)
+    moving: bool = False
 
 
 #: group (a file, or a manager item) -> tensor name -> (tracked now, tracked at the last save,
@@ -135,6 +145,17 @@ def mark_frozen(*tensors: torch.Tensor | torch.nn.Module) -> None:
             raise TypeError(f"mark_frozen takes tensors or modules, not {type(item).__name__}")
         with _LOCK:
             _FROZEN[_storage_key(item)] = weakref.ref(item)
+
+
+def track(tensor: torch.Tensor, print_: Fingerprint, previous: Tracked | None) -> Tracked:
+    """What a save records of ``tensor`` (fingerprint ``print_``), given what the last save
+    recorded of the tensor at its key: ``moving`` when only the version counter moved."""
+    moving = (
+        previous is not None
+        and previous.fingerprint[:-1] == print_[:-1]
+        and previous.fingerprint[-1] != print_[-1]
+    )
+    return Tracked(print_, tensor.untyped_storage(), moving=moving)
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
@@ -228,8 +249,8 @@ def plan(root: str | os.PathLike[str], tensor_files: dict[str, dict[str, torch.T
             print_ = fingerprint(tensor) if isinstance(tensor, torch.Tensor) else None
             if print_ is None:
                 continue
-            tracked = Tracked(print_, tensor.untyped_storage())
             previous = known.get((relpath, name))
+            tracked = track(tensor, print_, None if previous is None else previous[0])
             if previous is not None and previous[0].fingerprint == print_:
                 result.candidates.setdefault(relpath, {})[name] = (tracked, *previous)
             else:
@@ -244,15 +265,16 @@ def settle(
 ) -> list[tuple[str, str, Tracked, Reference]]:
     """The content proof, shared by roots and the manager. With ``groups`` holding the
     tensors as they will be written (staged copies for an async save): give every tracked
-    tensor of ``written`` and ``candidates`` the digest of its bytes, move the candidates
+    tensor of ``written`` (but those ``moving``) and ``candidates`` the digest of its bytes,
+    move the candidates
     whose digest differs from the one recorded at the last save into ``written``, and return
     the others, proven unchanged, as ``(group, name, tracked, reference)`` (frozen ones,
     :func:`mark_frozen`, without a comparison). ``groups`` is not changed."""
     keys = [
         (group, name)
         for group, names in written.items()
-        for name in names
-        if name in groups.get(group, {})
+        for name, seen in names.items()
+        if name in groups.get(group, {}) and not seen.moving
     ]
     keys += [
         (group, name)

@@ -32,8 +32,10 @@ DEFAULT_WRITE_THREADS: int = _native.DEFAULT_WRITE_THREADS
 #: for O_DIRECT). Defined by the Rust core; see benches/NOTES.md for measurements.
 DEFAULT_CHUNK_SIZE: int = _native.DEFAULT_CHUNK_SIZE
 #: Files of at least this many bytes are written with O_DIRECT when ``direct_io=None``
-#: (:func:`choose_direct_io`): four default chunks. Below it both modes measured the same.
-DIRECT_IO_MIN_BYTES: int = 4 * DEFAULT_CHUNK_SIZE
+#: (:func:`choose_direct_io`), and verified with O_DIRECT reads where the filesystem allows
+#: (``_native.verify_file``: bytes hashed once and dropped do not go through the page cache):
+#: four default chunks. Below it both write modes measured the same. Defined by the Rust core.
+DIRECT_IO_MIN_BYTES: int = _native.DIRECT_IO_MIN_BYTES
 
 
 def choose_direct_io(nbytes: int) -> bool:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from fastckpt.container.commit import DirectoryWriter
-from fastckpt.container.incremental import Tracked, fingerprint, settle
+from fastckpt.container.incremental import Tracked, fingerprint, settle, track
 from fastckpt.container.links import Reference, linked_relpath
 from fastckpt.format.records import tensor_reference
 from fastckpt.io.files import read_metadata, read_tensors
@@ -306,7 +306,7 @@ class Tracker:
                 if print_ is None:
                     continue
                 previous = known.get((key, name))
-                tracked = Tracked(print_, tensor.untyped_storage())
+                tracked = track(tensor, print_, None if previous is None else previous[0])
                 if previous is not None and previous[0].fingerprint == print_:
                     candidates.setdefault(key, {})[name] = (tracked, *previous)
                 else:
