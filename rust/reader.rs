@@ -275,7 +275,7 @@ impl Reader {
     ) -> Result<(u32, Vec<String>)> {
         let header = self.header();
         let direct = if try_direct {
-            DirectReads::open(self.path())
+            DirectReads::open(self.path(), &self.file)
         } else {
             None
         };
@@ -443,12 +443,19 @@ impl DirectReads {
     /// Bytes of each aligned read buffer: a whole piece plus the blocks around it.
     const BUFFER: usize = READ_PIECE + 2 * ALIGN as usize;
 
-    fn open(path: &Path) -> Option<DirectReads> {
+    /// Opens `path` again with O_DIRECT; None where that fails or where `path` is no longer
+    /// the file `opened` (replaced since: its header would not describe these bytes).
+    fn open(path: &Path, opened: &File) -> Option<DirectReads> {
+        use std::os::unix::fs::MetadataExt;
         let file = OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_DIRECT | libc::O_NONBLOCK | libc::O_CLOEXEC)
             .open(path)
             .ok()?;
+        let (now, then) = (file.metadata().ok()?, opened.metadata().ok()?);
+        if (now.dev(), now.ino()) != (then.dev(), then.ino()) {
+            return None;
+        }
         Some(DirectReads {
             file,
             usable: AtomicBool::new(true),
@@ -874,7 +881,8 @@ mod tests {
         let path = dir.path().join("x.bin");
         let data = pattern(3 * ALIGN as usize * 1000 + 1234, 5);
         std::fs::write(&path, &data).unwrap();
-        let Some(direct) = DirectReads::open(&path) else {
+        let opened = File::open(&path).unwrap();
+        let Some(direct) = DirectReads::open(&path, &opened) else {
             eprintln!("no O_DIRECT on this filesystem: nothing to test");
             return;
         };
@@ -901,6 +909,11 @@ mod tests {
             direct.read(buf.as_mut_slice(), 0, 8).is_none(),
             "given up for good"
         );
+        // A path that names another file by now is not read with O_DIRECT.
+        std::fs::rename(&path, dir.path().join("old.bin")).unwrap();
+        std::fs::write(&path, &data).unwrap();
+        assert!(DirectReads::open(&path, &opened).is_none());
+        assert!(DirectReads::open(&path, &File::open(&path).unwrap()).is_some());
     }
 
     #[test]
