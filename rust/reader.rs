@@ -9,7 +9,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::checksum::{self, PieceCrc};
@@ -263,23 +263,23 @@ impl Reader {
     /// A file of at least [`DIRECT_IO_MIN_BYTES`] is read with O_DIRECT where the filesystem
     /// allows it (see [`DirectReads`]), else through the page cache.
     pub fn verify(&self, threads: usize, progress: &Progress) -> Result<(u32, Vec<String>)> {
-        self.verify_reading(self.file_len >= DIRECT_IO_MIN_BYTES, threads, progress)
+        let direct = if self.file_len >= DIRECT_IO_MIN_BYTES {
+            DirectReads::open(&self.file)
+        } else {
+            None
+        };
+        self.verify_reading(direct.as_ref(), threads, progress)
     }
 
-    /// [`Reader::verify`], trying O_DIRECT reads when `try_direct`.
+    /// [`Reader::verify`], with O_DIRECT reads from `direct` where given.
     fn verify_reading(
         &self,
-        try_direct: bool,
+        direct: Option<&DirectReads>,
         threads: usize,
         progress: &Progress,
     ) -> Result<(u32, Vec<String>)> {
         let header = self.header();
-        let direct = if try_direct {
-            DirectReads::open(self.path(), &self.file)
-        } else {
-            None
-        };
-        let file_crc = self.read_pieces(Vec::new(), direct.as_ref(), threads, progress)?;
+        let file_crc = self.read_pieces(Vec::new(), direct, threads, progress)?;
         let unchecked = header
             .tensors
             .iter()
@@ -437,28 +437,28 @@ pub const DIRECT_IO_MIN_BYTES: u64 = 4 * DEFAULT_CHUNK_SIZE;
 struct DirectReads {
     file: File,
     usable: AtomicBool,
+    /// Pieces read with O_DIRECT so far.
+    pieces: AtomicUsize,
 }
 
 impl DirectReads {
     /// Bytes of each aligned read buffer: a whole piece plus the blocks around it.
     const BUFFER: usize = READ_PIECE + 2 * ALIGN as usize;
 
-    /// Opens `path` again with O_DIRECT; None where that fails or where `path` is no longer
-    /// the file `opened` (replaced since: its header would not describe these bytes).
-    fn open(path: &Path, opened: &File) -> Option<DirectReads> {
-        use std::os::unix::fs::MetadataExt;
+    /// Opens the file `opened` again with O_DIRECT, through `/proc/self/fd` (the very file
+    /// whose header was read, whatever its path names by now, no link followed again); None
+    /// where that fails (no `/proc`, no O_DIRECT on the filesystem).
+    fn open(opened: &File) -> Option<DirectReads> {
+        use std::os::fd::AsRawFd;
         let file = OpenOptions::new()
             .read(true)
-            .custom_flags(libc::O_DIRECT | libc::O_NONBLOCK | libc::O_CLOEXEC)
-            .open(path)
+            .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+            .open(format!("/proc/self/fd/{}", opened.as_raw_fd()))
             .ok()?;
-        let (now, then) = (file.metadata().ok()?, opened.metadata().ok()?);
-        if (now.dev(), now.ino()) != (then.dev(), then.ino()) {
-            return None;
-        }
         Some(DirectReads {
             file,
             usable: AtomicBool::new(true),
+            pieces: AtomicUsize::new(0),
         })
     }
 
@@ -483,6 +483,7 @@ impl DirectReads {
                 }
             }
         }
+        self.pieces.fetch_add(1, Ordering::Relaxed);
         Some(&window[skip..skip + len])
     }
 }
@@ -882,38 +883,33 @@ mod tests {
         let data = pattern(3 * ALIGN as usize * 1000 + 1234, 5);
         std::fs::write(&path, &data).unwrap();
         let opened = File::open(&path).unwrap();
-        let Some(direct) = DirectReads::open(&path, &opened) else {
+        // The path replaced since the open: the opened file is the one read.
+        std::fs::rename(&path, dir.path().join("old.bin")).unwrap();
+        std::fs::write(&path, pattern(data.len(), 6)).unwrap();
+        let Some(direct) = DirectReads::open(&opened) else {
             eprintln!("no O_DIRECT on this filesystem: nothing to test");
             return;
         };
         let mut buf = AlignedBuf::new(DirectReads::BUFFER);
         let len = data.len() as u64;
-        for (at, n) in [
+        let ranges = [
             (0, 10),
             (4095, 2),
             (5000, READ_PIECE),
             (len - 7, 7),
             (len - 1, 1),
-        ] {
+        ];
+        for (at, n) in ranges {
             let got = direct.read(buf.as_mut_slice(), at, n).expect("direct read");
-            assert_eq!(
-                got,
-                &data[at as usize..at as usize + n],
-                "at {at}, {n} bytes"
-            );
+            let want = &data[at as usize..at as usize + n];
+            assert_eq!(got, want, "at {at}, {n} bytes");
         }
+        assert_eq!(direct.pieces.load(Ordering::Relaxed), ranges.len());
         // Bytes past the end (a file truncated after its header was read) are not made up:
         // the direct reads give up, and the caller's buffered read reports the truncation.
         assert!(direct.read(buf.as_mut_slice(), len - 4, 8).is_none());
-        assert!(
-            direct.read(buf.as_mut_slice(), 0, 8).is_none(),
-            "given up for good"
-        );
-        // A path that names another file by now is not read with O_DIRECT.
-        std::fs::rename(&path, dir.path().join("old.bin")).unwrap();
-        std::fs::write(&path, &data).unwrap();
-        assert!(DirectReads::open(&path, &opened).is_none());
-        assert!(DirectReads::open(&path, &File::open(&path).unwrap()).is_some());
+        let given_up = direct.read(buf.as_mut_slice(), 0, 8);
+        assert!(given_up.is_none(), "given up for good");
     }
 
     #[test]
@@ -922,30 +918,45 @@ mod tests {
         let path = dir.path().join("x.safetensors");
         write(&path, &sample(), WriteOptions::default());
         let reader = Reader::open(&path, true).unwrap();
-        let buffered = reader
-            .verify_reading(false, 3, &Progress::default())
-            .unwrap();
+        let Some(direct) = DirectReads::open(&reader.file) else {
+            eprintln!("no O_DIRECT on this filesystem: nothing to test");
+            return;
+        };
+        let buffered = reader.verify_reading(None, 3, &Progress::default());
         let read = Progress::default();
-        let direct = reader.verify_reading(true, 3, &read).unwrap();
-        assert_eq!(direct, buffered);
-        assert_eq!(
-            direct.0,
-            crate::checksum::append(0, &std::fs::read(&path).unwrap())
-        );
-        assert_eq!(
-            read.get(),
-            sample().iter().map(|(.., b)| b.len() as u64).sum::<u64>()
-        );
+        let verified = reader.verify_reading(Some(&direct), 3, &read).unwrap();
+        assert_eq!(verified, buffered.unwrap());
+        let whole = std::fs::read(&path).unwrap();
+        assert_eq!(verified.0, crate::checksum::append(0, &whole));
+        let total: u64 = sample().iter().map(|(.., b)| b.len() as u64).sum();
+        assert_eq!(read.get(), total);
+        // Every piece came from the device, none through the page cache.
+        let pieces = pieces(reader.header()).len();
+        assert_eq!(direct.pieces.load(Ordering::Relaxed), pieces);
 
         let header = reader.header().clone();
-        let mut bytes = std::fs::read(&path).unwrap();
+        let mut bytes = whole.clone();
         let big = header.tensor("big").unwrap();
         bytes[(header.data_start + big.begin + 5_000_001) as usize] ^= 0x01;
         std::fs::write(&path, &bytes).unwrap();
         let reader = Reader::open(&path, true).unwrap();
-        match reader.verify_reading(true, 2, &Progress::default()) {
+        let direct = DirectReads::open(&reader.file).unwrap();
+        match reader.verify_reading(Some(&direct), 2, &Progress::default()) {
             Err(Error::Checksum { tensor, .. }) => assert_eq!(tensor, "big"),
             other => panic!("expected a checksum error, got {other:?}"),
+        }
+        assert!(direct.pieces.load(Ordering::Relaxed) > 0);
+
+        // Truncated after its header was read: the direct reads give up at the end of the
+        // file, and the buffered read says what happened.
+        std::fs::write(&path, &whole).unwrap();
+        let reader = Reader::open(&path, true).unwrap();
+        let direct = DirectReads::open(&reader.file).unwrap();
+        let writable = OpenOptions::new().write(true).open(&path).unwrap();
+        writable.set_len(whole.len() as u64 / 2).unwrap();
+        match reader.verify_reading(Some(&direct), 2, &Progress::default()) {
+            Err(Error::Format { message, .. }) => assert!(message.contains("truncated")),
+            other => panic!("expected a truncation error, got {other:?}"),
         }
     }
 

@@ -190,9 +190,11 @@ def test_optimizer_steps_are_rewritten(tmp_path: Path) -> None:
 def test_a_tensor_seen_moving_is_written_without_hashing_then_proven_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A tensor whose version counter moved since the last save (an optimizer step) is
-    written without its BLAKE3 digest; when it stops moving it is written once more, hashed,
-    and referenced from the save after. Candidates are always hashed."""
+    """A tensor whose version counter moved since the last save and before it (optimizer
+    steps between saves) is written without its BLAKE3 digest; when it stops moving it is
+    written once more, hashed, and referenced from the save after. One that moves between
+    every other save only is hashed when it moves, so its unchanged saves reference it.
+    Candidates are always hashed."""
     hashed: list[set[str]] = []
     digest_groups = fastckpt.container.incremental.digest_groups
 
@@ -202,31 +204,39 @@ def test_a_tensor_seen_moving_is_written_without_hashing_then_proven_again(
 
     monkeypatch.setattr(fastckpt.container.incremental, "digest_groups", spy)
     model, optimizer = _setup()
+    frozen = {"backbone.weight", "backbone.bias", "scale"}
+    head = {"head.weight", "head.bias"}
     moments = {f"state.{i}.{name}" for i in (0, 1) for name in ("exp_avg", "exp_avg_sq", "step")}
     _step(model, optimizer)
     _save(tmp_path, model, optimizer)
     assert hashed[-1] == set(model.state_dict()) | moments  # a first save hashes everything
     _step(model, optimizer)
     _save(tmp_path, model, optimizer)
-    # The stepped head and moments moved: written, not hashed; the rest hashed (candidates).
-    assert hashed[-1] == {"backbone.weight", "backbone.bias", "scale"}
-    assert _referenced(tmp_path, 1) == {"backbone.weight", "backbone.bias", "scale"}
-    # No step: the head did not move this time, but has no digest from index 1 to compare
+    assert hashed[-1] == set(model.state_dict()) | moments  # moved once: still hashed
+    _step(model, optimizer)
+    _save(tmp_path, model, optimizer)
+    # The head and moments moved again: written, not hashed; the rest hashed (candidates).
+    assert hashed[-1] == frozen
+    assert _referenced(tmp_path, 2) == frozen
+    # No step: the head did not move this time, but has no digest from index 2 to compare
     # with, so it is written (and hashed) once more ...
     _save(tmp_path, model, optimizer)
-    assert {"head.weight", "head.bias"} <= hashed[-1]
-    assert _referenced(tmp_path, 2) == {"backbone.weight", "backbone.bias", "scale"}
+    assert head <= hashed[-1]
+    assert _referenced(tmp_path, 3) == frozen
     # ... and referenced from the next save on.
     _save(tmp_path, model, optimizer)
-    assert _referenced(tmp_path, 3) == set(model.state_dict())
-    assert _referenced(tmp_path, 3, "optimizers/adam.safetensors") == moments
+    assert _referenced(tmp_path, 4) == set(model.state_dict())
+    assert _referenced(tmp_path, 4, "optimizers/adam.safetensors") == moments
     _assert_bitwise(_snapshot(model), _loaded(tmp_path))
-    # In place again: written, whatever its digest would have said.
-    with torch.no_grad():
-        model.head.bias.add_(0.0)  # moves the counter, not the bytes
-    _save(tmp_path, model, optimizer)
-    assert "head.bias" not in _referenced(tmp_path, 4)
-    assert "head.bias" not in hashed[-1]
+    # Steps between every other save: hashed when they move, referenced when they do not.
+    for index in range(5, 9):
+        if index % 2:
+            _step(model, optimizer)
+        _save(tmp_path, model, optimizer)
+        if index % 2:
+            assert head <= hashed[-1] and _referenced(tmp_path, index) == frozen
+        else:
+            assert _referenced(tmp_path, index) == set(model.state_dict())
     _assert_bitwise(_snapshot(model), _loaded(tmp_path))
 
 

@@ -18,12 +18,14 @@ counter is used only the other way round, as a cheap *changed* signal:
   (:mod:`fastckpt.container.refs`), otherwise it is written.
 
 The digest of a written tensor is computed in the same step (what the next save compares
-with), except for a tensor *seen moving*: the same tensor as at the last save (storage,
-layout) whose version counter moved, i.e. one written in place since, as training does to
-every parameter and moment. It is expected to move again, so hashing it would read its bytes
-for nothing; its next save writes it whatever its bytes (no digest to compare with), and
-records the digest then. Skipping a digest can only cost a write, never reference stale
-bytes. Candidates are always hashed (the proof itself): a save reads their bytes once more in
+with), except for a tensor *seen moving*: the same tensor (storage, layout) whose version
+counter moved since the last save and had moved before it too, i.e. one written in place
+between saves again and again, as training does to every parameter and moment. It is expected
+to move again, so hashing it would read its bytes for nothing; if it does not, its next save
+writes it whatever its bytes (no digest to compare with) and records the digest then.
+Skipping a digest can only cost a write, never reference stale bytes; a tensor that moves at
+every other save only is still hashed each time it moves. Candidates are always hashed (the
+proof itself; :func:`mark_frozen` tensors aside): a save reads their bytes once more in
 memory, the price of soundness, measured in docs/incremental.md.
 
 Tensors the caller marks with :func:`mark_frozen` are the documented opt-in to trust
@@ -89,8 +91,10 @@ class Tracked:
     fingerprint: Fingerprint
     storage: Any
     digest: bytes | None = None
-    #: the same tensor as at the last save, its version counter moved: written without a
-    #: digest (see the module docstring)
+    #: the same tensor as at the last save, its version counter moved since
+    moved: bool = False
+    #: moved since the last save and before it: written without a digest (see the module
+    #: docstring)
     moving: bool = False
 
 
@@ -149,13 +153,15 @@ def mark_frozen(*tensors: torch.Tensor | torch.nn.Module) -> None:
 
 def track(tensor: torch.Tensor, print_: Fingerprint, previous: Tracked | None) -> Tracked:
     """What a save records of ``tensor`` (fingerprint ``print_``), given what the last save
-    recorded of the tensor at its key: ``moving`` when only the version counter moved."""
-    moving = (
+    recorded of the tensor at its key: ``moved`` when only the version counter moved since,
+    ``moving`` when it had moved at the last save too."""
+    moved = (
         previous is not None
         and previous.fingerprint[:-1] == print_[:-1]
         and previous.fingerprint[-1] != print_[-1]
     )
-    return Tracked(print_, tensor.untyped_storage(), moving=moving)
+    moving = moved and previous is not None and previous.moved
+    return Tracked(print_, tensor.untyped_storage(), moved=moved, moving=moving)
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
