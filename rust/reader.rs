@@ -21,9 +21,6 @@ use crate::writer::{AlignedBuf, ALIGN, DEFAULT_CHUNK_SIZE};
 /// Bytes read and hashed per piece: large enough for throughput, small enough to be hashed
 /// while still in cache.
 const READ_PIECE: usize = 4 << 20;
-/// Bytes read by one positional read and hashed at once, small enough to stay in a core's
-/// L2 cache between the copy and the checksum.
-const HASH_BLOCK: usize = 256 << 10;
 
 /// A header that passed validation, with what checking the data against it needs.
 struct Validated {
@@ -348,6 +345,12 @@ impl Reader {
         self.read_pieces(slots, None, threads, progress)
     }
 
+    /// Fills `bytes` (one piece) from the file at `at` and hashes them (still in cache).
+    fn read_hashed(&self, bytes: &mut [u8], at: u64, piece: &Piece) -> Result<PieceCrc> {
+        read_exact(&self.file, self.path(), bytes, at)?;
+        Ok(piece_crc(piece.tensor, piece.offset, bytes))
+    }
+
     fn changed(&self, tensor: &str, what: &str) -> Error {
         Error::format(
             self.path(),
@@ -485,27 +488,6 @@ impl DirectReads {
         }
         self.pieces.fetch_add(1, Ordering::Relaxed);
         Some(&window[skip..skip + len])
-    }
-}
-
-impl Reader {
-    /// Fills `bytes` (one piece) from the file at `at` in blocks of [`HASH_BLOCK`], hashing
-    /// each block right after it lands, while it is still in the core's cache: the piece is
-    /// then read from memory once, not once by the copy and again by the checksum.
-    fn read_hashed(&self, bytes: &mut [u8], at: u64, piece: &Piece) -> Result<PieceCrc> {
-        let mut crc = 0;
-        let mut offset = at;
-        for block in bytes.chunks_mut(HASH_BLOCK) {
-            read_exact(&self.file, self.path(), block, offset)?;
-            crc = checksum::append(crc, block);
-            offset += block.len() as u64;
-        }
-        Ok(PieceCrc {
-            tensor: piece.tensor,
-            offset: piece.offset,
-            len: bytes.len() as u64,
-            crc,
-        })
     }
 }
 
