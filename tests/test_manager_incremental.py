@@ -673,3 +673,25 @@ def test_a_write_cancelled_before_it_starts_closes_the_base_files_it_opened(
         blocker.result()
         assert len(os.listdir("/proc/self/fd")) == before
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("make", [_sync, _async], ids=["sync", "async"])
+def test_inference_tensors_are_always_written(
+    make: Callable[[], CheckpointManager], tmp_path: Path
+) -> None:
+    """A tensor made under ``torch.inference_mode()`` has no version counter: an incremental
+    save writes it every time (it raised ``RuntimeError`` reading the counter), and changes
+    made to it in inference mode are saved."""
+    with torch.inference_mode():
+        stats = torch.zeros(64)
+    model = _model()
+    with make() as manager:
+        _save(manager, tmp_path / "a", {"model": model, "stats": {"t": stats}})
+        with torch.inference_mode():
+            stats.add_(1)  # in place, no counter to move
+        _save(manager, tmp_path / "b", {"model": model, "stats": {"t": stats}})
+        assert _written(tmp_path / "b", "stats") == {"t"}
+        assert _referenced(tmp_path / "b") == set(model.state_dict())
+        loaded = manager.load(tmp_path / "b")
+    assert torch.equal(loaded["stats"]["t"], torch.ones(64))
+    _assert_bitwise(loaded["model"], _snapshot(model))

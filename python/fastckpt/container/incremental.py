@@ -181,8 +181,10 @@ def is_frozen(tensor: torch.Tensor) -> bool:
 
 def fingerprint(tensor: torch.Tensor) -> Fingerprint | None:
     """What must be identical for ``tensor`` to be unchanged (None: never trusted, e.g.
-    sparse, meta or tensor subclasses)."""
+    sparse, meta or tensor subclasses, and inference tensors, which have no version counter)."""
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided:
+        return None
+    if tensor.is_inference():
         return None
     if tensor.device.type == "meta" or tensor.is_neg() or tensor.is_conj():
         return None
