@@ -202,7 +202,6 @@ fn is_symlink(path: &Path) -> bool {
 /// An open file with its validated header, read with positional reads.
 pub struct Reader {
     file: File,
-    file_len: u64,
     valid: Validated,
 }
 
@@ -236,11 +235,7 @@ impl Reader {
             read_exact(&file, path, &mut json, format::PREFIX_LEN)?;
             Ok(json.into())
         })?;
-        Ok(Reader {
-            file,
-            file_len,
-            valid,
-        })
+        Ok(Reader { file, valid })
     }
 
     /// The validated header.
@@ -260,7 +255,7 @@ impl Reader {
     /// A file of at least [`DIRECT_IO_MIN_BYTES`] is read with O_DIRECT where the filesystem
     /// allows it (see [`DirectReads`]), else through the page cache.
     pub fn verify(&self, threads: usize, progress: &Progress) -> Result<(u32, Vec<String>)> {
-        let direct = if self.file_len >= DIRECT_IO_MIN_BYTES {
+        let direct = if self.header().file_len() >= DIRECT_IO_MIN_BYTES {
             DirectReads::open(&self.file)
         } else {
             None
@@ -382,36 +377,33 @@ impl Reader {
                 work.push((piece, chunk));
             }
         }
-        // Scratch buffers are reused: fresh memory costs page faults on every piece.
+        // Scratch buffers (aligned ones for O_DIRECT) are reused, see `with_pooled`.
         let scratch = Mutex::new(Vec::<Vec<u8>>::new());
         let aligned = Mutex::new(Vec::<AlignedBuf>::new());
         let data_start = header.data_start;
         let mut crcs = parallel(work, threads, |(piece, dest)| {
             let at = data_start + piece.at;
-            let hashed = match (&dest, direct) {
-                (None, Some(direct)) => {
-                    let pooled = aligned.lock().unwrap_or_else(|e| e.into_inner()).pop();
-                    let mut buf = pooled.unwrap_or_else(|| AlignedBuf::new(DirectReads::BUFFER));
-                    let crc = direct
-                        .read(buf.as_mut_slice(), at, piece.len)
-                        .map(|bytes| piece_crc(piece.tensor, piece.offset, bytes));
-                    aligned.lock().unwrap_or_else(|e| e.into_inner()).push(buf);
-                    crc
-                }
-                _ => None,
-            };
-            let result = match (hashed, dest) {
-                (Some(crc), _) => Ok(crc),
-                (None, Some(bytes)) => self.read_hashed(bytes, at, &piece),
-                (None, None) => {
-                    let mut buf = scratch.lock().unwrap_or_else(|e| e.into_inner()).pop();
-                    let buf = buf.get_or_insert_with(|| vec![0u8; READ_PIECE]);
-                    let result = self.read_hashed(&mut buf[..piece.len], at, &piece);
-                    scratch
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push(std::mem::take(buf));
-                    result
+            let result = match dest {
+                Some(bytes) => self.read_hashed(bytes, at, &piece),
+                None => {
+                    let read_direct = |direct: &DirectReads| {
+                        with_pooled(
+                            &aligned,
+                            || AlignedBuf::new(DirectReads::BUFFER),
+                            |buf| {
+                                let bytes = direct.read(buf.as_mut_slice(), at, piece.len)?;
+                                Some(piece_crc(piece.tensor, piece.offset, bytes))
+                            },
+                        )
+                    };
+                    match direct.and_then(read_direct) {
+                        Some(crc) => Ok(crc),
+                        None => with_pooled(
+                            &scratch,
+                            || vec![0u8; READ_PIECE],
+                            |buf| self.read_hashed(&mut buf[..piece.len], at, &piece),
+                        ),
+                    }
                 }
             };
             progress.add(piece.len as u64);
@@ -419,6 +411,20 @@ impl Reader {
         })?;
         self.valid.check_all(&mut crcs)
     }
+}
+
+/// Runs `f` on a buffer taken from `pool` (made by `make` when the pool is empty) and puts it
+/// back after: fresh memory would cost page faults on every piece.
+fn with_pooled<B, R>(
+    pool: &Mutex<Vec<B>>,
+    make: impl FnOnce() -> B,
+    f: impl FnOnce(&mut B) -> R,
+) -> R {
+    let pooled = pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+    let mut buf = pooled.unwrap_or_else(make);
+    let result = f(&mut buf);
+    pool.lock().unwrap_or_else(|e| e.into_inner()).push(buf);
+    result
 }
 
 /// Files of at least this many bytes are written with O_DIRECT by default and verified with

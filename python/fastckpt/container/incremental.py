@@ -274,10 +274,10 @@ def settle(
     """The content proof, shared by roots and the manager. With ``groups`` holding the
     tensors as they will be written (staged copies for an async save): give every tracked
     tensor of ``written`` (but those ``moving``) and ``candidates`` the digest of its bytes,
-    move the candidates
-    whose digest differs from the one recorded at the last save into ``written``, and return
-    the others, proven unchanged, as ``(group, name, tracked, reference)`` (frozen ones,
-    :func:`mark_frozen`, without a comparison). ``groups`` is not changed."""
+    move the candidates whose digest differs from the one recorded at the last save into
+    ``written``, and return the others, proven unchanged, as ``(group, name, tracked,
+    reference)`` (frozen ones, :func:`mark_frozen`, without a comparison). ``groups`` is not
+    changed."""
     keys = [
         (group, name)
         for group, names in written.items()
