@@ -228,6 +228,10 @@ class ThrottledBackend(StorageBackend):
         """Whether anything is there (not paced)."""
         return LOCAL.exists(local_path(path))
 
+    def is_directory(self, path: Path) -> bool:
+        """Whether the local path is a directory (not paced)."""
+        return LOCAL.is_directory(local_path(path))
+
     def read_bytes(self, path: Path, *, limit: int = MAX_RECORD_BYTES) -> bytes:
         """The whole small file, paced."""
         with _paced(self.limits.read) as sizes:

@@ -142,8 +142,7 @@ def source_path(manifest: Manifest, ref: Reference) -> Path:
 def _is_directory(path: Path) -> bool:
     """A directory on a filesystem; on an object store, a prefix with objects under it (an
     index promoted there keeps its links as files inside itself)."""
-    backend = backend_for(path)
-    return os.path.isdir(path) if is_local(backend) else backend.exists(path)
+    return backend_for(path).is_directory(path)
 
 
 def matches(record: Mapping[str, int] | None, ref: Reference) -> bool:

@@ -260,6 +260,11 @@ class StorageBackend(ABC):
         """Whether anything is at ``path``."""
 
     @abstractmethod
+    def is_directory(self, path: Path) -> bool:
+        """Whether ``path`` is a directory (on an object store: a prefix with objects under
+        it, asked with one listing, never a request for an object of that name)."""
+
+    @abstractmethod
     def read_bytes(self, path: Path, *, limit: int = MAX_RECORD_BYTES) -> bytes:
         """The whole content of a small regular file.
 
@@ -653,6 +658,10 @@ class LocalFileSystem(StorageBackend):
     def exists(self, path: Path) -> bool:
         """``os.path.lexists``."""
         return os.path.lexists(path)
+
+    def is_directory(self, path: Path) -> bool:
+        """``os.path.isdir`` (symlinks followed)."""
+        return os.path.isdir(path)
 
     def read_bytes(self, path: Path, *, limit: int = MAX_RECORD_BYTES) -> bytes:
         """Read a regular file whole; FIFOs and devices are refused before any read."""

@@ -201,6 +201,12 @@ class S3Backend(StorageBackend):
             return False
         return True
 
+    def is_directory(self, path: Path) -> bool:
+        """Objects are under the prefix ``path``: one listing (no HEAD of a key named like
+        the prefix, which some stores answer with a server error, retried, for a folder)."""
+        folders, objects = self.client.list_dir(self._key(path).rstrip("/") + "/")
+        return bool(folders or objects)
+
     def read_bytes(self, path: Path, *, limit: int = MAX_RECORD_BYTES) -> bytes:
         """One GET; remembers the version read, for a later conditional :meth:`put_record`."""
         key = self._key(path)
