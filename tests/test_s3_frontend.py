@@ -376,3 +376,34 @@ def test_a_flipped_byte_or_a_missing_object_on_s3_is_a_typed_error(
         ),
     ):
         mgr.load(checkpoint)
+
+
+def test_cli_ls_of_an_s3_root_never_heads_the_folder_name(
+    s3_root: str,
+    s3_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # s3s-fs answers a HEAD of a key naming a folder with HTTP 500: `fastckpt ls` of an s3://
+    # root failed there. A folder is asked for with one listing.
+    from fastckpt.cli.main import main as cli_main
+    from fastckpt.storage.s3.client import S3Client
+    from fastckpt.storage.s3.errors import ObjectStoreError
+
+    for name, value in s3_env.items():
+        monkeypatch.setenv(name, value)
+    model = torch.nn.Linear(4, 4)
+    fastckpt.save_checkpoint(s3_root, models={"main": model})
+    real_head = S3Client.head
+    folder = s3_root.split("/", 3)[3].rstrip("/")  # the root's key: s3://bucket/<folder>
+
+    def head(self: S3Client, key: str) -> Any:
+        if key.rstrip("/") == folder:
+            raise ObjectStoreError(f"{key}: HTTP 500 (a folder's name)")
+        return real_head(self, key)
+
+    monkeypatch.setattr(S3Client, "head", head)
+    assert cli_main(["ls", s3_root]) == 0
+    assert "1 committed index(es)" in capsys.readouterr().out
+    assert cli_main(["ls", f"{s3_root}/missing"]) == 2
+    assert "no such file or directory" in capsys.readouterr().err

@@ -184,12 +184,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     path = Path(args.root)
     backend = backend_for(path)
     shown = display_path(path)
-    try:
-        regular = backend.stat(path).regular
-    except FileNotFoundError:
-        raise UserError(f"{shown}: no such file or directory") from None
-    if regular:
-        raise UserError(f"{shown} is a file; ls lists a checkpoint root (use fastckpt inspect)")
+    # Asked as a directory first: some stores answer a HEAD of a folder's name with an error.
+    if not backend.is_directory(path):
+        try:
+            regular = backend.stat(path).regular
+        except FileNotFoundError:
+            raise UserError(f"{shown}: no such file or directory") from None
+        if regular:
+            raise UserError(f"{shown} is a file; ls lists a checkpoint root (use fastckpt inspect)")
     if _is_file(backend, path / MANIFEST):
         listing = _ls_root(path)
     elif _is_file(backend, path / COMMIT_RECORD):
