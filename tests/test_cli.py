@@ -748,6 +748,29 @@ def test_verify_inspect_and_prune_take_a_directory_of_manager_checkpoints(
     assert status == 1 and "BAD" in out
 
 
+@pytest.mark.parametrize("alias", ["aa_latest", "zz_latest"])
+def test_prune_of_manager_checkpoints_never_counts_or_strands_an_alias_symlink(
+    fastckpt_cli: Run, ckpts: Path, alias: str
+) -> None:
+    # An alias to the newest checkpoint used to count as the newest (same save date, name
+    # last) and verify through its target, which prune then deleted: nothing left.
+    folder = ckpts / f"mgr-{alias}"
+    shutil.copytree(ckpts / "mgr", folder)
+    (folder / alias).symlink_to("step_20")
+    (folder / "old").symlink_to("step_10")  # an alias to an older one keeps it
+    status, out, _ = fastckpt_cli("--json", "ls", str(folder))
+    assert [c["name"] for c in json.loads(out)["checkpoints"]] == ["step_10", "step_20"]
+    status, out, _ = fastckpt_cli("--json", "prune", str(folder), "--keep-last", "1")
+    assert status == 0 and json.loads(out)["deleted"] == [], out
+    (folder / "old").unlink()
+    status, out, _ = fastckpt_cli("--json", "prune", str(folder), "--keep-last", "1")
+    assert status == 0 and json.loads(out)["deleted"] == ["step_10"], out
+    assert sorted(p.name for p in folder.iterdir()) == sorted([alias, "step_20"])
+    assert (folder / alias / "commit.json").is_file()
+    status, out, _ = fastckpt_cli("verify", str(folder / alias))
+    assert status == 0, out
+
+
 HOLD_LOCK = """
 import sys, time
 from fastckpt.storage.lock import RootLock

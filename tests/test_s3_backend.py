@@ -23,7 +23,7 @@ from fastckpt.storage.s3.backend import (
 )
 from fastckpt.storage.s3.client import S3Client
 from fastckpt.storage.s3.config import S3Url
-from fastckpt.storage.s3.errors import CommitConflictError, ObjectNotFoundError
+from fastckpt.storage.s3.errors import CommitConflictError, ObjectNotFoundError, ObjectStoreError
 from s3_support import S3Server, s3_root, s3_server
 
 __all__ = ["s3_root", "s3_server"]  # fixtures used by name below
@@ -84,6 +84,14 @@ def test_a_prefix_is_a_directory_asked_by_one_listing_without_a_head(
     assert not backend.is_directory(Path(f"{s3_root}/2/models/main.spec.json"))  # an object
     assert not backend.is_directory(Path(f"{s3_root}/3"))
     assert not backend.is_directory(Path(f"{s3_root}/2/model"))  # a prefix of a name only
+
+    def head_fails(key: str) -> None:
+        raise ObjectStoreError(f"{key}: HTTP 500")
+
+    monkeypatch.setattr(backend.client, "head", head_fails)
+    assert not backend.stat(Path(f"{s3_root}/2")).regular  # a folder, though HEAD failed
+    with pytest.raises(ObjectStoreError, match="HTTP 500"):
+        backend.stat(Path(f"{s3_root}/3"))  # nothing there: the HEAD's error stands
 
 
 def test_the_written_header_is_the_stored_one_without_reading_it_back(

@@ -5,6 +5,7 @@ of a directory.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from fastckpt.format.records import (
 )
 from fastckpt.io.paths import safe_join
 from fastckpt.storage.backend import StorageBackend
-from fastckpt.storage.registry import backend_for, display_path
+from fastckpt.storage.registry import backend_for, display_path, is_local
 
 # --------------------------------------------------------------------------- fastckpt ls
 
@@ -89,8 +90,8 @@ def _ls_managers(parent: Path) -> dict[str, Any]:
     backend = backend_for(parent)
     for name in backend.list_dir(parent):
         child = parent / name
-        if name.startswith("."):
-            continue
+        if name.startswith(".") or (is_local(backend) and os.path.islink(child)):
+            continue  # staging areas; aliases (not checkpoints, see committed_checkpoints)
         if _is_file(backend, child / SHARDED_RECORD):
             checkpoints.append(_sharded_row(child))
             continue

@@ -1,6 +1,7 @@
 """What a checkpoint root holds: the committed indices of a ``save_checkpoint`` root (read from
 its manifest alone), and the committed CheckpointManager checkpoints of a directory (a tier
-root), oldest first.
+root), oldest first; a symlink in a tier root is an alias, not a checkpoint (never listed,
+ordered or pruned).
 
 Listing needs neither torch nor the tensor files (``fastckpt ls`` starts without importing
 torch); :func:`fastckpt.list_checkpoints` is the first.
@@ -21,7 +22,7 @@ from fastckpt.format.records import (
     by_commit_time,
     save_dated,
 )
-from fastckpt.storage.registry import backend_for, use_storage_options
+from fastckpt.storage.registry import backend_for, is_local, use_storage_options
 
 __all__ = [
     "TierDates",
@@ -114,9 +115,12 @@ def tier_dates(root: str | os.PathLike[str]) -> TierDates:
     root = Path(root)
     backend = backend_for(root)
     found: dict[str, tuple[float, str]] = {}  # name -> (store date, record file)
+    local = is_local(backend)
     for name in backend.list_dir(root):
         if name.startswith("."):
             continue  # staging areas, trash, locks
+        if local and os.path.islink(root / name):
+            continue  # an alias (``latest -> step_20``), not a checkpoint: never pruned
         for record in (COMMIT_RECORD, SHARDED_RECORD):
             try:
                 info = backend.stat(root / name / record)

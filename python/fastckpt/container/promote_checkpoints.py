@@ -297,9 +297,10 @@ def prune_checkpoints(
     root: str | os.PathLike[str], keep_last: int, *, spare: Collection[str] = ()
 ) -> list[str]:
     """Delete all but the newest ``keep_last`` committed checkpoints of the tier root
-    ``root`` (:func:`committed_checkpoints` order), never one named in ``spare`` and never
-    the newest one that verifies: the kept ones are verified newest first, and when none of
-    them does, the newest older one that verifies is kept too. Returns the deleted names.
+    ``root`` (:func:`committed_checkpoints` order, symlinks not counted), never one named in
+    ``spare`` or that a symlink in ``root`` points at, and never the newest one that
+    verifies: the kept ones are verified newest first, and when none of them does, the newest
+    older one that verifies is kept too. Returns the deleted names.
 
     Raises:
         ValueError: ``keep_last < 1``.
@@ -308,6 +309,21 @@ def prune_checkpoints(
     for name in doomed:
         remove_checkpoint(Path(root) / name)
     return doomed
+
+
+def _alias_targets(root: Path) -> set[str]:
+    """The checkpoints of the local tier root ``root`` that a symlink there points at (an
+    alias such as ``latest -> step_20``): never pruned, so that no alias is left dangling."""
+    if not is_local(backend_for(root)) or not os.path.isdir(root):
+        return set()
+    real = os.path.realpath(root)
+    targets = set()
+    for entry in os.scandir(root):
+        if entry.is_symlink():
+            target = os.path.realpath(entry.path)
+            if os.path.dirname(target) == real:
+                targets.add(os.path.basename(target))
+    return targets
 
 
 def doomed_checkpoints(
@@ -322,7 +338,8 @@ def doomed_checkpoints(
         raise ValueError(f"keep_last must be >= 1 (the newest is never deleted), got {keep_last}")
     root = Path(root)
     names = committed_checkpoints(root)
-    doomed = [name for name in names[:-keep_last] if name not in spare]
+    aliased = _alias_targets(root)
+    doomed = [name for name in names[:-keep_last] if name not in spare and name not in aliased]
     if not doomed:
         return []
     kept = [name for name in names if name not in doomed]

@@ -191,6 +191,11 @@ class S3Backend(StorageBackend):
             if self.list_dir(path):
                 return ObjectInfo(0, False)
             raise
+        except ObjectStoreError:
+            # Some stores (s3s-fs) answer a HEAD of a folder's name with a server error.
+            if self.is_directory(path):
+                return ObjectInfo(0, False)
+            raise
         return ObjectInfo(meta.size, True, meta.modified)
 
     def exists(self, path: Path) -> bool:
