@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -629,3 +630,76 @@ def test_a_promoters_prune_leaves_a_newer_index_part_of_a_gone_trainer(tmp_path:
     assert shard.is_file()
     assert prune_indices(root, 1) == [1]
     assert not shard.exists()
+
+
+def test_a_promotion_slower_than_the_saves_keeps_its_index_and_completes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # keep_last=1 spared only the index due next: a promotion outlasting one save interval
+    # had its index pruned under it ("pruned before it was promoted") at every run, so the
+    # durable tier fell behind for good while the promoter reported itself healthy.
+    import fastckpt.container.promote as promote_module
+
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    real = promote_module.promote_index
+    slowed: list[int] = []
+
+    def slow_promote_index(source: Any, target: Any, index: int, **kwargs: Any) -> Any:
+        if not slowed:  # the first promotion lasts until three more saves committed
+            slowed.append(index)
+            deadline = time.monotonic() + 60
+            while Manifest.load(fast).latest < index + 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return real(source, target, index, **kwargs)
+
+    monkeypatch.setattr(promote_module, "promote_index", slow_promote_index)
+    hook = fastckpt.CheckpointHook(
+        fast, step_interval=1, async_save=False, durable_dir=durable, keep_last=1
+    )
+    strategy = training_support.new_strategy([hook], num_steps=6)
+    strategy.run(training_support.loader())
+    assert hook.promoter is not None and hook.promotion_healthy
+    assert slowed == [0] and hook.promoter.promoted[0] == 0, hook.promoter.promoted
+    assert hook.promoter.promoted[-1] == 5
+    # What the slow promotion held is released once it is done.
+    assert [c["index"] for c in fastckpt.list_checkpoints(fast)][-1] == 5
+    assert fastckpt.verify(durable).ok
+
+
+class _WipeFastTier:
+    """A hook wiping the fast tier (``/dev/shm`` cleared, a node-local disk reclaimed) after
+    step ``step``'s batch, before that step's checkpoint."""
+
+    def __init__(self, fast: Path, step: int) -> None:
+        self.fast, self.step = fast, step
+        self.hook: Any = None
+
+    def __call__(self, ctx: Any, stage: fastckpt.TrainingStage) -> None:
+        if stage is fastckpt.TrainingStage.AFTER_BATCH and ctx.step_count == self.step:
+            self.hook.promoter.wait()
+            shutil.rmtree(self.fast)
+
+
+def test_a_fast_tier_wiped_mid_run_numbers_its_next_saves_past_the_durable_tier(
+    tmp_path: Path,
+) -> None:
+    # The next saves restarted at index 0, below the durable tier's newest: never promoted,
+    # and a restore took the durable tier's older index over the run's newest.
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    wipe = _WipeFastTier(fast, 4)
+    hook = fastckpt.CheckpointHook(
+        fast, step_interval=1, async_save=False, durable_dir=durable, promote_every=2
+    )
+    wipe.hook = hook
+    strategy = training_support.new_strategy([wipe, hook], num_steps=6)
+    strategy.run(training_support.loader())
+    assert hook.promotion_healthy
+    assert [c["index"] for c in fastckpt.list_checkpoints(fast)] == [3, 4, 5]
+    assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [0, 2, 4]
+    restored = fastckpt.TrainingStrategy.load_checkpoint(
+        fast, training_fn=training_support.training_fn, fallback_dirs=[durable], hooks=[]
+    )
+    assert restored.step_count == strategy.step_count
+    assert restored.restored_from is not None and restored.restored_from.index == 5
+    got, want = restored.models["main"].state_dict(), strategy.models["main"].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())

@@ -734,3 +734,31 @@ def test_the_command_line_promotes_a_tiers_newest_checkpoint_once(tmp_path: Path
     assert committed_checkpoints(durable) == ["step_1"]
     with CheckpointManager(CheckpointManager.Config.with_sync_save()) as reader:
         assert _equal(_weights(reader.load(durable / "step_1")), states[1])
+
+
+def test_a_promotion_slower_than_the_saves_keeps_its_checkpoint_and_completes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fast tier's keep_last spared the newest queued checkpoint only: the one being
+    # promoted (the queue's first) was deleted under a promotion outlasting a save interval.
+    import fastckpt.container.promote_checkpoints as tiers_module
+
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    real = tiers_module.promote_checkpoint
+    slowed: list[str] = []
+
+    def slow_promote_checkpoint(source: Any, target: Any) -> Any:
+        if not slowed:  # the first promotion lasts until three more saves committed
+            slowed.append(Path(source).name)
+            deadline = time.monotonic() + 60
+            while "step_3" not in committed_checkpoints(fast) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return real(source, target)
+
+    monkeypatch.setattr(tiers_module, "promote_checkpoint", slow_promote_checkpoint)
+    with _manager(TiersConfig(fast=fast, durable=durable, keep_last=1)) as manager:
+        _run(manager, 5)
+    assert slowed == ["step_0"]
+    assert committed_checkpoints(durable)[0] == "step_0"  # completed, not pruned under it
+    assert committed_checkpoints(durable)[-1] == "step_4"
+    assert committed_checkpoints(fast) == ["step_4"]

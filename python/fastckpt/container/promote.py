@@ -432,6 +432,8 @@ class Promoter:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._process: _DetachedProcess | None = None  # started by the first detached run
+        #: The source indices the running promotion may copy (see :meth:`spared`).
+        self._in_flight: frozenset[int] = frozenset()
 
     @property
     def healthy(self) -> bool:
@@ -453,6 +455,30 @@ class Promoter:
         due = newest - newest % self.every
         held = self.target_newest
         return due if held is None or due > held else None
+
+    def spared(self, newest: int) -> tuple[int, ...]:
+        """What a fast tier's retention must keep after the save of index ``newest``: the
+        index due next (:meth:`awaiting`) and every index the running promotion may be
+        copying. Without the latter, a promotion slower than a few saves had its index
+        pruned under it at every run and the durable tier fell behind for good."""
+        awaiting = self.awaiting(newest)
+        with self._lock:
+            spared = set(self._in_flight)
+        if awaiting is not None:
+            spared.add(awaiting)
+        return tuple(sorted(spared))
+
+    def _due_now(self) -> frozenset[int]:
+        """The indices of the source a promotion run started now may copy: the multiples of
+        ``every`` newer than the target's newest known index (its newest too, which a
+        promotion replaces when the source's differs); empty when the source cannot be read
+        (the run reports that)."""
+        try:
+            indices = Manifest.load(self.source).entries
+        except (OSError, CheckpointFormatError):
+            return frozenset()
+        held = self.target_newest
+        return frozenset(i for i in indices if not i % self.every and (held is None or i >= held))
 
     def submit(self) -> None:
         """Ask for a promotion run (after a commit into ``source``); returns at once.
@@ -577,6 +603,9 @@ class Promoter:
         self.detached_pid = pid
 
     def _promote_once(self) -> None:
+        due = self._due_now()
+        with self._lock:
+            self._in_flight = due
         try:
             self._attempt()
         except Exception as err:  # reported, retried by the next submission
@@ -589,6 +618,9 @@ class Promoter:
             self.error = error
             report_tolerated(_LOG, str(error), error, self.on_error)
             return
+        finally:
+            with self._lock:
+                self._in_flight = frozenset()
         self.error = None
 
 
@@ -621,6 +653,9 @@ class RankPromoter(Promoter):
     def awaiting(self, newest: int) -> int | None:
         """Not tracked here: rank 0's retention decides what every node keeps."""
         return None
+
+    def _due_now(self) -> frozenset[int]:
+        return frozenset()  # as :meth:`awaiting`
 
     def run_here(self) -> dict[str, Any]:
         """Upload this rank's files of the newest due part; returns ``promoted`` (the

@@ -508,9 +508,13 @@ class CheckpointPromoter(Promoter):
                 self._queue.append(name)
 
     def queued(self) -> list[str]:
-        """The names waiting for promotion (kept by the fast tier's retention)."""
+        """The names waiting for promotion, the one being promoted first (the fast tier's
+        retention keeps that one and the newest)."""
         with self._lock:
             return list(self._queue)
+
+    def _due_now(self) -> frozenset[int]:
+        return frozenset()  # the queue says what is promoted (see :meth:`queued`)
 
     def run_here(self) -> dict[str, Any]:
         """Promote the queued names in order, then the target's retention; returns

@@ -468,6 +468,8 @@ class CheckpointHook:
         record and retention in step; then promote (rank 0 commits what every rank
         uploads)."""
         shared = share_commit(self.checkpoint_dir, index, failure=failure, process_group=group)
+        if rank == 0 and failure is None:
+            self._went_past(index)
         if self._promoter is None:
             return  # node-local roots were refused at the commit (the writer's check)
         if rank != 0:
@@ -716,14 +718,12 @@ class CheckpointHook:
 
     def _prune(self, newest: int) -> list[int]:
         """``keep_last`` after the save of index ``newest``, sparing the index that waits
-        for its promotion (two tiers). Returns the pruned indices."""
+        for its promotion and those the running promotion copies (two tiers, see
+        :meth:`~fastckpt.container.promote.Promoter.spared`). Returns the pruned indices."""
         assert self.keep_last is not None
-        awaiting = None if self._promoter is None else self._promoter.awaiting(newest)
+        spare = () if self._promoter is None else self._promoter.spared(newest)
         return prune_indices(
-            self.checkpoint_dir,
-            self.keep_last,
-            lock_timeout=self.lock_timeout,
-            spare=() if awaiting is None else (awaiting,),
+            self.checkpoint_dir, self.keep_last, lock_timeout=self.lock_timeout, spare=spare
         )
 
     def _save_index(self, rank: int) -> int:
@@ -736,7 +736,8 @@ class CheckpointHook:
         index as new), and a restore with both tiers took the durable tier's older index as
         the newest. The durable tier is read once per hook (rank 0 decides for sharded
         runs); until the fast root holds an index past it (a first save that failed
-        included), saves go to that floor. A durable tier that cannot be read is left to the
+        included), saves go to that floor, which each of this hook's commits raises past
+        itself (:meth:`_went_past`). A durable tier that cannot be read is left to the
         promotion to report."""
         if self.durable_dir is None or rank != 0:
             return -1
@@ -772,8 +773,18 @@ class CheckpointHook:
             self._images,
         )
 
+    def _went_past(self, index: int) -> None:
+        """After this hook committed ``index`` (two tiers, rank 0): its next save goes past it
+        whatever the fast root holds then. A fast root wiped mid-run (``/dev/shm`` cleared, a
+        node-local disk reclaimed) numbered its next saves from 0 again, below the durable
+        tier's newest: they were never promoted, and a restore took the durable tier's older
+        index over them without a word (see :meth:`_save_index`)."""
+        if self.durable_dir is not None and self._floor is not None:
+            self._floor = max(self._floor, index + 1)
+
     def _write(self, snapshot: Snapshot, index: int = -1) -> int:
         index = write_snapshot(self.checkpoint_dir, snapshot, index, lock_timeout=self.lock_timeout)
+        self._went_past(index)
         if self.keep_last is not None:
             self._prune(index)
         if self._promoter is not None:
