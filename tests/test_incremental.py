@@ -32,6 +32,7 @@ import training_support as support
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import crash_harness
 
+from fastckpt.io.headers import read_metadata
 from fastckpt.training import CheckpointHook
 
 FROZEN_WIDTH = 128
@@ -684,3 +685,58 @@ def test_a_file_that_fails_in_the_background_fails_the_save_and_leaves_nothing(
     assert fastckpt.save_checkpoint(root, models={"main": (good, None)}, lock_timeout=5) == 1
     loaded = fastckpt.load_checkpoint(root)["models"]["main"]["model"]
     assert torch.equal(loaded.weight, good.weight)
+
+
+class _FlipLinkedByte:
+    """A hook flipping one byte of the frozen layer's data in the file the newest index
+    links (bit rot on the fast tier) after step ``step``'s batch, before its checkpoint."""
+
+    def __init__(self, root: Path, step: int) -> None:
+        self.root, self.step = root, step
+        self.flipped: Path | None = None
+
+    def __call__(self, ctx: Any, stage: fastckpt.TrainingStage) -> None:
+        if stage is not fastckpt.TrainingStage.AFTER_BATCH or ctx.step_count != self.step:
+            return
+        newest = max(int(p.name) for p in self.root.iterdir() if p.name.isdigit())
+        linked = sorted((self.root / str(newest) / "linked").glob("*.safetensors"))
+        headers = {path: read_metadata(path) for path in linked}
+        (path,) = [path for path, header in headers.items() if "0.weight" in header["tensors"]]
+        header = headers[path]
+        start = header["data_start"] + header["tensors"]["0.weight"]["data_offsets"][0]
+        before = path.stat()
+        with open(path, "r+b") as file:
+            file.seek(start + 100)
+            byte = file.read(1)
+            file.seek(start + 100)
+            file.write(bytes([byte[0] ^ 1]))
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # as the device did it
+        self.flipped = path
+
+
+def test_a_damaged_file_found_by_retention_is_not_linked_into_later_saves(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Incremental saves linked the damaged file again and again (only its size and header
+    # checksums are checked at the link): no later index verified, keep_last could delete
+    # nothing, and the run never recovered although the live model was intact.
+    root = tmp_path / "fast"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 4))
+    model[0].requires_grad_(False)
+    flip = _FlipLinkedByte(root, 5)
+    strategy = fastckpt.TrainingStrategy(
+        model,
+        fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
+        training_fn=lambda m, b: (m(b) - 1).square().mean(),
+        hooks=[flip, CheckpointHook(root, step_interval=1, async_save=False, keep_last=3)],
+        num_steps=10,
+    )
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        strategy.run([torch.randn(8, 256) for _ in range(10)])
+    assert flip.flipped is not None
+    assert "this save writes every tensor" in caplog.text
+    assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [7, 8, 9]
+    assert fastckpt.verify(root).ok
+    restored = fastckpt.load_checkpoint(root)["models"]["main"]["model"]
+    assert all(torch.equal(restored.state_dict()[k], v) for k, v in model.state_dict().items())

@@ -25,6 +25,7 @@ from fastckpt.container.promote import Promoter, forget_promoted, promote, promo
 from fastckpt.errors import (
     CheckpointFormatError,
     ChecksumMismatchError,
+    MixedRunError,
     NotCommittedError,
     PromotionError,
 )
@@ -315,6 +316,51 @@ def test_unchanged_files_are_copied_by_the_s3_server(s3_server: S3Server, tmp_pa
     got = fastckpt.load_checkpoint(durable)["models"]["main"]["model"].state_dict()
     assert all(torch.equal(got[k], v) for k, v in states[2].items())
     assert fastckpt.verify(durable).ok
+
+
+def test_a_replaced_s3_object_is_not_copied_even_by_a_store_ignoring_the_condition(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    # moto copies a replaced source although the copy is conditional on the etag that was
+    # written: the promotion committed a file that did not verify.
+    import boto3
+
+    fast = tmp_path / "fast"
+    forget_promoted()
+    model = _model(0)
+    model[0].requires_grad_(False)  # its file is linked into every index, reused on S3
+
+    def save() -> None:
+        with torch.no_grad():
+            model[1].weight.add_(1.0)
+        fastckpt.save_checkpoint(fast, models={"main": (model, None)})
+
+    for _ in range(3):
+        save()
+    durable = s3_server.url("replaced")
+    fastckpt.configure_storage(durable, s3_server.options())
+    assert promote(fast, durable).promoted == [0, 1, 2]
+    bucket, prefix = durable[len("s3://") :].split("/", 1)
+    options = s3_server.options()
+    client = boto3.client(
+        "s3",
+        endpoint_url=options["endpoint_url"],
+        region_name=options.get("region", "us-east-1"),
+        aws_access_key_id=options["access_key_id"],
+        aws_secret_access_key=options["secret_access_key"],
+    )
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/2/linked/")["Contents"]
+    assert listed
+    for item in listed:  # same size, other bytes: what the next promotion would copy
+        body = bytearray(client.get_object(Bucket=bucket, Key=item["Key"])["Body"].read())
+        body[-1] ^= 0xFF
+        client.put_object(Bucket=bucket, Key=item["Key"], Body=bytes(body))
+    save()
+    report = promote(fast, durable)
+    assert report.promoted == [3] and report.bytes_reused == 0, report
+    got = fastckpt.load_checkpoint(durable, checkpoint_index=3)["models"]["main"]["model"]
+    assert all(torch.equal(got.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert fastckpt.verify(durable, index=3).ok
 
 
 # --------------------------------------------------------------------------- the hook's tiers
@@ -703,3 +749,43 @@ def test_a_fast_tier_wiped_mid_run_numbers_its_next_saves_past_the_durable_tier(
     assert restored.restored_from is not None and restored.restored_from.index == 5
     got, want = restored.models["main"].state_dict(), strategy.models["main"].state_dict()
     assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_a_fresh_run_on_a_new_node_is_refused_another_runs_durable_tier(tmp_path: Path) -> None:
+    # Only checkpoint_dir was checked: a run started afresh with an empty fast tier promoted
+    # into the durable tier of another run, whose retention then deleted that run's indices.
+    durable = tmp_path / "durable"
+
+    def hook(fast: Path, **kwargs: Any) -> fastckpt.CheckpointHook:
+        return fastckpt.CheckpointHook(
+            fast,
+            step_interval=1,
+            async_save=False,
+            durable_dir=durable,
+            promote_every=2,
+            durable_keep_last=2,
+            **kwargs,
+        )
+
+    first = training_support.new_strategy([hook(tmp_path / "node-a")], num_steps=6)
+    first.run(training_support.loader())
+    held = _files(durable, 4), _files(durable, 2)
+    assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [2, 4]
+    fresh = training_support.new_strategy([hook(tmp_path / "node-b")], num_steps=6)
+    with pytest.raises(MixedRunError, match=r"durable.*index 4\) is at step 5.*durable_dir"):
+        fresh.run(training_support.loader())
+    assert (_files(durable, 4), _files(durable, 2)) == held
+    assert not (tmp_path / "node-b").exists() or not fastckpt.list_checkpoints(tmp_path / "node-b")
+    # Resuming from the durable tier on the new node continues that run.
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(
+        tmp_path / "node-b",
+        training_fn=training_support.training_fn,
+        fallback_dirs=[durable],
+        hooks=[hook(tmp_path / "node-b")],
+    )
+    assert resumed.step_count == 5
+    resumed.run(training_support.loader())  # not refused: the same run goes on
+    assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / "node-b")] == [5]
+    # overwrite=True saves there anyway, on purpose.
+    forced = training_support.new_strategy([hook(tmp_path / "node-c", overwrite=True)], 2)
+    forced.run(training_support.loader())

@@ -762,3 +762,26 @@ def test_a_promotion_slower_than_the_saves_keeps_its_checkpoint_and_completes(
     assert committed_checkpoints(durable)[0] == "step_0"  # completed, not pruned under it
     assert committed_checkpoints(durable)[-1] == "step_4"
     assert committed_checkpoints(fast) == ["step_4"]
+
+
+def test_a_damaged_linked_file_found_by_retention_is_not_linked_again(tmp_path: Path) -> None:
+    # Each save linked the previous checkpoint's damaged file again (a link checks sizes and
+    # header checksums only): no later checkpoint verified and keep_last deleted nothing.
+    fast = tmp_path / "fast"
+    tiers = TiersConfig(fast=fast, durable=tmp_path / "durable", keep_last=2, promote_every=100)
+    model = _model()
+    optimizer = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    with _manager(tiers) as manager:
+        for step in range(6):
+            if step == 3:  # bit rot in the frozen layer's file, shared by links
+                (linked,) = (fast / "step_2" / "linked").glob("*.safetensors")
+                before = linked.stat()
+                _flip_last_byte(linked)  # as the device did it: the file's times unchanged
+                os.utime(linked, ns=(before.st_atime_ns, before.st_mtime_ns))
+            _train(model, optimizer)
+            manager.save(f"step_{step}", {"model": model, "step": step})
+    assert committed_checkpoints(fast) == ["step_4", "step_5"]
+    for name in ("step_4", "step_5"):
+        assert fastckpt.verify(fast / name).ok, name
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as reader:
+        assert _equal(_weights(reader.load(fast / "step_5")), model.state_dict())

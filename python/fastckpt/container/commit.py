@@ -851,6 +851,8 @@ def _spare_newest_intact(manifest: Manifest, doomed: list[int]) -> list[int]:
         if problem is None:
             return doomed
         damaged.append(f"index {index}: {problem}")
+        if index == manifest.latest:
+            refs.distrust(manifest.root)  # the next save references nothing of these
     for index in sorted(doomed, reverse=True):
         problem = index_intact(manifest, index)
         if problem is None:

@@ -38,6 +38,7 @@ with a full save.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -49,10 +50,18 @@ from typing import Any
 import torch
 
 from fastckpt import _native
-from fastckpt.container.refs import REFS_FILE, Reference, index_references, matches, source_path
+from fastckpt.container.refs import (
+    REFS_FILE,
+    Reference,
+    index_references,
+    matches,
+    root_key,
+    source_path,
+    take_distrust,
+)
 from fastckpt.format.records import Manifest, tensor_reference
 from fastckpt.io.files import byte_view, host_tensor
-from fastckpt.storage.registry import backend_for, display_path, is_local, is_object_url
+from fastckpt.storage.registry import backend_for, display_path, is_local
 
 __all__ = [
     "Plan",
@@ -73,6 +82,8 @@ Fingerprint = tuple[Any, ...]
 
 #: Threads that compute digests (memory-bound: a few are enough).
 DIGEST_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass
@@ -129,9 +140,7 @@ _FROZEN: dict[tuple[str, int], weakref.ref[torch.Tensor]] = {}
 
 
 def _key(root: str | os.PathLike[str]) -> str:
-    if is_object_url(root):
-        return display_path(root).rstrip("/")
-    return os.path.abspath(os.fspath(root))
+    return root_key(root)
 
 
 def mark_frozen(*tensors: torch.Tensor | torch.nn.Module) -> None:
@@ -250,6 +259,13 @@ def plan(root: str | os.PathLike[str], tensor_files: dict[str, dict[str, torch.T
     taken out of ``tensor_files`` yet: :func:`confirm` does that once the digests of the
     bytes to write are known."""
     result = Plan()
+    if take_distrust(root):
+        forget(root)
+        _LOG.warning(
+            "%s: its newest index failed verification; this save writes every tensor "
+            "instead of referencing files that may be the damaged ones",
+            display_path(root),
+        )
     with _LOCK:
         known = dict(_TRACKERS.get(_key(root), {}))
     for relpath, tensors in tensor_files.items():

@@ -45,6 +45,7 @@ from fastckpt.container.listing import (  # listed here too, where they were fir
     tier_dates,
 )
 from fastckpt.container.promote import Promoter
+from fastckpt.container.refs import distrust
 from fastckpt.container.sharded.promote import record_files, write_generation
 from fastckpt.container.verify import verify
 from fastckpt.errors import FastCkptError, NotCommittedError
@@ -326,6 +327,19 @@ def _alias_targets(root: Path) -> set[str]:
     return targets
 
 
+def _none_verifies(root: Path, kept: list[str]) -> bool:
+    """Whether none of the checkpoints ``kept`` of ``root`` verifies (read newest first, up
+    to the first that does). When the newest does not, the next incremental save of this
+    process into ``root`` links nothing (:func:`~fastckpt.container.refs.distrust`): its
+    damaged file would otherwise be linked into every later checkpoint."""
+    for position, name in enumerate(reversed(kept)):
+        if _problem(root / name) is None:
+            return False
+        if position == 0:
+            distrust(root)
+    return True
+
+
 def doomed_checkpoints(
     root: str | os.PathLike[str], keep_last: int, *, spare: Collection[str] = ()
 ) -> list[str]:
@@ -343,7 +357,7 @@ def doomed_checkpoints(
     if not doomed:
         return []
     kept = [name for name in names if name not in doomed]
-    if all(_problem(root / name) is not None for name in reversed(kept)):
+    if _none_verifies(root, kept):
         for name in reversed(doomed):
             if _problem(root / name) is None:
                 _LOG.warning(

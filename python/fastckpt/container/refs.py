@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,7 +49,7 @@ from fastckpt.format.records import TENSOR_REFERENCE_FIELDS, Manifest, check_fie
 from fastckpt.io.paths import safe_join
 from fastckpt.storage.backend import TEMP_PREFIX, LocalStaging
 from fastckpt.storage.backend import _sibling as temp_sibling
-from fastckpt.storage.registry import backend_for, is_local
+from fastckpt.storage.registry import backend_for, display_path, is_local, is_object_url
 
 if TYPE_CHECKING:
     import torch
@@ -59,6 +60,7 @@ __all__ = [
     "Reference",
     "check_reference",
     "collect_garbage",
+    "distrust",
     "index_references",
     "link_into",
     "linked_file",
@@ -69,7 +71,9 @@ __all__ = [
     "remove_directory",
     "resolve_references",
     "retain_for_references",
+    "root_key",
     "source_path",
+    "take_distrust",
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -78,6 +82,37 @@ _LOG = logging.getLogger(__name__)
 REFS_FILE = "refs.json"
 #: A pruned index still referenced by a kept one lives on as ``ROOT/.ref-<index>/``.
 RETAINED_PREFIX = ".ref-"
+
+_DISTRUSTED_LOCK = threading.Lock()
+#: Roots (:func:`root_key`) whose newest index failed verification in a prune: the next
+#: incremental save into one references nothing (see :func:`distrust`).
+_DISTRUSTED: set[str] = set()
+
+
+def root_key(root: str | os.PathLike[str]) -> str:
+    """``root`` as this process's registries key it: the absolute path, or the URL."""
+    if is_object_url(root):
+        return display_path(root).rstrip("/")
+    return os.path.abspath(os.fspath(root))
+
+
+def distrust(root: str | os.PathLike[str]) -> None:
+    """The newest index of ``root`` failed verification: the next incremental save into it
+    writes every tensor instead of referencing (linking, copying) bytes of earlier indices,
+    which may be the damaged ones; else every later index linked the damaged file again and
+    none verified (see :func:`fastckpt.container.incremental.plan`)."""
+    with _DISTRUSTED_LOCK:
+        _DISTRUSTED.add(root_key(root))
+
+
+def take_distrust(root: str | os.PathLike[str]) -> bool:
+    """Whether :func:`distrust` was called for ``root`` since the last call (clears it)."""
+    key = root_key(root)
+    with _DISTRUSTED_LOCK:
+        found = key in _DISTRUSTED
+        _DISTRUSTED.discard(key)
+    return found
+
 
 #: One reference (see the module docstring for the fields).
 Reference = dict[str, Any]

@@ -46,6 +46,7 @@ import torch
 from fastckpt.container.commit import DirectoryWriter
 from fastckpt.container.incremental import Tracked, fingerprint, settle, track
 from fastckpt.container.links import Reference, linked_relpath
+from fastckpt.container.refs import take_distrust
 from fastckpt.format.records import tensor_reference
 from fastckpt.io.files import read_metadata, read_tensors
 from fastckpt.storage.backend import CopySource, LocalStaging
@@ -272,6 +273,15 @@ class Tracker:
             ValueError: ``base`` is not the previous save of this manager.
         """
         last = self.last
+        if last is not None and take_distrust(last.directory.parent):
+            # Retention found the newest checkpoint there damaged: link nothing of it.
+            _LOG.warning(
+                "%s: the newest checkpoint there failed verification; this save writes every "
+                "tensor instead of linking files that may be the damaged ones",
+                last.directory.parent,
+            )
+            self.forget()
+            return None
         if base is not None:
             if last is None or not same_place(base, last.directory):
                 previous = "none" if last is None else str(last.directory)

@@ -530,7 +530,12 @@ class S3Staging(Staging):
         """Have the store copy the object ``source`` (its version ``identity``, an etag) to
         ``relpath``: a multipart upload of copied parts (UploadPartCopy, each conditional on
         that etag), so no byte reaches this process. False when the store cannot copy, or
-        refuses because ``source`` is gone or was replaced."""
+        ``source`` is gone or was replaced: the caller uploads the bytes (over what a copy
+        may have left at ``relpath``).
+
+        The source's etag is also read before and after the copy: a store that ignores the
+        copy condition (moto does) would otherwise copy a replaced object's bytes, and the
+        promotion commit a file that does not verify."""
         size = int(record["size"])
         if not isinstance(identity, str) or not identity or size == 0:
             return False
@@ -538,6 +543,8 @@ class S3Staging(Staging):
         key = self._key(relpath)
         source_key = self.backend._key(source)
         self._fence(key)
+        if not self._still(source_key, identity):
+            return False
         parts = [
             CopyPart(source_key, start, min(start + MAX_PART, size), identity)
             for start in range(0, size, MAX_PART)
@@ -545,14 +552,33 @@ class S3Staging(Staging):
         try:
             etag = client.compose(key, parts)
         except (ObjectStoreError, FileNotFoundError) as err:
-            if isinstance(err, CommitConflictError):
-                raise  # the lease was lost: no fallback write either
+            # CommitConflictError here is the copy condition failing (the source was
+            # replaced); the lease is checked by _fence, outside.
             _LOG.info("%s: no server-side copy from %s (%s); uploading", key, source_key, err)
+            return False
+        if not self._still(source_key, identity):
             return False
         remember_written(client, key, etag)
         self._etags[relpath] = etag
         self.copied_bytes += size
         self.files[relpath] = dict(record)
+        return True
+
+    def _still(self, source_key: str, etag: str) -> bool:
+        """Whether the object ``source_key`` is still version ``etag`` (logged when not)."""
+        try:
+            now = self.backend.client.head(source_key).etag
+        except (ObjectStoreError, FileNotFoundError) as err:
+            _LOG.info("%s: not copied (%s); uploading", source_key, err)
+            return False
+        if now is None or now.strip('"') != etag.strip('"'):
+            _LOG.info(
+                "%s: replaced since it was written (etag %s, not %s); uploading",
+                source_key,
+                now,
+                etag,
+            )
+            return False
         return True
 
     def adopt(self, location: str, relpath: str, record: FileRecord) -> None:

@@ -144,11 +144,13 @@ class CheckpointHook:
     ) -> None:
         """Validate the policy; the background writer starts when the hook is entered.
 
-        ``overwrite``: save even when ``checkpoint_dir``'s newest committed checkpoint is
-        further along than the run (a run restarted from step 0, or resumed from an earlier
-        index on purpose); by default training then stops before its first step with
-        :class:`~fastckpt.errors.MixedRunError`, so two runs never interleave in one root
-        unnoticed. The new checkpoints get the next indices either way (nothing is deleted).
+        ``overwrite``: save even when the newest committed checkpoint of ``checkpoint_dir``
+        or of ``durable_dir`` is further along than the run (a run restarted from step 0, or
+        resumed from an earlier index on purpose; a fresh run on a new node, its fast tier
+        empty, sharing another run's durable tier); by default training then stops before
+        its first step with :class:`~fastckpt.errors.MixedRunError`, so two runs never
+        interleave in one root unnoticed (nor does one's durable retention delete the other's
+        checkpoints). The new checkpoints get the next indices either way.
 
         ``storage_options``: object-store client options for an ``s3://`` checkpoint_dir
         (endpoint_url, region, access_key_id, ... as for :func:`fastckpt.configure_storage`),
@@ -496,37 +498,47 @@ class CheckpointHook:
             raise MixedRunError(problem)
 
     def _mixed_run(self, ctx: TrainContext) -> str | None:
-        """The :class:`MixedRunError` message, when this root's newest index is further
-        along than the run (None: it is not). A run resumed from the newest index of this
-        hook's durable tier (``restored_from``) continues the tiers' own run: the fast tier's
-        newer indices were passed over by that restore (damaged, or holding only a node's
-        shards) and are not another run's."""
+        """The :class:`MixedRunError` message, when the newest index of this hook's root, or
+        of its durable tier, is further along than the run (None: neither is). A run resumed
+        from the newest index of this hook's durable tier (``restored_from``) continues the
+        tiers' own run: the fast tier's newer indices were passed over by that restore
+        (damaged, or holding only a node's shards) and are not another run's. The durable
+        tier is checked too: a run started afresh on a new node (an empty fast tier) would
+        otherwise promote into another run's durable tier, whose retention then deleted that
+        run's checkpoints."""
+        problem = self._further_along(ctx, self.checkpoint_dir, "checkpoint_dir")
+        if problem is None and self.durable_dir is not None:
+            problem = self._further_along(ctx, self.durable_dir, "durable_dir")
+        return problem
+
+    def _further_along(self, ctx: TrainContext, root: Path, argument: str) -> str | None:
+        """:meth:`_mixed_run` for one tier ``root`` (the hook's ``argument``)."""
         try:
-            manifest = Manifest.load(self.checkpoint_dir)
+            manifest = Manifest.load(root)
         except (OSError, FastCkptError):
-            return None  # unreadable: the first save reports it, with its own error
+            return None  # unreadable: the first save (or promotion) reports it
         latest = manifest.latest
         if latest is None:
             return None
         saved = manifest.entries[latest].get("counters", {}).get("step_count")
         if not isinstance(saved, int) or isinstance(saved, bool) or saved <= ctx.step_count:
             return None
-        if self._resumed_from_durable(ctx):
+        if root == self.checkpoint_dir and self._resumed_from_durable(ctx):
             _LOG.warning(
                 "%s: its newest index %d (step %d) is further along than the run, which "
                 "resumed from %s (the restore passed over the fast copies); saving on",
-                display_path(self.checkpoint_dir),
+                display_path(root),
                 latest,
                 saved,
                 ctx.workflow.restored_from.describe(),
             )
             return None
-        root = display_path(self.checkpoint_dir)
+        shown = display_path(root)
         return (
-            f"{root}: its newest checkpoint (index {latest}) is at step {saved}, but this run "
+            f"{shown}: its newest checkpoint (index {latest}) is at step {saved}, but this run "
             f"starts at step {ctx.step_count}; its saves would interleave with that run's. "
-            f"Resume it (TrainingStrategy.load_checkpoint({root!r}, ...)), give the "
-            "CheckpointHook another checkpoint_dir, or pass CheckpointHook(..., "
+            f"Resume it (TrainingStrategy.load_checkpoint({shown!r}, ...)), give the "
+            f"CheckpointHook another {argument}, or pass CheckpointHook(..., "
             "overwrite=True) to save there anyway (e.g. resuming from an earlier index on "
             "purpose)"
         )
