@@ -28,8 +28,11 @@ from typing import Any
 import torch
 
 from fastckpt.checkpoint.components import (
+    LOAD_INDEX,
+    SAVE_INDEX,
     Components,
     Trusted,
+    checked_model_names,
     create_snapshot,
     load_components,
     write_snapshot,
@@ -38,6 +41,7 @@ from fastckpt.container.commit import prune_indices
 from fastckpt.container.listing import list_checkpoints
 from fastckpt.container.promote import NearestCopy, nearest_intact
 from fastckpt.container.snapshot import read_consistently
+from fastckpt.container.verify import checked_index
 from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.format.records import MANIFEST
 from fastckpt.storage.registry import display_path, use_storage_options
@@ -59,7 +63,7 @@ def save_checkpoint(
     optimizers: Components | None = None,
     schedulers: Components | None = None,
     associations: Mapping[str, Any] | None = None,
-    checkpoint_index: int = -1,
+    checkpoint_index: int | None = -1,
     strategy: Any = None,
     *,
     counters: Mapping[str, int] | None = None,
@@ -81,8 +85,8 @@ def save_checkpoint(
         associations: ``{"optimizers": {opt: model}, "schedulers": {sched: opt}}`` (or a flat
             ``{component: target}``); missing ones are inferred (optimizer -> the model owning
             its parameters, scheduler -> its optimizer).
-        checkpoint_index: ``-1`` for the next index, or an explicit index (replaced atomically
-            if it exists).
+        checkpoint_index: ``-1`` (or None) for the next index, or an explicit index, an
+            ``int`` (replaced atomically if it exists).
         strategy: a ``TrainingStrategy`` to save whole (components, recipe, counters, RNG
             states, data position, hook states); the component arguments must then be empty.
         counters: optional integer counters recorded in the manifest (step, epoch, ...).
@@ -97,21 +101,17 @@ def save_checkpoint(
             ``configure_storage(root, storage_options)``) and stay in effect for it. A local
             ``root`` refuses them (``StorageOptionsError``).
 
-        fallback_dirs: other tiers holding copies of ``root``'s indices (durable roots it is
-            promoted to, see docs/tiers.md): the newest index that verifies on any of them is
-            loaded (``checkpoint_index``: that index), from ``root`` when it holds it intact;
-            a tier that is gone or damaged is passed over. The result's ``"restored_from"``
-            says which copy was used and what was skipped (logged as a warning when anything
-            was).
     Returns:
         The committed index.
 
     Raises:
-        TypeError / ValueError: bad components (nothing is written).
+        TypeError / ValueError: bad components, or a ``checkpoint_index`` that is not an
+            ``int`` (a bool, float or string) (nothing is written).
         OSError: writing failed (nothing is committed; earlier indices are untouched).
         TimeoutError: ``lock_timeout`` passed while another process held the root (the
             message names it: pid and host).
     """
+    index = checked_index(checkpoint_index, "checkpoint_index", SAVE_INDEX)
     use_storage_options(root, storage_options, "save_checkpoint")
     if models is not None and not isinstance(models, Mapping):
         strategy, models = models, None
@@ -122,12 +122,12 @@ def save_checkpoint(
     else:
         snapshot = create_snapshot(models, optimizers, schedulers, associations, counters)
     snapshot.incremental = incremental
-    return write_snapshot(root, snapshot, checkpoint_index, lock_timeout=lock_timeout)
+    return write_snapshot(root, snapshot, -1 if index is None else index, lock_timeout=lock_timeout)
 
 
 def load_checkpoint(
     root: str | os.PathLike[str],
-    checkpoint_index: int = -1,
+    checkpoint_index: int | None = -1,
     map_location: str | torch.device | None = None,
     model_names: Sequence[str] | None = None,
     *,
@@ -143,9 +143,12 @@ def load_checkpoint(
 
     Args:
         root: checkpoint root.
-        checkpoint_index: ``-1`` for the latest committed index, or an explicit one.
+        checkpoint_index: ``-1`` (or None) for the latest committed index, or an explicit
+            one, an ``int``.
         map_location: device for tensors; factories that accept ``device`` receive it.
-        model_names: load only these models (and the optimizers/schedulers tied to them).
+        model_names: load only these models (and the optimizers/schedulers tied to them): a
+            list of names such as ``["main"]``; a single string is refused (``TypeError``),
+            not taken for one name per character.
         validators: callables ``validator(model)`` (or ``{model_name: [validators]}``) run
             after weights are loaded; a failure raises ``ValueError`` naming both.
         hooks: runtime hooks for a strategy checkpoint (checkpointable ones get their state).
@@ -158,6 +161,17 @@ def load_checkpoint(
             AWS environment; they are registered for ``root``'s prefix (as
             ``configure_storage(root, storage_options)``) and stay in effect for it. A local
             ``root`` refuses them (``StorageOptionsError``).
+        fallback_dirs: other tiers holding copies of ``root``'s indices (durable roots it is
+            promoted to, see docs/tiers.md): the newest index that verifies on any of them is
+            loaded (``checkpoint_index``: that index), from ``root`` when it holds it intact;
+            a tier that is gone or damaged is passed over. The result's ``"restored_from"``
+            says which copy was used and what was skipped (logged as a warning when anything
+            was).
+
+    Every model is rebuilt from its spec and holds exactly the saved tensors: the dtype each
+    parameter and buffer was saved in (a model converted after construction with
+    ``.to(torch.bfloat16)`` loads in bfloat16, mixed dtypes stay mixed) and its bits;
+    optimizers are rebuilt over those parameters, their state tensors in their saved dtypes.
 
     Returns:
         ``{"checkpoint_index", "manifest", "strategy", "source": {"format", "path"},
@@ -168,12 +182,17 @@ def load_checkpoint(
         function that must be supplied / is not trusted).
 
     Raises:
+        TypeError: ``checkpoint_index`` is not an ``int`` or None (a bool, float or string),
+            or ``model_names`` is a string or holds a non-string.
         FileNotFoundError: no checkpoint, or a file the manifest lists is missing.
         KeyError: unknown index or model names (lists the available ones).
         CheckpointFormatError / ChecksumMismatchError: damaged or tampered files.
         UntrustedTargetError: a spec names code outside the trust policy.
     """
     del strategy  # accepted for signature compatibility: the checkpoint says what it holds
+    index = checked_index(checkpoint_index, "checkpoint_index", LOAD_INDEX)
+    checkpoint_index = -1 if index is None else index
+    model_names = checked_model_names(model_names)
     use_storage_options(root, storage_options, "load_checkpoint")
     copy: NearestCopy | None = None
     if fallback_dirs:
@@ -210,13 +229,13 @@ def load_checkpoint(
 def choose_copy(
     root: str | os.PathLike[str],
     fallback_dirs: Sequence[str | os.PathLike[str]],
-    checkpoint_index: int = -1,
+    checkpoint_index: int | None = -1,
 ) -> NearestCopy:
     """The copy a load with ``fallback_dirs`` restores (see :func:`load_checkpoint`); logged,
-    as a warning when a newer or faster copy was passed over."""
-    copy = nearest_intact(
-        [root, *fallback_dirs], None if checkpoint_index == -1 else checkpoint_index
-    )
+    as a warning when a newer or faster copy was passed over. ``checkpoint_index``: ``-1``
+    or None for the newest intact index, else that ``int`` index (``TypeError`` otherwise)."""
+    index = checked_index(checkpoint_index, "checkpoint_index", LOAD_INDEX)
+    copy = nearest_intact([root, *fallback_dirs], None if index in (None, -1) else index)
     (_LOG.warning if copy.skipped else _LOG.info)("%s", copy.describe())
     return copy
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+import fastckpt.checkpoint.fill as fill
 from fastckpt.checkpoint.specs import (
     _ATTACHED_SPEC,
     BaseSpec,
@@ -120,6 +121,7 @@ def build_model(
     trusted: Iterable[str | Callable[..., Any]] | None = None,
     where: str | None = None,
     uninitialized_if: Callable[[torch.nn.Module], bool] | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> torch.nn.Module:
     """Build the model a checkpoint's spec describes, checking it before memory is allocated.
 
@@ -139,6 +141,10 @@ def build_model(
        instead (``to_empty``, on the device the real build would use), and its constructor
        is not run again (no initialization, no random draws): for a caller that is about to
        overwrite every tensor (see :func:`fastckpt.checkpoint.fill.fully_restored_by`).
+    4. With ``dtypes``, each parameter and buffer they name takes that dtype
+       (:func:`fastckpt.checkpoint.fill.match_saved_dtypes`): a model converted after
+       construction (``.to(torch.bfloat16)``) is rebuilt in its saved dtypes, not its
+       constructor's. The uninitialized memory of 3. is allocated in those dtypes already.
 
     If the meta build itself fails (a constructor that reads tensor values, say), the model is
     built for real only when the root target was trusted explicitly (``trusted=`` or
@@ -153,9 +159,12 @@ def build_model(
         where: How to name the checkpoint file in messages.
         uninitialized_if: Decides, on the meta-built model, whether the caller overwrites
             every tensor it holds (then the memory is left uninitialized, see 3.).
+        dtypes: Tensor name -> the dtype the checkpoint holds it in
+            (:func:`fastckpt.checkpoint.fill.saved_dtypes`), see 4.
 
     Returns:
-        The model, with freshly initialized weights (or uninitialized memory, see 3.).
+        The model, with freshly initialized weights (or uninitialized memory, see 3.), its
+        tensors in ``dtypes``.
 
     Raises:
         UntrustedTargetError: If the trust policy refuses a target.
@@ -197,6 +206,8 @@ def build_model(
             and uninitialized_if(probe)
         ):
             target = torch.device(device) if device is not None and accepts_device else None
+            if dtypes is not None:
+                fill.match_saved_dtypes(probe, dtypes)  # on the meta device: no memory yet
             # Where the real build would put tensors: the default device outside the meta block.
             probe.to_empty(device=target or torch.empty(()).device)
             return attach_spec(probe, spec)
@@ -210,6 +221,8 @@ def build_model(
         ) from err
     if not isinstance(model, torch.nn.Module):
         raise CheckpointFormatError(f"{where}: {spec.cls_path!r} did not build an nn.Module")
+    if dtypes is not None:
+        fill.match_saved_dtypes(model, dtypes)
     # Checkpoints of the rebuilt model record the recipe it was built from (already checked).
     return attach_spec(model, spec)
 

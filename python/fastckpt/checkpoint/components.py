@@ -36,6 +36,7 @@ from fastckpt.container.refs import (
     refs_document,
     resolve_references,
 )
+from fastckpt.container.verify import checked_index
 from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.format.records import Manifest
 from fastckpt.io import tree
@@ -48,13 +49,17 @@ from fastckpt.storage.registry import backend_for, is_local
 
 __all__ = [
     "KINDS",
+    "LOAD_INDEX",
+    "SAVE_INDEX",
     "Components",
     "IndexReader",
     "Snapshot",
     "Trusted",
     "accepted_kwargs",
+    "checked_model_names",
     "create_snapshot",
     "load_components",
+    "load_optimizer_state",
     "plan_incremental",
     "run_validators",
     "unwrap_model",
@@ -64,6 +69,50 @@ __all__ = [
 Components = Mapping[str, Any]
 Trusted = Iterable[str | Callable[..., Any]] | None
 KINDS = ("models", "optimizers", "schedulers")
+
+#: What the ``checkpoint_index`` of a load accepts (the ``accepted`` of
+#: :func:`~fastckpt.container.verify.checked_index`).
+LOAD_INDEX = "an int (a committed index, -1: the latest) or None (the latest)"
+#: What the ``checkpoint_index`` of a save accepts.
+SAVE_INDEX = "an int (the index to write, -1: the next one) or None (the next one)"
+
+
+def checked_model_names(value: Any, argument: str = "model_names") -> list[str] | None:
+    """``value`` as a list of model names, or None (every model).
+
+    A single string is refused rather than taken for one name: iterating it would mean one
+    name per character, and guessing either way hides the mistake.
+
+    Args:
+        value: what the caller passed.
+        argument: the argument's name, for the message.
+
+    Returns:
+        The names as a list, or None.
+
+    Raises:
+        TypeError: ``value`` is a string (or bytes), not iterable, or holds a name that is
+            not a string; the message says what to pass.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str | bytes):
+        raise TypeError(
+            f"{argument} must be a list of model names or None (every model), not the "
+            f"{type(value).__name__} {value!r}; for one model pass [{value!r}]"
+        )
+    if not isinstance(value, Iterable):
+        raise TypeError(
+            f"{argument} must be a list of model names or None (every model), not "
+            f"{type(value).__name__} {value!r}"
+        )
+    names = list(value)
+    wrong = [name for name in names if not isinstance(name, str)]
+    if wrong:
+        raise TypeError(
+            f"{argument} must hold model names (str), not {wrong[:3]!r}; pass e.g. ['main']"
+        )
+    return names
 
 
 # --------------------------------------------------------------------------- save
@@ -267,7 +316,7 @@ def plan_incremental(root: str | os.PathLike[str], snapshot: Snapshot) -> None:
 def write_snapshot(
     root: str | os.PathLike[str],
     snapshot: Snapshot,
-    checkpoint_index: int = -1,
+    checkpoint_index: int | None = -1,
     *,
     lock_timeout: float | None = None,
 ) -> int:
@@ -280,11 +329,14 @@ def write_snapshot(
         The committed index.
 
     Raises:
+        TypeError: ``checkpoint_index`` is not an ``int`` or None (the next index).
         ValueError: ``checkpoint_index`` names a committed index that later ones reference.
     """
+    requested = checked_index(checkpoint_index, "checkpoint_index", SAVE_INDEX)
+    checkpoint_index = -1 if requested is None else requested
     root = Path(root)
     manifest = Manifest.load(root)
-    index = _next_index(manifest) if checkpoint_index == -1 else int(checkpoint_index)
+    index = _next_index(manifest) if checkpoint_index == -1 else checkpoint_index
     if index < 0:
         raise ValueError(f"checkpoint_index must be -1 or >= 0, got {checkpoint_index}")
     plan_incremental(root, snapshot)
@@ -541,7 +593,9 @@ def _load_model(
     """Build model ``name`` from ``spec`` and load its weights. A local weights file of a plain
     model (:mod:`fastckpt.checkpoint.fill`) is read straight into the parameters, which are
     left uninitialized until then; otherwise the model is built and initialized, and the
-    mapped weights go through ``load_state_dict``."""
+    mapped weights go through ``load_state_dict``. Either way every parameter and buffer the
+    file holds ends in the dtype it was saved in (not the constructor's: a model converted
+    after construction, ``.to(torch.bfloat16)``, loads in bfloat16), with the saved bits."""
     relpath = f"models/{name}.safetensors"
     where = f"{reader.directory}/models/{name}.spec.json"
     if reader.reads_directly(relpath):
@@ -557,6 +611,7 @@ def _load_model(
             trusted=trusted,
             where=where,
             uninitialized_if=lambda probe: fill.fully_restored_by(probe, header),
+            dtypes=fill.saved_dtypes(header),
         )
         targets = fill.direct_targets(model, header)
         if targets is not None:
@@ -566,7 +621,12 @@ def _load_model(
     else:
         weights = reader.tensors(relpath, owned=False)
         model = build.build_model(
-            spec, expected=weights, device=map_location, trusted=trusted, where=where
+            spec,
+            expected=weights,
+            device=map_location,
+            trusted=trusted,
+            where=where,
+            dtypes=fill.saved_dtypes(weights),
         )
     try:
         model.load_state_dict(weights)
@@ -608,8 +668,42 @@ def _rebuild_optimizer(
         indices = group.get("params", [])
         groups.append({"params": [params[i] for i in indices]})
     optimizer = cls(groups or params, **spec.kwargs)
-    optimizer.load_state_dict(state)
+    load_optimizer_state(optimizer, state)
     return optimizer, spec
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``, keeping the saved dtype of every per-parameter
+    state tensor.
+
+    torch's ``Optimizer.load_state_dict`` casts each floating-point state tensor (but
+    ``step``) to its parameter's dtype; state saved in another dtype (float32 moments of a
+    bfloat16 parameter, a master copy) would come back rounded. Such a tensor is put back as
+    it was saved (on the device torch moved it to), so the optimizer holds the saved state
+    bitwise.
+
+    Args:
+        optimizer: the rebuilt optimizer, over the loaded model's parameters.
+        state: the saved ``state_dict()`` (``"state"`` keyed by parameter number,
+            ``"param_groups"`` listing them).
+    """
+    optimizer.load_state_dict(state)  # type: ignore[arg-type]
+    saved_numbers = [n for group in state.get("param_groups", []) for n in group["params"]]
+    live_params = [p for group in optimizer.param_groups for p in group["params"]]
+    by_number = dict(zip(saved_numbers, live_params, strict=False))
+    for number, saved in dict(state.get("state", {})).items():
+        param = by_number.get(number)
+        live = optimizer.state.get(param) if param is not None else None
+        if not isinstance(saved, Mapping) or not isinstance(live, dict):
+            continue
+        for key, value in saved.items():
+            current = live.get(key)
+            if (
+                isinstance(value, torch.Tensor)
+                and isinstance(current, torch.Tensor)
+                and current.dtype != value.dtype
+            ):
+                live[key] = value.to(device=current.device)
 
 
 def run_validators(validators: Any, model_name: str, model: torch.nn.Module) -> None:
@@ -630,7 +724,7 @@ def run_validators(validators: Any, model_name: str, model: torch.nn.Module) -> 
 
 def load_components(
     root: str | os.PathLike[str],
-    checkpoint_index: int = -1,
+    checkpoint_index: int | None = -1,
     map_location: str | torch.device | None = None,
     model_names: Sequence[str] | None = None,
     *,
@@ -639,13 +733,18 @@ def load_components(
 ) -> dict[str, Any]:
     """:func:`load_checkpoint` without restoring a strategy (no RNG or hook side effects).
 
+    ``checkpoint_index`` and ``model_names`` are checked as there (``TypeError`` for an index
+    that is not an ``int`` or None, or a string ``model_names``).
+
     Returns:
         The same dict with ``strategy`` None, plus ``reader``: the :class:`IndexReader` of
         the loaded index.
     """
     start = time.perf_counter()
+    requested = checked_index(checkpoint_index, "checkpoint_index", LOAD_INDEX)
+    model_names = checked_model_names(model_names)
     manifest = Manifest.load(root, verify_checksum=True)
-    index = manifest.resolve(int(checkpoint_index))
+    index = manifest.resolve(-1 if requested is None else requested)
     entry = manifest.entries[index]
     reader = IndexReader(manifest, index)
     components = entry.get("components", {})
@@ -724,7 +823,7 @@ def load_components(
             # Constructing a scheduler steps it once and rewrites the optimizer's learning
             # rates; reloading the saved optimizer state and then the scheduler's restores both.
             scheduler = cls(optimizer, **spec.kwargs)
-            optimizer.load_state_dict(optimizer_states[target])
+            load_optimizer_state(optimizer, optimizer_states[target])
             scheduler.load_state_dict(state)
         except FastCkptError:
             raise

@@ -22,6 +22,12 @@ draws) only to overwrite it, and moves each byte twice (file -> mapping -> param
   sharing memory); the file is then read into them in one verified pass.
 
 A model that is not plain keeps the plain way, in full.
+
+Either way the rebuilt model first takes the saved dtypes (:func:`match_saved_dtypes`): its
+constructor builds it in the default dtype, while the saved model may have been converted
+after construction (``model.to(torch.bfloat16)``, some layers only); ``load_state_dict``
+would cast the saved tensors to the constructor's dtypes, so the load would not return the
+state that was saved.
 """
 
 from __future__ import annotations
@@ -34,9 +40,16 @@ import torch
 from torch.nn.modules.batchnorm import _NormBase
 
 from fastckpt.container.reader import takes_direct_read
+from fastckpt.errors import InvalidInputError
 from fastckpt.io.files import dtype_from_name, torch_shape
 
-__all__ = ["direct_targets", "fully_restored_by", "plain_state"]
+__all__ = [
+    "direct_targets",
+    "fully_restored_by",
+    "match_saved_dtypes",
+    "plain_state",
+    "saved_dtypes",
+]
 
 #: ``_load_from_state_dict`` implementations that load exactly what ``state_dict`` saved: the
 #: default, and batch norm's (it only supplies a ``num_batches_tracked`` that old checkpoints
@@ -134,3 +147,54 @@ def direct_targets(
     if any(begin < end for (_, end), (begin, _) in itertools.pairwise(spans)):
         return None  # tied or overlapping tensors: load_state_dict's order decides
     return targets
+
+
+def saved_dtypes(saved: Mapping[str, Any]) -> dict[str, torch.dtype]:
+    """``{tensor name: dtype}`` of a model's saved tensors.
+
+    Args:
+        saved: the weights file's tensors (name -> tensor), or its header (name -> entry with
+            a safetensors ``"dtype"`` name). A header dtype this torch has no type for is
+            left out (reading that tensor fails later, naming it).
+    """
+    dtypes: dict[str, torch.dtype] = {}
+    for name, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            dtypes[name] = value.dtype
+            continue
+        dtype = value.get("dtype") if isinstance(value, Mapping) else None
+        if isinstance(dtype, str):
+            try:
+                dtypes[name] = dtype_from_name(dtype)
+            except InvalidInputError:
+                continue
+    return dtypes
+
+
+def match_saved_dtypes(model: torch.nn.Module, dtypes: Mapping[str, torch.dtype]) -> None:
+    """Give each parameter and buffer of ``model`` named in ``dtypes`` that dtype, in place.
+
+    The tensor objects stay the same (their ``.data`` is replaced, as ``Module.to`` does):
+    a ``Parameter`` stays a ``Parameter`` with its ``requires_grad``, tied names stay tied,
+    and whatever already references them (an optimizer built over the model) still does.
+    The values are cast (``load_state_dict`` then overwrites them with the saved ones); on
+    the meta device nothing is allocated. A parameter given an integer or bool dtype stops
+    requiring grad: torch allows no other, and the saved parameter had that dtype, so it did
+    not require grad either.
+
+    Args:
+        model: the model rebuilt from its spec (real or on the meta device).
+        dtypes: tensor name (as in ``state_dict``) -> the dtype it was saved with
+            (:func:`saved_dtypes`).
+    """
+    tensors = itertools.chain(
+        model.named_parameters(remove_duplicate=False),
+        model.named_buffers(remove_duplicate=False),
+    )
+    for name, tensor in tensors:
+        dtype = dtypes.get(name)
+        if dtype is None or tensor.dtype == dtype:
+            continue
+        if tensor.requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+            tensor.requires_grad_(False)
+        tensor.data = tensor.detach().to(dtype)

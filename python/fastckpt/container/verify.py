@@ -18,6 +18,7 @@ index = fastckpt.latest_intact("runs/exp1")     # None: nothing intact, start fr
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -62,9 +63,14 @@ __all__ = [
     "FileReport",
     "Status",
     "VerifyReport",
+    "checked_index",
     "latest_intact",
     "verify",
 ]
+
+
+#: What :func:`verify`'s ``index`` accepts (for :func:`checked_index`'s message).
+_VERIFY_INDEX = "an int (a committed index, -1: the latest) or None (every index)"
 
 
 class CheckpointSkippedWarning(UserWarning):
@@ -321,6 +327,44 @@ def _verify_manager(directory: Path, threads: int) -> VerifyReport:
 # --------------------------------------------------------------------------- public API
 
 
+def _is_bool(value: Any) -> bool:
+    """Whether ``value`` is a bool: Python's, or a NumPy / torch bool scalar (which
+    ``operator.index`` may take for 0 or 1)."""
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
+def checked_index(value: Any, argument: str, accepted: str) -> int | None:
+    """``value`` as a checkpoint index: an ``int`` (an integer scalar such as ``numpy.int64``
+    is taken as its ``int``), or None, returned as it is (each caller says what None means).
+
+    The one check of the index argument of every public entry point (:func:`verify`,
+    ``save_checkpoint``, ``load_checkpoint``): ``True`` (which ``int()`` takes for ``1``),
+    ``2.0`` or ``"1"`` would silently name another index, or a directory that does not
+    exist. It imports neither torch nor NumPy.
+
+    Args:
+        value: what the caller passed.
+        argument: the argument's name, for the message (``"checkpoint_index"``).
+        accepted: what the caller accepts, for the message (``"an int (-1: the latest) or
+            None (the latest)"``).
+
+    Returns:
+        The index as an ``int``, or None.
+
+    Raises:
+        TypeError: ``value`` is a bool, a float, a string or anything else that is not an
+            integer; the message names the argument, the value and what is accepted.
+    """
+    if value is None:
+        return None
+    if not _is_bool(value):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{argument} must be {accepted}, not {type(value).__name__} {value!r}")
+
+
 def verify(
     path_or_root: str | os.PathLike[str],
     index: int | None = None,
@@ -351,7 +395,8 @@ def verify(
 
     Args:
         path_or_root: what to verify (see above).
-        index: for a root, one committed index instead of all of them.
+        index: for a root, one committed index (an ``int``; ``-1``: the latest) instead of
+            all of them (None).
         threads: reader threads per tensor file (default ``fastckpt.io.files.DEFAULT_THREADS``).
         storage_options: object-store client options for an ``s3://`` path (endpoint_url, region,
             access_key_id, ... as for :func:`fastckpt.configure_storage`), over the AWS
@@ -362,14 +407,16 @@ def verify(
         A :class:`VerifyReport`; damage is reported there (``report.ok`` is False), not raised.
 
     Raises:
+        TypeError: ``index`` is not an ``int`` or None (a bool, float or string).
         FileNotFoundError: ``path_or_root`` does not exist or is not a fastckpt checkpoint
             (or the root has no committed index and ``index=-1``).
         KeyError: ``index`` is not committed in the root.
         ValueError: ``index`` given for something that is not a root.
     """
+    requested = checked_index(index, "index", _VERIFY_INDEX)
     use_storage_options(path_or_root, storage_options, "verify")
     container = open_container(path_or_root)
-    return container.accept(_Verifier(index, max(1, threads or DEFAULT_THREADS)))
+    return container.accept(_Verifier(requested, max(1, threads or DEFAULT_THREADS)))
 
 
 class _Verifier(KindVisitor[VerifyReport]):

@@ -34,6 +34,7 @@ import fastckpt.training.sharded as sharded_training
 from fastckpt.container.promote import NearestCopy, nearest_intact
 from fastckpt.container.sharded.nodes import node_holdings
 from fastckpt.container.snapshot import read_consistently
+from fastckpt.container.verify import checked_index
 from fastckpt.errors import (
     CheckpointFormatError,
     CheckpointMismatchError,
@@ -631,12 +632,13 @@ class TrainingStrategy:
 
         from fastckpt.container.sharded.parts import new_part
 
+        requested = checked_index(checkpoint_index, "checkpoint_index", codec.SAVE_INDEX)
         rank, world = _world()
         decided: list[Any] = [None, None]
         if rank == 0:
             latest = Manifest.load(root).latest
             next_index = 0 if latest is None else latest + 1
-            decided[0] = next_index if checkpoint_index == -1 else int(checkpoint_index)
+            decided[0] = next_index if requested in (None, -1) else requested
             decided[1] = new_part()
         if world > 1:
             dist.broadcast_object_list(decided, src=0)
@@ -1142,8 +1144,9 @@ def _index_snapshot(
     root: str | Path, checkpoint_index: int, recipe_required: bool
 ) -> tuple[Manifest, int, codec.IndexReader, dict[str, Any]]:
     """One attempt of :func:`_read_index` (raises when a save raced it)."""
+    requested = checked_index(checkpoint_index, "checkpoint_index", codec.LOAD_INDEX)
     manifest = Manifest.load(root)
-    index = manifest.resolve(int(checkpoint_index))
+    index = manifest.resolve(-1 if requested is None else requested)
     reader = codec.IndexReader(manifest, index)
     if not recipe_required and "strategy.json" not in reader.files:
         return manifest, index, reader, {}
