@@ -79,6 +79,25 @@ def manager_children(text: str | os.PathLike[str]) -> list[Path]:
     return [path / name for name in committed_checkpoints(path)]
 
 
+#: The records whose directory is a checkpoint: a save_checkpoint root, a CheckpointManager
+#: checkpoint, a sharded (DCP) checkpoint.
+CHECKPOINT_RECORDS = (MANIFEST, COMMIT_RECORD, SHARDED_RECORD)
+
+
+def enclosing_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, str] | None:
+    """``(directory, record)`` when the local ``path``, resolved (symlinks and a relative
+    path: :func:`os.path.realpath`), is inside a checkpoint: the nearest directory above it,
+    up to the filesystem root, that holds one of :data:`CHECKPOINT_RECORDS` (at any depth: a
+    file of an index, of a linked folder, of a root's sharded part; the record itself), and
+    that record. None: outside every checkpoint."""
+    resolved = Path(os.path.realpath(path))
+    for directory in resolved.parents:
+        for record in CHECKPOINT_RECORDS:
+            if os.path.lexists(directory / record):
+                return directory, record
+    return None
+
+
 def needs_root(container: Container) -> UserError:
     """The error for a container that is not a save_checkpoint root or one of its indices, where
     the command needs one."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -12,9 +13,11 @@ import torch
 from fastckpt.checkpoint.components import IndexReader
 from fastckpt.cli import sharded
 from fastckpt.cli.common import (
+    CHECKPOINT_RECORDS,
     EXIT_OK,
     TENSOR_SUFFIX,
     UserError,
+    enclosing_checkpoint,
     locate,
     no_index,
     resolve_index,
@@ -233,11 +236,38 @@ def _write(args: argparse.Namespace, source: Path, out: Path, plan: _Export) -> 
     return EXIT_OK
 
 
+def refuse_inside_checkpoint(out: Path) -> None:
+    """Refuse an export target inside a checkpoint (:func:`enclosing_checkpoint`): writing
+    there would replace a committed file or record (``--force``), or leave a file a later
+    save replaces or trips over (``ROOT/3``). ``--force`` only replaces an earlier export.
+
+    Raises:
+        UserError: names the target, the checkpoint and the record that makes it one.
+    """
+    resolved = Path(os.path.realpath(out))
+    shown = str(out) if resolved == out else f"{out} (that is {resolved})"
+    found = enclosing_checkpoint(resolved)
+    if found is not None:
+        directory, record = found
+        raise UserError(
+            f"--to {shown} is inside the checkpoint {directory} (it holds {record}); export "
+            "never writes into a checkpoint (--force only replaces an earlier export): export "
+            "to a file outside checkpoints"
+        )
+    if resolved.name in CHECKPOINT_RECORDS:
+        raise UserError(
+            f"--to {shown} is named like a checkpoint's record ({resolved.name}): it would make "
+            f"{resolved.parent} look like a checkpoint; export to a file outside checkpoints, "
+            "under another name"
+        )
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """``fastckpt export PATH [--index N] --to OUT [--model NAME] [--force]``."""
     container = locate(args.path)
     no_index(container, args.index)
     out = Path(args.to)
+    refuse_inside_checkpoint(out)
     if out.is_dir():
         raise UserError(f"{out} is a directory; --to names the file to write")
     if out.exists() and not args.force:

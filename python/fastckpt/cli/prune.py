@@ -18,6 +18,7 @@ from fastckpt.cli.common import (
 from fastckpt.cli.render import (
     print_json,
 )
+from fastckpt.container.commit import spare_newest_intact
 from fastckpt.container.kinds import RootContainer
 from fastckpt.container.links import file_inodes, freed_bytes
 from fastckpt.container.promote_checkpoints import (
@@ -159,6 +160,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
     local = not is_object_url(location.path)
     inodes = {i: file_inodes(Path(location.path) / str(i)) for i in indices} if local else {}
     doomed = indices[: -args.keep_last] if len(indices) > args.keep_last else []
+    if args.dry_run and doomed:
+        # What the real prune would delete: it never deletes the newest index that verifies
+        # (prune_indices decides with the same function, under the root's lock).
+        doomed = spare_newest_intact(Manifest.load(location.path), doomed)
     if not args.dry_run and doomed:
         try:
             doomed = prune(location.path, keep_last=args.keep_last, lock_timeout=args.lock_timeout)

@@ -91,6 +91,7 @@ __all__ = [
     "make_generation_dir",
     "prune_indices",
     "remove_superseded",
+    "spare_newest_intact",
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -787,7 +788,7 @@ def prune_indices(
         manifest = Manifest.load(root)
         doomed = [index for index in sorted(manifest.entries)[:-keep_last] if index not in spare]
         if doomed:
-            doomed = _spare_newest_intact(manifest, doomed)
+            doomed = spare_newest_intact(manifest, doomed)
         if not doomed:
             # What a prune killed after its commit left.
             _sweep_sharded(root, manifest, only_older=promoting)
@@ -841,9 +842,11 @@ def index_intact(manifest: Manifest, index: int, *, threads: int = _VERIFY_THREA
     return None
 
 
-def _spare_newest_intact(manifest: Manifest, doomed: list[int]) -> list[int]:
+def spare_newest_intact(manifest: Manifest, doomed: list[int]) -> list[int]:
     """``doomed`` without the newest index that verifies, when no kept index verifies (all
-    of ``doomed``'s indices are kept when none verifies at all); see :func:`prune_indices`."""
+    of ``doomed``'s indices are kept when none verifies at all); see :func:`prune_indices`.
+    A newest index that does not verify makes this process's next incremental save into the
+    root write every tensor (:func:`fastckpt.container.refs.distrust`)."""
     kept = sorted((i for i in manifest.entries if i not in doomed), reverse=True)
     damaged: list[str] = []
     for index in kept:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fastckpt.errors import CheckpointFormatError
 from fastckpt.storage.registry import backend_for
 
 __all__ = ["TensorFiles", "compare_tensors", "diff_checkpoints"]
@@ -78,7 +79,10 @@ def _headers(side: TensorFiles) -> dict[str, dict[str, Any]]:
                 sources[path] = backend_for(path).read_header(path)["tensors"]
             info = sources[path].get(source_name)
             if info is None:
-                raise KeyError(f"{path}: no tensor {source_name!r} (referenced as {name!r})")
+                raise CheckpointFormatError(
+                    f"{path}: has no tensor {source_name!r}, which {name!r} references; the "
+                    "file or the references are damaged (fastckpt verify names which)"
+                )
             found[_qualified(prefix, name)] = {
                 "prefix": prefix,
                 "name": name,
@@ -123,6 +127,8 @@ def diff_checkpoints(a: TensorFiles, b: TensorFiles, atol: float = 0.0) -> dict[
 
     Raises:
         TypeError: a tensor's dtype is unknown to this torch build (names the file).
+        CheckpointFormatError: a reference names a tensor its file does not have (names the
+            file and the tensor).
     """
     head_a, head_b = _headers(a), _headers(b)
     removed = [{"name": n, **_meta(head_a[n])} for n in head_a if n not in head_b]

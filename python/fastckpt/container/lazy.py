@@ -27,7 +27,10 @@ What is verified:
   ``safetensors`` package and of older fastckpt versions have no header checksum).
 * For a checkpoint root or ``CheckpointManager`` checkpoint, each file's size is checked
   against the commit record; the record's whole-file crc32c needs the whole file: run
-  :func:`fastckpt.verify` for that.
+  :func:`fastckpt.verify` for that. Each tensor an incremental checkpoint references in
+  another file must be there with the dtype, size and crc32c its reference records (else
+  :class:`~fastckpt.errors.CheckpointFormatError`, or ``ChecksumMismatchError`` for the
+  crc32c), so every referenced name is a key.
 
 Targets: a single safetensors file; one committed index of a :func:`fastckpt.save_checkpoint`
 root (``safe_open(root, index=3)`` or ``safe_open("root/3")``); a
@@ -191,10 +194,27 @@ class _File:
 # --------------------------------------------------------------------------- targets
 
 
+@dataclass(frozen=True)
+class _Ref:
+    """A tensor an incremental checkpoint references in another file: the name it shows
+    under, and what the reference says the tensor in that file is."""
+
+    name: str
+    crc32c: int
+    dtype: str
+    nbytes: int
+
+
+def _ref(name: str, reference: Mapping[str, Any]) -> _Ref:
+    """The :class:`_Ref` of ``name`` for its (parsed) reference."""
+    return _Ref(name, reference["crc32c"], reference["dtype"], reference["nbytes"])
+
+
 #: ``(part label, file, expected size, only)``: ``only`` None takes every tensor of the file;
-#: else ``{name in the file: (name to show, crc32c it must have)}``, the tensors an incremental
-#: index references in another index's file (:mod:`fastckpt.container.refs`).
-_Target = tuple[str, Path, int | None, "dict[str, tuple[str, int]] | None"]
+#: else ``{name in the file: the references to it}``, the tensors an incremental index
+#: references in another index's file (:mod:`fastckpt.container.refs`); two names may
+#: reference the same tensor.
+_Target = tuple[str, Path, int | None, "dict[str, list[_Ref]] | None"]
 
 
 def _resolve_files(path: Path, index: int | None, part: str | None) -> tuple[list[_Target], str]:
@@ -274,7 +294,7 @@ class _Targets(KindVisitor[tuple[list[_Target], str]]):
 
 def _referenced(manifest: Manifest, index: int, part: str | None) -> list[_Target]:
     """The referenced tensors of incremental index ``index``, one target per source file."""
-    by_source: dict[tuple[str, Path], dict[str, tuple[str, int]]] = {}
+    by_source: dict[tuple[str, Path], dict[str, list[_Ref]]] = {}
     sizes: dict[Path, int] = {}
     for relpath, names in index_references(manifest, index).items():
         label = relpath[: -len(SUFFIX)]
@@ -284,14 +304,14 @@ def _referenced(manifest: Manifest, index: int, part: str | None) -> list[_Targe
             source = Path(os.path.realpath(source_path(manifest, ref)))
             sizes[source] = ref["file_size"]
             key = (label if part is None else "", source)
-            by_source.setdefault(key, {})[ref["name"]] = (name, ref["crc32c"])
+            by_source.setdefault(key, {}).setdefault(ref["name"], []).append(_ref(name, ref))
     return [(label, path, sizes[path], only) for (label, path), only in by_source.items()]
 
 
 def _linked(directory: Path, record: Mapping[str, Any], part: str | None) -> list[_Target]:
     """The referenced tensors of an incremental manager checkpoint, one target per linked
     file."""
-    by_source: dict[tuple[str, Path], dict[str, tuple[str, int]]] = {}
+    by_source: dict[tuple[str, Path], dict[str, list[_Ref]]] = {}
     sizes: dict[Path, int] = {}
     for relpath, names in referenced_sources(directory, record).items():
         label = relpath[: -len(SUFFIX)]
@@ -300,10 +320,8 @@ def _linked(directory: Path, record: Mapping[str, Any], part: str | None) -> lis
         for name, (path, ref) in names.items():
             source = Path(os.path.realpath(path))
             sizes[source] = record["files"][ref["file"]]["size"]
-            by_source.setdefault((label if part is None else "", source), {})[ref["name"]] = (
-                name,
-                ref["crc32c"],
-            )
+            key = (label if part is None else "", source)
+            by_source.setdefault(key, {}).setdefault(ref["name"], []).append(_ref(name, ref))
     return [(label, path, sizes[path], only) for (label, path), only in by_source.items()]
 
 
@@ -482,6 +500,40 @@ def _with(dims: list[_Dim], axis: int, dim: _Dim) -> list[_Dim]:
     return [*dims[:axis], dim, *dims[axis + 1 :]]
 
 
+# --------------------------------------------------------------------------- references
+
+
+def _check_reference(entry: _Entry, ref: _Ref, where: str) -> None:
+    """Refuse the tensor ``entry`` of a referenced file when it is not the one ``where``
+    references as ``ref.name`` (another dtype or size, other bytes)."""
+    path = entry.file.path
+    nbytes = entry.end - entry.begin
+    if entry.dtype != ref.dtype or nbytes != ref.nbytes:
+        raise CheckpointFormatError(
+            f"{path}: tensor {entry.name!r} is {entry.dtype} of {nbytes} B, but {where} "
+            f"references it as {ref.name!r}, {ref.dtype} of {ref.nbytes} B; the file or the "
+            "references are damaged (fastckpt verify names which)"
+        )
+    if entry.crc32c != ref.crc32c:
+        raise ChecksumMismatchError(
+            f"{path}: tensor {entry.name!r} is not the one {where} references as "
+            f"{ref.name!r} (crc32c differs)"
+        )
+
+
+def _check_found(handle: _File, only: Mapping[str, list[_Ref]], where: str) -> None:
+    """Refuse a referenced file that lacks a tensor ``where`` references in it (each
+    reference is a tensor of the checkpoint: none is dropped silently)."""
+    present = {entry.name for entry in handle.entries()}
+    for source_name, refs in only.items():
+        if source_name not in present:
+            raise CheckpointFormatError(
+                f"{handle.path}: has no tensor {source_name!r}, which {where} references as "
+                f"{refs[0].name!r}; the file or the references are damaged (fastckpt verify "
+                "names which)"
+            )
+
+
 # --------------------------------------------------------------------------- the handle
 
 
@@ -549,26 +601,27 @@ class SafeOpen:
                 handle = _File(path, size)
                 self._files.append(handle)
                 for entry in handle.entries():
-                    name = entry.name
-                    if only is not None:
-                        if entry.name not in only:
-                            continue
-                        name, crc = only[entry.name]
-                        if entry.crc32c != crc:
-                            raise ChecksumMismatchError(
-                                f"{path}: tensor {entry.name!r} is not the one {where} "
-                                f"references as {name!r} (crc32c differs)"
-                            )
-                    key = f"{label}/{name}" if label else name
-                    if key in self._entries:
-                        raise CheckpointFormatError(
-                            f"{where}: tensor key {key!r} is ambiguous (two files name it); "
-                            "select one file with part="
-                        )
-                    self._entries[key] = entry
+                    if only is None:
+                        self._add(label, entry.name, entry)
+                        continue
+                    for ref in only.get(entry.name, []):
+                        _check_reference(entry, ref, where)
+                        self._add(label, ref.name, entry)
+                if only is not None:
+                    _check_found(handle, only, where)
         except BaseException:
             self.close()
             raise
+
+    def _add(self, label: str, name: str, entry: _Entry) -> None:
+        """Make ``entry`` readable as ``name`` (``<label>/<name>`` over several files)."""
+        key = f"{label}/{name}" if label else name
+        if key in self._entries:
+            raise CheckpointFormatError(
+                f"{self.where}: tensor key {key!r} is ambiguous (two files name it); "
+                "select one file with part="
+            )
+        self._entries[key] = entry
 
     # ------------------------------------------------------------------ safetensors API
 
@@ -779,9 +832,11 @@ def safe_open(
         FileNotFoundError: no such path, a directory that is not a checkpoint, or a file the
             record names is missing.
         CheckpointFormatError: not a regular file (FIFO, device, a link swapped in), a
-            malformed header or one that fails its own crc32c, or a size that differs from
-            the commit record.
-        ChecksumMismatchError: a damaged manifest (for roots).
+            malformed header or one that fails its own crc32c, a size that differs from
+            the commit record, or a reference of an incremental checkpoint naming a tensor
+            its file lacks or one of another dtype or size (names the file and the tensor).
+        ChecksumMismatchError: a damaged manifest (for roots), or a referenced tensor whose
+            crc32c differs from its reference's.
         KeyError: an index or part that the checkpoint does not have.
         ValueError: an unsupported framework or backend, index/part given for a single
             file, or a sharded (DCP) checkpoint (consolidate it with ``fastckpt export``).

@@ -649,11 +649,17 @@ def read_commit_record(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if unknown:
         raise CheckpointFormatError(f"{path}: unexpected field(s) {unknown}")
     check_seal(path, record)
+    # Checked as the manifest's is (_parse_entries): an int (not a bool), from 1 up to the
+    # newest this fastckpt writes.
     version = record.get("schema_version")
-    if not isinstance(version, int) or version > MANAGER_SCHEMA_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointFormatError(f"{path}: field 'schema_version' missing or not an int")
+    if version > MANAGER_SCHEMA_VERSION:
         raise CheckpointFormatError(
             f"{path}: schema_version {version!r} is unknown to this fastckpt; upgrade it"
         )
+    if version < 1:
+        raise CheckpointFormatError(f"{path}: schema_version {version} does not exist")
     items = record.get("items")
     if not isinstance(items, list) or not isinstance(record.get("files"), dict):
         raise CheckpointFormatError(f"{path}: 'items' and 'files' are required")
