@@ -603,6 +603,7 @@ def test_a_run_resumes_from_the_durable_tier_when_the_fast_one_is_gone(tmp_path:
     )
     assert resumed.restored_from is not None
     assert resumed.restored_from.root == durable and resumed.restored_from.index == 2
+    assert resumed.restored_from.skipped == [f"{fast}: no committed index (gone, or never written)"]
     assert resumed.step_count == 6
     got, want = resumed.models["main"].state_dict(), strategy.models["main"].state_dict()
     assert all(torch.equal(got[k], v) for k, v in want.items())
@@ -789,3 +790,40 @@ def test_a_fresh_run_on_a_new_node_is_refused_another_runs_durable_tier(tmp_path
     # overwrite=True saves there anyway, on purpose.
     forced = training_support.new_strategy([hook(tmp_path / "node-c", overwrite=True)], 2)
     forced.run(training_support.loader())
+
+
+def test_a_run_resumed_past_a_damaged_newest_index_trains_on(tmp_path: Path) -> None:
+    # The restore took the fast tier's previous index (the newest was damaged), as documented;
+    # training on was then refused with MixedRunError, whose advice was that very resume.
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    hook = fastckpt.CheckpointHook(
+        fast, step_interval=1, async_save=False, durable_dir=durable, promote_every=2
+    )
+    strategy = training_support.new_strategy([hook], num_steps=6)
+    strategy.run(training_support.loader())
+    _flip_last_byte(fast / "5" / "models" / "main.safetensors")
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(
+        fast, training_fn=training_support.training_fn, fallback_dirs=[durable]
+    )
+    assert resumed.restored_from is not None and resumed.restored_from.index == 4
+    assert resumed.restored_from.passed(fast, 5)
+    resumed.num_steps = 7
+    resumed.run(training_support.loader())
+    assert resumed.step_count == 7
+    assert [c["index"] for c in fastckpt.list_checkpoints(fast)][-2:] == [6, 7]
+
+
+def test_fastckpt_promote_repairs_a_damaged_newest_copy_in_the_target(tmp_path: Path) -> None:
+    # The repair command said "already holds every index" (the records match) and left the
+    # target's newest copy damaged although the source's was intact.
+    from fastckpt.cli.main import main as cli
+
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    _source(fast, saves=3)
+    promote(fast, durable)
+    _flip_last_byte(durable / "2" / "models" / "main.safetensors")
+    assert not fastckpt.verify(durable, index=2).ok
+    assert promote(fast, durable).promoted == []  # a background run does not read it back
+    assert cli(["promote", str(fast), str(durable)]) == 0
+    assert fastckpt.verify(durable, index=2).ok
+    assert _files(durable, 2) == _files(fast, 2)

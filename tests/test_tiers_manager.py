@@ -761,7 +761,8 @@ def test_a_promotion_slower_than_the_saves_keeps_its_checkpoint_and_completes(
     assert slowed == ["step_0"]
     assert committed_checkpoints(durable)[0] == "step_0"  # completed, not pruned under it
     assert committed_checkpoints(durable)[-1] == "step_4"
-    assert committed_checkpoints(fast) == ["step_4"]
+    # The newest, and at most the one a promotion held when it was saved.
+    assert committed_checkpoints(fast)[-1] == "step_4" and len(committed_checkpoints(fast)) <= 2
 
 
 def test_a_damaged_linked_file_found_by_retention_is_not_linked_again(tmp_path: Path) -> None:

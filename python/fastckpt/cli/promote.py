@@ -4,6 +4,7 @@ tier's newest CheckpointManager checkpoint to another tier."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from fastckpt.cli.render import print_json
@@ -15,7 +16,7 @@ from fastckpt.container.promote_checkpoints import (
     same_files,
 )
 from fastckpt.container.sharded.promote import node_local_root, upload_rank_files
-from fastckpt.format.records import MANIFEST
+from fastckpt.format.records import COMMIT_RECORD, MANIFEST
 from fastckpt.io.progress import format_bytes
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
@@ -29,12 +30,19 @@ def cmd_promote(args: argparse.Namespace) -> int:
     uploaded, and on rank 0's node the newest due index is committed once every rank's
     shards are in the target (waited for up to ``args.wait`` seconds)."""
     source, target = Path(args.source), Path(args.target)
+    local = is_local(backend_for(source))
+    if local and not source.is_dir():
+        raise _not_promotable(source)
     committed = backend_for(source).exists(source / MANIFEST)
     if not committed:
         names = committed_checkpoints(source)
         if names:
+            _refuse_mixing(source, target, manager_source=True)
             return _promote_newest_checkpoint(source, target, names[-1], args)
-    node_local = is_local(backend_for(source)) and node_local_root(source)
+    node_local = local and node_local_root(source)
+    if not (committed or node_local):
+        raise _not_promotable(source)
+    _refuse_mixing(source, target, manager_source=False)
     if node_local:
         # One node's fast root of a sharded run on node-local tiers: this node's shards of
         # ranks other than 0 go up first; rank 0's node then commits once every rank's are
@@ -43,7 +51,14 @@ def cmd_promote(args: argparse.Namespace) -> int:
         if not committed:
             return _report_node_upload(source, target, uploaded, args)
     try:
-        report = promote(source, target, every=args.every, node_local=node_local, wait_s=args.wait)
+        report = promote(
+            source,
+            target,
+            every=args.every,
+            node_local=node_local,
+            wait_s=args.wait,
+            verify_held=True,  # a repair: a damaged copy there is replaced
+        )
     except ValueError as err:  # the root itself as the target, a pre-parts sharded index
         raise UserError(str(err)) from None
     if args.json:
@@ -67,6 +82,42 @@ def cmd_promote(args: argparse.Namespace) -> int:
     else:
         print(f"{display_path(target)} already holds every index of {display_path(source)}")
     return EXIT_OK
+
+
+def _not_promotable(source: Path) -> UserError:
+    """The error for a SOURCE that is neither kind promote copies (a missing path, a file, an
+    index directory, a single checkpoint, an empty directory)."""
+    missing = is_local(backend_for(source)) and not os.path.lexists(source)
+    what = "does not exist" if missing else "is not a folder of checkpoints"
+    return UserError(
+        f"{display_path(source)} {what}: promote copies a save_checkpoint root (a directory "
+        f"holding {MANIFEST}, not one of its index directories) or a directory of "
+        f"CheckpointManager checkpoints (each holding {COMMIT_RECORD})"
+    )
+
+
+def _refuse_mixing(source: Path, target: Path, *, manager_source: bool) -> None:
+    """Refuse to promote into a TARGET that holds the other kind of checkpoints (a
+    save_checkpoint root's indices and CheckpointManager checkpoints never share a folder:
+    each kind's retention and listing would trip over the other's)."""
+    if manager_source:
+        if backend_for(target).exists(target / MANIFEST):
+            raise UserError(
+                f"{display_path(target)} is a save_checkpoint root (it holds {MANIFEST}); "
+                f"{display_path(source)} holds CheckpointManager checkpoints: promote them to "
+                "a directory of CheckpointManager checkpoints (or a new one), never into a root"
+            )
+        return
+    if backend_for(target).exists(target / MANIFEST):
+        return  # a root already: the same kind
+    held = committed_checkpoints(target)
+    if held:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise UserError(
+            f"{display_path(target)} holds CheckpointManager checkpoints ({shown}); "
+            f"{display_path(source)} is a save_checkpoint root: promote it to another root (or "
+            "a new directory), never into a directory of CheckpointManager checkpoints"
+        )
 
 
 def _report_node_upload(

@@ -215,14 +215,17 @@ def promote(
     newest: bool = True,
     node_local: bool = False,
     wait_s: float | None = None,
+    verify_held: bool = False,
 ) -> PromotionReport:
     """Bring ``target`` up to date with ``source``: every committed index of ``source``
     whose number is a multiple of ``every`` (and, with ``newest``, the newest whatever its
     number) and is newer than ``target``'s newest index is promoted, oldest first (see
     :func:`promote_index`); so is ``target``'s newest index itself when its files differ from
-    the source's. Older indices ``target`` lacks (pruned there) are not copied again.
-    A promotion that a killed process left unfinished is thereby finished. ``node_local``,
-    ``wait_s``: as for :func:`promote_index`; only the newest due index is promoted then.
+    the source's, or (``verify_held``: ``fastckpt promote``, a repair) when its copy there
+    does not verify (read whole). Older indices ``target`` lacks (pruned there) are not
+    copied again. A promotion that a killed process left unfinished is thereby finished.
+    ``node_local``, ``wait_s``: as for :func:`promote_index`; only the newest due index is
+    promoted then.
 
     Raises:
         ValueError: ``every`` < 1, or ``target`` is ``source``.
@@ -253,7 +256,18 @@ def promote(
         due = due[-1:]
     for index in due:
         held = target_manifest.entries.get(index)
-        if index < floor or _same_files(source_manifest.entries[index], held):
+        same = _same_files(source_manifest.entries[index], held)
+        if same and verify_held and index == floor:
+            problem = index_intact(target_manifest, index)
+            if problem is not None:
+                _LOG.warning(
+                    "%s: its copy of index %d does not verify (%s); promoting it again",
+                    display_path(target),
+                    index,
+                    problem,
+                )
+                same = False
+        if index < floor or same:
             report.skipped.append(index)
             continue
         try:
@@ -470,15 +484,14 @@ class Promoter:
 
     def _due_now(self) -> frozenset[int]:
         """The indices of the source a promotion run started now may copy: the multiples of
-        ``every`` newer than the target's newest known index (its newest too, which a
-        promotion replaces when the source's differs); empty when the source cannot be read
-        (the run reports that)."""
+        ``every`` newer than the target's newest known index; empty when the source cannot
+        be read (the run reports that)."""
         try:
             indices = Manifest.load(self.source).entries
         except (OSError, CheckpointFormatError):
             return frozenset()
         held = self.target_newest
-        return frozenset(i for i in indices if not i % self.every and (held is None or i >= held))
+        return frozenset(i for i in indices if not i % self.every and (held is None or i > held))
 
     def submit(self) -> None:
         """Ask for a promotion run (after a commit into ``source``); returns at once.
@@ -689,6 +702,14 @@ class NearestCopy:
     #: the copy is spread over the nodes' node-local fast tiers: ``root`` (rank 0's node)
     #: lacks shards that other ranks' nodes hold (:mod:`fastckpt.container.sharded.nodes`)
     node_local: bool = False
+    #: ``(display_path(root), index)`` of every newer copy that did not verify (the indices
+    #: of :attr:`skipped`)
+    passed_over: list[tuple[str, int]] = field(default_factory=list)
+
+    def passed(self, root: str | os.PathLike[str], index: int) -> bool:
+        """Whether this restore passed over index ``index`` of ``root`` (it did not verify)."""
+        shown = display_path(Path(root)).rstrip("/")
+        return any(r.rstrip("/") == shown and i == index for r, i in self.passed_over)
 
     def describe(self) -> str:
         """One line: which copy, and what was passed over."""
@@ -746,6 +767,7 @@ def nearest_intact(
             what was passed over and why.
     """
     skipped: list[str] = []
+    passed_over: list[tuple[str, int]] = []
     best: tuple[int, Path] | None = None
     spread = False
     for position, tier in enumerate(Path(t) for t in tiers):
@@ -753,6 +775,11 @@ def nearest_intact(
             manifest = Manifest.load(tier)
         except (OSError, FastCkptError) as err:
             skipped.append(f"{display_path(tier)}: {err}")
+            continue
+        if manifest.latest is None:
+            # Said, as what was passed over: a fast tier gone (a new node) is why the copy
+            # comes from a slower one.
+            skipped.append(f"{display_path(tier)}: no committed index (gone, or never written)")
             continue
         wanted = sorted(manifest.entries, reverse=True) if index is None else [index]
         for candidate in wanted:
@@ -767,6 +794,7 @@ def nearest_intact(
                 best, spread = (candidate, tier), any(others)
                 break
             skipped.append(f"{display_path(tier)} index {candidate}: {problem}")
+            passed_over.append((display_path(tier), candidate))
     if best is None:
         what = "checkpoint" if index is None else f"copy of index {index}"
         names = ", ".join(display_path(Path(t)) for t in tiers)
@@ -774,4 +802,4 @@ def nearest_intact(
             f"no intact {what} in {names}"
             + (f" (skipped: {'; '.join(skipped)})" if skipped else "")
         )
-    return NearestCopy(best[1], best[0], skipped, spread)
+    return NearestCopy(best[1], best[0], skipped, spread, passed_over)

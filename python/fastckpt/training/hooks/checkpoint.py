@@ -502,7 +502,8 @@ class CheckpointHook:
         of its durable tier, is further along than the run (None: neither is). A run resumed
         from the newest index of this hook's durable tier (``restored_from``) continues the
         tiers' own run: the fast tier's newer indices were passed over by that restore
-        (damaged, or holding only a node's shards) and are not another run's. The durable
+        (damaged, or holding only a node's shards) and are not another run's; so is a
+        newest index the restore passed over as damaged, on any tier. The durable
         tier is checked too: a run started afresh on a new node (an empty fast tier) would
         otherwise promote into another run's durable tier, whose retention then deleted that
         run's checkpoints."""
@@ -523,10 +524,14 @@ class CheckpointHook:
         saved = manifest.entries[latest].get("counters", {}).get("step_count")
         if not isinstance(saved, int) or isinstance(saved, bool) or saved <= ctx.step_count:
             return None
-        if root == self.checkpoint_dir and self._resumed_from_durable(ctx):
+        copy = getattr(ctx.workflow, "restored_from", None)
+        passed = getattr(copy, "passed", None)
+        if (root == self.checkpoint_dir and self._resumed_from_durable(ctx)) or (
+            passed is not None and passed(root, latest)
+        ):
             _LOG.warning(
                 "%s: its newest index %d (step %d) is further along than the run, which "
-                "resumed from %s (the restore passed over the fast copies); saving on",
+                "resumed from %s (the restore passed over the newer copies); saving on",
                 display_path(root),
                 latest,
                 saved,
