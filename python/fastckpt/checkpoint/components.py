@@ -680,7 +680,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, A
     ``step``) to its parameter's dtype; state saved in another dtype (float32 moments of a
     bfloat16 parameter, a master copy) would come back rounded. Such a tensor is put back as
     it was saved (on the device torch moved it to), so the optimizer holds the saved state
-    bitwise.
+    bitwise (a copy, as torch's own cast is).
 
     Args:
         optimizer: the rebuilt optimizer, over the loaded model's parameters.
@@ -703,7 +703,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, A
                 and isinstance(current, torch.Tensor)
                 and current.dtype != value.dtype
             ):
-                live[key] = value.to(device=current.device)
+                # A copy: ``value`` may be a view of the file's mapping, which training state
+                # never keeps (a later prune frees the disk space; RELIABILITY, known gaps).
+                live[key] = value.to(device=current.device, copy=True)
 
 
 def run_validators(validators: Any, model_name: str, model: torch.nn.Module) -> None:
