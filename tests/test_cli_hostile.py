@@ -289,3 +289,19 @@ def test_commit_record_schema_version_must_be_a_known_int(work: Path, version: A
     with pytest.raises(CheckpointFormatError, match=r"commit\.json: .*schema_version"):
         read_commit_record(step)
     assert not fastckpt.verify(step).ok
+
+
+def test_promote_into_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    # fastckpt promote fast durable/3 wrote a manifest and index directories inside index 3.
+    from fastckpt.cli.main import main as cli
+
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    model = torch.nn.Linear(4, 4)
+    for _ in range(2):
+        fastckpt.save_checkpoint(fast, models={"main": (model, None)})
+    assert cli(["promote", str(fast), str(durable)]) == 0
+    before = sorted(p.relative_to(durable) for p in durable.rglob("*"))
+    for inside in (durable / "1", durable / "1" / "models", fast / "0"):
+        assert cli(["promote", str(fast), str(inside)]) == 2
+    assert sorted(p.relative_to(durable) for p in durable.rglob("*")) == before
+    assert fastckpt.verify(durable).ok

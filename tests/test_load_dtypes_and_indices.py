@@ -289,3 +289,21 @@ def test_training_strategy_load_checkpoint_takes_none_as_the_latest(tmp_path: Pa
         tmp_path / "root", checkpoint_index=None, training_fn=training_support.training_fn
     )
     assert resumed.step_count == strategy.step_count == 2
+
+
+@pytest.mark.parametrize("bad", [True, 2.0, "1"])
+def test_safe_open_and_tiered_strategy_loads_refuse_a_non_int_index(
+    tmp_path: Path, bad: object
+) -> None:
+    strategy = training_support.new_strategy([], num_steps=2)
+    strategy.save_checkpoint(tmp_path / "root")
+    strategy.save_checkpoint(tmp_path / "root")
+    with pytest.raises(TypeError, match="index must be"):
+        fastckpt.safe_open(tmp_path / "root", index=bad)
+    with pytest.raises(TypeError, match="checkpoint_index must be"):
+        fastckpt.TrainingStrategy.load_checkpoint(
+            tmp_path / "root",
+            checkpoint_index=bad,
+            training_fn=training_support.training_fn,
+            fallback_dirs=[tmp_path / "durable"],
+        )

@@ -43,7 +43,7 @@ from fastckpt import (
     prune,
     save_checkpoint,
 )
-from fastckpt.container.commit import RootLock
+from fastckpt.container.commit import RootLock, prune_indices
 from fastckpt.container.verify import verify
 from fastckpt.errors import (
     CheckpointFormatError,
@@ -695,6 +695,21 @@ def _flip_a_tensor_bit(path: Path) -> None:
     start = 8 + int.from_bytes(data[:8], "little")
     data[(start + len(data)) // 2] ^= 0x10
     path.write_bytes(bytes(data))
+
+
+def test_an_older_spared_index_does_not_let_prune_delete_the_newest_that_verifies(
+    tmp_path: Path,
+) -> None:
+    # Index 0 kept by spare= (a promotion copying it) verified, so the kept indices counted as
+    # good: index 2, the newest that verifies, was deleted behind a damaged index 3.
+    root = tmp_path / "root"
+    saved = [trained(seed) for seed in (1, 2, 3, 4)]
+    for state in saved:
+        save_at(root, state, -1)
+    _flip_a_tensor_bit(root / "3" / "models" / "main.safetensors")
+    assert prune_indices(root, keep_last=1, spare=(0,)) == [1]
+    assert sorted(Manifest.load(root).entries) == [0, 2, 3]
+    assert_same(states(saved[2]), loaded_states(load_checkpoint(root, 2)))
 
 
 def test_prune_never_deletes_the_newest_index_that_verifies(tmp_path: Path) -> None:

@@ -786,3 +786,54 @@ def test_a_damaged_linked_file_found_by_retention_is_not_linked_again(tmp_path: 
         assert fastckpt.verify(fast / name).ok, name
     with CheckpointManager(CheckpointManager.Config.with_sync_save()) as reader:
         assert _equal(_weights(reader.load(fast / "step_5")), model.state_dict())
+
+
+def test_an_older_spared_checkpoint_does_not_let_retention_delete_the_newest_that_verifies(
+    tmp_path: Path,
+) -> None:
+    # step_0 (spared: being promoted, or an alias's target) verified, so the kept ones counted
+    # as good and step_2, the newest that verifies, was deleted behind a damaged step_3.
+    root = tmp_path / "tier"
+    with _manager(TiersConfig(fast=root, durable=tmp_path / "other")) as manager:
+        _run(manager, 4)
+    _flip_last_byte(root / "step_3" / "model.safetensors")
+    assert prune_checkpoints(root, 1, spare={"step_0"}) == ["step_1"]
+    assert committed_checkpoints(root) == ["step_0", "step_2", "step_3"]
+
+
+def test_a_save_naming_its_base_after_retention_found_damage_writes_in_full(
+    tmp_path: Path,
+) -> None:
+    # The damage notice was taken at save()'s early base check, so the plan's second check
+    # raised "base=... is not this manager's previous save (none)" and the save was lost.
+    fast = tmp_path / "fast"
+    tiers = TiersConfig(fast=fast, durable=tmp_path / "durable", keep_last=2, promote_every=100)
+    model = _model()
+    optimizer = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    with _manager(tiers) as manager:
+        for step in range(5):
+            if step == 3:
+                (linked,) = (fast / "step_2" / "linked").glob("*.safetensors")
+                before = linked.stat()
+                _flip_last_byte(linked)
+                os.utime(linked, ns=(before.st_atime_ns, before.st_mtime_ns))
+            _train(model, optimizer)
+            base = None if step == 0 else fast / f"step_{step - 1}"
+            manager.save(f"step_{step}", {"model": model, "step": step}, base=base)
+    assert committed_checkpoints(fast)[-1] == "step_4"
+    assert fastckpt.verify(fast / "step_4").ok
+
+
+def test_fastckpt_promote_repairs_a_damaged_newest_checkpoint_in_the_target(
+    tmp_path: Path,
+) -> None:
+    # "already holds step_3" over a damaged durable copy (the commit records match).
+    from fastckpt.cli.main import main as cli
+
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    with _manager(TiersConfig(fast=fast, durable=durable)) as manager:
+        _run(manager, 4)
+    _flip_last_byte(durable / "step_3" / "model.safetensors")
+    assert not fastckpt.verify(durable / "step_3").ok
+    assert cli(["promote", str(fast), str(durable)]) == 0
+    assert fastckpt.verify(durable / "step_3").ok

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
+from fastckpt.cli.common import enclosing_checkpoint
 from fastckpt.cli.render import print_json
 from fastckpt.cli.status import EXIT_OK, UserError
 from fastckpt.container.promote import promote
 from fastckpt.container.promote_checkpoints import (
+    checkpoint_problem,
     committed_checkpoints,
     promote_checkpoint,
     same_files,
 )
 from fastckpt.container.sharded.promote import node_local_root, upload_rank_files
-from fastckpt.format.records import COMMIT_RECORD, MANIFEST
+from fastckpt.format.records import COMMIT_RECORD, MANIFEST, SHARDED_RECORD
 from fastckpt.io.progress import format_bytes
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
@@ -33,6 +36,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
     local = is_local(backend_for(source))
     if local and not source.is_dir():
         raise _not_promotable(source)
+    _refuse_inside_a_checkpoint(target)
     committed = backend_for(source).exists(source / MANIFEST)
     if not committed:
         names = committed_checkpoints(source)
@@ -82,6 +86,23 @@ def cmd_promote(args: argparse.Namespace) -> int:
     else:
         print(f"{display_path(target)} already holds every index of {display_path(source)}")
     return EXIT_OK
+
+
+def _refuse_inside_a_checkpoint(target: Path) -> None:
+    """Refuse a local TARGET that is a checkpoint or inside one (``durable/3``,
+    ``durable/step_3``): promoting there would write a root or checkpoints into it."""
+    if not is_local(backend_for(target)):
+        return
+    found = enclosing_checkpoint(target)
+    if found is None:
+        held = [r for r in (COMMIT_RECORD, SHARDED_RECORD) if os.path.lexists(target / r)]
+        found = (target, held[0]) if held else None
+    if found is not None:
+        directory, record = found
+        raise UserError(
+            f"{display_path(target)} is inside the checkpoint {directory} (it holds {record}); "
+            "promote into a root or a directory of checkpoints, never into a checkpoint"
+        )
 
 
 def _not_promotable(source: Path) -> UserError:
@@ -151,6 +172,16 @@ def _promote_newest_checkpoint(
             "to save_checkpoint roots (the manager decides which saves it promotes)"
         )
     held = same_files(source / name, target / name)
+    if held:
+        # A repair: the target's copy is read back, and promoted again when it is damaged.
+        problem = checkpoint_problem(target / name)
+        if problem is not None:
+            print(
+                f"fastckpt promote: {display_path(target / name)} does not verify ({problem}); "
+                "promoting it again",
+                file=sys.stderr,
+            )
+            held = False
     copied = reused = 0
     if not held:
         try:

@@ -843,11 +843,14 @@ def index_intact(manifest: Manifest, index: int, *, threads: int = _VERIFY_THREA
 
 
 def spare_newest_intact(manifest: Manifest, doomed: list[int]) -> list[int]:
-    """``doomed`` without the newest index that verifies, when no kept index verifies (all
-    of ``doomed``'s indices are kept when none verifies at all); see :func:`prune_indices`.
-    A newest index that does not verify makes this process's next incremental save into the
-    root write every tensor (:func:`fastckpt.container.refs.distrust`)."""
-    kept = sorted((i for i in manifest.entries if i not in doomed), reverse=True)
+    """``doomed`` without the newest index that verifies, when no kept index newer than every
+    doomed one verifies (all of ``doomed``'s indices are kept when none verifies at all); see
+    :func:`prune_indices`. Kept indices older than a doomed one (spared: one a promotion is
+    copying) do not count: the newest index that verifies is never deleted, whatever older
+    one is kept. A newest index that does not verify makes this process's next incremental
+    save into the root write every tensor (:func:`fastckpt.container.refs.distrust`)."""
+    newest_doomed = max(doomed, default=-1)
+    kept = sorted((i for i in manifest.entries if i > newest_doomed), reverse=True)
     damaged: list[str] = []
     for index in kept:
         problem = index_intact(manifest, index)

@@ -53,6 +53,8 @@ def promoter_from_spec(spec: Mapping[str, Any]) -> Promoter:
         )
     promoter.node_local = bool(spec.get("node_local"))
     promoter.wait_s = spec.get("wait_s")
+    if spec.get("within") is not None:  # what the trainer's retention spares for this run
+        promoter._in_flight = frozenset(spec["within"])
     return promoter
 
 

@@ -67,6 +67,7 @@ from fastckpt.container.kinds import (
 )
 from fastckpt.container.links import is_linked_file, referenced_sources
 from fastckpt.container.refs import REFS_FILE, index_references, source_path
+from fastckpt.container.verify import checked_index
 from fastckpt.errors import (
     CheckpointFormatError,
     ChecksumMismatchError,
@@ -234,7 +235,9 @@ class _Targets(KindVisitor[tuple[list[_Target], str]]):
 
     def __init__(self, path: Path, index: int | None, part: str | None) -> None:
         self.path = path
-        self.requested = index
+        self.requested = checked_index(
+            index, "index", "an int (a committed index, -1: the latest) or None (the latest)"
+        )
         self.part = part
 
     def file(self, container: TensorFile) -> tuple[list[_Target], str]:
@@ -279,7 +282,7 @@ class _Targets(KindVisitor[tuple[list[_Target], str]]):
     ) -> tuple[list[_Target], str]:
         root = container.root
         manifest = Manifest.load(root, verify_checksum=True)
-        resolved = manifest.resolve(-1 if index is None else int(index))
+        resolved = manifest.resolve(-1 if index is None else index)
         directory = root / str(resolved)
         where = f"{directory} (index {resolved} of {root})"
         files = manifest.entries[resolved]["files"]

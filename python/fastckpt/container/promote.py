@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,7 @@ from fastckpt.container.copy import (
     read_verified,
     remember_written,
 )
+from fastckpt.container.refs import root_key
 from fastckpt.container.sharded.nodes import NodeHoldings, PartKey, held_by_others
 from fastckpt.container.sharded.parts import Part
 from fastckpt.container.sharded.promote import (
@@ -216,6 +217,7 @@ def promote(
     node_local: bool = False,
     wait_s: float | None = None,
     verify_held: bool = False,
+    within: Collection[int] | None = None,
 ) -> PromotionReport:
     """Bring ``target`` up to date with ``source``: every committed index of ``source``
     whose number is a multiple of ``every`` (and, with ``newest``, the newest whatever its
@@ -225,7 +227,8 @@ def promote(
     does not verify (read whole). Older indices ``target`` lacks (pruned there) are not
     copied again. A promotion that a killed process left unfinished is thereby finished.
     ``node_local``, ``wait_s``: as for :func:`promote_index`; only the newest due index is
-    promoted then.
+    promoted then. ``within``: only these indices are promoted (what a :class:`Promoter` run
+    decided before it started, which the fast tier's retention spares meanwhile).
 
     Raises:
         ValueError: ``every`` < 1, or ``target`` is ``source``.
@@ -249,6 +252,9 @@ def promote(
         for index in sorted(source_manifest.entries)
         if not index % every or (newest and index == source_manifest.latest)
     ]
+    if within is not None:
+        report.skipped += [index for index in due if index not in within]
+        due = [index for index in due if index in within]
     if node_local:
         # Only the newest: an older index whose other shards never come (a node replaced
         # since) must not hold up every later promotion.
@@ -446,8 +452,10 @@ class Promoter:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._process: _DetachedProcess | None = None  # started by the first detached run
-        #: The source indices the running promotion may copy (see :meth:`spared`).
-        self._in_flight: frozenset[int] = frozenset()
+        #: What the running promotion copies, decided before it starts (see :meth:`spared`;
+        #: indices, or checkpoint names for :class:`CheckpointPromoter`); None: no run, or a
+        #: run not restricted (:meth:`run_here` called by hand).
+        self._in_flight: frozenset[Any] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -476,16 +484,21 @@ class Promoter:
         copying. Without the latter, a promotion slower than a few saves had its index
         pruned under it at every run and the durable tier fell behind for good."""
         awaiting = self.awaiting(newest)
-        with self._lock:
-            spared = set(self._in_flight)
+        spared = set(self.in_flight())
         if awaiting is not None:
             spared.add(awaiting)
         return tuple(sorted(spared))
 
-    def _due_now(self) -> frozenset[int]:
-        """The indices of the source a promotion run started now may copy: the multiples of
-        ``every`` newer than the target's newest known index; empty when the source cannot
-        be read (the run reports that)."""
+    def in_flight(self) -> frozenset[Any]:
+        """What the running promotion copies (empty when none runs): it copies nothing else,
+        so a fast tier's retention sparing these never deletes a checkpoint under it."""
+        with self._lock:
+            return self._in_flight or frozenset()
+
+    def _due_now(self) -> frozenset[Any]:
+        """The indices of the source a promotion run started now copies (at most): the
+        multiples of ``every`` newer than the target's newest known index; empty when the
+        source cannot be read (the run reports that)."""
         try:
             indices = Manifest.load(self.source).entries
         except (OSError, CheckpointFormatError):
@@ -575,6 +588,7 @@ class Promoter:
             newest=False,
             node_local=self.node_local,
             wait_s=self.wait_s,
+            within=self._in_flight,
         )
         if self.keep_last is not None and report.promoted:
             # prune_indices never deletes the newest index that verifies, and sweeps the
@@ -593,6 +607,7 @@ class Promoter:
             "keep_last": self.keep_last,
             "node_local": self.node_local,
             "wait_s": self.wait_s,
+            "within": None if self._in_flight is None else sorted(self._in_flight),
             "storage_options": {
                 os.fspath(root): options
                 for root in (self.source, self.target)
@@ -616,10 +631,10 @@ class Promoter:
         self.detached_pid = pid
 
     def _promote_once(self) -> None:
-        due = self._due_now()
-        with self._lock:
-            self._in_flight = due
         try:
+            due = self._due_now()
+            with self._lock:
+                self._in_flight = due  # spared by the fast tier's retention until the end
             self._attempt()
         except Exception as err:  # reported, retried by the next submission
             error = PromotionError(
@@ -633,7 +648,7 @@ class Promoter:
             return
         finally:
             with self._lock:
-                self._in_flight = frozenset()
+                self._in_flight = None
         self.error = None
 
 
@@ -667,7 +682,7 @@ class RankPromoter(Promoter):
         """Not tracked here: rank 0's retention decides what every node keeps."""
         return None
 
-    def _due_now(self) -> frozenset[int]:
+    def _due_now(self) -> frozenset[Any]:
         return frozenset()  # as :meth:`awaiting`
 
     def run_here(self) -> dict[str, Any]:
@@ -707,9 +722,10 @@ class NearestCopy:
     passed_over: list[tuple[str, int]] = field(default_factory=list)
 
     def passed(self, root: str | os.PathLike[str], index: int) -> bool:
-        """Whether this restore passed over index ``index`` of ``root`` (it did not verify)."""
-        shown = display_path(Path(root)).rstrip("/")
-        return any(r.rstrip("/") == shown and i == index for r, i in self.passed_over)
+        """Whether this restore passed over index ``index`` of ``root`` (it did not verify);
+        ``root`` spelled any way (relative, absolute, a trailing slash)."""
+        key = root_key(root)
+        return any(root_key(r) == key and i == index for r, i in self.passed_over)
 
     def describe(self) -> str:
         """One line: which copy, and what was passed over."""
@@ -777,9 +793,10 @@ def nearest_intact(
             skipped.append(f"{display_path(tier)}: {err}")
             continue
         if manifest.latest is None:
-            # Said, as what was passed over: a fast tier gone (a new node) is why the copy
-            # comes from a slower one.
-            skipped.append(f"{display_path(tier)}: no committed index (gone, or never written)")
+            if best is None:
+                # Said, as what was passed over: a fast tier gone (a new node) is why the
+                # copy comes from a slower one.
+                skipped.append(f"{display_path(tier)}: no committed index (gone, or never written)")
             continue
         wanted = sorted(manifest.entries, reverse=True) if index is None else [index]
         for candidate in wanted:

@@ -69,6 +69,7 @@ __all__ = [
     "CheckpointPromoter",
     "NearestCheckpoint",
     "TierDates",
+    "checkpoint_problem",
     "committed_checkpoints",
     "dated_checkpoints",
     "doomed_checkpoints",
@@ -284,7 +285,7 @@ def remove_checkpoint(path: str | os.PathLike[str]) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _problem(path: Path) -> str | None:
+def checkpoint_problem(path: Path) -> str | None:
     """Why the checkpoint ``path`` does not verify (None: every file does)."""
     try:
         report = verify(path)
@@ -312,6 +313,12 @@ def prune_checkpoints(
     return doomed
 
 
+def _committed(checkpoint: Path) -> bool:
+    """Whether the checkpoint directory ``checkpoint`` holds its commit record."""
+    backend = backend_for(checkpoint)
+    return any(backend.exists(checkpoint / r) for r in (COMMIT_RECORD, SHARDED_RECORD))
+
+
 def _alias_targets(root: Path) -> set[str]:
     """The checkpoints of the local tier root ``root`` that a symlink there points at (an
     alias such as ``latest -> step_20``): never pruned, so that no alias is left dangling."""
@@ -333,7 +340,7 @@ def _none_verifies(root: Path, kept: list[str]) -> bool:
     process into ``root`` links nothing (:func:`~fastckpt.container.refs.distrust`): its
     damaged file would otherwise be linked into every later checkpoint."""
     for position, name in enumerate(reversed(kept)):
-        if _problem(root / name) is None:
+        if checkpoint_problem(root / name) is None:
             return False
         if position == 0:
             distrust(root)
@@ -356,10 +363,12 @@ def doomed_checkpoints(
     doomed = [name for name in names[:-keep_last] if name not in spare and name not in aliased]
     if not doomed:
         return []
-    kept = [name for name in names if name not in doomed]
-    if _none_verifies(root, kept):
+    # Only the checkpoints newer than every doomed one count: an older one kept (an alias's
+    # target, one being promoted) must not let the newest that verifies be deleted.
+    newer = names[names.index(doomed[-1]) + 1 :]
+    if _none_verifies(root, newer):
         for name in reversed(doomed):
-            if _problem(root / name) is None:
+            if checkpoint_problem(root / name) is None:
                 _LOG.warning(
                     "%s: no newer checkpoint verifies; keeping %s", display_path(root), name
                 )
@@ -456,7 +465,7 @@ def nearest_intact_checkpoint(
                     f"(saved {_date(names[candidate])}; the run's was saved {_date(dated)})"
                 )
                 continue
-            problem = _problem(tier / candidate)
+            problem = checkpoint_problem(tier / candidate)
             if problem is None:
                 return NearestCheckpoint(tier / candidate, tier, candidate, skipped)
             skipped.append(f"{display_path(tier / candidate)}: {problem}")
@@ -527,8 +536,10 @@ class CheckpointPromoter(Promoter):
         with self._lock:
             return list(self._queue)
 
-    def _due_now(self) -> frozenset[int]:
-        return frozenset()  # the queue says what is promoted (see :meth:`queued`)
+    def _due_now(self) -> frozenset[Any]:
+        """The names queued now: this run promotes no other (later ones wait for the next
+        run), so a fast tier's retention sparing them never deletes one under it."""
+        return frozenset(self.queued())
 
     def run_here(self) -> dict[str, Any]:
         """Promote the queued names in order, then the target's retention; returns
@@ -538,12 +549,13 @@ class CheckpointPromoter(Promoter):
         done: list[str] = []
         while True:
             with self._lock:
-                if not self._queue:
+                # Only what this run was started with (see _due_now): later names wait.
+                names = [n for n in self._queue if self._in_flight is None or n in self._in_flight]
+                if not names:
                     break
-                name = self._queue[0]
+                name = names[0]
             source = self.source / name
-            backend = backend_for(source)
-            if not any(backend.exists(source / r) for r in (COMMIT_RECORD, SHARDED_RECORD)):
+            if not _committed(source):
                 _LOG.warning("%s: removed before it was promoted", display_path(source))
             elif (later := _saved_later(source, self.target / name)) is not None:
                 _LOG.warning(
@@ -554,8 +566,16 @@ class CheckpointPromoter(Promoter):
                     _date(later),
                 )
             elif not same_files(source, self.target / name):
-                promote_checkpoint(source, self.target / name)
-                promoted.append(name)
+                try:
+                    promote_checkpoint(source, self.target / name)
+                except (FastCkptError, OSError):
+                    if _committed(source):
+                        raise
+                    # Deleted while it was copied (a retention not told of this run): like
+                    # one removed before its turn, not a failed promotion.
+                    _LOG.warning("%s: removed while it was promoted", display_path(source))
+                else:
+                    promoted.append(name)
             with self._lock:
                 self._queue.remove(name)
             done.append(name)

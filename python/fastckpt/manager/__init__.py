@@ -393,12 +393,11 @@ class CheckpointManager:
             promoter.submit_checkpoint(path.name)
         if tiers.keep_last is not None:
             # The newest checkpoint waiting for promotion is kept (one more on the fast tier
-            # while the durable one lags or is down), and so is the one being promoted (the
-            # queue's first: else a promotion slower than a few saves lost its checkpoint
+            # while the durable one lags or is down), and so is every one the running
+            # promotion copies (else a promotion slower than a few saves lost its checkpoint
             # at every run and the durable tier fell behind for good); older waiting ones
             # may go (superseded).
-            queued = promoter.queued()
-            spare = {path.name, *queued[:1], *queued[-1:]}
+            spare = {path.name, *promoter.queued()[-1:], *promoter.in_flight()}
             try:
                 prune_checkpoints(path.parent, tiers.keep_last, spare=spare)
             except (OSError, FastCkptError) as err:  # the save itself is committed

@@ -261,6 +261,9 @@ class Tracker:
     def __init__(self) -> None:
         """No checkpoint tracked: the next save is full."""
         self.last: SavedCheckpoint | None = None
+        #: Forgotten because retention found the newest checkpoint damaged: the next save is
+        #: full even when it names its ``base`` (which it may not reference).
+        self.distrusted = False
 
     def forget(self) -> None:
         """Forget the previous save: the next one is full."""
@@ -273,6 +276,8 @@ class Tracker:
             ValueError: ``base`` is not the previous save of this manager.
         """
         last = self.last
+        if last is None and self.distrusted:
+            return None
         if last is not None and take_distrust(last.directory.parent):
             # Retention found the newest checkpoint there damaged: link nothing of it.
             _LOG.warning(
@@ -281,6 +286,7 @@ class Tracker:
                 last.directory.parent,
             )
             self.forget()
+            self.distrusted = True
             return None
         if base is not None:
             if last is None or not same_place(base, last.directory):
@@ -379,6 +385,7 @@ class Tracker:
             own_files: item -> the relpath of its own tensor file.
             refs: item -> tensor name -> reference (relpaths of ``directory``).
         """
+        self.distrusted = False  # a save committed after the damage: track it as usual
         if plan is None:
             self.forget()
             return

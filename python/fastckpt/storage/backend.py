@@ -259,10 +259,14 @@ class StorageBackend(ABC):
     def exists(self, path: Path) -> bool:
         """Whether anything is at ``path``."""
 
-    @abstractmethod
     def is_directory(self, path: Path) -> bool:
         """Whether ``path`` is a directory (on an object store: a prefix with objects under
-        it, asked with one listing, never a request for an object of that name)."""
+        it, asked with one listing, never a request for an object of that name). This
+        default asks :meth:`list_dir`; a backend with a cheaper answer overrides it."""
+        try:
+            return bool(self.list_dir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
 
     @abstractmethod
     def read_bytes(self, path: Path, *, limit: int = MAX_RECORD_BYTES) -> bytes:

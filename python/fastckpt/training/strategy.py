@@ -44,7 +44,7 @@ from fastckpt.errors import (
 )
 from fastckpt.format.records import MANIFEST, Manifest
 from fastckpt.io import tree
-from fastckpt.storage.registry import use_storage_options
+from fastckpt.storage.registry import display_path, use_storage_options
 from fastckpt.training.hooks.context import (
     CheckpointableHook,
     MutationGuard,
@@ -170,8 +170,9 @@ def _agreed_copy(tiers: Sequence[str | Path], index: int | None) -> NearestCopy:
         dist.broadcast_object_list(message, src=0)
     if message[0][0] != "ok":
         raise NotCommittedError(f"rank 0 found no copy to restore: {message[0][1]}")
-    _, position, chosen, skipped, spread = message[0]
-    return NearestCopy(Path(tiers[position]), int(chosen), list(skipped), bool(spread))
+    _, position, chosen, skipped, spread, passed = message[0]
+    passed_over = [(display_path(Path(tiers[p])), int(i)) for p, i in passed]
+    return NearestCopy(Path(tiers[position]), int(chosen), list(skipped), bool(spread), passed_over)
 
 
 def _no_checkpoint(tiers: Sequence[str | Path]) -> bool:
@@ -202,8 +203,8 @@ def _decide(
     tiers: Sequence[str | Path], index: int | None, elsewhere: list[Any], *, ask: bool = True
 ) -> tuple[Any, ...]:
     """Rank 0's answer for :func:`_agreed_copy`: ``("ok", tier position, index, skipped,
-    node_local)``, ``("ask", part keys)`` (its copies of those newer parts lack files: ask
-    the other nodes) or ``("failed", why)``."""
+    node_local, [(tier position, index) passed over])``, ``("ask", part keys)`` (its copies
+    of those newer parts lack files: ask the other nodes) or ``("failed", why)``."""
     asked: list[Any] = []
     try:
         copy = nearest_intact(tiers, index, elsewhere=elsewhere, asked=asked if ask else None)
@@ -216,7 +217,10 @@ def _decide(
     if asked:
         return ("ask", asked)
     position = [Path(tier) for tier in tiers].index(copy.root)
-    return ("ok", position, copy.index, copy.skipped, copy.node_local)
+    passed = [
+        (p, i) for p, tier in enumerate(tiers) for _, i in copy.passed_over if copy.passed(tier, i)
+    ]
+    return ("ok", position, copy.index, copy.skipped, copy.node_local, sorted(set(passed)))
 
 
 def _rng_state() -> dict[str, Any]:
@@ -861,9 +865,10 @@ class TrainingStrategy:
                 checkpoint of unsharded models.
         """
         use_storage_options(root, storage_options, "TrainingStrategy.load_checkpoint")
+        requested = checked_index(checkpoint_index, "checkpoint_index", codec.LOAD_INDEX)
         if fallback_dirs:
             tiers = [root, *fallback_dirs]
-            wanted = None if checkpoint_index == -1 else checkpoint_index
+            wanted = None if requested in (None, -1) else requested
             if parallelize is not None and _world()[1] > 1:
                 copy = _agreed_copy(tiers, wanted)  # a collective load: one copy for all
             else:

@@ -23,6 +23,7 @@ from fastckpt.checkpoint.components import Snapshot, plan_incremental, write_sna
 from fastckpt.container.background import BackgroundWriter, report_tolerated
 from fastckpt.container.commit import prune_indices
 from fastckpt.container.promote import Promoter, RankPromoter
+from fastckpt.container.refs import root_key
 from fastckpt.container.sharded.promote import node_local_root
 from fastckpt.errors import FastCkptError, MixedRunError, PromotionError
 from fastckpt.format.records import Manifest
@@ -553,7 +554,7 @@ class CheckpointHook:
         copy = getattr(ctx.workflow, "restored_from", None)
         if copy is None or self.durable_dir is None:
             return False
-        if display_path(Path(copy.root)).rstrip("/") != display_path(self.durable_dir).rstrip("/"):
+        if root_key(copy.root) != root_key(self.durable_dir):  # spelled any way
             return False
         try:
             return bool(Manifest.load(self.durable_dir).latest == copy.index)
