@@ -769,6 +769,12 @@ def test_prune_of_manager_checkpoints_never_counts_or_strands_an_alias_symlink(
     assert (folder / alias / "commit.json").is_file()
     status, out, _ = fastckpt_cli("verify", str(folder / alias))
     assert status == 0, out
+    # A symlink to a checkpoint kept elsewhere is a checkpoint of the folder, not an alias.
+    elsewhere = ckpts / f"elsewhere-{alias}"
+    shutil.copytree(ckpts / "mgr" / "step_10", elsewhere)
+    (folder / "step_05").symlink_to(elsewhere)
+    status, out, _ = fastckpt_cli("--json", "ls", str(folder))
+    assert "step_05" in [c["name"] for c in json.loads(out)["checkpoints"]], out
 
 
 HOLD_LOCK = """

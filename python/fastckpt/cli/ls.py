@@ -5,7 +5,6 @@ of a directory.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from fastckpt.cli.render import (
     when,
 )
 from fastckpt.container.links import split_sizes
-from fastckpt.container.listing import committed_checkpoints, list_checkpoints
+from fastckpt.container.listing import committed_checkpoints, is_alias, list_checkpoints
 from fastckpt.errors import FastCkptError
 from fastckpt.format.records import (
     COMMIT_RECORD,
@@ -90,7 +89,7 @@ def _ls_managers(parent: Path) -> dict[str, Any]:
     backend = backend_for(parent)
     for name in backend.list_dir(parent):
         child = parent / name
-        if name.startswith(".") or (is_local(backend) and os.path.islink(child)):
+        if name.startswith(".") or (is_local(backend) and is_alias(child)):
             continue  # staging areas; aliases (not checkpoints, see committed_checkpoints)
         if _is_file(backend, child / SHARDED_RECORD):
             checkpoints.append(_sharded_row(child))

@@ -1,7 +1,7 @@
 """What a checkpoint root holds: the committed indices of a ``save_checkpoint`` root (read from
 its manifest alone), and the committed CheckpointManager checkpoints of a directory (a tier
-root), oldest first; a symlink in a tier root is an alias, not a checkpoint (never listed,
-ordered or pruned).
+root), oldest first; a symlink to a sibling in a tier root is an alias, not a checkpoint
+(never listed, ordered or pruned).
 
 Listing needs neither torch nor the tensor files (``fastckpt ls`` starts without importing
 torch); :func:`fastckpt.list_checkpoints` is the first.
@@ -28,6 +28,7 @@ __all__ = [
     "TierDates",
     "committed_checkpoints",
     "dated_checkpoints",
+    "is_alias",
     "list_checkpoints",
     "tier_dates",
 ]
@@ -92,6 +93,15 @@ class TierDates(NamedTuple):
         return {name: when for name, when in self.dates.items() if name not in self.unreadable}
 
 
+def is_alias(path: Path) -> bool:
+    """Whether the local ``path`` is a symlink to a sibling (``latest -> step_20`` in a tier
+    root): an alias, not a checkpoint of its own (never listed, ordered or pruned; a symlink
+    to a checkpoint elsewhere is one)."""
+    if not os.path.islink(path):
+        return False
+    return os.path.dirname(os.path.realpath(path)) == os.path.realpath(path.parent)
+
+
 def committed_checkpoints(root: str | os.PathLike[str]) -> list[str]:
     """The names of the committed CheckpointManager checkpoints in the tier root ``root``
     (of sharded state too), oldest first (see :func:`tier_dates`). A root that does not
@@ -119,8 +129,8 @@ def tier_dates(root: str | os.PathLike[str]) -> TierDates:
     for name in backend.list_dir(root):
         if name.startswith("."):
             continue  # staging areas, trash, locks
-        if local and os.path.islink(root / name):
-            continue  # an alias (``latest -> step_20``), not a checkpoint: never pruned
+        if local and is_alias(root / name):
+            continue  # ``latest -> step_20``: the checkpoint is listed under its own name
         for record in (COMMIT_RECORD, SHARDED_RECORD):
             try:
                 info = backend.stat(root / name / record)
