@@ -409,3 +409,36 @@ print("imported" if "torch.distributed.checkpoint" in sys.modules else "not impo
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "not imported"
+
+
+def test_a_save_never_replaces_what_is_not_a_checkpoint(tmp_path: Path) -> None:
+    # save("runs/mgr") (a missing /step_N) swapped the folder of committed checkpoints for the
+    # new one and deleted them; a file or a folder of data there was deleted the same way.
+    from fastckpt.container.verify import verify
+    from fastckpt.errors import NotACheckpointError
+
+    mgr_dir = tmp_path / "runs" / "mgr"
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.csv").write_text("1,2")
+    (tmp_path / "empty").mkdir()
+    state = {"m": {"t": torch.arange(4.0)}, "step": 1}
+    for config in (
+        CheckpointManager.Config.with_sync_save(),
+        CheckpointManager.Config.with_async_save(),
+    ):
+        with CheckpointManager(config) as manager:
+            for step in (10, 20):
+                future = manager.save(mgr_dir / f"step_{step}", state)
+                if future is not None:
+                    future.result()
+            for target in (mgr_dir, tmp_path / "notes.txt", tmp_path / "data"):
+                with pytest.raises(NotACheckpointError, match="not a checkpoint"):
+                    manager.save(target, state)
+            future = manager.save(tmp_path / "empty", state)  # an empty folder is fine
+            if future is not None:
+                future.result()
+        assert sorted(p.name for p in mgr_dir.iterdir()) == ["step_10", "step_20"]
+        assert (tmp_path / "notes.txt").read_text() == "mine"
+        assert (tmp_path / "data" / "train.csv").read_text() == "1,2"
+        assert verify(mgr_dir / "step_20").ok and verify(tmp_path / "empty").ok

@@ -366,3 +366,19 @@ def test_a_damaged_module_file_is_refused_naming_the_module(tmp_path: Path) -> N
         with pytest.raises(ChecksumMismatchError, match="partial bytes") as info:
             manager.load(tmp_path / "c", into={"model": _net()})
     assert "model" in str(info.value)
+
+
+def test_a_template_that_cannot_hold_the_values_is_refused(tmp_path: Path) -> None:
+    # A meta tensor came back untouched (no memory) with no error; an expanded one failed
+    # with torch's bare RuntimeError.
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        manager.save(tmp_path / "c", {"m": {"w": torch.arange(6.0)}})
+        for template, why in (
+            (torch.empty(6, device="meta"), "meta tensor"),
+            (torch.zeros(1).expand(6), "share memory"),
+        ):
+            with pytest.raises(TypeError, match=why):
+                manager.load(tmp_path / "c", into={"m": {"w": template}})
+        good = torch.empty(6)
+        manager.load(tmp_path / "c", into={"m": {"w": good}})
+        assert torch.equal(good, torch.arange(6.0))

@@ -407,3 +407,22 @@ def test_cli_ls_of_an_s3_root_never_heads_the_folder_name(
     assert "1 committed index(es)" in capsys.readouterr().out
     assert cli_main(["ls", f"{s3_root}/missing"]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+def test_a_manager_save_on_s3_never_replaces_a_folder_of_checkpoints(
+    s3_server: S3Server, s3_root: str, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # save("s3://.../mgr") (a missing /step_N) deleted every object of the checkpoints in it.
+    from fastckpt.errors import NotACheckpointError
+
+    for name, value in s3_env.items():
+        monkeypatch.setenv(name, value)
+    state = {"m": {"t": torch.arange(4.0)}, "step": 1}
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as mgr:
+        mgr.save(f"{s3_root}/mgr/step_10", state)
+        mgr.save(f"{s3_root}/mgr/step_20", state)
+        with pytest.raises(NotACheckpointError, match="step_10, step_20"):
+            mgr.save(f"{s3_root}/mgr", state)
+        mgr.save(f"{s3_root}/mgr/step_20", state)  # replacing a checkpoint is fine
+        assert torch.equal(mgr.load(f"{s3_root}/mgr/step_10")["m"]["t"], torch.arange(4.0))
+    assert verify(f"{s3_root}/mgr/step_10").ok

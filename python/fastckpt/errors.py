@@ -25,6 +25,7 @@ __all__ = [
     "FastCkptError",
     "InvalidInputError",
     "MixedRunError",
+    "NotACheckpointError",
     "NotCommittedError",
     "PromotionError",
     "UnsupportedValueError",
@@ -84,6 +85,13 @@ class UntrustedTargetError(FastCkptError):
 
 
 # The two errors only a sharded (DCP) checkpoint can raise.
+
+
+class NotACheckpointError(FastCkptError, FileExistsError):
+    """A save would replace something that is not a checkpoint (a file, a folder of your data,
+    a folder of checkpoints): a save replaces only a checkpoint, atomically. Save under another
+    name, or move what is there first.
+    """
 
 
 class NotCommittedError(FastCkptError, FileNotFoundError):

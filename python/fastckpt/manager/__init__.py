@@ -53,12 +53,14 @@ from fastckpt.errors import (
     CheckpointMismatchError,
     ChecksumMismatchError,
     FastCkptError,
+    NotACheckpointError,
     NotCommittedError,
 )
 from fastckpt.format.records import (
     COMMIT_RECORD,
     SHARDED_RECORD,
     commit_record,
+    generation_order,
     item_files,
     read_commit_record,
 )
@@ -89,7 +91,13 @@ from fastckpt.manager.config import (
 from fastckpt.manager.incremental import LinkPlan, Tracker
 from fastckpt.manager.load import plan_direct_read
 from fastckpt.manager.stateful import check_template, contains_stateful, prepare_save, restore
-from fastckpt.storage.registry import backend_for, display_path, is_object_url, use_storage_options
+from fastckpt.storage.registry import (
+    backend_for,
+    display_path,
+    is_local,
+    is_object_url,
+    use_storage_options,
+)
 
 __all__ = [
     "AsyncCheckpointSaverConfig",
@@ -255,6 +263,39 @@ class _DistributedContext:
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, value, group=self.group)
         return gathered
+
+
+def _refuse_to_replace(path: Path) -> None:
+    """A save replaces a checkpoint at ``path`` atomically, and nothing else: a file, a folder
+    of the user's data or a folder of checkpoints there (``runs/mgr`` for
+    ``runs/mgr/step_30``) was deleted by the swap, committed checkpoints included. Empty
+    folders and what killed saves leave (generations, hidden temporary names) are replaced.
+
+    Raises:
+        NotACheckpointError: names what is there and the fix.
+    """
+    backend = backend_for(path)
+    if is_local(backend):
+        if not os.path.lexists(path):
+            return
+        if not os.path.isdir(path):
+            raise NotACheckpointError(
+                f"{display_path(path)} is a file, not a checkpoint; a save replaces only a "
+                "checkpoint: save under another name, or move the file first"
+            )
+        names = os.listdir(path)
+    else:
+        names = backend.list_dir(path)
+    if COMMIT_RECORD in names or SHARDED_RECORD in names:
+        return  # a checkpoint: replaced atomically
+    strays = sorted(n for n in names if not n.startswith(".") and generation_order(n) is None)
+    if strays:
+        shown = ", ".join(strays[:3]) + (", ..." if len(strays) > 3 else "")
+        raise NotACheckpointError(
+            f"{display_path(path)} holds {shown} and is not a checkpoint (no {COMMIT_RECORD}); "
+            "a save replaces only a checkpoint, and would delete these: save under another "
+            "name (a folder of checkpoints takes e.g. step_100 inside it)"
+        )
 
 
 class CheckpointManager:
@@ -561,6 +602,7 @@ class CheckpointManager:
         if self._writer is not None:
             self._writer.collect()
         check_name(path.name, "checkpoint directory name")
+        _refuse_to_replace(path)
         prepared: dict[str, Any] = {}
         for key, value in state.items():
             check_name(key, "state key")

@@ -125,14 +125,17 @@ def prepare_save(value: Any, path: str = "") -> Any:
 def check_template(template: Any, path: str = "") -> None:
     """Refuse template values a load could not apply, before anything is read.
 
-    Accepted: ``None`` (load the value as saved), tensors (filled in place), plain values
-    (replaced), stateful objects (``load_state_dict``), and mappings, lists and tuples of
-    these.
+    Accepted: ``None`` (load the value as saved), tensors (filled in place; not a meta
+    tensor, nor one whose elements share memory), plain values (replaced), stateful objects
+    (``load_state_dict``), and mappings, lists and tuples of these.
 
     Raises:
         TypeError: any other template value, named by its key path.
     """
-    if template is None or isinstance(template, (torch.Tensor, *_SCALARS)):
+    if isinstance(template, torch.Tensor):
+        _check_tensor_template(template, path)
+        return
+    if template is None or isinstance(template, _SCALARS):
         return
     if is_stateful(template):
         return
@@ -145,6 +148,29 @@ def check_template(template: Any, path: str = "") -> None:
             check_template(item, tree.join_path(path, i))
         return
     raise _unsupported(template, path, "load into")
+
+
+def _check_tensor_template(template: torch.Tensor, path: str) -> None:
+    """Refuse a tensor template that cannot hold the saved values: a meta tensor (no memory:
+    the load would return it untouched) or one whose elements share memory (``expand``)."""
+    where = path or "<root>"
+    if template.is_meta:
+        raise TypeError(
+            f"{where}: a meta tensor holds no memory, nothing can be loaded into it; pass None "
+            "to take the saved tensor, or a tensor with memory (torch.empty_like(t, "
+            "device='cpu'))"
+        )
+    overlap = getattr(torch, "_debug_has_internal_overlap", None)  # 1: elements overlap
+    if overlap is not None:
+        shared = overlap(template) == 1
+    else:
+        layout = zip(template.stride(), template.shape, strict=True)
+        shared = any(stride == 0 and size > 1 for stride, size in layout)
+    if shared:
+        raise TypeError(
+            f"{where}: the template's elements share memory (an expanded or strided view), so "
+            "it cannot hold every saved value; pass None or a tensor of its own (.clone())"
+        )
 
 
 def _check_tensors(current: Any, loaded: Any, path: str) -> None:
