@@ -78,23 +78,10 @@ dist/.wheel-built: $(VENV)/.deps-installed $(RUST_SOURCES) $(PY_SOURCES) README.
 	@echo "==> building the release wheels ($(HOST_ARCH), $(CROSS_TARGET)) for $(WHEEL_TAG) with zig, and the sdist"
 	rm -f dist/*.whl dist/*.tar.gz
 	@rustup --quiet target add $(CROSS_TARGET)
-	@$(call zig_build,)
-	@$(call zig_build,--target $(CROSS_TARGET))
+	$(VENV)/bin/maturin build --release --zig --compatibility $(WHEEL_TAG) -i $(PY) --out dist --quiet
+	$(VENV)/bin/maturin build --release --zig --compatibility $(WHEEL_TAG) -i $(PY) --target $(CROSS_TARGET) --out dist --quiet
 	$(VENV)/bin/maturin sdist --out dist
 	touch $@
-
-# One `maturin build --zig` ($1: extra arguments). On this project's VMs cargo's target probe
-# (`rustc - --print=cfg ...`) intermittently reads a build script's compiler probe output
-# (`cc: error: unrecognized command-line option '-?'`) instead of an empty program, and caches
-# that failure in target/.rustc_info.json; the build is retried twice after dropping the
-# cached probe (a real compile error fails all three attempts the same way).
-define zig_build
-for attempt in 1 2 3; do \
-		$(VENV)/bin/maturin build --release --zig --compatibility $(WHEEL_TAG) -i $(PY) $1 --out dist --quiet < /dev/null && exit 0; \
-		echo "==> maturin build --zig $1 failed (attempt $$attempt); retrying without cargo's cached rustc probe" >&2; \
-		rm -f target/.rustc_info.json; \
-	done; exit 1
-endef
 
 wheel: dist/.wheel-built
 
