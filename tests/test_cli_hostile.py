@@ -305,3 +305,34 @@ def test_promote_into_a_checkpoint_is_refused(tmp_path: Path) -> None:
         assert cli(["promote", str(fast), str(inside)]) == 2
     assert sorted(p.relative_to(durable) for p in durable.rglob("*")) == before
     assert fastckpt.verify(durable).ok
+
+
+# --------------------------------------------------------------------------- re-sealed entries
+
+
+@pytest.mark.parametrize("dropped", ["models/m.spec.json", "models/m.safetensors", "all"])
+def test_an_entry_missing_a_components_files_is_refused_by_verify_load_and_prune(
+    run: Run, work: Path, dropped: str
+) -> None:
+    """An entry re-sealed without the files one of its components needs (``"files": {}``, or
+    one file dropped) verified OK before and no loader could read it, so ``prune`` kept it as
+    the newest intact index and deleted the loadable ones. It is a format error now, naming
+    the component, and nothing is pruned."""
+    root = work / "root"
+
+    def drop(manifest: dict[str, Any]) -> None:
+        files = manifest["checkpoints"]["2"]["files"]
+        if dropped == "all":
+            files.clear()
+        else:
+            del files[dropped]
+        seal_manifest(manifest)
+
+    edit_json(root / "manifest.json", drop)
+    status, out, err = run("verify", root)
+    assert status != 0 and "components.models lists 'm'" in out + err, (out, err)
+    with pytest.raises(CheckpointFormatError, match="components.models lists 'm'"):
+        fastckpt.load_checkpoint(root, checkpoint_index=0)
+    status, out, err = run("prune", root, "--keep-last", "1")
+    assert status != 0, (out, err)
+    assert all((root / str(i)).is_dir() for i in (0, 1, 2))

@@ -31,6 +31,7 @@ from fastckpt.storage.registry import backend_for, is_local
 
 __all__ = [
     "COMMIT_RECORD",
+    "COMPONENT_SUFFIXES",
     "ENTRY_FIELDS",
     "GENERATION_PREFIX",
     "MANAGER_FORMAT",
@@ -49,6 +50,7 @@ __all__ = [
     "check_fields",
     "check_seal",
     "commit_record",
+    "component_files",
     "generation_order",
     "item_files",
     "json_bytes",
@@ -96,6 +98,19 @@ _MANIFEST_FIELDS = frozenset(
 )
 #: Fields every manifest entry has (written by fastckpt.checkpoint.components.write_snapshot).
 ENTRY_FIELDS = ("created", "counters", "components", "associations", "files")
+#: The files (relative to the index directory) each component kind saves per name, besides
+#: the tensors: ``models/NAME.safetensors`` and ``models/NAME.spec.json``, and so on.
+COMPONENT_SUFFIXES = {
+    "models": (".safetensors", ".spec.json"),
+    "optimizers": (".safetensors", ".json"),
+    "schedulers": (".safetensors", ".json"),
+}
+
+
+def component_files(kind: str, name: str) -> tuple[str, ...]:
+    """The relpaths an index holds for component ``name`` of ``kind`` (none for a kind
+    fastckpt does not write)."""
+    return tuple(f"{kind}/{name}{suffix}" for suffix in COMPONENT_SUFFIXES.get(kind, ()))
 
 
 # --------------------------------------------------------------------------- JSON
@@ -442,6 +457,17 @@ def _check_entry_fields(where: str, entry: dict[str, Any]) -> None:
         names[kind] = {check_name(name, f"{where}.components.{kind} entry") for name in listed}
         if len(names[kind]) != len(listed):
             raise CheckpointFormatError(f"{where}.components.{kind} lists a name twice")
+        for name in listed:
+            missing = [f for f in component_files(kind, name) if f not in entry["files"]]
+            if missing:
+                # verify would otherwise pass an index no loader can read (and retention
+                # would keep it as the newest intact one, deleting older loadable ones)
+                raise CheckpointFormatError(
+                    f"{where}.components.{kind} lists {name!r}, but its file(s) {missing} "
+                    f"are not in {where}.files: the manifest was edited or the index is "
+                    "incomplete; load an older index (checkpoint_index=...) or restore the "
+                    "manifest"
+                )
     associations = entry["associations"]
     if not isinstance(associations, dict):
         raise CheckpointFormatError(f"{where}.associations must be an object")
