@@ -319,6 +319,31 @@ def strategy_train() -> None:
     leave_process_group()
 
 
+def bf16_training_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+    """:func:`training_fn` of a bfloat16 model (the batch cast to it, the loss in float32)."""
+    x, y = batch
+    return (model(x.to(torch.bfloat16)).float() - y).square().mean()
+
+
+def strategy_bf16_save() -> None:
+    """An FSDP2 model converted to bfloat16 after construction, trained 2 steps with AdamW and
+    saved at step 2 by a synchronous CheckpointHook; rank 0 writes the gathered state to
+    ROOT/../reference-bf16.safetensors."""
+    root, rank, _ = setup_rank()
+    torch.manual_seed(0)
+    strategy = fastckpt.TrainingStrategy(
+        shard(build_model().to(torch.bfloat16)),
+        fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
+        training_fn=bf16_training_fn,
+        hooks=[fastckpt.CheckpointHook(root, step_interval=2, async_save=False)],
+        num_steps=2,
+    )
+    strategy.run(loader())
+    _write_reference(strategy, root.parent / "reference-bf16.safetensors", rank)
+    print(json.dumps({"rank": rank}))
+    leave_process_group()
+
+
 def strategy_node_train() -> None:
     """:func:`strategy_train`'s run with each rank saving to its own fast root (ROOT/../node<R>:
     one simulated node each) and its durable tier ROOT/../durable, each save promoted before the

@@ -331,7 +331,7 @@ def test_an_entry_missing_a_components_files_is_refused_by_verify_load_and_prune
     edit_json(root / "manifest.json", drop)
     status, out, err = run("verify", root)
     assert status != 0 and "components.models lists 'm'" in out + err, (out, err)
-    with pytest.raises(CheckpointFormatError, match="components.models lists 'm'"):
+    with pytest.raises(CheckpointFormatError, match=r"components\.models lists 'm'"):
         fastckpt.load_checkpoint(root, checkpoint_index=0)
     status, out, err = run("prune", root, "--keep-last", "1")
     assert status != 0, (out, err)

@@ -15,7 +15,7 @@ import fastckpt
 import fastckpt.dcp
 from dcp_support import check_ok, launch
 from fastckpt.dcp import is_sharded_checkpoint
-from sharded_ranks import Recorder, loader, training_fn
+from sharded_ranks import Recorder, bf16_training_fn, loader, training_fn
 
 
 def _reports(results: list[tuple[int, str, str]]) -> list[dict[str, Any]]:
@@ -105,6 +105,28 @@ def test_synchronous_hook_saves_load_too(trained: tuple[Path, list[float]]) -> N
         assert torch.equal(tensor, step3[f"model.{name}"]), name
     optimizer = strategy.optimizers["main"].state_dict()
     assert optimizer["state"][0]["step"].item() == 3.0
+
+
+def test_a_bfloat16_model_is_rebuilt_in_bfloat16(tmp_path: Path) -> None:
+    """An FSDP2 model converted to bfloat16 after construction is rebuilt from its sharded
+    checkpoint in bfloat16 (the dtypes the part holds), bitwise, optimizer state included.
+    Before, it was rebuilt in its constructor's float32 and the load cast every tensor to it:
+    the resumed run trained in float32 without a word."""
+    root = tmp_path / "run"
+    _reports(launch("strategy_bf16_save", root, 2, ranks="sharded_ranks"))
+    strategy = fastckpt.TrainingStrategy.load_checkpoint(root, training_fn=bf16_training_fn)
+    reference = safetensors.torch.load_file(tmp_path / "reference-bf16.safetensors")
+    model = strategy.models["main"]
+    for name, tensor in model.state_dict().items():
+        assert tensor.dtype == torch.bfloat16, name
+        assert torch.equal(tensor, reference[f"model.{name}"]), name
+    state = strategy.optimizers["main"].state_dict()["state"]
+    names = [name for name, _ in model.named_parameters()]
+    for number, moments in state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            saved = reference[f"optim.{names[number]}.{key}"]
+            assert moments[key].dtype == torch.bfloat16
+            assert torch.equal(moments[key], saved), (names[number], key)
 
 
 def test_parallelize_is_refused_for_unsharded_checkpoints(tmp_path: Path) -> None:

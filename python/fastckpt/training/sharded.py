@@ -18,7 +18,7 @@ import contextlib
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +245,55 @@ def async_save_sharded(
     return fields, committed
 
 
+def _part_record(part: Part, record_bytes: bytes | None) -> Any:
+    """The part's commit record (decoded from ``record_bytes`` when given: see
+    :func:`load_sharded`), checked against the crc32c its index recorded.
+
+    Raises:
+        ChecksumMismatchError: the part's commit record is not the one its index recorded.
+    """
+    from fastckpt.container.sharded.commit import RECORD_NAME, read_record
+    from fastckpt.format.sharded import decode_record
+
+    if record_bytes is None:
+        record = read_record(part.path)
+    else:
+        record = decode_record(part.path / RECORD_NAME, record_bytes)
+    if part.record_crc32c is not None and record.file_crc32c != part.record_crc32c:
+        raise ChecksumMismatchError(
+            f"{record.path}: crc32c {record.file_crc32c:08x} differs from the "
+            f"{part.record_crc32c:08x} that {part.source} records; the index's sharded part "
+            "was replaced or damaged. Load another index"
+        )
+    return record
+
+
+def saved_dtypes(
+    part: Part, names: Iterable[str], record_bytes: bytes | None = None
+) -> dict[str, dict[str, torch.dtype]]:
+    """Model name (of ``names``) -> ``{tensor name: the dtype the part holds it in}``, from
+    the part's DCP metadata. A model rebuilt from its spec takes these before it is sharded
+    (:func:`fastckpt.checkpoint.fill.match_saved_dtypes`): its constructor's dtypes are not
+    the saved ones when it was converted after construction (``.to(torch.bfloat16)``), and
+    loading casts to the live dtypes. ``record_bytes``: as for :func:`load_sharded`.
+
+    Raises:
+        as :func:`load_sharded` for the commit record.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = _part_record(part, record_bytes).metadata.state_dict_metadata
+    dtypes: dict[str, dict[str, torch.dtype]] = {}
+    for name in names:
+        prefix = f"models.{name}."
+        dtypes[name] = {
+            fqn[len(prefix) :]: entry.properties.dtype
+            for fqn, entry in entries.items()
+            if fqn.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+        }
+    return dtypes
+
+
 def load_sharded(
     part: Part,
     models: Mapping[str, torch.nn.Module],
@@ -265,20 +314,9 @@ def load_sharded(
     """
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    from fastckpt.container.sharded.commit import RECORD_NAME, read_record
     from fastckpt.dcp.state import load_record_state
-    from fastckpt.format.sharded import decode_record
 
-    if record_bytes is None:
-        record = read_record(part.path)
-    else:
-        record = decode_record(part.path / RECORD_NAME, record_bytes)
-    if part.record_crc32c is not None and record.file_crc32c != part.record_crc32c:
-        raise ChecksumMismatchError(
-            f"{record.path}: crc32c {record.file_crc32c:08x} differs from the "
-            f"{part.record_crc32c:08x} that {part.source} records; the index's sharded part "
-            "was replaced or damaged. Load another index"
-        )
+    record = _part_record(part, record_bytes)
     templates = _state(models, optimizers)
     loaded = load_record_state(record, templates, strict=True)
     for name, model in models.items():

@@ -1015,11 +1015,24 @@ class TrainingStrategy:
         sharded = recipe["sharded"]
         if not isinstance(sharded, Mapping) or not isinstance(sharded.get("models"), Mapping):
             raise CheckpointFormatError(f"{root}/{index}/strategy.json: bad 'sharded' record")
+        # The dtypes the part holds each model's tensors in: a model converted after
+        # construction (.to(torch.bfloat16)) is rebuilt in them, not in its constructor's.
+        part = sharded_training.committed_part(
+            root if spread is None else spread.part_root,
+            index,
+            sharded,
+            f"{root}/{index}/strategy.json",
+        )
+        dtypes = sharded_training.saved_dtypes(
+            part, sharded["models"], None if spread is None else spread.record
+        )
         models: dict[str, torch.nn.Module] = {}
         for name, document in sharded["models"].items():
             where = f"{root}/{index}/strategy.json: model {name!r}"
             spec = specs.BaseSpec.from_json(document, source=where)
-            model = build.build_model(spec, device=map_location, trusted=trusted, where=where)
+            model = build.build_model(
+                spec, device=map_location, trusted=trusted, where=where, dtypes=dtypes[name]
+            )
             if parallelize is not None:
                 model = parallelize(model)
                 if not isinstance(model, torch.nn.Module):
