@@ -426,3 +426,52 @@ def test_a_manager_save_on_s3_never_replaces_a_folder_of_checkpoints(
         mgr.save(f"{s3_root}/mgr/step_20", state)  # replacing a checkpoint is fine
         assert torch.equal(mgr.load(f"{s3_root}/mgr/step_10")["m"]["t"], torch.arange(4.0))
     assert verify(f"{s3_root}/mgr/step_10").ok
+
+
+def test_errors_about_s3_checkpoints_name_them_as_s3_urls(
+    s3_server: S3Server, s3_root: str, s3_env: dict[str, str]
+) -> None:
+    """Every error and report about an ``s3://`` checkpoint names it ``s3://bucket/...``, the
+    way the user wrote it and can paste it back: ``pathlib`` collapses the URL to
+    ``s3:/bucket/...``, which messages printed before."""
+    import re
+
+    client, bucket = s3_server.client(), s3_server.bucket
+    messages: list[str] = []
+
+    def expect(error: type[BaseException], call: Any, *args: Any) -> None:
+        with pytest.raises(error) as caught:
+            call(*args)
+        messages.append(f"{error.__name__}: {caught.value}")
+
+    model = torch.nn.Linear(32, 32)
+    fastckpt.save_checkpoint(s3_root, models={"main": model})
+    root_key = s3_root.split("/", 3)[3]
+    tensors = [k for k in _keys(s3_server, s3_root) if k.endswith(".safetensors")]
+    key = f"{root_key}/{tensors[0]}"
+    body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[-3] ^= 0x10
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    expect(ChecksumMismatchError, fastckpt.load_checkpoint, s3_root)
+    report = verify(s3_root)
+    messages += [f"verify: {f.message}" for f in report.files if f.status != "ok"]
+    client.delete_object(Bucket=bucket, Key=key)
+    expect(FileNotFoundError, fastckpt.load_checkpoint, s3_root)
+    client.put_object(Bucket=bucket, Key=f"{root_key}/manifest.json", Body=b"{not json")
+    expect(fastckpt.CheckpointFormatError, fastckpt.load_checkpoint, s3_root)
+    expect(FileNotFoundError, fastckpt.load_checkpoint, f"{s3_root}-none")
+
+    checkpoint = f"{s3_root}-mgr/ckpt"
+    config = fastckpt.CheckpointManager.Config.with_sync_save()
+    with fastckpt.CheckpointManager(config) as mgr:
+        mgr.save(checkpoint, {"x": torch.arange(4096.0)})
+        manager_key = checkpoint.split("/", 3)[3]
+        data = [k for k in _keys(s3_server, checkpoint) if k.endswith("x.safetensors")]
+        client.delete_object(Bucket=bucket, Key=f"{manager_key}/{data[0]}")
+        expect(FileNotFoundError, mgr.load, checkpoint)
+        expect(FileNotFoundError, mgr.load, f"{s3_root}-mgr/missing")
+        client.delete_object(Bucket=bucket, Key=f"{manager_key}/commit.json")
+        expect(FileNotFoundError, mgr.load, checkpoint)
+    collapsed = [m for m in messages if re.search(r"s3:/(?!/)", m)]
+    assert not collapsed, "\n".join(collapsed)
+    assert all("s3://" in m for m in messages), "\n".join(messages)

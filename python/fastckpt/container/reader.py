@@ -20,7 +20,7 @@ from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.records import COMMIT_RECORD, item_files, load_json
 from fastckpt.io.paths import safe_join
 from fastckpt.storage.backend import StorageBackend
-from fastckpt.storage.registry import backend_for
+from fastckpt.storage.registry import backend_for, display_path
 
 if TYPE_CHECKING:
     import torch
@@ -130,21 +130,23 @@ def check_recorded(
         report.status, report.message = status, message or str(error)
         return Checked(report, None, error)
 
+    shown = display_path(path)
+    shown_source = display_path(source)
     try:
         info = store.stat(path)
     except FileNotFoundError:
-        message = f"{path}: missing (listed in {source})"
-        return fail("missing", FileNotFoundError(errno.ENOENT, message, str(path)), message)
+        message = f"{shown}: missing (listed in {shown_source})"
+        return fail("missing", FileNotFoundError(errno.ENOENT, message, shown), message)
     except OSError as err:
-        return fail("corrupt", err, f"{path}: cannot be read ({err})")
+        return fail("corrupt", err, f"{shown}: cannot be read ({err})")
     if not info.regular:
-        return fail("corrupt", CheckpointFormatError(f"{path}: not a regular file"))
+        return fail("corrupt", CheckpointFormatError(f"{shown}: not a regular file"))
     report.actual_size = info.size
     if size is not None and info.size != size:
         return fail(
             "mismatch",
             CheckpointFormatError(
-                f"{path}: size {info.size} differs from the recorded {size} ({source}); the "
+                f"{shown}: size {info.size} differs from the recorded {size} ({shown_source}); the "
                 "file was truncated or replaced"
             ),
         )
@@ -153,16 +155,16 @@ def check_recorded(
     except (ChecksumMismatchError, CheckpointFormatError) as err:
         return fail("corrupt", err)
     except FileNotFoundError as err:
-        return fail("missing", err, f"{path}: disappeared while being read")
+        return fail("missing", err, f"{shown}: disappeared while being read")
     except OSError as err:
-        return fail("corrupt", err, f"{path}: cannot be read ({err})")
+        return fail("corrupt", err, f"{shown}: cannot be read ({err})")
     report.actual_crc32c = actual
     if crc is not None and actual is not None and actual != crc:
         return fail(
             "mismatch",
             ChecksumMismatchError(
-                f"{path}: file crc32c {actual:08x} differs from the recorded {crc:08x} "
-                f"({source}); the file was replaced, swapped with another checkpoint's, or "
+                f"{shown}: file crc32c {actual:08x} differs from the recorded {crc:08x} "
+                f"({shown_source}); the file was replaced, swapped with another checkpoint's, or "
                 "corrupted"
             ),
         )
@@ -260,6 +262,8 @@ def read_tensor_file_into(
 
     chosen = targets or {}
 
+    shown = display_path(path)
+
     def content(path: Path) -> tuple[dict[str, torch.Tensor], int | None]:
         header = _native.read_header(str(path))
         tensors: dict[str, torch.Tensor] = {}
@@ -268,14 +272,14 @@ def read_tensor_file_into(
             name = entry["name"]
             tensor = chosen.get(name)
             if tensor is None:
-                shape = torch_shape(f"{path}: tensor {name!r}", entry["dtype"], entry["shape"])
+                shape = torch_shape(f"{shown}: tensor {name!r}", entry["dtype"], entry["shape"])
                 tensor = torch.empty(shape, dtype=dtype_from_name(entry["dtype"]), device="cpu")
             tensors[name] = tensor
             memory = byte_view(tensor.detach())
             entries.append((name, entry["dtype"], list(entry["shape"]), memory))
         unknown = sorted(set(chosen) - set(tensors))
         if unknown:
-            raise CheckpointFormatError(f"{path}: has no tensor {unknown[0]!r}")
+            raise CheckpointFormatError(f"{shown}: has no tensor {unknown[0]!r}")
         crc = _native.read_into(
             str(path), entries, threads or DEFAULT_THREADS, progress=active_counter()
         )

@@ -27,7 +27,7 @@ from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.io.paths import check_name, check_relpath, safe_join
 from fastckpt.storage.backend import MAX_RECORD_BYTES, FileRecord, StorageBackend, read_by_size
-from fastckpt.storage.registry import backend_for, is_local
+from fastckpt.storage.registry import backend_for, display_path, is_local
 
 __all__ = [
     "COMMIT_RECORD",
@@ -134,12 +134,13 @@ def load_json(path: str | os.PathLike[str], raw: bytes) -> Any:
     """Parse a checkpoint JSON document: invalid UTF-8/JSON, absurd nesting or numbers, and
     duplicate keys (which JSON parsers silently resolve) are all format errors naming the
     file."""
+    shown = display_path(path)
     try:
         return json.loads(raw, object_pairs_hook=_unique_keys)
     except CheckpointFormatError as err:
-        raise CheckpointFormatError(f"{path}: {err}") from None
+        raise CheckpointFormatError(f"{shown}: {err}") from None
     except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, ...
-        raise CheckpointFormatError(f"{path}: not valid JSON ({err})") from None
+        raise CheckpointFormatError(f"{shown}: not valid JSON ({err})") from None
 
 
 def read_record_bytes(directory: str | os.PathLike[str], name: str) -> bytes:
@@ -159,16 +160,17 @@ def read_record_bytes(directory: str | os.PathLike[str], name: str) -> bytes:
     if not is_local(backend):
         return backend.read_bytes(path)
     fd = _native.open_regular(str(path), False)
+    shown = display_path(path)
     with os.fdopen(fd, "rb") as handle:
         size = os.fstat(fd).st_size
         if size > MAX_RECORD_BYTES:
             raise CheckpointFormatError(
-                f"{path}: {size} bytes, more than the {MAX_RECORD_BYTES} a record may have"
+                f"{shown}: {size} bytes, more than the {MAX_RECORD_BYTES} a record may have"
             )
         data = read_by_size(handle, size, MAX_RECORD_BYTES)
     if len(data) > MAX_RECORD_BYTES:
         raise CheckpointFormatError(
-            f"{path}: grew past the {MAX_RECORD_BYTES} bytes a record may have"
+            f"{shown}: grew past the {MAX_RECORD_BYTES} bytes a record may have"
         )
     return data
 
@@ -268,12 +270,13 @@ def check_seal(path: str | os.PathLike[str], document: Mapping[str, Any]) -> boo
     stored = document.get(MANIFEST_CRC_FIELD)
     if stored is None:
         return False
+    shown = display_path(path)
     if not _is_int(stored):
-        raise CheckpointFormatError(f"{path}: field {MANIFEST_CRC_FIELD!r} must be an int")
+        raise CheckpointFormatError(f"{shown}: field {MANIFEST_CRC_FIELD!r} must be an int")
     actual = _native.crc32c(_canonical(document))
     if actual != stored:
         raise ChecksumMismatchError(
-            f"{path}: content crc32c {actual:08x} differs from the recorded {stored:08x} "
+            f"{shown}: content crc32c {actual:08x} differs from the recorded {stored:08x} "
             f"(field {MANIFEST_CRC_FIELD!r}); the record is corrupt or was edited: restore it "
             "from a copy, or save the checkpoint again"
         )
@@ -333,26 +336,27 @@ class Manifest:
         """
         root = Path(root)
         path = root / MANIFEST
+        shown = display_path(path)
         try:
             raw = read_record_bytes(root, MANIFEST)
         except FileNotFoundError:
             return cls(root)
         except IsADirectoryError:
-            raise CheckpointFormatError(f"{path}: is a directory, not a manifest") from None
+            raise CheckpointFormatError(f"{shown}: is a directory, not a manifest") from None
         data = load_json(path, raw)
         entries = _parse_entries(path, data)
         stored = data.get(MANIFEST_CRC_FIELD)
         if stored is not None and not _is_int(stored):
-            raise CheckpointFormatError(f"{path}: field {MANIFEST_CRC_FIELD!r} must be an int")
+            raise CheckpointFormatError(f"{shown}: field {MANIFEST_CRC_FIELD!r} must be an int")
         actual = _native.crc32c(_canonical(data))
         manifest = cls(root, entries, stored, actual, len(raw))
         if verify_checksum:
             unknown = sorted(set(data) - _MANIFEST_FIELDS)
             if unknown:
-                raise CheckpointFormatError(f"{path}: unexpected field(s) {unknown}")
+                raise CheckpointFormatError(f"{shown}: unexpected field(s) {unknown}")
             if stored is not None and stored != actual:
                 raise ChecksumMismatchError(
-                    f"{path}: content crc32c {actual:08x} differs from the recorded "
+                    f"{shown}: content crc32c {actual:08x} differs from the recorded "
                     f"{stored:08x} (field {MANIFEST_CRC_FIELD!r}); the manifest is corrupt or "
                     "was edited: restore it from a copy"
                 )
@@ -387,40 +391,43 @@ class Manifest:
             FileNotFoundError: the root has no committed checkpoint.
             KeyError: ``index`` is not committed (lists the available ones).
         """
+        shown_path = display_path(self.path)
         if not self.entries:
-            raise FileNotFoundError(f"{self.path}: no committed checkpoint here")
+            raise FileNotFoundError(f"{shown_path}: no committed checkpoint here")
         if index == -1:
             return self.latest  # type: ignore[return-value]
         if index not in self.entries:
             raise KeyError(
-                f"checkpoint index {index} is not in {self.path}; available: {sorted(self.entries)}"
+                f"checkpoint index {index} is not in {shown_path}; available: "
+                f"{sorted(self.entries)}"
             )
         return index
 
 
 def _parse_entries(path: Path, data: Any) -> dict[int, dict[str, Any]]:
+    shown = display_path(path)
     if not isinstance(data, dict):
-        raise CheckpointFormatError(f"{path}: manifest must be a JSON object")
+        raise CheckpointFormatError(f"{shown}: manifest must be a JSON object")
     version = data.get("schema_version")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise CheckpointFormatError(f"{path}: field 'schema_version' missing or not an int")
+        raise CheckpointFormatError(f"{shown}: field 'schema_version' missing or not an int")
     if version > SCHEMA_VERSION:
         raise CheckpointFormatError(
-            f"{path}: schema_version {version} was written by a newer fastckpt (this one reads "
+            f"{shown}: schema_version {version} was written by a newer fastckpt (this one reads "
             f"up to {SCHEMA_VERSION}); upgrade fastckpt to load it"
         )
     if version < 1:
-        raise CheckpointFormatError(f"{path}: schema_version {version} does not exist")
+        raise CheckpointFormatError(f"{shown}: schema_version {version} does not exist")
     if data.get("format", "fastckpt") != "fastckpt":
-        raise CheckpointFormatError(f"{path}: field 'format' must be \"fastckpt\"")
+        raise CheckpointFormatError(f"{shown}: field 'format' must be \"fastckpt\"")
     checkpoints = data.get("checkpoints")
     if not isinstance(checkpoints, dict):
-        raise CheckpointFormatError(f"{path}: field 'checkpoints' must be an object")
+        raise CheckpointFormatError(f"{shown}: field 'checkpoints' must be an object")
     entries: dict[int, dict[str, Any]] = {}
     for key, entry in checkpoints.items():
         if not (key.isdigit() and len(key) <= 18 and str(int(key)) == key):
-            raise CheckpointFormatError(f"{path}: checkpoint index {key!r} is not an integer")
-        where = f"{path}: checkpoints.{key}"
+            raise CheckpointFormatError(f"{shown}: checkpoint index {key!r} is not an integer")
+        where = f"{shown}: checkpoints.{key}"
         if not isinstance(entry, dict):
             raise CheckpointFormatError(f"{where}.files must be an object")
         _check_files(where, entry.get("files"))
@@ -429,7 +436,7 @@ def _parse_entries(path: Path, data: Any) -> dict[int, dict[str, Any]]:
     latest = data.get("latest", max(entries, default=None))
     if latest != max(entries, default=None) or isinstance(latest, bool):
         raise CheckpointFormatError(
-            f"{path}: field 'latest' ({latest!r}) is not the newest committed index "
+            f"{shown}: field 'latest' ({latest!r}) is not the newest committed index "
             f"({max(entries, default=None)!r})"
         )
     return entries
@@ -656,57 +663,59 @@ def read_commit_record(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """
     directory = Path(directory)
     path = safe_join(directory, COMMIT_RECORD)
+    shown = display_path(path)
+    shown_directory = display_path(directory)
     try:
         data = read_record_bytes(directory, COMMIT_RECORD)
     except FileNotFoundError:
         raise FileNotFoundError(
             errno.ENOENT,
-            f"{directory} is not a committed fastckpt checkpoint (no {COMMIT_RECORD})",
-            str(path),
+            f"{shown_directory} is not a committed fastckpt checkpoint (no {COMMIT_RECORD})",
+            shown,
         ) from None
     except IsADirectoryError:
-        raise CheckpointFormatError(f"{path}: is a directory, not a commit record") from None
+        raise CheckpointFormatError(f"{shown}: is a directory, not a commit record") from None
     record = load_json(path, data)
     if not isinstance(record, dict) or record.get("format") != MANAGER_FORMAT:
-        raise CheckpointFormatError(f"{path}: not a {MANAGER_FORMAT} commit record")
+        raise CheckpointFormatError(f"{shown}: not a {MANAGER_FORMAT} commit record")
     # A flipped bit anywhere (a field name included) is caught: unknown fields are refused,
     # and the record's own crc32c covers every value (records of earlier versions have none).
     unknown = sorted(set(record) - _COMMIT_FIELDS)
     if unknown:
-        raise CheckpointFormatError(f"{path}: unexpected field(s) {unknown}")
+        raise CheckpointFormatError(f"{shown}: unexpected field(s) {unknown}")
     check_seal(path, record)
     # Checked as the manifest's is (_parse_entries): an int (not a bool), from 1 up to the
     # newest this fastckpt writes.
     version = record.get("schema_version")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise CheckpointFormatError(f"{path}: field 'schema_version' missing or not an int")
+        raise CheckpointFormatError(f"{shown}: field 'schema_version' missing or not an int")
     if version > MANAGER_SCHEMA_VERSION:
         raise CheckpointFormatError(
-            f"{path}: schema_version {version!r} is unknown to this fastckpt; upgrade it"
+            f"{shown}: schema_version {version!r} is unknown to this fastckpt; upgrade it"
         )
     if version < 1:
-        raise CheckpointFormatError(f"{path}: schema_version {version} does not exist")
+        raise CheckpointFormatError(f"{shown}: schema_version {version} does not exist")
     items = record.get("items")
     if not isinstance(items, list) or not isinstance(record.get("files"), dict):
-        raise CheckpointFormatError(f"{path}: 'items' and 'files' are required")
+        raise CheckpointFormatError(f"{shown}: 'items' and 'files' are required")
     for key in items:
-        check_name(key, f"{path}: item")
+        check_name(key, f"{shown}: item")
     _check_files(str(path), record["files"])
     world_size = record.get("world_size", 1)
     if not isinstance(world_size, int) or world_size < 1:
-        raise CheckpointFormatError(f"{path}: field 'world_size' must be an int >= 1")
+        raise CheckpointFormatError(f"{shown}: field 'world_size' must be an int >= 1")
     generation = record.get("generation")
     if generation is not None and not (
         isinstance(generation, str) and generation.startswith(GENERATION_PREFIX)
     ):
         raise CheckpointFormatError(
-            f"{path}: field 'generation' must be a string starting with {GENERATION_PREFIX!r}"
+            f"{shown}: field 'generation' must be a string starting with {GENERATION_PREFIX!r}"
         )
     if generation is not None:
-        check_name(generation, f"{path}: generation")
+        check_name(generation, f"{shown}: generation")
     saved = record.get(SAVED_NS)
     if saved is not None and (type(saved) is not int or saved < 0):
-        raise CheckpointFormatError(f"{path}: field {SAVED_NS!r} must be an int >= 0")
+        raise CheckpointFormatError(f"{shown}: field {SAVED_NS!r} must be an int >= 0")
     return record
 
 
