@@ -579,13 +579,19 @@ class TrainingStrategy:
             "counters": self.counters,
             "runtime": skeleton,
         }
-        hook_states = []
+        # The run state changes outside the optimizer step: an async save copies it when the
+        # save is taken (RNG states are copies already; a few bytes).
+        snapshot.volatile.update(("strategy.safetensors", name) for name in tensors)
+        hook_states: list[dict[str, Any]] = []
+        in_background: set[str] = set()  # positions of hooks whose tensors may be copied later
         occurrences: dict[str, int] = {}
         for hook in self.hooks:
             if isinstance(hook, CheckpointableHook):
                 cls_path = trust.dotted_path(type(hook))
                 occurrence = occurrences.get(cls_path, 0)
                 occurrences[cls_path] = occurrence + 1
+                if getattr(hook, "state_changes_in_optimizer_step", False) is True:
+                    in_background.add(str(len(hook_states)))
                 hook_states.append(
                     {"class": cls_path, "occurrence": occurrence, "state": hook.state_dict()}
                 )
@@ -595,6 +601,14 @@ class TrainingStrategy:
             CONFIGS_FIELD: record_hooks(self.hooks),
         }
         snapshot.tensor_files["hooks.safetensors"] = tensors
+        # A hook may change its tensors at any stage (see CheckpointableHook): copied when
+        # the save is taken, unless the hook says they change only in the optimizer step,
+        # which waits for the background copy (EMAHook's averaged weights).
+        snapshot.volatile.update(
+            ("hooks.safetensors", name)
+            for name in tensors
+            if name.split(".", 1)[0] not in in_background
+        )
 
     def _scheduler_spec(self, name: str, scheduler: Any) -> specs.BaseSpec | None:
         config = self.optimizer_configs.get(name)

@@ -74,6 +74,15 @@ class CheckpointableHook(Protocol):
     """A hook whose runtime state is saved in strategy checkpoints and restored at load.
 
     Hooks are matched by class and occurrence order in the strategy's hook list.
+
+    A checkpoint holds the state as it was when the save was taken, whatever the hook does
+    afterwards: an async save copies the tensors of :meth:`state_dict` on the training thread
+    when it is taken (with the model's buffers). A hook whose tensors change only at
+    ``AFTER_OPTIMIZER_STEP`` may set the class attribute ``state_changes_in_optimizer_step =
+    True``: its tensors are then copied in the background, overlapping the next
+    forward/backward, as the model's parameters are (the optimizer step waits for that copy).
+    :class:`~fastckpt.training.hooks.ema.EMAHook` does: its averaged weights are as large as
+    the model.
     """
 
     def state_dict(self) -> dict[str, Any]:

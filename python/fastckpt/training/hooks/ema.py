@@ -30,6 +30,11 @@ class EMAHook:
         ValueError: decay outside ``[0, 1)`` or ``update_every < 1``.
     """
 
+    #: The averaged weights change only at AFTER_OPTIMIZER_STEP (inside the strategy's
+    #: mutation guard): an async save copies them in the background (see
+    #: :class:`~fastckpt.training.hooks.context.CheckpointableHook`).
+    state_changes_in_optimizer_step = True
+
     def __init__(
         self, model_key: str = "main", decay: float = 0.999, update_every: int = 1
     ) -> None:
