@@ -348,6 +348,9 @@ class TrainingStrategy:
         self.epoch_count = 0
         self.epoch_step_count = 0
         self._epoch_start_rng: torch.Tensor | None = None
+        #: The states of the loader's own generators when the epoch began (see
+        #: :func:`_loader_generators`); None before the first epoch.
+        self._epoch_start_loader_rng: list[torch.Tensor] | None = None
         self._ctx = TrainContext(workflow=self)
 
     # ------------------------------------------------------------------ construction
@@ -435,14 +438,25 @@ class TrainingStrategy:
             self._fire(TrainingStage.AFTER_TRAINING)
 
     def _epoch_iterator(self, train_loader: Iterable[Any]) -> Iterator[Any]:
-        """A fresh epoch, or the current one replayed from its start RNG and fast-forwarded."""
+        """A fresh epoch, or the current one replayed from its start RNG and fast-forwarded.
+
+        A run resumed mid-epoch fires ``BEFORE_EPOCH`` again (with ``epoch_step_count`` > 0):
+        the epoch's setup in this process, such as ``DistributedSampler.set_epoch``, must
+        precede the replay. Every RNG is put back after the replay: it draws from torch's
+        (the shuffle) and, through the dataset, from Python's and NumPy's, which the resumed
+        batches must find as the checkpoint left them."""
         if self.epoch_step_count == 0 or self._epoch_start_rng is None:
             self.epoch_step_count = 0
             self._fire(TrainingStage.BEFORE_EPOCH)
             self._epoch_start_rng = torch.get_rng_state()
+            self._epoch_start_loader_rng = [
+                g.get_state() for g in _loader_generators(train_loader)
+            ]
             return iter(train_loader)
-        current = torch.get_rng_state()
+        current = _rng_state()
+        self._fire(TrainingStage.BEFORE_EPOCH)
         torch.set_rng_state(self._epoch_start_rng)
+        self._rewind_loader_generators(train_loader)
         iterator = iter(train_loader)
         for consumed in range(self.epoch_step_count):
             try:
@@ -452,8 +466,29 @@ class TrainingStrategy:
                     f"the loader has only {consumed} batches but the checkpoint stopped after "
                     f"{self.epoch_step_count} in this epoch; resume with the same data"
                 ) from None
-        torch.set_rng_state(current)
+        _set_rng_state(current)
         return iterator
+
+    def _rewind_loader_generators(self, train_loader: Iterable[Any]) -> None:
+        """Give the loader's own generators (``DataLoader(generator=...)``, a sampler's) the
+        states they had when the resumed epoch began, so its replay shuffles as that epoch
+        did; a warning when the checkpoint has no states for them (saved by an earlier
+        fastckpt) or states for other generators."""
+        generators = _loader_generators(train_loader)
+        saved = self._epoch_start_loader_rng
+        if saved is not None and len(saved) == len(generators):
+            for generator, state in zip(generators, saved, strict=True):
+                generator.set_state(state)
+            return
+        if generators or saved:
+            warnings.warn(
+                f"the training loader has {len(generators)} generator(s) of its own "
+                f"(DataLoader(generator=...), its sampler's), the checkpoint holds the "
+                f"epoch-start state of {'none' if saved is None else len(saved)}: the resumed "
+                "epoch may not replay the saved run's order (resume with the same loader "
+                "setup; a checkpoint saved by this fastckpt records them)",
+                stacklevel=4,
+            )
 
     def _run_epoch(self, train_loader: Iterable[Any]) -> bool:
         """Run (the rest of) one epoch; False when training must stop mid-epoch."""
@@ -468,6 +503,7 @@ class TrainingStrategy:
         self.epoch_count += 1
         self.epoch_step_count = 0
         self._epoch_start_rng = None
+        self._epoch_start_loader_rng = None
         self._fire(TrainingStage.AFTER_EPOCH)
         return True
 
@@ -567,7 +603,12 @@ class TrainingStrategy:
 
     def _add_runtime(self, snapshot: codec.Snapshot, extra: dict[str, Any]) -> None:
         """Add the recipe, counters, RNG states (plus ``extra``) and hook states."""
-        runtime = {"rng": _rng_state(), "epoch_start_rng": self._epoch_start_rng, **extra}
+        runtime = {
+            "rng": _rng_state(),
+            "epoch_start_rng": self._epoch_start_rng,
+            "epoch_start_loader_rng": self._epoch_start_loader_rng,
+            **extra,
+        }
         skeleton, tensors = tree.flatten(runtime)
         snapshot.tensor_files["strategy.safetensors"] = tensors
         snapshot.json_files["strategy.json"] = {
@@ -820,6 +861,7 @@ class TrainingStrategy:
             setattr(self, name, value)
         _set_rng_state(runtime.rng)
         self._epoch_start_rng = runtime.epoch_start_rng
+        self._epoch_start_loader_rng = runtime.epoch_start_loader_rng
         where = f"{reader.directory}/strategy.json"
         for name, state in runtime.schedulers.items():
             if name in self.schedulers:
@@ -1242,6 +1284,8 @@ class _Runtime:
     counters: dict[str, int]
     rng: dict[str, Any]
     epoch_start_rng: torch.Tensor | None
+    #: the loader's own generators' states at the epoch's start (None: none recorded)
+    epoch_start_loader_rng: list[torch.Tensor] | None
     schedulers: dict[str, Any]
     hooks: list[dict[str, Any]]
     #: the run's hooks as recorded (see fastckpt.training.hooks.rebuild)
@@ -1265,6 +1309,24 @@ def _check_rng_state(state: Any) -> None:
             raise TypeError(f"'cuda' must be a list, got {type(state['cuda']).__name__}")
         for device_state in state["cuda"]:
             _check_cuda_rng(device_state)
+
+
+def _loader_generators(loader: Any) -> list[torch.Generator]:
+    """The CPU generators a training loader draws its order from besides torch's global one:
+    ``DataLoader(generator=...)`` (worker seeds; a ``RandomSampler`` it makes shuffles with
+    it too), its sampler's, its batch sampler's sampler's; each once, in that order."""
+    found: list[torch.Generator] = []
+    sampler = getattr(loader, "sampler", None)
+    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    for owner in (loader, sampler, inner):
+        generator = getattr(owner, "generator", None)
+        if (
+            isinstance(generator, torch.Generator)
+            and generator.device.type == "cpu"
+            and all(generator is not seen for seen in found)
+        ):
+            found.append(generator)
+    return found
 
 
 def _check_torch_rng(state: Any) -> None:
@@ -1317,6 +1379,13 @@ def _parse_runtime(reader: codec.IndexReader, recipe: Mapping[str, Any]) -> _Run
     if epoch_start_rng is not None:
         with _malformed(where, "runtime.epoch_start_rng"):
             _check_torch_rng(epoch_start_rng)
+    loader_rng = runtime.get("epoch_start_loader_rng")
+    if loader_rng is not None:
+        with _malformed(where, "runtime.epoch_start_loader_rng"):
+            if not isinstance(loader_rng, list):
+                raise TypeError(f"must be a list of RNG states, got {type(loader_rng).__name__}")
+            for state in loader_rng:
+                _check_torch_rng(state)
     schedulers = runtime.get("schedulers") or {}
     if not isinstance(schedulers, dict):
         raise CheckpointFormatError(f"{where}: field 'runtime.schedulers' must be an object")
@@ -1341,7 +1410,9 @@ def _parse_runtime(reader: codec.IndexReader, recipe: Mapping[str, Any]) -> _Run
                 f"'occurrence' (an integer >= 0) and 'state'"
             )
     configs = parse_hook_configs(hooks_doc, hooks_where)
-    return _Runtime(parsed, runtime["rng"], epoch_start_rng, schedulers, saved, configs)
+    return _Runtime(
+        parsed, runtime["rng"], epoch_start_rng, loader_rng, schedulers, saved, configs
+    )
 
 
 def _restore_hook_states(hooks: Sequence[Any], saved: Any, where: str = "hooks.json") -> None:
