@@ -24,7 +24,7 @@ import torch
 import fastckpt
 import training_support as support
 from fastckpt import CheckpointManager, EMAHook, TrainingStrategy
-from fastckpt.errors import FastCkptError
+from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.format.records import MANIFEST, Manifest, seal_manifest
 from fastckpt.storage.s3.errors import AccessDeniedError
 from s3_support import S3Server, no_aws_env, s3_root, s3_server
@@ -517,3 +517,16 @@ def test_a_checkpoint_loads_under_an_address_space_limit(tmp_path: Path) -> None
     """Issue 22.12: the same limit, whole loads (``load_checkpoint``, ``CheckpointManager
     .load``): every JSON file of a checkpoint is read by its size."""
     run_limited(tmp_path, "load")
+
+
+def test_a_frozen_record_naming_a_missing_parameter_is_a_format_error(tmp_path: Path) -> None:
+    """strategy.json's ``frozen`` record is checked against the rebuilt model: a name it
+    lacks is a format error naming the field, not ignored."""
+    strategy = support.new_strategy([], num_steps=1)
+    strategy.save_checkpoint(tmp_path / "run")
+    recipe = json.loads((tmp_path / "run" / "0" / "strategy.json").read_bytes())
+    assert recipe["frozen"] == {"main": []}
+    recipe["frozen"] = {"main": ["net.9.weight"]}
+    _reseal(tmp_path / "run", 0, "strategy.json", json.dumps(recipe).encode())
+    with pytest.raises(CheckpointFormatError, match=r"frozen\.main' names \['net\.9\.weight'\]"):
+        fastckpt.TrainingStrategy.load_checkpoint(tmp_path / "run", training_fn=support.training_fn)

@@ -316,3 +316,36 @@ def test_a_resumed_run_keeps_no_checkpoint_file_mapped(tmp_path: Path) -> None:
     maps = Path("/proc/self/maps").read_text()
     assert str(tmp_path) not in maps, [line for line in maps.splitlines() if str(tmp_path) in line]
     assert live.optimizers["main"].state_dict()["state"], "optimizer state was not restored"
+
+
+def test_frozen_parameters_stay_frozen_in_a_resumed_run(tmp_path: Path) -> None:
+    """Parameters frozen after construction (``requires_grad_(False)``, a fine-tuning recipe)
+    are frozen in the rebuilt model too, so the resumed run trains what the saved one did.
+    Before, every rebuilt parameter required grad: the frozen layer trained on, and the run
+    diverged at its first resumed step."""
+
+    def fresh(hooks: list[Any], steps: int) -> fastckpt.TrainingStrategy:
+        torch.manual_seed(0)
+        model = support.DropoutMLP()
+        model.net[0].requires_grad_(False)
+        return fastckpt.TrainingStrategy(
+            model,
+            fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.05}),
+            training_fn=support.training_fn,
+            hooks=hooks,
+            num_steps=steps,
+        )
+
+    straight = fresh([], 10)
+    straight.run(support.loader())
+    hook = fastckpt.CheckpointHook(tmp_path / "run", step_interval=5, async_save=False)
+    fresh([hook], 5).run(support.loader())
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(
+        tmp_path / "run", training_fn=support.training_fn
+    )
+    frozen = {n for n, p in resumed.models["main"].named_parameters() if not p.requires_grad}
+    assert frozen == {"net.0.weight", "net.0.bias"}
+    resumed.num_steps = 10
+    resumed.run(support.loader())
+    for name, tensor in straight.models["main"].state_dict().items():
+        assert torch.equal(resumed.models["main"].state_dict()[name], tensor), name

@@ -449,9 +449,7 @@ class TrainingStrategy:
             self.epoch_step_count = 0
             self._fire(TrainingStage.BEFORE_EPOCH)
             self._epoch_start_rng = torch.get_rng_state()
-            self._epoch_start_loader_rng = [
-                g.get_state() for g in _loader_generators(train_loader)
-            ]
+            self._epoch_start_loader_rng = [g.get_state() for g in _loader_generators(train_loader)]
             return iter(train_loader)
         current = _rng_state()
         self._fire(TrainingStage.BEFORE_EPOCH)
@@ -619,6 +617,15 @@ class TrainingStrategy:
             "num_epochs": self.num_epochs,
             "counters": self.counters,
             "runtime": skeleton,
+            # rebuilt models are trainable throughout; these parameters were frozen
+            FROZEN_FIELD: {
+                name: sorted(
+                    n
+                    for n, p in codec.unwrap_model(model).named_parameters(remove_duplicate=False)
+                    if not p.requires_grad
+                )
+                for name, model in self.models.items()
+            },
         }
         # The run state changes outside the optimizer step: an async save copies it when the
         # save is taken (RNG states are copies already; a few bytes).
@@ -1089,6 +1096,7 @@ class TrainingStrategy:
             model = build.build_model(
                 spec, device=map_location, trusted=trusted, where=where, dtypes=dtypes[name]
             )
+            _freeze({name: model}, recipe, f"{root}/{index}/strategy.json")
             if parallelize is not None:
                 model = parallelize(model)
                 if not isinstance(model, torch.nn.Module):
@@ -1161,6 +1169,7 @@ class TrainingStrategy:
         if hooks is None:
             hooks = rebuild_hooks(runtime.hook_configs, f"{reader.directory}/hooks.json")
         live_models = {name: record["model"] for name, record in models.items()}
+        _freeze(live_models, recipe, where)
         strategy = cls.__new__(cls)
         TrainingStrategy.__init__(
             strategy,
@@ -1225,6 +1234,40 @@ def _index_snapshot(
     if not recipe_required and "strategy.json" not in reader.files:
         return manifest, index, reader, {}
     return manifest, index, reader, _read_recipe(reader)
+
+
+#: The strategy.json field naming each model's frozen parameters (``requires_grad`` False
+#: when saved): a rebuilt model's parameters all require grad, as its constructor made them.
+FROZEN_FIELD = "frozen"
+
+
+def _freeze(models: Mapping[str, torch.nn.Module], recipe: Mapping[str, Any], where: str) -> None:
+    """Give the parameters of rebuilt ``models`` that the recipe (``where``) records as frozen
+    ``requires_grad=False`` (a checkpoint of an earlier fastckpt records none).
+
+    Raises:
+        CheckpointFormatError: the field is malformed or names a parameter the model lacks.
+    """
+    frozen = recipe.get(FROZEN_FIELD)
+    if frozen is None:
+        return
+    if not isinstance(frozen, Mapping):
+        raise CheckpointFormatError(f"{where}: field {FROZEN_FIELD!r} must be an object")
+    for name, model in models.items():
+        names = frozen.get(name, [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise CheckpointFormatError(
+                f"{where}: field '{FROZEN_FIELD}.{name}' must be a list of parameter names"
+            )
+        parameters = dict(codec.unwrap_model(model).named_parameters(remove_duplicate=False))
+        unknown = sorted(set(names) - set(parameters))
+        if unknown:
+            raise CheckpointFormatError(
+                f"{where}: field '{FROZEN_FIELD}.{name}' names {unknown}, which model {name!r} "
+                "does not have"
+            )
+        for parameter_name in names:
+            parameters[parameter_name].requires_grad_(False)
 
 
 def _read_recipe(reader: codec.IndexReader) -> dict[str, Any]:
@@ -1410,9 +1453,7 @@ def _parse_runtime(reader: codec.IndexReader, recipe: Mapping[str, Any]) -> _Run
                 f"'occurrence' (an integer >= 0) and 'state'"
             )
     configs = parse_hook_configs(hooks_doc, hooks_where)
-    return _Runtime(
-        parsed, runtime["rng"], epoch_start_rng, loader_rng, schedulers, saved, configs
-    )
+    return _Runtime(parsed, runtime["rng"], epoch_start_rng, loader_rng, schedulers, saved, configs)
 
 
 def _restore_hook_states(hooks: Sequence[Any], saved: Any, where: str = "hooks.json") -> None:
