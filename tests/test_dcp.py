@@ -462,3 +462,53 @@ def test_dcp_stream_transforms_are_refused_naming_the_alternative(tmp_path: Path
         fastckpt.dcp.Writer(tmp_path / "c", _extensions=[zstd])
     assert not (tmp_path / "c").exists()
     fastckpt.dcp.Writer(tmp_path / "c", _extensions=[])  # none given: the plain writer
+
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="torch without float4")
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_two_dimensional_float4_tensor_round_trips(tmp_path: Path) -> None:
+    """An ``F4`` chunk's record holds the safetensors header's shape, which counts 4-bit
+    values where torch's ``float4_e2m1fn_x2`` holds pairs: reads use the torch shape. Before,
+    a 2-D one saved without error and every load and ``consolidate`` refused it as damaged
+    ("range 0-24 outside 'w'")."""
+    raw = torch.arange(12, dtype=torch.uint8).reshape(3, 4)
+
+    def template() -> dict[str, torch.Tensor]:
+        return {"w": torch.zeros(3, 4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}
+
+    checkpoint = tmp_path / "ckpt"
+    dcp.save(
+        {"w": raw.view(torch.float4_e2m1fn_x2)}, storage_writer=fastckpt.dcp.Writer(checkpoint)
+    )
+    out = template()
+    dcp.load(out, storage_reader=fastckpt.dcp.Reader(checkpoint))
+    assert torch.equal(out["w"].view(torch.uint8), raw)
+    loaded = fastckpt.dcp.load_state(checkpoint, template())
+    assert torch.equal(loaded["w"].view(torch.uint8), raw)
+    fastckpt.dcp.consolidate(checkpoint, tmp_path / "full.safetensors")
+    assert torch.equal(
+        fastckpt.load_file(tmp_path / "full.safetensors")["w"].view(torch.uint8), raw
+    )
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_async_save_stages_keys_whose_dotted_paths_collide_apart(tmp_path: Path) -> None:
+    """``{"": {"x": a}, "x": b}``: DCP names them ``.x`` and ``x``; the async stager named
+    both buffers ``x`` and saved ``b`` twice, without an error. Buffers are named by key
+    tuples now."""
+    checkpoint = tmp_path / "ckpt"
+    state = {"": {"x": torch.full((3,), 1.0)}, "x": torch.full((3,), 2.0)}
+    dcp.async_save(state, storage_writer=fastckpt.dcp.Writer(checkpoint)).result()
+    out = {"": {"x": torch.zeros(3)}, "x": torch.zeros(3)}
+    dcp.load(out, storage_reader=fastckpt.dcp.Reader(checkpoint))
+    assert out[""]["x"].tolist() == [1.0] * 3 and out["x"].tolist() == [2.0] * 3
+
+
+def test_a_plain_value_template_for_a_saved_tensor_is_a_mismatch(tmp_path: Path) -> None:
+    """``load_state`` with a plain value where the checkpoint holds a tensor raises the
+    documented ``CheckpointMismatchError`` naming the key (before: DCP's bare ValueError)."""
+    fastckpt.dcp.save_state(tmp_path / "c", {"model": {"w": torch.arange(3.0)}})
+    with pytest.raises(
+        fastckpt.CheckpointMismatchError, match=r"model\.w: the checkpoint has a tensor"
+    ):
+        fastckpt.dcp.load_state(tmp_path / "c", {"model": {"w": 0}})

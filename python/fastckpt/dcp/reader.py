@@ -432,8 +432,9 @@ def _fill_item(files: ChunkFiles, item: ReadItem, chunk: StoredChunk, planner: L
         return
     _want(files, item, chunk)
     target = planner.resolve_tensor(item).detach()
-    whole = list(item.storage_offsets) == [0] * len(item.lengths) and tuple(item.lengths) == tuple(
-        chunk.shape or ()
+    whole = (
+        list(item.storage_offsets) == [0] * len(item.lengths)
+        and tuple(item.lengths) == chunk.tensor_shape
     )
     if whole and target.size() == tuple(item.lengths) and files.read_into(chunk, target):
         planner.commit_tensor(item, target)

@@ -98,24 +98,38 @@ class _Staged:
         self.dtensor = dtensor
 
 
-def _collect(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+def _collect(
+    value: Any, path: str, tensors: dict[str, torch.Tensor], keys: tuple[Any, ...] = ()
+) -> Any:
+    """The skeleton of ``value`` (at key path ``path``, for messages; ``keys``: the same as a
+    tuple) with each tensor replaced by a placeholder for the buffer staged into ``tensors``.
+    Buffers are named by the tuple of keys: dotted paths collide (``{"": {"x": a}}`` and
+    ``{"x": b}`` are both ``x``), and one buffer staged for both saved ``b`` twice."""
+    key = repr(keys)
     if isinstance(value, DTensor):
-        tensors[path] = value.to_local()
-        return _Staged(path, value)
+        tensors[key] = value.to_local()
+        return _Staged(key, value)
     if isinstance(value, torch.Tensor):
         if type(value).__name__ == "ShardedTensor" or value.layout is not torch.strided:
             raise UnsupportedValueError(
                 f"{path}: {type(value).__name__} ({value.layout}) cannot be staged; use FSDP2 "
                 "(DTensor) state or a synchronous dcp.save"
             )
-        tensors[path] = value
-        return _Staged(path, None)
+        tensors[key] = value
+        return _Staged(key, None)
     if isinstance(value, Mapping):
-        return {key: _collect(item, join_path(path, key), tensors) for key, item in value.items()}
+        return {
+            name: _collect(item, join_path(path, name), tensors, (*keys, name))
+            for name, item in value.items()
+        }
     if isinstance(value, list):
-        return [_collect(item, join_path(path, i), tensors) for i, item in enumerate(value)]
+        return [
+            _collect(item, join_path(path, i), tensors, (*keys, i)) for i, item in enumerate(value)
+        ]
     if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_collect(item, join_path(path, i), tensors) for i, item in enumerate(value))
+        return tuple(
+            _collect(item, join_path(path, i), tensors, (*keys, i)) for i, item in enumerate(value)
+        )
     if isinstance(value, io.BytesIO):
         return io.BytesIO(value.getvalue())
     if type(value).__name__ == "ShardedTensor":

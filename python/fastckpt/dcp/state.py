@@ -176,6 +176,11 @@ def _check_templates(
                 raise CheckpointMismatchError(f"{fqn}: not in checkpoint {path}")
             continue
         if not isinstance(value, torch.Tensor):
+            if isinstance(entry, TensorStorageMetadata):
+                raise CheckpointMismatchError(
+                    f"{fqn}: the checkpoint has a tensor ({_describe_entry(entry)}), the "
+                    f"template a {type(value).__name__}"
+                )
             continue
         if not isinstance(entry, TensorStorageMetadata):
             raise CheckpointMismatchError(

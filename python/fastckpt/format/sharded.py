@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.format.records import MANIFEST_CRC_FIELD, check_seal, load_json, seal_manifest
+from fastckpt.io.files import torch_shape
 from fastckpt.io.tree import flatten, unflatten
 
 __all__ = [
@@ -101,6 +102,18 @@ class StoredChunk:
     file_len: int = 0
     file_crc32c: int | None = None
     generation: str = ""
+
+    @property
+    def tensor_shape(self) -> tuple[int, ...]:
+        """The chunk's shape as torch and DCP's plan hold it: :attr:`shape` is the safetensors
+        header's, which counts an ``F4`` tensor's 4-bit values where torch's
+        ``float4_e2m1fn_x2`` holds pairs (its last dimension halved).
+
+        Raises:
+            InvalidInputError: an ``F4`` shape whose last dimension is odd or absent.
+        """
+        shape = list(self.shape or ())
+        return tuple(torch_shape(f"{self.file}: tensor {self.name!r}", self.dtype or "", shape))
 
 
 @dataclass

@@ -321,7 +321,7 @@ class ChunkFiles:
             CheckpointFormatError: the box does not lie inside the chunk's shape.
         """
         dtype = dtype_from_name(chunk.dtype or "")
-        shape = list(chunk.shape or ())
+        shape = list(chunk.tensor_shape)
         offsets, lengths = [int(o) for o in offsets], [int(n) for n in lengths]
         if not (
             len(offsets) == len(lengths) == len(shape)
@@ -439,7 +439,7 @@ class ChunkFiles:
 
     def read_chunk(self, chunk: StoredChunk) -> torch.Tensor:
         """A whole stored tensor chunk, verified."""
-        shape = list(chunk.shape or ())
+        shape = list(chunk.tensor_shape)
         return self.read_box(chunk, [0] * len(shape), shape)
 
 
@@ -448,7 +448,7 @@ def box_view(want: Want, data: np.ndarray, offsets: Any, lengths: Any) -> torch.
     of ``want`` (made by :meth:`ChunkFiles.want_box` for the same box)."""
     chunk = want.chunk
     dtype = dtype_from_name(chunk.dtype or "")
-    shape = list(chunk.shape or ())
+    shape = list(chunk.tensor_shape)
     offsets, lengths = [int(o) for o in offsets], [int(n) for n in lengths]
     if math.prod(lengths) == 0:
         return torch.empty(lengths, dtype=dtype)
