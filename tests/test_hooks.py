@@ -279,7 +279,10 @@ def test_ema_hook_arguments_are_checked_when_it_is_made() -> None:
 
 
 class _AllocationProbe:
-    """Records the checkpoint hook's staging allocations at each stage (runs after it)."""
+    """Records the checkpoint hook's staging allocations at each stage (runs after it: listed
+    after it among the hooks that save, which run after the others)."""
+
+    saves_checkpoints = True
 
     def __init__(self, hook: CheckpointHook) -> None:
         self.hook = hook

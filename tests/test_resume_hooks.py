@@ -151,3 +151,45 @@ def test_resume_or_start_refuses_a_damaged_manifest(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(fastckpt.CheckpointFormatError):
         fastckpt.TrainingStrategy.resume_or_start(tmp_path, lambda: pytest.fail("started"))
+
+
+class _LossLog:
+    """Checkpointable: every batch loss, appended at AFTER_BATCH."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def __call__(self, ctx: fastckpt.TrainContext, stage: fastckpt.TrainingStage) -> None:
+        if stage is fastckpt.TrainingStage.AFTER_BATCH and ctx.loss is not None:
+            self.losses.append(ctx.loss.item())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"losses": list(self.losses)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses = list(state["losses"])
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_hook_listed_after_the_checkpoint_hook_is_in_its_checkpoints(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """The CheckpointHook runs after the other hooks of each stage whatever the list order,
+    so a checkpoint holds their work of that stage (a resumed run does not replay it). Before,
+    ``hooks=[CheckpointHook, log]`` saved the log without the step it was taken at: the
+    resumed log lacked one loss."""
+    straight = _LossLog()
+    support.new_strategy([straight], num_steps=8).run(support.loader())
+    hook = fastckpt.CheckpointHook(
+        tmp_path / "run", step_interval=3, save_last=False, async_save=async_save
+    )
+    first = _LossLog()
+    support.new_strategy([hook, first], num_steps=7).run(support.loader())  # dies after step 7
+    resumed_log = _LossLog()
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(
+        tmp_path / "run", hooks=[resumed_log], training_fn=support.training_fn
+    )
+    assert resumed.step_count == 6 and resumed_log.losses == straight.losses[:6]
+    resumed.num_steps = 8
+    resumed.run(support.loader())
+    assert resumed_log.losses == straight.losses

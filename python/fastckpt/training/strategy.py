@@ -404,7 +404,13 @@ class TrainingStrategy:
         ctx.models = self.models
         ctx.optimizers = self.optimizers
         ctx.schedulers = self.schedulers
+        # Hooks that save checkpoints run after the others, so that a checkpoint taken at a
+        # stage holds every other hook's work of that stage: a resumed run does not replay it.
+        savers = [hook for hook in self.hooks if getattr(hook, "saves_checkpoints", False) is True]
         for hook in self.hooks:
+            if not any(hook is saver for saver in savers):
+                hook(ctx, stage)
+        for hook in savers:
             hook(ctx, stage)
 
     def _done(self) -> bool:
