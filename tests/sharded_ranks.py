@@ -326,13 +326,15 @@ def bf16_training_fn(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def strategy_bf16_save() -> None:
-    """An FSDP2 model converted to bfloat16 after construction, trained 2 steps with AdamW and
-    saved at step 2 by a synchronous CheckpointHook; rank 0 writes the gathered state to
+    """An FSDP2 model converted to bfloat16 after construction (its first layer frozen),
+    trained 2 steps with AdamW and saved at step 2 by a synchronous CheckpointHook; rank 0 writes the gathered state to
     ROOT/../reference-bf16.safetensors."""
     root, rank, _ = setup_rank()
     torch.manual_seed(0)
+    model = build_model().to(torch.bfloat16)
+    model[0].requires_grad_(False)  # frozen before sharding: recorded, frozen again at rebuild
     strategy = fastckpt.TrainingStrategy(
-        shard(build_model().to(torch.bfloat16)),
+        shard(model),
         fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
         training_fn=bf16_training_fn,
         hooks=[fastckpt.CheckpointHook(root, step_interval=2, async_save=False)],

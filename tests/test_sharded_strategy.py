@@ -109,7 +109,8 @@ def test_synchronous_hook_saves_load_too(trained: tuple[Path, list[float]]) -> N
 
 def test_a_bfloat16_model_is_rebuilt_in_bfloat16(tmp_path: Path) -> None:
     """An FSDP2 model converted to bfloat16 after construction is rebuilt from its sharded
-    checkpoint in bfloat16 (the dtypes the part holds), bitwise, optimizer state included.
+    checkpoint in bfloat16 (the dtypes the part holds), bitwise, optimizer state included,
+    and the layer frozen before sharding is frozen again.
     Before, it was rebuilt in its constructor's float32 and the load cast every tensor to it:
     the resumed run trained in float32 without a word."""
     root = tmp_path / "run"
@@ -117,6 +118,8 @@ def test_a_bfloat16_model_is_rebuilt_in_bfloat16(tmp_path: Path) -> None:
     strategy = fastckpt.TrainingStrategy.load_checkpoint(root, training_fn=bf16_training_fn)
     reference = safetensors.torch.load_file(tmp_path / "reference-bf16.safetensors")
     model = strategy.models["main"]
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {"0.weight", "0.bias"}  # frozen before sharding, frozen again
     for name, tensor in model.state_dict().items():
         assert tensor.dtype == torch.bfloat16, name
         assert torch.equal(tensor, reference[f"model.{name}"]), name

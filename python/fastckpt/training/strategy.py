@@ -624,14 +624,7 @@ class TrainingStrategy:
             "counters": self.counters,
             "runtime": skeleton,
             # rebuilt models are trainable throughout; these parameters were frozen
-            FROZEN_FIELD: {
-                name: sorted(
-                    n
-                    for n, p in codec.unwrap_model(model).named_parameters(remove_duplicate=False)
-                    if not p.requires_grad
-                )
-                for name, model in self.models.items()
-            },
+            FROZEN_FIELD: {name: _frozen_names(model) for name, model in self.models.items()},
         }
         # The run state changes outside the optimizer step: an async save copies it when the
         # save is taken (RNG states are copies already; a few bytes).
@@ -1245,6 +1238,17 @@ def _index_snapshot(
 #: The strategy.json field naming each model's frozen parameters (``requires_grad`` False
 #: when saved): a rebuilt model's parameters all require grad, as its constructor made them.
 FROZEN_FIELD = "frozen"
+
+
+def _frozen_names(model: torch.nn.Module) -> list[str]:
+    """The names (as the rebuilt model has them) of ``model``'s frozen parameters: an FSDP2
+    model's own (``fully_shard`` keeps the names), a DDP model's inner module's."""
+    named = model if sharded_training.is_sharded_model(model) else codec.unwrap_model(model)
+    return sorted(
+        name
+        for name, parameter in named.named_parameters(remove_duplicate=False)
+        if not parameter.requires_grad
+    )
 
 
 def _freeze(models: Mapping[str, torch.nn.Module], recipe: Mapping[str, Any], where: str) -> None:
