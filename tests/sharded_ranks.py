@@ -327,15 +327,27 @@ def bf16_training_fn(model: nn.Module, batch: Any) -> torch.Tensor:
 
 def strategy_bf16_save() -> None:
     """An FSDP2 model converted to bfloat16 after construction (its first layer frozen),
-    trained 2 steps with AdamW and saved at step 2 by a synchronous CheckpointHook; rank 0 writes the gathered state to
+    trained 2 steps with a live AdamW of two parameter groups and saved at step 2 by a
+    synchronous CheckpointHook; rank 0 writes the gathered state to
     ROOT/../reference-bf16.safetensors."""
     root, rank, _ = setup_rank()
     torch.manual_seed(0)
     model = build_model().to(torch.bfloat16)
     model[0].requires_grad_(False)  # frozen before sharding: recorded, frozen again at rebuild
+    model = shard(model)
+    # two groups (no weight decay for biases, their own lr): rebuilt as two groups
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": weights, "weight_decay": 0.1},
+            {"params": biases, "weight_decay": 0.0, "lr": 0.1},
+        ],
+        lr=1e-2,
+    )
     strategy = fastckpt.TrainingStrategy(
-        shard(model),
-        fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
+        model,
+        optimizer,
         training_fn=bf16_training_fn,
         hooks=[fastckpt.CheckpointHook(root, step_interval=2, async_save=False)],
         num_steps=2,

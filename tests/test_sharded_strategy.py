@@ -110,7 +110,8 @@ def test_synchronous_hook_saves_load_too(trained: tuple[Path, list[float]]) -> N
 def test_a_bfloat16_model_is_rebuilt_in_bfloat16(tmp_path: Path) -> None:
     """An FSDP2 model converted to bfloat16 after construction is rebuilt from its sharded
     checkpoint in bfloat16 (the dtypes the part holds), bitwise, optimizer state included,
-    and the layer frozen before sharding is frozen again.
+    the layer frozen before sharding is frozen again, and the live optimizer's two parameter
+    groups are two groups again, with their settings.
     Before, it was rebuilt in its constructor's float32 and the load cast every tensor to it:
     the resumed run trained in float32 without a word."""
     root = tmp_path / "run"
@@ -123,8 +124,12 @@ def test_a_bfloat16_model_is_rebuilt_in_bfloat16(tmp_path: Path) -> None:
     for name, tensor in model.state_dict().items():
         assert tensor.dtype == torch.bfloat16, name
         assert torch.equal(tensor, reference[f"model.{name}"]), name
+    groups = strategy.optimizers["main"].param_groups
+    settings = [(g["lr"], g["weight_decay"], len(g["params"])) for g in groups]
+    assert settings == [(1e-2, 0.1, 3), (0.1, 0.0, 3)]  # before: one group of group 0's
     state = strategy.optimizers["main"].state_dict()["state"]
-    names = [name for name, _ in model.named_parameters()]
+    names = [n for n, _ in model.named_parameters() if n.endswith("weight")]
+    names += [n for n, _ in model.named_parameters() if n.endswith("bias")]
     for number, moments in state.items():
         for key in ("exp_avg", "exp_avg_sq"):
             saved = reference[f"optim.{names[number]}.{key}"]

@@ -40,6 +40,7 @@ from fastckpt.errors import (
     CheckpointMismatchError,
     FastCkptError,
     NotCommittedError,
+    UnsupportedValueError,
     UntrustedTargetError,
 )
 from fastckpt.format.records import MANIFEST, Manifest
@@ -601,6 +602,13 @@ class TrainingStrategy:
                 for name, model in self.models.items()
             },
             optimizers=sorted(self.optimizers),
+            # which parameters each group holds: the rebuilt optimizer is made with the same
+            # groups (their settings come back with the optimizer state)
+            param_groups={
+                name: _group_names(self.models[name], optimizer)
+                for name, optimizer in self.optimizers.items()
+                if name in self.models
+            },
         )
         snapshot.json_files["strategy.json"]["sharded"] = record
         return snapshot
@@ -643,6 +651,7 @@ class TrainingStrategy:
                     {"class": cls_path, "occurrence": occurrence, "state": hook.state_dict()}
                 )
         skeleton, tensors = tree.flatten(hook_states)
+        _refuse_sharded_hook_state(hook_states, tensors)
         snapshot.json_files["hooks.json"] = {
             "hooks": skeleton,
             CONFIGS_FIELD: record_hooks(self.hooks),
@@ -1118,7 +1127,8 @@ class TrainingStrategy:
             if name not in models:
                 raise CheckpointFormatError(f"{root}/{index}: optimizer for unknown model {name!r}")
             config = OptimizerConfig.from_json(data)
-            optimizer, scheduler = config.build(models[name].parameters(), trusted)
+            groups = _param_groups(models[name], sharded, name, f"{root}/{index}/strategy.json")
+            optimizer, scheduler = config.build(groups, trusted)
             strategy.optimizers[name] = optimizer
             strategy.optimizer_configs[name] = config
             if scheduler is not None:
@@ -1238,6 +1248,66 @@ def _index_snapshot(
 #: The strategy.json field naming each model's frozen parameters (``requires_grad`` False
 #: when saved): a rebuilt model's parameters all require grad, as its constructor made them.
 FROZEN_FIELD = "frozen"
+
+
+def _group_names(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> list[list[str]] | None:
+    """The parameter names of each of ``optimizer``'s groups (None when a parameter is not
+    one of ``model``'s: nothing is recorded, the rebuild makes one group)."""
+    names: dict[int, str] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), name)
+    groups = [[names.get(id(p), "") for p in group["params"]] for group in optimizer.param_groups]
+    return None if any("" in group for group in groups) else groups
+
+
+def _param_groups(model: torch.nn.Module, sharded: Mapping[str, Any], name: str, where: str) -> Any:
+    """What the rebuilt optimizer of model ``name`` is made over: the parameter groups the
+    sharded record (of ``where``) lists, as ``[{"params": [...]}, ...]`` (their settings are
+    restored with the optimizer state), or all the model's parameters when it lists none (a
+    checkpoint of an earlier fastckpt, or an optimizer over other parameters).
+
+    Raises:
+        CheckpointFormatError: the record is malformed or names a parameter the model lacks.
+    """
+    recorded = (sharded.get("param_groups") or {}).get(name)
+    if recorded is None:
+        return model.parameters()
+    field_path = f"sharded.param_groups.{name}"
+    if not isinstance(recorded, list) or not all(
+        isinstance(group, list) and all(isinstance(n, str) for n in group) for group in recorded
+    ):
+        raise CheckpointFormatError(f"{where}: field {field_path!r} must be a list of name lists")
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    unknown = sorted({n for group in recorded for n in group} - set(parameters))
+    if unknown:
+        raise CheckpointFormatError(
+            f"{where}: field {field_path!r} names {unknown}, which model {name!r} does not have"
+        )
+    return [{"params": [parameters[n] for n in group]} for group in recorded]
+
+
+def _refuse_sharded_hook_state(
+    hook_states: list[dict[str, Any]], tensors: Mapping[str, torch.Tensor]
+) -> None:
+    """Refuse hook state holding DTensors (an ``EMAHook`` over an FSDP2 model): hook states
+    are written whole by rank 0, and a DTensor is one rank's shard of the tensor.
+
+    Raises:
+        UnsupportedValueError: names the hook and the tensor.
+    """
+    from torch.distributed.tensor import DTensor  # deferred: torch.distributed is heavy
+
+    for name, tensor in tensors.items():
+        if isinstance(tensor, DTensor):
+            hook = hook_states[int(name.split(".", 1)[0])]["class"]
+            raise UnsupportedValueError(
+                f"hook {hook}: its state tensor {name.split('.', 2)[-1]!r} is a DTensor (one "
+                "rank's shard of an FSDP2 model's tensor), which a strategy checkpoint cannot "
+                "save whole; keep the hook's state in plain tensors (e.g. full_tensor() on the "
+                "ranks that need it), or leave the hook out of FSDP2 runs"
+            )
 
 
 def _frozen_names(model: torch.nn.Module) -> list[str]:
