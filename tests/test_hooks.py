@@ -345,7 +345,7 @@ def test_an_async_save_holds_the_hook_state_of_when_it_was_taken(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A hook's tensors are copied when an async save is taken: a hook changing them after
-    (a later hook of the same stage, the next batch's start) does not reach the checkpoint,
+    (at the next batch's start) does not reach the checkpoint,
     however slow the background copy. Before, they were copied with the parameters in the
     background, and 10 of 12 checkpoints of such a run held the next batch's count."""
     stage = CheckpointHook._stage
@@ -366,5 +366,5 @@ def test_an_async_save_holds_the_hook_state_of_when_it_was_taken(
         resumed = TrainingStrategy.load_checkpoint(
             root, row["index"], hooks=[loaded, EMAHook(decay=0.5)], training_fn=support.training_fn
         )
-        # saved at the end of step k, before this hook's AFTER_BATCH: k starts, k - 1 ends
-        assert int(loaded.seen) == 2 * resumed.step_count - 1, row["index"]
+        # saved at the end of step k (after the other hooks' AFTER_BATCH): k starts, k ends
+        assert int(loaded.seen) == 2 * resumed.step_count, row["index"]

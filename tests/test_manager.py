@@ -442,3 +442,53 @@ def test_a_save_never_replaces_what_is_not_a_checkpoint(tmp_path: Path) -> None:
         assert (tmp_path / "notes.txt").read_text() == "mine"
         assert (tmp_path / "data" / "train.csv").read_text() == "1,2"
         assert verify(mgr_dir / "step_20").ok and verify(tmp_path / "empty").ok
+
+
+@pytest.mark.timeout(60)
+def test_locks_nest_and_are_shared_between_threads(tmp_path: Path) -> None:
+    """``lock()`` is shared: a helper that guards its own update may run inside the caller's
+    lock, a save may be started inside it (its snapshot waits for the lock), and two threads
+    hold it at once. Before, a nested ``lock()`` deadlocked forever, even with no save."""
+    import threading
+
+    x = torch.zeros(3)
+    manager = CheckpointManager(CheckpointManager.Config.with_async_save())
+    try:
+        with manager.lock(), manager.lock():
+            x.add_(1)
+        with manager.lock():
+            future = manager.save(tmp_path / "step_1", {"m": {"x": x}})
+            with manager.lock():  # the snapshot waits for the outer lock: no wait here
+                pass
+            x.add_(1)  # before the snapshot: it runs when the lock is released
+        future.result(timeout=30)
+        inside = threading.Barrier(2, timeout=10)
+
+        def hold() -> None:
+            with manager.lock():
+                inside.wait()  # both threads inside at once, or the barrier times out
+
+        other = threading.Thread(target=hold)
+        other.start()
+        hold()
+        other.join()
+    finally:
+        manager.close()
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as reader:
+        assert reader.load(tmp_path / "step_1")["m"]["x"].tolist() == [2.0] * 3
+
+
+@pytest.mark.timeout(60)
+def test_a_synchronous_snapshot_inside_the_lock_is_refused_not_hung(tmp_path: Path) -> None:
+    """With ``use_async_staging=False`` the snapshot runs on the caller's thread, which waits
+    for every lock to be released: inside its own ``lock()`` that was a deadlock forever; it
+    is a RuntimeError saying to save outside the lock now, and nothing is saved."""
+    config = CheckpointManager.Config.with_async_save()
+    config.save.staging_config.use_async_staging = False
+    x = torch.zeros(3)
+    with CheckpointManager(config) as manager:
+        with manager.lock(), pytest.raises(RuntimeError, match="inside its lock"):
+            manager.save(tmp_path / "step_1", {"m": {"x": x}})
+        manager.save(tmp_path / "step_2", {"m": {"x": x}}).result(timeout=30)
+    assert not (tmp_path / "step_1").exists()
+    assert (tmp_path / "step_2").is_dir()

@@ -121,6 +121,54 @@ else:  # pragma: no cover - CPython >= 3.9 has it
     atexit.register(_finish_pending_writes)
 
 
+class _GuardLock:
+    """The capture lock: guards share it (any number, from any threads, nested in a thread),
+    a capture holds it alone (it waits until no guard is held, and guards wait for it)."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._guards = 0
+        self._capturing = False
+        self._local = threading.local()
+
+    def held_here(self) -> bool:
+        """Whether the calling thread holds a guard."""
+        return bool(getattr(self._local, "depth", 0))
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        """Hold a guard (a thread nesting guards does not wait for a capture: none can run
+        while it holds the outer one)."""
+        with self._condition:
+            if not self.held_here():
+                while self._capturing:
+                    self._condition.wait()
+            self._guards += 1
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+            with self._condition:
+                self._guards -= 1
+                if not self._guards:
+                    self._condition.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold it alone (a capture)."""
+        with self._condition:
+            while self._capturing or self._guards:
+                self._condition.wait()
+            self._capturing = True
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._capturing = False
+                self._condition.notify_all()
+
+
 class BackgroundWriter(Generic[T]):
     """One background checkpoint write in flight at a time, on one lowered-priority thread.
 
@@ -162,7 +210,7 @@ class BackgroundWriter(Generic[T]):
         self._future: WriteFuture[T] | None = None
         self._what = ""
         self._pid = os.getpid()
-        self._capture_lock = threading.Lock()
+        self._capture_lock = _GuardLock()
         self._capture_done = threading.Event()
         self._capture_done.set()
 
@@ -195,9 +243,22 @@ class BackgroundWriter(Generic[T]):
             self._capture_executor.submit(lambda: None)
 
     def capture(self, copy: Callable[[], None]) -> None:
-        """Run ``copy`` on this thread under the capture lock."""
-        with self._capture_lock:
+        """Run ``copy`` on this thread under the capture lock (alone: no :meth:`guard` held).
+
+        Raises:
+            RuntimeError: this thread holds a :meth:`guard`: the copy would wait for it forever.
+        """
+        self._refuse_waiting_on_own_guard("take a snapshot (synchronous staging)")
+        with self._capture_lock.exclusive():
             copy()
+
+    def _refuse_waiting_on_own_guard(self, doing: str) -> None:
+        if self._capture_lock.held_here():
+            raise RuntimeError(
+                f"cannot {doing} of {self.name} inside its lock()/guard() on the same thread: "
+                "the snapshot waits until the lock is released, so this would wait for itself. "
+                "Save (or wait for the previous save) outside the lock"
+            )
 
     def submit(
         self, what: str, write: Callable[[], T], *, capture: Callable[[], None] | None = None
@@ -268,9 +329,15 @@ class BackgroundWriter(Generic[T]):
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """Hold while mutating saved state: waits for an in-progress capture, then keeps the
-        next capture from starting until the block ends."""
+        next capture from starting until the block ends. Guards are shared: any number of
+        threads may hold one at once, and a thread may nest them (an inner guard neither
+        waits nor blocks)."""
+        if self._capture_lock.held_here():
+            with self._capture_lock.shared():
+                yield
+            return
         self._capture_done.wait()
-        with self._capture_lock:
+        with self._capture_lock.shared():
             yield
 
     def collect(self) -> T | None:
@@ -291,6 +358,9 @@ class BackgroundWriter(Generic[T]):
         future = self._future
         if future is None:
             return None
+        if timeout is None and not future.done() and not self._capture_done.is_set():
+            # (a bounded wait ends in a TimeoutError naming the write instead)
+            self._refuse_waiting_on_own_guard("wait for the previous save")
         try:
             # The base class's method: waiting here does not count as the caller seeing it.
             error = Future.exception(future, timeout=timeout)
