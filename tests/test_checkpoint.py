@@ -365,3 +365,15 @@ def test_tampered_spec_cannot_import_arbitrary_modules(tmp_path: Path) -> None:
     with pytest.raises(UntrustedTargetError, match="not imported in this process"):
         load_checkpoint(tmp_path)
     assert "this" not in sys.modules
+
+
+@pytest.mark.parametrize("keep_last", [1.5, "1", True])
+def test_prune_refuses_a_keep_last_that_is_not_an_int(tmp_path: Path, keep_last: Any) -> None:
+    """``keep_last=True`` pruned to one index (and 1.5 / "1" died on a slice or a comparison):
+    a TypeError naming the argument, nothing deleted."""
+    model = torch.nn.Linear(2, 2)
+    for _ in range(3):
+        fastckpt.save_checkpoint(tmp_path, models={"m": model})
+    with pytest.raises(TypeError, match="keep_last must be an int"):
+        fastckpt.prune(tmp_path, keep_last=keep_last)
+    assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path)] == [0, 1, 2]

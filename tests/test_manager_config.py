@@ -96,7 +96,7 @@ def test_bad_values_raise_value_error_naming_the_field(make: Any, field: str) ->
 
 def test_fields_are_checked_when_assigned_later_too() -> None:
     config = cpu_async_config()
-    with pytest.raises(ValueError, match=r"wait_timeout_secs.*non-negative or None"):
+    with pytest.raises(ValueError, match=r"wait_timeout_secs must be a finite .* \(None: no"):
         config.save.wait_timeout_secs = -1
     assert config.save.wait_timeout_secs == 30  # unchanged
     with pytest.raises(ValueError, match="file_write_max_threads"):
@@ -336,3 +336,14 @@ def test_the_barrier_timeout_bounds_how_long_ranks_wait_for_each_other(tmp_path:
     assert rank0.startswith("failed:") and "Timed out waiting 1000ms" in rank0, rank0
     assert rank1.strip() == "skipped"
     assert not (tmp_path / "c" / "commit.json").exists()
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0])
+def test_a_timeout_must_be_a_finite_number_of_seconds(value: float) -> None:
+    """``inf`` and ``nan`` passed validation and broke the next save (an OverflowError from
+    the clock, or an immediate "still running after nan s"); None is the way to say no limit."""
+    config = CheckpointManager.Config.with_async_save()
+    with pytest.raises(ValueError, match="finite number of seconds"):
+        config.save.wait_timeout_secs = value
+    with pytest.raises(ValueError, match="finite number of seconds"):
+        AsyncCheckpointSaverConfig(wait_timeout_secs=value)

@@ -776,11 +776,14 @@ def prune_indices(
             that is gone: ``only_older`` of :func:`fastckpt.container.sharded.parts.sweep`).
 
     Raises:
+        TypeError: ``keep_last`` is not an int (``1.5``, ``"1"``, ``True``).
         ValueError: ``keep_last < 1``.
         TimeoutError: another process held the root longer than ``lock_timeout`` (the
             message names it: pid and host).
         OSError: an index could not be deleted (it is no longer committed either way).
     """
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int):
+        raise TypeError(f"keep_last must be an int >= 1, got {keep_last!r}")
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the latest is never deleted), got {keep_last}")
     backend = backend_for(root)

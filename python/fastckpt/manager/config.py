@@ -89,10 +89,10 @@ def _timeout(config: StrictConfig, name: str, value: Any, *, allow_none: bool) -
             f"{type(config).__name__}.{name} must be a number of seconds"
             f"{' or None' if allow_none else ''}, got {value!r}"
         )
-    if value < 0:
+    if not value >= 0 or value == float("inf"):  # nan fails every comparison
         raise ValueError(
-            f"{type(config).__name__}.{name} must be non-negative"
-            f"{' or None' if allow_none else ''}, got {value!r}"
+            f"{type(config).__name__}.{name} must be a finite number of seconds >= 0"
+            f"{' (None: no limit)' if allow_none else ''}, got {value!r}"
         )
 
 
