@@ -358,6 +358,53 @@ def strategy_bf16_save() -> None:
     leave_process_group()
 
 
+def noisy_training_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+    """:func:`training_fn` with input noise drawn from torch's RNG (as dropout draws)."""
+    x, y = batch
+    return (model(x + 0.1 * torch.randn_like(x)) - y).square().mean()
+
+
+def _seeded_apart(steps: int, hooks: list[Any]) -> fastckpt.TrainingStrategy:
+    """An FSDP2 strategy whose ranks are seeded apart (each shuffles and draws its own)."""
+    model = shard(build_model())  # (build_model seeds torch itself)
+    torch.manual_seed(1000 + dist.get_rank())
+    return fastckpt.TrainingStrategy(
+        model,
+        fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
+        training_fn=noisy_training_fn,
+        hooks=hooks,
+        num_steps=steps,
+    )
+
+
+def strategy_rank_seeds_train() -> None:
+    """Ranks seeded apart: 4 steps straight, then 2 steps saved at step 2 (sync); prints each
+    rank's losses of both runs."""
+    root, rank, _ = setup_rank()
+    straight = Recorder(root.parent)
+    _seeded_apart(4, [straight]).run(loader())
+    first = Recorder(root.parent)
+    hook = fastckpt.CheckpointHook(root, step_interval=2, async_save=False)
+    _seeded_apart(2, [hook, first]).run(loader())
+    print(json.dumps({"rank": rank, "straight": straight.losses, "first": first.losses}))
+    leave_process_group()
+
+
+def strategy_rank_seeds_resume() -> None:
+    """Resume :func:`strategy_rank_seeds_train`'s checkpoint (RNGs scrambled first) and train
+    to step 4; prints each rank's resumed losses."""
+    root, rank, _ = setup_rank()
+    torch.manual_seed(5)
+    resumed = Recorder(root.parent)
+    strategy = fastckpt.TrainingStrategy.load_checkpoint(
+        root, hooks=[resumed], training_fn=noisy_training_fn, parallelize=shard
+    )
+    strategy.num_steps = 4
+    strategy.run(loader())
+    print(json.dumps({"rank": rank, "resumed": resumed.losses}))
+    leave_process_group()
+
+
 def strategy_node_train() -> None:
     """:func:`strategy_train`'s run with each rank saving to its own fast root (ROOT/../node<R>:
     one simulated node each) and its durable tier ROOT/../durable, each save promoted before the

@@ -137,6 +137,25 @@ def test_a_bfloat16_model_is_rebuilt_in_bfloat16(tmp_path: Path) -> None:
             assert torch.equal(moments[key], saved), (names[number], key)
 
 
+def test_ranks_seeded_apart_resume_their_own_random_streams(tmp_path: Path) -> None:
+    """Ranks seeded apart (each its own shuffle and noise) resume with their own RNG states:
+    a sharded save gathers them when they differ, and each rank of a resume on as many ranks
+    takes its own. Before, every rank resumed with rank 0's: rank 1 replayed rank 0's data
+    and noise, and the run diverged without a word."""
+    root = tmp_path / "run"
+    saved = {
+        r["rank"]: r
+        for r in _reports(launch("strategy_rank_seeds_train", root, 2, ranks="sharded_ranks"))
+    }
+    assert saved[0]["straight"] != saved[1]["straight"]  # the ranks do draw apart
+    resumed = {
+        r["rank"]: r
+        for r in _reports(launch("strategy_rank_seeds_resume", root, 2, ranks="sharded_ranks"))
+    }
+    for rank in (0, 1):
+        assert saved[rank]["first"] + resumed[rank]["resumed"] == saved[rank]["straight"], rank
+
+
 def test_parallelize_is_refused_for_unsharded_checkpoints(tmp_path: Path) -> None:
     model = torch.nn.Linear(3, 1)
     strategy = fastckpt.TrainingStrategy(

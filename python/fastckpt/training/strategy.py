@@ -555,6 +555,9 @@ class TrainingStrategy:
     #: The part fields of the sharded save under way (see :meth:`start_sharded_save`), for
     #: the next :meth:`checkpoint_snapshot` to name in the index.
     _pending_sharded_part: dict[str, Any] | None = None
+    #: Every rank's RNG states at the sharded save being taken (rank 0, when the ranks'
+    #: states differ: ranks seeded apart), for the next snapshot (see :meth:`_gather_rank_rng`).
+    _pending_rank_rng: list[dict[str, Any]] | None = None
 
     @property
     def sharded(self) -> bool:
@@ -619,8 +622,10 @@ class TrainingStrategy:
             "rng": _rng_state(),
             "epoch_start_rng": self._epoch_start_rng,
             "epoch_start_loader_rng": self._epoch_start_loader_rng,
+            "rank_rng": self._pending_rank_rng,
             **extra,
         }
+        self._pending_rank_rng = None
         skeleton, tensors = tree.flatten(runtime)
         snapshot.tensor_files["strategy.safetensors"] = tensors
         snapshot.json_files["strategy.json"] = {
@@ -699,6 +704,30 @@ class TrainingStrategy:
             return codec.write_snapshot(root, snapshot, checkpoint_index)
         return self._save_sharded(Path(root), checkpoint_index, node_local)
 
+    def _run_rng(self) -> dict[str, Any]:
+        """This process's RNG states as a checkpoint records them (see :meth:`_add_runtime`)."""
+        return {
+            "rng": _rng_state(),
+            "epoch_start_rng": self._epoch_start_rng,
+            "epoch_start_loader_rng": self._epoch_start_loader_rng,
+        }
+
+    def _gather_rank_rng(self) -> None:
+        """Collective, at a sharded save: rank 0 keeps every rank's RNG states when they
+        differ from its own (ranks seeded apart: per-rank dropout, per-rank shuffles), so that
+        a resume on as many ranks gives each rank its own streams back; nothing when they are
+        all equal (the usual single seed)."""
+        import torch.distributed as dist
+
+        rank, world = _world()
+        self._pending_rank_rng = None
+        if world == 1:
+            return
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(self._run_rng(), gathered, dst=0)
+        if gathered is not None and not all(_same_state(g, gathered[0]) for g in gathered):
+            self._pending_rank_rng = gathered
+
     def _sharded_index(self, root: Path, checkpoint_index: int) -> tuple[int, str]:
         """The index every rank saves into and the fresh part its shards go to: rank 0's
         choice, broadcast (collective)."""
@@ -746,6 +775,7 @@ class TrainingStrategy:
             The index and the future of the sharded part.
         """
         index, part = self._sharded_index(Path(root), checkpoint_index)
+        self._gather_rank_rng()
         fields, future = sharded_training.async_save_sharded(
             root,
             index,
@@ -763,6 +793,7 @@ class TrainingStrategy:
 
         rank, world = _world()
         index, part = self._sharded_index(root, checkpoint_index)
+        self._gather_rank_rng()
         path = sharded_training.save_sharded(
             root, index, part, self.models, self.optimizers, node_local=node_local
         )
@@ -874,9 +905,10 @@ class TrainingStrategy:
     def _apply_runtime(self, runtime: _Runtime, reader: codec.IndexReader) -> None:
         for name, value in runtime.counters.items():
             setattr(self, name, value)
-        _set_rng_state(runtime.rng)
-        self._epoch_start_rng = runtime.epoch_start_rng
-        self._epoch_start_loader_rng = runtime.epoch_start_loader_rng
+        own = _own_rng(runtime)
+        _set_rng_state(own["rng"])
+        self._epoch_start_rng = own["epoch_start_rng"]
+        self._epoch_start_loader_rng = own["epoch_start_loader_rng"]
         where = f"{reader.directory}/strategy.json"
         for name, state in runtime.schedulers.items():
             if name in self.schedulers:
@@ -1409,6 +1441,8 @@ class _Runtime:
     epoch_start_rng: torch.Tensor | None
     #: the loader's own generators' states at the epoch's start (None: none recorded)
     epoch_start_loader_rng: list[torch.Tensor] | None
+    #: every rank's RNG states, when they differed at the save (see _gather_rank_rng)
+    rank_rng: list[dict[str, Any]] | None
     schedulers: dict[str, Any]
     hooks: list[dict[str, Any]]
     #: the run's hooks as recorded (see fastckpt.training.hooks.rebuild)
@@ -1450,6 +1484,47 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
         ):
             found.append(generator)
     return found
+
+
+def _check_loader_rng(states: Any) -> None:
+    if not isinstance(states, list):
+        raise TypeError(f"must be a list of RNG states, got {type(states).__name__}")
+    for state in states:
+        _check_torch_rng(state)
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Whether two RNG records (nests of tensors and plain values) are equal."""
+    skeleton_a, tensors_a = tree.flatten(a)
+    skeleton_b, tensors_b = tree.flatten(b)
+    return (
+        skeleton_a == skeleton_b
+        and tensors_a.keys() == tensors_b.keys()
+        and all(torch.equal(tensors_a[k], tensors_b[k]) for k in tensors_a)
+    )
+
+
+def _own_rng(runtime: _Runtime) -> dict[str, Any]:
+    """The RNG states this rank resumes with: its own when the checkpoint holds every rank's
+    (ranks seeded apart) and the run has as many ranks, else the ones the checkpoint holds
+    once (with a warning when per-rank streams cannot be given back)."""
+    once = {
+        "rng": runtime.rng,
+        "epoch_start_rng": runtime.epoch_start_rng,
+        "epoch_start_loader_rng": runtime.epoch_start_loader_rng,
+    }
+    if runtime.rank_rng is None:
+        return once
+    rank, world = _world()
+    if len(runtime.rank_rng) == world:
+        return runtime.rank_rng[rank]
+    warnings.warn(
+        f"the checkpoint holds the RNG states of {len(runtime.rank_rng)} ranks, which were "
+        f"seeded apart; this run has {world}: every rank resumes with rank 0's, so random "
+        "draws (dropout, shuffles) do not repeat the saved run's",
+        stacklevel=4,
+    )
+    return once
 
 
 def _check_torch_rng(state: Any) -> None:
@@ -1505,10 +1580,20 @@ def _parse_runtime(reader: codec.IndexReader, recipe: Mapping[str, Any]) -> _Run
     loader_rng = runtime.get("epoch_start_loader_rng")
     if loader_rng is not None:
         with _malformed(where, "runtime.epoch_start_loader_rng"):
-            if not isinstance(loader_rng, list):
-                raise TypeError(f"must be a list of RNG states, got {type(loader_rng).__name__}")
-            for state in loader_rng:
-                _check_torch_rng(state)
+            _check_loader_rng(loader_rng)
+    rank_rng = runtime.get("rank_rng")
+    if rank_rng is not None:
+        with _malformed(where, "runtime.rank_rng"):
+            if not isinstance(rank_rng, list):
+                raise TypeError(f"must be a list, got {type(rank_rng).__name__}")
+            for entry in rank_rng:
+                if not isinstance(entry, dict):
+                    raise TypeError(f"each entry must be an object, got {type(entry).__name__}")
+                _check_rng_state(entry.get("rng"))
+                if entry.get("epoch_start_rng") is not None:
+                    _check_torch_rng(entry["epoch_start_rng"])
+                if entry.get("epoch_start_loader_rng") is not None:
+                    _check_loader_rng(entry["epoch_start_loader_rng"])
     schedulers = runtime.get("schedulers") or {}
     if not isinstance(schedulers, dict):
         raise CheckpointFormatError(f"{where}: field 'runtime.schedulers' must be an object")
@@ -1533,7 +1618,9 @@ def _parse_runtime(reader: codec.IndexReader, recipe: Mapping[str, Any]) -> _Run
                 f"'occurrence' (an integer >= 0) and 'state'"
             )
     configs = parse_hook_configs(hooks_doc, hooks_where)
-    return _Runtime(parsed, runtime["rng"], epoch_start_rng, loader_rng, schedulers, saved, configs)
+    return _Runtime(
+        parsed, runtime["rng"], epoch_start_rng, loader_rng, rank_rng, schedulers, saved, configs
+    )
 
 
 def _restore_hook_states(hooks: Sequence[Any], saved: Any, where: str = "hooks.json") -> None:
