@@ -520,13 +520,20 @@ def test_a_checkpoint_loads_under_an_address_space_limit(tmp_path: Path) -> None
 
 
 def test_a_frozen_record_naming_a_missing_parameter_is_a_format_error(tmp_path: Path) -> None:
-    """strategy.json's ``frozen`` record is checked against the rebuilt model: a name it
-    lacks is a format error naming the field, not ignored."""
+    """The manifest entry's ``frozen`` record is checked against the rebuilt model: a name it
+    lacks is a format error naming the field, not ignored; a record that is no object of
+    model names is refused when the manifest is read."""
     strategy = support.new_strategy([], num_steps=1)
+    strategy.models["main"].net[0].requires_grad_(False)
     strategy.save_checkpoint(tmp_path / "run")
-    recipe = json.loads((tmp_path / "run" / "0" / "strategy.json").read_bytes())
-    assert recipe["frozen"] == {"main": []}
-    recipe["frozen"] = {"main": ["net.9.weight"]}
-    _reseal(tmp_path / "run", 0, "strategy.json", json.dumps(recipe).encode())
-    with pytest.raises(CheckpointFormatError, match=r"frozen\.main' names \['net\.9\.weight'\]"):
+    document = json.loads((tmp_path / "run" / MANIFEST).read_bytes())
+    entry = document["checkpoints"]["0"]
+    assert entry["frozen"] == {"main": ["net.0.bias", "net.0.weight"]}
+    entry["frozen"] = {"main": ["net.9.weight"]}
+    (tmp_path / "run" / MANIFEST).write_text(json.dumps(seal_manifest(document)))
+    with pytest.raises(CheckpointFormatError, match=r"frozen\.main: names \['net\.9\.weight'\]"):
         fastckpt.TrainingStrategy.load_checkpoint(tmp_path / "run", training_fn=support.training_fn)
+    entry["frozen"] = {"other": []}
+    (tmp_path / "run" / MANIFEST).write_text(json.dumps(seal_manifest(document)))
+    with pytest.raises(CheckpointFormatError, match=r"frozen must be an object keyed by names"):
+        fastckpt.load_checkpoint(tmp_path / "run")

@@ -349,3 +349,17 @@ def test_frozen_parameters_stay_frozen_in_a_resumed_run(tmp_path: Path) -> None:
     resumed.run(support.loader())
     for name, tensor in straight.models["main"].state_dict().items():
         assert torch.equal(resumed.models["main"].state_dict()[name], tensor), name
+
+
+def test_frozen_parameters_stay_frozen_in_a_component_checkpoint(tmp_path: Path) -> None:
+    """``save_checkpoint`` records frozen parameters in the manifest entry and
+    ``load_checkpoint`` freezes them again in the rebuilt model (before, every rebuilt
+    parameter required grad: a fine-tuning run resumed this way trained its backbone)."""
+    model = support.DropoutMLP()
+    model.net[0].requires_grad_(False)
+    fastckpt.save_checkpoint(tmp_path, models={"main": model})
+    loaded = fastckpt.load_checkpoint(tmp_path)["models"]["main"]["model"]
+    assert {n for n, p in loaded.named_parameters() if not p.requires_grad} == {
+        "net.0.weight",
+        "net.0.bias",
+    }

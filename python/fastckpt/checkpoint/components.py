@@ -118,6 +118,42 @@ def checked_model_names(value: Any, argument: str = "model_names") -> list[str] 
 # --------------------------------------------------------------------------- save
 
 
+#: The manifest entry field naming each model's frozen parameters (``requires_grad`` False
+#: when saved): a model rebuilt from its spec has every parameter requiring grad, as its
+#: constructor made them, and :func:`freeze` gives the recorded ones back. Absent: none.
+FROZEN_FIELD = "frozen"
+
+
+def frozen_names(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s parameters that do not require grad, sorted (tied names all
+    listed)."""
+    return sorted(
+        name
+        for name, parameter in model.named_parameters(remove_duplicate=False)
+        if not parameter.requires_grad
+    )
+
+
+def freeze(model: torch.nn.Module, names: Any, where: str) -> None:
+    """Give the parameters ``names`` (a recorded :data:`FROZEN_FIELD` list, or None: none)
+    of a rebuilt ``model`` ``requires_grad=False``.
+
+    Raises:
+        CheckpointFormatError: ``names`` is not a list of names of ``model``'s parameters
+            (``where`` names the record and field).
+    """
+    if names is None:
+        return
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CheckpointFormatError(f"{where}: must be a list of parameter names")
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    unknown = sorted(set(names) - set(parameters))
+    if unknown:
+        raise CheckpointFormatError(f"{where}: names {unknown}, which the model does not have")
+    for name in names:
+        parameters[name].requires_grad_(False)
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """Return the module to checkpoint whole: DDP unwrapped; FSDP/FSDP2 refused.
 
@@ -268,6 +304,8 @@ class Snapshot:
             "schedulers": {},
         }
         self.counters: dict[str, int] = {}
+        #: model name -> its frozen parameters' names (only models that have some)
+        self.frozen: dict[str, list[str]] = {}
         self.incremental = True
         self.plan: incremental.Plan | None = None
 
@@ -279,6 +317,7 @@ class Snapshot:
             "counters": dict(self.counters),
             "components": {kind: sorted(self.names[kind]) for kind in KINDS},
             "associations": self.associations,
+            **({FROZEN_FIELD: self.frozen} if self.frozen else {}),
         }
 
 
@@ -438,6 +477,9 @@ def _plan_components(
         )
         plan.json_files[f"models/{name}.spec.json"] = spec.to_json()
         plan.names["models"].append(name)
+        frozen = frozen_names(model)
+        if frozen:
+            plan.frozen[name] = frozen
 
     optimizer_names: dict[int, str] = {}
     for name, component in optimizers.items():
@@ -761,6 +803,9 @@ def load_components(
         where = f"models/{name}.spec.json"
         spec = _spec_from(reader.json(where), where)
         model = _load_model(reader, name, spec, map_location, trusted)
+        freeze(
+            model, entry.get(FROZEN_FIELD, {}).get(name), f"{manifest.path}: {FROZEN_FIELD}.{name}"
+        )
         if map_location is not None:
             model.to(map_location)
         run_validators(validators, name, model)

@@ -475,6 +475,11 @@ def _check_entry_fields(where: str, entry: dict[str, Any]) -> None:
                     "incomplete; load an older index (checkpoint_index=...) or restore the "
                     "manifest"
                 )
+    frozen = entry.get("frozen", {})  # model -> frozen parameter names (checkpoint.components)
+    if not isinstance(frozen, dict) or not set(frozen) <= names.get("models", set()):
+        raise CheckpointFormatError(
+            f"{where}.frozen must be an object keyed by names of components.models"
+        )
     associations = entry["associations"]
     if not isinstance(associations, dict):
         raise CheckpointFormatError(f"{where}.associations must be an object")

@@ -612,6 +612,8 @@ class TrainingStrategy:
                 for name, optimizer in self.optimizers.items()
                 if name in self.models
             },
+            # rebuilt models are trainable throughout; these parameters were frozen
+            frozen={name: codec.frozen_names(model) for name, model in self.models.items()},
         )
         snapshot.json_files["strategy.json"]["sharded"] = record
         return snapshot
@@ -636,8 +638,6 @@ class TrainingStrategy:
             "num_epochs": self.num_epochs,
             "counters": self.counters,
             "runtime": skeleton,
-            # rebuilt models are trainable throughout; these parameters were frozen
-            FROZEN_FIELD: {name: _frozen_names(model) for name, model in self.models.items()},
         }
         # The run state changes outside the optimizer step: an async save copies it when the
         # save is taken (RNG states are copies already; a few bytes).
@@ -1136,7 +1136,14 @@ class TrainingStrategy:
             model = build.build_model(
                 spec, device=map_location, trusted=trusted, where=where, dtypes=dtypes[name]
             )
-            _freeze({name: model}, recipe, f"{root}/{index}/strategy.json")
+            frozen = sharded.get("frozen") or {}
+            if not isinstance(frozen, Mapping):
+                raise CheckpointFormatError(
+                    f"{root}/{index}/strategy.json: field 'sharded.frozen' must be an object"
+                )
+            codec.freeze(
+                model, frozen.get(name), f"{root}/{index}/strategy.json: sharded.frozen.{name}"
+            )
             if parallelize is not None:
                 model = parallelize(model)
                 if not isinstance(model, torch.nn.Module):
@@ -1210,7 +1217,6 @@ class TrainingStrategy:
         if hooks is None:
             hooks = rebuild_hooks(runtime.hook_configs, f"{reader.directory}/hooks.json")
         live_models = {name: record["model"] for name, record in models.items()}
-        _freeze(live_models, recipe, where)
         strategy = cls.__new__(cls)
         TrainingStrategy.__init__(
             strategy,
@@ -1277,11 +1283,6 @@ def _index_snapshot(
     return manifest, index, reader, _read_recipe(reader)
 
 
-#: The strategy.json field naming each model's frozen parameters (``requires_grad`` False
-#: when saved): a rebuilt model's parameters all require grad, as its constructor made them.
-FROZEN_FIELD = "frozen"
-
-
 def _group_names(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> list[list[str]] | None:
@@ -1340,46 +1341,6 @@ def _refuse_sharded_hook_state(
                 "save whole; keep the hook's state in plain tensors (e.g. full_tensor() on the "
                 "ranks that need it), or leave the hook out of FSDP2 runs"
             )
-
-
-def _frozen_names(model: torch.nn.Module) -> list[str]:
-    """The names (as the rebuilt model has them) of ``model``'s frozen parameters: an FSDP2
-    model's own (``fully_shard`` keeps the names), a DDP model's inner module's."""
-    named = model if sharded_training.is_sharded_model(model) else codec.unwrap_model(model)
-    return sorted(
-        name
-        for name, parameter in named.named_parameters(remove_duplicate=False)
-        if not parameter.requires_grad
-    )
-
-
-def _freeze(models: Mapping[str, torch.nn.Module], recipe: Mapping[str, Any], where: str) -> None:
-    """Give the parameters of rebuilt ``models`` that the recipe (``where``) records as frozen
-    ``requires_grad=False`` (a checkpoint of an earlier fastckpt records none).
-
-    Raises:
-        CheckpointFormatError: the field is malformed or names a parameter the model lacks.
-    """
-    frozen = recipe.get(FROZEN_FIELD)
-    if frozen is None:
-        return
-    if not isinstance(frozen, Mapping):
-        raise CheckpointFormatError(f"{where}: field {FROZEN_FIELD!r} must be an object")
-    for name, model in models.items():
-        names = frozen.get(name, [])
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise CheckpointFormatError(
-                f"{where}: field '{FROZEN_FIELD}.{name}' must be a list of parameter names"
-            )
-        parameters = dict(codec.unwrap_model(model).named_parameters(remove_duplicate=False))
-        unknown = sorted(set(names) - set(parameters))
-        if unknown:
-            raise CheckpointFormatError(
-                f"{where}: field '{FROZEN_FIELD}.{name}' names {unknown}, which model {name!r} "
-                "does not have"
-            )
-        for parameter_name in names:
-            parameters[parameter_name].requires_grad_(False)
 
 
 def _read_recipe(reader: codec.IndexReader) -> dict[str, Any]:
