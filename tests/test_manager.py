@@ -492,3 +492,15 @@ def test_a_synchronous_snapshot_inside_the_lock_is_refused_not_hung(tmp_path: Pa
         manager.save(tmp_path / "step_2", {"m": {"x": x}}).result(timeout=30)
     assert not (tmp_path / "step_1").exists()
     assert (tmp_path / "step_2").is_dir()
+
+
+def test_a_state_or_template_that_is_no_mapping_is_a_type_error(tmp_path: Path) -> None:
+    """``save(id, [tensor])`` / ``load(id, into=[...])`` raised ``AttributeError: 'list'
+    object has no attribute 'items'``: a TypeError saying what a state is, nothing written."""
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        with pytest.raises(TypeError, match="must be a mapping of item names"):
+            manager.save(tmp_path / "step_1", [torch.zeros(2)])  # type: ignore[arg-type]
+        assert not (tmp_path / "step_1").exists()
+        manager.save(tmp_path / "step_2", {"x": torch.zeros(2)})
+        with pytest.raises(TypeError, match="into must be a mapping"):
+            manager.load(tmp_path / "step_2", into=[torch.zeros(2)])  # type: ignore[arg-type]

@@ -1213,3 +1213,16 @@ def test_submodule_constructor_arguments_become_nested_specs() -> None:
     assert _same_tensors(net, rebuilt) and rebuilt.scale == (1, 1)
     with pytest.raises(TypeError, match=r"Net\.encoder: .*'hidden' of Unrecoverable"):
         model_spec(Net(encoder=Unrecoverable(2), layers=[]))
+
+
+def test_non_finite_float_arguments_round_trip() -> None:
+    """A recorded argument of ``inf`` / ``nan`` (``Hardtanh(min_val=-inf)``) is stored as a
+    marker JSON can hold: before, no such model could be saved (a bare ``ValueError`` from
+    ``json.dumps(allow_nan=False)`` on the writer thread)."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Hardtanh(min_val=float("-inf"), max_val=float("inf")))
+    stored = json.dumps(model_spec(model).to_json(), allow_nan=False)  # as checkpoints write
+    rebuilt = build_model(BaseSpec.from_json(json.loads(stored)))
+    assert rebuilt[1].min_val == float("-inf") and rebuilt[1].max_val == float("inf")
+    assert math.isnan(decode_value(encode_value(float("nan"))))
+    with pytest.raises(CheckpointFormatError, match="must be 'inf', '-inf' or 'nan'"):
+        decode_value({"__float__": "1e999"})

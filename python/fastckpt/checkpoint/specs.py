@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import inspect
+import math
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -69,7 +70,9 @@ _TUPLE_KEY = "__tuple__"
 _SPEC_KEY = "__spec__"
 _TYPE_KEY = "__type__"
 _DICT_KEY = "__dict__"
-_RESERVED_KEYS = frozenset({_TUPLE_KEY, _SPEC_KEY, _TYPE_KEY, _DICT_KEY})
+#: A float JSON cannot hold (``inf``, ``-inf``, ``nan``: ``Hardtanh(min_val=-inf)``), as its repr.
+_FLOAT_KEY = "__float__"
+_RESERVED_KEYS = frozenset({_TUPLE_KEY, _SPEC_KEY, _TYPE_KEY, _DICT_KEY, _FLOAT_KEY})
 
 _PLAIN_SCALARS: tuple[type, ...] = (str, int, float, bool, type(None))
 
@@ -103,6 +106,8 @@ def encode_value(value: Any, path: str = "kwargs") -> Any:
 
 
 def _encode(value: Any, path: str, active: set[int]) -> Any:
+    if type(value) is float and not math.isfinite(value):
+        return {_FLOAT_KEY: repr(value)}  # 'inf', '-inf', 'nan'
     if type(value) in _PLAIN_SCALARS:
         return value
     if isinstance(value, BaseSpec):
@@ -181,6 +186,12 @@ def decode_value(data: Any, path: str = "kwargs") -> Any:
         return tuple(decode_value(item, f"{path}[{i}]") for i, item in enumerate(items))
     if set(data) == {_SPEC_KEY}:
         return BaseSpec._from_json(data[_SPEC_KEY], path)
+    if set(data) == {_FLOAT_KEY}:
+        if data[_FLOAT_KEY] not in ("inf", "-inf", "nan"):
+            raise CheckpointFormatError(
+                f"{path}: '{_FLOAT_KEY}' must be 'inf', '-inf' or 'nan', got {data[_FLOAT_KEY]!r}"
+            )
+        return float(data[_FLOAT_KEY])
     if set(data) == {_DICT_KEY}:
         inner = data[_DICT_KEY]
         if not isinstance(inner, dict):
@@ -191,7 +202,7 @@ def decode_value(data: Any, path: str = "kwargs") -> Any:
     raise CheckpointFormatError(
         f"{path}: malformed encoded value; an object using the reserved key(s) "
         f"{sorted(markers)} must be exactly one of {{'{_TUPLE_KEY}': [...]}}, "
-        f"{{'{_SPEC_KEY}': {{...}}}}, {{'{_DICT_KEY}': {{...}}}} or "
+        f"{{'{_SPEC_KEY}': {{...}}}}, {{'{_DICT_KEY}': {{...}}}}, {{'{_FLOAT_KEY}': 'inf'}} or "
         f"{{'{_TYPE_KEY}': name, 'value': ...}}"
     )
 

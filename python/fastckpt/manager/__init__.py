@@ -265,6 +265,19 @@ class _DistributedContext:
         return gathered
 
 
+def _check_state_mapping(state: Any, argument: str) -> None:
+    """A saved state (or a load's ``into``) is a mapping of item names to values.
+
+    Raises:
+        TypeError: it is not (a list of tensors, a lone tensor), naming the argument.
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"CheckpointManager {argument} must be a mapping of item names to values (e.g. "
+            f"{{'model': model.state_dict(), 'step': step}}), got {type(state).__name__}"
+        )
+
+
 def _refuse_to_replace(path: Path) -> None:
     """A save replaces a checkpoint at ``path`` atomically, and nothing else: a file, a folder
     of the user's data or a folder of checkpoints there (``runs/mgr`` for
@@ -596,6 +609,7 @@ class CheckpointManager:
                 not the previous save or with ``Config.incremental`` False (nothing written).
         """
         self._check_open("save")
+        _check_state_mapping(state, "state")
         path = self._tier_path(checkpoint_id)
         if self._tiers is None:
             use_storage_options(checkpoint_id, self._storage_options, "CheckpointManager.save")
@@ -915,6 +929,7 @@ class CheckpointManager:
         start = time.perf_counter()
         directory = Path(checkpoint_id)
         if into is not None:
+            _check_state_mapping(into, "into")
             for key, template in into.items():
                 check_template(template, key)
         if _is_sharded(directory):
