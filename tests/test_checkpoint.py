@@ -377,3 +377,30 @@ def test_prune_refuses_a_keep_last_that_is_not_an_int(tmp_path: Path, keep_last:
     with pytest.raises(TypeError, match="keep_last must be an int"):
         fastckpt.prune(tmp_path, keep_last=keep_last)
     assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path)] == [0, 1, 2]
+
+
+def test_prune_of_a_missing_root_names_the_root(tmp_path: Path) -> None:
+    """Before: a FileNotFoundError naming ``<root>/.fastckpt.lock``."""
+    with pytest.raises(FileNotFoundError, match="no checkpoint root here") as info:
+        fastckpt.prune(tmp_path / "nowhere", keep_last=1)
+    assert info.value.filename == str(tmp_path / "nowhere")
+    assert not (tmp_path / "nowhere").exists()
+
+
+class WithExtra(torch.nn.Linear):
+    """A Linear whose ``get_extra_state()`` is a dict."""
+
+    def get_extra_state(self) -> Any:
+        return {"calls": 3}
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
+
+
+def test_a_model_with_non_tensor_extra_state_is_refused_when_saved(tmp_path: Path) -> None:
+    """A module whose ``get_extra_state()`` returns a dict: refused at once with a TypeError
+    naming the model, the entry and the way out (before: an ``InvalidInputError`` about
+    ``'_extra_state'`` from the writer thread); nothing is committed."""
+    with pytest.raises(TypeError, match=r"model 'main': its state_dict entry '_extra_state'"):
+        fastckpt.save_checkpoint(tmp_path, models={"main": WithExtra(2, 2)})
+    assert fastckpt.list_checkpoints(tmp_path) == []

@@ -19,6 +19,7 @@ unpickles anything.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -44,7 +45,7 @@ from fastckpt.container.snapshot import read_consistently
 from fastckpt.container.verify import checked_index
 from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.format.records import MANIFEST
-from fastckpt.storage.registry import display_path, use_storage_options
+from fastckpt.storage.registry import display_path, is_object_url, use_storage_options
 from fastckpt.training.strategy import TrainingStrategy
 
 _LOG = logging.getLogger(__name__)
@@ -304,6 +305,15 @@ def prune(
 
     Returns:
         The deleted indices.
+
+    Raises:
+        FileNotFoundError: ``root`` is not a directory (a local root).
+        TypeError / ValueError: ``keep_last`` is not an int >= 1.
     """
     use_storage_options(root, storage_options, "prune")
+    if not is_object_url(root) and not Path(root).is_dir():
+        # (the root's lock file would be named instead)
+        raise FileNotFoundError(
+            errno.ENOENT, f"{root}: no checkpoint root here, nothing to prune", os.fspath(root)
+        )
     return prune_indices(Path(root), keep_last, lock_timeout=lock_timeout)

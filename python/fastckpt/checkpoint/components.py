@@ -471,6 +471,14 @@ def _plan_components(
         live_models[name] = model
         relpath = f"models/{name}.safetensors"
         plan.tensor_files[relpath] = dict(model.state_dict())
+        for key, value in plan.tensor_files[relpath].items():
+            if not isinstance(value, torch.Tensor):  # get_extra_state() returning a dict, ...
+                raise TypeError(
+                    f"model {name!r}: its state_dict entry {key!r} is a {type(value).__name__}, "
+                    "not a tensor; a component checkpoint stores model state as tensors only. "
+                    "Save this model with CheckpointManager (which stores such values), or make "
+                    "get_extra_state() return a tensor"
+                )
         parameter_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         plan.volatile.update(
             (relpath, key) for key in plan.tensor_files[relpath] if key not in parameter_names
