@@ -405,6 +405,77 @@ def strategy_rank_seeds_resume() -> None:
     leave_process_group()
 
 
+class TwoLayers(nn.Module):
+    """Two Linears, the first of which :func:`wrap_and_shard` wraps for activation
+    checkpointing (its parameters' names gain ``_checkpoint_wrapped_module``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(37, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def wrap_and_shard(model: nn.Module) -> nn.Module:
+    """A ``parallelize=`` that changes parameter names: activation checkpointing, then FSDP2."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model.a = checkpoint_wrapper(model.a)
+    fully_shard(model.a, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def strategy_wrapped_frozen() -> None:
+    """A frozen layer wrapped for activation checkpointing: saved, then resumed with the same
+    ``parallelize``; prints the resumed model's frozen parameter names."""
+    root, rank, _ = setup_rank()
+    torch.manual_seed(0)
+    model = TwoLayers()
+    model.a.requires_grad_(False)
+    model = wrap_and_shard(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    hook = fastckpt.CheckpointHook(root, step_interval=2, async_save=False)
+    fastckpt.TrainingStrategy(
+        model, optimizer, training_fn=training_fn, hooks=[hook], num_steps=2
+    ).run(loader())
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(
+        root, training_fn=training_fn, parallelize=wrap_and_shard
+    )
+    frozen = [n for n, p in resumed.models["main"].named_parameters() if not p.requires_grad]
+    print(json.dumps({"rank": rank, "frozen": frozen}))
+    leave_process_group()
+
+
+def strategy_ema_refused() -> None:
+    """An EMAHook over an FSDP2 model (DTensor averages) with a CheckpointHook (async or sync,
+    the last argument): prints each rank's error."""
+    root, rank, _ = setup_rank()
+    model = shard(build_model())
+    hook = fastckpt.CheckpointHook(
+        root, step_interval=2, async_save=sys.argv[-1] == "async", wait_timeout_secs=20
+    )
+    strategy = fastckpt.TrainingStrategy(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        training_fn=training_fn,
+        hooks=[fastckpt.EMAHook(), hook],
+        num_steps=4,
+    )
+    try:
+        strategy.run(loader())
+        error = None
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}"
+    print(json.dumps({"rank": rank, "error": error}))
+    leave_process_group()
+
+
 def strategy_node_train() -> None:
     """:func:`strategy_train`'s run with each rank saving to its own fast root (ROOT/../node<R>:
     one simulated node each) and its durable tier ROOT/../durable, each save promoted before the

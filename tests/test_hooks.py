@@ -35,7 +35,7 @@ def test_a_timed_out_hook_write_stays_tracked_and_its_failure_is_raised_once(
     hook = CheckpointHook(root, step_interval=1, wait_timeout_secs=0.2)
     strategy = support.new_strategy([hook], num_steps=1)
     with hook:
-        with hook.guard():
+        with support.held_by_another_thread(hook.guard):
             hook.save(strategy.context)
             with pytest.raises(TimeoutError, match=r"ckpt.*still running") as timeout:
                 hook.save(strategy.context)
@@ -53,7 +53,7 @@ def test_a_hook_write_that_outlasts_one_wait_is_collected_by_the_next_save(
     hook = CheckpointHook(tmp_path, step_interval=1, wait_timeout_secs=0.2)
     strategy = support.new_strategy([hook], num_steps=1)
     with hook:
-        with hook.guard():
+        with support.held_by_another_thread(hook.guard):
             hook.save(strategy.context)
             with pytest.raises(TimeoutError):
                 hook.save(strategy.context)

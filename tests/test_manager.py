@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import training_support as support
 from fastckpt import CheckpointMismatchError
 from fastckpt.manager import CheckpointManager, CheckpointStagerConfig, ItemSpec
 from training_support import run_two_ranks
@@ -249,7 +250,8 @@ def test_a_timed_out_write_stays_tracked_and_its_failure_is_raised_once(
     config = CheckpointManager.Config.with_async_save()
     config.save.wait_timeout_secs = 0.2
     manager = CheckpointManager(config)
-    with manager.lock():  # holds the capture lock: the background write cannot go on
+    # another thread holds the capture lock: the background write cannot go on
+    with support.held_by_another_thread(manager.lock):
         manager.save(blocker / "stuck", {"x": torch.ones(3)})
         with pytest.raises(TimeoutError, match=r"stuck.*still running") as timeout:
             manager.save(tmp_path / "next", {"x": torch.ones(3)})
@@ -273,7 +275,7 @@ def test_close_reports_the_failure_of_a_write_that_timed_out(tmp_path: Path) -> 
     config = CheckpointManager.Config.with_async_save()
     config.save.wait_timeout_secs = 0.2
     manager = CheckpointManager(config)
-    with manager.lock():
+    with support.held_by_another_thread(manager.lock):
         manager.save(blocker / "stuck", {"x": torch.ones(3)})
         with pytest.raises(TimeoutError, match="stuck"):
             manager.save(tmp_path / "next", {"x": torch.ones(3)})
@@ -504,3 +506,19 @@ def test_a_state_or_template_that_is_no_mapping_is_a_type_error(tmp_path: Path) 
         manager.save(tmp_path / "step_2", {"x": torch.zeros(2)})
         with pytest.raises(TypeError, match="into must be a mapping"):
             manager.load(tmp_path / "step_2", into=[torch.zeros(2)])  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_a_second_save_inside_the_lock_is_refused_at_once(tmp_path: Path) -> None:
+    """The first save's snapshot waits for the lock this thread holds, so a second save
+    inside it would wait for itself: a RuntimeError at once (before: a wait of the whole
+    ``wait_timeout_secs``, then a TimeoutError advising a longer timeout). The first save
+    completes when the lock is released."""
+    x = torch.zeros(3)
+    with CheckpointManager(CheckpointManager.Config.with_async_save()) as manager:
+        with manager.lock():
+            first = manager.save(tmp_path / "step_1", {"m": {"x": x}})
+            with pytest.raises(RuntimeError, match="wait for the previous save"):
+                manager.save(tmp_path / "step_2", {"m": {"x": x}})
+        first.result(timeout=30)
+    assert (tmp_path / "step_1").is_dir() and not (tmp_path / "step_2").exists()

@@ -156,6 +156,34 @@ def test_ranks_seeded_apart_resume_their_own_random_streams(tmp_path: Path) -> N
         assert saved[rank]["first"] + resumed[rank]["resumed"] == saved[rank]["straight"], rank
 
 
+def test_a_frozen_layer_under_a_renaming_parallelize_resumes_frozen(tmp_path: Path) -> None:
+    """Frozen parameters are recorded without the segments wrappers add to names
+    (``_checkpoint_wrapped_module``), as DCP names them, so a ``parallelize`` that wraps the
+    layer again finds them. Before, the record held the wrapped names, applied to the rebuilt
+    model before ``parallelize``: the checkpoint could not be loaded at all."""
+    (report,) = _reports(
+        launch("strategy_wrapped_frozen", tmp_path / "run", 1, ranks="sharded_ranks")
+    )
+    assert report["frozen"] == [
+        "a._checkpoint_wrapped_module.weight",
+        "a._checkpoint_wrapped_module.bias",
+    ]
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_hook_state_holding_dtensors_is_refused_on_every_rank(tmp_path: Path, mode: str) -> None:
+    """An EMAHook over an FSDP2 model keeps DTensor averages, which rank 0 cannot write whole:
+    every rank raises the same UnsupportedValueError naming the hook, before the save starts.
+    Before: DCP/copy errors, and in async mode rank 0 failed alone while the other ranks
+    waited for its commit."""
+    reports = _reports(
+        launch("strategy_ema_refused", tmp_path / "run", 2, mode, ranks="sharded_ranks")
+    )
+    for report in reports:
+        assert report["error"].startswith("UnsupportedValueError: hook "), report
+        assert "EMAHook" in report["error"] and "DTensor" in report["error"], report
+
+
 def test_parallelize_is_refused_for_unsharded_checkpoints(tmp_path: Path) -> None:
     model = torch.nn.Linear(3, 1)
     strategy = fastckpt.TrainingStrategy(

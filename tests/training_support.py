@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -121,3 +124,25 @@ def leave_process_group() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+@contextlib.contextmanager
+def held_by_another_thread(guard: Callable[[], Any]) -> Iterator[None]:
+    """Hold ``guard()`` (a manager's ``lock``, a hook's ``guard``) on another thread while the
+    block runs: a training step that keeps a background snapshot waiting, so that a save in
+    the block outwaits its timeout (the block's own thread holding it would be refused)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with guard():
+            entered.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold, name="holds-the-guard")
+    holder.start()
+    assert entered.wait(10), "the guard was not taken"
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join()

@@ -124,12 +124,26 @@ def checked_model_names(value: Any, argument: str = "model_names") -> list[str] 
 FROZEN_FIELD = "frozen"
 
 
+#: Name segments that wrappers insert into parameter names (activation checkpointing,
+#: ``torch.compile``, FSDP1): DCP's names and a model rebuilt from its spec have none.
+_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def canonical_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """``model``'s parameters by name without wrapper segments (see :data:`_WRAPPER_SEGMENTS`),
+    tied ones under each of their names: the names a record of parameters uses, so that it
+    applies to the rebuilt model before or after a ``parallelize`` that wraps it."""
+    return {
+        ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS): parameter
+        for name, parameter in model.named_parameters(remove_duplicate=False)
+    }
+
+
 def frozen_names(model: torch.nn.Module) -> list[str]:
-    """The names of ``model``'s parameters that do not require grad, sorted (tied names all
-    listed)."""
+    """The (canonical) names of ``model``'s parameters that do not require grad, sorted."""
     return sorted(
         name
-        for name, parameter in model.named_parameters(remove_duplicate=False)
+        for name, parameter in canonical_parameters(model).items()
         if not parameter.requires_grad
     )
 
@@ -146,7 +160,7 @@ def freeze(model: torch.nn.Module, names: Any, where: str) -> None:
         return
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise CheckpointFormatError(f"{where}: must be a list of parameter names")
-    parameters = dict(model.named_parameters(remove_duplicate=False))
+    parameters = canonical_parameters(model)
     unknown = sorted(set(names) - set(parameters))
     if unknown:
         raise CheckpointFormatError(f"{where}: names {unknown}, which the model does not have")

@@ -358,8 +358,7 @@ class BackgroundWriter(Generic[T]):
         future = self._future
         if future is None:
             return None
-        if timeout is None and not future.done() and not self._capture_done.is_set():
-            # (a bounded wait ends in a TimeoutError naming the write instead)
+        if not future.done() and not self._capture_done.is_set():
             self._refuse_waiting_on_own_guard("wait for the previous save")
         try:
             # The base class's method: waiting here does not count as the caller seeing it.

@@ -704,6 +704,21 @@ class TrainingStrategy:
             return codec.write_snapshot(root, snapshot, checkpoint_index)
         return self._save_sharded(Path(root), checkpoint_index, node_local)
 
+    def _refuse_unsaveable_hook_state(self) -> None:
+        """On every rank, before a sharded save starts: refuse hook state rank 0 could not
+        write (see :func:`_refuse_sharded_hook_state`), so that every rank raises the same
+        error instead of rank 0 alone, mid-save, leaving the others waiting for its commit.
+
+        Raises:
+            UnsupportedValueError: a checkpointable hook's state holds a DTensor.
+        """
+        states = [
+            {"class": trust.dotted_path(type(hook)), "state": hook.state_dict()}
+            for hook in self.hooks
+            if isinstance(hook, CheckpointableHook)
+        ]
+        _refuse_sharded_hook_state(states, tree.flatten(states)[1])
+
     def _run_rng(self) -> dict[str, Any]:
         """This process's RNG states as a checkpoint records them (see :meth:`_add_runtime`)."""
         return {
@@ -774,6 +789,7 @@ class TrainingStrategy:
         Returns:
             The index and the future of the sharded part.
         """
+        self._refuse_unsaveable_hook_state()
         index, part = self._sharded_index(Path(root), checkpoint_index)
         self._gather_rank_rng()
         fields, future = sharded_training.async_save_sharded(
@@ -792,6 +808,7 @@ class TrainingStrategy:
         import torch.distributed as dist
 
         rank, world = _world()
+        self._refuse_unsaveable_hook_state()
         index, part = self._sharded_index(root, checkpoint_index)
         self._gather_rank_rng()
         path = sharded_training.save_sharded(
@@ -1289,7 +1306,7 @@ def _group_names(
     """The parameter names of each of ``optimizer``'s groups (None when a parameter is not
     one of ``model``'s: nothing is recorded, the rebuild makes one group)."""
     names: dict[int, str] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
+    for name, parameter in codec.canonical_parameters(model).items():
         names.setdefault(id(parameter), name)
     groups = [[names.get(id(p), "") for p in group["params"]] for group in optimizer.param_groups]
     return None if any("" in group for group in groups) else groups
@@ -1312,7 +1329,7 @@ def _param_groups(model: torch.nn.Module, sharded: Mapping[str, Any], name: str,
         isinstance(group, list) and all(isinstance(n, str) for n in group) for group in recorded
     ):
         raise CheckpointFormatError(f"{where}: field {field_path!r} must be a list of name lists")
-    parameters = dict(model.named_parameters(remove_duplicate=False))
+    parameters = codec.canonical_parameters(model)
     unknown = sorted({n for group in recorded for n in group} - set(parameters))
     if unknown:
         raise CheckpointFormatError(
@@ -1480,9 +1497,10 @@ def _own_rng(runtime: _Runtime) -> dict[str, Any]:
     if len(runtime.rank_rng) == world:
         return runtime.rank_rng[rank]
     warnings.warn(
-        f"the checkpoint holds the RNG states of {len(runtime.rank_rng)} ranks, which were "
-        f"seeded apart; this run has {world}: every rank resumes with rank 0's, so random "
-        "draws (dropout, shuffles) do not repeat the saved run's",
+        f"the checkpoint holds the RNG states of each of its {len(runtime.rank_rng)} ranks "
+        "(they differed: ranks seeded apart, or each advancing its own GPU's generator); this "
+        f"run has {world}: every rank resumes with rank 0's, so random draws (dropout, "
+        "shuffles) do not repeat the saved run's",
         stacklevel=4,
     )
     return once
