@@ -224,6 +224,12 @@ def _decide(
     return ("ok", position, copy.index, copy.skipped, copy.node_local, sorted(set(passed)))
 
 
+#: The stages a CheckpointHook saves at (see TrainingStrategy._fire).
+_SAVING_STAGES = frozenset(
+    {TrainingStage.AFTER_BATCH, TrainingStage.AFTER_EPOCH, TrainingStage.AFTER_TRAINING}
+)
+
+
 def _rng_state() -> dict[str, Any]:
     """Every RNG a training step may draw from, as tensors and plain values."""
     version, internal, gauss = random.getstate()
@@ -405,9 +411,15 @@ class TrainingStrategy:
         ctx.models = self.models
         ctx.optimizers = self.optimizers
         ctx.schedulers = self.schedulers
-        # Hooks that save checkpoints run after the others, so that a checkpoint taken at a
-        # stage holds every other hook's work of that stage: a resumed run does not replay it.
-        savers = [hook for hook in self.hooks if getattr(hook, "saves_checkpoints", False) is True]
+        # At the stages checkpoints are taken at, hooks that save them run after the others,
+        # so that a checkpoint holds every other hook's work of that stage (a resumed run does
+        # not replay it); elsewhere list order (a CheckpointHook's refusal of a mixed run at
+        # BEFORE_TRAINING comes before other hooks start anything).
+        savers = (
+            [hook for hook in self.hooks if getattr(hook, "saves_checkpoints", False) is True]
+            if stage in _SAVING_STAGES
+            else []
+        )
         for hook in self.hooks:
             if not any(hook is saver for saver in savers):
                 hook(ctx, stage)

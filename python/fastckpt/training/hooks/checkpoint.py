@@ -119,9 +119,9 @@ class CheckpointHook:
             own "multiple values" error).
     """
 
-    #: The strategy calls this hook after the others at each stage (whatever their order in
-    #: its hook list), so that a checkpoint holds their work of the stage it is taken at: a
-    #: resumed run starts after that stage and does not replay it.
+    #: The strategy calls this hook after the others at the stages it saves at (whatever
+    #: their order in its hook list), so that a checkpoint holds their work of the stage it is
+    #: taken at: a resumed run starts after that stage and does not replay it.
     saves_checkpoints = True
 
     def __init__(

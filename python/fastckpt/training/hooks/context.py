@@ -63,10 +63,12 @@ class Hook(Protocol):
     A hook may also be a context manager; the strategy enters it for the duration of
     ``run()`` (e.g. to start and flush a background writer).
 
-    Hooks are called in list order, except that those whose class sets ``saves_checkpoints =
-    True`` (:class:`~fastckpt.training.hooks.checkpoint.CheckpointHook`) are called after the
-    others at each stage, in list order among themselves: a checkpoint taken at a stage then
-    holds every other hook's work of that stage, which a resumed run does not replay.
+    Hooks are called in list order, except that at the stages checkpoints are taken at
+    (``AFTER_BATCH``, ``AFTER_EPOCH``, ``AFTER_TRAINING``) those whose class sets
+    ``saves_checkpoints = True`` (:class:`~fastckpt.training.hooks.checkpoint.CheckpointHook`)
+    are called after the others, in list order among themselves: a checkpoint taken at a
+    stage then holds every other hook's work of that stage, which a resumed run does not
+    replay.
     """
 
     def __call__(self, ctx: TrainContext, stage: TrainingStage) -> None:
