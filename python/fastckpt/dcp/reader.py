@@ -57,6 +57,7 @@ from fastckpt.container.sharded.values import as_planner_bytes, decode_value
 from fastckpt.dcp import peers
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.sharded import Record, StoredChunk
+from fastckpt.io.files import copy_values
 from fastckpt.storage.registry import backend_for
 
 __all__ = ["Passes", "Reader"]
@@ -388,7 +389,7 @@ class Reader(StorageReader):
         for item, value in values:
             planner.load_bytes(item, as_planner_bytes(value))
         for item, target, source in targets:
-            target.copy_(source)
+            copy_values(target, source)
             planner.commit_tensor(item, target)
 
 
@@ -445,7 +446,7 @@ def _fill_item(files: ChunkFiles, item: ReadItem, chunk: StoredChunk, planner: L
             f"{item.storage_index.fqn}: the plan wants {list(target.size())} but the stored "
             f"chunk gives {list(source.size())}"
         )
-    target.copy_(source)
+    copy_values(target, source)
     planner.commit_tensor(item, target)
 
 

@@ -174,6 +174,25 @@ def host_tensor(name: str, tensor: Any) -> torch.Tensor:
     return tensor
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_values(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.copy_(source)``; for a dtype torch has no copy kernel for (``float4_e2m1fn_x2``
+    in torch 2.9) and equal dtypes, the bits are copied through same-size integer views.
+
+    Raises:
+        what ``copy_`` raises otherwise.
+    """
+    try:
+        target.copy_(source)
+    except NotImplementedError:
+        integer = _SAME_SIZE_INT.get(target.dtype.itemsize)
+        if target.dtype != source.dtype or integer is None:
+            raise
+        target.view(integer).copy_(source.view(integer))
+
+
 def byte_view(tensor: torch.Tensor) -> np.ndarray:
     """A zero-copy uint8 numpy view of a contiguous CPU tensor's bytes (writable)."""
     return tensor.reshape(-1).view(torch.uint8).numpy()

@@ -29,7 +29,7 @@ from fastckpt.container.sharded.chunks import ChunkFiles
 from fastckpt.container.sharded.commit import RECORD_NAME, generation_dirs, read_record
 from fastckpt.container.sharded.values import decode_value
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.io.files import DEFAULT_THREADS, save_file
+from fastckpt.io.files import DEFAULT_THREADS, copy_values, save_file
 from fastckpt.io.paths import safe_join
 
 __all__ = [
@@ -186,7 +186,7 @@ def consolidate(
                 target = full
                 for dim, (offset, size) in enumerate(zip(meta.offsets, meta.sizes, strict=True)):
                     target = target.narrow(dim, offset, size)
-                target.copy_(files.read_chunk(chunk))
+                copy_values(target, files.read_chunk(chunk))
                 covered += math.prod(meta.sizes)
             if covered != full.numel():
                 raise CheckpointFormatError(
