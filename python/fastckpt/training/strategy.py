@@ -632,13 +632,7 @@ class TrainingStrategy:
 
     def _add_runtime(self, snapshot: codec.Snapshot, extra: dict[str, Any]) -> None:
         """Add the recipe, counters, RNG states (plus ``extra``) and hook states."""
-        runtime = {
-            "rng": _rng_state(),
-            "epoch_start_rng": self._epoch_start_rng,
-            "epoch_start_loader_rng": self._epoch_start_loader_rng,
-            "rank_rng": self._pending_rank_rng,
-            **extra,
-        }
+        runtime = {**self._run_rng(), "rank_rng": self._pending_rank_rng, **extra}
         self._pending_rank_rng = None
         skeleton, tensors = tree.flatten(runtime)
         snapshot.tensor_files["strategy.safetensors"] = tensors
@@ -1476,6 +1470,20 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
     return found
 
 
+def _check_run_rng(record: Mapping[str, Any], where: str, field: str) -> None:
+    """Check the RNG states of a run-state record (the runtime's own, or one rank's, see
+    :meth:`TrainingStrategy._run_rng`); ``field`` prefixes the field names in errors."""
+    with _malformed(where, f"{field}rng"):
+        _check_rng_state(record.get("rng"))
+    for name, check in (
+        ("epoch_start_rng", _check_torch_rng),
+        ("epoch_start_loader_rng", _check_loader_rng),
+    ):
+        if record.get(name) is not None:
+            with _malformed(where, f"{field}{name}"):
+                check(record[name])
+
+
 def _check_loader_rng(states: Any) -> None:
     if not isinstance(states, list):
         raise TypeError(f"must be a list of RNG states, got {type(states).__name__}")
@@ -1562,29 +1570,15 @@ def _parse_runtime(reader: codec.IndexReader, recipe: Mapping[str, Any]) -> _Run
         runtime = tree.unflatten(recipe.get("runtime"), tensors, "runtime")
     if not isinstance(runtime, dict):
         raise CheckpointFormatError(f"{where}: field 'runtime' must be an object")
-    with _malformed(where, "runtime.rng"):
-        _check_rng_state(runtime.get("rng"))
-    epoch_start_rng = runtime.get("epoch_start_rng")
-    if epoch_start_rng is not None:
-        with _malformed(where, "runtime.epoch_start_rng"):
-            _check_torch_rng(epoch_start_rng)
-    loader_rng = runtime.get("epoch_start_loader_rng")
-    if loader_rng is not None:
-        with _malformed(where, "runtime.epoch_start_loader_rng"):
-            _check_loader_rng(loader_rng)
+    _check_run_rng(runtime, where, "runtime.")
     rank_rng = runtime.get("rank_rng")
     if rank_rng is not None:
-        with _malformed(where, "runtime.rank_rng"):
-            if not isinstance(rank_rng, list):
-                raise TypeError(f"must be a list, got {type(rank_rng).__name__}")
-            for entry in rank_rng:
-                if not isinstance(entry, dict):
-                    raise TypeError(f"each entry must be an object, got {type(entry).__name__}")
-                _check_rng_state(entry.get("rng"))
-                if entry.get("epoch_start_rng") is not None:
-                    _check_torch_rng(entry["epoch_start_rng"])
-                if entry.get("epoch_start_loader_rng") is not None:
-                    _check_loader_rng(entry["epoch_start_loader_rng"])
+        if not isinstance(rank_rng, list) or not all(isinstance(e, dict) for e in rank_rng):
+            raise CheckpointFormatError(
+                f"{where}: field 'runtime.rank_rng' must be a list of objects"
+            )
+        for rank, entry in enumerate(rank_rng):
+            _check_run_rng(entry, where, f"runtime.rank_rng[{rank}].")
     schedulers = runtime.get("schedulers") or {}
     if not isinstance(schedulers, dict):
         raise CheckpointFormatError(f"{where}: field 'runtime.schedulers' must be an object")
@@ -1610,7 +1604,14 @@ def _parse_runtime(reader: codec.IndexReader, recipe: Mapping[str, Any]) -> _Run
             )
     configs = parse_hook_configs(hooks_doc, hooks_where)
     return _Runtime(
-        parsed, runtime["rng"], epoch_start_rng, loader_rng, rank_rng, schedulers, saved, configs
+        parsed,
+        runtime["rng"],
+        runtime.get("epoch_start_rng"),
+        runtime.get("epoch_start_loader_rng"),
+        rank_rng,
+        schedulers,
+        saved,
+        configs,
     )
 
 
