@@ -254,6 +254,87 @@ def test_ddp_two_ranks_rank_zero_writes_both_resume(tmp_path: Path) -> None:
     assert [(c["index"], c["counters"]["step_count"]) for c in rows] == [(0, 4), (1, 6)]
 
 
+DDP_SEEDED_APART_SCRIPT = """
+import json, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import fastckpt, training_support as s
+root, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2)
+
+def strategy(steps, hooks):
+    torch.manual_seed(0)
+    model = DDP(s.DropoutMLP(p=0.5))
+    torch.manual_seed(100 + rank)  # seeded apart: each rank its own dropout and shuffles
+    return fastckpt.TrainingStrategy(
+        model, fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.05}),
+        training_fn=s.training_fn, hooks=hooks, num_steps=steps,
+    )
+
+straight = s.LossRecorder()
+strategy(6, [straight]).run(s.loader())
+first = s.LossRecorder()
+hook = fastckpt.CheckpointHook(root, step_interval=3, async_save=sys.argv[4] == "async")
+strategy(3, [hook, first]).run(s.loader())
+dist.barrier()
+torch.manual_seed(5)  # scrambled: the resume must restore each rank's own streams
+resumed = s.LossRecorder()
+restored = fastckpt.TrainingStrategy.load_checkpoint(
+    root, hooks=[resumed], trusted=["training_support.training_fn"]
+)
+restored.models["main"] = DDP(restored.models["main"])
+restored.num_steps = 6
+restored.run(s.loader())
+print(json.dumps({"straight": straight.losses, "first": first.losses, "resumed": resumed.losses}))
+s.leave_process_group()
+"""
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_ddp_ranks_seeded_apart_resume_their_own_random_streams(tmp_path: Path, mode: str) -> None:
+    """A DDP run whose ranks draw apart (seeded apart here; on GPUs each rank advances its own
+    device's generator): rank 0's checkpoints hold every rank's RNG states, gathered at each
+    save, and each rank resumes its own. Before, the checkpoint held rank 0's only: rank 1
+    resumed with rank 0's dropout and shuffle streams, and the averaged gradients, so both
+    ranks' losses, left the uninterrupted run's without a word."""
+    script = DDP_SEEDED_APART_SCRIPT.replace("sys.argv[4]", repr(mode))
+    outputs = support.run_two_ranks(script, tmp_path / "ckpt", tmp_path / "pg")
+    reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert reports[0]["straight"] != reports[1]["straight"]  # the ranks do draw apart
+    for rank, report in enumerate(reports):
+        assert report["first"] + report["resumed"] == report["straight"], rank
+
+
+DDP_HOOK_ON_RANK_ZERO_SCRIPT = """
+import sys, warnings, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import fastckpt, training_support as s
+root, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2)
+torch.manual_seed(0)
+hooks = [fastckpt.CheckpointHook(root, step_interval=2)] if rank == 0 else []
+strategy = fastckpt.TrainingStrategy(
+    DDP(s.DropoutMLP()), fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.05}),
+    training_fn=s.training_fn, hooks=hooks, num_steps=4,
+)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    strategy.run(s.loader(seed=rank))
+print(sum("do not all have the same checkpoint hooks" in str(w.message) for w in caught))
+s.leave_process_group()
+"""
+
+
+def test_ddp_hook_on_rank_zero_only_saves_and_warns(tmp_path: Path) -> None:
+    """A CheckpointHook given to rank 0 alone (the other ranks have none) must not wait for
+    the other ranks' RNG states at each save, which they never send: the ranks find out at
+    the start of the run, rank 0 warns that its checkpoints hold its own states only, and the
+    saves happen."""
+    outputs = support.run_two_ranks(DDP_HOOK_ON_RANK_ZERO_SCRIPT, tmp_path / "c", tmp_path / "pg")
+    assert [out.strip() for out in outputs] == ["1", "0"]
+    rows = fastckpt.list_checkpoints(tmp_path / "c")
+    assert [c["counters"]["step_count"] for c in rows] == [2, 4]
+
+
 def test_unmatched_hooks_warn_not_silently(tmp_path: Path) -> None:
     support.new_strategy([EMAHook(), EMAHook(decay=0.5)], num_steps=1).save_checkpoint(tmp_path)
     with warnings.catch_warnings(record=True) as caught:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 import fastckpt.checkpoint.build as build
 import fastckpt.checkpoint.components as codec
@@ -411,6 +412,7 @@ class TrainingStrategy:
         ctx.models = self.models
         ctx.optimizers = self.optimizers
         ctx.schedulers = self.schedulers
+        self._stage = stage
         # At the stages checkpoints are taken at, hooks that save them run after the others,
         # so that a checkpoint holds every other hook's work of that stage (a resumed run does
         # not replay it); elsewhere list order (a CheckpointHook's refusal of a mixed run at
@@ -423,8 +425,64 @@ class TrainingStrategy:
         for hook in self.hooks:
             if not any(hook is saver for saver in savers):
                 hook(ctx, stage)
-        for hook in savers:
-            hook(ctx, stage)
+        if savers and self._rank_rng_group is not None and self._saves_for_all_ranks(savers):
+            self._gather_rank_rng(self._rank_rng_group)  # for rank 0's save (collective)
+        try:
+            for hook in savers:
+                hook(ctx, stage)
+        finally:
+            if not self.sharded:
+                self._pending_rank_rng = None  # never carried to a later, other save
+
+    def _saves_for_all_ranks(self, savers: Sequence[Any]) -> bool:
+        """Whether rank 0's hooks take a checkpoint for every rank at this stage: the same
+        answer on every rank (the run's end always counts: whether it saves depends on
+        what rank 0 saved before)."""
+        ctx = self._ctx
+        if self._stage is TrainingStage.AFTER_TRAINING:
+            return True
+        return any(
+            bool(getattr(hook, "saves_for_all_ranks_at", lambda *_: False)(ctx, self._stage))
+            for hook in savers
+        )
+
+    def _agree_on_rank_rng(self) -> None:
+        """At the start of :meth:`run` of a data-parallel (DDP) strategy on several ranks:
+        when every rank has the same checkpoint-saving hooks, the checkpoints rank 0 takes
+        for all will hold each rank's RNG states (gathered at each save on a gloo group made
+        now), so that ranks seeded apart, or each advancing its own GPU's generator, resume
+        their own streams. Collective on every rank of the default group: a DDP model over
+        it means every rank runs this loop."""
+        import torch.distributed as dist
+
+        rank, world = _world()
+        if world == 1 or self.sharded or self._rank_rng_group is not None:
+            return
+        if not any(_data_parallel_over_world(model, world) for model in self.models.values()):
+            return
+        group: Any = dist.new_group(backend="gloo")
+        mine = [
+            (
+                trust.dotted_path(type(hook)),
+                getattr(hook, "step_interval", None),
+                getattr(hook, "epoch_interval", None),
+                getattr(hook, "rank_zero_only", None),
+            )
+            for hook in self.hooks
+            if getattr(hook, "saves_checkpoints", False) is True
+        ]
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine, group=group)
+        if all(hooks == everyone[0] for hooks in everyone):
+            self._rank_rng_group = group
+        elif rank == 0:
+            warnings.warn(
+                "the ranks of this data-parallel run do not all have the same checkpoint "
+                f"hooks ({everyone}): rank 0's checkpoints hold its own RNG states only, and "
+                "every rank of a resume draws rank 0's streams (give every rank the same "
+                "hooks; rank_zero_only keeps the writing on rank 0)",
+                stacklevel=3,
+            )
 
     def _done(self) -> bool:
         return (self.num_steps is not None and self.step_count >= self.num_steps) or (
@@ -450,6 +508,7 @@ class TrainingStrategy:
                 if hasattr(hook, "__enter__") and hasattr(hook, "__exit__"):
                     stack.enter_context(hook)
             self._fire(TrainingStage.SETUP)
+            self._agree_on_rank_rng()
             self._fire(TrainingStage.BEFORE_TRAINING)
             while not self._done():
                 if not self._run_epoch(train_loader):
@@ -570,6 +629,11 @@ class TrainingStrategy:
     #: Every rank's RNG states at the sharded save being taken (rank 0, when the ranks'
     #: states differ: ranks seeded apart), for the next snapshot (see :meth:`_gather_rank_rng`).
     _pending_rank_rng: list[dict[str, Any]] | None = None
+    #: A data-parallel run whose ranks agreed on their checkpoint hooks: the gloo group
+    #: every rank's RNG states are gathered on for rank 0's saves (see _agree_on_rank_rng).
+    _rank_rng_group: Any = None
+    #: The stage the hooks are being called for.
+    _stage: TrainingStage | None = None
 
     @property
     def sharded(self) -> bool:
@@ -733,8 +797,9 @@ class TrainingStrategy:
             "epoch_start_loader_rng": self._epoch_start_loader_rng,
         }
 
-    def _gather_rank_rng(self) -> None:
-        """Collective, at a sharded save: rank 0 keeps every rank's RNG states when they
+    def _gather_rank_rng(self, group: Any = None) -> None:
+        """Collective (on ``group``, the default one when None), at a sharded save or a save
+        rank 0 takes for a data-parallel run: rank 0 keeps every rank's RNG states when they
         differ from its own (ranks seeded apart: per-rank dropout, per-rank shuffles), so that
         a resume on as many ranks gives each rank its own streams back; nothing when they are
         all equal (the usual single seed)."""
@@ -745,7 +810,7 @@ class TrainingStrategy:
         if world == 1:
             return
         gathered: list[Any] | None = [None] * world if rank == 0 else None
-        dist.gather_object(self._run_rng(), gathered, dst=0)
+        dist.gather_object(self._run_rng(), gathered, dst=0, group=group)
         if gathered is not None and not all(_same_state(g, gathered[0]) for g in gathered):
             self._pending_rank_rng = gathered
 
@@ -1500,6 +1565,16 @@ def _same_state(a: Any, b: Any) -> bool:
         and tensors_a.keys() == tensors_b.keys()
         and all(torch.equal(tensors_a[k], tensors_b[k]) for k in tensors_a)
     )
+
+
+def _data_parallel_over_world(model: torch.nn.Module, world: int) -> bool:
+    """Whether ``model`` is a DDP module replicated over every rank (the default group)."""
+    import torch.distributed as dist
+
+    if not isinstance(model, DistributedDataParallel):
+        return False
+    group = getattr(model, "process_group", None)
+    return group is None or dist.get_world_size(group) == world
 
 
 def _own_rng(runtime: _Runtime) -> dict[str, Any]:

@@ -402,6 +402,20 @@ class CheckpointHook:
         sharded = bool(getattr(ctx.workflow, "sharded", False))
         if self.rank_zero_only and ctx.global_rank != 0 and not sharded:
             return False
+        return self._due(ctx, stage)
+
+    def saves_for_all_ranks_at(self, ctx: TrainContext, stage: TrainingStage) -> bool:
+        """Whether rank 0 takes a checkpoint at ``stage`` (``AFTER_BATCH`` or ``AFTER_EPOCH``)
+        of state every rank holds the same (``rank_zero_only``, unsharded models), decided
+        from the counters and this hook's cadence alone: every rank of a data-parallel run
+        gives the same answer, and the strategy gathers each rank's RNG states for that
+        checkpoint (see :meth:`~fastckpt.TrainingStrategy.run`)."""
+        if not self.rank_zero_only or getattr(ctx.workflow, "sharded", False):
+            return False
+        return stage is not TrainingStage.AFTER_TRAINING and self._due(ctx, stage)
+
+    def _due(self, ctx: TrainContext, stage: TrainingStage) -> bool:
+        """Whether this hook's cadence saves at ``stage`` (on a rank that saves)."""
         if stage is TrainingStage.AFTER_BATCH and self.step_interval is not None:
             return ctx.step_count > 0 and ctx.step_count % self.step_interval == 0
         if stage is TrainingStage.AFTER_EPOCH and self.epoch_interval is not None:
