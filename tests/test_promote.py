@@ -25,6 +25,7 @@ from fastckpt.container.promote import Promoter, forget_promoted, promote, promo
 from fastckpt.errors import (
     CheckpointFormatError,
     ChecksumMismatchError,
+    DamagedSourceError,
     MixedRunError,
     NotCommittedError,
     PromotionError,
@@ -157,6 +158,69 @@ def test_a_damaged_source_file_is_refused_and_the_target_is_untouched(tmp_path: 
     with pytest.raises(NotCommittedError, match="no committed index 7"):
         promote_index(fast, durable, 7)
     assert fastckpt.verify(durable).ok
+
+
+def _damage_index(root: Path, index: int) -> None:
+    """Flip one byte of index ``index``'s weights in ``root`` (a rotten sector)."""
+    weights = root / str(index) / "models" / "main.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x10
+    weights.write_bytes(bytes(data))
+
+
+def test_a_damaged_due_index_is_passed_over_and_the_later_ones_are_promoted(
+    tmp_path: Path,
+) -> None:
+    """A due fast index that rotted before its promotion (the trainer killed first) can never
+    be promoted: the promoter passes over it for the later ones, in the same run, and reports
+    it (a PromotionError caused by DamagedSourceError naming it); the next run is healthy.
+    Before, it was retried first at every run and the durable tier never advanced again;
+    ``fastckpt promote`` likewise promotes past it and exits 1 naming it."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    model = torch.nn.Linear(64, 4)
+
+    def save(step: int) -> None:
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        fastckpt.save_checkpoint(fast, models={"main": (model, None)}, incremental=False)
+
+    for step in range(3):
+        save(step)
+    promote_index(fast, durable, 0)
+    _damage_index(fast, 2)  # due (every=2), never promoted
+    promoter = Promoter(fast, durable, every=2)
+    save(3)
+    save(4)
+    promoter.submit()
+    promoter.wait()
+    assert sorted(Manifest.load(durable).entries) == [0, 4]
+    assert not promoter.healthy and promoter.error is not None
+    cause = promoter.error.__cause__
+    assert isinstance(cause, DamagedSourceError), cause
+    assert "index 2: ChecksumMismatchError" in str(cause)
+    assert "main.safetensors" in str(cause)
+    save(5)
+    save(6)
+    promoter.submit()
+    promoter.close()  # the last run succeeded: nothing raised
+    assert sorted(Manifest.load(durable).entries) == [0, 4, 6]
+    assert fastckpt.verify(durable).ok
+    # The command line: index 2 passed over, 6 (newer than the target's) promoted.
+    other = tmp_path / "other"
+    promote_index(fast, other, 0)
+    run = subprocess.run(
+        [sys.executable, "-m", "fastckpt", "promote", str(fast), str(other), "--every", "2"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 1, run.stderr
+    assert "index 2" in run.stderr and "does not verify" in run.stderr, run.stderr
+    assert sorted(Manifest.load(other).entries) == [0, 4, 6]
+    # The newest due index damaged: an error, nothing passed over silently.
+    _damage_index(fast, 6)
+    with pytest.raises(ChecksumMismatchError, match=r"6/models/main\.safetensors"):
+        promote(fast, tmp_path / "third", every=2)
 
 
 def test_sigkill_at_random_moments_of_promotions_never_leaves_a_partial_index(

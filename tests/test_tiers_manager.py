@@ -43,6 +43,7 @@ from fastckpt.container.promote_checkpoints import (
 from fastckpt.errors import (
     CheckpointFormatError,
     ChecksumMismatchError,
+    DamagedSourceError,
     NotCommittedError,
     PromotionError,
 )
@@ -181,6 +182,54 @@ def test_load_latest_takes_the_newest_intact_copy_and_says_which(tmp_path: Path)
         _flip_last_byte(durable / "step_0" / "model.safetensors")
         with pytest.raises(NotCommittedError, match="no intact checkpoint"):
             manager.load_latest()
+
+
+def test_a_checkpoint_the_fast_tier_lost_is_restored_from_the_durable_tier_in_its_place(
+    tmp_path: Path,
+) -> None:
+    """The fast tier loses its newest checkpoint (a directory removed) which the durable tier
+    holds intact: ``latest()`` restores that one from the durable tier, not the fast tier's
+    older one. Before, names only a slower tier held were tried after every name of the
+    fast tier, whatever their save dates: with saves less than 5 s apart the run resumed a
+    checkpoint back without a word."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    tiers = TiersConfig(fast=fast, durable=durable, promote_every=1)
+    with _manager(tiers) as manager:
+        states = _run(manager, 5)
+    assert committed_checkpoints(durable)[-1] == "step_4"
+    shutil.rmtree(fast / "step_4")
+    with _manager(tiers) as manager:
+        assert manager.latest().path == durable / "step_4"
+        assert _equal(_weights(manager.load_latest()), states[4])
+
+
+def test_a_damaged_fast_checkpoint_is_passed_over_and_the_later_ones_are_promoted(
+    tmp_path: Path,
+) -> None:
+    """The fast tier's newest checkpoint (not due, never promoted) rots; a new manager queues
+    it at start. It can never be promoted: the promoter passes over it for the later saves
+    and reports it (PromotionError caused by DamagedSourceError naming it). Before, it stayed
+    first in the queue, every later promotion failed behind it for the manager's lifetime,
+    and close() raised."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    tiers = TiersConfig(fast=fast, durable=durable, promote_every=2)
+    with _manager(tiers) as manager:
+        _run(manager, 4)  # step_0 and step_2 promoted
+    _flip_last_byte(fast / "step_3" / "model.safetensors")
+    manager = _manager(tiers)
+    model = _model()
+    for step in range(4, 7):
+        manager.save(f"step_{step}", {"model": model, "step": step})
+        assert manager.promoter is not None
+        manager.promoter.wait()
+        if step == 4:
+            assert not manager.promotion_healthy
+            error = manager.promoter.error
+            assert error is not None and isinstance(error.__cause__, DamagedSourceError)
+            assert "step_3" in str(error.__cause__)
+    assert committed_checkpoints(durable) == ["step_0", "step_2", "step_4", "step_6"]
+    assert manager.promotion_healthy
+    manager.close()  # the last promotion succeeded
 
 
 def test_a_fast_tier_left_from_an_earlier_run_neither_wins_nor_is_promoted(
@@ -326,7 +375,7 @@ def test_a_promotion_never_replaces_a_later_save_under_the_same_name(
         outcome = promoter.run_here()  # nothing queued: nothing happens
         promoter.enqueue("step_1")
         outcome = promoter.run_here()
-    assert outcome == {"promoted": [], "done": ["step_1"]}
+    assert outcome == {"promoted": [], "done": ["step_1"], "damaged": []}
     assert "was saved later" in caplog.text and str(durable / "step_1") in caplog.text
     with _manager(TiersConfig(fast=tmp_path / "fresh", durable=durable)) as manager:
         assert _equal(_weights(manager.load(durable / "step_1")), states[1])

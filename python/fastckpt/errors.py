@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "ChecksumMismatchError",
+    "DamagedSourceError",
     "FastCkptError",
     "InvalidInputError",
     "MixedRunError",
@@ -107,6 +108,14 @@ class PromotionError(FastCkptError):
     tiers and the cause, which is chained). Training went on; the fast tier's checkpoints are
     intact, and the next promotion retries what is missing (``fastckpt promote FAST DURABLE``
     does it by hand).
+    """
+
+
+class DamagedSourceError(FastCkptError, ValueError):
+    """A promotion passed over checkpoints of its fast tier that do not verify (a rotten or
+    missing file) and promoted the later ones; the message names each and why. It is the
+    cause of that promotion's :class:`PromotionError` (the promoter is unhealthy until a
+    later promotion succeeds). Restore those checkpoints from a copy, or delete them.
     """
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fastckpt.cli.common import enclosing_checkpoint
 from fastckpt.cli.render import print_json
-from fastckpt.cli.status import EXIT_OK, UserError
+from fastckpt.cli.status import EXIT_BAD, EXIT_OK, UserError
 from fastckpt.container.promote import promote
 from fastckpt.container.promote_checkpoints import (
     checkpoint_problem,
@@ -19,7 +19,7 @@ from fastckpt.container.promote_checkpoints import (
     same_files,
 )
 from fastckpt.container.sharded.promote import node_local_root, upload_rank_files
-from fastckpt.format.records import COMMIT_RECORD, MANIFEST, SHARDED_RECORD
+from fastckpt.format.records import COMMIT_RECORD, MANIFEST, SHARDED_RECORD, Manifest
 from fastckpt.io.progress import format_bytes
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
@@ -74,9 +74,16 @@ def cmd_promote(args: argparse.Namespace) -> int:
                 "skipped": report.skipped,
                 "bytes_copied": report.bytes_copied,
                 "bytes_reused": report.bytes_reused,
+                "damaged": [{"index": index, "error": why} for index, why in report.damaged],
             }
         )
-        return EXIT_OK
+        return EXIT_BAD if report.damaged else EXIT_OK
+    for index, why in report.damaged:
+        print(
+            f"fastckpt promote: index {index} of {display_path(source)} does not verify, not "
+            f"promoted ({why})",
+            file=sys.stderr,
+        )
     if report.promoted:
         indices = ", ".join(str(index) for index in report.promoted)
         print(
@@ -84,8 +91,23 @@ def cmd_promote(args: argparse.Namespace) -> int:
             f"({format_bytes(report.bytes_copied)})"
         )
     else:
-        print(f"{display_path(target)} already holds every index of {display_path(source)}")
-    return EXIT_OK
+        print(_nothing_promoted(source, target, report.newest))
+    return EXIT_BAD if report.damaged else EXIT_OK
+
+
+def _nothing_promoted(source: Path, target: Path, target_newest: int | None) -> str:
+    """What ``fastckpt promote`` says when it copied nothing: the target holds the source's
+    newest index already, or an index newer than it (another run's, or this one's from
+    later: indices older than the target's newest are never promoted)."""
+    newest = Manifest.load(source).latest
+    held = Manifest.load(target).entries.get(newest) if newest is not None else None
+    if newest is None or target_newest is None or held is not None:
+        return f"{display_path(target)} already holds every index of {display_path(source)}"
+    return (
+        f"nothing promoted: {display_path(target)}'s newest index {target_newest} is newer "
+        f"than {display_path(source)}'s newest, {newest}, which it does not hold (indices "
+        "older than the target's newest are never promoted; is the target another run's?)"
+    )
 
 
 def _refuse_inside_a_checkpoint(target: Path) -> None:

@@ -68,6 +68,8 @@ from fastckpt.container.sharded.promote import (
 )
 from fastckpt.errors import (
     CheckpointFormatError,
+    ChecksumMismatchError,
+    DamagedSourceError,
     FastCkptError,
     NotCommittedError,
     PromotionError,
@@ -107,6 +109,10 @@ class PromotionReport:
         skipped: the source indices the target already held (same files, same checksums),
             or older than the target's newest.
         vanished: indices the source's retention pruned while they were being promoted.
+        damaged: ``(index, why)`` of the source indices that do not verify (a rotten or
+            missing file) and were passed over for a newer one: one damaged index never
+            holds up the promotion of the later ones (the newest due index, when damaged,
+            raises instead).
         bytes_copied: bytes read from the source and written to the target.
         bytes_reused: bytes the target stored from files it already held (proven identical,
             see the module docstring), none of them transferred.
@@ -116,6 +122,7 @@ class PromotionReport:
     promoted: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     vanished: list[int] = field(default_factory=list)
+    damaged: list[tuple[int, str]] = field(default_factory=list)
     bytes_copied: int = 0
     bytes_reused: int = 0
     newest: int | None = None
@@ -230,10 +237,15 @@ def promote(
     promoted then. ``within``: only these indices are promoted (what a :class:`Promoter` run
     decided before it started, which the fast tier's retention spares meanwhile).
 
+    A due index that does not verify in ``source`` (a damaged or missing file) is passed
+    over for the later ones, listed in the report's ``damaged`` and logged: it can never be
+    promoted, and retrying it at every run held up every later checkpoint.
+
     Raises:
         ValueError: ``every`` < 1, or ``target`` is ``source``.
-        what :func:`promote_index` raises, for the first index that fails (the indices before
-        it are committed in ``target``).
+        what :func:`promote_index` raises, for the newest due index when it is damaged, or
+        the first index that fails otherwise (the indices before it are committed in
+        ``target``).
     """
     if every < 1:
         raise ValueError(f"every must be >= 1, got {every}")
@@ -280,12 +292,21 @@ def promote(
             done = promote_index(source, target, index, node_local=node_local, wait_s=wait_s)
             report.bytes_copied += done.copied
             report.bytes_reused += done.reused
-        except (CheckpointFormatError, NotCommittedError, FileNotFoundError):
-            if index in Manifest.load(source).entries:
+        except (CheckpointFormatError, ChecksumMismatchError, FileNotFoundError) as err:
+            if index not in Manifest.load(source).entries:
+                # Pruned from the source while this ran (its retention): nothing to promote.
+                _LOG.warning("%s: index %d was pruned before it was promoted", source, index)
+                report.vanished.append(index)
+                continue
+            if index == due[-1]:
                 raise
-            # Pruned from the source while this ran (its retention): nothing to promote.
-            _LOG.warning("%s: index %d was pruned before it was promoted", source, index)
-            report.vanished.append(index)
+            _LOG.warning(
+                "%s: index %d does not verify (%s); not promoted, promoting the later ones",
+                display_path(source),
+                index,
+                err,
+            )
+            report.damaged.append((index, f"{type(err).__name__}: {err}"))
             continue
         report.promoted.append(index)
     report.newest = Manifest.load(target).latest
@@ -568,8 +589,20 @@ class Promoter:
                     self._wake.notify_all()
 
     def _attempt(self) -> None:
-        """One promotion run, here or in a detached process (raises what fails)."""
-        self._apply(self._run_detached() if self.detached else self.run_here())
+        """One promotion run, here or in a detached process (raises what fails, and after
+        taking in its outcome, the damaged source checkpoints it passed over)."""
+        outcome = self._run_detached() if self.detached else self.run_here()
+        self._apply(outcome)
+        damaged = outcome.get("damaged") or []
+        if damaged:
+            raise DamagedSourceError(
+                f"{display_path(self.source)} holds checkpoints that do not verify, passed "
+                "over (the later ones were promoted): "
+                + "; ".join(
+                    f"{'index ' if isinstance(what, int) else ''}{what}: {why}"
+                    for what, why in damaged
+                )
+            )
 
     def _apply(self, outcome: Mapping[str, Any]) -> None:
         """Take in a run's outcome (see :meth:`run_here`)."""
@@ -595,7 +628,11 @@ class Promoter:
             # sharded parts of older indices no kept index names (the pruned ones', a
             # vanished promotion's), never a newer index's (ranks may be uploading there).
             prune_indices(self.target, self.keep_last, promoting=True)
-        return {"promoted": report.promoted, "target_newest": report.newest}
+        return {
+            "promoted": report.promoted,
+            "target_newest": report.newest,
+            "damaged": report.damaged,
+        }
 
     def spec(self) -> dict[str, Any]:
         """This promoter's configuration as JSON, from which the detached process makes it

@@ -48,7 +48,12 @@ from fastckpt.container.promote import Promoter
 from fastckpt.container.refs import distrust
 from fastckpt.container.sharded.promote import record_files, write_generation
 from fastckpt.container.verify import verify
-from fastckpt.errors import FastCkptError, NotCommittedError
+from fastckpt.errors import (
+    CheckpointFormatError,
+    ChecksumMismatchError,
+    FastCkptError,
+    NotCommittedError,
+)
 from fastckpt.format.records import (
     COMMIT_RECORD,
     SAVED_NS,
@@ -408,7 +413,9 @@ def nearest_intact_checkpoint(
     on any tier, taken from the first tier that holds it intact; with ``name``, that
     checkpoint from the first tier holding it intact. "Newest" follows the first tier that
     holds the checkpoint (the fast tier saw every save; a durable tier a subset, in order),
-    except where a slower tier shows the faster ones to be left from an earlier run
+    merged by save date where every date is one (a checkpoint the fast tier lost then comes
+    before its older ones, from the durable tier), except where a slower tier shows the
+    faster ones to be left from an earlier run
     (:func:`tier_left_behind`: it holds a checkpoint saved after all of theirs by more than
     the margin, under a name of its own or, where all dates are save times, one of theirs):
     that tier's order
@@ -452,6 +459,12 @@ def nearest_intact_checkpoint(
         for candidate in reversed(dates):
             if candidate not in order:
                 order.append(candidate)
+    if not stale and found and all(listed.saved for _, listed in found):
+        # Every date is a save time (a promotion carries it): a checkpoint only a slower tier
+        # holds (the fast tier lost its copy) takes its place by when it was saved, not
+        # after every checkpoint the fast tier holds (stable: ties keep the order above).
+        first_date = {n: next(d[n] for _, d in ranked if n in d) for n in order}
+        order.sort(key=lambda n: first_date[n], reverse=True)
     if name is not None:
         order = [name] if name in order else []
     for candidate in order:
@@ -492,6 +505,12 @@ def _saved_later(source: Path, target: Path) -> float | None:
     if mine is None or theirs is None or theirs <= mine + SAVED_LEFT_BEHIND_S:
         return None
     return theirs
+
+
+def _source_damage(err: BaseException) -> bool:
+    """Whether a promotion failed on its source's bytes or records (a rotten or missing
+    file, an unreadable commit record), not on the target or the way there."""
+    return isinstance(err, (ChecksumMismatchError, CheckpointFormatError, FileNotFoundError))
 
 
 def _date(when: float) -> str:
@@ -543,10 +562,15 @@ class CheckpointPromoter(Promoter):
 
     def run_here(self) -> dict[str, Any]:
         """Promote the queued names in order, then the target's retention; returns
-        ``promoted`` and ``done`` (the names taken off the queue: promoted, already held
-        there, or removed from ``source`` before their turn)."""
+        ``promoted``, ``done`` (the names taken off the queue: promoted, already held
+        there, removed from ``source`` before their turn, or damaged) and ``damaged``
+        (``(name, why)`` of the checkpoints that do not verify in ``source`` and were passed
+        over for a later one: retrying them never succeeds, and held up every later name).
+        A damaged name last in the queue raises (it stays queued for the next run, which
+        passes over it once a later save is queued behind it)."""
         promoted: list[str] = []
         done: list[str] = []
+        damaged: list[tuple[str, str]] = []
         while True:
             with self._lock:
                 # Only what this run was started with (see _due_now): later names wait.
@@ -568,12 +592,20 @@ class CheckpointPromoter(Promoter):
             elif not same_files(source, self.target / name):
                 try:
                     promote_checkpoint(source, self.target / name)
-                except (FastCkptError, OSError):
+                except (FastCkptError, OSError) as err:
                     if _committed(source):
-                        raise
-                    # Deleted while it was copied (a retention not told of this run): like
-                    # one removed before its turn, not a failed promotion.
-                    _LOG.warning("%s: removed while it was promoted", display_path(source))
+                        if name == names[-1] or not _source_damage(err):
+                            raise
+                        _LOG.warning(
+                            "%s does not verify (%s); not promoted, promoting the later ones",
+                            display_path(source),
+                            err,
+                        )
+                        damaged.append((name, f"{type(err).__name__}: {err}"))
+                    else:
+                        # Deleted while it was copied (a retention not told of this run):
+                        # like one removed before its turn, not a failed promotion.
+                        _LOG.warning("%s: removed while it was promoted", display_path(source))
                 else:
                     promoted.append(name)
             with self._lock:
@@ -581,7 +613,7 @@ class CheckpointPromoter(Promoter):
             done.append(name)
         if self.keep_last is not None:
             prune_checkpoints(self.target, self.keep_last)
-        return {"promoted": promoted, "done": done}
+        return {"promoted": promoted, "done": done, "damaged": damaged}
 
     def spec(self) -> dict[str, Any]:
         """:meth:`Promoter.spec` with the queued names."""
