@@ -283,7 +283,7 @@ def test_a_detached_promotion_of_plain_indices_does_not_import_torch(
     )
     assert done.returncode == 0, done.stderr
     outcome, imported_torch = json.loads(done.stdout)
-    assert outcome == {"promoted": [0], "target_newest": 0} and not imported_torch
+    assert outcome == {"promoted": [0], "target_newest": 0, "damaged": []} and not imported_torch
 
 
 @pytest.mark.parametrize(
