@@ -4,13 +4,17 @@ tested in test_cli.py)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 import fastckpt
+from fastckpt import cli
 from fastckpt.container import diff
 
 
@@ -65,3 +69,94 @@ def test_diff_of_two_kinds_shows_user_key_paths_a_summary_first_and_a_limit(
     assert cuts == ["... and 27 more (--limit 0 shows every row)", cuts[1]] and len(cuts) == 2
     assert len(shown) == 3 + (1 + 5 + 1) * 2
     assert len(diff()) < len(everything)  # 20 rows per table by default
+
+
+def _cli_diff(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
+    """``fastckpt --json diff ARGS`` in this process: (exit status, the JSON result)."""
+    status = cli.main(["--json", "diff", *args])
+    return status, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "biggest"),
+    [
+        ([2**53, 7], [2**53 + 1, 7], 1),  # float64 rounds both to 2**53
+        ([1234567890123456789], [1234567890123456790], 1),
+        ([-(2**63)], [2**63 - 1], 2**64 - 1),  # the difference overflows int64
+        ([0.0, 1.0], [-0.0, 1.0], 0.0),  # bits differ, values are equal
+    ],
+    ids=["int64-2**53", "int64-seed", "int64-extremes", "signed-zero"],
+)
+def test_any_differing_bit_is_a_change_and_integer_differences_are_exact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], a: list[Any], b: list[Any], biggest: Any
+) -> None:
+    """With the default atol 0, tensors whose bits differ are never ``identical`` (before:
+    int64 values float64 cannot tell apart and +0.0/-0.0 were, exit 0), and an integer
+    tensor's MAX |A-B| is exact."""
+    fastckpt.save_file({"x": torch.tensor(a)}, tmp_path / "a.safetensors")
+    fastckpt.save_file({"x": torch.tensor(b)}, tmp_path / "b.safetensors")
+    status, result = _cli_diff(
+        capsys, str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    )
+    assert status == 1 and result["identical"] is False
+    (changed,) = result["changed"]
+    assert changed["differing"] == 1 and changed["max_abs_diff"] == biggest
+    assert type(changed["max_abs_diff"]) is type(biggest)
+
+
+def test_integer_differences_are_exact_for_every_integer_dtype() -> None:
+    """compare_tensors widens integers to int64 without loss (uint64 included)."""
+    cases = [
+        (torch.uint64, [0, 2**64 - 1], [2**64 - 1, 2**64 - 1], 2**64 - 1),
+        (torch.uint64, [2**63], [2**63 - 1], 1),
+        (torch.uint32, [2**32 - 1], [0], 2**32 - 1),
+        (torch.int8, [-128], [127], 255),
+        (torch.int32, [-(2**31)], [2**31 - 1], 2**32 - 1),
+    ]
+    for dtype, left, right, biggest in cases:
+        a, b = torch.tensor(left, dtype=dtype), torch.tensor(right, dtype=dtype)
+        assert diff.compare_tensors(a, b) == (1, biggest), dtype
+        assert diff.compare_tensors(b, a) == (1, biggest), dtype
+
+
+def test_atol_tolerates_differences_up_to_it_but_never_a_nan(tmp_path: Path) -> None:
+    """``atol`` > 0 counts a tensor whose largest difference is at most atol as equal (a
+    signed zero, an int64 off by one); a NaN against a number is always a change."""
+    a = {"zero": [0.0], "big": [2**53], "nan": [1.0]}
+    b = {"zero": [-0.0], "big": [2**53 + 1], "nan": [float("nan")]}
+    fastckpt.save_file({k: torch.tensor(v) for k, v in a.items()}, tmp_path / "a.safetensors")
+    fastckpt.save_file({k: torch.tensor(v) for k, v in b.items()}, tmp_path / "b.safetensors")
+    side_a = diff.TensorFiles("a", {"": tmp_path / "a.safetensors"})
+    side_b = diff.TensorFiles("b", {"": tmp_path / "b.safetensors"})
+    strict = diff.diff_checkpoints(side_a, side_b)
+    assert sorted(c["name"] for c in strict["changed"]) == ["big", "nan", "zero"]
+    loose = diff.diff_checkpoints(side_a, side_b, atol=1.0)
+    assert [c["name"] for c in loose["changed"]] == ["nan"] and loose["same"] == 2
+    assert loose["changed"][0]["max_abs_diff"] is None
+    assert [c["name"] for c in diff.diff_checkpoints(side_a, side_b, atol=0.5)["changed"]] == [
+        "big",
+        "nan",
+    ]
+
+
+def test_a_parameter_frozen_on_one_side_only_is_a_difference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The manifest's record of frozen parameters (which load_checkpoint restores) is compared:
+    same weights, one side with ``weight`` frozen, is not identical (before: exit 0)."""
+    torch.manual_seed(0)
+    trained, frozen = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    frozen.load_state_dict(trained.state_dict())
+    frozen.weight.requires_grad_(False)
+    fastckpt.save_checkpoint(tmp_path / "a", models={"main": (trained, None)})
+    fastckpt.save_checkpoint(tmp_path / "b", models={"main": (frozen, None)})
+    status, result = _cli_diff(capsys, str(tmp_path / "a"), str(tmp_path / "b"))
+    assert status == 1 and result["identical"] is False and result["changed"] == []
+    assert result["values_added"] == [{"name": "frozen:main.weight", "b": True}]
+    status, result = _cli_diff(capsys, str(tmp_path / "b"), str(tmp_path / "a"))
+    assert status == 1 and result["values_removed"] == [{"name": "frozen:main.weight", "a": True}]
+    status, result = _cli_diff(capsys, str(tmp_path / "b"), str(tmp_path / "b"))
+    assert status == 0 and result["identical"] is True
+    assert cli.main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["added", "frozen:main.weight", "-", "true"] in rows

@@ -163,3 +163,65 @@ def test_a_model_that_takes_device_and_keeps_it_is_built_for_real(tmp_path: Path
     assert loaded.config["device"] == torch.device("cpu")
     x = torch.ones(2, 8)
     assert torch.equal(loaded(x), model.linear(x) + 1)
+
+
+class ListTables(nn.Module):
+    """A tensor in a list attribute: neither parameter nor buffer, so the load leaves it."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.tables = [torch.arange(width, dtype=torch.float32)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.tables[0]
+
+
+class NestedTables(nn.Module):
+    """A tensor deep in nested containers, and a module kept outside the module tree."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.config = {"scales": ({"first": [torch.full((width,), 2.0)]},), "width": width}
+        self.helpers = [nn.Linear(width, width)]  # not registered: not in the state dict
+
+
+class PlainContainers(nn.Module):
+    """Containers without tensors (a cycle, a reference to a submodule): still plain."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.sizes = [width, {"pair": (1, 2.5), "names": {"a", "b"}}]
+        self.loop: list[Any] = []
+        self.loop.append(self.loop)
+        self.peers = [self.linear]
+
+
+def test_a_tensor_inside_a_container_attribute_is_built_for_real(tmp_path: Path) -> None:
+    """A tensor (or a module outside the tree) kept in a list, tuple or dict attribute, at
+    any depth, takes the real build: the loaded model holds it on the CPU, as a real build
+    does (before: it came back on the meta device and the forward failed)."""
+    torch.manual_seed(0)
+    model = ListTables()
+    assert not fully_restored_by(model, model.state_dict())
+    loaded = _saved(tmp_path / "list", model)
+    assert isinstance(loaded, ListTables)
+    assert loaded.tables[0].device.type == "cpu"
+    assert torch.equal(loaded.tables[0], ListTables().tables[0])
+    x = torch.randn(2, 4)
+    assert torch.equal(loaded(x), model(x))
+
+    nested = NestedTables()
+    assert not fully_restored_by(nested, nested.state_dict())
+    loaded_nested = _saved(tmp_path / "nested", nested)
+    assert isinstance(loaded_nested, NestedTables)
+    (scales,) = loaded_nested.config["scales"]
+    assert scales["first"][0].device.type == "cpu"
+    assert torch.equal(scales["first"][0], torch.full((4,), 2.0))
+    assert all(p.device.type == "cpu" for p in loaded_nested.helpers[0].parameters())
+    assert _same_state(nested, loaded_nested)
+
+    plain = PlainContainers()
+    assert fully_restored_by(plain, plain.state_dict())

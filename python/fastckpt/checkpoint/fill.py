@@ -13,7 +13,8 @@ draws) only to overwrite it, and moves each byte twice (file -> mapping -> param
   tensor into its parameter or buffer and does nothing else.
 * :func:`fully_restored_by` adds that no tensor is tied to two names (``to_empty`` would
   untie them) and the module tree keeps no tensor outside its parameters
-  and buffers (nor the meta device it was built on): then every tensor the model holds is
+  and buffers, not even inside a list, tuple or dict attribute (nor the meta device it was
+  built on): then every tensor the model holds is
   overwritten by the load, and the model
   can be materialized from its meta-device build in uninitialized memory (``to_empty``)
   instead of being built and initialized again (:func:`fastckpt.checkpoint.build.build_model`).
@@ -97,7 +98,8 @@ def plain_state(model: torch.nn.Module, names: Mapping[str, Any]) -> dict[str, t
 def fully_restored_by(model: torch.nn.Module, names: Mapping[str, Any]) -> bool:
     """Whether loading a state dict with keys ``names`` overwrites every tensor ``model``
     holds: it is plain with those keys, every parameter and buffer is in its ``state_dict``,
-    and no module keeps a tensor in a plain attribute (which a load would not touch)."""
+    and no module keeps a tensor in a plain attribute, or in a list, tuple, set or dict one
+    holds at any depth (which a load would not touch)."""
     state = plain_state(model, names)
     if state is None:
         return False
@@ -107,16 +109,49 @@ def fully_restored_by(model: torch.nn.Module, names: Mapping[str, Any]) -> bool:
         return False
     if len(saved) < len(state):
         return False  # tied tensors: to_empty would give each name a parameter of its own
-    for module in model.modules():
-        # Parameters and buffers live in their tables: a tensor here is one the load does not
-        # reach (its own, or an alias of a buffer that to_empty would leave on the meta device).
-        for value in vars(module).values():
-            if isinstance(value, torch.Tensor):
-                return False
-            meta = isinstance(value, torch.device) and value.type == "meta"
-            if meta or (isinstance(value, str) and value == "meta"):
-                return False  # the meta build's device, kept where a real build keeps its own
-    return True
+    # Parameters and buffers live in their tables: a tensor in an attribute, or in a list,
+    # tuple, set or dict an attribute holds, is one the load does not reach (its own, or an
+    # alias of a buffer that to_empty would leave on the meta device).
+    registered = {id(module) for module in model.modules()}
+    return not any(_keeps_unloaded(module, registered) for module in model.modules())
+
+
+#: A module's own tables (in ``vars(module)``) of what ``state_dict`` and ``modules()`` reach.
+_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
+
+#: Containers :func:`_keeps_unloaded` looks inside (subclasses too: a namedtuple, an OrderedDict).
+_CONTAINERS = (list, tuple, set, frozenset, dict)
+
+
+def _keeps_unloaded(module: torch.nn.Module, registered: set[int]) -> bool:
+    """Whether ``module``'s attributes (other than its parameter, buffer and submodule
+    tables), or the lists, tuples, sets and dicts among them at any depth, hold what a load
+    does not overwrite: a tensor, a module outside the model's tree (``registered``: the
+    ids of ``model.modules()``), or the meta device (``torch.device("meta")`` or ``"meta"``:
+    the meta build's device, kept where a real build keeps its own).
+
+    Walks without recursion (any depth) and visits each container once (cycles end).
+    """
+    pending = [value for name, value in vars(module).items() if name not in _TABLES]
+    seen: set[int] = set()
+    while pending:
+        value = pending.pop()
+        if isinstance(value, torch.Tensor):
+            return True
+        if isinstance(value, torch.nn.Module) and id(value) not in registered:
+            return True
+        if isinstance(value, torch.device) and value.type == "meta":
+            return True
+        if isinstance(value, str) and value == "meta":
+            return True
+        if isinstance(value, _CONTAINERS) and id(value) not in seen:
+            seen.add(id(value))
+            if isinstance(value, dict):
+                pending.extend(value.keys())
+                pending.extend(value.values())
+            else:
+                pending.extend(value)
+    return False
 
 
 def direct_targets(

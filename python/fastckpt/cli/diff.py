@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fastckpt.checkpoint.components import FROZEN_FIELD
 from fastckpt.cli.common import (
     EXIT_BAD,
     EXIT_OK,
@@ -194,13 +195,31 @@ class _SideOf(KindVisitor[_Side]):
             }
             for relpath, names in index_references(manifest, index).items()
         }
+        entry = manifest.entries[index]
         counters: dict[str, Any] = {}
-        _flatten_values("counters:", manifest.entries[index].get("counters", {}), counters)
+        _flatten_values("counters:", entry.get("counters", {}), counters)
         plain = {name.replace(":.", ":"): value for name, value in counters.items()}
+        plain.update(_frozen_values(entry.get(FROZEN_FIELD, {})))
         plain.update(_json_values(directory, listed, manifest.root))
         latest = ", latest" if index == manifest.latest else ""
         side = TensorFiles(f"{display_path(directory)} (index {index}{latest})", files, references)
         return _Side(side, plain, {})
+
+
+def _frozen_values(record: Any) -> dict[str, Any]:
+    """``{"frozen:<model>.<parameter>": True}`` for each parameter a manifest entry records
+    as frozen (its :data:`~fastckpt.checkpoint.components.FROZEN_FIELD`, which loads restore):
+    a parameter frozen on one side only is a plain value added or removed. A record that is
+    no list of names is one value, ``frozen:<model>`` (or ``frozen`` for the whole field)."""
+    if not isinstance(record, Mapping):
+        return {"frozen": record}
+    values: dict[str, Any] = {}
+    for model, names in record.items():
+        if isinstance(names, list) and all(isinstance(n, str) for n in names):
+            values.update({f"frozen:{model}.{name}": True for name in names})
+        else:
+            values[f"frozen:{model}"] = names
+    return values
 
 
 def _match_export(single: _Side, whole: _Side) -> str | None:
@@ -281,7 +300,7 @@ def _diff_text(result: Mapping[str, Any], limit: int = 0) -> str:
                 item["dtype"],
                 shape_text(item["shape"]),
                 f"{item['differing']}/{item['elements']}",
-                "nan" if biggest is None else f"{biggest:.6g}",
+                _difference_text(biggest),
             ]
         )
     for item in result["mismatched"]:
@@ -312,6 +331,13 @@ def _diff_text(result: Mapping[str, Any], limit: int = 0) -> str:
         lines.append(table(["CHANGE", "VALUE", "A", "B"], shown))
         lines += [cut] if cut else []
     return "\n".join(lines)
+
+
+def _difference_text(biggest: int | float | None) -> str:
+    """A MAX |A-B| cell: exact for integer tensors, 6 significant digits for floats."""
+    if biggest is None:
+        return "nan"
+    return str(biggest) if isinstance(biggest, int) else f"{biggest:.6g}"
 
 
 def _summary(result: Mapping[str, Any]) -> str:

@@ -223,7 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the second checkpoint (a file exported from A is compared with that model)",
     )
     diff.add_argument(
-        "--atol", type=float, default=0.0, help="count tensors within this max |a-b| as equal"
+        "--atol",
+        type=float,
+        default=0.0,
+        help="count tensors within this max |a-b| as equal (default 0: only identical bits)",
     )
     diff.add_argument(
         "--limit",

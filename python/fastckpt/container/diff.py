@@ -45,11 +45,15 @@ def _qualified(prefix: str, name: str) -> str:
 _INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
+def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int | float]:
     """Compare two tensors of equal dtype and shape bit for bit.
 
     Returns:
-        ``(differing elements, max |a - b| over them)``; NaN when a differing element is NaN.
+        ``(differing elements, max |a - b| over them)``. For integer and bool tensors the
+        difference is exact (a Python ``int``, even between int64 or uint64 values that
+        float64 cannot tell apart); for floating tensors it is a float (``0.0`` for
+        elements that differ only in their bits, ``+0.0`` against ``-0.0``), NaN when a
+        differing element is NaN.
     """
     view = _INT_VIEWS[a.element_size()]
     flat_a, flat_b = a.reshape(-1), b.reshape(-1)
@@ -57,9 +61,47 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
     count = int(differ.sum())
     if count == 0:
         return 0, 0.0
-    wide = torch.complex128 if a.is_complex() else torch.float64
-    delta = (flat_a[differ].to(wide) - flat_b[differ].to(wide)).abs()
-    return count, float(delta.max())
+    if a.is_floating_point() or a.is_complex():
+        wide = torch.complex128 if a.is_complex() else torch.float64
+        delta = (flat_a[differ].to(wide) - flat_b[differ].to(wide)).abs()
+        return count, float(delta.max())
+    return count, _max_int_distance(flat_a[differ], flat_b[differ])
+
+
+#: The unsigned 64-bit dtype (torch >= 2.3; None before): its bits need their order mapped.
+_UINT64 = getattr(torch, "uint64", None)
+
+
+def _max_int_distance(a: torch.Tensor, b: torch.Tensor) -> int:
+    """``max |a - b|`` of two non-empty 1-D integer (or bool) tensors of one dtype, exactly.
+
+    Every element is widened to int64 without loss: a uint64 by its bits with the sign bit
+    flipped, which keeps the order and the differences modulo 2**64. ``high - low`` is then
+    in ``[0, 2**64)`` but wraps in int64: a negative result stands for itself plus 2**64,
+    which exceeds every non-negative one.
+    """
+    if a.dtype == _UINT64:
+        sign = torch.tensor(-(2**63), dtype=torch.int64)
+        a, b = a.view(torch.int64) ^ sign, b.view(torch.int64) ^ sign
+    else:
+        a, b = a.to(torch.int64), b.to(torch.int64)
+    wrapped = torch.maximum(a, b) - torch.minimum(a, b)
+    negative = wrapped[wrapped < 0]
+    if negative.numel():
+        return int(negative.max()) + 2**64
+    return int(wrapped.max())
+
+
+def _within(count: int, biggest: int | float, atol: float) -> bool:
+    """Whether a comparison by :func:`compare_tensors` counts as equal under ``atol``.
+
+    With ``atol`` 0 (the default) only identical bits do: ``+0.0`` against ``-0.0`` and
+    int64 values float64 cannot tell apart are changes. With ``atol`` > 0 a tensor whose
+    largest difference is at most ``atol`` is equal; one involving a NaN never is.
+    """
+    if count == 0:
+        return True
+    return atol > 0 and biggest <= atol  # NaN <= atol is False
 
 
 def _headers(side: TensorFiles) -> dict[str, dict[str, Any]]:
@@ -117,13 +159,16 @@ def diff_checkpoints(a: TensorFiles, b: TensorFiles, atol: float = 0.0) -> dict[
 
     Args:
         a, b: the two sides.
-        atol: tensors whose largest difference is at most this count as equal.
+        atol: when > 0, tensors whose largest difference is at most this count as equal
+            (see :func:`_within`); 0: only identical bits do.
 
     Returns:
         ``{"a", "b", "atol", "identical", "compared", "same", "changed", "mismatched",
         "added", "removed"}``: ``changed`` lists tensors whose values differ (with the count
         of differing elements and the largest difference), ``mismatched`` those whose dtype
-        or shape differ, ``added``/``removed`` those only ``b``/``a`` has.
+        or shape differ, ``added``/``removed`` those only ``b``/``a`` has. The largest
+        difference (``max_abs_diff``) is an exact ``int`` for integer tensors, a float for
+        floating ones, None when a NaN is involved.
 
     Raises:
         TypeError: a tensor's dtype is unknown to this torch build (names the file).
@@ -152,7 +197,7 @@ def diff_checkpoints(a: TensorFiles, b: TensorFiles, atol: float = 0.0) -> dict[
             left = tensors_a[head_a[name]["name"]]
             right = tensors_b[head_b[name]["name"]]
             count, biggest = compare_tensors(left, right)
-            if count == 0 or biggest <= atol:
+            if _within(count, biggest, atol):
                 same += 1
                 continue
             changed.append(
