@@ -382,3 +382,97 @@ def test_a_template_that_cannot_hold_the_values_is_refused(tmp_path: Path) -> No
         good = torch.empty(6)
         manager.load(tmp_path / "c", into={"m": {"w": good}})
         assert torch.equal(good, torch.arange(6.0))
+
+
+def _snapshot(template: Any) -> dict[str, bytes]:
+    """Every tensor a template holds (a module's parameters and buffers), as bytes."""
+    if isinstance(template, torch.nn.Module):
+        return {name: _bytes(t) for name, t in template.state_dict().items()}
+    return {path: _bytes(t) for path, t in _leaves(template)}
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["direct-read", "copied"])
+def test_a_shape_mismatch_leaves_the_state_dict_template_untouched(
+    tmp_path: Path, contiguous: bool
+) -> None:
+    # 0.weight fits and comes first, 0.bias does not: the header says so before any byte is
+    # read, so 0.weight must not be overwritten (read into directly, or copied) either.
+    torch.manual_seed(0)
+    saved = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    weight = torch.randn(4, 4) if contiguous else torch.randn(4, 4).t()
+    template = {"model": {"0.weight": weight, "0.bias": torch.zeros(5)}}
+    before = _snapshot(template)
+    with _sync() as manager:
+        manager.save(tmp_path / "c", {"model": saved.state_dict()})
+        with pytest.raises(CheckpointMismatchError, match=r"model\.0\.bias.*shape \(5,\)"):
+            manager.load(tmp_path / "c", into=template)
+    assert _snapshot(template) == before
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_module_with_an_extra_layer_is_refused_untouched(tmp_path: Path, strict: bool) -> None:
+    # torch's load_state_dict copies every matching tensor, then raises on the missing keys:
+    # the key sets are compared first, so big[0] keeps its own values.
+    torch.manual_seed(0)
+    saved = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    big = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    small = torch.nn.Sequential()
+    with _sync() as manager:
+        manager.save(tmp_path / "c", {"net": saved})
+        for template, why in (
+            (big, r"Missing key\(s\): \['1\.weight', '1\.bias'\]"),
+            (small, r"Unexpected key\(s\): \['0\.weight', '0\.bias'\]"),
+        ):
+            before = _snapshot(template)
+            with pytest.raises(CheckpointMismatchError) as caught:
+                manager.load(tmp_path / "c", into={"net": template}, strict=strict)
+            assert _snapshot(template) == before
+            # The error names the item, the keys and the fix.
+            assert caught.match(rf"^net: .*{why}.*strict=False")
+
+
+def test_a_key_missing_under_strict_leaves_the_template_untouched(tmp_path: Path) -> None:
+    template = {"model": {"w": torch.zeros(3), "extra": torch.zeros(2)}}
+    with _sync() as manager:
+        manager.save(tmp_path / "c", {"model": {"w": torch.ones(3)}})
+        with pytest.raises(CheckpointMismatchError, match=r"model\.extra: missing"):
+            manager.load(tmp_path / "c", into=template, strict=True)
+        assert torch.equal(template["model"]["w"], torch.zeros(3))
+        manager.load(tmp_path / "c", into=template)  # not strict: the rest is loaded
+    assert torch.equal(template["model"]["w"], torch.ones(3))
+
+
+def test_a_batch_norm_state_without_num_batches_tracked_still_loads(tmp_path: Path) -> None:
+    # torch supplies a missing num_batches_tracked: the key check must not refuse it.
+    saved = torch.nn.BatchNorm1d(3)
+    saved.running_mean += 2.0
+    state = {k: v for k, v in saved.state_dict().items() if k != "num_batches_tracked"}
+    fresh = torch.nn.BatchNorm1d(3)
+    with _sync() as manager:
+        manager.save(tmp_path / "c", {"bn": state})
+        manager.load(tmp_path / "c", into={"bn": fresh})
+    assert torch.equal(fresh.running_mean, saved.running_mean)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-read", "copied"])
+def test_a_later_items_mismatch_leaves_every_items_template_untouched(
+    tmp_path: Path, direct: bool
+) -> None:
+    """Every item's template is checked before any is written into: with ``into={"a": fits,
+    "b": mismatched}`` the error names ``b`` and ``a``'s template keeps its own values too,
+    whether it would be read into directly or copied into. Before, ``a`` was loaded before
+    ``b``'s mismatch was found; so was every item before a key missing under ``strict``."""
+    torch.manual_seed(0)
+    with _sync() as manager:
+        manager.save(tmp_path / "c", {"a": {"w": torch.randn(8)}, "b": {"w": torch.randn(4)}})
+        fits = {"w": torch.zeros(8) if direct else torch.zeros(16)[::2]}  # strided: copied
+        for into, strict, why in (
+            ({"a": fits, "b": {"w": torch.zeros(5)}}, False, r"^b\.w: "),
+            ({"a": fits, "zz": {"w": torch.zeros(1)}}, True, r"^zz: not in checkpoint"),
+        ):
+            before = _snapshot(fits)
+            with pytest.raises(CheckpointMismatchError, match=why):
+                manager.load(tmp_path / "c", into=into, strict=strict)
+            assert _snapshot(fits) == before
+        loaded = manager.load(tmp_path / "c", into={"a": fits})
+        assert torch.equal(loaded["a"]["w"], fits["w"]) and fits["w"].abs().sum() > 0

@@ -89,8 +89,14 @@ from fastckpt.manager.config import (
     TiersConfig,
 )
 from fastckpt.manager.incremental import LinkPlan, Tracker
-from fastckpt.manager.load import plan_direct_read
-from fastckpt.manager.stateful import check_template, contains_stateful, prepare_save, restore
+from fastckpt.manager.load import DirectRead, plan_direct_read
+from fastckpt.manager.stateful import (
+    check_restore,
+    check_template,
+    contains_stateful,
+    prepare_save,
+    restore,
+)
 from fastckpt.storage.registry import (
     backend_for,
     display_path,
@@ -918,7 +924,9 @@ class CheckpointManager:
         Raises:
             RuntimeError: the manager is closed.
             TypeError: a template value a load cannot apply, by key path (nothing is read).
-            CheckpointMismatchError: dtype/shape mismatch or (strict) missing key, by key path.
+            CheckpointMismatchError: dtype/shape mismatch, a module's key set, or (strict) a
+                missing key, by key path: checked for every item against the headers before
+                any template is written into, so every template is left untouched.
             CheckpointFormatError / ChecksumMismatchError: damaged files, naming file and
                 tensor. Nothing is returned, but templates read into directly may hold
                 partial or damaged bytes by then: load a good checkpoint before using them.
@@ -935,22 +943,35 @@ class CheckpointManager:
         if _is_sharded(directory):
             return self._load_sharded(directory, into, map_location, strict)
 
+        rank = self._dist.rank
+
         def read_all() -> tuple[dict[str, Any], dict[str, Any]]:
             # The record and every item it names, as one snapshot (nothing applied yet).
+            # Every template of every item is checked before any is written into: a
+            # mismatch of a later item leaves the earlier items' templates untouched too.
             record = read_commit_record(directory)
-            values: dict[str, Any] = {}
-            for key in record["items"] if into is None else into:
-                if key in record["items"]:
-                    template = None if into is None else into[key]
-                    values[key] = _load_checked_item(
-                        directory,
-                        record,
-                        key,
-                        self._dist.rank,
-                        map_location,
-                        self.config,
-                        template,
-                    )
+            available = record["items"]
+            if strict and into is not None:
+                for key in into:
+                    if key not in available:
+                        raise CheckpointMismatchError(f"{key}: not in checkpoint {directory}")
+            keys = [k for k in (available if into is None else into) if k in available]
+            templates = {key: None if into is None else into[key] for key in keys}
+            plans = {  # each checks its template against the headers (nothing read yet)
+                key: _plan_checked_item(directory, record, key, rank, templates[key], strict)
+                for key in keys
+            }
+            values: dict[str, Any] = {
+                key: _load_checked_item(directory, record, key, rank, map_location, self.config)
+                for key in keys
+                if plans[key] is None
+            }
+            for key, value in values.items():
+                if templates[key] is not None:
+                    check_restore(templates[key], value, key, strict)
+            for key, plan in plans.items():
+                if plan is not None:
+                    values[key] = _read_directly(plan, key, map_location)
             return record, values
 
         # A save replacing this checkpoint while it is read: read again (bounded).
@@ -960,8 +981,6 @@ class CheckpointManager:
         result: dict[str, Any] = {}
         for key in keys:
             if key not in available:
-                if strict:
-                    raise CheckpointMismatchError(f"{key}: not in checkpoint {directory}")
                 if into is not None:
                     result[key] = into[key]
                 continue
@@ -1082,6 +1101,33 @@ def _load_item(
     return tree.unflatten(skeleton, tensors, key)
 
 
+def _plan_checked_item(
+    directory: Path, record: Mapping[str, Any], key: str, rank: int, template: Any, strict: bool
+) -> DirectRead | None:
+    """The direct read of item ``key`` into ``template`` (:func:`plan_direct_read`, which
+    checks the template against the headers first), or None: no template, an object store,
+    or no template tensor that can take one (the item is then loaded by
+    :func:`_load_checked_item`). Malformed skeletons raise as there."""
+    if template is None or is_object_url(directory):
+        return None
+    with _malformed_item(directory, record, key, rank):
+        return plan_direct_read(directory, record, key, rank, template, strict)
+
+
+def _read_directly(plan: DirectRead, key: str, map_location: Any) -> Any:
+    """Run the direct read ``plan`` of item ``key``; a damaged file found meanwhile raises
+    naming the templates that were read into."""
+    try:
+        return plan.load(map_location)
+    except (ChecksumMismatchError, CheckpointFormatError) as err:
+        # The templates were read into: say so where the user reads the error.
+        raise type(err)(
+            f"{err}; the tensors given in into={{{key!r}: ...}} were read into "
+            "directly and may now hold partial bytes: load an intact checkpoint "
+            "into them (fastckpt.latest_intact finds one) before using them"
+        ) from err
+
+
 def _load_checked_item(
     directory: Path,
     record: Mapping[str, Any],
@@ -1089,27 +1135,22 @@ def _load_checked_item(
     rank: int,
     map_location: Any,
     config: Any,
-    template: Any = None,
 ) -> Any:
-    """:func:`_load_item`, or the direct read into ``template`` where some template tensor can
-    take one (:mod:`fastckpt.manager.load`; local checkpoints), with the malformed-skeleton
-    errors of a hostile item JSON (whose checksum was re-sealed) as
-    :class:`CheckpointFormatError` naming the file."""
+    """:func:`_load_item`, with the malformed-skeleton errors of a hostile item JSON (whose
+    checksum was re-sealed) as :class:`CheckpointFormatError` naming the file."""
+    with _malformed_item(directory, record, key, rank):
+        return _load_item(directory, record, key, rank, map_location, config.load.use_mmap)
+
+
+@contextlib.contextmanager
+def _malformed_item(
+    directory: Path, record: Mapping[str, Any], key: str, rank: int
+) -> Iterator[None]:
+    """Turn the errors a malformed item skeleton causes into :class:`CheckpointFormatError`
+    naming the item's file and field."""
     where = directory / item_files(record, key, rank)[0]
     try:
-        if template is not None and not is_object_url(directory):
-            plan = plan_direct_read(directory, record, key, rank, template)
-            if plan is not None:
-                try:
-                    return plan.load(map_location)
-                except (ChecksumMismatchError, CheckpointFormatError) as err:
-                    # The templates were read into: say so where the user reads the error.
-                    raise type(err)(
-                        f"{err}; the tensors given in into={{{key!r}: ...}} were read into "
-                        "directly and may now hold partial bytes: load an intact checkpoint "
-                        "into them (fastckpt.latest_intact finds one) before using them"
-                    ) from err
-        return _load_item(directory, record, key, rank, map_location, config.load.use_mmap)
+        yield
     except CheckpointFormatError as err:
         if str(directory) in str(err):
             raise

@@ -15,16 +15,20 @@ checkpoint's exact tensor names) whose every parameter and buffer can take its b
 is read into the same way, and its ``load_state_dict`` is not called (it would copy each
 tensor onto itself); any other module keeps its ``load_state_dict``.
 
-The other tensors of such an item (CUDA or non-contiguous templates, dtype or shape
-mismatches, parts of the item under a ``None`` or other stateful template) are read by the same
-pass into fresh CPU memory, and :func:`fastckpt.manager.stateful.restore` copies them into their
-templates or raises :class:`~fastckpt.errors.CheckpointMismatchError` as before. An item with
-no template tensor that can take a direct read keeps the mapped path
+The other tensors of such an item (CUDA or non-contiguous templates, parts of the item under a
+``None`` or other stateful template) are read by the same pass into fresh CPU memory, and
+:func:`fastckpt.manager.stateful.restore` copies them into their templates. An item with no
+template tensor that can take a direct read keeps the mapped path
 (:func:`fastckpt.container.links.read_item`); so do loads without templates, for which
 ``CheckpointLoaderConfig.use_mmap`` applies.
 
-When a check fails the load raises and returns nothing, but the templates read into may hold
-partial or damaged bytes by then: load again (another checkpoint) before using them.
+Before any byte is read into a template, the item's template is checked against the headers
+(:func:`fastckpt.manager.stateful.check_restore`: structure, dtypes and shapes, keys missing
+under ``strict``, a plain module's key set), so a mismatch raises
+:class:`~fastckpt.errors.CheckpointMismatchError` with that template untouched. A damaged or
+replaced file is only found while its bytes are read: the load then raises and returns
+nothing, but the templates read into may hold partial or damaged bytes: load again (another
+checkpoint) before using them.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from fastckpt.io.files import byte_view, dtype_from_name, torch_shape
 from fastckpt.io.headers import DEFAULT_THREADS, read_metadata
 from fastckpt.io.paths import safe_join
 from fastckpt.io.progress import active_counter
-from fastckpt.manager.stateful import is_stateful
+from fastckpt.manager.stateful import check_restore, is_stateful
 
 __all__ = ["DirectRead", "plan_direct_read", "takes_direct_read"]
 
@@ -142,16 +146,29 @@ class DirectRead:
 
 
 def plan_direct_read(
-    directory: Path, record: Mapping[str, Any], key: str, rank: int, template: Any
+    directory: Path,
+    record: Mapping[str, Any],
+    key: str,
+    rank: int,
+    template: Any,
+    strict: bool | None = None,
 ) -> DirectRead | None:
     """The direct read of item ``key`` into ``template``, or None when no template tensor can
     take one (the caller then loads the item through the file mapping).
 
     Reads the item's skeleton and the headers of its files (each checked against the commit
     record first, as the mapped path does), and matches the template to the skeleton the way
-    :func:`fastckpt.manager.stateful.restore` walks them.
+    :func:`fastckpt.manager.stateful.restore` walks them. First the template is checked
+    against the headers as ``restore`` will check it
+    (:func:`fastckpt.manager.stateful.check_restore`), so that a mismatch is raised before any
+    byte is read into a template.
+
+    Args:
+        strict: the load's ``strict``; None (not known) makes an item whose template has keys
+            the checkpoint lacks take the mapping, where ``restore`` checks before copying.
 
     Raises:
+        CheckpointMismatchError: the template does not fit the checkpoint (nothing read).
         CheckpointFormatError / ChecksumMismatchError: a damaged skeleton, header or record.
         FileNotFoundError: a file of the item is missing.
     """
@@ -185,7 +202,11 @@ def plan_direct_read(
     names = {id(slot): name for name, slot in slots.items()}
     direct: dict[str, torch.Tensor] = {}
     modules: dict[int, tuple[torch.nn.Module, frozenset[str]]] = {}
-    _match(template, tree.unflatten(skeleton, slots, key), names, direct, modules)
+    value = tree.unflatten(skeleton, slots, key)
+    # Every mismatch restore would raise, raised before any byte is read into a template.
+    if not check_restore(template, value, key, bool(strict)) and strict is None:
+        return None
+    _match(template, value, names, direct, modules)
     direct = _without_overlaps(direct)
     if not direct:
         return None

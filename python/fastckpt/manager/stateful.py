@@ -9,9 +9,13 @@ scheduler, a user class - may stand anywhere in a saved state or in a load templ
 * :func:`check_template` refuses, before anything is read, template values that a load
   would otherwise silently ignore;
 * :func:`restore` loads a value into a template: each stateful object gets
-  ``load_state_dict()`` with the loaded state, after the tensors the object currently holds
-  were checked against it (dtype and shape, by key path); tensors elsewhere in the template
-  are filled in place, mappings and sequences are walked (the manager's one template merge).
+  ``load_state_dict()`` with the loaded state, tensors elsewhere in the template are filled in
+  place, mappings and sequences are walked (the manager's one template merge);
+* :func:`check_restore`, which :func:`restore` runs first, raises every mismatch
+  :func:`restore` would meet (dtypes, shapes, structure, keys missing under ``strict``, the
+  tensors a stateful object holds, a plain module's key set) from metadata alone, so a
+  refused load leaves the template untouched. The manager's direct reads run it on the
+  checkpoint's headers before any byte is read into a template.
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch.nn.modules.batchnorm import _NormBase
 
+from fastckpt.checkpoint.fill import plain_state
 from fastckpt.errors import CheckpointMismatchError
 from fastckpt.io import tree
 
 __all__ = [
     "Stateful",
+    "check_restore",
     "check_template",
     "contains_stateful",
     "is_stateful",
@@ -204,8 +211,9 @@ def _owned(value: Any) -> Any:
 
 
 def _load_into(obj: Any, value: Any, path: str) -> Any:
+    """``obj.load_state_dict`` with (copies of) the loaded state; checked by
+    :func:`check_restore` beforehand."""
     where = path or "<root>"
-    _check_tensors(obj.state_dict(), value, where)
     try:
         obj.load_state_dict(_owned(value))
     except (RuntimeError, KeyError, ValueError, TypeError) as err:
@@ -215,12 +223,112 @@ def _load_into(obj: Any, value: Any, path: str) -> Any:
     return obj
 
 
+def _check_module_keys(
+    module: torch.nn.Module, current: Mapping[str, Any], loaded: Any, path: str
+) -> None:
+    """Refuse a loaded state whose keys are not the module's own when the module is plain
+    (:func:`fastckpt.checkpoint.fill.plain_state`: torch's own state-dict code throughout, no
+    hooks): its ``load_state_dict`` (strict) would copy every matching tensor and only then
+    raise on the missing or unexpected keys. Batch norm's ``num_batches_tracked``, which
+    torch supplies when a state lacks it, may be missing. Other modules are left to their
+    ``load_state_dict`` (their hooks may rename keys)."""
+    if not isinstance(loaded, Mapping) or plain_state(module, current) is None:
+        return
+    optional = {
+        f"{name}.num_batches_tracked" if name else "num_batches_tracked"
+        for name, sub in module.named_modules()
+        if isinstance(sub, _NormBase)
+    }
+    missing = [key for key in current if key not in loaded and key not in optional]
+    unexpected = [key for key in loaded if key not in current]
+    if missing or unexpected:
+        found = [
+            f"{label} {keys}"
+            for label, keys in (("Missing key(s):", missing), ("Unexpected key(s):", unexpected))
+            if keys
+        ]
+        raise CheckpointMismatchError(
+            f"{path}: {_describe(module)}.load_state_dict() would refuse the checkpoint's state "
+            f"after copying part of it ({'; '.join(found)}), so nothing was loaded: build the "
+            "module as it was saved, or load the item as saved (a None template) and call "
+            "load_state_dict(state, strict=False) yourself"
+        )
+
+
+def check_restore(template: Any, value: Any, path: str, strict: bool) -> bool:
+    """Raise every :class:`~fastckpt.errors.CheckpointMismatchError` that
+    ``restore(template, value, path, strict)`` would raise, changing nothing.
+
+    Only metadata is compared: ``value``'s tensors may be meta tensors (the dtypes and shapes
+    of a checkpoint's headers). Checked are the structure (a mapping, a sequence or a tensor
+    where the template has one), each tensor template's dtype and shape, template keys and
+    indices the checkpoint lacks (under ``strict``), the tensors a stateful object holds
+    (dtype and shape, by key path), and the key set of a plain module (see
+    ``_check_module_keys``). What a non-plain ``load_state_dict`` refuses is only known
+    when it runs.
+
+    Args:
+        template: the template (checked with :func:`check_template` beforehand).
+        value: the loaded value, or its skeleton with meta tensors.
+        path: key path of ``template``, for messages.
+        strict: raise on template keys the checkpoint lacks.
+
+    Returns:
+        Whether the checkpoint has every key and index of the template (always True when
+        ``strict``: it raises instead).
+
+    Raises:
+        CheckpointMismatchError: what :func:`restore` would raise before
+            ``load_state_dict``, by key path.
+    """
+    where = path or "<root>"
+    if value is template or template is None:
+        return True
+    if is_stateful(template):
+        current = template.state_dict()
+        _check_tensors(current, value, where)
+        if isinstance(template, torch.nn.Module):
+            _check_module_keys(template, current, value, where)
+        return True
+    if isinstance(template, torch.Tensor):
+        _check_tensor(template, value, where)
+        return True
+    complete = True
+    if isinstance(template, Mapping):
+        if not isinstance(value, Mapping):
+            raise CheckpointMismatchError(
+                f"{where}: expected a mapping, found {type(value).__name__}"
+            )
+        for key, sub in template.items():
+            at = tree.join_path(path, key)
+            if key in value:
+                complete = check_restore(sub, value[key], at, strict) and complete
+            elif strict:
+                raise CheckpointMismatchError(f"{at}: missing in checkpoint")
+            else:
+                complete = False
+        return complete
+    if not isinstance(template, (list, tuple)):
+        return True  # a plain value: replaced
+    if not isinstance(value, (list, tuple)):
+        raise CheckpointMismatchError(f"{where}: expected a sequence, found {type(value).__name__}")
+    for i, sub in enumerate(template):
+        if i < len(value):
+            complete = check_restore(sub, value[i], tree.join_path(path, i), strict) and complete
+        elif strict:
+            raise CheckpointMismatchError(f"{tree.join_path(path, i)}: missing in checkpoint")
+        else:
+            complete = False
+    return complete
+
+
 def restore(template: Any, value: Any, path: str, strict: bool) -> Any:
     """Load ``value`` into ``template`` (see the module docstring).
 
     A ``None`` template takes the loaded value; a tensor template gets the loaded tensor
     copied in (same dtype and shape, no implicit cast or broadcast); mappings, lists and
     tuples are walked key by key; any other template value is replaced by the loaded one.
+    Every mismatch :func:`check_restore` finds is raised before anything is changed.
 
     Args:
         template: the template (checked with :func:`check_template` beforehand).
@@ -234,8 +342,16 @@ def restore(template: Any, value: Any, path: str, strict: bool) -> Any:
 
     Raises:
         CheckpointMismatchError: a dtype/shape mismatch, a structure mismatch, a key missing
-            under ``strict``, or a ``load_state_dict`` that refused the state, by key path.
+            under ``strict``, or a plain module's key set, by key path, with the template
+            untouched; or a ``load_state_dict`` that refused the state (it may have loaded
+            part of it: torch's optimizers check first, a non-plain module may not).
     """
+    check_restore(template, value, path, strict)
+    return _restore(template, value, path)
+
+
+def _restore(template: Any, value: Any, path: str) -> Any:
+    """:func:`restore` after :func:`check_restore` passed."""
     if value is template:
         return template  # restored in place already (a module read directly, manager.load)
     if is_stateful(template):
@@ -243,57 +359,39 @@ def restore(template: Any, value: Any, path: str, strict: bool) -> Any:
     if template is None:
         return value
     if isinstance(template, torch.Tensor):
-        return _copy_tensor(template, value, path)
+        with torch.no_grad():
+            template.copy_(value)
+        return template
     if isinstance(template, Mapping):
-        if not isinstance(value, Mapping):
-            raise CheckpointMismatchError(
-                f"{path or '<root>'}: expected a mapping, found {type(value).__name__}"
-            )
         merged = dict(template)
         for key, sub in template.items():
-            where = tree.join_path(path, key)
             if key in value:
-                merged[key] = restore(sub, value[key], where, strict)
-            elif strict:
-                raise CheckpointMismatchError(f"{where}: missing in checkpoint")
+                merged[key] = _restore(sub, value[key], tree.join_path(path, key))
         if isinstance(template, dict):
             template.update(merged)
             return template
         return merged
     if not isinstance(template, (list, tuple)):
         return value
-    if not isinstance(value, (list, tuple)):
-        raise CheckpointMismatchError(
-            f"{path or '<root>'}: expected a sequence, found {type(value).__name__}"
-        )
-    items = []
-    for i, sub in enumerate(template):
-        where = tree.join_path(path, i)
-        if i < len(value):
-            items.append(restore(sub, value[i], where, strict))
-        elif strict:
-            raise CheckpointMismatchError(f"{where}: missing in checkpoint")
-        else:
-            items.append(sub)
+    items = [
+        _restore(sub, value[i], tree.join_path(path, i)) if i < len(value) else sub
+        for i, sub in enumerate(template)
+    ]
     if isinstance(template, list):
         template[:] = items
         return template
     return tuple(items)
 
 
-def _copy_tensor(template: torch.Tensor, value: Any, path: str) -> torch.Tensor:
-    """Copy a loaded tensor into a tensor template of the same dtype and shape."""
+def _check_tensor(template: torch.Tensor, value: Any, where: str) -> None:
+    """Refuse a loaded value that a tensor template cannot take as it is: not a tensor, or of
+    another dtype or shape."""
     if not isinstance(value, torch.Tensor):
-        raise CheckpointMismatchError(
-            f"{path or '<root>'}: expected a tensor, found {type(value).__name__}"
-        )
+        raise CheckpointMismatchError(f"{where}: expected a tensor, found {type(value).__name__}")
     if template.dtype != value.dtype or template.shape != value.shape:
         raise CheckpointMismatchError(
-            f"{path or '<root>'}: template has dtype {template.dtype} shape "
+            f"{where}: template has dtype {template.dtype} shape "
             f"{tuple(template.shape)}, checkpoint has dtype {value.dtype} shape "
             f"{tuple(value.shape)}; no implicit cast or broadcast is done: fix the template "
             "or convert after loading"
         )
-    with torch.no_grad():
-        template.copy_(value)
-    return template
