@@ -835,6 +835,83 @@ def test_check_recordable_fails_early_with_fixes_that_work(tmp_path: Any) -> Non
         attach_spec(fixed, {"cls_path": "x.y"})  # type: ignore[arg-type]
 
 
+class ActivationByName(nn.Module):
+    """Builds a module from a string argument and keeps it under the argument's name."""
+
+    def __init__(self, width: int, act: str = "gelu") -> None:
+        super().__init__()
+        self.width = width
+        self.lin = nn.Linear(width, width)
+        self.act = nn.GELU() if act == "gelu" else nn.ReLU()
+
+
+class DropoutByRate(nn.Module):
+    """The common ``self.dropout = nn.Dropout(dropout)``."""
+
+    def __init__(self, width: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.width = width
+        self.dropout = nn.Dropout(dropout)
+
+
+class ScaleKeptElsewhere(nn.Module):
+    """Keeps a constructor argument under another name than its own."""
+
+    def __init__(self, width: int, scale: float = 1.0) -> None:
+        super().__init__()
+        self.width = width
+        self.lin = nn.Linear(width, width)
+        self._scale = scale
+
+
+class TiedLater(nn.Module):
+    """Untied by its constructor; the caller ties the weights afterwards."""
+
+    def __init__(self, vocab: int = 10, dim: int = 4) -> None:
+        super().__init__()
+        self.vocab, self.dim = vocab, dim
+        self.emb = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def tie(self) -> TiedLater:
+        self.head.weight = self.emb.weight
+        return self
+
+
+def test_a_recipe_that_rebuilds_another_model_is_refused_naming_the_difference(
+    tmp_path: Any,
+) -> None:
+    """A recorded recipe must rebuild the model, not one with the same tensors that computes
+    something else. Before, each of these recorded a recipe that rebuilt silently: GELU
+    became ReLU (the GELU module was passed back as ``act``), ``scale=3.0`` became 1.0, the
+    tied weights came back untied (the rebuilt optimizer trained only one of them), and the
+    Dropout recipe failed at every load with advice that could not help."""
+    import fastckpt
+
+    for model, why in (
+        (ActivationByName(4), r"parameter 'act'.*a module \(GELU\) made from it"),
+        (DropoutByRate(4, dropout=0.0), r"parameter 'dropout'.*a module \(Dropout\)"),
+        (ScaleKeptElsewhere(4, scale=3.0), r"<root>\._scale: 3\.0 vs 1\.0"),
+        (TiedLater().tie(), r"tied parameters: \[\['emb\.weight', 'head\.weight'\]\] vs \[\]"),
+    ):
+        with pytest.raises(TypeError, match=why) as info:
+            check_recordable(model, "main")
+        assert "attach_spec" in str(info.value)
+        with pytest.raises(TypeError, match=r"cannot be checkpointed|cannot recover"):
+            fastckpt.TrainingStrategy(model, fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}))
+    # The module-level save refuses the recipes it cannot record at all.
+    with pytest.raises(TypeError, match="parameter 'act'"):
+        fastckpt.save_checkpoint(tmp_path / "act", models={"main": (ActivationByName(4), None)})
+    # Defaults, and what wrappers or modes change after the build, are no difference.
+    wrapped = ScaleKeptElsewhere(4)
+    wrapped.eval()
+    wrapped.note = "added after the build"  # type: ignore[assignment]
+    check_recordable(wrapped, "main")
+    # The fix the message gives works.
+    spec = create_model_spec(ScaleKeptElsewhere, width=4, scale=3.0)
+    check_recordable(attach_spec(ScaleKeptElsewhere(4, scale=3.0), spec), "main")
+
+
 # ------------------------------------------------------------------------------------------
 # A user package on disk: imports are observable
 # ------------------------------------------------------------------------------------------

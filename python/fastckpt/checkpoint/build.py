@@ -27,8 +27,11 @@ from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
 
 __all__ = [
     "EXTRA_BUFFER_BYTES",
+    "WRAPPER_SEGMENTS",
     "build_model",
+    "canonical_name",
     "check_recordable",
+    "structural_differences",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -295,4 +298,126 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
             f"for it ({spec.cls_path}) rebuilds a model with other tensors (model vs rebuilt: "
             f"{details}); {advice}"
         )
+    differences = structural_differences(model, probe)
+    if differences:
+        raise TypeError(
+            f"model {name!r} ({cls.__qualname__}) cannot be checkpointed: the recipe recorded "
+            f"for it ({spec.cls_path}, with {spec.kwargs}) rebuilds a model that differs from "
+            f"it (model vs rebuilt: {'; '.join(differences[:5])}): a constructor argument "
+            "is not kept as an attribute of its own name, or the model was changed after it "
+            f"was built; {advice}"
+        )
     return spec
+
+
+#: Name segments that wrappers insert into parameter and module names (activation
+#: checkpointing, ``torch.compile``, FSDP1): DCP's names and a model rebuilt from its spec
+#: have none.
+WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's or module's dotted name without :data:`WRAPPER_SEGMENTS`."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+#: What every ``nn.Module`` keeps in its ``__dict__`` (mode, hook tables): not recipe state.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+def structural_differences(model: torch.nn.Module, rebuilt: torch.nn.Module) -> list[str]:
+    """How ``rebuilt`` (``model``'s recorded recipe, built on the meta device) differs from
+    ``model`` beyond its tensors' names and shapes, which :func:`check_recordable` compares
+    first: a submodule the rebuilt model has and ``model`` lacks, or of another class; the
+    plain attributes both modules have (numbers, strings, booleans, None, and lists, tuples
+    and dicts of them: a dropout rate, an ``eps``, a scale kept under another name than its
+    argument's); and which parameters are one tensor (tied weights). Empty when none differs.
+
+    What wrappers and parallelisms add to ``model`` after it was built is not a difference:
+    wrapper segments in names (:func:`canonical_name`), subclasses of the rebuilt module's
+    class (FSDP2's), attributes and parameterless submodules only ``model`` has. Nor is a
+    string the rebuilt model holds as ``"meta"`` (its device, where a module keeps its name).
+    """
+    found: list[str] = []
+    live_modules = _canonical_modules(model)
+    rebuilt_modules = _canonical_modules(rebuilt)
+    for path, theirs in rebuilt_modules.items():
+        where = path or "<root>"
+        mine = live_modules.get(path)
+        if mine is None or not isinstance(mine, type(theirs)):
+            found.append(f"{where}: {_kind(mine)} vs {type(theirs).__qualname__}")
+            continue
+        mine_plain, theirs_plain = _plain_attributes(mine), _plain_attributes(theirs)
+        for attr in sorted(mine_plain.keys() & theirs_plain.keys()):
+            a, b = mine_plain[attr], theirs_plain[attr]
+            if b == "meta" or _same_plain(a, b):
+                continue
+            found.append(f"{where}.{attr}: {a!r} vs {b!r}")
+    tied_live, tied_rebuilt = _tied(model), _tied(rebuilt)
+    if tied_live != tied_rebuilt:
+        shown_live = sorted(sorted(group) for group in tied_live)
+        shown_rebuilt = sorted(sorted(group) for group in tied_rebuilt)
+        found.append(f"tied parameters: {shown_live} vs {shown_rebuilt}")
+    return found
+
+
+def _canonical_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``model``'s submodules by canonical name; a wrapped module replaces its wrapper (it
+    comes after it)."""
+    return {
+        canonical_name(name): module for name, module in model.named_modules(remove_duplicate=False)
+    }
+
+
+def _kind(module: torch.nn.Module | None) -> str:
+    return "no module" if module is None else type(module).__qualname__
+
+
+def _is_plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is a plain recipe value (see :func:`structural_differences`)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if depth > 8:
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(item, depth + 1) for item in value)
+    if isinstance(value, dict):
+        return all(
+            isinstance(key, str) and _is_plain(item, depth + 1) for key, item in value.items()
+        )
+    return False
+
+
+def _plain_attributes(module: torch.nn.Module) -> dict[str, Any]:
+    return {
+        name: value
+        for name, value in vars(module).items()
+        if name not in _MODULE_INTERNALS and _is_plain(value)
+    }
+
+
+def _same_plain(a: Any, b: Any) -> bool:
+    """Equality of plain values, NaN equal to NaN and a float equal to an equal int."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(_same_plain(x, y) for x, y in zip(a, b, strict=True))
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_plain(a[k], b[k]) for k in a)
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+    return (type(a) is type(b) or numbers) and bool(a == b)
+
+
+def _tied(model: torch.nn.Module) -> set[frozenset[str]]:
+    """The groups of parameter and buffer names that are one tensor (tied weights)."""
+    groups: dict[int, set[str]] = {}
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        groups.setdefault(id(tensor), set()).add(canonical_name(name))
+    return {frozenset(group) for group in groups.values() if len(group) > 1}

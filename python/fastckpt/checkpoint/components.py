@@ -124,17 +124,13 @@ def checked_model_names(value: Any, argument: str = "model_names") -> list[str] 
 FROZEN_FIELD = "frozen"
 
 
-#: Name segments that wrappers insert into parameter names (activation checkpointing,
-#: ``torch.compile``, FSDP1): DCP's names and a model rebuilt from its spec have none.
-_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
-
-
 def canonical_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """``model``'s parameters by name without wrapper segments (see :data:`_WRAPPER_SEGMENTS`),
-    tied ones under each of their names: the names a record of parameters uses, so that it
-    applies to the rebuilt model before or after a ``parallelize`` that wraps it."""
+    """``model``'s parameters by name without wrapper segments (see
+    :func:`~fastckpt.checkpoint.build.canonical_name`), tied ones under each of their names:
+    the names a record of parameters uses, so that it applies to the rebuilt model before or
+    after a ``parallelize`` that wraps it."""
     return {
-        ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS): parameter
+        build.canonical_name(name): parameter
         for name, parameter in model.named_parameters(remove_duplicate=False)
     }
 
