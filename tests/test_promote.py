@@ -856,6 +856,59 @@ def test_a_fresh_run_on_a_new_node_is_refused_another_runs_durable_tier(tmp_path
     forced.run(training_support.loader())
 
 
+def test_a_fresh_run_started_while_the_durable_tier_is_down_never_promotes_into_another_run(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """The durable tier (a stopped S3 server) cannot be read when a fresh run starts on a new
+    node, so whether it holds another run's later checkpoints is unknown: nothing is promoted
+    until a save reads it, and when it does hold them the promotions stop for good, reported
+    (PromotionError caused by MixedRunError naming durable_dir, raised at the end of the run)
+    while training goes on. Before, the check was skipped: once the server was back the fresh
+    run promoted past the other run's newest index and durable_keep_last deleted its
+    checkpoints."""
+    durable = s3_server.url("down-at-start")
+    fastckpt.configure_storage(
+        durable, s3_server.options(max_retries=0, retry_timeout_s=1.0, connect_timeout_s=1.0)
+    )
+
+    def hook(fast: Path) -> fastckpt.CheckpointHook:
+        return fastckpt.CheckpointHook(
+            fast,
+            step_interval=1,
+            async_save=False,
+            durable_dir=durable,
+            promote_every=2,
+            durable_keep_last=2,
+        )
+
+    training_support.new_strategy([hook(tmp_path / "node-a")], num_steps=6).run(
+        training_support.loader()
+    )
+    held = [(c["index"], c["counters"]["step_count"]) for c in fastckpt.list_checkpoints(durable)]
+    assert held == [(2, 3), (4, 5)]
+
+    def server_back(ctx: Any, stage: Any) -> None:
+        if stage is fastckpt.TrainingStage.AFTER_BATCH and ctx.step_count == 2:
+            s3_server.start()
+
+    fresh = training_support.new_strategy([hook(tmp_path / "node-b"), server_back], num_steps=6)
+    s3_server.stop()
+    try:
+        with (
+            pytest.warns(RuntimeWarning, match="training goes on"),
+            pytest.raises(
+                PromotionError, match=r"not promoting.*index 4\) is at step 5.*durable_dir"
+            ) as caught,
+        ):
+            fresh.run(training_support.loader())
+    finally:
+        s3_server.start()
+    assert isinstance(caught.value.__cause__, MixedRunError)
+    assert fresh.step_count == 6  # training went on, on the fast tier
+    after = [(c["index"], c["counters"]["step_count"]) for c in fastckpt.list_checkpoints(durable)]
+    assert after == held
+
+
 def test_a_run_resumed_past_a_damaged_newest_index_trains_on(tmp_path: Path) -> None:
     # The restore took the fast tier's previous index (the newest was damaged), as documented;
     # training on was then refused with MixedRunError, whose advice was that very resume.

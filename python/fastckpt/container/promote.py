@@ -477,6 +477,24 @@ class Promoter:
         #: indices, or checkpoint names for :class:`CheckpointPromoter`); None: no run, or a
         #: run not restricted (:meth:`run_here` called by hand).
         self._in_flight: frozenset[Any] | None = None
+        #: Set by :meth:`withhold`: promotions stopped for good, this error says why.
+        self._withheld: PromotionError | None = None
+
+    def withhold(self, reason: BaseException) -> None:
+        """Stop promoting for good, for ``reason`` (the target holds another run's newer
+        checkpoints, which this run's promotions and retention would replace and delete):
+        no run starts any more, and it is reported as a failed promotion is (a warning,
+        ``on_error``, :attr:`healthy` False, raised by :meth:`close`; ``strict``: by the
+        next :meth:`submit`). The source's checkpoints are untouched."""
+        error = PromotionError(
+            f"not promoting {display_path(self.source)} to {display_path(self.target)}: "
+            f"{reason}; training goes on, on the fast tier only"
+        )
+        error.__cause__ = reason
+        with self._lock:
+            self._withheld = error
+        self.error = error
+        report_tolerated(_LOG, str(error), error, self.on_error)
 
     @property
     def healthy(self) -> bool:
@@ -536,6 +554,8 @@ class Promoter:
         with self._lock:
             if self.strict and self.error is not None:
                 raise self.error
+            if self._withheld is not None:
+                return
             self._pending = True
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -667,6 +687,21 @@ class Promoter:
     def _handed(self, pid: int | None) -> None:
         self.detached_pid = pid
 
+    def report_failure(self, cause: BaseException) -> PromotionError:
+        """Report a failed attempt, as a failed run is reported (a warning, ``on_error``,
+        :attr:`healthy` False until a run succeeds, raised by :meth:`close`): the run's own
+        failure, or the caller's (the target could not even be read); returns the
+        :class:`~fastckpt.errors.PromotionError` reported."""
+        error = PromotionError(
+            f"promoting {display_path(self.source)} to {display_path(self.target)} failed: "
+            f"{cause}; training goes on, the next checkpoint retries (or run fastckpt promote "
+            f"{display_path(self.source)} {display_path(self.target)})"
+        )
+        error.__cause__ = cause
+        self.error = error
+        report_tolerated(_LOG, str(error), error, self.on_error)
+        return error
+
     def _promote_once(self) -> None:
         try:
             due = self._due_now()
@@ -674,19 +709,12 @@ class Promoter:
                 self._in_flight = due  # spared by the fast tier's retention until the end
             self._attempt()
         except Exception as err:  # reported, retried by the next submission
-            error = PromotionError(
-                f"promoting {display_path(self.source)} to {display_path(self.target)} failed: "
-                f"{err}; training goes on, the next checkpoint retries (or run fastckpt promote "
-                f"{display_path(self.source)} {display_path(self.target)})"
-            )
-            error.__cause__ = err
-            self.error = error
-            report_tolerated(_LOG, str(error), error, self.on_error)
+            self.report_failure(err)
             return
         finally:
             with self._lock:
                 self._in_flight = None
-        self.error = None
+        self.error = self._withheld  # None unless promotions were stopped meanwhile
 
 
 class RankPromoter(Promoter):

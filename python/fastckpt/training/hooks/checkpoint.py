@@ -254,6 +254,10 @@ class CheckpointHook:
         # The lowest index this hook saves into: past the durable tier's newest when this
         # hook first saved (None: not read yet). See _save_index.
         self._floor: int | None = None
+        # The durable tier could not be read when the run started (a store down): whether it
+        # holds another run's later checkpoints is checked at the first save that reads it;
+        # nothing is promoted before (see _check_durable_later).
+        self._durable_unchecked = False
         if strict_saves is not None and not isinstance(strict_saves, bool):
             raise TypeError(
                 f"CheckpointHook strict_saves must be a bool or None, got {strict_saves!r}"
@@ -433,10 +437,10 @@ class CheckpointHook:
         pays for fresh memory (see :meth:`prewarm_staging`).
         """
         if stage is TrainingStage.BEFORE_TRAINING:
+            self._start_step = ctx.step_count
             if not self.overwrite:
                 self._refuse_a_mixed_run(ctx)
             self._start_promotion(ctx)
-            self._start_step = ctx.step_count
             self._prewarm_pending = True
             self._prewarm(ctx)
         elif stage is TrainingStage.AFTER_BATCH and self._prewarm_pending:
@@ -459,6 +463,8 @@ class CheckpointHook:
             self._promoter.node_local = True
         if ctx.global_rank != 0 and (sharded or self.rank_zero_only):
             return
+        if self._durable_unchecked:
+            return  # the first save that reads the durable tier decides (_check_durable_later)
         try:
             committed = Manifest.load(self.checkpoint_dir).latest is not None
         except (OSError, FastCkptError):
@@ -499,13 +505,15 @@ class CheckpointHook:
                 self._promote_rank_files(rank)
             return
         self._promoter.node_local = shared.node_local
-        self._promoter.submit()
+        if not self._durable_unchecked:
+            self._promoter.submit()
 
     def _refuse_a_mixed_run(self, ctx: TrainContext) -> None:
         """Raise :class:`MixedRunError` when the root's newest committed index is at a later
         step than the run starts at (every rank checks, so that none trains on alone; for a
         sharded strategy rank 0 decides for all, as other ranks' roots may be node-local
         disks without the index)."""
+        self._durable_unchecked = False
         problem = self._mixed_run(ctx)
         if getattr(ctx.workflow, "sharded", False):
             import torch.distributed as dist
@@ -532,17 +540,25 @@ class CheckpointHook:
             problem = self._further_along(ctx, self.durable_dir, "durable_dir")
         return problem
 
-    def _further_along(self, ctx: TrainContext, root: Path, argument: str) -> str | None:
-        """:meth:`_mixed_run` for one tier ``root`` (the hook's ``argument``)."""
-        try:
-            manifest = Manifest.load(root)
-        except (OSError, FastCkptError):
-            return None  # unreadable: the first save (or promotion) reports it
+    def _further_along(
+        self, ctx: TrainContext, root: Path, argument: str, manifest: Manifest | None = None
+    ) -> str | None:
+        """:meth:`_mixed_run` for one tier ``root`` (the hook's ``argument``), against the
+        step the run started at; ``manifest``: ``root``'s, read already."""
+        if manifest is None:
+            try:
+                manifest = Manifest.load(root)
+            except (OSError, FastCkptError):
+                # Unreadable: the first save reports it. A durable tier is checked once it
+                # can be read, before anything is promoted to it (_check_durable_later).
+                self._durable_unchecked = root == self.durable_dir
+                return None
         latest = manifest.latest
         if latest is None:
             return None
         saved = manifest.entries[latest].get("counters", {}).get("step_count")
-        if not isinstance(saved, int) or isinstance(saved, bool) or saved <= ctx.step_count:
+        started = ctx.step_count if self._start_step is None else self._start_step
+        if not isinstance(saved, int) or isinstance(saved, bool) or saved <= started:
             return None
         copy = getattr(ctx.workflow, "restored_from", None)
         passed = getattr(copy, "passed", None)
@@ -561,7 +577,7 @@ class CheckpointHook:
         shown = display_path(root)
         return (
             f"{shown}: its newest checkpoint (index {latest}) is at step {saved}, but this run "
-            f"starts at step {ctx.step_count}; its saves would interleave with that run's. "
+            f"starts at step {started}; its saves would interleave with that run's. "
             f"Resume it (TrainingStrategy.load_checkpoint({shown!r}, ...)), give the "
             f"CheckpointHook another {argument}, or pass CheckpointHook(..., "
             "overwrite=True) to save there anyway (e.g. resuming from an earlier index on "
@@ -639,7 +655,7 @@ class CheckpointHook:
         if sharded:
             self._save_sharded(ctx)
             return
-        index = self._save_index(0)  # every rank that saves its own root checks
+        index = self._save_index(0, ctx)  # every rank that saves its own root checks
         snapshot: Snapshot = ctx.workflow.checkpoint_snapshot()
         # Unchanged tensors become references now, before anything is staged.
         snapshot.incremental = self.incremental
@@ -671,7 +687,7 @@ class CheckpointHook:
         rank 0 stages the hook states and commits the index.
         """
         assert ctx.workflow is not None
-        first = self._save_index(ctx.global_rank)  # rank 0's is the one used
+        first = self._save_index(ctx.global_rank, ctx)  # rank 0's is the one used
         if not self.async_save:
             # node-local fast roots are allowed when every rank promotes its shards
             index = ctx.workflow.save_checkpoint(
@@ -763,7 +779,23 @@ class CheckpointHook:
             self.checkpoint_dir, self.keep_last, lock_timeout=self.lock_timeout, spare=spare
         )
 
-    def _save_index(self, rank: int) -> int:
+    def _check_durable_later(self, ctx: TrainContext, manifest: Manifest) -> None:
+        """The durable tier could not be read when the run started (see
+        :meth:`_further_along`) and now was (``manifest``): when it holds another run's later
+        checkpoints, this hook's promotions stop for good (reported: ``PromotionError``
+        caused by :class:`MixedRunError`, raised at close) instead of promoting into it,
+        whose retention then deleted that run's checkpoints; otherwise they start, with
+        what the fast tier holds."""
+        if not self._durable_unchecked or self._promoter is None or self.durable_dir is None:
+            return
+        self._durable_unchecked = False
+        problem = self._further_along(ctx, self.durable_dir, "durable_dir", manifest)
+        if problem is not None:
+            self._promoter.withhold(MixedRunError(problem))
+        else:
+            self._promoter.submit()
+
+    def _save_index(self, rank: int, ctx: TrainContext) -> int:
         """The index of this save: -1 (the fast root's next) unless the fast root is behind
         the durable tier, then the durable tier's newest index + 1.
 
@@ -780,12 +812,20 @@ class CheckpointHook:
             return -1
         try:
             if self._floor is None:
-                durable = Manifest.load(self.durable_dir).latest
+                manifest = Manifest.load(self.durable_dir)
+                self._check_durable_later(ctx, manifest)
+                durable = manifest.latest
                 self._floor = 0 if durable is None else durable + 1
             if self._floor == 0:  # the durable tier was empty: nothing to go past
                 return -1
             fast = Manifest.load(self.checkpoint_dir).latest
-        except (OSError, FastCkptError):
+        except (OSError, FastCkptError) as err:
+            if self._durable_unchecked and self._promoter is not None:
+                # Nothing is promoted before the durable tier is read (see
+                # _check_durable_later): reported as a failed promotion would be.
+                error = self._promoter.report_failure(err)
+                if self.strict_promotion:
+                    raise error from err
             return -1
         if fast is not None and fast + 1 >= self._floor:
             return -1
@@ -824,7 +864,7 @@ class CheckpointHook:
         self._went_past(index)
         if self.keep_last is not None:
             self._prune(index)
-        if self._promoter is not None:
+        if self._promoter is not None and not self._durable_unchecked:
             self._promoter.submit()  # in the background: training is not held up
         return index
 
