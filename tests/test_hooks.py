@@ -341,6 +341,65 @@ class _BatchesSeen:
         self.seen = state["seen"].clone()
 
 
+class _MomentumEncoder(nn.Module):
+    """A trained layer and a frozen copy updated in forward (a MoCo/BYOL momentum encoder):
+    frozen parameters changing outside the optimizer step."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.width = width
+        self.online = nn.Linear(width, 1)
+        self.target = nn.Linear(width, 1)
+        self.target.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for online, target in zip(
+                self.online.parameters(), self.target.parameters(), strict=True
+            ):
+                target.mul_(0.5).add_(online, alpha=0.5)
+        return self.online(x) - self.target(x)
+
+
+def test_an_async_save_holds_frozen_parameters_of_when_it_was_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Frozen parameters are copied when an async save is taken, like buffers: a momentum
+    encoder updated in the next forward does not reach the checkpoint, however slow the
+    background copy. Before, every parameter was copied in the background (only the
+    optimizer step waits for it), and the checkpoints held the next step's frozen weights."""
+    stage = CheckpointHook._stage
+
+    def slow_stage(self: CheckpointHook, snapshot: Any, *, only_volatile: bool) -> None:
+        if not only_volatile:
+            time.sleep(0.05)  # the background copy lags behind the training thread
+        stage(self, snapshot, only_volatile=only_volatile)
+
+    monkeypatch.setattr(CheckpointHook, "_stage", slow_stage)
+    seen: dict[int, torch.Tensor] = {}
+
+    def record(ctx: Any, when: TrainingStage) -> None:
+        if when is TrainingStage.AFTER_BATCH:
+            seen[ctx.step_count] = ctx.models["main"].target.weight.detach().clone()
+
+    root = tmp_path / "run"
+    torch.manual_seed(0)
+    strategy = TrainingStrategy(
+        _MomentumEncoder(),
+        OptimizerConfig(torch.optim.SGD, {"lr": 0.1}),
+        training_fn=support.training_fn,
+        hooks=[record, CheckpointHook(root, step_interval=1, incremental=False)],
+        num_steps=6,
+    )
+    strategy.run(support.loader())
+    rows = fastckpt.list_checkpoints(root)
+    assert len(rows) == 6
+    for row in rows:
+        loaded = fastckpt.load_checkpoint(root, row["index"])["models"]["main"]["model"]
+        step = row["counters"]["step_count"]
+        assert torch.equal(loaded.target.weight, seen[step]), step
+
+
 def test_an_async_save_holds_the_hook_state_of_when_it_was_taken(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -295,8 +295,9 @@ class Snapshot:
     Attributes:
         tensor_files: relpath -> ``{name: tensor}`` (live tensors, or staged copies).
         json_files: relpath -> JSON document (already detached from live objects).
-        volatile: ``(relpath, name)`` of tensors that change outside the optimizer step (model
-            buffers such as BatchNorm statistics): an async capture copies these first.
+        volatile: ``(relpath, name)`` of tensors that may change outside the optimizer step
+            (model buffers such as BatchNorm statistics, frozen parameters, run and hook
+            state): an async capture copies these when the save is taken.
         entry: the manifest entry (created, counters, components, associations).
         incremental: write only what changed since the last save into the root (see
             :mod:`fastckpt.container.incremental`); False writes every tensor.
@@ -489,9 +490,14 @@ def _plan_components(
                     "Save this model with CheckpointManager (which stores such values), or make "
                     "get_extra_state() return a tensor"
                 )
-        parameter_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        # Only trainable parameters change in the optimizer step alone (which an async save's
+        # background copy is guarded against); buffers and frozen parameters (a momentum
+        # encoder updated in forward) may change anywhere: copied when the save is taken.
+        trainable = {
+            n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad
+        }
         plan.volatile.update(
-            (relpath, key) for key in plan.tensor_files[relpath] if key not in parameter_names
+            (relpath, key) for key in plan.tensor_files[relpath] if key not in trainable
         )
         plan.json_files[f"models/{name}.spec.json"] = spec.to_json()
         plan.names["models"].append(name)

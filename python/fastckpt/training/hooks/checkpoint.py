@@ -668,7 +668,8 @@ class CheckpointHook:
                 "CheckpointHook's async writer is not running: run it through "
                 "TrainingStrategy.run (which enters hooks) or use it as a context manager"
             )
-        # Buffers change outside the optimizer step: copied now, on the training thread.
+        # Buffers and frozen parameters change outside the optimizer step: copied now, on
+        # the training thread.
         self._stage(snapshot, only_volatile=True)
         self._writer.submit(
             f"{display_path(self.checkpoint_dir)} (the save at step {ctx.step_count})",
