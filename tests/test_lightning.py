@@ -361,6 +361,45 @@ def test_async_io_waits_at_most_its_timeout_and_keeps_the_write_tracked(
     assert io.load_checkpoint(tmp_path / "b.ckpt")["hyper_parameters"]["extra"] == 2
 
 
+def test_async_io_removes_a_replaced_checkpoint_only_once_its_replacement_is_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ModelCheckpoint`` removes the previous checkpoint right after submitting the save
+    that replaces it: the removal is put off until that write is durable (the next save,
+    load or teardown), and when the write fails the previous checkpoint is kept. Before, it
+    was removed at once, and a crash during the write (Lightning's default checkpointing,
+    SIGKILLed) left no checkpoint at all."""
+    from fastckpt.integrations import lightning as plugin
+
+    release = threading.Event()
+    real = plugin.write_plan
+
+    def slow(target: Path, *args: Any, **kwargs: Any) -> None:
+        if target.name != "first.ckpt":
+            assert release.wait(60)
+        if target.name == "fails.ckpt":
+            raise OSError(28, "No space left on device")
+        real(target, *args, **kwargs)
+
+    monkeypatch.setattr(plugin, "write_plan", slow)
+    io = AsyncFastCheckpointIO()
+    io.save_checkpoint(checkpoint_with(1), tmp_path / "first.ckpt")
+    io.wait()
+    io.save_checkpoint(checkpoint_with(2), tmp_path / "second.ckpt")  # in flight
+    io.remove_checkpoint(tmp_path / "first.ckpt")
+    assert (tmp_path / "first.ckpt").exists()  # the newest durable checkpoint stays
+    release.set()
+    io.wait()
+    assert not (tmp_path / "first.ckpt").exists()
+    release.clear()
+    io.save_checkpoint(checkpoint_with(3), tmp_path / "fails.ckpt")  # in flight, fails
+    io.remove_checkpoint(tmp_path / "second.ckpt")
+    release.set()
+    with pytest.raises(RuntimeError, match="background checkpoint write"):
+        io.teardown()
+    assert io.load_checkpoint(tmp_path / "second.ckpt")["hyper_parameters"]["extra"] == 2
+
+
 def test_async_io_guard_keeps_a_copy_from_seeing_a_half_updated_state(tmp_path: Path) -> None:
     """A thread mutating the state under ``guard()`` excludes the save's copy: the saved
     tensors are from before or after the whole update, never between."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import shutil
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -66,6 +67,8 @@ PICKLED_ITEM = "pickled"
 #: ``{PICKLED_MARKER: <position in the pickled item>}``; the key is reserved in saved dicts.
 PICKLED_MARKER = "__fastckpt_pickled__"
 _KEY_TYPES = (str, int, float, bool, type(None))
+
+_LOG = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- planning a save
@@ -399,10 +402,12 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
     the next
     save waits for it first (at most ``wait_timeout`` seconds: a ``TimeoutError`` names it,
     and it stays tracked), ``load_checkpoint`` waits for it, ``remove_checkpoint`` waits when
-    it removes the path being written, and ``teardown`` (end of ``fit``) waits for the last
-    one however long it takes. A failed write is raised once, by the next of these calls, as a
-    ``RuntimeError`` chained to its cause. A write still pending when the interpreter exits
-    (no ``teardown``) is finished then, or named on stderr.
+    it removes the path being written and otherwise puts the removal off until the write in
+    flight is durable (keeping the checkpoint if that write fails), and ``teardown`` (end of
+    ``fit``) waits for the last one however long it takes. A failed write is raised once, by
+    the next of these calls, as a ``RuntimeError`` chained to its cause. A write still
+    pending when the interpreter exits (no ``teardown``) is finished then, or named on
+    stderr.
 
     The copy runs under the writer's capture lock: code on other threads that mutates the
     saved state can hold :meth:`guard` to keep it from being captured half-updated.
@@ -427,15 +432,32 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
         self._writer: BackgroundWriter[None] = BackgroundWriter(
             "fastckpt-lightning", wait_timeout=wait_timeout
         )
+        # Checkpoints Lightning removed while a write was in flight: removed once it is
+        # durable (see remove_checkpoint).
+        self._removals: list[Any] = []
 
     def wait(self) -> None:
-        """Block until the write in flight (if any) is durable (at most ``wait_timeout``).
+        """Block until the write in flight (if any) is durable (at most ``wait_timeout``),
+        then remove the checkpoints :meth:`remove_checkpoint` put off until then; when the
+        write failed they are kept (the newest intact checkpoints), with a warning.
 
         Raises:
             RuntimeError: that write failed (chained to its error; raised once).
             TimeoutError: it is still running after ``wait_timeout`` seconds.
         """
-        self._writer.collect()
+        try:
+            self._writer.collect()
+        except TimeoutError:
+            raise  # still running: the removals wait for it
+        except BaseException:
+            if self._removals:
+                kept = ", ".join(str(_local(path)) for path in self._removals)
+                _LOG.warning("the write in flight failed: kept %s, which it was to replace", kept)
+            self._removals.clear()
+            raise
+        removals, self._removals = self._removals, []
+        for path in removals:
+            super().remove_checkpoint(path)
 
     def guard(self) -> contextlib.AbstractContextManager[None]:
         """Hold while mutating saved state from another thread: waits for a copy in
@@ -466,15 +488,32 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
         return super().load_checkpoint(path, map_location, weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove a checkpoint, first waiting if it is the one being written."""
-        if self._writer.in_flight == str(_local(path).absolute()):
+        """Remove a checkpoint: at once when no write is in flight (waiting first if it is
+        the one being written); otherwise once that write is durable (the next save, load or
+        :meth:`teardown`), and not at all if it fails. ``ModelCheckpoint`` removes the
+        previous checkpoint right after submitting the save that replaces it: removed at
+        once, a crash during that write left no checkpoint at all."""
+        in_flight = self._writer.in_flight
+        if in_flight is None:
+            super().remove_checkpoint(path)
+        elif in_flight == str(_local(path).absolute()):
             self.wait()
-        super().remove_checkpoint(path)
+            super().remove_checkpoint(path)
+        else:
+            self._removals.append(path)
 
     def teardown(self) -> None:
-        """Wait for the last write however long it takes, report it, and stop the
-        background threads (called by Lightning)."""
-        self._writer.close()
+        """Wait for the last write however long it takes, report it, remove what was put
+        off until then (see :meth:`remove_checkpoint`), and stop the background threads
+        (called by Lightning)."""
+        try:
+            self._writer.close()
+        except BaseException:
+            self._removals.clear()  # the newest intact checkpoints: kept
+            raise
+        removals, self._removals = self._removals, []
+        for path in removals:
+            super().remove_checkpoint(path)
 
 
 def _every(group: str, name: str) -> bool:
