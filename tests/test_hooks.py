@@ -66,6 +66,56 @@ def test_a_hook_write_that_outlasts_one_wait_is_collected_by_the_next_save(
         assert torch.equal(loaded["models"]["main"]["model"].state_dict()[name], tensor)
 
 
+def test_a_lenient_hook_skips_a_save_while_the_previous_write_outlasts_its_wait(
+    tmp_path: Path,
+) -> None:
+    """``strict_saves=False`` (the default with a ``durable_dir``): a save finding the
+    previous write still running after ``wait_timeout_secs`` is reported and skipped, and
+    training goes on. Before, the same save then raised an untyped RuntimeError ("still
+    tracked") and stopped the run the hook had just said would go on."""
+    hook = CheckpointHook(tmp_path, step_interval=1, wait_timeout_secs=0.2, strict_saves=False)
+    strategy = support.new_strategy([hook], num_steps=1)
+    with hook:
+        with support.held_by_another_thread(hook.guard):
+            hook.save(strategy.context)
+            with pytest.warns(RuntimeWarning, match="still running.*training goes on"):
+                hook.save(strategy.context)  # reported and skipped, not raised
+            assert isinstance(hook.save_error, TimeoutError)
+        hook.save(strategy.context)  # the first write finished: this one starts
+    assert [row["index"] for row in fastckpt.list_checkpoints(tmp_path)] == [0, 1]
+
+
+def test_two_hooks_saving_into_one_root_are_refused(tmp_path: Path) -> None:
+    """Each hook orders only its own writes: two async hooks on one root (every step and
+    every epoch) committed out of order, and the root's newest index held the older step
+    (a resume went back three steps without a word)."""
+    hooks = [
+        CheckpointHook(tmp_path / "run", step_interval=1),
+        EMAHook(decay=0.5),
+        CheckpointHook(str(tmp_path / "run") + "/", epoch_interval=1),
+    ]
+    strategy = support.new_strategy(hooks, num_steps=2)
+    with pytest.raises(ValueError, match=r"hooks\[0\] and hooks\[2\].*both save into"):
+        strategy.run(support.loader())
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_pending_write_that_fails_while_training_raises_is_named_on_the_error(
+    tmp_path: Path,
+) -> None:
+    """An exception leaving the run while the hook's last write fails too: the training
+    error propagates, with a note naming the failed write (and a log line). Before, the
+    write's failure vanished without a trace."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    hook = CheckpointHook(blocker / "ckpt", step_interval=1)
+    strategy = support.new_strategy([hook], num_steps=1)
+    with pytest.raises(KeyError, match="training") as caught, hook:
+        hook.save(strategy.context)  # fails on the writer thread
+        raise KeyError("training")
+    assert any("was not saved" in note for note in caught.value.__notes__)
+
+
 def test_wait_timeout_is_validated() -> None:
     with pytest.raises(ValueError, match="wait_timeout_secs"):
         CheckpointHook("x", step_interval=1, wait_timeout_secs=0)

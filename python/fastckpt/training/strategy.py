@@ -33,6 +33,7 @@ import fastckpt.checkpoint.specs as specs
 import fastckpt.checkpoint.trust as trust
 import fastckpt.training.sharded as sharded_training
 from fastckpt.container.promote import NearestCopy, nearest_intact
+from fastckpt.container.refs import root_key
 from fastckpt.container.sharded.nodes import node_holdings
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.container.verify import checked_index
@@ -503,6 +504,7 @@ class TrainingStrategy:
             raise ValueError("TrainingStrategy.run needs optimizers")
         if self.num_steps is None and self.num_epochs is None:
             raise ValueError("set num_steps or num_epochs before run()")
+        _refuse_two_savers_on_one_root(self.hooks)
         with contextlib.ExitStack() as stack:
             for hook in self.hooks:
                 if hasattr(hook, "__enter__") and hasattr(hook, "__exit__"):
@@ -1565,6 +1567,29 @@ def _same_state(a: Any, b: Any) -> bool:
         and tensors_a.keys() == tensors_b.keys()
         and all(torch.equal(tensors_a[k], tensors_b[k]) for k in tensors_a)
     )
+
+
+def _refuse_two_savers_on_one_root(hooks: Sequence[Any]) -> None:
+    """Refuse two checkpoint-saving hooks writing into one root: each orders only its own
+    writes, so with async saves the root's newest index could hold the older step (one
+    hook's slow write committing after the other's later one).
+
+    Raises:
+        ValueError: naming the root and both hooks.
+    """
+    seen: dict[str, int] = {}
+    for position, hook in enumerate(hooks):
+        root = getattr(hook, "checkpoint_dir", None)
+        if getattr(hook, "saves_checkpoints", False) is not True or root is None:
+            continue
+        key = root_key(root)
+        if key in seen:
+            raise ValueError(
+                f"hooks[{seen[key]}] and hooks[{position}] ({type(hook).__name__}) both save "
+                f"into {display_path(root)}: their writes would commit out of order; give "
+                "each its own checkpoint_dir, or use one hook"
+            )
+        seen[key] = position
 
 
 def _data_parallel_over_world(model: torch.nn.Module, world: int) -> bool:

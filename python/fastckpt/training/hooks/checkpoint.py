@@ -275,13 +275,23 @@ class CheckpointHook:
             self._writer.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
-        """Flush the pending write; its error is raised unless another one is propagating."""
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, *_: object
+    ) -> None:
+        """Flush the pending write; its error is raised unless another one is propagating,
+        which then carries a note naming it (and it is logged)."""
         try:
             self.close()
-        except Exception:
+        except Exception as err:
             if exc_type is None:
                 raise
+            message = (
+                f"CheckpointHook: the pending write to {display_path(self.checkpoint_dir)} "
+                f"failed too ({type(err).__name__}: {err}); it was not saved"
+            )
+            _LOG.warning("%s", message)
+            if exc is not None:
+                exc.add_note(message)
 
     def close(self) -> None:
         """Wait for the pending write and stop the background writer.
@@ -651,6 +661,16 @@ class CheckpointHook:
             self._record(self._writer.collect())  # collective: every rank raises
         else:
             self._saved(self._writer.collect)  # one write in flight; keeps indices ordered
+            if self._writer.in_flight is not None:
+                # Still running after wait_timeout_secs (reported above; strict_saves raised
+                # it): this save is skipped, the next one is attempted as usual.
+                _LOG.warning(
+                    "CheckpointHook: the save at step %d to %s is skipped: the previous write "
+                    "is still running",
+                    ctx.step_count,
+                    display_path(self.checkpoint_dir),
+                )
+                return
         self._saved_step = ctx.step_count
         if sharded:
             self._save_sharded(ctx)
