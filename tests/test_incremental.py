@@ -282,6 +282,80 @@ def test_mark_frozen_skips_the_version_check(tmp_path: Path) -> None:
     _assert_bitwise(_snapshot(model), _loaded(tmp_path))
 
 
+class _FlatPair(nn.Module):
+    """Two parameters that are views into one flat buffer (a flat-parameter layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        flat = torch.zeros(8)
+        self.frozen = nn.Parameter(flat[:4], requires_grad=False)
+        self.trained = nn.Parameter(flat[4:])
+
+
+def test_mark_frozen_covers_the_marked_view_only_and_is_withdrawn_by_unmark_or_forget(
+    tmp_path: Path,
+) -> None:
+    """The promise of ``mark_frozen`` covers the marked tensor's view only: another view of
+    the same storage (a flat parameter buffer's trained half) is proven by its digest as
+    ever. ``unmark_frozen`` withdraws it, and ``forget`` (as a save with
+    ``incremental=False`` does) withdraws every mark. Before, marks were keyed by storage,
+    so the trained half was referenced with its first save's bytes, and neither documented
+    undo outlasted one save."""
+    model = _FlatPair()
+    fastckpt.mark_frozen(model.frozen)
+    _save(tmp_path, model)
+    with torch.no_grad():
+        model.trained.add_(1.0)
+    _save(tmp_path, model)
+    assert _referenced(tmp_path, 1) == {"frozen"}
+    _assert_bitwise(_snapshot(model), _loaded(tmp_path))
+    # The promise itself: a marked tensor is referenced whatever its bytes.
+    with torch.no_grad():
+        model.frozen.add_(1.0)
+    _save(tmp_path, model)
+    assert "frozen" in _referenced(tmp_path, 2)
+    fastckpt.unmark_frozen(model.frozen)
+    _save(tmp_path, model)
+    _assert_bitwise(_snapshot(model), _loaded(tmp_path))
+    # A save with incremental=False withdraws every mark, for the saves after it too.
+    fastckpt.mark_frozen(model)
+    _save(tmp_path, model, incremental=False)
+    for _ in range(2):
+        with torch.no_grad():
+            model.frozen.add_(1.0)
+        _save(tmp_path, model)
+        _assert_bitwise(_snapshot(model), _loaded(tmp_path))
+
+
+def test_replacing_an_index_after_rm_rf_of_an_incremental_one_works(tmp_path: Path) -> None:
+    """``rm -rf ROOT/1`` of an incremental index, then replacing another index: the deleted
+    index references nothing. Before, the replace raised FileNotFoundError naming the
+    deleted index's refs.json."""
+    model, optimizer = _setup()
+    for _ in range(3):
+        _save(tmp_path, model, optimizer)
+        _step(model, optimizer)
+    shutil.rmtree(tmp_path / "1")
+    assert fastckpt.verify(tmp_path, 2).ok
+    for index in (2, 0):
+        assert _save(tmp_path, model, optimizer, checkpoint_index=index) == index
+        _assert_bitwise(_snapshot(model), _loaded(tmp_path, index))
+
+
+@pytest.mark.parametrize("value", ["false", None, 0.0, "0"])
+def test_incremental_must_be_a_bool(tmp_path: Path, value: Any) -> None:
+    """``incremental="false"`` was taken as true (and saved incrementally)."""
+    model, _ = _setup()
+    with pytest.raises(TypeError, match="incremental must be a bool"):
+        fastckpt.save_checkpoint(tmp_path, models={"m": (model, None)}, incremental=value)
+    with pytest.raises(TypeError, match="incremental must be a bool"):
+        CheckpointHook(tmp_path, step_interval=1, incremental=value)
+    strategy = support.new_strategy([], num_steps=1)
+    with pytest.raises(TypeError, match="incremental must be a bool"):
+        strategy.save_checkpoint(tmp_path, incremental=value)
+    assert not tmp_path.exists() or not os.listdir(tmp_path)
+
+
 def test_incremental_false_writes_everything(tmp_path: Path) -> None:
     model, _ = _setup()
     _save(tmp_path, model)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
     from fastckpt.checkpoint.api import load_checkpoint, prune, save_checkpoint
     from fastckpt.checkpoint.specs import BaseSpec, create_model_spec
     from fastckpt.checkpoint.values import register_type_serializer
-    from fastckpt.container.incremental import mark_frozen
+    from fastckpt.container.incremental import mark_frozen, unmark_frozen
     from fastckpt.container.lazy import SafeOpen, TensorSlice, safe_open
     from fastckpt.container.listing import list_checkpoints
     from fastckpt.container.verify import VerifyReport, latest_intact, verify
@@ -79,7 +79,7 @@ _NAMES = {
         "TrainContext",
         "TrainingStage",
     ),
-    "fastckpt.container.incremental": ("mark_frozen",),
+    "fastckpt.container.incremental": ("mark_frozen", "unmark_frozen"),
     "fastckpt.container.lazy": ("SafeOpen", "TensorSlice", "safe_open"),
     "fastckpt.manager": (
         "AsyncCheckpointSaverConfig",
@@ -227,5 +227,6 @@ __all__ = [
     "safe_open",
     "save_checkpoint",
     "save_file",
+    "unmark_frozen",
     "verify",
 ]

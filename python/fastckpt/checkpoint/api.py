@@ -33,6 +33,7 @@ from fastckpt.checkpoint.components import (
     SAVE_INDEX,
     Components,
     Trusted,
+    check_incremental,
     checked_model_names,
     create_snapshot,
     load_components,
@@ -122,7 +123,7 @@ def save_checkpoint(
         snapshot = strategy.checkpoint_snapshot()
     else:
         snapshot = create_snapshot(models, optimizers, schedulers, associations, counters)
-    snapshot.incremental = incremental
+    snapshot.incremental = check_incremental(incremental, "save_checkpoint")
     return write_snapshot(root, snapshot, -1 if index is None else index, lock_timeout=lock_timeout)
 
 

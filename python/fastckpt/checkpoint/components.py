@@ -56,6 +56,7 @@ __all__ = [
     "Snapshot",
     "Trusted",
     "accepted_kwargs",
+    "check_incremental",
     "checked_model_names",
     "create_snapshot",
     "load_components",
@@ -353,6 +354,17 @@ def create_snapshot(
     snapshot = _plan_components(models, optimizers, schedulers, associations)
     snapshot.counters = dict(counters or {})
     return snapshot
+
+
+def check_incremental(incremental: object, where: str) -> bool:
+    """``incremental`` when it is a bool (a save's ``incremental=`` argument).
+
+    Raises:
+        TypeError: naming ``where``: ``incremental="false"`` would be true.
+    """
+    if not isinstance(incremental, bool):
+        raise TypeError(f"{where}: incremental must be a bool, got {incremental!r}")
+    return incremental
 
 
 def plan_incremental(root: str | os.PathLike[str], snapshot: Snapshot) -> None:

@@ -75,6 +75,7 @@ __all__ = [
     "record_saved",
     "settle",
     "track",
+    "unmark_frozen",
     "unreference",
 ]
 
@@ -135,8 +136,8 @@ def digest_groups(
 _LOCK = threading.Lock()
 #: root -> {(relpath, name): (fingerprint, reference to the bytes on disk)}
 _TRACKERS: dict[str, dict[tuple[str, str], tuple[Tracked, Reference]]] = {}
-#: id of a frozen tensor -> (weak reference, storage address), see mark_frozen
-_FROZEN: dict[tuple[str, int], weakref.ref[torch.Tensor]] = {}
+#: the view a mark_frozen tensor was marked with (see _view_key) -> that tensor
+_FROZEN: dict[Any, weakref.ref[torch.Tensor]] = {}
 
 
 def _key(root: str | os.PathLike[str]) -> str:
@@ -148,16 +149,37 @@ def mark_frozen(*tensors: torch.Tensor | torch.nn.Module) -> None:
     they keep their storage and layout, incremental saves reference them without comparing
     their digest (no read of their bytes), whatever their version counter says. This is the
     one case where fastckpt trusts instead of proving: a marked tensor whose bytes do change
-    is saved with its old bytes. To undo it, :func:`forget` the root or save with
-    ``incremental=False``."""
-    for item in tensors:
-        if isinstance(item, torch.nn.Module):
-            mark_frozen(*item.parameters(), *item.buffers())
-            continue
-        if not isinstance(item, torch.Tensor):
-            raise TypeError(f"mark_frozen takes tensors or modules, not {type(item).__name__}")
+    is saved with its old bytes. The promise covers the marked view only (its storage,
+    offset, shape, strides and dtype), not other tensors sharing its storage (a flat
+    parameter buffer's other views). To undo it, :func:`unmark_frozen` the tensors or
+    :func:`forget` (every mark)."""
+    for item in _frozen_targets(tensors, "mark_frozen"):
         with _LOCK:
-            _FROZEN[_storage_key(item)] = weakref.ref(item)
+            _FROZEN[_view_key(item)] = weakref.ref(item)
+
+
+def unmark_frozen(*tensors: torch.Tensor | torch.nn.Module) -> None:
+    """Withdraw :func:`mark_frozen` for these tensors (or all parameters and buffers of
+    these modules): their next incremental saves prove them unchanged by their digest again
+    (or write them). :func:`forget` withdraws every mark."""
+    for item in _frozen_targets(tensors, "unmark_frozen"):
+        with _LOCK:
+            _FROZEN.pop(_view_key(item), None)
+
+
+def _frozen_targets(
+    items: tuple[torch.Tensor | torch.nn.Module, ...], caller: str
+) -> list[torch.Tensor]:
+    """The tensors ``items`` name: tensors, and every parameter and buffer of modules."""
+    found: list[torch.Tensor] = []
+    for item in items:
+        if isinstance(item, torch.nn.Module):
+            found += [*item.parameters(), *item.buffers()]
+        elif isinstance(item, torch.Tensor):
+            found.append(item)
+        else:
+            raise TypeError(f"{caller} takes tensors or modules, not {type(item).__name__}")
+    return found
 
 
 def track(tensor: torch.Tensor, print_: Fingerprint, previous: Tracked | None) -> Tracked:
@@ -173,19 +195,33 @@ def track(tensor: torch.Tensor, print_: Fingerprint, previous: Tracked | None) -
     return Tracked(print_, tensor.untyped_storage(), moved=moved, moving=moving)
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    return (str(tensor.device), tensor.untyped_storage().data_ptr())
+#: What identifies a view for :func:`mark_frozen`: device, storage address, offset, shape,
+#: strides, dtype.
+_ViewKey = tuple[str, int, int, tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+def _view_key(tensor: torch.Tensor) -> _ViewKey:
+    return (
+        str(tensor.device),
+        tensor.untyped_storage().data_ptr(),
+        int(tensor.storage_offset()),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+    )
 
 
 def is_frozen(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` (or a tensor sharing its storage) was marked with
-    :func:`mark_frozen` and that tensor is still alive."""
+    """Whether ``tensor`` is a view :func:`mark_frozen` marked (the same storage, offset,
+    shape, strides and dtype; ``state_dict()``'s detached copies of a marked parameter are)
+    and the marked tensor is still alive with that view."""
+    key = _view_key(tensor)
     with _LOCK:
-        ref = _FROZEN.get(_storage_key(tensor))
+        ref = _FROZEN.get(key)
     if ref is None:
         return False
     marked = ref()
-    return marked is not None and marked.untyped_storage().data_ptr() == _storage_key(tensor)[1]
+    return marked is not None and _view_key(marked) == key
 
 
 def fingerprint(tensor: torch.Tensor) -> Fingerprint | None:
@@ -213,12 +249,14 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint | None:
 
 def forget(root: str | os.PathLike[str] | None = None) -> None:
     """Drop what this process knows about ``root`` (all roots when None): its next save is
-    full."""
+    full. Every :func:`mark_frozen` mark is withdrawn too (the promise is the process's, not
+    a root's)."""
     with _LOCK:
         if root is None:
             _TRACKERS.clear()
         else:
             _TRACKERS.pop(_key(root), None)
+        _FROZEN.clear()
 
 
 @dataclass
@@ -448,10 +486,13 @@ def record_saved(
 
 
 def referenced_by_others(manifest: Manifest, index: int) -> list[int]:
-    """Committed indices other than ``index`` whose references point into ``index``."""
+    """Committed indices other than ``index`` whose references point into ``index``; an
+    index whose directory was deleted (``rm -rf ROOT/<i>``) references nothing."""
     users = []
     for other in manifest.entries:
         if other == index or REFS_FILE not in manifest.entries[other]["files"]:
+            continue
+        if not backend_for(manifest.root).is_directory(manifest.root / str(other)):
             continue
         refs = index_references(manifest, other)
         if any(ref["index"] == index for names in refs.values() for ref in names.values()):

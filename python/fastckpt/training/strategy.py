@@ -770,6 +770,7 @@ class TrainingStrategy:
         ``incremental`` (unsharded strategies): write only the tensors that changed since this
         process's last save into ``root`` (see docs/incremental.md); False writes everything.
         """
+        codec.check_incremental(incremental, "TrainingStrategy.save_checkpoint")
         if not self.sharded:
             snapshot = self.checkpoint_snapshot()
             snapshot.incremental = incremental

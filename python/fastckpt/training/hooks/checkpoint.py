@@ -192,7 +192,9 @@ class CheckpointHook:
         if not isinstance(overwrite, bool):
             raise TypeError(f"CheckpointHook overwrite must be a bool, got {overwrite!r}")
         self.overwrite = overwrite
-        self.incremental = bool(incremental)
+        if not isinstance(incremental, bool):
+            raise TypeError(f"CheckpointHook incremental must be a bool, got {incremental!r}")
+        self.incremental = incremental
         self.last_checkpoint_index: int | None = None
         # The step count of the last save and of the run's start (for save_last).
         self._saved_step: int | None = None
