@@ -273,18 +273,24 @@ def strategy(steps, hooks):
 straight = s.LossRecorder()
 strategy(6, [straight]).run(s.loader())
 first = s.LossRecorder()
-hook = fastckpt.CheckpointHook(root, step_interval=3, async_save=sys.argv[4] == "async")
-strategy(3, [hook, first]).run(s.loader())
+savers = [  # two savers at one stage, from the first step (a prewarm snapshot precedes it)
+    fastckpt.CheckpointHook(root + suffix, step_interval=1, async_save=sys.argv[4] == "async")
+    for suffix in ("", "-b")
+]
+strategy(3, [*savers, first]).run(s.loader())
 dist.barrier()
-torch.manual_seed(5)  # scrambled: the resume must restore each rank's own streams
-resumed = s.LossRecorder()
-restored = fastckpt.TrainingStrategy.load_checkpoint(
-    root, hooks=[resumed], trusted=["training_support.training_fn"]
-)
-restored.models["main"] = DDP(restored.models["main"])
-restored.num_steps = 6
-restored.run(s.loader())
-print(json.dumps({"straight": straight.losses, "first": first.losses, "resumed": resumed.losses}))
+resumed = {}
+for suffix in ("", "-b"):
+    torch.manual_seed(5)  # scrambled: the resume must restore each rank's own streams
+    recorder = s.LossRecorder()
+    restored = fastckpt.TrainingStrategy.load_checkpoint(
+        root + suffix, 0, hooks=[recorder], trusted=["training_support.training_fn"]
+    )
+    restored.models["main"] = DDP(restored.models["main"])
+    restored.num_steps = 6
+    restored.run(s.loader())
+    resumed[suffix] = recorder.losses
+print(json.dumps({"straight": straight.losses, "first": first.losses, "resumed": resumed}))
 s.leave_process_group()
 """
 
@@ -293,15 +299,17 @@ s.leave_process_group()
 def test_ddp_ranks_seeded_apart_resume_their_own_random_streams(tmp_path: Path, mode: str) -> None:
     """A DDP run whose ranks draw apart (seeded apart here; on GPUs each rank advances its own
     device's generator): rank 0's checkpoints hold every rank's RNG states, gathered at each
-    save, and each rank resumes its own. Before, the checkpoint held rank 0's only: rank 1
-    resumed with rank 0's dropout and shuffle streams, and the averaged gradients, so both
-    ranks' losses, left the uninterrupted run's without a word."""
+    save (the first save, after the hook's prewarm snapshot, and a second hook's save at the
+    same stage too), and each rank resumes its own. Before, the checkpoint held rank 0's
+    only: rank 1 resumed with rank 0's dropout and shuffle streams, and the averaged
+    gradients, so both ranks' losses, left the uninterrupted run's without a word."""
     script = DDP_SEEDED_APART_SCRIPT.replace("sys.argv[4]", repr(mode))
     outputs = support.run_two_ranks(script, tmp_path / "ckpt", tmp_path / "pg")
     reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     assert reports[0]["straight"] != reports[1]["straight"]  # the ranks do draw apart
     for rank, report in enumerate(reports):
-        assert report["first"] + report["resumed"] == report["straight"], rank
+        for where, losses in report["resumed"].items():  # from step 1, each root
+            assert report["first"][:1] + losses == report["straight"], (rank, where)
 
 
 DDP_HOOK_ON_RANK_ZERO_SCRIPT = """

@@ -464,7 +464,7 @@ class TrainingStrategy:
         group: Any = dist.new_group(backend="gloo")
         mine = [
             (
-                trust.dotted_path(type(hook)),
+                f"{type(hook).__module__}.{type(hook).__qualname__}",
                 getattr(hook, "step_interval", None),
                 getattr(hook, "epoch_interval", None),
                 getattr(hook, "rank_zero_only", None),
@@ -699,7 +699,10 @@ class TrainingStrategy:
     def _add_runtime(self, snapshot: codec.Snapshot, extra: dict[str, Any]) -> None:
         """Add the recipe, counters, RNG states (plus ``extra``) and hook states."""
         runtime = {**self._run_rng(), "rank_rng": self._pending_rank_rng, **extra}
-        self._pending_rank_rng = None
+        if self.sharded:
+            self._pending_rank_rng = None  # gathered for this one save (see _gather_rank_rng)
+        # Unsharded (DDP): kept for every snapshot of this stage (a hook's prewarm, a second
+        # saver's), then dropped by _fire once the savers ran.
         skeleton, tensors = tree.flatten(runtime)
         snapshot.tensor_files["strategy.safetensors"] = tensors
         snapshot.json_files["strategy.json"] = {
@@ -1571,9 +1574,9 @@ def _same_state(a: Any, b: Any) -> bool:
 
 
 def _refuse_two_savers_on_one_root(hooks: Sequence[Any]) -> None:
-    """Refuse two checkpoint-saving hooks writing into one root: each orders only its own
-    writes, so with async saves the root's newest index could hold the older step (one
-    hook's slow write committing after the other's later one).
+    """Refuse two checkpoint-saving hooks writing into one root, one of them async: each
+    orders only its own writes, so the root's newest index could hold the older step (one
+    hook's slow write committing after the other's later one). Sync hooks commit in order.
 
     Raises:
         ValueError: naming the root and both hooks.
@@ -1584,7 +1587,9 @@ def _refuse_two_savers_on_one_root(hooks: Sequence[Any]) -> None:
         if getattr(hook, "saves_checkpoints", False) is not True or root is None:
             continue
         key = root_key(root)
-        if key in seen:
+        if key in seen and (
+            getattr(hook, "async_save", True) or getattr(hooks[seen[key]], "async_save", True)
+        ):
             raise ValueError(
                 f"hooks[{seen[key]}] and hooks[{position}] ({type(hook).__name__}) both save "
                 f"into {display_path(root)}: their writes would commit out of order; give "
