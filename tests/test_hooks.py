@@ -85,6 +85,28 @@ def test_a_lenient_hook_skips_a_save_while_the_previous_write_outlasts_its_wait(
     assert [row["index"] for row in fastckpt.list_checkpoints(tmp_path)] == [0, 1]
 
 
+def test_a_lenient_hook_never_skips_the_last_save_of_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cadence save skipped because the previous write outlasts ``wait_timeout_secs`` is
+    taken at the end of the run (``save_last``), which waits for the write in flight however
+    long it takes: the run's last state is saved. Before the wait, the end-of-run save was
+    skipped too and the run ended healthy with its last steps in no checkpoint."""
+    write = CheckpointHook._write
+
+    def slow_write(self: CheckpointHook, snapshot: Any, index: int = -1) -> int:
+        time.sleep(0.6)
+        return write(self, snapshot, index)
+
+    monkeypatch.setattr(CheckpointHook, "_write", slow_write)
+    hook = CheckpointHook(tmp_path, step_interval=1, wait_timeout_secs=0.1, strict_saves=False)
+    strategy = support.new_strategy([hook], num_steps=2)
+    with pytest.warns(RuntimeWarning, match="still running"):
+        strategy.run(support.loader())
+    steps = [row["counters"]["step_count"] for row in fastckpt.list_checkpoints(tmp_path)]
+    assert steps == [1, 2]
+
+
 def test_two_hooks_saving_into_one_root_are_refused(tmp_path: Path) -> None:
     """Each hook orders only its own writes: two async hooks on one root (every step and
     every epoch) committed out of order, and the root's newest index held the older step

@@ -909,6 +909,35 @@ def test_a_fresh_run_started_while_the_durable_tier_is_down_never_promotes_into_
     assert after == held
 
 
+def test_a_hook_used_for_a_second_run_checks_a_durable_tier_it_could_not_read_at_its_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hook entered again for another run whose durable tier cannot be read at that run's
+    start (a transient store error) reads it at the run's first save and promotes on.
+    Before, the durable tier was read once per hook: the second run never checked it again
+    and silently promoted nothing, reporting itself healthy."""
+    from fastckpt.format.records import Manifest
+    from fastckpt.training.hooks import checkpoint as hook_module
+
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    hook = fastckpt.CheckpointHook(fast, step_interval=2, durable_dir=durable, async_save=False)
+    strategy = training_support.new_strategy([hook], num_steps=4)
+    strategy.run(training_support.loader())
+    load = Manifest.load.__func__  # type: ignore[attr-defined]
+    failures = [OSError("store down (transient)")]
+
+    def flaky(cls: type[Manifest], root: Any, *args: Any, **kwargs: Any) -> Manifest:
+        if Path(root) == durable and failures:
+            raise failures.pop()
+        return load(cls, root, *args, **kwargs)
+
+    monkeypatch.setattr(hook_module.Manifest, "load", classmethod(flaky))
+    strategy.num_steps = 10
+    strategy.run(training_support.loader())
+    steps = [c["counters"]["step_count"] for c in fastckpt.list_checkpoints(durable)]
+    assert steps == [2, 4, 6, 8, 10] and hook.promotion_healthy
+
+
 def test_a_run_resumed_past_a_damaged_newest_index_trains_on(tmp_path: Path) -> None:
     # The restore took the fast tier's previous index (the newest was damaged), as documented;
     # training on was then refused with MixedRunError, whose advice was that very resume.

@@ -354,6 +354,10 @@ class BackgroundWriter(Generic[T]):
         """
         return self._collect(self.wait_timeout)
 
+    def collect_waiting(self) -> T | None:
+        """:meth:`collect`, waiting as long as the tracked write takes (no timeout)."""
+        return self._collect(None)
+
     def _collect(self, timeout: float | None) -> T | None:
         future = self._future
         if future is None:

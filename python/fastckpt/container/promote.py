@@ -298,8 +298,8 @@ def promote(
                 _LOG.warning("%s: index %d was pruned before it was promoted", source, index)
                 report.vanished.append(index)
                 continue
-            if index == due[-1]:
-                raise
+            if index == due[-1] or index_intact(Manifest.load(source), index) is None:
+                raise  # the newest due index, or the failure was not the source's bytes
             _LOG.warning(
                 "%s: index %d does not verify (%s); not promoted, promoting the later ones",
                 display_path(source),
@@ -589,6 +589,7 @@ class Promoter:
         if self._process is not None:
             self._process.close()
             self._process = None
+        self._withheld = None  # a promoter used again (a hook entered for another run) decides anew
         if self.error is not None:
             error, self.error = self.error, None
             raise error

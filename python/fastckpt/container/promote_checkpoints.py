@@ -594,8 +594,9 @@ class CheckpointPromoter(Promoter):
                     promote_checkpoint(source, self.target / name)
                 except (FastCkptError, OSError) as err:
                     if _committed(source):
-                        if name == names[-1] or not _source_damage(err):
-                            raise
+                        proven = _source_damage(err) and checkpoint_problem(source) is not None
+                        if name == names[-1] or not proven:
+                            raise  # the last queued, or not the source's bytes
                         _LOG.warning(
                             "%s does not verify (%s); not promoted, promoting the later ones",
                             display_path(source),

@@ -287,10 +287,13 @@ class CheckpointHook:
         except Exception as err:
             if exc_type is None:
                 raise
-            message = (
-                f"CheckpointHook: the pending write to {display_path(self.checkpoint_dir)} "
-                f"failed too ({type(err).__name__}: {err}); it was not saved"
-            )
+            if isinstance(err, PromotionError):  # the fast tier holds the checkpoints
+                message = f"CheckpointHook: promotion failed too ({err})"
+            else:
+                message = (
+                    f"CheckpointHook: the pending write to {display_path(self.checkpoint_dir)} "
+                    f"failed too ({type(err).__name__}: {err}); it was not saved"
+                )
             _LOG.warning("%s", message)
             if exc is not None:
                 exc.add_note(message)
@@ -450,6 +453,7 @@ class CheckpointHook:
         """
         if stage is TrainingStage.BEFORE_TRAINING:
             self._start_step = ctx.step_count
+            self._floor = None  # the durable tier is read again by this run's first save
             if not self.overwrite:
                 self._refuse_a_mixed_run(ctx)
             self._start_promotion(ctx)
@@ -459,6 +463,12 @@ class CheckpointHook:
             self._prewarm_pending = False
             self._prewarm(ctx)
         if self._should_save(ctx, stage):
+            if stage is TrainingStage.AFTER_TRAINING and not getattr(
+                ctx.workflow, "sharded", False
+            ):
+                # The run's last save is never skipped (see save): wait for the write in
+                # flight however long it takes, as close() would next.
+                self._saved(self._writer.collect_waiting)
             self.save(ctx)
 
     def _start_promotion(self, ctx: TrainContext) -> None:
