@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fastckpt.checkpoint import specs, trust, values
-from fastckpt.checkpoint.build import build_model, check_recordable
+from fastckpt.checkpoint.build import build_model, check_recordable, structural_differences
 from fastckpt.checkpoint.specs import (
     BaseSpec,
     attach_spec,
@@ -862,6 +862,7 @@ class ScaleKeptElsewhere(nn.Module):
         self.width = width
         self.lin = nn.Linear(width, width)
         self._scale = scale
+        self.gradient_checkpointing = False  # a runtime flag, not an argument
 
 
 class TiedLater(nn.Module):
@@ -882,31 +883,42 @@ def test_a_recipe_that_rebuilds_another_model_is_refused_naming_the_difference(
     tmp_path: Any,
 ) -> None:
     """A recorded recipe must rebuild the model, not one with the same tensors that computes
-    something else. Before, each of these recorded a recipe that rebuilt silently: GELU
-    became ReLU (the GELU module was passed back as ``act``), ``scale=3.0`` became 1.0, the
-    tied weights came back untied (the rebuilt optimizer trained only one of them), and the
-    Dropout recipe failed at every load with advice that could not help."""
+    something else; the module-level save proves it too (once per model). Before, each of
+    these recorded a recipe that rebuilt silently: ReLU came back as GELU (or GELU as ReLU:
+    the module was passed back as ``act``), ``scale=3.0`` as 1.0, ``dropout=0.0`` as 0.1,
+    and weights tied after construction came back untied (the rebuilt optimizer trained
+    only one of them)."""
     import fastckpt
 
     for model, why in (
-        (ActivationByName(4), r"parameter 'act'.*a module \(GELU\) made from it"),
-        (DropoutByRate(4, dropout=0.0), r"parameter 'dropout'.*a module \(Dropout\)"),
+        (ActivationByName(4, act="relu"), r"<root>\.act\??: ReLU vs GELU|act: ReLU vs GELU"),
+        (DropoutByRate(4, dropout=0.0), r"dropout\.p: 0\.0 vs 0\.1"),
         (ScaleKeptElsewhere(4, scale=3.0), r"<root>\._scale: 3\.0 vs 1\.0"),
         (TiedLater().tie(), r"tied parameters: \[\['emb\.weight', 'head\.weight'\]\] vs \[\]"),
     ):
         with pytest.raises(TypeError, match=why) as info:
             check_recordable(model, "main")
         assert "attach_spec" in str(info.value)
-        with pytest.raises(TypeError, match=r"cannot be checkpointed|cannot recover"):
+        with pytest.raises(TypeError, match="cannot be checkpointed"):
             fastckpt.TrainingStrategy(model, fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}))
-    # The module-level save refuses the recipes it cannot record at all.
-    with pytest.raises(TypeError, match="parameter 'act'"):
-        fastckpt.save_checkpoint(tmp_path / "act", models={"main": (ActivationByName(4), None)})
-    # Defaults, and what wrappers or modes change after the build, are no difference.
-    wrapped = ScaleKeptElsewhere(4)
-    wrapped.eval()
-    wrapped.note = "added after the build"  # type: ignore[assignment]
-    check_recordable(wrapped, "main")
+        with pytest.raises(TypeError, match="cannot be checkpointed"):
+            fastckpt.save_checkpoint(tmp_path / "refused", models={"main": (model, None)})
+    assert not (tmp_path / "refused").exists() or not os.listdir(tmp_path / "refused")
+    # At their defaults the same classes rebuild exactly: the argument made into a module is
+    # recorded as its default, proven equal.
+    for model in (ActivationByName(4), DropoutByRate(4)):
+        check_recordable(model, "main")
+        fastckpt.save_checkpoint(tmp_path / type(model).__name__, models={"main": (model, None)})
+        loaded = fastckpt.load_checkpoint(tmp_path / type(model).__name__)
+        rebuilt = loaded["models"]["main"]["model"]
+        assert not structural_differences(model, rebuilt)[0]
+    # What is set after the build and is not a constructor argument (a flag, a cache) is
+    # warned about, not refused; eval() is no difference.
+    flagged = ScaleKeptElsewhere(4)
+    flagged.eval()
+    flagged.gradient_checkpointing = True  # type: ignore[assignment]
+    with pytest.warns(UserWarning, match=r"<root>\.gradient_checkpointing: True vs"):
+        check_recordable(flagged, "main")
     # The fix the message gives works.
     spec = create_model_spec(ScaleKeptElsewhere, width=4, scale=3.0)
     check_recordable(attach_spec(ScaleKeptElsewhere(4, scale=3.0), spec), "main")

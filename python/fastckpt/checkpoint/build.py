@@ -298,7 +298,7 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
             f"for it ({spec.cls_path}) rebuilds a model with other tensors (model vs rebuilt: "
             f"{details}); {advice}"
         )
-    differences = structural_differences(model, probe)
+    differences, settings = structural_differences(model, probe)
     if differences:
         raise TypeError(
             f"model {name!r} ({cls.__qualname__}) cannot be checkpointed: the recipe recorded "
@@ -306,6 +306,15 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
             f"it (model vs rebuilt: {'; '.join(differences[:5])}): a constructor argument "
             "is not kept as an attribute of its own name, or the model was changed after it "
             f"was built; {advice}"
+        )
+    if settings:
+        warnings.warn(
+            f"model {name!r} ({cls.__qualname__}): a model rebuilt from its checkpoints "
+            f"(TrainingStrategy.load_checkpoint) differs from it in attributes that are not "
+            f"constructor arguments (model vs rebuilt: {'; '.join(settings[:5])}), set after "
+            "it was built (gradient checkpointing, caches); set them again after loading, or "
+            "build them into the recipe",
+            stacklevel=2,
         )
     return spec
 
@@ -325,13 +334,17 @@ def canonical_name(name: str) -> str:
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 
 
-def structural_differences(model: torch.nn.Module, rebuilt: torch.nn.Module) -> list[str]:
+def structural_differences(
+    model: torch.nn.Module, rebuilt: torch.nn.Module
+) -> tuple[list[str], list[str]]:
     """How ``rebuilt`` (``model``'s recorded recipe, built on the meta device) differs from
     ``model`` beyond its tensors' names and shapes, which :func:`check_recordable` compares
-    first: a submodule the rebuilt model has and ``model`` lacks, or of another class; the
-    plain attributes both modules have (numbers, strings, booleans, None, and lists, tuples
-    and dicts of them: a dropout rate, an ``eps``, a scale kept under another name than its
-    argument's); and which parameters are one tensor (tied weights). Empty when none differs.
+    first, as ``(differences, settings)``. Differences: a submodule the rebuilt model has and
+    ``model`` lacks, or of another class; a plain attribute both modules have (numbers,
+    strings, booleans, None, and lists, tuples and dicts of them) that is named after one of
+    the module's constructor parameters (``eps``, a dropout rate, ``_scale`` for ``scale``)
+    and differs; which parameters are one tensor (tied weights). Settings: the other plain
+    attributes that differ, set after the build (a gradient-checkpointing flag, a cache).
 
     What wrappers and parallelisms add to ``model`` after it was built is not a difference:
     wrapper segments in names (:func:`canonical_name`), subclasses of the rebuilt module's
@@ -339,6 +352,7 @@ def structural_differences(model: torch.nn.Module, rebuilt: torch.nn.Module) -> 
     string the rebuilt model holds as ``"meta"`` (its device, where a module keeps its name).
     """
     found: list[str] = []
+    settings: list[str] = []
     live_modules = _canonical_modules(model)
     rebuilt_modules = _canonical_modules(rebuilt)
     for path, theirs in rebuilt_modules.items():
@@ -347,18 +361,28 @@ def structural_differences(model: torch.nn.Module, rebuilt: torch.nn.Module) -> 
         if mine is None or not isinstance(mine, type(theirs)):
             found.append(f"{where}: {_kind(mine)} vs {type(theirs).__qualname__}")
             continue
+        arguments = _constructor_parameters(type(theirs))
         mine_plain, theirs_plain = _plain_attributes(mine), _plain_attributes(theirs)
         for attr in sorted(mine_plain.keys() & theirs_plain.keys()):
             a, b = mine_plain[attr], theirs_plain[attr]
             if b == "meta" or _same_plain(a, b):
                 continue
-            found.append(f"{where}.{attr}: {a!r} vs {b!r}")
+            kind = found if attr.strip("_") in arguments else settings
+            kind.append(f"{where}.{attr}: {a!r} vs {b!r}")
     tied_live, tied_rebuilt = _tied(model), _tied(rebuilt)
     if tied_live != tied_rebuilt:
         shown_live = sorted(sorted(group) for group in tied_live)
         shown_rebuilt = sorted(sorted(group) for group in tied_rebuilt)
         found.append(f"tied parameters: {shown_live} vs {shown_rebuilt}")
-    return found
+    return found, settings
+
+
+def _constructor_parameters(cls: type) -> frozenset[str]:
+    """The names of ``cls``'s constructor parameters (empty when it cannot be inspected)."""
+    try:
+        return frozenset(inspect.signature(cls).parameters) - {"self"}
+    except (TypeError, ValueError):
+        return frozenset()
 
 
 def _canonical_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

@@ -12,8 +12,10 @@ against the manifest. :mod:`fastckpt.checkpoint.api` is the front door built on 
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -479,6 +481,38 @@ def _check_references(writer: IndexWriter, snapshot: Snapshot) -> dict[str, dict
     return plan.refs
 
 
+#: model -> what its derived recipe was proven for (see _proven_spec)
+_PROVEN: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, tuple[Any, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _proven_spec(model: torch.nn.Module, name: str) -> specs.BaseSpec:
+    """``model``'s derived recipe, proven to rebuild it (:func:`~fastckpt.checkpoint.build.
+    check_recordable`: tensors, submodule classes, constructor-argument attributes, tied
+    weights) the first time this recipe is recorded for this model with these tensors in
+    this process; later saves of it derive the recipe only.
+
+    Raises:
+        TypeError: the recipe cannot be derived, or rebuilds another model (names the
+            difference and the fixes).
+    """
+    spec = specs.model_spec(model)
+    state = model.state_dict()
+    key = (
+        json.dumps(spec.to_json(), sort_keys=True, default=str),
+        tuple(
+            (k, tuple(v.shape), str(v.dtype))
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor)
+        ),
+    )
+    if _PROVEN.get(model) != key:
+        build.check_recordable(model, name)
+        _PROVEN[model] = key
+    return spec
+
+
 def _plan_components(
     models: dict[str, Any],
     optimizers: dict[str, Any],
@@ -490,7 +524,7 @@ def _plan_components(
     for name, component in models.items():
         model, spec = _split(component, "model", name)
         model = unwrap_model(model)
-        spec = spec or specs.model_spec(model)
+        spec = spec or _proven_spec(model, name)
         live_models[name] = model
         relpath = f"models/{name}.safetensors"
         plan.tensor_files[relpath] = dict(model.state_dict())

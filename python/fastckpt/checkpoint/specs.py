@@ -636,12 +636,13 @@ def model_spec(model: torch.nn.Module) -> BaseSpec:
     recursively.
     Otherwise the constructor of ``type(model)`` is introspected: each parameter takes the
     value of the model attribute with the same name (a submodule becomes its own nested spec,
-    recursively, unless the parameter has a default other than None: then the module was
-    made from the argument and the parameter cannot be recovered); a parameter with a
-    ``bool`` default whose attribute is a tensor or ``None`` becomes ``attribute is not None``
-    (so ``nn.Linear(bias=...)`` works); a parameter without a matching attribute is omitted
-    if it has a default (:func:`~fastckpt.checkpoint.build.check_recordable` then proves the
-    recipe rebuilds the model: a non-default value kept under another name is refused there).
+    recursively, unless the parameter has a default that is neither None nor a module: then
+    the module was made from the argument, which is omitted); a parameter with a ``bool``
+    default whose attribute is a tensor, a module or ``None`` becomes ``attribute is not
+    None`` (so ``nn.Linear(bias=...)`` works); a parameter without a matching attribute is
+    omitted if it has a default. An omitted parameter takes its default at rebuild:
+    :func:`~fastckpt.checkpoint.build.check_recordable` proves the rebuilt model equal, or
+    refuses it.
 
     Args:
         model: The module.
@@ -700,20 +701,19 @@ def model_spec(model: torch.nn.Module) -> BaseSpec:
                 f"no attribute of that name; {advice}"
             )
         value = getattr(model, param.name)
-        if isinstance(param.default, bool) and (value is None or isinstance(value, torch.Tensor)):
-            value = value is not None
+        if isinstance(param.default, bool) and (
+            value is None or isinstance(value, (torch.Tensor, torch.nn.Module))
+        ):
+            value = value is not None  # ``bias=True``, ``norm=True`` -> ``self.norm = LayerNorm``
         if isinstance(value, torch.nn.Module):
-            if has_default and param.default is not None:
+            if has_default and not (
+                param.default is None or isinstance(param.default, torch.nn.Module)
+            ):
                 # ``self.dropout = nn.Dropout(dropout)``, ``self.act = GELU() if act ==
                 # "gelu" else ...``: the module was made from the argument, it is not the
-                # argument; passing it back would build another model.
-                raise TypeError(
-                    f"cannot recover constructor parameter {param.name!r} of {name}: the "
-                    f"attribute of that name is a module ({type(value).__qualname__}) made "
-                    f"from it, while its default is {param.default!r}; keep the argument's "
-                    f"value as an attribute of its own name (store the module under another "
-                    f"name), or {advice}"
-                )
+                # argument (passing it back would build another model). The default is
+                # recorded; check_recordable proves the rebuilt model equal (or refuses).
+                continue
             # A submodule passed to the constructor (``Net(encoder=...)``): its own recipe.
             try:
                 kwargs[param.name] = model_spec(value)
