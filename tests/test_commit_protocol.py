@@ -3,7 +3,10 @@ last, what a commit removes, and that every writer of generations goes through i
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -95,6 +98,59 @@ def test_an_older_save_never_replaces_a_newer_commit(tmp_path: Path) -> None:
     assert checked == []  # refused before the check and the put
     assert json.loads((tmp_path / RECORD).read_bytes()) == {"generation": newer.name}
     assert newer.exists()
+
+
+_COMMIT_NEWER = """
+import sys
+from pathlib import Path
+from fastckpt.container import commit as protocol
+directory, record, generation, marker = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+Path(marker).write_text("at the commit")
+data = ('{"generation": "%s"}' % generation).encode()
+protocol.commit_generation(directory, record, data, generation)
+"""
+
+
+def test_a_commit_in_another_process_waits_and_the_newer_generation_wins(tmp_path: Path) -> None:
+    """Two processes committing one local directory: while one reads, checks and writes the
+    record, the other waits (the directory's lock file), so the newer generation's record
+    is the one left, naming a generation that exists. Before, only threads of one process
+    were serialized: the newer save committed during the older one's check and removed the
+    older one's generation, then the older one put its record naming that removed
+    generation, and the checkpoint could not be loaded at all."""
+    older = _generation(tmp_path, new_generation())
+    time.sleep(0.003)
+    newer = _generation(tmp_path, new_generation())
+    marker = tmp_path.parent / "b-at-commit"
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def check() -> None:  # the newer save reaches its commit meanwhile
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    _COMMIT_NEWER,
+                    str(tmp_path),
+                    RECORD,
+                    newer.name,
+                    str(marker),
+                ]
+            )
+        )
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            procs[0].wait(timeout=2.0)  # it finishes only if nothing holds it back
+
+    protocol.commit_generation(
+        tmp_path, RECORD, _record(tmp_path, older.name), older.name, check=check
+    )
+    assert procs[0].wait(timeout=120) == 0
+    assert json.loads((tmp_path / RECORD).read_bytes()) == {"generation": newer.name}
+    assert newer.exists() and not older.exists()
+    assert not (tmp_path / ".fastckpt.lock").exists()
 
 
 def test_a_failed_check_commits_nothing_and_removes_nothing(tmp_path: Path) -> None:

@@ -175,13 +175,14 @@ def commit_generation(
     """Commit ``generation`` of ``directory``: write the record ``data`` last, then remove
     what it superseded (steps 3 and 4 of the protocol, see the module docstring).
 
-    Commits to one directory in this process are serialized, and one never replaces a record
-    that already names a newer generation (overlapping saves to one checkpoint: the newest
-    wins, the older one fails with nothing committed). ``check`` runs just before the record
-    is written (for example: the generation's files are all there). Then the generations
-    created before ``generation`` are removed (killed saves' ones included); with
-    ``sweep_all`` (a writer holding the checkpoint's lock) everything else under
-    ``directory`` too. Returns what was removed.
+    Commits to one directory are serialized (in this process by a lock, between processes on
+    a filesystem by the directory's lock file, on an object store by the conditional put),
+    and one never replaces a record that already names a newer generation (overlapping saves
+    to one checkpoint: the newest wins, the older one fails with nothing committed).
+    ``check`` runs just before the record is written (for example: the generation's files
+    are all there). Then the generations created before ``generation`` are removed (killed
+    saves' ones included); with ``sweep_all`` (a writer holding the checkpoint's lock)
+    everything else under ``directory`` too. Returns what was removed.
 
     The record is read again just before the put (``reread``), so that on an object store
     the put is conditional on that version; a writer that read it when it started passes
@@ -193,7 +194,15 @@ def commit_generation(
         RuntimeError: a newer generation is already committed; nothing was committed.
     """
     backend = backend or backend_for(directory)
-    with _commit_lock(directory):
+    # Other processes too (a filesystem has no conditional put): the directory's lock file
+    # while the record is read, checked and written; a writer holding the checkpoint's lock
+    # already (sweep_all) or committing what it read at its start (no reread) does not.
+    between_processes: contextlib.AbstractContextManager[Any] = (
+        RootLock(directory)
+        if reread and not sweep_all and is_local(backend)
+        else contextlib.nullcontext()
+    )
+    with _commit_lock(directory), between_processes:
         current = committed_generation(directory, record_name, backend) if reread else None
         if current is not None and _newer(current, generation):
             raise RuntimeError(
