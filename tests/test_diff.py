@@ -119,6 +119,19 @@ def test_integer_differences_are_exact_for_every_integer_dtype() -> None:
         assert diff.compare_tensors(b, a) == (1, biggest), dtype
 
 
+def test_complex128_tensors_are_compared_element_by_element() -> None:
+    """16-byte elements (complex128) are compared as two 8-byte words each and counted once
+    per element. Before, comparing them raised KeyError: 16."""
+    a = torch.tensor([1 + 2j, 3 + 4j, 0j], dtype=torch.complex128)
+    b = a.clone()
+    b[1] = 3 + 5j
+    assert diff.compare_tensors(a, b) == (1, 1.0)
+    zero = torch.zeros(2, dtype=torch.float64)
+    signed = torch.complex(zero, torch.tensor([0.0, -0.0], dtype=torch.float64))
+    assert diff.compare_tensors(torch.complex(zero, zero), signed) == (1, 0.0)  # one sign bit
+    assert diff.compare_tensors(a, a.clone()) == (0, 0.0)
+
+
 def test_atol_tolerates_differences_up_to_it_but_never_a_nan(tmp_path: Path) -> None:
     """``atol`` > 0 counts a tensor whose largest difference is at most atol as equal (a
     signed zero, an int64 off by one); a NaN against a number is always a change."""
