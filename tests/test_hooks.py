@@ -413,6 +413,18 @@ class _BatchesSeen:
         self.seen = state["seen"].clone()
 
 
+def _slow_background_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make an async save's background copy lag behind the training thread."""
+    stage = CheckpointHook._stage
+
+    def slow_stage(self: CheckpointHook, snapshot: Any, *, only_volatile: bool) -> None:
+        if not only_volatile:
+            time.sleep(0.05)
+        stage(self, snapshot, only_volatile=only_volatile)
+
+    monkeypatch.setattr(CheckpointHook, "_stage", slow_stage)
+
+
 class _MomentumEncoder(nn.Module):
     """A trained layer and a frozen copy updated in forward (a MoCo/BYOL momentum encoder):
     frozen parameters changing outside the optimizer step."""
@@ -440,14 +452,7 @@ def test_an_async_save_holds_frozen_parameters_of_when_it_was_taken(
     encoder updated in the next forward does not reach the checkpoint, however slow the
     background copy. Before, every parameter was copied in the background (only the
     optimizer step waits for it), and the checkpoints held the next step's frozen weights."""
-    stage = CheckpointHook._stage
-
-    def slow_stage(self: CheckpointHook, snapshot: Any, *, only_volatile: bool) -> None:
-        if not only_volatile:
-            time.sleep(0.05)  # the background copy lags behind the training thread
-        stage(self, snapshot, only_volatile=only_volatile)
-
-    monkeypatch.setattr(CheckpointHook, "_stage", slow_stage)
+    _slow_background_copy(monkeypatch)
     seen: dict[int, torch.Tensor] = {}
 
     def record(ctx: Any, when: TrainingStage) -> None:
@@ -479,14 +484,7 @@ def test_an_async_save_holds_the_hook_state_of_when_it_was_taken(
     (at the next batch's start) does not reach the checkpoint,
     however slow the background copy. Before, they were copied with the parameters in the
     background, and 10 of 12 checkpoints of such a run held the next batch's count."""
-    stage = CheckpointHook._stage
-
-    def slow_stage(self: CheckpointHook, snapshot: Any, *, only_volatile: bool) -> None:
-        if not only_volatile:
-            time.sleep(0.05)  # the background copy lags behind the training thread
-        stage(self, snapshot, only_volatile=only_volatile)
-
-    monkeypatch.setattr(CheckpointHook, "_stage", slow_stage)
+    _slow_background_copy(monkeypatch)
     root = tmp_path / "run"
     counter = _BatchesSeen()
     hook = CheckpointHook(root, step_interval=1, incremental=False)

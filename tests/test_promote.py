@@ -816,21 +816,27 @@ def test_a_fast_tier_wiped_mid_run_numbers_its_next_saves_past_the_durable_tier(
     assert all(torch.equal(got[k], v) for k, v in want.items())
 
 
+def _keep_two_hook(fast: Path, durable: Any, **kwargs: Any) -> fastckpt.CheckpointHook:
+    """A sync hook saving every step to ``fast``, promoting every 2nd to ``durable``, which
+    keeps 2."""
+    return fastckpt.CheckpointHook(
+        fast,
+        step_interval=1,
+        async_save=False,
+        durable_dir=durable,
+        promote_every=2,
+        durable_keep_last=2,
+        **kwargs,
+    )
+
+
 def test_a_fresh_run_on_a_new_node_is_refused_another_runs_durable_tier(tmp_path: Path) -> None:
     # Only checkpoint_dir was checked: a run started afresh with an empty fast tier promoted
     # into the durable tier of another run, whose retention then deleted that run's indices.
     durable = tmp_path / "durable"
 
     def hook(fast: Path, **kwargs: Any) -> fastckpt.CheckpointHook:
-        return fastckpt.CheckpointHook(
-            fast,
-            step_interval=1,
-            async_save=False,
-            durable_dir=durable,
-            promote_every=2,
-            durable_keep_last=2,
-            **kwargs,
-        )
+        return _keep_two_hook(fast, durable, **kwargs)
 
     first = training_support.new_strategy([hook(tmp_path / "node-a")], num_steps=6)
     first.run(training_support.loader())
@@ -872,14 +878,7 @@ def test_a_fresh_run_started_while_the_durable_tier_is_down_never_promotes_into_
     )
 
     def hook(fast: Path) -> fastckpt.CheckpointHook:
-        return fastckpt.CheckpointHook(
-            fast,
-            step_interval=1,
-            async_save=False,
-            durable_dir=durable,
-            promote_every=2,
-            durable_keep_last=2,
-        )
+        return _keep_two_hook(fast, durable)
 
     training_support.new_strategy([hook(tmp_path / "node-a")], num_steps=6).run(
         training_support.loader()
