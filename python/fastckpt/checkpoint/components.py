@@ -487,18 +487,17 @@ _PROVEN: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, tuple[Any, ...]]]
 )
 
 
-def _proven_spec(model: torch.nn.Module, name: str) -> specs.BaseSpec:
+def _proven_spec(model: torch.nn.Module, name: str, state: Mapping[str, Any]) -> specs.BaseSpec:
     """``model``'s derived recipe, proven to rebuild it (:func:`~fastckpt.checkpoint.build.
     check_recordable`: tensors, submodule classes, constructor-argument attributes, tied
-    weights) the first time this recipe is recorded for this model with these tensors in
-    this process; later saves of it derive the recipe only.
+    weights) the first time this recipe is recorded for this model with these tensors
+    (``state``, its state dict) in this process; later saves of it derive the recipe only.
 
     Raises:
         TypeError: the recipe cannot be derived, or rebuilds another model (names the
             difference and the fixes).
     """
     spec = specs.model_spec(model)
-    state = model.state_dict()
     key = (
         json.dumps(spec.to_json(), sort_keys=True, default=str),
         tuple(
@@ -524,10 +523,11 @@ def _plan_components(
     for name, component in models.items():
         model, spec = _split(component, "model", name)
         model = unwrap_model(model)
-        spec = spec or _proven_spec(model, name)
+        state = dict(model.state_dict())
+        spec = spec or _proven_spec(model, name, state)
         live_models[name] = model
         relpath = f"models/{name}.safetensors"
-        plan.tensor_files[relpath] = dict(model.state_dict())
+        plan.tensor_files[relpath] = state
         for key, value in plan.tensor_files[relpath].items():
             if not isinstance(value, torch.Tensor):  # get_extra_state() returning a dict, ...
                 raise TypeError(
