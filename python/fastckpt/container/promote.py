@@ -79,6 +79,7 @@ from fastckpt.io.paths import check_relpath
 from fastckpt.storage.registry import backend_for, display_path, is_local, storage_options_of
 
 __all__ = [
+    "SOURCE_DAMAGE",
     "IndexCopy",  # re-exported from fastckpt.container.copy
     "NearestCopy",
     "Promoter",
@@ -91,6 +92,11 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger(__name__)
+
+#: What a promotion raises when its source's bytes or records are damaged or missing (a
+#: rotten or missing file, an unreadable record): passed over once the source is proven
+#: not to verify (see :func:`promote`).
+SOURCE_DAMAGE = (CheckpointFormatError, ChecksumMismatchError, FileNotFoundError)
 
 #: How the detached promoter starts: ``python -c _DETACHED_BOOT SYS_PATH`` (the trainer's
 #: ``sys.path`` as JSON), then :mod:`fastckpt.container.detached` as ``__main__``.
@@ -292,7 +298,7 @@ def promote(
             done = promote_index(source, target, index, node_local=node_local, wait_s=wait_s)
             report.bytes_copied += done.copied
             report.bytes_reused += done.reused
-        except (CheckpointFormatError, ChecksumMismatchError, FileNotFoundError) as err:
+        except SOURCE_DAMAGE as err:
             if index not in Manifest.load(source).entries:
                 # Pruned from the source while this ran (its retention): nothing to promote.
                 _LOG.warning("%s: index %d was pruned before it was promoted", source, index)

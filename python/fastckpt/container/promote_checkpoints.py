@@ -44,16 +44,11 @@ from fastckpt.container.listing import (  # listed here too, where they were fir
     dated_checkpoints,
     tier_dates,
 )
-from fastckpt.container.promote import Promoter
+from fastckpt.container.promote import SOURCE_DAMAGE, Promoter
 from fastckpt.container.refs import distrust
 from fastckpt.container.sharded.promote import record_files, write_generation
 from fastckpt.container.verify import verify
-from fastckpt.errors import (
-    CheckpointFormatError,
-    ChecksumMismatchError,
-    FastCkptError,
-    NotCommittedError,
-)
+from fastckpt.errors import FastCkptError, NotCommittedError
 from fastckpt.format.records import (
     COMMIT_RECORD,
     SAVED_NS,
@@ -507,12 +502,6 @@ def _saved_later(source: Path, target: Path) -> float | None:
     return theirs
 
 
-def _source_damage(err: BaseException) -> bool:
-    """Whether a promotion failed on its source's bytes or records (a rotten or missing
-    file, an unreadable commit record), not on the target or the way there."""
-    return isinstance(err, (ChecksumMismatchError, CheckpointFormatError, FileNotFoundError))
-
-
 def _date(when: float) -> str:
     return datetime.datetime.fromtimestamp(when, tz=datetime.UTC).isoformat(timespec="seconds")
 
@@ -594,7 +583,9 @@ class CheckpointPromoter(Promoter):
                     promote_checkpoint(source, self.target / name)
                 except (FastCkptError, OSError) as err:
                     if _committed(source):
-                        proven = _source_damage(err) and checkpoint_problem(source) is not None
+                        proven = isinstance(err, SOURCE_DAMAGE) and (
+                            checkpoint_problem(source) is not None
+                        )
                         if name == names[-1] or not proven:
                             raise  # the last queued, or not the source's bytes
                         _LOG.warning(
