@@ -262,7 +262,23 @@ def test_verify_decides_what_a_lone_file_is_from_its_content(lone_files: dict[st
         assert report.ok and report.files[0].status == "ok", (name, report)
         assert not report.files[0].unchecked_tensors
     plain = verify(lone_files["plain.bin"])  # no checksums: read, not verified (exit 3)
-    assert plain.ok and plain.files[0].unchecked_tensors == ["x"]
+    assert not plain.ok and plain.files[0].status == "unchecked", plain
+    assert plain.files[0].unchecked_tensors == ["x"] and "unchecked" in plain.summary()
+    assert "not verified" in plain.files[0].message and "verified)" not in plain.summary()
+
+
+def test_a_damaged_file_without_checksums_is_never_called_verified(tmp_path: Path) -> None:
+    """A byte flipped in a file the safetensors package wrote (no checksums to catch it) is
+    not ``ok``: ``verify`` says ``unchecked`` (the CLI exits 3), never "verified"."""
+    path = tmp_path / "plain.safetensors"
+    safetensors.torch.save_file({"w": torch.arange(16, dtype=torch.float32)}, str(path))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    report = verify(path)
+    assert not report.ok and [f.status for f in report.files] == ["unchecked"], report
+    assert str(path) in report.files[0].message and "w" in report.files[0].message
+    assert run_cli(["verify", str(path)], tmp_path).returncode == 3
 
 
 def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:

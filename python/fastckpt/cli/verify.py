@@ -109,13 +109,17 @@ def _sizes(container: Container, index: int | None) -> tuple[int, int] | None:
 
 
 def unchecked_files(report: VerifyReport) -> list[FileReport]:
-    """Intact files some of whose bytes no checksum covers (tensors without a crc32c in a
-    file that no commit record lists with its own crc32c)."""
-    return [f for f in report.files if f.ok and f.unchecked_tensors and f.expected_crc32c is None]
+    """Files without damage some of whose bytes no checksum covers (tensors without a crc32c
+    in a file that no commit record lists with its own crc32c)."""
+    return [f for f in report.files if f.status == "unchecked"]
+
+
+def _damaged(report: VerifyReport) -> bool:
+    return any(f.status not in ("ok", "unchecked") for f in report.files)
 
 
 def _status(report: VerifyReport) -> int:
-    if not report.ok:
+    if _damaged(report):
         return EXIT_BAD
     return EXIT_UNCHECKED if unchecked_files(report) else EXIT_OK
 
@@ -126,7 +130,7 @@ def _verify_json(
     unchecked = unchecked_files(report)
     size, linked_size = sizes if sizes is not None else (None, None)
     return {
-        "ok": report.ok and not unchecked,
+        "ok": report.ok,
         "status": {EXIT_OK: "ok", EXIT_BAD: "bad", EXIT_UNCHECKED: "unchecked"}[_status(report)],
         "unchecked_files": [str(f.path) for f in unchecked],
         "failed_indices": report.failed_indices(),
@@ -150,7 +154,7 @@ def _verify_text(report: VerifyReport, seconds: float, sizes: tuple[int, int] | 
         scope += f" of index(es) {', '.join(str(i) for i in report.indices)}"
     rate = f"{format_bytes(checked / seconds)}/s" if seconds > 0 else "-"
     unchecked = unchecked_files(report)
-    if report.ok and unchecked:
+    if unchecked and not _damaged(report):
         lines = [
             f"UNCHECKED: {display_path(report.target)}: no damage found in {scope}, but "
             f"{len(unchecked)} file(s) have tensors without checksums; their bytes were read, "

@@ -43,8 +43,10 @@ T = TypeVar("T")
 #: ``ok``: size and checksums match. ``mismatch``: the file is readable but its size or crc32c
 #: differs from the commit record (truncated, replaced, swapped). ``missing``: the record
 #: names it but it is not there. ``corrupt``: it cannot be read as what it should be (bad
-#: header, tensor checksum failure, escapes the checkpoint, unreadable record).
-Status = Literal["ok", "mismatch", "missing", "corrupt"]
+#: header, tensor checksum failure, escapes the checkpoint, unreadable record). ``unchecked``:
+#: no damage found, but some tensors carry no checksum and no record covers the file (a lone
+#: file written by the ``safetensors`` package): its bytes were read, not verified.
+Status = Literal["ok", "mismatch", "missing", "corrupt", "unchecked"]
 
 #: Reads a file's content: ``path -> (value, whole-file crc32c or None when not computed)``.
 Content = Callable[[Path], "tuple[T, int | None]"]
@@ -56,7 +58,8 @@ class FileReport:
 
     Attributes:
         path: the file.
-        status: ``"ok"``, ``"mismatch"``, ``"missing"`` or ``"corrupt"`` (see :data:`Status`).
+        status: ``"ok"``, ``"mismatch"``, ``"missing"``, ``"corrupt"`` or ``"unchecked"`` (see
+            :data:`Status`).
         expected_size: size from the commit record (None: no record, e.g. a lone file).
         expected_crc32c: whole-file crc32c from the commit record (None: no record).
         actual_size: size on disk (None: not readable).
@@ -79,8 +82,21 @@ class FileReport:
 
     @property
     def ok(self) -> bool:
-        """Whether the file verified."""
+        """Whether the file verified (an ``unchecked`` file did not: nothing proves its bytes)."""
         return self.status == "ok"
+
+    def note_unchecked(self, names: list[str]) -> None:
+        """Record the tensors the file holds without a checksum; a file that no record
+        covers with its own crc32c is then ``unchecked``, not ``ok``."""
+        self.unchecked_tensors = list(names)
+        if self.status == "ok" and names and self.expected_crc32c is None:
+            shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+            self.status = "unchecked"
+            self.message = (
+                f"{display_path(self.path)}: {len(names)} tensor(s) without a checksum ({shown}): "
+                "their bytes were read, not verified (written without fastckpt's checksums, e.g. "
+                "by the safetensors package; re-save it with fastckpt.save_file to protect it)"
+            )
 
 
 @dataclass

@@ -90,7 +90,7 @@ def _check_file(
 ) -> FileReport:
     """Check one file: existence, size, content checksums (tensor files tensor by tensor)."""
     checked = check_recorded(path, record, verify_content(threads), source=source, index=index)
-    checked.report.unchecked_tensors = list(checked.value or [])
+    checked.report.note_unchecked(list(checked.value or []))
     return checked.report
 
 
@@ -384,7 +384,9 @@ def verify(
       manager save of DTensor state); a root's indices include their sharded parts;
     * a single file, told by its content whatever its name: a safetensors file (an 8-byte
       header length and a JSON header) has its header and every tensor checksum checked (no
-      record to compare the whole file with); a ``manifest.json`` under another name is
+      record to compare the whole file with; tensors without a checksum, as the
+      ``safetensors`` package writes them, make it ``unchecked``, not ``ok``: their bytes
+      were read, not verified); a ``manifest.json`` under another name is
       checked against its own crc32c. Anything else (random bytes, text, a record without a
       checksum of its own such as a renamed ``commit.json``) cannot be checked: its report is
       ``corrupt``, saying so, never ``ok``;
@@ -453,7 +455,7 @@ class _Verifier(KindVisitor[VerifyReport]):
         checked = check_recorded(
             container.path, None, _lone_content(self.threads), source="no record"
         )
-        checked.report.unchecked_tensors = list(checked.value or [])
+        checked.report.note_unchecked(list(checked.value or []))
         report.files.append(checked.report)
         return report
 

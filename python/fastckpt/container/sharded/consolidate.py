@@ -91,7 +91,7 @@ def sharded_file_reports(
             continue
         checked = check_recorded(file, record.files[name], content, source=str(record_path))
         checked.report.index = index
-        checked.report.unchecked_tensors = list(checked.value or [])
+        checked.report.note_unchecked(list(checked.value or []))
         reports.append(checked.report)
     return reports
 
