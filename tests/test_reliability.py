@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -30,7 +31,6 @@ from checkpoint_support import (
     assert_same,
     detected,
     flip,
-    loaded_states,
     mload,
     only_failure,
     symlink_outside,
@@ -273,38 +273,31 @@ def test_bit_flips_in_json_files_are_detected(saved: Saved) -> None:
                     err = detected(lambda: load_checkpoint(root, 1), str(path))
                     assert isinstance(err, ChecksumMismatchError)
 
-    # The manifest checksums itself: verify() catches every flip. load_checkpoint catches
-    # every flip that would change what is loaded (sizes, checksums, names, associations).
+    # The manifest checksums itself: every flip of every byte fails verify() and every load
+    # (the latest, or an index named) with a typed error naming manifest.json.
     path = root / MANIFEST
     data = path.read_bytes()
-    pristine = Manifest.load(root).entries
+    typed = (ChecksumMismatchError, CheckpointFormatError)
     for position in range(len(data)):
         damaged = flip(data, position, rng.randrange(8))
         with altered(path, damaged):
-            with pytest.raises((ChecksumMismatchError, CheckpointFormatError)):
+            with pytest.raises(typed):
                 Manifest.load(root, verify_checksum=True)
+            for index in (None, 0, 1):
+                with pytest.raises(typed, match=re.escape(MANIFEST)):
+                    load_checkpoint(root, index)
             if position % 7 == 0:
                 report = verify(root)
                 assert report.files[0].path == path and not report.files[0].ok, position
-            if position % 13 == 0:
-                for index in (0, 1):
-                    try:
-                        result = load_checkpoint(root, index)
-                    except ALLOWED:
-                        continue
-                    assert_same(saved.expected[index], loaded_states(result))
-                    entry = pristine[index]
-                    for field in ("components", "associations", "files"):
-                        assert result["manifest"][field] == entry[field], (position, field)
 
     # commit.json carries a crc32c of its own content: every flip of every byte fails the load
-    # with a typed error and makes verify report the checkpoint not ok.
+    # with a typed error naming the file and makes verify report the checkpoint not ok.
     directory = saved.manager_dirs["b"]
     path = directory / "commit.json"
     data = path.read_bytes()
     for position in range(len(data)):
         with altered(path, flip(data, position, rng.randrange(8))):
-            with pytest.raises(ALLOWED):
+            with pytest.raises(typed, match=re.escape("commit.json")):
                 mload(directory)
             if position % 5 == 0:
                 assert not verify(directory).ok, position

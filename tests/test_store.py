@@ -20,8 +20,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
+import fastckpt.dcp
 from checkpoint_support import (
     Saved,
     assert_intact,
@@ -248,6 +250,33 @@ def test_a_reader_during_replacements_sees_the_old_or_the_new(tmp_path: Path, mo
         writer.wait()
     assert writer.returncode == 0
     assert loads >= 5
+
+
+def test_directories_a_first_save_creates_are_made_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first save into a new root (and a manager's first save into a new directory)
+    fsyncs the parent of every directory it creates, up to one that existed: a save that
+    returned does not lose its root's entry to a power cut."""
+    synced: list[str] = []
+    real = backend._native.fsync_dir
+
+    def recording(path: str) -> None:
+        synced.append(os.path.normpath(path))
+        real(path)
+
+    monkeypatch.setattr(backend._native, "fsync_dir", recording)
+    save_checkpoint(tmp_path / "a" / "b" / "root", models={"main": (nn.Linear(2, 2), None)})
+    for made in ("a/b/root", "a/b", "a"):
+        assert str((tmp_path / made).parent) in synced, (made, synced)
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        manager.save(tmp_path / "c" / "d" / "step_1", {"x": torch.ones(3)})
+    for made in ("c/d/step_1", "c/d", "c"):
+        assert str((tmp_path / made).parent) in synced, (made, synced)
+    sharded = tmp_path / "e" / "f" / "sharded"
+    dcp.save({"x": torch.ones(3)}, storage_writer=fastckpt.dcp.Writer(sharded))
+    for made in ("e/f/sharded", "e/f", "e"):
+        assert str((tmp_path / made).parent) in synced, (made, synced)
 
 
 def test_root_lock_excludes_other_holders(tmp_path: Path) -> None:

@@ -137,7 +137,7 @@ def make_generation_dir(directory: Path, generation: str) -> Path:
     object store, where prefixes need no creation, only return it)."""
     target = directory / generation
     if is_local(backend_for(directory)):
-        os.makedirs(target, exist_ok=True)
+        make_dirs(target)
         _native.fsync_dir(str(directory))
     return target
 

@@ -464,13 +464,21 @@ def clean_dead_siblings(parent: Path) -> list[str]:
 
 
 def make_dirs(directory: Path) -> None:
-    """``mkdir -p`` that names the file standing in the way, if one does."""
+    """``mkdir -p`` that names the file standing in the way, if one does, and makes every
+    directory it creates durable: the parent of each is fsynced (a save that returns must not
+    lose its new root to a power cut)."""
+    created = []
     for ancestor in (directory, *directory.parents):
-        if ancestor.exists() and not ancestor.is_dir():
-            raise NotADirectoryError(
-                errno.ENOTDIR, f"cannot create {directory}: a file is in the way", str(ancestor)
-            )
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise NotADirectoryError(
+                    errno.ENOTDIR, f"cannot create {directory}: a file is in the way", str(ancestor)
+                )
+            break
+        created.append(ancestor)
     directory.mkdir(parents=True, exist_ok=True)
+    for made in created:  # deepest first; each one's entry lives in its parent
+        _native.fsync_dir(str(made.parent))
 
 
 class LocalStaging(Staging):

@@ -49,6 +49,7 @@ from fastckpt.container.copy import copy_files, read_verified
 from fastckpt.container.sharded.parts import Part, committed_part, index_dir
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.records import SHARDED_DIR, SHARDED_RECORD, Manifest, read_record_bytes
+from fastckpt.storage.backend import make_dirs
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
 __all__ = [
@@ -283,7 +284,7 @@ def _put_file(root: Path, directory: Path, name: str, data: bytes) -> None:
     if not is_local(backend):
         backend.stage(directory).put_bytes(name, data)
         return
-    os.makedirs(directory, exist_ok=True)
+    make_dirs(directory)
     _native.write_bytes_atomic(str(directory / name), data, True)
     here = directory
     while here != root and here.parent != here:
