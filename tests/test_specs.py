@@ -1169,6 +1169,48 @@ def test_non_module_factories_refused_before_any_call() -> None:
     assert CALLS == ["meta"]
 
 
+def test_a_librarys_module_factory_needs_trust(tmp_path: Any) -> None:
+    """A classmethod of an installed library's module (inherited by the user's class or named
+    directly) is not admitted by default: ``LightningModule.load_from_checkpoint`` unpickles
+    the file a tampered recipe names, and it ran on the meta-device build before the fix."""
+    lightning = pytest.importorskip("lightning.pytorch")
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"x": _RunsCode(str(marker))}, evil)
+    kwargs = {"checkpoint_path": str(evil), "weights_only": False}
+    user_lit = type("UserLit", (lightning.LightningModule,), {"__module__": MOD})
+    globals()["UserLit"] = user_lit
+    try:
+        for path in (
+            "lightning.pytorch.core.module.LightningModule.load_from_checkpoint",
+            f"{MOD}.UserLit.load_from_checkpoint",  # inherited by the user's class
+            "torch.nn.Embedding.from_pretrained",
+        ):
+            with pytest.raises(UntrustedTargetError, match="installed library") as info:
+                build_model(BaseSpec(cls_path=path, kwargs=kwargs))
+            assert f"trusted=[{path!r}]" in str(info.value)
+    finally:
+        del globals()["UserLit"]
+    assert not marker.exists()
+    assert callable(resolve_target(f"{MOD}.Factory.from_config", "model"))  # the user's own
+
+
+class _RunsCode:
+    """Unpickling it writes a file: proof that code ran."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (pathlib_write, (self.marker,))
+
+
+def pathlib_write(marker: str) -> None:
+    """What the hostile pickle calls."""
+    with open(marker, "w") as out:
+        out.write("code ran")
+
+
 def test_large_non_persistent_buffers_refused_on_meta() -> None:
     spec = create_model_spec(Masked, size=2**15)  # a 4 GiB mask for 4 bytes of weights
     with pytest.raises(CheckpointFormatError, match="would hold 4294967300 bytes"):

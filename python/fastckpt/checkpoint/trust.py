@@ -306,6 +306,32 @@ def _is_module_factory(parent: Any, attr: str) -> bool:
     return isinstance(inspect.getattr_static(parent, attr, None), (classmethod, staticmethod))
 
 
+def _installed_factory(func: Any) -> str | None:
+    """Why a module factory is not the user's code (None: it is).
+
+    A classmethod or staticmethod of an installed library (the standard library, torch,
+    fastckpt, site-packages) may do anything with the arguments a checkpoint gives it: load a
+    file the checkpoint names (``LightningModule.load_from_checkpoint`` unpickles one,
+    ``from_pretrained`` may run remote code). Such a factory, inherited or not, needs trust.
+    """
+    module_name = getattr(getattr(func, "__func__", func), "__module__", None)
+    if not isinstance(module_name, str):
+        return "its defining module is unknown"
+    package = _top_package(module_name)
+    module = sys.modules.get(module_name)
+    if (
+        package in ("torch", "fastckpt", "builtins")
+        or package in _stdlib_names()
+        or module is None
+        or _is_installed_module(module)
+    ):
+        return (
+            f"it is defined in {module_name}, an installed library, not your code (a library's "
+            "factory may load files or run code the checkpoint names)"
+        )
+    return None
+
+
 def _annotation_text(func: Any) -> str:
     annotation = getattr(func, "__annotations__", {}).get("return", inspect.Parameter.empty)
     if isinstance(annotation, type):
@@ -357,7 +383,7 @@ def _policy_allows(kind: str, obj: Any, parent: Any, attr: str) -> bool:
         if any(obj is factory for factory in _CONTAINER_FACTORIES):
             return True
         if _is_module_factory(parent, attr):
-            return _may_return_module(obj, parent)
+            return _may_return_module(obj, parent) and _installed_factory(obj) is None
         return False
     if kind == "optimizer":
         return isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)
@@ -378,7 +404,7 @@ def _policy_allows(kind: str, obj: Any, parent: Any, attr: str) -> bool:
 
 _POLICY_TEXT = {
     "model": "a model target may only be a torch.nn.Module subclass or a classmethod/"
-    "staticmethod of one",
+    "staticmethod of one defined in your own code",
     "optimizer": "an optimizer target may only be a torch.optim.Optimizer subclass",
     "scheduler": "a scheduler target may only be a torch.optim.lr_scheduler.LRScheduler "
     "subclass or ReduceLROnPlateau",
@@ -406,7 +432,9 @@ def resolve_target(
     classmethods/staticmethods of them, ``"optimizer"`` allows ``torch.optim.Optimizer``
     subclasses, ``"scheduler"`` allows LR-scheduler classes (including ``ReduceLROnPlateau``),
     and ``"callable"`` allows nothing. A classmethod/staticmethod is a model target only if
-    its return annotation (when it has one) names an ``nn.Module``;
+    it is defined in the user's code (not the standard library, torch, fastckpt or an
+    installed site-packages module: a library's factory may load what the checkpoint names)
+    and its return annotation (when it has one) names an ``nn.Module``;
     ``fastckpt.checkpoint.containers``'
     factories are model targets too. An untrusted path is decided without importing anything:
     it is looked up only through modules that are already imported (a tampered spec must not
@@ -470,6 +498,8 @@ def resolve_target(
         return obj
     if isinstance(obj, type):
         found = f"it resolves to the class {_type_name(obj)!r}"
+    elif kind == "model" and _is_module_factory(parent, attr) and _may_return_module(obj, parent):
+        found = str(_installed_factory(obj))
     elif kind == "model" and _is_module_factory(parent, attr):
         found = (
             f"it is annotated to return {_annotation_text(obj)}, not an nn.Module, so it is "
