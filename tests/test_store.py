@@ -398,6 +398,14 @@ def test_prune_deletes_a_symlinked_index_and_what_it_points_to_in_the_root(
     (root / "3").symlink_to(root / "5")  # a damaged root: index 3 is index 5's directory
     assert prune(root, 1) == [3, 4]
     assert (root / "5").is_dir() and verify(root).ok
+    # Another root kept inside this one is not an index's data: a link to it loses the link.
+    for _ in range(2):
+        save_at(root / "finetune", trained(2), -1)
+    shutil.rmtree(root / "5")
+    (root / "5").symlink_to("finetune")
+    save_at(root, trained(1), -1)
+    assert prune(root, 1) == [5]
+    assert verify(root / "finetune").ok and load_checkpoint(root / "finetune")
 
 
 def test_list_checkpoints_applies_the_manifest_checksum_rule_of_load(saved: Saved) -> None:

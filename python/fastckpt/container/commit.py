@@ -815,12 +815,14 @@ def prune_indices(
         linked = {index for index in needed if _link_retained(root, index)}
         for index in needed - linked:  # no hard links here: moved before the commit
             refs.retain_for_references(root, index)
+        recorded = {index: set(manifest.entries[index]["files"]) for index in doomed}
         for index in doomed:
             del manifest.entries[index]
         manifest.commit()
         for index in doomed:
             if index not in needed or index in linked:
-                _delete_index(backend, root, manifest.directory(index), set(manifest.entries))
+                directory = manifest.directory(index)
+                _delete_index(backend, root, directory, set(manifest.entries), recorded[index])
         if is_local(backend):
             refs.collect_garbage(root, referenced - set(manifest.entries))
         # The pruned indices' sharded parts, after the commit.
@@ -891,6 +893,17 @@ def spare_newest_intact(manifest: Manifest, doomed: list[int]) -> list[int]:
     return []
 
 
+def _holds_only(directory: str, recorded: set[str]) -> bool:
+    """Whether every file (and link) under ``directory`` is one of the ``recorded`` paths."""
+    for here, folders, files in os.walk(directory):
+        links = [name for name in folders if os.path.islink(os.path.join(here, name))]
+        for name in (*files, *links):
+            relpath = os.path.relpath(os.path.join(here, name), directory)
+            if relpath.replace(os.sep, "/") not in recorded:
+                return False
+    return True
+
+
 def _link_retained(root: Path, index: int) -> bool:
     """Make ``ROOT/.ref-<index>`` a copy of ``ROOT/<index>`` by hard links (no data copied),
     durably, leaving the index in place; False when links are not possible here."""
@@ -928,17 +941,19 @@ def _link_retained(root: Path, index: int) -> bool:
 
 
 def _delete_index(
-    backend: StorageBackend, root: Path, directory: Path, committed: set[int]
+    backend: StorageBackend, root: Path, directory: Path, committed: set[int], recorded: set[str]
 ) -> None:
     """Delete an index directory (and, when it is a symlink to a directory of the root that
-    no committed index uses, its target)."""
+    no committed index uses and that holds nothing but files the index recorded, its
+    target: another checkpoint kept inside the root is never taken with it)."""
     if os.path.islink(directory):
         target = os.path.realpath(directory)
         limit = os.path.realpath(root).rstrip(os.sep) + os.sep
         directory.unlink()
         top = target[len(limit) :].split(os.sep, 1)[0] if target.startswith(limit) else ""
         ours = top and not top.startswith(".") and os.path.isdir(target)
-        if ours and not (_is_index_name(top) and int(top) in committed):
+        ours = ours and not (_is_index_name(top) and int(top) in committed)
+        if ours and _holds_only(target, recorded):
             backend.delete(Path(target))
         else:
             _LOG.warning("pruned %s, a symlink; left its target %s", directory, target)
