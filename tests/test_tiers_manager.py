@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt.container import listing
 from fastckpt.container.promote import forget_promoted
 from fastckpt.container.promote_checkpoints import (
     CheckpointPromoter,
@@ -516,6 +517,38 @@ def test_checkpoints_committed_within_one_timestamp_tick_keep_their_order(
     pruned = _cli("prune", str(root), "--keep-last", "1", "--json")
     assert (pruned["deleted"], pruned["kept"]) == (["step_8", "step_9"], ["step_10", "step_11"])
     assert committed_checkpoints(root) == ["step_10", "step_11"]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_clock_stepped_back_between_saves_keeps_their_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """A wall clock stepped back an hour (an NTP step, a restored VM snapshot) between saves,
+    in this process or in a new one, does not reorder them: ``keep_last`` keeps the newest
+    saves, ``latest`` / ``load_latest`` and ``fastckpt prune`` take the last one saved."""
+    root = tmp_path / "fast"
+    real_ns = time.time_ns
+    tiers = TiersConfig(fast=root, durable=tmp_path / "durable", promote_every=1000, keep_last=2)
+    with _manager(tiers, async_save=async_save) as manager:
+        _run(manager, 3)
+        monkeypatch.setattr(time, "time_ns", lambda: real_ns() - 3600 * 10**9)
+        model = _model()
+        for step in (3, 4):
+            model[1].weight.data.fill_(float(step))
+            future = manager.save(f"step_{step}", {"model": model, "step": step})
+            if future is not None:
+                future.result()
+        assert committed_checkpoints(root) == ["step_3", "step_4"]
+        assert manager.load_latest()["step"] == 4
+    listing._NEWEST_SAVED.clear()  # a new process, the clock still an hour back
+    with _manager(tiers, async_save=async_save) as manager:
+        future = manager.save("step_5", {"model": model, "step": 5})
+        if future is not None:
+            future.result()
+    assert committed_checkpoints(root) == ["step_4", "step_5"]
+    assert _cli("prune", str(root), "--keep-last", "1", "--dry-run", "--json")["deleted"] == [
+        "step_4"
+    ]
 
 
 @pytest.mark.parametrize("value", ["1796411348945721639", -1, True, 1.5])

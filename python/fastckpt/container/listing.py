@@ -9,7 +9,10 @@ torch); :func:`fastckpt.list_checkpoints` is the first.
 
 from __future__ import annotations
 
+import math
 import os
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,6 +33,7 @@ __all__ = [
     "dated_checkpoints",
     "is_alias",
     "list_checkpoints",
+    "saved_after_siblings",
     "tier_dates",
 ]
 
@@ -142,3 +146,33 @@ def tier_dates(root: str | os.PathLike[str]) -> TierDates:
     dated, undated, unreadable = save_dated(root, found)
     order = by_commit_time(root, dated)
     return TierDates({name: dated[name][0] for name in order}, not undated, frozenset(unreadable))
+
+
+#: Tier root -> the newest save date (ns) this process gave or found there.
+_NEWEST_SAVED: dict[str, int] = {}
+_NEWEST_LOCK = threading.Lock()
+
+
+def saved_after_siblings(checkpoint: str | os.PathLike[str]) -> int:
+    """When the CheckpointManager checkpoint about to be committed at ``checkpoint`` is saved,
+    in ns since the epoch (its record's ``saved_ns``): now, but after every checkpoint
+    committed beside it, so that a wall clock stepped back (an NTP step, a restored VM
+    snapshot) never makes ``latest``, ``keep_last`` or ``prune`` take an older save for the
+    newest. The newest date beside it is read once per tier root and process (one listing,
+    see :func:`tier_dates`), then kept."""
+    parent = Path(checkpoint).parent
+    key = str(parent)
+    with _NEWEST_LOCK:
+        floor = _NEWEST_SAVED.get(key)
+    if floor is None:
+        try:
+            dates = list(tier_dates(parent).dates.values())
+        except OSError:
+            dates = []
+        # Dates are float seconds: a microsecond above any rounding of the newest.
+        floor = max((math.ceil(date * 1e9) + 1_000 for date in dates), default=0)
+    with _NEWEST_LOCK:
+        floor = max(floor, _NEWEST_SAVED.get(key, 0))
+        saved = max(time.time_ns(), floor + 1)
+        _NEWEST_SAVED[key] = saved
+    return saved

@@ -50,6 +50,7 @@ from fastckpt import _native
 from fastckpt.container.background import BackgroundWriter
 from fastckpt.container.commit import DirectoryWriter
 from fastckpt.container.links import read_item
+from fastckpt.container.listing import saved_after_siblings
 from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
 from fastckpt.format.records import COMMIT_RECORD, commit_record, read_commit_record
 from fastckpt.io import tree
@@ -165,7 +166,9 @@ def write_plan(
         for item, (skeleton, tensors) in plan.items.items():
             writer.add_tensors(f"{item}.safetensors", tensors)
             writer.add_json(f"{item}.json", {"skeleton": skeleton})
-        writer.add_json(COMMIT_RECORD, commit_record(list(plan.items), writer.files, 1))
+        saved = saved_after_siblings(writer.final)
+        record = commit_record(list(plan.items), writer.files, 1, saved_ns=saved)
+        writer.add_json(COMMIT_RECORD, record)
         writer.commit()
     except BaseException:
         writer.abort()

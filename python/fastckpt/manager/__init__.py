@@ -38,6 +38,7 @@ import torch
 from fastckpt.container.background import BackgroundWriter
 from fastckpt.container.commit import DirectoryWriter
 from fastckpt.container.links import Reference, read_item
+from fastckpt.container.listing import saved_after_siblings
 from fastckpt.container.promote_checkpoints import (
     CheckpointPromoter,
     NearestCheckpoint,
@@ -876,7 +877,9 @@ class CheckpointManager:
         refs: Mapping[str, Mapping[str, Reference]] | None = None,
     ) -> None:
         if not self._dist.active:
-            writer.add_json(COMMIT_RECORD, commit_record(items, writer.files, 1, refs))
+            saved = saved_after_siblings(writer.final)
+            record = commit_record(items, writer.files, 1, refs, saved_ns=saved)
+            writer.add_json(COMMIT_RECORD, record)
             writer.commit()
             return
         # Each rank staged its own files; rank 0 gathers the files records, adopts every
@@ -888,7 +891,9 @@ class CheckpointManager:
                 if location != writer.location:
                     writer.adopt(location, files)  # with the rank's linked files
                 merged.update({relpath: dict(names) for relpath, names in rank_refs.items()})
-            record = commit_record(items, writer.files, self._dist.world_size, merged)
+            saved = saved_after_siblings(writer.final)
+            world = self._dist.world_size
+            record = commit_record(items, writer.files, world, merged, saved_ns=saved)
             writer.add_json(COMMIT_RECORD, record)
             writer.commit()
         self._dist.barrier()
