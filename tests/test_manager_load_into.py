@@ -373,15 +373,22 @@ def test_a_template_that_cannot_hold_the_values_is_refused(tmp_path: Path) -> No
     # with torch's bare RuntimeError.
     with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
         manager.save(tmp_path / "c", {"m": {"w": torch.arange(6.0)}})
-        for template, why in (
-            (torch.empty(6, device="meta"), "meta tensor"),
-            (torch.zeros(1).expand(6), "share memory"),
+        manager.save(tmp_path / "d", {"m": {"w": torch.arange(6.0).reshape(3, 2)}})
+        for name, template, why in (
+            ("c", torch.empty(6, device="meta"), "meta tensor"),
+            ("c", torch.zeros(1).expand(6), "share memory"),
+            # torch cannot tell at once ("too hard"): the offsets are counted. Before, the
+            # load succeeded and the template held [[0, 2], [2, 4], [4, 5]].
+            ("d", torch.zeros(4).unfold(0, 2, 1), "share memory"),
         ):
             with pytest.raises(TypeError, match=why):
-                manager.load(tmp_path / "c", into={"m": {"w": template}})
+                manager.load(tmp_path / name, into={"m": {"w": template}})
         good = torch.empty(6)
         manager.load(tmp_path / "c", into={"m": {"w": good}})
         assert torch.equal(good, torch.arange(6.0))
+        strided = torch.zeros(6, 4)[:, ::2]  # "too hard" for torch, yet no element shared
+        manager.load(tmp_path / "d", into={"m": {"w": strided[:3]}})
+        assert torch.equal(strided[:3], torch.arange(6.0).reshape(3, 2))
 
 
 def _snapshot(template: Any) -> dict[str, bytes]:

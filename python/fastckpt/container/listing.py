@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 import os
 import threading
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from fastckpt.container.links import split_sizes
+from fastckpt.format import records
 from fastckpt.format.records import (
     COMMIT_RECORD,
     SHARDED_RECORD,
@@ -173,6 +173,6 @@ def saved_after_siblings(checkpoint: str | os.PathLike[str]) -> int:
         floor = max((math.ceil(date * 1e9) + 1_000 for date in dates), default=0)
     with _NEWEST_LOCK:
         floor = max(floor, _NEWEST_SAVED.get(key, 0))
-        saved = max(time.time_ns(), floor + 1)
+        saved = max(records.now_ns(), floor + 1)
         _NEWEST_SAVED[key] = saved
     return saved

@@ -196,10 +196,13 @@ def _read_source(manifest: Manifest, ref: Reference) -> dict[str, torch.Tensor]:
 
 
 def _check_tensor(ref: Reference, tensor: torch.Tensor, header_crc: int | None, where: str) -> None:
+    from fastckpt.io.files import header_shape  # torch is loaded: a tensor was read
+
     nbytes = tensor.numel() * tensor.element_size()
-    if nbytes != ref["nbytes"] or list(tensor.shape) != ref["shape"]:
+    shape = header_shape(ref["name"], tensor)  # as the reference records it (F4: elements)
+    if nbytes != ref["nbytes"] or shape != ref["shape"]:
         raise CheckpointFormatError(
-            f"{where}: referenced tensor {ref['name']!r} has shape {list(tensor.shape)} "
+            f"{where}: referenced tensor {ref['name']!r} has shape {shape} "
             f"({nbytes} B), the reference says {ref['shape']} ({ref['nbytes']} B)"
         )
     if header_crc is not None and header_crc != ref["crc32c"]:

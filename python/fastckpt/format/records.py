@@ -48,6 +48,7 @@ __all__ = [
     "Manifest",
     "by_commit_time",
     "check_fields",
+    "check_item_key",
     "check_seal",
     "commit_record",
     "component_files",
@@ -56,6 +57,7 @@ __all__ = [
     "json_bytes",
     "load_json",
     "new_generation",
+    "now_ns",
     "read_by_size",
     "read_commit_record",
     "read_record_bytes",
@@ -557,10 +559,16 @@ def commit_record(
             for relpath, names in refs.items()
         }
     if saved_ns == SAVED_NOW:
-        saved_ns = time.time_ns()
+        saved_ns = now_ns()
     if saved_ns is not None:
         record[SAVED_NS] = saved_ns
     return record
+
+
+def now_ns() -> int:
+    """The clock of fastckpt's records: the wall clock in ns since the epoch (what
+    :data:`SAVED_NS` holds when a save dates itself)."""
+    return time.time_ns()
 
 
 def new_generation() -> str:
@@ -743,6 +751,37 @@ def _save_time(directory: Path, record: str) -> tuple[float | None, bool]:
         return (None if saved is None else saved / 1e9), True
     millis = _named_millis(directory, record)
     return (None if not millis else millis / 1e3), millis is not None
+
+
+def check_item_key(key: object) -> str:
+    """A CheckpointManager state key that can name an item's files (see :func:`item_files`).
+
+    Raises:
+        CheckpointFormatError: not a plain name (see :func:`~fastckpt.io.paths.check_name`),
+            not encodable as UTF-8 (a lone surrogate), or a name whose files would be another
+            item's or a record's: ``<key>.json`` is ``commit.json`` or ``fastckpt-dcp.json``,
+            or ``<key>`` ends in ``.rank<N>`` (the per-rank files of item ``<key minus it>``).
+    """
+    name = check_name(key, "state key")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise CheckpointFormatError(
+            f"state key {name!r} cannot be stored: it is not valid Unicode text ({err.reason}); "
+            "use a key made of characters"
+        ) from None
+    if f"{name}.json" in (COMMIT_RECORD, SHARDED_RECORD):
+        raise CheckpointFormatError(
+            f"state key {name!r} is reserved: its file {name}.json would be the checkpoint's "
+            "own record; rename the item"
+        )
+    stem, dot, rank = name.rpartition(".rank")
+    if dot and stem and rank.isdigit():
+        raise CheckpointFormatError(
+            f"state key {name!r} is reserved: its file would be rank {rank}'s file of item "
+            f"{stem!r}; rename the item"
+        )
+    return name
 
 
 def item_files(record: Mapping[str, Any], key: str, rank: int = 0) -> tuple[str, str]:

@@ -33,7 +33,9 @@ __all__ = [
     "DEFAULT_THREADS",
     "DEFAULT_WRITE_THREADS",
     "DIRECT_IO_MIN_BYTES",
+    "check_storable",
     "choose_direct_io",
+    "copy_values",
     "dtype_from_name",
     "dtype_name",
     "header_shape",
@@ -146,15 +148,19 @@ def torch_shape(where: str, dtype: str, shape: list[int]) -> list[int]:
     return [*shape[:-1], shape[-1] // 2]
 
 
-def host_tensor(name: str, tensor: Any) -> torch.Tensor:
-    """Return ``tensor`` as a dense, contiguous CPU tensor whose bytes can be written.
+_PYTHON_DISPATCH = torch._C.DispatchKey.Python
 
-    Copies only when needed (non-CPU, non-contiguous, or lazily conjugated/negated tensors).
+
+def check_storable(name: str, tensor: Any) -> None:
+    """Refuse a value whose bytes are not a plain dense tensor's, before anything is copied
+    or written.
 
     Raises:
-        InvalidInputError: not a tensor, sparse/quantized, or an unsupported dtype (names
-            ``name``; a TypeError and a ValueError). A meta tensor raises torch's RuntimeError
-            ("Cannot copy out of meta tensor"), as in safetensors.
+        InvalidInputError: naming ``name`` and the fix: not a tensor; a sparse, mkldnn,
+            quantized, nested, meta or zero (``_efficientzerotensor``) tensor; a wrapper
+            subclass whose values live elsewhere (``__torch_dispatch__`` subclasses such as
+            torchao's quantized and float8 tensors: their storage holds none of them); a dtype
+            safetensors has no name for.
     """
     if not isinstance(tensor, torch.Tensor):
         raise InvalidInputError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
@@ -164,13 +170,56 @@ def host_tensor(name: str, tensor: Any) -> torch.Tensor:
         )
     if tensor.is_quantized:
         raise InvalidInputError(f"{name!r}: quantized tensors cannot be saved; dequantize() first")
-    dtype_name(tensor.dtype)
+    if tensor.is_nested:
+        raise InvalidInputError(
+            f"{name!r}: nested tensors cannot be saved; save its components "
+            "(.unbind()) or a padded tensor (.to_padded_tensor(0))"
+        )
+    if tensor.is_meta:
+        raise InvalidInputError(
+            f"{name!r}: a meta tensor has no values to save; materialize it "
+            "(module.to_empty(device=...) and initialize it) first"
+        )
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and torch._C._dispatch_keys(
+        tensor
+    ).has(_PYTHON_DISPATCH):
+        raise InvalidInputError(
+            f"{name!r}: a {type(tensor).__name__} (a __torch_dispatch__ tensor subclass) "
+            "cannot be saved as one tensor: its storage does not hold its values; save its "
+            "plain tensors (e.g. its inner tensors, or a dequantized copy)"
+        )
+    if tensor._is_zerotensor():
+        raise InvalidInputError(
+            f"{name!r}: a zero tensor (torch._efficientzerotensor) has no storage to save; "
+            "save torch.zeros_like(it) instead"
+        )
+    try:
+        dtype_name(tensor.dtype)
+    except InvalidInputError as err:
+        raise InvalidInputError(f"{name!r}: {err}") from None
+
+
+def host_tensor(name: str, tensor: Any) -> torch.Tensor:
+    """Return ``tensor`` as a dense, contiguous CPU tensor whose bytes can be written.
+
+    Copies only when needed (non-CPU, non-contiguous, or lazily conjugated/negated tensors).
+
+    Raises:
+        InvalidInputError: what :func:`check_storable` refuses (names ``name``; a TypeError
+            and a ValueError).
+    """
+    check_storable(name, tensor)
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.to("cpu")
     tensor = tensor.resolve_conj().resolve_neg()
     if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
+        integer = _SAME_SIZE_INT.get(tensor.dtype.itemsize)
+        if _DTYPE_NAMES.get(tensor.dtype) == _PACKED_PAIRS and integer is not None:
+            # torch has no copy kernel for float4_e2m1fn_x2: the bytes move as integers.
+            tensor = tensor.view(integer).contiguous().view(tensor.dtype)
+        else:
+            tensor = tensor.contiguous()
     return tensor
 
 
@@ -211,7 +260,21 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
                 f"metadata must map str to str; got {key!r}: {type(value).__name__} "
                 "(serialize values with json.dumps first)"
             )
+        if not (_is_text(key) and _is_text(value)):
+            raise InvalidInputError(
+                f"metadata {key!r}: {value!r} is not valid Unicode text (a lone surrogate); "
+                "a safetensors header holds UTF-8"
+            )
     return dict(metadata)
+
+
+def _is_text(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (no lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _the_path(filename: str | os.PathLike[str] | None, path: str | os.PathLike[str] | None) -> str:
@@ -307,8 +370,8 @@ def write_tensors(
     keep_alive = []
     nbytes = 0
     for name, tensor in tensors.items():
-        if not isinstance(name, str):
-            raise InvalidInputError(f"tensor names must be str, got {name!r}")
+        if not isinstance(name, str) or not _is_text(name):
+            raise InvalidInputError(f"tensor names must be str of valid Unicode, got {name!r}")
         host = host_tensor(name, tensor)
         keep_alive.append(host)
         shape = header_shape(name, host)

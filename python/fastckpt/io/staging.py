@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from fastckpt.io.files import check_storable, copy_values
 from fastckpt.io.images import ImagePool
 
 __all__ = [
@@ -153,7 +154,7 @@ class CpuStager:
         staged = {}
         for name, tensor in tensors.items():
             buffer = self._pool.get(name, tensor, into)
-            buffer.copy_(tensor.detach())
+            copy_values(buffer, tensor.detach())
             staged[name] = buffer
         self._pool.retain_only(tensors, into)
         return staged
@@ -208,7 +209,7 @@ class CudaStager:
         for name, tensor in tensors.items():
             if name not in staged:
                 buffer = self._pool.get(name, tensor, into)
-                buffer.copy_(tensor.detach())
+                copy_values(buffer, tensor.detach())
                 staged[name] = buffer
         self._pool.retain_only(tensors, into)
         return {name: staged[name] for name in tensors}
@@ -248,13 +249,13 @@ def stage_groups(
     (every tensor of the group must be staged, by this call or an earlier one of the same
     save, for the writer to use the image).
     """
+    selected = {}
+    for group, tensors in groups.items():
+        for name, tensor in tensors.items():
+            if select(group, name):
+                check_storable(f"{group}/{name}", tensor)  # a copy_ would not refuse them all
+                selected[f"{group}\0{name}"] = tensor
     into = None if images is None else images.destinations(groups, select)[0]
-    selected = {
-        f"{group}\0{name}": tensor
-        for group, tensors in groups.items()
-        for name, tensor in tensors.items()
-        if select(group, name)
-    }
     for key, staged in stager.stage(selected, into).items():
         group, name = key.split("\0", 1)
         groups[group][name] = staged

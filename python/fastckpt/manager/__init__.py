@@ -60,6 +60,7 @@ from fastckpt.errors import (
 from fastckpt.format.records import (
     COMMIT_RECORD,
     SHARDED_RECORD,
+    check_item_key,
     commit_record,
     generation_order,
     item_files,
@@ -626,7 +627,7 @@ class CheckpointManager:
         _refuse_to_replace(path)
         prepared: dict[str, Any] = {}
         for key, value in state.items():
-            check_name(key, "state key")
+            check_item_key(key)
             self._spec(key)
             prepared[key] = prepare_save(value, key)
         for key, spec in self.config.items.items():
@@ -790,7 +791,7 @@ class CheckpointManager:
         self._writer.collect()
         prepared = {}
         for key, value in state.items():
-            check_name(key, "state key")
+            check_item_key(key)
             self._spec(key)
             prepared[key] = prepare_save(value, key)
         if _sharded_state(prepared):

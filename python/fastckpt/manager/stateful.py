@@ -29,6 +29,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from fastckpt.checkpoint.fill import plain_state
 from fastckpt.errors import CheckpointMismatchError
 from fastckpt.io import tree
+from fastckpt.io.files import check_storable
 
 __all__ = [
     "Stateful",
@@ -108,9 +109,14 @@ def prepare_save(value: Any, path: str = "") -> Any:
 
     Raises:
         TypeError: a value that cannot be checkpointed, or a dict key that cannot, named by
-            its full key path (with the fix: ``state_dict()`` objects are accepted).
+            its full key path (with the fix: ``state_dict()`` objects are accepted); a tensor
+            whose bytes cannot be stored (``InvalidInputError``, see
+            :func:`~fastckpt.io.files.check_storable`).
     """
-    if isinstance(value, (torch.Tensor, *_SCALARS)):
+    if isinstance(value, torch.Tensor):
+        check_storable(path, value)
+        return value
+    if isinstance(value, _SCALARS):
         return value
     if is_stateful(value):
         return prepare_save(value.state_dict(), path)
@@ -120,6 +126,12 @@ def prepare_save(value: Any, path: str = "") -> Any:
                 raise TypeError(
                     f"{tree.join_path(path, key)}: dict keys must be str, int, float, bool or "
                     f"None, got {type(key).__name__}"
+                )
+            if isinstance(key, str) and not key.encode("utf-8", "replace").decode() == key:
+                raise TypeError(
+                    f"{tree.join_path(path, key)!r}: a dict key must be valid Unicode text "
+                    "(this one holds a lone surrogate, e.g. from a file name decoded with "
+                    "surrogateescape); decode it properly or use another key"
                 )
         return {key: prepare_save(item, tree.join_path(path, key)) for key, item in value.items()}
     if type(value) is tuple:
@@ -167,17 +179,26 @@ def _check_tensor_template(template: torch.Tensor, path: str) -> None:
             "to take the saved tensor, or a tensor with memory (torch.empty_like(t, "
             "device='cpu'))"
         )
-    overlap = getattr(torch, "_debug_has_internal_overlap", None)  # 1: elements overlap
-    if overlap is not None:
-        shared = overlap(template) == 1
-    else:
-        layout = zip(template.stride(), template.shape, strict=True)
-        shared = any(stride == 0 and size > 1 for stride, size in layout)
-    if shared:
+    if _elements_overlap(template):
         raise TypeError(
             f"{where}: the template's elements share memory (an expanded or strided view), so "
             "it cannot hold every saved value; pass None or a tensor of its own (.clone())"
         )
+
+
+def _elements_overlap(tensor: torch.Tensor) -> bool:
+    """Whether two elements of ``tensor`` are one memory location (``expand``, ``unfold``):
+    torch's quick answer where it has one, else the element offsets counted."""
+    overlap = getattr(torch, "_debug_has_internal_overlap", None)  # 0: no, 1: yes, 2: can't tell
+    answer = 2 if overlap is None else overlap(tensor)
+    if answer != 2:
+        return bool(answer == 1)
+    if tensor.numel() < 2:
+        return False
+    shape, strides, start = tensor.shape, tensor.stride(), tensor.storage_offset()
+    extent = start + 1 + sum((n - 1) * step for n, step in zip(shape, strides, strict=True))
+    offsets = torch.arange(extent).as_strided(shape, strides, start)
+    return bool(offsets.unique().numel() != tensor.numel())
 
 
 def _check_tensors(current: Any, loaded: Any, path: str) -> None:
