@@ -404,3 +404,16 @@ def test_a_model_with_non_tensor_extra_state_is_refused_when_saved(tmp_path: Pat
     with pytest.raises(TypeError, match=r"model 'main': its state_dict entry '_extra_state'"):
         fastckpt.save_checkpoint(tmp_path, models={"main": WithExtra(2, 2)})
     assert fastckpt.list_checkpoints(tmp_path) == []
+
+
+@pytest.mark.parametrize("value", [float("nan"), 1.5, True, "3"])
+def test_counters_that_are_not_whole_numbers_are_refused(tmp_path: Path, value: Any) -> None:
+    """``counters=`` holds whole numbers: anything else is a ``TypeError`` naming the
+    counter and nothing is saved (before: NaN was written into manifest.json as the bare
+    token ``NaN``, which strict JSON parsers refuse, and 1.5 or True were kept)."""
+    model = nn.Linear(1, 1)
+    with pytest.raises(TypeError, match="counters\\['loss'\\]"):
+        save_checkpoint(tmp_path, models={"main": (model, None)}, counters={"loss": value})
+    assert not (tmp_path / "manifest.json").exists()
+    save_checkpoint(tmp_path, models={"main": (model, None)}, counters={"step": 2**40})
+    assert load_checkpoint(tmp_path)["manifest"]["counters"] == {"step": 2**40}

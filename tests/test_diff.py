@@ -104,6 +104,38 @@ def test_any_differing_bit_is_a_change_and_integer_differences_are_exact(
     assert type(changed["max_abs_diff"]) is type(biggest)
 
 
+def test_fp4_and_infinite_differences_are_reported_as_strict_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``float4_e2m1fn_x2`` bytes are compared and their largest difference decoded (before:
+    a traceback and exit 1, nothing on stdout); an infinite difference is ``"inf"`` in the
+    JSON, which strict parsers read (before: the bare token ``Infinity``)."""
+    bits = torch.zeros(3, 4, dtype=torch.uint8)
+    changed = bits.clone()
+    changed[1, 2] = 0x71  # the pair (0.5, 6.0) where (0.0, 0.0) was
+    for name, a, b in (
+        ("f4", bits.view(torch.float4_e2m1fn_x2), changed.view(torch.float4_e2m1fn_x2)),
+        ("inf", torch.tensor([1.0, 2.0]), torch.tensor([1.0, float("inf")])),
+    ):
+        fastckpt.save_file({"x": a}, tmp_path / f"{name}-a.safetensors")
+        fastckpt.save_file({"x": b}, tmp_path / f"{name}-b.safetensors")
+        status = cli.main(
+            [
+                "--json",
+                "diff",
+                str(tmp_path / f"{name}-a.safetensors"),
+                str(tmp_path / f"{name}-b.safetensors"),
+            ]
+        )
+        text = capsys.readouterr().out
+        result = json.loads(text, parse_constant=lambda token: pytest.fail(f"not JSON: {token}"))
+        assert status == 1 and result["identical"] is False, name
+        (entry,) = result["changed"]
+        assert (entry["differing"], entry["max_abs_diff"]) == (
+            (1, 6.0) if name == "f4" else (1, "inf")
+        )
+
+
 def test_integer_differences_are_exact_for_every_integer_dtype() -> None:
     """compare_tensors widens integers to int64 without loss (uint64 included)."""
     cases = [

@@ -91,7 +91,8 @@ def save_checkpoint(
             ``int`` (replaced atomically if it exists).
         strategy: a ``TrainingStrategy`` to save whole (components, recipe, counters, RNG
             states, data position, hook states); the component arguments must then be empty.
-        counters: optional integer counters recorded in the manifest (step, epoch, ...).
+        counters: optional integer counters recorded in the manifest (step, epoch, ...):
+            ``str`` names to ``int`` values (anything else is a ``TypeError``).
         incremental: write only the tensors that changed since this process's last save
             into ``root``, recording the others as references to the bytes already there
             (see docs/incremental.md); False writes everything.

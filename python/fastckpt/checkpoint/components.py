@@ -354,8 +354,24 @@ def create_snapshot(
         for name in components:
             check_name(name, f"{kind[:-1]} name")
     snapshot = _plan_components(models, optimizers, schedulers, associations)
-    snapshot.counters = dict(counters or {})
+    snapshot.counters = _checked_counters(counters)
     return snapshot
+
+
+def _checked_counters(counters: Mapping[str, int] | None) -> dict[str, int]:
+    """``counters`` as a dict, refused unless it maps ``str`` names to ``int`` values (not
+    ``bool``: a manifest records whole numbers, JSON has none for NaN)."""
+    if counters is None:
+        return {}
+    if not isinstance(counters, Mapping):
+        raise TypeError(f"counters must be a mapping of str to int, got {type(counters).__name__}")
+    for name, value in counters.items():
+        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"counters[{name!r}] = {value!r}: counters are whole numbers (step, epoch, ...) "
+                "named by str; record other values elsewhere (e.g. a CheckpointHook's state)"
+            )
+    return dict(counters)
 
 
 def check_incremental(incremental: object, where: str) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,8 +36,20 @@ def counted_progress(
 
 
 def print_json(document: Any) -> None:
-    """Print ``document`` as indented JSON (unknown types as strings)."""
-    print(json.dumps(document, indent=2, default=str))
+    """Print ``document`` as indented, strict JSON (unknown types as strings, and so are the
+    floats JSON has no number for: ``"inf"``, ``"-inf"``, ``"nan"``)."""
+    print(json.dumps(_finite(document), indent=2, default=str, allow_nan=False))
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by its name (containers rebuilt)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], indent: str = "") -> str:

@@ -63,11 +63,32 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int | float]
     count = int(differ.sum())
     if count == 0:
         return 0, 0.0
+    if a.dtype == _FLOAT4_PAIRS:
+        # No torch kernel indexes or converts it: decode both 4-bit values of each byte.
+        pick_a, pick_b = flat_a.view(torch.uint8)[differ], flat_b.view(torch.uint8)[differ]
+        delta = (_decode_float4_pairs(pick_a) - _decode_float4_pairs(pick_b)).abs()
+        return count, float(delta.max())
     if a.is_floating_point() or a.is_complex():
         wide = torch.complex128 if a.is_complex() else torch.float64
         delta = (flat_a[differ].to(wide) - flat_b[differ].to(wide)).abs()
         return count, float(delta.max())
     return count, _max_int_distance(flat_a[differ], flat_b[differ])
+
+
+#: ``float4_e2m1fn_x2`` (torch >= 2.8; None before): two E2M1 values in each byte.
+_FLOAT4_PAIRS = getattr(torch, "float4_e2m1fn_x2", None)
+
+#: The 16 E2M1 values by their 4 bits (sign, 2 exponent bits, 1 mantissa bit).
+_E2M1 = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=torch.float64,
+)
+
+
+def _decode_float4_pairs(packed: torch.Tensor) -> torch.Tensor:
+    """The values of 1-D uint8 bytes that each hold two E2M1 numbers, as float64 pairs."""
+    low, high = (packed & 0x0F).long(), (packed >> 4).long()
+    return torch.stack([_E2M1[low], _E2M1[high]], dim=1)
 
 
 #: The unsigned 64-bit dtype (torch >= 2.3; None before): its bits need their order mapped.
