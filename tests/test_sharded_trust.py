@@ -42,7 +42,8 @@ from dcp_support import (
     row_tensors,
 )
 from fastckpt.container.sharded.commit import RECORD_NAME
-from fastckpt.errors import FastCkptError
+from fastckpt.errors import CheckpointFormatError, FastCkptError
+from fastckpt.format.records import seal_manifest
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -475,3 +476,65 @@ def test_seeded_flips_of_a_two_rank_record_are_refused(rows: Path, tmp_path: Pat
             problems.append(f"bit {bit}: {type(err).__name__}")
     os.close(fd)
     assert problems == []
+
+
+def _storage(record: dict[str, Any], fqn: str) -> dict[str, Any]:
+    return next(item for item in record["dcp"]["storage_data"] if item["fqn"] == fqn)
+
+
+def _entry(record: dict[str, Any], fqn: str) -> dict[str, Any]:
+    return dict(record["dcp"]["state_dict_metadata"][fqn])
+
+
+#: Edits of a sharded record whose parts then disagree (re-sealed, as an attacker or a buggy
+#: tool would): before, each loaded other dtypes' bits, a shifted tensor, uninitialized memory
+#: (``load_state``), or dropped a tensor, while ``verify`` said ok; or verify said ok of a
+#: checkpoint no reader could load.
+RECORD_EDITS: dict[str, Callable[[dict[str, Any]], object]] = {
+    "dtype": lambda r: _storage(r, "model.w").update(dtype="I32"),
+    "chunk shape": lambda r: r["dcp"]["state_dict_metadata"]["model.w"]["chunks"][0].update(
+        sizes=[2, 3]
+    ),
+    "no chunks": lambda r: r["dcp"]["state_dict_metadata"]["model.w"].update(chunks=[]),
+    "chunk outside": lambda r: (
+        r["dcp"]["state_dict_metadata"]["model.w"]["chunks"][0].update(offsets=[2, 0]),
+        _storage(r, "model.w").update(offset=[2, 0]),
+    ),
+    "size": lambda r: r["dcp"]["state_dict_metadata"]["model.w"].update(size=[8, 3]),
+    "no stored data": lambda r: r["dcp"].update(
+        storage_data=[x for x in r["dcp"]["storage_data"] if x["fqn"] != "model.w"]
+    ),
+    "unknown fqn": lambda r: _storage(r, "model.w").update(fqn="ghost"),
+    "planner path twice": lambda r: r["dcp"]["planner_data"].update(
+        {"model.w": {"__tuple__": ["model", "b"]}}
+    ),
+    "value as tensor": lambda r: r["dcp"]["state_dict_metadata"].update(step=_entry(r, "model.b")),
+    "length": lambda r: _storage(r, "model.w").update(length=24),
+    "past the file": lambda r: _storage(r, "model.w").update(byte_offset=10**6),
+    "block count": lambda r: _storage(r, "model.w").update(block_bytes=4, blocks=[0, 0]),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(RECORD_EDITS))
+def test_a_record_whose_parts_disagree_is_refused_by_every_reader_and_verify(
+    tmp_path: Path, edit: str
+) -> None:
+    """Every stored chunk belongs to an entry of its kind, has its dtype, shape and size and
+    lies inside its file; a tensor's chunks tile it, each with stored bytes; planner paths
+    are unique: else ``CheckpointFormatError`` naming the record, and ``verify`` not ok."""
+    torch.manual_seed(0)
+    state = {"model": {"w": torch.randn(4, 3), "b": torch.arange(5)}, "step": 7}
+    path = tmp_path / "ckpt"
+    dcp.save(state, storage_writer=fastckpt.dcp.Writer(path))
+    record = json.loads((path / RECORD_NAME).read_text())
+    RECORD_EDITS[edit](record)
+    seal_manifest(record)
+    (path / RECORD_NAME).write_text(json.dumps(record))
+    with pytest.raises(CheckpointFormatError, match=RECORD_NAME):
+        fastckpt.dcp.load_state(path)
+    template = {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(5, dtype=torch.int64)}}
+    with pytest.raises((CheckpointFormatError, CheckpointException)):
+        dcp.load(template, storage_reader=fastckpt.dcp.Reader(path))
+    assert torch.equal(template["model"]["w"], torch.zeros(4, 3))
+    report = fastckpt.verify(path)
+    assert not report.ok and RECORD_NAME in report.failures[0].message, report

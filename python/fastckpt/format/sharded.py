@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.format.records import MANIFEST_CRC_FIELD, check_seal, load_json, seal_manifest
-from fastckpt.io.files import torch_shape
+from fastckpt.io.files import dtype_name, torch_shape
 from fastckpt.io.tree import flatten, unflatten
 
 __all__ = [
@@ -369,6 +369,14 @@ class _Decoder:
                 common["block_bytes"] == 0
             ):
                 raise self.fail(where, "block_bytes and blocks must be given together")
+            if common["blocks"] is not None:
+                count = -(-common["length"] // common["block_bytes"])  # one per piece
+                if len(common["blocks"]) != count:
+                    raise self.fail(
+                        where,
+                        f"{len(common['blocks'])} block checksums for {common['length']} bytes "
+                        f"in blocks of {common['block_bytes']} ({count} expected)",
+                    )
         return index, StoredChunk(**common)
 
     def files(self, data: Any) -> dict[str, dict[str, int | None]]:
@@ -443,6 +451,7 @@ def decode_record(path: Path, raw: bytes) -> Record:
         planner_data = unflatten(dcp.get("planner_data"), {}, "planner_data")
     except CheckpointFormatError as err:
         raise decoder.fail("planner_data", str(err)) from None
+    _check_consistent(decoder, state_dict_metadata, storage, planner_data)
     version = dcp.get("version")
     metadata = Metadata(
         state_dict_metadata=state_dict_metadata,
@@ -452,6 +461,131 @@ def decode_record(path: Path, raw: bytes) -> Record:
         version=None if version is None else decoder.typed(version, str, "version"),
     )
     return Record(path, generation, files, metadata, storage, _native.crc32c(raw), sealed)
+
+
+#: Above this many chunks of one tensor, chunks are checked for overlaps by their offsets only
+#: (the pairwise test grows with the square of the count).
+_PAIRWISE_CHUNKS = 64
+
+
+def _check_consistent(
+    decoder: _Decoder,
+    entries: dict[str, TensorStorageMetadata | BytesStorageMetadata],
+    storage: dict[MetadataIndex, StoredChunk],
+    planner_data: Any,
+) -> None:
+    """Refuse a record whose parts disagree, so that no reader builds a tensor from stored
+    bytes of another dtype or shape, or leaves part of one unread (uninitialized memory):
+    every stored chunk belongs to an entry of its kind and lies inside its file; a tensor
+    chunk has the entry's dtype and the shape and byte count of the metadata chunk at its
+    offsets; a tensor's chunks lie inside it, do not overlap, cover it exactly and each has
+    stored bytes; the planner's paths are of entries, each used once."""
+    stored: set[tuple[str, tuple[int, ...]]] = set()
+    for index, chunk in storage.items():
+        where = f"storage_data[{index.fqn!r}]"
+        entry = entries.get(index.fqn)
+        if entry is None:
+            raise decoder.fail(where, "names no entry of state_dict_metadata")
+        if chunk.offset + chunk.length > chunk.file_len:
+            raise decoder.fail(where, f"ends past the end of its file {chunk.file!r}")
+        if isinstance(entry, BytesStorageMetadata) != (chunk.kind != "tensor"):
+            raise decoder.fail(where, f"a {chunk.kind} value stored for a {_kind(entry)} entry")
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        offsets = tuple(index.offset or ())
+        sizes = {tuple(c.offsets): tuple(c.sizes) for c in entry.chunks}.get(offsets)
+        if sizes is None:
+            raise decoder.fail(where, f"offsets {list(offsets)} are no chunk of the tensor")
+        expected = _safetensors_dtype(entry.properties.dtype)
+        if chunk.dtype != expected:
+            raise decoder.fail(
+                where, f"dtype {chunk.dtype!r} differs from the entry's {expected!r}"
+            )
+        try:
+            shape = chunk.tensor_shape
+        except ValueError as err:
+            raise decoder.fail(where, str(err)) from None
+        nbytes = entry.properties.dtype.itemsize
+        for size in sizes:
+            nbytes *= size
+        if shape != sizes or chunk.length != nbytes:
+            raise decoder.fail(
+                where,
+                f"holds {list(shape)} in {chunk.length} bytes, its chunk is {list(sizes)} "
+                f"({nbytes} bytes)",
+            )
+        stored.add((index.fqn, offsets))
+    for fqn, entry in entries.items():
+        if isinstance(entry, TensorStorageMetadata):
+            _check_tiling(decoder, fqn, entry, stored)
+    if isinstance(planner_data, dict):
+        seen: dict[tuple[Any, ...], str] = {}
+        for fqn, path in planner_data.items():
+            where = f"planner_data[{fqn!r}]"
+            if fqn not in entries:
+                raise decoder.fail(where, "names no entry of state_dict_metadata")
+            key = tuple(path) if isinstance(path, (list, tuple)) else (path,)
+            if key in seen:
+                raise decoder.fail(where, f"the same path as {seen[key]!r}")
+            seen[key] = fqn
+
+
+def _kind(entry: TensorStorageMetadata | BytesStorageMetadata) -> str:
+    return "tensor" if isinstance(entry, TensorStorageMetadata) else "non-tensor"
+
+
+def _safetensors_dtype(dtype: torch.dtype) -> str | None:
+    try:
+        return dtype_name(dtype)
+    except ValueError:
+        return None
+
+
+def _check_tiling(
+    decoder: _Decoder,
+    fqn: str,
+    entry: TensorStorageMetadata,
+    stored: set[tuple[str, tuple[int, ...]]],
+) -> None:
+    """A tensor's chunks lie inside it, do not overlap, cover it and each has stored bytes."""
+    where = f"state_dict_metadata[{fqn!r}].chunks"
+    size = tuple(entry.size)
+    total = 1
+    for n in size:
+        total *= n
+    boxes = []
+    covered = 0
+    for chunk in entry.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            raise decoder.fail(where, f"chunk {list(offsets)} has not {len(size)} dimensions")
+        if any(o + n > limit for o, n, limit in zip(offsets, sizes, size, strict=True)):
+            raise decoder.fail(
+                where, f"chunk at {list(offsets)} of {list(sizes)} leaves {list(size)}"
+            )
+        if (fqn, offsets) not in stored:
+            raise decoder.fail(where, f"chunk at {list(offsets)} has no stored data")
+        volume = 1
+        for n in sizes:
+            volume *= n
+        covered += volume
+        if volume:
+            boxes.append((offsets, sizes))
+    if covered != total:
+        raise decoder.fail(where, f"the chunks hold {covered} of the tensor's {total} elements")
+    starts = [offsets for offsets, _ in boxes]
+    if len(set(starts)) != len(starts):
+        raise decoder.fail(where, "two chunks start at the same offsets")
+    if len(boxes) <= _PAIRWISE_CHUNKS:
+        for i, (start_a, size_a) in enumerate(boxes):
+            for start_b, size_b in boxes[i + 1 :]:
+                if all(
+                    a < b + m and b < a + n
+                    for a, n, b, m in zip(start_a, size_a, start_b, size_b, strict=True)
+                ):
+                    raise decoder.fail(
+                        where, f"chunks at {list(start_a)} and {list(start_b)} overlap"
+                    )
 
 
 def _check_seal(path: Path, data: dict[str, Any]) -> bool:

@@ -20,6 +20,7 @@ scheduler, a user class - may stand anywhere in a saved state or in a load templ
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -114,7 +115,8 @@ def prepare_save(value: Any, path: str = "") -> Any:
             :func:`~fastckpt.io.files.check_storable`).
     """
     if isinstance(value, torch.Tensor):
-        check_storable(path, value)
+        if not _is_dtensor(value):  # a DTensor is saved sharded, through fastckpt.dcp
+            check_storable(path, value)
         return value
     if isinstance(value, _SCALARS):
         return value
@@ -139,6 +141,11 @@ def prepare_save(value: Any, path: str = "") -> Any:
     if isinstance(value, list):
         return [prepare_save(item, tree.join_path(path, i)) for i, item in enumerate(value)]
     raise _unsupported(value, path, "checkpoint")
+
+
+def _is_dtensor(value: torch.Tensor) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: nobody made one
+    return dtensor is not None and isinstance(value, dtensor.DTensor)
 
 
 def check_template(template: Any, path: str = "") -> None:
