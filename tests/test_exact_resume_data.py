@@ -6,6 +6,7 @@ scrambled first, as a new process has them) must match the uninterrupted run bit
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    RandomSampler,
+    TensorDataset,
+)
 
 import fastckpt
 import training_support as support
@@ -192,3 +200,44 @@ def test_a_loader_with_other_generators_than_the_checkpoint_is_warned_about(
         UserWarning, match=r"1 generator\(s\) of its own .* holds the epoch-start state of 0"
     ):
         resumed.run(own)
+
+
+@pytest.mark.parametrize("kind", ["loader-generator", "batch-sampler"])
+def test_a_resume_at_an_epoch_boundary_shuffles_as_the_saved_run(tmp_path: Path, kind: str) -> None:
+    """A checkpoint taken at an epoch's end (``epoch_interval``, or the end of a run on
+    ``num_epochs``) records the loader's own generators as they are then; the resumed run's
+    next epoch starts from them, not from the rebuilt loader's seed. Before, the resumed
+    epoch 2 was read in epoch 0's order, without a warning."""
+
+    def data() -> DataLoader[Any]:
+        gen = torch.Generator().manual_seed(6)
+        x = torch.randn(16, 4, generator=gen)
+        dataset = TensorDataset(x, x.sum(dim=1, keepdim=True))
+        own = torch.Generator().manual_seed(42)
+        if kind == "loader-generator":
+            return DataLoader(dataset, batch_size=4, shuffle=True, generator=own)
+        sampler = BatchSampler(RandomSampler(dataset, generator=own), 4, drop_last=False)
+        return DataLoader(dataset, batch_sampler=sampler)
+
+    def by_epochs(hooks: list[Any], epochs: int) -> fastckpt.TrainingStrategy:
+        strategy = seeded(hooks, 1)
+        strategy.num_steps, strategy.num_epochs = None, epochs
+        return strategy
+
+    straight_log, first_log, resumed_log = (support.LossRecorder() for _ in range(3))
+    straight = by_epochs([straight_log], 4)
+    straight.run(data())
+    hook = fastckpt.CheckpointHook(tmp_path / "run", epoch_interval=1, async_save=False)
+    by_epochs([first_log, hook], 2).run(data())
+    torch.manual_seed(123)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        resumed = fastckpt.TrainingStrategy.load_checkpoint(
+            tmp_path / "run", hooks=[resumed_log], training_fn=support.training_fn
+        )
+        assert (resumed.epoch_count, resumed.epoch_step_count) == (2, 0)
+        resumed.num_epochs = 4
+        resumed.run(data())
+    assert first_log.losses + resumed_log.losses == straight_log.losses
+    for name, tensor in straight.models["main"].state_dict().items():
+        assert torch.equal(resumed.models["main"].state_dict()[name], tensor), name

@@ -360,6 +360,13 @@ class TrainingStrategy:
         #: The states of the loader's own generators when the epoch began (see
         #: :func:`_loader_generators`); None before the first epoch.
         self._epoch_start_loader_rng: list[torch.Tensor] | None = None
+        #: The loader of the running :meth:`run` (its generators' states go into each save).
+        self._train_loader: Iterable[Any] | None = None
+        #: Whether a restore's loader generator states are still to be given back (at the
+        #: next epoch that begins afresh), and those states (None: the checkpoint, saved by
+        #: an earlier fastckpt, recorded none).
+        self._resume_loader_pending = False
+        self._resume_loader_rng: list[torch.Tensor] | None = None
         self._ctx = TrainContext(workflow=self)
 
     # ------------------------------------------------------------------ construction
@@ -505,7 +512,9 @@ class TrainingStrategy:
         if self.num_steps is None and self.num_epochs is None:
             raise ValueError("set num_steps or num_epochs before run()")
         _refuse_two_savers_on_one_root(self.hooks)
+        self._train_loader = train_loader
         with contextlib.ExitStack() as stack:
+            stack.callback(setattr, self, "_train_loader", None)
             for hook in self.hooks:
                 if hasattr(hook, "__enter__") and hasattr(hook, "__exit__"):
                     stack.enter_context(hook)
@@ -528,6 +537,7 @@ class TrainingStrategy:
         if self.epoch_step_count == 0 or self._epoch_start_rng is None:
             self.epoch_step_count = 0
             self._fire(TrainingStage.BEFORE_EPOCH)
+            self._restore_loader_generators(train_loader)
             self._epoch_start_rng = torch.get_rng_state()
             self._epoch_start_loader_rng = [g.get_state() for g in _loader_generators(train_loader)]
             return iter(train_loader)
@@ -535,6 +545,7 @@ class TrainingStrategy:
         self._fire(TrainingStage.BEFORE_EPOCH)
         torch.set_rng_state(self._epoch_start_rng)
         self._rewind_loader_generators(train_loader)
+        self._resume_loader_pending = False  # the replay advances them as the saved run did
         iterator = iter(train_loader)
         for consumed in range(self.epoch_step_count):
             try:
@@ -566,6 +577,31 @@ class TrainingStrategy:
                 "epoch may not replay the saved run's order (resume with the same loader "
                 "setup; a checkpoint saved by this fastckpt records them)",
                 stacklevel=4,
+            )
+
+    def _restore_loader_generators(self, train_loader: Iterable[Any]) -> None:
+        """At the first epoch after a restore that begins afresh (the checkpoint was taken at
+        an epoch's end), give the loader's own generators the states they had when the
+        checkpoint was taken: the epochs before advanced them, and a rebuilt loader's start
+        from their seed (the next epoch would shuffle as the first did). A warning when the
+        checkpoint has no states for them, or states for other generators."""
+        if not self._resume_loader_pending:
+            return
+        self._resume_loader_pending = False
+        saved = self._resume_loader_rng
+        generators = _loader_generators(train_loader)
+        if saved is not None and len(saved) == len(generators):
+            for generator, state in zip(generators, saved, strict=True):
+                generator.set_state(state)
+            return
+        if generators or saved:
+            warnings.warn(
+                f"the training loader has {len(generators)} generator(s) of its own "
+                f"(DataLoader(generator=...), its sampler's), the checkpoint holds the state "
+                f"of {'none' if saved is None else len(saved)} at its save: the resumed epochs "
+                "may not shuffle as the saved run's did (resume with the same loader setup; a "
+                "checkpoint saved by this fastckpt records them)",
+                stacklevel=5,
             )
 
     def _run_epoch(self, train_loader: Iterable[Any]) -> bool:
@@ -797,10 +833,13 @@ class TrainingStrategy:
 
     def _run_rng(self) -> dict[str, Any]:
         """This process's RNG states as a checkpoint records them (see :meth:`_add_runtime`)."""
+        loader = self._train_loader
+        generators = [] if loader is None else _loader_generators(loader)
         return {
             "rng": _rng_state(),
             "epoch_start_rng": self._epoch_start_rng,
             "epoch_start_loader_rng": self._epoch_start_loader_rng,
+            "loader_rng": [generator.get_state() for generator in generators],
         }
 
     def _gather_rank_rng(self, group: Any = None) -> None:
@@ -1003,6 +1042,8 @@ class TrainingStrategy:
         _set_rng_state(own["rng"])
         self._epoch_start_rng = own["epoch_start_rng"]
         self._epoch_start_loader_rng = own["epoch_start_loader_rng"]
+        self._resume_loader_pending = True
+        self._resume_loader_rng = own.get("loader_rng")
         where = f"{reader.directory}/strategy.json"
         for name, state in runtime.schedulers.items():
             if name in self.schedulers:
@@ -1496,6 +1537,8 @@ class _Runtime:
     epoch_start_rng: torch.Tensor | None
     #: the loader's own generators' states at the epoch's start (None: none recorded)
     epoch_start_loader_rng: list[torch.Tensor] | None
+    #: their states when the checkpoint was taken (None: saved by an earlier fastckpt)
+    loader_rng: list[torch.Tensor] | None
     #: every rank's RNG states, when they differed at the save (see _gather_rank_rng)
     rank_rng: list[dict[str, Any]] | None
     schedulers: dict[str, Any]
@@ -1549,6 +1592,7 @@ def _check_run_rng(record: Mapping[str, Any], where: str, field: str) -> None:
     for name, check in (
         ("epoch_start_rng", _check_torch_rng),
         ("epoch_start_loader_rng", _check_loader_rng),
+        ("loader_rng", _check_loader_rng),
     ):
         if record.get(name) is not None:
             with _malformed(where, f"{field}{name}"):
@@ -1616,6 +1660,7 @@ def _own_rng(runtime: _Runtime) -> dict[str, Any]:
         "rng": runtime.rng,
         "epoch_start_rng": runtime.epoch_start_rng,
         "epoch_start_loader_rng": runtime.epoch_start_loader_rng,
+        "loader_rng": runtime.loader_rng,
     }
     if runtime.rank_rng is None:
         return once
@@ -1714,6 +1759,7 @@ def _parse_runtime(reader: codec.IndexReader, recipe: Mapping[str, Any]) -> _Run
         runtime["rng"],
         runtime.get("epoch_start_rng"),
         runtime.get("epoch_start_loader_rng"),
+        runtime.get("loader_rng"),
         rank_rng,
         schedulers,
         saved,
