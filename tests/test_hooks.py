@@ -477,6 +477,58 @@ def test_an_async_save_holds_frozen_parameters_of_when_it_was_taken(
         assert torch.equal(loaded.target.weight, seen[step]), step
 
 
+class _DecayedInForward(nn.Module):
+    """A trainable weight decayed in place in forward, outside the optimizer step (as
+    ``nn.Embedding(max_norm=...)`` renormalizes its weight)."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.width = width
+        self.layer = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.layer.weight.mul_(0.9)
+        return self.layer(x)
+
+
+def test_an_async_save_whose_trainable_state_changes_in_forward_is_not_committed_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trainable parameters are copied in the background before the next optimizer step;
+    one changed in place by the next forward meanwhile is caught by its version counter: that
+    save is not committed (a ``StateChangedError`` reported as a warning, training goes on)
+    and later saves copy the parameter when they are taken. Every committed checkpoint holds
+    the weights of its step. Before, the checkpoints held the next forward's weights, loaded
+    and verified, and a resume from them diverged."""
+    _slow_background_copy(monkeypatch)
+    seen: dict[int, torch.Tensor] = {}
+
+    def record(ctx: Any, when: TrainingStage) -> None:
+        if when is TrainingStage.AFTER_BATCH:
+            seen[ctx.step_count] = ctx.models["main"].layer.weight.detach().clone()
+
+    root = tmp_path / "run"
+    torch.manual_seed(0)
+    hook = CheckpointHook(root, step_interval=1, incremental=False)
+    strategy = TrainingStrategy(
+        _DecayedInForward(),
+        OptimizerConfig(torch.optim.SGD, {"lr": 0.1}),
+        training_fn=support.training_fn,
+        hooks=[record, hook],
+        num_steps=6,
+    )
+    with pytest.warns(RuntimeWarning, match="StateChangedError.*layer.weight"):
+        strategy.run(support.loader())
+    rows = fastckpt.list_checkpoints(root)
+    assert len(rows) == 5  # the first save was caught; the others copied it when taken
+    for row in rows:
+        loaded = fastckpt.load_checkpoint(root, row["index"])["models"]["main"]["model"]
+        step = row["counters"]["step_count"]
+        assert torch.equal(loaded.layer.weight, seen[step]), step
+    assert hook.save_error is None
+
+
 def test_an_async_save_holds_the_hook_state_of_when_it_was_taken(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

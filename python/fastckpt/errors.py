@@ -29,6 +29,7 @@ __all__ = [
     "NotACheckpointError",
     "NotCommittedError",
     "PromotionError",
+    "StateChangedError",
     "UnsupportedValueError",
     "UntrustedTargetError",
 ]
@@ -116,6 +117,15 @@ class DamagedSourceError(FastCkptError, ValueError):
     missing file) and promoted the later ones; the message names each and why. It is the
     cause of that promotion's :class:`PromotionError` (the promoter is unhealthy until a
     later promotion succeeds). Restore those checkpoints from a copy, or delete them.
+    """
+
+
+class StateChangedError(FastCkptError, RuntimeError):
+    """An async save was not committed: tensors it copies in the background (trainable
+    parameters, which only the guarded optimizer step is expected to change) changed in
+    place while they were copied, outside the optimizer step (``nn.Embedding(max_norm=...)``
+    renormalizing its weight in forward, a weight decayed in forward). The message names
+    them; later saves copy them when the save is taken, on the training thread.
     """
 
 

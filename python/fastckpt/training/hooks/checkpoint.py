@@ -25,7 +25,7 @@ from fastckpt.container.commit import prune_indices
 from fastckpt.container.promote import Promoter, RankPromoter
 from fastckpt.container.refs import root_key
 from fastckpt.container.sharded.promote import node_local_root
-from fastckpt.errors import FastCkptError, MixedRunError, PromotionError
+from fastckpt.errors import FastCkptError, MixedRunError, PromotionError, StateChangedError
 from fastckpt.format.records import Manifest
 from fastckpt.io.staging import (
     Stager,
@@ -97,7 +97,10 @@ class CheckpointHook:
             the failure unless a later save succeeded. None (default): False with a
             ``durable_dir`` (a fast tier that fails must not stop a run the durable tier
             keeps safe), True otherwise. Sharded strategies always raise (their saves are
-            collective: the ranks must agree).
+            collective: the ranks must agree). An async save not committed because tensors
+            changed in place outside the optimizer step while it copied them
+            (:class:`~fastckpt.errors.StateChangedError`) is always reported, never raised:
+            later saves copy those tensors when they are taken.
         on_save_error: called with each failed save's exception when saves are not strict
             (not recorded in the checkpoint).
 
@@ -207,6 +210,9 @@ class CheckpointHook:
         self._stager: Stager = make_stager(options)
         # Volatile tensors get their own pool: each pool keeps exactly the names it stages.
         self._volatile_stager: Stager = make_stager(options)
+        #: ``(relpath, name)`` of tensors an async save saw change outside the optimizer
+        #: step while it copied them: copied when each later save is taken.
+        self._changed_in_forward: set[tuple[str, str]] = set()
         # Both pools copy into the same file images (one per file): the writer then writes
         # each file straight from its image.
         self._images = make_image_pool(options)
@@ -333,7 +339,10 @@ class CheckpointHook:
         try:
             index = outcome()
         except Exception as err:
-            if self.strict_saves or isinstance(err, PromotionError):
+            # A save not committed because its state changed while copied is reported, never
+            # raised: the next saves copy that state in time (nothing else is wrong).
+            strict = self.strict_saves and not isinstance(err, StateChangedError)
+            if strict or isinstance(err, PromotionError):
                 raise  # strict_promotion's failures are raised at once too
             self.save_error = err
             where = display_path(self.checkpoint_dir)
@@ -701,12 +710,45 @@ class CheckpointHook:
                 "TrainingStrategy.run (which enters hooks) or use it as a context manager"
             )
         # Buffers and frozen parameters change outside the optimizer step: copied now, on
-        # the training thread.
+        # the training thread; so are tensors an earlier save saw change in forward.
+        snapshot.volatile.update(
+            (relpath, name)
+            for relpath, tensors in snapshot.tensor_files.items()
+            for name in tensors
+            if (relpath, name) in self._changed_in_forward
+        )
         self._stage(snapshot, only_volatile=True)
+        # The rest is copied in the background, before the next optimizer step (guarded);
+        # their version counters prove nothing else changed them meanwhile.
+        versions = {
+            (relpath, name): (tensor, tensor._version)
+            for relpath, tensors in snapshot.tensor_files.items()
+            for name, tensor in tensors.items()
+            if hasattr(tensor, "_version") and (relpath, name) not in snapshot.volatile
+        }
+        changed: list[tuple[str, str]] = []
+
+        def capture() -> None:
+            self._stage(snapshot, only_volatile=False)
+            changed.extend(key for key, (t, version) in versions.items() if t._version != version)
+            self._changed_in_forward.update(changed)
+
+        def write() -> int:
+            if changed:
+                names = ", ".join(f"{relpath}:{name}" for relpath, name in changed[:5])
+                raise StateChangedError(
+                    f"the save at step {ctx.step_count} to {display_path(self.checkpoint_dir)} "
+                    f"was not committed: {len(changed)} tensor(s) changed in place outside the "
+                    f"optimizer step while the save copied them ({names}), e.g. "
+                    "nn.Embedding(max_norm=...) in forward; from now on they are copied when "
+                    "a save is taken, on the training thread"
+                )
+            return self._write(snapshot, index)
+
         self._writer.submit(
             f"{display_path(self.checkpoint_dir)} (the save at step {ctx.step_count})",
-            lambda: self._write(snapshot, index),
-            capture=lambda: self._stage(snapshot, only_volatile=False),
+            write,
+            capture=capture,
         )
 
     def _save_sharded(self, ctx: TrainContext) -> None:
