@@ -452,3 +452,45 @@ def test_frozen_parameters_stay_frozen_in_a_component_checkpoint(tmp_path: Path)
         "net.0.weight",
         "net.0.bias",
     }
+
+
+def _lr_factor(epoch: int) -> float:
+    """A LambdaLR lr_lambda: a function, which a recipe cannot record."""
+    return 0.5**epoch
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_recipe_that_cannot_be_recorded_is_refused_before_the_first_step(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """A scheduler argument a checkpoint cannot record (LambdaLR's function) stops the run
+    before any step, naming the optimizer and the argument, sync and async alike. Before, a
+    sync hook raised it at its first save, after ``step_interval`` steps of work."""
+    steps: list[int] = []
+
+    def count(ctx: Any, stage: fastckpt.TrainingStage) -> None:
+        if stage is fastckpt.TrainingStage.AFTER_OPTIMIZER_STEP:
+            steps.append(ctx.step_count)
+
+    config = OptimizerConfig(
+        torch.optim.SGD, {"lr": 0.1}, torch.optim.lr_scheduler.LambdaLR, {"lr_lambda": _lr_factor}
+    )
+    hook = fastckpt.CheckpointHook(tmp_path / "run", step_interval=5, async_save=async_save)
+    strategy = TrainingStrategy(
+        support.DropoutMLP(), config, training_fn=support.training_fn, hooks=[count, hook]
+    )
+    strategy.num_steps = 8
+    with pytest.raises(TypeError, match=r"optimizers\['main'\].*lr_lambda"):
+        strategy.run(support.loader())
+    assert steps == [] and not (tmp_path / "run" / "manifest.json").exists()
+
+
+def test_a_scheduler_that_needs_a_metric_is_refused_when_built() -> None:
+    """The strategy steps schedulers without an argument: ReduceLROnPlateau is refused at
+    construction with the way out. Before, the run died at its first step with torch's bare
+    ``TypeError: step() missing 1 required positional argument: 'metrics'``."""
+    config = OptimizerConfig(
+        torch.optim.SGD, {"lr": 0.1}, torch.optim.lr_scheduler.ReduceLROnPlateau, {"patience": 1}
+    )
+    with pytest.raises(TypeError, match=r"ReduceLROnPlateau\.step\(\) needs metrics.*hook"):
+        TrainingStrategy(support.DropoutMLP(), config, training_fn=support.training_fn)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import inspect
 import logging
 import random
 import warnings
@@ -112,6 +113,7 @@ class OptimizerConfig:
             if isinstance(scheduler_cls, str):
                 scheduler_cls = trust.resolve_target(scheduler_cls, "scheduler", trusted)
             scheduler = scheduler_cls(optimizer, **(self.scheduler_kwargs or {}))
+            _refuse_a_scheduler_needing_a_metric(scheduler)
         return optimizer, scheduler
 
     def to_json(self) -> dict[str, Any]:
@@ -781,6 +783,26 @@ class TrainingStrategy:
             for name in tensors
             if name.split(".", 1)[0] not in in_background
         )
+
+    def check_recordable(self) -> None:
+        """Raise now what saving this strategy's recipe would raise at its first checkpoint:
+        an optimizer or scheduler argument a recipe cannot record (a function, as
+        ``LambdaLR``'s ``lr_lambda``; scheduler objects, as ``SequentialLR``'s). A
+        :class:`~fastckpt.training.hooks.CheckpointHook` calls it before training starts.
+
+        Raises:
+            TypeError: naming the optimizer and the argument.
+        """
+        for name, config in self.optimizer_configs.items():
+            try:
+                config.to_json()
+            except (TypeError, ValueError) as err:
+                raise TypeError(
+                    f"optimizers[{name!r}]: {err}; a checkpoint records how to rebuild the "
+                    "optimizer and its scheduler, so their arguments must be plain values "
+                    "(pass a scheduler class whose arguments are numbers, or step your own "
+                    "scheduler in a hook)"
+                ) from err
 
     def _scheduler_spec(self, name: str, scheduler: Any) -> specs.BaseSpec | None:
         config = self.optimizer_configs.get(name)
@@ -1564,6 +1586,28 @@ def _check_rng_state(state: Any) -> None:
             raise TypeError(f"'cuda' must be a list, got {type(state['cuda']).__name__}")
         for device_state in state["cuda"]:
             _check_cuda_rng(device_state)
+
+
+def _refuse_a_scheduler_needing_a_metric(scheduler: Any) -> None:
+    """The strategy steps a scheduler after every optimizer step with no argument: one whose
+    ``step`` needs one (``ReduceLROnPlateau``'s metric) is refused when it is built."""
+    try:
+        parameters = inspect.signature(scheduler.step).parameters.values()
+    except (TypeError, ValueError):
+        return
+    required = [
+        p.name
+        for p in parameters
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    if required:
+        raise TypeError(
+            f"{type(scheduler).__name__}.step() needs {', '.join(required)}, and a "
+            "TrainingStrategy steps its schedulers after each optimizer step without one; "
+            "leave it out of OptimizerConfig and step it yourself in a hook (e.g. at "
+            "AFTER_EPOCH with your validation loss)"
+        )
 
 
 def _loader_generators(loader: Any) -> list[torch.Generator]:

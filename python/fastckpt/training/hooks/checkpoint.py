@@ -463,6 +463,9 @@ class CheckpointHook:
         if stage is TrainingStage.BEFORE_TRAINING:
             self._start_step = ctx.step_count
             self._floor = None  # the durable tier is read again by this run's first save
+            check_recordable = getattr(ctx.workflow, "check_recordable", None)
+            if check_recordable is not None:
+                check_recordable()  # before any step: not at the first save, work lost
             if not self.overwrite:
                 self._refuse_a_mixed_run(ctx)
             self._start_promotion(ctx)
