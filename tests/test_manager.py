@@ -306,7 +306,7 @@ def test_disk_full_during_async_save(tmp_path: Path) -> None:
             assert full is not None
             error = full.exception()
             assert isinstance(error, OSError) and error.errno == errno.ENOSPC
-            assert "full" in str(error)
+            assert f"while saving {disk / 'full'}" in str(error) and "free space" in str(error)
             # Its Future delivered the failure: the next save does not raise it again.
             assert torch.equal(manager.load(disk / "ok")["x"], torch.ones(1 << 18))
             retry = manager.save(disk / "after", {"x": torch.ones(1)})

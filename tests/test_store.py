@@ -138,6 +138,7 @@ def test_disk_full_at_every_point_of_a_save(tmp_path: Path) -> None:
                 save(root, second)
             except OSError as err:
                 assert err.errno == errno.ENOSPC, err
+                assert f"while saving {root}" in str(err) and "free space" in str(err), err
                 named = Path(err.filename or "")
                 assert named.name and named.name in str(err), err
                 assert named.name.endswith((".safetensors", ".json")), err

@@ -46,7 +46,7 @@ from fastckpt.io.files import torch_shape
 from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_name
 from fastckpt.io.progress import log_throughput
-from fastckpt.storage.backend import CopySource, LocalStaging
+from fastckpt.storage.backend import CopySource, LocalStaging, explain_full_disk
 from fastckpt.storage.registry import backend_for, is_local
 
 __all__ = [
@@ -424,27 +424,30 @@ def write_snapshot(
         # The content proof: digests of the bytes about to be written (outside the lock).
         incremental.confirm(snapshot.plan, snapshot.tensor_files)
     start = time.perf_counter()
-    writer = IndexWriter(root, None if checkpoint_index == -1 else index, lock_timeout=lock_timeout)
-    index = writer.index
-    copies: dict[str, dict[str, CopySource]] = {}
-    try:
-        refs = _check_references(writer, snapshot)
-        if not is_local(backend_for(root)):
-            copies = _copy_sources(root, refs)
-        for relpath, tensors in snapshot.tensor_files.items():
-            writer.add_tensors(relpath, tensors, copies.get(relpath))
-        for relpath, document in snapshot.json_files.items():
-            writer.add_json(relpath, document)
-        if refs and not copies:
-            writer.add_json(REFS_FILE, refs_document(refs))
-        writer.commit_entry(snapshot.entry)
-    except BaseException:
-        writer.abort()
-        if copies:
-            # A copy failed (or something after it): what the next save could have the store
-            # copy is unsure now, so it is written in full.
-            incremental.forget(root)
-        raise
+    with explain_full_disk(root):
+        writer = IndexWriter(
+            root, None if checkpoint_index == -1 else index, lock_timeout=lock_timeout
+        )
+        index = writer.index
+        copies: dict[str, dict[str, CopySource]] = {}
+        try:
+            refs = _check_references(writer, snapshot)
+            if not is_local(backend_for(root)):
+                copies = _copy_sources(root, refs)
+            for relpath, tensors in snapshot.tensor_files.items():
+                writer.add_tensors(relpath, tensors, copies.get(relpath))
+            for relpath, document in snapshot.json_files.items():
+                writer.add_json(relpath, document)
+            if refs and not copies:
+                writer.add_json(REFS_FILE, refs_document(refs))
+            writer.commit_entry(snapshot.entry)
+        except BaseException:
+            writer.abort()
+            if copies:
+                # A copy failed (or something after it): what the next save could have the store
+                # copy is unsure now, so it is written in full.
+                incremental.forget(root)
+            raise
     incremental.record_saved(root, index, snapshot.plan, writer.files)
     log_throughput("saved", f"{root}/{index}", writer.files.values(), start)
     return index

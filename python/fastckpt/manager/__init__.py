@@ -99,6 +99,7 @@ from fastckpt.manager.stateful import (
     prepare_save,
     restore,
 )
+from fastckpt.storage.backend import explain_full_disk
 from fastckpt.storage.registry import (
     backend_for,
     display_path,
@@ -825,6 +826,10 @@ class CheckpointManager:
         )
 
     def _write(self, snapshot: _Snapshot) -> None:
+        with explain_full_disk(snapshot.path):
+            self._write_checkpoint(snapshot)
+
+    def _write_checkpoint(self, snapshot: _Snapshot) -> None:
         start = time.perf_counter()
         final = snapshot.path
         writer = DirectoryWriter(final, direct_io=self._direct_io, threads=self._threads)

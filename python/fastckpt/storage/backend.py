@@ -35,7 +35,7 @@ import shutil
 import socket
 import stat
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
@@ -461,6 +461,29 @@ def clean_dead_siblings(parent: Path) -> list[str]:
             _remove(child)
         touched.append(child.name)
     return touched
+
+
+#: Errors of a disk that has no room (a full filesystem, a quota).
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def explain_full_disk(target: str | os.PathLike[str]) -> Iterator[None]:
+    """Re-raise a full disk met while saving ``target`` as the same ``OSError`` (errno and
+    file kept) whose message names the checkpoint and the way out; other errors pass."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in _NO_ROOM:
+            raise
+        where = err.filename or os.fspath(target)
+        raise OSError(
+            err.errno,
+            f"{os.strerror(err.errno)} while saving {os.fspath(target)}: nothing of this save "
+            "was committed and the checkpoints saved before are intact; free space (`fastckpt "
+            "prune ROOT --keep-last N` deletes older checkpoints) and save again",
+            where,
+        ) from err
 
 
 def make_dirs(directory: Path) -> None:
