@@ -543,3 +543,93 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path: Pat
     # committed before the kill but was not reported yet: never a mix, never a torn file
     assert torch.equal(loaded["state_dict"]["w"], torch.full((4 << 20,), float(step)))
     assert fastckpt.verify(path).ok
+
+
+class _Scored(TinyModule):
+    """Logs a fixed score per step: the first checkpoint is the best, the next worse."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("score", [1.0, 5.0, 4.0, 3.0, 2.0, 6.0][self.global_step % 6])
+        return loss
+
+
+def test_model_checkpoint_gives_a_pending_async_save_s_name_to_no_other_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ModelCheckpoint`` names a save ``ck-v1.ckpt`` when ``ck.ckpt`` exists: an async save's
+    path exists when ``save_checkpoint`` returns, so the best checkpoint keeps its name and
+    content, as with ``TorchCheckpointIO``. Before, the pending ``ck.ckpt`` did not exist yet,
+    the next (worse) save took its name, and the best checkpoint (step 1) was replaced."""
+    import fastckpt.integrations.lightning as plugin
+
+    write = plugin.write_plan
+
+    def slow(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.2)  # a slow disk: the write is pending when the next save is named
+        write(*args, **kwargs)
+
+    monkeypatch.setattr(plugin, "write_plan", slow)
+    callback = ModelCheckpoint(
+        dirpath=tmp_path, filename="ck", monitor="score", save_top_k=2, every_n_train_steps=1
+    )
+    trainer = L.Trainer(
+        max_steps=6,
+        plugins=[AsyncFastCheckpointIO()],
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        callbacks=[callback],
+    )
+    torch.manual_seed(0)
+    trainer.fit(_Scored(), loader(False))
+    scores = {Path(k).name: float(v) for k, v in callback.best_k_models.items()}
+    assert scores == {"ck.ckpt": 1.0, "ck-v1.ckpt": 2.0}
+    io = AsyncFastCheckpointIO()
+    steps = {name: io.load_checkpoint(tmp_path / name)["global_step"] for name in scores}
+    io.teardown()
+    assert steps == {"ck.ckpt": 1, "ck-v1.ckpt": 5}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck-v1.ckpt", "ck.ckpt"]
+
+
+@pytest.mark.parametrize("plugin", [FastCheckpointIO, AsyncFastCheckpointIO])
+def test_a_save_into_a_folder_of_other_files_is_refused(tmp_path: Path, plugin: type) -> None:
+    """``trainer.save_checkpoint("outputs")`` (the folder, not a file in it) is refused,
+    naming what is there; nothing is deleted. A ``torch.save`` file of the same name is
+    replaced, as ``TorchCheckpointIO`` replaces it. Before, the folder's files (another
+    checkpoint, results) were deleted by the save."""
+    outputs = tmp_path / "outputs"
+    (outputs / "older.ckpt").mkdir(parents=True)
+    (outputs / "results.csv").write_text("a,b\n")
+    io = plugin()
+    checkpoint = {"state_dict": {"w": torch.ones(2)}, "global_step": 3}
+    with pytest.raises(fastckpt.errors.NotACheckpointError, match=r"results\.csv"):
+        io.save_checkpoint(checkpoint, outputs)
+    assert sorted(p.name for p in outputs.iterdir()) == ["older.ckpt", "results.csv"]
+    torch.save({"global_step": 1}, tmp_path / "last.ckpt")
+    io.save_checkpoint(checkpoint, tmp_path / "last.ckpt")
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 3
+    io.teardown()
+
+
+def test_a_damaged_torch_file_is_a_format_error_not_an_untrusted_one(tmp_path: Path) -> None:
+    """A truncated, empty or garbage ``torch.save`` file is a ``CheckpointFormatError`` saying
+    it is damaged; only the weights-only unpickler's refusal is ``UntrustedTargetError``.
+    Before, all were "untrusted", with advice to allow-list types."""
+    good = tmp_path / "good.ckpt"
+    torch.save({"global_step": 1, "w": torch.ones(3)}, good)
+    damaged = {
+        "truncated": good.read_bytes()[:-40],
+        "empty": b"",
+        "garbage": b"not a checkpoint at all",
+    }
+    io = FastCheckpointIO()
+    for name, data in damaged.items():
+        path = tmp_path / f"{name}.ckpt"
+        path.write_bytes(data)
+        with pytest.raises(fastckpt.CheckpointFormatError, match="damaged"):
+            io.load_checkpoint(path)
+    torch.save([1, 2], tmp_path / "list.ckpt")
+    with pytest.raises(fastckpt.CheckpointFormatError, match="not a Lightning checkpoint"):
+        io.load_checkpoint(tmp_path / "list.ckpt")

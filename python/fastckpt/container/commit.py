@@ -49,12 +49,13 @@ from typing import TYPE_CHECKING, Any
 from fastckpt import _native
 from fastckpt.container import refs
 from fastckpt.container.reader import check_recorded, verify_content
-from fastckpt.errors import CheckpointFormatError
+from fastckpt.errors import CheckpointFormatError, NotACheckpointError
 from fastckpt.format.records import (
     COMMIT_RECORD,
     GENERATION_PREFIX,
     MANIFEST,
     SHARDED_DIR,
+    SHARDED_RECORD,
     Manifest,
     generation_order,
     json_bytes,
@@ -260,6 +261,46 @@ def remove_superseded(
     if doomed and local:
         _native.fsync_dir(str(directory))
     return doomed
+
+
+def refuse_to_replace(path: Path, *, files: bool = False) -> None:
+    """A save replaces a checkpoint at ``path`` atomically, and nothing else: a file, a folder
+    of the user's data or a folder of checkpoints there (``runs/mgr`` for
+    ``runs/mgr/step_30``) was deleted by the swap, committed checkpoints included. Empty
+    folders and what killed saves leave (generations, hidden temporary names) are replaced.
+
+    Args:
+        path: where the save goes.
+        files: a regular file there may be replaced too (Lightning's plugins replace a
+            ``torch.save`` file of the same name, as its own ``TorchCheckpointIO`` does).
+
+    Raises:
+        NotACheckpointError: names what is there and the fix.
+    """
+    backend = backend_for(path)
+    if is_local(backend):
+        if not os.path.lexists(path):
+            return
+        if not os.path.isdir(path):
+            if files and os.path.isfile(path) and not os.path.islink(path):
+                return
+            raise NotACheckpointError(
+                f"{display_path(path)} is a file, not a checkpoint; a save replaces only a "
+                "checkpoint: save under another name, or move the file first"
+            )
+        names = os.listdir(path)
+    else:
+        names = backend.list_dir(path)
+    if COMMIT_RECORD in names or SHARDED_RECORD in names:
+        return  # a checkpoint: replaced atomically
+    strays = sorted(n for n in names if not n.startswith(".") and generation_order(n) is None)
+    if strays:
+        shown = ", ".join(strays[:3]) + (", ..." if len(strays) > 3 else "")
+        raise NotACheckpointError(
+            f"{display_path(path)} holds {shown} and is not a checkpoint (no {COMMIT_RECORD}); "
+            "a save replaces only a checkpoint, and would delete these: save under another "
+            "name (a folder of checkpoints takes e.g. step_100 inside it)"
+        )
 
 
 class DirectoryWriter:

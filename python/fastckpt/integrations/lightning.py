@@ -48,7 +48,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 
 from fastckpt import _native
 from fastckpt.container.background import BackgroundWriter
-from fastckpt.container.commit import DirectoryWriter
+from fastckpt.container.commit import DirectoryWriter, refuse_to_replace
 from fastckpt.container.links import read_item
 from fastckpt.container.listing import saved_after_siblings
 from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
@@ -301,6 +301,24 @@ def _remove(path: Path) -> None:
 # --------------------------------------------------------------------------- the plugins
 
 
+def _names_a_type(message: str) -> bool:
+    """Whether ``torch.load(weights_only=True)`` refused a file for a type it would not
+    build (the file may be fine: allow the type if it is trusted), not for its bytes."""
+    return "Weights only load failed" in message and (
+        "Unsupported global" in message or "not an allowed global" in message
+    )
+
+
+def _reserve(target: Path) -> bool:
+    """Make ``target`` exist (an empty folder) when nothing is there; whether it did (a path
+    that cannot be made is left to the write, which reports why)."""
+    try:
+        target.mkdir(parents=True)
+    except OSError:
+        return False
+    return True
+
+
 def _local(path: Any) -> Path:
     """``path`` as a local path; URLs (``s3://``, ``gs://``...) are refused, not written to a
     local directory named after them."""
@@ -355,9 +373,12 @@ class FastCheckpointIO(CheckpointIO):
 
         Raises:
             TypeError: a value that cannot be stored (key path named), or storage_options.
+            NotACheckpointError: ``path`` is a folder of other files (a save replaces a
+                checkpoint or a ``torch.save`` file there, nothing else).
             OSError: the write failed (``path`` keeps its previous content).
         """
         target = _local(path)
+        refuse_to_replace(target, files=True)
         plan = self._plan(checkpoint, storage_options)
         write_plan(target, plan, direct_io=self.direct_io, threads=self.threads)
 
@@ -381,11 +402,22 @@ class FastCheckpointIO(CheckpointIO):
                     target, map_location=location, weights_only=True
                 )
             except Exception as err:
-                raise UntrustedTargetError(
-                    f"{target}: torch.load(weights_only=True) refused this file ({err}); if "
-                    "you trust it, allow the types it names with "
-                    "torch.serialization.add_safe_globals([...]) and load again"
+                if _names_a_type(str(err)):
+                    raise UntrustedTargetError(
+                        f"{target}: torch.load(weights_only=True) refused this file ({err}); "
+                        "if you trust it, allow the types it names with "
+                        "torch.serialization.add_safe_globals([...]) and load again"
+                    ) from err
+                raise CheckpointFormatError(
+                    f"{target}: cannot be read as a torch.save checkpoint "
+                    f"({type(err).__name__}: {str(err) or 'no detail'}): the file is damaged "
+                    "(truncated?) or is not a checkpoint; load another one"
                 ) from err
+            if not isinstance(loaded, dict):
+                raise CheckpointFormatError(
+                    f"{target}: holds a {type(loaded).__name__}, not a Lightning checkpoint "
+                    "(a dict)"
+                )
             return loaded
         return load_lightning_checkpoint(target, map_location)
 
@@ -470,18 +502,33 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
-        """Snapshot ``checkpoint`` and write it in the background (see the class doc)."""
+        """Snapshot ``checkpoint`` and write it in the background (see the class doc).
+
+        ``path`` exists when this returns (an empty folder until the write commits, which
+        loads refuse as not committed): ``ModelCheckpoint`` picks the name of its next save
+        by whether a path exists, and would otherwise give this one's name to the next save,
+        which then replaced this checkpoint (the best one, say) with a worse one.
+        """
         self.wait()
         target = _local(path)
+        refuse_to_replace(target, files=True)
         plan = self._plan(checkpoint, storage_options)
         groups = {item: tensors for item, (_, tensors) in plan.items.items()}
         # Lightning calls this from the training loop and mutates the state after it returns:
         # the copy is made here, before returning, under the capture lock.
         self._writer.capture(lambda: stage_groups(self._stager, groups, _every, self._images))
-        self._writer.submit(
-            str(target.absolute()),
-            lambda: write_plan(target, plan, direct_io=self.direct_io, threads=self.threads),
-        )
+        placeholder = _reserve(target)
+
+        def write() -> None:
+            try:
+                write_plan(target, plan, direct_io=self.direct_io, threads=self.threads)
+            except BaseException:
+                if placeholder:
+                    with contextlib.suppress(OSError):
+                        target.rmdir()  # still the empty placeholder: nothing was committed
+                raise
+
+        self._writer.submit(str(target.absolute()), write)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from fastckpt.container.background import BackgroundWriter
-from fastckpt.container.commit import DirectoryWriter
+from fastckpt.container.commit import DirectoryWriter, refuse_to_replace
 from fastckpt.container.links import Reference, read_item
 from fastckpt.container.listing import saved_after_siblings
 from fastckpt.container.promote_checkpoints import (
@@ -54,7 +54,6 @@ from fastckpt.errors import (
     CheckpointMismatchError,
     ChecksumMismatchError,
     FastCkptError,
-    NotACheckpointError,
     NotCommittedError,
 )
 from fastckpt.format.records import (
@@ -62,7 +61,6 @@ from fastckpt.format.records import (
     SHARDED_RECORD,
     check_item_key,
     commit_record,
-    generation_order,
     item_files,
     read_commit_record,
 )
@@ -103,7 +101,6 @@ from fastckpt.storage.backend import explain_full_disk
 from fastckpt.storage.registry import (
     backend_for,
     display_path,
-    is_local,
     is_object_url,
     use_storage_options,
 )
@@ -284,39 +281,6 @@ def _check_state_mapping(state: Any, argument: str) -> None:
         raise TypeError(
             f"CheckpointManager {argument} must be a mapping of item names to values (e.g. "
             f"{{'model': model.state_dict(), 'step': step}}), got {type(state).__name__}"
-        )
-
-
-def _refuse_to_replace(path: Path) -> None:
-    """A save replaces a checkpoint at ``path`` atomically, and nothing else: a file, a folder
-    of the user's data or a folder of checkpoints there (``runs/mgr`` for
-    ``runs/mgr/step_30``) was deleted by the swap, committed checkpoints included. Empty
-    folders and what killed saves leave (generations, hidden temporary names) are replaced.
-
-    Raises:
-        NotACheckpointError: names what is there and the fix.
-    """
-    backend = backend_for(path)
-    if is_local(backend):
-        if not os.path.lexists(path):
-            return
-        if not os.path.isdir(path):
-            raise NotACheckpointError(
-                f"{display_path(path)} is a file, not a checkpoint; a save replaces only a "
-                "checkpoint: save under another name, or move the file first"
-            )
-        names = os.listdir(path)
-    else:
-        names = backend.list_dir(path)
-    if COMMIT_RECORD in names or SHARDED_RECORD in names:
-        return  # a checkpoint: replaced atomically
-    strays = sorted(n for n in names if not n.startswith(".") and generation_order(n) is None)
-    if strays:
-        shown = ", ".join(strays[:3]) + (", ..." if len(strays) > 3 else "")
-        raise NotACheckpointError(
-            f"{display_path(path)} holds {shown} and is not a checkpoint (no {COMMIT_RECORD}); "
-            "a save replaces only a checkpoint, and would delete these: save under another "
-            "name (a folder of checkpoints takes e.g. step_100 inside it)"
         )
 
 
@@ -625,7 +589,7 @@ class CheckpointManager:
         if self._writer is not None:
             self._writer.collect()
         check_name(path.name, "checkpoint directory name")
-        _refuse_to_replace(path)
+        refuse_to_replace(path)
         prepared: dict[str, Any] = {}
         for key, value in state.items():
             check_item_key(key)
