@@ -3,6 +3,7 @@ through fastckpt, compared bit for bit with Lightning's own ``TorchCheckpointIO`
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import pathlib
@@ -633,3 +634,29 @@ def test_a_damaged_torch_file_is_a_format_error_not_an_untrusted_one(tmp_path: P
     torch.save([1, 2], tmp_path / "list.ckpt")
     with pytest.raises(fastckpt.CheckpointFormatError, match="not a Lightning checkpoint"):
         io.load_checkpoint(tmp_path / "list.ckpt")
+
+
+class _Level(enum.IntEnum):
+    LOW = 1
+
+
+class _Act(enum.StrEnum):
+    RELU = "relu"
+
+
+def test_enums_and_numpy_scalars_are_never_stored_as_their_base_type(tmp_path: Path) -> None:
+    """An ``IntEnum``, a ``str`` enum, a numpy float, and an enum dict key are refused by
+    default (naming the key) and stored with their type under ``allow_pickle=True``. Before,
+    they were stored as plain int/str/float without a word and came back so (a rebuilt
+    module's ``hparams.act.name`` raised AttributeError)."""
+    import numpy as np
+
+    torch.serialization.add_safe_globals([_Level, _Act])
+    values = {"lvl": _Level.LOW, "act": _Act.RELU, "f": np.float64(0.1), "keyed": {_Level.LOW: 1}}
+    for key, value in values.items():
+        with pytest.raises(TypeError, match=r"hyper_parameters\.extra.*allow_pickle"):
+            FastCheckpointIO().save_checkpoint(checkpoint_with({key: value}), tmp_path / key)
+    io = FastCheckpointIO(allow_pickle=True)
+    io.save_checkpoint(checkpoint_with({"lvl": _Level.LOW, "act": _Act.RELU}), tmp_path / "ok")
+    loaded = io.load_checkpoint(tmp_path / "ok")["hyper_parameters"]["extra"]
+    assert loaded["lvl"] is _Level.LOW and loaded["act"] is _Act.RELU

@@ -192,3 +192,29 @@ def test_manager_save_names_the_key_path_of_what_it_cannot_store(tmp_path: Path)
     with manager("sync") as mgr, pytest.raises(TypeError, match=r"^model\.sub: .*state_dict"):
         mgr.save(tmp_path / "ckpt", {"model": {"sub": object()}})
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_enums_and_numpy_scalars_in_a_manager_state_are_refused_naming_the_key(
+    tmp_path: Path,
+) -> None:
+    """A value or dict key of a subclass of int/float/str (an enum, a numpy scalar) is a
+    ``TypeError`` naming its key path and the conversion, sync and async, nothing written.
+    Before, it was stored as its base type and loaded back as a plain int/str/float."""
+    import enum
+
+    import numpy as np
+
+    class Mode(enum.IntEnum):
+        TRAIN = 1
+
+    for value in ({"mode": Mode.TRAIN}, {"loss": np.float64(0.5)}, {"by_mode": {Mode.TRAIN: 1}}):
+        for config in (
+            fastckpt.CheckpointManager.Config.with_sync_save(),
+            fastckpt.CheckpointManager.Config.with_async_save(),
+        ):
+            with (
+                fastckpt.CheckpointManager(config) as manager,
+                pytest.raises(TypeError, match=r"meta\.(mode|loss|by_mode)"),
+            ):
+                manager.save(tmp_path / "ckpt", {"meta": value})
+            assert not (tmp_path / "ckpt").exists()

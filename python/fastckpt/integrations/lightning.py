@@ -99,9 +99,9 @@ class _Splitter:
     def split(self, value: Any, path: str) -> Any:
         if isinstance(value, torch.Tensor) or value is None:
             return value
-        if isinstance(value, (bool, int, float, str)):
+        if type(value) in (bool, int, float, str):  # exact: an enum or numpy scalar is pickled
             return value
-        if isinstance(value, Mapping) and all(isinstance(k, _KEY_TYPES) for k in value):
+        if isinstance(value, Mapping) and all(type(k) in _KEY_TYPES for k in value):
             if PICKLED_MARKER in value:
                 raise TypeError(
                     f"{tree.join_path(path, PICKLED_MARKER)}: this dict key is reserved by "

@@ -68,9 +68,10 @@ class _Flattener:
             name = self.name_for(path)
             self.tensors[name] = value
             return {_TENSOR: name}
-        if value is None or isinstance(value, (bool, int, str)):
+        # Exact types: a subclass (an enum, a numpy scalar) would come back as its base type.
+        if value is None or type(value) in (bool, int, str):
             return value
-        if isinstance(value, float):
+        if type(value) is float:
             return _encode_float(value)
         if isinstance(value, Mapping):
             return self.encode_mapping(value, path)
@@ -86,7 +87,7 @@ class _Flattener:
 
     def encode_mapping(self, mapping: Mapping[Any, Any], path: str) -> Any:
         for key in mapping:
-            if not isinstance(key, _KEY_TYPES):
+            if type(key) not in _KEY_TYPES:
                 raise TypeError(
                     f"{join_path(path, key)}: dict keys must be str, int, float, bool or None, "
                     f"got {type(key).__name__}"

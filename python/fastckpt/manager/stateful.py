@@ -84,6 +84,13 @@ def _describe(value: Any) -> str:
 
 def _unsupported(value: Any, path: str, action: str) -> TypeError:
     where = path or "<root>"
+    base = next((t for t in (bool, int, float, str) if isinstance(value, t)), None)
+    if base is not None:
+        name = base.__name__
+        return TypeError(
+            f"{where}: cannot {action} a {_describe(value)}: it would load back as a plain "
+            f"{name}; store {name}(value) (an enum's .value) and convert it back after loading"
+        )
     if callable(getattr(value, "state_dict", None)):
         hint = (
             "it has state_dict() but no load_state_dict(); pass value.state_dict() "
@@ -118,13 +125,13 @@ def prepare_save(value: Any, path: str = "") -> Any:
         if not _is_dtensor(value):  # a DTensor is saved sharded, through fastckpt.dcp
             check_storable(path, value)
         return value
-    if isinstance(value, _SCALARS):
+    if type(value) in _SCALARS:  # exact: an enum or numpy scalar would lose its type
         return value
     if is_stateful(value):
         return prepare_save(value.state_dict(), path)
     if isinstance(value, Mapping):
         for key in value:
-            if not isinstance(key, _KEY_TYPES):
+            if type(key) not in _KEY_TYPES:
                 raise TypeError(
                     f"{tree.join_path(path, key)}: dict keys must be str, int, float, bool or "
                     f"None, got {type(key).__name__}"
