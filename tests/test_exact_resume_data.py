@@ -202,8 +202,11 @@ def test_a_loader_with_other_generators_than_the_checkpoint_is_warned_about(
         resumed.run(own)
 
 
+@pytest.mark.parametrize("how", ["hook", "after-run"])
 @pytest.mark.parametrize("kind", ["loader-generator", "batch-sampler"])
-def test_a_resume_at_an_epoch_boundary_shuffles_as_the_saved_run(tmp_path: Path, kind: str) -> None:
+def test_a_resume_at_an_epoch_boundary_shuffles_as_the_saved_run(
+    tmp_path: Path, kind: str, how: str
+) -> None:
     """A checkpoint taken at an epoch's end (``epoch_interval``, or the end of a run on
     ``num_epochs``) records the loader's own generators as they are then; the resumed run's
     next epoch starts from them, not from the rebuilt loader's seed. Before, the resumed
@@ -227,8 +230,13 @@ def test_a_resume_at_an_epoch_boundary_shuffles_as_the_saved_run(tmp_path: Path,
     straight_log, first_log, resumed_log = (support.LossRecorder() for _ in range(3))
     straight = by_epochs([straight_log], 4)
     straight.run(data())
-    hook = fastckpt.CheckpointHook(tmp_path / "run", epoch_interval=1, async_save=False)
-    by_epochs([first_log, hook], 2).run(data())
+    if how == "hook":
+        hook = fastckpt.CheckpointHook(tmp_path / "run", epoch_interval=1, async_save=False)
+        by_epochs([first_log, hook], 2).run(data())
+    else:  # a finished run saved by hand, to be resumed for more epochs
+        first = by_epochs([first_log], 2)
+        first.run(data())
+        first.save_checkpoint(tmp_path / "run")
     torch.manual_seed(123)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to warn about

@@ -1193,6 +1193,22 @@ def test_a_librarys_module_factory_needs_trust(tmp_path: Any) -> None:
         del globals()["UserLit"]
     assert not marker.exists()
     assert callable(resolve_target(f"{MOD}.Factory.from_config", "model"))  # the user's own
+    # A script's, a notebook's or `python -c`'s own classes are the user's code too.
+    script = (
+        "import torch, fastckpt, tempfile\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self, n=2):\n"
+        "        super().__init__(); self.l = torch.nn.Linear(n, n)\n"
+        "    @classmethod\n"
+        "    def build(cls, n: int = 2) -> 'Net':\n"
+        "        return cls(n)\n"
+        "root = tempfile.mkdtemp() + '/c'\n"
+        "spec = fastckpt.create_model_spec(Net.build)\n"
+        "fastckpt.save_checkpoint(root, models={'main': (Net.build(), spec)})\n"
+        "print(type(fastckpt.load_checkpoint(root)['models']['main']['model']).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "Net", out.stderr[-2000:]
 
 
 class _RunsCode:

@@ -26,6 +26,7 @@ UNSTORABLE: dict[str, tuple[Callable[[], torch.Tensor], str]] = {
     "nested": (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
     "zero": (lambda: torch._efficientzerotensor(3), "zeros_like"),
     "complex128": (lambda: torch.ones(2, dtype=torch.complex128), "complex128"),
+    "uninitialized": (lambda: torch.nn.parameter.UninitializedParameter(), "forward pass"),
     # A __torch_dispatch__ wrapper (as torchao's quantized and float8 tensors): its storage
     # holds none of its values. Before, the async manager committed garbage and verify said ok.
     "wrapper subclass": (lambda: TwoTensor(torch.ones(3), torch.full((3,), 2.0)), "subclass"),
@@ -124,3 +125,40 @@ def test_a_state_key_that_would_overwrite_a_record_or_another_item_is_refused(
             with pytest.raises(TypeError, match="Unicode"):  # the same inside an item
                 manager.save(path, {"model": {"emb_\udcff": torch.ones(2)}})
             assert fastckpt.verify(path).ok
+
+
+ASYNC_COLLECTIVE = """
+import os, sys, tempfile, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+import torch.distributed._functional_collectives as funcol
+import fastckpt
+result = funcol.all_reduce(torch.arange(4.0), "sum", dist.group.WORLD)
+assert type(result).__name__ == "AsyncCollectiveTensor"
+root = tempfile.mkdtemp()
+fastckpt.save_file({"x": result}, root + "/a.safetensors")
+with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+    m.save(root + "/step_1", {"x": result})
+    loaded = m.load(root + "/step_1")["x"]
+assert torch.equal(fastckpt.load_file(root + "/a.safetensors")["x"], torch.arange(4.0))
+assert torch.equal(loaded, torch.arange(4.0))
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_a_collective_s_pending_result_is_saved_once_waited_for(tmp_path: Path) -> None:
+    """An ``AsyncCollectiveTensor`` (a functional collective's result, a dispatch subclass)
+    is waited for and saved as the plain tensor it is, not refused with the wrapper
+    subclasses whose storage holds none of their values."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    done = subprocess.run(
+        [sys.executable, "-c", ASYNC_COLLECTIVE, port], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

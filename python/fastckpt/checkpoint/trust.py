@@ -317,6 +317,8 @@ def _installed_factory(func: Any) -> str | None:
     module_name = getattr(getattr(func, "__func__", func), "__module__", None)
     if not isinstance(module_name, str):
         return "its defining module is unknown"
+    if module_name == "__main__":
+        return None  # the script, notebook or REPL that runs: the user's code
     package = _top_package(module_name)
     module = sys.modules.get(module_name)
     if (

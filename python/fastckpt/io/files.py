@@ -11,6 +11,7 @@ docs/migrating.md.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -151,9 +152,10 @@ def torch_shape(where: str, dtype: str, shape: list[int]) -> list[int]:
 _PYTHON_DISPATCH = torch._C.DispatchKey.Python
 
 
-def check_storable(name: str, tensor: Any) -> None:
-    """Refuse a value whose bytes are not a plain dense tensor's, before anything is copied
-    or written.
+def check_storable(name: str, tensor: Any) -> torch.Tensor:
+    """``tensor`` as the tensor whose bytes are stored (itself, or for an
+    ``AsyncCollectiveTensor`` the result it waited for), or a refusal before anything is
+    copied or written.
 
     Raises:
         InvalidInputError: naming ``name`` and the fix: not a tensor; a sparse, mkldnn,
@@ -164,6 +166,16 @@ def check_storable(name: str, tensor: Any) -> None:
     """
     if not isinstance(tensor, torch.Tensor):
         raise InvalidInputError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if isinstance(
+        tensor, (torch.nn.parameter.UninitializedParameter, torch.nn.parameter.UninitializedBuffer)
+    ):
+        raise InvalidInputError(
+            f"{name!r}: an uninitialized (lazy) parameter or buffer has no values yet; run a "
+            "forward pass (or initialize the lazy module) before saving"
+        )
+    collectives = sys.modules.get("torch.distributed._functional_collectives")
+    if collectives is not None and isinstance(tensor, collectives.AsyncCollectiveTensor):
+        tensor = tensor.wait()  # a collective's result: a plain tensor once waited for
     if tensor.layout is not torch.strided:
         raise InvalidInputError(
             f"{name!r}: {tensor.layout} tensors cannot be saved; call .to_dense()"
@@ -197,6 +209,7 @@ def check_storable(name: str, tensor: Any) -> None:
         dtype_name(tensor.dtype)
     except InvalidInputError as err:
         raise InvalidInputError(f"{name!r}: {err}") from None
+    return tensor
 
 
 def host_tensor(name: str, tensor: Any) -> torch.Tensor:
@@ -208,8 +221,7 @@ def host_tensor(name: str, tensor: Any) -> torch.Tensor:
         InvalidInputError: what :func:`check_storable` refuses (names ``name``; a TypeError
             and a ValueError).
     """
-    check_storable(name, tensor)
-    tensor = tensor.detach()
+    tensor = check_storable(name, tensor).detach()
     if tensor.device.type != "cpu":
         tensor = tensor.to("cpu")
     tensor = tensor.resolve_conj().resolve_neg()

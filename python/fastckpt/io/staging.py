@@ -253,8 +253,8 @@ def stage_groups(
     for group, tensors in groups.items():
         for name, tensor in tensors.items():
             if select(group, name):
-                check_storable(f"{group}/{name}", tensor)  # a copy_ would not refuse them all
-                selected[f"{group}\0{name}"] = tensor
+                # what a copy_ would not refuse (or would copy wrongly) is refused here
+                selected[f"{group}\0{name}"] = check_storable(f"{group}/{name}", tensor)
     into = None if images is None else images.destinations(groups, select)[0]
     for key, staged in stager.stage(selected, into).items():
         group, name = key.split("\0", 1)

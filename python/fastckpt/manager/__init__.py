@@ -976,7 +976,9 @@ class CheckpointManager:
         from fastckpt.dcp.state import load_state
 
         templates = (
-            None if into is None else {key: prepare_save(value, key) for key, value in into.items()}
+            None
+            if into is None
+            else {key: prepare_save(value, key, check=False) for key, value in into.items()}
         )
         with _typed_dcp_errors():
             loaded = load_state(directory, templates, strict=strict, process_group=self._dist.group)

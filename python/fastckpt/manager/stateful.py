@@ -105,7 +105,7 @@ def _unsupported(value: Any, path: str, action: str) -> TypeError:
     return TypeError(f"{where}: cannot {action} a {_describe(value)}; {hint}")
 
 
-def prepare_save(value: Any, path: str = "") -> Any:
+def prepare_save(value: Any, path: str = "", *, check: bool = True) -> Any:
     """``value`` with every stateful object replaced by its ``state_dict()``, checked.
 
     Containers are rebuilt (mappings become dicts; lists and plain tuples keep their type);
@@ -119,16 +119,17 @@ def prepare_save(value: Any, path: str = "") -> Any:
         TypeError: a value that cannot be checkpointed, or a dict key that cannot, named by
             its full key path (with the fix: ``state_dict()`` objects are accepted); a tensor
             whose bytes cannot be stored (``InvalidInputError``, see
-            :func:`~fastckpt.io.files.check_storable`).
+            :func:`~fastckpt.io.files.check_storable`; not checked with ``check`` False, for
+            load templates).
     """
     if isinstance(value, torch.Tensor):
-        if not _is_dtensor(value):  # a DTensor is saved sharded, through fastckpt.dcp
-            check_storable(path, value)
-        return value
+        if _is_dtensor(value) or not check:  # a DTensor is saved sharded (fastckpt.dcp)
+            return value
+        return check_storable(path, value)
     if type(value) in _SCALARS:  # exact: an enum or numpy scalar would lose its type
         return value
     if is_stateful(value):
-        return prepare_save(value.state_dict(), path)
+        return prepare_save(value.state_dict(), path, check=check)
     if isinstance(value, Mapping):
         for key in value:
             if type(key) not in _KEY_TYPES:
@@ -142,11 +143,18 @@ def prepare_save(value: Any, path: str = "") -> Any:
                     "(this one holds a lone surrogate, e.g. from a file name decoded with "
                     "surrogateescape); decode it properly or use another key"
                 )
-        return {key: prepare_save(item, tree.join_path(path, key)) for key, item in value.items()}
+        return {
+            key: prepare_save(item, tree.join_path(path, key), check=check)
+            for key, item in value.items()
+        }
     if type(value) is tuple:
-        return tuple(prepare_save(item, tree.join_path(path, i)) for i, item in enumerate(value))
+        return tuple(
+            prepare_save(item, tree.join_path(path, i), check=check) for i, item in enumerate(value)
+        )
     if isinstance(value, list):
-        return [prepare_save(item, tree.join_path(path, i)) for i, item in enumerate(value)]
+        return [
+            prepare_save(item, tree.join_path(path, i), check=check) for i, item in enumerate(value)
+        ]
     raise _unsupported(value, path, "checkpoint")
 
 
@@ -209,10 +217,29 @@ def _elements_overlap(tensor: torch.Tensor) -> bool:
         return bool(answer == 1)
     if tensor.numel() < 2:
         return False
+    # Sufficient for no overlap (any strided view of a dense tensor passes): ordered by
+    # stride, each dimension steps past everything the smaller-stride dimensions span.
+    spanned = 0
+    for size, stride in sorted(
+        ((n, abs(step)) for n, step in zip(tensor.shape, tensor.stride(), strict=True) if n > 1),
+        key=lambda dim: dim[1],
+    ):
+        if stride <= spanned:
+            break
+        spanned += (size - 1) * stride
+    else:
+        return False
+    if tensor.numel() > _COUNTED_ELEMENTS:
+        return True  # cannot be shown apart cheaply: refused as if shared
     shape, strides, start = tensor.shape, tensor.stride(), tensor.storage_offset()
     extent = start + 1 + sum((n - 1) * step for n, step in zip(shape, strides, strict=True))
     offsets = torch.arange(extent).as_strided(shape, strides, start)
     return bool(offsets.unique().numel() != tensor.numel())
+
+
+#: Templates up to this many elements whose layout proves nothing are checked by counting
+#: their element offsets; larger ones are refused (pass a contiguous template instead).
+_COUNTED_ELEMENTS = 1 << 22
 
 
 def _check_tensors(current: Any, loaded: Any, path: str) -> None:

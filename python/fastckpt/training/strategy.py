@@ -364,6 +364,9 @@ class TrainingStrategy:
         self._epoch_start_loader_rng: list[torch.Tensor] | None = None
         #: The loader of the running :meth:`run` (its generators' states go into each save).
         self._train_loader: Iterable[Any] | None = None
+        #: Its generators' states when the last :meth:`run` returned (a save after it, to
+        #: resume for more epochs, records them).
+        self._loader_rng_after_run: list[torch.Tensor] = []
         #: Whether a restore's loader generator states are still to be given back (at the
         #: next epoch that begins afresh), and those states (None: the checkpoint, saved by
         #: an earlier fastckpt, recorded none).
@@ -516,7 +519,7 @@ class TrainingStrategy:
         _refuse_two_savers_on_one_root(self.hooks)
         self._train_loader = train_loader
         with contextlib.ExitStack() as stack:
-            stack.callback(setattr, self, "_train_loader", None)
+            stack.callback(self._loader_done)
             for hook in self.hooks:
                 if hasattr(hook, "__enter__") and hasattr(hook, "__exit__"):
                     stack.enter_context(hook)
@@ -580,6 +583,13 @@ class TrainingStrategy:
                 "setup; a checkpoint saved by this fastckpt records them)",
                 stacklevel=4,
             )
+
+    def _loader_done(self) -> None:
+        """At the end of :meth:`run`: keep the loader's generators' states for later saves."""
+        if self._train_loader is not None:
+            generators = _loader_generators(self._train_loader)
+            self._loader_rng_after_run = [generator.get_state() for generator in generators]
+        self._train_loader = None
 
     def _restore_loader_generators(self, train_loader: Iterable[Any]) -> None:
         """At the first epoch after a restore that begins afresh (the checkpoint was taken at
@@ -856,12 +866,15 @@ class TrainingStrategy:
     def _run_rng(self) -> dict[str, Any]:
         """This process's RNG states as a checkpoint records them (see :meth:`_add_runtime`)."""
         loader = self._train_loader
-        generators = [] if loader is None else _loader_generators(loader)
         return {
             "rng": _rng_state(),
             "epoch_start_rng": self._epoch_start_rng,
             "epoch_start_loader_rng": self._epoch_start_loader_rng,
-            "loader_rng": [generator.get_state() for generator in generators],
+            "loader_rng": (
+                self._loader_rng_after_run
+                if loader is None
+                else [generator.get_state() for generator in _loader_generators(loader)]
+            ),
         }
 
     def _gather_rank_rng(self, group: Any = None) -> None:
@@ -1066,6 +1079,7 @@ class TrainingStrategy:
         self._epoch_start_loader_rng = own["epoch_start_loader_rng"]
         self._resume_loader_pending = True
         self._resume_loader_rng = own.get("loader_rng")
+        self._loader_rng_after_run = list(own.get("loader_rng") or [])  # a save before run
         where = f"{reader.directory}/strategy.json"
         for name, state in runtime.schedulers.items():
             if name in self.schedulers:
