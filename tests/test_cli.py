@@ -777,6 +777,29 @@ def test_prune_of_manager_checkpoints_never_counts_or_strands_an_alias_symlink(
     assert "step_05" in [c["name"] for c in json.loads(out)["checkpoints"]], out
 
 
+def test_a_folder_of_other_files_holding_a_commit_json_is_no_checkpoint(
+    fastckpt_cli: Run, ckpts: Path
+) -> None:
+    """A folder beside manager checkpoints whose ``commit.json`` is someone else's (a run's
+    notes: ``{"git_commit": ...}`` and ``notes.txt``) is never listed, counted or deleted by
+    ``ls`` or ``prune``, whatever its date. Before, ``prune --keep-last 2`` deleted it (and
+    ``notes.txt``) with exit 0, and a newer one took a retention place from a checkpoint."""
+    folder = ckpts / "mgr-with-notes"
+    shutil.copytree(ckpts / "mgr", folder)
+    for name, age in (("run_info", -7200), ("notes", 3600)):
+        (folder / name).mkdir()
+        (folder / name / "commit.json").write_text('{"git_commit": "3f2a9c"}')
+        (folder / name / "notes.txt").write_text("hyperparameters, notes")
+        when = time.time() + age
+        os.utime(folder / name / "commit.json", (when, when))
+    status, out, _ = fastckpt_cli("--json", "ls", str(folder))
+    assert [c["name"] for c in json.loads(out)["checkpoints"]] == ["step_10", "step_20"], out
+    status, out, _ = fastckpt_cli("--json", "prune", str(folder), "--keep-last", "1")
+    assert status == 0 and json.loads(out)["deleted"] == ["step_10"], out
+    assert sorted(p.name for p in folder.iterdir()) == ["notes", "run_info", "step_20"]
+    assert (folder / "run_info" / "notes.txt").is_file()
+
+
 HOLD_LOCK = """
 import sys, time
 from fastckpt.storage.lock import RootLock

@@ -26,7 +26,7 @@ from fastckpt.cli.render import (
     when,
 )
 from fastckpt.container.links import split_sizes
-from fastckpt.container.listing import committed_checkpoints, is_alias, list_checkpoints
+from fastckpt.container.listing import committed_checkpoints, list_checkpoints
 from fastckpt.errors import FastCkptError
 from fastckpt.format.records import (
     COMMIT_RECORD,
@@ -37,7 +37,7 @@ from fastckpt.format.records import (
 )
 from fastckpt.io.paths import safe_join
 from fastckpt.storage.backend import StorageBackend
-from fastckpt.storage.registry import backend_for, display_path, is_local
+from fastckpt.storage.registry import backend_for, display_path
 
 # --------------------------------------------------------------------------- fastckpt ls
 
@@ -87,10 +87,10 @@ def _sharded_row(directory: Path) -> dict[str, Any]:
 def _ls_managers(parent: Path) -> dict[str, Any]:
     checkpoints: list[dict[str, Any]] = []
     backend = backend_for(parent)
-    for name in backend.list_dir(parent):
+    # The checkpoints the manager and retention see (no staging areas, aliases, or folders
+    # of other files that hold a commit.json: see committed_checkpoints).
+    for name in committed_checkpoints(parent):
         child = parent / name
-        if name.startswith(".") or (is_local(backend) and is_alias(child)):
-            continue  # staging areas; aliases (not checkpoints, see committed_checkpoints)
         if _is_file(backend, child / SHARDED_RECORD):
             checkpoints.append(_sharded_row(child))
             continue

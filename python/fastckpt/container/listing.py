@@ -16,15 +16,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fastckpt.container.links import split_sizes
+from fastckpt.container.links import LINKED_DIR, split_sizes
 from fastckpt.format import records
 from fastckpt.format.records import (
     COMMIT_RECORD,
     SHARDED_RECORD,
     Manifest,
     by_commit_time,
+    generation_order,
     save_dated,
 )
+from fastckpt.storage.backend import StorageBackend
 from fastckpt.storage.registry import backend_for, is_local, use_storage_options
 
 __all__ = [
@@ -144,8 +146,30 @@ def tier_dates(root: str | os.PathLike[str]) -> TierDates:
                 found[name] = (info.modified or 0.0, record)
                 break
     dated, undated, unreadable = save_dated(root, found)
+    for name in list(unreadable):
+        if found[name][1] == COMMIT_RECORD and not _holds_checkpoint_files(backend, root / name):
+            # A folder of someone else's files that happens to hold a commit.json (a run's
+            # notes): not a checkpoint, so never listed, counted by retention or deleted.
+            unreadable.remove(name)
+            del dated[name]
+            if name in undated:
+                undated.remove(name)
     order = by_commit_time(root, dated)
     return TierDates({name: dated[name][0] for name in order}, not undated, frozenset(unreadable))
+
+
+def _holds_checkpoint_files(backend: StorageBackend, directory: Path) -> bool:
+    """Whether ``directory``, whose commit record cannot be read, holds what a damaged
+    CheckpointManager checkpoint would: tensor files, JSON files, linked or generation
+    folders and its record, and nothing else (hidden temporary names aside)."""
+    try:
+        names = [n for n in backend.list_dir(directory) if not n.startswith(".")]
+    except OSError:
+        return False
+    data = [n for n in names if n.endswith(".safetensors") or n == LINKED_DIR]
+    data += [n for n in names if generation_order(n) is not None]
+    others = [n for n in names if n.endswith(".json") and n not in data]
+    return bool(data) and len(data) + len(others) == len(names)
 
 
 #: Tier root -> the newest save date (ns) this process gave or found there.
