@@ -205,3 +205,24 @@ def test_a_parameter_frozen_on_one_side_only_is_a_difference(
     assert cli.main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert ["added", "frozen:main.weight", "-", "true"] in rows
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [("inf", float("inf")), (True, 1), (1, 1.0), ({0: "x"}, {"0": "x"}), ((1, 2), [1, 2])],
+    ids=["str-float", "bool-int", "int-float", "int-str-key", "tuple-list"],
+)
+def test_plain_values_that_load_differently_are_never_identical(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], a: Any, b: Any
+) -> None:
+    """Two manager checkpoints whose plain values load as different values (of another type,
+    under another key type, a tuple against a list) differ, exit 1. Before, each pair was
+    ``identical`` (exit 0): values were compared with ``==`` at paths that forgot key types."""
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(tmp_path / "a", {"v": a})
+        m.save(tmp_path / "b", {"v": b})
+        assert m.load(tmp_path / "a")["v"] == a and m.load(tmp_path / "b")["v"] == b
+    status, result = _cli_diff(capsys, str(tmp_path / "a"), str(tmp_path / "b"))
+    assert status == 1 and result["identical"] is False, result
+    status, result = _cli_diff(capsys, str(tmp_path / "a"), str(tmp_path / "a"))
+    assert status == 0 and result["identical"] is True, result

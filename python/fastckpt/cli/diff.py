@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -76,22 +77,29 @@ _SKELETON = "skeleton"
 
 def _flatten_values(prefix: str, value: Any, out: dict[str, Any]) -> None:
     """``{"a.b.0": leaf}`` for the plain values of a JSON document, at the key paths of the
-    state the user saved: fastckpt's encodings are read back (a tuple is a list, a dict with
-    int keys keeps them, a nested spec is its fields, a non-finite float its text) and tensor
-    places are left out (tensors are compared as tensors)."""
+    state the user saved: fastckpt's encodings are read back (a tuple is its items and a
+    mark that it is one, a dict key that is no string is shown as ``[key]``, a nested spec is
+    its fields, a non-finite float a float) and tensor places are left out (tensors are
+    compared as tensors); what loads as different values differs here too."""
     join = (lambda key: f"{prefix}.{key}") if prefix else str
     if isinstance(value, Mapping) and len(value) == 1 and next(iter(value)) in _MARKERS:
         ((marker, inner),) = value.items()
         if marker == _TENSOR:
             return
         if marker == _FLOAT:
-            out[prefix] = inner
+            out[prefix] = float(inner) if inner in ("nan", "inf", "-inf") else inner
             return
         if marker == _DICT and isinstance(inner, list):
             for pair in inner:
                 if isinstance(pair, list) and len(pair) == 2:
-                    _flatten_values(join(pair[0]), pair[1], out)
+                    key = pair[0]
+                    if isinstance(key, Mapping):  # a non-finite float key
+                        key = float(next(iter(key.values())))
+                    path = join(key) if isinstance(key, str) else f"{prefix}[{key!r}]"
+                    _flatten_values(path, pair[1], out)
             return
+        if marker == _TUPLE:
+            out[prefix] = TUPLE_MARK
         _flatten_values(prefix, inner, out)  # a tuple, a spec, a dict of marker-like keys
         return
     if isinstance(value, Mapping) and value:
@@ -107,6 +115,19 @@ def _flatten_values(prefix: str, value: Any, out: dict[str, Any]) -> None:
 
 
 _MARKERS = frozenset({_TENSOR, _TUPLE, _DICT, _SPEC, _FLOAT})
+
+#: The value :func:`_flatten_values` records at a tuple's path (a list records none).
+TUPLE_MARK = "(tuple)"
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two plain values load as the same value: equal and of one type (``True``,
+    ``1`` and ``1.0`` differ), NaN equal to NaN."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    return bool(a == b)
 
 
 def _header(path: Path) -> dict[str, Any]:
@@ -274,7 +295,7 @@ def _diff_values(a: _Side, b: _Side) -> dict[str, list[dict[str, Any]]]:
         "values_changed": [
             {"name": n, "a": a.values[n], "b": b.values[n]}
             for n in a.values
-            if n in b.values and a.values[n] != b.values[n]
+            if n in b.values and not _same(a.values[n], b.values[n])
         ],
         "values_added": [{"name": n, "b": b.values[n]} for n in b.values if n not in a.values],
         "values_removed": [{"name": n, "a": a.values[n]} for n in a.values if n not in b.values],
@@ -357,7 +378,7 @@ def _summary(result: Mapping[str, Any]) -> str:
 
 
 def _value_text(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else value
+    text = json.dumps(value)  # a string in quotes: "1" and 1 differ
     return text if len(text) <= 40 else text[:37] + "..."
 
 
