@@ -226,3 +226,5 @@ def test_plain_values_that_load_differently_are_never_identical(
     assert status == 1 and result["identical"] is False, result
     status, result = _cli_diff(capsys, str(tmp_path / "a"), str(tmp_path / "a"))
     assert status == 0 and result["identical"] is True, result
+    assert cli.main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--atol", "nan"]) == 2
+    assert "--atol must be a number >= 0" in capsys.readouterr().err

@@ -139,6 +139,29 @@ def test_every_and_the_newest_and_the_command_line(tmp_path: Path) -> None:
     assert "Traceback" not in same.stderr
 
 
+def test_a_rerun_that_promotes_nothing_names_the_indices_the_target_lacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A target holding the source's newest index but not every older one is not said to
+    hold every index: the message names what it lacks and why they are not promoted.
+    Before: "already holds every index" (and a passed-over index was never mentioned)."""
+    from fastckpt.cli.main import main as cli
+
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    _source(fast, saves=5)
+    assert promote(fast, durable, every=2).promoted == [0, 2, 4]
+    assert cli(["promote", str(fast), str(durable)]) == 0
+    said = capsys.readouterr().out
+    assert "lacks 1, 3" in said and "every index" not in said, said
+    assert promote(fast, tmp_path / "all").promoted == [0, 1, 2, 3, 4]
+    assert cli(["promote", str(fast), str(tmp_path / "all")]) == 0
+    assert "already holds every index" in capsys.readouterr().out
+    plain = tmp_path / "plain.safetensors"
+    fastckpt.save_file({"x": torch.ones(1)}, plain)
+    assert cli(["promote", str(fast), str(plain)]) == 2  # before: a raw "Not a directory"
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
 def test_a_damaged_source_file_is_refused_and_the_target_is_untouched(tmp_path: Path) -> None:
     fast, durable = tmp_path / "fast", tmp_path / "durable"
     _source(fast)

@@ -384,8 +384,8 @@ def _value_text(value: Any) -> str:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     """``fastckpt diff A B``: exit 0 when identical, 1 when anything differs."""
-    if args.atol < 0:
-        raise UserError(f"--atol must be >= 0, got {args.atol}")
+    if not args.atol >= 0:  # NaN too: no difference is within it
+        raise UserError(f"--atol must be a number >= 0, got {args.atol}")
     if args.limit < 0:
         raise UserError(f"--limit must be >= 0, got {args.limit}")
     side_a, side_b = _diff_side(args.a), _diff_side(args.b)

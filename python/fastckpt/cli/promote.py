@@ -99,10 +99,20 @@ def _nothing_promoted(source: Path, target: Path, target_newest: int | None) -> 
     """What ``fastckpt promote`` says when it copied nothing: the target holds the source's
     newest index already, or an index newer than it (another run's, or this one's from
     later: indices older than the target's newest are never promoted)."""
-    newest = Manifest.load(source).latest
-    held = Manifest.load(target).entries.get(newest) if newest is not None else None
-    if newest is None or target_newest is None or held is not None:
-        return f"{display_path(target)} already holds every index of {display_path(source)}"
+    source_indices = set(Manifest.load(source).entries)
+    newest = max(source_indices, default=None)
+    target_indices = set(Manifest.load(target).entries)
+    held = newest is not None and newest in target_indices
+    if newest is None or target_newest is None or held:
+        missing = sorted(source_indices - target_indices)
+        if not missing:
+            return f"{display_path(target)} already holds every index of {display_path(source)}"
+        shown = ", ".join(str(i) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
+        return (
+            f"{display_path(target)} already holds the newest index of {display_path(source)}, "
+            f"{newest}; it lacks {shown}, which are not promoted (only indices newer than the "
+            "target's newest are)"
+        )
     return (
         f"nothing promoted: {display_path(target)}'s newest index {target_newest} is newer "
         f"than {display_path(source)}'s newest, {newest}, which it does not hold (indices "
@@ -115,6 +125,11 @@ def _refuse_inside_a_checkpoint(target: Path) -> None:
     ``durable/step_3``): promoting there would write a root or checkpoints into it."""
     if not is_local(backend_for(target)):
         return
+    if os.path.lexists(target) and not os.path.isdir(target):
+        raise UserError(
+            f"{display_path(target)} is a file, not a folder: promote into a folder (a "
+            "save_checkpoint root or a folder of CheckpointManager checkpoints)"
+        )
     found = enclosing_checkpoint(target)
     if found is None:
         held = [r for r in (COMMIT_RECORD, SHARDED_RECORD) if os.path.lexists(target / r)]
