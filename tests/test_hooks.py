@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -425,6 +426,19 @@ def _slow_background_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(CheckpointHook, "_stage", slow_stage)
 
 
+def _after_each_batch(
+    pick: Callable[[Any], torch.Tensor],
+) -> tuple[dict[int, torch.Tensor], Callable[[Any, TrainingStage], None]]:
+    """A hook recording ``pick(model)`` after every batch, and what it recorded, by step."""
+    seen: dict[int, torch.Tensor] = {}
+
+    def record(ctx: Any, when: TrainingStage) -> None:
+        if when is TrainingStage.AFTER_BATCH:
+            seen[ctx.step_count] = pick(ctx.models["main"]).detach().clone()
+
+    return seen, record
+
+
 class _MomentumEncoder(nn.Module):
     """A trained layer and a frozen copy updated in forward (a MoCo/BYOL momentum encoder):
     frozen parameters changing outside the optimizer step."""
@@ -453,11 +467,7 @@ def test_an_async_save_holds_frozen_parameters_of_when_it_was_taken(
     background copy. Before, every parameter was copied in the background (only the
     optimizer step waits for it), and the checkpoints held the next step's frozen weights."""
     _slow_background_copy(monkeypatch)
-    seen: dict[int, torch.Tensor] = {}
-
-    def record(ctx: Any, when: TrainingStage) -> None:
-        if when is TrainingStage.AFTER_BATCH:
-            seen[ctx.step_count] = ctx.models["main"].target.weight.detach().clone()
+    seen, record = _after_each_batch(lambda model: model.target.weight)
 
     root = tmp_path / "run"
     torch.manual_seed(0)
@@ -502,11 +512,7 @@ def test_an_async_save_whose_trainable_state_changes_in_forward_is_not_committed
     the weights of its step. Before, the checkpoints held the next forward's weights, loaded
     and verified, and a resume from them diverged."""
     _slow_background_copy(monkeypatch)
-    seen: dict[int, torch.Tensor] = {}
-
-    def record(ctx: Any, when: TrainingStage) -> None:
-        if when is TrainingStage.AFTER_BATCH:
-            seen[ctx.step_count] = ctx.models["main"].layer.weight.detach().clone()
+    seen, record = _after_each_batch(lambda model: model.layer.weight)
 
     root = tmp_path / "run"
     torch.manual_seed(0)

@@ -568,21 +568,9 @@ class TrainingStrategy:
         states they had when the resumed epoch began, so its replay shuffles as that epoch
         did; a warning when the checkpoint has no states for them (saved by an earlier
         fastckpt) or states for other generators."""
-        generators = _loader_generators(train_loader)
-        saved = self._epoch_start_loader_rng
-        if saved is not None and len(saved) == len(generators):
-            for generator, state in zip(generators, saved, strict=True):
-                generator.set_state(state)
-            return
-        if generators or saved:
-            warnings.warn(
-                f"the training loader has {len(generators)} generator(s) of its own "
-                f"(DataLoader(generator=...), its sampler's), the checkpoint holds the "
-                f"epoch-start state of {'none' if saved is None else len(saved)}: the resumed "
-                "epoch may not replay the saved run's order (resume with the same loader "
-                "setup; a checkpoint saved by this fastckpt records them)",
-                stacklevel=4,
-            )
+        _set_loader_generators(
+            train_loader, self._epoch_start_loader_rng, "the epoch-start state", stacklevel=5
+        )
 
     def _loader_done(self) -> None:
         """At the end of :meth:`run`: keep the loader's generators' states for later saves."""
@@ -600,21 +588,9 @@ class TrainingStrategy:
         if not self._resume_loader_pending:
             return
         self._resume_loader_pending = False
-        saved = self._resume_loader_rng
-        generators = _loader_generators(train_loader)
-        if saved is not None and len(saved) == len(generators):
-            for generator, state in zip(generators, saved, strict=True):
-                generator.set_state(state)
-            return
-        if generators or saved:
-            warnings.warn(
-                f"the training loader has {len(generators)} generator(s) of its own "
-                f"(DataLoader(generator=...), its sampler's), the checkpoint holds the state "
-                f"of {'none' if saved is None else len(saved)} at its save: the resumed epochs "
-                "may not shuffle as the saved run's did (resume with the same loader setup; a "
-                "checkpoint saved by this fastckpt records them)",
-                stacklevel=5,
-            )
+        _set_loader_generators(
+            train_loader, self._resume_loader_rng, "the state at its save", stacklevel=6
+        )
 
     def _run_epoch(self, train_loader: Iterable[Any]) -> bool:
         """Run (the rest of) one epoch; False when training must stop mid-epoch."""
@@ -1621,6 +1597,28 @@ def _refuse_a_scheduler_needing_a_metric(scheduler: Any) -> None:
             "TrainingStrategy steps its schedulers after each optimizer step without one; "
             "leave it out of OptimizerConfig and step it yourself in a hook (e.g. at "
             "AFTER_EPOCH with your validation loss)"
+        )
+
+
+def _set_loader_generators(
+    loader: Any, saved: list[torch.Tensor] | None, what: str, *, stacklevel: int
+) -> None:
+    """Give the loader's own generators (see :func:`_loader_generators`) the recorded states
+    ``saved``; a warning saying the checkpoint holds ``what`` of none or of other generators
+    (a checkpoint of an earlier fastckpt, another loader setup)."""
+    generators = _loader_generators(loader)
+    if saved is not None and len(saved) == len(generators):
+        for generator, state in zip(generators, saved, strict=True):
+            generator.set_state(state)
+        return
+    if generators or saved:
+        warnings.warn(
+            f"the training loader has {len(generators)} generator(s) of its own "
+            f"(DataLoader(generator=...), its sampler's), the checkpoint holds {what} of "
+            f"{'none' if saved is None else len(saved)}: the resumed run may not read the data "
+            "in the saved run's order (resume with the same loader setup; a checkpoint saved "
+            "by this fastckpt records them)",
+            stacklevel=stacklevel,
         )
 
 
