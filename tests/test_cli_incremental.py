@@ -187,3 +187,23 @@ def test_manager_sizes_agree_between_ls_inspect_and_verify(
         checked = _cli_json(capsys, "verify", row["path"])
         assert shown["size"] == checked["size"] == row["size"] > 0
         assert shown["linked_size"] == checked["linked_size"] == row["linked_size"]
+
+
+def test_inspect_counts_every_tensor_of_an_incremental_manager_item(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An incremental manager checkpoint's item holds the tensors its own file has and those
+    it references: ``inspect`` counts them all, as ``load`` returns them. Before, it counted
+    its own file's only ("item model: 1 tensor(s)" for a weight and a bias)."""
+    model = nn.Linear(4, 4)
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(tmp_path / "s1", {"model": model.state_dict()})
+        with torch.no_grad():
+            model.weight.add_(1)  # the bias is unchanged: referenced, not written
+        m.save(tmp_path / "s2", {"model": model.state_dict()})
+        assert sorted(m.load(tmp_path / "s2")["model"]) == ["bias", "weight"]
+    assert cli.main(["--json", "inspect", str(tmp_path / "s2")]) == 0
+    (item,) = json.loads(capsys.readouterr().out)["items"]
+    assert item["tensors"] == 2, item
+    assert cli.main(["inspect", str(tmp_path / "s2")]) == 0
+    assert "item model: 2 tensor(s)" in capsys.readouterr().out

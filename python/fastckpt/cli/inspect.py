@@ -133,7 +133,13 @@ class _TensorRef:
 class _Refs(dict[str, _TensorRef]):
     """A tensor mapping for :func:`fastckpt.io.tree.unflatten` that has every name (as a ref)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        #: The tensor names the skeleton asked for (its tensors, wherever their bytes are).
+        self.asked: set[str] = set()
+
     def __missing__(self, key: str) -> _TensorRef:
+        self.asked.add(key)
         return _TensorRef(key)
 
     def __contains__(self, key: object) -> bool:
@@ -166,10 +172,11 @@ def _describe_manager(directory: Path) -> dict[str, Any]:
     for key in record["items"]:
         values: dict[str, Any] = {}
         skeleton_file = record_file(record, f"{key}.json")  # object stores: g-<hex>/...
+        named = _Refs()
         if skeleton_file in record["files"]:
             stored = read_document(safe_join(directory, skeleton_file))
             skeleton = stored.get("skeleton") if isinstance(stored, dict) else None
-            refs = cast("Mapping[str, torch.Tensor]", _Refs())
+            refs = cast("Mapping[str, torch.Tensor]", named)
             _leaves(tree.unflatten(skeleton, refs, str(key)), str(key), values)
         tensor_files = [
             f["path"]
@@ -180,7 +187,15 @@ def _describe_manager(directory: Path) -> dict[str, Any]:
                 and f["path"].endswith(TENSOR_SUFFIX)
             )
         ]
-        items.append({"name": key, "values": values, "tensor_files": tensor_files})
+        items.append(
+            {
+                "name": key,
+                "values": values,
+                "tensor_files": tensor_files,
+                # every tensor the item holds, those an incremental save references included
+                "tensors": len(named.asked),
+            }
+        )
     return {
         "kind": "manager",
         "path": display_path(directory),
@@ -240,7 +255,10 @@ def _manager_text(info: Mapping[str, Any]) -> str:
     ]
     counts = {f["path"]: len(f.get("tensors", [])) for f in info["files"]}
     for item in info["items"]:
-        tensors = sum(counts.get(path, 0) for path in item["tensor_files"])
+        in_files = sum(counts.get(path, 0) for path in item["tensor_files"])
+        # Under a process group each rank's file holds its own; else the skeleton counts all
+        # (an incremental save's unchanged tensors live in linked files of earlier saves).
+        tensors = in_files if info["world_size"] > 1 else item["tensors"]
         lines.append(f"item {item['name']}: {tensors} tensor(s)")
         shown = list(item["values"].items())
         lines += [f"  {path} = {value!r}" for path, value in shown[:_MAX_VALUES]]
