@@ -25,7 +25,7 @@ from typing import Any
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.io.paths import check_name, check_relpath, safe_join
+from fastckpt.io.paths import check_name, check_relpath, is_text, safe_join
 from fastckpt.storage.backend import MAX_RECORD_BYTES, FileRecord, StorageBackend, read_by_size
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
@@ -763,13 +763,11 @@ def check_item_key(key: object) -> str:
             or ``<key>`` ends in ``.rank<N>`` (the per-rank files of item ``<key minus it>``).
     """
     name = check_name(key, "state key")
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError as err:
+    if not is_text(name):
         raise CheckpointFormatError(
-            f"state key {name!r} cannot be stored: it is not valid Unicode text ({err.reason}); "
-            "use a key made of characters"
-        ) from None
+            f"state key {name!r} cannot be stored: it is not valid Unicode text (a lone "
+            "surrogate); use a key made of characters"
+        )
     if f"{name}.json" in (COMMIT_RECORD, SHARDED_RECORD):
         raise CheckpointFormatError(
             f"state key {name!r} is reserved: its file {name}.json would be the checkpoint's "

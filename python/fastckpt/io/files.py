@@ -28,6 +28,7 @@ from fastckpt.io.headers import (
     choose_direct_io,
     read_metadata,
 )
+from fastckpt.io.paths import is_text
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -272,21 +273,12 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
                 f"metadata must map str to str; got {key!r}: {type(value).__name__} "
                 "(serialize values with json.dumps first)"
             )
-        if not (_is_text(key) and _is_text(value)):
+        if not (is_text(key) and is_text(value)):
             raise InvalidInputError(
                 f"metadata {key!r}: {value!r} is not valid Unicode text (a lone surrogate); "
                 "a safetensors header holds UTF-8"
             )
     return dict(metadata)
-
-
-def _is_text(text: str) -> bool:
-    """Whether ``text`` can be written as UTF-8 (no lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _the_path(filename: str | os.PathLike[str] | None, path: str | os.PathLike[str] | None) -> str:
@@ -382,7 +374,7 @@ def write_tensors(
     keep_alive = []
     nbytes = 0
     for name, tensor in tensors.items():
-        if not isinstance(name, str) or not _is_text(name):
+        if not isinstance(name, str) or not is_text(name):
             raise InvalidInputError(f"tensor names must be str of valid Unicode, got {name!r}")
         host = host_tensor(name, tensor)
         keep_alive.append(host)

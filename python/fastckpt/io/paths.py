@@ -8,7 +8,17 @@ from pathlib import Path
 
 from fastckpt.errors import CheckpointFormatError
 
-__all__ = ["check_name", "check_relpath", "safe_join"]
+__all__ = ["check_name", "check_relpath", "is_text", "safe_join"]
+
+
+def is_text(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (a name or key holding a lone surrogate, as
+    ``surrogateescape`` decoding leaves, cannot: a record or header holds UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_name(name: object, what: str) -> str:

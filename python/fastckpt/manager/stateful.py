@@ -31,6 +31,7 @@ from fastckpt.checkpoint.fill import plain_state
 from fastckpt.errors import CheckpointMismatchError
 from fastckpt.io import tree
 from fastckpt.io.files import check_storable
+from fastckpt.io.paths import is_text
 
 __all__ = [
     "Stateful",
@@ -137,7 +138,7 @@ def prepare_save(value: Any, path: str = "", *, check: bool = True) -> Any:
                     f"{tree.join_path(path, key)}: dict keys must be str, int, float, bool or "
                     f"None, got {type(key).__name__}"
                 )
-            if isinstance(key, str) and not key.encode("utf-8", "replace").decode() == key:
+            if isinstance(key, str) and not is_text(key):
                 raise TypeError(
                     f"{tree.join_path(path, key)!r}: a dict key must be valid Unicode text "
                     "(this one holds a lone surrogate, e.g. from a file name decoded with "

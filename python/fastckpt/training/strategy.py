@@ -575,8 +575,7 @@ class TrainingStrategy:
     def _loader_done(self) -> None:
         """At the end of :meth:`run`: keep the loader's generators' states for later saves."""
         if self._train_loader is not None:
-            generators = _loader_generators(self._train_loader)
-            self._loader_rng_after_run = [generator.get_state() for generator in generators]
+            self._loader_rng_after_run = _loader_states(self._train_loader)
         self._train_loader = None
 
     def _restore_loader_generators(self, train_loader: Iterable[Any]) -> None:
@@ -846,11 +845,7 @@ class TrainingStrategy:
             "rng": _rng_state(),
             "epoch_start_rng": self._epoch_start_rng,
             "epoch_start_loader_rng": self._epoch_start_loader_rng,
-            "loader_rng": (
-                self._loader_rng_after_run
-                if loader is None
-                else [generator.get_state() for generator in _loader_generators(loader)]
-            ),
+            "loader_rng": self._loader_rng_after_run if loader is None else _loader_states(loader),
         }
 
     def _gather_rank_rng(self, group: Any = None) -> None:
@@ -1620,6 +1615,11 @@ def _set_loader_generators(
             "by this fastckpt records them)",
             stacklevel=stacklevel,
         )
+
+
+def _loader_states(loader: Any) -> list[torch.Tensor]:
+    """The states of the loader's own generators (see :func:`_loader_generators`) now."""
+    return [generator.get_state() for generator in _loader_generators(loader)]
 
 
 def _loader_generators(loader: Any) -> list[torch.Generator]:
