@@ -219,6 +219,11 @@ def _write(args: argparse.Namespace, source: Path, out: Path, plan: _Export) -> 
     # The bar counts the bytes the Rust writer writes (the read before it maps the file).
     with counted_progress(f"export {source}", plan.size) as counter:
         tensors = plan.load()
+        if not tensors:
+            what = ", ".join(f"{k.removeprefix('fastckpt.')} {v}" for k, v in plan.metadata.items())
+            raise UserError(
+                f"{what} holds no tensors: there is nothing to export (pick another with --model)"
+            )
         write_tensors(tensors, out, metadata={"format": "pt", **plan.metadata}, progress=counter)
     size = out.stat().st_size
     summary = {
