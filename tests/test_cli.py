@@ -460,7 +460,9 @@ def test_export_model_choice_and_overwrite(fastckpt_cli: Run, ckpts: Path) -> No
     status, _, err = fastckpt_cli("export", "plain.safetensors", "--to", "p.safetensors")
     assert status == 2 and "already a single safetensors file" in err
     # An item without tensors is refused, not exported as an empty file.
-    status, _, err = fastckpt_cli("export", "mgr/step_10", "--to", "s.safetensors", "--model", "step")
+    status, _, err = fastckpt_cli(
+        "export", "mgr/step_10", "--to", "s.safetensors", "--model", "step"
+    )
     assert status == 2 and "item step holds no tensors" in err and "--model" in err
     assert not (ckpts / "s.safetensors").exists()
 
