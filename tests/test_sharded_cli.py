@@ -97,6 +97,12 @@ def test_export_consolidates_full_tensors(
     assert set(exported) == set(expected)
     for name, tensor in expected.items():
         assert torch.equal(exported[name], tensor), name
+    # diff compares exports, and says so when given the sharded checkpoint itself.
+    refused = fastckpt_cli("diff", str(checkpoint), str(out), cwd=tmp_path)
+    assert refused.returncode == 2 and "sharded (DCP) checkpoint" in refused.stderr
+    assert f"fastckpt export {checkpoint} --to" in refused.stderr
+    same = fastckpt_cli("diff", str(out), str(out), cwd=tmp_path)
+    assert same.returncode == 0, same.stdout + same.stderr
 
 
 def test_a_directory_of_sharded_checkpoints_only_is_listed_verified_inspected_and_pruned(

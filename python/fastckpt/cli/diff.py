@@ -17,7 +17,6 @@ from fastckpt.cli.common import (
     TENSOR_SUFFIX,
     UserError,
     locate,
-    needs_root,
     read_document,
     resolve_index,
 )
@@ -186,7 +185,12 @@ class _SideOf(KindVisitor[_Side]):
         return _Side(TensorFiles(label, files, linked), values, {})
 
     def sharded(self, container: ShardedContainer) -> _Side:
-        raise needs_root(container)
+        where = display_path(container.path)
+        raise UserError(
+            f"{where} is a sharded (DCP) checkpoint, which diff does not compare shard by shard: "
+            f"export its full tensors first (fastckpt export {where} --to FILE.safetensors) and "
+            "diff the exported files"
+        )
 
     def root(self, container: RootContainer) -> _Side:
         return self._index_side(container)
