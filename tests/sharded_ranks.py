@@ -732,3 +732,18 @@ def save_indices() -> None:
         strategy.run(loader())
         strategy.save_checkpoint(root)
     leave_process_group()
+
+
+def manager_unsharded_then_sharded() -> None:
+    """Save plain state to ROOT/last through a manager, then FSDP2 state to the same id (a
+    run moving from DDP to FSDP2 under one name). Rank 0 prints the folder's names."""
+    root, rank, _ = setup_rank()
+    model, optimizer = _sharded()
+    train_step(model, optimizer, 0)
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(root / "last", {"w": torch.ones(2), "step": 1})
+        msd, osd = get_state_dict(model, optimizer)
+        m.save(root / "last", {"model": msd, "optim": osd, "step": 2})
+    if rank == 0:
+        print(json.dumps(sorted(p.name for p in (root / "last").iterdir())))
+    leave_process_group()

@@ -417,3 +417,29 @@ def test_counters_that_are_not_whole_numbers_are_refused(tmp_path: Path, value: 
     assert not (tmp_path / "manifest.json").exists()
     save_checkpoint(tmp_path, models={"main": (model, None)}, counters={"step": 2**40})
     assert load_checkpoint(tmp_path)["manifest"]["counters"] == {"step": 2**40}
+
+
+def test_a_root_and_manager_checkpoints_never_share_a_folder(tmp_path: Path) -> None:
+    """save_checkpoint into a CheckpointManager checkpoint (or a folder holding one) wrote a
+    root there: the checkpoint's next save deleted the root, and ``verify`` of the folder
+    checked the root only (a damaged manager checkpoint there verified ok)."""
+    from fastckpt.container.verify import verify
+    from fastckpt.errors import NotACheckpointError
+
+    model = nn.Linear(2, 2)
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(tmp_path / "mgr" / "s1", {"a": torch.ones(1)})
+    for root, needle in ((tmp_path / "mgr" / "s1", "commit.json"), (tmp_path / "mgr", "s1")):
+        with pytest.raises(NotACheckpointError, match=needle):
+            save_checkpoint(root, models={"main": (model, None)})
+    assert sorted(p.name for p in (tmp_path / "mgr").iterdir()) == ["s1"]
+    assert sorted(p.name for p in (tmp_path / "mgr" / "s1").iterdir()) == [
+        "a.json",
+        "a.safetensors",
+        "commit.json",
+    ]
+    # A folder that holds both records (an earlier version wrote it) is neither kind.
+    save_checkpoint(tmp_path / "root", models={"main": (model, None)})
+    (tmp_path / "root" / "commit.json").write_bytes((tmp_path / "mgr/s1/commit.json").read_bytes())
+    with pytest.raises(CheckpointFormatError, match=r"both manifest\.json .* and commit\.json"):
+        verify(tmp_path / "root")

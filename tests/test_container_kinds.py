@@ -306,14 +306,8 @@ def test_diff_takes_every_kind_but_a_sharded_checkpoint(kinds: Kinds) -> None:
     status, out, _ = _cli("diff", str(kinds.file), str(kinds.file), "--json")
     assert status == 0 and json.loads(out)["compared"] == 1
     status, _, err = _cli("diff", str(kinds.sharded), str(kinds.root))
-    assert (
-        status == 2
-        and (
-            f"{kinds.sharded} is a sharded (DCP) checkpoint; this needs a save_checkpoint root or "
-            "one of its index directories"
-        )
-        in err
-    )
+    assert status == 2 and f"{kinds.sharded} is a sharded (DCP) checkpoint" in err
+    assert "diff the exported files" in err
 
 
 def test_export_writes_each_kind_or_says_why_not(kinds: Kinds, tmp_path: Path) -> None:

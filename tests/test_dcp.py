@@ -512,3 +512,32 @@ def test_a_plain_value_template_for_a_saved_tensor_is_a_mismatch(tmp_path: Path)
         fastckpt.CheckpointMismatchError, match=r"model\.w: the checkpoint has a tensor"
     ):
         fastckpt.dcp.load_state(tmp_path / "c", {"model": {"w": 0}})
+
+
+def test_a_key_that_is_no_str_is_warned_of_at_save(tmp_path: Path) -> None:
+    """DCP names entries by their key path as text: a plain ``optimizer.state_dict()`` saved
+    sharded came back from a load without templates with ``'0'`` for ``0``, and
+    ``optimizer.load_state_dict`` dropped that state without a word. The save warns now,
+    naming the key; a load into the optimizer's own state dict is exact."""
+    from fastckpt.dcp.state import load_state, save_state
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    with pytest.warns(UserWarning, match=r"'optim\.state\.0' is not a str"):
+        save_state(tmp_path / "c", {"optim": optimizer.state_dict()})
+    assert sorted(load_state(tmp_path / "c")["optim"]["state"]) == ["0", "1"]
+    fresh = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    fresh.step()
+    template = fresh.state_dict()
+    loaded = load_state(tmp_path / "c", into={"optim": template})["optim"]
+    assert sorted(loaded["state"]) == [0, 1]
+    for index in (0, 1):
+        saved = optimizer.state_dict()["state"][index]["exp_avg"]
+        assert torch.equal(loaded["state"][index]["exp_avg"], saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        save_state(tmp_path / "d", {"model": model.state_dict()})  # str keys: no warning

@@ -4,10 +4,12 @@ memory, distributed."""
 from __future__ import annotations
 
 import errno
+import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -372,6 +374,47 @@ def test_two_ranks_write_their_own_files(tmp_path: Path) -> None:
     assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
 
 
+PER_RANK_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from fastckpt import CheckpointManager
+from training_support import leave_process_group
+path, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2)
+with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+    state = {"w": torch.full((2,), float(rank)), "loader": {"seen": 1000 * (rank + 1)}}
+    manager.save(path, state)
+    loaded = manager.load(path)
+    assert loaded["loader"] == {"seen": 1000 * (rank + 1)}, loaded
+    assert torch.equal(loaded["w"], state["w"])
+    for other, needle in ((f"{path}-{rank}", "same checkpoint_id"), (path, "same items")):
+        mine = state if other != path else {**state, **({"step": 3} if rank else {})}
+        try:
+            manager.save(other, mine)
+        except ValueError as err:
+            assert needle in str(err) and "nothing was committed" in str(err), err
+        else:
+            raise AssertionError(f"rank {rank}: saved {other}")
+    assert manager.load(path)["loader"] == {"seen": 1000 * (rank + 1)}
+print("ok", rank)
+leave_process_group()
+"""
+
+
+def test_each_rank_gets_its_own_plain_values_and_ranks_must_agree(tmp_path: Path) -> None:
+    """Under a process group only rank 0 wrote an item's plain values: rank 1 loaded rank 0's
+    (a data loader's position, RNG states) without a word. Ranks naming different ids or
+    items had their files committed under rank 0's id. A 2-rank checkpoint loaded in one
+    process gave rank 0's state."""
+    from fastckpt.errors import CheckpointMismatchError
+
+    outputs = run_two_ranks(PER_RANK_SCRIPT, tmp_path / "c", tmp_path / "pg")
+    assert [out.split() for out in outputs] == [["ok", "0"], ["ok", "1"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "pg"]
+    manager = CheckpointManager(CheckpointManager.Config.with_sync_save())
+    with manager, pytest.raises(CheckpointMismatchError, match="saved by 2 ranks"):
+        manager.load(tmp_path / "c")
+
+
 def test_sync_save_writes_cpu_tensors_without_staging_copies(tmp_path: Path) -> None:
     model = torch.nn.Linear(8, 8)
     with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
@@ -446,11 +489,40 @@ def test_a_save_never_replaces_what_is_not_a_checkpoint(tmp_path: Path) -> None:
         assert verify(mgr_dir / "step_20").ok and verify(tmp_path / "empty").ok
 
 
+def test_a_resave_never_deletes_what_its_record_does_not_name(tmp_path: Path) -> None:
+    # A re-save of a checkpoint name replaced the whole folder as soon as it held a
+    # commit.json: a user's file put there, and a checkpoint saved inside it, were deleted.
+    from fastckpt.errors import NotACheckpointError
+
+    latest = tmp_path / "runs" / "latest"
+    state = {"m": {"t": torch.arange(4.0)}, "step": 1}
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        manager.save(latest, state)
+        manager.save(latest, {**state, "step": 2})  # a checkpoint alone is replaced
+        (latest / "eval_results.json").write_text('{"acc": 0.9}')
+        manager.save(latest / "step_5", state)
+        with pytest.raises(NotACheckpointError, match=r"eval_results\.json, step_5"):
+            manager.save(latest, {**state, "step": 3})
+        assert (latest / "eval_results.json").read_text() == '{"acc": 0.9}'
+        assert manager.load(latest / "step_5")["step"] == 1
+        assert manager.load(latest)["step"] == 2
+        # A damaged record leaves only names a checkpoint writes to be replaced with it.
+        (latest / "commit.json").write_text("{")
+        with pytest.raises(NotACheckpointError, match=r"eval_results\.json, step_5"):
+            manager.save(latest, {**state, "step": 3})
+        (latest / "eval_results.json").unlink()
+        shutil.rmtree(latest / "step_5")
+        manager.save(latest, {**state, "step": 3})
+        assert manager.load(latest)["step"] == 3
+
+
 @pytest.mark.timeout(60)
 def test_locks_nest_and_are_shared_between_threads(tmp_path: Path) -> None:
     """``lock()`` is shared: a helper that guards its own update may run inside the caller's
-    lock, a save may be started inside it (its snapshot waits for the lock), and two threads
-    hold it at once. Before, a nested ``lock()`` deadlocked forever, even with no save."""
+    lock, and two threads hold it at once. Before, a nested ``lock()`` deadlocked forever, even
+    with no save. A save started inside it on the same thread is refused: its tensors were
+    copied when the lock was released (after the changes it guards), its plain values at the
+    call, a checkpoint of two moments."""
     import threading
 
     x = torch.zeros(3)
@@ -458,12 +530,11 @@ def test_locks_nest_and_are_shared_between_threads(tmp_path: Path) -> None:
     try:
         with manager.lock(), manager.lock():
             x.add_(1)
-        with manager.lock():
-            future = manager.save(tmp_path / "step_1", {"m": {"x": x}})
-            with manager.lock():  # the snapshot waits for the outer lock: no wait here
-                pass
-            x.add_(1)  # before the snapshot: it runs when the lock is released
-        future.result(timeout=30)
+        with manager.lock(), pytest.raises(RuntimeError, match="two moments"):
+            # Its tensors would be copied at the release, after this add_, its values now.
+            manager.save(tmp_path / "step_1", {"m": {"x": x}, "step": 1})
+        x.add_(1)
+        manager.save(tmp_path / "step_1", {"m": {"x": x}, "step": 2}).result(timeout=30)
         inside = threading.Barrier(2, timeout=10)
 
         def hold() -> None:
@@ -506,19 +577,34 @@ def test_a_state_or_template_that_is_no_mapping_is_a_type_error(tmp_path: Path) 
         manager.save(tmp_path / "step_2", {"x": torch.zeros(2)})
         with pytest.raises(TypeError, match="into must be a mapping"):
             manager.load(tmp_path / "step_2", into=[torch.zeros(2)])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="prewarm_staging state must be a mapping"):
+            manager.prewarm_staging([torch.zeros(2)])  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(60)
 def test_a_second_save_inside_the_lock_is_refused_at_once(tmp_path: Path) -> None:
-    """The first save's snapshot waits for the lock this thread holds, so a second save
-    inside it would wait for itself: a RuntimeError at once (before: a wait of the whole
-    ``wait_timeout_secs``, then a TimeoutError advising a longer timeout). The first save
-    completes when the lock is released."""
+    """A save another thread started waits for the lock this thread holds, so a save inside
+    it would wait for that one, which waits for itself: a RuntimeError at once (before: a
+    wait of the whole ``wait_timeout_secs``, then a TimeoutError advising a longer timeout).
+    The first save completes when the lock is released. ``close()`` there is refused the
+    same way, and the manager stays usable."""
+    import threading
+
     x = torch.zeros(3)
+    futures: list[Any] = []
     with CheckpointManager(CheckpointManager.Config.with_async_save()) as manager:
         with manager.lock():
-            first = manager.save(tmp_path / "step_1", {"m": {"x": x}})
+            other = threading.Thread(
+                target=lambda: futures.append(manager.save(tmp_path / "step_1", {"m": {"x": x}}))
+            )
+            other.start()
+            other.join(timeout=30)
             with pytest.raises(RuntimeError, match="wait for the previous save"):
                 manager.save(tmp_path / "step_2", {"m": {"x": x}})
-        first.result(timeout=30)
+            # close() would wait for that save, which waits for this lock (a deadlock
+            # forever before): refused, the manager still open.
+            with pytest.raises(RuntimeError, match="cannot close"):
+                manager.close()
+        futures[0].result(timeout=30)
+        manager.save(tmp_path / "step_3", {"m": {"x": x}}).result(timeout=30)
     assert (tmp_path / "step_1").is_dir() and not (tmp_path / "step_2").exists()

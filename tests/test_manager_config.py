@@ -347,3 +347,31 @@ def test_a_timeout_must_be_a_finite_number_of_seconds(value: float) -> None:
         config.save.wait_timeout_secs = value
     with pytest.raises(ValueError, match="finite number of seconds"):
         AsyncCheckpointSaverConfig(wait_timeout_secs=value)
+
+
+def test_declared_items_are_enforced_at_load_as_at_save(tmp_path: Path) -> None:
+    """``ItemSpec.required`` and strict mode (``Config.default = None``) did nothing at load:
+    a required item absent from the checkpoint left its template as it was (a resume with an
+    uninitialised EMA), and ``into=`` could omit declared items or name undeclared ones."""
+    from fastckpt.errors import CheckpointMismatchError
+
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as writer:
+        writer.save(tmp_path / "s1", {"model": {"w": torch.ones(3)}})
+    config = CheckpointManager.Config.with_sync_save()
+    config.items = {"model": ItemSpec(), "ema": ItemSpec()}
+    config.default = None
+    ema = torch.full((3,), 7.0)
+    with CheckpointManager(config) as manager:
+        with pytest.raises(CheckpointMismatchError, match=r"required item\(s\) \['ema'\]"):
+            manager.load(tmp_path / "s1", into={"model": {"w": torch.zeros(3)}, "ema": ema})
+        with pytest.raises(CheckpointMismatchError, match="not in the checkpoint"):
+            manager.load(tmp_path / "s1")
+        with pytest.raises(KeyError, match="strict mode"):
+            manager.load(tmp_path / "s1", into={"model": None, "ema": ema, "other": 1})
+        with pytest.raises(KeyError, match="missing from into="):
+            manager.load(tmp_path / "s1", into={"model": None})
+    assert torch.equal(ema, torch.full((3,), 7.0))
+    config.items = {"model": ItemSpec(), "ema": ItemSpec(required=False)}
+    with CheckpointManager(config) as manager:
+        loaded = manager.load(tmp_path / "s1", into={"model": {"w": torch.zeros(3)}, "ema": ema})
+        assert torch.equal(loaded["model"]["w"], torch.ones(3)) and loaded["ema"] is ema

@@ -628,9 +628,13 @@ def test_a_strict_hook_stops_at_the_save_after_a_failed_promotion(tmp_path: Path
         save_last=False,
     )
     strategy = training_support.new_strategy([hook], num_steps=10)
-    with pytest.warns(RuntimeWarning), pytest.raises(PromotionError):
+    with pytest.warns(RuntimeWarning), pytest.raises(PromotionError, match="strict promotion"):
         strategy.run(training_support.loader())
-    assert strategy.step_count < 10
+    # Raised at the first save, once it was committed to the fast tier (before, it was raised
+    # before the write: the run stopped with no checkpoint anywhere, its message saying that
+    # training goes on).
+    assert strategy.step_count == 2
+    assert [c["index"] for c in fastckpt.list_checkpoints(fast)] == [0]
 
 
 # --------------------------------------------------------------------------- restore
@@ -995,3 +999,34 @@ def test_fastckpt_promote_repairs_a_damaged_newest_copy_in_the_target(tmp_path: 
     assert cli(["promote", str(fast), str(durable)]) == 0
     assert fastckpt.verify(durable, index=2).ok
     assert _files(durable, 2) == _files(fast, 2)
+
+
+def test_an_edited_manifest_is_never_resealed_and_restores_fall_back(tmp_path: Path) -> None:
+    """A fast manifest edited without its seal (a counter changed) was promoted and sealed
+    into the durable tier (``verify`` then said ok, and a resume there refused the run), a
+    save into that root re-sealed the edit too, and a restore picked the fast tier and failed
+    instead of falling back. Now the damage stays where it is: promotion and the save refuse
+    it, naming the manifest, and a restore takes the durable copy and says why."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    states = _source(fast, saves=2)
+    promote(fast, durable)
+    manifest = json.loads((fast / "manifest.json").read_text())
+    manifest["checkpoints"]["1"]["counters"]["step"] = 4000
+    (fast / "manifest.json").write_text(json.dumps(manifest))
+    edited = (fast / "manifest.json").read_bytes()
+    before = (durable / "manifest.json").read_bytes()
+    with pytest.raises(ChecksumMismatchError, match=r"manifest\.json"):
+        promote(fast, durable)
+    with pytest.raises(ChecksumMismatchError, match=r"manifest\.json"):
+        promote_index(fast, durable, 1)
+    with pytest.raises(ChecksumMismatchError, match="not rewritten"):
+        fastckpt.save_checkpoint(fast, models={"main": (_model(2), None)})
+    assert (fast / "manifest.json").read_bytes() == edited
+    assert (durable / "manifest.json").read_bytes() == before
+    assert fastckpt.verify(durable).ok
+    loaded = fastckpt.load_checkpoint(fast, fallback_dirs=[durable])
+    assert loaded["checkpoint_index"] == 1 and loaded["manifest"]["counters"]["step"] == 1
+    copy = loaded["restored_from"]
+    assert Path(copy["path"]) == durable and "manifest.json" in copy["skipped"][0]
+    got = loaded["models"]["main"]["model"].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in states[1].items())

@@ -232,6 +232,55 @@ def test_an_incremental_save_on_s3_whose_source_was_replaced_fails_typed_then_sa
     assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_source_replaced_during_the_stores_copy_fails_the_save(
+    s3_server: S3Server, s3_root: str, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The source object is replaced after its version was proven and before the store copies
+    from it. moto ignores the copy's If-Match (as some stores do) and copies the new bytes;
+    the save checked nothing after the copy and committed an object whose recorded crc32c
+    did not describe its bytes. Now the sources' versions are read again after the copy."""
+    torch.manual_seed(2)
+    model = Backbone()
+    fastckpt.save_checkpoint(s3_root, models={"main": model})
+    key = s3_root.split("/", 3)[3] + "/0/models/main.safetensors"
+    client = s3_server.client()
+    real = S3Client._control
+    replaced: list[str] = []
+
+    class Replacing:
+        """The boto3 client, replacing the source before the first part the store copies."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def upload_part_copy(self, **kwargs: Any) -> Any:
+            if not replaced:
+                obj = client.get_object(Bucket=s3_server.bucket, Key=key)
+                body = bytearray(obj["Body"].read())
+                body[12 << 20] ^= 1  # inside the embedding's copied (not fetched) range
+                client.put_object(Bucket=s3_server.bucket, Key=key, Body=bytes(body))
+                replaced.append(kwargs["CopySourceRange"])
+            return self.inner.upload_part_copy(**kwargs)
+
+    def control(self: S3Client, **kwargs: Any) -> Any:
+        return Replacing(real(self, **kwargs))
+
+    monkeypatch.setattr(S3Client, "_control", control)
+    with torch.no_grad():
+        model.head.weight.add_(1)
+    with pytest.raises(ChecksumMismatchError, match="replaced while an incremental save"):
+        fastckpt.save_checkpoint(s3_root, models={"main": model})
+    assert replaced and [c["index"] for c in fastckpt.list_checkpoints(s3_root)] == [0]
+    monkeypatch.setattr(S3Client, "_control", real)
+    fastckpt.save_checkpoint(s3_root, models={"main": model})  # full: nothing to copy from
+    loaded = fastckpt.load_checkpoint(s3_root, trusted=[Backbone])
+    got = loaded["models"]["main"]["model"].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+
+
 def test_hook_async_saves_to_s3_copy_the_frozen_backbone_and_resume_exactly(
     s3_server: S3Server, s3_root: str, s3_env: dict[str, str], copy_spy: list[int]
 ) -> None:
@@ -320,3 +369,14 @@ def test_deleting_an_earlier_s3_index_object_by_object_leaves_the_newest_loading
     got = loaded["models"]["main"]["model"].state_dict()
     assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
     assert verify(s3_root, 1).ok
+    # The newest index deleted the same way: the next save writes what it would have had the
+    # store copy from it (before: ObjectNotFoundError naming the deleted object, no save).
+    for item in client.list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{prefix}/1/")["Contents"]:
+        client.delete_object(Bucket=s3_server.bucket, Key=item["Key"])
+    with torch.no_grad():
+        model.head.weight.add_(1)
+    assert fastckpt.save_checkpoint(s3_root, models={"main": model}) == 2
+    loaded = fastckpt.load_checkpoint(s3_root, 2, trusted=[Backbone])
+    got = loaded["models"]["main"]["model"].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+    assert verify(s3_root, 2).ok

@@ -192,3 +192,38 @@ def test_load_latest_loads_one_checkpoint_on_every_rank_when_their_tiers_disagre
     )
     agreed = safetensors.torch.load_file(tmp_path / "gathered-agreed.safetensors")
     assert compare(full_state(model, optimizer), agreed) == []
+
+
+def test_a_sharded_save_over_an_unsharded_checkpoint_replaces_it(tmp_path: Path) -> None:
+    """A sharded save to the id of an unsharded checkpoint left that checkpoint's commit.json
+    and files beside the sharded one: ``verify`` checked the stale files (ok, with the sharded
+    rank file damaged) while loads read the sharded checkpoint, and the next unsharded save
+    refused the id. Now the sharded commit removes them; a folder holding both records is
+    refused by every reader."""
+    from fastckpt.errors import CheckpointFormatError
+
+    outputs = check_ok(launch("manager_unsharded_then_sharded", tmp_path, 2, ranks="sharded_ranks"))
+    names = json.loads(outputs[0].strip().splitlines()[-1])
+    last = tmp_path / "last"
+    assert "commit.json" not in names and "fastckpt-dcp.json" in names
+    assert [n for n in names if not n.startswith("g-")] == ["fastckpt-dcp.json"]
+    assert fastckpt.verify(last).ok
+    (rank_file,) = last.glob("g-*/rank-00000.safetensors")
+    data = bytearray(rank_file.read_bytes())
+    data[-3] ^= 0x40
+    rank_file.write_bytes(bytes(data))
+    assert not fastckpt.verify(last).ok
+    # An unsharded save replaces the sharded one whole (it took its files for the user's).
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(last, {"w": torch.zeros(2), "step": 3})
+        assert m.load(last)["step"] == 3
+    assert sorted(p.name for p in last.iterdir()) == [
+        "commit.json",
+        "step.json",
+        "step.safetensors",
+        "w.json",
+        "w.safetensors",
+    ]
+    (last / "fastckpt-dcp.json").write_text("{}")
+    with pytest.raises(CheckpointFormatError, match=r"both commit\.json"):
+        fastckpt.verify(last)

@@ -488,7 +488,8 @@ def _entry(record: dict[str, Any], fqn: str) -> dict[str, Any]:
 
 #: Edits of a sharded record whose parts then disagree (re-sealed, as an attacker or a buggy
 #: tool would): before, each loaded other dtypes' bits, a shifted tensor, uninitialized memory
-#: (``load_state``), or dropped a tensor, while ``verify`` said ok; or verify said ok of a
+#: (``load_state``: a planner path renamed), another tensor's bytes (a chunk naming another
+#: entry of its file), or dropped a tensor, while ``verify`` said ok; or verify said ok of a
 #: checkpoint no reader could load.
 RECORD_EDITS: dict[str, Callable[[dict[str, Any]], object]] = {
     "dtype": lambda r: _storage(r, "model.w").update(dtype="I32"),
@@ -508,6 +509,10 @@ RECORD_EDITS: dict[str, Callable[[dict[str, Any]], object]] = {
     "planner path twice": lambda r: r["dcp"]["planner_data"].update(
         {"model.w": {"__tuple__": ["model", "b"]}}
     ),
+    "planner path renamed": lambda r: r["dcp"]["planner_data"].update(
+        {"model.b": {"__tuple__": ["model", "renamed"]}}
+    ),
+    "another tensor's bytes": lambda r: _storage(r, "model.w").update(name="model.b"),
     "value as tensor": lambda r: r["dcp"]["state_dict_metadata"].update(step=_entry(r, "model.b")),
     "length": lambda r: _storage(r, "model.w").update(length=24),
     "past the file": lambda r: _storage(r, "model.w").update(byte_offset=10**6),
@@ -538,3 +543,21 @@ def test_a_record_whose_parts_disagree_is_refused_by_every_reader_and_verify(
     assert torch.equal(template["model"]["w"], torch.zeros(4, 3))
     report = fastckpt.verify(path)
     assert not report.ok and RECORD_NAME in report.failures[0].message, report
+
+
+def test_planner_data_that_is_no_key_path_is_a_typed_error_of_load_state(tmp_path: Path) -> None:
+    """A planner path that is no sequence of keys (an int, a list inside) failed
+    ``load_state`` with a bare TypeError from inside fastckpt or torch; it names the record
+    now. (DCP's own load with templates does not use the planner data: it still loads.)"""
+    path = tmp_path / "ckpt"
+    dcp.save({"a": torch.ones(3), "b": torch.arange(4)}, storage_writer=fastckpt.dcp.Writer(path))
+    for bad in (3, {"__tuple__": [["b"]]}, "b"):
+        record = json.loads((path / RECORD_NAME).read_text())
+        record["dcp"]["planner_data"]["b"] = bad
+        seal_manifest(record)
+        (path / RECORD_NAME).write_text(json.dumps(record))
+        with pytest.raises(CheckpointFormatError, match=f"{RECORD_NAME}.*planner"):
+            fastckpt.dcp.load_state(path)
+    template = {"a": torch.zeros(3), "b": torch.zeros(4, dtype=torch.int64)}
+    dcp.load(template, storage_reader=fastckpt.dcp.Reader(path))
+    assert torch.equal(template["b"], torch.arange(4))

@@ -408,6 +408,13 @@ def test_unknown_keyword_rejected() -> None:
         create_model_spec(pos_only, b=2)  # positional-only is reported first
 
 
+def test_a_missing_required_argument_is_rejected_at_creation() -> None:
+    # It was accepted and saved; the load then said to trust the class, which did not help.
+    with pytest.raises(TypeError, match=r"needs the argument\(s\) \['out_features'\]"):
+        create_model_spec(nn.Linear, in_features=2)
+    assert create_model_spec(nn.Linear, in_features=2, out_features=3).kwargs["out_features"] == 3
+
+
 def test_unserializable_kwarg_rejected_at_creation_with_path() -> None:
     with pytest.raises(TypeError) as info:
         create_model_spec(
@@ -833,6 +840,15 @@ def test_check_recordable_fails_early_with_fixes_that_work(tmp_path: Any) -> Non
         assert _same_tensors(model, loaded)
     with pytest.raises(TypeError, match="must be a BaseSpec"):
         attach_spec(fixed, {"cls_path": "x.y"})  # type: ignore[arg-type]
+    # An attached recipe is proven too: one that builds another model was returned as it was,
+    # and the run trained and committed checkpoints no load could rebuild.
+    wrong = attach_spec(
+        nn.Linear(4, 4), create_model_spec(nn.Linear, in_features=4, out_features=9)
+    )
+    with pytest.raises(TypeError, match=r"\(4, 4\) vs \(9, 4\).*attach_spec does not build"):
+        check_recordable(wrong)
+    with pytest.raises(TypeError, match="attach_spec does not build this model"):
+        fastckpt.save_checkpoint(tmp_path / "wrong", models={"main": (wrong, None)})
 
 
 class ActivationByName(nn.Module):

@@ -378,6 +378,10 @@ def test_a_promotion_never_replaces_a_later_save_under_the_same_name(
         outcome = promoter.run_here()
     assert outcome == {"promoted": [], "done": ["step_1"], "damaged": []}
     assert "was saved later" in caplog.text and str(durable / "step_1") in caplog.text
+    # `fastckpt promote` refuses it too (it replaced the later save: exit 0, "promoted").
+    from fastckpt.cli.main import main as cli
+
+    assert cli(["promote", str(old_node), str(durable)]) == 2
     with _manager(TiersConfig(fast=tmp_path / "fresh", durable=durable)) as manager:
         assert _equal(_weights(manager.load(durable / "step_1")), states[1])
 
@@ -919,3 +923,26 @@ def test_fastckpt_promote_repairs_a_damaged_newest_checkpoint_in_the_target(
     assert not fastckpt.verify(durable / "step_3").ok
     assert cli(["promote", str(fast), str(durable)]) == 0
     assert fastckpt.verify(durable / "step_3").ok
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_the_finalize_callback_gets_the_checkpoint_inside_the_fast_tier(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """With tiers, ``CallbackArgs.path`` was the bare name (``step_0``, relative to the
+    working directory, where a stale checkpoint of that name may be): it is the committed
+    checkpoint inside the fast tier."""
+    seen: list[tuple[str, bool]] = []
+    tiers = TiersConfig(fast=tmp_path / "fast", durable=tmp_path / "durable")
+    config = (
+        CheckpointManager.Config.with_async_save()
+        if async_save
+        else CheckpointManager.Config.with_sync_save()
+    )
+    config.tiers = tiers
+    config.finalize_callback = lambda args: seen.append(
+        (args.path, (Path(args.path) / "commit.json").is_file())
+    )
+    with CheckpointManager(config) as manager:
+        _run(manager, 1)
+    assert seen == [(str(tmp_path / "fast" / "step_0"), True)]

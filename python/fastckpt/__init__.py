@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
         FastCkptError,
         InvalidInputError,
         MixedRunError,
+        NotACheckpointError,
         UntrustedTargetError,
     )
     from fastckpt.io.files import load_file, read_metadata, save_file
@@ -68,6 +69,7 @@ _NAMES = {
         "FastCkptError",
         "InvalidInputError",
         "MixedRunError",
+        "NotACheckpointError",
         "UntrustedTargetError",
     ),
     "fastckpt.io.files": ("load_file", "read_metadata", "save_file"),
@@ -203,6 +205,7 @@ __all__ = [
     "ItemSpec",
     "LocalFileSystemStorageConfig",
     "MixedRunError",
+    "NotACheckpointError",
     "OptimizerConfig",
     "SafeOpen",
     "SyncCheckpointSaverConfig",

@@ -227,7 +227,14 @@ def build_model(
     if dtypes is not None:
         fill.match_saved_dtypes(model, dtypes)
     # Checkpoints of the rebuilt model record the recipe it was built from (already checked).
-    return attach_spec(model, spec)
+    attach_spec(model, spec)
+    object.__setattr__(model, _PROVEN_SPEC, spec)
+    return model
+
+
+#: The attribute marking the attached spec :func:`check_recordable` proved (or
+#: :func:`build_model` built the model from): not built on the meta device again.
+_PROVEN_SPEC = "_fastckpt_spec_proven"
 
 
 def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
@@ -237,8 +244,9 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
     spec :func:`model_spec` derives is built on the meta device (no memory) with every
     target it names allowed, and its parameters and buffers must have the names and shapes
     of ``model``'s: otherwise a checkpoint would record a recipe that builds a different model.
-    A spec attached to the instance (:func:`attach_spec`, or by :func:`build_model` when the
-    model was rebuilt from a checkpoint) is returned as it is.
+    A spec attached to the instance with :func:`attach_spec` is proven the same way (once);
+    one :func:`build_model` attached to a model it rebuilt from a checkpoint is returned as
+    it is.
 
     Args:
         model: The (unwrapped) model.
@@ -252,17 +260,25 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
             tensors; the message says what to do for this class.
     """
     cls = type(model)
-    attached = vars(model).get(_ATTACHED_SPEC)
-    if isinstance(attached, BaseSpec):
-        return attached  # given by the caller, or the checkpoint recipe it was built from
-    try:
-        spec = model_spec(model)
-    except TypeError as exc:
-        raise TypeError(
-            f"model {name!r} ({cls.__module__}.{cls.__qualname__}) cannot be checkpointed: "
-            f"its recipe cannot be recorded: {exc}"
-        ) from exc
-    advice = _recipe_advice(cls)
+    found = vars(model).get(_ATTACHED_SPEC)
+    attached: BaseSpec | None = found if isinstance(found, BaseSpec) else None
+    if attached is not None:
+        spec = attached  # the caller's: proven like a derived one, once
+        if vars(model).get(_PROVEN_SPEC) is spec:
+            return spec  # the recipe it was built from, or one checked before
+    else:
+        try:
+            spec = model_spec(model)
+        except TypeError as exc:
+            raise TypeError(
+                f"model {name!r} ({cls.__module__}.{cls.__qualname__}) cannot be checkpointed: "
+                f"its recipe cannot be recorded: {exc}"
+            ) from exc
+    advice = (
+        "the recipe given to attach_spec does not build this model: fix its arguments"
+        if spec is attached
+        else _recipe_advice(cls)
+    )
     paths = _tree_paths(spec)
     targets: dict[int, Any] = {}
     try:
@@ -316,6 +332,8 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
             "build them into the recipe",
             stacklevel=2,
         )
+    if spec is attached:
+        object.__setattr__(model, _PROVEN_SPEC, spec)
     return spec
 
 

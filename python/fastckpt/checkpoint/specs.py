@@ -508,8 +508,8 @@ def create_model_spec(target: Callable[..., Any], **kwargs: Any) -> BaseSpec:
 
     Everything that would make the spec unusable later is checked now, before anything is
     written: the target must be importable by its dotted path (see :func:`dotted_path`), must
-    have no positional-only parameters, must accept every given keyword, and every value must
-    be storable (see :func:`encode_value`).
+    have no positional-only parameters, must accept every given keyword and be given every
+    parameter without a default, and every value must be storable (see :func:`encode_value`).
 
     Args:
         target: A module-level class or function, or a classmethod/staticmethod of a
@@ -522,7 +522,8 @@ def create_model_spec(target: Callable[..., Any], **kwargs: Any) -> BaseSpec:
     Raises:
         TypeError: If the target is a lambda, local function, closure, ``functools.partial``,
             bound method of an instance, non-importable builtin, has positional-only
-            parameters, does not accept one of the keywords, or a value cannot be stored.
+            parameters, does not accept one of the keywords, needs one not given, or a value
+            cannot be stored.
     """
     path = dotted_path(target)
     try:
@@ -551,6 +552,18 @@ def create_model_spec(target: Callable[..., Any], **kwargs: Any) -> BaseSpec:
             raise TypeError(
                 f"{path!r} does not accept the keyword argument {name!r}; it accepts {accepted}"
             )
+    missing = [
+        p.name
+        for p in signature.parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and p.default is inspect.Parameter.empty
+        and p.name not in kwargs
+    ]
+    if missing:
+        raise TypeError(
+            f"{path!r} needs the argument(s) {missing}, which the spec does not give: a load "
+            "could not rebuild it; pass them to create_model_spec"
+        )
     spec = BaseSpec(cls_path=path, kwargs=dict(kwargs))
     spec.to_json()  # fail now, with the kwarg path, if a value cannot be stored
     return spec

@@ -15,8 +15,12 @@ from fastckpt.container.promote import promote
 from fastckpt.container.promote_checkpoints import (
     checkpoint_problem,
     committed_checkpoints,
+    date_text,
     promote_checkpoint,
     same_files,
+    saved_later,
+    tier_dates,
+    tier_left_behind,
 )
 from fastckpt.container.sharded.promote import node_local_root, upload_rank_files
 from fastckpt.format.records import COMMIT_RECORD, MANIFEST, SHARDED_RECORD, Manifest
@@ -200,6 +204,31 @@ def _report_node_upload(
     return EXIT_OK
 
 
+def _refuse_older(source: Path, target: Path, name: str) -> None:
+    """Refuse what the background promoter passes over: a newest checkpoint of ``source``
+    whose name ``target`` holds from a later save (a run that went on elsewhere), or a
+    ``source`` tier left from an earlier run (``target`` holds a checkpoint saved after all
+    of its). Either promotion would replace or bury the run's newer checkpoints.
+
+    Raises:
+        UserError: names the later checkpoint and its date.
+    """
+    later = saved_later(source / name, target / name)
+    if later is not None:
+        raise UserError(
+            f"{display_path(target / name)} was saved later ({date_text(later)}) than "
+            f"{display_path(source / name)}, by a run that went on elsewhere: the older copy "
+            "would replace it, so it is not promoted"
+        )
+    ahead, _ = tier_left_behind([tier_dates(source)], tier_dates(target))
+    if ahead is not None:
+        raise UserError(
+            f"{display_path(source)} is a tier left from an earlier run: "
+            f"{display_path(target / ahead)} was saved after all of its checkpoints; nothing "
+            "is promoted (remove the stale tier, or promote into another target)"
+        )
+
+
 def _promote_newest_checkpoint(
     source: Path, target: Path, name: str, args: argparse.Namespace
 ) -> int:
@@ -208,6 +237,7 @@ def _promote_newest_checkpoint(
             f"{display_path(source)}: a tier of CheckpointManager checkpoints; --every applies "
             "to save_checkpoint roots (the manager decides which saves it promotes)"
         )
+    _refuse_older(source, target, name)
     held = same_files(source / name, target / name)
     if held:
         # A repair: the target's copy is read back, and promoted again when it is damaged.

@@ -271,12 +271,23 @@ class BackgroundWriter(Generic[T]):
             capture: copies the state first; :meth:`guard` waits until it is done.
 
         Raises:
-            RuntimeError: a write is still tracked (:meth:`collect` it first).
+            RuntimeError: a write is still tracked (:meth:`collect` it first), or ``capture``
+                is given on a thread holding a :meth:`guard` (it would copy after the guarded
+                changes).
         """
         if self._future is not None:
             raise RuntimeError(
                 f"a background checkpoint write of {self._what} is still tracked; collect it "
                 "before starting another"
+            )
+        if capture is not None and self._capture_lock.held_here():
+            # The copy would run when the lock is released, after what the lock guards
+            # changed the tensors, while the plain values were taken now: two moments mixed.
+            raise RuntimeError(
+                f"cannot start a save of {self.name} inside its lock()/guard() on the same "
+                "thread: its tensors would be copied when the lock is released, after the "
+                "changes the lock guards, and its plain values now (a checkpoint of two "
+                "moments). Save outside the lock"
             )
         self.start()
         assert self._executor is not None
@@ -435,13 +446,27 @@ class BackgroundWriter(Generic[T]):
             )
         self._untrack()
 
+    def check_closable(self) -> None:
+        """Refuse to close from inside this thread's own :meth:`guard` while a write is
+        tracked: its snapshot waits for that guard, and the close for the snapshot (a
+        deadlock forever before).
+
+        Raises:
+            RuntimeError: says to close outside the lock.
+        """
+        if self._future is not None:
+            self._refuse_waiting_on_own_guard("close")
+
     def close(self) -> T | None:
         """Wait for the tracked write however long it takes, report it, stop the thread.
 
         Raises:
             RuntimeError: the tracked write failed (chained to its error; with
-                ``typed_errors``, its own exception), unless its Future already delivered it.
+                ``typed_errors``, its own exception), unless its Future already delivered it;
+                or (nothing done, still open) this thread holds a :meth:`guard` while a write
+                is tracked (see :meth:`check_closable`).
         """
+        self.check_closable()
         try:
             return self._collect(None)
         finally:

@@ -48,8 +48,9 @@ from typing import TYPE_CHECKING, Any
 
 from fastckpt import _native
 from fastckpt.container import refs
+from fastckpt.container.links import LINKED_DIR
 from fastckpt.container.reader import check_recorded, verify_content
-from fastckpt.errors import CheckpointFormatError, NotACheckpointError
+from fastckpt.errors import CheckpointFormatError, FastCkptError, NotACheckpointError
 from fastckpt.format.records import (
     COMMIT_RECORD,
     GENERATION_PREFIX,
@@ -60,6 +61,7 @@ from fastckpt.format.records import (
     generation_order,
     json_bytes,
     new_generation,
+    read_commit_record,
     read_record_bytes,
     seal_manifest,
 )
@@ -291,9 +293,17 @@ def refuse_to_replace(path: Path, *, files: bool = False) -> None:
         names = os.listdir(path)
     else:
         names = backend.list_dir(path)
-    if COMMIT_RECORD in names or SHARDED_RECORD in names:
-        return  # a checkpoint: replaced atomically
-    strays = sorted(n for n in names if not n.startswith(".") and generation_order(n) is None)
+    own = _checkpoint_names(path, names)
+    strays = sorted(
+        n for n in names if n not in own and not n.startswith(".") and generation_order(n) is None
+    )
+    if strays and own:
+        shown = ", ".join(strays[:3]) + (", ..." if len(strays) > 3 else "")
+        raise NotACheckpointError(
+            f"{display_path(path)} is a checkpoint that also holds {shown}, which its record "
+            "does not name; a save replaces the whole folder and would delete them: move them "
+            "out first, or save under another name"
+        )
     if strays:
         shown = ", ".join(strays[:3]) + (", ..." if len(strays) > 3 else "")
         raise NotACheckpointError(
@@ -301,6 +311,67 @@ def refuse_to_replace(path: Path, *, files: bool = False) -> None:
             "a save replaces only a checkpoint, and would delete these: save under another "
             "name (a folder of checkpoints takes e.g. step_100 inside it)"
         )
+
+
+def _checkpoint_names(path: Path, names: Collection[str]) -> set[str]:
+    """The entries of folder ``path`` (holding ``names``) that belong to the checkpoint there:
+    its commit record and the top-level names of the files the record lists (a sharded
+    checkpoint's files are all under generations; a folder may hold both kinds, a sharded
+    save's over an unsharded one). Empty when ``path`` is not a checkpoint.
+    A record that cannot be read leaves the names a checkpoint writes to be replaced with it:
+    tensor files, the JSON document beside each, ``linked/``."""
+    own = {SHARDED_RECORD} & set(names)
+    if COMMIT_RECORD not in names:
+        return own
+    own.add(COMMIT_RECORD)
+    try:
+        record = read_commit_record(path)
+        listed = [str(relpath) for relpath in record["files"]]
+    except (OSError, FastCkptError, KeyError, TypeError, AttributeError):
+        tensors = {n for n in names if n.endswith(".safetensors")}
+        stems = {n.removesuffix(".safetensors").split(".rank", 1)[0] for n in tensors}
+        documents = {
+            n
+            for n in names
+            if n.endswith(".json") and n.removesuffix(".json").split(".rank", 1)[0] in stems
+        }
+        return own | tensors | documents | ({LINKED_DIR} & set(names))
+    return own | {relpath.split("/", 1)[0] for relpath in listed}
+
+
+def _refuse_manager_checkpoints(root: Path, backend: StorageBackend) -> None:
+    """A save_checkpoint root and CheckpointManager (or sharded) checkpoints never share a
+    folder: a root written into a checkpoint was deleted by that checkpoint's next save, and
+    ``verify`` of the folder checked the root only. Locally, a checkpoint directly inside the
+    root is refused too.
+
+    Raises:
+        NotACheckpointError: names the checkpoint found and the fix.
+    """
+    local = is_local(backend)
+    names = os.listdir(root) if local else backend.list_dir(root)
+    found = [name for name in (COMMIT_RECORD, SHARDED_RECORD) if name in names]
+    if found:
+        raise NotACheckpointError(
+            f"{display_path(root)} is a CheckpointManager or sharded checkpoint ({found[0]}), "
+            "not a save_checkpoint root; the two never share a folder: save the root elsewhere"
+        )
+    if not local:
+        return
+    for name in sorted(names):
+        if name.startswith(".") or name.isdigit() or name == SHARDED_DIR:
+            continue
+        child = root / name
+        record = next(
+            (r for r in (COMMIT_RECORD, SHARDED_RECORD) if os.path.lexists(child / r)), None
+        )
+        if record is not None:
+            raise NotACheckpointError(
+                f"{display_path(root)} holds the checkpoint {name} ({record}); a "
+                "save_checkpoint root and CheckpointManager checkpoints never share a folder "
+                "(the root's retention and theirs would delete each other's files): save the "
+                "root elsewhere"
+            )
 
 
 class DirectoryWriter:
@@ -473,6 +544,7 @@ class IndexWriter(DirectoryWriter):
         self.lock = backend.lock(root, timeout=lock_timeout)
         self.lock.acquire()
         try:
+            _refuse_manager_checkpoints(root, backend)
             clean_leftovers(root, writing=index)
             if index is None:
                 latest = Manifest.load(root).latest

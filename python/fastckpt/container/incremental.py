@@ -59,6 +59,7 @@ from fastckpt.container.refs import (
     source_path,
     take_distrust,
 )
+from fastckpt.errors import FastCkptError
 from fastckpt.format.records import Manifest, tensor_reference
 from fastckpt.io.files import byte_view, host_tensor
 from fastckpt.storage.registry import backend_for, display_path, is_local
@@ -426,9 +427,18 @@ def unreference(
 def _still_there(manifest: Manifest, ref: Reference) -> bool:
     index = ref["index"]
     entry = manifest.entries.get(index)
+    path = source_path(manifest, ref)
+    if not is_local(manifest.backend):
+        # An object store has no links: the store copies from that object, which must still
+        # be there (an ``s3 rm --recursive`` of the index leaves its manifest entry).
+        if entry is not None and not matches(entry["files"].get(ref["file"]), ref):
+            return False
+        try:
+            return bool(manifest.backend.stat(path).size == ref["file_size"])
+        except (OSError, FastCkptError):
+            return False
     if entry is not None and matches(entry["files"].get(ref["file"]), ref):
         return True
-    path = source_path(manifest, ref)
     try:
         return os.stat(path).st_size == ref["file_size"]
     except OSError:

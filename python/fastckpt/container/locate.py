@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from fastckpt.errors import CheckpointFormatError
 from fastckpt.format.records import COMMIT_RECORD, MANIFEST, SHARDED_RECORD
 from fastckpt.storage.backend import StorageBackend
 from fastckpt.storage.registry import backend_for, is_local
@@ -55,6 +56,7 @@ def locate(path_or_root: str | os.PathLike[str]) -> Location:
     Raises:
         FileNotFoundError: it does not exist, is neither a regular file nor a directory, or is
             a directory that is not a fastckpt checkpoint (the message says which).
+        CheckpointFormatError: it holds a root's manifest and another checkpoint's record.
     """
     path = Path(path_or_root)
     backend = backend_for(path)
@@ -68,8 +70,13 @@ def locate(path_or_root: str | os.PathLike[str]) -> Location:
         # A record that is there but damaged (a directory, a FIFO...) still says what the
         # directory is: verifying it then reports the damage.
         if os.path.lexists(path / MANIFEST):
+            others = [r for r in (COMMIT_RECORD, SHARDED_RECORD) if os.path.lexists(path / r)]
+            _one_kind(path, MANIFEST, others)
             return Location("root", path, root=path)
         if os.path.lexists(path / COMMIT_RECORD):
+            _one_kind(
+                path, COMMIT_RECORD, [SHARDED_RECORD] * os.path.lexists(path / SHARDED_RECORD)
+            )
             return Location("manager", path)
         if os.path.lexists(path / SHARDED_RECORD):
             return Location("sharded", path)
@@ -87,13 +94,40 @@ def locate(path_or_root: str | os.PathLike[str]) -> Location:
     raise FileNotFoundError(errno.ENOENT, f"{path}: no such file or directory", str(path))
 
 
+#: What each record makes a folder, for messages.
+_KIND_OF = {
+    MANIFEST: "a save_checkpoint root",
+    COMMIT_RECORD: "a CheckpointManager checkpoint",
+    SHARDED_RECORD: "a sharded checkpoint",
+}
+
+
+def _one_kind(path: Path, record: str, others: list[str]) -> None:
+    """A folder holding two kinds of records (``record`` and ``others`` found beside it) is
+    neither: checking it as one kind would say nothing of the other's files (which share the
+    folder), and a load could read one while ``verify`` checked the other.
+
+    Raises:
+        CheckpointFormatError: names both records and the fix.
+    """
+    if others:
+        raise CheckpointFormatError(
+            f"{path} holds both {record} ({_KIND_OF[record]}) and {others[0]} "
+            f"({_KIND_OF[others[0]]}), which never share a folder: it is neither; move one of "
+            "them into a folder of its own, or save this checkpoint again"
+        )
+
+
 def _locate_object(path: Path, backend: StorageBackend) -> Location:
     """:func:`locate` on an object store, where a "directory" is a key prefix."""
     if path.name in (MANIFEST, COMMIT_RECORD, SHARDED_RECORD) and backend.exists(path):
         return _locate_object(path.parent, backend)
     if backend.exists(path / MANIFEST):
+        others = [r for r in (COMMIT_RECORD, SHARDED_RECORD) if backend.exists(path / r)]
+        _one_kind(path, MANIFEST, others)
         return Location("root", path, root=path)
     if backend.exists(path / COMMIT_RECORD):
+        _one_kind(path, COMMIT_RECORD, [SHARDED_RECORD] * backend.exists(path / SHARDED_RECORD))
         return Location("manager", path)
     if backend.exists(path / SHARDED_RECORD):
         return Location("sharded", path)

@@ -164,7 +164,7 @@ def promote_index(
     """
     source, target = Path(source), Path(target)
     _distinct(source, target)
-    manifest = Manifest.load(source)
+    manifest = Manifest.load(source, verify_checksum=True)  # never re-seal an edited entry
     entry = manifest.entries.get(index)
     if entry is None:
         committed = sorted(manifest.entries)
@@ -256,7 +256,7 @@ def promote(
     if every < 1:
         raise ValueError(f"every must be >= 1, got {every}")
     _distinct(Path(source), Path(target))
-    source_manifest = Manifest.load(source)
+    source_manifest = Manifest.load(source, verify_checksum=True)
     report = PromotionReport()
     target_manifest = Manifest.load(target)
     report.newest = target_manifest.latest
@@ -699,10 +699,15 @@ class Promoter:
         :attr:`healthy` False until a run succeeds, raised by :meth:`close`): the run's own
         failure, or the caller's (the target could not even be read); returns the
         :class:`~fastckpt.errors.PromotionError` reported."""
+        then = (
+            "strict promotion: raised once the next checkpoint is committed to the fast tier"
+            if self.strict
+            else "training goes on, the next checkpoint retries"
+        )
         error = PromotionError(
             f"promoting {display_path(self.source)} to {display_path(self.target)} failed: "
-            f"{cause}; training goes on, the next checkpoint retries (or run fastckpt promote "
-            f"{display_path(self.source)} {display_path(self.target)})"
+            f"{cause}; {then} (or run fastckpt promote {display_path(self.source)} "
+            f"{display_path(self.target)})"
         )
         error.__cause__ = cause
         self.error = error
@@ -860,7 +865,7 @@ def nearest_intact(
     spread = False
     for position, tier in enumerate(Path(t) for t in tiers):
         try:
-            manifest = Manifest.load(tier)
+            manifest = Manifest.load(tier, verify_checksum=True)
         except (OSError, FastCkptError) as err:
             skipped.append(f"{display_path(tier)}: {err}")
             continue

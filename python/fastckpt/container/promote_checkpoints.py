@@ -71,6 +71,7 @@ __all__ = [
     "TierDates",
     "checkpoint_problem",
     "committed_checkpoints",
+    "date_text",
     "dated_checkpoints",
     "doomed_checkpoints",
     "left_behind",
@@ -79,6 +80,7 @@ __all__ = [
     "prune_checkpoints",
     "remove_checkpoint",
     "same_files",
+    "saved_later",
     "tier_dates",
     "tier_left_behind",
 ]
@@ -443,8 +445,8 @@ def nearest_intact_checkpoint(
             places = ", ".join(display_path(t) for t, _ in listings[:i])
             skipped.append(
                 f"{places}: left from an earlier run? its newest checkpoint {newest} was "
-                f"saved {_date(faster[newest])}, before {display_path(tier / ahead)} "
-                f"({_date(dates[ahead])})"
+                f"saved {date_text(faster[newest])}, before {display_path(tier / ahead)} "
+                f"({date_text(dates[ahead])})"
             )
             ranked.remove((tier, dates))
             ranked.insert(0, (tier, dates))
@@ -470,7 +472,7 @@ def nearest_intact_checkpoint(
             if tier in stale and abs(names[candidate] - dated) > stale[tier]:
                 skipped.append(
                     f"{display_path(tier / candidate)}: another run's checkpoint under that name "
-                    f"(saved {_date(names[candidate])}; the run's was saved {_date(dated)})"
+                    f"(saved {date_text(names[candidate])}; the run's was saved {date_text(dated)})"
                 )
                 continue
             problem = checkpoint_problem(tier / candidate)
@@ -484,7 +486,7 @@ def nearest_intact_checkpoint(
     )
 
 
-def _saved_later(source: Path, target: Path) -> float | None:
+def saved_later(source: Path, target: Path) -> float | None:
     """When ``target`` (a committed copy under ``source``'s name on another tier) was saved,
     where that is more than :data:`SAVED_LEFT_BEHIND_S` after ``source`` was: a later save
     of the run under that name, which an older copy must not replace. None when it is not, or
@@ -502,7 +504,8 @@ def _saved_later(source: Path, target: Path) -> float | None:
     return theirs
 
 
-def _date(when: float) -> str:
+def date_text(when: float) -> str:
+    """A save time (seconds since the epoch) as ISO 8601 UTC, to the second."""
     return datetime.datetime.fromtimestamp(when, tz=datetime.UTC).isoformat(timespec="seconds")
 
 
@@ -570,13 +573,13 @@ class CheckpointPromoter(Promoter):
             source = self.source / name
             if not _committed(source):
                 _LOG.warning("%s: removed before it was promoted", display_path(source))
-            elif (later := _saved_later(source, self.target / name)) is not None:
+            elif (later := saved_later(source, self.target / name)) is not None:
                 _LOG.warning(
                     "%s is not promoted: %s under that name was saved later (%s), by a run "
                     "that went on elsewhere; this copy is older and would replace it",
                     display_path(source),
                     display_path(self.target / name),
-                    _date(later),
+                    date_text(later),
                 )
             elif not same_files(source, self.target / name):
                 try:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -46,7 +47,7 @@ from fastckpt.container.sharded.commit import RECORD_NAME, read_record
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.dcp.reader import Passes, Reader
 from fastckpt.dcp.writer import Writer
-from fastckpt.errors import CheckpointMismatchError, FastCkptError
+from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, FastCkptError
 from fastckpt.format.sharded import Record
 
 __all__ = [
@@ -133,6 +134,7 @@ def save_state(
         node_local: for a writer made here: ``path`` may be each node's own disk (see
             :class:`~fastckpt.dcp.Writer`).
     """
+    warn_of_key_types(state)
     writer = writer or Writer(path, node_local=node_local)
     writer.reset(path)
     with typed_dcp_errors():
@@ -155,9 +157,47 @@ def async_save_state(
     Returns:
         A future resolved when the checkpoint is committed (raises what the save raised).
     """
+    warn_of_key_types(state)
     writer.reset(path)
     future = dcp.async_save(dict(state), storage_writer=writer, process_group=process_group)
     return future  # type: ignore[return-value]
+
+
+def _key_of_another_type(value: Any, path: str) -> str | None:
+    """The key path of the first mapping key in ``value`` that is not a ``str``, or None."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if not isinstance(key, str):
+                return where
+            found = _key_of_another_type(item, where)
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            found = _key_of_another_type(item, f"{path}.{index}")
+            if found is not None:
+                return found
+    return None
+
+
+def warn_of_key_types(state: Mapping[str, Any]) -> None:
+    """Warn when ``state`` holds a mapping key that is not a ``str`` (a plain
+    ``optimizer.state_dict()``'s parameter numbers): DCP names every entry by its key path
+    as text, so a load without templates (:func:`load_state` with no ``into``,
+    ``CheckpointManager.load`` without ``into=``) gives those keys back as strings, and
+    ``optimizer.load_state_dict`` then silently drops the state filed under them. Loads into
+    templates (the optimizer object, or ``get_optimizer_state_dict``'s names) are exact."""
+    found = _key_of_another_type(state, "")
+    if found is not None:
+        warnings.warn(
+            f"sharded checkpoint: the key at {found!r} is not a str; DCP stores key paths as "
+            "text, so a load without templates gives it back as a string (load into the "
+            "optimizer object or a template, or save get_optimizer_state_dict(model, "
+            "optimizer), whose keys are parameter names)",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _describe(value: Any) -> str:
@@ -197,18 +237,41 @@ def _describe_entry(entry: TensorStorageMetadata) -> str:
     return f"{str(entry.properties.dtype).removeprefix('torch.')}{list(entry.size)}"
 
 
-def _paths(metadata: Metadata) -> dict[str, tuple[Any, ...]]:
+def _paths(metadata: Metadata, where: Path) -> dict[str, tuple[Any, ...]]:
     """The state-dict path of every stored entry (DCP's flattening map, saved as planner
-    data; dotted names split when a planner saved none)."""
+    data; dotted names split when a planner saved none).
+
+    Raises:
+        CheckpointFormatError: a path that is not a sequence of str/int keys spelling its
+            entry's name (``where``: the record, for the message). An edited path put a
+            tensor elsewhere, left unfilled (uninitialized memory), or failed untyped.
+    """
     mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    return {fqn: tuple(mappings.get(fqn) or fqn.split(".")) for fqn in metadata.state_dict_metadata}
+    paths: dict[str, tuple[Any, ...]] = {}
+    for fqn in metadata.state_dict_metadata:
+        path = mappings.get(fqn)
+        if path is None:
+            paths[fqn] = tuple(fqn.split("."))
+            continue
+        if (
+            not isinstance(path, (tuple, list))
+            or not path
+            or not all(type(part) in (str, int) for part in path)
+            or ".".join(map(str, path)) != fqn
+        ):
+            raise CheckpointFormatError(
+                f"{where}: the planner data of {fqn!r} is {path!r}, not the key path of that "
+                "entry; the record was edited or is damaged"
+            )
+        paths[fqn] = tuple(path)
+    return paths
 
 
-def _full_template(metadata: Metadata, key: str) -> Any:
+def _full_template(metadata: Metadata, key: str, where: Path) -> Any:
     """Plain full-size tensors (and placeholders for values) for every entry under ``key``."""
     flat: dict[str, Any] = {}
     paths: dict[str, Any] = {}
-    for fqn, path in _paths(metadata).items():
+    for fqn, path in _paths(metadata, where).items():
         entry = metadata.state_dict_metadata[fqn]
         if str(path[0]) != key:
             continue
@@ -278,7 +341,7 @@ def load_record_state(
     ``record`` names, even if a save commits meanwhile (its files then vanish: an error)."""
     root = record.path.parent
     metadata = record.metadata
-    stored_keys = {str(path[0]) for path in _paths(metadata).values()}
+    stored_keys = {str(path[0]) for path in _paths(metadata, record.path).values()}
     keys = sorted(stored_keys) if into is None else list(into)
     state: dict[str, Any] = {}
     result: dict[str, Any] = {}
@@ -291,7 +354,7 @@ def load_record_state(
             result[key] = template
             continue
         if template is None:
-            state[key] = _full_template(metadata, key)
+            state[key] = _full_template(metadata, key, record.path)
         elif isinstance(template, Stateful):
             stateful[key] = template
             state[key] = template.state_dict()

@@ -375,7 +375,20 @@ class Manifest:
         return json.dumps(seal_manifest(document), indent=1, sort_keys=False).encode()
 
     def commit(self) -> None:
-        """Replace ``manifest.json`` atomically and durably."""
+        """Replace ``manifest.json`` atomically and durably.
+
+        Raises:
+            ChecksumMismatchError: this manifest was read from a ``manifest.json`` whose
+                content did not match its own crc32c: writing it back would seal the damage
+                (an edited counter or file record) as if fastckpt had written it.
+        """
+        if self.stored_crc32c is not None and self.stored_crc32c != self.actual_crc32c:
+            raise ChecksumMismatchError(
+                f"{display_path(self.path)}: content crc32c {self.actual_crc32c:08x} differs "
+                f"from the recorded {self.stored_crc32c:08x} (field {MANIFEST_CRC_FIELD!r}); "
+                "the manifest is corrupt or was edited, and is not rewritten (that would seal "
+                "the damage): restore it from a copy (another tier's), or save into a new root"
+            )
         self.backend.put_record(self.path, self.to_json())
 
     def directory(self, index: int) -> Path:
@@ -785,13 +798,18 @@ def check_item_key(key: object) -> str:
 def item_files(record: Mapping[str, Any], key: str, rank: int = 0) -> tuple[str, str]:
     """``(skeleton JSON, tensor file)`` relpaths of item ``key`` for ``rank``.
 
-    An item is ``<key>.json`` plus ``<key>.safetensors``, or one ``<key>.rank<r>.safetensors``
-    per rank when it was saved under a process group (a rank without its own file reads rank
-    0's).
+    An item is ``<key>.json`` plus ``<key>.safetensors``; saved under a process group, each
+    rank has its ``<key>.rank<r>.safetensors``, and ranks other than 0 their
+    ``<key>.rank<r>.json`` (checkpoints of earlier versions have rank 0's only: the others
+    read it). A rank without its own tensor file reads rank 0's.
     """
     files = record["files"]
+    skeleton = record_file(record, f"{key}.json")
+    if rank:
+        own = record_file(record, f"{key}.rank{rank}.json")
+        skeleton = own if own in files else skeleton
     for name in (f"{key}.rank{rank}.safetensors", f"{key}.rank0.safetensors"):
         tensors = record_file(record, name)
         if tensors in files:
-            return record_file(record, f"{key}.json"), tensors
-    return record_file(record, f"{key}.json"), record_file(record, f"{key}.safetensors")
+            return skeleton, tensors
+    return skeleton, record_file(record, f"{key}.safetensors")

@@ -498,6 +498,8 @@ def _check_consistent(
             raise decoder.fail(where, f"a {chunk.kind} value stored for a {_kind(entry)} entry")
         if isinstance(entry, BytesStorageMetadata):
             continue
+        if chunk.name != index.fqn:  # the writer names each tensor of a rank file by its fqn
+            raise decoder.fail(where, f"names the tensor {chunk.name!r} of its file")
         offsets = tuple(index.offset or ())
         sizes = chunk_sizes[index.fqn].get(offsets)
         if sizes is None:
@@ -536,6 +538,8 @@ def _check_consistent(
                 raise decoder.fail(where, "names no entry of state_dict_metadata")
             if path in seen:
                 raise decoder.fail(where, f"the same path as {seen[path]!r}")
+            if ".".join(map(str, path)) != fqn:  # DCP names each entry by its path
+                raise decoder.fail(where, f"{list(path)} is not the key path of {fqn!r}")
             seen[path] = fqn
 
 

@@ -37,7 +37,7 @@ import torch
 
 from fastckpt.container.background import BackgroundWriter
 from fastckpt.container.commit import DirectoryWriter, refuse_to_replace
-from fastckpt.container.links import Reference, read_item
+from fastckpt.container.links import LINKED_DIR, Reference, read_item
 from fastckpt.container.listing import saved_after_siblings
 from fastckpt.container.promote_checkpoints import (
     CheckpointPromoter,
@@ -65,7 +65,7 @@ from fastckpt.format.records import (
     read_commit_record,
 )
 from fastckpt.io import tree
-from fastckpt.io.paths import check_name
+from fastckpt.io.paths import check_name, safe_join
 from fastckpt.io.progress import log_throughput
 from fastckpt.io.staging import (
     Stager,
@@ -101,6 +101,7 @@ from fastckpt.storage.backend import explain_full_disk
 from fastckpt.storage.registry import (
     backend_for,
     display_path,
+    is_local,
     is_object_url,
     use_storage_options,
 )
@@ -269,6 +270,49 @@ class _DistributedContext:
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, value, group=self.group)
         return gathered
+
+
+def _check_same_save(gathered: list[Any]) -> None:
+    """Every rank of a collective save named the same checkpoint and the same items (each
+    gathered entry ends with the rank's checkpoint path and sorted item names). Checked on
+    every rank alike, before anything is committed: rank 0 committed every rank's files under
+    its own id (the others' ids never existed), and a rank's item missing on rank 0 was lost.
+
+    Raises:
+        ValueError: names the ranks that differ from rank 0 and what they named.
+    """
+    final, items = gathered[0][-2:]
+    for rank, entry in enumerate(gathered):
+        if entry[-2] != final:
+            raise ValueError(
+                f"CheckpointManager.save under a process group: rank {rank} saves "
+                f"{entry[-2]}, rank 0 {final}; every rank must pass the same checkpoint_id "
+                "(nothing was committed)"
+            )
+        if entry[-1] != items:
+            raise ValueError(
+                f"CheckpointManager.save under a process group: rank {rank} saves the items "
+                f"{entry[-1]}, rank 0 {items}; every rank must save the same items (per-rank "
+                "values may differ; nothing was committed)"
+            )
+
+
+def _check_world_size(directory: Path, record: Mapping[str, Any], world_size: int) -> None:
+    """A checkpoint saved by N > 1 ranks (each its own files) loads on N ranks only: on
+    another number, a rank read rank 0's files (or none of its own), per-rank state that is
+    not its own, without a word.
+
+    Raises:
+        CheckpointMismatchError: names both world sizes and the ways out.
+    """
+    saved = record.get("world_size", 1)
+    if isinstance(saved, int) and saved > 1 and saved != world_size:
+        raise CheckpointMismatchError(
+            f"{directory}: saved by {saved} ranks, each with its own files, and loads on "
+            f"{saved} ranks only (this is {world_size}); state saved as DTensors (FSDP2, "
+            "tensor parallel) loads on any number of ranks; one rank's files read with "
+            f"fastckpt.safe_open({directory}/<item>.rank<r>.safetensors)"
+        )
 
 
 def _check_state_mapping(state: Any, argument: str) -> None:
@@ -536,6 +580,27 @@ class CheckpointManager:
         if self._closed:
             raise RuntimeError(f"CheckpointManager is closed; cannot {action}")
 
+    def _check_required(
+        self, directory: Path, available: list[str], into: Mapping[str, Any] | None
+    ) -> None:
+        """Every item ``Config.items`` declares required (and the load asks for) is in the
+        checkpoint.
+
+        Raises:
+            CheckpointMismatchError: names the missing items and the checkpoint.
+        """
+        wanted = self.config.items if into is None else {k: self.config.items.get(k) for k in into}
+        missing = [
+            key
+            for key, spec in wanted.items()
+            if spec is not None and spec.required and key not in available
+        ]
+        if missing:
+            raise CheckpointMismatchError(
+                f"{directory}: required item(s) {missing} are not in the checkpoint (it holds "
+                f"{sorted(available)}); declare them ItemSpec(required=False) to load without"
+            )
+
     def _spec(self, key: str) -> ItemSpec:
         spec = self.config.items.get(key, self.config.default)
         if spec is None:
@@ -641,7 +706,7 @@ class CheckpointManager:
                 if snapshot.plan is not None:
                     snapshot.plan.close()
             self._promote_due(path)
-            self._finalize(snapshot.checkpoint_id)
+            self._finalize(snapshot.checkpoint_id, path)
             return None
 
         def capture() -> None:
@@ -668,7 +733,7 @@ class CheckpointManager:
                 if snapshot.plan is not None:
                     snapshot.plan.close()
             self._promote_due(path)
-            self._finalize(snapshot.checkpoint_id)
+            self._finalize(snapshot.checkpoint_id, path)
 
         future = self._writer.submit(
             display_path(path), write, capture=capture if self._async_staging else None
@@ -694,8 +759,9 @@ class CheckpointManager:
         if self._writer is None:
             with _typed_dcp_errors():
                 save_state(path, state, writer=writer, process_group=self._dist.group)
+            self._drop_unsharded(path)
             self._promote_due(path)
-            self._finalize(checkpoint_id)
+            self._finalize(checkpoint_id, path)
             return None
         # DCP stages this rank's shards into the writer's reused buffers before returning;
         # the manager's background thread then tracks the upload like any other write, so
@@ -706,10 +772,31 @@ class CheckpointManager:
         def wait() -> None:
             with _typed_dcp_errors():
                 future.result()
+            self._drop_unsharded(path)
             self._promote_due(path)
-            self._finalize(checkpoint_id)
+            self._finalize(checkpoint_id, path)
 
         return self._writer.submit(display_path(path), wait)
+
+    def _drop_unsharded(self, path: Path) -> None:
+        """After a sharded save committed at ``path`` (rank 0): remove the unsharded checkpoint
+        an earlier save left there, its ``commit.json`` first (its files are then no
+        checkpoint's). Left, ``verify`` checked those stale files while loads read the sharded
+        one, and the next unsharded save took them for the user's."""
+        backend = backend_for(path)
+        if self._dist.rank != 0 or not backend.exists(path / COMMIT_RECORD):
+            return
+        try:
+            listed = list(read_commit_record(path)["files"])
+        except (OSError, FastCkptError):
+            listed = []
+        backend.delete(path / COMMIT_RECORD)
+        for relpath in listed:
+            with contextlib.suppress(OSError, FastCkptError, ValueError):
+                backend.delete(safe_join(path, relpath))
+        if is_local(backend):
+            with contextlib.suppress(OSError):
+                (path / LINKED_DIR).rmdir()
 
     def _sharded_writer(self, path: Path) -> Any:
         """The manager's one :class:`fastckpt.dcp.Writer` (its staging buffers are reused)."""
@@ -724,14 +811,15 @@ class CheckpointManager:
             )
         return self._dcp_writer
 
-    def _finalize(self, checkpoint_id: str) -> None:
-        """Run ``Config.finalize_callback`` (the checkpoint is durable and committed)."""
+    def _finalize(self, checkpoint_id: str, path: Path) -> None:
+        """Run ``Config.finalize_callback`` (the checkpoint at ``path``, where ``checkpoint_id``
+        was saved: inside the fast tier with tiers, is durable and committed)."""
         if self.config.finalize_callback is not None:
             run_callback(
                 self.config.finalize_callback,
                 checkpoint_id=checkpoint_id,
-                path=checkpoint_id,
-                storage=backend_for(Path(checkpoint_id)),
+                path=display_path(path),
+                storage=backend_for(path),
                 logger=_LOGGER,
             )
 
@@ -751,6 +839,7 @@ class CheckpointManager:
                 buffers at the first sharded save), or invalid keys/values as for ``save``.
         """
         self._check_open("prewarm staging")
+        _check_state_mapping(state, "prewarm_staging state")
         if self._writer is None:
             return
         self._writer.collect()
@@ -811,8 +900,10 @@ class CheckpointManager:
                     refs[key] = plan.link(writer, key, snapshot.tensors[key], stem)
                 copies = None if plan is None else plan.copies.get(key)
                 writer.add_tensors(self._tensor_file(key), snapshot.tensors[key], copies)
-                if self._dist.rank == 0:
-                    writer.add_json(f"{key}.json", {"skeleton": skeleton})
+                # Every rank's plain values (a loader's position, RNG states) are its own.
+                rank = self._dist.rank
+                name = f"{key}.json" if rank == 0 else f"{key}.rank{rank}.json"
+                writer.add_json(name, {"skeleton": skeleton})
             if self.config.pre_finalize_callback is not None:
                 run_callback(
                     self.config.pre_finalize_callback,
@@ -854,10 +945,13 @@ class CheckpointManager:
             return
         # Each rank staged its own files; rank 0 gathers the files records, adopts every
         # rank's files and commits once all ranks are done.
-        gathered = self._dist.gather((writer.location, writer.files, dict(refs or {})))
+        gathered = self._dist.gather(
+            (writer.location, writer.files, dict(refs or {}), str(writer.final), sorted(items))
+        )
+        _check_same_save(gathered)
         if self._dist.rank == 0:
             merged: dict[str, dict[str, Reference]] = {}
-            for location, files, rank_refs in gathered:
+            for location, files, rank_refs, _, _ in gathered:
                 if location != writer.location:
                     writer.adopt(location, files)  # with the rank's linked files
                 merged.update({relpath: dict(names) for relpath, names in rank_refs.items()})
@@ -914,7 +1008,14 @@ class CheckpointManager:
         if into is not None:
             _check_state_mapping(into, "into")
             for key, template in into.items():
+                self._spec(key)  # strict mode (Config.default None): only declared items
                 check_template(template, key)
+            absent = [k for k, spec in self.config.items.items() if spec.required and k not in into]
+            if absent:
+                raise KeyError(
+                    f"required item(s) {absent} missing from into= (Config.items declares them "
+                    "required): pass a template for each, or declare them ItemSpec(required=False)"
+                )
         if _is_sharded(directory):
             return self._load_sharded(directory, into, map_location, strict)
 
@@ -925,7 +1026,9 @@ class CheckpointManager:
             # Every template of every item is checked before any is written into: a
             # mismatch of a later item leaves the earlier items' templates untouched too.
             record = read_commit_record(directory)
+            _check_world_size(directory, record, self._dist.world_size)
             available = record["items"]
+            self._check_required(directory, available, into)
             if strict and into is not None:
                 for key in into:
                     if key not in available:
@@ -1003,10 +1106,14 @@ class CheckpointManager:
 
         Raises:
             RuntimeError: the last background write failed (chained to its error) and its
-                Future did not deliver the failure.
+                Future did not deliver the failure; or called inside this thread's own
+                ``lock()`` while a save waits for it (the manager stays open: close it
+                outside the lock).
         """
         if self._closed:
             return
+        if self._writer is not None:
+            self._writer.check_closable()  # inside its own lock(): refused, still open
         self._closed = True
         try:
             if self._writer is not None:

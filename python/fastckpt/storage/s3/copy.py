@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +48,7 @@ from fastckpt.storage.s3.client import (
     S3Client,
     piece_length,
 )
-from fastckpt.storage.s3.errors import CommitConflictError
+from fastckpt.storage.s3.errors import CommitConflictError, ObjectStoreError
 from fastckpt.storage.s3.tensors import tensor_crcs
 
 if TYPE_CHECKING:
@@ -326,6 +326,8 @@ def put_tensors_copying(
                 etag = client.compose(key, parts)
             except CopyNotSupportedError:
                 copied = 0
+            else:
+                _check_unreplaced(client, copies.values())
         if not copied:
             etag = _upload_all(client, key, parts, size)
     except CommitConflictError:  # a conditional copy or fetch: the source was replaced
@@ -340,6 +342,24 @@ def put_tensors_copying(
         "etag": etag,
         "header": header,
     }
+
+
+def _check_unreplaced(client: S3Client, copies: Iterable[CopiedTensor]) -> None:
+    """After the store copied from ``copies``' objects: each is still the version the copy was
+    conditional on. A store that ignores the copy condition (moto does) copies a replaced
+    object's bytes; the new object's crc32c, made from the copied tensors' recorded checksums,
+    would then describe bytes it does not hold.
+
+    Raises:
+        ChecksumMismatchError: an object was replaced (or deleted) since.
+    """
+    for source_key, etag in sorted({(c.source_key, c.etag) for c in copies if c.etag}):
+        try:
+            now = client.head(source_key).etag
+        except (ObjectStoreError, FileNotFoundError):
+            now = None
+        if now is None or now.strip('"') != etag.strip('"'):
+            raise _replaced(client, source_key)
 
 
 def _upload_all(

@@ -900,10 +900,9 @@ class CheckpointHook:
         except (OSError, FastCkptError) as err:
             if self._durable_unchecked and self._promoter is not None:
                 # Nothing is promoted before the durable tier is read (see
-                # _check_durable_later): reported as a failed promotion would be.
-                error = self._promoter.report_failure(err)
-                if self.strict_promotion:
-                    raise error from err
+                # _check_durable_later): reported as a failed promotion would be, and (strict)
+                # raised once this save is committed to the fast tier, by its submission.
+                self._promoter.report_failure(err)
             return -1
         if fast is not None and fast + 1 >= self._floor:
             return -1
@@ -942,8 +941,11 @@ class CheckpointHook:
         self._went_past(index)
         if self.keep_last is not None:
             self._prune(index)
-        if self._promoter is not None and not self._durable_unchecked:
-            self._promoter.submit()  # in the background: training is not held up
+        if self._promoter is not None:
+            if not self._durable_unchecked:
+                self._promoter.submit()  # in the background: training is not held up
+            elif self.strict_promotion and self._promoter.error is not None:
+                raise self._promoter.error  # the durable tier could not be read; committed here
         return index
 
 
