@@ -441,5 +441,13 @@ def test_a_root_and_manager_checkpoints_never_share_a_folder(tmp_path: Path) -> 
     # A folder that holds both records (an earlier version wrote it) is neither kind.
     save_checkpoint(tmp_path / "root", models={"main": (model, None)})
     (tmp_path / "root" / "commit.json").write_bytes((tmp_path / "mgr/s1/commit.json").read_bytes())
+    report = verify(tmp_path / "root")
+    assert not report.ok and "both manifest.json" in report.failures[0].message
     with pytest.raises(CheckpointFormatError, match=r"both manifest\.json .* and commit\.json"):
-        verify(tmp_path / "root")
+        fastckpt.safe_open(tmp_path / "root")
+    # An item named "manifest" would write manifest.json into a manager checkpoint.
+    with (
+        fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m,
+        pytest.raises(CheckpointFormatError, match="reserved"),
+    ):
+        m.save(tmp_path / "mgr" / "s2", {"manifest": {"a": 1}})

@@ -395,6 +395,7 @@ with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
         else:
             raise AssertionError(f"rank {rank}: saved {other}")
     assert manager.load(path)["loader"] == {"seen": 1000 * (rank + 1)}
+    manager.save(path + "-ddp", {"w": torch.ones(2), "step": 5})  # replicated, as DDP's
 print("ok", rank)
 leave_process_group()
 """
@@ -409,10 +410,14 @@ def test_each_rank_gets_its_own_plain_values_and_ranks_must_agree(tmp_path: Path
 
     outputs = run_two_ranks(PER_RANK_SCRIPT, tmp_path / "c", tmp_path / "pg")
     assert [out.split() for out in outputs] == [["ok", "0"], ["ok", "1"]]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "pg"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "c-ddp", "pg"]
     manager = CheckpointManager(CheckpointManager.Config.with_sync_save())
-    with manager, pytest.raises(CheckpointMismatchError, match="saved by 2 ranks"):
-        manager.load(tmp_path / "c")
+    with manager:
+        with pytest.raises(CheckpointMismatchError, match=r"items \['w', 'loader'\] differ"):
+            manager.load(tmp_path / "c")
+        # Items every rank saved alike load on another number of ranks (DDP state for eval).
+        replicated = manager.load(tmp_path / "c-ddp")
+        assert replicated["step"] == 5 and torch.equal(replicated["w"], torch.ones(2))
 
 
 def test_sync_save_writes_cpu_tensors_without_staging_copies(tmp_path: Path) -> None:

@@ -1021,6 +1021,15 @@ def test_an_edited_manifest_is_never_resealed_and_restores_fall_back(tmp_path: P
         promote_index(fast, durable, 1)
     with pytest.raises(ChecksumMismatchError, match="not rewritten"):
         fastckpt.save_checkpoint(fast, models={"main": (_model(2), None)})
+    with pytest.raises(ChecksumMismatchError, match="not rewritten"):  # a replaced index too
+        fastckpt.save_checkpoint(fast, models={"main": (_model(2), None)}, checkpoint_index=0)
+    with pytest.raises(ChecksumMismatchError, match="not rewritten"):
+        fastckpt.prune(fast, keep_last=1)
+    assert sorted(p.name for p in fast.iterdir() if not p.name.startswith(".")) == [
+        "0",
+        "1",
+        "manifest.json",
+    ]
     assert (fast / "manifest.json").read_bytes() == edited
     assert (durable / "manifest.json").read_bytes() == before
     assert fastckpt.verify(durable).ok

@@ -225,5 +225,7 @@ def test_a_sharded_save_over_an_unsharded_checkpoint_replaces_it(tmp_path: Path)
         "w.safetensors",
     ]
     (last / "fastckpt-dcp.json").write_text("{}")
+    report = fastckpt.verify(last)
+    assert not report.ok and "both commit.json" in report.failures[0].message
     with pytest.raises(CheckpointFormatError, match=r"both commit\.json"):
-        fastckpt.verify(last)
+        fastckpt.safe_open(last)

@@ -98,6 +98,22 @@ def _expected_bytes(container: Container, index: int | None) -> int | None:
     return sum(entry["size"] for files in recorded for entry in files.values())
 
 
+def _child_bytes(child: Path) -> int:
+    """:func:`_expected_bytes` of one checkpoint of a folder of them (0: not told)."""
+    try:
+        return _expected_bytes(locate(child), None) or 0
+    except (OSError, FastCkptError):
+        return 0
+
+
+def _child_sizes(child: Path) -> tuple[int, int] | None:
+    """:func:`_sizes` of one checkpoint of a folder of them (None: not told)."""
+    try:
+        return _sizes(locate(child), None)
+    except (OSError, FastCkptError):
+        return None
+
+
 def _sizes(container: Container, index: int | None) -> tuple[int, int] | None:
     """``(size, linked_size)`` of what was verified, as ``fastckpt ls`` counts them (a lone
     file: its length), or None when there are no records to count."""
@@ -202,13 +218,13 @@ def _verify_managers(args: argparse.Namespace, children: list[Path]) -> int:
             "only applies to a save_checkpoint root"
         )
     results = []
-    total = sum(_expected_bytes(locate(child), None) or 0 for child in children)
+    total = sum(_child_bytes(child) for child in children)
     started = time.perf_counter()
     with io_progress(f"verify {args.path}", total):
         for child in children:
             results.append(verify(child))
     seconds = time.perf_counter() - started
-    child_sizes = [_sizes(locate(child), None) for child in children]
+    child_sizes = [_child_sizes(child) for child in children]
     statuses = [_status(report) for report in results]
     worst = EXIT_BAD if EXIT_BAD in statuses else max(statuses)
     if args.json:

@@ -545,10 +545,13 @@ class IndexWriter(DirectoryWriter):
         self.lock.acquire()
         try:
             _refuse_manager_checkpoints(root, backend)
+            # A manifest whose seal fails is refused before anything is written: this save's
+            # commit would re-seal the damage (an edited counter) as fastckpt's own.
+            sealed = Manifest.load(root)
+            sealed.refuse_if_damaged()
             clean_leftovers(root, writing=index)
             if index is None:
-                latest = Manifest.load(root).latest
-                index = 0 if latest is None else latest + 1
+                index = 0 if sealed.latest is None else sealed.latest + 1
             self.index: int = index
             if not is_local(backend):
                 # Objects are written in place (delete first, no rename): a committed index
@@ -918,6 +921,7 @@ def prune_indices(
             # What a prune killed after its commit left.
             _sweep_sharded(root, manifest, only_older=promoting)
             return []
+        manifest.refuse_if_damaged()  # before any index is moved aside
         # Bytes a kept (incremental) index references outlive their pruned index, renamed
         # to ROOT/.ref-<index> (fastckpt.container.refs).
         kept = [index for index in manifest.entries if index not in doomed]

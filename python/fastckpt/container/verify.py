@@ -417,7 +417,11 @@ def verify(
     """
     requested = checked_index(index, "index", _VERIFY_INDEX)
     use_storage_options(path_or_root, storage_options, "verify")
-    container = open_container(path_or_root)
+    try:
+        container = open_container(path_or_root)
+    except CheckpointFormatError as err:  # a folder holding two kinds of records: neither
+        where = Path(path_or_root)
+        return VerifyReport(where, "manager", [FileReport(where, "corrupt", message=str(err))])
     return container.accept(_Verifier(requested, max(1, threads or DEFAULT_THREADS)))
 
 

@@ -382,6 +382,16 @@ class Manifest:
                 content did not match its own crc32c: writing it back would seal the damage
                 (an edited counter or file record) as if fastckpt had written it.
         """
+        self.refuse_if_damaged()
+        self.backend.put_record(self.path, self.to_json())
+
+    def refuse_if_damaged(self) -> None:
+        """Refuse to act on a manifest read from a file whose content did not match its own
+        crc32c (what :meth:`commit` checks; call it before changing anything else).
+
+        Raises:
+            ChecksumMismatchError: names the manifest and the fix.
+        """
         if self.stored_crc32c is not None and self.stored_crc32c != self.actual_crc32c:
             raise ChecksumMismatchError(
                 f"{display_path(self.path)}: content crc32c {self.actual_crc32c:08x} differs "
@@ -389,7 +399,6 @@ class Manifest:
                 "the manifest is corrupt or was edited, and is not rewritten (that would seal "
                 "the damage): restore it from a copy (another tier's), or save into a new root"
             )
-        self.backend.put_record(self.path, self.to_json())
 
     def directory(self, index: int) -> Path:
         """``ROOT/<index>``."""
@@ -772,8 +781,9 @@ def check_item_key(key: object) -> str:
     Raises:
         CheckpointFormatError: not a plain name (see :func:`~fastckpt.io.paths.check_name`),
             not encodable as UTF-8 (a lone surrogate), or a name whose files would be another
-            item's or a record's: ``<key>.json`` is ``commit.json`` or ``fastckpt-dcp.json``,
-            or ``<key>`` ends in ``.rank<N>`` (the per-rank files of item ``<key minus it>``).
+            item's or a record's: ``<key>.json`` is ``commit.json``, ``fastckpt-dcp.json`` or
+            ``manifest.json`` (a root's), or ``<key>`` ends in ``.rank<N>`` (the per-rank
+            files of item ``<key minus it>``).
     """
     name = check_name(key, "state key")
     if not is_text(name):
@@ -781,7 +791,7 @@ def check_item_key(key: object) -> str:
             f"state key {name!r} cannot be stored: it is not valid Unicode text (a lone "
             "surrogate); use a key made of characters"
         )
-    if f"{name}.json" in (COMMIT_RECORD, SHARDED_RECORD):
+    if f"{name}.json" in (COMMIT_RECORD, SHARDED_RECORD, MANIFEST):
         raise CheckpointFormatError(
             f"state key {name!r} is reserved: its file {name}.json would be the checkpoint's "
             "own record; rename the item"

@@ -63,6 +63,7 @@ from fastckpt.format.records import (
     commit_record,
     item_files,
     read_commit_record,
+    record_file,
 )
 from fastckpt.io import tree
 from fastckpt.io.paths import check_name, safe_join
@@ -97,7 +98,7 @@ from fastckpt.manager.stateful import (
     prepare_save,
     restore,
 )
-from fastckpt.storage.backend import explain_full_disk
+from fastckpt.storage.backend import LOCAL, LocalStaging, explain_full_disk
 from fastckpt.storage.registry import (
     backend_for,
     display_path,
@@ -297,22 +298,67 @@ def _check_same_save(gathered: list[Any]) -> None:
             )
 
 
-def _check_world_size(directory: Path, record: Mapping[str, Any], world_size: int) -> None:
-    """A checkpoint saved by N > 1 ranks (each its own files) loads on N ranks only: on
-    another number, a rank read rank 0's files (or none of its own), per-rank state that is
-    not its own, without a word.
+def _check_world_size(
+    directory: Path, record: Mapping[str, Any], world_size: int, keys: list[str]
+) -> None:
+    """A checkpoint saved by N > 1 ranks (each with its own files) loads on another number
+    of ranks only for items every rank saved alike (replicated, as DDP's: each rank's files
+    have rank 0's checksums), which any rank then reads from rank 0's files. An item whose
+    ranks differ would give a rank state that is not its own, without a word.
 
     Raises:
-        CheckpointMismatchError: names both world sizes and the ways out.
+        CheckpointMismatchError: names the items, both world sizes and the ways out.
     """
     saved = record.get("world_size", 1)
-    if isinstance(saved, int) and saved > 1 and saved != world_size:
+    if not isinstance(saved, int) or saved <= 1 or saved == world_size:
+        return
+    files = record["files"]
+
+    def crc(name: str) -> Any:
+        entry = files.get(record_file(record, name))
+        return None if not isinstance(entry, Mapping) else entry.get("crc32c")
+
+    differing = []
+    for key in keys:
+        tensors = {crc(f"{key}.rank{r}.safetensors") for r in range(saved)}
+        skeletons = {crc(f"{key}.json")} | {crc(f"{key}.rank{r}.json") for r in range(1, saved)}
+        skeletons.discard(None)  # earlier versions wrote rank 0's skeleton only
+        if len(tensors) > 1 or len(skeletons) > 1:
+            differing.append(key)
+    if differing:
         raise CheckpointMismatchError(
-            f"{directory}: saved by {saved} ranks, each with its own files, and loads on "
-            f"{saved} ranks only (this is {world_size}); state saved as DTensors (FSDP2, "
-            "tensor parallel) loads on any number of ranks; one rank's files read with "
+            f"{directory}: saved by {saved} ranks whose items {differing} differ from rank to "
+            f"rank; it loads on {saved} ranks only (this is {world_size}). Replicated items "
+            "(the same on every rank) load on any number; state saved as DTensors (FSDP2, "
+            "tensor parallel) is resharded; one rank's files read with "
             f"fastckpt.safe_open({directory}/<item>.rank<r>.safetensors)"
         )
+
+
+def _record_callback_files(writer: DirectoryWriter) -> None:
+    """Files a ``pre_finalize_callback`` wrote into a local staging directory (a run's
+    config, metrics) are part of the checkpoint: made durable and listed in its record with
+    their size and crc32c, so ``verify`` checks them and the next save of the id replaces
+    them with the checkpoint (unlisted, they made it refuse the id as holding the user's
+    files). On an object store the callback's objects stay unlisted."""
+    if not isinstance(writer.staging, LocalStaging):
+        return
+    staging = Path(writer.staging.location)
+    for directory, _, names in os.walk(staging):
+        for name in names:
+            path = Path(directory) / name
+            relpath = path.relative_to(staging).as_posix()
+            if relpath in writer.files or relpath == COMMIT_RECORD or not path.is_file():
+                continue
+            if path.is_symlink():
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            size, crc = LOCAL.checksum(path)
+            writer.files[relpath] = {"size": size, "crc32c": crc}
 
 
 def _check_state_mapping(state: Any, argument: str) -> None:
@@ -912,6 +958,7 @@ class CheckpointManager:
                     storage=writer.backend,
                     logger=_LOGGER,
                 )
+                _record_callback_files(writer)
             record_refs = {self._tensor_file(key): names for key, names in refs.items() if names}
             self._commit(writer, list(snapshot.skeletons), record_refs)
         except BaseException:
@@ -1010,12 +1057,6 @@ class CheckpointManager:
             for key, template in into.items():
                 self._spec(key)  # strict mode (Config.default None): only declared items
                 check_template(template, key)
-            absent = [k for k, spec in self.config.items.items() if spec.required and k not in into]
-            if absent:
-                raise KeyError(
-                    f"required item(s) {absent} missing from into= (Config.items declares them "
-                    "required): pass a template for each, or declare them ItemSpec(required=False)"
-                )
         if _is_sharded(directory):
             return self._load_sharded(directory, into, map_location, strict)
 
@@ -1026,9 +1067,10 @@ class CheckpointManager:
             # Every template of every item is checked before any is written into: a
             # mismatch of a later item leaves the earlier items' templates untouched too.
             record = read_commit_record(directory)
-            _check_world_size(directory, record, self._dist.world_size)
             available = record["items"]
             self._check_required(directory, available, into)
+            requested = [k for k in (available if into is None else into) if k in available]
+            _check_world_size(directory, record, self._dist.world_size, requested)
             if strict and into is not None:
                 for key in into:
                     if key not in available:

@@ -541,6 +541,8 @@ class CheckpointHook:
         self._promoter.node_local = shared.node_local
         if not self._durable_unchecked:
             self._promoter.submit()
+        elif self.strict_promotion and self._promoter.error is not None:
+            raise self._promoter.error  # the durable tier could not be read; committed here
 
     def _refuse_a_mixed_run(self, ctx: TrainContext) -> None:
         """Raise :class:`MixedRunError` when the root's newest committed index is at a later
