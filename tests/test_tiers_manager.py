@@ -946,3 +946,17 @@ def test_the_finalize_callback_gets_the_checkpoint_inside_the_fast_tier(
     with CheckpointManager(config) as manager:
         _run(manager, 1)
     assert seen == [(str(tmp_path / "fast" / "step_0"), True)]
+
+
+def test_fastckpt_promote_refuses_a_tier_left_from_an_earlier_run(tmp_path: Path) -> None:
+    """An old node's fast tier whose newest name the durable tier lacks, while the durable
+    tier holds the run's later checkpoints: `fastckpt promote` from it would bury them under
+    an older "newest" (and its retention could delete them): exit 2, nothing promoted."""
+    from fastckpt.cli.main import main as cli
+
+    old_node, durable, _ = _earlier_run(tmp_path, ["step_9"])
+    shutil.rmtree(durable / "step_9")
+    with _manager(TiersConfig(fast=tmp_path / "other-node", durable=durable)) as manager:
+        _run(manager, 2)
+    assert cli(["promote", str(old_node), str(durable)]) == 2
+    assert committed_checkpoints(durable) == ["step_0", "step_1"]
