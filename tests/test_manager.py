@@ -613,3 +613,12 @@ def test_a_second_save_inside_the_lock_is_refused_at_once(tmp_path: Path) -> Non
         futures[0].result(timeout=30)
         manager.save(tmp_path / "step_3", {"m": {"x": x}}).result(timeout=30)
     assert (tmp_path / "step_1").is_dir() and not (tmp_path / "step_2").exists()
+
+
+def test_a_name_too_long_for_the_temporary_sibling_says_what_fits(tmp_path: Path) -> None:
+    """A 235-byte name (which mkdir accepts) failed with a raw ENAMETOOLONG about a hidden
+    ``.tmp-...`` folder: the error names the checkpoint, its length and the longest that fits."""
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        with pytest.raises(OSError, match=r"is 235 bytes; .* names of at most \d+ bytes fit"):
+            manager.save(tmp_path / ("a" * 235), {"x": torch.ones(1)})
+        assert list(tmp_path.iterdir()) == []

@@ -393,9 +393,28 @@ def exchange_paths(a: Path, b: Path) -> bool:
 
 
 def _sibling(prefix: str, final: Path) -> Path:
-    """A hidden sibling of ``final`` whose name says which process and host made it."""
+    """A hidden sibling of ``final`` whose name says which process and host made it.
+
+    Raises:
+        OSError: (``ENAMETOOLONG``) the sibling's name would pass the filesystem's 255-byte
+            limit; the message gives the longest name that fits.
+    """
     tag = f"{final.name}~{os.getpid()}~{_HOST}~{os.urandom(4).hex()}"
-    return final.parent / f"{prefix}{tag}"
+    name = f"{prefix}{tag}"
+    extra = len(name.encode()) - len(final.name.encode())
+    if len(name.encode()) > _NAME_MAX:
+        raise OSError(
+            errno.ENAMETOOLONG,
+            f"{final}: the name {final.name[:40]!r}... is {len(final.name.encode())} bytes; "
+            f"fastckpt writes it under a temporary name {extra} bytes longer, so names of at "
+            f"most {_NAME_MAX - extra} bytes fit (the filesystem allows {_NAME_MAX}): use a "
+            "shorter checkpoint name",
+        )
+    return final.parent / name
+
+
+#: The longest file name (bytes) local filesystems allow.
+_NAME_MAX = 255
 
 
 def _owner(name: str) -> tuple[str, str, int, str] | None:
