@@ -392,3 +392,13 @@ def test_declared_items_are_enforced_at_load_as_at_save(tmp_path: Path) -> None:
     with CheckpointManager(config) as manager:
         loaded = manager.load(tmp_path / "s1", into={"model": {"w": torch.zeros(3)}, "ema": ema})
         assert torch.equal(loaded["model"]["w"], torch.ones(3)) and loaded["ema"] is ema
+
+
+def test_an_item_spec_put_into_items_in_place_is_checked_at_save(tmp_path: Path) -> None:
+    """``config.items["model"] = {...}`` changes the dict in place, past the assignment check:
+    the save raised a bare AttributeError from inside fastckpt."""
+    config = CheckpointManager.Config.with_sync_save()
+    config.items["model"] = {"requires_copy": False}  # type: ignore[assignment]
+    with config.build() as manager, pytest.raises(TypeError, match=r"items\['model'\] must"):
+        manager.save(tmp_path / "c", payload())
+    assert not (tmp_path / "c").exists()

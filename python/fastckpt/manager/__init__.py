@@ -654,6 +654,11 @@ class CheckpointManager:
                 f"state key {key!r} has no ItemSpec and Config.default is None (strict mode); "
                 f"add it to Config.items or set Config.default"
             )
+        if not isinstance(spec, ItemSpec):  # put into Config.items in place, unchecked
+            raise TypeError(
+                f"Config.items[{key!r}] must be an ItemSpec, got {type(spec).__name__} "
+                f"({spec!r}); e.g. ItemSpec(requires_copy=False)"
+            )
         return spec
 
     def save(
