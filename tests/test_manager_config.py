@@ -119,7 +119,10 @@ def test_fields_are_checked_when_assigned_later_too() -> None:
 def test_unknown_attributes_are_refused_with_the_closest_field() -> None:
     """A typo must not silently add an attribute nobody reads."""
     config = CheckpointManager.Config()
-    with pytest.raises(AttributeError, match=r"no field 'finalize_calback'.*'finalize_callback'"):
+    with pytest.raises(
+        AttributeError,
+        match=r"^CheckpointManager\.Config has no field 'finalize_calback'.*'finalize_callback'",
+    ):
         config.finalize_calback = print
     with pytest.raises(AttributeError, match="use_pinned_memory"):
         config.save.staging_config.use_pinned_mem = True  # type: ignore[union-attr]

@@ -374,6 +374,11 @@ def _check_state_mapping(state: Any, argument: str) -> None:
         )
 
 
+# Messages and pickles name it as users reach it.
+_ManagerConfig.__name__ = "Config"
+_ManagerConfig.__qualname__ = "CheckpointManager.Config"
+
+
 class CheckpointManager:
     """Saves and loads training state; see the module docstring for the on-disk format.
 

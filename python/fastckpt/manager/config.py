@@ -62,7 +62,7 @@ class StrictConfig:
         if name not in names:
             close = difflib.get_close_matches(name, names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; its fields are {names}"
-            raise AttributeError(f"{type(self).__name__} has no field {name!r}{hint}")
+            raise AttributeError(f"{type(self).__qualname__} has no field {name!r}{hint}")
         self._check(name, value)
         object.__setattr__(self, name, value)
 
@@ -70,11 +70,11 @@ class StrictConfig:
         """Raise ``ValueError``/``TypeError`` naming the field when ``value`` is invalid."""
 
     def _fail(self, name: str, message: str) -> ValueError:
-        return ValueError(f"{type(self).__name__}.{name}: {message}")
+        return ValueError(f"{type(self).__qualname__}.{name}: {message}")
 
     def _need_bool(self, name: str, value: Any) -> None:
         if not isinstance(value, bool):
-            raise TypeError(f"{type(self).__name__}.{name} must be a bool, got {value!r}")
+            raise TypeError(f"{type(self).__qualname__}.{name} must be a bool, got {value!r}")
 
     def _need_none(self, name: str, value: Any, why: str) -> None:
         if value is not None:
@@ -86,12 +86,12 @@ def _timeout(config: StrictConfig, name: str, value: Any, *, allow_none: bool) -
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
-            f"{type(config).__name__}.{name} must be a number of seconds"
+            f"{type(config).__qualname__}.{name} must be a number of seconds"
             f"{' or None' if allow_none else ''}, got {value!r}"
         )
     if not value >= 0 or value == float("inf"):  # nan fails every comparison
         raise ValueError(
-            f"{type(config).__name__}.{name} must be a finite number of seconds >= 0"
+            f"{type(config).__qualname__}.{name} must be a finite number of seconds >= 0"
             f"{' (None: no limit)' if allow_none else ''}, got {value!r}"
         )
 
@@ -226,7 +226,7 @@ class CheckpointSaverConfig(StrictConfig):
     def _check(self, name: str, value: Any) -> None:
         if name == "writer_config" and not isinstance(value, CheckpointWriterConfig):
             raise TypeError(
-                f"{type(self).__name__}.writer_config must be a CheckpointWriterConfig, "
+                f"{type(self).__qualname__}.writer_config must be a CheckpointWriterConfig, "
                 f"got {type(value).__name__}"
             )
         if name == "wait_timeout_secs":
@@ -307,7 +307,7 @@ class LocalFileSystemStorageConfig(StrictConfig):
 
                 if not isinstance(value, Mapping):
                     raise TypeError(
-                        f"{type(self).__name__}.storage_options must be a mapping of client "
+                        f"{type(self).__qualname__}.storage_options must be a mapping of client "
                         f"options or None, got {value!r}"
                     )
                 S3Options.from_mapping(value)  # unknown keys / bad values fail here
