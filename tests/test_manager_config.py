@@ -405,3 +405,32 @@ def test_an_item_spec_put_into_items_in_place_is_checked_at_save(tmp_path: Path)
     with config.build() as manager, pytest.raises(TypeError, match=r"items\['model'\] must"):
         manager.save(tmp_path / "c", payload())
     assert not (tmp_path / "c").exists()
+
+
+def test_fields_read_at_build_refuse_changes_and_the_wait_timeout_is_read_live(
+    tmp_path: Path,
+) -> None:
+    """A field the manager read when it was built (the saver, staging, writer threads,
+    storage, tiers) took a later assignment and ignored it (``save`` kept returning Futures
+    after a switch to a sync saver); ``wait_timeout_secs`` set to 0 still waited."""
+    import time
+
+    config = cpu_async_config()
+    config.pre_finalize_callback = lambda args: time.sleep(1.0)
+    with config.build() as manager:
+        for change in (
+            lambda: setattr(config, "save", SyncCheckpointSaverConfig()),
+            lambda: setattr(config.save.staging_config, "use_async_staging", False),
+            lambda: setattr(config.save.writer_config, "file_write_max_threads", 1),
+            lambda: setattr(config, "storage_config", LocalFileSystemStorageConfig()),
+        ):
+            with pytest.raises(AttributeError, match="read when a CheckpointManager was built"):
+                change()
+        config.items = {"model": ItemSpec(), "step": ItemSpec()}  # read at each save: fine
+        first = manager.save(tmp_path / "a", payload())
+        config.save.wait_timeout_secs = 0
+        with pytest.raises(TimeoutError):
+            manager.save(tmp_path / "b", payload())
+        first.result(timeout=30)
+    assert not (tmp_path / "b").exists()
+    CheckpointManager.Config().save = SyncCheckpointSaverConfig()  # a config not built: fine

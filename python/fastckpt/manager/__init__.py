@@ -164,6 +164,8 @@ class _ManagerConfig(StrictConfig):
             checkpoint ids as given.
     """
 
+    FIXED_AT_BUILD = frozenset({"save", "storage_config", "tiers"})
+
     items: dict[str, ItemSpec] = field(default_factory=dict)
     default: ItemSpec | None = field(default_factory=ItemSpec)
     save: AsyncCheckpointSaverConfig | SyncCheckpointSaverConfig = field(
@@ -432,6 +434,17 @@ class CheckpointManager:
         self._saves = 0  # saves committed by this manager (tiers: which ones are promoted)
         if self.config.tiers is not None:
             self._start_tiers(self.config.tiers)
+        # What was read above is fixed now: a later change is refused, not ignored.
+        for part in (
+            self.config,
+            self.config.save,
+            self.config.save.writer_config,
+            staging,
+            self.config.storage_config,
+            self.config.tiers,
+        ):
+            if part is not None:
+                part.mark_built()
 
     def _start_tiers(self, tiers: TiersConfig) -> None:
         """Check the tiers, start their promoter, and (the saving rank) queue the fast
@@ -708,6 +721,7 @@ class CheckpointManager:
         if self._tiers is None:
             use_storage_options(checkpoint_id, self._storage_options, "CheckpointManager.save")
         if self._writer is not None:
+            self._writer.wait_timeout = self.config.save.wait_timeout_secs  # read live
             self._writer.collect()
         check_name(path.name, "checkpoint directory name")
         refuse_to_replace(path)
@@ -898,6 +912,7 @@ class CheckpointManager:
         _check_state_mapping(state, "prewarm_staging state")
         if self._writer is None:
             return
+        self._writer.wait_timeout = self.config.save.wait_timeout_secs  # read live
         self._writer.collect()
         prepared = {}
         for key, value in state.items():

@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -54,17 +54,33 @@ def _cuda() -> bool:
 
 class StrictConfig:
     """Base of the config dataclasses: unknown attributes are refused and every assignment is
-    checked by :meth:`_check` (at construction and later)."""
+    checked by :meth:`_check` (at construction and later). Fields a
+    :class:`~fastckpt.manager.CheckpointManager` reads once, when it is built from the config
+    (:attr:`FIXED_AT_BUILD`), refuse a later assignment instead of being ignored."""
+
+    #: The fields a manager reads when it is built (see :meth:`mark_built`).
+    FIXED_AT_BUILD: ClassVar[frozenset[str]] = frozenset()
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Check ``value`` for field ``name``; refuse names that are not fields."""
+        """Check ``value`` for field ``name``; refuse names that are not fields, and fields
+        fixed by a manager built from this config."""
         names = [f.name for f in dataclasses.fields(self)]  # type: ignore[arg-type]
         if name not in names:
             close = difflib.get_close_matches(name, names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; its fields are {names}"
             raise AttributeError(f"{type(self).__qualname__} has no field {name!r}{hint}")
+        if name in self.FIXED_AT_BUILD and vars(self).get("_built", False):
+            raise AttributeError(
+                f"{type(self).__qualname__}.{name} was read when a CheckpointManager was built "
+                "from this config, and a change would be ignored: build a new manager (or "
+                "set it before build())"
+            )
         self._check(name, value)
         object.__setattr__(self, name, value)
+
+    def mark_built(self) -> None:
+        """A manager was built from this config: its :attr:`FIXED_AT_BUILD` fields are read."""
+        object.__setattr__(self, "_built", True)
 
     def _check(self, name: str, value: Any) -> None:
         """Raise ``ValueError``/``TypeError`` naming the field when ``value`` is invalid."""
@@ -135,7 +151,8 @@ class ItemSpec(StrictConfig):
 
 @dataclass
 class CheckpointStagerConfig(StrictConfig):
-    """Staging options; the CUDA-dependent defaults are decided when the config is made.
+    """Staging options; the CUDA-dependent defaults are decided when the config is made
+    (all fixed once a manager is built from them).
 
     Attributes:
         use_pinned_memory: pinned host buffers for CUDA tensors (default: CUDA is available).
@@ -147,6 +164,10 @@ class CheckpointStagerConfig(StrictConfig):
             calling thread before ``save`` returns.
         use_non_blocking_copy: non-blocking device-to-host copies on a side stream.
     """
+
+    FIXED_AT_BUILD = frozenset(
+        {"use_pinned_memory", "use_shared_memory", "use_async_staging", "use_non_blocking_copy"}
+    )
 
     use_pinned_memory: bool = field(default_factory=_cuda)
     use_shared_memory: bool = False
@@ -177,6 +198,8 @@ class CheckpointWriterConfig(StrictConfig):
         barrier_config: only ``None``: ranks agree through the default process group (a gloo
             group of its own), with no separate barrier service.
     """
+
+    FIXED_AT_BUILD = frozenset({"file_write_max_threads", "checkpoint_write_barrier_timeout_sec"})
 
     file_write_max_threads: int = DEFAULT_WRITE_THREADS
     temp_dir_prefix: str = TEMP_PREFIX
@@ -220,6 +243,8 @@ class CheckpointSaverConfig(StrictConfig):
             previous write to wait for.
     """
 
+    FIXED_AT_BUILD = frozenset({"writer_config"})
+
     writer_config: CheckpointWriterConfig = field(default_factory=CheckpointWriterConfig)
     wait_timeout_secs: float | None = DEFAULT_WAIT_TIMEOUT_SECS
 
@@ -248,6 +273,8 @@ class AsyncCheckpointSaverConfig(CheckpointSaverConfig):
         process_config: only ``None``: there is no writer process to configure (its init and
             shutdown timeouts have no counterpart; the thread starts with the manager).
     """
+
+    FIXED_AT_BUILD = frozenset({"writer_config", "staging_config"})
 
     staging_config: CheckpointStagerConfig = field(default_factory=CheckpointStagerConfig)
     process_config: Any = None
@@ -296,6 +323,8 @@ class LocalFileSystemStorageConfig(StrictConfig):
             touches it. None (default): the AWS environment and config files. A local id is
             refused while they are set (``StorageOptionsError``).
     """
+
+    FIXED_AT_BUILD = frozenset({"use_direct_io", "storage_options"})
 
     use_direct_io: bool | None = None
     storage_options: Mapping[str, Any] | None = None
@@ -349,6 +378,20 @@ class TiersConfig(StrictConfig):
         detached: run the promotions in a process of its own (a new session) that a killed
             trainer leaves to finish it (see :mod:`fastckpt.container.detached`).
     """
+
+    FIXED_AT_BUILD = frozenset(
+        {
+            "fast",
+            "durable",
+            "promote_every",
+            "keep_last",
+            "durable_keep_last",
+            "strict",
+            "on_error",
+            "durable_storage_options",
+            "detached",
+        }
+    )
 
     fast: str | os.PathLike[str] | None = None
     durable: str | os.PathLike[str] | None = None
