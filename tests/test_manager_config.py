@@ -112,6 +112,9 @@ def test_fields_are_checked_when_assigned_later_too() -> None:
         config.items = {"model": {"requires_copy": False}}
     with pytest.raises(TypeError, match=r"finalize_callback.*callable"):
         config.finalize_callback = "print"
+    with pytest.raises(TypeError, match="takes neither"):  # failed only at the first save
+        config.finalize_callback = lambda a, b, c: None
+    config.finalize_callback = lambda checkpoint_id, logger, extra=None: None  # two: fine
     with pytest.raises(TypeError, match=r"CheckpointManager.Config"):
         CheckpointManager({"save": None})  # type: ignore[arg-type]
 

@@ -76,7 +76,7 @@ from fastckpt.io.staging import (
     reserve_groups,
     stage_groups,
 )
-from fastckpt.manager.callbacks import run_callback
+from fastckpt.manager.callbacks import callable_as_callback, run_callback
 from fastckpt.manager.config import (
     AsyncCheckpointSaverConfig,
     CheckpointLoaderConfig,
@@ -210,6 +210,11 @@ class _ManagerConfig(StrictConfig):
         callbacks = ("pre_finalize_callback", "finalize_callback")
         if name in callbacks and value is not None and not callable(value):
             raise TypeError(f"Config.{name} must be callable or None, got {value!r}")
+        if name in callbacks and value is not None and not callable_as_callback(value):
+            raise TypeError(
+                f"Config.{name} must take one argument (a CallbackArgs) or two "
+                f"(checkpoint_id, logger); {value!r} takes neither"
+            )
 
     def build(self) -> CheckpointManager:
         """A :class:`CheckpointManager` with this configuration."""

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CallbackArgs", "run_callback", "takes_callback_args"]
+__all__ = ["CallbackArgs", "callable_as_callback", "run_callback", "takes_callback_args"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,22 @@ def takes_callback_args(fn: Callable[..., Any]) -> bool:
         return False
     required = [p for p in positional if p.default is p.empty]
     return len(required) == 1 and len(positional) == 1
+
+
+def callable_as_callback(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` can be called in one of the two forms :func:`run_callback` uses:
+    ``fn(args)`` or ``fn(checkpoint_id, logger)`` (True when its signature cannot be read)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    for arguments in ((None,), (None, None)):
+        try:
+            signature.bind(*arguments)
+        except TypeError:
+            continue
+        return True
+    return False
 
 
 def run_callback(
