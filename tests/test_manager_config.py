@@ -394,6 +394,21 @@ def test_declared_items_are_enforced_at_load_as_at_save(tmp_path: Path) -> None:
         # A subset of the items is still loaded (a weights-only or evaluation load).
         assert list(manager.load(tmp_path / "s1", into={"model": None})) == ["model"]
     assert torch.equal(ema, torch.full((3,), 7.0))
+    # A sharded checkpoint (here one process's DCP save through fastckpt's writer) alike.
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import fastckpt.dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "single process"
+        dcp.save(
+            {"model": {"w": torch.ones(3)}}, storage_writer=fastckpt.dcp.Writer(tmp_path / "d")
+        )
+    sharded = CheckpointManager(config)
+    with sharded, pytest.raises(CheckpointMismatchError, match=r"required item\(s\) \['ema'\]"):
+        sharded.load(tmp_path / "d", into={"model": {"w": torch.zeros(3)}, "ema": ema})
     config.items = {"model": ItemSpec(), "ema": ItemSpec(required=False)}
     with CheckpointManager(config) as manager:
         loaded = manager.load(tmp_path / "s1", into={"model": {"w": torch.zeros(3)}, "ema": ema})

@@ -283,6 +283,16 @@ def _full_template(metadata: Metadata, key: str, where: Path) -> Any:
     return unflatten_state_dict(flat, paths).get(key)
 
 
+def stored_items(path: str | os.PathLike[str]) -> list[str]:
+    """The top-level keys (items) the sharded checkpoint ``path`` holds, from its record.
+
+    Raises:
+        NotCommittedError, CheckpointFormatError: no or a damaged commit record.
+    """
+    record = read_record(Path(path))
+    return sorted({str(p[0]) for p in _paths(record.metadata, record.path).values()})
+
+
 def load_state(
     path: str | os.PathLike[str],
     into: Mapping[str, Any] | None = None,

@@ -1088,6 +1088,9 @@ class CheckpointManager:
                 self._spec(key)  # strict mode (Config.default None): only declared items
                 check_template(template, key)
         if _is_sharded(directory):
+            from fastckpt.dcp.state import stored_items  # torch.distributed.checkpoint: heavy
+
+            self._check_required(directory, stored_items(directory), into)
             return self._load_sharded(directory, into, map_location, strict)
 
         rank = self._dist.rank
