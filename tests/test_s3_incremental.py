@@ -345,6 +345,40 @@ def test_manager_async_saves_to_sibling_s3_ids_copy_unchanged_tensors(
     assert verify(f"{s3_root}/step2").ok
 
 
+def test_a_manager_save_whose_base_id_is_deleted_in_flight_writes_in_full(
+    s3_server: S3Server,
+    s3_root: str,
+    s3_env: dict[str, str],
+    copy_spy: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The previous id is deleted (``aws s3 rm --recursive``) after this save proved its
+    tensors unchanged and before the store copies them: the save failed with
+    ``ObjectNotFoundError`` naming the deleted object. It writes those tensors now, from the
+    bytes whose digest was compared, and the new id loads whole."""
+    from fastckpt.manager.incremental import LinkPlan
+
+    frozen = torch.randn(3 << 20, generator=torch.Generator().manual_seed(6))  # 12 MiB
+    client = s3_server.client()
+    prefix = s3_root.split("/", 3)[3]
+    real = LinkPlan.link
+
+    def link(self: LinkPlan, writer: Any, key: str, tensors: Any, stem: str) -> Any:
+        listing = client.list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{prefix}/step0/")
+        for item in listing.get("Contents", []):
+            client.delete_object(Bucket=s3_server.bucket, Key=item["Key"])
+        return real(self, writer, key, tensors, stem)
+
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(f"{s3_root}/step0", {"model": {"frozen": frozen}, "step": 0})
+        monkeypatch.setattr(LinkPlan, "link", link)
+        m.save(f"{s3_root}/step1", {"model": {"frozen": frozen}, "step": 1})
+        assert copy_spy == []  # nothing left to copy from
+        loaded = m.load(f"{s3_root}/step1")
+    assert torch.equal(loaded["model"]["frozen"], frozen) and loaded["step"] == 1
+    assert verify(f"{s3_root}/step1").ok
+
+
 def test_deleting_an_earlier_s3_index_object_by_object_leaves_the_newest_loading(
     s3_server: S3Server, s3_root: str, s3_env: dict[str, str], copy_spy: list[int]
 ) -> None:

@@ -47,6 +47,7 @@ from fastckpt.container.commit import DirectoryWriter
 from fastckpt.container.incremental import Tracked, fingerprint, settle, track
 from fastckpt.container.links import Reference, linked_relpath
 from fastckpt.container.refs import take_distrust
+from fastckpt.errors import FastCkptError
 from fastckpt.format.records import tensor_reference
 from fastckpt.io.files import read_metadata, read_tensors
 from fastckpt.storage.backend import CopySource, LocalStaging
@@ -120,6 +121,9 @@ class LinkPlan:
     #: item -> tensor name -> the base's tensor an object store copies into the item's file
     #: (filled while writing, instead of links)
     copies: dict[str, dict[str, CopySource]] = field(default_factory=dict)
+    #: item -> tensor name -> the bytes :meth:`confirm` proved unchanged (taken out of the
+    #: written groups), written after all when their base object is gone (object stores)
+    proven: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     #: whether :meth:`confirm` ran
     confirmed: bool = False
 
@@ -140,7 +144,7 @@ class LinkPlan:
         for key, name, tracked, ref in settle(self.written, self.candidates, groups):
             self.refs.setdefault(key, {})[name] = dict(ref)
             self.referenced.setdefault(key, {})[name] = tracked
-            del groups[key][name]
+            self.proven.setdefault(key, {})[name] = groups[key].pop(name)
         self.candidates = {}
 
     def close(self) -> None:
@@ -165,17 +169,26 @@ class LinkPlan:
             return {}
         if not isinstance(writer.staging, LocalStaging):
             # An object store copies the bytes into the item's own object (no links there):
-            # the new checkpoint references nothing.
-            self.copies[key] = {
-                name: CopySource(
-                    self.sources[ref["file"]].path,
-                    ref["name"],
-                    ref["dtype"],
-                    list(ref["shape"]),
-                    ref["crc32c"],
-                )
-                for name, ref in refs.items()
+            # the new checkpoint references nothing. A source object deleted since (the
+            # previous checkpoint removed while this save was in flight) has its tensors
+            # written instead, from the bytes whose digest was compared.
+            backend = writer.backend
+            there = {
+                relpath: _object_there(backend, self.sources[relpath])
+                for relpath in {ref["file"] for ref in refs.values()}
             }
+            self.copies[key] = {}
+            for name, ref in refs.items():
+                if there[ref["file"]]:
+                    self.copies[key][name] = CopySource(
+                        self.sources[ref["file"]].path,
+                        ref["name"],
+                        ref["dtype"],
+                        list(ref["shape"]),
+                        ref["crc32c"],
+                    )
+                else:
+                    tensors[name] = self.proven[key][name]
             return {}
         by_file: dict[str, list[str]] = {}
         for name, ref in refs.items():
@@ -191,6 +204,15 @@ class LinkPlan:
             else:
                 tensors.update(_read_back(source, {name: refs[name] for name in names}))
         return result
+
+
+def _object_there(backend: Any, source: _Source) -> bool:
+    """Whether the base object ``source`` is still in the store, as recorded (one HEAD)."""
+    try:
+        return bool(backend.stat(source.path).size == source.record["size"])
+    except (OSError, FastCkptError):
+        _LOG.info("%s: gone; its unchanged tensors are written in full", source.path)
+        return False
 
 
 def _link(writer: DirectoryWriter, source: _Source, target: str) -> bool:
