@@ -451,4 +451,6 @@ def test_fields_read_at_build_refuse_changes_and_the_wait_timeout_is_read_live(
             manager.save(tmp_path / "b", payload())
         first.result(timeout=30)
     assert not (tmp_path / "b").exists()
-    CheckpointManager.Config().save = SyncCheckpointSaverConfig()  # a config not built: fine
+    config.save = SyncCheckpointSaverConfig()  # its manager is closed: the next one reads it
+    with config.build() as manager:
+        assert manager.save(tmp_path / "c", payload()) is None

@@ -439,17 +439,22 @@ class CheckpointManager:
         self._saves = 0  # saves committed by this manager (tiers: which ones are promoted)
         if self.config.tiers is not None:
             self._start_tiers(self.config.tiers)
-        # What was read above is fixed now: a later change is refused, not ignored.
-        for part in (
-            self.config,
-            self.config.save,
-            self.config.save.writer_config,
-            staging,
-            self.config.storage_config,
-            self.config.tiers,
-        ):
-            if part is not None:
-                part.mark_built()
+        # What was read above is fixed while this manager is open: a change is refused, not
+        # ignored (released by close()).
+        self._fixed = [
+            part
+            for part in (
+                self.config,
+                self.config.save,
+                self.config.save.writer_config,
+                staging,
+                self.config.storage_config,
+                self.config.tiers,
+            )
+            if part is not None
+        ]
+        for part in self._fixed:
+            part.mark_built()
 
     def _start_tiers(self, tiers: TiersConfig) -> None:
         """Check the tiers, start their promoter, and (the saving rank) queue the fast
@@ -1190,6 +1195,8 @@ class CheckpointManager:
         if self._writer is not None:
             self._writer.check_closable()  # inside its own lock(): refused, still open
         self._closed = True
+        for part in self._fixed:
+            part.release_built()
         try:
             if self._writer is not None:
                 self._writer.close()

@@ -56,7 +56,8 @@ class StrictConfig:
     """Base of the config dataclasses: unknown attributes are refused and every assignment is
     checked by :meth:`_check` (at construction and later). Fields a
     :class:`~fastckpt.manager.CheckpointManager` reads once, when it is built from the config
-    (:attr:`FIXED_AT_BUILD`), refuse a later assignment instead of being ignored."""
+    (:attr:`FIXED_AT_BUILD`), refuse an assignment while that manager is open instead of
+    being ignored."""
 
     #: The fields a manager reads when it is built (see :meth:`mark_built`).
     FIXED_AT_BUILD: ClassVar[frozenset[str]] = frozenset()
@@ -69,18 +70,23 @@ class StrictConfig:
             close = difflib.get_close_matches(name, names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; its fields are {names}"
             raise AttributeError(f"{type(self).__qualname__} has no field {name!r}{hint}")
-        if name in self.FIXED_AT_BUILD and vars(self).get("_built", False):
+        if name in self.FIXED_AT_BUILD and vars(self).get("_built", 0):
             raise AttributeError(
                 f"{type(self).__qualname__}.{name} was read when a CheckpointManager was built "
-                "from this config, and a change would be ignored: build a new manager (or "
-                "set it before build())"
+                "from this config, and a change would be ignored while it is open: close it "
+                "first, or build the next manager from a copy of the config"
             )
         self._check(name, value)
         object.__setattr__(self, name, value)
 
     def mark_built(self) -> None:
-        """A manager was built from this config: its :attr:`FIXED_AT_BUILD` fields are read."""
-        object.__setattr__(self, "_built", True)
+        """A manager was built from this config: its :attr:`FIXED_AT_BUILD` fields are read
+        (fixed until :meth:`release_built` by that manager's ``close()``)."""
+        object.__setattr__(self, "_built", vars(self).get("_built", 0) + 1)
+
+    def release_built(self) -> None:
+        """A manager built from this config was closed (see :meth:`mark_built`)."""
+        object.__setattr__(self, "_built", max(0, vars(self).get("_built", 0) - 1))
 
     def _check(self, name: str, value: Any) -> None:
         """Raise ``ValueError``/``TypeError`` naming the field when ``value`` is invalid."""
