@@ -960,3 +960,23 @@ def test_fastckpt_promote_refuses_a_tier_left_from_an_earlier_run(tmp_path: Path
         _run(manager, 2)
     assert cli(["promote", str(old_node), str(durable)]) == 2
     assert committed_checkpoints(durable) == ["step_0", "step_1"]
+
+
+def test_a_manager_that_only_restores_past_a_damaged_record_closes_cleanly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new manager queues the fast tier's newest checkpoint (an earlier process may have
+    left its promotion unfinished). Its ``commit.json`` damaged, the restore came from the
+    durable tier, but that queued promotion could never succeed and ``close()`` raised
+    ``PromotionError`` in a run that only restored. It is named and not queued now."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    tiers = TiersConfig(fast=fast, durable=durable, promote_every=1)
+    with _manager(tiers) as manager:
+        states = _run(manager, 3)
+    _flip_last_byte(fast / "step_2" / "commit.json")
+    with caplog.at_level(logging.WARNING), _manager(tiers) as manager:
+        assert _equal(_weights(manager.load_latest()), states[2])
+        assert manager.restored_from is not None
+        assert manager.restored_from.path == durable / "step_2"
+    assert "step_2 is not promoted: its commit record does not read" in caplog.text
+    assert fastckpt.verify(durable / "step_2").ok

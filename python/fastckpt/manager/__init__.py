@@ -342,6 +342,20 @@ def _check_world_size(
         )
 
 
+def _readable(checkpoint: Path) -> bool:
+    """Whether ``checkpoint``'s commit record reads (what an earlier process left for its
+    promotion to finish): one whose record is damaged can never be promoted, and queueing it
+    failed the run that only restored (a ``PromotionError`` at close). It is named instead."""
+    if not backend_for(checkpoint).exists(checkpoint / COMMIT_RECORD):
+        return True  # a sharded checkpoint: its own record is read by the promotion
+    try:
+        read_commit_record(checkpoint)
+    except (OSError, FastCkptError) as err:
+        _LOGGER.warning("%s is not promoted: its commit record does not read (%s)", checkpoint, err)
+        return False
+    return True
+
+
 def _record_callback_files(writer: DirectoryWriter) -> None:
     """Files a ``pre_finalize_callback`` wrote into a local staging directory (a run's
     config, metrics) are part of the checkpoint: made durable and listed in its record with
@@ -474,7 +488,7 @@ class CheckpointManager:
         )
         if self._dist.rank == 0:
             names = committed_checkpoints(fast)
-            if names and not self._fast_left_behind(fast, durable):
+            if names and not self._fast_left_behind(fast, durable) and _readable(fast / names[-1]):
                 self._promoter.submit_checkpoint(names[-1])
 
     @staticmethod
