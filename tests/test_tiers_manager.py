@@ -980,3 +980,18 @@ def test_a_manager_that_only_restores_past_a_damaged_record_closes_cleanly(
         assert manager.restored_from.path == durable / "step_2"
     assert "step_2 is not promoted: its commit record does not read" in caplog.text
     assert fastckpt.verify(durable / "step_2").ok
+
+
+def test_a_promotion_never_swaps_away_a_file_put_into_the_durable_copy(tmp_path: Path) -> None:
+    """A promotion replaces the durable ``<id>`` whole: a user's file put into it (evaluation
+    results beside the weights) was deleted without a word. It is refused now, as a save is."""
+    from fastckpt.errors import NotACheckpointError
+
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    with _manager(TiersConfig(fast=fast, durable=durable)) as manager:
+        _run(manager, 2)
+    (durable / "step_1" / "eval.json").write_text('{"acc": 0.9}')
+    with pytest.raises(NotACheckpointError, match=r"eval\.json"):
+        promote_checkpoint(fast / "step_1", durable / "step_1")
+    assert (durable / "step_1" / "eval.json").read_text() == '{"acc": 0.9}'
+    assert fastckpt.verify(durable / "step_1").ok

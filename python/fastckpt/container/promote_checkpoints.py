@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt import _native
-from fastckpt.container.commit import DirectoryWriter
+from fastckpt.container.commit import DirectoryWriter, refuse_to_replace
 from fastckpt.container.copy import IndexCopy, copy_files, read_verified, remember_written
 from fastckpt.container.listing import (  # listed here too, where they were first
     TierDates,
@@ -161,6 +161,8 @@ def promote_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike
         FileNotFoundError: ``source`` is not a committed checkpoint.
         ChecksumMismatchError / CheckpointFormatError: a source file is damaged or missing
             (named); the target is untouched.
+        NotACheckpointError: ``target`` holds what a save would not replace (a file, the
+            user's data, names its checkpoint's record does not list).
         ValueError: ``source`` is ``target``.
     """
     source, target = Path(source), Path(target)
@@ -176,6 +178,7 @@ def promote_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike
         check_relpath(relpath, "file")
         files[_stripped(record, relpath)] = (source / relpath, file_record)
     root = target.parent
+    refuse_to_replace(target)  # a user's file put into the durable copy is not swapped away
     writer = DirectoryWriter(target)
     held: dict[str, Mapping[str, Any] | None] = {}
 
