@@ -297,15 +297,14 @@ def refuse_to_replace(path: Path, *, files: bool = False) -> None:
     strays = sorted(
         n for n in names if n not in own and not n.startswith(".") and generation_order(n) is None
     )
+    shown = ", ".join(strays[:3]) + (", ..." if len(strays) > 3 else "")
     if strays and own:
-        shown = ", ".join(strays[:3]) + (", ..." if len(strays) > 3 else "")
         raise NotACheckpointError(
             f"{display_path(path)} is a checkpoint that also holds {shown}, which its record "
             "does not name; a save replaces the whole folder and would delete them: move them "
             "out first, or save under another name"
         )
     if strays:
-        shown = ", ".join(strays[:3]) + (", ..." if len(strays) > 3 else "")
         raise NotACheckpointError(
             f"{display_path(path)} holds {shown} and is not a checkpoint (no {COMMIT_RECORD}); "
             "a save replaces only a checkpoint, and would delete these: save under another "
@@ -553,13 +552,11 @@ class IndexWriter(DirectoryWriter):
             if index is None:
                 index = 0 if sealed.latest is None else sealed.latest + 1
             self.index: int = index
-            if not is_local(backend):
-                # Objects are written in place (delete first, no rename): a committed index
-                # being replaced leaves the manifest before its objects go, so the manifest
-                # never names a missing or partial object.
-                manifest = Manifest.load(root)
-                if manifest.entries.pop(index, None) is not None:
-                    manifest.commit()
+            # Objects are written in place (delete first, no rename): a committed index being
+            # replaced leaves the manifest before its objects go, so the manifest never names a
+            # missing or partial object (clean_leftovers leaves the manifest as read).
+            if not is_local(backend) and sealed.entries.pop(index, None) is not None:
+                sealed.commit()
             super().__init__(root / str(index), direct_io=direct_io, generations=False)
         except BaseException:
             self.lock.release()

@@ -74,9 +74,8 @@ def locate(path_or_root: str | os.PathLike[str]) -> Location:
             _one_kind(path, MANIFEST, others)
             return Location("root", path, root=path)
         if os.path.lexists(path / COMMIT_RECORD):
-            _one_kind(
-                path, COMMIT_RECORD, [SHARDED_RECORD] * os.path.lexists(path / SHARDED_RECORD)
-            )
+            others = [SHARDED_RECORD] if os.path.lexists(path / SHARDED_RECORD) else []
+            _one_kind(path, COMMIT_RECORD, others)
             return Location("manager", path)
         if os.path.lexists(path / SHARDED_RECORD):
             return Location("sharded", path)
@@ -127,7 +126,8 @@ def _locate_object(path: Path, backend: StorageBackend) -> Location:
         _one_kind(path, MANIFEST, others)
         return Location("root", path, root=path)
     if backend.exists(path / COMMIT_RECORD):
-        _one_kind(path, COMMIT_RECORD, [SHARDED_RECORD] * backend.exists(path / SHARDED_RECORD))
+        others = [SHARDED_RECORD] if backend.exists(path / SHARDED_RECORD) else []
+        _one_kind(path, COMMIT_RECORD, others)
         return Location("manager", path)
     if backend.exists(path / SHARDED_RECORD):
         return Location("sharded", path)

@@ -253,12 +253,9 @@ def _paths(metadata: Metadata, where: Path) -> dict[str, tuple[Any, ...]]:
         if path is None:
             paths[fqn] = tuple(fqn.split("."))
             continue
-        if (
-            not isinstance(path, (tuple, list))
-            or not path
-            or not all(type(part) in (str, int) for part in path)
-            or ".".join(map(str, path)) != fqn
-        ):
+        # The record's decoder proved every tuple of str/int keys spells its entry's name
+        # (format.sharded._check_consistent); anything else is a custom planner's data.
+        if not isinstance(path, tuple) or not all(type(part) in (str, int) for part in path):
             raise CheckpointFormatError(
                 f"{where}: the planner data of {fqn!r} is {path!r}, not the key path of that "
                 "entry; the record was edited or is damaged"

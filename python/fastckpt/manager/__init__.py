@@ -369,9 +369,9 @@ def _record_callback_files(writer: DirectoryWriter) -> None:
         for name in names:
             path = Path(directory) / name
             relpath = path.relative_to(staging).as_posix()
-            if relpath in writer.files or relpath == COMMIT_RECORD or not path.is_file():
-                continue
-            if path.is_symlink():
+            if relpath in writer.files or relpath == COMMIT_RECORD:
+                continue  # the checkpoint's own files (its record is written after)
+            if path.is_symlink() or not path.is_file():
                 continue
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -1107,9 +1107,10 @@ class CheckpointManager:
                 self._spec(key)  # strict mode (Config.default None): only declared items
                 check_template(template, key)
         if _is_sharded(directory):
-            from fastckpt.dcp.state import stored_items  # torch.distributed.checkpoint: heavy
+            if self.config.items:  # a record read only when there are items to check
+                from fastckpt.dcp.state import stored_items  # torch.distributed.checkpoint
 
-            self._check_required(directory, stored_items(directory), into)
+                self._check_required(directory, stored_items(directory), into)
             return self._load_sharded(directory, into, map_location, strict)
 
         rank = self._dist.rank
