@@ -78,6 +78,7 @@ from fastckpt.storage.backend import (
 from fastckpt.storage.backend import _sibling as temp_sibling
 from fastckpt.storage.lock import RootLock
 from fastckpt.storage.registry import backend_for, display_path, is_local
+from fastckpt.storage.s3.errors import CommitOutcomeUnknownError
 
 if TYPE_CHECKING:
     import torch
@@ -409,6 +410,9 @@ class DirectoryWriter:
         self.backend = backend_for(self.final)
         self.generation: str | None = None
         self._record: bytes | None = None
+        # A commit whose outcome is unknown (CommitOutcomeUnknownError): the record may name
+        # what was written, so abort() keeps it.
+        self._keep = False
         stage_at = self.final
         if not is_local(self.backend):
             if generations:
@@ -479,18 +483,29 @@ class DirectoryWriter:
         record, self._record = self._record, None
         # The writer holds the checkpoint's lock: whatever the record does not name (the
         # replaced generation, killed saves' objects) is garbage once it is written.
-        commit_generation(
-            self.final,
-            COMMIT_RECORD,
-            record,
-            self.generation,
-            sweep_all=True,
-            reread=False,
-            backend=self.backend,
-        )
+        try:
+            commit_generation(
+                self.final,
+                COMMIT_RECORD,
+                record,
+                self.generation,
+                sweep_all=True,
+                reread=False,
+                backend=self.backend,
+            )
+        except CommitOutcomeUnknownError:
+            self._keep = True
+            raise
 
     def abort(self) -> None:
-        """Drop what was written."""
+        """Drop what was written (kept after a commit whose outcome is unknown: the record
+        may name it)."""
+        if self._keep:
+            _LOG.warning(
+                "%s: keeping what this save wrote: its commit may have been applied",
+                display_path(self.final),
+            )
+            return
         self.staging.discard()
 
 
@@ -652,6 +667,9 @@ class IndexWriter(DirectoryWriter):
             except FileExistsError:
                 # Another writer committed first (an object store's conditional put, or a
                 # lost lease): what is at self.final may be its objects by now; leave them.
+                raise
+            except CommitOutcomeUnknownError:
+                self._keep = True  # the manifest may name them
                 raise
             except BaseException:
                 self.backend.delete(self.final)

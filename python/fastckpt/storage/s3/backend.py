@@ -67,7 +67,9 @@ from fastckpt.storage.s3.copy import (
     remember_written,
 )
 from fastckpt.storage.s3.errors import (
+    AccessDeniedError,
     CommitConflictError,
+    CommitOutcomeUnknownError,
     LeaseLostError,
     ObjectNotFoundError,
     ObjectStoreError,
@@ -321,9 +323,14 @@ class S3Backend(StorageBackend):
         writer committed meanwhile is never overwritten, however often it was re-read. The
         lease is renewed (conditionally) right before the put.
 
+        A put that fails without a refusal (no answer, a server error, a conflict met by a
+        retry) is decided by reading the record back: committed when it holds ``data``.
+
         Raises:
             LeaseLostError: this holder's lease was taken over; nothing was written.
             CommitConflictError: another writer replaced (or created) it meanwhile.
+            CommitOutcomeUnknownError: the put failed and the record cannot be read back: it
+                may have been applied (delete nothing it may name).
         """
         key = self._key(path)
         lease = held_lease(self.client, key)
@@ -341,11 +348,45 @@ class S3Backend(StorageBackend):
             except ObjectNotFoundError:
                 etag = None
         mode: str | dict[str, Any] = {"e_tag": etag} if etag else "create"
-        new_etag = self.client.put(key, data, mode=mode)
+        try:
+            new_etag = self.client.put(key, data, mode=mode)
+        except (AccessDeniedError, ObjectNotFoundError):
+            raise  # answered, and refused: nothing was written
+        except ObjectStoreError as err:
+            # No answer, a server error, or a conflict met by a retry of a put that was
+            # applied: the store may hold this very record. What it reads back decides.
+            new_etag = self._applied(key, data, err)
         with self._etags_lock:
             self._etags[key] = new_etag
         if lease is not None:
             lease.saw_version(key, new_etag, wrote=True)
+
+    def _applied(self, key: str, data: bytes, failure: ObjectStoreError) -> str | None:
+        """After the put of record ``key`` failed with ``failure``: the record's etag when it
+        reads back as ``data`` byte for byte (the store applied the put, its answer was lost:
+        committed). Raises ``failure`` when it reads back as anything else (not committed),
+        :class:`CommitOutcomeUnknownError` when it cannot be read (the caller must not delete
+        what the record may name)."""
+        try:
+            stored, meta = self.client.get(key, limit=len(data))
+        except (ObjectNotFoundError, CheckpointFormatError):
+            raise failure from None  # none, or longer than this record: not this put's
+        except ObjectStoreError as err:
+            raise CommitOutcomeUnknownError(
+                f"{self.client.url(key)}: the put of this commit record failed ({failure}) and "
+                f"reading it back failed too ({err}): the store may have applied it, so the "
+                "save is reported failed but nothing it wrote is deleted. Once the store "
+                "answers, `fastckpt verify` shows which checkpoint is committed; the next save "
+                "removes what no record names."
+            ) from failure
+        if stored != data:
+            raise failure
+        _LOG.warning(
+            "%s: the store applied this commit record although its put failed (%s): committed",
+            self.client.url(key),
+            failure,
+        )
+        return meta.etag
 
     def delete(self, path: Path) -> None:
         """Remove the object at ``path`` and everything under it (unfinished uploads too).

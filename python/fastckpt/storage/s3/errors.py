@@ -16,6 +16,7 @@ __all__ = [
     "AccessDeniedError",
     "BucketNotFoundError",
     "CommitConflictError",
+    "CommitOutcomeUnknownError",
     "EndpointUnreachableError",
     "ForkedAfterUseError",
     "LeaseLostError",
@@ -49,6 +50,14 @@ class EndpointUnreachableError(ObjectStoreError, ConnectionError):
 
 class CommitConflictError(ObjectStoreError, FileExistsError):
     """A conditional put lost: another writer committed the same record first."""
+
+
+class CommitOutcomeUnknownError(ObjectStoreError, ConnectionError):
+    """A commit record's put got no usable answer (a dropped connection, a timeout, a server
+    error) and the record could not be read back either: the store may have applied it. The
+    save is reported failed, but nothing it wrote is deleted (the record may name it); once the
+    store answers, ``fastckpt verify`` tells which checkpoint is committed, and the next save
+    clears what no record names."""
 
 
 class LeaseLostError(CommitConflictError):

@@ -1,0 +1,142 @@
+"""A commit record's put whose answer is lost: the store may have applied it.
+
+fastckpt reads the record back to decide. Applied (it holds this save's bytes): the save
+committed, nothing it wrote is deleted. Not applied: the save fails and cleans up. Unreadable:
+the save fails with ``CommitOutcomeUnknownError`` and deletes nothing the record may name.
+Every byte goes through a fault-injecting proxy (tests/s3_fault_proxy.py) to a real moto
+server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.manager import LocalFileSystemStorageConfig
+from fastckpt.storage.s3.errors import CommitOutcomeUnknownError, EndpointUnreachableError
+from s3_fault_proxy import Fault, FaultProxy
+from s3_support import S3Server, s3_root, s3_server
+
+__all__ = ["s3_root", "s3_server"]
+
+
+@pytest.fixture
+def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
+    proxy = FaultProxy(s3_server.endpoint)
+    yield proxy
+    proxy.close()
+
+
+def _options(server: S3Server, proxy: FaultProxy) -> dict[str, Any]:
+    # Few, quick retries: a read-back that cannot get through fails within seconds.
+    return server.options(
+        endpoint_url=proxy.endpoint, max_retries=1, retry_timeout_s=2, read_timeout_s=2
+    )
+
+
+def _manager(options: dict[str, Any]) -> fastckpt.CheckpointManager:
+    config = fastckpt.CheckpointManager.Config.with_sync_save()
+    config.storage_config = LocalFileSystemStorageConfig(storage_options=options)
+    return fastckpt.CheckpointManager(config)
+
+
+def _fault(proxy: FaultProxy, fault: Fault) -> Fault:
+    with proxy.lock:
+        proxy.faults.append(fault)
+    return fault
+
+
+def test_a_root_manifest_applied_without_an_answer_is_a_committed_save(
+    s3_server: S3Server, s3_root: str, proxy: FaultProxy
+) -> None:
+    options = _options(s3_server, proxy)
+    model = torch.nn.Linear(8, 8)
+    fastckpt.save_checkpoint(
+        s3_root, models={"m": model}, counters={"step": 1}, storage_options=options
+    )
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    lost = _fault(proxy, Fault("PUT", "/manifest.json", "lose_reply"))
+    # Was: EndpointUnreachableError, and the objects the applied manifest names deleted
+    # (index 1 listed, FileNotFoundError at load).
+    assert (
+        fastckpt.save_checkpoint(
+            s3_root, models={"m": model}, counters={"step": 2}, storage_options=options
+        )
+        == 1
+    )
+    assert lost.hits == 1
+    assert fastckpt.verify(s3_root, storage_options=options).ok
+    loaded = fastckpt.load_checkpoint(s3_root, storage_options=options)
+    assert loaded["manifest"]["counters"] == {"step": 2}
+    assert torch.equal(loaded["models"]["m"]["model"].weight, model.weight)
+
+
+def test_a_manager_record_applied_without_an_answer_is_a_committed_save(
+    s3_server: S3Server, s3_root: str, proxy: FaultProxy
+) -> None:
+    options = _options(s3_server, proxy)
+    path = f"{s3_root}/step"
+    with _manager(options) as manager:
+        manager.save(path, {"x": torch.full((1000,), 1.0), "step": 1})
+        lost = _fault(proxy, Fault("PUT", "/step/commit.json", "lose_reply"))
+        # Was: EndpointUnreachableError with the new generation deleted under the applied
+        # record and the old one unnamed: neither step loaded.
+        manager.save(path, {"x": torch.full((1000,), 2.0), "step": 2})
+        assert lost.hits == 1
+    with _manager(options) as manager:
+        state = manager.load(path)
+    assert state["step"] == 2 and torch.equal(state["x"], torch.full((1000,), 2.0))
+    assert fastckpt.verify(path, storage_options=options).ok
+
+
+def test_a_record_whose_put_and_read_back_both_fail_keeps_what_it_may_name(
+    s3_server: S3Server, s3_root: str, proxy: FaultProxy
+) -> None:
+    options = _options(s3_server, proxy)
+    path = f"{s3_root}/step"
+    with _manager(options) as manager:
+        manager.save(path, {"x": torch.full((1000,), 1.0), "step": 1})
+        lost = _fault(proxy, Fault("PUT", "/step/commit.json", "lose_reply"))
+        unreadable = _fault(proxy, Fault("GET", "/step/commit.json", "cut", times=None, after=lost))
+        with pytest.raises(CommitOutcomeUnknownError, match=r"commit\.json") as raised:
+            manager.save(path, {"x": torch.full((1000,), 2.0), "step": 2})
+        assert "nothing it wrote is deleted" in str(raised.value)
+        assert unreadable.hits >= 1
+        with proxy.lock:
+            proxy.faults.clear()
+    # The store did apply it: the checkpoint it names is whole.
+    with _manager(options) as manager:
+        state = manager.load(path)
+    assert state["step"] == 2 and torch.equal(state["x"], torch.full((1000,), 2.0))
+    assert fastckpt.verify(path, storage_options=options).ok
+
+
+def test_a_record_put_that_was_never_applied_fails_the_save_and_keeps_the_last(
+    s3_server: S3Server, s3_root: str, proxy: FaultProxy
+) -> None:
+    options = _options(s3_server, proxy)
+    model = torch.nn.Linear(8, 8)
+    fastckpt.save_checkpoint(
+        s3_root, models={"m": model}, counters={"step": 1}, storage_options=options
+    )
+    _fault(proxy, Fault("PUT", "/manifest.json", "cut", times=None))
+    with pytest.raises(EndpointUnreachableError):
+        fastckpt.save_checkpoint(
+            s3_root, models={"m": model}, counters={"step": 2}, storage_options=options
+        )
+    with proxy.lock:
+        proxy.faults.clear()
+    assert [
+        row["index"] for row in fastckpt.list_checkpoints(s3_root, storage_options=options)
+    ] == [0]
+    assert fastckpt.verify(s3_root, storage_options=options).ok
+    # What the failed save wrote is gone (nothing under index 1).
+    listed = s3_server.client().list_objects_v2(
+        Bucket=s3_server.bucket, Prefix=s3_root.split("/", 3)[3] + "/1/"
+    )
+    assert listed.get("KeyCount", 0) == 0
