@@ -201,3 +201,43 @@ def test_the_sharded_commit_is_the_protocol(
     sharded_commit.commit(tmp_path, generation, _record(tmp_path, generation), lambda: None)
     assert seen == [(tmp_path, generation, sharded_commit.RECORD_NAME)]
     assert Path(protocol.__file__).read_text().count(".put_record(") == 1
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-save", "later-save"])
+def test_an_interruption_after_the_manifest_took_its_place_keeps_the_index_it_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: bool
+) -> None:
+    # Ctrl-C (SIGINT's KeyboardInterrupt) landing right after the new manifest was renamed
+    # into place, before the write returned: the save is interrupted, but its index is
+    # committed. Before, the clean-up deleted the index directory the manifest names
+    # (load_checkpoint: FileNotFoundError; a first save left no loadable checkpoint at all).
+    import signal
+
+    import torch
+
+    import fastckpt
+    from fastckpt import _native
+
+    root = tmp_path / "root"
+    model = torch.nn.Linear(8, 8)
+    if not first:
+        fastckpt.save_checkpoint(root, models={"m": model}, counters={"step": 1})
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    write = _native.write_bytes_atomic
+
+    def write_then_interrupt(path: str, data: bytes, *args: Any) -> Any:
+        result = write(path, data, *args)
+        if path.endswith("manifest.json"):
+            signal.raise_signal(signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(_native, "write_bytes_atomic", write_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        fastckpt.save_checkpoint(root, models={"m": model}, counters={"step": 2})
+    monkeypatch.setattr(_native, "write_bytes_atomic", write)
+    assert fastckpt.verify(root).ok
+    loaded = fastckpt.load_checkpoint(root)
+    assert loaded["manifest"]["counters"] == {"step": 2}
+    assert torch.equal(loaded["models"]["m"]["model"].weight, model.weight)
+    assert fastckpt.save_checkpoint(root, models={"m": model}) == (1 if first else 2)

@@ -672,10 +672,25 @@ class IndexWriter(DirectoryWriter):
                 self._keep = True  # the manifest may name them
                 raise
             except BaseException:
-                self.backend.delete(self.final)
+                # An interruption (Ctrl-C, a signal handler raising) can land after the new
+                # manifest took its place: the files it names are then kept.
+                if self._recorded():
+                    self._keep = True
+                else:
+                    self.backend.delete(self.final)
                 raise
         finally:
             self.lock.release()
+
+    def _recorded(self) -> bool:
+        """Whether the root's manifest names this index with the files written here (or
+        cannot be read, which leaves the question open: the files are kept, the next save's
+        clean-up removes them if no manifest names them)."""
+        try:
+            listed = Manifest.load(self.root).entries.get(self.index)
+        except Exception:  # unreadable: keep rather than guess
+            return True
+        return listed is not None and listed.get("files") == self.files
 
     def abort(self) -> None:
         """Drop what was written and release the root lock."""
