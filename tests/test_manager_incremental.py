@@ -695,3 +695,47 @@ def test_inference_tensors_are_always_written(
         loaded = manager.load(tmp_path / "b")
     assert torch.equal(loaded["stats"]["t"], torch.ones(64))
     _assert_bitwise(loaded["model"], _snapshot(model))
+
+
+def test_another_process_saving_the_same_id_never_damages_this_managers_next_saves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two jobs save one id (RELIABILITY: not serialized, the last one wins). Job B's save of
+    # the id lands between job A's commit and A's tracking of what it committed (here:
+    # injected at that instant). Before, A took B's files for its own (stat after the
+    # commit) and its next incremental save, of an id only A writes, linked B's file under
+    # A's record: that checkpoint failed its checksum, and every later one built on it.
+    from fastckpt.manager import incremental
+
+    frozen = torch.randn(100_000)
+
+    def state(value: int) -> dict[str, object]:
+        return {"model": {"w": torch.full((1000,), float(value)), "frozen": frozen}, "step": value}
+
+    job_a = CheckpointManager(CheckpointManager.Config.with_sync_save())
+    job_b = CheckpointManager(CheckpointManager.Config.with_sync_save())
+    record = incremental.Tracker.record
+    raced: list[Path] = []
+
+    def record_after_a_racing_save(self: incremental.Tracker, directory: Path, *args, **kw):
+        if not raced and directory.name == "shared":
+            raced.append(directory)
+            job_b.save(tmp_path / "shared", state(2))
+        return record(self, directory, *args, **kw)
+
+    monkeypatch.setattr(incremental.Tracker, "record", record_after_a_racing_save)
+    job_a.save(tmp_path / "shared", state(1))
+    assert raced
+    monkeypatch.setattr(incremental.Tracker, "record", record)
+    for step in (3, 4):
+        job_a.save(tmp_path / "own", state(step))
+        assert fastckpt.verify(tmp_path / "own").ok
+        loaded = job_a.load(tmp_path / "own")
+        assert loaded["step"] == step
+        assert torch.equal(loaded["model"]["frozen"], frozen)
+    assert fastckpt.verify(tmp_path / "shared").ok
+    assert job_a.load(tmp_path / "shared")["step"] == 2
+    # Still incremental after the race: the second save of "own" links the frozen tensor.
+    assert read_commit_record(tmp_path / "own").get("refs")
+    job_a.close()
+    job_b.close()

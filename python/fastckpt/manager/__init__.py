@@ -1019,7 +1019,10 @@ class CheckpointManager:
             # Committed: from now on the next save may link this checkpoint's files.
             own = {key: writer.stored_relpath(self._tensor_file(key)) for key in snapshot.skeletons}
             try:
-                self._tracker.record(final, plan, writer.files, own, refs)
+                identities = (
+                    writer.staging.identities if isinstance(writer.staging, LocalStaging) else None
+                )
+                self._tracker.record(final, plan, writer.files, own, refs, identities)
             except OSError as err:  # e.g. the checkpoint was deleted at once
                 self._tracker.forget()
                 _LOGGER.info("%s: not tracked for incremental saves (%s)", final, err)

@@ -397,6 +397,7 @@ class Tracker:
         files: Mapping[str, Mapping[str, int]],
         own_files: Mapping[str, str],
         refs: Mapping[str, Mapping[str, Reference]],
+        identities: Mapping[str, Identity] | None = None,
     ) -> None:
         """After ``directory`` committed: track what it holds (or forget, ``plan`` None).
 
@@ -406,6 +407,11 @@ class Tracker:
             files: its commit record's files.
             own_files: item -> the relpath of its own tensor file.
             refs: item -> tensor name -> reference (relpaths of ``directory``).
+            identities: relpath -> :data:`Identity` of the files as this save committed
+                them (:attr:`fastckpt.storage.backend.LocalStaging.identities`). Asked of
+                ``directory`` after the commit instead, a file another process's save of
+                the same id put there meanwhile was taken for this save's, and the next
+                save linked it under this save's records (a damaged checkpoint).
         """
         self.distrusted = False  # a save committed after the damage: track it as usual
         if plan is None:
@@ -414,7 +420,7 @@ class Tracker:
         saved = SavedCheckpoint(_canonical(directory))
         backend = backend_for(saved.directory)
         for key, relpath in own_files.items():
-            self._track_file(saved, relpath, files)
+            self._track_file(saved, relpath, files, identities)
             header = backend.read_header(saved.directory / relpath)["tensors"]
             for name, info in header.items():
                 tracked = plan.written.get(key, {}).get(name) or plan.referenced.get(key, {}).get(
@@ -424,17 +430,23 @@ class Tracker:
                     continue
                 saved.tensors[(key, name)] = (tracked, _reference(relpath, name, info))
             for name, ref in refs.get(key, {}).items():
-                self._track_file(saved, ref["file"], files)
+                self._track_file(saved, ref["file"], files, identities)
                 saved.tensors[(key, name)] = (plan.referenced[key][name], dict(ref))
         self.last = saved
 
     @staticmethod
     def _track_file(
-        saved: SavedCheckpoint, relpath: str, files: Mapping[str, Mapping[str, int]]
+        saved: SavedCheckpoint,
+        relpath: str,
+        files: Mapping[str, Mapping[str, int]],
+        identities: Mapping[str, Identity] | None,
     ) -> None:
         if relpath in saved.files:
             return
-        identity = _stored_identity(saved.directory / relpath)
+        if identities is not None and relpath in identities:
+            identity: Identity | None = identities[relpath]
+        else:
+            identity = _stored_identity(saved.directory / relpath)
         if identity is None:
             raise FileNotFoundError(errno.ENOENT, "gone right after its commit", relpath)
         record = files[relpath]

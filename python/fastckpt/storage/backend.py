@@ -545,6 +545,10 @@ class LocalStaging(Staging):
         self.temp = _sibling(TEMP_PREFIX, final)
         self.temp.mkdir()
         self.files = {}
+        #: relpath -> ``(st_dev, st_ino, st_size, st_mtime_ns)`` of each file as
+        #: :meth:`publish` put it in place (read before the swap: after it, ``final`` may
+        #: already hold another writer's directory).
+        self.identities: dict[str, tuple[int, int, int, int]] = {}
         self._dirs: set[Path] = {self.temp}
 
     @property
@@ -682,6 +686,9 @@ class LocalStaging(Staging):
         """fsync every directory, swap the temporary directory into place, fsync the parent."""
         for directory in sorted(self._dirs, key=lambda p: len(p.parts), reverse=True):
             _native.fsync_dir(str(directory))
+        for relpath in self.files:
+            info = os.stat(self.temp / relpath, follow_symlinks=False)
+            self.identities[relpath] = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
         old: Path | None = None
         if os.path.lexists(self.final):
             if exchange_paths(self.temp, self.final):
