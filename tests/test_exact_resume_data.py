@@ -127,6 +127,70 @@ def test_a_dataset_drawing_from_python_and_numpy_rngs_resumes_exactly(
     resume_matches(tmp_path, lambda: (noisy_loader(), []), stop)
 
 
+class GlobalRngSampler(torch.utils.data.Sampler[int]):
+    """A sampler shuffling with NumPy's or Python's global RNG in ``__iter__`` (bucketing and
+    length-grouped samplers often do)."""
+
+    def __init__(self, size: int, source: str) -> None:
+        self.size = size
+        self.source = source
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Any:
+        if self.source == "numpy":
+            return iter(np.random.permutation(self.size).tolist())
+        order = list(range(self.size))
+        random.shuffle(order)
+        return iter(order)
+
+
+@pytest.mark.parametrize("source", ["numpy", "python"])
+def test_a_sampler_shuffling_with_numpy_or_python_rngs_resumes_exactly(
+    tmp_path: Path, source: str
+) -> None:
+    """The replay of the resumed epoch starts from every CPU RNG as the epoch began. Before,
+    only torch's was put back: a sampler drawing its order from NumPy's or Python's drew it
+    from the checkpoint's mid-epoch state, and the resumed run read other batches (its losses
+    diverged at the first resumed step, with no warning)."""
+
+    def data() -> tuple[DataLoader[Any], list[Any]]:
+        gen = torch.Generator().manual_seed(6)
+        x = torch.randn(32, 4, generator=gen)
+        dataset = TensorDataset(x, x.sum(dim=1, keepdim=True))
+        return DataLoader(dataset, batch_size=4, sampler=GlobalRngSampler(32, source)), []
+
+    resume_matches(tmp_path, data, 5)
+
+
+def test_a_checkpoint_recording_only_torchs_epoch_start_rng_still_resumes_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpoints of an earlier fastckpt hold torch's epoch-start state alone (a tensor):
+    they still load, and a loader shuffled by torch's RNG resumes exactly from them."""
+    from fastckpt.training import strategy as strategy_module
+
+    straight_log = support.LossRecorder()
+    seeded([straight_log], STEPS).run(noisy_loader())
+    with monkeypatch.context() as earlier:
+        earlier.setattr(strategy_module, "_cpu_rng_state", torch.get_rng_state)
+        first_log = support.LossRecorder()
+        hook = fastckpt.CheckpointHook(tmp_path / "run", step_interval=5, async_save=False)
+        seeded([first_log, hook], 5).run(noisy_loader())
+    torch.manual_seed(123)
+    np.random.seed(123)
+    random.seed(123)
+    resumed_log = support.LossRecorder()
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(
+        tmp_path / "run", hooks=[resumed_log], training_fn=support.training_fn
+    )
+    assert isinstance(resumed._epoch_start_rng, torch.Tensor)
+    resumed.num_steps = STEPS
+    resumed.run(noisy_loader())
+    assert first_log.losses + resumed_log.losses == straight_log.losses
+
+
 def test_a_distributed_sampler_set_by_a_before_epoch_hook_resumes_exactly(
     tmp_path: Path,
 ) -> None:

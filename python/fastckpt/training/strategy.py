@@ -255,6 +255,11 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
+def _cpu_rng_state() -> dict[str, Any]:
+    """:func:`_rng_state` without the CUDA generators (what a data order draws from)."""
+    return {name: value for name, value in _rng_state().items() if name != "cuda"}
+
+
 def _set_rng_state(state: Mapping[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(int(x) for x in internal.tolist()), gauss))
@@ -358,7 +363,9 @@ class TrainingStrategy:
         self.batch_count = 0
         self.epoch_count = 0
         self.epoch_step_count = 0
-        self._epoch_start_rng: torch.Tensor | None = None
+        #: every CPU RNG (Python's, NumPy's, torch's) as the current epoch began (a torch
+        #: state tensor alone when restored from a checkpoint of an earlier fastckpt)
+        self._epoch_start_rng: dict[str, Any] | torch.Tensor | None = None
         #: The states of the loader's own generators when the epoch began (see
         #: :func:`_loader_generators`); None before the first epoch.
         self._epoch_start_loader_rng: list[torch.Tensor] | None = None
@@ -536,19 +543,23 @@ class TrainingStrategy:
 
         A run resumed mid-epoch fires ``BEFORE_EPOCH`` again (with ``epoch_step_count`` > 0):
         the epoch's setup in this process, such as ``DistributedSampler.set_epoch``, must
-        precede the replay. Every RNG is put back after the replay: it draws from torch's
-        (the shuffle) and, through the dataset, from Python's and NumPy's, which the resumed
-        batches must find as the checkpoint left them."""
+        precede the replay. The replay starts from every CPU RNG as the epoch began: a
+        sampler may shuffle with torch's, Python's (``random.shuffle``) or NumPy's
+        (``np.random.permutation``), and the dataset draws from them too. Every RNG is put
+        back after the replay, as the checkpoint left them for the resumed batches."""
         if self.epoch_step_count == 0 or self._epoch_start_rng is None:
             self.epoch_step_count = 0
             self._fire(TrainingStage.BEFORE_EPOCH)
             self._restore_loader_generators(train_loader)
-            self._epoch_start_rng = torch.get_rng_state()
+            self._epoch_start_rng = _cpu_rng_state()
             self._epoch_start_loader_rng = [g.get_state() for g in _loader_generators(train_loader)]
             return iter(train_loader)
         current = _rng_state()
         self._fire(TrainingStage.BEFORE_EPOCH)
-        torch.set_rng_state(self._epoch_start_rng)
+        if isinstance(self._epoch_start_rng, torch.Tensor):
+            torch.set_rng_state(self._epoch_start_rng)  # recorded by an earlier fastckpt
+        else:
+            _set_rng_state(self._epoch_start_rng)
         self._rewind_loader_generators(train_loader)
         self._resume_loader_pending = False  # the replay advances them as the saved run did
         iterator = iter(train_loader)
@@ -1541,7 +1552,8 @@ class _Runtime:
 
     counters: dict[str, int]
     rng: dict[str, Any]
-    epoch_start_rng: torch.Tensor | None
+    #: every CPU RNG as the epoch began (a torch state tensor: saved by an earlier fastckpt)
+    epoch_start_rng: dict[str, Any] | torch.Tensor | None
     #: the loader's own generators' states at the epoch's start (None: none recorded)
     epoch_start_loader_rng: list[torch.Tensor] | None
     #: their states when the checkpoint was taken (None: saved by an earlier fastckpt)
@@ -1646,13 +1658,20 @@ def _check_run_rng(record: Mapping[str, Any], where: str, field: str) -> None:
     with _malformed(where, f"{field}rng"):
         _check_rng_state(record.get("rng"))
     for name, check in (
-        ("epoch_start_rng", _check_torch_rng),
+        ("epoch_start_rng", _check_epoch_start_rng),
         ("epoch_start_loader_rng", _check_loader_rng),
         ("loader_rng", _check_loader_rng),
     ):
         if record.get(name) is not None:
             with _malformed(where, f"{field}{name}"):
                 check(record[name])
+
+
+def _check_epoch_start_rng(state: Any) -> None:
+    if isinstance(state, torch.Tensor):
+        _check_torch_rng(state)  # recorded by an earlier fastckpt: torch's state alone
+    else:
+        _check_rng_state(state)
 
 
 def _check_loader_rng(states: Any) -> None:
