@@ -240,6 +240,23 @@ def test_save_checkpoint_refuses_an_index_that_is_not_an_int(tmp_path: Path) -> 
     assert not tmp_path.exists()  # nothing was written
 
 
+def test_save_checkpoint_refuses_an_index_its_manifest_cannot_hold(tmp_path: Path) -> None:
+    # Before, index time.time_ns() (19 digits) was committed and every later read of the
+    # root (its other indices too), save, prune and list raised CheckpointFormatError.
+    from fastckpt.format.records import MAX_INDEX
+
+    model = nn.Linear(2, 2)
+    save_checkpoint(tmp_path, models={"main": (model, None)})
+    for bad in (MAX_INDEX + 1, 1_796_504_249_489_275_099):
+        with pytest.raises(ValueError, match=r"from 0 to 999999999999999999"):
+            save_checkpoint(tmp_path, models={"main": (model, None)}, checkpoint_index=bad)
+    assert [row["index"] for row in fastckpt.list_checkpoints(tmp_path)] == [0]
+    assert save_checkpoint(tmp_path, models={"main": (model, None)}, checkpoint_index=MAX_INDEX)
+    assert verify(tmp_path).ok
+    assert load_checkpoint(tmp_path)["checkpoint_index"] == MAX_INDEX
+    assert load_checkpoint(tmp_path, checkpoint_index=0)["checkpoint_index"] == 0
+
+
 def test_none_means_the_latest_and_integer_scalars_are_ints(root: Path) -> None:
     assert load_checkpoint(root, checkpoint_index=None)["checkpoint_index"] == 2
     assert load_checkpoint(root, checkpoint_index=np.int64(1))["checkpoint_index"] == 1

@@ -109,7 +109,8 @@ def save_checkpoint(
 
     Raises:
         TypeError / ValueError: bad components, or a ``checkpoint_index`` that is not an
-            ``int`` (a bool, float or string) (nothing is written).
+            ``int`` (a bool, float or string) or out of range (-1, or 0 to
+            ``MAX_INDEX`` = 10**18 - 1) (nothing is written).
         OSError: writing failed (nothing is committed; earlier indices are untouched).
         TimeoutError: ``lock_timeout`` passed while another process held the root (the
             message names it: pid and host).

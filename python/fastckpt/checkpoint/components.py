@@ -40,7 +40,7 @@ from fastckpt.container.refs import (
 )
 from fastckpt.container.verify import checked_index
 from fastckpt.errors import CheckpointFormatError, FastCkptError
-from fastckpt.format.records import Manifest
+from fastckpt.format.records import MAX_INDEX, Manifest
 from fastckpt.io import tree
 from fastckpt.io.files import torch_shape
 from fastckpt.io.headers import read_metadata
@@ -417,8 +417,11 @@ def write_snapshot(
     root = Path(root)
     manifest = Manifest.load(root)
     index = _next_index(manifest) if checkpoint_index == -1 else checkpoint_index
-    if index < 0:
-        raise ValueError(f"checkpoint_index must be -1 or >= 0, got {checkpoint_index}")
+    if not 0 <= index <= MAX_INDEX:
+        raise ValueError(
+            f"checkpoint_index must be -1 (the next) or from 0 to {MAX_INDEX}, got "
+            f"{checkpoint_index}"
+        )
     plan_incremental(root, snapshot)
     if snapshot.plan is not None:
         # The content proof: digests of the bytes about to be written (outside the lock).

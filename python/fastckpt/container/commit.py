@@ -55,6 +55,7 @@ from fastckpt.format.records import (
     COMMIT_RECORD,
     GENERATION_PREFIX,
     MANIFEST,
+    MAX_INDEX,
     SHARDED_DIR,
     SHARDED_RECORD,
     Manifest,
@@ -544,13 +545,16 @@ class IndexWriter(DirectoryWriter):
         the lock); ``lock_timeout`` None waits for other writers as long as they take.
 
         Raises:
-            ValueError: a negative index.
+            ValueError: a negative index, or one over MAX_INDEX (10**18 - 1).
             TimeoutError: another process held the root longer than ``lock_timeout``.
             CheckpointFormatError: ``index`` is None and the manifest is damaged.
         """
         root = Path(root)
-        if index is not None and index < 0:
-            raise ValueError(f"checkpoint index must be >= 0 (or None for the next), got {index}")
+        if index is not None and not 0 <= index <= MAX_INDEX:
+            raise ValueError(
+                f"checkpoint index must be from 0 to {MAX_INDEX} (or None for the next), got "
+                f"{index}"
+            )
         backend = backend_for(root)
         if is_local(backend):
             make_dirs(root)

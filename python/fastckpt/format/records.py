@@ -39,6 +39,7 @@ __all__ = [
     "MANAGER_SCHEMA_VERSION",
     "MANIFEST",
     "MANIFEST_CRC_FIELD",
+    "MAX_INDEX",
     "SAVED_NOW",
     "SAVED_NS",
     "SCHEMA_VERSION",
@@ -67,6 +68,9 @@ __all__ = [
     "seal_manifest",
     "tensor_reference",
 ]
+
+#: The largest checkpoint index a manifest holds (18 decimal digits): saves refuse larger ones.
+MAX_INDEX = 10**18 - 1
 
 #: The commit record of a save_checkpoint root.
 MANIFEST = "manifest.json"
@@ -449,8 +453,10 @@ def _parse_entries(path: Path, data: Any) -> dict[int, dict[str, Any]]:
         raise CheckpointFormatError(f"{shown}: field 'checkpoints' must be an object")
     entries: dict[int, dict[str, Any]] = {}
     for key, entry in checkpoints.items():
-        if not (key.isdigit() and len(key) <= 18 and str(int(key)) == key):
-            raise CheckpointFormatError(f"{shown}: checkpoint index {key!r} is not an integer")
+        if not (key.isdigit() and len(key) <= len(str(MAX_INDEX)) and str(int(key)) == key):
+            raise CheckpointFormatError(
+                f"{shown}: checkpoint index {key!r} is not an integer from 0 to {MAX_INDEX}"
+            )
         where = f"{shown}: checkpoints.{key}"
         if not isinstance(entry, dict):
             raise CheckpointFormatError(f"{where}.files must be an object")

@@ -46,7 +46,7 @@ from fastckpt.errors import (
     UnsupportedValueError,
     UntrustedTargetError,
 )
-from fastckpt.format.records import MANIFEST, Manifest
+from fastckpt.format.records import MANIFEST, MAX_INDEX, Manifest
 from fastckpt.io import tree
 from fastckpt.storage.registry import display_path, use_storage_options
 from fastckpt.training.hooks.context import (
@@ -894,8 +894,11 @@ class TrainingStrategy:
         if world > 1:
             dist.broadcast_object_list(decided, src=0)
         index = int(decided[0])
-        if index < 0:
-            raise ValueError(f"checkpoint_index must be -1 or >= 0, got {checkpoint_index}")
+        if not 0 <= index <= MAX_INDEX:
+            raise ValueError(
+                f"checkpoint_index must be -1 (the next) or from 0 to {MAX_INDEX}, got "
+                f"{checkpoint_index}"
+            )
         return index, str(decided[1])
 
     def start_sharded_save(
