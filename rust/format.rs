@@ -38,6 +38,9 @@ pub const METADATA_KEY: &str = "__metadata__";
 /// Largest header we accept (safetensors uses the same order of magnitude). A file claiming a
 /// larger header is refused before anything is allocated.
 pub const MAX_HEADER_LEN: u64 = 100 * 1024 * 1024;
+/// Largest header we write: what the safetensors package reads (a decimal 100 MB, under
+/// [`MAX_HEADER_LEN`]), so every file fastckpt writes loads in both.
+pub const MAX_WRITTEN_HEADER_LEN: u64 = 100_000_000;
 /// Length of the little-endian header-size prefix.
 pub const PREFIX_LEN: u64 = 8;
 /// Largest number of elements (and stride) a dimension list may describe: frameworks index
@@ -434,6 +437,13 @@ pub fn encode_header(
     let mut json = Value::Object(root).to_string().into_bytes();
     // Pad with spaces so the data section starts 8-byte aligned (valid JSON whitespace).
     let padded = json.len().div_ceil(8) * 8;
+    if padded as u64 > MAX_WRITTEN_HEADER_LEN {
+        return Err(Error::InvalidArgument(format!(
+            "the header (tensor names, shapes and metadata) would take {padded} bytes, over the \
+             {MAX_WRITTEN_HEADER_LEN} bytes safetensors readers accept: keep large metadata \
+             values in a file of their own, or split the tensors across files"
+        )));
+    }
     json.resize(padded, b' ');
     let mut out = Vec::with_capacity(8 + json.len());
     out.extend_from_slice(&(json.len() as u64).to_le_bytes());

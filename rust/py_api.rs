@@ -59,7 +59,7 @@ impl From<Error> for PyErr {
                 python_error("CheckpointFormatError", message)
             }
             Error::Checksum { .. } => python_error("ChecksumMismatchError", message),
-            Error::InvalidArgument(_) => PyValueError::new_err(message),
+            Error::InvalidArgument(_) => python_error("InvalidInputError", message),
         }
     }
 }

@@ -222,6 +222,47 @@ def test_reserved_and_look_alike_metadata_keys_are_refused_on_save(tmp_path: Pat
     assert fastckpt.read_metadata(path)["metadata"] == {"fastckpt.source": "x"}
 
 
+def test_a_header_safetensors_could_not_read_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    # safetensors reads headers up to 100,000,000 bytes. Before, a save with 100 MiB of
+    # metadata committed a file that neither safetensors nor fastckpt itself would load
+    # ("over the 104857600-byte limit ... corrupt").
+    path = tmp_path / "x.safetensors"
+    large = "x" * 100_000_000
+    with pytest.raises(fastckpt.InvalidInputError, match="over the 100000000 bytes"):
+        fastckpt.save_file({"a": torch.ones(2)}, path, metadata={"k": large})
+    assert not path.exists() and not list(tmp_path.iterdir())
+    fitting = "x" * 99_000_000  # just under the limit: written, and read by both
+    fastckpt.save_file({"a": torch.ones(2)}, path, metadata={"k": fitting})
+    del large
+    assert torch.equal(fastckpt.load_file(path)["a"], torch.ones(2))
+    assert torch.equal(safetensors.torch.load_file(path)["a"], torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("call", "argument"),
+    [
+        (lambda path: fastckpt.save_file({"a": torch.ones(2)}, path, threads=-1), "threads"),
+        (lambda path: fastckpt.save_file({"a": torch.ones(2)}, path, threads=2**70), "threads"),
+        (lambda path: fastckpt.save_file({"a": torch.ones(2)}, path, threads=2.5), "threads"),
+        (lambda path: fastckpt.save_file({"a": torch.ones(2)}, path, threads=True), "threads"),
+        (lambda path: fastckpt.save_file({"a": torch.ones(2)}, path, chunk_size=-5), "chunk_size"),
+        (lambda path: fastckpt.save_file({"a": torch.ones(2)}, path, chunk_size="8"), "chunk_size"),
+        (lambda path: fastckpt.load_file(path, threads=-1), "threads"),
+        (lambda path: fastckpt.load_file(path, threads=2**70), "threads"),
+    ],
+)
+def test_thread_counts_and_chunk_sizes_out_of_range_are_typed_errors_naming_them(
+    small: Path, call: Callable[[Path], Any], argument: str
+) -> None:
+    # Before: a bare OverflowError / TypeError from the extension's argument conversion.
+    before = small.read_bytes()
+    with pytest.raises(fastckpt.InvalidInputError, match=rf"^{argument} must be an int from"):
+        call(small)
+    assert small.read_bytes() == before
+
+
 @pytest.mark.parametrize("shape", [[0, 2**64 - 1], [0, 2**62, 2], [2**63]])
 def test_unindexable_shapes_are_format_errors_everywhere(tmp_path: Path, shape: list[int]) -> None:
     path = tmp_path / "huge.safetensors"

@@ -49,6 +49,11 @@ __all__ = [
     "write_tensors",
 ]
 
+#: Bounds of the ``threads`` and ``chunk_size`` arguments.
+MAX_THREADS = 1024
+MIN_CHUNK_SIZE = 4096
+MAX_CHUNK_SIZE = 1 << 40
+
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
     torch.uint8: "U8",
@@ -260,6 +265,19 @@ def byte_view(tensor: torch.Tensor) -> np.ndarray:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
+def _count(value: int | None, name: str, default: int, least: int, most: int) -> int:
+    """``value`` (None: ``default``) as an ``int`` from ``least`` to ``most``, else an
+    :class:`InvalidInputError` naming ``name``."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+        raise InvalidInputError(
+            f"{name} must be an int from {least} to {most} (or None for the default, "
+            f"{default}), got {value!r}"
+        )
+    return value
+
+
 def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     if metadata is None:
         return {}
@@ -329,8 +347,10 @@ def save_file(
 
     Raises:
         InvalidInputError: not a mapping of str to dense tensors of a supported dtype, or
-            metadata not a str -> str mapping (a TypeError and a ValueError).
-        ValueError: duplicate or reserved names or metadata keys.
+            metadata not a str -> str mapping (a TypeError and a ValueError), ``threads`` or
+            ``chunk_size`` out of range, duplicate or reserved names or metadata keys, or a
+            header (names, shapes, metadata) over the 100,000,000 bytes safetensors reads
+            (nothing is written).
         OSError: the file cannot be written (the message names it).
     """
     write_tensors(
@@ -387,8 +407,8 @@ def write_tensors(
         os.fspath(path),
         entries,
         _check_metadata(metadata),
-        threads or DEFAULT_WRITE_THREADS,
-        chunk_size or DEFAULT_CHUNK_SIZE,
+        _count(threads, "threads", DEFAULT_WRITE_THREADS, 1, MAX_THREADS),
+        _count(chunk_size, "chunk_size", DEFAULT_CHUNK_SIZE, MIN_CHUNK_SIZE, MAX_CHUNK_SIZE),
         direct_io,
         fsync,
         checksums,
@@ -434,7 +454,8 @@ def load_file(
         CheckpointFormatError: malformed or truncated file, or not a regular file (names file
             and field).
         ChecksumMismatchError: corrupt tensor bytes (names file and tensor).
-        InvalidInputError: a dtype this torch has no type for, or an unknown ``backend``.
+        InvalidInputError: a dtype this torch has no type for, an unknown ``backend``, or
+            ``threads`` out of range.
         FileNotFoundError: no such file.
     """
     tensors, _ = read_tensors(
@@ -497,6 +518,7 @@ def read_tensors(
     """
     if backend not in BACKENDS:
         raise InvalidInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    threads_ = _count(threads, "threads", DEFAULT_THREADS, 1, MAX_THREADS)
     name = os.fspath(path)
     storage: Any = torch.UntypedStorage(0, device="cpu")
     # A regular file or a typed error at once (FIFOs and devices are refused without blocking
@@ -509,9 +531,7 @@ def read_tensors(
     # Explicitly on the CPU: a `with torch.device("meta")` block or set_default_device must
     # not move the empty tensors the file's storage is attached to.
     flat = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage)
-    header = _native.check_mapped(
-        name, byte_view(flat), verify, threads or DEFAULT_THREADS, progress
-    )
+    header = _native.check_mapped(name, byte_view(flat), verify, threads_, progress)
     start = header["data_start"]
     tensors: dict[str, torch.Tensor] = {}
     for entry in header["tensors"]:
