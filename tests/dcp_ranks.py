@@ -166,6 +166,31 @@ def torn_save() -> None:
     os._exit(0)  # the process group lost a rank: no orderly teardown
 
 
+def torn_save_state() -> None:
+    """As :func:`torn_save` through ``fastckpt.dcp.save_state``, rank 1 SIGKILLed after
+    writing its files: rank 0 prints the error it got (type, then message)."""
+    root, rank, _ = setup_rank()
+    fastckpt.dcp.save_state(root, {f"r{rank}": torch.full((64, 3), 1.0)})
+    dist.barrier()
+
+    class KilledAfterWrite(fastckpt.dcp.Writer):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            future = super().write_data(plan, planner)
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return future
+
+    try:
+        fastckpt.dcp.save_state(
+            root, {f"r{rank}": torch.full((64, 3), 2.0)}, writer=KilledAfterWrite(root)
+        )
+        print("committed")
+    except BaseException as err:
+        print(f"{type(err).__name__}\n{err}")
+    sys.stdout.flush()
+    os._exit(0)  # the process group lost a rank: no orderly teardown
+
+
 def save_rows() -> None:
     """Save :func:`dcp_support.row_tensors` row-sharded over WORLD ranks (one chunk of each
     tensor per rank file) with a plain value, as ROOT/rows through ``save_state``."""

@@ -306,6 +306,24 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint(tmp_path: Path) -> None
     assert [d.name for d in generation_dirs(checkpoint)] == [_generation(checkpoint).name]
 
 
+def test_a_rank_killed_mid_save_state_is_a_failure_saying_nothing_was_committed(
+    tmp_path: Path,
+) -> None:
+    # Before: gloo's bare RuntimeError ("Connection closed by peer"), naming neither the
+    # checkpoint nor whether the save had been committed.
+    checkpoint = tmp_path / "ckpt"
+    results = launch("torn_save_state", checkpoint, 2)
+    assert results[1][0] == -9, results[1][2][-2000:]
+    assert results[0][0] == 0, results[0]
+    kind, message = results[0][1].split("\n", 1)
+    assert kind == "RuntimeError", results[0][1]
+    assert str(checkpoint) in message and "collective of torch.distributed" in message
+    assert "was not committed" in message and "the previous one stands" in message
+    state = {"r0": torch.zeros(64, 3), "r1": torch.zeros(64, 3)}
+    dcp.load(state, storage_reader=fastckpt.dcp.Reader(checkpoint))
+    assert torch.equal(state["r0"], torch.ones(64, 3)) and torch.equal(state["r1"], state["r0"])
+
+
 def test_never_committed_directory_raises_not_committed(tmp_path: Path) -> None:
     (tmp_path / "g0000000000001-0123abcd").mkdir()
     with pytest.raises(fastckpt.dcp.NotCommittedError, match="interrupted save"):

@@ -43,12 +43,14 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from fastckpt.container.commit import committed_generation
 from fastckpt.container.sharded.commit import RECORD_NAME, read_record
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.dcp.reader import Passes, Reader
 from fastckpt.dcp.writer import Writer
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, FastCkptError
 from fastckpt.format.sharded import Record
+from fastckpt.storage.registry import display_path
 
 __all__ = [
     "async_save_state",
@@ -137,8 +139,38 @@ def save_state(
     warn_of_key_types(state)
     writer = writer or Writer(path, node_local=node_local)
     writer.reset(path)
-    with typed_dcp_errors():
+    with typed_dcp_errors(), _collective_failure_explained(writer):
         dcp.save(dict(state), storage_writer=writer, process_group=process_group)
+
+
+@contextlib.contextmanager
+def _collective_failure_explained(writer: Writer) -> Iterator[None]:
+    """A ``RuntimeError`` of torch.distributed during a save (gloo's "Connection closed by
+    peer" when another rank died) says which checkpoint it was and whether this save was
+    committed: the coordinator may have committed it before the collective that failed."""
+    try:
+        yield
+    except FastCkptError:
+        raise
+    except RuntimeError as err:
+        generation = writer.current_generation
+        if generation is None:
+            status = "was not committed (it never got its generation): the previous one stands"
+        else:
+            try:
+                committed = committed_generation(writer.path, RECORD_NAME) == generation
+            except (OSError, FastCkptError):
+                committed = None
+            status = {
+                True: f"was committed ({generation}): it verifies and loads",
+                False: f"was not committed ({generation}): the previous one stands",
+                None: f"may have been committed ({generation}): verify it",
+            }[committed]
+        raise RuntimeError(
+            f"{display_path(writer.path)}: the sharded save failed in a collective of "
+            f"torch.distributed ({type(err).__name__}: {err}); when another rank died or "
+            f"left the process group, its failure shows here. This save {status}."
+        ) from err
 
 
 def async_save_state(

@@ -124,6 +124,9 @@ class Writer(StorageWriter, DcpStager):
         self.is_coordinator = False
         self.rank = 0
         self._generation: str | None = None
+        #: The generation the save started by the last :meth:`reset` writes into, once this
+        #: rank knows it (the coordinator when it plans, the others when they write).
+        self.current_generation: str | None = None
         self.save_id = new_generation()
         backend_for(self.path).prepare_writer()
 
@@ -135,6 +138,7 @@ class Writer(StorageWriter, DcpStager):
             self.path = Path(checkpoint_id)
             backend_for(self.path).prepare_writer()
         self.save_id = new_generation()
+        self.current_generation = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Record this rank's role.
@@ -157,7 +161,7 @@ class Writer(StorageWriter, DcpStager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Pick a fresh generation directory for this save and tell every rank."""
         generation = new_generation()
-        self._generation = generation
+        self._generation = self.current_generation = generation
         return [
             dataclasses.replace(plan, storage_data=_RankPlan(generation, rank))
             for rank, plan in enumerate(plans)
@@ -222,6 +226,7 @@ class Writer(StorageWriter, DcpStager):
                 "fastckpt.dcp.Writer got a plan without its generation; plan caching "
                 "(enable_plan_caching) is not supported"
             )
+        self.current_generation = rank_plan.generation
         if not plan.items:
             return []
         directory = make_generation_dir(self.path, rank_plan.generation)
