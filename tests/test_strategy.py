@@ -494,3 +494,49 @@ def test_a_scheduler_that_needs_a_metric_is_refused_when_built() -> None:
     )
     with pytest.raises(TypeError, match=r"ReduceLROnPlateau\.step\(\) needs metrics.*hook"):
         TrainingStrategy(support.DropoutMLP(), config, training_fn=support.training_fn)
+
+
+@pytest.mark.parametrize(
+    "attach",
+    [
+        lambda opt: torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 5]),
+        lambda opt: torch.optim.lr_scheduler.SequentialLR(
+            opt,
+            [
+                torch.optim.lr_scheduler.LinearLR(opt, total_iters=2),
+                torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4),
+            ],
+            milestones=[2],
+        ),
+    ],
+    ids=["MultiStepLR", "SequentialLR"],
+)
+def test_a_scheduler_attached_by_hand_that_cannot_be_recorded_stops_before_training(
+    tmp_path: Path, attach: Any
+) -> None:
+    # Before: check_recordable looked at OptimizerConfigs only; a sync hook trained 4 steps
+    # and failed at its first save ("kwargs['milestones']: cannot store a value of type
+    # Counter", naming no component).
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hook = fastckpt.CheckpointHook(tmp_path / "run", step_interval=4, async_save=False)
+    strategy = fastckpt.TrainingStrategy(
+        model, optimizer, training_fn=lambda m, b: m(b).sum(), hooks=[hook], num_steps=8
+    )
+    strategy.schedulers["main"] = attach(optimizer)
+    with pytest.raises(TypeError, match=r"schedulers\['main'\] .*OptimizerConfig\(scheduler_cls"):
+        strategy.run([torch.ones(1, 2)] * 8)
+    assert strategy.step_count == 0
+    assert not (tmp_path / "run" / "manifest.json").exists()
+
+
+def test_a_recordable_scheduler_attached_by_hand_passes_the_check(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    strategy = fastckpt.TrainingStrategy(
+        model, optimizer, training_fn=lambda m, b: m(b).sum(), num_steps=2
+    )
+    strategy.schedulers["main"] = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    strategy.check_recordable()
+    strategy.run([torch.ones(1, 2)] * 2)
+    assert strategy.save_checkpoint(tmp_path / "run") == 0

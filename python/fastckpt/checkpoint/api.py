@@ -108,23 +108,37 @@ def save_checkpoint(
         The committed index.
 
     Raises:
-        TypeError / ValueError: bad components, or a ``checkpoint_index`` that is not an
-            ``int`` (a bool, float or string) or out of range (-1, or 0 to
+        TypeError / ValueError: bad components (a module or optimizer not in a
+            ``{name: (component, spec)}`` mapping, none at all), or a ``checkpoint_index``
+            that is not an ``int`` (a bool, float or string) or out of range (-1, or 0 to
             ``MAX_INDEX`` = 10**18 - 1) (nothing is written).
+        KeyError: ``associations`` naming no saved optimizer or scheduler.
         OSError: writing failed (nothing is committed; earlier indices are untouched).
         TimeoutError: ``lock_timeout`` passed while another process held the root (the
             message names it: pid and host).
     """
     index = checked_index(checkpoint_index, "checkpoint_index", SAVE_INDEX)
     use_storage_options(root, storage_options, "save_checkpoint")
-    if models is not None and not isinstance(models, Mapping):
+    if isinstance(models, TrainingStrategy):
         strategy, models = models, None
     if strategy is not None:
+        if not isinstance(strategy, TrainingStrategy):
+            raise TypeError(
+                f"strategy must be a TrainingStrategy, got {type(strategy).__name__}; save "
+                "models as models={'main': (model, None)}"
+            )
         if models or optimizers or schedulers:
             raise TypeError("pass either a strategy or components, not both")
         snapshot = strategy.checkpoint_snapshot()
     else:
         snapshot = create_snapshot(models, optimizers, schedulers, associations, counters)
+        if not any(snapshot.names.values()):
+            # An empty index would become the latest: a resume would find no model, and
+            # prune(keep_last=1) would keep it in place of the last real checkpoint.
+            raise ValueError(
+                f"save_checkpoint({display_path(root)!r}) was given no model, optimizer or "
+                "scheduler: pass models={'main': (model, None)} (or a strategy)"
+            )
     snapshot.incremental = check_incremental(incremental, "save_checkpoint")
     return write_snapshot(root, snapshot, -1 if index is None else index, lock_timeout=lock_timeout)
 

@@ -65,6 +65,7 @@ __all__ = [
     "load_optimizer_state",
     "plan_incremental",
     "run_validators",
+    "scheduler_spec",
     "unwrap_model",
     "write_snapshot",
 ]
@@ -347,15 +348,60 @@ def create_snapshot(
     Raises:
         TypeError / ValueError / CheckpointFormatError: invalid components or names.
     """
-    models = dict(models or {})
-    optimizers = dict(optimizers or {})
-    schedulers = dict(schedulers or {})
+    models = _component_map("models", models)
+    optimizers = _component_map("optimizers", optimizers)
+    schedulers = _component_map("schedulers", schedulers)
     for kind, components in zip(KINDS, (models, optimizers, schedulers), strict=True):
         for name in components:
             check_name(name, f"{kind[:-1]} name")
+    _check_associations(associations, optimizers, schedulers)
     snapshot = _plan_components(models, optimizers, schedulers, associations)
     snapshot.counters = _checked_counters(counters)
     return snapshot
+
+
+def _component_map(kind: str, value: Any) -> dict[str, Any]:
+    """``models`` / ``optimizers`` / ``schedulers`` as a dict (None: none), else a
+    ``TypeError`` saying how to pass them (a bare module or optimizer is the usual slip)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{kind} must be a mapping of name -> ({kind[:-1]}, spec or None), got "
+            f"{type(value).__name__}: pass {kind}={{'main': (your_{kind[:-1]}, None)}}"
+        )
+    return dict(value)
+
+
+def _check_associations(
+    associations: Any, optimizers: Mapping[str, Any], schedulers: Mapping[str, Any]
+) -> None:
+    """Refuse ``associations`` that name no saved component (they would be dropped without
+    a word): a mapping ``{"optimizers": {optimizer: model}, "schedulers": {scheduler:
+    optimizer}}`` or ``{component: target}``, naming saved optimizers and schedulers."""
+    if associations is None:
+        return
+    shape = (
+        "{'optimizers': {optimizer: model}, 'schedulers': {scheduler: optimizer}} or "
+        "{optimizer_or_scheduler: target}"
+    )
+    if not isinstance(associations, Mapping):
+        raise TypeError(f"associations must be a mapping {shape}, got {associations!r}")
+    saved = {"optimizers": set(optimizers), "schedulers": set(schedulers)}
+    for key, value in associations.items():
+        if key in saved and isinstance(value, Mapping):
+            named = set(value)
+            if named - saved[key]:
+                raise KeyError(
+                    f"associations[{key!r}] names {sorted(named - saved[key])}, which are not "
+                    f"among the saved {key} ({sorted(saved[key])})"
+                )
+        elif key not in saved["optimizers"] | saved["schedulers"]:
+            raise KeyError(
+                f"associations names {key!r}, which is no saved optimizer or scheduler "
+                f"(optimizers {sorted(saved['optimizers'])}, schedulers "
+                f"{sorted(saved['schedulers'])}); the shape is {shape}"
+            )
 
 
 def _checked_counters(counters: Mapping[str, int] | None) -> dict[str, int]:
@@ -611,17 +657,30 @@ def _plan_components(
                 f"{sorted(optimizers)}; save it too or pass associations"
             )
         if spec is None:
-            spec = specs.BaseSpec(
-                cls_path=trust.dotted_path(type(scheduler)),
-                kwargs=_constructor_kwargs(scheduler, state, skip=1),
-                timestamp=_now(),
-            )
+            spec = scheduler_spec(scheduler, state)
         skeleton, tensors = tree.flatten(state)
         plan.tensor_files[f"schedulers/{name}.safetensors"] = tensors
         plan.json_files[f"schedulers/{name}.json"] = {"spec": spec.to_json(), "state": skeleton}
         plan.associations["schedulers"][name] = target
         plan.names["schedulers"].append(name)
     return plan
+
+
+def scheduler_spec(scheduler: Any, state: Mapping[str, Any] | None = None) -> specs.BaseSpec:
+    """The recipe a checkpoint records for a scheduler given without one: its class and the
+    constructor arguments found in its ``state_dict()`` (``state``, read when None).
+
+    Raises:
+        TypeError: an argument the state does not hold (``SequentialLR``'s schedulers,
+            ``LambdaLR``'s function) or a value a recipe cannot store.
+    """
+    return specs.BaseSpec(
+        cls_path=trust.dotted_path(type(scheduler)),
+        kwargs=_constructor_kwargs(
+            scheduler, scheduler.state_dict() if state is None else state, skip=1
+        ),
+        timestamp=_now(),
+    )
 
 
 class IndexReader:

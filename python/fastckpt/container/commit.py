@@ -77,7 +77,7 @@ from fastckpt.storage.backend import (
     make_dirs,
 )
 from fastckpt.storage.backend import _sibling as temp_sibling
-from fastckpt.storage.lock import RootLock
+from fastckpt.storage.lock import RootLock, checked_lock_timeout
 from fastckpt.storage.registry import backend_for, display_path, is_local
 from fastckpt.storage.s3.errors import CommitOutcomeUnknownError
 
@@ -550,6 +550,7 @@ class IndexWriter(DirectoryWriter):
             CheckpointFormatError: ``index`` is None and the manifest is damaged.
         """
         root = Path(root)
+        checked_lock_timeout(lock_timeout)  # before the root is created
         if index is not None and not 0 <= index <= MAX_INDEX:
             raise ValueError(
                 f"checkpoint index must be from 0 to {MAX_INDEX} (or None for the next), got "

@@ -409,20 +409,25 @@ def verify(
         A :class:`VerifyReport`; damage is reported there (``report.ok`` is False), not raised.
 
     Raises:
-        TypeError: ``index`` is not an ``int`` or None (a bool, float or string).
+        TypeError: ``index`` is not an ``int`` or None (a bool, float or string), or
+            ``threads`` is not an ``int`` from 1 to 1024 or None.
         FileNotFoundError: ``path_or_root`` does not exist or is not a fastckpt checkpoint
             (or the root has no committed index and ``index=-1``).
         KeyError: ``index`` is not committed in the root.
         ValueError: ``index`` given for something that is not a root.
     """
     requested = checked_index(index, "index", _VERIFY_INDEX)
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024
+    ):
+        raise TypeError(f"threads must be an int from 1 to 1024 or None, got {threads!r}")
     use_storage_options(path_or_root, storage_options, "verify")
     try:
         container = open_container(path_or_root)
     except CheckpointFormatError as err:  # a folder holding two kinds of records: neither
         where = Path(path_or_root)
         return VerifyReport(where, "manager", [FileReport(where, "corrupt", message=str(err))])
-    return container.accept(_Verifier(requested, max(1, threads or DEFAULT_THREADS)))
+    return container.accept(_Verifier(requested, threads or DEFAULT_THREADS))
 
 
 class _Verifier(KindVisitor[VerifyReport]):

@@ -658,9 +658,20 @@ class CheckpointManager:
         """Use as ``with CheckpointManager(...) as manager:``; closes on exit."""
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        """Wait for the last write and close."""
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        """Wait for the last write and close. Leaving the block by an exception, a failure
+        of that close (a background write's) is logged, not raised: it would replace the
+        exception the block raised."""
+        if kind is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception:
+            _LOGGER.exception(
+                "CheckpointManager: closing on the way out of an exception (%s) failed",
+                kind.__name__,
+            )
 
     # ------------------------------------------------------------------ save
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from fastckpt.errors import CheckpointFormatError
 
-__all__ = ["LOCK_FILE", "WARN_AFTER_SECS", "RootLock", "lock_holder"]
+__all__ = ["LOCK_FILE", "WARN_AFTER_SECS", "RootLock", "checked_lock_timeout", "lock_holder"]
 
 LOCK_FILE = ".fastckpt.lock"
 #: How long an acquirer waits before it logs who holds the lock (seconds).
@@ -52,6 +52,23 @@ def _say_holder(fd: int) -> None:
         pass
 
 
+def checked_lock_timeout(timeout: object) -> float | None:
+    """``timeout`` (a save's or prune's ``lock_timeout``) when it is None or a number of
+    seconds >= 0 (``inf`` waits forever).
+
+    Raises:
+        TypeError: not a number (``"5"``).
+        ValueError: negative or NaN.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"lock_timeout must be a number of seconds or None (wait), got {timeout!r}")
+    if not timeout >= 0:
+        raise ValueError(f"lock_timeout must be >= 0 seconds or None (wait), got {timeout!r}")
+    return float(timeout)
+
+
 class RootLock:
     """Exclusive inter-process lock on a checkpoint root: ``flock`` on ``ROOT/.fastckpt.lock``.
 
@@ -66,9 +83,14 @@ class RootLock:
     """
 
     def __init__(self, root: str | os.PathLike[str], *, timeout: float | None = None) -> None:
-        """Prepare to lock ``root`` (which must exist); ``timeout`` None waits forever."""
+        """Prepare to lock ``root`` (which must exist); ``timeout`` None waits forever.
+
+        Raises:
+            TypeError / ValueError: ``timeout`` is no number of seconds >= 0 (see
+                :func:`checked_lock_timeout`).
+        """
         self.path = Path(root) / LOCK_FILE
-        self.timeout = timeout
+        self.timeout = checked_lock_timeout(timeout)
         self._fd: int | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
 

@@ -516,13 +516,27 @@ class TrainingStrategy:
 
         Raises:
             ValueError: no training_fn, no optimizer, no stopping condition, or an empty loader.
+            TypeError: ``num_steps`` / ``num_epochs`` is not an int >= 0 or None, or a hook
+                is not callable.
         """
         if self.training_fn is None:
             raise ValueError("TrainingStrategy.run needs a training_fn")
         if not self.optimizers:
             raise ValueError("TrainingStrategy.run needs optimizers")
+        for name in ("num_steps", "num_epochs"):
+            limit = getattr(self, name)
+            if limit is not None and not _is_count(limit):
+                raise TypeError(
+                    f"TrainingStrategy {name} must be an int >= 0 (a total) or None, got {limit!r}"
+                )
         if self.num_steps is None and self.num_epochs is None:
             raise ValueError("set num_steps or num_epochs before run()")
+        for position, hook in enumerate(self.hooks):
+            if not callable(hook):
+                raise TypeError(
+                    f"hooks[{position}] is a {type(hook).__name__}, not a hook: a hook is "
+                    "called as hook(ctx, stage) (see fastckpt.Hook)"
+                )
         _refuse_two_savers_on_one_root(self.hooks)
         self._train_loader = train_loader
         with contextlib.ExitStack() as stack:
@@ -783,11 +797,12 @@ class TrainingStrategy:
     def check_recordable(self) -> None:
         """Raise now what saving this strategy's recipe would raise at its first checkpoint:
         an optimizer or scheduler argument a recipe cannot record (a function, as
-        ``LambdaLR``'s ``lr_lambda``; scheduler objects, as ``SequentialLR``'s). A
+        ``LambdaLR``'s ``lr_lambda``; scheduler objects, as ``SequentialLR``'s), of the
+        ``OptimizerConfig`` or of a scheduler put into :attr:`schedulers` by hand. A
         :class:`~fastckpt.training.hooks.CheckpointHook` calls it before training starts.
 
         Raises:
-            TypeError: naming the optimizer and the argument.
+            TypeError: naming the optimizer or scheduler and the argument.
         """
         for name, config in self.optimizer_configs.items():
             try:
@@ -798,6 +813,19 @@ class TrainingStrategy:
                     "optimizer and its scheduler, so their arguments must be plain values "
                     "(pass a scheduler class whose arguments are numbers, or step your own "
                     "scheduler in a hook)"
+                ) from err
+        for name, scheduler in self.schedulers.items():
+            if self._scheduler_spec(name, scheduler) is not None:
+                continue  # recorded from its OptimizerConfig, checked above
+            try:
+                codec.scheduler_spec(scheduler).to_json()
+            except (TypeError, ValueError) as err:
+                raise TypeError(
+                    f"schedulers[{name!r}] ({type(scheduler).__name__}): {err}. A checkpoint "
+                    "records how to rebuild it, from arguments its state_dict() holds as plain "
+                    "values; give it through OptimizerConfig(scheduler_cls=..., "
+                    "scheduler_kwargs=...) with plain arguments, or step it in a hook and keep "
+                    "it out of strategy.schedulers"
                 ) from err
 
     def _scheduler_spec(self, name: str, scheduler: Any) -> specs.BaseSpec | None:

@@ -56,7 +56,7 @@ from fastckpt.storage.backend import (
     Staging,
     StorageBackend,
 )
-from fastckpt.storage.lock import LOCK_FILE
+from fastckpt.storage.lock import LOCK_FILE, checked_lock_timeout
 from fastckpt.storage.s3.client import MAX_PART, CopyPart, S3Client, client_for
 from fastckpt.storage.s3.config import S3Options, S3Url
 from fastckpt.storage.s3.copy import (
@@ -720,7 +720,7 @@ class S3RootLock:
         self.root = root
         self.key = root.key(LOCK_FILE)
         self.path = Path(client.url(self.key))
-        self.timeout = timeout
+        self.timeout = checked_lock_timeout(timeout)
         self.ttl_s = ttl_s
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._etag: str | None = None

@@ -50,6 +50,24 @@ def _positive(name: str, value: int | None) -> int | None:
     return value
 
 
+def _flag(name: str, value: object) -> None:
+    """Refuse a non-bool flag: ``async_save="no"`` is truthy, and saved asynchronously."""
+    if not isinstance(value, bool):
+        raise TypeError(f"CheckpointHook {name} must be a bool, got {value!r}")
+
+
+def _seconds(name: str, value: object, least: str) -> None:
+    """Refuse a timeout that is no number (``"5"``), or NaN / below its bound (``least``:
+    ``"> 0"`` or ``">= 0"``)."""
+    if value is None:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not (value > 0 if least == "> 0" else value >= 0):  # type: ignore[operator]
+        raise ValueError(
+            f"CheckpointHook {name} must be a number of seconds {least} or None, got {value!r}"
+        )
+
+
 class CheckpointHook:
     """Save a restartable ``TrainingStrategy`` checkpoint every N steps or N epochs.
 
@@ -172,14 +190,15 @@ class CheckpointHook:
         _positive("step_interval", step_interval)
         _positive("epoch_interval", epoch_interval)
         _positive("keep_last", keep_last)
-        if wait_timeout_secs is not None and not wait_timeout_secs > 0:
-            raise ValueError(
-                f"CheckpointHook wait_timeout_secs must be > 0 or None, got {wait_timeout_secs!r}"
-            )
-        if lock_timeout is not None and not lock_timeout >= 0:
-            raise ValueError(
-                f"CheckpointHook lock_timeout must be >= 0 or None, got {lock_timeout!r}"
-            )
+        _seconds("wait_timeout_secs", wait_timeout_secs, "> 0")
+        _seconds("lock_timeout", lock_timeout, ">= 0")
+        for name, flag in (
+            ("async_save", async_save),
+            ("rank_zero_only", rank_zero_only),
+            ("strict_promotion", strict_promotion),
+            ("detached_promotion", detached_promotion),
+        ):
+            _flag(name, flag)
         if (step_interval is None) == (epoch_interval is None):
             raise ValueError("CheckpointHook needs exactly one of step_interval or epoch_interval")
         self.checkpoint_dir = Path(checkpoint_dir)
