@@ -775,3 +775,29 @@ def test_prune_never_deletes_the_newest_index_that_verifies(tmp_path: Path) -> N
     assert prune(root, keep_last=1) == [0, 2]
     assert verify(root).ok
     assert_same(states(good), loaded_states(load_checkpoint(root)))
+
+
+def test_a_staging_directory_abandoned_by_an_interrupted_save_is_removed_by_the_next(
+    tmp_path: Path,
+) -> None:
+    # Ctrl-C landing right after a save made its staging directory, before its writer held
+    # it, left an empty `.tmp-<name>~<pid>~...` that this process's later saves never removed
+    # (only dead processes' leftovers were). Now the next save next to it removes it; a
+    # staging another save (thread) still holds is left alone.
+    import gc
+
+    import fastckpt
+    from fastckpt.storage.backend import LocalStaging
+
+    held = LocalStaging(tmp_path / "step_2")
+    abandoned = LocalStaging(tmp_path / "step_1")
+    temp = abandoned.temp
+    del abandoned
+    gc.collect()
+    assert temp.is_dir() and held.temp.is_dir()
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(tmp_path / "step_3", {"x": torch.ones(2)})
+    assert not temp.exists()
+    assert held.temp.is_dir()  # a live staging of this process is never touched
+    held.discard()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]

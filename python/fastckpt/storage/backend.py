@@ -34,6 +34,8 @@ import re
 import shutil
 import socket
 import stat
+import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
@@ -427,6 +429,23 @@ def _owner(name: str) -> tuple[str, str, int, str] | None:
     return None
 
 
+#: This process's staging directories that are neither published nor discarded yet, each
+#: with its :class:`LocalStaging`: one whose object is gone (a save interrupted, by Ctrl-C,
+#: right after the directory was made, before its writer held it) is abandoned.
+_STAGED: dict[str, weakref.ref[LocalStaging]] = {}
+_STAGED_LOCK = threading.Lock()
+
+
+def _abandoned(path: Path) -> bool:
+    """Whether ``path`` is a staging directory of this process whose LocalStaging is gone."""
+    with _STAGED_LOCK:
+        ref = _STAGED.get(str(path))
+        if ref is None or ref() is not None:
+            return False
+        del _STAGED[str(path)]
+        return True
+
+
 def _alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -468,6 +487,10 @@ def clean_dead_siblings(parent: Path) -> list[str]:
         if owner is None:
             continue
         prefix, target, pid, host = owner
+        if host == _HOST and pid == os.getpid() and _abandoned(child):
+            _remove(child)  # this process's staging, interrupted before anyone held it
+            touched.append(child.name)
+            continue
         if host != _HOST or _alive(pid):
             continue
         destination = parent / target
@@ -543,6 +566,8 @@ class LocalStaging(Staging):
         make_dirs(final.parent)
         clean_dead_siblings(final.parent)
         self.temp = _sibling(TEMP_PREFIX, final)
+        with _STAGED_LOCK:
+            _STAGED[str(self.temp)] = weakref.ref(self)
         self.temp.mkdir()
         self.files = {}
         #: relpath -> ``(st_dev, st_ino, st_size, st_mtime_ns)`` of each file as
@@ -699,6 +724,7 @@ class LocalStaging(Staging):
                 self.temp.rename(self.final)
         else:
             self.temp.rename(self.final)
+        self._settled()
         _native.fsync_dir(str(self.final.parent))
         if old is not None:
             _remove(old)
@@ -706,6 +732,11 @@ class LocalStaging(Staging):
     def discard(self) -> None:
         """Remove the temporary directory."""
         shutil.rmtree(self.temp, ignore_errors=True)
+        self._settled()
+
+    def _settled(self) -> None:
+        with _STAGED_LOCK:
+            _STAGED.pop(str(self.temp), None)
 
 
 class LocalFileSystem(StorageBackend):
