@@ -229,3 +229,34 @@ def test_a_sharded_save_over_an_unsharded_checkpoint_replaces_it(tmp_path: Path)
     assert not report.ok and "both commit.json" in report.failures[0].message
     with pytest.raises(CheckpointFormatError, match=r"both commit\.json"):
         fastckpt.safe_open(last)
+
+
+def test_what_a_killed_sharded_save_left_of_the_unsharded_checkpoint_is_replaced(
+    tmp_path: Path,
+) -> None:
+    # A sharded save over an unsharded checkpoint removes that one's commit.json, then its
+    # files: killed in between, the files stayed beside the sharded record, and the next
+    # unsharded save refused the id (NotACheckpointError: files its record does not name).
+    from fastckpt.errors import NotACheckpointError
+
+    old = tmp_path / "old"
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(old, {"w": torch.ones(3), "step": 1})
+    target = tmp_path / "step"
+    fastckpt.dcp.save_state(target, {"w": torch.full((3,), 2.0)})
+    for name in ("w.safetensors", "w.json", "step.json"):  # the kill's leftovers
+        shutil.copy(old / name, target / name)
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(target, {"w": torch.zeros(3), "step": 3})
+        assert m.load(target)["step"] == 3
+    assert fastckpt.verify(target).ok
+    # A file an unsharded checkpoint never writes is still the user's, and refused.
+    fastckpt.dcp.save_state(tmp_path / "other", {"w": torch.full((3,), 2.0)})
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    config = fastckpt.CheckpointManager.Config.with_sync_save()
+    with (
+        fastckpt.CheckpointManager(config) as m,
+        pytest.raises(NotACheckpointError, match=r"notes\.txt"),
+    ):
+        m.save(tmp_path / "other", {"w": torch.zeros(3)})
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"

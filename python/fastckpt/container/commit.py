@@ -320,24 +320,47 @@ def _checkpoint_names(path: Path, names: Collection[str]) -> set[str]:
     checkpoint's files are all under generations; a folder may hold both kinds, a sharded
     save's over an unsharded one). Empty when ``path`` is not a checkpoint.
     A record that cannot be read leaves the names a checkpoint writes to be replaced with it:
-    tensor files, the JSON document beside each, ``linked/``."""
+    tensor files, the JSON document beside each, ``linked/``; so does a sharded record
+    without a ``commit.json`` (what a sharded save left of the unsharded checkpoint it
+    replaced when it was killed removing it)."""
     own = {SHARDED_RECORD} & set(names)
     if COMMIT_RECORD not in names:
-        return own
+        return own | _unsharded_files(path, names) if own else own
     own.add(COMMIT_RECORD)
     try:
         record = read_commit_record(path)
         listed = [str(relpath) for relpath in record["files"]]
     except (OSError, FastCkptError, KeyError, TypeError, AttributeError):
-        tensors = {n for n in names if n.endswith(".safetensors")}
-        stems = {n.removesuffix(".safetensors").split(".rank", 1)[0] for n in tensors}
-        documents = {
-            n
-            for n in names
-            if n.endswith(".json") and n.removesuffix(".json").split(".rank", 1)[0] in stems
-        }
-        return own | tensors | documents | ({LINKED_DIR} & set(names))
+        return own | _unsharded_files(path, names)
     return own | {relpath.split("/", 1)[0] for relpath in listed}
+
+
+def _unsharded_files(path: Path, names: Collection[str]) -> set[str]:
+    """The names among ``names`` (in folder ``path``) an unsharded manager checkpoint writes:
+    tensor files, the JSON document beside each, an item's document of plain values (a JSON
+    object holding its ``skeleton`` alone), ``linked/``."""
+    tensors = {n for n in names if n.endswith(".safetensors")}
+    stems = {n.removesuffix(".safetensors").split(".rank", 1)[0] for n in tensors}
+    documents = {
+        n
+        for n in names
+        if n.endswith(".json")
+        and (n.removesuffix(".json").split(".rank", 1)[0] in stems or _item_document(path / n))
+    }
+    return tensors | documents | ({LINKED_DIR} & set(names))
+
+
+def _item_document(path: Path) -> bool:
+    """Whether ``path`` is a manager item's JSON document (``{"skeleton": ...}`` alone)."""
+    try:
+        document = json.loads(backend_for(path).read_bytes(path, limit=_ITEM_DOCUMENT_LIMIT))
+    except (OSError, ValueError, FastCkptError):
+        return False
+    return isinstance(document, dict) and set(document) == {"skeleton"}
+
+
+#: The largest item document :func:`_item_document` reads (a plain-values skeleton is small).
+_ITEM_DOCUMENT_LIMIT = 16 << 20
 
 
 def _refuse_manager_checkpoints(root: Path, backend: StorageBackend) -> None:
