@@ -5,7 +5,9 @@ changes what happens to it instead:
 
 * ``"lose_reply"``: the request is forwarded (the store applies it) and the connection is
   then cut without an answer: the client cannot tell whether it was applied;
-* ``"cut"``: the connection is cut before anything is forwarded (never applied).
+* ``"cut"``: the connection is cut before anything is forwarded (never applied);
+* ``"pass"``: forwarded and answered as usual (counted: a trigger for another fault's
+  ``after``).
 
 Nothing of the client is mocked: fastckpt's own S3 client talks HTTP to the proxy, which talks
 HTTP to moto.
@@ -31,18 +33,23 @@ __all__ = ["Fault", "FaultProxy"]
 class Fault:
     """What to do (``action``) to requests with ``method`` whose path ends with ``suffix``:
     the first ``times`` of them (None: every one), once the fault ``after`` (if any) changed
-    a request. ``hits`` counts the requests it changed."""
+    a request; with ``query``, only those whose query string holds it. ``hits`` counts the
+    requests it changed."""
 
     method: str
     suffix: str
     action: str
     times: int | None = 1
     after: Fault | None = None
+    #: only requests whose query string holds this (e.g. ``"uploads"``)
+    query: str | None = None
     hits: int = field(default=0)
 
-    def take(self, method: str, path: str) -> bool:
+    def take(self, method: str, path: str, query: str = "") -> bool:
         """Whether this fault applies to the request (and count it)."""
         if method != self.method or not urllib.parse.unquote(path).endswith(self.suffix):
+            return False
+        if self.query is not None and self.query not in query:
             return False
         if self.after is not None and not self.after.hits:
             return False
@@ -67,14 +74,13 @@ class FaultProxy:
             def handle(self) -> None:
                 upstream_conn: socket.socket | None = None
                 try:
-                    for request in _requests(self.rfile):
-                        method, path = request[0], request[1]
-                        action = proxy._action(method, path)
+                    for method, path, query, raw in _requests(self.rfile):
+                        action = proxy._action(method, path, query)
                         if action == "cut":
                             return _cut(self.connection)
                         if upstream_conn is None:
                             upstream_conn = socket.create_connection((parsed.hostname, parsed.port))
-                        upstream_conn.sendall(request[2])
+                        upstream_conn.sendall(raw)
                         reply = http.client.HTTPResponse(upstream_conn, method=method)
                         reply.begin()
                         body = reply.read()
@@ -99,11 +105,11 @@ class FaultProxy:
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
-    def _action(self, method: str, path: str) -> str | None:
+    def _action(self, method: str, path: str, query: str) -> str | None:
         with self.lock:
             for fault in self.faults:
-                if fault.take(method, path):
-                    return fault.action
+                if fault.take(method, path, query):
+                    return None if fault.action == "pass" else fault.action
         return None
 
     def close(self) -> None:
@@ -112,8 +118,8 @@ class FaultProxy:
         self._server.server_close()
 
 
-def _requests(rfile: BinaryIO) -> Iterator[tuple[str, str, bytes]]:
-    """(method, path, raw bytes) of each request on a kept-alive connection."""
+def _requests(rfile: BinaryIO) -> Iterator[tuple[str, str, str, bytes]]:
+    """(method, path, query string, raw bytes) of each request on a kept-alive connection."""
     while True:
         line = rfile.readline(65537)
         if not line:
@@ -138,7 +144,8 @@ def _requests(rfile: BinaryIO) -> Iterator[tuple[str, str, bytes]]:
         else:
             raw.append(rfile.read(int(headers.get("content-length") or 0)))
         method, target, _ = line.decode("latin-1").split(" ", 2)
-        yield method, urllib.parse.urlsplit(target).path, b"".join(raw)
+        parts = urllib.parse.urlsplit(target)
+        yield method, parts.path, parts.query, b"".join(raw)
 
 
 def _encode(reply: Any, body: bytes, method: str) -> bytes:

@@ -217,9 +217,19 @@ def commit_generation(
         if check is not None:
             check()
         backend.put_record(directory / record_name, data)
-        return remove_superseded(
-            directory, generation, record_name, sweep_all=sweep_all, backend=backend
-        )
+        try:
+            return remove_superseded(
+                directory, generation, record_name, sweep_all=sweep_all, backend=backend
+            )
+        except Exception as err:  # committed: what it superseded is the next save's to remove
+            _LOG.warning(
+                "%s: committed %s, but removing what it replaced failed (%s); the next save "
+                "there removes it",
+                display_path(directory),
+                generation,
+                err,
+            )
+            return []
 
 
 def _newer(current: str, generation: str) -> bool:
@@ -520,6 +530,21 @@ class DirectoryWriter:
         except CommitOutcomeUnknownError:
             self._keep = True
             raise
+        except BaseException:
+            # An interruption (Ctrl-C) can land after the record was put: what it names is
+            # then this save's, and kept (so is it when the record cannot be read).
+            self._keep = self._record_names_generation() is not False
+            raise
+
+    def _record_names_generation(self) -> bool | None:
+        """Whether the commit record names this writer's generation (None: unreadable)."""
+        try:
+            document = json.loads(self.backend.read_bytes(self.final / COMMIT_RECORD))
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError, FastCkptError):
+            return None
+        return isinstance(document, dict) and document.get("generation") == self.generation
 
     def abort(self) -> None:
         """Drop what was written (kept after a commit whose outcome is unknown: the record

@@ -324,13 +324,14 @@ class S3Backend(StorageBackend):
         lease is renewed (conditionally) right before the put.
 
         A put that fails without a refusal (no answer, a server error, a conflict met by a
-        retry) is decided by reading the record back: committed when it holds ``data``.
+        retry) is settled by reading the record back and, when it does not hold ``data``,
+        putting it once more on the same condition (:meth:`_settle`).
 
         Raises:
             LeaseLostError: this holder's lease was taken over; nothing was written.
             CommitConflictError: another writer replaced (or created) it meanwhile.
-            CommitOutcomeUnknownError: the put failed and the record cannot be read back: it
-                may have been applied (delete nothing it may name).
+            CommitOutcomeUnknownError: the put failed and the record cannot be read back, or
+                failed twice: it may have been applied (delete nothing it may name).
         """
         key = self._key(path)
         lease = held_lease(self.client, key)
@@ -354,23 +355,69 @@ class S3Backend(StorageBackend):
             raise  # answered, and refused: nothing was written
         except ObjectStoreError as err:
             # No answer, a server error, or a conflict met by a retry of a put that was
-            # applied: the store may hold this very record. What it reads back decides.
-            new_etag = self._applied(key, data, err)
+            # applied: the store may hold this very record (see _settle).
+            new_etag = self._settle(key, data, mode, err)
         with self._etags_lock:
             self._etags[key] = new_etag
         if lease is not None:
             lease.saw_version(key, new_etag, wrote=True)
 
-    def _applied(self, key: str, data: bytes, failure: ObjectStoreError) -> str | None:
-        """After the put of record ``key`` failed with ``failure``: the record's etag when it
-        reads back as ``data`` byte for byte (the store applied the put, its answer was lost:
-        committed). Raises ``failure`` when it reads back as anything else (not committed),
-        :class:`CommitOutcomeUnknownError` when it cannot be read (the caller must not delete
-        what the record may name)."""
+    def _settle(
+        self, key: str, data: bytes, mode: str | dict[str, Any], failure: ObjectStoreError
+    ) -> str | None:
+        """After the put of record ``key`` failed with ``failure`` (no answer, a server error,
+        or a conflict met by a retry of a put the store had applied): make sure whether the
+        record holds ``data``, and return its etag when it does (committed).
+
+        The record is read back first: holding ``data``, the put was applied. Otherwise the
+        put is issued once more, on the same condition: a first put still in flight can then
+        no longer land unnoticed (after this one, its condition fails; before it, this one
+        conflicts and the record is read again), and one that never reached the store lands
+        now.
+
+        Raises:
+            CommitConflictError: the record is another writer's.
+            CommitOutcomeUnknownError: the record cannot be read, or the second put got no
+                answer either: it may hold ``data`` (the caller must delete nothing it may
+                name).
+        """
+        holds, etag = self._holds(key, data, failure)
+        if holds:
+            return etag
+        try:
+            etag = self.client.put(key, data, mode=mode)
+        except CommitConflictError as conflict:
+            holds, etag = self._holds(key, data, conflict)
+            if holds:
+                return etag
+            raise conflict from failure
+        except (AccessDeniedError, ObjectNotFoundError):
+            raise
+        except ObjectStoreError as again:
+            raise CommitOutcomeUnknownError(
+                f"{self.client.url(key)}: the put of this commit record failed twice ({failure}; "
+                f"{again}): the store may have applied either, so the save is reported failed "
+                "but nothing it wrote is deleted. Once the store answers, `fastckpt verify` "
+                "shows which checkpoint is committed; the next save removes what no record "
+                "names."
+            ) from again
+        _LOG.warning(
+            "%s: the first put of this commit record failed (%s); the second was applied",
+            self.client.url(key),
+            failure,
+        )
+        return etag
+
+    def _holds(self, key: str, data: bytes, failure: ObjectStoreError) -> tuple[bool, str | None]:
+        """Whether record ``key`` reads back as ``data`` byte for byte (and its etag).
+
+        Raises:
+            CommitOutcomeUnknownError: it cannot be read (``failure`` is what made it asked).
+        """
         try:
             stored, meta = self.client.get(key, limit=len(data))
         except (ObjectNotFoundError, CheckpointFormatError):
-            raise failure from None  # none, or longer than this record: not this put's
+            return False, None  # none, or longer than this record: not this put's
         except ObjectStoreError as err:
             raise CommitOutcomeUnknownError(
                 f"{self.client.url(key)}: the put of this commit record failed ({failure}) and "
@@ -380,13 +427,13 @@ class S3Backend(StorageBackend):
                 "removes what no record names."
             ) from failure
         if stored != data:
-            raise failure
+            return False, None
         _LOG.warning(
             "%s: the store applied this commit record although its put failed (%s): committed",
             self.client.url(key),
             failure,
         )
-        return meta.etag
+        return True, meta.etag
 
     def delete(self, path: Path) -> None:
         """Remove the object at ``path`` and everything under it (unfinished uploads too).

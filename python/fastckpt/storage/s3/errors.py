@@ -128,7 +128,9 @@ def translate(err: BaseException, url: str, endpoint: str | None) -> ObjectStore
         return err
     text = str(err)
     kind = type(err).__name__
-    code = _code(text) or getattr(err, "response", {}).get("Error", {}).get("Code")
+    # botocore's connection errors carry ``response = None``.
+    response = getattr(err, "response", None) or {}
+    code = _code(text) or (response.get("Error") or {}).get("Code")
     where = endpoint or "the default AWS endpoint"
     if code == "NoSuchBucket":
         bucket = url.split("/")[2] if url.count("/") >= 2 else url
@@ -161,9 +163,13 @@ def translate(err: BaseException, url: str, endpoint: str | None) -> ObjectStore
             f"{url}: {where} answered HTTP {status.group(1)} ({code or kind}): {first_line[:400]}"
         )
     lowered = text.lower()
-    if kind in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError") or any(
-        hint in lowered for hint in _UNREACHABLE_HINTS
-    ):
+    if kind in (
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ConnectionClosedError",
+        "HTTPClientError",
+    ) or any(hint in lowered for hint in _UNREACHABLE_HINTS):
         return EndpointUnreachableError(
             f"{url}: cannot reach {where} ({kind}): it refused, dropped or did not answer "
             "the request within the timeouts; check that the endpoint is up and the address "
