@@ -747,3 +747,24 @@ def manager_unsharded_then_sharded() -> None:
     if rank == 0:
         print(json.dumps(sorted(p.name for p in (root / "last").iterdir())))
     leave_process_group()
+
+
+def hand_attached_scheduler() -> None:
+    """An FSDP2 strategy with a LambdaLR put into ``strategy.schedulers`` by hand: a sharded
+    save keeps its state_dict() alone, so check_recordable must not ask for its recipe.
+    Prints ``{"index": ..., "recordable": true}``."""
+    root, rank, _ = setup_rank()
+    strategy = fastckpt.TrainingStrategy(
+        shard(build_model()),
+        fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}),
+        training_fn=training_fn,
+    )
+    name = next(iter(strategy.optimizers))
+    strategy.schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
+        strategy.optimizers[name], lambda epoch: 0.9**epoch
+    )
+    strategy.check_recordable()
+    index = strategy.save_checkpoint(root)
+    if rank == 0:
+        print(json.dumps({"index": index, "recordable": True}))
+    leave_process_group()

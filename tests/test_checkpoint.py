@@ -451,3 +451,20 @@ def test_a_root_and_manager_checkpoints_never_share_a_folder(tmp_path: Path) -> 
         pytest.raises(CheckpointFormatError, match="reserved"),
     ):
         m.save(tmp_path / "mgr" / "s2", {"manifest": {"a": 1}})
+
+
+def test_a_save_leaves_the_saved_tensors_storages_resizable(tmp_path: Path) -> None:
+    # Before: the writer and the incremental digests exported live tensors with
+    # Tensor.numpy(), which torch answers by marking the storage not resizable for good;
+    # code freeing a parameter's storage (FSDP1-style flat parameters, offloading) with
+    # untyped_storage().resize_(0) then failed after the first checkpoint.
+    model = torch.nn.Linear(16, 16)
+    fastckpt.save_checkpoint(tmp_path / "root", models={"m": (model, None)})
+    fastckpt.save_checkpoint(tmp_path / "root", models={"m": (model, None)})  # incremental
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(tmp_path / "mgr", {"model": model.state_dict()})
+        template = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+        m.load(tmp_path / "mgr", into=template)
+    for tensor in [*model.state_dict().values(), *template["model"].values()]:
+        assert tensor.untyped_storage().resizable()
+    model.weight.untyped_storage().resize_(0)  # frees it, as such code does

@@ -324,6 +324,21 @@ def test_a_rank_killed_mid_save_state_is_a_failure_saying_nothing_was_committed(
     assert torch.equal(state["r0"], torch.ones(64, 3)) and torch.equal(state["r1"], state["r0"])
 
 
+def test_a_runtime_error_of_a_single_process_save_is_not_called_a_collective_failure(
+    tmp_path: Path,
+) -> None:
+    # Only a save with peers can lose one: a Stateful's own RuntimeError passes unchanged.
+    class Failing:
+        def state_dict(self) -> dict[str, Any]:
+            raise RuntimeError("the user's own failure")
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            pass
+
+    with pytest.raises(RuntimeError, match=r"^the user's own failure$"):
+        fastckpt.dcp.save_state(tmp_path / "ckpt", {"s": Failing(), "w": torch.ones(2)})
+
+
 def test_never_committed_directory_raises_not_committed(tmp_path: Path) -> None:
     (tmp_path / "g0000000000001-0123abcd").mkdir()
     with pytest.raises(fastckpt.dcp.NotCommittedError, match="interrupted save"):

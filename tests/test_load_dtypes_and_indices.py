@@ -255,6 +255,8 @@ def test_save_checkpoint_refuses_an_index_its_manifest_cannot_hold(tmp_path: Pat
     assert verify(tmp_path).ok
     assert load_checkpoint(tmp_path)["checkpoint_index"] == MAX_INDEX
     assert load_checkpoint(tmp_path, checkpoint_index=0)["checkpoint_index"] == 0
+    with pytest.raises(ValueError, match="latest index is already 999999999999999999"):
+        save_checkpoint(tmp_path, models={"main": (model, None)})
 
 
 def test_none_means_the_latest_and_integer_scalars_are_ints(root: Path) -> None:

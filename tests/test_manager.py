@@ -622,3 +622,56 @@ def test_a_name_too_long_for_the_temporary_sibling_says_what_fits(tmp_path: Path
         with pytest.raises(OSError, match=r"is 235 bytes; .* names of at most \d+ bytes fit"):
             manager.save(tmp_path / ("a" * 235), {"x": torch.ones(1)})
         assert list(tmp_path.iterdir()) == []
+
+
+def test_threads_sharing_an_async_manager_take_turns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: two threads' saves raced past the "one write tracked" check, and one failed
+    # with "still tracked; collect it before starting another" (an internal method). The
+    # race is widened here: each save dwells after waiting for the previous write.
+    import threading
+    import time
+
+    from fastckpt.container.background import BackgroundWriter
+
+    collect = BackgroundWriter.collect
+
+    def slow_collect(self: BackgroundWriter[Any]) -> Any:
+        result = collect(self)
+        time.sleep(0.05)
+        return result
+
+    monkeypatch.setattr(BackgroundWriter, "collect", slow_collect)
+
+    errors: list[BaseException] = []
+    saved: dict[str, torch.Tensor] = {}
+
+    def saves(thread: int) -> None:
+        futures = []
+        for i in range(5):
+            value = torch.full((256,), float(thread * 100 + i))
+            try:
+                futures.append(
+                    (
+                        f"t{thread}_{i}",
+                        value,
+                        manager.save(tmp_path / f"t{thread}_{i}", {"x": value}),
+                    )
+                )
+            except BaseException as err:
+                errors.append(err)
+        for name, value, future in futures:
+            future.result(timeout=60)
+            saved[name] = value
+
+    with CheckpointManager(CheckpointManager.Config.with_async_save()) as manager:
+        threads = [threading.Thread(target=saves, args=(n,)) for n in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert errors == []
+        for name, value in saved.items():
+            assert torch.equal(manager.load(tmp_path / name)["x"], value)
+    assert len(saved) == 10

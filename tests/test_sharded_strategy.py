@@ -192,3 +192,12 @@ def test_parallelize_is_refused_for_unsharded_checkpoints(tmp_path: Path) -> Non
     strategy.save_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="parallelize= applies to checkpoints of FSDP2"):
         fastckpt.TrainingStrategy.load_checkpoint(tmp_path, parallelize=lambda m: m)
+
+
+def test_a_hand_attached_scheduler_of_a_sharded_strategy_needs_no_recipe(tmp_path: Path) -> None:
+    # check_recordable's check of hand-attached schedulers (whose recipe an unsharded save
+    # records) must not refuse a sharded strategy, whose save keeps their state alone.
+    outputs = check_ok(
+        launch("hand_attached_scheduler", tmp_path / "ckpt", 1, ranks="sharded_ranks")
+    )
+    assert json.loads(outputs[0].strip().splitlines()[-1]) == {"index": 0, "recordable": True}

@@ -801,3 +801,35 @@ def test_a_staging_directory_abandoned_by_an_interrupted_save_is_removed_by_the_
     assert held.temp.is_dir()  # a live staging of this process is never touched
     held.discard()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
+
+
+def test_an_interruption_between_the_two_renames_of_a_fallback_replace_keeps_the_old(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Where the filesystem cannot exchange directories (NFS), a replace renames the old
+    # checkpoint aside, then the new one into place. Ctrl-C between the two: before, the
+    # clean-up deleted the new one and the old stayed aside under this live process's name
+    # (never repaired while it lived): the id loaded nothing, here or in other processes.
+    import pathlib
+
+    monkeypatch.setattr(backend, "exchange_paths", lambda a, b: False)
+    directory = tmp_path / "ck"
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        manager.save(directory, {"x": torch.ones(4)})
+        rename = pathlib.Path.rename
+
+        def interrupted_after_moving_aside(self: Path, target: Any) -> Any:
+            moved = rename(self, target)
+            if Path(target).name.startswith(".trash-"):
+                raise KeyboardInterrupt
+            return moved
+
+        monkeypatch.setattr(pathlib.Path, "rename", interrupted_after_moving_aside)
+        with pytest.raises(KeyboardInterrupt):
+            manager.save(directory, {"x": torch.full((4,), 2.0)})
+        monkeypatch.setattr(pathlib.Path, "rename", rename)
+        assert torch.equal(manager.load(directory)["x"], torch.ones(4))
+        assert fastckpt.verify(directory).ok
+        manager.save(directory, {"x": torch.full((4,), 3.0)})
+        assert torch.equal(manager.load(directory)["x"], torch.full((4,), 3.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]

@@ -467,6 +467,12 @@ def write_snapshot(
         raise ValueError(
             f"checkpoint_index must be -1 (the next) or from 0 to {MAX_INDEX}, got "
             f"{checkpoint_index}"
+            + (
+                f" (the root's latest index is already {MAX_INDEX}: give an index, or save "
+                "into a new root)"
+                if checkpoint_index == -1
+                else ""
+            )
         )
     plan_incremental(root, snapshot)
     if snapshot.plan is not None:

@@ -252,6 +252,11 @@ class BackgroundWriter(Generic[T]):
         with self._capture_lock.exclusive():
             copy()
 
+    def held_by_this_thread(self) -> bool:
+        """Whether the calling thread holds a :meth:`guard` (a save started here would wait
+        for the guard it holds)."""
+        return self._capture_lock.held_here()
+
     def _refuse_waiting_on_own_guard(self, doing: str) -> None:
         if self._capture_lock.held_here():
             raise RuntimeError(

@@ -152,7 +152,10 @@ def mark_frozen(*tensors: torch.Tensor | torch.nn.Module) -> None:
     one case where fastckpt trusts instead of proving: a marked tensor whose bytes do change
     is saved with its old bytes. The promise covers the marked view only (its storage,
     offset, shape, strides and dtype), not other tensors sharing its storage (a flat
-    parameter buffer's other views). To undo it, :func:`unmark_frozen` the tensors or
+    parameter buffer's other views). A mark lasts as long as the marked tensor object: mark
+    the module or its parameters themselves, not a temporary such as ``p.detach()`` or a
+    ``state_dict()`` value, whose mark lapses when it is freed (the tensors are then proven
+    by their digest, as unmarked ones). To undo it, :func:`unmark_frozen` the tensors or
     :func:`forget` (every mark)."""
     for item in _frozen_targets(tensors, "mark_frozen"):
         with _LOCK:

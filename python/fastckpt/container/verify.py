@@ -410,7 +410,7 @@ def verify(
 
     Raises:
         TypeError: ``index`` is not an ``int`` or None (a bool, float or string), or
-            ``threads`` is not an ``int`` from 1 to 1024 or None.
+            ``threads`` is not an ``int`` from 1 to 65536 or None.
         FileNotFoundError: ``path_or_root`` does not exist or is not a fastckpt checkpoint
             (or the root has no committed index and ``index=-1``).
         KeyError: ``index`` is not committed in the root.
@@ -418,9 +418,9 @@ def verify(
     """
     requested = checked_index(index, "index", _VERIFY_INDEX)
     if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024
+        isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1 << 16
     ):
-        raise TypeError(f"threads must be an int from 1 to 1024 or None, got {threads!r}")
+        raise TypeError(f"threads must be an int from 1 to 65536 or None, got {threads!r}")
     use_storage_options(path_or_root, storage_options, "verify")
     try:
         container = open_container(path_or_root)

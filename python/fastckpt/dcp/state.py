@@ -26,6 +26,7 @@ whole.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import warnings
 from collections.abc import Iterator, Mapping
@@ -43,14 +44,13 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from fastckpt.container.commit import committed_generation
 from fastckpt.container.sharded.commit import RECORD_NAME, read_record
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.dcp.reader import Passes, Reader
 from fastckpt.dcp.writer import Writer
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, FastCkptError
 from fastckpt.format.sharded import Record
-from fastckpt.storage.registry import display_path
+from fastckpt.storage.registry import backend_for, display_path
 
 __all__ = [
     "async_save_state",
@@ -153,14 +153,13 @@ def _collective_failure_explained(writer: Writer) -> Iterator[None]:
     except FastCkptError:
         raise
     except RuntimeError as err:
+        if not dist.is_initialized() or dist.get_world_size() < 2:
+            raise  # no peer to lose: not a collective's failure
         generation = writer.current_generation
         if generation is None:
             status = "was not committed (it never got its generation): the previous one stands"
         else:
-            try:
-                committed = committed_generation(writer.path, RECORD_NAME) == generation
-            except (OSError, FastCkptError):
-                committed = None
+            committed = _names_generation(writer.path, generation)
             status = {
                 True: f"was committed ({generation}): it verifies and loads",
                 False: f"was not committed ({generation}): the previous one stands",
@@ -171,6 +170,18 @@ def _collective_failure_explained(writer: Writer) -> Iterator[None]:
             f"torch.distributed ({type(err).__name__}: {err}); when another rank died or "
             f"left the process group, its failure shows here. This save {status}."
         ) from err
+
+
+def _names_generation(path: Path, generation: str) -> bool | None:
+    """Whether the sharded record of ``path`` names ``generation`` (None: it cannot be read)."""
+    record = path / RECORD_NAME
+    try:
+        document = json.loads(backend_for(record).read_bytes(record))
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, FastCkptError):
+        return None
+    return isinstance(document, dict) and document.get("generation") == generation
 
 
 def async_save_state(

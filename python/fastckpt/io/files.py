@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 #: Bounds of the ``threads`` and ``chunk_size`` arguments.
-MAX_THREADS = 1024
+MAX_THREADS = 1 << 16
 MIN_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 1 << 40
 
@@ -261,8 +261,32 @@ def copy_values(target: torch.Tensor, source: torch.Tensor) -> None:
 
 
 def byte_view(tensor: torch.Tensor) -> np.ndarray:
-    """A zero-copy uint8 numpy view of a contiguous CPU tensor's bytes (writable)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
+    """A zero-copy uint8 numpy view of a contiguous CPU tensor's bytes (writable).
+
+    Not ``Tensor.numpy()``: torch marks the storage of a tensor it exports to NumPy as not
+    resizable, for good, and a save must leave the caller's tensors as they were (code that
+    frees a parameter's storage with ``untyped_storage().resize_(0)`` failed after the first
+    checkpoint). The array keeps the tensor's storage alive."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    if flat.device.type != "cpu":
+        raise TypeError(f"byte_view needs a CPU tensor, got one on {flat.device}")
+    return np.asarray(_Bytes(flat))
+
+
+class _Bytes:
+    """The bytes of a flat uint8 CPU tensor, for NumPy (``__array_interface__``); holding the
+    tensor keeps its storage alive as long as an array made from it."""
+
+    __slots__ = ("__array_interface__", "_tensor")
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self._tensor = flat
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": (flat.numel(),),
+            "typestr": "|u1",
+            "data": (flat.data_ptr(), False),
+        }
 
 
 def _count(value: int | None, name: str, default: int, least: int, most: int) -> int:

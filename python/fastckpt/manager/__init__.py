@@ -26,6 +26,7 @@ import datetime
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
@@ -445,6 +446,9 @@ class CheckpointManager:
             else None
         )
         self._tracker = Tracker()
+        # Saves from several threads take turns: an async manager tracks one write at a
+        # time (a second thread's save raced past the check and failed).
+        self._save_turn = threading.Lock()
         self._closed = False
         #: Where :meth:`load_latest` restored from (None before it ran).
         self.restored_from: NearestCheckpoint | None = None
@@ -749,7 +753,26 @@ class CheckpointManager:
                 ``wait_timeout_secs`` (nothing new is started; it stays tracked).
             ValueError / KeyError / TypeError: invalid keys or values, or a ``base`` that is
                 not the previous save or with ``Config.incremental`` False (nothing written).
+
+        Threads may share a manager: their saves take turns (each waits for the previous
+        one's write as a save on one thread does). A save inside :meth:`lock` on the same
+        thread is refused (a ``RuntimeError``): it would wait for itself.
         """
+        self._check_open("save")
+        if self._writer is not None and self._writer.held_by_this_thread():
+            raise RuntimeError(
+                "cannot start a save of the CheckpointManager inside its lock() on the same "
+                "thread: the snapshot waits until the lock is released, so the save (and its "
+                "wait for the previous save) would wait for itself, or mix two moments. Save "
+                "outside the lock"
+            )
+        with self._save_turn:
+            return self._save(checkpoint_id, state, base)
+
+    def _save(
+        self, checkpoint_id: str | Path, state: Mapping[str, Any], base: str | Path | None
+    ) -> Future[None] | None:
+        """:meth:`save`, one thread at a time."""
         self._check_open("save")
         _check_state_mapping(state, "state")
         path = self._tier_path(checkpoint_id)

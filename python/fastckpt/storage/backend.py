@@ -720,8 +720,15 @@ class LocalStaging(Staging):
                 old = self.temp  # now holds the previous content
             else:
                 old = _sibling(TRASH_PREFIX, self.final)
-                self.final.rename(old)
-                self.temp.rename(self.final)
+                try:
+                    self.final.rename(old)
+                    self.temp.rename(self.final)
+                except BaseException:
+                    # Interrupted (Ctrl-C) or failed between the two renames: the previous
+                    # checkpoint goes back (a crash here is repaired by the next writer).
+                    if not os.path.lexists(self.final) and os.path.lexists(old):
+                        old.rename(self.final)
+                    raise
         else:
             self.temp.rename(self.final)
         self._settled()

@@ -815,8 +815,10 @@ class TrainingStrategy:
                     "scheduler in a hook)"
                 ) from err
         for name, scheduler in self.schedulers.items():
-            if self._scheduler_spec(name, scheduler) is not None:
-                continue  # recorded from its OptimizerConfig, checked above
+            if self.sharded or self._scheduler_spec(name, scheduler) is not None:
+                # A sharded save keeps a scheduler's state_dict() alone; one from an
+                # OptimizerConfig is recorded from it, checked above.
+                continue
             try:
                 codec.scheduler_spec(scheduler).to_json()
             except (TypeError, ValueError) as err:
@@ -926,6 +928,12 @@ class TrainingStrategy:
             raise ValueError(
                 f"checkpoint_index must be -1 (the next) or from 0 to {MAX_INDEX}, got "
                 f"{checkpoint_index}"
+                + (
+                    f" (the root's latest index is already {MAX_INDEX}: give an index, or "
+                    "save into a new root)"
+                    if index > MAX_INDEX and requested in (None, -1)
+                    else ""
+                )
             )
         return index, str(decided[1])
 

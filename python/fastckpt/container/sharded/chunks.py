@@ -29,7 +29,7 @@ from fastckpt import _native
 from fastckpt.container.sharded.ranges import Range, Span
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.sharded import StoredChunk
-from fastckpt.io.files import dtype_from_name
+from fastckpt.io.files import byte_view, dtype_from_name
 from fastckpt.io.paths import check_relpath, safe_join
 from fastckpt.storage.registry import backend_for, is_local
 
@@ -402,7 +402,7 @@ class ChunkFiles:
             or chunk.length == 0
         ):
             return False
-        data = target.detach().reshape(-1).view(torch.uint8).numpy()
+        data = byte_view(target.detach())
         self._read_range(chunk, chunk.offset, data)
         self.check(self.want(chunk), data)
         return True
