@@ -628,8 +628,9 @@ def resolve_training_fn(
     if _top_package(path) == "__main__":
         raise _refuse_training_fn(
             path,
-            "it was defined in the script that ran the training (__main__), which is not the "
-            "script loading it; a function recorded as __main__.<name> always has to be passed",
+            "it was defined in the script that ran the training (__main__), and a loading "
+            "script's __main__ may be another one (a notebook, a different entry point); a "
+            "function recorded as __main__.<name> always has to be passed",
         )
     obj = _resolve_loaded(path)
     if obj is _MISSING:
