@@ -995,3 +995,37 @@ def test_a_promotion_never_swaps_away_a_file_put_into_the_durable_copy(tmp_path:
         promote_checkpoint(fast / "step_1", durable / "step_1")
     assert (durable / "step_1" / "eval.json").read_text() == '{"acc": 0.9}'
     assert fastckpt.verify(durable / "step_1").ok
+
+
+@pytest.mark.parametrize("who", ["another host", "a dead process of this host"])
+def test_a_durable_checkpoint_a_crashed_replace_moved_aside_is_restored_by_the_next_node(
+    tmp_path: Path, who: str
+) -> None:
+    # On a filesystem without RENAME_EXCHANGE (NFS, the usual shared durable tier) a replace
+    # renames the old copy aside, then the new one into place. A node dying between the two
+    # left `.trash-latest~<pid>~<host>~...` alone; only a later save by a dead process's
+    # own host put it back, so a new node's load_latest found no checkpoint (and a "resume
+    # or start fresh" script started over).
+    from fastckpt.storage import backend
+
+    durable, fast = tmp_path / "durable", tmp_path / "fast"
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(durable / "latest", {"w": torch.full((4,), 1.0), "step": 1})
+    if who == "another host":
+        owner = f"{os.getpid()}~node-a"
+    else:
+        child = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        owner = f"{int(child.stdout)}~{backend._HOST}"
+    (durable / "latest").rename(durable / f".trash-latest~{owner}~0badcafe")
+    config = fastckpt.CheckpointManager.Config.with_sync_save()
+    config.tiers = fastckpt.TiersConfig(fast=fast, durable=durable)
+    with fastckpt.CheckpointManager(config) as m:
+        state = m.load_latest()
+    assert state["step"] == 1 and torch.equal(state["w"], torch.full((4,), 1.0))
+    assert sorted(p.name for p in durable.iterdir()) == ["latest"]
+    assert fastckpt.verify(durable / "latest").ok

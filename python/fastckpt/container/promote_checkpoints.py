@@ -59,7 +59,7 @@ from fastckpt.format.records import (
     saved_seconds,
 )
 from fastckpt.io.paths import check_name, check_relpath
-from fastckpt.storage.backend import TEMP_PREFIX
+from fastckpt.storage.backend import TEMP_PREFIX, restore_replaced
 from fastckpt.storage.backend import _sibling as temp_sibling
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
@@ -430,6 +430,9 @@ def nearest_intact_checkpoint(
     skipped: list[str] = []
     found: list[tuple[Path, TierDates]] = []
     for tier in (Path(t) for t in tiers):
+        if is_local(backend_for(tier)):
+            for name in restore_replaced(tier):  # a replace its writer never finished
+                _LOG.warning("%s: put back %s, which a replace had moved aside", tier, name)
         try:
             found.append((tier, tier_dates(tier)))
         except (OSError, FastCkptError) as err:

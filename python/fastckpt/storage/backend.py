@@ -69,6 +69,7 @@ __all__ = [
     "clean_dead_siblings",
     "exchange_paths",
     "read_by_size",
+    "restore_replaced",
 ]
 
 #: ``{"size": bytes, "crc32c": whole-file crc32c}``: what a commit record says of one file.
@@ -491,6 +492,9 @@ def clean_dead_siblings(parent: Path) -> list[str]:
             _remove(child)  # this process's staging, interrupted before anyone held it
             touched.append(child.name)
             continue
+        if prefix == TRASH_PREFIX and host != _HOST and _put_back(child, parent / target):
+            touched.append(child.name)
+            continue
         if host != _HOST or _alive(pid):
             continue
         destination = parent / target
@@ -503,6 +507,42 @@ def clean_dead_siblings(parent: Path) -> list[str]:
             _remove(child)
         touched.append(child.name)
     return touched
+
+
+def _put_back(trash: Path, destination: Path) -> bool:
+    """Rename the trash directory ``trash`` back to ``destination`` when nothing is there:
+    the previous checkpoint a replace without an exchange moved aside, its writer gone before
+    the new one took its place. Safe whoever and wherever that writer is: one still between
+    its two renames then fails its second (the place is taken) and keeps nothing of its own.
+    """
+    if os.path.lexists(destination):
+        return False
+    try:
+        trash.rename(destination)
+    except OSError:
+        return False
+    return True
+
+
+def restore_replaced(parent: Path) -> list[str]:
+    """Put back, in the local folder ``parent``, every checkpoint a replace moved aside and
+    whose writer never put the new one in place: those of any host (a shared durable tier on
+    NFS), and of dead processes of this one. A reader calls it before it lists ``parent``
+    (a restore on another node would otherwise find nothing there). Returns the names put
+    back."""
+    restored: list[str] = []
+    try:
+        children = list(parent.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return restored
+    for child in children:
+        owner = _owner(child.name)
+        if owner is None or owner[0] != TRASH_PREFIX:
+            continue
+        _, target, pid, host = owner
+        if (host != _HOST or not _alive(pid)) and _put_back(child, parent / target):
+            restored.append(target)
+    return restored
 
 
 #: Errors of a disk that has no room (a full filesystem, a quota).
