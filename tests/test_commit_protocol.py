@@ -211,8 +211,6 @@ def test_an_interruption_after_the_manifest_took_its_place_keeps_the_index_it_na
     # into place, before the write returned: the save is interrupted, but its index is
     # committed. Before, the clean-up deleted the index directory the manifest names
     # (load_checkpoint: FileNotFoundError; a first save left no loadable checkpoint at all).
-    import signal
-
     import torch
 
     import fastckpt
@@ -229,7 +227,9 @@ def test_an_interruption_after_the_manifest_took_its_place_keeps_the_index_it_na
     def write_then_interrupt(path: str, data: bytes, *args: Any) -> Any:
         result = write(path, data, *args)
         if path.endswith("manifest.json"):
-            signal.raise_signal(signal.SIGINT)
+            # What SIGINT's default handler raises (not the signal itself: an earlier test in
+            # the same process may have installed another handler for it).
+            raise KeyboardInterrupt
         return result
 
     monkeypatch.setattr(_native, "write_bytes_atomic", write_then_interrupt)
