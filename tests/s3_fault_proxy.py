@@ -7,7 +7,9 @@ changes what happens to it instead:
   then cut without an answer: the client cannot tell whether it was applied;
 * ``"cut"``: the connection is cut before anything is forwarded (never applied);
 * ``"pass"``: forwarded and answered as usual (counted: a trigger for another fault's
-  ``after``).
+  ``after``);
+* a callable: called (with no argument) before the request is forwarded as usual: another
+  client acting at that moment.
 
 Nothing of the client is mocked: fastckpt's own S3 client talks HTTP to the proxy, which talks
 HTTP to moto.
@@ -22,7 +24,7 @@ import socketserver
 import struct
 import threading
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -38,7 +40,7 @@ class Fault:
 
     method: str
     suffix: str
-    action: str
+    action: str | Callable[[], object]
     times: int | None = 1
     after: Fault | None = None
     #: only requests whose query string holds this (e.g. ``"uploads"``)
@@ -107,10 +109,13 @@ class FaultProxy:
 
     def _action(self, method: str, path: str, query: str) -> str | None:
         with self.lock:
-            for fault in self.faults:
-                if fault.take(method, path, query):
-                    return None if fault.action == "pass" else fault.action
-        return None
+            taken = next((f for f in self.faults if f.take(method, path, query)), None)
+        if taken is None or taken.action == "pass":
+            return None
+        if callable(taken.action):
+            taken.action()
+            return None
+        return taken.action
 
     def close(self) -> None:
         """Stop listening."""

@@ -95,3 +95,21 @@ def test_the_form_is_read_from_the_signature() -> None:
     assert not takes_callback_args(two)
     assert not takes_callback_args(star)
     assert not takes_callback_args(print)  # builtins whose signature has *args
+
+
+@pytest.mark.timeout(60)
+def test_a_finalize_callback_of_a_sync_manager_may_save_again(tmp_path: Path) -> None:
+    # Saves take turns between threads; a save from the callback of a save on the same
+    # thread (a "latest" copy) must not wait for its own turn (a deadlock for a moment).
+    copies: list[str] = []
+    config = fastckpt.CheckpointManager.Config.with_sync_save()
+
+    def also_save_latest(checkpoint_id: str, logger: Any) -> None:
+        if checkpoint_id != str(tmp_path / "latest"):
+            copies.append(checkpoint_id)
+            manager.save(tmp_path / "latest", {"x": torch.full((2,), float(len(copies)))})
+
+    config.finalize_callback = also_save_latest
+    with fastckpt.CheckpointManager(config) as manager:
+        manager.save(tmp_path / "step_1", {"x": torch.ones(2)})
+        assert torch.equal(manager.load(tmp_path / "latest")["x"], torch.ones(2))

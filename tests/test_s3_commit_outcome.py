@@ -197,3 +197,38 @@ def test_a_dropped_connection_of_a_multipart_listing_is_a_typed_error(
     _fault(proxy, Fault("GET", f"/{s3_server.bucket}", "cut", times=None, query="uploads"))
     with _manager(options) as manager, pytest.raises(EndpointUnreachableError):
         manager.save(f"{s3_root}/step", {"x": torch.zeros(10)})
+
+
+def test_a_record_put_again_is_put_only_while_the_lease_holds(
+    s3_server: S3Server, s3_root: str, proxy: FaultProxy
+) -> None:
+    # The second put of a record (after a failed first one) came without a lease check: a
+    # writer whose first attempt outlasted its lease, which another writer took over
+    # meanwhile, committed over that writer's root. Here the lease is taken over while the
+    # first put fails (another client writes the lock object).
+    from fastckpt.storage.s3.errors import LeaseLostError
+
+    options = _options(s3_server, proxy)
+    model = torch.nn.Linear(8, 8)
+    fastckpt.save_checkpoint(
+        s3_root, models={"m": model}, counters={"step": 1}, storage_options=options
+    )
+    prefix = s3_root.split("/", 3)[3]
+    client = s3_server.client()
+
+    def another_writer_takes_the_lease() -> None:
+        client.put_object(
+            Bucket=s3_server.bucket, Key=f"{prefix}/.fastckpt.lock", Body=b'{"owner": "other"}'
+        )
+
+    cut = _fault(proxy, Fault("PUT", "/manifest.json", "cut"))
+    _fault(proxy, Fault("GET", "/manifest.json", another_writer_takes_the_lease, after=cut))
+    with pytest.raises(LeaseLostError):
+        fastckpt.save_checkpoint(
+            s3_root, models={"m": model}, counters={"step": 2}, storage_options=options
+        )
+    with proxy.lock:
+        proxy.faults.clear()
+    client.delete_object(Bucket=s3_server.bucket, Key=f"{prefix}/.fastckpt.lock")
+    rows = fastckpt.list_checkpoints(s3_root, storage_options=options)
+    assert [row["index"] for row in rows] == [0]

@@ -1029,3 +1029,27 @@ def test_a_durable_checkpoint_a_crashed_replace_moved_aside_is_restored_by_the_n
     assert state["step"] == 1 and torch.equal(state["w"], torch.full((4,), 1.0))
     assert sorted(p.name for p in durable.iterdir()) == ["latest"]
     assert fastckpt.verify(durable / "latest").ok
+
+
+def test_a_removed_checkpoint_never_comes_back_from_a_copy_moved_aside(tmp_path: Path) -> None:
+    # Restoring what a crashed replace moved aside (review of the fix above): a checkpoint
+    # removed on purpose (prune, remove) must not come back from an older copy beside it,
+    # and what an interrupted deletion left half-way (no commit record) is never put back.
+    from fastckpt.container.promote_checkpoints import nearest_intact_checkpoint, remove_checkpoint
+
+    tier = tmp_path / "tier"
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(tier / "step_2", {"step": 2})
+        shutil.copytree(tier / "step_2", tier / ".trash-step_2~123~node-a~0badcafe")
+        m.save(tier / "step_2", {"step": 22})  # a later save: the copy aside is obsolete
+        m.save(tier / "step_3", {"step": 3})
+        shutil.copytree(tier / "step_3", tier / ".trash-step_3~123~node-a~0badcafe")
+        (tier / ".trash-step_3~123~node-a~0badcafe" / "commit.json").unlink()  # half deleted
+        remove_checkpoint(tier / "step_2")
+        remove_checkpoint(tier / "step_3")
+        with pytest.raises(FileNotFoundError):  # nothing put back: nothing there
+            nearest_intact_checkpoint([tier])
+        assert not (tier / "step_2").exists() and not (tier / "step_3").exists()
+        m.save(tier / "step_3", {"step": 33})  # not refused for leftovers under its name
+        assert m.load(tier / "step_3")["step"] == 33
+    assert sorted(p.name for p in tier.iterdir()) == ["step_3"]

@@ -59,7 +59,7 @@ from fastckpt.format.records import (
     saved_seconds,
 )
 from fastckpt.io.paths import check_name, check_relpath
-from fastckpt.storage.backend import TEMP_PREFIX, restore_replaced
+from fastckpt.storage.backend import TEMP_PREFIX, remove_replaced, restore_replaced
 from fastckpt.storage.backend import _sibling as temp_sibling
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
@@ -281,6 +281,7 @@ def remove_checkpoint(path: str | os.PathLike[str]) -> None:
         backend.delete(path / SHARDED_RECORD)
         backend.delete(path)
         return
+    remove_replaced(path)  # an older copy moved aside must not come back in its place
     aside = temp_sibling(TEMP_PREFIX, path)
     try:
         os.rename(path, aside)

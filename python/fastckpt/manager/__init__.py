@@ -448,7 +448,7 @@ class CheckpointManager:
         self._tracker = Tracker()
         # Saves from several threads take turns: an async manager tracks one write at a
         # time (a second thread's save raced past the check and failed).
-        self._save_turn = threading.Lock()
+        self._save_turn = threading.RLock()  # a finalize_callback may save again
         self._closed = False
         #: Where :meth:`load_latest` restored from (None before it ran).
         self.restored_from: NearestCheckpoint | None = None

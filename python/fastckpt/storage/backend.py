@@ -69,6 +69,7 @@ __all__ = [
     "clean_dead_siblings",
     "exchange_paths",
     "read_by_size",
+    "remove_replaced",
     "restore_replaced",
 ]
 
@@ -492,16 +493,24 @@ def clean_dead_siblings(parent: Path) -> list[str]:
             _remove(child)  # this process's staging, interrupted before anyone held it
             touched.append(child.name)
             continue
-        if prefix == TRASH_PREFIX and host != _HOST and _put_back(child, parent / target):
+        if prefix == TRASH_PREFIX and host != _HOST:
+            # Another host's replace that never finished (its checkpoint put back) or that
+            # is superseded (a checkpoint is in place again: the copy aside is obsolete).
+            if os.path.lexists(parent / target) or not _holds_a_commit_record(child):
+                _remove(child)
+            elif not _put_back(child, parent / target):
+                continue
             touched.append(child.name)
             continue
         if host != _HOST or _alive(pid):
             continue
         destination = parent / target
-        if prefix == TRASH_PREFIX and not os.path.lexists(destination):
-            try:
-                child.rename(destination)
-            except OSError:
+        if (
+            prefix == TRASH_PREFIX
+            and not os.path.lexists(destination)
+            and _holds_a_commit_record(child)
+        ):
+            if not _put_back(child, destination):
                 continue
         else:
             _remove(child)
@@ -515,13 +524,34 @@ def _put_back(trash: Path, destination: Path) -> bool:
     the new one took its place. Safe whoever and wherever that writer is: one still between
     its two renames then fails its second (the place is taken) and keeps nothing of its own.
     """
-    if os.path.lexists(destination):
+    if os.path.lexists(destination) or not _holds_a_commit_record(trash):
         return False
     try:
         trash.rename(destination)
     except OSError:
         return False
     return True
+
+
+def _holds_a_commit_record(directory: Path) -> bool:
+    """Whether ``directory`` holds a checkpoint's commit record (a manager's or a sharded
+    one): a copy moved aside whole, not what a deletion interrupted half-way left."""
+    return any(
+        os.path.isfile(directory / record) for record in ("commit.json", "fastckpt-dcp.json")
+    )
+
+
+def remove_replaced(path: Path) -> None:
+    """Delete the copies a replace moved aside next to the checkpoint ``path`` (any host's):
+    a checkpoint deliberately removed must not be put back by :func:`restore_replaced`."""
+    try:
+        children = list(path.parent.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for child in children:
+        owner = _owner(child.name)
+        if owner is not None and owner[0] == TRASH_PREFIX and owner[1] == path.name:
+            _remove(child)
 
 
 def restore_replaced(parent: Path) -> list[str]:

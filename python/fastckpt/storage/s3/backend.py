@@ -356,14 +356,19 @@ class S3Backend(StorageBackend):
         except ObjectStoreError as err:
             # No answer, a server error, or a conflict met by a retry of a put that was
             # applied: the store may hold this very record (see _settle).
-            new_etag = self._settle(key, data, mode, err)
+            new_etag = self._settle(key, data, mode, err, lease)
         with self._etags_lock:
             self._etags[key] = new_etag
         if lease is not None:
             lease.saw_version(key, new_etag, wrote=True)
 
     def _settle(
-        self, key: str, data: bytes, mode: str | dict[str, Any], failure: ObjectStoreError
+        self,
+        key: str,
+        data: bytes,
+        mode: str | dict[str, Any],
+        failure: ObjectStoreError,
+        lease: Any = None,
     ) -> str | None:
         """After the put of record ``key`` failed with ``failure`` (no answer, a server error,
         or a conflict met by a retry of a put the store had applied): make sure whether the
@@ -373,9 +378,11 @@ class S3Backend(StorageBackend):
         put is issued once more, on the same condition: a first put still in flight can then
         no longer land unnoticed (after this one, its condition fails; before it, this one
         conflicts and the record is read again), and one that never reached the store lands
-        now.
+        now. Under a lease the second put is made only while the lease still holds (the
+        first attempt may have outlasted it).
 
         Raises:
+            LeaseLostError: the lease was taken over meanwhile: nothing more is put.
             CommitConflictError: the record is another writer's.
             CommitOutcomeUnknownError: the record cannot be read, or the second put got no
                 answer either: it may hold ``data`` (the caller must delete nothing it may
@@ -384,6 +391,8 @@ class S3Backend(StorageBackend):
         holds, etag = self._holds(key, data, failure)
         if holds:
             return etag
+        if lease is not None:
+            lease.confirm()
         try:
             etag = self.client.put(key, data, mode=mode)
         except CommitConflictError as conflict:
