@@ -143,12 +143,8 @@ def load_fsdp() -> None:
     leave_process_group()
 
 
-def torn_save() -> None:
-    """Commit one save to ROOT, then start a second where rank 1 is SIGKILLed after writing its
-    files and before the commit. Rank 0 reports how its save ended."""
-    root, rank, _ = setup_rank()
-    dcp.save({f"r{rank}": torch.full((64, 3), 1.0)}, storage_writer=fastckpt.dcp.Writer(root))
-    dist.barrier()
+def _killed_after_write(root: Any, rank: int) -> fastckpt.dcp.Writer:
+    """A writer whose rank 1 is SIGKILLed right after writing its files (before the commit)."""
 
     class KilledAfterWrite(fastckpt.dcp.Writer):
         def write_data(self, plan: Any, planner: Any) -> Any:
@@ -157,8 +153,19 @@ def torn_save() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return future
 
+    return KilledAfterWrite(root)
+
+
+def torn_save() -> None:
+    """Commit one save to ROOT, then start a second where rank 1 is SIGKILLed after writing its
+    files and before the commit. Rank 0 reports how its save ended."""
+    root, rank, _ = setup_rank()
+    dcp.save({f"r{rank}": torch.full((64, 3), 1.0)}, storage_writer=fastckpt.dcp.Writer(root))
+    dist.barrier()
     try:
-        dcp.save({f"r{rank}": torch.full((64, 3), 2.0)}, storage_writer=KilledAfterWrite(root))
+        dcp.save(
+            {f"r{rank}": torch.full((64, 3), 2.0)}, storage_writer=_killed_after_write(root, rank)
+        )
         print("committed")
     except BaseException as err:  # DCP raises CheckpointException (a BaseException)
         print(f"failed {type(err).__name__}")
@@ -172,17 +179,9 @@ def torn_save_state() -> None:
     root, rank, _ = setup_rank()
     fastckpt.dcp.save_state(root, {f"r{rank}": torch.full((64, 3), 1.0)})
     dist.barrier()
-
-    class KilledAfterWrite(fastckpt.dcp.Writer):
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            future = super().write_data(plan, planner)
-            if rank == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return future
-
     try:
         fastckpt.dcp.save_state(
-            root, {f"r{rank}": torch.full((64, 3), 2.0)}, writer=KilledAfterWrite(root)
+            root, {f"r{rank}": torch.full((64, 3), 2.0)}, writer=_killed_after_write(root, rank)
         )
         print("committed")
     except BaseException as err:

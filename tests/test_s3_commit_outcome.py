@@ -44,6 +44,21 @@ def _manager(options: dict[str, Any]) -> fastckpt.CheckpointManager:
     return fastckpt.CheckpointManager(config)
 
 
+def _save_root(root: str, model: torch.nn.Module, step: int, options: dict[str, Any]) -> int:
+    return fastckpt.save_checkpoint(
+        root, models={"m": model}, counters={"step": step}, storage_options=options
+    )
+
+
+def _assert_manager_holds(path: str, options: dict[str, Any], step: int) -> None:
+    """The manager checkpoint ``path`` loads ``{"x": full(1000, step), "step": step}`` and
+    verifies."""
+    with _manager(options) as manager:
+        state = manager.load(path)
+    assert state["step"] == step and torch.equal(state["x"], torch.full((1000,), float(step)))
+    assert fastckpt.verify(path, storage_options=options).ok
+
+
 def _fault(proxy: FaultProxy, fault: Fault) -> Fault:
     with proxy.lock:
         proxy.faults.append(fault)
@@ -55,20 +70,13 @@ def test_a_root_manifest_applied_without_an_answer_is_a_committed_save(
 ) -> None:
     options = _options(s3_server, proxy)
     model = torch.nn.Linear(8, 8)
-    fastckpt.save_checkpoint(
-        s3_root, models={"m": model}, counters={"step": 1}, storage_options=options
-    )
+    _save_root(s3_root, model, 1, options)
     with torch.no_grad():
         model.weight.add_(1.0)
     lost = _fault(proxy, Fault("PUT", "/manifest.json", "lose_reply"))
     # Was: EndpointUnreachableError, and the objects the applied manifest names deleted
     # (index 1 listed, FileNotFoundError at load).
-    assert (
-        fastckpt.save_checkpoint(
-            s3_root, models={"m": model}, counters={"step": 2}, storage_options=options
-        )
-        == 1
-    )
+    assert _save_root(s3_root, model, 2, options) == 1
     assert lost.hits == 1
     assert fastckpt.verify(s3_root, storage_options=options).ok
     loaded = fastckpt.load_checkpoint(s3_root, storage_options=options)
@@ -88,10 +96,7 @@ def test_a_manager_record_applied_without_an_answer_is_a_committed_save(
         # record and the old one unnamed: neither step loaded.
         manager.save(path, {"x": torch.full((1000,), 2.0), "step": 2})
         assert lost.hits == 1
-    with _manager(options) as manager:
-        state = manager.load(path)
-    assert state["step"] == 2 and torch.equal(state["x"], torch.full((1000,), 2.0))
-    assert fastckpt.verify(path, storage_options=options).ok
+    _assert_manager_holds(path, options, 2)
 
 
 def test_a_record_whose_put_and_read_back_both_fail_keeps_what_it_may_name(
@@ -110,10 +115,7 @@ def test_a_record_whose_put_and_read_back_both_fail_keeps_what_it_may_name(
         with proxy.lock:
             proxy.faults.clear()
     # The store did apply it: the checkpoint it names is whole.
-    with _manager(options) as manager:
-        state = manager.load(path)
-    assert state["step"] == 2 and torch.equal(state["x"], torch.full((1000,), 2.0))
-    assert fastckpt.verify(path, storage_options=options).ok
+    _assert_manager_holds(path, options, 2)
 
 
 def test_a_record_put_cut_before_the_store_saw_it_is_put_once_more_and_commits(
@@ -123,16 +125,9 @@ def test_a_record_put_cut_before_the_store_saw_it_is_put_once_more_and_commits(
     # still in flight could then no longer land unnoticed; this one never reached the store.
     options = _options(s3_server, proxy)
     model = torch.nn.Linear(8, 8)
-    fastckpt.save_checkpoint(
-        s3_root, models={"m": model}, counters={"step": 1}, storage_options=options
-    )
+    _save_root(s3_root, model, 1, options)
     cut = _fault(proxy, Fault("PUT", "/manifest.json", "cut"))
-    assert (
-        fastckpt.save_checkpoint(
-            s3_root, models={"m": model}, counters={"step": 2}, storage_options=options
-        )
-        == 1
-    )
+    assert _save_root(s3_root, model, 2, options) == 1
     assert cut.hits == 1
     assert fastckpt.load_checkpoint(s3_root, storage_options=options)["manifest"]["counters"] == {
         "step": 2
@@ -145,14 +140,10 @@ def test_a_record_put_that_never_gets_through_fails_keeping_the_last_checkpoint(
 ) -> None:
     options = _options(s3_server, proxy)
     model = torch.nn.Linear(8, 8)
-    fastckpt.save_checkpoint(
-        s3_root, models={"m": model}, counters={"step": 1}, storage_options=options
-    )
+    _save_root(s3_root, model, 1, options)
     _fault(proxy, Fault("PUT", "/manifest.json", "cut", times=None))
     with pytest.raises(CommitOutcomeUnknownError, match="failed twice"):
-        fastckpt.save_checkpoint(
-            s3_root, models={"m": model}, counters={"step": 2}, storage_options=options
-        )
+        _save_root(s3_root, model, 2, options)
     with proxy.lock:
         proxy.faults.clear()
     rows = fastckpt.list_checkpoints(s3_root, storage_options=options)
@@ -182,10 +173,7 @@ def test_a_failure_removing_what_a_committed_record_replaced_keeps_the_save(
         manager.save(path, {"x": torch.full((1000,), 2.0), "step": 2})
         with proxy.lock:
             proxy.faults.clear()
-    with _manager(options) as manager:
-        state = manager.load(path)
-    assert state["step"] == 2 and torch.equal(state["x"], torch.full((1000,), 2.0))
-    assert fastckpt.verify(path, storage_options=options).ok
+    _assert_manager_holds(path, options, 2)
 
 
 def test_a_dropped_connection_of_a_multipart_listing_is_a_typed_error(
@@ -210,9 +198,7 @@ def test_a_record_put_again_is_put_only_while_the_lease_holds(
 
     options = _options(s3_server, proxy)
     model = torch.nn.Linear(8, 8)
-    fastckpt.save_checkpoint(
-        s3_root, models={"m": model}, counters={"step": 1}, storage_options=options
-    )
+    _save_root(s3_root, model, 1, options)
     prefix = s3_root.split("/", 3)[3]
     client = s3_server.client()
 
@@ -224,9 +210,7 @@ def test_a_record_put_again_is_put_only_while_the_lease_holds(
     cut = _fault(proxy, Fault("PUT", "/manifest.json", "cut"))
     _fault(proxy, Fault("GET", "/manifest.json", another_writer_takes_the_lease, after=cut))
     with pytest.raises(LeaseLostError):
-        fastckpt.save_checkpoint(
-            s3_root, models={"m": model}, counters={"step": 2}, storage_options=options
-        )
+        _save_root(s3_root, model, 2, options)
     with proxy.lock:
         proxy.faults.clear()
     client.delete_object(Bucket=s3_server.bucket, Key=f"{prefix}/.fastckpt.lock")
