@@ -270,6 +270,9 @@ def byte_view(tensor: torch.Tensor) -> np.ndarray:
     flat = tensor.reshape(-1).view(torch.uint8)
     if flat.device.type != "cpu":
         raise TypeError(f"byte_view needs a CPU tensor, got one on {flat.device}")
+    if flat.numel() == 0:
+        # No bytes to share (its data pointer may be NULL, which NumPy < 1.25 refuses).
+        return np.empty(0, dtype=np.uint8)
     return np.asarray(_Bytes(flat))
 
 
