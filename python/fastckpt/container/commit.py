@@ -166,6 +166,23 @@ def committed_generation(
     return generation if isinstance(generation, str) else None
 
 
+def record_names_generation(
+    directory: Path, record_name: str, generation: str, backend: StorageBackend | None = None
+) -> bool | None:
+    """Whether the commit record ``record_name`` of ``directory`` names ``generation``: False
+    when it names another or there is none, None when it cannot be read (unlike
+    :func:`committed_generation`, which takes that for none: a caller deciding whether to
+    delete must tell the two apart)."""
+    path = directory / record_name
+    try:
+        document = json.loads((backend or backend_for(path)).read_bytes(path))
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, FastCkptError):
+        return None
+    return isinstance(document, dict) and document.get("generation") == generation
+
+
 def commit_generation(
     directory: Path,
     record_name: str,
@@ -533,18 +550,12 @@ class DirectoryWriter:
         except BaseException:
             # An interruption (Ctrl-C) can land after the record was put: what it names is
             # then this save's, and kept (so is it when the record cannot be read).
-            self._keep = self._record_names_generation() is not False
+            assert self.generation is not None
+            named = record_names_generation(
+                self.final, COMMIT_RECORD, self.generation, self.backend
+            )
+            self._keep = named is not False
             raise
-
-    def _record_names_generation(self) -> bool | None:
-        """Whether the commit record names this writer's generation (None: unreadable)."""
-        try:
-            document = json.loads(self.backend.read_bytes(self.final / COMMIT_RECORD))
-        except FileNotFoundError:
-            return False
-        except (OSError, ValueError, FastCkptError):
-            return None
-        return isinstance(document, dict) and document.get("generation") == self.generation
 
     def abort(self) -> None:
         """Drop what was written (kept after a commit whose outcome is unknown: the record

@@ -26,7 +26,6 @@ whole.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import warnings
 from collections.abc import Iterator, Mapping
@@ -44,13 +43,14 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from fastckpt.container.commit import record_names_generation
 from fastckpt.container.sharded.commit import RECORD_NAME, read_record
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.dcp.reader import Passes, Reader
 from fastckpt.dcp.writer import Writer
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, FastCkptError
 from fastckpt.format.sharded import Record
-from fastckpt.storage.registry import backend_for, display_path
+from fastckpt.storage.registry import display_path
 
 __all__ = [
     "async_save_state",
@@ -159,7 +159,7 @@ def _collective_failure_explained(writer: Writer) -> Iterator[None]:
         if generation is None:
             status = "was not committed (it never got its generation): the previous one stands"
         else:
-            committed = _names_generation(writer.path, generation)
+            committed = record_names_generation(writer.path, RECORD_NAME, generation)
             status = {
                 True: f"was committed ({generation}): it verifies and loads",
                 False: f"was not committed ({generation}): the previous one stands",
@@ -170,18 +170,6 @@ def _collective_failure_explained(writer: Writer) -> Iterator[None]:
             f"torch.distributed ({type(err).__name__}: {err}); when another rank died or "
             f"left the process group, its failure shows here. This save {status}."
         ) from err
-
-
-def _names_generation(path: Path, generation: str) -> bool | None:
-    """Whether the sharded record of ``path`` names ``generation`` (None: it cannot be read)."""
-    record = path / RECORD_NAME
-    try:
-        document = json.loads(backend_for(record).read_bytes(record))
-    except FileNotFoundError:
-        return False
-    except (OSError, ValueError, FastCkptError):
-        return None
-    return isinstance(document, dict) and document.get("generation") == generation
 
 
 def async_save_state(
