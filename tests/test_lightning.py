@@ -40,14 +40,18 @@ STOP, END = 6, 11  # 4 batches per epoch: the run stops mid-epoch and resumes th
 
 @pytest.fixture(autouse=True)
 def quiet_lightning() -> Iterator[None]:
-    """Lightning's info logs and tips say nothing these tests check."""
+    """Lightning's info logs and tips say nothing these tests check; ``deterministic=True``
+    turns torch's deterministic mode on for the whole process: later tests get it back off."""
     logger = logging.getLogger("lightning.pytorch")
     level = logger.level
     logger.setLevel(logging.ERROR)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
     logger.setLevel(level)
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
 
 
 class TinyModule(L.LightningModule):

@@ -4,7 +4,7 @@ through every front door (sync and async alike); the unusual ones it can hold ro
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -73,6 +73,41 @@ def test_a_transposed_fp4_tensor_round_trips_through_sync_and_async_saves(
                 future.result()
             loaded = manager.load(tmp_path / mode)["model"]["w"]
         assert torch.equal(loaded.view(torch.uint8), expected), mode
+
+
+@pytest.fixture
+def deterministic_mode() -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(True)`` for one test (a Lightning
+    ``Trainer(deterministic=True)`` leaves it on for the process)."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_fp4_tensors_save_and_load_under_torchs_deterministic_mode(
+    tmp_path: Path, deterministic_mode: None
+) -> None:
+    """Deterministic mode fills every new tensor and has no fill kernel for
+    ``float4_e2m1fn_x2``: staging, loads, loads into templates, ``load_file`` and lazy reads
+    allocate bytes and view them (before: NotImplementedError from each)."""
+    bits = torch.randint(0, 256, (4, 6), dtype=torch.uint8, generator=torch.Generator())
+    packed = bits.view(torch.float4_e2m1fn_x2)
+    with CheckpointManager() as manager:
+        future = manager.save(tmp_path / "ckpt", {"model": {"w": packed, "f": torch.ones(3)}})
+        if future is not None:
+            future.result()
+        assert torch.equal(manager.load(tmp_path / "ckpt")["model"]["w"].view(torch.uint8), bits)
+        into = {"w": torch.zeros(4, 6, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}
+        manager.load(tmp_path / "ckpt", into={"model": into})
+        assert torch.equal(into["w"].view(torch.uint8), bits)
+    path = tmp_path / "f.safetensors"
+    fastckpt.save_file({"w": packed}, path)
+    assert torch.equal(fastckpt.load_file(path)["w"].view(torch.uint8), bits)
+    with fastckpt.safe_open(path, "pt") as lazy:
+        assert torch.equal(lazy.get_tensor("w").view(torch.uint8), bits)
+        assert torch.equal(lazy.get_slice("w")[1:3].view(torch.uint8), bits[1:3])
 
 
 class _Packed(torch.nn.Module):

@@ -75,7 +75,7 @@ from fastckpt.errors import (
     InvalidInputError,
 )
 from fastckpt.format.records import Manifest, read_commit_record
-from fastckpt.io.files import BACKENDS, dtype_from_name, torch_shape
+from fastckpt.io.files import BACKENDS, dtype_from_name, empty_tensor, torch_shape
 from fastckpt.io.paths import safe_join
 
 __all__ = ["HandleClosedError", "SafeOpen", "TensorSlice", "safe_open"]
@@ -720,7 +720,7 @@ class SafeOpen:
 
     def _read_whole(self, name: str, entry: _Entry) -> torch.Tensor:
         dtype = dtype_from_name(entry.dtype)
-        out = torch.empty(entry.torch_shape, dtype=dtype)
+        out = empty_tensor(entry.torch_shape, dtype)
         target = out.reshape(-1).view(torch.uint8).numpy()
         where = f"{entry.file.path}: tensor {entry.name!r}"
         if not (self.verify and entry.crc32c is not None):
@@ -763,7 +763,7 @@ class SafeOpen:
             # A part is copied out, so the whole tensor it was cut from can be freed.
             return self._to_device(picked if picked.numel() == numel else picked.clone())
         dtype = dtype_from_name(entry.dtype)
-        out = torch.empty(shape, dtype=dtype)
+        out = empty_tensor(shape, dtype)
         if out.numel() == 0:
             return self._to_device(out)
         itemsize = dtype.itemsize

@@ -270,9 +270,8 @@ def read_tensor_file_into(
 
     Raises what :func:`read_tensor_file` raises; the targets may then hold partial bytes.
     """
-    import torch  # deferred: the container layer imports without torch
 
-    from fastckpt.io.files import byte_view, dtype_from_name, torch_shape
+    from fastckpt.io.files import byte_view, dtype_from_name, empty_tensor, torch_shape
     from fastckpt.io.headers import DEFAULT_THREADS
     from fastckpt.io.progress import active_counter
 
@@ -289,7 +288,7 @@ def read_tensor_file_into(
             tensor = chosen.get(name)
             if tensor is None:
                 shape = torch_shape(f"{shown}: tensor {name!r}", entry["dtype"], entry["shape"])
-                tensor = torch.empty(shape, dtype=dtype_from_name(entry["dtype"]), device="cpu")
+                tensor = empty_tensor(shape, dtype_from_name(entry["dtype"]))
             tensors[name] = tensor
             memory = byte_view(tensor.detach())
             entries.append((name, entry["dtype"], list(entry["shape"]), memory))

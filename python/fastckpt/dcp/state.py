@@ -50,6 +50,7 @@ from fastckpt.dcp.reader import Passes, Reader
 from fastckpt.dcp.writer import Writer
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, FastCkptError
 from fastckpt.format.sharded import Record
+from fastckpt.io.files import empty_tensor
 from fastckpt.storage.registry import display_path
 
 __all__ = [
@@ -304,7 +305,7 @@ def _full_template(metadata: Metadata, key: str, where: Path) -> Any:
         if str(path[0]) != key:
             continue
         if isinstance(entry, TensorStorageMetadata):
-            flat[fqn] = torch.empty(list(entry.size), dtype=entry.properties.dtype)
+            flat[fqn] = empty_tensor(entry.size, entry.properties.dtype)
         else:
             flat[fqn] = None
         paths[fqn] = path

@@ -10,9 +10,10 @@ docs/migrating.md.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -242,6 +243,24 @@ def host_tensor(name: str, tensor: Any) -> torch.Tensor:
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def empty_tensor(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    *,
+    device: str | torch.device = "cpu",
+    pin_memory: bool = False,
+) -> torch.Tensor:
+    """An uninitialised tensor to read saved bytes into: ``torch.empty`` allocated as bytes
+    and viewed as ``dtype``, so it works under ``torch.use_deterministic_algorithms(True)``,
+    which fills new tensors and has no fill kernel for ``float4_e2m1fn_x2`` (a Lightning
+    ``Trainer(deterministic=True)`` turns that mode on for the whole process).
+    """
+    shape = tuple(int(n) for n in shape)
+    size = math.prod(shape) * dtype.itemsize
+    raw = torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    return raw.view(dtype).view(shape)
 
 
 def copy_values(target: torch.Tensor, source: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from fastckpt.io.files import check_storable, copy_values
+from fastckpt.io.files import check_storable, copy_values, empty_tensor
 from fastckpt.io.images import ImagePool
 
 __all__ = [
@@ -101,7 +101,7 @@ class _BufferPool:
         with self._lock:
             buffer = self.buffers.get(name)
             if buffer is None or buffer.dtype != like.dtype or buffer.shape != like.shape:
-                buffer = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pinned)
+                buffer = empty_tensor(like.shape, like.dtype, pin_memory=self.pinned)
                 self.buffers[name] = buffer
                 self.allocations += 1
                 return buffer, True

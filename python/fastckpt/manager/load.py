@@ -50,7 +50,7 @@ from fastckpt.container.reader import check_recorded, read_json, takes_direct_re
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.format.records import COMMIT_RECORD, item_files
 from fastckpt.io import tree
-from fastckpt.io.files import byte_view, dtype_from_name, torch_shape
+from fastckpt.io.files import byte_view, dtype_from_name, empty_tensor, torch_shape
 from fastckpt.io.headers import DEFAULT_THREADS, read_metadata
 from fastckpt.io.paths import safe_join
 from fastckpt.io.progress import active_counter
@@ -114,7 +114,7 @@ class DirectRead:
         for name, where in self.tensors.items():
             target = self.direct.get(name)
             if target is None:
-                target = torch.empty(where.shape, dtype=where.dtype, device="cpu")
+                target = empty_tensor(where.shape, where.dtype)
             values[name] = target
             by_file.setdefault(where.relpath, []).append(
                 (where.name, where.header_shape, where.header_dtype, target)

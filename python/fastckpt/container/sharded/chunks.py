@@ -29,7 +29,7 @@ from fastckpt import _native
 from fastckpt.container.sharded.ranges import Range, Span
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.sharded import StoredChunk
-from fastckpt.io.files import byte_view, dtype_from_name
+from fastckpt.io.files import byte_view, dtype_from_name, empty_tensor
 from fastckpt.io.paths import check_relpath, safe_join
 from fastckpt.storage.registry import backend_for, is_local
 
@@ -451,7 +451,7 @@ def box_view(want: Want, data: np.ndarray, offsets: Any, lengths: Any) -> torch.
     shape = list(chunk.tensor_shape)
     offsets, lengths = [int(o) for o in offsets], [int(n) for n in lengths]
     if math.prod(lengths) == 0:
-        return torch.empty(lengths, dtype=dtype)
+        return empty_tensor(lengths, dtype)
     if not shape:
         return torch.from_numpy(data).view(dtype).reshape(())
     row = math.prod(shape[1:]) * dtype.itemsize

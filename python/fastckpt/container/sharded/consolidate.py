@@ -29,7 +29,7 @@ from fastckpt.container.sharded.chunks import ChunkFiles
 from fastckpt.container.sharded.commit import RECORD_NAME, generation_dirs, read_record
 from fastckpt.container.sharded.values import decode_value
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.io.files import DEFAULT_THREADS, copy_values, save_file
+from fastckpt.io.files import DEFAULT_THREADS, copy_values, empty_tensor, save_file
 from fastckpt.io.paths import safe_join
 
 __all__ = [
@@ -175,7 +175,7 @@ def consolidate(
                 else:
                     values[fqn] = {"base64": base64.b64encode(payload).decode()}
                 continue
-            full = torch.empty(list(entry.size), dtype=entry.properties.dtype)
+            full = empty_tensor(entry.size, entry.properties.dtype)
             covered = 0
             for meta in entry.chunks:
                 chunk = record.storage.get(MetadataIndex(fqn, meta.offsets))
