@@ -543,6 +543,33 @@ def test_prune_withdraws_indices_from_the_manifest_before_deleting_their_objects
         assert fastckpt.verify(root).ok
 
 
+def test_a_prefix_with_a_space_saves_lists_prunes_replaces_and_loads(
+    s3_server: S3Server, s3_root: str
+) -> None:
+    """obstore writes a space in a listing's query as ``+`` while SigV4 signs ``%20``: moto
+    refused every listing under such a prefix (SignatureDoesNotMatch reported as
+    AccessDeniedError) so a second save, ``list_checkpoints`` and ``prune`` failed there.
+    Those listings go through boto3."""
+    base = f"{s3_root}/my run"
+    root, checkpoint = f"{base}/root", f"{base}/ids/step 1"
+    models = [_linear(float(step)) for step in range(3)]
+    with _configured(s3_root, s3_server.options(**SMALL_PARTS)):
+        for model in models:
+            fastckpt.save_checkpoint(root, models={"main": model}, incremental=False)
+        assert [row["index"] for row in fastckpt.list_checkpoints(root)] == [0, 1, 2]
+        assert fastckpt.prune(root, keep_last=1) == [0, 1]
+        assert _top_level(s3_server, root) == {"manifest.json", "2"}
+        assert _same(_loaded_model(root), models[2])
+        with _sync_manager() as manager:
+            for value in (1.0, 2.0):
+                manager.save(checkpoint, {"w": torch.full((3,), value)})
+            assert torch.equal(manager.load(checkpoint)["w"], torch.full((3,), 2.0))
+        # The replaced generation was removed: one generation prefix and the record.
+        kept = _top_level(s3_server, checkpoint)
+        assert len(kept) == 2 and "commit.json" in kept, kept
+        assert fastckpt.verify(root).ok and fastckpt.verify(checkpoint).ok
+
+
 @pytest.mark.parametrize("door", ["save_checkpoint", "manager"])
 def test_server_stopped_mid_save_is_a_typed_error_and_earlier_checkpoints_survive(
     s3_server: S3Server, s3_root: str, door: str

@@ -46,6 +46,9 @@ _CHUNK = 4 << 20
 _SMALL = 1 << 20
 _LOG = logging.getLogger(__name__)
 _WARNED_UNLISTED: set[str | None] = set()  # endpoints that cannot list multipart uploads
+#: The character obstore writes into a listing's query differently from how SigV4 signs it
+#: (``+`` for ``%20``): listings under such a prefix go through boto3.
+_QUERY_SIGNED_APART = " "
 
 
 @dataclass(frozen=True)
@@ -426,9 +429,11 @@ class S3Client:
                 pass
 
     def list_objects(self, prefix: str) -> list[ObjectMeta]:
-        """Every object whose key starts with ``prefix`` (add a trailing ``/`` for a folder)."""
+        """Every object under the folder ``prefix`` (every object of the bucket for ``""``)."""
         import obstore
 
+        if _QUERY_SIGNED_APART in prefix:
+            return self._list_with_boto(prefix, nested=True)[1]
         found: list[ObjectMeta] = []
         try:
             for chunk in obstore.list(self.control_store, prefix):
@@ -441,6 +446,8 @@ class S3Client:
         """One level under the folder ``prefix``: ``(sub-folder names, objects)``."""
         import obstore
 
+        if _QUERY_SIGNED_APART in prefix:
+            return self._list_with_boto(prefix, nested=False)
         folder = prefix.rstrip("/")
         try:
             result = obstore.list_with_delimiter(self.control_store, folder or None)
@@ -449,6 +456,27 @@ class S3Client:
         names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in result["common_prefixes"])
         objects = [ObjectMeta(m["path"], m["size"], m.get("e_tag")) for m in result["objects"]]
         return names, sorted(objects, key=lambda m: m.key)
+
+    def _list_with_boto(self, prefix: str, *, nested: bool) -> tuple[list[str], list[ObjectMeta]]:
+        """:meth:`list_objects` (``nested``) or :meth:`list_dir` through boto3, which writes
+        a space in the query as ``%20`` as SigV4 signs it; obstore sends ``+``, which S3
+        servers that sign the query as sent (moto) refuse with ``SignatureDoesNotMatch``."""
+        folder = prefix.strip("/")
+        request: dict[str, Any] = {"Bucket": self.bucket_url.bucket}
+        request["Prefix"] = folder + "/" if folder else ""
+        if not nested:
+            request["Delimiter"] = "/"
+        names: list[str] = []
+        objects: list[ObjectMeta] = []
+        try:
+            for page in self._control().get_paginator("list_objects_v2").paginate(**request):
+                for common in page.get("CommonPrefixes", []):
+                    names.append(common["Prefix"].rstrip("/").rsplit("/", 1)[-1])
+                for item in page.get("Contents", []):
+                    objects.append(ObjectMeta(item["Key"], item["Size"], item.get("ETag")))
+        except Exception as err:
+            raise self._fail(err, prefix) from err
+        return sorted(names), sorted(objects, key=lambda m: m.key)
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete objects (absent ones are fine)."""
