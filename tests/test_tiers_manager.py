@@ -887,6 +887,23 @@ def test_an_older_spared_checkpoint_does_not_let_retention_delete_the_newest_tha
     assert committed_checkpoints(root) == ["step_0", "step_2", "step_3"]
 
 
+def test_retention_deletes_no_checkpoint_when_none_verifies(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, a folder of manager checkpoints none of which verified lost all but the newest
+    to ``prune_checkpoints`` (``fastckpt prune DIR``, a tier's retention) without a word; a
+    root's ``prune`` deletes nothing then, and so does this now, with a warning."""
+    root = tmp_path / "tier"
+    with _manager(TiersConfig(fast=root, durable=tmp_path / "other")) as manager:
+        _run(manager, 3)
+    for name in committed_checkpoints(root):
+        _flip_last_byte(root / name / "model.safetensors")
+    with caplog.at_level("WARNING"):
+        assert prune_checkpoints(root, 1) == []
+    assert "prune deleted nothing: no checkpoint verifies" in caplog.text
+    assert committed_checkpoints(root) == ["step_0", "step_1", "step_2"]
+
+
 def test_a_save_naming_its_base_after_retention_found_damage_writes_in_full(
     tmp_path: Path,
 ) -> None:

@@ -380,6 +380,16 @@ def doomed_checkpoints(
                 )
                 doomed.remove(name)
                 break
+        else:
+            # Nothing verifies: what is damaged may still be partly recoverable (an intact
+            # model beside a rotten optimizer file), and a prune must not decide which.
+            _LOG.warning(
+                "%s: prune deleted nothing: no checkpoint verifies (fastckpt verify %s "
+                "names the damage); restore from a copy or delete by hand",
+                display_path(root),
+                display_path(root),
+            )
+            return []
     return doomed
 
 
