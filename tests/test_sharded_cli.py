@@ -105,6 +105,28 @@ def test_export_consolidates_full_tensors(
     assert same.returncode == 0, same.stdout + same.stderr
 
 
+def test_export_model_takes_one_top_level_key_of_a_sharded_checkpoint(
+    sharded: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """Before, ``--model`` was accepted and ignored for a sharded checkpoint: any name, one
+    it does not hold too, exported every tensor (optimizer state included) with status 0."""
+    checkpoint, expected = sharded
+    out = tmp_path / "model.safetensors"
+    done = fastckpt_cli(
+        "export", str(checkpoint), "--model", "model", "--to", str(out), cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    exported = fastckpt.load_file(out)
+    assert sorted(exported) == ["b", "w"]
+    assert torch.equal(exported["w"], expected["model.w"])
+    missing = tmp_path / "missing.safetensors"
+    refused = fastckpt_cli(
+        "export", str(checkpoint), "--model", "nope", "--to", str(missing), cwd=tmp_path
+    )
+    assert refused.returncode == 2 and "no tensor under 'nope.'" in refused.stderr
+    assert not missing.exists()
+
+
 def test_a_directory_of_sharded_checkpoints_only_is_listed_verified_inspected_and_pruned(
     tmp_path: Path,
 ) -> None:

@@ -188,7 +188,10 @@ class _Exporter(KindVisitor[int]):
         self.out = out
 
     def sharded(self, container: ShardedContainer) -> int:
-        return _export_sharded(self.args, container.path, self.out, None)
+        # --model NAME: the tensors under the state dict's top-level key NAME (before, the
+        # option was ignored and every tensor, optimizer state included, was written).
+        prefix = None if self.args.model is None else f"{self.args.model}."
+        return _export_sharded(self.args, container.path, self.out, prefix)
 
     def root(self, container: RootContainer) -> int:
         return self._saved(container)
