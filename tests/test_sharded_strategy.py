@@ -4,6 +4,7 @@ with ``load_checkpoint(..., parallelize=)`` on 1 and 3 ranks (and unsharded in t
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 import fastckpt
 import fastckpt.dcp
 from dcp_support import check_ok, launch
+from fastckpt.container.verify import CheckpointSkippedWarning
 from fastckpt.dcp import is_sharded_checkpoint
 from sharded_ranks import Recorder, bf16_training_fn, loader, training_fn
 
@@ -92,6 +94,27 @@ def test_sharded_checkpoint_resumes_unsharded_without_a_process_group(
         assert torch.equal(tensor, step4[f"model.{name}"]), name
     strategy.run(loader())
     assert recorder.losses == pytest.approx(losses[4:], rel=1e-6)
+
+
+def test_damaged_shards_make_prune_and_latest_intact_keep_the_newest_index_that_verifies(
+    trained: tuple[Path, list[float]], tmp_path: Path
+) -> None:
+    """Before, which index verified was decided by the root's own files only: a flipped byte
+    in the newest index's shard file left ``latest_intact`` pointing at it and
+    ``prune(keep_last=1)`` deleted the only index that verified (nothing loaded after)."""
+    source, _ = trained
+    root = tmp_path / "run"
+    shutil.copytree(source, root)
+    (rank_file,) = (root / "sharded" / "2").glob("*/*/rank-00001.safetensors")
+    data = bytearray(rank_file.read_bytes())
+    data[-5] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    assert not fastckpt.verify(root).ok
+    with pytest.warns(CheckpointSkippedWarning, match="index 2.*rank-00001"):
+        assert fastckpt.latest_intact(root) == 1
+    assert fastckpt.prune(root, keep_last=1) == []
+    assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [1, 2]
+    assert fastckpt.TrainingStrategy.load_checkpoint(root, 1, training_fn=training_fn).step_count
 
 
 def test_synchronous_hook_saves_load_too(trained: tuple[Path, list[float]]) -> None:

@@ -50,6 +50,7 @@ from fastckpt import _native
 from fastckpt.container import refs
 from fastckpt.container.links import LINKED_DIR
 from fastckpt.container.reader import check_recorded, verify_content
+from fastckpt.container.sharded.parts import part_damage
 from fastckpt.errors import CheckpointFormatError, FastCkptError, NotACheckpointError
 from fastckpt.format.records import (
     COMMIT_RECORD,
@@ -1048,7 +1049,8 @@ _VERIFY_THREADS = 4
 def index_intact(manifest: Manifest, index: int, *, threads: int = _VERIFY_THREADS) -> str | None:
     """Why committed ``index`` does not verify (None: it does): every file against its
     manifest record (size, crc32c, each tensor's checksum) and, for an incremental index,
-    every referenced file and tensor."""
+    every referenced file and tensor, and the shards of its sharded part (see
+    :func:`~fastckpt.container.sharded.parts.part_damage`)."""
     files = manifest.entries[index]["files"]
     if refs.REFS_FILE in files:
         for report in refs.reference_reports(manifest, index, threads):
@@ -1064,7 +1066,7 @@ def index_intact(manifest: Manifest, index: int, *, threads: int = _VERIFY_THREA
         )
         if not checked.report.ok:
             return checked.report.message or f"{path}: {checked.report.status}"
-    return None
+    return part_damage(manifest, index, threads)  # an FSDP2 strategy's shards
 
 
 def spare_newest_intact(manifest: Manifest, doomed: list[int]) -> list[int]:

@@ -40,13 +40,13 @@ from fastckpt.container.links import reference_reports as link_reports
 from fastckpt.container.reader import FileReport, Status, check_recorded, verify_content
 from fastckpt.container.refs import REFS_FILE, reference_reports
 from fastckpt.container.report import VerifyReport
+from fastckpt.container.sharded.parts import part_damage, part_file_reports
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.records import (
     COMMIT_RECORD,
     MANAGER_FORMAT,
     MANIFEST,
     MANIFEST_CRC_FIELD,
-    SHARDED_DIR,
     SHARDED_RECORD,
     Manifest,
     check_seal,
@@ -258,35 +258,16 @@ def _verify_root(
     report.indices = sorted(manifest.entries) if index is None else [manifest.resolve(index)]
     for i in report.indices:
         report.files += _index_files(manifest, i, threads)
-        if (root / SHARDED_DIR).is_dir():  # the shards of an FSDP2 strategy's index
-            report.files += _strategy_part_files(manifest, i, threads)
+        report.files += part_file_reports(manifest, i, threads)  # an FSDP2 strategy's shards
     return report
 
 
 # --------------------------------------------------------------------------- sharded checkpoints
 
 
-def _strategy_part_files(manifest: Manifest, index: int, threads: int) -> list[FileReport]:
-    """The reports of the sharded part index ``index`` names in its strategy.json (none when
-    it names none, or when strategy.json cannot be read: that is reported already); its
-    commit record must be the one the index recorded."""
-    from fastckpt.container.sharded.consolidate import sharded_file_reports
-    from fastckpt.container.sharded.parts import committed_part
-
-    try:
-        part = committed_part(manifest, index)
-    except (CheckpointFormatError, ChecksumMismatchError, OSError):
-        return []
-    if part is None:
-        return []
-    return sharded_file_reports(
-        part.path, threads=threads, index=index, record_crc32c=part.record_crc32c
-    )
-
-
 def _sharded_files(directory: Path, threads: int, index: int | None = None) -> list[FileReport]:
     # Deferred: decoding the record needs torch.distributed.checkpoint's metadata types.
-    from fastckpt.container.sharded.consolidate import sharded_file_reports
+    from fastckpt.container.sharded.reports import sharded_file_reports
 
     return sharded_file_reports(directory, threads=threads, index=index)
 
@@ -506,12 +487,16 @@ def latest_intact(root: str | os.PathLike[str], *, threads: int | None = None) -
         manifest = Manifest.load(root)
     for index in sorted(manifest.entries, reverse=True):
         failures = [r for r in _index_files(manifest, index, workers) if not r.ok]
-        if not failures:
+        problem = None
+        if failures:
+            more = f" (and {len(failures) - 1} more problem(s))" if len(failures) > 1 else ""
+            problem = f"{failures[0].status}: {failures[0].message}{more}"
+        else:
+            problem = part_damage(manifest, index, workers)  # an FSDP2 strategy's shards
+        if problem is None:
             return index
-        more = f" (and {len(failures) - 1} more problem(s))" if len(failures) > 1 else ""
         warnings.warn(
-            f"{root}: skipping checkpoint index {index}, it failed verification: "
-            f"{failures[0].status}: {failures[0].message}{more}",
+            f"{root}: skipping checkpoint index {index}, it failed verification: {problem}",
             CheckpointSkippedWarning,
             stacklevel=2,
         )

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastckpt.container.reader import read_json
-from fastckpt.errors import CheckpointFormatError
-from fastckpt.format.records import SHARDED_DIR, Manifest
+from fastckpt.container.reader import FileReport, read_json
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.format.records import SHARDED_DIR, SHARDED_RECORD, Manifest
 from fastckpt.io.paths import check_name
 from fastckpt.storage.registry import backend_for, is_local
 
@@ -50,6 +50,8 @@ __all__ = [
     "committed_part",
     "index_dir",
     "new_part",
+    "part_damage",
+    "part_file_reports",
     "part_of",
     "sweep",
 ]
@@ -283,3 +285,38 @@ def sweep(
             _remove(path)
         removed += doomed
     return removed
+
+
+def part_file_reports(manifest: Manifest, index: int, threads: int) -> list[FileReport]:
+    """The reports of the sharded part index ``index`` names in its ``strategy.json`` (none
+    when it names none, when the root is not local, or when ``strategy.json`` cannot be read:
+    the index's own file check reports that); its commit record must be the one the index
+    recorded."""
+    if not is_local(manifest.backend) or not (manifest.root / SHARDED_DIR).is_dir():
+        return []
+    # Deferred: decoding the part's record needs torch.distributed.checkpoint's types.
+    from fastckpt.container.sharded.reports import sharded_file_reports
+
+    try:
+        part = committed_part(manifest, index)
+    except (CheckpointFormatError, ChecksumMismatchError, OSError):
+        return []
+    if part is None:
+        return []
+    return sharded_file_reports(
+        part.path, threads=threads, index=index, record_crc32c=part.record_crc32c
+    )
+
+
+def part_damage(manifest: Manifest, index: int, threads: int) -> str | None:
+    """Why the sharded part of committed ``index`` does not verify (None: it does, or the
+    index has none), for what decides which index is intact (``prune``'s and ``keep_last``'s
+    newest that verifies, ``latest_intact``). A shard file that is absent while the part's
+    commit record is intact is passed over: a node-local fast root holds only its node's
+    ranks' shards and cannot be told apart from one that lost a file (``fastckpt verify``
+    reports it; loading it fails naming it). A damaged, truncated or replaced one counts."""
+    for report in part_file_reports(manifest, index, threads):
+        if report.ok or (report.status == "missing" and report.path.name != SHARDED_RECORD):
+            continue
+        return report.message or f"{report.path}: {report.status}"
+    return None
