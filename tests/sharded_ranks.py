@@ -50,6 +50,29 @@ def _strict_manager(kind: str) -> fastckpt.CheckpointManager:
     return fastckpt.CheckpointManager(config)
 
 
+def manager_per_rank_values() -> None:
+    """A manager save of DTensor state whose ranks hold different plain values is refused on
+    every rank (nothing written); filed under a key of each rank's own, they save and each
+    rank loads its own back."""
+    root, rank, _ = setup_rank()
+    model, optimizer = _sharded()
+    msd, _ = get_state_dict(model, optimizer)
+    report: dict[str, Any] = {"rank": rank}
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        try:
+            m.save(root / "mixed", {"model": msd, "loader": {"position": 100 + rank}})
+        except ValueError as err:
+            report["refused"] = str(err)
+        report["mixed_exists"] = (root / "mixed").exists()
+        own = {f"rank{rank}": torch.tensor(100 + rank)}
+        m.save(root / "own", {"model": msd, "loader": own, "step": 3})
+        into = {"model": msd, "loader": {f"rank{rank}": torch.tensor(-1)}, "step": 0}
+        loaded = m.load(root / "own", into=into)
+    report["loaded"] = [int(loaded["loader"][f"rank{rank}"]), loaded["step"]]
+    print(json.dumps(report))
+    leave_process_group()
+
+
 def manager_save() -> None:
     """Train 2 steps (FSDP2 + AdamW), save through a sync manager to ROOT/sync; train one
     more, save through an async manager to ROOT/async and train on (under lock()) while it

@@ -389,6 +389,33 @@ def _reseal(root: Path, index: int, relpath: str, data: bytes) -> None:
     (root / MANIFEST).write_text(json.dumps(seal_manifest(document)))
 
 
+@pytest.mark.parametrize("key", ["optimizer", "step", "__class__"])
+def test_an_edited_scheduler_state_that_would_replace_its_attributes_is_refused(
+    tmp_path: Path, key: str
+) -> None:
+    """torch's ``load_state_dict`` puts whatever it is given into the scheduler's
+    ``__dict__``: before, a re-sealed ``schedulers/<name>.json`` holding ``"optimizer"``
+    loaded without a word and the first ``step()`` raised a bare AttributeError from inside
+    torch. Every load path refuses it, naming the file and the key."""
+    strategy = support.new_strategy([], num_steps=2)
+    strategy.run(support.loader())
+    strategy.save_checkpoint(tmp_path)
+    (index,) = Manifest.load(tmp_path).entries
+    relpath = "schedulers/main.json"
+    document = json.loads((tmp_path / str(index) / relpath).read_bytes())
+    document["state"][key] = "hijacked"
+    _reseal(tmp_path, index, relpath, json.dumps(document).encode())
+    refused = rf"{relpath}.*{key!r}, which would replace the StepLR's own attributes"
+    with pytest.raises(CheckpointFormatError, match=refused):
+        fastckpt.load_checkpoint(tmp_path)
+    with pytest.raises(CheckpointFormatError, match=refused):
+        TrainingStrategy.load_checkpoint(tmp_path, training_fn=support.training_fn)
+    live = support.new_strategy([], num_steps=2)
+    with pytest.raises(CheckpointFormatError, match=refused):
+        live.restore_checkpoint(tmp_path)
+    live.schedulers["main"].step()  # still a working scheduler
+
+
 def test_resealed_strategy_and_hooks_json_raise_only_typed_errors_through_the_strategy(
     tmp_path: Path,
 ) -> None:

@@ -5,6 +5,7 @@ one call of a restartable script."""
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,110 @@ def test_a_recorded_configuration_the_hook_refuses_is_a_typed_error(
         "fastckpt.training.hooks.checkpoint.CheckpointHook",
         "fastckpt.training.hooks.ema.EMAHook",
     }
+
+
+def _hostile_records(monkeypatch: pytest.MonkeyPatch, **changes: Any) -> None:
+    """Make the next runs record their CheckpointHook with ``changes`` to its configuration
+    (what an edited ``hooks.json`` whose checksums were re-sealed holds)."""
+    real = rebuild.record_hooks
+
+    def record(hooks: Any) -> list[dict[str, Any]]:
+        records = real(hooks)
+        records[0]["config"].update(changes)
+        return records
+
+    monkeypatch.setattr(fastckpt.training.strategy, "record_hooks", record)
+
+
+def test_a_rebuilt_hook_saves_and_prunes_only_where_the_caller_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint is untrusted input: before, a ``hooks.json`` naming another project's
+    root (``keep_last=1``) made the resumed run save there and delete its checkpoints, and a
+    key the hook never records (``overwrite=True``) was passed on."""
+    victim = tmp_path / "victim"
+    for step in range(3):
+        fastckpt.save_checkpoint(victim, models={"m": torch.nn.Linear(2, 2)}, counters={"s": step})
+    before = fastckpt.list_checkpoints(victim)
+
+    _hostile_records(monkeypatch, checkpoint_dir=str(victim), keep_last=1)
+    _train(tmp_path / "job")
+    monkeypatch.undo()
+    with pytest.warns(
+        UserWarning, match="checkpoint_dir was .*victim.*; the resumed run uses .*job"
+    ):
+        resumed = _resume(tmp_path / "job")
+    assert resumed.hooks[0].checkpoint_dir == tmp_path / "job"
+    resumed.num_steps = 8
+    resumed.run(support.loader())
+    assert fastckpt.list_checkpoints(victim) == before
+    assert [row["counters"]["step_count"] for row in fastckpt.list_checkpoints(tmp_path / "job")][
+        -1
+    ] == 8
+
+    _hostile_records(monkeypatch, overwrite=True)
+    _train(tmp_path / "keys")
+    refused = r"'overwrite', which .* never records"
+    with pytest.raises(fastckpt.CheckpointFormatError, match=refused):
+        _resume(tmp_path / "keys")
+
+    # A recorded tier the caller did not name, holding another run's checkpoints.
+    for name, changes in [
+        ("durable", {"durable_dir": str(victim)}),
+        ("fast", {"checkpoint_dir": str(victim), "durable_dir": str(tmp_path / "fast")}),
+    ]:
+        _hostile_records(monkeypatch, keep_last=1, **changes)
+        _train(tmp_path / name)
+        monkeypatch.undo()
+        with pytest.raises(fastckpt.MixedRunError, match=r"victim.*another run's"):
+            _resume(tmp_path / name)
+    assert fastckpt.list_checkpoints(victim) == before
+
+
+def test_a_resumed_run_saves_where_it_was_loaded_from_after_a_move_or_from_another_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the recorded relative ``checkpoint_dir`` was resolved against the new working
+    directory: a run copied elsewhere, resumed from another directory, saved into a new root
+    there, and the copy it resumed from never got the new checkpoints."""
+    monkeypatch.chdir(tmp_path)
+    _train(Path("job"))
+    shutil.copytree(tmp_path / "job", tmp_path / "copy")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.warns(UserWarning, match="checkpoint_dir was 'job'"):
+        resumed = _resume(tmp_path / "copy")
+    resumed.num_steps = 8
+    resumed.run(support.loader())
+    steps = [row["counters"]["step_count"] for row in fastckpt.list_checkpoints(tmp_path / "copy")]
+    assert steps[-1] == 8
+    assert not (tmp_path / "elsewhere" / "job").exists()
+    assert fastckpt.list_checkpoints(tmp_path / "job")[-1]["counters"]["step_count"] == 4
+
+
+def test_a_tiered_run_resumed_from_its_fast_tier_keeps_promoting_to_its_durable_tier(
+    tmp_path: Path,
+) -> None:
+    """The durable tier the run recorded is kept without being named: it holds copies of
+    the fast tier's indices, so it is provably this run's."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    hook = fastckpt.CheckpointHook(fast, step_interval=2, durable_dir=durable, async_save=False)
+    strategy = support.new_strategy([hook], num_steps=4)
+    strategy.run(support.loader())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed = _resume(fast)
+    assert (resumed.hooks[0].checkpoint_dir, resumed.hooks[0].durable_dir) == (fast, durable)
+    # A copy of the run, its fast tier lost, resumed with its own durable tier as fallback:
+    # it saves and promotes into the copy's tiers, not the original's.
+    shutil.copytree(durable, tmp_path / "copy" / "durable")
+    with pytest.warns(UserWarning, match="durable_dir was .*; the resumed run uses .*copy"):
+        moved = _resume(tmp_path / "copy" / "fast", fallback_dirs=[tmp_path / "copy" / "durable"])
+    hook = moved.hooks[0]
+    assert (hook.checkpoint_dir, hook.durable_dir) == (
+        tmp_path / "copy" / "fast",
+        tmp_path / "copy" / "durable",
+    )
 
 
 def test_resume_or_start_starts_fresh_then_resumes(tmp_path: Path) -> None:

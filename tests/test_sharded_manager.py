@@ -194,6 +194,20 @@ def test_load_latest_loads_one_checkpoint_on_every_rank_when_their_tiers_disagre
     assert compare(full_state(model, optimizer), agreed) == []
 
 
+def test_ranks_holding_different_plain_values_beside_dtensors_are_refused_not_collapsed(
+    tmp_path: Path,
+) -> None:
+    """DCP keeps one copy of every entry that is not a DTensor: before, a manager save of
+    DTensor state gave every rank rank 1's loader position on load, without a word. Such a
+    save is refused on every rank; values under each rank's own key load back per rank."""
+    outputs = check_ok(launch("manager_per_rank_values", tmp_path, 2, ranks="sharded_ranks"))
+    reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    for report in reports:
+        assert "ranks hold different values at loader.position" in report["refused"]
+        assert not report["mixed_exists"]
+        assert report["loaded"] == [100 + report["rank"], 3]
+
+
 def test_a_sharded_save_over_an_unsharded_checkpoint_replaces_it(tmp_path: Path) -> None:
     """A sharded save to the id of an unsharded checkpoint left that checkpoint's commit.json
     and files beside the sharded one: ``verify`` checked the stale files (ok, with the sharded

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import types
+import warnings
 from collections import OrderedDict
 from typing import Any
 
@@ -554,6 +555,93 @@ def test_trusted_argument_and_registration_allow() -> None:
     register_trusted(make_linear)
     assert isinstance(via_json(spec).build(), nn.Linear)
     assert resolve_target(path, "callable") is make_linear
+
+
+class _KeywordBase(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.width = width
+        self.body = nn.Linear(width, width)
+
+
+class PassesKeywordsOn(_KeywordBase):
+    """A constructor taking ``**kwargs`` that its base, which has no ``device``, gets."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+
+def test_a_model_passing_its_keywords_on_is_not_handed_a_device(tmp_path: Any) -> None:
+    """Before, ``**kwargs`` counted as taking ``device``: the save warned the class could
+    not be built on the meta device, a default load was refused, and with ``trusted=`` and
+    ``map_location=`` the build failed (``unexpected keyword argument 'device'``)."""
+    import fastckpt
+
+    model = PassesKeywordsOn(width=3)
+    spec = create_model_spec(PassesKeywordsOn, width=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fastckpt.save_checkpoint(tmp_path, models={"m": (model, spec)})
+    for options in ({}, {"map_location": "cpu"}):
+        loaded = fastckpt.load_checkpoint(tmp_path, **options)["models"]["m"]["model"]
+        assert torch.equal(loaded.body.weight, model.body.weight), options
+
+
+DEVICES_SEEN: list[torch.device] = []
+
+
+class TakesDevice(nn.Module):
+    """Records the device it is built with."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        super().__init__()
+        DEVICES_SEEN.append(torch.empty(0, device=device).device)
+        self.w = nn.Parameter(torch.ones(2, device=device))
+
+
+class Holds(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+
+def test_the_meta_probe_builds_nested_specs_with_a_recorded_device_on_meta(
+    tmp_path: Any,
+) -> None:
+    """A nested spec's own ``device="cpu"`` beat the ``torch.device("meta")`` context: an
+    edited spec asking for a huge layer allocated it during the probe that exists to refuse
+    it without allocating."""
+    import fastckpt
+
+    spec = create_model_spec(
+        Holds, inner=create_model_spec(TakesDevice, device=torch.device("cpu"))
+    )
+    fastckpt.save_checkpoint(tmp_path, models={"m": (Holds(TakesDevice("cpu")), spec)})
+    DEVICES_SEEN.clear()
+    loaded = fastckpt.load_checkpoint(tmp_path)["models"]["m"]["model"]
+    assert DEVICES_SEEN[0].type == "meta"  # the probe; the real build may reuse it
+    assert torch.equal(loaded.inner.w, torch.ones(2))
+
+
+def make_bilinear(width: int) -> nn.Module:
+    """A factory only the test below trusts (nothing registers it)."""
+    return nn.Bilinear(width, width, 1)
+
+
+def test_trusted_given_as_an_iterator_admits_every_target_of_the_load(tmp_path: Any) -> None:
+    """Before, ``trusted=iter([...])`` (or a generator) was used up by the first target: the
+    second model built by the same factory was refused, naming the path the caller trusted."""
+    import fastckpt
+
+    spec = create_model_spec(make_bilinear, width=2)
+    models = {name: (make_bilinear(2), spec) for name in ("a", "b")}
+    fastckpt.save_checkpoint(tmp_path, models=models)
+    path = f"{MOD}.make_bilinear"
+    for trusted in (iter([path]), (p for p in [path]), map(str, [path])):
+        loaded = fastckpt.load_checkpoint(tmp_path, trusted=trusted)["models"]
+        assert sorted(loaded) == ["a", "b"]
+        for name, (model, _) in models.items():
+            assert torch.equal(loaded[name]["model"].weight, model.weight)
 
 
 def test_register_trusted_by_string() -> None:

@@ -39,6 +39,7 @@ from fastckpt.checkpoint.components import (
     load_components,
     write_snapshot,
 )
+from fastckpt.checkpoint.trust import frozen_trusted
 from fastckpt.container.commit import prune_indices
 from fastckpt.container.listing import list_checkpoints
 from fastckpt.container.promote import NearestCopy, nearest_intact
@@ -212,7 +213,9 @@ def load_checkpoint(
     checkpoint_index = -1 if index is None else index
     model_names = checked_model_names(model_names)
     use_storage_options(root, storage_options, "load_checkpoint")
+    trusted = frozen_trusted(trusted)
     copy: NearestCopy | None = None
+    named = [root, *(fallback_dirs or ())]  # the roots a rebuilt CheckpointHook may save to
     if fallback_dirs:
         copy = choose_copy(root, fallback_dirs, checkpoint_index)
         root, checkpoint_index = copy.root, copy.index
@@ -229,7 +232,7 @@ def load_checkpoint(
         reader = result.pop("reader")
         if "strategy.json" in reader.files and model_names is None:
             result["strategy"] = _restore_strategy(
-                result["models"], reader, hooks, training_fn, trusted, map_location
+                result["models"], reader, hooks, training_fn, trusted, map_location, named
             )
         return result
 
@@ -265,6 +268,7 @@ def _restore_strategy(
     training_fn: Any,
     trusted: Trusted,
     map_location: str | torch.device | None,
+    named: Sequence[str | os.PathLike[str]],
 ) -> Any:
     """``TrainingStrategy.from_loaded``, with the malformed-field errors of a hostile
     ``strategy.json`` / ``hooks.json`` (whose checksums were re-sealed) as typed errors
@@ -279,6 +283,7 @@ def _restore_strategy(
             trusted=trusted,
             map_location=map_location,
             require_training_fn=False,
+            named_roots=named,
         )
     except CheckpointFormatError as err:
         if "strategy.json" in str(err) or "hooks.json" in str(err):

@@ -18,7 +18,6 @@ from fastckpt.checkpoint.specs import (
     BaseSpec,
     _nested_specs,
     _recipe_advice,
-    _signature_accepts,
     attach_spec,
     model_spec,
 )
@@ -51,9 +50,24 @@ def _tree_paths(spec: BaseSpec) -> list[str]:
 
 
 def _build_on_meta(spec: BaseSpec, targets: dict[int, Any], accepts_device: bool) -> Any:
-    overrides = {"device": torch.device("meta")} if accepts_device else {}
-    with torch.device("meta"):
-        return spec._build_with(targets, overrides)
+    meta = torch.device("meta")
+    overrides = {"device": meta} if accepts_device or "device" in spec.kwargs else {}
+    with meta:
+        return spec._build_with(targets, overrides, meta)
+
+
+def _takes_device(target: Any) -> bool:
+    """Whether ``target`` names a ``device`` parameter (keyword-passable). A ``**kwargs``
+    catch-all does not count: fastckpt would hand ``device=`` to a constructor that passes
+    its keywords on to one that refuses it (``class Wide(Base): __init__(self, **kw)``)."""
+    try:
+        parameter = inspect.signature(target).parameters.get("device")
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
 
 
 def _shape_of(value: Any) -> tuple[int, ...] | None:
@@ -96,7 +110,7 @@ def _compare_with_checkpoint(
             )
         checkpoint_bytes += math.prod(recorded) * tensor.element_size()
     unique = {id(t): t for t in [*probe.parameters(), *probe.buffers()]}
-    model_bytes = sum(_nbytes(t) for t in unique.values() if t.device.type == "meta")
+    model_bytes = sum(_nbytes(t) for t in unique.values())  # a non-meta one too
     allowance = checkpoint_bytes + max(EXTRA_BUFFER_BYTES, checkpoint_bytes)
     if model_bytes > allowance:
         raise CheckpointFormatError(
@@ -178,10 +192,7 @@ def build_model(
     targets: dict[int, Any] = {}
     spec._resolve_tree(targets, "model", trusted, set())
     root = targets[id(spec)]
-    try:
-        accepts_device = _signature_accepts(inspect.signature(root), "device")
-    except (TypeError, ValueError):
-        accepts_device = False
+    accepts_device = _takes_device(root)
     try:
         probe = _build_on_meta(spec, targets, accepts_device)
     except UntrustedTargetError:
@@ -284,10 +295,7 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
     try:
         spec._resolve_tree(targets, "model", paths, set())
         root = targets[id(spec)]
-        try:
-            accepts_device = _signature_accepts(inspect.signature(root), "device")
-        except (TypeError, ValueError):
-            accepts_device = False
+        accepts_device = _takes_device(root)
         probe = _build_on_meta(spec, targets, accepts_device)
     except Exception as exc:
         warnings.warn(

@@ -63,6 +63,7 @@ __all__ = [
     "create_snapshot",
     "load_components",
     "load_optimizer_state",
+    "load_scheduler_state",
     "plan_incremental",
     "run_validators",
     "scheduler_spec",
@@ -871,6 +872,35 @@ def _rebuild_optimizer(
     return optimizer, spec
 
 
+def load_scheduler_state(scheduler: Any, state: Any, where: str) -> None:
+    """``scheduler.load_state_dict(state)``, refusing state that would replace one of the
+    scheduler's own attributes rather than saved state: torch's ``load_state_dict`` updates
+    ``__dict__`` with whatever it is given, so an edited record holding ``"optimizer"`` or
+    ``"step"`` loaded silently and broke the scheduler at its first step (a bare
+    ``AttributeError`` from inside torch). Keys the scheduler does not have at all (state of
+    another torch version) are kept, as torch keeps them.
+
+    Raises:
+        CheckpointFormatError: names ``where`` and the keys.
+    """
+    if not isinstance(state, Mapping):
+        raise CheckpointFormatError(f"{where}: a scheduler's state must be an object")
+    own = scheduler.state_dict()
+    shadowing = sorted(
+        repr(key)
+        for key in state
+        if not isinstance(key, str)
+        or (key not in own and (key.startswith("__") or hasattr(scheduler, key)))
+    )
+    if shadowing:
+        raise CheckpointFormatError(
+            f"{where}: the scheduler's state has {', '.join(shadowing)}, which would replace "
+            f"the {type(scheduler).__name__}'s own attributes (its optimizer, its methods), "
+            "not saved state; the record was edited: load another checkpoint"
+        )
+    scheduler.load_state_dict(state)
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     """``optimizer.load_state_dict(state)``, keeping the saved dtype of every per-parameter
     state tensor.
@@ -942,6 +972,7 @@ def load_components(
         the loaded index.
     """
     start = time.perf_counter()
+    trusted = trust.frozen_trusted(trusted)
     requested = checked_index(checkpoint_index, "checkpoint_index", LOAD_INDEX)
     model_names = checked_model_names(model_names)
     manifest = Manifest.load(root, verify_checksum=True)
@@ -1028,7 +1059,7 @@ def load_components(
             # rates; reloading the saved optimizer state and then the scheduler's restores both.
             scheduler = cls(optimizer, **spec.kwargs)
             load_optimizer_state(optimizer, optimizer_states[target])
-            scheduler.load_state_dict(state)
+            load_scheduler_state(scheduler, state, f"{reader.directory / where}")
         except FastCkptError:
             raise
         except Exception as err:

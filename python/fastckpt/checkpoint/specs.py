@@ -343,8 +343,17 @@ class BaseSpec:
             nested._resolve_tree(targets, kind, trusted, active)
         active.discard(id(self))
 
-    def _build_with(self, targets: dict[int, Any], overrides: Mapping[str, Any]) -> Any:
-        kwargs = {key: _build_value(value, targets) for key, value in self.kwargs.items()}
+    def _build_with(
+        self,
+        targets: dict[int, Any],
+        overrides: Mapping[str, Any],
+        device: torch.device | None = None,
+    ) -> Any:
+        """Call the resolved target (``targets[id(self)]``) with the built keyword arguments
+        and ``overrides``; ``device``: given as ``device=`` to every nested spec that records
+        a ``device`` of its own (the meta build: a recorded ``device="cpu"`` beats the
+        ``torch.device("meta")`` context, and would allocate what the probe must not)."""
+        kwargs = {key: _build_value(value, targets, device) for key, value in self.kwargs.items()}
         kwargs.update(overrides)
         return targets[id(self)](**kwargs)
 
@@ -479,15 +488,16 @@ def _nested_specs(value: Any) -> Iterable[BaseSpec]:
             yield from _nested_specs(item)
 
 
-def _build_value(value: Any, targets: dict[int, Any]) -> Any:
+def _build_value(value: Any, targets: dict[int, Any], device: torch.device | None = None) -> Any:
     if isinstance(value, BaseSpec):
-        return value._build_with(targets, {})
+        pinned = {"device": device} if device is not None and "device" in value.kwargs else {}
+        return value._build_with(targets, pinned, device)
     if type(value) is list:
-        return [_build_value(item, targets) for item in value]
+        return [_build_value(item, targets, device) for item in value]
     if type(value) is tuple:
-        return tuple(_build_value(item, targets) for item in value)
+        return tuple(_build_value(item, targets, device) for item in value)
     if type(value) is dict:
-        return {key: _build_value(item, targets) for key, item in value.items()}
+        return {key: _build_value(item, targets, device) for key, item in value.items()}
     return value
 
 

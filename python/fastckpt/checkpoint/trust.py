@@ -32,6 +32,7 @@ from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
 __all__ = [
     "TARGET_KINDS",
     "dotted_path",
+    "frozen_trusted",
     "register_trusted",
     "resolve_target",
     "resolve_training_fn",
@@ -279,6 +280,19 @@ def register_trusted(target: str | Callable[..., Any]) -> None:
         return
     _TRUSTED_PATHS.add(dotted_path(target))
     _TRUSTED_OBJECTS.append(target)
+
+
+def frozen_trusted(
+    trusted: Iterable[str | Callable[..., Any]] | None,
+) -> tuple[str | Callable[..., Any], ...] | None:
+    """``trusted=`` as a tuple, taken once at a public entry point: an iterator or generator
+    would otherwise be used up by the first target it is checked against (the next were
+    refused while the caller had trusted them)."""
+    if trusted is None:
+        return None
+    if isinstance(trusted, str):
+        return (trusted,)
+    return tuple(trusted)
 
 
 def _normalize_trusted(

@@ -89,6 +89,7 @@ __all__ = [
     "nearest_intact",
     "promote",
     "promote_index",
+    "same_files",
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -213,7 +214,10 @@ def _clean(root: Path) -> None:
         lock.release()
 
 
-def _same_files(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+def same_files(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Whether two manifest entries record the same files (names, sizes and crc32c): one
+    index and its promoted copy on another tier."""
+
     def key(entry: dict[str, Any] | None) -> dict[str, tuple[int, int]]:
         files = (entry or {}).get("files") or {}
         return {name: (int(r["size"]), int(r["crc32c"])) for name, r in files.items()}
@@ -280,7 +284,7 @@ def promote(
         due = due[-1:]
     for index in due:
         held = target_manifest.entries.get(index)
-        same = _same_files(source_manifest.entries[index], held)
+        same = same_files(source_manifest.entries[index], held)
         if same and verify_held and index == floor:
             problem = index_intact(target_manifest, index)
             if problem is not None:

@@ -56,9 +56,11 @@ from fastckpt.storage.registry import display_path
 __all__ = [
     "async_save_state",
     "contains_dtensors",
+    "differing_entries",
     "is_sharded_checkpoint",
     "load_record_state",
     "load_state",
+    "replicated_digests",
     "save_state",
     "single_process",
     "typed_dcp_error",
@@ -211,6 +213,40 @@ def _key_of_another_type(value: Any, path: str) -> str | None:
             if found is not None:
                 return found
     return None
+
+
+def replicated_digests(state: Mapping[str, Any]) -> dict[str, int]:
+    """A crc32c of every entry of ``state`` that is not a ``DTensor`` (plain tensors with
+    their dtype and shape, other values pickled), by key path. DCP keeps one copy of each
+    such entry for all ranks (its planner de-duplicates them as replicated): compare the
+    ranks' digests (:func:`differing_entries`) before a save that must not lose theirs."""
+    import pickle
+
+    from fastckpt import _native
+    from fastckpt.io.files import byte_view
+
+    flat, _ = flatten_state_dict(dict(state))
+    digests: dict[str, int] = {}
+    for fqn, value in flat.items():
+        if isinstance(value, DTensor):
+            continue
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().to("cpu").contiguous()
+            head = f"{tensor.dtype}{tuple(tensor.shape)}".encode()
+            digests[fqn] = _native.crc32c(byte_view(tensor).tobytes(), _native.crc32c(head))
+            continue
+        try:
+            digests[fqn] = _native.crc32c(pickle.dumps(value, protocol=4))
+        except Exception:  # not picklable: DCP's save reports it
+            continue
+    return digests
+
+
+def differing_entries(gathered: list[dict[str, int]]) -> list[str]:
+    """The key paths whose digests (:func:`replicated_digests`, one dict per rank) differ
+    between the ranks holding them (a key only one rank holds is saved from that rank)."""
+    keys = set().union(*gathered)
+    return sorted(k for k in keys if len({d[k] for d in gathered if k in d}) > 1)
 
 
 def warn_of_key_types(state: Mapping[str, Any]) -> None:

@@ -881,8 +881,27 @@ class CheckpointManager:
     ) -> Future[None] | None:
         """Save state holding DTensors as a sharded checkpoint through :mod:`fastckpt.dcp`
         (collective: every rank saves its own shards; the coordinator commits)."""
-        from fastckpt.dcp.state import async_save_state, save_state
+        from fastckpt.dcp.state import (
+            async_save_state,
+            differing_entries,
+            replicated_digests,
+            save_state,
+        )
 
+        if self._dist.active:
+            # DCP keeps one copy of every entry that is not a DTensor: ranks holding their
+            # own values there (a loader's position, RNG states) would all load one rank's.
+            differing = differing_entries(self._dist.gather(replicated_digests(state)))
+            if differing:
+                shown = ", ".join(differing[:5]) + (", ..." if len(differing) > 5 else "")
+                raise ValueError(
+                    f"CheckpointManager.save of {display_path(path)}: state holding DTensors "
+                    "is saved as one sharded checkpoint, which keeps a single copy of every "
+                    f"entry that is not a DTensor, but the ranks hold different values at "
+                    f"{shown}; file per-rank values under a key of each rank's own (e.g. "
+                    "state['loader'] = {f'rank{rank}': position}, loaded the same way), or "
+                    "save them in a checkpoint without DTensors (nothing was saved)"
+                )
         writer = self._sharded_writer(path)
         if self._writer is None:
             with _typed_dcp_errors():

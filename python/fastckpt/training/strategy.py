@@ -17,6 +17,7 @@ import contextlib
 import datetime as _dt
 import inspect
 import logging
+import os
 import random
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -104,6 +105,7 @@ class OptimizerConfig:
         Dotted paths go through the trust policy (:func:`fastckpt.checkpoint.trust.resolve_target`).
         """
         optimizer_cls = self.optimizer_cls
+        trusted = trust.frozen_trusted(trusted)
         if isinstance(optimizer_cls, str):
             optimizer_cls = trust.resolve_target(optimizer_cls, "optimizer", trusted)
         optimizer = optimizer_cls(params, **self.optimizer_kwargs)
@@ -623,7 +625,9 @@ class TrainingStrategy:
             self._train_batch(batch)
             seen += 1
             if self._done():
-                return False
+                if not _ends_epoch(train_loader, seen):
+                    return False
+                break  # the limit falls on the epoch's last batch: the epoch is complete
         if seen == 0:
             raise ValueError("the training loader yielded no batches")
         self.epoch_count += 1
@@ -649,11 +653,14 @@ class TrainingStrategy:
                 optimizer.step()
             for scheduler in self.schedulers.values():
                 scheduler.step()
+            # Every counter moves with the optimizer step, before any hook runs: a hook raising
+            # at AFTER_OPTIMIZER_STEP leaves a state whose save resumes after this batch (not
+            # one that trained it again).
             self.step_count += 1
             self.global_step_count += _world()[1]
+            self.batch_count += 1
+            self.epoch_step_count += 1
             self._fire(TrainingStage.AFTER_OPTIMIZER_STEP)
-        self.batch_count += 1
-        self.epoch_step_count += 1
         self._ctx.loss = loss.detach()
         self._fire(TrainingStage.AFTER_BATCH)
         self._ctx.batch = None
@@ -1040,7 +1047,11 @@ class TrainingStrategy:
             state = reader.component_state("optimizers", name, map_location)
             optimizer.load_state_dict(state)
         for name, scheduler in self.schedulers.items():
-            scheduler.load_state_dict(reader.component_state("schedulers", name, None))
+            codec.load_scheduler_state(
+                scheduler,
+                reader.component_state("schedulers", name, None),
+                f"{reader.directory}/schedulers/{name}.json",
+            )
         self._apply_runtime(runtime, reader)
         return index
 
@@ -1105,7 +1116,9 @@ class TrainingStrategy:
         for name, state in runtime.schedulers.items():
             if name in self.schedulers:
                 with _malformed(where, f"runtime.schedulers.{name}"):
-                    self.schedulers[name].load_state_dict(state)
+                    codec.load_scheduler_state(
+                        self.schedulers[name], state, f"{where}: field 'runtime.schedulers.{name}'"
+                    )
         _restore_hook_states(self.hooks, runtime.hooks, f"{reader.directory}/hooks.json")
 
     @classmethod
@@ -1160,6 +1173,7 @@ class TrainingStrategy:
                 checkpoint of unsharded models.
         """
         use_storage_options(root, storage_options, "TrainingStrategy.load_checkpoint")
+        trusted = trust.frozen_trusted(trusted)
         requested = checked_index(checkpoint_index, "checkpoint_index", codec.LOAD_INDEX)
         if fallback_dirs:
             tiers = [root, *fallback_dirs]
@@ -1184,6 +1198,7 @@ class TrainingStrategy:
                     trusted,
                     parallelize,
                     spread,
+                    (copy.root, tiers),
                 )
             resumed.restored_from = copy
             return resumed
@@ -1210,10 +1225,14 @@ class TrainingStrategy:
         trusted: Trusted,
         parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None,
         spread: sharded_training.NodeLocalIndex | None = None,
+        placed: tuple[str | Path, Sequence[str | Path]] | None = None,
     ) -> TrainingStrategy:
         """:meth:`load_checkpoint` of one root (``spread``: a sharded index spread over
         node-local fast tiers, see :func:`~fastckpt.training.sharded.node_local_index`;
-        ``root`` is then where this rank reads the index's own files)."""
+        ``root`` is then where this rank reads the index's own files). ``placed``: the tier
+        the index was chosen from and the roots the caller named (default: ``root``), where
+        rebuilt hooks may save (:func:`~fastckpt.training.hooks.rebuild.rebuild_hooks`)."""
+        loaded, named = placed if placed is not None else (root, [root])
 
         def attempt() -> tuple[int, dict[str, Any], list[dict[str, Any]] | None, str]:
             # The recipe and (for a sharded index) the recorded hooks, from one snapshot: a
@@ -1230,7 +1249,7 @@ class TrainingStrategy:
         )
         if recipe.get("sharded") is not None:
             if configs is not None:
-                hooks = rebuild_hooks(configs, where)
+                hooks = rebuild_hooks(configs, where, loaded, named)
             return cls._load_sharded(
                 Path(root),
                 index,
@@ -1258,6 +1277,7 @@ class TrainingStrategy:
             training_fn=training_fn,
             trusted=trusted,
             map_location=map_location,
+            named_roots=named,
         )
         assert strategy is not None  # require_training_fn=True raises instead
         return strategy
@@ -1378,14 +1398,20 @@ class TrainingStrategy:
         trusted: Trusted = None,
         map_location: str | torch.device | None = None,
         require_training_fn: bool = True,
+        named_roots: Sequence[str | os.PathLike[str]] | None = None,
     ) -> TrainingStrategy | None:
         """Assemble a strategy from components already rebuilt by ``fastckpt.load_checkpoint``
         (its ``models`` result) and the recipe, counters, RNG and hook states in ``reader``.
+
+        Rebuilt hooks (``hooks=None``) save into ``reader``'s root, or into the recorded tiers
+        that are among ``named_roots`` (the roots the caller passed; default: that root) or
+        provably this run's (:func:`~fastckpt.training.hooks.rebuild.rebuild_hooks`).
 
         Returns None instead of raising when ``require_training_fn`` is False and the training
         function is neither supplied nor recorded and trusted.
         """
         recipe = _read_recipe(reader)
+        trusted = trust.frozen_trusted(trusted)
         fn = training_fn
         if fn is None:
             try:
@@ -1407,7 +1433,12 @@ class TrainingStrategy:
                 configs[name] = OptimizerConfig.from_json(data)
         runtime = _parse_runtime(reader, recipe)
         if hooks is None:
-            hooks = rebuild_hooks(runtime.hook_configs, f"{reader.directory}/hooks.json")
+            hooks = rebuild_hooks(
+                runtime.hook_configs,
+                f"{reader.directory}/hooks.json",
+                reader.root,
+                [reader.root] if named_roots is None else named_roots,
+            )
         live_models = {name: record["model"] for name, record in models.items()}
         strategy = cls.__new__(cls)
         TrainingStrategy.__init__(
@@ -1568,6 +1599,15 @@ def _malformed(where: str, field_path: str) -> Iterator[None]:
             f"{where}: field {field_path!r} is malformed ({type(err).__name__}: {err}); the "
             "checkpoint was edited or is damaged"
         ) from err
+
+
+def _ends_epoch(train_loader: Iterable[Any], seen: int) -> bool:
+    """Whether ``seen`` batches are the whole epoch of a loader that knows its length (one
+    that does not: not known without drawing another batch, so the epoch stays open)."""
+    try:
+        return seen >= len(train_loader)  # type: ignore[arg-type]
+    except TypeError:
+        return False
 
 
 def _is_count(value: Any) -> bool:
@@ -1948,6 +1988,7 @@ class FineTuningStrategy(TrainingStrategy):
             optimizer_lr: learning rate of the new optimizers.
             strategy_kwargs: other ``TrainingStrategy`` arguments (they win).
         """
+        trusted = trust.frozen_trusted(trusted)
         result = codec.load_components(
             checkpoint_dir, checkpoint_index, map_location, trusted=trusted
         )

@@ -14,16 +14,27 @@ from a checkpoint: nothing is imported by the name a checkpoint gives.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import fastckpt.checkpoint.trust as trust
-from fastckpt.errors import CheckpointFormatError
+from fastckpt.container.promote import same_files
+from fastckpt.errors import CheckpointFormatError, FastCkptError, MixedRunError
+from fastckpt.format.records import Manifest
+from fastckpt.storage.registry import display_path, is_object_url
 from fastckpt.training.hooks.checkpoint import CheckpointHook
 from fastckpt.training.hooks.ema import EMAHook
 
-__all__ = ["CONFIGS_FIELD", "REBUILDABLE", "parse_hook_configs", "rebuild_hooks", "record_hooks"]
+__all__ = [
+    "CONFIGS_FIELD",
+    "REBUILDABLE",
+    "RECORDED_KEYS",
+    "parse_hook_configs",
+    "rebuild_hooks",
+    "record_hooks",
+]
 
 #: The ``hooks.json`` field listing the run's hooks.
 CONFIGS_FIELD = "configs"
@@ -79,12 +90,52 @@ def parse_hook_configs(document: Any, where: str) -> list[dict[str, Any]]:
     return records
 
 
-def rebuild_hooks(records: Sequence[dict[str, Any]], where: str) -> list[Any]:
+#: The configuration keys each rebuildable hook's ``hook_config()`` records (earlier versions
+#: recorded fewer): a record with any other key is refused, so that a checkpoint cannot hand
+#: a rebuilt hook an option its run never recorded (``overwrite=True``, callbacks...).
+RECORDED_KEYS: dict[type, frozenset[str]] = {
+    CheckpointHook: frozenset(
+        {
+            "checkpoint_dir",
+            "step_interval",
+            "epoch_interval",
+            "async_save",
+            "rank_zero_only",
+            "keep_last",
+            "wait_timeout_secs",
+            "save_last",
+            "incremental",
+            "lock_timeout",
+            "durable_dir",
+            "promote_every",
+            "durable_keep_last",
+            "strict_promotion",
+            "detached_promotion",
+            "strict_saves",
+        }
+    ),
+    EMAHook: frozenset({"model_key", "decay", "update_every"}),
+}
+
+
+def rebuild_hooks(
+    records: Sequence[dict[str, Any]],
+    where: str,
+    loaded: str | os.PathLike[str] | None = None,
+    named: Sequence[str | os.PathLike[str]] = (),
+) -> list[Any]:
     """The recorded fastckpt hooks, built from their configuration; a warning names each
     recorded hook that cannot be rebuilt (pass ``hooks=`` to keep it).
 
+    A rebuilt :class:`CheckpointHook` saves where the caller says, not where the checkpoint
+    says (see :func:`_placed`): ``loaded`` is the root the index was read from, ``named``
+    the roots the caller passed (``root`` and ``fallback_dirs``).
+
     Raises:
-        CheckpointFormatError: a recorded configuration the hook's constructor refuses.
+        CheckpointFormatError: a recorded configuration the hook's constructor refuses, or
+            with a key its ``hook_config()`` never records.
+        MixedRunError: a recorded tier the caller did not name holds another run's
+            checkpoints (see :func:`_placed`).
     """
     hooks = []
     for i, record in enumerate(records):
@@ -97,11 +148,115 @@ def rebuild_hooks(records: Sequence[dict[str, Any]], where: str) -> list[Any]:
                 stacklevel=4,
             )
             continue
+        field = f"{CONFIGS_FIELD}[{i}].config"
+        unknown = sorted(set(record["config"]) - RECORDED_KEYS[cls])
+        if unknown:
+            raise CheckpointFormatError(
+                f"{where}: field '{field}' has {', '.join(map(repr, unknown))}, which "
+                f"{record['class']} never records; pass hooks=[...] to load_checkpoint instead"
+            )
+        config = dict(record["config"])
+        if cls is CheckpointHook and loaded is not None:
+            config = _placed(config, loaded, named, f"{where}: field '{field}'")
         try:
-            hooks.append(cls(**record["config"]))
+            hooks.append(cls(**config))
         except (TypeError, ValueError) as err:
             raise CheckpointFormatError(
                 f"{where}: field '{CONFIGS_FIELD}[{i}].config': {record['class']} refused it "
                 f"({type(err).__name__}: {err}); pass hooks=[...] to load_checkpoint instead"
             ) from err
     return hooks
+
+
+def _same_root(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether two roots are one (object-store URLs as written, local paths resolved)."""
+    if is_object_url(a) or is_object_url(b):
+        return display_path(a).rstrip("/") == display_path(b).rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _placed(
+    config: dict[str, Any],
+    loaded: str | os.PathLike[str],
+    named: Sequence[str | os.PathLike[str]],
+    where: str,
+) -> dict[str, Any]:
+    """A :class:`CheckpointHook` record's tiers, placed where the caller's arguments say.
+
+    A checkpoint is untrusted input: the paths it records must not decide, by themselves,
+    where the resumed run saves and prunes. ``named[0]`` is the root the caller passed,
+    ``named[1:]`` its ``fallback_dirs``; ``loaded`` the tier the index was read from.
+
+    * The hook saves into the caller's root, whatever path was recorded (a relative one
+      from another working directory, a moved or copied run); a warning says when they
+      differ. Unless the caller's root is the recorded ``durable_dir`` (a run resumed from
+      its durable tier, the fast one lost): then the recorded ``checkpoint_dir`` is kept
+      when it passes :func:`_check_unclaimed`.
+    * A recorded ``durable_dir`` is kept when the caller named it; else the caller's one
+      fallback dir takes its place (a warning says so); else it is kept when it passes
+      :func:`_check_unclaimed`.
+
+    Raises:
+        MixedRunError: a recorded tier the caller did not name holds another run's
+            checkpoints.
+    """
+    fast, durable = config.get("checkpoint_dir"), config.get("durable_dir")
+    if not isinstance(fast, str) or not isinstance(durable, str | None):
+        return config  # malformed: the hook's constructor refuses it
+    root, fallbacks = named[0], list(named[1:])
+    if durable is not None and _same_root(durable, root):
+        if not any(_same_root(fast, tier) for tier in named):
+            _check_unclaimed(fast, loaded, "checkpoint_dir", where)
+        return config
+    if not _same_root(fast, root):
+        _moved(where, "checkpoint_dir", fast, root)
+        config["checkpoint_dir"] = display_path(root)
+    if durable is None or any(_same_root(durable, tier) for tier in named):
+        return config
+    if len(fallbacks) == 1:
+        _moved(where, "durable_dir", durable, fallbacks[0])
+        config["durable_dir"] = display_path(fallbacks[0])
+    else:
+        _check_unclaimed(durable, loaded, "durable_dir", where)
+    return config
+
+
+def _moved(where: str, argument: str, recorded: str, now: str | os.PathLike[str]) -> None:
+    warnings.warn(
+        f"{where}: the run's {argument} was {recorded!r}; the resumed run uses "
+        f"{display_path(now)!r}, which you passed (pass hooks=[...] to load_checkpoint to "
+        "choose)",
+        stacklevel=6,
+    )
+
+
+def _check_unclaimed(tier: str, loaded: str | os.PathLike[str], argument: str, where: str) -> None:
+    """:func:`_placed`'s check of a recorded tier the caller did not name.
+
+    Raises:
+        MixedRunError: ``tier`` holds committed indices none of which is a copy of one of
+            ``loaded``'s.
+    """
+    try:
+        held = Manifest.load(tier).entries
+    except (OSError, FastCkptError):
+        return  # nothing committed there, or unreadable now: the hook checks it before use
+    if not held:
+        return
+    try:
+        ours = Manifest.load(loaded).entries
+    except (OSError, FastCkptError):
+        ours = {}
+    for index, entry in held.items():
+        try:
+            if same_files(entry, ours.get(index)):
+                return
+        except (KeyError, TypeError, ValueError):
+            continue
+    raise MixedRunError(
+        f"{where}: the run's CheckpointHook recorded {argument}={tier!r}, which holds "
+        f"checkpoints none of which is a copy of one of {display_path(loaded)!r}'s: another "
+        "run's, which the resumed run's saves and retention would replace. Pass it in "
+        "fallback_dirs= if it is this run's tier, or hooks=[CheckpointHook(...)] to choose "
+        "where the resumed run saves"
+    )
