@@ -29,8 +29,10 @@ from fastckpt.container.commit import prune_indices
 from fastckpt.container.promote import promote, promote_index
 from fastckpt.container.sharded.commit import RECORD_NAME
 from fastckpt.container.sharded.promote import upload_rank_files
+from fastckpt.container.verify import CheckpointSkippedWarning
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.records import Manifest
+from fastckpt.storage.s3.config import S3Url
 from fastckpt.storage.s3.errors import AccessDeniedError
 from s3_support import S3Server, no_aws_env, s3_env, s3_root, s3_server
 
@@ -248,6 +250,35 @@ def test_a_strategy_hook_saves_fsdp2_state_to_s3_and_prunes_its_parts(
         ours = [k for k in keys if f"/sharded/{index}/" in k]
         assert len({k.split(f"/sharded/{index}/")[1].split("/")[0] for k in ours}) == 1, ours
         assert len([k for k in ours if k.endswith(".safetensors")]) == 2, ours
+
+
+def test_damaged_shards_on_s3_make_verify_prune_and_latest_intact_keep_the_intact_index(
+    s3_server: S3Server, trained: tuple[Path, str]
+) -> None:
+    """Before, the shards of an ``s3://`` strategy root were never read by ``verify`` nor by
+    what decides which index is intact: a flipped byte in index 2's shard left ``verify``
+    saying ok, and ``prune(keep_last=1)`` deleted index 1, the only one that verified."""
+    _, url = trained
+    client, bucket = s3_server.client(), s3_server.bucket
+    source, copy = S3Url.parse(f"{url}/run").prefix, S3Url.parse(f"{url}/damaged").prefix
+    for key in _keys(s3_server, f"{url}/run"):
+        client.copy_object(
+            Bucket=bucket, Key=copy + key[len(source) :], CopySource={"Bucket": bucket, "Key": key}
+        )
+    (shard,) = [
+        k
+        for k in _keys(s3_server, f"{url}/damaged")
+        if "/sharded/2/" in k and k.endswith("rank-00001.safetensors")
+    ]
+    data = bytearray(client.get_object(Bucket=bucket, Key=shard)["Body"].read())
+    data[-3] ^= 0x01
+    client.put_object(Bucket=bucket, Key=shard, Body=bytes(data))
+    report = fastckpt.verify(f"{url}/damaged")
+    assert not report.ok and any("rank-00001" in str(f.path) for f in report.failures)
+    with pytest.warns(CheckpointSkippedWarning, match="index 2"):
+        assert fastckpt.latest_intact(f"{url}/damaged") == 1
+    assert fastckpt.prune(f"{url}/damaged", keep_last=1) == []
+    assert [c["index"] for c in fastckpt.list_checkpoints(f"{url}/damaged")] == [1, 2]
 
 
 @pytest.mark.parametrize("world", [1, 3])

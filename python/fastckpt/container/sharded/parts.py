@@ -289,11 +289,11 @@ def sweep(
 
 def part_file_reports(manifest: Manifest, index: int, threads: int) -> list[FileReport]:
     """The reports of the sharded part index ``index`` names in its ``strategy.json`` (none
-    when it names none, when the root is not local, or when ``strategy.json`` cannot be read:
-    the index's own file check reports that); its commit record must be the one the index
-    recorded."""
-    if not is_local(manifest.backend) or not (manifest.root / SHARDED_DIR).is_dir():
-        return []
+    when it names none, or when ``strategy.json`` cannot be read: the index's own file check
+    reports that), locally and on an object store; its commit record must be the one the
+    index recorded."""
+    if is_local(manifest.backend) and not (manifest.root / SHARDED_DIR).is_dir():
+        return []  # no index of this root has a part: nothing to read
     # Deferred: decoding the part's record needs torch.distributed.checkpoint's types.
     from fastckpt.container.sharded.reports import sharded_file_reports
 
