@@ -342,6 +342,26 @@ def test_replacing_an_index_after_rm_rf_of_an_incremental_one_works(tmp_path: Pa
         _assert_bitwise(_snapshot(model), _loaded(tmp_path, index))
 
 
+@pytest.mark.parametrize("lost", [3, 2])
+def test_prune_works_when_a_kept_incremental_index_is_lost(tmp_path: Path, lost: int) -> None:
+    """``rm -rf`` of a kept incremental index (the newest, or one in the middle): its
+    references cannot be read, so the bytes of every older index are kept for it. Before,
+    every prune of the root failed (FileNotFoundError naming its refs.json) until the
+    manifest was edited by hand."""
+    model, optimizer = _setup()
+    states = []
+    for _ in range(4):
+        _save(tmp_path, model, optimizer)
+        states.append(_snapshot(model))
+        _step(model, optimizer)
+    shutil.rmtree(tmp_path / str(lost))
+    keep = 1 if lost == 3 else 2
+    assert fastckpt.prune(tmp_path, keep_last=keep) == [0, 1]
+    survivor = 2 if lost == 3 else 3
+    _assert_bitwise(states[survivor], _loaded(tmp_path, survivor))
+    assert fastckpt.verify(tmp_path, survivor).ok
+
+
 @pytest.mark.parametrize("value", ["false", None, 0.0, "0"])
 def test_incremental_must_be_a_bool(tmp_path: Path, value: Any) -> None:
     """``incremental="false"`` was taken as true (and saved incrementally)."""

@@ -117,6 +117,17 @@ def test_damaged_shards_make_prune_and_latest_intact_keep_the_newest_index_that_
     assert fastckpt.TrainingStrategy.load_checkpoint(root, 1, training_fn=training_fn).step_count
 
 
+def test_load_checkpoint_of_a_sharded_index_says_how_to_load_it(
+    trained: tuple[Path, list[float]],
+) -> None:
+    """Before, ``fastckpt.load_checkpoint`` of an FSDP2 strategy root returned no model and
+    no strategy without a word, and ``model_names=["main"]`` raised a bare KeyError."""
+    root, _ = trained
+    for options in ({}, {"model_names": ["main"]}, {"training_fn": training_fn}):
+        with pytest.raises(ValueError, match=r"FSDP2-sharded models.*TrainingStrategy"):
+            fastckpt.load_checkpoint(root, **options)
+
+
 def test_synchronous_hook_saves_load_too(trained: tuple[Path, list[float]]) -> None:
     root, _ = trained
     run = root.parent / "sync-run"

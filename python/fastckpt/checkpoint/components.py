@@ -953,6 +953,23 @@ def run_validators(validators: Any, model_name: str, model: torch.nn.Module) -> 
             raise ValueError(f"validator {label} rejected model {model_name!r}: {err}") from err
 
 
+def _refuse_a_sharded_index(reader: IndexReader, available: list[str]) -> None:
+    """Raise when the index holds its models as an FSDP2 strategy's shards (none in the
+    index's own files): before, ``load_checkpoint`` returned no model and no strategy
+    without a word, and ``model_names=`` raised a bare ``KeyError``."""
+    if available or "strategy.json" not in reader.files:
+        return
+    recipe = reader.json("strategy.json")
+    if isinstance(recipe, Mapping) and recipe.get("sharded") is not None:
+        raise ValueError(
+            f"{reader.directory}: this index holds FSDP2-sharded models (their shards are "
+            "under the root's sharded/ directory); load it with "
+            "fastckpt.TrainingStrategy.load_checkpoint(root, ..., parallelize=...) (without "
+            "parallelize= it loads whole in one process), or write the full tensors with "
+            "fastckpt export"
+        )
+
+
 def load_components(
     root: str | os.PathLike[str],
     checkpoint_index: int | None = -1,
@@ -981,6 +998,7 @@ def load_components(
     reader = IndexReader(manifest, index)
     components = entry.get("components", {})
     available = [check_name(n, "model name") for n in components.get("models", [])]
+    _refuse_a_sharded_index(reader, available)
     wanted = list(available if model_names is None else model_names)
     unknown = [name for name in wanted if name not in available]
     if unknown:

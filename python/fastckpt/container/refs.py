@@ -404,11 +404,26 @@ def referenced_indices(manifest: Manifest, indices: Iterable[int]) -> set[int]:
         if identity is not None and cached is not None and cached[0] == identity:
             found.update(cached[1])
             continue
-        mine = frozenset(
-            ref["index"]
-            for names in index_references(manifest, index).values()
-            for ref in names.values()
-        )
+        try:
+            mine = frozenset(
+                ref["index"]
+                for names in index_references(manifest, index).values()
+                for ref in names.values()
+            )
+        except (OSError, CheckpointFormatError, ChecksumMismatchError) as err:
+            # Unreadable (a lost or damaged index): which bytes it references is unknown, so
+            # every older index's are kept for it (retained copies; a prune that later drops
+            # this index frees them). Before, every prune of the root failed until the
+            # manifest was edited by hand.
+            _LOG.warning(
+                "%s: the references of index %d cannot be read (%s); the bytes of every "
+                "older index are kept for it",
+                display_path(manifest.root),
+                index,
+                err,
+            )
+            found.update(i for i in manifest.entries if i < index)
+            continue
         if identity is not None:
             if len(_REFERENCED) >= _REFERENCED_MAX:
                 _REFERENCED.clear()
