@@ -115,6 +115,7 @@ COMMANDS: dict[str, list[str]] = {
     "inspect-manager-json": ["--json", "inspect", "mgr/step_10"],
     "verify-good": ["verify", "run"],
     "verify-bad": ["verify", "bad"],
+    "verify-bad-index": ["verify", "bad", "--index", "2"],
     "verify-tty": ["verify", "run"],  # stderr is a terminal: the progress bar is drawn
     "diff": ["diff", "run/0", "run/2"],
     "prune": ["prune", "prune-me", "--keep-last", "1"],
@@ -238,6 +239,11 @@ def test_verify_damaged_checkpoint_names_bad_files_and_exits_1(runs: dict[str, A
     assert "corrupt" in out and "bad/1/models/main.safetensors" in out and "weight" in out
     assert "missing" in out and "bad/2/optimizers/adam.json" in out
     assert out.rstrip().endswith("damaged index(es): 1, 2; newest intact index: 0")
+    # With --index only that index is checked: the root's newest intact index is unknown
+    # (before: "newest intact index: none" while index 0 was intact).
+    scoped = runs["verify-bad-index"]
+    assert scoped.returncode == 1 and "newest intact index" not in scoped.stdout
+    assert "only that index was checked" in scoped.stdout
 
 
 def test_diff_reports_changed_tensors_and_exits_1(runs: dict[str, Any]) -> None:

@@ -389,6 +389,28 @@ def _reseal(root: Path, index: int, relpath: str, data: bytes) -> None:
     (root / MANIFEST).write_text(json.dumps(seal_manifest(document)))
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_a_non_finite_number_in_a_checkpoint_json_is_a_format_error(
+    tmp_path: Path, number: str
+) -> None:
+    """fastckpt never writes NaN/Infinity into JSON (non-finite floats are markers): before,
+    a re-sealed spec with ``"eps": NaN`` built a ``LayerNorm(eps=nan)`` and an optimizer
+    ``"lr": NaN`` loaded as ``lr=nan``, without a word."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fastckpt.save_checkpoint(
+        tmp_path, models={"m": (model, None)}, optimizers={"sgd": (optimizer, None)}
+    )
+    for relpath, old in (("models/m.spec.json", b"1e-05"), ("optimizers/sgd.json", b"0.1")):
+        work = tmp_path.parent / f"{tmp_path.name}-{relpath.replace('/', '-')}"
+        shutil.copytree(tmp_path, work)
+        original = (work / "0" / relpath).read_bytes()
+        assert old in original
+        _reseal(work, 0, relpath, original.replace(old, number.encode(), 1))
+        with pytest.raises(CheckpointFormatError, match=rf"{relpath}: holds"):
+            fastckpt.load_checkpoint(work)
+
+
 @pytest.mark.parametrize("key", ["optimizer", "step", "__class__"])
 def test_an_edited_scheduler_state_that_would_replace_its_attributes_is_refused(
     tmp_path: Path, key: str

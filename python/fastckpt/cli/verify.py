@@ -163,7 +163,14 @@ def _newest_intact(report: VerifyReport) -> int | None:
     return max(intact) if intact else None
 
 
-def _verify_text(report: VerifyReport, seconds: float, sizes: tuple[int, int] | None) -> str:
+def _verify_text(
+    report: VerifyReport,
+    seconds: float,
+    sizes: tuple[int, int] | None,
+    scoped: bool = False,
+) -> str:
+    """The text report; ``scoped``: only the index ``--index`` named was checked (the newest
+    intact index of the root is then not known)."""
     checked = sum(f.actual_size or 0 for f in report.files)
     scope = f"{len(report.files)} file(s)"
     if report.indices:
@@ -205,7 +212,12 @@ def _verify_text(report: VerifyReport, seconds: float, sizes: tuple[int, int] | 
         resume = "none" if newest is None else str(newest)
         lines.append(
             f"damaged index(es): {', '.join(str(i) for i in failed) or '-'}; "
-            f"newest intact index: {resume}"
+            + (
+                "only that index was checked (fastckpt verify without --index finds the "
+                "newest intact one)"
+                if scoped
+                else f"newest intact index: {resume}"
+            )
         )
     return "\n".join(lines)
 
@@ -218,12 +230,13 @@ def _verify_managers(args: argparse.Namespace, children: list[Path]) -> int:
             "only applies to a save_checkpoint root"
         )
     results = []
+    times = []  # each checkpoint's own (before: every line showed the whole run's)
     total = sum(_child_bytes(child) for child in children)
-    started = time.perf_counter()
     with io_progress(f"verify {args.path}", total):
         for child in children:
+            started = time.perf_counter()
             results.append(verify(child))
-    seconds = time.perf_counter() - started
+            times.append(time.perf_counter() - started)
     child_sizes = [_child_sizes(child) for child in children]
     statuses = [_status(report) for report in results]
     worst = EXIT_BAD if EXIT_BAD in statuses else max(statuses)
@@ -234,7 +247,7 @@ def _verify_managers(args: argparse.Namespace, children: list[Path]) -> int:
                 "ok": worst == EXIT_OK,
                 "checkpoints": [
                     _verify_json(report, seconds, sizes)
-                    for report, sizes in zip(results, child_sizes, strict=True)
+                    for report, seconds, sizes in zip(results, times, child_sizes, strict=True)
                 ],
             }
         )
@@ -242,7 +255,7 @@ def _verify_managers(args: argparse.Namespace, children: list[Path]) -> int:
         print(
             "\n".join(
                 _verify_text(report, seconds, sizes)
-                for report, sizes in zip(results, child_sizes, strict=True)
+                for report, seconds, sizes in zip(results, times, child_sizes, strict=True)
             )
         )
     return worst
@@ -269,5 +282,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print_json(_verify_json(report, seconds, _sizes(container, args.index)))
     else:
-        print(_verify_text(report, seconds, _sizes(container, args.index)))
+        sizes = _sizes(container, args.index)
+        print(_verify_text(report, seconds, sizes, scoped=args.index is not None))
     return _status(report)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -136,13 +137,32 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return document
 
 
+def _no_constant(name: str) -> Any:
+    raise CheckpointFormatError(
+        f"holds {name}, which is not JSON (fastckpt writes non-finite floats as markers)"
+    )
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise CheckpointFormatError(f"holds the number {text[:40]}, which no float can hold")
+    return value
+
+
 def load_json(path: str | os.PathLike[str], raw: bytes) -> Any:
-    """Parse a checkpoint JSON document: invalid UTF-8/JSON, absurd nesting or numbers, and
-    duplicate keys (which JSON parsers silently resolve) are all format errors naming the
-    file."""
+    """Parse a checkpoint JSON document: invalid UTF-8/JSON, absurd nesting or numbers,
+    ``NaN``/``Infinity`` (not JSON; fastckpt never writes them: a non-finite float is a
+    marker), numbers beyond a float's range, and duplicate keys (which JSON parsers silently
+    resolve) are all format errors naming the file."""
     shown = display_path(path)
     try:
-        return json.loads(raw, object_pairs_hook=_unique_keys)
+        return json.loads(
+            raw,
+            object_pairs_hook=_unique_keys,
+            parse_constant=_no_constant,
+            parse_float=_finite_float,
+        )
     except CheckpointFormatError as err:
         raise CheckpointFormatError(f"{shown}: {err}") from None
     except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, ...
