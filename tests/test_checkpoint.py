@@ -232,9 +232,11 @@ def test_tampered_spec_is_refused_and_nothing_runs(tmp_path: Path, target: str) 
     save_checkpoint(tmp_path, models={"main": (nn.Linear(2, 2), None)})
     retarget_spec(tmp_path, 0, "models/main.spec.json", {"cls_path": target, "kwargs": {}})
     CALLS.clear()
-    with pytest.raises(UntrustedTargetError, match=re.escape(target)):
+    with pytest.raises(UntrustedTargetError, match=re.escape(target)) as info:
         load_checkpoint(tmp_path)
     assert CALLS == []
+    # The refusal names the file the path came from (before: the path only).
+    assert str(info.value).startswith(f"{tmp_path}/0/models/main.spec.json: ")
 
 
 def test_path_traversal_in_manifest_is_refused(tmp_path: Path) -> None:

@@ -190,7 +190,13 @@ def build_model(
     """
     where = where or f"spec {spec.cls_path!r}"
     targets: dict[int, Any] = {}
-    spec._resolve_tree(targets, "model", trusted, set())
+    try:
+        spec._resolve_tree(targets, "model", trusted, set())
+    except UntrustedTargetError as err:
+        if where in str(err):
+            raise
+        # Name the file (and model) the refused path came from, as every format error does.
+        raise UntrustedTargetError(f"{where}: {err}") from None
     root = targets[id(spec)]
     accepts_device = _takes_device(root)
     try:
