@@ -215,6 +215,15 @@ def test_a_tiered_run_resumed_from_its_fast_tier_keeps_promoting_to_its_durable_
     )
 
 
+def test_an_ema_hook_configured_otherwise_is_a_mismatch_not_damage(tmp_path: Path) -> None:
+    """Before, resuming with ``EMAHook(decay=0.95)`` a checkpoint written with ``decay=0.9``
+    raised ``CheckpointFormatError`` ("refused it"), pointing users at a damaged file."""
+    _train(tmp_path)
+    conflict = r"hooks\.json: hooks\[0\].*decay=0.9, this hook has decay=0.95"
+    with pytest.raises(fastckpt.CheckpointMismatchError, match=conflict):
+        _resume(tmp_path, hooks=[fastckpt.EMAHook(decay=0.95)])
+
+
 def test_resume_or_start_starts_fresh_then_resumes(tmp_path: Path) -> None:
     started: list[int] = []
 

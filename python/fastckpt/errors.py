@@ -66,7 +66,9 @@ class InvalidInputError(FastCkptError, TypeError, ValueError):
 
 
 class CheckpointMismatchError(FastCkptError, ValueError):
-    """A load target disagrees with the checkpoint (dtype or shape), named by key path."""
+    """A load target disagrees with the checkpoint (dtype or shape), named by key path; or a
+    hook passed at resume is configured otherwise than the one that saved (an ``EMAHook``'s
+    ``decay``): the checkpoint is not damaged, the caller's side differs."""
 
 
 class MixedRunError(FastCkptError, ValueError):

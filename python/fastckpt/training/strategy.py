@@ -1946,6 +1946,9 @@ def _restore_hook_states(hooks: Sequence[Any], saved: Any, where: str = "hooks.j
             continue
         try:
             hook.load_state_dict(item["state"])
+        except CheckpointMismatchError as err:
+            # The hook passed is configured otherwise than the one that saved: not damage.
+            raise CheckpointMismatchError(f"{where}: hooks[{i}] ({key[0]}): {err}") from None
         except FastCkptError:
             raise
         except (*_MALFORMED, RuntimeError) as err:

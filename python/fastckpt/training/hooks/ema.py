@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from fastckpt.errors import CheckpointMismatchError
 from fastckpt.training.hooks.context import TrainContext, TrainingStage
 
 __all__ = ["EMAHook"]
@@ -121,7 +122,7 @@ class EMAHook:
         """
         for key in ("model_key", "decay", "update_every"):
             if state.get(key) != getattr(self, key):
-                raise ValueError(
+                raise CheckpointMismatchError(
                     f"EMAHook config conflict: checkpoint has {key}={state.get(key)!r}, this "
                     f"hook has {key}={getattr(self, key)!r}; pass an EMAHook configured like "
                     "the one that wrote the checkpoint"
