@@ -411,6 +411,32 @@ def test_prune_deletes_a_symlinked_index_and_what_it_points_to_in_the_root(
     assert verify(root / "finetune").ok and load_checkpoint(root / "finetune")
 
 
+def test_prune_keeps_an_index_a_kept_index_links_into(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A kept index whose file is a symlink into an older index (made by hand; loads follow
+    links that stay in the root): before, prune deleted the older index and the kept one
+    stayed listed as committed but failed to load and to verify."""
+    root = tmp_path / "root"
+    for _ in range(3):
+        save_at(root, trained(1), -1)
+    weights = root / "2" / "models" / "main.safetensors"
+    shutil.copy(weights, root / "1" / "models" / "shared.safetensors")
+    weights.unlink()
+    weights.symlink_to(Path("..", "..", "1", "models", "shared.safetensors"))
+    assert verify(root).ok
+    with caplog.at_level(logging.WARNING):
+        assert prune(root, 1) == [0]
+    assert "not deleting index 1: models/main.safetensors of kept index 2" in caplog.text
+    assert verify(root).ok and load_checkpoint(root, 2)
+    # Once the link is gone, index 1 goes with the next prune.
+    data = weights.read_bytes()
+    weights.unlink()
+    weights.write_bytes(data)
+    assert prune(root, 1) == [1]
+    assert verify(root).ok
+
+
 def test_list_checkpoints_applies_the_manifest_checksum_rule_of_load(saved: Saved) -> None:
     """Issue 14.9: a manifest whose self-checksum no longer matches is refused by
     list_checkpoints as it is by load_checkpoint."""

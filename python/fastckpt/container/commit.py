@@ -1012,6 +1012,8 @@ def prune_indices(
         doomed = [index for index in sorted(manifest.entries)[:-keep_last] if index not in spare]
         if doomed:
             doomed = spare_newest_intact(manifest, doomed)
+        if doomed and is_local(backend):
+            doomed = _not_linked_into(manifest, doomed)
         if not doomed:
             # What a prune killed after its commit left.
             _sweep_sharded(root, manifest, only_older=promoting)
@@ -1067,6 +1069,36 @@ def index_intact(manifest: Manifest, index: int, *, threads: int = _VERIFY_THREA
         if not checked.report.ok:
             return checked.report.message or f"{path}: {checked.report.status}"
     return part_damage(manifest, index, threads)  # an FSDP2 strategy's shards
+
+
+def _not_linked_into(manifest: Manifest, doomed: list[int]) -> list[int]:
+    """``doomed`` without the indices a kept index's file is a symlink into (a link made by
+    hand: loads follow links that stay inside the root). Deleting such an index left the kept
+    one listed as committed but unloadable; it stays, with a warning, until nothing links
+    into it."""
+    root = os.path.realpath(manifest.root)
+    targets = {index: os.path.join(root, str(index)) + os.sep for index in doomed}
+    linked: set[int] = set()
+    for index in (i for i in manifest.entries if i not in doomed):
+        own = os.path.join(root, str(index)) + os.sep
+        for relpath in manifest.entries[index]["files"]:
+            try:
+                real = os.path.realpath(manifest.file_path(index, relpath))
+            except CheckpointFormatError:
+                continue  # refused by every load, and by verify
+            if real.startswith(own):
+                continue  # its own file (the usual case: no link on the way)
+            for target, prefix in targets.items():
+                if real.startswith(prefix):
+                    linked.add(target)
+                    _LOG.warning(
+                        "%s: not deleting index %d: %s of kept index %d is a link into it",
+                        display_path(manifest.root),
+                        target,
+                        relpath,
+                        index,
+                    )
+    return [index for index in doomed if index not in linked]
 
 
 def spare_newest_intact(manifest: Manifest, doomed: list[int]) -> list[int]:
