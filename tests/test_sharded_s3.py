@@ -167,9 +167,10 @@ def test_a_flipped_byte_in_a_sharded_object_is_a_checksum_mismatch(
     data[-5] ^= 0x01
     client.put_object(Bucket=s3_server.bucket, Key=key, Body=bytes(data))
     templates = {"w": torch.zeros(64, 33), "b": torch.full((9,), 7.0)}
-    with pytest.raises(fastckpt.ChecksumMismatchError, match=r"rank-00000\.safetensors"):
+    with pytest.raises(fastckpt.ChecksumMismatchError, match=r"rank-00000\.safetensors") as info:
         fastckpt.dcp.load_state(f"{url}/c", into=templates)
     assert torch.equal(templates["b"], torch.full((9,), 7.0))  # nothing filled
+    assert str(info.value).startswith(f"{url}/c/")  # the URL as written (not s3:/bucket)
 
 
 def test_a_save_killed_on_every_rank_mid_upload_leaves_the_previous_checkpoint(

@@ -31,7 +31,7 @@ from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.sharded import StoredChunk
 from fastckpt.io.files import byte_view, dtype_from_name, empty_tensor
 from fastckpt.io.paths import check_relpath, safe_join
-from fastckpt.storage.registry import backend_for, is_local
+from fastckpt.storage.registry import backend_for, display_path, is_local
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
@@ -183,8 +183,9 @@ class ChunkFiles:
             info = self._backend.stat(path)
             if not info.regular or info.size != chunk.file_len:
                 raise CheckpointFormatError(
-                    f"{path}: size {info.size} differs from the {chunk.file_len} bytes the "
-                    "commit record lists; the object was truncated or replaced"
+                    f"{display_path(path)}: size {info.size} differs from the "
+                    f"{chunk.file_len} bytes the commit record lists; the object was "
+                    "truncated or replaced"
                 )
             self._objects.add(chunk.file)
         return path
@@ -278,7 +279,8 @@ class ChunkFiles:
         if senders:
             label = f"(received from the node of rank {senders[0]}) {label}"
         return ChecksumMismatchError(
-            f"{self.directory / chunk.file}: {label}{what}: crc32c {actual:08x} does not match "
+            f"{display_path(self.directory / chunk.file)}: {label}{what}: crc32c "
+            f"{actual:08x} does not match "
             f"the stored {stored:08x}; the file is corrupt (restore it or load an older "
             "checkpoint)"
         )
