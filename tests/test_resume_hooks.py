@@ -155,18 +155,21 @@ def test_a_rebuilt_hook_saves_and_prunes_only_where_the_caller_says(
     refused = r"'overwrite', which .* never records"
     with pytest.raises(fastckpt.CheckpointFormatError, match=refused):
         _resume(tmp_path / "keys")
-
-    # A recorded tier the caller did not name, holding another run's checkpoints.
-    for name, changes in [
-        ("durable", {"durable_dir": str(victim)}),
-        ("fast", {"checkpoint_dir": str(victim), "durable_dir": str(tmp_path / "fast")}),
-    ]:
-        _hostile_records(monkeypatch, keep_last=1, **changes)
-        _train(tmp_path / name)
-        monkeypatch.undo()
-        with pytest.raises(fastckpt.MixedRunError, match=r"victim.*another run's"):
-            _resume(tmp_path / name)
     assert fastckpt.list_checkpoints(victim) == before
+
+
+def test_every_checkpoint_hook_of_a_run_keeps_its_own_root(tmp_path: Path) -> None:
+    """A run with a rolling hook and an archive hook: each is rebuilt on its own root (only
+    a run's one CheckpointHook is moved to the root passed)."""
+    steps, epochs = tmp_path / "steps", tmp_path / "epochs"
+    rolling = fastckpt.CheckpointHook(steps, step_interval=2, keep_last=2, async_save=False)
+    archive = fastckpt.CheckpointHook(epochs, epoch_interval=1, save_last=False, async_save=False)
+    support.new_strategy([rolling, archive], num_steps=8).run(support.loader())
+    resumed = _resume(steps)
+    assert [hook.checkpoint_dir for hook in resumed.hooks] == [steps, epochs]
+    resumed.num_steps = 20
+    resumed.run(support.loader())
+    assert [r["counters"]["step_count"] for r in fastckpt.list_checkpoints(epochs)] == [8, 16]
 
 
 def test_a_resumed_run_saves_where_it_was_loaded_from_after_a_move_or_from_another_directory(
@@ -193,10 +196,12 @@ def test_a_resumed_run_saves_where_it_was_loaded_from_after_a_move_or_from_anoth
 def test_a_tiered_run_resumed_from_its_fast_tier_keeps_promoting_to_its_durable_tier(
     tmp_path: Path,
 ) -> None:
-    """The durable tier the run recorded is kept without being named: it holds copies of
-    the fast tier's indices, so it is provably this run's."""
+    """The durable tier the run recorded is kept without being named, also when the fast tier
+    keeps none of the promoted indices (keep_last=1, promote_every=2)."""
     fast, durable = tmp_path / "fast", tmp_path / "durable"
-    hook = fastckpt.CheckpointHook(fast, step_interval=2, durable_dir=durable, async_save=False)
+    hook = fastckpt.CheckpointHook(
+        fast, step_interval=1, keep_last=1, durable_dir=durable, promote_every=2, async_save=False
+    )
     strategy = support.new_strategy([hook], num_steps=4)
     strategy.run(support.loader())
     with warnings.catch_warnings():
@@ -213,6 +218,26 @@ def test_a_tiered_run_resumed_from_its_fast_tier_keeps_promoting_to_its_durable_
         tmp_path / "copy" / "fast",
         tmp_path / "copy" / "durable",
     )
+
+
+def test_every_key_a_hook_records_is_one_its_rebuild_accepts(tmp_path: Path) -> None:
+    """``RECORDED_KEYS`` lists what ``hook_config()`` writes: a key added there alone would
+    make every resume of such a run a CheckpointFormatError."""
+    every_option = fastckpt.CheckpointHook(
+        tmp_path / "fast",
+        step_interval=1,
+        keep_last=2,
+        lock_timeout=5.0,
+        durable_dir=tmp_path / "durable",
+        promote_every=2,
+        durable_keep_last=3,
+        strict_promotion=True,
+        detached_promotion=True,
+        strict_saves=False,
+    )
+    plain = fastckpt.CheckpointHook(tmp_path, epoch_interval=1)
+    for hook in (every_option, plain, fastckpt.EMAHook()):
+        assert set(hook.hook_config()) <= rebuild.RECORDED_KEYS[type(hook)], hook
 
 
 def test_an_ema_hook_configured_otherwise_is_a_mismatch_not_damage(tmp_path: Path) -> None:

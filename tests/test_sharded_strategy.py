@@ -15,6 +15,7 @@ import torch
 import fastckpt
 import fastckpt.dcp
 from dcp_support import check_ok, launch
+from fastckpt.container.commit import prune_indices
 from fastckpt.container.verify import CheckpointSkippedWarning
 from fastckpt.dcp import is_sharded_checkpoint
 from sharded_ranks import Recorder, bf16_training_fn, loader, training_fn
@@ -115,6 +116,11 @@ def test_damaged_shards_make_prune_and_latest_intact_keep_the_newest_index_that_
     assert fastckpt.prune(root, keep_last=1) == []
     assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [1, 2]
     assert fastckpt.TrainingStrategy.load_checkpoint(root, 1, training_fn=training_fn).step_count
+    # A hook's keep_last (after every save) checks the shards' record and sizes only, not
+    # their bytes: a truncated shard counts there too.
+    rank_file.write_bytes(bytes(data[:-8]))
+    assert prune_indices(root, 1, read_shards=False) == []
+    assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [1, 2]
 
 
 def test_load_checkpoint_of_a_sharded_index_says_how_to_load_it(

@@ -21,6 +21,7 @@ import warnings
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -585,6 +586,27 @@ def test_a_model_passing_its_keywords_on_is_not_handed_a_device(tmp_path: Any) -
     for options in ({}, {"map_location": "cpu"}):
         loaded = fastckpt.load_checkpoint(tmp_path, **options)["models"]["m"]["model"]
         assert torch.equal(loaded.body.weight, model.body.weight), options
+
+
+class ConfigStyle(nn.Module):
+    """Takes its settings as ``**cfg`` (``device`` among them) and holds a buffer made from
+    NumPy (never on the meta device: the probe is not reused, the model is built again)."""
+
+    def __init__(self, **cfg: Any) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(2, device=cfg.get("device")))
+        self.register_buffer("table", torch.from_numpy(np.arange(3.0)))
+
+
+def test_map_location_reaches_a_keywords_model_whose_spec_records_a_device(tmp_path: Any) -> None:
+    """Before, a spec recording ``device="cuda"`` for a ``**cfg`` constructor was built with
+    it even under ``map_location="cpu"`` (only a parameter named ``device`` was given it)."""
+    import fastckpt
+
+    spec = create_model_spec(ConfigStyle, device=torch.device("cuda"))
+    fastckpt.save_checkpoint(tmp_path, models={"m": (ConfigStyle(device="cpu"), spec)})
+    model = fastckpt.load_checkpoint(tmp_path, map_location="cpu")["models"]["m"]["model"]
+    assert model.w.device.type == "cpu" and torch.equal(model.table, torch.arange(3.0).double())
 
 
 DEVICES_SEEN: list[torch.device] = []

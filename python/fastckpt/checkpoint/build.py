@@ -51,7 +51,7 @@ def _tree_paths(spec: BaseSpec) -> list[str]:
 
 def _build_on_meta(spec: BaseSpec, targets: dict[int, Any], accepts_device: bool) -> Any:
     meta = torch.device("meta")
-    overrides = {"device": meta} if accepts_device or "device" in spec.kwargs else {}
+    overrides = {"device": meta} if accepts_device else {}
     with meta:
         return spec._build_with(targets, overrides, meta)
 
@@ -198,7 +198,8 @@ def build_model(
         # Name the file (and model) the refused path came from, as every format error does.
         raise UntrustedTargetError(f"{where}: {err}") from None
     root = targets[id(spec)]
-    accepts_device = _takes_device(root)
+    # A spec that records a device passes it however the target takes it (``**kwargs``).
+    accepts_device = _takes_device(root) or "device" in spec.kwargs
     try:
         probe = _build_on_meta(spec, targets, accepts_device)
     except UntrustedTargetError:
@@ -301,7 +302,7 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
     try:
         spec._resolve_tree(targets, "model", paths, set())
         root = targets[id(spec)]
-        accepts_device = _takes_device(root)
+        accepts_device = _takes_device(root) or "device" in spec.kwargs
         probe = _build_on_meta(spec, targets, accepts_device)
     except Exception as exc:
         warnings.warn(

@@ -969,6 +969,7 @@ def prune_indices(
     lock_timeout: float | None = None,
     spare: Collection[int] = (),
     promoting: bool = False,
+    read_shards: bool = True,
 ) -> list[int]:
     """Delete all but the newest ``keep_last`` indices of ``root`` (never the latest).
 
@@ -994,6 +995,10 @@ def prune_indices(
             no committed index names, only those of indices older than the latest go (other
             ranks may be uploading into a newer index's part under the name of a trainer
             that is gone: ``only_older`` of :func:`fastckpt.container.sharded.parts.sweep`).
+        read_shards: whether the check of which kept index verifies reads the shards of an
+            FSDP2 strategy's index (``prune``, ``fastckpt prune``); a retention that runs
+            after every save (a hook's ``keep_last``, a durable tier's) checks their record
+            and sizes only, as reading them would read the whole sharded checkpoint each time.
 
     Raises:
         TypeError: ``keep_last`` is not an int (``1.5``, ``"1"``, ``True``).
@@ -1011,7 +1016,7 @@ def prune_indices(
         manifest = Manifest.load(root)
         doomed = [index for index in sorted(manifest.entries)[:-keep_last] if index not in spare]
         if doomed:
-            doomed = spare_newest_intact(manifest, doomed)
+            doomed = spare_newest_intact(manifest, doomed, read_shards=read_shards)
         if doomed and is_local(backend):
             doomed = _not_linked_into(manifest, doomed)
         if not doomed:
@@ -1048,11 +1053,14 @@ def prune_indices(
 _VERIFY_THREADS = 4
 
 
-def index_intact(manifest: Manifest, index: int, *, threads: int = _VERIFY_THREADS) -> str | None:
+def index_intact(
+    manifest: Manifest, index: int, *, threads: int = _VERIFY_THREADS, read_shards: bool = True
+) -> str | None:
     """Why committed ``index`` does not verify (None: it does): every file against its
     manifest record (size, crc32c, each tensor's checksum) and, for an incremental index,
     every referenced file and tensor, and the shards of its sharded part (see
-    :func:`~fastckpt.container.sharded.parts.part_damage`)."""
+    :func:`~fastckpt.container.sharded.parts.part_damage`; ``read_shards=False``: their
+    record and sizes)."""
     files = manifest.entries[index]["files"]
     if refs.REFS_FILE in files:
         for report in refs.reference_reports(manifest, index, threads):
@@ -1068,7 +1076,8 @@ def index_intact(manifest: Manifest, index: int, *, threads: int = _VERIFY_THREA
         )
         if not checked.report.ok:
             return checked.report.message or f"{path}: {checked.report.status}"
-    return part_damage(manifest, index, threads)  # an FSDP2 strategy's shards
+    # An FSDP2 strategy's shards (``read_shards=False``: their record and sizes only).
+    return part_damage(manifest, index, threads, read=read_shards)
 
 
 def _not_linked_into(manifest: Manifest, doomed: list[int]) -> list[int]:
@@ -1101,7 +1110,9 @@ def _not_linked_into(manifest: Manifest, doomed: list[int]) -> list[int]:
     return [index for index in doomed if index not in linked]
 
 
-def spare_newest_intact(manifest: Manifest, doomed: list[int]) -> list[int]:
+def spare_newest_intact(
+    manifest: Manifest, doomed: list[int], *, read_shards: bool = True
+) -> list[int]:
     """``doomed`` without the newest index that verifies, when no kept index newer than every
     doomed one verifies (all of ``doomed``'s indices are kept when none verifies at all); see
     :func:`prune_indices`. Kept indices older than a doomed one (spared: one a promotion is
@@ -1112,14 +1123,14 @@ def spare_newest_intact(manifest: Manifest, doomed: list[int]) -> list[int]:
     kept = sorted((i for i in manifest.entries if i > newest_doomed), reverse=True)
     damaged: list[str] = []
     for index in kept:
-        problem = index_intact(manifest, index)
+        problem = index_intact(manifest, index, read_shards=read_shards)
         if problem is None:
             return doomed
         damaged.append(f"index {index}: {problem}")
         if index == manifest.latest:
             refs.distrust(manifest.root)  # the next save references nothing of these
     for index in sorted(doomed, reverse=True):
-        problem = index_intact(manifest, index)
+        problem = index_intact(manifest, index, read_shards=read_shards)
         if problem is None:
             _LOG.warning(
                 "%s: keeping index %d, the newest that verifies, although prune would delete "

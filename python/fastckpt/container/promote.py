@@ -658,7 +658,7 @@ class Promoter:
             # prune_indices never deletes the newest index that verifies, and sweeps the
             # sharded parts of older indices no kept index names (the pruned ones', a
             # vanished promotion's), never a newer index's (ranks may be uploading there).
-            prune_indices(self.target, self.keep_last, promoting=True)
+            prune_indices(self.target, self.keep_last, promoting=True, read_shards=False)
         return {
             "promoted": report.promoted,
             "target_newest": report.newest,

@@ -233,7 +233,7 @@ def replicated_digests(state: Mapping[str, Any]) -> dict[str, int]:
         if isinstance(value, torch.Tensor):
             tensor = value.detach().to("cpu").contiguous()
             head = f"{tensor.dtype}{tuple(tensor.shape)}".encode()
-            digests[fqn] = _native.crc32c(byte_view(tensor).tobytes(), _native.crc32c(head))
+            digests[fqn] = _native.crc32c(byte_view(tensor), _native.crc32c(head))
             continue
         try:
             digests[fqn] = _native.crc32c(pickle.dumps(value, protocol=4))

@@ -625,9 +625,7 @@ class TrainingStrategy:
             self._train_batch(batch)
             seen += 1
             if self._done():
-                if not _ends_epoch(train_loader, seen):
-                    return False
-                break  # the limit falls on the epoch's last batch: the epoch is complete
+                return False
         if seen == 0:
             raise ValueError("the training loader yielded no batches")
         self.epoch_count += 1
@@ -1198,7 +1196,7 @@ class TrainingStrategy:
                     trusted,
                     parallelize,
                     spread,
-                    (copy.root, tiers),
+                    tiers,
                 )
             resumed.restored_from = copy
             return resumed
@@ -1225,14 +1223,14 @@ class TrainingStrategy:
         trusted: Trusted,
         parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None,
         spread: sharded_training.NodeLocalIndex | None = None,
-        placed: tuple[str | Path, Sequence[str | Path]] | None = None,
+        named: Sequence[str | Path] | None = None,
     ) -> TrainingStrategy:
         """:meth:`load_checkpoint` of one root (``spread``: a sharded index spread over
         node-local fast tiers, see :func:`~fastckpt.training.sharded.node_local_index`;
-        ``root`` is then where this rank reads the index's own files). ``placed``: the tier
-        the index was chosen from and the roots the caller named (default: ``root``), where
-        rebuilt hooks may save (:func:`~fastckpt.training.hooks.rebuild.rebuild_hooks`)."""
-        loaded, named = placed if placed is not None else (root, [root])
+        ``root`` is then where this rank reads the index's own files). ``named``: the roots the
+        caller passed (default: ``root``), where a rebuilt hook saves
+        (:func:`~fastckpt.training.hooks.rebuild.rebuild_hooks`)."""
+        named = [root] if named is None else named
 
         def attempt() -> tuple[int, dict[str, Any], list[dict[str, Any]] | None, str]:
             # The recipe and (for a sharded index) the recorded hooks, from one snapshot: a
@@ -1249,7 +1247,7 @@ class TrainingStrategy:
         )
         if recipe.get("sharded") is not None:
             if configs is not None:
-                hooks = rebuild_hooks(configs, where, loaded, named)
+                hooks = rebuild_hooks(configs, where, named)
             return cls._load_sharded(
                 Path(root),
                 index,
@@ -1403,9 +1401,9 @@ class TrainingStrategy:
         """Assemble a strategy from components already rebuilt by ``fastckpt.load_checkpoint``
         (its ``models`` result) and the recipe, counters, RNG and hook states in ``reader``.
 
-        Rebuilt hooks (``hooks=None``) save into ``reader``'s root, or into the recorded tiers
-        that are among ``named_roots`` (the roots the caller passed; default: that root) or
-        provably this run's (:func:`~fastckpt.training.hooks.rebuild.rebuild_hooks`).
+        A rebuilt ``CheckpointHook`` (``hooks=None``) saves where ``named_roots`` say (the
+        roots the caller passed, ``root`` then ``fallback_dirs``; default: ``reader``'s root),
+        see :func:`~fastckpt.training.hooks.rebuild.rebuild_hooks`.
 
         Returns None instead of raising when ``require_training_fn`` is False and the training
         function is neither supplied nor recorded and trusted.
@@ -1436,7 +1434,6 @@ class TrainingStrategy:
             hooks = rebuild_hooks(
                 runtime.hook_configs,
                 f"{reader.directory}/hooks.json",
-                reader.root,
                 [reader.root] if named_roots is None else named_roots,
             )
         live_models = {name: record["model"] for name, record in models.items()}
@@ -1599,15 +1596,6 @@ def _malformed(where: str, field_path: str) -> Iterator[None]:
             f"{where}: field {field_path!r} is malformed ({type(err).__name__}: {err}); the "
             "checkpoint was edited or is damaged"
         ) from err
-
-
-def _ends_epoch(train_loader: Iterable[Any], seen: int) -> bool:
-    """Whether ``seen`` batches are the whole epoch of a loader that knows its length (one
-    that does not: not known without drawing another batch, so the epoch stays open)."""
-    try:
-        return seen >= len(train_loader)  # type: ignore[arg-type]
-    except TypeError:
-        return False
 
 
 def _is_count(value: Any) -> bool:

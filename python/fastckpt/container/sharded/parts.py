@@ -287,7 +287,9 @@ def sweep(
     return removed
 
 
-def part_file_reports(manifest: Manifest, index: int, threads: int) -> list[FileReport]:
+def part_file_reports(
+    manifest: Manifest, index: int, threads: int, *, read: bool = True
+) -> list[FileReport]:
     """The reports of the sharded part index ``index`` names in its ``strategy.json`` (none
     when it names none, or when ``strategy.json`` cannot be read: the index's own file check
     reports that), locally and on an object store; its commit record must be the one the
@@ -304,18 +306,20 @@ def part_file_reports(manifest: Manifest, index: int, threads: int) -> list[File
     if part is None:
         return []
     return sharded_file_reports(
-        part.path, threads=threads, index=index, record_crc32c=part.record_crc32c
+        part.path, threads=threads, index=index, record_crc32c=part.record_crc32c, read=read
     )
 
 
-def part_damage(manifest: Manifest, index: int, threads: int) -> str | None:
+def part_damage(manifest: Manifest, index: int, threads: int, *, read: bool = True) -> str | None:
     """Why the sharded part of committed ``index`` does not verify (None: it does, or the
     index has none), for what decides which index is intact (``prune``'s and ``keep_last``'s
     newest that verifies, ``latest_intact``). A shard file that is absent while the part's
     commit record is intact is passed over: a node-local fast root holds only its node's
     ranks' shards and cannot be told apart from one that lost a file (``fastckpt verify``
-    reports it; loading it fails naming it). A damaged, truncated or replaced one counts."""
-    for report in part_file_reports(manifest, index, threads):
+    reports it; loading it fails naming it). A damaged, truncated or replaced one counts;
+    ``read=False`` (retention, which would otherwise read the whole sharded checkpoint
+    after every save): the record and each shard's size, no byte of the shards read."""
+    for report in part_file_reports(manifest, index, threads, read=read):
         if report.ok or (report.status == "missing" and report.path.name != SHARDED_RECORD):
             continue
         return report.message or f"{report.path}: {report.status}"

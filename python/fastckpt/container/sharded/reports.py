@@ -26,6 +26,7 @@ def sharded_file_reports(
     index: int | None = None,
     record_crc32c: int | None = None,
     within: str | os.PathLike[str] | None = None,
+    read: bool = True,
 ) -> list[FileReport]:
     """The commit record's report, then one per file it lists, each checked by the store's
     one recorded-file check (size, whole-file crc32c, every tensor entry's crc32c).
@@ -34,7 +35,8 @@ def sharded_file_reports(
     checked). ``index`` is copied into the reports (the sharded part of a strategy root's
     index); ``record_crc32c`` is the whole-file crc32c that index recorded for the part's
     record (a different record is a ``mismatch``); ``within``: the directory the files must
-    stay in (default ``path``).
+    stay in (default ``path``); ``read=False``: each file's presence and size only (no
+    byte is read).
     """
     root = Path(path)
     limit = root if within is None else Path(within)
@@ -56,7 +58,7 @@ def sharded_file_reports(
         )
         return [record_report]
     reports = [record_report]
-    content = verify_content(max(1, threads or DEFAULT_THREADS))
+    content = verify_content(max(1, threads or DEFAULT_THREADS)) if read else _sizes_only
     for name in sorted(record.files):
         try:
             file = safe_join(root / record.generation, name, within=limit)
@@ -68,3 +70,8 @@ def sharded_file_reports(
         checked.report.note_unchecked(list(checked.value or []))
         reports.append(checked.report)
     return reports
+
+
+def _sizes_only(path: Path) -> tuple[list[str], int | None]:
+    """Content that reads nothing: :func:`check_recorded` then checks presence and size."""
+    return [], None

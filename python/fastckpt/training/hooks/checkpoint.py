@@ -875,7 +875,11 @@ class CheckpointHook:
         assert self.keep_last is not None
         spare = () if self._promoter is None else self._promoter.spared(newest)
         return prune_indices(
-            self.checkpoint_dir, self.keep_last, lock_timeout=self.lock_timeout, spare=spare
+            self.checkpoint_dir,
+            self.keep_last,
+            lock_timeout=self.lock_timeout,
+            spare=spare,
+            read_shards=False,  # after every save: not the whole sharded checkpoint again
         )
 
     def _check_durable_later(self, ctx: TrainContext, manifest: Manifest) -> None:

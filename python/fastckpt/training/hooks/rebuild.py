@@ -20,9 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import fastckpt.checkpoint.trust as trust
-from fastckpt.container.promote import same_files
-from fastckpt.errors import CheckpointFormatError, FastCkptError, MixedRunError
-from fastckpt.format.records import Manifest
+from fastckpt.errors import CheckpointFormatError
 from fastckpt.storage.registry import display_path, is_object_url
 from fastckpt.training.hooks.checkpoint import CheckpointHook
 from fastckpt.training.hooks.ema import EMAHook
@@ -121,22 +119,29 @@ RECORDED_KEYS: dict[type, frozenset[str]] = {
 def rebuild_hooks(
     records: Sequence[dict[str, Any]],
     where: str,
-    loaded: str | os.PathLike[str] | None = None,
     named: Sequence[str | os.PathLike[str]] = (),
 ) -> list[Any]:
     """The recorded fastckpt hooks, built from their configuration; a warning names each
     recorded hook that cannot be rebuilt (pass ``hooks=`` to keep it).
 
-    A rebuilt :class:`CheckpointHook` saves where the caller says, not where the checkpoint
-    says (see :func:`_placed`): ``loaded`` is the root the index was read from, ``named``
-    the roots the caller passed (``root`` and ``fallback_dirs``).
+    The run's one :class:`CheckpointHook` saves where the caller says, not where the
+    checkpoint says (see :func:`_placed`): ``named`` are the roots the caller passed
+    (``root``, then ``fallback_dirs``). A run with several keeps their recorded roots (which
+    hook saved the loaded index is not known when none names the caller's root: a warning
+    says so).
 
     Raises:
         CheckpointFormatError: a recorded configuration the hook's constructor refuses, or
             with a key its ``hook_config()`` never records.
-        MixedRunError: a recorded tier the caller did not name holds another run's
-            checkpoints (see :func:`_placed`).
     """
+    savers = [r for r in records if REBUILDABLE.get(r["class"]) is CheckpointHook]
+    if len(savers) > 1 and named and not any(_records_root(r, named[0]) for r in savers):
+        warnings.warn(
+            f"{where}: the run had {len(savers)} CheckpointHooks, none saving to "
+            f"{display_path(named[0])!r}; they are rebuilt with the roots they recorded "
+            "(pass hooks=[...] to load_checkpoint to choose)",
+            stacklevel=4,
+        )
     hooks = []
     for i, record in enumerate(records):
         cls = REBUILDABLE.get(record["class"])
@@ -156,8 +161,8 @@ def rebuild_hooks(
                 f"{record['class']} never records; pass hooks=[...] to load_checkpoint instead"
             )
         config = dict(record["config"])
-        if cls is CheckpointHook and loaded is not None:
-            config = _placed(config, loaded, named, f"{where}: field '{field}'")
+        if cls is CheckpointHook and len(savers) == 1 and named:
+            config = _placed(config, named, f"{where}: field '{field}'")
         try:
             hooks.append(cls(**config))
         except (TypeError, ValueError) as err:
@@ -175,49 +180,43 @@ def _same_root(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _placed(
-    config: dict[str, Any],
-    loaded: str | os.PathLike[str],
-    named: Sequence[str | os.PathLike[str]],
-    where: str,
-) -> dict[str, Any]:
-    """A :class:`CheckpointHook` record's tiers, placed where the caller's arguments say.
+def _records_root(record: dict[str, Any], root: str | os.PathLike[str]) -> bool:
+    """Whether a CheckpointHook record names ``root`` as one of its tiers."""
+    config = record.get("config") or {}
+    tiers = [config.get("checkpoint_dir"), config.get("durable_dir")]
+    return any(isinstance(tier, str) and _same_root(tier, root) for tier in tiers)
 
-    A checkpoint is untrusted input: the paths it records must not decide, by themselves,
-    where the resumed run saves and prunes. ``named[0]`` is the root the caller passed,
-    ``named[1:]`` its ``fallback_dirs``; ``loaded`` the tier the index was read from.
+
+def _placed(
+    config: dict[str, Any], named: Sequence[str | os.PathLike[str]], where: str
+) -> dict[str, Any]:
+    """The run's one :class:`CheckpointHook` record, placed where the caller's arguments say:
+    the paths a checkpoint records must not decide, by themselves, where the resumed run
+    saves and prunes. ``named[0]`` is the root the caller passed, ``named[1:]`` its
+    ``fallback_dirs``.
 
     * The hook saves into the caller's root, whatever path was recorded (a relative one
       from another working directory, a moved or copied run); a warning says when they
       differ. Unless the caller's root is the recorded ``durable_dir`` (a run resumed from
-      its durable tier, the fast one lost): then the recorded ``checkpoint_dir`` is kept
-      when it passes :func:`_check_unclaimed`.
-    * A recorded ``durable_dir`` is kept when the caller named it; else the caller's one
-      fallback dir takes its place (a warning says so); else it is kept when it passes
-      :func:`_check_unclaimed`.
+      its durable tier, the fast one lost): the recorded ``checkpoint_dir`` is then kept.
+    * A recorded ``durable_dir`` the caller did not name gives way to the caller's one
+      fallback dir (a warning says so); without one, it is kept.
 
-    Raises:
-        MixedRunError: a recorded tier the caller did not name holds another run's
-            checkpoints.
+    A recorded root that is kept is checked by the hook before its first step, as any
+    hook's: a root further along than the run stops it with :class:`MixedRunError`.
     """
     fast, durable = config.get("checkpoint_dir"), config.get("durable_dir")
     if not isinstance(fast, str) or not isinstance(durable, str | None):
         return config  # malformed: the hook's constructor refuses it
     root, fallbacks = named[0], list(named[1:])
     if durable is not None and _same_root(durable, root):
-        if not any(_same_root(fast, tier) for tier in named):
-            _check_unclaimed(fast, loaded, "checkpoint_dir", where)
         return config
     if not _same_root(fast, root):
         _moved(where, "checkpoint_dir", fast, root)
         config["checkpoint_dir"] = display_path(root)
-    if durable is None or any(_same_root(durable, tier) for tier in named):
-        return config
-    if len(fallbacks) == 1:
+    if durable is not None and len(fallbacks) == 1 and not _same_root(durable, fallbacks[0]):
         _moved(where, "durable_dir", durable, fallbacks[0])
         config["durable_dir"] = display_path(fallbacks[0])
-    else:
-        _check_unclaimed(durable, loaded, "durable_dir", where)
     return config
 
 
@@ -227,36 +226,4 @@ def _moved(where: str, argument: str, recorded: str, now: str | os.PathLike[str]
         f"{display_path(now)!r}, which you passed (pass hooks=[...] to load_checkpoint to "
         "choose)",
         stacklevel=6,
-    )
-
-
-def _check_unclaimed(tier: str, loaded: str | os.PathLike[str], argument: str, where: str) -> None:
-    """:func:`_placed`'s check of a recorded tier the caller did not name.
-
-    Raises:
-        MixedRunError: ``tier`` holds committed indices none of which is a copy of one of
-            ``loaded``'s.
-    """
-    try:
-        held = Manifest.load(tier).entries
-    except (OSError, FastCkptError):
-        return  # nothing committed there, or unreadable now: the hook checks it before use
-    if not held:
-        return
-    try:
-        ours = Manifest.load(loaded).entries
-    except (OSError, FastCkptError):
-        ours = {}
-    for index, entry in held.items():
-        try:
-            if same_files(entry, ours.get(index)):
-                return
-        except (KeyError, TypeError, ValueError):
-            continue
-    raise MixedRunError(
-        f"{where}: the run's CheckpointHook recorded {argument}={tier!r}, which holds "
-        f"checkpoints none of which is a copy of one of {display_path(loaded)!r}'s: another "
-        "run's, which the resumed run's saves and retention would replace. Pass it in "
-        "fallback_dirs= if it is this run's tier, or hooks=[CheckpointHook(...)] to choose "
-        "where the resumed run saves"
     )
