@@ -110,6 +110,46 @@ def run_child(
     return result
 
 
+FORK_CHILD = textwrap.dedent(
+    """
+    import os, sys, torch
+    from fastckpt import CheckpointManager
+
+    torch.set_num_threads(1)  # torch's own pool does not survive a fork either
+    root = sys.argv[1]
+    config = CheckpointManager.Config.with_async_save()
+    config.save.wait_timeout_secs = 60
+    manager = CheckpointManager(config)
+    manager.save(f"{root}/parent-1", {"w": torch.full((8,), 1.0)}).result()
+    in_flight = manager.save(f"{root}/parent-2", {"w": torch.full((8,), 2.0)})
+    pid = os.fork()
+    if pid == 0:
+        # The inherited async manager: the parent's writer thread does not exist here.
+        manager.save(f"{root}/child-1", {"w": torch.full((8,), 3.0)}).result(timeout=60)
+        manager.save(f"{root}/child-2", {"w": torch.full((8,), 4.0)})
+        sys.exit(0)  # no close(): the exit hook finishes child-2
+    in_flight.result()
+    _, status = os.waitpid(pid, 0)
+    manager.close()
+    print("child status", os.waitstatus_to_exitcode(status))
+    print("loop done")
+    """
+)
+
+
+def test_a_forked_child_saves_with_the_async_manager_it_inherited(tmp_path: Path) -> None:
+    """Before, the child of ``os.fork()`` sent its saves to the parent's writer thread, which
+    does not exist in the child: ``result()`` and ``close()`` waited forever, and so did its
+    exit. The child now starts its own threads; the parent's write in flight at the fork is
+    the parent's, finished by the parent."""
+    root = tmp_path / "runs"
+    result = run_child(tmp_path, FORK_CHILD, str(root), timeout=240)
+    assert "child status 0" in result.stdout, result.stderr
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        for name, value in (("parent-1", 1), ("parent-2", 2), ("child-1", 3), ("child-2", 4)):
+            assert torch.equal(manager.load(root / name)["w"], torch.full((8,), float(value)))
+
+
 def manager_steps(root: Path) -> dict[str, int]:
     """Every committed manager checkpoint under ``root``: its name and the step it loads."""
     found: dict[str, int] = {}

@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
@@ -121,6 +122,27 @@ else:  # pragma: no cover - CPython >= 3.9 has it
     atexit.register(_finish_pending_writes)
 
 
+#: Every writer of this process, for :func:`_forget_parent_threads` after a fork.
+_ALL: weakref.WeakSet[BackgroundWriter[Any]] = weakref.WeakSet()
+
+
+def _forget_parent_threads() -> None:
+    """In the child of ``os.fork()``: only the forking thread exists there. Each writer drops
+    its parent's threads, the write they run (the parent's, which the parent finishes), and
+    locks a parent thread may have held at the fork; its next save starts fresh threads.
+    Before, a child saving with an inherited async manager waited forever (its write went to
+    a thread that does not exist there), and so did its exit."""
+    global _TRACKED_LOCK
+    _TRACKED_LOCK = threading.Lock()
+    _TRACKED.clear()
+    for writer in list(_ALL):
+        writer._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent_threads)
+
+
 class _GuardLock:
     """The capture lock: guards share it (any number, from any threads, nested in a thread),
     a capture holds it alone (it waits until no guard is held, and guards wait for it)."""
@@ -208,6 +230,18 @@ class BackgroundWriter(Generic[T]):
         self._executor: ThreadPoolExecutor | None = None
         self._capture_executor: ThreadPoolExecutor | None = None
         self._future: WriteFuture[T] | None = None
+        self._what = ""
+        self._pid = os.getpid()
+        self._capture_lock = _GuardLock()
+        self._capture_done = threading.Event()
+        self._capture_done.set()
+        _ALL.add(self)
+
+    def _after_fork(self) -> None:
+        """See :func:`_forget_parent_threads`."""
+        self._executor = None
+        self._capture_executor = None
+        self._future = None
         self._what = ""
         self._pid = os.getpid()
         self._capture_lock = _GuardLock()
