@@ -65,6 +65,26 @@ def test_staged_files_records_and_directories(s3_server: S3Server, s3_root: str)
         backend.open_tensors(path)
 
 
+def test_deleting_one_object_deletes_it_and_only_it(s3_server: S3Server, s3_root: str) -> None:
+    """Before, ``delete`` of one object's path deleted nothing (its listing covered the
+    ``key/`` folder only): a manager checkpoint removed from an object store lost its files
+    before its commit record, and the record of an unsharded checkpoint a sharded save
+    replaced stayed, naming deleted files."""
+    backend = _backend(s3_server, s3_root)
+    checkpoint = Path(f"{s3_root}/ckpt")
+    staging = backend.stage(checkpoint)
+    staging.put_bytes("a.bin", b"1")
+    staging.put_bytes("commit.json.d/x", b"2")  # a folder whose name starts with the key's
+    staging.publish()
+    backend.put_record(checkpoint / "commit.json", b"{}")
+    backend.delete(checkpoint / "commit.json")
+    assert not backend.exists(checkpoint / "commit.json")
+    assert backend.list_dir(checkpoint) == ["a.bin", "commit.json.d"]
+    backend.delete(checkpoint / "missing.json")  # nothing there is fine
+    backend.delete(checkpoint)
+    assert not backend.exists(checkpoint)
+
+
 def test_a_prefix_is_a_directory_asked_by_one_listing_without_a_head(
     s3_server: S3Server, s3_root: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -455,11 +455,14 @@ class S3Backend(StorageBackend):
         folder = key.rstrip("/") + "/"
         for upload in self.client.pending_uploads(folder):
             self.client.abort_upload(upload)
-        # One LIST of the bare key's prefix finds the object at ``key`` and those under
-        # ``key/``; only keys that exist are deleted (a store that keeps folders, such as
-        # s3s-fs on a filesystem, refuses to delete a key that names one).
+        # The object at ``key`` itself first (a commit record deleted before the files it
+        # names): the LIST below covers ``key/`` only (before, a delete of one object deleted
+        # nothing). Only keys that exist are deleted: a store that keeps folders, such as
+        # s3s-fs on a filesystem, refuses to delete a key that names one.
+        if self.client.has_object(key):
+            self.client.delete([key])
         listed = self.client.list_objects(key)
-        self.client.delete(m.key for m in listed if m.key == key or m.key.startswith(folder))
+        self.client.delete(m.key for m in listed if m.key.startswith(folder))
         with self._etags_lock:
             self._etags.pop(key, None)
 

@@ -442,6 +442,18 @@ class S3Client:
             raise self._fail(err, prefix) from err
         return sorted(found, key=lambda m: m.key)
 
+    def has_object(self, key: str) -> bool:
+        """Whether an object is stored at exactly ``key``, by one listing (a HEAD of a key
+        naming a folder fails on stores that keep folders, such as s3s-fs: HTTP 500). The
+        key sorts first among those it prefixes, so one entry tells."""
+        try:
+            page = self._control().list_objects_v2(
+                Bucket=self.bucket_url.bucket, Prefix=key, MaxKeys=1
+            )
+        except Exception as err:
+            raise self._fail(err, key) from err
+        return any(item["Key"] == key for item in page.get("Contents", []))
+
     def list_dir(self, prefix: str) -> tuple[list[str], list[ObjectMeta]]:
         """One level under the folder ``prefix``: ``(sub-folder names, objects)``."""
         import obstore
