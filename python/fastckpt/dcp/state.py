@@ -217,10 +217,12 @@ def _key_of_another_type(value: Any, path: str) -> str | None:
 
 def replicated_digests(state: Mapping[str, Any]) -> dict[str, int]:
     """A crc32c of every entry of ``state`` that is not a ``DTensor`` (plain tensors with
-    their dtype and shape, other values pickled), by key path. DCP keeps one copy of each
-    such entry for all ranks (its planner de-duplicates them as replicated): compare the
-    ranks' digests (:func:`differing_entries`) before a save that must not lose theirs."""
-    import pickle
+    their dtype and shape, bytes as they are, other values by their ``repr``; one whose
+    ``repr`` names its address cannot be compared and is left out), by key path. DCP keeps
+    one copy of each such entry for all ranks (its planner de-duplicates them as
+    replicated): compare the ranks' digests (:func:`differing_entries`) before a save that
+    must not lose theirs."""
+    import io
 
     from fastckpt import _native
     from fastckpt.io.files import byte_view
@@ -235,10 +237,16 @@ def replicated_digests(state: Mapping[str, Any]) -> dict[str, int]:
             head = f"{tensor.dtype}{tuple(tensor.shape)}".encode()
             digests[fqn] = _native.crc32c(byte_view(tensor), _native.crc32c(head))
             continue
-        try:
-            digests[fqn] = _native.crc32c(pickle.dumps(value, protocol=4))
-        except Exception:  # not picklable: DCP's save reports it
-            continue
+        if isinstance(value, io.BytesIO):
+            data = value.getvalue()
+        elif isinstance(value, bytes | bytearray):
+            data = bytes(value)
+        else:
+            text = repr(value)
+            if " at 0x" in text:
+                continue  # an object's default repr: not comparable across processes
+            data = text.encode("utf-8", "surrogatepass")
+        digests[fqn] = _native.crc32c(data)
     return digests
 
 
