@@ -161,9 +161,9 @@ def rebuild_hooks(
                 f"{record['class']} never records; pass hooks=[...] to load_checkpoint instead"
             )
         config = dict(record["config"])
-        if cls is CheckpointHook and len(savers) == 1 and named:
-            config = _placed(config, named, f"{where}: field '{field}'")
         try:
+            if cls is CheckpointHook and len(savers) == 1 and named:
+                config = _placed(config, named, f"{where}: field '{field}'")
             hooks.append(cls(**config))
         except (TypeError, ValueError) as err:
             raise CheckpointFormatError(
@@ -177,7 +177,10 @@ def _same_root(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     """Whether two roots are one (object-store URLs as written, local paths resolved)."""
     if is_object_url(a) or is_object_url(b):
         return display_path(a).rstrip("/") == display_path(b).rstrip("/")
-    return os.path.realpath(a) == os.path.realpath(b)
+    try:
+        return os.path.realpath(a) == os.path.realpath(b)
+    except (OSError, ValueError):  # an edited path (a NUL byte): not the caller's
+        return False
 
 
 def _records_root(record: dict[str, Any], root: str | os.PathLike[str]) -> bool:
