@@ -89,7 +89,6 @@ __all__ = [
     "nearest_intact",
     "promote",
     "promote_index",
-    "same_files",
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -214,7 +213,7 @@ def _clean(root: Path) -> None:
         lock.release()
 
 
-def same_files(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+def _same_files(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     """Whether two manifest entries record the same files (names, sizes and crc32c): one
     index and its promoted copy on another tier."""
 
@@ -284,7 +283,7 @@ def promote(
         due = due[-1:]
     for index in due:
         held = target_manifest.entries.get(index)
-        same = same_files(source_manifest.entries[index], held)
+        same = _same_files(source_manifest.entries[index], held)
         if same and verify_held and index == floor:
             problem = index_intact(target_manifest, index)
             if problem is not None:
