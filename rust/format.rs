@@ -154,6 +154,36 @@ impl Dtype {
         }
     }
 
+    /// The dtype's place in the safetensors crate's `Dtype` enum, whose derived order its
+    /// writer sorts by (descending): roughly by element size, and for one size in an order of
+    /// its own (`U64, I64, F64, C64`, then `F32, U32, I32`, ...).
+    pub fn safetensors_rank(self) -> u8 {
+        match self {
+            Dtype::Bool => 0,
+            Dtype::F4 => 1,
+            Dtype::F6E2M3 => 2,
+            Dtype::F6E3M2 => 3,
+            Dtype::U8 => 4,
+            Dtype::I8 => 5,
+            Dtype::F8E5M2 => 6,
+            Dtype::F8E4M3 => 7,
+            Dtype::F8E8M0 => 8,
+            Dtype::F8E4M3Fnuz => 9,
+            Dtype::F8E5M2Fnuz => 10,
+            Dtype::I16 => 11,
+            Dtype::U16 => 12,
+            Dtype::F16 => 13,
+            Dtype::Bf16 => 14,
+            Dtype::I32 => 15,
+            Dtype::U32 => 16,
+            Dtype::F32 => 17,
+            Dtype::C64 => 18,
+            Dtype::F64 => 19,
+            Dtype::I64 => 20,
+            Dtype::U64 => 21,
+        }
+    }
+
     /// Alignment of a tensor's first byte: the element size, one byte for sub-byte types.
     pub fn align(self) -> u64 {
         (self.bits() / 8).max(1)
@@ -311,8 +341,10 @@ fn check_metadata(metadata: &BTreeMap<String, String>) -> Result<()> {
     Ok(())
 }
 
-/// Orders tensors the way safetensors does (larger element alignment first, then by name) so
-/// that every tensor starts at a multiple of its element size, and assigns data offsets.
+/// Orders tensors exactly as the safetensors writer does (its dtype order descending, then by
+/// name; see [`Dtype::safetensors_rank`]), so that every tensor starts at a multiple of its
+/// element size and a file re-saved by safetensors with the same tensors has the same offsets
+/// (and so the same header checksum); assigns data offsets.
 ///
 /// Returns the tensors in data order with their offsets filled in.
 pub fn plan_layout(descs: Vec<TensorDesc>) -> Result<Vec<TensorInfo>> {
@@ -333,8 +365,8 @@ pub fn plan_layout(descs: Vec<TensorDesc>) -> Result<Vec<TensorInfo>> {
     let mut descs = descs;
     descs.sort_by(|a, b| {
         b.dtype
-            .align()
-            .cmp(&a.dtype.align())
+            .safetensors_rank()
+            .cmp(&a.dtype.safetensors_rank())
             .then_with(|| a.name.cmp(&b.name))
     });
     let mut offset = 0u64;
@@ -592,14 +624,23 @@ fn parse_tensor(path: &Path, name: &str, entry: &Value) -> Result<TensorInfo> {
     let entry = entry.as_object().ok_or_else(|| {
         Error::format(path, name, "must be an object {dtype, shape, data_offsets}")
     })?;
-    let dtype_name = entry.get("dtype").and_then(Value::as_str).unwrap_or("");
-    let dtype = Dtype::from_name(dtype_name).ok_or_else(|| {
-        Error::format(
-            path,
-            format!("{name}.dtype"),
-            format!("unknown dtype `{dtype_name}`"),
-        )
-    })?;
+    let dtype = match entry.get("dtype") {
+        None => return Err(Error::format(path, format!("{name}.dtype"), "missing")),
+        Some(Value::String(dtype_name)) => Dtype::from_name(dtype_name).ok_or_else(|| {
+            Error::format(
+                path,
+                format!("{name}.dtype"),
+                format!("unknown dtype `{dtype_name}`"),
+            )
+        })?,
+        Some(other) => {
+            return Err(Error::format(
+                path,
+                format!("{name}.dtype"),
+                format!("must be a dtype name such as \"F32\", got {other}"),
+            ))
+        }
+    };
     let shape = parse_shape(path, name, entry.get("shape"))?;
     let (begin, end) = parse_offsets(path, name, entry.get("data_offsets"))?;
     let expected = tensor_nbytes(dtype, &shape).map_err(|e| {
@@ -784,6 +825,19 @@ mod tests {
     }
 
     #[test]
+    fn safetensors_order_never_puts_a_smaller_alignment_first() {
+        for a in Dtype::ALL {
+            for b in Dtype::ALL {
+                if a.safetensors_rank() > b.safetensors_rank() {
+                    assert!(a.align() >= b.align(), "{} before {}", a.name(), b.name());
+                }
+            }
+            let same = Dtype::ALL.iter().filter(|d| d.safetensors_rank() == a.safetensors_rank());
+            assert_eq!(same.count(), 1, "{}", a.name());
+        }
+    }
+
+    #[test]
     fn layout_sorts_by_alignment_then_name_and_is_contiguous() {
         let tensors = plan_layout(vec![
             desc("b", Dtype::U8, &[3]),
@@ -933,6 +987,14 @@ mod tests {
         for (json, data_len, field) in cases {
             let got = format_field(parse(&raw_file(json, *data_len)));
             assert_eq!(&got, field, "for header {json}");
+        }
+        // A missing or non-string dtype says so (before: "unknown dtype ``").
+        for (json, said) in [
+            (r#"{"a":{"shape":[1],"data_offsets":[0,1]}}"#, "missing"),
+            (r#"{"a":{"dtype":7,"shape":[1],"data_offsets":[0,1]}}"#, "got 7"),
+        ] {
+            let err = parse(&raw_file(json, 1)).unwrap_err().to_string();
+            assert!(err.contains("a.dtype") && err.contains(said), "{err}");
         }
     }
 

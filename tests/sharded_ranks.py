@@ -788,6 +788,31 @@ def hand_attached_scheduler() -> None:
     )
     strategy.check_recordable()
     index = strategy.save_checkpoint(root)
+    # load_checkpoint cannot rebuild it: refused, naming the fix (before: resumed without the
+    # scheduler, its learning rate frozen); restore_checkpoint into a strategy with it works.
+    try:
+        fastckpt.TrainingStrategy.load_checkpoint(root, training_fn=training_fn)
+        refused = ""
+    except fastckpt.CheckpointMismatchError as err:
+        refused = str(err)
+    again = fastckpt.TrainingStrategy(
+        shard(build_model()),
+        fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}),
+        training_fn=training_fn,
+    )
+    again.schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
+        again.optimizers[name], lambda epoch: 0.9**epoch
+    )
+    restored = again.restore_checkpoint(root)
     if rank == 0:
-        print(json.dumps({"index": index, "recordable": True}))
+        print(
+            json.dumps(
+                {
+                    "index": index,
+                    "recordable": True,
+                    "refused": "attached by hand" in refused and "restore_checkpoint" in refused,
+                    "restored": restored,
+                }
+            )
+        )
     leave_process_group()

@@ -482,6 +482,18 @@ def test_load_state_full_tensors_and_typed_mismatches(saved: tuple[Path, list[fl
         checkpoint, into={"nope": "as is", "extra": {"step": 0, "tag": None}}
     )
     assert kept == {"nope": "as is", "extra": {"step": 2, "tag": "run-1"}}
+    # strict is two-way for tensors: a template leaving saved tensors of its key out is
+    # refused (before: left unloaded, e.g. a fresh optimizer's empty state); plain values
+    # (the step, tag, loss and BytesIO blob of "extra") may be left out.
+    partial = {"model": {"0.weight": torch.zeros(301, 37)}}
+    with pytest.raises(
+        fastckpt.CheckpointMismatchError, match=r"\d+ tensors the templates lack \('model\.0\.bias'"
+    ):
+        fastckpt.dcp.load_state(checkpoint, into=partial, strict=True)
+    fastckpt.dcp.load_state(checkpoint, into=partial)  # not strict: a partial load
+    assert fastckpt.dcp.load_state(checkpoint, into={"extra": {"step": 0}}, strict=True) == {
+        "extra": {"step": 2}
+    }
     assert fastckpt.dcp.contains_dtensors({"a": [1, {"b": torch.ones(1)}]}) is False
 
 

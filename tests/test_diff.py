@@ -131,8 +131,10 @@ def test_fp4_and_infinite_differences_are_reported_as_strict_json(
         result = json.loads(text, parse_constant=lambda token: pytest.fail(f"not JSON: {token}"))
         assert status == 1 and result["identical"] is False, name
         (entry,) = result["changed"]
-        assert (entry["differing"], entry["max_abs_diff"]) == (
-            (1, 6.0) if name == "f4" else (1, "inf")
+        # f4: both 4-bit values of the changed byte differ, of 24 (the header's count; before:
+        # 1 of 12, bytes against a shape in 4-bit values)
+        assert (entry["differing"], entry["elements"], entry["max_abs_diff"]) == (
+            (2, 24, 6.0) if name == "f4" else (1, 2, "inf")
         )
 
 

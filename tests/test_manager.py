@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import training_support as support
-from fastckpt import CheckpointMismatchError
+from fastckpt import CheckpointMismatchError, InvalidInputError
 from fastckpt.manager import CheckpointManager, CheckpointStagerConfig, ItemSpec
 from training_support import run_two_ranks
 
@@ -188,6 +188,43 @@ def test_optimizer_state_reapplied(tmp_path: Path) -> None:
     assert torch.equal(
         fresh.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"]
     )
+
+
+def test_a_reserved_tensor_name_is_refused_by_save_itself(tmp_path: Path) -> None:
+    # Before: an async save() accepted it; the writer failed later and the next, valid
+    # save raised a RuntimeError naming no key path.
+    manager = CheckpointManager()
+    with pytest.raises(InvalidInputError, match=r"^model\.__metadata__: .*reserved"):
+        manager.save(tmp_path / "a", {"model": {"__metadata__": torch.ones(1), "w": torch.ones(2)}})
+    assert not (tmp_path / "a").exists()
+    future = manager.save(tmp_path / "b", {"model": {"w": torch.ones(2)}})
+    assert future is not None
+    future.result()
+    manager.close()
+    with CheckpointManager() as reader:
+        assert torch.equal(reader.load(tmp_path / "b")["model"]["w"], torch.ones(2))
+
+
+def test_a_checkpoint_inside_another_checkpoint_is_refused(tmp_path: Path) -> None:
+    # Before: a forgotten /step_N made runs/ a checkpoint, and later saves nested inside it
+    # (even as its reserved "linked" folder), where its next save would delete them.
+    from fastckpt.errors import NotACheckpointError
+
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        manager.save(tmp_path / "runs", {"model": torch.ones(2)})
+        for inner in ("step_1", "linked", "a/b"):
+            with pytest.raises(NotACheckpointError, match=r"is inside the checkpoint .*runs"):
+                manager.save(tmp_path / "runs" / inner, {"model": torch.ones(2)})
+        assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
+            "commit.json", "model.json", "model.safetensors"
+        ]  # fmt: skip
+        manager.save(tmp_path / "runs", {"model": torch.zeros(2)})  # replacing it still works
+        fastckpt_root = tmp_path / "root"
+        import fastckpt
+
+        fastckpt.save_checkpoint(fastckpt_root, models={"m": torch.nn.Linear(1, 1)})
+        with pytest.raises(NotACheckpointError, match=r"manifest\.json"):
+            manager.save(fastckpt_root / "0" / "mgr", {"model": torch.ones(2)})
 
 
 def test_replacing_a_checkpoint_is_atomic_and_keys_are_checked(tmp_path: Path) -> None:

@@ -413,6 +413,21 @@ def test_declared_items_are_enforced_at_load_as_at_save(tmp_path: Path) -> None:
     with CheckpointManager(config) as manager:
         loaded = manager.load(tmp_path / "s1", into={"model": {"w": torch.zeros(3)}, "ema": ema})
         assert torch.equal(loaded["model"]["w"], torch.ones(3)) and loaded["ema"] is ema
+    # A plain load() refuses undeclared items too (before: returned them; only into= refused).
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as writer:
+        writer.save(tmp_path / "s2", {"model": {"w": torch.ones(3)}, "lr": 0.1})
+    with CheckpointManager(config) as manager:
+        with pytest.raises(KeyError, match=r"\['lr'\] have no ItemSpec .*strict mode"):
+            manager.load(tmp_path / "s2")
+        assert list(manager.load(tmp_path / "s2", into={"model": None})) == ["model"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"model": {"w": torch.ones(3)}, "lr": 0.1},
+            storage_writer=fastckpt.dcp.Writer(tmp_path / "d2"),
+        )
+    with CheckpointManager(config) as manager, pytest.raises(KeyError, match=r"\['lr'\]"):
+        manager.load(tmp_path / "d2")
 
 
 def test_an_item_spec_put_into_items_in_place_is_checked_at_save(tmp_path: Path) -> None:

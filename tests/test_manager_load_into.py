@@ -449,6 +449,67 @@ def test_a_key_missing_under_strict_leaves_the_template_untouched(tmp_path: Path
     assert torch.equal(template["model"]["w"], torch.ones(3))
 
 
+def test_strict_refuses_a_template_that_leaves_saved_entries_out(tmp_path: Path) -> None:
+    # Before: strict=True only checked template keys the checkpoint lacks; the natural resume
+    # template of a fresh optimizer (its state_dict(): empty "state") loaded no moments and
+    # no step, silently. Now strict also refuses saved tensors the template leaves out (as
+    # torch's load_state_dict); not strict, an empty template where the checkpoint holds
+    # tensors is warned of.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(8, 4)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    fresh = torch.nn.Linear(4, 2)
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-3)
+    with _sync() as manager:
+        manager.save(tmp_path / "c", {"model": model.state_dict(), "opt": optimizer.state_dict()})
+        template = {"model": fresh.state_dict(), "opt": fresh_optimizer.state_dict()}
+        with pytest.raises(
+            CheckpointMismatchError,
+            match=r"opt\.state: .*2 entries with tensors the template lacks \(0, 1\).*None",
+        ):
+            manager.load(tmp_path / "c", into=template, strict=True)
+        manager.save(tmp_path / "l", {"lst": [torch.ones(1), 2, torch.ones(2)], "n": {"a": 1}})
+        with pytest.raises(CheckpointMismatchError, match=r"lst: .*1 entry with tensors .*\(2\)"):
+            manager.load(tmp_path / "l", into={"lst": [torch.zeros(1), 0]}, strict=True)
+        # Plain values may be left out (a scheduler's initial_lr in a fresh optimizer's groups).
+        loaded = manager.load(tmp_path / "l", into={"lst": [None, 0, None], "n": {}}, strict=True)
+        assert loaded["n"] == {} and loaded["lst"][1] == 2
+        with pytest.warns(UserWarning, match=r"opt\.state: the template is empty"):
+            manager.load(tmp_path / "c", into=template)
+        # What strict accepts: the optimizer itself, or None where the state loads as saved.
+        manager.load(tmp_path / "c", into={"model": fresh, "opt": fresh_optimizer}, strict=True)
+    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["step"], torch.tensor(3.0))
+    assert torch.equal(fresh.weight, model.weight)
+
+
+def test_templates_sharing_part_of_their_memory_are_refused(tmp_path: Path) -> None:
+    # Before: two slots over overlapping memory were filled one after the other and the
+    # first came back holding the second's bytes ([9, 7, 7, 7] for a saved [7, 7, 7, 7]).
+    with _sync() as manager:
+        manager.save(
+            tmp_path / "c",
+            {"x": {"b": torch.full((4,), 7.0), "z": torch.tensor([9.0])}, "y": torch.ones(2, 2)},
+        )
+        shared = torch.zeros(4)
+        with pytest.raises(TypeError, match=r"x\.[bz] and x\.[bz]: the templates share part"):
+            manager.load(tmp_path / "c", into={"x": {"b": shared, "z": shared[:1]}})
+        assert torch.equal(shared, torch.zeros(4))
+        with pytest.raises(TypeError, match="share part"):  # across items too
+            manager.load(tmp_path / "c", into={"x": {"b": shared}, "y": shared.view(2, 2)})
+        # Interleaved views that share no element, and one tensor in two places, still load.
+        columns = torch.zeros(2, 4)
+        manager.save(tmp_path / "d", {"a": torch.ones(2, 2), "b": torch.full((2, 2), 2.0)})
+        manager.load(tmp_path / "d", into={"a": columns[:, 0::2], "b": columns[:, 1::2]})
+        assert columns.tolist() == [[1.0, 2.0, 1.0, 2.0]] * 2
+        tied = torch.zeros(2, 2)
+        manager.load(tmp_path / "d", into={"a": tied, "b": tied})
+        assert torch.equal(tied, torch.full((2, 2), 2.0))
+
+
 def test_a_batch_norm_state_without_num_batches_tracked_still_loads(tmp_path: Path) -> None:
     # torch supplies a missing num_batches_tracked: the key check must not refuse it.
     saved = torch.nn.BatchNorm1d(3)

@@ -162,6 +162,40 @@ def test_a_rerun_that_promotes_nothing_names_the_indices_the_target_lacks(
     assert "is a file, not a folder" in capsys.readouterr().err
 
 
+def test_a_target_newest_index_from_another_run_is_kept_not_replaced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Node 1's stale fast root promoted into a durable root whose newest index (same number)
+    came from node 2, where the run went on: before, the verifying newest checkpoint was
+    replaced by node 1's older state (exit 0, "promoted index(es) 2"). Now it is kept and
+    named (exit 1); a damaged copy there is still repaired."""
+    from fastckpt.cli.main import main as cli
+
+    node1, node2, durable = tmp_path / "node1", tmp_path / "node2", tmp_path / "durable"
+    _source(node1, saves=3)
+    assert promote(node1, durable, within={0, 1}).promoted == [0, 1]
+    shutil.copytree(durable, node2)
+    _source_more(node2)  # node 2's index 2: another state
+    assert promote(node2, durable).promoted == [2]
+    newest = _files(durable, 2)
+    assert cli(["promote", str(node1), str(durable)]) == 1
+    said = capsys.readouterr()
+    assert "holds another checkpoint as its index 2" in said.err
+    assert "every index" not in said.out
+    assert _files(durable, 2) == newest and fastckpt.verify(durable, 2).ok
+    report = promote(node1, durable)
+    assert report.conflicting == [2] and report.promoted == []
+    # A copy there that does not verify is another matter: the source's replaces it.
+    victim = next(p for p in (durable / "2").rglob("*.safetensors") if p.stat().st_nlink == 1)
+    with open(victim, "r+b") as handle:
+        handle.seek(-1, os.SEEK_END)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_END)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    assert promote(node1, durable).promoted == [2]
+    assert _files(durable, 2) == _files(node1, 2) and fastckpt.verify(durable, 2).ok
+
+
 def test_a_damaged_source_file_is_refused_and_the_target_is_untouched(tmp_path: Path) -> None:
     fast, durable = tmp_path / "fast", tmp_path / "durable"
     _source(fast)

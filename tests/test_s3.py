@@ -101,6 +101,33 @@ def test_url_parsing_and_options_validation() -> None:
         S3Options.from_mapping({"ranged_get_threshold": -1})
 
 
+def test_every_front_door_refuses_a_url_that_a_path_would_collapse(tmp_path: Path) -> None:
+    """``s3://b/run//x/./y`` was refused with ``storage_options=`` but, with options from the
+    environment, silently saved under ``run/x/y`` (``pathlib`` collapses the segments): the
+    checkpoint was not where the caller named it. Now every front door refuses it before any
+    request (no server here: nothing is reached)."""
+    import fastckpt.dcp
+
+    model = torch.nn.Linear(2, 2)
+    calls = [
+        lambda u: fastckpt.save_checkpoint(u, models={"m": model}),
+        lambda u: fastckpt.load_checkpoint(u),
+        lambda u: fastckpt.list_checkpoints(u),
+        lambda u: fastckpt.prune(u, keep_last=1),
+        lambda u: fastckpt.verify(u),
+        lambda u: fastckpt.CheckpointManager().save(u, {"m": model}),
+        lambda u: fastckpt.CheckpointManager().load(u),
+        lambda u: fastckpt.CheckpointHook(u),
+        lambda u: fastckpt.dcp.Writer(u),
+        lambda u: fastckpt.dcp.Reader(u),
+    ]
+    for url in ("s3://b/run//x/./y", "s3://b/run/../y", "s3://b/./y/"):
+        for call in calls:
+            with pytest.raises(ValueError, match=r"segment, which would be collapsed.*use s3://b/"):
+                call(url)
+    assert fastckpt.storage.registry.check_url_spelling("s3://b/a/b/") is None  # a trailing /
+
+
 def test_translate_keeps_a_server_answer_apart_from_an_unreachable_endpoint() -> None:
     """obstore's message after retries names its ``retry_timeout`` setting; a server that
     answered (HTTP 500) is not an unreachable endpoint."""

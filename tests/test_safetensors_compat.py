@@ -178,6 +178,48 @@ def test_metadata_copied_from_a_fastckpt_file_still_verifies(tmp_path: Path) -> 
     assert fastckpt.read_metadata(copy)["tensors"]["w"]["crc32c"] is not None
 
 
+#: Every dtype both libraries store, several per element size (safetensors orders one size's
+#: dtypes its own way: U64, I64, F64, C64, then F32, U32, I32, ...).
+EVERY_DTYPE = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16,
+    torch.bfloat16, torch.int32, torch.uint32, torch.float32, torch.float64, torch.int64,
+    torch.uint64, torch.complex64, torch.float8_e5m2, torch.float8_e4m3fn, *NEWER_DTYPES,
+]  # fmt: skip
+
+
+def test_a_file_of_mixed_dtypes_resaved_by_safetensors_keeps_its_layout_and_verifies(
+    tmp_path: Path,
+) -> None:
+    # Before: fastckpt ordered one element size's dtypes by name (f32 + i32, f16 + bf16,
+    # f64 + i64), safetensors by its own dtype order: the re-saved file's offsets moved, its
+    # header checksum failed and an intact file was called corrupt.
+    tensors = {
+        # names in the reverse of every dtype order, so that no name order hides the dtype's
+        f"t{len(EVERY_DTYPE) - i:02d}": patterned(torch.uint8, (2, 8), i).view(dtype)
+        for i, dtype in enumerate(EVERY_DTYPE)
+    }
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    fastckpt.save_file(tensors, ours)
+    safetensors.torch.save_file(tensors, str(theirs))
+    offsets = [
+        {
+            name: entry["data_offsets"]
+            for name, entry in fastckpt.read_metadata(p)["tensors"].items()
+        }
+        for p in (ours, theirs)
+    ]
+    assert offsets[0] == offsets[1]
+    with safe_open(str(ours), "pt") as handle:
+        metadata = handle.metadata()
+    copy = tmp_path / "copy.safetensors"
+    safetensors.torch.save_file(
+        safetensors.torch.load_file(str(ours)), str(copy), metadata=metadata
+    )
+    loaded = fastckpt.load_file(copy)
+    assert all(same_bits(loaded[k], tensors[k]) for k in tensors)
+    assert fastckpt.verify(copy).ok
+
+
 @pytest.mark.parametrize(
     ("tensors", "metadata"),
     [

@@ -240,4 +240,9 @@ def test_a_hand_attached_scheduler_of_a_sharded_strategy_needs_no_recipe(tmp_pat
     outputs = check_ok(
         launch("hand_attached_scheduler", tmp_path / "ckpt", 1, ranks="sharded_ranks")
     )
-    assert json.loads(outputs[0].strip().splitlines()[-1]) == {"index": 0, "recordable": True}
+    assert json.loads(outputs[0].strip().splitlines()[-1]) == {
+        "index": 0,
+        "recordable": True,
+        "refused": True,
+        "restored": 0,
+    }

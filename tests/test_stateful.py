@@ -7,6 +7,7 @@ through ``CheckpointManager``'s public API (``prepare_save`` in ``save``, ``chec
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,9 @@ def test_prepare_save_puts_state_dicts_in_place_of_objects() -> None:
         ({"layer": object()}, r"model\.layer: cannot checkpoint a builtins\.object; .*state_dict"),
         ({"sub": [1, SaveOnly()]}, r"model\.sub\.1: .*no load_state_dict"),
         ({"ok": {(1, 2): 3}}, r"model\.ok\.\(1, 2\): dict keys"),
+        # before: saved, and back as a plain dict whose missing keys raise KeyError
+        ({"counts": collections.defaultdict(int, a=1)}, r"model\.counts: .*defaultdict.*missing"),
+        ({"seen": collections.Counter("aab")}, r"model\.seen: cannot checkpoint a Counter"),
     ],
 )
 def test_prepare_save_names_the_full_key_path(value: Any, message: str) -> None:

@@ -151,6 +151,81 @@ def test_restore_in_place_and_hook_state(tmp_path: Path) -> None:
         support.new_strategy([], num_steps=1).restore_checkpoint(tmp_path)
 
 
+def test_restoring_into_other_optimizers_or_schedulers_is_refused_changing_nothing(
+    tmp_path: Path,
+) -> None:
+    """``restore_checkpoint`` into a live strategy built otherwise: before, an
+    ``ExponentialLR`` took the saved ``StepLR``'s gamma and step size, a strategy without the
+    scheduler froze its learning rate, an SGD got Adam's groups (a bare ``KeyError`` at the
+    next step), and an optimizer with other parameter groups failed only after the weights
+    were overwritten. Now each is refused before anything live changes."""
+    saved = support.new_strategy([], num_steps=6)
+    saved.run(support.loader())
+    saved.save_checkpoint(tmp_path)
+
+    def live(config: Any) -> fastckpt.TrainingStrategy:
+        torch.manual_seed(99)
+        return fastckpt.TrainingStrategy(
+            support.DropoutMLP(), config, training_fn=support.training_fn, num_steps=6
+        )
+
+    def exponential(gamma: float) -> Any:
+        return fastckpt.OptimizerConfig(
+            torch.optim.Adam, {"lr": 1e-2}, torch.optim.lr_scheduler.ExponentialLR, {"gamma": gamma}
+        )
+
+    cases = [
+        (exponential(0.9), r"scheduler 'main' was saved as torch\.optim\.lr_scheduler\.StepLR"),
+        (
+            fastckpt.OptimizerConfig(torch.optim.Adam, {"lr": 1e-2}),
+            r"schedulers \['main'\], this strategy has \[\]",
+        ),
+        (
+            fastckpt.OptimizerConfig(
+                torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9},
+                torch.optim.lr_scheduler.StepLR, {"step_size": 5},
+            ),
+            r"optimizer 'main' was saved as torch\.optim\.adam\.Adam, .* torch\.optim\.sgd\.SGD",
+        ),
+    ]  # fmt: skip
+    for config, message in cases:
+        strategy = live(config)
+        before = {k: v.clone() for k, v in strategy.models["main"].state_dict().items()}
+        with pytest.raises(fastckpt.CheckpointMismatchError, match=message):
+            strategy.restore_checkpoint(tmp_path)
+        after = strategy.models["main"].state_dict()
+        assert all(torch.equal(after[k], v) for k, v in before.items())
+        assert strategy.step_count == 0
+    # Parameter groups that differ: refused before the weights are touched.
+    torch.manual_seed(99)
+    model = support.DropoutMLP()
+    params = list(model.parameters())
+    grouped = torch.optim.Adam([{"params": params[:1]}, {"params": params[1:], "lr": 0.1}], lr=1e-2)
+    strategy = fastckpt.TrainingStrategy(
+        model, grouped, training_fn=support.training_fn, num_steps=6
+    )
+    strategy.schedulers["main"] = torch.optim.lr_scheduler.StepLR(grouped, step_size=5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(
+        fastckpt.CheckpointMismatchError,
+        match=r"parameter groups of \[\d+\] parameters, this one \[1, \d+\]",
+    ):
+        strategy.restore_checkpoint(tmp_path)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    # The same kinds with other hyper-parameters restore, taking the saved ones (documented).
+    strategy = live(
+        fastckpt.OptimizerConfig(
+            torch.optim.Adam, {"lr": 0.5}, torch.optim.lr_scheduler.StepLR, {"step_size": 2}
+        )
+    )
+    assert strategy.restore_checkpoint(tmp_path) == 0
+    assert strategy.schedulers["main"].step_size == 5
+    assert (
+        strategy.optimizers["main"].param_groups[0]["lr"]
+        == saved.optimizers["main"].param_groups[0]["lr"]
+    )
+
+
 def test_training_fn_recorded_or_required(tmp_path: Path) -> None:
     support.new_strategy([], num_steps=1).save_checkpoint(tmp_path / "importable")
     # A plain function of an already-imported user module is restored without training_fn=.

@@ -79,13 +79,21 @@ def cmd_promote(args: argparse.Namespace) -> int:
                 "bytes_copied": report.bytes_copied,
                 "bytes_reused": report.bytes_reused,
                 "damaged": [{"index": index, "error": why} for index, why in report.damaged],
+                "conflicting": report.conflicting,
             }
         )
-        return EXIT_BAD if report.damaged else EXIT_OK
+        return EXIT_BAD if report.damaged or report.conflicting else EXIT_OK
     for index, why in report.damaged:
         print(
             f"fastckpt promote: index {index} of {display_path(source)} does not verify, not "
             f"promoted ({why})",
+            file=sys.stderr,
+        )
+    for index in report.conflicting:
+        print(
+            f"fastckpt promote: {display_path(target)} holds another checkpoint as its index "
+            f"{index} (it verifies, its files differ from {display_path(source)}'s): kept, not "
+            f"replaced; delete that index there first to promote this one",
             file=sys.stderr,
         )
     if report.promoted:
@@ -94,9 +102,9 @@ def cmd_promote(args: argparse.Namespace) -> int:
             f"promoted index(es) {indices} of {display_path(source)} to {display_path(target)} "
             f"({format_bytes(report.bytes_copied)})"
         )
-    else:
+    elif not report.conflicting:  # a conflict was named above: not "holds every index"
         print(_nothing_promoted(source, target, report.newest))
-    return EXIT_BAD if report.damaged else EXIT_OK
+    return EXIT_BAD if report.damaged or report.conflicting else EXIT_OK
 
 
 def _nothing_promoted(source: Path, target: Path, target_newest: int | None) -> str:

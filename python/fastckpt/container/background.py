@@ -294,7 +294,7 @@ class BackgroundWriter(Generic[T]):
     def _refuse_waiting_on_own_guard(self, doing: str) -> None:
         if self._capture_lock.held_here():
             raise RuntimeError(
-                f"cannot {doing} of {self.name} inside its lock()/guard() on the same thread: "
+                f"{self.name}: cannot {doing} inside its lock()/guard() on the same thread: "
                 "the snapshot waits until the lock is released, so this would wait for itself. "
                 "Save (or wait for the previous save) outside the lock"
             )

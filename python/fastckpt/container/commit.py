@@ -96,6 +96,7 @@ __all__ = [
     "index_intact",
     "make_generation_dir",
     "prune_indices",
+    "refuse_inside_checkpoint",
     "remove_superseded",
     "spare_newest_intact",
 ]
@@ -340,6 +341,28 @@ def refuse_to_replace(path: Path, *, files: bool = False) -> None:
             "a save replaces only a checkpoint, and would delete these: save under another "
             "name (a folder of checkpoints takes e.g. step_100 inside it)"
         )
+
+
+def refuse_inside_checkpoint(path: Path) -> None:
+    """A checkpoint is never saved inside another one (``runs/step_1`` where ``runs`` itself
+    became a checkpoint by a forgotten ``/step_N``, or inside a save_checkpoint root's index):
+    the outer checkpoint's next save or prune would delete it, and listings no longer see it.
+    Local paths: every folder above ``path`` is looked at (an object store's would cost a
+    request each).
+
+    Raises:
+        NotACheckpointError: names the enclosing checkpoint, its record and the fix.
+    """
+    if not is_local(backend_for(path)):
+        return
+    for directory in Path(os.path.abspath(path)).parents:
+        for record in (COMMIT_RECORD, SHARDED_RECORD, MANIFEST):
+            if os.path.lexists(directory / record):
+                raise NotACheckpointError(
+                    f"{display_path(path)} is inside the checkpoint {display_path(directory)} "
+                    f"(it holds {record}), whose next save or prune would delete it: save it "
+                    "beside that checkpoint, not inside it"
+                )
 
 
 def _checkpoint_names(path: Path, names: Collection[str]) -> set[str]:

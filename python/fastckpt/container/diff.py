@@ -49,11 +49,11 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int | float]
     """Compare two tensors of equal dtype and shape bit for bit.
 
     Returns:
-        ``(differing elements, max |a - b| over them)``. For integer and bool tensors the
-        difference is exact (a Python ``int``, even between int64 or uint64 values that
-        float64 cannot tell apart); for floating tensors it is a float (``0.0`` for
-        elements that differ only in their bits, ``+0.0`` against ``-0.0``), NaN when a
-        differing element is NaN.
+        ``(differing elements (the 4-bit values of float4), max |a - b| over them)``. For
+        integer and bool tensors the difference is exact (a Python ``int``, even between int64
+        or uint64 values that float64 cannot tell apart); for floating tensors it is a float
+        (``0.0`` for elements that differ only in their bits, ``+0.0`` against ``-0.0``), NaN
+        when a differing element is NaN.
     """
     flat_a, flat_b = a.reshape(-1), b.reshape(-1)
     size = a.element_size()
@@ -64,8 +64,11 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int | float]
     if count == 0:
         return 0, 0.0
     if a.dtype == _FLOAT4_PAIRS:
-        # No torch kernel indexes or converts it: decode both 4-bit values of each byte.
+        # No torch kernel indexes or converts it: decode both 4-bit values of each byte, and
+        # count the 4-bit values that differ (the elements the header counts), not bytes.
         pick_a, pick_b = flat_a.view(torch.uint8)[differ], flat_b.view(torch.uint8)[differ]
+        flipped = pick_a ^ pick_b
+        count = int(((flipped & 0x0F) != 0).sum() + ((flipped >> 4) != 0).sum())
         delta = (_decode_float4_pairs(pick_a) - _decode_float4_pairs(pick_b)).abs()
         return count, float(delta.max())
     if a.is_floating_point() or a.is_complex():
@@ -77,6 +80,13 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int | float]
 
 #: ``float4_e2m1fn_x2`` (torch >= 2.8; None before): two E2M1 values in each byte.
 _FLOAT4_PAIRS = getattr(torch, "float4_e2m1fn_x2", None)
+
+
+def element_count(tensor: torch.Tensor) -> int:
+    """The elements of ``tensor`` as its file's header counts them: two per byte of packed
+    ``float4_e2m1fn_x2`` (whose torch shape counts bytes), one per torch element otherwise."""
+    return tensor.numel() * (2 if tensor.dtype == _FLOAT4_PAIRS else 1)
+
 
 #: The 16 E2M1 values by their 4 bits (sign, 2 exponent bits, 1 mantissa bit).
 _E2M1 = torch.tensor(
@@ -228,7 +238,7 @@ def diff_checkpoints(a: TensorFiles, b: TensorFiles, atol: float = 0.0) -> dict[
                     "name": name,
                     **_meta(head_a[name]),
                     "differing": count,
-                    "elements": left.numel(),
+                    "elements": element_count(left),
                     "max_abs_diff": None if math.isnan(biggest) else biggest,
                 }
             )

@@ -12,7 +12,7 @@ from typing import Literal
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.format.records import COMMIT_RECORD, MANIFEST, SHARDED_RECORD
 from fastckpt.storage.backend import StorageBackend
-from fastckpt.storage.registry import backend_for, is_local
+from fastckpt.storage.registry import backend_for, display_path, is_local
 
 __all__ = ["KIND_NAMES", "Kind", "Location", "locate"]
 
@@ -137,14 +137,14 @@ def _locate_object(path: Path, backend: StorageBackend) -> Location:
         info = backend.stat(path)
     except FileNotFoundError:
         raise FileNotFoundError(
-            errno.ENOENT, f"{path}: no such object or prefix", str(path)
+            errno.ENOENT, f"{display_path(path)}: no such object or prefix", display_path(path)
         ) from None
     if info.regular:
         return Location("file", path)
     raise FileNotFoundError(
         errno.ENOENT,
-        f"{path} is not a fastckpt checkpoint: no {MANIFEST} (save_checkpoint root), "
-        f"{COMMIT_RECORD} (CheckpointManager checkpoint) or {SHARDED_RECORD} (sharded "
+        f"{display_path(path)} is not a fastckpt checkpoint: no {MANIFEST} (save_checkpoint "
+        f"root), {COMMIT_RECORD} (CheckpointManager checkpoint) or {SHARDED_RECORD} (sharded "
         "checkpoint) under it",
-        str(path),
+        display_path(path),
     )

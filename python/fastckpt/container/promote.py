@@ -119,6 +119,9 @@ class PromotionReport:
             missing file) and were passed over for a newer one: one damaged index never
             holds up the promotion of the later ones (the newest due index, when damaged,
             raises instead).
+        conflicting: indices the target holds as its newest, intact (read whole), with
+            other files than the source's: another run's (another node's) checkpoint under
+            the same number, left as it is (never replaced by a copy from elsewhere).
         bytes_copied: bytes read from the source and written to the target.
         bytes_reused: bytes the target stored from files it already held (proven identical,
             see the module docstring), none of them transferred.
@@ -129,6 +132,7 @@ class PromotionReport:
     skipped: list[int] = field(default_factory=list)
     vanished: list[int] = field(default_factory=list)
     damaged: list[tuple[int, str]] = field(default_factory=list)
+    conflicting: list[int] = field(default_factory=list)
     bytes_copied: int = 0
     bytes_reused: int = 0
     newest: int | None = None
@@ -238,10 +242,13 @@ def promote(
     """Bring ``target`` up to date with ``source``: every committed index of ``source``
     whose number is a multiple of ``every`` (and, with ``newest``, the newest whatever its
     number) and is newer than ``target``'s newest index is promoted, oldest first (see
-    :func:`promote_index`); so is ``target``'s newest index itself when its files differ from
-    the source's, or (``verify_held``: ``fastckpt promote``, a repair) when its copy there
-    does not verify (read whole). Older indices ``target`` lacks (pruned there) are not
-    copied again. A promotion that a killed process left unfinished is thereby finished.
+    :func:`promote_index`); so is ``target``'s newest index itself when its copy there does
+    not verify (read whole) and either its files differ from the source's or ``verify_held``
+    (``fastckpt promote``, a repair). A newest index there that verifies but holds other
+    files than the source's is another run's checkpoint under that number: it is kept,
+    logged and listed in the report's ``conflicting``. Older indices ``target`` lacks (pruned
+    there) are not copied again. A promotion that a killed process left unfinished is
+    thereby finished.
     ``node_local``, ``wait_s``: as for :func:`promote_index`; only the newest due index is
     promoted then. ``within``: only these indices are promoted (what a :class:`Promoter` run
     decided before it started, which the fast tier's retention spares meanwhile).
@@ -294,6 +301,20 @@ def promote(
                     problem,
                 )
                 same = False
+        if not same and held is not None and index == floor and not node_local:
+            problem = index_intact(target_manifest, index)
+            if problem is None:
+                _LOG.warning(
+                    "%s: index %d there verifies but holds other files than %s's index %d "
+                    "(another run's or node's checkpoint under that number): kept, not "
+                    "replaced; delete it there by hand to promote this one",
+                    display_path(target),
+                    index,
+                    display_path(source),
+                    index,
+                )
+                report.conflicting.append(index)
+                continue
         if index < floor or same:
             report.skipped.append(index)
             continue

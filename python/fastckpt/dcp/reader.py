@@ -58,7 +58,7 @@ from fastckpt.dcp import peers
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.sharded import Record, StoredChunk
 from fastckpt.io.files import copy_values
-from fastckpt.storage.registry import backend_for
+from fastckpt.storage.registry import backend_for, check_url_spelling
 
 __all__ = ["Passes", "Reader"]
 
@@ -114,6 +114,7 @@ class Reader(StorageReader):
         super().__init__()
         if stage_bytes is not None and stage_bytes < 0:
             raise ValueError(f"stage_bytes={stage_bytes} must be >= 0 (or None)")
+        check_url_spelling(path)
         self.path = Path(path)
         self.verify = verify
         self.stage_bytes = stage_bytes
@@ -133,6 +134,7 @@ class Reader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load, optionally from another checkpoint directory."""
         if checkpoint_id:
+            check_url_spelling(checkpoint_id)
             self.path = Path(checkpoint_id)
             backend_for(self.path)
         self._record = None

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -283,7 +283,7 @@ def _describe(value: Any) -> str:
 def _check_templates(
     path: Path, metadata: Metadata, templates: Mapping[str, Any], strict: bool
 ) -> None:
-    flat, _ = flatten_state_dict(dict(templates))
+    flat, mapping = flatten_state_dict(dict(templates))
     stored = metadata.state_dict_metadata
     for fqn, value in flat.items():
         entry = stored.get(fqn)
@@ -307,6 +307,36 @@ def _check_templates(
                 f"{fqn}: checkpoint has {_describe_entry(entry)}, template has "
                 f"{_describe(value)} (a DTensor template is compared by its global shape)"
             )
+    if strict:
+        _check_nothing_left_out(path, metadata, templates, mapping.values())
+
+
+def _check_nothing_left_out(
+    path: Path, metadata: Metadata, templates: Mapping[str, Any], covered: Iterable[Any]
+) -> None:
+    """Under ``strict``, refuse templates that leave out tensors the checkpoint holds under
+    their keys (a fresh optimizer's empty state would load nothing there, silently): every
+    stored tensor's path must be a template path, under one, or above one. Plain values may
+    be left out (a scheduler's ``initial_lr`` in a fresh optimizer's groups), as torch's
+    strict concerns tensors."""
+    reached = [tuple(p) for p in covered]
+    entries = metadata.state_dict_metadata
+    missing = sorted(
+        fqn
+        for fqn, stored in _paths(metadata, path).items()
+        if str(stored[0]) in templates
+        and isinstance(entries[fqn], TensorStorageMetadata)  # plain values may be left out
+        and not any(stored[: len(p)] == p or p[: len(stored)] == stored for p in reached if p)
+    )
+    if missing:
+        shown = ", ".join(repr(fqn) for fqn in missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise CheckpointMismatchError(
+            f"{path}: the checkpoint holds {len(missing)} tensor"
+            f"{'' if len(missing) == 1 else 's'} the templates lack ({shown}); strict=True "
+            "loads every saved tensor of a requested key: add them to the template (a fresh "
+            "optimizer's state is empty until it steps: use DCP's get_state_dict), put None "
+            "there to load them as saved, or load with strict=False"
+        )
 
 
 def _describe_entry(entry: TensorStorageMetadata) -> str:

@@ -45,7 +45,12 @@ from fastckpt.dcp.stager import DcpStager
 from fastckpt.format.sharded import StoredChunk, encode_record
 from fastckpt.io.files import byte_view, host_tensor, read_metadata, write_tensors
 from fastckpt.io.staging import StagerOptions
-from fastckpt.storage.registry import backend_for, is_local, is_object_url
+from fastckpt.storage.registry import (
+    backend_for,
+    check_url_spelling,
+    is_local,
+    is_object_url,
+)
 
 __all__ = ["DCP_SHARDING_INFO_KEY", "Writer"]
 
@@ -115,6 +120,7 @@ class Writer(StorageWriter, DcpStager):
         DcpStager.__init__(self, stager_options)
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        check_url_spelling(path)
         self.path = Path(path)
         self.threads = threads
         self.direct_io = direct_io
@@ -135,6 +141,7 @@ class Writer(StorageWriter, DcpStager):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, optionally into another checkpoint directory."""
         if checkpoint_id:
+            check_url_spelling(checkpoint_id)
             self.path = Path(checkpoint_id)
             backend_for(self.path).prepare_writer()
         self.save_id = new_generation()

@@ -37,7 +37,11 @@ from typing import Any
 import torch
 
 from fastckpt.container.background import BackgroundWriter
-from fastckpt.container.commit import DirectoryWriter, refuse_to_replace
+from fastckpt.container.commit import (
+    DirectoryWriter,
+    refuse_inside_checkpoint,
+    refuse_to_replace,
+)
 from fastckpt.container.links import LINKED_DIR, Reference, read_item
 from fastckpt.container.listing import saved_after_siblings
 from fastckpt.container.promote_checkpoints import (
@@ -55,6 +59,7 @@ from fastckpt.errors import (
     CheckpointMismatchError,
     ChecksumMismatchError,
     FastCkptError,
+    InvalidInputError,
     NotCommittedError,
 )
 from fastckpt.format.records import (
@@ -93,6 +98,7 @@ from fastckpt.manager.config import (
 from fastckpt.manager.incremental import LinkPlan, Tracker
 from fastckpt.manager.load import DirectRead, plan_direct_read
 from fastckpt.manager.stateful import (
+    check_disjoint_templates,
     check_restore,
     check_template,
     contains_stateful,
@@ -244,6 +250,8 @@ class _Snapshot:
 
 
 _LOGGER = logging.getLogger("fastckpt.manager")
+#: the one tensor name a safetensors header cannot hold (its metadata entry)
+_RESERVED_NAME = "__metadata__"
 
 
 class _DistributedContext:
@@ -692,6 +700,14 @@ class CheckpointManager:
         Raises:
             CheckpointMismatchError: names the missing items and the checkpoint.
         """
+        if into is None and self.config.default is None:
+            undeclared = [key for key in available if key not in self.config.items]
+            if undeclared:
+                raise KeyError(
+                    f"{directory}: item(s) {undeclared} have no ItemSpec and Config.default is "
+                    "None (strict mode); add them to Config.items, or load(into=...) naming "
+                    "only declared items"
+                )
         wanted = self.config.items if into is None else {k: self.config.items.get(k) for k in into}
         missing = [
             key
@@ -783,6 +799,7 @@ class CheckpointManager:
             self._writer.collect()
         check_name(path.name, "checkpoint directory name")
         refuse_to_replace(path)
+        refuse_inside_checkpoint(path)
         prepared: dict[str, Any] = {}
         for key, value in state.items():
             check_item_key(key)
@@ -809,6 +826,11 @@ class CheckpointManager:
         tensors: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in prepared.items():
             skeletons[key], tensors[key] = tree.flatten(value)
+            if _RESERVED_NAME in tensors[key]:  # refused here, not later by the writer
+                raise InvalidInputError(
+                    f"{tree.join_path(key, _RESERVED_NAME)}: the tensor name {_RESERVED_NAME!r} "
+                    "is reserved by the safetensors format; rename that key"
+                )
         snapshot = _Snapshot(path, skeletons, tensors, str(checkpoint_id))
         if not incremental:
             self._tracker.forget()
@@ -1162,8 +1184,9 @@ class CheckpointManager:
             for key, template in into.items():
                 self._spec(key)  # strict mode (Config.default None): only declared items
                 check_template(template, key)
+            check_disjoint_templates(into)
         if _is_sharded(directory):
-            if self.config.items:  # a record read only when there are items to check
+            if self.config.items or self.config.default is None:  # read only to check items
                 from fastckpt.dcp.state import stored_items  # torch.distributed.checkpoint
 
                 self._check_required(directory, stored_items(directory), into)

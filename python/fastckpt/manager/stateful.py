@@ -21,6 +21,7 @@ scheduler, a user class - may stand anywhere in a saved state or in a load templ
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -35,6 +36,7 @@ from fastckpt.io.paths import is_text
 
 __all__ = [
     "Stateful",
+    "check_disjoint_templates",
     "check_restore",
     "check_template",
     "contains_stateful",
@@ -132,6 +134,12 @@ def prepare_save(value: Any, path: str = "", *, check: bool = True) -> Any:
     if is_stateful(value):
         return prepare_save(value.state_dict(), path, check=check)
     if isinstance(value, Mapping):
+        if check and hasattr(type(value), "__missing__"):
+            raise TypeError(
+                f"{path or '<root>'}: cannot checkpoint a {type(value).__name__}: it would load "
+                "back as a plain dict, without its default for missing keys; store "
+                "dict(value) and rebuild it after loading"
+            )
         for key in value:
             if type(key) not in _KEY_TYPES:
                 raise TypeError(
@@ -207,6 +215,89 @@ def _check_tensor_template(template: torch.Tensor, path: str) -> None:
             f"{where}: the template's elements share memory (an expanded or strided view), so "
             "it cannot hold every saved value; pass None or a tensor of its own (.clone())"
         )
+
+
+def check_disjoint_templates(templates: Mapping[str, Any]) -> None:
+    """Refuse tensor templates (outside stateful objects) whose memory partly overlaps
+    another's: each is filled with its own saved values, so the one filled last would change
+    the other's. The same tensor (or an identical view) in two places, tied weights, is
+    accepted.
+
+    Raises:
+        TypeError: names both key paths and the fix.
+    """
+    found: list[tuple[str, torch.Tensor]] = []
+    _collect_tensors(templates, "", found)
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + _extent_bytes(t), path, t)
+        for path, t in found
+        # a DTensor's memory is its local shard's (filled by DCP, resharded): not compared
+        if t.device.type != "meta" and t.numel() and not _is_dtensor(t) and t.data_ptr()
+    )
+    end, last_path, last = -1, "", None
+    for begin, stop, path, tensor in spans:
+        shared = last is not None and begin < end and not _same_view(tensor, last)
+        if shared and last is not None and _share_elements(tensor, last):
+            raise TypeError(
+                f"{last_path} and {path}: the templates share part of their memory, so "
+                "loading one would change the other; pass None for one of them, or "
+                "tensors of their own (.clone())"
+            )
+        if stop > end:
+            end, last_path, last = stop, path, tensor
+
+
+def _collect_tensors(value: Any, path: str, out: list[tuple[str, torch.Tensor]]) -> None:
+    if isinstance(value, torch.Tensor):
+        out.append((path, value))
+    elif isinstance(value, Mapping) and not is_stateful(value):
+        for key, item in value.items():
+            _collect_tensors(item, tree.join_path(path, key), out)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _collect_tensors(item, tree.join_path(path, i), out)
+
+
+def _extent_bytes(tensor: torch.Tensor) -> int:
+    """Bytes from the tensor's first element to just past its last (strides >= 0)."""
+    last = sum((n - 1) * abs(step) for n, step in zip(tensor.shape, tensor.stride(), strict=True))
+    return (last + 1) * tensor.element_size()
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors whose byte extents overlap have a byte in common: certain when
+    both are contiguous; interleaved strided views are told apart by their elements' byte
+    offsets (compared up to a bound, beyond which they count as sharing)."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    if a.numel() + b.numel() > _COUNTED_ELEMENTS:
+        return True
+    origin = min(a.data_ptr(), b.data_ptr())
+    starts_a, starts_b = _byte_starts(a, origin), _byte_starts(b, origin).sort().values
+    # For each element of a: the last element of b starting before a's element ends; they
+    # share a byte when that one ends after a's element starts.
+    last = torch.searchsorted(starts_b, starts_a + a.element_size()) - 1
+    valid = last >= 0
+    ends_b = starts_b[last.clamp(min=0)] + b.element_size()
+    return bool((valid & (ends_b > starts_a)).any())
+
+
+def _byte_starts(tensor: torch.Tensor, origin: int) -> torch.Tensor:
+    """The byte offset of each element of ``tensor`` from ``origin`` (int64, flat)."""
+    size = tensor.element_size()
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, step in zip(tensor.shape, tensor.stride(), strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * step * size
+    return offsets.reshape(-1) + (tensor.data_ptr() - origin)
 
 
 def _elements_overlap(tensor: torch.Tensor) -> bool:
@@ -370,6 +461,16 @@ def check_restore(template: Any, value: Any, path: str, strict: bool) -> bool:
                 raise CheckpointMismatchError(f"{at}: missing in checkpoint")
             else:
                 complete = False
+        extra = [key for key in value if key not in template and _holds_tensor(value[key])]
+        if extra and strict:
+            raise CheckpointMismatchError(_not_in_template(where, extra))
+        if extra and not template:
+            warnings.warn(
+                f"{where}: the template is empty, so none of the {len(extra)} saved entries "
+                "holding tensors there is loaded; put None there to load them as saved, or "
+                "load with strict=True to refuse templates that leave saved tensors out",
+                stacklevel=2,
+            )
         return complete
     if not isinstance(template, (list, tuple)):
         return True  # a plain value: replaced
@@ -382,7 +483,32 @@ def check_restore(template: Any, value: Any, path: str, strict: bool) -> bool:
             raise CheckpointMismatchError(f"{tree.join_path(path, i)}: missing in checkpoint")
         else:
             complete = False
+    extra = [i for i in range(len(template), len(value)) if _holds_tensor(value[i])]
+    if strict and extra:
+        raise CheckpointMismatchError(_not_in_template(where, extra))
     return complete
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(item) for item in value)
+    return False
+
+
+def _not_in_template(where: str, extra: list[Any]) -> str:
+    """The message of a strict load whose template leaves saved entries out."""
+    shown = ", ".join(repr(key) for key in extra[:5]) + (", ..." if len(extra) > 5 else "")
+    return (
+        f"{where}: the checkpoint holds {len(extra)} entr{'y' if len(extra) == 1 else 'ies'} "
+        f"with tensors the template lacks ({shown}); strict=True loads every saved tensor: add "
+        "them to the template, put None where a value should load as saved (e.g. a fresh "
+        "optimizer's empty state), pass the stateful object itself, or load with strict=False "
+        "to load only the template's entries"
+    )
 
 
 def restore(template: Any, value: Any, path: str, strict: bool) -> Any:

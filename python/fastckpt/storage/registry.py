@@ -33,6 +33,7 @@ from fastckpt.storage.backend import LOCAL, LocalFileSystem, StorageBackend
 __all__ = [
     "SCHEMES",
     "backend_for",
+    "check_url_spelling",
     "configure_storage",
     "display_path",
     "is_local",
@@ -113,6 +114,7 @@ def use_storage_options(
         StorageOptionsError: options given for a local path (they configure object stores).
         TypeError / ValueError: an unknown option or a value out of range.
     """
+    check_url_spelling(path)
     if storage_options is None:
         return
     if not is_object_url(path):
@@ -123,6 +125,29 @@ def use_storage_options(
             "this is a local path; drop storage_options or use an s3:// URL"
         )
     configure_storage(_url(path), storage_options)
+
+
+def check_url_spelling(path: str | os.PathLike[str]) -> None:
+    """Refuse an object-store URL as a front door was given it (``s3://b/run//x/./y``) when
+    its key has an empty, ``.`` or ``..`` segment: paths are handled as ``pathlib`` paths,
+    which would collapse it (to ``run/x/y``), so the checkpoint would not be under the key
+    the caller named, and only some routes noticed. Local paths and ``pathlib`` spellings
+    (already collapsed) pass.
+
+    Raises:
+        ValueError: naming the URL and a valid spelling.
+    """
+    if not isinstance(path, str) or "://" not in path or not is_object_url(path):
+        return
+    scheme, _, rest = path.partition("://")
+    bucket, _, key = rest.partition("/")
+    parts = key.strip("/").split("/")
+    if key.strip("/") and any(part in ("", ".", "..") for part in parts):
+        clean = "/".join(part for part in parts if part not in ("", ".", ".."))
+        raise ValueError(
+            f"{path!r}: the key has an empty, '.' or '..' segment, which would be collapsed "
+            f"(the checkpoint would not be where you named it); use {scheme}://{bucket}/{clean}"
+        )
 
 
 def storage_options_of(path: str | os.PathLike[str]) -> dict[str, Any] | None:

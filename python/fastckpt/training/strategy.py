@@ -1033,8 +1033,17 @@ class TrainingStrategy:
                 f"checkpoint {index} has models {sorted(saved_models)}, this strategy has "
                 f"{sorted(self.models)}"
             )
-        # strategy.json / hooks.json are checked before anything live changes.
+        # strategy.json / hooks.json, the components' kinds and the optimizers' parameter
+        # groups are checked before anything live changes.
         runtime = _parse_runtime(reader, recipe)
+        saved_schedulers = entry.get("components", {}).get("schedulers", [])
+        self._check_live_components(recipe, [*saved_schedulers, *runtime.schedulers], reader)
+        states = {
+            name: reader.component_state("optimizers", name, map_location)
+            for name in self.optimizers
+        }
+        for name, optimizer in self.optimizers.items():
+            _check_param_groups(optimizer, states[name], f"{reader.directory}/optimizers/{name}")
         for name, model in self.models.items():
             target = codec.unwrap_model(model)
             target.load_state_dict(reader.tensors(f"models/{name}.safetensors", owned=False))
@@ -1042,8 +1051,7 @@ class TrainingStrategy:
                 target.to(map_location)
             codec.run_validators(validators, name, target)
         for name, optimizer in self.optimizers.items():
-            state = reader.component_state("optimizers", name, map_location)
-            optimizer.load_state_dict(state)
+            optimizer.load_state_dict(states[name])
         for name, scheduler in self.schedulers.items():
             codec.load_scheduler_state(
                 scheduler,
@@ -1059,6 +1067,8 @@ class TrainingStrategy:
         index: int,
         validators: Any,
         spread: sharded_training.NodeLocalIndex | None = None,
+        *,
+        rebuilt: bool = False,
     ) -> int:
         """Restore committed index ``index`` of FSDP2-sharded models: its strategy.json, run
         state and the part it names, read as one snapshot (in one process, read again when a
@@ -1080,6 +1090,7 @@ class TrainingStrategy:
                     f"has {sorted(self.models)}"
                 )
             runtime = _parse_runtime(reader, recipe)
+            self._check_live_components(recipe, list(runtime.schedulers), reader, rebuilt)
             part_root = root if spread is None else spread.part_root
             part = sharded_training.committed_part(part_root, index, sharded, where)
             record = None if spread is None else spread.record
@@ -1099,6 +1110,61 @@ class TrainingStrategy:
         """Restore counters, RNG, data position, scheduler and hook states (checked first:
         a malformed field is a :class:`CheckpointFormatError` naming its file and field)."""
         self._apply_runtime(_parse_runtime(reader, recipe), reader)
+
+    def _check_live_components(
+        self,
+        recipe: Mapping[str, Any],
+        saved_schedulers: Sequence[str],
+        reader: codec.IndexReader,
+        rebuilt: bool = False,
+    ) -> None:
+        """Refuse restoring into optimizers or schedulers of another kind than the checkpoint
+        recorded, or a strategy with other schedulers: torch's ``load_state_dict`` would take
+        the saved state anyway (an SGD given Adam's groups failed later with a bare
+        ``KeyError``; an ``ExponentialLR`` took ``StepLR``'s gamma and step size; a scheduler
+        the strategy lacks was dropped, freezing the learning rate).
+
+        ``rebuilt``: this strategy was built from the recipe (``load_checkpoint`` of an FSDP2
+        index), which does not rebuild schedulers attached by hand.
+
+        Raises:
+            CheckpointMismatchError: naming the component, both kinds and the fix.
+        """
+        where = f"{reader.directory}/strategy.json"
+        configs = recipe.get("optimizer_configs")
+        configs = configs if isinstance(configs, Mapping) else {}
+        fix = (
+            "build the strategy as the checkpoint was saved, or load it whole with "
+            "TrainingStrategy.load_checkpoint"
+        )
+        for name, optimizer in self.optimizers.items():
+            config = configs.get(name)
+            if not isinstance(config, Mapping):
+                continue
+            for kind, live in (
+                ("optimizer_cls", optimizer),
+                ("scheduler_cls", self.schedulers.get(name)),
+            ):
+                recorded = config.get(kind)
+                if isinstance(recorded, str) and live is not None:
+                    actual = trust.dotted_path(type(live))
+                    if recorded != actual:
+                        raise CheckpointMismatchError(
+                            f"{where}: {kind.split('_')[0]} {name!r} was saved as {recorded}, "
+                            f"this strategy's is {actual}; {fix}"
+                        )
+        if rebuilt:
+            fix = (
+                "an FSDP2 strategy's scheduler attached by hand (not given through "
+                "OptimizerConfig) is not rebuilt: build the strategy, attach the scheduler and "
+                "call restore_checkpoint"
+            )
+        if sorted(set(saved_schedulers)) != sorted(self.schedulers):
+            raise CheckpointMismatchError(
+                f"{where}: the checkpoint has schedulers {sorted(set(saved_schedulers))}, this "
+                f"strategy has {sorted(self.schedulers)} (a scheduler left out would stop "
+                f"moving the learning rate, one added would start over); {fix}"
+            )
 
     def _apply_runtime(self, runtime: _Runtime, reader: codec.IndexReader) -> None:
         for name, value in runtime.counters.items():
@@ -1382,7 +1448,7 @@ class TrainingStrategy:
             strategy.optimizer_configs[name] = config
             if scheduler is not None:
                 strategy.schedulers[name] = scheduler
-        strategy._restore_sharded(root, index, validators, spread)
+        strategy._restore_sharded(root, index, validators, spread, rebuilt=True)
         return strategy
 
     @classmethod
@@ -1610,6 +1676,28 @@ def _run_limit(recipe: Mapping[str, Any], name: str, where: str) -> int | None:
             f"{where}: field {name!r} must be null or an integer >= 0, got {value!r}"
         )
     return value
+
+
+def _check_param_groups(optimizer: torch.optim.Optimizer, state: Any, where: str) -> None:
+    """What ``optimizer.load_state_dict(state)`` checks first (as many parameter groups, as
+    many parameters in each), checked before the models are loaded, so that a mismatch
+    changes nothing.
+
+    Raises:
+        CheckpointMismatchError: naming the optimizer's files and both counts.
+    """
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    if not isinstance(groups, list) or not all(
+        isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
+    ):
+        raise CheckpointFormatError(f"{where}.json: field 'state.param_groups' is malformed")
+    saved = [len(g["params"]) for g in groups]
+    live = [len(g["params"]) for g in optimizer.param_groups]
+    if saved != live:
+        raise CheckpointMismatchError(
+            f"{where}.json: the saved optimizer has parameter groups of {saved} parameters, "
+            f"this one {live}; build the optimizer with the same groups as the saved run"
+        )
 
 
 @dataclass

@@ -978,7 +978,7 @@ class S3RootLock:
             _LOG.warning(
                 "%s: could not remove the lease (%s); this process's next save of the root "
                 "takes it over at once, other writers once it expires (%s s)",
-                self.path,
+                self.client.url(self.key),
                 err,
                 self.ttl_s,
             )
