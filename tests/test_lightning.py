@@ -550,6 +550,57 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path: Pat
     assert fastckpt.verify(path).ok
 
 
+ASYNC_KILLED_WRITER = """
+import os, sys, time
+import torch
+import fastckpt.integrations.lightning as plugin
+
+real = plugin.write_plan
+def slow_disk(*args, **kwargs):  # a slow disk: the kill lands inside this write
+    if "step=2" in str(args[0]):
+        time.sleep(60)
+    return real(*args, **kwargs)
+plugin.write_plan = slow_disk
+io = plugin.AsyncFastCheckpointIO()
+folder = sys.argv[1]
+for step in (1, 2):
+    io.save_checkpoint({"global_step": step, "state_dict": {"w": torch.full((4,), float(step))}},
+                       os.path.join(folder, f"epoch=0-step={step}.ckpt"))
+    os.symlink(f"epoch=0-step={step}.ckpt", os.path.join(folder, f"last-{step}.ckpt"))
+    os.replace(os.path.join(folder, f"last-{step}.ckpt"), os.path.join(folder, "last.ckpt"))
+    print(step, flush=True)  # as ModelCheckpoint(save_last="link") does after each save
+time.sleep(60)
+"""
+
+
+def test_a_save_interrupted_in_flight_says_which_checkpoint_to_resume_from(tmp_path: Path) -> None:
+    """A SIGKILL while an async save is written leaves its reserved, empty folder, and a
+    ``save_last="link"`` last.ckpt pointing at it: ``ckpt_path="last"`` failed on every
+    restart with "not a committed fastckpt checkpoint (no commit.json)". Now the error says it
+    is an interrupted save and names the newest committed checkpoint beside it."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", ASYNC_KILLED_WRITER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert [child.stdout.readline().strip() for _ in range(2)] == ["1", "2"]
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert os.listdir(tmp_path / "epoch=0-step=2.ckpt") == []
+    newest = tmp_path / "epoch=0-step=1.ckpt"
+    with pytest.raises(FileNotFoundError, match=r"empty folder.*interrupted.*step=1\.ckpt"):
+        AsyncFastCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
+    assert load_lightning_checkpoint(newest)["global_step"] == 1
+    with pytest.raises(FileNotFoundError, match="no such checkpoint"):
+        load_lightning_checkpoint(tmp_path / "missing.ckpt")
+
+
 class _Scored(TinyModule):
     """Logs a fixed score per step: the first checkpoint is the best, the next worse."""
 

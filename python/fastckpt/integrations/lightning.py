@@ -27,8 +27,10 @@ content needs it and how loading it is guarded.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import logging
+import os
 import shutil
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -246,7 +248,11 @@ def load_lightning_checkpoint(path: str | Path, map_location: Any = None) -> dic
         UntrustedTargetError: a pickled value the weights-only unpickler refuses.
     """
     directory = Path(path)
-    record = read_commit_record(directory)
+    try:
+        record = read_commit_record(directory)
+    except FileNotFoundError:
+        _explain_missing(directory)
+        raise
     items = record["items"]
     for item in (CHECKPOINT_ITEM, INFO_ITEM):
         if item not in items:
@@ -307,6 +313,51 @@ def _names_a_type(message: str) -> bool:
     return "Weights only load failed" in message and (
         "Unsupported global" in message or "not an allowed global" in message
     )
+
+
+def _explain_missing(directory: Path) -> None:
+    """Raise a ``FileNotFoundError`` saying what ``directory`` (which holds no commit record)
+    is: nothing at all (a dangling ``last.ckpt`` link included), or the empty folder an async
+    save reserved and a crash kept from being written, naming the newest committed checkpoint
+    beside it (``ckpt_path="last"`` resolves to the interrupted one on every restart). Returns
+    when it is neither (the caller raises the record's own error)."""
+    if not os.path.exists(directory):
+        link = (
+            f" (a link to {os.readlink(directory)}, which is gone)"
+            if directory.is_symlink()
+            else ""
+        )
+        raise FileNotFoundError(
+            errno.ENOENT, f"{directory}{link}: no such checkpoint", str(directory)
+        )
+    if not directory.is_dir() or any(not n.startswith(".") for n in os.listdir(directory)):
+        return
+    newest = _newest_committed(directory.resolve().parent)
+    hint = (
+        f"the newest committed checkpoint beside it is {newest}: resume with ckpt_path="
+        f"{str(newest)!r}"
+        if newest is not None
+        else "no committed checkpoint is beside it"
+    )
+    raise FileNotFoundError(
+        errno.ENOENT,
+        f"{directory} is an empty folder, not a committed checkpoint: the async save that "
+        f"reserved it was interrupted before its write committed (a crash); {hint}, and delete "
+        "the empty folder (and a last.ckpt link to it) so that ckpt_path='last' finds it",
+        str(directory),
+    )
+
+
+def _newest_committed(folder: Path) -> Path | None:
+    """The checkpoint folder in ``folder`` whose commit record was written last (None: none)."""
+    found: list[tuple[int, str]] = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            record = folder / name / COMMIT_RECORD
+            with contextlib.suppress(OSError):
+                if not (folder / name).is_symlink():
+                    found.append((record.stat().st_mtime_ns, name))
+    return folder / max(found)[1] if found else None
 
 
 def _reserve(target: Path) -> bool:
