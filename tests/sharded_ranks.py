@@ -816,3 +816,36 @@ def hand_attached_scheduler() -> None:
             )
         )
     leave_process_group()
+
+
+def restore_with_pending_gradients() -> None:
+    """``restore_checkpoint`` into an FSDP2 strategy whose parameters hold gradients (a
+    backward pass before the restore): DCP builds the optimizer-state template only without
+    them, so the load refused every saved moment. Prints whether every moment came back."""
+    root, rank, _ = setup_rank()
+
+    def make() -> fastckpt.TrainingStrategy:
+        return fastckpt.TrainingStrategy(
+            shard(build_model()),
+            fastckpt.OptimizerConfig(torch.optim.Adam, {"lr": 0.1}),
+            training_fn=training_fn,
+        )
+
+    saved = make()
+    model, optimizer = saved.models["main"], saved.optimizers["main"]
+    training_fn(model, batch(0)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    saved.save_checkpoint(root)
+    live = make()
+    training_fn(live.models["main"], batch(1)).backward()  # gradients pending, no step yet
+    grads = [p.grad for p in live.models["main"].parameters()]
+    live.restore_checkpoint(root)
+    same = compare(
+        full_state(saved.models["main"], saved.optimizers["main"]),
+        full_state(live.models["main"], live.optimizers["main"]),
+    )
+    kept = all(p.grad is g for p, g in zip(live.models["main"].parameters(), grads, strict=True))
+    if rank == 0:
+        print(json.dumps({"mismatches": same, "grads_kept": kept}))
+    leave_process_group()

@@ -219,6 +219,11 @@ def test_a_checkpoint_inside_another_checkpoint_is_refused(tmp_path: Path) -> No
             "commit.json", "model.json", "model.safetensors"
         ]  # fmt: skip
         manager.save(tmp_path / "runs", {"model": torch.zeros(2)})  # replacing it still works
+        # A project's own manifest.json / commit.json above a save path is not a checkpoint.
+        (tmp_path / "project").mkdir()
+        (tmp_path / "project" / "manifest.json").write_text('{"name": "my-project"}')
+        (tmp_path / "project" / "commit.json").write_text('{"sha": "abc"}')
+        manager.save(tmp_path / "project" / "runs" / "step_1", {"model": torch.ones(2)})
         fastckpt_root = tmp_path / "root"
         import fastckpt
 

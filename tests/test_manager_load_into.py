@@ -505,6 +505,21 @@ def test_templates_sharing_part_of_their_memory_are_refused(tmp_path: Path) -> N
         manager.save(tmp_path / "d", {"a": torch.ones(2, 2), "b": torch.full((2, 2), 2.0)})
         manager.load(tmp_path / "d", into={"a": columns[:, 0::2], "b": columns[:, 1::2]})
         assert columns.tolist() == [[1.0, 2.0, 1.0, 2.0]] * 2
+        # Every pair is compared, not only neighbours in address order (before: A and C
+        # sharing t[1, 1] went unnoticed behind B), and large column blocks of one fused
+        # matrix (GPT-2's c_attn split) are told apart exactly.
+        t = torch.zeros(2, 4)
+        manager.save(
+            tmp_path / "e", {"a": torch.ones(2, 3), "b": torch.ones(2), "c": torch.ones(1, 1)}
+        )
+        with pytest.raises(TypeError, match=r"a and c: the templates share part"):
+            manager.load(tmp_path / "e", into={"a": t[:, 0:3], "b": t[:, 3], "c": t[1:2, 1:2]})
+        fused = torch.zeros(1600, 4800)
+        manager.save(
+            tmp_path / "f", {"q": torch.ones(1600, 1600), "k": torch.full((1600, 1600), 2.0)}
+        )
+        manager.load(tmp_path / "f", into={"q": fused[:, :1600], "k": fused[:, 1600:3200]})
+        assert fused[:, :1600].eq(1).all() and fused[:, 1600:3200].eq(2).all()
         tied = torch.zeros(2, 2)
         manager.load(tmp_path / "d", into={"a": tied, "b": tied})
         assert torch.equal(tied, torch.full((2, 2), 2.0))

@@ -166,9 +166,10 @@ def test_a_target_newest_index_from_another_run_is_kept_not_replaced(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Node 1's stale fast root promoted into a durable root whose newest index (same number)
-    came from node 2, where the run went on: before, the verifying newest checkpoint was
-    replaced by node 1's older state (exit 0, "promoted index(es) 2"). Now it is kept and
-    named (exit 1); a damaged copy there is still repaired."""
+    came from node 2, where the run went on (saved later): before, the verifying newest
+    checkpoint was replaced by node 1's older state (exit 0, "promoted index(es) 2"). Now it
+    is kept and named (exit 1); a damaged copy there is still repaired, and a source index
+    re-saved later in place still replaces its copy."""
     from fastckpt.cli.main import main as cli
 
     node1, node2, durable = tmp_path / "node1", tmp_path / "node2", tmp_path / "durable"
@@ -194,6 +195,11 @@ def test_a_target_newest_index_from_another_run_is_kept_not_replaced(
         handle.write(bytes([byte[0] ^ 0xFF]))
     assert promote(node1, durable).promoted == [2]
     assert _files(durable, 2) == _files(node1, 2) and fastckpt.verify(durable, 2).ok
+    # An index re-saved in place (checkpoint_index=) after its promotion is newer than the
+    # copy there: promoted again, as before.
+    fastckpt.save_checkpoint(node1, models={"main": (_model(7), None)}, checkpoint_index=2)
+    assert promote(node1, durable).promoted == [2]
+    assert _files(durable, 2) == _files(node1, 2)
 
 
 def test_a_damaged_source_file_is_refused_and_the_target_is_untouched(tmp_path: Path) -> None:

@@ -246,3 +246,14 @@ def test_a_hand_attached_scheduler_of_a_sharded_strategy_needs_no_recipe(tmp_pat
         "refused": True,
         "restored": 0,
     }
+
+
+def test_restore_into_an_fsdp2_strategy_with_pending_gradients_loads_every_moment(
+    tmp_path: Path,
+) -> None:
+    # Before: refused ("the checkpoint holds 18 tensors the templates lack"), and before that
+    # the moments were silently left out.
+    outputs = check_ok(
+        launch("restore_with_pending_gradients", tmp_path / "ckpt", 1, ranks="sharded_ranks")
+    )
+    assert json.loads(outputs[0].strip().splitlines()[-1]) == {"mismatches": [], "grads_kept": True}

@@ -212,6 +212,23 @@ def test_restoring_into_other_optimizers_or_schedulers_is_refused_changing_nothi
     ):
         strategy.restore_checkpoint(tmp_path)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    # A class given as a dotted path of another spelling is the same class (review finding:
+    # "torch.optim.Adam" against the recorded "torch.optim.adam.Adam" was refused).
+    spelled = live(
+        fastckpt.OptimizerConfig(
+            "torch.optim.Adam", {"lr": 1e-2}, "torch.optim.lr_scheduler.StepLR", {"step_size": 5}
+        )
+    )
+    assert spelled.restore_checkpoint(tmp_path) == 0
+    spelled.save_checkpoint(tmp_path / "spelled")
+    assert (
+        live(
+            fastckpt.OptimizerConfig(
+                torch.optim.Adam, {"lr": 1e-2}, torch.optim.lr_scheduler.StepLR, {"step_size": 5}
+            )
+        ).restore_checkpoint(tmp_path / "spelled")
+        == 0
+    )
     # The same kinds with other hyper-parameters restore, taking the saved ones (documented).
     strategy = live(
         fastckpt.OptimizerConfig(

@@ -357,12 +357,27 @@ def refuse_inside_checkpoint(path: Path) -> None:
         return
     for directory in Path(os.path.abspath(path)).parents:
         for record in (COMMIT_RECORD, SHARDED_RECORD, MANIFEST):
-            if os.path.lexists(directory / record):
+            if os.path.lexists(directory / record) and _is_record(directory, record):
                 raise NotACheckpointError(
                     f"{display_path(path)} is inside the checkpoint {display_path(directory)} "
                     f"(it holds {record}), whose next save or prune would delete it: save it "
                     "beside that checkpoint, not inside it"
                 )
+
+
+def _is_record(directory: Path, record: str) -> bool:
+    """Whether ``directory/record`` reads as fastckpt's record of that name (a project's own
+    ``manifest.json`` or a repository's ``commit.json`` above a save path is not one)."""
+    try:
+        if record == COMMIT_RECORD:
+            read_commit_record(directory)
+        elif record == MANIFEST:
+            Manifest.load(directory)
+        else:
+            read_record_bytes(directory, record)  # a name only fastckpt's sharded saves use
+    except (OSError, ValueError, FastCkptError):
+        return False
+    return True
 
 
 def _checkpoint_names(path: Path, names: Collection[str]) -> set[str]:

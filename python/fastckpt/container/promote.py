@@ -36,6 +36,7 @@ written and committed before the index's own files: see :mod:`fastckpt.container
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import json
 import logging
 import os
@@ -228,6 +229,18 @@ def _same_files(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     return a is not None and b is not None and key(a) == key(b)
 
 
+def _saved_later(entry: Mapping[str, Any], than: Mapping[str, Any]) -> bool:
+    """Whether manifest entry ``entry`` records a later save than ``than`` (their ``created``
+    times): an index re-saved in place (``checkpoint_index=``) after its promotion, not
+    another run's older checkpoint under that number."""
+    try:
+        return _dt.datetime.fromisoformat(str(entry["created"])) > _dt.datetime.fromisoformat(
+            str(than["created"])
+        )
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
 def promote(
     source: str | os.PathLike[str],
     target: str | os.PathLike[str],
@@ -244,9 +257,11 @@ def promote(
     number) and is newer than ``target``'s newest index is promoted, oldest first (see
     :func:`promote_index`); so is ``target``'s newest index itself when its copy there does
     not verify (read whole) and either its files differ from the source's or ``verify_held``
-    (``fastckpt promote``, a repair). A newest index there that verifies but holds other
-    files than the source's is another run's checkpoint under that number: it is kept,
-    logged and listed in the report's ``conflicting``. Older indices ``target`` lacks (pruned
+    (``fastckpt promote``, a repair), or when the source's index was saved later (re-saved in
+    place with ``checkpoint_index=``). A newest index there that verifies, holds other files
+    than the source's and was saved later than it is another run's checkpoint under that
+    number (the run went on elsewhere): it is kept, logged and listed in the report's
+    ``conflicting``. Older indices ``target`` lacks (pruned
     there) are not copied again. A promotion that a killed process left unfinished is
     thereby finished.
     ``node_local``, ``wait_s``: as for :func:`promote_index`; only the newest due index is
@@ -301,9 +316,10 @@ def promote(
                     problem,
                 )
                 same = False
+        source_entry = source_manifest.entries[index]
         if not same and held is not None and index == floor and not node_local:
             problem = index_intact(target_manifest, index)
-            if problem is None:
+            if problem is None and not _saved_later(source_entry, held):
                 _LOG.warning(
                     "%s: index %d there verifies but holds other files than %s's index %d "
                     "(another run's or node's checkpoint under that number): kept, not "

@@ -316,9 +316,9 @@ def _check_nothing_left_out(
 ) -> None:
     """Under ``strict``, refuse templates that leave out tensors the checkpoint holds under
     their keys (a fresh optimizer's empty state would load nothing there, silently): every
-    stored tensor's path must be a template path, under one, or above one. Plain values may
-    be left out (a scheduler's ``initial_lr`` in a fresh optimizer's groups), as torch's
-    strict concerns tensors."""
+    stored tensor's path must be a template path, under one, or above one. Plain values and
+    an optimizer's ``param_groups`` (hyper-parameters: a scheduler's ``initial_lr``, a tensor
+    when the learning rate is one) may be left out, as torch's strict concerns state."""
     reached = [tuple(p) for p in covered]
     entries = metadata.state_dict_metadata
     missing = sorted(
@@ -326,6 +326,7 @@ def _check_nothing_left_out(
         for fqn, stored in _paths(metadata, path).items()
         if str(stored[0]) in templates
         and isinstance(entries[fqn], TensorStorageMetadata)  # plain values may be left out
+        and "param_groups" not in [str(part) for part in stored]  # so may hyper-parameters
         and not any(stored[: len(p)] == p or p[: len(stored)] == stored for p in reached if p)
     )
     if missing:

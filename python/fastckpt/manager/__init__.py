@@ -1159,17 +1159,22 @@ class CheckpointManager:
                 ``load_state_dict()`` are restored through it (their tensors checked first),
                 and a ``None`` template loads the whole item. ``None`` loads all.
             map_location: device for tensors that are not copied into a template.
-            strict: raise on keys a template has but the checkpoint lacks.
+            strict: raise on keys a template has but the checkpoint lacks, and on saved
+                tensors a template leaves out (an optimizer's ``param_groups`` excepted).
 
         Returns:
             ``{key: value}`` for each loaded item.
 
         Raises:
             RuntimeError: the manager is closed.
-            TypeError: a template value a load cannot apply, by key path (nothing is read).
+            TypeError: a template value a load cannot apply, or templates sharing part of
+                their memory, by key path (nothing is read).
+            KeyError: strict mode (``Config.default`` None) and an item without an
+                ``ItemSpec``: named in ``into``, or held by the checkpoint (without ``into``).
             CheckpointMismatchError: dtype/shape mismatch, a module's key set, or (strict) a
-                missing key, by key path: checked for every item against the headers before
-                any template is written into, so every template is left untouched.
+                missing key or a left-out tensor, by key path: checked for every item against
+                the headers before any template is written into, so every template is left
+                untouched.
             CheckpointFormatError / ChecksumMismatchError: damaged files, naming file and
                 tensor. Nothing is returned, but templates read into directly may hold
                 partial or damaged bytes by then: load a good checkpoint before using them.

@@ -234,17 +234,17 @@ def check_disjoint_templates(templates: Mapping[str, Any]) -> None:
         # a DTensor's memory is its local shard's (filled by DCP, resharded): not compared
         if t.device.type != "meta" and t.numel() and not _is_dtensor(t) and t.data_ptr()
     )
-    end, last_path, last = -1, "", None
+    open_spans: list[tuple[int, str, torch.Tensor]] = []  # earlier extents not ended yet
     for begin, stop, path, tensor in spans:
-        shared = last is not None and begin < end and not _same_view(tensor, last)
-        if shared and last is not None and _share_elements(tensor, last):
-            raise TypeError(
-                f"{last_path} and {path}: the templates share part of their memory, so "
-                "loading one would change the other; pass None for one of them, or "
-                "tensors of their own (.clone())"
-            )
-        if stop > end:
-            end, last_path, last = stop, path, tensor
+        open_spans = [span for span in open_spans if span[0] > begin]
+        for _, other_path, other in open_spans:
+            if not _same_view(tensor, other) and _share_elements(tensor, other):
+                raise TypeError(
+                    f"{other_path} and {path}: the templates share part of their memory, so "
+                    "loading one would change the other; pass None for one of them, or "
+                    "tensors of their own (.clone())"
+                )
+        open_spans.append((stop, path, tensor))
 
 
 def _collect_tensors(value: Any, path: str, out: list[tuple[str, torch.Tensor]]) -> None:
@@ -275,29 +275,33 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors whose byte extents overlap have a byte in common: certain when
-    both are contiguous; interleaved strided views are told apart by their elements' byte
-    offsets (compared up to a bound, beyond which they count as sharing)."""
+    both are contiguous; strided views (interleaved columns, blocks of a fused matrix) are
+    told apart exactly by marking the bytes of one in a mask of the extents' union and
+    looking at the other's (beyond :data:`_MASK_BYTES` they count as sharing)."""
     if a.is_contiguous() and b.is_contiguous():
         return True
-    if a.numel() + b.numel() > _COUNTED_ELEMENTS:
-        return True
     origin = min(a.data_ptr(), b.data_ptr())
-    starts_a, starts_b = _byte_starts(a, origin), _byte_starts(b, origin).sort().values
-    # For each element of a: the last element of b starting before a's element ends; they
-    # share a byte when that one ends after a's element starts.
-    last = torch.searchsorted(starts_b, starts_a + a.element_size()) - 1
-    valid = last >= 0
-    ends_b = starts_b[last.clamp(min=0)] + b.element_size()
-    return bool((valid & (ends_b > starts_a)).any())
+    end = max(a.data_ptr() + _extent_bytes(a), b.data_ptr() + _extent_bytes(b))
+    if end - origin > _MASK_BYTES:
+        return True
+    mask = torch.zeros(end - origin, dtype=torch.bool)
+    _bytes_of(mask, a, origin).fill_(True)
+    return bool(_bytes_of(mask, b, origin).any())
 
 
-def _byte_starts(tensor: torch.Tensor, origin: int) -> torch.Tensor:
-    """The byte offset of each element of ``tensor`` from ``origin`` (int64, flat)."""
+def _bytes_of(mask: torch.Tensor, tensor: torch.Tensor, origin: int) -> torch.Tensor:
+    """The bytes of ``tensor`` as a strided view of ``mask`` (byte 0 at address ``origin``)."""
     size = tensor.element_size()
-    offsets = torch.zeros((), dtype=torch.int64)
-    for n, step in zip(tensor.shape, tensor.stride(), strict=True):
-        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * step * size
-    return offsets.reshape(-1) + (tensor.data_ptr() - origin)
+    return mask.as_strided(
+        (*tensor.shape, size),
+        (*(step * size for step in tensor.stride()), 1),
+        tensor.data_ptr() - origin,
+    )
+
+
+#: The largest union of two templates' extents compared byte by byte (a mask of this many
+#: bytes); larger strided templates that overlap in extent are refused as if they shared.
+_MASK_BYTES = 1 << 28
 
 
 def _elements_overlap(tensor: torch.Tensor) -> bool:
@@ -462,6 +466,8 @@ def check_restore(template: Any, value: Any, path: str, strict: bool) -> bool:
             else:
                 complete = False
         extra = [key for key in value if key not in template and _holds_tensor(value[key])]
+        if _HYPER_PARAMETERS in path.split("."):
+            extra = []  # hyper-parameters (a scheduler's initial_lr, a tensor lr's too)
         if extra and strict:
             raise CheckpointMismatchError(_not_in_template(where, extra))
         if extra and not template:
@@ -487,6 +493,11 @@ def check_restore(template: Any, value: Any, path: str, strict: bool) -> bool:
     if strict and extra:
         raise CheckpointMismatchError(_not_in_template(where, extra))
     return complete
+
+
+#: The part of an optimizer's state_dict holding hyper-parameters, which strict loads may
+#: leave out (a scheduler adds ``initial_lr`` there, a tensor when the learning rate is one).
+_HYPER_PARAMETERS = "param_groups"
 
 
 def _holds_tensor(value: Any) -> bool:

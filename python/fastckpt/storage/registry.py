@@ -141,8 +141,8 @@ def check_url_spelling(path: str | os.PathLike[str]) -> None:
         return
     scheme, _, rest = path.partition("://")
     bucket, _, key = rest.partition("/")
-    parts = key.strip("/").split("/")
-    if key.strip("/") and any(part in ("", ".", "..") for part in parts):
+    parts = key.rstrip("/").split("/")  # a trailing "/" is a folder's spelling
+    if key.rstrip("/") and any(part in ("", ".", "..") for part in parts):
         clean = "/".join(part for part in parts if part not in ("", ".", ".."))
         raise ValueError(
             f"{path!r}: the key has an empty, '.' or '..' segment, which would be collapsed "

@@ -172,6 +172,22 @@ def _state(
     return {section: value for section, value in state.items() if value}
 
 
+@contextlib.contextmanager
+def _gradients_set_aside(models: Mapping[str, torch.nn.Module]) -> Iterator[None]:
+    """Gradients set to None inside the block and put back after: DCP's ``get_state_dict``
+    initializes an optimizer's empty state (the template a load fills) only when no parameter
+    has one, so a restore after a backward pass (a warm-up, a sanity check) found no template
+    for the saved moments."""
+    kept = [(p, p.grad) for model in models.values() for p in model.parameters()]
+    for parameter, _ in kept:
+        parameter.grad = None
+    try:
+        yield
+    finally:
+        for parameter, grad in kept:
+            parameter.grad = grad
+
+
 def save_sharded(
     root: str | Path,
     index: int,
@@ -317,7 +333,8 @@ def load_sharded(
     from fastckpt.dcp.state import load_record_state
 
     record = _part_record(part, record_bytes)
-    templates = _state(models, optimizers)
+    with _gradients_set_aside(models):  # DCP builds optimizer state only without them
+        templates = _state(models, optimizers)
     loaded = load_record_state(record, templates, strict=True)
     for name, model in models.items():
         optimizer = optimizers.get(name)

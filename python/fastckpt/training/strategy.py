@@ -19,6 +19,7 @@ import inspect
 import logging
 import os
 import random
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -1134,7 +1135,11 @@ class TrainingStrategy:
         configs = recipe.get("optimizer_configs")
         configs = configs if isinstance(configs, Mapping) else {}
         fix = (
-            "build the strategy as the checkpoint was saved, or load it whole with "
+            "an FSDP2 strategy's scheduler attached by hand (not given through "
+            "OptimizerConfig) is not rebuilt: build the strategy, attach the scheduler and "
+            "call restore_checkpoint"
+            if rebuilt
+            else "build the strategy as the checkpoint was saved, or load it whole with "
             "TrainingStrategy.load_checkpoint"
         )
         for name, optimizer in self.optimizers.items():
@@ -1146,19 +1151,12 @@ class TrainingStrategy:
                 ("scheduler_cls", self.schedulers.get(name)),
             ):
                 recorded = config.get(kind)
-                if isinstance(recorded, str) and live is not None:
-                    actual = trust.dotted_path(type(live))
-                    if recorded != actual:
-                        raise CheckpointMismatchError(
-                            f"{where}: {kind.split('_')[0]} {name!r} was saved as {recorded}, "
-                            f"this strategy's is {actual}; {fix}"
-                        )
-        if rebuilt:
-            fix = (
-                "an FSDP2 strategy's scheduler attached by hand (not given through "
-                "OptimizerConfig) is not rebuilt: build the strategy, attach the scheduler and "
-                "call restore_checkpoint"
-            )
+                other = isinstance(recorded, str) and live is not None
+                if other and _names_other_class(str(recorded), type(live)):
+                    raise CheckpointMismatchError(
+                        f"{where}: {kind.split('_')[0]} {name!r} was saved as {recorded}, "
+                        f"this strategy's is {trust.dotted_path(type(live))}; {fix}"
+                    )
         if sorted(set(saved_schedulers)) != sorted(self.schedulers):
             raise CheckpointMismatchError(
                 f"{where}: the checkpoint has schedulers {sorted(set(saved_schedulers))}, this "
@@ -1676,6 +1674,24 @@ def _run_limit(recipe: Mapping[str, Any], name: str, where: str) -> int | None:
             f"{where}: field {name!r} must be null or an integer >= 0, got {value!r}"
         )
     return value
+
+
+def _names_other_class(recorded: str, live: type) -> bool:
+    """Whether the dotted path ``recorded`` (as a recipe holds it: ``torch.optim.Adam`` or
+    ``torch.optim.adam.Adam``, as the user spelled it) names a class other than ``live``.
+    Resolved through modules already imported, never importing; a path that cannot be
+    resolved so is not taken as a mismatch."""
+    if recorded == trust.dotted_path(live):
+        return False
+    parts = recorded.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        target: Any = sys.modules.get(".".join(parts[:cut]))
+        if target is None:
+            continue
+        for attribute in parts[cut:]:
+            target = getattr(target, attribute, None)
+        return target is not None and target is not live
+    return False
 
 
 def _check_param_groups(optimizer: torch.optim.Optimizer, state: Any, where: str) -> None:
