@@ -547,7 +547,10 @@ def test_a_resave_never_deletes_what_its_record_does_not_name(tmp_path: Path) ->
         manager.save(latest, state)
         manager.save(latest, {**state, "step": 2})  # a checkpoint alone is replaced
         (latest / "eval_results.json").write_text('{"acc": 0.9}')
-        manager.save(latest / "step_5", state)
+        with pytest.raises(NotACheckpointError, match="is inside the checkpoint"):
+            manager.save(latest / "step_5", state)  # refused now; one copied there by hand:
+        manager.save(tmp_path / "elsewhere", state)
+        shutil.copytree(tmp_path / "elsewhere", latest / "step_5")
         with pytest.raises(NotACheckpointError, match=r"eval_results\.json, step_5"):
             manager.save(latest, {**state, "step": 3})
         assert (latest / "eval_results.json").read_text() == '{"acc": 0.9}'
