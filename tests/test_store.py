@@ -859,3 +859,107 @@ def test_an_interruption_between_the_two_renames_of_a_fallback_replace_keeps_the
         manager.save(directory, {"x": torch.full((4,), 3.0)})
         assert torch.equal(manager.load(directory)["x"], torch.full((4,), 3.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_a_prune_that_cannot_delete_an_index_says_so(tmp_path: Path) -> None:
+    """An index folder the prune cannot delete (here an immutable file: root's permissions
+    cannot stop root) was reported deleted without a word, and its bytes stayed for good in
+    a hidden .tmp-gone folder that every later save failed to remove silently. Now each
+    attempt warns, naming the folder and the error."""
+    import fastckpt
+
+    root = tmp_path / "root"
+    layer = nn.Linear(64, 64)
+    for _ in range(3):
+        with torch.no_grad():
+            layer.weight.add_(1)
+        fastckpt.save_checkpoint(root, models={"m": (layer, None)})
+    stuck = root / "0" / "models" / "m.safetensors"
+    made = subprocess.run(["chattr", "+i", str(stuck)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"chattr +i is not available here: {made.stderr.strip()}")
+    try:
+        with pytest.warns(RuntimeWarning, match=r"\.tmp-gone-0.*could not be deleted"):
+            fastckpt.prune(root, keep_last=1)
+        with pytest.warns(RuntimeWarning, match="could not be deleted"):
+            fastckpt.save_checkpoint(root, models={"m": (layer, None)})  # the sweep retries
+        assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [2, 3]
+    finally:
+        for path in root.glob(".tmp-gone-0*/models/m.safetensors"):
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+    fastckpt.save_checkpoint(root, models={"m": (layer, None)})  # now it goes
+    assert not list(root.glob(".tmp-gone-*"))
+
+
+def test_a_prune_on_a_full_disk_names_a_way_out_that_works(tmp_path: Path) -> None:
+    """With the disk full, a prune cannot rewrite the manifest it commits before deleting:
+    before, a bare "No space left on device" (and the save's message pointed at that very
+    prune). Now it says nothing was deleted and names the folder to delete by hand; after
+    that, the prune works and every other index still loads."""
+    import fastckpt
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    try:
+        root = mount / "root"
+        layer = nn.Linear(256, 256)
+        for _ in range(4):
+            with torch.no_grad():
+                layer.weight.add_(1)
+            fastckpt.save_checkpoint(root, models={"m": (layer, None)})
+        stat = os.statvfs(mount)
+        with open(mount / "fill", "wb") as fill:  # leave no page free
+            os.posix_fallocate(fill.fileno(), 0, stat.f_bavail * stat.f_frsize)
+        with pytest.raises(
+            OSError, match=r"nothing was deleted.*rm -rf .*root/0 .*root/2:"
+        ) as caught:
+            fastckpt.prune(root, keep_last=1)
+        assert caught.value.errno == errno.ENOSPC
+        for index in range(3):
+            shutil.rmtree(root / str(index))
+        assert fastckpt.prune(root, keep_last=1) == [0, 1, 2]
+        loaded = fastckpt.load_checkpoint(root)["models"]["m"]["model"]
+        assert torch.equal(loaded.weight, layer.weight)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_sharded_save_on_a_full_disk_says_nothing_was_committed(tmp_path: Path) -> None:
+    """``fastckpt.dcp.save_state`` on a full disk raised the bare "No space left on device
+    (os error 28)"; now the message of every other front door: nothing of this save was
+    committed, the checkpoints before are intact, free space. The previous one loads."""
+    import warnings
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    try:
+        state = {"a": torch.randn(256, 256), "b": torch.randn(256, 256)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP: "single process"
+            fastckpt.dcp.save_state(mount / "ck", {"model": state})
+            stat = os.statvfs(mount)
+            with open(mount / "fill", "wb") as fill:
+                os.posix_fallocate(fill.fileno(), 0, stat.f_bavail * stat.f_frsize - 4096)
+            with pytest.raises(OSError, match="nothing of this save was committed") as caught:
+                fastckpt.dcp.save_state(
+                    mount / "ck", {"model": {k: v + 1 for k, v in state.items()}}
+                )
+            assert caught.value.errno == errno.ENOSPC
+            loaded = fastckpt.dcp.load_state(mount / "ck")
+        assert all(torch.equal(loaded["model"][k], v) for k, v in state.items())
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -1075,7 +1075,21 @@ def prune_indices(
         recorded = {index: set(manifest.entries[index]["files"]) for index in doomed}
         for index in doomed:
             del manifest.entries[index]
-        manifest.commit()
+        try:
+            manifest.commit()
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise OSError(
+                err.errno,
+                f"{os.strerror(err.errno)}: a prune rewrites {MANIFEST} before deleting "
+                "anything, and there is no room for it; nothing was deleted. Delete the "
+                "folders it would have deleted by hand (rm -rf "
+                + " ".join(display_path(manifest.directory(i)) for i in sorted(doomed))
+                + ": every other index stays loadable; files they share with kept indices "
+                "free nothing), then prune again to drop them from the manifest",
+                err.filename,
+            ) from err
         for index in doomed:
             if index not in needed or index in linked:
                 directory = manifest.directory(index)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -47,7 +46,7 @@ from fastckpt.container.reader import (
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.records import TENSOR_REFERENCE_FIELDS, Manifest, check_fields
 from fastckpt.io.paths import safe_join
-from fastckpt.storage.backend import TEMP_PREFIX, LocalStaging
+from fastckpt.storage.backend import TEMP_PREFIX, LocalStaging, remove_tree
 from fastckpt.storage.backend import _sibling as temp_sibling
 from fastckpt.storage.registry import backend_for, display_path, is_local, is_object_url
 
@@ -443,7 +442,7 @@ def remove_directory(root: Path, directory: Path) -> None:
     except FileNotFoundError:
         return
     _native.fsync_dir(str(root))
-    shutil.rmtree(aside, ignore_errors=True)
+    remove_tree(aside)
 
 
 def retain_for_references(root: Path, index: int) -> None:

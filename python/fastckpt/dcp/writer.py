@@ -45,6 +45,7 @@ from fastckpt.dcp.stager import DcpStager
 from fastckpt.format.sharded import StoredChunk, encode_record
 from fastckpt.io.files import byte_view, host_tensor, read_metadata, write_tensors
 from fastckpt.io.staging import StagerOptions
+from fastckpt.storage.backend import explain_full_disk
 from fastckpt.storage.registry import (
     backend_for,
     check_url_spelling,
@@ -177,7 +178,8 @@ class Writer(StorageWriter, DcpStager):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's chunks and values into the generation directory, durably."""
         try:
-            results = self._write(plan, planner)
+            with explain_full_disk(self.path):
+                results = self._write(plan, planner)
         finally:
             self.release()
         future: Future[list[WriteResult]] = Future()
@@ -202,13 +204,14 @@ class Writer(StorageWriter, DcpStager):
         metadata.version = _DCP_VERSION
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
-        make_generation_dir(self.path, generation)  # a save with no data at all
-        commit(
-            self.path,
-            generation,
-            encode_record(generation, metadata, storage),
-            lambda: _check_files_present(directory, storage, self.rank, self.node_local),
-        )
+        with explain_full_disk(self.path):
+            make_generation_dir(self.path, generation)  # a save with no data at all
+            commit(
+                self.path,
+                generation,
+                encode_record(generation, metadata, storage),
+                lambda: _check_files_present(directory, storage, self.rank, self.node_local),
+            )
 
     def storage_meta(self) -> StorageMeta | None:
         """DCP's storage metadata: the checkpoint id and this save's id."""

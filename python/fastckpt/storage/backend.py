@@ -29,12 +29,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import logging
 import os
 import re
 import shutil
 import socket
 import stat
+import sys
 import threading
+import warnings
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterator, Mapping
@@ -48,6 +51,8 @@ from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_relpath
 from fastckpt.io.progress import active_counter
 from fastckpt.storage.lock import RootLock
+
+_LOG = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -70,6 +75,7 @@ __all__ = [
     "exchange_paths",
     "read_by_size",
     "remove_replaced",
+    "remove_tree",
     "restore_replaced",
 ]
 
@@ -462,9 +468,27 @@ def _alive(pid: int) -> bool:
 
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
     else:
         path.unlink(missing_ok=True)
+
+
+def remove_tree(path: Path) -> None:
+    """``rm -rf path`` that says when it could not: what stays (files of another user, a
+    read-only folder) is named in a warning with the first error, instead of being left
+    without a word at every attempt (a prune reporting space freed that was not)."""
+    failures: list[BaseException] = []
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=lambda *args: failures.append(args[2]))
+    else:  # onerror: deprecated since 3.12, the only hook before
+        shutil.rmtree(path, onerror=lambda *args: failures.append(args[2][1]))
+    if failures and os.path.lexists(path):
+        message = (
+            f"{path}: could not be deleted ({failures[0]}); its bytes stay on disk until it "
+            "is deleted by hand (fix its permissions first)"
+        )
+        _LOG.warning("%s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def clean_dead_siblings(parent: Path) -> list[str]:
