@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -891,75 +892,67 @@ def test_a_prune_that_cannot_delete_an_index_says_so(tmp_path: Path) -> None:
     assert not list(root.glob(".tmp-gone-*"))
 
 
-def test_a_prune_on_a_full_disk_names_a_way_out_that_works(tmp_path: Path) -> None:
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs mounted for the test (skipped where mounting is not permitted)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_prune_on_a_full_disk_names_a_way_out_that_works(small_disk: Path) -> None:
     """With the disk full, a prune cannot rewrite the manifest it commits before deleting:
     before, a bare "No space left on device" (and the save's message pointed at that very
     prune). Now it says nothing was deleted and names the folder to delete by hand; after
     that, the prune works and every other index still loads."""
     import fastckpt
 
-    mount = tmp_path / "small"
-    mount.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    try:
-        root = mount / "root"
-        layer = nn.Linear(256, 256)
-        for _ in range(4):
-            with torch.no_grad():
-                layer.weight.add_(1)
-            fastckpt.save_checkpoint(root, models={"m": (layer, None)})
-        stat = os.statvfs(mount)
-        with open(mount / "fill", "wb") as fill:  # leave no page free
-            os.posix_fallocate(fill.fileno(), 0, stat.f_bavail * stat.f_frsize)
-        with pytest.raises(
-            OSError, match=r"nothing was deleted.*rm -rf .*root/0 .*root/2:"
-        ) as caught:
-            fastckpt.prune(root, keep_last=1)
-        assert caught.value.errno == errno.ENOSPC
-        for index in range(3):
-            shutil.rmtree(root / str(index))
-        assert fastckpt.prune(root, keep_last=1) == [0, 1, 2]
-        loaded = fastckpt.load_checkpoint(root)["models"]["m"]["model"]
-        assert torch.equal(loaded.weight, layer.weight)
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    mount = small_disk
+    root = mount / "root"
+    layer = nn.Linear(256, 256)
+    for _ in range(4):
+        with torch.no_grad():
+            layer.weight.add_(1)
+        fastckpt.save_checkpoint(root, models={"m": (layer, None)})
+    stat = os.statvfs(mount)
+    with open(mount / "fill", "wb") as fill:  # leave no page free
+        os.posix_fallocate(fill.fileno(), 0, stat.f_bavail * stat.f_frsize)
+    with pytest.raises(OSError, match=r"nothing was deleted.*rm -rf .*root/0 .*root/2:") as caught:
+        fastckpt.prune(root, keep_last=1)
+    assert caught.value.errno == errno.ENOSPC
+    for index in range(3):
+        shutil.rmtree(root / str(index))
+    assert fastckpt.prune(root, keep_last=1) == [0, 1, 2]
+    loaded = fastckpt.load_checkpoint(root)["models"]["m"]["model"]
+    assert torch.equal(loaded.weight, layer.weight)
 
 
-def test_a_sharded_save_on_a_full_disk_says_nothing_was_committed(tmp_path: Path) -> None:
+def test_a_sharded_save_on_a_full_disk_says_nothing_was_committed(small_disk: Path) -> None:
     """``fastckpt.dcp.save_state`` on a full disk raised the bare "No space left on device
     (os error 28)"; now the message of every other front door: nothing of this save was
     committed, the checkpoints before are intact, free space. The previous one loads."""
     import warnings
 
-    mount = tmp_path / "small"
-    mount.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
-    try:
-        state = {"a": torch.randn(256, 256), "b": torch.randn(256, 256)}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # DCP: "single process"
-            fastckpt.dcp.save_state(mount / "ck", {"model": state})
-            stat = os.statvfs(mount)
-            with open(mount / "fill", "wb") as fill:
-                os.posix_fallocate(fill.fileno(), 0, stat.f_bavail * stat.f_frsize - 4096)
-            with pytest.raises(OSError, match="nothing of this save was committed") as caught:
-                fastckpt.dcp.save_state(
-                    mount / "ck", {"model": {k: v + 1 for k, v in state.items()}}
-                )
-            assert caught.value.errno == errno.ENOSPC
-            loaded = fastckpt.dcp.load_state(mount / "ck")
-        assert all(torch.equal(loaded["model"][k], v) for k, v in state.items())
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    mount = small_disk
+    state = {"a": torch.randn(256, 256), "b": torch.randn(256, 256)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "single process"
+        fastckpt.dcp.save_state(mount / "ck", {"model": state})
+        stat = os.statvfs(mount)
+        with open(mount / "fill", "wb") as fill:
+            os.posix_fallocate(fill.fileno(), 0, stat.f_bavail * stat.f_frsize - 4096)
+        with pytest.raises(OSError, match="nothing of this save was committed") as caught:
+            fastckpt.dcp.save_state(mount / "ck", {"model": {k: v + 1 for k, v in state.items()}})
+        assert caught.value.errno == errno.ENOSPC
+        loaded = fastckpt.dcp.load_state(mount / "ck")
+    assert all(torch.equal(loaded["model"][k], v) for k, v in state.items())
