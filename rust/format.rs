@@ -832,7 +832,9 @@ mod tests {
                     assert!(a.align() >= b.align(), "{} before {}", a.name(), b.name());
                 }
             }
-            let same = Dtype::ALL.iter().filter(|d| d.safetensors_rank() == a.safetensors_rank());
+            let same = Dtype::ALL
+                .iter()
+                .filter(|d| d.safetensors_rank() == a.safetensors_rank());
             assert_eq!(same.count(), 1, "{}", a.name());
         }
     }
@@ -991,7 +993,10 @@ mod tests {
         // A missing or non-string dtype says so (before: "unknown dtype ``").
         for (json, said) in [
             (r#"{"a":{"shape":[1],"data_offsets":[0,1]}}"#, "missing"),
-            (r#"{"a":{"dtype":7,"shape":[1],"data_offsets":[0,1]}}"#, "got 7"),
+            (
+                r#"{"a":{"dtype":7,"shape":[1],"data_offsets":[0,1]}}"#,
+                "got 7",
+            ),
         ] {
             let err = parse(&raw_file(json, 1)).unwrap_err().to_string();
             assert!(err.contains("a.dtype") && err.contains(said), "{err}");

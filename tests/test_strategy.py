@@ -229,6 +229,24 @@ def test_restoring_into_other_optimizers_or_schedulers_is_refused_changing_nothi
         ).restore_checkpoint(tmp_path / "spelled")
         == 0
     )
+    # A recorded class whose module this process never imported is still another class
+    # (review finding: it was taken as no mismatch, and the SGD failed at its next step).
+    (tmp_path / "elsewhere_optim.py").write_text(
+        "import torch\nclass MyAdam(torch.optim.Adam):\n    pass\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import elsewhere_optim  # type: ignore[import-not-found]
+
+        other = live(fastckpt.OptimizerConfig(elsewhere_optim.MyAdam, {"lr": 1e-2}))
+        other.save_checkpoint(tmp_path / "elsewhere")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("elsewhere_optim", None)
+    with pytest.raises(fastckpt.CheckpointMismatchError, match=r"elsewhere_optim\.MyAdam"):
+        live(fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 1e-2})).restore_checkpoint(
+            tmp_path / "elsewhere"
+        )
     # The same kinds with other hyper-parameters restore, taking the saved ones (documented).
     strategy = live(
         fastckpt.OptimizerConfig(

@@ -365,9 +365,27 @@ def refuse_inside_checkpoint(path: Path) -> None:
                 )
 
 
+#: ``(path, device, inode, mtime, size) -> whether it is a record`` for :func:`_is_record`:
+#: a large file above a run folder (a data set's manifest) is parsed once, not at every save.
+_RECORD_ANSWERS: dict[tuple[str, int, int, int, int], bool] = {}
+
+
 def _is_record(directory: Path, record: str) -> bool:
     """Whether ``directory/record`` reads as fastckpt's record of that name (a project's own
-    ``manifest.json`` or a repository's ``commit.json`` above a save path is not one)."""
+    ``manifest.json`` or a repository's ``commit.json`` above a save path is not one); the
+    answer is kept for the file as it is (its inode, mtime and size)."""
+    try:
+        info = os.stat(directory / record)
+    except OSError:
+        return False
+    key = (str(directory / record), info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size)
+    known = _RECORD_ANSWERS.get(key)
+    if known is None:
+        known = _RECORD_ANSWERS[key] = _reads_as_record(directory, record)
+    return known
+
+
+def _reads_as_record(directory: Path, record: str) -> bool:
     try:
         if record == COMMIT_RECORD:
             read_commit_record(directory)

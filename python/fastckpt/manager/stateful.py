@@ -229,22 +229,57 @@ def check_disjoint_templates(templates: Mapping[str, Any]) -> None:
     found: list[tuple[str, torch.Tensor]] = []
     _collect_tensors(templates, "", found)
     spans = sorted(
-        (t.data_ptr(), t.data_ptr() + _extent_bytes(t), path, t)
-        for path, t in found
-        # a DTensor's memory is its local shard's (filled by DCP, resharded): not compared
-        if t.device.type != "meta" and t.numel() and not _is_dtensor(t) and t.data_ptr()
+        (
+            (t.data_ptr(), t.data_ptr() + _extent_bytes(t), path, t)
+            for path, t in found
+            # a DTensor's memory is its local shard's (filled by DCP, resharded): not compared
+            if t.device.type != "meta" and t.numel() and not _is_dtensor(t) and t.data_ptr()
+        ),
+        key=lambda span: span[:3],
     )
-    open_spans: list[tuple[int, str, torch.Tensor]] = []  # earlier extents not ended yet
-    for begin, stop, path, tensor in spans:
-        open_spans = [span for span in open_spans if span[0] > begin]
-        for _, other_path, other in open_spans:
-            if not _same_view(tensor, other) and _share_elements(tensor, other):
-                raise TypeError(
-                    f"{other_path} and {path}: the templates share part of their memory, so "
-                    "loading one would change the other; pass None for one of them, or "
-                    "tensors of their own (.clone())"
-                )
-        open_spans.append((stop, path, tensor))
+    cluster: list[tuple[int, int, str, torch.Tensor]] = []  # extents overlapping in a chain
+    end = -1
+    for span in spans:
+        if cluster and span[0] >= end:
+            _check_cluster(cluster)
+            cluster = []
+        end = span[1] if not cluster else max(end, span[1])
+        cluster.append(span)
+    _check_cluster(cluster)
+
+
+def _check_cluster(cluster: list[tuple[int, int, str, torch.Tensor]]) -> None:
+    """Refuse two templates of ``cluster`` (sorted by address, extents overlapping in a
+    chain) that share a byte: each one's bytes are looked up in, then marked in, one mask of
+    the cluster's extent (an identical view, tied weights, counts once)."""
+    if len(cluster) < 2:
+        return
+    origin = cluster[0][0]
+    size = max(span[1] for span in cluster) - origin
+    if size > _MASK_BYTES:
+        raise TypeError(
+            f"{cluster[0][2]} and {cluster[1][2]}: the templates lie in one block of memory "
+            f"too large ({size} bytes) to prove that they share none, so loading one might "
+            "change another; pass None for them, or tensors of their own (.clone())"
+        )
+    mask = torch.zeros(size, dtype=torch.bool)
+    seen: dict[tuple[Any, ...], str] = {}
+    marked: list[tuple[str, torch.Tensor]] = []
+    for _, _, path, tensor in cluster:
+        view = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if view in seen:
+            continue
+        seen[view] = path
+        taken = _bytes_of(mask, tensor, origin)
+        if bool(taken.any()):
+            other = next(p for p, t in marked if _share_elements(tensor, t))
+            raise TypeError(
+                f"{other} and {path}: the templates share part of their memory, so loading "
+                "one would change the other; pass None for one of them, or tensors of their "
+                "own (.clone())"
+            )
+        taken.fill_(True)
+        marked.append((path, tensor))
 
 
 def _collect_tensors(value: Any, path: str, out: list[tuple[str, torch.Tensor]]) -> None:
@@ -262,15 +297,6 @@ def _extent_bytes(tensor: torch.Tensor) -> int:
     """Bytes from the tensor's first element to just past its last (strides >= 0)."""
     last = sum((n - 1) * abs(step) for n, step in zip(tensor.shape, tensor.stride(), strict=True))
     return (last + 1) * tensor.element_size()
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.data_ptr() == b.data_ptr()
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-    )
 
 
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1679,8 +1679,9 @@ def _run_limit(recipe: Mapping[str, Any], name: str, where: str) -> int | None:
 def _names_other_class(recorded: str, live: type) -> bool:
     """Whether the dotted path ``recorded`` (as a recipe holds it: ``torch.optim.Adam`` or
     ``torch.optim.adam.Adam``, as the user spelled it) names a class other than ``live``.
-    Resolved through modules already imported, never importing; a path that cannot be
-    resolved so is not taken as a mismatch."""
+    Resolved through modules already imported, never importing (``live``'s own module and
+    packages are, so every spelling of it resolves); a path that cannot be resolved so names
+    another class unless its last part is ``live``'s name."""
     if recorded == trust.dotted_path(live):
         return False
     parts = recorded.split(".")
@@ -1690,8 +1691,10 @@ def _names_other_class(recorded: str, live: type) -> bool:
             continue
         for attribute in parts[cut:]:
             target = getattr(target, attribute, None)
-        return target is not None and target is not live
-    return False
+        if target is not None:
+            return target is not live
+        break
+    return parts[-1] != live.__qualname__.rsplit(".", 1)[-1]
 
 
 def _check_param_groups(optimizer: torch.optim.Optimizer, state: Any, where: str) -> None:
