@@ -300,14 +300,17 @@ def _extent_bytes(tensor: torch.Tensor) -> int:
 
 
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors whose byte extents overlap have a byte in common: certain when
-    both are contiguous; strided views (interleaved columns, blocks of a fused matrix) are
-    told apart exactly by marking the bytes of one in a mask of the extents' union and
-    looking at the other's (beyond :data:`_MASK_BYTES` they count as sharing)."""
+    """Whether two tensors have a byte in common (which one a cluster's mask found, for the
+    message): none when their extents are apart; certain when they overlap and both are
+    contiguous; strided views are told apart by a mask of the extents' union (beyond
+    :data:`_MASK_BYTES` they count as sharing)."""
+    a_end, b_end = a.data_ptr() + _extent_bytes(a), b.data_ptr() + _extent_bytes(b)
+    if a.data_ptr() >= b_end or b.data_ptr() >= a_end:
+        return False
     if a.is_contiguous() and b.is_contiguous():
         return True
     origin = min(a.data_ptr(), b.data_ptr())
-    end = max(a.data_ptr() + _extent_bytes(a), b.data_ptr() + _extent_bytes(b))
+    end = max(a_end, b_end)
     if end - origin > _MASK_BYTES:
         return True
     mask = torch.zeros(end - origin, dtype=torch.bool)
@@ -325,8 +328,8 @@ def _bytes_of(mask: torch.Tensor, tensor: torch.Tensor, origin: int) -> torch.Te
     )
 
 
-#: The largest union of two templates' extents compared byte by byte (a mask of this many
-#: bytes); larger strided templates that overlap in extent are refused as if they shared.
+#: The largest extent of a cluster of templates compared byte by byte (a mask of this many
+#: bytes); templates in a larger block whose extents overlap are refused as unprovable.
 _MASK_BYTES = 1 << 28
 
 
