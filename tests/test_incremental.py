@@ -402,10 +402,19 @@ def test_deleting_every_earlier_index_leaves_the_newest_loading_bitwise(
         _save(tmp_path, model, optimizer)
     expected = _snapshot(model)
 
-    # Bytes index 3 wrote itself (its linked files are index 0's inodes) against a full save.
-    def written(index: int) -> int:
+    # Bytes index 3 wrote itself against a full save: a file sharing an inode with index 0
+    # (a hard link, not a copy) wrote nothing.
+    def inodes(index: int) -> dict[Path, tuple[int, int]]:
         files = (tmp_path / str(index)).rglob("*")
-        return sum(f.stat().st_size for f in files if f.is_file() and "linked" not in f.parts)
+        return {f: (f.stat().st_dev, f.stat().st_ino) for f in files if f.is_file()}
+
+    base = set(inodes(0).values())
+    linked = [f for f, inode in inodes(3).items() if inode in base]
+    assert linked and all("linked" in f.parts for f in linked), linked
+
+    def written(index: int) -> int:
+        mine = inodes(index).items()
+        return sum(f.stat().st_size for f, inode in mine if index == 0 or inode not in base)
 
     assert written(3) < written(0) / 2
     if how == "rm -rf":

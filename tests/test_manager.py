@@ -261,6 +261,53 @@ def test_closed_manager_refuses_and_close_is_idempotent(tmp_path: Path) -> None:
     assert not (tmp_path / "d").exists()
 
 
+def test_close_on_another_thread_waits_for_a_save_being_handed_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save on thread B reaching its background writer while thread A closes the manager:
+    before, close() shut the writer down under it (``cannot schedule new futures after
+    shutdown``), or the save restarted a writer close() had released and ran uncollected
+    after close. Now close() waits for the hand-over, then for the write."""
+    import threading
+    import time
+
+    import fastckpt
+    from fastckpt.container.background import BackgroundWriter
+
+    handing_over = threading.Event()
+    submit = BackgroundWriter.submit
+
+    def slow_submit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        handing_over.set()
+        time.sleep(0.3)
+        return submit(self, *args, **kwargs)
+
+    def writers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("fastckpt-writer")}
+
+    before = writers()
+    monkeypatch.setattr(BackgroundWriter, "submit", slow_submit)
+    manager = CheckpointManager(CheckpointManager.Config.with_async_save())
+    failures: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            future = manager.save(tmp_path / "c", {"x": torch.arange(4.0)})
+            assert future is not None
+            future.result()
+        except BaseException as err:
+            failures.append(err)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    assert handing_over.wait(60)
+    manager.close()
+    saver.join(60)
+    assert not failures, failures
+    assert fastckpt.verify(tmp_path / "c").ok  # committed before close() returned
+    assert writers() <= before  # no writer thread left running after close()
+
+
 def test_failed_background_write_is_raised_once_then_usable(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -4,9 +4,13 @@ checkpoints is refused before its first step, with the fixes named; resuming, a 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 import fastckpt
 import training_support as support
@@ -73,3 +77,56 @@ def test_a_new_root_and_a_bad_overwrite_value(tmp_path: Path) -> None:
     _first_run(tmp_path / "b")  # a fresh root: no refusal
     with pytest.raises(TypeError, match="overwrite must be a bool"):
         fastckpt.CheckpointHook(tmp_path, step_interval=2, overwrite="yes")  # type: ignore[arg-type]
+
+
+OTHER_RUN = """
+import sys, torch, fastckpt
+fastckpt.save_checkpoint(sys.argv[1], models={"main": (torch.nn.Linear(2, 2), None)},
+                         counters={"step_count": 3})
+"""
+
+
+def _saving_at_third_step(root: Path, other_process: bool) -> Any:
+    """The reference training step, which at the run's third step has another run save into
+    ``root`` (a real process), or this process save there by hand."""
+    calls = [0]
+
+    def training_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 3:
+            if other_process:
+                subprocess.run([sys.executable, "-c", OTHER_RUN, str(root)], check=True)
+            else:
+                fastckpt.save_checkpoint(root, models={"main": (torch.nn.Linear(2, 2), None)})
+        return support.training_fn(model, batch)
+
+    return training_fn
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_run_saving_into_the_root_meanwhile_stops_the_next_save(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """Two runs started together on one root each saw it empty at their start: before, both
+    trained to the end with their checkpoints interleaved (and each one's keep_last deleting
+    the other's); the resume took whichever committed last. Now each save checks, under the
+    root's lock, that the newest index is the run's own (or the one it started from)."""
+    hook = fastckpt.CheckpointHook(tmp_path, step_interval=1, async_save=async_save)
+    strategy = support.new_strategy([hook], num_steps=6)
+    strategy.training_fn = _saving_at_third_step(tmp_path, other_process=True)
+    with pytest.raises(fastckpt.MixedRunError) as caught:
+        strategy.run(support.loader())
+    message = str(caught.value)
+    assert "index 2 (step 3) was committed by another process" in message
+    assert "checkpoint_dir" in message and "Nothing was saved" in message
+    assert _indices(tmp_path) == [0, 1, 2]  # steps 1, 2 of this run, then the other run's
+    assert fastckpt.verify(tmp_path).ok
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_a_save_into_the_root_by_the_same_process_is_not_another_run(tmp_path: Path) -> None:
+    hook = fastckpt.CheckpointHook(tmp_path, step_interval=1, async_save=False)
+    strategy = support.new_strategy([hook], num_steps=4)
+    strategy.training_fn = _saving_at_third_step(tmp_path, other_process=False)
+    strategy.run(support.loader())
+    assert _indices(tmp_path) == [0, 1, 2, 3, 4]

@@ -300,7 +300,9 @@ def test_bit_flips_in_json_files_are_detected(saved: Saved) -> None:
             with pytest.raises(typed, match=re.escape("commit.json")):
                 mload(directory)
             if position % 5 == 0:
-                assert not verify(directory).ok, position
+                report = verify(directory)
+                blamed = [f.status for f in report.files if f.path == path]
+                assert not report.ok and blamed == ["corrupt"], (position, report)
 
 
 # --------------------------------------------------------------------------- hostile input

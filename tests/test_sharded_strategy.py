@@ -121,6 +121,11 @@ def test_damaged_shards_make_prune_and_latest_intact_keep_the_newest_index_that_
     rank_file.write_bytes(bytes(data[:-8]))
     assert prune_indices(root, 1, read_shards=False) == []
     assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [1, 2]
+    # ... and so does the full prune, and latest_intact, of the truncated shard
+    with pytest.warns(CheckpointSkippedWarning, match="index 2.*rank-00001"):
+        assert fastckpt.latest_intact(root) == 1
+    assert fastckpt.prune(root, keep_last=1) == []
+    assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [1, 2]
 
 
 def test_load_checkpoint_of_a_sharded_index_says_how_to_load_it(

@@ -491,17 +491,23 @@ prune(sys.argv[1], keep_last=2)
 def test_a_prune_killed_around_its_commit_keeps_referenced_bytes(
     tmp_path: Path, moment: str
 ) -> None:
-    """A prune of an index whose bytes kept (incremental) indices reference, SIGKILLed right
+    """A prune of an index whose bytes kept (incremental) indices of an earlier version's
+    layout reference (``refs.json`` naming index 0, nothing linked in), SIGKILLed right
     before or right after its manifest commit: every committed index verifies and loads, and
     the next save cleans up (before the fix the directory was moved aside before the commit:
     a kill in between left the manifest naming a missing directory)."""
     root = tmp_path / "root"
     state = trained(1)
-    for _ in range(3):
-        save_at(root, state, -1)  # unchanged tensors: 1 and 2 reference 0's bytes
+    with crash_harness.legacy_references():
+        for _ in range(3):
+            save_at(root, state, -1)  # unchanged tensors: 1 and 2 reference 0's bytes
+    refs = json.loads((root / "2" / "refs.json").read_text())["refs"]
+    assert {ref["index"] for names in refs.values() for ref in names.values()} == {0}
     child = subprocess.run([sys.executable, "-c", PRUNE_AND_DIE, str(root), moment], timeout=120)
     assert child.returncode == -signal.SIGKILL
     assert sorted(Manifest.load(root).entries) == ([0, 1, 2] if moment == "before" else [1, 2])
+    # the retained copy of index 0's bytes is made (by hard links) before the commit
+    assert (root / ".ref-0").is_dir()
     assert verify(root).ok, verify(root)
     for index in Manifest.load(root).entries:
         assert_same(states(state), loaded_states(load_checkpoint(root, index)))

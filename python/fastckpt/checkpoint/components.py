@@ -446,11 +446,14 @@ def write_snapshot(
     checkpoint_index: int | None = -1,
     *,
     lock_timeout: float | None = None,
+    check_root: Callable[[Manifest], None] | None = None,
 ) -> int:
     """Write a snapshot as a committed index of ``root`` (see :func:`save_checkpoint`);
     incrementally unless ``snapshot.incremental`` is False. ``lock_timeout``: give up waiting
     for another process's save or prune of ``root`` after that many seconds (TimeoutError
-    naming it; None waits, logging who holds the lock after a second).
+    naming it; None waits, logging who holds the lock after a second). ``check_root`` is
+    called with the root's manifest once the root's lock is held (it cannot change until the
+    commit), before anything is written; what it raises aborts the save.
 
     Returns:
         The committed index.
@@ -487,6 +490,8 @@ def write_snapshot(
         index = writer.index
         copies: dict[str, dict[str, CopySource]] = {}
         try:
+            if check_root is not None:
+                check_root(Manifest.load(root))
             refs = _check_references(writer, snapshot)
             if not is_local(backend_for(root)):
                 copies = _copy_sources(root, refs)

@@ -92,6 +92,7 @@ __all__ = [
     "clean_leftovers",
     "commit_generation",
     "committed_generation",
+    "committed_here",
     "generation_dirs",
     "index_intact",
     "make_generation_dir",
@@ -102,6 +103,25 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger(__name__)
+
+_COMMITTED_LOCK = threading.Lock()
+#: The indices this process committed, per root (:func:`refs.root_key`).
+_COMMITTED: dict[str, set[int]] = {}
+
+
+def committed_here(root: str | os.PathLike[str]) -> frozenset[int]:
+    """The indices of ``root`` this process committed (by any front door, in any thread):
+    an index of the root outside them was saved by another process, e.g. another run
+    saving into the same root (see ``CheckpointHook``'s check at each commit)."""
+    with _COMMITTED_LOCK:
+        return frozenset(_COMMITTED.get(refs.root_key(root), ()))
+
+
+def _committed(root: Path, index: int) -> None:
+    with _COMMITTED_LOCK:
+        _COMMITTED.setdefault(refs.root_key(root), set()).add(index)
+
+
 #: Threads writing an index's JSON documents next to its tensor files.
 _JSON_THREADS = 4
 
@@ -778,6 +798,7 @@ class IndexWriter(DirectoryWriter):
             manifest = Manifest.load(self.root)
             if self.index in manifest.entries and isinstance(self.staging, LocalStaging):
                 _replace_local(self, manifest, {**entry, "files": self.files})
+                _committed(self.root, self.index)
                 return
             if manifest.entries.pop(self.index, None) is not None:
                 manifest.commit()
@@ -791,15 +812,18 @@ class IndexWriter(DirectoryWriter):
                 raise
             except CommitOutcomeUnknownError:
                 self._keep = True  # the manifest may name them
+                _committed(self.root, self.index)
                 raise
             except BaseException:
                 # An interruption (Ctrl-C, a signal handler raising) can land after the new
                 # manifest took its place: the files it names are then kept.
                 if self._recorded():
                     self._keep = True
+                    _committed(self.root, self.index)
                 else:
                     self.backend.delete(self.final)
                 raise
+            _committed(self.root, self.index)
         finally:
             self.lock.release()
 

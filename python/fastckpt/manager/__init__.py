@@ -458,6 +458,9 @@ class CheckpointManager:
         # time (a second thread's save raced past the check and failed).
         self._save_turn = threading.RLock()  # a finalize_callback may save again
         self._closed = False
+        # Held to submit a write and to close: a save racing close() on another thread is
+        # either collected by it or refused as closed, never left running after it.
+        self._closing_lock = threading.Lock()
         #: Where :meth:`load_latest` restored from (None before it ran).
         self.restored_from: NearestCheckpoint | None = None
         self._tiers: tuple[Path, Path] | None = None
@@ -691,6 +694,16 @@ class CheckpointManager:
         if self._closed:
             raise RuntimeError(f"CheckpointManager is closed; cannot {action}")
 
+    def _submit(
+        self, what: str, write: Callable[[], None], capture: Callable[[], None] | None = None
+    ) -> Future[None]:
+        """Hand ``write`` to the background writer, unless the manager was closed meanwhile
+        (by another thread: ``RuntimeError`` as for a save after close)."""
+        assert self._writer is not None
+        with self._closing_lock:
+            self._check_open("save")
+            return self._writer.submit(what, write, capture=capture)
+
     def _check_required(
         self, directory: Path, available: list[str], into: Mapping[str, Any] | None
     ) -> None:
@@ -885,9 +898,14 @@ class CheckpointManager:
             self._promote_due(path)
             self._finalize(snapshot.checkpoint_id, path)
 
-        future = self._writer.submit(
-            display_path(path), write, capture=capture if self._async_staging else None
-        )
+        try:
+            future = self._submit(
+                display_path(path), write, capture=capture if self._async_staging else None
+            )
+        except BaseException:
+            if snapshot.plan is not None:
+                snapshot.plan.close()  # the write that would have closed it never runs
+            raise
 
         def closed_if_cancelled(done: Future[None]) -> None:
             # A write cancelled before it started never runs its ``finally``: the base files
@@ -945,7 +963,7 @@ class CheckpointManager:
             self._promote_due(path)
             self._finalize(checkpoint_id, path)
 
-        return self._writer.submit(display_path(path), wait)
+        return self._submit(display_path(path), wait)
 
     def _drop_unsharded(self, path: Path) -> None:
         """After a sharded save committed at ``path`` (rank 0): remove the unsharded checkpoint
@@ -1293,7 +1311,8 @@ class CheckpointManager:
             return
         if self._writer is not None:
             self._writer.check_closable()  # inside its own lock(): refused, still open
-        self._closed = True
+        with self._closing_lock:
+            self._closed = True
         for part in self._fixed:
             part.release_built()
         try:

@@ -21,7 +21,7 @@ from typing import Any
 
 from fastckpt.checkpoint.components import Snapshot, plan_incremental, write_snapshot
 from fastckpt.container.background import BackgroundWriter, report_tolerated
-from fastckpt.container.commit import prune_indices
+from fastckpt.container.commit import committed_here, prune_indices
 from fastckpt.container.promote import Promoter, RankPromoter
 from fastckpt.container.refs import root_key
 from fastckpt.container.sharded.promote import node_local_root
@@ -177,7 +177,11 @@ class CheckpointHook:
         empty, sharing another run's durable tier); by default training then stops before
         its first step with :class:`~fastckpt.errors.MixedRunError`, so two runs never
         interleave in one root unnoticed (nor does one's durable retention delete the other's
-        checkpoints). The new checkpoints get the next indices either way.
+        checkpoints). The new checkpoints get the next indices either way. Each save checks
+        again, under the root's lock, that the root's newest index is the one the run
+        started from or one this process committed: two runs started together on one root
+        (each saw it empty) stop at the first save after the other's, with ``MixedRunError``
+        (``overwrite`` does not lift this check).
 
         ``storage_options``: object-store client options for an ``s3://`` checkpoint_dir
         (endpoint_url, region, access_key_id, ... as for :func:`fastckpt.configure_storage`),
@@ -221,6 +225,8 @@ class CheckpointHook:
         # The step count of the last save and of the run's start (for save_last).
         self._saved_step: int | None = None
         self._start_step: int | None = None
+        # checkpoint_dir's newest index when the run started (False: not read, no run).
+        self._started_from: int | bool | None = False
         # A failed background write is raised with its own type, as a sync save raises it.
         self._writer: BackgroundWriter[int] = BackgroundWriter(
             "fastckpt-hook", wait_timeout=wait_timeout_secs, typed_errors=True
@@ -481,6 +487,7 @@ class CheckpointHook:
         """
         if stage is TrainingStage.BEFORE_TRAINING:
             self._start_step = ctx.step_count
+            self._started_from = self._newest_index()
             self._floor = None  # the durable tier is read again by this run's first save
             check_recordable = getattr(ctx.workflow, "check_recordable", None)
             if check_recordable is not None:
@@ -961,8 +968,45 @@ class CheckpointHook:
         if self.durable_dir is not None and self._floor is not None:
             self._floor = max(self._floor, index + 1)
 
+    def _newest_index(self) -> int | bool | None:
+        """``checkpoint_dir``'s newest committed index (None: none; False: unreadable, the
+        first save reports it)."""
+        try:
+            return Manifest.load(self.checkpoint_dir).latest
+        except (OSError, FastCkptError):
+            return False
+
+    def _check_no_other_run(self, manifest: Manifest) -> None:
+        """Raise :class:`MixedRunError` when ``checkpoint_dir``'s newest index (``manifest``,
+        read under the root's lock) is newer than the one the run started from and than
+        every one this process committed: another process saved into the root during the
+        run (indices are chosen under that lock, so another save gets a newer one)."""
+        latest = manifest.latest
+        if self._started_from is False or latest is None:
+            return
+        known = committed_here(self.checkpoint_dir)
+        if self._started_from is not None:
+            known |= {self._started_from}
+        if latest in known or (known and latest < max(known)):
+            return  # ours, or older than ours (newer ones deleted by hand): no other run's
+        step = manifest.entries[latest].get("counters", {}).get("step_count")
+        shown = display_path(self.checkpoint_dir)
+        raise MixedRunError(
+            f"{shown}: index {latest}{'' if step is None else f' (step {step})'} was committed "
+            "by another process while this run saved there: two runs are saving into one root "
+            "and their checkpoints would interleave (each one's retention deleting the "
+            "other's). Nothing was saved by this save; stop one of the runs, or give this "
+            "CheckpointHook another checkpoint_dir"
+        )
+
     def _write(self, snapshot: Snapshot, index: int = -1) -> int:
-        index = write_snapshot(self.checkpoint_dir, snapshot, index, lock_timeout=self.lock_timeout)
+        index = write_snapshot(
+            self.checkpoint_dir,
+            snapshot,
+            index,
+            lock_timeout=self.lock_timeout,
+            check_root=self._check_no_other_run,
+        )
         self._went_past(index)
         if self.keep_last is not None:
             self._prune(index)
