@@ -702,3 +702,30 @@ def test_fastckpt_bench_s3_runs_every_writer_and_the_async_stall(tmp_path: Path)
     stall = document["async_stall"]
     assert stall["local"]["stall_s"]["median"] > 0 and stall["s3"]["total_s"]["median"] > 0
     assert "stall ratio s3 / local disk" in (tmp_path / "s3-8mib.md").read_text()
+
+
+def test_the_region_comes_from_aws_region_then_aws_default_region(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``AWS_REGION`` (the AWS SDKs' variable, documented here) was ignored before: botocore
+    reads only ``AWS_DEFAULT_REGION``, so a bucket elsewhere got us-east-1."""
+    from fastckpt.storage.s3.config import S3Options
+
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+
+    def region(**options: Any) -> str:
+        return S3Options(**options).resolved("s3://bucket/run").region
+
+    assert region() == "us-east-1"
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-west-2")
+    assert region() == "us-west-2"
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    assert region() == "eu-west-3"
+    assert region(region="ap-south-1") == "ap-south-1"

@@ -8,6 +8,7 @@ through ``CheckpointManager``'s public API (``prepare_save`` in ``save``, ``chec
 from __future__ import annotations
 
 import collections
+import types
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,15 @@ def test_prepare_save_puts_state_dicts_in_place_of_objects() -> None:
     assert prepared["nested"][1] == ({"count": 3, "history": counter.history}, 5)
 
 
+class _Config(dict):  # type: ignore[type-arg]
+    def lr(self) -> Any:
+        return self["lr"]
+
+
+class _History(list):  # type: ignore[type-arg]
+    pass
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
@@ -85,11 +95,33 @@ def test_prepare_save_puts_state_dicts_in_place_of_objects() -> None:
         # before: saved, and back as a plain dict whose missing keys raise KeyError
         ({"counts": collections.defaultdict(int, a=1)}, r"model\.counts: .*defaultdict.*missing"),
         ({"seen": collections.Counter("aab")}, r"model\.seen: cannot checkpoint a Counter"),
+        # before: saved, and back as a plain dict / list (its methods and type gone), while
+        # an int subclass was refused for that very reason
+        ({"cfg": _Config(lr=0.1)}, r"model\.cfg: cannot checkpoint a .*_Config.*plain dict"),
+        ({"h": [_History([1])]}, r"model\.h\.0: cannot checkpoint a .*_History.*plain list"),
+        ({"view": types.MappingProxyType({"a": 1})}, r"model\.view: .*mappingproxy.*plain dict"),
     ],
 )
 def test_prepare_save_names_the_full_key_path(value: Any, message: str) -> None:
     with pytest.raises(TypeError, match=message):
         prepare_save(value, "model")
+
+
+class _OddState:
+    """A stateful object whose state is a dict subclass: it goes back to its own
+    load_state_dict, which gets a plain dict (accepted)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return _Config(lr=0.5)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state
+
+
+def test_an_ordered_dict_and_a_state_dicts_own_subclasses_are_accepted() -> None:
+    ordered = collections.OrderedDict(w=torch.ones(1))
+    assert prepare_save({"m": ordered}, "") == {"m": {"w": ordered["w"]}}
+    assert prepare_save({"o": _OddState()}, "") == {"o": {"lr": 0.5}}
 
 
 def test_check_template_refuses_what_a_load_would_ignore() -> None:

@@ -56,6 +56,25 @@ def test_a_tensor_that_cannot_be_stored_is_refused_at_save_naming_its_key(
     with pytest.raises(InvalidInputError, match=fix) as info:
         fastckpt.save_file({"layer.weight": make()}, tmp_path / "f.safetensors")
     assert "layer.weight" in str(info.value)
+    # save_checkpoint: in a model buffer and in an optimizer's state (before, a nested or a
+    # zero tensor there raised torch's internal RuntimeError, without the key)
+    root = tmp_path / "root"
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fastckpt.save_checkpoint(root, models={"main": (model, None)})
+    optimizer.state[model.weight]["k"] = make()
+    with pytest.raises(InvalidInputError, match=fix) as info:
+        fastckpt.save_checkpoint(
+            root, models={"main": (model, None)}, optimizers={"sgd": (optimizer, None)}
+        )
+    assert "state.0.k" in str(info.value)
+    if kind in ("nested", "zero"):  # (other kinds in a buffer meet the recipe check first)
+        model.register_buffer("odd", make())
+        with pytest.raises(InvalidInputError, match=fix) as info:
+            fastckpt.save_checkpoint(root, models={"main": (model, None)})
+        assert "odd" in str(info.value)
+    assert [row["index"] for row in fastckpt.list_checkpoints(root)] == [0]
+    assert fastckpt.verify(root).ok
 
 
 def test_a_transposed_fp4_tensor_round_trips_through_sync_and_async_saves(
@@ -141,6 +160,9 @@ def test_incremental_indices_of_a_model_with_an_fp4_buffer_load_bitwise(tmp_path
         ("fastckpt-dcp", "record"),  # fastckpt-dcp.json: a sharded checkpoint's record
         ("x.rank0", "rank 0's file of item 'x'"),
         ("emb_\udcff", "Unicode"),
+        # before: a raw ENAMETOOLONG naming the staging folder, not the key
+        ("x" * 161, "161 bytes long"),
+        ("ü" * 81, "162 bytes long"),
     ],
 )
 def test_a_state_key_that_would_overwrite_a_record_or_another_item_is_refused(
@@ -197,3 +219,18 @@ def test_a_collective_s_pending_result_is_saved_once_waited_for(tmp_path: Path) 
         [sys.executable, "-c", ASYNC_COLLECTIVE, port], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_names_too_long_for_the_filesystem_are_refused_naming_them(tmp_path: Path) -> None:
+    """A model name or checkpoint folder name whose files or staging folder would pass the
+    255-byte limit (before: a raw ENAMETOOLONG naming ``.tmp-...``); 160 bytes still save."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(CheckpointFormatError, match=r"model name 'mmmm.*161 bytes long"):
+        fastckpt.save_checkpoint(tmp_path / "root", models={"m" * 161: (model, None)})
+    assert fastckpt.save_checkpoint(tmp_path / "root", models={"m" * 160: (model, None)}) == 0
+    with _manager("sync") as manager:
+        with pytest.raises(CheckpointFormatError, match=r"directory name 'ssss.*161 bytes"):
+            manager.save(tmp_path / ("s" * 161), {"x": torch.ones(1)})
+        manager.save(tmp_path / ("s" * 160), {"k" * 160: torch.ones(1)})
+        assert torch.equal(manager.load(tmp_path / ("s" * 160))["k" * 160], torch.ones(1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root", "s" * 160]

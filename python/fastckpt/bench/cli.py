@@ -1,8 +1,9 @@
-"""Command line of ``python -m fastckpt.bench``."""
+"""Command line of ``python -m fastckpt.bench`` (also ``fastckpt bench``)."""
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import textwrap
 import time
@@ -30,10 +31,34 @@ def _name_list(kind: str, known: list[str]) -> Callable[[str], list[str]]:
     return parse
 
 
+def _started_by_fastckpt_cli() -> str | None:
+    """``fastckpt`` or ``python -m fastckpt`` when this process is the ``fastckpt`` command
+    (so the harness runs as ``fastckpt bench``), else None."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name == "fastckpt.__main__":
+        return "python -m fastckpt"
+    if spec is None and Path(sys.argv[0]).name == "fastckpt":
+        return "fastckpt"
+    return None
+
+
+def _command(argv: list[str]) -> str:
+    """The command line recorded with the results, as the user typed it: ``fastckpt bench
+    ...`` through the ``fastckpt`` command, ``python -m fastckpt.bench ...`` otherwise."""
+    cli = _started_by_fastckpt_cli()
+    if cli == "fastckpt":
+        return shlex.join(["fastckpt", *sys.argv[1:]])
+    python = Path(sys.executable).name
+    if cli is not None:
+        return shlex.join([python, "-m", "fastckpt", *sys.argv[1:]])
+    return shlex.join([python, "-m", "fastckpt.bench", *argv])
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (options documented in ``--help``)."""
+    cli = _started_by_fastckpt_cli()
     parser = argparse.ArgumentParser(
-        prog="python -m fastckpt.bench",
+        prog="python -m fastckpt.bench" if cli is None else f"{cli} bench",
         description=(
             "Durable save / load throughput, stall, memory and training-loop overhead of "
             "fastckpt and its peers on one state, side by side, with the bar of "
@@ -150,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         log=_print_wrapped,
     )
     results = harness.run(config)
+    results["command"] = _command(argv)
     paths = report.write_outputs(results, config.out, plot=config.plot)
     print()
     print(report.render_text(results))

@@ -42,9 +42,9 @@ from fastckpt.container.verify import checked_index
 from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.format.records import MAX_INDEX, Manifest
 from fastckpt.io import tree
-from fastckpt.io.files import torch_shape
+from fastckpt.io.files import check_storable, torch_shape
 from fastckpt.io.headers import read_metadata
-from fastckpt.io.paths import check_name
+from fastckpt.io.paths import check_name, check_name_length
 from fastckpt.io.progress import log_throughput
 from fastckpt.storage.backend import CopySource, LocalStaging, explain_full_disk
 from fastckpt.storage.registry import backend_for, is_local
@@ -354,7 +354,7 @@ def create_snapshot(
     schedulers = _component_map("schedulers", schedulers)
     for kind, components in zip(KINDS, (models, optimizers, schedulers), strict=True):
         for name in components:
-            check_name(name, f"{kind[:-1]} name")
+            check_name_length(check_name(name, f"{kind[:-1]} name"), f"{kind[:-1]} name")
     _check_associations(associations, optimizers, schedulers)
     snapshot = _plan_components(models, optimizers, schedulers, associations)
     snapshot.counters = _checked_counters(counters)
@@ -592,6 +592,22 @@ def _proven_spec(model: torch.nn.Module, name: str, state: Mapping[str, Any]) ->
     return spec
 
 
+def _refuse_shapeless(relpath: str, tensors: Mapping[str, Any]) -> None:
+    """Refuse nested and zero tensors among ``tensors`` (for file ``relpath``) the way every
+    save does (:func:`check_storable`), before the plan touches their shapes or storages,
+    which raise torch's internal errors for them. The other checks come when the tensors are
+    written."""
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        try:
+            shapeless = value.is_nested or value._is_zerotensor()
+        except ValueError:  # an uninitialized (lazy) parameter
+            shapeless = True
+        if shapeless:
+            check_storable(f"{relpath}:{key}", value)
+
+
 def _plan_components(
     models: dict[str, Any],
     optimizers: dict[str, Any],
@@ -604,6 +620,7 @@ def _plan_components(
         model, spec = _split(component, "model", name)
         model = unwrap_model(model)
         state = dict(model.state_dict())
+        _refuse_shapeless(f"models/{name}.safetensors", state)
         spec = spec or _proven_spec(model, name, state)
         live_models[name] = model
         relpath = f"models/{name}.safetensors"
@@ -647,6 +664,7 @@ def _plan_components(
                 timestamp=_now(),
             )
         skeleton, tensors = tree.flatten(optimizer.state_dict())
+        _refuse_shapeless(f"optimizers/{name}.safetensors", tensors)
         plan.tensor_files[f"optimizers/{name}.safetensors"] = tensors
         plan.json_files[f"optimizers/{name}.json"] = {
             "spec": spec.to_json(),
@@ -671,6 +689,7 @@ def _plan_components(
         if spec is None:
             spec = scheduler_spec(scheduler, state)
         skeleton, tensors = tree.flatten(state)
+        _refuse_shapeless(f"schedulers/{name}.safetensors", tensors)
         plan.tensor_files[f"schedulers/{name}.safetensors"] = tensors
         plan.json_files[f"schedulers/{name}.json"] = {"spec": spec.to_json(), "state": skeleton}
         plan.associations["schedulers"][name] = target

@@ -292,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         metavar="SECONDS",
         help="a sharded run's node-local fast root: how long rank 0's node waits for the "
-        "other nodes' shards (run fastckpt promote on each node) before giving up (exit 2)",
+        "other nodes' shards (run fastckpt promote on each node) before giving up with exit 2 "
+        "(default 600)",
     )
     promote_cmd.set_defaults(handler=_handler("promote", "cmd_promote"))
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.io.paths import check_name, check_relpath, is_text, safe_join
+from fastckpt.io.paths import check_name, check_name_length, check_relpath, is_text, safe_join
 from fastckpt.storage.backend import MAX_RECORD_BYTES, FileRecord, StorageBackend, read_by_size
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
@@ -811,7 +811,7 @@ def check_item_key(key: object) -> str:
             ``manifest.json`` (a root's), or ``<key>`` ends in ``.rank<N>`` (the per-rank
             files of item ``<key minus it>``).
     """
-    name = check_name(key, "state key")
+    name = check_name_length(check_name(key, "state key"), "state key")
     if not is_text(name):
         raise CheckpointFormatError(
             f"state key {name!r} cannot be stored: it is not valid Unicode text (a lone "

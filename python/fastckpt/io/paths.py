@@ -8,7 +8,14 @@ from pathlib import Path
 
 from fastckpt.errors import CheckpointFormatError
 
-__all__ = ["check_name", "check_relpath", "is_text", "safe_join"]
+__all__ = [
+    "MAX_NAME_BYTES",
+    "check_name",
+    "check_name_length",
+    "check_relpath",
+    "is_text",
+    "safe_join",
+]
 
 
 def is_text(text: str) -> bool:
@@ -37,6 +44,28 @@ def check_name(name: object, what: str) -> str:
         raise CheckpointFormatError(
             f"{what} {name!r} is not a valid name: use a non-empty name without path "
             "separators, NUL, or a leading '.'"
+        )
+    return name
+
+
+#: The longest name a save accepts, in UTF-8 bytes: the files and temporary folders named
+#: after it add suffixes and tags (``.spec.json``, ``.<index>.safetensors``,
+#: ``.tmp-<name>~<pid>~<host>~<tag>``), and filesystems refuse names over 255 bytes.
+MAX_NAME_BYTES = 160
+
+
+def check_name_length(name: str, what: str) -> str:
+    """Refuse a name (checked by :func:`check_name`) too long to save under.
+
+    Raises:
+        CheckpointFormatError: longer than :data:`MAX_NAME_BYTES` in UTF-8.
+    """
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > MAX_NAME_BYTES:
+        raise CheckpointFormatError(
+            f"{what} {name[:40]!r}... is {size} bytes long (UTF-8): names of more than "
+            f"{MAX_NAME_BYTES} bytes cannot be saved, as the files and temporary folders named "
+            "after it would pass the filesystem's 255-byte limit; use a shorter name"
         )
     return name
 

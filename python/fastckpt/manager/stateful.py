@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -108,7 +109,7 @@ def _unsupported(value: Any, path: str, action: str) -> TypeError:
     return TypeError(f"{where}: cannot {action} a {_describe(value)}; {hint}")
 
 
-def prepare_save(value: Any, path: str = "", *, check: bool = True) -> Any:
+def prepare_save(value: Any, path: str = "", *, check: bool = True, given: bool = True) -> Any:
     """``value`` with every stateful object replaced by its ``state_dict()``, checked.
 
     Containers are rebuilt (mappings become dicts; lists and plain tuples keep their type);
@@ -117,6 +118,10 @@ def prepare_save(value: Any, path: str = "", *, check: bool = True) -> Any:
     Args:
         value: a saved item (or the whole state).
         path: its key path, for messages (the item key at the top level).
+        given: ``value`` is the caller's own (not inside what a ``state_dict()`` returned,
+            which goes back to its ``load_state_dict``): a dict or list subclass there, other
+            than ``OrderedDict``, is refused, as it would load back as a plain dict or list
+            (an ``OrderedDict`` loads back as a dict, in the same order).
 
     Raises:
         TypeError: a value that cannot be checkpointed, or a dict key that cannot, named by
@@ -132,13 +137,19 @@ def prepare_save(value: Any, path: str = "", *, check: bool = True) -> Any:
     if type(value) in _SCALARS:  # exact: an enum or numpy scalar would lose its type
         return value
     if is_stateful(value):
-        return prepare_save(value.state_dict(), path, check=check)
+        return prepare_save(value.state_dict(), path, check=check, given=False)
     if isinstance(value, Mapping):
         if check and hasattr(type(value), "__missing__"):
             raise TypeError(
                 f"{path or '<root>'}: cannot checkpoint a {type(value).__name__}: it would load "
                 "back as a plain dict, without its default for missing keys; store "
                 "dict(value) and rebuild it after loading"
+            )
+        if check and given and type(value) not in (dict, OrderedDict):
+            raise TypeError(
+                f"{path or '<root>'}: cannot checkpoint a {_describe(value)}: it would load "
+                "back as a plain dict; store dict(value) and rebuild it after loading (or give "
+                "it state_dict() and load_state_dict())"
             )
         for key in value:
             if type(key) not in _KEY_TYPES:
@@ -153,16 +164,23 @@ def prepare_save(value: Any, path: str = "", *, check: bool = True) -> Any:
                     "surrogateescape); decode it properly or use another key"
                 )
         return {
-            key: prepare_save(item, tree.join_path(path, key), check=check)
+            key: prepare_save(item, tree.join_path(path, key), check=check, given=given)
             for key, item in value.items()
         }
     if type(value) is tuple:
         return tuple(
-            prepare_save(item, tree.join_path(path, i), check=check) for i, item in enumerate(value)
+            prepare_save(item, tree.join_path(path, i), check=check, given=given)
+            for i, item in enumerate(value)
         )
     if isinstance(value, list):
+        if check and given and type(value) is not list:
+            raise TypeError(
+                f"{path or '<root>'}: cannot checkpoint a {_describe(value)}: it would load "
+                "back as a plain list; store list(value) and rebuild it after loading"
+            )
         return [
-            prepare_save(item, tree.join_path(path, i), check=check) for i, item in enumerate(value)
+            prepare_save(item, tree.join_path(path, i), check=check, given=given)
+            for i, item in enumerate(value)
         ]
     raise _unsupported(value, path, "checkpoint")
 

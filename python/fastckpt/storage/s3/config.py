@@ -101,7 +101,8 @@ class S3Options:
 
     Attributes:
         endpoint_url: e.g. ``http://127.0.0.1:9000`` for a local server; None: AWS.
-        region: the bucket's region (default ``us-east-1``).
+        region: the bucket's region (None: ``AWS_REGION``, ``AWS_DEFAULT_REGION``, the
+            profile's ``region``, else ``us-east-1``).
         access_key_id, secret_access_key, session_token: static credentials.
         profile: the AWS profile to read from the config files.
         allow_http: permit a plain-HTTP endpoint (None: only when ``endpoint_url`` says http).
@@ -233,7 +234,12 @@ class S3Options:
             or os.environ.get("AWS_ENDPOINT_URL")
             or _profile_value(session, "endpoint_url")
         )
-        region = self.region or session.get_config_variable("region") or "us-east-1"
+        region = (
+            self.region
+            or os.environ.get("AWS_REGION")  # the AWS SDKs' name; botocore reads only the next
+            or session.get_config_variable("region")  # AWS_DEFAULT_REGION, then the profile
+            or "us-east-1"
+        )
         refreshable: Any = None
         key, secret, token = self.access_key_id, self.secret_access_key, self.session_token
         if not (key and secret):
