@@ -470,3 +470,31 @@ def test_a_save_leaves_the_saved_tensors_storages_resizable(tmp_path: Path) -> N
     for tensor in [*model.state_dict().values(), *template["model"].values()]:
         assert tensor.untyped_storage().resizable()
     model.weight.untyped_storage().resize_(0)  # frees it, as such code does
+
+
+def test_a_spec_nested_past_what_loads_read_is_a_format_error(tmp_path: Path) -> None:
+    """Before: a spec argument nested 500 lists deep (a 2 KB edit) made load_checkpoint
+    raise a bare RecursionError, and ``fastckpt inspect`` crash at 400 levels with a
+    traceback and exit 1 ("damage found")."""
+    import subprocess
+    import sys
+
+    from fastckpt.format.records import MAX_JSON_DEPTH
+
+    model, spec = mlp_and_spec()
+    save_checkpoint(tmp_path, models={"main": (model, spec)})
+    deep: Any = 1
+    for _ in range(MAX_JSON_DEPTH + 300):
+        deep = [deep]
+    spec_json = json.loads((tmp_path / "0" / "models" / "main.spec.json").read_text())
+    retarget_spec(
+        tmp_path, 0, "models/main.spec.json", {"kwargs": {**spec_json["kwargs"], "x": deep}}
+    )
+    with pytest.raises(CheckpointFormatError, match=r"main\.spec\.json: .*nested more than"):
+        load_checkpoint(tmp_path)
+    cli = subprocess.run(
+        [sys.executable, "-m", "fastckpt", "inspect", str(tmp_path)], capture_output=True, text=True
+    )
+    assert (
+        cli.returncode == 2 and "nested more than" in cli.stderr and "Traceback" not in cli.stderr
+    )

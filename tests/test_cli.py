@@ -912,3 +912,26 @@ def test_mapped_loads_advance_the_active_counter(tmp_path: Path) -> None:
     assert "100%" in [line for line in stream.getvalue().split("\r\x1b[2K") if line][-1]
     backend_for(path).open_tensors(path, verify=True)  # outside the block: not counted
     assert counter.value == 2 * nbytes
+
+
+def test_verify_of_a_folder_passes_over_a_checkpoint_pruned_meanwhile(
+    ckpts: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: ``fastckpt verify DIR`` exited 2 ("no such file or directory") when a prune
+    deleted a listed checkpoint before its turn came."""
+    import fastckpt.cli.verify as verifying
+    from fastckpt.cli.main import main
+
+    folder = ckpts / "mgr-pruned"
+    shutil.copytree(ckpts / "mgr", folder)
+    check = verifying.verify
+
+    def prune_the_next(path: Any, *args: Any) -> Any:
+        shutil.rmtree(folder / "step_20", ignore_errors=True)  # another process's prune
+        return check(path, *args)
+
+    monkeypatch.setattr(verifying, "verify", prune_the_next)
+    assert main(["verify", str(folder)]) == 0
+    out, err = capsys.readouterr()
+    assert "step_10" in out and "ok" in out and "step_20" not in out
+    assert "step_20: deleted while the folder was verified" in err

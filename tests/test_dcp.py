@@ -497,6 +497,53 @@ def test_load_state_full_tensors_and_typed_mismatches(saved: tuple[Path, list[fl
     assert fastckpt.dcp.contains_dtensors({"a": [1, {"b": torch.ones(1)}]}) is False
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_templates_that_cannot_hold_the_state_are_refused_before_any_is_filled(
+    tmp_path: Path,
+) -> None:
+    """Before: an expanded template made DCP's copy fail with a bare RuntimeError after the
+    templates before it were filled (a half-filled state), a meta template raised DCP's
+    "default process group has not been initialized", and two templates sharing memory
+    came back holding each other's values."""
+    checkpoint = tmp_path / "c"
+    saved = {"a": torch.ones(3, 4), "z": torch.arange(12.0).reshape(3, 4)}
+    fastckpt.dcp.save_state(checkpoint, {"m": saved, "step": 10})
+    buffer = torch.full((24,), -1.0)
+    for bad, message in (
+        (torch.full((1, 4), -1.0).expand(3, 4), r"m\.z: the template's elements share memory"),
+        (torch.empty(3, 4, device="meta"), r"m\.z: a meta tensor holds no memory"),
+        (buffer[6:18].view(3, 4), r"m\.a and m\.z: the templates share part of their memory"),
+    ):
+        into = {"m": {"a": buffer[:12].view(3, 4), "z": bad}, "step": 0}
+        with pytest.raises(TypeError, match=message):
+            fastckpt.dcp.load_state(checkpoint, into=into)
+        assert bool((buffer == -1).all()) and into["step"] == 0  # nothing filled
+    into = {"m": {"a": buffer[:12].view(3, 4), "z": buffer[12:].view(3, 4)}, "step": 0}
+    assert fastckpt.dcp.load_state(checkpoint, into=into)["step"] == 10
+    assert torch.equal(buffer, torch.cat([saved["a"].flatten(), saved["z"].flatten()]))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_one_directory_never_holds_a_torch_and_a_fastckpt_checkpoint(tmp_path: Path) -> None:
+    """Before: a fastckpt save into a FileSystemWriter checkpoint's directory left both, and
+    ``dcp.load(checkpoint_id=)`` kept loading the older torch state; a torch save into a
+    fastckpt directory made fastckpt's Reader load its older generation, without a word."""
+    torch_dir, ours = tmp_path / "torch", tmp_path / "ours"
+    dcp.save({"w": torch.zeros(2), "step": 1}, checkpoint_id=torch_dir)
+    before = sorted(os.listdir(torch_dir))
+    with pytest.raises(CheckpointException, match=r"FileSystemWriter \(\.metadata\).*new"):
+        dcp.save({"w": torch.ones(2), "step": 2}, storage_writer=fastckpt.dcp.Writer(torch_dir))
+    assert sorted(os.listdir(torch_dir)) == before  # nothing written beside it
+    fastckpt.dcp.save_state(ours, {"w": torch.ones(2), "step": 2})
+    dcp.save({"w": torch.full((2,), 3.0), "step": 3}, checkpoint_id=ours)
+    template = {"w": torch.zeros(2), "step": 0}
+    with pytest.raises(fastckpt.CheckpointFormatError, match=r"cannot load it.*FileSystemWriter"):
+        fastckpt.dcp.load_state(ours, into=template)
+    with pytest.raises(CheckpointException, match="cannot load it"):
+        dcp.load(template, storage_reader=fastckpt.dcp.Reader(ours))
+    assert torch.equal(template["w"], torch.zeros(2))
+
+
 def test_dcp_stream_transforms_are_refused_naming_the_alternative(tmp_path: Path) -> None:
     """DCP's ``_extensions`` (ZStandard compression...) are refused at construction, typed and
     named, instead of an unexpected-keyword ``TypeError``; nothing is written."""

@@ -254,3 +254,28 @@ def test_enums_and_numpy_scalars_in_a_manager_state_are_refused_naming_the_key(
             ):
                 manager.save(tmp_path / "ckpt", {"meta": value})
             assert not (tmp_path / "ckpt").exists()
+
+
+def test_an_item_nested_deeper_than_a_checkpoint_holds_is_refused_at_save(
+    tmp_path: Path,
+) -> None:
+    """A skeleton nested past what loads read (MAX_JSON_DEPTH) would save and never load;
+    refused at save naming the item (a deep nest: before, a bare RecursionError or a
+    checkpoint that loads refuse)."""
+    from fastckpt.manager.stateful import MAX_NESTING
+
+    def nest(levels: int) -> Any:
+        value: Any = torch.ones(1)
+        for _ in range(levels):
+            value = [value]
+        return value
+
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(tmp_path / "ok", {"deep": nest(MAX_NESTING)})
+        loaded = m.load(tmp_path / "ok")["deep"]
+        for _ in range(MAX_NESTING):
+            loaded = loaded[0]
+        assert torch.equal(loaded, torch.ones(1))
+        with pytest.raises(TypeError, match=rf"deep: .*more than {MAX_NESTING} levels"):
+            m.save(tmp_path / "deeper", {"deep": nest(MAX_NESTING + 1)})
+    assert not (tmp_path / "deeper").exists()

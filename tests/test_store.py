@@ -629,26 +629,77 @@ def test_interrupted_fallback_replace_is_repaired(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2"]
 
 
+@pytest.mark.parametrize("moment", ["withdrawn", "set aside", "published"])
 def test_crash_while_replacing_a_committed_index_leaves_a_consistent_root(
-    tmp_path: Path,
+    tmp_path: Path, moment: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Replacing index 1 withdraws it from the manifest before the swap: a crash right after
-    the swap (before the manifest records the new files) leaves a root that verifies."""
+    """Replacing index 1 withdraws it from the manifest before the swap: a crash at any step
+    before the manifest names the new files leaves a root that verifies, and the next save
+    (under the root lock) commits the old index 1 again before it picks its own index.
+    Before, the old index 1, a committed checkpoint, was lost for good."""
     root = tmp_path / "root"
     first, second, third = trained(1), trained(2), trained(3)
     save(root, first)
     save(root, second)
-    process, conn = crash_harness.start(crash_harness.replace_index_and_die, str(root), 1)
-    assert conn.poll(120) and conn.recv_bytes() == b"swapped"
+    process, conn = crash_harness.start(crash_harness.replace_index_and_die, str(root), 1, moment)
+    assert conn.poll(120) and conn.recv_bytes() == moment.encode()
     process.join(60)
     assert process.exitcode == -signal.SIGKILL
-    assert sorted(Manifest.load(root).entries) == [0]
+    assert sorted(Manifest.load(root).entries) == [0]  # until a writer comes
     assert verify(root).ok
     assert_same(states(first), loaded_states(load_checkpoint(root)))
-    assert save(root, third) == 1
+    with caplog.at_level(logging.WARNING, logger="fastckpt.container.commit"):
+        if moment == "withdrawn":  # a prune, the next writer here, puts it back too
+            assert prune(root, 5) == [] and sorted(Manifest.load(root).entries) == [0, 1]
+        assert save(root, third) == 2
+    assert "index 1 was being replaced when its writer died" in caplog.text
     assert verify(root).ok
-    assert_same(states(third), loaded_states(load_checkpoint(root, 1)))
-    assert sorted(p.name for p in root.iterdir()) == ["0", "1", MANIFEST]
+    assert_same(states(second), loaded_states(load_checkpoint(root, 1)))
+    assert_same(states(third), loaded_states(load_checkpoint(root, 2)))
+    assert sorted(p.name for p in root.iterdir()) == ["0", "1", "2", MANIFEST]
+
+
+def test_readers_wait_for_a_replacement_instead_of_finding_the_index_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While index 0 (the only one) is replaced, the manifest does not name it. Before,
+    ``list_checkpoints`` returned [] and ``latest_intact`` None in that window (a resume
+    script would start from scratch), and a load of the latest took an older index. Now the
+    writer says in its lock file which index it replaces, and readers wait for its commit."""
+    from fastckpt.container.commit import IndexWriter
+
+    root = tmp_path / "root"
+    first, second = trained(1), trained(2)
+    save_at(root, first, 0)
+    swap = IndexWriter.commit
+    paused, go = threading.Event(), threading.Event()
+
+    def paused_swap(self: IndexWriter) -> None:
+        paused.set()
+        assert go.wait(60)
+        swap(self)
+
+    monkeypatch.setattr(IndexWriter, "commit", paused_swap)
+    writer = threading.Thread(target=save_at, args=(root, second, 0))
+    writer.start()
+    assert paused.wait(60)
+    assert Manifest.load(root).entries == {}  # withdrawn: what readers used to see
+    seen: dict[str, Any] = {}
+
+    def read() -> None:
+        seen["list"] = [row["index"] for row in fastckpt.list_checkpoints(root)]
+        seen["intact"] = fastckpt.latest_intact(root)
+        seen["loaded"] = loaded_states(load_checkpoint(root))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.3)
+    assert not seen  # waiting for the writer
+    go.set()
+    writer.join(60)
+    reader.join(60)
+    assert seen["list"] == [0] and seen["intact"] == 0
+    assert_same(states(second), seen["loaded"])
 
 
 def test_the_next_save_finishes_an_interrupted_prune(tmp_path: Path) -> None:
@@ -962,3 +1013,32 @@ def test_a_sharded_save_on_a_full_disk_says_nothing_was_committed(small_disk: Pa
         assert caught.value.errno == errno.ENOSPC
         loaded = fastckpt.dcp.load_state(mount / "ck")
     assert all(torch.equal(loaded["model"][k], v) for k, v in state.items())
+
+
+def test_a_record_claiming_a_huge_world_size_loads_without_a_lookup_per_rank(
+    tmp_path: Path,
+) -> None:
+    """Before: ``world_size: 10**12`` in a re-sealed commit.json made a load look up every
+    rank's files in turn (weeks; 3,000,000 already took 10 s). The ranks past the recorded
+    files count as one absent rank."""
+    import json
+
+    from fastckpt import CheckpointManager
+    from fastckpt.format.records import seal_manifest
+
+    directory = tmp_path / "ck"
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        manager.save(directory, {"model": {"w": torch.arange(3.0)}})
+    record = json.loads((directory / "commit.json").read_text())
+    record["world_size"] = 10**12
+    (directory / "commit.json").write_text(json.dumps(seal_manifest(record)))
+    loaded: list[Any] = []
+
+    def load() -> None:
+        with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+            loaded.append(manager.load(directory)["model"]["w"])
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    loader.join(120)  # the old code never came back
+    assert not loader.is_alive() and torch.equal(loaded[0], torch.arange(3.0))

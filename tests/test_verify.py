@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -126,3 +127,51 @@ def test_a_flipped_byte_in_a_file_verified_with_direct_reads_is_found(tmp_path: 
     assert fastckpt.prune(root, keep_last=1) == []  # the newest intact index stays
     loaded = fastckpt.load_checkpoint(root, 0)["models"]["m"]["model"]
     assert torch.equal(loaded.weight, first)
+
+
+def test_a_prune_or_a_resave_during_verify_is_not_reported_as_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: verify read the record once, so an index pruned, or a manager checkpoint
+    saved again, while it read their files was reported ``missing`` / ``mismatch`` (the CLI
+    exiting 1, "damage found"). Now it checks again when the record changed meanwhile; real
+    damage is still reported."""
+    import torch
+
+    import fastckpt
+    from fastckpt.container import verify as verifying
+
+    root = tmp_path / "root"
+    for width in (2, 3, 4):
+        fastckpt.save_checkpoint(root, models={"main": (torch.nn.Linear(width, 2), None)})
+    index_files = verifying._index_files
+    pruned: list[int] = []
+
+    def prune_meanwhile(manifest: Any, index: int, threads: int) -> Any:
+        if not pruned:
+            pruned.extend(fastckpt.prune(root, keep_last=1))  # the other process's prune
+        return index_files(manifest, index, threads)
+
+    monkeypatch.setattr(verifying, "_index_files", prune_meanwhile)
+    report = verify(root)
+    assert pruned == [0, 1] and report.ok and report.indices == [2], report
+    monkeypatch.undo()
+
+    directory = tmp_path / "step"
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(directory, {"x": torch.zeros(3)})
+        check_recorded = verifying._check_recorded
+        resaved: list[bool] = []
+
+        def resave_meanwhile(*args: Any, **kwargs: Any) -> Any:
+            if not resaved:
+                resaved.append(True)
+                m.save(directory, {"x": torch.ones(3)})  # replaced while verify reads it
+            return check_recorded(*args, **kwargs)
+
+        monkeypatch.setattr(verifying, "_check_recorded", resave_meanwhile)
+        assert verify(directory).ok and resaved
+    monkeypatch.undo()
+    # damage no writer explains is still reported
+    (root / "2" / "models" / "main.spec.json").write_text("{}")
+    assert not verify(root).ok

@@ -542,21 +542,39 @@ def hold_root_lock(root: str, conn: Connection) -> None:
     time.sleep(600)
 
 
-def replace_index_and_die(root: str, index: int, conn: Connection) -> None:
-    """Child: replace committed ``index`` of ``root`` and SIGKILL itself right after the new
-    directory is swapped in, before the manifest records it."""
+def replace_index_and_die(root: str, index: int, moment: str, conn: Connection) -> None:
+    """Child: replace committed ``index`` of ``root`` and SIGKILL itself at ``moment`` of the
+    replacement: ``withdrawn`` (right after the manifest withdrew the index), ``set aside``
+    (the old directory renamed aside, the new one not in place) or ``published`` (the new
+    directory in place, the manifest not yet naming it)."""
     from fastckpt.container.commit import IndexWriter
+    from fastckpt.format.records import Manifest
 
     writer = IndexWriter(Path(root), index)
     writer.add_tensors("models/main.safetensors", {"x": torch.ones(3)})
     swap = writer.commit
 
-    def swap_then_die() -> None:
-        swap()
-        conn.send_bytes(b"swapped")
+    def die() -> None:
+        conn.send_bytes(moment.encode())
         os.kill(os.getpid(), signal.SIGKILL)
 
-    writer.commit = swap_then_die  # type: ignore[method-assign]
+    if moment == "withdrawn":
+        commit = Manifest.commit
+
+        def commit_then_die(self: Manifest) -> None:
+            commit(self)
+            die()
+
+        Manifest.commit = commit_then_die  # type: ignore[method-assign]
+    elif moment == "set aside":
+        writer.commit = die  # type: ignore[method-assign]
+    else:
+
+        def swap_then_die() -> None:
+            swap()
+            die()
+
+        writer.commit = swap_then_die  # type: ignore[method-assign]
     writer.commit_entry({"created": "", "counters": {}, "components": {}, "associations": {}})
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,9 +39,9 @@ from fastckpt.container.kinds import (
 from fastckpt.container.links import split_sizes
 from fastckpt.container.verify import FileReport, VerifyReport, verify
 from fastckpt.errors import FastCkptError
-from fastckpt.format.records import Manifest, read_commit_record
+from fastckpt.format.records import COMMIT_RECORD, Manifest, read_commit_record
 from fastckpt.io.progress import format_bytes, io_progress
-from fastckpt.storage.registry import display_path
+from fastckpt.storage.registry import backend_for, display_path
 
 # --------------------------------------------------------------------------- fastckpt verify
 
@@ -232,11 +233,25 @@ def _verify_managers(args: argparse.Namespace, children: list[Path]) -> int:
     results = []
     times = []  # each checkpoint's own (before: every line showed the whole run's)
     total = sum(_child_bytes(child) for child in children)
+    gone: list[Path] = []
     with io_progress(f"verify {args.path}", total):
         for child in children:
             started = time.perf_counter()
-            results.append(verify(child))
+            try:
+                results.append(verify(child))
+            except (OSError, FastCkptError):
+                if backend_for(child).exists(child / COMMIT_RECORD):
+                    raise
+                gone.append(child)  # deleted since it was listed: a prune or retention ran
+                continue
             times.append(time.perf_counter() - started)
+    children = [child for child in children if child not in gone]
+    for child in gone:
+        print(
+            f"{display_path(child)}: deleted while the folder was verified (a prune or a "
+            "tier's retention ran meanwhile); not checked",
+            file=sys.stderr,
+        )
     child_sizes = [_child_sizes(child) for child in children]
     statuses = [_status(report) for report in results]
     worst = EXIT_BAD if EXIT_BAD in statuses else max(statuses)

@@ -78,7 +78,7 @@ from fastckpt.storage.backend import (
     make_dirs,
 )
 from fastckpt.storage.backend import _sibling as temp_sibling
-from fastckpt.storage.lock import RootLock, checked_lock_timeout
+from fastckpt.storage.lock import REPLACING, RootLock, checked_lock_timeout
 from fastckpt.storage.registry import backend_for, display_path, is_local
 from fastckpt.storage.s3.errors import CommitOutcomeUnknownError
 
@@ -705,6 +705,7 @@ class IndexWriter(DirectoryWriter):
             sealed = Manifest.load(root)
             sealed.refuse_if_damaged()
             clean_leftovers(root, writing=index)
+            sealed = Manifest.load(root)  # as cleaned: an interrupted replacement undone
             if index is None:
                 index = 0 if sealed.latest is None else sealed.latest + 1
             self.index: int = index
@@ -785,8 +786,9 @@ class IndexWriter(DirectoryWriter):
         """Put the index directory in place, then commit ``entry`` to the manifest.
 
         Replacing a committed index first withdraws it from the manifest, so the manifest never
-        names a directory whose files differ from its records (a crash in between loses the
-        replaced index, never corrupts it). Locally, an *error* at any step (a full disk
+        names a directory whose files differ from its records (locally, a crash in between
+        leaves the old index for the next writer to commit again, see
+        :func:`_restore_interrupted_replacements`). Locally, an *error* at any step (a full disk
         included) leaves the old index committed or the new one, never neither: the new
         manifest is written (not yet renamed) before anything is withdrawn, the old manifest
         and the old directory are kept (a hard link and a rename, no space needed) until the
@@ -879,6 +881,8 @@ def _replace_local(writer: IndexWriter, manifest: Manifest, entry: dict[str, Any
             os.link(record, old_record)  # the old record, kept without a copy
         except OSError:  # a filesystem without hard links: a copy, before anything changes
             _write_aside(old_record, manifest.to_json())
+        if isinstance(writer.lock, RootLock):
+            writer.lock.announce(f"{REPLACING} {writer.index}")  # readers wait for its commit
         step = "withdrawn"
         withdrawn.commit()
         step = "set aside"
@@ -915,6 +919,48 @@ def _roll_back(
     writer.staging.discard()
 
 
+def _restore_interrupted_replacements(root: Path) -> None:
+    """Put back the index a replacement (:func:`_replace_local`) withdrew from the manifest
+    when its writer died before committing the new one: the old manifest it kept (a hard
+    link) names the index, the old directory is whole (renamed aside in one step, or not
+    moved yet), so the index is committed again as it was and the unfinished new directory
+    removed. Called under the root's lock, before the leftovers (those copies) are removed.
+    """
+    prefix = f".{MANIFEST}{ATOMIC_TEMP_INFIX}old."
+    for name in sorted(os.listdir(root)):
+        if not name.startswith(prefix):
+            continue
+        tag = name[len(prefix) :]
+        try:
+            old = Manifest.parse(root, root / name, read_record_bytes(root, name))
+            current = Manifest.load(root)
+        except (CheckpointFormatError, OSError):
+            continue  # never restore on the word of a damaged record
+        withdrawn = [i for i in old.entries if i not in current.entries]
+        if len(withdrawn) != 1:
+            continue  # not a replacement's withdrawal (or already committed again)
+        index = withdrawn[0]
+        final, aside = root / str(index), root / f"{TRASH_PREFIX}{index}~{tag}"
+        if os.path.lexists(aside):
+            if os.path.lexists(final):  # the new directory, never committed
+                unfinished = root / f"{TEMP_PREFIX}{index}~undo.{os.urandom(4).hex()}"
+                os.rename(final, unfinished)
+                shutil.rmtree(unfinished, ignore_errors=True)
+            os.rename(aside, final)
+            _native.fsync_dir(str(root))
+        elif not final.is_dir():
+            continue  # nothing to put back
+        current.entries[index] = old.entries[index]
+        current.commit()
+        _LOG.warning(
+            "%s: index %d was being replaced when its writer died; the old index %d is "
+            "committed again",
+            display_path(root),
+            index,
+            index,
+        )
+
+
 def _is_index_name(name: str) -> bool:
     return name.isdigit() and len(name) <= 18 and str(int(name)) == name
 
@@ -942,6 +988,7 @@ def clean_leftovers(
         return _clean_object_root(root, backend, writing)
     if not root.is_dir():
         return removed
+    _restore_interrupted_replacements(root)
     try:
         manifest: Manifest | None = Manifest.load(root)
     except (CheckpointFormatError, OSError):
@@ -1093,6 +1140,8 @@ def prune_indices(
         raise ValueError(f"keep_last must be >= 1 (the latest is never deleted), got {keep_last}")
     backend = backend_for(root)
     with backend.lock(root, timeout=lock_timeout):
+        if is_local(backend) and root.is_dir():
+            _restore_interrupted_replacements(root)  # before deciding what the root holds
         manifest = Manifest.load(root)
         doomed = [index for index in sorted(manifest.entries)[:-keep_last] if index not in spare]
         if doomed:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fastckpt.container.links import LINKED_DIR, split_sizes
+from fastckpt.container.snapshot import wait_out_replacement
 from fastckpt.format import records
 from fastckpt.format.records import (
     COMMIT_RECORD,
@@ -64,6 +65,8 @@ def list_checkpoints(
             checks as :func:`load_checkpoint`, its own crc32c included).
     """
     use_storage_options(root, storage_options, "list_checkpoints")
+    if is_local(backend_for(root)):
+        wait_out_replacement(Path(root))  # an index being replaced is out of the manifest
     manifest = Manifest.load(root, verify_checksum=True)
     rows = []
     for index, entry in sorted(manifest.entries.items()):

@@ -29,9 +29,16 @@ from typing import TypeVar
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.storage.lock import LOCK_FILE
+from fastckpt.storage.lock import LOCK_FILE, replacing
 
-__all__ = ["ATTEMPTS", "WRITER_WAIT_SECS", "fingerprint", "read_consistently"]
+__all__ = [
+    "ATTEMPTS",
+    "WRITER_WAIT_SECS",
+    "check_consistently",
+    "fingerprint",
+    "read_consistently",
+    "wait_out_replacement",
+]
 
 T = TypeVar("T")
 
@@ -90,6 +97,8 @@ def read_consistently(record: Path, read: Callable[[], T], *, lock_root: Path | 
     """
     pause = 0.001
     for attempt in range(ATTEMPTS):
+        if lock_root is not None:
+            wait_out_replacement(lock_root)
         before = fingerprint(record)
         try:
             return read()
@@ -106,6 +115,48 @@ def read_consistently(record: Path, read: Callable[[], T], *, lock_root: Path | 
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def check_consistently(
+    record: Path,
+    check: Callable[[], T],
+    problem: Callable[[T], str | None],
+    *,
+    lock_root: Path | None = None,
+) -> T:
+    """:func:`read_consistently` for a check that reports damage instead of raising it
+    (``fastckpt.verify``): ``check`` runs again while ``problem`` of its result (None: no
+    problem; ``"missing"``: a file or index was missing; anything else: other damage) may
+    come from a writer replacing or pruning what it checked: the record changed meanwhile,
+    or something was missing while a writer holds ``lock_root``'s lock (waited for, as a
+    read waits). Returns the last result: damage no writer explains is reported as found."""
+    pause = 0.001
+    for attempt in range(ATTEMPTS):
+        before = fingerprint(record)
+        result = check()
+        found = problem(result)
+        if found is None or attempt == ATTEMPTS - 1:
+            return result
+        if fingerprint(record) == before and not (
+            lock_root is not None
+            and found == "missing"
+            and _writer_active(lock_root)
+            and _wait_for_change(record, before, lock_root)
+        ):
+            return result
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def wait_out_replacement(root: Path) -> None:
+    """Wait (at most :data:`WRITER_WAIT_SECS`) while a live writer replaces a committed index
+    of ``root`` (withdrawn from the manifest until its new version is committed, see
+    :func:`~fastckpt.storage.lock.replacing`): a read meanwhile would find that index gone,
+    and take an older one for the newest."""
+    deadline = time.monotonic() + WRITER_WAIT_SECS
+    while replacing(root) is not None and time.monotonic() < deadline:
+        time.sleep(0.002)
 
 
 def _wait_for_change(record: Path, before: tuple[int, ...] | None, root: Path) -> bool:

@@ -41,6 +41,7 @@ from fastckpt.container.reader import FileReport, Status, check_recorded, verify
 from fastckpt.container.refs import REFS_FILE, reference_reports
 from fastckpt.container.report import VerifyReport
 from fastckpt.container.sharded.parts import part_damage, part_file_reports
+from fastckpt.container.snapshot import check_consistently, wait_out_replacement
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.records import (
     COMMIT_RECORD,
@@ -411,6 +412,22 @@ def verify(
     return container.accept(_Verifier(requested, threads or DEFAULT_THREADS))
 
 
+def _steady(
+    record: Path, check: Callable[[], VerifyReport], *, lock_root: Path | None = None
+) -> VerifyReport:
+    """``check`` (the verification of ``record`` and what it names), again while what it
+    found may come from a writer replacing or pruning the checkpoint meanwhile (see
+    :func:`~fastckpt.container.snapshot.check_consistently`): a concurrent prune or re-save is
+    not reported as damage."""
+
+    def problem(report: VerifyReport) -> str | None:
+        if report.ok:
+            return None
+        return "missing" if any(f.status == "missing" for f in report.files) else "damage"
+
+    return check_consistently(record, check, problem, lock_root=lock_root)
+
+
 class _Verifier(KindVisitor[VerifyReport]):
     """:func:`verify` of each kind of container."""
 
@@ -419,7 +436,11 @@ class _Verifier(KindVisitor[VerifyReport]):
         self.threads = threads
 
     def root(self, container: RootContainer) -> VerifyReport:
-        return _verify_root(container, container.path, self.requested, self.threads)
+        return _steady(
+            container.root / MANIFEST,
+            lambda: _verify_root(container, container.path, self.requested, self.threads),
+            lock_root=container.root,
+        )
 
     def index(self, container: IndexContainer) -> VerifyReport:
         own = container.index
@@ -427,11 +448,17 @@ class _Verifier(KindVisitor[VerifyReport]):
             raise ValueError(
                 f"{container.path} is index {own}; index={self.requested} does not apply to it"
             )
-        return _verify_root(container, container.root / str(own), own, self.threads)
+        return _steady(
+            container.root / MANIFEST,
+            lambda: _verify_root(container, container.root / str(own), own, self.threads),
+            lock_root=container.root,
+        )
 
     def manager(self, container: ManagerContainer) -> VerifyReport:
         _no_index(self.requested, container.path, "a CheckpointManager checkpoint")
-        return _verify_manager(container.path, self.threads)
+        return _steady(
+            container.path / COMMIT_RECORD, lambda: _verify_manager(container.path, self.threads)
+        )
 
     def sharded(self, container: ShardedContainer) -> VerifyReport:
         _no_index(self.requested, container.path, "a sharded checkpoint")
@@ -476,28 +503,38 @@ def latest_intact(root: str | os.PathLike[str], *, threads: int | None = None) -
     """
     root = Path(root)
     workers = max(1, threads or DEFAULT_THREADS)
-    try:
-        manifest = Manifest.load(root, verify_checksum=True)
-    except ChecksumMismatchError as err:
-        warnings.warn(
-            f"{err}; checking every index against it anyway",
-            CheckpointSkippedWarning,
-            stacklevel=2,
-        )
-        manifest = Manifest.load(root)
-    for index in sorted(manifest.entries, reverse=True):
-        failures = [r for r in _index_files(manifest, index, workers) if not r.ok]
-        problem = None
-        if failures:
-            more = f" (and {len(failures) - 1} more problem(s))" if len(failures) > 1 else ""
-            problem = f"{failures[0].status}: {failures[0].message}{more}"
-        else:
-            problem = part_damage(manifest, index, workers)  # an FSDP2 strategy's shards
-        if problem is None:
-            return index
-        warnings.warn(
-            f"{root}: skipping checkpoint index {index}, it failed verification: {problem}",
-            CheckpointSkippedWarning,
-            stacklevel=2,
-        )
-    return None
+    wait_out_replacement(root)  # an index being replaced is out of the manifest until then
+
+    def search() -> tuple[int | None, list[str]]:
+        """The newest index that verifies, and why each newer one was skipped."""
+        skipped: list[str] = []
+        try:
+            manifest = Manifest.load(root, verify_checksum=True)
+        except ChecksumMismatchError as err:
+            skipped.append(f"{err}; checking every index against it anyway")
+            manifest = Manifest.load(root)
+        for index in sorted(manifest.entries, reverse=True):
+            failures = [r for r in _index_files(manifest, index, workers) if not r.ok]
+            problem = None
+            if failures:
+                more = f" (and {len(failures) - 1} more problem(s))" if len(failures) > 1 else ""
+                problem = f"{failures[0].status}: {failures[0].message}{more}"
+            else:
+                problem = part_damage(manifest, index, workers)  # an FSDP2 strategy's shards
+            if problem is None:
+                return index, skipped
+            skipped.append(
+                f"{root}: skipping checkpoint index {index}, it failed verification: {problem}"
+            )
+        return None, skipped
+
+    def problem(found: tuple[int | None, list[str]]) -> str | None:
+        if not found[1]:
+            return None
+        return "missing" if any("missing" in why for why in found[1]) else "damage"
+
+    # Again while a writer replacing or pruning indices explains what was found (as verify).
+    index, skipped = check_consistently(root / MANIFEST, search, problem, lock_root=root)
+    for why in skipped:
+        warnings.warn(why, CheckpointSkippedWarning, stacklevel=2)
+    return index

@@ -51,7 +51,12 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from fastckpt.container.sharded.chunks import ChunkFiles, Want, box_view
-from fastckpt.container.sharded.commit import RECORD_NAME, new_generation, read_record
+from fastckpt.container.sharded.commit import (
+    RECORD_NAME,
+    new_generation,
+    read_record,
+    refuse_torch_checkpoint,
+)
 from fastckpt.container.sharded.reads import DEFAULT_STAGE_BYTES, ReadPlan
 from fastckpt.container.sharded.values import as_planner_bytes, decode_value
 from fastckpt.dcp import peers
@@ -170,6 +175,7 @@ class Reader(StorageReader):
         self._metadata_error = None
         try:
             self._record = self._pinned if self._pinned is not None else read_record(self.path)
+            refuse_torch_checkpoint(self.path, "load")
         except (OSError, CheckpointFormatError, ChecksumMismatchError) as err:
             self._record = None
             self._metadata_error = err

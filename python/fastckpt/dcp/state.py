@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from fastckpt.container.commit import record_names_generation
 from fastckpt.container.sharded.commit import RECORD_NAME, read_record
 from fastckpt.container.snapshot import read_consistently
+from fastckpt.container.templates import check_disjoint_templates, check_tensor_template, is_dtensor
 from fastckpt.dcp.reader import Passes, Reader
 from fastckpt.dcp.writer import Writer
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, FastCkptError
@@ -286,6 +287,11 @@ def _check_templates(
     flat, mapping = flatten_state_dict(dict(templates))
     stored = metadata.state_dict_metadata
     for fqn, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            # memory of its own, checked before any template is filled (a meta tensor, an
+            # expanded one: DCP's copy fails once the templates before it are filled)
+            local = value.to_local() if is_dtensor(value) else value  # type: ignore[attr-defined]
+            check_tensor_template(local, fqn)
         entry = stored.get(fqn)
         if entry is None:
             if strict:
@@ -307,6 +313,7 @@ def _check_templates(
                 f"{fqn}: checkpoint has {_describe_entry(entry)}, template has "
                 f"{_describe(value)} (a DTensor template is compared by its global shape)"
             )
+    check_disjoint_templates(templates)
     if strict:
         _check_nothing_left_out(path, metadata, templates, mapping.values())
 

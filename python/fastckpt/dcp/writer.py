@@ -39,6 +39,7 @@ from fastckpt.container.sharded.commit import (
     data_file_name,
     make_generation_dir,
     new_generation,
+    refuse_torch_checkpoint,
 )
 from fastckpt.container.sharded.values import encode_value, planner_object
 from fastckpt.dcp.stager import DcpStager
@@ -167,7 +168,13 @@ class Writer(StorageWriter, DcpStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Pick a fresh generation directory for this save and tell every rank."""
+        """Pick a fresh generation directory for this save and tell every rank.
+
+        Raises:
+            CheckpointFormatError: the directory holds a checkpoint of torch's
+                ``FileSystemWriter`` (nothing is written).
+        """
+        refuse_torch_checkpoint(self.path, "save into")
         generation = new_generation()
         self._generation = self.current_generation = generation
         return [

@@ -41,6 +41,7 @@ __all__ = [
     "MANIFEST",
     "MANIFEST_CRC_FIELD",
     "MAX_INDEX",
+    "MAX_JSON_DEPTH",
     "SAVED_NOW",
     "SAVED_NS",
     "SCHEMA_VERSION",
@@ -58,6 +59,7 @@ __all__ = [
     "item_files",
     "json_bytes",
     "load_json",
+    "nesting_depth",
     "new_generation",
     "now_ns",
     "read_by_size",
@@ -150,6 +152,32 @@ def _finite_float(text: str) -> float:
     return value
 
 
+#: The deepest nesting of lists and objects a checkpoint JSON document may hold: readers
+#: walk documents recursively, and a document edited to nest far deeper would exhaust
+#: Python's stack (a bare ``RecursionError``) instead of failing as a format error.
+MAX_JSON_DEPTH = 200
+
+
+def nesting_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
+    """How deep lists, tuples and mappings nest in ``value`` (a scalar: 0), counted up to
+    ``limit + 1`` (then the walk stops), without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def load_json(path: str | os.PathLike[str], raw: bytes) -> Any:
     """Parse a checkpoint JSON document: invalid UTF-8/JSON, absurd nesting or numbers,
     ``NaN``/``Infinity`` (not JSON; fastckpt never writes them: a non-finite float is a
@@ -157,7 +185,7 @@ def load_json(path: str | os.PathLike[str], raw: bytes) -> Any:
     resolve) are all format errors naming the file."""
     shown = display_path(path)
     try:
-        return json.loads(
+        document = json.loads(
             raw,
             object_pairs_hook=_unique_keys,
             parse_constant=_no_constant,
@@ -167,6 +195,13 @@ def load_json(path: str | os.PathLike[str], raw: bytes) -> Any:
         raise CheckpointFormatError(f"{shown}: {err}") from None
     except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, ...
         raise CheckpointFormatError(f"{shown}: not valid JSON ({err})") from None
+    if nesting_depth(document) > MAX_JSON_DEPTH:
+        raise CheckpointFormatError(
+            f"{shown}: lists and objects nested more than {MAX_JSON_DEPTH} levels deep; "
+            "fastckpt never writes such a document (it was edited or damaged): restore the "
+            "checkpoint from a copy"
+        )
+    return document
 
 
 def read_record_bytes(directory: str | os.PathLike[str], name: str) -> bytes:
@@ -369,6 +404,19 @@ class Manifest:
             return cls(root)
         except IsADirectoryError:
             raise CheckpointFormatError(f"{shown}: is a directory, not a manifest") from None
+        return cls.parse(root, path, raw, verify_checksum=verify_checksum)
+
+    @classmethod
+    def parse(
+        cls, root: Path, path: Path, raw: bytes, *, verify_checksum: bool = False
+    ) -> Manifest:
+        """The manifest of ``root`` whose bytes ``raw`` were read from ``path`` (its own file,
+        or a copy of it); validated as :meth:`load` validates.
+
+        Raises:
+            what :meth:`load` raises.
+        """
+        shown = display_path(path)
         data = load_json(path, raw)
         entries = _parse_entries(path, data)
         stored = data.get(MANIFEST_CRC_FIELD)

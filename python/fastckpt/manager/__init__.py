@@ -54,6 +54,7 @@ from fastckpt.container.promote_checkpoints import (
     tier_left_behind,
 )
 from fastckpt.container.snapshot import read_consistently
+from fastckpt.container.templates import check_disjoint_templates
 from fastckpt.errors import (
     CheckpointFormatError,
     CheckpointMismatchError,
@@ -98,7 +99,7 @@ from fastckpt.manager.config import (
 from fastckpt.manager.incremental import LinkPlan, Tracker
 from fastckpt.manager.load import DirectRead, plan_direct_read
 from fastckpt.manager.stateful import (
-    check_disjoint_templates,
+    check_nesting,
     check_restore,
     check_template,
     contains_stateful,
@@ -334,10 +335,15 @@ def _check_world_size(
         entry = files.get(record_file(record, name))
         return None if not isinstance(entry, Mapping) else entry.get("crc32c")
 
+    # Ranks past the number of recorded files cannot all have files (an edited world_size of
+    # 10**12 must not mean 10**12 lookups): one of them stands for the rest, as absent.
+    ranks = range(min(saved, len(files) + 1))
     differing = []
     for key in keys:
-        tensors = {crc(f"{key}.rank{r}.safetensors") for r in range(saved)}
-        skeletons = {crc(f"{key}.json")} | {crc(f"{key}.rank{r}.json") for r in range(1, saved)}
+        tensors = {crc(f"{key}.rank{r}.safetensors") for r in ranks}
+        if saved > len(ranks):
+            tensors.add(None)
+        skeletons = {crc(f"{key}.json")} | {crc(f"{key}.rank{r}.json") for r in ranks[1:]}
         skeletons.discard(None)  # earlier versions wrote rank 0's skeleton only
         if len(tensors) > 1 or len(skeletons) > 1:
             differing.append(key)
@@ -819,6 +825,7 @@ class CheckpointManager:
         for key, value in state.items():
             check_item_key(key)
             self._spec(key)
+            check_nesting(value, key)
             prepared[key] = prepare_save(value, key)
         for key, spec in self.config.items.items():
             if spec.required and key not in state:
@@ -1037,6 +1044,7 @@ class CheckpointManager:
         for key, value in state.items():
             check_item_key(key)
             self._spec(key)
+            check_nesting(value, key)
             prepared[key] = prepare_save(value, key)
         if _sharded_state(prepared):
             raise ValueError(

@@ -15,7 +15,15 @@ from typing import Any
 
 from fastckpt.errors import CheckpointFormatError
 
-__all__ = ["LOCK_FILE", "WARN_AFTER_SECS", "RootLock", "checked_lock_timeout", "lock_holder"]
+__all__ = [
+    "LOCK_FILE",
+    "REPLACING",
+    "WARN_AFTER_SECS",
+    "RootLock",
+    "checked_lock_timeout",
+    "lock_holder",
+    "replacing",
+]
 
 LOCK_FILE = ".fastckpt.lock"
 #: How long an acquirer waits before it logs who holds the lock (seconds).
@@ -37,17 +45,47 @@ def lock_holder(root: str | os.PathLike[str]) -> str:
         text = []
     finally:
         os.close(fd)
-    if len(text) == 2 and text[0].isdigit():
+    if len(text) >= 2 and text[0].isdigit():
         return f"pid {text[0]} on host {text[1]}"
     return "an unknown process"
 
 
-def _say_holder(fd: int) -> None:
-    """Write ``pid host`` into the held lock file, for :func:`lock_holder` (best effort: a
-    full disk must not stop a save that needs no new space)."""
+#: What a holder replacing a committed index says it does (``pid host replacing <index>``).
+REPLACING = "replacing"
+
+
+def replacing(root: str | os.PathLike[str]) -> int | None:
+    """The index a live writer of ``root`` is replacing (it withdrew the index from the
+    manifest until the new one is committed), as its lock file says; None when no process
+    holds the lock (a dead writer's file says nothing) or it does something else."""
+    try:
+        fd = os.open(os.path.join(root, LOCK_FILE), _READ_FLAGS)
+    except OSError:
+        return None
+    try:
+        words = os.read(fd, 256).decode("ascii", "replace").split()
+        if len(words) != 4 or words[2] != REPLACING or not words[3].isdigit():
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken: nobody holds the lock
+        except BlockingIOError:
+            return int(words[3])
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _say_holder(fd: int, doing: str = "") -> None:
+    """Write ``pid host`` (and what the holder does) into the held lock file, for
+    :func:`lock_holder` and :func:`replacing` (best effort: a full disk must not stop a save
+    that needs no new space)."""
+    line = f"{os.getpid()} {socket.gethostname()}" + (f" {doing}" if doing else "")
     try:
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        os.pwrite(fd, f"{line}\n".encode(), 0)
     except OSError:
         pass
 
@@ -183,6 +221,12 @@ class RootLock:
             return False
         mine = os.fstat(fd)
         return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def announce(self, doing: str) -> None:
+        """Say in the held lock file what this holder does (read by :func:`replacing`)."""
+        if self._fd is None:
+            raise RuntimeError(f"{self.path}: not held by this RootLock")
+        _say_holder(self._fd, doing)
 
     def release(self) -> None:
         """Delete the lock file and release the lock (idempotent)."""

@@ -36,6 +36,7 @@ from fastckpt.container.commit import (
 from fastckpt.errors import CheckpointFormatError, NotCommittedError
 from fastckpt.format.records import SHARDED_RECORD, new_generation, read_record_bytes
 from fastckpt.format.sharded import Record, decode_record
+from fastckpt.storage.registry import backend_for, display_path
 
 __all__ = [
     "RECORD_NAME",
@@ -45,10 +46,34 @@ __all__ = [
     "make_generation_dir",
     "new_generation",
     "read_record",
+    "refuse_torch_checkpoint",
 ]
 
 #: Name of the commit record inside a checkpoint directory.
 RECORD_NAME = SHARDED_RECORD
+
+
+#: The metadata file of a checkpoint written by torch's own ``FileSystemWriter``.
+TORCH_METADATA = ".metadata"
+
+
+def refuse_torch_checkpoint(path: Path, action: str) -> None:
+    """Refuse to ``action`` (save into, load) the checkpoint directory ``path`` when it also
+    holds a checkpoint written by torch's ``FileSystemWriter`` (its ``.metadata``): the two
+    formats side by side leave each reader loading its own, older or newer, without a word.
+
+    Raises:
+        CheckpointFormatError: names the directory, the file and the fix.
+    """
+    if backend_for(path).exists(path / TORCH_METADATA):
+        raise CheckpointFormatError(
+            f"{display_path(path)}: cannot {action} it: it holds a checkpoint written by "
+            f"torch's FileSystemWriter ({TORCH_METADATA}), and a fastckpt checkpoint beside "
+            "it would leave each reader loading its own one, one of them stale. Save into "
+            "a new checkpoint id (to move a torch checkpoint over, load it with "
+            "FileSystemReader and save it with fastckpt.dcp.Writer there), or delete one of "
+            "the two"
+        )
 
 
 def data_file_name(rank: int, part: int, suffix: str) -> str:
