@@ -498,3 +498,72 @@ def test_a_spec_nested_past_what_loads_read_is_a_format_error(tmp_path: Path) ->
     assert (
         cli.returncode == 2 and "nested more than" in cli.stderr and "Traceback" not in cli.stderr
     )
+
+
+def test_a_spec_naming_a_fastckpt_integration_imports_no_framework(tmp_path: Path) -> None:
+    """fastckpt's own modules may be imported to resolve a spec, but not its integrations:
+    before, ``fastckpt.integrations.lightning.Nope`` imported Lightning (torchmetrics,
+    matplotlib, ...) and ran their import-time code, then failed with a bare ImportError."""
+    import subprocess
+    import sys
+
+    model, spec = mlp_and_spec()
+    save_checkpoint(tmp_path, models={"main": (model, spec)})
+    retarget_spec(
+        tmp_path, 0, "models/main.spec.json", {"cls_path": "fastckpt.integrations.lightning.Nope"}
+    )
+    code = (
+        "import sys, fastckpt\n"
+        "try:\n"
+        f"    fastckpt.load_checkpoint({str(tmp_path)!r})\n"
+        "except fastckpt.UntrustedTargetError as err:\n"
+        "    print('refused', 'main.spec.json' in str(err))\n"
+        "print('lightning' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["refused", "True", "False"], out
+
+
+def test_refused_or_vanished_classes_name_the_file_that_records_them(tmp_path: Path) -> None:
+    """Before: a model class gone since the save (renamed in a refactor) was a bare
+    ImportError, and a refused optimizer or scheduler class an UntrustedTargetError naming no
+    file."""
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2)
+
+    def fresh() -> None:
+        save_checkpoint(
+            tmp_path,
+            models={"main": (model, None)},
+            optimizers={"opt": (optimizer, None)},
+            schedulers={"sch": (scheduler, None)},
+            checkpoint_index=0,
+        )
+
+    fresh()
+    retarget_spec(tmp_path, 0, "models/main.spec.json", {"cls_path": "torch.nn.NoSuchLayer"})
+    with pytest.raises(CheckpointFormatError, match=r"0/models/main\.spec\.json: .*NoSuchLayer"):
+        load_checkpoint(tmp_path)
+    for relpath, path, error in (
+        ("optimizers/opt.json", "os.system", UntrustedTargetError),
+        ("schedulers/sch.json", "torch.optim.sgd.SGD", UntrustedTargetError),
+        ("optimizers/opt.json", "torch.optim.NoSuchOptimizer", CheckpointFormatError),
+    ):
+        fresh()
+        document = json.loads((tmp_path / "0" / relpath).read_text())
+        retarget_spec(tmp_path, 0, relpath, {"spec": {**document["spec"], "cls_path": path}})
+        with pytest.raises(error, match=rf"0/{re.escape(relpath)}: .*{re.escape(path)}"):
+            load_checkpoint(tmp_path)
+
+
+def test_trusted_entries_are_checked_like_registrations(tmp_path: Path) -> None:
+    """Before: ``trusted=["not a path!"]`` was accepted and ignored (``register_trusted``
+    refuses it), and ``trusted=5`` was "'int' object is not iterable"."""
+    model, spec = mlp_and_spec()
+    save_checkpoint(tmp_path, models={"main": (model, spec)})
+    with pytest.raises(ValueError, match="'not a path!' is not a dotted path"):
+        load_checkpoint(tmp_path, trusted=["not a path!"])
+    with pytest.raises(TypeError, match="trusted= must be dotted paths or callables"):
+        load_checkpoint(tmp_path, trusted=5)  # type: ignore[arg-type]
+    assert load_checkpoint(tmp_path, trusted=["torch.nn.Linear"])["models"]["main"]

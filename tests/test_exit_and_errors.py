@@ -626,3 +626,30 @@ def test_a_frozen_record_naming_a_missing_parameter_is_a_format_error(tmp_path: 
     (tmp_path / "run" / MANIFEST).write_text(json.dumps(seal_manifest(document)))
     with pytest.raises(CheckpointFormatError, match=r"frozen must be an object keyed by names"):
         fastckpt.load_checkpoint(tmp_path / "run")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("scheduler_cls", 5, "must be a dotted path or null, got 5"),
+        ("optimizer_cls", "torch.optim.sgd.SGD", "names torch.optim.sgd.SGD, but .*adam.Adam"),
+        ("optimizer_cls", "os.system", "names os.system, but .*adam.Adam"),
+        ("scheduler_cls", "torch.optim.lr_scheduler.ExponentialLR", "ExponentialLR, but .*StepLR"),
+    ],
+)
+def test_an_edited_optimizer_recipe_is_refused_at_load(
+    tmp_path: Path, field: str, value: Any, message: str
+) -> None:
+    """``strategy.json``'s optimizer recipe is recorded again by the next save and builds a
+    fine-tuning run's optimizer. Before, a recipe naming another class (or ``5``) loaded:
+    the run then failed at its first save after training, or switched optimizers for good."""
+    strategy = support.new_strategy([], num_steps=2)
+    strategy.run(support.loader())
+    strategy.save_checkpoint(tmp_path)
+    (index,) = Manifest.load(tmp_path).entries
+    recipe = json.loads((tmp_path / str(index) / "strategy.json").read_text())
+    (config,) = recipe["optimizer_configs"].values()
+    config[field] = value
+    _reseal(tmp_path, index, "strategy.json", json.dumps(recipe).encode())
+    with pytest.raises(fastckpt.CheckpointFormatError, match=rf"strategy\.json.*{message}"):
+        TrainingStrategy.load_checkpoint(tmp_path, training_fn=support.training_fn)

@@ -158,18 +158,33 @@ def test_a_rebuilt_hook_saves_and_prunes_only_where_the_caller_says(
     assert fastckpt.list_checkpoints(victim) == before
 
 
-def test_every_checkpoint_hook_of_a_run_keeps_its_own_root(tmp_path: Path) -> None:
-    """A run with a rolling hook and an archive hook: each is rebuilt on its own root (only
-    a run's one CheckpointHook is moved to the root passed)."""
+def test_a_second_checkpoint_hook_is_rebuilt_only_on_a_root_the_caller_names(
+    tmp_path: Path,
+) -> None:
+    """A run with a rolling hook and an archive hook. A checkpoint's recorded paths never
+    decide by themselves where the resumed run saves and prunes: before, an edited
+    ``hooks.json`` adding a hook on another run's root (``keep_last=1``) made the resumed
+    run delete that run's checkpoints. Now a hook on a root the caller did not name is left
+    out with a warning; ``hooks=[...]`` keeps both."""
     steps, epochs = tmp_path / "steps", tmp_path / "epochs"
     rolling = fastckpt.CheckpointHook(steps, step_interval=2, keep_last=2, async_save=False)
     archive = fastckpt.CheckpointHook(epochs, epoch_interval=1, save_last=False, async_save=False)
     support.new_strategy([rolling, archive], num_steps=8).run(support.loader())
-    resumed = _resume(steps)
-    assert [hook.checkpoint_dir for hook in resumed.hooks] == [steps, epochs]
+    archived = fastckpt.list_checkpoints(epochs)
+    with pytest.warns(UserWarning, match=r"saving to .*epochs.*a root you did not name"):
+        resumed = _resume(steps)
+    assert [hook.checkpoint_dir for hook in resumed.hooks] == [steps]
     resumed.num_steps = 20
     resumed.run(support.loader())
-    assert [r["counters"]["step_count"] for r in fastckpt.list_checkpoints(epochs)] == [8, 16]
+    assert fastckpt.list_checkpoints(epochs) == archived  # not written, not pruned
+    both = [
+        fastckpt.CheckpointHook(steps, step_interval=2, keep_last=2, async_save=False),
+        fastckpt.CheckpointHook(epochs, epoch_interval=1, save_last=False, async_save=False),
+    ]
+    resumed = _resume(steps, hooks=both)
+    resumed.num_steps = 28
+    resumed.run(support.loader())
+    assert [r["counters"]["step_count"] for r in fastckpt.list_checkpoints(epochs)][-1] == 24
 
 
 def test_a_resumed_run_saves_where_it_was_loaded_from_after_a_move_or_from_another_directory(

@@ -130,6 +130,13 @@ def _all_meta(model: torch.nn.Module) -> bool:
     return all(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
 
 
+#: What a recorded class path that no longer resolves usually means.
+GONE_CLASS_HINT = (
+    "the class it records is not there (renamed, moved or removed since the save?): restore "
+    "it under that name, or build the object yourself and load the state into it"
+)
+
+
 def build_model(
     spec: BaseSpec,
     *,
@@ -197,6 +204,8 @@ def build_model(
             raise
         # Name the file (and model) the refused path came from, as every format error does.
         raise UntrustedTargetError(f"{where}: {err}") from None
+    except ImportError as err:
+        raise CheckpointFormatError(f"{where}: {err}; {GONE_CLASS_HINT}") from err
     root = targets[id(spec)]
     # A spec that records a device passes it however the target takes it (``**kwargs``).
     accepts_device = _takes_device(root) or "device" in spec.kwargs

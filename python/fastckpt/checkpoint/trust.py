@@ -292,6 +292,10 @@ def frozen_trusted(
         return None
     if isinstance(trusted, str):
         return (trusted,)
+    if not isinstance(trusted, Iterable):
+        raise TypeError(
+            f"trusted= must be dotted paths or callables (a list of them), got {trusted!r}"
+        )
     return tuple(trusted)
 
 
@@ -304,9 +308,13 @@ def _normalize_trusted(
         return paths, objects
     if isinstance(trusted, str):
         trusted = [trusted]
+    if not isinstance(trusted, Iterable):
+        raise TypeError(
+            f"trusted= must be dotted paths or callables (a list of them), got {trusted!r}"
+        )
     for entry in trusted:
         if isinstance(entry, str):
-            paths.add(entry)
+            paths.add(validate_dotted_path(entry))  # as register_trusted checks it
         else:
             paths.add(dotted_path(entry))
             objects.append(entry)
@@ -437,6 +445,11 @@ def _refuse(path: str, kind: str, found: str) -> UntrustedTargetError:
     )
 
 
+_OWN_PACKAGE = __name__.split(".", 1)[0]
+#: fastckpt modules that import third-party frameworks: never imported for a checkpoint.
+_THIRD_PARTY_GLUE = (f"{_OWN_PACKAGE}.integrations.",)
+
+
 def resolve_target(
     path: str, kind: str, trusted: Iterable[str | Callable[..., Any]] | None = None
 ) -> Any:
@@ -456,7 +469,8 @@ def resolve_target(
     it is looked up only through modules that are already imported (a tampered spec must not
     be able to run the import-time code of an installed module, or of a submodule of an
     imported package), and a path that needs a module not imported yet is refused (fastckpt's
-    own modules excepted). A trusted path is imported as needed. Nothing is called.
+    own modules excepted, but not ``fastckpt.integrations``, which import the frameworks they
+    join). A trusted path is imported as needed. Nothing is called.
 
     Args:
         path: The dotted path, e.g. ``"torch.nn.Linear"`` or ``"pkg.Model.from_config"``.
@@ -490,9 +504,14 @@ def resolve_target(
             return loaded
         raise _refuse(path, kind, "it is not in the trusted list")
     obj = _resolve_loaded(path)
-    if obj is _MISSING and _top_package(path) == __name__.split(".", 1)[0]:
+    if (
+        obj is _MISSING
+        and _top_package(path) == _OWN_PACKAGE
+        and not path.startswith(_THIRD_PARTY_GLUE)
+    ):
         # fastckpt's own modules (``fastckpt.demo`` run as a script, say) are this library's
-        # code, which is already running: importing one is no new trust.
+        # code, which is already running: importing one is no new trust. Not its integrations:
+        # importing one imports the framework it joins (Lightning and everything it loads).
         obj = _import_path(path)
     if obj is _MISSING:
         # Importing a module runs its code: a tampered spec must not be able to make us import

@@ -48,9 +48,10 @@ def check_name(name: object, what: str) -> str:
     return name
 
 
-#: The longest name a save accepts, in UTF-8 bytes: the files and temporary folders named
-#: after it add suffixes and tags (``.spec.json``, ``.<index>.safetensors``,
-#: ``.tmp-<name>~<pid>~<host>~<tag>``), and filesystems refuse names over 255 bytes.
+#: The longest model, optimizer, scheduler or item name a save accepts, in UTF-8 bytes: the
+#: files named after it add suffixes (``.spec.json``, ``linked/<name>.<index>.safetensors``)
+#: and filesystems refuse names over 255 bytes. (A checkpoint folder's own name is checked
+#: against its temporary sibling's length when it is saved.)
 MAX_NAME_BYTES = 160
 
 
@@ -64,8 +65,8 @@ def check_name_length(name: str, what: str) -> str:
     if size > MAX_NAME_BYTES:
         raise CheckpointFormatError(
             f"{what} {name[:40]!r}... is {size} bytes long (UTF-8): names of more than "
-            f"{MAX_NAME_BYTES} bytes cannot be saved, as the files and temporary folders named "
-            "after it would pass the filesystem's 255-byte limit; use a shorter name"
+            f"{MAX_NAME_BYTES} bytes cannot be saved, as the files named after it would pass "
+            "the filesystem's 255-byte limit; use a shorter name"
         )
     return name
 

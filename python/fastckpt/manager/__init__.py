@@ -73,7 +73,7 @@ from fastckpt.format.records import (
     record_file,
 )
 from fastckpt.io import tree
-from fastckpt.io.paths import check_name, check_name_length, safe_join
+from fastckpt.io.paths import check_name, safe_join
 from fastckpt.io.progress import log_throughput
 from fastckpt.io.staging import (
     Stager,
@@ -816,9 +816,7 @@ class CheckpointManager:
         if self._writer is not None:
             self._writer.wait_timeout = self.config.save.wait_timeout_secs  # read live
             self._writer.collect()
-        check_name_length(
-            check_name(path.name, "checkpoint directory name"), "checkpoint directory name"
-        )
+        check_name(path.name, "checkpoint directory name")  # its length: see _sibling
         refuse_to_replace(path)
         refuse_inside_checkpoint(path)
         prepared: dict[str, Any] = {}

@@ -134,6 +134,14 @@ class OptimizerConfig:
         """Inverse of :meth:`to_json` (classes stay dotted paths until :meth:`build`)."""
         if not isinstance(data, Mapping) or not isinstance(data.get("optimizer_cls"), str):
             raise CheckpointFormatError(f"bad optimizer config {data!r}")
+        scheduler_cls = data.get("scheduler_cls")
+        if scheduler_cls is not None and not isinstance(scheduler_cls, str):
+            raise CheckpointFormatError(
+                f"field 'scheduler_cls' must be a dotted path or null, got {scheduler_cls!r}"
+            )
+        for key in ("optimizer_cls", "scheduler_cls"):
+            if data.get(key) is not None:
+                trust.validate_dotted_path(data[key])  # the form only: nothing imported
         return cls(
             optimizer_cls=data["optimizer_cls"],
             optimizer_kwargs=specs.decode_value(data.get("optimizer_kwargs") or {}),
@@ -1517,6 +1525,7 @@ class TrainingStrategy:
                 strategy.optimizers[opt_name] = item["optimizer"]
             for sched_name, item in record["schedulers"].items():
                 strategy.schedulers[sched_name] = item["scheduler"]
+        _check_configs_match(configs, strategy.optimizers, strategy.schedulers, where)
         strategy.optimizer_configs.update(configs)
         strategy._apply_runtime(runtime, reader)
         return strategy
@@ -1674,6 +1683,34 @@ def _run_limit(recipe: Mapping[str, Any], name: str, where: str) -> int | None:
             f"{where}: field {name!r} must be null or an integer >= 0, got {value!r}"
         )
     return value
+
+
+def _check_configs_match(
+    configs: Mapping[str, OptimizerConfig],
+    optimizers: Mapping[str, Any],
+    schedulers: Mapping[str, Any],
+    where: str,
+) -> None:
+    """A run's recorded optimizer recipes (``strategy.json``) name the classes of the
+    optimizers and schedulers the checkpoint rebuilt (their own files): the recipe is
+    recorded again by the next save and builds a fine-tuning run's optimizer, so a recipe
+    naming another class would change the run from its next save on.
+
+    Raises:
+        CheckpointFormatError: names ``where``, the recipe and both classes.
+    """
+    for name, config in configs.items():
+        pairs = [("optimizer_cls", config.optimizer_cls, optimizers.get(name))]
+        pairs.append(("scheduler_cls", config.scheduler_cls, schedulers.get(name)))
+        for key, recorded, live in pairs:
+            if live is None or not isinstance(recorded, str):
+                continue
+            if _names_other_class(recorded, type(live)):
+                raise CheckpointFormatError(
+                    f"{where}: field 'optimizer_configs.{name}.{key}' names {recorded}, but "
+                    f"the checkpoint's {name!r} is a {trust.dotted_path(type(live))}; the "
+                    "file was edited or is another run's: restore it from a copy"
+                )
 
 
 def _names_other_class(recorded: str, live: type) -> bool:

@@ -126,22 +126,28 @@ def rebuild_hooks(
 
     The run's one :class:`CheckpointHook` saves where the caller says, not where the
     checkpoint says (see :func:`_placed`): ``named`` are the roots the caller passed
-    (``root``, then ``fallback_dirs``). A run with several keeps their recorded roots (which
-    hook saved the loaded index is not known when none names the caller's root: a warning
-    says so).
+    (``root``, then ``fallback_dirs``). A run with several keeps those whose recorded roots
+    the caller named; each other one is left out with a warning (a recorded path must not
+    decide by itself where the resumed run saves and prunes: an edited ``hooks.json`` could
+    add a hook whose retention deletes another run's checkpoints).
 
     Raises:
         CheckpointFormatError: a recorded configuration the hook's constructor refuses, or
             with a key its ``hook_config()`` never records.
     """
     savers = [r for r in records if REBUILDABLE.get(r["class"]) is CheckpointHook]
-    if len(savers) > 1 and named and not any(_records_root(r, named[0]) for r in savers):
-        warnings.warn(
-            f"{where}: the run had {len(savers)} CheckpointHooks, none saving to "
-            f"{display_path(named[0])!r}; they are rebuilt with the roots they recorded "
-            "(pass hooks=[...] to load_checkpoint to choose)",
-            stacklevel=4,
-        )
+    if len(savers) > 1 and named:
+        unnamed = [r for r in savers if not any(_records_root(r, n) for n in named)]
+        for record in unnamed:
+            config = record.get("config") or {}
+            warnings.warn(
+                f"{where}: the run had a CheckpointHook saving to "
+                f"{config.get('checkpoint_dir')!r}, a root you did not name; the resumed run "
+                "goes without it (pass hooks=[...] to load_checkpoint to keep it)",
+                stacklevel=4,
+            )
+        records = [r for r in records if not any(r is u for u in unnamed)]
+        savers = [r for r in savers if not any(r is u for u in unnamed)]
     hooks = []
     for i, record in enumerate(records):
         cls = REBUILDABLE.get(record["class"])
