@@ -1700,8 +1700,10 @@ def _check_configs_match(
         CheckpointFormatError: names ``where``, the recipe and both classes.
     """
     for name, config in configs.items():
-        pairs = [("optimizer_cls", config.optimizer_cls, optimizers.get(name))]
-        pairs.append(("scheduler_cls", config.scheduler_cls, schedulers.get(name)))
+        pairs: list[tuple[str, Any, Any]] = [
+            ("optimizer_cls", config.optimizer_cls, optimizers.get(name)),
+            ("scheduler_cls", config.scheduler_cls, schedulers.get(name)),
+        ]
         for key, recorded, live in pairs:
             if live is None or not isinstance(recorded, str):
                 continue
