@@ -1079,3 +1079,85 @@ def test_an_edited_manifest_is_never_resealed_and_restores_fall_back(tmp_path: P
     assert Path(copy["path"]) == durable and "manifest.json" in copy["skipped"][0]
     got = loaded["models"]["main"]["model"].state_dict()
     assert all(torch.equal(got[k], v) for k, v in states[1].items())
+
+
+def test_a_damaged_refs_json_in_the_newest_fast_index_falls_back_to_the_durable_copy(
+    tmp_path: Path,
+) -> None:
+    """Before: a flipped byte in the newest fast index's ``refs.json`` made the restore raise
+    ``ChecksumMismatchError`` instead of taking the intact durable copy (and ``verify`` and
+    ``prune`` of that root stopped at it, exit 2)."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    model = _model(2)
+    for step in range(3):
+        with torch.no_grad():
+            model[1].weight.add_(1.0)  # the first layer stays: referenced incrementally
+        fastckpt.save_checkpoint(fast, models={"main": (model, None)}, counters={"s": step})
+    promote(fast, durable)
+    refs_json = fast / "2" / "refs.json"
+    assert refs_json.exists()
+    data = bytearray(refs_json.read_bytes())
+    data[len(data) // 2] ^= 1
+    refs_json.write_bytes(bytes(data))
+    loaded = fastckpt.load_checkpoint(fast, fallback_dirs=[durable])
+    copy = loaded["restored_from"]
+    assert copy["path"] == str(durable) and copy["index"] == 2
+    assert any("refs.json" in why for why in copy["skipped"]), copy
+    expected = fastckpt.load_checkpoint(durable, 2)["models"]["main"]["model"].state_dict()
+    for name, tensor in loaded["models"]["main"]["model"].state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    report = fastckpt.verify(fast)
+    assert not report.ok and any(f.path == refs_json and not f.ok for f in report.files)
+
+
+def test_a_run_started_together_with_another_on_one_durable_tier_stops_promoting(
+    tmp_path: Path,
+) -> None:
+    """Runs A and B start while their shared durable tier is empty; A promotes before B's
+    first save. Before: B promoted past A's indices without a word and its retention deleted
+    every one of them (A's resume on a new node then took B's weights). Now B's first save
+    reads the tier again: its promotions stop, reported (PromotionError caused by
+    MixedRunError at close), and A's checkpoints stay."""
+    from fastckpt.training.hooks.context import TrainingStage
+
+    durable = tmp_path / "durable"
+    data = [torch.randn(8, 16) for _ in range(8)]
+
+    def run(fast: str, seed: int, hooks: list[Any]) -> fastckpt.TrainingStrategy:
+        torch.manual_seed(seed)
+        return fastckpt.TrainingStrategy(
+            torch.nn.Linear(16, 1),
+            fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
+            training_fn=lambda model, batch: (model(batch) - 1.0).square().mean(),
+            hooks=hooks,
+            num_steps=4,
+        )
+
+    def hook(fast: str) -> fastckpt.CheckpointHook:
+        return fastckpt.CheckpointHook(
+            tmp_path / fast,
+            step_interval=1,
+            async_save=False,
+            durable_dir=durable,
+            durable_keep_last=3,
+        )
+
+    run_a = run("a", 0, [hook("a")])
+
+    def start_a_inside_b(ctx: Any, stage: TrainingStage) -> None:
+        if stage is TrainingStage.BEFORE_BATCH and ctx.step_count == 0 and not run_a.step_count:
+            run_a.run(data)
+
+    hook_b = hook("b")
+    run_b = run("b", 7, [start_a_inside_b, hook_b])
+    a_indices = [row["index"] for row in fastckpt.list_checkpoints(durable)]
+    with pytest.raises(PromotionError) as caught, pytest.warns(RuntimeWarning):
+        run_b.run(data)
+    assert isinstance(caught.value.__cause__, fastckpt.MixedRunError)
+    assert a_indices == [] and [row["index"] for row in fastckpt.list_checkpoints(durable)] == [
+        1,
+        2,
+        3,
+    ]
+    restored = fastckpt.load_checkpoint(durable)["models"]["main"]["model"]
+    assert torch.equal(restored.weight, run_a.models["main"].weight)  # A's, not B's

@@ -659,6 +659,27 @@ def test_crash_while_replacing_a_committed_index_leaves_a_consistent_root(
     assert sorted(p.name for p in root.iterdir()) == ["0", "1", "2", MANIFEST]
 
 
+def test_a_crashed_replacement_of_a_missing_index_commits_nothing_it_did_not_record(
+    tmp_path: Path,
+) -> None:
+    """Index 1's directory deleted by hand, then a replacement of index 1 killed after its
+    new directory took the place: nothing was set aside, and the directory in place is the
+    new, uncommitted one. A review found the next save committing the old record over it
+    (verify then failing); it is put back only when it verifies against the old record."""
+    root = tmp_path / "root"
+    save(root, trained(1))
+    save(root, trained(2))
+    shutil.rmtree(root / "1")
+    process, conn = crash_harness.start(
+        crash_harness.replace_index_and_die, str(root), 1, "published"
+    )
+    assert conn.poll(120) and conn.recv_bytes() == b"published"
+    process.join(60)
+    assert save(root, trained(3)) == 1  # index 1 was not put back: this save took it
+    assert sorted(Manifest.load(root).entries) == [0, 1] and verify(root).ok
+    assert_same(states(trained(3)), loaded_states(load_checkpoint(root, 1)))
+
+
 def test_readers_wait_for_a_replacement_instead_of_finding_the_index_gone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

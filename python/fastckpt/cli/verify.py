@@ -39,7 +39,7 @@ from fastckpt.container.kinds import (
 from fastckpt.container.links import split_sizes
 from fastckpt.container.verify import FileReport, VerifyReport, verify
 from fastckpt.errors import FastCkptError
-from fastckpt.format.records import COMMIT_RECORD, Manifest, read_commit_record
+from fastckpt.format.records import COMMIT_RECORD, SHARDED_RECORD, Manifest, read_commit_record
 from fastckpt.io.progress import format_bytes, io_progress
 from fastckpt.storage.registry import backend_for, display_path
 
@@ -240,7 +240,8 @@ def _verify_managers(args: argparse.Namespace, children: list[Path]) -> int:
             try:
                 results.append(verify(child))
             except (OSError, FastCkptError):
-                if backend_for(child).exists(child / COMMIT_RECORD):
+                store = backend_for(child)
+                if store.exists(child / COMMIT_RECORD) or store.exists(child / SHARDED_RECORD):
                     raise
                 gone.append(child)  # deleted since it was listed: a prune or retention ran
                 continue

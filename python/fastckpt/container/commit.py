@@ -894,6 +894,8 @@ def _replace_local(writer: IndexWriter, manifest: Manifest, entry: dict[str, Any
         os.rename(new_record, record)
         _native.fsync_dir(str(root))
         step = "done"
+        if isinstance(writer.lock, RootLock):
+            writer.lock.announce("")  # committed: readers need not wait for the clean-up
     except BaseException:
         _roll_back(step, record, old_record, final, old_directory, writer)
         raise
@@ -941,7 +943,8 @@ def _restore_interrupted_replacements(root: Path) -> None:
             continue  # not a replacement's withdrawal (or already committed again)
         index = withdrawn[0]
         final, aside = root / str(index), root / f"{TRASH_PREFIX}{index}~{tag}"
-        if os.path.lexists(aside):
+        set_aside = os.path.lexists(aside)
+        if set_aside:
             if os.path.lexists(final):  # the new directory, never committed
                 unfinished = root / f"{TEMP_PREFIX}{index}~undo.{os.urandom(4).hex()}"
                 os.rename(final, unfinished)
@@ -951,6 +954,10 @@ def _restore_interrupted_replacements(root: Path) -> None:
         elif not final.is_dir():
             continue  # nothing to put back
         current.entries[index] = old.entries[index]
+        if not set_aside and index_intact(current, index) is not None:
+            # Not set aside: the directory in place is the old one only if it verifies
+            # against the old record (the old one was missing, so the new one took its place).
+            continue
         current.commit()
         _LOG.warning(
             "%s: index %d was being replaced when its writer died; the old index %d is "

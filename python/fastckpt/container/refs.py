@@ -334,6 +334,9 @@ def reference_reports(manifest: Manifest, index: int, threads: int) -> list[File
     referenced tensor matched against the file's header. One report per referenced file."""
     try:
         refs = index_references(manifest, index)
+    except ChecksumMismatchError as err:  # a damaged refs.json is a finding, not an error
+        path = manifest.file_path(index, REFS_FILE)
+        return [FileReport(path, "mismatch", message=str(err), index=index)]
     except (CheckpointFormatError, OSError) as err:
         path = manifest.file_path(index, REFS_FILE)
         return [FileReport(path, "corrupt", message=str(err), index=index)]

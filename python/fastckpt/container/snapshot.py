@@ -123,19 +123,22 @@ def check_consistently(
     problem: Callable[[T], str | None],
     *,
     lock_root: Path | None = None,
+    attempts: int = 3,
 ) -> T:
     """:func:`read_consistently` for a check that reports damage instead of raising it
     (``fastckpt.verify``): ``check`` runs again while ``problem`` of its result (None: no
     problem; ``"missing"``: a file or index was missing; anything else: other damage) may
     come from a writer replacing or pruning what it checked: the record changed meanwhile,
     or something was missing while a writer holds ``lock_root``'s lock (waited for, as a
-    read waits). Returns the last result: damage no writer explains is reported as found."""
+    read waits), at most ``attempts`` times in all (a whole check can be long, and real
+    damage found while a writer keeps saving would otherwise be checked again and again).
+    Returns the last result: damage no writer explains is reported as found."""
     pause = 0.001
-    for attempt in range(ATTEMPTS):
+    for attempt in range(attempts):
         before = fingerprint(record)
         result = check()
         found = problem(result)
-        if found is None or attempt == ATTEMPTS - 1:
+        if found is None or attempt == attempts - 1:
             return result
         if fingerprint(record) == before and not (
             lock_root is not None

@@ -531,7 +531,8 @@ def latest_intact(root: str | os.PathLike[str], *, threads: int | None = None) -
     def problem(found: tuple[int | None, list[str]]) -> str | None:
         if not found[1]:
             return None
-        return "missing" if any("missing" in why for why in found[1]) else "damage"
+        missing = any("failed verification: missing:" in why for why in found[1])
+        return "missing" if missing else "damage"
 
     # Again while a writer replacing or pruning indices explains what was found (as verify).
     index, skipped = check_consistently(root / MANIFEST, search, problem, lock_root=root)

@@ -52,7 +52,7 @@ def check_name(name: object, what: str) -> str:
 #: files named after it add suffixes (``.spec.json``, ``linked/<name>.<index>.safetensors``)
 #: and filesystems refuse names over 255 bytes. (A checkpoint folder's own name is checked
 #: against its temporary sibling's length when it is saved.)
-MAX_NAME_BYTES = 160
+MAX_NAME_BYTES = 200
 
 
 def check_name_length(name: str, what: str) -> str:

@@ -65,6 +65,7 @@ from fastckpt.errors import (
 )
 from fastckpt.format.records import (
     COMMIT_RECORD,
+    MAX_JSON_DEPTH,
     SHARDED_RECORD,
     check_item_key,
     commit_record,
@@ -846,6 +847,7 @@ class CheckpointManager:
         tensors: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in prepared.items():
             skeletons[key], tensors[key] = tree.flatten(value)
+            check_nesting(skeletons[key], key, MAX_JSON_DEPTH - 1)  # as written: {"skeleton": ...}
             if _RESERVED_NAME in tensors[key]:  # refused here, not later by the writer
                 raise InvalidInputError(
                     f"{tree.join_path(key, _RESERVED_NAME)}: the tensor name {_RESERVED_NAME!r} "

@@ -115,17 +115,38 @@ def _unsupported(value: Any, path: str, action: str) -> TypeError:
 MAX_NESTING = MAX_JSON_DEPTH - 10
 
 
-def check_nesting(value: Any, key: str) -> None:
-    """Refuse an item nested too deeply to be loaded back (see :data:`MAX_NESTING`).
+def check_nesting(value: Any, key: str, limit: int = MAX_NESTING) -> None:
+    """Refuse an item nested too deeply to be loaded back: its value before it is encoded
+    (:data:`MAX_NESTING`), or its encoded skeleton, where a tuple takes two levels (``limit``
+    the levels a load reads, ``MAX_JSON_DEPTH``, less the document's own).
 
     Raises:
         TypeError: names the item and the limit.
     """
-    if nesting_depth(value, MAX_NESTING) > MAX_NESTING:
+    if nesting_depth(value, limit) > limit:
         raise TypeError(
-            f"{key}: its dicts, lists and tuples nest more than {MAX_NESTING} levels deep, "
-            "more than a checkpoint can hold; flatten it (e.g. join the inner keys into one)"
+            f"{key}: its dicts, lists and tuples nest too deeply (more than {limit} levels "
+            "as stored) for a checkpoint to hold; flatten it (e.g. join the inner keys "
+            "into one)"
         )
+
+
+_WARNED_PLAIN: set[type] = set()
+
+
+def _warn_plain(value: Any, path: str, plain: str) -> None:
+    """Say once per type that a mapping or list of another type loads back as a plain one
+    (a Lightning ``AttributeDict``, a config class with methods, a ``UserDict``)."""
+    if type(value) in _WARNED_PLAIN:
+        return
+    _WARNED_PLAIN.add(type(value))
+    warnings.warn(
+        f"{path or '<root>'}: a {_describe(value)} is saved as its items and loads back as a "
+        f"plain {plain} (its type and methods are not stored); rebuild it after loading, or "
+        "give it state_dict() and load_state_dict() (said once per type)",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def prepare_save(value: Any, path: str = "", *, check: bool = True, given: bool = True) -> Any:
@@ -138,9 +159,10 @@ def prepare_save(value: Any, path: str = "", *, check: bool = True, given: bool 
         value: a saved item (or the whole state).
         path: its key path, for messages (the item key at the top level).
         given: ``value`` is the caller's own (not inside what a ``state_dict()`` returned,
-            which goes back to its ``load_state_dict``): a dict or list subclass there, other
-            than ``OrderedDict``, is refused, as it would load back as a plain dict or list
-            (an ``OrderedDict`` loads back as a dict, in the same order).
+            which goes back to its ``load_state_dict``): a mapping or list of another type
+            than ``dict``, ``OrderedDict`` and ``list`` there is warned of (once per type), as
+            it loads back as a plain dict or list (an ``OrderedDict`` loads back as a dict, in
+            the same order).
 
     Raises:
         TypeError: a value that cannot be checkpointed, or a dict key that cannot, named by
@@ -165,11 +187,7 @@ def prepare_save(value: Any, path: str = "", *, check: bool = True, given: bool 
                 "dict(value) and rebuild it after loading"
             )
         if check and given and type(value) not in (dict, OrderedDict):
-            raise TypeError(
-                f"{path or '<root>'}: cannot checkpoint a {_describe(value)}: it would load "
-                "back as a plain dict; store dict(value) and rebuild it after loading (or give "
-                "it state_dict() and load_state_dict())"
-            )
+            _warn_plain(value, path, "dict")
         for key in value:
             if type(key) not in _KEY_TYPES:
                 raise TypeError(
@@ -193,10 +211,7 @@ def prepare_save(value: Any, path: str = "", *, check: bool = True, given: bool 
         )
     if isinstance(value, list):
         if check and given and type(value) is not list:
-            raise TypeError(
-                f"{path or '<root>'}: cannot checkpoint a {_describe(value)}: it would load "
-                "back as a plain list; store list(value) and rebuild it after loading"
-            )
+            _warn_plain(value, path, "list")
         return [
             prepare_save(item, tree.join_path(path, i), check=check, given=given)
             for i, item in enumerate(value)

@@ -181,7 +181,7 @@ class CheckpointHook:
         again, under the root's lock, that the root's newest index is the one the run
         started from or one this process committed: two runs started together on one root
         (each saw it empty) stop at the first save after the other's, with ``MixedRunError``
-        (``overwrite`` does not lift this check).
+        (``overwrite`` does not lift this check; sharded FSDP2 saves are not checked so yet).
 
         ``storage_options``: object-store client options for an ``s3://`` checkpoint_dir
         (endpoint_url, region, access_key_id, ... as for :func:`fastckpt.configure_storage`),
@@ -890,19 +890,27 @@ class CheckpointHook:
         )
 
     def _check_durable_later(self, ctx: TrainContext, manifest: Manifest) -> None:
-        """The durable tier could not be read when the run started (see
-        :meth:`_further_along`) and now was (``manifest``): when it holds another run's later
+        """The durable tier, read at the run's first save (``manifest``; it could not be read
+        when the run started, see :meth:`_further_along`, or was, and another run may have
+        promoted into it since): when it holds another run's later
         checkpoints, this hook's promotions stop for good (reported: ``PromotionError``
         caused by :class:`MixedRunError`, raised at close) instead of promoting into it,
         whose retention then deleted that run's checkpoints; otherwise they start, with
         what the fast tier holds."""
-        if not self._durable_unchecked or self._promoter is None or self.durable_dir is None:
+        if self._promoter is None or self.durable_dir is None:
             return
-        self._durable_unchecked = False
-        problem = self._further_along(ctx, self.durable_dir, "durable_dir", manifest)
+        unchecked, self._durable_unchecked = self._durable_unchecked, False
+        # Checked again at the first save even when it was read at the start: another run
+        # started together with this one (the tier empty for both then) may have promoted
+        # into it meanwhile; its retention would then delete that run's checkpoints.
+        problem = (
+            None
+            if self.overwrite and not unchecked
+            else self._further_along(ctx, self.durable_dir, "durable_dir", manifest)
+        )
         if problem is not None:
             self._promoter.withhold(MixedRunError(problem))
-        else:
+        elif unchecked:
             self._promoter.submit()
 
     def _save_index(self, rank: int, ctx: TrainContext) -> int:
