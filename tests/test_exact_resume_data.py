@@ -205,6 +205,37 @@ def test_a_distributed_sampler_set_by_a_before_epoch_hook_resumes_exactly(
     resume_matches(tmp_path, data, 6)
 
 
+class RandomScale:
+    """A random per-epoch setting drawn when the epoch begins (an input scale)."""
+
+    def __init__(self, dataset: NoisyDataset) -> None:
+        self.dataset = dataset
+
+    def __call__(self, ctx: fastckpt.TrainContext, stage: fastckpt.TrainingStage) -> None:
+        if stage is fastckpt.TrainingStage.BEFORE_EPOCH:
+            self.dataset.scale = 0.5 + random.random() + float(torch.rand(()))
+
+
+def test_a_random_per_epoch_setting_drawn_at_before_epoch_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    """The epoch's setup on a resume draws what it drew when the epoch began. Before, it
+    fired under the checkpoint's RNG state: the resumed epoch ran with another setting."""
+
+    class Scaled(NoisyDataset):
+        scale = 1.0
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            x, y = super().__getitem__(i)
+            return x * self.scale, y
+
+    def data() -> tuple[DataLoader[Any], list[Any]]:
+        dataset = Scaled()
+        return DataLoader(dataset, batch_size=4, shuffle=True), [RandomScale(dataset)]
+
+    resume_matches(tmp_path, data, 6)
+
+
 def test_before_epoch_fires_again_on_a_resume_mid_epoch(tmp_path: Path) -> None:
     """Hooks tell the two apart by ``epoch_step_count``: 0 when the epoch starts, the
     batches already done when a resumed run sets it up again."""
@@ -313,3 +344,32 @@ def test_a_resume_at_an_epoch_boundary_shuffles_as_the_saved_run(
     assert first_log.losses + resumed_log.losses == straight_log.losses
     for name, tensor in straight.models["main"].state_dict().items():
         assert torch.equal(resumed.models["main"].state_dict()[name], tensor), name
+
+
+def test_a_sampler_with_a_generator_checkpoints_do_not_save_is_warned_of(
+    tmp_path: Path,
+) -> None:
+    """Only ``generator`` attributes are saved: a sampler shuffling with its own generator
+    under another name resumed in another order without a word (README's limits say exact
+    resume needs the order from torch's RNG or the loader's generators)."""
+
+    class OwnGenerator(torch.utils.data.Sampler[int]):
+        def __init__(self, n: int) -> None:
+            self.n, self.rng = n, torch.Generator().manual_seed(5)
+
+        def __len__(self) -> int:
+            return self.n
+
+        def __iter__(self) -> Any:
+            return iter(torch.randperm(self.n, generator=self.rng).tolist())
+
+    x = torch.randn(32, 4)
+    dataset = TensorDataset(x, x.sum(1, keepdim=True))
+    hook = fastckpt.CheckpointHook(tmp_path / "a", step_interval=2, async_save=False)
+    with pytest.warns(UserWarning, match=r"OwnGenerator\.rng, a random generator of its own"):
+        seeded([hook], 2).run(DataLoader(dataset, batch_size=8, sampler=OwnGenerator(32)))
+    saved = RandomSampler(dataset, generator=torch.Generator().manual_seed(5))
+    hook = fastckpt.CheckpointHook(tmp_path / "b", step_interval=2, async_save=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        seeded([hook], 2).run(DataLoader(dataset, batch_size=8, sampler=saved))

@@ -687,3 +687,45 @@ def test_a_recordable_scheduler_attached_by_hand_passes_the_check(tmp_path: Path
     strategy.check_recordable()
     strategy.run([torch.ones(1, 2)] * 2)
     assert strategy.save_checkpoint(tmp_path / "run") == 0
+
+
+def test_schedulers_put_in_by_hand_that_cannot_be_stepped_or_recorded_are_refused_first(
+    tmp_path: Path,
+) -> None:
+    """Before: a ReduceLROnPlateau put into ``strategy.schedulers`` by hand passed
+    ``check_recordable`` and ``run`` died in torch's ``step()`` after the optimizer had
+    stepped (weights changed, step_count 0); a ChainedScheduler was recorded as
+    ``ChainedScheduler(optimizer)`` and every checkpoint of the run failed to load."""
+    from torch.optim import lr_scheduler as schedulers
+
+    x = torch.randn(32, 4)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8
+    )
+
+    def strategy(hooks: list[Any]) -> fastckpt.TrainingStrategy:
+        return fastckpt.TrainingStrategy(
+            torch.nn.Linear(4, 1),
+            fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.05}),
+            training_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+            hooks=hooks,
+            num_steps=4,
+        )
+
+    plateau = strategy([])
+    plateau.schedulers["main"] = schedulers.ReduceLROnPlateau(plateau.optimizers["main"])
+    before = plateau.models["main"].weight.clone()
+    for attempt in (plateau.check_recordable, lambda: plateau.run(loader)):
+        with pytest.raises(TypeError, match=r"ReduceLROnPlateau\.step\(\) needs metrics"):
+            attempt()
+    assert torch.equal(before, plateau.models["main"].weight) and plateau.step_count == 0
+
+    root = tmp_path / "chained"
+    chained = strategy([fastckpt.CheckpointHook(root, step_interval=2, async_save=False)])
+    opt = chained.optimizers["main"]
+    chained.schedulers["main"] = schedulers.ChainedScheduler(
+        [schedulers.LinearLR(opt, 0.1, total_iters=4), schedulers.ExponentialLR(opt, 0.9)]
+    )
+    with pytest.raises(TypeError, match=r"ChainedScheduler.*takes 'schedulers' first"):
+        chained.run(loader)
+    assert not fastckpt.list_checkpoints(root)

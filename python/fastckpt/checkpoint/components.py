@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import inspect
 import json
 import os
 import time
@@ -720,6 +721,13 @@ def scheduler_spec(scheduler: Any, state: Mapping[str, Any] | None = None) -> sp
         TypeError: an argument the state does not hold (``SequentialLR``'s schedulers,
             ``LambdaLR``'s function) or a value a recipe cannot store.
     """
+    first = _first_parameter(type(scheduler))
+    if first is not None and first != "optimizer":
+        raise TypeError(
+            f"{type(scheduler).__name__}'s constructor takes {first!r} first, not the "
+            "optimizer: a checkpoint rebuilds a scheduler as cls(optimizer, **arguments), "
+            "so this one cannot be recorded (ChainedScheduler takes its schedulers)"
+        )
     return specs.BaseSpec(
         cls_path=trust.dotted_path(type(scheduler)),
         kwargs=_constructor_kwargs(
@@ -727,6 +735,16 @@ def scheduler_spec(scheduler: Any, state: Mapping[str, Any] | None = None) -> sp
         ),
         timestamp=_now(),
     )
+
+
+def _first_parameter(cls: type) -> str | None:
+    """The name of the first parameter of ``cls``'s constructor after ``self`` (None: none,
+    or no signature)."""
+    try:
+        parameters = list(inspect.signature(cls).parameters)  # without self
+    except (TypeError, ValueError):
+        return None
+    return parameters[0] if parameters else None
 
 
 class IndexReader:

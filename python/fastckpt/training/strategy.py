@@ -549,6 +549,10 @@ class TrainingStrategy:
                     "called as hook(ctx, stage) (see fastckpt.Hook)"
                 )
         _refuse_two_savers_on_one_root(self.hooks)
+        if any(getattr(hook, "saves_checkpoints", False) is True for hook in self.hooks):
+            _warn_unsaved_sampler_rngs(train_loader)
+        for scheduler in self.schedulers.values():  # one put into schedulers by hand, say
+            _refuse_a_scheduler_needing_a_metric(scheduler)
         self._train_loader = train_loader
         with contextlib.ExitStack() as stack:
             stack.callback(self._loader_done)
@@ -566,25 +570,30 @@ class TrainingStrategy:
     def _epoch_iterator(self, train_loader: Iterable[Any]) -> Iterator[Any]:
         """A fresh epoch, or the current one replayed from its start RNG and fast-forwarded.
 
-        A run resumed mid-epoch fires ``BEFORE_EPOCH`` again (with ``epoch_step_count`` > 0):
-        the epoch's setup in this process, such as ``DistributedSampler.set_epoch``, must
-        precede the replay. The replay starts from every CPU RNG as the epoch began: a
+        A run resumed mid-epoch fires ``BEFORE_EPOCH`` again (with ``epoch_step_count`` > 0),
+        from every CPU RNG as the epoch began: the epoch's setup in this process, such as
+        ``DistributedSampler.set_epoch`` or a random per-epoch setting, must precede the
+        replay and draw what it drew then. The replay goes on from there: a
         sampler may shuffle with torch's, Python's (``random.shuffle``) or NumPy's
         (``np.random.permutation``), and the dataset draws from them too. Every RNG is put
         back after the replay, as the checkpoint left them for the resumed batches."""
         if self.epoch_step_count == 0 or self._epoch_start_rng is None:
             self.epoch_step_count = 0
+            start = _cpu_rng_state()  # before the epoch's setup, which may draw from them
             self._fire(TrainingStage.BEFORE_EPOCH)
             self._restore_loader_generators(train_loader)
-            self._epoch_start_rng = _cpu_rng_state()
+            self._epoch_start_rng = start
             self._epoch_start_loader_rng = [g.get_state() for g in _loader_generators(train_loader)]
             return iter(train_loader)
         current = _rng_state()
-        self._fire(TrainingStage.BEFORE_EPOCH)
         if isinstance(self._epoch_start_rng, torch.Tensor):
             torch.set_rng_state(self._epoch_start_rng)  # recorded by an earlier fastckpt
         else:
             _set_rng_state(self._epoch_start_rng)
+        # The epoch's setup draws what it drew when the epoch began (a random per-epoch
+        # setting: before, it drew from the checkpoint's RNG state, and the resumed epoch
+        # ran with another one).
+        self._fire(TrainingStage.BEFORE_EPOCH)
         self._rewind_loader_generators(train_loader)
         self._resume_loader_pending = False  # the replay advances them as the saved run did
         iterator = iter(train_loader)
@@ -829,6 +838,7 @@ class TrainingStrategy:
                     "scheduler in a hook)"
                 ) from err
         for name, scheduler in self.schedulers.items():
+            _refuse_a_scheduler_needing_a_metric(scheduler)  # put here by hand, say
             if self.sharded or self._scheduler_spec(name, scheduler) is not None:
                 # A sharded save keeps a scheduler's state_dict() alone; one from an
                 # OptimizerConfig is recorded from it, checked above.
@@ -1863,6 +1873,38 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
         ):
             found.append(generator)
     return found
+
+
+def _warn_unsaved_sampler_rngs(loader: Any) -> None:
+    """Warn when the loader's sampler keeps a random generator of its own that a checkpoint
+    does not save (only ``generator`` attributes are, see :func:`_loader_generators`): a
+    resumed run would read the data in another order, without a word."""
+    import random
+
+    import numpy as np
+
+    kinds = (torch.Generator, random.Random, np.random.Generator, np.random.RandomState)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    owners = [getattr(loader, "sampler", None), batch_sampler]
+    owners.append(getattr(batch_sampler, "sampler", None))
+    found = sorted(
+        {
+            f"{type(owner).__name__}.{name}"
+            for owner in owners
+            if owner is not None and hasattr(owner, "__dict__")
+            for name, value in vars(owner).items()
+            if name != "generator" and isinstance(value, kinds)
+        }
+    )
+    if found:
+        warnings.warn(
+            f"the loader's sampler draws from {', '.join(found)}, a random generator of its "
+            "own that checkpoints do not save: a run resumed from one reads its data in "
+            "another order than the uninterrupted run. Keep it as the sampler's `generator` "
+            "(a torch.Generator: saved and restored), or shuffle with torch's global RNG",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_run_rng(record: Mapping[str, Any], where: str, field: str) -> None:
