@@ -935,3 +935,73 @@ def test_verify_of_a_folder_passes_over_a_checkpoint_pruned_meanwhile(
     out, err = capsys.readouterr()
     assert "step_10" in out and "ok" in out and "step_20" not in out
     assert "step_20: deleted while the folder was verified" in err
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "row"),
+    [
+        ({"model": {"w": "T"}, "step": 5}, {"model": {"w": "T"}}, "removed  step"),
+        ({"m": ["T", "Z"]}, {"m": ("T", "Z")}, '"(list)"  "(tuple)"'),
+        ({"m": ["T", "Z"]}, {"m": {"0": "T", "1": "Z"}}, 'removed  m      "(list)"'),
+        ({"m": {"a.b": "T"}}, {"m": {"a": {"b": "T"}}}, "m:['a.b']"),
+        ({"cfg": [1, 2]}, {"cfg": {"0": 1, "1": 2}}, 'removed  cfg    "(list)"'),
+        ({"cfg": {"a.b": 1}}, {"cfg": {"a": {"b": 1}}}, "cfg:['a.b']"),
+        ({"v": -0.0}, {"v": 0.0}, "changed  v      -0.0  0.0"),
+    ],
+    ids=[
+        "plain-one-side",
+        "list-tuple",
+        "list-dict",
+        "dotted-tensor",
+        "list-dict-plain",
+        "dotted-plain",
+        "signed-zero",
+    ],
+)
+def test_diff_of_manager_checkpoints_that_load_differently_is_not_identical(
+    tmp_path: Path,
+    a: dict[str, Any],
+    b: dict[str, Any],
+    row: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before: each pair loads back as different state, but diff said ``identical`` (exit 0):
+    plain values on one side only were skipped, containers of tensors were compared by
+    tensor names alone, and ``a.b`` collided with ``a`` -> ``b``, ``-0.0`` with ``0.0``."""
+    from fastckpt.cli.main import main
+    from fastckpt.manager import CheckpointManager
+
+    tensors = {"T": torch.ones(2), "Z": torch.zeros(2)}
+
+    def real(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: real(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(real(v) for v in value)
+        return tensors.get(value, value) if isinstance(value, str) else value
+
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        manager.save(tmp_path / "a", real(a))
+        manager.save(tmp_path / "b", real(b))
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert row in capsys.readouterr().out
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "a")]) == 0
+
+
+def test_stdout_closed_early_never_exits_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: ``fastckpt verify DAMAGED | head -1`` exited 0 (under ``set -o pipefail``, a
+    damaged checkpoint called verified) once the report passed the pipe's buffer."""
+    import io
+
+    from fastckpt.cli.main import EXIT_PIPE_CLOSED, main
+
+    root = tmp_path / "root"
+    fastckpt.save_checkpoint(root, models={"main": (torch.nn.Linear(2, 2), None)})
+    flip_byte(root / "0" / "models" / "main.safetensors")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone: every write fails with EPIPE
+    closed = io.TextIOWrapper(io.FileIO(write_end, "w"), write_through=True)
+    monkeypatch.setattr(sys, "stdout", closed)
+    with pytest.raises(SystemExit) as exited:
+        main(["--json", "verify", str(root)])
+    assert exited.value.code == EXIT_PIPE_CLOSED == 141

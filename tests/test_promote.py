@@ -1161,3 +1161,21 @@ def test_a_run_started_together_with_another_on_one_durable_tier_stops_promoting
     ]
     restored = fastckpt.load_checkpoint(durable)["models"]["main"]["model"]
     assert torch.equal(restored.weight, run_a.models["main"].weight)  # A's, not B's
+
+
+def test_a_failed_promotion_names_what_it_committed_before_failing(tmp_path: Path) -> None:
+    """Before: with the newest index damaged, ``fastckpt promote`` exited 2 saying "nothing
+    was written to the target" while the target held the older indices it had committed."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    model = _model(3)
+    for _ in range(3):
+        fastckpt.save_checkpoint(fast, models={"main": (model, None)}, incremental=False)
+    path = fast / "2" / "models" / "main.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        ChecksumMismatchError, match=r"committed in .*durable before it: index 0, index 1"
+    ):
+        promote(fast, durable)
+    assert [row["index"] for row in fastckpt.list_checkpoints(durable)] == [0, 1]

@@ -722,7 +722,7 @@ def scheduler_spec(scheduler: Any, state: Mapping[str, Any] | None = None) -> sp
             ``LambdaLR``'s function) or a value a recipe cannot store.
     """
     first = _first_parameter(type(scheduler))
-    if first is not None and first != "optimizer":
+    if first is not None and first != "optimizer" and _takes_optimizer_later(type(scheduler)):
         raise TypeError(
             f"{type(scheduler).__name__}'s constructor takes {first!r} first, not the "
             "optimizer: a checkpoint rebuilds a scheduler as cls(optimizer, **arguments), "
@@ -735,6 +735,15 @@ def scheduler_spec(scheduler: Any, state: Mapping[str, Any] | None = None) -> sp
         ),
         timestamp=_now(),
     )
+
+
+def _takes_optimizer_later(cls: type) -> bool:
+    """Whether ``cls``'s constructor has an ``optimizer`` parameter after its first (a
+    custom scheduler naming its first parameter ``opt`` takes the optimizer there)."""
+    try:
+        return "optimizer" in list(inspect.signature(cls).parameters)[1:]
+    except (TypeError, ValueError):
+        return False
 
 
 def _first_parameter(cls: type) -> str | None:

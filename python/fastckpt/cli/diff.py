@@ -53,6 +53,8 @@ class _Side:
     tensors: TensorFiles
     values: dict[str, Any]
     metadata: dict[str, str]
+    #: A lone safetensors file: it holds no plain values or structure to compare.
+    lone: bool = False
 
 
 #: Recording times: they differ between any two saves and say nothing about the state.
@@ -80,10 +82,16 @@ def _flatten_values(prefix: str, value: Any, out: dict[str, Any]) -> None:
     mark that it is one, a dict key that is no string is shown as ``[key]``, a nested spec is
     its fields, a non-finite float a float) and tensor places are left out (tensors are
     compared as tensors); what loads as different values differs here too."""
-    join = (lambda key: f"{prefix}.{key}") if prefix else str
+
+    def join(key: Any) -> str:
+        if isinstance(key, str) and ("." in key or key.startswith("[")):
+            return f"{prefix}[{key!r}]"  # "a.b" is not a's b
+        return f"{prefix}.{key}" if prefix else str(key)
+
     if isinstance(value, Mapping) and len(value) == 1 and next(iter(value)) in _MARKERS:
         ((marker, inner),) = value.items()
         if marker == _TENSOR:
+            out[prefix] = TENSOR_MARK  # its place: the bytes are compared as tensors
             return
         if marker == _FLOAT:
             out[prefix] = float(inner) if inner in ("nan", "inf", "-inf") else inner
@@ -97,9 +105,12 @@ def _flatten_values(prefix: str, value: Any, out: dict[str, Any]) -> None:
                     path = join(key) if isinstance(key, str) else f"{prefix}[{key!r}]"
                     _flatten_values(path, pair[1], out)
             return
-        if marker == _TUPLE:
+        if marker == _TUPLE and isinstance(inner, list):
             out[prefix] = TUPLE_MARK
-        _flatten_values(prefix, inner, out)  # a tuple, a spec, a dict of marker-like keys
+            for i, sub in enumerate(inner):
+                _flatten_values(join(i), sub, out)
+            return
+        _flatten_values(prefix, inner, out)  # a spec, a dict of marker-like keys
         return
     if isinstance(value, Mapping) and value:
         for key, sub in value.items():
@@ -107,6 +118,7 @@ def _flatten_values(prefix: str, value: Any, out: dict[str, Any]) -> None:
                 continue
             _flatten_values(join(key), sub, out)
     elif isinstance(value, list) and value:
+        out[prefix] = LIST_MARK  # a list is not a tuple, nor a dict keyed "0", "1", ...
         for i, sub in enumerate(value):
             _flatten_values(join(i), sub, out)
     else:
@@ -115,8 +127,12 @@ def _flatten_values(prefix: str, value: Any, out: dict[str, Any]) -> None:
 
 _MARKERS = frozenset({_TENSOR, _TUPLE, _DICT, _SPEC, _FLOAT})
 
-#: The value :func:`_flatten_values` records at a tuple's path (a list records none).
+#: The values :func:`_flatten_values` records at a tuple's, a list's and a tensor's path:
+#: the structure of what loads is compared too, not only the leaves.
 TUPLE_MARK = "(tuple)"
+LIST_MARK = "(list)"
+TENSOR_MARK = "(tensor)"
+_STRUCTURE = frozenset({TUPLE_MARK, LIST_MARK, TENSOR_MARK})
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -126,6 +142,8 @@ def _same(a: Any, b: Any) -> bool:
         return False
     if isinstance(a, float) and math.isnan(a):
         return math.isnan(b)
+    if isinstance(a, float) and a == 0.0 == b:
+        return math.copysign(1.0, a) == math.copysign(1.0, b)  # -0.0 loads as -0.0
     return bool(a == b)
 
 
@@ -160,7 +178,7 @@ class _SideOf(KindVisitor[_Side]):
     def file(self, container: TensorFile) -> _Side:
         path = container.path
         metadata = _header(path)["metadata"] or {}
-        return _Side(TensorFiles(display_path(path), {"": path}), {}, metadata)
+        return _Side(TensorFiles(display_path(path), {"": path}), {}, metadata, lone=True)
 
     def manager(self, container: ManagerContainer) -> _Side:
         directory = container.path
@@ -293,7 +311,7 @@ def _align(a: _Side, b: _Side) -> tuple[TensorFiles, TensorFiles]:
 
 def _diff_values(a: _Side, b: _Side) -> dict[str, list[dict[str, Any]]]:
     """Plain values (counters, steps, hyperparameters, hook settings) that differ."""
-    if not a.values or not b.values:
+    if a.lone or b.lone:  # a lone file holds tensors only (an exported checkpoint, say)
         return {"values_changed": [], "values_added": [], "values_removed": []}
     return {
         "values_changed": [
@@ -403,7 +421,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
             raise UserError(str(err)) from None
     values = _diff_values(side_a, side_b)
     result.update(values)
-    result["values_compared"] = len(set(side_a.values) & set(side_b.values))
+    result["values_compared"] = sum(
+        1
+        for name in set(side_a.values) & set(side_b.values)
+        if not (isinstance(side_a.values[name], str) and side_a.values[name] in _STRUCTURE)
+    )
     result["identical"] = result["identical"] and not any(values.values())
     if args.json:
         print_json(result)

@@ -36,10 +36,12 @@ from fastckpt.container.kinds import (
     TensorFile,
 )
 from fastckpt.container.links import read_item, read_references
+from fastckpt.errors import FastCkptError
 from fastckpt.format.records import Manifest, item_files, read_commit_record
 from fastckpt.io import tree
 from fastckpt.io.files import write_tensors
 from fastckpt.io.progress import format_bytes
+from fastckpt.storage.registry import backend_for
 
 # --------------------------------------------------------------------------- fastckpt export
 
@@ -205,6 +207,13 @@ class _Exporter(KindVisitor[int]):
         )
 
     def file(self, container: TensorFile) -> int:
+        try:
+            backend_for(container.path).read_header(container.path)
+        except (OSError, FastCkptError):
+            raise UserError(
+                f"{container.path} is not a fastckpt checkpoint nor a safetensors file "
+                "(fastckpt inspect says what it is); nothing to export"
+            ) from None
         raise UserError(f"{container.path} is already a single safetensors file")
 
     def _saved(self, container: SavedContainer) -> int:

@@ -13,7 +13,8 @@ Exit statuses (:mod:`fastckpt.cli.status`):
   unreadable checkpoint, ``prune --lock-timeout`` elapsed);
 * 3 (``EXIT_UNCHECKED``): ``verify`` found no damage, but some bytes have no checksum (a
   file written without checksums, outside any commit record): read, not verified;
-* 130 (``EXIT_INTERRUPTED``): interrupted.
+* 130 (``EXIT_INTERRUPTED``): interrupted;
+* 141 (``EXIT_PIPE_CLOSED``): stdout closed before the whole answer was written.
 
 ``--help``, ``--version`` and usage errors do not import torch: the subcommands' modules are
 imported only to run them.
@@ -45,6 +46,7 @@ from fastckpt.cli.status import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_PIPE_CLOSED,
     EXIT_UNCHECKED,
     UserError,
 )
@@ -54,6 +56,7 @@ __all__ = [
     "EXIT_ERROR",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "EXIT_PIPE_CLOSED",
     "EXIT_UNCHECKED",
     "build_parser",
     "main",
@@ -340,14 +343,16 @@ def _split_bench(argv: Sequence[str]) -> tuple[list[str], list[str]] | None:
 
 @contextmanager
 def _broken_pipe_guard() -> Iterator[None]:
-    """Exit quietly when stdout is closed early (``fastckpt ls ROOT | head -1``)."""
+    """Exit quietly when stdout is closed early (``fastckpt ls ROOT | head -1``), with
+    :data:`EXIT_PIPE_CLOSED` (before: 0, which under ``set -o pipefail`` called a damaged
+    checkpoint verified)."""
     try:
         yield
         sys.stdout.flush()
     except BrokenPipeError:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        raise SystemExit(EXIT_OK) from None
+        raise SystemExit(EXIT_PIPE_CLOSED) from None
 
 
 def _configure_logging(verbose: bool) -> None:

@@ -9,6 +9,7 @@ __all__ = [
     "EXIT_ERROR",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "EXIT_PIPE_CLOSED",
     "EXIT_UNCHECKED",
     "UserError",
 ]
@@ -24,6 +25,10 @@ EXIT_ERROR = 2
 EXIT_UNCHECKED = 3
 #: Interrupted (Ctrl-C).
 EXIT_INTERRUPTED = 130
+#: Stdout was closed before the whole answer was written (``fastckpt verify ... | head -1``),
+#: as a process killed by SIGPIPE exits: the answer was not all delivered, so no status
+#: may claim it (0 would call a damaged checkpoint verified).
+EXIT_PIPE_CLOSED = 141
 
 
 class UserError(Exception):

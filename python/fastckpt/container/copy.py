@@ -155,7 +155,7 @@ def read_verified(path: Path, record: Mapping[str, Any], what: str) -> bytes:
         raise ChecksumMismatchError(
             f"{display_path(path)}: {len(data)} bytes with crc32c {got:08x}, but the commit "
             f"record holds {size} bytes with crc32c {crc:08x}; the file is damaged and {what} "
-            "was not promoted (nothing was written to the target)"
+            "was not promoted (nothing of it was written to the target)"
         )
     return data
 

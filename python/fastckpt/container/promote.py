@@ -345,7 +345,13 @@ def promote(
                 report.vanished.append(index)
                 continue
             if index == due[-1] or index_intact(Manifest.load(source), index) is None:
-                raise  # the newest due index, or the failure was not the source's bytes
+                # the newest due index, or the failure was not the source's bytes
+                if report.promoted:  # say what this run did commit before it
+                    raise type(err)(
+                        f"{err}; committed in {display_path(target)} before it: "
+                        f"{', '.join(f'index {i}' for i in report.promoted)}"
+                    ) from err
+                raise
             _LOG.warning(
                 "%s: index %d does not verify (%s); not promoted, promoting the later ones",
                 display_path(source),
