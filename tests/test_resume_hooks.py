@@ -347,3 +347,27 @@ def test_a_hook_listed_after_the_checkpoint_hook_is_in_its_checkpoints(
     resumed.num_steps = 8
     resumed.run(support.loader())
     assert resumed_log.losses == straight.losses
+
+
+def test_a_moved_run_with_two_checkpoint_hooks_keeps_saving_where_it_is_loaded_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review found a run with two hooks recorded under relative roots, resumed from
+    another working directory, going on with no CheckpointHook at all (neither recorded
+    root named the caller's). The one recorded under the root's name saves there now."""
+    job = tmp_path / "job"
+    job.mkdir()
+    monkeypatch.chdir(job)
+    rolling = fastckpt.CheckpointHook("ckpt/steps", step_interval=2, async_save=False)
+    archive = fastckpt.CheckpointHook("ckpt/epochs", epoch_interval=1, save_last=False)
+    support.new_strategy([rolling, archive], num_steps=8).run(support.loader())
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match=r"ckpt/epochs.*a root you did not name"):
+        resumed = _resume(job / "ckpt" / "steps")
+    assert [hook.checkpoint_dir for hook in resumed.hooks] == [job / "ckpt" / "steps"]
+    resumed.num_steps = 10
+    resumed.run(support.loader())
+    steps = [
+        row["counters"]["step_count"] for row in fastckpt.list_checkpoints(job / "ckpt" / "steps")
+    ]
+    assert steps[-1] == 10

@@ -1063,3 +1063,47 @@ def test_a_record_claiming_a_huge_world_size_loads_without_a_lookup_per_rank(
     loader.start()
     loader.join(120)  # the old code never came back
     assert not loader.is_alive() and torch.equal(loaded[0], torch.arange(3.0))
+
+
+def test_a_committed_replacement_stops_making_readers_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the new manifest is committed, the lock no longer says ``replacing``: readers
+    need not wait for the old directory's deletion (a review found them waiting up to 5 s
+    for a large one)."""
+    import fastckpt.container.commit as commit
+    from fastckpt.storage.lock import replacing
+
+    root = tmp_path / "root"
+    save_at(root, trained(1), 0)
+    seen: list[int | None] = []
+    rmtree = shutil.rmtree
+
+    def watched(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if Path(path).name.startswith(".trash-"):
+            seen.append(replacing(root))
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(commit.shutil, "rmtree", watched)
+    save_at(root, trained(2), 0)
+    assert seen == [None]
+
+
+def test_a_check_rerun_for_a_changing_record_stops_after_three() -> None:
+    """Real damage found while a writer keeps committing is checked at most 3 times (a
+    review found whole verifications rerun 50 times)."""
+    import tempfile
+
+    from fastckpt.container.snapshot import check_consistently
+
+    with tempfile.TemporaryDirectory() as directory:
+        record = Path(directory) / "manifest.json"
+        calls: list[int] = []
+
+        def check() -> str:
+            calls.append(1)
+            record.write_text(str(len(calls)))  # a writer commits during every check
+            return "damaged"
+
+        assert check_consistently(record, check, lambda found: "damage") == "damaged"
+        assert len(calls) == 3

@@ -266,6 +266,11 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
+#: Set in an epoch-start RNG record taken before the epoch's ``BEFORE_EPOCH`` hooks ran (a
+#: resume then fires them from it); records without it were taken after them.
+_BEFORE_EPOCH_HOOKS = "before_epoch_hooks"
+
+
 def _cpu_rng_state() -> dict[str, Any]:
     """:func:`_rng_state` without the CUDA generators (what a data order draws from)."""
     return {name: value for name, value in _rng_state().items() if name != "cuda"}
@@ -580,20 +585,28 @@ class TrainingStrategy:
         if self.epoch_step_count == 0 or self._epoch_start_rng is None:
             self.epoch_step_count = 0
             start = _cpu_rng_state()  # before the epoch's setup, which may draw from them
+            start[_BEFORE_EPOCH_HOOKS] = True  # (earlier versions took it after the hooks)
             self._fire(TrainingStage.BEFORE_EPOCH)
             self._restore_loader_generators(train_loader)
             self._epoch_start_rng = start
             self._epoch_start_loader_rng = [g.get_state() for g in _loader_generators(train_loader)]
             return iter(train_loader)
         current = _rng_state()
-        if isinstance(self._epoch_start_rng, torch.Tensor):
-            torch.set_rng_state(self._epoch_start_rng)  # recorded by an earlier fastckpt
+        recorded = self._epoch_start_rng
+        before_hooks = isinstance(recorded, Mapping) and recorded.get(_BEFORE_EPOCH_HOOKS) is True
+        if not before_hooks:
+            # Recorded by an earlier fastckpt after the epoch's hooks had run: they run here as
+            # they did with it, before the state is set (their draws are not replayed).
+            self._fire(TrainingStage.BEFORE_EPOCH)
+        if isinstance(recorded, torch.Tensor):
+            torch.set_rng_state(recorded)  # recorded by an earlier fastckpt
         else:
-            _set_rng_state(self._epoch_start_rng)
-        # The epoch's setup draws what it drew when the epoch began (a random per-epoch
-        # setting: before, it drew from the checkpoint's RNG state, and the resumed epoch
-        # ran with another one).
-        self._fire(TrainingStage.BEFORE_EPOCH)
+            _set_rng_state(recorded)
+        if before_hooks:
+            # The epoch's setup draws what it drew when the epoch began (a random per-epoch
+            # setting: before, it drew from the checkpoint's RNG state, and the resumed
+            # epoch ran with another one).
+            self._fire(TrainingStage.BEFORE_EPOCH)
         self._rewind_loader_generators(train_loader)
         self._resume_loader_pending = False  # the replay advances them as the saved run did
         iterator = iter(train_loader)
@@ -1701,13 +1714,11 @@ def _check_configs_match(
     schedulers: Mapping[str, Any],
     where: str,
 ) -> None:
-    """A run's recorded optimizer recipes (``strategy.json``) name the classes of the
-    optimizers and schedulers the checkpoint rebuilt (their own files): the recipe is
-    recorded again by the next save and builds a fine-tuning run's optimizer, so a recipe
-    naming another class would change the run from its next save on.
-
-    Raises:
-        CheckpointFormatError: names ``where``, the recipe and both classes.
+    """Warn when a run's recorded optimizer recipe (``strategy.json``) names another class
+    than the optimizer or scheduler the checkpoint rebuilt (their own files): an edited
+    recipe, or an optimizer swapped by hand during the run (``strategy.optimizers[...] =``,
+    which saves fine). The recipe is kept (it is recorded again by the next save and builds
+    a fine-tuning run's optimizer with ``use_original_opt_class``); the warning names both.
     """
     for name, config in configs.items():
         pairs: list[tuple[str, Any, Any]] = [
@@ -1718,10 +1729,14 @@ def _check_configs_match(
             if live is None or not isinstance(recorded, str):
                 continue
             if _names_other_class(recorded, type(live)):
-                raise CheckpointFormatError(
+                warnings.warn(
                     f"{where}: field 'optimizer_configs.{name}.{key}' names {recorded}, but "
-                    f"the checkpoint's {name!r} is a {trust.dotted_path(type(live))}; the "
-                    "file was edited or is another run's: restore it from a copy"
+                    f"the checkpoint's {name!r} is a {trust.dotted_path(type(live))} (swapped "
+                    "by hand during the run, or the file was edited): the run goes on with the "
+                    f"{trust.dotted_path(type(live))}; the recipe, kept, builds a fine-tuning "
+                    f"run's optimizer (set strategy.optimizer_configs[{name!r}] to change it)",
+                    UserWarning,
+                    stacklevel=4,
                 )
 
 
@@ -1876,8 +1891,8 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
 
 
 def _warn_unsaved_sampler_rngs(loader: Any) -> None:
-    """Warn when the loader's sampler keeps a random generator of its own that a checkpoint
-    does not save (only ``generator`` attributes are, see :func:`_loader_generators`): a
+    """Warn when the loader's sampler (or batch sampler) keeps a random generator of its own
+    that a checkpoint does not save (see :func:`_loader_generators` for those it does): a
     resumed run would read the data in another order, without a word."""
     import random
 
@@ -1885,6 +1900,7 @@ def _warn_unsaved_sampler_rngs(loader: Any) -> None:
 
     kinds = (torch.Generator, random.Random, np.random.Generator, np.random.RandomState)
     batch_sampler = getattr(loader, "batch_sampler", None)
+    saved = {id(generator) for generator in _loader_generators(loader)}
     owners = [getattr(loader, "sampler", None), batch_sampler]
     owners.append(getattr(batch_sampler, "sampler", None))
     found = sorted(
@@ -1893,7 +1909,7 @@ def _warn_unsaved_sampler_rngs(loader: Any) -> None:
             for owner in owners
             if owner is not None and hasattr(owner, "__dict__")
             for name, value in vars(owner).items()
-            if name != "generator" and isinstance(value, kinds)
+            if isinstance(value, kinds) and id(value) not in saved
         }
     )
     if found:

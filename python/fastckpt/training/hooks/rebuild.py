@@ -138,6 +138,11 @@ def rebuild_hooks(
     savers = [r for r in records if REBUILDABLE.get(r["class"]) is CheckpointHook]
     if len(savers) > 1 and named:
         unnamed = [r for r in savers if not any(_records_root(r, n) for n in named)]
+        if len(unnamed) == len(savers):
+            # None names the caller's root (a moved run, another working directory): the
+            # one recorded under the root's name saves there (else the first), as a run's
+            # one hook would; the others are left out.
+            unnamed.remove(_likeliest_saver(savers, named[0]))
         for record in unnamed:
             config = record.get("config") or {}
             warnings.warn(
@@ -177,6 +182,17 @@ def rebuild_hooks(
                 f"({type(err).__name__}: {err}); pass hooks=[...] to load_checkpoint instead"
             ) from err
     return hooks
+
+
+def _likeliest_saver(savers: Sequence[dict[str, Any]], root: str | os.PathLike[str]) -> Any:
+    """The CheckpointHook record whose recorded ``checkpoint_dir`` has ``root``'s last name
+    (``ckpt/steps`` for ``/elsewhere/ckpt/steps``), else the first."""
+    name = os.path.basename(os.path.normpath(os.fspath(root)))
+    for record in savers:
+        recorded = (record.get("config") or {}).get("checkpoint_dir")
+        if isinstance(recorded, str) and os.path.basename(os.path.normpath(recorded)) == name:
+            return record
+    return savers[0]
 
 
 def _same_root(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
