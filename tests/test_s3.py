@@ -38,10 +38,10 @@ from fastckpt.storage.s3.errors import (
     translate,
 )
 from fastckpt.storage.s3.tensors import get_tensors, put_tensors
-from s3_support import S3Server, s3_root, s3_server
+from s3_support import S3Server, no_aws_env, s3_root, s3_server
 from test_files import counter_progress
 
-__all__ = ["s3_root", "s3_server"]  # fixtures used by name below
+__all__ = ["no_aws_env", "s3_root", "s3_server"]  # fixtures used by name below
 
 SMALL_PARTS = {"part_size": 5 << 20, "read_part_size": 4 << 20, "concurrency": 4}
 QUICK_FAIL = {"max_retries": 1, "retry_timeout_s": 2.0, "connect_timeout_s": 2.0}
@@ -705,18 +705,12 @@ def test_fastckpt_bench_s3_runs_every_writer_and_the_async_stall(tmp_path: Path)
 
 
 def test_the_region_comes_from_aws_region_then_aws_default_region(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    no_aws_env: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``AWS_REGION`` (the AWS SDKs' variable, documented here) was ignored before: botocore
     reads only ``AWS_DEFAULT_REGION``, so a bucket elsewhere got us-east-1."""
     from fastckpt.storage.s3.config import S3Options
 
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
 

@@ -4,10 +4,11 @@ checkpoint), and checking before the first save that a model can be rebuilt.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "build_model",
     "canonical_name",
     "check_recordable",
+    "naming_file",
     "structural_differences",
 ]
 
@@ -137,6 +139,21 @@ GONE_CLASS_HINT = (
 )
 
 
+@contextlib.contextmanager
+def naming_file(where: str) -> Iterator[None]:
+    """Errors resolving a class path a checkpoint file records, naming the file ``where`` (as
+    every format error does): a refusal of the trust policy, and a path that no longer
+    resolves (a format error with :data:`GONE_CLASS_HINT`)."""
+    try:
+        yield
+    except UntrustedTargetError as err:
+        if where in str(err):
+            raise
+        raise UntrustedTargetError(f"{where}: {err}") from None
+    except ImportError as err:
+        raise CheckpointFormatError(f"{where}: {err}; {GONE_CLASS_HINT}") from err
+
+
 def build_model(
     spec: BaseSpec,
     *,
@@ -197,15 +214,8 @@ def build_model(
     """
     where = where or f"spec {spec.cls_path!r}"
     targets: dict[int, Any] = {}
-    try:
+    with naming_file(where):
         spec._resolve_tree(targets, "model", trusted, set())
-    except UntrustedTargetError as err:
-        if where in str(err):
-            raise
-        # Name the file (and model) the refused path came from, as every format error does.
-        raise UntrustedTargetError(f"{where}: {err}") from None
-    except ImportError as err:
-        raise CheckpointFormatError(f"{where}: {err}; {GONE_CLASS_HINT}") from err
     root = targets[id(spec)]
     # A spec that records a device passes it however the target takes it (``**kwargs``).
     accepts_device = _takes_device(root) or "device" in spec.kwargs

@@ -11,14 +11,13 @@ against the manifest. :mod:`fastckpt.checkpoint.api` is the front door built on 
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import inspect
 import json
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ from fastckpt.container.refs import (
     resolve_references,
 )
 from fastckpt.container.verify import checked_index
-from fastckpt.errors import CheckpointFormatError, FastCkptError, UntrustedTargetError
+from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.format.records import MAX_INDEX, Manifest
 from fastckpt.io import tree
 from fastckpt.io.files import check_storable, torch_shape
@@ -594,20 +593,6 @@ def _proven_spec(model: torch.nn.Module, name: str, state: Mapping[str, Any]) ->
     return spec
 
 
-@contextlib.contextmanager
-def _naming(where: str) -> Iterator[None]:
-    """Errors resolving the class path a checkpoint file records, naming the file ``where``:
-    a refusal of the trust policy, and a path that no longer resolves (a format error)."""
-    try:
-        yield
-    except UntrustedTargetError as err:
-        if where in str(err):
-            raise
-        raise UntrustedTargetError(f"{where}: {err}") from None
-    except ImportError as err:
-        raise CheckpointFormatError(f"{where}: {err}; {build.GONE_CLASS_HINT}") from err
-
-
 def _refuse_shapeless(relpath: str, tensors: Mapping[str, Any]) -> None:
     """Refuse nested and zero tensors among ``tensors`` (for file ``relpath``) the way every
     save does (:func:`check_storable`), before the plan touches their shapes or storages,
@@ -917,7 +902,7 @@ def _rebuild_optimizer(
     where: str,
 ) -> tuple[torch.optim.Optimizer, specs.BaseSpec]:
     spec = _spec_from(document.get("spec"), where)
-    with _naming(where):
+    with build.naming_file(where):
         cls = trust.resolve_target(spec.cls_path, "optimizer", trusted)
     refs = document.get("params")
     if not isinstance(refs, list) or not isinstance(state, dict):
@@ -1141,7 +1126,7 @@ def load_components(
             document.get("state"), reader.tensors(f"schedulers/{name}.safetensors"), name
         )
         try:
-            with _naming(str(reader.directory / where)):
+            with build.naming_file(str(reader.directory / where)):
                 cls = trust.resolve_target(spec.cls_path, "scheduler", trusted)
             # Constructing a scheduler steps it once and rewrites the optimizer's learning
             # rates; reloading the saved optimizer state and then the scheduler's restores both.
