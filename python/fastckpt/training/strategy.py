@@ -584,8 +584,9 @@ class TrainingStrategy:
         back after the replay, as the checkpoint left them for the resumed batches."""
         if self.epoch_step_count == 0 or self._epoch_start_rng is None:
             self.epoch_step_count = 0
-            start = _cpu_rng_state()  # before the epoch's setup, which may draw from them
-            start[_BEFORE_EPOCH_HOOKS] = True  # (earlier versions took it after the hooks)
+            start: Any = _cpu_rng_state()  # before the epoch's setup, which may draw from them
+            if isinstance(start, Mapping):  # marked: earlier versions took it after the hooks
+                start = {**start, _BEFORE_EPOCH_HOOKS: True}
             self._fire(TrainingStage.BEFORE_EPOCH)
             self._restore_loader_generators(train_loader)
             self._epoch_start_rng = start
