@@ -745,6 +745,57 @@ def replace_loop() -> None:
     leave_process_group()
 
 
+OTHER_RUN = """
+import sys, torch, fastckpt
+fastckpt.save_checkpoint(sys.argv[1], models={"main": (torch.nn.Linear(2, 2), None)},
+                         counters={"step_count": 3})
+"""
+
+
+def strategy_mixed_run() -> None:
+    """FSDP2 + AdamW for 6 steps with a CheckpointHook every step (``async`` or ``sync``: the
+    fifth argument); at step 3, before the hook saves, another process (rank 0 starts it)
+    commits an index of its own into ROOT. Prints each rank's error type and message."""
+    import subprocess
+
+    root, rank, _ = setup_rank()
+    async_save = sys.argv[5] == "async"
+    torch.manual_seed(0)
+
+    def other_run(ctx: fastckpt.TrainContext, stage: fastckpt.TrainingStage) -> None:
+        if stage is fastckpt.TrainingStage.AFTER_BATCH and ctx.step_count == 3:
+            while hook.writing:  # this run's index of step 2 is committed first
+                time.sleep(0.01)
+            if rank == 0:
+                subprocess.run([sys.executable, "-c", OTHER_RUN, str(root)], check=True)
+            dist.barrier()
+
+    hook = fastckpt.CheckpointHook(root, step_interval=1, async_save=async_save)
+    strategy = fastckpt.TrainingStrategy(
+        shard(build_model()),
+        fastckpt.OptimizerConfig(torch.optim.AdamW, {"lr": 1e-2}),
+        training_fn=training_fn,
+        hooks=[other_run, hook],
+        num_steps=6,
+    )
+    error: BaseException | None = None
+    try:
+        strategy.run(loader())
+    except Exception as err:
+        error = err
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "error": None if error is None else type(error).__name__,
+                "message": str(error),
+                "step": strategy.step_count,
+            }
+        )
+    )
+    leave_process_group()
+
+
 def save_indices() -> None:
     """Save indices 0, 1 and 2 of ROOT at steps 1, 2 and 3 (one rank or more)."""
     root, _, _ = setup_rank()

@@ -130,3 +130,29 @@ def test_a_save_into_the_root_by_the_same_process_is_not_another_run(tmp_path: P
     strategy.training_fn = _saving_at_third_step(tmp_path, other_process=False)
     strategy.run(support.loader())
     assert _indices(tmp_path) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_sharded_run_saving_into_a_root_another_run_saved_into_stops(
+    tmp_path: Path, mode: str
+) -> None:
+    """FSDP2 on 2 gloo ranks: before, a sharded hook save made no such check (each run's
+    index was chosen before its shards were written and committed whatever the root held
+    then). Now rank 0 checks at the commit: ``MixedRunError`` there, a ``RuntimeError``
+    naming it on rank 1, and the root holds this run's indices and the other run's only."""
+    import json
+
+    from dcp_support import launch
+
+    root = tmp_path / "run"
+    results = launch("strategy_mixed_run", root, 2, mode, ranks="sharded_ranks")
+    reports = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in results]
+    assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
+    assert reports[0]["error"] == "MixedRunError", reports
+    assert "index 2 (step 3) was committed by another process" in reports[0]["message"]
+    assert reports[1]["error"] == "RuntimeError" and "MixedRunError" in reports[1]["message"]
+    rows = fastckpt.list_checkpoints(root)
+    assert [row["index"] for row in rows] == [0, 1, 2]
+    assert [row["counters"]["step_count"] for row in rows] == [1, 2, 3]
+    assert (root / "2" / "models").is_dir()  # the other run's (a sharded index has none)
+    assert fastckpt.verify(root).ok

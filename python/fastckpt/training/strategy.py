@@ -883,6 +883,8 @@ class TrainingStrategy:
         checkpoint_index: int = -1,
         incremental: bool = True,
         node_local: bool = False,
+        lock_timeout: float | None = None,
+        check_root: Callable[[Manifest], None] | None = None,
     ) -> int:
         """Write this strategy as a committed checkpoint index of ``root``; returns it.
 
@@ -894,13 +896,25 @@ class TrainingStrategy:
         tier (:class:`~fastckpt.training.hooks.CheckpointHook` with a ``durable_dir``).
         ``incremental`` (unsharded strategies): write only the tensors that changed since this
         process's last save into ``root`` (see docs/incremental.md); False writes everything.
+        ``lock_timeout`` and ``check_root``: as
+        :func:`fastckpt.checkpoint.components.write_snapshot` (a sharded strategy: on rank 0 at
+        the commit; what ``check_root`` raises there is
+        raised on rank 0 and reported on the others as a ``RuntimeError``, nothing committed).
         """
         codec.check_incremental(incremental, "TrainingStrategy.save_checkpoint")
         if not self.sharded:
             snapshot = self.checkpoint_snapshot()
             snapshot.incremental = incremental
-            return codec.write_snapshot(root, snapshot, checkpoint_index)
-        return self._save_sharded(Path(root), checkpoint_index, node_local)
+            return codec.write_snapshot(
+                root, snapshot, checkpoint_index, lock_timeout=lock_timeout, check_root=check_root
+            )
+        return self._save_sharded(
+            Path(root),
+            checkpoint_index,
+            node_local,
+            lock_timeout=lock_timeout,
+            check_root=check_root,
+        )
 
     def _refuse_unsaveable_hook_state(self) -> None:
         """On every rank, before a sharded save starts: refuse hook state rank 0 could not
@@ -1014,7 +1028,15 @@ class TrainingStrategy:
         self._pending_sharded_part = fields
         return index, future
 
-    def _save_sharded(self, root: Path, checkpoint_index: int, node_local: bool) -> int:
+    def _save_sharded(
+        self,
+        root: Path,
+        checkpoint_index: int,
+        node_local: bool,
+        *,
+        lock_timeout: float | None = None,
+        check_root: Callable[[Manifest], None] | None = None,
+    ) -> int:
         import torch.distributed as dist
 
         rank, world = _world()
@@ -1025,19 +1047,29 @@ class TrainingStrategy:
             root, index, part, self.models, self.optimizers, node_local=node_local
         )
         outcome: list[Any] = [None]
+        failure: Exception | None = None
         if rank == 0:
             try:
                 self._pending_sharded_part = sharded_training.part_record(path)
-                codec.write_snapshot(root, self.checkpoint_snapshot(), index)  # the commit
+                codec.write_snapshot(  # the commit
+                    root,
+                    self.checkpoint_snapshot(),
+                    index,
+                    lock_timeout=lock_timeout,
+                    check_root=check_root,
+                )
             except Exception as err:
                 if world == 1:
                     raise
+                failure = err
                 outcome[0] = f"{type(err).__name__}: {err}"
             else:
                 with contextlib.suppress(OSError, CheckpointFormatError):  # committed anyway
                     sharded_training.sweep_parts(root)  # the replaced part, killed saves'
         if world > 1:
             dist.broadcast_object_list(outcome, src=0)  # every rank learns how the commit went
+        if failure is not None:
+            raise failure  # rank 0: its own error, typed
         if outcome[0] is not None:
             raise RuntimeError(f"rank 0 could not commit index {index} of {root}: {outcome[0]}")
         return index

@@ -181,7 +181,8 @@ class CheckpointHook:
         again, under the root's lock, that the root's newest index is the one the run
         started from or one this process committed: two runs started together on one root
         (each saw it empty) stop at the first save after the other's, with ``MixedRunError``
-        (``overwrite`` does not lift this check; sharded FSDP2 saves are not checked so yet).
+        (``overwrite`` does not lift this check; a sharded FSDP2 save is checked by rank 0
+        at its commit, after every rank wrote its shards, which the next save removes).
 
         ``storage_options``: object-store client options for an ``s3://`` checkpoint_dir
         (endpoint_url, region, access_key_id, ... as for :func:`fastckpt.configure_storage`),
@@ -800,6 +801,8 @@ class CheckpointHook:
                 self.checkpoint_dir,
                 checkpoint_index=first,
                 node_local=self._promoter is not None,
+                lock_timeout=self.lock_timeout,
+                check_root=self._check_no_other_run,
             )
             self.last_checkpoint_index = index
             failure: BaseException | None = None
@@ -831,7 +834,13 @@ class CheckpointHook:
             failure: BaseException | None = None
             if snapshot is not None:
                 try:
-                    write_snapshot(self.checkpoint_dir, snapshot, index)
+                    write_snapshot(
+                        self.checkpoint_dir,
+                        snapshot,
+                        index,
+                        lock_timeout=self.lock_timeout,
+                        check_root=self._check_no_other_run,
+                    )
                     self._prune_sharded(index)
                 except Exception as err:
                     failure = err
