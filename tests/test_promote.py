@@ -548,6 +548,23 @@ def test_a_failing_durable_tier_does_not_stop_training_and_is_raised_at_close(
     assert strategy.step_count == 6
     assert [c["index"] for c in fastckpt.list_checkpoints(fast)] == [0, 1, 2]
     assert fastckpt.verify(fast).ok
+    # Raised once, and still reported after it (before: promotion_healthy read True again).
+    assert not hook.promotion_healthy and not hook.healthy
+    hook.close()
+
+
+def test_a_failed_save_raised_at_close_keeps_the_hook_unhealthy(tmp_path: Path) -> None:
+    blocker = tmp_path / "node"
+    blocker.write_text("the disk is gone")  # every save under it fails
+    hook = fastckpt.CheckpointHook(
+        blocker / "ckpt", step_interval=2, async_save=True, strict_saves=False
+    )
+    strategy = training_support.new_strategy([hook], num_steps=3)
+    with pytest.warns(RuntimeWarning, match="training goes on"), pytest.raises(OSError):
+        strategy.run(training_support.loader())  # the failed save of step 2, at close
+    assert strategy.step_count == 3
+    assert not hook.healthy and hook.save_error is not None  # before: True, None
+    hook.close()  # raised once
 
 
 def test_a_stopped_durable_server_spares_the_unpromoted_index_and_the_next_run_promotes_it(

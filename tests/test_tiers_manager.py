@@ -666,6 +666,7 @@ def test_a_stopped_durable_server_costs_the_saves_nothing_and_is_reported(
         assert committed_checkpoints(fast)[-1] == "step_2"
         with pytest.raises(PromotionError, match="manager-stopped"):
             manager.close()
+        assert not manager.promotion_healthy  # raised once, still reported
     finally:
         s3_server.start()
     # The next manager on these tiers finishes the promotion of the newest checkpoint.

@@ -518,6 +518,7 @@ class Promoter:
         self.target_newest: int | None = None
         #: The last attempt's failure (None after a success).
         self.error: PromotionError | None = None
+        self._raised: PromotionError | None = None  # the error close() raised (raised once)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._pending = False
@@ -628,7 +629,8 @@ class Promoter:
 
         Raises:
             PromotionError: the last attempt failed (the fast tier holds the checkpoints;
-                ``fastckpt promote`` retries by hand).
+                ``fastckpt promote`` retries by hand); raised once, :attr:`healthy` stays
+                False until a promotion succeeds.
         """
         self.wait()
         with self._lock:
@@ -642,9 +644,10 @@ class Promoter:
             self._process.close()
             self._process = None
         self._withheld = None  # a promoter used again (a hook entered for another run) decides anew
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
+        if self.error is not None and self.error is not self._raised:
+            # Raised once; :attr:`healthy` stays False until a promotion succeeds.
+            self._raised = self.error
+            raise self.error
 
     def _run(self) -> None:
         while True:

@@ -300,6 +300,7 @@ class CheckpointHook:
         self.on_save_error = on_save_error
         #: The last save's failure while saves are not strict (None after a success).
         self.save_error: BaseException | None = None
+        self._raised_save_error: BaseException | None = None  # what close() raised (once)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -343,9 +344,10 @@ class CheckpointHook:
         """
         try:
             self._saved(self._writer.close)
-            if self.save_error is not None:
-                error, self.save_error = self.save_error, None
-                raise error
+            if self.save_error is not None and self.save_error is not self._raised_save_error:
+                # Raised once; :attr:`healthy` stays False until a save commits.
+                self._raised_save_error = self.save_error
+                raise self.save_error
         finally:
             try:
                 if self._rank_promoter is not None:
