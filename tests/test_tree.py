@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 import torch
 
 from fastckpt.errors import CheckpointFormatError
+from fastckpt.format.records import nesting_depth
+from fastckpt.io import tree
 from fastckpt.io.tree import flatten, unflatten
 
 
@@ -92,3 +95,31 @@ def test_unsupported_values_name_their_path() -> None:
 def test_malformed_skeletons_are_format_errors(skeleton: object) -> None:
     with pytest.raises(CheckpointFormatError):
         unflatten(skeleton, {})
+
+
+def _random_nest(rng: random.Random, depth: int) -> object:
+    """A nest of every container kind flatten encodes differently (plain and non-str-keyed
+    dicts, lists, tuples, empty ones) with tensors, non-finite floats and scalars."""
+    if depth > 6 or rng.random() < 0.3:
+        return rng.choice([1, 1.5, float("nan"), "s", None, True, torch.zeros(1)])
+    kind = rng.choice(["dict", "list", "tuple", "keyed", "empty"])
+    items = range(rng.randint(0, 3))
+    if kind == "dict":
+        return {f"k{i}": _random_nest(rng, depth + 1) for i in items}
+    if kind == "list":
+        return [_random_nest(rng, depth + 1) for _ in items]
+    if kind == "tuple":
+        return tuple(_random_nest(rng, depth + 1) for _ in items)
+    if kind == "keyed":
+        keys = [1, 2.5, float("inf"), None, "__tensor__"]
+        return {rng.choice(keys): _random_nest(rng, depth + 1) for _ in items}
+    return rng.choice([{}, [], ()])
+
+
+def test_the_depth_flatten_measures_is_the_skeletons_own() -> None:
+    """The manager refuses an item by the depth flatten_measured tracks while building the
+    skeleton (instead of walking the skeleton again): it must be the skeleton's depth."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        skeleton, _, depth = tree.flatten_measured(_random_nest(rng, 0))
+        assert depth == nesting_depth(skeleton), skeleton

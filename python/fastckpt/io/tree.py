@@ -23,7 +23,7 @@ from fastckpt.errors import CheckpointFormatError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["flatten", "join_path", "map_tensors", "unflatten"]
+__all__ = ["flatten", "flatten_measured", "join_path", "map_tensors", "unflatten"]
 
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
@@ -52,6 +52,9 @@ def _plain_dict(mapping: Mapping[Any, Any]) -> bool:
 class _Flattener:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
+        #: How deep the skeleton's lists and objects nest (as ``format.records.nesting_depth``
+        #: counts: a container at the top is level 1), tracked while it is built.
+        self.depth = 0
 
     def name_for(self, path: str) -> str:
         name = path or "tensor"
@@ -61,31 +64,40 @@ class _Flattener:
             suffix += 1
         return name
 
-    def encode(self, value: Any, path: str) -> Any:
+    def encode(self, value: Any, path: str, level: int = 1) -> Any:
+        """The skeleton of ``value``, whose own list or object (if any) sits at ``level``."""
         import torch  # deferred: only flattening meets tensors; unflatten (inspect) needs none
 
         if isinstance(value, torch.Tensor):
             name = self.name_for(path)
             self.tensors[name] = value
+            self.depth = max(self.depth, level)
             return {_TENSOR: name}
         # Exact types: a subclass (an enum, a numpy scalar) would come back as its base type.
         if value is None or type(value) in (bool, int, str):
             return value
         if type(value) is float:
-            return _encode_float(value)
+            encoded = _encode_float(value)
+            if encoded is not value:
+                self.depth = max(self.depth, level)  # a marker object
+            return encoded
+        self.depth = max(self.depth, level)
         if isinstance(value, Mapping):
-            return self.encode_mapping(value, path)
+            return self.encode_mapping(value, path, level)
         if isinstance(value, tuple) and type(value) is tuple:
-            return {_TUPLE: [self.encode(v, join_path(path, i)) for i, v in enumerate(value)]}
+            # {"__tuple__": [...]}: the items two levels down
+            items = [self.encode(v, join_path(path, i), level + 2) for i, v in enumerate(value)]
+            self.depth = max(self.depth, level + 1)
+            return {_TUPLE: items}
         if isinstance(value, list):
-            return [self.encode(v, join_path(path, i)) for i, v in enumerate(value)]
+            return [self.encode(v, join_path(path, i), level + 1) for i, v in enumerate(value)]
         raise TypeError(
             f"{path or '<root>'}: cannot checkpoint a {type(value).__module__}."
             f"{type(value).__qualname__}; supported values are tensors, None, bool, int, float, "
             "str and dicts/lists/tuples of them (convert it, e.g. to a tensor or a list)"
         )
 
-    def encode_mapping(self, mapping: Mapping[Any, Any], path: str) -> Any:
+    def encode_mapping(self, mapping: Mapping[Any, Any], path: str, level: int) -> Any:
         for key in mapping:
             if type(key) not in _KEY_TYPES:
                 raise TypeError(
@@ -93,16 +105,16 @@ class _Flattener:
                     f"got {type(key).__name__}"
                 )
         if _plain_dict(mapping):
-            return {k: self.encode(v, join_path(path, k)) for k, v in mapping.items()}
-        return {
-            _DICT: [
-                [
-                    _encode_float(k) if isinstance(k, float) else k,
-                    self.encode(v, join_path(path, k)),
-                ]
-                for k, v in mapping.items()
-            ]
-        }
+            return {k: self.encode(v, join_path(path, k), level + 1) for k, v in mapping.items()}
+        # {"__dict__": [[key, value], ...]}: keys and values three levels down
+        pairs = []
+        for k, v in mapping.items():
+            key = _encode_float(k) if isinstance(k, float) else k
+            if isinstance(key, dict):
+                self.depth = max(self.depth, level + 3)  # a float key's marker object
+            pairs.append([key, self.encode(v, join_path(path, k), level + 3)])
+        self.depth = max(self.depth, level + (2 if pairs else 1))
+        return {_DICT: pairs}
 
 
 def flatten(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -117,9 +129,16 @@ def flatten(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     Raises:
         TypeError: an unsupported value or dict key, named by its key path.
     """
+    skeleton, tensors, _ = flatten_measured(state)
+    return skeleton, tensors
+
+
+def flatten_measured(state: Any) -> tuple[Any, dict[str, torch.Tensor], int]:
+    """:func:`flatten`, and how deep the skeleton's lists and objects nest (counted as
+    :func:`fastckpt.format.records.nesting_depth` counts, without walking it again)."""
     flattener = _Flattener()
     skeleton = flattener.encode(state, "")
-    return skeleton, flattener.tensors
+    return skeleton, flattener.tensors, flattener.depth
 
 
 def _decode_float(data: Any, path: str) -> float:

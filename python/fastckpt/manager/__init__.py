@@ -100,6 +100,7 @@ from fastckpt.manager.config import (
 from fastckpt.manager.incremental import LinkPlan, Tracker
 from fastckpt.manager.load import DirectRead, plan_direct_read
 from fastckpt.manager.stateful import (
+    check_depth,
     check_nesting,
     check_restore,
     check_template,
@@ -846,8 +847,8 @@ class CheckpointManager:
         skeletons: dict[str, Any] = {}
         tensors: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in prepared.items():
-            skeletons[key], tensors[key] = tree.flatten(value)
-            check_nesting(skeletons[key], key, MAX_JSON_DEPTH - 1)  # as written: {"skeleton": ...}
+            skeletons[key], tensors[key], depth = tree.flatten_measured(value)
+            check_depth(depth, key, MAX_JSON_DEPTH - 1)  # as written: {"skeleton": ...}
             if _RESERVED_NAME in tensors[key]:  # refused here, not later by the writer
                 raise InvalidInputError(
                     f"{tree.join_path(key, _RESERVED_NAME)}: the tensor name {_RESERVED_NAME!r} "

@@ -38,6 +38,7 @@ from fastckpt.io.paths import is_text
 
 __all__ = [
     "Stateful",
+    "check_depth",
     "check_nesting",
     "check_restore",
     "check_template",
@@ -117,13 +118,23 @@ MAX_NESTING = MAX_JSON_DEPTH - 10
 
 def check_nesting(value: Any, key: str, limit: int = MAX_NESTING) -> None:
     """Refuse an item nested too deeply to be loaded back: its value before it is encoded
-    (:data:`MAX_NESTING`), or its encoded skeleton, where a tuple takes two levels (``limit``
-    the levels a load reads, ``MAX_JSON_DEPTH``, less the document's own).
+    (:data:`MAX_NESTING`; the encoded skeleton: :func:`check_depth`).
 
     Raises:
         TypeError: names the item and the limit.
     """
-    if nesting_depth(value, limit) > limit:
+    check_depth(nesting_depth(value, limit), key, limit)
+
+
+def check_depth(depth: int, key: str, limit: int) -> None:
+    """Refuse an item whose lists and objects nest ``depth`` levels deep, past ``limit``: its
+    encoded skeleton's depth (from :func:`fastckpt.io.tree.flatten_measured`; a tuple takes
+    two levels), against the levels a load reads (``MAX_JSON_DEPTH``) less the document's own.
+
+    Raises:
+        TypeError: names the item and the limit.
+    """
+    if depth > limit:
         raise TypeError(
             f"{key}: its dicts, lists and tuples nest too deeply (more than {limit} levels "
             "as stored) for a checkpoint to hold; flatten it (e.g. join the inner keys "
