@@ -1196,3 +1196,52 @@ def test_a_failed_promotion_names_what_it_committed_before_failing(tmp_path: Pat
     ):
         promote(fast, durable)
     assert [row["index"] for row in fastckpt.list_checkpoints(durable)] == [0, 1]
+
+
+def test_a_durable_tier_that_cannot_be_read_is_read_again_off_the_training_thread(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review found every save of a two-tier hook reading the durable tier's manifest on
+    the training thread while it could not be read: with a store that does not answer, each
+    save stalled for the client's timeouts and retries (15 s with the default options).
+    Now the training thread reads it once (the run start's check; had that read succeeded,
+    the first save's too); once a read failed, the next ones run in the background, and a
+    run still promotes once the store is back."""
+    import threading
+
+    import fastckpt.training.hooks.checkpoint as checkpoint_hook
+
+    fast, durable = tmp_path / "fast", s3_server.url("unanswered")
+    fastckpt.configure_storage(
+        durable, s3_server.options(max_retries=0, retry_timeout_s=1.0, connect_timeout_s=1.0)
+    )
+    reads: list[str] = []
+    load = Manifest.load
+
+    def recorded(root: Any, *args: Any, **kwargs: Any) -> Manifest:
+        if str(root).startswith("s3:"):
+            reads.append(threading.current_thread().name)
+        return load(root, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_hook.Manifest, "load", staticmethod(recorded))
+    hook = fastckpt.CheckpointHook(
+        fast, step_interval=1, async_save=False, durable_dir=durable, save_last=False
+    )
+    strategy = training_support.new_strategy([hook], num_steps=6)
+    s3_server.stop()
+    try:
+        with pytest.warns(RuntimeWarning), pytest.raises(PromotionError):
+            strategy.run(training_support.loader())
+    finally:
+        s3_server.start()
+    assert strategy.step_count == 6
+    on_training_thread = [name for name in reads if name == threading.main_thread().name]
+    assert len(on_training_thread) == 1, reads  # the start's check (before: one per save)
+    assert any(name.startswith("fastckpt-durable-read") for name in reads), reads
+    # The store back: the next run reads it at its first save and promotes.
+    again = fastckpt.TrainingStrategy.load_checkpoint(
+        fast, hooks=[hook], training_fn=training_support.training_fn
+    )
+    again.num_steps = 7
+    again.run(training_support.loader())
+    assert fastckpt.list_checkpoints(durable)[-1]["index"] == 6

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -292,6 +293,12 @@ class CheckpointHook:
         # holds another run's later checkpoints is checked at the first save that reads it;
         # nothing is promoted before (see _check_durable_later).
         self._durable_unchecked = False
+        # A read of the durable tier failed during this run (a store down or not answering):
+        # the next reads run in the background, one at a time, so that a tier that does not
+        # answer costs the saves nothing (see _durable_manifest).
+        self._durable_failed = False
+        self._durable_read: Future[Manifest] | None = None
+        self._durable_reader: ThreadPoolExecutor | None = None
         if strict_saves is not None and not isinstance(strict_saves, bool):
             raise TypeError(
                 f"CheckpointHook strict_saves must be a bool or None, got {strict_saves!r}"
@@ -349,6 +356,9 @@ class CheckpointHook:
                 self._raised_save_error = self.save_error
                 raise self.save_error
         finally:
+            reader, self._durable_reader, self._durable_read = self._durable_reader, None, None
+            if reader is not None:
+                reader.shutdown(wait=False)  # a read still waiting on the store: not awaited
             try:
                 if self._rank_promoter is not None:
                     self._rank_promoter.close()
@@ -492,6 +502,7 @@ class CheckpointHook:
             self._start_step = ctx.step_count
             self._started_from = self._newest_index()
             self._floor = None  # the durable tier is read again by this run's first save
+            self._durable_failed, self._durable_read = False, None
             check_recordable = getattr(ctx.workflow, "check_recordable", None)
             if check_recordable is not None:
                 check_recordable()  # before any step: not at the first save, work lost
@@ -615,8 +626,10 @@ class CheckpointHook:
                 manifest = Manifest.load(root)
             except (OSError, FastCkptError):
                 # Unreadable: the first save reports it. A durable tier is checked once it
-                # can be read, before anything is promoted to it (_check_durable_later).
+                # can be read, before anything is promoted to it (_check_durable_later);
+                # the saves read it in the background (_durable_manifest).
                 self._durable_unchecked = root == self.durable_dir
+                self._durable_failed = self._durable_failed or self._durable_unchecked
                 return None
         latest = manifest.latest
         if latest is None:
@@ -936,12 +949,15 @@ class CheckpointHook:
         runs); until the fast root holds an index past it (a first save that failed
         included), saves go to that floor, which each of this hook's commits raises past
         itself (:meth:`_went_past`). A durable tier that cannot be read is left to the
-        promotion to report."""
+        promotion to report; once a read failed, the next is made in the background
+        (:meth:`_durable_manifest`) and this save goes to the fast root's next index."""
         if self.durable_dir is None or rank != 0:
             return -1
         try:
             if self._floor is None:
-                manifest = Manifest.load(self.durable_dir)
+                manifest = self._durable_manifest()
+                if manifest is None:
+                    return -1  # being read in the background: nothing promoted until it is
                 self._check_durable_later(ctx, manifest)
                 durable = manifest.latest
                 self._floor = 0 if durable is None else durable + 1
@@ -967,6 +983,31 @@ class CheckpointHook:
             self._floor,
         )
         return self._floor
+
+    def _durable_manifest(self) -> Manifest | None:
+        """The durable tier's manifest, for :meth:`_save_index`: read here until a read
+        failed in this run; then in the background, one read at a time (None while it runs;
+        its failure raised by the save that finds it done), as a store that does not answer
+        would hold up every save by its timeouts and retries (a 15 s stall per save with the
+        default options: a review finding). With ``strict_promotion`` it is always read here:
+        its failure stops the run at this save."""
+        assert self.durable_dir is not None
+        if not self._durable_failed or self.strict_promotion:
+            try:
+                return Manifest.load(self.durable_dir)
+            except (OSError, FastCkptError):
+                self._durable_failed = True
+                raise
+        read = self._durable_read
+        if read is None:
+            if self._durable_reader is None:
+                self._durable_reader = ThreadPoolExecutor(1, "fastckpt-durable-read")
+            self._durable_read = self._durable_reader.submit(Manifest.load, self.durable_dir)
+            return None
+        if not read.done():
+            return None
+        self._durable_read = None
+        return read.result()  # its error: reported as a failed read here is
 
     def _stage(self, snapshot: Snapshot, *, only_volatile: bool) -> None:
         """Replace the snapshot's tensors with staged copies (volatile ones or the rest)."""
