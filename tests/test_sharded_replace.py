@@ -259,7 +259,7 @@ def test_the_sweep_keeps_an_earlier_part_that_a_live_writer_may_still_be_writing
     dead writers' parts and other hosts' parts older than the grace period go."""
     from fastckpt.container.sharded import parts
 
-    host = parts._HOST
+    host = parts.HOST
     named = f"p{2_000_000_000_000:013d}-00000000~{os.getpid()}~{host}"
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],

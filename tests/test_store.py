@@ -53,7 +53,7 @@ from fastckpt.errors import (
     ChecksumMismatchError,
 )
 from fastckpt.format.records import MANIFEST, Manifest, seal_manifest
-from fastckpt.storage import backend
+from fastckpt.storage import backend, identity
 from replace_writer import save_at
 
 #: The ``saved`` fixture (two indices of a root and two manager checkpoints).
@@ -452,7 +452,9 @@ def test_list_checkpoints_applies_the_manifest_checksum_rule_of_load(saved: Save
     assert [c["counters"]["step"] for c in list_checkpoints(saved.root)] == [3, 999]
 
 
-def test_a_lock_file_that_is_a_link_or_a_fifo_is_refused_untouched(tmp_path: Path) -> None:
+def test_a_lock_file_that_is_a_link_a_fifo_or_a_directory_is_refused_untouched(
+    tmp_path: Path,
+) -> None:
     """The lock holder writes its pid into the lock file: a root whose lock file is a link (to
     a file elsewhere) or a FIFO is refused with a typed error naming it, the target intact."""
     root = tmp_path / "root"
@@ -468,6 +470,12 @@ def test_a_lock_file_that_is_a_link_or_a_fifo_is_refused_untouched(tmp_path: Pat
     with pytest.raises(CheckpointFormatError, match="not a regular file"):
         prune(root, 1, lock_timeout=5)
     (root / ".fastckpt.lock").unlink()
+    # A directory there: the same typed error (before: a bare IsADirectoryError).
+    (root / ".fastckpt.lock").mkdir()
+    for attempt in (lambda: save_at(root, trained(2), -1), lambda: prune(root, 1)):
+        with pytest.raises(CheckpointFormatError, match=r"directory, FIFO .* remove it"):
+            attempt()
+    (root / ".fastckpt.lock").rmdir()
     assert save_at(root, trained(2), -1) == 1
 
 
@@ -617,7 +625,7 @@ def test_interrupted_fallback_replace_is_repaired(tmp_path: Path) -> None:
     directory = tmp_path / "step_1"
     with CheckpointManager(CheckpointManager.Config.with_sync_save()) as writer:
         writer.save(directory, {"x": torch.arange(4.0)})
-    host = backend._HOST
+    host = identity.HOST
     trash = tmp_path / f".trash-step_1~{_dead_pid()}~{host}~0badcafe"
     directory.rename(trash)  # the crash: old checkpoint moved aside, new one not in place
     temp = tmp_path / f".tmp-step_1~{_dead_pid()}~{host}~0badcafe"

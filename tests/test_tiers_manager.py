@@ -1024,7 +1024,7 @@ def test_a_durable_checkpoint_a_crashed_replace_moved_aside_is_restored_by_the_n
     # left `.trash-latest~<pid>~<host>~...` alone; only a later save by a dead process's
     # own host put it back, so a new node's load_latest found no checkpoint (and a "resume
     # or start fresh" script started over).
-    from fastckpt.storage import backend
+    from fastckpt.storage import identity
 
     durable, fast = tmp_path / "durable", tmp_path / "fast"
     with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
@@ -1038,7 +1038,7 @@ def test_a_durable_checkpoint_a_crashed_replace_moved_aside_is_restored_by_the_n
             text=True,
             check=True,
         )
-        owner = f"{int(child.stdout)}~{backend._HOST}"
+        owner = f"{int(child.stdout)}~{identity.HOST}"
     (durable / "latest").rename(durable / f".trash-latest~{owner}~0badcafe")
     config = fastckpt.CheckpointManager.Config.with_sync_save()
     config.tiers = fastckpt.TiersConfig(fast=fast, durable=durable)

@@ -12,6 +12,7 @@ against the manifest. :mod:`fastckpt.checkpoint.api` is the front door built on 
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import inspect
 import json
 import os
@@ -27,6 +28,7 @@ import fastckpt.checkpoint.build as build
 import fastckpt.checkpoint.fill as fill
 import fastckpt.checkpoint.specs as specs
 import fastckpt.checkpoint.trust as trust
+from fastckpt import _native
 from fastckpt.container import incremental
 from fastckpt.container.commit import IndexWriter
 from fastckpt.container.reader import read_json, read_tensor_file, read_tensor_file_into
@@ -39,9 +41,10 @@ from fastckpt.container.refs import (
     refs_document,
     resolve_references,
 )
+from fastckpt.container.sharded.parts import part_of
 from fastckpt.container.verify import checked_index
-from fastckpt.errors import CheckpointFormatError, FastCkptError
-from fastckpt.format.records import MAX_INDEX, Manifest
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError, FastCkptError
+from fastckpt.format.records import MAX_INDEX, SHARDED_RECORD, Manifest, read_record_bytes
 from fastckpt.io import tree
 from fastckpt.io.files import check_storable, torch_shape
 from fastckpt.io.headers import read_metadata
@@ -150,28 +153,40 @@ def frozen_names(model: torch.nn.Module) -> list[str]:
     )
 
 
-def freeze(model: torch.nn.Module, names: Any, where: str) -> None:
-    """Give the parameters ``names`` (a recorded :data:`FROZEN_FIELD` list, or None: none)
-    of a rebuilt ``model`` ``requires_grad=False``.
+def frozen_record(model: torch.nn.Module, names: Any, where: str) -> list[str]:
+    """The parameter names a recorded :data:`FROZEN_FIELD` list (None: none) gives, checked
+    against ``model``'s parameters.
 
     Raises:
         CheckpointFormatError: ``names`` is not a list of names of ``model``'s parameters
             (``where`` names the record and field).
     """
     if names is None:
-        return
+        return []
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise CheckpointFormatError(f"{where}: must be a list of parameter names")
-    parameters = canonical_parameters(model)
-    unknown = sorted(set(names) - set(parameters))
+    unknown = sorted(set(names) - set(canonical_parameters(model)))
     if unknown:
         raise CheckpointFormatError(f"{where}: names {unknown}, which the model does not have")
-    for name in names:
+    return list(names)
+
+
+def freeze(model: torch.nn.Module, names: Any, where: str) -> None:
+    """Give the parameters ``names`` (a recorded :data:`FROZEN_FIELD` list, or None: none)
+    of ``model`` ``requires_grad=False``.
+
+    Raises:
+        CheckpointFormatError: see :func:`frozen_record`.
+    """
+    parameters = canonical_parameters(model)
+    for name in frozen_record(model, names, where):
         parameters[name].requires_grad_(False)
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Return the module to checkpoint whole: DDP unwrapped; FSDP/FSDP2 refused.
+    """Return the module to checkpoint whole: DDP and ``torch.compile``'s wrapper unwrapped
+    (the compiled module's own module is saved and rebuilt, uncompiled: compile it again
+    after a load); FSDP/FSDP2 refused.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -190,7 +205,16 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
         )
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return unwrap_model(model.module)
+    if _is_compiled(model):
+        return unwrap_model(model._orig_mod)
     return model
+
+
+def _is_compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is the wrapper ``torch.compile(module)`` returns."""
+    compiled = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    wrapper = getattr(compiled, "OptimizedModule", None)
+    return wrapper is not None and isinstance(model, wrapper)
 
 
 def _is_fsdp(model: torch.nn.Module) -> bool:
@@ -491,6 +515,7 @@ def write_snapshot(
         index = writer.index
         copies: dict[str, dict[str, CopySource]] = {}
         try:
+            _check_sharded_part(root, index, snapshot)
             if check_root is not None:
                 check_root(Manifest.load(root))
             refs = _check_references(writer, snapshot)
@@ -513,6 +538,39 @@ def write_snapshot(
     incremental.record_saved(root, index, snapshot.plan, writer.files)
     log_throughput("saved", f"{root}/{index}", writer.files.values(), start)
     return index
+
+
+def _check_sharded_part(root: Path, index: int, snapshot: Snapshot) -> None:
+    """Under the root's lock, before a sharded index is committed: the part its
+    ``strategy.json`` names is there with the commit record its save wrote. Its ranks wrote it
+    before the lock was taken; a sweep by a process that took its writer for dead, or a hand,
+    may have removed it since, and the index would then be committed naming nothing (a review
+    found a prune in another PID namespace doing so, the save reporting success).
+
+    Raises:
+        FileNotFoundError / ChecksumMismatchError: naming the part; nothing is committed.
+    """
+    recipe = snapshot.json_files.get("strategy.json")
+    sharded = recipe.get("sharded") if isinstance(recipe, Mapping) else None
+    if sharded is None:
+        return
+    part = part_of(root, index, sharded, f"{root}/{index}/strategy.json")
+    if part.name is None or part.record_crc32c is None:
+        return  # the layout from before parts: nothing recorded to check against
+    try:
+        data = read_record_bytes(part.path, SHARDED_RECORD)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{part.path}: the sharded part this save wrote is gone (removed by another "
+            f"process before the commit); index {index} was not committed, save again",
+            str(part.path),
+        ) from None
+    if _native.crc32c(data) != part.record_crc32c:
+        raise ChecksumMismatchError(
+            f"{part.path}/{SHARDED_RECORD}: not the commit record this save wrote (replaced by "
+            f"another process before the commit); index {index} was not committed, save again"
+        )
 
 
 def _copy_sources(

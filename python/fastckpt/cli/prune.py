@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from fastckpt.container.refs import referenced_indices
 from fastckpt.errors import FastCkptError
 from fastckpt.format.records import COMMIT_RECORD, MANIFEST, Manifest
 from fastckpt.io.progress import format_bytes
+from fastckpt.storage.identity import HOST
 from fastckpt.storage.lock import LOCK_FILE, lock_holder
 from fastckpt.storage.registry import backend_for, display_path, is_local, is_object_url
 
@@ -47,7 +47,7 @@ def describe_holder(root: Path) -> str:
             return "an unknown process"
     holder = lock_holder(root)
     words = holder.split()
-    if len(words) == 5 and words[0] == "pid" and words[4] == socket.gethostname():
+    if len(words) == 5 and words[0] == "pid" and words[4] == HOST:  # pid namespace too
         return f"pid {words[1]} ({_command(words[1])}) on host {words[4]}"
     return holder
 

@@ -31,9 +31,7 @@ import ctypes
 import errno
 import logging
 import os
-import re
 import shutil
-import socket
 import stat
 import sys
 import threading
@@ -50,6 +48,7 @@ from fastckpt.errors import CheckpointFormatError
 from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_relpath
 from fastckpt.io.progress import active_counter
+from fastckpt.storage.identity import HOST, gone
 from fastckpt.storage.lock import RootLock
 
 _LOG = logging.getLogger(__name__)
@@ -355,6 +354,12 @@ class StorageBackend(ABC):
     def lock(self, root: Path, *, timeout: float | None = None) -> WriterLock:
         """The exclusive writer lock of ``root`` (not yet acquired)."""
 
+    def copy_file(self, source: Path, target: Path, size: int) -> bool:
+        """Have the store copy the file ``source`` (``size`` bytes) to ``target``, without
+        the bytes passing through this process (an object store's server-side copy). False
+        when this backend cannot (a filesystem renames instead): nothing was written."""
+        return False
+
     def prepare_writer(self) -> None:
         """Set up now what a writer's first save would otherwise set up on its way (clients,
         connections): a writer created before training calls this, so that its first save
@@ -364,7 +369,6 @@ class StorageBackend(ABC):
 
 # --------------------------------------------------------------------------- local filesystem
 
-_HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -409,7 +413,7 @@ def _sibling(prefix: str, final: Path) -> Path:
         OSError: (``ENAMETOOLONG``) the sibling's name would pass the filesystem's 255-byte
             limit; the message gives the longest name that fits.
     """
-    tag = f"{final.name}~{os.getpid()}~{_HOST}~{os.urandom(4).hex()}"
+    tag = f"{final.name}~{os.getpid()}~{HOST}~{os.urandom(4).hex()}"
     name = f"{prefix}{tag}"
     extra = len(name.encode()) - len(final.name.encode())
     if len(name.encode()) > _NAME_MAX:
@@ -452,18 +456,6 @@ def _abandoned(path: Path) -> bool:
             return False
         del _STAGED[str(path)]
         return True
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove(path: Path) -> None:
@@ -513,12 +505,13 @@ def clean_dead_siblings(parent: Path) -> list[str]:
         if owner is None:
             continue
         prefix, target, pid, host = owner
-        if host == _HOST and pid == os.getpid() and _abandoned(child):
+        if host == HOST and pid == os.getpid() and _abandoned(child):
             _remove(child)  # this process's staging, interrupted before anyone held it
             touched.append(child.name)
             continue
-        if prefix == TRASH_PREFIX and host != _HOST:
-            # Another host's replace that never finished (its checkpoint put back) or that
+        if prefix == TRASH_PREFIX and host != HOST:
+            # Another host's (or PID namespace's: fastckpt.storage.identity) replace that
+            # never finished (its checkpoint put back) or that
             # is superseded (a checkpoint is in place again: the copy aside is obsolete).
             if os.path.lexists(parent / target) or not _holds_a_commit_record(child):
                 _remove(child)
@@ -526,7 +519,7 @@ def clean_dead_siblings(parent: Path) -> list[str]:
                 continue
             touched.append(child.name)
             continue
-        if host != _HOST or _alive(pid):
+        if not gone(pid, host):
             continue
         destination = parent / target
         if (
@@ -594,7 +587,7 @@ def restore_replaced(parent: Path) -> list[str]:
         if owner is None or owner[0] != TRASH_PREFIX:
             continue
         _, target, pid, host = owner
-        if (host != _HOST or not _alive(pid)) and _put_back(child, parent / target):
+        if (host != HOST or gone(pid, host)) and _put_back(child, parent / target):
             restored.append(target)
     return restored
 

@@ -6,7 +6,6 @@ import errno
 import fcntl
 import logging
 import os
-import socket
 import stat
 import time
 import weakref
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.errors import CheckpointFormatError
+from fastckpt.storage.identity import HOST
 
 __all__ = [
     "LOCK_FILE",
@@ -82,7 +82,7 @@ def _say_holder(fd: int, doing: str = "") -> None:
     """Write ``pid host`` (and what the holder does) into the held lock file, for
     :func:`lock_holder` and :func:`replacing` (best effort: a full disk must not stop a save
     that needs no new space)."""
-    line = f"{os.getpid()} {socket.gethostname()}" + (f" {doing}" if doing else "")
+    line = f"{os.getpid()} {HOST}" + (f" {doing}" if doing else "")
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{line}\n".encode(), 0)
@@ -168,15 +168,16 @@ class RootLock:
         try:
             fd = os.open(self.path, flags, 0o644)
         except OSError as err:
-            if err.errno != errno.ELOOP:
+            if err.errno not in (errno.ELOOP, errno.EISDIR):
                 raise
             fd = -1
         if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
             if fd >= 0:
                 os.close(fd)
             raise CheckpointFormatError(
-                f"{self.path}: not a regular file (a symlink, FIFO or device in place of the "
-                "root's lock file); remove it if no fastckpt process is saving into the root"
+                f"{self.path}: not a regular file (a symlink, directory, FIFO or device in "
+                "place of the root's lock file); remove it if no fastckpt process is saving "
+                "into the root"
             )
         return fd
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import time
 import uuid
 from collections.abc import Mapping
@@ -41,6 +40,7 @@ from fastckpt.container.reader import FileReport, read_json
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.records import SHARDED_DIR, SHARDED_RECORD, Manifest
 from fastckpt.io.paths import check_name
+from fastckpt.storage.identity import HOST, gone
 from fastckpt.storage.registry import backend_for, is_local
 
 __all__ = [
@@ -61,11 +61,9 @@ PART_FIELD = "part"
 #: Field of the same record holding the whole-file crc32c of the part's commit record.
 PART_CRC_FIELD = "record_crc32c"
 _PREFIX = "p"
-#: This host as part names record it (the characters a name may hold).
-_HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
 #: ``.`` separates the writer's pid and host (``~`` in parts of earlier versions, still read:
 #: an object-store prefix holding ``~`` is refused by some servers' request signing).
-_PART = re.compile(r"^p(\d{13})-([0-9a-f]{8})[~.](\d+)[~.]([A-Za-z0-9.-]+)$")
+_PART = re.compile(r"^p(\d{13})-([0-9a-f]{8})[~.](\d+)[~.]([A-Za-z0-9._-]+)$")
 
 
 def new_part() -> str:
@@ -73,7 +71,7 @@ def new_part() -> str:
     which process wrote it, so that a sweep on this host can tell a killed save's part from
     one still being written)."""
     millis = time.time_ns() // 1_000_000
-    return f"{_PREFIX}{millis:013d}-{uuid.uuid4().hex[:8]}.{os.getpid()}.{_HOST}"
+    return f"{_PREFIX}{millis:013d}-{uuid.uuid4().hex[:8]}.{os.getpid()}.{HOST}"
 
 
 def index_dir(root: str | os.PathLike[str], index: int) -> Path:
@@ -144,20 +142,10 @@ def committed_part(manifest: Manifest, index: int) -> Part | None:
 
 
 def _writer_dead(name: str) -> bool:
-    """Whether the part ``name`` was written by a process of this host that is gone."""
+    """Whether the part ``name`` was written by a process of this host (and PID namespace,
+    see :mod:`fastckpt.storage.identity`) that is gone."""
     match = _PART.match(name)
-    if match is None or match.group(4) != _HOST:
-        return False
-    pid = int(match.group(3))
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return match is not None and gone(int(match.group(3)), match.group(4))
 
 
 def _is_index_name(name: str) -> bool:
@@ -176,7 +164,7 @@ def _writer_gone(name: str, named: str) -> bool:
     match = _PART.match(name)
     if match is None:
         return True
-    if match.group(4) == _HOST:
+    if match.group(4) == HOST:
         return int(match.group(3)) == os.getpid() or _writer_dead(name)
     committed = _PART.match(named)
     age_ms = int(committed.group(1)) - int(match.group(1)) if committed else 0
