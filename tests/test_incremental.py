@@ -451,6 +451,24 @@ def test_pruning_the_base_of_an_earlier_versions_index_keeps_its_bytes(tmp_path:
     _assert_bitwise(expected, _loaded(tmp_path))
 
 
+def test_deleting_the_base_of_an_earlier_versions_index_by_hand_names_the_file_and_the_fix(
+    tmp_path: Path,
+) -> None:
+    """Before, the load named ``ROOT/refs.json`` (no such file) and ``ROOT/.ref-0/...``
+    (never there) and no fix; a review of checkpoints of the 2026-11-30 version found it."""
+    model, _ = _setup()
+    with crash_harness.legacy_references():
+        _save(tmp_path, model)
+        _save(tmp_path, model)
+    shutil.rmtree(tmp_path / "0")
+    with pytest.raises(FileNotFoundError) as caught:
+        _loaded(tmp_path, 1)
+    message = str(caught.value)
+    assert f"{tmp_path}/0/models/m.safetensors: missing" in message
+    assert "earlier fastckpt version" in message and "fastckpt prune" in message
+    assert "backup" in message
+
+
 @pytest.mark.parametrize("legacy", [False, True], ids=["linked", "earlier-version-retained"])
 def test_verify_and_load_catch_damaged_referenced_bytes(tmp_path: Path, legacy: bool) -> None:
     """The referenced bytes live in the index's own linked file, or (roots of an earlier

@@ -5,6 +5,7 @@ one call of a restartable script."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 import fastckpt
 import training_support as support
+from fastckpt.format.records import MANIFEST, seal_manifest
 from fastckpt.training.hooks import rebuild
 
 
@@ -72,18 +74,37 @@ def test_hooks_given_replace_the_recorded_ones_and_an_empty_list_means_none(
     assert mine.num_updates == 4  # the state went into the hook given
 
 
-def test_a_checkpoint_without_recorded_hooks_resumes_without_hooks_or_warnings(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_checkpoint_of_an_earlier_version_without_recorded_hooks_says_none_are_rebuilt(
+    tmp_path: Path,
 ) -> None:
-    """What earlier versions wrote (no ``configs`` in hooks.json) loads as before."""
-    monkeypatch.setattr(fastckpt.training.strategy, "record_hooks", lambda hooks: [])
+    """Earlier versions wrote no ``configs`` in hooks.json: a resume without ``hooks=`` went
+    on without the run's CheckpointHook and saved nothing more, without a word (found by
+    resuming a checkpoint of the 2026-11-30 version). Now a warning says so and names the
+    fix; with ``hooks=`` the run saves on."""
     _train(tmp_path)
-    monkeypatch.undo()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    for row in fastckpt.list_checkpoints(tmp_path):  # as the earlier version wrote them
+        index = row["index"]
+        path = tmp_path / str(index) / "hooks.json"
+        document = json.loads(path.read_bytes())
+        del document["configs"]
+        data = json.dumps(document).encode()
+        path.write_bytes(data)
+        manifest = json.loads((tmp_path / MANIFEST).read_bytes())
+        manifest["checkpoints"][str(index)]["files"]["hooks.json"] = {
+            "size": len(data),
+            "crc32c": fastckpt._native.crc32c(data),
+        }
+        (tmp_path / MANIFEST).write_text(json.dumps(seal_manifest(manifest)))
+    with pytest.warns(UserWarning, match=r"earlier fastckpt version.*hooks=\[fastckpt\.Check"):
         resumed = _resume(tmp_path)
     assert resumed.hooks == []
-    assert not [w for w in caught if "cannot rebuild" in str(w.message)]
+    hook = fastckpt.CheckpointHook(tmp_path, step_interval=2, keep_last=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the EMA state no hook takes
+        resumed = _resume(tmp_path, hooks=[hook])
+    resumed.num_steps = 6
+    resumed.run(support.loader())
+    assert fastckpt.list_checkpoints(tmp_path)[-1]["counters"]["step_count"] == 6
 
 
 def test_a_recorded_configuration_the_hook_refuses_is_a_typed_error(

@@ -587,6 +587,89 @@ def test_frozen_parameters_stay_frozen_in_a_resumed_run(tmp_path: Path) -> None:
         assert torch.equal(resumed.models["main"].state_dict()[name], tensor), name
 
 
+def test_a_restore_into_a_live_strategy_freezes_what_the_saved_run_froze_mid_run(
+    tmp_path: Path,
+) -> None:
+    """A hook froze the first layer after step 3; a run saved at step 6 and restored with
+    ``restore_checkpoint`` into a strategy built as the saved one was (all trainable) trained
+    that layer on (before: no word, diverged from step 7). Now the recorded frozen
+    parameters are frozen again and the run continues bitwise; a parameter frozen live but
+    trained by the saved run stays frozen, with a warning."""
+
+    def freeze_at_3(ctx: Any, stage: fastckpt.TrainingStage) -> None:
+        if stage is fastckpt.TrainingStage.AFTER_BATCH and ctx.step_count == 3:
+            ctx.models["main"].net[0].requires_grad_(False)
+
+    def fresh(hooks: list[Any], steps: int) -> fastckpt.TrainingStrategy:
+        torch.manual_seed(0)
+        return fastckpt.TrainingStrategy(
+            support.DropoutMLP(),
+            fastckpt.OptimizerConfig(torch.optim.Adam, {"lr": 0.01}),
+            training_fn=support.training_fn,
+            hooks=[freeze_at_3, *hooks],
+            num_steps=steps,
+        )
+
+    straight = fresh([], 10)
+    straight.run(support.loader())
+    hook = fastckpt.CheckpointHook(tmp_path / "run", step_interval=6, async_save=False)
+    fresh([hook], 6).run(support.loader())
+    live = fresh([], 10)
+    live.restore_checkpoint(tmp_path / "run")
+    frozen = {n for n, p in live.models["main"].named_parameters() if not p.requires_grad}
+    assert frozen == {"net.0.weight", "net.0.bias"}
+    live.run(support.loader())
+    for name, tensor in straight.models["main"].state_dict().items():
+        assert torch.equal(live.models["main"].state_dict()[name], tensor), name
+    other = fresh([], 10)
+    other.models["main"].net[3].requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"net\.3\.bias.*frozen here but were trained"):
+        other.restore_checkpoint(tmp_path / "run")
+    assert not other.models["main"].net[3].weight.requires_grad
+
+
+def test_a_compiled_model_is_saved_as_its_module_and_resumes_exactly(tmp_path: Path) -> None:
+    """``torch.compile(model)`` (its wrapper, ``OptimizedModule``) was refused as a recipe
+    that cannot be recorded, and ``attach_spec`` with the right recipe then failed naming the
+    wrapper's ``_orig_mod.`` keys as other tensors. Its module is saved now (as DDP's is),
+    rebuilt uncompiled; restored into a compiled model, or resumed, the run goes on exactly."""
+
+    def fresh(hooks: list[Any], steps: int) -> fastckpt.TrainingStrategy:
+        torch.manual_seed(0)
+        return fastckpt.TrainingStrategy(
+            torch.compile(support.DropoutMLP(), backend="eager"),
+            fastckpt.OptimizerConfig(torch.optim.Adam, {"lr": 0.01}),
+            training_fn=support.training_fn,
+            hooks=hooks,
+            num_steps=steps,
+        )
+
+    straight = fresh([], 10)
+    straight.run(support.loader())
+    expected = codec_module(straight).state_dict()
+    hook = fastckpt.CheckpointHook(tmp_path / "run", step_interval=6, async_save=False)
+    fresh([hook], 6).run(support.loader())
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(
+        tmp_path / "run", training_fn=support.training_fn
+    )
+    assert type(resumed.models["main"]) is support.DropoutMLP  # rebuilt uncompiled
+    resumed.num_steps = 10
+    resumed.run(support.loader())
+    live = fresh([], 10)
+    live.restore_checkpoint(tmp_path / "run")
+    live.run(support.loader())
+    for strategy in (resumed, live):
+        got = codec_module(strategy).state_dict()
+        assert list(got) == list(expected)  # no _orig_mod. prefix
+        assert all(torch.equal(got[name], tensor) for name, tensor in expected.items())
+
+
+def codec_module(strategy: fastckpt.TrainingStrategy) -> torch.nn.Module:
+    """The strategy's model, unwrapped from torch.compile's wrapper."""
+    model = strategy.models["main"]
+    return getattr(model, "_orig_mod", model)
+
+
 def test_frozen_parameters_stay_frozen_in_a_component_checkpoint(tmp_path: Path) -> None:
     """``save_checkpoint`` records frozen parameters in the manifest entry and
     ``load_checkpoint`` freezes them again in the rebuilt model (before, every rebuilt

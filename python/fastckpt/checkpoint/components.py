@@ -206,7 +206,9 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return unwrap_model(model.module)
     if _is_compiled(model):
-        return unwrap_model(model._orig_mod)
+        compiled = model._orig_mod
+        assert isinstance(compiled, torch.nn.Module)
+        return unwrap_model(compiled)
     return model
 
 

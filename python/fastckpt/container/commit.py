@@ -57,6 +57,7 @@ from fastckpt.format.records import (
     GENERATION_PREFIX,
     MANIFEST,
     MAX_INDEX,
+    REPLACED_MANIFEST,
     SHARDED_DIR,
     SHARDED_RECORD,
     Manifest,
@@ -686,6 +687,7 @@ class IndexWriter(DirectoryWriter):
             CheckpointFormatError: ``index`` is None and the manifest is damaged.
         """
         root = Path(root)
+        self._aside: Path | None = None  # on an object store, the copy of a replaced index
         checked_lock_timeout(lock_timeout)  # before the root is created
         if index is not None and not 0 <= index <= MAX_INDEX:
             raise ValueError(
@@ -711,8 +713,12 @@ class IndexWriter(DirectoryWriter):
             self.index: int = index
             # Objects are written in place (delete first, no rename): a committed index being
             # replaced leaves the manifest before its objects go, so the manifest never names a
-            # missing or partial object (clean_leftovers leaves the manifest as read).
-            if not is_local(backend) and sealed.entries.pop(index, None) is not None:
+            # missing or partial object (clean_leftovers leaves the manifest as read). Its
+            # objects are copied aside first (by the store), so that a crash before the new
+            # one is committed does not lose it (_restore_object_replacements).
+            if not is_local(backend) and index in sealed.entries:
+                self._aside = _set_aside_object_index(root, backend, sealed, index)
+                del sealed.entries[index]
                 sealed.commit()
             super().__init__(root / str(index), direct_io=direct_io, generations=False)
         except BaseException:
@@ -824,10 +830,29 @@ class IndexWriter(DirectoryWriter):
                     _committed(self.root, self.index)
                 else:
                     self.backend.delete(self.final)
+                    self._put_aside_back()
                 raise
             _committed(self.root, self.index)
+            if self._aside is not None:
+                self.backend.delete(self._aside)  # the replaced index, no longer needed
         finally:
             self.lock.release()
+
+    def _put_aside_back(self) -> None:
+        """After a failed replacement on an object store (the lock still held): commit the
+        replaced index again from its copy (best effort: the next writer tries again)."""
+        if self._aside is None:
+            return
+        try:
+            _restore_object_index(self.root, self.backend, self.index, self._aside)
+        except Exception as err:  # the save's own error is the one raised
+            _LOG.warning(
+                "%s: index %d, replaced by a save that failed, could not be put back yet (%s); "
+                "the next save or prune of the root puts it back",
+                display_path(self.root),
+                self.index,
+                err,
+            )
 
     def _recorded(self) -> bool:
         """Whether the root's manifest names this index with the files written here (or
@@ -845,6 +870,7 @@ class IndexWriter(DirectoryWriter):
             with contextlib.suppress(Exception):
                 self.wait_written()  # its error is the caller's to raise, not this one's
             super().abort()
+            self._put_aside_back()
         finally:
             self.lock.release()
 
@@ -968,6 +994,89 @@ def _restore_interrupted_replacements(root: Path) -> None:
         )
 
 
+def _set_aside_object_index(
+    root: Path, backend: StorageBackend, manifest: Manifest, index: int
+) -> Path | None:
+    """On an object store, before committed index ``index`` is replaced in place: have the
+    store copy its objects to ``ROOT/.trash-<index>.<pid>.<random>/`` (no ``~``: some
+    servers' request signing refuses it in a prefix) and put the manifest that names
+    it there as :data:`~fastckpt.format.records.REPLACED_MANIFEST`, written last (a copy
+    without it was interrupted before anything was withdrawn). Returns that directory; None
+    when the store cannot copy (the index is then replaced as before: a crash before the new
+    one is committed loses it, which a warning says)."""
+    aside = root / f"{TRASH_PREFIX}{index}.{os.getpid()}.{os.urandom(4).hex()}"
+    for relpath, record in manifest.entries[index]["files"].items():
+        source = root / str(index) / relpath
+        if not backend.copy_file(source, aside / relpath, int(record["size"])):
+            backend.delete(aside)
+            _LOG.warning(
+                "%s: the store cannot copy objects, so index %d is replaced in place without "
+                "a copy kept: a crash before the new index %d is committed loses it",
+                display_path(root),
+                index,
+                index,
+            )
+            return None
+    backend.put_record(aside / REPLACED_MANIFEST, manifest.to_json())
+    return aside
+
+
+def _restore_object_replacements(root: Path, backend: StorageBackend) -> None:
+    """On an object store, under the root's lock: each index a replacement withdrew and
+    whose writer died before committing the new one is committed again from the copy
+    :func:`_set_aside_object_index` kept (verified against its record first); copies no
+    longer needed are deleted."""
+    try:
+        names = backend.list_dir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for name in names:
+        number, _, tag = name.removeprefix(TRASH_PREFIX).partition(".")
+        if name.startswith(TRASH_PREFIX) and tag and _is_index_name(number):
+            _restore_object_index(root, backend, int(number), root / name)
+
+
+def _restore_object_index(root: Path, backend: StorageBackend, index: int, aside: Path) -> None:
+    """:func:`_restore_object_replacements` for one copy ``aside`` of index ``index``."""
+    try:
+        current = Manifest.load(root)
+    except (CheckpointFormatError, OSError):
+        return  # never act on the word of a damaged manifest
+    if index in current.entries:
+        backend.delete(aside)  # the new index was committed, or the old never withdrawn
+        return
+    try:
+        data = read_record_bytes(aside, REPLACED_MANIFEST)
+    except FileNotFoundError:
+        backend.delete(aside)  # the copy was interrupted before anything was withdrawn
+        return
+    try:
+        old = Manifest.parse(root, aside / REPLACED_MANIFEST, data, verify_checksum=True)
+        entry = old.entries.get(index)
+    except CheckpointFormatError:
+        return  # damaged: left for a human, never acted on
+    if entry is None:
+        backend.delete(aside)
+        return
+    final = root / str(index)
+    backend.delete(final)  # what the unfinished new index wrote
+    for relpath, record in entry["files"].items():
+        if not backend.copy_file(aside / relpath, final / relpath, int(record["size"])):
+            return
+    current.entries[index] = entry
+    if index_intact(current, index) is not None:
+        return  # the copy does not verify against its record: never committed on its word
+    current.commit()
+    backend.delete(aside)
+    _LOG.warning(
+        "%s: index %d was being replaced when its writer stopped; the old index %d is "
+        "committed again",
+        display_path(root),
+        index,
+        index,
+    )
+
+
 def _is_index_name(name: str) -> bool:
     return name.isdigit() and len(name) <= 18 and str(int(name)) == name
 
@@ -1072,6 +1181,7 @@ def _clean_object_root(root: Path, backend: StorageBackend, writing: int | None)
     that are older than its latest index (with their unfinished uploads), and the sharded parts
     of such indices (see :func:`_sweep_sharded`). Newer index prefixes are deleted by the next
     save of that index."""
+    _restore_object_replacements(root, backend)  # before deciding what the root holds
     try:
         manifest = Manifest.load(root)
     except (CheckpointFormatError, OSError):
@@ -1149,6 +1259,8 @@ def prune_indices(
     with backend.lock(root, timeout=lock_timeout):
         if is_local(backend) and root.is_dir():
             _restore_interrupted_replacements(root)  # before deciding what the root holds
+        elif not is_local(backend):
+            _restore_object_replacements(root, backend)
         manifest = Manifest.load(root)
         doomed = [index for index in sorted(manifest.entries)[:-keep_last] if index not in spare]
         if doomed:

@@ -27,6 +27,7 @@ Loads check the referenced file against ``file_size``/``file_crc32c`` and the te
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -191,7 +192,21 @@ def matches(record: Mapping[str, int] | None, ref: Reference) -> bool:
 def _read_source(manifest: Manifest, ref: Reference) -> dict[str, torch.Tensor]:
     path = source_path(manifest, ref)
     record = {"size": ref["file_size"], "crc32c": ref["file_crc32c"]}
-    return read_tensor_file(path, record, source=f"{manifest.root}/{REFS_FILE} reference")
+    index = ref["index"]
+    source = f"a {REFS_FILE} reference to index {index}"
+    legacy = not ref["file"].startswith(f"{LINKED_DIR}/")  # into an older index's own file
+    if legacy and not backend_for(path).exists(path):
+        committed = manifest.root / str(index) / ref["file"]
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{committed}: missing, and no copy kept by prune ({path}); an index of this "
+            f"root written by an earlier fastckpt version reads unchanged tensors from index "
+            f"{index}'s file through {REFS_FILE}, so deleting that index by hand broke it. "
+            f"Put index {index} back from a backup; remove such indices with fastckpt prune "
+            "(it keeps the bytes later indices reference)",
+            str(committed),
+        )
+    return read_tensor_file(path, record, source=source)
 
 
 def _check_tensor(ref: Reference, tensor: torch.Tensor, header_crc: int | None, where: str) -> None:

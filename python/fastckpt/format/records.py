@@ -42,6 +42,7 @@ __all__ = [
     "MANIFEST_CRC_FIELD",
     "MAX_INDEX",
     "MAX_JSON_DEPTH",
+    "REPLACED_MANIFEST",
     "SAVED_NOW",
     "SAVED_NS",
     "SCHEMA_VERSION",
@@ -81,6 +82,10 @@ MANIFEST = "manifest.json"
 COMMIT_RECORD = "commit.json"
 #: The commit record of a sharded (:mod:`fastckpt.dcp`) checkpoint.
 SHARDED_RECORD = "fastckpt-dcp.json"
+#: On an object store, the manifest a replacement of index ``k`` withdrew ``k`` from, kept
+#: with a copy of ``k``'s objects under ``ROOT/.trash-<k>.<tag>/`` until the new ``k`` is
+#: committed (see :mod:`fastckpt.container.commit`).
+REPLACED_MANIFEST = "replaced-manifest.json"
 #: Where a save_checkpoint root keeps the sharded part of index ``i``: ``ROOT/sharded/<i>``.
 SHARDED_DIR = "sharded"
 #: Manifest schema this fastckpt writes (and the newest it reads).

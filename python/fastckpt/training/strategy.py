@@ -1109,6 +1109,8 @@ class TrainingStrategy:
         }
         for name, optimizer in self.optimizers.items():
             _check_param_groups(optimizer, states[name], f"{reader.directory}/optimizers/{name}")
+        frozen = entry.get(codec.FROZEN_FIELD) or {}
+        _check_frozen(self.models, frozen, f"{manifest.path}: {codec.FROZEN_FIELD}")
         for name, model in self.models.items():
             target = codec.unwrap_model(model)
             target.load_state_dict(reader.tensors(f"models/{name}.safetensors", owned=False))
@@ -1123,6 +1125,7 @@ class TrainingStrategy:
                 reader.component_state("schedulers", name, None),
                 f"{reader.directory}/schedulers/{name}.json",
             )
+        _refreeze(self.models, frozen, f"{manifest.path}: {codec.FROZEN_FIELD}")
         self._apply_runtime(runtime, reader)
         return index
 
@@ -1156,10 +1159,13 @@ class TrainingStrategy:
                 )
             runtime = _parse_runtime(reader, recipe)
             self._check_live_components(recipe, list(runtime.schedulers), reader, rebuilt)
+            frozen = sharded.get("frozen") or {}
+            _check_frozen(self.models, frozen, f"{where}: sharded.frozen")
             part_root = root if spread is None else spread.part_root
             part = sharded_training.committed_part(part_root, index, sharded, where)
             record = None if spread is None else spread.record
             sharded_training.load_sharded(part, self.models, self.optimizers, record)  # applies
+            _refreeze(self.models, frozen, f"{where}: sharded.frozen")
             return reader, runtime
 
         if _world()[1] == 1:
@@ -1374,7 +1380,7 @@ class TrainingStrategy:
             Path(root) / MANIFEST, attempt, lock_root=Path(root)
         )
         if recipe.get("sharded") is not None:
-            if configs is not None:
+            if hooks is None:  # configs were read (None: not recorded by an earlier version)
                 hooks = rebuild_hooks(configs, where, named)
             return cls._load_sharded(
                 Path(root),
@@ -1833,8 +1839,42 @@ class _Runtime:
     rank_rng: list[dict[str, Any]] | None
     schedulers: dict[str, Any]
     hooks: list[dict[str, Any]]
-    #: the run's hooks as recorded (see fastckpt.training.hooks.rebuild)
-    hook_configs: list[dict[str, Any]]
+    #: the run's hooks as recorded (see fastckpt.training.hooks.rebuild; None: not recorded,
+    #: by an earlier fastckpt)
+    hook_configs: list[dict[str, Any]] | None
+
+
+def _check_frozen(models: Mapping[str, torch.nn.Module], frozen: Any, where: str) -> None:
+    """Before a restore changes anything live: the recorded frozen parameters (``frozen``,
+    model name -> parameter names) are a mapping naming parameters of ``models``.
+
+    Raises:
+        CheckpointFormatError: naming ``where`` and what is wrong.
+    """
+    if not isinstance(frozen, Mapping):
+        raise CheckpointFormatError(f"{where}: must be an object")
+    for name, model in models.items():
+        codec.frozen_record(codec.unwrap_model(model), frozen.get(name), f"{where}.{name}")
+
+
+def _refreeze(models: Mapping[str, torch.nn.Module], frozen: Mapping[str, Any], where: str) -> None:
+    """A restore into live models trains what the saved run trained: the parameters it had
+    frozen (``frozen``, checked by :func:`_check_frozen`) are frozen again (before, only
+    ``load_checkpoint``'s rebuilt models were, and a restored run trained a layer the saved
+    run had frozen mid-run). A parameter frozen here that the saved run trained is left
+    frozen, with a warning (frozen on purpose before the restore, or the run differs)."""
+    for name, model in models.items():
+        target = codec.unwrap_model(model)
+        recorded = set(codec.frozen_record(target, frozen.get(name), f"{where}.{name}"))
+        codec.freeze(target, sorted(recorded), f"{where}.{name}")
+        extra = sorted(set(codec.frozen_names(target)) - recorded)
+        if extra:
+            warnings.warn(
+                f"model {name!r}: parameters {extra[:5]}{' ...' if len(extra) > 5 else ''} "
+                "are frozen here but were trained by the saved run; they stay frozen "
+                "(requires_grad_(True) them to continue the run as it was)",
+                stacklevel=3,
+            )
 
 
 def _check_rng_state(state: Any) -> None:

@@ -57,7 +57,13 @@ from fastckpt.storage.backend import (
     StorageBackend,
 )
 from fastckpt.storage.lock import LOCK_FILE, checked_lock_timeout
-from fastckpt.storage.s3.client import MAX_PART, CopyPart, S3Client, client_for
+from fastckpt.storage.s3.client import (
+    MAX_PART,
+    CopyNotSupportedError,
+    CopyPart,
+    S3Client,
+    client_for,
+)
 from fastckpt.storage.s3.config import S3Options, S3Url
 from fastckpt.storage.s3.copy import (
     CopiedTensor,
@@ -465,6 +471,30 @@ class S3Backend(StorageBackend):
         self.client.delete(m.key for m in listed if m.key.startswith(folder))
         with self._etags_lock:
             self._etags.pop(key, None)
+
+    def copy_file(self, source: Path, target: Path, size: int) -> bool:
+        """A server-side copy: a multipart upload of parts the store copies from ``source``
+        (UploadPartCopy, at most 5 GiB each), fenced by this process's lease on the root.
+        False when the store cannot copy ranges (nothing is left at ``target``).
+
+        Raises:
+            LeaseLostError: the lease was taken over; nothing was written.
+            ObjectNotFoundError / ObjectStoreError: ``source`` is gone, or the store failed.
+        """
+        key, source_key = self._key(target), self._key(source)
+        self.fence(key)
+        if size == 0:
+            self.client.put(key, b"")
+            return True
+        parts = [
+            CopyPart(source_key, start, min(start + MAX_PART, size))
+            for start in range(0, size, MAX_PART)
+        ]
+        try:
+            self.client.compose(key, parts)
+        except CopyNotSupportedError:
+            return False
+        return True
 
     def lock(self, root: Path, *, timeout: float | None = None) -> S3RootLock:
         """The lease lock of ``root`` (:class:`S3RootLock`, not yet acquired; its time to

@@ -65,14 +65,16 @@ def record_hooks(hooks: Sequence[Any]) -> list[dict[str, Any]]:
     return records
 
 
-def parse_hook_configs(document: Any, where: str) -> list[dict[str, Any]]:
-    """The checked ``configs`` of a ``hooks.json`` document (empty when absent: a checkpoint
-    of an earlier version).
+def parse_hook_configs(document: Any, where: str) -> list[dict[str, Any]] | None:
+    """The checked ``configs`` of a ``hooks.json`` document (None when absent: a checkpoint
+    of an earlier version, which did not record its hooks).
 
     Raises:
         CheckpointFormatError: the field is malformed (names ``where`` and the entry).
     """
-    records = document.get(CONFIGS_FIELD, [])
+    if CONFIGS_FIELD not in document:
+        return None
+    records = document[CONFIGS_FIELD]
     if not isinstance(records, list):
         raise CheckpointFormatError(f"{where}: field '{CONFIGS_FIELD}' must be a list")
     for i, record in enumerate(records):
@@ -117,12 +119,15 @@ RECORDED_KEYS: dict[type, frozenset[str]] = {
 
 
 def rebuild_hooks(
-    records: Sequence[dict[str, Any]],
+    records: Sequence[dict[str, Any]] | None,
     where: str,
     named: Sequence[str | os.PathLike[str]] = (),
 ) -> list[Any]:
     """The recorded fastckpt hooks, built from their configuration; a warning names each
-    recorded hook that cannot be rebuilt (pass ``hooks=`` to keep it).
+    recorded hook that cannot be rebuilt (pass ``hooks=`` to keep it). ``records`` None (a
+    checkpoint of an earlier version, which did not record its hooks): none, with a warning
+    saying so (before, a resumed run of such a checkpoint went on without its CheckpointHook
+    and saved nothing more, without a word).
 
     The run's one :class:`CheckpointHook` saves where the caller says, not where the
     checkpoint says (see :func:`_placed`): ``named`` are the roots the caller passed
@@ -135,6 +140,15 @@ def rebuild_hooks(
         CheckpointFormatError: a recorded configuration the hook's constructor refuses, or
             with a key its ``hook_config()`` never records.
     """
+    if records is None:
+        warnings.warn(
+            f"{where}: this checkpoint was written by an earlier fastckpt version, which did "
+            "not record the run's hooks: none are rebuilt, so a run that had a CheckpointHook "
+            "saves no more checkpoints; pass hooks=[fastckpt.CheckpointHook(...)] to "
+            "TrainingStrategy.load_checkpoint to keep checkpointing",
+            stacklevel=4,
+        )
+        return []
     savers = [r for r in records if REBUILDABLE.get(r["class"]) is CheckpointHook]
     if len(savers) > 1 and named:
         unnamed = [r for r in savers if not any(_records_root(r, n) for n in named)]
