@@ -149,6 +149,45 @@ def save_and_hang() -> None:
     dcp.save(state, storage_writer=fastckpt.dcp.Writer(f"{url}/sync", block_bytes=BLOCK_BYTES))
 
 
+def save_losing_a_rank_file() -> None:
+    """Save URL/lost (every rank a shard of a DTensor), then again with other values while the
+    store loses rank 1's tensor object right after acknowledging its upload (deleted once
+    stored: what a store not keeping it, or a cleaner, does). Prints each rank's outcome of
+    the second save and, after it, what URL/lost loads on this rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _, rank, world = setup_rank()
+    url = f"{_url()}/lost"
+    mesh = init_device_mesh("cpu", (world,))
+
+    def state(value: float) -> dict[str, Any]:
+        return {"w": distribute_tensor(torch.full((4 * world, 8), value), mesh, [Shard(0)])}
+
+    dcp.save(state(1.0), storage_writer=fastckpt.dcp.Writer(url))
+    if rank == 1:
+        for name in ("put", "put_stream"):
+            real = getattr(S3Client, name)
+
+            def losing(self: S3Client, key: str, *args: Any, _real: Any = real, **kw: Any) -> Any:
+                etag = _real(self, key, *args, **kw)
+                if key.endswith("rank-00001.safetensors"):
+                    self.delete([key])
+                return etag
+
+            setattr(S3Client, name, losing)
+    outcome = "saved"
+    try:
+        dcp.save(state(2.0), storage_writer=fastckpt.dcp.Writer(url))
+    except BaseException as err:  # DCP's CheckpointException is no Exception
+        outcome = f"{type(err).__name__}: {err}"
+    dist.barrier()
+    loaded = state(0.0)
+    dcp.load(loaded, storage_reader=fastckpt.dcp.Reader(url))
+    value = float(loaded["w"].full_tensor().unique().item())
+    print(json.dumps({"rank": rank, "outcome": outcome, "loaded": value}))
+    leave_process_group()
+
+
 def strategy_train() -> None:
     """A ``TrainingStrategy`` on FSDP2 + AdamW for 6 steps whose async ``CheckpointHook``
     saves to URL/run every 2 steps (keep_last=2); rank 0 writes the gathered state at step 4

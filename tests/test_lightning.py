@@ -7,6 +7,7 @@ import enum
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -594,6 +595,11 @@ def test_a_save_interrupted_in_flight_says_which_checkpoint_to_resume_from(tmp_p
             child.wait()
     assert os.listdir(tmp_path / "epoch=0-step=2.ckpt") == []
     newest = tmp_path / "epoch=0-step=1.ckpt"
+    # A complete staging folder a killed save never put in place is no checkpoint to resume
+    # from, however new its record (before, the message named it as the newest committed).
+    staged = tmp_path / ".tmp-epoch=0-step=3.ckpt~1~host~0badcafe"
+    shutil.copytree(newest, staged)
+    (staged / "commit.json").touch()
     with pytest.raises(FileNotFoundError, match=r"empty folder.*interrupted.*step=1\.ckpt"):
         AsyncFastCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
     assert load_lightning_checkpoint(newest)["global_step"] == 1

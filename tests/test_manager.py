@@ -4,6 +4,7 @@ memory, distributed."""
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 import subprocess
 import sys
@@ -406,6 +407,39 @@ def test_disk_full_during_async_save(tmp_path: Path) -> None:
         assert sorted(p.name for p in disk.iterdir()) == ["after", "ok"]
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_save_retried_after_a_full_disk_is_still_incremental(tmp_path: Path) -> None:
+    """A save that failed on a full disk made the manager forget its incremental base: the
+    retry, once the space the failed save needed was freed, wrote every tensor again and ran
+    out of space once more. A full disk says nothing about the base: the retry links the
+    unchanged tensor as a save without a failure before it does."""
+    disk = tmp_path / "disk"
+    if not mount_small_tmpfs(disk, "3m"):
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root and mount rights)")
+    try:
+        torch.manual_seed(0)
+        state = {"a": torch.randn(256, 256), "b": torch.randn(256, 256)}  # 256 KiB each
+        with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+            manager.save(disk / "step_1", state)
+            changed = {"a": state["a"], "b": state["b"] + 1}
+            filler = disk / "filler"
+            with open(filler, "wb") as handle:  # no room at all
+                info = os.statvfs(disk)
+                os.posix_fallocate(handle.fileno(), 0, info.f_bavail * info.f_frsize)
+            with pytest.raises(OSError) as full:
+                manager.save(disk / "step_2", changed)
+            assert full.value.errno == errno.ENOSPC
+            filler.unlink()
+            with open(filler, "wb") as handle:  # room for b (and records), not a and b
+                info = os.statvfs(disk)
+                os.posix_fallocate(handle.fileno(), 0, info.f_bavail * info.f_frsize - (400 << 10))
+            manager.save(disk / "step_2", changed)
+            assert (disk / "step_2" / "linked").is_dir()  # a linked, only b written
+            loaded = manager.load(disk / "step_2")
+        assert torch.equal(loaded["a"], state["a"]) and torch.equal(loaded["b"], changed["b"])
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)  # even with files open
 
 
 RSS_SCRIPT = """

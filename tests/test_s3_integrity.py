@@ -153,3 +153,49 @@ def test_copies_from_objects_this_process_wrote_are_not_read_back(
     assert report.ok, report.summary()
     got = _loaded(s3_root)
     assert all(torch.equal(got[k], v) for k, v in _state(model).items())
+
+
+@pytest.mark.parametrize("door", ["save_checkpoint", "manager"])
+def test_an_object_the_store_did_not_keep_is_never_committed(
+    s3_root: str, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, door: str
+) -> None:
+    """The store acknowledged an upload and then did not hold the object (lost, or removed
+    by another process): before, ``save_checkpoint`` committed the index (an incremental save
+    failing after its commit, a full one returning) and the root's newest index did not load,
+    and a manager save committed a generation missing it. Now every object is looked up
+    before the commit record names it: the save fails naming it, and what was committed
+    before still loads."""
+    from fastckpt.storage.s3.backend import S3Staging
+
+    model = nn.Linear(16, 16)
+    manager = fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save())
+    url = f"{s3_root}/{door}"
+
+    def save(value: float) -> None:
+        with torch.no_grad():
+            model.weight.fill_(value)
+        if door == "save_checkpoint":
+            fastckpt.save_checkpoint(url, models={"main": (model, None)}, incremental=False)
+        else:
+            manager.save(url, {"model": model.state_dict()})
+
+    save(1.0)
+    real = S3Staging.put_tensors
+
+    def lost(self: S3Staging, relpath: str, *args: Any, **kwargs: Any) -> Any:
+        record = real(self, relpath, *args, **kwargs)
+        self.backend.client.delete([self.url.key(relpath)])  # acknowledged, then gone
+        return record
+
+    with monkeypatch.context() as patched:
+        patched.setattr(S3Staging, "put_tensors", lost)
+        with pytest.raises(FileNotFoundError, match="after the store acknowledged its upload"):
+            save(2.0)
+    if door == "save_checkpoint":
+        assert [row["index"] for row in fastckpt.list_checkpoints(url)] == [0]
+        loaded = fastckpt.load_checkpoint(url)["models"]["main"]["model"].weight
+    else:
+        loaded = manager.load(url)["model"]["weight"]
+    assert torch.equal(loaded, torch.full((16, 16), 1.0))
+    assert verify(url).ok
+    manager.close()

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,21 @@ def test_a_save_killed_on_every_rank_mid_upload_leaves_the_previous_checkpoint(
     assert pending() == [], killed
     generations = {k.split("/")[-2] for k in _keys(s3_server, url) if "/sync/g" in k}
     assert len(generations) == 1, generations
+
+
+def test_a_rank_file_the_store_lost_before_the_commit_fails_the_save_and_keeps_the_last(
+    s3_server: S3Server, env: dict[str, str], tmp_path: Path
+) -> None:
+    """Before, the coordinator checked only its own files on an object store, trusting the
+    other ranks' results: a rank's object the store acknowledged and then did not hold was
+    committed, both ranks reported success, and the previous generation was deleted after
+    the commit (the id loaded nothing). Now every file is looked up before the commit."""
+    url = s3_server.url(f"lost-{uuid.uuid4().hex[:8]}")
+    outputs = check_ok(launch("save_losing_a_rank_file", tmp_path, 2, url, ranks="s3_dcp_ranks"))
+    reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    for report in reports:  # DCP hands the coordinator's error to every rank
+        assert "rank-00001.safetensors: missing at commit time" in report["outcome"], report
+        assert report["loaded"] == 1.0, report  # the previous checkpoint, whole
 
 
 @pytest.fixture(scope="module")

@@ -121,6 +121,31 @@ def _leave_free(disk: Path, pages: int) -> None:
             os.posix_fallocate(handle.fileno(), 0, size)
 
 
+def test_a_disk_remounted_read_only_is_explained_and_keeps_what_was_saved(
+    tmp_path: Path,
+) -> None:
+    """Before, a save and a prune on a filesystem remounted read-only raised a bare
+    ``EROFS`` naming the root's lock file only; now the save names the checkpoint, says
+    nothing was committed and how out, as for a full disk. The committed index loads."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "2m"):
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root and mount rights)")
+    try:
+        root = disk / "root"
+        assert save_at(root, trained(1), -1) == 0
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        with pytest.raises(OSError) as caught:
+            save_at(root, trained(2), -1)
+        assert caught.value.errno == errno.EROFS
+        message = str(caught.value)
+        assert f"while saving {root}" in message and "nothing of this save" in message
+        assert "remount it read-write" in message
+        assert verify(root).ok and [c["index"] for c in list_checkpoints(root)] == [0]
+        loaded_states(load_checkpoint(root, 0))
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
 def test_disk_full_at_every_point_of_a_save(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     if not _mount_tmpfs(disk, "2m"):

@@ -606,6 +606,9 @@ class DirectoryWriter:
     def commit(self) -> None:
         """Make the directory visible, replacing what was there."""
         self.staging.publish()
+        if not is_local(self.backend):
+            stored_at = self.final if self.generation is None else self.final / self.generation
+            _check_stored(self.backend, stored_at, self.staging.files)
         if self._record is None:
             return
         assert self.generation is not None
@@ -645,6 +648,39 @@ class DirectoryWriter:
             )
             return
         self.staging.discard()
+
+
+def _check_stored(backend: StorageBackend, directory: Path, files: Mapping[str, Any]) -> None:
+    """On an object store, before a commit record names them: every object of ``directory``
+    this save put (``files``: relpath -> record) is there with its size. The store answered
+    each upload; one it did not keep (or another process removed since) was committed, and
+    the save failed only after its commit, or not at all (an adversarial store found it).
+
+    Raises:
+        FileNotFoundError: naming the object; nothing is committed.
+    """
+
+    def size(relpath: str) -> int | None:
+        try:
+            return backend.stat(directory / relpath).size
+        except FileNotFoundError:
+            return None
+
+    names = list(files)
+    with ThreadPoolExecutor(min(16, max(1, len(names))), "fastckpt-check") as pool:
+        found = list(pool.map(size, names))
+    for relpath, actual in zip(names, found, strict=True):
+        expected = files[relpath]["size"]
+        if actual != expected:
+            path = directory / relpath
+            what = "missing" if actual is None else f"{actual} bytes, not {expected}"
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"{display_path(path)}: {what} after the store acknowledged its upload (the "
+                "store did not keep it, or another process removed it); nothing was "
+                "committed, save again",
+                str(path),
+            )
 
 
 class IndexWriter(DirectoryWriter):

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -370,10 +371,13 @@ def _check_files_present(
     coordinator (rank ``rank``) sees it: a concurrent save's cleanup removes an older, still
     unfinished generation as a whole, and a rank whose directory is another disk (node-local
     storage) leaves a checkpoint no process can restore. With ``node_local`` (the ranks'
-    files are promoted to a shared tier, see docs/tiers.md), and on an object store (one
-    store for every rank), only the coordinator's own files are checked (every file when it
-    wrote none); the others are taken from their ranks' results, each rank having written
-    its files durably before reporting them."""
+    files are promoted to a shared tier, see docs/tiers.md), only the coordinator's own
+    files are checked (every file when it wrote none); the others are taken from their ranks'
+    results, each rank having written its files durably before reporting them. On an object
+    store every file is looked up (in parallel), as a rank's result proves only that the
+    store answered its upload: an object acknowledged and then lost (a store that did not
+    keep it, a lifecycle rule) was committed, and the previous generation deleted after the
+    commit, with both ranks reporting success (an adversarial store found it)."""
     backend = backend_for(directory)
     sizes = {chunk.file: chunk.file_len for chunk in storage.values()}
     own = data_file_name(rank, 0, "")
@@ -382,19 +386,32 @@ def _check_files_present(
         for name, size in sizes.items()
         if name.startswith(own) and name[len(own) : len(own) + 1] in (".", "-")
     }
-    # On an object store every rank writes into the one store: their results prove their
-    # files (a stat per file of every rank would cost a request each at every commit).
-    only_mine = (node_local or not is_local(backend)) and mine
+    only_mine = node_local and mine
     others = {} if only_mine else {n: s for n, s in sizes.items() if n not in mine}
     # The coordinator's own files first: missing too, they mean a concurrent save's cleanup.
-    for name, size in [*sorted(mine.items()), *sorted(others.items())]:
-        path = directory / name
+    checked = [*sorted(mine.items()), *sorted(others.items())]
+
+    def stat(name: str) -> int | None:
         try:
-            actual: int | None = backend.stat(path).size
+            return backend.stat(directory / name).size
         except FileNotFoundError:
-            actual = None
+            return None
+
+    if is_local(backend):
+        found = [stat(name) for name, _ in checked]
+    else:  # a request each: many at a time
+        with ThreadPoolExecutor(min(32, max(1, len(checked)))) as pool:
+            found = list(pool.map(stat, [name for name, _ in checked]))
+    for (name, size), actual in zip(checked, found, strict=True):
+        path = directory / name
         if actual == size:
             continue
+        if mine and name not in mine and actual is None and not is_local(backend):
+            raise RuntimeError(
+                f"{path}: missing at commit time although its rank reported it written (the "
+                "store did not keep it, or another process removed it); nothing was "
+                "committed and the previous checkpoint is intact: save again"
+            )
         if mine and name not in mine and actual is None:
             raise RuntimeError(
                 f"{path}: another rank's shard file is not in {directory.parent} as rank {rank} "

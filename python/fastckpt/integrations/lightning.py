@@ -349,10 +349,14 @@ def _explain_missing(directory: Path) -> None:
 
 
 def _newest_committed(folder: Path) -> Path | None:
-    """The checkpoint folder in ``folder`` whose commit record was written last (None: none)."""
+    """The checkpoint folder in ``folder`` whose commit record was written last (None: none);
+    hidden folders (a save's staging or a replaced copy set aside, never in place) are not
+    checkpoints Lightning lists, and the next save removes them."""
     found: list[tuple[int, str]] = []
     with contextlib.suppress(OSError):
         for name in os.listdir(folder):
+            if name.startswith("."):
+                continue
             record = folder / name / COMMIT_RECORD
             with contextlib.suppress(OSError):
                 if not (folder / name).is_symlink():
@@ -493,7 +497,8 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
     ``fit``) waits for the last one however long it takes. A failed write is raised once, by
     the next of these calls, as a ``RuntimeError`` chained to its cause. A write still
     pending when the interpreter exits (no ``teardown``) is finished then, or named on
-    stderr.
+    stderr; a removal put off until it was durable is then not made (the checkpoint stays:
+    a script that saves and removes by hand calls :meth:`teardown` or :meth:`wait`).
 
     The copy runs under the writer's capture lock: code on other threads that mutates the
     saved state can hold :meth:`guard` to keep it from being captured half-updated.

@@ -108,7 +108,7 @@ from fastckpt.manager.stateful import (
     prepare_save,
     restore,
 )
-from fastckpt.storage.backend import LOCAL, LocalStaging, explain_full_disk
+from fastckpt.storage.backend import LOCAL, LocalStaging, disk_refused, explain_full_disk
 from fastckpt.storage.registry import (
     backend_for,
     display_path,
@@ -1114,10 +1114,13 @@ class CheckpointManager:
                 _record_callback_files(writer)
             record_refs = {self._tensor_file(key): names for key, names in refs.items() if names}
             self._commit(writer, list(snapshot.skeletons), record_refs)
-        except BaseException:
+        except BaseException as err:
             writer.abort()
-            if plan is not None and plan.refs:
-                self._tracker.forget()  # the next save is full: its base may be the cause
+            if plan is not None and plan.refs and not disk_refused(err):
+                # The next save is full: its base may be the cause. Not for a full disk: a
+                # retry once space is freed links the unchanged tensors again (before, it
+                # wrote everything and needed about twice the space of the failed save).
+                self._tracker.forget()
             raise
         if plan is not None:
             # Committed: from now on the next save may link this checkpoint's files.

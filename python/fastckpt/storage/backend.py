@@ -71,7 +71,9 @@ __all__ = [
     "StorageBackend",
     "WriterLock",
     "clean_dead_siblings",
+    "disk_refused",
     "exchange_paths",
+    "explain_full_disk",
     "read_by_size",
     "remove_replaced",
     "remove_tree",
@@ -596,21 +598,33 @@ def restore_replaced(parent: Path) -> list[str]:
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
 
+def disk_refused(err: BaseException) -> bool:
+    """Whether ``err`` is a disk refusing a write as such (full, over quota, read-only): it
+    says nothing about what was being written (an incremental save's base, for one)."""
+    return isinstance(err, OSError) and err.errno in (*_NO_ROOM, errno.EROFS)
+
+
 @contextlib.contextmanager
 def explain_full_disk(target: str | os.PathLike[str]) -> Iterator[None]:
-    """Re-raise a full disk met while saving ``target`` as the same ``OSError`` (errno and
-    file kept) whose message names the checkpoint and the way out; other errors pass."""
+    """Re-raise a full (or read-only) disk met while saving ``target`` as the same
+    ``OSError`` (errno and file kept) whose message names the checkpoint and the way out;
+    other errors pass."""
     try:
         yield
     except OSError as err:
-        if err.errno not in _NO_ROOM:
+        if not disk_refused(err) or err.errno is None:
             raise
         where = err.filename or os.fspath(target)
+        fix = (
+            "remount it read-write (or save elsewhere) and save again"
+            if err.errno == errno.EROFS
+            else "free space (`fastckpt prune ROOT --keep-last N` deletes older checkpoints) "
+            "and save again"
+        )
         raise OSError(
             err.errno,
             f"{os.strerror(err.errno)} while saving {os.fspath(target)}: nothing of this save "
-            "was committed and the checkpoints saved before are intact; free space (`fastckpt "
-            "prune ROOT --keep-last N` deletes older checkpoints) and save again",
+            f"was committed and the checkpoints saved before are intact; {fix}",
             where,
         ) from err
 
