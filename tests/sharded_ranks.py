@@ -754,21 +754,37 @@ fastckpt.save_checkpoint(sys.argv[1], models={"main": (torch.nn.Linear(2, 2), No
 
 def strategy_mixed_run() -> None:
     """FSDP2 + AdamW for 6 steps with a CheckpointHook every step (``async`` or ``sync``: the
-    fifth argument); at step 3, before the hook saves, another process (rank 0 starts it)
-    commits an index of its own into ROOT. Prints each rank's error type and message."""
+    fifth argument) into ROOT (or the ``s3://`` root given sixth); at step 3, once the hook's
+    save chose its index and wrote its shards, another process (rank 0 starts it) commits an
+    index of its own there, with the same number. Prints each rank's error type and
+    message."""
     import subprocess
 
     root, rank, _ = setup_rank()
     async_save = sys.argv[5] == "async"
+    if len(sys.argv) > 6:  # an s3:// root (the local one holds the rendezvous only)
+        root = sys.argv[6]  # type: ignore[assignment]
     torch.manual_seed(0)
+
+    import fastckpt.checkpoint.components as components
+    import fastckpt.training.hooks.checkpoint as checkpoint_hook
+
+    real = components.write_snapshot
+
+    def after_the_other_run(*args: Any, **kwargs: Any) -> Any:
+        # This save's index was chosen (2) and its shards written: the other run commits
+        # its own index 2 now, before this commit takes the root's lock.
+        components.write_snapshot = checkpoint_hook.write_snapshot = real  # type: ignore[attr-defined]
+        subprocess.run([sys.executable, "-c", OTHER_RUN, str(root)], check=True)
+        return real(*args, **kwargs)
 
     def other_run(ctx: fastckpt.TrainContext, stage: fastckpt.TrainingStage) -> None:
         if stage is fastckpt.TrainingStage.AFTER_BATCH and ctx.step_count == 3:
             while hook.writing:  # this run's index of step 2 is committed first
                 time.sleep(0.01)
-            if rank == 0:
-                subprocess.run([sys.executable, "-c", OTHER_RUN, str(root)], check=True)
-            dist.barrier()
+            if rank == 0:  # the commit of the save of step 3 (sync or async)
+                components.write_snapshot = after_the_other_run  # type: ignore[assignment]
+                checkpoint_hook.write_snapshot = after_the_other_run  # type: ignore[attr-defined]
 
     hook = fastckpt.CheckpointHook(root, step_interval=1, async_save=async_save)
     strategy = fastckpt.TrainingStrategy(

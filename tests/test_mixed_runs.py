@@ -4,6 +4,7 @@ checkpoints is refused before its first step, with the fixes named; resuming, a 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,9 @@ import torch
 
 import fastckpt
 import training_support as support
+from s3_support import s3_env, s3_server
+
+__all__ = ["s3_env", "s3_server"]  # fixtures used by name below
 
 
 def _indices(root: Path) -> list[int]:
@@ -132,20 +136,29 @@ def test_a_save_into_the_root_by_the_same_process_is_not_another_run(tmp_path: P
     assert _indices(tmp_path) == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_sharded_run_saving_into_a_root_another_run_saved_into_stops(
-    tmp_path: Path, mode: str
+    tmp_path: Path, mode: str, where: str, request: pytest.FixtureRequest
 ) -> None:
     """FSDP2 on 2 gloo ranks: before, a sharded hook save made no such check (each run's
     index was chosen before its shards were written and committed whatever the root held
     then). Now rank 0 checks at the commit: ``MixedRunError`` there, a ``RuntimeError``
-    naming it on rank 1, and the root holds this run's indices and the other run's only."""
+    naming it on rank 1, and the root holds this run's indices and the other run's only. On
+    ``s3://`` too, where a save replacing an index withdraws it first: the check runs before
+    (a review found it ran after, passing, and the other run's index was replaced)."""
     import json
 
     from dcp_support import launch
 
-    root = tmp_path / "run"
-    results = launch("strategy_mixed_run", root, 2, mode, ranks="sharded_ranks")
+    root: Any = tmp_path / "run"
+    extra: list[str] = []
+    if where == "s3":
+        server = request.getfixturevalue("s3_server")
+        request.getfixturevalue("s3_env")  # the ranks and the other run inherit the variables
+        root = server.url(f"mixed-{mode}-{os.getpid()}")
+        extra = [root]
+    results = launch("strategy_mixed_run", tmp_path / "run", 2, mode, *extra, ranks="sharded_ranks")
     reports = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in results]
     assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
     assert reports[0]["error"] == "MixedRunError", reports
@@ -154,5 +167,5 @@ def test_a_sharded_run_saving_into_a_root_another_run_saved_into_stops(
     rows = fastckpt.list_checkpoints(root)
     assert [row["index"] for row in rows] == [0, 1, 2]
     assert [row["counters"]["step_count"] for row in rows] == [1, 2, 3]
-    assert (root / "2" / "models").is_dir()  # the other run's (a sharded index has none)
+    assert rows[2]["counters"] == {"step_count": 3}  # the other run's (a strategy's has more)
     assert fastckpt.verify(root).ok

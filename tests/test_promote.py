@@ -692,6 +692,15 @@ def test_a_strict_hook_stops_at_the_save_after_a_failed_promotion(tmp_path: Path
     # training goes on).
     assert strategy.step_count == 2
     assert [c["index"] for c in fastckpt.list_checkpoints(fast)] == [0]
+    # The durable tier back, the same hook entered again for the resumed run promotes (a
+    # review found the error it had raised raised again at every submission, for good).
+    (tmp_path / "file").unlink()
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(
+        fast, hooks=[hook], training_fn=training_support.training_fn
+    )
+    resumed.num_steps = 4
+    resumed.run(training_support.loader())
+    assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / "file" / "durable")] == [0, 1]
 
 
 # --------------------------------------------------------------------------- restore

@@ -134,3 +134,45 @@ def test_a_replacement_that_fails_puts_the_old_index_back_at_once(
     assert _save(s3_root, 2.0, 1) == 1 and _value(s3_root, 1) == 2.0
     assert not [name for name in _top_level_names(s3_root) if name.startswith(".trash-")]
     assert fastckpt.verify(s3_root).ok
+
+
+def test_a_replacement_failing_at_its_commit_puts_the_old_index_back_under_the_lock(
+    s3_root: str, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure inside the commit (here the check that every object is stored, an object
+    the store lost) put the old index back only after the root's lock was released, where
+    another writer may have been replacing it meanwhile (a review finding); now before."""
+    from fastckpt.container import commit
+
+    assert _save(s3_root, 0.0) == 0 and _save(s3_root, 1.0) == 1
+    real_put = S3Staging.put_tensors
+    held: list[bool] = []
+    real_restore = commit._restore_object_index
+
+    def lost(self: S3Staging, relpath: str, *args: object, **kwargs: object) -> object:
+        record = real_put(self, relpath, *args, **kwargs)  # type: ignore[arg-type]
+        self.backend.client.delete([self.url.key(relpath)])
+        return record
+
+    def restore(root: Path, backend: object, index: int, aside: Path) -> None:
+        held.append(_lease_held(root))
+        real_restore(root, backend, index, aside)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as patched:
+        patched.setattr(S3Staging, "put_tensors", lost)
+        patched.setattr(commit, "_restore_object_index", restore)
+        with pytest.raises(FileNotFoundError, match="after the store acknowledged"):
+            _save(s3_root, 2.0, 1)
+    assert held == [True]  # put back once, while this process held the root's lease
+    assert [row["index"] for row in fastckpt.list_checkpoints(s3_root)] == [0, 1]
+    assert _value(s3_root, 1) == 1.0
+    assert fastckpt.verify(s3_root).ok
+
+
+def _lease_held(root: Path) -> bool:
+    from fastckpt.storage.s3.backend import held_lease
+    from fastckpt.storage.s3.config import S3Url
+
+    url = S3Url.parse(str(root))
+    client = fastckpt.storage.registry.backend_for(root).client  # type: ignore[attr-defined]
+    return held_lease(client, url.key("manifest.json")) is not None

@@ -623,7 +623,7 @@ def test_a_restore_into_a_live_strategy_freezes_what_the_saved_run_froze_mid_run
         assert torch.equal(live.models["main"].state_dict()[name], tensor), name
     other = fresh([], 10)
     other.models["main"].net[3].requires_grad_(False)
-    with pytest.warns(UserWarning, match=r"net\.3\.bias.*frozen here but were trained"):
+    with pytest.warns(UserWarning, match=r"net\.3\.bias.*frozen here but not recorded"):
         other.restore_checkpoint(tmp_path / "run")
     assert not other.models["main"].net[3].weight.requires_grad
 

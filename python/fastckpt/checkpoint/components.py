@@ -183,10 +183,11 @@ def freeze(model: torch.nn.Module, names: Any, where: str) -> None:
         parameters[name].requires_grad_(False)
 
 
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap_model(model: torch.nn.Module, *, sharded_ok: bool = False) -> torch.nn.Module:
     """Return the module to checkpoint whole: DDP and ``torch.compile``'s wrapper unwrapped
     (the compiled module's own module is saved and rebuilt, uncompiled: compile it again
-    after a load); FSDP/FSDP2 refused.
+    after a load); FSDP/FSDP2 refused (``sharded_ok``: returned as they are, for what
+    works on shards, e.g. parameters' ``requires_grad``).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -196,6 +197,8 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
     if _is_fsdp(model):
+        if sharded_ok:
+            return model
         raise ValueError(
             f"{type(model).__name__} is FSDP/FSDP2-sharded: each rank holds only a shard, so a "
             "whole-model component file would be incomplete. Checkpoint FSDP2 (fully_shard) "
@@ -204,11 +207,11 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             "shard with torch.distributed.fsdp.fully_shard)."
         )
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return unwrap_model(model.module)
+        return unwrap_model(model.module, sharded_ok=sharded_ok)
     if _is_compiled(model):
         compiled = model._orig_mod
         assert isinstance(compiled, torch.nn.Module)
-        return unwrap_model(compiled)
+        return unwrap_model(compiled, sharded_ok=sharded_ok)
     return model
 
 
@@ -511,15 +514,23 @@ def write_snapshot(
         incremental.confirm(snapshot.plan, snapshot.tensor_files)
     start = time.perf_counter()
     with explain_full_disk(root):
+
+        def check(manifest: Manifest, chosen: int) -> None:
+            # Under the lock, before anything changes (an index this save replaces is still
+            # committed: on an object store the writer withdraws it next).
+            _check_sharded_part(root, chosen, snapshot)
+            if check_root is not None:
+                check_root(manifest)
+
         writer = IndexWriter(
-            root, None if checkpoint_index == -1 else index, lock_timeout=lock_timeout
+            root,
+            None if checkpoint_index == -1 else index,
+            lock_timeout=lock_timeout,
+            check=check,
         )
         index = writer.index
         copies: dict[str, dict[str, CopySource]] = {}
         try:
-            _check_sharded_part(root, index, snapshot)
-            if check_root is not None:
-                check_root(Manifest.load(root))
             refs = _check_references(writer, snapshot)
             if not is_local(backend_for(root)):
                 copies = _copy_sources(root, refs)

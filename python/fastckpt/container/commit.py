@@ -81,7 +81,7 @@ from fastckpt.storage.backend import (
 from fastckpt.storage.backend import _sibling as temp_sibling
 from fastckpt.storage.lock import REPLACING, RootLock, checked_lock_timeout
 from fastckpt.storage.registry import backend_for, display_path, is_local
-from fastckpt.storage.s3.errors import CommitOutcomeUnknownError
+from fastckpt.storage.s3.errors import CommitOutcomeUnknownError, LeaseLostError
 
 if TYPE_CHECKING:
     import torch
@@ -713,9 +713,13 @@ class IndexWriter(DirectoryWriter):
         *,
         direct_io: bool | None = None,
         lock_timeout: float | None = None,
+        check: Callable[[Manifest, int], None] | None = None,
     ) -> None:
         """Prepare to write index ``index`` of ``root`` (None: the next one, decided under
         the lock); ``lock_timeout`` None waits for other writers as long as they take.
+        ``check`` is called under the lock with the root's manifest and the index, before
+        anything changes (an index being replaced is still committed then); what it raises
+        aborts the save, the lock released.
 
         Raises:
             ValueError: a negative index, or one over MAX_INDEX (10**18 - 1).
@@ -724,6 +728,7 @@ class IndexWriter(DirectoryWriter):
         """
         root = Path(root)
         self._aside: Path | None = None  # on an object store, the copy of a replaced index
+        self._released = False
         checked_lock_timeout(lock_timeout)  # before the root is created
         if index is not None and not 0 <= index <= MAX_INDEX:
             raise ValueError(
@@ -747,6 +752,8 @@ class IndexWriter(DirectoryWriter):
             if index is None:
                 index = 0 if sealed.latest is None else sealed.latest + 1
             self.index: int = index
+            if check is not None:
+                check(sealed, index)
             # Objects are written in place (delete first, no rename): a committed index being
             # replaced leaves the manifest before its objects go, so the manifest never names a
             # missing or partial object (clean_leftovers leaves the manifest as read). Its
@@ -830,54 +837,73 @@ class IndexWriter(DirectoryWriter):
         Replacing a committed index first withdraws it from the manifest, so the manifest never
         names a directory whose files differ from its records (locally, a crash in between
         leaves the old index for the next writer to commit again, see
-        :func:`_restore_interrupted_replacements`). Locally, an *error* at any step (a full disk
-        included) leaves the old index committed or the new one, never neither: the new
-        manifest is written (not yet renamed) before anything is withdrawn, the old manifest
-        and the old directory are kept (a hard link and a rename, no space needed) until the
-        new manifest is renamed into place and fsynced, and a failure puts them back by
-        renames alone. The root lock is released in every case.
+        :func:`_restore_interrupted_replacements`; on an object store, the copy
+        :func:`_set_aside_object_index` kept, see :func:`_restore_object_replacements`; a
+        failure here puts that copy back before the lock is released). Locally, an *error* at
+        any step (a full disk included) leaves the old index committed or the new one, never
+        neither: the new manifest is written (not yet renamed) before anything is withdrawn,
+        the old manifest and the old directory are kept (a hard link and a rename, no space
+        needed) until the new manifest is renamed into place and fsynced, and a failure puts
+        them back by renames alone. The root lock is released in every case.
         """
         try:
-            self.wait_written()
-            manifest = Manifest.load(self.root)
-            if self.index in manifest.entries and isinstance(self.staging, LocalStaging):
-                _replace_local(self, manifest, {**entry, "files": self.files})
-                _committed(self.root, self.index)
-                return
-            if manifest.entries.pop(self.index, None) is not None:
-                manifest.commit()
-            self.commit()
-            manifest.entries[self.index] = {**entry, "files": self.files}
-            try:
-                manifest.commit()
-            except FileExistsError:
-                # Another writer committed first (an object store's conditional put, or a
-                # lost lease): what is at self.final may be its objects by now; leave them.
-                raise
-            except CommitOutcomeUnknownError:
-                self._keep = True  # the manifest may name them
-                _committed(self.root, self.index)
-                raise
-            except BaseException:
-                # An interruption (Ctrl-C, a signal handler raising) can land after the new
-                # manifest took its place: the files it names are then kept.
-                if self._recorded():
-                    self._keep = True
-                    _committed(self.root, self.index)
-                else:
-                    self.backend.delete(self.final)
-                    self._put_aside_back()
-                raise
-            _committed(self.root, self.index)
-            if self._aside is not None:
-                self.backend.delete(self._aside)  # the replaced index, no longer needed
+            self._commit_entry(entry)
+        except BaseException as err:
+            if not isinstance(err, (FileExistsError, LeaseLostError)):
+                self._put_aside_back()  # still holding the root: the old index back
+            raise
         finally:
+            self._released = True
             self.lock.release()
+        if self._aside is not None:
+            try:
+                self.backend.delete(self._aside)  # the replaced index, no longer needed
+            except Exception as err:  # committed: the next writer deletes the copy
+                _LOG.warning(
+                    "%s: index %d committed; its replaced copy %s stays until the next save (%s)",
+                    display_path(self.root),
+                    self.index,
+                    display_path(self._aside),
+                    err,
+                )
+
+    def _commit_entry(self, entry: dict[str, Any]) -> None:
+        self.wait_written()
+        manifest = Manifest.load(self.root)
+        if self.index in manifest.entries and isinstance(self.staging, LocalStaging):
+            _replace_local(self, manifest, {**entry, "files": self.files})
+            _committed(self.root, self.index)
+            return
+        if manifest.entries.pop(self.index, None) is not None:
+            manifest.commit()
+        self.commit()
+        manifest.entries[self.index] = {**entry, "files": self.files}
+        try:
+            manifest.commit()
+        except FileExistsError:
+            # Another writer committed first (an object store's conditional put, or a
+            # lost lease): what is at self.final may be its objects by now; leave them.
+            raise
+        except CommitOutcomeUnknownError:
+            self._keep = True  # the manifest may name them
+            _committed(self.root, self.index)
+            raise
+        except BaseException:
+            # An interruption (Ctrl-C, a signal handler raising) can land after the new
+            # manifest took its place: the files it names are then kept.
+            if self._recorded():
+                self._keep = True
+                _committed(self.root, self.index)
+            else:
+                self.backend.delete(self.final)
+            raise
+        _committed(self.root, self.index)
 
     def _put_aside_back(self) -> None:
-        """After a failed replacement on an object store (the lock still held): commit the
-        replaced index again from its copy (best effort: the next writer tries again)."""
-        if self._aside is None:
+        """After a failed replacement on an object store, while the root's lock is held:
+        commit the replaced index again from its copy, unless the new one was committed
+        (best effort: the next writer tries again)."""
+        if self._aside is None or self._released or self._keep:
             return
         try:
             _restore_object_index(self.root, self.backend, self.index, self._aside)
@@ -906,8 +932,9 @@ class IndexWriter(DirectoryWriter):
             with contextlib.suppress(Exception):
                 self.wait_written()  # its error is the caller's to raise, not this one's
             super().abort()
-            self._put_aside_back()
+            self._put_aside_back()  # not once commit_entry released the lock: it did
         finally:
+            self._released = True
             self.lock.release()
 
 
@@ -1043,12 +1070,18 @@ def _set_aside_object_index(
     aside = root / f"{TRASH_PREFIX}{index}.{os.getpid()}.{os.urandom(4).hex()}"
     for relpath, record in manifest.entries[index]["files"].items():
         source = root / str(index) / relpath
-        if not backend.copy_file(source, aside / relpath, int(record["size"])):
+        try:
+            copied = backend.copy_file(source, aside / relpath, int(record["size"]))
+            why = "the store cannot copy objects"
+        except FileNotFoundError:  # damaged already: saving it again is how it is repaired
+            copied, why = False, f"its object {display_path(source)} is missing"
+        if not copied:
             backend.delete(aside)
             _LOG.warning(
-                "%s: the store cannot copy objects, so index %d is replaced in place without "
-                "a copy kept: a crash before the new index %d is committed loses it",
+                "%s: %s, so index %d is replaced in place without a copy kept: a crash "
+                "before the new index %d is committed loses it",
                 display_path(root),
+                why,
                 index,
                 index,
             )
@@ -1089,8 +1122,15 @@ def _restore_object_index(root: Path, backend: StorageBackend, index: int, aside
     try:
         old = Manifest.parse(root, aside / REPLACED_MANIFEST, data, verify_checksum=True)
         entry = old.entries.get(index)
-    except CheckpointFormatError:
-        return  # damaged: left for a human, never acted on
+    except CheckpointFormatError as err:
+        _LOG.warning(
+            "%s: the copy of index %d a replacement kept has a damaged record (%s); it is "
+            "left there, not committed: delete it, or commit it again by hand",
+            display_path(aside),
+            index,
+            err,
+        )
+        return
     if entry is None:
         backend.delete(aside)
         return
@@ -1100,8 +1140,18 @@ def _restore_object_index(root: Path, backend: StorageBackend, index: int, aside
         if not backend.copy_file(aside / relpath, final / relpath, int(record["size"])):
             return
     current.entries[index] = entry
-    if index_intact(current, index) is not None:
-        return  # the copy does not verify against its record: never committed on its word
+    damage = index_intact(current, index)
+    if damage is not None:  # never committed on the word of a copy that does not verify
+        backend.delete(aside)
+        _LOG.warning(
+            "%s: the copy of index %d a replacement kept does not verify (%s): index %d is "
+            "lost and the copy deleted",
+            display_path(root),
+            index,
+            damage,
+            index,
+        )
+        return
     current.commit()
     backend.delete(aside)
     _LOG.warning(

@@ -602,10 +602,11 @@ class Promoter:
         """Ask for a promotion run (after a commit into ``source``); returns at once.
 
         Raises:
-            PromotionError: ``strict`` and the previous attempt failed.
+            PromotionError: ``strict`` and the previous attempt failed (not once
+                :meth:`close` raised it: a promoter used again tries anew).
         """
         with self._lock:
-            if self.strict and self.error is not None:
+            if self.strict and self.error is not None and self.error is not self._raised:
                 raise self.error
             if self._withheld is not None:
                 return

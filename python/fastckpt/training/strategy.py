@@ -1854,7 +1854,8 @@ def _check_frozen(models: Mapping[str, torch.nn.Module], frozen: Any, where: str
     if not isinstance(frozen, Mapping):
         raise CheckpointFormatError(f"{where}: must be an object")
     for name, model in models.items():
-        codec.frozen_record(codec.unwrap_model(model), frozen.get(name), f"{where}.{name}")
+        target = codec.unwrap_model(model, sharded_ok=True)
+        codec.frozen_record(target, frozen.get(name), f"{where}.{name}")
 
 
 def _refreeze(models: Mapping[str, torch.nn.Module], frozen: Mapping[str, Any], where: str) -> None:
@@ -1864,15 +1865,16 @@ def _refreeze(models: Mapping[str, torch.nn.Module], frozen: Mapping[str, Any], 
     run had frozen mid-run). A parameter frozen here that the saved run trained is left
     frozen, with a warning (frozen on purpose before the restore, or the run differs)."""
     for name, model in models.items():
-        target = codec.unwrap_model(model)
+        target = codec.unwrap_model(model, sharded_ok=True)
         recorded = set(codec.frozen_record(target, frozen.get(name), f"{where}.{name}"))
         codec.freeze(target, sorted(recorded), f"{where}.{name}")
         extra = sorted(set(codec.frozen_names(target)) - recorded)
         if extra:
             warnings.warn(
                 f"model {name!r}: parameters {extra[:5]}{' ...' if len(extra) > 5 else ''} "
-                "are frozen here but were trained by the saved run; they stay frozen "
-                "(requires_grad_(True) them to continue the run as it was)",
+                "are frozen here but not recorded as frozen by the checkpoint (trained by the "
+                "saved run, or saved by a fastckpt that did not record frozen parameters); "
+                "they stay frozen (requires_grad_(True) them to continue the run as it was)",
                 stacklevel=3,
             )
 

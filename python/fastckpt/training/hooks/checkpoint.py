@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -298,7 +299,6 @@ class CheckpointHook:
         # answer costs the saves nothing (see _durable_manifest).
         self._durable_failed = False
         self._durable_read: Future[Manifest] | None = None
-        self._durable_reader: ThreadPoolExecutor | None = None
         if strict_saves is not None and not isinstance(strict_saves, bool):
             raise TypeError(
                 f"CheckpointHook strict_saves must be a bool or None, got {strict_saves!r}"
@@ -356,9 +356,7 @@ class CheckpointHook:
                 self._raised_save_error = self.save_error
                 raise self.save_error
         finally:
-            reader, self._durable_reader, self._durable_read = self._durable_reader, None, None
-            if reader is not None:
-                reader.shutdown(wait=False)  # a read still waiting on the store: not awaited
+            self._durable_read = None  # a read still waiting on the store: not awaited
             try:
                 if self._rank_promoter is not None:
                     self._rank_promoter.close()
@@ -1000,9 +998,7 @@ class CheckpointHook:
                 raise
         read = self._durable_read
         if read is None:
-            if self._durable_reader is None:
-                self._durable_reader = ThreadPoolExecutor(1, "fastckpt-durable-read")
-            self._durable_read = self._durable_reader.submit(Manifest.load, self.durable_dir)
+            self._durable_read = _in_background(Manifest.load, self.durable_dir)
             return None
         if not read.done():
             return None
@@ -1076,6 +1072,21 @@ class CheckpointHook:
             elif self.strict_promotion and self._promoter.error is not None:
                 raise self._promoter.error  # the durable tier could not be read; committed here
         return index
+
+
+def _in_background(function: Callable[[Path], Manifest], argument: Path) -> Future[Manifest]:
+    """``function(argument)`` on a daemon thread of its own (a read that never returns, from
+    a store that does not answer, must not hold up the interpreter's exit)."""
+    future: Future[Manifest] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function(argument))
+        except BaseException as err:
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="fastckpt-durable-read", daemon=True).start()
+    return future
 
 
 def _cuda_available() -> bool:
