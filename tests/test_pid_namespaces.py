@@ -121,31 +121,39 @@ def test_a_save_never_deletes_the_staging_of_a_writer_in_another_pid_namespace(
         assert torch.equal(m.load(tmp_path / "ckpt_w")["w"], torch.arange(1000.0))
 
 
-SHARDED_WRITER = textwrap.dedent(
-    """
-    import os, sys, time, torch, torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    import fastckpt
-    import fastckpt.checkpoint.components as components
-    root, flag, rendezvous = sys.argv[1], sys.argv[2], sys.argv[3]
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
-    fully_shard(model)
-    strategy = fastckpt.TrainingStrategy(
-        model, fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}),
-        training_fn=lambda m, batch: m(batch).square().mean())
-    strategy.save_checkpoint(root)
-    commit = components.write_snapshot
-    def paused(*args, **kwargs):  # its part written, before the commit takes the root's lock
-        open(flag, "w").close()
-        while not os.path.exists(flag + ".go"):
-            time.sleep(0.02)
-        return commit(*args, **kwargs)
-    components.write_snapshot = paused
-    print("saved", strategy.save_checkpoint(root))
-    dist.destroy_process_group()
-    """
+#: One rank of a gloo group (``rendezvous``) training nothing: an FSDP2 strategy whose index 0
+#: of ``root`` is saved; the scripts below then save index 1 their own way.
+ONE_RANK_STRATEGY = """
+import os, shutil, sys, time, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+import fastckpt
+import fastckpt.checkpoint.components as components
+dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+fully_shard(model)
+strategy = fastckpt.TrainingStrategy(
+    model, fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}),
+    training_fn=lambda m, batch: m(batch).square().mean())
+strategy.save_checkpoint(root)
+commit = components.write_snapshot
+"""
+
+SHARDED_WRITER = (
+    "import sys\nroot, flag, rendezvous = sys.argv[1], sys.argv[2], sys.argv[3]\n"
+    + ONE_RANK_STRATEGY
+    + textwrap.dedent(
+        """
+        def paused(*args, **kwargs):  # its part written, before the commit takes the lock
+            open(flag, "w").close()
+            while not os.path.exists(flag + ".go"):
+                time.sleep(0.02)
+            return commit(*args, **kwargs)
+        components.write_snapshot = paused
+        print("saved", strategy.save_checkpoint(root))
+        dist.destroy_process_group()
+        """
+    )
 )
 
 
@@ -172,31 +180,22 @@ def test_a_prune_never_sweeps_the_sharded_part_of_a_writer_in_another_pid_namesp
     assert report.ok, report  # before: index 1 committed naming the swept part
 
 
-PART_REMOVED = textwrap.dedent(
-    """
-    import shutil, sys, torch, torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    import fastckpt
-    import fastckpt.checkpoint.components as components
-    root, rendezvous = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
-    fully_shard(model)
-    strategy = fastckpt.TrainingStrategy(
-        model, fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}),
-        training_fn=lambda m, batch: m(batch).square().mean())
-    strategy.save_checkpoint(root)
-    commit = components.write_snapshot
-    def removed_first(*args, **kwargs):  # another process removes the part before the commit
-        shutil.rmtree(f"{root}/sharded/1")
-        return commit(*args, **kwargs)
-    components.write_snapshot = removed_first
-    try:
-        strategy.save_checkpoint(root)
-    except Exception as err:
-        print(type(err).__name__, err)
-    dist.destroy_process_group()
-    """
+PART_REMOVED = (
+    "import sys\nroot, rendezvous = sys.argv[1], sys.argv[2]\n"
+    + ONE_RANK_STRATEGY
+    + textwrap.dedent(
+        """
+        def removed_first(*args, **kwargs):  # another process removes it before the commit
+            shutil.rmtree(f"{root}/sharded/1")
+            return commit(*args, **kwargs)
+        components.write_snapshot = removed_first
+        try:
+            strategy.save_checkpoint(root)
+        except Exception as err:
+            print(type(err).__name__, err)
+        dist.destroy_process_group()
+        """
+    )
 )
 
 
