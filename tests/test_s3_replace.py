@@ -176,3 +176,43 @@ def _lease_held(root: Path) -> bool:
     url = S3Url.parse(str(root))
     client = fastckpt.storage.registry.backend_for(root).client  # type: ignore[attr-defined]
     return held_lease(client, url.key("manifest.json")) is not None
+
+
+def test_a_put_back_whose_reads_fail_keeps_the_copy_for_the_next_save(
+    s3_root: str, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verification of the put-back index failing (here: reported unreadable, as a store
+    not answering makes it) never deletes the copy (a review found it deleted, the old index
+    lost for good): the next save puts the index back."""
+    from fastckpt.container import commit
+
+    assert _save(s3_root, 0.0) == 0 and _save(s3_root, 1.0) == 1
+
+    def failing(*args: object, **kwargs: object) -> object:
+        raise OSError("the upload failed")
+
+    with monkeypatch.context() as patched, pytest.raises(OSError, match="the upload failed"):
+        patched.setattr(S3Staging, "put_tensors", failing)
+        patched.setattr(commit, "index_intact", lambda *a, **k: "cannot be read (timed out)")
+        _save(s3_root, 2.0, 1)
+    assert [row["index"] for row in fastckpt.list_checkpoints(s3_root)] == [0]  # withdrawn
+    assert [name for name in _top_level_names(s3_root) if name.startswith(".trash-1.")]
+    assert _save(s3_root, 3.0) == 2  # the next save puts it back first
+    assert [_value(s3_root, i) for i in (0, 1, 2)] == [0.0, 1.0, 3.0]
+    assert not [name for name in _top_level_names(s3_root) if name.startswith(".trash-")]
+
+
+def test_an_index_missing_an_object_is_replaced_without_a_copy(
+    s3_server: S3Server, s3_root: str, s3_env: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Saving a damaged index again is how it is repaired: an object of it already missing
+    (or of another size) cannot be copied aside, so it is replaced in place, with a warning
+    (before this check, the copy failed and no save of that index could be made)."""
+    assert _save(s3_root, 0.0) == 0 and _save(s3_root, 1.0) == 1
+    prefix = s3_root.split("/", 3)[3]
+    server_client = s3_server.client()
+    server_client.delete_object(Bucket=s3_server.bucket, Key=f"{prefix}/1/models/main.safetensors")
+    with caplog.at_level(logging.WARNING, logger="fastckpt.container.commit"):
+        assert _save(s3_root, 2.0, 1) == 1
+    assert "is missing, so index 1 is replaced in place without a copy kept" in caplog.text
+    assert _value(s3_root, 1) == 2.0 and fastckpt.verify(s3_root).ok

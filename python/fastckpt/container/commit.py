@@ -81,7 +81,7 @@ from fastckpt.storage.backend import (
 from fastckpt.storage.backend import _sibling as temp_sibling
 from fastckpt.storage.lock import REPLACING, RootLock, checked_lock_timeout
 from fastckpt.storage.registry import backend_for, display_path, is_local
-from fastckpt.storage.s3.errors import CommitOutcomeUnknownError, LeaseLostError
+from fastckpt.storage.s3.errors import CommitOutcomeUnknownError
 
 if TYPE_CHECKING:
     import torch
@@ -764,8 +764,13 @@ class IndexWriter(DirectoryWriter):
                 del sealed.entries[index]
                 sealed.commit()
             super().__init__(root / str(index), direct_io=direct_io, generations=False)
-        except BaseException:
-            self.lock.release()
+        except BaseException as err:
+            try:
+                if self._aside is not None and not isinstance(err, FileExistsError):
+                    _put_back_now(root, backend, self.index, self._aside)  # still holding the root
+            finally:
+                self._released = True
+                self.lock.release()
             raise
         self._background = is_local(self.backend)
         self._tensor_lane: ThreadPoolExecutor | None = None
@@ -848,24 +853,15 @@ class IndexWriter(DirectoryWriter):
         """
         try:
             self._commit_entry(entry)
+            if self._aside is not None:
+                _drop_copy(self.root, self.backend, self.index, self._aside)
         except BaseException as err:
-            if not isinstance(err, (FileExistsError, LeaseLostError)):
+            if not isinstance(err, FileExistsError):  # a conflict or lost lease: not ours
                 self._put_aside_back()  # still holding the root: the old index back
             raise
         finally:
             self._released = True
             self.lock.release()
-        if self._aside is not None:
-            try:
-                self.backend.delete(self._aside)  # the replaced index, no longer needed
-            except Exception as err:  # committed: the next writer deletes the copy
-                _LOG.warning(
-                    "%s: index %d committed; its replaced copy %s stays until the next save (%s)",
-                    display_path(self.root),
-                    self.index,
-                    display_path(self._aside),
-                    err,
-                )
 
     def _commit_entry(self, entry: dict[str, Any]) -> None:
         self.wait_written()
@@ -905,16 +901,8 @@ class IndexWriter(DirectoryWriter):
         (best effort: the next writer tries again)."""
         if self._aside is None or self._released or self._keep:
             return
-        try:
-            _restore_object_index(self.root, self.backend, self.index, self._aside)
-        except Exception as err:  # the save's own error is the one raised
-            _LOG.warning(
-                "%s: index %d, replaced by a save that failed, could not be put back yet (%s); "
-                "the next save or prune of the root puts it back",
-                display_path(self.root),
-                self.index,
-                err,
-            )
+        self.staging.files = {}  # the objects at those keys are the old index's again
+        _put_back_now(self.root, self.backend, self.index, self._aside)
 
     def _recorded(self) -> bool:
         """Whether the root's manifest names this index with the files written here (or
@@ -1071,10 +1059,16 @@ def _set_aside_object_index(
     for relpath, record in manifest.entries[index]["files"].items():
         source = root / str(index) / relpath
         try:
+            size: int | None = backend.stat(source).size
+        except FileNotFoundError:
+            size = None
+        if size != int(record["size"]):  # damaged already: saving it again repairs it
+            copied = False
+            state = "missing" if size is None else "damaged"
+            why = f"its object {display_path(source)} is {state}"
+        else:
             copied = backend.copy_file(source, aside / relpath, int(record["size"]))
             why = "the store cannot copy objects"
-        except FileNotFoundError:  # damaged already: saving it again is how it is repaired
-            copied, why = False, f"its object {display_path(source)} is missing"
         if not copied:
             backend.delete(aside)
             _LOG.warning(
@@ -1088,6 +1082,39 @@ def _set_aside_object_index(
             return None
     backend.put_record(aside / REPLACED_MANIFEST, manifest.to_json())
     return aside
+
+
+def _put_back_now(root: Path, backend: StorageBackend, index: int, aside: Path) -> None:
+    """:func:`_restore_object_index` after a failed save that still holds the root (best
+    effort: the next writer tries again; the save's own error is the one raised)."""
+    try:
+        _restore_object_index(root, backend, index, aside)
+    except Exception as err:
+        _LOG.warning(
+            "%s: index %d, replaced by a save that failed, could not be put back yet (%s); "
+            "the next save or prune of the root puts it back",
+            display_path(root),
+            index,
+            err,
+        )
+
+
+def _drop_copy(root: Path, backend: StorageBackend, index: int, aside: Path) -> None:
+    """After the new ``index`` was committed (the lock still held): delete the copy the
+    replacement kept, its manifest first (a copy without it is inert: an interrupted copy);
+    a failure only warns (the next writer deletes it: the index is committed)."""
+    try:
+        backend.delete(aside / REPLACED_MANIFEST)
+        backend.delete(aside)
+    except Exception as err:
+        _LOG.warning(
+            "%s: index %d committed; the copy %s of the one it replaced stays until the next "
+            "save (%s)",
+            display_path(root),
+            index,
+            display_path(aside),
+            err,
+        )
 
 
 def _restore_object_replacements(root: Path, backend: StorageBackend) -> None:
@@ -1109,7 +1136,15 @@ def _restore_object_index(root: Path, backend: StorageBackend, index: int, aside
     """:func:`_restore_object_replacements` for one copy ``aside`` of index ``index``."""
     try:
         current = Manifest.load(root)
-    except (CheckpointFormatError, OSError):
+    except (CheckpointFormatError, OSError) as err:
+        _LOG.warning(
+            "%s: index %d, being replaced, stays withdrawn for now: the manifest cannot be read "
+            "(%s); the next save or prune puts it back from %s",
+            display_path(root),
+            index,
+            err,
+            display_path(aside),
+        )
         return  # never act on the word of a damaged manifest
     if index in current.entries:
         backend.delete(aside)  # the new index was committed, or the old never withdrawn
@@ -1138,18 +1173,25 @@ def _restore_object_index(root: Path, backend: StorageBackend, index: int, aside
     backend.delete(final)  # what the unfinished new index wrote
     for relpath, record in entry["files"].items():
         if not backend.copy_file(aside / relpath, final / relpath, int(record["size"])):
+            _LOG.warning(
+                "%s: the store cannot copy objects: index %d stays withdrawn, its copy kept at %s",
+                display_path(root),
+                index,
+                display_path(aside),
+            )
             return
     current.entries[index] = entry
     damage = index_intact(current, index)
-    if damage is not None:  # never committed on the word of a copy that does not verify
-        backend.delete(aside)
+    if damage is not None:
+        # Never committed on the word of a copy that does not verify; kept, as the reason may
+        # be the store not answering the reads (the next writer tries again).
         _LOG.warning(
-            "%s: the copy of index %d a replacement kept does not verify (%s): index %d is "
-            "lost and the copy deleted",
+            "%s: index %d, put back from the copy a replacement kept, does not verify (%s): it "
+            "stays withdrawn and the copy %s is kept; delete it if the copy is damaged",
             display_path(root),
             index,
             damage,
-            index,
+            display_path(aside),
         )
         return
     current.commit()
