@@ -67,12 +67,12 @@ def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 
 if point == "copied":  # the old objects copied aside, nothing withdrawn yet
-    put_record = backend.S3Backend.put_record
-    def record(self, path, data):
-        if path.name == commit.REPLACED_MANIFEST:
+    put_bytes = backend.S3Staging.put_bytes
+    def record(self, relpath, data):
+        if relpath == commit.REPLACED_MANIFEST:
             die()
-        return put_record(self, path, data)
-    backend.S3Backend.put_record = record
+        return put_bytes(self, relpath, data)
+    backend.S3Staging.put_bytes = record
 elif point == "withdrawn":  # withdrawn, the old objects deleted, the first new one due
     backend.S3Staging.put_tensors = die
 else:  # "written": every new object written, the manifest commit due

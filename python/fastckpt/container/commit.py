@@ -1080,7 +1080,7 @@ def _set_aside_object_index(
                 index,
             )
             return None
-    backend.put_record(aside / REPLACED_MANIFEST, manifest.to_json())
+    backend.stage(aside).put_bytes(REPLACED_MANIFEST, manifest.to_json())  # a plain put, last
     return aside
 
 
