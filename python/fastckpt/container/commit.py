@@ -41,7 +41,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,6 +77,7 @@ from fastckpt.storage.backend import (
     LocalStaging,
     StorageBackend,
     make_dirs,
+    stored_sizes,
 )
 from fastckpt.storage.backend import _sibling as temp_sibling
 from fastckpt.storage.lock import REPLACING, RootLock, checked_lock_timeout
@@ -659,17 +660,8 @@ def _check_stored(backend: StorageBackend, directory: Path, files: Mapping[str, 
     Raises:
         FileNotFoundError: naming the object; nothing is committed.
     """
-
-    def size(relpath: str) -> int | None:
-        try:
-            return backend.stat(directory / relpath).size
-        except FileNotFoundError:
-            return None
-
     names = list(files)
-    with ThreadPoolExecutor(min(16, max(1, len(names))), "fastckpt-check") as pool:
-        found = list(pool.map(size, names))
-    for relpath, actual in zip(names, found, strict=True):
+    for relpath, actual in zip(names, stored_sizes(backend, directory, names), strict=True):
         expected = files[relpath]["size"]
         if actual != expected:
             path = directory / relpath
@@ -1117,15 +1109,18 @@ def _drop_copy(root: Path, backend: StorageBackend, index: int, aside: Path) -> 
         )
 
 
-def _restore_object_replacements(root: Path, backend: StorageBackend) -> None:
+def _restore_object_replacements(
+    root: Path, backend: StorageBackend, names: Sequence[str] | None = None
+) -> None:
     """On an object store, under the root's lock: each index a replacement withdrew and
     whose writer died before committing the new one is committed again from the copy
     :func:`_set_aside_object_index` kept (verified against its record first); copies no
-    longer needed are deleted."""
-    try:
-        names = backend.list_dir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return
+    longer needed are deleted. ``names``: the root's listing, when the caller has it."""
+    if names is None:
+        try:
+            names = backend.list_dir(root)
+        except (FileNotFoundError, NotADirectoryError):
+            return
     for name in names:
         number, _, tag = name.removeprefix(TRASH_PREFIX).partition(".")
         if name.startswith(TRASH_PREFIX) and tag and _is_index_name(number):
@@ -1309,7 +1304,11 @@ def _clean_object_root(root: Path, backend: StorageBackend, writing: int | None)
     that are older than its latest index (with their unfinished uploads), and the sharded parts
     of such indices (see :func:`_sweep_sharded`). Newer index prefixes are deleted by the next
     save of that index."""
-    _restore_object_replacements(root, backend)  # before deciding what the root holds
+    try:
+        names = backend.list_dir(root)  # once: a request each (the copies' names stay apart)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    _restore_object_replacements(root, backend, names)  # before deciding what the root holds
     try:
         manifest = Manifest.load(root)
     except (CheckpointFormatError, OSError):
@@ -1318,7 +1317,7 @@ def _clean_object_root(root: Path, backend: StorageBackend, writing: int | None)
     if latest is None:
         return []
     removed = []
-    for name in backend.list_dir(root):
+    for name in names:
         if _is_index_name(name) and int(name) < latest and int(name) not in manifest.entries:
             backend.delete(root / name)
             removed.append(name)

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ from fastckpt.dcp.stager import DcpStager
 from fastckpt.format.sharded import StoredChunk, encode_record
 from fastckpt.io.files import byte_view, host_tensor, read_metadata, write_tensors
 from fastckpt.io.staging import StagerOptions
-from fastckpt.storage.backend import explain_full_disk
+from fastckpt.storage.backend import explain_full_disk, stored_sizes
 from fastckpt.storage.registry import (
     backend_for,
     check_url_spelling,
@@ -390,18 +389,7 @@ def _check_files_present(
     others = {} if only_mine else {n: s for n, s in sizes.items() if n not in mine}
     # The coordinator's own files first: missing too, they mean a concurrent save's cleanup.
     checked = [*sorted(mine.items()), *sorted(others.items())]
-
-    def stat(name: str) -> int | None:
-        try:
-            return backend.stat(directory / name).size
-        except FileNotFoundError:
-            return None
-
-    if is_local(backend):
-        found = [stat(name) for name, _ in checked]
-    else:  # a request each: many at a time
-        with ThreadPoolExecutor(min(32, max(1, len(checked)))) as pool:
-            found = list(pool.map(stat, [name for name, _ in checked]))
+    found = stored_sizes(backend, directory, [name for name, _ in checked])
     for (name, size), actual in zip(checked, found, strict=True):
         path = directory / name
         if actual == size:

@@ -38,7 +38,8 @@ import threading
 import warnings
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
@@ -78,6 +79,7 @@ __all__ = [
     "remove_replaced",
     "remove_tree",
     "restore_replaced",
+    "stored_sizes",
 ]
 
 #: ``{"size": bytes, "crc32c": whole-file crc32c}``: what a commit record says of one file.
@@ -592,6 +594,24 @@ def restore_replaced(parent: Path) -> list[str]:
         if (host != HOST or gone(pid, host)) and _put_back(child, parent / target):
             restored.append(target)
     return restored
+
+
+def stored_sizes(
+    backend: StorageBackend, directory: Path, names: Sequence[str]
+) -> list[int | None]:
+    """The size of each file ``names`` of ``directory`` as the backend holds it (None: it is
+    not there): one ``stat`` each, on an object store many at a time (a request each)."""
+
+    def size(name: str) -> int | None:
+        try:
+            return backend.stat(directory / name).size
+        except FileNotFoundError:
+            return None
+
+    if isinstance(backend, LocalFileSystem) or len(names) < 2:
+        return [size(name) for name in names]
+    with ThreadPoolExecutor(min(32, len(names)), "fastckpt-stat") as pool:
+        return list(pool.map(size, names))
 
 
 #: Errors of a disk that has no room (a full filesystem, a quota).
