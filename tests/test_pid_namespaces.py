@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt.storage import backend as backend_module
 from fastckpt.storage import identity
 
 TESTS = Path(__file__).resolve().parent
@@ -119,6 +120,47 @@ def test_a_save_never_deletes_the_staging_of_a_writer_in_another_pid_namespace(
     assert host.startswith(identity.HOST[:20]) and ".pidns" in host  # its namespace named
     with fastckpt.CheckpointManager() as m:
         assert torch.equal(m.load(tmp_path / "ckpt_w")["w"], torch.arange(1000.0))
+
+
+def _leftover(parent: Path, name: str, *, age: float, fresh_file: bool = False) -> Path:
+    """A staging directory ``name`` holding one file, everything in it modified ``age``
+    seconds ago (but for a file just written when ``fresh_file``)."""
+    staging = parent / name
+    (staging / "models").mkdir(parents=True)
+    (staging / "models" / "main.safetensors").write_bytes(b"x" * 64)
+    then = time.time() - age
+    for path in (staging / "models" / "main.safetensors", staging / "models", staging):
+        os.utime(path, (then, then))
+    if fresh_file:
+        (staging / "models" / "main.safetensors").touch()
+    return staging
+
+
+def test_the_staging_a_killed_writer_of_another_namespace_left_is_removed_once_stale(
+    tmp_path: Path,
+) -> None:
+    # A container restarted after a kill runs in a new PID namespace: the killed save's
+    # staging names a writer no pid check can declare dead (nor can a pid since reused by a
+    # live process: pid 1 here). Before, such staging stayed next to the checkpoints for good.
+    day = backend_module.STALE_STAGING_SECONDS
+    other = f"{identity.HOST[:20]}.pidns4026532999"
+    stale = [
+        _leftover(tmp_path, f".tmp-ckpt_a~4242~{other}~0a0a0a0a", age=day + 60),
+        _leftover(tmp_path, f".tmp-ckpt_b~1~{identity.HOST}~0b0b0b0b", age=day + 60),
+        _leftover(tmp_path, ".tmp-ckpt_c~4242~node-7~0c0c0c0c", age=day + 60),
+    ]
+    live = [  # a writer that may still be at work: something in its staging changed lately
+        _leftover(tmp_path, f".tmp-ckpt_d~4242~{other}~0d0d0d0d", age=day - 600),
+        _leftover(tmp_path, f".tmp-ckpt_e~4242~{other}~0e0e0e0e", age=day + 60, fresh_file=True),
+    ]
+    # A replace's copy aside holds a committed checkpoint: never removed for its age.
+    aside = _leftover(tmp_path, f".trash-ckpt_f~4242~{other}~0f0f0f0f", age=day + 60)
+    (aside / "commit.json").write_text("{}")
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(tmp_path / "ckpt_x", {"x": torch.zeros(4)})
+    assert [p.name for p in stale if p.exists()] == []
+    assert all(p.is_dir() for p in live)
+    assert (tmp_path / "ckpt_f" / "commit.json").is_file()  # put back, as another host's is
 
 
 #: One rank of a gloo group (``rendezvous``) training nothing: an FSDP2 strategy whose index 0

@@ -35,6 +35,7 @@ import shutil
 import stat
 import sys
 import threading
+import time
 import warnings
 import weakref
 from abc import ABC, abstractmethod
@@ -132,6 +133,12 @@ TRASH_PREFIX = ".trash-"
 #: The Rust core's temporary name for an atomic file replacement: ``.<name>.fastckpt-tmp.<...>``
 #: (the marker is defined once, in the core's ``replace`` module).
 ATOMIC_TEMP_INFIX = _native.TEMP_MARKER
+#: How long a ``.tmp-*`` staging of a writer :func:`~fastckpt.storage.identity.gone` cannot
+#: prove dead (another host's, another PID namespace's, a pid since reused) must stay untouched,
+#: nothing in it modified, before a later save removes it: a writer stopped that long has lost
+#: it (its publish then fails loudly: the directory it renames is gone), and a killed one's
+#: leftover no longer stays for good.
+STALE_STAGING_SECONDS = 24 * 3600
 #: The largest commit record or JSON document fastckpt reads whole (a hostile file cannot make
 #: it read without bound).
 MAX_RECORD_BYTES = 1 << 30
@@ -491,7 +498,9 @@ def clean_dead_siblings(parent: Path) -> list[str]:
     """Remove what crashed local stagings left in ``parent``.
 
     Only siblings made on this host by processes that no longer exist are touched, so live
-    writers (other ranks, other processes) are safe. A leftover temporary directory is
+    writers (other ranks, other processes) are safe; and a temporary directory of a writer
+    that cannot be proven dead (another host's or PID namespace's, a reused pid) once nothing
+    in it changed for :data:`STALE_STAGING_SECONDS`. A leftover temporary directory is
     deleted. A leftover trash directory holds a complete previous checkpoint: it is put back
     if its checkpoint directory is missing (a crash between the two renames of the fallback
     publish), deleted otherwise.
@@ -524,6 +533,9 @@ def clean_dead_siblings(parent: Path) -> list[str]:
             touched.append(child.name)
             continue
         if not gone(pid, host):
+            if prefix == TEMP_PREFIX and pid != os.getpid() and _untouched_for(child):
+                _remove(child)
+                touched.append(child.name)
             continue
         destination = parent / target
         if (
@@ -537,6 +549,23 @@ def clean_dead_siblings(parent: Path) -> list[str]:
             _remove(child)
         touched.append(child.name)
     return touched
+
+
+def _untouched_for(path: Path, seconds: float = STALE_STAGING_SECONDS) -> bool:
+    """Whether nothing in the tree ``path`` (the directory itself, every file and folder in
+    it) was modified in the last ``seconds``: a live writer's staging holds at least the
+    directory it made when it started and the files it is writing."""
+    limit = time.time() - seconds
+    try:
+        if os.lstat(path).st_mtime > limit:
+            return False
+        for folder, dirs, files in os.walk(path):
+            for name in (*dirs, *files):
+                if os.lstat(os.path.join(folder, name)).st_mtime > limit:
+                    return False
+    except OSError:
+        return False  # changing under us, or unreadable: not proven stale
+    return True
 
 
 def _put_back(trash: Path, destination: Path) -> bool:
