@@ -14,7 +14,7 @@ from torch import nn
 
 import fastckpt
 from fastckpt.container.verify import verify
-from fastckpt.errors import ChecksumMismatchError
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.records import Manifest
 from s3_support import S3Server, s3_env, s3_root, s3_server
 
@@ -155,16 +155,19 @@ def test_copies_from_objects_this_process_wrote_are_not_read_back(
     assert all(torch.equal(got[k], v) for k, v in _state(model).items())
 
 
+@pytest.mark.parametrize("fault", ["lost", "replaced"])
 @pytest.mark.parametrize("door", ["save_checkpoint", "manager"])
 def test_an_object_the_store_did_not_keep_is_never_committed(
-    s3_root: str, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, door: str
+    s3_root: str, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, door: str, fault: str
 ) -> None:
     """The store acknowledged an upload and then did not hold the object (lost, or removed
     by another process): before, ``save_checkpoint`` committed the index (an incremental save
     failing after its commit, a full one returning) and the root's newest index did not load,
     and a manager save committed a generation missing it. Now every object is looked up
     before the commit record names it: the save fails naming it, and what was committed
-    before still loads."""
+    before still loads. An object the store holds with another size (another process wrote
+    that name, damage) is refused the same way, typed as a format error (before:
+    ``FileNotFoundError``, as if it were missing)."""
     from fastckpt.storage.s3.backend import S3Staging
 
     model = nn.Linear(16, 16)
@@ -184,12 +187,23 @@ def test_an_object_the_store_did_not_keep_is_never_committed(
 
     def lost(self: S3Staging, relpath: str, *args: Any, **kwargs: Any) -> Any:
         record = real(self, relpath, *args, **kwargs)
-        self.backend.client.delete([self.url.key(relpath)])  # acknowledged, then gone
+        key = self.url.key(relpath)
+        if fault == "lost":
+            self.backend.client.delete([key])  # acknowledged, then gone
+        else:
+            self.backend.client.put(key, b"another writer's bytes")
         return record
 
+    expected = (
+        pytest.raises(FileNotFoundError, match="missing after the store acknowledged its upload")
+        if fault == "lost"
+        else pytest.raises(
+            CheckpointFormatError, match=r"22 bytes, not the \d+ this save wrote, after the store"
+        )
+    )
     with monkeypatch.context() as patched:
         patched.setattr(S3Staging, "put_tensors", lost)
-        with pytest.raises(FileNotFoundError, match="after the store acknowledged its upload"):
+        with expected:
             save(2.0)
     if door == "save_checkpoint":
         assert [row["index"] for row in fastckpt.list_checkpoints(url)] == [0]

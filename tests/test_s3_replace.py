@@ -161,7 +161,7 @@ def test_a_replacement_failing_at_its_commit_puts_the_old_index_back_under_the_l
     with monkeypatch.context() as patched:
         patched.setattr(S3Staging, "put_tensors", lost)
         patched.setattr(commit, "_restore_object_index", restore)
-        with pytest.raises(FileNotFoundError, match="after the store acknowledged"):
+        with pytest.raises(FileNotFoundError, match="missing after the store acknowledged"):
             _save(s3_root, 2.0, 1)
     assert held == [True]  # put back once, while this process held the root's lease
     assert [row["index"] for row in fastckpt.list_checkpoints(s3_root)] == [0, 1]

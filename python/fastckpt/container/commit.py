@@ -658,21 +658,29 @@ def _check_stored(backend: StorageBackend, directory: Path, files: Mapping[str, 
     the save failed only after its commit, or not at all (an adversarial store found it).
 
     Raises:
-        FileNotFoundError: naming the object; nothing is committed.
+        FileNotFoundError: an object is missing (named); nothing is committed.
+        CheckpointFormatError: an object holds another size than the save wrote (named);
+            nothing is committed.
     """
     names = list(files)
     for relpath, actual in zip(names, stored_sizes(backend, directory, names), strict=True):
         expected = files[relpath]["size"]
-        if actual != expected:
-            path = directory / relpath
-            what = "missing" if actual is None else f"{actual} bytes, not {expected}"
+        if actual == expected:
+            continue
+        path = directory / relpath
+        if actual is None:
             raise FileNotFoundError(
                 errno.ENOENT,
-                f"{display_path(path)}: {what} after the store acknowledged its upload (the "
+                f"{display_path(path)}: missing after the store acknowledged its upload (the "
                 "store did not keep it, or another process removed it); nothing was "
                 "committed, save again",
                 str(path),
             )
+        raise CheckpointFormatError(
+            f"{display_path(path)}: {actual} bytes, not the {expected} this save wrote, after "
+            "the store acknowledged its upload (another process wrote that name, or the store "
+            "damaged it); nothing was committed, save again"
+        )
 
 
 class IndexWriter(DirectoryWriter):
