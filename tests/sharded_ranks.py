@@ -475,6 +475,44 @@ def strategy_wrapped_frozen() -> None:
     leave_process_group()
 
 
+def strategy_refreeze_on_restore() -> None:
+    """A hook froze the first Linear after step 2 of an FSDP2 run saved at step 4; a strategy
+    built all trainable, as the run was at its start, restores the checkpoint: prints its
+    frozen parameter names, and whether training 2 more steps left the frozen ones as saved
+    (rank 0 decides)."""
+    root, rank, _ = setup_rank()
+
+    def freeze_at_2(ctx: fastckpt.TrainContext, stage: fastckpt.TrainingStage) -> None:
+        if stage is fastckpt.TrainingStage.AFTER_BATCH and ctx.step_count == 2:
+            ctx.models["main"][0].requires_grad_(False)
+
+    def make(hooks: list[Any], steps: int) -> fastckpt.TrainingStrategy:
+        return fastckpt.TrainingStrategy(
+            shard(build_model()),
+            fastckpt.OptimizerConfig(torch.optim.Adam, {"lr": 0.01}),
+            training_fn=training_fn,
+            hooks=[freeze_at_2, *hooks],
+            num_steps=steps,
+        )
+
+    hook = fastckpt.CheckpointHook(root, step_interval=4, async_save=False)
+    make([hook], 4).run(loader())
+    live = make([], 6)
+    live.restore_checkpoint(root)
+    model = live.models["main"]
+    frozen = sorted(n for n, p in model.named_parameters() if not p.requires_grad)
+    before = full_state(model, live.optimizers["main"])
+    live.run(loader())
+    after = full_state(model, live.optimizers["main"])
+    if rank == 0:
+        kept = [k for k in ("model.0.weight", "model.0.bias") if torch.equal(before[k], after[k])]
+        trained = not torch.equal(before["model.2.weight"], after["model.2.weight"])
+        print(json.dumps({"frozen": frozen, "kept": kept, "trained": trained}))
+    else:
+        print(json.dumps({"frozen": frozen}))
+    leave_process_group()
+
+
 def strategy_ema_refused() -> None:
     """An EMAHook over an FSDP2 model (DTensor averages) with a CheckpointHook (async or sync,
     the last argument): prints each rank's error."""

@@ -215,6 +215,21 @@ def test_a_frozen_layer_under_a_renaming_parallelize_resumes_frozen(tmp_path: Pa
     ]
 
 
+def test_a_restore_into_a_live_fsdp2_strategy_freezes_what_the_saved_run_froze(
+    tmp_path: Path,
+) -> None:
+    """The sharded side of ``restore_checkpoint``'s refreeze (2 gloo ranks): a hook froze the
+    first layer mid-run; restored into a strategy built all trainable, every rank freezes it
+    again, and the restored run leaves it as saved while the rest trains."""
+    reports = _reports(
+        launch("strategy_refreeze_on_restore", tmp_path / "run", 2, ranks="sharded_ranks")
+    )
+    for report in reports:
+        assert report["frozen"] == ["0.bias", "0.weight"], report
+    assert reports[0]["kept"] == ["model.0.weight", "model.0.bias"]
+    assert reports[0]["trained"] is True
+
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_hook_state_holding_dtensors_is_refused_on_every_rank(tmp_path: Path, mode: str) -> None:
     """An EMAHook over an FSDP2 model keeps DTensor averages, which rank 0 cannot write whole:
