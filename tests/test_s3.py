@@ -99,6 +99,30 @@ def test_url_parsing_and_options_validation() -> None:
         S3Options.from_mapping({"multipart_threshold": 6 << 30})
     with pytest.raises(ValueError, match="ranged_get_threshold"):
         S3Options.from_mapping({"ranged_get_threshold": -1})
+    # Every field is checked by type and range, naming it (before: a NaN lease_ttl_s was
+    # accepted and wrote a lease that never expired, so a killed writer locked the root for
+    # good; "8" for a count was a bare comparison TypeError; 2.5 or True a count).
+    for key, value, error in [
+        ("lease_ttl_s", float("nan"), ValueError),
+        ("read_timeout_s", float("inf"), ValueError),
+        ("connect_timeout_s", 0, ValueError),
+        ("lease_ttl_s", True, TypeError),
+        ("concurrency", "8", TypeError),
+        ("concurrency", 2.5, TypeError),
+        ("concurrency", True, TypeError),
+        ("concurrency", 0, ValueError),
+        ("part_size", "33554432", TypeError),
+        ("max_retries", 1.5, TypeError),
+        ("region", 5, TypeError),
+        ("allow_http", "yes", TypeError),
+        ("unsigned_payload", None, TypeError),
+        ("multipart_threshold", 1.0, TypeError),
+    ]:
+        with pytest.raises(error, match=f"{key}={value!r}"):
+            S3Options.from_mapping({key: value})
+        with pytest.raises(error, match=key):
+            S3Options(**{key: value})
+    assert S3Options.from_mapping({"lease_ttl_s": 2, "read_timeout_s": 0.5}).lease_ttl_s == 2
 
 
 def test_every_front_door_refuses_a_url_that_a_path_would_collapse(tmp_path: Path) -> None:

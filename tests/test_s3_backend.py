@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fastckpt import _native
-from fastckpt.errors import ChecksumMismatchError
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.storage.s3.backend import (
     S3Backend,
     S3RootLock,
@@ -233,6 +233,25 @@ def test_lease_lock_excludes_and_is_taken_over_after_its_holder_is_killed(
     lease = json.loads(client.get(S3Url.parse(s3_root).key(".fastckpt.lock"), limit=1 << 16)[0])
     assert lease["owner"] == taker.owner
     taker.release()
+
+
+def test_a_lease_that_would_never_expire_is_refused_and_a_wait_names_the_expiry(
+    s3_server: S3Server, s3_root: str
+) -> None:
+    """A lease recording a non-finite expiry (written by a version that accepted
+    ``lease_ttl_s=nan``, or by hand) held every later writer until its timeout, forever
+    without one: it is refused as not a fastckpt lease, naming the object. A writer that
+    times out behind a live holder says when that holder's lease expires."""
+    url = S3Url.parse(s3_root)
+    client = S3Client(url, s3_server.options())
+    key = url.key(".fastckpt.lock")
+    client.put(key, b'{"owner": "gone:1:x", "expires": NaN}')
+    with pytest.raises(CheckpointFormatError, match=r"\.fastckpt\.lock: not a fastckpt lease"):
+        S3RootLock(client, url, timeout=5, ttl_s=3).acquire()
+    client.delete([key])
+    with S3RootLock(client, url, ttl_s=30):
+        with pytest.raises(TimeoutError, match=r"its lease expires in (29|30)\.\d s unless"):
+            S3RootLock(client, url, timeout=0.3, ttl_s=3).acquire()
 
 
 def test_require_local_refuses_an_s3_url_with_a_typed_error_naming_it() -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -843,7 +844,7 @@ class S3RootLock:
         if self._etag is not None:
             raise RuntimeError(f"{self.path}: already held by this lock")
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        holder = "unknown"
+        holder, left = "unknown", None
         while True:
             body, expires = self._body()
             try:
@@ -857,7 +858,11 @@ class S3RootLock:
                 holder = str(lease.get("owner"))
                 with _HELD_LOCK:
                     ours = holder in _ABANDONED
-                if ours or float(lease["expires"]) < time.time():
+                recorded = float(lease["expires"])
+                if not math.isfinite(recorded):
+                    raise ValueError(recorded)  # a lease that would never expire
+                left = recorded - time.time()
+                if ours or left < 0:
                     body, expires = self._body()
                     self._etag = self._put(body, {"e_tag": meta.etag})
                     with _HELD_LOCK:
@@ -870,9 +875,12 @@ class S3RootLock:
                     f"{self.path}: not a fastckpt lease; remove it if no writer is running"
                 ) from None
             if deadline is not None and time.monotonic() > deadline:
+                expiry = (
+                    "" if left is None else f"its lease expires in {left:.1f} s unless renewed; "
+                )
                 raise TimeoutError(
-                    f"{self.path}: held by {holder} for more than {self.timeout} s; "
-                    f"a dead holder's lease expires {self.ttl_s} s after its last renewal"
+                    f"{self.path}: held by {holder} for more than {self.timeout} s; {expiry}"
+                    "a dead holder's lease expires lease_ttl_s (its own) after its last renewal"
                 )
             time.sleep(0.2)
         self._expires = expires

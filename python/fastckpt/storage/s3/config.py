@@ -17,6 +17,7 @@ Timeouts are short by default so that a dead endpoint is an error within seconds
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -92,6 +93,14 @@ class S3Url:
 
     def __str__(self) -> str:
         return self.url_of(self.prefix) if self.prefix else f"{_SCHEME}{self.bucket}"
+
+
+def _check_type(name: str, value: object, kinds: tuple[type, ...], what: str) -> None:
+    """Raise TypeError naming ``name`` unless ``value`` is of ``kinds`` (a bool is no number)."""
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise TypeError(
+            f"storage_options {name}={value!r}: must be {what}, got {type(value).__name__}"
+        )
 
 
 @dataclass(frozen=True)
@@ -171,7 +180,8 @@ class S3Options:
 
         Raises:
             TypeError: an unknown key (the message lists the valid ones) or a bad value type.
-            ValueError: a part size under 5 MiB or a non-positive count/timeout.
+            ValueError: a part size under 5 MiB, a non-positive count, a timeout that is not a
+                finite positive number of seconds.
         """
         if options is None:
             return cls()
@@ -187,25 +197,39 @@ class S3Options:
             raise TypeError(
                 f"unknown storage_options key(s) {unknown}; valid keys: {sorted(names)}"
             )
-        result = cls(**dict(options))
-        result.check()
-        return result
+        return cls(**dict(options))
+
+    def __post_init__(self) -> None:
+        self.check()
 
     def check(self) -> None:
-        """Validate sizes and counts (see :meth:`from_mapping`)."""
-        if self.part_size < (5 << 20):
-            raise ValueError(f"part_size={self.part_size}: S3 parts must be at least 5 MiB")
-        if self.read_part_size < 1:
-            raise ValueError(f"read_part_size={self.read_part_size} must be positive")
+        """Validate every field's type and range (see :meth:`from_mapping`); each error names
+        the field and the value."""
+        for name in ("endpoint_url", "region", "access_key_id", "secret_access_key"):
+            _check_type(name, getattr(self, name), (str, type(None)), "a string or None")
+        _check_type("session_token", self.session_token, (str, type(None)), "a string or None")
+        _check_type("profile", self.profile, (str, type(None)), "a string or None")
+        _check_type("allow_http", self.allow_http, (bool, type(None)), "True, False or None")
+        _check_type("unsigned_payload", self.unsigned_payload, (bool,), "True or False")
         for name in (
-            "concurrency",
             "connect_timeout_s",
             "read_timeout_s",
             "request_timeout_s",
             "retry_timeout_s",
             "lease_ttl_s",
         ):
-            if getattr(self, name) <= 0:
+            value = getattr(self, name)
+            _check_type(name, value, (int, float), "a number of seconds")
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a finite, positive number of seconds")
+        for name in ("part_size", "read_part_size", "concurrency", "max_retries"):
+            _check_type(name, getattr(self, name), (int,), "an int")
+        for name in ("multipart_threshold", "ranged_get_threshold"):
+            _check_type(name, getattr(self, name), (int, type(None)), "an int or None")
+        if self.part_size < (5 << 20):
+            raise ValueError(f"part_size={self.part_size}: S3 parts must be at least 5 MiB")
+        for name in ("read_part_size", "concurrency"):
+            if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         for name in ("multipart_threshold", "ranged_get_threshold"):
             value = getattr(self, name)
