@@ -327,6 +327,31 @@ def test_mark_frozen_covers_the_marked_view_only_and_is_withdrawn_by_unmark_or_f
         _assert_bitwise(_snapshot(model), _loaded(tmp_path))
 
 
+def test_a_tensor_changed_while_unmarked_and_marked_again_is_saved_as_it_is_now(
+    tmp_path: Path,
+) -> None:
+    """Progressive unfreezing: a backbone marked frozen is saved, unmarked, trained, marked
+    again, and saved. The new mark promises "no change from now on", not "the bytes of the
+    last marked save": before, the second save referenced the first one's bytes (the
+    fingerprint said "frozen" at both), a checkpoint that verified and loaded the old
+    weights. Now a tensor marked again is written once, then referenced under its new mark;
+    marking a tensor already marked keeps its mark."""
+    model, _ = _setup()
+    fastckpt.mark_frozen(model.backbone)
+    _save(tmp_path, model)
+    fastckpt.unmark_frozen(model.backbone)
+    with torch.no_grad():
+        model.backbone.weight.add_(1.0)  # trained while not marked
+    fastckpt.mark_frozen(model.backbone)
+    _save(tmp_path, model)
+    assert "backbone.weight" not in _referenced(tmp_path, 1)
+    _assert_bitwise(_snapshot(model), _loaded(tmp_path))
+    fastckpt.mark_frozen(model.backbone)  # already marked: the same promise
+    _save(tmp_path, model)
+    assert {"backbone.weight", "backbone.bias"} <= _referenced(tmp_path, 2)
+    _assert_bitwise(_snapshot(model), _loaded(tmp_path))
+
+
 def test_replacing_an_index_after_rm_rf_of_an_incremental_one_works(tmp_path: Path) -> None:
     """``rm -rf ROOT/1`` of an incremental index, then replacing another index: the deleted
     index references nothing. Before, the replace raised FileNotFoundError naming the

@@ -23,7 +23,7 @@ import torch
 
 import fastckpt
 from fastckpt import ChecksumMismatchError
-from fastckpt.container.incremental import mark_frozen
+from fastckpt.container.incremental import mark_frozen, unmark_frozen
 from fastckpt.container.links import (
     check_references,
     freed_bytes,
@@ -189,6 +189,27 @@ def test_mark_frozen_skips_the_version_check(tmp_path: Path) -> None:
         _save(manager, tmp_path / "b", {"model": model})
     assert _written(tmp_path / "b") == {"1.weight"}
     assert _referenced(tmp_path / "b") == {"0.weight", "0.bias", "1.bias"}
+
+
+def test_a_tensor_changed_while_unmarked_and_marked_again_is_saved_as_it_is_now(
+    tmp_path: Path,
+) -> None:
+    """The manager's side of progressive unfreezing (see test_incremental's): before, the
+    save after a re-mark linked the bytes of the save before the unmark."""
+    model = _model()
+    mark_frozen(model[0])
+    with _sync() as manager:
+        _save(manager, tmp_path / "a", {"model": model})
+        unmark_frozen(model[0])
+        with torch.no_grad():
+            _linear(model, 0).weight.add_(1.0)  # changed while not marked
+        mark_frozen(model[0])
+        _save(manager, tmp_path / "b", {"model": model})
+        assert "0.weight" in _written(tmp_path / "b")
+        loaded = manager.load(tmp_path / "b")["model"]
+        assert torch.equal(loaded["0.weight"], _linear(model, 0).weight.detach())
+        _save(manager, tmp_path / "c", {"model": model})
+        assert {"0.weight", "0.bias"} <= _referenced(tmp_path / "c")
 
 
 def test_async_capture_stages_everything_and_links_what_the_staged_digest_proves(

@@ -38,6 +38,7 @@ with a full save.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -137,8 +138,11 @@ def digest_groups(
 _LOCK = threading.Lock()
 #: root -> {(relpath, name): (fingerprint, reference to the bytes on disk)}
 _TRACKERS: dict[str, dict[tuple[str, str], tuple[Tracked, Reference]]] = {}
-#: the view a mark_frozen tensor was marked with (see _view_key) -> that tensor
-_FROZEN: dict[Any, weakref.ref[torch.Tensor]] = {}
+#: the view a mark_frozen tensor was marked with (see _view_key) -> (that tensor, the mark's
+#: number: a tensor marked again after :func:`unmark_frozen` carries a new promise, from then
+#: on, and must not match what a save under the old one recorded)
+_FROZEN: dict[Any, tuple[weakref.ref[torch.Tensor], int]] = {}
+_MARKS = itertools.count()
 
 
 def _key(root: str | os.PathLike[str]) -> str:
@@ -158,14 +162,18 @@ def mark_frozen(*tensors: torch.Tensor | torch.nn.Module) -> None:
     by their digest, as unmarked ones). To undo it, :func:`unmark_frozen` the tensors or
     :func:`forget` (every mark)."""
     for item in _frozen_targets(tensors, "mark_frozen"):
+        key = _view_key(item)
         with _LOCK:
-            _FROZEN[_view_key(item)] = weakref.ref(item)
+            if _mark(key) is None:  # a mark in force stays as it is (the promise holds on)
+                _FROZEN[key] = (weakref.ref(item), next(_MARKS))
 
 
 def unmark_frozen(*tensors: torch.Tensor | torch.nn.Module) -> None:
     """Withdraw :func:`mark_frozen` for these tensors (or all parameters and buffers of
     these modules): their next incremental saves prove them unchanged by their digest again
-    (or write them). :func:`forget` withdraws every mark."""
+    (or write them). Marked again later, a tensor is written once more by the next save (what
+    it became while unmarked is not trusted to be what the last marked save held).
+    :func:`forget` withdraws every mark."""
     for item in _frozen_targets(tensors, "unmark_frozen"):
         with _LOCK:
             _FROZEN.pop(_view_key(item), None)
@@ -219,13 +227,17 @@ def is_frozen(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a view :func:`mark_frozen` marked (the same storage, offset,
     shape, strides and dtype; ``state_dict()``'s detached copies of a marked parameter are)
     and the marked tensor is still alive with that view."""
-    key = _view_key(tensor)
     with _LOCK:
-        ref = _FROZEN.get(key)
-    if ref is None:
-        return False
-    marked = ref()
-    return marked is not None and _view_key(marked) == key
+        return _mark(_view_key(tensor)) is not None
+
+
+def _mark(key: _ViewKey) -> int | None:
+    """The number of the mark in force on the view ``key`` (None: none). Under ``_LOCK``."""
+    entry = _FROZEN.get(key)
+    if entry is None:
+        return None
+    marked = entry[0]()
+    return entry[1] if marked is not None and _view_key(marked) == key else None
 
 
 def fingerprint(tensor: torch.Tensor) -> Fingerprint | None:
@@ -238,7 +250,9 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint | None:
     if tensor.device.type == "meta" or tensor.is_neg() or tensor.is_conj():
         return None
     storage = tensor.untyped_storage()
-    version = "frozen" if is_frozen(tensor) else tensor._version
+    with _LOCK:
+        mark = _mark(_view_key(tensor))
+    version = tensor._version if mark is None else ("frozen", mark)
     return (
         str(tensor.device),
         storage.data_ptr(),
@@ -385,7 +399,7 @@ def confirm(result: Plan, tensor_files: dict[str, dict[str, torch.Tensor]]) -> N
 
 
 def _is_frozen_print(print_: Fingerprint) -> bool:
-    return print_[-1] == "frozen"
+    return isinstance(print_[-1], tuple)  # ("frozen", the mark's number)
 
 
 def check_plan(
