@@ -41,6 +41,7 @@ import logging
 import os
 import shutil
 import threading
+import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -346,11 +347,9 @@ def refuse_to_replace(path: Path, *, files: bool = False) -> None:
         names = os.listdir(path)
     else:
         names = backend.list_dir(path)
+    strays = stray_names(path, names)
     own = _checkpoint_names(path, names)
-    strays = sorted(
-        n for n in names if n not in own and not n.startswith(".") and generation_order(n) is None
-    )
-    shown = ", ".join(strays[:3]) + (", ..." if len(strays) > 3 else "")
+    shown = _shown(strays)
     if strays and own:
         raise NotACheckpointError(
             f"{display_path(path)} is a checkpoint that also holds {shown}, which its record "
@@ -365,23 +364,46 @@ def refuse_to_replace(path: Path, *, files: bool = False) -> None:
         )
 
 
-def refuse_inside_checkpoint(path: Path) -> None:
+def stray_names(path: Path, names: Collection[str]) -> list[str]:
+    """The entries among ``names`` of the checkpoint folder ``path`` that are not its own:
+    neither its record, nor a top-level name of the files the record lists, nor hidden, nor
+    a generation (what a user or another tool put there; everything when ``path`` is no
+    checkpoint)."""
+    own = _checkpoint_names(path, names)
+    return sorted(
+        n for n in names if n not in own and not n.startswith(".") and generation_order(n) is None
+    )
+
+
+def _shown(names: Sequence[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def refuse_inside_checkpoint(path: Path, *, roots: bool = True) -> None:
     """A checkpoint is never saved inside another one (``runs/step_1`` where ``runs`` itself
     became a checkpoint by a forgotten ``/step_N``, or inside a save_checkpoint root's index):
     the outer checkpoint's next save or prune would delete it, and listings no longer see it.
-    Local paths: every folder above ``path`` is looked at (an object store's would cost a
-    request each).
+    Local paths: every folder above ``path`` is looked at, symlinks resolved (an object
+    store's would cost a request each). ``roots`` False: a path inside a root but not inside
+    one of its index folders (``ROOT/fast``, a tier kept beside the indices) is accepted.
 
     Raises:
         NotACheckpointError: names the enclosing checkpoint, its record and the fix.
     """
     if not is_local(backend_for(path)):
         return
-    for directory in Path(os.path.abspath(path)).parents:
+    real = Path(os.path.realpath(path))
+    for directory in real.parents:
         for record in (COMMIT_RECORD, SHARDED_RECORD, MANIFEST):
+            inside = real.relative_to(directory).parts[0]
+            if record == MANIFEST and not roots and not _is_index_name(inside):
+                continue  # beside a root's indices: no prune of that root deletes it
             if os.path.lexists(directory / record) and _is_record(directory, record):
+                shown = display_path(path)
+                if str(real) != os.path.abspath(path):
+                    shown += f" (that is {real})"
                 raise NotACheckpointError(
-                    f"{display_path(path)} is inside the checkpoint {display_path(directory)} "
+                    f"{shown} is inside the checkpoint {display_path(directory)} "
                     f"(it holds {record}), whose next save or prune would delete it: save it "
                     "beside that checkpoint, not inside it"
                 )
@@ -737,6 +759,7 @@ class IndexWriter(DirectoryWriter):
             )
         backend = backend_for(root)
         if is_local(backend):
+            refuse_inside_checkpoint(root, roots=False)
             make_dirs(root)
         self.root = root
         self.lock = backend.lock(root, timeout=lock_timeout)
@@ -1259,6 +1282,16 @@ def clean_leftovers(
         ):
             if referenced is None:
                 referenced = _referenced(manifest)
+            foreign = _not_written_by_fastckpt(child)
+            if foreign and int(name) not in referenced:
+                message = (
+                    f"{display_path(child)}: a folder named like an index that {MANIFEST} does "
+                    f"not name, holding {_shown(foreign)}, which fastckpt does not write: left "
+                    "in place; move it out of the checkpoint root"
+                )
+                _LOG.warning("%s", message)
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
+                continue
             if int(name) in referenced:
                 # A prune committed, then died before setting the bytes kept indices
                 # reference aside: finish it.
@@ -1402,6 +1435,7 @@ def prune_indices(
             doomed = spare_newest_intact(manifest, doomed, read_shards=read_shards)
         if doomed and is_local(backend):
             doomed = _not_linked_into(manifest, doomed)
+            doomed = [index for index in doomed if _holds_only_its_files(manifest, index)]
         if not doomed:
             # What a prune killed after its commit left.
             _sweep_sharded(root, manifest, only_older=promoting)
@@ -1546,15 +1580,54 @@ def spare_newest_intact(
     return []
 
 
-def _holds_only(directory: str, recorded: set[str]) -> bool:
-    """Whether every file (and link) under ``directory`` is one of the ``recorded`` paths."""
+def _holds_only_its_files(manifest: Manifest, index: int) -> bool:
+    """Whether the local index folder of ``index`` holds only the files its entry records;
+    if not (a user's notes, a checkpoint saved inside it by hand), a prune keeps the index
+    and says why, rather than delete what fastckpt did not write."""
+    directory = manifest.directory(index)
+    if os.path.islink(directory) or not os.path.isdir(directory):
+        return True  # a symlink is unlinked alone; _delete_index decides about its target
+    recorded = {str(relpath) for relpath in manifest.entries[index]["files"]}
+    foreign = _unrecorded(str(directory), recorded)
+    if not foreign:
+        return True
+    message = (
+        f"{display_path(directory)}: not pruned: it also holds {_shown(foreign)}, which "
+        "fastckpt did not write; move them out of the index folder, then prune again"
+    )
+    _LOG.warning("%s", message)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    return False
+
+
+def _unrecorded(directory: str, recorded: set[str]) -> list[str]:
+    """The files (and links) under ``directory`` that are not among the ``recorded`` paths."""
+    found = []
     for here, folders, files in os.walk(directory):
         links = [name for name in folders if os.path.islink(os.path.join(here, name))]
         for name in (*files, *links):
-            relpath = os.path.relpath(os.path.join(here, name), directory)
-            if relpath.replace(os.sep, "/") not in recorded:
-                return False
-    return True
+            relpath = os.path.relpath(os.path.join(here, name), directory).replace(os.sep, "/")
+            if relpath not in recorded:
+                found.append(relpath)
+    return sorted(found)
+
+
+def _not_written_by_fastckpt(directory: Path) -> list[str]:
+    """The files under ``directory`` no index folder holds (fastckpt writes there only
+    ``.safetensors`` files and ``.json`` documents): an unnamed index folder holding any is
+    not a leftover of an interrupted prune or replacement."""
+    found = []
+    for here, folders, files in os.walk(directory):
+        links = [name for name in folders if os.path.islink(os.path.join(here, name))]
+        for name in (*files, *links):
+            if not name.endswith((".safetensors", ".json")) or name in links:
+                found.append(os.path.relpath(os.path.join(here, name), directory))
+    return sorted(found)
+
+
+def _holds_only(directory: str, recorded: set[str]) -> bool:
+    """Whether every file (and link) under ``directory`` is one of the ``recorded`` paths."""
+    return not _unrecorded(directory, recorded)
 
 
 def _link_retained(root: Path, index: int) -> bool:

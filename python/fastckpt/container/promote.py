@@ -77,7 +77,13 @@ from fastckpt.errors import (
 )
 from fastckpt.format.records import Manifest
 from fastckpt.io.paths import check_relpath
-from fastckpt.storage.registry import backend_for, display_path, is_local, storage_options_of
+from fastckpt.storage.registry import (
+    absolute,
+    backend_for,
+    display_path,
+    is_local,
+    storage_options_of,
+)
 
 __all__ = [
     "SOURCE_DAMAGE",
@@ -140,8 +146,12 @@ class PromotionReport:
 
 
 def _distinct(source: Path, target: Path) -> None:
-    if os.path.abspath(source) == os.path.abspath(target):
-        raise ValueError(f"{display_path(source)}: promoting a root into itself")
+    """Refuse promoting a local root into itself, however it is named (a symlink, ``..``)."""
+    if os.path.realpath(source) == os.path.realpath(target):
+        shown = display_path(target)
+        if os.path.abspath(source) != os.path.abspath(target):
+            shown += f" (that is {os.path.realpath(target)})"
+        raise ValueError(f"{display_path(source)}: promoting a root into itself: {shown}")
 
 
 def promote_index(
@@ -499,7 +509,9 @@ class Promoter:
             raise ValueError(f"promote every must be >= 1, got {every}")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"durable keep_last must be >= 1 or None, got {keep_last}")
-        self.source, self.target = Path(source), Path(target)
+        # Resolved now: promotions run in the background, after the script may have
+        # changed directory.
+        self.source, self.target = absolute(source), absolute(target)
         _distinct(self.source, self.target)
         self.every, self.keep_last, self.strict = every, keep_last, strict
         self.on_error = on_error

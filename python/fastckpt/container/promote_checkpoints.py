@@ -30,13 +30,14 @@ import datetime
 import logging
 import os
 import shutil
+import warnings
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fastckpt import _native
-from fastckpt.container.commit import DirectoryWriter, refuse_to_replace
+from fastckpt.container.commit import DirectoryWriter, refuse_to_replace, stray_names
 from fastckpt.container.copy import IndexCopy, copy_files, read_verified, remember_written
 from fastckpt.container.listing import (  # listed here too, where they were first
     TierDates,
@@ -166,7 +167,7 @@ def promote_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike
         ValueError: ``source`` is ``target``.
     """
     source, target = Path(source), Path(target)
-    if os.path.abspath(source) == os.path.abspath(target):
+    if os.path.realpath(source) == os.path.realpath(target):
         raise ValueError(f"{display_path(source)}: promoting a checkpoint onto itself")
     check_name(target.name, "checkpoint directory name")
     what = f"checkpoint {display_path(source)}"
@@ -340,6 +341,24 @@ def _alias_targets(root: Path) -> set[str]:
     return targets
 
 
+def _holds_strays(checkpoint: Path) -> bool:
+    """Whether the local checkpoint folder ``checkpoint`` also holds what its record does not
+    name (a user's notes, a checkpoint saved inside it): a prune keeps it, and says why,
+    rather than delete what fastckpt did not write (as a save refuses to replace it)."""
+    if not is_local(backend_for(checkpoint)) or not os.path.isdir(checkpoint):
+        return False
+    strays = stray_names(checkpoint, os.listdir(checkpoint))
+    if strays:
+        shown = ", ".join(strays[:3]) + (", ..." if len(strays) > 3 else "")
+        message = (
+            f"{display_path(checkpoint)}: not pruned: it also holds {shown}, which its "
+            "record does not name; move them out of the checkpoint, then prune again"
+        )
+        _LOG.warning("%s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+    return bool(strays)
+
+
 def _none_verifies(root: Path, kept: list[str]) -> bool:
     """Whether none of the checkpoints ``kept`` of ``root`` verifies (read newest first, up
     to the first that does). When the newest does not, the next incremental save of this
@@ -366,7 +385,11 @@ def doomed_checkpoints(
     root = Path(root)
     names = committed_checkpoints(root)
     aliased = _alias_targets(root)
-    doomed = [name for name in names[:-keep_last] if name not in spare and name not in aliased]
+    doomed = [
+        name
+        for name in names[:-keep_last]
+        if name not in spare and name not in aliased and not _holds_strays(root / name)
+    ]
     if not doomed:
         return []
     # Only the checkpoints newer than every doomed one count: an older one kept (an alias's

@@ -110,6 +110,7 @@ from fastckpt.manager.stateful import (
 )
 from fastckpt.storage.backend import LOCAL, LocalStaging, disk_refused, explain_full_disk
 from fastckpt.storage.registry import (
+    absolute,
     backend_for,
     display_path,
     is_local,
@@ -819,6 +820,9 @@ class CheckpointManager:
             self._writer.wait_timeout = self.config.save.wait_timeout_secs  # read live
             self._writer.collect()
         check_name(path.name, "checkpoint directory name")  # its length: see _sibling
+        # Resolved now: an async write after the caller changed directory still goes where
+        # the save was asked for.
+        path = absolute(path)
         refuse_to_replace(path)
         refuse_inside_checkpoint(path)
         prepared: dict[str, Any] = {}

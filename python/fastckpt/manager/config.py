@@ -445,6 +445,6 @@ class TiersConfig(StrictConfig):
                 f"TiersConfig.fast must be a local directory (node-local disk or /dev/shm), "
                 f"got {display_path(fast)}"
             )
-        if os.path.abspath(fast) == os.path.abspath(durable):
+        if os.path.realpath(fast) == os.path.realpath(durable):
             raise ValueError(f"TiersConfig: fast and durable are both {display_path(fast)}")
         return fast, durable

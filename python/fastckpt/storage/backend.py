@@ -684,6 +684,14 @@ def make_dirs(directory: Path) -> None:
     lose its new root to a power cut)."""
     created = []
     for ancestor in (directory, *directory.parents):
+        if os.path.islink(ancestor) and not ancestor.exists():
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"cannot create {directory}: {ancestor} is a symlink to "
+                f"{os.readlink(ancestor)}, which does not exist (a disk not mounted?); mount "
+                "or create its target, or remove the link",
+                str(ancestor),
+            )
         if ancestor.exists():
             if not ancestor.is_dir():
                 raise NotADirectoryError(

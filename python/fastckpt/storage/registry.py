@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -32,6 +33,7 @@ from fastckpt.storage.backend import LOCAL, LocalFileSystem, StorageBackend
 
 __all__ = [
     "SCHEMES",
+    "absolute",
     "backend_for",
     "check_url_spelling",
     "configure_storage",
@@ -170,6 +172,13 @@ def display_path(path: str | os.PathLike[str]) -> str:
     """``path`` as users write it: ``s3://bucket/key`` for an object-store URL (``pathlib``
     collapses it to ``s3:/bucket/key``), the path itself otherwise."""
     return _url(path) if is_object_url(path) else os.fspath(path)
+
+
+def absolute(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a ``Path`` that no later ``os.chdir`` changes: a local path made absolute
+    against the current directory now (a save written in the background goes where its
+    caller named it, not where the process is by then); an object-store URL as it is."""
+    return Path(path) if is_object_url(path) else Path(os.path.abspath(path))
 
 
 def is_object_url(path: str | os.PathLike[str]) -> bool:

@@ -37,7 +37,7 @@ from fastckpt.io.staging import (
     reserve_groups,
     stage_groups,
 )
-from fastckpt.storage.registry import display_path, use_storage_options
+from fastckpt.storage.registry import absolute, display_path, use_storage_options
 from fastckpt.training.hooks.context import TrainContext, TrainingStage
 from fastckpt.training.sharded import share_commit
 
@@ -208,7 +208,10 @@ class CheckpointHook:
             _flag(name, flag)
         if (step_interval is None) == (epoch_interval is None):
             raise ValueError("CheckpointHook needs exactly one of step_interval or epoch_interval")
-        self.checkpoint_dir = Path(checkpoint_dir)
+        # Resolved now: a save written in the background after the training script changed
+        # directory still goes where the hook was given (the record keeps what was given).
+        self._given_dir = os.fspath(checkpoint_dir)
+        self.checkpoint_dir = absolute(checkpoint_dir)
         self.step_interval = step_interval
         self.epoch_interval = epoch_interval
         self.async_save = async_save
@@ -264,7 +267,8 @@ class CheckpointHook:
                     f"CheckpointHook: {', '.join(given)} configure the promotion to a durable "
                     "tier, and this hook has none: give durable_dir=... or drop them"
                 )
-        self.durable_dir = None if durable_dir is None else Path(durable_dir)
+        self._given_durable = None if durable_dir is None else os.fspath(durable_dir)
+        self.durable_dir = None if durable_dir is None else absolute(durable_dir)
         self.promote_every = promote_every
         self.durable_keep_last = durable_keep_last
         self.strict_promotion = bool(strict_promotion)
@@ -433,7 +437,7 @@ class CheckpointHook:
         :mod:`fastckpt.training.hooks.rebuild`). ``storage_options`` are not recorded (they may hold
         credentials): a rebuilt hook uses what ``configure_storage`` or the environment give."""
         config: dict[str, Any] = {
-            "checkpoint_dir": os.fspath(self.checkpoint_dir),
+            "checkpoint_dir": self._given_dir,
             "step_interval": self.step_interval,
             "epoch_interval": self.epoch_interval,
             "async_save": self.async_save,
@@ -448,7 +452,7 @@ class CheckpointHook:
             # Only hooks with two tiers record these: a one-tier hook's record stays what
             # earlier fastckpt versions rebuild.
             config.update(
-                durable_dir=os.fspath(self.durable_dir),
+                durable_dir=self._given_durable,
                 promote_every=self.promote_every,
                 durable_keep_last=self.durable_keep_last,
                 strict_promotion=self.strict_promotion,
