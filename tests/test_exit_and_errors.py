@@ -150,6 +150,67 @@ def test_a_forked_child_saves_with_the_async_manager_it_inherited(tmp_path: Path
             assert torch.equal(manager.load(root / name)["w"], torch.full((8,), float(value)))
 
 
+TIERED_CHILD = textwrap.dedent(
+    """
+    import os, sys, torch, fastckpt
+
+    torch.set_num_threads(1)
+    fast, durable, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    config = fastckpt.CheckpointManager.Config()
+    config.tiers = fastckpt.TiersConfig(fast=fast, durable=durable)
+    manager = fastckpt.CheckpointManager(config)
+    model = torch.nn.Linear(512, 512)
+    if mode == "fork":
+        manager.save("step_1", {"model": model, "step": 1}).result()
+        manager._promoter.wait()
+        pid = os.fork()
+        if pid == 0:
+            # The inherited promoter: the parent's promotion thread does not exist here.
+            manager.save("step_2", {"model": model, "step": 2}).result(timeout=60)
+            manager.close()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        manager.close()
+        print("child status", os.waitstatus_to_exitcode(status))
+    else:
+        for step in (10, 20, 30):
+            with manager.lock(), torch.no_grad():
+                model.weight.fill_(float(step))
+            manager.save(f"step_{step}", {"model": model, "step": step})
+        # no close(): the exit hook finishes the writes, then the promotions
+    print("loop done")
+    """
+)
+
+
+def test_a_tiered_manager_that_exits_without_close_promotes_every_save(tmp_path: Path) -> None:
+    """Promotions run on a daemon thread, which the interpreter stopped at exit: the durable
+    tier kept the first checkpoint and a staging folder, the process exited 0 without a word,
+    and a restore on a new node (the fast tier gone) went back to step 10. The exit hook now
+    finishes the queued promotion after the writes, and says so."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    result = run_child(tmp_path, TIERED_CHILD, str(fast), str(durable), "exit")
+    assert result.returncode == 0, result.stderr
+    assert "finishing it" in result.stderr and "is done" in result.stderr, result.stderr
+    assert sorted(p.name for p in durable.iterdir()) == ["step_10", "step_20", "step_30"]
+    shutil.rmtree(fast)  # a new node
+    config = CheckpointManager.Config()
+    config.tiers = fastckpt.TiersConfig(fast=fast, durable=durable)
+    with CheckpointManager(config) as manager:
+        loaded = manager.load_latest()
+    assert loaded["step"] == 30
+    assert torch.equal(loaded["model"]["weight"], torch.full((512, 512), 30.0))
+
+
+def test_a_forked_child_promotes_with_the_tiered_manager_it_inherited(tmp_path: Path) -> None:
+    """Before, the child's promotion went to the parent's thread, which does not exist in
+    the child: its ``close()`` waited forever."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    result = run_child(tmp_path, TIERED_CHILD, str(fast), str(durable), "fork", timeout=180)
+    assert "child status 0" in result.stdout, result.stderr
+    assert sorted(p.name for p in durable.iterdir()) == ["step_1", "step_2"]
+
+
 def manager_steps(root: Path) -> dict[str, int]:
     """Every committed manager checkpoint under ``root``: its name and the step it loads."""
     found: dict[str, int] = {}

@@ -24,8 +24,10 @@ __all__ = [
     "BACKGROUND_NICE",
     "BackgroundWriter",
     "WriteFuture",
+    "after_pending_writes",
     "background_executor",
     "report_tolerated",
+    "stderr_line",
 ]
 
 #: How much lower than the training thread the background writer runs (Linux nice units).
@@ -81,7 +83,7 @@ class WriteFuture(Future[T]):
         return error
 
 
-def _stderr_line(message: str) -> None:
+def stderr_line(message: str) -> None:
     """Write ``fastckpt: <message>`` to stderr (at interpreter exit, where nobody can catch
     an error)."""
     try:
@@ -99,13 +101,27 @@ _TRACKED: set[BackgroundWriter[Any]] = set()
 _TRACKED_LOCK = threading.Lock()
 
 
+#: Called at interpreter exit once every pending write is finished (see
+#: :func:`after_pending_writes`).
+_AFTER_WRITES: list[Callable[[], None]] = []
+
+
+def after_pending_writes(function: Callable[[], None]) -> None:
+    """Have ``function`` called at interpreter exit after every pending write is finished
+    (work a write's completion hands on, such as a promotion to a durable tier); it must not
+    raise."""
+    _AFTER_WRITES.append(function)
+
+
 def _finish_pending_writes() -> None:
     """At interpreter exit: finish every write still pending (see
-    :meth:`BackgroundWriter.finish_at_exit`)."""
+    :meth:`BackgroundWriter.finish_at_exit`), then what :func:`after_pending_writes` asked."""
     with _TRACKED_LOCK:
         writers = list(_TRACKED)
     for writer in writers:
         writer.finish_at_exit()
+    for function in _AFTER_WRITES:
+        function()
 
 
 # Registered with threading's own exit hooks, which run at the start of interpreter shutdown,
@@ -459,7 +475,7 @@ class BackgroundWriter(Generic[T]):
                 error = Future.exception(future, timeout=self.wait_timeout)
             except TimeoutError:
                 outlasted = True
-                _stderr_line(
+                stderr_line(
                     f"WARNING: the interpreter is exiting while the background checkpoint write of "
                     f"{what} is still running after {self.wait_timeout} s (close() was not "
                     "called); waiting for it to end: killing the process now loses it"
@@ -468,7 +484,7 @@ class BackgroundWriter(Generic[T]):
         except CancelledError:
             return
         except BaseException as err:  # Ctrl-C while waiting: say what may be lost, go on
-            _stderr_line(
+            stderr_line(
                 f"WARNING: interrupted ({type(err).__name__}) while waiting at exit for the "
                 f"background checkpoint write of {what}; it may NOT be saved"
             )
@@ -476,10 +492,10 @@ class BackgroundWriter(Generic[T]):
         if error is None:
             self._untrack()
             if outlasted:
-                _stderr_line(f"the background checkpoint write of {what} ended: it is saved")
+                stderr_line(f"the background checkpoint write of {what} ended: it is saved")
             return
         if not future.failure_reported:
-            _stderr_line(
+            stderr_line(
                 f"WARNING: {what} was NOT saved: its background checkpoint write failed and "
                 f"close() was not called to report it: {type(error).__name__}: {error}"
             )

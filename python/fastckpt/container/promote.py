@@ -44,12 +44,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastckpt.container.background import report_tolerated
+from fastckpt.container.background import after_pending_writes, report_tolerated, stderr_line
 from fastckpt.container.commit import IndexWriter, clean_leftovers, index_intact, prune_indices
 from fastckpt.container.copy import (
     IndexCopy,
@@ -461,6 +462,25 @@ class _DetachedProcess:
             self._log = None
 
 
+#: Every promoter of this process (for the fork reset and the exit hook below).
+_PROMOTERS: weakref.WeakSet[Promoter] = weakref.WeakSet()
+
+
+def _forget_parent_threads() -> None:
+    for promoter in list(_PROMOTERS):
+        promoter._after_fork()
+
+
+def _finish_pending_promotions() -> None:
+    for promoter in list(_PROMOTERS):
+        promoter.finish_at_exit()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent_threads)
+after_pending_writes(_finish_pending_promotions)
+
+
 class Promoter:
     """Promotes a fast root's checkpoints to a durable root in the background.
 
@@ -544,6 +564,51 @@ class Promoter:
         self._in_flight: frozenset[Any] | None = None
         #: Set by :meth:`withhold`: promotions stopped for good, this error says why.
         self._withheld: PromotionError | None = None
+        self._pid = os.getpid()
+        _PROMOTERS.add(self)
+
+    def _after_fork(self) -> None:
+        """In the child of ``os.fork()``: the parent's promotion thread does not exist here
+        (the parent finishes what it queued); the child's next submission starts its own."""
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._pending = self._running = self._closed = False
+        self._thread = None
+        self._process = None
+        self._in_flight = None
+        self._pid = os.getpid()
+
+    def finish_at_exit(self) -> None:
+        """At interpreter exit, when the owner never called :meth:`close`: finish the queued
+        or running promotion (its thread is a daemon, which the interpreter would stop
+        half-way), saying so on stderr, and name a last attempt that failed. Never raises."""
+        if self._pid != os.getpid():
+            return
+        with self._lock:
+            busy = self._pending or self._running
+        if busy:
+            stderr_line(
+                f"the interpreter is exiting with a promotion of {display_path(self.source)} to "
+                f"{display_path(self.target)} queued or running (close() was not called): "
+                "finishing it; killing the process now leaves it to the next process that "
+                "opens the tiers (or fastckpt promote)"
+            )
+            try:
+                self.wait()
+            except BaseException as err:  # Ctrl-C while waiting: say what may be left
+                stderr_line(
+                    f"WARNING: interrupted ({type(err).__name__}) while finishing the "
+                    f"promotion to {display_path(self.target)}; it may NOT be done"
+                )
+                return
+        error = self.error
+        if error is not None and error is not self._raised:
+            stderr_line(
+                f"WARNING: the last promotion to {display_path(self.target)} failed and close() "
+                f"was not called to report it: {error}"
+            )
+        elif busy:
+            stderr_line(f"the promotion to {display_path(self.target)} is done")
 
     def withhold(self, reason: BaseException) -> None:
         """Stop promoting for good, for ``reason`` (the target holds another run's newer
