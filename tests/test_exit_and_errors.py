@@ -211,6 +211,67 @@ def test_a_forked_child_promotes_with_the_tiered_manager_it_inherited(tmp_path: 
     assert sorted(p.name for p in durable.iterdir()) == ["step_1", "step_2"]
 
 
+FINALIZE_CHILD = textwrap.dedent(
+    """
+    import sys, threading, time, torch, fastckpt
+
+    root, mode = sys.argv[1], sys.argv[2]
+    if mode == "callback":
+        def notify(checkpoint_id, logger):
+            raise ValueError("notify service down")
+        config = fastckpt.CheckpointManager.Config(finalize_callback=notify)
+        manager = fastckpt.CheckpointManager(config)
+        manager.save(f"{root}/step_1", {"w": torch.ones(4)})
+        try:
+            manager.save(f"{root}/step_2", {"w": torch.ones(4)})  # reports step_1's failure
+        except RuntimeError as err:
+            print("next save:", err)
+        manager.save(f"{root}/step_2", {"w": torch.ones(4)})
+        # no close(): step_2's callback failure is reported at exit
+    else:
+        manager = fastckpt.CheckpointManager()
+        def late() -> None:
+            time.sleep(1.0)  # the main thread has returned by then
+            try:
+                manager.save(f"{root}/late", {"w": torch.ones(4)})
+            except RuntimeError as err:
+                print("late save:", err, flush=True)
+            manager.close()
+        threading.Thread(target=late).start()
+    print("loop done")
+    """
+)
+
+
+def test_a_callback_failing_after_the_commit_says_the_checkpoint_is_saved(
+    tmp_path: Path,
+) -> None:
+    """A ``finalize_callback`` that raised after the commit was reported as "was NOT saved"
+    at exit, and as "the previous background checkpoint write failed" by the next save,
+    while the checkpoint was committed and loaded: a user could delete or redo a good one."""
+    root = tmp_path / "fin"
+    result = run_child(tmp_path, FINALIZE_CHILD, str(root), "callback")
+    assert result.returncode == 0, result.stderr
+    assert "step_1 is saved (committed), but what ran after its commit" in result.stdout
+    assert "notify service down" in result.stdout
+    assert "step_2 is saved (committed)" in result.stderr and "NOT saved" not in result.stderr
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        for name in ("step_1", "step_2"):
+            assert torch.equal(manager.load(root / name)["w"], torch.ones(4))
+
+
+def test_a_save_from_a_thread_after_the_main_thread_returned_says_why_it_cannot(
+    tmp_path: Path,
+) -> None:
+    """Before: a bare ``cannot schedule new futures after shutdown`` from concurrent.futures,
+    naming neither fastckpt, the checkpoint nor the cause."""
+    root = tmp_path / "late"
+    result = run_child(tmp_path, FINALIZE_CHILD, str(root), "thread")
+    assert "late save: cannot save" in result.stdout, result.stdout + result.stderr
+    assert "the interpreter is exiting (the main thread returned)" in result.stdout
+    assert not (root / "late").exists()
+
+
 def manager_steps(root: Path) -> dict[str, int]:
     """Every committed manager checkpoint under ``root``: its name and the step it loads."""
     found: dict[str, int] = {}

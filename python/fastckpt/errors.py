@@ -24,6 +24,7 @@ __all__ = [
     "ChecksumMismatchError",
     "DamagedSourceError",
     "FastCkptError",
+    "InterruptedStepError",
     "InvalidInputError",
     "MixedRunError",
     "NotACheckpointError",
@@ -119,6 +120,15 @@ class DamagedSourceError(FastCkptError, ValueError):
     missing file) and promoted the later ones; the message names each and why. It is the
     cause of that promotion's :class:`PromotionError` (the promoter is unhealthy until a
     later promotion succeeds). Restore those checkpoints from a copy, or delete them.
+    """
+
+
+class InterruptedStepError(FastCkptError, RuntimeError):
+    """A ``TrainingStrategy`` was asked to save a state between two steps: an error (not
+    Ctrl-C, which is held back until the step's update is done) was raised after the
+    optimizer step began and before the counters moved, so the weights, optimizer, schedulers
+    and counters belong to no one step, and a checkpoint of them would resume wrongly.
+    Restore the last checkpoint and train on from there.
     """
 
 

@@ -26,6 +26,8 @@ __all__ = [
     "WriteFuture",
     "after_pending_writes",
     "background_executor",
+    "committed_before",
+    "mark_committed",
     "report_tolerated",
     "stderr_line",
 ]
@@ -99,6 +101,20 @@ def stderr_line(message: str) -> None:
 #: :func:`_finish_pending_writes` goes through them at exit.
 _TRACKED: set[BackgroundWriter[Any]] = set()
 _TRACKED_LOCK = threading.Lock()
+
+
+_COMMITTED_MARK = "_fastckpt_raised_after_commit"
+
+
+def mark_committed(error: BaseException) -> None:
+    """Record on ``error`` that it was raised after the write's commit (by a callback or a
+    promotion run after it): reports then say the checkpoint is saved, not that it is lost."""
+    setattr(error, _COMMITTED_MARK, True)
+
+
+def committed_before(error: BaseException) -> bool:
+    """Whether :func:`mark_committed` marked ``error``."""
+    return getattr(error, _COMMITTED_MARK, False) is True
 
 
 #: Called at interpreter exit once every pending write is finished (see
@@ -344,13 +360,24 @@ class BackgroundWriter(Generic[T]):
                 "changes the lock guards, and its plain values now (a checkpoint of two "
                 "moments). Save outside the lock"
             )
-        self.start()
-        assert self._executor is not None
         if capture is not None:
             self._capture_done.clear()
         future: WriteFuture[T] = WriteFuture()
         try:
+            self.start()
+            assert self._executor is not None
             self._executor.submit(self._execute, future, capture, write)
+        except RuntimeError as err:
+            self._capture_done.set()
+            if threading.main_thread().is_alive():
+                raise
+            # concurrent.futures takes no work once the interpreter began to exit (a thread
+            # saving after the main thread returned), and fastckpt's writes use its threads.
+            raise RuntimeError(
+                f"cannot save {what}: the interpreter is exiting (the main thread returned), "
+                f"and Python's thread pools take no more work ({err}); nothing was written. "
+                "Join the thread that saves before the main thread returns"
+            ) from err
         except BaseException:
             self._capture_done.set()
             raise
@@ -453,6 +480,11 @@ class BackgroundWriter(Generic[T]):
                     "once, by the call after it)"
                 )
                 raise error
+            if committed_before(error):
+                raise RuntimeError(
+                    f"{self._what} is saved (committed), but what ran after its commit in the "
+                    f"background (a callback, a promotion) failed: {error}"
+                ) from error
             raise RuntimeError(
                 f"the previous background checkpoint write failed ({self._what}): {error}"
             ) from error
@@ -494,7 +526,13 @@ class BackgroundWriter(Generic[T]):
             if outlasted:
                 stderr_line(f"the background checkpoint write of {what} ended: it is saved")
             return
-        if not future.failure_reported:
+        if not future.failure_reported and committed_before(error):
+            stderr_line(
+                f"WARNING: {what} is saved (committed), but what ran after its commit (a "
+                "callback, a promotion) failed and close() was not called to report it: "
+                f"{type(error).__name__}: {error}"
+            )
+        elif not future.failure_reported:
             stderr_line(
                 f"WARNING: {what} was NOT saved: its background checkpoint write failed and "
                 f"close() was not called to report it: {type(error).__name__}: {error}"

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from fastckpt.container.background import BackgroundWriter
+from fastckpt.container.background import BackgroundWriter, mark_committed
 from fastckpt.container.commit import (
     DirectoryWriter,
     refuse_inside_checkpoint,
@@ -909,8 +909,12 @@ class CheckpointManager:
             finally:
                 if snapshot.plan is not None:
                     snapshot.plan.close()
-            self._promote_due(path)
-            self._finalize(snapshot.checkpoint_id, path)
+            try:
+                self._promote_due(path)
+                self._finalize(snapshot.checkpoint_id, path)
+            except BaseException as err:
+                mark_committed(err)  # reported as a failure after the commit, not a lost save
+                raise
 
         try:
             future = self._submit(

@@ -44,6 +44,7 @@ from fastckpt.errors import (
     CheckpointFormatError,
     CheckpointMismatchError,
     FastCkptError,
+    InterruptedStepError,
     NotCommittedError,
     UnsupportedValueError,
     UntrustedTargetError,
@@ -63,6 +64,7 @@ from fastckpt.training.hooks.rebuild import (
     rebuild_hooks,
     record_hooks,
 )
+from fastckpt.training.signals import HeldSignals
 
 _LOG = logging.getLogger(__name__)
 
@@ -567,9 +569,14 @@ class TrainingStrategy:
             self._fire(TrainingStage.SETUP)
             self._agree_on_rank_rng()
             self._fire(TrainingStage.BEFORE_TRAINING)
-            while not self._done():
-                if not self._run_epoch(train_loader):
-                    break
+            self._signals = HeldSignals()
+            try:
+                with self._signals:
+                    while not self._done():
+                        if not self._run_epoch(train_loader):
+                            break
+            finally:
+                self._signals = None
             self._fire(TrainingStage.AFTER_TRAINING)
 
     def _epoch_iterator(self, train_loader: Iterable[Any]) -> Iterator[Any]:
@@ -653,9 +660,21 @@ class TrainingStrategy:
     def _run_epoch(self, train_loader: Iterable[Any]) -> bool:
         """Run (the rest of) one epoch; False when training must stop mid-epoch."""
         seen = self.epoch_step_count
-        for batch in self._epoch_iterator(train_loader):
+        iterator = self._epoch_iterator(train_loader)
+        while True:
+            # From the fetch (which draws from the RNGs) until the counters move, the state
+            # is between two steps: an error raised there leaves it marked, and a save then
+            # refuses it. Ctrl-C is held until the step is done (HeldSignals).
+            self._interrupted_step = self.step_count + 1
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                self._interrupted_step = None
+                break
             self._train_batch(batch)
             seen += 1
+            if self._signals is not None:
+                self._signals.deliver()
             if self._done():
                 return False
         if seen == 0:
@@ -690,6 +709,7 @@ class TrainingStrategy:
             self.global_step_count += _world()[1]
             self.batch_count += 1
             self.epoch_step_count += 1
+            self._interrupted_step = None  # the step's state moved as one (see _run_epoch)
             self._fire(TrainingStage.AFTER_OPTIMIZER_STEP)
         self._ctx.loss = loss.detach()
         self._fire(TrainingStage.AFTER_BATCH)
@@ -721,6 +741,11 @@ class TrainingStrategy:
     _rank_rng_group: Any = None
     #: The stage the hooks are being called for.
     _stage: TrainingStage | None = None
+    #: The step whose update (optimizer and scheduler steps, counters) an error cut short:
+    #: the state is between two steps until a restore (None: it is not).
+    _interrupted_step: int | None = None
+    #: Ctrl-C / SIGTERM held until the current step is done, while :meth:`run` trains.
+    _signals: HeldSignals | None = None
 
     @property
     def sharded(self) -> bool:
@@ -735,6 +760,14 @@ class TrainingStrategy:
         each model's spec, counters, RNG, scheduler and hook states); :meth:`save_checkpoint`
         writes the shards.
         """
+        if self._interrupted_step is not None:
+            raise InterruptedStepError(
+                f"step {self._interrupted_step} was interrupted half-way through its update "
+                "(an error raised between the optimizer and scheduler steps and the "
+                "counters): the weights, optimizer, schedulers and counters are of no one "
+                "step, and a checkpoint of them would resume wrongly; nothing was saved. "
+                "Restore the last checkpoint (restore_checkpoint) and train on from there"
+            )
         if self.sharded:
             return self._sharded_snapshot()
         models = {name: (model, None) for name, model in self.models.items()}
@@ -1090,7 +1123,9 @@ class TrainingStrategy:
         """
         manifest, index, reader, recipe = _read_index(root, checkpoint_index)
         if recipe.get("sharded") is not None:
-            return self._restore_sharded(Path(root), index, validators)
+            index = self._restore_sharded(Path(root), index, validators)
+            self._interrupted_step = None
+            return index
         entry = manifest.entries[index]
         saved_models = entry.get("components", {}).get("models", [])
         if sorted(saved_models) != sorted(self.models):
@@ -1127,6 +1162,7 @@ class TrainingStrategy:
             )
         _refreeze(self.models, frozen, f"{manifest.path}: {codec.FROZEN_FIELD}")
         self._apply_runtime(runtime, reader)
+        self._interrupted_step = None  # the state is the checkpoint's now
         return index
 
     def _restore_sharded(
