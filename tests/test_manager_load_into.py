@@ -380,6 +380,8 @@ def test_a_template_that_cannot_hold_the_values_is_refused(tmp_path: Path) -> No
             # torch cannot tell at once ("too hard"): the offsets are counted. Before, the
             # load succeeded and the template held [[0, 2], [2, 4], [4, 5]].
             ("d", torch.zeros(4).unfold(0, 2, 1), "share memory"),
+            # Before: torch's bare "Inplace update to inference tensor" naming no key.
+            ("c", _inference_zeros(6), r"m\.w: an inference tensor"),
         ):
             with pytest.raises(TypeError, match=why):
                 manager.load(tmp_path / name, into={"m": {"w": template}})
@@ -389,6 +391,11 @@ def test_a_template_that_cannot_hold_the_values_is_refused(tmp_path: Path) -> No
         strided = torch.zeros(6, 4)[:, ::2]  # "too hard" for torch, yet no element shared
         manager.load(tmp_path / "d", into={"m": {"w": strided[:3]}})
         assert torch.equal(strided[:3], torch.arange(6.0).reshape(3, 2))
+
+
+def _inference_zeros(size: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.zeros(size)
 
 
 def _snapshot(template: Any) -> dict[str, bytes]:

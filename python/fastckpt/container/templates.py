@@ -26,13 +26,20 @@ def is_dtensor(value: torch.Tensor) -> bool:
 
 def check_tensor_template(template: torch.Tensor, path: str) -> None:
     """Refuse a tensor template that cannot hold the saved values: a meta tensor (no memory:
-    the load would return it untouched) or one whose elements share memory (``expand``)."""
+    the load would return it untouched), an inference tensor outside inference mode (torch
+    refuses to write it), or one whose elements share memory (``expand``)."""
     where = path or "<root>"
     if template.is_meta:
         raise TypeError(
             f"{where}: a meta tensor holds no memory, nothing can be loaded into it; pass None "
             "to take the saved tensor, or a tensor with memory (torch.empty_like(t, "
             "device='cpu'))"
+        )
+    if template.is_inference() and not torch.is_inference_mode_enabled():
+        raise TypeError(
+            f"{where}: an inference tensor (made under torch.inference_mode()) cannot be "
+            "written outside inference mode, so nothing can be loaded into it; pass None to "
+            "take the saved tensor, or a normal tensor (.clone() outside inference mode)"
         )
     if _elements_overlap(template):
         raise TypeError(
