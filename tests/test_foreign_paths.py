@@ -9,11 +9,14 @@ went to the new directory; a dangling symlink root was a bare ``FileExistsError`
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -81,18 +84,28 @@ def test_a_prune_never_deletes_files_a_checkpoint_folder_holds_beside_its_own(
     assert fastckpt.prune(root, keep_last=1) == [0]
 
     folder = tmp_path / "mg"
+    two = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     with _sync() as manager:
-        manager.save(folder / "step_1", {"x": torch.ones(1)})
-        manager.save(folder / "step_2", {"x": torch.ones(1)})
+        manager.save(folder / "step_1", {"model": two})
+        with torch.no_grad():
+            two[1].weight.add_(1.0)
+        manager.save(folder / "step_2", {"model": two})
     (folder / "step_1" / "NOTES.md").write_text("eval results")
     (folder / "step_1" / "inner").mkdir()
+    listed = json.loads((folder / "step_2" / "commit.json").read_text())["files"]
+    assert any(relpath.startswith("linked/") for relpath in listed)  # step_2 links step_1
+    (folder / "step_2" / "linked" / "mine.txt").write_text("kept inside a listed folder")
+    with _sync() as manager:
+        manager.save(folder / "step_3", {"model": two})
     command = [sys.executable, "-m", "fastckpt", "prune", str(folder), "--keep-last", "1"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert "step_1: not pruned: it also holds NOTES.md, inner" in result.stderr
+    assert "step_2: not pruned: it also holds linked/mine.txt" in result.stderr
     assert (folder / "step_1" / "NOTES.md").is_file() and (folder / "step_1" / "inner").is_dir()
+    assert (folder / "step_2" / "linked" / "mine.txt").is_file()
     with _sync() as manager:
-        assert torch.equal(manager.load(folder / "step_1")["x"], torch.ones(1))
+        assert torch.equal(manager.load(folder / "step_2")["model"]["1.weight"], two[1].weight)
 
 
 def test_a_save_leaves_a_users_folder_named_like_an_old_index(tmp_path: Path) -> None:
@@ -138,11 +151,27 @@ def test_a_save_written_after_a_chdir_goes_where_it_was_asked_for(
     (tmp_path / "b").mkdir()
     monkeypatch.chdir(tmp_path / "a")
     manager = fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_async_save())
-    future = manager.save("ckpt/step_1", {"x": torch.arange(1_000_000.0)})
+    gate = threading.Event()
+    write = manager._write
+
+    def held(snapshot: Any) -> None:  # the background write starts after the chdir
+        gate.wait(60)
+        write(snapshot)
+
+    manager._write = held  # type: ignore[method-assign]
+    future = manager.save("ckpt/step_1", {"x": torch.arange(1000.0)})
     os.chdir(tmp_path / "b")
+    gate.set()
+    future.result()
+    os.chdir(tmp_path / "a")
+    gate.clear()
+    future = manager.save("ckpt/step_2", {"x": torch.arange(1000.0)}, base="ckpt/step_1")
+    os.chdir(tmp_path / "b")  # base= too is what it named when asked (review finding)
+    gate.set()
     future.result()
     manager.close()
     assert (tmp_path / "a" / "ckpt" / "step_1" / "commit.json").is_file()
+    assert (tmp_path / "a" / "ckpt" / "step_2" / "commit.json").is_file()
     assert not (tmp_path / "b" / "ckpt").exists()
 
     os.chdir(tmp_path / "a")
@@ -157,6 +186,23 @@ def test_a_save_written_after_a_chdir_goes_where_it_was_asked_for(
     assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / "a" / "run")] == [0, 1, 2]
     assert not (tmp_path / "b" / "run").exists()
     assert hook.hook_config()["checkpoint_dir"] == "run"
+
+
+def test_dot_dot_after_a_symlink_goes_where_the_kernel_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``a/link/../ck`` with ``a/link -> b/sub`` is ``b/ck`` to the kernel. The review of the
+    fix above found the resolution dropping ``..`` as text (``a/ck``): the save went to one
+    folder and a load of the same string read another."""
+    (tmp_path / "b" / "sub").mkdir(parents=True)
+    (tmp_path / "a").mkdir()
+    os.symlink(tmp_path / "b" / "sub", tmp_path / "a" / "link")
+    monkeypatch.chdir(tmp_path)
+    with _sync() as manager:
+        manager.save("a/link/../ck", {"x": torch.ones(2)})
+        assert torch.equal(manager.load("a/link/../ck")["x"], torch.ones(2))
+    assert (tmp_path / "b" / "ck" / "commit.json").is_file()
+    assert not (tmp_path / "a" / "ck").exists()
 
 
 def test_a_root_that_is_a_dangling_symlink_is_named_with_its_target(tmp_path: Path) -> None:

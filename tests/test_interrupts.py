@@ -96,16 +96,29 @@ def test_ctrl_c_inside_a_step_stops_after_it_and_the_save_resumes_exactly(
         assert torch.equal(tensor, expected[name]), name
 
 
-def test_a_second_ctrl_c_stops_at_once_and_that_state_is_not_saved(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["forward", "update"])
+def test_a_second_ctrl_c_stops_at_once_and_that_state_is_not_saved(
+    tmp_path: Path, where: str
+) -> None:
     """Ctrl-C twice stops inside the step; the strategy is then between two steps, and a save
-    is an ``InterruptedStepError`` (nothing written) until a restore puts a whole state back."""
+    (or training on) is an ``InterruptedStepError``, nothing written, until a restore puts a
+    whole state back."""
     hook = fastckpt.CheckpointHook(tmp_path / "run", step_interval=2, async_save=False)
-    interrupted = _fresh([hook], _interrupting_at(5, "forward", times=2))
-    with pytest.raises(KeyboardInterrupt):
-        interrupted.run(support.loader())
+    # In the forward pass (the RNGs drawn from) or after the optimizer step (the weights
+    # changed): either way the state is no step's.
+    training_fn = _interrupting_at(5, where, times=2)
+    interrupted = _fresh([hook], training_fn)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            interrupted.run(support.loader())
+    finally:
+        getattr(training_fn, "remove", lambda: None)()
     assert interrupted.step_count == 4
     with pytest.raises(InterruptedStepError, match="step 5 was interrupted half-way"):
         interrupted.save_checkpoint(tmp_path / "run")
+    # Training on from it would carry the cut-off state into every later checkpoint.
+    with pytest.raises(InterruptedStepError, match="nothing was trained on"):
+        interrupted.run(support.loader())
     assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / "run")] == [0, 1]
     interrupted.restore_checkpoint(tmp_path / "run")
     interrupted.save_checkpoint(tmp_path / "run")
@@ -129,3 +142,59 @@ def test_an_error_inside_the_optimizer_step_leaves_a_state_no_save_takes(tmp_pat
     with pytest.raises(InterruptedStepError, match="step 1 was interrupted"):
         strategy.save_checkpoint(tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_an_error_before_the_optimizer_step_leaves_a_state_a_save_takes(tmp_path: Path) -> None:
+    """An error in the forward pass (out of memory, a NaN guard) leaves the weights, optimizer
+    and counters of the last finished step: a save takes them (the review of the first
+    version found it refused, naming an update that had not begun)."""
+    calls = {"n": 0}
+
+    def failing(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("out of memory")
+        return support.training_fn(model, batch)
+
+    strategy = _fresh([], failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        strategy.run(support.loader())
+    assert strategy.step_count == 2
+    strategy.save_checkpoint(tmp_path / "run")
+    assert fastckpt.list_checkpoints(tmp_path / "run")[0]["counters"]["step_count"] == 2
+
+
+def test_ctrl_c_in_an_epochs_last_hooks_stops_before_the_next_epoch(tmp_path: Path) -> None:
+    """A signal during ``AFTER_EPOCH`` hooks (a validation pass) is delivered once they are
+    done, not held through the next epoch's first step."""
+
+    sent: list[int] = []
+
+    def validate(ctx: fastckpt.TrainContext, stage: fastckpt.TrainingStage) -> None:
+        if stage is fastckpt.TrainingStage.AFTER_EPOCH and not sent:
+            sent.append(ctx.step_count)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    strategy = _fresh([validate])
+    with pytest.raises(KeyboardInterrupt):
+        strategy.run(support.loader())
+    assert (strategy.step_count, strategy.epoch_count, strategy.epoch_step_count) == (8, 1, 0)
+
+
+def test_ctrl_c_in_a_run_inside_another_runs_hook_stops_both(tmp_path: Path) -> None:
+    """A run started from a hook of another run shares its holder: a signal in the inner run
+    stops it after its current step (before: the inner run trained to its end)."""
+    inner_steps: list[int] = []
+
+    def inner(ctx: fastckpt.TrainContext, stage: fastckpt.TrainingStage) -> None:
+        if stage is fastckpt.TrainingStage.AFTER_BATCH and ctx.step_count == 2:
+            nested = _fresh([], _interrupting_at(3, "forward"))
+            try:
+                nested.run(support.loader())
+            finally:
+                inner_steps.append(nested.step_count)
+
+    outer = _fresh([inner])
+    with pytest.raises(KeyboardInterrupt):
+        outer.run(support.loader())
+    assert inner_steps == [3] and outer.step_count == 2

@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -462,6 +463,8 @@ class _DetachedProcess:
             self._log = None
 
 
+#: Seconds the exit hook waits for a promotion before it says it still runs (and waits on).
+_EXIT_NOTICE_S = 60.0
 #: Every promoter of this process (for the fork reset and the exit hook below).
 _PROMOTERS: weakref.WeakSet[Promoter] = weakref.WeakSet()
 
@@ -594,7 +597,14 @@ class Promoter:
                 "opens the tiers (or fastckpt promote)"
             )
             try:
-                self.wait()
+                if not self._wait_for(_EXIT_NOTICE_S):
+                    stderr_line(
+                        f"WARNING: the promotion to {display_path(self.target)} is still "
+                        f"running after {_EXIT_NOTICE_S:.0f} s (a store that does not answer?); "
+                        "still waiting for it: killing the process now leaves it to the next "
+                        "process that opens the tiers"
+                    )
+                    self.wait()
             except BaseException as err:  # Ctrl-C while waiting: say what may be left
                 stderr_line(
                     f"WARNING: interrupted ({type(err).__name__}) while finishing the "
@@ -700,6 +710,17 @@ class Promoter:
         with self._lock:
             while self._pending or self._running:
                 self._wake.wait()
+
+    def _wait_for(self, seconds: float) -> bool:
+        """:meth:`wait` for up to ``seconds``; whether nothing is queued or running then."""
+        deadline = time.monotonic() + seconds
+        with self._lock:
+            while self._pending or self._running:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._wake.wait(left)
+        return True
 
     def close(self) -> None:
         """Finish the queued promotion, stop the thread (a later :meth:`submit` starts a new

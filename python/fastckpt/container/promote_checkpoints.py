@@ -347,7 +347,8 @@ def _holds_strays(checkpoint: Path) -> bool:
     rather than delete what fastckpt did not write (as a save refuses to replace it)."""
     if not is_local(backend_for(checkpoint)) or not os.path.isdir(checkpoint):
         return False
-    strays = stray_names(checkpoint, os.listdir(checkpoint))
+    names = os.listdir(checkpoint)
+    strays = stray_names(checkpoint, names) + _nested_strays(checkpoint, names)
     if strays:
         shown = ", ".join(strays[:3]) + (", ..." if len(strays) > 3 else "")
         message = (
@@ -357,6 +358,26 @@ def _holds_strays(checkpoint: Path) -> bool:
         _LOG.warning("%s", message)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
     return bool(strays)
+
+
+def _nested_strays(checkpoint: Path, names: list[str]) -> list[str]:
+    """Files inside the folders of an unsharded checkpoint's record (``linked/``) that the
+    record does not list (a user's file put there)."""
+    if COMMIT_RECORD not in names:
+        return []
+    try:
+        listed = {str(relpath) for relpath in read_commit_record(checkpoint)["files"]}
+    except (OSError, FastCkptError, KeyError, TypeError):
+        return []  # unreadable: a prune keeps it anyway (it does not verify)
+    folders = {relpath.split("/", 1)[0] for relpath in listed if "/" in relpath}
+    found = []
+    for folder in sorted(folders & set(names)):
+        for here, _, files in os.walk(checkpoint / folder):
+            for name in files:
+                relpath = os.path.relpath(os.path.join(here, name), checkpoint)
+                if relpath.replace(os.sep, "/") not in listed:
+                    found.append(relpath)
+    return found
 
 
 def _none_verifies(root: Path, kept: list[str]) -> bool:

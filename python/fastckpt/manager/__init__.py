@@ -839,6 +839,7 @@ class CheckpointManager:
         if base is not None and not self.config.incremental:
             raise ValueError("save(base=...) needs Config.incremental = True")
         if base is not None:
+            base = absolute(base)  # as path: resolved now, not when the write runs
             self._tracker.base_for(path, base)  # raises before anything is captured
         if _sharded_state(prepared):
             self._tracker.forget()

@@ -533,7 +533,8 @@ def clean_dead_siblings(parent: Path) -> list[str]:
             touched.append(child.name)
             continue
         if not gone(pid, host):
-            if prefix == TEMP_PREFIX and pid != os.getpid() and _untouched_for(child):
+            mine = pid == os.getpid() and host == HOST
+            if prefix == TEMP_PREFIX and not mine and _untouched_for(child):
                 _remove(child)
                 touched.append(child.name)
             continue

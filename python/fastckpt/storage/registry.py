@@ -178,7 +178,8 @@ def absolute(path: str | os.PathLike[str]) -> Path:
     """``path`` as a ``Path`` that no later ``os.chdir`` changes: a local path made absolute
     against the current directory now (a save written in the background goes where its
     caller named it, not where the process is by then); an object-store URL as it is."""
-    return Path(path) if is_object_url(path) else Path(os.path.abspath(path))
+    # Not abspath: it drops ``..`` as text, where the kernel goes up from a symlink's target.
+    return Path(path) if is_object_url(path) else Path(path).absolute()
 
 
 def is_object_url(path: str | os.PathLike[str]) -> bool:

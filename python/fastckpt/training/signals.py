@@ -13,6 +13,7 @@ the state then possibly between two steps).
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -25,6 +26,9 @@ __all__ = ["HeldSignals"]
 _HELD = (signal.SIGINT, signal.SIGTERM)
 
 Handler = Callable[[int, FrameType | None], Any]
+
+#: The outermost entered holder (a run inside a hook of another run shares it).
+_ACTIVE: HeldSignals | None = None
 
 
 class HeldSignals:
@@ -39,10 +43,26 @@ class HeldSignals:
     def __init__(self) -> None:
         self._originals: dict[int, Handler] = {}
         self._came: tuple[int, FrameType | None] | None = None
+        #: The holder of an enclosing run (this one then only delivers what it holds).
+        self._outer: HeldSignals | None = None
+        self._pid = os.getpid()
+        self._stopped_at_once = False
+
+    @property
+    def stopped_at_once(self) -> bool:
+        """Whether a second signal stopped training at once (inside a step)."""
+        if self._outer is not None:
+            return self._outer.stopped_at_once
+        return self._stopped_at_once
 
     def __enter__(self) -> HeldSignals:
+        global _ACTIVE
         if threading.current_thread() is not threading.main_thread():
             return self
+        if _ACTIVE is not None:
+            self._outer = _ACTIVE  # a run inside another's hook: its steps deliver too
+            return self
+        _ACTIVE = self
         for number in _HELD:
             handler = signal.getsignal(number)
             if callable(handler):
@@ -56,6 +76,11 @@ class HeldSignals:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        global _ACTIVE
+        if self._outer is not None:
+            return
+        if _ACTIVE is self:
+            _ACTIVE = None
         originals, self._originals = self._originals, {}
         for number, handler in originals.items():
             signal.signal(number, handler)
@@ -67,13 +92,22 @@ class HeldSignals:
         """Between two steps: run the original handler of a signal held since the last
         call (a ``KeyboardInterrupt`` is raised from here; a handler that returns lets
         training go on, holding the next signal again)."""
+        if self._outer is not None:
+            self._outer.deliver()
+            return
         came, self._came = self._came, None
         if came is not None:
             self._originals[came[0]](*came)
 
     def _record(self, number: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:
+            # A forked child (a DataLoader worker) inherited this handler: it ignores the
+            # signal, and its parent stops it after the step (killed at once, the worker
+            # would fail the parent's fetch instead of the interrupt being delivered).
+            return
         if self._came is not None:  # asked twice: stop now
             self._came = None
+            self._stopped_at_once = True
             self._originals[number](number, frame)
             return
         self._came = (number, frame)

@@ -268,6 +268,16 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
+def _interrupted(step: int, where: str, refused: str) -> str:
+    return (
+        f"step {step} was interrupted half-way{where} (a second Ctrl-C inside it, or an error "
+        "between the optimizer step and the counters): the weights, optimizer, schedulers, "
+        "counters and RNGs are of no one step, and a checkpoint of them would resume "
+        f"wrongly; nothing was {refused}. Restore the last checkpoint (restore_checkpoint) "
+        "and train on from there"
+    )
+
+
 #: Set in an epoch-start RNG record taken before the epoch's ``BEFORE_EPOCH`` hooks ran (a
 #: resume then fires them from it); records without it were taken after them.
 _BEFORE_EPOCH_HOOKS = "before_epoch_hooks"
@@ -549,6 +559,9 @@ class TrainingStrategy:
                 )
         if self.num_steps is None and self.num_epochs is None:
             raise ValueError("set num_steps or num_epochs before run()")
+        if self._interrupted_step is not None:
+            # Training on would carry the cut-off state into every later checkpoint.
+            raise InterruptedStepError(_interrupted(self._interrupted_step, "", "trained on"))
         for position, hook in enumerate(self.hooks):
             if not callable(hook):
                 raise TypeError(
@@ -575,6 +588,10 @@ class TrainingStrategy:
                     while not self._done():
                         if not self._run_epoch(train_loader):
                             break
+                        self._signals.deliver()  # after the epoch's hooks (validation, say)
+            except KeyboardInterrupt:
+                self._mark_hard_stop()
+                raise
             finally:
                 self._signals = None
             self._fire(TrainingStage.AFTER_TRAINING)
@@ -662,16 +679,16 @@ class TrainingStrategy:
         seen = self.epoch_step_count
         iterator = self._epoch_iterator(train_loader)
         while True:
-            # From the fetch (which draws from the RNGs) until the counters move, the state
-            # is between two steps: an error raised there leaves it marked, and a save then
-            # refuses it. Ctrl-C is held until the step is done (HeldSignals).
-            self._interrupted_step = self.step_count + 1
+            # Ctrl-C is held until the step is done (HeldSignals); a second one stops at once,
+            # and a step it cuts off after the fetch began is marked (see _mark_hard_stop).
+            self._step_started = self.step_count + 1
             try:
                 batch = next(iterator)
             except StopIteration:
-                self._interrupted_step = None
+                self._step_started = None
                 break
             self._train_batch(batch)
+            self._step_started = None
             seen += 1
             if self._signals is not None:
                 self._signals.deliver()
@@ -698,6 +715,9 @@ class TrainingStrategy:
             for hook in self.hooks:
                 if isinstance(hook, MutationGuard):
                     guards.enter_context(hook.guard())
+            # From the optimizer step until the counters move, the state is between two
+            # steps: an error raised there leaves it marked, and a save then refuses it.
+            self._interrupted_step = self.step_count + 1
             for optimizer in self.optimizers.values():
                 optimizer.step()
             for scheduler in self.schedulers.values():
@@ -746,6 +766,8 @@ class TrainingStrategy:
     _interrupted_step: int | None = None
     #: Ctrl-C / SIGTERM held until the current step is done, while :meth:`run` trains.
     _signals: HeldSignals | None = None
+    #: The step under way from its batch's fetch until its counters move (None between steps).
+    _step_started: int | None = None
 
     @property
     def sharded(self) -> bool:
@@ -761,13 +783,7 @@ class TrainingStrategy:
         writes the shards.
         """
         if self._interrupted_step is not None:
-            raise InterruptedStepError(
-                f"step {self._interrupted_step} was interrupted half-way through its update "
-                "(an error raised between the optimizer and scheduler steps and the "
-                "counters): the weights, optimizer, schedulers and counters are of no one "
-                "step, and a checkpoint of them would resume wrongly; nothing was saved. "
-                "Restore the last checkpoint (restore_checkpoint) and train on from there"
-            )
+            raise InterruptedStepError(_interrupted(self._interrupted_step, "", "saved"))
         if self.sharded:
             return self._sharded_snapshot()
         models = {name: (model, None) for name, model in self.models.items()}
@@ -964,6 +980,30 @@ class TrainingStrategy:
         ]
         _refuse_sharded_hook_state(states, tree.flatten(states)[1])
 
+    def _mark_hard_stop(self) -> None:
+        """A second signal stopped a step that had begun (its batch fetched, the RNGs drawn
+        from, perhaps the weights updated): the state is then of no one step."""
+        signals = self._signals
+        started, self._step_started = self._step_started, None
+        cut = signals is not None and signals.stopped_at_once and started is not None
+        if cut and self._interrupted_step is None:
+            self._interrupted_step = started
+
+    def _refuse_an_interrupted_step_on_any_rank(self) -> None:
+        """Collective, at the start of a sharded save: raise :class:`InterruptedStepError` on
+        every rank when any rank's step was cut off inside its update (each rank writes its
+        own shards: one rank's would be of no one step)."""
+        import torch.distributed as dist
+
+        _, world = _world()
+        cut: list[Any] = [self._interrupted_step]
+        if world > 1:
+            cut = [None] * world
+            dist.all_gather_object(cut, self._interrupted_step)
+        for other, step in enumerate(cut):
+            if step is not None:
+                raise InterruptedStepError(_interrupted(step, f" on rank {other}", "saved"))
+
     def _run_rng(self) -> dict[str, Any]:
         """This process's RNG states as a checkpoint records them (see :meth:`_add_runtime`)."""
         loader = self._train_loader
@@ -1047,6 +1087,7 @@ class TrainingStrategy:
             The index and the future of the sharded part.
         """
         self._refuse_unsaveable_hook_state()
+        self._refuse_an_interrupted_step_on_any_rank()
         index, part = self._sharded_index(Path(root), checkpoint_index)
         self._gather_rank_rng()
         fields, future = sharded_training.async_save_sharded(
@@ -1074,6 +1115,7 @@ class TrainingStrategy:
 
         rank, world = _world()
         self._refuse_unsaveable_hook_state()
+        self._refuse_an_interrupted_step_on_any_rank()
         index, part = self._sharded_index(root, checkpoint_index)
         self._gather_rank_rng()
         path = sharded_training.save_sharded(
