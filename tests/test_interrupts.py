@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -198,3 +199,30 @@ def test_ctrl_c_in_a_run_inside_another_runs_hook_stops_both(tmp_path: Path) -> 
     with pytest.raises(KeyboardInterrupt):
         outer.run(support.loader())
     assert inner_steps == [3] and outer.step_count == 2
+
+
+def test_a_second_sigterm_whose_handler_exits_leaves_a_state_no_save_takes(
+    tmp_path: Path,
+) -> None:
+    """The usual preemption handler (``sys.exit`` on SIGTERM), sent twice inside a step: the
+    second one stops at once with ``SystemExit``. A review found that state unmarked (only
+    ``KeyboardInterrupt`` was looked at), and saved."""
+    previous = signal.signal(signal.SIGTERM, lambda *args: sys.exit(143))
+    calls = {"n": 0}
+
+    def twice(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        calls["n"] += 1
+        loss = support.training_fn(model, batch)  # dropout has drawn from the RNG
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+
+    strategy = _fresh([], twice)
+    try:
+        with pytest.raises(SystemExit):
+            strategy.run(support.loader())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    with pytest.raises(InterruptedStepError, match="step 3 was interrupted"):
+        strategy.save_checkpoint(tmp_path / "run")

@@ -374,6 +374,8 @@ def _nested_strays(checkpoint: Path, names: list[str]) -> list[str]:
     for folder in sorted(folders & set(names)):
         for here, _, files in os.walk(checkpoint / folder):
             for name in files:
+                if name.startswith("."):
+                    continue  # hidden (.DS_Store, .nfs*), as at the top level
                 relpath = os.path.relpath(os.path.join(here, name), checkpoint)
                 if relpath.replace(os.sep, "/") not in listed:
                     found.append(relpath)

@@ -557,7 +557,7 @@ class CheckpointManager:
         path = Path(checkpoint_id)
         if len(path.parts) == 1 and not path.is_absolute():
             return fast / path
-        if os.path.abspath(path.parent) == os.path.abspath(fast):
+        if os.path.realpath(path.parent) == os.path.realpath(fast):
             return path
         raise ValueError(
             f"{checkpoint_id}: with tiers, save takes a checkpoint name (e.g. 'step_100') or a "

@@ -257,7 +257,9 @@ def same_place(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
 def _canonical(path: str | os.PathLike[str]) -> Path:
     if is_object_url(path):
         return Path(os.fspath(path).rstrip("/"))  # pathlib's one spelling of an s3:// URL
-    path = Path(os.path.abspath(os.fspath(path)))
+    path = Path(os.fspath(path)).absolute()  # '..' kept: realpath resolves it as the kernel
+    if path.name in ("", ".", ".."):
+        return Path(os.path.realpath(path))
     return Path(os.path.realpath(path.parent)) / path.name
 
 

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
+import torch.utils.data
+
 __all__ = ["HeldSignals"]
 
 _HELD = (signal.SIGINT, signal.SIGTERM)
@@ -29,6 +31,17 @@ Handler = Callable[[int, FrameType | None], Any]
 
 #: The outermost entered holder (a run inside a hook of another run shares it).
 _ACTIVE: HeldSignals | None = None
+
+
+def _forget_in_child() -> None:
+    """In a forked child: the parent's run is not running here (a run the child starts
+    holds its own signals)."""
+    global _ACTIVE
+    _ACTIVE = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class HeldSignals:
@@ -101,14 +114,21 @@ class HeldSignals:
 
     def _record(self, number: int, frame: FrameType | None) -> None:
         if os.getpid() != self._pid:
-            # A forked child (a DataLoader worker) inherited this handler: it ignores the
-            # signal, and its parent stops it after the step (killed at once, the worker
-            # would fail the parent's fetch instead of the interrupt being delivered).
+            # A forked child inherited this handler. A DataLoader worker ignores the signal:
+            # its parent stops it after the step (killed at once, the worker would fail the
+            # parent's fetch instead of the interrupt being delivered). Any other child
+            # (a pool's worker) handles it as it would have.
+            if torch.utils.data.get_worker_info() is None:
+                self._originals[number](number, frame)
             return
         if self._came is not None:  # asked twice: stop now
-            self._came = None
-            self._stopped_at_once = True
-            self._originals[number](number, frame)
+            held, self._came = self._came, None
+            try:
+                self._originals[number](number, frame)
+            except BaseException:
+                self._stopped_at_once = True  # it stopped training, inside a step
+                raise
+            self._came = held  # the handler returned: the held signal still waits
             return
         self._came = (number, frame)
         name = signal.Signals(number).name

@@ -589,11 +589,12 @@ class TrainingStrategy:
                         if not self._run_epoch(train_loader):
                             break
                         self._signals.deliver()  # after the epoch's hooks (validation, say)
-            except KeyboardInterrupt:
+            except BaseException:  # a handler may raise SystemExit, say
                 self._mark_hard_stop()
                 raise
             finally:
                 self._signals = None
+                self._step_started = None
             self._fire(TrainingStage.AFTER_TRAINING)
 
     def _epoch_iterator(self, train_loader: Iterable[Any]) -> Iterator[Any]:
@@ -677,7 +678,11 @@ class TrainingStrategy:
     def _run_epoch(self, train_loader: Iterable[Any]) -> bool:
         """Run (the rest of) one epoch; False when training must stop mid-epoch."""
         seen = self.epoch_step_count
+        # The epoch's setup (its hooks, the replay of a resumed epoch) sets the RNGs aside
+        # and back: a hard stop inside it leaves them of no one step.
+        self._step_started = self.step_count + 1
         iterator = self._epoch_iterator(train_loader)
+        self._step_started = None
         while True:
             # Ctrl-C is held until the step is done (HeldSignals); a second one stops at once,
             # and a step it cuts off after the fetch began is marked (see _mark_hard_stop).
@@ -730,6 +735,7 @@ class TrainingStrategy:
             self.batch_count += 1
             self.epoch_step_count += 1
             self._interrupted_step = None  # the step's state moved as one (see _run_epoch)
+            self._step_started = None  # and is whole: its hooks may be stopped at once
             self._fire(TrainingStage.AFTER_OPTIMIZER_STEP)
         self._ctx.loss = loss.detach()
         self._fire(TrainingStage.AFTER_BATCH)
@@ -1166,7 +1172,7 @@ class TrainingStrategy:
         manifest, index, reader, recipe = _read_index(root, checkpoint_index)
         if recipe.get("sharded") is not None:
             index = self._restore_sharded(Path(root), index, validators)
-            self._interrupted_step = None
+            self._interrupted_step = self._step_started = None
             return index
         entry = manifest.entries[index]
         saved_models = entry.get("components", {}).get("models", [])
@@ -1204,7 +1210,7 @@ class TrainingStrategy:
             )
         _refreeze(self.models, frozen, f"{manifest.path}: {codec.FROZEN_FIELD}")
         self._apply_runtime(runtime, reader)
-        self._interrupted_step = None  # the state is the checkpoint's now
+        self._interrupted_step = self._step_started = None  # the checkpoint's state now
         return index
 
     def _restore_sharded(
