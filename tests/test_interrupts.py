@@ -26,6 +26,15 @@ from fastckpt.errors import InterruptedStepError
 STEPS = 12
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises() -> Any:
+    """SIGINT as an interactive Python has it (``KeyboardInterrupt``): a process started in
+    the background by a shell (CI's, say) inherits it ignored, and Python then leaves it so."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _fresh(hooks: list[Any], training_fn: Any = support.training_fn) -> fastckpt.TrainingStrategy:
     torch.manual_seed(0)
     return fastckpt.TrainingStrategy(
