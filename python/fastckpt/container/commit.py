@@ -102,6 +102,7 @@ __all__ = [
     "prune_indices",
     "refuse_inside_checkpoint",
     "remove_superseded",
+    "shown_names",
     "spare_newest_intact",
 ]
 
@@ -349,7 +350,7 @@ def refuse_to_replace(path: Path, *, files: bool = False) -> None:
         names = backend.list_dir(path)
     strays = stray_names(path, names)
     own = _checkpoint_names(path, names)
-    shown = _shown(strays)
+    shown = shown_names(strays)
     if strays and own:
         raise NotACheckpointError(
             f"{display_path(path)} is a checkpoint that also holds {shown}, which its record "
@@ -375,7 +376,8 @@ def stray_names(path: Path, names: Collection[str]) -> list[str]:
     )
 
 
-def _shown(names: Sequence[str]) -> str:
+def shown_names(names: Sequence[str]) -> str:
+    """The first three of ``names`` for a message (``a, b, c, ...``)."""
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
@@ -1286,8 +1288,8 @@ def clean_leftovers(
             if foreign and int(name) not in referenced:
                 message = (
                     f"{display_path(child)}: a folder named like an index that {MANIFEST} does "
-                    f"not name, holding {_shown(foreign)}, which fastckpt does not write: left "
-                    "in place; move it out of the checkpoint root"
+                    f"not name, holding {shown_names(foreign)}, which fastckpt does not write: "
+                    "left in place; move it out of the checkpoint root"
                 )
                 _LOG.warning("%s", message)
                 warnings.warn(message, RuntimeWarning, stacklevel=4)
@@ -1592,7 +1594,7 @@ def _holds_only_its_files(manifest: Manifest, index: int) -> bool:
     if not foreign:
         return True
     message = (
-        f"{display_path(directory)}: not pruned: it also holds {_shown(foreign)}, which "
+        f"{display_path(directory)}: not pruned: it also holds {shown_names(foreign)}, which "
         "fastckpt did not write; move them out of the index folder, then prune again"
     )
     _LOG.warning("%s", message)

@@ -37,7 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt import _native
-from fastckpt.container.commit import DirectoryWriter, refuse_to_replace, stray_names
+from fastckpt.container.commit import (
+    DirectoryWriter,
+    refuse_to_replace,
+    shown_names,
+    stray_names,
+)
 from fastckpt.container.copy import IndexCopy, copy_files, read_verified, remember_written
 from fastckpt.container.listing import (  # listed here too, where they were first
     TierDates,
@@ -350,10 +355,9 @@ def _holds_strays(checkpoint: Path) -> bool:
     names = os.listdir(checkpoint)
     strays = stray_names(checkpoint, names) + _nested_strays(checkpoint, names)
     if strays:
-        shown = ", ".join(strays[:3]) + (", ..." if len(strays) > 3 else "")
         message = (
-            f"{display_path(checkpoint)}: not pruned: it also holds {shown}, which its "
-            "record does not name; move them out of the checkpoint, then prune again"
+            f"{display_path(checkpoint)}: not pruned: it also holds {shown_names(strays)}, "
+            "which its record does not name; move them out of the checkpoint, then prune again"
         )
         _LOG.warning("%s", message)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
