@@ -29,9 +29,13 @@ def _save(root: Path, model: torch.nn.Module, **keywords: Any) -> int:
     [
         ({"async_save": "no"}, TypeError, "async_save must be a bool"),
         ({"rank_zero_only": 1}, TypeError, "rank_zero_only must be a bool"),
-        ({"lock_timeout": "5"}, ValueError, "lock_timeout must be a number of seconds"),
+        # "5" was a ValueError here and a TypeError in save_checkpoint: now one rule.
+        ({"lock_timeout": "5"}, TypeError, "lock_timeout must be a number of seconds"),
         ({"lock_timeout": math.nan}, ValueError, "lock_timeout must be a number of seconds"),
-        ({"wait_timeout_secs": "9"}, ValueError, "wait_timeout_secs must be a number"),
+        ({"wait_timeout_secs": "9"}, TypeError, "wait_timeout_secs must be a number"),
+        ({"wait_timeout_secs": 0}, ValueError, "wait_timeout_secs must be a number"),
+        ({"keep_last": 2.0}, TypeError, "keep_last must be a positive integer"),
+        ({"keep_last": 0}, ValueError, "keep_last must be a positive integer"),
     ],
 )
 def test_checkpoint_hook_refuses_flags_and_timeouts_of_the_wrong_type(
@@ -161,3 +165,18 @@ def test_leaving_a_manager_block_by_an_exception_keeps_that_exception(
         raise KeyError("the user's own")
     assert "closing on the way out of an exception (KeyError) failed" in caplog.text
     assert "NotADirectoryError" in caplog.text
+
+
+def test_a_tensor_no_file_can_hold_is_named_by_its_whole_path_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    # A 0-d float4 buffer inside a manager item was refused as 'inner.scale' (its key inside
+    # the item's file), not 'model.inner.scale', and only by the writer.
+    inner = torch.nn.Module()
+    inner.register_buffer("scale", torch.empty((), dtype=torch.float4_e2m1fn_x2))
+    model = torch.nn.Module()
+    model.inner = inner
+    with CheckpointManager(CheckpointManager.Config()) as manager:
+        with pytest.raises(TypeError, match=r"'model\.inner\.scale'.*reshape it to \(1,\)"):
+            manager.save(tmp_path / "ckpt", {"model": model.state_dict()})
+    assert list(tmp_path.iterdir()) == []

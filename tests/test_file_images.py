@@ -116,12 +116,15 @@ def test_a_group_with_nothing_selected_gets_no_image_and_a_split_save_fills_one(
     assert find_image(groups["model"]) is pool.images["model"]
 
 
-def test_a_file_an_image_cannot_lay_out_is_staged_and_refused_as_before(tmp_path: Path) -> None:
-    # A 0-d float4 tensor has no safetensors layout: no image, and the writer names it.
+def test_a_tensor_no_file_can_lay_out_is_refused_while_staging(tmp_path: Path) -> None:
+    # A 0-d float4 tensor has no safetensors layout: refused while staging, before any image
+    # or file, under its group and key (it was refused only by the writer, under its key in
+    # the file: a manager item's name was missing from the message).
     state = {**big_state(), "packed": torch.empty((), dtype=torch.float4_e2m1fn_x2)}
     groups = {"file": dict(state)}
     pool = ImagePool(pinned=False)
-    stage_groups(CpuStager(), groups, ALL, pool)
+    with pytest.raises(TypeError, match="'file/packed'.*reshape it to"):
+        stage_groups(CpuStager(), groups, ALL, pool)
     assert pool.images == {} and find_image(groups["file"]) is None
     staging = LocalStaging(tmp_path / "ckpt")
     with pytest.raises(TypeError, match="packed"):

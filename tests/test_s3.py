@@ -101,10 +101,12 @@ def test_url_parsing_and_options_validation() -> None:
         S3Options.from_mapping({"ranged_get_threshold": -1})
     # Every field is checked by type and range, naming it (before: a NaN lease_ttl_s was
     # accepted and wrote a lease that never expired, so a killed writer locked the root for
-    # good; "8" for a count was a bare comparison TypeError; 2.5 or True a count).
+    # good, and so did 1e15 s; "8" for a count was a bare comparison TypeError; 2.5 or True a count).
     for key, value, error in [
         ("lease_ttl_s", float("nan"), ValueError),
         ("read_timeout_s", float("inf"), ValueError),
+        ("lease_ttl_s", 1e15, ValueError),
+        ("request_timeout_s", 86_401, ValueError),
         ("connect_timeout_s", 0, ValueError),
         ("lease_ttl_s", True, TypeError),
         ("concurrency", "8", TypeError),
@@ -123,6 +125,7 @@ def test_url_parsing_and_options_validation() -> None:
         with pytest.raises(error, match=key):
             S3Options(**{key: value})
     assert S3Options.from_mapping({"lease_ttl_s": 2, "read_timeout_s": 0.5}).lease_ttl_s == 2
+    assert S3Options(lease_ttl_s=86_400).lease_ttl_s == 86_400
 
 
 def test_every_front_door_refuses_a_url_that_a_path_would_collapse(tmp_path: Path) -> None:

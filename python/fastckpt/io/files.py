@@ -169,7 +169,7 @@ def check_storable(name: str, tensor: Any) -> torch.Tensor:
             quantized, nested, meta or zero (``_efficientzerotensor``) tensor; a wrapper
             subclass whose values live elsewhere (``__torch_dispatch__`` subclasses such as
             torchao's quantized and float8 tensors: their storage holds none of them); a dtype
-            safetensors has no name for.
+            safetensors has no name for; a 0-d ``float4_e2m1fn_x2`` tensor.
     """
     if not isinstance(tensor, torch.Tensor):
         raise InvalidInputError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
@@ -216,6 +216,7 @@ def check_storable(name: str, tensor: Any) -> torch.Tensor:
         dtype_name(tensor.dtype)
     except InvalidInputError as err:
         raise InvalidInputError(f"{name!r}: {err}") from None
+    header_shape(name, tensor)  # a 0-d float4: refused here, under the caller's full name
     return tensor
 
 

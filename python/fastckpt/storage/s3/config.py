@@ -29,6 +29,7 @@ __all__ = ["S3Options", "S3Url", "is_s3_url"]
 
 _SCHEME = "s3://"
 _MAX_SINGLE_PUT = 5 << 30  # S3's limit on one PUT
+_MAX_SECONDS = 86_400  # the longest timeout or lease accepted: one day
 
 
 def is_s3_url(path: object) -> bool:
@@ -180,8 +181,8 @@ class S3Options:
 
         Raises:
             TypeError: an unknown key (the message lists the valid ones) or a bad value type.
-            ValueError: a part size under 5 MiB, a non-positive count, a timeout that is not a
-                finite positive number of seconds.
+            ValueError: a part size under 5 MiB, a non-positive count, a timeout or lease that is
+                not a finite positive number of seconds up to a day.
         """
         if options is None:
             return cls()
@@ -222,6 +223,13 @@ class S3Options:
             _check_type(name, value, (int, float), "a number of seconds")
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a finite, positive number of seconds")
+            if value > _MAX_SECONDS:
+                # A lease this long would let a killed writer hold the root for days; no
+                # request or retry budget needs more than a day either.
+                raise ValueError(
+                    f"{name}={value!r} is over a day ({_MAX_SECONDS} s), the most fastckpt "
+                    "takes: give a number of seconds up to that"
+                )
         for name in ("part_size", "read_part_size", "concurrency", "max_retries"):
             _check_type(name, getattr(self, name), (int,), "an int")
         for name in ("multipart_threshold", "ranged_get_threshold"):

@@ -47,7 +47,12 @@ _LOG = logging.getLogger(__name__)
 
 
 def _positive(name: str, value: int | None) -> int | None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+    """Refuse a count that is no int (``TypeError``) or not positive (``ValueError``)."""
+    if value is None:
+        return value
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"CheckpointHook {name} must be a positive integer, got {value!r}")
+    if value <= 0:
         raise ValueError(f"CheckpointHook {name} must be a positive integer, got {value!r}")
     return value
 
@@ -59,15 +64,15 @@ def _flag(name: str, value: object) -> None:
 
 
 def _seconds(name: str, value: object, least: str) -> None:
-    """Refuse a timeout that is no number (``"5"``), or NaN / below its bound (``least``:
-    ``"> 0"`` or ``">= 0"``)."""
+    """Refuse a timeout that is no number (``"5"``: ``TypeError``, as ``save_checkpoint``
+    does), or NaN / below its bound (``least``: ``"> 0"`` or ``">= 0"``: ``ValueError``)."""
     if value is None:
         return
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or not (value > 0 if least == "> 0" else value >= 0):  # type: ignore[operator]
-        raise ValueError(
-            f"CheckpointHook {name} must be a number of seconds {least} or None, got {value!r}"
-        )
+    message = f"CheckpointHook {name} must be a number of seconds {least} or None, got {value!r}"
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(message)
+    if not (value > 0 if least == "> 0" else value >= 0):
+        raise ValueError(message)
 
 
 class CheckpointHook:
