@@ -256,6 +256,42 @@ def test_a_tiered_run_resumed_from_its_fast_tier_keeps_promoting_to_its_durable_
     )
 
 
+def test_a_tiered_run_resumed_from_its_durable_tier_elsewhere_keeps_its_two_tiers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Relative tiers recorded, the fast one lost, the run resumed from its durable tier in
+    another working directory: before, its fast-tier saves went into the durable root and
+    its promotions to a new ``durable`` folder under the new working directory."""
+    monkeypatch.chdir(tmp_path)
+    hook = fastckpt.CheckpointHook(
+        "fast", step_interval=1, durable_dir="durable", promote_every=2, async_save=False
+    )
+    support.new_strategy([hook], num_steps=4).run(support.loader())
+    shutil.rmtree(tmp_path / "fast")  # the node is lost
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.warns(UserWarning, match="checkpoint_dir was 'fast'; the resumed run uses"):
+        resumed = _resume(tmp_path / "durable")
+    hook = resumed.hooks[0]
+    assert (hook.checkpoint_dir, hook.durable_dir) == (tmp_path / "fast", tmp_path / "durable")
+    resumed.num_steps = 8
+    resumed.run(support.loader())
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    fast_steps = [r["counters"]["step_count"] for r in fastckpt.list_checkpoints(tmp_path / "fast")]
+    durable = fastckpt.list_checkpoints(tmp_path / "durable")
+    assert fast_steps[-4:] == [5, 6, 7, 8]
+    assert [row["counters"]["step_count"] for row in durable] == [1, 3, 5, 7]
+    # A copy of the durable tier (now recording absolute tiers): the same, in the copy's place.
+    shutil.copytree(tmp_path / "durable", tmp_path / "copy" / "durable")
+    with pytest.warns(UserWarning, match="durable_dir was '.*'; the resumed run uses .*copy"):
+        copied = _resume(tmp_path / "copy" / "durable")
+    hook = copied.hooks[0]
+    assert (hook.checkpoint_dir, hook.durable_dir) == (
+        tmp_path / "copy" / "fast",
+        tmp_path / "copy" / "durable",
+    )
+
+
 def test_every_key_a_hook_records_is_one_its_rebuild_accepts(tmp_path: Path) -> None:
     """``RECORDED_KEYS`` lists what ``hook_config()`` writes: a key added there alone would
     make every resume of such a run a CheckpointFormatError."""

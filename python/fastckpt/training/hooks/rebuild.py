@@ -21,7 +21,7 @@ from typing import Any
 
 import fastckpt.checkpoint.trust as trust
 from fastckpt.errors import CheckpointFormatError
-from fastckpt.storage.registry import display_path, is_object_url
+from fastckpt.storage.registry import absolute, display_path, is_object_url
 from fastckpt.training.hooks.checkpoint import CheckpointHook
 from fastckpt.training.hooks.ema import EMAHook
 
@@ -240,6 +240,12 @@ def _placed(
       its durable tier, the fast one lost): the recorded ``checkpoint_dir`` is then kept.
     * A recorded ``durable_dir`` the caller did not name gives way to the caller's one
       fallback dir (a warning says so); without one, it is kept.
+    * A caller's root that is the recorded ``durable_dir`` by name only (a relative record
+      read from another working directory, a moved or copied run: more of its trailing path
+      names match the recorded durable tier than the fast one) is taken as the durable
+      tier, and the fast tier is placed where it lay beside it in the record (``fast`` next
+      to ``durable`` stays next to it), each with a warning. Before, such a run saved its
+      fast-tier checkpoints into its durable root and promoted them to a new folder.
 
     A recorded root that is kept is checked by the hook before its first step, as any
     hook's: a root further along than the run stops it with :class:`MixedRunError`.
@@ -250,6 +256,18 @@ def _placed(
     root, fallbacks = named[0], list(named[1:])
     if durable is not None and _same_root(durable, root):
         return config
+    if (
+        durable is not None
+        and not _same_root(fast, root)
+        and _shared_tail(durable, root) > _shared_tail(fast, root)
+    ):
+        beside = _beside(fast, durable, root)
+        _moved(where, "durable_dir", durable, root)
+        config["durable_dir"] = display_path(root)
+        if not _same_root(fast, beside):
+            _moved(where, "checkpoint_dir", fast, beside)
+            config["checkpoint_dir"] = display_path(beside)
+        return config
     if not _same_root(fast, root):
         _moved(where, "checkpoint_dir", fast, root)
         config["checkpoint_dir"] = display_path(root)
@@ -257,6 +275,33 @@ def _placed(
         _moved(where, "durable_dir", durable, fallbacks[0])
         config["durable_dir"] = display_path(fallbacks[0])
     return config
+
+
+def _parts(path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """A local path's names, normalized as text (an object URL: none)."""
+    if is_object_url(path):
+        return ()
+    return tuple(part for part in os.path.normpath(os.fspath(path)).split(os.sep) if part)
+
+
+def _shared_tail(recorded: str, root: str | os.PathLike[str]) -> int:
+    """How many trailing names a recorded local path shares with the caller's root
+    (``durable`` and ``/new/place/durable``: 1; ``run/durable`` and ``/x/run/durable``: 2)."""
+    a, b = _parts(recorded), _parts(absolute(root))
+    count = 0
+    while count < min(len(a), len(b)) and a[-1 - count] == b[-1 - count]:
+        count += 1
+    return count
+
+
+def _beside(fast: str, durable: str, root: str | os.PathLike[str]) -> str:
+    """Where the fast tier lies for a durable tier found at ``root``: as it lay beside the
+    recorded durable tier (both local), else the recorded fast tier itself."""
+    if is_object_url(fast) or is_object_url(durable) or is_object_url(root):
+        return fast
+    # Two relative records were relative to one directory, as are two absolute ones.
+    step = os.path.relpath(fast, os.path.dirname(os.path.normpath(durable)) or os.curdir)
+    return os.path.normpath(os.path.join(os.path.dirname(absolute(root)), step))
 
 
 def _moved(where: str, argument: str, recorded: str, now: str | os.PathLike[str]) -> None:
