@@ -176,7 +176,9 @@ def test_a_tensor_no_file_can_hold_is_named_by_its_whole_path_before_anything_is
     inner.register_buffer("scale", torch.empty((), dtype=torch.float4_e2m1fn_x2))
     model = torch.nn.Module()
     model.inner = inner
-    with CheckpointManager(CheckpointManager.Config()) as manager:
-        with pytest.raises(TypeError, match=r"'model\.inner\.scale'.*reshape it to \(1,\)"):
-            manager.save(tmp_path / "ckpt", {"model": model.state_dict()})
+    with (
+        CheckpointManager(CheckpointManager.Config()) as manager,
+        pytest.raises(TypeError, match=r"'model\.inner\.scale'.*reshape it to \(1,\)"),
+    ):
+        manager.save(tmp_path / "ckpt", {"model": model.state_dict()})
     assert list(tmp_path.iterdir()) == []

@@ -123,7 +123,7 @@ def test_a_tensor_no_file_can_lay_out_is_refused_while_staging(tmp_path: Path) -
     state = {**big_state(), "packed": torch.empty((), dtype=torch.float4_e2m1fn_x2)}
     groups = {"file": dict(state)}
     pool = ImagePool(pinned=False)
-    with pytest.raises(TypeError, match="'file/packed'.*reshape it to"):
+    with pytest.raises(TypeError, match=r"'file/packed'.*reshape it to"):
         stage_groups(CpuStager(), groups, ALL, pool)
     assert pool.images == {} and find_image(groups["file"]) is None
     staging = LocalStaging(tmp_path / "ckpt")

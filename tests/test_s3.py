@@ -101,7 +101,7 @@ def test_url_parsing_and_options_validation() -> None:
         S3Options.from_mapping({"ranged_get_threshold": -1})
     # Every field is checked by type and range, naming it (before: a NaN lease_ttl_s was
     # accepted and wrote a lease that never expired, so a killed writer locked the root for
-    # good, and so did 1e15 s; "8" for a count was a bare comparison TypeError; 2.5 or True a count).
+    # good, as did 1e15 s; "8" for a count was a bare comparison TypeError; 2.5 or True a count).
     for key, value, error in [
         ("lease_ttl_s", float("nan"), ValueError),
         ("read_timeout_s", float("inf"), ValueError),

@@ -15,7 +15,13 @@ import torch
 
 from fastckpt.io import tree
 
-__all__ = ["check_disjoint_templates", "check_tensor_template", "is_dtensor"]
+__all__ = [
+    "check_disjoint_templates",
+    "check_tensor_template",
+    "is_dtensor",
+    "template_tensors",
+    "template_view",
+]
 
 
 def is_dtensor(value: torch.Tensor) -> bool:
@@ -48,17 +54,23 @@ def check_tensor_template(template: torch.Tensor, path: str) -> None:
         )
 
 
-def check_disjoint_templates(templates: Mapping[str, Any]) -> None:
+def check_disjoint_templates(templates: Mapping[str, Any]) -> list[list[str]]:
     """Refuse tensor templates (outside stateful objects) whose memory partly overlaps
     another's: each is filled with its own saved values, so the one filled last would change
     the other's. The same tensor (or an identical view) in two places, tied weights, is
-    accepted.
+    accepted: their key paths are returned, one list per tensor, for the caller to prove
+    that the checkpoint holds the same bytes at each (else one would be loaded over the
+    other's).
 
     Raises:
         TypeError: names both key paths and the fix.
     """
     found: list[tuple[str, torch.Tensor]] = []
-    _collect_tensors(templates, "", found)
+    template_tensors(templates, "", found)
+    places: dict[tuple[Any, ...], list[str]] = {}
+    for path, tensor in found:
+        if tensor.device.type != "meta" and tensor.numel() and not is_dtensor(tensor):
+            places.setdefault(template_view(tensor), []).append(path)
     spans = sorted(
         (
             (t.data_ptr(), t.data_ptr() + _extent_bytes(t), path, t)
@@ -77,6 +89,12 @@ def check_disjoint_templates(templates: Mapping[str, Any]) -> None:
         end = span[1] if not cluster else max(end, span[1])
         cluster.append(span)
     _check_cluster(cluster)
+    return [paths for paths in places.values() if len(paths) > 1]
+
+
+def template_view(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two template tensors one (tied weights): the same memory seen the same way."""
+    return (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
 
 
 def _check_cluster(cluster: list[tuple[int, int, str, torch.Tensor]]) -> None:
@@ -97,7 +115,7 @@ def _check_cluster(cluster: list[tuple[int, int, str, torch.Tensor]]) -> None:
     seen: dict[tuple[Any, ...], str] = {}
     marked: list[tuple[str, torch.Tensor]] = []
     for _, _, path, tensor in cluster:
-        view = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        view = template_view(tensor)
         if view in seen:
             continue
         seen[view] = path
@@ -113,15 +131,17 @@ def _check_cluster(cluster: list[tuple[int, int, str, torch.Tensor]]) -> None:
         marked.append((path, tensor))
 
 
-def _collect_tensors(value: Any, path: str, out: list[tuple[str, torch.Tensor]]) -> None:
+def template_tensors(value: Any, path: str, out: list[tuple[str, torch.Tensor]]) -> None:
+    """Collect in ``out`` the tensors of plain containers (mappings, lists, tuples) in
+    ``value`` by key path (``path`` is ``value``'s own)."""
     if isinstance(value, torch.Tensor):
         out.append((path, value))
     elif isinstance(value, Mapping):
         for key, item in value.items():
-            _collect_tensors(item, tree.join_path(path, key), out)
+            template_tensors(item, tree.join_path(path, key), out)
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            _collect_tensors(item, tree.join_path(path, i), out)
+            template_tensors(item, tree.join_path(path, i), out)
 
 
 def _extent_bytes(tensor: torch.Tensor) -> int:

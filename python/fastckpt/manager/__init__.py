@@ -98,7 +98,7 @@ from fastckpt.manager.config import (
     TiersConfig,
 )
 from fastckpt.manager.incremental import LinkPlan, Tracker
-from fastckpt.manager.load import DirectRead, plan_direct_read
+from fastckpt.manager.load import DirectRead, check_tied_templates, plan_direct_read
 from fastckpt.manager.stateful import (
     check_depth,
     check_nesting,
@@ -1225,12 +1225,13 @@ class CheckpointManager:
         use_storage_options(checkpoint_id, self._storage_options, "CheckpointManager.load")
         start = time.perf_counter()
         directory = Path(checkpoint_id)
+        ties: list[list[str]] = []
         if into is not None:
             _check_state_mapping(into, "into")
             for key, template in into.items():
                 self._spec(key)  # strict mode (Config.default None): only declared items
                 check_template(template, key)
-            check_disjoint_templates(into)
+            ties = check_disjoint_templates(into)
         if _is_sharded(directory):
             if self.config.items or self.config.default is None:  # read only to check items
                 from fastckpt.dcp.state import stored_items  # torch.distributed.checkpoint
@@ -1267,6 +1268,7 @@ class CheckpointManager:
             for key, value in values.items():
                 if templates[key] is not None:
                     check_restore(templates[key], value, key, strict)
+            check_tied_templates(ties, templates, plans, values)
             for key, plan in plans.items():
                 if plan is not None:
                     values[key] = _read_directly(plan, key, map_location)

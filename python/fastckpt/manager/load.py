@@ -47,16 +47,24 @@ from fastckpt import _native
 from fastckpt.checkpoint.fill import plain_state
 from fastckpt.container.links import check_against_header, read_references
 from fastckpt.container.reader import check_recorded, read_json, takes_direct_read
-from fastckpt.errors import CheckpointFormatError
+from fastckpt.container.templates import template_tensors, template_view
+from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError
 from fastckpt.format.records import COMMIT_RECORD, item_files
 from fastckpt.io import tree
-from fastckpt.io.files import byte_view, dtype_from_name, empty_tensor, torch_shape
+from fastckpt.io.files import (
+    byte_view,
+    dtype_from_name,
+    dtype_name,
+    empty_tensor,
+    header_shape,
+    torch_shape,
+)
 from fastckpt.io.headers import DEFAULT_THREADS, read_metadata
 from fastckpt.io.paths import safe_join
 from fastckpt.io.progress import active_counter
 from fastckpt.manager.stateful import check_restore, is_stateful
 
-__all__ = ["DirectRead", "plan_direct_read", "takes_direct_read"]
+__all__ = ["DirectRead", "check_tied_templates", "plan_direct_read", "takes_direct_read"]
 
 
 @dataclass
@@ -69,6 +77,7 @@ class _Tensor:
     header_shape: list[int]
     dtype: torch.dtype
     shape: list[int]  # the torch shape
+    crc32c: int | None  # the header's checksum of its bytes (None: a file without one)
 
 
 @dataclass
@@ -98,6 +107,9 @@ class DirectRead:
     template: Any = None
     #: ids of the template's modules whose every tensor is read directly (see ``_settle``)
     filled: set[int] = field(default_factory=set)
+    #: skeleton tensor name -> the template tensor it goes into, tied ones included (those
+    #: are copied by ``restore``, not read directly)
+    matched: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def load(self, map_location: str | torch.device | None, threads: int = DEFAULT_THREADS) -> Any:
         """Read every file of the item once (templates filled, other tensors into fresh CPU
@@ -207,6 +219,7 @@ def plan_direct_read(
     if not check_restore(template, value, key, bool(strict)) and strict is None:
         return None
     _match(template, value, names, direct, modules)
+    matched = dict(direct)
     direct = _without_overlaps(direct)
     if not direct:
         return None
@@ -218,7 +231,9 @@ def plan_direct_read(
                 direct.pop(name, None)  # its load_state_dict copies them all
     if not direct:
         return None
-    return DirectRead(directory, record, key, own, skeleton, tensors, direct, template, filled)
+    return DirectRead(
+        directory, record, key, own, skeleton, tensors, direct, template, filled, matched
+    )
 
 
 def _recorded(
@@ -272,6 +287,7 @@ def _describe(directory: Path, relpath: str, name: str, info: Mapping[str, Any])
         shape,
         dtype_from_name(info["dtype"]),
         torch_shape(where, info["dtype"], shape),
+        info.get("crc32c"),
     )
 
 
@@ -370,3 +386,75 @@ def _without_overlaps(direct: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         if stop > end:
             end, last = stop, name
     return {name: tensor for name, tensor in direct.items() if name not in shared}
+
+
+def check_tied_templates(
+    ties: list[list[str]],
+    templates: Mapping[str, Any],
+    plans: Mapping[str, DirectRead | None],
+    values: Mapping[str, Any],
+) -> None:
+    """Refuse one template tensor given at several key paths (``ties``, from
+    :func:`fastckpt.container.templates.check_disjoint_templates`) unless the checkpoint
+    holds the same bytes at each: else the copy made last would win, and the tensor would
+    hold one saved value where the caller asked for two. Runs before any byte is read into a
+    template: a planned item's tensors are judged by their headers (dtype, shape, crc32c), an
+    item already loaded (``values``) by its bytes.
+
+    Raises:
+        CheckpointMismatchError: names the key paths and the fix (nothing read into a
+            template yet).
+    """
+    if not ties:
+        return
+    wanted = {path for paths in ties for path in paths}
+    saved: dict[str, tuple[Any, ...] | None] = {}
+    for key, template in templates.items():
+        plan = plans.get(key)
+        if plan is not None:
+            by_view = {template_view(t): name for name, t in plan.matched.items()}
+            found: list[tuple[str, torch.Tensor]] = []
+            template_tensors(template, key, found)
+            for path, tensor in found:
+                name = by_view.get(template_view(tensor))
+                if path in wanted and name is not None:
+                    where = plan.tensors[name]
+                    fingerprint = (where.header_dtype, list(where.header_shape), where.crc32c)
+                    saved[path] = None if where.crc32c is None else fingerprint
+        elif key in values:
+            _saved_bytes(template, values[key], key, wanted, saved)
+    for paths in ties:
+        prints = [saved.get(path) for path in paths]
+        if any(p is None for p in prints) or any(p != prints[0] for p in prints):
+            raise CheckpointMismatchError(
+                f"{', '.join(paths)}: one template tensor is given for each, but the "
+                "checkpoint does not hold the same values at each (or cannot prove it), so "
+                "one would be loaded over the other; nothing was loaded: give each its own "
+                "tensor (.clone()), or None to load them as saved"
+            )
+
+
+def _saved_bytes(
+    template: Any,
+    value: Any,
+    path: str,
+    wanted: set[str],
+    out: dict[str, tuple[Any, ...] | None],
+) -> None:
+    """The fingerprint (dtype, shape, crc32c of the bytes) of each loaded tensor in
+    ``value`` at a ``wanted`` template key path."""
+    if isinstance(template, torch.Tensor):
+        if path in wanted and isinstance(value, torch.Tensor):
+            host = value.detach().cpu().contiguous()
+            out[path] = (
+                dtype_name(host.dtype),
+                header_shape(path, host),
+                _native.crc32c(byte_view(host)),
+            )
+    elif isinstance(template, Mapping) and isinstance(value, Mapping):
+        for key, item in template.items():
+            if key in value:
+                _saved_bytes(item, value[key], tree.join_path(path, key), wanted, out)
+    elif isinstance(template, (list, tuple)) and isinstance(value, (list, tuple)):
+        for i, (item, other) in enumerate(zip(template, value, strict=False)):
+            _saved_bytes(item, other, tree.join_path(path, i), wanted, out)

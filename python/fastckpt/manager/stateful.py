@@ -333,6 +333,25 @@ def _check_module_keys(
         )
 
 
+def _check_optimizer_groups(optimizer: torch.optim.Optimizer, loaded: Any, path: str) -> None:
+    """Refuse a loaded optimizer state whose parameter groups are not laid out as the
+    optimizer's (how many groups, how many parameters in each): torch's
+    ``load_state_dict`` refuses it too, but only when it runs, after the other items of the
+    load (a model read into directly) were already written."""
+    groups = loaded.get("param_groups") if isinstance(loaded, Mapping) else None
+    if not isinstance(groups, (list, tuple)):
+        return  # not an optimizer's state dict: its load_state_dict judges it
+    saved = [len(g["params"]) if isinstance(g, Mapping) and "params" in g else None for g in groups]
+    live = [len(group["params"]) for group in optimizer.param_groups]
+    if saved != live:
+        raise CheckpointMismatchError(
+            f"{path}: the checkpoint's optimizer has {len(saved)} parameter group(s) of "
+            f"{saved} parameters, this {type(optimizer).__name__} {len(live)} of {live}; "
+            "nothing was loaded: build the optimizer with the parameter groups it was saved "
+            "with"
+        )
+
+
 def check_restore(template: Any, value: Any, path: str, strict: bool) -> bool:
     """Raise every :class:`~fastckpt.errors.CheckpointMismatchError` that
     ``restore(template, value, path, strict)`` would raise, changing nothing.
@@ -367,6 +386,8 @@ def check_restore(template: Any, value: Any, path: str, strict: bool) -> bool:
         _check_tensors(current, value, where)
         if isinstance(template, torch.nn.Module):
             _check_module_keys(template, current, value, where)
+        if isinstance(template, torch.optim.Optimizer):
+            _check_optimizer_groups(template, value, where)
         return True
     if isinstance(template, torch.Tensor):
         _check_tensor(template, value, where)
