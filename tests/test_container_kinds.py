@@ -333,6 +333,37 @@ def test_prune_names_the_kind_it_refuses(kinds: Kinds) -> None:
         assert status == 2 and f"is a {KIND_NAMES[kind]}; prune works on a" in err, kind
 
 
+def test_the_root_functions_name_the_kind_they_find_instead_of_finding_nothing(
+    kinds: Kinds, tmp_path: Path
+) -> None:
+    """``prune`` and ``list_checkpoints`` on a folder of CheckpointManager checkpoints (which
+    ``fastckpt prune`` prunes) returned [] without a word, and ``load_checkpoint`` of a
+    manager or sharded checkpoint said "no committed checkpoint here"."""
+    calls = {
+        "load_checkpoint": fastckpt.load_checkpoint,
+        "list_checkpoints": fastckpt.list_checkpoints,
+        "prune": lambda path: fastckpt.prune(path, keep_last=1),
+    }
+    for kind, what in (
+        ("manager", "a CheckpointManager checkpoint: load it with CheckpointManager"),
+        ("sharded", "a sharded checkpoint: load it with fastckpt.dcp.load_state"),
+    ):
+        for name, call in calls.items():
+            with pytest.raises(FileNotFoundError, match=f"which {name} reads\\); it is {what}"):
+                call(kinds.all()[kind])
+    folder = tmp_path / "runs"
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        for step in (1, 2):
+            m.save(folder / f"step_{step}", {"w": torch.full((2,), float(step))})
+    for call in calls.values():
+        with pytest.raises(FileNotFoundError, match=r"folder of 2 CheckpointManager checkpoint"):
+            call(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["step_1", "step_2"]
+    (tmp_path / "new").mkdir()  # an empty folder is a root not saved into yet
+    assert fastckpt.list_checkpoints(tmp_path / "new") == []
+    assert fastckpt.prune(tmp_path / "new", keep_last=1) == []
+
+
 # --------------------------------------------------------------------------- the switch stays gone
 
 

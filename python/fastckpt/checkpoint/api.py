@@ -46,7 +46,7 @@ from fastckpt.container.promote import NearestCopy, nearest_intact
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.container.verify import checked_index
 from fastckpt.errors import CheckpointFormatError, FastCkptError
-from fastckpt.format.records import MANIFEST
+from fastckpt.format.records import MANIFEST, Manifest, refuse_other_kind
 from fastckpt.storage.registry import display_path, is_object_url, use_storage_options
 from fastckpt.training.strategy import TrainingStrategy
 
@@ -329,7 +329,9 @@ def prune(
         The deleted indices.
 
     Raises:
-        FileNotFoundError: ``root`` is not a directory (a local root).
+        FileNotFoundError: ``root`` is not a directory (a local root), or holds no root but
+            another kind of checkpoint, or CheckpointManager checkpoints (the message says
+            how to prune those).
         TypeError / ValueError: ``keep_last`` is not an int >= 1.
     """
     use_storage_options(root, storage_options, "prune")
@@ -338,4 +340,6 @@ def prune(
         raise FileNotFoundError(
             errno.ENOENT, f"{root}: no checkpoint root here, nothing to prune", os.fspath(root)
         )
+    if Manifest.load(root).latest is None:
+        refuse_other_kind(root, "prune")  # a folder of manager checkpoints: not pruned here
     return prune_indices(Path(root), keep_last, lock_timeout=lock_timeout)

@@ -68,6 +68,8 @@ def list_checkpoints(
     if is_local(backend_for(root)):
         wait_out_replacement(Path(root))  # an index being replaced is out of the manifest
     manifest = Manifest.load(root, verify_checksum=True)
+    if not manifest.entries:
+        records.refuse_other_kind(root, "list_checkpoints")
     rows = []
     for index, entry in sorted(manifest.entries.items()):
         written, linked = split_sizes(entry["files"])

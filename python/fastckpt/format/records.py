@@ -349,6 +349,48 @@ def check_seal(path: str | os.PathLike[str], document: Mapping[str, Any]) -> boo
     return True
 
 
+def other_kind(root: str | os.PathLike[str]) -> str | None:
+    """What a folder holding no root manifest is instead, for messages: another kind of
+    checkpoint (its record), or a folder of CheckpointManager checkpoints (local, its first
+    names); None when neither (an empty or a new root)."""
+    path = Path(root)
+    backend = backend_for(path)
+    if backend.exists(path / COMMIT_RECORD):
+        return "a CheckpointManager checkpoint: load it with CheckpointManager().load(path)"
+    if backend.exists(path / SHARDED_RECORD):
+        return "a sharded checkpoint: load it with fastckpt.dcp.load_state(path) or dcp.load"
+    if not is_local(backend) or not path.is_dir():
+        return None
+    with os.scandir(path) as entries:
+        held = sorted(e.name for e in entries if os.path.lexists(path / e.name / COMMIT_RECORD))
+    if not held:
+        return None
+    shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+    return (
+        f"a folder of {len(held)} CheckpointManager checkpoint(s) ({shown}): list and prune "
+        "them with `fastckpt ls` / `fastckpt prune --keep-last N`, load one with "
+        "CheckpointManager().load(path / name)"
+    )
+
+
+def refuse_other_kind(root: str | os.PathLike[str], call: str) -> None:
+    """Raise when ``root``, which holds no root manifest, is another kind of checkpoint or a
+    folder of them (:func:`other_kind`): ``call`` works on ``save_checkpoint`` roots and
+    would find nothing there.
+
+    Raises:
+        FileNotFoundError: names the folder, what it is, and the call to use instead.
+    """
+    kind = other_kind(root)
+    if kind is not None:
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{display_path(root)}: no {MANIFEST} (not a save_checkpoint root, which {call} "
+            f"reads); it is {kind}",
+            display_path(root),
+        )
+
+
 @dataclass
 class Manifest:
     """The commit record of a checkpoint root.
@@ -494,6 +536,7 @@ class Manifest:
         """
         shown_path = display_path(self.path)
         if not self.entries:
+            refuse_other_kind(self.root, "load_checkpoint")
             raise FileNotFoundError(f"{shown_path}: no committed checkpoint here")
         if index == -1:
             return self.latest  # type: ignore[return-value]

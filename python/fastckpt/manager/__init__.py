@@ -819,7 +819,8 @@ class CheckpointManager:
         if self._writer is not None:
             self._writer.wait_timeout = self.config.save.wait_timeout_secs  # read live
             self._writer.collect()
-        check_name(path.name, "checkpoint directory name")  # its length: see _sibling
+        # its length: see _sibling; '.' or 'runs/..' name no folder of their own
+        check_name(path.name, f"checkpoint directory name of {os.fspath(checkpoint_id)!r}")
         # Resolved now: an async write after the caller changed directory still goes where
         # the save was asked for.
         path = absolute(path)
