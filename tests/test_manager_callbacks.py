@@ -98,6 +98,36 @@ def test_the_form_is_read_from_the_signature() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_finalize_callback_of_an_async_manager_saving_again_is_refused_at_once(
+    tmp_path: Path,
+) -> None:
+    """An async save's callback runs on the writer thread: a save from it waited for the
+    write it is part of, for ``wait_timeout_secs`` (600 s by default), then failed with a
+    TimeoutError saying to raise the timeout. Now refused at once, naming the cause; the
+    checkpoint the callback ran for is committed, and the manager saves again after it."""
+    errors: list[BaseException] = []
+    config = fastckpt.CheckpointManager.Config.with_async_save()
+    config.save.wait_timeout_secs = 120
+
+    def also_save_best(checkpoint_id: str, logger: Any) -> None:
+        try:
+            manager.save(tmp_path / "best", {"x": torch.zeros(2)})
+        except RuntimeError as err:
+            errors.append(err)
+            raise
+
+    config.finalize_callback = also_save_best
+    with fastckpt.CheckpointManager(config) as manager:
+        future = manager.save(tmp_path / "step_1", {"x": torch.ones(2)})
+        with pytest.raises(RuntimeError, match="cannot save or close from inside the background"):
+            future.result(timeout=60)
+        config.finalize_callback = None
+        manager.save(tmp_path / "step_2", {"x": torch.ones(2)}).result(timeout=60)
+    assert len(errors) == 1 and "finalize_callback" in str(errors[0])
+    assert fastckpt.verify(tmp_path / "step_1").ok and fastckpt.verify(tmp_path / "step_2").ok
+    assert not (tmp_path / "best").exists()
+
+
 def test_a_finalize_callback_of_a_sync_manager_may_save_again(tmp_path: Path) -> None:
     # Saves take turns between threads; a save from the callback of a save on the same
     # thread (a "latest" copy) must not wait for its own turn (a deadlock for a moment).

@@ -260,6 +260,8 @@ class BackgroundWriter(Generic[T]):
         self.wait_timeout = wait_timeout
         self.typed_errors = typed_errors
         self._executor: ThreadPoolExecutor | None = None
+        #: the thread running a write now (see :meth:`_collect`)
+        self._writing_thread: int | None = None
         self._capture_executor: ThreadPoolExecutor | None = None
         self._future: WriteFuture[T] | None = None
         self._what = ""
@@ -274,6 +276,7 @@ class BackgroundWriter(Generic[T]):
         self._executor = None
         self._capture_executor = None
         self._future = None
+        self._writing_thread = None
         self._what = ""
         self._pid = os.getpid()
         self._capture_lock = _GuardLock()
@@ -401,12 +404,15 @@ class BackgroundWriter(Generic[T]):
         if not future.set_running_or_notify_cancel():  # cancelled before it started
             self._capture_done.set()
             return
+        self._writing_thread = threading.get_ident()
         try:
             result = self._run(capture, write)
         except BaseException as err:
             future.set_exception(err)
         else:
             future.set_result(result)
+        finally:
+            self._writing_thread = None
 
     def _run(self, capture: Callable[[], None] | None, write: Callable[[], T]) -> T:
         if capture is not None:
@@ -457,6 +463,15 @@ class BackgroundWriter(Generic[T]):
             return None
         if not future.done() and not self._capture_done.is_set():
             self._refuse_waiting_on_own_guard("wait for the previous save")
+        if not future.done() and self._writing_thread == threading.get_ident():
+            # A callback the write runs (a finalize_callback saving again) would wait for
+            # the write it is part of: for ever, then a TimeoutError blaming the write.
+            raise RuntimeError(
+                f"{self.name}: cannot save or close from inside the background write of "
+                f"{self._what} (a callback it runs, such as finalize_callback, runs on the "
+                "writer thread, and would wait for the write it is part of); save after its "
+                "Future resolves, from your own thread"
+            )
         try:
             # The base class's method: waiting here does not count as the caller seeing it.
             error = Future.exception(future, timeout=timeout)
