@@ -870,6 +870,84 @@ def test_a_promotion_slower_than_the_saves_keeps_its_index_and_completes(
     assert fastckpt.verify(durable).ok
 
 
+def test_a_promotion_never_chooses_between_a_retentions_decision_and_its_deletions(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hook computed what keep_last spares, then pruned: a promotion run starting in
+    between read the fast tier first, chose an index the prune then deleted, and lost it
+    ("pruned before it was promoted", twice in 40 saves under load, promotion_healthy True).
+    A run now decides what it copies before the retention decides, or after it deleted."""
+    import threading
+
+    from fastckpt.container.commit import prune_indices
+
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    model = torch.nn.Linear(4, 4)
+    for _ in range(3):
+        fastckpt.save_checkpoint(fast, models={"m": (model, None)}, incremental=False)
+    promoter = Promoter(fast, durable, every=1)
+    decided = threading.Event()
+    pruned: list[int] = []
+
+    def retention() -> None:
+        with promoter.retention():
+            spare = promoter.spared(2)  # no run yet: the index due next
+            decided.set()
+            time.sleep(0.5)  # the promotion submitted meanwhile must not choose now
+            pruned.extend(prune_indices(fast, 1, spare=spare))
+
+    caplog.set_level("WARNING", logger="fastckpt")
+    thread = threading.Thread(target=retention)
+    thread.start()
+    decided.wait(10)
+    promoter.submit()
+    thread.join(30)
+    promoter.wait()
+    promoter.close()
+    assert pruned == [0, 1]
+    assert "pruned before it was promoted" not in caplog.text
+    assert promoter.promoted == [2] and promoter.healthy
+    assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [2]
+
+
+def test_a_new_processs_first_promotion_spares_only_what_the_durable_tier_lacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new process (a resumed run) did not know what the durable tier held: its first run
+    counted every due index of the fast tier as in flight, so keep_last spared all of them
+    until it ended (seven indices kept with keep_last=2 after a resume)."""
+    import threading
+
+    import fastckpt.container.promote as promote_module
+
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    model = torch.nn.Linear(4, 4)
+    for _ in range(5):
+        fastckpt.save_checkpoint(fast, models={"m": (model, None)}, incremental=False)
+    for index in range(3):
+        promote_index(fast, durable, index)
+    real = promote_module.promote_index
+    copying, release = threading.Event(), threading.Event()
+
+    def held_promote_index(source: Any, target: Any, index: int, **kwargs: Any) -> Any:
+        copying.set()
+        release.wait(30)
+        return real(source, target, index, **kwargs)
+
+    monkeypatch.setattr(promote_module, "promote_index", held_promote_index)
+    promoter = Promoter(fast, durable, every=1)
+    promoter.submit()
+    try:
+        assert copying.wait(30)
+        assert promoter.in_flight() == {3, 4}
+        assert promoter.spared(4) == (3, 4)
+    finally:
+        release.set()
+        promoter.wait()
+        promoter.close()
+    assert [c["index"] for c in fastckpt.list_checkpoints(durable)][-1] == 4
+
+
 class _WipeFastTier:
     """A hook wiping the fast tier (``/dev/shm`` cleared, a node-local disk reclaimed) after
     step ``step``'s batch, before that step's checkpoint."""

@@ -46,7 +46,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +78,6 @@ from fastckpt.errors import (
     PromotionError,
 )
 from fastckpt.format.records import Manifest
-from fastckpt.io.paths import check_relpath
 from fastckpt.storage.registry import (
     absolute,
     backend_for,
@@ -193,8 +192,9 @@ def promote_index(
     part = prove_part(source, manifest, index, what, node_local=node_local)
     files: dict[str, tuple[Path, Mapping[str, Any]]] = {}
     for relpath, record in (entry.get("files") or {}).items():
-        check_relpath(relpath, "file")
-        files[relpath] = (source / str(index) / relpath, record)
+        # checked as the loaders check it: a plain relpath whose real path (symlinks
+        # followed) stays inside the source root, else CheckpointFormatError
+        files[relpath] = (manifest.file_path(index, relpath), record)
     # The copy pass reads and proves each file as it writes it; a damaged one aborts the
     # staging, leaving the target's committed indices as they were. On an object store,
     # where replacing an index withdraws it (and its objects) first, every source file is
@@ -565,6 +565,9 @@ class Promoter:
         #: indices, or checkpoint names for :class:`CheckpointPromoter`); None: no run, or a
         #: run not restricted (:meth:`run_here` called by hand).
         self._in_flight: frozenset[Any] | None = None
+        #: Held while a run decides what it copies and while a retention decides and deletes
+        #: (see :meth:`retention`): one never decides between the other's two steps.
+        self._choosing = threading.Lock()
         #: Set by :meth:`withhold`: promotions stopped for good, this error says why.
         self._withheld: PromotionError | None = None
         self._pid = os.getpid()
@@ -579,7 +582,18 @@ class Promoter:
         self._thread = None
         self._process = None
         self._in_flight = None
+        self._choosing = threading.Lock()
         self._pid = os.getpid()
+
+    @contextlib.contextmanager
+    def retention(self) -> Iterator[None]:
+        """Hold while a fast tier's retention decides what to spare (:meth:`spared`,
+        :meth:`in_flight`) and deletes: a promotion run starting meanwhile decides what it
+        copies after the deletions (before, one that started between the two read the
+        source first, chose an index the retention then deleted, and lost it: "pruned
+        before it was promoted")."""
+        with self._choosing:
+            yield
 
     def finish_at_exit(self) -> None:
         """At interpreter exit, when the owner never called :meth:`close`: finish the queued
@@ -683,6 +697,14 @@ class Promoter:
         except (OSError, CheckpointFormatError):
             return frozenset()
         held = self.target_newest
+        if held is None and indices:
+            # A new process (a resumed run): what the target holds is not known yet. Read
+            # it, or every due index the fast tier still holds would be spared until the
+            # first run ends (seven indices kept for keep_last=2 after a resume).
+            try:
+                held = Manifest.load(self.target).latest
+            except (OSError, CheckpointFormatError):
+                held = None  # the run reports an unreadable target
         return frozenset(i for i in indices if not i % self.every and (held is None or i > held))
 
     def submit(self) -> None:
@@ -864,9 +886,10 @@ class Promoter:
 
     def _promote_once(self) -> None:
         try:
-            due = self._due_now()
-            with self._lock:
-                self._in_flight = due  # spared by the fast tier's retention until the end
+            with self._choosing:  # not between a retention's decision and its deletions
+                due = self._due_now()
+                with self._lock:
+                    self._in_flight = due  # spared by the fast tier's retention until the end
             self._attempt()
         except Exception as err:  # reported, retried by the next submission
             self.report_failure(err)

@@ -580,9 +580,10 @@ class CheckpointManager:
             # promotion copies (else a promotion slower than a few saves lost its checkpoint
             # at every run and the durable tier fell behind for good); older waiting ones
             # may go (superseded).
-            spare = {path.name, *promoter.queued()[-1:], *promoter.in_flight()}
             try:
-                prune_checkpoints(path.parent, tiers.keep_last, spare=spare)
+                with promoter.retention():  # no promotion chooses meanwhile
+                    spare = {path.name, *promoter.queued()[-1:], *promoter.in_flight()}
+                    prune_checkpoints(path.parent, tiers.keep_last, spare=spare)
             except (OSError, FastCkptError) as err:  # the save itself is committed
                 _LOGGER.warning(
                     "%s: the fast tier's keep_last=%d failed (%s); the next save retries",
@@ -1362,19 +1363,22 @@ def _sharded_state(state: Mapping[str, Any]) -> bool:
 @contextlib.contextmanager
 def _typed_dcp_errors() -> Iterator[None]:
     """Re-raise DCP's ``CheckpointException`` (a ``BaseException`` that ``except Exception``
-    misses) as the fastckpt error a rank raised (``ChecksumMismatchError`` naming the file,
-    ``UnsupportedValueError``, ...), chained; the same on every rank, since DCP gathers the
-    failures. Other failures become a ``RuntimeError`` carrying DCP's per-rank report."""
+    misses) as :func:`fastckpt.dcp.state.typed_dcp_error` picks the error a rank raised (a
+    fastckpt error such as ``ChecksumMismatchError`` naming the file, else an ``OSError``
+    such as a full disk's, naming the checkpoint and the fix), chained; the same on every
+    rank, since DCP gathers the failures. When no rank raised an ``Exception``: a
+    ``RuntimeError`` carrying DCP's per-rank report."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
     except CheckpointException as err:
-        failures = [failure for failure, _ in err.failures.values()]
-        for failure in failures:
-            if isinstance(failure, FastCkptError):
-                raise failure from err
-        raise RuntimeError(str(err)) from err
+        from fastckpt.dcp.state import typed_dcp_error
+
+        failure = typed_dcp_error(err)
+        if failure is err:
+            raise RuntimeError(str(err)) from err
+        raise failure from err
 
 
 def _is_sharded(directory: Path) -> bool:

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -911,7 +911,13 @@ class CheckpointHook:
         for its promotion and those the running promotion copies (two tiers, see
         :meth:`~fastckpt.container.promote.Promoter.spared`). Returns the pruned indices."""
         assert self.keep_last is not None
-        spare = () if self._promoter is None else self._promoter.spared(newest)
+        if self._promoter is None:
+            return self._prune_sparing(())
+        with self._promoter.retention():  # no promotion chooses meanwhile
+            return self._prune_sparing(self._promoter.spared(newest))
+
+    def _prune_sparing(self, spare: Sequence[int]) -> list[int]:
+        assert self.keep_last is not None
         return prune_indices(
             self.checkpoint_dir,
             self.keep_last,
