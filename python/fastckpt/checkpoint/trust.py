@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import site
@@ -332,8 +333,9 @@ def _installed_factory(func: Any) -> str | None:
     """Why a module factory is not the user's code (None: it is).
 
     A classmethod or staticmethod of an installed library (the standard library, torch,
-    fastckpt, site-packages) may do anything with the arguments a checkpoint gives it: load a
-    file the checkpoint names (``LightningModule.load_from_checkpoint`` unpickles one,
+    fastckpt, site-packages, or a distribution installed elsewhere: see
+    :func:`_is_library_module`) may do anything with the arguments a checkpoint gives it: load
+    a file the checkpoint names (``LightningModule.load_from_checkpoint`` unpickles one,
     ``from_pretrained`` may run remote code). Such a factory, inherited or not, needs trust.
     """
     module_name = getattr(getattr(func, "__func__", func), "__module__", None)
@@ -347,7 +349,7 @@ def _installed_factory(func: Any) -> str | None:
         package in ("torch", "fastckpt", "builtins")
         or package in _stdlib_names()
         or module is None
-        or _is_installed_module(module)
+        or _is_library_module(module)
     ):
         return (
             f"it is defined in {module_name}, an installed library, not your code (a library's "
@@ -461,8 +463,9 @@ def resolve_target(
     classmethods/staticmethods of them, ``"optimizer"`` allows ``torch.optim.Optimizer``
     subclasses, ``"scheduler"`` allows LR-scheduler classes (including ``ReduceLROnPlateau``),
     and ``"callable"`` allows nothing. A classmethod/staticmethod is a model target only if
-    it is defined in the user's code (not the standard library, torch, fastckpt or an
-    installed site-packages module: a library's factory may load what the checkpoint names)
+    it is defined in the user's code (not the standard library, torch, fastckpt, a
+    site-packages module or a package an installed distribution provides wherever it lives:
+    a library's factory may load what the checkpoint names)
     and its return annotation (when it has one) names an ``nn.Module``;
     ``fastckpt.checkpoint.containers``'
     factories are model targets too. An untrusted path is decided without importing anything:
@@ -589,6 +592,23 @@ def _is_installed_file(filename: str) -> bool:
     return any(where.is_relative_to(root) for root in _installed_roots())
 
 
+@functools.cache
+def _distribution_packages() -> frozenset[str]:
+    """The top-level packages that installed distributions provide (``importlib.metadata``;
+    computed once, and only when a factory or training function is judged: it reads every
+    distribution's metadata)."""
+    return frozenset(importlib.metadata.packages_distributions())
+
+
+def _is_library_module(module: types.ModuleType) -> bool:
+    """True for a module of an installed library: :func:`_is_installed_module`, or one whose
+    top-level package an installed distribution provides wherever its files are (an editable
+    install, ``pip install --target``, a library on ``PYTHONPATH`` with its dist-info)."""
+    return _is_installed_module(module) or _top_package(module.__name__) in (
+        _distribution_packages()
+    )
+
+
 def _top_package(module_name: str) -> str:
     return module_name.split(".", 1)[0]
 
@@ -633,8 +653,10 @@ def resolve_training_fn(
       not a builtin, class, method, ``functools.partial`` or callable object, and not a name
       re-exported from another module;
     * it is the user's code: not from the standard library, torch or fastckpt, and either not
-      installed in site-packages or in the same top-level package as one of ``models``' classes
-      (the model classes the checkpoint rebuilt under the trust policy);
+      from an installed library (in site-packages, or a package an installed distribution
+      provides wherever it lives: an editable install, a library on ``PYTHONPATH``) or in the
+      same top-level package as one of ``models``' classes (the model classes the checkpoint
+      rebuilt under the trust policy);
     * it was not recorded as ``__main__.<name>``: the ``__main__`` of a loading process is a
       different script, so such a function must always be passed as ``training_fn=``.
 
@@ -691,7 +713,7 @@ def resolve_training_fn(
             path, f"functions of {package!r} (standard library, torch, fastckpt) are not restored"
         )
     module = sys.modules.get(module_name)
-    if module is None or (_is_installed_module(module) and package not in _model_packages(models)):
+    if module is None or (_is_library_module(module) and package not in _model_packages(models)):
         raise _refuse_training_fn(
             path,
             f"{module_name} is an installed third-party module, and no model in the checkpoint "

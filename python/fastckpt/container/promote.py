@@ -688,23 +688,27 @@ class Promoter:
         with self._lock:
             return self._in_flight or frozenset()
 
-    def _due_now(self) -> frozenset[Any]:
+    def _target_held(self) -> int | None:
+        """The target's newest index as far as known: after a run, what it reported; in a
+        new process (a resumed run), read from the target (or every due index the fast tier
+        still holds would be spared until the first run ends: seven indices kept for
+        keep_last=2 after a resume). Read outside :attr:`_choosing`: a slow store must not
+        hold up a retention waiting for it."""
+        if self.target_newest is not None:
+            return self.target_newest
+        try:
+            return Manifest.load(self.target).latest
+        except (OSError, CheckpointFormatError):
+            return None  # the run reports an unreadable target
+
+    def _due_now(self, held: int | None) -> frozenset[Any]:
         """The indices of the source a promotion run started now copies (at most): the
-        multiples of ``every`` newer than the target's newest known index; empty when the
-        source cannot be read (the run reports that)."""
+        multiples of ``every`` newer than ``held``, the target's newest known index; empty
+        when the source cannot be read (the run reports that)."""
         try:
             indices = Manifest.load(self.source).entries
         except (OSError, CheckpointFormatError):
             return frozenset()
-        held = self.target_newest
-        if held is None and indices:
-            # A new process (a resumed run): what the target holds is not known yet. Read
-            # it, or every due index the fast tier still holds would be spared until the
-            # first run ends (seven indices kept for keep_last=2 after a resume).
-            try:
-                held = Manifest.load(self.target).latest
-            except (OSError, CheckpointFormatError):
-                held = None  # the run reports an unreadable target
         return frozenset(i for i in indices if not i % self.every and (held is None or i > held))
 
     def submit(self) -> None:
@@ -886,8 +890,9 @@ class Promoter:
 
     def _promote_once(self) -> None:
         try:
+            held = self._target_held()
             with self._choosing:  # not between a retention's decision and its deletions
-                due = self._due_now()
+                due = self._due_now(held)
                 with self._lock:
                     self._in_flight = due  # spared by the fast tier's retention until the end
             self._attempt()
@@ -930,7 +935,10 @@ class RankPromoter(Promoter):
         """Not tracked here: rank 0's retention decides what every node keeps."""
         return None
 
-    def _due_now(self) -> frozenset[Any]:
+    def _target_held(self) -> int | None:
+        return None  # not needed: see :meth:`_due_now`
+
+    def _due_now(self, held: int | None) -> frozenset[Any]:
         return frozenset()  # as :meth:`awaiting`
 
     def run_here(self) -> dict[str, Any]:

@@ -64,7 +64,7 @@ from fastckpt.format.records import (
     read_record_bytes,
     saved_seconds,
 )
-from fastckpt.io.paths import check_name, check_relpath
+from fastckpt.io.paths import check_name, safe_join
 from fastckpt.storage.backend import TEMP_PREFIX, remove_replaced, restore_replaced
 from fastckpt.storage.backend import _sibling as temp_sibling
 from fastckpt.storage.registry import backend_for, display_path, is_local
@@ -181,8 +181,8 @@ def promote_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike
     record = read_commit_record(source)
     files: dict[str, tuple[Path, Mapping[str, Any]]] = {}
     for relpath, file_record in record["files"].items():
-        check_relpath(relpath, "file")
-        files[_stripped(record, relpath)] = (source / relpath, file_record)
+        # as the loaders join it: refused if it resolves outside the checkpoint (a symlink)
+        files[_stripped(record, relpath)] = (safe_join(source, relpath), file_record)
     root = target.parent
     refuse_to_replace(target)  # a user's file put into the durable copy is not swapped away
     writer = DirectoryWriter(target)
@@ -614,7 +614,10 @@ class CheckpointPromoter(Promoter):
         with self._lock:
             return list(self._queue)
 
-    def _due_now(self) -> frozenset[Any]:
+    def _target_held(self) -> int | None:
+        return None  # the queue says what is due: see :meth:`_due_now`
+
+    def _due_now(self, held: int | None) -> frozenset[Any]:
         """The names queued now: this run promotes no other (later ones wait for the next
         run), so a fast tier's retention sparing them never deletes one under it."""
         return frozenset(self.queued())

@@ -27,9 +27,10 @@ from fastckpt.container.report import VerifyReport
 from fastckpt.container.sharded.chunks import ChunkFiles
 from fastckpt.container.sharded.commit import generation_dirs, read_record
 from fastckpt.container.sharded.reports import sharded_file_reports
-from fastckpt.container.sharded.values import decode_value
+from fastckpt.container.sharded.values import load_skeleton
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.io.files import copy_values, empty_tensor, save_file
+from fastckpt.io.tree import unflatten
 
 __all__ = [
     "VALUES_METADATA_KEY",
@@ -118,8 +119,10 @@ def consolidate(
                     raise CheckpointFormatError(f"{record.path}: no stored value for {fqn!r}")
                 payload = files.read_bytes(chunk).numpy().tobytes()
                 if chunk.kind == "json":
-                    values[fqn] = {"json": json.loads(payload)}
-                    decode_value(f"{files.directory / chunk.file}: {fqn!r}", "json", payload)
+                    where = f"{files.directory / chunk.file}: {fqn!r}"
+                    skeleton = load_skeleton(where, payload)  # as strictly as a load reads it
+                    unflatten(skeleton, {}, where)  # and in our encoding
+                    values[fqn] = {"json": skeleton}
                 else:
                     values[fqn] = {"base64": base64.b64encode(payload).decode()}
                 continue

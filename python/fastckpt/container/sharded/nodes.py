@@ -26,6 +26,7 @@ from pathlib import Path
 
 from fastckpt import _native
 from fastckpt.format.records import SHARDED_DIR, SHARDED_RECORD
+from fastckpt.io.paths import check_name
 from fastckpt.storage.registry import backend_for, is_local
 
 __all__ = ["Holding", "NodeHoldings", "PartKey", "held_by_others", "node_holdings"]
@@ -76,8 +77,10 @@ def _holding(part: Path) -> Holding | None:
     try:
         with open(part / SHARDED_RECORD, "rb") as handle:
             raw = handle.read(_MAX_RECORD)
-        generation = json.loads(raw)["generation"]
-        names = os.listdir(part / generation) if isinstance(generation, str) else []
+        # a plain name (CheckpointFormatError, a ValueError, if not): ``..`` or a path would
+        # list a directory outside the part as its files
+        generation = check_name(json.loads(raw)["generation"], "generation")
+        names = os.listdir(part / generation)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     files = {}

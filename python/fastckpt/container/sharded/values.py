@@ -22,10 +22,11 @@ from typing import Any
 import torch
 
 from fastckpt.errors import CheckpointFormatError, UnsupportedValueError
+from fastckpt.format.records import MAX_JSON_DEPTH, load_json
 from fastckpt.format.sharded import ValueKind
-from fastckpt.io.tree import flatten, unflatten
+from fastckpt.io.tree import flatten_measured, unflatten
 
-__all__ = ["as_planner_bytes", "decode_value", "encode_value", "planner_object"]
+__all__ = ["as_planner_bytes", "decode_value", "encode_value", "load_skeleton", "planner_object"]
 
 
 def planner_object(planner: Any, item: Any) -> Any:
@@ -56,14 +57,15 @@ def encode_value(fqn: str, value: Any) -> tuple[ValueKind, bytes]:
     """``(kind, payload)`` for a non-tensor value.
 
     Raises:
-        UnsupportedValueError: the value (or something inside it) would need pickle.
+        UnsupportedValueError: the value (or something inside it) would need pickle, or its
+            lists and dicts nest deeper than a load reads (:data:`MAX_JSON_DEPTH` levels).
     """
     if isinstance(value, io.BytesIO):
         return "bytesio", value.getvalue()
     if isinstance(value, (bytes, bytearray)):
         return "bytes", bytes(value)
     try:
-        skeleton, tensors = flatten(value)
+        skeleton, tensors, depth = flatten_measured(value)
     except TypeError as err:
         raise UnsupportedValueError(
             f"{fqn}: {err}. fastckpt stores non-tensor values without pickle: io.BytesIO and "
@@ -74,6 +76,12 @@ def encode_value(fqn: str, value: Any) -> tuple[ValueKind, bytes]:
             f"{fqn}: a non-tensor value holds tensors ({', '.join(sorted(tensors))}); put them "
             "in the state dict as entries of their own"
         )
+    if depth > MAX_JSON_DEPTH:
+        raise UnsupportedValueError(
+            f"{fqn}: its lists, tuples and dicts nest too deeply (more than {MAX_JSON_DEPTH} "
+            "levels as stored) for a checkpoint to load back; flatten it (e.g. join the inner "
+            "keys into one)"
+        )
     return "json", json.dumps(skeleton, allow_nan=False).encode()
 
 
@@ -81,20 +89,39 @@ def decode_value(where: str, kind: ValueKind, payload: bytes) -> Any:
     """The value :func:`encode_value` stored (``where`` names file and key in errors).
 
     Raises:
-        CheckpointFormatError: a JSON payload that is not JSON (e.g. a pickle) or not our
-            encoding.
+        CheckpointFormatError: a JSON payload that is not JSON as fastckpt writes it (see
+            :func:`load_skeleton`) or not our encoding.
     """
     if kind == "bytesio":
         return io.BytesIO(payload)
     if kind == "bytes":
         return payload
+    return unflatten(load_skeleton(where, payload), {}, where)
+
+
+def load_skeleton(where: str, payload: bytes) -> Any:
+    """The JSON skeleton of a stored plain value, read as strictly as every checkpoint
+    document (:func:`fastckpt.format.records.load_json`): a payload that is not UTF-8 JSON
+    (e.g. a pickle), or that holds what :func:`encode_value` never writes (``NaN``,
+    ``Infinity``, a number no float holds, a duplicate key, nesting past
+    :data:`MAX_JSON_DEPTH`), is a format error naming ``where`` (file and key).
+
+    Raises:
+        CheckpointFormatError: as said.
+    """
     try:
-        skeleton = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        payload.decode("utf-8")
+    except UnicodeDecodeError as err:
         raise CheckpointFormatError(
             f"{where}: the stored value is not JSON ({err}); fastckpt never unpickles it"
         ) from None
-    return unflatten(skeleton, {}, where)
+    try:
+        return load_json(where, payload)
+    except CheckpointFormatError as err:
+        raise CheckpointFormatError(
+            f"{err}; fastckpt did not write this stored value (it was edited or damaged, and "
+            "is never unpickled): restore the checkpoint from a copy"
+        ) from None
 
 
 def as_planner_bytes(value: Any) -> io.BytesIO:
