@@ -332,6 +332,26 @@ def test_promote_refuses_a_manager_checkpoint_whose_file_resolves_outside_it(
     assert not (tmp_path / "mgr_durable" / "step_10").exists()
 
 
+def test_promote_refuses_a_sharded_checkpoint_whose_shard_resolves_outside_it(
+    tmp_path: Path,
+) -> None:
+    """A sharded checkpoint's shard file replaced by a symlink out of it: ``fastckpt
+    promote`` refuses it as the loaders do, and creates nothing in the durable tier. Before,
+    the sharded record's files were joined without the check, and the outside bytes were
+    promoted."""
+    (tmp_path / "outside").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
+        dcp.save_state(tmp_path / "mgr" / "step_1", {"w": torch.ones(8), "step": 1})
+    (generation,) = (p for p in (tmp_path / "mgr" / "step_1").iterdir() if p.name.startswith("g-"))
+    for shard in list(generation.glob("*.safetensors")):
+        _move_out(shard, tmp_path / "outside" / shard.name)
+    out = _cli("promote", tmp_path / "mgr", tmp_path / "durable", cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "outside the checkpoint directory" in out.stderr
+    assert not (tmp_path / "durable" / "step_1").exists()
+
+
 def test_node_holdings_ignore_a_part_record_naming_a_generation_outside_it(
     tmp_path: Path,
 ) -> None:

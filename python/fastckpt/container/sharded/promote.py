@@ -49,6 +49,7 @@ from fastckpt.container.copy import copy_files, read_verified
 from fastckpt.container.sharded.parts import Part, committed_part, index_dir
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.records import SHARDED_DIR, SHARDED_RECORD, Manifest, read_record_bytes
+from fastckpt.io.paths import safe_join
 from fastckpt.storage.backend import make_dirs
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
@@ -171,6 +172,9 @@ def record_files(
             )
         if node_local and rank_of(name) != 0:
             elsewhere[name] = file_record
+        elif is_local(backend_for(directory)):
+            # as the readers join it: refused if it resolves outside the part (a symlink)
+            files[name] = (safe_join(directory, f"{record.generation}/{name}"), file_record)
         else:
             files[name] = (directory / record.generation / name, file_record)
     return record.generation, files, elsewhere
