@@ -153,9 +153,13 @@ def test_a_record_put_that_never_gets_through_fails_keeping_the_last_checkpoint(
     client = s3_server.client()
     kept = client.list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{prefix}/1/")
     assert kept.get("KeyCount", 0) > 0  # the outcome was unknown: nothing it wrote deleted
-    # The next save clears them and commits.
-    assert fastckpt.save_checkpoint(s3_root, models={"m": model}, storage_options=options) == 1
+    # The next save commits past the index in doubt (a late put must not name another
+    # save's objects there); the save after it clears them, no record naming them.
+    assert fastckpt.save_checkpoint(s3_root, models={"m": model}, storage_options=options) == 2
+    assert fastckpt.save_checkpoint(s3_root, models={"m": model}, storage_options=options) == 3
     assert fastckpt.verify(s3_root, storage_options=options).ok
+    left = client.list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{prefix}/1/")
+    assert left.get("KeyCount", 0) == 0
 
 
 def test_a_failure_removing_what_a_committed_record_replaced_keeps_the_save(
@@ -216,3 +220,50 @@ def test_a_record_put_again_is_put_only_while_the_lease_holds(
     client.delete_object(Bucket=s3_server.bucket, Key=f"{prefix}/.fastckpt.lock")
     rows = fastckpt.list_checkpoints(s3_root, storage_options=options)
     assert [row["index"] for row in rows] == [0]
+
+
+def test_a_manifest_put_delivered_late_never_names_another_saves_objects(
+    s3_server: S3Server, s3_root: str, proxy: FaultProxy
+) -> None:
+    """Save 1's manifest put is held in the network past the timeouts (its outcome unknown)
+    and delivered later; save 2, slower, took index 1 again, deleted and rewrote save 1's
+    objects there, and the late put then committed index 1 naming save 1's checksums over
+    save 2's bytes: the newest index never verified again. Now save 2 takes index 2: the late
+    put names save 1's intact objects (and save 2 meets the changed manifest), or save 2
+    commits first and the late put is refused; either way every committed index verifies."""
+    import time
+
+    stall = 4.0
+    options = s3_server.options(
+        endpoint_url=proxy.endpoint, max_retries=1, retry_timeout_s=2, read_timeout_s=1
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    assert _save_root(s3_root, model, 0, options) == 0
+    with torch.no_grad():
+        model.weight.add_(1)
+    saved = {1: model.weight.detach().clone()}
+    proxy.faults.append(Fault("PUT", "/manifest.json", lambda: time.sleep(stall), times=None))
+    with pytest.raises(CommitOutcomeUnknownError):
+        _save_root(s3_root, model, 1, options)
+    proxy.faults.clear()
+    # Save 2's tensor upload outlasts the held put, which lands first.
+    proxy.faults.append(Fault("PUT", "/models/m.safetensors", lambda: time.sleep(stall + 2)))
+    with torch.no_grad():
+        model.weight.add_(1)
+    saved[2] = model.weight.detach().clone()
+    try:
+        index: int | None = _save_root(s3_root, model, 2, options)
+    except FileExistsError:  # the manifest changed under it: save 1's put landed first
+        index = None
+    assert index in (None, 2)  # never index 1 again (before: 1, over save 1's objects)
+    time.sleep(2 * stall)  # every held request has been delivered
+    plain = s3_server.options()
+    report = fastckpt.verify(s3_root, storage_options=plain)
+    assert report.ok, report
+    rows = fastckpt.list_checkpoints(s3_root, storage_options=plain)
+    step = rows[-1]["counters"]["step"]
+    assert (rows[-1]["index"], step) in ((1, 1), (2, 2))
+    restored = fastckpt.load_checkpoint(s3_root, storage_options=plain)
+    assert restored["manifest"]["counters"]["step"] == step
+    assert torch.equal(restored["models"]["m"]["model"].weight, saved[step])

@@ -126,6 +126,35 @@ def _committed(root: Path, index: int) -> None:
         _COMMITTED.setdefault(refs.root_key(root), set()).add(index)
 
 
+#: Per object-store root: the indices whose manifest put had an unknown outcome in this
+#: process (CommitOutcomeUnknownError) and that no later commit of the root has settled. Such
+#: a put may still land (a proxy delivering it late): its condition holds until the manifest
+#: changes, and it names that index's objects as that save wrote them. The next save must not
+#: reuse the number (it would delete and rewrite those objects, and the late put then named
+#: another save's bytes: a committed index that never verifies).
+_IN_DOUBT: dict[str, set[int]] = {}
+
+
+def _next_free_index(root: Path, latest: int | None) -> int:
+    """The next index of ``root``: after ``latest``, past the in-doubt ones."""
+    index = 0 if latest is None else latest + 1
+    with _COMMITTED_LOCK:
+        doubtful = _IN_DOUBT.get(refs.root_key(root), set())
+        while index in doubtful:
+            index += 1
+    return index
+
+
+def _settle_in_doubt(root: Path, index: int | None) -> None:
+    """Record ``index`` as in doubt (None: a commit of ``root`` succeeded, so no earlier put
+    can land any more: its condition no longer holds)."""
+    with _COMMITTED_LOCK:
+        if index is None:
+            _IN_DOUBT.pop(refs.root_key(root), None)
+        else:
+            _IN_DOUBT.setdefault(refs.root_key(root), set()).add(index)
+
+
 #: Threads writing an index's JSON documents next to its tensor files.
 _JSON_THREADS = 4
 
@@ -775,7 +804,7 @@ class IndexWriter(DirectoryWriter):
             clean_leftovers(root, writing=index)
             sealed = Manifest.load(root)  # as cleaned: an interrupted replacement undone
             if index is None:
-                index = 0 if sealed.latest is None else sealed.latest + 1
+                index = _next_free_index(root, sealed.latest)
             self.index: int = index
             if check is not None:
                 check(sealed, index)
@@ -908,6 +937,8 @@ class IndexWriter(DirectoryWriter):
         except CommitOutcomeUnknownError:
             self._keep = True  # the manifest may name them
             _committed(self.root, self.index)
+            if not is_local(self.backend):
+                _settle_in_doubt(self.root, self.index)  # the next save takes another number
             raise
         except BaseException:
             # An interruption (Ctrl-C, a signal handler raising) can land after the new
@@ -919,6 +950,7 @@ class IndexWriter(DirectoryWriter):
                 self.backend.delete(self.final)
             raise
         _committed(self.root, self.index)
+        _settle_in_doubt(self.root, None)
 
     def _put_aside_back(self) -> None:
         """After a failed replacement on an object store, while the root's lock is held:
