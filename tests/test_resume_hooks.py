@@ -292,6 +292,28 @@ def test_a_tiered_run_resumed_from_its_durable_tier_elsewhere_keeps_its_two_tier
     )
 
 
+def test_a_run_resumed_with_its_durable_tier_named_keeps_its_fast_tier_from_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative fast tier beside an absolute durable one, the fast tier resumed from
+    another working directory with the durable tier in ``fallback_dirs``: the tiers stay the
+    caller's (a first version of the durable-tier placement took the fast root for the
+    durable tier, by its path names, and placed the fast tier in a made-up folder)."""
+    run = tmp_path / "home" / "u" / "exp1"
+    run.mkdir(parents=True)
+    durable = tmp_path / "shared" / "exp1" / "ckpt"
+    monkeypatch.chdir(run)
+    hook = fastckpt.CheckpointHook(
+        "ckpt", step_interval=1, durable_dir=durable, promote_every=2, async_save=False
+    )
+    support.new_strategy([hook], num_steps=4).run(support.loader())
+    monkeypatch.chdir(tmp_path / "home" / "u")
+    with pytest.warns(UserWarning, match="checkpoint_dir was 'ckpt'"):
+        resumed = _resume(Path("exp1") / "ckpt", fallback_dirs=[durable])
+    hook = resumed.hooks[0]
+    assert (hook.checkpoint_dir, hook.durable_dir) == (run / "ckpt", durable)
+
+
 def test_every_key_a_hook_records_is_one_its_rebuild_accepts(tmp_path: Path) -> None:
     """``RECORDED_KEYS`` lists what ``hook_config()`` writes: a key added there alone would
     make every resume of such a run a CheckpointFormatError."""

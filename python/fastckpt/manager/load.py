@@ -396,10 +396,11 @@ def check_tied_templates(
 ) -> None:
     """Refuse one template tensor given at several key paths (``ties``, from
     :func:`fastckpt.container.templates.check_disjoint_templates`) unless the checkpoint
-    holds the same bytes at each: else the copy made last would win, and the tensor would
-    hold one saved value where the caller asked for two. Runs before any byte is read into a
-    template: a planned item's tensors are judged by their headers (dtype, shape, crc32c), an
-    item already loaded (``values``) by its bytes.
+    holds the same bytes wherever it goes: else the copy made last would win, and the tensor
+    would hold one saved value where the caller asked for two. A path the checkpoint lacks
+    (a non-strict load) loads nothing there and is not compared. Runs before any byte is
+    read into a template: a planned item's tensors are judged by their headers (dtype,
+    shape, crc32c), an item already loaded (``values``) by its bytes.
 
     Raises:
         CheckpointMismatchError: names the key paths and the fix (nothing read into a
@@ -407,25 +408,30 @@ def check_tied_templates(
     """
     if not ties:
         return
-    wanted = {path for paths in ties for path in paths}
-    saved: dict[str, tuple[Any, ...] | None] = {}
+    tensors: list[tuple[str, torch.Tensor]] = []
+    template_tensors(templates, "", tensors)
+    groups = {path: paths for paths in ties for path in paths}
+    views = {template_view(t) for path, t in tensors if path in groups}
+    # template view -> the saved fingerprints of what is loaded into it (None: unprovable)
+    saved: dict[tuple[Any, ...], list[tuple[Any, ...] | None]] = {}
+    where_of: dict[tuple[Any, ...], list[str]] = {}
+    for path, tensor in tensors:
+        where_of.setdefault(template_view(tensor), []).append(path)
     for key, template in templates.items():
         plan = plans.get(key)
         if plan is not None:
-            by_view = {template_view(t): name for name, t in plan.matched.items()}
-            found: list[tuple[str, torch.Tensor]] = []
-            template_tensors(template, key, found)
-            for path, tensor in found:
-                name = by_view.get(template_view(tensor))
-                if path in wanted and name is not None:
-                    where = plan.tensors[name]
-                    fingerprint = (where.header_dtype, list(where.header_shape), where.crc32c)
-                    saved[path] = None if where.crc32c is None else fingerprint
+            for name, target in plan.matched.items():
+                view = template_view(target)
+                if view in views:
+                    info = plan.tensors[name]
+                    crc = info.crc32c
+                    fingerprint = (info.header_dtype, list(info.header_shape), crc)
+                    saved.setdefault(view, []).append(None if crc is None else fingerprint)
         elif key in values:
-            _saved_bytes(template, values[key], key, wanted, saved)
-    for paths in ties:
-        prints = [saved.get(path) for path in paths]
-        if any(p is None for p in prints) or any(p != prints[0] for p in prints):
+            _saved_bytes(template, values[key], views, saved)
+    for view, prints in saved.items():
+        if len(prints) > 1 and (None in prints or any(p != prints[0] for p in prints)):
+            paths = where_of[view]
             raise CheckpointMismatchError(
                 f"{', '.join(paths)}: one template tensor is given for each, but the "
                 "checkpoint does not hold the same values at each (or cannot prove it), so "
@@ -437,24 +443,25 @@ def check_tied_templates(
 def _saved_bytes(
     template: Any,
     value: Any,
-    path: str,
-    wanted: set[str],
-    out: dict[str, tuple[Any, ...] | None],
+    views: set[tuple[Any, ...]],
+    out: dict[tuple[Any, ...], list[tuple[Any, ...] | None]],
 ) -> None:
-    """The fingerprint (dtype, shape, crc32c of the bytes) of each loaded tensor in
-    ``value`` at a ``wanted`` template key path."""
+    """Add to ``out`` the fingerprint (dtype, shape, crc32c of the bytes) of each loaded
+    tensor in ``value`` whose template tensor is one of ``views``."""
     if isinstance(template, torch.Tensor):
-        if path in wanted and isinstance(value, torch.Tensor):
+        view = template_view(template)
+        if view in views and isinstance(value, torch.Tensor):
             host = value.detach().cpu().contiguous()
-            out[path] = (
+            fingerprint = (
                 dtype_name(host.dtype),
-                header_shape(path, host),
+                header_shape("", host),
                 _native.crc32c(byte_view(host)),
             )
+            out.setdefault(view, []).append(fingerprint)
     elif isinstance(template, Mapping) and isinstance(value, Mapping):
         for key, item in template.items():
             if key in value:
-                _saved_bytes(item, value[key], tree.join_path(path, key), wanted, out)
+                _saved_bytes(item, value[key], views, out)
     elif isinstance(template, (list, tuple)) and isinstance(value, (list, tuple)):
-        for i, (item, other) in enumerate(zip(template, value, strict=False)):
-            _saved_bytes(item, other, tree.join_path(path, i), wanted, out)
+        for item, other in zip(template, value, strict=False):
+            _saved_bytes(item, other, views, out)

@@ -240,12 +240,15 @@ def _placed(
       its durable tier, the fast one lost): the recorded ``checkpoint_dir`` is then kept.
     * A recorded ``durable_dir`` the caller did not name gives way to the caller's one
       fallback dir (a warning says so); without one, it is kept.
-    * A caller's root that is the recorded ``durable_dir`` by name only (a relative record
-      read from another working directory, a moved or copied run: more of its trailing path
-      names match the recorded durable tier than the fast one) is taken as the durable
-      tier, and the fast tier is placed where it lay beside it in the record (``fast`` next
-      to ``durable`` stays next to it), each with a warning. Before, such a run saved its
-      fast-tier checkpoints into its durable root and promoted them to a new folder.
+    * Without ``fallback_dirs``, a caller's root that is the recorded ``durable_dir`` by
+      name only (two relative records read from another working directory, or two absolute
+      ones of a moved or copied run: more of its trailing path names match the recorded
+      durable tier than the fast one) is taken as the durable tier, and the fast tier is
+      placed where it lay beside it in the record (``fast`` next to ``durable`` stays next
+      to it), each with a warning. Before, such a run saved its fast-tier checkpoints into
+      its durable root and promoted them to a new folder. A relative record beside an
+      absolute one says nothing of where the two lie relative to each other: the caller's
+      root stays the fast tier, as before.
 
     A recorded root that is kept is checked by the hook before its first step, as any
     hook's: a root further along than the run stops it with :class:`MixedRunError`.
@@ -258,6 +261,8 @@ def _placed(
         return config
     if (
         durable is not None
+        and not fallbacks  # the caller named the durable tier: its root is the fast one
+        and os.path.isabs(fast) == os.path.isabs(durable)  # one layout, both moved alike
         and not _same_root(fast, root)
         and _shared_tail(durable, root) > _shared_tail(fast, root)
     ):
