@@ -35,8 +35,9 @@ import fastckpt.checkpoint.components as codec
 import fastckpt.checkpoint.specs as specs
 import fastckpt.checkpoint.trust as trust
 import fastckpt.training.sharded as sharded_training
+from fastckpt.container.commit import shown_names
 from fastckpt.container.promote import NearestCopy, nearest_intact
-from fastckpt.container.refs import root_key
+from fastckpt.container.refs import REFS_FILE, root_key
 from fastckpt.container.sharded.nodes import node_holdings
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.container.verify import checked_index
@@ -51,6 +52,7 @@ from fastckpt.errors import (
 )
 from fastckpt.format.records import MANIFEST, MAX_INDEX, Manifest
 from fastckpt.io import tree
+from fastckpt.io.files import torch_shape
 from fastckpt.storage.registry import display_path, use_storage_options
 from fastckpt.training.hooks.context import (
     CheckpointableHook,
@@ -1166,52 +1168,109 @@ class TrainingStrategy:
         """Restore weights, optimizer/scheduler state, counters, RNG, data position and hook
         states into this live strategy. Returns the restored index.
 
+        All or nothing: every file is read and verified, and every component checked against
+        the live one (models' keys and shapes, optimizer and scheduler kinds, parameter
+        groups, frozen parameters), before anything live changes; a save replacing the index
+        meanwhile makes it read again (as ``fastckpt.load_checkpoint``). A hook that refuses
+        its state (configured otherwise) leaves the hooks and schedulers as they were.
+
         Raises:
-            ValueError: the checkpoint is component-only, or its models differ from this one's.
+            ValueError: the checkpoint is component-only.
+            CheckpointMismatchError: (a ``ValueError``) the checkpoint's models, or a model's
+                keys or shapes, optimizers, schedulers or parameter groups differ from this
+                strategy's; named, nothing live changed.
+            ChecksumMismatchError / CheckpointFormatError: a damaged file, named; nothing live
+                changed.
         """
-        manifest, index, reader, recipe = _read_index(root, checkpoint_index)
-        if recipe.get("sharded") is not None:
+        index, restore = read_consistently(
+            Path(root) / MANIFEST,
+            lambda: self._read_restore(root, checkpoint_index, map_location),
+            lock_root=Path(root),
+        )
+        if restore is None:  # FSDP2-sharded models: read as one snapshot, then applied
             index = self._restore_sharded(Path(root), index, validators)
             self._interrupted_step = self._step_started = None
             return index
+        self._apply_restore(restore, map_location, validators)
+        self._interrupted_step = self._step_started = None  # the checkpoint's state now
+        return index
+
+    def _read_restore(
+        self,
+        root: str | Path,
+        checkpoint_index: int,
+        map_location: str | torch.device | None,
+    ) -> tuple[int, _Restore | None]:
+        """One attempt of :meth:`restore_checkpoint`'s read: everything it applies, read,
+        verified and checked against this strategy, nothing live changed (None: the index
+        holds FSDP2-sharded models, restored by :meth:`_restore_sharded`)."""
+        manifest, index, reader, recipe = _index_snapshot(root, checkpoint_index, True)
+        if recipe.get("sharded") is not None:
+            return index, None
         entry = manifest.entries[index]
         saved_models = entry.get("components", {}).get("models", [])
         if sorted(saved_models) != sorted(self.models):
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"checkpoint {index} has models {sorted(saved_models)}, this strategy has "
                 f"{sorted(self.models)}"
             )
-        # strategy.json / hooks.json, the components' kinds and the optimizers' parameter
-        # groups are checked before anything live changes.
         runtime = _parse_runtime(reader, recipe)
         saved_schedulers = entry.get("components", {}).get("schedulers", [])
         self._check_live_components(recipe, [*saved_schedulers, *runtime.schedulers], reader)
-        states = {
+        for name, model in self.models.items():
+            _check_model_fits(name, codec.unwrap_model(model), reader)
+        optimizers = {
             name: reader.component_state("optimizers", name, map_location)
             for name in self.optimizers
         }
         for name, optimizer in self.optimizers.items():
-            _check_param_groups(optimizer, states[name], f"{reader.directory}/optimizers/{name}")
+            _check_param_groups(
+                optimizer, optimizers[name], f"{reader.directory}/optimizers/{name}"
+            )
         frozen = entry.get(codec.FROZEN_FIELD) or {}
         _check_frozen(self.models, frozen, f"{manifest.path}: {codec.FROZEN_FIELD}")
-        for name, model in self.models.items():
-            target = codec.unwrap_model(model)
-            target.load_state_dict(reader.tensors(f"models/{name}.safetensors", owned=False))
-            if map_location is not None:
-                target.to(map_location)
-            codec.run_validators(validators, name, target)
-        for name, optimizer in self.optimizers.items():
-            optimizer.load_state_dict(states[name])
-        for name, scheduler in self.schedulers.items():
-            codec.load_scheduler_state(
-                scheduler,
-                reader.component_state("schedulers", name, None),
-                f"{reader.directory}/schedulers/{name}.json",
+        schedulers = {
+            name: reader.component_state("schedulers", name, None) for name in self.schedulers
+        }
+        weights = {  # views of the files' mappings: load_state_dict copies them
+            name: reader.tensors(f"models/{name}.safetensors", owned=False) for name in self.models
+        }
+        return index, _Restore(reader, weights, optimizers, schedulers, runtime, frozen)
+
+    def _apply_restore(
+        self, restore: _Restore, map_location: str | torch.device | None, validators: Any
+    ) -> None:
+        """Apply what :meth:`_read_restore` read and checked: the scheduler and hook states
+        first (all or nothing: a hook may still refuse its state), then the weights,
+        optimizer states, frozen parameters, counters and RNG."""
+        reader = restore.reader
+        self._load_refusable_states(
+            [
+                (name, state, f"{reader.directory}/schedulers/{name}.json")
+                for name, state in restore.schedulers.items()
+            ],
+            restore.runtime,
+            reader,
+        )
+        frozen_where = f"{reader.manifest.path}: {codec.FROZEN_FIELD}"
+        try:
+            for name, model in self.models.items():
+                target = codec.unwrap_model(model)
+                target.load_state_dict(restore.weights[name])
+                if map_location is not None:
+                    target.to(map_location)
+                codec.run_validators(validators, name, target)
+            for name, optimizer in self.optimizers.items():
+                optimizer.load_state_dict(restore.optimizers[name])
+            _refreeze(self.models, restore.frozen, frozen_where)
+        except BaseException as err:  # a validator's refusal (the checks passed)
+            err.add_note(
+                f"restore_checkpoint of {reader.directory} stopped part-way: this strategy's "
+                "hook and scheduler states and some of its weights are the checkpoint's; "
+                "restore a checkpoint again before training on"
             )
-        _refreeze(self.models, frozen, f"{manifest.path}: {codec.FROZEN_FIELD}")
-        self._apply_runtime(runtime, reader)
-        self._interrupted_step = self._step_started = None  # the checkpoint's state now
-        return index
+            raise
+        self._set_counters_and_rng(restore.runtime)
 
     def _restore_sharded(
         self,
@@ -1319,6 +1378,51 @@ class TrainingStrategy:
             )
 
     def _apply_runtime(self, runtime: _Runtime, reader: codec.IndexReader) -> None:
+        """Apply a checkpoint's run state: the scheduler and hook states strategy.json and
+        hooks.json hold (all or nothing), then the counters and RNG."""
+        self._load_refusable_states([], runtime, reader)
+        self._set_counters_and_rng(runtime)
+
+    def _load_refusable_states(
+        self,
+        components: Sequence[tuple[str, Any, str]],
+        runtime: _Runtime,
+        reader: codec.IndexReader,
+    ) -> None:
+        """Load the scheduler states of ``components`` (name, state, file), then those
+        ``runtime`` holds, then the hooks' states: what a live object may still refuse (a
+        hook configured otherwise, an edited scheduler record), so loaded before anything
+        else. All or nothing: on a refusal, the schedulers and hooks already loaded get back
+        the states they had (their ``state_dict()`` taken before)."""
+        where = f"{reader.directory}/strategy.json"
+        previous: list[tuple[Any, Any]] = []
+        try:
+            for name, state, source in components:
+                scheduler = self.schedulers[name]
+                previous.append((scheduler, scheduler.state_dict()))
+                codec.load_scheduler_state(scheduler, state, source)
+            for name, state in runtime.schedulers.items():
+                if name in self.schedulers:
+                    scheduler = self.schedulers[name]
+                    previous.append((scheduler, scheduler.state_dict()))
+                    with _malformed(where, f"runtime.schedulers.{name}"):
+                        codec.load_scheduler_state(
+                            scheduler, state, f"{where}: field 'runtime.schedulers.{name}'"
+                        )
+            previous.extend(
+                (hook, hook.state_dict())
+                for hook in self.hooks
+                if isinstance(hook, CheckpointableHook)
+            )
+            _restore_hook_states(self.hooks, runtime.hooks, f"{reader.directory}/hooks.json")
+        except BaseException:
+            for item, state in reversed(previous):
+                with contextlib.suppress(Exception):
+                    item.load_state_dict(state)
+            raise
+
+    def _set_counters_and_rng(self, runtime: _Runtime) -> None:
+        """Set the counters, the RNGs and the data position ``runtime`` holds (checked)."""
         for name, value in runtime.counters.items():
             setattr(self, name, value)
         own = _own_rng(runtime)
@@ -1328,14 +1432,6 @@ class TrainingStrategy:
         self._resume_loader_pending = True
         self._resume_loader_rng = own.get("loader_rng")
         self._loader_rng_after_run = list(own.get("loader_rng") or [])  # a save before run
-        where = f"{reader.directory}/strategy.json"
-        for name, state in runtime.schedulers.items():
-            if name in self.schedulers:
-                with _malformed(where, f"runtime.schedulers.{name}"):
-                    codec.load_scheduler_state(
-                        self.schedulers[name], state, f"{where}: field 'runtime.schedulers.{name}'"
-                    )
-        _restore_hook_states(self.hooks, runtime.hooks, f"{reader.directory}/hooks.json")
 
     @classmethod
     def load_checkpoint(
@@ -1450,19 +1546,43 @@ class TrainingStrategy:
         (:func:`~fastckpt.training.hooks.rebuild.rebuild_hooks`)."""
         named = [root] if named is None else named
 
-        def attempt() -> tuple[int, dict[str, Any], list[dict[str, Any]] | None, str]:
-            # The recipe and (for a sharded index) the recorded hooks, from one snapshot: a
-            # save replacing the index meanwhile makes both read again.
+        def attempt() -> tuple[
+            int, dict[str, Any], list[dict[str, Any]] | None, str, TrainingStrategy | None
+        ]:
+            # The recipe and (for a sharded index) the recorded hooks, or the whole strategy
+            # of an unsharded index, from one snapshot: a save replacing the index meanwhile
+            # makes it all read again (as fastckpt.load_checkpoint).
             _, index, reader, recipe = _index_snapshot(root, checkpoint_index, False)
             where = f"{reader.directory}/hooks.json"
             configs = None
-            if recipe.get("sharded") is not None and hooks is None:
-                configs = parse_hook_configs(reader.json("hooks.json"), where)
-            return index, recipe, configs, where
+            if recipe.get("sharded") is not None:
+                if hooks is None:
+                    configs = parse_hook_configs(reader.json("hooks.json"), where)
+                return index, recipe, configs, where, None
+            if parallelize is not None:
+                raise ValueError(
+                    f"index {index} of {root} holds unsharded models; parallelize= applies to "
+                    "checkpoints of FSDP2-sharded models (load, then wrap the models yourself)"
+                )
+            result = codec.load_components(
+                root, index, map_location, validators=validators, trusted=trusted
+            )
+            strategy = cls.from_loaded(  # require_training_fn=True: raises, never None
+                result["models"],
+                result["reader"],
+                hooks=hooks,
+                training_fn=training_fn,
+                trusted=trusted,
+                map_location=map_location,
+                named_roots=named,
+            )
+            return index, recipe, configs, where, strategy
 
-        index, recipe, configs, where = read_consistently(
+        index, recipe, configs, where, loaded = read_consistently(
             Path(root) / MANIFEST, attempt, lock_root=Path(root)
         )
+        if loaded is not None:
+            return loaded
         if recipe.get("sharded") is not None:
             if hooks is None:  # configs were read (None: not recorded by an earlier version)
                 hooks = rebuild_hooks(configs, where, named)
@@ -1478,25 +1598,7 @@ class TrainingStrategy:
                 parallelize,
                 spread,
             )
-        if parallelize is not None:
-            raise ValueError(
-                f"index {index} of {root} holds unsharded models; parallelize= applies to "
-                "checkpoints of FSDP2-sharded models (load, then wrap the models yourself)"
-            )
-        result = codec.load_components(
-            root, checkpoint_index, map_location, validators=validators, trusted=trusted
-        )
-        strategy = cls.from_loaded(
-            result["models"],
-            result["reader"],
-            hooks=hooks,
-            training_fn=training_fn,
-            trusted=trusted,
-            map_location=map_location,
-            named_roots=named,
-        )
-        assert strategy is not None  # require_training_fn=True raises instead
-        return strategy
+        raise AssertionError("unreachable: an unsharded index was loaded by attempt()")
 
     @classmethod
     def resume_or_start(
@@ -1695,24 +1797,12 @@ def _recorded_training_fn(
     return trust.resolve_training_fn(path, trusted, models=models)
 
 
-def _read_index(
-    root: str | Path, checkpoint_index: int, *, recipe_required: bool = True
-) -> tuple[Manifest, int, codec.IndexReader, dict[str, Any]]:
-    """The manifest, the resolved index, its reader and its recipe (``{}`` when it has none
-    and ``recipe_required`` is False), read as one snapshot: a save replacing the index
-    meanwhile makes it read again (see :func:`fastckpt.container.snapshot.read_consistently`)."""
-
-    return read_consistently(
-        Path(root) / MANIFEST,
-        lambda: _index_snapshot(root, checkpoint_index, recipe_required),
-        lock_root=Path(root),
-    )
-
-
 def _index_snapshot(
     root: str | Path, checkpoint_index: int, recipe_required: bool
 ) -> tuple[Manifest, int, codec.IndexReader, dict[str, Any]]:
-    """One attempt of :func:`_read_index` (raises when a save raced it)."""
+    """The manifest, the resolved index, its reader and its recipe (``{}`` when it has none
+    and ``recipe_required`` is False): one attempt of a read under
+    :func:`fastckpt.container.snapshot.read_consistently` (raises when a save raced it)."""
     requested = checked_index(checkpoint_index, "checkpoint_index", codec.LOAD_INDEX)
     manifest = Manifest.load(root)
     index = manifest.resolve(-1 if requested is None else requested)
@@ -1926,6 +2016,72 @@ class _Runtime:
     #: the run's hooks as recorded (see fastckpt.training.hooks.rebuild; None: not recorded,
     #: by an earlier fastckpt)
     hook_configs: list[dict[str, Any]] | None
+
+
+@dataclass
+class _Restore:
+    """What :meth:`TrainingStrategy.restore_checkpoint` applies, read, verified and checked
+    against the live strategy before any of it is."""
+
+    reader: codec.IndexReader
+    #: model name -> its saved tensors (views of the verified files)
+    weights: dict[str, dict[str, torch.Tensor]]
+    #: optimizer / scheduler name -> its saved ``state_dict()``
+    optimizers: dict[str, Any]
+    schedulers: dict[str, Any]
+    runtime: _Runtime
+    #: the entry's record of frozen parameters
+    frozen: Mapping[str, Any]
+
+
+def _check_model_fits(name: str, model: torch.nn.Module, reader: codec.IndexReader) -> None:
+    """Refuse restoring model ``name``'s file of ``reader``'s index into ``model`` when their
+    keys or shapes differ, from the file's header (and its references), before any tensor
+    data is read: torch's ``load_state_dict`` copies every tensor that fits before it raises,
+    which left the live model half overwritten. Dtypes may differ (the restore casts to the
+    live model's, as ``load_state_dict``); torch's own exceptions are kept: a lazy (not yet
+    materialized) parameter takes any shape, ``_extra_state`` any value, a 0-d tensor a 1-d
+    one.
+
+    Raises:
+        CheckpointMismatchError: naming the file, the model, the keys and both shapes.
+        ChecksumMismatchError / CheckpointFormatError: the file differs from its record (a
+            damaged header is not taken for a model of another shape).
+    """
+    relpath = f"models/{name}.safetensors"
+    where = f"{reader.directory}/{relpath}"
+    entries = dict(reader.header(relpath))
+    if REFS_FILE in reader.files:
+        entries.update(reader.references.get(relpath) or {})
+    saved = {
+        key: torch_shape(f"{where}: tensor {key!r}", entry["dtype"], list(entry["shape"]))
+        for key, entry in entries.items()
+    }
+    live = model.state_dict()
+    problems = [
+        repr(key) + " is in this model, not in the checkpoint" for key in live if key not in saved
+    ]
+    problems += [
+        repr(key) + " is in the checkpoint, not in this model" for key in saved if key not in live
+    ]
+    for key, tensor in live.items():
+        if (
+            key not in saved
+            or key.endswith("_extra_state")
+            or not isinstance(tensor, torch.Tensor)
+            or torch.nn.parameter.is_lazy(tensor)
+        ):
+            continue
+        shape = list(tensor.shape)
+        if shape != saved[key] and not (shape == [] and len(saved[key]) == 1):
+            problems.append(f"{key!r} is saved with shape {saved[key]}, this model's is {shape}")
+    if problems:
+        reader.tensors(relpath, owned=False)  # a damaged header is damage, not a mismatch
+        raise CheckpointMismatchError(
+            f"{where}: model {name!r} does not fit the checkpoint ({len(problems)} "
+            f"differences): {shown_names(problems)}; build the model as the checkpoint was "
+            "saved, or load it whole with TrainingStrategy.load_checkpoint"
+        )
 
 
 def _check_frozen(models: Mapping[str, torch.nn.Module], frozen: Any, where: str) -> None:
@@ -2343,10 +2499,18 @@ class FineTuningStrategy(TrainingStrategy):
             strategy_kwargs: other ``TrainingStrategy`` arguments (they win).
         """
         trusted = trust.frozen_trusted(trusted)
-        result = codec.load_components(
-            checkpoint_dir, checkpoint_index, map_location, trusted=trusted
+
+        def attempt() -> tuple[dict[str, Any], dict[str, Any]]:
+            # Models and recipe from one snapshot: a save replacing the index meanwhile makes
+            # both read again (as fastckpt.load_checkpoint).
+            result = codec.load_components(
+                checkpoint_dir, checkpoint_index, map_location, trusted=trusted
+            )
+            return result, _read_recipe(result["reader"])
+
+        result, recipe = read_consistently(
+            Path(checkpoint_dir) / MANIFEST, attempt, lock_root=Path(checkpoint_dir)
         )
-        recipe = _read_recipe(result["reader"])
         models = {name: record["model"] for name, record in result["models"].items()}
         kwargs: dict[str, Any] = dict(strategy_kwargs)
         if "optimizers" not in kwargs:
