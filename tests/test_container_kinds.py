@@ -349,7 +349,8 @@ def test_the_root_functions_name_the_kind_they_find_instead_of_finding_nothing(
         ("sharded", "a sharded checkpoint: load it with fastckpt.dcp.load_state"),
     ):
         for name, call in calls.items():
-            with pytest.raises(FileNotFoundError, match=f"which {name} reads\\); it is {what}"):
+            reads = "this call" if name == "load_checkpoint" else name
+            with pytest.raises(FileNotFoundError, match=f"which {reads} reads\\); it is {what}"):
                 call(kinds.all()[kind])
     folder = tmp_path / "runs"
     with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:

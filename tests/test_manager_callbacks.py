@@ -119,13 +119,28 @@ def test_a_finalize_callback_of_an_async_manager_saving_again_is_refused_at_once
     config.finalize_callback = also_save_best
     with fastckpt.CheckpointManager(config) as manager:
         future = manager.save(tmp_path / "step_1", {"x": torch.ones(2)})
-        with pytest.raises(RuntimeError, match="cannot save or close from inside the background"):
+        with pytest.raises(RuntimeError, match="cannot save from inside the background"):
             future.result(timeout=60)
         config.finalize_callback = None
         manager.save(tmp_path / "step_2", {"x": torch.ones(2)}).result(timeout=60)
     assert len(errors) == 1 and "finalize_callback" in str(errors[0])
     assert fastckpt.verify(tmp_path / "step_1").ok and fastckpt.verify(tmp_path / "step_2").ok
     assert not (tmp_path / "best").exists()
+
+    # close() from the callback: refused the same way, the manager still open and saving
+    # (a first version let it through to Python's "cannot join current thread", closed).
+    def close_it(checkpoint_id: str, logger: Any) -> None:
+        manager.close()
+
+    config = fastckpt.CheckpointManager.Config.with_async_save()
+    config.finalize_callback = close_it
+    with fastckpt.CheckpointManager(config) as manager:
+        future = manager.save(tmp_path / "step_3", {"x": torch.ones(2)})
+        with pytest.raises(RuntimeError, match="cannot close from inside the background"):
+            future.result(timeout=60)
+        config.finalize_callback = None
+        manager.save(tmp_path / "step_4", {"x": torch.ones(2)}).result(timeout=60)
+    assert fastckpt.verify(tmp_path / "step_4").ok
 
 
 def test_a_finalize_callback_of_a_sync_manager_may_save_again(tmp_path: Path) -> None:

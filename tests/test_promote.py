@@ -939,13 +939,37 @@ def test_a_new_processs_first_promotion_spares_only_what_the_durable_tier_lacks(
     promoter.submit()
     try:
         assert copying.wait(30)
-        assert promoter.in_flight() == {3, 4}
-        assert promoter.spared(4) == (3, 4)
+        # The durable tier's newest (2) may be copied again (a re-saved source index).
+        assert promoter.in_flight() == {2, 3, 4}
+        assert promoter.spared(4) == (2, 3, 4)
     finally:
         release.set()
         promoter.wait()
         promoter.close()
     assert [c["index"] for c in fastckpt.list_checkpoints(durable)][-1] == 4
+
+
+def test_a_new_processs_promoter_replaces_the_durable_copy_of_a_re_saved_index(
+    tmp_path: Path,
+) -> None:
+    """A source index re-saved after it was promoted replaces its durable copy, also when a
+    new process's promoter first reads the durable tier's newest (a first version of that
+    read left the newest out of the run: the durable copy stayed stale)."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    model = torch.nn.Linear(4, 4)
+    for _ in range(3):
+        fastckpt.save_checkpoint(fast, models={"m": (model, None)}, incremental=False)
+    for index in range(3):
+        promote_index(fast, durable, index)
+    with torch.no_grad():
+        model.weight.add_(1)
+    fastckpt.save_checkpoint(fast, models={"m": (model, None)}, checkpoint_index=2)
+    promoter = Promoter(fast, durable, every=1)
+    promoter.submit()
+    promoter.wait()
+    promoter.close()
+    assert promoter.promoted == [2]
+    assert Manifest.load(durable).entries[2]["files"] == Manifest.load(fast).entries[2]["files"]
 
 
 class _WipeFastTier:

@@ -326,6 +326,19 @@ class BackgroundWriter(Generic[T]):
         for the guard it holds)."""
         return self._capture_lock.held_here()
 
+    def _refuse_waiting_on_own_write(self, doing: str) -> None:
+        """Refuse ``doing`` on the writer thread while it runs a write: a callback the write
+        runs (a finalize_callback saving again, or closing) would wait for the write it is
+        part of: until the wait timeout, then a TimeoutError blaming the write (a close:
+        Python's "cannot join current thread", the manager closed)."""
+        if self._writing_thread == threading.get_ident():
+            raise RuntimeError(
+                f"{self.name}: cannot {doing} from inside the background write of "
+                f"{self._what} (a callback it runs, such as finalize_callback, runs on the "
+                "writer thread, and would wait for the write it is part of); do it after "
+                "its Future resolves, from your own thread"
+            )
+
     def _refuse_waiting_on_own_guard(self, doing: str) -> None:
         if self._capture_lock.held_here():
             raise RuntimeError(
@@ -463,15 +476,8 @@ class BackgroundWriter(Generic[T]):
             return None
         if not future.done() and not self._capture_done.is_set():
             self._refuse_waiting_on_own_guard("wait for the previous save")
-        if not future.done() and self._writing_thread == threading.get_ident():
-            # A callback the write runs (a finalize_callback saving again) would wait for
-            # the write it is part of: for ever, then a TimeoutError blaming the write.
-            raise RuntimeError(
-                f"{self.name}: cannot save or close from inside the background write of "
-                f"{self._what} (a callback it runs, such as finalize_callback, runs on the "
-                "writer thread, and would wait for the write it is part of); save after its "
-                "Future resolves, from your own thread"
-            )
+        if not future.done():
+            self._refuse_waiting_on_own_write("save")
         try:
             # The base class's method: waiting here does not count as the caller seeing it.
             error = Future.exception(future, timeout=timeout)
@@ -557,13 +563,15 @@ class BackgroundWriter(Generic[T]):
     def check_closable(self) -> None:
         """Refuse to close from inside this thread's own :meth:`guard` while a write is
         tracked: its snapshot waits for that guard, and the close for the snapshot (a
-        deadlock forever before).
+        deadlock forever before); and from the writer thread itself (a callback the write
+        runs), which would wait for the write it is part of.
 
         Raises:
-            RuntimeError: says to close outside the lock.
+            RuntimeError: says to close outside the lock, or after the write.
         """
         if self._future is not None:
             self._refuse_waiting_on_own_guard("close")
+        self._refuse_waiting_on_own_write("close")
 
     def close(self) -> T | None:
         """Wait for the tracked write however long it takes, report it, stop the thread.

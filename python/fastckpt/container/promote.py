@@ -697,9 +697,12 @@ class Promoter:
         if self.target_newest is not None:
             return self.target_newest
         try:
-            return Manifest.load(self.target).latest
+            latest = Manifest.load(self.target).latest
         except (OSError, CheckpointFormatError):
             return None  # the run reports an unreadable target
+        # The target's newest itself may be copied again (a source index re-saved since
+        # replaces its promoted copy, see :func:`promote`): one below it.
+        return None if latest is None else latest - 1
 
     def _due_now(self, held: int | None) -> frozenset[Any]:
         """The indices of the source a promotion run started now copies (at most): the

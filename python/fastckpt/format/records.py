@@ -536,7 +536,7 @@ class Manifest:
         """
         shown_path = display_path(self.path)
         if not self.entries:
-            refuse_other_kind(self.root, "load_checkpoint")
+            refuse_other_kind(self.root, "this call")
             raise FileNotFoundError(f"{shown_path}: no committed checkpoint here")
         if index == -1:
             return self.latest  # type: ignore[return-value]

@@ -195,6 +195,12 @@ class CheckpointHook:
         (endpoint_url, region, access_key_id, ... as for :func:`fastckpt.configure_storage`),
         over the AWS environment; registered for its prefix (as ``configure_storage``) and
         kept in effect for it. A local path refuses them (``StorageOptionsError``).
+
+        Raises:
+            TypeError: no ``checkpoint_dir``; a count (intervals, ``keep_last``) that is no
+                int, a timeout that is no number, a flag that is no bool.
+            ValueError: a count or timeout out of range, not exactly one interval, or a
+                tier setting that does not fit (see ``durable_dir``).
         """
         if checkpoint_dir is None:
             raise TypeError("CheckpointHook needs a checkpoint_dir")
