@@ -9,6 +9,8 @@ import json
 import os
 import signal
 import sys
+import threading
+from pathlib import Path
 from typing import Any
 
 import safetensors.torch
@@ -236,5 +238,82 @@ def load_corrupt() -> None:
         expected = {name: sentinel[name].chunk(world)[rank] for name in sentinel}
         report[f"{label}_changed"] = compare(expected, local)
         report[f"{label}_meta"] = templates["meta"]
+    print(json.dumps(report))
+    leave_process_group()
+
+
+def _rows_state(mesh: DeviceMesh, step: int) -> dict[str, Any]:
+    """:func:`dcp_support.row_tensors`' ``model.w`` plus ``step``, row-sharded over ``mesh``."""
+    full = row_tensors()["model.w"] + step
+    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": step}
+
+
+def async_save_after_teardown() -> None:
+    """Commit ``_rows_state(1)`` to ROOT, then start ``async_save_state`` of
+    ``_rows_state(2)`` and destroy the process group without waiting for it (a job ending);
+    the background save is held back until the group is gone, as a busy GIL holds it. Print
+    how its future ended (JSON)."""
+    from torch.distributed.checkpoint import _async_thread_executor
+
+    root, rank, world = setup_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    fastckpt.dcp.save_state(root, _rows_state(mesh, 1))
+    dist.barrier()
+    group = dist.new_group(backend="gloo")
+    gate = threading.Event()
+    original = _async_thread_executor.save_wrapper
+
+    def held_back(*args: Any, **kwargs: Any) -> Any:
+        gate.wait()
+        return original(*args, **kwargs)
+
+    _async_thread_executor.save_wrapper = held_back  # type: ignore[assignment]
+    writer = fastckpt.dcp.Writer(root)
+    future = fastckpt.dcp.async_save_state(
+        root, _rows_state(mesh, 2), writer=writer, process_group=group
+    )
+    dist.destroy_process_group()
+    gate.set()
+    report: dict[str, Any] = {"rank": rank}
+    try:
+        future.result(timeout=120)
+        report["outcome"] = "committed"
+    except Exception as err:
+        report["outcome"] = f"{type(err).__name__}: {err}"
+    except BaseException as err:
+        report["outcome"] = f"untyped {type(err).__name__}: {err}"
+    print(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def manager_async_save_disk_full() -> None:
+    """Commit ``_rows_state(1)`` to ROOT/ok through an async CheckpointManager; then save
+    ``_rows_state(2)`` and 2 MiB more to ROOT/full (rank 0) / ARG/full (rank 1: a tmpfs
+    smaller than its 1 MiB share); print the
+    type, errno and message of the failed save's future (JSON)."""
+    root, rank, world = setup_rank()
+    small = Path(sys.argv[5])
+    mesh = init_device_mesh("cpu", (world,))
+    report: dict[str, Any] = {"rank": rank}
+    config = fastckpt.CheckpointManager.Config.with_async_save()
+    with fastckpt.CheckpointManager(config) as manager:
+        first = manager.save(root / "ok", _rows_state(mesh, 1))
+        assert first is not None
+        first.result()
+        big = {
+            **_rows_state(mesh, 2),
+            "big": distribute_tensor(torch.ones(512, 1024), mesh, [Shard(0)]),
+        }
+        full = manager.save((small if rank == 1 else root) / "full", big)
+        assert full is not None
+        error = full.exception(timeout=120)
+        report["type"] = type(error).__name__
+        report["errno"] = getattr(error, "errno", None)
+        report["message"] = str(error)
+        try:
+            manager.close()
+        except BaseException as err:
+            report["close"] = f"{type(err).__name__}: {err}"
     print(json.dumps(report))
     leave_process_group()

@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -190,12 +190,34 @@ def async_save_state(
     (gloo), so the background collectives never interleave with training's.
 
     Returns:
-        A future resolved when the checkpoint is committed (raises what the save raised).
+        A future resolved when the checkpoint is committed; it raises what :func:`save_state`
+        raises (DCP's ``CheckpointException``, a ``BaseException`` that ``except Exception``
+        misses, as :func:`typed_dcp_error` picks it, with the ``CheckpointException`` as its
+        cause: a full disk is the ``OSError`` naming the checkpoint and the fix).
     """
     warn_of_key_types(state)
     writer.reset(path)
-    future = dcp.async_save(dict(state), storage_writer=writer, process_group=process_group)
-    return future  # type: ignore[return-value]
+    # The writer stages (it returns the staged state, not a future): DCP returns a Future.
+    uploaded = cast(
+        "Future[Any]",
+        dcp.async_save(dict(state), storage_writer=writer, process_group=process_group),
+    )
+    committed: Future[Any] = Future()
+    committed.set_running_or_notify_cancel()  # as DCP's: it cannot be cancelled
+
+    def done(future: Future[Any]) -> None:
+        try:
+            committed.set_result(future.result())
+        except CheckpointException as err:
+            failure = typed_dcp_error(err)
+            if failure is not err:
+                failure.__cause__ = err
+            committed.set_exception(failure)
+        except BaseException as err:
+            committed.set_exception(err)
+
+    uploaded.add_done_callback(done)
+    return committed
 
 
 def _key_of_another_type(value: Any, path: str) -> str | None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -35,6 +36,7 @@ from torch.futures import Future
 from fastckpt import _native
 from fastckpt.container.sharded.chunks import DEFAULT_BLOCK_BYTES, block_checksums
 from fastckpt.container.sharded.commit import (
+    RECORD_NAME,
     commit,
     data_file_name,
     make_generation_dir,
@@ -43,13 +45,16 @@ from fastckpt.container.sharded.commit import (
 )
 from fastckpt.container.sharded.values import encode_value, planner_object
 from fastckpt.dcp.stager import DcpStager
-from fastckpt.format.sharded import StoredChunk, encode_record
+from fastckpt.errors import CheckpointFormatError, NotACheckpointError
+from fastckpt.format.records import COMMIT_RECORD, MANIFEST
+from fastckpt.format.sharded import StoredChunk, decode_record, encode_record
 from fastckpt.io.files import byte_view, host_tensor, read_metadata, write_tensors
 from fastckpt.io.staging import StagerOptions
 from fastckpt.storage.backend import explain_full_disk, stored_sizes
 from fastckpt.storage.registry import (
     backend_for,
     check_url_spelling,
+    display_path,
     is_local,
     is_object_url,
 )
@@ -92,6 +97,18 @@ class Writer(StorageWriter, DcpStager):
             are refused when given (``ValueError`` naming the alternative): fastckpt stores
             each chunk as is, with a crc32c per block, so that a resharding load reads and
             verifies only its byte ranges; a compressed stream could not be read in ranges.
+        replace_unsharded: a ``CheckpointManager`` checkpoint (``commit.json``) at the
+            checkpoint id is this save's to replace (the manager's own writer: the manager
+            removes that checkpoint once this save commits). Otherwise a save there is
+            refused (``NotACheckpointError``, nothing written), as is one into a
+            ``save_checkpoint`` root (``manifest.json``): a sharded record beside either
+            leaves that checkpoint's own calls refusing the folder or loading the wrong one.
+
+    A save staged by ``dcp.async_save`` runs only in the world (rank and number of ranks of
+    the default process group) it was staged in: torch DCP's background save runs as a
+    one-process save when the process group was destroyed meanwhile (a job ending without
+    waiting for the future), and each rank would then commit its own shards alone. Such a
+    save is refused (``RuntimeError``, nothing written or committed).
     """
 
     def __init__(
@@ -104,6 +121,7 @@ class Writer(StorageWriter, DcpStager):
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         stager_options: StagerOptions | None = None,
         node_local: bool = False,
+        replace_unsharded: bool = False,
         _extensions: Sequence[Any] | None = None,
     ) -> None:
         """Point the writer at ``path``; nothing is written until a save. On object storage
@@ -129,6 +147,10 @@ class Writer(StorageWriter, DcpStager):
         self.fsync = fsync
         self.block_bytes = block_bytes
         self.node_local = node_local
+        self.replace_unsharded = replace_unsharded
+        #: ``(rank, world size)`` of the default process group when ``dcp.async_save`` staged
+        #: the save not yet set up (None: no staged save, e.g. a synchronous ``dcp.save``).
+        self._staged_world: tuple[int, int] | None = None
         self.is_coordinator = False
         self.rank = 0
         self._generation: str | None = None
@@ -149,12 +171,32 @@ class Writer(StorageWriter, DcpStager):
         self.save_id = new_generation()
         self.current_generation = None
 
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`DcpStager.stage`, remembering the world the save is staged in (checked when
+        the background save sets this writer up: :meth:`set_up_storage_writer`)."""
+        self._staged_world = _world()
+        return super().stage(state_dict)
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Record this rank's role.
 
         Raises:
             ValueError: ``use_collectives=False`` (fastckpt commits through the coordinator).
+            RuntimeError: a save staged by ``dcp.async_save`` runs in another world than it
+                was staged in (the process group was destroyed or replaced meanwhile);
+                nothing is written.
         """
+        staged, self._staged_world = self._staged_world, None
+        if staged is not None and staged != _world():
+            self.release()
+            raise RuntimeError(
+                f"{display_path(self.path)}: this async save was staged on rank {staged[0]} "
+                f"of {staged[1]} but runs as rank {_world()[0]} of {_world()[1]}: the process "
+                "group was destroyed (or replaced) before the background save started, and a "
+                "rank saving alone would commit only its own shards. Nothing of this save was "
+                "written or committed; the checkpoint saved before is intact. Wait for the "
+                "save's future (or close the CheckpointManager) before destroy_process_group"
+            )
         if not kwargs.get("use_collectives", True):
             raise ValueError(
                 "fastckpt.dcp.Writer commits through the coordinator rank; call dcp.save "
@@ -173,8 +215,11 @@ class Writer(StorageWriter, DcpStager):
         Raises:
             CheckpointFormatError: the directory holds a checkpoint of torch's
                 ``FileSystemWriter`` (nothing is written).
+            NotACheckpointError: the directory is a ``save_checkpoint`` root or (unless
+                ``replace_unsharded``) a ``CheckpointManager`` checkpoint (nothing is written).
         """
         refuse_torch_checkpoint(self.path, "save into")
+        self._refuse_other_checkpoint()
         generation = new_generation()
         self._generation = self.current_generation = generation
         return [
@@ -211,13 +256,40 @@ class Writer(StorageWriter, DcpStager):
         metadata.version = _DCP_VERSION
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
+        record = encode_record(generation, metadata, storage)
+        _refuse_unloadable(self.path, record)
         with explain_full_disk(self.path):
             make_generation_dir(self.path, generation)  # a save with no data at all
             commit(
                 self.path,
                 generation,
-                encode_record(generation, metadata, storage),
+                record,
                 lambda: _check_files_present(directory, storage, self.rank, self.node_local),
+            )
+
+    def _refuse_other_checkpoint(self) -> None:
+        """Refuse to save into a ``save_checkpoint`` root or a ``CheckpointManager``
+        checkpoint (see ``replace_unsharded``), before anything is written.
+
+        Raises:
+            NotACheckpointError: names the folder, its record and the fix.
+        """
+        backend = backend_for(self.path)
+        shown = display_path(self.path)
+        if backend.exists(self.path / MANIFEST):
+            raise NotACheckpointError(
+                f"{shown} holds {MANIFEST}: it is a save_checkpoint root, and a sharded "
+                "checkpoint saved into it would leave the root refusing its next "
+                "save_checkpoint and failing verify; nothing was written. Save the sharded "
+                "checkpoint under another checkpoint id, beside the root (a CheckpointHook "
+                "saves sharded state into its root's indices itself)"
+            )
+        if not self.replace_unsharded and backend.exists(self.path / COMMIT_RECORD):
+            raise NotACheckpointError(
+                f"{shown} holds {COMMIT_RECORD}: it is a CheckpointManager checkpoint, and a "
+                "sharded checkpoint saved beside it would leave CheckpointManager.load "
+                "reading one of the two; nothing was written. Save under another checkpoint "
+                "id, or through CheckpointManager.save, which replaces its checkpoint"
             )
 
     def storage_meta(self) -> StorageMeta | None:
@@ -361,6 +433,34 @@ class Writer(StorageWriter, DcpStager):
             )
             for item, kind, start, payload in placed
         ]
+
+
+def _world() -> tuple[int, int]:
+    """``(rank, world size)`` of this process in the default process group; ``(0, 1)``
+    without one (a save in one process)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _refuse_unloadable(path: Path, record: bytes) -> None:
+    """Refuse to commit a record of the checkpoint ``path`` that its reader would refuse (a
+    tensor whose chunks do not cover it, ...): decoded as a load decodes it, so that no save
+    replaces a checkpoint that loads with one that does not (the commit removes the previous
+    generation).
+
+    Raises:
+        CheckpointFormatError: what the reader would say, with "nothing was committed".
+    """
+    try:
+        decode_record(path / RECORD_NAME, record)
+    except CheckpointFormatError as err:
+        raise CheckpointFormatError(
+            f"{display_path(path)}: the commit record of this save would not load ({err}); "
+            "nothing was committed and the checkpoint saved before is intact. The ranks' "
+            "results did not make up the state (did every rank of the job take part?); "
+            "save again"
+        ) from err
 
 
 def _check_files_present(

@@ -1016,6 +1016,7 @@ class CheckpointManager:
                 threads=self._threads,
                 direct_io=self._direct_io,
                 stager_options=self._stager_options,
+                replace_unsharded=True,  # a save of an id replaces whatever kind it held
             )
         return self._dcp_writer
 
