@@ -50,7 +50,7 @@ from fastckpt.container.templates import check_disjoint_templates, check_tensor_
 from fastckpt.dcp.reader import Passes, Reader
 from fastckpt.dcp.writer import Writer
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, FastCkptError
-from fastckpt.format.sharded import Record
+from fastckpt.format.sharded import Record, StoredChunk
 from fastckpt.io.files import empty_tensor
 from fastckpt.storage.registry import display_path
 
@@ -335,9 +335,40 @@ def _check_templates(
                 f"{fqn}: checkpoint has {_describe_entry(entry)}, template has "
                 f"{_describe(value)} (a DTensor template is compared by its global shape)"
             )
-    check_disjoint_templates(templates)
+    for paths in check_disjoint_templates(templates):
+        _check_tied(path, metadata, paths)
     if strict:
         _check_nothing_left_out(path, metadata, templates, mapping.values())
+
+
+def _check_tied(path: Path, metadata: Metadata, paths: list[str]) -> None:
+    """Refuse one template tensor given at several key paths (tied weights: a module's
+    ``state_dict()`` lists them under each name) unless the checkpoint holds the same chunks
+    at each (offsets, dtypes, shapes, crc32c): else the copy made last would win, and the
+    tensor would hold one saved value where the caller asked for two (an untied checkpoint
+    loaded into a tied model). A path the checkpoint lacks loads nothing, and is not
+    compared.
+
+    Raises:
+        CheckpointMismatchError: names the key paths and the fix (nothing loaded yet).
+    """
+    storage = metadata.storage_data if isinstance(metadata.storage_data, Mapping) else {}
+    prints = []
+    for fqn in paths:
+        chunks = sorted(
+            (tuple(index.offset or ()), chunk.dtype, tuple(chunk.shape or ()), chunk.crc32c)
+            for index, chunk in storage.items()
+            if index.fqn == fqn and isinstance(chunk, StoredChunk)
+        )
+        if chunks:
+            prints.append(chunks)
+    if any(p != prints[0] for p in prints):
+        raise CheckpointMismatchError(
+            f"{', '.join(paths)}: one template tensor is given for each (tied weights), but "
+            f"checkpoint {path} holds other values at each, so one would be loaded over the "
+            "other; nothing was loaded: untie them (or give each its own tensor) to load the "
+            "checkpoint as saved"
+        )
 
 
 def _check_nothing_left_out(
