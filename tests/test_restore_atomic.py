@@ -119,6 +119,70 @@ def test_a_model_that_does_not_fit_is_refused_before_anything_changes(tmp_path: 
         assert same(live_state(live), before)
 
 
+class _Old(nn.Module):
+    """The layout before the rename."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+
+class _Renamed(nn.Module):
+    """A model whose layer ``fc`` became ``head``: a load pre-hook reads the old name, as
+    torch's idiom for reading checkpoints of an older layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 1)
+
+        def rename(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+            for key in list(state_dict):
+                if key.startswith(prefix + "fc."):
+                    state_dict[prefix + "head." + key[len(prefix + "fc.") :]] = state_dict.pop(key)
+
+        self._register_load_state_dict_pre_hook(rename)
+
+
+class _WithBatchNorm(nn.Module):
+    def __init__(self, old_layout: bool = False) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+        self.old_layout = old_layout
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        state = super().state_dict(*args, **kwargs)
+        if self.old_layout:  # as torch < 0.4.1 saved batch norm
+            state.pop("bn.num_batches_tracked", None)
+        return state
+
+
+def test_what_a_models_own_load_state_dict_accepts_still_restores(tmp_path: Path) -> None:
+    """The fit check compares keys only for plain models: a first version refused a model
+    whose load pre-hook renames an older layout's keys, and a batch norm checkpoint without
+    ``num_batches_tracked``, both of which torch's strict ``load_state_dict`` loads."""
+
+    def strategy(model: nn.Module) -> TrainingStrategy:
+        return TrainingStrategy(
+            model,
+            fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}),
+            training_fn=support.training_fn,
+            num_steps=1,
+        )
+
+    old = _Old()
+    strategy(old).save_checkpoint(tmp_path / "renamed")
+    live = strategy(_Renamed())
+    assert live.restore_checkpoint(tmp_path / "renamed") == 0
+    assert torch.equal(live.models["main"].head.weight, old.fc.weight)
+    saved = _WithBatchNorm(old_layout=True)
+    with torch.no_grad():
+        saved.bn.running_mean.fill_(0.5)
+    strategy(saved).save_checkpoint(tmp_path / "bn")
+    live = strategy(_WithBatchNorm())
+    assert live.restore_checkpoint(tmp_path / "bn") == 0
+    assert torch.equal(live.models["main"].bn.running_mean, torch.full((4,), 0.5))
+
+
 def flip_last_byte(path: Path) -> None:
     """Flip one bit of the last data byte of safetensors file ``path``."""
     info = fastckpt.read_metadata(str(path))

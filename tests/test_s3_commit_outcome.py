@@ -222,15 +222,18 @@ def test_a_record_put_again_is_put_only_while_the_lease_holds(
     assert [row["index"] for row in rows] == [0]
 
 
+@pytest.mark.parametrize("index", [None, 1], ids=["next", "explicit"])
 def test_a_manifest_put_delivered_late_never_names_another_saves_objects(
-    s3_server: S3Server, s3_root: str, proxy: FaultProxy
+    s3_server: S3Server, s3_root: str, proxy: FaultProxy, index: int | None
 ) -> None:
     """Save 1's manifest put is held in the network past the timeouts (its outcome unknown)
     and delivered later; save 2, slower, took index 1 again, deleted and rewrote save 1's
     objects there, and the late put then committed index 1 naming save 1's checksums over
     save 2's bytes: the newest index never verified again. Now save 2 takes index 2: the late
     put names save 1's intact objects (and save 2 meets the changed manifest), or save 2
-    commits first and the late put is refused; either way every committed index verifies."""
+    commits first and the late put is refused; either way every committed index verifies.
+    A save naming the index in doubt (``checkpoint_index=1``) first puts the manifest, which
+    voids the late put's condition, then rewrites it."""
     import time
 
     stall = 4.0
@@ -253,17 +256,24 @@ def test_a_manifest_put_delivered_late_never_names_another_saves_objects(
         model.weight.add_(1)
     saved[2] = model.weight.detach().clone()
     try:
-        index: int | None = _save_root(s3_root, model, 2, options)
+        saved_at: int | None = fastckpt.save_checkpoint(
+            s3_root,
+            models={"m": model},
+            counters={"step": 2},
+            checkpoint_index=index,
+            storage_options=options,
+        )
     except FileExistsError:  # the manifest changed under it: save 1's put landed first
-        index = None
-    assert index in (None, 2)  # never index 1 again (before: 1, over save 1's objects)
+        saved_at = None
+    # The next index is never 1 again (before: 1, over save 1's objects).
+    assert saved_at in ((None, 2) if index is None else (None, 1))
     time.sleep(2 * stall)  # every held request has been delivered
     plain = s3_server.options()
     report = fastckpt.verify(s3_root, storage_options=plain)
     assert report.ok, report
     rows = fastckpt.list_checkpoints(s3_root, storage_options=plain)
     step = rows[-1]["counters"]["step"]
-    assert (rows[-1]["index"], step) in ((1, 1), (2, 2))
+    assert (rows[-1]["index"], step) in ((1, 1), (2, 2), (1, 2))
     restored = fastckpt.load_checkpoint(s3_root, storage_options=plain)
     assert restored["manifest"]["counters"]["step"] == step
     assert torch.equal(restored["models"]["m"]["model"].weight, saved[step])

@@ -149,6 +149,49 @@ def test_a_factory_of_a_library_outside_site_packages_needs_trust(tmp_path: Path
     assert "FN OF THE MODEL'S PACKAGE True" in lines
 
 
+def test_an_editable_library_is_a_library_and_a_users_package_of_the_same_name_is_not(
+    tmp_path: Path,
+) -> None:
+    """A distribution is judged by its own files: an editable install (its dist-info in one
+    place, ``direct_url.json`` naming the source directory elsewhere) is a library; a user's
+    own ``tests`` package stays the user's code although some installed distribution lists a
+    top-level ``tests`` too (a first version went by the top-level name alone and refused
+    the user's own training function)."""
+    site_dir, source, project = tmp_path / "site", tmp_path / "src", tmp_path / "project"
+    _library(source)
+    shutil.rmtree(source / "hublib-1.0.dist-info")
+    info = site_dir / "hublib-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hublib\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("hublib\n")
+    url = {"url": source.as_uri(), "dir_info": {"editable": True}}
+    (info / "direct_url.json").write_text(json.dumps(url))
+    stray = site_dir / "careless-1.0.dist-info"  # ships a top-level "tests" package
+    stray.mkdir()
+    (stray / "METADATA").write_text("Metadata-Version: 2.1\nName: careless\nVersion: 1.0\n")
+    (stray / "top_level.txt").write_text("tests\n")
+    (project / "tests").mkdir(parents=True)
+    (project / "tests" / "__init__.py").write_text("")
+    (project / "tests" / "helpers.py").write_text("def train(model, batch):\n    return batch\n")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(site_dir)!r}, {str(source)!r}, {str(project)!r}]
+        from fastckpt.checkpoint import trust
+        from fastckpt.errors import UntrustedTargetError
+        import hublib, tests.helpers
+        print("USER", trust.resolve_training_fn("tests.helpers.train") is tests.helpers.train)
+        try:
+            trust.resolve_target("hublib.Model.from_pretrained", "model")
+        except UntrustedTargetError as err:
+            print("REFUSED", "installed library" in str(err))
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["USER", "True", "REFUSED", "True"], out.stdout
+
+
 class _UserNet(torch.nn.Module):
     def __init__(self, n: int = 2) -> None:
         super().__init__()

@@ -48,6 +48,7 @@ __all__ = [
     "direct_targets",
     "fully_restored_by",
     "match_saved_dtypes",
+    "plain_modules",
     "plain_state",
     "saved_dtypes",
 ]
@@ -83,11 +84,19 @@ def _plain_module(module: torch.nn.Module) -> bool:
     return not module._non_persistent_buffers_set
 
 
+def plain_modules(model: torch.nn.Module) -> bool:
+    """Whether every module of ``model`` is plain (see the module docstring): its
+    ``load_state_dict`` takes exactly the keys its ``state_dict`` gives, with no hook or
+    override renaming or adding any (batch norm's ``num_batches_tracked`` aside, which torch
+    supplies when a state lacks it)."""
+    return all(_plain_module(module) for module in model.modules())
+
+
 def plain_state(model: torch.nn.Module, names: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
     """The model's ``state_dict`` (its parameters and buffers themselves, ``keep_vars``) when
     the model is plain (see the module docstring) and its keys are exactly ``names``; else
     None."""
-    if not all(_plain_module(module) for module in model.modules()):
+    if not plain_modules(model):
         return None
     state = model.state_dict(keep_vars=True)
     if set(state) != set(names) or not all(isinstance(v, torch.Tensor) for v in state.values()):

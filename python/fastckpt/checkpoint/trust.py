@@ -16,11 +16,13 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import json
 import site
 import sys
 import sysconfig
 import types
-from collections.abc import Callable, Iterable
+import urllib.parse
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -593,20 +595,48 @@ def _is_installed_file(filename: str) -> bool:
 
 
 @functools.cache
-def _distribution_packages() -> frozenset[str]:
-    """The top-level packages that installed distributions provide (``importlib.metadata``;
-    computed once, and only when a factory or training function is judged: it reads every
-    distribution's metadata)."""
-    return frozenset(importlib.metadata.packages_distributions())
+def _distribution_packages() -> Mapping[str, tuple[str, ...]]:
+    """Top-level package -> the installed distributions that provide it
+    (``importlib.metadata``; computed once, and only when a factory or training function is
+    judged: it reads every distribution's metadata). Unreadable metadata: none known."""
+    try:
+        found = importlib.metadata.packages_distributions()
+    except Exception:  # a malformed dist-info somewhere: judged by file location alone
+        return {}
+    return {package: tuple(names) for package, names in found.items()}
+
+
+@functools.lru_cache(maxsize=1024)
+def _installed_by(distribution: str, filename: str) -> bool:
+    """Whether ``filename`` is a file of the installed ``distribution``: under the directory
+    its metadata lies in (``pip install --target``, a library on ``PYTHONPATH`` beside its
+    dist-info), or under the source directory of its editable install (``direct_url.json``).
+    A user's own ``tests`` package is not a file of a distribution that happens to install a
+    top-level ``tests`` too."""
+    try:
+        dist = importlib.metadata.distribution(distribution)
+        roots = [Path(str(dist.locate_file(""))).resolve()]
+        direct = dist.read_text("direct_url.json")
+        if direct:
+            info = json.loads(direct)
+            url = info.get("url", "")
+            if (info.get("dir_info") or {}).get("editable") and url.startswith("file://"):
+                roots.append(Path(urllib.parse.unquote(url[len("file://") :])).resolve())
+    except Exception:  # unreadable metadata: not proven to be this distribution's file
+        return False
+    where = Path(filename).resolve()
+    return any(where.is_relative_to(root) for root in roots)
 
 
 def _is_library_module(module: types.ModuleType) -> bool:
     """True for a module of an installed library: :func:`_is_installed_module`, or one whose
-    top-level package an installed distribution provides wherever its files are (an editable
-    install, ``pip install --target``, a library on ``PYTHONPATH`` with its dist-info)."""
-    return _is_installed_module(module) or _top_package(module.__name__) in (
-        _distribution_packages()
-    )
+    file an installed distribution provides wherever it lies (an editable install,
+    ``pip install --target``, a library on ``PYTHONPATH`` with its dist-info)."""
+    if _is_installed_module(module):
+        return True
+    filename = getattr(module, "__file__", None)
+    names = _distribution_packages().get(_top_package(module.__name__), ())
+    return isinstance(filename, str) and any(_installed_by(name, filename) for name in names)
 
 
 def _top_package(module_name: str) -> str:

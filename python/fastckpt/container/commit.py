@@ -145,6 +145,11 @@ def _next_free_index(root: Path, latest: int | None) -> int:
     return index
 
 
+def _is_in_doubt(root: Path, index: int) -> bool:
+    with _COMMITTED_LOCK:
+        return index in _IN_DOUBT.get(refs.root_key(root), set())
+
+
 def _settle_in_doubt(root: Path, index: int | None) -> None:
     """Record ``index`` as in doubt (None: a commit of ``root`` succeeded, so no earlier put
     can land any more: its condition no longer holds)."""
@@ -817,6 +822,13 @@ class IndexWriter(DirectoryWriter):
                 self._aside = _set_aside_object_index(root, backend, sealed, index)
                 del sealed.entries[index]
                 sealed.commit()
+            elif not is_local(backend) and _is_in_doubt(root, index):
+                # An earlier save of this index may still land its manifest put (outcome
+                # unknown): a put of the manifest in other bytes first voids that put's
+                # condition (an etag), so it can no longer name the objects this save is
+                # about to rewrite.
+                sealed.commit_anew()
+                _settle_in_doubt(root, None)
             super().__init__(root / str(index), direct_io=direct_io, generations=False)
         except BaseException as err:
             try:

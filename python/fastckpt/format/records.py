@@ -504,6 +504,18 @@ class Manifest:
         self.refuse_if_damaged()
         self.backend.put_record(self.path, self.to_json())
 
+    def commit_anew(self) -> None:
+        """Put the manifest again in bytes other than the stored ones (the same document,
+        a trailing newline toggled): an object store's conditional put still in flight,
+        conditioned on the stored version (its etag, a digest of the bytes), can then no
+        longer land. Raises what :meth:`commit` raises."""
+        self.refuse_if_damaged()
+        data = self.to_json()
+        if self.size is not None and len(data) != self.size:
+            self.backend.put_record(self.path, data)  # the stored bytes had the newline
+        else:
+            self.backend.put_record(self.path, data + b"\n")
+
     def refuse_if_damaged(self) -> None:
         """Refuse to act on a manifest read from a file whose content did not match its own
         crc32c (what :meth:`commit` checks; call it before changing anything else).
