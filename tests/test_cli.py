@@ -935,6 +935,21 @@ def test_verify_of_a_folder_passes_over_a_checkpoint_pruned_meanwhile(
     out, err = capsys.readouterr()
     assert "step_10" in out and "ok" in out and "step_20" not in out
     assert "step_20: deleted while the folder was verified" in err
+    # ... and one deleted right after it was verified, before its sizes were counted (it
+    # exited 2: the size count's locate() said "no such file or directory").
+    shutil.rmtree(folder)
+    shutil.copytree(ckpts / "mgr", folder)
+
+    def prune_after(path: Any, *args: Any) -> Any:
+        report = check(path, *args)
+        if Path(path).name == "step_10":
+            shutil.rmtree(path)  # a retention right after its turn
+        return report
+
+    monkeypatch.setattr(verifying, "verify", prune_after)
+    assert main(["verify", str(folder)]) == 0
+    out, _ = capsys.readouterr()
+    assert "step_10" in out and "step_20" in out
 
 
 @pytest.mark.parametrize(

@@ -100,18 +100,20 @@ def _expected_bytes(container: Container, index: int | None) -> int | None:
 
 
 def _child_bytes(child: Path) -> int:
-    """:func:`_expected_bytes` of one checkpoint of a folder of them (0: not told)."""
+    """:func:`_expected_bytes` of one checkpoint of a folder of them (0: not told, e.g.
+    deleted since it was listed: ``locate`` says so as a :class:`UserError`)."""
     try:
         return _expected_bytes(locate(child), None) or 0
-    except (OSError, FastCkptError):
+    except (OSError, FastCkptError, UserError):
         return 0
 
 
 def _child_sizes(child: Path) -> tuple[int, int] | None:
-    """:func:`_sizes` of one checkpoint of a folder of them (None: not told)."""
+    """:func:`_sizes` of one checkpoint of a folder of them (None: not told, e.g. deleted
+    after it was verified: a retention ran meanwhile)."""
     try:
         return _sizes(locate(child), None)
-    except (OSError, FastCkptError):
+    except (OSError, FastCkptError, UserError):
         return None
 
 
