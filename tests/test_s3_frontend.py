@@ -460,6 +460,9 @@ def test_errors_about_s3_checkpoints_name_them_as_s3_urls(
     client.put_object(Bucket=bucket, Key=f"{root_key}/manifest.json", Body=b"{not json")
     expect(fastckpt.CheckpointFormatError, fastckpt.load_checkpoint, s3_root)
     expect(FileNotFoundError, fastckpt.load_checkpoint, f"{s3_root}-none")
+    # The bucket itself is a prefix, not a 0-byte object (its HEAD answers a size of 0):
+    # verify reported it as a corrupt safetensors file "s3:/bucket".
+    expect(FileNotFoundError, verify, f"s3://{bucket}")
 
     checkpoint = f"{s3_root}-mgr/ckpt"
     config = fastckpt.CheckpointManager.Config.with_sync_save()

@@ -192,8 +192,14 @@ class S3Backend(StorageBackend):
     # ------------------------------------------------------------------------------- reading
 
     def stat(self, path: Path) -> ObjectInfo:
-        """An object's size (``regular=True``), or a non-empty prefix (``regular=False``)."""
+        """An object's size (``regular=True``), or a non-empty prefix (``regular=False``; the
+        bucket itself is one: a HEAD of the empty key is a HEAD of the bucket, which a store
+        answers with a size of 0 as if it were an empty object)."""
         key = self._key(path)
+        if not key.strip("/"):
+            if self.list_dir(path):
+                return ObjectInfo(0, False)
+            raise ObjectNotFoundError(f"{S3Url.parse(path)}: an empty bucket")
         try:
             meta = self.client.head(key)
         except ObjectNotFoundError:
