@@ -12,6 +12,7 @@ from typing import Any
 from fastckpt.cli.status import EXIT_BAD, EXIT_ERROR, EXIT_OK, EXIT_UNCHECKED, UserError
 from fastckpt.container.kinds import Container, SavedContainer, open_container
 from fastckpt.container.listing import committed_checkpoints
+from fastckpt.container.snapshot import read_consistently
 from fastckpt.format.records import (
     COMMIT_RECORD,
     MANIFEST,
@@ -110,26 +111,36 @@ def needs_root(container: Container) -> UserError:
 def resolve_index(container: Container, requested: int | None) -> tuple[Manifest, int]:
     """The manifest and the committed index a root/index container (plus ``--index``) means.
 
+    The manifest is checked as every load checks it (its own crc32c too: a hand-edited one is
+    refused, not acted on), and read under
+    :func:`~fastckpt.container.snapshot.read_consistently`: an index another process is
+    replacing (withdrawn from the manifest meanwhile) is waited for, not reported missing.
+
     Raises:
         UserError: not a root or index, empty root, index not committed or contradictory.
+        CheckpointFormatError / ChecksumMismatchError: the manifest is damaged or edited.
     """
     if not isinstance(container, SavedContainer):
         raise needs_root(container)
-    manifest = Manifest.load(container.root)
     own = container.own_index
-    if own is not None:
-        if requested is not None and requested not in (-1, own):
-            raise UserError(f"{container.path} is index {own}; --index {requested} contradicts it")
-        if own not in manifest.entries:
-            raise UserError(
+    if own is not None and requested is not None and requested not in (-1, own):
+        raise UserError(f"{container.path} is index {own}; --index {requested} contradicts it")
+    wanted = own if own is not None else -1 if requested is None else requested
+
+    def read() -> tuple[Manifest, int]:
+        # KeyError (an index missing, maybe for the moment of a replacement) is retried.
+        manifest = Manifest.load(container.root, verify_checksum=True)
+        if own is not None and own not in manifest.entries:
+            raise KeyError(
                 f"{container.path}: index {own} is not committed in {container.root / MANIFEST} "
                 f"(committed: {sorted(manifest.entries)}); it may be a leftover of a crash"
             )
-        return manifest, own
-    if not manifest.entries:
-        raise UserError(f"{container.root}: no committed checkpoint yet")
+        if not manifest.entries:
+            raise KeyError(f"{container.root}: no committed checkpoint yet")
+        return manifest, manifest.resolve(wanted)
+
     try:
-        return manifest, manifest.resolve(-1 if requested is None else requested)
+        return read_consistently(container.root / MANIFEST, read, lock_root=container.root)
     except KeyError as err:
         raise UserError(error_text(err)) from None
 

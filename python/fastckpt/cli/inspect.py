@@ -40,8 +40,15 @@ from fastckpt.container.kinds import (
     TensorFile,
 )
 from fastckpt.container.links import split_sizes
+from fastckpt.container.snapshot import read_consistently
 from fastckpt.errors import FastCkptError
-from fastckpt.format.records import COMMIT_RECORD, Manifest, read_commit_record, record_file
+from fastckpt.format.records import (
+    COMMIT_RECORD,
+    MANIFEST,
+    Manifest,
+    read_commit_record,
+    record_file,
+)
 from fastckpt.io import tree
 from fastckpt.io.paths import safe_join
 from fastckpt.io.progress import format_bytes
@@ -307,8 +314,13 @@ class _Describer(KindVisitor[_View]):
         return _describe_file(container.path), _file_text
 
     def _saved(self, container: SavedContainer) -> _View:
-        manifest, index = resolve_index(container, self.requested)
-        return _describe_index(manifest, index), _index_text
+        def describe() -> dict[str, Any]:
+            manifest, index = resolve_index(container, self.requested)
+            return _describe_index(manifest, index)
+
+        # An index another process replaces meanwhile: its files may vanish under the read.
+        root = container.root
+        return read_consistently(root / MANIFEST, describe, lock_root=root), _index_text
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from fastckpt.cli.common import (
 from fastckpt.cli.render import (
     print_json,
 )
-from fastckpt.container.commit import spare_newest_intact
+from fastckpt.container.commit import prune_plan
 from fastckpt.container.kinds import RootContainer
 from fastckpt.container.links import file_inodes, freed_bytes
 from fastckpt.container.promote_checkpoints import (
@@ -150,8 +150,6 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"save_checkpoint root (a directory holding {MANIFEST}) or a directory of "
             f"CheckpointManager checkpoints (each holding {COMMIT_RECORD})"
         )
-    if not args.dry_run and (is_object_url(location.path) or Path(location.path).is_dir()):
-        announce_lock(Path(location.path), args.lock_timeout)
     entries = list_checkpoints(location.path)
     sizes = {row["index"]: row["size"] for row in entries}
     indices = sorted(sizes)
@@ -159,12 +157,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
     # hard-linked into a kept index is not freed by deleting the index it came from.
     local = not is_object_url(location.path)
     inodes = {i: file_inodes(Path(location.path) / str(i)) for i in indices} if local else {}
-    doomed = indices[: -args.keep_last] if len(indices) > args.keep_last else []
+    due = indices[: -args.keep_last] if len(indices) > args.keep_last else []
+    doomed = due
     if args.dry_run and doomed:
-        # What the real prune would delete: it never deletes the newest index that verifies
-        # (prune_indices decides with the same function, under the root's lock).
-        doomed = spare_newest_intact(Manifest.load(location.path), doomed)
+        # What the real prune would delete, decided as it decides (under the root's lock).
+        doomed = prune_plan(Manifest.load(location.path), doomed, local=local)
     if not args.dry_run and doomed:
+        # Only a prune that has something to delete waits for the lock: say so.
+        if is_object_url(location.path) or Path(location.path).is_dir():
+            announce_lock(Path(location.path), args.lock_timeout)
         try:
             doomed = prune(location.path, keep_last=args.keep_last, lock_timeout=args.lock_timeout)
         except TimeoutError as err:
@@ -202,7 +203,17 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f" (the bytes of index(es) {', '.join(str(i) for i in retained)} stay as "
             "references of kept incremental saves)"
         )
-    if not doomed:
+    # Indices the age rule dooms that prune keeps: prune_indices warned why (above): files
+    # fastckpt did not write, a link from a kept index, or the newest index that verifies.
+    held_back = [i for i in due if i not in doomed]
+    if held_back:
+        kept_text += (
+            f" (index(es) {', '.join(str(i) for i in held_back)} despite --keep-last "
+            f"{args.keep_last}: the warning above says why)"
+        )
+    if not doomed and held_back:
+        print(f"nothing to delete: {len(indices)} index(es), keeping {kept_text}")
+    elif not doomed:
         print(f"nothing to delete: {len(indices)} index(es), keeping the last {args.keep_last}")
     elif args.dry_run:
         print(

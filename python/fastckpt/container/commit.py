@@ -100,6 +100,7 @@ __all__ = [
     "index_intact",
     "make_generation_dir",
     "prune_indices",
+    "prune_plan",
     "refuse_inside_checkpoint",
     "remove_superseded",
     "shown_names",
@@ -1420,6 +1421,21 @@ def _remember_record_version(backend: StorageBackend, final: Path) -> None:
         backend.read_bytes(final / COMMIT_RECORD)
 
 
+def prune_plan(
+    manifest: Manifest, due: list[int], *, local: bool, read_shards: bool = True
+) -> list[int]:
+    """Which of the indices ``due`` (by age) a prune of ``manifest``'s root deletes: never
+    the newest index that verifies (:func:`spare_newest_intact`), nor, on a local root, an
+    index a kept index links into or one holding files fastckpt did not write (each kept
+    one warned of, saying why). :func:`prune_indices` decides with it under the root's lock;
+    ``fastckpt prune --dry-run`` without it, so that the two agree."""
+    doomed = spare_newest_intact(manifest, due, read_shards=read_shards) if due else []
+    if doomed and local:
+        doomed = _not_linked_into(manifest, doomed)
+        doomed = [index for index in doomed if _holds_only_its_files(manifest, index)]
+    return doomed
+
+
 def prune_indices(
     root: Path,
     keep_last: int,
@@ -1477,11 +1493,7 @@ def prune_indices(
             _restore_object_replacements(root, backend)
         manifest = Manifest.load(root)
         doomed = [index for index in sorted(manifest.entries)[:-keep_last] if index not in spare]
-        if doomed:
-            doomed = spare_newest_intact(manifest, doomed, read_shards=read_shards)
-        if doomed and is_local(backend):
-            doomed = _not_linked_into(manifest, doomed)
-            doomed = [index for index in doomed if _holds_only_its_files(manifest, index)]
+        doomed = prune_plan(manifest, doomed, local=is_local(backend), read_shards=read_shards)
         if not doomed:
             # What a prune killed after its commit left.
             _sweep_sharded(root, manifest, only_older=promoting)
