@@ -44,6 +44,16 @@ class WithExtraBuffer(support.DropoutMLP):
         self.register_buffer("extra", torch.zeros(3))
 
 
+class WiderWithRotaryTable(support.DropoutMLP):
+    """A wider first layer, and a non-persistent buffer (a rotary table, HF position ids):
+    not in any state_dict, so no reason to leave the fit check to torch (a first version of
+    the check skipped such models, which torch then half overwrote)."""
+
+    def __init__(self) -> None:
+        super().__init__(width=6)
+        self.register_buffer("inv_freq", torch.ones(3), persistent=False)
+
+
 class WithoutLastBias(support.DropoutMLP):
     """The reference model whose last layer lacks the bias the checkpoint holds."""
 
@@ -108,6 +118,7 @@ def test_a_model_that_does_not_fit_is_refused_before_anything_changes(tmp_path: 
     cases = [
         (support.DropoutMLP(width=6), r"'net\.0\.weight'.* \[8, 4\].* \[6, 4\]"),
         (WithExtraBuffer(), r"'extra'.*not in the checkpoint"),
+        (WiderWithRotaryTable(), r"'net\.0\.weight'.* \[8, 4\].* \[6, 4\]"),
         (WithoutLastBias(), r"'net\.3\.bias'.*not in this model"),
     ]
     for model, message in cases:

@@ -47,8 +47,8 @@ from fastckpt.io.files import dtype_from_name, torch_shape
 __all__ = [
     "direct_targets",
     "fully_restored_by",
+    "loads_as_given",
     "match_saved_dtypes",
-    "plain_modules",
     "plain_state",
     "saved_dtypes",
 ]
@@ -84,19 +84,28 @@ def _plain_module(module: torch.nn.Module) -> bool:
     return not module._non_persistent_buffers_set
 
 
-def plain_modules(model: torch.nn.Module) -> bool:
-    """Whether every module of ``model`` is plain (see the module docstring): its
-    ``load_state_dict`` takes exactly the keys its ``state_dict`` gives, with no hook or
-    override renaming or adding any (batch norm's ``num_batches_tracked`` aside, which torch
-    supplies when a state lacks it)."""
-    return all(_plain_module(module) for module in model.modules())
+def loads_as_given(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s ``load_state_dict`` takes each key as given: no module has a
+    load hook or its own ``_load_from_state_dict``/``load_state_dict`` (which may rename keys
+    or reshape values: reading an older layout after a refactor). Batch norm's loader counts
+    (it only supplies a missing ``num_batches_tracked``); non-persistent buffers and
+    ``state_dict`` overrides do not matter here."""
+    for module in model.modules():
+        cls = type(module)
+        if cls._load_from_state_dict not in _PLAIN_LOADERS:
+            return False
+        if cls.load_state_dict is not torch.nn.Module.load_state_dict:
+            return False
+        if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
+            return False
+    return True
 
 
 def plain_state(model: torch.nn.Module, names: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
     """The model's ``state_dict`` (its parameters and buffers themselves, ``keep_vars``) when
     the model is plain (see the module docstring) and its keys are exactly ``names``; else
     None."""
-    if not plain_modules(model):
+    if not all(_plain_module(module) for module in model.modules()):
         return None
     state = model.state_dict(keep_vars=True)
     if set(state) != set(names) or not all(isinstance(v, torch.Tensor) for v in state.values()):

@@ -335,13 +335,30 @@ def _check_templates(
                 f"{fqn}: checkpoint has {_describe_entry(entry)}, template has "
                 f"{_describe(value)} (a DTensor template is compared by its global shape)"
             )
-    for paths in check_disjoint_templates(templates):
-        _check_tied(path, metadata, paths)
+    ties = check_disjoint_templates(templates)
+    if ties:
+        chunks = _chunks_by_fqn(metadata)
+        for paths in ties:
+            _check_tied(path, chunks, paths)
     if strict:
         _check_nothing_left_out(path, metadata, templates, mapping.values())
 
 
-def _check_tied(path: Path, metadata: Metadata, paths: list[str]) -> None:
+def _chunks_by_fqn(metadata: Metadata) -> dict[str, list[tuple[Any, ...]]]:
+    """Each stored entry's chunks (offsets, dtype, shape, crc32c), sorted, by key path."""
+    storage = metadata.storage_data if isinstance(metadata.storage_data, Mapping) else {}
+    found: dict[str, list[tuple[Any, ...]]] = {}
+    for index, chunk in storage.items():
+        if isinstance(chunk, StoredChunk):
+            found.setdefault(index.fqn, []).append(
+                (tuple(index.offset or ()), chunk.dtype, tuple(chunk.shape or ()), chunk.crc32c)
+            )
+    for entries in found.values():
+        entries.sort()
+    return found
+
+
+def _check_tied(path: Path, chunks: Mapping[str, list[tuple[Any, ...]]], paths: list[str]) -> None:
     """Refuse one template tensor given at several key paths (tied weights: a module's
     ``state_dict()`` lists them under each name) unless the checkpoint holds the same chunks
     at each (offsets, dtypes, shapes, crc32c): else the copy made last would win, and the
@@ -352,16 +369,7 @@ def _check_tied(path: Path, metadata: Metadata, paths: list[str]) -> None:
     Raises:
         CheckpointMismatchError: names the key paths and the fix (nothing loaded yet).
     """
-    storage = metadata.storage_data if isinstance(metadata.storage_data, Mapping) else {}
-    prints = []
-    for fqn in paths:
-        chunks = sorted(
-            (tuple(index.offset or ()), chunk.dtype, tuple(chunk.shape or ()), chunk.crc32c)
-            for index, chunk in storage.items()
-            if index.fqn == fqn and isinstance(chunk, StoredChunk)
-        )
-        if chunks:
-            prints.append(chunks)
+    prints = [chunks[fqn] for fqn in paths if chunks.get(fqn)]
     if any(p != prints[0] for p in prints):
         raise CheckpointMismatchError(
             f"{', '.join(paths)}: one template tensor is given for each (tied weights), but "

@@ -35,7 +35,7 @@ import fastckpt.checkpoint.components as codec
 import fastckpt.checkpoint.specs as specs
 import fastckpt.checkpoint.trust as trust
 import fastckpt.training.sharded as sharded_training
-from fastckpt.checkpoint.fill import plain_modules
+from fastckpt.checkpoint.fill import loads_as_given
 from fastckpt.container.commit import shown_names
 from fastckpt.container.promote import NearestCopy, nearest_intact
 from fastckpt.container.refs import REFS_FILE, root_key
@@ -2042,16 +2042,17 @@ def _check_model_fits(name: str, model: torch.nn.Module, reader: codec.IndexRead
     which left the live model half overwritten. Dtypes may differ (the restore casts to the
     live model's, as ``load_state_dict``); torch's own exceptions are kept: a lazy (not yet
     materialized) parameter takes any shape, ``_extra_state`` any value, a 0-d tensor a 1-d
-    one, batch norm's ``num_batches_tracked`` may be missing. A model that is not plain (a
-    load hook or an overridden ``_load_from_state_dict`` may rename or add keys: reading an
-    older layout after a refactor) is left to its ``load_state_dict``, as torch does.
+    one, batch norm's ``num_batches_tracked`` may be missing. A model whose loading is its
+    own (:func:`~fastckpt.checkpoint.fill.loads_as_given` False: a load hook or an overridden
+    loader may rename keys or reshape values, reading an older layout after a refactor) is
+    left to its ``load_state_dict``, as torch does.
 
     Raises:
         CheckpointMismatchError: naming the file, the model, the keys and both shapes.
         ChecksumMismatchError / CheckpointFormatError: the file differs from its record (a
             damaged header is not taken for a model of another shape).
     """
-    if not plain_modules(model):
+    if not loads_as_given(model):
         return
     relpath = f"models/{name}.safetensors"
     where = f"{reader.directory}/{relpath}"
