@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 import fastckpt
+from cli_support import Run, cli_runner
 from fastckpt import cli
 from fastckpt.io.progress import IOMeter, ProgressBar, format_bytes, io_progress
 
@@ -304,22 +304,10 @@ def test_progress_bar_is_drawn_on_a_terminal_only(runs: dict[str, Any]) -> None:
 @pytest.fixture()
 def fastckpt_cli(
     ckpts: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> Callable[..., tuple[int, str, str]]:
+) -> Run:
     """``cli.main(args)`` in the checkpoint directory: (status, stdout, stderr)."""
     monkeypatch.chdir(ckpts)
-
-    def call(*args: str) -> tuple[int, str, str]:
-        try:
-            status = cli.main(list(args))
-        except SystemExit as exit_:  # argparse
-            status = int(exit_.code or 0)
-        out, err = capsys.readouterr()
-        return status, out, err
-
-    return call
-
-
-Run = Callable[..., tuple[int, str, str]]
+    return cli_runner(capsys)
 
 
 def test_json_of_every_subcommand_parses(fastckpt_cli: Run) -> None:

@@ -21,13 +21,11 @@ import torch
 from torch import nn
 
 import fastckpt
-from fastckpt import _native, cli
+from cli_support import Run, cli_runner
+from fastckpt import _native
 from fastckpt.container.listing import committed_checkpoints
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.format.records import read_commit_record, seal_manifest
-
-Run = Callable[..., tuple[int, str, str]]
-
 
 # --------------------------------------------------------------------------- checkpoints
 
@@ -77,16 +75,7 @@ def work(made: Path, tmp_path: Path) -> Path:
 def run(work: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Run:
     """``cli.main(args)`` in the work directory: (status, stdout, stderr)."""
     monkeypatch.chdir(work)
-
-    def call(*args: str | Path) -> tuple[int, str, str]:
-        try:
-            status = cli.main([str(a) for a in args])
-        except SystemExit as exit_:  # argparse
-            status = int(exit_.code or 0)
-        out, err = capsys.readouterr()
-        return status, out, err
-
-    return call
+    return cli_runner(capsys)
 
 
 def edit_json(path: Path, change: Callable[[dict[str, Any]], None]) -> None:

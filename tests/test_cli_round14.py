@@ -16,7 +16,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,24 +24,14 @@ import torch
 from torch import nn
 
 import fastckpt
-from fastckpt import _native, cli
-
-Run = Callable[..., tuple[int, str, str]]
+from cli_support import Run, cli_runner
+from fastckpt import _native
 
 
 @pytest.fixture()
 def run(capsys: pytest.CaptureFixture[str]) -> Run:
     """``cli.main(args)``: (status, stdout, stderr)."""
-
-    def call(*args: str | Path) -> tuple[int, str, str]:
-        try:
-            status = cli.main([str(a) for a in args])
-        except SystemExit as exit_:  # argparse
-            status = int(exit_.code or 0)
-        out, err = capsys.readouterr()
-        return status, out, err
-
-    return call
+    return cli_runner(capsys)
 
 
 def test_a_hand_edited_manifest_is_refused_by_export_inspect_and_diff(

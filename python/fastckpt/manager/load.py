@@ -410,13 +410,15 @@ def check_tied_templates(
         return
     tensors: list[tuple[str, torch.Tensor]] = []
     template_tensors(templates, "", tensors)
-    groups = {path: paths for paths in ties for path in paths}
-    views = {template_view(t) for path, t in tensors if path in groups}
-    # template view -> the saved fingerprints of what is loaded into it (None: unprovable)
-    saved: dict[tuple[Any, ...], list[tuple[Any, ...] | None]] = {}
+    tied = {path for paths in ties for path in paths}
+    # template view -> its key paths (a tie group), and the saved fingerprints of what is
+    # loaded into it (None: unprovable)
     where_of: dict[tuple[Any, ...], list[str]] = {}
     for path, tensor in tensors:
-        where_of.setdefault(template_view(tensor), []).append(path)
+        if path in tied:
+            where_of.setdefault(template_view(tensor), []).append(path)
+    views = set(where_of)
+    saved: dict[tuple[Any, ...], list[tuple[Any, ...] | None]] = {}
     for key, template in templates.items():
         plan = plans.get(key)
         if plan is not None:
