@@ -1356,3 +1356,41 @@ def test_a_durable_tier_that_cannot_be_read_is_read_again_off_the_training_threa
     again.num_steps = 7
     again.run(training_support.loader())
     assert fastckpt.list_checkpoints(durable)[-1]["index"] == 6
+
+
+def test_a_durable_tier_unmounted_under_the_promoter_is_not_refilled_in_its_place(
+    tmp_path: Path,
+) -> None:
+    """A durable tier (a real bind mount) lazily unmounted under a running promoter leaves
+    the bare folder beneath its mount point. Before, the next promotion committed into that
+    folder, on the training node's own disk, and reported success: the run believed it had
+    durable checkpoints. Now that run is refused and reported, the folder stays empty, and
+    the first checkpoint after the tier is mounted again is promoted there."""
+    fast, durable, store = tmp_path / "fast", tmp_path / "durable", tmp_path / "store"
+    durable.mkdir()
+    store.mkdir()
+    bind = subprocess.run(["mount", "--bind", str(store), str(durable)], capture_output=True)
+    if bind.returncode != 0:
+        pytest.skip("cannot bind-mount here (needs root and mount rights)")
+    try:
+        _source(fast, saves=1)
+        promoter = Promoter(fast, durable)
+        promoter.submit()
+        promoter.wait()
+        assert promoter.promoted == [0] and promoter.healthy
+        subprocess.run(["umount", "--lazy", str(durable)], check=True)
+        _source_more(fast)
+        with pytest.warns(RuntimeWarning, match="unmounted, replaced or deleted"):
+            promoter.submit()
+            promoter.wait()
+        assert not promoter.healthy and promoter.promoted == [0]
+        assert list(durable.iterdir()) == []  # nothing committed into the bare folder
+        subprocess.run(["mount", "--bind", str(store), str(durable)], check=True)
+        _source_more(fast)
+        promoter.submit()
+        promoter.close()
+        assert promoter.healthy and promoter.promoted == [0, 1, 2]
+        assert [c["index"] for c in fastckpt.list_checkpoints(durable)] == [0, 1, 2]
+    finally:
+        subprocess.run(["umount", "--lazy", str(durable)], check=False)
+    assert [c["index"] for c in fastckpt.list_checkpoints(store)] == [0, 1, 2]

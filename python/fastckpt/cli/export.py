@@ -287,6 +287,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     refuse_inside_checkpoint(out)
     if out.is_dir():
         raise UserError(f"{out} is a directory; --to names the file to write")
+    if not out.parent.is_dir():
+        raise UserError(
+            f"--to {out}: its folder {out.parent} does not exist (or is not a folder); "
+            "create it first or export into an existing folder"
+        )
     if out.exists() and not args.force:
         raise UserError(f"{out} already exists; pass --force to replace it")
     return container.accept(_Exporter(args, out))

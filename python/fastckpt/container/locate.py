@@ -81,6 +81,10 @@ def locate(path_or_root: str | os.PathLike[str]) -> Location:
             return Location("sharded", path)
         if path.name.isdigit() and os.path.lexists(path.parent / MANIFEST):
             return Location("index", path, root=path.parent, index=int(path.name))
+        # A symbolic link (or a ``..``) to an index directory: its root is beside the target.
+        real = Path(os.path.realpath(path))
+        if real.name.isdigit() and os.path.lexists(real.parent / MANIFEST):
+            return Location("index", real, root=real.parent, index=int(real.name))
         raise FileNotFoundError(
             errno.ENOENT,
             f"{path} is not a fastckpt checkpoint: no {MANIFEST} (save_checkpoint root), "

@@ -891,8 +891,34 @@ class Promoter:
         report_tolerated(_LOG, str(error), error, self.on_error)
         return error
 
+    def _check_target_still_there(self) -> None:
+        """Refuse a run into a target that held this promoter's checkpoints and now holds no
+        committed checkpoint at all: a durable tier unmounted (lazily, under the running
+        promoter) or deleted leaves the bare folder beneath, which a promotion would fill
+        as if it were durable storage.
+
+        Raises:
+            PromotionError: it is so (the run is reported as failed; the next checkpoint
+                retries, and succeeds once the tier is back).
+        """
+        if self.target_newest is None:
+            return  # nothing promoted yet, or not tracked (a rank's share)
+        try:
+            latest = Manifest.load(self.target).latest
+        except (OSError, CheckpointFormatError):
+            return  # the run reports an unreadable target
+        if latest is None:
+            raise PromotionError(
+                f"{display_path(self.target)} held index {self.target_newest} after this "
+                "process's last promotion and holds no committed checkpoint now: the durable "
+                "tier was unmounted, replaced or deleted; not promoting into what is there "
+                "instead (mount it again: the next checkpoint retries; or start a new run to "
+                "promote into an empty tier)"
+            )
+
     def _promote_once(self) -> None:
         try:
+            self._check_target_still_there()
             held = self._target_held()
             with self._choosing:  # not between a retention's decision and its deletions
                 due = self._due_now(held)
