@@ -292,3 +292,39 @@ def test_mark_frozen_is_the_one_opt_in_to_trust(tmp_path: Path) -> None:
     loaded = fastckpt.load_checkpoint(tmp_path, index)["models"]["m"]["model"].state_dict()
     assert torch.equal(loaded["still.weight"], before)
     assert torch.equal(loaded["moving.weight"], model.moving.weight)
+
+
+@pytest.mark.parametrize("door", ["root", "manager"])
+def test_a_marked_tensor_whose_counter_moved_is_written(tmp_path: Path, door: str) -> None:
+    """A frozen backbone swapped for other weights with ``load_state_dict`` (its counter
+    moves). Before, the mark was trusted whatever the counter said: the next checkpoint
+    referenced the first backbone's bytes, loaded and verified, and held a backbone that was
+    no longer the model's. Now the counter is part of the marked tensor's fingerprint."""
+    torch.manual_seed(0)
+    model = Pair()
+    fastckpt.mark_frozen(model.still)
+    torch.manual_seed(1)
+    other = Pair()
+
+    def save_and_load() -> dict[str, torch.Tensor]:
+        if door == "root":
+            index = fastckpt.save_checkpoint(tmp_path / "root", models={"m": (model, None)})
+            return fastckpt.load_checkpoint(tmp_path / "root", index)["models"]["m"][
+                "model"
+            ].state_dict()
+        path = tmp_path / f"step-{len(list(tmp_path.glob('step-*')))}"
+        manager.save(path, {"model": model})
+        return manager.load(path)["model"]
+
+    manager = CheckpointManager(CheckpointManager.Config.with_sync_save())
+    save_and_load()
+    model.still.load_state_dict(other.still.state_dict())
+    loaded = save_and_load()
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded[key], value), key
+    # A later save, the backbone untouched since: still the swapped-in weights.
+    model.moving.weight.detach().numpy()[0, 0] += 1.0
+    loaded = save_and_load()
+    assert torch.equal(loaded["still.weight"], other.still.weight)
+    assert torch.equal(loaded["moving.weight"], model.moving.weight)
+    manager.close()

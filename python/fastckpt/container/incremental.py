@@ -29,8 +29,8 @@ proof itself; :func:`mark_frozen` tensors aside): a save reads their bytes once 
 memory, the price of soundness, measured in docs/incremental.md.
 
 Tensors the caller marks with :func:`mark_frozen` are the documented opt-in to trust
-without proof: while they keep their storage and layout they are referenced without a
-digest comparison, whatever their bytes.
+without proof: while they keep their storage, layout and version counter they are
+referenced without a digest comparison, whatever their bytes.
 
 The tracker lives in this process, keyed by the root's absolute path; a new process starts
 with a full save.
@@ -68,6 +68,7 @@ from fastckpt.storage.registry import backend_for, display_path, is_local
 __all__ = [
     "Plan",
     "Tracked",
+    "comparable",
     "confirm",
     "digest_groups",
     "forget",
@@ -151,16 +152,18 @@ def _key(root: str | os.PathLike[str]) -> str:
 
 def mark_frozen(*tensors: torch.Tensor | torch.nn.Module) -> None:
     """Promise that tensors (or all parameters and buffers of modules) never change: while
-    they keep their storage and layout, incremental saves reference them without comparing
-    their digest (no read of their bytes), whatever their version counter says. This is the
-    one case where fastckpt trusts instead of proving: a marked tensor whose bytes do change
-    is saved with its old bytes. The promise covers the marked view only (its storage,
-    offset, shape, strides and dtype), not other tensors sharing its storage (a flat
-    parameter buffer's other views). A mark lasts as long as the marked tensor object: mark
-    the module or its parameters themselves, not a temporary such as ``p.detach()`` or a
-    ``state_dict()`` value, whose mark lapses when it is freed (the tensors are then proven
-    by their digest, as unmarked ones). To undo it, :func:`unmark_frozen` the tensors or
-    :func:`forget` (every mark)."""
+    they keep their storage, layout and version counter, incremental saves reference them
+    without comparing their digest (no read of their bytes). This is the one case where
+    fastckpt trusts instead of proving: a marked tensor whose bytes change without moving its
+    counter (a NumPy or ``ctypes`` write) is saved with its old bytes; one whose counter moved
+    (``load_state_dict`` into it, an in-place op) is proven by its digest, as unmarked
+    candidates are (referenced when its bytes are the same, written otherwise). The promise
+    covers the marked view only (its storage, offset, shape, strides and dtype), not other
+    tensors sharing its storage (a flat parameter buffer's other views). A mark lasts as
+    long as the marked tensor object: mark the module or its parameters themselves, not a
+    temporary such as ``p.detach()`` or a ``state_dict()`` value, whose mark lapses when it
+    is freed (the tensors are then proven by their digest, as unmarked ones). To undo it,
+    :func:`unmark_frozen` the tensors or :func:`forget` (every mark)."""
     for item in _frozen_targets(tensors, "mark_frozen"):
         key = _view_key(item)
         with _LOCK:
@@ -252,7 +255,10 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint | None:
     storage = tensor.untyped_storage()
     with _LOCK:
         mark = _mark(_view_key(tensor))
-    version = tensor._version if mark is None else ("frozen", mark)
+    # A marked tensor keeps its counter in the fingerprint too: after a change torch sees (a
+    # ``load_state_dict`` into a frozen backbone) its bytes are proven by digest (see
+    # :func:`comparable`); the mark only spares the digest of bytes whose counter did not move.
+    version = tensor._version if mark is None else ("frozen", mark, tensor._version)
     return (
         str(tensor.device),
         storage.data_ptr(),
@@ -331,7 +337,7 @@ def plan(root: str | os.PathLike[str], tensor_files: dict[str, dict[str, torch.T
                 continue
             previous = known.get((relpath, name))
             tracked = track(tensor, print_, None if previous is None else previous[0])
-            if previous is not None and previous[0].fingerprint == print_:
+            if previous is not None and comparable(previous[0].fingerprint, print_):
                 result.candidates.setdefault(relpath, {})[name] = (tracked, *previous)
             else:
                 result.fingerprints.setdefault(relpath, {})[name] = tracked
@@ -359,8 +365,8 @@ def settle(
     keys += [
         (group, name)
         for group, pending in candidates.items()
-        for name, (now, _, _) in pending.items()
-        if not _is_frozen_print(now.fingerprint) and name in groups.get(group, {})
+        for name, (now, before, _) in pending.items()
+        if not _trusted(now, before) and name in groups.get(group, {})
     ]
     digests = digest_groups(groups, keys)
     for group, tracked_files in written.items():
@@ -371,7 +377,7 @@ def settle(
         for name, (tracked, previous, ref) in pending.items():
             if name not in groups.get(group, {}):
                 continue
-            if _is_frozen_print(tracked.fingerprint):
+            if _trusted(tracked, previous):
                 tracked.digest = previous.digest
                 same = True
             else:
@@ -399,7 +405,28 @@ def confirm(result: Plan, tensor_files: dict[str, dict[str, torch.Tensor]]) -> N
 
 
 def _is_frozen_print(print_: Fingerprint) -> bool:
-    return isinstance(print_[-1], tuple)  # ("frozen", the mark's number)
+    return isinstance(print_[-1], tuple)  # ("frozen", the mark's number, the counter)
+
+
+def comparable(before: Fingerprint, now: Fingerprint) -> bool:
+    """Whether a tensor fingerprinted ``now`` is a candidate for being the bytes fingerprinted
+    ``before`` at the last save: the same fingerprint, or a :func:`mark_frozen` tensor (under
+    the same mark) whose version counter alone moved (a ``load_state_dict`` into a frozen
+    module): proven by its digest then, not trusted."""
+    if before == now:
+        return True
+    return (
+        _is_frozen_print(before)
+        and _is_frozen_print(now)
+        and before[:-1] == now[:-1]
+        and before[-1][:2] == now[-1][:2]
+    )
+
+
+def _trusted(now: Tracked, before: Tracked) -> bool:
+    """A candidate referenced without a digest comparison: a marked tensor whose fingerprint,
+    version counter included, is the last save's."""
+    return _is_frozen_print(now.fingerprint) and now.fingerprint == before.fingerprint
 
 
 def check_plan(

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from fastckpt.container.commit import DirectoryWriter
-from fastckpt.container.incremental import Tracked, fingerprint, settle, track
+from fastckpt.container.incremental import Tracked, comparable, fingerprint, settle, track
 from fastckpt.container.links import Reference, linked_relpath
 from fastckpt.container.refs import take_distrust
 from fastckpt.errors import FastCkptError
@@ -347,7 +347,7 @@ class Tracker:
                     continue
                 previous = known.get((key, name))
                 tracked = track(tensor, print_, None if previous is None else previous[0])
-                if previous is not None and previous[0].fingerprint == print_:
+                if previous is not None and comparable(previous[0].fingerprint, print_):
                     candidates.setdefault(key, {})[name] = (tracked, *previous)
                 else:
                     plan.written.setdefault(key, {})[name] = tracked
