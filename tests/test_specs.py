@@ -1499,3 +1499,23 @@ def test_non_finite_float_arguments_round_trip() -> None:
     assert math.isnan(decode_value(encode_value(float("nan"))))
     with pytest.raises(CheckpointFormatError, match="must be 'inf', '-inf' or 'nan'"):
         decode_value({"__float__": "1e999"})
+
+
+class _TakesModules(nn.Module):
+    """A constructor argument named like a Module method, not kept as an attribute."""
+
+    def __init__(self, modules: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(modules, 2)
+
+
+def test_a_constructor_argument_named_like_a_method_is_not_read_from_the_method() -> None:
+    """Before: ``getattr(model, "modules")`` gave the bound ``Module.modules`` method and the
+    error said "cannot store a value of type builtins.method in a spec" (for
+    ``nn.ParameterDict(parameters=)``, a type-serializer hint that could not help)."""
+    with pytest.raises(TypeError, match=r"_TakesModules\.modules is a method, not the argument"):
+        specs.model_spec(_TakesModules(3))
+    # With a default, it is recorded as the default and the rebuilt model is compared:
+    # a ParameterDict then fails that comparison, naming the tensors it would lose.
+    spec = specs.model_spec(nn.ParameterDict({"a": nn.Parameter(torch.ones(2))}))
+    assert spec.kwargs == {}

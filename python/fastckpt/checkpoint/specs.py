@@ -724,6 +724,15 @@ def model_spec(model: torch.nn.Module) -> BaseSpec:
                 f"no attribute of that name; {advice}"
             )
         value = getattr(model, param.name)
+        if inspect.ismethod(value) and value.__self__ is model:
+            # A method of the class, not the argument kept (``ParameterDict(parameters=)``
+            # against ``Module.parameters``): as if there were no attribute of that name.
+            if has_default:
+                continue
+            raise TypeError(
+                f"cannot recover constructor parameter {param.name!r} of {name}: "
+                f"{name}.{param.name} is a method, not the argument kept; {advice}"
+            )
         if isinstance(param.default, bool) and (
             value is None or isinstance(value, (torch.Tensor, torch.nn.Module))
         ):
