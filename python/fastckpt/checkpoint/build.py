@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.nn.utils.parametrize import type_before_parametrizations
 
 import fastckpt.checkpoint.fill as fill
 from fastckpt.checkpoint.specs import (
@@ -402,6 +403,8 @@ def structural_differences(
     wrapper segments in names (:func:`canonical_name`), subclasses of the rebuilt module's
     class (FSDP2's), attributes and parameterless submodules only ``model`` has. Nor is a
     string the rebuilt model holds as ``"meta"`` (its device, where a module keeps its name).
+    A module parametrized in both (``register_parametrization``) is compared by the class
+    torch derived its own parametrized class from.
     """
     found: list[str] = []
     settings: list[str] = []
@@ -410,7 +413,10 @@ def structural_differences(
     for path, theirs in rebuilt_modules.items():
         where = path or "<root>"
         mine = live_modules.get(path)
-        if mine is None or not isinstance(mine, type(theirs)):
+        # A parametrized module is of a class torch makes for it, one per module
+        # (``ParametrizedLinear``): the two builds are compared by the class it derives from.
+        cls = type_before_parametrizations(theirs)
+        if mine is None or not isinstance(mine, cls):
             found.append(f"{where}: {_kind(mine)} vs {type(theirs).__qualname__}")
             continue
         arguments = _constructor_parameters(type(theirs))

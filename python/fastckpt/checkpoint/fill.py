@@ -12,11 +12,12 @@ draws) only to overwrite it, and moves each byte twice (file -> mapping -> param
   with the checkpoint's tensor names. ``load_state_dict`` of such a model copies each saved
   tensor into its parameter or buffer and does nothing else.
 * :func:`fully_restored_by` adds that no tensor is tied to two names (``to_empty`` would
-  untie them) and the module tree keeps no tensor outside its parameters
-  and buffers, not even inside a list, tuple or dict attribute (nor the meta device it was
-  built on): then every tensor the model holds is
-  overwritten by the load, and the model
-  can be materialized from its meta-device build in uninitialized memory (``to_empty``)
+  untie them), that no parameter or buffer carries anything ``to_empty`` would drop (a
+  gradient hook such as the constructor's ``p.register_hook(clip)``, a Python attribute, a
+  subclass, a buffer's ``requires_grad``), and the module tree keeps no tensor outside its
+  parameters and buffers, not even inside a list, tuple or dict attribute (nor the meta device
+  it was built on): then every tensor the model holds is overwritten by the load, and the
+  model can be materialized from its meta-device build in uninitialized memory (``to_empty``)
   instead of being built and initialized again (:func:`fastckpt.checkpoint.build.build_model`).
 * :func:`direct_targets` maps each saved tensor to the parameter or buffer whose memory can
   take its bytes as they are (:func:`fastckpt.container.reader.takes_direct_read`, no two
@@ -117,7 +118,10 @@ def fully_restored_by(model: torch.nn.Module, names: Mapping[str, Any]) -> bool:
     """Whether loading a state dict with keys ``names`` overwrites every tensor ``model``
     holds: it is plain with those keys, every parameter and buffer is in its ``state_dict``,
     and no module keeps a tensor in a plain attribute, or in a list, tuple, set or dict one
-    holds at any depth (which a load would not touch)."""
+    holds at any depth (which a load would not touch). Each parameter and buffer must also be
+    bare (no gradient hook, Python attribute, gradient or subclass; a buffer not requiring
+    grad): ``to_empty`` would replace it with a tensor that lacks them, so the rebuilt model
+    would differ from a real build in more than its values."""
     state = plain_state(model, names)
     if state is None:
         return False
@@ -127,11 +131,32 @@ def fully_restored_by(model: torch.nn.Module, names: Mapping[str, Any]) -> bool:
         return False
     if len(saved) < len(state):
         return False  # tied tensors: to_empty would give each name a parameter of its own
+    if not all(_bare(p, torch.nn.Parameter) for p in model.parameters()):
+        return False
+    if not all(not b.requires_grad and _bare(b, torch.Tensor) for b in model.buffers()):
+        return False
     # Parameters and buffers live in their tables: a tensor in an attribute, or in a list,
     # tuple, set or dict an attribute holds, is one the load does not reach (its own, or an
     # alias of a buffer that to_empty would leave on the meta device).
     registered = {id(module) for module in model.modules()}
     return not any(_keeps_unloaded(module, registered) for module in model.modules())
+
+
+def _bare(tensor: torch.Tensor, cls: type[torch.Tensor]) -> bool:
+    """Whether ``tensor`` is a ``cls`` with nothing on it but its values and
+    ``requires_grad``: no gradient hook (``register_hook``,
+    ``register_post_accumulate_grad_hook``), no Python attribute, no gradient, not a subclass.
+    ``to_empty`` replaces each parameter with a new ``Parameter`` (each buffer with a new
+    tensor) that keeps none of these; a hook's function may also hold the tensor it was
+    registered on, which would stay the meta one. A real build gives them to the real tensors.
+    """
+    return (
+        type(tensor) is cls
+        and not vars(tensor)
+        and not tensor._backward_hooks
+        and not tensor._post_accumulate_grad_hooks
+        and tensor.grad is None
+    )
 
 
 #: A module's own tables (in ``vars(module)``) of what ``state_dict`` and ``modules()`` reach.
