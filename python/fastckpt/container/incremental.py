@@ -253,6 +253,10 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint | None:
     if tensor.device.type == "meta" or tensor.is_neg() or tensor.is_conj():
         return None
     storage = tensor.untyped_storage()
+    try:
+        storage.data_ptr()
+    except RuntimeError:  # no memory of its own (a functional tensor): the write refuses it
+        return None
     with _LOCK:
         mark = _mark(_view_key(tensor))
     # A marked tensor keeps its counter in the fingerprint too: after a change torch sees (a

@@ -169,7 +169,9 @@ def check_storable(name: str, tensor: Any) -> torch.Tensor:
             quantized, nested, meta or zero (``_efficientzerotensor``) tensor; a wrapper
             subclass whose values live elsewhere (``__torch_dispatch__`` subclasses such as
             torchao's quantized and float8 tensors: their storage holds none of them); a dtype
-            safetensors has no name for; a 0-d ``float4_e2m1fn_x2`` tensor.
+            safetensors has no name for; a 0-d ``float4_e2m1fn_x2`` tensor; a tensor whose
+            storage does not hold its values (freed or shrunk below the bytes its elements
+            reach, or a functional tensor's, which cannot be read).
     """
     if not isinstance(tensor, torch.Tensor):
         raise InvalidInputError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
@@ -217,7 +219,50 @@ def check_storable(name: str, tensor: Any) -> torch.Tensor:
     except InvalidInputError as err:
         raise InvalidInputError(f"{name!r}: {err}") from None
     header_shape(name, tensor)  # a 0-d float4: refused here, under the caller's full name
+    _check_memory(name, tensor)
     return tensor
+
+
+def _check_memory(name: str, tensor: torch.Tensor) -> None:
+    """Refuse a strided ``tensor`` whose storage does not hold its values, before anything
+    reads it (past a storage's end lies other memory: saved as garbage, or a segfault).
+
+    Raises:
+        InvalidInputError: naming ``name`` and the fix: a storage whose memory cannot be
+            read (a functionalization wrapper, as ``torch._to_functional_tensor`` makes); a
+            storage smaller than the bytes the tensor's elements reach (freed or shrunk with
+            ``untyped_storage().resize_()``, as FSDP frees unsharded parameters).
+    """
+    try:
+        storage = tensor.untyped_storage()
+        storage.data_ptr()
+    except RuntimeError:
+        raise InvalidInputError(
+            f"{name!r}: its storage cannot be read (a functional tensor, as "
+            "torch.func.functionalize and torch.compile tracing make, holds no values of its "
+            "own); save it outside the functionalized code, where it is a plain tensor"
+        ) from None
+    reach = _reach(tensor)
+    if reach > storage.nbytes():
+        raise InvalidInputError(
+            f"{name!r}: its storage holds {storage.nbytes()} bytes but its elements reach "
+            f"{reach} (shape {list(tensor.shape)}, stride {list(tensor.stride())}, storage "
+            f"offset {tensor.storage_offset()}): the storage was freed or shrunk "
+            "(untyped_storage().resize_(), as FSDP does to unsharded parameters); save the "
+            "tensor while its storage holds its values (before it is freed, or the sharded "
+            "state_dict() that holds them)"
+        )
+
+
+def _reach(tensor: torch.Tensor) -> int:
+    """The bytes of its storage that ``tensor``'s elements reach: up to the end of the
+    element furthest in (0 for a tensor without elements; torch strides are never negative)."""
+    if tensor.numel() == 0:
+        return 0
+    last = int(tensor.storage_offset()) + sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return (last + 1) * tensor.element_size()
 
 
 def host_tensor(name: str, tensor: Any) -> torch.Tensor:
