@@ -18,7 +18,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 __all__ = [
     "BACKGROUND_NICE",
@@ -494,22 +494,52 @@ class BackgroundWriter(Generic[T]):
         self._untrack()
         if error is not None:
             if future.failure_reported:
-                return None  # its Future already raised it: reported once
-            if self.typed_errors:
-                error.add_note(
-                    f"raised by the background checkpoint write of {self._what} (reported "
-                    "once, by the call after it)"
-                )
-                raise error
-            if committed_before(error):
-                raise RuntimeError(
-                    f"{self._what} is saved (committed), but what ran after its commit in the "
-                    f"background (a callback, a promotion) failed: {error}"
-                ) from error
-            raise RuntimeError(
-                f"the previous background checkpoint write failed ({self._what}): {error}"
-            ) from error
+                return None  # its Future (or a signal handler's close) raised it: once
+            future.failure_reported = True  # a call this one interrupted stays quiet
+            self._raise_failure(error)
         return Future.result(future)
+
+    def _raise_failure(self, error: BaseException) -> NoReturn:
+        """Raise the tracked write's failure ``error`` as :meth:`collect` reports it."""
+        if self.typed_errors:
+            error.add_note(
+                f"raised by the background checkpoint write of {self._what} (reported "
+                "once, by the call after it)"
+            )
+            raise error
+        if committed_before(error):
+            raise RuntimeError(
+                f"{self._what} is saved (committed), but what ran after its commit in the "
+                f"background (a callback, a promotion) failed: {error}"
+            ) from error
+        raise RuntimeError(
+            f"the previous background checkpoint write failed ({self._what}): {error}"
+        ) from error
+
+    def collect_reentrant(self) -> None:
+        """Wait, however long, for the tracked write from a signal handler that interrupted
+        this thread inside :meth:`close` or :meth:`collect` (which cannot go on until the
+        handler returns), and raise its failure.
+
+        No lock of this writer is taken (the interrupted call may hold one; the Future's own
+        condition is re-entrant), and the write stays tracked for the interrupted call, which
+        then stays quiet about a failure raised here: it is raised once.
+
+        Raises:
+            RuntimeError: the write failed, as for :meth:`collect`.
+        """
+        future = self._future
+        if future is None:
+            return  # none tracked, or the interrupted call already has its outcome
+        try:
+            # The base class's method: waiting here does not count as the caller seeing it.
+            error = Future.exception(future)
+        except CancelledError:
+            return
+        if error is None or future.failure_reported:
+            return
+        future.failure_reported = True
+        self._raise_failure(error)
 
     def finish_at_exit(self) -> None:
         """Finish the tracked write at interpreter exit (called by the exit hook).

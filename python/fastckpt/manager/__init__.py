@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -470,6 +471,12 @@ class CheckpointManager:
         # Held to submit a write and to close: a save racing close() on another thread is
         # either collected by it or refused as closed, never left running after it.
         self._closing_lock = threading.Lock()
+        # Set once the close() that closes this manager is done: a close() on another
+        # thread meanwhile waits for it.
+        self._close_done = threading.Event()
+        # ``active`` on the thread inside close(): a close() on that thread meanwhile is a
+        # signal handler interrupting it.
+        self._closing_here = threading.local()
         #: Where :meth:`load_latest` restored from (None before it ran).
         self.restored_from: NearestCheckpoint | None = None
         self._tiers: tuple[Path, Path] | None = None
@@ -493,6 +500,23 @@ class CheckpointManager:
         ]
         for part in self._fixed:
             part.mark_built()
+        _MANAGERS.add(self)
+
+    def _after_fork(self) -> None:
+        """In the child of ``os.fork()``, where only the forking thread exists: the locks a
+        parent thread may have held at the fork (a save's turn, an async save handing its
+        write over, a capture allocating staging memory) are made anew, and a close() a
+        parent thread had under way counts as done (the manager is closed here; the parent's
+        write is the parent's, see :class:`~fastckpt.container.background.BackgroundWriter`).
+        Before, the child's first save waited forever for a thread that does not exist."""
+        self._save_turn = threading.RLock()
+        self._closing_lock = threading.Lock()
+        closing_here = getattr(self._closing_here, "active", False)
+        self._close_done = threading.Event()
+        if self._closed and not closing_here:
+            self._close_done.set()
+        self._stager = make_stager(self._stager_options)
+        self._images = make_image_pool(self._stager_options)
 
     def _start_tiers(self, tiers: TiersConfig) -> None:
         """Check the tiers, start their promoter, and (the saving rank) queue the fast
@@ -1329,27 +1353,69 @@ class CheckpointManager:
         A manager never closed still has its last write finished at interpreter exit (a
         failure then is named on stderr); closing reports it here instead.
 
+        A close() while another thread's close() is under way waits until that one is done
+        (which reports a failure: it is raised once). A close() in a signal handler that
+        interrupted this thread inside close() cannot wait for that close: it waits for the
+        last write itself (committed when it returns, in the fast tier with tiers: the
+        promotion is left to the interrupted close) and raises its failure, which the
+        interrupted close then does not raise again.
+
         Raises:
             RuntimeError: the last background write failed (chained to its error) and its
                 Future did not deliver the failure; or called inside this thread's own
                 ``lock()`` while a save waits for it (the manager stays open: close it
                 outside the lock).
         """
-        if self._closed:
+        if self._close_done.is_set():
+            return
+        if getattr(self._closing_here, "active", False):
+            # A signal handler interrupting this thread's close(), which goes on only once
+            # the handler returns: waiting for it would wait forever.
+            if self._writer is not None:
+                self._writer.collect_reentrant()
             return
         if self._writer is not None:
             self._writer.check_closable()  # inside its own lock(): refused, still open
-        with self._closing_lock:
-            self._closed = True
-        for part in self._fixed:
-            part.release_built()
+        self._closing_here.active = True
         try:
-            if self._writer is not None:
-                self._writer.close()
+            with self._closing_lock:
+                closing = not self._closed
+                self._closed = True
+            if closing:
+                self._close()
+            else:
+                self._close_done.wait()  # another thread closes: done when it is
         finally:
-            self._tracker.forget()  # releases the storages held for the next save
-            if self._promoter is not None:
-                self._promoter.close()  # the last promotion's failure: PromotionError
+            self._closing_here.active = False
+
+    def _close(self) -> None:
+        """:meth:`close`, run by the one close() that closes the manager."""
+        try:
+            for part in self._fixed:
+                part.release_built()
+            try:
+                if self._writer is not None:
+                    self._writer.close()
+            finally:
+                self._tracker.forget()  # releases the storages held for the next save
+                if self._promoter is not None:
+                    self._promoter.close()  # the last promotion's failure: PromotionError
+        finally:
+            self._close_done.set()
+
+
+#: Every manager of this process, for :func:`_forget_parent_threads` after a fork.
+_MANAGERS: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+def _forget_parent_threads() -> None:
+    """In the child of ``os.fork()``: see :meth:`CheckpointManager._after_fork`."""
+    for manager in list(_MANAGERS):
+        manager._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent_threads)
 
 
 def _sharded_state(state: Mapping[str, Any]) -> bool:
