@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from fastckpt import _native
 from fastckpt.container import refs
 from fastckpt.container.links import LINKED_DIR
+from fastckpt.container.listing import is_alias
 from fastckpt.container.reader import check_recorded, verify_content
 from fastckpt.container.sharded.parts import part_damage
 from fastckpt.errors import CheckpointFormatError, FastCkptError, NotACheckpointError
@@ -373,6 +374,13 @@ def refuse_to_replace(path: Path, *, files: bool = False) -> None:
     if is_local(backend):
         if not os.path.lexists(path):
             return
+        if os.path.islink(path) and is_alias(path):
+            raise NotACheckpointError(
+                f"{display_path(path)} is an alias of {os.readlink(path)} (a symbolic link to "
+                "a checkpoint beside it): a save through it would overwrite that checkpoint "
+                "under the other name; save under the checkpoint's own name, then point the "
+                "alias at it"
+            )
         if not os.path.isdir(path):
             if files and os.path.isfile(path) and not os.path.islink(path):
                 return

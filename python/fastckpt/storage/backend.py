@@ -478,20 +478,33 @@ def _remove(path: Path) -> None:
 
 def remove_tree(path: Path) -> None:
     """``rm -rf path`` that says when it could not: what stays (files of another user, a
-    read-only folder) is named in a warning with the first error, instead of being left
-    without a word at every attempt (a prune reporting space freed that was not)."""
+    read-only folder, a tree left when the process had no file descriptor free) is named in
+    a warning with the first error and the advice for it, instead of being left without a
+    word at every attempt (a prune reporting space freed that was not)."""
     failures: list[BaseException] = []
     if sys.version_info >= (3, 12):
         shutil.rmtree(path, onexc=lambda *args: failures.append(args[2]))
     else:  # onerror: deprecated since 3.12, the only hook before
         shutil.rmtree(path, onerror=lambda *args: failures.append(args[2][1]))
     if failures and os.path.lexists(path):
-        message = (
-            f"{path}: could not be deleted ({failures[0]}); its bytes stay on disk until it "
-            "is deleted by hand (fix its permissions first)"
-        )
+        message = f"{path}: could not be deleted ({failures[0]}); {_left_because(failures[0])}"
         _LOG.warning("%s", message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _left_because(error: BaseException) -> str:
+    """What a tree :func:`remove_tree` could not delete means, and the fix, by its error: a
+    lack of file descriptors passes (before, every error said "fix its permissions first")."""
+    code = getattr(error, "errno", None)
+    if code in (errno.EMFILE, errno.ENFILE):
+        who = "this process" if code == errno.EMFILE else "the system"
+        return (
+            f"{who} had no file descriptor free (raise `ulimit -n` or open fewer files if "
+            "this repeats); a later save or prune removes it"
+        )
+    if code in (errno.EACCES, errno.EPERM):
+        return "its bytes stay on disk until it is deleted by hand (fix its permissions first)"
+    return "its bytes stay on disk until it is deleted"
 
 
 def clean_dead_siblings(parent: Path) -> list[str]:
@@ -713,12 +726,26 @@ class LocalStaging(Staging):
     place: an existing ``final`` is exchanged atomically (``renameat2(RENAME_EXCHANGE)``; where
     the filesystem cannot, it is renamed aside first and a crash in between is repaired by the
     next writer) and deleted after.
+
+    A ``final`` that is a symlink (``ckpt -> /big/disk/ckpt``) is written through: staged
+    beside the directory it points to and swapped in there, the link kept. Before, the
+    staging was made beside the link and exchanged with the link itself, so the checkpoint
+    moved to the link's filesystem and nothing went to the target from then on.
     """
 
     def __init__(
         self, final: Path, *, direct_io: bool | None = None, threads: int | None = None
     ) -> None:
-        """Create the temporary sibling directory of ``final``."""
+        """Create the temporary sibling directory of ``final`` (of its target, when ``final``
+        is a symlink).
+
+        Raises:
+            FileNotFoundError: ``final`` is a symlink to nothing (a disk not mounted); the
+                message names the link and its target.
+        """
+        if os.path.islink(final):
+            make_dirs(final)  # says which link points to nothing; creates nothing
+            final = Path(os.path.realpath(final))
         self.final = final
         self.direct_io = direct_io
         self.threads = threads
@@ -896,8 +923,9 @@ class LocalStaging(Staging):
             _remove(old)
 
     def discard(self) -> None:
-        """Remove the temporary directory."""
-        shutil.rmtree(self.temp, ignore_errors=True)
+        """Remove the temporary directory; one that cannot be removed (the process out of file
+        descriptors) is named in a warning (:func:`remove_tree`), no longer left silently."""
+        remove_tree(self.temp)
         self._settled()
 
     def _settled(self) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import os
 import stat
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -30,6 +32,53 @@ LOCK_FILE = ".fastckpt.lock"
 WARN_AFTER_SECS = 1.0
 _LOG = logging.getLogger(__name__)
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+
+#: The lock files' descriptors this process has open (held locks, and locks being taken), and
+#: the RootLocks that hold one: a forked child closes and forgets them
+#: (:func:`_forget_in_child`). Changed under :data:`_GUARD`, which a fork holds, so a child
+#: never inherits a descriptor this set does not name.
+_OPEN: set[int] = set()
+_HELD: weakref.WeakSet[RootLock] = weakref.WeakSet()
+_GUARD = threading.RLock()  # re-entrant: a finalizer's close may run inside a guarded block
+
+
+def _open_tracked(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
+    """``os.open`` of a lock file whose descriptor a forked child closes (see :data:`_OPEN`):
+    for each one that may take a ``flock``."""
+    with _GUARD:
+        fd = os.open(path, flags, mode)
+        _OPEN.add(fd)
+    return fd
+
+
+def _close(fd: int) -> None:
+    """Close a lock file's descriptor (and stop tracking it)."""
+    with _GUARD:
+        _OPEN.discard(fd)
+        os.close(fd)
+
+
+def _forget_in_child() -> None:
+    """In a forked child: the parent's locks are not the child's. No thread of the child is
+    inside a locked section or waiting for a lock (only the forking thread exists there), yet
+    the child inherited each lock file's descriptor, and a ``flock`` belongs to the open file
+    description: the child held the parent's lock too, so its own save into that root waited
+    for itself forever, even after the parent released it. Each such descriptor is closed
+    here (the parent keeps its lock), and the child's copies of the held locks say they are
+    not held."""
+    for fd in _OPEN:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _OPEN.clear()
+    for lock in list(_HELD):
+        lock._drop()
+    _GUARD.release()  # taken by the forking thread before the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_GUARD.acquire, after_in_parent=_GUARD.release, after_in_child=_forget_in_child
+    )
 
 
 def lock_holder(root: str | os.PathLike[str]) -> str:
@@ -59,7 +108,7 @@ def replacing(root: str | os.PathLike[str]) -> int | None:
     manifest until the new one is committed), as its lock file says; None when no process
     holds the lock (a dead writer's file says nothing) or it does something else."""
     try:
-        fd = os.open(os.path.join(root, LOCK_FILE), _READ_FLAGS)
+        fd = _open_tracked(os.path.join(root, LOCK_FILE), _READ_FLAGS)
     except OSError:
         return None
     try:
@@ -75,7 +124,7 @@ def replacing(root: str | os.PathLike[str]) -> int | None:
     except OSError:
         return None
     finally:
-        os.close(fd)
+        _close(fd)
 
 
 def _say_holder(fd: int, doing: str = "") -> None:
@@ -115,7 +164,8 @@ class RootLock:
     release; an acquirer that locked a file deleted meanwhile notices (inode check) and
     retries, so two processes can never both believe they hold the lock. Each
     :class:`RootLock` object is one lock owner: two objects exclude each other even inside one
-    process. Works on local filesystems and on NFS (where Linux maps ``flock`` to POSIX locks).
+    process, and a child forked while the lock is held does not hold it. Works on local
+    filesystems and on NFS (where Linux maps ``flock`` to POSIX locks).
 
     Use as a context manager, or :meth:`acquire` / :meth:`release`.
     """
@@ -153,27 +203,29 @@ class RootLock:
                 self._flock(fd, deadline)
                 if self._is_current(fd):
                     _say_holder(fd)
-                    self._fd = fd
-                    self._finalizer = weakref.finalize(self, os.close, fd)
+                    with _GUARD:
+                        self._fd = fd
+                        self._finalizer = weakref.finalize(self, _close, fd)
+                        _HELD.add(self)
                     return
             except BaseException:
-                os.close(fd)
+                _close(fd)
                 raise
-            os.close(fd)  # we locked a lock file its previous holder had deleted: retry
+            _close(fd)  # we locked a lock file its previous holder had deleted: retry
 
     def _open(self) -> int:
         """Open (create) the lock file: a regular file in the root, never a link followed (the
         holder writes into it)."""
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
-            fd = os.open(self.path, flags, 0o644)
+            fd = _open_tracked(self.path, flags)
         except OSError as err:
             if err.errno not in (errno.ELOOP, errno.EISDIR):
                 raise
             fd = -1
         if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
             if fd >= 0:
-                os.close(fd)
+                _close(fd)
             raise CheckpointFormatError(
                 f"{self.path}: not a regular file (a symlink, directory, FIFO or device in "
                 "place of the root's lock file); remove it if no fastckpt process is saving "
@@ -231,16 +283,25 @@ class RootLock:
 
     def release(self) -> None:
         """Delete the lock file and release the lock (idempotent)."""
-        fd, self._fd = self._fd, None
+        fd = self._drop()
         if fd is None:
             return
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
         try:
             self.path.unlink(missing_ok=True)
         finally:
-            os.close(fd)
+            _close(fd)
+
+    def _drop(self) -> int | None:
+        """Stop holding: the lock file's descriptor (None when not held), for the caller to
+        close (a forked child's copy of a held lock only forgets it: see
+        :func:`_forget_in_child`)."""
+        with _GUARD:
+            fd, self._fd = self._fd, None
+            _HELD.discard(self)
+            if self._finalizer is not None:
+                self._finalizer.detach()
+                self._finalizer = None
+        return fd
 
     def __enter__(self) -> RootLock:
         """Acquire on entry."""
