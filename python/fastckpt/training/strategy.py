@@ -3,9 +3,9 @@
 The strategy owns models, optimizers, schedulers, the training function, hooks and five
 counters. A strategy checkpoint (``save_checkpoint``) holds the components (as in
 :mod:`fastckpt.checkpoint.api`), a JSON recipe to rebuild them, the counters, the RNG states
-(python, numpy, torch CPU and CUDA) and the position inside the current epoch, plus the state
-of every :class:`~fastckpt.training.hooks.CheckpointableHook`. Resuming replays the epoch's data
-order
+(python, numpy, torch CPU and CUDA) and the position inside the current epoch (with the
+training loader's settings it counts batches of), plus the state of every
+:class:`~fastckpt.training.hooks.CheckpointableHook`. Resuming replays the epoch's data order
 from the RNG state saved at the epoch start and skips the batches already consumed, so a
 resumed run matches an uninterrupted one bit for bit (CPU, deterministic ops, a ``DataLoader``
 with ``num_workers=0``).
@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import IterableDataset
 
 import fastckpt.checkpoint.build as build
 import fastckpt.checkpoint.components as codec
@@ -400,6 +401,10 @@ class TrainingStrategy:
         #: The states of the loader's own generators when the epoch began (see
         #: :func:`_loader_generators`); None before the first epoch.
         self._epoch_start_loader_rng: list[torch.Tensor] | None = None
+        #: The settings of the loader the current epoch's position counts batches of (see
+        #: :func:`_loader_record`); None before the first epoch, at an epoch's end, and when
+        #: restored from a checkpoint of an earlier fastckpt (it recorded none).
+        self._epoch_loader: dict[str, Any] | None = None
         #: The loader of the running :meth:`run` (its generators' states go into each save).
         self._train_loader: Iterable[Any] | None = None
         #: Its generators' states when the last :meth:`run` returned (a save after it, to
@@ -619,6 +624,7 @@ class TrainingStrategy:
             self._restore_loader_generators(train_loader)
             self._epoch_start_rng = start
             self._epoch_start_loader_rng = [g.get_state() for g in _loader_generators(train_loader)]
+            self._epoch_loader = _loader_record(train_loader)
             return iter(train_loader)
         current = _rng_state()
         recorded = self._epoch_start_rng
@@ -638,6 +644,9 @@ class TrainingStrategy:
             self._fire(TrainingStage.BEFORE_EPOCH)
         self._rewind_loader_generators(train_loader)
         self._resume_loader_pending = False  # the replay advances them as the saved run did
+        live = _loader_record(train_loader)
+        _warn_another_loader(self._epoch_loader, live, self.epoch_count, self.epoch_step_count)
+        self._epoch_loader = live  # the position counts this loader's batches from here
         iterator = iter(train_loader)
         for consumed in range(self.epoch_step_count):
             try:
@@ -708,6 +717,7 @@ class TrainingStrategy:
         self.epoch_step_count = 0
         self._epoch_start_rng = None
         self._epoch_start_loader_rng = None
+        self._epoch_loader = None
         self._fire(TrainingStage.AFTER_EPOCH)
         return True
 
@@ -855,6 +865,8 @@ class TrainingStrategy:
             "num_steps": self.num_steps,
             "num_epochs": self.num_epochs,
             "counters": self.counters,
+            # what the replay of a resumed epoch skips batches of (see _warn_another_loader)
+            "epoch_loader": self._epoch_loader,
             "runtime": skeleton,
         }
         # The run state changes outside the optimizer step: an async save copies it when the
@@ -1430,6 +1442,7 @@ class TrainingStrategy:
         _set_rng_state(own["rng"])
         self._epoch_start_rng = own["epoch_start_rng"]
         self._epoch_start_loader_rng = own["epoch_start_loader_rng"]
+        self._epoch_loader = runtime.epoch_loader
         self._resume_loader_pending = True
         self._resume_loader_rng = own.get("loader_rng")
         self._loader_rng_after_run = list(own.get("loader_rng") or [])  # a save before run
@@ -2010,6 +2023,9 @@ class _Runtime:
     epoch_start_loader_rng: list[torch.Tensor] | None
     #: their states when the checkpoint was taken (None: saved by an earlier fastckpt)
     loader_rng: list[torch.Tensor] | None
+    #: the settings of the loader the epoch position counts batches of (None: at an epoch's
+    #: end, or saved by an earlier fastckpt)
+    epoch_loader: dict[str, Any] | None
     #: every rank's RNG states, when they differed at the save (see _gather_rank_rng)
     rank_rng: list[dict[str, Any]] | None
     schedulers: dict[str, Any]
@@ -2216,6 +2232,120 @@ def _loader_generators(loader: Any) -> list[torch.Generator]:
         ):
             found.append(generator)
     return found
+
+
+#: The loader settings a checkpoint records with its epoch position (see
+#: :func:`_loader_record`): name -> (whether a recorded value is valid, besides null; what it
+#: must be, for the error naming an edited one).
+_LOADER_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "batch_size": (_is_count, "an integer >= 0"),
+    "drop_last": (lambda value: isinstance(value, bool), "a boolean"),
+    "num_batches": (_is_count, "an integer >= 0"),
+    "num_workers": (_is_count, "an integer >= 0"),
+    "sampler": (lambda value: isinstance(value, str), "a string"),
+}
+
+
+def _loader_record(loader: Any) -> dict[str, Any]:
+    """What the replay of a resumed epoch depends on besides the RNGs: the training loader's
+    batch size and ``drop_last`` (its batch sampler's, else its own), number of batches,
+    ``num_workers`` and sampler class (its batch sampler's sampler, else its own); each None
+    where the loader has none (an iterable that is not a ``DataLoader``, one without a
+    length)."""
+    batcher = getattr(loader, "batch_sampler", None)
+    sampler = getattr(batcher, "sampler", None)
+    if sampler is None:
+        sampler = getattr(loader, "sampler", None)
+    batch_size = getattr(batcher, "batch_size", getattr(loader, "batch_size", None))
+    drop_last = getattr(batcher, "drop_last", getattr(loader, "drop_last", None))
+    num_workers = getattr(loader, "num_workers", None)
+    return {
+        "batch_size": batch_size if _is_count(batch_size) else None,
+        "drop_last": drop_last if isinstance(drop_last, bool) else None,
+        "num_batches": _num_batches(loader),
+        "num_workers": num_workers if _is_count(num_workers) else None,
+        "sampler": None
+        if sampler is None
+        else f"{type(sampler).__module__}.{type(sampler).__qualname__}",
+    }
+
+
+def _num_batches(loader: Any) -> int | None:
+    """``len(loader)``; None when it has none. Not asked of a ``DataLoader`` over an
+    ``IterableDataset``: its length is the dataset's own guess, and asking it makes torch warn
+    later when the dataset yields more."""
+    if isinstance(getattr(loader, "dataset", None), IterableDataset):
+        return None
+    try:
+        length = len(loader)
+    except (TypeError, NotImplementedError):  # no __len__ (a sampler's raising)
+        return None
+    return length if _is_count(length) else None
+
+
+def _parse_epoch_loader(recipe: Mapping[str, Any], where: str) -> dict[str, Any] | None:
+    """The ``epoch_loader`` field of a strategy.json (see :func:`_loader_record`): None when
+    absent (an earlier fastckpt's) or null (saved at an epoch's end); its known settings.
+
+    Raises:
+        CheckpointFormatError: the field or one of its settings is malformed (named).
+    """
+    record = recipe.get("epoch_loader")
+    if record is None:
+        return None
+    if not isinstance(record, dict):
+        raise CheckpointFormatError(
+            f"{where}: field 'epoch_loader' must be null or an object, got {type(record).__name__}"
+        )
+    for name, (valid, kind) in _LOADER_FIELDS.items():
+        value = record.get(name)
+        if value is not None and not valid(value):
+            raise CheckpointFormatError(
+                f"{where}: field 'epoch_loader.{name}' must be null or {kind}, got {value!r}"
+            )
+    # A setting a later fastckpt may add is not compared.
+    return {name: record[name] for name in _LOADER_FIELDS if name in record}
+
+
+def _warn_another_loader(
+    recorded: Mapping[str, Any] | None, live: Mapping[str, Any], epoch: int, done: int
+) -> None:
+    """Warn, on a resume mid-epoch, when the loader differs from the one the checkpoint's
+    epoch position counts batches of (``recorded``; None: not recorded, nothing said): the
+    replay skips ``done`` batches of this loader, which are not the samples the saved run read
+    (another batch size: some trained twice or skipped in this epoch). Not an error: a run
+    may change its batch size on purpose."""
+    if recorded is None:
+        return
+    changed = [name for name in live if name in recorded and recorded[name] != live[name]]
+    if not changed:
+        return
+    settings = ", ".join(
+        f"{name}={recorded[name]!r} in the checkpoint, {name}={live[name]!r} now"
+        for name in changed
+    )
+    saved_size, size = recorded.get("batch_size"), live["batch_size"]
+    if isinstance(saved_size, int) and isinstance(size, int) and saved_size != size:
+        what = "trained twice" if size < saved_size else "skipped (not trained in it)"
+        effect = (
+            f"the replay skips {done} batches of {size} ({done * size} samples) where the "
+            f"saved run had read {done * saved_size}: {abs(done * (saved_size - size))} "
+            f"samples of this epoch are {what}"
+        )
+    else:
+        effect = (
+            f"the replay skips {done} batches of this loader, which need not be the batches "
+            "the saved run read (other samples, or read with other random streams): samples "
+            "of this epoch may be trained twice or skipped"
+        )
+    warnings.warn(
+        f"resuming epoch {epoch} mid-epoch, after {done} batches, with another training loader "
+        f"than the saved run's ({settings}): {effect}. To continue exactly, resume with the "
+        "same loader settings; to change them, save at an epoch boundary (nothing is "
+        "replayed there)",
+        RuntimeWarning,
+        stacklevel=5,
+    )
 
 
 def _warn_unsaved_sampler_rngs(loader: Any) -> None:
@@ -2434,6 +2564,7 @@ def _parse_runtime(reader: codec.IndexReader, recipe: Mapping[str, Any]) -> _Run
         runtime.get("epoch_start_rng"),
         runtime.get("epoch_start_loader_rng"),
         runtime.get("loader_rng"),
+        _parse_epoch_loader(recipe, where),
         rank_rng,
         schedulers,
         saved,
