@@ -187,6 +187,19 @@ def test_a_save_through_an_alias_is_refused_and_both_names_stay(tmp_path: Path) 
     assert sorted(os.listdir(root)) == ["latest", "step_20"]
 
 
+def test_a_save_through_a_link_to_nothing_names_the_link_and_its_target(tmp_path: Path) -> None:
+    """``ckpt -> /mnt/big/ckpt`` with the disk not mounted. Before: "ckpt is a file, not a
+    checkpoint" (NotACheckpointError), which named neither the link nor the fix."""
+    link = tmp_path / "ckpt"
+    os.symlink(tmp_path / "unmounted" / "ckpt", link)
+    with (
+        _manager(False, []) as manager,
+        pytest.raises(FileNotFoundError, match=r"is a symlink to .*unmounted/ckpt, which"),
+    ):
+        manager.save(link, {"x": torch.ones(4)})
+    assert os.path.islink(link) and not (tmp_path / "unmounted").exists()
+
+
 def test_prune_of_a_checkpoint_saved_through_a_link_frees_its_target(tmp_path: Path) -> None:
     """Checkpoints of a tier root each saved through a link to another disk
     (``mgr/step_1 -> big/step_1``): a prune deletes the target's bytes and then the link.

@@ -369,6 +369,8 @@ def refuse_to_replace(path: Path, *, files: bool = False) -> None:
 
     Raises:
         NotACheckpointError: names what is there and the fix.
+        FileNotFoundError: ``path`` is a symlink to nothing (a disk not mounted); names the
+            link and its target.
     """
     backend = backend_for(path)
     if is_local(backend):
@@ -381,6 +383,8 @@ def refuse_to_replace(path: Path, *, files: bool = False) -> None:
                 "under the other name; save under the checkpoint's own name, then point the "
                 "alias at it"
             )
+        if os.path.islink(path) and not os.path.exists(path):
+            make_dirs(path)  # raises, naming the link and its missing target; creates nothing
         if not os.path.isdir(path):
             if files and os.path.isfile(path) and not os.path.islink(path):
                 return
