@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -241,3 +244,35 @@ def test_an_interruption_after_the_manifest_took_its_place_keeps_the_index_it_na
     assert loaded["manifest"]["counters"] == {"step": 2}
     assert torch.equal(loaded["models"]["m"]["model"].weight, model.weight)
     assert fastckpt.save_checkpoint(root, models={"m": model}) == (1 if first else 2)
+
+
+def test_a_child_forked_during_a_commit_in_another_thread_commits_too(tmp_path: Path) -> None:
+    """A thread of the parent inside a commit of ``tmp_path`` (holding this process's commit
+    lock of that checkpoint) when another thread forks: before, the child's own commit of it
+    waited forever for the lock the vanished thread held."""
+    mine = _generation(tmp_path, new_generation())
+    inside, release = threading.Event(), threading.Event()
+
+    def committing() -> None:
+        with protocol._commit_lock(tmp_path):
+            inside.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=committing)
+    thread.start()
+    inside.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: commit on its one thread, then leave without the parent's cleanup
+        code = 1
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(20)  # a commit waiting forever ends the child by SIGALRM
+            protocol.commit_generation(tmp_path, RECORD, _record(tmp_path, mine.name), mine.name)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    thread.join()
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's commit waited for the lock"
+    assert json.loads((tmp_path / RECORD).read_bytes()) == {"generation": mine.name}

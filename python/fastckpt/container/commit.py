@@ -174,6 +174,19 @@ _COMMIT_LOCKS: dict[str, threading.RLock] = {}
 _COMMIT_LOCKS_GUARD = threading.Lock()
 
 
+def _forget_commit_locks() -> None:
+    """In the child of ``os.fork()``: a commit a parent thread was running holds its lock
+    there for good (the thread does not exist in the child); the child's commits take fresh
+    locks."""
+    global _COMMIT_LOCKS_GUARD
+    _COMMIT_LOCKS.clear()
+    _COMMIT_LOCKS_GUARD = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_commit_locks)
+
+
 def _commit_lock(directory: Path) -> threading.RLock:
     """The lock that serializes this process's commits to ``directory``."""
     key = str(directory)
