@@ -306,25 +306,38 @@ def test_a_marked_tensor_whose_counter_moved_is_written(tmp_path: Path, door: st
     torch.manual_seed(1)
     other = Pair()
 
-    def save_and_load() -> dict[str, torch.Tensor]:
+    def save_and_load() -> tuple[dict[str, torch.Tensor], set[str]]:
+        """The saved state as loaded, and the names the save referenced (did not write)."""
         if door == "root":
-            index = fastckpt.save_checkpoint(tmp_path / "root", models={"m": (model, None)})
-            return fastckpt.load_checkpoint(tmp_path / "root", index)["models"]["m"][
-                "model"
-            ].state_dict()
+            root = tmp_path / "root"
+            index = fastckpt.save_checkpoint(root, models={"m": (model, None)})
+            refs = root / str(index) / "refs.json"
+            linked = json.loads(refs.read_text())["refs"] if refs.exists() else {}
+            state = fastckpt.load_checkpoint(root, index)["models"]["m"]["model"].state_dict()
+            return state, set(linked.get("models/m.safetensors", {}))
         path = tmp_path / f"step-{len(list(tmp_path.glob('step-*')))}"
         manager.save(path, {"model": model})
-        return manager.load(path)["model"]
+        record = read_commit_record(path)
+        linked = read_references(record, str(path)).get("model.safetensors", {})
+        return manager.load(path)["model"], set(linked)
 
     manager = CheckpointManager(CheckpointManager.Config.with_sync_save())
     save_and_load()
     model.still.load_state_dict(other.still.state_dict())
-    loaded = save_and_load()
+    loaded, referenced = save_and_load()
     for key, value in model.state_dict().items():
         assert torch.equal(loaded[key], value), key
-    # A later save, the backbone untouched since: still the swapped-in weights.
+    assert "still.weight" not in referenced
+    # An in-place op that leaves the bytes as they were moves the counter too: proven equal
+    # by its digest, referenced.
+    with torch.no_grad():
+        model.still.weight.mul_(1.0)
+    loaded, referenced = save_and_load()
+    assert {"still.weight", "still.bias"} <= referenced
+    # A later save, the backbone untouched since: trusted again, the swapped-in weights.
     model.moving.weight.detach().numpy()[0, 0] += 1.0
-    loaded = save_and_load()
+    loaded, referenced = save_and_load()
     assert torch.equal(loaded["still.weight"], other.still.weight)
     assert torch.equal(loaded["moving.weight"], model.moving.weight)
+    assert {"still.weight", "still.bias"} <= referenced
     manager.close()

@@ -1394,3 +1394,23 @@ def test_a_durable_tier_unmounted_under_the_promoter_is_not_refilled_in_its_plac
     finally:
         subprocess.run(["umount", "--lazy", str(durable)], check=False)
     assert [c["index"] for c in fastckpt.list_checkpoints(store)] == [0, 1, 2]
+
+
+def test_a_durable_tier_deleted_under_the_promoter_is_not_made_again(tmp_path: Path) -> None:
+    """The deleted case of the test above: the durable root removed (``rm -rf``) under a
+    promoter that promoted into it. Before, the next promotion made it again and committed
+    there as if nothing had happened."""
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    _source(fast, saves=1)
+    promoter = Promoter(fast, durable)
+    promoter.submit()
+    promoter.wait()
+    assert promoter.promoted == [0]
+    shutil.rmtree(durable)
+    _source_more(fast)
+    with pytest.warns(RuntimeWarning, match="unmounted, replaced or deleted"):
+        promoter.submit()
+        promoter.wait()
+    assert not promoter.healthy and not durable.exists()
+    with pytest.raises(PromotionError):
+        promoter.close()

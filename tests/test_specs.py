@@ -19,6 +19,7 @@ import sys
 import types
 import warnings
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -1509,7 +1510,9 @@ class _TakesModules(nn.Module):
         self.lin = nn.Linear(modules, 2)
 
 
-def test_a_constructor_argument_named_like_a_method_is_not_read_from_the_method() -> None:
+def test_a_constructor_argument_named_like_a_method_is_not_read_from_the_method(
+    tmp_path: Path,
+) -> None:
     """Before: ``getattr(model, "modules")`` gave the bound ``Module.modules`` method and the
     error said "cannot store a value of type builtins.method in a spec" (for
     ``nn.ParameterDict(parameters=)``, a type-serializer hint that could not help)."""
@@ -1517,5 +1520,9 @@ def test_a_constructor_argument_named_like_a_method_is_not_read_from_the_method(
         specs.model_spec(_TakesModules(3))
     # With a default, it is recorded as the default and the rebuilt model is compared:
     # a ParameterDict then fails that comparison, naming the tensors it would lose.
-    spec = specs.model_spec(nn.ParameterDict({"a": nn.Parameter(torch.ones(2))}))
-    assert spec.kwargs == {}
+    pdict = nn.ParameterDict({"a": nn.Parameter(torch.ones(2))})
+    assert specs.model_spec(pdict).kwargs == {}
+    import fastckpt
+
+    with pytest.raises(TypeError, match=r"rebuilds a model with other tensors .*a: \(2,\) vs None"):
+        fastckpt.save_checkpoint(tmp_path, {"main": (pdict, None)})

@@ -146,6 +146,18 @@ _FROZEN: dict[Any, tuple[weakref.ref[torch.Tensor], int]] = {}
 _MARKS = itertools.count()
 
 
+def _forget_lock() -> None:
+    """In the child of ``os.fork()``: a parent thread saving at the fork may have held
+    :data:`_LOCK` (taken per tensor by :func:`fingerprint`); the child's saves take a fresh
+    one."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_lock)
+
+
 def _key(root: str | os.PathLike[str]) -> str:
     return root_key(root)
 
@@ -254,7 +266,7 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint | None:
         return None
     storage = tensor.untyped_storage()
     try:
-        storage.data_ptr()
+        address = storage.data_ptr()
     except RuntimeError:  # no memory of its own (a functional tensor): the write refuses it
         return None
     with _LOCK:
@@ -265,7 +277,7 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint | None:
     version = tensor._version if mark is None else ("frozen", mark, tensor._version)
     return (
         str(tensor.device),
-        storage.data_ptr(),
+        address,
         storage.nbytes(),
         tensor.storage_offset(),
         tuple(tensor.shape),

@@ -233,6 +233,8 @@ def _check_memory(name: str, tensor: torch.Tensor) -> None:
             storage smaller than the bytes the tensor's elements reach (freed or shrunk with
             ``untyped_storage().resize_()``, as FSDP frees unsharded parameters).
     """
+    if tensor.device.type not in ("cpu", "cuda"):
+        return  # another backend's storage (XLA, lazy): copied to the CPU as it says
     try:
         storage = tensor.untyped_storage()
         storage.data_ptr()
@@ -257,8 +259,11 @@ def _check_memory(name: str, tensor: torch.Tensor) -> None:
 def _reach(tensor: torch.Tensor) -> int:
     """The bytes of its storage that ``tensor``'s elements reach: up to the end of the
     element furthest in (0 for a tensor without elements; torch strides are never negative)."""
-    if tensor.numel() == 0:
+    numel = tensor.numel()
+    if numel == 0:
         return 0
+    if tensor.is_contiguous():  # the common case, without a sum over the dimensions
+        return (int(tensor.storage_offset()) + numel) * tensor.element_size()
     last = int(tensor.storage_offset()) + sum(
         (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
     )

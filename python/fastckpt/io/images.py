@@ -46,6 +46,17 @@ IMAGE_MIN_BYTES = 256 << 10
 _IMAGES: weakref.WeakValueDictionary[int, FileImage] = weakref.WeakValueDictionary()
 _IMAGES_LOCK = threading.Lock()
 
+
+def _forget_images_lock() -> None:
+    """In the child of ``os.fork()``: a parent thread may have held :data:`_IMAGES_LOCK` at
+    the fork; the child's saves take a fresh one."""
+    global _IMAGES_LOCK
+    _IMAGES_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_images_lock)
+
 Signature = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
 
 
@@ -176,6 +187,11 @@ class ImagePool:
         self.pinned = pinned
         self.images: dict[str, FileImage] = {}
         self.allocations = 0
+        self._lock = threading.Lock()
+
+    def after_fork(self) -> None:
+        """In the child of ``os.fork()``: make anew the lock a parent thread may have held
+        at the fork (the images are kept)."""
         self._lock = threading.Lock()
 
     def destinations(

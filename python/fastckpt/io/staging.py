@@ -79,6 +79,11 @@ class Stager(Protocol):
         """Bytes currently held in staging buffers."""
         ...
 
+    def after_fork(self) -> None:
+        """In the child of ``os.fork()``: make anew the locks a parent thread may have held
+        at the fork (its buffers are kept; no CUDA call, which a forked child cannot make)."""
+        ...
+
 
 class _BufferPool:
     """One reusable host buffer per name, replaced only when dtype/shape change."""
@@ -137,6 +142,10 @@ class _BufferPool:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
+    def after_fork(self) -> None:
+        """See :meth:`Stager.after_fork`."""
+        self._lock = threading.Lock()
+
 
 class CpuStager:
     """Synchronous copies into reusable (unpinned) host buffers."""
@@ -177,6 +186,10 @@ class CpuStager:
     def nbytes(self) -> int:
         """Bytes held in staging buffers."""
         return self._pool.nbytes
+
+    def after_fork(self) -> None:
+        """See :meth:`Stager.after_fork`."""
+        self._pool.after_fork()
 
 
 class CudaStager:
@@ -232,6 +245,10 @@ class CudaStager:
     def nbytes(self) -> int:
         """Bytes held in staging buffers."""
         return self._pool.nbytes
+
+    def after_fork(self) -> None:
+        """See :meth:`Stager.after_fork`."""
+        self._pool.after_fork()
 
 
 def stage_groups(

@@ -474,6 +474,9 @@ class CheckpointManager:
         # Set once the close() that closes this manager is done: a close() on another
         # thread meanwhile waits for it.
         self._close_done = threading.Event()
+        # What the close() that closed this manager raised (None: nothing): a close() on
+        # another thread that waited for it says so too.
+        self._close_error: BaseException | None = None
         # ``active`` on the thread inside close(): a close() on that thread meanwhile is a
         # signal handler interrupting it.
         self._closing_here = threading.local()
@@ -515,8 +518,10 @@ class CheckpointManager:
         self._close_done = threading.Event()
         if self._closed and not closing_here:
             self._close_done.set()
-        self._stager = make_stager(self._stager_options)
-        self._images = make_image_pool(self._stager_options)
+        # Their locks only: the buffers stay (a new CUDA stager would make a CUDA call, which
+        # a forked child, a DataLoader worker say, cannot).
+        self._stager.after_fork()
+        self._images.after_fork()
 
     def _start_tiers(self, tiers: TiersConfig) -> None:
         """Check the tiers, start their promoter, and (the saving rank) queue the fast
@@ -1353,8 +1358,9 @@ class CheckpointManager:
         A manager never closed still has its last write finished at interpreter exit (a
         failure then is named on stderr); closing reports it here instead.
 
-        A close() while another thread's close() is under way waits until that one is done
-        (which reports a failure: it is raised once). A close() in a signal handler that
+        A close() while another thread's close() is under way waits until that one is done;
+        when that one raised (the last write failed), so does this one, a ``RuntimeError``
+        saying so, chained to the failure. A close() in a signal handler that
         interrupted this thread inside close() cannot wait for that close: it waits for the
         last write itself (committed when it returns, in the fast tier with tiers: the
         promotion is left to the interrupted close) and raises its failure, which the
@@ -1377,6 +1383,7 @@ class CheckpointManager:
         if self._writer is not None:
             self._writer.check_closable()  # inside its own lock(): refused, still open
         self._closing_here.active = True
+        closing = False
         try:
             with self._closing_lock:
                 closing = not self._closed
@@ -1385,11 +1392,19 @@ class CheckpointManager:
                 self._close()
             else:
                 self._close_done.wait()  # another thread closes: done when it is
+                if self._close_error is not None:
+                    raise RuntimeError(
+                        "this CheckpointManager was closed by a close() on another thread, "
+                        f"which reported: {self._close_error}"
+                    ) from self._close_error
         finally:
             self._closing_here.active = False
+            if closing:
+                self._close_done.set()  # even when interrupted before _close() ran
 
     def _close(self) -> None:
-        """:meth:`close`, run by the one close() that closes the manager."""
+        """:meth:`close`, run by the one close() that closes the manager (its failure kept
+        for the close() calls of other threads waiting for it)."""
         try:
             for part in self._fixed:
                 part.release_built()
@@ -1400,8 +1415,9 @@ class CheckpointManager:
                 self._tracker.forget()  # releases the storages held for the next save
                 if self._promoter is not None:
                     self._promoter.close()  # the last promotion's failure: PromotionError
-        finally:
-            self._close_done.set()
+        except BaseException as err:
+            self._close_error = err
+            raise
 
 
 #: Every manager of this process, for :func:`_forget_parent_threads` after a fork.
