@@ -381,7 +381,8 @@ def refuse_to_replace(path: Path, *, files: bool = False) -> None:
             ``torch.save`` file of the same name, as its own ``TorchCheckpointIO`` does).
 
     Raises:
-        NotACheckpointError: names what is there and the fix.
+        NotACheckpointError: names what is there and the fix (a symbolic link to a folder
+            elsewhere: a save would replace the link, not write where it points).
         FileNotFoundError: ``path`` is a symlink to nothing (a disk not mounted); names the
             link and its target.
     """
@@ -389,15 +390,18 @@ def refuse_to_replace(path: Path, *, files: bool = False) -> None:
     if is_local(backend):
         if not os.path.lexists(path):
             return
-        if os.path.islink(path) and is_alias(path):
-            raise NotACheckpointError(
-                f"{display_path(path)} is an alias of {os.readlink(path)} (a symbolic link to "
-                "a checkpoint beside it): a save through it would overwrite that checkpoint "
-                "under the other name; save under the checkpoint's own name, then point the "
-                "alias at it"
-            )
         if os.path.islink(path) and not os.path.exists(path):
             make_dirs(path)  # raises, naming the link and its missing target; creates nothing
+        if os.path.islink(path) and not is_alias(path):
+            # The save would swap a folder in place of the link, on the link's disk, and the
+            # checkpoint would no longer go where the link points. (An alias beside its
+            # checkpoint, Lightning's ``last.ckpt -> epoch=...``, is replaced as before.)
+            raise NotACheckpointError(
+                f"{display_path(path)} is a symbolic link to {os.readlink(path)}: a save "
+                "replaces the checkpoint folder itself, which would put it on the link's disk "
+                "instead of the target's; save to the target's path, or link the folder that "
+                "holds the checkpoints instead"
+            )
         if not os.path.isdir(path):
             if files and os.path.isfile(path) and not os.path.islink(path):
                 return

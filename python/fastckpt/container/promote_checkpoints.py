@@ -49,7 +49,6 @@ from fastckpt.container.listing import (  # listed here too, where they were fir
     TierDates,
     committed_checkpoints,
     dated_checkpoints,
-    is_alias,
     tier_dates,
 )
 from fastckpt.container.promote import SOURCE_DAMAGE, Promoter
@@ -289,22 +288,13 @@ def remove_checkpoint(path: str | os.PathLike[str]) -> None:
         backend.delete(path / SHARDED_RECORD)
         backend.delete(path)
         return
-    if os.path.islink(path) and not is_alias(path):
-        # A checkpoint saved through a link (``step_0 -> /big/disk/step_0``, see
-        # LocalStaging): its bytes are the target's, deleted first (a crash in between
-        # leaves a link to nothing, which no listing counts), then the link.
-        target = Path(os.path.realpath(path))
-        if (target / COMMIT_RECORD).is_file() or (target / SHARDED_RECORD).is_file():
-            _remove_directory(target)
+    if os.path.islink(path):
+        # A link to a checkpoint elsewhere (another run's, made by hand: saves never write
+        # through one): the link goes, what it points to is not this root's to delete.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             _native.fsync_dir(str(path.parent))
         return
-    _remove_directory(path)
-
-
-def _remove_directory(path: Path) -> None:
-    """Delete the local checkpoint directory ``path`` as :func:`remove_checkpoint` says."""
     remove_replaced(path)  # an older copy moved aside must not come back in its place
     aside = temp_sibling(TEMP_PREFIX, path)
     try:

@@ -726,26 +726,12 @@ class LocalStaging(Staging):
     place: an existing ``final`` is exchanged atomically (``renameat2(RENAME_EXCHANGE)``; where
     the filesystem cannot, it is renamed aside first and a crash in between is repaired by the
     next writer) and deleted after.
-
-    A ``final`` that is a symlink (``ckpt -> /big/disk/ckpt``) is written through: staged
-    beside the directory it points to and swapped in there, the link kept. Before, the
-    staging was made beside the link and exchanged with the link itself, so the checkpoint
-    moved to the link's filesystem and nothing went to the target from then on.
     """
 
     def __init__(
         self, final: Path, *, direct_io: bool | None = None, threads: int | None = None
     ) -> None:
-        """Create the temporary sibling directory of ``final`` (of its target, when ``final``
-        is a symlink).
-
-        Raises:
-            FileNotFoundError: ``final`` is a symlink to nothing (a disk not mounted); the
-                message names the link and its target.
-        """
-        if os.path.islink(final):
-            make_dirs(final)  # says which link points to nothing; creates nothing
-            final = Path(os.path.realpath(final))
+        """Create the temporary sibling directory of ``final``."""
         self.final = final
         self.direct_io = direct_io
         self.threads = threads
@@ -925,8 +911,13 @@ class LocalStaging(Staging):
     def discard(self) -> None:
         """Remove the temporary directory; one that cannot be removed (the process out of file
         descriptors) is named in a warning (:func:`remove_tree`), no longer left silently."""
-        remove_tree(self.temp)
-        self._settled()
+        try:
+            remove_tree(self.temp)
+        finally:
+            if not os.path.lexists(self.temp):
+                self._settled()
+            # else: still registered, so the next sweep in this process takes it for an
+            # abandoned staging of its own once this object is gone, and removes it
 
     def _settled(self) -> None:
         with _STAGED_LOCK:

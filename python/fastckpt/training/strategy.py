@@ -2332,12 +2332,18 @@ def _warn_another_loader(
             f"saved run had read {done * saved_size}: {abs(done * (saved_size - size))} "
             f"samples of this epoch are {what}"
         )
-    else:
+    elif "sampler" in changed:
         effect = (
             f"the replay skips {done} batches of this loader, which need not be the batches "
-            "the saved run read (other samples, or read with other random streams): samples "
-            "of this epoch may be trained twice or skipped"
+            "the saved run read: samples of this epoch may be trained twice or skipped"
         )
+    elif "num_workers" in changed:
+        effect = (
+            "the batches are the same, but random transforms inside worker processes draw "
+            "other random streams than the saved run's"
+        )
+    else:  # drop_last, the number of batches: where the epoch ends
+        effect = "the epoch's end differs from the saved run's (its last, partial batch)"
     warnings.warn(
         f"resuming epoch {epoch} mid-epoch, after {done} batches, with another training loader "
         f"than the saved run's ({settings}): {effect}. To continue exactly, resume with the "
