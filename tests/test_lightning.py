@@ -721,3 +721,34 @@ def test_enums_and_numpy_scalars_are_never_stored_as_their_base_type(tmp_path: P
     io.save_checkpoint(checkpoint_with({"lvl": _Level.LOW, "act": _Act.RELU}), tmp_path / "ok")
     loaded = io.load_checkpoint(tmp_path / "ok")["hyper_parameters"]["extra"]
     assert loaded["lvl"] is _Level.LOW and loaded["act"] is _Act.RELU
+
+
+@pytest.mark.parametrize("kind", ["dicts", "tuples"])
+def test_a_checkpoint_nested_too_deeply_to_load_is_refused_at_save(
+    tmp_path: Path, kind: str
+) -> None:
+    """Hyperparameters nested past what a load reads (198 dicts, or 99 tuples: a tuple takes
+    two levels as stored). Before, the save succeeded and every load failed with "nested more
+    than 200 levels deep; fastckpt never writes such a document (it was edited or damaged)";
+    at 400+ levels the save died with a bare RecursionError. Now refused at save, naming the
+    item, nothing written; a nest well within the limit saves and loads."""
+    value: Any = "leaf"
+    for _ in range(198 if kind == "dicts" else 99):
+        value = {"k": value} if kind == "dicts" else (value,)
+    io = FastCheckpointIO()
+    path = tmp_path / "deep.ckpt"
+    checkpoint = {"state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"cfg": value}}
+    where = r"checkpoint\['hyper_parameters'\]" if kind == "dicts" else "the checkpoint"
+    with pytest.raises(TypeError, match=rf"{where}: its dicts, lists and tuples nest too deeply"):
+        io.save_checkpoint(checkpoint, path)
+    assert not path.exists()
+    deeper: Any = "leaf"
+    for _ in range(1000):
+        deeper = {"k": deeper}
+    with pytest.raises(TypeError, match="nest too deeply"):
+        io.save_checkpoint({"hyper_parameters": deeper}, path)
+    shallow: Any = "leaf"
+    for _ in range(150):
+        shallow = {"k": shallow}
+    io.save_checkpoint({"hyper_parameters": {"cfg": shallow}}, path)
+    assert io.load_checkpoint(path)["hyper_parameters"]["cfg"] == shallow

@@ -54,7 +54,13 @@ from fastckpt.container.commit import DirectoryWriter, refuse_to_replace
 from fastckpt.container.links import read_item
 from fastckpt.container.listing import saved_after_siblings
 from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
-from fastckpt.format.records import COMMIT_RECORD, commit_record, read_commit_record
+from fastckpt.format.records import (
+    COMMIT_RECORD,
+    MAX_JSON_DEPTH,
+    commit_record,
+    nesting_depth,
+    read_commit_record,
+)
 from fastckpt.io import tree
 from fastckpt.io.staging import StagerOptions, make_image_pool, make_stager, stage_groups
 
@@ -133,6 +139,27 @@ class _Splitter:
         return {PICKLED_MARKER: len(self.blobs) - 1}
 
 
+#: The deepest nesting of a checkpoint's dicts, lists and tuples (as stored) a save accepts:
+#: what a load reads (``MAX_JSON_DEPTH``) less the levels of the document around it.
+_MAX_NESTING = MAX_JSON_DEPTH - 10
+
+
+def _check_nesting(depth: int, where: str | None) -> None:
+    """Refuse a checkpoint nested ``depth`` levels deep (at its item ``where``, when known),
+    past :data:`_MAX_NESTING`.
+
+    Raises:
+        TypeError: names the item and the fix.
+    """
+    if depth > _MAX_NESTING:
+        raise TypeError(
+            f"{'the checkpoint' if where is None else f'checkpoint[{where}]'}: its dicts, "
+            "lists and tuples nest too deeply (more than "
+            f"{_MAX_NESTING} levels as stored) to be loaded back; flatten the deepest values "
+            "(hyperparameters, callback states), e.g. by joining inner keys into one"
+        )
+
+
 def plan_checkpoint(checkpoint: Mapping[str, Any], *, allow_pickle: bool = False) -> Plan:
     """Split Lightning's checkpoint dict into the items written to disk (no I/O).
 
@@ -142,6 +169,10 @@ def plan_checkpoint(checkpoint: Mapping[str, Any], *, allow_pickle: bool = False
     """
     if not isinstance(checkpoint, Mapping):
         raise TypeError(f"checkpoint must be a dict, got {type(checkpoint).__name__}")
+    # Before the (recursive) split: a nest too deep to be loaded back is refused here, not
+    # written (a load refuses documents nested past MAX_JSON_DEPTH).
+    for key, value in checkpoint.items():
+        _check_nesting(1 + nesting_depth(value, _MAX_NESTING), repr(key))
     splitter = _Splitter(allow_pickle)
     body = splitter.split(checkpoint, "")
     metadata = getattr(checkpoint.get("state_dict"), "_metadata", None)
@@ -151,7 +182,9 @@ def plan_checkpoint(checkpoint: Mapping[str, Any], *, allow_pickle: bool = False
         "state_dict_metadata": splitter.split(metadata, "state_dict._metadata"),
     }
     plan = Plan()
-    plan.items[CHECKPOINT_ITEM] = tree.flatten(body)
+    skeleton, tensors, depth = tree.flatten_measured(body)
+    _check_nesting(depth, None)  # as stored: a tuple takes two levels
+    plan.items[CHECKPOINT_ITEM] = (skeleton, tensors)
     plan.items[INFO_ITEM] = tree.flatten(info)
     if splitter.blobs:
         plan.items[PICKLED_ITEM] = tree.flatten(splitter.blobs)
