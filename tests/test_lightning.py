@@ -752,3 +752,22 @@ def test_a_checkpoint_nested_too_deeply_to_load_is_refused_at_save(
         shallow = {"k": shallow}
     io.save_checkpoint({"hyper_parameters": {"cfg": shallow}}, path)
     assert io.load_checkpoint(path)["hyper_parameters"]["cfg"] == shallow
+
+
+def test_a_checkpoint_a_killed_replace_left_aside_is_put_back_by_the_load(tmp_path: Path) -> None:
+    """Where the filesystem cannot exchange two paths (NFS), a replace of ``last.ckpt`` renames
+    the committed checkpoint aside (``.trash-last.ckpt~<pid>~<host>~...``), then the new one
+    in: a kill between the two left no ``last.ckpt``. Only the next save put it back; before,
+    a load of that path said "no such checkpoint", the trained checkpoint hidden. The load
+    now puts back what a dead process left aside, then loads it."""
+    from fastckpt.storage.backend import HOST, TRASH_PREFIX
+
+    io = FastCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.arange(4.0)}, "global_step": 7}, path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path.rename(tmp_path / f"{TRASH_PREFIX}last.ckpt~{dead.pid}~{HOST}~0badc0de")
+    loaded = io.load_checkpoint(path)
+    assert loaded["global_step"] == 7 and torch.equal(loaded["state_dict"]["w"], torch.arange(4.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]

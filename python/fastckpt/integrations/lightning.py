@@ -63,6 +63,7 @@ from fastckpt.format.records import (
 )
 from fastckpt.io import tree
 from fastckpt.io.staging import StagerOptions, make_image_pool, make_stager, stage_groups
+from fastckpt.storage.backend import restore_replaced
 
 __all__ = ["AsyncFastCheckpointIO", "FastCheckpointIO", "load_lightning_checkpoint"]
 
@@ -483,6 +484,10 @@ class FastCheckpointIO(CheckpointIO):
         """
         del weights_only  # always weights-only, see above
         target = _local(path)
+        if not os.path.lexists(target):
+            # A replace killed between its two renames, where the filesystem cannot exchange
+            # (NFS): the committed checkpoint is aside under a hidden name; put it back.
+            restore_replaced(target.parent)
         if target.is_file():
             location = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
             try:
