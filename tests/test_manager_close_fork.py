@@ -167,6 +167,7 @@ FORK_WHILE_SAVING = textwrap.dedent(
     from fastckpt import CheckpointManager
     from fastckpt.container import incremental
     from fastckpt.io import images
+    from fastckpt.storage import backend
 
     torch.set_num_threads(1)  # torch's own pool does not survive a fork either
     root, mode, held = sys.argv[1:4]
@@ -193,6 +194,7 @@ FORK_WHILE_SAVING = textwrap.dedent(
         "staging": manager._images._lock,  # what a capture allocating its file image holds
         "fingerprint": incremental._LOCK,  # what a save fingerprinting its tensors holds
         "images": images._IMAGES_LOCK,  # what a save looking up its file images holds
+        "staged": backend._STAGED_LOCK,  # what a save registering its staging folder holds
     }
     lock = locks[held]
 
@@ -249,6 +251,7 @@ FORK_WHILE_SAVING = textwrap.dedent(
         ("async", "staging"),
         ("sync", "fingerprint"),
         ("async", "images"),
+        ("sync", "staged"),
     ],
 )
 def test_a_child_forked_while_a_thread_saves_saves_with_the_manager_it_inherited(

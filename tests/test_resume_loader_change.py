@@ -48,15 +48,22 @@ class SampleLog:
             self.ids.setdefault(ctx.epoch, []).extend(ctx.batch[2].tolist())
 
 
-def loader(batch_size: int, num_workers: int = 0, shuffle: bool = True) -> DataLoader[Any]:
-    """48 samples with their ids, shuffled by the loader's own generator."""
-    x = torch.randn(SAMPLES, 4, generator=torch.Generator().manual_seed(0))
-    dataset = TensorDataset(x, x.sum(dim=1, keepdim=True), torch.arange(SAMPLES))
+def loader(
+    batch_size: int,
+    num_workers: int = 0,
+    shuffle: bool = True,
+    samples: int = SAMPLES,
+    drop_last: bool = False,
+) -> DataLoader[Any]:
+    """``samples`` (48) samples with their ids, shuffled by the loader's own generator."""
+    x = torch.randn(samples, 4, generator=torch.Generator().manual_seed(0))
+    dataset = TensorDataset(x, x.sum(dim=1, keepdim=True), torch.arange(samples))
     return DataLoader(
         dataset,
         batch_size=batch_size,
         shuffle=shuffle,
         num_workers=num_workers,
+        drop_last=drop_last,
         generator=torch.Generator().manual_seed(1),
     )
 
@@ -218,3 +225,29 @@ def test_a_malformed_loader_record_is_a_format_error_naming_the_field(
     _reseal(root, index, "strategy.json", json.dumps(recipe).encode())
     with pytest.raises(CheckpointFormatError, match=rf"strategy.json: field '{field}'"):
         fastckpt.TrainingStrategy.load_checkpoint(root, training_fn=training_fn)
+
+
+def test_a_dataset_of_another_length_mid_epoch_warns_of_samples_trained_twice_or_skipped(
+    tmp_path: Path,
+) -> None:
+    """48 samples saved after 3 batches, resumed over 54: the shuffle permutes other indices,
+    so the replay skips other samples (a review found a first wording saying only "the epoch's
+    end differs" while 13 samples were trained twice)."""
+    log = SampleLog()
+    saved_after(tmp_path / "run", log, loader(6), 3)
+    (warning,) = resumed_warnings(tmp_path / "run", log, loader(6, samples=54), 5)
+    message = str(warning.message)
+    assert "num_batches=8 in the checkpoint, num_batches=9 now" in message
+    assert "may be trained twice or skipped" in message
+
+
+def test_drop_last_alone_mid_epoch_warns_that_the_epochs_end_differs(tmp_path: Path) -> None:
+    """50 samples in batches of 6 saved after 3 batches, resumed with ``drop_last=True``: the
+    same order, one partial batch fewer at the epoch's end."""
+    log = SampleLog()
+    saved_after(tmp_path / "run", log, loader(6, samples=50), 3)
+    (warning,) = resumed_warnings(tmp_path / "run", log, loader(6, samples=50, drop_last=True), 5)
+    message = str(warning.message)
+    assert "drop_last=False in the checkpoint, drop_last=True now" in message
+    assert "the epoch's end differs from the saved run's" in message
+    assert "trained twice" not in message

@@ -181,6 +181,16 @@ def test_a_save_to_an_alias_beside_its_checkpoint_replaces_the_alias(tmp_path: P
         assert torch.equal(manager.load(root / "latest")["x"], torch.full((4,), 21.0))
     assert not os.path.islink(root / "latest")
     assert sorted(os.listdir(root)) == ["latest", "step_20"]
+    # An alias whose checkpoint is gone (pruned before the link was moved) or a file (a
+    # torch.save checkpoint): replaced too (a review found both refused by the first version).
+    os.symlink("step_5", root / "gone")
+    (root / "old.ckpt").write_bytes(b"torch.save bytes")
+    os.symlink("old.ckpt", root / "file-alias")
+    with _manager(False, []) as manager:
+        for alias in ("gone", "file-alias"):
+            manager.save(root / alias, {"x": torch.full((4,), 5.0)})
+            assert torch.equal(manager.load(root / alias)["x"], torch.full((4,), 5.0))
+    assert (root / "old.ckpt").read_bytes() == b"torch.save bytes"
 
 
 def test_a_save_through_a_link_to_nothing_names_the_link_and_its_target(tmp_path: Path) -> None:

@@ -390,9 +390,11 @@ def refuse_to_replace(path: Path, *, files: bool = False) -> None:
     if is_local(backend):
         if not os.path.lexists(path):
             return
+        if os.path.islink(path) and is_alias(path):
+            return  # an alias beside its checkpoint (even one gone): the swap replaces the link
         if os.path.islink(path) and not os.path.exists(path):
             make_dirs(path)  # raises, naming the link and its missing target; creates nothing
-        if os.path.islink(path) and not is_alias(path):
+        if os.path.islink(path):
             # The save would swap a folder in place of the link, on the link's disk, and the
             # checkpoint would no longer go where the link points. (An alias beside its
             # checkpoint, Lightning's ``last.ckpt -> epoch=...``, is replaced as before.)

@@ -74,6 +74,17 @@ class _Promoted:
 
 
 _PROMOTED_LOCK = threading.Lock()
+
+
+def _fresh_promoted_lock() -> None:
+    """In the child of ``os.fork()``: a parent thread may have held :data:`_PROMOTED_LOCK` at the
+    fork (the thread does not exist there); the child takes a fresh one."""
+    global _PROMOTED_LOCK
+    _PROMOTED_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_promoted_lock)
 #: target root -> BLAKE3 digest of a file's bytes -> the newest file promoted with them.
 _PROMOTED: dict[str, dict[bytes, _Promoted]] = {}
 #: Files remembered per target (the newest win; older ones belong to pruned indices anyway).

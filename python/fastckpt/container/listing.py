@@ -182,6 +182,17 @@ _NEWEST_SAVED: dict[str, int] = {}
 _NEWEST_LOCK = threading.Lock()
 
 
+def _fresh_newest_lock() -> None:
+    """In the child of ``os.fork()``: a parent thread may have held :data:`_NEWEST_LOCK` at the
+    fork (the thread does not exist there); the child takes a fresh one."""
+    global _NEWEST_LOCK
+    _NEWEST_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_newest_lock)
+
+
 def saved_after_siblings(checkpoint: str | os.PathLike[str]) -> int:
     """When the CheckpointManager checkpoint about to be committed at ``checkpoint`` is saved,
     in ns since the epoch (its record's ``saved_ns``): now, but after every checkpoint

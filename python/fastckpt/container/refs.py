@@ -84,6 +84,17 @@ REFS_FILE = "refs.json"
 RETAINED_PREFIX = ".ref-"
 
 _DISTRUSTED_LOCK = threading.Lock()
+
+
+def _fresh_distrusted_lock() -> None:
+    """In the child of ``os.fork()``: a parent thread may have held :data:`_DISTRUSTED_LOCK` at the
+    fork (the thread does not exist there); the child takes a fresh one."""
+    global _DISTRUSTED_LOCK
+    _DISTRUSTED_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_distrusted_lock)
 #: Roots (:func:`root_key`) whose newest index failed verification in a prune: the next
 #: incremental save into one references nothing (see :func:`distrust`).
 _DISTRUSTED: set[str] = set()

@@ -32,6 +32,7 @@ import io
 import logging
 import os
 import shutil
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -58,7 +59,6 @@ from fastckpt.format.records import (
     COMMIT_RECORD,
     MAX_JSON_DEPTH,
     commit_record,
-    nesting_depth,
     read_commit_record,
 )
 from fastckpt.io import tree
@@ -105,22 +105,34 @@ class _Splitter:
         self.blobs: list[torch.Tensor] = []
         self.paths: list[str] = []
 
-    def split(self, value: Any, path: str) -> Any:
+    def split(self, value: Any, path: str, level: int = 0) -> Any:
+        """``value`` (at key path ``path``, ``level`` containers deep) with what JSON and
+        tensors cannot hold replaced (pickled, or refused).
+
+        Raises:
+            TypeError: a value that cannot be held, or containers nested past what a load
+                reads (named by its key path; counted here one level each, as stored: the
+                deeper stored forms of tuples are checked after the split).
+        """
         if isinstance(value, torch.Tensor) or value is None:
             return value
         if type(value) in (bool, int, float, str):  # exact: an enum or numpy scalar is pickled
             return value
+        if isinstance(value, (Mapping, list, tuple)) and level >= _MAX_NESTING:
+            _check_nesting(level + 1, path or "<root>")
         if isinstance(value, Mapping) and all(type(k) in _KEY_TYPES for k in value):
             if PICKLED_MARKER in value:
                 raise TypeError(
                     f"{tree.join_path(path, PICKLED_MARKER)}: this dict key is reserved by "
                     "fastckpt's Lightning plugin; rename it"
                 )
-            return {k: self.split(v, tree.join_path(path, k)) for k, v in value.items()}
+            return {k: self.split(v, tree.join_path(path, k), level + 1) for k, v in value.items()}
         if type(value) is tuple:
-            return tuple(self.split(v, tree.join_path(path, i)) for i, v in enumerate(value))
+            return tuple(
+                self.split(v, tree.join_path(path, i), level + 1) for i, v in enumerate(value)
+            )
         if isinstance(value, list):
-            return [self.split(v, tree.join_path(path, i)) for i, v in enumerate(value)]
+            return [self.split(v, tree.join_path(path, i), level + 1) for i, v in enumerate(value)]
         return self.pickle(value, path)
 
     def pickle(self, value: Any, path: str) -> Any:
@@ -154,7 +166,7 @@ def _check_nesting(depth: int, where: str | None) -> None:
     """
     if depth > _MAX_NESTING:
         raise TypeError(
-            f"{'the checkpoint' if where is None else f'checkpoint[{where}]'}: its dicts, "
+            f"{'the checkpoint' if where is None else where}: its dicts, "
             "lists and tuples nest too deeply (more than "
             f"{_MAX_NESTING} levels as stored) to be loaded back; flatten the deepest values "
             "(hyperparameters, callback states), e.g. by joining inner keys into one"
@@ -170,10 +182,6 @@ def plan_checkpoint(checkpoint: Mapping[str, Any], *, allow_pickle: bool = False
     """
     if not isinstance(checkpoint, Mapping):
         raise TypeError(f"checkpoint must be a dict, got {type(checkpoint).__name__}")
-    # Before the (recursive) split: a nest too deep to be loaded back is refused here, not
-    # written (a load refuses documents nested past MAX_JSON_DEPTH).
-    for key, value in checkpoint.items():
-        _check_nesting(1 + nesting_depth(value, _MAX_NESTING), repr(key))
     splitter = _Splitter(allow_pickle)
     body = splitter.split(checkpoint, "")
     metadata = getattr(checkpoint.get("state_dict"), "_metadata", None)
@@ -263,6 +271,19 @@ class _Unpickler:
             ) from err
 
 
+def _put_back(path: Path) -> None:
+    """Put back the checkpoint ``path`` when a replace killed between its two renames (where
+    the filesystem cannot exchange two paths: NFS) left it aside under a hidden name, saying
+    so: a run that resumed with ``ckpt_path="last"`` meanwhile did not see it."""
+    if path.name in restore_replaced(path.parent):
+        message = (
+            f"{path}: put back; a replace killed between its two renames had left it aside "
+            "under a hidden name (a run resumed with ckpt_path='last' meanwhile did not see it)"
+        )
+        _LOG.warning("%s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def load_lightning_checkpoint(path: str | Path, map_location: Any = None) -> dict[str, Any]:
     """Load a checkpoint directory written by :class:`FastCheckpointIO` as Lightning's dict.
 
@@ -282,6 +303,8 @@ def load_lightning_checkpoint(path: str | Path, map_location: Any = None) -> dic
         UntrustedTargetError: a pickled value the weights-only unpickler refuses.
     """
     directory = Path(path)
+    if not os.path.lexists(directory):
+        _put_back(directory)
     try:
         record = read_commit_record(directory)
     except FileNotFoundError:
@@ -485,9 +508,7 @@ class FastCheckpointIO(CheckpointIO):
         del weights_only  # always weights-only, see above
         target = _local(path)
         if not os.path.lexists(target):
-            # A replace killed between its two renames, where the filesystem cannot exchange
-            # (NFS): the committed checkpoint is aside under a hidden name; put it back.
-            restore_replaced(target.parent)
+            _put_back(target)
         if target.is_file():
             location = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
             try:

@@ -233,12 +233,12 @@ def _check_memory(name: str, tensor: torch.Tensor) -> None:
             storage smaller than the bytes the tensor's elements reach (freed or shrunk with
             ``untyped_storage().resize_()``, as FSDP frees unsharded parameters).
     """
-    if tensor.device.type not in ("cpu", "cuda"):
-        return  # another backend's storage (XLA, lazy): copied to the CPU as it says
     try:
         storage = tensor.untyped_storage()
         storage.data_ptr()
     except RuntimeError:
+        if tensor.device.type not in ("cpu", "cuda"):
+            return  # a backend without host-visible storage (XLA, lazy): copied to the CPU
         raise InvalidInputError(
             f"{name!r}: its storage cannot be read (a functional tensor, as "
             "torch.func.functionalize and torch.compile tracing make, holds no values of its "

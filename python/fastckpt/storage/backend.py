@@ -459,6 +459,17 @@ _STAGED: dict[str, weakref.ref[LocalStaging]] = {}
 _STAGED_LOCK = threading.Lock()
 
 
+def _fresh_staged_lock() -> None:
+    """In the child of ``os.fork()``: a parent thread may have held :data:`_STAGED_LOCK` at the
+    fork (the thread does not exist there); the child takes a fresh one."""
+    global _STAGED_LOCK
+    _STAGED_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_staged_lock)
+
+
 def _abandoned(path: Path) -> bool:
     """Whether ``path`` is a staging directory of this process whose LocalStaging is gone."""
     with _STAGED_LOCK:

@@ -2332,18 +2332,21 @@ def _warn_another_loader(
             f"saved run had read {done * saved_size}: {abs(done * (saved_size - size))} "
             f"samples of this epoch are {what}"
         )
-    elif "sampler" in changed:
+    elif "sampler" in changed or ("num_batches" in changed and "drop_last" not in changed):
+        # another sampler, or a dataset of another length (a shuffle permutes other indices)
         effect = (
             f"the replay skips {done} batches of this loader, which need not be the batches "
             "the saved run read: samples of this epoch may be trained twice or skipped"
         )
-    elif "num_workers" in changed:
+    elif changed == ["num_workers"]:
         effect = (
             "the batches are the same, but random transforms inside worker processes draw "
             "other random streams than the saved run's"
         )
-    else:  # drop_last, the number of batches: where the epoch ends
+    else:  # drop_last (with the number of batches it changes): where the epoch ends
         effect = "the epoch's end differs from the saved run's (its last, partial batch)"
+        if "num_workers" in changed:
+            effect += ", and random transforms inside worker processes draw other streams"
     warnings.warn(
         f"resuming epoch {epoch} mid-epoch, after {done} batches, with another training loader "
         f"than the saved run's ({settings}): {effect}. To continue exactly, resume with the "
