@@ -26,7 +26,6 @@ promoted checkpoint whose frozen tensors did not change uploads only what did.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 from fastckpt import _native
 from fastckpt.container.commit import DirectoryWriter
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.storage.registry import backend_for, display_path, is_object_url
 
 __all__ = [
@@ -73,18 +73,8 @@ class _Promoted:
     identity: Hashable
 
 
-_PROMOTED_LOCK = threading.Lock()
+_PROMOTED_LOCK = ForkSafeLock()
 
-
-def _fresh_promoted_lock() -> None:
-    """In the child of ``os.fork()``: a parent thread may have held :data:`_PROMOTED_LOCK` at the
-    fork (the thread does not exist there); the child takes a fresh one."""
-    global _PROMOTED_LOCK
-    _PROMOTED_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_promoted_lock)
 #: target root -> BLAKE3 digest of a file's bytes -> the newest file promoted with them.
 _PROMOTED: dict[str, dict[bytes, _Promoted]] = {}
 #: Files remembered per target (the newest win; older ones belong to pruned indices anyway).

@@ -41,7 +41,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +62,7 @@ from fastckpt.container.refs import (
 from fastckpt.errors import FastCkptError
 from fastckpt.format.records import Manifest, tensor_reference
 from fastckpt.io.files import byte_view, host_tensor
+from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
 __all__ = [
@@ -136,7 +136,7 @@ def digest_groups(
     return result
 
 
-_LOCK = threading.Lock()
+_LOCK = ForkSafeLock()
 #: root -> {(relpath, name): (fingerprint, reference to the bytes on disk)}
 _TRACKERS: dict[str, dict[tuple[str, str], tuple[Tracked, Reference]]] = {}
 #: the view a mark_frozen tensor was marked with (see _view_key) -> (that tensor, the mark's
@@ -144,18 +144,6 @@ _TRACKERS: dict[str, dict[tuple[str, str], tuple[Tracked, Reference]]] = {}
 #: on, and must not match what a save under the old one recorded)
 _FROZEN: dict[Any, tuple[weakref.ref[torch.Tensor], int]] = {}
 _MARKS = itertools.count()
-
-
-def _forget_lock() -> None:
-    """In the child of ``os.fork()``: a parent thread saving at the fork may have held
-    :data:`_LOCK` (taken per tensor by :func:`fingerprint`); the child's saves take a fresh
-    one."""
-    global _LOCK
-    _LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_lock)
 
 
 def _key(root: str | os.PathLike[str]) -> str:

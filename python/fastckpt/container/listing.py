@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,6 +26,7 @@ from fastckpt.format.records import (
     generation_order,
     save_dated,
 )
+from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.storage.backend import StorageBackend
 from fastckpt.storage.registry import backend_for, is_local, use_storage_options
 
@@ -179,18 +179,7 @@ def _holds_checkpoint_files(backend: StorageBackend, directory: Path) -> bool:
 
 #: Tier root -> the newest save date (ns) this process gave or found there.
 _NEWEST_SAVED: dict[str, int] = {}
-_NEWEST_LOCK = threading.Lock()
-
-
-def _fresh_newest_lock() -> None:
-    """In the child of ``os.fork()``: a parent thread may have held :data:`_NEWEST_LOCK` at the
-    fork (the thread does not exist there); the child takes a fresh one."""
-    global _NEWEST_LOCK
-    _NEWEST_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_newest_lock)
+_NEWEST_LOCK = ForkSafeLock()
 
 
 def saved_after_siblings(checkpoint: str | os.PathLike[str]) -> int:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +45,7 @@ from fastckpt.container.reader import (
 )
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.records import TENSOR_REFERENCE_FIELDS, Manifest, check_fields
+from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.paths import safe_join
 from fastckpt.storage.backend import TEMP_PREFIX, LocalStaging, remove_tree
 from fastckpt.storage.backend import _sibling as temp_sibling
@@ -83,18 +83,8 @@ REFS_FILE = "refs.json"
 #: A pruned index still referenced by a kept one lives on as ``ROOT/.ref-<index>/``.
 RETAINED_PREFIX = ".ref-"
 
-_DISTRUSTED_LOCK = threading.Lock()
+_DISTRUSTED_LOCK = ForkSafeLock()
 
-
-def _fresh_distrusted_lock() -> None:
-    """In the child of ``os.fork()``: a parent thread may have held :data:`_DISTRUSTED_LOCK` at the
-    fork (the thread does not exist there); the child takes a fresh one."""
-    global _DISTRUSTED_LOCK
-    _DISTRUSTED_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_distrusted_lock)
 #: Roots (:func:`root_key`) whose newest index failed verification in a prune: the next
 #: incremental save into one references nothing (see :func:`distrust`).
 _DISTRUSTED: set[str] = set()

@@ -8,6 +8,7 @@
 * :mod:`fastckpt.io.progress` - byte counters and the progress bar.
 * :mod:`fastckpt.io.paths` - names and relative paths read from untrusted records, checked
   before they touch a filesystem.
+* :mod:`fastckpt.io.forksafe` - module-wide locks a forked child can take.
 
 Nothing here knows a checkpoint's layout. The package imports nothing itself.
 """

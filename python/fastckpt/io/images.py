@@ -34,6 +34,7 @@ import torch
 
 from fastckpt import _native
 from fastckpt.io.files import DEFAULT_CHUNK_SIZE, choose_direct_io, dtype_name, header_shape
+from fastckpt.io.forksafe import ForkSafeLock
 
 __all__ = ["ALIGN", "IMAGE_MIN_BYTES", "FileImage", "ImagePool", "find_image", "write_image"]
 
@@ -44,18 +45,8 @@ ALIGN = 4096
 IMAGE_MIN_BYTES = 256 << 10
 
 _IMAGES: weakref.WeakValueDictionary[int, FileImage] = weakref.WeakValueDictionary()
-_IMAGES_LOCK = threading.Lock()
+_IMAGES_LOCK = ForkSafeLock()
 
-
-def _forget_images_lock() -> None:
-    """In the child of ``os.fork()``: a parent thread may have held :data:`_IMAGES_LOCK` at
-    the fork; the child's saves take a fresh one."""
-    global _IMAGES_LOCK
-    _IMAGES_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_images_lock)
 
 Signature = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
 

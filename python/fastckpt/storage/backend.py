@@ -34,7 +34,6 @@ import os
 import shutil
 import stat
 import sys
-import threading
 import time
 import warnings
 import weakref
@@ -47,6 +46,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
+from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_relpath
 from fastckpt.io.progress import active_counter
@@ -456,18 +456,7 @@ def _owner(name: str) -> tuple[str, str, int, str] | None:
 #: with its :class:`LocalStaging`: one whose object is gone (a save interrupted, by Ctrl-C,
 #: right after the directory was made, before its writer held it) is abandoned.
 _STAGED: dict[str, weakref.ref[LocalStaging]] = {}
-_STAGED_LOCK = threading.Lock()
-
-
-def _fresh_staged_lock() -> None:
-    """In the child of ``os.fork()``: a parent thread may have held :data:`_STAGED_LOCK` at the
-    fork (the thread does not exist there); the child takes a fresh one."""
-    global _STAGED_LOCK
-    _STAGED_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_staged_lock)
+_STAGED_LOCK = ForkSafeLock()
 
 
 def _abandoned(path: Path) -> bool:
