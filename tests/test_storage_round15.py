@@ -31,10 +31,6 @@ import fastckpt
 from fastckpt.storage.lock import LOCK_FILE, RootLock, lock_holder
 
 
-def _sync() -> fastckpt.CheckpointManager:
-    return fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save())
-
-
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Linear(4, 3)
