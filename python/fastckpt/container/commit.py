@@ -70,6 +70,7 @@ from fastckpt.format.records import (
     read_record_bytes,
     seal_manifest,
 )
+from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.storage.backend import (
     ATOMIC_TEMP_INFIX,
     TEMP_PREFIX,
@@ -171,20 +172,12 @@ _JSON_THREADS = 4
 #: Reentrant, so that code running inside a commit on the same thread (a callback, a test
 #: standing in for a second writer) meets the store's conditional put instead of a deadlock.
 _COMMIT_LOCKS: dict[str, threading.RLock] = {}
-_COMMIT_LOCKS_GUARD = threading.Lock()
-
-
-def _forget_commit_locks() -> None:
-    """In the child of ``os.fork()``: a commit a parent thread was running holds its lock
-    there for good (the thread does not exist in the child); the child's commits take fresh
-    locks."""
-    global _COMMIT_LOCKS_GUARD
-    _COMMIT_LOCKS.clear()
-    _COMMIT_LOCKS_GUARD = threading.Lock()
-
+_COMMIT_LOCKS_GUARD = ForkSafeLock()
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_commit_locks)
+    # A commit a parent thread was running at the fork holds its lock in the child for good
+    # (the thread does not exist there): the child's commits take fresh locks.
+    os.register_at_fork(after_in_child=_COMMIT_LOCKS.clear)
 
 
 def _commit_lock(directory: Path) -> threading.RLock:

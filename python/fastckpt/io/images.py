@@ -25,7 +25,6 @@ staged) is written the ordinary way.
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -46,7 +45,6 @@ IMAGE_MIN_BYTES = 256 << 10
 
 _IMAGES: weakref.WeakValueDictionary[int, FileImage] = weakref.WeakValueDictionary()
 _IMAGES_LOCK = ForkSafeLock()
-
 
 Signature = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
 
@@ -178,12 +176,7 @@ class ImagePool:
         self.pinned = pinned
         self.images: dict[str, FileImage] = {}
         self.allocations = 0
-        self._lock = threading.Lock()
-
-    def after_fork(self) -> None:
-        """In the child of ``os.fork()``: make anew the lock a parent thread may have held
-        at the fork (the images are kept)."""
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()  # free in a forked child (the images are kept)
 
     def destinations(
         self,

@@ -18,7 +18,6 @@ The async engine that runs the writes is :class:`fastckpt.container.background.B
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,6 +25,7 @@ from typing import Protocol
 import torch
 
 from fastckpt.io.files import check_storable, copy_values, empty_tensor
+from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.images import ImagePool
 
 __all__ = [
@@ -79,11 +79,6 @@ class Stager(Protocol):
         """Bytes currently held in staging buffers."""
         ...
 
-    def after_fork(self) -> None:
-        """In the child of ``os.fork()``: make anew the locks a parent thread may have held
-        at the fork (its buffers are kept; no CUDA call, which a forked child cannot make)."""
-        ...
-
 
 class _BufferPool:
     """One reusable host buffer per name, replaced only when dtype/shape change."""
@@ -92,7 +87,7 @@ class _BufferPool:
         self.pinned = pinned
         self.buffers: dict[str, torch.Tensor] = {}
         self.allocations = 0
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()  # free in a forked child (the buffers are kept)
 
     def get(
         self, name: str, like: torch.Tensor, into: Mapping[str, torch.Tensor] | None = None
@@ -142,10 +137,6 @@ class _BufferPool:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
-    def after_fork(self) -> None:
-        """See :meth:`Stager.after_fork`."""
-        self._lock = threading.Lock()
-
 
 class CpuStager:
     """Synchronous copies into reusable (unpinned) host buffers."""
@@ -186,10 +177,6 @@ class CpuStager:
     def nbytes(self) -> int:
         """Bytes held in staging buffers."""
         return self._pool.nbytes
-
-    def after_fork(self) -> None:
-        """See :meth:`Stager.after_fork`."""
-        self._pool.after_fork()
 
 
 class CudaStager:
@@ -245,10 +232,6 @@ class CudaStager:
     def nbytes(self) -> int:
         """Bytes held in staging buffers."""
         return self._pool.nbytes
-
-    def after_fork(self) -> None:
-        """See :meth:`Stager.after_fork`."""
-        self._pool.after_fork()
 
 
 def stage_groups(

@@ -75,6 +75,7 @@ from fastckpt.format.records import (
     record_file,
 )
 from fastckpt.io import tree
+from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.paths import check_name, safe_join
 from fastckpt.io.progress import log_throughput
 from fastckpt.io.staging import (
@@ -470,7 +471,7 @@ class CheckpointManager:
         self._closed = False
         # Held to submit a write and to close: a save racing close() on another thread is
         # either collected by it or refused as closed, never left running after it.
-        self._closing_lock = threading.Lock()
+        self._closing_lock = ForkSafeLock()
         # Set once the close() that closes this manager is done: a close() on another
         # thread meanwhile waits for it.
         self._close_done = threading.Event()
@@ -506,22 +507,18 @@ class CheckpointManager:
         _MANAGERS.add(self)
 
     def _after_fork(self) -> None:
-        """In the child of ``os.fork()``, where only the forking thread exists: the locks a
-        parent thread may have held at the fork (a save's turn, an async save handing its
-        write over, a capture allocating staging memory) are made anew, and a close() a
-        parent thread had under way counts as done (the manager is closed here; the parent's
-        write is the parent's, see :class:`~fastckpt.container.background.BackgroundWriter`).
-        Before, the child's first save waited forever for a thread that does not exist."""
+        """In the child of ``os.fork()``, where only the forking thread exists: a save's turn
+        a parent thread may have held at the fork is made anew (the hand-over lock and the
+        staging pools' locks are :class:`~fastckpt.io.forksafe.ForkSafeLock`; the buffers are
+        kept: no CUDA call, which a forked child cannot make), and a close() a parent thread
+        had under way counts as done (the manager is closed here; the parent's write is the
+        parent's, see :class:`~fastckpt.container.background.BackgroundWriter`). Before, the
+        child's first save waited forever for a thread that does not exist."""
         self._save_turn = threading.RLock()
-        self._closing_lock = threading.Lock()
         closing_here = getattr(self._closing_here, "active", False)
         self._close_done = threading.Event()
         if self._closed and not closing_here:
             self._close_done.set()
-        # Their locks only: the buffers stay (a new CUDA stager would make a CUDA call, which
-        # a forked child, a DataLoader worker say, cannot).
-        self._stager.after_fork()
-        self._images.after_fork()
 
     def _start_tiers(self, tiers: TiersConfig) -> None:
         """Check the tiers, start their promoter, and (the saving rank) queue the fast
