@@ -466,6 +466,57 @@ def test_wheel_installs_and_runs_without_rust(clean_venv: Path, wheel: Path) -> 
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+def test_an_s3_path_without_the_s3_extra_names_the_extra(clean_venv: Path) -> None:
+    """The wheel without its ``s3`` extra (no obstore, no boto3): an ``s3://`` path is refused
+    with a typed error naming the path and ``pip install 'fastckpt-io[s3]'``, and the CLI
+    exits 2 (a user error). Before, a bare ``ModuleNotFoundError: No module named
+    'obstore'`` came from deep inside, and the CLI exited 1, which ``verify`` documents as
+    "damage found"."""
+    if _python_of(clean_venv) != CLAIMED_PYTHONS[0]:
+        pytest.skip(f"runs on CPython {CLAIMED_PYTHONS[0]} only: no line differs by Python")
+    env = _no_rust_env(clean_venv)
+    python = str(clean_venv / "bin" / "python")
+    code = (
+        "import torch, fastckpt\n"
+        "from fastckpt.errors import MissingDependencyError\n"
+        "try:\n"
+        "    fastckpt.save_checkpoint('s3://bucket/run', {'main': (torch.nn.Linear(2, 2), None)})\n"
+        "except MissingDependencyError as err:\n"
+        "    assert isinstance(err, ImportError), type(err).__mro__\n"
+        "    print('refused:', err)\n"
+    )
+    result = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "refused: s3://bucket/run: s3:// paths need obstore and boto3" in result.stdout
+    assert "pip install 'fastckpt-io[s3]'" in result.stdout
+    for args in (["verify", "s3://bucket/run"], ["ls", "s3://bucket/run"]):
+        cli = subprocess.run(
+            [str(clean_venv / "bin" / "fastckpt"), *args], env=env, capture_output=True,
+            text=True, timeout=300,
+        )  # fmt: skip
+        assert cli.returncode == 2, (args, cli.stdout[-2000:], cli.stderr[-2000:])
+        assert "fastckpt-io[s3]" in cli.stderr and "Traceback" not in cli.stderr, cli.stderr
+
+
+def test_the_readme_install_line_finds_the_wheel_make_wheel_builds(artifacts: Artifacts) -> None:
+    """The README's and getting-started's ``pip install dist/...whl`` glob matches the wheel
+    ``make wheel`` builds for each architecture, and only it. Before, it ended in
+    ``manylinux2014_$(uname -m).whl`` while maturin names the wheel
+    ``...manylinux2014_x86_64.manylinux_2_17_x86_64.whl``: pip said "not a valid wheel
+    filename"."""
+    for doc in ("README.md", "docs/getting-started.md"):
+        lines = [
+            line for line in (ROOT / doc).read_text().splitlines()
+            if line.startswith("$ pip install dist/")
+        ]  # fmt: skip
+        assert len(lines) == 1, (doc, lines)
+        pattern = lines[0].partition("dist/")[2].partition(".whl")[0] + ".whl"
+        folder = next(iter(artifacts.wheels.values())).parent
+        for arch, wheel in artifacts.wheels.items():
+            found = sorted(folder.glob(pattern.replace("$(uname -m)", arch)))
+            assert found == [wheel], (doc, pattern, arch, [p.name for p in found])
+
+
 def test_version_comes_from_the_installed_distribution(clean_venv: Path, wheel: Path) -> None:
     result = subprocess.run(
         [str(clean_venv / "bin" / "fastckpt"), "--version"],

@@ -35,8 +35,9 @@ FIX = (
     '    `cargo --version` works in this shell (rustup: `. "$HOME/.cargo/env"`), and retry;\n'
     "  - install a prebuilt wheel instead (CPython 3.11+, Linux x86_64 and aarch64): one\n"
     "    `make wheel` built in a checkout on a machine with Rust, pip install\n"
-    "    fastckpt_io-<version>-cp311-abi3-manylinux2014_<arch>.whl (fastckpt-io is not on\n"
-    "    PyPI yet; once it is, pip install --only-binary fastckpt-io fastckpt-io)."
+    "    fastckpt_io-<version>-cp311-abi3-manylinux2014_<arch>.manylinux_2_17_<arch>.whl\n"
+    "    (fastckpt-io is not on PyPI yet; once it is, pip install --only-binary fastckpt-io\n"
+    "    fastckpt-io)."
 )
 DOWNLOAD_NOTICE = (
     "fastckpt-io: no cargo on PATH, so the build downloads a Rust toolchain (about 721 MB,\n"

@@ -26,6 +26,7 @@ __all__ = [
     "FastCkptError",
     "InterruptedStepError",
     "InvalidInputError",
+    "MissingDependencyError",
     "MixedRunError",
     "NotACheckpointError",
     "NotCommittedError",
@@ -70,6 +71,12 @@ class CheckpointMismatchError(FastCkptError, ValueError):
     """A load target disagrees with the checkpoint (dtype or shape), named by key path; or a
     hook passed at resume is configured otherwise than the one that saved (an ``EMAHook``'s
     ``decay``): the checkpoint is not damaged, the caller's side differs."""
+
+
+class MissingDependencyError(FastCkptError, ImportError):
+    """An optional dependency a path or feature needs is not installed (``s3://`` paths
+    without the ``s3`` extra). The message names the path, the missing packages and the
+    ``pip install`` line that adds them; nothing was read or written."""
 
 
 class MixedRunError(FastCkptError, ValueError):

@@ -12,6 +12,11 @@ filesystem. A backend is a module with two functions, imported on first use:
   as a mapping ``register_storage_options`` takes again (a process of its own, such as the
   detached promoter, is handed them).
 
+It may also name the packages it imports on use, ``REQUIRES`` (import names), and the extra
+that installs them, ``EXTRA``: a path of the scheme is refused with
+:class:`~fastckpt.errors.MissingDependencyError` naming the ``pip install`` line while one is
+missing.
+
 Adding a store (obstore also speaks GCS and Azure) is one new module under
 :mod:`fastckpt.storage` and one line in :data:`SCHEMES` (or a call of
 :func:`register_scheme`); the front doors, the container and the CLI need nothing new.
@@ -25,10 +30,12 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Mapping
+from importlib.util import find_spec
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from fastckpt.errors import MissingDependencyError
 from fastckpt.storage.backend import LOCAL, LocalFileSystem, StorageBackend
 
 __all__ = [
@@ -71,7 +78,23 @@ def _backend_module(path: str | os.PathLike[str]) -> ModuleType:
     scheme = _scheme(path)
     if scheme is None:
         raise ValueError(f"{os.fspath(path)}: not a URL of a registered scheme ({sorted(SCHEMES)})")
-    return importlib.import_module(SCHEMES[scheme])  # deferred: the store's client library
+    module = importlib.import_module(SCHEMES[scheme])  # deferred: the store's client library
+    _check_requirements(scheme, module, path)
+    return module
+
+
+def _check_requirements(scheme: str, module: ModuleType, path: str | os.PathLike[str]) -> None:
+    """Refuse a path whose backend needs packages that are not installed (the module's
+    ``REQUIRES``, installed by the extra ``EXTRA``), before anything is read or written:
+    without it, the first use failed deep inside with a bare ``ModuleNotFoundError``."""
+    missing = [name for name in getattr(module, "REQUIRES", ()) if find_spec(name) is None]
+    if missing:
+        extra = getattr(module, "EXTRA", scheme)
+        raise MissingDependencyError(
+            f"{_url(path)}: {scheme}:// paths need {' and '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed: "
+            f"pip install 'fastckpt-io[{extra}]'"
+        )
 
 
 def configure_storage(

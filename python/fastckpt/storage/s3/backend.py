@@ -96,6 +96,10 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger(__name__)
+#: the packages this backend imports on use, and the extra that installs them (checked by
+#: :mod:`fastckpt.storage.registry` before an ``s3://`` path is used)
+REQUIRES = ("obstore", "boto3")
+EXTRA = "s3"
 _READ_PIECE = 16 << 20
 _MAX_HEADER = 100 << 20  # the safetensors limit on a header's size
 _OPTIONS: dict[str, S3Options] = {}
