@@ -163,13 +163,20 @@ impl AlignedBuf {
     }
 
     pub(crate) fn new(len: usize) -> AlignedBuf {
-        let layout = Self::layout(len);
+        Self::try_new(len).unwrap_or_else(|_| alloc::handle_alloc_error(Self::layout(len)))
+    }
+
+    /// Like [`AlignedBuf::new`], but a failed allocation is an `ENOMEM` error instead of an
+    /// abort of the whole process (a buffer sized by a caller's `chunk_size`).
+    pub(crate) fn try_new(len: usize) -> io::Result<AlignedBuf> {
+        let layout = Layout::from_size_align(len, ALIGN as usize)
+            .map_err(|_| io::Error::from_raw_os_error(libc::ENOMEM))?;
         // SAFETY: `layout` has a non-zero size (chunk sizes are >= ALIGN).
         let ptr = unsafe { alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
-            alloc::handle_alloc_error(layout);
+            return Err(io::Error::from_raw_os_error(libc::ENOMEM));
         }
-        AlignedBuf { ptr, len }
+        Ok(AlignedBuf { ptr, len })
     }
 
     pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
@@ -190,11 +197,11 @@ impl Drop for AlignedBuf {
 static BUFFER_POOL: Mutex<Vec<AlignedBuf>> = Mutex::new(Vec::new());
 const MAX_POOLED_BUFFERS: usize = 16;
 
-fn take_buffer(len: usize) -> AlignedBuf {
+fn take_buffer(len: usize) -> io::Result<AlignedBuf> {
     let mut pool = BUFFER_POOL.lock().unwrap_or_else(|e| e.into_inner());
     match pool.iter().position(|buf| buf.len == len) {
-        Some(i) => pool.swap_remove(i),
-        None => AlignedBuf::new(len),
+        Some(i) => Ok(pool.swap_remove(i)),
+        None => AlignedBuf::try_new(len),
     }
 }
 
@@ -452,12 +459,14 @@ fn write_direct_pipeline(
         .saturating_sub(1)
         .clamp(1, chunks.len().max(1));
     let depth = preparers + 1;
-    let buffer_len = normalize_chunk_size(options.chunk_size) as usize;
+    // No buffer is longer than the longest chunk: a chunk size far above the file's length
+    // (allowed) must not allocate, and zero, memory the write never uses.
+    let longest = chunks.iter().map(|chunk| chunk.len).max().unwrap_or(ALIGN);
+    let buffer_len = normalize_chunk_size(options.chunk_size.min(longest)) as usize;
     let (free_tx, free_rx) = mpsc::channel::<AlignedBuf>();
     for _ in 0..depth {
-        free_tx
-            .send(take_buffer(buffer_len))
-            .expect("receiver alive");
+        let buffer = take_buffer(buffer_len).map_err(|e| Error::io(target.path, e))?;
+        free_tx.send(buffer).expect("receiver alive");
     }
     let free_rx = Mutex::new(free_rx);
     let next = AtomicUsize::new(0);
@@ -640,7 +649,7 @@ pub fn write_ceiling(path: &Path, len: u64, block: u64) -> Result<bool> {
         }
         Err(e) => return Err(Error::io(path, e)),
     };
-    let mut buf = take_buffer(block as usize);
+    let mut buf = take_buffer(block as usize).map_err(|e| Error::io(path, e))?;
     for (i, byte) in buf.as_mut_slice().iter_mut().enumerate() {
         *byte = (i % 251) as u8;
     }

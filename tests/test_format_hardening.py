@@ -249,6 +249,10 @@ def test_a_header_safetensors_could_not_read_is_refused_before_anything_is_writt
         (lambda path: fastckpt.save_file({"a": torch.ones(2)}, path, threads=True), "threads"),
         (lambda path: fastckpt.save_file({"a": torch.ones(2)}, path, chunk_size=-5), "chunk_size"),
         (lambda path: fastckpt.save_file({"a": torch.ones(2)}, path, chunk_size="8"), "chunk_size"),
+        (
+            lambda path: fastckpt.save_file({"a": torch.ones(2)}, path, chunk_size=1 << 31),
+            "chunk_size",
+        ),
         (lambda path: fastckpt.load_file(path, threads=-1), "threads"),
         (lambda path: fastckpt.load_file(path, threads=2**70), "threads"),
     ],
@@ -261,6 +265,36 @@ def test_thread_counts_and_chunk_sizes_out_of_range_are_typed_errors_naming_them
     with pytest.raises(fastckpt.InvalidInputError, match=rf"^{argument} must be an int from"):
         call(small)
     assert small.read_bytes() == before
+
+
+LARGE_CHUNK_CHILD = textwrap.dedent(
+    """
+    import resource, sys, torch, fastckpt
+    from fastckpt.io.files import MAX_CHUNK_SIZE
+    status = [line for line in open("/proc/self/status") if line.startswith("VmSize")]
+    size = int(status[0].split()[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (size + (512 << 20), resource.RLIM_INFINITY))
+    value = torch.arange(1 << 20, dtype=torch.float32)
+    fastckpt.save_file({"w": value}, sys.argv[1], chunk_size=MAX_CHUNK_SIZE, direct_io=True)
+    assert torch.equal(fastckpt.load_file(sys.argv[1])["w"], value)
+    print("saved")
+    """
+)
+
+
+def test_the_largest_chunk_size_does_not_allocate_beyond_the_file(tmp_path: Path) -> None:
+    """An O_DIRECT save's buffers are no longer than its longest chunk: the largest accepted
+    ``chunk_size`` saves a 4 MiB file with 512 MiB of address space to spare. Before, every
+    buffer (threads + 1 of them) had the chunk size: ``chunk_size=1 << 36`` (then accepted, up
+    to 1 << 40) aborted the process ("memory allocation of 68719476736 bytes failed",
+    SIGABRT) and left its temporary file."""
+    path = tmp_path / "w.safetensors"
+    result = subprocess.run(
+        [sys.executable, "-c", LARGE_CHUNK_CHILD, str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "saved"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
 
 
 @pytest.mark.parametrize("shape", [[0, 2**64 - 1], [0, 2**62, 2], [2**63]])
