@@ -34,9 +34,10 @@ MAY_FAIL = {"tc-direct": "O_DIRECT"}
 
 SUMMARY_KEYS = {"median", "p90", "min", "max", "spread"}
 WRITER_KEYS = {"label", "status", "available", "reason", "runs", "async", "warmup", "seconds"}
-WRITER_KEYS |= {"stall_seconds", "gib_per_s", "details", "bytes_on_disk"}
-WRITER_RUN_KEYS = {"rep", "seconds", "stall_seconds", "gib_per_s", "bytes_on_disk", "details"}
-READER_KEYS = {"label", "status", "available", "reason", "runs", "cache", "verified"}
+WRITER_KEYS |= {"stall_seconds", "returned_seconds", "gib_per_s", "details", "bytes_on_disk"}
+WRITER_RUN_KEYS = {"rep", "position", "seconds", "stall_seconds", "returned_seconds"}
+WRITER_RUN_KEYS |= {"gib_per_s", "bytes_on_disk", "details"}
+READER_KEYS = {"label", "status", "available", "reason", "runs", "cache", "verified", "prewarmed"}
 READER_KEYS |= {"seconds", "gib_per_s"}
 MEMORY_KEYS = {"available", "reason", "status", "saves", "peak_reset", "baseline_mib"}
 MEMORY_KEYS |= {"peak_extra_mib", "peak_extra_all_saves_mib", "rss_after_saves_mib", "growth_mib"}
@@ -48,6 +49,7 @@ ENV_KEYS |= {"memory_gib", "filesystem", "dir", "platform", "torch_threads"}
 ENV_KEYS |= {"load_average_start", "load_average_end"}
 TOP_KEYS = {"schema", "tag", "created", "duration_s", "command", "config", "environment"}
 TOP_KEYS |= {"cache", "state", "memcpy", "writers", "readers", "memory", "training", "bar"}
+TOP_KEYS |= {"order"}
 
 
 def _ok_or_optional(name: str, entry: dict[str, Any]) -> None:
@@ -90,11 +92,13 @@ def test_every_writer_ran(full_run: tuple[dict[str, Any], Path, str]) -> None:
         if entry["status"] == "ok":
             assert len(entry["runs"]) == 1
             assert set(entry["runs"][0]) >= WRITER_RUN_KEYS
-            for key in ("seconds", "stall_seconds", "gib_per_s"):
+            for key in ("seconds", "stall_seconds", "returned_seconds", "gib_per_s"):
                 assert set(entry[key]) == SUMMARY_KEYS
             assert entry["bytes_on_disk"] > 0
+            run = entry["runs"][0]
+            # The stall lasts until the state may be changed, after the save call returned.
+            assert run["returned_seconds"] <= run["stall_seconds"] <= run["seconds"]
     assert results["writers"]["dcp-async"]["async"] is True
-    assert "reusable_after_seconds" in results["writers"]["dcp-async"]["details"]
     assert results["writers"]["ceiling"]["details"]["block"] > 0
 
 
@@ -106,6 +110,7 @@ def test_every_reader_ran_and_verified(full_run: tuple[dict[str, Any], Path, str
         _ok_or_optional(name, entry)
         if entry["status"] == "ok":
             assert entry["verified"] is True, name
+            assert entry["prewarmed"] is True  # warm: every input read once before the clock
         assert entry["cache"] == "warm"  # caches are dropped only with --drop-caches
     assert results["cache"]["cold"] is False
 

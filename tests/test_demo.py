@@ -21,3 +21,16 @@ def test_demo_kills_resumes_and_measures(tmp_path: Path) -> None:
     assert "weights equal the checkpoint: True" in out
     assert "torch.save+fsync" in out and "GiB/s" in out
     assert list(tmp_path.iterdir()) == []  # the demo cleans up after itself
+
+
+def test_a_missing_dir_is_named_with_the_fix(tmp_path: Path) -> None:
+    """``--dir`` naming no folder: one line naming it and the fix, exit 2. Before, a
+    ``FileNotFoundError`` traceback from ``tempfile``."""
+    missing = tmp_path / "nowhere"
+    result = subprocess.run(
+        [sys.executable, "-m", "fastckpt.demo", "--dir", str(missing)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert f"--dir {missing}: no such folder" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import fastckpt
+from fastckpt.bench.compare import same_bits
 from fastckpt.container.verify import latest_intact, verify
 from fastckpt.storage.backend import TEMP_PREFIX
 
@@ -125,7 +126,7 @@ def crash_and_resume(root: Path) -> bool:
     print(f"   restored at step {restored.step_count} (epoch {restored.epoch_count})")
     saved = fastckpt.load_file(root / str(index) / "models" / "main.safetensors")
     live = restored.models["main"].state_dict()
-    same = all(torch.equal(live[name], tensor) for name, tensor in saved.items())
+    same = all(same_bits(live[name], tensor) for name, tensor in saved.items())
     restored.num_steps = restored.step_count + 3
     restored.hooks = [fastckpt.CheckpointHook(root, step_interval=3)]
     restored.run(demo_batches())
@@ -182,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.child)
         return 0
+    if args.dir is not None and not Path(args.dir).is_dir():
+        parser.error(f"--dir {args.dir}: no such folder (create it, or leave --dir out)")
     print(f"fastckpt {fastckpt.__version__}")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="fastckpt-demo-") as tmp:
         ok = crash_and_resume(Path(tmp) / "checkpoints")

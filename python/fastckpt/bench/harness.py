@@ -2,11 +2,13 @@
 
 Order of a run: build the state; probe whether caches can be dropped; measure the memcpy rate;
 writes (one untimed warm-up round, then ``repeats`` rounds, each running every writer once, so
-drift hits all of them alike; each output deleted and the filesystem synced between runs);
-reads (inputs written once, then ``repeats`` interleaved rounds, caches dropped before each
-read); memory (one child process per writer); the training loop (scenarios interleaved per
-repetition, each checkpointing run compared with the baseline runs on both sides of it); the
-bar.
+drift hits all of them alike, the order rotated by one each round (:func:`rotated`, recorded
+in the JSON's ``order``); each output deleted and the filesystem synced between runs); reads
+(inputs written once, then ``repeats`` interleaved rounds in rotated order, caches dropped
+before each read; where they cannot be, every input is first read once untimed, so that all
+are warm, not only the ones their write left in the page cache); memory (one child process per
+writer); the training loop (scenarios interleaved per repetition, each checkpointing run
+compared with the baseline runs on both sides of it); the bar.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -44,7 +46,7 @@ from fastckpt.bench.writers import (
     remove_path,
 )
 
-__all__ = ["SCHEMA_VERSION", "BenchConfig", "default_tag", "run"]
+__all__ = ["SCHEMA_VERSION", "BenchConfig", "default_tag", "rotated", "run"]
 
 #: Version of the JSON layout written by the harness.
 SCHEMA_VERSION = 1
@@ -121,14 +123,28 @@ def _error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
+_T = TypeVar("_T")
+
+
+def rotated(items: list[_T], rep: int) -> list[_T]:
+    """``items`` rotated left by ``rep`` (modulo their count): the order of repetition ``rep``,
+    so that no writer or reader always runs right after the same one (and its leftovers: dirty
+    pages, a busy disk, a fragmented heap)."""
+    shift = rep % len(items) if items else 0
+    return [*items[shift:], *items[:shift]]
+
+
 def _run_writes(
     writers: list[Writer],
     state: dict[str, torch.Tensor],
     nbytes: int,
     root: Path,
     config: BenchConfig,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[list[str]]]:
+    """Every writer ``repeats`` times (after a warm-up round), in rotated order; returns the
+    entries by writer name and the order each round ran in (round 0: the warm-up)."""
     results: dict[str, Any] = {}
+    order: list[list[str]] = []
     active: list[Writer] = []
     for writer in writers:
         try:
@@ -141,7 +157,7 @@ def _run_writes(
         results[writer.name]["async"] = writer.is_async
         active.append(writer)
 
-    def once(writer: Writer, rep: int) -> dict[str, Any]:
+    def once(writer: Writer, rep: int, position: int) -> dict[str, Any]:
         target = writer.target(root)
         remove_path(target)
         os.sync()
@@ -149,10 +165,13 @@ def _run_writes(
         on_disk = path_bytes(target)
         remove_path(target)
         os.sync()
+        returned = timing.returned_seconds
         return {
             "rep": rep,
+            "position": position,
             "seconds": timing.seconds,
             "stall_seconds": timing.stall_seconds,
+            "returned_seconds": timing.stall_seconds if returned is None else returned,
             "gib_per_s": nbytes / GIB / timing.seconds,
             "bytes_on_disk": on_disk,
             "details": timing.details,
@@ -161,10 +180,12 @@ def _run_writes(
     try:
         for rep in range(config.repeats + 1):  # round 0 is the warm-up
             label = "warm-up" if rep == 0 else f"rep {rep}/{config.repeats}"
-            for writer in list(active):
+            this_round = rotated(list(active), rep)
+            order.append([writer.name for writer in this_round])
+            for position, writer in enumerate(this_round):
                 entry = results[writer.name]
                 try:
-                    run = once(writer, rep)
+                    run = once(writer, rep, position)
                 except Exception as err:  # a peer failing must not sink the run
                     entry.update(status="failed", available=False, reason=_error_text(err))
                     config.log(f"  {label} {writer.name}: FAILED {_error_text(err)}")
@@ -187,11 +208,11 @@ def _run_writes(
         runs = entry["runs"]
         entry["async"] = entry.get("async", False)
         entry["warmup"] = entry.get("warmup")
-        for key in ("seconds", "stall_seconds", "gib_per_s"):
+        for key in ("seconds", "stall_seconds", "returned_seconds", "gib_per_s"):
             entry[key] = summarize([run[key] for run in runs])
         entry["details"] = runs[-1]["details"] if runs else {}
         entry["bytes_on_disk"] = runs[-1]["bytes_on_disk"] if runs else None
-    return results
+    return results, order
 
 
 def _run_reads(
@@ -201,7 +222,12 @@ def _run_reads(
     root: Path,
     cache: CacheControl,
     config: BenchConfig,
+    order: list[list[str]] | None = None,
 ) -> dict[str, Any]:
+    """Every reader ``repeats`` times in rotated order (appended to ``order``), from a dropped
+    page cache where it can be dropped. Where it cannot, every input is first read once,
+    untimed: a write leaves some inputs in the page cache (buffered writes) and not others
+    (fastckpt's O_DIRECT from 64 MiB), and a warm figure should be warm for all."""
     results: dict[str, Any] = {}
     active: list[Reader] = []
     for reader in readers:
@@ -212,12 +238,16 @@ def _run_reads(
             config.log(f"  {reader.name}: not available ({err})")
             continue
         entry = _entry(reader.label, "ok", None)
-        entry.update(cache=cache.label, verified=None)
+        entry.update(cache=cache.label, verified=None, prewarmed=not cache.cold)
         results[reader.name] = entry
         active.append(reader)
+    first = 1 if cache.cold else 0  # round 0 (warm cache only): every input read once, untimed
     try:
-        for rep in range(1, config.repeats + 1):
-            for reader in list(active):
+        for rep in range(first, config.repeats + 1):
+            this_round = rotated(list(active), rep)
+            if order is not None:
+                order.append([reader.name for reader in this_round])
+            for reader in this_round:
                 entry = results[reader.name]
                 try:
                     cache.drop()
@@ -231,6 +261,9 @@ def _run_reads(
                     config.log(f"  rep {rep} {reader.name}: FAILED {_error_text(err)}")
                     traceback.print_exc(file=sys.stderr)
                     active.remove(reader)
+                    continue
+                if rep == 0:
+                    config.log(f"  warm-up {reader.name:12s} read once, untimed (warm cache)")
                     continue
                 entry["runs"].append(
                     {
@@ -251,6 +284,7 @@ def _run_reads(
         runs = entry["runs"]
         entry.setdefault("cache", cache.label)
         entry.setdefault("verified", None)
+        entry.setdefault("prewarmed", False)
         for key in ("seconds", "gib_per_s"):
             entry[key] = summarize([run[key] for run in runs])
         if entry["verified"] is False:
@@ -456,10 +490,11 @@ def _run(config: BenchConfig) -> dict[str, Any]:
         log(f"single-thread memcpy: {memcpy_rate:.2f} GiB/s")
 
         log(f"writes: {len(writers)} writers x {config.repeats} repetitions (+1 warm-up)")
-        writes = _run_writes(writers, state, nbytes, root, config)
+        writes, write_order = _run_writes(writers, state, nbytes, root, config)
         gc.collect()
         log(f"reads: {len(readers)} readers x {config.repeats} repetitions ({cache.label})")
-        reads = _run_reads(readers, state, nbytes, root, cache, config)
+        read_order: list[list[str]] = []
+        reads = _run_reads(readers, state, nbytes, root, cache, config, read_order)
         gc.collect()
         mem: dict[str, Any] = {"method": "skipped", "writers": {}, "async_repeated": {}}
         if config.memory:
@@ -485,10 +520,19 @@ def _run(config: BenchConfig) -> dict[str, Any]:
             "all_writers": list(WRITERS),
         },
         "environment": env,
+        "order": {
+            "method": (
+                "writers and readers rotated left by one each repetition; writes[0] is the "
+                "warm-up round, reads[0] the untimed read of every input (warm cache only)"
+            ),
+            "writes": write_order,
+            "reads": read_order,
+        },
         "cache": {
             "cold": cache.cold,
             "label": cache.label,
             "reason": cache.reason,
+            "prewarmed": not cache.cold,
             "cached_before_probe_kib": cache.cached_before_kib,
             "cached_after_probe_kib": cache.cached_after_kib,
         },

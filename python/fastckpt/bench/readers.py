@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from fastckpt import _native
+from fastckpt.bench.compare import same_bits
 from fastckpt.bench.writers import (
     CEILING_BLOCK,
     WriterUnavailable,
@@ -99,10 +100,10 @@ class Reader(ABC):
         return ReadTiming(seconds, self.details(loaded)), loaded
 
     def check(self, state: State, loaded: Any) -> bool:
-        """Whether ``loaded`` holds exactly the tensors of ``state``."""
+        """Whether ``loaded`` holds exactly the tensors of ``state``, bit for bit."""
         if not isinstance(loaded, Mapping) or set(loaded) != set(state):
             return False
-        return all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
+        return all(same_bits(loaded[name], tensor) for name, tensor in state.items())
 
     def cleanup(self) -> None:
         """Delete the input file."""

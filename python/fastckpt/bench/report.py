@@ -16,8 +16,6 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from fastckpt.bench.stats import summarize
-
 __all__ = [
     "PLOT_MISSING",
     "Table",
@@ -152,11 +150,9 @@ def _write_rows(results: dict[str, Any]) -> list[list[str]]:
         mem = memory.get(name, {})
         peak = mem.get("peak_extra_mib") if mem.get("available") else None
         stall = _range(entry["stall_seconds"]) if entry.get("async") else "= total"
-        reusable = [r["details"].get("reusable_after_seconds") for r in entry["runs"]]
-        reusable_cell = (
-            _num(summarize([v for v in reusable if v is not None])["median"])
-            if any(v is not None for v in reusable)
-            else ("-" if entry.get("async") else "= total")
+        returned = entry.get("returned_seconds")
+        returned_cell = (
+            (_num(returned["median"]) if returned else "-") if entry.get("async") else "= total"
         )
         rows.append(
             [
@@ -165,7 +161,7 @@ def _write_rows(results: dict[str, Any]) -> list[list[str]]:
                 *_tail(entry["seconds"]),
                 _range(entry["gib_per_s"], 2),
                 stall,
-                reusable_cell,
+                returned_cell,
                 _num(gibs / ceiling if ceiling else None, 2),
                 _num(peak, 0),
                 _write_mode(entry),
@@ -287,6 +283,28 @@ def _tc_notes(entries: dict[str, Any], writes: bool) -> list[str]:
     ]
 
 
+#: What the stall columns of the write table mean.
+STALL_NOTE = (
+    "stall s: until the caller may change the state again (async writers: the save call "
+    "returned and the snapshot is captured: manager.lock() taken for fastckpt-async and "
+    "tc-async, staging done for dcp-async); save() returns s: until the save call returned, "
+    "while the snapshot may still be being captured (not a stall)."
+)
+
+
+def _read_notes(results: dict[str, Any]) -> list[str]:
+    """What the cache label of the read table means."""
+    cache = results["cache"]
+    if cache["cold"]:
+        return ["cold: the page cache was dropped before every timed read."]
+    if cache.get("prewarmed"):
+        return [
+            "warm: every input was read once, untimed, before the timed reads, so all are "
+            "read from the page cache (not only those their write left there)."
+        ]
+    return []
+
+
 def tables(results: dict[str, Any]) -> list[Table]:
     """The report's tables: writes, reads, memory, training loop, bar."""
     out = [
@@ -299,21 +317,25 @@ def tables(results: dict[str, Any]) -> list[Table]:
                 "spread s",
                 "GiB/s",
                 "stall s",
-                "reusable after s",
+                "save() returns s",
                 "x ceiling",
                 "peak +RSS MiB",
                 "notes",
             ],
             _write_rows(results),
-            _above_ceiling(results["writers"], "write")
-            + _tc_notes(results["writers"], writes=True)
-            + _status_notes(results["writers"]),
+            [
+                STALL_NOTE,
+                *_above_ceiling(results["writers"], "write"),
+                *_tc_notes(results["writers"], writes=True),
+                *_status_notes(results["writers"]),
+            ],
         ),
         Table(
             f"Reads ({results['cache']['label']} cache)",
             ["reader", "seconds", "p90 s", "spread s", "GiB/s", "x ceiling", "cache", "verified"],
             _read_rows(results),
-            _above_ceiling(results["readers"], "read")
+            _read_notes(results)
+            + _above_ceiling(results["readers"], "read")
             + _tc_notes(results["readers"], writes=False)
             + _status_notes(results["readers"]),
         ),
@@ -353,7 +375,9 @@ def tables(results: dict[str, Any]) -> list[Table]:
                     "in-run overhead: median over runs of the time the steps overlapping a "
                     "checkpoint took beyond the median of the same run's other steps, plus the "
                     "stalls, as a share of the run (a slowdown of steps that overlap no "
-                    "checkpoint is not counted)."
+                    "checkpoint is not counted). stall s / ckpt: what the training thread waited "
+                    "for a checkpoint: the save call plus the waits to take the lock (guard) "
+                    "in the steps until the next checkpoint (the snapshot being captured)."
                 ],
             )
         )

@@ -45,14 +45,17 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fastckpt.bench.compare import same_bits
 from fastckpt.bench.environment import describe, load_average
 from fastckpt.bench.state import build_state, plan_state, state_bytes
 from fastckpt.bench.stats import summarize
+from fastckpt.errors import MissingDependencyError
 
 __all__ = ["StateModule", "async_stall", "front_door_writers", "main", "run"]
 
@@ -129,9 +132,15 @@ def local_server(kind: str = "moto", data_dir: Path | None = None) -> Iterator[t
 
     Raises:
         RuntimeError: the server did not start, or ``s3s`` was asked for and is not installed.
+        MissingDependencyError: ``moto`` was asked for and is not installed.
     """
     port = _free_port()
     if kind == "moto":
+        if find_spec("moto") is None:  # else: "did not start", its import error unseen
+            raise MissingDependencyError(
+                "the moto server is not installed (pip install 'moto[server]', or the 'dev' "
+                "extra): pass --server s3s (make s3-server) or --endpoint URL instead"
+            )
         command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     elif kind == "s3s":
         binary = s3s_fs_binary()
@@ -603,7 +612,7 @@ def _server(
 def _check_equal(
     name: str, loaded: dict[str, torch.Tensor], state: dict[str, torch.Tensor]
 ) -> None:
-    if set(loaded) != set(state) or not all(torch.equal(loaded[k], v) for k, v in state.items()):
+    if set(loaded) != set(state) or not all(same_bits(loaded[k], v) for k, v in state.items()):
         raise AssertionError(f"{name}: the downloaded state differs from the uploaded one")
 
 

@@ -24,8 +24,10 @@ Measured, each a median over ``--repeat`` runs with the writer order rotated eve
    (fresh processes, zeroed templates); after each timed load, outside the timed region,
    every local shard is compared bitwise with the values saved;
 3. ``dcp.async_save`` on 2 ranks, after one untimed warm-up save with the same writer object:
-   the seconds until ``async_save`` returns on the calling (training) thread, and until its
-   future completes (the slowest rank's figures). The peers stage through one
+   the seconds until the calling (training) thread may change the state again (``async_save``
+   returned and the state is staged, :func:`fastckpt.bench.writers.dcp_staged`: every writer
+   here stages before returning), and until its future completes (the slowest rank's
+   figures). The peers stage through one
    ``DefaultStager(StagingOptions(False, False, False, False))`` each, kept across saves: its
    cached host copies are DCP's cheapest stall without CUDA (``cache_staged_state_dict=True``
    pins memory, which needs a GPU); fastckpt's writer is its own stager.
@@ -588,20 +590,20 @@ class _Rank:
 
     def mismatches(self, state: dict[str, Any], expected: dict[str, Any]) -> list[str]:
         """The names whose loaded local shard differs (bitwise) from the saved values."""
-        import torch
+        from fastckpt.bench.compare import same_bits
 
         names = set(self.spec.parameter_shapes())
         bad = []
         if set(state["model"]) != names or set(state["optim"]["state"]) != names:
             bad.append("the loaded state does not hold every parameter")
         for name, tensor in state["model"].items():
-            if not torch.equal(tensor.to_local(), self._local(expected[f"model.{name}"])):
+            if not same_bits(tensor.to_local(), self._local(expected[f"model.{name}"])):
                 bad.append(f"model.{name}")
         osd = state["optim"]
         for name, entry in osd["state"].items():
             for moment in ("exp_avg", "exp_avg_sq"):
                 want = self._local(expected[f"optim.{name}.{moment}"])
-                if not torch.equal(entry[moment].to_local(), want):
+                if not same_bits(entry[moment].to_local(), want):
                     bad.append(f"optim.{name}.{moment}")
             if float(entry["step"]) != 1.0:
                 bad.append(f"optim.{name}.step")
@@ -773,15 +775,11 @@ class _Rank:
         return [*names[shift:], *names[:shift]]
 
 
-def _wait(future: Any) -> None:
-    """Wait for what ``dcp.async_save`` returned (a future, or an ``AsyncSaveResponse``)."""
-    upload = getattr(future, "upload_completion", future)
-    upload.result()
-
-
 def _save_phase(rank: _Rank) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+
+    from fastckpt.bench.writers import dcp_staged
 
     expected = build_state(rank.spec)
     state, _optimizer = rank.fsdp_state(expected)
@@ -829,14 +827,15 @@ def _save_phase(rank: _Rank) -> dict[str, Any]:
                 rank.retarget(name, writer, path)
                 dist.barrier()
                 start = time.perf_counter()
-                future = dcp.async_save(
+                response = dcp.async_save(
                     state,
                     storage_writer=writer,
                     process_group=group,
                     async_stager=stagers.get(name),
                 )
-                stall = time.perf_counter() - start
-                _wait(future)
+                upload = dcp_staged(response)
+                stall = time.perf_counter() - start  # until the state may be changed (staged)
+                upload.result()
                 total = time.perf_counter() - start
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"[:4000]

@@ -8,8 +8,10 @@ and saved with ``dcp.async_save`` by each backend, side by side in one run:
 * ``dcp-1t`` and ``dcp-2t``: ``dcp.FileSystemWriter(thread_count=1 | 2)`` / ``FileSystemReader``.
 
 Timings are the wall time of the collective call, measured on rank 0 between barriers; the
-async *stall* is how long ``dcp.async_save`` blocks the caller (staging), after one warm-up
-save with the same writer. Loads read from a dropped page cache where the process may drop it
+async *stall* is how long until the caller may change the state again: ``dcp.async_save``
+returned and the state is staged (:func:`fastckpt.bench.writers.dcp_staged`; both backends
+stage before returning, ``fastckpt.dcp.Writer`` as its own stager), after one warm-up save
+with the same writer. Loads read from a dropped page cache where the process may drop it
 (root on Linux) when asked (``--drop-caches``), and are labelled ``warm`` otherwise.
 
 ```bash
@@ -36,7 +38,9 @@ from typing import Any
 import torch
 
 from fastckpt.bench.cache import CacheControl
+from fastckpt.bench.compare import same_bits
 from fastckpt.bench.stats import summarize
+from fastckpt.bench.writers import dcp_staged
 
 __all__ = ["BACKENDS", "ShardedConfig", "main", "run_sharded"]
 
@@ -202,7 +206,7 @@ def _worker(rank: int, settings: dict[str, Any], out: Path) -> None:
             if repeat == 0:
                 check = target["model"]["layer0.weight"].full_tensor()
                 expected = torch.randn(check.shape, generator=torch.Generator().manual_seed(0))
-                if not torch.equal(check, expected):
+                if not same_bits(check, expected):
                     raise RuntimeError(f"{backend}: resharded load returned other data")
         for backend in BACKENDS:
             path = root / f"async-{backend}-{repeat}"
@@ -210,9 +214,9 @@ def _worker(rank: int, settings: dict[str, Any], out: Path) -> None:
             dcp.async_save(state, storage_writer=writer, process_group=group).result()  # type: ignore[union-attr]
             dist.barrier()
             start = time.perf_counter()
-            future = dcp.async_save(state, storage_writer=writer, process_group=group)
-            stall = time.perf_counter() - start
-            future.result()  # type: ignore[union-attr]
+            future = dcp_staged(dcp.async_save(state, storage_writer=writer, process_group=group))
+            stall = time.perf_counter() - start  # until the state may be changed (staged)
+            future.result()
             times[backend]["stall_s"].append(stall)
         dist.barrier()
         for entry in root.iterdir():

@@ -89,11 +89,12 @@ from torch import nn
 
 from fastckpt.bench import throttled
 from fastckpt.bench.cache import CacheControl
+from fastckpt.bench.compare import same_bits
 from fastckpt.bench.environment import describe, load_average
 from fastckpt.bench.memory import trim_allocator
 from fastckpt.bench.s3 import local_server, process_cpu, resolve_server, s3s_fs_binary
 from fastckpt.bench.stats import summarize
-from fastckpt.bench.training import TrainingConfig, _model
+from fastckpt.bench.training import TrainingConfig, _model, with_lock_waits
 
 __all__ = [
     "CONFIGS",
@@ -327,6 +328,8 @@ class _Loop:
         self.targets = torch.randn(train.batch, 1, generator=gen)
         self.strategy = TrainingStrategy(self.model, self.optimizer, num_steps=1)
         self.guard: Callable[[], AbstractContextManager[Any]] = nullcontext
+        #: Seconds the optimizer steps waited to enter ``guard`` (a snapshot being captured).
+        self.lock_wait = 0.0
         for _ in range(_WARMUP_STEPS):
             self.step()
 
@@ -334,7 +337,9 @@ class _Loop:
         self.optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(self.model(self.inputs), self.targets)
         loss.backward()
+        blocked = time.perf_counter()
         with self.guard():
+            self.lock_wait += time.perf_counter() - blocked
             self.optimizer.step()
         self.strategy.step_count += 1
 
@@ -403,7 +408,8 @@ def _run(
     last_save = max(saves_at, default=0)
     step_seconds: list[float] = []
     overlapped: list[bool] = []
-    stalls: list[float] = []
+    stalls: list[float] = []  # the save calls
+    lock_marks: list[float] = []  # loop.lock_wait when each save call returned
     error: str | None = None
     caught = _Warnings()
     logging.getLogger("fastckpt").addHandler(caught)
@@ -431,6 +437,7 @@ def _run(
                         blocked = time.perf_counter()
                         hook.save(loop.strategy.context)
                         stalls.append(time.perf_counter() - blocked)
+                        lock_marks.append(loop.lock_wait)
                 # The last checkpoint's steps: up to N, fewer when its work is done sooner
                 # (the steps after that are quiet ones, they change nothing but the run's
                 # length); what is still running after N steps is waited for, as the next
@@ -476,7 +483,8 @@ def _run(
         "overlapped_seconds_sum": sum(
             t for t, busy_step in zip(step_seconds, overlapped, strict=True) if busy_step
         ),
-        "stall_s": stalls,
+        "stall_s": with_lock_waits(stalls, lock_marks, loop.lock_wait),
+        "save_call_s": stalls,
         "promoted": promoted,
         "promotion_healthy": healthy,
         "error": error,
@@ -617,14 +625,7 @@ def _mismatches(loaded: dict[str, Any], expected: dict[str, torch.Tensor]) -> li
                 got[f"optim.{index}.{key}"] = value
     bad = [name for name, value in expected.items() if name not in got]
     bad += [
-        name
-        for name, value in expected.items()
-        if name in got
-        and (
-            got[name].dtype != value.dtype
-            or got[name].shape != value.shape
-            or not torch.equal(got[name], value)
-        )
+        name for name, value in expected.items() if name in got and not same_bits(got[name], value)
     ]
     return bad + [name for name in got if name not in expected]
 
@@ -1027,8 +1028,10 @@ def markdown(document: dict[str, Any]) -> str:
             lines.append(f"| {kind} | {name} | " + " | ".join(cells) + f" | {shortest or 'none'} |")
     lines += [
         "",
-        "Stall of the training thread per save (median s) and wait at the end of a run for "
-        "the last write and promotions (median s):",
+        "Stall of the training thread per save (median s: the hook.save() call plus the "
+        "optimizer steps' waits for the hook's guard until the next save, while the snapshot "
+        "is captured) and wait at the end of a run for the last write and promotions "
+        "(median s):",
         "",
         "| configuration | " + " | ".join(f"N={n} stall / end wait" for n in intervals) + " |",
         "|---|" + "---|" * len(intervals),

@@ -13,7 +13,8 @@ allocated before the clock starts, as the hook does at ``BEFORE_TRAINING``) and
 ``dcp-async`` (``torch.distributed.checkpoint.async_save``). With fastckpt, the optimizer
 step runs under ``CheckpointManager.lock()`` / ``CheckpointHook.guard()`` as they require
 (it blocks while a snapshot is being captured; that wait is recorded as
-``lock_wait_seconds``). The clock runs from the first timed
+``lock_wait_seconds``, and counts in the stall of the checkpoint before it: a checkpoint's
+stall is the save call plus the lock waits until the next one). The clock runs from the first timed
 step until the last checkpoint is durable, so an async writer cannot hide its tail after the
 loop.
 """
@@ -33,9 +34,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastckpt.bench.writers import WriterUnavailable, open_async_manager, remove_path
+from fastckpt.bench.writers import (
+    WriterUnavailable,
+    dcp_staged,
+    open_async_manager,
+    remove_path,
+)
 
-__all__ = ["SCENARIOS", "TrainingConfig", "run_training"]
+__all__ = ["SCENARIOS", "TrainingConfig", "run_training", "with_lock_waits"]
 
 #: Scenarios in the order they run within a repetition.
 SCENARIOS = ("none", "fastckpt-async", "fastckpt-hook", "dcp-async")
@@ -106,8 +112,7 @@ def _dcp_checkpointer() -> tuple[Checkpointer, Callable[[], None], Guard, Prepar
             response: Any = dcp.async_save(
                 state, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True
             )
-        future: Future[Any] = getattr(response, "upload_completion", response)
-        return future
+        return dcp_staged(response)  # the next step may change the state once it is staged
 
     return save, lambda: None, nullcontext, lambda state: None
 
@@ -163,6 +168,21 @@ class _HookCheckpointer:
             self.hook.close()
 
 
+def with_lock_waits(calls: list[float], marks: list[float], total: float) -> list[float]:
+    """Per checkpoint, what the training thread waited for it: its save call plus the lock
+    waits from that call to the next checkpoint's (or to the end of the run).
+
+    Args:
+        calls: seconds of each save call.
+        marks: the running total of lock waits when each save call returned.
+        total: the running total at the end of the run.
+    """
+    if not calls:
+        return []
+    ends = [*marks[1:], total]
+    return [call + end - mark for call, mark, end in zip(calls, marks, ends, strict=True)]
+
+
 def _in_run_overhead(
     step_seconds: list[float], overlapped: list[bool], seconds: float, stalls: list[float]
 ) -> dict[str, Any]:
@@ -194,12 +214,13 @@ def run_training(scenario: str, config: TrainingConfig, directory: Path) -> dict
     Returns:
         ``{"available", "reason", "seconds", "steps_per_s", "checkpoints", "checkpoint_mib",
         "stall_seconds", "lock_wait_seconds", "overlapped_steps", "in_run_overhead", ...}``
-        where ``stall_seconds`` lists, per checkpoint, how long the training thread was
-        blocked (waiting for the previous one plus the save call itself),
-        ``lock_wait_seconds`` totals the waits to enter the manager's lock, and
-        ``in_run_overhead`` is the extra time of the steps that overlapped a checkpoint, plus
-        the stalls, as a share of the run (see ``_in_run_overhead``; None without
-        checkpoints).
+        where ``stall_seconds`` lists, per checkpoint, how long the training thread waited
+        for it: the save call (waiting for the previous one plus the call itself,
+        ``save_call_seconds``) and the waits to enter the manager's lock (or the hook's
+        guard) in the steps until the next checkpoint (the snapshot being captured);
+        ``lock_wait_seconds`` totals the lock waits, and ``in_run_overhead`` is the extra
+        time of the steps that overlapped a checkpoint (lock waits included), plus the save
+        calls, as a share of the run (see ``_in_run_overhead``; None without checkpoints).
 
     Raises:
         ValueError: unknown scenario.
@@ -253,7 +274,8 @@ def run_training(scenario: str, config: TrainingConfig, directory: Path) -> dict
         hooked.open(root)  # allocates the staging buffers, before the clock
     prepare(_flat_state(model, optimizer))
     pending: Future[Any] | None = None
-    stalls: list[float] = []
+    stalls: list[float] = []  # the save calls
+    lock_marks: list[float] = []  # lock_wait when each save call returned
     lock_wait = 0.0
 
     def busy() -> bool:
@@ -279,10 +301,12 @@ def run_training(scenario: str, config: TrainingConfig, directory: Path) -> dict
                     pending.result()
                 pending = checkpoint(_flat_state(model, optimizer), root / f"step-{index}")
                 stalls.append(time.perf_counter() - blocked)
+                lock_marks.append(lock_wait)
             elif hooked is not None and due:
                 blocked = time.perf_counter()
                 hooked.save(index)  # waits for the previous write itself
                 stalls.append(time.perf_counter() - blocked)
+                lock_marks.append(lock_wait)
         if pending is not None:
             pending.result()
         if hooked is not None:
@@ -299,6 +323,7 @@ def run_training(scenario: str, config: TrainingConfig, directory: Path) -> dict
         "steps_per_s": config.steps / seconds,
         "checkpoints": len(stalls),
         "checkpoint_mib": state_bytes / 2**20,
-        "stall_seconds": stalls,
+        "stall_seconds": with_lock_waits(stalls, lock_marks, lock_wait),
+        "save_call_seconds": stalls,
         "lock_wait_seconds": lock_wait,
     }

@@ -1,9 +1,12 @@
 """The writers compared by the harness, each made durable (every file it wrote fsynced).
 
 A writer saves the benchmark state to a target path and reports how long until the bytes were
-durable and how long the calling (training) thread was blocked (the same for synchronous
-writers). Peers that do not fsync on their own are fsynced by the harness inside the timed
-region, along with their directory, the same as fastckpt does for its files.
+durable and the *stall*: how long until the calling (training) thread may change the state
+again (the same for synchronous writers). For an async save that is not when the save call
+returns but when the snapshot is captured: ``manager.lock()`` taken for the managers (the next
+optimizer step must take it), staging done for DCP's ``async_save``; when the call returned is
+recorded beside it. Peers that do not fsync on their own are fsynced by the harness inside the
+timed region, along with their directory, the same as fastckpt does for its files.
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ __all__ = [
     "Writer",
     "WriterUnavailable",
     "ceiling_block",
+    "dcp_staged",
     "fix_default_write_mode",
     "fsync_path",
     "make_writers",
     "path_bytes",
     "remove_path",
+    "save_until_reusable",
     "torch_checkpointing_manager",
 ]
 
@@ -57,13 +62,18 @@ class WriteTiming:
 
     Attributes:
         seconds: wall time until every byte was durable.
-        stall_seconds: wall time the calling thread was blocked (== seconds when synchronous).
+        stall_seconds: wall time until the caller may change the saved state again (==
+            seconds when synchronous; async: the save call returned and the snapshot is
+            captured).
         details: writer-specific facts (e.g. whether O_DIRECT was actually used).
+        returned_seconds: async writers: wall time until the save call returned (the state
+            may still be being captured then); None: when the stall ended.
     """
 
     seconds: float
     stall_seconds: float
     details: dict[str, Any] = field(default_factory=dict)
+    returned_seconds: float | None = None
 
 
 def fsync_path(path: Path) -> None:
@@ -194,12 +204,28 @@ class FastckptNoChecksumWriter(FastckptWriter):
     checksums = False
 
 
-class FastckptAsyncWriter(Writer):
-    """``CheckpointManager`` with async saves: stall until save() returns, total until durable.
+def save_until_reusable(manager: Any, target: Path, state: State) -> WriteTiming:
+    """``manager.save(target, {"state": state})`` on an async manager (fastckpt's or
+    torch_checkpointing's, which share the contract), timed until the future resolved.
 
-    One manager lives across all repetitions, as it would across a training run. Where the
-    manager has ``lock()``, the time until it can be taken (the snapshot is captured and the
-    caller may mutate the state again) is recorded as ``reusable_after_seconds``.
+    The stall lasts until the caller may change the state again: ``save()`` returned and
+    ``manager.lock()``, which an optimizer step must hold, was taken (it blocks while the
+    snapshot is being captured). When ``save()`` returned is ``returned_seconds``.
+    """
+    start = time.perf_counter()
+    future = manager.save(str(target), {"state": dict(state)})
+    returned = time.perf_counter() - start
+    with manager.lock():
+        stall = time.perf_counter() - start
+    future.result()
+    return WriteTiming(time.perf_counter() - start, stall, returned_seconds=returned)
+
+
+class FastckptAsyncWriter(Writer):
+    """``CheckpointManager`` with async saves: stall until the state may be changed again
+    (:func:`save_until_reusable`), total until durable.
+
+    One manager lives across all repetitions, as it would across a training run.
     """
 
     name = "fastckpt-async"
@@ -220,16 +246,7 @@ class FastckptAsyncWriter(Writer):
 
     def write(self, state: State, target: Path) -> WriteTiming:
         """Save through the manager; the future resolves when the checkpoint is durable."""
-        start = time.perf_counter()
-        future = self._manager.save(str(target), {"state": dict(state)})
-        stall = time.perf_counter() - start
-        details: dict[str, Any] = {}
-        lock = getattr(self._manager, "lock", None)
-        if lock is not None:  # when the caller may mutate the state again (capture done)
-            with lock():
-                details["reusable_after_seconds"] = time.perf_counter() - start
-        future.result()
-        return WriteTiming(time.perf_counter() - start, stall, details)
+        return save_until_reusable(self._manager, target, state)
 
     def close(self) -> None:
         """Close the manager (waits for outstanding saves)."""
@@ -381,7 +398,8 @@ class TorchCheckpointingDirectWriter(TorchCheckpointingWriter):
 class TorchCheckpointingAsyncWriter(Writer):
     """torch_checkpointing's ``CheckpointManager`` async save (``Config.with_async_save()``,
     staging through shared memory, a writer subprocess) with :data:`TC_STORAGE`: stall until
-    ``save()`` returns, total until its future resolved and the harness fsynced the files.
+    the state may be changed again (:func:`save_until_reusable`: its manager has the same
+    ``lock()``), total until its future resolved and the harness fsynced the files.
 
     The subprocess starts on the first save (the warm-up round); its memory is not the
     training process's, so the memory figure does not include it.
@@ -405,12 +423,11 @@ class TorchCheckpointingAsyncWriter(Writer):
     def write(self, state: State, target: Path) -> WriteTiming:
         """Start the save, wait for its future, fsync what it wrote."""
         start = time.perf_counter()
-        future = self._manager.save(str(target), {"state": dict(state)})
-        stall = time.perf_counter() - start
-        future.result()
+        timing = save_until_reusable(self._manager, target, state)
         fsync_path(target)
-        details = {"direct_io": False, **_tc_version()}
-        return WriteTiming(time.perf_counter() - start, stall, details)
+        timing.seconds = time.perf_counter() - start
+        timing.details = {"direct_io": False, **_tc_version()}
+        return timing
 
     def close(self) -> None:
         """Close the manager (waits for its subprocess)."""
@@ -522,12 +539,24 @@ class Dcp2Writer(DcpWriter):
     thread_count = 2
 
 
-class DcpAsyncWriter(DcpWriter):
-    """DCP ``async_save`` (thread executor): stall until it returns, total until the future.
+def dcp_staged(response: Any) -> Future[Any]:
+    """Wait until the state given to ``dcp.async_save`` may be changed again, and return the
+    future that resolves when the checkpoint is written.
 
-    ``reusable_after_seconds``: until staging completed (when it returns, unless the response
-    carries a separate ``staging_completion`` future).
+    ``async_save`` returns a future once it staged the state, or (with a stager that stages in
+    the background) an ``AsyncSaveResponse`` whose ``staging_completion`` says when staging
+    is done; that is waited for here.
     """
+    staged: Future[Any] | None = getattr(response, "staging_completion", None)
+    if staged is not None:
+        staged.result()
+    upload: Future[Any] = getattr(response, "upload_completion", response)
+    return upload
+
+
+class DcpAsyncWriter(DcpWriter):
+    """DCP ``async_save`` (thread executor): stall until the state is staged
+    (:func:`dcp_staged`), total until the future resolved and the directory is fsynced."""
 
     name = "dcp-async"
     label = "DCP async_save"
@@ -542,17 +571,13 @@ class DcpAsyncWriter(DcpWriter):
             response = dcp.async_save(
                 dict(state), storage_writer=self._storage_writer(target), no_dist=True
             )
+        returned = time.perf_counter() - start
+        future = dcp_staged(response)
         stall = time.perf_counter() - start
-        future: Future[Any] = getattr(response, "upload_completion", response)
-        staged: Future[Any] | None = getattr(response, "staging_completion", None)
-        if staged is not None:
-            staged.result()
-        reusable = time.perf_counter() - start
         future.result()
         _fsync_dir(target)
         _fsync_dir(target.parent)
-        details = {"reusable_after_seconds": reusable}
-        return WriteTiming(time.perf_counter() - start, stall, details)
+        return WriteTiming(time.perf_counter() - start, stall, returned_seconds=returned)
 
 
 def ceiling_block(nbytes: int, max_block: int = CEILING_BLOCK, align: int = 4096) -> int:
