@@ -59,7 +59,8 @@ class CheckpointFormatError(FastCkptError, ValueError):
 class InvalidInputError(FastCkptError, TypeError, ValueError):
     """An argument fastckpt cannot store or represent: not a mapping of ``str`` names to dense
     tensors, a dtype the safetensors format has no name for (or a file's dtype this torch has
-    no type for), metadata that is not a ``str -> str`` mapping.
+    no type for), metadata that is not a ``str -> str`` mapping; or a call that cannot be
+    right where it is made (a save by hand of DDP replicas on a rank other than 0).
 
     It is a ``TypeError`` (what fastckpt raised for these before) and a ``ValueError`` (what
     ``safetensors.torch.save_file`` raises), so either ``except`` keeps working. The message

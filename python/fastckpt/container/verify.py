@@ -53,6 +53,7 @@ from fastckpt.format.records import (
     check_seal,
     load_json,
     read_commit_record,
+    refuse_other_kind,
 )
 from fastckpt.io.headers import DEFAULT_THREADS
 from fastckpt.io.paths import safe_join
@@ -500,6 +501,9 @@ def latest_intact(root: str | os.PathLike[str], *, threads: int | None = None) -
         CheckpointFormatError: ``manifest.json`` cannot be parsed at all (nothing can be
             trusted; restore it from a copy). A manifest that parses but fails its own
             checksum is only warned about: every index is still checked against it.
+        FileNotFoundError: ``root`` holds no root but a CheckpointManager or sharded
+            checkpoint, or a folder of CheckpointManager checkpoints (named, with the call
+            that reads it), as ``list_checkpoints`` and ``prune`` there.
     """
     root = Path(root)
     workers = max(1, threads or DEFAULT_THREADS)
@@ -513,6 +517,8 @@ def latest_intact(root: str | os.PathLike[str], *, threads: int | None = None) -
         except ChecksumMismatchError as err:
             skipped.append(f"{err}; checking every index against it anyway")
             manifest = Manifest.load(root)
+        if not manifest.entries:
+            refuse_other_kind(root, "latest_intact")  # else: a root not saved into yet
         for index in sorted(manifest.entries, reverse=True):
             failures = [r for r in _index_files(manifest, index, workers) if not r.ok]
             problem = None

@@ -13,7 +13,8 @@ scheduler, a user class - may stand anywhere in a saved state or in a load templ
   place, mappings and sequences are walked (the manager's one template merge);
 * :func:`check_restore`, which :func:`restore` runs first, raises every mismatch
   :func:`restore` would meet (dtypes, shapes, structure, keys missing under ``strict``, the
-  tensors a stateful object holds, a plain module's key set) from metadata alone, so a
+  tensors a stateful object holds, a plain module's key set, an optimizer's state against
+  its parameters: :func:`check_optimizer_state`) from metadata alone, so a
   refused load leaves the template untouched. The manager's direct reads run it on the
   checkpoint's headers before any byte is read into a template.
 """
@@ -27,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.parameter import is_lazy
 
 from fastckpt.checkpoint.fill import plain_state
 from fastckpt.container.templates import check_tensor_template, is_dtensor
@@ -37,9 +39,11 @@ from fastckpt.io.files import check_storable
 from fastckpt.io.paths import is_text
 
 __all__ = [
+    "PARAMETER_SHAPED_OPTIMIZERS",
     "Stateful",
     "check_depth",
     "check_nesting",
+    "check_optimizer_state",
     "check_restore",
     "check_template",
     "contains_stateful",
@@ -333,23 +337,123 @@ def _check_module_keys(
         )
 
 
-def _check_optimizer_groups(optimizer: torch.optim.Optimizer, loaded: Any, path: str) -> None:
-    """Refuse a loaded optimizer state whose parameter groups are not laid out as the
-    optimizer's (how many groups, how many parameters in each): torch's
-    ``load_state_dict`` refuses it too, but only when it runs, after the other items of the
-    load (a model read into directly) were already written."""
-    groups = loaded.get("param_groups") if isinstance(loaded, Mapping) else None
-    if not isinstance(groups, (list, tuple)):
+#: The ``torch.optim`` classes each of whose per-parameter state tensors of one or more
+#: dimensions has its parameter's shape (``tests/test_partial_loads.py`` checks each). Not
+#: ``LBFGS`` (flat state of all parameters, kept under the first) nor ``Adafactor`` (factored
+#: moments: ``row_var`` of an (m, n) parameter is (m, 1)); not subclasses, which may keep more.
+PARAMETER_SHAPED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "ASGD",
+        "Adadelta",
+        "Adagrad",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "Muon",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "Rprop",
+        "SGD",
+        "SparseAdam",
+    )
+    if hasattr(torch.optim, name)  # Muon: torch >= 2.9
+)
+
+
+def check_optimizer_state(
+    optimizer: torch.optim.Optimizer, saved: Any, path: str, source: str = ""
+) -> None:
+    """Refuse a saved optimizer state that ``optimizer.load_state_dict(saved)`` would refuse
+    only part-way through a load, or would load into the wrong parameters without a word.
+    Only metadata is read: ``saved``'s tensors may be meta tensors (a checkpoint's headers).
+
+    * Parameter groups laid out otherwise (how many groups, how many parameters in each):
+      torch refuses them too, but only when its ``load_state_dict`` runs, after the other
+      items of the load (a model read into directly) were written.
+    * For the classes of :data:`PARAMETER_SHAPED_OPTIMIZERS`: a saved per-parameter state
+      tensor (one or more dimensions) whose shape is not that of the live parameter it would
+      be loaded into. torch pairs saved and live parameters by position only, so parameters
+      passed in another order, or another model's, took other parameters' state (a bare
+      torch error at the first ``step()``, or swapped moments where the shapes agree).
+    * ``param_names`` (torch records them for an optimizer built from ``named_parameters()``),
+      saved and live, that put a live parameter where the saved run had another one of the
+      group's names: it would take that one's state. Names that differ otherwise (a
+      ``module.`` prefix a wrapper adds) are not judged.
+
+    A state that is not an optimizer's (no list of parameter groups) is left to
+    ``load_state_dict``; so are the parameter checks of an optimizer with a
+    ``load_state_dict`` pre-hook, which may rename or reorder the state.
+
+    Args:
+        optimizer: the live optimizer the state would be loaded into.
+        saved: its saved ``state_dict()`` (tensors may be meta tensors).
+        path: the key path of the optimizer's state (``opt``), for messages ("": none).
+        source: the file holding the state, for messages ("": none).
+
+    Raises:
+        CheckpointMismatchError: naming the state path, both sides and the fix; nothing was
+            loaded.
+    """
+
+    def where(at: str) -> str:
+        """The place ``at`` within the state (the whole state: "")."""
+        inner = tree.join_path(path, at) if at else path
+        return f"{source}: {inner}" if source and inner else source or inner or "<root>"
+
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not isinstance(groups, (list, tuple)) or not all(
+        isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in groups
+    ):
         return  # not an optimizer's state dict: its load_state_dict judges it
-    saved = [len(g["params"]) if isinstance(g, Mapping) and "params" in g else None for g in groups]
-    live = [len(group["params"]) for group in optimizer.param_groups]
-    if saved != live:
+    kind = type(optimizer).__name__
+    saved_sizes = [len(g["params"]) for g in groups]
+    live_sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_sizes != live_sizes:
         raise CheckpointMismatchError(
-            f"{path}: the checkpoint's optimizer has {len(saved)} parameter group(s) of "
-            f"{saved} parameters, this {type(optimizer).__name__} {len(live)} of {live}; "
+            f"{where('')}: the checkpoint's optimizer has {len(saved_sizes)} parameter group(s) "
+            f"of {saved_sizes} parameters, this {kind} {len(live_sizes)} of {live_sizes}; "
             "nothing was loaded: build the optimizer with the parameter groups it was saved "
             "with"
         )
+    if getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", None):
+        return  # a pre-hook may rename or reorder the saved state before torch pairs it
+    fix = (
+        "the optimizer's parameters were passed in another order than when it was saved, or "
+        "are another model's; nothing was loaded: build the optimizer from the same "
+        "parameters in the same order as when saved"
+    )
+    for g, (group, live) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
+        names, live_names = group.get("param_names"), live.get("param_names")
+        if not isinstance(names, list) or not isinstance(live_names, list):
+            continue
+        for i, (name, live_name) in enumerate(zip(names, live_names, strict=False)):
+            if name != live_name and live_name in names:
+                raise CheckpointMismatchError(
+                    f"{where(f'param_groups.{g}.param_names.{i}')}: the saved optimizer's "
+                    f"parameter {i} of group {g} is {name!r}, this {kind}'s is {live_name!r} "
+                    f"(saved at position {names.index(live_name)}): it would take the state "
+                    f"of {name!r}; {fix}"
+                )
+    state = saved.get("state")
+    if type(optimizer) not in PARAMETER_SHAPED_OPTIMIZERS or not isinstance(state, Mapping):
+        return
+    for g, (group, live) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
+        for i, (index, param) in enumerate(zip(group["params"], live["params"], strict=True)):
+            entry = state.get(index) if isinstance(index, (int, str)) else None
+            if not isinstance(entry, Mapping) or is_lazy(param):
+                continue  # no state saved for it, or a parameter of any shape yet
+            for name, value in entry.items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    continue  # a step count: no parameter's shape
+                if value.shape != param.shape:
+                    raise CheckpointMismatchError(
+                        f"{where(f'state.{index}.{name}')}: the saved tensor has shape "
+                        f"{tuple(value.shape)}, the parameter it would be loaded into "
+                        f"(parameter {i} of group {g} of this {kind}) has shape "
+                        f"{tuple(param.shape)}: {fix}"
+                    )
 
 
 def check_restore(template: Any, value: Any, path: str, strict: bool) -> bool:
@@ -360,9 +464,10 @@ def check_restore(template: Any, value: Any, path: str, strict: bool) -> bool:
     of a checkpoint's headers). Checked are the structure (a mapping, a sequence or a tensor
     where the template has one), each tensor template's dtype and shape, template keys and
     indices the checkpoint lacks (under ``strict``), the tensors a stateful object holds
-    (dtype and shape, by key path), and the key set of a plain module (see
-    ``_check_module_keys``). What a non-plain ``load_state_dict`` refuses is only known
-    when it runs.
+    (dtype and shape, by key path), the key set of a plain module (see
+    ``_check_module_keys``), and an optimizer's saved state against its parameters (see
+    :func:`check_optimizer_state`). What a non-plain ``load_state_dict`` refuses is only
+    known when it runs.
 
     Args:
         template: the template (checked with :func:`check_template` beforehand).
@@ -382,12 +487,12 @@ def check_restore(template: Any, value: Any, path: str, strict: bool) -> bool:
     if value is template or template is None:
         return True
     if is_stateful(template):
+        if isinstance(template, torch.optim.Optimizer):
+            check_optimizer_state(template, value, path)
         current = template.state_dict()
         _check_tensors(current, value, where)
         if isinstance(template, torch.nn.Module):
             _check_module_keys(template, current, value, where)
-        if isinstance(template, torch.optim.Optimizer):
-            _check_optimizer_groups(template, value, where)
         return True
     if isinstance(template, torch.Tensor):
         _check_tensor(template, value, where)

@@ -48,6 +48,7 @@ from fastckpt.errors import (
     CheckpointMismatchError,
     FastCkptError,
     InterruptedStepError,
+    InvalidInputError,
     NotCommittedError,
     UnsupportedValueError,
     UntrustedTargetError,
@@ -55,6 +56,7 @@ from fastckpt.errors import (
 from fastckpt.format.records import MANIFEST, MAX_INDEX, Manifest
 from fastckpt.io import tree
 from fastckpt.io.files import torch_shape
+from fastckpt.manager.stateful import check_optimizer_state
 from fastckpt.storage.registry import display_path, use_storage_options
 from fastckpt.training.hooks.context import (
     CheckpointableHook,
@@ -195,6 +197,147 @@ def _agreed_copy(tiers: Sequence[str | Path], index: int | None) -> NearestCopy:
     _, position, chosen, skipped, spread, passed = message[0]
     passed_over = [(display_path(Path(tiers[p])), int(i)) for p, i in passed]
     return NearestCopy(Path(tiers[position]), int(chosen), list(skipped), bool(spread), passed_over)
+
+
+def _common_copy(tiers: Sequence[str | Path], index: int | None) -> NearestCopy:
+    """The copy this rank restores in a load of unsharded replicas (a DDP run) from
+    ``tiers`` (this rank's ``root`` then ``fallback_dirs``) on several ranks (collective):
+    the newest index every rank holds intact on one of its tiers (``index``: that index),
+    each rank taking it from its nearest tier holding it. Ranks looking on their own took
+    different indices when their fast tiers differ (node-local disks, only rank 0's written
+    to): different step counts, optimizer and RNG states in replicas of one run. Each rank
+    reports the newest index it holds intact; while they differ, each reports its newest
+    at or below the oldest reported. A rank's newer index passed over for that is named in
+    the result's ``skipped`` (so logged as a warning).
+
+    Raises:
+        NotCommittedError: on every rank alike, naming each rank that holds no intact copy
+            (of ``index``, or at or below what the others hold) and what it saw.
+    """
+    import torch.distributed as dist
+
+    _, world = _world()
+    ceiling = index
+    copy: NearestCopy | None = None
+    first: NearestCopy | None = None
+    newest: list[int] = []
+    while True:
+        failure: Exception | None = None
+        if copy is None or copy.index != ceiling:
+            try:
+                copy = _newest_intact_at_most(tiers, ceiling, exact=index is not None)
+            except Exception as err:  # told to every rank, so that none waits alone
+                copy, failure = None, err
+        answer = (copy.index, "") if copy is not None else (None, _why(failure))
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, answer)
+        lacking = [
+            f"rank {other}: {why}" for other, (found, why) in enumerate(everyone) if found is None
+        ]
+        if lacking:
+            if failure is not None and not isinstance(failure, NotCommittedError):
+                raise failure
+            held = [
+                f"rank {other}'s is index {found}"
+                for other, (found, _) in enumerate(everyone)
+                if found is not None
+            ]
+            what = f"index {index}" if index is not None else "an index"
+            raise NotCommittedError(
+                f"not every rank of this process group holds {what} intact in its tiers, and "
+                f"the ranks of a run of unsharded models (DDP) load the same index: "
+                f"{'; '.join(lacking)}"
+                + (f" (the newest elsewhere: {', '.join(held)})" if held else "")
+                + ". Give every rank a tier holding the run's checkpoints (the shared "
+                "durable_dir in fallback_dirs)"
+            )
+        found = [int(f) for f, _ in everyone]
+        assert copy is not None  # this rank answered with an index
+        if first is None:
+            first, newest = copy, found
+        if len(set(found)) == 1:
+            return _noting_passed_over(first, copy, newest)
+        ceiling = min(found)
+
+
+def _why(failure: BaseException | None) -> str:
+    """What a rank tells the others of why it found no copy."""
+    if isinstance(failure, NotCommittedError):
+        return str(failure)
+    return f"{type(failure).__name__}: {failure}"
+
+
+def _newest_intact_at_most(
+    tiers: Sequence[str | Path], ceiling: int | None, *, exact: bool = False
+) -> NearestCopy:
+    """:func:`~fastckpt.container.promote.nearest_intact` of the newest index at or below
+    ``ceiling`` (None: of any; ``exact``: of ``ceiling`` alone).
+
+    Raises:
+        NotCommittedError: no tier holds such an index intact.
+    """
+    if ceiling is None or exact:
+        return nearest_intact(tiers, ceiling)
+    listed: set[int] = set()
+    for tier in tiers:
+        with contextlib.suppress(OSError, FastCkptError):  # as nearest_intact passes it over
+            listed.update(i for i in Manifest.load(tier).entries if i <= ceiling)
+    for candidate in sorted(listed, reverse=True):
+        with contextlib.suppress(NotCommittedError):
+            return nearest_intact(tiers, candidate)
+    names = ", ".join(display_path(Path(t)) for t in tiers)
+    raise NotCommittedError(f"no intact checkpoint at or below index {ceiling} in {names}")
+
+
+def _noting_passed_over(
+    first: NearestCopy, chosen: NearestCopy, newest: Sequence[int]
+) -> NearestCopy:
+    """``chosen``, with what ``first`` (this rank's newest intact copy) skipped and, when
+    ``chosen`` is older, why ``first`` was passed over: ``newest`` (each rank's newest
+    intact index) shows which ranks lack it."""
+    if first.index == chosen.index:
+        return chosen
+    lacking = ", ".join(
+        f"rank {other}'s is index {index}"
+        for other, index in enumerate(newest)
+        if index < first.index
+    )
+    note = (
+        f"{display_path(first.root)} index {first.index}: this rank's newest intact, passed "
+        f"over as not every rank holds it ({lacking}); every rank of the process group "
+        f"loads the same index, index {chosen.index}"
+    )
+    skipped = [*first.skipped, *(s for s in chosen.skipped if s not in first.skipped), note]
+    passed = [*first.passed_over, *(p for p in chosen.passed_over if p not in first.passed_over)]
+    return NearestCopy(chosen.root, chosen.index, skipped, chosen.node_local, passed)
+
+
+def refuse_a_replica_save(call: str, per_rank: bool) -> None:
+    """Refuse a save of unsharded models (``call`` names the function) on a rank other than
+    0 of a process group of more than one rank, unless ``per_rank``: in a data-parallel run
+    every rank's save committed an index of its own of the same step, and a resume took
+    whichever rank wrote last (its RNG streams and data position on every rank). Nothing is
+    written.
+
+    Raises:
+        TypeError: ``per_rank`` is not a bool.
+        InvalidInputError: naming the rank, the world and the fixes.
+    """
+    if not isinstance(per_rank, bool):
+        raise TypeError(f"{call}: per_rank must be a bool, got {per_rank!r}")
+    rank, world = _world()
+    if per_rank or rank == 0:
+        return
+    raise InvalidInputError(
+        f"{call} was called on rank {rank} of a process group of {world} ranks with "
+        "unsharded models: in a data-parallel (DDP) run every rank's save would commit an "
+        "index of its own of the same step, and a resume would take whichever rank wrote "
+        "last (its RNG streams and data position on every rank). Nothing was saved. Save on "
+        "rank 0 alone (`if torch.distributed.get_rank() == 0:`), or let a CheckpointHook "
+        "save (rank_zero_only=True, the default: rank 0 writes, with every rank's RNG "
+        "states); ranks whose models are their own (a pipeline stage, a run of a sweep), "
+        "each saving into its own root, pass per_rank=True"
+    )
 
 
 def _no_checkpoint(tiers: Sequence[str | Path]) -> bool:
@@ -955,6 +1098,7 @@ class TrainingStrategy:
         node_local: bool = False,
         lock_timeout: float | None = None,
         check_root: Callable[[Manifest], None] | None = None,
+        per_rank: bool = False,
     ) -> int:
         """Write this strategy as a committed checkpoint index of ``root``; returns it.
 
@@ -970,9 +1114,21 @@ class TrainingStrategy:
         :func:`fastckpt.checkpoint.components.write_snapshot` (a sharded strategy: on rank 0 at
         the commit; what ``check_root`` raises there is
         raised on rank 0 and reported on the others as a ``RuntimeError``, nothing committed).
+
+        An unsharded strategy under a process group of more than one rank (a DDP run) is
+        saved by rank 0 alone: call this on rank 0 only (``if torch.distributed.get_rank()
+        == 0:``), or let a :class:`~fastckpt.training.hooks.CheckpointHook` save. On another
+        rank it is refused (``InvalidInputError``, nothing written), unless ``per_rank``:
+        this rank's models are its own (a pipeline stage, a run of a sweep), saved into a
+        root of its own.
+
+        Raises:
+            InvalidInputError: an unsharded strategy saved on a rank other than 0 without
+                ``per_rank``.
         """
         codec.check_incremental(incremental, "TrainingStrategy.save_checkpoint")
         if not self.sharded:
+            refuse_a_replica_save("TrainingStrategy.save_checkpoint", per_rank)
             snapshot = self.checkpoint_snapshot()
             snapshot.incremental = incremental
             return codec.write_snapshot(
@@ -1491,12 +1647,20 @@ class TrainingStrategy:
                 and what was skipped; logged, as a warning when anything was. With
                 ``parallelize`` under a process group, rank 0 picks the copy for every rank
                 (each rank passes its tiers in the same order; its ``root`` may be its own
-                node's disk).
+                node's disk). Without it, under a process group of more than one rank (a
+                DDP run: unsharded replicas), the load is collective too (every rank calls
+                it): every rank loads the same index, the newest that every rank holds
+                intact on one of its tiers (``checkpoint_index``: that index), each rank
+                from its nearest tier holding it; a rank's newer index passed over for that
+                is named in ``restored_from.skipped`` (and the warning).
 
         Raises:
             ValueError: a component-only checkpoint (use ``fastckpt.load_checkpoint``), the
                 training function must be supplied, or ``parallelize`` was given for a
                 checkpoint of unsharded models.
+            NotCommittedError: with ``fallback_dirs``, no tier holds an intact copy; on
+                several ranks, raised on every rank alike, naming each rank that holds none
+                (of the index every rank needs).
         """
         use_storage_options(root, storage_options, "TrainingStrategy.load_checkpoint")
         trusted = trust.frozen_trusted(trusted)
@@ -1506,6 +1670,8 @@ class TrainingStrategy:
             wanted = None if requested in (None, -1) else requested
             if parallelize is not None and _world()[1] > 1:
                 copy = _agreed_copy(tiers, wanted)  # a collective load: one copy for all
+            elif _world()[1] > 1:
+                copy = _common_copy(tiers, wanted)  # replicas: one index for all (collective)
             else:
                 copy = nearest_intact(tiers, wanted)
             (_LOG.warning if copy.skipped else _LOG.info)("%s", copy.describe())
@@ -1627,17 +1793,22 @@ class TrainingStrategy:
         else ``start()``, your fresh strategy (whose ``CheckpointHook`` saves into ``root``).
 
         With ``fallback_dirs`` (the durable tiers) the run resumes when any tier holds a
-        committed index (a new node's empty fast root does not start the run afresh). A
-        sharded resume (``parallelize`` under a process group) is decided by rank 0 for every
-        rank: on node-local fast tiers only rank 0's node holds the manifest.
+        committed index (a new node's empty fast root does not start the run afresh). Under
+        a process group of more than one rank this is collective (every rank calls it):
+        rank 0 decides for every rank whether to resume (on a node-local root only rank 0's
+        node holds the manifest; a rank starting afresh beside resumed ones would train
+        another state, while a rank that cannot load rank 0's choice raises), and a sharded
+        load or one with ``fallback_dirs`` is collective too (see :meth:`load_checkpoint`).
 
         Raises:
             CheckpointFormatError / ChecksumMismatchError: a tier's manifest is damaged
                 (never taken for "no checkpoint": a fresh start would bury the old run).
+            NotCommittedError: rank 0 resumes and a rank holds no copy of the index every
+                rank loads (every rank raises it, naming that rank).
         """
         use_storage_options(root, load.pop("storage_options", None), "resume_or_start")
         tiers = [root, *(load.get("fallback_dirs") or ())]
-        if load.get("parallelize") is not None and _world()[1] > 1:
+        if _world()[1] > 1:  # one decision for every rank (see the docstring)
             fresh = _rank_0_decides(lambda: _no_checkpoint(tiers))
         else:
             fresh = _no_checkpoint(tiers)
@@ -1989,25 +2160,23 @@ def _names_other_class(recorded: str, live: type) -> bool:
 
 
 def _check_param_groups(optimizer: torch.optim.Optimizer, state: Any, where: str) -> None:
-    """What ``optimizer.load_state_dict(state)`` checks first (as many parameter groups, as
-    many parameters in each), checked before the models are loaded, so that a mismatch
-    changes nothing.
+    """Check the saved optimizer state ``state`` (of file ``where``.json) against
+    ``optimizer`` before the models are loaded, so that a mismatch changes nothing: its
+    parameter groups must be well-formed, then
+    :func:`~fastckpt.manager.stateful.check_optimizer_state` (the groups' layout, which
+    ``load_state_dict`` checks first, and the saved state's fit to the live parameters, which
+    it does not check).
 
     Raises:
-        CheckpointMismatchError: naming the optimizer's files and both counts.
+        CheckpointFormatError: malformed parameter groups, naming the file.
+        CheckpointMismatchError: naming the optimizer's file, the state path and both sides.
     """
     groups = state.get("param_groups") if isinstance(state, Mapping) else None
     if not isinstance(groups, list) or not all(
         isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
     ):
         raise CheckpointFormatError(f"{where}.json: field 'state.param_groups' is malformed")
-    saved = [len(g["params"]) for g in groups]
-    live = [len(g["params"]) for g in optimizer.param_groups]
-    if saved != live:
-        raise CheckpointMismatchError(
-            f"{where}.json: the saved optimizer has parameter groups of {saved} parameters, "
-            f"this one {live}; build the optimizer with the same groups as the saved run"
-        )
+    check_optimizer_state(optimizer, state, "", source=f"{where}.json")
 
 
 @dataclass

@@ -1068,12 +1068,23 @@ class CheckpointHook:
             return  # ours, or older than ours (newer ones deleted by hand): no other run's
         step = manifest.entries[latest].get("counters", {}).get("step_count")
         shown = display_path(self.checkpoint_dir)
+        import torch.distributed as dist
+
+        ranks = ""
+        if not self.rank_zero_only and dist.is_initialized() and dist.get_world_size() > 1:
+            # Unsharded models (DDP replicas): every rank of this run saves into the root.
+            ranks = (
+                f" It may be another rank of this same run: under a process group of "
+                f"{dist.get_world_size()} ranks with rank_zero_only=False, every rank saves "
+                "its unsharded models (DDP replicas) itself; rank_zero_only=True (the default) "
+                "makes rank 0 the only writer, with every rank's RNG states"
+            )
         raise MixedRunError(
             f"{shown}: index {latest}{'' if step is None else f' (step {step})'} was committed "
             "by another process while this run saved there: two runs are saving into one root "
             "and their checkpoints would interleave (each one's retention deleting the "
             "other's). Nothing was saved by this save; stop one of the runs, or give this "
-            "CheckpointHook another checkpoint_dir"
+            f"CheckpointHook another checkpoint_dir.{ranks}"
         )
 
     def _write(self, snapshot: Snapshot, index: int = -1) -> int:

@@ -1,0 +1,191 @@
+"""DDP (unsharded models replicated over every rank) under a real 2-rank gloo group: every
+rank resumes the same index from node-local fast tiers and a shared durable one, a save by
+hand is rank 0's alone, and a hook saving on every rank into one root says that the other
+writer may be a rank of the same run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import fastckpt
+import training_support as support
+
+TIERS_SCRIPT = """
+import json, logging, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import fastckpt, training_support as s
+from fastckpt.errors import NotCommittedError
+base, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2)
+fast, durable = f"{base}/node{rank}/fast", f"{base}/durable"
+lost = f"{base}/node{rank}/lost"  # rank 1's durable tier, unreachable: holds nothing
+torch.manual_seed(0)
+hook = fastckpt.CheckpointHook(fast, step_interval=1, durable_dir=durable, promote_every=2)
+strategy = fastckpt.TrainingStrategy(
+    DDP(s.DropoutMLP(p=0.0)), fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.05}),
+    training_fn=s.training_fn, num_steps=4, hooks=[hook],
+)
+strategy.run(s.loader(seed=rank))
+hook.close()  # every due promotion done: durable/ holds indices 0 and 2
+dist.barrier()
+warned = []
+handler = logging.Handler(logging.WARNING)
+handler.emit = lambda record: warned.append(record.getMessage())
+logging.getLogger("fastckpt").addHandler(handler)
+load = {"trusted": ["training_support.training_fn"], "hooks": []}
+report = {}
+restored = fastckpt.TrainingStrategy.load_checkpoint(fast, fallback_dirs=[durable], **load)
+copy = restored.restored_from
+report["load"] = [copy.index, str(copy.root), restored.step_count, warned]
+resumed = fastckpt.TrainingStrategy.resume_or_start(
+    fast, lambda: None, fallback_dirs=[durable], **load
+)
+report["resume_or_start"] = [resumed.restored_from.index, resumed.step_count]
+for name, call in (
+    ("index_3", lambda: fastckpt.TrainingStrategy.load_checkpoint(
+        fast, 3, fallback_dirs=[durable], **load)),
+    ("none_common", lambda: fastckpt.TrainingStrategy.load_checkpoint(
+        fast, fallback_dirs=[durable if rank == 0 else lost], **load)),
+    ("resume_or_start_none", lambda: fastckpt.TrainingStrategy.resume_or_start(
+        fast, lambda: None, fallback_dirs=[durable if rank == 0 else lost], **load)),
+):
+    try:
+        result = call()
+    except NotCommittedError as err:
+        report[name] = str(err)
+    else:
+        report[name] = None if result is None else ["loaded", result.step_count]
+try:  # no fallback_dirs: rank 1's node-local root holds nothing
+    result = fastckpt.TrainingStrategy.resume_or_start(fast, lambda: "fresh", **load)
+    report["no_fallback"] = "fresh" if result == "fresh" else ["resumed", result.step_count]
+except Exception as err:
+    report["no_fallback"] = type(err).__name__
+print(json.dumps(report))
+s.leave_process_group()
+"""
+
+
+def test_ddp_ranks_resume_the_same_index_from_node_local_tiers(tmp_path: Path) -> None:
+    """Rank 0 alone writes (rank_zero_only) into its node's fast tier, every second index
+    promoted to the shared durable tier: node 0's fast tier holds indices 0-3, node 1's is
+    empty, the durable tier 0 and 2. Every rank must resume index 2, the newest all of them
+    can load, each from its nearest tier holding it, and rank 0 must say why it passed over
+    its index 3. Before, rank 0 resumed index 3 (step 4) and rank 1 index 2 (step 3): their
+    step counts, optimizer, RNG and data position differed without a word (and later
+    allreduces could hang). With no index every rank holds, or a requested index one rank
+    lacks, every rank raised nothing (rank 0 loaded) or a rank alone raised; now every rank
+    raises the same NotCommittedError naming the rank that lacks it."""
+    outputs = support.run_two_ranks(TIERS_SCRIPT, tmp_path, tmp_path / "pg")
+    reports = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / "durable")] == [0, 2]
+    for rank, report in enumerate(reports):
+        index, root, step, _ = report["load"]
+        assert (index, step) == (2, 3), (rank, report)
+        assert report["resume_or_start"] == [2, 3], (rank, report)
+        assert root == str(tmp_path / ("node0/fast" if rank == 0 else "durable")), report
+        for name in ("index_3", "none_common", "resume_or_start_none"):
+            assert report[name] is not None and "rank 1" in report[name], (rank, name, report)
+        assert report["index_3"] == reports[0]["index_3"], "every rank: the same error"
+        assert report["none_common"] == reports[0]["none_common"]
+    # Without fallback_dirs rank 0 still decides: rank 1 cannot load and says so. Before,
+    # rank 1 started afresh beside a resumed rank 0 (another state, no word).
+    assert reports[0]["no_fallback"] == ["resumed", 4], reports[0]
+    assert reports[1]["no_fallback"] not in ("fresh", None), reports[1]
+    rank_0_warned = " ".join(reports[0]["load"][3])
+    assert "index 3" in rank_0_warned and "rank 1" in rank_0_warned, reports[0]
+
+
+SAVE_ON_EVERY_RANK_SCRIPT = """
+import json, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import fastckpt, training_support as s
+from fastckpt.errors import InvalidInputError
+root, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2)
+torch.manual_seed(0)
+model = DDP(s.DropoutMLP(p=0.5))
+torch.manual_seed(100 + rank)  # seeded apart: each rank its own dropout stream
+strategy = fastckpt.TrainingStrategy(
+    model, fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.05}),
+    training_fn=s.training_fn, num_steps=2,
+)
+strategy.run(s.loader())
+report = {}
+for name, save in (
+    ("strategy", lambda to, **kw: strategy.save_checkpoint(to, **kw)),
+    ("components", lambda to, **kw: fastckpt.save_checkpoint(
+        to, models={"main": (model, None)}, **kw)),
+):
+    try:
+        report[name] = save(f"{root}/{name}")
+    except InvalidInputError as err:
+        report[name] = str(err)
+    try:  # each rank its own root, saying so: saved on every rank
+        report[name + "_per_rank"] = save(f"{root}/{name}-{rank}", per_rank=True)
+    except TypeError as err:
+        report[name + "_per_rank"] = f"TypeError: {err}"
+print(json.dumps(report))
+s.leave_process_group()
+"""
+
+
+def test_a_save_by_hand_of_ddp_replicas_is_refused_on_other_ranks(tmp_path: Path) -> None:
+    """``strategy.save_checkpoint(root)`` and ``fastckpt.save_checkpoint(root, ...)`` of a
+    DDP model called on every rank: rank 1's call is refused (InvalidInputError naming the
+    rank, the world and the fix) and only rank 0's index is committed. Before, each rank
+    committed an index of the same step, and a resume took whichever rank wrote last (rank 0
+    resumed on rank 1's RNG streams) without a word. ``per_rank=True`` (models of a rank's
+    own, each rank its own root) saves on any rank."""
+    outputs = support.run_two_ranks(SAVE_ON_EVERY_RANK_SCRIPT, tmp_path, tmp_path / "pg")
+    rank_0, rank_1 = (json.loads(out.strip().splitlines()[-1]) for out in outputs)
+    assert rank_0 == dict.fromkeys(
+        ["strategy", "strategy_per_rank", "components", "components_per_rank"], 0
+    )
+    for name in ("strategy", "components"):
+        refusal = rank_1[name]
+        assert isinstance(refusal, str), rank_1
+        assert "rank 1 of a process group of 2 ranks" in refusal, refusal
+        assert "torch.distributed.get_rank() == 0" in refusal and "CheckpointHook" in refusal
+        assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / name)] == [0]
+        assert rank_1[f"{name}_per_rank"] == 0, rank_1
+        assert fastckpt.list_checkpoints(tmp_path / f"{name}-1"), name
+
+
+HOOK_ON_EVERY_RANK_SCRIPT = """
+import json, os, sys, torch, torch.distributed as dist
+from datetime import timedelta
+from torch.nn.parallel import DistributedDataParallel as DDP
+import fastckpt, training_support as s
+root, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group(
+    "gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2,
+    timeout=timedelta(seconds=30),
+)
+torch.manual_seed(0)
+hook = fastckpt.CheckpointHook(root, step_interval=2, rank_zero_only=False, async_save=False)
+strategy = fastckpt.TrainingStrategy(
+    DDP(s.DropoutMLP()), fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.05}),
+    training_fn=s.training_fn, num_steps=2, hooks=[hook],
+)
+try:
+    strategy.run(s.loader())
+    outcome = ["ok"]
+except Exception as err:  # the rank that commits second; the other may lose its peer
+    outcome = [type(err).__name__, str(err)]
+print(json.dumps(outcome), flush=True)
+os._exit(0)  # no teardown: the other rank may be waiting for this one
+"""
+
+
+def test_a_hook_saving_ddp_replicas_on_every_rank_names_the_other_ranks(tmp_path: Path) -> None:
+    """A CheckpointHook with rank_zero_only=False on every rank of a DDP run, one root: the
+    rank committing second raises MixedRunError, which must say that the other writer may be
+    another rank of this same run and that rank_zero_only=True (the default) makes rank 0
+    the only writer. Before, it said that two runs save into one root and to stop one."""
+    outputs = support.run_two_ranks(HOOK_ON_EVERY_RANK_SCRIPT, tmp_path / "c", tmp_path / "pg")
+    outcomes = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    refused = [o[1] for o in outcomes if o[0] == "MixedRunError"]
+    assert len(refused) == 1, outcomes
+    assert "another rank of this same run" in refused[0], refused[0]
+    assert "rank_zero_only=True" in refused[0], refused[0]
