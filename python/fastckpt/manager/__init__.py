@@ -66,6 +66,7 @@ from fastckpt.errors import (
 )
 from fastckpt.format.records import (
     COMMIT_RECORD,
+    GENERATION_PREFIX,
     MAX_JSON_DEPTH,
     SHARDED_RECORD,
     check_item_key,
@@ -175,9 +176,20 @@ class _ManagerConfig(StrictConfig):
             to a durable one in the background, and :meth:`CheckpointManager.load_latest`
             restores the newest intact copy (docs/tiers.md). None (default): one tier, the
             checkpoint ids as given.
+        collective: under an initialized process group of several ranks, whether this
+            manager's saves are collective (True, the default): every rank calls ``save``
+            with the same checkpoint id, writes its own files, and rank 0 commits them as
+            one checkpoint once every rank's are in (a rank that does not join within
+            ``checkpoint_write_barrier_timeout_sec`` fails the save, nothing committed).
+            False: this manager is used by this process alone, as without a process group
+            (rank 0 of one): the DDP pattern "only rank 0 saves" for state every rank holds
+            alike; its checkpoints hold this rank's state only and load on any number of
+            ranks. State holding DTensors is saved by every rank (a ``ValueError`` here).
+            Building a manager and loading never wait for other ranks either way;
+            ``load_latest`` of a collective manager does (every rank loads the same one).
     """
 
-    FIXED_AT_BUILD = frozenset({"save", "storage_config", "tiers"})
+    FIXED_AT_BUILD = frozenset({"save", "storage_config", "tiers", "collective"})
 
     items: dict[str, ItemSpec] = field(default_factory=dict)
     default: ItemSpec | None = field(default_factory=ItemSpec)
@@ -192,6 +204,7 @@ class _ManagerConfig(StrictConfig):
     finalize_callback: Callable[..., None] | None = None
     incremental: bool = True
     tiers: TiersConfig | None = None
+    collective: bool = True
 
     def _check(self, name: str, value: Any) -> None:
         expected: dict[str, tuple[type, ...]] = {
@@ -218,7 +231,7 @@ class _ManagerConfig(StrictConfig):
                 "fastckpt writes on a background thread of this process; there is no "
                 "subprocess to initialize: run the setup before building the manager",
             )
-        if name == "incremental":
+        if name in ("incremental", "collective"):
             self._need_bool(name, value)
         callbacks = ("pre_finalize_callback", "finalize_callback")
         if name in callbacks and value is not None and not callable(value):
@@ -261,31 +274,60 @@ _RESERVED_NAME = "__metadata__"
 
 
 class _DistributedContext:
-    """Rank information and a gloo group for the writer thread's collectives."""
+    """This manager's rank and world, and the gloo group its collectives run on.
 
-    def __init__(self, timeout_secs: float) -> None:
+    The group is made at the first collective (:attr:`group`), never by the constructor:
+    ``dist.new_group`` waits for every rank of the default group, and a manager built on one
+    rank alone (the DDP pattern "only rank 0 saves") hung there, to save or to load. A manager
+    that is not ``collective`` (``Config.collective``) is used by this process alone: rank 0
+    of a world of one, as without a process group, and it has no group.
+
+    Attributes:
+        active: collectives run (a collective manager under a group of several ranks).
+        alone: not collective while the default group has other ranks.
+        rank / world_size: this manager's (0 and 1 unless ``active``).
+        timeout_secs: how long a collective waits for the other ranks.
+    """
+
+    def __init__(self, timeout_secs: float, *, collective: bool = True) -> None:
+        """Read the default process group (nothing collective happens here)."""
         import torch.distributed as dist
 
-        self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        initialized = dist.is_available() and dist.is_initialized()
+        several = initialized and dist.get_world_size() > 1
+        self.active = several and collective
+        self.alone = several and not collective
         self.rank = dist.get_rank() if self.active else 0
         self.world_size = dist.get_world_size() if self.active else 1
-        # A dedicated group so background-thread collectives never interleave with training's;
-        # made on one rank too: DCP's async save needs a CPU backend, which a job on NCCL
+        self.timeout_secs = timeout_secs
+        # Made on one rank too: DCP's async save needs a CPU backend, which a job on NCCL
         # alone (one GPU) lacks.
-        initialized = dist.is_available() and dist.is_initialized()
-        self.group: Any = (
-            dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_secs))
-            if initialized
-            else None
-        )
+        self._wanted = initialized and not self.alone
+        self._group: Any = None
+
+    @property
+    def group(self) -> Any:
+        """The dedicated gloo group (None without a process group, or :attr:`alone`), so
+        background-thread collectives never interleave with training's. Made at the first
+        use, which waits for every rank of the default group (at most :attr:`timeout_secs`):
+        make it on the thread that calls ``save`` (``new_group`` calls must come in the same
+        order on every rank), never first on the writer thread."""
+        if self._group is None and self._wanted:
+            import torch.distributed as dist
+
+            timeout = datetime.timedelta(seconds=self.timeout_secs)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+        return self._group
 
     def barrier(self) -> None:
+        """Wait for every rank (a no-op unless :attr:`active`)."""
         if self.active:
             import torch.distributed as dist
 
             dist.barrier(group=self.group)
 
     def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order (``[value]`` unless :attr:`active`)."""
         if not self.active:
             return [value]
         import torch.distributed as dist
@@ -293,6 +335,66 @@ class _DistributedContext:
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, value, group=self.group)
         return gathered
+
+    def make_group(self) -> None:
+        """Make :attr:`group` now, if it is wanted and not made yet."""
+        self.group  # noqa: B018 (the property makes it)
+
+
+def _collective_failure(
+    path: Path, err: BaseException, timeout_secs: float, committed: bool | None, detail: str
+) -> RuntimeError:
+    """The error of a manager save of ``path`` whose collective failed with ``err`` (gloo's
+    "Connection reset by peer" when another rank died, a timeout when it never called save),
+    saying whether this save was ``committed`` (None: unknown; ``detail``: why) and the fix."""
+    status = {
+        True: "was committed: it verifies and loads",
+        False: "was not committed: the previous checkpoint stands",
+        None: f"may have been committed: check it with `fastckpt verify {display_path(path)}`",
+    }[committed]
+    return RuntimeError(
+        f"{display_path(path)}: CheckpointManager.save failed in a collective of "
+        f"torch.distributed ({type(err).__name__}: {err}). Under a process group a save is "
+        "collective: every rank calls save with the same checkpoint_id and rank 0 commits "
+        "once every rank's files are in; another rank did not call save within "
+        f"checkpoint_write_barrier_timeout_sec ({timeout_secs:g} s), died, or left the "
+        f"process group. This save {status}{detail}. Call save on every rank, or, where one "
+        "rank saves state every rank holds alike (DDP's), build that rank's manager with "
+        "Config.collective=False."
+    )
+
+
+def _record_names(final: Path, files: Mapping[str, Mapping[str, Any]]) -> tuple[bool | None, str]:
+    """Whether the commit record at ``final`` names every file of ``files`` (relpath ->
+    ``{"size", "crc32c"}``: a save's, as its ranks staged them) with its size and checksum,
+    that is, whether rank 0 committed that save (or one with the same content), with what
+    this rank could not tell. Relpaths are compared without their generation prefix (on an
+    object store each rank stages under its own)."""
+
+    def unprefixed(relpath: str) -> str:
+        head, _, tail = relpath.partition("/")
+        return tail if tail and head.startswith(GENERATION_PREFIX) else relpath
+
+    try:
+        record = read_commit_record(final)
+    except NotCommittedError:
+        return False, ""
+    except (OSError, FastCkptError) as err:
+        return None, f" (its record could not be read: {err})"
+    recorded = {
+        unprefixed(relpath): (entry.get("size"), entry.get("crc32c"))
+        for relpath, entry in record["files"].items()
+        if isinstance(entry, Mapping)
+    }
+    named = all(
+        recorded.get(unprefixed(relpath)) == (entry.get("size"), entry.get("crc32c"))
+        for relpath, entry in files.items()
+    )
+    if named:
+        return True, ""
+    # Rank 0 commits only once every rank's files are in: one that is still running (slow,
+    # not dead) may commit it yet.
+    return False, " (when this rank looked; a rank 0 still running may commit it yet)"
 
 
 def _check_same_save(gathered: list[Any]) -> None:
@@ -457,7 +559,8 @@ class CheckpointManager:
         self._storage_options = storage.storage_options
         self._threads = self.config.save.writer_config.file_write_max_threads
         self._dist = _DistributedContext(
-            self.config.save.writer_config.checkpoint_write_barrier_timeout_sec
+            self.config.save.writer_config.checkpoint_write_barrier_timeout_sec,
+            collective=self.config.collective,
         )
         self._writer: BackgroundWriter[None] | None = (
             BackgroundWriter("fastckpt-writer", wait_timeout=self.config.save.wait_timeout_secs)
@@ -869,6 +972,12 @@ class CheckpointManager:
         if base is not None:
             base = absolute(base)  # as path: resolved now, not when the write runs
             self._tracker.base_for(path, base)  # raises before anything is captured
+        if self._dist.active:
+            # The manager's group is made here, on the saving thread (see
+            # _DistributedContext.group), before anything is written: when the other ranks
+            # never call save, it fails after the barrier timeout, saying so.
+            with self._collective(path, lambda: (False, " (nothing of it was written)")):
+                self._dist.make_group()
         if _sharded_state(prepared):
             self._tracker.forget()
             if self.config.pre_finalize_callback is not None:
@@ -975,10 +1084,19 @@ class CheckpointManager:
             save_state,
         )
 
+        if self._dist.alone:
+            raise ValueError(
+                f"CheckpointManager.save of {display_path(path)}: state holding DTensors is "
+                "saved by every rank together (each writes its own shards), but this manager "
+                "is used by this rank alone (Config.collective=False); save it with a "
+                "collective manager on every rank (nothing was saved)"
+            )
         if self._dist.active:
             # DCP keeps one copy of every entry that is not a DTensor: ranks holding their
             # own values there (a loader's position, RNG states) would all load one rank's.
-            differing = differing_entries(self._dist.gather(replicated_digests(state)))
+            with self._collective(path, lambda: (False, " (nothing of it was written)")):
+                digests = self._dist.gather(replicated_digests(state))
+            differing = differing_entries(digests)
             if differing:
                 shown = ", ".join(differing[:5]) + (", ..." if len(differing) > 5 else "")
                 raise ValueError(
@@ -1188,11 +1306,21 @@ class CheckpointManager:
             writer.commit()
             return
         # Each rank staged its own files; rank 0 gathers the files records, adopts every
-        # rank's files and commits once all ranks are done.
-        gathered = self._dist.gather(
-            (writer.location, writer.files, dict(refs or {}), str(writer.final), sorted(items))
-        )
+        # rank's files and commits once all ranks are done. A failed collective says whether
+        # the save was committed: rank 0 knows (it commits between the two); another rank
+        # reads rank 0's record.
+        rank = self._dist.rank
+        with self._collective(
+            writer.final,
+            lambda: (False, "") if rank == 0 else _record_names(writer.final, writer.files),
+        ):
+            gathered = self._dist.gather(
+                (writer.location, writer.files, dict(refs or {}), str(writer.final), sorted(items))
+            )
         _check_same_save(gathered)
+        every_file = {
+            relpath: entry for _, files, *_ in gathered for relpath, entry in files.items()
+        }
         if self._dist.rank == 0:
             merged: dict[str, dict[str, Reference]] = {}
             for location, files, rank_refs, _, _ in gathered:
@@ -1204,9 +1332,32 @@ class CheckpointManager:
             record = commit_record(items, writer.files, world, merged, saved_ns=saved)
             writer.add_json(COMMIT_RECORD, record)
             writer.commit()
-        self._dist.barrier()
+        with self._collective(
+            writer.final,
+            lambda: (True, "") if rank == 0 else _record_names(writer.final, every_file),
+        ):
+            self._dist.barrier()
         if self._dist.rank != 0:
             writer.abort()
+
+    @contextlib.contextmanager
+    def _collective(
+        self, path: Path, outcome: Callable[[], tuple[bool | None, str]]
+    ) -> Iterator[None]:
+        """Run a collective of the save of ``path``: torch.distributed's ``RuntimeError`` (a
+        rank that died, or never called save) is raised again as :func:`_collective_failure`
+        words it, with ``outcome()`` (whether the save was committed, asked then), chained,
+        and marked committed (:func:`mark_committed`) when it was."""
+        try:
+            yield
+        except FastCkptError:
+            raise
+        except RuntimeError as err:
+            committed, detail = outcome()
+            failure = _collective_failure(path, err, self._dist.timeout_secs, committed, detail)
+            if committed:
+                mark_committed(failure)
+            raise failure from err
 
     # ------------------------------------------------------------------ load
 
@@ -1246,9 +1397,13 @@ class CheckpointManager:
                 the headers before any template is written into, so every template is left
                 untouched.
             CheckpointFormatError / ChecksumMismatchError: damaged files, naming file and
-                tensor. Nothing is returned, but templates read into directly may hold
-                partial or damaged bytes by then: load a good checkpoint before using them.
+                tensor. Nothing is returned; when templates were read into by then (direct
+                reads), the message names every one (the last perhaps in part): load a good
+                checkpoint into them before using them.
             FileNotFoundError: no such checkpoint.
+
+        Any other exception, an interrupt (``KeyboardInterrupt``) included, raised after a
+        template was written into carries a note naming those templates.
         """
         self._check_open("load")
         use_storage_options(checkpoint_id, self._storage_options, "CheckpointManager.load")
@@ -1269,6 +1424,9 @@ class CheckpointManager:
             return self._load_sharded(directory, into, map_location, strict)
 
         rank = self._dist.rank
+        # The items whose templates were written into (or are being), in order: a load that
+        # fails or is interrupted after the first says so.
+        written: list[str] = []
 
         def read_all() -> tuple[dict[str, Any], dict[str, Any]]:
             # The record and every item it names, as one snapshot (nothing applied yet).
@@ -1300,21 +1458,37 @@ class CheckpointManager:
             check_tied_templates(ties, templates, plans, values)
             for key, plan in plans.items():
                 if plan is not None:
-                    values[key] = _read_directly(plan, key, map_location)
+                    _add_once(written, key)
+                    values[key] = plan.load(map_location)
             return record, values
 
-        # A save replacing this checkpoint while it is read: read again (bounded).
-        record, values = read_consistently(directory / COMMIT_RECORD, read_all)
-        available = record["items"]
-        keys = list(available) if into is None else list(into)
-        result: dict[str, Any] = {}
-        for key in keys:
-            if key not in available:
-                if into is not None:
-                    result[key] = into[key]
-                continue
-            template = None if into is None else into[key]
-            result[key] = restore(template, values[key], key, strict)
+        try:
+            # A save replacing this checkpoint while it is read: read again (bounded).
+            record, values = read_consistently(directory / COMMIT_RECORD, read_all)
+            available = record["items"]
+            keys = list(available) if into is None else list(into)
+            result: dict[str, Any] = {}
+            for key in keys:
+                if key not in available:
+                    if into is not None:
+                        result[key] = into[key]
+                    continue
+                template = None if into is None else into[key]
+                if template is not None and not isinstance(template, (bool, int, float, str)):
+                    _add_once(written, key)  # filled in place, or its load_state_dict runs
+                result[key] = restore(template, values[key], key, strict)
+        except (ChecksumMismatchError, CheckpointFormatError) as err:
+            if not written:
+                raise
+            # Damage found while reading into the templates: say so where the user reads it.
+            raise type(err)(f"{err}; {_written_into(directory, written)}") from err
+        except BaseException as err:  # an interrupt, a load_state_dict's refusal
+            if written:
+                err.add_note(
+                    f"CheckpointManager.load of {display_path(directory)} stopped part-way; "
+                    f"{_written_into(directory, written)}"
+                )
+            raise
         log_throughput("loaded", str(directory), record["files"].values(), start)
         return result
 
@@ -1508,18 +1682,25 @@ def _plan_checked_item(
         return plan_direct_read(directory, record, key, rank, template, strict)
 
 
-def _read_directly(plan: DirectRead, key: str, map_location: Any) -> Any:
-    """Run the direct read ``plan`` of item ``key``; a damaged file found meanwhile raises
-    naming the templates that were read into."""
-    try:
-        return plan.load(map_location)
-    except (ChecksumMismatchError, CheckpointFormatError) as err:
-        # The templates were read into: say so where the user reads the error.
-        raise type(err)(
-            f"{err}; the tensors given in into={{{key!r}: ...}} were read into "
-            "directly and may now hold partial bytes: load an intact checkpoint "
-            "into them (fastckpt.latest_intact finds one) before using them"
-        ) from err
+def _add_once(keys: list[str], key: str) -> None:
+    """Append ``key`` to ``keys`` unless it is there already."""
+    if key not in keys:
+        keys.append(key)
+
+
+def _written_into(directory: Path, keys: list[str]) -> str:
+    """What a load of checkpoint ``directory`` that stopped part-way left in the templates of
+    items ``keys`` (written into in this order, the last one perhaps in part), and how to
+    get intact templates back."""
+    given = ", ".join(f"{key!r}: ..." for key in keys)
+    parent = display_path(directory.parent)
+    return (
+        f"the templates given in into={{{given}}} were already read into, the last one "
+        "perhaps in part (it may hold partial bytes), the others in full: load an intact "
+        "checkpoint into all of them before using them (an earlier checkpoint of the run: "
+        f"`fastckpt ls {parent}` lists them, `fastckpt verify {parent}` checks them; with "
+        "Config.tiers, CheckpointManager.load_latest() loads the newest intact copy)"
+    )
 
 
 def _load_checked_item(
