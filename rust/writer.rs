@@ -197,19 +197,31 @@ impl Drop for AlignedBuf {
 static BUFFER_POOL: Mutex<Vec<AlignedBuf>> = Mutex::new(Vec::new());
 const MAX_POOLED_BUFFERS: usize = 16;
 
+/// A buffer of at least `len` bytes: the smallest pooled one that is long enough (callers
+/// use its first `len` bytes), else a new one. A small file's save therefore reuses the
+/// chunk-sized buffers of the saves around it instead of evicting them.
 fn take_buffer(len: usize) -> io::Result<AlignedBuf> {
     let mut pool = BUFFER_POOL.lock().unwrap_or_else(|e| e.into_inner());
-    match pool.iter().position(|buf| buf.len == len) {
+    let fitting = (0..pool.len())
+        .filter(|&i| pool[i].len >= len)
+        .min_by_key(|&i| pool[i].len);
+    match fitting {
         Some(i) => Ok(pool.swap_remove(i)),
         None => AlignedBuf::try_new(len),
     }
 }
 
+/// Keeps `buf` for a later save; a full pool keeps its longest buffers (at most
+/// [`MAX_POOLED_BUFFERS`], each at most one chunk).
 fn return_buffer(buf: AlignedBuf) {
     let mut pool = BUFFER_POOL.lock().unwrap_or_else(|e| e.into_inner());
-    pool.retain(|pooled| pooled.len == buf.len);
     if pool.len() < MAX_POOLED_BUFFERS {
         pool.push(buf);
+        return;
+    }
+    let shortest = (0..pool.len()).min_by_key(|&i| pool[i].len);
+    if let Some(i) = shortest.filter(|&i| pool[i].len < buf.len) {
+        pool[i] = buf;
     }
 }
 
@@ -650,13 +662,14 @@ pub fn write_ceiling(path: &Path, len: u64, block: u64) -> Result<bool> {
         Err(e) => return Err(Error::io(path, e)),
     };
     let mut buf = take_buffer(block as usize).map_err(|e| Error::io(path, e))?;
-    for (i, byte) in buf.as_mut_slice().iter_mut().enumerate() {
+    let pattern = &mut buf.as_mut_slice()[..block as usize]; // a pooled buffer may be longer
+    for (i, byte) in pattern.iter_mut().enumerate() {
         *byte = (i % 251) as u8;
     }
     let mut offset = 0;
     let result = (|| -> io::Result<()> {
         while offset < len {
-            file.write_all_at(buf.as_mut_slice(), offset)?;
+            file.write_all_at(&buf.as_mut_slice()[..block as usize], offset)?;
             offset += block;
         }
         file.set_len(len)?;

@@ -297,6 +297,70 @@ def test_the_largest_chunk_size_does_not_allocate_beyond_the_file(tmp_path: Path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
 
 
+NO_MEMORY_CHILD = textwrap.dedent(
+    """
+    import errno, os, resource, sys, torch, fastckpt
+    value = torch.arange(16 << 20, dtype=torch.float32)  # 64 MiB
+    status = [line for line in open("/proc/self/status") if line.startswith("VmSize")]
+    size = int(status[0].split()[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (size + (40 << 20), resource.RLIM_INFINITY))
+    try:
+        fastckpt.save_file({"w": value}, sys.argv[1], chunk_size=32 << 20, direct_io=True,
+                           threads=4)
+    except OSError as err:
+        print(err.errno == errno.ENOMEM, err.filename)
+    """
+)
+
+
+def test_write_buffers_that_cannot_be_allocated_are_an_error_naming_the_file(
+    tmp_path: Path,
+) -> None:
+    """O_DIRECT write buffers that do not fit the address space: ``OSError(ENOMEM)`` naming
+    the file, nothing left behind. Before, Rust's allocation-failure handler aborted the
+    process (SIGABRT) and left its temporary file."""
+    path = tmp_path / "w.safetensors"
+    result = subprocess.run(
+        [sys.executable, "-c", NO_MEMORY_CHILD, str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["True", str(path)], result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+POOL_CHILD = textwrap.dedent(
+    """
+    import resource, sys, torch, fastckpt
+    big, small = {"w": torch.randn(32 << 20)}, {"s": torch.randn(300_000)}
+    def save(state, name):
+        fastckpt.save_file(state, f"{sys.argv[1]}/{name}", direct_io=True, threads=3)
+    def faults(state, name):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        save(state, name)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    save(big, "big")
+    save(big, "big")
+    counts = []
+    for _ in range(3):
+        save(small, "small")
+        counts.append(faults(big, "big"))
+    print(min(counts))
+    """
+)
+
+
+def test_a_small_direct_save_keeps_the_pooled_chunk_buffers(tmp_path: Path) -> None:
+    """An O_DIRECT save of a file smaller than a chunk reuses the pooled chunk-sized write
+    buffers: the next large save faults none of its 16 MiB buffers in again (a count of page
+    faults, not a time). Before, the small save's buffer size evicted the pool, and the next
+    large save paged 3 x 16 MiB (~12,300 faults) in again."""
+    result = subprocess.run(
+        [sys.executable, "-c", POOL_CHILD, str(tmp_path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert int(result.stdout) < 4096, result.stdout  # fewer than one 16 MiB buffer's pages
+
+
 @pytest.mark.parametrize("shape", [[0, 2**64 - 1], [0, 2**62, 2], [2**63]])
 def test_unindexable_shapes_are_format_errors_everywhere(tmp_path: Path, shape: list[int]) -> None:
     path = tmp_path / "huge.safetensors"
