@@ -190,6 +190,10 @@ def test_same_bits_compares_bytes_not_values() -> None:
     assert not same_bits(torch.zeros(2, 2), torch.zeros(4))
     assert same_bits(torch.empty(0), torch.empty(0))
     assert not same_bits(torch.tensor([True, False]), torch.tensor([True, True]))
+    # A strided 1-D complex128 view: compared, not "must have stride 1" (review of round 16).
+    wide = torch.arange(8, dtype=torch.float64).to(torch.complex128)
+    assert same_bits(wide[::2], wide[::2].clone())
+    assert not same_bits(wide[::2], wide[1::2])
 
 
 def test_verified_columns_compare_bytes() -> None:
@@ -315,4 +319,16 @@ def test_the_moto_server_missing_is_named_with_the_fix(monkeypatch: pytest.Monke
     monkeypatch.setitem(sys.modules, "moto", None)  # as if not installed: find_spec is None
     server = s3.local_server("moto")
     with pytest.raises(MissingDependencyError, match=r"moto\[server\].*--server s3s"):
+        server.__enter__()
+
+
+def test_moto_without_its_server_extra_is_named_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """moto installed without ``[server]`` (no flask): named likewise, not "did not start"."""
+    from fastckpt.errors import MissingDependencyError
+
+    monkeypatch.setitem(sys.modules, "flask", None)
+    server = s3.local_server("moto")
+    with pytest.raises(MissingDependencyError, match=r"moto\[server\]"):
         server.__enter__()

@@ -211,3 +211,30 @@ def test_storage_options_are_checked_and_refused_for_local_paths(tmp_path: Path)
         fastckpt.verify(tmp_path, storage_options=options)
     with pytest.raises(StorageOptionsError, match=r"TrainingStrategy\.load_checkpoint"):
         fastckpt.TrainingStrategy.load_checkpoint(tmp_path, storage_options=options)
+
+
+WITHOUT_OBSTORE = """
+import sys
+sys.modules["obstore"] = None  # as if the s3 extra were not installed
+import torch, fastckpt
+from fastckpt.cli.main import main
+from fastckpt.errors import MissingDependencyError
+try:
+    fastckpt.save_checkpoint("s3://bucket/run", {"main": (torch.nn.Linear(2, 2), None)})
+except MissingDependencyError as err:
+    print("refused:", err)
+sys.exit(main(["verify", "s3://bucket/run"]))
+"""
+
+
+def test_an_s3_path_without_obstore_is_refused_naming_the_extra() -> None:
+    """The fast twin of test_wheel's clean-venv check: without obstore an ``s3://`` path is a
+    ``MissingDependencyError`` naming the pip line, and ``fastckpt verify`` exits 2. Before, a
+    bare ``ModuleNotFoundError`` from inside the client, and exit 1 ("damage found")."""
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_OBSTORE], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "refused: s3://bucket/run: s3:// paths need obstore" in result.stdout
+    assert "pip install 'fastckpt-io[s3]'" in result.stdout
+    assert "fastckpt-io[s3]" in result.stderr and "Traceback" not in result.stderr

@@ -184,16 +184,20 @@ def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 def measure_manager(
     model: nn.Module, optimizer: torch.optim.Optimizer, root: Path, repeats: int
 ) -> dict[str, Any]:
-    """Stall (time in ``save``) and durable time of async saves; time of a sync save."""
+    """Stall (until the state may be changed again: ``save()`` returned and ``lock()``, which an
+    optimizer step holds, taken), the save call alone, and durable time of async saves; time
+    of a sync save. ``dcp.async_save`` returns once staged, so its return is its stall."""
     from fastckpt import CheckpointManager
 
-    stalls, totals = [], []
+    stalls, calls, totals = [], [], []
     with CheckpointManager(CheckpointManager.Config.with_async_save()) as manager:
         for i in range(repeats):
             _perturb(model, optimizer)
             start = time.perf_counter()
             future = manager.save(root / f"async_{i}", _state(model, optimizer))
-            stalls.append(time.perf_counter() - start)
+            calls.append(time.perf_counter() - start)
+            with manager.lock():
+                stalls.append(time.perf_counter() - start)
             if future is not None:
                 future.result()
             totals.append(time.perf_counter() - start)
@@ -206,6 +210,7 @@ def measure_manager(
             sync_times.append(time.perf_counter() - start)
     return {
         "async_stall_s": stalls,
+        "async_save_call_s": calls,
         "async_durable_s": totals,
         "sync_save_s": sync_times,
         "stall_median_s": _median(stalls),
@@ -243,8 +248,11 @@ def measure_hook(device: torch.device, state_bytes: int, root: Path, saves: int)
     """Stall of ``CheckpointHook(async_save=True)`` inside a ``TrainingStrategy`` loop. The
     loop's few steps take milliseconds on a GPU, far less than a write of the state: a save
     would wait for the previous one's write (one write in flight). That wait is measured
-    apart (``waited_for_previous_s``), so that ``stall_s`` is the time a save itself blocks
-    training when checkpoints are spaced further apart than one write."""
+    apart (``waited_for_previous_s``), so that ``stall_s`` is the time the save call itself
+    blocks training when checkpoints are spaced further apart than one write. It is the call
+    only: the next optimizer step also waits until the background capture of the trainable
+    parameters is done (the forward and backward passes overlap it), which is not counted
+    here (the harness's training loop counts it, ``fastckpt.bench.training``)."""
     import fastckpt
 
     stalls: list[float] = []

@@ -48,8 +48,11 @@ from fastckpt.bench.writers import (
 
 __all__ = ["SCHEMA_VERSION", "BenchConfig", "default_tag", "rotated", "run"]
 
-#: Version of the JSON layout written by the harness.
-SCHEMA_VERSION = 1
+#: Version of the JSON layout written by the harness. 2: ``stall_seconds`` of an async writer
+#: lasts until the state may be changed again (``save()`` returned and ``lock()`` taken; for
+#: DCP, staged), ``returned_seconds`` is when the save call returned; in 1 an async fastckpt
+#: writer's stall was the save call's return (the state was still being captured).
+SCHEMA_VERSION = 2
 
 #: Saves in a row for the async-manager RSS figure.
 ASYNC_REPEATED_SAVES = 10

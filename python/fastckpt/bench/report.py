@@ -374,7 +374,7 @@ def tables(results: dict[str, Any]) -> list[Table]:
                     "overhead of medians: 1 - median steps/s / median baseline steps/s; "
                     "in-run overhead: median over runs of the time the steps overlapping a "
                     "checkpoint took beyond the median of the same run's other steps, plus the "
-                    "stalls, as a share of the run (a slowdown of steps that overlap no "
+                    "save calls, as a share of the run (a slowdown of steps that overlap no "
                     "checkpoint is not counted). stall s / ckpt: what the training thread waited "
                     "for a checkpoint: the save call plus the waits to take the lock (guard) "
                     "in the steps until the next checkpoint (the snapshot being captured)."

@@ -136,7 +136,7 @@ def local_server(kind: str = "moto", data_dir: Path | None = None) -> Iterator[t
     """
     port = _free_port()
     if kind == "moto":
-        if find_spec("moto") is None:  # else: "did not start", its import error unseen
+        if find_spec("moto") is None or find_spec("flask") is None:  # its server's needs
             raise MissingDependencyError(
                 "the moto server is not installed (pip install 'moto[server]', or the 'dev' "
                 "extra): pass --server s3s (make s3-server) or --endpoint URL instead"

@@ -55,7 +55,9 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int | float]
         (``0.0`` for elements that differ only in their bits, ``+0.0`` against ``-0.0``), NaN
         when a differing element is NaN.
     """
-    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    # contiguous: a strided 1-D view cannot be viewed as an integer of another element size
+    # (complex128 as two int64 words).
+    flat_a, flat_b = a.reshape(-1).contiguous(), b.reshape(-1).contiguous()
     size = a.element_size()
     words = max(1, size // 8)  # complex128: two 8-byte words per element
     view = _INT_VIEWS[size // words]
