@@ -23,7 +23,14 @@ does not hold yet).
 
 Every index is self-contained (its unchanged tensors are hard links inside it, see
 :mod:`fastckpt.container.incremental`), so its files copy as they are; each file is held in
-memory once while it is copied.
+memory once while it is copied. An index of a root written by an earlier fastckpt version
+references tensors in an earlier index's own file (:mod:`fastckpt.container.refs`): where
+the target does not hold that file as the reference records it, the file is copied into the
+target's retained copy of that index (``ROOT/.ref-<index>/``, where loads find it), before
+the commit; every reference is checked to resolve in the target before the commit, and one
+that cannot (an object store, which keeps no retained copies; the target's index of that
+number being another checkpoint) refuses the promotion with
+:class:`~fastckpt.errors.PromotionError`, nothing committed.
 
 Files the target already holds (this process promoted them, and proves them identical by
 their BLAKE3 digest) are stored by the target from what it holds, a hard link or a server-side
@@ -60,7 +67,16 @@ from fastckpt.container.copy import (
     read_verified,
     remember_written,
 )
-from fastckpt.container.refs import root_key
+from fastckpt.container.refs import (
+    REFS_FILE,
+    RETAINED_PREFIX,
+    Reference,
+    check_reference,
+    index_references,
+    root_key,
+    source_path,
+    write_retained,
+)
 from fastckpt.container.sharded.nodes import NodeHoldings, PartKey, held_by_others
 from fastckpt.container.sharded.parts import Part
 from fastckpt.container.sharded.promote import (
@@ -212,12 +228,73 @@ def promote_index(
             return None if held_entry is None else (held_entry.get("files") or {}).get(relpath)
 
         done, written = copy_files(files, writer, target, listed, what)
+        retained = _resolve_references(manifest, index, target, held, what)
     except BaseException:
         writer.abort()
         raise
     writer.commit_entry({key: value for key, value in entry.items() if key != "files"})
     remember_written(target, str(index), written)
-    return IndexCopy(done.copied + part_bytes, done.reused)
+    return IndexCopy(done.copied + part_bytes + retained, done.reused)
+
+
+def _resolve_references(
+    source: Manifest, index: int, target: Path, held: Manifest, what: str
+) -> int:
+    """Before index ``index`` of ``source`` is committed in ``target`` (whose manifest,
+    read under its lock, is ``held``): make every reference of it into an earlier index (an
+    earlier fastckpt version's layout) resolve in ``target``, copying each referenced file
+    the target lacks into its retained copy of that index (``.ref-<i>``); then check that
+    every such reference resolves there (the file's size and each referenced tensor's
+    crc32c in its header). References into the index itself (its linked files) are its own
+    files, copied and proven with it. Returns the bytes copied into retained copies.
+
+    Raises:
+        PromotionError: a reference cannot resolve in ``target`` (nothing is committed).
+        CheckpointFormatError / ChecksumMismatchError: the source's ``refs.json`` or a
+            referenced file is damaged or missing.
+    """
+    groups: dict[tuple[int, str, int, int], list[Reference]] = {}
+    for names in index_references(source, index).values():
+        for ref in names.values():
+            if ref["index"] != index:
+                key = (ref["index"], ref["file"], ref["file_size"], ref["file_crc32c"])
+                groups.setdefault(key, []).append(ref)
+    local = is_local(backend_for(target))
+    copied = 0
+    for (named, relpath, size, crc), group in sorted(groups.items()):
+        problem = check_reference(held, group)
+        retained = target / f"{RETAINED_PREFIX}{named}"
+        if problem is None:
+            continue
+        if not local:
+            reason = "an object store keeps no retained copies of indices it does not hold"
+        elif named in held.entries:
+            reason = f"its index {named} is another checkpoint, with other files"
+        elif backend_for(retained).exists(retained / relpath):
+            reason = f"its retained copy {display_path(retained / relpath)} holds other bytes"
+        else:
+            data = read_verified(
+                source_path(source, group[0]),
+                {"size": size, "crc32c": crc},
+                f"{what} (its {REFS_FILE} references it)",
+            )
+            write_retained(target, named, relpath, data)
+            copied += len(data)
+            del data
+            problem = check_reference(held, group)
+            if problem is None:
+                continue
+            reason = "the copy made there does not match"
+        raise PromotionError(
+            f"{what} was written by an earlier fastckpt version: its {REFS_FILE} reads "
+            f"tensors from index {named}'s {relpath}, which {display_path(target)} cannot "
+            f"hold ({reason}: {problem}); nothing of index {index} was committed there. Fix: "
+            f"promote every index (fastckpt promote --every 1, promote_every=1) into a "
+            f"target that holds none of another run, so that index {named} is there first; "
+            f"or load index {index} and save it again with this fastckpt (every index it "
+            "writes is self-contained), then promote that"
+        )
+    return copied
 
 
 def _clean(root: Path) -> None:

@@ -22,7 +22,10 @@ bytes (never another reference). That file is ``ROOT/<index>/<file>`` while the 
 committed, and ``ROOT/.ref-<index>/<file>`` once a prune removed the index but a kept index
 still references it (see :func:`retain_for_references`); such roots keep loading and pruning.
 Loads check the referenced file against ``file_size``/``file_crc32c`` and the tensor against
-``crc32c``.
+``crc32c``. A reference no fastckpt wrote (naming an index not older than its own, other than
+a file linked into it; or a committed index whose record of the file differs, with no retained
+copy) is a :class:`~fastckpt.errors.CheckpointFormatError` naming ``<index>/refs.json`` and
+the reference; a ``refs.json`` of an unknown ``schema_version`` is one too.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REFS_FILE",
+    "REFS_SCHEMA_VERSION",
     "RETAINED_PREFIX",
     "Reference",
     "check_reference",
@@ -74,12 +78,15 @@ __all__ = [
     "root_key",
     "source_path",
     "take_distrust",
+    "write_retained",
 ]
 
 _LOG = logging.getLogger(__name__)
 
 #: The file of an index listing its references.
 REFS_FILE = "refs.json"
+#: The newest ``refs.json`` schema this fastckpt reads (and the one it writes).
+REFS_SCHEMA_VERSION = 1
 #: A pruned index still referenced by a kept one lives on as ``ROOT/.ref-<index>/``.
 RETAINED_PREFIX = ".ref-"
 
@@ -125,7 +132,7 @@ def refs_document(refs: Mapping[str, Mapping[str, Reference]]) -> dict[str, Any]
     """The ``refs.json`` document for ``{relpath: {tensor name: reference}}``."""
     return {
         "format": "fastckpt-refs",
-        "schema_version": 1,
+        "schema_version": REFS_SCHEMA_VERSION,
         "refs": {relpath: dict(names) for relpath, names in refs.items()},
     }
 
@@ -133,6 +140,16 @@ def refs_document(refs: Mapping[str, Mapping[str, Reference]]) -> dict[str, Any]
 def _parse(document: Any, where: str) -> dict[str, dict[str, Reference]]:
     if not isinstance(document, Mapping) or document.get("format") != "fastckpt-refs":
         raise CheckpointFormatError(f"{where}: not a fastckpt refs.json")
+    version = document.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointFormatError(f"{where}: field 'schema_version' missing or not an int")
+    if version > REFS_SCHEMA_VERSION:
+        raise CheckpointFormatError(
+            f"{where}: schema_version {version} was written by a newer fastckpt (this one "
+            f"reads up to {REFS_SCHEMA_VERSION}); upgrade fastckpt to load it"
+        )
+    if version < 1:
+        raise CheckpointFormatError(f"{where}: schema_version {version} does not exist")
     refs = document.get("refs")
     if not isinstance(refs, Mapping):
         raise CheckpointFormatError(f"{where}: field 'refs' must be an object")
@@ -160,7 +177,58 @@ def index_references(manifest: Manifest, index: int) -> dict[str, dict[str, Refe
     if record is None:
         return {}
     path = manifest.file_path(index, REFS_FILE)
-    return _parse(read_json(path, record, source=str(manifest.path)), str(path))
+    parsed = _parse(read_json(path, record, source=str(manifest.path)), str(path))
+    for relpath, names in parsed.items():
+        for name, ref in names.items():
+            problem = _reference_problem(manifest, index, ref)
+            if problem is not None:
+                raise CheckpointFormatError(
+                    f"{path}: refs[{relpath!r}][{name!r}] (tensor {ref['name']!r} of index "
+                    f"{ref['index']}'s {ref['file']}) {problem}; the index cannot be loaded "
+                    "from this root (restore it from another copy)"
+                )
+    return parsed
+
+
+def _reference_problem(manifest: Manifest, index: int, ref: Reference) -> str | None:
+    """Why ``ref``, a reference of committed index ``index``, is none a fastckpt wrote (None:
+    it may be): it names an index not older than its own (other than a file of its own,
+    recorded as the reference says: a linked file), or a committed index whose record of the
+    file differs from the reference's, with no retained copy beside it. A reference to an
+    index that is gone is not a problem here: reading it says the file is missing."""
+    named = ref["index"]
+    if named == index:
+        if matches(manifest.entries[index]["files"].get(ref["file"]), ref):
+            return None  # a file linked into the index itself
+        return (
+            f"names index {index}, not older than its own, and not a file it records with "
+            f"the reference's size {ref['file_size']} and crc32c {ref['file_crc32c']:08x} "
+            "(a linked file)"
+        )
+    if named > index:
+        return (
+            f"names index {named}, not older than its own ({index}): no fastckpt references "
+            "bytes of a later index"
+        )
+    entry = manifest.entries.get(named)
+    if entry is None:
+        return None
+    record = entry["files"].get(ref["file"])
+    if matches(record, ref):
+        return None
+    retained = safe_join(manifest.root / f"{RETAINED_PREFIX}{named}", ref["file"])
+    if backend_for(retained).exists(retained):
+        return None  # the bytes kept for it, checked as they are read
+    recorded = (
+        "does not record that file"
+        if record is None
+        else f"records it with size {record['size']} and crc32c {record['crc32c']:08x}"
+    )
+    return (
+        f"says the file has size {ref['file_size']} and crc32c {ref['file_crc32c']:08x}, "
+        f"but committed index {named} {recorded} (a record mismatch), and no copy of the "
+        f"referenced bytes is kept ({display_path(retained)})"
+    )
 
 
 def source_path(manifest: Manifest, ref: Reference) -> Path:
@@ -318,10 +386,32 @@ def _header_checksums(path: Path) -> dict[str, int | None]:
     return {name: info.get("crc32c") for name, info in tensors.items()}
 
 
-def check_reference(manifest: Manifest, ref: Reference) -> str | None:
-    """Why ``ref`` does not resolve (None: it does). Reads only the referenced file's
-    record and header (verification of its bytes is the loader's/verify's file check)."""
-    return _source_problem(source_path(manifest, ref), [ref])
+def check_reference(manifest: Manifest, refs: Sequence[Reference]) -> str | None:
+    """Why the references ``refs`` (into one file: the same index, file, size and crc32c)
+    do not resolve in ``manifest``'s root (None: they do). Reads only the referenced file's
+    size and header (verification of its bytes is the loader's/verify's file check)."""
+    return _source_problem(source_path(manifest, refs[0]), refs)
+
+
+def write_retained(root: Path, index: int, relpath: str, data: bytes) -> Path:
+    """Write ``data`` as file ``relpath`` of the retained copy of index ``index`` in the
+    local root ``root`` (``ROOT/.ref-<index>/<relpath>``, where references of an earlier
+    version's layout find the bytes of an index the root does not hold), durably and whole or
+    absent (a temporary file, fsynced, renamed; every directory made for it fsynced in its
+    parent). A retained copy no committed index references is removed by the next save or
+    prune (:func:`collect_garbage`). Returns its path."""
+    path = safe_join(root / f"{RETAINED_PREFIX}{index}", relpath, within=root)
+    made: list[Path] = []
+    parent = path.parent
+    while not parent.is_dir():
+        made.append(parent)
+        parent = parent.parent
+    for directory in reversed(made):
+        directory.mkdir()
+    _native.write_bytes_atomic(os.fspath(path), data, True)
+    for directory in made:
+        _native.fsync_dir(os.fspath(directory.parent))
+    return path
 
 
 def _source_problem(path: Path, refs: Sequence[Reference]) -> str | None:

@@ -126,12 +126,18 @@ class EMAHook:
     def _fitted(
         self, shadow: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size]
     ) -> dict[str, torch.Tensor]:
-        """``shadow`` keyed by the model's parameter names (``shapes``), in their order: a key
-        the model lacks is taken without its wrapper prefixes when that name is the model's.
+        """``shadow`` keyed by the model's parameter names (``shapes``), in their order. A
+        shadow whose every key carries the same wrapper prefixes, and which is exactly the
+        model's names and shapes without them, is taken without them (an earlier fastckpt's
+        shadow of a wrapped model that has a submodule named ``module``); otherwise a key the
+        model lacks is taken without its wrapper prefixes when that name is the model's.
 
         Raises:
             CheckpointMismatchError: names missing or left over, or shapes that differ.
         """
+        stripped = _without_common_prefixes(shadow, shapes)
+        if stripped is not None:
+            return {name: stripped[name] for name in shapes}
         fitted = {name: tensor for name, tensor in shadow.items() if name in shapes}
         unexpected: list[str] = []
         for key, tensor in shadow.items():
@@ -226,6 +232,26 @@ class EMAHook:
             shadow = self._fitted(shadow, self._shapes)
         self.num_updates = int(state["num_updates"])
         self.shadow = {name: t.clone() for name, t in shadow.items()}
+
+
+def _without_common_prefixes(
+    shadow: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size]
+) -> dict[str, torch.Tensor] | None:
+    """``shadow`` less the wrapper prefixes all its keys share (as many levels as it takes)
+    when that is exactly the names of ``shapes``, each tensor of its shape; None otherwise."""
+    current = dict(shadow)
+    while current:
+        prefix = next(
+            (p for p in _WRAPPER_PREFIXES if all(key.startswith(p) for key in current)), None
+        )
+        if prefix is None:
+            return None
+        current = {key[len(prefix) :]: tensor for key, tensor in current.items()}
+        if current.keys() == shapes.keys() and all(
+            tensor.shape == shapes[name] for name, tensor in current.items()
+        ):
+            return current
+    return None
 
 
 def _unwrapped_name(key: str, names: Mapping[str, object]) -> str | None:
