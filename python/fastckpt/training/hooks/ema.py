@@ -84,6 +84,8 @@ class EMAHook:
         # The names and shapes of the parameters of the model last averaged or copied to:
         # what a loaded shadow is checked against (None: no model met yet).
         self._shapes: dict[str, torch.Size] | None = None
+        # the shadow dict last fitted to ``_shapes`` (see _parameters)
+        self._fitted_shadow: dict[str, torch.Tensor] | None = None
 
     def _model(self, ctx: TrainContext) -> torch.nn.Module:
         if self.model_key not in ctx.models:
@@ -118,9 +120,13 @@ class EMAHook:
             CheckpointMismatchError: the shadow does not fit ``model``.
         """
         params = dict(unwrap_model(model, sharded_ok=True).named_parameters())
-        self._shapes = {name: param.shape for name, param in params.items()}
-        if self.shadow:
-            self.shadow = self._fitted(self.shadow, self._shapes)
+        shapes = {name: param.shape for name, param in params.items()}
+        # A shadow already fitted to these names and shapes is not fitted again at every
+        # update (only a new shadow object, or another model, is).
+        if self.shadow and not (self.shadow is self._fitted_shadow and shapes == self._shapes):
+            self.shadow = self._fitted(self.shadow, shapes)
+            self._fitted_shadow = self.shadow
+        self._shapes = shapes  # only once it fits: a refused model is not remembered
         return params
 
     def _fitted(
