@@ -88,10 +88,10 @@ def test_ddp_ranks_resume_the_same_index_from_node_local_tiers(tmp_path: Path) -
             assert report[name] is not None and "rank 1" in report[name], (rank, name, report)
         assert report["index_3"] == reports[0]["index_3"], "every rank: the same error"
         assert report["none_common"] == reports[0]["none_common"]
-    # Without fallback_dirs rank 0 still decides: rank 1 cannot load and says so. Before,
-    # rank 1 started afresh beside a resumed rank 0 (another state, no word).
-    assert reports[0]["no_fallback"] == ["resumed", 4], reports[0]
-    assert reports[1]["no_fallback"] not in ("fresh", None), reports[1]
+    # Without fallback_dirs rank 0 still decides, and rank 1 cannot load that index: every
+    # rank raises. Before c803a2b rank 1 started afresh beside a resumed rank 0 (another
+    # state, no word); after it, rank 1 raised while rank 0 resumed (its next allreduce hung).
+    assert reports[0]["no_fallback"] == reports[1]["no_fallback"] == "NotCommittedError"
     rank_0_warned = " ".join(reports[0]["load"][3])
     assert "index 3" in rank_0_warned and "rank 1" in rank_0_warned, reports[0]
 
@@ -189,3 +189,154 @@ def test_a_hook_saving_ddp_replicas_on_every_rank_names_the_other_ranks(tmp_path
     assert len(refused) == 1, outcomes
     assert "another rank of this same run" in refused[0], refused[0]
     assert "rank_zero_only=True" in refused[0], refused[0]
+
+
+AGREEMENT_SCRIPT = """
+import json, os, sys, time, torch, torch.distributed as dist
+from datetime import timedelta
+from torch.nn.parallel import DistributedDataParallel as DDP
+import fastckpt, training_support as s
+base, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group(  # short: a rank left waiting fails instead of stalling the test
+    "gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2,
+    timeout=timedelta(seconds=10),
+)
+fast, durable = f"{base}/node{rank}/fast", f"{base}/durable"
+torch.manual_seed(0)
+hook = fastckpt.CheckpointHook(fast, step_interval=1, durable_dir=durable, promote_every=2)
+strategy = fastckpt.TrainingStrategy(
+    DDP(s.DropoutMLP(p=0.0)), fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.05}),
+    training_fn=s.training_fn, num_steps=4, hooks=[hook],
+)
+strategy.run(s.loader(seed=rank))
+hook.close()  # node 0's fast tier: 0-3, node 1's: empty, durable: 0 and 2
+dist.barrier()
+load = {"trusted": ["training_support.training_fn"], "hooks": []}
+Strategy = fastckpt.TrainingStrategy
+
+def outcome(call):
+    start = time.monotonic()
+    try:
+        result = call()
+    except Exception as err:
+        return [type(err).__name__, str(err), time.monotonic() - start]
+    if result is None:
+        return ["fresh"]
+    copy = result.restored_from
+    return ["loaded", None if copy is None else copy.index, result.step_count]
+
+report = {}
+report["mixed_tiers"] = outcome(lambda: Strategy.load_checkpoint(
+    fast, fallback_dirs=[durable] if rank == 0 else None, **load))
+report["resume_no_fallback"] = outcome(lambda: Strategy.resume_or_start(
+    fast, lambda: None, **load))
+report["index_1_no_fallback"] = outcome(lambda: Strategy.load_checkpoint(fast, 1, **load))
+dist.barrier()
+if rank == 0:  # evaluation on rank 0 alone; rank 1 calls nothing
+    report["eval_per_rank"] = outcome(lambda: Strategy.load_checkpoint(
+        fast, fallback_dirs=[durable], per_rank=True, **load))
+    report["per_rank_not_bool"] = outcome(lambda: Strategy.load_checkpoint(
+        fast, per_rank=1, **load))
+    report["per_rank_parallelize"] = outcome(lambda: Strategy.load_checkpoint(
+        fast, per_rank=True, parallelize=lambda model: model, **load))
+    report["eval_collective"] = outcome(lambda: Strategy.load_checkpoint(
+        fast, fallback_dirs=[durable], **load))
+    open(f"{base}/rank-0-done", "w").close()
+else:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(f"{base}/rank-0-done") and time.monotonic() < deadline:
+        time.sleep(0.1)
+print(json.dumps(report), flush=True)
+os._exit(0)  # no teardown: rank 0's group timed out
+"""
+
+
+def test_a_load_by_one_rank_alone_says_per_rank_and_mismatched_ranks_raise_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 alone loading for evaluation passes ``per_rank=True`` and loads its newest
+    index (3) with no other rank; without it the load, collective under the group, fails
+    after the group's timeout with a RuntimeError saying that it is collective and that
+    ``per_rank=True`` loads on one rank alone. Before, ``per_rank`` was unknown and the
+    collective load failed after the timeout with gloo's bare "Timed out waiting" message.
+    ``fallback_dirs`` given on rank 0 alone: every rank raises InvalidInputError at once
+    (before, rank 1 loaded alone while rank 0 waited for it). ``resume_or_start`` without
+    ``fallback_dirs`` where rank 1's node-local root holds nothing, and an explicit index
+    rank 1 lacks: every rank raises the same NotCommittedError naming rank 1 (before,
+    rank 1 raised while rank 0 resumed and went on alone, to hang at DDP's first
+    allreduce)."""
+    outputs = support.run_two_ranks(AGREEMENT_SCRIPT, tmp_path, tmp_path / "pg")
+    rank_0, rank_1 = (json.loads(out.strip().splitlines()[-1]) for out in outputs)
+    for report in (rank_0, rank_1):
+        kind, message, seconds = report["mixed_tiers"]
+        assert kind == "InvalidInputError", report
+        assert "fallback_dirs" in message and "rank 0" in message and "rank 1" in message
+        assert seconds < 5, "told at once, not after the group's timeout"
+        for name in ("resume_no_fallback", "index_1_no_fallback"):
+            assert report[name][0] == "NotCommittedError", (name, report)
+            assert "rank 1" in report[name][1], (name, report)
+            assert report[name][1] == rank_0[name][1], "every rank: the same error"
+    assert rank_0["eval_per_rank"] == ["loaded", 3, 4], rank_0
+    assert rank_0["per_rank_not_bool"][0] == "TypeError", rank_0
+    assert "per_rank" in rank_0["per_rank_not_bool"][1], rank_0
+    assert rank_0["per_rank_parallelize"][0] == "InvalidInputError", rank_0
+    assert "parallelize" in rank_0["per_rank_parallelize"][1], rank_0
+    kind, message, seconds = rank_0["eval_collective"]
+    assert kind == "RuntimeError", rank_0
+    assert "collective under a process group of 2 ranks" in message, message
+    assert "per_rank=True" in message and "fallback_dirs" in message, message
+    assert seconds < 60, seconds
+
+
+SWEEP_SCRIPT = """
+import json, sys, torch, torch.distributed as dist
+from datetime import timedelta
+import fastckpt, training_support as s
+base, rank = sys.argv[1], int(sys.argv[2])
+root = f"{base}/run{rank}"
+
+def run(steps):  # each rank its own run of a sweep: its own model and root
+    torch.manual_seed(rank)
+    hook = fastckpt.CheckpointHook(root, step_interval=1, rank_zero_only=False, async_save=False)
+    return fastckpt.TrainingStrategy(
+        s.DropoutMLP(p=0.0), fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.05}),
+        training_fn=s.training_fn, num_steps=steps, hooks=[hook],
+    )
+
+if rank == 1:  # an earlier session of run 1, before the group existed
+    run(3).run(s.loader(seed=1))
+dist.init_process_group(
+    "gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2,
+    timeout=timedelta(seconds=10),
+)
+report = {}
+try:
+    strategy = fastckpt.TrainingStrategy.resume_or_start(
+        root, lambda: run(5), per_rank=True, trusted=["training_support.training_fn"]
+    )
+    report["start_step"] = strategy.step_count
+except Exception as err:
+    report["start_step"] = f"{type(err).__name__}: {err}"
+try:  # a plain model of this rank's own, saved by hand on every rank without per_rank
+    report["plain_save"] = fastckpt.save_checkpoint(
+        f"{base}/plain{rank}", models={"main": (s.DropoutMLP(), None)})
+except Exception as err:
+    report["plain_save"] = f"{type(err).__name__}: {err}"
+print(json.dumps(report), flush=True)
+s.leave_process_group()
+"""
+
+
+def test_independent_runs_of_a_sweep_resume_each_its_own_index_with_per_rank(
+    tmp_path: Path,
+) -> None:
+    """Two runs of a sweep share a process group, each rank its own model and root: rank 1's
+    run was trained to step 3 earlier, rank 0's is new. ``resume_or_start(...,
+    per_rank=True)`` decides on each rank alone: rank 0 starts afresh, rank 1 resumes at
+    step 3. Before, ``per_rank`` was unknown and rank 0 decided for both ("fresh"): rank 1's
+    run was started over. A plain (not DDP) model saved by hand on rank 1 is saved: it may
+    be the rank's own (before, any unsharded save off rank 0 was refused)."""
+    outputs = support.run_two_ranks(SWEEP_SCRIPT, tmp_path, tmp_path / "pg")
+    rank_0, rank_1 = (json.loads(out.strip().splitlines()[-1]) for out in outputs)
+    assert rank_0 == {"start_step": 0, "plain_save": 0}, rank_0
+    assert rank_1 == {"start_step": 3, "plain_save": 0}, rank_1

@@ -48,7 +48,7 @@ from fastckpt.container.verify import checked_index
 from fastckpt.errors import CheckpointFormatError, FastCkptError
 from fastckpt.format.records import MANIFEST, Manifest, refuse_other_kind
 from fastckpt.storage.registry import display_path, is_object_url, use_storage_options
-from fastckpt.training.strategy import TrainingStrategy, refuse_a_replica_save
+from fastckpt.training.strategy import TrainingStrategy, check_per_rank, refuse_a_replica_save
 
 _LOG = logging.getLogger(__name__)
 
@@ -77,9 +77,10 @@ def save_checkpoint(
 ) -> int:
     """Save models, optimizers and schedulers (or a whole strategy) as one committed index.
 
-    Under a process group of more than one rank (a DDP run: every rank holds a replica) the
-    models are saved by rank 0 alone: call this on rank 0 only (``if
-    torch.distributed.get_rank() == 0:``); another rank's call is refused, nothing written.
+    Under a process group of more than one rank, DDP replicas (a ``DistributedDataParallel``
+    model over every rank, given as it is or in a strategy) are saved by rank 0 alone: call
+    this on rank 0 only (``if torch.distributed.get_rank() == 0:``); another rank's call is
+    refused, nothing written. Other models are saved on any rank (they may be the rank's own).
 
     Args:
         root: checkpoint root directory (created if needed).
@@ -109,9 +110,8 @@ def save_checkpoint(
             AWS environment; they are registered for ``root``'s prefix (as
             ``configure_storage(root, storage_options)``) and stay in effect for it. A local
             ``root`` refuses them (``StorageOptionsError``).
-        per_rank: this rank's models are its own, not replicas of rank 0's (a pipeline
-            stage, a run of a sweep), saved into a root of its own: saved on any rank of a
-            process group.
+        per_rank: this rank's models are its own, not replicas of rank 0's, saved into a
+            root of its own: DDP-wrapped models too are saved on any rank of a process group.
 
     Returns:
         The committed index.
@@ -125,11 +125,13 @@ def save_checkpoint(
         OSError: writing failed (nothing is committed; earlier indices are untouched).
         TimeoutError: ``lock_timeout`` passed while another process held the root (the
             message names it: pid and host).
-        InvalidInputError: called on a rank other than 0 of a process group of more than
-            one rank without ``per_rank`` (a sharded strategy excepted: its save is
-            :meth:`TrainingStrategy.save_checkpoint`'s).
+        TypeError: ``per_rank`` is not a bool.
+        InvalidInputError: DDP replicas saved on a rank other than 0 of a process group of
+            more than one rank without ``per_rank`` (a sharded strategy excepted: its save
+            is :meth:`TrainingStrategy.save_checkpoint`'s).
     """
     index = checked_index(checkpoint_index, "checkpoint_index", SAVE_INDEX)
+    check_per_rank(per_rank, "save_checkpoint")
     use_storage_options(root, storage_options, "save_checkpoint")
     if isinstance(models, TrainingStrategy):
         strategy, models = models, None
@@ -152,8 +154,11 @@ def save_checkpoint(
                 "scheduler: pass models={'main': (model, None)} (or a strategy)"
             )
     snapshot.incremental = check_incremental(incremental, "save_checkpoint")
-    if strategy is None or not strategy.sharded:
-        refuse_a_replica_save("save_checkpoint", per_rank)
+    if strategy is None:
+        given = [e[0] if isinstance(e, tuple) else e for e in (models or {}).values()]
+        refuse_a_replica_save("save_checkpoint", per_rank, given)
+    elif not strategy.sharded:
+        refuse_a_replica_save("save_checkpoint", per_rank, strategy.models.values())
     return write_snapshot(root, snapshot, -1 if index is None else index, lock_timeout=lock_timeout)
 
 

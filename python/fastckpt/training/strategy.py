@@ -199,47 +199,160 @@ def _agreed_copy(tiers: Sequence[str | Path], index: int | None) -> NearestCopy:
     return NearestCopy(Path(tiers[position]), int(chosen), list(skipped), bool(spread), passed_over)
 
 
-def _common_copy(tiers: Sequence[str | Path], index: int | None) -> NearestCopy:
-    """The copy this rank restores in a load of unsharded replicas (a DDP run) from
-    ``tiers`` (this rank's ``root`` then ``fallback_dirs``) on several ranks (collective):
-    the newest index every rank holds intact on one of its tiers (``index``: that index),
-    each rank taking it from its nearest tier holding it. Ranks looking on their own took
-    different indices when their fast tiers differ (node-local disks, only rank 0's written
-    to): different step counts, optimizer and RNG states in replicas of one run. Each rank
-    reports the newest index it holds intact; while they differ, each reports its newest
-    at or below the oldest reported. A rank's newer index passed over for that is named in
-    the result's ``skipped`` (so logged as a warning).
+def check_per_rank(per_rank: Any, call: str) -> bool:
+    """``per_rank`` (of ``call``) checked to be a bool.
 
     Raises:
-        NotCommittedError: on every rank alike, naming each rank that holds no intact copy
-            (of ``index``, or at or below what the others hold) and what it saw.
+        TypeError: it is not (``1`` or ``"yes"`` would silently choose a behaviour).
+    """
+    if not isinstance(per_rank, bool):
+        raise TypeError(f"{call}: per_rank must be a bool, got {per_rank!r}")
+    return per_rank
+
+
+def _check_load_per_rank(per_rank: Any, parallelize: Any, call: str) -> bool:
+    """``per_rank`` of a load checked: a bool, and not with ``parallelize``.
+
+    Raises:
+        TypeError: ``per_rank`` is not a bool.
+        InvalidInputError: ``per_rank=True`` with ``parallelize`` (a sharded load is
+            collective by nature: every rank reads its shards and they are resharded).
+    """
+    if check_per_rank(per_rank, call) and parallelize is not None:
+        raise InvalidInputError(
+            f"{call}: per_rank=True cannot be given with parallelize: a load of sharded "
+            "(FSDP2) models is collective by nature (every rank calls it and reads its "
+            "shards); drop per_rank, and call it on every rank"
+        )
+    return per_rank
+
+
+def _collective_failed(call: str, world: int, err: BaseException) -> str:
+    """The message of a ``RuntimeError`` raised when a collective of a load's agreement
+    fails (a gloo timeout: another rank never called the load, or called it otherwise; a
+    peer gone)."""
+    return (
+        f"{call}: this load is collective under a process group of {world} ranks (the ranks "
+        "of a data-parallel run load the same index, agreed among them), and the agreement "
+        f"with the other ranks failed ({type(err).__name__}: {err}). Every rank must call it, "
+        "with the same tiers (fallback_dirs given on every rank or on none). A load on this "
+        "rank alone (evaluation on rank 0, independent runs of a sweep, one per rank) passes "
+        "per_rank=True"
+    )
+
+
+def _gathered(value: Any, call: str) -> list[Any]:
+    """Every rank's ``value``, in rank order (collective), exchanged on a gloo group
+    (:func:`fastckpt.dcp.peers._group`: the default group when it is gloo, else one made
+    once at the first agreement): NCCL object collectives need ``torch.cuda.set_device``
+    first, and a resume often runs before it.
+
+    Raises:
+        RuntimeError: the collective failed (chained): what the load needs of every rank,
+            and ``per_rank``.
     """
     import torch.distributed as dist
 
+    from fastckpt.dcp.peers import _group as gloo_group
+
     _, world = _world()
+    everyone: list[Any] = [None] * world
+    try:
+        dist.all_gather_object(everyone, value, group=gloo_group())
+    except Exception as err:
+        raise RuntimeError(_collective_failed(call, world, err)) from err
+    return everyone
+
+
+def _refuse_mixed_tiers(given: Sequence[bool], call: str) -> None:
+    """Raise on every rank alike when some ranks gave ``fallback_dirs`` and others did not
+    (``given``: each rank's answer): the ranks would wait on different collectives.
+
+    Raises:
+        InvalidInputError: naming the ranks on each side, the rule and ``per_rank``.
+    """
+    if len(set(given)) < 2:
+        return
+    with_tiers = ", ".join(str(rank) for rank, has in enumerate(given) if has)
+    without = ", ".join(str(rank) for rank, has in enumerate(given) if not has)
+    raise InvalidInputError(
+        f"{call}: fallback_dirs were given on rank {with_tiers} but not on rank {without} of "
+        f"a process group of {len(given)} ranks. The load is collective (the ranks of a "
+        "data-parallel run load the same index, agreed among them): every rank must call "
+        "it with the same tiers (fallback_dirs given on every rank or on none). Nothing was "
+        "loaded. A load on this rank alone (evaluation on rank 0, independent runs of a "
+        "sweep, one per rank) passes per_rank=True"
+    )
+
+
+def _common_copy(
+    tiers: Sequence[str | Path], index: int | None, *, fallback: bool, call: str
+) -> NearestCopy:
+    """The copy this rank restores in a load of unsharded replicas (a DDP run) from
+    ``tiers`` (this rank's ``root`` then ``fallback_dirs``) on several ranks (collective):
+    the newest index every rank holds intact on one of its tiers (``index``: that index,
+    never another), each rank taking it from its nearest tier holding it. Ranks looking on
+    their own took different indices when their fast tiers differ (node-local disks, only
+    rank 0's written to): different step counts, optimizer and RNG states in replicas of
+    one run. Each rank reports the newest index it holds intact; while they differ, each
+    reports its newest at or below the oldest reported. A rank's newer index passed over
+    for that is named in the result's ``skipped`` (so logged as a warning).
+
+    ``fallback``: this rank was given ``fallback_dirs`` (every rank must say the same).
+    Without, ``tiers`` is ``[root]`` and an index counts when ``root`` lists it (the load
+    verifies what it reads, as a load of one root alone).
+
+    An interrupt (``KeyboardInterrupt``) while this rank looks is told to the others (they
+    raise a ``RuntimeError`` naming it) and then raised here.
+
+    Raises:
+        InvalidInputError: on every rank alike, some ranks gave ``fallback_dirs`` and
+            others did not.
+        NotCommittedError: on every rank alike, naming each rank that holds no intact copy
+            (of ``index``, or at or below what the others hold) and what it saw.
+        RuntimeError: another rank failed otherwise (naming it), or the agreement's
+            collective failed (see :func:`_gathered`).
+    """
     ceiling = index
     copy: NearestCopy | None = None
     first: NearestCopy | None = None
     newest: list[int] = []
     while True:
-        failure: Exception | None = None
+        failure: BaseException | None = None
         if copy is None or copy.index != ceiling:
             try:
-                copy = _newest_intact_at_most(tiers, ceiling, exact=index is not None)
-            except Exception as err:  # told to every rank, so that none waits alone
+                copy = _newest_intact_at_most(
+                    tiers, ceiling, exact=index is not None, verify=fallback
+                )
+            except BaseException as err:  # told to every rank, so that none waits alone
                 copy, failure = None, err
-        answer = (copy.index, "") if copy is not None else (None, _why(failure))
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, answer)
+        missing = isinstance(failure, NotCommittedError)
+        found_here = None if copy is None else copy.index
+        everyone = _gathered((fallback, found_here, _why(failure), missing), call)
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure  # an interrupt: the others were told
+        _refuse_mixed_tiers([given for given, *_ in everyone], call)
+        if failure is not None and not missing:
+            raise failure
+        failed = [
+            f"rank {other}: {why}"
+            for other, (_, found, why, lacks) in enumerate(everyone)
+            if found is None and not lacks
+        ]
+        if failed:
+            raise RuntimeError(
+                f"{call}: another rank of this process group could not look for the index "
+                f"every rank loads: {'; '.join(failed)}. Nothing was loaded"
+            )
         lacking = [
-            f"rank {other}: {why}" for other, (found, why) in enumerate(everyone) if found is None
+            f"rank {other}: {why}"
+            for other, (_, found, why, _) in enumerate(everyone)
+            if found is None
         ]
         if lacking:
-            if failure is not None and not isinstance(failure, NotCommittedError):
-                raise failure
             held = [
                 f"rank {other}'s is index {found}"
-                for other, (found, _) in enumerate(everyone)
+                for other, (_, found, _, _) in enumerate(everyone)
                 if found is not None
             ]
             what = f"index {index}" if index is not None else "an index"
@@ -251,8 +364,10 @@ def _common_copy(tiers: Sequence[str | Path], index: int | None) -> NearestCopy:
                 + ". Give every rank a tier holding the run's checkpoints (the shared "
                 "durable_dir in fallback_dirs)"
             )
-        found = [int(f) for f, _ in everyone]
+        found = [int(f) for _, f, _, _ in everyone]
         assert copy is not None  # this rank answered with an index
+        if index is not None:  # an index asked for: that one on every rank, never another
+            return copy
         if first is None:
             first, newest = copy, found
         if len(set(found)) == 1:
@@ -262,27 +377,41 @@ def _common_copy(tiers: Sequence[str | Path], index: int | None) -> NearestCopy:
 
 def _why(failure: BaseException | None) -> str:
     """What a rank tells the others of why it found no copy."""
+    if failure is None:
+        return ""
     if isinstance(failure, NotCommittedError):
         return str(failure)
     return f"{type(failure).__name__}: {failure}"
 
 
 def _newest_intact_at_most(
-    tiers: Sequence[str | Path], ceiling: int | None, *, exact: bool = False
+    tiers: Sequence[str | Path], ceiling: int | None, *, exact: bool = False, verify: bool = True
 ) -> NearestCopy:
     """:func:`~fastckpt.container.promote.nearest_intact` of the newest index at or below
-    ``ceiling`` (None: of any; ``exact``: of ``ceiling`` alone).
+    ``ceiling`` (None: of any; ``exact``: of ``ceiling`` alone). ``verify=False`` (one tier,
+    no ``fallback_dirs``): the newest such index the tier's manifest lists, unverified (the
+    load verifies what it reads); a damaged manifest raises.
 
     Raises:
         NotCommittedError: no tier holds such an index intact.
     """
+    if not verify:
+        (root,) = tiers
+        entries = Manifest.load(root).entries
+        listed = [
+            i for i in entries if ceiling is None or (i == ceiling if exact else i <= ceiling)
+        ]
+        if not listed:
+            what = "" if ceiling is None else f" {'' if exact else 'at or below '}{ceiling}"
+            raise NotCommittedError(f"no committed index{what} in {display_path(Path(root))}")
+        return NearestCopy(Path(root), max(listed))
     if ceiling is None or exact:
         return nearest_intact(tiers, ceiling)
-    listed: set[int] = set()
+    listed_anywhere: set[int] = set()
     for tier in tiers:
         with contextlib.suppress(OSError, FastCkptError):  # as nearest_intact passes it over
-            listed.update(i for i in Manifest.load(tier).entries if i <= ceiling)
-    for candidate in sorted(listed, reverse=True):
+            listed_anywhere.update(i for i in Manifest.load(tier).entries if i <= ceiling)
+    for candidate in sorted(listed_anywhere, reverse=True):
         with contextlib.suppress(NotCommittedError):
             return nearest_intact(tiers, candidate)
     names = ", ".join(display_path(Path(t)) for t in tiers)
@@ -312,31 +441,35 @@ def _noting_passed_over(
     return NearestCopy(chosen.root, chosen.index, skipped, chosen.node_local, passed)
 
 
-def refuse_a_replica_save(call: str, per_rank: bool) -> None:
-    """Refuse a save of unsharded models (``call`` names the function) on a rank other than
-    0 of a process group of more than one rank, unless ``per_rank``: in a data-parallel run
-    every rank's save committed an index of its own of the same step, and a resume took
-    whichever rank wrote last (its RNG streams and data position on every rank). Nothing is
-    written.
+def refuse_a_replica_save(
+    call: str, per_rank: bool, models: Iterable[torch.nn.Module] = ()
+) -> None:
+    """Refuse a save of DDP replicas (``models`` holding a ``DistributedDataParallel``
+    module over every rank; ``call`` names the function) on a rank other than 0 of a
+    process group of more than one rank, unless ``per_rank``: every rank's save committed
+    an index of its own of the same step, and a resume took whichever rank wrote last (its
+    RNG streams and data position on every rank). Nothing is written. Other models are
+    saved on any rank (they may be the rank's own: a pipeline stage, a run of a sweep).
 
     Raises:
         TypeError: ``per_rank`` is not a bool.
         InvalidInputError: naming the rank, the world and the fixes.
     """
-    if not isinstance(per_rank, bool):
-        raise TypeError(f"{call}: per_rank must be a bool, got {per_rank!r}")
+    check_per_rank(per_rank, call)
     rank, world = _world()
     if per_rank or rank == 0:
         return
+    if not any(_data_parallel_over_world(model, world) for model in models):
+        return
     raise InvalidInputError(
-        f"{call} was called on rank {rank} of a process group of {world} ranks with "
-        "unsharded models: in a data-parallel (DDP) run every rank's save would commit an "
-        "index of its own of the same step, and a resume would take whichever rank wrote "
-        "last (its RNG streams and data position on every rank). Nothing was saved. Save on "
-        "rank 0 alone (`if torch.distributed.get_rank() == 0:`), or let a CheckpointHook "
-        "save (rank_zero_only=True, the default: rank 0 writes, with every rank's RNG "
-        "states); ranks whose models are their own (a pipeline stage, a run of a sweep), "
-        "each saving into its own root, pass per_rank=True"
+        f"{call} was called on rank {rank} of a process group of {world} ranks with DDP "
+        "models (DistributedDataParallel replicas over every rank): every rank's save would "
+        "commit an index of its own of the same step, and a resume would take whichever "
+        "rank wrote last (its RNG streams and data position on every rank). Nothing was "
+        "saved. Save on rank 0 alone (`if torch.distributed.get_rank() == 0:`), or let a "
+        "CheckpointHook save (rank_zero_only=True, the default: rank 0 writes, with every "
+        "rank's RNG states); ranks whose models are their own, each saving into its own "
+        "root, pass per_rank=True"
     )
 
 
@@ -345,23 +478,35 @@ def _no_checkpoint(tiers: Sequence[str | Path]) -> bool:
     return all(Manifest.load(tier).latest is None for tier in tiers)
 
 
-def _rank_0_decides(decide: Callable[[], bool]) -> bool:
-    """``decide()`` on rank 0, its answer (or its error, as a ``RuntimeError`` naming it)
-    on every rank (collective)."""
-    import torch.distributed as dist
+def _rank_0_decides(decide: Callable[[], bool], *, fallback: bool, call: str) -> bool:
+    """``decide()`` on rank 0, its answer on every rank (collective, on the gloo group of
+    :func:`_gathered`). ``fallback``: this rank was given ``fallback_dirs`` (every rank must
+    say the same). Rank 0's failure, an interrupt included, is told to every rank before it
+    is raised there.
 
-    message: list[Any] = [None]
-    if dist.get_rank() == 0:
+    Raises:
+        InvalidInputError: on every rank alike, some ranks gave ``fallback_dirs`` and
+            others did not.
+        RuntimeError: on the other ranks, rank 0 could not decide (naming its error); or
+            the collective failed (see :func:`_gathered`).
+    """
+    answer: tuple[str, Any] | None = None
+    failure: BaseException | None = None
+    if _world()[0] == 0:
         try:
-            message[0] = ("ok", decide())
-        except Exception as err:
-            message[0] = ("failed", f"{type(err).__name__}: {err}")
-            dist.broadcast_object_list(message, src=0)
-            raise
-    dist.broadcast_object_list(message, src=0)
-    if message[0][0] != "ok":
-        raise RuntimeError(f"rank 0 could not tell whether to resume: {message[0][1]}")
-    return bool(message[0][1])
+            answer = ("ok", decide())
+        except BaseException as err:  # told to every rank, so that none waits alone
+            answer, failure = ("failed", f"{type(err).__name__}: {err}"), err
+    everyone = _gathered((fallback, answer), call)
+    if failure is not None and not isinstance(failure, Exception):
+        raise failure  # an interrupt: the others were told
+    _refuse_mixed_tiers([given for given, _ in everyone], call)
+    if failure is not None:
+        raise failure
+    status, value = everyone[0][1]
+    if status != "ok":
+        raise RuntimeError(f"{call}: rank 0 could not tell whether to resume: {value}")
+    return bool(value)
 
 
 def _decide(
@@ -1115,20 +1260,25 @@ class TrainingStrategy:
         the commit; what ``check_root`` raises there is
         raised on rank 0 and reported on the others as a ``RuntimeError``, nothing committed).
 
-        An unsharded strategy under a process group of more than one rank (a DDP run) is
-        saved by rank 0 alone: call this on rank 0 only (``if torch.distributed.get_rank()
-        == 0:``), or let a :class:`~fastckpt.training.hooks.CheckpointHook` save. On another
-        rank it is refused (``InvalidInputError``, nothing written), unless ``per_rank``:
-        this rank's models are its own (a pipeline stage, a run of a sweep), saved into a
-        root of its own.
+        A strategy of DDP replicas (a ``DistributedDataParallel`` model over every rank of
+        a process group of more than one rank) is saved by rank 0 alone: call this on rank 0
+        only (``if torch.distributed.get_rank() == 0:``), or let a
+        :class:`~fastckpt.training.hooks.CheckpointHook` save. On another rank it is refused
+        (``InvalidInputError``, nothing written), unless ``per_rank``: this rank's models
+        are its own, saved into a root of its own. Other unsharded models (a pipeline
+        stage, a run of a sweep) are saved on any rank.
 
         Raises:
-            InvalidInputError: an unsharded strategy saved on a rank other than 0 without
-                ``per_rank``.
+            TypeError: ``per_rank`` is not a bool.
+            InvalidInputError: a strategy of DDP replicas saved on a rank other than 0
+                without ``per_rank``.
         """
         codec.check_incremental(incremental, "TrainingStrategy.save_checkpoint")
+        check_per_rank(per_rank, "TrainingStrategy.save_checkpoint")
         if not self.sharded:
-            refuse_a_replica_save("TrainingStrategy.save_checkpoint", per_rank)
+            refuse_a_replica_save(
+                "TrainingStrategy.save_checkpoint", per_rank, self.models.values()
+            )
             snapshot = self.checkpoint_snapshot()
             snapshot.incremental = incremental
             return codec.write_snapshot(
@@ -1617,6 +1767,7 @@ class TrainingStrategy:
         parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
         storage_options: Mapping[str, Any] | None = None,
         fallback_dirs: Sequence[str | Path] | None = None,
+        per_rank: bool = False,
     ) -> TrainingStrategy:
         """Rebuild a strategy from a checkpoint: models from their specs, optimizers and
         schedulers from the recipe, then every piece of state.
@@ -1647,31 +1798,46 @@ class TrainingStrategy:
                 and what was skipped; logged, as a warning when anything was. With
                 ``parallelize`` under a process group, rank 0 picks the copy for every rank
                 (each rank passes its tiers in the same order; its ``root`` may be its own
-                node's disk). Without it, under a process group of more than one rank (a
-                DDP run: unsharded replicas), the load is collective too (every rank calls
-                it): every rank loads the same index, the newest that every rank holds
-                intact on one of its tiers (``checkpoint_index``: that index), each rank
-                from its nearest tier holding it; a rank's newer index passed over for that
-                is named in ``restored_from.skipped`` (and the warning).
+                node's disk).
+            per_rank: this rank loads alone, deciding its copy alone (evaluation on rank 0
+                only; independent runs of a sweep, one per rank, sharing a process group).
+                Without it (the default), under a process group of more than one rank (a
+                DDP run: unsharded replicas), the load is collective (every rank calls it,
+                with ``fallback_dirs`` on every rank or on none): every rank loads the same
+                index, the newest that every rank holds intact on one of its tiers (without
+                ``fallback_dirs``: the newest ``root`` lists; ``checkpoint_index``: that
+                index, never another), each rank from its nearest tier holding it; a rank's
+                newer index passed over for that is named in ``restored_from.skipped`` (and
+                the warning). Not with ``parallelize`` (a sharded load is collective).
 
         Raises:
             ValueError: a component-only checkpoint (use ``fastckpt.load_checkpoint``), the
                 training function must be supplied, or ``parallelize`` was given for a
                 checkpoint of unsharded models.
+            TypeError: ``per_rank`` is not a bool.
+            InvalidInputError: ``per_rank=True`` with ``parallelize``; or, collective, some
+                ranks gave ``fallback_dirs`` and others did not (on every rank alike).
             NotCommittedError: with ``fallback_dirs``, no tier holds an intact copy; on
                 several ranks, raised on every rank alike, naming each rank that holds none
                 (of the index every rank needs).
+            RuntimeError: collective, the agreement with the other ranks failed (a rank
+                that never called the load: the process group's timeout), saying what the
+                load needs of every rank and that ``per_rank=True`` loads alone.
         """
-        use_storage_options(root, storage_options, "TrainingStrategy.load_checkpoint")
+        call = "TrainingStrategy.load_checkpoint"
+        _check_load_per_rank(per_rank, parallelize, call)
+        use_storage_options(root, storage_options, call)
         trusted = trust.frozen_trusted(trusted)
         requested = checked_index(checkpoint_index, "checkpoint_index", codec.LOAD_INDEX)
-        if fallback_dirs:
-            tiers = [root, *fallback_dirs]
+        several = _world()[1] > 1
+        replicas = several and parallelize is None and not per_rank  # one index for all
+        if fallback_dirs or replicas:
+            tiers = [root, *(fallback_dirs or ())]
             wanted = None if requested in (None, -1) else requested
-            if parallelize is not None and _world()[1] > 1:
+            if parallelize is not None and several:
                 copy = _agreed_copy(tiers, wanted)  # a collective load: one copy for all
-            elif _world()[1] > 1:
-                copy = _common_copy(tiers, wanted)  # replicas: one index for all (collective)
+            elif replicas:
+                copy = _common_copy(tiers, wanted, fallback=bool(fallback_dirs), call=call)
             else:
                 copy = nearest_intact(tiers, wanted)
             (_LOG.warning if copy.skipped else _LOG.info)("%s", copy.describe())
@@ -1785,6 +1951,8 @@ class TrainingStrategy:
         cls,
         root: str | Path,
         start: Callable[[], TrainingStrategy],
+        *,
+        per_rank: bool = False,
         **load: Any,
     ) -> TrainingStrategy:
         """The one call of a restartable training script: the strategy resumed from
@@ -1794,27 +1962,35 @@ class TrainingStrategy:
 
         With ``fallback_dirs`` (the durable tiers) the run resumes when any tier holds a
         committed index (a new node's empty fast root does not start the run afresh). Under
-        a process group of more than one rank this is collective (every rank calls it):
-        rank 0 decides for every rank whether to resume (on a node-local root only rank 0's
-        node holds the manifest; a rank starting afresh beside resumed ones would train
-        another state, while a rank that cannot load rank 0's choice raises), and a sharded
-        load or one with ``fallback_dirs`` is collective too (see :meth:`load_checkpoint`).
+        a process group of more than one rank this is collective (every rank calls it, with
+        ``fallback_dirs`` on every rank or on none): rank 0 decides for every rank whether
+        to resume (on a node-local root only rank 0's node holds the manifest; a rank
+        starting afresh beside resumed ones would train another state), and the load is
+        collective too (see :meth:`load_checkpoint`): a rank that cannot load the index
+        every rank loads makes every rank raise. ``per_rank=True``: this rank decides and
+        loads alone (independent runs of a sweep, one per rank, sharing a process group).
 
         Raises:
             CheckpointFormatError / ChecksumMismatchError: a tier's manifest is damaged
                 (never taken for "no checkpoint": a fresh start would bury the old run).
             NotCommittedError: rank 0 resumes and a rank holds no copy of the index every
                 rank loads (every rank raises it, naming that rank).
+            TypeError / InvalidInputError / RuntimeError: as :meth:`load_checkpoint`'s.
         """
-        use_storage_options(root, load.pop("storage_options", None), "resume_or_start")
-        tiers = [root, *(load.get("fallback_dirs") or ())]
-        if _world()[1] > 1:  # one decision for every rank (see the docstring)
-            fresh = _rank_0_decides(lambda: _no_checkpoint(tiers))
+        call = "TrainingStrategy.resume_or_start"
+        _check_load_per_rank(per_rank, load.get("parallelize"), call)
+        use_storage_options(root, load.pop("storage_options", None), call)
+        fallback = tuple(load.get("fallback_dirs") or ())
+        tiers = [root, *fallback]
+        if _world()[1] > 1 and not per_rank:  # one decision for every rank (see above)
+            fresh = _rank_0_decides(
+                lambda: _no_checkpoint(tiers), fallback=bool(fallback), call=call
+            )
         else:
             fresh = _no_checkpoint(tiers)
         if fresh:
             return start()
-        return cls.load_checkpoint(root, **load)
+        return cls.load_checkpoint(root, per_rank=per_rank, **load)
 
     @classmethod
     def _load_sharded(

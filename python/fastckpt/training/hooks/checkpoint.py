@@ -75,6 +75,21 @@ def _seconds(name: str, value: object, least: str) -> None:
         raise ValueError(message)
 
 
+def _replicas_over_world(ctx: TrainContext) -> bool:
+    """Whether the run's models are unsharded DDP replicas over every rank of a process
+    group of more than one rank (a sharded strategy's, or a rank's own models, are not)."""
+    import torch.distributed as dist
+
+    from fastckpt.training.strategy import _data_parallel_over_world
+
+    if getattr(ctx.workflow, "sharded", False):
+        return False
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return False
+    world = dist.get_world_size()
+    return any(_data_parallel_over_world(model, world) for model in ctx.models.values())
+
+
 class CheckpointHook:
     """Save a restartable ``TrainingStrategy`` checkpoint every N steps or N epochs.
 
@@ -244,6 +259,8 @@ class CheckpointHook:
         self._start_step: int | None = None
         # checkpoint_dir's newest index when the run started (False: not read, no run).
         self._started_from: int | bool | None = False
+        # The run's models are DDP replicas over every rank (the MixedRunError note).
+        self._replicas_over_world = False
         # A failed background write is raised with its own type, as a sync save raises it.
         self._writer: BackgroundWriter[int] = BackgroundWriter(
             "fastckpt-hook", wait_timeout=wait_timeout_secs, typed_errors=True
@@ -514,6 +531,7 @@ class CheckpointHook:
         if stage is TrainingStage.BEFORE_TRAINING:
             self._start_step = ctx.step_count
             self._started_from = self._newest_index()
+            self._replicas_over_world = _replicas_over_world(ctx)
             self._floor = None  # the durable tier is read again by this run's first save
             self._durable_failed, self._durable_read = False, None
             check_recordable = getattr(ctx.workflow, "check_recordable", None)
@@ -1071,8 +1089,8 @@ class CheckpointHook:
         import torch.distributed as dist
 
         ranks = ""
-        if not self.rank_zero_only and dist.is_initialized() and dist.get_world_size() > 1:
-            # Unsharded models (DDP replicas): every rank of this run saves into the root.
+        if not self.rank_zero_only and self._replicas_over_world:
+            # DDP replicas over the world: every rank of this run saves into the root.
             ranks = (
                 f" It may be another rank of this same run: under a process group of "
                 f"{dist.get_world_size()} ranks with rank_zero_only=False, every rank saves "
