@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
 
 import fastckpt.checkpoint.build as build
@@ -70,6 +69,7 @@ from fastckpt.training.hooks.rebuild import (
     rebuild_hooks,
     record_hooks,
 )
+from fastckpt.training.replicas import data_parallel_over_world
 from fastckpt.training.signals import HeldSignals
 
 _LOG = logging.getLogger(__name__)
@@ -459,7 +459,7 @@ def refuse_a_replica_save(
     rank, world = _world()
     if per_rank or rank == 0:
         return
-    if not any(_data_parallel_over_world(model, world) for model in models):
+    if not any(data_parallel_over_world(model, world) for model in models):
         return
     raise InvalidInputError(
         f"{call} was called on rank {rank} of a process group of {world} ranks with DDP "
@@ -802,7 +802,7 @@ class TrainingStrategy:
         rank, world = _world()
         if world == 1 or self.sharded or self._rank_rng_group is not None:
             return
-        if not any(_data_parallel_over_world(model, world) for model in self.models.values()):
+        if not any(data_parallel_over_world(model, world) for model in self.models.values()):
             return
         group: Any = dist.new_group(backend="gloo")
         mine = [
@@ -2798,16 +2798,6 @@ def _refuse_two_savers_on_one_root(hooks: Sequence[Any]) -> None:
                 "each its own checkpoint_dir, or use one hook"
             )
         seen[key] = position
-
-
-def _data_parallel_over_world(model: torch.nn.Module, world: int) -> bool:
-    """Whether ``model`` is a DDP module replicated over every rank (the default group)."""
-    import torch.distributed as dist
-
-    if not isinstance(model, DistributedDataParallel):
-        return False
-    group = getattr(model, "process_group", None)
-    return group is None or dist.get_world_size(group) == world
 
 
 def _own_rng(runtime: _Runtime) -> dict[str, Any]:

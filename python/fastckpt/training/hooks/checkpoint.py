@@ -39,6 +39,7 @@ from fastckpt.io.staging import (
 )
 from fastckpt.storage.registry import absolute, display_path, use_storage_options
 from fastckpt.training.hooks.context import TrainContext, TrainingStage
+from fastckpt.training.replicas import data_parallel_over_world
 from fastckpt.training.sharded import share_commit
 
 __all__ = ["CheckpointHook"]
@@ -80,14 +81,12 @@ def _replicas_over_world(ctx: TrainContext) -> bool:
     group of more than one rank (a sharded strategy's, or a rank's own models, are not)."""
     import torch.distributed as dist
 
-    from fastckpt.training.strategy import _data_parallel_over_world
-
     if getattr(ctx.workflow, "sharded", False):
         return False
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return False
     world = dist.get_world_size()
-    return any(_data_parallel_over_world(model, world) for model in ctx.models.values())
+    return any(data_parallel_over_world(model, world) for model in ctx.models.values())
 
 
 class CheckpointHook:
