@@ -319,11 +319,6 @@ def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat()
 
 
-def _next_index(manifest: Manifest) -> int:
-    latest = manifest.latest
-    return 0 if latest is None else latest + 1
-
-
 class Snapshot:
     """Everything to write for one index, computed before any file is touched.
 
@@ -495,18 +490,12 @@ def write_snapshot(
     requested = checked_index(checkpoint_index, "checkpoint_index", SAVE_INDEX)
     checkpoint_index = -1 if requested is None else requested
     root = Path(root)
-    manifest = Manifest.load(root)
-    index = _next_index(manifest) if checkpoint_index == -1 else checkpoint_index
-    if not 0 <= index <= MAX_INDEX:
+    # The manifest is read once, under the root's lock (IndexWriter): the next index is
+    # chosen there (and refused there past MAX_INDEX).
+    if not -1 <= checkpoint_index <= MAX_INDEX:
         raise ValueError(
             f"checkpoint_index must be -1 (the next) or from 0 to {MAX_INDEX}, got "
             f"{checkpoint_index}"
-            + (
-                f" (the root's latest index is already {MAX_INDEX}: give an index, or save "
-                "into a new root)"
-                if checkpoint_index == -1
-                else ""
-            )
         )
     plan_incremental(root, snapshot)
     if snapshot.plan is not None:
@@ -524,7 +513,7 @@ def write_snapshot(
 
         writer = IndexWriter(
             root,
-            None if checkpoint_index == -1 else index,
+            None if checkpoint_index == -1 else checkpoint_index,
             lock_timeout=lock_timeout,
             check=check,
         )
@@ -609,7 +598,7 @@ def _copy_sources(
 def _check_references(writer: IndexWriter, snapshot: Snapshot) -> dict[str, dict[str, Reference]]:
     """Under the root's lock: refuse to replace an index others reference, and write the
     tensors whose referenced bytes are gone (or are in the index being replaced)."""
-    manifest = Manifest.load(writer.root)
+    manifest = writer.manifest  # read under the lock, which is held until the commit
     retained = writer.root / f"{RETAINED_PREFIX}{writer.index}"  # a pruned, referenced index
     if writer.index in manifest.entries or os.path.lexists(retained):
         users = incremental.referenced_by_others(manifest, writer.index)

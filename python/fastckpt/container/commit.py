@@ -787,6 +787,10 @@ class IndexWriter(DirectoryWriter):
     Attributes:
         index: the index being written (decided under the lock when ``index`` was None).
         lock: the held lock.
+        manifest: the root's manifest, read once under the lock (as cleaned, and on an
+            object store without the index being replaced); it is what the root holds until
+            :meth:`commit_entry` commits this index into it, since every writer of a manifest
+            (a save, a prune, a promotion) holds the lock. Read it, do not change it.
     """
 
     def __init__(
@@ -805,7 +809,8 @@ class IndexWriter(DirectoryWriter):
         aborts the save, the lock released.
 
         Raises:
-            ValueError: a negative index, or one over MAX_INDEX (10**18 - 1).
+            ValueError: a negative index, or one over MAX_INDEX (10**18 - 1) (``index`` None:
+                the root's latest index is MAX_INDEX already).
             TimeoutError: another process held the root longer than ``lock_timeout``.
             CheckpointFormatError: ``index`` is None and the manifest is damaged.
         """
@@ -827,15 +832,28 @@ class IndexWriter(DirectoryWriter):
         self.lock.acquire()
         try:
             _refuse_manager_checkpoints(root, backend)
-            # A manifest whose seal fails is refused before anything is written: this save's
-            # commit would re-seal the damage (an edited counter) as fastckpt's own.
+            # The one read of the manifest for this save, under the lock: handed to the
+            # clean-up, the caller's checks and the commit (no other writer can change it
+            # before the commit: each takes the lock). A manifest whose seal fails is refused
+            # before anything is written: this save's commit would re-seal the damage (an
+            # edited counter) as fastckpt's own.
             sealed = Manifest.load(root)
             sealed.refuse_if_damaged()
-            clean_leftovers(root, writing=index)
-            sealed = Manifest.load(root)  # as cleaned: an interrupted replacement undone
+            _removed, cleaned = _clean_leftovers(root, sealed, writing=index)
+            # As cleaned (the same manifest, unless an interrupted replacement was undone);
+            # None: the restored manifest does not read, and this read raises why.
+            sealed = cleaned if cleaned is not None else Manifest.load(root)
             if index is None:
                 index = _next_free_index(root, sealed.latest)
+                if index > MAX_INDEX:
+                    raise ValueError(
+                        f"{display_path(root)}: the root's latest index is already "
+                        f"{sealed.latest} and the next one would be past {MAX_INDEX}, the "
+                        "largest a manifest holds: give an index (checkpoint_index=...), or "
+                        "save into a new root"
+                    )
             self.index: int = index
+            self.manifest = sealed
             if check is not None:
                 check(sealed, index)
             # Objects are written in place (delete first, no rename): a committed index being
@@ -956,7 +974,10 @@ class IndexWriter(DirectoryWriter):
 
     def _commit_entry(self, entry: dict[str, Any]) -> None:
         self.wait_written()
-        manifest = Manifest.load(self.root)
+        # Not read again: the lock held since __init__ kept every other writer out (on an
+        # object store, the lease: a writer that outlived its lease is refused by the
+        # conditional put, which is conditioned on the version read under the lease).
+        manifest = self.manifest
         if self.index in manifest.entries and isinstance(self.staging, LocalStaging):
             _replace_local(self, manifest, {**entry, "files": self.files})
             _committed(self.root, self.index)
@@ -1092,14 +1113,16 @@ def _roll_back(
     writer.staging.discard()
 
 
-def _restore_interrupted_replacements(root: Path) -> None:
+def _restore_interrupted_replacements(root: Path) -> bool:
     """Put back the index a replacement (:func:`_replace_local`) withdrew from the manifest
     when its writer died before committing the new one: the old manifest it kept (a hard
     link) names the index, the old directory is whole (renamed aside in one step, or not
     moved yet), so the index is committed again as it was and the unfinished new directory
     removed. Called under the root's lock, before the leftovers (those copies) are removed.
+    Returns whether it committed the manifest (changed).
     """
     prefix = f".{MANIFEST}{ATOMIC_TEMP_INFIX}old."
+    restored = False
     for name in sorted(os.listdir(root)):
         if not name.startswith(prefix):
             continue
@@ -1130,6 +1153,7 @@ def _restore_interrupted_replacements(root: Path) -> None:
             # against the old record (the old one was missing, so the new one took its place).
             continue
         current.commit()
+        restored = True
         _LOG.warning(
             "%s: index %d was being replaced when its writer died; the old index %d is "
             "committed again",
@@ -1137,6 +1161,7 @@ def _restore_interrupted_replacements(root: Path) -> None:
             index,
             index,
         )
+    return restored
 
 
 def _set_aside_object_index(
@@ -1213,20 +1238,24 @@ def _drop_copy(root: Path, backend: StorageBackend, index: int, aside: Path) -> 
 
 def _restore_object_replacements(
     root: Path, backend: StorageBackend, names: Sequence[str] | None = None
-) -> None:
+) -> bool:
     """On an object store, under the root's lock: each index a replacement withdrew and
     whose writer died before committing the new one is committed again from the copy
     :func:`_set_aside_object_index` kept (verified against its record first); copies no
-    longer needed are deleted. ``names``: the root's listing, when the caller has it."""
+    longer needed are deleted. ``names``: the root's listing, when the caller has it.
+    Returns whether there was such a copy (the manifest may have been committed again)."""
     if names is None:
         try:
             names = backend.list_dir(root)
         except (FileNotFoundError, NotADirectoryError):
-            return
+            return False
+    found = False
     for name in names:
         number, _, tag = name.removeprefix(TRASH_PREFIX).partition(".")
         if name.startswith(TRASH_PREFIX) and tag and _is_index_name(number):
             _restore_object_index(root, backend, int(number), root / name)
+            found = True
+    return found
 
 
 def _restore_object_index(root: Path, backend: StorageBackend, index: int, aside: Path) -> None:
@@ -1323,17 +1352,28 @@ def clean_leftovers(
     Call it only while holding the root's lock (as :class:`IndexWriter` does): everything
     temporary in the root then belongs to a dead writer. Returns what was removed.
     """
+    return _clean_leftovers(root, None, writing=writing, promoting=promoting)[0]
+
+
+def _clean_leftovers(
+    root: Path, manifest: Manifest | None, *, writing: int | None, promoting: bool = False
+) -> tuple[list[str], Manifest | None]:
+    """:func:`clean_leftovers`, given the root's manifest as the caller read it under the
+    lock (None: read here); returns what was removed and the manifest as cleaned: the one
+    given, unless an interrupted replacement was undone (which commits the manifest: read
+    again then), None when it does not read (nothing is deleted on the word of a damaged
+    manifest)."""
     removed: list[str] = []
     backend = backend_for(root)
     if not is_local(backend):
-        return _clean_object_root(root, backend, writing)
+        return _clean_object_root(root, backend, writing, manifest)
     if not root.is_dir():
-        return removed
-    _restore_interrupted_replacements(root)
-    try:
-        manifest: Manifest | None = Manifest.load(root)
-    except (CheckpointFormatError, OSError):
-        manifest = None  # never delete index directories on the word of a damaged manifest
+        return removed, manifest
+    if _restore_interrupted_replacements(root) or manifest is None:
+        try:
+            manifest = Manifest.load(root)
+        except (CheckpointFormatError, OSError):
+            manifest = None  # never delete index directories on the word of a damaged manifest
     latest = None if manifest is None else manifest.latest
     referenced: set[int] | None = None
     for name in backend.list_dir(root):
@@ -1379,7 +1419,7 @@ def clean_leftovers(
         removed += refs.collect_garbage(root, in_use - set(manifest.entries))
     if manifest is not None:
         removed += _sweep_sharded(root, manifest, writing, only_older=promoting)
-    return removed
+    return removed, manifest
 
 
 def _sweep_sharded(
@@ -1411,30 +1451,33 @@ def _referenced(manifest: Manifest) -> set[int]:
         return set(range((manifest.latest or 0) + 1))
 
 
-def _clean_object_root(root: Path, backend: StorageBackend, writing: int | None) -> list[str]:
-    """:func:`clean_leftovers` on an object store: index prefixes the manifest does not name
+def _clean_object_root(
+    root: Path, backend: StorageBackend, writing: int | None, manifest: Manifest | None
+) -> tuple[list[str], Manifest | None]:
+    """:func:`_clean_leftovers` on an object store: index prefixes the manifest does not name
     that are older than its latest index (with their unfinished uploads), and the sharded parts
     of such indices (see :func:`_sweep_sharded`). Newer index prefixes are deleted by the next
     save of that index."""
     try:
         names = backend.list_dir(root)  # once: a request each (the copies' names stay apart)
     except (FileNotFoundError, NotADirectoryError):
-        return []
-    _restore_object_replacements(root, backend, names)  # before deciding what the root holds
-    try:
-        manifest = Manifest.load(root)
-    except (CheckpointFormatError, OSError):
-        return []
+        return [], manifest
+    # Before deciding what the root holds; a copy of a replaced index may be committed again.
+    if _restore_object_replacements(root, backend, names) or manifest is None:
+        try:
+            manifest = Manifest.load(root)
+        except (CheckpointFormatError, OSError):
+            return [], None
     latest = manifest.latest
     if latest is None:
-        return []
+        return [], manifest
     removed = []
     for name in names:
         if _is_index_name(name) and int(name) < latest and int(name) not in manifest.entries:
             backend.delete(root / name)
             removed.append(name)
     # Only older indices, but never ``writing``: a save may replace an older index.
-    return removed + _sweep_sharded(root, manifest, writing)
+    return removed + _sweep_sharded(root, manifest, writing), manifest
 
 
 def _remember_record_version(backend: StorageBackend, final: Path) -> None:

@@ -45,7 +45,7 @@ from torch.autograd.graph import increment_version
 
 from fastckpt import _native
 from fastckpt.checkpoint.fill import plain_state
-from fastckpt.container.links import check_against_header, read_references
+from fastckpt.container.links import check_against_header, item_references
 from fastckpt.container.reader import check_recorded, read_json, takes_direct_read
 from fastckpt.container.templates import template_tensors, template_view
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError
@@ -194,7 +194,7 @@ def plan_direct_read(
         name: _describe(directory, own, name, info)
         for name, info in _header(directory, record, own, own, key, source).items()
     }
-    refs = read_references(record, source).get(own, {})
+    refs = item_references(record, source, own)
     headers: dict[str, dict[str, Any]] = {}
     for name, ref in refs.items():
         relpath = ref["file"]
