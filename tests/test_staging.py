@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -142,3 +147,48 @@ def test_reserved_buffers_are_the_ones_a_stage_fills() -> None:
     assert torch.equal(staged["w"], live["w"]) and torch.equal(staged["b"], live["b"])
     assert stager.reserve({"w": torch.zeros(2, 3)}) == 24  # a new shape: a new buffer
     assert stager.allocations == 3
+
+
+STAGING_MEMORY_CHILD = textwrap.dedent(
+    """
+    import resource, sys, torch, fastckpt
+    root = sys.argv[1]
+    state = {"model": {f"w{i}": torch.full((32 << 20,), float(i)) for i in range(4)}}
+    manager = fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_async_save())
+    manager.save(f"{root}/before", {"model": {"w": torch.ones(4)}}).result()
+    status = [line for line in open("/proc/self/status") if line.startswith("VmSize")]
+    size = int(status[0].split()[1]) * 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (size + (200 << 20), hard))
+    try:
+        manager.save(f"{root}/big", state).result()
+        print("saved")
+    except MemoryError as err:
+        print("refused:", err)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    manager.save(f"{root}/after", state).result()
+    loaded = manager.load(f"{root}/after")["model"]["w3"]
+    manager.close()
+    print("after:", torch.equal(loaded, state["model"]["w3"]))
+    """
+)
+
+
+def test_staging_memory_that_cannot_be_allocated_is_a_memory_error_naming_the_fix(
+    tmp_path: Path,
+) -> None:
+    """An async save whose staging copy does not fit in memory (4 x 128 MiB with 200 MiB of
+    address space to spare) fails with a ``MemoryError`` naming the tensor, that the save is
+    not committed, and the fixes; the next save works. Before, torch's bare ``RuntimeError``
+    ("[enforce fail at alloc_cpu.cpp] ... DefaultCPUAllocator: can't allocate memory")."""
+    result = subprocess.run(
+        [sys.executable, "-c", STAGING_MEMORY_CHILD, str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("refused: "), result.stdout
+    assert "could not be allocated" in lines[0] and "save synchronously" in lines[0], lines[0]
+    assert "not committed" in lines[0] and "w" in lines[0]
+    assert lines[-1] == "after: True", result.stdout
+    assert not (tmp_path / "big").exists()

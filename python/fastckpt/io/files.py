@@ -46,6 +46,7 @@ __all__ = [
     "read_metadata",
     "read_tensors",
     "save_file",
+    "staging_bytes",
     "torch_shape",
     "write_tensors",
 ]
@@ -312,6 +313,30 @@ def empty_tensor(
     size = math.prod(shape) * dtype.itemsize
     raw = torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin_memory)
     return raw.view(dtype).view(shape)
+
+
+def staging_bytes(size: int, *, pin_memory: bool, what: str) -> torch.Tensor:
+    """``size`` uninitialised bytes of host memory for an async save's staging (``what``
+    names it: a tensor's buffer, a file's image).
+
+    Raises:
+        MemoryError: the allocation failed (torch's bare "DefaultCPUAllocator: can't allocate
+            memory"), naming ``what``, the size and the fixes; nothing of the save was
+            committed.
+    """
+    try:
+        return torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
+    except RuntimeError as err:
+        text = str(err).lower()
+        if "can't allocate memory" not in text and "out of memory" not in text:
+            raise
+        kind = "pinned host memory" if pin_memory else "host memory"
+        raise MemoryError(
+            f"{what}: {size} bytes of {kind} could not be allocated for an async save's "
+            "staging copy, so that save is not committed (the checkpoints before it are "
+            "intact); free memory, or save synchronously (CheckpointManager.Config."
+            "with_sync_save(), CheckpointHook(async_save=False)), which stages no copy"
+        ) from err
 
 
 def copy_values(target: torch.Tensor, source: torch.Tensor) -> None:

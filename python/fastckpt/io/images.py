@@ -32,7 +32,13 @@ from typing import Any
 import torch
 
 from fastckpt import _native
-from fastckpt.io.files import DEFAULT_CHUNK_SIZE, choose_direct_io, dtype_name, header_shape
+from fastckpt.io.files import (
+    DEFAULT_CHUNK_SIZE,
+    choose_direct_io,
+    dtype_name,
+    header_shape,
+    staging_bytes,
+)
 from fastckpt.io.forksafe import ForkSafeLock
 
 __all__ = ["ALIGN", "IMAGE_MIN_BYTES", "FileImage", "ImagePool", "find_image", "write_image"]
@@ -95,7 +101,10 @@ class FileImage:
             (name, dtype_name(t.dtype), header_shape(name, t)) for name, t in tensors.items()
         ]
         self.data_start, image_len, ranges = _native.image_layout(self.descriptions, {}, True)
-        raw = torch.empty(image_len + ALIGN, dtype=torch.uint8, pin_memory=pinned)
+        names = ", ".join(list(tensors)[:3]) + (", ..." if len(tensors) > 3 else "")
+        raw = staging_bytes(
+            image_len + ALIGN, pin_memory=pinned, what=f"the file image of tensors {names}"
+        )
         offset = -raw.data_ptr() % ALIGN
         self.buffer = raw[offset : offset + image_len]
         self.views: dict[str, torch.Tensor] = {}

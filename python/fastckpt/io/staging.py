@@ -18,13 +18,14 @@ The async engine that runs the writes is :class:`fastckpt.container.background.B
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from fastckpt.io.files import check_storable, copy_values, empty_tensor
+from fastckpt.io.files import check_storable, copy_values, staging_bytes
 from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.images import ImagePool
 
@@ -101,7 +102,10 @@ class _BufferPool:
         with self._lock:
             buffer = self.buffers.get(name)
             if buffer is None or buffer.dtype != like.dtype or buffer.shape != like.shape:
-                buffer = empty_tensor(like.shape, like.dtype, pin_memory=self.pinned)
+                size = math.prod(like.shape) * like.dtype.itemsize
+                what = f"the staging buffer of {name!r}"
+                raw = staging_bytes(size, pin_memory=self.pinned, what=what)
+                buffer = raw.view(like.dtype).view(like.shape)
                 self.buffers[name] = buffer
                 self.allocations += 1
                 return buffer, True
