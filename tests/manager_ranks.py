@@ -5,6 +5,7 @@ JSON report on its last stdout line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -152,9 +153,11 @@ def peer_killed() -> None:
     """Both ranks save ``c`` (value 1), then save it again (value 2) while rank ``victim``
     is SIGKILLed ``when`` ("before_gather": once its files are written, from its
     pre-finalize callback; "after_commit": the moment rank 0's new record is visible). argv:
-    victim, when, "sync" or "async". The survivor reports how its save ended."""
+    victim, when, "sync" or "async", and "same" to save value 1 again (files byte-identical
+    to the committed ones). The survivor reports how its save ended."""
     root, rank, _ = setup_rank()
     victim, when, kind = int(sys.argv[5]), sys.argv[6], sys.argv[7]
+    again = 1.0 if sys.argv[8:] == ["same"] else 2.0
     checkpoint = root / "c"
     built = config(kind)
     if rank == victim and when == "before_gather":
@@ -173,10 +176,113 @@ def peer_killed() -> None:
         _kill_when_committed(checkpoint)
     report: dict[str, Any] = {}
     try:
-        _save(manager, checkpoint, 2.0)
+        _save(manager, checkpoint, again)
         report["error"] = None
     except BaseException as err:
         report["error"] = _failure(err)
     print(json.dumps(report))
     sys.stdout.flush()
     os._exit(0)  # the process group lost a rank: no orderly teardown
+
+
+def _outcome(manager: Any, checkpoint: Path, value: float) -> Any:
+    """Save :func:`replicated_state` ``value``: None, or how the save failed."""
+    try:
+        _save(manager, checkpoint, value)
+    except BaseException as err:
+        return _failure(err)
+    return None
+
+
+def one_rank_write_fails() -> None:
+    """Both ranks save values 1 to 4 with one manager (argv: "sync" or "async", and "fixed":
+    every save to ``c``, or "steps": to ``step_N``); rank 1's second save fails on its own
+    (its pre_finalize_callback raises ENOSPC, as a full disk would). Each rank then loads
+    the last checkpoint (its own files) and reports what each save did."""
+    root, rank, _ = setup_rank()
+    kind, ids = sys.argv[5], sys.argv[6]
+    built = config(kind)
+    calls: list[Any] = []
+
+    def full_disk(args: Any) -> None:
+        calls.append(args)
+        if rank == 1 and len(calls) == 2:
+            raise OSError(28, "No space left on device (simulated)")
+
+    built.pre_finalize_callback = full_disk
+    report: dict[str, Any] = {"saves": []}
+    with CM(built) as manager:
+        for value in (1.0, 2.0, 3.0, 4.0):
+            checkpoint = root / ("c" if ids == "fixed" else f"step_{int(value)}")
+            report["saves"].append(_outcome(manager, checkpoint, value))
+        report["last"] = _first(manager, checkpoint)
+    report["committed"] = sorted(p.name for p in root.iterdir() if (p / "commit.json").exists())
+    report["left"] = sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp-"))
+    print(json.dumps(report))
+    leave_process_group()
+
+
+def _wait_for(flag: Path) -> None:
+    """Wait (at most 60 s) until another rank writes ``flag``."""
+    deadline = time.monotonic() + 60
+    while not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def saves_after_a_failed_collective() -> None:
+    """Both ranks save ``c`` (value 1); rank 0 alone saves again (value 2: its collective
+    times out, rank 1 never joins); then both save with the same manager (value 3), and
+    then with a new manager each (value 4). argv: "sync" or "async"."""
+    root, rank, _ = setup_rank()
+    kind = sys.argv[5]
+    checkpoint = root / "c"
+    report: dict[str, Any] = {}
+    manager = CM(config(kind))
+    _save(manager, checkpoint, 1.0)
+    dist.barrier()
+    if rank == 0:
+        report["alone"] = _outcome(manager, checkpoint, 2.0)
+        (root / "alone-done").write_text("")
+    else:
+        _wait_for(root / "alone-done")
+    start = time.monotonic()
+    report["same_manager"] = _outcome(manager, checkpoint, 3.0)
+    report["same_manager_s"] = time.monotonic() - start
+    report["after_same"] = _first(manager, checkpoint)
+    with contextlib.suppress(BaseException):
+        manager.close()
+    with CM(config(kind)) as fresh:
+        report["new_manager"] = _outcome(fresh, checkpoint, 4.0)
+        report["after_new"] = _first(fresh, checkpoint)
+    report["left"] = sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp-"))
+    print(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)  # the first manager's group failed: no orderly teardown
+
+
+def sharded_load_alone() -> None:
+    """Both ranks save a sharded (DTensor) checkpoint; then rank 0 alone loads it with a
+    manager built with ``collective=False`` while rank 1 waits for a file (no collective)."""
+    root, rank, _ = setup_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    with CM(config()) as manager:
+        manager.save(
+            root / "s", {"model": {"w": distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])}}
+        )
+    dist.barrier()
+    report: dict[str, Any] = {}
+    if rank == 0:
+        start = time.monotonic()
+        with CM(config(collective=False)) as alone:
+            try:
+                alone.load(root / "s")
+                report["error"] = None
+            except BaseException as err:
+                report["error"] = _failure(err)
+        report["secs"] = time.monotonic() - start
+        (root / "done").write_text("")
+    else:
+        _wait_for(root / "done")
+    print(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)

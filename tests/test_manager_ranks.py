@@ -121,3 +121,86 @@ def test_a_save_whose_peer_rank_dies_says_whether_it_was_committed(
         m.save(root / "c", {"model": {"w": torch.full((1000,), 3.0)}, "step": 3})
     assert _staging_left(root) == []
     assert _first_weight(root / "c") == 3.0
+
+
+def test_a_survivor_whose_files_equal_the_committed_ones_says_nothing_was_committed(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 is SIGKILLed before the gather of a save whose files are byte-identical to the
+    committed checkpoint's (the same values saved again). Before, rank 1 found its files in
+    rank 0's (old) record and said the save "was committed", though rank 0 cannot commit
+    without rank 1's part of the gather; now: not committed."""
+    root = tmp_path / "root"
+    results = _run("peer_killed", root, "0", "before_gather", "sync", "same")
+    assert results[0][0] == -9, results[0][2][-2000:]
+    error = _report(results[1])["error"]
+    assert error is not None and "was not committed" in error["message"], error
+    assert not error["marked_committed"]
+    assert _first_weight(root / "c") == 1.0
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("ids", ["fixed", "steps"])
+def test_a_save_failing_on_one_rank_is_aborted_on_every_rank_and_the_next_saves_commit(
+    tmp_path: Path, kind: str, ids: str
+) -> None:
+    """Rank 1's second save fails on its own (ENOSPC from its pre_finalize_callback). Before,
+    it raised before the gather, so rank 0's gather paired with rank 1's next save: with a
+    fixed checkpoint id rank 0's save 2 committed rank 0's values 2 with rank 1's 3, save 3
+    the same (each "ok" on rank 0, wrong data); with step ids every later save failed naming
+    different checkpoint ids. Now every rank takes part in every gather: save 2 fails on
+    both ranks (rank 0 naming rank 1 and its error), nothing of it is committed, and saves
+    3 and 4 commit each rank's own values."""
+    root = tmp_path / "root"
+    zero, one = (_report(result) for result in _run("one_rank_write_fails", root, kind, ids))
+    assert zero["saves"][0] is None and one["saves"][0] is None, (zero, one)
+    failed = one["saves"][1]
+    assert failed is not None and "No space left on device" in failed["message"], one
+    told = zero["saves"][1]
+    assert told is not None and told["type"] == "RuntimeError", zero
+    assert "rank 1" in told["message"] and "No space left on device" in told["message"], told
+    assert (
+        "nothing of this save was committed" in told["message"] and not told["marked_committed"]
+    ), told
+    assert zero["saves"][2:] == [None, None] and one["saves"][2:] == [None, None], (zero, one)
+    assert zero["last"] == 4.0 and one["last"] == 4.0  # each rank's own save 4
+    expected = ["c"] if ids == "fixed" else ["step_1", "step_3", "step_4"]
+    assert zero["committed"] == expected and zero["left"] == [] and one["left"] == []
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_after_a_failed_collective_later_saves_say_the_group_failed(
+    tmp_path: Path, kind: str
+) -> None:
+    """Rank 0 saves alone (its collective times out); then both ranks save with the same
+    manager. Before, that save failed too, after the timeout, blaming "another rank did not
+    call save" (gloo's group cannot be used after a failed collective). Now rank 0 refuses
+    it at once, naming the save whose collective failed and the way out; a new manager on
+    every rank saves again (a new group), and the checkpoint was never damaged."""
+    root = tmp_path / "root"
+    zero, one = (_report(result) for result in _run("saves_after_a_failed_collective", root, kind))
+    assert zero["alone"] is not None and "was not committed" in zero["alone"]["message"], zero
+    refused = zero["same_manager"]
+    assert refused is not None and refused["type"] == "RuntimeError", zero
+    message = refused["message"]
+    assert "process group failed at the save of" in message and str(root / "c") in message
+    assert "Restart the job" in message and "new CheckpointManager on every rank" in message
+    assert "did not call save" not in message, message
+    assert zero["same_manager_s"] < 2, zero  # at once, no timeout waited out
+    assert one["same_manager"] is not None, one  # rank 1's collective found no rank 0
+    assert zero["after_same"] == 1.0 and one["after_same"] == 1.0
+    assert zero["new_manager"] is None and one["new_manager"] is None, (zero, one)
+    assert zero["after_new"] == 4.0 and one["after_new"] == 4.0
+    assert zero["left"] == [] and one["left"] == []
+
+
+def test_a_manager_used_by_one_rank_alone_refuses_a_sharded_load(tmp_path: Path) -> None:
+    """Before: rank 0's ``collective=False`` manager loading a sharded checkpoint ran DCP's
+    collective load on the default group, which rank 1 never joined: it hung until the
+    default group's timeout. Now it is refused at once, nothing read."""
+    root = tmp_path / "root"
+    zero = _report(_run("sharded_load_alone", root)[0])
+    error = zero["error"]
+    assert error is not None and error["type"] == "ValueError", zero
+    assert str(root / "s") in error["message"] and "Config.collective=False" in error["message"]
+    assert zero["secs"] < 10, zero

@@ -21,7 +21,7 @@ import fastckpt.manager.load as manager_load
 from fastckpt import CheckpointMismatchError, ChecksumMismatchError
 from fastckpt.io.files import read_metadata
 from fastckpt.manager import CheckpointManager
-from fastckpt.manager.stateful import PARAMETER_SHAPED_OPTIMIZERS
+from fastckpt.manager.stateful import PARAMETER_SHAPED_OPTIMIZERS, PARAMETER_SHAPED_STATE
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
@@ -197,7 +197,8 @@ def test_optimizers_over_their_parameters_in_the_saved_order_load(
     tmp_path: Path, cls: type[torch.optim.Optimizer]
 ) -> None:
     """The rule refuses only what is proven: every class it applies to keeps state of its
-    parameters' shapes (this fails when a torch upgrade changes that), and every class,
+    parameters' shapes under the keys it compares (this fails when a torch upgrade changes
+    that), and every class,
     those whose state has other shapes too (``Adafactor``'s factored moments, ``LBFGS``),
     loads into an optimizer over the same parameters in the same order."""
     params, optimizer = _stepped_params(cls)
@@ -206,6 +207,7 @@ def test_optimizers_over_their_parameters_in_the_saved_order_load(
             for name, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() >= 1:
                     assert value.shape == params[index].shape, (cls.__name__, name)
+                    assert name in PARAMETER_SHAPED_STATE, (cls.__name__, name)  # compared
     fresh = _optimizer(cls, [torch.nn.Parameter(torch.zeros_like(p)) for p in params])
     with _sync() as manager:
         manager.save(tmp_path / "c", {"opt": optimizer})
@@ -307,3 +309,67 @@ def test_an_interrupted_load_state_dict_says_which_templates_were_read_into(
         manager.load(tmp_path / "c", into={"w": torch.zeros(8), "s": _InterruptedState()})
     notes = "\n".join(getattr(caught.value, "__notes__", []))
     assert "into={'w': ..., 's': ...}" in notes, notes
+
+
+def test_a_load_read_again_names_the_template_it_was_reading_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint is replaced while item ``b`` is read (its old file gone), so the load
+    reads again from ``a``, whose new file is damaged. Before, the templates were named in
+    the order first written into (``a``, then ``b``: "the last one perhaps in part" named
+    ``b``, read in full); now each is moved to the end when written into again (``a``)."""
+    checkpoint = tmp_path / "c"
+    torch.manual_seed(0)
+    with _sync() as manager:
+        manager.save(checkpoint, {key: torch.randn(1000) for key in "ab"})
+    real_read = manager_load._native.read_into
+    replaced: list[bool] = []
+
+    def read_into(path: str, *args: Any, **kwargs: Any) -> int:
+        if Path(path).name == "b.safetensors" and not replaced:
+            replaced.append(True)
+            with _sync() as manager:  # a save replacing the checkpoint meanwhile
+                manager.save(checkpoint, {key: torch.randn(1000) for key in "ab"})
+            _flip_data_byte(checkpoint / "a.safetensors")
+            raise FileNotFoundError(path)  # the old file was replaced
+        return real_read(path, *args, **kwargs)
+
+    monkeypatch.setattr(manager_load._native, "read_into", read_into)
+    fresh = {key: torch.zeros(1000) for key in "ab"}
+    with _sync() as manager, pytest.raises(ChecksumMismatchError) as caught:
+        manager.load(checkpoint, into=fresh)
+    assert replaced
+    message = str(caught.value)
+    assert "a.safetensors" in message and "into={'b': ..., 'a': ...}" in message, message
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_an_optimizer_state_with_a_step_of_one_element_loads(
+    tmp_path: Path, cls: type[torch.optim.Optimizer]
+) -> None:
+    """torch 1.12/1.13 Adam and AdamW with ``capturable=True`` saved ``state[i]["step"]`` as a
+    tensor of shape (1,), which torch's ``load_state_dict`` takes. Before, the check of the
+    saved state against the parameters' shapes compared ``step`` too and refused that
+    legitimate state ("the parameters were passed in another order"); now only the keys
+    those classes keep in their parameters' shape are compared."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+    optimizer = cls(params)
+    (params[0].sum() + params[1].sum()).backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    for state in saved["state"].values():
+        state["step"] = state["step"].reshape(1)  # the torch 1.12/1.13 capturable layout
+    fresh = cls([torch.nn.Parameter(torch.zeros(8, 4)), torch.nn.Parameter(torch.zeros(4))])
+    with _sync() as manager:
+        manager.save(tmp_path / "c", {"opt": saved})
+        manager.load(tmp_path / "c", into={"opt": fresh})
+    loaded = fresh.state_dict()["state"]
+    assert torch.equal(loaded[0]["exp_avg"], saved["state"][0]["exp_avg"])
+    assert loaded[0]["step"].shape == (1,)
+    # A moment of another shape is still refused.
+    saved["state"][1]["exp_avg"] = torch.zeros(5)
+    with _sync() as manager:
+        manager.save(tmp_path / "d", {"opt": saved})
+        with pytest.raises(CheckpointMismatchError, match=r"state\.1\.exp_avg"):
+            manager.load(tmp_path / "d", into={"opt": fresh})

@@ -33,11 +33,11 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from fastckpt.container.background import BackgroundWriter, mark_committed
+from fastckpt.container.background import BackgroundWriter, committed_before, mark_committed
 from fastckpt.container.commit import (
     DirectoryWriter,
     refuse_inside_checkpoint,
@@ -184,9 +184,16 @@ class _ManagerConfig(StrictConfig):
             False: this manager is used by this process alone, as without a process group
             (rank 0 of one): the DDP pattern "only rank 0 saves" for state every rank holds
             alike; its checkpoints hold this rank's state only and load on any number of
-            ranks. State holding DTensors is saved by every rank (a ``ValueError`` here).
-            Building a manager and loading never wait for other ranks either way;
-            ``load_latest`` of a collective manager does (every rank loads the same one).
+            ranks. State holding DTensors is saved and loaded by every rank together (a
+            ``ValueError`` here, nothing written or read). Building a manager and unsharded
+            loads never wait for other ranks either way; ``load_latest`` of a collective
+            manager does (every rank loads the same one). The gloo group of a collective
+            manager is made at its first collective save, on the thread calling ``save``.
+            A collective save that fails on one rank (its write, its
+            ``pre_finalize_callback``) is aborted on every rank, nothing committed, the
+            others' errors naming that rank; after a collective that failed (a rank that
+            died or never called save) the manager refuses later saves at once: build a new
+            one on every rank, or restart the job.
     """
 
     FIXED_AT_BUILD = frozenset({"save", "storage_config", "tiers", "collective"})
@@ -266,6 +273,33 @@ class _Snapshot:
     tensors: dict[str, dict[str, torch.Tensor]]
     checkpoint_id: str = ""
     plan: LinkPlan | None = None
+    turn: _Turn | None = None  # a collective save's (None: this process saves alone)
+
+
+@dataclass
+class _Turn:
+    """One collective save (:attr:`_DistributedContext.active`) of a manager.
+
+    Attributes:
+        number: how many saves this manager was asked for, this one included: ranks in step
+            give the same number to the same save.
+        may_join: this rank may take part in a collective of this save now (False until
+            the previous background write, which may still be in a collective, is done).
+        joined: this rank took part in the save's gather (with its files, or a failure).
+    """
+
+    number: int
+    may_join: bool
+    joined: bool = False
+
+
+class _RankPart(NamedTuple):
+    """What one rank gives to the gather of a collective save."""
+
+    number: int  # the save's :attr:`_Turn.number` on that rank
+    failure: str | None  # that rank's part failed: its error (nothing is committed)
+    sharded: bool  # a sharded (DTensor) save
+    payload: Any  # unsharded: (location, files, refs, final, items); sharded: digests
 
 
 _LOGGER = logging.getLogger("fastckpt.manager")
@@ -278,7 +312,10 @@ class _DistributedContext:
 
     The group is made at the first collective (:attr:`group`), never by the constructor:
     ``dist.new_group`` waits for every rank of the default group, and a manager built on one
-    rank alone (the DDP pattern "only rank 0 saves") hung there, to save or to load. A manager
+    rank alone (the DDP pattern "only rank 0 saves") hung there, to save or to load. That is
+    the manager's first collective save, on the thread calling ``save`` (every rank waits
+    there for the others, up to ``checkpoint_write_barrier_timeout_sec``); nothing makes it
+    earlier (``prewarm_staging`` is not collective: one rank may call it alone). A manager
     that is not ``collective`` (``Config.collective``) is used by this process alone: rank 0
     of a world of one, as without a process group, and it has no group.
 
@@ -395,6 +432,12 @@ def _record_names(final: Path, files: Mapping[str, Mapping[str, Any]]) -> tuple[
     # Rank 0 commits only once every rank's files are in: one that is still running (slow,
     # not dead) may commit it yet.
     return False, " (when this rank looked; a rank 0 still running may commit it yet)"
+
+
+def _summary(err: BaseException) -> str:
+    """``err`` in one line of at most 500 characters, for the other ranks' messages."""
+    text = f"{type(err).__name__}: {err}".replace("\n", " ")
+    return text if len(text) <= 500 else text[:497] + "..."
 
 
 def _check_same_save(gathered: list[Any]) -> None:
@@ -589,6 +632,9 @@ class CheckpointManager:
         self._tiers: tuple[Path, Path] | None = None
         self._promoter: CheckpointPromoter | None = None
         self._saves = 0  # saves committed by this manager (tiers: which ones are promoted)
+        self._collective_saves = 0  # collective saves asked for (_Turn.number)
+        # Where this manager's process group failed ("PATH (why)"): later saves refused.
+        self._broken: str | None = None
         if self.config.tiers is not None:
             self._start_tiers(self.config.tiers)
         # What was read above is fixed while this manager is open: a change is refused, not
@@ -940,8 +986,25 @@ class CheckpointManager:
     def _save(
         self, checkpoint_id: str | Path, state: Mapping[str, Any], base: str | Path | None
     ) -> Future[None] | None:
-        """:meth:`save`, one thread at a time."""
+        """:meth:`save`, one thread at a time. A collective save that fails on this rank
+        before its gather still takes part in it (:meth:`_join_failed`)."""
         self._check_open("save")
+        turn = self._begin_collective_save(checkpoint_id) if self._dist.active else None
+        try:
+            return self._save_turn_of(checkpoint_id, state, base, turn)
+        except BaseException as err:
+            if turn is not None:
+                self._join_failed(Path(os.fspath(checkpoint_id)), turn, err)
+            raise
+
+    def _save_turn_of(
+        self,
+        checkpoint_id: str | Path,
+        state: Mapping[str, Any],
+        base: str | Path | None,
+        turn: _Turn | None,
+    ) -> Future[None] | None:
+        """:meth:`_save` of the collective save ``turn`` (None: not collective)."""
         _check_state_mapping(state, "state")
         path = self._tier_path(checkpoint_id)
         if self._tiers is None:
@@ -949,6 +1012,8 @@ class CheckpointManager:
         if self._writer is not None:
             self._writer.wait_timeout = self.config.save.wait_timeout_secs  # read live
             self._writer.collect()
+            if turn is not None:
+                turn.may_join = True  # no write of this manager is in a collective now
         # its length: see _sibling; '.' or 'runs/..' name no folder of their own
         check_name(path.name, f"checkpoint directory name of {os.fspath(checkpoint_id)!r}")
         # Resolved now: an async write after the caller changed directory still goes where
@@ -985,7 +1050,7 @@ class CheckpointManager:
                     "Config.pre_finalize_callback is not supported for sharded (DTensor) state: "
                     "its files are committed by fastckpt.dcp in one step; use finalize_callback"
                 )
-            return self._save_sharded(path, prepared, str(checkpoint_id))
+            return self._save_sharded(path, prepared, str(checkpoint_id), turn)
         skeletons: dict[str, Any] = {}
         tensors: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in prepared.items():
@@ -996,7 +1061,7 @@ class CheckpointManager:
                     f"{tree.join_path(key, _RESERVED_NAME)}: the tensor name {_RESERVED_NAME!r} "
                     "is reserved by the safetensors format; rename that key"
                 )
-        snapshot = _Snapshot(path, skeletons, tensors, str(checkpoint_id))
+        snapshot = _Snapshot(path, skeletons, tensors, str(checkpoint_id), turn=turn)
         if not incremental:
             self._tracker.forget()
 
@@ -1054,10 +1119,28 @@ class CheckpointManager:
                 mark_committed(err)  # reported as a failure after the commit, not a lost save
                 raise
 
+        background_capture: Callable[[], None] | None = capture if self._async_staging else None
+        if background_capture is not None and turn is not None:
+            # A capture that fails on the background thread skips the write, and with it
+            # this rank's part of the gather: the write runs and takes part with the failure.
+            captured: list[BaseException] = []
+            capture_alone, write_alone = capture, write
+
+            def capture_noted() -> None:
+                try:
+                    capture_alone()
+                except BaseException as err:
+                    captured.append(err)
+
+            def write_or_join() -> None:
+                if captured:
+                    self._join_failed(path, turn, captured[0])
+                    raise captured[0]
+                write_alone()
+
+            background_capture, write = capture_noted, write_or_join
         try:
-            future = self._submit(
-                display_path(path), write, capture=capture if self._async_staging else None
-            )
+            future = self._submit(display_path(path), write, capture=background_capture)
         except BaseException:
             if snapshot.plan is not None:
                 snapshot.plan.close()  # the write that would have closed it never runs
@@ -1073,7 +1156,7 @@ class CheckpointManager:
         return future
 
     def _save_sharded(
-        self, path: Path, state: dict[str, Any], checkpoint_id: str
+        self, path: Path, state: dict[str, Any], checkpoint_id: str, turn: _Turn | None
     ) -> Future[None] | None:
         """Save state holding DTensors as a sharded checkpoint through :mod:`fastckpt.dcp`
         (collective: every rank saves its own shards; the coordinator commits)."""
@@ -1091,12 +1174,15 @@ class CheckpointManager:
                 "is used by this rank alone (Config.collective=False); save it with a "
                 "collective manager on every rank (nothing was saved)"
             )
-        if self._dist.active:
+        if self._dist.active and turn is not None:
             # DCP keeps one copy of every entry that is not a DTensor: ranks holding their
             # own values there (a loader's position, RNG states) would all load one rank's.
+            turn.joined = True
+            part = _RankPart(turn.number, None, True, replicated_digests(state))
             with self._collective(path, lambda: (False, " (nothing of it was written)")):
-                digests = self._dist.gather(replicated_digests(state))
-            differing = differing_entries(digests)
+                parts = self._dist.gather(part)
+            self._check_parts(path, parts)
+            differing = differing_entries([part.payload for part in parts])
             if differing:
                 shown = ", ".join(differing[:5]) + (", ..." if len(differing) > 5 else "")
                 raise ValueError(
@@ -1234,8 +1320,13 @@ class CheckpointManager:
         )
 
     def _write(self, snapshot: _Snapshot) -> None:
-        with explain_full_disk(snapshot.path):
-            self._write_checkpoint(snapshot)
+        try:
+            with explain_full_disk(snapshot.path):
+                self._write_checkpoint(snapshot)
+        except BaseException as err:
+            if snapshot.turn is not None:  # this rank's part failed: every rank is told
+                self._join_failed(snapshot.path, snapshot.turn, err)
+            raise
 
     def _write_checkpoint(self, snapshot: _Snapshot) -> None:
         start = time.perf_counter()
@@ -1269,7 +1360,7 @@ class CheckpointManager:
                 )
                 _record_callback_files(writer)
             record_refs = {self._tensor_file(key): names for key, names in refs.items() if names}
-            self._commit(writer, list(snapshot.skeletons), record_refs)
+            self._commit(writer, list(snapshot.skeletons), record_refs, snapshot.turn)
         except BaseException as err:
             writer.abort()
             if plan is not None and plan.refs and not disk_refused(err):
@@ -1298,47 +1389,159 @@ class CheckpointManager:
         writer: DirectoryWriter,
         items: list[str],
         refs: Mapping[str, Mapping[str, Reference]] | None = None,
+        turn: _Turn | None = None,
     ) -> None:
-        if not self._dist.active:
+        if not self._dist.active or turn is None:
             saved = saved_after_siblings(writer.final)
             record = commit_record(items, writer.files, 1, refs, saved_ns=saved)
             writer.add_json(COMMIT_RECORD, record)
             writer.commit()
             return
         # Each rank staged its own files; rank 0 gathers the files records, adopts every
-        # rank's files and commits once all ranks are done. A failed collective says whether
-        # the save was committed: rank 0 knows (it commits between the two); another rank
-        # reads rank 0's record.
+        # rank's files and commits once all ranks are done, then tells every rank whether it
+        # did. A rank whose part failed gives its error instead (_join_failed): no rank
+        # commits. A gather that fails is never committed: rank 0 commits only with every
+        # rank's part of it (a rank's files equal to the record already there prove nothing).
+        final = writer.final
         rank = self._dist.rank
-        with self._collective(
-            writer.final,
-            lambda: (False, "") if rank == 0 else _record_names(writer.final, writer.files),
-        ):
-            gathered = self._dist.gather(
-                (writer.location, writer.files, dict(refs or {}), str(writer.final), sorted(items))
-            )
+        turn.joined = True
+        payload = (writer.location, writer.files, dict(refs or {}), str(final), sorted(items))
+        with self._collective(final, lambda: (False, "")):
+            parts = self._dist.gather(_RankPart(turn.number, None, False, payload))
+        self._check_parts(final, parts)  # alike on every rank: all raise, or none
+        gathered = [part.payload for part in parts]
         _check_same_save(gathered)
         every_file = {
             relpath: entry for _, files, *_ in gathered for relpath, entry in files.items()
         }
-        if self._dist.rank == 0:
-            merged: dict[str, dict[str, Reference]] = {}
-            for location, files, rank_refs, _, _ in gathered:
-                if location != writer.location:
-                    writer.adopt(location, files)  # with the rank's linked files
-                merged.update({relpath: dict(names) for relpath, names in rank_refs.items()})
-            saved = saved_after_siblings(writer.final)
-            world = self._dist.world_size
-            record = commit_record(items, writer.files, world, merged, saved_ns=saved)
-            writer.add_json(COMMIT_RECORD, record)
-            writer.commit()
+        failure: BaseException | None = None
+        outcome: tuple[bool | None, str] = (True, "")
+        if rank == 0:
+            try:
+                merged: dict[str, dict[str, Reference]] = {}
+                for location, files, rank_refs, _, _ in gathered:
+                    if location != writer.location:
+                        writer.adopt(location, files)  # with the rank's linked files
+                    merged.update({relpath: dict(names) for relpath, names in rank_refs.items()})
+                saved = saved_after_siblings(final)
+                world = self._dist.world_size
+                record = commit_record(items, writer.files, world, merged, saved_ns=saved)
+                writer.add_json(COMMIT_RECORD, record)
+                writer.commit()
+            except BaseException as err:  # told to the other ranks, then raised here
+                failure = err
+                outcome = (committed_before(err), _summary(err))
+        if failure is not None:
+            # rank 0's own error is the one to raise
+            with contextlib.suppress(RuntimeError), self._collective(final, lambda: outcome):
+                self._dist.gather(outcome)
+            raise failure
         with self._collective(
-            writer.final,
-            lambda: (True, "") if rank == 0 else _record_names(writer.final, every_file),
+            final, lambda: (True, "") if rank == 0 else _record_names(final, every_file)
         ):
-            self._dist.barrier()
-        if self._dist.rank != 0:
-            writer.abort()
+            told = self._dist.gather(outcome if rank == 0 else None)
+        if rank == 0:
+            return
+        writer.abort()  # what rank 0 did not adopt
+        committed, why = told[0]
+        if not committed:
+            raise RuntimeError(
+                f"{display_path(final)}: CheckpointManager.save under a process group: rank 0 "
+                f"could not commit this save ({why}); "
+                + (
+                    "nothing of it was committed: the previous checkpoint stands. Rank 0's "
+                    "error says what to fix; then save again on every rank"
+                    if committed is False
+                    else f"it may have been committed: check it with `fastckpt verify "
+                    f"{display_path(final)}`"
+                )
+            )
+
+    def _check_parts(self, path: Path, parts: list[_RankPart]) -> None:
+        """Every rank's part of the gather of a collective save of ``path`` belongs to the
+        same save (the same :attr:`_Turn.number`), none failed, and all are sharded or none.
+        Checked alike on every rank (each holds every part).
+
+        Raises:
+            RuntimeError: the ranks are out of step (a save that failed or was skipped on
+                one rank only before its gather: the manager cannot save collectively any
+                more, see :meth:`_begin_collective_save`), or a rank's part failed (naming
+                the ranks and their errors): nothing of this save is committed on any rank.
+            ValueError: some ranks save DTensor state, others not.
+        """
+        where = display_path(path)
+        numbers = [part.number for part in parts]
+        if len(set(numbers)) > 1:
+            differing = ", ".join(
+                f"rank {rank} at its save {number}" for rank, number in enumerate(numbers)
+            )
+            why = (
+                f"the ranks were out of step ({differing} of this manager: a save failed or "
+                "was skipped on some ranks only before its collective, e.g. a TimeoutError "
+                "waiting for the previous write, or one rank called save once more)"
+            )
+            self._broken = f"{where} ({why})"
+            raise RuntimeError(
+                f"{where}: CheckpointManager.save under a process group: {why}; their parts "
+                "belong to different saves, so nothing of this save was committed on any rank "
+                "(the previous checkpoint stands). This manager cannot save collectively any "
+                "more: restart the job from the last committed checkpoint, or build a new "
+                "CheckpointManager on every rank (at the same point of the run)"
+            )
+        failed = [(rank, part.failure) for rank, part in enumerate(parts) if part.failure]
+        if failed:
+            named = "; ".join(f"rank {rank}: {failure}" for rank, failure in failed)
+            raise RuntimeError(
+                f"{where}: CheckpointManager.save under a process group was aborted on every "
+                f"rank: the part of rank(s) {', '.join(str(rank) for rank, _ in failed)} "
+                f"failed ({named}); nothing of this save was committed: the previous "
+                "checkpoint stands. Fix what failed there (that rank's own error says what), "
+                "then save again on every rank"
+            )
+        kinds = {part.sharded for part in parts}
+        if len(kinds) > 1:
+            sharded = [rank for rank, part in enumerate(parts) if part.sharded]
+            raise ValueError(
+                f"{where}: CheckpointManager.save under a process group: rank(s) {sharded} "
+                "save state holding DTensors, the others do not; every rank must save the "
+                "same items (nothing was committed)"
+            )
+
+    def _join_failed(self, path: Path, turn: _Turn, err: BaseException) -> None:
+        """This rank's part of the collective save ``turn`` (of ``path``) failed with ``err``
+        before its gather: take part in the gather with the failure, so that the other ranks
+        abort this save too (before, their gather paired with this rank's next save: a
+        checkpoint of two saves). ``err`` gets a note saying what every rank did."""
+        if turn.joined or not turn.may_join or self._broken is not None:
+            return
+        turn.joined = True
+        try:
+            with self._collective(path, lambda: (False, "")):
+                parts = self._dist.gather(_RankPart(turn.number, _summary(err), False, None))
+            self._check_parts(path, parts)
+        except (RuntimeError, ValueError) as told:
+            err.add_note(str(told))
+
+    def _begin_collective_save(self, checkpoint_id: str | Path) -> _Turn:
+        """Count a collective save of ``checkpoint_id`` (before anything can fail: a save
+        one rank skips puts its ranks out of step, which the next gather finds).
+
+        Raises:
+            RuntimeError: an earlier collective of this manager failed (a gloo group is not
+                usable after that), or its ranks went out of step: at once, nothing written.
+        """
+        if self._broken is not None:
+            raise RuntimeError(
+                f"{os.fspath(checkpoint_id)}: CheckpointManager.save refused at once: this "
+                f"manager's process group failed at the save of {self._broken}; a "
+                "torch.distributed group is not usable after one of its collectives failed, "
+                "so every later collective save of this manager would fail too. Nothing of "
+                "this save was written; the checkpoints committed before are intact. Restart "
+                "the job from the last committed checkpoint, or build a new CheckpointManager "
+                "on every rank (at the same point of the run) and save with it"
+            )
+        self._collective_saves += 1
+        return _Turn(self._collective_saves, may_join=self._writer is None)
 
     @contextlib.contextmanager
     def _collective(
@@ -1347,12 +1550,15 @@ class CheckpointManager:
         """Run a collective of the save of ``path``: torch.distributed's ``RuntimeError`` (a
         rank that died, or never called save) is raised again as :func:`_collective_failure`
         words it, with ``outcome()`` (whether the save was committed, asked then), chained,
-        and marked committed (:func:`mark_committed`) when it was."""
+        and marked committed (:func:`mark_committed`) when it was. The manager's group is
+        then marked failed (:meth:`_begin_collective_save` refuses later saves)."""
         try:
             yield
         except FastCkptError:
             raise
         except RuntimeError as err:
+            # gloo's group is not usable after a failed collective: later saves say so at once
+            self._broken = f"{display_path(path)} ({_summary(err)})"
             committed, detail = outcome()
             failure = _collective_failure(path, err, self._dist.timeout_secs, committed, detail)
             if committed:
@@ -1458,7 +1664,7 @@ class CheckpointManager:
             check_tied_templates(ties, templates, plans, values)
             for key, plan in plans.items():
                 if plan is not None:
-                    _add_once(written, key)
+                    _move_to_end(written, key)
                     values[key] = plan.load(map_location)
             return record, values
 
@@ -1475,7 +1681,7 @@ class CheckpointManager:
                     continue
                 template = None if into is None else into[key]
                 if template is not None and not isinstance(template, (bool, int, float, str)):
-                    _add_once(written, key)  # filled in place, or its load_state_dict runs
+                    _move_to_end(written, key)  # filled in place, or its load_state_dict runs
                 result[key] = restore(template, values[key], key, strict)
         except (ChecksumMismatchError, CheckpointFormatError) as err:
             if not written:
@@ -1500,9 +1706,23 @@ class CheckpointManager:
         strict: bool,
     ) -> dict[str, Any]:
         """Load a sharded checkpoint (collective): templates are filled in place, DTensors
-        resharded onto their own placements; stateful objects get ``load_state_dict()``."""
+        resharded onto their own placements; stateful objects get ``load_state_dict()``.
+
+        Raises:
+            ValueError: this manager is used by this rank alone (``Config.collective=False``
+                under a process group of several ranks): DCP's load is collective, and the
+                other ranks would never join it (nothing read).
+        """
         from fastckpt.dcp.state import load_state
 
+        if self._dist.alone:
+            raise ValueError(
+                f"CheckpointManager.load of {display_path(directory)}: a sharded (DTensor) "
+                "checkpoint is loaded by every rank together (each reads its own shards), but "
+                "this manager is used by this rank alone (Config.collective=False), and the "
+                "other ranks would never join its collective load; load it with a collective "
+                "manager on every rank (nothing was read)"
+            )
         templates = (
             None
             if into is None
@@ -1682,10 +1902,13 @@ def _plan_checked_item(
         return plan_direct_read(directory, record, key, rank, template, strict)
 
 
-def _add_once(keys: list[str], key: str) -> None:
-    """Append ``key`` to ``keys`` unless it is there already."""
-    if key not in keys:
-        keys.append(key)
+def _move_to_end(keys: list[str], key: str) -> None:
+    """Put ``key`` last in ``keys`` (appended, or moved there): the item written into last
+    (a load read again after a save replaced the checkpoint writes into ``a`` again after
+    ``b``) is the one that may hold partial bytes."""
+    if key in keys:
+        keys.remove(key)
+    keys.append(key)
 
 
 def _written_into(directory: Path, keys: list[str]) -> str:

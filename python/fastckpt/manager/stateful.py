@@ -40,6 +40,7 @@ from fastckpt.io.paths import is_text
 
 __all__ = [
     "PARAMETER_SHAPED_OPTIMIZERS",
+    "PARAMETER_SHAPED_STATE",
     "Stateful",
     "check_depth",
     "check_nesting",
@@ -361,6 +362,30 @@ PARAMETER_SHAPED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
     if hasattr(torch.optim, name)  # Muon: torch >= 2.9
 )
 
+#: The per-parameter state keys the classes of :data:`PARAMETER_SHAPED_OPTIMIZERS` keep in
+#: their parameter's shape (torch's sources: Adam/AdamW/RAdam/NAdam/SparseAdam ``exp_avg``,
+#: ``exp_avg_sq``, Adam/AdamW ``max_exp_avg_sq``, Adamax ``exp_inf``, SGD/RMSprop/Muon
+#: ``momentum_buffer``, RMSprop ``square_avg`` and ``grad_avg``, Adadelta ``square_avg`` and
+#: ``acc_delta``, Adagrad ``sum``, ASGD ``ax``, Rprop ``prev`` and ``step_size``). Their
+#: other keys hold scalars of any shape: ``step`` (a (1,) tensor in torch 1.12/1.13 Adam and
+#: AdamW with ``capturable=True``), ASGD's ``eta`` and ``mu``, NAdam's ``mu_product``.
+PARAMETER_SHAPED_STATE: frozenset[str] = frozenset(
+    {
+        "acc_delta",
+        "ax",
+        "exp_avg",
+        "exp_avg_sq",
+        "exp_inf",
+        "grad_avg",
+        "max_exp_avg_sq",
+        "momentum_buffer",
+        "prev",
+        "square_avg",
+        "step_size",
+        "sum",
+    }
+)
+
 
 def check_optimizer_state(
     optimizer: torch.optim.Optimizer, saved: Any, path: str, source: str = ""
@@ -373,10 +398,11 @@ def check_optimizer_state(
       torch refuses them too, but only when its ``load_state_dict`` runs, after the other
       items of the load (a model read into directly) were written.
     * For the classes of :data:`PARAMETER_SHAPED_OPTIMIZERS`: a saved per-parameter state
-      tensor (one or more dimensions) whose shape is not that of the live parameter it would
-      be loaded into. torch pairs saved and live parameters by position only, so parameters
-      passed in another order, or another model's, took other parameters' state (a bare
-      torch error at the first ``step()``, or swapped moments where the shapes agree).
+      tensor of a key they keep in their parameter's shape (:data:`PARAMETER_SHAPED_STATE`:
+      never ``step``) whose shape is not that of the live parameter it would be loaded
+      into. torch pairs saved and live parameters by position only, so parameters passed
+      in another order, or another model's, took other parameters' state (a bare torch
+      error at the first ``step()``, or swapped moments where the shapes agree).
     * ``param_names`` (torch records them for an optimizer built from ``named_parameters()``),
       saved and live, that put a live parameter where the saved run had another one of the
       group's names: it would take that one's state. Names that differ otherwise (a
@@ -445,8 +471,8 @@ def check_optimizer_state(
             if not isinstance(entry, Mapping) or is_lazy(param):
                 continue  # no state saved for it, or a parameter of any shape yet
             for name, value in entry.items():
-                if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                    continue  # a step count: no parameter's shape
+                if name not in PARAMETER_SHAPED_STATE or not isinstance(value, torch.Tensor):
+                    continue  # a step count or another scalar: no parameter's shape
                 if value.shape != param.shape:
                     raise CheckpointMismatchError(
                         f"{where(f'state.{index}.{name}')}: the saved tensor has shape "
