@@ -47,7 +47,12 @@ from fastckpt.container.reader import (
     verify_content,
 )
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
-from fastckpt.format.records import TENSOR_REFERENCE_FIELDS, Manifest, check_fields
+from fastckpt.format.records import (
+    TENSOR_REFERENCE_FIELDS,
+    Manifest,
+    check_fields,
+    check_schema_version,
+)
 from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.paths import safe_join
 from fastckpt.storage.backend import TEMP_PREFIX, LocalStaging, remove_tree
@@ -140,16 +145,7 @@ def refs_document(refs: Mapping[str, Mapping[str, Reference]]) -> dict[str, Any]
 def _parse(document: Any, where: str) -> dict[str, dict[str, Reference]]:
     if not isinstance(document, Mapping) or document.get("format") != "fastckpt-refs":
         raise CheckpointFormatError(f"{where}: not a fastckpt refs.json")
-    version = document.get("schema_version")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise CheckpointFormatError(f"{where}: field 'schema_version' missing or not an int")
-    if version > REFS_SCHEMA_VERSION:
-        raise CheckpointFormatError(
-            f"{where}: schema_version {version} was written by a newer fastckpt (this one "
-            f"reads up to {REFS_SCHEMA_VERSION}); upgrade fastckpt to load it"
-        )
-    if version < 1:
-        raise CheckpointFormatError(f"{where}: schema_version {version} does not exist")
+    check_schema_version(document.get("schema_version"), REFS_SCHEMA_VERSION, where)
     refs = document.get("refs")
     if not isinstance(refs, Mapping):
         raise CheckpointFormatError(f"{where}: field 'refs' must be an object")

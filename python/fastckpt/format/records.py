@@ -52,6 +52,7 @@ __all__ = [
     "Manifest",
     "by_commit_time",
     "check_fields",
+    "check_schema_version",
     "check_item_key",
     "check_seal",
     "commit_record",
@@ -578,20 +579,29 @@ class Manifest:
         return index
 
 
+def check_schema_version(version: Any, newest: int, where: str) -> None:
+    """Refuse a record's ``schema_version`` this fastckpt cannot read: missing or not an int,
+    below 1, or above ``newest`` (written by a newer fastckpt: the message says to upgrade).
+
+    Raises:
+        CheckpointFormatError: naming ``where``.
+    """
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CheckpointFormatError(f"{where}: field 'schema_version' missing or not an int")
+    if version > newest:
+        raise CheckpointFormatError(
+            f"{where}: schema_version {version} was written by a newer fastckpt (this one reads "
+            f"up to {newest}); upgrade fastckpt to load it"
+        )
+    if version < 1:
+        raise CheckpointFormatError(f"{where}: schema_version {version} does not exist")
+
+
 def _parse_entries(path: Path, data: Any) -> dict[int, dict[str, Any]]:
     shown = display_path(path)
     if not isinstance(data, dict):
         raise CheckpointFormatError(f"{shown}: manifest must be a JSON object")
-    version = data.get("schema_version")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise CheckpointFormatError(f"{shown}: field 'schema_version' missing or not an int")
-    if version > SCHEMA_VERSION:
-        raise CheckpointFormatError(
-            f"{shown}: schema_version {version} was written by a newer fastckpt (this one reads "
-            f"up to {SCHEMA_VERSION}); upgrade fastckpt to load it"
-        )
-    if version < 1:
-        raise CheckpointFormatError(f"{shown}: schema_version {version} does not exist")
+    check_schema_version(data.get("schema_version"), SCHEMA_VERSION, shown)
     if data.get("format", "fastckpt") != "fastckpt":
         raise CheckpointFormatError(f"{shown}: field 'format' must be \"fastckpt\"")
     checkpoints = data.get("checkpoints")
