@@ -125,6 +125,13 @@ for name, save in (
         report[name + "_per_rank"] = save(f"{root}/{name}-{rank}", per_rank=True)
     except TypeError as err:
         report[name + "_per_rank"] = f"TypeError: {err}"
+compiled = torch.compile(model, backend="eager")  # torch.compile(DDP(module))
+try:
+    report["compiled"] = fastckpt.save_checkpoint(
+        f"{root}/compiled", models={"main": (compiled, None)}
+    )
+except InvalidInputError as err:
+    report["compiled"] = str(err)
 print(json.dumps(report))
 s.leave_process_group()
 """
@@ -140,8 +147,11 @@ def test_a_save_by_hand_of_ddp_replicas_is_refused_on_other_ranks(tmp_path: Path
     outputs = support.run_two_ranks(SAVE_ON_EVERY_RANK_SCRIPT, tmp_path, tmp_path / "pg")
     rank_0, rank_1 = (json.loads(out.strip().splitlines()[-1]) for out in outputs)
     assert rank_0 == dict.fromkeys(
-        ["strategy", "strategy_per_rank", "components", "components_per_rank"], 0
+        ["strategy", "strategy_per_rank", "components", "components_per_rank", "compiled"], 0
     )
+    # torch.compile(DDP(module)) too (review of round 16: the compile wrapper hid the DDP one)
+    assert "rank 1 of a process group of 2 ranks" in rank_1["compiled"], rank_1
+    assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / "compiled")] == [0]
     for name in ("strategy", "components"):
         refusal = rank_1[name]
         assert isinstance(refusal, str), rank_1

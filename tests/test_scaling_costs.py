@@ -232,3 +232,19 @@ def test_nesting_depth_stops_past_its_limit() -> None:
         deep = [deep, 1]
     assert nesting_depth(deep, limit=10) == 11
     assert nesting_depth(deep) == records.MAX_JSON_DEPTH + 1
+
+
+def test_nesting_depth_of_shared_or_cyclic_containers_is_bounded() -> None:
+    """A container nested in itself, or shared down a 300-level chain, is walked once per
+    level: the walk stops past the limit at once. Before the review of round 16, each level
+    held every path to it (2**depth containers): a ``CheckpointManager.save`` of
+    ``d = {"w": t}; d["a"] = d; d["b"] = d`` ran out of memory instead of refusing the nest."""
+    cyclic: dict[str, Any] = {"w": 1}
+    cyclic["a"] = cyclic
+    cyclic["b"] = cyclic
+    assert nesting_depth(cyclic) == records.MAX_JSON_DEPTH + 1
+    shared: Any = {"a": 1}
+    for _ in range(300):
+        shared = {"left": shared, "right": shared}
+    assert nesting_depth(shared) == records.MAX_JSON_DEPTH + 1
+    assert nesting_depth(shared, limit=500) == 301

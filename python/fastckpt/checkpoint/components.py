@@ -65,6 +65,7 @@ __all__ = [
     "check_incremental",
     "checked_model_names",
     "create_snapshot",
+    "is_compiled",
     "load_components",
     "load_optimizer_state",
     "load_scheduler_state",
@@ -208,14 +209,14 @@ def unwrap_model(model: torch.nn.Module, *, sharded_ok: bool = False) -> torch.n
         )
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return unwrap_model(model.module, sharded_ok=sharded_ok)
-    if _is_compiled(model):
+    if is_compiled(model):
         compiled = model._orig_mod
         assert isinstance(compiled, torch.nn.Module)
         return unwrap_model(compiled, sharded_ok=sharded_ok)
     return model
 
 
-def _is_compiled(model: torch.nn.Module) -> bool:
+def is_compiled(model: torch.nn.Module) -> bool:
     """Whether ``model`` is the wrapper ``torch.compile(module)`` returns."""
     compiled = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
     wrapper = getattr(compiled, "OptimizedModule", None)

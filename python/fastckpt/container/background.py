@@ -17,7 +17,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from typing import Any, Generic, NoReturn, TypeVar
 
 __all__ = [
@@ -465,6 +465,31 @@ class BackgroundWriter(Generic[T]):
                 write's own exception instead.
         """
         return self._collect(self.wait_timeout)
+
+    def settle(self, doing: str) -> None:
+        """Wait (at most :attr:`wait_timeout` seconds) until the tracked write is done,
+        leaving it tracked: its outcome is reported by the next :meth:`collect` as usual.
+        For a caller about to run collectives of its own (``doing``) on the process group
+        the write's commit uses: two threads' collectives on one group pair up wrongly.
+
+        Raises:
+            TimeoutError: the write is still running after the wait timeout.
+            RuntimeError: called where the write waits for this thread (its guard held).
+        """
+        future = self._future
+        if future is None or future.done():
+            return
+        if not self._capture_done.is_set():
+            self._refuse_waiting_on_own_guard(doing)
+        self._refuse_waiting_on_own_write(doing)
+        done, _ = wait([future], timeout=self.wait_timeout)
+        if not done:
+            raise TimeoutError(
+                errno.ETIMEDOUT,
+                f"{doing} waits for the background checkpoint write of {self._what}, still "
+                f"running after {self.wait_timeout} s (its collectives use the same process "
+                "group); call it again once the write is done",
+            )
 
     def collect_waiting(self) -> T | None:
         """:meth:`collect`, waiting as long as the tracked write takes (no timeout)."""

@@ -52,8 +52,8 @@ __all__ = [
     "Manifest",
     "by_commit_time",
     "check_fields",
-    "check_schema_version",
     "check_item_key",
+    "check_schema_version",
     "check_seal",
     "commit_record",
     "component_files",
@@ -198,7 +198,9 @@ def nesting_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
         depth += 1
         if depth > limit:
             break
-        level = [child for child in below if type(child) not in _SCALARS]
+        # Each container once per level: a container shared or nested in itself (a cycle)
+        # would otherwise multiply the next level (the depth is the longest path either way).
+        level = list({id(item): item for item in below if type(item) not in _SCALARS}.values())
     return depth
 
 

@@ -316,8 +316,8 @@ def empty_tensor(
 
 
 def staging_bytes(size: int, *, pin_memory: bool, what: str) -> torch.Tensor:
-    """``size`` uninitialised bytes of host memory for an async save's staging (``what``
-    names it: a tensor's buffer, a file's image).
+    """``size`` uninitialised bytes of host memory for a save's staging copy (``what`` names
+    it: a tensor's buffer, a file's image).
 
     Raises:
         MemoryError: the allocation failed (torch's bare "DefaultCPUAllocator: can't allocate
@@ -331,11 +331,13 @@ def staging_bytes(size: int, *, pin_memory: bool, what: str) -> torch.Tensor:
         if "can't allocate memory" not in text and "out of memory" not in text:
             raise
         kind = "pinned host memory" if pin_memory else "host memory"
+        pinned = " or stage in pageable memory (use_pinned_memory=False)" if pin_memory else ""
         raise MemoryError(
-            f"{what}: {size} bytes of {kind} could not be allocated for an async save's "
-            "staging copy, so that save is not committed (the checkpoints before it are "
-            "intact); free memory, or save synchronously (CheckpointManager.Config."
-            "with_sync_save(), CheckpointHook(async_save=False)), which stages no copy"
+            f"{what}: {size} bytes of {kind} could not be allocated for a save's staging "
+            "copy, so that save is not committed (the checkpoints before it are intact); "
+            f"free memory{pinned}, or, for an async save of host tensors, save synchronously "
+            "(CheckpointManager.Config.with_sync_save(), CheckpointHook(async_save=False)), "
+            "which stages no copy of them"
         ) from err
 
 

@@ -212,12 +212,16 @@ class ImagePool:
                     continue
                 image = self.images.get(group)
                 if image is None or image.signature != _signature(tensors):
+                    # The stale image is dropped first: its memory and the new one's are
+                    # never both needed.
+                    self.images.pop(group, None)
+                    image = None
                     try:
                         image = FileImage(tensors, pinned=self.pinned)
-                    except (TypeError, ValueError, RuntimeError):
+                    except (TypeError, ValueError, RuntimeError, MemoryError):
                         # A tensor the format cannot hold as laid out (the file's writer
-                        # reports it): staged and written the ordinary way.
-                        self.images.pop(group, None)
+                        # reports it), or no memory for the image: staged and written the
+                        # ordinary way (whose buffers raise their own MemoryError).
                         continue
                     self.images[group] = image
                     self.allocations += 1

@@ -102,8 +102,10 @@ class _BufferPool:
         with self._lock:
             buffer = self.buffers.get(name)
             if buffer is None or buffer.dtype != like.dtype or buffer.shape != like.shape:
+                self.buffers.pop(name, None)  # a stale buffer and its successor never both
+                buffer = None
                 size = math.prod(like.shape) * like.dtype.itemsize
-                what = f"the staging buffer of {name!r}"
+                what = f"the staging buffer of {name.replace(chr(0), ':')!r}"  # file\0tensor
                 raw = staging_bytes(size, pin_memory=self.pinned, what=what)
                 buffer = raw.view(like.dtype).view(like.shape)
                 self.buffers[name] = buffer

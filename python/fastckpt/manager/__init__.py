@@ -401,6 +401,24 @@ def _collective_failure(
     )
 
 
+def _outcome_after(
+    error: BaseException, final: Path, files: Mapping[str, Mapping[str, Any]]
+) -> bool | None:
+    """Whether rank 0's commit of ``final`` that raised ``error`` committed it anyway, for the
+    other ranks: True when ``error`` says so or the record there names this save's files;
+    None (unknown: check it) when the record could not be read or ``error`` is an I/O error
+    (one after the rename, or an object store's in-doubt put, may have committed); else
+    False."""
+    if committed_before(error):
+        return True
+    found, _ = _record_names(final, files)
+    if found:
+        return True
+    if found is None or isinstance(error, OSError):
+        return None
+    return False
+
+
 def _record_names(final: Path, files: Mapping[str, Mapping[str, Any]]) -> tuple[bool | None, str]:
     """Whether the commit record at ``final`` names every file of ``files`` (relpath ->
     ``{"size", "crc32c"}``: a save's, as its ranks staged them) with its size and checksum,
@@ -816,6 +834,8 @@ class CheckpointManager:
         """:meth:`latest`, the same checkpoint on every rank (see :meth:`load_latest`)."""
         if not self._dist.active:
             return self.latest()
+        if self._writer is not None:  # its commit's collectives use the same group
+            self._writer.settle("CheckpointManager.load_latest")
         try:
             mine: NearestCheckpoint | None = self.latest()
             problem = None
@@ -992,7 +1012,7 @@ class CheckpointManager:
         turn = self._begin_collective_save(checkpoint_id) if self._dist.active else None
         try:
             return self._save_turn_of(checkpoint_id, state, base, turn)
-        except BaseException as err:
+        except Exception as err:  # not Ctrl-C: it must not wait for the others' gather
             if turn is not None:
                 self._join_failed(Path(os.fspath(checkpoint_id)), turn, err)
             raise
@@ -1011,9 +1031,17 @@ class CheckpointManager:
             use_storage_options(checkpoint_id, self._storage_options, "CheckpointManager.save")
         if self._writer is not None:
             self._writer.wait_timeout = self.config.save.wait_timeout_secs  # read live
-            self._writer.collect()
+            try:
+                self._writer.collect()
+            except TimeoutError:
+                raise  # the previous write is still running (perhaps in a collective)
+            except BaseException:
+                if turn is not None and not self._writer.busy:
+                    turn.may_join = True  # its failure raised once: the writer is idle
+                raise
             if turn is not None:
                 turn.may_join = True  # no write of this manager is in a collective now
+                self._refuse_if_broken(checkpoint_id)  # the write just collected may have
         # its length: see _sibling; '.' or 'runs/..' name no folder of their own
         check_name(path.name, f"checkpoint directory name of {os.fspath(checkpoint_id)!r}")
         # Resolved now: an async write after the caller changed directory still goes where
@@ -1177,8 +1205,8 @@ class CheckpointManager:
         if self._dist.active and turn is not None:
             # DCP keeps one copy of every entry that is not a DTensor: ranks holding their
             # own values there (a loader's position, RNG states) would all load one rank's.
-            turn.joined = True
             part = _RankPart(turn.number, None, True, replicated_digests(state))
+            turn.joined = True  # after the part is built: a failure above joins as such
             with self._collective(path, lambda: (False, " (nothing of it was written)")):
                 parts = self._dist.gather(part)
             self._check_parts(path, parts)
@@ -1404,10 +1432,11 @@ class CheckpointManager:
         # rank's part of it (a rank's files equal to the record already there prove nothing).
         final = writer.final
         rank = self._dist.rank
-        turn.joined = True
         payload = (writer.location, writer.files, dict(refs or {}), str(final), sorted(items))
+        part = _RankPart(turn.number, None, False, payload)
+        turn.joined = True
         with self._collective(final, lambda: (False, "")):
-            parts = self._dist.gather(_RankPart(turn.number, None, False, payload))
+            parts = self._dist.gather(part)
         self._check_parts(final, parts)  # alike on every rank: all raise, or none
         gathered = [part.payload for part in parts]
         _check_same_save(gathered)
@@ -1430,7 +1459,7 @@ class CheckpointManager:
                 writer.commit()
             except BaseException as err:  # told to the other ranks, then raised here
                 failure = err
-                outcome = (committed_before(err), _summary(err))
+                outcome = (_outcome_after(err, final, writer.files), _summary(err))
         if failure is not None:
             # rank 0's own error is the one to raise
             with contextlib.suppress(RuntimeError), self._collective(final, lambda: outcome):
@@ -1530,6 +1559,16 @@ class CheckpointManager:
             RuntimeError: an earlier collective of this manager failed (a gloo group is not
                 usable after that), or its ranks went out of step: at once, nothing written.
         """
+        self._refuse_if_broken(checkpoint_id)
+        self._collective_saves += 1
+        # A rank may join a gather now when no write of this manager can be in a collective
+        # (sync, or its previous write done): a bad argument fails the save on every rank.
+        idle = self._writer is None or not self._writer.busy
+        return _Turn(self._collective_saves, may_join=idle)
+
+    def _refuse_if_broken(self, checkpoint_id: str | Path) -> None:
+        """Raise at once when an earlier collective of this manager failed (see
+        :meth:`_begin_collective_save`)."""
         if self._broken is not None:
             raise RuntimeError(
                 f"{os.fspath(checkpoint_id)}: CheckpointManager.save refused at once: this "
@@ -1540,8 +1579,6 @@ class CheckpointManager:
                 "the job from the last committed checkpoint, or build a new CheckpointManager "
                 "on every rank (at the same point of the run) and save with it"
             )
-        self._collective_saves += 1
-        return _Turn(self._collective_saves, may_join=self._writer is None)
 
     @contextlib.contextmanager
     def _collective(
@@ -1723,6 +1760,8 @@ class CheckpointManager:
                 "other ranks would never join its collective load; load it with a collective "
                 "manager on every rank (nothing was read)"
             )
+        if self._dist.active and self._writer is not None:  # its collectives: same group
+            self._writer.settle("CheckpointManager.load of a sharded checkpoint")
         templates = (
             None
             if into is None

@@ -1966,8 +1966,9 @@ class TrainingStrategy:
         ``fallback_dirs`` on every rank or on none): rank 0 decides for every rank whether
         to resume (on a node-local root only rank 0's node holds the manifest; a rank
         starting afresh beside resumed ones would train another state), and the load is
-        collective too (see :meth:`load_checkpoint`): a rank that cannot load the index
-        every rank loads makes every rank raise. ``per_rank=True``: this rank decides and
+        collective too (see :meth:`load_checkpoint`): a rank whose tiers hold no copy of the
+        index every rank loads makes every rank raise (a copy found damaged while it is read
+        raises on that rank only). ``per_rank=True``: this rank decides and
         loads alone (independent runs of a sweep, one per rank, sharing a process group).
 
         Raises:
