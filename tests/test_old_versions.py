@@ -288,3 +288,26 @@ def test_a_shadow_that_fits_only_partly_after_the_prefix_is_still_refused() -> N
     )
     with pytest.raises(CheckpointMismatchError, match="missing"):
         hook.copy_to(model)
+
+
+def test_a_prune_keeps_the_files_a_promotions_partial_retained_copy_lacks(
+    tmp_path: Path,
+) -> None:
+    """A promotion's retained copy ``.ref-<i>`` holds only the files one promoted index
+    referenced; when index ``i`` itself is later pruned where no hard link can be made, its
+    other files are moved into that copy instead of being deleted with ``ROOT/<i>``. Before
+    the review of round 16, an existing ``.ref-<i>`` was taken as complete: ``ROOT/<i>`` was
+    removed, and kept indices referencing its other files lost their bytes."""
+    from fastckpt.container.refs import retain_for_references
+
+    index_dir = tmp_path / "3" / "models"
+    index_dir.mkdir(parents=True)
+    (index_dir / "main.safetensors").write_bytes(b"main")
+    (index_dir / "head.safetensors").write_bytes(b"head")
+    partial = tmp_path / ".ref-3" / "models"
+    partial.mkdir(parents=True)
+    (partial / "main.safetensors").write_bytes(b"main")
+    retain_for_references(tmp_path, 3)
+    assert not (tmp_path / "3").exists()
+    assert (partial / "main.safetensors").read_bytes() == b"main"
+    assert (partial / "head.safetensors").read_bytes() == b"head"

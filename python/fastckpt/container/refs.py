@@ -554,19 +554,41 @@ def retain_for_references(root: Path, index: int) -> None:
     """Keep the bytes of index ``index`` (pruned, or about to be) for the kept indices that
     reference them: ``ROOT/<index>`` is renamed to ``ROOT/.ref-<index>`` (no copy).
 
-    An existing ``ROOT/.ref-<index>`` is never replaced: a retained copy appears whole (one
-    rename of a durable directory, made before the prune's commit) and goes only by a rename
-    (:func:`remove_directory`), so it is complete, while ``ROOT/<index>`` next to it is what
-    a killed prune was deleting after its commit (possibly partly): that one is removed."""
+    An existing ``ROOT/.ref-<index>`` is never replaced. A prune's retained copy appears whole
+    (one rename of a durable directory, made before the prune's commit) and goes only by a
+    rename (:func:`remove_directory`), while ``ROOT/<index>`` next to it is what a killed
+    prune was deleting after its commit (possibly partly). A promotion's retained copy holds
+    only the files one promoted index referenced (:func:`write_retained`): the files of
+    ``ROOT/<index>`` it lacks are moved into it first. Then ``ROOT/<index>`` is removed."""
     directory = root / str(index)
     retained = root / f"{RETAINED_PREFIX}{index}"
     if not os.path.isdir(directory) or os.path.islink(directory):
         return
     if os.path.lexists(retained):
+        _move_missing(directory, retained)
         remove_directory(root, directory)
         return
     os.rename(directory, retained)
     _native.fsync_dir(str(root))
+
+
+def _move_missing(directory: Path, retained: Path) -> None:
+    """Move every file of ``directory`` that ``retained`` lacks (same relative path) into it,
+    durably (each directory it changed fsynced)."""
+    changed: set[str] = set()
+    for folder, _, names in os.walk(directory):
+        relative = os.path.relpath(folder, directory)
+        into = retained if relative == "." else retained / relative
+        for name in names:
+            if os.path.lexists(into / name):
+                continue
+            if not os.path.isdir(into):
+                os.makedirs(into)
+                changed.add(str(into.parent))
+            os.rename(os.path.join(folder, name), into / name)
+            changed.update((str(into), folder))
+    for folder in sorted(changed, key=len, reverse=True):
+        _native.fsync_dir(folder)
 
 
 def collect_garbage(root: Path, referenced: set[int]) -> list[str]:
