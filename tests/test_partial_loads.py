@@ -257,6 +257,15 @@ def test_latest_intact_on_manager_checkpoints_names_what_it_finds(tmp_path: Path
     assert fastckpt.latest_intact(tmp_path / "new") is None
 
 
+@pytest.fixture
+def ctrl_c_raises() -> Any:
+    """SIGINT as an interactive Python has it (``KeyboardInterrupt``): a process started in
+    the background by a shell (CI's) inherits it ignored, and Python then leaves it so."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _interrupt_reading(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """SIGINT to this process as the direct read of file ``name`` begins."""
     real_read = manager_load._native.read_into
@@ -270,7 +279,7 @@ def _interrupt_reading(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
 
 
 def test_an_interrupted_load_says_which_templates_it_read_into(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ctrl_c_raises: None
 ) -> None:
     """A real SIGINT during ``load(into=...)``, as item ``b``'s file is read: before, the
     ``KeyboardInterrupt`` carried no word that ``a``'s template already held the
@@ -299,7 +308,7 @@ class _InterruptedState:
 
 
 def test_an_interrupted_load_state_dict_says_which_templates_were_read_into(
-    tmp_path: Path,
+    tmp_path: Path, ctrl_c_raises: None
 ) -> None:
     """A SIGINT while a stateful item's ``load_state_dict`` runs, after a tensor item was read
     into directly: before, no note; now the note names both items."""
