@@ -40,7 +40,16 @@ from fastckpt.container.sharded.promote import rank_of
 from fastckpt.container.sharded.ranges import Range, coalesce
 from fastckpt.format.sharded import Record, StoredChunk
 
-__all__ = ["Note", "Schedule", "Transfer", "exchange", "held_files", "note", "schedule"]
+__all__ = [
+    "Note",
+    "Schedule",
+    "Transfer",
+    "exchange",
+    "gloo_group",
+    "held_files",
+    "note",
+    "schedule",
+]
 
 
 @dataclass(frozen=True)
@@ -168,7 +177,7 @@ def schedule(notes: Sequence[Note], where: Path) -> tuple[Transfer, ...]:
 _GLOO: dict[str, tuple[Any, Any]] = {}
 
 
-def _group() -> Any:
+def gloo_group() -> Any:
     """A gloo group over every rank: the default group when it has a gloo backend (CPU
     tensors go through it), else one created once per default group, by every rank at the
     same load (they all run the same schedule)."""
@@ -196,7 +205,7 @@ def exchange(
     if not transfers:
         return
     rank, _ = _world()
-    group = _group()
+    group = gloo_group()
     failure: BaseException | None = None
     for transfer in transfers:
         if transfer.source == rank:

@@ -227,6 +227,14 @@ def _check_load_per_rank(per_rank: Any, parallelize: Any, call: str) -> bool:
     return per_rank
 
 
+#: What every rank's agreement needs, and the way out, as both its errors say it.
+_AGREEMENT_RULE = (
+    "Every rank must call it, with the same tiers (fallback_dirs given on every rank or on "
+    "none). A load on this rank alone (evaluation on rank 0, independent runs of a sweep, "
+    "one per rank) passes per_rank=True"
+)
+
+
 def _collective_failed(call: str, world: int, err: BaseException) -> str:
     """The message of a ``RuntimeError`` raised when a collective of a load's agreement
     fails (a gloo timeout: another rank never called the load, or called it otherwise; a
@@ -234,16 +242,13 @@ def _collective_failed(call: str, world: int, err: BaseException) -> str:
     return (
         f"{call}: this load is collective under a process group of {world} ranks (the ranks "
         "of a data-parallel run load the same index, agreed among them), and the agreement "
-        f"with the other ranks failed ({type(err).__name__}: {err}). Every rank must call it, "
-        "with the same tiers (fallback_dirs given on every rank or on none). A load on this "
-        "rank alone (evaluation on rank 0, independent runs of a sweep, one per rank) passes "
-        "per_rank=True"
+        f"with the other ranks failed ({type(err).__name__}: {err}). {_AGREEMENT_RULE}"
     )
 
 
 def _gathered(value: Any, call: str) -> list[Any]:
     """Every rank's ``value``, in rank order (collective), exchanged on a gloo group
-    (:func:`fastckpt.dcp.peers._group`: the default group when it is gloo, else one made
+    (:func:`fastckpt.dcp.peers.gloo_group`: the default group when it is gloo, else one made
     once at the first agreement): NCCL object collectives need ``torch.cuda.set_device``
     first, and a resume often runs before it.
 
@@ -253,7 +258,7 @@ def _gathered(value: Any, call: str) -> list[Any]:
     """
     import torch.distributed as dist
 
-    from fastckpt.dcp.peers import _group as gloo_group
+    from fastckpt.dcp.peers import gloo_group
 
     _, world = _world()
     everyone: list[Any] = [None] * world
@@ -278,10 +283,8 @@ def _refuse_mixed_tiers(given: Sequence[bool], call: str) -> None:
     raise InvalidInputError(
         f"{call}: fallback_dirs were given on rank {with_tiers} but not on rank {without} of "
         f"a process group of {len(given)} ranks. The load is collective (the ranks of a "
-        "data-parallel run load the same index, agreed among them): every rank must call "
-        "it with the same tiers (fallback_dirs given on every rank or on none). Nothing was "
-        "loaded. A load on this rank alone (evaluation on rank 0, independent runs of a "
-        "sweep, one per rank) passes per_rank=True"
+        "data-parallel run load the same index, agreed among them). Nothing was loaded. "
+        + _AGREEMENT_RULE
     )
 
 
