@@ -25,11 +25,12 @@ from fastckpt.container import incremental
 from fastckpt.container.promote import Promoter, promote
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, PromotionError
 from fastckpt.format.records import MANIFEST, Manifest, seal_manifest
+from s3_support import S3Server, s3_env, s3_root, s3_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import crash_harness
 
-__all__ = ["cli_runner"]  # a fixture used by name below
+__all__ = ["cli_runner", "s3_env", "s3_root", "s3_server"]  # fixtures used by name below
 
 cli_runner = pytest.fixture(cli_runner)
 
@@ -129,6 +130,39 @@ def test_a_background_promoter_every_2_of_an_earlier_versions_root_loads_in_the_
     assert sorted(Manifest.load(durable).entries) == [2]
     assert fastckpt.verify(durable).ok
     _loads_bitwise(durable, 2, states[2])
+
+
+def test_a_prune_of_an_object_store_root_keeps_the_indices_old_references_read(
+    s3_server: S3Server,
+    s3_root: str,
+    s3_env: dict[str, str],
+    tmp_path: Path,
+    cli_runner: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``fastckpt promote --every 1`` copies an earlier version's indices with their
+    ``refs.json`` to an ``s3://`` root. Before, a prune there (``keep_last=1``) deleted
+    indices 0-2, which index 3 reads tensors from (an object store keeps no ``.ref-<i>``
+    copy): the newest index failed verify and its load raised FileNotFoundError. Now the
+    referenced indices are kept, each warned of with the fix, and index 3 loads bitwise."""
+    fast = tmp_path / "fast"
+    states = _legacy_root(fast)
+    status, out, err = cli_runner("promote", fast, s3_root, "--every", "1")
+    assert status == 0, (out, err)
+    with caplog.at_level("WARNING", logger="fastckpt.container.commit"):
+        assert fastckpt.prune(s3_root, keep_last=1) == []
+    assert sorted(Manifest.load(s3_root).entries) == [0, 1, 2, 3]
+    spared = [r.getMessage() for r in caplog.records if "not deleting index" in r.getMessage()]
+    assert len(spared) == 3 and all("save it again" in m for m in spared), spared
+    assert fastckpt.verify(s3_root).ok
+    _loads_bitwise(s3_root, 3, states[3])
+    # The fix the warning names: index 3 saved again by this fastckpt is self-contained,
+    # and the next prune frees the earlier indices.
+    model = fastckpt.load_checkpoint(s3_root, 3)["models"]["main"]["model"]
+    fastckpt.save_checkpoint(s3_root, models={"main": (model, None)})
+    assert fastckpt.prune(s3_root, keep_last=1) == [0, 1, 2, 3]
+    _loads_bitwise(s3_root, 4, states[3])
+    assert fastckpt.verify(s3_root).ok
 
 
 def test_a_reference_the_target_cannot_hold_is_refused_before_anything_is_committed(

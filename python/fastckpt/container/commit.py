@@ -1500,7 +1500,33 @@ def prune_plan(
     if doomed and local:
         doomed = _not_linked_into(manifest, doomed)
         doomed = [index for index in doomed if _holds_only_its_files(manifest, index)]
+    elif doomed:
+        doomed = _not_referenced(manifest, doomed)
     return doomed
+
+
+def _not_referenced(manifest: Manifest, doomed: list[int]) -> list[int]:
+    """``doomed`` without the indices a kept index of an object-store root references through
+    an earlier version's ``refs.json`` (copied there by ``fastckpt promote --every 1``): an
+    object store keeps no retained copy (``.ref-<index>``) of a pruned index, so deleting one
+    left the newest index listed as committed but unloadable. A spared index stays committed
+    and loadable, so what it references is kept too; each is warned of, saying why."""
+    doomed = list(doomed)
+    while True:
+        kept = [index for index in manifest.entries if index not in doomed]
+        referenced = refs.referenced_indices(manifest, kept) & set(doomed)
+        if not referenced:
+            return doomed
+        for index in sorted(referenced):
+            _LOG.warning(
+                "%s: not deleting index %d: a kept index written by an earlier fastckpt "
+                "version reads tensors from it (refs.json), and an object store keeps no "
+                "copy of a pruned index; load the newest index and save it again (every index "
+                "this fastckpt writes is self-contained), then prune again",
+                display_path(manifest.root),
+                index,
+            )
+        doomed = [index for index in doomed if index not in referenced]
 
 
 def prune_indices(

@@ -264,12 +264,13 @@ def _read_source(manifest: Manifest, ref: Reference) -> dict[str, torch.Tensor]:
         committed = manifest.root / str(index) / ref["file"]
         raise FileNotFoundError(
             errno.ENOENT,
-            f"{committed}: missing, and no copy kept by prune ({path}); an index of this "
+            f"{display_path(committed)}: missing, and no copy kept by prune "
+            f"({display_path(path)}); an index of this "
             f"root written by an earlier fastckpt version reads unchanged tensors from index "
             f"{index}'s file through {REFS_FILE}, so deleting that index by hand broke it. "
             f"Put index {index} back from a backup; remove such indices with fastckpt prune "
             "(it keeps the bytes later indices reference)",
-            str(committed),
+            display_path(committed),
         )
     return read_tensor_file(path, record, source=source)
 
@@ -413,20 +414,21 @@ def write_retained(root: Path, index: int, relpath: str, data: bytes) -> Path:
 def _source_problem(path: Path, refs: Sequence[Reference]) -> str | None:
     """Why the file at ``path`` is not the one ``refs`` (references into that one file) were
     taken from (None: it is): its size, and each tensor's crc32c in its header, read once."""
+    shown = display_path(path)
     try:
         size = backend_for(path).stat(path).size
     except FileNotFoundError:
-        return f"{path}: missing (referenced by a kept index)"
+        return f"{shown}: missing (referenced by a kept index)"
     for ref in refs:
         if size != ref["file_size"]:
-            return f"{path}: size {size} differs from the referenced {ref['file_size']}"
+            return f"{shown}: size {size} differs from the referenced {ref['file_size']}"
     try:
         checksums = _header_checksums(path)
     except (CheckpointFormatError, OSError) as err:
-        return f"{path}: {err}"
+        return f"{shown}: {err}"
     for ref in refs:
         if checksums.get(ref["name"]) != ref["crc32c"]:
-            return f"{path}: tensor {ref['name']!r} is not the referenced one (crc32c differs)"
+            return f"{shown}: tensor {ref['name']!r} is not the referenced one (crc32c differs)"
     return None
 
 
