@@ -22,7 +22,6 @@ store copies them into the new checkpoint's objects (:mod:`fastckpt.storage.s3.c
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
 import sys
@@ -33,11 +32,11 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from fastckpt.container.background import BackgroundWriter, committed_before, mark_committed
+from fastckpt.container.background import BackgroundWriter, mark_committed
 from fastckpt.container.commit import (
     DirectoryWriter,
     refuse_inside_checkpoint,
@@ -66,14 +65,12 @@ from fastckpt.errors import (
 )
 from fastckpt.format.records import (
     COMMIT_RECORD,
-    GENERATION_PREFIX,
     MAX_JSON_DEPTH,
     SHARDED_RECORD,
     check_item_key,
     commit_record,
     item_files,
     read_commit_record,
-    record_file,
 )
 from fastckpt.io import tree
 from fastckpt.io.forksafe import ForkSafeLock
@@ -88,6 +85,17 @@ from fastckpt.io.staging import (
     stage_groups,
 )
 from fastckpt.manager.callbacks import callable_as_callback, run_callback
+from fastckpt.manager.collective import (
+    DistributedContext,
+    RankPart,
+    Turn,
+    check_same_save,
+    check_world_size,
+    collective_failure,
+    one_line,
+    outcome_after,
+    record_names,
+)
 from fastckpt.manager.config import (
     AsyncCheckpointSaverConfig,
     CheckpointLoaderConfig,
@@ -273,256 +281,12 @@ class _Snapshot:
     tensors: dict[str, dict[str, torch.Tensor]]
     checkpoint_id: str = ""
     plan: LinkPlan | None = None
-    turn: _Turn | None = None  # a collective save's (None: this process saves alone)
-
-
-@dataclass
-class _Turn:
-    """One collective save (:attr:`_DistributedContext.active`) of a manager.
-
-    Attributes:
-        number: how many saves this manager was asked for, this one included: ranks in step
-            give the same number to the same save.
-        may_join: this rank may take part in a collective of this save now (False until
-            the previous background write, which may still be in a collective, is done).
-        joined: this rank took part in the save's gather (with its files, or a failure).
-    """
-
-    number: int
-    may_join: bool
-    joined: bool = False
-
-
-class _RankPart(NamedTuple):
-    """What one rank gives to the gather of a collective save."""
-
-    number: int  # the save's :attr:`_Turn.number` on that rank
-    failure: str | None  # that rank's part failed: its error (nothing is committed)
-    sharded: bool  # a sharded (DTensor) save
-    payload: Any  # unsharded: (location, files, refs, final, items); sharded: digests
+    turn: Turn | None = None  # a collective save's (None: this process saves alone)
 
 
 _LOGGER = logging.getLogger("fastckpt.manager")
 #: the one tensor name a safetensors header cannot hold (its metadata entry)
 _RESERVED_NAME = "__metadata__"
-
-
-class _DistributedContext:
-    """This manager's rank and world, and the gloo group its collectives run on.
-
-    The group is made at the first collective (:attr:`group`), never by the constructor:
-    ``dist.new_group`` waits for every rank of the default group, and a manager built on one
-    rank alone (the DDP pattern "only rank 0 saves") hung there, to save or to load. That is
-    the manager's first collective save, on the thread calling ``save`` (every rank waits
-    there for the others, up to ``checkpoint_write_barrier_timeout_sec``); nothing makes it
-    earlier (``prewarm_staging`` is not collective: one rank may call it alone). A manager
-    that is not ``collective`` (``Config.collective``) is used by this process alone: rank 0
-    of a world of one, as without a process group, and it has no group.
-
-    Attributes:
-        active: collectives run (a collective manager under a group of several ranks).
-        alone: not collective while the default group has other ranks.
-        rank / world_size: this manager's (0 and 1 unless ``active``).
-        timeout_secs: how long a collective waits for the other ranks.
-    """
-
-    def __init__(self, timeout_secs: float, *, collective: bool = True) -> None:
-        """Read the default process group (nothing collective happens here)."""
-        import torch.distributed as dist
-
-        initialized = dist.is_available() and dist.is_initialized()
-        several = initialized and dist.get_world_size() > 1
-        self.active = several and collective
-        self.alone = several and not collective
-        self.rank = dist.get_rank() if self.active else 0
-        self.world_size = dist.get_world_size() if self.active else 1
-        self.timeout_secs = timeout_secs
-        # Made on one rank too: DCP's async save needs a CPU backend, which a job on NCCL
-        # alone (one GPU) lacks.
-        self._wanted = initialized and not self.alone
-        self._group: Any = None
-
-    @property
-    def group(self) -> Any:
-        """The dedicated gloo group (None without a process group, or :attr:`alone`), so
-        background-thread collectives never interleave with training's. Made at the first
-        use, which waits for every rank of the default group (at most :attr:`timeout_secs`):
-        make it on the thread that calls ``save`` (``new_group`` calls must come in the same
-        order on every rank), never first on the writer thread."""
-        if self._group is None and self._wanted:
-            import torch.distributed as dist
-
-            timeout = datetime.timedelta(seconds=self.timeout_secs)
-            self._group = dist.new_group(backend="gloo", timeout=timeout)
-        return self._group
-
-    def barrier(self) -> None:
-        """Wait for every rank (a no-op unless :attr:`active`)."""
-        if self.active:
-            import torch.distributed as dist
-
-            dist.barrier(group=self.group)
-
-    def gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value``, in rank order (``[value]`` unless :attr:`active`)."""
-        if not self.active:
-            return [value]
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value, group=self.group)
-        return gathered
-
-    def make_group(self) -> None:
-        """Make :attr:`group` now, if it is wanted and not made yet."""
-        self.group  # noqa: B018 (the property makes it)
-
-
-def _collective_failure(
-    path: Path, err: BaseException, timeout_secs: float, committed: bool | None, detail: str
-) -> RuntimeError:
-    """The error of a manager save of ``path`` whose collective failed with ``err`` (gloo's
-    "Connection reset by peer" when another rank died, a timeout when it never called save),
-    saying whether this save was ``committed`` (None: unknown; ``detail``: why) and the fix."""
-    status = {
-        True: "was committed: it verifies and loads",
-        False: "was not committed: the previous checkpoint stands",
-        None: f"may have been committed: check it with `fastckpt verify {display_path(path)}`",
-    }[committed]
-    return RuntimeError(
-        f"{display_path(path)}: CheckpointManager.save failed in a collective of "
-        f"torch.distributed ({type(err).__name__}: {err}). Under a process group a save is "
-        "collective: every rank calls save with the same checkpoint_id and rank 0 commits "
-        "once every rank's files are in; another rank did not call save within "
-        f"checkpoint_write_barrier_timeout_sec ({timeout_secs:g} s), died, or left the "
-        f"process group. This save {status}{detail}. Call save on every rank, or, where one "
-        "rank saves state every rank holds alike (DDP's), build that rank's manager with "
-        "Config.collective=False."
-    )
-
-
-def _outcome_after(
-    error: BaseException, final: Path, files: Mapping[str, Mapping[str, Any]]
-) -> bool | None:
-    """Whether rank 0's commit of ``final`` that raised ``error`` committed it anyway, for the
-    other ranks: True when ``error`` says so or the record there names this save's files;
-    None (unknown: check it) when the record could not be read or ``error`` is an I/O error
-    (one after the rename, or an object store's in-doubt put, may have committed); else
-    False."""
-    if committed_before(error):
-        return True
-    found, _ = _record_names(final, files)
-    if found:
-        return True
-    if found is None or isinstance(error, OSError):
-        return None
-    return False
-
-
-def _record_names(final: Path, files: Mapping[str, Mapping[str, Any]]) -> tuple[bool | None, str]:
-    """Whether the commit record at ``final`` names every file of ``files`` (relpath ->
-    ``{"size", "crc32c"}``: a save's, as its ranks staged them) with its size and checksum,
-    that is, whether rank 0 committed that save (or one with the same content), with what
-    this rank could not tell. Relpaths are compared without their generation prefix (on an
-    object store each rank stages under its own)."""
-
-    def unprefixed(relpath: str) -> str:
-        head, _, tail = relpath.partition("/")
-        return tail if tail and head.startswith(GENERATION_PREFIX) else relpath
-
-    try:
-        record = read_commit_record(final)
-    except NotCommittedError:
-        return False, ""
-    except (OSError, FastCkptError) as err:
-        return None, f" (its record could not be read: {err})"
-    recorded = {
-        unprefixed(relpath): (entry.get("size"), entry.get("crc32c"))
-        for relpath, entry in record["files"].items()
-        if isinstance(entry, Mapping)
-    }
-    named = all(
-        recorded.get(unprefixed(relpath)) == (entry.get("size"), entry.get("crc32c"))
-        for relpath, entry in files.items()
-    )
-    if named:
-        return True, ""
-    # Rank 0 commits only once every rank's files are in: one that is still running (slow,
-    # not dead) may commit it yet.
-    return False, " (when this rank looked; a rank 0 still running may commit it yet)"
-
-
-def _summary(err: BaseException) -> str:
-    """``err`` in one line of at most 500 characters, for the other ranks' messages."""
-    text = f"{type(err).__name__}: {err}".replace("\n", " ")
-    return text if len(text) <= 500 else text[:497] + "..."
-
-
-def _check_same_save(gathered: list[Any]) -> None:
-    """Every rank of a collective save named the same checkpoint and the same items (each
-    gathered entry ends with the rank's checkpoint path and sorted item names). Checked on
-    every rank alike, before anything is committed: rank 0 committed every rank's files under
-    its own id (the others' ids never existed), and a rank's item missing on rank 0 was lost.
-
-    Raises:
-        ValueError: names the ranks that differ from rank 0 and what they named.
-    """
-    final, items = gathered[0][-2:]
-    for rank, entry in enumerate(gathered):
-        if entry[-2] != final:
-            raise ValueError(
-                f"CheckpointManager.save under a process group: rank {rank} saves "
-                f"{entry[-2]}, rank 0 {final}; every rank must pass the same checkpoint_id "
-                "(nothing was committed)"
-            )
-        if entry[-1] != items:
-            raise ValueError(
-                f"CheckpointManager.save under a process group: rank {rank} saves the items "
-                f"{entry[-1]}, rank 0 {items}; every rank must save the same items (per-rank "
-                "values may differ; nothing was committed)"
-            )
-
-
-def _check_world_size(
-    directory: Path, record: Mapping[str, Any], world_size: int, keys: list[str]
-) -> None:
-    """A checkpoint saved by N > 1 ranks (each with its own files) loads on another number
-    of ranks only for items every rank saved alike (replicated, as DDP's: each rank's files
-    have rank 0's checksums), which any rank then reads from rank 0's files. An item whose
-    ranks differ would give a rank state that is not its own, without a word.
-
-    Raises:
-        CheckpointMismatchError: names the items, both world sizes and the ways out.
-    """
-    saved = record.get("world_size", 1)
-    if not isinstance(saved, int) or saved <= 1 or saved == world_size:
-        return
-    files = record["files"]
-
-    def crc(name: str) -> Any:
-        entry = files.get(record_file(record, name))
-        return None if not isinstance(entry, Mapping) else entry.get("crc32c")
-
-    # Ranks past the number of recorded files cannot all have files (an edited world_size of
-    # 10**12 must not mean 10**12 lookups): one of them stands for the rest, as absent.
-    ranks = range(min(saved, len(files) + 1))
-    differing = []
-    for key in keys:
-        tensors = {crc(f"{key}.rank{r}.safetensors") for r in ranks}
-        if saved > len(ranks):
-            tensors.add(None)
-        skeletons = {crc(f"{key}.json")} | {crc(f"{key}.rank{r}.json") for r in ranks[1:]}
-        skeletons.discard(None)  # earlier versions wrote rank 0's skeleton only
-        if len(tensors) > 1 or len(skeletons) > 1:
-            differing.append(key)
-    if differing:
-        raise CheckpointMismatchError(
-            f"{directory}: saved by {saved} ranks whose items {differing} differ from rank to "
-            f"rank; it loads on {saved} ranks only (this is {world_size}). Replicated items "
-            "(the same on every rank) load on any number; state saved as DTensors (FSDP2, "
-            "tensor parallel) is resharded; one rank's files read with "
-            f"fastckpt.safe_open({directory}/<item>.rank<r>.safetensors)"
-        )
 
 
 def _readable(checkpoint: Path) -> bool:
@@ -619,7 +383,7 @@ class CheckpointManager:
         self._direct_io = storage.use_direct_io
         self._storage_options = storage.storage_options
         self._threads = self.config.save.writer_config.file_write_max_threads
-        self._dist = _DistributedContext(
+        self._dist = DistributedContext(
             self.config.save.writer_config.checkpoint_write_barrier_timeout_sec,
             collective=self.config.collective,
         )
@@ -650,7 +414,7 @@ class CheckpointManager:
         self._tiers: tuple[Path, Path] | None = None
         self._promoter: CheckpointPromoter | None = None
         self._saves = 0  # saves committed by this manager (tiers: which ones are promoted)
-        self._collective_saves = 0  # collective saves asked for (_Turn.number)
+        self._collective_saves = 0  # collective saves asked for (Turn.number)
         # Where this manager's process group failed ("PATH (why)"): later saves refused.
         self._broken: str | None = None
         if self.config.tiers is not None:
@@ -1022,7 +786,7 @@ class CheckpointManager:
         checkpoint_id: str | Path,
         state: Mapping[str, Any],
         base: str | Path | None,
-        turn: _Turn | None,
+        turn: Turn | None,
     ) -> Future[None] | None:
         """:meth:`_save` of the collective save ``turn`` (None: not collective)."""
         _check_state_mapping(state, "state")
@@ -1067,7 +831,7 @@ class CheckpointManager:
             self._tracker.base_for(path, base)  # raises before anything is captured
         if self._dist.active:
             # The manager's group is made here, on the saving thread (see
-            # _DistributedContext.group), before anything is written: when the other ranks
+            # DistributedContext.group), before anything is written: when the other ranks
             # never call save, it fails after the barrier timeout, saying so.
             with self._collective(path, lambda: (False, " (nothing of it was written)")):
                 self._dist.make_group()
@@ -1184,7 +948,7 @@ class CheckpointManager:
         return future
 
     def _save_sharded(
-        self, path: Path, state: dict[str, Any], checkpoint_id: str, turn: _Turn | None
+        self, path: Path, state: dict[str, Any], checkpoint_id: str, turn: Turn | None
     ) -> Future[None] | None:
         """Save state holding DTensors as a sharded checkpoint through :mod:`fastckpt.dcp`
         (collective: every rank saves its own shards; the coordinator commits)."""
@@ -1205,7 +969,7 @@ class CheckpointManager:
         if self._dist.active and turn is not None:
             # DCP keeps one copy of every entry that is not a DTensor: ranks holding their
             # own values there (a loader's position, RNG states) would all load one rank's.
-            part = _RankPart(turn.number, None, True, replicated_digests(state))
+            part = RankPart(turn.number, None, True, replicated_digests(state))
             turn.joined = True  # after the part is built: a failure above joins as such
             with self._collective(path, lambda: (False, " (nothing of it was written)")):
                 parts = self._dist.gather(part)
@@ -1417,7 +1181,7 @@ class CheckpointManager:
         writer: DirectoryWriter,
         items: list[str],
         refs: Mapping[str, Mapping[str, Reference]] | None = None,
-        turn: _Turn | None = None,
+        turn: Turn | None = None,
     ) -> None:
         if not self._dist.active or turn is None:
             saved = saved_after_siblings(writer.final)
@@ -1433,13 +1197,13 @@ class CheckpointManager:
         final = writer.final
         rank = self._dist.rank
         payload = (writer.location, writer.files, dict(refs or {}), str(final), sorted(items))
-        part = _RankPart(turn.number, None, False, payload)
+        part = RankPart(turn.number, None, False, payload)
         turn.joined = True
         with self._collective(final, lambda: (False, "")):
             parts = self._dist.gather(part)
         self._check_parts(final, parts)  # alike on every rank: all raise, or none
         gathered = [part.payload for part in parts]
-        _check_same_save(gathered)
+        check_same_save(gathered)
         every_file = {
             relpath: entry for _, files, *_ in gathered for relpath, entry in files.items()
         }
@@ -1459,14 +1223,14 @@ class CheckpointManager:
                 writer.commit()
             except BaseException as err:  # told to the other ranks, then raised here
                 failure = err
-                outcome = (_outcome_after(err, final, writer.files), _summary(err))
+                outcome = (outcome_after(err, final, writer.files), one_line(err))
         if failure is not None:
             # rank 0's own error is the one to raise
             with contextlib.suppress(RuntimeError), self._collective(final, lambda: outcome):
                 self._dist.gather(outcome)
             raise failure
         with self._collective(
-            final, lambda: (True, "") if rank == 0 else _record_names(final, every_file)
+            final, lambda: (True, "") if rank == 0 else record_names(final, every_file)
         ):
             told = self._dist.gather(outcome if rank == 0 else None)
         if rank == 0:
@@ -1486,9 +1250,9 @@ class CheckpointManager:
                 )
             )
 
-    def _check_parts(self, path: Path, parts: list[_RankPart]) -> None:
+    def _check_parts(self, path: Path, parts: list[RankPart]) -> None:
         """Every rank's part of the gather of a collective save of ``path`` belongs to the
-        same save (the same :attr:`_Turn.number`), none failed, and all are sharded or none.
+        same save (the same :attr:`Turn.number`), none failed, and all are sharded or none.
         Checked alike on every rank (each holds every part).
 
         Raises:
@@ -1536,7 +1300,7 @@ class CheckpointManager:
                 "same items (nothing was committed)"
             )
 
-    def _join_failed(self, path: Path, turn: _Turn, err: BaseException) -> None:
+    def _join_failed(self, path: Path, turn: Turn, err: BaseException) -> None:
         """This rank's part of the collective save ``turn`` (of ``path``) failed with ``err``
         before its gather: take part in the gather with the failure, so that the other ranks
         abort this save too (before, their gather paired with this rank's next save: a
@@ -1546,12 +1310,12 @@ class CheckpointManager:
         turn.joined = True
         try:
             with self._collective(path, lambda: (False, "")):
-                parts = self._dist.gather(_RankPart(turn.number, _summary(err), False, None))
+                parts = self._dist.gather(RankPart(turn.number, one_line(err), False, None))
             self._check_parts(path, parts)
         except (RuntimeError, ValueError) as told:
             err.add_note(str(told))
 
-    def _begin_collective_save(self, checkpoint_id: str | Path) -> _Turn:
+    def _begin_collective_save(self, checkpoint_id: str | Path) -> Turn:
         """Count a collective save of ``checkpoint_id`` (before anything can fail: a save
         one rank skips puts its ranks out of step, which the next gather finds).
 
@@ -1564,7 +1328,7 @@ class CheckpointManager:
         # A rank may join a gather now when no write of this manager can be in a collective
         # (sync, or its previous write done): a bad argument fails the save on every rank.
         idle = self._writer is None or not self._writer.busy
-        return _Turn(self._collective_saves, may_join=idle)
+        return Turn(self._collective_saves, may_join=idle)
 
     def _refuse_if_broken(self, checkpoint_id: str | Path) -> None:
         """Raise at once when an earlier collective of this manager failed (see
@@ -1585,7 +1349,7 @@ class CheckpointManager:
         self, path: Path, outcome: Callable[[], tuple[bool | None, str]]
     ) -> Iterator[None]:
         """Run a collective of the save of ``path``: torch.distributed's ``RuntimeError`` (a
-        rank that died, or never called save) is raised again as :func:`_collective_failure`
+        rank that died, or never called save) is raised again as :func:`collective_failure`
         words it, with ``outcome()`` (whether the save was committed, asked then), chained,
         and marked committed (:func:`mark_committed`) when it was. The manager's group is
         then marked failed (:meth:`_begin_collective_save` refuses later saves)."""
@@ -1595,9 +1359,9 @@ class CheckpointManager:
             raise
         except RuntimeError as err:
             # gloo's group is not usable after a failed collective: later saves say so at once
-            self._broken = f"{display_path(path)} ({_summary(err)})"
+            self._broken = f"{display_path(path)} ({one_line(err)})"
             committed, detail = outcome()
-            failure = _collective_failure(path, err, self._dist.timeout_secs, committed, detail)
+            failure = collective_failure(path, err, self._dist.timeout_secs, committed, detail)
             if committed:
                 mark_committed(failure)
             raise failure from err
@@ -1679,7 +1443,7 @@ class CheckpointManager:
             available = record["items"]
             self._check_required(directory, available, into)
             requested = [k for k in (available if into is None else into) if k in available]
-            _check_world_size(directory, record, self._dist.world_size, requested)
+            check_world_size(directory, record, self._dist.world_size, requested)
             if strict and into is not None:
                 for key in into:
                     if key not in available:
