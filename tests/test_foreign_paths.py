@@ -24,6 +24,9 @@ import torch
 import fastckpt
 import training_support as support
 from fastckpt.errors import NotACheckpointError
+from s3_support import S3Server, s3_env, s3_root, s3_server
+
+__all__ = ["s3_env", "s3_root", "s3_server"]  # fixtures used by name below
 
 
 def _sync() -> fastckpt.CheckpointManager:
@@ -125,6 +128,53 @@ def test_a_save_leaves_a_users_folder_named_like_an_old_index(tmp_path: Path) ->
     assert (root / "3" / "results.csv").read_text() == "precious"
     assert not (root / "2").exists()
     assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [5, 6]
+
+
+def test_a_save_refuses_to_replace_a_users_folder_named_like_the_index_it_writes(
+    tmp_path: Path,
+) -> None:
+    """A folder at the next index (``ROOT/1/results.csv``) or a user's file in a committed
+    index replaced with ``checkpoint_index=`` (``ROOT/0/NOTES.md``): before, the save swapped
+    the whole folder out and deleted them without a word. Now the save is refused, typed,
+    naming the folder, the files and the fix, and nothing is written or deleted; a folder
+    holding only what a killed save leaves (``.safetensors``/``.json``) is still replaced."""
+    model = _model()
+    root = tmp_path / "root"
+    fastckpt.save_checkpoint(root, models={"main": model})
+    (root / "1").mkdir()
+    (root / "1" / "results.csv").write_text("precious")
+    manifest = (root / "manifest.json").read_bytes()
+    with pytest.raises(NotACheckpointError, match=r"1: a folder named like index 1 .*results\.csv"):
+        fastckpt.save_checkpoint(root, models={"main": model})
+    assert (root / "1" / "results.csv").read_text() == "precious"
+    assert (root / "manifest.json").read_bytes() == manifest
+    (root / "1" / "results.csv").unlink()
+    (root / "1" / "models").mkdir()
+    (root / "1" / "models" / "main.safetensors").write_bytes(b"left by a killed save")
+    assert fastckpt.save_checkpoint(root, models={"main": model}) == 1
+    (root / "0" / "NOTES.md").write_text("why this run diverged")
+    manifest = (root / "manifest.json").read_bytes()
+    with pytest.raises(NotACheckpointError, match=r"0: committed index 0 .*NOTES\.md.*Move them"):
+        fastckpt.save_checkpoint(root, models={"main": model}, checkpoint_index=0)
+    assert (root / "0" / "NOTES.md").read_text() == "why this run diverged"
+    assert (root / "manifest.json").read_bytes() == manifest
+    assert fastckpt.verify(root).ok
+
+
+def test_a_save_refuses_to_replace_a_users_object_under_the_next_index_prefix(
+    s3_server: S3Server, s3_root: str, s3_env: dict[str, str]
+) -> None:
+    """The same on an object store: a save of index 1 deleted ``ROOT/1/results.csv``."""
+    model = _model()
+    fastckpt.save_checkpoint(s3_root, models={"main": model})
+    prefix = s3_root.split("/", 3)[3]
+    client = s3_server.client()
+    key = f"{prefix}/1/results.csv"
+    client.put_object(Bucket=s3_server.bucket, Key=key, Body=b"precious")
+    with pytest.raises(NotACheckpointError, match=r"index 1 .*results\.csv"):
+        fastckpt.save_checkpoint(s3_root, models={"main": model})
+    assert client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read() == b"precious"
+    assert [c["index"] for c in fastckpt.list_checkpoints(s3_root)] == [0]
 
 
 def test_two_tiers_that_are_one_directory_are_refused_however_named(tmp_path: Path) -> None:

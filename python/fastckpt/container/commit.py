@@ -856,6 +856,7 @@ class IndexWriter(DirectoryWriter):
             self.manifest = sealed
             if check is not None:
                 check(sealed, index)
+            _refuse_foreign_files(root, backend, sealed, index)
             # Objects are written in place (delete first, no rename): a committed index being
             # replaced leaves the manifest before its objects go, so the manifest never names a
             # missing or partial object (clean_leftovers leaves the manifest as read). Its
@@ -1729,6 +1730,64 @@ def spare_newest_intact(
         "; ".join(damaged),
     )
     return []
+
+
+def _refuse_foreign_files(
+    root: Path, backend: StorageBackend, manifest: Manifest, index: int
+) -> None:
+    """Refuse a save of ``index`` whose folder (or object prefix) holds what fastckpt did not
+    write: files a committed index's entry does not record, or, for an index not committed,
+    any file other than the ``.safetensors`` and ``.json`` files a killed save leaves there. A
+    save replaces the whole folder, so a user's ``results.csv`` in ``ROOT/<next index>/`` or
+    ``NOTES.md`` in an index replaced with ``checkpoint_index=`` was deleted without a word.
+
+    Raises:
+        NotACheckpointError: names the folder, the files and the fix; nothing was written or
+            deleted.
+    """
+    directory = root / str(index)
+    committed = index in manifest.entries
+    recorded = set(manifest.entries[index]["files"]) if committed else set()
+    if is_local(backend):
+        if os.path.islink(directory) or not os.path.isdir(directory):
+            return  # a symlink is replaced alone, as before
+        if committed:
+            foreign = _unrecorded(str(directory), recorded)
+        else:
+            foreign = _not_written_by_fastckpt(directory)
+    else:
+        stored = _object_relpaths(backend, directory)
+        if committed:
+            foreign = [relpath for relpath in stored if relpath not in recorded]
+        else:
+            foreign = [r for r in stored if not r.endswith((".safetensors", ".json"))]
+    if not foreign:
+        return
+    what = f"committed index {index}" if committed else f"a folder named like index {index}"
+    raise NotACheckpointError(
+        f"{display_path(directory)}: {what} of the root holds {shown_names(foreign)}, "
+        f"which fastckpt did not write; a save of index {index} replaces the whole folder and "
+        "would delete them. Move them out of the folder, then save again (nothing was written "
+        "or deleted)"
+    )
+
+
+def _object_relpaths(backend: StorageBackend, directory: Path) -> list[str]:
+    """Every object's path under the prefix ``directory`` of an object store, relative to it
+    (unfinished multipart uploads are not objects)."""
+    found = []
+    pending = [""]
+    while pending:
+        relative = pending.pop()
+        here = directory / relative if relative else directory
+        for name in backend.list_dir(here):
+            relpath = f"{relative}/{name}" if relative else name
+            try:
+                regular = backend.stat(here / name).regular
+            except FileNotFoundError:
+                continue  # an unfinished multipart upload: a killed save's, deleted with it
+            (found if regular else pending).append(relpath)
+    return sorted(found)
 
 
 def _holds_only_its_files(manifest: Manifest, index: int) -> bool:
