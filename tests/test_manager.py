@@ -9,12 +9,14 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import fastckpt
 import training_support as support
 from fastckpt import CheckpointMismatchError, InvalidInputError
 from fastckpt.manager import CheckpointManager, CheckpointStagerConfig, ItemSpec
@@ -801,3 +803,42 @@ def test_threads_sharing_an_async_manager_take_turns(
         for name, value in saved.items():
             assert torch.equal(manager.load(tmp_path / name)["x"], value)
     assert len(saved) == 10
+
+
+def test_a_load_of_the_id_an_async_save_is_writing_waits_for_that_write(tmp_path: Path) -> None:
+    """``load(id)`` right after an async ``save(id, ...)`` read what ``id`` held before the
+    write committed: the previous checkpoint's step (silently stale), or "not a committed
+    fastckpt checkpoint" for a new id. Now a load of the id this manager is writing waits for
+    the write; a load of another id does not wait. (The write is held in its
+    ``pre_finalize_callback`` so that it is still running when ``load`` is called.)"""
+    holding = threading.Event()
+    release = threading.Event()
+
+    def slow_commit(args: object) -> None:
+        holding.set()
+        release.wait(30)
+
+    config = fastckpt.CheckpointManager.Config.with_async_save()
+    config.pre_finalize_callback = slow_commit
+    target, other = tmp_path / "ckpt", tmp_path / "other"
+    with config.build() as manager:
+        release.set()
+        manager.save(other, {"step": 0}).result()
+        manager.save(target, {"step": 1}).result()
+        release.clear()
+        holding.clear()
+        manager.save(target, {"step": 2})
+        assert holding.wait(30)
+        # Another id loads at once, while the write of ``target`` is held.
+        assert manager.load(other)["step"] == 0
+        timer = threading.Timer(0.3, release.set)
+        timer.start()
+        assert manager.load(target)["step"] == 2
+        timer.join()
+        fresh = tmp_path / "fresh"
+        release.clear()
+        holding.clear()
+        manager.save(fresh, {"step": 3})
+        assert holding.wait(30)
+        threading.Timer(0.3, release.set).start()
+        assert manager.load(fresh)["step"] == 3

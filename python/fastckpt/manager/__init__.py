@@ -1416,6 +1416,7 @@ class CheckpointManager:
         use_storage_options(checkpoint_id, self._storage_options, "CheckpointManager.load")
         start = time.perf_counter()
         directory = Path(checkpoint_id)
+        self._wait_for_own_write(directory)
         ties: list[list[str]] = []
         if into is not None:
             _check_state_mapping(into, "into")
@@ -1498,6 +1499,18 @@ class CheckpointManager:
             raise
         log_throughput("loaded", str(directory), record["files"].values(), start)
         return result
+
+    def _wait_for_own_write(self, directory: Path) -> None:
+        """Wait for this manager's background write when it writes ``directory``: a load
+        right after an async ``save`` of the same id read the previous checkpoint there, or
+        raised "not a committed fastckpt checkpoint" for a new id, instead of the state just
+        saved. The write's failure stays for the next save or close to raise, as usual (the
+        load then reads what the id holds). A write of another id is not waited for."""
+        writer = self._writer
+        if writer is None or not writer.busy:
+            return
+        if writer.in_flight == display_path(absolute(directory)):
+            writer.settle(f"CheckpointManager.load of {display_path(directory)}")
 
     def _load_sharded(
         self,
