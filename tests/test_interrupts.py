@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import fastckpt
 import training_support as support
-from fastckpt.errors import InterruptedStepError
+from fastckpt.errors import ConcurrentSaveError, InterruptedStepError
+from fastckpt.storage.lock import RootLock
 
 STEPS = 12
 
@@ -235,3 +238,79 @@ def test_a_second_sigterm_whose_handler_exits_leaves_a_state_no_save_takes(
         signal.signal(signal.SIGTERM, previous)
     with pytest.raises(InterruptedStepError, match="step 3 was interrupted"):
         strategy.save_checkpoint(tmp_path / "run")
+
+
+def test_a_save_from_another_thread_while_run_trains_is_refused(tmp_path: Path) -> None:
+    """A watchdog thread saving on a preemption notice while ``run()`` trained wrote the
+    counters of one step with the weights of a later one (the optimizer moved them while
+    they were written), and the checkpoint verified and resumed without a word. Now it is
+    refused, typed, nothing written; the training thread's own saves (hooks) and a save
+    from any thread once ``run()`` returned are taken as before."""
+    root = tmp_path / "root"
+    caught: list[BaseException] = []
+
+    def watchdog() -> None:
+        try:
+            strategy.save_checkpoint(root)
+        except BaseException as err:  # handed to the test thread
+            caught.append(err)
+
+    def at_step_3(ctx: fastckpt.TrainContext, stage: fastckpt.TrainingStage) -> None:
+        if stage is fastckpt.TrainingStage.AFTER_BATCH and ctx.step_count == 3:
+            thread = threading.Thread(target=watchdog)
+            thread.start()
+            thread.join()
+            strategy.save_checkpoint(root)  # the training thread's own save
+
+    strategy = _fresh([at_step_3])
+    strategy.run(support.loader())
+    assert len(caught) == 1 and isinstance(caught[0], ConcurrentSaveError), caught
+    assert "while run() trains on thread" in str(caught[0])
+    assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [0]
+    assert fastckpt.TrainingStrategy.load_checkpoint(root).step_count == 3
+    after = threading.Thread(target=watchdog)
+    after.start()
+    after.join()
+    assert len(caught) == 1
+    assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [0, 1]
+
+
+_HANDLER_SAVES_INSIDE_A_SAVE = """
+import os, signal, sys, torch, fastckpt
+root = sys.argv[1]
+torch.manual_seed(0)
+strategy = fastckpt.TrainingStrategy(
+    torch.nn.Linear(8, 8), fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}))
+strategy.save_checkpoint(root)
+def on_usr1(signum, frame):
+    strategy.save_checkpoint(root)  # the preemption save, inside the save below
+signal.signal(signal.SIGUSR1, on_usr1)
+def signal_inside(manifest):  # runs under the root's lock, inside the save
+    os.kill(os.getpid(), signal.SIGUSR1)
+try:
+    strategy.save_checkpoint(root, check_root=signal_inside)
+except fastckpt.errors.ConcurrentSaveError as err:
+    print("REFUSED", err)
+"""
+
+
+def test_a_signal_handler_saving_inside_a_save_into_the_same_root_is_refused_at_once(
+    tmp_path: Path,
+) -> None:
+    """A SIGTERM/SIGUSR1 handler that saves, run while the save it interrupted holds the
+    root's lock, waited for that lock forever (the warning named its own pid as the
+    holder) until the scheduler's SIGKILL. Now it raises ``ConcurrentSaveError`` at once,
+    the interrupted save is abandoned uncommitted, and the root keeps what it had."""
+    root = tmp_path / "root"
+    done = subprocess.run(
+        [sys.executable, "-c", _HANDLER_SAVES_INSIDE_A_SAVE, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "REFUSED" in done.stdout and "this thread already holds the root's lock" in done.stdout
+    assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [0]
+    assert fastckpt.verify(root).ok
+    with RootLock(root), pytest.raises(ConcurrentSaveError, match="RootLock"):
+        fastckpt.save_checkpoint(root, models={"main": torch.nn.Linear(2, 2)})

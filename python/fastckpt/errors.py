@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "ChecksumMismatchError",
+    "ConcurrentSaveError",
     "DamagedSourceError",
     "FastCkptError",
     "InterruptedStepError",
@@ -137,6 +138,17 @@ class InterruptedStepError(FastCkptError, RuntimeError):
     optimizer step began and before the counters moved, so the weights, optimizer, schedulers
     and counters belong to no one step, and a checkpoint of them would resume wrongly.
     Restore the last checkpoint and train on from there.
+    """
+
+
+class ConcurrentSaveError(FastCkptError, RuntimeError):
+    """A save was asked for where it cannot be taken whole, and nothing was written: from
+    another thread while ``TrainingStrategy.run()`` trains (the optimizer changes the weights
+    while they are written: the counters of one step with the weights of another), or, on a
+    thread already saving into or pruning the same root, by a signal handler that interrupted
+    that save (it would wait for the root's lock its own thread holds, forever). Save from the
+    training thread instead: a hook, or a flag a hook checks; ``run()`` holds SIGTERM/SIGINT
+    until the step is done, so a handler there may save.
     """
 
 

@@ -1775,8 +1775,8 @@ def _refuse_foreign_files(
 def _object_relpaths(backend: StorageBackend, directory: Path) -> list[str]:
     """Every object's path under the prefix ``directory`` of an object store, relative to it
     (unfinished multipart uploads are not objects)."""
-    found = []
-    pending = [""]
+    found: list[str] = []
+    pending: list[str] = [""]
     while pending:
         relative = pending.pop()
         here = directory / relative if relative else directory

@@ -14,7 +14,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from fastckpt.errors import CheckpointFormatError
+from fastckpt.errors import CheckpointFormatError, ConcurrentSaveError
 from fastckpt.storage.identity import HOST
 
 __all__ = [
@@ -180,6 +180,7 @@ class RootLock:
         self.path = Path(root) / LOCK_FILE
         self.timeout = checked_lock_timeout(timeout)
         self._fd: int | None = None
+        self._thread: int | None = None  # the thread that acquired the lock
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
@@ -196,6 +197,7 @@ class RootLock:
         """
         if self._fd is not None:
             raise RuntimeError(f"{self.path}: already held by this RootLock")
+        self._refuse_waiting_for_this_thread()
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             fd = self._open()
@@ -205,6 +207,7 @@ class RootLock:
                     _say_holder(fd)
                     with _GUARD:
                         self._fd = fd
+                        self._thread = threading.get_ident()
                         self._finalizer = weakref.finalize(self, _close, fd)
                         _HELD.add(self)
                     return
@@ -212,6 +215,30 @@ class RootLock:
                 _close(fd)
                 raise
             _close(fd)  # we locked a lock file its previous holder had deleted: retry
+
+    def _refuse_waiting_for_this_thread(self) -> None:
+        """Refuse to wait for a lock of the same root that this thread holds: a signal
+        handler saving into the root while the save it interrupted holds the lock (or a
+        save inside a ``with RootLock(root)``) waited for itself forever, the warning naming
+        this very process as the holder. Another thread's lock is waited for as usual.
+
+        Raises:
+            ConcurrentSaveError: names the root and the fix; nothing was written.
+        """
+        me = threading.get_ident()
+        with _GUARD:
+            mine = [lock for lock in _HELD if lock.held and lock._thread == me]
+        for lock in mine:
+            if os.path.realpath(lock.path) == os.path.realpath(self.path):
+                raise ConcurrentSaveError(
+                    f"{self.path.parent}: this thread already holds the root's lock "
+                    f"({LOCK_FILE}): a save or prune into it is under way on this thread "
+                    "and was interrupted (a signal handler that saves?), or the caller holds "
+                    "a RootLock of the root; this one would wait for it forever. Nothing was "
+                    "written. In a signal handler, set a flag and save once the interrupted "
+                    "save has returned (TrainingStrategy.run holds SIGTERM/SIGINT until the "
+                    "step is done, so a handler there may save)"
+                )
 
     def _open(self) -> int:
         """Open (create) the lock file: a regular file in the root, never a link followed (the

@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from fastckpt.container.verify import checked_index
 from fastckpt.errors import (
     CheckpointFormatError,
     CheckpointMismatchError,
+    ConcurrentSaveError,
     FastCkptError,
     InterruptedStepError,
     InvalidInputError,
@@ -875,6 +877,8 @@ class TrainingStrategy:
         self._train_loader = train_loader
         with contextlib.ExitStack() as stack:
             stack.callback(self._loader_done)
+            stack.callback(setattr, self, "_run_thread", self._run_thread)
+            self._run_thread = threading.get_ident()
             for hook in self.hooks:
                 if hasattr(hook, "__enter__") and hasattr(hook, "__exit__"):
                     stack.enter_context(hook)
@@ -1078,6 +1082,8 @@ class TrainingStrategy:
     _signals: HeldSignals | None = None
     #: The step under way from its batch's fetch until its counters move (None between steps).
     _step_started: int | None = None
+    #: The thread :meth:`run` trains on (None: not training).
+    _run_thread: int | None = None
 
     @property
     def sharded(self) -> bool:
@@ -1094,6 +1100,7 @@ class TrainingStrategy:
         """
         if self._interrupted_step is not None:
             raise InterruptedStepError(_interrupted(self._interrupted_step, "", "saved"))
+        self._refuse_a_save_beside_run()
         if self.sharded:
             return self._sharded_snapshot()
         models = {name: (model, None) for name, model in self.models.items()}
@@ -1293,6 +1300,29 @@ class TrainingStrategy:
             node_local,
             lock_timeout=lock_timeout,
             check_root=check_root,
+        )
+
+    def _refuse_a_save_beside_run(self) -> None:
+        """Refuse a checkpoint taken on another thread while :meth:`run` trains: the
+        counters and RNG states are read at once, the weights and optimizer state later,
+        while the training thread's optimizer steps change them (a watchdog thread saving on
+        a preemption notice wrote the counters of step 22 with the weights of step 23, and
+        it verified and resumed without a word).
+
+        Raises:
+            ConcurrentSaveError: names both threads and the fix; nothing was written.
+        """
+        running = self._run_thread
+        if running is None or running == threading.get_ident():
+            return
+        raise ConcurrentSaveError(
+            f"TrainingStrategy checkpoint asked for on thread {threading.get_ident()} while "
+            f"run() trains on thread {running}: the optimizer would change the weights while "
+            "they are written (the counters of one step with the weights of another). Nothing "
+            "was written. Save from the training thread: a CheckpointHook, or a hook of yours "
+            "that saves when a flag your thread sets is up (checked at AFTER_BATCH); SIGTERM "
+            "and SIGINT are held by run() until the step is done, so a signal handler may "
+            "save, or raise to stop run() and save after it returns"
         )
 
     def _refuse_unsaveable_hook_state(self) -> None:
