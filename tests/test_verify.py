@@ -24,6 +24,9 @@ from fastckpt.errors import (
 )
 from fastckpt.format.records import MANIFEST
 from fastckpt.io.paths import safe_join
+from s3_support import S3Server, s3_env, s3_root, s3_server
+
+__all__ = ["s3_env", "s3_root", "s3_server"]  # fixtures used by name below
 
 #: The ``saved`` fixture (two indices of a root and two manager checkpoints).
 pytest_plugins = ["checkpoint_support"]
@@ -175,3 +178,31 @@ def test_a_prune_or_a_resave_during_verify_is_not_reported_as_damage(
     # damage no writer explains is still reported
     (root / "2" / "models" / "main.spec.json").write_text("{}")
     assert not verify(root).ok
+
+
+def test_a_prune_during_verify_of_an_object_store_root_is_not_reported_as_damage(
+    s3_server: S3Server, s3_root: str, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same on ``s3://``: the record's fingerprint was None on an object store (it was
+    taken with ``os.open``), so verify never looked again, and a live root whose writer
+    pruned while verify read it was reported damaged ("missing ... listed in manifest.json",
+    ``fastckpt verify`` exiting 1 and naming a wrong newest intact index). Now the record is
+    fingerprinted by its size, time and entity tag, and the check runs again."""
+    import torch
+
+    import fastckpt
+    from fastckpt.container import verify as verifying
+
+    for width in (2, 3, 4):
+        fastckpt.save_checkpoint(s3_root, models={"main": (torch.nn.Linear(width, 2), None)})
+    index_files = verifying._index_files
+    pruned: list[int] = []
+
+    def prune_meanwhile(manifest: Any, index: int, threads: int) -> Any:
+        if not pruned:
+            pruned.extend(fastckpt.prune(s3_root, keep_last=1))  # the other process's prune
+        return index_files(manifest, index, threads)
+
+    monkeypatch.setattr(verifying, "_index_files", prune_meanwhile)
+    report = verify(s3_root)
+    assert pruned == [0, 1] and report.ok and report.indices == [2], report

@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from fastckpt import _native
-from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError, FastCkptError
 from fastckpt.storage.lock import LOCK_FILE, replacing
+from fastckpt.storage.registry import backend_for, is_local
 
 __all__ = [
     "ATTEMPTS",
@@ -53,11 +54,21 @@ _MISSING = (FileNotFoundError, KeyError)
 _FINGERPRINT_LIMIT = 1 << 30
 
 
-def fingerprint(record: Path) -> tuple[int, ...] | None:
+def fingerprint(record: Path) -> tuple[object, ...] | None:
     """``(inode, mtime, ctime, size, crc32c)`` of a commit record, or None when it cannot be
     read (absent, not a regular file, a symlink, too large): what tells a reader that a writer
     committed. The file's identity counts, not only its content: a writer alternating two
-    states writes the same bytes again (old, new, old), in a new file each time."""
+    states writes the same bytes again (old, new, old), in a new file each time. On an object
+    store: the object's ``(size, modified, entity tag)`` from one HEAD (before, None there
+    every time, so a read or verify racing a prune never looked again: the pruned index was
+    reported as damage)."""
+    backend = backend_for(record)
+    if not is_local(backend):
+        try:
+            stored = backend.stat(record)
+        except (OSError, FastCkptError):
+            return None
+        return (stored.size, stored.modified, stored.version) if stored.regular else None
     try:
         fd = os.open(record, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -78,7 +89,15 @@ def fingerprint(record: Path) -> tuple[int, ...] | None:
 
 
 def _writer_active(root: Path) -> bool:
-    return os.path.lexists(root / LOCK_FILE)
+    """Whether a writer may hold ``root``'s lock: its lock file is there (on an object
+    store, the lease object; a dead writer's too, which the bounded wait absorbs)."""
+    backend = backend_for(root)
+    if is_local(backend):
+        return os.path.lexists(root / LOCK_FILE)
+    try:
+        return backend.exists(root / LOCK_FILE)
+    except (OSError, FastCkptError):
+        return False
 
 
 def read_consistently(record: Path, read: Callable[[], T], *, lock_root: Path | None = None) -> T:
@@ -162,7 +181,7 @@ def wait_out_replacement(root: Path) -> None:
         time.sleep(0.002)
 
 
-def _wait_for_change(record: Path, before: tuple[int, ...] | None, root: Path) -> bool:
+def _wait_for_change(record: Path, before: tuple[object, ...] | None, root: Path) -> bool:
     """Wait (at most :data:`WRITER_WAIT_SECS`) while a writer holds ``root``'s lock for
     ``record`` to change or the writer to finish; whether one of them happened."""
     deadline = time.monotonic() + WRITER_WAIT_SECS

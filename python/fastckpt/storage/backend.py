@@ -181,11 +181,15 @@ class ObjectInfo:
         size: bytes.
         regular: a plain file (not a directory, FIFO, device...).
         modified: last modification, seconds since the epoch (None when unknown).
+        version: the store's entity tag of the object (None when unknown, and on a local
+            filesystem): with ``size`` and ``modified``, what tells a reader that a writer
+            replaced it.
     """
 
     size: int
     regular: bool
     modified: float | None = None
+    version: str | None = None
 
 
 class Staging(ABC):

@@ -215,7 +215,7 @@ class S3Backend(StorageBackend):
             if self.is_directory(path):
                 return ObjectInfo(0, False)
             raise
-        return ObjectInfo(meta.size, True, meta.modified)
+        return ObjectInfo(meta.size, True, meta.modified, meta.etag)
 
     def exists(self, path: Path) -> bool:
         """An object or a non-empty prefix is there."""
