@@ -42,7 +42,7 @@ from fastckpt.checkpoint.components import (
 from fastckpt.checkpoint.trust import frozen_trusted
 from fastckpt.container.commit import prune_indices
 from fastckpt.container.listing import list_checkpoints
-from fastckpt.container.promote import NearestCopy, nearest_intact
+from fastckpt.container.promote import NearestCopy, nearest_intact, still_committed
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.container.verify import checked_index
 from fastckpt.errors import CheckpointFormatError, FastCkptError
@@ -232,37 +232,53 @@ def load_checkpoint(
     model_names = checked_model_names(model_names)
     use_storage_options(root, storage_options, "load_checkpoint")
     trusted = frozen_trusted(trusted)
-    copy: NearestCopy | None = None
     named = [root, *(fallback_dirs or ())]  # the roots a rebuilt CheckpointHook may save to
-    if fallback_dirs:
-        copy = choose_copy(root, fallback_dirs, checkpoint_index)
-        root, checkpoint_index = copy.root, copy.index
 
-    def attempt() -> dict[str, Any]:
-        result = load_components(
-            root,
-            checkpoint_index,
-            map_location,
-            model_names,
-            validators=validators,
-            trusted=trusted,
-        )
-        reader = result.pop("reader")
-        if "strategy.json" in reader.files and model_names is None:
-            result["strategy"] = _restore_strategy(
-                result["models"], reader, hooks, training_fn, trusted, map_location, named
+    def read(where: str | os.PathLike[str], number: int) -> dict[str, Any]:
+        def attempt() -> dict[str, Any]:
+            result = load_components(
+                where,
+                number,
+                map_location,
+                model_names,
+                validators=validators,
+                trusted=trusted,
             )
-        return result
+            reader = result.pop("reader")
+            if "strategy.json" in reader.files and model_names is None:
+                result["strategy"] = _restore_strategy(
+                    result["models"], reader, hooks, training_fn, trusted, map_location, named
+                )
+            return result
 
-    # A save replacing the index, or a prune, while this reads: read again (bounded).
-    loaded = read_consistently(Path(root) / MANIFEST, attempt, lock_root=Path(root))
-    if copy is not None:
+        # A save replacing the index, or a prune, while this reads: read again (bounded).
+        return read_consistently(Path(where) / MANIFEST, attempt, lock_root=Path(where))
+
+    if not fallback_dirs:
+        return read(root, checkpoint_index)
+    for tries_left in reversed(range(_CHOOSE_ATTEMPTS)):
+        copy = choose_copy(root, fallback_dirs, checkpoint_index)
+        try:
+            loaded = read(copy.root, copy.index)
+        except KeyError:
+            # The newest copy chosen, then pruned by a live writer before it was read: the
+            # caller asked for the newest, so choose again (bounded). Before, a bare KeyError
+            # named an index the caller never asked for.
+            if checkpoint_index != -1 or not tries_left or still_committed(copy.root, copy.index):
+                raise
+            continue
         loaded["restored_from"] = {
             "path": display_path(copy.root),
             "index": copy.index,
             "skipped": copy.skipped,
         }
-    return loaded
+        return loaded
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+#: How many times a load with ``fallback_dirs`` of the newest copy chooses again when a live
+#: writer pruned the chosen index before it was read.
+_CHOOSE_ATTEMPTS = 5
 
 
 def choose_copy(

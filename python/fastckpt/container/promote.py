@@ -113,6 +113,7 @@ __all__ = [
     "nearest_intact",
     "promote",
     "promote_index",
+    "still_committed",
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -1120,6 +1121,16 @@ def _other_nodes(
     return held
 
 
+def still_committed(root: str | os.PathLike[str], index: int) -> bool:
+    """Whether ``index`` is still committed in ``root``: False once a live writer pruned it
+    (while it was checked, or after it was chosen and before it was read); True when the
+    manifest cannot be read (the error at hand is then real)."""
+    try:
+        return index in Manifest.load(root).entries
+    except (OSError, FastCkptError):
+        return True
+
+
 def nearest_intact(
     tiers: Sequence[str | os.PathLike[str]],
     index: int | None = None,
@@ -1172,6 +1183,8 @@ def nearest_intact(
             if problem is None:
                 best, spread = (candidate, tier), any(others)
                 break
+            if not still_committed(tier, candidate):
+                continue  # a live writer's prune, not damage: nothing to report
             skipped.append(f"{display_path(tier)} index {candidate}: {problem}")
             passed_over.append((display_path(tier), candidate))
     if best is None:

@@ -38,7 +38,7 @@ import fastckpt.checkpoint.trust as trust
 import fastckpt.training.sharded as sharded_training
 from fastckpt.checkpoint.fill import loads_as_given
 from fastckpt.container.commit import shown_names
-from fastckpt.container.promote import NearestCopy, nearest_intact
+from fastckpt.container.promote import NearestCopy, nearest_intact, still_committed
 from fastckpt.container.refs import REFS_FILE, root_key
 from fastckpt.container.sharded.nodes import node_holdings
 from fastckpt.container.snapshot import read_consistently
@@ -536,6 +536,11 @@ def _decide(
         (p, i) for p, tier in enumerate(tiers) for _, i in copy.passed_over if copy.passed(tier, i)
     ]
     return ("ok", position, copy.index, copy.skipped, copy.node_local, sorted(set(passed)))
+
+
+#: How many times a load with ``fallback_dirs`` of the newest copy chooses again when a live
+#: writer pruned the chosen index before it was read.
+_CHOOSE_ATTEMPTS = 5
 
 
 #: The stages a CheckpointHook saves at (see TrainingStrategy._fire).
@@ -1867,32 +1872,43 @@ class TrainingStrategy:
         if fallback_dirs or replicas:
             tiers = [root, *(fallback_dirs or ())]
             wanted = None if requested in (None, -1) else requested
-            if parallelize is not None and several:
-                copy = _agreed_copy(tiers, wanted)  # a collective load: one copy for all
-            elif replicas:
-                copy = _common_copy(tiers, wanted, fallback=bool(fallback_dirs), call=call)
-            else:
-                copy = nearest_intact(tiers, wanted)
-            (_LOG.warning if copy.skipped else _LOG.info)("%s", copy.describe())
-            with contextlib.ExitStack() as stack:
-                spread = None
-                if copy.node_local:  # rank 0's node holds the index; every node its shards
-                    index_of = sharded_training.node_local_index(copy.root, copy.index)
-                    spread = stack.enter_context(index_of)
-                resumed = cls._load_from(
-                    copy.root if spread is None else spread.root,
-                    copy.index,
-                    map_location,
-                    hooks,
-                    training_fn,
-                    validators,
-                    trusted,
-                    parallelize,
-                    spread,
-                    tiers,
-                )
-            resumed.restored_from = copy
-            return resumed
+            collective = (parallelize is not None and several) or replicas
+            for tries_left in reversed(range(_CHOOSE_ATTEMPTS)):
+                if parallelize is not None and several:
+                    copy = _agreed_copy(tiers, wanted)  # a collective load: one copy for all
+                elif replicas:
+                    copy = _common_copy(tiers, wanted, fallback=bool(fallback_dirs), call=call)
+                else:
+                    copy = nearest_intact(tiers, wanted)
+                (_LOG.warning if copy.skipped else _LOG.info)("%s", copy.describe())
+                try:
+                    with contextlib.ExitStack() as stack:
+                        spread = None
+                        if copy.node_local:  # rank 0's node: the index; every node: shards
+                            index_of = sharded_training.node_local_index(copy.root, copy.index)
+                            spread = stack.enter_context(index_of)
+                        resumed = cls._load_from(
+                            copy.root if spread is None else spread.root,
+                            copy.index,
+                            map_location,
+                            hooks,
+                            training_fn,
+                            validators,
+                            trusted,
+                            parallelize,
+                            spread,
+                            tiers,
+                        )
+                except KeyError:
+                    # The newest copy, pruned by a live writer before it was read: choose
+                    # again (one process alone; collective choices are agreed once).
+                    if collective or wanted is not None or not tries_left:
+                        raise
+                    if still_committed(copy.root, copy.index):
+                        raise
+                    continue
+                resumed.restored_from = copy
+                return resumed
         return cls._load_from(
             root,
             checkpoint_index,
