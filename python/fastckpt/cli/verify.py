@@ -12,6 +12,7 @@ from typing import Any
 
 from fastckpt.cli.common import (
     EXIT_BAD,
+    EXIT_ERROR,
     EXIT_OK,
     EXIT_UNCHECKED,
     UserError,
@@ -133,14 +134,29 @@ def unchecked_files(report: VerifyReport) -> list[FileReport]:
     return [f for f in report.files if f.status == "unchecked"]
 
 
+def unreadable_files(report: VerifyReport) -> list[FileReport]:
+    """Files this user may not read: not checked, and not damage (their owner can check
+    them)."""
+    return [f for f in report.files if f.status == "unreadable"]
+
+
 def _damaged(report: VerifyReport) -> bool:
-    return any(f.status not in ("ok", "unchecked") for f in report.files)
+    return any(f.status not in ("ok", "unchecked", "unreadable") for f in report.files)
 
 
 def _status(report: VerifyReport) -> int:
+    """Damage: 1; else a file this user may not read: 2 (it could not be checked; before, 1
+    as for damage); else bytes without a checksum: 3; else 0."""
     if _damaged(report):
         return EXIT_BAD
+    if unreadable_files(report):
+        return EXIT_ERROR
     return EXIT_UNCHECKED if unchecked_files(report) else EXIT_OK
+
+
+#: Which of two exit statuses of a folder's checkpoints wins: damage, then a checkpoint that
+#: could not be read, then unchecked bytes.
+_PRECEDENCE = (EXIT_BAD, EXIT_ERROR, EXIT_UNCHECKED, EXIT_OK)
 
 
 def _verify_json(
@@ -150,7 +166,12 @@ def _verify_json(
     size, linked_size = sizes if sizes is not None else (None, None)
     return {
         "ok": report.ok,
-        "status": {EXIT_OK: "ok", EXIT_BAD: "bad", EXIT_UNCHECKED: "unchecked"}[_status(report)],
+        "status": {
+            EXIT_OK: "ok",
+            EXIT_BAD: "bad",
+            EXIT_ERROR: "unreadable",
+            EXIT_UNCHECKED: "unchecked",
+        }[_status(report)],
         "unchecked_files": [str(f.path) for f in unchecked],
         "failed_indices": report.failed_indices(),
         "bytes": sum(f.actual_size or 0 for f in report.files),
@@ -206,8 +227,17 @@ def _verify_text(
             f"{format_bytes(checked)} read in {seconds:.2f} s ({rate})"
         )
     failures = report.failures
-    lines = [f"BAD: {display_path(report.target)}: {len(failures)} problem(s) in {scope}"]
     rows = [["-" if f.index is None else f.index, f.status, one_line(f.message)] for f in failures]
+    if not _damaged(report):  # only files this user may not read: no damage found
+        return "\n".join(
+            [
+                f"UNREADABLE: {display_path(report.target)}: {len(failures)} of {scope} may not "
+                "be read by this user, so they were not checked; no damage was found (check it "
+                "as its owner, or give this user read access)",
+                table(["INDEX", "STATUS", "PROBLEM"], rows, "  "),
+            ]
+        )
+    lines = [f"BAD: {display_path(report.target)}: {len(failures)} problem(s) in {scope}"]
     lines.append(table(["INDEX", "STATUS", "PROBLEM"], rows, "  "))
     if report.indices:
         failed = report.failed_indices()
@@ -257,7 +287,7 @@ def _verify_managers(args: argparse.Namespace, children: list[Path]) -> int:
         )
     child_sizes = [_child_sizes(child) for child in children]
     statuses = [_status(report) for report in results]
-    worst = EXIT_BAD if EXIT_BAD in statuses else max(statuses)
+    worst = min(statuses, key=_PRECEDENCE.index)
     if args.json:
         print_json(
             {
@@ -281,7 +311,8 @@ def _verify_managers(args: argparse.Namespace, children: list[Path]) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """``fastckpt verify PATH [--index N]``: exit 0 when every byte verified, 1 when anything
-    is damaged, 3 when nothing is damaged but some bytes carry no checksum."""
+    is damaged, 2 when nothing is damaged but this user may not read some files (or the
+    path), 3 when nothing is damaged but some bytes carry no checksum."""
     children = manager_children(args.path)
     if children:
         return _verify_managers(args, children)

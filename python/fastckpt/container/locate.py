@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.format.records import COMMIT_RECORD, MANIFEST, SHARDED_RECORD
+from fastckpt.storage.access import read_refused
 from fastckpt.storage.backend import StorageBackend
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
@@ -57,33 +60,35 @@ def locate(path_or_root: str | os.PathLike[str]) -> Location:
         FileNotFoundError: it does not exist, is neither a regular file nor a directory, or is
             a directory that is not a fastckpt checkpoint (the message says which).
         CheckpointFormatError: it holds a root's manifest and another checkpoint's record.
+        PermissionError: this user may not look into it or a folder above it (the message
+            names the folder, its owner and the fix).
     """
     path = Path(path_or_root)
     backend = backend_for(path)
     if not is_local(backend):
         return _locate_object(path, backend)
-    if path.is_file():
+    if _is(path, stat.S_ISREG):
         if path.name in (MANIFEST, COMMIT_RECORD, SHARDED_RECORD):
             return locate(path.parent)
         return Location("file", path)
-    if path.is_dir():
+    if _is(path, stat.S_ISDIR):
         # A record that is there but damaged (a directory, a FIFO...) still says what the
         # directory is: verifying it then reports the damage.
-        if os.path.lexists(path / MANIFEST):
-            others = [r for r in (COMMIT_RECORD, SHARDED_RECORD) if os.path.lexists(path / r)]
+        if _present(path / MANIFEST):
+            others = [r for r in (COMMIT_RECORD, SHARDED_RECORD) if _present(path / r)]
             _one_kind(path, MANIFEST, others)
             return Location("root", path, root=path)
-        if os.path.lexists(path / COMMIT_RECORD):
-            others = [SHARDED_RECORD] if os.path.lexists(path / SHARDED_RECORD) else []
+        if _present(path / COMMIT_RECORD):
+            others = [SHARDED_RECORD] if _present(path / SHARDED_RECORD) else []
             _one_kind(path, COMMIT_RECORD, others)
             return Location("manager", path)
-        if os.path.lexists(path / SHARDED_RECORD):
+        if _present(path / SHARDED_RECORD):
             return Location("sharded", path)
-        if path.name.isdigit() and os.path.lexists(path.parent / MANIFEST):
+        if path.name.isdigit() and _present(path.parent / MANIFEST):
             return Location("index", path, root=path.parent, index=int(path.name))
         # A symbolic link (or a ``..``) to an index directory: its root is beside the target.
         real = Path(os.path.realpath(path))
-        if real.name.isdigit() and os.path.lexists(real.parent / MANIFEST):
+        if real.name.isdigit() and _present(real.parent / MANIFEST):
             return Location("index", real, root=real.parent, index=int(real.name))
         raise FileNotFoundError(
             errno.ENOENT,
@@ -95,6 +100,42 @@ def locate(path_or_root: str | os.PathLike[str]) -> Location:
     if os.path.lexists(path):
         raise FileNotFoundError(errno.ENOENT, f"{path}: not a regular file or directory", str(path))
     raise FileNotFoundError(errno.ENOENT, f"{path}: no such file or directory", str(path))
+
+
+def _is(path: Path, kind: Callable[[int], bool]) -> bool:
+    """Whether ``path`` (links followed) exists and is of ``kind`` (``stat.S_ISDIR``...).
+
+    Raises:
+        PermissionError: a folder above it may not be searched (:func:`read_refused`).
+    """
+    try:
+        return kind(os.stat(path).st_mode)
+    except PermissionError as err:
+        raise read_refused(path, err) from err
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return False
+    except OSError as err:  # as ``Path.is_dir``: a dangling or looping link is no directory
+        if err.errno in (errno.EBADF, errno.ELOOP):
+            return False
+        raise
+
+
+def _present(path: Path) -> bool:
+    """Whether ``path`` is there (a link counts, followed or not), as ``os.path.lexists``,
+    but a folder this user may not search is said so, not taken for an empty one.
+
+    Raises:
+        PermissionError: its folder may not be searched (:func:`read_refused`, naming the
+            folder: before, a checkpoint another user may not enter was "not a fastckpt
+            checkpoint").
+    """
+    try:
+        os.lstat(path)
+    except PermissionError as err:
+        raise read_refused(path.parent, err) from err
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 #: What each record makes a folder, for messages.

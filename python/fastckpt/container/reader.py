@@ -19,8 +19,9 @@ from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.records import COMMIT_RECORD, item_files, load_json
 from fastckpt.io.paths import safe_join
+from fastckpt.storage.access import read_refused
 from fastckpt.storage.backend import StorageBackend
-from fastckpt.storage.registry import backend_for, display_path
+from fastckpt.storage.registry import backend_for, display_path, is_local
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +47,9 @@ T = TypeVar("T")
 #: header, tensor checksum failure, escapes the checkpoint, unreadable record). ``unchecked``:
 #: no damage found, but some tensors carry no checksum and no record covers the file (a lone
 #: file written by the ``safetensors`` package): its bytes were read, not verified.
-Status = Literal["ok", "mismatch", "missing", "corrupt", "unchecked"]
+#: ``unreadable``: this user may not read it (``EACCES`` / ``EPERM``, an object store's access
+#: denied): nothing was checked, and nothing says it is damaged.
+Status = Literal["ok", "mismatch", "missing", "corrupt", "unchecked", "unreadable"]
 
 #: Reads a file's content: ``path -> (value, whole-file crc32c or None when not computed)``.
 Content = Callable[[Path], "tuple[T, int | None]"]
@@ -58,8 +61,8 @@ class FileReport:
 
     Attributes:
         path: the file.
-        status: ``"ok"``, ``"mismatch"``, ``"missing"``, ``"corrupt"`` or ``"unchecked"`` (see
-            :data:`Status`).
+        status: ``"ok"``, ``"mismatch"``, ``"missing"``, ``"corrupt"``, ``"unchecked"`` or
+            ``"unreadable"`` (see :data:`Status`).
         expected_size: size from the commit record (None: no record, e.g. a lone file).
         expected_crc32c: whole-file crc32c from the commit record (None: no record).
         actual_size: size on disk (None: not readable).
@@ -153,6 +156,8 @@ def check_recorded(
     except FileNotFoundError:
         message = f"{shown}: missing (listed in {shown_source})"
         return fail("missing", FileNotFoundError(errno.ENOENT, message, shown), message)
+    except PermissionError as err:
+        return _unreadable(report, path, err, store)
     except OSError as err:
         return fail("corrupt", err, f"{shown}: cannot be read ({err})")
     if not info.regular:
@@ -172,6 +177,8 @@ def check_recorded(
         return fail("corrupt", err)
     except FileNotFoundError as err:
         return fail("missing", err, f"{shown}: disappeared while being read")
+    except PermissionError as err:
+        return _unreadable(report, path, err, store)
     except OSError as err:
         return fail("corrupt", err, f"{shown}: cannot be read ({err})")
     report.actual_crc32c = actual
@@ -185,6 +192,17 @@ def check_recorded(
             ),
         )
     return Checked(report, value)
+
+
+def _unreadable(
+    report: FileReport, path: Path, err: PermissionError, store: StorageBackend
+) -> Checked[Any]:
+    """``path`` this user may not read: ``unreadable``, never ``corrupt`` (before, a
+    checkpoint of another user's was reported damaged); the error says who owns it and the
+    fix (an object store's access denied as it is)."""
+    error = read_refused(path, err) if is_local(store) else err
+    report.status, report.message = "unreadable", error.strerror or str(error)
+    return Checked(report, None, error)
 
 
 # --------------------------------------------------------------------------- contents

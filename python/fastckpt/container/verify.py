@@ -217,6 +217,9 @@ def _load_manifest(root: Path) -> tuple[FileReport, Manifest | None]:
     except ChecksumMismatchError as err:
         report.status, report.message = "mismatch", str(err)
         manifest = Manifest.load(root)  # parseable, so its records can still be checked
+    except PermissionError as err:  # no damage: this user may not read it (says who may)
+        report.status, report.message = "unreadable", err.strerror or str(err)
+        return report, None
     except (CheckpointFormatError, OSError) as err:
         report.status, report.message = "corrupt", str(err)
         return report, None
@@ -284,6 +287,9 @@ def _verify_manager(directory: Path, threads: int) -> VerifyReport:
     report.files.append(record_report)
     try:
         record = read_commit_record(directory)
+    except PermissionError as err:  # no damage: this user may not read it (says who may)
+        record_report.status, record_report.message = "unreadable", err.strerror or str(err)
+        return report
     except (CheckpointFormatError, ChecksumMismatchError, OSError) as err:
         message = str(err) if str(record_path) in str(err) else f"{record_path}: {err!r}"
         record_report.status, record_report.message = "corrupt", message
@@ -375,6 +381,9 @@ def verify(
       ``corrupt``, saying so, never ``ok``;
     * ``manifest.json`` or ``commit.json`` itself (same as its directory).
 
+    A file this user may not read is ``unreadable`` (not ``corrupt``: nothing says it is
+    damaged), its message naming its owner and the fix.
+
     The manifest's own checksum is verified too. Tensor files are read completely (through
     small buffers, nothing is kept) with the GIL released.
 
@@ -396,6 +405,8 @@ def verify(
             ``threads`` is not an ``int`` from 1 to 65536 or None.
         FileNotFoundError: ``path_or_root`` does not exist or is not a fastckpt checkpoint
             (or the root has no committed index and ``index=-1``).
+        PermissionError: this user may not look into ``path_or_root`` (or a folder above
+            it), so what it is cannot be told; the message names the folder and the fix.
         KeyError: ``index`` is not committed in the root.
         ValueError: ``index`` given for something that is not a root.
     """

@@ -27,6 +27,7 @@ from typing import Any
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.io.paths import check_name, check_name_length, check_relpath, is_text, safe_join
+from fastckpt.storage.access import read_refused
 from fastckpt.storage.backend import MAX_RECORD_BYTES, FileRecord, StorageBackend, read_by_size
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
@@ -240,13 +241,23 @@ def read_record_bytes(directory: str | os.PathLike[str], name: str) -> bytes:
 
     Raises:
         FileNotFoundError: no record. IsADirectoryError: a directory in its place.
+        NotADirectoryError: ``directory`` is a file, or lies below one (the message names
+            the file and what reads it).
+        PermissionError: this user may not read the record or search ``directory`` (the
+            message names which, its owner and the fix).
         CheckpointFormatError: anything else that is not a small regular file.
     """
     backend = backend_for(directory)
     path = Path(directory) / name
     if not is_local(backend):
         return backend.read_bytes(path)
-    fd = _native.open_regular(str(path), False)
+    try:
+        fd = _native.open_regular(str(path), False)
+    except NotADirectoryError as err:
+        raise _not_a_folder(Path(directory), name) from err
+    except PermissionError as err:
+        # The record itself, or (when it cannot even be looked at) its folder.
+        raise read_refused(path if os.path.lexists(path) else directory, err) from err
     shown = display_path(path)
     with os.fdopen(fd, "rb") as handle:
         size = os.fstat(fd).st_size
@@ -260,6 +271,24 @@ def read_record_bytes(directory: str | os.PathLike[str], name: str) -> bytes:
             f"{shown}: grew past the {MAX_RECORD_BYTES} bytes a record may have"
         )
     return data
+
+
+def _not_a_folder(directory: Path, name: str) -> NotADirectoryError:
+    """The error for a record ``name`` looked for in ``directory``, which is a file or lies
+    below one (before: a bare ``Not a directory`` naming ``FILE/manifest.json``)."""
+    file = next((p for p in (directory, *directory.parents) if p.is_file()), directory)
+    what = (
+        f"{file} is a file, not a checkpoint directory (which holds {name})"
+        if file == directory
+        else f"{file} is a file, so {directory} below it is no checkpoint directory"
+    )
+    return NotADirectoryError(
+        errno.ENOTDIR,
+        f"{what}: read a safetensors file with fastckpt.load_file(path) (or safetensors' "
+        "safe_open), a .pt / .pth file with torch.load; fastckpt.verify(path) checks a "
+        "safetensors file",
+        str(file),
+    )
 
 
 def _is_int(value: Any) -> bool:

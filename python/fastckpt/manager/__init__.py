@@ -119,6 +119,7 @@ from fastckpt.manager.stateful import (
     prepare_save,
     restore,
 )
+from fastckpt.storage.access import read_refused
 from fastckpt.storage.backend import LOCAL, LocalStaging, disk_refused, explain_full_disk
 from fastckpt.storage.registry import (
     absolute,
@@ -1678,7 +1679,10 @@ def _is_sharded(directory: Path) -> bool:
     record = directory / SHARDED_RECORD  # the name only: no torch.distributed import
     if is_object_url(record):
         return backend_for(record).exists(record)
-    return record.is_symlink() or record.exists()
+    try:
+        return record.is_symlink() or record.exists()
+    except PermissionError as err:  # a folder this user may not search: say so, naming it
+        raise read_refused(directory, err) from err
 
 
 def _to_location(value: Any, map_location: str | torch.device | None) -> Any:

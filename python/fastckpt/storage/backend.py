@@ -50,6 +50,7 @@ from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_relpath
 from fastckpt.io.progress import active_counter
+from fastckpt.storage.access import read_refused
 from fastckpt.storage.identity import HOST, gone
 from fastckpt.storage.lock import RootLock
 
@@ -671,23 +672,44 @@ def disk_refused(err: BaseException) -> bool:
     return isinstance(err, OSError) and err.errno in (*_NO_ROOM, errno.EROFS)
 
 
+#: The longest path (bytes, the terminating NUL included) Linux takes (``PATH_MAX``).
+_PATH_MAX = 4096
+
+
+def _path_too_long(err: OSError) -> bool:
+    """Whether ``err`` is ``ENAMETOOLONG`` for a whole path past :data:`_PATH_MAX`, every
+    name in it within the 255 bytes a name may have (a name too long says so itself, see
+    :func:`_sibling`)."""
+    if err.errno != errno.ENAMETOOLONG or not err.filename:
+        return False
+    parts = os.fsencode(err.filename).split(b"/")
+    return all(len(part) <= _NAME_MAX for part in parts)
+
+
 @contextlib.contextmanager
 def explain_full_disk(target: str | os.PathLike[str]) -> Iterator[None]:
-    """Re-raise a full (or read-only) disk met while saving ``target`` as the same
-    ``OSError`` (errno and file kept) whose message names the checkpoint and the way out;
-    other errors pass."""
+    """Re-raise a full (or read-only) disk met while saving ``target``, or a path under it
+    past ``PATH_MAX``, as the same ``OSError`` (errno and file kept) whose message names the
+    checkpoint and the way out; other errors pass."""
     try:
         yield
     except OSError as err:
-        if not disk_refused(err) or err.errno is None:
+        if err.errno is None or not (disk_refused(err) or _path_too_long(err)):
             raise
         where = err.filename or os.fspath(target)
-        fix = (
-            "remount it read-write (or save elsewhere) and save again"
-            if err.errno == errno.EROFS
-            else "free space (`fastckpt prune ROOT --keep-last N` deletes older checkpoints) "
-            "and save again"
-        )
+        if err.errno == errno.ENAMETOOLONG:
+            fix = (
+                f"the path of a file it writes, {len(os.fsencode(where))} bytes, passes the "
+                f"limit of {_PATH_MAX} bytes the system sets on a whole path: save into a root "
+                "with a shorter path"
+            )
+        elif err.errno == errno.EROFS:
+            fix = "remount it read-write (or save elsewhere) and save again"
+        else:
+            fix = (
+                "free space (`fastckpt prune ROOT --keep-last N` deletes older checkpoints) "
+                "and save again"
+            )
         raise OSError(
             err.errno,
             f"{os.strerror(err.errno)} while saving {os.fspath(target)}: nothing of this save "
@@ -993,11 +1015,14 @@ class LocalFileSystem(StorageBackend):
         return read_metadata(path)
 
     def list_dir(self, directory: Path) -> list[str]:
-        """``os.listdir`` (empty for a missing directory)."""
+        """``os.listdir`` (empty for a missing directory; a folder this user may not read
+        is :func:`read_refused`, naming its owner and the fix)."""
         try:
             return sorted(os.listdir(directory))
         except (FileNotFoundError, NotADirectoryError):
             return []
+        except PermissionError as err:
+            raise read_refused(directory, err) from err
 
     def stage(
         self, final: Path, *, direct_io: bool | None = None, threads: int | None = None

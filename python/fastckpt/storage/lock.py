@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.errors import CheckpointFormatError, ConcurrentSaveError
+from fastckpt.storage.access import access_note
 from fastckpt.storage.identity import HOST
 
 __all__ = [
@@ -193,7 +194,8 @@ class RootLock:
 
         Raises:
             TimeoutError: ``timeout`` elapsed first (the message names the lock file).
-            OSError: the lock file cannot be created (e.g. read-only root).
+            PermissionError / OSError: the lock file cannot be created (a root another user
+                owns, a read-only filesystem): the message names the root and the fix.
         """
         if self._fd is not None:
             raise RuntimeError(f"{self.path}: already held by this RootLock")
@@ -247,6 +249,8 @@ class RootLock:
         try:
             fd = _open_tracked(self.path, flags)
         except OSError as err:
+            if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise self._refused(err) from err
             if err.errno not in (errno.ELOOP, errno.EISDIR):
                 raise
             fd = -1
@@ -259,6 +263,31 @@ class RootLock:
                 "into the root"
             )
         return fd
+
+    def _refused(self, err: OSError) -> OSError:
+        """The error for a lock file that cannot be created or opened for writing (``err``:
+        ``EACCES``, ``EPERM`` or ``EROFS``): the same errno, the root as its path, and a
+        message saying that the root cannot be written, that nothing was saved into it or
+        deleted from it, and the fix (before: a bare error naming the lock file)."""
+        root = self.path.parent
+        code = err.errno if err.errno is not None else errno.EACCES
+        if code == errno.EROFS:
+            why = "it is on a read-only filesystem"
+            fix = "remount it read-write, or save into a root on another filesystem"
+        else:
+            refused = self.path if os.path.lexists(self.path) else root
+            why = f"this user may not write to {refused} ({access_note(refused)})"
+            fix = (
+                "save or prune it as its owner, give this user write access to it (chmod, "
+                "chown or an ACL), or save into another root"
+            )
+        return OSError(
+            code,
+            f"{os.strerror(code)}: cannot lock {root} to save into or prune it, as {why} (its "
+            f"lock file {LOCK_FILE} cannot be created): nothing was saved into it or deleted "
+            f"from it, and the checkpoints there are intact; {fix}",
+            str(root),
+        )
 
     def _flock(self, fd: int, deadline: float | None) -> None:
         """Take the flock, polling; after :data:`WARN_AFTER_SECS` log who holds it, and at

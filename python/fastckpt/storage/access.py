@@ -1,0 +1,54 @@
+"""Who may read or write a path: the messages of permission errors.
+
+A checkpoint another user wrote (under ``umask 077``), or a root this user may not write, is
+no damage: these errors say who owns what and the fix, instead of calling the checkpoint
+corrupt or naming a lock file.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pwd
+
+__all__ = ["access_note", "read_refused"]
+
+
+def _user(uid: int) -> str:
+    """``name (uid N)``, or ``uid N`` for a uid without a name."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def access_note(path: str | os.PathLike[str]) -> str:
+    """Who owns ``path`` and who asked, for a permission error's message that names
+    ``path`` just before: ``it belongs to root (uid 0), mode 0700; this process runs as
+    nobody (uid 65534)`` (the first half left out when ``path`` cannot be examined either)."""
+    me = f"this process runs as {_user(os.geteuid())}"
+    try:
+        info = os.stat(path)
+    except OSError:
+        return me
+    return f"it belongs to {_user(info.st_uid)}, mode {info.st_mode & 0o7777:04o}; {me}"
+
+
+def read_refused(path: str | os.PathLike[str], err: OSError) -> PermissionError:
+    """The error for reading ``path`` (a checkpoint, or a file or folder of one) refused by
+    its permissions (``err``: ``EACCES`` / ``EPERM``): the same errno and path, and a message
+    saying that this is no damage, who owns what, and the fix.
+
+    Args:
+        path: what was to be read (named in the message and as the error's ``filename``).
+        err: the refusal.
+    """
+    code = err.errno if err.errno is not None else errno.EACCES
+    return PermissionError(
+        code,
+        f"{os.fspath(path)}: {os.strerror(code)}: this user may not read it "
+        f"({access_note(path)}); nothing says it is damaged, but it cannot be checked or "
+        "loaded as this user: read it as its owner, or give this user read access (chmod, "
+        "chown or an ACL, on its folders too)",
+        os.fspath(path),
+    )
