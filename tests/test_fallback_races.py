@@ -20,6 +20,7 @@ import fastckpt
 import training_support as support
 from fastckpt.checkpoint import api
 from fastckpt.container import promote
+from fastckpt.errors import IndexNotCommittedError
 
 
 def _save(root: Path, step: int) -> None:
@@ -63,10 +64,13 @@ def test_the_newest_copy_pruned_after_it_was_chosen_is_chosen_again(
     assert raced == [0]
     assert loaded["checkpoint_index"] == 1 and loaded["restored_from"]["index"] == 1
     assert _weight(loaded) == 2.0
-    # An index asked for by number is not replaced by another: its KeyError stands.
+    # An index asked for by number is not replaced by another: its error stands, typed
+    # (a KeyError, as before; it was a bare KeyError, like a bad model name's).
     raced.clear()
-    with pytest.raises(KeyError, match="checkpoint index 1 is not in"):
-        fastckpt.load_checkpoint(fast, 1, fallback_dirs=[tmp_path / "empty"])
+    with pytest.raises(IndexNotCommittedError, match=r"index 0 is not in .*never saved, or pruned"):
+        fastckpt.load_checkpoint(fast, 0)
+    with pytest.raises(KeyError):
+        fastckpt.verify(fast, index=0)
 
 
 def test_a_strategy_load_of_the_newest_copy_pruned_after_it_was_chosen_chooses_again(

@@ -25,6 +25,7 @@ __all__ = [
     "ConcurrentSaveError",
     "DamagedSourceError",
     "FastCkptError",
+    "IndexNotCommittedError",
     "InterruptedStepError",
     "InvalidInputError",
     "MissingDependencyError",
@@ -129,6 +130,13 @@ class DamagedSourceError(FastCkptError, ValueError):
     missing file) and promoted the later ones; the message names each and why. It is the
     cause of that promotion's :class:`PromotionError` (the promoter is unhealthy until a
     later promotion succeeds). Restore those checkpoints from a copy, or delete them.
+    """
+
+
+class IndexNotCommittedError(FastCkptError, KeyError):
+    """A checkpoint index asked for is not committed in the root: never saved, or pruned
+    (by this process or a live writer: retry with the newest, ``checkpoint_index=-1``). The
+    message lists the committed ones. A ``KeyError``, as before it had a type of its own.
     """
 
 

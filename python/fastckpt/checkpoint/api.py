@@ -45,7 +45,7 @@ from fastckpt.container.listing import list_checkpoints
 from fastckpt.container.promote import NearestCopy, nearest_intact, still_committed
 from fastckpt.container.snapshot import read_consistently
 from fastckpt.container.verify import checked_index
-from fastckpt.errors import CheckpointFormatError, FastCkptError
+from fastckpt.errors import CheckpointFormatError, FastCkptError, IndexNotCommittedError
 from fastckpt.format.records import MANIFEST, Manifest, refuse_other_kind
 from fastckpt.storage.registry import display_path, is_object_url, use_storage_options
 from fastckpt.training.strategy import TrainingStrategy, check_per_rank, refuse_a_replica_save
@@ -260,7 +260,7 @@ def load_checkpoint(
         copy = choose_copy(root, fallback_dirs, checkpoint_index)
         try:
             loaded = read(copy.root, copy.index)
-        except KeyError:
+        except IndexNotCommittedError:
             # The newest copy chosen, then pruned by a live writer before it was read: the
             # caller asked for the newest, so choose again (bounded). Before, a bare KeyError
             # named an index the caller never asked for.

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt import _native
-from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError, IndexNotCommittedError
 from fastckpt.io.paths import check_name, check_name_length, check_relpath, is_text, safe_join
 from fastckpt.storage.access import read_refused
 from fastckpt.storage.backend import MAX_RECORD_BYTES, FileRecord, StorageBackend, read_by_size
@@ -594,7 +594,8 @@ class Manifest:
 
         Raises:
             FileNotFoundError: the root has no committed checkpoint.
-            KeyError: ``index`` is not committed (lists the available ones).
+            IndexNotCommittedError: ``index`` is not committed (a ``KeyError``; lists the
+                available ones).
         """
         shown_path = display_path(self.path)
         if not self.entries:
@@ -603,9 +604,9 @@ class Manifest:
         if index == -1:
             return self.latest  # type: ignore[return-value]
         if index not in self.entries:
-            raise KeyError(
-                f"checkpoint index {index} is not in {shown_path}; available: "
-                f"{sorted(self.entries)}"
+            raise IndexNotCommittedError(
+                f"checkpoint index {index} is not in {shown_path} (never saved, or pruned); "
+                f"available: {sorted(self.entries)}"
             )
         return index
 

@@ -48,6 +48,7 @@ from fastckpt.errors import (
     CheckpointMismatchError,
     ConcurrentSaveError,
     FastCkptError,
+    IndexNotCommittedError,
     InterruptedStepError,
     InvalidInputError,
     NotCommittedError,
@@ -1899,7 +1900,7 @@ class TrainingStrategy:
                             spread,
                             tiers,
                         )
-                except KeyError:
+                except IndexNotCommittedError:
                     # The newest copy, pruned by a live writer before it was read: choose
                     # again (one process alone; collective choices are agreed once).
                     if collective or wanted is not None or not tries_left:
