@@ -641,7 +641,7 @@ def _proven_spec(model: torch.nn.Module, name: str, state: Mapping[str, Any]) ->
     """
     spec = specs.model_spec(model)
     key = (
-        json.dumps(spec.to_json(), sort_keys=True, default=str),
+        json.dumps(_recipe_only(spec.to_json()), sort_keys=True, default=str),
         tuple(
             (k, tuple(v.shape), str(v.dtype))
             for k, v in state.items()
@@ -652,6 +652,23 @@ def _proven_spec(model: torch.nn.Module, name: str, state: Mapping[str, Any]) ->
         build.check_recordable(model, name)
         _PROVEN[model] = key
     return spec
+
+
+def _recipe_only(encoded: Any) -> Any:
+    """An encoded spec (:meth:`~fastckpt.checkpoint.specs.BaseSpec.to_json`) without the
+    times its specs were made, nested ones included: what :func:`_proven_spec` compares.
+    With them, every save derived a spec of a new time, the proof never matched, and the
+    model was built on the meta device again at every save (0.16 s of a 0.39 s save of a
+    1000-parameter model)."""
+    if isinstance(encoded, dict):
+        return {
+            key: _recipe_only(value)
+            for key, value in encoded.items()
+            if not (key == "timestamp" and "cls_path" in encoded)
+        }
+    if isinstance(encoded, list):
+        return [_recipe_only(value) for value in encoded]
+    return encoded
 
 
 def _refuse_shapeless(relpath: str, tensors: Mapping[str, Any]) -> None:
