@@ -350,3 +350,49 @@ def test_independent_runs_of_a_sweep_resume_each_its_own_index_with_per_rank(
     rank_0, rank_1 = (json.loads(out.strip().splitlines()[-1]) for out in outputs)
     assert rank_0 == {"start_step": 0, "plain_save": 0}, rank_0
     assert rank_1 == {"start_step": 3, "plain_save": 0}, rank_1
+
+
+DAMAGED_SCRIPT = """
+import json, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import fastckpt, training_support as s
+base, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2)
+root = f"{base}/node{rank}"  # each node's own disk
+torch.manual_seed(0)
+strategy = fastckpt.TrainingStrategy(
+    DDP(s.DropoutMLP(p=0.0)), fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.05}),
+    training_fn=s.training_fn, num_steps=2,
+)
+strategy.run(s.loader())
+strategy.save_checkpoint(root, per_rank=True)  # a copy of the replicas on each node
+if rank == 1:  # rank 1's copy rots after it was written: its manifest still lists it
+    tensors = f"{root}/0/models/main.safetensors"
+    data = bytearray(open(tensors, "rb").read())
+    data[-3] ^= 0xFF
+    open(tensors, "wb").write(bytes(data))
+dist.barrier()
+try:
+    restored = fastckpt.TrainingStrategy.load_checkpoint(
+        root, trusted=["training_support.training_fn"], hooks=[])
+    report = ["loaded", restored.step_count]
+except Exception as err:
+    report = [type(err).__name__, str(err)]
+print(json.dumps(report))
+s.leave_process_group()
+"""
+
+
+def test_a_copy_one_replica_finds_damaged_as_it_reads_raises_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Both nodes list index 0, so the ranks agree on it; rank 1's copy then fails its
+    checksum as it is read. Before, rank 1 raised alone and rank 0 returned the loaded
+    strategy, to train on and wait in DDP's first allreduce until the group's timeout (30
+    minutes by default). Now rank 0 raises too, naming rank 1 and its error."""
+    outputs = support.run_two_ranks(DAMAGED_SCRIPT, tmp_path, tmp_path / "pg")
+    rank_0, rank_1 = (json.loads(out.strip().splitlines()[-1]) for out in outputs)
+    assert rank_1[0] == "ChecksumMismatchError", rank_1
+    assert rank_0[0] == "RuntimeError", rank_0
+    assert "failed on rank 1: ChecksumMismatchError" in rank_0[1], rank_0
+    assert "none trains alone" in rank_0[1], rank_0

@@ -107,8 +107,8 @@ def test_a_copy_pruned_while_it_was_checked_is_not_reported_as_damaged(
 ) -> None:
     """Before: the fast tier's newest index, pruned by the writer while the choice checked
     its files, was passed over as damaged ("skipped: fast index 0: ... missing") and the
-    notice said so. A pruned index is not damage: it is passed over without a word, and the
-    load takes the newest intact copy."""
+    notice said so, and the load took the durable tier's older copy. A pruned index is not
+    damage: the tiers are looked at again, and the load takes the writer's newest copy."""
     fast, durable = _roots(tmp_path)
     check = promote.index_intact
     raced: list[int] = []
@@ -125,4 +125,4 @@ def test_a_copy_pruned_while_it_was_checked_is_not_reported_as_damaged(
     assert raced == [0]
     assert loaded["restored_from"]["skipped"] == []
     assert not any("missing" in r.getMessage() for r in caplog.records)
-    assert _weight(loaded) == 1.0  # the durable copy: the fast tier's newer one came after
+    assert loaded["restored_from"]["path"].endswith("fast") and _weight(loaded) == 2.0

@@ -148,8 +148,17 @@ def test_a_save_refuses_to_replace_a_users_folder_named_like_the_index_it_writes
         fastckpt.save_checkpoint(root, models={"main": model})
     assert (root / "1" / "results.csv").read_text() == "precious"
     assert (root / "manifest.json").read_bytes() == manifest
+    # Files named like fastckpt's kinds, at places no save writes them, are the user's too
+    # (before the review: any .json or .safetensors file counted as a killed save's).
     (root / "1" / "results.csv").unlink()
-    (root / "1" / "models").mkdir()
+    for users in ("eval_results.json", "export/model.safetensors", "models/notes.json"):
+        (root / "1" / users).parent.mkdir(parents=True, exist_ok=True)
+        (root / "1" / users).write_text("precious")
+        with pytest.raises(NotACheckpointError, match=re.escape(users)):
+            fastckpt.save_checkpoint(root, models={"main": model})
+        assert (root / "1" / users).read_text() == "precious"
+        (root / "1" / users).unlink()
+    (root / "1" / "export").rmdir()
     (root / "1" / "models" / "main.safetensors").write_bytes(b"left by a killed save")
     assert fastckpt.save_checkpoint(root, models={"main": model}) == 1
     (root / "0" / "NOTES.md").write_text("why this run diverged")

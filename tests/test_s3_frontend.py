@@ -478,3 +478,29 @@ def test_errors_about_s3_checkpoints_name_them_as_s3_urls(
     collapsed = [m for m in messages if re.search(r"s3:/(?!/)", m)]
     assert not collapsed, "\n".join(collapsed)
     assert all("s3://" in m for m in messages), "\n".join(messages)
+
+
+def test_a_save_into_an_s3_root_whose_lease_this_thread_holds_is_refused_at_once(
+    s3_server: S3Server, s3_root: str, s3_env: dict[str, str]
+) -> None:
+    """A signal handler saving into an ``s3://`` root while the save it interrupted holds
+    the root's lease (here: the lease taken on this thread by hand) waited for itself: the
+    held lease's own heartbeat kept renewing it, so the wait never ended (with a
+    ``lock_timeout``: a ``TimeoutError`` naming this very process). Now
+    ``ConcurrentSaveError`` at once, nothing written; the lease stays held."""
+    from fastckpt.errors import ConcurrentSaveError
+    from fastckpt.storage.registry import backend_for
+
+    model = torch.nn.Linear(2, 2)
+    fastckpt.save_checkpoint(s3_root, models={"main": (model, None)})
+    lock = backend_for(s3_root).lock(Path(s3_root))
+    lock.acquire()
+    try:
+        started = time.monotonic()
+        with pytest.raises(ConcurrentSaveError, match="this thread already holds"):
+            fastckpt.save_checkpoint(s3_root, models={"main": (model, None)}, lock_timeout=30)
+        assert time.monotonic() - started < 10
+        assert lock.held
+    finally:
+        lock.release()
+    assert [c["index"] for c in fastckpt.list_checkpoints(s3_root)] == [0]

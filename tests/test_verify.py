@@ -206,3 +206,33 @@ def test_a_prune_during_verify_of_an_object_store_root_is_not_reported_as_damage
     monkeypatch.setattr(verifying, "_index_files", prune_meanwhile)
     report = verify(s3_root)
     assert pruned == [0, 1] and report.ok and report.indices == [2], report
+
+
+def test_a_load_of_an_s3_index_pruned_while_it_is_read_says_it_is_not_committed(
+    s3_server: S3Server, s3_root: str, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load of a listed index that a live writer prunes after the manifest was read and
+    before the files are: before, the record's fingerprint was None on an object store, so
+    the load never looked again and raised ``FileNotFoundError ... missing (listed in
+    manifest.json)``, naming the manifest that no longer lists it. Now it reads the manifest
+    again and says the index is not committed (typed, a ``KeyError``)."""
+    import torch
+
+    import fastckpt
+    from fastckpt.checkpoint import components
+    from fastckpt.errors import IndexNotCommittedError
+
+    for width in (2, 3, 4):
+        fastckpt.save_checkpoint(s3_root, models={"main": (torch.nn.Linear(width, 2), None)})
+    real = components.IndexReader
+    pruned: list[int] = []
+
+    def prune_then_read(*args: Any, **kwargs: Any) -> Any:
+        if not pruned:
+            pruned.extend(fastckpt.prune(s3_root, keep_last=1))  # the other process's prune
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(components, "IndexReader", prune_then_read)
+    with pytest.raises(IndexNotCommittedError, match="index 0 is not in"):
+        fastckpt.load_checkpoint(s3_root, 0)
+    assert pruned == [0, 1]

@@ -201,7 +201,7 @@ def _verify_text(
         scope += f" of index(es) {', '.join(str(i) for i in report.indices)}"
     rate = f"{format_bytes(checked / seconds)}/s" if seconds > 0 else "-"
     unchecked = unchecked_files(report)
-    if unchecked and not _damaged(report):
+    if unchecked and not _damaged(report) and not unreadable_files(report):
         lines = [
             f"UNCHECKED: {display_path(report.target)}: no damage found in {scope}, but "
             f"{len(unchecked)} file(s) have tensors without checksums; their bytes were read, "

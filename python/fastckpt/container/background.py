@@ -466,11 +466,12 @@ class BackgroundWriter(Generic[T]):
         """
         return self._collect(self.wait_timeout)
 
-    def settle(self, doing: str) -> None:
+    def settle(self, doing: str, why: str = "its collectives use the same process group") -> None:
         """Wait (at most :attr:`wait_timeout` seconds) until the tracked write is done,
         leaving it tracked: its outcome is reported by the next :meth:`collect` as usual.
         For a caller about to run collectives of its own (``doing``) on the process group
-        the write's commit uses: two threads' collectives on one group pair up wrongly.
+        the write's commit uses (two threads' collectives on one group pair up wrongly), or
+        about to read what the write writes; ``why``: which, for the timeout's message.
 
         Raises:
             TimeoutError: the write is still running after the wait timeout.
@@ -487,8 +488,8 @@ class BackgroundWriter(Generic[T]):
             raise TimeoutError(
                 errno.ETIMEDOUT,
                 f"{doing} waits for the background checkpoint write of {self._what}, still "
-                f"running after {self.wait_timeout} s (its collectives use the same process "
-                "group); call it again once the write is done",
+                f"running after {self.wait_timeout} s ({why}); call it again once the write "
+                "is done",
             )
 
     def collect_waiting(self) -> T | None:

@@ -56,6 +56,7 @@ from fastckpt.container.sharded.parts import part_damage
 from fastckpt.errors import CheckpointFormatError, FastCkptError, NotACheckpointError
 from fastckpt.format.records import (
     COMMIT_RECORD,
+    COMPONENT_SUFFIXES,
     GENERATION_PREFIX,
     MANIFEST,
     MAX_INDEX,
@@ -1737,7 +1738,8 @@ def _refuse_foreign_files(
 ) -> None:
     """Refuse a save of ``index`` whose folder (or object prefix) holds what fastckpt did not
     write: files a committed index's entry does not record, or, for an index not committed,
-    any file other than the ``.safetensors`` and ``.json`` files a killed save leaves there. A
+    any file a save of an index does not write (:func:`_written_by_fastckpt`: what a killed
+    save leaves there). A
     save replaces the whole folder, so a user's ``results.csv`` in ``ROOT/<next index>/`` or
     ``NOTES.md`` in an index replaced with ``checkpoint_index=`` was deleted without a word.
 
@@ -1760,7 +1762,7 @@ def _refuse_foreign_files(
         if committed:
             foreign = [relpath for relpath in stored if relpath not in recorded]
         else:
-            foreign = [r for r in stored if not r.endswith((".safetensors", ".json"))]
+            foreign = [relpath for relpath in stored if not _written_by_fastckpt(relpath)]
     if not foreign:
         return
     what = f"committed index {index}" if committed else f"a folder named like index {index}"
@@ -1822,16 +1824,42 @@ def _unrecorded(directory: str, recorded: set[str]) -> list[str]:
     return sorted(found)
 
 
+#: The files at the top of an index folder: the strategy's and its hooks' documents and
+#: tensors, and the references of an incremental save.
+_INDEX_DOCUMENTS = frozenset(
+    {"strategy.json", "strategy.safetensors", "hooks.json", "hooks.safetensors", refs.REFS_FILE}
+)
+
+
+def _written_by_fastckpt(relpath: str) -> bool:
+    """Whether ``relpath`` (``/``-separated, inside an index folder) is a name a save of an
+    index writes: :data:`_INDEX_DOCUMENTS`, ``<kind>/<name><suffix>`` of a component kind
+    (:data:`~fastckpt.format.records.COMPONENT_SUFFIXES`), or a linked file
+    (``linked/<n>.safetensors``). Anything else (``results.csv``, ``eval.json``,
+    ``export/model.safetensors``) is a user's."""
+    parts = relpath.split("/")
+    if len(parts) == 1:
+        return parts[0] in _INDEX_DOCUMENTS
+    if len(parts) != 2 or not parts[1]:
+        return False
+    folder, name = parts
+    if folder == LINKED_DIR:
+        return name.endswith(".safetensors") and name != ".safetensors"
+    suffixes = COMPONENT_SUFFIXES.get(folder, ())
+    return any(name.endswith(suffix) and name != suffix for suffix in suffixes)
+
+
 def _not_written_by_fastckpt(directory: Path) -> list[str]:
-    """The files under ``directory`` no index folder holds (fastckpt writes there only
-    ``.safetensors`` files and ``.json`` documents): an unnamed index folder holding any is
-    not a leftover of an interrupted prune or replacement."""
+    """The files (and links) under ``directory`` that no save of an index writes
+    (:func:`_written_by_fastckpt`): an unnamed index folder holding any is not a leftover of an
+    interrupted save, prune or replacement, and is never deleted as one."""
     found = []
     for here, folders, files in os.walk(directory):
         links = [name for name in folders if os.path.islink(os.path.join(here, name))]
         for name in (*files, *links):
-            if not name.endswith((".safetensors", ".json")) or name in links:
-                found.append(os.path.relpath(os.path.join(here, name), directory))
+            relpath = os.path.relpath(os.path.join(here, name), directory).replace(os.sep, "/")
+            if name in links or not _written_by_fastckpt(relpath):
+                found.append(relpath)
     return sorted(found)
 
 

@@ -1137,6 +1137,7 @@ def nearest_intact(
     *,
     elsewhere: Sequence[NodeHoldings] = (),
     asked: list[PartKey] | None = None,
+    _rescans: int = 3,
 ) -> NearestCopy:
     """The copy to restore from ``tiers`` (fastest first: the fast root, then the durable
     ones): the newest index that verifies on any tier (every file against its manifest
@@ -1184,7 +1185,15 @@ def nearest_intact(
                 best, spread = (candidate, tier), any(others)
                 break
             if not still_committed(tier, candidate):
-                continue  # a live writer's prune, not damage: nothing to report
+                # A live writer's prune, not damage: nothing to report. The newest asked
+                # for: look again, the writer may have committed a newer index meanwhile.
+                if index is None and _rescans > 0:
+                    if asked is not None:
+                        asked.clear()  # what this look found: the next one says again
+                    return nearest_intact(
+                        tiers, index, elsewhere=elsewhere, asked=asked, _rescans=_rescans - 1
+                    )
+                continue
             skipped.append(f"{display_path(tier)} index {candidate}: {problem}")
             passed_over.append((display_path(tier), candidate))
     if best is None:

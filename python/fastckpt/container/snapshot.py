@@ -185,8 +185,10 @@ def _wait_for_change(record: Path, before: tuple[object, ...] | None, root: Path
     """Wait (at most :data:`WRITER_WAIT_SECS`) while a writer holds ``root``'s lock for
     ``record`` to change or the writer to finish; whether one of them happened."""
     deadline = time.monotonic() + WRITER_WAIT_SECS
+    # Each look is a stat locally, two requests (HEADs) on an object store: poll gently there.
+    pause = 0.002 if is_local(backend_for(root)) else 0.1
     while time.monotonic() < deadline:
-        time.sleep(0.002)
+        time.sleep(pause)
         if fingerprint(record) != before:
             return True
         if not _writer_active(root):

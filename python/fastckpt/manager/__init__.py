@@ -1511,7 +1511,10 @@ class CheckpointManager:
         if writer is None or not writer.busy:
             return
         if writer.in_flight == display_path(absolute(directory)):
-            writer.settle(f"CheckpointManager.load of {display_path(directory)}")
+            writer.settle(
+                f"CheckpointManager.load of {display_path(directory)}",
+                "it writes the checkpoint this load reads",
+            )
 
     def _load_sharded(
         self,

@@ -25,6 +25,7 @@ __all__ = [
     "RootLock",
     "checked_lock_timeout",
     "lock_holder",
+    "reentry_error",
     "replacing",
 ]
 
@@ -157,6 +158,19 @@ def checked_lock_timeout(timeout: object) -> float | None:
     return float(timeout)
 
 
+def reentry_error(root: str | os.PathLike[str]) -> ConcurrentSaveError:
+    """The error for taking ``root``'s lock (a local flock or an object store's lease) on a
+    thread that already holds it: waiting would be waiting for itself, forever."""
+    return ConcurrentSaveError(
+        f"{root}: this thread already holds the root's lock ({LOCK_FILE}): a save or prune "
+        "into it is under way on this thread and was interrupted (a signal handler that "
+        "saves?), or the caller holds the root's lock; this one would wait for it forever. "
+        "Nothing was written. In a signal handler, set a flag and save once the interrupted "
+        "save has returned (TrainingStrategy.run holds SIGTERM/SIGINT until the step is done, "
+        "so a handler there may save)"
+    )
+
+
 class RootLock:
     """Exclusive inter-process lock on a checkpoint root: ``flock`` on ``ROOT/.fastckpt.lock``.
 
@@ -232,15 +246,7 @@ class RootLock:
             mine = [lock for lock in _HELD if lock.held and lock._thread == me]
         for lock in mine:
             if os.path.realpath(lock.path) == os.path.realpath(self.path):
-                raise ConcurrentSaveError(
-                    f"{self.path.parent}: this thread already holds the root's lock "
-                    f"({LOCK_FILE}): a save or prune into it is under way on this thread "
-                    "and was interrupted (a signal handler that saves?), or the caller holds "
-                    "a RootLock of the root; this one would wait for it forever. Nothing was "
-                    "written. In a signal handler, set a flag and save once the interrupted "
-                    "save has returned (TrainingStrategy.run holds SIGTERM/SIGINT until the "
-                    "step is done, so a handler there may save)"
-                )
+                raise reentry_error(self.path.parent)
 
     def _open(self) -> int:
         """Open (create) the lock file: a regular file in the root, never a link followed (the

@@ -127,7 +127,7 @@ def configure_storage(
 
     Example::
 
-        fastckpt.storage.registry.configure_storage(
+        fastckpt.configure_storage(
             "s3://ckpts", endpoint_url="http://127.0.0.1:9000", region="us-east-1"
         )
 

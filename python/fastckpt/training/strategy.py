@@ -272,6 +272,32 @@ def _gathered(value: Any, call: str) -> list[Any]:
     return everyone
 
 
+def _every_replica_loaded(failure: BaseException | None, call: str) -> None:
+    """After the replicas of a data-parallel run each read the agreed copy (collective):
+    raise on every rank when any rank's read failed. The agreement checks what each rank
+    holds, but a read can still fail on one rank (a file found damaged as it is read, a
+    validator): before, that rank raised alone, and the others went on to train and waited
+    in DDP's first allreduce until the group's timeout (30 minutes by default).
+
+    Raises:
+        BaseException: this rank's own ``failure``, when it has one.
+        RuntimeError: another rank failed; names it and its error (nothing should train).
+    """
+    mine = None if failure is None else f"{type(failure).__name__}: {failure}"[:500]
+    everyone = _gathered(mine, call)
+    if failure is not None:
+        raise failure
+    failed = [(rank, why) for rank, why in enumerate(everyone) if why is not None]
+    if failed:
+        raise RuntimeError(
+            f"{call}: the load failed on rank "
+            + "; on rank ".join(f"{rank}: {why}" for rank, why in failed)
+            + ". Every rank of a data-parallel run loads the same index, so every rank "
+            "raises and none trains alone; fix or remove that rank's copy (a damaged fast "
+            "tier: pass the durable one in fallback_dirs), then load again"
+        )
+
+
 def _refuse_mixed_tiers(given: Sequence[bool], call: str) -> None:
     """Raise on every rank alike when some ranks gave ``fallback_dirs`` and others did not
     (``given``: each rank's answer): the ranks would wait on different collectives.
@@ -1290,6 +1316,7 @@ class TrainingStrategy:
                 without ``per_rank``.
         """
         codec.check_incremental(incremental, "TrainingStrategy.save_checkpoint")
+        self._refuse_a_save_beside_run()  # before a sharded save's collectives and writes
         check_per_rank(per_rank, "TrainingStrategy.save_checkpoint")
         if not self.sharded:
             refuse_a_replica_save(
@@ -1452,6 +1479,7 @@ class TrainingStrategy:
         Returns:
             The index and the future of the sharded part.
         """
+        self._refuse_a_save_beside_run()
         self._refuse_unsaveable_hook_state()
         self._refuse_an_interrupted_step_on_any_rank()
         index, part = self._sharded_index(Path(root), checkpoint_index)
@@ -1882,6 +1910,7 @@ class TrainingStrategy:
                 else:
                     copy = nearest_intact(tiers, wanted)
                 (_LOG.warning if copy.skipped else _LOG.info)("%s", copy.describe())
+                failure: BaseException | None = None
                 try:
                     with contextlib.ExitStack() as stack:
                         spread = None
@@ -1900,14 +1929,21 @@ class TrainingStrategy:
                             spread,
                             tiers,
                         )
-                except IndexNotCommittedError:
+                except IndexNotCommittedError as err:
                     # The newest copy, pruned by a live writer before it was read: choose
                     # again (one process alone; collective choices are agreed once).
-                    if collective or wanted is not None or not tries_left:
+                    retry = not collective and wanted is None and tries_left > 0
+                    if retry and not still_committed(copy.root, copy.index):
+                        continue
+                    if not replicas:
                         raise
-                    if still_committed(copy.root, copy.index):
+                    failure = err
+                except BaseException as err:  # told to every replica, so that none trains alone
+                    if not replicas:
                         raise
-                    continue
+                    failure = err
+                if replicas:
+                    _every_replica_loaded(failure, call)
                 resumed.restored_from = copy
                 return resumed
         return cls._load_from(

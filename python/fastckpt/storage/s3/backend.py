@@ -57,7 +57,7 @@ from fastckpt.storage.backend import (
     Staging,
     StorageBackend,
 )
-from fastckpt.storage.lock import LOCK_FILE, checked_lock_timeout
+from fastckpt.storage.lock import LOCK_FILE, checked_lock_timeout, reentry_error
 from fastckpt.storage.s3.client import (
     MAX_PART,
     CopyNotSupportedError,
@@ -830,6 +830,7 @@ class S3RootLock:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._state_lock = threading.Lock()
+        self._thread: int | None = None  # the thread that acquired the lease
 
     @property
     def held(self) -> bool:
@@ -853,6 +854,12 @@ class S3RootLock:
         """Block until the lease is held (see the class docstring)."""
         if self._etag is not None:
             raise RuntimeError(f"{self.path}: already held by this lock")
+        with _HELD_LOCK:
+            other = _HELD.get(self._registry_key())
+        if other is not None and other.held and other._thread == threading.get_ident():
+            # A signal handler saving inside a save on this thread: the held lease would be
+            # renewed by its own heartbeat while this waited for it, forever.
+            raise reentry_error(str(self.root))
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         holder, left = "unknown", None
         while True:
@@ -896,6 +903,7 @@ class S3RootLock:
         self._expires = expires
         self._lost = False
         self._versions = {}
+        self._thread = threading.get_ident()
         with _HELD_LOCK:
             _HELD[self._registry_key()] = self
         self._stop.clear()
