@@ -6,8 +6,10 @@ dcp.load(state, storage_reader=fastckpt.dcp.Reader("ckpt/step-100"))
 
 The reader takes DCP's metadata from the JSON commit record (never a pickle), reads from each
 file only the rows of each chunk that this rank's plan asks for (rounded out to verification
-blocks), checks their crc32c, and copies them into DCP's target tensors. Resharding (a
-different world size or mesh) is DCP's planning; the reader only serves byte ranges.
+blocks), checks their crc32c, and copies them into DCP's target tensors. A target of another
+dtype than the saved one is refused (``CheckpointMismatchError``, before any target is
+written), where torch's ``FileSystemReader`` casts. Resharding (a different world size or
+mesh) is DCP's planning; the reader only serves byte ranges.
 
 Nothing is handed to the planner before every byte of this rank's plan was read and verified.
 How a load reads depends on where the files are:
@@ -60,9 +62,9 @@ from fastckpt.container.sharded.commit import (
 from fastckpt.container.sharded.reads import DEFAULT_STAGE_BYTES, ReadPlan
 from fastckpt.container.sharded.values import as_planner_bytes, decode_value
 from fastckpt.dcp import peers
-from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, ChecksumMismatchError
 from fastckpt.format.sharded import Record, StoredChunk
-from fastckpt.io.files import copy_values
+from fastckpt.io.files import copy_values, dtype_from_name
 from fastckpt.storage.registry import backend_for, check_url_spelling
 
 __all__ = ["Passes", "Reader"]
@@ -247,10 +249,14 @@ class Reader(StorageReader):
         Raises:
             ChecksumMismatchError: a chunk's bytes differ from their crc32c (names the file
                 and the tensor); no target was written.
+            CheckpointMismatchError: a target's dtype is not the saved one (no cast is done;
+                names the key, both dtypes and the fix); no target was written.
             CheckpointFormatError, FileNotFoundError: a data file is not what the record says.
         """
         record = self._require_record()
         items = self._located(record, plan)
+        if self.passes != "verify":
+            _check_target_dtypes(self.path, items, planner)
         held, self._held = self._held, None
         if held is None:
             held = _Held(self._files(record))
@@ -399,6 +405,30 @@ class Reader(StorageReader):
         for item, target, source in targets:
             copy_values(target, source)
             planner.commit_tensor(item, target)
+
+
+def _check_target_dtypes(
+    path: Path, items: list[tuple[ReadItem, StoredChunk]], planner: LoadPlanner
+) -> None:
+    """Refuse, before any target is written, a target tensor whose dtype is not its stored
+    chunk's: torch's ``copy_`` would cast (int64 ``2**40 + 3`` into float32 loses its low
+    bits), and a checkpoint that loads must give back exactly what was saved.
+
+    Raises:
+        CheckpointMismatchError: names the key, both dtypes and the fix.
+    """
+    for item, chunk in items:
+        if item.type == LoadItemType.BYTE_IO or chunk.kind != "tensor":
+            continue  # a value; a chunk of another kind is refused by _want, typed
+        stored = dtype_from_name(chunk.dtype or "")
+        target = planner.resolve_tensor(item)
+        if target.dtype != stored:
+            raise CheckpointMismatchError(
+                f"{item.storage_index.fqn}: checkpoint {path} holds it as {stored}, the "
+                f"template is {target.dtype}; a load gives back exactly what was saved, so no "
+                f"cast is done: load into a template of the saved dtype ({stored}), then cast "
+                f"it (.to({target.dtype}))"
+            )
 
 
 def _want(files: ChunkFiles, item: ReadItem, chunk: StoredChunk) -> Want:

@@ -304,16 +304,41 @@ def _describe(value: Any) -> str:
 
 
 def _check_templates(
-    path: Path, metadata: Metadata, templates: Mapping[str, Any], strict: bool
+    path: Path,
+    metadata: Metadata,
+    templates: Mapping[str, Any],
+    strict: bool,
+    modules: Mapping[str, torch.nn.Module] | None = None,
 ) -> None:
+    """Refuse templates that do not fit the checkpoint, before anything is read.
+
+    Checked, at any strictness: each tensor template can hold its values, the structure (a
+    template mapping where the checkpoint has a tensor or value, a template leaf where it has
+    a mapping or list), that an item's template names at least one of the item's saved
+    tensors (else nothing would be loaded into it), the key set of each module of
+    ``modules`` (``{item key: module}``, whose ``state_dict()`` the item's template is), as
+    its strict ``load_state_dict`` would, and each tensor's kind, dtype and shape. Under
+    ``strict`` also: template keys the checkpoint lacks, and saved tensors left out.
+
+    Raises:
+        TypeError: a tensor template that cannot hold its values (by key path).
+        CheckpointMismatchError: a template that does not fit (by key path, with the fix).
+    """
     flat, mapping = flatten_state_dict(dict(templates))
     stored = metadata.state_dict_metadata
+    stored_paths = _paths(metadata, path)
     for fqn, value in flat.items():
         if isinstance(value, torch.Tensor):
             # memory of its own, checked before any template is filled (a meta tensor, an
             # expanded one: DCP's copy fails once the templates before it are filled)
             local = value.to_local() if is_dtensor(value) else value  # type: ignore[attr-defined]
             check_tensor_template(local, fqn)
+    _check_structure(path, flat, mapping, stored, stored_paths)
+    for key in templates:
+        _check_something_loads(path, key, flat, mapping, stored, stored_paths)
+    for key, module in (modules or {}).items():
+        _check_module_keys(path, key, module, mapping, stored_paths)
+    for fqn, value in flat.items():
         entry = stored.get(fqn)
         if entry is None:
             if strict:
@@ -342,6 +367,150 @@ def _check_templates(
             _check_tied(path, chunks, paths)
     if strict:
         _check_nothing_left_out(path, metadata, templates, mapping.values())
+
+
+def _text_path(path: Iterable[Any]) -> tuple[str, ...]:
+    """A key path with every key as text (DCP names entries by their keys as text)."""
+    return tuple(str(part) for part in path)
+
+
+def _shown(names: Iterable[str], limit: int = 5) -> str:
+    """The first ``limit`` names (repr), and "..." when there are more."""
+    listed = list(names)
+    return ", ".join(repr(name) for name in listed[:limit]) + (
+        ", ..." if len(listed) > limit else ""
+    )
+
+
+def _check_structure(
+    path: Path,
+    flat: Mapping[str, Any],
+    mapping: Mapping[str, Any],
+    stored: Mapping[str, Any],
+    stored_paths: Mapping[str, tuple[Any, ...]],
+) -> None:
+    """Refuse a template whose structure is not the checkpoint's: a mapping or list where the
+    checkpoint has a tensor or value, or a tensor or value (not None) where it has a mapping or
+    list. DCP matches leaves by key path, so either loaded nothing there, silently (or, under
+    ``strict``, was reported as a key "not in checkpoint", which it is, as another kind).
+
+    Raises:
+        CheckpointMismatchError: names the key path, what the checkpoint and the template hold
+            there, and the fix.
+    """
+    leaves = {_text_path(saved_path): fqn for fqn, saved_path in stored_paths.items()}
+    containers: dict[tuple[str, ...], list[str]] = {}  # every proper prefix: entries under it
+    for fqn, saved_path in stored_paths.items():
+        for end in range(1, len(saved_path)):
+            containers.setdefault(_text_path(saved_path[:end]), []).append(fqn)
+    kinds = {True: "a list", False: "a mapping"}
+    for fqn, value in flat.items():
+        if fqn in stored:
+            continue
+        wanted = tuple(mapping[fqn])
+        text = _text_path(wanted)
+        for end in range(1, len(text)):
+            saved = leaves.get(text[:end])
+            if saved is not None:
+                raise CheckpointMismatchError(
+                    f"{saved}: the checkpoint has {_stored_kind(stored[saved])} there, the "
+                    f"template {kinds[isinstance(wanted[end], int)]} (holding {fqn!r}); "
+                    "nothing was loaded: give the template the saved structure, or load the "
+                    "item as saved (a None template)"
+                )
+        under = containers.get(text)
+        if under is not None and value is not None:
+            inner = stored_paths[under[0]][len(text)]
+            what = "a tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+            raise CheckpointMismatchError(
+                f"{fqn}: the checkpoint has {kinds[isinstance(inner, int)]} there "
+                f"({len(under)} entr{'y' if len(under) == 1 else 'ies'} under it: "
+                f"{_shown(sorted(under))}), the template {what}; nothing was loaded: give the "
+                "template the saved structure, or load the item as saved (a None template)"
+            )
+
+
+def _stored_kind(entry: Any) -> str:
+    """What a stored entry is, for messages: a tensor (its dtype and shape) or a value."""
+    if isinstance(entry, TensorStorageMetadata):
+        return f"a tensor ({_describe_entry(entry)})"
+    return "a value"
+
+
+def _check_something_loads(
+    path: Path,
+    key: str,
+    flat: Mapping[str, Any],
+    mapping: Mapping[str, Any],
+    stored: Mapping[str, Any],
+    stored_paths: Mapping[str, tuple[Any, ...]],
+) -> None:
+    """Refuse the template of item ``key`` when it holds tensors, the checkpoint holds tensors
+    under ``key``, and none of the template's is among them: DCP would load nothing into it
+    (a model under a wrapper: every name with a ``module.`` prefix), while its plain values
+    (a step count) would load, at any strictness.
+
+    Raises:
+        CheckpointMismatchError: names the item, both sets of names (the first few) and the fix.
+    """
+    wanted = sorted(
+        fqn
+        for fqn, value in flat.items()
+        if str(mapping[fqn][0]) == key and isinstance(value, torch.Tensor)
+    )
+    held = sorted(
+        fqn
+        for fqn, stored_path in stored_paths.items()
+        if str(stored_path[0]) == key and isinstance(stored[fqn], TensorStorageMetadata)
+    )
+    if wanted and held and not any(fqn in stored for fqn in wanted):
+        count = f"{len(wanted)} tensor{'' if len(wanted) == 1 else 's'}"
+        raise CheckpointMismatchError(
+            f"{key}: none of the template's {count} ({_shown(wanted)}) is in checkpoint "
+            f"{path}, which holds {len(held)} under {key!r} ({_shown(held)}); nothing was "
+            "loaded: give the template the saved names (a model under a wrapper such as DDP's "
+            "has a 'module.' prefix: load into the wrapped module), or load the item as saved "
+            "(a None template) and rename its keys"
+        )
+
+
+def _check_module_keys(
+    path: Path,
+    key: str,
+    module: torch.nn.Module,
+    mapping: Mapping[str, Any],
+    stored_paths: Mapping[str, tuple[Any, ...]],
+) -> None:
+    """Refuse the checkpoint's item ``key`` for ``module`` (whose ``state_dict()`` is the
+    item's template) when the module's strict ``load_state_dict`` would refuse it: a key of
+    the module the checkpoint lacks, or an entry the module lacks (batch norm's
+    ``num_batches_tracked``, which torch supplies, may be missing). At any strictness, as the
+    unsharded ``CheckpointManager.load``: else the checkpoint loaded in part, the rest of the
+    module left at its values, without a word.
+
+    Raises:
+        CheckpointMismatchError: names the module's class, the keys and the fix.
+    """
+    own = {_text_path(p)[1:]: fqn for fqn, p in mapping.items() if str(p[0]) == key}
+    held = {_text_path(p)[1:]: fqn for fqn, p in stored_paths.items() if str(p[0]) == key}
+    missing = [
+        ".".join(name) for name in own if name not in held and name[-1:] != ("num_batches_tracked",)
+    ]
+    unexpected = [".".join(name) for name in held if name not in own]
+    if not missing and not unexpected:
+        return
+    found = [
+        f"{label} [{_shown(sorted(names), 10)}]"
+        for label, names in (("Missing key(s):", missing), ("Unexpected key(s):", unexpected))
+        if names
+    ]
+    kind = f"{type(module).__module__}.{type(module).__qualname__}"
+    raise CheckpointMismatchError(
+        f"{key}: {kind}.load_state_dict() would refuse the state in checkpoint {path} "
+        f"({'; '.join(found)}), so nothing was loaded: build the module as it was saved, or "
+        "load the item as saved (a None template) and call load_state_dict(state, "
+        "strict=False) yourself"
+    )
 
 
 def _chunks_by_fqn(metadata: Metadata) -> dict[str, list[tuple[Any, ...]]]:
@@ -484,8 +653,10 @@ def load_state(
         path: the checkpoint directory.
         into: ``{key: template}``. Tensor and DTensor leaves are filled in place (resharded as
             the template's placements say); plain values are replaced; objects with
-            ``state_dict()``/``load_state_dict()`` get their state loaded; a ``None`` template
-            loads that item as full tensors. ``None`` loads every item that way.
+            ``state_dict()``/``load_state_dict()`` get their state loaded (a module's key set
+            must be the checkpoint's, at any strictness, as its strict ``load_state_dict``
+            wants); a ``None`` template loads that item as full tensors. ``None`` loads every
+            item that way.
         strict: raise on template keys the checkpoint lacks (otherwise they keep their value).
         process_group: the group DCP coordinates on.
         reader: a reader to use (e.g. ``Reader(path, verify=False)``).
@@ -494,7 +665,10 @@ def load_state(
         ``{key: value}`` for each requested item.
 
     Raises:
-        CheckpointMismatchError: dtype/shape mismatch, or (strict) a missing key, by key path.
+        CheckpointMismatchError: by key path, before anything is read: a dtype/shape
+            mismatch, another structure (a mapping where a tensor was saved, or the reverse),
+            an item's template none of whose tensors the checkpoint holds, a module's key set,
+            or (strict) a missing key.
         NotCommittedError, CheckpointFormatError, ChecksumMismatchError: no or a damaged commit
             record, a damaged or missing data file (named, with the tensor), on every rank.
         FileNotFoundError: a data file is missing (named).
@@ -528,6 +702,7 @@ def load_record_state(
     state: dict[str, Any] = {}
     result: dict[str, Any] = {}
     stateful: dict[str, Any] = {}
+    modules: dict[str, torch.nn.Module] = {}
     for key in keys:
         template = None if into is None else into[key]
         if key not in stored_keys:
@@ -540,9 +715,11 @@ def load_record_state(
         elif isinstance(template, Stateful):
             stateful[key] = template
             state[key] = template.state_dict()
+            if isinstance(template, torch.nn.Module):
+                modules[key] = template
         else:
             state[key] = template
-    _check_templates(root, metadata, state, strict)
+    _check_templates(root, metadata, state, strict, modules)
     if state:
         reader = reader or Reader(root)
         reader.reset(root)

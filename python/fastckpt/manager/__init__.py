@@ -1543,10 +1543,17 @@ class CheckpointManager:
             )
         if self._dist.active and self._writer is not None:  # its collectives: same group
             self._writer.settle("CheckpointManager.load of a sharded checkpoint")
+        # A module goes as it is, so that load_state applies its key set as the unsharded
+        # load does (a grown or wrapped model is refused); other templates as their state.
         templates = (
             None
             if into is None
-            else {key: prepare_save(value, key, check=False) for key, value in into.items()}
+            else {
+                key: value
+                if isinstance(value, torch.nn.Module)
+                else prepare_save(value, key, check=False)
+                for key, value in into.items()
+            }
         )
         with _typed_dcp_errors():
             loaded = load_state(directory, templates, strict=strict, process_group=self._dist.group)

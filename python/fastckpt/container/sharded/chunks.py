@@ -393,13 +393,17 @@ class ChunkFiles:
         """Read a whole stored tensor chunk straight into ``target`` and verify it there.
 
         Returns False (and reads nothing) when ``target`` cannot take the bytes directly: not a
-        contiguous CPU tensor of the chunk's dtype and element count.
+        contiguous CPU tensor of the chunk's dtype and element count, or a lazy negative or
+        conjugate view (``torch._neg_view``, ``.conj()``: its memory holds the negated or
+        conjugated values, which the caller's ``copy_`` writes).
         """
         dtype = dtype_from_name(chunk.dtype or "")
         if (
             target.device.type != "cpu"
             or target.dtype != dtype
             or not target.is_contiguous()
+            or target.is_neg()
+            or target.is_conj()
             or target.numel() * dtype.itemsize != chunk.length
             or chunk.length == 0
         ):
