@@ -396,3 +396,42 @@ def test_a_copy_one_replica_finds_damaged_as_it_reads_raises_on_every_rank(
     assert rank_0[0] == "RuntimeError", rank_0
     assert "failed on rank 1: ChecksumMismatchError" in rank_0[1], rank_0
     assert "none trains alone" in rank_0[1], rank_0
+
+
+NEVER_SAVED_SCRIPT = """
+import json, sys, warnings, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import fastckpt, training_support as s
+base, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2)
+report = {}
+for name, wrap in (("own", lambda m: m), ("ddp", DDP)):
+    torch.manual_seed(rank)
+    hook = fastckpt.CheckpointHook(f"{base}/{name}{rank}", step_interval=2)
+    strategy = fastckpt.TrainingStrategy(
+        wrap(s.DropoutMLP(p=0.0)), fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.05}),
+        training_fn=s.training_fn, num_steps=2, hooks=[hook],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy.run(s.loader(seed=rank))
+    hook.close()
+    report[name] = [str(w.message) for w in caught if "never saved" in str(w.message)]
+print(json.dumps(report))
+s.leave_process_group()
+"""
+
+
+def test_a_hook_that_never_saves_a_ranks_own_models_says_so(tmp_path: Path) -> None:
+    """``CheckpointHook`` keeps ranks other than 0 from saving by default
+    (``rank_zero_only=True``). For DDP replicas that is right (rank 0's checkpoints hold
+    them); for a rank's own models (a run of a sweep) no checkpoint of them is ever written,
+    and before, nothing said so. Now rank 1 is warned, naming ``rank_zero_only=False``; DDP
+    replicas and rank 0 are not."""
+    outputs = support.run_two_ranks(NEVER_SAVED_SCRIPT, tmp_path, tmp_path / "pg")
+    rank_0, rank_1 = (json.loads(out.strip().splitlines()[-1]) for out in outputs)
+    assert rank_0 == {"own": [], "ddp": []}, rank_0
+    assert rank_1["ddp"] == [], rank_1
+    assert len(rank_1["own"]) == 1, rank_1
+    assert "on rank 1 of 2" in rank_1["own"][0] and "rank_zero_only=False" in rank_1["own"][0]
+    assert not (tmp_path / "own1").exists()

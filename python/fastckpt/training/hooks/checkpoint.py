@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -509,6 +510,31 @@ class CheckpointHook:
             return False
         return stage is not TrainingStage.AFTER_TRAINING and self._due(ctx, stage)
 
+    def _warn_a_rank_never_saved(self, ctx: TrainContext) -> None:
+        """On a rank other than 0 that ``rank_zero_only`` keeps from saving: say so when its
+        unsharded models are not DDP replicas over every rank (a run of a sweep, a pipeline
+        stage: state of its own), which no rank then saves. Before, nothing said it: the
+        run trained without a checkpoint of that rank's state."""
+        import torch.distributed as dist
+
+        if not self.rank_zero_only or ctx.global_rank == 0 or self._replicas_over_world:
+            return
+        if getattr(ctx.workflow, "sharded", False):
+            return
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return
+        message = (
+            f"CheckpointHook({display_path(self.checkpoint_dir)}) on rank {ctx.global_rank} of "
+            f"{dist.get_world_size()}: rank_zero_only=True (the default) saves on rank 0 "
+            "alone, and this rank's models are not DistributedDataParallel replicas over "
+            "every rank, so their state is never saved here. If they are this rank's own (a "
+            "run of a sweep, a pipeline stage), pass rank_zero_only=False and a "
+            "checkpoint_dir of this rank's own; if they are replicas kept in step another "
+            "way, rank 0's checkpoints hold them and this warning can be ignored"
+        )
+        _LOG.warning("%s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
     def _due(self, ctx: TrainContext, stage: TrainingStage) -> bool:
         """Whether this hook's cadence saves at ``stage`` (on a rank that saves)."""
         if stage is TrainingStage.AFTER_BATCH and self.step_interval is not None:
@@ -531,6 +557,7 @@ class CheckpointHook:
             self._start_step = ctx.step_count
             self._started_from = self._newest_index()
             self._replicas_over_world = _replicas_over_world(ctx)
+            self._warn_a_rank_never_saved(ctx)
             self._floor = None  # the durable tier is read again by this run's first save
             self._durable_failed, self._durable_read = False, None
             check_recordable = getattr(ctx.workflow, "check_recordable", None)
