@@ -1537,22 +1537,40 @@ class _CountedBuilds(nn.Module):
         super().__init__()
         type(self).builds += 1
         self.width = width
-        self.linear = nn.Linear(width, width)
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        self.act = nn.ReLU()
+        self.drop = nn.Dropout(0.1)
 
 
-def test_a_models_recipe_is_proven_once_not_at_every_save(tmp_path: Path) -> None:
+def test_a_models_recipe_is_built_once_and_proven_at_every_save(tmp_path: Path) -> None:
     """The recipe of a model saved again is not built on the meta device again: before, the
-    proof's cache key held the derived spec's creation time, a new one at every save, so
-    every save rebuilt the model (0.16 s of a 0.39 s save of a 1000-parameter model). A
-    changed constructor attribute is a new recipe, proven again."""
+    cache key held the derived spec's creation time, new at every save, so every save
+    rebuilt the model (0.16 s of a 0.39 s save of a 1000-parameter model). The proof itself
+    still runs at every save, against the kept build (review: the first version of the fix
+    skipped it, so a submodule swapped, a setting changed or weights tied after the first
+    save were committed and loaded back as the old model): each is refused."""
     import fastckpt
 
     model = _CountedBuilds(4)
     _CountedBuilds.builds = 0
+    root = tmp_path / "root"
     for _ in range(3):
-        fastckpt.save_checkpoint(tmp_path / "root", models={"main": (model, None)})
+        fastckpt.save_checkpoint(root, models={"main": (model, None)})
     assert _CountedBuilds.builds == 1
-    model.width = 5  # the recipe now says width=5: a model with other tensors, refused
+    for change, refusal in (
+        (lambda: setattr(model, "act", nn.GELU()), "act"),
+        (lambda: setattr(model.drop, "p", 0.5), "drop.p"),
+        (lambda: setattr(model.b, "weight", model.a.weight), "tied|weight"),
+    ):
+        before = (model.act, model.drop.p, model.b.weight)
+        change()
+        with pytest.raises(TypeError, match=refusal):
+            fastckpt.save_checkpoint(root, models={"main": (model, None)})
+        model.act, model.drop.p, model.b.weight = before
+    assert _CountedBuilds.builds == 1
+    assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [0, 1, 2]
+    model.width = 5  # the recipe now says width=5: built again, a model with other tensors
     with pytest.raises(TypeError, match="rebuilds a model with other tensors"):
-        fastckpt.save_checkpoint(tmp_path / "root", models={"main": (model, None)})
+        fastckpt.save_checkpoint(root, models={"main": (model, None)})
     assert _CountedBuilds.builds == 2

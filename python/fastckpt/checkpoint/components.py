@@ -14,10 +14,8 @@ from __future__ import annotations
 import datetime as _dt
 import errno
 import inspect
-import json
 import os
 import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -623,54 +621,6 @@ def _check_references(writer: IndexWriter, snapshot: Snapshot) -> dict[str, dict
     return plan.refs
 
 
-#: model -> what its derived recipe was proven for (see _proven_spec)
-_PROVEN: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, tuple[Any, ...]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _proven_spec(model: torch.nn.Module, name: str, state: Mapping[str, Any]) -> specs.BaseSpec:
-    """``model``'s derived recipe, proven to rebuild it (:func:`~fastckpt.checkpoint.build.
-    check_recordable`: tensors, submodule classes, constructor-argument attributes, tied
-    weights) the first time this recipe is recorded for this model with these tensors
-    (``state``, its state dict) in this process; later saves of it derive the recipe only.
-
-    Raises:
-        TypeError: the recipe cannot be derived, or rebuilds another model (names the
-            difference and the fixes).
-    """
-    spec = specs.model_spec(model)
-    key = (
-        json.dumps(_recipe_only(spec.to_json()), sort_keys=True, default=str),
-        tuple(
-            (k, tuple(v.shape), str(v.dtype))
-            for k, v in state.items()
-            if isinstance(v, torch.Tensor)
-        ),
-    )
-    if _PROVEN.get(model) != key:
-        build.check_recordable(model, name)
-        _PROVEN[model] = key
-    return spec
-
-
-def _recipe_only(encoded: Any) -> Any:
-    """An encoded spec (:meth:`~fastckpt.checkpoint.specs.BaseSpec.to_json`) without the
-    times its specs were made, nested ones included: what :func:`_proven_spec` compares.
-    With them, every save derived a spec of a new time, the proof never matched, and the
-    model was built on the meta device again at every save (0.16 s of a 0.39 s save of a
-    1000-parameter model)."""
-    if isinstance(encoded, dict):
-        return {
-            key: _recipe_only(value)
-            for key, value in encoded.items()
-            if not (key == "timestamp" and "cls_path" in encoded)
-        }
-    if isinstance(encoded, list):
-        return [_recipe_only(value) for value in encoded]
-    return encoded
-
-
 def _refuse_shapeless(relpath: str, tensors: Mapping[str, Any]) -> None:
     """Refuse nested and zero tensors among ``tensors`` (for file ``relpath``) the way every
     save does (:func:`check_storable`), before the plan touches their shapes or storages,
@@ -700,7 +650,8 @@ def _plan_components(
         model = unwrap_model(model)
         state = dict(model.state_dict())
         _refuse_shapeless(f"models/{name}.safetensors", state)
-        spec = spec or _proven_spec(model, name, state)
+        # Proven at every save (the meta build of a recipe is kept: check_recordable).
+        spec = spec or build.check_recordable(model, name)
         live_models[name] = model
         relpath = f"models/{name}.safetensors"
         plan.tensor_files[relpath] = state
