@@ -435,3 +435,43 @@ def test_a_hook_that_never_saves_a_ranks_own_models_says_so(tmp_path: Path) -> N
     assert len(rank_1["own"]) == 1, rank_1
     assert "on rank 1 of 2" in rank_1["own"][0] and "rank_zero_only=False" in rank_1["own"][0]
     assert not (tmp_path / "own1").exists()
+
+
+LOAD_LATEST_ALONE_SCRIPT = """
+import json, os, sys, time, torch, torch.distributed as dist
+import fastckpt, training_support as s
+base, rank = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}", rank=rank, world_size=2)
+done = f"{base}/rank0-done"
+config = fastckpt.CheckpointManager.Config.with_sync_save()
+config.save.writer_config.checkpoint_write_barrier_timeout_sec = 5
+config.tiers = fastckpt.TiersConfig(fast=f"{base}/fast", durable=f"{base}/durable")
+manager = config.build()
+manager.save(f"{base}/fast/step_1", {"x": torch.ones(2)})  # collective: every rank
+if rank == 0:  # then an evaluation on rank 0 alone forgets that load_latest is collective
+    started = time.monotonic()
+    try:
+        manager.load_latest()
+        report = ["loaded"]
+    except Exception as err:
+        report = [type(err).__name__, str(err), time.monotonic() - started]
+    open(done, "w").close()
+    print(json.dumps(report))
+else:
+    while not os.path.exists(done):
+        time.sleep(0.1)
+    print(json.dumps(["waited"]))
+os._exit(0)
+"""
+
+
+def test_load_latest_on_one_rank_alone_explains_its_collective(tmp_path: Path) -> None:
+    """Rank 0 evaluating alone with a collective manager: ``load_latest`` is collective and
+    waited for rank 1 until the group's timeout, then raised gloo's bare error. Now the
+    error says the load is collective, nothing was loaded, and how to load on one rank."""
+    outputs = support.run_two_ranks(LOAD_LATEST_ALONE_SCRIPT, tmp_path, tmp_path / "pg")
+    rank_0 = json.loads(outputs[0].strip().splitlines()[-1])
+    assert rank_0[0] == "RuntimeError", rank_0
+    assert "load_latest under a process group of 2 ranks is collective" in rank_0[1], rank_0
+    assert "Nothing was loaded" in rank_0[1] and "Config.collective=False" in rank_0[1]
+    assert rank_0[2] < 60, rank_0

@@ -606,7 +606,7 @@ class CheckpointManager:
             problem = None
         except NotCommittedError as err:
             mine, problem = None, str(err)
-        chosen: list[str | None] = self._dist.gather(None if mine is None else mine.name)
+        chosen: list[str | None] = self._load_gather(None if mine is None else mine.name)
         if mine is not None and all(name == mine.name for name in chosen):
             return mine
         candidates = list(dict.fromkeys(name for name in chosen if name is not None))
@@ -618,7 +618,7 @@ class CheckpointManager:
                 continue  # this rank's own pick: verified by latest() just now
             with contextlib.suppress(NotCommittedError):
                 copies[name] = nearest_intact_checkpoint(self._tiers or [], name)
-        holdings: list[list[str]] = self._dist.gather(sorted(copies))
+        holdings: list[list[str]] = self._load_gather(sorted(copies))
         for name in candidates:
             if all(name in held for held in holdings):
                 copy = copies[name]
@@ -636,6 +636,27 @@ class CheckpointManager:
             + ": every rank must see the same tiers (a fast tier every rank sees, the same "
             "durable tier)"
         )
+
+    def _load_gather(self, value: Any) -> list[Any]:
+        """:meth:`_agreed_latest`'s gather, its failure explained: a rank that never called
+        ``load_latest`` (rank 0 evaluating alone) left gloo's bare timeout.
+
+        Raises:
+            RuntimeError: the collective failed (chained): names the rule and the fixes.
+        """
+        try:
+            return self._dist.gather(value)
+        except Exception as err:
+            raise RuntimeError(
+                f"CheckpointManager.load_latest under a process group of "
+                f"{self._dist.world_size} ranks is collective (every rank loads the same "
+                f"checkpoint, agreed among them), and its collective failed "
+                f"({type(err).__name__}: {err}): another rank did not call load_latest within "
+                f"checkpoint_write_barrier_timeout_sec ({self._dist.timeout_secs:g} s), died, "
+                "or left the group. Nothing was loaded. Call it on every rank, or load on one "
+                "rank alone with a manager built with Config.collective=False (or "
+                "load(checkpoint_id) of a checkpoint named by hand)"
+            ) from err
 
     # ------------------------------------------------------------------ context manager
 
