@@ -47,7 +47,12 @@ from fastckpt.container.snapshot import read_consistently
 from fastckpt.container.verify import checked_index
 from fastckpt.errors import CheckpointFormatError, FastCkptError, IndexNotCommittedError
 from fastckpt.format.records import MANIFEST, Manifest, refuse_other_kind
-from fastckpt.storage.registry import display_path, is_object_url, use_storage_options
+from fastckpt.storage.registry import (
+    checked_paths,
+    display_path,
+    is_object_url,
+    use_storage_options,
+)
 from fastckpt.training.strategy import TrainingStrategy, check_per_rank, refuse_a_replica_save
 
 _LOG = logging.getLogger(__name__)
@@ -231,6 +236,7 @@ def load_checkpoint(
     checkpoint_index = -1 if index is None else index
     model_names = checked_model_names(model_names)
     use_storage_options(root, storage_options, "load_checkpoint")
+    fallback_dirs = checked_paths(fallback_dirs, "fallback_dirs", "load_checkpoint")
     trusted = frozen_trusted(trusted)
     named = [root, *(fallback_dirs or ())]  # the roots a rebuilt CheckpointHook may save to
 

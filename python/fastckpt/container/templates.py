@@ -17,11 +17,23 @@ from fastckpt.io import tree
 
 __all__ = [
     "check_disjoint_templates",
+    "check_strict",
     "check_tensor_template",
     "is_dtensor",
     "template_tensors",
     "template_view",
 ]
+
+
+def check_strict(strict: object, call: str) -> None:
+    """Refuse a ``strict=`` of a load (``call``) that is not a bool: ``"no"`` and ``"false"``
+    acted as strict, ``0`` and None as lenient, without a word.
+
+    Raises:
+        TypeError: names ``call`` and the value.
+    """
+    if not isinstance(strict, bool):
+        raise TypeError(f"{call}: strict must be True or False, got {strict!r}")
 
 
 def is_dtensor(value: torch.Tensor) -> bool:

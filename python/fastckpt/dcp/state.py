@@ -46,7 +46,12 @@ from torch.distributed.tensor import DTensor
 from fastckpt.container.commit import record_names_generation
 from fastckpt.container.sharded.commit import RECORD_NAME, read_record
 from fastckpt.container.snapshot import read_consistently
-from fastckpt.container.templates import check_disjoint_templates, check_tensor_template, is_dtensor
+from fastckpt.container.templates import (
+    check_disjoint_templates,
+    check_strict,
+    check_tensor_template,
+    is_dtensor,
+)
 from fastckpt.dcp.reader import Passes, Reader
 from fastckpt.dcp.writer import Writer
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, FastCkptError
@@ -673,6 +678,7 @@ def load_state(
             record, a damaged or missing data file (named, with the tensor), on every rank.
         FileNotFoundError: a data file is missing (named).
     """
+    check_strict(strict, "fastckpt.dcp.load_state")
     root = Path(path)
 
     def attempt() -> dict[str, Any]:

@@ -54,7 +54,7 @@ from fastckpt.container.promote_checkpoints import (
     tier_left_behind,
 )
 from fastckpt.container.snapshot import read_consistently
-from fastckpt.container.templates import check_disjoint_templates
+from fastckpt.container.templates import check_disjoint_templates, check_strict
 from fastckpt.errors import (
     CheckpointFormatError,
     CheckpointMismatchError,
@@ -124,6 +124,7 @@ from fastckpt.storage.backend import LOCAL, LocalStaging, disk_refused, explain_
 from fastckpt.storage.registry import (
     absolute,
     backend_for,
+    check_path_argument,
     display_path,
     is_local,
     is_object_url,
@@ -812,6 +813,7 @@ class CheckpointManager:
     ) -> Future[None] | None:
         """:meth:`_save` of the collective save ``turn`` (None: not collective)."""
         _check_state_mapping(state, "state")
+        check_path_argument(checkpoint_id, "CheckpointManager.save")
         path = self._tier_path(checkpoint_id)
         if self._tiers is None:
             use_storage_options(checkpoint_id, self._storage_options, "CheckpointManager.save")
@@ -1435,6 +1437,7 @@ class CheckpointManager:
         template was written into carries a note naming those templates.
         """
         self._check_open("load")
+        check_strict(strict, "CheckpointManager.load")
         use_storage_options(checkpoint_id, self._storage_options, "CheckpointManager.load")
         start = time.perf_counter()
         directory = Path(checkpoint_id)

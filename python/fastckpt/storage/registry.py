@@ -42,7 +42,9 @@ __all__ = [
     "SCHEMES",
     "absolute",
     "backend_for",
+    "check_path_argument",
     "check_url_spelling",
+    "checked_paths",
     "configure_storage",
     "display_path",
     "is_local",
@@ -133,11 +135,19 @@ def configure_storage(
 
     Raises:
         ValueError: ``url`` is not an ``s3://`` URL, or an option is out of range.
-        TypeError: an unknown option (the message lists the valid ones).
+        TypeError: an unknown option (the message lists the valid ones), or
+            ``storage_options`` that is neither a mapping nor None.
     """
     if not is_object_url(url):
         schemes = ", ".join(f"{scheme}://" for scheme in sorted(SCHEMES))
         raise ValueError(f"configure_storage({url!r}): only {schemes} URLs take storage options")
+    # A list (configure_storage(url, [])) was taken as "no options": the setting removed.
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise TypeError(
+            f"configure_storage({url!r}): storage_options must be a mapping of option -> "
+            f"value or None, got {type(storage_options).__name__} {storage_options!r}; pass "
+            "them as keywords (configure_storage(url, region='...')) or as a dict"
+        )
     merged = {**(storage_options or {}), **options}
     _backend_module(url).register_storage_options(_url(url), merged or None)
 
@@ -155,6 +165,7 @@ def use_storage_options(
         StorageOptionsError: options given for a local path (they configure object stores).
         TypeError / ValueError: an unknown option or a value out of range.
     """
+    check_path_argument(path, what)
     check_url_spelling(path)
     if storage_options is None:
         return
@@ -166,6 +177,57 @@ def use_storage_options(
             "this is a local path; drop storage_options or use an s3:// URL"
         )
     configure_storage(_url(path), storage_options)
+
+
+def check_path_argument(path: Any, what: str) -> None:
+    """Refuse what a front door (``what``) cannot take for a checkpoint's path: not a ``str``
+    or ``os.PathLike`` (``None``, an int, a list, bytes), or the empty string, which
+    ``pathlib`` reads as the current directory: a setting left unset
+    (``os.environ.get("CKPT_DIR", "")``) saved into, listed and pruned wherever the job ran.
+
+    Raises:
+        TypeError: not a path (names the type and ``what``).
+        ValueError: the empty string (names ``what`` and the fix).
+    """
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"{what}: the checkpoint path must be a str or os.PathLike, got "
+            f"{type(path).__name__} {path!r}"
+        )
+    if isinstance(path, str) and not path:
+        raise ValueError(
+            f"{what}: the checkpoint path is empty, which would mean the current directory "
+            "(a setting left unset?); give the folder by name ('.' for the current one)"
+        )
+
+
+def checked_paths(paths: Any, argument: str, what: str) -> list[str | os.PathLike[str]]:
+    """``paths`` (a front door's list of roots, such as ``fallback_dirs``) as a list, each
+    checked by :func:`check_path_argument`; None is no roots.
+
+    Raises:
+        TypeError: one path given as a string or path instead of a list of them (a string
+            was taken character by character: ``fallback_dirs="/data/ckpt"`` made ``/``,
+            ``d``, ``a``... fallback roots, and a folder named like one in the working
+            directory was loaded), or anything else not a list of paths.
+        ValueError: an empty path among them.
+    """
+    if paths is None:
+        return []
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        raise TypeError(
+            f"{what}: {argument} must be a list of paths, got one {type(paths).__name__} "
+            f"{paths!r}; for one root write {argument}=[{paths!r}]"
+        )
+    try:
+        roots = list(paths)
+    except TypeError:
+        raise TypeError(
+            f"{what}: {argument} must be a list of paths, got {type(paths).__name__}"
+        ) from None
+    for root in roots:
+        check_path_argument(root, f"{what} ({argument})")
+    return roots
 
 
 def check_url_spelling(path: str | os.PathLike[str]) -> None:

@@ -59,7 +59,12 @@ from fastckpt.format.records import MANIFEST, MAX_INDEX, Manifest
 from fastckpt.io import tree
 from fastckpt.io.files import torch_shape
 from fastckpt.manager.stateful import check_optimizer_state
-from fastckpt.storage.registry import display_path, use_storage_options
+from fastckpt.storage.registry import (
+    check_path_argument,
+    checked_paths,
+    display_path,
+    use_storage_options,
+)
 from fastckpt.training.hooks.context import (
     CheckpointableHook,
     MutationGuard,
@@ -103,6 +108,43 @@ class OptimizerConfig:
     optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
     scheduler_cls: type | str | None = None
     scheduler_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse what would build something else than asked, or fail later without naming
+        the field.
+
+        Raises:
+            TypeError: a class field that is neither a class nor a dotted path, or a kwargs
+                field that is not a mapping.
+            ValueError: ``scheduler_kwargs`` without ``scheduler_cls`` (before: accepted, and
+                no scheduler was built: the learning rate never moved).
+        """
+        for name, value in (
+            ("optimizer_cls", self.optimizer_cls),
+            ("scheduler_cls", self.scheduler_cls),
+        ):
+            if value is None and name == "scheduler_cls":
+                continue
+            if not isinstance(value, (type, str)) or (isinstance(value, str) and not value):
+                raise TypeError(
+                    f"OptimizerConfig.{name} must be a class or its dotted path, got "
+                    f"{type(value).__name__} {value!r}"
+                )
+        for name, kwargs in (
+            ("optimizer_kwargs", self.optimizer_kwargs),
+            ("scheduler_kwargs", self.scheduler_kwargs),
+        ):
+            if kwargs is not None and not isinstance(kwargs, Mapping):
+                raise TypeError(
+                    f"OptimizerConfig.{name} must be a dict of keyword arguments, got "
+                    f"{type(kwargs).__name__}"
+                )
+        if self.scheduler_cls is None and self.scheduler_kwargs:
+            raise ValueError(
+                f"OptimizerConfig: scheduler_kwargs {self.scheduler_kwargs!r} given without "
+                "scheduler_cls, so no scheduler would be built; give the scheduler class too "
+                "(scheduler_cls=torch.optim.lr_scheduler.StepLR, say), or drop the kwargs"
+            )
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer) -> OptimizerConfig:
@@ -690,9 +732,20 @@ class TrainingStrategy:
         device: str | torch.device | None = None,
     ) -> None:
         """Build the optimizers and schedulers from their configs; counters start at 0."""
+        if not isinstance(models, (torch.nn.Module, Mapping)):
+            raise TypeError(
+                "TrainingStrategy models must be an nn.Module or a mapping of names to them, "
+                f"got {type(models).__name__}"
+            )
         self.models: dict[str, torch.nn.Module] = (
             {"main": models} if isinstance(models, torch.nn.Module) else dict(models)
         )
+        for name, model in self.models.items():
+            if not isinstance(name, str) or not name or not isinstance(model, torch.nn.Module):
+                raise TypeError(
+                    f"TrainingStrategy models: {name!r} -> {type(model).__name__}; each entry "
+                    "must be a non-empty str name and an nn.Module"
+                )
         if not self.models:
             raise ValueError("TrainingStrategy needs at least one model")
         for name, model in self.models.items():
@@ -710,6 +763,10 @@ class TrainingStrategy:
         self.schedulers: dict[str, Any] = {}
         self._setup_optimizers(optimizers)
         self.training_fn = self._resolve_training_fn(training_fn)
+        if isinstance(hooks, (str, bytes, Mapping)) or not isinstance(hooks, Iterable):
+            raise TypeError(
+                f"TrainingStrategy hooks must be a list of hooks, got {type(hooks).__name__}"
+            )
         self.hooks = list(hooks)
         #: Which tier's copy :meth:`load_checkpoint` with ``fallback_dirs`` resumed from.
         self.restored_from: NearestCopy | None = None
@@ -747,6 +804,12 @@ class TrainingStrategy:
     def _setup_optimizers(self, optimizers: Any) -> None:
         if optimizers is None:
             return
+        if not isinstance(optimizers, (OptimizerConfig, torch.optim.Optimizer, Mapping)):
+            raise TypeError(
+                "TrainingStrategy optimizers must be an OptimizerConfig, a live optimizer, or a "
+                f"mapping of model names to them, got {type(optimizers).__name__} "
+                f"{optimizers!r}"
+            )
         if isinstance(optimizers, (OptimizerConfig, torch.optim.Optimizer)):
             if isinstance(optimizers, torch.optim.Optimizer) and len(self.models) != 1:
                 raise ValueError("a live optimizer needs a single model; pass a mapping instead")
@@ -1315,6 +1378,12 @@ class TrainingStrategy:
             InvalidInputError: a strategy of DDP replicas saved on a rank other than 0
                 without ``per_rank``.
         """
+        check_path_argument(root, "TrainingStrategy.save_checkpoint")
+        if not isinstance(node_local, bool):
+            raise TypeError(
+                f"TrainingStrategy.save_checkpoint: node_local must be True or False, got "
+                f"{node_local!r}"
+            )
         codec.check_incremental(incremental, "TrainingStrategy.save_checkpoint")
         self._refuse_a_save_beside_run()  # before a sharded save's collectives and writes
         check_per_rank(per_rank, "TrainingStrategy.save_checkpoint")
@@ -1894,6 +1963,7 @@ class TrainingStrategy:
         call = "TrainingStrategy.load_checkpoint"
         _check_load_per_rank(per_rank, parallelize, call)
         use_storage_options(root, storage_options, call)
+        checked_paths(fallback_dirs, "fallback_dirs", call)  # one path given as a str, say
         trusted = trust.frozen_trusted(trusted)
         requested = checked_index(checkpoint_index, "checkpoint_index", codec.LOAD_INDEX)
         several = _world()[1] > 1
@@ -2067,6 +2137,7 @@ class TrainingStrategy:
         call = "TrainingStrategy.resume_or_start"
         _check_load_per_rank(per_rank, load.get("parallelize"), call)
         use_storage_options(root, load.pop("storage_options", None), call)
+        checked_paths(load.get("fallback_dirs"), "fallback_dirs", call)
         fallback = tuple(load.get("fallback_dirs") or ())
         tiers = [root, *fallback]
         if _world()[1] > 1 and not per_rank:  # one decision for every rank (see above)
