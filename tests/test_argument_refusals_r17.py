@@ -13,6 +13,11 @@ import torch
 import fastckpt
 import fastckpt.dcp
 import training_support as support
+from cli_support import cli_runner
+
+__all__ = ["cli_runner"]  # a fixture used by name below
+
+cli_runner = pytest.fixture(cli_runner)
 
 
 def _model() -> torch.nn.Module:
@@ -120,3 +125,19 @@ def test_strategy_arguments_of_the_wrong_kind_are_refused_naming_them(tmp_path: 
     with pytest.raises(TypeError, match="node_local must be True or False"):
         strategy.save_checkpoint(tmp_path / "root", node_local="no")  # type: ignore[arg-type]
     assert not (tmp_path / "root").exists()
+
+
+def test_the_cli_refuses_an_empty_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_runner: Any
+) -> None:
+    """Before: ``fastckpt promote root ''`` promoted into the working directory ("promoted
+    index(es) 0, 1 of root to .")."""
+    root = tmp_path / "root"
+    fastckpt.save_checkpoint(root, models={"m": (_model(), None)})
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for argv in (("promote", root, ""), ("prune", "", "--keep-last", "1"), ("verify", "")):
+        status, _, err = cli_runner(*argv)
+        assert status == 2 and "an empty path" in err, (argv, err)
+    assert os.listdir(work) == []

@@ -63,6 +63,16 @@ __all__ = [
 ]
 
 
+def _path_text(text: str) -> str:
+    """A path argument as given, refused when empty: ``''`` (a shell variable left unset)
+    would be the current directory, saved into, pruned or promoted into by mistake."""
+    if not text:
+        raise argparse.ArgumentTypeError(
+            "an empty path (a variable left unset?); the current directory is '.'"
+        )
+    return text
+
+
 def _version() -> str:
     """The installed distribution's version, read without importing fastckpt's modules."""
     from importlib.metadata import PackageNotFoundError, packages_distributions, version
@@ -194,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument(
         "root",
         metavar="ROOT",
+        type=_path_text,
         help="a save_checkpoint root, or a directory of CheckpointManager checkpoints",
     )
     ls.set_defaults(handler=_handler("ls", "cmd_ls"))
@@ -202,7 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect", parents=common, help="components, tensors, specs and metadata of a checkpoint"
     )
     inspect.add_argument(
-        "path", metavar="PATH", help=_PATH_HELP + _DIR_HELP + " (its newest is inspected)"
+        "path",
+        metavar="PATH",
+        type=_path_text,
+        help=_PATH_HELP + _DIR_HELP + " (its newest is inspected)",
     )
     inspect.add_argument("--index", type=_index, help="index of a root (default: latest)")
     inspect.set_defaults(handler=_handler("inspect", "cmd_inspect"))
@@ -212,17 +226,20 @@ def build_parser() -> argparse.ArgumentParser:
         parents=common,
         help="check every file's size and crc32c; exit 1 if damaged, 3 if bytes are unchecked",
     )
-    verify.add_argument("path", metavar="PATH", help=_PATH_HELP + _DIR_HELP + " (all of them)")
+    verify.add_argument(
+        "path", metavar="PATH", type=_path_text, help=_PATH_HELP + _DIR_HELP + " (all of them)"
+    )
     verify.add_argument("--index", type=_index, help="only this index of a root (-1: latest)")
     verify.set_defaults(handler=_handler("verify", "cmd_verify"))
 
     diff = commands.add_parser(
         "diff", parents=common, help="which tensors differ between two checkpoints; exit 1 if any"
     )
-    diff.add_argument("a", metavar="A", help="the first checkpoint: " + _PATH_HELP)
+    diff.add_argument("a", metavar="A", type=_path_text, help="the first checkpoint: " + _PATH_HELP)
     diff.add_argument(
         "b",
         metavar="B",
+        type=_path_text,
         help="the second checkpoint (a file exported from A is compared with that model)",
     )
     diff.add_argument(
@@ -247,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     prune_cmd.add_argument(
         "root",
         metavar="ROOT",
+        type=_path_text,
         help="a save_checkpoint root" + _DIR_HELP + " (newest by commit time are kept)",
     )
     prune_cmd.add_argument(
@@ -276,10 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
     promote_cmd.add_argument(
         "source",
         metavar="SOURCE",
+        type=_path_text,
         help="a save_checkpoint root, or a tier root of CheckpointManager checkpoints",
     )
     promote_cmd.add_argument(
-        "target", metavar="TARGET", help="the root to copy into (a directory or s3:// URL)"
+        "target",
+        metavar="TARGET",
+        type=_path_text,
+        help="the root to copy into (a directory or s3:// URL)",
     )
     promote_cmd.add_argument(
         "--every",
@@ -306,10 +328,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "path",
         metavar="PATH",
+        type=_path_text,
         help="a save_checkpoint root, one of its index directories, or a CheckpointManager "
         "checkpoint",
     )
-    export.add_argument("--to", required=True, metavar="FILE", help="the file to write")
+    export.add_argument(
+        "--to", required=True, metavar="FILE", type=_path_text, help="the file to write"
+    )
     export.add_argument("--index", type=_index, help="index of a root (default: latest)")
     export.add_argument(
         "--model",
