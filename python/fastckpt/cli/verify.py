@@ -229,9 +229,13 @@ def _verify_text(
     failures = report.failures
     rows = [["-" if f.index is None else f.index, f.status, one_line(f.message)] for f in failures]
     if not _damaged(report):  # only files this user may not read: no damage found
+        unreadable = unreadable_files(report)
+        rows = [
+            ["-" if f.index is None else f.index, f.status, one_line(f.message)] for f in unreadable
+        ]
         return "\n".join(
             [
-                f"UNREADABLE: {display_path(report.target)}: {len(failures)} of {scope} may not "
+                f"UNREADABLE: {display_path(report.target)}: {len(unreadable)} of {scope} may not "
                 "be read by this user, so they were not checked; no damage was found (check it "
                 "as its owner, or give this user read access)",
                 table(["INDEX", "STATUS", "PROBLEM"], rows, "  "),

@@ -2123,8 +2123,8 @@ class TrainingStrategy:
         to resume (on a node-local root only rank 0's node holds the manifest; a rank
         starting afresh beside resumed ones would train another state), and the load is
         collective too (see :meth:`load_checkpoint`): a rank whose tiers hold no copy of the
-        index every rank loads makes every rank raise (a copy found damaged while it is read
-        raises on that rank only). ``per_rank=True``: this rank decides and
+        index every rank loads makes every rank raise, and so does a copy one rank finds
+        damaged as it reads it. ``per_rank=True``: this rank decides and
         loads alone (independent runs of a sweep, one per rank, sharing a process group).
 
         Raises:
