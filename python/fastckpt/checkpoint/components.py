@@ -16,7 +16,7 @@ import errno
 import inspect
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +41,17 @@ from fastckpt.container.refs import (
 )
 from fastckpt.container.sharded.parts import part_of
 from fastckpt.container.verify import checked_index
-from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError, FastCkptError
+from fastckpt.errors import (
+    CheckpointFormatError,
+    ChecksumMismatchError,
+    FastCkptError,
+    InvalidInputError,
+)
 from fastckpt.format.records import MAX_INDEX, SHARDED_RECORD, Manifest, read_record_bytes
 from fastckpt.io import tree
 from fastckpt.io.files import check_storable, torch_shape
 from fastckpt.io.headers import read_metadata
-from fastckpt.io.paths import check_name, check_name_length
+from fastckpt.io.paths import check_name, check_name_length, is_text
 from fastckpt.io.progress import log_throughput
 from fastckpt.storage.backend import CopySource, LocalStaging, explain_full_disk
 from fastckpt.storage.registry import backend_for, is_local
@@ -61,6 +66,7 @@ __all__ = [
     "Trusted",
     "accepted_kwargs",
     "check_incremental",
+    "check_validators",
     "checked_model_names",
     "create_snapshot",
     "is_compiled",
@@ -378,11 +384,24 @@ def create_snapshot(
     schedulers = _component_map("schedulers", schedulers)
     for kind, components in zip(KINDS, (models, optimizers, schedulers), strict=True):
         for name in components:
-            check_name_length(check_name(name, f"{kind[:-1]} name"), f"{kind[:-1]} name")
+            what = f"{kind[:-1]} name"
+            check_name_length(_text_name(check_name(name, what), what), what)
     _check_associations(associations, optimizers, schedulers)
     snapshot = _plan_components(models, optimizers, schedulers, associations)
     snapshot.counters = _checked_counters(counters)
     return snapshot
+
+
+def _text_name(name: str, what: str) -> str:
+    """``name`` if it can be written as UTF-8, else an :class:`InvalidInputError` naming it
+    (a lone surrogate, as ``surrogateescape`` decoding leaves: a bare ``UnicodeEncodeError``
+    from the file writer before, after the root was made)."""
+    if not is_text(name):
+        raise InvalidInputError(
+            f"{what} {name!r} is not valid Unicode text (a lone surrogate); a checkpoint's "
+            "names are UTF-8: rename it"
+        )
+    return name
 
 
 def _component_map(kind: str, value: Any) -> dict[str, Any]:
@@ -622,15 +641,19 @@ def _check_references(writer: IndexWriter, snapshot: Snapshot) -> dict[str, dict
 
 
 def _refuse_shapeless(relpath: str, tensors: Mapping[str, Any]) -> None:
-    """Refuse nested and zero tensors among ``tensors`` (for file ``relpath``) the way every
-    save does (:func:`check_storable`), before the plan touches their shapes or storages,
-    which raise torch's internal errors for them. The other checks come when the tensors are
+    """Refuse nested, zero and meta tensors among ``tensors`` (for file ``relpath``), and
+    names that are no UTF-8, the way every save does (:func:`check_storable`), before the
+    plan touches their shapes or storages, which raise torch's internal errors for them, and
+    before the root is made (the writer refused a meta tensor or a lone surrogate only after
+    it had made a new root, left behind empty). The other checks come when the tensors are
     written."""
     for key, value in tensors.items():
+        if isinstance(key, str):
+            _text_name(key, f"{relpath}: tensor name")
         if not isinstance(value, torch.Tensor):
             continue
         try:
-            shapeless = value.is_nested or value._is_zerotensor()
+            shapeless = value.is_nested or value._is_zerotensor() or value.is_meta
         except ValueError:  # an uninitialized (lazy) parameter
             shapeless = True
         if shapeless:
@@ -707,6 +730,12 @@ def _plan_components(
 
     for name, component in schedulers.items():
         scheduler, spec = _split(component, "scheduler", name)
+        if not callable(getattr(scheduler, "state_dict", None)):  # a bare AttributeError before
+            raise TypeError(
+                f"scheduler {name!r}: expected an LR scheduler (a "
+                "torch.optim.lr_scheduler.LRScheduler, or an object with state_dict()), got "
+                f"{type(scheduler).__name__} {scheduler!r}; drop the entry for no scheduler"
+            )
         state = scheduler.state_dict()
         target = _association_for(associations, "schedulers", name) or optimizer_names.get(
             id(getattr(scheduler, "optimizer", None))
@@ -1018,15 +1047,49 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, A
                 live[key] = value.to(device=current.device, copy=True)
 
 
+def check_validators(validators: Any) -> None:
+    """Refuse ``validators`` of a shape :func:`run_validators` cannot use, before anything is
+    loaded: ``3`` and ``{"m": 3}`` failed with "'int' object is not iterable", and ``"x"``
+    was run letter by letter, blaming the model ("validator 'x' rejected model 'm'").
+
+    Raises:
+        TypeError: not None, a callable ``validator(model)``, a list (tuple, set) of them, or
+            a mapping of model name -> one of those (names the entry and the fix).
+    """
+    if isinstance(validators, Mapping):
+        for name, selected in validators.items():
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"validators must map model names (str) to validators, got the key {name!r}"
+                )
+            _validator_list(selected, f"validators[{name!r}]")
+    elif validators is not None:
+        _validator_list(validators, "validators")
+
+
+def _validator_list(selected: Any, what: str) -> list[Callable[[torch.nn.Module], Any]]:
+    """``selected`` (a callable or a collection of callables) as a list, else a
+    ``TypeError`` naming ``what``."""
+    if callable(selected):
+        return [selected]
+    valid = isinstance(selected, Collection) and not isinstance(selected, (str, bytes, Mapping))
+    if not valid or not all(callable(item) for item in selected):
+        raise TypeError(
+            f"{what} must be a callable validator(model) or a list of them "
+            f"(or {{model_name: [validators]}}), got {selected!r}"
+        )
+    return list(selected)
+
+
 def run_validators(validators: Any, model_name: str, model: torch.nn.Module) -> None:
     """Run the validators selected for ``model_name`` on ``model``; a failure raises
-    ``ValueError`` naming both."""
+    ``ValueError`` naming both, a malformed ``validators`` a ``TypeError``
+    (:func:`check_validators`)."""
+    check_validators(validators)
     if validators is None:
         return
     selected = validators.get(model_name, ()) if isinstance(validators, Mapping) else validators
-    if callable(selected):
-        selected = [selected]
-    for validator in selected:
+    for validator in _validator_list(selected, "validators"):
         try:
             validator(model)
         except Exception as err:
@@ -1071,6 +1134,7 @@ def load_components(
     """
     start = time.perf_counter()
     trusted = trust.frozen_trusted(trusted)
+    check_validators(validators)
     requested = checked_index(checkpoint_index, "checkpoint_index", LOAD_INDEX)
     model_names = checked_model_names(model_names)
     manifest = Manifest.load(root, verify_checksum=True)

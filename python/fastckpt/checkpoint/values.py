@@ -33,6 +33,10 @@ class _Serializer:
 
 _SERIALIZERS: dict[str, _Serializer] = {}
 
+#: The types the spec encoder stores itself (JSON scalars, lists, tuples and dicts): a
+#: serializer registered for one of them would never be called.
+_SPEC_NATIVE_TYPES: tuple[type, ...] = (str, int, float, bool, type(None), list, tuple, dict)
+
 
 def _type_name(type_: type) -> str:
     return f"{type_.__module__}.{type_.__qualname__}"
@@ -59,10 +63,19 @@ def register_type_serializer(
             named by it.
 
     Raises:
-        TypeError: If ``type_`` is not a class or either function is not callable.
+        TypeError: If ``type_`` is not a class, is one the spec encoder stores itself
+            (``str``, ``int``, ``float``, ``bool``, ``None``, ``list``, ``tuple``, ``dict``),
+            or either function is not callable.
     """
     if not isinstance(type_, type):
         raise TypeError(f"register_type_serializer: type_ must be a class, got {type_!r}")
+    if type_ in _SPEC_NATIVE_TYPES:
+        # Accepted before, and never called: the spec encoder stores these itself.
+        raise TypeError(
+            f"register_type_serializer: specs store {type_.__name__} values themselves (as "
+            "JSON), so a serializer for it would never be called; register a class of your "
+            "own (a subclass, or a wrapper of the value) instead"
+        )
     if not callable(serialize) or not callable(deserialize):
         raise TypeError("register_type_serializer: serialize and deserialize must be callable")
     _SERIALIZERS[_type_name(type_)] = _Serializer(type_, serialize, deserialize)

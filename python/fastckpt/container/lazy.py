@@ -75,7 +75,7 @@ from fastckpt.errors import (
     InvalidInputError,
 )
 from fastckpt.format.records import Manifest, read_commit_record
-from fastckpt.io.files import BACKENDS, dtype_from_name, empty_tensor, torch_shape
+from fastckpt.io.files import BACKENDS, check_flag, dtype_from_name, empty_tensor, torch_shape
 from fastckpt.io.paths import safe_join
 
 __all__ = ["HandleClosedError", "SafeOpen", "TensorSlice", "safe_open"]
@@ -843,6 +843,7 @@ def safe_open(
         KeyError: an index or part that the checkpoint does not have.
         ValueError: an unsupported framework or backend, index/part given for a single
             file, or a sharded (DCP) checkpoint (consolidate it with ``fastckpt export``).
+        InvalidInputError: ``verify`` or ``verify_slices`` not a bool (a ``TypeError``).
     """
     if backend not in BACKENDS:
         raise InvalidInputError(
@@ -854,5 +855,8 @@ def safe_open(
             f"framework {framework!r} is not supported: fastckpt.safe_open returns torch "
             "tensors (framework='pt')"
         )
+    # verify=None (falsy) turned checksum checking off: damaged bytes were returned.
+    check_flag(verify, "verify", "safe_open")
+    check_flag(verify_slices, "verify_slices", "safe_open")
     files, where = _resolve_files(Path(path), index, part)
     return SafeOpen(files, where, torch.device(device), verify, verify_slices)

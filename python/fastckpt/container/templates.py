@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from fastckpt.io import tree
+from fastckpt.io.headers import check_flag
 
 __all__ = [
     "check_disjoint_templates",
@@ -30,10 +31,9 @@ def check_strict(strict: object, call: str) -> None:
     acted as strict, ``0`` and None as lenient, without a word.
 
     Raises:
-        TypeError: names ``call`` and the value.
+        InvalidInputError: a ``TypeError`` naming ``call`` and the value.
     """
-    if not isinstance(strict, bool):
-        raise TypeError(f"{call}: strict must be True or False, got {strict!r}")
+    check_flag(strict, "strict", call)
 
 
 def is_dtensor(value: torch.Tensor) -> bool:

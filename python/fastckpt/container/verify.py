@@ -411,10 +411,7 @@ def verify(
         ValueError: ``index`` given for something that is not a root.
     """
     requested = checked_index(index, "index", _VERIFY_INDEX)
-    if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1 << 16
-    ):
-        raise TypeError(f"threads must be an int from 1 to 65536 or None, got {threads!r}")
+    _check_threads(threads)
     use_storage_options(path_or_root, storage_options, "verify")
     try:
         container = open_container(path_or_root)
@@ -422,6 +419,19 @@ def verify(
         where = Path(path_or_root)
         return VerifyReport(where, "manager", [FileReport(where, "corrupt", message=str(err))])
     return container.accept(_Verifier(requested, threads or DEFAULT_THREADS))
+
+
+def _check_threads(threads: object) -> None:
+    """Refuse a ``threads`` that is neither None nor an ``int`` from 1 to 65536 (a bool, a
+    float, a string, 0 or a negative count), as :func:`verify` and :func:`latest_intact` take.
+
+    Raises:
+        TypeError: naming the value and the range.
+    """
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1 << 16
+    ):
+        raise TypeError(f"threads must be an int from 1 to 65536 or None, got {threads!r}")
 
 
 def _steady(
@@ -503,7 +513,8 @@ def latest_intact(root: str | os.PathLike[str], *, threads: int | None = None) -
 
     Args:
         root: the checkpoint root.
-        threads: reader threads per tensor file.
+        threads: reader threads per tensor file (an ``int`` from 1 to 65536; None: the
+            default).
 
     Returns:
         The index, or None when the root has no committed index (or none verifies).
@@ -515,9 +526,12 @@ def latest_intact(root: str | os.PathLike[str], *, threads: int | None = None) -
         FileNotFoundError: ``root`` holds no root but a CheckpointManager or sharded
             checkpoint, or a folder of CheckpointManager checkpoints (named, with the call
             that reads it), as ``list_checkpoints`` and ``prune`` there.
+        TypeError: ``threads`` is not an ``int`` from 1 to 65536 or None (as ``verify``).
     """
+    # 0, -1 and True were taken as the default; "2" failed deep inside, 10**30 in Rust.
+    _check_threads(threads)
     root = Path(root)
-    workers = max(1, threads or DEFAULT_THREADS)
+    workers = threads or DEFAULT_THREADS
     wait_out_replacement(root)  # an index being replaced is out of the manifest until then
 
     def search() -> tuple[int | None, list[str]]:

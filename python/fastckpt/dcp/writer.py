@@ -45,10 +45,19 @@ from fastckpt.container.sharded.commit import (
 )
 from fastckpt.container.sharded.values import encode_value, planner_object
 from fastckpt.dcp.stager import DcpStager
-from fastckpt.errors import CheckpointFormatError, NotACheckpointError
+from fastckpt.errors import CheckpointFormatError, InvalidInputError, NotACheckpointError
 from fastckpt.format.records import COMMIT_RECORD, MANIFEST
 from fastckpt.format.sharded import StoredChunk, decode_record, encode_record
-from fastckpt.io.files import byte_view, host_tensor, read_metadata, write_tensors
+from fastckpt.io.files import (
+    DEFAULT_WRITE_THREADS,
+    MAX_THREADS,
+    byte_view,
+    check_count,
+    check_flag,
+    host_tensor,
+    read_metadata,
+    write_tensors,
+)
 from fastckpt.io.staging import StagerOptions
 from fastckpt.storage.backend import explain_full_disk, stored_sizes
 from fastckpt.storage.registry import (
@@ -73,6 +82,38 @@ class _RankPlan:
 
     generation: str
     rank: int
+
+
+def _check_arguments(
+    threads: object,
+    direct_io: object,
+    fsync: object,
+    block_bytes: object,
+    node_local: object,
+    replace_unsharded: object,
+) -> None:
+    """Refuse :class:`Writer`'s arguments of the wrong type or range when it is made: they
+    were checked only by the save, after a generation folder (and with ``block_bytes=2.5`` a
+    rank's tensor file) was written into the checkpoint directory.
+
+    Raises:
+        InvalidInputError: ``threads`` not an int from 1 to 65536 or None, a flag not a bool
+            (``direct_io``: or None), ``block_bytes`` not an int (each a ``TypeError``).
+        ValueError: ``block_bytes`` not positive.
+    """
+    where = "fastckpt.dcp.Writer"
+    check_count(threads, f"{where}: threads", DEFAULT_WRITE_THREADS, 1, MAX_THREADS)
+    check_flag(direct_io, "direct_io", where, none=True)
+    for name, flag in (
+        ("fsync", fsync),
+        ("node_local", node_local),
+        ("replace_unsharded", replace_unsharded),
+    ):
+        check_flag(flag, name, where)
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int):
+        raise InvalidInputError(f"{where}: block_bytes must be an int (bytes), got {block_bytes!r}")
+    if block_bytes <= 0:
+        raise ValueError(f"{where}: block_bytes must be positive, got {block_bytes}")
 
 
 class Writer(StorageWriter, DcpStager):
@@ -136,10 +177,9 @@ class Writer(StorageWriter, DcpStager):
                 "torch.distributed.checkpoint.FileSystemWriter(path, _extensions=[...]) (and "
                 "its FileSystemReader to load them)"
             )
+        _check_arguments(threads, direct_io, fsync, block_bytes, node_local, replace_unsharded)
         StorageWriter.__init__(self)
         DcpStager.__init__(self, stager_options)
-        if block_bytes <= 0:
-            raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         check_url_spelling(path)
         self.path = Path(path)
         self.threads = threads

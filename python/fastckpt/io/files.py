@@ -26,7 +26,9 @@ from fastckpt.io.headers import (
     DEFAULT_THREADS,
     DEFAULT_WRITE_THREADS,
     DIRECT_IO_MIN_BYTES,
+    check_flag,
     choose_direct_io,
+    file_path,
     read_metadata,
 )
 from fastckpt.io.paths import is_text
@@ -36,11 +38,14 @@ __all__ = [
     "DEFAULT_THREADS",
     "DEFAULT_WRITE_THREADS",
     "DIRECT_IO_MIN_BYTES",
+    "check_count",
+    "check_flag",
     "check_storable",
     "choose_direct_io",
     "copy_values",
     "dtype_from_name",
     "dtype_name",
+    "file_path",
     "header_shape",
     "load_file",
     "read_metadata",
@@ -389,7 +394,7 @@ class _Bytes:
         }
 
 
-def _count(value: int | None, name: str, default: int, least: int, most: int) -> int:
+def check_count(value: object, name: str, default: int, least: int, most: int) -> int:
     """``value`` (None: ``default``) as an ``int`` from ``least`` to ``most``, else an
     :class:`InvalidInputError` naming ``name``."""
     if value is None:
@@ -423,15 +428,19 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     return dict(metadata)
 
 
-def _the_path(filename: str | os.PathLike[str] | None, path: str | os.PathLike[str] | None) -> str:
-    """The file named by safetensors' ``filename`` or fastckpt's older ``path`` keyword."""
+def _the_path(
+    filename: str | os.PathLike[str] | None, path: str | os.PathLike[str] | None, where: str
+) -> str:
+    """The file named by safetensors' ``filename`` or fastckpt's older ``path`` keyword (of
+    the call ``where``), as a ``str`` (a bytes path is refused: :func:`file_path`)."""
     if filename is None and path is None:
         raise TypeError("missing the file: pass filename (or path=)")
     if filename is not None and path is not None:
         raise TypeError("pass the file once: filename or path=, not both")
-    chosen = filename if filename is not None else path
-    assert chosen is not None
-    return os.fspath(chosen)
+    if filename is not None:
+        return file_path(filename, "filename", where)
+    assert path is not None
+    return file_path(path, "path", where)
 
 
 def save_file(
@@ -472,14 +481,18 @@ def save_file(
     Raises:
         InvalidInputError: not a mapping of str to dense tensors of a supported dtype, or
             metadata not a str -> str mapping (a TypeError and a ValueError), ``threads`` or
-            ``chunk_size`` out of range, duplicate or reserved names or metadata keys, or a
-            header (names, shapes, metadata) over the 100,000,000 bytes safetensors reads
-            (nothing is written).
+            ``chunk_size`` out of range, ``direct_io`` / ``fsync`` / ``checksums`` not a
+            bool (``direct_io`` may be None), a bytes path (decode it with ``os.fsdecode``),
+            duplicate or reserved names or metadata keys, or a header (names, shapes,
+            metadata) over the 100,000,000 bytes safetensors reads (nothing is written).
         OSError: the file cannot be written (the message names it).
     """
+    check_flag(direct_io, "direct_io", "save_file", none=True)
+    check_flag(fsync, "fsync", "save_file")
+    check_flag(checksums, "checksums", "save_file")
     write_tensors(
         tensors,
-        _the_path(filename, path),
+        _the_path(filename, path, "save_file"),
         metadata,
         threads=threads,
         chunk_size=chunk_size,
@@ -531,8 +544,8 @@ def write_tensors(
         os.fspath(path),
         entries,
         _check_metadata(metadata),
-        _count(threads, "threads", DEFAULT_WRITE_THREADS, 1, MAX_THREADS),
-        _count(chunk_size, "chunk_size", DEFAULT_CHUNK_SIZE, MIN_CHUNK_SIZE, MAX_CHUNK_SIZE),
+        check_count(threads, "threads", DEFAULT_WRITE_THREADS, 1, MAX_THREADS),
+        check_count(chunk_size, "chunk_size", DEFAULT_CHUNK_SIZE, MIN_CHUNK_SIZE, MAX_CHUNK_SIZE),
         direct_io,
         fsync,
         checksums,
@@ -578,12 +591,13 @@ def load_file(
         CheckpointFormatError: malformed or truncated file, or not a regular file (names file
             and field).
         ChecksumMismatchError: corrupt tensor bytes (names file and tensor).
-        InvalidInputError: a dtype this torch has no type for, an unknown ``backend``, or
-            ``threads`` out of range.
+        InvalidInputError: a dtype this torch has no type for, an unknown ``backend``,
+            ``threads`` out of range, ``verify`` not a bool, or a bytes path.
         FileNotFoundError: no such file.
     """
+    check_flag(verify, "verify", "load_file")
     tensors, _ = read_tensors(
-        _the_path(filename, path), verify=verify, threads=threads, backend=backend
+        _the_path(filename, path, "load_file"), verify=verify, threads=threads, backend=backend
     )
     target = torch.device(device)
     if target.type != "cpu":
@@ -642,7 +656,7 @@ def read_tensors(
     """
     if backend not in BACKENDS:
         raise InvalidInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    threads_ = _count(threads, "threads", DEFAULT_THREADS, 1, MAX_THREADS)
+    threads_ = check_count(threads, "threads", DEFAULT_THREADS, 1, MAX_THREADS)
     name = os.fspath(path)
     storage: Any = torch.UntypedStorage(0, device="cpu")
     # A regular file or a typed error at once (FIFOs and devices are refused without blocking

@@ -12,13 +12,16 @@ import os
 from typing import Any
 
 from fastckpt import _native
+from fastckpt.errors import InvalidInputError
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_THREADS",
     "DEFAULT_WRITE_THREADS",
     "DIRECT_IO_MIN_BYTES",
+    "check_flag",
     "choose_direct_io",
+    "file_path",
     "read_metadata",
 ]
 
@@ -53,6 +56,37 @@ def choose_direct_io(nbytes: int) -> bool:
     return nbytes >= DIRECT_IO_MIN_BYTES
 
 
+def check_flag(value: object, name: str, where: str, *, none: bool = False) -> None:
+    """Refuse a flag ``name`` of the call ``where`` that is no ``bool`` (``None`` too, unless
+    ``none``): ``"no"`` is truthy and ``0`` or ``None`` falsy, so taking them as flags would
+    do what was not asked (``verify=None`` turned checksum checking off).
+
+    Raises:
+        InvalidInputError: naming ``where``, ``name`` and the value (a ``TypeError``).
+    """
+    if isinstance(value, bool) or (none and value is None):
+        return
+    allowed = "a bool or None" if none else "a bool (True or False)"
+    raise InvalidInputError(f"{where}: {name} must be {allowed}, got {value!r}")
+
+
+def file_path(path: str | os.PathLike[str], name: str, where: str) -> str:
+    """``path`` as a ``str``, refusing a ``bytes`` path (or an ``os.PathLike`` returning
+    bytes), which the Rust core cannot take, with the fix.
+
+    Raises:
+        TypeError: not a path at all (``os.fspath``'s), or a bytes path (naming ``where``
+            and ``name``).
+    """
+    chosen = os.fspath(path)
+    if not isinstance(chosen, str):
+        raise InvalidInputError(
+            f"{where}: {name} must be a str or os.PathLike of str, got bytes {chosen!r}; "
+            f"decode it with os.fsdecode({name})"
+        )
+    return chosen
+
+
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and validate a file's header without reading tensor data.
 
@@ -65,8 +99,9 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises:
         CheckpointFormatError: malformed, damaged or truncated header, or not a regular file.
+        InvalidInputError: a bytes path (a ``TypeError``; decode it with ``os.fsdecode``).
     """
-    header = _native.read_header(os.fspath(path))
+    header = _native.read_header(file_path(path, "path", "read_metadata"))
     checksums = header["checksums"]
     return {
         "tensors": {

@@ -58,6 +58,7 @@ from fastckpt.errors import (
 from fastckpt.format.records import MANIFEST, MAX_INDEX, Manifest
 from fastckpt.io import tree
 from fastckpt.io.files import torch_shape
+from fastckpt.io.headers import check_flag
 from fastckpt.manager.stateful import check_optimizer_state
 from fastckpt.storage.registry import (
     check_path_argument,
@@ -1379,11 +1380,7 @@ class TrainingStrategy:
                 without ``per_rank``.
         """
         check_path_argument(root, "TrainingStrategy.save_checkpoint")
-        if not isinstance(node_local, bool):
-            raise TypeError(
-                f"TrainingStrategy.save_checkpoint: node_local must be True or False, got "
-                f"{node_local!r}"
-            )
+        check_flag(node_local, "node_local", "TrainingStrategy.save_checkpoint")
         codec.check_incremental(incremental, "TrainingStrategy.save_checkpoint")
         self._refuse_a_save_beside_run()  # before a sharded save's collectives and writes
         check_per_rank(per_rank, "TrainingStrategy.save_checkpoint")

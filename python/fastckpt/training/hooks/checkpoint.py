@@ -65,6 +65,13 @@ def _flag(name: str, value: object) -> None:
         raise TypeError(f"CheckpointHook {name} must be a bool, got {value!r}")
 
 
+def _callback(name: str, value: object) -> None:
+    """Refuse an error callback that is neither callable nor None: ``on_save_error=3`` was
+    stored, and the first failed save then raised ``'int' object is not callable``."""
+    if value is not None and not callable(value):
+        raise TypeError(f"CheckpointHook {name} must be callable or None, got {value!r}")
+
+
 def _seconds(name: str, value: object, least: str) -> None:
     """Refuse a timeout that is no number (``"5"``: ``TypeError``, as ``save_checkpoint``
     does), or NaN / below its bound (``least``: ``"> 0"`` or ``">= 0"``: ``ValueError``)."""
@@ -213,7 +220,8 @@ class CheckpointHook:
 
         Raises:
             TypeError: no ``checkpoint_dir``; a count (intervals, ``keep_last``) that is no
-                int, a timeout that is no number, a flag that is no bool.
+                int, a timeout that is no number, a flag that is no bool, an error callback
+                (``on_save_error``, ``on_promotion_error``) that is neither callable nor None.
             ValueError: a count or timeout out of range, not exactly one interval, or a
                 tier setting that does not fit (see ``durable_dir``).
         """
@@ -232,6 +240,8 @@ class CheckpointHook:
             ("detached_promotion", detached_promotion),
         ):
             _flag(name, flag)
+        _callback("on_save_error", on_save_error)
+        _callback("on_promotion_error", on_promotion_error)
         if (step_interval is None) == (epoch_interval is None):
             raise ValueError("CheckpointHook needs exactly one of step_interval or epoch_interval")
         # Resolved now: a save written in the background after the training script changed
