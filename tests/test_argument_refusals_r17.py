@@ -139,3 +139,49 @@ def test_the_cli_refuses_an_empty_path(
         status, _, err = cli_runner(*argv)
         assert status == 2 and "an empty path" in err, (argv, err)
     assert os.listdir(work) == []
+
+
+def test_a_recipe_recorded_with_scheduler_kwargs_and_no_scheduler_still_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Earlier versions accepted ``OptimizerConfig(cls, kwargs, None, scheduler_kwargs)`` and
+    recorded it. Review: the first version of the refusal made such a checkpoint fail to
+    load ("strategy.json ... malformed"): an intact checkpoint reported damaged. It loads,
+    as it did: no scheduler (none was ever built)."""
+    from fastckpt.training.strategy import OptimizerConfig
+
+    monkeypatch.setattr(OptimizerConfig, "__post_init__", lambda self: None)  # earlier code
+    config = OptimizerConfig(torch.optim.SGD, {"lr": 0.1}, None, {"step_size": 1})
+    strategy = fastckpt.TrainingStrategy(
+        support.DropoutMLP(p=0.0), config, training_fn=support.training_fn, num_steps=1
+    )
+    strategy.save_checkpoint(tmp_path / "root")
+    monkeypatch.undo()
+    loaded = fastckpt.load_checkpoint(tmp_path / "root")
+    assert loaded["strategy"] is not None and loaded["strategy"].schedulers == {}
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(
+        tmp_path / "root", training_fn=support.training_fn
+    )
+    assert resumed.optimizer_configs["main"].scheduler_kwargs is None
+
+
+def test_fallback_dirs_given_as_an_iterator_are_not_used_up_by_their_check(
+    tmp_path: Path,
+) -> None:
+    """Review: the check of ``fallback_dirs`` used up an iterator (``map(Path, dirs)``), and
+    ``resume_or_start`` then started afresh beside the durable tier's committed checkpoint."""
+    durable = tmp_path / "durable"
+    strategy = support.new_strategy([], 1)
+    strategy.save_checkpoint(durable)
+    fast = tmp_path / "fast-gone"
+    resumed = fastckpt.TrainingStrategy.resume_or_start(
+        fast,
+        lambda: "fresh",
+        fallback_dirs=iter([durable]),
+        training_fn=support.training_fn,
+    )
+    assert resumed != "fresh" and resumed.restored_from.index == 0
+    loaded = fastckpt.TrainingStrategy.load_checkpoint(
+        fast, fallback_dirs=map(Path, [durable]), training_fn=support.training_fn
+    )
+    assert loaded.restored_from is not None and loaded.restored_from.index == 0

@@ -272,3 +272,27 @@ def test_a_root_path_past_path_max_says_nothing_was_committed(tmp_path: Path) ->
     assert "4096" in message and "shorter path" in message, message
     left = [name for _, dirs, files in os.walk(tmp_path) for name in dirs + files]
     assert all(set(name) == {"d"} for name in left), left
+
+
+def test_the_unreadable_text_counts_unreadable_files_and_still_names_unchecked_ones() -> None:
+    """A report holding unreadable files and files whose bytes carry no checksums: the text
+    counted every failure as unreadable (the unchecked ones too), and then (review 3) left
+    the unchecked files unsaid. Now it counts the unreadable ones and says how many are
+    unchecked."""
+    from fastckpt.cli.verify import _verify_text
+    from fastckpt.container.reader import FileReport
+    from fastckpt.container.report import VerifyReport
+
+    report = VerifyReport(
+        Path("/ckpt"),
+        "file",
+        files=[
+            FileReport(Path("/ckpt/a"), "unreadable", message="/ckpt/a: Permission denied"),
+            FileReport(Path("/ckpt/b"), "unreadable", message="/ckpt/b: Permission denied"),
+            FileReport(Path("/ckpt/c"), "unchecked", unchecked_tensors=["w"]),
+        ],
+    )
+    text = _verify_text(report, 1.0, None)
+    assert text.startswith("UNREADABLE: /ckpt: 2 of 3 file(s) may not be read"), text
+    assert "/ckpt/c" not in text.splitlines()[1]
+    assert "and 1 file(s) have tensors without checksums" in text, text

@@ -1574,3 +1574,27 @@ def test_a_models_recipe_is_built_once_and_proven_at_every_save(tmp_path: Path) 
     with pytest.raises(TypeError, match="rebuilds a model with other tensors"):
         fastckpt.save_checkpoint(root, models={"main": (model, None)})
     assert _CountedBuilds.builds == 2
+
+
+class _RealBuffer(nn.Module):
+    """A model whose constructor makes a real tensor even on the meta device."""
+
+    def __init__(self, rows: int = 64) -> None:
+        super().__init__()
+        self.rows = rows
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("table", torch.zeros(rows, 4, device="cpu"))
+
+
+def test_a_recipe_build_holding_real_memory_is_not_kept(tmp_path: Path) -> None:
+    """Review: the kept meta-device build of a recipe held a buffer its constructor made
+    with ``device="cpu"`` (a 256 MiB table: +440 MiB RSS for the whole run). Only builds
+    holding meta tensors alone are kept; others are built again at each save."""
+    import fastckpt
+    from fastckpt.checkpoint import build
+
+    real, meta = _RealBuffer(), _CountedBuilds(4)
+    for model in (real, meta):
+        fastckpt.save_checkpoint(tmp_path / type(model).__name__, models={"main": (model, None)})
+    assert real not in build._PROBES
+    assert meta in build._PROBES

@@ -284,6 +284,16 @@ _PROVEN_SPEC = "_fastckpt_spec_proven"
 _PROBES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, Any]] = weakref.WeakKeyDictionary()
 
 
+def _all_on_meta(probe: Any) -> bool:
+    """Whether ``probe`` (a recipe built on the meta device) is a module holding no memory:
+    only such a build is kept. A constructor may still make real tensors (a buffer made with
+    ``device="cpu"``, a ``torch.load``), which a kept build would hold for the whole run."""
+    if not isinstance(probe, torch.nn.Module):
+        return False
+    tensors = [*probe.parameters(), *probe.buffers()]
+    return all(tensor.is_meta for tensor in tensors)
+
+
 def _recipe_key(spec: BaseSpec) -> str | None:
     """``spec``'s encoding without the times its specs were made (nested ones included),
     or None when it cannot be encoded (then nothing is cached)."""
@@ -361,7 +371,7 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
             root = targets[id(spec)]
             accepts_device = _takes_device(root) or "device" in spec.kwargs
             probe = _build_on_meta(spec, targets, accepts_device)
-            if recipe is not None and isinstance(probe, torch.nn.Module):
+            if recipe is not None and _all_on_meta(probe):
                 _PROBES[model] = (recipe, probe)
     except Exception as exc:
         warnings.warn(

@@ -1076,7 +1076,8 @@ def _validator_list(selected: Any, what: str) -> list[Callable[[torch.nn.Module]
     if not valid or not all(callable(item) for item in selected):
         raise TypeError(
             f"{what} must be a callable validator(model) or a list of them "
-            f"(or {{model_name: [validators]}}), got {selected!r}"
+            f"(or {{model_name: [validators]}}), got {selected!r} (a generator would be used "
+            "up by the first model: pass a list)"
         )
     return list(selected)
 

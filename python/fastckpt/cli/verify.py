@@ -233,14 +233,18 @@ def _verify_text(
         rows = [
             ["-" if f.index is None else f.index, f.status, one_line(f.message)] for f in unreadable
         ]
-        return "\n".join(
-            [
-                f"UNREADABLE: {display_path(report.target)}: {len(unreadable)} of {scope} may not "
-                "be read by this user, so they were not checked; no damage was found (check it "
-                "as its owner, or give this user read access)",
-                table(["INDEX", "STATUS", "PROBLEM"], rows, "  "),
-            ]
-        )
+        lines = [
+            f"UNREADABLE: {display_path(report.target)}: {len(unreadable)} of {scope} may not "
+            "be read by this user, so they were not checked; no damage was found (check it "
+            "as its owner, or give this user read access)",
+            table(["INDEX", "STATUS", "PROBLEM"], rows, "  "),
+        ]
+        if unchecked:
+            lines.append(
+                f"  and {len(unchecked)} file(s) have tensors without checksums; their bytes "
+                "were read, not verified"
+            )
+        return "\n".join(lines)
     lines = [f"BAD: {display_path(report.target)}: {len(failures)} problem(s) in {scope}"]
     lines.append(table(["INDEX", "STATUS", "PROBLEM"], rows, "  "))
     if report.indices:

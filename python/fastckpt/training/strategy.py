@@ -126,10 +126,10 @@ class OptimizerConfig:
         ):
             if value is None and name == "scheduler_cls":
                 continue
-            if not isinstance(value, (type, str)) or (isinstance(value, str) and not value):
+            if not (callable(value) or (isinstance(value, str) and value)):
                 raise TypeError(
-                    f"OptimizerConfig.{name} must be a class or its dotted path, got "
-                    f"{type(value).__name__} {value!r}"
+                    f"OptimizerConfig.{name} must be a class (or a factory) or its dotted "
+                    f"path, got {type(value).__name__} {value!r}"
                 )
         for name, kwargs in (
             ("optimizer_kwargs", self.optimizer_kwargs),
@@ -196,11 +196,16 @@ class OptimizerConfig:
         for key in ("optimizer_cls", "scheduler_cls"):
             if data.get(key) is not None:
                 trust.validate_dotted_path(data[key])  # the form only: nothing imported
+        scheduler_kwargs = specs.decode_value(data.get("scheduler_kwargs"))
+        if scheduler_cls is None and scheduler_kwargs:
+            # Recorded by fastckpt before such a config was refused: no scheduler was ever
+            # built from it, so none is now (the checkpoint loads, as it did).
+            scheduler_kwargs = None
         return cls(
             optimizer_cls=data["optimizer_cls"],
             optimizer_kwargs=specs.decode_value(data.get("optimizer_kwargs") or {}),
-            scheduler_cls=data.get("scheduler_cls"),
-            scheduler_kwargs=specs.decode_value(data.get("scheduler_kwargs")),
+            scheduler_cls=scheduler_cls,
+            scheduler_kwargs=scheduler_kwargs,
         )
 
 
@@ -733,14 +738,15 @@ class TrainingStrategy:
         device: str | torch.device | None = None,
     ) -> None:
         """Build the optimizers and schedulers from their configs; counters start at 0."""
-        if not isinstance(models, (torch.nn.Module, Mapping)):
+        try:
+            self.models: dict[str, torch.nn.Module] = (
+                {"main": models} if isinstance(models, torch.nn.Module) else dict(models)
+            )
+        except (TypeError, ValueError):
             raise TypeError(
                 "TrainingStrategy models must be an nn.Module or a mapping of names to them, "
                 f"got {type(models).__name__}"
-            )
-        self.models: dict[str, torch.nn.Module] = (
-            {"main": models} if isinstance(models, torch.nn.Module) else dict(models)
-        )
+            ) from None
         for name, model in self.models.items():
             if not isinstance(name, str) or not name or not isinstance(model, torch.nn.Module):
                 raise TypeError(
@@ -1899,7 +1905,7 @@ class TrainingStrategy:
         trusted: Trusted = None,
         parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
         storage_options: Mapping[str, Any] | None = None,
-        fallback_dirs: Sequence[str | Path] | None = None,
+        fallback_dirs: Sequence[str | os.PathLike[str]] | None = None,
         per_rank: bool = False,
     ) -> TrainingStrategy:
         """Rebuild a strategy from a checkpoint: models from their specs, optimizers and
@@ -1960,7 +1966,7 @@ class TrainingStrategy:
         call = "TrainingStrategy.load_checkpoint"
         _check_load_per_rank(per_rank, parallelize, call)
         use_storage_options(root, storage_options, call)
-        checked_paths(fallback_dirs, "fallback_dirs", call)  # one path given as a str, say
+        fallback_dirs = checked_paths(fallback_dirs, "fallback_dirs", call)  # a str, say
         trusted = trust.frozen_trusted(trusted)
         requested = checked_index(checkpoint_index, "checkpoint_index", codec.LOAD_INDEX)
         several = _world()[1] > 1
@@ -2134,8 +2140,9 @@ class TrainingStrategy:
         call = "TrainingStrategy.resume_or_start"
         _check_load_per_rank(per_rank, load.get("parallelize"), call)
         use_storage_options(root, load.pop("storage_options", None), call)
-        checked_paths(load.get("fallback_dirs"), "fallback_dirs", call)
-        fallback = tuple(load.get("fallback_dirs") or ())
+        # Checked once, as a list (an iterator given would be used up by the check).
+        load["fallback_dirs"] = checked_paths(load.get("fallback_dirs"), "fallback_dirs", call)
+        fallback = tuple(load["fallback_dirs"])
         tiers = [root, *fallback]
         if _world()[1] > 1 and not per_rank:  # one decision for every rank (see above)
             fresh = _rank_0_decides(
