@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -192,7 +195,8 @@ def test_lease_lock_excludes_and_is_taken_over_after_its_holder_is_killed(
     client = S3Client(S3Url.parse(s3_root), s3_server.options())
     first = S3RootLock(client, S3Url.parse(s3_root), ttl_s=3)
     second = S3RootLock(client, S3Url.parse(s3_root), timeout=1, ttl_s=3)
-    with first, pytest.raises(TimeoutError, match=r"\.fastckpt\.lock"):
+    # Another thread holds it (on this thread, a second acquire is ConcurrentSaveError).
+    with _held_on_another_thread(first), pytest.raises(TimeoutError, match=r"\.fastckpt\.lock"):
         second.acquire()
     with second:  # released: free again
         assert second.held
@@ -250,8 +254,22 @@ def test_a_lease_that_would_never_expire_is_refused_and_a_wait_names_the_expiry(
         S3RootLock(client, url, timeout=5, ttl_s=3).acquire()
     client.delete([key])
     expires = r"its lease expires in (29|30)\.\d s unless"
-    with S3RootLock(client, url, ttl_s=30), pytest.raises(TimeoutError, match=expires):
+    holder = S3RootLock(client, url, ttl_s=30)
+    with _held_on_another_thread(holder), pytest.raises(TimeoutError, match=expires):
         S3RootLock(client, url, timeout=0.3, ttl_s=3).acquire()
+
+
+@contextlib.contextmanager
+def _held_on_another_thread(lock: S3RootLock) -> Iterator[None]:
+    """``lock`` acquired on another thread (as another writer holds it), released after."""
+    taker = threading.Thread(target=lock.acquire)
+    taker.start()
+    taker.join()
+    assert lock.held
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def test_require_local_refuses_an_s3_url_with_a_typed_error_naming_it() -> None:
