@@ -179,7 +179,9 @@ class RootLock:
     release; an acquirer that locked a file deleted meanwhile notices (inode check) and
     retries, so two processes can never both believe they hold the lock. Each
     :class:`RootLock` object is one lock owner: two objects exclude each other even inside one
-    process, and a child forked while the lock is held does not hold it. Works on local
+    process (on the thread that holds one, taking another raises
+    :class:`~fastckpt.errors.ConcurrentSaveError` instead of waiting for itself forever), and
+    a child forked while the lock is held does not hold it. Works on local
     filesystems and on NFS (where Linux maps ``flock`` to POSIX locks).
 
     Use as a context manager, or :meth:`acquire` / :meth:`release`.
