@@ -282,15 +282,17 @@ def read_tensor_file_into(
     positional reads straight into memory the caller keeps: each tensor named in ``targets``
     into that tensor (the caller checked it takes the bytes as they are, see
     :func:`takes_direct_read`), every other one into fresh CPU memory.
-    Each byte is moved once (no mapping, no copy after it) by the Rust core's threads, every
-    tensor's stored crc32c checked on that pass and the whole file's compared with
-    ``expected``, as :func:`read_tensor_file` does.
+    Each byte is moved once (no mapping, no copy after it) by the Rust core's threads
+    (``threads``, default :func:`fastckpt.io.headers.load_threads`), every tensor's stored
+    crc32c checked on that pass and the whole file's compared with ``expected``, as
+    :func:`read_tensor_file` does. Fresh memory is advised to use huge pages
+    (:func:`fastckpt.io.files.empty_tensor`).
 
     Raises what :func:`read_tensor_file` raises; the targets may then hold partial bytes.
     """
 
     from fastckpt.io.files import byte_view, dtype_from_name, empty_tensor, torch_shape
-    from fastckpt.io.headers import DEFAULT_THREADS
+    from fastckpt.io.headers import load_threads
     from fastckpt.io.progress import active_counter
 
     chosen = targets or {}
@@ -314,7 +316,7 @@ def read_tensor_file_into(
         if unknown:
             raise CheckpointFormatError(f"{shown}: has no tensor {unknown[0]!r}")
         crc = _native.read_into(
-            str(path), entries, threads or DEFAULT_THREADS, progress=active_counter()
+            str(path), entries, threads or load_threads(), progress=active_counter()
         )
         return tensors, crc
 

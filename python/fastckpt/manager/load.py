@@ -59,7 +59,7 @@ from fastckpt.io.files import (
     header_shape,
     torch_shape,
 )
-from fastckpt.io.headers import DEFAULT_THREADS, read_metadata
+from fastckpt.io.headers import load_threads, read_metadata
 from fastckpt.io.paths import safe_join
 from fastckpt.io.progress import active_counter
 from fastckpt.manager.stateful import check_restore, is_stateful
@@ -111,10 +111,11 @@ class DirectRead:
     #: are copied by ``restore``, not read directly)
     matched: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def load(self, map_location: str | torch.device | None, threads: int = DEFAULT_THREADS) -> Any:
+    def load(self, map_location: str | torch.device | None, threads: int | None = None) -> Any:
         """Read every file of the item once (templates filled, other tensors into fresh CPU
         memory, then moved to ``map_location`` when given), each checked against the commit
         record; returns the item's value, whose direct tensors are the templates themselves.
+        ``threads``: reader threads (default :func:`fastckpt.io.headers.load_threads`).
 
         Raises:
             ChecksumMismatchError / CheckpointFormatError: damaged or replaced files, naming
@@ -133,6 +134,7 @@ class DirectRead:
             )
         source = str(self.directory / COMMIT_RECORD)
         own = self.own
+        readers = threads or load_threads()
         for relpath in dict.fromkeys([own, *by_file]):
             entries = [
                 (name, dtype, shape, byte_view(target.detach()))
@@ -141,7 +143,7 @@ class DirectRead:
             path = safe_join(self.directory, relpath)
 
             def content(path: Path, entries: list[Any] = entries) -> tuple[None, int]:
-                crc = _native.read_into(str(path), entries, threads, progress=active_counter())
+                crc = _native.read_into(str(path), entries, readers, progress=active_counter())
                 return None, crc
 
             with _linked_file_named(relpath, own, path, self.key, source):
