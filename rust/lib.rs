@@ -26,8 +26,8 @@ mod py_api;
 mod _native {
     #[pymodule_export]
     use crate::py_api::{
-        advise_huge_pages, check_mapped, crc32c, crc32c_combine, digests, encode_header, fsync_dir,
-        image_layout, open_regular, read_header, read_into, save_file, temp_prefix, verify_file,
+        check_mapped, crc32c, crc32c_combine, digests, encode_header, fsync_dir, image_layout,
+        open_regular, read_header, read_into, save_file, temp_prefix, verify_file,
         write_bytes_atomic, write_ceiling, write_image, ByteCounter,
     };
 
@@ -37,8 +37,6 @@ mod _native {
     const DEFAULT_CHUNK_SIZE: u64 = crate::writer::DEFAULT_CHUNK_SIZE;
     #[pymodule_export]
     const DEFAULT_WRITE_THREADS: usize = crate::writer::DEFAULT_WRITE_THREADS;
-    #[pymodule_export]
-    const HUGE_ADVICE_MIN_BYTES: usize = crate::memory::ADVISE_MIN_BYTES;
     #[pymodule_export]
     const DIRECT_IO_MIN_BYTES: u64 = crate::reader::DIRECT_IO_MIN_BYTES;
 }

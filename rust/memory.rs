@@ -1,52 +1,60 @@
-//! Advice to the kernel about fresh memory that the core is about to fill.
+//! Preparing fresh memory that the core is about to fill.
 //!
-//! A checkpoint loaded into new tensors writes every page of them once. With 4 KiB pages each
-//! first write is a page fault (and a page to zero): for a 256 MiB state that is 65,536 faults,
-//! more time than the copy itself. Transparent huge pages cut that to one fault per 2 MiB.
-//! Where the system's THP mode is `madvise` (the common default) only memory advised with
-//! `MADV_HUGEPAGE` gets them, so buffers are advised before they are filled.
+//! A checkpoint loaded into new tensors writes every page of them once. Left to itself each
+//! first write traps into the kernel for one 4 KiB page; asking the kernel to map a whole
+//! piece writable in one call (`MADV_POPULATE_WRITE`, Linux 5.14) does the same page
+//! allocations without a trap per page. Measured on a 2-core VM, a 257 MiB load into fresh
+//! tensors: 0.19 CPU seconds with a trap per page, 0.16 with the pieces populated first.
+//!
+//! Transparent huge pages (`MADV_HUGEPAGE`) would cut the faults further, but where memory is
+//! fragmented the kernel compacts it inside the fault (its default `defrag` mode for advised
+//! memory): the same load then took 0.3-0.9 s instead of 0.13 s now and then, so they are
+//! not used.
 
-/// Size of a transparent huge page on x86-64 and arm64 (4 KiB base pages).
-pub const HUGE_PAGE: usize = 2 << 20;
+use std::sync::OnceLock;
 
-/// Buffers smaller than this are not advised: they may hold no whole huge page, and at most one.
-pub const ADVISE_MIN_BYTES: usize = 2 * HUGE_PAGE;
+/// The system's page size (`sysconf(_SC_PAGESIZE)`, 4096 where it cannot be read).
+fn page_size() -> usize {
+    static PAGE: OnceLock<usize> = OnceLock::new();
+    *PAGE.get_or_init(|| {
+        // SAFETY: sysconf has no preconditions.
+        let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        usize::try_from(size)
+            .ok()
+            .filter(|&s| s.is_power_of_two())
+            .unwrap_or(4096)
+    })
+}
 
-/// Asks the kernel to back the whole, 2 MiB-aligned huge pages inside the `len` bytes at
-/// `addr` with transparent huge pages when they are first touched. Only the part inside the
-/// buffer is advised, so memory next to it (another allocation) keeps its policy. Returns
-/// whether the advice was taken: false for a buffer under [`ADVISE_MIN_BYTES`], and where the
-/// kernel refuses it (THP disabled or unsupported, not anonymous memory); the memory then
-/// works as before, with base pages.
-///
-/// The advice changes no byte and no mapping: it is a hint, safe on memory the caller owns.
-pub fn advise_huge_pages(addr: usize, len: usize) -> bool {
-    match huge_interior(addr, len) {
-        Some((start, interior)) => advise(start, interior),
+/// The whole pages inside the `len` bytes at `addr`, as `(start, len)`; None when there are
+/// none.
+fn page_interior(addr: usize, len: usize, page: usize) -> Option<(usize, usize)> {
+    let start = addr.checked_next_multiple_of(page)?;
+    let end = addr.checked_add(len)? / page * page;
+    (end > start).then(|| (start, end - start))
+}
+
+/// Maps the whole pages inside `bytes`, which the caller is about to overwrite, writable in
+/// one call, so that the writes that follow take no page fault. Returns whether the kernel did
+/// it: false on kernels before 5.14 and other systems, and when it fails (out of memory); the
+/// writes then fault the pages in themselves, as they would have anyway. No byte changes.
+pub fn prefault_for_write(bytes: &mut [u8]) -> bool {
+    match page_interior(bytes.as_ptr() as usize, bytes.len(), page_size()) {
+        Some((start, len)) => populate_write(start, len),
         None => false,
     }
 }
 
-/// The whole huge pages inside the `len` bytes at `addr`, as `(start, len)`; None for a
-/// buffer under [`ADVISE_MIN_BYTES`] or one that holds no whole huge page.
-fn huge_interior(addr: usize, len: usize) -> Option<(usize, usize)> {
-    if len < ADVISE_MIN_BYTES {
-        return None;
-    }
-    let start = addr.div_ceil(HUGE_PAGE) * HUGE_PAGE;
-    let end = addr.checked_add(len)? / HUGE_PAGE * HUGE_PAGE;
-    (end > start).then(|| (start, end - start))
-}
-
 #[cfg(target_os = "linux")]
-fn advise(start: usize, len: usize) -> bool {
-    // SAFETY: `start..start + len` lies inside memory the caller owns (page aligned: a huge
-    // page is a multiple of the base page); MADV_HUGEPAGE changes no contents and no mapping.
-    unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE) == 0 }
+fn populate_write(start: usize, len: usize) -> bool {
+    // SAFETY: `start..start + len` is page aligned and lies inside a buffer the caller holds
+    // mutably; MADV_POPULATE_WRITE only faults pages in, as a write of each would, and changes
+    // no byte.
+    unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) == 0 }
 }
 
 #[cfg(not(target_os = "linux"))]
-fn advise(_start: usize, _len: usize) -> bool {
+fn populate_write(_start: usize, _len: usize) -> bool {
     false
 }
 
@@ -54,48 +62,35 @@ fn advise(_start: usize, _len: usize) -> bool {
 mod tests {
     use super::*;
 
-    /// A buffer from the allocator (not aligned to a huge page on purpose).
-    fn buffer(len: usize) -> Vec<u8> {
-        vec![7u8; len + 1][1..].to_vec()
+    #[test]
+    fn only_whole_pages_inside_the_buffer_are_populated() {
+        let page = 4096;
+        assert_eq!(
+            page_interior(10 * page + 1, 5 * page, page),
+            Some((11 * page, 4 * page))
+        );
+        assert_eq!(
+            page_interior(10 * page, 4 * page, page),
+            Some((10 * page, 4 * page))
+        );
+        assert_eq!(page_interior(10 * page + 1, page, page), None);
+        assert_eq!(page_interior(10 * page, 0, page), None);
+        assert_eq!(page_interior(usize::MAX - page, 3 * page, page), None);
     }
 
     #[test]
-    fn small_buffers_are_not_advised() {
-        let data = buffer(ADVISE_MIN_BYTES - 1);
-        assert!(!advise_huge_pages(data.as_ptr() as usize, data.len()));
-    }
-
-    #[test]
-    fn advice_keeps_every_byte_and_the_buffer_stays_usable() {
-        let mut data = buffer(16 << 20);
-        let addr = data.as_ptr() as usize;
-        // Taken or refused (THP off, an emulator): the bytes are the same either way. That the
-        // advice reaches the kernel is checked from Python (tests/test_load_memory.py: VmFlags).
-        advise_huge_pages(addr, data.len());
+    fn prefaulted_memory_keeps_its_bytes_and_takes_writes() {
+        let mut data = vec![7u8; (16 << 20) + 5];
+        let piece = &mut data[3..];
+        // Done or refused (an old kernel, an emulator): the bytes are the same either way.
+        prefault_for_write(piece);
         assert!(data.iter().all(|&b| b == 7));
         data.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
         assert!(data.iter().enumerate().all(|(i, &b)| b == i as u8));
-    }
-
-    #[test]
-    fn only_whole_huge_pages_inside_the_buffer_are_advised() {
-        let page = HUGE_PAGE;
-        // Unaligned at both ends: the pages wholly inside, nothing beyond either end.
-        assert_eq!(
-            huge_interior(10 * page + 4096, 5 * page),
-            Some((11 * page, 4 * page))
-        );
-        // Aligned: all of it.
-        assert_eq!(
-            huge_interior(10 * page, 4 * page),
-            Some((10 * page, 4 * page))
-        );
-        // Unaligned and just large enough: the one whole page inside.
-        assert_eq!(
-            huge_interior(10 * page + 1, 2 * page),
-            Some((11 * page, page))
-        );
-        assert_eq!(huge_interior(10 * page, ADVISE_MIN_BYTES - 1), None);
-        assert_eq!(huge_interior(usize::MAX - page, 3 * page), None);
+        // A fresh, untouched allocation too.
+        let mut fresh = vec![0u8; 8 << 20];
+        prefault_for_write(&mut fresh);
+        assert!(fresh.iter().all(|&b| b == 0));
+        assert!(!prefault_for_write(&mut []));
     }
 }

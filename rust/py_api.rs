@@ -590,22 +590,3 @@ pub fn temp_prefix(file_name: &str) -> String {
 pub fn write_ceiling(py: Python<'_>, path: PathBuf, length: u64, block: u64) -> PyResult<bool> {
     Ok(py.detach(|| writer::write_ceiling(&path, length, block))?)
 }
-
-/// Advises the kernel to back the whole 2 MiB huge pages inside `data` (a writable,
-/// C-contiguous buffer: a uint8 numpy view of fresh tensor memory) with transparent huge pages
-/// when first touched, so that filling it costs one page fault per 2 MiB instead of per 4 KiB.
-/// Returns whether the advice was taken (never for buffers under 4 MiB, nor where the kernel
-/// refuses it); the bytes are unchanged either way.
-#[pyfunction]
-pub fn advise_huge_pages(data: Bound<'_, PyAny>) -> PyResult<bool> {
-    let buffer = PyBuffer::<u8>::get(&data)?;
-    if buffer.readonly() {
-        return Err(PyValueError::new_err(
-            "advise_huge_pages: the buffer is read-only; give fresh writable memory",
-        ));
-    }
-    let raw = RawBytes::of(&buffer, "advise_huge_pages input")?;
-    let taken = crate::memory::advise_huge_pages(raw.addr, raw.len);
-    drop(buffer);
-    Ok(taken)
-}

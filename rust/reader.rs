@@ -15,6 +15,7 @@ use std::sync::Mutex;
 use crate::checksum::{self, PieceCrc};
 use crate::error::{Error, Result};
 use crate::format::{self, Dtype, Header};
+use crate::memory;
 use crate::progress::Progress;
 use crate::writer::{AlignedBuf, ALIGN, DEFAULT_CHUNK_SIZE};
 
@@ -384,7 +385,11 @@ impl Reader {
         let mut crcs = parallel(work, threads, |(piece, dest)| {
             let at = data_start + piece.at;
             let result = match dest {
-                Some(bytes) => self.read_hashed(bytes, at, &piece),
+                Some(bytes) => {
+                    // Often fresh memory: its pages mapped in one call, not one trap each.
+                    memory::prefault_for_write(bytes);
+                    self.read_hashed(bytes, at, &piece)
+                }
                 None => {
                     let read_direct = |direct: &DirectReads| {
                         with_pooled(

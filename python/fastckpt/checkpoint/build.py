@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import itertools
 import json
 import math
 import warnings
@@ -28,7 +27,6 @@ from fastckpt.checkpoint.specs import (
 )
 from fastckpt.checkpoint.trust import _is_trusted_path
 from fastckpt.errors import CheckpointFormatError, UntrustedTargetError
-from fastckpt.io.files import advise_huge_pages
 
 __all__ = [
     "EXTRA_BUFFER_BYTES",
@@ -255,8 +253,6 @@ def build_model(
                 fill.match_saved_dtypes(probe, dtypes)  # on the meta device: no memory yet
             # Where the real build would put tensors: the default device outside the meta block.
             probe.to_empty(device=target or torch.empty(()).device)
-            for tensor in itertools.chain(probe.parameters(), probe.buffers()):
-                advise_huge_pages(tensor)  # fresh memory the load fills whole
             return attach_spec(probe, spec)
         del probe
     overrides = {"device": torch.device(device)} if device is not None and accepts_device else {}

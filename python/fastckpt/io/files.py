@@ -38,7 +38,6 @@ __all__ = [
     "DEFAULT_THREADS",
     "DEFAULT_WRITE_THREADS",
     "DIRECT_IO_MIN_BYTES",
-    "advise_huge_pages",
     "check_count",
     "check_flag",
     "check_storable",
@@ -313,31 +312,12 @@ def empty_tensor(
     """An uninitialised tensor to read saved bytes into: ``torch.empty`` allocated as bytes
     and viewed as ``dtype``, so it works under ``torch.use_deterministic_algorithms(True)``,
     which fills new tensors and has no fill kernel for ``float4_e2m1fn_x2`` (a Lightning
-    ``Trainer(deterministic=True)`` turns that mode on for the whole process). Pageable host
-    memory is advised to use transparent huge pages (:func:`advise_huge_pages`).
+    ``Trainer(deterministic=True)`` turns that mode on for the whole process).
     """
     shape = tuple(int(n) for n in shape)
     size = math.prod(shape) * dtype.itemsize
     raw = torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin_memory)
-    if not pin_memory:
-        advise_huge_pages(raw)
     return raw.view(dtype).view(shape)
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> None:
-    """Advise the kernel to back the fresh, pageable host memory of ``tensor`` (not touched
-    yet, about to be filled whole: a load) with transparent huge pages, so that filling it
-    faults once per 2 MiB instead of once per 4 KiB: a 257 MiB load into fresh tensors spent
-    0.147 CPU seconds with base pages and 0.105 with huge pages (2-core VM). Tensors on other
-    devices, non-contiguous ones and those under ``_native.HUGE_ADVICE_MIN_BYTES`` are left
-    alone; where the kernel has THP off the advice is refused and nothing changes. The caller
-    makes sure the memory is not pinned (CUDA's host allocator owns pinned memory)."""
-    if (
-        tensor.device.type == "cpu"
-        and tensor.numel() * tensor.element_size() >= _native.HUGE_ADVICE_MIN_BYTES
-        and tensor.is_contiguous()
-    ):
-        _native.advise_huge_pages(byte_view(tensor.detach()))
 
 
 def staging_bytes(size: int, *, pin_memory: bool, what: str) -> torch.Tensor:
