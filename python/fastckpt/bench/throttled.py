@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastckpt import _native
+from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_relpath
 from fastckpt.storage.backend import (
@@ -152,7 +153,7 @@ class Limits:
 
 
 _LIMITS: dict[str, Limits] = {}
-_LIMITS_LOCK = threading.Lock()
+_LIMITS_LOCK = ForkSafeLock()  # free in a forked child
 
 
 def register_storage_options(url: str, options: Mapping[str, Any] | None) -> None:

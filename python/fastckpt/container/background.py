@@ -8,6 +8,7 @@ raised once, a pending write finished at interpreter exit.
 
 from __future__ import annotations
 
+import concurrent.futures.thread
 import contextlib
 import errno
 import logging
@@ -19,6 +20,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from typing import Any, Generic, NoReturn, TypeVar
+
+from fastckpt.io.forksafe import ForkSafeLock
 
 __all__ = [
     "BACKGROUND_NICE",
@@ -100,7 +103,7 @@ def stderr_line(message: str) -> None:
 #: until its write is reported, so a failure nobody saw still reaches stderr at exit.
 #: :func:`_finish_pending_writes` goes through them at exit.
 _TRACKED: set[BackgroundWriter[Any]] = set()
-_TRACKED_LOCK = threading.Lock()
+_TRACKED_LOCK = ForkSafeLock()  # free in a forked child
 
 
 _COMMITTED_MARK = "_fastckpt_raised_after_commit"
@@ -158,14 +161,19 @@ else:  # pragma: no cover - CPython >= 3.9 has it
 _ALL: weakref.WeakSet[BackgroundWriter[Any]] = weakref.WeakSet()
 
 
+def _interpreter_exiting() -> bool:
+    """Whether the interpreter began to exit: concurrent.futures stopped taking work (its exit
+    hook ran: the main thread still counts as alive while the exit hooks run), or Python is
+    finalizing."""
+    return bool(getattr(concurrent.futures.thread, "_shutdown", False)) or sys.is_finalizing()
+
+
 def _forget_parent_threads() -> None:
     """In the child of ``os.fork()``: only the forking thread exists there. Each writer drops
     its parent's threads, the write they run (the parent's, which the parent finishes), and
     locks a parent thread may have held at the fork; its next save starts fresh threads.
     Before, a child saving with an inherited async manager waited forever (its write went to
     a thread that does not exist there), and so did its exit."""
-    global _TRACKED_LOCK
-    _TRACKED_LOCK = threading.Lock()
     _TRACKED.clear()
     for writer in list(_ALL):
         writer._after_fork()
@@ -385,10 +393,11 @@ class BackgroundWriter(Generic[T]):
             self._executor.submit(self._execute, future, capture, write)
         except RuntimeError as err:
             self._capture_done.set()
-            if threading.main_thread().is_alive():
+            if threading.main_thread().is_alive() and not _interpreter_exiting():
                 raise
             # concurrent.futures takes no work once the interpreter began to exit (a thread
-            # saving after the main thread returned), and fastckpt's writes use its threads.
+            # saving after the main thread returned, or while the exit hooks run), and
+            # fastckpt's writes use its threads.
             raise RuntimeError(
                 f"cannot save {what}: the interpreter is exiting (the main thread returned), "
                 f"and Python's thread pools take no more work ({err}); nothing was written. "

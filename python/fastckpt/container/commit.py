@@ -112,7 +112,7 @@ __all__ = [
 
 _LOG = logging.getLogger(__name__)
 
-_COMMITTED_LOCK = threading.Lock()
+_COMMITTED_LOCK = ForkSafeLock()  # free in a forked child: every local commit takes it
 #: The indices this process committed, per root (:func:`refs.root_key`).
 _COMMITTED: dict[str, set[int]] = {}
 

@@ -47,6 +47,7 @@ import numpy as np
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_relpath
 from fastckpt.storage.backend import (
@@ -103,7 +104,7 @@ EXTRA = "s3"
 _READ_PIECE = 16 << 20
 _MAX_HEADER = 100 << 20  # the safetensors limit on a header's size
 _OPTIONS: dict[str, S3Options] = {}
-_OPTIONS_LOCK = threading.Lock()
+_OPTIONS_LOCK = ForkSafeLock()  # free in a forked child
 
 
 def register_storage_options(url: str, options: S3Options | Mapping[str, Any] | None) -> None:
@@ -768,7 +769,7 @@ _HELD: dict[tuple[str | None, str, str], S3RootLock] = {}
 #: more (a release or an acquire that failed mid-outage): the next acquire takes them over at
 #: once instead of waiting for them to expire.
 _ABANDONED: set[str] = set()
-_HELD_LOCK = threading.Lock()
+_HELD_LOCK = ForkSafeLock()  # free in a forked child
 
 
 def held_lease(client: S3Client, key: str) -> S3RootLock | None:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from fastckpt.errors import CheckpointFormatError
+from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.storage.s3.config import ResolvedS3, S3Options, S3Url
 from fastckpt.storage.s3.errors import ForkedAfterUseError, ObjectStoreError, translate
 
@@ -645,7 +646,7 @@ def _refreshing_provider(resolved: ResolvedS3) -> Any:
 
 
 _CLIENTS: dict[tuple[Any, ...], S3Client] = {}
-_CLIENTS_LOCK = threading.Lock()
+_CLIENTS_LOCK = ForkSafeLock()  # free in a forked child
 
 
 #: The process that made this process's first object-store request (obstore starts its

@@ -32,13 +32,13 @@ naming the object and the tensor, before anything is committed.
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastckpt import _native
 from fastckpt.errors import ChecksumMismatchError
+from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.storage.s3.client import (
     MAX_PART,
     MIN_PART,
@@ -67,7 +67,7 @@ _PROOF_PIECE = 16 << 20
 #: (endpoint, bucket, key) -> etag of an object this process wrote or proved intact.
 _INTACT: dict[tuple[str | None, str, str], str] = {}
 _INTACT_MAX = 4096
-_INTACT_LOCK = threading.Lock()
+_INTACT_LOCK = ForkSafeLock()  # free in a forked child
 
 
 def _etag_key(etag: str) -> str:
