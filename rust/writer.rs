@@ -20,7 +20,7 @@ use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Mutex};
+use std::sync::{mpsc, Mutex, MutexGuard, OnceLock, TryLockError};
 
 use crate::checksum::{self, PieceCrc};
 use crate::error::{Error, Result};
@@ -197,11 +197,32 @@ impl Drop for AlignedBuf {
 static BUFFER_POOL: Mutex<Vec<AlignedBuf>> = Mutex::new(Vec::new());
 const MAX_POOLED_BUFFERS: usize = 16;
 
+/// The process that first used [`BUFFER_POOL`].
+static POOL_OWNER: OnceLock<u32> = OnceLock::new();
+
+/// [`BUFFER_POOL`], locked; None in the child of a `fork()` when the pool is locked: a thread
+/// of the parent may have held it at the fork, and that thread does not exist in the child,
+/// so waiting would hang the child's save for good (it allocates its buffers instead).
+fn buffer_pool() -> Option<MutexGuard<'static, Vec<AlignedBuf>>> {
+    let me = std::process::id();
+    let owner = *POOL_OWNER.get_or_init(|| me);
+    match BUFFER_POOL.try_lock() {
+        Ok(pool) => Some(pool),
+        Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+        Err(TryLockError::WouldBlock) if owner != me => None,
+        Err(TryLockError::WouldBlock) => {
+            Some(BUFFER_POOL.lock().unwrap_or_else(|e| e.into_inner()))
+        }
+    }
+}
+
 /// A buffer of at least `len` bytes: the smallest pooled one that is long enough (callers
 /// use its first `len` bytes), else a new one. A small file's save therefore reuses the
 /// chunk-sized buffers of the saves around it instead of evicting them.
 fn take_buffer(len: usize) -> io::Result<AlignedBuf> {
-    let mut pool = BUFFER_POOL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(mut pool) = buffer_pool() else {
+        return AlignedBuf::try_new(len);
+    };
     let fitting = (0..pool.len())
         .filter(|&i| pool[i].len >= len)
         .min_by_key(|&i| pool[i].len);
@@ -214,7 +235,9 @@ fn take_buffer(len: usize) -> io::Result<AlignedBuf> {
 /// Keeps `buf` for a later save; a full pool keeps its longest buffers (at most
 /// [`MAX_POOLED_BUFFERS`], each at most one chunk).
 fn return_buffer(buf: AlignedBuf) {
-    let mut pool = BUFFER_POOL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(mut pool) = buffer_pool() else {
+        return; // a forked child whose pool a parent thread held: the buffer is freed
+    };
     if pool.len() < MAX_POOLED_BUFFERS {
         pool.push(buf);
         return;
@@ -684,6 +707,58 @@ pub fn write_ceiling(path: &Path, len: u64, block: u64) -> Result<bool> {
 mod tests {
     use super::*;
     use crate::format::Dtype;
+
+    /// A child forked while a parent thread holds the buffer pool gets its buffers without
+    /// waiting (before, its first O_DIRECT save waited for the pool forever).
+    #[test]
+    fn a_child_forked_while_the_pool_is_held_does_not_wait_for_it() {
+        return_buffer(take_buffer(4096).unwrap()); // the pool is this process's
+        let (held_tx, held_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let _pool = BUFFER_POOL.lock().unwrap_or_else(|e| e.into_inner());
+            held_tx.send(()).unwrap();
+            release_rx.recv().ok();
+        });
+        held_rx.recv().unwrap();
+        // SAFETY: the child only takes and returns a buffer, then leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let buf = take_buffer(8192);
+            let ok = buf.as_ref().is_ok_and(|b| b.len >= 8192);
+            if let Ok(buf) = buf {
+                return_buffer(buf);
+            }
+            // SAFETY: leaves the child at once, running no destructor of the parent's state.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let mut status = 0;
+        let outcome = loop {
+            // SAFETY: waits for the child this test forked, without blocking.
+            let done = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if done == pid {
+                break Some(libc::WEXITSTATUS(status));
+            }
+            if std::time::Instant::now() > deadline {
+                // SAFETY: the child is this test's own.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, &mut status, 0);
+                }
+                break None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        release_tx.send(()).unwrap();
+        holder.join().unwrap();
+        assert_eq!(
+            outcome,
+            Some(0),
+            "the child hung on the parent's buffer pool"
+        );
+    }
 
     fn info(name: &str, begin: u64, end: u64) -> TensorInfo {
         TensorInfo {
