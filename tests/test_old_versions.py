@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -345,3 +346,61 @@ def test_a_prune_keeps_the_files_a_promotions_partial_retained_copy_lacks(
     assert not (tmp_path / "3").exists()
     assert (partial / "main.safetensors").read_bytes() == b"main"
     assert (partial / "head.safetensors").read_bytes() == b"head"
+
+
+def _step(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).pow(2).mean()
+
+
+def test_an_ema_saved_under_the_old_module_path_is_restored_and_exported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_runner: Any
+) -> None:
+    """Strategy checkpoints written before the layered layout (2026-12-02) record the hook as
+    ``fastckpt.hooks.ema.EMAHook``. Before: a resume with an EMAHook warned "no matching hook
+    was passed" and started the average over (0 updates), and ``fastckpt export --model ema``
+    found "0 EMAHook state(s)"; now the old path names the same hook."""
+    from fastckpt.checkpoint import trust
+    from fastckpt.format.moved import MOVED
+
+    earlier = {new: old for old, new in MOVED.items()}
+    current = trust.dotted_path
+
+    def as_earlier_versions_wrote(obj: Any) -> str:
+        path = current(obj)
+        module, _, name = path.rpartition(".")
+        return f"{earlier[module]}.{name}" if module in earlier else path
+
+    batches = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    ema = fastckpt.EMAHook(decay=0.5)
+    hook = fastckpt.CheckpointHook(tmp_path / "root", step_interval=4, async_save=False)
+    strategy = fastckpt.TrainingStrategy(
+        nn.Linear(4, 1),
+        fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}),
+        training_fn=_step,
+        hooks=[hook, ema],
+        num_epochs=1,
+    )
+    with monkeypatch.context() as patch:
+        patch.setattr(trust, "dotted_path", as_earlier_versions_wrote)
+        strategy.run(batches)
+    hooks_json = json.loads((tmp_path / "root" / "0" / "hooks.json").read_text())
+    assert [h["class"] for h in hooks_json["hooks"]] == ["fastckpt.hooks.ema.EMAHook"]  # then
+    saved = {k: v.clone() for k, v in ema.shadow.items()}
+
+    restored = fastckpt.EMAHook(decay=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "no matching hook was passed" would fail here
+        fastckpt.TrainingStrategy.load_checkpoint(
+            tmp_path / "root", training_fn=_step, hooks=[restored]
+        )
+    assert restored.num_updates == 4
+    assert saved.keys() == restored.shadow.keys()
+    assert all(torch.equal(saved[k], restored.shadow[k]) for k in saved)
+
+    status, _, err = cli_runner(
+        "export", tmp_path / "root", "--to", tmp_path / "ema.safetensors", "--model", "ema"
+    )
+    assert status == 0, err
+    exported = fastckpt.load_file(tmp_path / "ema.safetensors")
+    assert set(exported) == set(saved)
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)

@@ -37,6 +37,7 @@ from fastckpt.container.kinds import (
 )
 from fastckpt.container.links import read_item, read_references
 from fastckpt.errors import FastCkptError
+from fastckpt.format.moved import current_path
 from fastckpt.format.records import Manifest, item_files, read_commit_record
 from fastckpt.io import tree
 from fastckpt.io.files import write_tensors
@@ -149,7 +150,9 @@ def _ema_plan(manifest: Manifest, index: int, model: str) -> _Export:
     emas = [
         i
         for i, hook in enumerate(skeleton)
-        if isinstance(hook, dict) and hook.get("class") == _EMA_CLASS
+        if isinstance(hook, dict)
+        and isinstance(hook.get("class"), str)
+        and current_path(hook["class"]) == _EMA_CLASS
     ]
     if occurrence >= len(emas):
         raise UserError(

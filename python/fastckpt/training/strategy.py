@@ -55,6 +55,7 @@ from fastckpt.errors import (
     UnsupportedValueError,
     UntrustedTargetError,
 )
+from fastckpt.format.moved import current_path
 from fastckpt.format.records import MANIFEST, MAX_INDEX, Manifest
 from fastckpt.io import tree
 from fastckpt.io.files import torch_shape
@@ -3092,7 +3093,12 @@ def _restore_hook_states(hooks: Sequence[Any], saved: Any, where: str = "hooks.j
             occurrences[cls_path] = occurrence + 1
             live[(cls_path, occurrence)] = hook
     for i, item in enumerate(saved):
-        key = (item.get("class"), item.get("occurrence"))
+        recorded = item.get("class")
+        # An earlier release's path (fastckpt.hooks.ema.EMAHook) names the same hook today.
+        key = (
+            current_path(recorded) if isinstance(recorded, str) else recorded,
+            item.get("occurrence"),
+        )
         hook = live.get(key)
         if hook is None:
             warnings.warn(

@@ -21,6 +21,7 @@ from typing import Any
 
 import fastckpt.checkpoint.trust as trust
 from fastckpt.errors import CheckpointFormatError
+from fastckpt.format.moved import current_path
 from fastckpt.storage.registry import absolute, display_path, is_object_url
 from fastckpt.training.hooks.checkpoint import CheckpointHook
 from fastckpt.training.hooks.ema import EMAHook
@@ -149,7 +150,7 @@ def rebuild_hooks(
             stacklevel=4,
         )
         return []
-    savers = [r for r in records if REBUILDABLE.get(r["class"]) is CheckpointHook]
+    savers = [r for r in records if REBUILDABLE.get(current_path(r["class"])) is CheckpointHook]
     if len(savers) > 1 and named:
         unnamed = [r for r in savers if not any(_records_root(r, n) for n in named)]
         if len(unnamed) == len(savers):
@@ -169,7 +170,7 @@ def rebuild_hooks(
         savers = [r for r in savers if not any(r is u for u in unnamed)]
     hooks = []
     for i, record in enumerate(records):
-        cls = REBUILDABLE.get(record["class"])
+        cls = REBUILDABLE.get(current_path(record["class"]))
         if cls is None or record["config"] is None:
             warnings.warn(
                 f"{where}: the run had hook {record['class']}, which fastckpt cannot rebuild "
