@@ -1598,3 +1598,58 @@ def test_a_recipe_build_holding_real_memory_is_not_kept(tmp_path: Path) -> None:
         fastckpt.save_checkpoint(tmp_path / type(model).__name__, models={"main": (model, None)})
     assert real not in build._PROBES
     assert meta in build._PROBES
+
+
+class _Tagged(nn.Module):
+    """A model whose weight carries a Python attribute: a load builds it for real (not from
+    the meta device), as every such model."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.width = width
+        self.fc = nn.Linear(width, width)
+        self.fc.weight.tag = "keep"  # type: ignore[attr-defined]
+
+
+class _Plain(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.width = width
+        self.fc = nn.Linear(width, width)
+
+
+@pytest.mark.parametrize("cls", [_Tagged, _Plain])
+def test_a_model_changed_after_its_rebuild_is_refused_before_anything_is_written(
+    tmp_path: Path, cls: type[nn.Module]
+) -> None:
+    """Round 18: a model rebuilt for real by ``load_checkpoint`` was taken as proven for good;
+    a submodule resized after the resume was saved with the recipe it was rebuilt from, and
+    that checkpoint could not be loaded ("the spec and the weights do not belong together").
+    Now refused at the save, with advice for a rebuilt model (not "the recipe given to
+    attach_spec"), and nothing is written."""
+    import fastckpt
+
+    root = tmp_path / "root"
+    fastckpt.save_checkpoint(root, models={"main": (cls(4), None)})
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    model = fastckpt.load_checkpoint(root, trusted=[name])["models"]["main"]["model"]
+    fastckpt.save_checkpoint(root, models={"main": (model, None)})  # unchanged: saved
+    model.fc = nn.Linear(4, 8)
+    with pytest.raises(TypeError, match="changed after load_checkpoint rebuilt it"):
+        fastckpt.save_checkpoint(root, models={"main": (model, None)})
+    assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [0, 1]
+    assert fastckpt.verify(root).ok
+
+
+def test_a_model_changed_after_attach_spec_is_refused_at_its_next_save(tmp_path: Path) -> None:
+    """An attached spec is proven at every save, not once: before, the first save marked it
+    proven and a model changed after it was saved with a recipe that does not build it."""
+    import fastckpt
+
+    model = attach_spec(_Plain(4), create_model_spec(_Plain, width=4))
+    root = tmp_path / "root"
+    fastckpt.save_checkpoint(root, models={"main": (model, None)})
+    model.fc = nn.Linear(4, 8)
+    with pytest.raises(TypeError, match="the recipe given to attach_spec does not build"):
+        fastckpt.save_checkpoint(root, models={"main": (model, None)})
+    assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [0]

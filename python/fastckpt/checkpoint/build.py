@@ -253,6 +253,7 @@ def build_model(
                 fill.match_saved_dtypes(probe, dtypes)  # on the meta device: no memory yet
             # Where the real build would put tensors: the default device outside the meta block.
             probe.to_empty(device=target or torch.empty(()).device)
+            object.__setattr__(probe, _REBUILT_SPEC, spec)
             return attach_spec(probe, spec)
         del probe
     overrides = {"device": torch.device(device)} if device is not None and accepts_device else {}
@@ -266,15 +267,16 @@ def build_model(
         raise CheckpointFormatError(f"{where}: {spec.cls_path!r} did not build an nn.Module")
     if dtypes is not None:
         fill.match_saved_dtypes(model, dtypes)
-    # Checkpoints of the rebuilt model record the recipe it was built from (already checked).
+    # Checkpoints of the rebuilt model record the recipe it was built from (proven again at
+    # every save: the model may be changed after it was rebuilt).
     attach_spec(model, spec)
-    object.__setattr__(model, _PROVEN_SPEC, spec)
+    object.__setattr__(model, _REBUILT_SPEC, spec)
     return model
 
 
-#: The attribute marking the attached spec :func:`check_recordable` proved (or
-#: :func:`build_model` built the model from): not built on the meta device again.
-_PROVEN_SPEC = "_fastckpt_spec_proven"
+#: The attribute marking the spec :func:`build_model` attached to a model it rebuilt from a
+#: checkpoint (for the advice when a save finds that the model no longer fits it).
+_REBUILT_SPEC = "_fastckpt_rebuilt_from"
 
 #: model -> (its recipe without creation times, the model that recipe built on the meta
 #: device): a save of the same model with the same recipe compares the model with that
@@ -322,9 +324,11 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
     spec :func:`model_spec` derives is built on the meta device (no memory) with every
     target it names allowed, and its parameters and buffers must have the names and shapes
     of ``model``'s: otherwise a checkpoint would record a recipe that builds a different model.
-    A spec attached to the instance with :func:`attach_spec` is proven the same way (once);
-    one :func:`build_model` attached to a model it rebuilt from a checkpoint is returned as
-    it is.
+    A spec attached to the instance (:func:`attach_spec`, or :func:`build_model` for a model
+    it rebuilt from a checkpoint) is proven the same way, at every call: a model changed after
+    its spec was attached (a submodule replaced after a resume) is refused before anything is
+    written (before, a model rebuilt for real was taken as proven for good, and its next
+    checkpoint was committed with a recipe its weights do not fit: it could not be loaded).
 
     Args:
         model: The (unwrapped) model.
@@ -341,9 +345,7 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
     found = vars(model).get(_ATTACHED_SPEC)
     attached: BaseSpec | None = found if isinstance(found, BaseSpec) else None
     if attached is not None:
-        spec = attached  # the caller's: proven like a derived one, once
-        if vars(model).get(_PROVEN_SPEC) is spec:
-            return spec  # the recipe it was built from, or one checked before
+        spec = attached  # the caller's, or the one it was rebuilt from: proven like any
     else:
         try:
             spec = model_spec(model)
@@ -352,11 +354,17 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
                 f"model {name!r} ({cls.__module__}.{cls.__qualname__}) cannot be checkpointed: "
                 f"its recipe cannot be recorded: {exc}"
             ) from exc
-    advice = (
-        "the recipe given to attach_spec does not build this model: fix its arguments"
-        if spec is attached
-        else _recipe_advice(cls)
-    )
+    if attached is not None and vars(model).get(_REBUILT_SPEC) is spec:
+        advice = (
+            "the model was changed after load_checkpoint rebuilt it from that recipe (a "
+            "submodule replaced or resized?): record the recipe that builds it now with "
+            "fastckpt.checkpoint.specs.attach_spec(model, spec), or give its class a "
+            "checkpoint_spec()"
+        )
+    elif attached is not None:
+        advice = "the recipe given to attach_spec does not build this model: fix its arguments"
+    else:
+        advice = _recipe_advice(cls)
     recipe = _recipe_key(spec)
     cached = _PROBES.get(model)
     if recipe is not None and cached is not None and cached[0] == recipe:
@@ -416,8 +424,6 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
             "build them into the recipe",
             stacklevel=2,
         )
-    if spec is attached:
-        object.__setattr__(model, _PROVEN_SPEC, spec)
     return spec
 
 
