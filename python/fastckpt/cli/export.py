@@ -42,6 +42,7 @@ from fastckpt.format.records import Manifest, item_files, read_commit_record
 from fastckpt.io import tree
 from fastckpt.io.files import write_tensors
 from fastckpt.io.progress import format_bytes
+from fastckpt.storage.backend import explain_full_disk
 from fastckpt.storage.registry import backend_for
 
 # --------------------------------------------------------------------------- fastckpt export
@@ -297,4 +298,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
     if out.exists() and not args.force:
         raise UserError(f"{out} already exists; pass --force to replace it")
-    return container.accept(_Exporter(args, out))
+    # A full disk: the target named, not the writer's hidden temporary file (before: the
+    # bare "No space left on device (os error 28)"); the file is written whole or not at all.
+    with explain_full_disk(
+        out,
+        doing="exporting to",
+        kept=f"nothing was written ({out} is as it was)",
+        again="export",
+        filename=str(out),
+    ):
+        return container.accept(_Exporter(args, out))

@@ -25,6 +25,7 @@ from fastckpt.container.promote_checkpoints import (
 from fastckpt.container.sharded.promote import node_local_root, upload_rank_files
 from fastckpt.format.records import COMMIT_RECORD, MANIFEST, SHARDED_RECORD, Manifest
 from fastckpt.io.progress import format_bytes
+from fastckpt.storage.backend import explain_full_disk
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
 
@@ -59,14 +60,24 @@ def cmd_promote(args: argparse.Namespace) -> int:
         if not committed:
             return _report_node_upload(source, target, uploaded, args)
     try:
-        report = promote(
-            source,
-            target,
-            every=args.every,
-            node_local=node_local,
-            wait_s=args.wait,
-            verify_held=True,  # a repair: a damaged copy there is replaced
-        )
+        # A full disk: the target named, not a hidden temporary path in it (before: the
+        # bare "No space left on device (os error 28)" naming ``TARGET/.tmp-0~...``).
+        with explain_full_disk(
+            display_path(target),
+            doing=f"promoting {display_path(source)} to",
+            kept="nothing more was promoted (the indices promoted before stay committed) and "
+            "what it held is intact",
+            again="promote",
+            filename=display_path(target),
+        ):
+            report = promote(
+                source,
+                target,
+                every=args.every,
+                node_local=node_local,
+                wait_s=args.wait,
+                verify_held=True,  # a repair: a damaged copy there is replaced
+            )
     except ValueError as err:  # the root itself as the target, a pre-parts sharded index
         raise UserError(str(err)) from None
     if args.json:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from pathlib import Path
@@ -75,6 +76,10 @@ def announce_lock(root: Path, timeout: float | None) -> None:
             file=sys.stderr,
             flush=True,
         )
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # No room for the lock file: the prune itself says what it would delete and the fix.
     else:
         probe.release()
 

@@ -72,6 +72,7 @@ from fastckpt.format.records import (
     seal_manifest,
 )
 from fastckpt.io.forksafe import ForkSafeLock
+from fastckpt.storage.access import free_space_advice
 from fastckpt.storage.backend import (
     ATOMIC_TEMP_INFIX,
     TEMP_PREFIX,
@@ -84,7 +85,7 @@ from fastckpt.storage.backend import (
     stored_sizes,
 )
 from fastckpt.storage.backend import _sibling as temp_sibling
-from fastckpt.storage.lock import REPLACING, RootLock, checked_lock_timeout
+from fastckpt.storage.lock import LOCK_FILE, REPLACING, RootLock, checked_lock_timeout
 from fastckpt.storage.registry import backend_for, display_path, is_local
 from fastckpt.storage.s3.errors import CommitOutcomeUnknownError
 
@@ -1416,9 +1417,11 @@ def _clean_leftovers(
         removed.append(name)
     if manifest is not None and any(n.startswith(refs.RETAINED_PREFIX) for n in os.listdir(root)):
         # Retained copies no committed index references, or of an index still committed
-        # (a prune killed before its commit): readers find those bytes in the index itself.
+        # (a prune that did not commit): readers find those bytes in the index itself. One
+        # whose committed index lost its folder (an earlier version's prune renamed it
+        # aside, then failed to commit) is put back instead.
         in_use = referenced if referenced is not None else _referenced(manifest)
-        removed += refs.collect_garbage(root, in_use - set(manifest.entries))
+        removed += refs.collect_garbage(root, in_use - set(manifest.entries), manifest.entries)
     if manifest is not None:
         removed += _sweep_sharded(root, manifest, writing, only_older=promoting)
     return removed, manifest
@@ -1531,6 +1534,64 @@ def _not_referenced(manifest: Manifest, doomed: list[int]) -> list[int]:
         doomed = [index for index in doomed if index not in referenced]
 
 
+def _doomed(
+    manifest: Manifest, keep_last: int, spare: Collection[int], read_shards: bool
+) -> list[int]:
+    """The indices a prune to the newest ``keep_last`` of ``manifest``'s root deletes, never
+    those of ``spare`` (:func:`prune_plan`)."""
+    due = [index for index in sorted(manifest.entries)[:-keep_last] if index not in spare]
+    local = is_local(backend_for(manifest.root))
+    return prune_plan(manifest, due, local=local, read_shards=read_shards)
+
+
+def _plan_without_lock(
+    root: Path, keep_last: int, spare: Collection[int], read_shards: bool
+) -> tuple[list[int], set[int]]:
+    """What a prune of ``root`` that could not take the root's lock would have deleted, and
+    which of those indices kept ones of an earlier version's layout read tensors from (as
+    ``fastckpt prune --dry-run`` decides, without the lock); nothing where its manifest
+    cannot be read."""
+    try:
+        manifest = Manifest.load(root)
+        doomed = _doomed(manifest, keep_last, spare, read_shards)
+        kept = [index for index in manifest.entries if index not in doomed]
+        if not is_local(backend_for(root)):
+            return doomed, set()
+        return doomed, refs.referenced_indices(manifest, kept) & set(doomed)
+    except (CheckpointFormatError, OSError):
+        return [], set()
+
+
+def _no_room_to_prune(
+    err: OSError, root: Path, step: str, doomed: Collection[int], read_from: Collection[int]
+) -> OSError:
+    """The error of a prune of ``root`` that had no room for ``step`` (``err``: ``ENOSPC`` or
+    ``EDQUOT``), nothing deleted: the folders of ``doomed`` to delete by hand, never one of
+    ``read_from``, which kept indices of an earlier version's layout read tensors from
+    (deleting it by hand broke them), and what to free (space, or inodes)."""
+    by_hand = [index for index in sorted(doomed) if index not in read_from]
+    free = free_space_advice(root)
+    code = err.errno if err.errno is not None else errno.ENOSPC
+    message = f"{os.strerror(code)}: {step}, and there is no room for it; nothing was deleted."
+    if by_hand:
+        message += (
+            " Delete the folders it would have deleted by hand (rm -rf "
+            + " ".join(display_path(root / str(index)) for index in by_hand)
+            + ": every other index stays loadable; files they share with kept indices free "
+            f"nothing), then prune again to drop them from the manifest; or {free} and prune "
+            "again"
+        )
+    else:
+        message += f" {free[0].upper()}{free[1:]} and prune again"
+    if read_from:
+        shown = ", ".join(str(index) for index in sorted(read_from))
+        message += (
+            f" (not index(es) {shown} by hand: indices written by an earlier fastckpt version "
+            "read tensors from their files; a prune with room keeps those bytes for them)"
+        )
+    return OSError(code, message, err.filename)
+
+
 def prune_indices(
     root: Path,
     keep_last: int,
@@ -1574,21 +1635,36 @@ def prune_indices(
         ValueError: ``keep_last < 1``.
         TimeoutError: another process held the root longer than ``lock_timeout`` (the
             message names it: pid and host).
-        OSError: an index could not be deleted (it is no longer committed either way).
+        OSError: an index could not be deleted (it is no longer committed either way);
+            ``ENOSPC``/``EDQUOT``: no room for the root's lock file or the new manifest,
+            nothing deleted (the message names the folders to delete by hand, and what to free).
     """
     if isinstance(keep_last, bool) or not isinstance(keep_last, int):
         raise TypeError(f"keep_last must be an int >= 1, got {keep_last!r}")
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the latest is never deleted), got {keep_last}")
     backend = backend_for(root)
-    with backend.lock(root, timeout=lock_timeout):
-        if is_local(backend) and root.is_dir():
+    local = is_local(backend)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(backend.lock(root, timeout=lock_timeout))
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # No room for the lock file (often no inode left): say what the prune would
+            # have deleted, decided without the lock (as ``fastckpt prune --dry-run`` does).
+            step = f"a prune creates the root's lock file ({LOCK_FILE}) before deleting anything"
+            planned = _plan_without_lock(root, keep_last, spare, read_shards)
+            raise _no_room_to_prune(err, root, step, *planned) from err
+        if local and root.is_dir():
             _restore_interrupted_replacements(root)  # before deciding what the root holds
-        elif not is_local(backend):
+        elif not local:
             _restore_object_replacements(root, backend)
         manifest = Manifest.load(root)
-        doomed = [index for index in sorted(manifest.entries)[:-keep_last] if index not in spare]
-        doomed = prune_plan(manifest, doomed, local=is_local(backend), read_shards=read_shards)
+        if local and root.is_dir():
+            # What a failed prune of an earlier version left: a committed index renamed aside.
+            refs.restore_committed(root, manifest.entries)
+        doomed = _doomed(manifest, keep_last, spare, read_shards)
         if not doomed:
             # What a prune killed after its commit left.
             _sweep_sharded(root, manifest, only_older=promoting)
@@ -1599,35 +1675,33 @@ def prune_indices(
         kept = [index for index in manifest.entries if index not in doomed]
         # Hard links make the retained copy before the manifest lets the index go, so a
         # kill at any point leaves the committed indices and their references whole.
-        referenced = refs.referenced_indices(manifest, kept) if is_local(backend) else set()
+        referenced = refs.referenced_indices(manifest, kept) if local else set()
         needed = referenced & set(doomed)  # a kept index's bytes stay where they are
         linked = {index for index in needed if _link_retained(root, index)}
-        for index in needed - linked:  # no hard links here: moved before the commit
-            refs.retain_for_references(root, index)
         recorded = {index: set(manifest.entries[index]["files"]) for index in doomed}
         for index in doomed:
             del manifest.entries[index]
         try:
             manifest.commit()
         except OSError as err:
+            for index in sorted(linked):  # nothing changed: the links made go again
+                refs.remove_directory(root, root / f"{refs.RETAINED_PREFIX}{index}")
             if err.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            raise OSError(
-                err.errno,
-                f"{os.strerror(err.errno)}: a prune rewrites {MANIFEST} before deleting "
-                "anything, and there is no room for it; nothing was deleted. Delete the "
-                "folders it would have deleted by hand (rm -rf "
-                + " ".join(display_path(manifest.directory(i)) for i in sorted(doomed))
-                + ": every other index stays loadable; files they share with kept indices "
-                "free nothing), then prune again to drop them from the manifest",
-                err.filename,
-            ) from err
+            step = f"a prune rewrites {MANIFEST} before deleting anything"
+            raise _no_room_to_prune(err, root, step, doomed, needed) from err
+        for index in sorted(needed - linked):
+            # No hard links here: renamed after the commit (never before: a failed or killed
+            # commit then left a committed index without its folder, and the next save
+            # deleted the retained copy as garbage). Until the rename, the references of kept
+            # indices read ROOT/<index> (refs.source_path); a kill leaves it to the next save.
+            refs.retain_for_references(root, index)
         for index in doomed:
             if index not in needed or index in linked:
                 directory = manifest.directory(index)
                 _delete_index(backend, root, directory, set(manifest.entries), recorded[index])
-        if is_local(backend):
-            refs.collect_garbage(root, referenced - set(manifest.entries))
+        if local:
+            refs.collect_garbage(root, referenced - set(manifest.entries), manifest.entries)
         # The pruned indices' sharded parts, after the commit.
         _sweep_sharded(root, manifest, only_older=promoting)
     return doomed

@@ -66,7 +66,12 @@ from fastckpt.format.records import (
     saved_seconds,
 )
 from fastckpt.io.paths import check_name, safe_join
-from fastckpt.storage.backend import TEMP_PREFIX, remove_replaced, restore_replaced
+from fastckpt.storage.backend import (
+    TEMP_PREFIX,
+    explain_full_disk,
+    remove_replaced,
+    restore_replaced,
+)
 from fastckpt.storage.backend import _sibling as temp_sibling
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
@@ -176,6 +181,20 @@ def promote_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike
     if os.path.realpath(source) == os.path.realpath(target):
         raise ValueError(f"{display_path(source)}: promoting a checkpoint onto itself")
     check_name(target.name, "checkpoint directory name")
+    # A full disk: the target named, not a hidden temporary path beside it (before: the
+    # bare "No space left on device (os error 28)" naming it).
+    with explain_full_disk(
+        display_path(target),
+        doing=f"promoting {display_path(source)} to",
+        kept="nothing was promoted and what it held is intact",
+        again="promote",
+        filename=display_path(target),
+    ):
+        return _promote_checkpoint(source, target)
+
+
+def _promote_checkpoint(source: Path, target: Path) -> IndexCopy:
+    """:func:`promote_checkpoint`, its arguments checked."""
     what = f"checkpoint {display_path(source)}"
     if backend_for(source).exists(source / SHARDED_RECORD):
         return _promote_sharded(source, target, what)

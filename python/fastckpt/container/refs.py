@@ -33,7 +33,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +79,7 @@ __all__ = [
     "refs_document",
     "remove_directory",
     "resolve_references",
+    "restore_committed",
     "retain_for_references",
     "root_key",
     "source_path",
@@ -236,7 +237,15 @@ def source_path(manifest: Manifest, ref: Reference) -> Path:
     record = None if entry is None else entry["files"].get(ref["file"])
     if matches(record, ref) and _is_directory(committed):
         return safe_join(committed, ref["file"])
-    return safe_join(manifest.root / f"{RETAINED_PREFIX}{index}", ref["file"])
+    retained = safe_join(manifest.root / f"{RETAINED_PREFIX}{index}", ref["file"])
+    if entry is None and not backend_for(retained).exists(retained):
+        # A prune committed without the index and renames it to its retained copy right
+        # after (a kill in between leaves that to the next save): until then the bytes are
+        # in ROOT/<index>, checked against the reference as they are read.
+        pruned = safe_join(committed, ref["file"])
+        if backend_for(pruned).exists(pruned):
+            return pruned
+    return retained
 
 
 def _is_directory(path: Path) -> bool:
@@ -593,15 +602,48 @@ def _move_missing(directory: Path, retained: Path) -> None:
         _native.fsync_dir(folder)
 
 
-def collect_garbage(root: Path, referenced: set[int]) -> list[str]:
-    """Delete retained directories (``ROOT/.ref-<index>``) no committed index references
-    (each by :func:`remove_directory`: a kill never leaves a partial retained copy)."""
-    removed = []
-    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        if not name.startswith(RETAINED_PREFIX):
+def _retained_indices(root: Path) -> list[int]:
+    """The indices of the retained directories (``ROOT/.ref-<index>``) of local ``root``."""
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    tails = (name[len(RETAINED_PREFIX) :] for name in names if name.startswith(RETAINED_PREFIX))
+    return [int(tail) for tail in tails if tail.isdigit()]
+
+
+def restore_committed(root: Path, committed: Collection[int]) -> list[int]:
+    """Put back ``ROOT/.ref-<index>`` as ``ROOT/<index>`` (one rename, durable) for every
+    ``index`` of ``committed`` whose folder is gone: what an earlier version's prune left when
+    its commit failed (or it was killed) after it had renamed the index aside. The index is
+    then whole again, and so are the indices reading from it; deleting that folder as garbage
+    lost them all for good. Returns the indices put back (each logged)."""
+    restored = []
+    for index in _retained_indices(root):
+        folder = root / str(index)
+        if index not in committed or os.path.lexists(folder):
             continue
-        tail = name[len(RETAINED_PREFIX) :]
-        if tail.isdigit() and int(tail) not in referenced:
+        os.rename(root / f"{RETAINED_PREFIX}{index}", folder)
+        _native.fsync_dir(str(root))
+        restored.append(index)
+        _LOG.warning(
+            "%s: committed index %d was in %s%d (set aside by a prune that did not commit); "
+            "put back",
+            display_path(root),
+            index,
+            RETAINED_PREFIX,
+            index,
+        )
+    return restored
+
+
+def collect_garbage(root: Path, referenced: set[int], committed: Collection[int]) -> list[str]:
+    """Delete retained directories (``ROOT/.ref-<index>``) no committed index references
+    (each by :func:`remove_directory`: a kill never leaves a partial retained copy), except
+    that of a ``committed`` index whose own folder is gone, which is put back instead
+    (:func:`restore_committed`)."""
+    restore_committed(root, committed)
+    removed = []
+    for index in _retained_indices(root):
+        if index not in referenced:
+            name = f"{RETAINED_PREFIX}{index}"
             remove_directory(root, root / name)
             removed.append(name)
     return removed

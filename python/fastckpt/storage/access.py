@@ -10,8 +10,9 @@ from __future__ import annotations
 import errno
 import os
 import pwd
+from pathlib import Path
 
-__all__ = ["access_note", "read_refused"]
+__all__ = ["access_note", "free_space_advice", "read_refused"]
 
 
 def _user(uid: int) -> str:
@@ -52,3 +53,26 @@ def read_refused(path: str | os.PathLike[str], err: OSError) -> PermissionError:
         "chown or an ACL, on its folders too)",
         os.fspath(path),
     )
+
+
+#: Fewer free inodes than this (on a filesystem that limits them) and "free space" alone is
+#: the wrong advice: ``df -h`` shows space while no file can be created (a save or prune
+#: creates a few at once: its lock file, a temporary manifest, a staging folder).
+_FEW_INODES = 16
+
+
+def free_space_advice(path: str | os.PathLike[str]) -> str:
+    """What to free for a write refused as full (``ENOSPC``/``EDQUOT``) at ``path``: "free
+    space", or "free space or inodes (df -i)" where its filesystem limits inodes and has
+    fewer than :data:`_FEW_INODES` left (there ``df -h`` shows free space). The nearest
+    existing folder of ``path`` is asked (``statvfs``); where that fails, "free space"."""
+    folder = Path(path)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        stats = os.statvfs(folder)
+    except OSError:
+        return "free space"
+    if stats.f_files > 0 and stats.f_favail < _FEW_INODES:  # f_files 0: no inode limit
+        return "free space or inodes (df -i)"
+    return "free space"

@@ -50,7 +50,7 @@ from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_relpath
 from fastckpt.io.progress import active_counter
-from fastckpt.storage.access import read_refused
+from fastckpt.storage.access import free_space_advice, read_refused
 from fastckpt.storage.identity import HOST, gone
 from fastckpt.storage.lock import RootLock
 
@@ -686,11 +686,26 @@ def _path_too_long(err: OSError) -> bool:
     return all(len(part) <= _NAME_MAX for part in parts)
 
 
+#: What :func:`explain_full_disk` says a failed save left by default.
+_SAVE_KEPT = "nothing of this save was committed and the checkpoints saved before are intact"
+
+
 @contextlib.contextmanager
-def explain_full_disk(target: str | os.PathLike[str]) -> Iterator[None]:
+def explain_full_disk(
+    target: str | os.PathLike[str],
+    *,
+    doing: str = "saving",
+    kept: str = _SAVE_KEPT,
+    again: str = "save",
+    filename: str | None = None,
+) -> Iterator[None]:
     """Re-raise a full (or read-only) disk met while saving ``target``, or a path under it
     past ``PATH_MAX``, as the same ``OSError`` (errno and file kept) whose message names the
-    checkpoint and the way out; other errors pass."""
+    checkpoint and the way out; other errors pass.
+
+    Other writers say what they were ``doing`` ("exporting to"), what a failure leaves
+    (``kept``), the command to run ``again`` ("export"), and the path to name as the error's
+    ``filename`` (default: the file the error names, which may be a hidden temporary one)."""
     try:
         yield
     except OSError as err:
@@ -700,21 +715,20 @@ def explain_full_disk(target: str | os.PathLike[str]) -> Iterator[None]:
         if err.errno == errno.ENAMETOOLONG:
             fix = (
                 f"the path of a file it writes, {len(os.fsencode(where))} bytes, passes the "
-                f"limit of {_PATH_MAX} bytes the system sets on a whole path: save into a root "
-                "with a shorter path"
+                f"limit of {_PATH_MAX} bytes the system sets on a whole path: {again} into a "
+                "folder with a shorter path"
             )
         elif err.errno == errno.EROFS:
-            fix = "remount it read-write (or save elsewhere) and save again"
+            fix = f"remount it read-write (or {again} elsewhere) and {again} again"
         else:
             fix = (
-                "free space (`fastckpt prune ROOT --keep-last N` deletes older checkpoints) "
-                "and save again"
+                f"{free_space_advice(where)} (`fastckpt prune ROOT --keep-last N` deletes "
+                f"older checkpoints) and {again} again"
             )
         raise OSError(
             err.errno,
-            f"{os.strerror(err.errno)} while saving {os.fspath(target)}: nothing of this save "
-            f"was committed and the checkpoints saved before are intact; {fix}",
-            where,
+            f"{os.strerror(err.errno)} while {doing} {os.fspath(target)}: {kept}; {fix}",
+            filename if filename is not None else where,
         ) from err
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.errors import CheckpointFormatError, ConcurrentSaveError
-from fastckpt.storage.access import access_note
+from fastckpt.storage.access import access_note, free_space_advice
 from fastckpt.storage.identity import HOST
 
 __all__ = [
@@ -211,7 +211,8 @@ class RootLock:
         Raises:
             TimeoutError: ``timeout`` elapsed first (the message names the lock file).
             PermissionError / OSError: the lock file cannot be created (a root another user
-                owns, a read-only filesystem): the message names the root and the fix.
+                owns, a read-only filesystem, a full disk): the message names the root and
+                the fix.
         """
         if self._fd is not None:
             raise RuntimeError(f"{self.path}: already held by this RootLock")
@@ -257,7 +258,7 @@ class RootLock:
         try:
             fd = _open_tracked(self.path, flags)
         except OSError as err:
-            if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
                 raise self._refused(err) from err
             if err.errno not in (errno.ELOOP, errno.EISDIR):
                 raise
@@ -274,14 +275,18 @@ class RootLock:
 
     def _refused(self, err: OSError) -> OSError:
         """The error for a lock file that cannot be created or opened for writing (``err``:
-        ``EACCES``, ``EPERM`` or ``EROFS``): the same errno, the root as its path, and a
-        message saying that the root cannot be written, that nothing was saved into it or
-        deleted from it, and the fix (before: a bare error naming the lock file)."""
+        ``EACCES``, ``EPERM``, ``EROFS``, ``ENOSPC`` or ``EDQUOT``): the same errno, the root
+        as its path, and a message saying that the root cannot be written, that nothing was
+        saved into it or deleted from it, and the fix (before: a bare error naming the lock
+        file; for a full disk, often one out of inodes while ``df -h`` shows free space)."""
         root = self.path.parent
         code = err.errno if err.errno is not None else errno.EACCES
         if code == errno.EROFS:
             why = "it is on a read-only filesystem"
             fix = "remount it read-write, or save into a root on another filesystem"
+        elif code in (errno.ENOSPC, errno.EDQUOT):
+            why = "its disk has no room left"
+            fix = f"{free_space_advice(root)} and try again"
         else:
             refused = self.path if os.path.lexists(self.path) else root
             why = f"this user may not write to {refused} ({access_note(refused)})"
