@@ -312,8 +312,11 @@ pub fn verify_file(
 /// tensor's size; buffers must not overlap. Every tensor is hashed as it is read (the others
 /// through scratch buffers) and its crc32c checked; raises on any mismatch, naming file and
 /// tensor (the buffers then hold partial or damaged bytes). Returns the whole-file crc32c.
+/// `fresh` names the tensors whose buffers are fresh memory (allocated for this read, never
+/// touched): their pages are mapped in one call per piece before the read, not faulted in
+/// one by one.
 #[pyfunction]
-#[pyo3(signature = (path, tensors, threads, follow_symlinks=true, progress=None))]
+#[pyo3(signature = (path, tensors, threads, follow_symlinks=true, progress=None, fresh=None))]
 #[allow(clippy::type_complexity)]
 pub fn read_into<'py>(
     py: Python<'py>,
@@ -322,7 +325,9 @@ pub fn read_into<'py>(
     threads: usize,
     follow_symlinks: bool,
     progress: Option<PyRef<'py, ByteCounter>>,
+    fresh: Option<std::collections::HashSet<String>>,
 ) -> PyResult<u32> {
+    let fresh = fresh.unwrap_or_default();
     let progress = counter(progress);
     let mut buffers = Vec::with_capacity(tensors.len());
     let mut targets = Vec::with_capacity(tensors.len());
@@ -357,6 +362,7 @@ pub fn read_into<'py>(
         let destinations = targets
             .into_iter()
             .map(|(name, dtype, shape, raw)| Destination {
+                fresh: fresh.contains(&name),
                 name,
                 dtype,
                 shape,

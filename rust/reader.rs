@@ -125,6 +125,10 @@ fn parallel<T: Send, R: Send>(
     Ok(all)
 }
 
+/// Where a tensor (or a piece of it) is read into: the caller's buffer, and whether it is
+/// fresh memory ([`Destination::fresh`]).
+type Slot<'a> = (&'a mut [u8], bool);
+
 /// A run of at most [`READ_PIECE`] bytes of one tensor, hashed on its own.
 struct Piece {
     /// Index of the tensor in the header.
@@ -305,7 +309,7 @@ impl Reader {
             .enumerate()
             .map(|(i, info)| (info.name.as_str(), i))
             .collect();
-        let mut slots: Vec<Option<&mut [u8]>> = Vec::new();
+        let mut slots: Vec<Option<Slot<'_>>> = Vec::new();
         slots.resize_with(header.tensors.len(), || None);
         for dest in destinations {
             let Some(&i) = index.get(dest.name.as_str()) else {
@@ -336,7 +340,7 @@ impl Reader {
                     dest.name
                 )));
             }
-            slots[i] = Some(dest.bytes);
+            slots[i] = Some((dest.bytes, dest.fresh));
         }
         self.read_pieces(slots, None, threads, progress)
     }
@@ -356,26 +360,29 @@ impl Reader {
     }
 
     /// Reads every tensor in pieces on `threads` threads: into `slots[i]` for tensor `i` when
-    /// given (a buffer of its size), else through reused scratch buffers; checks the stored
-    /// checksums and returns the whole-file crc32c. An empty `slots` reads everything through
-    /// scratch buffers.
+    /// given (a buffer of its size, and whether it is fresh memory), else through reused
+    /// scratch buffers; checks the stored checksums and returns the whole-file crc32c. An
+    /// empty `slots` reads everything through scratch buffers.
     fn read_pieces(
         &self,
-        slots: Vec<Option<&mut [u8]>>,
+        slots: Vec<Option<Slot<'_>>>,
         direct: Option<&DirectReads>,
         threads: usize,
         progress: &Progress,
     ) -> Result<u32> {
         let header = self.header();
         let mut slots = slots.into_iter();
-        let mut work: Vec<(Piece, Option<&mut [u8]>)> = Vec::new();
+        let mut work: Vec<(Piece, Option<Slot<'_>>)> = Vec::new();
         let mut all = pieces(header).into_iter().peekable();
         for tensor in 0..header.tensors.len() {
             // A destination is cut where the pieces are, so that each is hashed alone.
-            let mut chunks = slots.next().flatten().map(|buf| buf.chunks_mut(READ_PIECE));
+            let (mut chunks, fresh) = match slots.next().flatten() {
+                Some((buf, fresh)) => (Some(buf.chunks_mut(READ_PIECE)), fresh),
+                None => (None, false),
+            };
             while let Some(piece) = all.next_if(|piece| piece.tensor == tensor) {
                 let chunk = chunks.as_mut().and_then(Iterator::next);
-                work.push((piece, chunk));
+                work.push((piece, chunk.map(|bytes| (bytes, fresh))));
             }
         }
         // Scratch buffers (aligned ones for O_DIRECT) are reused, see `with_pooled`.
@@ -385,9 +392,11 @@ impl Reader {
         let mut crcs = parallel(work, threads, |(piece, dest)| {
             let at = data_start + piece.at;
             let result = match dest {
-                Some(bytes) => {
-                    // Often fresh memory: its pages mapped in one call, not one trap each.
-                    memory::prefault_for_write(bytes);
+                Some((bytes, fresh)) => {
+                    if fresh {
+                        // Its pages mapped in one call, not one page fault each.
+                        memory::prefault_for_write(bytes);
+                    }
                     self.read_hashed(bytes, at, &piece)
                 }
                 None => {
@@ -513,6 +522,11 @@ pub struct Destination<'a> {
     pub shape: Vec<u64>,
     /// Exactly the tensor's bytes.
     pub bytes: &'a mut [u8],
+    /// Whether the buffer is fresh memory (allocated for this read, never touched): its pages
+    /// are then mapped writable piece by piece in one call each before being read into
+    /// ([`memory::prefault_for_write`]), not one page fault per page. Memory already in use
+    /// (a live model's parameters) gains nothing from it.
+    pub fresh: bool,
 }
 
 fn piece_crc(tensor: usize, offset: u64, bytes: &[u8]) -> PieceCrc {
@@ -810,6 +824,7 @@ mod tests {
                 dtype: *dtype,
                 shape: shape.clone(),
                 bytes: bytes.as_mut_slice(),
+                fresh: false,
             })
             .collect()
     }
@@ -972,6 +987,7 @@ mod tests {
                 dtype,
                 shape,
                 bytes: &mut buf[..len],
+                fresh: true,
             };
             assert!(
                 matches!(
@@ -990,6 +1006,7 @@ mod tests {
                 dtype: Dtype::I16,
                 shape: vec![5],
                 bytes: bytes.as_mut_slice(),
+                fresh: false,
             })
             .collect();
         assert!(matches!(

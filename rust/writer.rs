@@ -19,8 +19,8 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Mutex, MutexGuard, OnceLock, TryLockError};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{mpsc, Mutex, MutexGuard, TryLockError};
 
 use crate::checksum::{self, PieceCrc};
 use crate::error::{Error, Result};
@@ -197,15 +197,20 @@ impl Drop for AlignedBuf {
 static BUFFER_POOL: Mutex<Vec<AlignedBuf>> = Mutex::new(Vec::new());
 const MAX_POOLED_BUFFERS: usize = 16;
 
-/// The process that first used [`BUFFER_POOL`].
-static POOL_OWNER: OnceLock<u32> = OnceLock::new();
+/// The process that first used [`BUFFER_POOL`] (0: none yet). An atomic, not a lazily
+/// initialized cell: a fork during another thread's first use must not leave the child
+/// waiting for that initialization.
+static POOL_OWNER: AtomicU32 = AtomicU32::new(0);
 
 /// [`BUFFER_POOL`], locked; None in the child of a `fork()` when the pool is locked: a thread
 /// of the parent may have held it at the fork, and that thread does not exist in the child,
 /// so waiting would hang the child's save for good (it allocates its buffers instead).
 fn buffer_pool() -> Option<MutexGuard<'static, Vec<AlignedBuf>>> {
     let me = std::process::id();
-    let owner = *POOL_OWNER.get_or_init(|| me);
+    let owner = match POOL_OWNER.compare_exchange(0, me, Ordering::Relaxed, Ordering::Relaxed) {
+        Ok(_) => me,
+        Err(first) => first,
+    };
     match BUFFER_POOL.try_lock() {
         Ok(pool) => Some(pool),
         Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),

@@ -254,6 +254,7 @@ def build_model(
             # Where the real build would put tensors: the default device outside the meta block.
             probe.to_empty(device=target or torch.empty(()).device)
             object.__setattr__(probe, _REBUILT_SPEC, spec)
+            _UNINITIALIZED.add(probe)
             return attach_spec(probe, spec)
         del probe
     overrides = {"device": torch.device(device)} if device is not None and accepts_device else {}
@@ -272,6 +273,22 @@ def build_model(
     attach_spec(model, spec)
     object.__setattr__(model, _REBUILT_SPEC, spec)
     return model
+
+
+#: Models :func:`build_model` made in uninitialized memory, not read into yet
+#: (:func:`built_uninitialized`).
+_UNINITIALIZED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def built_uninitialized(model: torch.nn.Module) -> bool:
+    """Whether :func:`build_model` made ``model`` in uninitialized memory that nothing has
+    touched yet (the caller reads the saved weights into it: its pages are mapped in one call
+    per piece, see :func:`fastckpt.container.reader.read_tensor_file_into`); asked once."""
+    try:
+        _UNINITIALIZED.remove(model)
+    except KeyError:
+        return False
+    return True
 
 
 #: The attribute marking the spec :func:`build_model` attached to a model it rebuilt from a

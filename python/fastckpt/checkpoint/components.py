@@ -876,14 +876,24 @@ class IndexReader:
         return not (REFS_FILE in self.files and self.references.get(relpath))
 
     def read_into(
-        self, relpath: str, targets: Mapping[str, torch.Tensor] | None = None
+        self,
+        relpath: str,
+        targets: Mapping[str, torch.Tensor] | None = None,
+        *,
+        fresh_targets: bool = False,
     ) -> dict[str, torch.Tensor]:
         """The verified tensors of ``relpath`` read in one pass, those named in ``targets``
-        into those tensors, the others into fresh memory
-        (:func:`fastckpt.container.reader.read_tensor_file_into`); only for a file
-        :meth:`reads_directly` accepts."""
+        into those tensors (``fresh_targets``: memory allocated for this load, never touched),
+        the others into fresh memory (:func:`fastckpt.container.reader.read_tensor_file_into`);
+        only for a file :meth:`reads_directly` accepts."""
         path, record = self._record(relpath)
-        return read_tensor_file_into(path, record, targets, source=str(self.manifest.path))
+        return read_tensor_file_into(
+            path,
+            record,
+            targets,
+            source=str(self.manifest.path),
+            fresh_targets=fresh_targets,
+        )
 
     def header(self, relpath: str) -> dict[str, dict[str, Any]]:
         """``{tensor name: {"dtype", "shape", ...}}`` of ``relpath``'s header (no tensor data
@@ -922,9 +932,10 @@ def _load_model(
             uninitialized_if=lambda probe: fill.fully_restored_by(probe, header),
             dtypes=fill.saved_dtypes(header),
         )
+        fresh = build.built_uninitialized(model)
         targets = fill.direct_targets(model, header)
         if targets is not None:
-            reader.read_into(relpath, targets)
+            reader.read_into(relpath, targets, fresh_targets=fresh)
             return model
         weights = reader.tensors(relpath, owned=False)
     else:

@@ -277,6 +277,7 @@ def read_tensor_file_into(
     *,
     source: str,
     threads: int | None = None,
+    fresh_targets: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The verified tensors of a recorded safetensors file on the local filesystem, read by
     positional reads straight into memory the caller keeps: each tensor named in ``targets``
@@ -285,8 +286,9 @@ def read_tensor_file_into(
     Each byte is moved once (no mapping, no copy after it) by the Rust core's threads
     (``threads``, default :func:`fastckpt.io.headers.load_threads`), every tensor's stored
     crc32c checked on that pass and the whole file's compared with ``expected``, as
-    :func:`read_tensor_file` does. Fresh memory is advised to use huge pages
-    (:func:`fastckpt.io.files.empty_tensor`).
+    :func:`read_tensor_file` does. The fresh memory's pages (and the targets', when
+    ``fresh_targets`` says they were allocated for this load and never touched: a model
+    rebuilt in uninitialized memory) are mapped in one call per piece before it is read into.
 
     Raises what :func:`read_tensor_file` raises; the targets may then hold partial bytes.
     """
@@ -303,12 +305,16 @@ def read_tensor_file_into(
         header = _native.read_header(str(path))
         tensors: dict[str, torch.Tensor] = {}
         entries = []
+        fresh = set()  # allocated here, never touched: mapped in one call per piece
         for entry in header["tensors"]:
             name = entry["name"]
             tensor = chosen.get(name)
             if tensor is None:
                 shape = torch_shape(f"{shown}: tensor {name!r}", entry["dtype"], entry["shape"])
                 tensor = empty_tensor(shape, dtype_from_name(entry["dtype"]))
+                fresh.add(name)
+            elif fresh_targets:
+                fresh.add(name)
             tensors[name] = tensor
             memory = byte_view(tensor.detach())
             entries.append((name, entry["dtype"], list(entry["shape"]), memory))
@@ -316,7 +322,11 @@ def read_tensor_file_into(
         if unknown:
             raise CheckpointFormatError(f"{shown}: has no tensor {unknown[0]!r}")
         crc = _native.read_into(
-            str(path), entries, threads or load_threads(), progress=active_counter()
+            str(path),
+            entries,
+            threads or load_threads(),
+            progress=active_counter(),
+            fresh=fresh,
         )
         return tensors, crc
 

@@ -124,10 +124,12 @@ class DirectRead:
         """
         values: dict[str, torch.Tensor] = {}
         by_file: dict[str, list[tuple[str, list[int], str, torch.Tensor]]] = {}
+        fresh: dict[str, set[str]] = {}  # per file: tensors read into memory allocated here
         for name, where in self.tensors.items():
             target = self.direct.get(name)
             if target is None:
                 target = empty_tensor(where.shape, where.dtype)
+                fresh.setdefault(where.relpath, set()).add(where.name)
             values[name] = target
             by_file.setdefault(where.relpath, []).append(
                 (where.name, where.header_shape, where.header_dtype, target)
@@ -142,8 +144,14 @@ class DirectRead:
             ]
             path = safe_join(self.directory, relpath)
 
-            def content(path: Path, entries: list[Any] = entries) -> tuple[None, int]:
-                crc = _native.read_into(str(path), entries, readers, progress=active_counter())
+            new = fresh.get(relpath, set())
+
+            def content(
+                path: Path, entries: list[Any] = entries, new: set[str] = new
+            ) -> tuple[None, int]:
+                crc = _native.read_into(
+                    str(path), entries, readers, progress=active_counter(), fresh=new
+                )
                 return None, crc
 
             with _linked_file_named(relpath, own, path, self.key, source):
