@@ -404,3 +404,54 @@ def test_an_ema_saved_under_the_old_module_path_is_restored_and_exported(
     exported = fastckpt.load_file(tmp_path / "ema.safetensors")
     assert set(exported) == set(saved)
     assert all(torch.equal(exported[k], saved[k]) for k in saved)
+
+
+def test_hooks_recorded_under_the_old_module_paths_are_rebuilt_on_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume without ``hooks=`` rebuilds the run's hooks from their recorded
+    configurations; those an earlier release recorded name the old modules. Before the old
+    paths were mapped: "cannot rebuild" twice and no hooks (the EMA restarted)."""
+    from fastckpt.checkpoint import trust
+    from fastckpt.format.moved import MOVED
+    from fastckpt.training.hooks import rebuild
+
+    earlier = {new: old for old, new in MOVED.items()}
+    current = trust.dotted_path
+
+    def as_earlier_versions_wrote(obj: Any) -> str:
+        path = current(obj)
+        module, _, name = path.rpartition(".")
+        return f"{earlier[module]}.{name}" if module in earlier else path
+
+    batches = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    ema = fastckpt.EMAHook(decay=0.5)
+    hook = fastckpt.CheckpointHook(tmp_path / "root", step_interval=4, async_save=False)
+    strategy = fastckpt.TrainingStrategy(
+        nn.Linear(4, 1),
+        fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}),
+        training_fn=_step,
+        hooks=[hook, ema],
+        num_epochs=1,
+    )
+    with monkeypatch.context() as patch:  # what an earlier release recorded: old paths
+        patch.setattr(trust, "dotted_path", as_earlier_versions_wrote)
+        patch.setattr(
+            rebuild,
+            "REBUILDABLE",
+            {as_earlier_versions_wrote(cls): cls for cls in rebuild.REBUILDABLE.values()},
+        )
+        strategy.run(batches)
+    configs = json.loads((tmp_path / "root" / "0" / "hooks.json").read_text())["configs"]
+    assert [c["class"] for c in configs][:2] == [
+        "fastckpt.hooks.checkpoint.CheckpointHook",
+        "fastckpt.hooks.ema.EMAHook",
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed = fastckpt.TrainingStrategy.load_checkpoint(tmp_path / "root", training_fn=_step)
+    kinds = [type(h).__name__ for h in resumed.hooks]
+    assert "CheckpointHook" in kinds and "EMAHook" in kinds, kinds
+    (restored,) = [h for h in resumed.hooks if isinstance(h, fastckpt.EMAHook)]
+    assert restored.num_updates == 4
+    assert all(torch.equal(ema.shadow[k], restored.shadow[k]) for k in ema.shadow)

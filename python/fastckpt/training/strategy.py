@@ -3088,7 +3088,7 @@ def _restore_hook_states(hooks: Sequence[Any], saved: Any, where: str = "hooks.j
     occurrences: dict[str, int] = {}
     for hook in hooks:
         if isinstance(hook, CheckpointableHook):
-            cls_path = trust.dotted_path(type(hook))
+            cls_path = current_path(trust.dotted_path(type(hook)))  # as the saved side
             occurrence = occurrences.get(cls_path, 0)
             occurrences[cls_path] = occurrence + 1
             live[(cls_path, occurrence)] = hook
