@@ -285,3 +285,15 @@ def test_export_and_promote_into_a_full_disk_explain_the_way_out(
     assert not out.exists()
     assert not durable.exists() or not list_checkpoints(durable)
     assert fastckpt.verify(source).ok
+
+
+def test_a_save_out_of_inodes_with_space_to_spare_names_inodes(disk: Path) -> None:
+    """Review: the inode advice counted the inodes free after the failed save had removed its
+    files, and asked for fewer than 16: a save of 40 models with 20 inodes free (and most of
+    the 16 MiB free) was told only to "free space", while ``df -h`` showed space."""
+    models = {f"m{i}": (torch.nn.Linear(2, 2), None) for i in range(40)}
+    _use_inodes(disk, 20)
+    with pytest.raises(OSError) as caught:
+        save_checkpoint(disk / "root", models=models)
+    assert caught.value.errno == errno.ENOSPC
+    assert "inodes (df -i)" in str(caught.value), caught.value

@@ -1653,3 +1653,42 @@ def test_a_model_changed_after_attach_spec_is_refused_at_its_next_save(tmp_path:
     with pytest.raises(TypeError, match="the recipe given to attach_spec does not build"):
         fastckpt.save_checkpoint(root, models={"main": (model, None)})
     assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [0]
+
+
+class _ReadsValues(nn.Module):
+    """A constructor that reads a tensor's value: it cannot run on the meta device, so its
+    checkpoints load only with ``trusted=`` and it is always built for real."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.width = width
+        self.fc = nn.Linear(width, width)
+        if float(self.fc.weight.abs().sum()) < 0:
+            raise RuntimeError("never")
+
+
+def test_a_model_whose_recipe_cannot_be_built_on_meta_is_proven_against_its_rebuild(
+    tmp_path: Path,
+) -> None:
+    """Review: such a model, rebuilt for real by a trusted load and then resized, was still
+    committed (its recipe cannot be built on the meta device, so nothing was compared) and
+    that checkpoint could not be loaded; and every save of the rebuilt model warned that
+    loading would need ``trusted=``, which the user had passed. Now the rebuilt model is
+    compared with what its rebuild made: saved without a warning while unchanged, refused
+    once resized."""
+    import fastckpt
+
+    root = tmp_path / "root"
+    with pytest.warns(UserWarning, match="could not be built on the meta device"):
+        fastckpt.save_checkpoint(root, models={"main": (_ReadsValues(4), None)})
+    name = f"{_ReadsValues.__module__}.{_ReadsValues.__qualname__}"
+    model = fastckpt.load_checkpoint(root, trusted=[name])["models"]["main"]["model"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fastckpt.save_checkpoint(root, models={"main": (model, None)})
+    model.fc = nn.Linear(4, 8)
+    with pytest.raises(TypeError, match="changed after load_checkpoint rebuilt it"):
+        fastckpt.save_checkpoint(root, models={"main": (model, None)})
+    assert [c["index"] for c in fastckpt.list_checkpoints(root)] == [0, 1]
+    loaded = fastckpt.load_checkpoint(root, trusted=[name])["models"]["main"]["model"]
+    assert loaded.fc.weight.shape == (4, 4)

@@ -269,10 +269,21 @@ def build_model(
     if dtypes is not None:
         fill.match_saved_dtypes(model, dtypes)
     # Checkpoints of the rebuilt model record the recipe it was built from (proven again at
-    # every save: the model may be changed after it was rebuilt).
+    # every save: the model may be changed after it was rebuilt), and what it built, for a
+    # recipe that cannot be built on the meta device to be proven against.
     attach_spec(model, spec)
     object.__setattr__(model, _REBUILT_SPEC, spec)
+    object.__setattr__(model, _REBUILT_SHAPES, _tensor_shapes(model))
     return model
+
+
+def _tensor_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of every tensor of ``model``'s ``state_dict()``."""
+    return {
+        name: tuple(value.shape)
+        for name, value in model.state_dict().items()
+        if isinstance(value, torch.Tensor)
+    }
 
 
 #: Models :func:`build_model` made in uninitialized memory, not read into yet
@@ -294,6 +305,9 @@ def built_uninitialized(model: torch.nn.Module) -> bool:
 #: The attribute marking the spec :func:`build_model` attached to a model it rebuilt from a
 #: checkpoint (for the advice when a save finds that the model no longer fits it).
 _REBUILT_SPEC = "_fastckpt_rebuilt_from"
+#: The attribute holding the tensor shapes of a model :func:`build_model` built for real: what
+#: its recipe builds, where that recipe cannot be built on the meta device.
+_REBUILT_SHAPES = "_fastckpt_rebuilt_shapes"
 
 #: model -> (its recipe without creation times, the model that recipe built on the meta
 #: device): a save of the same model with the same recipe compares the model with that
@@ -399,6 +413,12 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
             if recipe is not None and _all_on_meta(probe):
                 _PROBES[model] = (recipe, probe)
     except Exception as exc:
+        built = vars(model).get(_REBUILT_SHAPES) if vars(model).get(_REBUILT_SPEC) is spec else None
+        if isinstance(built, dict):
+            # Rebuilt for real from this recipe (its constructor cannot run on the meta
+            # device, and the load was trusted): proven against what that build made.
+            _refuse_other_tensors(model, name, spec, _tensor_shapes(model), built, advice)
+            return spec
         warnings.warn(
             f"model {name!r}: its recorded spec {spec.cls_path!r} could not be built on the "
             f"meta device ({exc}); loading its checkpoints will need "
@@ -411,18 +431,7 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
             f"model {name!r}: its recorded spec {spec.cls_path!r} does not build an nn.Module "
             f"(it returned a {type(probe).__name__}); {advice}"
         )
-    live = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    rebuilt = {
-        k: tuple(v.shape) for k, v in probe.state_dict().items() if isinstance(v, torch.Tensor)
-    }
-    if live != rebuilt:
-        diff = sorted(k for k in live.keys() | rebuilt.keys() if live.get(k) != rebuilt.get(k))
-        details = ", ".join(f"{k}: {live.get(k)} vs {rebuilt.get(k)}" for k in diff[:5])
-        raise TypeError(
-            f"model {name!r} ({cls.__qualname__}) cannot be checkpointed: the recipe recorded "
-            f"for it ({spec.cls_path}) rebuilds a model with other tensors (model vs rebuilt: "
-            f"{details}); {advice}"
-        )
+    _refuse_other_tensors(model, name, spec, _tensor_shapes(model), _tensor_shapes(probe), advice)
     differences, settings = structural_differences(model, probe)
     if differences:
         raise TypeError(
@@ -442,6 +451,27 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
             stacklevel=2,
         )
     return spec
+
+
+def _refuse_other_tensors(
+    model: torch.nn.Module,
+    name: str,
+    spec: BaseSpec,
+    live: Mapping[str, tuple[int, ...]],
+    rebuilt: Mapping[str, tuple[int, ...]],
+    advice: str,
+) -> None:
+    """Raise ``TypeError`` when the tensors ``model`` has (``live``) differ in names or shapes
+    from those its recipe builds (``rebuilt``), naming the first differences and ``advice``."""
+    if live == rebuilt:
+        return
+    diff = sorted(k for k in live.keys() | rebuilt.keys() if live.get(k) != rebuilt.get(k))
+    details = ", ".join(f"{k}: {live.get(k)} vs {rebuilt.get(k)}" for k in diff[:5])
+    raise TypeError(
+        f"model {name!r} ({type(model).__qualname__}) cannot be checkpointed: the recipe "
+        f"recorded for it ({spec.cls_path}) rebuilds a model with other tensors (model vs "
+        f"rebuilt: {details}); {advice}"
+    )
 
 
 #: Name segments that wrappers insert into parameter and module names (activation

@@ -1662,7 +1662,9 @@ def prune_indices(
             _restore_object_replacements(root, backend)
         manifest = Manifest.load(root)
         if local and root.is_dir():
-            # What a failed prune of an earlier version left: a committed index renamed aside.
+            # What a failed prune of an earlier version left: a committed index renamed aside
+            # (put back only on the word of a manifest that is intact).
+            manifest.refuse_if_damaged()
             refs.restore_committed(root, manifest.entries)
         doomed = _doomed(manifest, keep_last, spare, read_shards)
         if not doomed:
