@@ -179,10 +179,15 @@ def promote_index(
     *,
     node_local: bool = False,
     wait_s: float | None = None,
-) -> IndexCopy:
+    newest_only: bool = False,
+) -> IndexCopy | None:
     """Copy the committed index ``index`` of the root ``source`` into the root ``target`` as
     a committed index with the same number (replacing one already there); see the module
     docstring for the protocol and for the files that are not transferred again.
+
+    ``newest_only``: copy nothing and return None when, under the target's lock, the target
+    holds an index newer than ``index`` (another promoter committed, and its retention may
+    have pruned, past it since the caller looked).
 
     ``node_local``: ``source`` is rank 0's node-local fast root of a sharded run; the other
     ranks' shards are uploaded by their ranks, waited for up to ``wait_s`` seconds (see
@@ -221,8 +226,11 @@ def promote_index(
             read_verified(path, record, what)
     writer = IndexWriter(target, index)  # the target's lock, held until the commit
     try:
-        part_bytes = 0 if part is None else write_part(target, index, part, what, wait_s=wait_s)
         held = Manifest.load(target)
+        if newest_only and held.latest is not None and index < held.latest:
+            writer.abort()
+            return None
+        part_bytes = 0 if part is None else write_part(target, index, part, what, wait_s=wait_s)
 
         def listed(container: str, relpath: str) -> Mapping[str, Any] | None:
             held_entry = held.entries.get(int(container))
@@ -394,6 +402,11 @@ def promote(
         report.skipped += due[:-1]
         due = due[-1:]
     for index in due:
+        # What the target holds now: another promoter (the trainer's, a `fastckpt promote`)
+        # may have committed and pruned there since (before: indices its retention had just
+        # pruned were promoted back, each said not to verify).
+        target_manifest = Manifest.load(target)
+        floor = -1 if target_manifest.latest is None else target_manifest.latest
         held = target_manifest.entries.get(index)
         same = _same_files(source_manifest.entries[index], held)
         if same and verify_held and index == floor:
@@ -425,7 +438,12 @@ def promote(
             report.skipped.append(index)
             continue
         try:
-            done = promote_index(source, target, index, node_local=node_local, wait_s=wait_s)
+            done = promote_index(
+                source, target, index, node_local=node_local, wait_s=wait_s, newest_only=True
+            )
+            if done is None:  # the target moved past it under its lock, since read above
+                report.skipped.append(index)
+                continue
             report.bytes_copied += done.copied
             report.bytes_reused += done.reused
         except SOURCE_DAMAGE as err:

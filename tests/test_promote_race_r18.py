@@ -1,0 +1,76 @@
+"""Two promoters into one target: a `fastckpt promote` that read the target's manifest, then
+waited while the trainer's promoter committed and pruned there, promoted every pruned index
+back (each logged as "does not verify"). Round 18: the target is read again for each index,
+and once more under its lock."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.container import promote as promote_module
+from fastckpt.container.promote import Promoter, promote
+
+
+def _saves(root: Path, model: torch.nn.Module, steps: range) -> None:
+    for step in steps:
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        fastckpt.save_checkpoint(root, {"main": model}, counters={"step": step})
+
+
+def _durable(root: Path) -> list[int]:
+    return [c["index"] for c in fastckpt.list_checkpoints(root)]
+
+
+@pytest.mark.parametrize("moment", ["after_reading_the_target", "just_before_the_lock"])
+def test_a_promotion_racing_another_promoters_retention_brings_nothing_back(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    moment: str,
+) -> None:
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    model = torch.nn.Linear(16, 16)
+    _saves(fast, model, range(3))
+    promote(fast, durable, every=1)
+    _saves(fast, model, range(3, 12))
+    raced: list[bool] = []
+
+    def other_promoter() -> None:  # the trainer's: every 2nd index, keep_last=2
+        if not raced:
+            raced.append(True)
+            Promoter(fast, durable, every=2, keep_last=2).run_here()
+
+    if moment == "after_reading_the_target":
+        clean = promote_module._clean
+
+        def racing_clean(target: Path) -> None:
+            clean(target)
+            other_promoter()
+
+        monkeypatch.setattr(promote_module, "_clean", racing_clean)
+    else:  # after the per-index read, before this promotion takes the target's lock
+        real = promote_module.IndexWriter
+
+        def racing_writer(*args: Any, **kwargs: Any) -> Any:
+            other_promoter()
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(promote_module, "IndexWriter", racing_writer)
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        report = promote(fast, durable, every=1)
+    assert raced
+    assert _durable(durable) == [8, 10, 11], report
+    assert report.promoted == [11], report
+    assert "does not verify" not in caplog.text
+    assert fastckpt.verify(durable).ok
+    for index in _durable(durable):
+        got = fastckpt.load_checkpoint(durable, index)["models"]["main"]["model"]
+        want = fastckpt.load_checkpoint(fast, index)["models"]["main"]["model"]
+        assert torch.equal(got.weight, want.weight)
