@@ -1023,7 +1023,7 @@ class TrainingStrategy:
             self._epoch_start_rng = start
             self._epoch_start_loader_rng = [g.get_state() for g in _loader_generators(train_loader)]
             self._epoch_loader = _loader_record(train_loader)
-            return iter(train_loader)
+            return self._iterate(train_loader)
         current = _rng_state()
         recorded = self._epoch_start_rng
         before_hooks = isinstance(recorded, Mapping) and recorded.get(_BEFORE_EPOCH_HOOKS) is True
@@ -1045,7 +1045,7 @@ class TrainingStrategy:
         live = _loader_record(train_loader)
         _warn_another_loader(self._epoch_loader, live, self.epoch_count, self.epoch_step_count)
         self._epoch_loader = live  # the position counts this loader's batches from here
-        iterator = iter(train_loader)
+        iterator = self._iterate(train_loader)
         for consumed in range(self.epoch_step_count):
             try:
                 next(iterator)
@@ -1056,6 +1056,35 @@ class TrainingStrategy:
                 ) from None
         _set_rng_state(current)
         return iterator
+
+    def _iterate(self, train_loader: Iterable[Any]) -> Iterator[Any]:
+        """``iter(train_loader)`` for this epoch, drawing from the RNGs what the uninterrupted
+        run drew. A DataLoader with persistent workers makes its worker iterator once, in its
+        first epoch, drawing the workers' base seed before the sampler's; later epochs reuse
+        it and draw the sampler's alone. A resumed process past the first epoch makes it
+        anew: its base seed is drawn from a generator of its own, so that the sampler draws
+        what it drew in the uninterrupted run (before, one draw early: the resumed epoch read
+        its batches in another order, without a word). Its workers' own random streams start
+        from that new seed, not where the uninterrupted run's were: said in a warning."""
+        if not (self.epoch_count > 0 and _persistent_workers_to_start(train_loader)):
+            return iter(train_loader)
+        warnings.warn(
+            f"the loader's persistent workers start anew in this resumed run (epoch "
+            f"{self.epoch_count}): its batches come in the uninterrupted run's order, but "
+            "random numbers drawn inside the workers (augmentation in Dataset.__getitem__) "
+            "come from a new seed, not from where the uninterrupted run's workers were; with "
+            "persistent_workers=False every epoch seeds its workers from the saved RNG, and "
+            "a resume replays them exactly",
+            UserWarning,
+            stacklevel=4,
+        )
+        loader: Any = train_loader
+        kept = loader.generator
+        loader.generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8)) >> 1)
+        try:
+            return iter(train_loader)
+        finally:
+            loader.generator = kept
 
     def _rewind_loader_generators(self, train_loader: Iterable[Any]) -> None:
         """Give the loader's own generators (``DataLoader(generator=...)``, a sampler's) the
@@ -2862,6 +2891,17 @@ def _warn_another_loader(
         "replayed there)",
         RuntimeWarning,
         stacklevel=5,
+    )
+
+
+def _persistent_workers_to_start(loader: Any) -> bool:
+    """Whether ``loader`` is a DataLoader with persistent worker processes that this process
+    has not started yet (its iterator, made at the first ``iter()``, is kept across epochs)."""
+    return (
+        isinstance(loader, torch.utils.data.DataLoader)
+        and loader.num_workers > 0
+        and bool(loader.persistent_workers)
+        and getattr(loader, "_iterator", None) is None
     )
 
 
