@@ -74,3 +74,20 @@ def test_a_promotion_racing_another_promoters_retention_brings_nothing_back(
         got = fastckpt.load_checkpoint(durable, index)["models"]["main"]["model"]
         want = fastckpt.load_checkpoint(fast, index)["models"]["main"]["model"]
         assert torch.equal(got.weight, want.weight)
+
+
+def test_a_promotion_whose_source_moved_on_says_so_not_another_run(tmp_path: Path) -> None:
+    """When the index a `fastckpt promote` was promoting is pruned from the source while it
+    runs, and a newer one saved there, nothing is promoted. Before, the command said "the
+    target's newest index 8 is newer than the source's newest, 9 ... is the target another
+    run's?"; now it says the source moved on, and to run it again."""
+    from fastckpt.cli.promote import _nothing_promoted
+
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    model = torch.nn.Linear(4, 4)
+    _saves(fast, model, range(2))
+    promote(fast, durable, every=1)
+    _saves(fast, model, range(2, 4))  # saved after the promotion looked
+    said = _nothing_promoted(fast, durable, target_newest=1)
+    assert "saved index 3 after this promotion looked" in said and "run it again" in said
+    assert "another run" not in said

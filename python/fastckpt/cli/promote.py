@@ -136,6 +136,15 @@ def _nothing_promoted(source: Path, target: Path, target_newest: int | None) -> 
             f"{newest}; it lacks {shown}, which are not promoted (only indices newer than the "
             "target's newest are)"
         )
+    if target_newest < newest:
+        # The source moved on while this ran (a trainer saving and pruning beside it): the
+        # index it was promoting was pruned there, and a newer one was saved after it looked.
+        return (
+            f"nothing promoted: {display_path(source)} saved index {newest} after this "
+            f"promotion looked (what it was promoting was pruned there meanwhile); "
+            f"{display_path(target)}'s newest is {target_newest}: run it again to promote "
+            f"{newest}"
+        )
     return (
         f"nothing promoted: {display_path(target)}'s newest index {target_newest} is newer "
         f"than {display_path(source)}'s newest, {newest}, which it does not hold (indices "
