@@ -87,3 +87,54 @@ def test_a_run_with_persistent_workers_resumed_past_its_first_epoch_is_exact(
         assert torch.equal(value, resumed.models["main"].state_dict()[name]), name
     said = [str(w.message) for w in caught if "persistent workers start anew" in str(w.message)]
     assert len(said) == 1 and "random numbers drawn inside the workers" in said[0], said
+
+
+class _Noisy(_Data):
+    """Augments in the workers: every sample draws from the worker's torch RNG."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        index, x, y = super().__getitem__(i)
+        return index, x + 0.01 * torch.rand(x.shape), y
+
+
+def _per_epoch_run(root: Path | None, epochs: range, strategy: fastckpt.TrainingStrategy) -> None:
+    """A loop that calls ``run()`` once per epoch with a new loader (persistent workers, which
+    then live one epoch each): every epoch seeds its workers from the run's RNG."""
+    for epoch in epochs:
+        strategy.num_steps = None
+        strategy.num_epochs = epoch + 1
+        loader = DataLoader(
+            _Noisy(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True
+        )
+        strategy.run(loader)
+
+
+def test_a_loop_with_a_new_persistent_loader_every_epoch_stays_exact_and_quiet(
+    tmp_path: Path,
+) -> None:
+    """Review: the first version took every first iterator past epoch 0 for a resumed one:
+    such a loop, never interrupted, drew its workers' seeds from os.urandom (two runs with one
+    seed differed) and warned at every epoch. Now only a restore whose checkpoint says the
+    saved run's workers were running takes that path; this loop is exact, uninterrupted and
+    resumed at an epoch's end, and says nothing."""
+
+    def fresh(hooks: list[Any]) -> fastckpt.TrainingStrategy:
+        torch.manual_seed(0)
+        strategy = _strategy(hooks, 0)
+        return strategy
+
+    finals = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            strategy = fresh([])
+            _per_epoch_run(None, range(3), strategy)
+            finals.append(strategy.models["main"].state_dict())
+        hook = fastckpt.CheckpointHook(tmp_path, epoch_interval=1, async_save=False)
+        _per_epoch_run(tmp_path, range(2), fresh([hook]))
+        torch.manual_seed(1234)
+        resumed = fastckpt.TrainingStrategy.load_checkpoint(tmp_path, hooks=[])
+        _per_epoch_run(tmp_path, range(2, 3), resumed)
+    for name, value in finals[0].items():
+        assert torch.equal(value, finals[1][name]), name
+        assert torch.equal(value, resumed.models["main"].state_dict()[name]), name

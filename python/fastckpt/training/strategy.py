@@ -805,6 +805,12 @@ class TrainingStrategy:
         #: an earlier fastckpt, recorded none).
         self._resume_loader_pending = False
         self._resume_loader_rng: list[torch.Tensor] | None = None
+        #: Whether the current epoch's loader had its persistent workers running already as
+        #: the epoch began (started in an earlier epoch and kept: see :meth:`_iterate`).
+        self._epoch_workers_kept = False
+        #: A restore's word on that for the epoch it starts or replays (None: not restored,
+        #: or saved by an earlier fastckpt), used by the first iterator made after it.
+        self._resume_workers_kept: bool | None = None
         self._ctx = TrainContext(workflow=self)
 
     # ------------------------------------------------------------------ construction
@@ -1058,16 +1064,24 @@ class TrainingStrategy:
         return iterator
 
     def _iterate(self, train_loader: Iterable[Any]) -> Iterator[Any]:
-        """``iter(train_loader)`` for this epoch, drawing from the RNGs what the uninterrupted
-        run drew. A DataLoader with persistent workers makes its worker iterator once, in its
-        first epoch, drawing the workers' base seed before the sampler's; later epochs reuse
-        it and draw the sampler's alone. A resumed process past the first epoch makes it
-        anew: its base seed is drawn from a generator of its own, so that the sampler draws
-        what it drew in the uninterrupted run (before, one draw early: the resumed epoch read
-        its batches in another order, without a word). Its workers' own random streams start
-        from that new seed, not where the uninterrupted run's were: said in a warning."""
-        if not (self.epoch_count > 0 and _persistent_workers_to_start(train_loader)):
+        """``iter(train_loader)`` for this epoch, drawing from the RNGs what the saved run drew.
+
+        A DataLoader with persistent workers makes its worker iterator at its first
+        ``iter()``, drawing the workers' base seed before the sampler's shuffle seed, and
+        keeps it: later epochs draw the shuffle seed alone. Where the saved run had its
+        workers running already as this epoch began (``_resume_workers_kept``, recorded in
+        the checkpoint) and this process has not started them, the new iterator's base seed
+        is drawn from a generator of its own, so that the sampler draws what it drew in the
+        saved run (before, one draw early: the resumed epoch read its batches in another
+        order, without a word). The workers' own random streams start from that new seed, not
+        where the saved run's were: said in a warning. Otherwise, as ``iter()`` (a run that
+        made a new loader every epoch drew the base seed from the RNG every epoch)."""
+        starting = _persistent_workers_to_start(train_loader)
+        self._epoch_workers_kept = not starting and _persistent_workers_kept(train_loader)
+        kept_then, self._resume_workers_kept = self._resume_workers_kept, None
+        if not (starting and kept_then is True):
             return iter(train_loader)
+        self._epoch_workers_kept = True  # as in the saved run
         warnings.warn(
             f"the loader's persistent workers start anew in this resumed run (epoch "
             f"{self.epoch_count}): its batches come in the uninterrupted run's order, but "
@@ -1085,6 +1099,16 @@ class TrainingStrategy:
             return iter(train_loader)
         finally:
             loader.generator = kept
+
+    def _workers_kept_for_resume(self) -> bool:
+        """What a checkpoint taken now records for :meth:`_iterate` of a run resumed from it:
+        whether the epoch that run starts or replays had its loader's persistent workers
+        running as it began. Mid-epoch, as this epoch began; at an epoch's end, whether this
+        run goes on with the same loader, whose workers keep running."""
+        if self._epoch_loader is not None:
+            return self._epoch_workers_kept
+        loader = self._train_loader
+        return loader is not None and _persistent_workers_kept(loader) and not self._done()
 
     def _rewind_loader_generators(self, train_loader: Iterable[Any]) -> None:
         """Give the loader's own generators (``DataLoader(generator=...)``, a sampler's) the
@@ -1297,6 +1321,8 @@ class TrainingStrategy:
             "counters": self.counters,
             # what the replay of a resumed epoch skips batches of (see _warn_another_loader)
             "epoch_loader": self._epoch_loader,
+            # whether that epoch's persistent loader workers were running (see _iterate)
+            "loader_workers_kept": self._workers_kept_for_resume(),
             "runtime": skeleton,
         }
         # The run state changes outside the optimizer step: an async save copies it when the
@@ -1918,6 +1944,7 @@ class TrainingStrategy:
         self._epoch_start_rng = own["epoch_start_rng"]
         self._epoch_start_loader_rng = own["epoch_start_loader_rng"]
         self._epoch_loader = runtime.epoch_loader
+        self._resume_workers_kept = runtime.workers_kept
         self._resume_loader_pending = True
         self._resume_loader_rng = own.get("loader_rng")
         self._loader_rng_after_run = list(own.get("loader_rng") or [])  # a save before run
@@ -2570,6 +2597,9 @@ class _Runtime:
     #: the run's hooks as recorded (see fastckpt.training.hooks.rebuild; None: not recorded,
     #: by an earlier fastckpt)
     hook_configs: list[dict[str, Any]] | None
+    #: whether the epoch a resume starts or replays had its loader's persistent workers
+    #: running as it began (see TrainingStrategy._iterate; None: saved by an earlier fastckpt)
+    workers_kept: bool | None = None
 
 
 @dataclass
@@ -2905,6 +2935,17 @@ def _persistent_workers_to_start(loader: Any) -> bool:
     )
 
 
+def _persistent_workers_kept(loader: Any) -> bool:
+    """Whether ``loader`` is a DataLoader whose persistent worker processes are running (its
+    iterator, kept across epochs, was made by an earlier ``iter()`` in this process)."""
+    return (
+        isinstance(loader, torch.utils.data.DataLoader)
+        and loader.num_workers > 0
+        and bool(loader.persistent_workers)
+        and getattr(loader, "_iterator", None) is not None
+    )
+
+
 def _warn_unsaved_sampler_rngs(loader: Any) -> None:
     """Warn when the loader's sampler (or batch sampler) keeps a random generator of its own
     that a checkpoint does not save (see :func:`_loader_generators` for those it does): a
@@ -3116,6 +3157,22 @@ def _parse_runtime(reader: codec.IndexReader, recipe: Mapping[str, Any]) -> _Run
         schedulers,
         saved,
         configs,
+        _parse_workers_kept(recipe, where),
+    )
+
+
+def _parse_workers_kept(recipe: Mapping[str, Any], where: str) -> bool | None:
+    """The ``loader_workers_kept`` field of a strategy.json: a bool, or None when absent (an
+    earlier fastckpt's).
+
+    Raises:
+        CheckpointFormatError: the field is not a bool (named).
+    """
+    value = recipe.get("loader_workers_kept")
+    if value is None or isinstance(value, bool):
+        return value
+    raise CheckpointFormatError(
+        f"{where}: field 'loader_workers_kept' must be true or false, got {value!r}"
     )
 
 
