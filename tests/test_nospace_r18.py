@@ -10,6 +10,7 @@ a prune keeps a pruned index's bytes for older-layout references by renaming the
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -297,3 +298,18 @@ def test_a_save_out_of_inodes_with_space_to_spare_names_inodes(disk: Path) -> No
         save_checkpoint(disk / "root", models=models)
     assert caught.value.errno == errno.ENOSPC
     assert "inodes (df -i)" in str(caught.value), caught.value
+
+
+def test_a_prune_with_nothing_to_put_back_keeps_its_old_answer_on_a_damaged_manifest(
+    tmp_path: Path,
+) -> None:
+    """Review 3: the check that a manifest is intact before a `.ref-<i>` is put back ran at
+    every prune, so a prune with nothing due and nothing to put back raised on a damaged
+    manifest where it returned [] before. It runs only when something is put back."""
+    root = tmp_path / "root"
+    save_checkpoint(root, models={"m": (torch.nn.Linear(2, 2), None)})
+    manifest = root / "manifest.json"
+    document = json.loads(manifest.read_text())
+    document["checkpoints"]["0"]["counters"] = {"step": 999}  # edited by hand: the seal fails
+    manifest.write_text(json.dumps(document))
+    assert prune(root, 1) == []

@@ -6,6 +6,7 @@ and once more under its lock."""
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,12 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt.container import commit as commit_module
 from fastckpt.container import promote as promote_module
-from fastckpt.container.promote import Promoter, promote
+from fastckpt.container.promote import Promoter, promote, promote_index
+from s3_support import s3_env, s3_root, s3_server
+
+__all__ = ["s3_env", "s3_root", "s3_server"]  # fixtures used by name below
 
 
 def _saves(root: Path, model: torch.nn.Module, steps: range) -> None:
@@ -24,7 +29,7 @@ def _saves(root: Path, model: torch.nn.Module, steps: range) -> None:
         fastckpt.save_checkpoint(root, {"main": model}, counters={"step": step})
 
 
-def _durable(root: Path) -> list[int]:
+def _durable(root: Path | str) -> list[int]:
     return [c["index"] for c in fastckpt.list_checkpoints(root)]
 
 
@@ -89,5 +94,39 @@ def test_a_promotion_whose_source_moved_on_says_so_not_another_run(tmp_path: Pat
     promote(fast, durable, every=1)
     _saves(fast, model, range(2, 4))  # saved after the promotion looked
     said = _nothing_promoted(fast, durable, target_newest=1)
-    assert "saved index 3 after this promotion looked" in said and "run it again" in said
-    assert "another run" not in said
+    assert "newest index is now 3, saved after this promotion looked" in said, said
+    assert "run it again" in said and "another run" not in said and "pruned" not in said
+    said = _nothing_promoted(fast, durable, target_newest=1, vanished=[2])
+    assert "pruned 2 while this ran" in said, said
+    # The first promotion into an empty target, overtaken the same way (review: "already
+    # holds the newest index of fast, 2; it lacks 0, 1, 2").
+    empty = tmp_path / "empty"
+    promote(fast, empty, every=1)
+    shutil.rmtree(empty)
+    empty.mkdir()
+    said = _nothing_promoted(fast, empty, target_newest=None)
+    assert "run it again" in said and "already holds" not in said, said
+
+
+def test_an_index_skipped_on_an_object_store_is_never_withdrawn_first(
+    s3_env: dict[str, str], s3_root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: the first version decided to skip after the object store's writer had taken
+    the held index out of the manifest and copied it aside (two manifest rewrites, a copy
+    there and back, a window without it, and "was being replaced" logged). Now the decision
+    is made under the lock before anything changes."""
+    fast = tmp_path / "fast"
+    _saves(fast, torch.nn.Linear(4, 4), range(3))
+    promote(fast, s3_root, every=1)
+    set_aside: list[Any] = []
+    real = commit_module._set_aside_object_index
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        set_aside.append(args[-1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(commit_module, "_set_aside_object_index", spy)
+    assert promote_index(fast, s3_root, 1, newest_only=True) is None
+    assert set_aside == []
+    assert _durable(s3_root) == [0, 1, 2]
+    assert fastckpt.verify(s3_root).ok

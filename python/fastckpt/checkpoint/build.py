@@ -222,11 +222,13 @@ def build_model(
     root = targets[id(spec)]
     # A spec that records a device passes it however the target takes it (``**kwargs``).
     accepts_device = _takes_device(root) or "device" in spec.kwargs
+    probe_failed = False
     try:
         probe = _build_on_meta(spec, targets, accepts_device)
     except UntrustedTargetError:
         raise
     except Exception as err:
+        probe_failed = True
         if not _is_trusted_path(spec.cls_path, trusted):
             raise CheckpointFormatError(
                 f"{where}: {spec.cls_path!r} cannot be built on the meta device ({err}), so its "
@@ -273,7 +275,8 @@ def build_model(
     # recipe that cannot be built on the meta device to be proven against.
     attach_spec(model, spec)
     object.__setattr__(model, _REBUILT_SPEC, spec)
-    object.__setattr__(model, _REBUILT_SHAPES, _tensor_shapes(model))
+    if probe_failed:  # a save then proves the model against this build (check_recordable)
+        object.__setattr__(model, _REBUILT_SHAPES, _tensor_shapes(model))
     return model
 
 

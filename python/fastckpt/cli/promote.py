@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from fastckpt.cli.common import enclosing_checkpoint
@@ -113,19 +114,39 @@ def cmd_promote(args: argparse.Namespace) -> int:
             f"promoted index(es) {indices} of {display_path(source)} to {display_path(target)} "
             f"({format_bytes(report.bytes_copied)})"
         )
-    elif not report.conflicting:  # a conflict was named above: not "holds every index"
-        print(_nothing_promoted(source, target, report.newest))
+    elif not report.conflicting and not report.damaged:  # those were named above
+        print(_nothing_promoted(source, target, report.newest, report.vanished))
     return EXIT_BAD if report.damaged or report.conflicting else EXIT_OK
 
 
-def _nothing_promoted(source: Path, target: Path, target_newest: int | None) -> str:
-    """What ``fastckpt promote`` says when it copied nothing: the target holds the source's
+def _nothing_promoted(
+    source: Path, target: Path, target_newest: int | None, vanished: Sequence[int] = ()
+) -> str:
+    """What ``fastckpt promote`` says when it copied nothing: the source moved on while it
+    ran (a trainer saving, pruning, promoting beside it), the target holds the source's
     newest index already, or an index newer than it (another run's, or this one's from
     later: indices older than the target's newest are never promoted)."""
     source_indices = set(Manifest.load(source).entries)
     newest = max(source_indices, default=None)
-    target_indices = set(Manifest.load(target).entries)
+    target_manifest = Manifest.load(target)
+    target_indices = set(target_manifest.entries)
     held = newest is not None and newest in target_indices
+    moved = (
+        f" ({display_path(source)} pruned {', '.join(str(i) for i in vanished)} while this ran)"
+        if vanished
+        else ""
+    )
+    if (
+        newest is not None
+        and newest not in target_indices
+        and (target_manifest.latest is None or target_manifest.latest < newest)
+    ):
+        # The source's newest came, or the target changed, after this promotion looked.
+        return (
+            f"nothing promoted{moved}: {display_path(source)}'s newest index is now {newest}, "
+            f"saved after this promotion looked, or {display_path(target)} changed meanwhile "
+            "(another promoter beside it); run it again to promote it"
+        )
     if newest is None or target_newest is None or held:
         missing = sorted(source_indices - target_indices)
         if not missing:
@@ -135,15 +156,6 @@ def _nothing_promoted(source: Path, target: Path, target_newest: int | None) -> 
             f"{display_path(target)} already holds the newest index of {display_path(source)}, "
             f"{newest}; it lacks {shown}, which are not promoted (only indices newer than the "
             "target's newest are)"
-        )
-    if target_newest < newest:
-        # The source moved on while this ran (a trainer saving and pruning beside it): the
-        # index it was promoting was pruned there, and a newer one was saved after it looked.
-        return (
-            f"nothing promoted: {display_path(source)} saved index {newest} after this "
-            f"promotion looked (what it was promoting was pruned there meanwhile); "
-            f"{display_path(target)}'s newest is {target_newest}: run it again to promote "
-            f"{newest}"
         )
     return (
         f"nothing promoted: {display_path(target)}'s newest index {target_newest} is newer "

@@ -1661,7 +1661,7 @@ def prune_indices(
         elif not local:
             _restore_object_replacements(root, backend)
         manifest = Manifest.load(root)
-        if local and root.is_dir():
+        if local and root.is_dir() and refs.set_aside_committed(root, manifest.entries):
             # What a failed prune of an earlier version left: a committed index renamed aside
             # (put back only on the word of a manifest that is intact).
             manifest.refuse_if_damaged()

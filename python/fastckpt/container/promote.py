@@ -224,12 +224,19 @@ def promote_index(
     if not is_local(backend_for(target)):
         for path, record in [*files.values(), *(part.files.values() if part else ())]:
             read_verified(path, record, what)
-    writer = IndexWriter(target, index)  # the target's lock, held until the commit
+
+    def past_it(held: Manifest, number: int) -> None:
+        # Under the lock, before anything changes (an index an object store is replacing is
+        # set aside only after this): the target moved past this index since it was chosen.
+        if newest_only and held.latest is not None and number < held.latest:
+            raise _TargetMovedOn
+
+    try:
+        writer = IndexWriter(target, index, check=past_it)  # the lock, held until the commit
+    except _TargetMovedOn:
+        return None
     try:
         held = Manifest.load(target)
-        if newest_only and held.latest is not None and index < held.latest:
-            writer.abort()
-            return None
         part_bytes = 0 if part is None else write_part(target, index, part, what, wait_s=wait_s)
 
         def listed(container: str, relpath: str) -> Mapping[str, Any] | None:
@@ -244,6 +251,11 @@ def promote_index(
     writer.commit_entry({key: value for key, value in entry.items() if key != "files"})
     remember_written(target, str(index), written)
     return IndexCopy(done.copied + part_bytes + retained, done.reused)
+
+
+class _TargetMovedOn(Exception):
+    """Raised under the target's lock by :func:`promote_index` (``newest_only``): the target
+    holds an index newer than the one to promote."""
 
 
 def _resolve_references(
@@ -405,8 +417,9 @@ def promote(
         # What the target holds now: another promoter (the trainer's, a `fastckpt promote`)
         # may have committed and pruned there since (before: indices its retention had just
         # pruned were promoted back, each said not to verify).
-        target_manifest = Manifest.load(target)
-        floor = -1 if target_manifest.latest is None else target_manifest.latest
+        if index >= floor:  # (the floor only rises: retention keeps the newest index)
+            target_manifest = Manifest.load(target)
+            floor = -1 if target_manifest.latest is None else target_manifest.latest
         held = target_manifest.entries.get(index)
         same = _same_files(source_manifest.entries[index], held)
         if same and verify_held and index == floor:

@@ -82,6 +82,7 @@ __all__ = [
     "restore_committed",
     "retain_for_references",
     "root_key",
+    "set_aside_committed",
     "source_path",
     "take_distrust",
     "write_retained",
@@ -607,6 +608,16 @@ def _retained_indices(root: Path) -> list[int]:
     names = sorted(os.listdir(root)) if os.path.isdir(root) else []
     tails = (name[len(RETAINED_PREFIX) :] for name in names if name.startswith(RETAINED_PREFIX))
     return [int(tail) for tail in tails if tail.isdigit()]
+
+
+def set_aside_committed(root: Path, committed: Collection[int]) -> list[int]:
+    """The indices of ``committed`` whose folder is gone while ``ROOT/.ref-<index>`` is
+    there: what :func:`restore_committed` puts back."""
+    return [
+        index
+        for index in _retained_indices(root)
+        if index in committed and not os.path.lexists(root / str(index))
+    ]
 
 
 def restore_committed(root: Path, committed: Collection[int]) -> list[int]:
