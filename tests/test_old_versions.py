@@ -352,15 +352,15 @@ def _step(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return model(batch).pow(2).mean()
 
 
-def test_an_ema_saved_under_the_old_module_path_is_restored_and_exported(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_runner: Any
-) -> None:
-    """Strategy checkpoints written before the layered layout (2026-12-02) record the hook as
-    ``fastckpt.hooks.ema.EMAHook``. Before: a resume with an EMAHook warned "no matching hook
-    was passed" and started the average over (0 updates), and ``fastckpt export --model ema``
-    found "0 EMAHook state(s)"; now the old path names the same hook."""
+def _run_recorded_under_old_paths(
+    root: Path, monkeypatch: pytest.MonkeyPatch, *, configs: bool
+) -> fastckpt.EMAHook:
+    """Train 4 steps with a CheckpointHook and an EMAHook, recording every fastckpt class
+    under the module path an earlier release had (``fastckpt.hooks.ema.EMAHook``), and with
+    ``configs`` the hooks' configurations under those paths too; returns the EMA hook."""
     from fastckpt.checkpoint import trust
     from fastckpt.format.moved import MOVED
+    from fastckpt.training.hooks import rebuild
 
     earlier = {new: old for old, new in MOVED.items()}
     current = trust.dotted_path
@@ -372,7 +372,7 @@ def test_an_ema_saved_under_the_old_module_path_is_restored_and_exported(
 
     batches = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     ema = fastckpt.EMAHook(decay=0.5)
-    hook = fastckpt.CheckpointHook(tmp_path / "root", step_interval=4, async_save=False)
+    hook = fastckpt.CheckpointHook(root, step_interval=4, async_save=False)
     strategy = fastckpt.TrainingStrategy(
         nn.Linear(4, 1),
         fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}),
@@ -382,7 +382,21 @@ def test_an_ema_saved_under_the_old_module_path_is_restored_and_exported(
     )
     with monkeypatch.context() as patch:
         patch.setattr(trust, "dotted_path", as_earlier_versions_wrote)
+        if configs:
+            old = {as_earlier_versions_wrote(cls): cls for cls in rebuild.REBUILDABLE.values()}
+            patch.setattr(rebuild, "REBUILDABLE", old)
         strategy.run(batches)
+    return ema
+
+
+def test_an_ema_saved_under_the_old_module_path_is_restored_and_exported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_runner: Any
+) -> None:
+    """Strategy checkpoints written before the layered layout (2026-12-02) record the hook as
+    ``fastckpt.hooks.ema.EMAHook``. Before: a resume with an EMAHook warned "no matching hook
+    was passed" and started the average over (0 updates), and ``fastckpt export --model ema``
+    found "0 EMAHook state(s)"; now the old path names the same hook."""
+    ema = _run_recorded_under_old_paths(tmp_path / "root", monkeypatch, configs=False)
     hooks_json = json.loads((tmp_path / "root" / "0" / "hooks.json").read_text())
     assert [h["class"] for h in hooks_json["hooks"]] == ["fastckpt.hooks.ema.EMAHook"]  # then
     saved = {k: v.clone() for k, v in ema.shadow.items()}
@@ -412,36 +426,7 @@ def test_hooks_recorded_under_the_old_module_paths_are_rebuilt_on_resume(
     """A resume without ``hooks=`` rebuilds the run's hooks from their recorded
     configurations; those an earlier release recorded name the old modules. Before the old
     paths were mapped: "cannot rebuild" twice and no hooks (the EMA restarted)."""
-    from fastckpt.checkpoint import trust
-    from fastckpt.format.moved import MOVED
-    from fastckpt.training.hooks import rebuild
-
-    earlier = {new: old for old, new in MOVED.items()}
-    current = trust.dotted_path
-
-    def as_earlier_versions_wrote(obj: Any) -> str:
-        path = current(obj)
-        module, _, name = path.rpartition(".")
-        return f"{earlier[module]}.{name}" if module in earlier else path
-
-    batches = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-    ema = fastckpt.EMAHook(decay=0.5)
-    hook = fastckpt.CheckpointHook(tmp_path / "root", step_interval=4, async_save=False)
-    strategy = fastckpt.TrainingStrategy(
-        nn.Linear(4, 1),
-        fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.1}),
-        training_fn=_step,
-        hooks=[hook, ema],
-        num_epochs=1,
-    )
-    with monkeypatch.context() as patch:  # what an earlier release recorded: old paths
-        patch.setattr(trust, "dotted_path", as_earlier_versions_wrote)
-        patch.setattr(
-            rebuild,
-            "REBUILDABLE",
-            {as_earlier_versions_wrote(cls): cls for cls in rebuild.REBUILDABLE.values()},
-        )
-        strategy.run(batches)
+    ema = _run_recorded_under_old_paths(tmp_path / "root", monkeypatch, configs=True)
     configs = json.loads((tmp_path / "root" / "0" / "hooks.json").read_text())["configs"]
     assert [c["class"] for c in configs][:2] == [
         "fastckpt.hooks.checkpoint.CheckpointHook",
