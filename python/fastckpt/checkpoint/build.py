@@ -258,7 +258,10 @@ def build_model(
             object.__setattr__(probe, _REBUILT_SPEC, spec)
             _UNINITIALIZED.add(probe)
             return attach_spec(probe, spec)
-        del probe
+    # Kept for the proof of the model's recipe at its saves (check_recordable): the same
+    # recipe's build on the meta device, not made a second time.
+    meta_build = probe if probe is not None and _all_on_meta(probe) else None
+    del probe
     overrides = {"device": torch.device(device)} if device is not None and accepts_device else {}
     try:
         model = spec._build_with(targets, overrides)
@@ -275,6 +278,9 @@ def build_model(
     # recipe that cannot be built on the meta device to be proven against.
     attach_spec(model, spec)
     object.__setattr__(model, _REBUILT_SPEC, spec)
+    recipe = _recipe_key(spec)
+    if meta_build is not None and recipe is not None:
+        _PROBES[model] = (recipe, meta_build)
     if probe_failed:  # a save then proves the model against this build (check_recordable)
         object.__setattr__(model, _REBUILT_SHAPES, _tensor_shapes(model))
     return model
