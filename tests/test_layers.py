@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "fastckpt._native",
             "fastckpt._exports",
+            "fastckpt._moved_paths",
             "fastckpt.errors",
             "fastckpt.version",
             "fastckpt.io",

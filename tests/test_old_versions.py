@@ -358,8 +358,8 @@ def _run_recorded_under_old_paths(
     """Train 4 steps with a CheckpointHook and an EMAHook, recording every fastckpt class
     under the module path an earlier release had (``fastckpt.hooks.ema.EMAHook``), and with
     ``configs`` the hooks' configurations under those paths too; returns the EMA hook."""
+    from fastckpt._moved_paths import MOVED
     from fastckpt.checkpoint import trust
-    from fastckpt.format.moved import MOVED
     from fastckpt.training.hooks import rebuild
 
     earlier = {new: old for old, new in MOVED.items()}

@@ -16,7 +16,7 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from fastckpt.format.moved import MOVED, SPLIT
+from fastckpt._moved_paths import MOVED, SPLIT
 
 #: The old top-level names, reachable as attributes of ``fastckpt`` like any submodule.
 TOP_LEVEL: tuple[str, ...] = tuple(

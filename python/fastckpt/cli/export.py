@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from fastckpt._moved_paths import current_path
 from fastckpt.checkpoint.components import IndexReader
 from fastckpt.cli import sharded
 from fastckpt.cli.common import (
@@ -37,7 +38,6 @@ from fastckpt.container.kinds import (
 )
 from fastckpt.container.links import read_item, read_references
 from fastckpt.errors import FastCkptError
-from fastckpt.format.moved import current_path
 from fastckpt.format.records import Manifest, item_files, read_commit_record
 from fastckpt.io import tree
 from fastckpt.io.files import write_tensors

@@ -36,6 +36,7 @@ import fastckpt.checkpoint.components as codec
 import fastckpt.checkpoint.specs as specs
 import fastckpt.checkpoint.trust as trust
 import fastckpt.training.sharded as sharded_training
+from fastckpt._moved_paths import current_path
 from fastckpt.checkpoint.fill import loads_as_given
 from fastckpt.container.commit import shown_names
 from fastckpt.container.promote import NearestCopy, nearest_intact, still_committed
@@ -55,7 +56,6 @@ from fastckpt.errors import (
     UnsupportedValueError,
     UntrustedTargetError,
 )
-from fastckpt.format.moved import current_path
 from fastckpt.format.records import MANIFEST, MAX_INDEX, Manifest
 from fastckpt.io import tree
 from fastckpt.io.files import torch_shape

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import fastckpt.checkpoint.trust as trust
+from fastckpt._moved_paths import current_path
 from fastckpt.errors import CheckpointFormatError
-from fastckpt.format.moved import current_path
 from fastckpt.storage.registry import absolute, display_path, is_object_url
 from fastckpt.training.hooks.checkpoint import CheckpointHook
 from fastckpt.training.hooks.ema import EMAHook

@@ -1,5 +1,6 @@
 """Module paths of earlier releases: the table the old import paths (:mod:`fastckpt._moved`)
-and the readers of class paths recorded in checkpoints share.
+and the readers of class paths recorded in checkpoints share. A private module of the bottom
+layer, so that ``import fastckpt`` (which installs the old paths) imports no package of it.
 
 Checkpoints record the dotted paths of fastckpt's own classes (a hook's state is matched to
 the hook by it, ``fastckpt export --model ema`` finds the EMA by it). Those written before the
