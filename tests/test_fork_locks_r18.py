@@ -49,6 +49,15 @@ def test_no_module_keeps_a_lock_a_forked_child_could_inherit_held() -> None:
     assert found == []
 
 
+def _run_script(tmp_path: Path, text: str, root: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``text`` as a child Python script with ``root`` as its argument."""
+    script = tmp_path / "child.py"
+    script.write_text(text)
+    return subprocess.run(
+        [sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=120
+    )
+
+
 FORK_DURING_COMMIT = textwrap.dedent(
     """
     import os, sys, threading, time
@@ -93,15 +102,8 @@ FORK_DURING_COMMIT = textwrap.dedent(
 
 
 def test_a_child_forked_inside_a_parent_threads_commit_saves(tmp_path: Path) -> None:
-    script = tmp_path / "fork_commit.py"
-    script.write_text(FORK_DURING_COMMIT)
     root = tmp_path / "root"
-    result = subprocess.run(
-        [sys.executable, str(script), str(root)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _run_script(tmp_path, FORK_DURING_COMMIT, root)
     assert "child exit 0" in result.stdout, result.stdout + result.stderr
     assert "parent indices [0, 1]" in result.stdout, result.stdout + result.stderr
     assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / "root-child")] == [0]
@@ -137,15 +139,8 @@ SAVE_DURING_EXIT_HOOKS = textwrap.dedent(
 
 
 def test_a_save_while_the_exit_hooks_run_says_why_it_cannot(tmp_path: Path) -> None:
-    script = tmp_path / "exit_hooks.py"
-    script.write_text(SAVE_DURING_EXIT_HOOKS)
     root = tmp_path / "ckpt"
-    result = subprocess.run(
-        [sys.executable, str(script), str(root)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _run_script(tmp_path, SAVE_DURING_EXIT_HOOKS, root)
     out = result.stdout + result.stderr
     if "main alive while saving: False" in result.stdout:
         pytest.skip(f"this Python stops the main thread before the exit hooks: {out}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from fastckpt.container.refs import referenced_indices
 from fastckpt.errors import FastCkptError
 from fastckpt.format.records import COMMIT_RECORD, MANIFEST, Manifest
 from fastckpt.io.progress import format_bytes
+from fastckpt.storage.access import NO_ROOM
 from fastckpt.storage.identity import HOST
 from fastckpt.storage.lock import LOCK_FILE, lock_holder
 from fastckpt.storage.registry import backend_for, display_path, is_local, is_object_url
@@ -77,7 +77,7 @@ def announce_lock(root: Path, timeout: float | None) -> None:
             flush=True,
         )
     except OSError as err:
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if err.errno not in NO_ROOM:
             raise
         # No room for the lock file: the prune itself says what it would delete and the fix.
     else:

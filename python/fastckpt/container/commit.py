@@ -72,7 +72,7 @@ from fastckpt.format.records import (
     seal_manifest,
 )
 from fastckpt.io.forksafe import ForkSafeLock
-from fastckpt.storage.access import free_space_advice
+from fastckpt.storage.access import NO_ROOM, free_space_advice
 from fastckpt.storage.backend import (
     ATOMIC_TEMP_INFIX,
     TEMP_PREFIX,
@@ -1649,7 +1649,7 @@ def prune_indices(
         try:
             held.enter_context(backend.lock(root, timeout=lock_timeout))
         except OSError as err:
-            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if err.errno not in NO_ROOM:
                 raise
             # No room for the lock file (often no inode left): say what the prune would
             # have deleted, decided without the lock (as ``fastckpt prune --dry-run`` does).
@@ -1688,7 +1688,7 @@ def prune_indices(
         except OSError as err:
             for index in sorted(linked):  # nothing changed: the links made go again
                 refs.remove_directory(root, root / f"{refs.RETAINED_PREFIX}{index}")
-            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if err.errno not in NO_ROOM:
                 raise
             step = f"a prune rewrites {MANIFEST} before deleting anything"
             raise _no_room_to_prune(err, root, step, doomed, needed) from err

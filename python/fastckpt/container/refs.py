@@ -626,14 +626,10 @@ def restore_committed(root: Path, committed: Collection[int]) -> list[int]:
     its commit failed (or it was killed) after it had renamed the index aside. The index is
     then whole again, and so are the indices reading from it; deleting that folder as garbage
     lost them all for good. Returns the indices put back (each logged)."""
-    restored = []
-    for index in _retained_indices(root):
-        folder = root / str(index)
-        if index not in committed or os.path.lexists(folder):
-            continue
-        os.rename(root / f"{RETAINED_PREFIX}{index}", folder)
+    restored = set_aside_committed(root, committed)
+    for index in restored:
+        os.rename(root / f"{RETAINED_PREFIX}{index}", root / str(index))
         _native.fsync_dir(str(root))
-        restored.append(index)
         _LOG.warning(
             "%s: committed index %d was in %s%d (set aside by a prune that did not commit); "
             "put back",

@@ -12,7 +12,7 @@ import os
 import pwd
 from pathlib import Path
 
-__all__ = ["access_note", "free_space_advice", "read_refused"]
+__all__ = ["NO_ROOM", "access_note", "free_space_advice", "read_refused"]
 
 
 def _user(uid: int) -> str:
@@ -54,6 +54,9 @@ def read_refused(path: str | os.PathLike[str], err: OSError) -> PermissionError:
         os.fspath(path),
     )
 
+
+#: Errors of a disk that has no room (a full filesystem, out of inodes, a quota).
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
 #: Fewer free inodes than this (on a filesystem that limits them) and "free space" alone may
 #: be the wrong advice: ``df -h`` shows space while no file can be created. A save creates

@@ -50,7 +50,7 @@ from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_relpath
 from fastckpt.io.progress import active_counter
-from fastckpt.storage.access import free_space_advice, read_refused
+from fastckpt.storage.access import NO_ROOM, free_space_advice, read_refused
 from fastckpt.storage.identity import HOST, gone
 from fastckpt.storage.lock import RootLock
 
@@ -662,14 +662,10 @@ def stored_sizes(
         return list(pool.map(size, names))
 
 
-#: Errors of a disk that has no room (a full filesystem, a quota).
-_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
-
-
 def disk_refused(err: BaseException) -> bool:
     """Whether ``err`` is a disk refusing a write as such (full, over quota, read-only): it
     says nothing about what was being written (an incremental save's base, for one)."""
-    return isinstance(err, OSError) and err.errno in (*_NO_ROOM, errno.EROFS)
+    return isinstance(err, OSError) and err.errno in (*NO_ROOM, errno.EROFS)
 
 
 #: The longest path (bytes, the terminating NUL included) Linux takes (``PATH_MAX``).

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.errors import CheckpointFormatError, ConcurrentSaveError
-from fastckpt.storage.access import access_note, free_space_advice
+from fastckpt.storage.access import NO_ROOM, access_note, free_space_advice
 from fastckpt.storage.identity import HOST
 
 __all__ = [
@@ -258,7 +258,7 @@ class RootLock:
         try:
             fd = _open_tracked(self.path, flags)
         except OSError as err:
-            if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+            if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS, *NO_ROOM):
                 raise self._refused(err) from err
             if err.errno not in (errno.ELOOP, errno.EISDIR):
                 raise
@@ -284,7 +284,7 @@ class RootLock:
         if code == errno.EROFS:
             why = "it is on a read-only filesystem"
             fix = "remount it read-write, or save into a root on another filesystem"
-        elif code in (errno.ENOSPC, errno.EDQUOT):
+        elif code in NO_ROOM:
             why = "its disk has no room left"
             fix = f"{free_space_advice(root)} and try again"
         else:
