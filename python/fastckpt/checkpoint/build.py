@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import json
 import math
 import warnings
@@ -34,6 +35,7 @@ __all__ = [
     "build_model",
     "canonical_name",
     "check_recordable",
+    "has_lazy_tensors",
     "naming_file",
     "structural_differences",
 ]
@@ -355,6 +357,16 @@ def _recipe_key(spec: BaseSpec) -> str | None:
         return json.dumps(without_times(spec.to_json()), sort_keys=True, default=str)
     except (TypeError, ValueError):
         return None
+
+
+def has_lazy_tensors(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds a parameter or buffer that a lazy module (``nn.LazyLinear``)
+    has not shaped yet: it has no recipe to prove and no values to save until its first
+    forward pass."""
+    return any(
+        torch.nn.parameter.is_lazy(tensor)
+        for tensor in itertools.chain(model.parameters(), model.buffers())
+    )
 
 
 def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:

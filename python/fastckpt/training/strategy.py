@@ -758,6 +758,11 @@ class TrainingStrategy:
             raise ValueError("TrainingStrategy needs at least one model")
         for name, model in self.models.items():
             sharded_training.check_not_fsdp1(name, model)
+            if build.has_lazy_tensors(model):
+                # Shaped by the first forward pass (LazyLinear): its recipe is proven at
+                # every save, once it has shapes (before, torch's raw "Can't access the
+                # shape of an uninitialized parameter" refused the run here).
+                continue
             if sharded_training.is_sharded_model(model):
                 sharded_training.check_recordable(name, model)
             else:

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import fastckpt.checkpoint.build as build
 from fastckpt.checkpoint.components import Snapshot, plan_incremental, write_snapshot
 from fastckpt.container.background import BackgroundWriter, report_tolerated
 from fastckpt.container.commit import committed_here, prune_indices
@@ -763,6 +764,8 @@ class CheckpointHook:
         """
         if not self.async_save or getattr(strategy, "sharded", False):
             return 0
+        if any(build.has_lazy_tensors(model) for model in strategy.models.values()):
+            return 0  # no shapes before the first forward pass: again after the first step
         snapshot: Snapshot = strategy.checkpoint_snapshot()
 
         def volatile(relpath: str, name: str) -> bool:
