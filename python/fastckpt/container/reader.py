@@ -293,7 +293,7 @@ def read_tensor_file_into(
     Raises what :func:`read_tensor_file` raises; the targets may then hold partial bytes.
     """
 
-    from fastckpt.io.files import byte_view, dtype_from_name, empty_tensor, torch_shape
+    from fastckpt.io.files import byte_view, dtype_from_name, empty_tensor, read_into, torch_shape
     from fastckpt.io.headers import load_threads
     from fastckpt.io.progress import active_counter
 
@@ -321,7 +321,7 @@ def read_tensor_file_into(
         unknown = sorted(set(chosen) - set(tensors))
         if unknown:
             raise CheckpointFormatError(f"{shown}: has no tensor {unknown[0]!r}")
-        crc = _native.read_into(
+        crc = read_into(
             str(path),
             entries,
             threads or load_threads(),

@@ -10,6 +10,7 @@ docs/migrating.md.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import sys
@@ -48,6 +49,7 @@ __all__ = [
     "file_path",
     "header_shape",
     "load_file",
+    "read_into",
     "read_metadata",
     "read_tensors",
     "save_file",
@@ -392,6 +394,65 @@ class _Bytes:
             "typestr": "|u1",
             "data": (flat.data_ptr(), False),
         }
+
+
+def read_into(
+    path: str,
+    entries: Sequence[tuple[str, str, list[int], np.ndarray]],
+    threads: int,
+    *,
+    progress: Any = None,
+    fresh: set[str] | frozenset[str] = frozenset(),
+    labels: Mapping[str, str] | None = None,
+) -> int:
+    """Read the tensors ``entries`` (name, dtype, shape, byte view) of the safetensors file
+    ``path`` into their memory; returns the file's crc32c (``_native.read_into``).
+    ``labels`` names tensors in messages the way the caller's user knows them (a manager
+    item's keys), by their names in the file.
+
+    Raises:
+        InvalidInputError: a destination's memory cannot be written (a read-only file
+            mapping, such as ``np.memmap(mode="r")`` made a tensor with ``torch.from_numpy``),
+            naming the file and the tensor; before, the kernel's bare ``[Errno 14] Bad
+            address``.
+    """
+    try:
+        return int(_native.read_into(path, entries, threads, progress=progress, fresh=fresh))
+    except OSError as err:
+        if err.errno != errno.EFAULT:
+            raise
+        named = [name for name, _, _, memory in entries if not _writable_memory(memory)]
+        which = f"tensor {(labels or {}).get(named[0], named[0])!r}" if named else "a tensor"
+        raise InvalidInputError(
+            f"{path}: cannot read {which} into its destination: that memory cannot be written "
+            "(a read-only mapping, as np.memmap(mode='r') or mmap(PROT_READ) give); pass a "
+            "writable template tensor (or none, and copy the loaded values yourself)"
+        ) from err
+
+
+def _writable_memory(memory: np.ndarray) -> bool:
+    """Whether every page of ``memory`` lies in a writable mapping of this process (Linux's
+    ``/proc/self/maps``; True where it cannot be told)."""
+    if memory.size == 0:
+        return True
+    begin = memory.__array_interface__["data"][0]
+    end = begin + memory.nbytes
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            lines = maps.readlines()
+    except OSError:
+        return True
+    covered = begin
+    for line in lines:
+        span, perms = line.split()[:2]
+        low, high = (int(bound, 16) for bound in span.split("-"))
+        if low <= covered < high:
+            if "w" not in perms:
+                return False
+            covered = high
+            if covered >= end:
+                return True
+    return covered >= end
 
 
 def check_count(value: object, name: str, default: int, least: int, most: int) -> int:

@@ -23,7 +23,10 @@ from fastckpt.errors import CheckpointFormatError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["flatten", "flatten_measured", "join_path", "map_tensors", "unflatten"]
+__all__ = ["ROOT_TENSOR", "flatten", "flatten_measured", "join_path", "map_tensors", "unflatten"]
+
+#: The name :func:`flatten` gives a state that is one tensor (it has no key path).
+ROOT_TENSOR = "tensor"
 
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
@@ -57,7 +60,7 @@ class _Flattener:
         self.depth = 0
 
     def name_for(self, path: str) -> str:
-        name = path or "tensor"
+        name = path or ROOT_TENSOR
         suffix = 1
         while name in self.tensors:
             name = f"{path}#{suffix}"

@@ -57,6 +57,7 @@ from fastckpt.io.files import (
     dtype_name,
     empty_tensor,
     header_shape,
+    read_into,
     torch_shape,
 )
 from fastckpt.io.headers import load_threads, read_metadata
@@ -124,6 +125,7 @@ class DirectRead:
         """
         values: dict[str, torch.Tensor] = {}
         by_file: dict[str, list[tuple[str, list[int], str, torch.Tensor]]] = {}
+        labels: dict[str, str] = {}  # a file's tensor name -> the item's key, for messages
         fresh: dict[str, set[str]] = {}  # per file: tensors read into memory allocated here
         for name, where in self.tensors.items():
             target = self.direct.get(name)
@@ -131,6 +133,7 @@ class DirectRead:
                 target = empty_tensor(where.shape, where.dtype)
                 fresh.setdefault(where.relpath, set()).add(where.name)
             values[name] = target
+            labels[where.name] = self.key if name == tree.ROOT_TENSOR else f"{self.key}.{name}"
             by_file.setdefault(where.relpath, []).append(
                 (where.name, where.header_shape, where.header_dtype, target)
             )
@@ -149,8 +152,13 @@ class DirectRead:
             def content(
                 path: Path, entries: list[Any] = entries, new: set[str] = new
             ) -> tuple[None, int]:
-                crc = _native.read_into(
-                    str(path), entries, readers, progress=active_counter(), fresh=new
+                crc = read_into(
+                    str(path),
+                    entries,
+                    readers,
+                    progress=active_counter(),
+                    fresh=new,
+                    labels=labels,
                 )
                 return None, crc
 
