@@ -402,7 +402,7 @@ def read_into(
     threads: int,
     *,
     progress: Any = None,
-    fresh: set[str] | frozenset[str] = frozenset(),
+    fresh: set[str] | None = None,
     labels: Mapping[str, str] | None = None,
 ) -> int:
     """Read the tensors ``entries`` (name, dtype, shape, byte view) of the safetensors file
