@@ -185,3 +185,18 @@ def test_fallback_dirs_given_as_an_iterator_are_not_used_up_by_their_check(
         fast, fallback_dirs=map(Path, [durable]), training_fn=support.training_fn
     )
     assert loaded.restored_from is not None and loaded.restored_from.index == 0
+
+
+@pytest.mark.parametrize("state", [None, [torch.ones(2)], torch.ones(2)])
+def test_a_sharded_state_that_is_not_a_mapping_is_refused_naming_the_argument(
+    tmp_path: Path, state: Any
+) -> None:
+    """Before: ``save_state(path, None)`` raised Python's bare "'NoneType' object is not
+    iterable", a list DCP's own flattening error; ``load_state(into=[...])`` an AttributeError."""
+    with pytest.raises(fastckpt.InvalidInputError, match=r"save_state: state is a \w+, not a"):
+        fastckpt.dcp.save_state(tmp_path / "s", state)
+    assert not (tmp_path / "s").exists()
+    fastckpt.dcp.save_state(tmp_path / "s", {"x": torch.ones(2)})
+    with pytest.raises(fastckpt.InvalidInputError, match="load_state: into is a"):
+        fastckpt.dcp.load_state(tmp_path / "s", into=state if state is not None else [1])
+    assert torch.equal(fastckpt.dcp.load_state(tmp_path / "s")["x"], torch.ones(2))

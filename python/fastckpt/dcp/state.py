@@ -54,7 +54,12 @@ from fastckpt.container.templates import (
 )
 from fastckpt.dcp.reader import Passes, Reader
 from fastckpt.dcp.writer import Writer
-from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, FastCkptError
+from fastckpt.errors import (
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    FastCkptError,
+    InvalidInputError,
+)
 from fastckpt.format.sharded import Record, StoredChunk
 from fastckpt.io.files import empty_tensor
 from fastckpt.storage.registry import display_path
@@ -145,6 +150,7 @@ def save_state(
         node_local: for a writer made here: ``path`` may be each node's own disk (see
             :class:`~fastckpt.dcp.Writer`).
     """
+    _check_mapping(state, "fastckpt.dcp.save_state: state")
     warn_of_key_types(state)
     writer = writer or Writer(path, node_local=node_local)
     writer.reset(path)
@@ -200,6 +206,7 @@ def async_save_state(
         misses, as :func:`typed_dcp_error` picks it, with the ``CheckpointException`` as its
         cause: a full disk is the ``OSError`` naming the checkpoint and the fix).
     """
+    _check_mapping(state, "fastckpt.dcp.async_save_state: state")
     warn_of_key_types(state)
     writer.reset(path)
     # The writer stages (it returns the staged state, not a future): DCP returns a Future.
@@ -223,6 +230,17 @@ def async_save_state(
 
     uploaded.add_done_callback(done)
     return committed
+
+
+def _check_mapping(value: Any, what: str) -> None:
+    """Refuse a state (or templates) that is not a ``{key: ...}`` mapping, naming ``what``
+    (before: ``save_state(path, None)`` raised Python's bare "'NoneType' object is not
+    iterable")."""
+    if not isinstance(value, Mapping):
+        raise InvalidInputError(
+            f"{what} is a {type(value).__name__}, not a mapping; pass {{key: value}}, e.g. "
+            '{"model": model.state_dict(), "optimizer": optimizer.state_dict()}'
+        )
 
 
 def _key_of_another_type(value: Any, path: str) -> str | None:
@@ -679,6 +697,8 @@ def load_state(
         FileNotFoundError: a data file is missing (named).
     """
     check_strict(strict, "fastckpt.dcp.load_state")
+    if into is not None:
+        _check_mapping(into, "fastckpt.dcp.load_state: into")
     root = Path(path)
 
     def attempt() -> dict[str, Any]:
