@@ -635,3 +635,39 @@ def test_a_later_items_mismatch_leaves_every_items_template_untouched(
             assert _snapshot(fits) == before
         loaded = manager.load(tmp_path / "c", into={"a": fits})
         assert torch.equal(loaded["a"]["w"], fits["w"]) and fits["w"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("front_door", ["sync", "async", "dcp"])
+def test_a_template_and_its_lazy_conj_or_neg_view_are_not_taken_for_tied_weights(
+    tmp_path: Path, front_door: str
+) -> None:
+    """``t`` and ``t.conj()`` (or ``torch._neg_view(t)``) share memory but see other values.
+    Before, the tied-template check compared memory, dtype, shape and strides only: the two
+    were taken for one tensor given twice, the checkpoint held equal bytes at both keys, and
+    the load filled both through the one memory: ``a`` came back conjugated, ``x`` negated,
+    without a word (manager sync and async, ``fastckpt.dcp.load_state``)."""
+    import fastckpt.dcp
+
+    value = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    real = torch.tensor([1.5, -2.0, 0.0])
+    state = {"s": {"a": value, "b": value.clone(), "x": real, "y": real.clone()}}
+    for pair, (first, second) in {"ab": ("a", "b"), "xy": ("x", "y")}.items():
+        template = torch.zeros(2, dtype=torch.complex64) if pair == "ab" else torch.zeros(3)
+        view = template.conj() if pair == "ab" else torch._neg_view(template)
+        into = {"s": {first: template, second: view}}
+        with pytest.raises(TypeError, match=f"s.{first} and s.{second}: the templates share"):
+            if front_door == "dcp":
+                fastckpt.dcp.save_state(tmp_path / "sharded", state)
+                fastckpt.dcp.load_state(tmp_path / "sharded", into=into)
+            else:
+                config = (
+                    CheckpointManager.Config.with_async_save()
+                    if front_door == "async"
+                    else CheckpointManager.Config.with_sync_save()
+                )
+                with CheckpointManager(config) as manager:
+                    future = manager.save(tmp_path / front_door, state)
+                    if future is not None:
+                        future.result()
+                    manager.load(tmp_path / front_door, into=into)
+        assert not template.any()  # nothing was filled

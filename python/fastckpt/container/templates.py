@@ -105,8 +105,18 @@ def check_disjoint_templates(templates: Mapping[str, Any]) -> list[list[str]]:
 
 
 def template_view(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """What makes two template tensors one (tied weights): the same memory seen the same way."""
-    return (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+    """What makes two template tensors one (tied weights): the same memory seen the same way,
+    lazy conjugate and negative bits included (``t`` and ``t.conj()`` share memory but see
+    other values: taken for one tensor, both were filled through it, and the first came back
+    conjugated)."""
+    return (
+        tensor.data_ptr(),
+        tensor.dtype,
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.is_conj(),
+        tensor.is_neg(),
+    )
 
 
 def _check_cluster(cluster: list[tuple[int, int, str, torch.Tensor]]) -> None:
