@@ -137,6 +137,12 @@ def checked_model_names(value: Any, argument: str = "model_names") -> list[str] 
 #: constructor made them, and :func:`freeze` gives the recorded ones back. Absent: none.
 FROZEN_FIELD = "frozen"
 
+#: The manifest entry field giving each model's parameters and buffers laid out densely but
+#: not contiguously when saved (``channels_last``): ``{model: {tensor name: strides}}``
+#: (:func:`fastckpt.checkpoint.fill.saved_strides`), which a rebuilt model takes back
+#: (:func:`fastckpt.checkpoint.fill.match_saved_strides`). Absent: all contiguous.
+STRIDES_FIELD = "strides"
+
 
 def canonical_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """``model``'s parameters by name without wrapper segments (see
@@ -352,6 +358,8 @@ class Snapshot:
         self.counters: dict[str, int] = {}
         #: model name -> its frozen parameters' names (only models that have some)
         self.frozen: dict[str, list[str]] = {}
+        #: model name -> its non-contiguous tensors' strides (only models that have some)
+        self.strides: dict[str, dict[str, list[int]]] = {}
         self.incremental = True
         self.plan: incremental.Plan | None = None
 
@@ -364,6 +372,7 @@ class Snapshot:
             "components": {kind: sorted(self.names[kind]) for kind in KINDS},
             "associations": self.associations,
             **({FROZEN_FIELD: self.frozen} if self.frozen else {}),
+            **({STRIDES_FIELD: self.strides} if self.strides else {}),
         }
 
 
@@ -700,6 +709,9 @@ def _plan_components(
         frozen = frozen_names(model)
         if frozen:
             plan.frozen[name] = frozen
+        strides = fill.saved_strides(model)
+        if strides:
+            plan.strides[name] = strides
 
     optimizer_names: dict[int, str] = {}
     for name, component in optimizers.items():
@@ -1168,6 +1180,11 @@ def load_components(
         model = _load_model(reader, name, spec, map_location, trusted)
         freeze(
             model, entry.get(FROZEN_FIELD, {}).get(name), f"{manifest.path}: {FROZEN_FIELD}.{name}"
+        )
+        fill.match_saved_strides(
+            model,
+            entry.get(STRIDES_FIELD, {}).get(name),
+            f"{manifest.path}: {STRIDES_FIELD}.{name}",
         )
         if map_location is not None:
             model.to(map_location)
