@@ -396,6 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments (default ``sys.argv[1:]``).
     """
     arguments = list(sys.argv[1:] if argv is None else argv)
+    _printable_names()
     bench = _split_bench(arguments)
     if bench is not None:
         flags, rest = bench
@@ -417,6 +418,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args.verbose)
     handler: Callable[[argparse.Namespace], int] = args.handler
     return _run(lambda: handler(args), args.command, args.debug, args.json)
+
+
+def _printable_names() -> None:
+    """Let stdout and stderr print any name a filesystem holds: one that is not UTF-8
+    (``b"caf\xe9"``, a lone surrogate in Python) is shown escaped (``caf\udce9``), where a
+    strict stream raised ``UnicodeEncodeError`` in the middle of an answer (``fastckpt prune``
+    had deleted the checkpoints it then failed to list)."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None and getattr(stream, "errors", None) == "strict":
+            reconfigure(errors="backslashreplace")
 
 
 def _run(action: Callable[[], int], command: str, debug: bool, as_json: bool = False) -> int:

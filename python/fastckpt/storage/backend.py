@@ -51,7 +51,7 @@ from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_relpath
 from fastckpt.io.progress import active_counter
 from fastckpt.storage.access import NO_ROOM, free_space_advice, read_refused
-from fastckpt.storage.identity import HOST, gone
+from fastckpt.storage.identity import HOST, gone, running, writer_tag
 from fastckpt.storage.lock import RootLock
 
 _LOG = logging.getLogger(__name__)
@@ -429,13 +429,18 @@ def _sibling(prefix: str, final: Path) -> Path:
         OSError: (``ENAMETOOLONG``) the sibling's name would pass the filesystem's 255-byte
             limit; the message gives the longest name that fits.
     """
-    tag = f"{final.name}~{os.getpid()}~{HOST}~{os.urandom(4).hex()}"
+    # The last part: random, then the writer's start and boot (storage.identity.running).
+    written_by = writer_tag()
+    suffix = f".{written_by}" if written_by else ""
+    tag = f"{final.name}~{os.getpid()}~{HOST}~{os.urandom(4).hex()}{suffix}"
     name = f"{prefix}{tag}"
-    extra = len(name.encode()) - len(final.name.encode())
-    if len(name.encode()) > _NAME_MAX:
+    # os.fsencode: a name the filesystem holds need not be UTF-8 (b"caf\xe9", which Python
+    # gives as a lone surrogate); str.encode raised a bare UnicodeEncodeError for it.
+    extra = len(os.fsencode(name)) - len(os.fsencode(final.name))
+    if len(os.fsencode(name)) > _NAME_MAX:
         raise OSError(
             errno.ENAMETOOLONG,
-            f"{final}: the name {final.name[:40]!r}... is {len(final.name.encode())} bytes; "
+            f"{final}: the name {final.name[:40]!r}... is {len(os.fsencode(final.name))} bytes; "
             f"fastckpt writes it under a temporary name {extra} bytes longer, so names of at "
             f"most {_NAME_MAX - extra} bytes fit (the filesystem allows {_NAME_MAX}): use a "
             "shorter checkpoint name",
@@ -447,14 +452,22 @@ def _sibling(prefix: str, final: Path) -> Path:
 _NAME_MAX = 255
 
 
-def _owner(name: str) -> tuple[str, str, int, str] | None:
-    """``(prefix, target name, pid, host)`` of a temp/trash sibling name, or None."""
+def _owner(name: str) -> tuple[str, str, int, str, str] | None:
+    """``(prefix, target name, pid, host, writer tag)`` of a temp/trash sibling name, or
+    None; the tag is empty in names written before it was recorded."""
     for prefix in (TEMP_PREFIX, TRASH_PREFIX):
         if name.startswith(prefix):
             parts = name[len(prefix) :].rsplit("~", 3)
             if len(parts) == 4 and parts[1].isdigit() and parts[0]:
-                return prefix, parts[0], int(parts[1]), parts[2]
+                tag = parts[3].partition(".")[2]
+                return prefix, parts[0], int(parts[1]), parts[2], tag
     return None
+
+
+def _writer_gone(pid: int, host: str, tag: str) -> bool:
+    """Whether the writer of a leftover is gone: no process has its pid, or the process
+    that has it is another one (a reused pid, another boot)."""
+    return gone(pid, host) or running(pid, host, tag) is False
 
 
 #: This process's staging directories that are neither published nor discarded yet, each
@@ -535,7 +548,7 @@ def clean_dead_siblings(parent: Path) -> list[str]:
         owner = _owner(child.name)
         if owner is None:
             continue
-        prefix, target, pid, host = owner
+        prefix, target, pid, host, tag = owner
         if host == HOST and pid == os.getpid() and _abandoned(child):
             _remove(child)  # this process's staging, interrupted before anyone held it
             touched.append(child.name)
@@ -550,9 +563,17 @@ def clean_dead_siblings(parent: Path) -> list[str]:
                 continue
             touched.append(child.name)
             continue
-        if not gone(pid, host):
+        if not _writer_gone(pid, host, tag):
             mine = pid == os.getpid() and host == HOST
-            if prefix == TEMP_PREFIX and not mine and _untouched_for(child):
+            # A writer proven alive keeps its staging however long it was stopped (SIGSTOP,
+            # a suspended VM or job; before, 24 h untouched by the wall clock removed it
+            # under the live writer); one that cannot be proven either way loses it then.
+            if (
+                prefix == TEMP_PREFIX
+                and not mine
+                and running(pid, host, tag) is None
+                and _untouched_for(child)
+            ):
                 _remove(child)
                 touched.append(child.name)
             continue
@@ -638,8 +659,8 @@ def restore_replaced(parent: Path) -> list[str]:
         owner = _owner(child.name)
         if owner is None or owner[0] != TRASH_PREFIX:
             continue
-        _, target, pid, host = owner
-        if (host != HOST or gone(pid, host)) and _put_back(child, parent / target):
+        _, target, pid, host, tag = owner
+        if (host != HOST or _writer_gone(pid, host, tag)) and _put_back(child, parent / target):
             restored.append(target)
     return restored
 

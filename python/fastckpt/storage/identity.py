@@ -9,6 +9,11 @@ So :data:`HOST` names the PID namespace too, unless it is the kernel's initial o
 names of processes outside containers are what they always were), and a writer of another
 namespace counts as one of another host: never taken for dead (its leftovers stay, as
 another host's do), and what it set aside is put back as another host's is.
+
+A pid alone also cannot tell its writer from a later process that got the same pid, so
+names also carry :func:`writer_tag`: when the process started (clock ticks since boot) and
+which boot it was. :func:`running` then tells a writer that is alive, however long it was
+stopped (``SIGSTOP``, a suspended VM or job), from a reused pid, without reading any clock.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import os
 import re
 import socket
 
-__all__ = ["HOST", "gone"]
+__all__ = ["HOST", "gone", "running", "writer_tag"]
 
 #: The inode of the kernel's initial PID namespace (``PROC_PID_INIT_INO``).
 _INITIAL_PID_NAMESPACE = 0xEFFFFFFC
@@ -62,3 +67,66 @@ def gone(pid: int, host: str) -> bool:
     except PermissionError:  # another user's live process
         return False
     return False
+
+
+def _boot() -> str:
+    """The first 8 hex digits of this boot's id (empty: unknown)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            return file.read().strip().replace("-", "")[:8]
+    except OSError:
+        return ""
+
+
+_BOOT = _boot()
+
+
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat`` field
+    22), or None (no such process, or no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            data = file.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2 :].split()  # the name in parentheses may hold spaces
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+_TAG: tuple[int, str] | None = None  # (pid, tag): a forked child computes its own
+
+
+def writer_tag() -> str:
+    """This process's start time and boot, as leftovers' names record them
+    (``<start ticks hex>-<boot>``; empty where ``/proc`` cannot tell)."""
+    global _TAG
+    pid = os.getpid()
+    if _TAG is None or _TAG[0] != pid:
+        start = _started(pid)
+        _TAG = (pid, f"{start:x}-{_BOOT}" if start is not None and _BOOT else "")
+    return _TAG[1]
+
+
+def running(pid: int, host: str, tag: str) -> bool | None:
+    """Whether the writer that recorded ``pid``, ``host`` and ``tag`` (its
+    :func:`writer_tag`) is the process running as ``pid`` now: True (alive: its leftovers
+    are in use, however old), False (gone: another boot, or another process got the pid),
+    None (cannot be told: another host or PID namespace, no tag, no ``/proc``)."""
+    if host != HOST or not tag or "-" not in tag:
+        return None
+    start_hex, boot = tag.split("-", 1)
+    if not boot or not _BOOT:
+        return None
+    if boot != _BOOT:
+        return False  # written before this boot: that process is gone
+    try:
+        start = int(start_hex, 16)
+    except ValueError:
+        return None
+    live = _started(pid)
+    if live is None:
+        return None if not os.path.isdir("/proc/self") else False
+    return live == start
