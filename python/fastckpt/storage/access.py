@@ -12,7 +12,14 @@ import os
 import pwd
 from pathlib import Path
 
-__all__ = ["NO_ROOM", "access_note", "free_space_advice", "read_refused"]
+__all__ = [
+    "NO_ROOM",
+    "ScratchSpaceError",
+    "access_note",
+    "free_space_advice",
+    "read_refused",
+    "scratch_full",
+]
 
 
 def _user(uid: int) -> str:
@@ -81,3 +88,23 @@ def free_space_advice(path: str | os.PathLike[str]) -> str:
     if stats.f_files > 0 and stats.f_favail < _FEW_INODES:  # f_files 0: no inode limit
         return "free space or inodes (df -i)"
     return "free space"
+
+
+class ScratchSpaceError(OSError):
+    """A full (``ENOSPC``/``EDQUOT``) local scratch folder (``TMPDIR``) met while working on a
+    checkpoint stored elsewhere (an object store): its message names the folder and the fix,
+    and the save and export explanations of a full disk pass it on as it is (they would
+    blame the checkpoint's store, and advise pruning it, which frees nothing here)."""
+
+
+def scratch_full(err: OSError, folder: str, doing: str) -> ScratchSpaceError:
+    """``err`` (a full scratch ``folder``) as a :class:`ScratchSpaceError` saying what was
+    being done (``doing``) and the fix."""
+    code = err.errno if err.errno is not None else errno.ENOSPC
+    return ScratchSpaceError(
+        code,
+        f"{os.strerror(code)} in the local scratch folder {folder} while {doing}; "
+        f"{free_space_advice(folder)} there, or point TMPDIR at a folder with room, and try "
+        "again (nothing in the checkpoint's store was changed by this step)",
+        folder,
+    )

@@ -50,7 +50,7 @@ from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_relpath
 from fastckpt.io.progress import active_counter
-from fastckpt.storage.access import NO_ROOM, free_space_advice, read_refused
+from fastckpt.storage.access import NO_ROOM, ScratchSpaceError, free_space_advice, read_refused
 from fastckpt.storage.identity import HOST, gone, running, writer_tag
 from fastckpt.storage.lock import RootLock
 
@@ -725,6 +725,8 @@ def explain_full_disk(
     ``filename`` (default: the file the error names, which may be a hidden temporary one)."""
     try:
         yield
+    except ScratchSpaceError:
+        raise  # a full local scratch folder: its message names it and the fix
     except OSError as err:
         if err.errno is None or not (disk_refused(err) or _path_too_long(err)):
             raise

@@ -50,6 +50,7 @@ from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_relpath
+from fastckpt.storage.access import NO_ROOM, scratch_full
 from fastckpt.storage.backend import (
     MAX_RECORD_BYTES,
     CopySource,
@@ -153,11 +154,25 @@ def parse_header(header: bytes, size: int, url: str) -> dict[str, Any]:
 
     Raises:
         CheckpointFormatError: not a valid header for that size (names ``url``).
+        ScratchSpaceError: the local temporary folder (``TMPDIR``) has no room for it.
     """
-    with tempfile.NamedTemporaryFile(prefix="fastckpt-header-") as scratch:
-        scratch.write(header)
-        scratch.truncate(size)
-        scratch.flush()
+    try:
+        # Unbuffered: a write refused for room fails here, not again when the file closes.
+        scratch = tempfile.NamedTemporaryFile(prefix="fastckpt-header-", buffering=0)  # noqa: SIM115
+    except OSError as err:
+        if err.errno not in NO_ROOM:
+            raise
+        raise scratch_full(err, tempfile.gettempdir(), f"reading the header of {url}") from err
+    with scratch:
+        try:
+            scratch.write(header)
+            scratch.truncate(size)
+            scratch.flush()
+        except OSError as err:
+            if err.errno not in NO_ROOM:
+                raise
+            folder = os.path.dirname(scratch.name)
+            raise scratch_full(err, folder, f"reading the header of {url}") from err
         try:
             return read_metadata(scratch.name)
         except CheckpointFormatError as err:
