@@ -42,7 +42,8 @@ import os
 import shutil
 import threading
 import warnings
-from collections.abc import Callable, Collection, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -126,9 +127,14 @@ def committed_here(root: str | os.PathLike[str]) -> frozenset[int]:
         return frozenset(_COMMITTED.get(refs.root_key(root), ()))
 
 
-def _committed(root: Path, index: int) -> None:
+def _committed(root: Path, index: int, kept: Iterable[int]) -> None:
+    """Record ``index`` as committed by this process; only the indices the root still has
+    (``kept``: its manifest's) stay recorded beside it (before, one entry per save stayed for
+    good, pruned or not: a process-wide set growing with every save of a long run)."""
     with _COMMITTED_LOCK:
-        _COMMITTED.setdefault(refs.root_key(root), set()).add(index)
+        held = _COMMITTED.setdefault(refs.root_key(root), set())
+        held.intersection_update(kept)
+        held.add(index)
 
 
 #: Per object-store root: the indices whose manifest put had an unknown outcome in this
@@ -173,7 +179,9 @@ _JSON_THREADS = 4
 #: process (see :func:`commit_generation`). Commits of different checkpoints run in parallel.
 #: Reentrant, so that code running inside a commit on the same thread (a callback, a test
 #: standing in for a second writer) meets the store's conditional put instead of a deadlock.
-_COMMIT_LOCKS: dict[str, threading.RLock] = {}
+#: Weakly held: a lock lives while a commit holds it (before, one lock per checkpoint
+#: directory ever committed stayed for the process's life).
+_COMMIT_LOCKS: weakref.WeakValueDictionary[str, threading.RLock] = weakref.WeakValueDictionary()
 _COMMIT_LOCKS_GUARD = ForkSafeLock()
 
 if hasattr(os, "register_at_fork"):
@@ -188,7 +196,8 @@ def _commit_lock(directory: Path) -> threading.RLock:
     with _COMMIT_LOCKS_GUARD:
         lock = _COMMIT_LOCKS.get(key)
         if lock is None:
-            lock = _COMMIT_LOCKS[key] = threading.RLock()
+            lock = threading.RLock()
+            _COMMIT_LOCKS[key] = lock
         return lock
 
 
@@ -983,7 +992,7 @@ class IndexWriter(DirectoryWriter):
         manifest = self.manifest
         if self.index in manifest.entries and isinstance(self.staging, LocalStaging):
             _replace_local(self, manifest, {**entry, "files": self.files})
-            _committed(self.root, self.index)
+            _committed(self.root, self.index, manifest.entries)
             return
         if manifest.entries.pop(self.index, None) is not None:
             manifest.commit()
@@ -997,7 +1006,7 @@ class IndexWriter(DirectoryWriter):
             raise
         except CommitOutcomeUnknownError:
             self._keep = True  # the manifest may name them
-            _committed(self.root, self.index)
+            _committed(self.root, self.index, manifest.entries)
             if not is_local(self.backend):
                 _settle_in_doubt(self.root, self.index)  # the next save takes another number
             raise
@@ -1006,11 +1015,11 @@ class IndexWriter(DirectoryWriter):
             # manifest took its place: the files it names are then kept.
             if self._recorded():
                 self._keep = True
-                _committed(self.root, self.index)
+                _committed(self.root, self.index, manifest.entries)
             else:
                 self.backend.delete(self.final)
             raise
-        _committed(self.root, self.index)
+        _committed(self.root, self.index, manifest.entries)
         _settle_in_doubt(self.root, None)
 
     def _put_aside_back(self) -> None:
