@@ -1208,11 +1208,29 @@ def load_components(
         document = reader.json(where)
         if not isinstance(document, Mapping):
             raise CheckpointFormatError(f"{where}: must be an object")
-        refs = document.get("params", [])
-        if owner not in loaded or not all(
-            isinstance(r, list) and r[:1] and r[0] in loaded for r in refs
-        ):
-            continue  # its model was not requested (malformed refs fail in the rebuild)
+        # Each reference is [model, parameter], its model one of this index's: checked before
+        # the skip below, which a malformed reference must not reach (it dropped the optimizer
+        # and its schedulers without a word, or raised a bare TypeError).
+        params = document.get("params")
+        refs: list[Any] = params if isinstance(params, list) else [params]  # 7: "found 7"
+        malformed = [
+            ref
+            for ref in refs
+            if not (
+                isinstance(ref, list)
+                and len(ref) == 2
+                and all(isinstance(part, str) for part in ref)
+                and ref[0] in available
+            )
+        ]
+        if malformed:
+            raise CheckpointFormatError(
+                f"{reader.directory / where}: field 'params' must be a list of [model, "
+                f"parameter] references to this index's models {available}, found "
+                f"{malformed[0]!r}; the record was edited or damaged: load another checkpoint"
+            )
+        if owner not in loaded or any(model not in loaded for model, _ in refs):
+            continue  # its model (or one of its models) was not requested
         state = tree.unflatten(
             document.get("state"), reader.tensors(f"optimizers/{name}.safetensors"), name
         )

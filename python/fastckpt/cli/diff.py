@@ -17,7 +17,6 @@ from fastckpt.cli.common import (
     TENSOR_SUFFIX,
     UserError,
     locate,
-    read_document,
     resolve_index,
 )
 from fastckpt.cli.render import (
@@ -37,10 +36,13 @@ from fastckpt.container.kinds import (
     TensorFile,
 )
 from fastckpt.container.links import is_linked_file, referenced_sources
+from fastckpt.container.reader import read_json
 from fastckpt.container.refs import REFS_FILE, index_references, source_path
+from fastckpt.errors import CheckpointFormatError
 from fastckpt.format.records import COMMIT_RECORD, read_commit_record, record_file
 from fastckpt.io.paths import safe_join
 from fastckpt.io.progress import counting
+from fastckpt.io.tree import decode_float, decode_key
 from fastckpt.storage.registry import backend_for, display_path
 
 # --------------------------------------------------------------------------- fastckpt diff
@@ -93,24 +95,27 @@ def _flatten_values(prefix: str, value: Any, out: dict[str, Any]) -> None:
         if marker == _TENSOR:
             out[prefix] = TENSOR_MARK  # its place: the bytes are compared as tensors
             return
-        if marker == _FLOAT:
-            out[prefix] = float(inner) if inner in ("nan", "inf", "-inf") else inner
+        if marker == _FLOAT:  # decoded as loads decode it: a bad marker is refused
+            out[prefix] = decode_float(value, _value_name(prefix))
+            return
+        if marker == _DICT and isinstance(inner, Mapping):  # a spec's dict of marker-like keys
+            for key, sub in inner.items():  # its keys are the dict's own, never markers
+                _flatten_values(join(key), sub, out)
             return
         if marker == _DICT and isinstance(inner, list):
             for pair in inner:
-                if isinstance(pair, list) and len(pair) == 2:
-                    key = pair[0]
-                    if isinstance(key, Mapping):  # a non-finite float key
-                        key = float(next(iter(key.values())))
-                    path = join(key) if isinstance(key, str) else f"{prefix}[{key!r}]"
-                    _flatten_values(path, pair[1], out)
+                if not (isinstance(pair, list) and len(pair) == 2):
+                    raise CheckpointFormatError(f"{_value_name(prefix)}: bad dict entry {pair!r}")
+                key = decode_key(pair[0], _value_name(prefix))  # a float marker: its float
+                path = join(key) if isinstance(key, str) else f"{prefix}[{key!r}]"
+                _flatten_values(path, pair[1], out)
             return
         if marker == _TUPLE and isinstance(inner, list):
             out[prefix] = TUPLE_MARK
             for i, sub in enumerate(inner):
                 _flatten_values(join(i), sub, out)
             return
-        _flatten_values(prefix, inner, out)  # a spec, a dict of marker-like keys
+        _flatten_values(prefix, inner, out)  # a spec
         return
     if isinstance(value, Mapping) and value:
         for key, sub in value.items():
@@ -147,23 +152,42 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def _value_name(prefix: str) -> str:
+    """The name a value row shows for a :func:`_flatten_values` path (``d:.a`` -> ``d:a``,
+    a document's root ``d:`` -> ``d``)."""
+    return prefix.replace(":.", ":").removesuffix(":")
+
+
 def _header(path: Path) -> dict[str, Any]:
     return backend_for(path).read_header(path)
 
 
 def _json_values(
-    directory: Path, relpaths: list[str], within: Path, generation: str = ""
+    directory: Path,
+    records: Mapping[str, Mapping[str, int]],
+    within: Path,
+    source: Path,
+    generation: str = "",
 ) -> dict[str, Any]:
+    """The plain values of the JSON files among ``records`` (``{relpath: {"size",
+    "crc32c"}}``, as ``source`` records them), each file checked against its record first
+    as loads check it: damage is a ``ChecksumMismatchError`` naming the file, never a
+    changed value. A value that cannot load (a malformed ``__dict__`` entry) is the loads'
+    ``CheckpointFormatError``, naming the file."""
     values: dict[str, Any] = {}
-    for relpath in relpaths:
+    for relpath in sorted(records):
         if relpath.endswith(".json") and relpath != COMMIT_RECORD:
-            document = read_document(safe_join(directory, relpath, within=within))
+            path = safe_join(directory, relpath, within=within)
+            document = read_json(path, records[relpath], source=str(source))
             # models/main.spec.json -> models/main; a manager item's {"skeleton": ...} -> item
             name = relpath.removeprefix(generation).removesuffix(".json").removesuffix(".spec")
             if isinstance(document, Mapping) and set(document) == {_SKELETON}:
                 document = document[_SKELETON]
-            _flatten_values(f"{name}:", document, values)
-    return {name.replace(":.", ":").removesuffix(":"): value for name, value in values.items()}
+            try:
+                _flatten_values(f"{name}:", document, values)
+            except CheckpointFormatError as err:
+                raise CheckpointFormatError(f"{display_path(path)}: {err}") from None
+    return {_value_name(name): value for name, value in values.items()}
 
 
 def _diff_side(text: str) -> _Side:
@@ -198,7 +222,9 @@ class _SideOf(KindVisitor[_Side]):
             }
             for relpath, names in referenced_sources(directory, record).items()
         }
-        values = _json_values(directory, sorted(record["files"]), directory, generation)
+        values = _json_values(
+            directory, record["files"], directory, directory / COMMIT_RECORD, generation
+        )
         label = f"{display_path(directory)} (CheckpointManager checkpoint)"
         return _Side(TensorFiles(label, files, linked), values, {})
 
@@ -243,7 +269,8 @@ class _SideOf(KindVisitor[_Side]):
         _flatten_values("counters:", entry.get("counters", {}), counters)
         plain = {name.replace(":.", ":"): value for name, value in counters.items()}
         plain.update(_frozen_values(entry.get(FROZEN_FIELD, {})))
-        plain.update(_json_values(directory, listed, manifest.root))
+        recorded = {name: entry["files"][name] for name in listed}
+        plain.update(_json_values(directory, recorded, manifest.root, manifest.path))
         latest = ", latest" if index == manifest.latest else ""
         side = TensorFiles(f"{display_path(directory)} (index {index}{latest})", files, references)
         return _Side(side, plain, {})

@@ -144,16 +144,26 @@ def flatten_measured(state: Any) -> tuple[Any, dict[str, torch.Tensor], int]:
     return skeleton, flattener.tensors, flattener.depth
 
 
-def _decode_float(data: Any, path: str) -> float:
+def decode_float(data: Any, path: str) -> float:
+    """The float a ``{"__float__": "nan" | "inf" | "-inf"}`` marker at ``path`` stands for.
+
+    Raises:
+        CheckpointFormatError: any other marker.
+    """
     text = data.get(_FLOAT)
     if text not in ("nan", "inf", "-inf"):
         raise CheckpointFormatError(f"{path or '<root>'}: bad float marker {data!r}")
     return float(text)
 
 
-def _decode_key(key: Any, path: str) -> Any:
+def decode_key(key: Any, path: str) -> Any:
+    """A dict key as :func:`flatten` stored it at ``path`` (a float marker: its float).
+
+    Raises:
+        CheckpointFormatError: a key of a type :func:`flatten` never stores.
+    """
     if isinstance(key, dict):
-        return _decode_float(key, path)
+        return decode_float(key, path)
     if not isinstance(key, _KEY_TYPES):
         raise CheckpointFormatError(f"{path or '<root>'}: bad dict key {key!r}")
     return key
@@ -187,13 +197,13 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], path: str = ""
         if marker == _TUPLE and isinstance(payload, list):
             return tuple(unflatten(v, tensors, join_path(path, i)) for i, v in enumerate(payload))
         if marker == _FLOAT:
-            return _decode_float(skeleton, path)
+            return decode_float(skeleton, path)
         if marker == _DICT and isinstance(payload, list):
             result: dict[Any, Any] = {}
             for item in payload:
                 if not (isinstance(item, list) and len(item) == 2):
                     raise CheckpointFormatError(f"{path or '<root>'}: bad dict entry {item!r}")
-                key = _decode_key(item[0], path)
+                key = decode_key(item[0], path)
                 result[key] = unflatten(item[1], tensors, join_path(path, key))
             return result
     if any(key in _MARKERS for key in skeleton):
