@@ -42,8 +42,9 @@ def check_name(name: object, what: str) -> str:
         or any(sep in name for sep in ("/", "\\", "\0"))
     ):
         raise CheckpointFormatError(
-            f"{what} {name!r} is not a valid name: use a non-empty name without path "
-            "separators, NUL, or a leading '.'"
+            f"{what} {name!r} is not a valid name: use a non-empty name without '/', a "
+            "backslash (a separator on Windows: refused so that checkpoints stay portable), "
+            "NUL, or a leading '.'"
         )
     return name
 
