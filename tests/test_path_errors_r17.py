@@ -296,3 +296,24 @@ def test_the_unreadable_text_counts_unreadable_files_and_still_names_unchecked_o
     assert text.startswith("UNREADABLE: /ckpt: 2 of 3 file(s) may not be read"), text
     assert "/ckpt/c" not in text.splitlines()[1]
     assert "and 1 file(s) have tensors without checksums" in text, text
+
+
+def test_a_prune_that_could_commit_but_not_delete_is_refused_before_its_commit(
+    shared: Path,
+) -> None:
+    """A root folder every user may write (mode 0777) holding index folders of root's
+    (umask 022), pruned by another user (round 19). Before, the prune committed (the indices
+    no longer listed), could not delete their folders, and returned them as deleted: their
+    bytes stayed, renamed aside, with a warning. Now it is refused before its commit, naming
+    the folder and who owns it; every index stays committed."""
+    root = saved_root(shared / "root", indices=3)
+    root.chmod(0o777)
+    outcome = as_nobody(root, "prune")["prune"]
+    assert outcome.get("error") == "PermissionError", outcome
+    assert outcome["errno"] == errno.EACCES, outcome
+    message = outcome["message"]
+    assert outcome["filename"] in message and "may not delete" in message, message
+    assert "root (uid 0)" in message and "nothing was deleted" in message, message
+    assert [c["index"] for c in list_checkpoints(root)] == [0, 1, 2]
+    assert verify(root).ok
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp")) == []

@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import threading
 import warnings
 import weakref
@@ -73,7 +74,7 @@ from fastckpt.format.records import (
     seal_manifest,
 )
 from fastckpt.io.forksafe import ForkSafeLock
-from fastckpt.storage.access import NO_ROOM, free_space_advice
+from fastckpt.storage.access import NO_ROOM, access_note, free_space_advice
 from fastckpt.storage.backend import (
     ATOMIC_TEMP_INFIX,
     TEMP_PREFIX,
@@ -1601,6 +1602,50 @@ def _no_room_to_prune(
     return OSError(code, message, err.filename)
 
 
+_EFFECTIVE = os.access in os.supports_effective_ids  # ask as the effective user, where possible
+
+
+def _refuse_undeletable(root: Path, directories: Sequence[Path]) -> None:
+    """Refuse a prune this user could commit but not carry out, before its commit: an index
+    folder (or a folder inside it) another user owns whose entries this user may not
+    remove, or one in a sticky root (``chmod +t``, as ``/tmp``) that this user does not own
+    (nor the root).
+
+    Before, such a prune committed (the indices no longer listed), could not delete them,
+    and returned them as deleted: their bytes stayed, renamed aside, with a warning.
+
+    Raises:
+        PermissionError: naming the folder, who owns it, that nothing was deleted, and the
+            fix.
+    """
+    me = os.geteuid()
+    try:
+        sticky = bool(os.stat(root).st_mode & stat.S_ISVTX) and os.stat(root).st_uid != me
+    except OSError:
+        sticky = False
+    for directory in directories:
+        if directory.is_symlink() or not directory.is_dir():
+            continue  # a link loses only itself here (its target is checked where it goes)
+        try:
+            refused = sticky and me != 0 and os.stat(directory).st_uid != me
+            if not refused:
+                for folder, _, _ in os.walk(directory):
+                    if not os.access(folder, os.W_OK | os.X_OK, effective_ids=_EFFECTIVE):
+                        refused = True
+                        directory = Path(folder)
+                        break
+        except OSError:
+            continue  # vanished meanwhile: nothing to delete
+        if refused:
+            raise PermissionError(
+                errno.EACCES,
+                f"{directory}: this user may not delete it ({access_note(directory)}); "
+                f"nothing was deleted from {root}: prune as its owner, or grant this user "
+                "write access to the index folders",
+                str(directory),
+            )
+
+
 def prune_indices(
     root: Path,
     keep_last: int,
@@ -1690,6 +1735,16 @@ def prune_indices(
         needed = referenced & set(doomed)  # a kept index's bytes stay where they are
         linked = {index for index in needed if _link_retained(root, index)}
         recorded = {index: set(manifest.entries[index]["files"]) for index in doomed}
+        if local:
+            try:
+                _refuse_undeletable(
+                    root,
+                    [manifest.directory(i) for i in doomed if i not in needed or i in linked],
+                )
+            except PermissionError:
+                for index in sorted(linked):  # nothing changed: the links made go again
+                    refs.remove_directory(root, root / f"{refs.RETAINED_PREFIX}{index}")
+                raise
         for index in doomed:
             del manifest.entries[index]
         try:
