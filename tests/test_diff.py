@@ -209,6 +209,21 @@ def test_a_parameter_frozen_on_one_side_only_is_a_difference(
     assert ["added", "frozen:main.weight", "-", "true"] in rows
 
 
+def test_a_layout_changed_between_two_checkpoints_is_a_difference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The manifest's record of memory layouts (which load_checkpoint gives back) is compared:
+    the same weights, one side channels_last, is not identical (round 19)."""
+    torch.manual_seed(0)
+    plain = torch.nn.Conv2d(3, 4, 3)
+    fastckpt.save_checkpoint(tmp_path / "a", models={"main": (plain, None)})
+    plain.to(memory_format=torch.channels_last)
+    fastckpt.save_checkpoint(tmp_path / "b", models={"main": (plain, None)})
+    status, result = _cli_diff(capsys, str(tmp_path / "a"), str(tmp_path / "b"))
+    assert status == 1 and result["changed"] == []
+    assert result["values_added"] == [{"name": "strides:main.weight", "b": [27, 1, 9, 3]}]
+
+
 @pytest.mark.parametrize(
     ("a", "b"),
     [("inf", float("inf")), (True, 1), (1, 1.0), ({0: "x"}, {"0": "x"}), ((1, 2), [1, 2])],

@@ -146,3 +146,23 @@ def test_a_backslash_in_a_manager_id_is_refused_for_what_it_is(tmp_path: Path) -
         ):
             manager.save(tmp_path / "run\\1", {"x": torch.zeros(1)})
     assert os.listdir(tmp_path) == []
+
+
+def test_a_live_writer_whose_proc_entry_is_hidden_is_not_taken_for_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review of the first version: with ``/proc`` mounted ``hidepid=2`` another user's
+    ``/proc/<pid>/stat`` cannot be read, and ``running`` said False (gone): that user's live
+    staging was deleted at once. The unreadable entry is simulated (remounting ``/proc``
+    would change the whole machine); the writer is a real live process."""
+    writer = subprocess.Popen(["sleep", "60"])
+    try:
+        started = identity._started(writer.pid)
+        tag = f"{started:x}-{identity.writer_tag().split('-', 1)[1]}"
+        assert identity.running(writer.pid, HOST, tag) is True
+        monkeypatch.setattr(identity, "_started", lambda pid: None)
+        assert identity.running(writer.pid, HOST, tag) is None  # alive, cannot be told
+    finally:
+        writer.kill()
+        writer.wait()
+    assert identity.running(writer.pid, HOST, tag) is False  # no process has the pid

@@ -298,8 +298,9 @@ def test_the_unreadable_text_counts_unreadable_files_and_still_names_unchecked_o
     assert "and 1 file(s) have tensors without checksums" in text, text
 
 
+@pytest.mark.parametrize("folders", [0o755, 0o711])
 def test_a_prune_that_could_commit_but_not_delete_is_refused_before_its_commit(
-    shared: Path,
+    shared: Path, folders: int
 ) -> None:
     """A root folder every user may write (mode 0777) holding index folders of root's
     (umask 022), pruned by another user (round 19). Before, the prune committed (the indices
@@ -307,6 +308,9 @@ def test_a_prune_that_could_commit_but_not_delete_is_refused_before_its_commit(
     bytes stayed, renamed aside, with a warning. Now it is refused before its commit, naming
     the folder and who owns it; every index stays committed."""
     root = saved_root(shared / "root", indices=3)
+    for index in range(3):  # a folder nobody may not list (0711): review of the first version
+        for folder, _, _ in os.walk(root / str(index)):
+            Path(folder).chmod(folders)
     root.chmod(0o777)
     outcome = as_nobody(root, "prune")["prune"]
     assert outcome.get("error") == "PermissionError", outcome
@@ -315,5 +319,6 @@ def test_a_prune_that_could_commit_but_not_delete_is_refused_before_its_commit(
     assert outcome["filename"] in message and "may not delete" in message, message
     assert "root (uid 0)" in message and "nothing was deleted" in message, message
     assert [c["index"] for c in list_checkpoints(root)] == [0, 1, 2]
-    assert verify(root).ok
     assert sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp")) == []
+    chmod_tree(root, 0o755, 0o644)
+    assert verify(root).ok

@@ -24,6 +24,7 @@ import torch
 
 import fastckpt.checkpoint.build as build
 import fastckpt.checkpoint.fill as fill
+import fastckpt.checkpoint.layouts as layouts
 import fastckpt.checkpoint.specs as specs
 import fastckpt.checkpoint.trust as trust
 from fastckpt import _native
@@ -139,8 +140,8 @@ FROZEN_FIELD = "frozen"
 
 #: The manifest entry field giving each model's parameters and buffers laid out densely but
 #: not contiguously when saved (``channels_last``): ``{model: {tensor name: strides}}``
-#: (:func:`fastckpt.checkpoint.fill.saved_strides`), which a rebuilt model takes back
-#: (:func:`fastckpt.checkpoint.fill.match_saved_strides`). Absent: all contiguous.
+#: (:func:`fastckpt.checkpoint.layouts.recorded_strides`), which a rebuilt model takes back
+#: (:func:`fastckpt.checkpoint.layouts.apply_strides`). Absent: all contiguous.
 STRIDES_FIELD = "strides"
 
 
@@ -709,7 +710,7 @@ def _plan_components(
         frozen = frozen_names(model)
         if frozen:
             plan.frozen[name] = frozen
-        strides = fill.saved_strides(model)
+        strides = layouts.recorded_strides(model)
         if strides:
             plan.strides[name] = strides
 
@@ -1181,7 +1182,7 @@ def load_components(
         freeze(
             model, entry.get(FROZEN_FIELD, {}).get(name), f"{manifest.path}: {FROZEN_FIELD}.{name}"
         )
-        fill.match_saved_strides(
+        layouts.apply_strides(
             model,
             entry.get(STRIDES_FIELD, {}).get(name),
             f"{manifest.path}: {STRIDES_FIELD}.{name}",

@@ -30,11 +30,6 @@ constructor builds it in the default dtype, while the saved model may have been 
 after construction (``model.to(torch.bfloat16)``, some layers only); ``load_state_dict``
 would cast the saved tensors to the constructor's dtypes, so the load would not return the
 state that was saved.
-
-After the weights are loaded it takes the saved memory layouts (:func:`match_saved_strides`):
-a model converted after construction (``model.to(memory_format=torch.channels_last)``) runs
-other kernels than its contiguous rebuild, whose results differ in the last bits, so a run
-resumed in the constructor's layout would not continue the saved one bit for bit.
 """
 
 from __future__ import annotations
@@ -47,7 +42,7 @@ import torch
 from torch.nn.modules.batchnorm import _NormBase
 
 from fastckpt.container.reader import takes_direct_read
-from fastckpt.errors import CheckpointFormatError, InvalidInputError
+from fastckpt.errors import InvalidInputError
 from fastckpt.io.files import dtype_from_name, torch_shape
 
 __all__ = [
@@ -55,10 +50,8 @@ __all__ = [
     "fully_restored_by",
     "loads_as_given",
     "match_saved_dtypes",
-    "match_saved_strides",
     "plain_state",
     "saved_dtypes",
-    "saved_strides",
 ]
 
 #: ``_load_from_state_dict`` implementations that load exactly what ``state_dict`` saved: the
@@ -283,77 +276,3 @@ def match_saved_dtypes(model: torch.nn.Module, dtypes: Mapping[str, torch.dtype]
         if tensor.requires_grad and not (dtype.is_floating_point or dtype.is_complex):
             tensor.requires_grad_(False)
         tensor.data = tensor.detach().to(dtype)
-
-
-def _dense_layout(shape: tuple[int, ...] | list[int], stride: tuple[int, ...] | list[int]) -> bool:
-    """Whether ``stride`` lays out ``shape``'s elements with no gap and no overlap (a
-    permutation of the contiguous layout: ``channels_last``, a transpose), so that a tensor
-    of it holds exactly ``numel`` elements."""
-    dims = sorted((s, n) for s, n in zip(stride, shape, strict=True) if n != 1)
-    expected = 1
-    for step, size in dims:
-        if step != expected:
-            return False
-        expected *= size
-    return True
-
-
-def saved_strides(model: torch.nn.Module) -> dict[str, list[int]]:
-    """``{name: stride}`` of ``model``'s parameters and buffers (``state_dict`` names, tied
-    ones under each) laid out other than contiguously but densely (``channels_last``,
-    a transposed weight): the layouts :func:`match_saved_strides` gives a rebuilt model
-    back. Contiguous tensors (the constructor's layout) and views with gaps or overlaps
-    (which a rebuilt tensor cannot take) are left out."""
-    strides: dict[str, list[int]] = {}
-    tensors = itertools.chain(
-        model.named_parameters(remove_duplicate=False),
-        model.named_buffers(remove_duplicate=False),
-    )
-    for name, tensor in tensors:
-        if tensor.is_contiguous() or tensor.is_meta or tensor.layout != torch.strided:
-            continue
-        if _dense_layout(tensor.shape, tensor.stride()):
-            strides[name] = list(tensor.stride())
-    return strides
-
-
-def match_saved_strides(model: torch.nn.Module, strides: Any, where: str) -> None:
-    """Give each parameter and buffer of ``model`` named in ``strides`` (a record
-    :func:`saved_strides` made; None: none) that layout, in place and keeping its values:
-    its ``.data`` is replaced by a copy laid out so (``Parameter`` objects, their
-    ``requires_grad`` and whatever references them stay).
-
-    Raises:
-        CheckpointFormatError: ``strides`` is not ``{name: [int, ...]}`` naming tensors of
-            ``model`` with a dense layout of their shape (``where`` names the record).
-    """
-    if strides is None:
-        return
-    if not isinstance(strides, Mapping):
-        raise CheckpointFormatError(f"{where}: must be an object of tensor name -> strides")
-    tensors = dict(
-        itertools.chain(
-            model.named_parameters(remove_duplicate=False),
-            model.named_buffers(remove_duplicate=False),
-        )
-    )
-    for name, stride in strides.items():
-        tensor = tensors.get(name)
-        if tensor is None:
-            raise CheckpointFormatError(f"{where}: names {name!r}, which the model does not have")
-        if (
-            not isinstance(stride, list)
-            or not all(type(step) is int and step >= 0 for step in stride)
-            or len(stride) != tensor.dim()
-            or not _dense_layout(tensor.shape, stride)
-        ):
-            raise CheckpointFormatError(
-                f"{where}.{name}: {stride!r} is no dense layout of shape {list(tensor.shape)}"
-            )
-        if list(tensor.stride()) == stride or tensor.is_meta:
-            continue
-        laid_out = torch.empty_strided(
-            tensor.shape, stride, dtype=tensor.dtype, device=tensor.device
-        )
-        laid_out.copy_(tensor.detach())
-        tensor.data = laid_out

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fastckpt.checkpoint.components import FROZEN_FIELD
+from fastckpt.checkpoint.components import FROZEN_FIELD, STRIDES_FIELD
 from fastckpt.cli.common import (
     EXIT_BAD,
     EXIT_OK,
@@ -269,11 +269,28 @@ class _SideOf(KindVisitor[_Side]):
         _flatten_values("counters:", entry.get("counters", {}), counters)
         plain = {name.replace(":.", ":"): value for name, value in counters.items()}
         plain.update(_frozen_values(entry.get(FROZEN_FIELD, {})))
+        plain.update(_layout_values(entry.get(STRIDES_FIELD, {})))
         recorded = {name: entry["files"][name] for name in listed}
         plain.update(_json_values(directory, recorded, manifest.root, manifest.path))
         latest = ", latest" if index == manifest.latest else ""
         side = TensorFiles(f"{display_path(directory)} (index {index}{latest})", files, references)
         return _Side(side, plain, {})
+
+
+def _layout_values(record: Any) -> dict[str, Any]:
+    """``{"strides:<model>.<tensor>": [...]}`` for each tensor a manifest entry records as
+    laid out other than contiguously (its
+    :data:`~fastckpt.checkpoint.components.STRIDES_FIELD`, which loads give back): a layout
+    changed between two indices (``channels_last``) is a changed plain value."""
+    if not isinstance(record, Mapping):
+        return {"strides": record}
+    values: dict[str, Any] = {}
+    for model, strides in record.items():
+        if isinstance(strides, Mapping):
+            values.update({f"strides:{model}.{name}": value for name, value in strides.items()})
+        else:
+            values[f"strides:{model}"] = strides
+    return values
 
 
 def _frozen_values(record: Any) -> dict[str, Any]:

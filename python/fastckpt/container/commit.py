@@ -1626,16 +1626,20 @@ def _refuse_undeletable(root: Path, directories: Sequence[Path]) -> None:
     for directory in directories:
         if directory.is_symlink() or not directory.is_dir():
             continue  # a link loses only itself here (its target is checked where it goes)
+        unlisted: list[OSError] = []  # folders os.walk could not list (mode 0711)
         try:
             refused = sticky and me != 0 and os.stat(directory).st_uid != me
             if not refused:
-                for folder, _, _ in os.walk(directory):
+                for folder, _, _ in os.walk(directory, onerror=unlisted.append):
                     if not os.access(folder, os.W_OK | os.X_OK, effective_ids=_EFFECTIVE):
                         refused = True
                         directory = Path(folder)
                         break
         except OSError:
             continue  # vanished meanwhile: nothing to delete
+        if not refused and unlisted and unlisted[0].errno in (errno.EACCES, errno.EPERM):
+            refused = True  # what a folder this user may not list holds cannot be deleted
+            directory = Path(unlisted[0].filename or directory)
         if refused:
             raise PermissionError(
                 errno.EACCES,

@@ -128,5 +128,13 @@ def running(pid: int, host: str, tag: str) -> bool | None:
         return None
     live = _started(pid)
     if live is None:
-        return None if not os.path.isdir("/proc/self") else False
+        # No /proc entry to read: gone only if no process has the pid. One that exists but
+        # hides its entry (/proc mounted hidepid=1/2, another user's) cannot be told.
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return None
+        return None
     return live == start

@@ -30,6 +30,7 @@ without rename or directories:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -165,7 +166,7 @@ def parse_header(header: bytes, size: int, url: str) -> dict[str, Any]:
         raise scratch_full(err, tempfile.gettempdir(), f"reading the header of {url}") from err
     with scratch:
         try:
-            scratch.write(header)
+            _write_all(scratch, header)
             scratch.truncate(size)
             scratch.flush()
         except OSError as err:
@@ -177,6 +178,19 @@ def parse_header(header: bytes, size: int, url: str) -> dict[str, Any]:
             return read_metadata(scratch.name)
         except CheckpointFormatError as err:
             raise CheckpointFormatError(str(err).replace(scratch.name, url)) from None
+
+
+def _write_all(file: Any, data: bytes) -> None:
+    """Write every byte of ``data`` to the unbuffered ``file``: a raw write may store part of
+    it (a nearly full disk), and the rest is written, or its refusal raised, by the next
+    (before, the rest was left as the zeros of the sparse file: a healthy object's header
+    read as damaged)."""
+    view = memoryview(data)
+    while view:
+        written = file.write(view)
+        if not written:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), file.name)
+        view = view[written:]
 
 
 class S3Backend(StorageBackend):
