@@ -42,9 +42,11 @@ such as ``model``); ``part=`` selects one file, whose tensors keep their plain n
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -599,6 +601,11 @@ class SafeOpen:
         self._closed = False
         self._files: list[_File] = []
         self._entries: dict[str, _Entry] = {}
+        # Reads in flight (any thread): close() leaves their descriptors open until the last
+        # one ends (closed under a reader, a descriptor number taken by another open made
+        # the read return another file's bytes, or blame this file's checksum).
+        self._state = threading.Lock()
+        self._readers = 0
         try:
             for label, path, size, only in files:
                 handle = _File(path, size)
@@ -656,7 +663,8 @@ class SafeOpen:
             ChecksumMismatchError: the bytes differ from the checksum (names file and tensor).
         """
         entry = self._entry(name)
-        return self._to_device(self._read_whole(name, entry))
+        with self._reading():
+            return self._to_device(self._read_whole(name, entry))
 
     def get_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor, ``{name: tensor}`` in file order (:meth:`get_tensor` of each of
@@ -681,11 +689,34 @@ class SafeOpen:
         }
 
     def close(self) -> None:
-        """Close the files (idempotent)."""
-        files, self._files = self._files, []
+        """Close the files (idempotent). A read another thread is running finishes with the
+        right bytes (its files close when it ends); reads after this raise
+        :class:`HandleClosedError`."""
+        with self._state:
+            self._closed = True
+            if self._readers:
+                return  # the last read closes them
+            files, self._files = self._files, []
         for handle in files:
             handle.close()
-        self._closed = True
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Hold the files open for one read (see :meth:`close`)."""
+        with self._state:
+            if self._closed:
+                raise HandleClosedError(f"{self.where}: this safe_open handle is closed")
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._state:
+                self._readers -= 1
+                files: list[_File] = []
+                if self._closed and not self._readers:
+                    files, self._files = self._files, []
+            for handle in files:
+                handle.close()
 
     def __enter__(self) -> SafeOpen:
         """Return self."""
@@ -740,7 +771,10 @@ class SafeOpen:
         return out
 
     def _read_slice(self, name: str, entry: _Entry, key: Any) -> torch.Tensor:
-        self._check_open()
+        with self._reading():
+            return self._read_slice_open(name, entry, key)
+
+    def _read_slice_open(self, name: str, entry: _Entry, key: Any) -> torch.Tensor:
         where = f"{entry.file.path}: tensor {entry.name!r}"
         dims = _normalize(key, entry.shape, where)
         held = entry.torch_shape

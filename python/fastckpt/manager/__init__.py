@@ -1597,6 +1597,9 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait until the last checkpoint is durable, then release the writer. Idempotent.
 
+        A save running on another thread is waited for (a sync manager's too); saves after
+        close() are refused.
+
         A manager never closed still has its last write finished at interpreter exit (a
         failure then is named on stderr); closing reports it here instead.
 
@@ -1648,6 +1651,14 @@ class CheckpointManager:
         """:meth:`close`, run by the one close() that closes the manager (its failure kept
         for the close() calls of other threads waiting for it)."""
         try:
+            if self._writer is None:
+                # A sync save another thread is running ends first (its turn): before, close()
+                # returned at once and that save committed after it, or never, when the
+                # documented SIGTERM pattern (close(); os._exit(0)) followed. Saves after this
+                # are refused (the manager is closed). On this thread's own save (a signal
+                # handler inside it), the re-entrant turn does not wait.
+                with self._save_turn:
+                    pass
             for part in self._fixed:
                 part.release_built()
             try:
