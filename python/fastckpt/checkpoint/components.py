@@ -25,6 +25,7 @@ import torch
 import fastckpt.checkpoint.build as build
 import fastckpt.checkpoint.fill as fill
 import fastckpt.checkpoint.layouts as layouts
+import fastckpt.checkpoint.modes as module_modes
 import fastckpt.checkpoint.specs as specs
 import fastckpt.checkpoint.trust as trust
 from fastckpt import _native
@@ -143,6 +144,12 @@ FROZEN_FIELD = "frozen"
 #: (:func:`fastckpt.checkpoint.layouts.recorded_strides`), which a rebuilt model takes back
 #: (:func:`fastckpt.checkpoint.layouts.apply_strides`). Absent: all contiguous.
 STRIDES_FIELD = "strides"
+
+#: The manifest entry field giving each model's modules whose training mode
+#: (``module.training``) differs from their parent's when saved: ``{model: {module name:
+#: bool}}`` (:func:`fastckpt.checkpoint.modes.recorded_modes`), which a rebuilt model takes
+#: back (:func:`fastckpt.checkpoint.modes.apply_modes`). Absent: all in training mode.
+MODES_FIELD = "modes"
 
 
 def canonical_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -361,6 +368,8 @@ class Snapshot:
         self.frozen: dict[str, list[str]] = {}
         #: model name -> its non-contiguous tensors' strides (only models that have some)
         self.strides: dict[str, dict[str, list[int]]] = {}
+        #: model name -> its modules' training modes where they differ from their parent's
+        self.modes: dict[str, dict[str, bool]] = {}
         self.incremental = True
         self.plan: incremental.Plan | None = None
 
@@ -374,6 +383,7 @@ class Snapshot:
             "associations": self.associations,
             **({FROZEN_FIELD: self.frozen} if self.frozen else {}),
             **({STRIDES_FIELD: self.strides} if self.strides else {}),
+            **({MODES_FIELD: self.modes} if self.modes else {}),
         }
 
 
@@ -713,6 +723,9 @@ def _plan_components(
         strides = layouts.recorded_strides(model)
         if strides:
             plan.strides[name] = strides
+        modes = module_modes.recorded_modes(model)
+        if modes:
+            plan.modes[name] = modes
 
     optimizer_names: dict[int, str] = {}
     for name, component in optimizers.items():
@@ -1186,6 +1199,9 @@ def load_components(
             model,
             entry.get(STRIDES_FIELD, {}).get(name),
             f"{manifest.path}: {STRIDES_FIELD}.{name}",
+        )
+        module_modes.apply_modes(
+            model, entry.get(MODES_FIELD, {}).get(name), f"{manifest.path}: {MODES_FIELD}.{name}"
         )
         if map_location is not None:
             model.to(map_location)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fastckpt.checkpoint.components import FROZEN_FIELD, STRIDES_FIELD
+from fastckpt.checkpoint.components import FROZEN_FIELD, MODES_FIELD, STRIDES_FIELD
 from fastckpt.cli.common import (
     EXIT_BAD,
     EXIT_OK,
@@ -269,7 +269,8 @@ class _SideOf(KindVisitor[_Side]):
         _flatten_values("counters:", entry.get("counters", {}), counters)
         plain = {name.replace(":.", ":"): value for name, value in counters.items()}
         plain.update(_frozen_values(entry.get(FROZEN_FIELD, {})))
-        plain.update(_layout_values(entry.get(STRIDES_FIELD, {})))
+        for field in (STRIDES_FIELD, MODES_FIELD):
+            plain.update(_per_model_values(field, entry.get(field, {})))
         recorded = {name: entry["files"][name] for name in listed}
         plain.update(_json_values(directory, recorded, manifest.root, manifest.path))
         latest = ", latest" if index == manifest.latest else ""
@@ -277,19 +278,19 @@ class _SideOf(KindVisitor[_Side]):
         return _Side(side, plain, {})
 
 
-def _layout_values(record: Any) -> dict[str, Any]:
-    """``{"strides:<model>.<tensor>": [...]}`` for each tensor a manifest entry records as
-    laid out other than contiguously (its
-    :data:`~fastckpt.checkpoint.components.STRIDES_FIELD`, which loads give back): a layout
-    changed between two indices (``channels_last``) is a changed plain value."""
+def _per_model_values(field: str, record: Any) -> dict[str, Any]:
+    """``{"<field>:<model>.<name>": value}`` for each entry of a manifest entry's per-model
+    record ``field`` (:data:`~fastckpt.checkpoint.components.STRIDES_FIELD`: memory layouts,
+    :data:`~fastckpt.checkpoint.components.MODES_FIELD`: training modes, which loads give
+    back): a layout or mode changed between two indices is a changed plain value."""
     if not isinstance(record, Mapping):
-        return {"strides": record}
+        return {field: record}
     values: dict[str, Any] = {}
-    for model, strides in record.items():
-        if isinstance(strides, Mapping):
-            values.update({f"strides:{model}.{name}": value for name, value in strides.items()})
+    for model, entries in record.items():
+        if isinstance(entries, Mapping):
+            values.update({f"{field}:{model}.{name}": value for name, value in entries.items()})
         else:
-            values[f"strides:{model}"] = strides
+            values[f"{field}:{model}"] = entries
     return values
 
 

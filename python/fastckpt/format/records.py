@@ -698,11 +698,12 @@ def _check_entry_fields(where: str, entry: dict[str, Any]) -> None:
         raise CheckpointFormatError(
             f"{where}.frozen must be an object keyed by names of components.models"
         )
-    strides = entry.get("strides", {})  # model -> its tensors' layouts (checkpoint.components)
-    if not isinstance(strides, dict) or not set(strides) <= names.get("models", set()):
-        raise CheckpointFormatError(
-            f"{where}.strides must be an object keyed by names of components.models"
-        )
+    for per_model in ("strides", "modes"):  # layouts / training modes (checkpoint.components)
+        value = entry.get(per_model, {})
+        if not isinstance(value, dict) or not set(value) <= names.get("models", set()):
+            raise CheckpointFormatError(
+                f"{where}.{per_model} must be an object keyed by names of components.models"
+            )
     associations = entry["associations"]
     if not isinstance(associations, dict):
         raise CheckpointFormatError(f"{where}.associations must be an object")

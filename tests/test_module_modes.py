@@ -1,0 +1,123 @@
+"""Training modes of submodules (``module.training``) set after construction come back with
+a rebuilt model (round 19's global-state tester).
+
+Before, a model rebuilt from its checkpoint had every module in training mode: a frozen
+BatchNorm backbone (``model.backbone[1].eval()``, a common fine-tuning setup), a Dropout
+switched off or a whole model in evaluation mode was resumed in training mode, so the
+resumed run updated those statistics, dropped those activations and differed from the
+uninterrupted one, without a word.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fastckpt
+from cli_support import cli_runner
+from fastckpt.checkpoint.modes import apply_modes, recorded_modes
+from fastckpt.errors import CheckpointFormatError
+from fastckpt.format.records import seal_manifest
+
+
+class Backbone(nn.Module):
+    """A small network with a batch norm and a dropout."""
+
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(4, hidden), nn.BatchNorm1d(hidden), nn.Tanh())
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.backbone(x)))
+
+
+def mse(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return (model(batch) - batch.sum(1, keepdim=True)).square().mean()
+
+
+def _batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(8, 4, generator=generator) for _ in range(8)]
+
+
+def _strategy(num_steps: int, hooks: list[object]) -> fastckpt.TrainingStrategy:
+    torch.manual_seed(0)
+    model = Backbone()
+    model.backbone[1].eval()  # frozen batch norm statistics
+    model.drop.eval()  # dropout off
+    return fastckpt.TrainingStrategy(
+        model,
+        fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.05}),
+        training_fn=mse,
+        hooks=hooks,
+        num_steps=num_steps,
+    )
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_run_with_frozen_submodules_resumes_in_their_modes_bit_for_bit(
+    tmp_path: Path, async_save: bool
+) -> None:
+    batches = _batches()
+    uninterrupted = _strategy(8, [])
+    uninterrupted.run(batches)
+    _strategy(4, [fastckpt.CheckpointHook(tmp_path, step_interval=4, async_save=async_save)]).run(
+        batches
+    )
+    resumed = fastckpt.TrainingStrategy.load_checkpoint(tmp_path, training_fn=mse)
+    model = resumed.models["main"]
+    assert model.training and model.backbone.training and model.head.training
+    assert not model.backbone[1].training and not model.drop.training
+    resumed.num_steps = 8
+    resumed.run(batches)
+    expected = uninterrupted.models["main"].state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_only_modes_that_differ_from_the_parents_are_recorded(tmp_path: Path) -> None:
+    model = Backbone()
+    assert recorded_modes(model) == {}
+    model.eval()
+    assert recorded_modes(model) == {"": False}
+    model.head.train()
+    assert recorded_modes(model) == {"": False, "head": True}
+    fastckpt.save_checkpoint(tmp_path, models={"main": model}, incremental=False)
+    entry = json.loads((tmp_path / "manifest.json").read_text())["checkpoints"]["0"]
+    assert entry["modes"] == {"main": {"": False, "head": True}}
+    rebuilt = fastckpt.load_checkpoint(tmp_path, trusted=[Backbone])["models"]["main"]["model"]
+    assert {name: m.training for name, m in rebuilt.named_modules()} == {
+        name: m.training for name, m in model.named_modules()
+    }
+
+
+def test_a_recorded_mode_naming_no_module_or_no_bool_is_refused(tmp_path: Path) -> None:
+    model = Backbone().eval()
+    fastckpt.save_checkpoint(tmp_path, models={"main": model}, incremental=False)
+    manifest = tmp_path / "manifest.json"
+    for modes in ({"nothing.here": False}, {"": "no"}, ["", False]):
+        document = json.loads(manifest.read_text())
+        document["checkpoints"]["0"]["modes"]["main"] = modes
+        seal_manifest(document)
+        manifest.write_text(json.dumps(document))
+        with pytest.raises(CheckpointFormatError, match=r"modes.main"):
+            fastckpt.load_checkpoint(tmp_path, trusted=[Backbone])
+    with pytest.raises(CheckpointFormatError, match="which the model does not have"):
+        apply_modes(Backbone(), {"nothing.here": False}, "manifest.json: modes.main")
+
+
+def test_a_mode_changed_between_two_checkpoints_is_a_difference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = Backbone()
+    fastckpt.save_checkpoint(tmp_path / "a", models={"main": (model, None)})
+    model.backbone[1].eval()
+    fastckpt.save_checkpoint(tmp_path / "b", models={"main": (model, None)})
+    code, out, _ = cli_runner(capsys)("diff", tmp_path / "a", tmp_path / "b")
+    assert code == 1 and "modes:main.backbone.1" in out
