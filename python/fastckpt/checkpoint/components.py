@@ -68,6 +68,7 @@ __all__ = [
     "Trusted",
     "accepted_kwargs",
     "check_incremental",
+    "check_tensor_state",
     "check_validators",
     "checked_model_names",
     "create_snapshot",
@@ -660,6 +661,24 @@ def _check_references(writer: IndexWriter, snapshot: Snapshot) -> dict[str, dict
     return plan.refs
 
 
+def check_tensor_state(name: str, state: Mapping[str, Any]) -> None:
+    """Refuse a model state (``model.state_dict()`` of model ``name``) holding a value that
+    is not a tensor (``get_extra_state()`` returning a dict, ...): component checkpoints store
+    model state as tensors only.
+
+    Raises:
+        TypeError: naming the model, the entry and the fix.
+    """
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"model {name!r}: its state_dict entry {key!r} is a {type(value).__name__}, "
+                "not a tensor; a component checkpoint stores model state as tensors only. "
+                "Save this model with CheckpointManager (which stores such values), or make "
+                "get_extra_state() return a tensor"
+            )
+
+
 def _refuse_shapeless(relpath: str, tensors: Mapping[str, Any]) -> None:
     """Refuse nested, zero and meta tensors among ``tensors`` (for file ``relpath``), and
     names that are no UTF-8, the way every save does (:func:`check_storable`), before the
@@ -698,14 +717,7 @@ def _plan_components(
         live_models[name] = model
         relpath = f"models/{name}.safetensors"
         plan.tensor_files[relpath] = state
-        for key, value in plan.tensor_files[relpath].items():
-            if not isinstance(value, torch.Tensor):  # get_extra_state() returning a dict, ...
-                raise TypeError(
-                    f"model {name!r}: its state_dict entry {key!r} is a {type(value).__name__}, "
-                    "not a tensor; a component checkpoint stores model state as tensors only. "
-                    "Save this model with CheckpointManager (which stores such values), or make "
-                    "get_extra_state() return a tensor"
-                )
+        check_tensor_state(name, state)
         # Only trainable parameters change in the optimizer step alone (which an async save's
         # background copy is guarded against); buffers and frozen parameters (a momentum
         # encoder updated in forward) may change anywhere: copied when the save is taken.

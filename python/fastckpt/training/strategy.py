@@ -1370,8 +1370,14 @@ class TrainingStrategy:
         :class:`~fastckpt.training.hooks.CheckpointHook` calls it before training starts.
 
         Raises:
-            TypeError: naming the optimizer or scheduler and the argument.
+            TypeError: naming the optimizer or scheduler and the argument; or a model whose
+                state holds a value that is not a tensor (``get_extra_state()`` returning a
+                dict), which an unsharded checkpoint cannot store (before, a sync hook
+                found it at its first save, the work of ``step_interval`` steps lost).
         """
+        if not self.sharded:
+            for name, model in self.models.items():
+                codec.check_tensor_state(name, codec.unwrap_model(model).state_dict())
         for name, config in self.optimizer_configs.items():
             try:
                 config.to_json()

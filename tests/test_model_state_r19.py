@@ -1,11 +1,14 @@
-"""Training modes of submodules (``module.training``) set after construction come back with
-a rebuilt model (round 19's global-state tester).
+"""State of a model besides its tensors (round 19's global-state tester).
+
+Training modes of submodules (``module.training``) set after construction come back with
+a rebuilt model.
 
 Before, a model rebuilt from its checkpoint had every module in training mode: a frozen
 BatchNorm backbone (``model.backbone[1].eval()``, a common fine-tuning setup), a Dropout
 switched off or a whole model in evaluation mode was resumed in training mode, so the
 resumed run updated those statistics, dropped those activations and differed from the
-uninterrupted one, without a word.
+uninterrupted one, without a word. A model state a component checkpoint cannot store is
+refused before the first step, by sync hooks too.
 """
 
 from __future__ import annotations
@@ -121,3 +124,44 @@ def test_a_mode_changed_between_two_checkpoints_is_a_difference(
     fastckpt.save_checkpoint(tmp_path / "b", models={"main": (model, None)})
     code, out, _ = cli_runner(capsys)("diff", tmp_path / "a", tmp_path / "b")
     assert code == 1 and "modes:main.backbone.1" in out
+
+
+class DictExtraState(nn.Module):
+    """A model whose ``get_extra_state()`` is a dict (not storable in a component file)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.seen = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        return self.lin(x)
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"seen": self.seen}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.seen = state["seen"]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_model_state_a_checkpoint_cannot_store_is_refused_before_the_first_step(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """Before: the sync hook trained ``step_interval`` steps, then the run died at its first
+    save (the async hook's staging prewarm refused it before the first step)."""
+    trained: list[int] = []
+    strategy = fastckpt.TrainingStrategy(
+        DictExtraState(),
+        fastckpt.OptimizerConfig(torch.optim.SGD, {"lr": 0.01}),
+        training_fn=mse,
+        num_steps=10,
+        hooks=[
+            lambda ctx, stage: stage is fastckpt.TrainingStage.AFTER_BATCH and trained.append(1),
+            fastckpt.CheckpointHook(tmp_path, step_interval=5, async_save=async_save),
+        ],
+    )
+    with pytest.raises(TypeError, match="'_extra_state' is a dict"):
+        strategy.run(_batches())
+    assert trained == []
