@@ -471,6 +471,22 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
             "build them into the recipe",
             stacklevel=2,
         )
+    generators = [
+        f"{path or '<root>'}.{attr}"
+        for path, module in _canonical_modules(model).items()
+        for attr, value in sorted(vars(module).items())
+        if isinstance(value, torch.Generator)
+    ]
+    if generators:
+        warnings.warn(
+            f"model {name!r} ({cls.__qualname__}) holds random generators of its own "
+            f"({', '.join(generators[:5])}): no checkpoint holds their state (fastckpt saves "
+            "torch's, Python's and NumPy's global generators and the data loader's), so a "
+            "resumed run restarts them as the constructor seeded them and differs from the "
+            "uninterrupted one; draw from the global generator, or keep the generator's "
+            "get_state() in a buffer (get_extra_state) to have it saved",
+            stacklevel=2,
+        )
     return spec
 
 
@@ -544,12 +560,18 @@ def structural_differences(
             continue
         arguments = _constructor_parameters(type(theirs))
         mine_plain, theirs_plain = _plain_attributes(mine), _plain_attributes(theirs)
+        # Plain attributes a module's own get_extra_state() may save (set_extra_state puts
+        # them back): not reported as lost (before, every save said to set them again).
+        keeps_extra = type(mine).get_extra_state is not torch.nn.Module.get_extra_state
         for attr in sorted(mine_plain.keys() & theirs_plain.keys()):
             a, b = mine_plain[attr], theirs_plain[attr]
             if b == "meta" or _same_plain(a, b):
                 continue
-            kind = found if attr.strip("_") in arguments else settings
-            kind.append(f"{where}.{attr}: {a!r} vs {b!r}")
+            if attr.strip("_") in arguments:
+                found.append(f"{where}.{attr}: {a!r} vs {b!r}")
+            elif not keeps_extra:
+                settings.append(f"{where}.{attr}: {a!r} vs {b!r}")
+
     tied_live, tied_rebuilt = _tied(model), _tied(rebuilt)
     if tied_live != tied_rebuilt:
         shown_live = sorted(sorted(group) for group in tied_live)
