@@ -127,25 +127,6 @@ def test_a_mode_changed_between_two_checkpoints_is_a_difference(
     assert code == 1 and "modes:main.backbone.1" in out
 
 
-class DictExtraState(nn.Module):
-    """A model whose ``get_extra_state()`` is a dict (not storable in a component file)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 1)
-        self.seen = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen += 1
-        return self.lin(x)
-
-    def get_extra_state(self) -> dict[str, int]:
-        return {"seen": self.seen}
-
-    def set_extra_state(self, state: dict[str, int]) -> None:
-        self.seen = state["seen"]
-
-
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_model_state_a_checkpoint_cannot_store_is_refused_before_the_first_step(
     tmp_path: Path, async_save: bool
@@ -185,6 +166,16 @@ class CountedInExtraState(nn.Module):
 
     def set_extra_state(self, state: torch.Tensor) -> None:
         self.seen = int(state[0])
+
+
+class DictExtraState(CountedInExtraState):
+    """The same counter in a dict extra state (not storable in a component file)."""
+
+    def get_extra_state(self) -> dict[str, int]:  # type: ignore[override]
+        return {"seen": self.seen}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:  # type: ignore[override]
+        self.seen = state["seen"]
 
 
 class OwnGenerator(nn.Module):
