@@ -114,3 +114,68 @@ def test_closing_a_sync_manager_waits_for_a_save_running_on_another_thread(
     with fastckpt.CheckpointManager() as reader:
         loaded = reader.load(tmp_path / "ckpt")
     assert torch.equal(loaded["model"]["w31"], state["model"]["w31"])
+
+
+def test_a_close_from_a_saves_callback_while_another_thread_closes_does_not_hang(
+    tmp_path: Path,
+) -> None:
+    """Review of the first version of the wait above: thread A's close() waited for thread
+    B's save, whose finalize_callback called close() and waited for A's close: both hung for
+    good. The callback's close() now returns; A's completes once B's save ends."""
+    in_callback, closing = threading.Event(), threading.Event()
+    config = fastckpt.CheckpointManager.Config.with_sync_save()
+    holder: dict[str, fastckpt.CheckpointManager] = {}
+
+    def finalize(checkpoint_id: Any, logger: Any) -> None:
+        in_callback.set()
+        assert closing.wait(30)
+        time.sleep(0.2)  # A's close() is waiting for this save by now
+        holder["manager"].close()
+
+    config.finalize_callback = finalize
+    manager = holder["manager"] = fastckpt.CheckpointManager(config)
+    saver = threading.Thread(target=manager.save, args=(tmp_path / "ckpt", {"x": torch.ones(4)}))
+    saver.start()
+    assert in_callback.wait(30)
+    closer = threading.Thread(target=manager.close)
+    closer.start()
+    closing.set()
+    closer.join(30)
+    saver.join(30)
+    assert not closer.is_alive() and not saver.is_alive()
+    assert (tmp_path / "ckpt" / "commit.json").exists()
+
+
+def test_a_child_forked_during_a_read_closes_its_copy_of_the_handle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of the deferred close: a child forked while a parent thread was reading
+    inherited the read count, so its close() left the files open for its whole life."""
+    path = tmp_path / "a.safetensors"
+    fastckpt.save_file({"big": torch.ones(1024, 64)}, path)
+    started, release = threading.Event(), threading.Event()
+    original = lazy.pread_into
+
+    def pread_into(fd: int, offset: int, target: np.ndarray, where: str) -> None:
+        started.set()
+        assert release.wait(30)
+        original(fd, offset, target, where)
+
+    monkeypatch.setattr(lazy, "pread_into", pread_into)
+    handle = safe_open(path)
+    reader = threading.Thread(target=lambda: handle.get_slice("big")[0:1000])
+    reader.start()
+    assert started.wait(30)
+    child = os.fork()
+    if child == 0:  # the child: no reader thread here
+        handle.close()
+        still_open = any(
+            os.path.realpath(f"/proc/self/fd/{fd}") == str(path)
+            for fd in os.listdir("/proc/self/fd")
+        )
+        os._exit(1 if still_open else 0)
+    _, status = os.waitpid(child, 0)
+    release.set()
+    reader.join(30)
+    handle.close()
+    assert os.waitstatus_to_exitcode(status) == 0

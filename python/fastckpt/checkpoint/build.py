@@ -5,6 +5,7 @@ checkpoint), and checking before the first save that a model can be rebuilt.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import itertools
 import json
@@ -471,9 +472,10 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
             "build them into the recipe",
             stacklevel=2,
         )
-    generators = [
+    generators = [  # a module with an extra state of its own may keep their state there
         f"{path or '<root>'}.{attr}"
         for path, module in _canonical_modules(model).items()
+        if not _has_own_extra_state(module)
         for attr, value in sorted(vars(module).items())
         if isinstance(value, torch.Generator)
     ]
@@ -560,16 +562,14 @@ def structural_differences(
             continue
         arguments = _constructor_parameters(type(theirs))
         mine_plain, theirs_plain = _plain_attributes(mine), _plain_attributes(theirs)
-        # Plain attributes a module's own get_extra_state() may save (set_extra_state puts
-        # them back): not reported as lost (before, every save said to set them again).
-        keeps_extra = type(mine).get_extra_state is not torch.nn.Module.get_extra_state
+        restored_plain, replayed = _after_extra_state(mine, theirs)
         for attr in sorted(mine_plain.keys() & theirs_plain.keys()):
             a, b = mine_plain[attr], theirs_plain[attr]
             if b == "meta" or _same_plain(a, b):
                 continue
             if attr.strip("_") in arguments:
                 found.append(f"{where}.{attr}: {a!r} vs {b!r}")
-            elif not keeps_extra:
+            elif replayed and not _same_plain(a, restored_plain.get(attr, b)):
                 settings.append(f"{where}.{attr}: {a!r} vs {b!r}")
 
     tied_live, tied_rebuilt = _tied(model), _tied(rebuilt)
@@ -578,6 +578,28 @@ def structural_differences(
         shown_rebuilt = sorted(sorted(group) for group in tied_rebuilt)
         found.append(f"tied parameters: {shown_live} vs {shown_rebuilt}")
     return found, settings
+
+
+def _has_own_extra_state(module: torch.nn.Module) -> bool:
+    return type(module).get_extra_state is not torch.nn.Module.get_extra_state
+
+
+def _after_extra_state(
+    mine: torch.nn.Module, theirs: torch.nn.Module
+) -> tuple[dict[str, Any], bool]:
+    """The plain attributes the rebuilt module ``theirs`` has once a load gave it ``mine``'s
+    extra state (``set_extra_state(get_extra_state())`` on a copy: the meta build stays as
+    it is), and whether that could be told. A module without an extra state of its own:
+    ``theirs``'s own, True. One whose extra state cannot be replayed (on the meta device,
+    say): ``({}, False)``, its attributes then not reported (they may be restored)."""
+    if not _has_own_extra_state(mine):
+        return _plain_attributes(theirs), True
+    try:
+        replay = copy.deepcopy(theirs)
+        replay.set_extra_state(mine.get_extra_state())
+    except Exception:  # any failure: it cannot be told
+        return {}, False
+    return _plain_attributes(replay), True
 
 
 def _constructor_parameters(cls: type) -> frozenset[str]:

@@ -8,12 +8,13 @@ contiguous order whatever the layout; the manifest entry records the strides
 (:data:`fastckpt.checkpoint.components.STRIDES_FIELD`) of every parameter and buffer laid out
 densely but not contiguously, by canonical name (without wrapper segments such as
 ``_checkpoint_wrapped_module``, as the rebuilt model names them), and a load lays the rebuilt
-tensors out so.
+tensors out so (a recorded tensor the rebuilt model lacks is skipped with a warning).
 """
 
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -67,9 +68,15 @@ def recorded_strides(model: torch.nn.Module) -> dict[str, list[int]]:
     and depthwise weights, which torch calls contiguous; a transposed weight). Views with gaps
     or overlaps (which a rebuilt tensor cannot take) and empty tensors are left out."""
     strides: dict[str, list[int]] = {}
-    for name, tensor in _named_tensors(model):
+    for raw, tensor in itertools.chain(
+        model.named_parameters(remove_duplicate=False),
+        model.named_buffers(remove_duplicate=False),
+    ):
+        if tensor.is_contiguous() and 1 not in tensor.shape:
+            continue  # the common case: contiguous strides, without computing them
         if tensor.is_meta or tensor.layout != torch.strided or tensor.numel() == 0:
             continue
+        name = canonical_name(raw)
         stride = list(tensor.stride())
         if stride != _contiguous_strides(tensor.shape) and _dense_layout(tensor.shape, stride):
             strides[name] = stride
@@ -83,18 +90,27 @@ def apply_strides(model: torch.nn.Module, strides: Any, where: str) -> None:
     ``requires_grad`` and whatever references them stay).
 
     Raises:
-        CheckpointFormatError: ``strides`` is not ``{name: [int, ...]}`` naming tensors of
-            ``model`` with a dense layout of their shape (``where`` names the record).
+        CheckpointFormatError: ``strides`` is not ``{name: [int, ...]}`` giving the tensors of
+            ``model`` it names a dense layout of their shape (``where`` names the record); a
+            name the rebuilt model lacks is skipped with a warning.
     """
     if strides is None:
         return
     if not isinstance(strides, Mapping):
         raise CheckpointFormatError(f"{where}: must be an object of tensor name -> strides")
     tensors = dict(_named_tensors(model))
+    missing = sorted(set(strides) - set(tensors))
+    if missing:
+        warnings.warn(
+            f"{where}: records the layout of tensors {missing[:5]}, which the rebuilt model "
+            "does not have (added after construction, or buffers its recipe does not build); "
+            "their layouts are not applied",
+            stacklevel=3,
+        )
     for name, stride in strides.items():
         tensor = tensors.get(name)
         if tensor is None:
-            raise CheckpointFormatError(f"{where}: names {name!r}, which the model does not have")
+            continue
         if (
             not isinstance(stride, list)
             or not all(type(step) is int for step in stride)

@@ -46,7 +46,7 @@ import contextlib
 import math
 import operator
 import os
-import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +78,7 @@ from fastckpt.errors import (
 )
 from fastckpt.format.records import Manifest, read_commit_record
 from fastckpt.io.files import BACKENDS, check_flag, dtype_from_name, empty_tensor, torch_shape
+from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.paths import safe_join
 
 __all__ = ["HandleClosedError", "SafeOpen", "TensorSlice", "safe_open"]
@@ -604,8 +605,9 @@ class SafeOpen:
         # Reads in flight (any thread): close() leaves their descriptors open until the last
         # one ends (closed under a reader, a descriptor number taken by another open made
         # the read return another file's bytes, or blame this file's checksum).
-        self._state = threading.Lock()
+        self._state = ForkSafeLock()
         self._readers = 0
+        _HANDLES.add(self)
         try:
             for label, path, size, only in files:
                 handle = _File(path, size)
@@ -703,18 +705,30 @@ class SafeOpen:
     @contextlib.contextmanager
     def _reading(self) -> Iterator[None]:
         """Hold the files open for one read (see :meth:`close`)."""
-        with self._state:
-            if self._closed:
-                raise HandleClosedError(f"{self.where}: this safe_open handle is closed")
-            self._readers += 1
+        counted = False
         try:
+            with self._state:
+                if self._closed:
+                    raise HandleClosedError(f"{self.where}: this safe_open handle is closed")
+                self._readers += 1
+                counted = True
             yield
         finally:
-            with self._state:
-                self._readers -= 1
-                files: list[_File] = []
-                if self._closed and not self._readers:
-                    files, self._files = self._files, []
+            files: list[_File] = []
+            if counted:
+                with self._state:
+                    self._readers -= 1
+                    if self._closed and not self._readers:
+                        files, self._files = self._files, []
+            for handle in files:
+                handle.close()
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's reads in flight are not the child's (their
+        threads do not exist there); a close that waited for them closes the files now."""
+        self._readers = 0
+        if self._closed:
+            files, self._files = self._files, []
             for handle in files:
                 handle.close()
 
@@ -824,6 +838,19 @@ class SafeOpen:
             flat[position : position + count].reshape(counts)[...] = view
             position += count
         return self._to_device(out)
+
+
+#: Open handles, for :func:`_forget_parent_reads` after a fork.
+_HANDLES: weakref.WeakSet[SafeOpen] = weakref.WeakSet()
+
+
+def _forget_parent_reads() -> None:
+    for handle in list(_HANDLES):
+        handle._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent_reads)
 
 
 def safe_open(

@@ -411,6 +411,9 @@ class CheckpointManager:
         # ``active`` on the thread inside close(): a close() on that thread meanwhile is a
         # signal handler interrupting it.
         self._closing_here = threading.local()
+        # ``active`` on the thread inside save(): a close() on another thread waits for that
+        # save, so a close() from it (a finalize_callback) must not wait for that close.
+        self._saving_here = threading.local()
         #: Where :meth:`load_latest` restored from (None before it ran).
         self.restored_from: NearestCheckpoint | None = None
         self._tiers: tuple[Path, Path] | None = None
@@ -788,7 +791,12 @@ class CheckpointManager:
                 "outside the lock"
             )
         with self._save_turn:
-            return self._save(checkpoint_id, state, base)
+            outer = getattr(self._saving_here, "active", False)  # a callback saving again
+            self._saving_here.active = True
+            try:
+                return self._save(checkpoint_id, state, base)
+            finally:
+                self._saving_here.active = outer
 
     def _save(
         self, checkpoint_id: str | Path, state: Mapping[str, Any], base: str | Path | None
@@ -1635,6 +1643,11 @@ class CheckpointManager:
                 self._closed = True
             if closing:
                 self._close()
+            elif getattr(self._saving_here, "active", False):
+                # Inside this thread's save (its finalize_callback): the close under way on
+                # another thread waits for this save to end; waiting for it here would wait
+                # forever. It completes once this save returns.
+                return
             else:
                 self._close_done.wait()  # another thread closes: done when it is
                 if self._close_error is not None:
