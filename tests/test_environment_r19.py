@@ -166,3 +166,15 @@ def test_a_live_writer_whose_proc_entry_is_hidden_is_not_taken_for_gone(
         writer.kill()
         writer.wait()
     assert identity.running(writer.pid, HOST, tag) is False  # no process has the pid
+
+
+def test_leftover_names_with_a_pid_no_kernel_has_are_left_alone(tmp_path: Path) -> None:
+    """Review 2: names parsed with ``str.isdigit`` took "²" for a pid (int() then raised a
+    bare ValueError from a save's sweep) and a 30-digit pid made ``os.kill`` raise
+    OverflowError. Such names are no fastckpt leftovers: left alone."""
+    for pid in ("²", "9" * 30):
+        (tmp_path / f"{TEMP_PREFIX}step_1~{pid}~{HOST}~0badc0de").mkdir()
+    assert clean_dead_siblings(tmp_path) == []
+    with fastckpt.CheckpointManager() as manager:
+        manager.save(tmp_path / "step_1", {"x": torch.zeros(1)})
+    assert len(os.listdir(tmp_path)) == 3

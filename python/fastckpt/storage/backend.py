@@ -458,7 +458,10 @@ def _owner(name: str) -> tuple[str, str, int, str, str] | None:
     for prefix in (TEMP_PREFIX, TRASH_PREFIX):
         if name.startswith(prefix):
             parts = name[len(prefix) :].rsplit("~", 3)
-            if len(parts) == 4 and parts[1].isdigit() and parts[0]:
+            # ASCII digits of a pid the kernel can have: "²" is a digit to str.isdigit and
+            # int() refuses it; a 30-digit number made os.kill raise OverflowError.
+            pid = parts[1] if len(parts) == 4 else ""
+            if pid.isascii() and pid.isdigit() and int(pid) < 1 << 31 and parts[0]:
                 tag = parts[3].partition(".")[2]
                 return prefix, parts[0], int(parts[1]), parts[2], tag
     return None
