@@ -178,3 +178,19 @@ def test_leftover_names_with_a_pid_no_kernel_has_are_left_alone(tmp_path: Path) 
     with fastckpt.CheckpointManager() as manager:
         manager.save(tmp_path / "step_1", {"x": torch.zeros(1)})
     assert len(os.listdir(tmp_path)) == 3
+
+
+@pytest.mark.parametrize("stray", ["²", ".ref-²", "٣"])
+def test_a_stray_folder_named_with_a_non_ascii_digit_does_not_break_saves(
+    tmp_path: Path, stray: str
+) -> None:
+    """Review 3: ``str.isdigit`` takes "²" for a digit and ``int()`` refuses it: a stray
+    folder ``ROOT/²`` or ``ROOT/.ref-²`` made every later save_checkpoint raise a bare
+    ValueError. Names are parsed as ASCII digits only; the stray folder is left alone."""
+    model = torch.nn.Linear(2, 2)
+    root = tmp_path / "root"
+    fastckpt.save_checkpoint(root, models={"m": (model, None)})
+    (root / stray).mkdir()
+    fastckpt.save_checkpoint(root, models={"m": (model, None)})
+    assert [entry["index"] for entry in fastckpt.list_checkpoints(root)] == [0, 1]
+    assert fastckpt.verify(root).ok and (root / stray).is_dir()

@@ -46,6 +46,15 @@ class Wrapped(torch.nn.Module):
         return self.head(self.block(x).mean((2, 3)))
 
 
+class SparseMask(torch.nn.Module):
+    """A linear layer with a sparse CSR mask buffer (which no checkpoint stores)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("mask", torch.eye(3).to_sparse_csr())
+
+
 class ConvNet(torch.nn.Module):
     """Two convolutions and a head, small enough for a test."""
 
@@ -188,3 +197,11 @@ def test_a_huge_stride_on_a_size_one_dimension_is_refused() -> None:
             apply_strides(conv, {"weight": stride}, "manifest.json: strides.main")
     apply_strides(conv, {"weight": [3, 1, 3, 3]}, "manifest.json: strides.main")
     assert conv.weight.stride() == (3, 1, 3, 3)
+
+
+def test_a_sparse_buffer_is_refused_by_the_save_not_by_the_layout_record(tmp_path: Path) -> None:
+    """Review 3: the layout record's fast path asked a sparse CSR buffer is_contiguous(),
+    which torch refuses with a bare RuntimeError, before the save's typed refusal."""
+    model = SparseMask()
+    with pytest.raises(fastckpt.InvalidInputError, match="sparse_csr"):
+        fastckpt.save_checkpoint(tmp_path / "run", models={"main": (model, None)})

@@ -220,14 +220,17 @@ def _run_collecting_warnings(tmp_path: Path, model: nn.Module) -> list[str]:
     return [str(w.message) for w in caught if str(w.message) != "sentinel"]
 
 
-def test_attributes_a_module_saves_in_its_extra_state_are_not_reported_lost(
+def test_attributes_a_module_may_keep_in_its_extra_state_are_warned_about_as_such(
     tmp_path: Path,
 ) -> None:
     """Before: a counter saved and put back through get_extra_state()/set_extra_state() was
-    warned about at set-up and every save ("seen: 4 vs 0 ... set them again after loading"):
-    following that advice overwrote correct state."""
-    messages = _run_collecting_warnings(tmp_path, CountedInExtraState())
-    assert not [m for m in messages if "seen" in m], messages
+    reported lost, with advice to set it again after loading that overwrote correct state.
+    fastckpt cannot tell what an extra state holds without running the module's own code at
+    every save (review 3 of a version that replayed it: side effects such as reseeding the
+    global RNG, and 2.5x the proof's time), so such attributes are named as kept unless the
+    extra state holds them."""
+    messages = [m for m in _run_collecting_warnings(tmp_path, CountedInExtraState()) if "seen" in m]
+    assert messages and all("unless its own get_extra_state() keeps it" in m for m in messages)
     rebuilt = fastckpt.TrainingStrategy.load_checkpoint(tmp_path, training_fn=mse)
     assert rebuilt.models["main"].seen == 4
 
@@ -253,25 +256,6 @@ def test_a_wrapped_modules_mode_is_recorded_not_its_wrappers() -> None:
     assert recorded_modes(model) == {"backbone.1": False}
 
 
-class FlagBesideExtraState(nn.Module):
-    """An extra state of its own (a tensor unrelated to the flag) and a flag set after
-    construction, which no checkpoint keeps."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 1)
-        self.use_checkpointing = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x)
-
-    def get_extra_state(self) -> torch.Tensor:
-        return torch.zeros(2)
-
-    def set_extra_state(self, state: torch.Tensor) -> None:
-        pass
-
-
 class GeneratorInExtraState(OwnGenerator):
     """Keeps its generator's state in its extra state, as the warning advises."""
 
@@ -280,18 +264,6 @@ class GeneratorInExtraState(OwnGenerator):
 
     def set_extra_state(self, state: torch.Tensor) -> None:
         self.gen.set_state(state)
-
-
-def test_a_flag_a_modules_extra_state_does_not_restore_is_still_warned_about(
-    tmp_path: Path,
-) -> None:
-    """Review 2 of the first exemption: every module defining get_extra_state (Transformer
-    Engine's, for fp8 metadata) had its lost flags silenced. The extra state is now replayed
-    onto a copy of the rebuilt module: only what it restores is exempt."""
-    model = FlagBesideExtraState()
-    model.use_checkpointing = True
-    messages = _run_collecting_warnings(tmp_path, model)
-    assert any("use_checkpointing: True vs False" in m for m in messages), messages
 
 
 def test_a_generator_kept_in_the_extra_state_is_not_warned_about(tmp_path: Path) -> None:

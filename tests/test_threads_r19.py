@@ -13,6 +13,8 @@ A sync ``CheckpointManager`` closed on one thread while another saves: see below
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -179,3 +181,42 @@ def test_a_child_forked_during_a_read_closes_its_copy_of_the_handle(
     reader.join(30)
     handle.close()
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+_SIGTERM_DURING_ASYNC_SAVE = """
+import os, signal, sys, threading, time
+from pathlib import Path
+import torch, fastckpt
+
+root = Path(sys.argv[1])
+config = fastckpt.CheckpointManager.Config()
+config.pre_finalize_callback = lambda checkpoint_id, logger: time.sleep(2.0)  # a slow write
+manager = fastckpt.CheckpointManager(config)
+
+def handler(signum, frame):
+    manager.close()
+    os._exit(0)
+
+signal.signal(signal.SIGTERM, handler)
+manager.save(root / "ck1", {"x": torch.ones(4)})
+threading.Timer(0.3, manager.close).start()  # another thread closes while ck2's save waits
+threading.Timer(0.6, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+try:
+    manager.save(root / "ck2", {"x": torch.ones(4)})  # waits for ck1's write
+except RuntimeError:
+    pass
+time.sleep(10)
+os._exit(3)
+"""
+
+
+def test_a_sigterm_close_inside_an_async_save_waits_for_the_last_write(tmp_path: Path) -> None:
+    """Review 3 of the early return above: it first covered the whole of save(), so a
+    SIGTERM handler's close() on a thread inside an async save (waiting for the previous
+    write) returned at once while another thread closed, and ``os._exit(0)`` lost that
+    write. It covers a sync save's finalize_callback only now."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_DURING_ASYNC_SAVE, str(tmp_path)], timeout=120
+    )
+    assert done.returncode == 0
+    assert (tmp_path / "ck1" / "commit.json").exists()

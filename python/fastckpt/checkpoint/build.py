@@ -5,7 +5,6 @@ checkpoint), and checking before the first save that a model can be rebuilt.
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import itertools
 import json
@@ -562,15 +561,19 @@ def structural_differences(
             continue
         arguments = _constructor_parameters(type(theirs))
         mine_plain, theirs_plain = _plain_attributes(mine), _plain_attributes(theirs)
-        restored_plain, replayed = _after_extra_state(mine, theirs)
+        # A module's own get_extra_state() may hold such attributes (set_extra_state puts
+        # them back at a load): said so, not replayed (that would run user code at a save).
+        unless = (
+            " (unless its own get_extra_state() keeps it)" if _has_own_extra_state(mine) else ""
+        )
         for attr in sorted(mine_plain.keys() & theirs_plain.keys()):
             a, b = mine_plain[attr], theirs_plain[attr]
             if b == "meta" or _same_plain(a, b):
                 continue
             if attr.strip("_") in arguments:
                 found.append(f"{where}.{attr}: {a!r} vs {b!r}")
-            elif replayed and not _same_plain(a, restored_plain.get(attr, b)):
-                settings.append(f"{where}.{attr}: {a!r} vs {b!r}")
+            else:
+                settings.append(f"{where}.{attr}: {a!r} vs {b!r}{unless}")
 
     tied_live, tied_rebuilt = _tied(model), _tied(rebuilt)
     if tied_live != tied_rebuilt:
@@ -582,24 +585,6 @@ def structural_differences(
 
 def _has_own_extra_state(module: torch.nn.Module) -> bool:
     return type(module).get_extra_state is not torch.nn.Module.get_extra_state
-
-
-def _after_extra_state(
-    mine: torch.nn.Module, theirs: torch.nn.Module
-) -> tuple[dict[str, Any], bool]:
-    """The plain attributes the rebuilt module ``theirs`` has once a load gave it ``mine``'s
-    extra state (``set_extra_state(get_extra_state())`` on a copy: the meta build stays as
-    it is), and whether that could be told. A module without an extra state of its own:
-    ``theirs``'s own, True. One whose extra state cannot be replayed (on the meta device,
-    say): ``({}, False)``, its attributes then not reported (they may be restored)."""
-    if not _has_own_extra_state(mine):
-        return _plain_attributes(theirs), True
-    try:
-        replay = copy.deepcopy(theirs)
-        replay.set_extra_state(mine.get_extra_state())
-    except Exception:  # any failure: it cannot be told
-        return {}, False
-    return _plain_attributes(replay), True
 
 
 def _constructor_parameters(cls: type) -> frozenset[str]:

@@ -72,10 +72,10 @@ def recorded_strides(model: torch.nn.Module) -> dict[str, list[int]]:
         model.named_parameters(remove_duplicate=False),
         model.named_buffers(remove_duplicate=False),
     ):
+        if tensor.is_meta or tensor.layout != torch.strided or tensor.numel() == 0:
+            continue  # sparse layouts have no strides (the save refuses them, typed)
         if tensor.is_contiguous() and 1 not in tensor.shape:
             continue  # the common case: contiguous strides, without computing them
-        if tensor.is_meta or tensor.layout != torch.strided or tensor.numel() == 0:
-            continue
         name = canonical_name(raw)
         stride = list(tensor.stride())
         if stride != _contiguous_strides(tensor.shape) and _dense_layout(tensor.shape, stride):

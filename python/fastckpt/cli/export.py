@@ -41,6 +41,7 @@ from fastckpt.errors import FastCkptError
 from fastckpt.format.records import Manifest, item_files, read_commit_record
 from fastckpt.io import tree
 from fastckpt.io.files import write_tensors
+from fastckpt.io.paths import is_ascii_decimal
 from fastckpt.io.progress import format_bytes
 from fastckpt.storage.backend import explain_full_disk
 from fastckpt.storage.registry import backend_for
@@ -140,7 +141,7 @@ def _ema_plan(manifest: Manifest, index: int, model: str) -> _Export:
     saved with a strategy checkpoint, named like the model's parameters."""
     where = manifest.root / str(index)
     occurrence_text = model.removeprefix(EMA) or "0"
-    if not occurrence_text.isdigit():
+    if not is_ascii_decimal(occurrence_text):
         raise UserError(f"--model {model}: write 'ema' (or 'ema1' for a second EMAHook)")
     occurrence = int(occurrence_text)
     reader = IndexReader(manifest, index)

@@ -35,7 +35,7 @@ from fastckpt.format.records import (
     read_commit_record,
     record_file,
 )
-from fastckpt.io.paths import safe_join
+from fastckpt.io.paths import is_ascii_decimal, safe_join
 from fastckpt.storage.backend import StorageBackend
 from fastckpt.storage.registry import backend_for, display_path
 
@@ -204,7 +204,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f"{shown} is one sharded checkpoint; list its parent directory, or use "
             f"fastckpt inspect {shown}"
         )
-    elif path.name.isdigit() and _is_file(backend, path.parent / MANIFEST):
+    elif is_ascii_decimal(path.name) and _is_file(backend, path.parent / MANIFEST):
         raise UserError(
             f"{shown} is one index of the root {display_path(path.parent)}; list the root, or use "
             f"fastckpt inspect {shown}"

@@ -74,6 +74,7 @@ from fastckpt.format.records import (
     seal_manifest,
 )
 from fastckpt.io.forksafe import ForkSafeLock
+from fastckpt.io.paths import is_ascii_decimal
 from fastckpt.storage.access import NO_ROOM, access_note, free_space_advice
 from fastckpt.storage.backend import (
     ATOMIC_TEMP_INFIX,
@@ -584,7 +585,7 @@ def _refuse_manager_checkpoints(root: Path, backend: StorageBackend) -> None:
     if not local:
         return
     for name in sorted(names):
-        if name.startswith(".") or name.isdigit() or name == SHARDED_DIR:
+        if name.startswith(".") or is_ascii_decimal(name) or name == SHARDED_DIR:
             continue
         child = root / name
         record = next(
@@ -1345,7 +1346,7 @@ def _restore_object_index(root: Path, backend: StorageBackend, index: int, aside
 
 
 def _is_index_name(name: str) -> bool:
-    return name.isdigit() and len(name) <= 18 and str(int(name)) == name
+    return is_ascii_decimal(name) and len(name) <= 18 and str(int(name)) == name
 
 
 def clean_leftovers(

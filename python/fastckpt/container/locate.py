@@ -13,6 +13,7 @@ from typing import Literal
 
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.format.records import COMMIT_RECORD, MANIFEST, SHARDED_RECORD
+from fastckpt.io.paths import is_ascii_decimal
 from fastckpt.storage.access import read_refused
 from fastckpt.storage.backend import StorageBackend
 from fastckpt.storage.registry import backend_for, display_path, is_local
@@ -84,11 +85,11 @@ def locate(path_or_root: str | os.PathLike[str]) -> Location:
             return Location("manager", path)
         if _present(path / SHARDED_RECORD):
             return Location("sharded", path)
-        if path.name.isdigit() and _present(path.parent / MANIFEST):
+        if is_ascii_decimal(path.name) and _present(path.parent / MANIFEST):
             return Location("index", path, root=path.parent, index=int(path.name))
         # A symbolic link (or a ``..``) to an index directory: its root is beside the target.
         real = Path(os.path.realpath(path))
-        if real.name.isdigit() and _present(real.parent / MANIFEST):
+        if is_ascii_decimal(real.name) and _present(real.parent / MANIFEST):
             return Location("index", real, root=real.parent, index=int(real.name))
         raise FileNotFoundError(
             errno.ENOENT,
@@ -176,7 +177,7 @@ def _locate_object(path: Path, backend: StorageBackend) -> Location:
         return Location("manager", path)
     if backend.exists(path / SHARDED_RECORD):
         return Location("sharded", path)
-    if path.name.isdigit() and backend.exists(path.parent / MANIFEST):
+    if is_ascii_decimal(path.name) and backend.exists(path.parent / MANIFEST):
         return Location("index", path, root=path.parent, index=int(path.name))
     try:
         info = backend.stat(path)

@@ -54,7 +54,7 @@ from fastckpt.format.records import (
     check_schema_version,
 )
 from fastckpt.io.forksafe import ForkSafeLock
-from fastckpt.io.paths import safe_join
+from fastckpt.io.paths import is_ascii_decimal, safe_join
 from fastckpt.storage.backend import TEMP_PREFIX, LocalStaging, remove_tree
 from fastckpt.storage.backend import _sibling as temp_sibling
 from fastckpt.storage.registry import backend_for, display_path, is_local, is_object_url
@@ -607,7 +607,7 @@ def _retained_indices(root: Path) -> list[int]:
     """The indices of the retained directories (``ROOT/.ref-<index>``) of local ``root``."""
     names = sorted(os.listdir(root)) if os.path.isdir(root) else []
     tails = (name[len(RETAINED_PREFIX) :] for name in names if name.startswith(RETAINED_PREFIX))
-    return [int(tail) for tail in tails if tail.isdigit()]
+    return [int(tail) for tail in tails if is_ascii_decimal(tail)]
 
 
 def set_aside_committed(root: Path, committed: Collection[int]) -> list[int]:

@@ -26,7 +26,14 @@ from typing import Any
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError, IndexNotCommittedError
-from fastckpt.io.paths import check_name, check_name_length, check_relpath, is_text, safe_join
+from fastckpt.io.paths import (
+    check_name,
+    check_name_length,
+    check_relpath,
+    is_ascii_decimal,
+    is_text,
+    safe_join,
+)
 from fastckpt.storage.access import read_refused
 from fastckpt.storage.backend import MAX_RECORD_BYTES, FileRecord, StorageBackend, read_by_size
 from fastckpt.storage.registry import backend_for, display_path, is_local
@@ -641,7 +648,7 @@ def _parse_entries(path: Path, data: Any) -> dict[int, dict[str, Any]]:
         raise CheckpointFormatError(f"{shown}: field 'checkpoints' must be an object")
     entries: dict[int, dict[str, Any]] = {}
     for key, entry in checkpoints.items():
-        if not (key.isdigit() and len(key) <= len(str(MAX_INDEX)) and str(int(key)) == key):
+        if not (is_ascii_decimal(key) and len(key) <= len(str(MAX_INDEX)) and str(int(key)) == key):
             raise CheckpointFormatError(
                 f"{shown}: checkpoint index {key!r} is not an integer from 0 to {MAX_INDEX}"
             )
@@ -810,13 +817,18 @@ def generation_order(name: str) -> tuple[int, str] | None:
     and ``g<13 digits>-<8 hex>`` (sharded checkpoints)."""
     if name.startswith(GENERATION_PREFIX):
         millis, _, tail = name[len(GENERATION_PREFIX) :].partition("-")
-        if len(millis) == 13 and millis.isdigit() and _is_hex(tail, (16,)):
+        if len(millis) == 13 and is_ascii_decimal(millis) and _is_hex(tail, (16,)):
             return int(millis), name
         if not tail and _is_hex(millis, (32,)):
             return 0, name
         return None
     millis, _, tail = name[1:].partition("-")
-    if name.startswith("g") and len(millis) == 13 and millis.isdigit() and _is_hex(tail, (8,)):
+    if (
+        name.startswith("g")
+        and len(millis) == 13
+        and is_ascii_decimal(millis)
+        and _is_hex(tail, (8,))
+    ):
         return int(millis), name
     return None
 
@@ -997,7 +1009,7 @@ def check_item_key(key: object) -> str:
             "own record; rename the item"
         )
     stem, dot, rank = name.rpartition(".rank")
-    if dot and stem and rank.isdigit():
+    if dot and stem and is_ascii_decimal(rank):
         raise CheckpointFormatError(
             f"state key {name!r} is reserved: its file would be rank {rank}'s file of item "
             f"{stem!r}; rename the item"

@@ -13,6 +13,7 @@ __all__ = [
     "check_name",
     "check_name_length",
     "check_relpath",
+    "is_ascii_decimal",
     "is_text",
     "safe_join",
 ]
@@ -26,6 +27,12 @@ def is_text(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def is_ascii_decimal(text: str) -> bool:
+    """Whether ``text`` is a non-empty run of ASCII digits (``str.isdigit`` also takes ``"²"``,
+    which ``int()`` refuses: a stray folder so named made sweeps raise a bare ValueError)."""
+    return text.isascii() and text.isdigit()
 
 
 def check_name(name: object, what: str) -> str:

@@ -411,8 +411,9 @@ class CheckpointManager:
         # ``active`` on the thread inside close(): a close() on that thread meanwhile is a
         # signal handler interrupting it.
         self._closing_here = threading.local()
-        # ``active`` on the thread inside save(): a close() on another thread waits for that
-        # save, so a close() from it (a finalize_callback) must not wait for that close.
+        # ``active`` on the thread running a sync save's finalize_callback: a close() on
+        # another thread waits for that save, so a close() from the callback must not wait
+        # for that close.
         self._saving_here = threading.local()
         #: Where :meth:`load_latest` restored from (None before it ran).
         self.restored_from: NearestCheckpoint | None = None
@@ -791,12 +792,7 @@ class CheckpointManager:
                 "outside the lock"
             )
         with self._save_turn:
-            outer = getattr(self._saving_here, "active", False)  # a callback saving again
-            self._saving_here.active = True
-            try:
-                return self._save(checkpoint_id, state, base)
-            finally:
-                self._saving_here.active = outer
+            return self._save(checkpoint_id, state, base)
 
     def _save(
         self, checkpoint_id: str | Path, state: Mapping[str, Any], base: str | Path | None
@@ -1077,7 +1073,14 @@ class CheckpointManager:
     def _finalize(self, checkpoint_id: str, path: Path) -> None:
         """Run ``Config.finalize_callback`` (the checkpoint at ``path``, where ``checkpoint_id``
         was saved: inside the fast tier with tiers, is durable and committed)."""
-        if self.config.finalize_callback is not None:
+        if self.config.finalize_callback is None:
+            return
+        # A sync save's callback runs on the saving thread, holding the save turn: a close()
+        # from it must not wait for another thread's close, which waits for this save.
+        sync = self._writer is None
+        outer = getattr(self._saving_here, "active", False)  # a callback saving again
+        self._saving_here.active = sync or outer
+        try:
             run_callback(
                 self.config.finalize_callback,
                 checkpoint_id=checkpoint_id,
@@ -1085,6 +1088,8 @@ class CheckpointManager:
                 storage=backend_for(path),
                 logger=_LOGGER,
             )
+        finally:
+            self._saving_here.active = outer
 
     def prewarm_staging(self, state: Mapping[str, Any]) -> None:
         """Allocate the staging buffers a save of ``state`` will reuse, now.
@@ -1643,10 +1648,16 @@ class CheckpointManager:
                 self._closed = True
             if closing:
                 self._close()
-            elif getattr(self._saving_here, "active", False):
-                # Inside this thread's save (its finalize_callback): the close under way on
-                # another thread waits for this save to end; waiting for it here would wait
-                # forever. It completes once this save returns.
+            elif self._writer is None and getattr(self._saving_here, "active", False):
+                # In a sync save's finalize_callback (its checkpoint is committed): the close
+                # under way on another thread waits for this save to end; waiting for it here
+                # would wait forever. It completes once this save returns.
+                print(
+                    "fastckpt: CheckpointManager.close() called from a finalize_callback "
+                    "while another thread closes the manager: returning; that close "
+                    "finishes once this save returns",
+                    file=sys.stderr,
+                )
                 return
             else:
                 self._close_done.wait()  # another thread closes: done when it is

@@ -48,7 +48,7 @@ from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.headers import read_metadata
-from fastckpt.io.paths import check_relpath
+from fastckpt.io.paths import check_relpath, is_ascii_decimal
 from fastckpt.io.progress import active_counter
 from fastckpt.storage.access import NO_ROOM, ScratchSpaceError, free_space_advice, read_refused
 from fastckpt.storage.identity import HOST, gone, running, writer_tag
@@ -461,7 +461,7 @@ def _owner(name: str) -> tuple[str, str, int, str, str] | None:
             # ASCII digits of a pid the kernel can have: "²" is a digit to str.isdigit and
             # int() refuses it; a 30-digit number made os.kill raise OverflowError.
             pid = parts[1] if len(parts) == 4 else ""
-            if pid.isascii() and pid.isdigit() and int(pid) < 1 << 31 and parts[0]:
+            if is_ascii_decimal(pid) and int(pid) < 1 << 31 and parts[0]:
                 tag = parts[3].partition(".")[2]
                 return prefix, parts[0], int(parts[1]), parts[2], tag
     return None

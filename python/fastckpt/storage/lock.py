@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fastckpt.errors import CheckpointFormatError, ConcurrentSaveError
+from fastckpt.io.paths import is_ascii_decimal
 from fastckpt.storage.access import NO_ROOM, access_note, free_space_advice
 from fastckpt.storage.identity import HOST
 
@@ -96,7 +97,7 @@ def lock_holder(root: str | os.PathLike[str]) -> str:
         text = []
     finally:
         os.close(fd)
-    if len(text) >= 2 and text[0].isdigit():
+    if len(text) >= 2 and is_ascii_decimal(text[0]):
         return f"pid {text[0]} on host {text[1]}"
     return "an unknown process"
 
@@ -115,7 +116,7 @@ def replacing(root: str | os.PathLike[str]) -> int | None:
         return None
     try:
         words = os.read(fd, 256).decode("ascii", "replace").split()
-        if len(words) != 4 or words[2] != REPLACING or not words[3].isdigit():
+        if len(words) != 4 or words[2] != REPLACING or not is_ascii_decimal(words[3]):
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken: nobody holds the lock

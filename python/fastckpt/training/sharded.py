@@ -31,6 +31,7 @@ import fastckpt.checkpoint.specs as specs
 from fastckpt import _native
 from fastckpt.errors import ChecksumMismatchError
 from fastckpt.format import records
+from fastckpt.io.paths import is_ascii_decimal
 from fastckpt.storage.registry import backend_for, is_local
 
 if TYPE_CHECKING:  # importing fastckpt.dcp loads torch.distributed.checkpoint: deferred
@@ -441,7 +442,7 @@ def _prune_node(root: Path, kept: tuple[int, ...], newest: int) -> None:
     up to ``newest`` that rank 0 no longer keeps (its retention decides for every node)."""
     base = Path(root) / SHARDED_DIR
     try:
-        names = [name for name in base.iterdir() if name.name.isdigit()]
+        names = [name for name in base.iterdir() if is_ascii_decimal(name.name)]
     except (FileNotFoundError, NotADirectoryError):
         return
     for directory in names:

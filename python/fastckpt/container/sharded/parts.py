@@ -39,7 +39,7 @@ from typing import Any
 from fastckpt.container.reader import FileReport, read_json
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.records import SHARDED_DIR, SHARDED_RECORD, Manifest
-from fastckpt.io.paths import check_name
+from fastckpt.io.paths import check_name, is_ascii_decimal
 from fastckpt.storage.identity import HOST, gone
 from fastckpt.storage.registry import backend_for, is_local
 
@@ -149,7 +149,7 @@ def _writer_dead(name: str) -> bool:
 
 
 def _is_index_name(name: str) -> bool:
-    return name.isdigit() and len(name) <= 18 and str(int(name)) == name
+    return is_ascii_decimal(name) and len(name) <= 18 and str(int(name)) == name
 
 
 #: An earlier part written on another host (whose writer cannot be asked whether it lives)

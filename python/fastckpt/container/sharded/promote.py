@@ -49,7 +49,7 @@ from fastckpt.container.copy import copy_files, read_verified
 from fastckpt.container.sharded.parts import Part, committed_part, index_dir
 from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
 from fastckpt.format.records import SHARDED_DIR, SHARDED_RECORD, Manifest, read_record_bytes
-from fastckpt.io.paths import safe_join
+from fastckpt.io.paths import is_ascii_decimal, safe_join
 from fastckpt.storage.backend import make_dirs
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
@@ -338,7 +338,7 @@ def _committed_parts(root: Path) -> list[tuple[int, Path]]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     parts = []
-    for index in sorted(int(n) for n in names if n.isdigit() and len(n) <= 18):
+    for index in sorted(int(n) for n in names if is_ascii_decimal(n) and len(n) <= 18):
         part = _newest_committed_part(base / str(index))
         if part is not None:
             parts.append((index, part))
