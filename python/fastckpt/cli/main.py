@@ -421,10 +421,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _printable_names() -> None:
-    """Let stdout and stderr print any name a filesystem holds: one that is not UTF-8
-    (``b"caf\xe9"``, a lone surrogate in Python) is shown escaped (``caf\udce9``), where a
-    strict stream raised ``UnicodeEncodeError`` in the middle of an answer (``fastckpt prune``
-    had deleted the checkpoints it then failed to list)."""
+    """Let stdout and stderr print any name a filesystem holds: one that is not UTF-8 (the
+    byte 0xE9 of a Latin-1 name, a lone surrogate in Python) is shown with a backslash escape,
+    where a strict stream raised ``UnicodeEncodeError`` in the middle of an answer
+    (``fastckpt prune`` had deleted the checkpoints it then failed to list)."""
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None and getattr(stream, "errors", None) == "strict":
