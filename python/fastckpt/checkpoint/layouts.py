@@ -27,12 +27,12 @@ __all__ = ["apply_strides", "recorded_strides"]
 
 
 def _named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``model``'s parameters and buffers by canonical name, tied ones under each name."""
-    for name, tensor in itertools.chain(
+    """``model``'s parameters and buffers by their own names, tied ones under each name
+    (:func:`canonical_name` of a name drops wrapper segments)."""
+    return itertools.chain(
         model.named_parameters(remove_duplicate=False),
         model.named_buffers(remove_duplicate=False),
-    ):
-        yield canonical_name(name), tensor
+    )
 
 
 def _contiguous_strides(shape: torch.Size | list[int]) -> list[int]:
@@ -68,10 +68,7 @@ def recorded_strides(model: torch.nn.Module) -> dict[str, list[int]]:
     and depthwise weights, which torch calls contiguous; a transposed weight). Views with gaps
     or overlaps (which a rebuilt tensor cannot take) and empty tensors are left out."""
     strides: dict[str, list[int]] = {}
-    for raw, tensor in itertools.chain(
-        model.named_parameters(remove_duplicate=False),
-        model.named_buffers(remove_duplicate=False),
-    ):
+    for raw, tensor in _named_tensors(model):
         if tensor.is_meta or tensor.layout != torch.strided or tensor.numel() == 0:
             continue  # sparse layouts have no strides (the save refuses them, typed)
         if tensor.is_contiguous() and 1 not in tensor.shape:
@@ -98,7 +95,7 @@ def apply_strides(model: torch.nn.Module, strides: Any, where: str) -> None:
         return
     if not isinstance(strides, Mapping):
         raise CheckpointFormatError(f"{where}: must be an object of tensor name -> strides")
-    tensors = dict(_named_tensors(model))
+    tensors = {canonical_name(name): tensor for name, tensor in _named_tensors(model)}
     missing = sorted(set(strides) - set(tensors))
     if missing:
         warnings.warn(

@@ -130,11 +130,5 @@ def running(pid: int, host: str, tag: str) -> bool | None:
     if live is None:
         # No /proc entry to read: gone only if no process has the pid. One that exists but
         # hides its entry (/proc mounted hidepid=1/2, another user's) cannot be told.
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            return None
-        return None
+        return False if gone(pid, host) else None
     return live == start
