@@ -1185,10 +1185,14 @@ class TrainingStrategy:
         model_arg: Any = self.models["main"] if list(self.models) == ["main"] else self.models
         loss = self.training_fn(model_arg, _to_device(batch, self.device))
         loss.backward()
+        self._ctx.loss = loss.detach()
         with contextlib.ExitStack() as guards:
             for hook in self.hooks:
                 if isinstance(hook, MutationGuard):
                     guards.enter_context(hook.guard())
+            # The gradients are whole: hooks clip or scale them before the step uses them
+            # (under the guards, as a hook may change weights here too).
+            self._fire(TrainingStage.BEFORE_OPTIMIZER_STEP)
             # From the optimizer step until the counters move, the state is between two
             # steps: an error raised there leaves it marked, and a save then refuses it.
             self._interrupted_step = self.step_count + 1
@@ -1206,7 +1210,6 @@ class TrainingStrategy:
             self._interrupted_step = None  # the step's state moved as one (see _run_epoch)
             self._step_started = None  # and is whole: its hooks may be stopped at once
             self._fire(TrainingStage.AFTER_OPTIMIZER_STEP)
-        self._ctx.loss = loss.detach()
         self._fire(TrainingStage.AFTER_BATCH)
         self._ctx.batch = None
 

@@ -19,6 +19,9 @@ class TrainingStage(enum.Enum):
     BEFORE_TRAINING = "before_training"
     BEFORE_EPOCH = "before_epoch"
     BEFORE_BATCH = "before_batch"
+    #: After ``backward``, before the optimizer step: the batch's gradients are whole (clip or
+    #: scale them here; the loss of this batch is ``ctx.loss``).
+    BEFORE_OPTIMIZER_STEP = "before_optimizer_step"
     AFTER_OPTIMIZER_STEP = "after_optimizer_step"
     AFTER_BATCH = "after_batch"
     AFTER_EPOCH = "after_epoch"
@@ -37,7 +40,8 @@ class TrainContext:
         epoch: completed epochs.
         global_rank: this process's rank (0 without a process group).
         workflow: the running strategy.
-        loss: the last batch's loss (a detached tensor), or None.
+        loss: the current batch's loss (a detached tensor) from BEFORE_OPTIMIZER_STEP on,
+            else the last batch's, or None before the first.
         models / optimizers / schedulers: the strategy's live objects by model name.
         batch: the current batch (None outside a batch).
     """
