@@ -347,7 +347,10 @@ def link_into(
     (recorded with the file's size and crc32c) and the references are rewritten to point
     there. Deleting the earlier index (``rm -rf``, prune) then frees nothing it needs.
     Called under the root's lock; each source is checked (size, header crc32c of every
-    referenced tensor) and linked by inode, so what is linked is what was checked.
+    referenced tensor) and linked by inode only once its bytes are proven to be the recorded
+    ones (:meth:`~fastckpt.storage.backend.LocalStaging.put_proven_link`: written or read back
+    by this process and unchanged since, or read back now), so a file changed in place is
+    never carried into the new index.
 
     Returns:
         The rewritten references ``{relpath: {name: reference}}``, and the ``(relpath,
@@ -366,12 +369,12 @@ def link_into(
         target = linked_file(number)
         try:
             path = source_path(manifest, first)
-            info = os.stat(path, follow_symlinks=False)
             problem = _source_problem(path, [refs[r][n] for r, n in members])
             if problem is not None:
                 raise FileNotFoundError(problem)
             record = {"size": first["file_size"], "crc32c": first["file_crc32c"]}
-            staging.put_link(target, path, record, (info.st_dev, info.st_ino))
+            if not staging.put_proven_link(target, path, record):
+                raise FileNotFoundError(f"{display_path(path)}: not linked (see the log)")
         except (OSError, CheckpointFormatError) as err:
             _LOG.info("%s: not linked (%s); its tensors are written in full", target, err)
             unlinked.extend(members)

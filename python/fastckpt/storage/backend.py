@@ -26,6 +26,7 @@ written last, stays the only commit point.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import errno
@@ -144,6 +145,39 @@ STALE_STAGING_SECONDS = 24 * 3600
 #: it read without bound).
 MAX_RECORD_BYTES = 1 << 30
 _READ_PIECE = 16 << 20
+
+
+#: Local files whose bytes this process wrote or read back in full:
+#: ``(st_dev, st_ino) -> (st_size, st_mtime_ns, crc32c)`` as they were then. A new hard link
+#: to one (:meth:`LocalStaging.put_proven_link`) is made without reading it again while its
+#: size and modification time stay (a write into the file moves its modification time; a
+#: link or an unlink does not). The oldest entries go beyond :data:`_PROVEN_LIMIT`.
+_PROVEN: collections.OrderedDict[tuple[int, int], tuple[int, int, int]] = collections.OrderedDict()
+_PROVEN_LIMIT = 16384
+_PROVEN_LOCK = ForkSafeLock()
+
+
+def _remember_proven(info: os.stat_result, crc32c: int) -> None:
+    """Record that the file ``info`` describes holds bytes of crc32c ``crc32c`` (see
+    :data:`_PROVEN`)."""
+    key = (info.st_dev, info.st_ino)
+    with _PROVEN_LOCK:
+        _PROVEN[key] = (info.st_size, info.st_mtime_ns, crc32c)
+        _PROVEN.move_to_end(key)
+        while len(_PROVEN) > _PROVEN_LIMIT:
+            _PROVEN.popitem(last=False)
+
+
+def _is_proven(info: os.stat_result, record: FileRecord) -> bool:
+    """Whether this process proved the bytes of the file ``info`` describes to be
+    ``record``'s and neither its size nor its modification time moved since."""
+    with _PROVEN_LOCK:
+        entry = _PROVEN.get((info.st_dev, info.st_ino))
+    return entry is not None and entry == (
+        int(record["size"]),
+        info.st_mtime_ns,
+        int(record["crc32c"]),
+    )
 
 
 def _file_checksum(path: Path) -> tuple[int, int]:
@@ -912,6 +946,52 @@ class LocalStaging(Staging):
         info = os.stat(self._target(relpath), follow_symlinks=False)
         return (info.st_dev, info.st_ino)
 
+    def put_proven_link(self, relpath: str, source: Path, record: FileRecord) -> bool:
+        """Hard-link the committed file ``source`` as ``relpath`` (:meth:`put_link`) once its
+        bytes are proven to be ``record``'s (size and crc32c): this process wrote or read back
+        that inode in full and its size and modification time have not moved since
+        (:data:`_PROVEN`), or else the linked inode is read back now. An earlier checkpoint's
+        file changed in place (``dd conv=notrunc``, a disk's bit flip found at this read) is
+        never linked into a new one: False, with a warning naming it, and the caller writes
+        its tensors from memory. False also where no hard link can be made here.
+        """
+        try:
+            info = os.stat(source, follow_symlinks=False)
+        except OSError:
+            return False
+        proven = stat.S_ISREG(info.st_mode) and _is_proven(info, record)
+        try:
+            self.put_link(relpath, source, record, (info.st_dev, info.st_ino))
+        except OSError as err:
+            _LOG.info("%s: not linked here (%s)", source, err)
+            return False
+        if proven:
+            return True
+        linked = self._target(relpath)
+        expected = (int(record["size"]), int(record["crc32c"]))
+        try:
+            got: tuple[int, int] | None = _file_checksum(linked)
+            after = os.stat(linked, follow_symlinks=False)
+        except OSError:
+            got = None
+        if got != expected:
+            del self.files[relpath]
+            with contextlib.suppress(OSError):
+                linked.unlink()
+            _LOG.warning(
+                "%s: its bytes are no longer the ones its checkpoint recorded (size, crc32c %s, "
+                "read back: %s): it was changed in place or damaged, and every checkpoint that "
+                "shares it is damaged too (fastckpt verify names them); this save writes its "
+                "tensors from memory instead of linking it",
+                source,
+                expected,
+                got,
+            )
+            return False
+        if (after.st_size, after.st_mtime_ns) == (info.st_size, info.st_mtime_ns):
+            _remember_proven(after, expected[1])  # unchanged while it was read
+        return True
+
     def put_copy(self, relpath: str, source: Path, record: FileRecord, identity: Hashable) -> bool:
         """A hard link to ``source`` (:meth:`put_link`) when it is still the inode
         ``identity`` names and the linked bytes are proven to be ``record``'s (read back:
@@ -945,9 +1025,12 @@ class LocalStaging(Staging):
         """fsync every directory, swap the temporary directory into place, fsync the parent."""
         for directory in sorted(self._dirs, key=lambda p: len(p.parts), reverse=True):
             _native.fsync_dir(str(directory))
-        for relpath in self.files:
+        for relpath, record in self.files.items():
             info = os.stat(self.temp / relpath, follow_symlinks=False)
             self.identities[relpath] = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+            crc = record.get("crc32c")
+            if isinstance(crc, int) and record.get("size") == info.st_size:
+                _remember_proven(info, crc)  # written (or proven) by this process
         old: Path | None = None
         if os.path.lexists(self.final):
             if exchange_paths(self.temp, self.final):
