@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::checksum;
 use crate::error::{Error, Result};
@@ -129,8 +129,11 @@ pub fn write_image(
     })
 }
 
-/// Writes the data section in chunks, in file order, while another thread hashes each
-/// tensor from the same memory; returns the tensors' crc32c (None without checksums).
+/// Writes the data section in chunks and hashes each tensor from the same memory; returns
+/// the tensors' crc32c (None without checksums). `options.threads` threads in all, as for
+/// [`write_file`](crate::writer::write_file): with one, the caller's thread writes, then
+/// hashes; with more, one thread hashes while `threads - 1` write chunks (each takes the next
+/// chunk not yet taken, so the writes stay roughly in file order).
 fn write_data(
     target: &Target,
     layout: &ImageLayout,
@@ -141,11 +144,19 @@ fn write_data(
     let chunk = normalize_chunk_size(options.chunk_size);
     let data = &image[layout.data_start as usize..layout.image_len as usize];
     let stop = AtomicBool::new(false);
+    if options.threads <= 1 {
+        write_chunks(target, layout, image, chunk, 1, &stop, progress)?;
+        let crcs = options
+            .checksums
+            .then(|| hash_tensors(&layout.tensors, data, &stop));
+        return Ok(crcs);
+    }
     std::thread::scope(|scope| {
         let hasher = options
             .checksums
             .then(|| scope.spawn(|| hash_tensors(&layout.tensors, data, &stop)));
-        let written = write_chunks(target, layout, image, chunk, progress);
+        let writers = options.threads - 1;
+        let written = write_chunks(target, layout, image, chunk, writers, &stop, progress);
         if written.is_err() {
             stop.store(true, Ordering::Relaxed);
         }
@@ -154,26 +165,55 @@ fn write_data(
     })
 }
 
+/// Writes the data section's chunks with `writers` threads (the caller's among them); the
+/// first error stops the others (and `stop`, the hasher) and is returned.
 fn write_chunks(
     target: &Target,
     layout: &ImageLayout,
     image: &[u8],
     chunk: u64,
+    writers: usize,
+    stop: &AtomicBool,
     progress: &Progress,
 ) -> Result<()> {
-    let mut offset = layout.data_start;
-    while offset < layout.image_len {
-        let end = (offset + chunk).min(layout.image_len);
-        let exact_end = end.min(layout.file_len);
-        target.write_aligned(
-            &image[offset as usize..end as usize],
-            (exact_end - offset) as usize,
-            offset,
-        )?;
-        progress.add(exact_end - offset);
-        offset = end;
-    }
-    Ok(())
+    let count = (layout.image_len - layout.data_start).div_ceil(chunk);
+    let next = AtomicU64::new(0);
+    let write_some = || -> Result<()> {
+        loop {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(()); // another writer failed: its error is the one returned
+            }
+            let number = next.fetch_add(1, Ordering::Relaxed);
+            if number >= count {
+                return Ok(());
+            }
+            let offset = layout.data_start + number * chunk;
+            let end = (offset + chunk).min(layout.image_len);
+            let exact_end = end.min(layout.file_len);
+            let written = target.write_aligned(
+                &image[offset as usize..end as usize],
+                (exact_end - offset) as usize,
+                offset,
+            );
+            if written.is_err() {
+                stop.store(true, Ordering::Relaxed);
+                return written;
+            }
+            progress.add(exact_end - offset);
+        }
+    };
+    let helpers = writers.clamp(1, count.max(1) as usize) - 1;
+    std::thread::scope(|scope| {
+        let others: Vec<_> = (0..helpers).map(|_| scope.spawn(write_some)).collect();
+        let mut result = write_some();
+        for other in others {
+            let theirs = other.join().expect("a writing thread does not panic");
+            if result.is_ok() {
+                result = theirs;
+            }
+        }
+        result
+    })
 }
 
 /// crc32c of each tensor's bytes in `data` (the data section), piece by piece so that a
@@ -245,7 +285,7 @@ mod tests {
             .collect()
     }
 
-    fn write_both(direct_io: bool, checksums: bool) {
+    fn write_both(direct_io: bool, checksums: bool, threads: usize) {
         let dir = tempfile::tempdir().unwrap();
         let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
         let layout = image_layout(descs(), &metadata, checksums).unwrap();
@@ -264,6 +304,7 @@ mod tests {
         let options = WriteOptions {
             direct_io,
             checksums,
+            threads,
             chunk_size: 2 * ALIGN,
             ..WriteOptions::default()
         };
@@ -318,7 +359,11 @@ mod tests {
     fn an_image_writes_the_same_tensors_as_write_file() {
         for direct_io in [false, true] {
             for checksums in [false, true] {
-                write_both(direct_io, checksums);
+                // One thread (write, then hash), the default two, and several writers taking
+                // chunks out of order with respect to one another.
+                for threads in [1, 2, 5] {
+                    write_both(direct_io, checksums, threads);
+                }
             }
         }
     }

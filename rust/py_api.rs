@@ -512,12 +512,13 @@ pub fn image_layout(
 /// Writes a file image (a writable, 4096-byte aligned byte buffer laid out by
 /// [`image_layout`] for the same `tensors`, `metadata` and `checksums`, tensor bytes in
 /// place) to `path` atomically, without copying it: O_DIRECT straight from the image with
-/// `direct_io`, the checksums computed by a second thread. `data_start` must be the one
-/// `image_layout` returned. Returns what `save_file` returns.
+/// `direct_io`; `threads` in all (>= 1: with more than one, one computes the checksums from
+/// the same memory while the others write). `data_start` must be the one `image_layout`
+/// returned. Returns what `save_file` returns.
 #[pyfunction]
 #[pyo3(signature = (
     path, tensors, image, data_start, metadata, chunk_size, direct_io, fsync, checksums=true,
-    progress=None
+    progress=None, threads=crate::writer::DEFAULT_WRITE_THREADS
 ))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 pub fn write_image<'py>(
@@ -532,6 +533,7 @@ pub fn write_image<'py>(
     fsync: bool,
     checksums: bool,
     progress: Option<PyRef<'py, ByteCounter>>,
+    threads: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     let progress = counter(progress);
     let layout = image::image_layout(tensor_descs(tensors)?, &metadata, checksums)?;
@@ -551,13 +553,12 @@ pub fn write_image<'py>(
         )));
     }
     let raw = RawBytes::of(&buffer, "file image")?;
-    // The image writer always runs one writing and one hashing thread: `threads` is unused.
     let options = WriteOptions {
         chunk_size,
+        threads: threads.max(1),
         direct_io,
         fsync,
         checksums,
-        ..WriteOptions::default()
     };
     let report = py.detach(|| {
         // SAFETY: `buffer` (alive until this function returns) keeps the writable image valid;

@@ -34,6 +34,9 @@ import torch
 from fastckpt import _native
 from fastckpt.io.files import (
     DEFAULT_CHUNK_SIZE,
+    DEFAULT_WRITE_THREADS,
+    MAX_THREADS,
+    check_count,
     choose_direct_io,
     dtype_name,
     header_shape,
@@ -151,10 +154,14 @@ def write_image(
     direct_io: bool | None = None,
     fsync: bool = True,
     progress: _native.ByteCounter | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Write ``image`` (its views staged) to ``path`` as ``save_file`` writes the same tensors
     (durably, atomically, with checksums), without copying it; ``direct_io=None`` picks the
-    mode as ``save_file`` does. The caller must not stage into the image until this returns.
+    mode as ``save_file`` does. ``threads`` (None: the writer's default,
+    :data:`~fastckpt.io.files.DEFAULT_WRITE_THREADS`) counts every thread of the write: with
+    more than one, one hashes while the others write chunks. The caller must not stage into
+    the image until this returns.
 
     Returns:
         The writer's report, as :func:`fastckpt.io.files.write_tensors` returns it.
@@ -173,6 +180,7 @@ def write_image(
         fsync,
         True,
         progress,
+        check_count(threads, "threads", DEFAULT_WRITE_THREADS, 1, MAX_THREADS),
     )
 
 

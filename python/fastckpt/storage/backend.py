@@ -895,7 +895,9 @@ class LocalStaging(Staging):
 
         image = find_image(tensors) if metadata is None else None
         if image is not None:
-            report = write_image(image, self._target(relpath), direct_io=self.direct_io)
+            report = write_image(
+                image, self._target(relpath), direct_io=self.direct_io, threads=self.threads
+            )
         else:
             report = write_tensors(
                 tensors,
