@@ -4,6 +4,15 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
+/// What a checksum mismatch adds to "the file is corrupt": a file another tool rewrote with
+/// fastckpt's checksum keys copied into its metadata (safetensors' `save_file(tensors, out,
+/// metadata=f.metadata())` of a fastckpt file) fails them too, with nothing damaged. Such a
+/// file is still refused (its bytes cannot be told from damage); this says how to load it.
+/// The keys are [`crate::format::CHECKSUM_KEY`] and [`crate::format::HEADER_CRC_KEY`].
+pub const STALE_CHECKSUMS_HINT: &str = "(or another tool rewrote the file with fastckpt's \
+     metadata keys `fastckpt.crc32c` and `fastckpt.header_crc32c` copied, now stale: drop both \
+     keys from its metadata to load it unchecked)";
+
 /// Everything that can go wrong while writing or reading a fastckpt/safetensors file.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -24,7 +33,8 @@ pub enum Error {
     /// Tensor bytes on disk do not match the crc32c recorded when they were written.
     #[error(
         "{path}: checksum mismatch in tensor `{tensor}` (stored crc32c {expected:08x}, \
-         computed {actual:08x}); the file is corrupt: restore it or load an older checkpoint"
+         computed {actual:08x}); the file is corrupt: restore it or load an older checkpoint \
+         {STALE_CHECKSUMS_HINT}"
     )]
     Checksum {
         path: PathBuf,

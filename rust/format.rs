@@ -18,7 +18,7 @@ use std::path::Path;
 use serde_json::{Map, Value};
 
 use crate::checksum;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, STALE_CHECKSUMS_HINT};
 use crate::json;
 
 /// Metadata key holding `{"tensor name": "crc32c as 8 hex digits", ...}` as a JSON string.
@@ -569,7 +569,9 @@ fn parse_checksums(path: &Path, text: &str) -> Result<HashMap<String, u32>> {
         .collect()
 }
 
-/// User metadata, tensor checksums and the header checksum found in `__metadata__`.
+/// User metadata, tensor checksums and the header checksum found in `__metadata__` (all empty
+/// for a header without one).
+#[derive(Default)]
 struct Metadata {
     user: BTreeMap<String, String>,
     checksums: Option<HashMap<String, u32>>,
@@ -580,11 +582,7 @@ fn parse_metadata(path: &Path, value: &Value) -> Result<Metadata> {
     let object = value
         .as_object()
         .ok_or_else(|| Error::format(path, METADATA_KEY, "must be a str -> str mapping"))?;
-    let mut parsed = Metadata {
-        user: BTreeMap::new(),
-        checksums: None,
-        header_crc: None,
-    };
+    let mut parsed = Metadata::default();
     for (key, value) in object {
         let field = format!("{METADATA_KEY}.{key}");
         let text = value
@@ -689,12 +687,10 @@ pub fn parse_header(path: &Path, json: &[u8], file_len: u64) -> Result<Header> {
         .as_object()
         .ok_or_else(|| Error::format(path, "header", "header must be a JSON object"))?;
     let metadata = match root.get(METADATA_KEY) {
+        // `null` is no metadata, as safetensors reads it: MLX writes it for a file saved
+        // without metadata. Such a file has no checksums, as one without the entry.
+        None | Some(Value::Null) => Metadata::default(),
         Some(value) => parse_metadata(path, value)?,
-        None => Metadata {
-            user: BTreeMap::new(),
-            checksums: None,
-            header_crc: None,
-        },
     };
     if let Some(stored) = metadata.header_crc {
         let actual = header_crc32c(root);
@@ -705,7 +701,8 @@ pub fn parse_header(path: &Path, json: &[u8], file_len: u64) -> Result<Header> {
                 format!(
                     "the header does not match its checksum (stored {stored:08x}, computed \
                      {actual:08x}): a dtype, shape, offset, checksum or metadata entry was \
-                     changed; the file is corrupt (restore it or load an older checkpoint)"
+                     changed; the file is corrupt: restore it or load an older checkpoint \
+                     {STALE_CHECKSUMS_HINT}"
                 ),
             ));
         }
@@ -1053,6 +1050,52 @@ mod tests {
         let header = encode_header(&tensors, &BTreeMap::new(), Checksums::Omitted).unwrap();
         let json = std::str::from_utf8(&header[8..]).unwrap();
         assert!(!json.contains(METADATA_KEY), "{json}");
+    }
+
+    #[test]
+    fn null_metadata_is_a_header_without_metadata() {
+        // MLX writes `"__metadata__":null` for a file saved without metadata, and safetensors
+        // reads it as none. Before, it was refused: "must be a str -> str mapping".
+        let tensor = r#""a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}"#;
+        let with_null = parse(&raw_file(
+            &format!(r#"{{"__metadata__":null,{tensor}}}"#),
+            2,
+        ));
+        let without = parse(&raw_file(&format!("{{{tensor}}}"), 2)).unwrap();
+        let with_null = with_null.unwrap();
+        assert_eq!(with_null.tensors, without.tensors);
+        assert!(with_null.metadata.is_empty() && with_null.checksums.is_empty());
+        assert_eq!(with_null.header_crc32c, None);
+        // Any other value that is not a str -> str mapping is still refused, as in safetensors.
+        for value in ["[]", r#""x""#, "1", "false", r#"{"k":null}"#] {
+            let json = format!(r#"{{"__metadata__":{value},{tensor}}}"#);
+            let field = format_field(parse(&raw_file(&json, 2)));
+            assert!(field.starts_with(METADATA_KEY), "{value}: {field}");
+        }
+    }
+
+    #[test]
+    fn checksum_mismatches_name_the_keys_another_tool_may_have_copied() {
+        // A file re-saved by safetensors with `metadata=f.metadata()` of a fastckpt file keeps
+        // stale checksums. Before, the errors only said "the file is corrupt: restore it".
+        let tensors = plan_layout(vec![desc("w", Dtype::F32, &[2])]).unwrap();
+        let header = encode_header(&tensors, &BTreeMap::new(), Checksums::Values(&[7])).unwrap();
+        let mut edited = file_with_data(&header, 8);
+        let at = edited.windows(5).position(|w| w == br#""F32""#).unwrap();
+        edited[at..at + 5].copy_from_slice(br#""I32""#);
+        let data = Error::Checksum {
+            path: "t.safetensors".into(),
+            tensor: "w".into(),
+            expected: 7,
+            actual: 8,
+        };
+        for message in [parse(&edited).unwrap_err().to_string(), data.to_string()] {
+            assert!(message.contains("the file is corrupt"), "{message}");
+            for key in RESERVED_KEYS {
+                assert!(message.contains(&format!("`{key}`")), "{message}");
+            }
+            assert!(message.contains("drop both keys"), "{message}");
+        }
     }
 
     #[test]

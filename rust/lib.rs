@@ -39,4 +39,6 @@ mod _native {
     const DEFAULT_WRITE_THREADS: usize = crate::writer::DEFAULT_WRITE_THREADS;
     #[pymodule_export]
     const DIRECT_IO_MIN_BYTES: u64 = crate::reader::DIRECT_IO_MIN_BYTES;
+    #[pymodule_export]
+    const STALE_CHECKSUMS_HINT: &str = crate::error::STALE_CHECKSUMS_HINT;
 }

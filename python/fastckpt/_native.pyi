@@ -11,6 +11,7 @@ DEFAULT_CHUNK_SIZE: int
 DEFAULT_WRITE_THREADS: int
 #: Files from this size are written with O_DIRECT by default and verified with O_DIRECT reads.
 DIRECT_IO_MIN_BYTES: int
+STALE_CHECKSUMS_HINT: str
 
 class ByteCounter:
     """Bytes of tensor data the core has written, read or hashed so far (thread-safe)."""

@@ -369,6 +369,10 @@ def _normalize(key: Any, shape: Sequence[int], where: str) -> list[_Dim]:
     stop (clipped to the dimension, as Python and torch clip them) and a positive step, one
     ``...``.
 
+    An empty list selects nothing along its dimension, as in torch. Two or more lists are
+    refused (torch merges them, with the integers beside them, into one dimension, which a
+    selection per dimension cannot describe), as every non-empty list is.
+
     Refused the way torch refuses them, each naming ``where``: an index out of range or too
     many indices (``IndexError``); a step of zero or below
     (:class:`~fastckpt.errors.InvalidInputError`, a ``ValueError`` as torch raises); any other
@@ -419,6 +423,15 @@ def _normalize(key: Any, shape: Sequence[int], where: str) -> list[_Dim]:
                 f"{where}: index {int(item)} is out of bounds for dimension {axis} of size {size}"
             )
         dims.append(_Dim(position, 1, 1, False))
+    lists = [axis for axis, item in enumerate(items) if isinstance(item, list)]
+    if len(lists) > 1:
+        # Before, each empty list kept a dimension of its own: [[], []] gave (0, 0, 3) where
+        # torch gives (0, 3). Checked last, so that what torch refuses is refused as torch does.
+        raise InvalidInputError(
+            f"{where}: dimensions {lists[0]} and {lists[1]}: a second list index is not "
+            "supported (torch merges list indices into one dimension); use at most one list "
+            "index (an empty one), with integers, slices with a positive step, and '...'"
+        )
     return dims
 
 
@@ -577,9 +590,10 @@ class TensorSlice:
     def __getitem__(self, key: Any) -> torch.Tensor:
         """Read the selected elements: exactly the shape and values ``tensor[key]`` has in
         torch, for ints, slices (any start and stop, a positive step; empty selections
-        included) and one ``...``; what torch refuses is refused (``IndexError``, or
-        :class:`~fastckpt.errors.InvalidInputError` for a step of zero or below and for other
-        kinds of index). See the module docstring for what is verified."""
+        included), one empty list and one ``...``; what torch refuses is refused
+        (``IndexError``, or :class:`~fastckpt.errors.InvalidInputError` for a step of zero or
+        below and for other kinds of index: a non-empty list, a second list). See the module
+        docstring for what is verified."""
         return self._handle._read_slice(self._name, self._entry, key)
 
 
@@ -780,7 +794,7 @@ class SafeOpen:
             raise ChecksumMismatchError(
                 f"{entry.file.path}: checksum mismatch in tensor {entry.name!r} (stored crc32c "
                 f"{entry.crc32c:08x}, computed {crc:08x}); the file is corrupt: restore it from "
-                "a copy or load an older checkpoint"
+                f"a copy or load an older checkpoint {_native.STALE_CHECKSUMS_HINT}"
             )
         return out
 
@@ -805,7 +819,7 @@ class SafeOpen:
             dims[-1] = _Dim(0, 1, held[-1], True)
         shape = [d.count for d in dims if d.keep]
         numel = math.prod(held)
-        if math.prod(d.count for d in dims) == numel or (self.verify_slices and self.verify):
+        if math.prod(d.count for d in dims) == numel or self.verify_slices:
             whole = self._read_whole(name, entry)
             picked = whole[tuple(_as_index(d) for d in dims)]
             # A part is copied out, so the whole tensor it was cut from can be freed.
@@ -883,7 +897,8 @@ def safe_open(
         part: one tensor file of a checkpoint, e.g. ``"models/main"`` (an index) or ``"model"``
             (a manager item); its tensors then keep their plain names.
         verify: check each whole tensor's crc32c when it is read.
-        verify_slices: also verify partial slices, by reading their whole tensor.
+        verify_slices: also verify partial slices, by reading their whole tensor; needs
+            ``verify=True``.
         backend: ``"mmap"`` (default) or ``"pread"``, as safetensors takes them. The handle
             reads each tensor's bytes with positional reads into fresh memory either way (a
             mapping could change under a verified tensor), so both give the same tensors;
@@ -902,8 +917,9 @@ def safe_open(
         ChecksumMismatchError: a damaged manifest (for roots), or a referenced tensor whose
             crc32c differs from its reference's.
         KeyError: an index or part that the checkpoint does not have.
-        ValueError: an unsupported framework or backend, index/part given for a single
-            file, or a sharded (DCP) checkpoint (consolidate it with ``fastckpt export``).
+        ValueError: an unsupported framework or backend, ``verify_slices=True`` with
+            ``verify=False``, index/part given for a single file, or a sharded (DCP)
+            checkpoint (consolidate it with ``fastckpt export``).
         InvalidInputError: ``verify`` or ``verify_slices`` not a bool (a ``TypeError``).
     """
     if backend not in BACKENDS:
@@ -919,5 +935,12 @@ def safe_open(
     # verify=None (falsy) turned checksum checking off: damaged bytes were returned.
     check_flag(verify, "verify", "safe_open")
     check_flag(verify_slices, "verify_slices", "safe_open")
+    if verify_slices and not verify:
+        # Before, the pair was accepted and verified nothing: slices came back unverified.
+        raise ValueError(
+            "safe_open: verify_slices=True needs verify=True (verify=False turns every "
+            "checksum check off, slices included); pass verify=True, or verify_slices=False to "
+            "read unverified"
+        )
     files, where = _resolve_files(Path(path), index, part)
     return SafeOpen(files, where, torch.device(device), verify, verify_slices)
