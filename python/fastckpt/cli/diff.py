@@ -25,6 +25,7 @@ from fastckpt.cli.render import (
     shape_text,
     table,
 )
+from fastckpt.cli.text import printable
 from fastckpt.container.diff import TensorFiles, diff_checkpoints
 from fastckpt.container.kinds import (
     IndexContainer,
@@ -377,7 +378,8 @@ def _limited(rows: list[list[Any]], limit: int) -> tuple[list[list[Any]], str | 
 
 
 def _diff_text(result: Mapping[str, Any], limit: int = 0) -> str:
-    lines = [f"a: {result['a']}", f"b: {result['b']}", _summary(result)]
+    # The labels name a model or an item of the checkpoint (``ROOT [models/<name>]``).
+    lines = [f"a: {printable(result['a'])}", f"b: {printable(result['b'])}", _summary(result)]
     rows: list[list[Any]] = []
     for item in result["changed"]:
         biggest = item["max_abs_diff"]

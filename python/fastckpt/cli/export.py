@@ -27,6 +27,7 @@ from fastckpt.cli.render import (
     counted_progress,
     print_json,
 )
+from fastckpt.cli.text import printable
 from fastckpt.container.kinds import (
     IndexContainer,
     KindVisitor,
@@ -254,7 +255,7 @@ def _write(args: argparse.Namespace, source: Path, out: Path, plan: _Export) -> 
         print_json(summary)
     else:
         origin = ", ".join(f"{k.removeprefix('fastckpt.')} {v}" for k, v in plan.metadata.items())
-        print(f"wrote {out}: {len(tensors)} tensor(s), {format_bytes(size)} ({origin})")
+        print(f"wrote {out}: {len(tensors)} tensor(s), {format_bytes(size)} ({printable(origin)})")
     return EXIT_OK
 
 

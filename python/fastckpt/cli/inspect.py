@@ -22,6 +22,7 @@ from fastckpt.cli.common import (
 )
 from fastckpt.cli.render import (
     file_lines,
+    metadata_text,
     mtime_iso,
     print_json,
     size_text,
@@ -29,6 +30,7 @@ from fastckpt.cli.render import (
     tensor_table,
     when,
 )
+from fastckpt.cli.text import printable
 from fastckpt.container.kinds import (
     Container,
     IndexContainer,
@@ -246,7 +248,8 @@ def _index_text(info: Mapping[str, Any]) -> str:
         fields.append(("hook", f"{hook['class']} #{hook['occurrence']}"))
     fields.append(("size", _size_line(info)))
     width = max(len(label) for label, _ in fields)
-    lines += [f"{label.ljust(width)}  {text}" for label, text in fields]
+    # Names, counters, specs: as the manifest and the index's documents hold them.
+    lines += [f"{label.ljust(width)}  {printable(text)}" for label, text in fields]
     return "\n".join([*lines, "", *file_lines(info["files"])])
 
 
@@ -266,9 +269,9 @@ def _manager_text(info: Mapping[str, Any]) -> str:
         # Under a process group each rank's file holds its own; else the skeleton counts all
         # (an incremental save's unchanged tensors live in linked files of earlier saves).
         tensors = in_files if info["world_size"] > 1 else item["tensors"]
-        lines.append(f"item {item['name']}: {tensors} tensor(s)")
+        lines.append(f"item {printable(item['name'])}: {tensors} tensor(s)")
         shown = list(item["values"].items())
-        lines += [f"  {path} = {value!r}" for path, value in shown[:_MAX_VALUES]]
+        lines += [f"  {printable(path)} = {value!r}" for path, value in shown[:_MAX_VALUES]]
         if len(shown) > _MAX_VALUES:
             lines.append(f"  ... {len(shown) - _MAX_VALUES} more value(s) (see --json)")
     return "\n".join([*lines, "", *file_lines(info["files"])])
@@ -282,7 +285,7 @@ def _file_text(info: Mapping[str, Any]) -> str:
     )
     lines = [head]
     if info["metadata"]:
-        lines.append("metadata: " + ", ".join(f"{k}={v}" for k, v in info["metadata"].items()))
+        lines.append(f"metadata: {metadata_text(info['metadata'])}")
     if info["tensors"]:
         lines.append(tensor_table(info["tensors"], ""))
     return "\n".join(lines)
@@ -331,7 +334,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         newest = children[-1]
         note = (
             f"newest of {len(children)} CheckpointManager checkpoint(s) in {args.path}: "
-            f"{newest.name} (fastckpt ls {args.path} lists them)"
+            f"{printable(newest.name)} (fastckpt ls {args.path} lists them)"
         )
         container: Container = locate(newest)  # a manager checkpoint, or of sharded state
     else:

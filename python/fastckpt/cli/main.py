@@ -50,6 +50,7 @@ from fastckpt.cli.status import (
     EXIT_UNCHECKED,
     UserError,
 )
+from fastckpt.cli.text import printable
 
 __all__ = [
     "EXIT_BAD",
@@ -281,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="give up (exit 2) if another process holds the root's lock this long "
-        "(default: wait, saying who holds it)",
+        "(default: wait, saying who holds it); save_checkpoint roots only",
     )
     prune_cmd.set_defaults(handler=_handler("prune", "cmd_prune"))
 
@@ -460,5 +461,6 @@ def _report(err: Exception, command: str, debug: bool, as_json: bool) -> int:
     if as_json:
         print(_error_json(f"fastckpt {command}", error_text(err)))
     else:
-        print(f"fastckpt {command}: error: {error_text(err)}", file=sys.stderr)
+        # A message may quote a name read from a file (a tensor's, a folder's): escaped.
+        print(f"fastckpt {command}: error: {printable(error_text(err))}", file=sys.stderr)
     return EXIT_ERROR

@@ -17,6 +17,7 @@ from fastckpt.cli.common import (
 from fastckpt.cli.render import (
     print_json,
 )
+from fastckpt.cli.text import printable
 from fastckpt.container.commit import prune_plan
 from fastckpt.container.kinds import RootContainer
 from fastckpt.container.links import file_inodes, freed_bytes
@@ -91,7 +92,13 @@ def _prune_managers(args: argparse.Namespace, children: list[Path]) -> int:
     """Delete all but the newest N manager checkpoints of a directory, as a manager's
     retention does (:func:`~fastckpt.container.promote_checkpoints.prune_checkpoints`: in the
     manager's order, never the newest one that verifies; each removed commit record first, so
-    that an interrupted delete leaves only a leftover recognised as such)."""
+    that an interrupted delete leaves only a leftover recognised as such). ``--lock-timeout``
+    is refused: manager checkpoints take no lock (before, it was accepted and did nothing)."""
+    if args.lock_timeout is not None:
+        raise UserError(
+            f"{args.root} is a directory of CheckpointManager checkpoints, which take no lock; "
+            "--lock-timeout applies to save_checkpoint roots (leave it out here)"
+        )
     root = children[0].parent
     doomed_names = set(doomed_checkpoints(root, args.keep_last))
     doomed = [child for child in children if child.name in doomed_names]
@@ -115,8 +122,8 @@ def _prune_managers(args: argparse.Namespace, children: list[Path]) -> int:
             }
         )
         return EXIT_OK
-    kept_text = ", ".join(child.name for child in kept)
-    names = ", ".join(child.name for child in doomed)
+    kept_text = ", ".join(printable(child.name) for child in kept)
+    names = ", ".join(printable(child.name) for child in doomed)
     if not doomed:
         print(
             f"nothing to delete: {len(children)} checkpoint(s), keeping the last {args.keep_last}"

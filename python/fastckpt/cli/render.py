@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fastckpt import _native
+from fastckpt.cli.text import printable
 from fastckpt.errors import CheckpointFormatError
 from fastckpt.io.progress import format_bytes, polled_progress
 from fastckpt.storage.registry import backend_for
@@ -53,8 +54,9 @@ def _finite(value: Any) -> Any:
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], indent: str = "") -> str:
-    """Left-aligned columns separated by two spaces."""
-    cells = [[str(h) for h in headers], *([str(c) for c in row] for row in rows)]
+    """Left-aligned columns separated by two spaces; every cell :func:`printable` (a tensor
+    name read from a file holds what it likes: a newline split its row in two)."""
+    cells = [[printable(h) for h in headers], *([printable(c) for c in row] for row in rows)]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
     return "\n".join(indent + line.rstrip() for line in lines)
@@ -193,18 +195,23 @@ def tensor_table(tensors: Sequence[Mapping[str, Any]], indent: str) -> str:
     )
 
 
+def metadata_text(metadata: Mapping[str, Any]) -> str:
+    """A safetensors file's metadata as ``key=value, ...``, each :func:`printable`."""
+    return ", ".join(f"{printable(key)}={printable(value)}" for key, value in metadata.items())
+
+
 def file_lines(files: Sequence[Mapping[str, Any]]) -> list[str]:
     """The file listing of ``inspect``: size, tensor count, metadata, tensor table."""
     lines = []
     for item in files:
+        path = printable(item["path"])
         if "tensors" not in item:
-            lines.append(f"{item['path']}  {format_bytes(item['size'])}")
+            lines.append(f"{path}  {format_bytes(item['size'])}")
             continue
         count = len(item["tensors"])
-        lines.append(f"{item['path']}  {format_bytes(item['size'])}, {count} tensor(s)")
+        lines.append(f"{path}  {format_bytes(item['size'])}, {count} tensor(s)")
         if item["metadata"]:
-            meta = ", ".join(f"{k}={v}" for k, v in item["metadata"].items())
-            lines.append(f"  metadata: {meta}")
+            lines.append(f"  metadata: {metadata_text(item['metadata'])}")
         if count:
             lines.append(tensor_table(item["tensors"], "  "))
     return lines

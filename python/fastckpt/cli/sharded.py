@@ -13,6 +13,7 @@ from typing import Any
 
 from fastckpt.cli.common import UserError
 from fastckpt.cli.render import mtime_iso, table
+from fastckpt.cli.text import printable
 from fastckpt.format.records import SHARDED_DIR, SHARDED_RECORD, Manifest
 from fastckpt.io.progress import format_bytes
 from fastckpt.storage.registry import display_path
@@ -51,11 +52,11 @@ def text(info: Mapping[str, Any]) -> str:
     ]
     lines = [head, table(["TENSOR", "DTYPE", "GLOBAL SHAPE", "CHUNKS"], rows)]
     if info["values"]:
-        lines.append("values: " + ", ".join(info["values"]))
+        lines.append("values: " + ", ".join(printable(name) for name in info["values"]))
     if info["uncommitted"]:
         lines.append(
             "uncommitted generations (an interrupted save; the next save removes them): "
-            + ", ".join(info["uncommitted"])
+            + ", ".join(printable(name) for name in info["uncommitted"])
         )
     return "\n".join(lines)
 

@@ -27,6 +27,7 @@ from fastckpt.cli.render import (
     size_text,
     table,
 )
+from fastckpt.cli.text import printable
 from fastckpt.container.kinds import (
     Container,
     IndexContainer,
@@ -208,12 +209,13 @@ def _verify_text(
             "not verified"
         ]
         for f in unchecked:
-            names = ", ".join(f.unchecked_tensors[:5])
+            names = ", ".join(printable(name) for name in f.unchecked_tensors[:5])
             more = (
                 f" (+{len(f.unchecked_tensors) - 5} more)" if len(f.unchecked_tensors) > 5 else ""
             )
             lines.append(
-                f"  {f.path}: {len(f.unchecked_tensors)} tensor(s) unchecked: {names}{more}"
+                f"  {printable(f.path)}: {len(f.unchecked_tensors)} tensor(s) unchecked: "
+                f"{names}{more}"
             )
         lines.append(
             "  (written without fastckpt's checksums, e.g. by the safetensors package; "

@@ -1357,11 +1357,13 @@ def clean_leftovers(
     That is: temporary and trash directories, manifest temp files, and index directories the
     manifest no longer names that are older than its latest index (a prune or a replacement
     interrupted after its manifest commit). Newer unnamed index directories are left alone:
-    the next save of that index replaces them. Sharded parts (``ROOT/sharded``) no committed
-    index names go too (:func:`fastckpt.container.sharded.parts.sweep`), but never those of index
-    ``writing``, whose save is under way; on an object store, and where the caller is
-    ``promoting`` into ``root``, only those of indices older than the latest (other ranks may be
-    uploading into the newer ones: ``only_older``).
+    the next save of that index replaces them, with a logged warning naming each (an older
+    backup's manifest restored over the root leaves newer checkpoints unnamed too). Sharded
+    parts (``ROOT/sharded``) no committed index names go too
+    (:func:`fastckpt.container.sharded.parts.sweep`), but never those of index ``writing``,
+    whose save is under way; on an object store, and where the caller is ``promoting`` into
+    ``root``, only those of indices older than the latest (other ranks may be uploading into
+    the newer ones: ``only_older``).
 
     Call it only while holding the root's lock (as :class:`IndexWriter` does): everything
     temporary in the root then belongs to a dead writer. Returns what was removed.
@@ -1887,6 +1889,8 @@ def _refuse_foreign_files(
     save leaves there). A
     save replaces the whole folder, so a user's ``results.csv`` in ``ROOT/<next index>/`` or
     ``NOTES.md`` in an index replaced with ``checkpoint_index=`` was deleted without a word.
+    A folder of fastckpt's files for an index the manifest does not name is replaced, with a
+    logged warning (:func:`_warn_replacing_unnamed`).
 
     Raises:
         NotACheckpointError: names the folder, the files and the fix; nothing was written or
@@ -1904,11 +1908,15 @@ def _refuse_foreign_files(
             foreign = _not_written_by_fastckpt(directory)
     else:
         stored = _object_relpaths(backend, directory)
+        if not stored:
+            return
         if committed:
             foreign = [relpath for relpath in stored if relpath not in recorded]
         else:
             foreign = [relpath for relpath in stored if not _written_by_fastckpt(relpath)]
     if not foreign:
+        if not committed:
+            _warn_replacing_unnamed(directory, manifest, index)
         return
     what = f"committed index {index}" if committed else f"a folder named like index {index}"
     raise NotACheckpointError(
@@ -1916,6 +1924,29 @@ def _refuse_foreign_files(
         f"which fastckpt did not write; a save of index {index} replaces the whole folder and "
         "would delete them. Move them out of the folder, then save again (nothing was written "
         "or deleted)"
+    )
+
+
+def _warn_replacing_unnamed(directory: Path, manifest: Manifest, index: int) -> None:
+    """Log (a warning) that the save of ``index`` replaces ``directory``, a folder of
+    fastckpt's files that the manifest does not name. The save goes on: a save killed
+    between putting its folder in place and committing the manifest leaves the same picture,
+    and its next save of that index replaces the folder. But the folder may also hold a
+    checkpoint committed after the ``manifest.json`` now in place (an older backup restored
+    over the root): before, it was replaced without a word, and each later save replaced the
+    next such folder."""
+    latest = "none" if manifest.latest is None else str(manifest.latest)
+    _LOG.warning(
+        "%s: index %d is not in %s (its latest index: %s), but this folder holds a "
+        "checkpoint's files: a save interrupted before its commit left them, or they are a "
+        "checkpoint saved after the %s now in place (an older backup restored over the "
+        "root). This save replaces it; to keep such a folder, move it out of the root before "
+        "saving again",
+        display_path(directory),
+        index,
+        MANIFEST,
+        latest,
+        MANIFEST,
     )
 
 

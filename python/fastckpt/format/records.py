@@ -448,6 +448,58 @@ def refuse_other_kind(root: str | os.PathLike[str], call: str) -> None:
         )
 
 
+def _index_folder_hint(root: Path) -> str:
+    """What a folder holding no committed checkpoint is, when it is an index folder, for the
+    message of :meth:`Manifest.resolve` ("" when it is none): ``ROOT/2``, an index of the root
+    beside it, loaded as ``load_checkpoint(ROOT, 2)``; or a folder named like an index that
+    holds a component's folder (``models/``...), or a folder holding such folders, copied
+    without its root: an index's records are in its root's manifest, so it cannot be loaded
+    alone. Before, both said only "no committed checkpoint here"."""
+    backend = backend_for(root)
+    shown = display_path(root)
+    if is_ascii_decimal(root.name) and backend.exists(root.parent / MANIFEST):
+        index, parent = int(root.name), display_path(root.parent)
+        try:
+            named = index in Manifest.load(root.parent).entries
+        except (CheckpointFormatError, OSError):
+            named = True  # a load of the root says what is wrong with its manifest
+        if not named:
+            return (
+                f"{shown} is a folder named like index {index} of the save_checkpoint root "
+                f"{parent}, whose {MANIFEST} does not name it (never committed, or pruned)"
+            )
+        return (
+            f"{shown} is index {index} of the save_checkpoint root {parent}: load it with "
+            f"load_checkpoint({parent!r}, {index})"
+        )
+    if not is_local(backend):
+        return ""
+
+    def copied_index(folder: Path) -> bool:
+        return is_ascii_decimal(folder.name) and any(
+            (folder / kind).is_dir() for kind in COMPONENT_SUFFIXES
+        )
+
+    try:
+        copied = [root] if copied_index(root) else sorted(filter(copied_index, root.iterdir()))
+    except OSError:  # not a folder, or one this user may not list
+        return ""
+    if not copied:
+        return ""
+    what = (
+        f"{shown} is an index folder"
+        if copied == [root]
+        else f"{shown} holds index folder(s) ({', '.join(f.name for f in copied)})"
+    )
+    return (
+        f"{what} of a save_checkpoint root, copied without its root: an index's records (its "
+        f"files' sizes and checksums, counters, components) are in the root's {MANIFEST}, "
+        f"and no index loads without them. Copy the whole root (or its {MANIFEST} with it), "
+        "or write a stand-alone weights file from the root with `fastckpt export ROOT --index "
+        "N --to FILE`"
+    )
+
+
 @dataclass
 class Manifest:
     """The commit record of a checkpoint root.
@@ -600,14 +652,19 @@ class Manifest:
         """Map ``-1`` to the latest index and check that ``index`` is committed.
 
         Raises:
-            FileNotFoundError: the root has no committed checkpoint.
+            FileNotFoundError: the root has no committed checkpoint (names what the folder is
+                instead: another kind of checkpoint, an index folder of a root, one copied
+                without its root).
             IndexNotCommittedError: ``index`` is not committed (a ``KeyError``; lists the
                 available ones).
         """
         shown_path = display_path(self.path)
         if not self.entries:
             refuse_other_kind(self.root, "this call")
-            raise FileNotFoundError(f"{shown_path}: no committed checkpoint here")
+            hint = _index_folder_hint(self.root)
+            raise FileNotFoundError(
+                f"{shown_path}: no committed checkpoint here" + (f"; {hint}" if hint else "")
+            )
         if index == -1:
             return self.latest  # type: ignore[return-value]
         if index not in self.entries:

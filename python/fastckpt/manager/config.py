@@ -368,9 +368,11 @@ class TiersConfig(StrictConfig):
         durable: the durable tier root: a shared filesystem or ``s3://bucket/prefix``.
         promote_every: promote every N-th save of this manager (the first save of a process
             is promoted, then every N-th after it); default 1: every save.
-        keep_last: keep the newest N checkpoints on the fast tier (None: all). A checkpoint
-            still waiting for its promotion, and the newest one that verifies, are never
-            deleted.
+        keep_last: keep the newest N checkpoints on the fast tier (None: all). Never
+            deleted: the newest one that verifies, the newest checkpoint waiting for its
+            promotion, and those the running promotion copies; older ones still waiting may
+            be deleted (the newest waiting one supersedes them: a lagging durable tier then
+            gets the newer one instead).
         durable_keep_last: keep the newest N checkpoints on the durable tier (None: all);
             the newest one that verifies is never deleted.
         strict: a failed promotion raises :class:`~fastckpt.errors.PromotionError` at the

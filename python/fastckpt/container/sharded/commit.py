@@ -103,7 +103,9 @@ def read_record(path: Path) -> Record:
     Raises:
         NotCommittedError: no record (never committed, or only interrupted saves).
         CheckpointFormatError: the record is not a regular file or not a valid JSON record
-            (names file and field).
+            (names file and field); or there is none, and the directory holds a checkpoint
+            torch's ``FileSystemWriter`` wrote (its ``.metadata``: the message names
+            ``FileSystemReader``).
         ChecksumMismatchError: the record's content differs from its own checksum.
     """
     record_path = path / RECORD_NAME
@@ -112,6 +114,17 @@ def read_record(path: Path) -> Record:
     except IsADirectoryError:
         raise CheckpointFormatError(f"{record_path}: is a directory, not a commit record") from None
     except FileNotFoundError:
+        if backend_for(path).exists(path / TORCH_METADATA):
+            # Before: "no committed sharded checkpoint ... save again", for a checkpoint that
+            # is there in torch's own format (what sharded.md's migration diff leads to).
+            raise CheckpointFormatError(
+                f"{display_path(path)}: not a fastckpt sharded checkpoint ({RECORD_NAME} is "
+                f"missing): it holds a checkpoint written by torch's FileSystemWriter "
+                f"({TORCH_METADATA}). Load it with torch.distributed.checkpoint.FileSystemReader "
+                "(dcp.load(state, storage_reader=FileSystemReader(path))); to move it to "
+                "fastckpt, save what that loads with fastckpt.dcp.Writer under a new "
+                "checkpoint id"
+            ) from None
         leftovers = generation_dirs(path)
         detail = (
             f"; {len(leftovers)} uncommitted generation(s) ({leftovers[-1].name}, ...) are "
