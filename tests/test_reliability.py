@@ -576,18 +576,33 @@ def test_symlinks_inside_the_checkpoint_are_allowed(saved: Saved) -> None:
     assert_same(saved.manager_expected["b"], mload(latest))
 
 
-def test_load_checkpoint_refuses_symlinks_escaping_the_root(saved: Saved, tmp_path: Path) -> None:
+@pytest.mark.parametrize("outside", ["elsewhere", "root_other", "root0"])
+def test_load_checkpoint_refuses_symlinks_escaping_the_root(
+    saved: Saved, tmp_path: Path, outside: str
+) -> None:
+    """A root's file linked to a copy outside the root is refused, in an unrelated folder
+    and in a sibling whose name starts with the root's (``root_other``, ``root0``). The
+    siblings were added in round 20: a containment check by string prefix without the
+    trailing separator took them for inside the root and still passed this test."""
     link = saved.root / "1" / "models" / "main.safetensors"
-    symlink_outside(link, tmp_path / "elsewhere" / "main.safetensors")
+    symlink_outside(link, tmp_path / outside / "main.safetensors")
     with pytest.raises(CheckpointFormatError, match="outside the checkpoint"):
         load_checkpoint(saved.root, 1)
 
 
+@pytest.mark.parametrize(
+    "outside", ["elsewhere", "mgr/a_other", "mgr/a0"], ids=["elsewhere", "a_other", "a0"]
+)
 def test_manager_load_refuses_symlinks_escaping_the_checkpoint(
-    saved: Saved, tmp_path: Path
+    saved: Saved, tmp_path: Path, outside: str
 ) -> None:
+    """A manager checkpoint's item file (``mgr/a``) linked to a copy outside it is refused,
+    in an unrelated folder and in a sibling whose name starts with the checkpoint's
+    (``mgr/a_other``; ``mgr/a0`` as ``step_10`` is to ``step_1``). The siblings were added in
+    round 20: a containment check by string prefix without the trailing separator took
+    them for inside the checkpoint and still passed this test."""
     link = saved.manager_dirs["a"] / "model.safetensors"
-    symlink_outside(link, tmp_path / "elsewhere" / "model.safetensors")
+    symlink_outside(link, tmp_path / outside / "model.safetensors")
     with pytest.raises(CheckpointFormatError, match="outside the checkpoint"):
         mload(saved.manager_dirs["a"])
 

@@ -23,12 +23,17 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt.container import commit
 from fastckpt.container.verify import verify
 from fastckpt.format.records import Manifest
 from fastckpt.storage.registry import configure_storage
 from fastckpt.storage.s3.backend import S3Staging
 from fastckpt.storage.s3.config import S3Options
-from fastckpt.storage.s3.errors import EndpointUnreachableError
+from fastckpt.storage.s3.errors import (
+    CommitConflictError,
+    EndpointUnreachableError,
+    LeaseLostError,
+)
 from s3_support import REGION, S3Server, no_aws_env, s3_root, s3_server
 
 __all__ = ["no_aws_env", "s3_root", "s3_server"]  # fixtures used by name below
@@ -149,6 +154,43 @@ def test_a_writer_paused_past_its_lease_commits_nothing_over_the_next_writers_sa
     assert fastckpt.save_checkpoint(s3_root, models={"main": third}) == 2
     assert time.monotonic() - began < LEASE_TTL_S
     _assert_loads(s3_root, 2, third)
+
+
+def test_the_manifest_put_is_conditioned_on_the_version_first_read_under_the_lease(
+    s3_server: S3Server, s3_root: str, configured: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest is replaced behind a writer's back while it holds its lease (an operator
+    restores an older ``manifest.json`` with a plain S3 client, which takes no lease): the
+    lease still holds, so its renewal right before the commit succeeds, and only the
+    condition on the version the writer first read under the lease stops it. The save fails
+    with CommitConflictError (not LeaseLostError), commits nothing, and the restored
+    manifest stays as it was put. (Added in round 20: the test above failed A through its
+    lease renewal alone, so a commit conditioned on a fresh re-read of the manifest still
+    passed it; such a commit here replaced the restored manifest by its own, naming
+    indices 0, 1 and 2.)"""
+    bucket, key = s3_server.bucket, s3_root.removeprefix(f"s3://{s3_server.bucket}/")
+    raw = s3_server.client()
+    first = _model(0.0)
+    assert fastckpt.save_checkpoint(s3_root, models={"main": first}) == 0
+    backup = raw.get_object(Bucket=bucket, Key=f"{key}/manifest.json")["Body"].read()
+    assert fastckpt.save_checkpoint(s3_root, models={"main": _model(1.0)}) == 1
+    real = commit.IndexWriter.commit_entry
+
+    def restored_meanwhile(self: commit.IndexWriter, entry: dict[str, Any]) -> None:
+        raw.put_object(Bucket=bucket, Key=f"{key}/manifest.json", Body=backup)
+        real(self, entry)
+
+    monkeypatch.setattr(commit.IndexWriter, "commit_entry", restored_meanwhile)
+    with pytest.raises(CommitConflictError) as info:
+        fastckpt.save_checkpoint(s3_root, models={"main": _model(2.0)})
+    assert not isinstance(info.value, LeaseLostError), info.value
+    assert f"{s3_root}/manifest.json" in str(info.value), info.value
+    monkeypatch.undo()
+    assert raw.get_object(Bucket=bucket, Key=f"{key}/manifest.json")["Body"].read() == backup
+    assert sorted(Manifest.load(s3_root).entries) == [0]
+    _assert_loads(s3_root, 0, first)
+    report = verify(s3_root)
+    assert report.ok, report.summary()
 
 
 def test_a_save_failed_by_an_outage_leaves_no_lease_that_delays_the_next_one(

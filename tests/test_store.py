@@ -308,6 +308,67 @@ def test_directories_a_first_save_creates_are_made_durable(
         assert str((tmp_path / made).parent) in synced, (made, synced)
 
 
+def test_every_staged_directory_is_fsynced_before_it_is_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every directory of a new index (the index directory and each folder in it), and of a
+    manager checkpoint, is fsynced while it still has its staging name (``.tmp-NAME~...``),
+    that is before the rename that publishes it: the rename never puts in place a directory
+    whose entries a power cut could lose. (Added in round 20: without that fsync loop in
+    ``LocalStaging.publish``, test_directories_a_first_save_creates_are_made_durable still
+    passed.)"""
+    staged: set[Path] = set()  # each directory fsynced under a staging name, as published
+    real = backend._native.fsync_dir
+
+    def recording(path: str) -> None:
+        parts = Path(os.path.normpath(path)).parts
+        for at, part in enumerate(parts):
+            if part.startswith(backend.TEMP_PREFIX):
+                name = part.removeprefix(backend.TEMP_PREFIX).split("~", 1)[0]
+                staged.add(Path(*parts[:at], name, *parts[at + 1 :]))
+        real(path)
+
+    monkeypatch.setattr(backend._native, "fsync_dir", recording)
+    root = tmp_path / "root"
+    save(root, trained(1))
+    save(root, trained(2))
+    with CheckpointManager(CheckpointManager.Config.with_sync_save()) as manager:
+        manager.save(tmp_path / "step_1", manager_state(trained(1)))
+    published = [root / "0", root / "1", tmp_path / "step_1"]
+    directories = {d for top in published for d in (top, *top.rglob("*")) if d.is_dir()}
+    assert {root / "1" / "models", root / "1" / "optimizers"} <= directories  # nested ones
+    assert directories <= staged, sorted(map(str, directories - staged))
+
+
+def test_a_replacement_fsyncs_its_new_manifest_before_withdrawing_the_old_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replacing committed index 0: the new manifest, written aside first, is fsynced while
+    the manifest in place still names the old index 0, before anything is withdrawn (see
+    test_replacing_an_index_on_a_full_disk_keeps_the_old_or_the_new for the failures).
+    (Added in round 20: without that fsync in ``_write_aside``, the full-disk test still
+    passed: on tmpfs the space is taken by the write, not the fsync.)"""
+    root = tmp_path / "root"
+    save_at(root, trained(1), 0)
+    save_at(root, trained(2), 1)
+    committed_at_fsync: list[dict[int, Any]] = []
+    real = os.fsync
+    new_record = f".{MANIFEST}{backend.ATOMIC_TEMP_INFIX}new."
+
+    def recording(fd: int) -> None:
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(new_record):
+            committed_at_fsync.append(copy.deepcopy(Manifest.load(root).entries))
+        real(fd)
+
+    old, new = copy.deepcopy(Manifest.load(root).entries), trained(3)
+    monkeypatch.setattr(os, "fsync", recording)
+    assert save_at(root, new, 0) == 0
+    monkeypatch.undo()
+    assert committed_at_fsync == [old]
+    assert_same(states(new), loaded_states(load_checkpoint(root, 0)))
+    assert verify(root).ok
+
+
 def test_root_lock_excludes_other_holders(tmp_path: Path) -> None:
     inside: list[int] = []
     errors: list[str] = []

@@ -329,19 +329,24 @@ def _move_out(path: Path, outside: Path) -> None:
     os.symlink(outside, path)
 
 
+@pytest.mark.parametrize("outside", ["outside", "root_other"])
 @pytest.mark.parametrize("linked", ["file", "index-directory"])
-def test_promote_refuses_a_root_whose_files_resolve_outside_it(tmp_path: Path, linked: str) -> None:
+def test_promote_refuses_a_root_whose_files_resolve_outside_it(
+    tmp_path: Path, linked: str, outside: str
+) -> None:
     """A root index file (or the whole index directory) replaced by a symlink out of the
     root: verify and every loader refuse it, and so does ``fastckpt promote`` now, with the
     loaders' CheckpointFormatError, committing nothing. Before, promote read the outside
-    bytes, committed them in the durable tier and exited 0."""
-    (tmp_path / "outside").mkdir()
+    bytes, committed them in the durable tier and exited 0. ``root_other`` (added in round
+    20) is a sibling whose name starts with the root's: a containment check by string
+    prefix without the trailing separator took it for inside and still passed this test."""
+    (tmp_path / outside).mkdir()
     root = tmp_path / "root"
     fastckpt.save_checkpoint(root, models={"m": (_linear(), None)})
     if linked == "file":
-        _move_out(root / "0" / "models" / "m.safetensors", tmp_path / "outside" / "m")
+        _move_out(root / "0" / "models" / "m.safetensors", tmp_path / outside / "m")
     else:
-        _move_out(root / "0", tmp_path / "outside" / "idx0")
+        _move_out(root / "0", tmp_path / outside / "idx0")
     with pytest.raises(CheckpointFormatError, match="outside the checkpoint directory"):
         fastckpt.load_checkpoint(root)
     out = _cli("promote", root, tmp_path / "durable", cwd=tmp_path)

@@ -80,26 +80,39 @@ def test_latest_intact_warns_about_a_damaged_manifest_but_checks_every_index(
         assert latest_intact(saved.root) == 1
 
 
+@pytest.mark.parametrize("sibling", [None, "_other", "0"])
 def test_symlinks_escaping_the_checkpoint_are_refused_by_verify(
-    saved: Saved, tmp_path: Path
+    saved: Saved, tmp_path: Path, sibling: str | None
 ) -> None:
+    """Files and index directories linked out of their checkpoint are ``corrupt``, whether
+    the links point into an unrelated folder (``sibling`` None) or into a sibling whose
+    name is the checkpoint's followed by ``sibling`` (``root_other``, ``mgr/a0`` as
+    ``step_10`` is to ``step_1``). The siblings were added in round 20: a containment check
+    by string prefix without the trailing separator took them for inside and still passed
+    this test."""
+
+    def outside(checkpoint: Path) -> Path:
+        if sibling is None:
+            return tmp_path / "elsewhere"
+        return checkpoint.with_name(checkpoint.name + sibling)
+
     root = saved.root
     link = root / "1" / "models" / "main.safetensors"
-    symlink_outside(link, tmp_path / "elsewhere" / "main.safetensors")
+    symlink_outside(link, outside(root) / "main.safetensors")
     report = verify(root)
     only_failure(report, link, "corrupt")
     assert "outside the checkpoint" in report.failures[0].message
     with pytest.raises(CheckpointFormatError, match="outside the checkpoint"):
         safe_join(root / "1", "models/main.safetensors", within=root)
 
-    shutil.copytree(root / "0", tmp_path / "elsewhere" / "0")
+    shutil.copytree(root / "0", outside(root) / "0")
     shutil.rmtree(root / "0")
-    (root / "0").symlink_to(tmp_path / "elsewhere" / "0")
+    (root / "0").symlink_to(outside(root) / "0")
     assert set(verify(root).failed_indices()) == {0, 1}
 
     directory = saved.manager_dirs["a"]
     link = directory / "optim.safetensors"
-    symlink_outside(link, tmp_path / "elsewhere" / "optim.safetensors")
+    symlink_outside(link, outside(directory) / "optim.safetensors")
     only_failure(verify(directory), link, "corrupt")
 
 
