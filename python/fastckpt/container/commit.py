@@ -911,7 +911,18 @@ class IndexWriter(DirectoryWriter):
                     _JSON_THREADS, thread_name_prefix="fastckpt-records"
                 )
             pool = self._json_lane
-        self._pending.append(pool.submit(work))
+        try:
+            self._pending.append(pool.submit(work))
+        except RuntimeError as err:
+            if "can't start new thread" not in str(err):
+                raise
+            # Before, the bare RuntimeError named nothing; the save is aborted by its caller.
+            raise OSError(
+                errno.EAGAIN,
+                f"{display_path(self.final)}: no thread could be started for this save: the "
+                "process is at its thread limit (`ulimit -u`, a container's pids limit); raise "
+                "it or run fewer threads",
+            ) from err
 
     def add_tensors(
         self,
