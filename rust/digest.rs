@@ -22,31 +22,35 @@ pub fn digest(bytes: &[u8]) -> Digest {
     *blake3::hash(bytes).as_bytes()
 }
 
-/// The digest of every buffer of `inputs`, in order, computed on up to `threads` threads.
+/// The digest of every buffer of `inputs`, in order, computed on up to `threads` threads (the
+/// caller's among them). A thread the process may not start (its thread limit) is left out:
+/// the others, the caller's alone if need be, hash its share.
 pub fn digest_all(inputs: &[&[u8]], threads: usize) -> Vec<Digest> {
     let mut order: Vec<usize> = (0..inputs.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(inputs[i].len()));
     let threads = threads.clamp(1, inputs.len().max(1));
     let next = AtomicUsize::new(0);
     let mut results = vec![[0u8; DIGEST_LEN]; inputs.len()];
+    let run = || {
+        let mut mine = Vec::new();
+        loop {
+            let k = next.fetch_add(1, Ordering::Relaxed);
+            let Some(&i) = order.get(k) else { break };
+            mine.push((i, digest(inputs[i])));
+        }
+        mine
+    };
     let done: Vec<Vec<(usize, Digest)>> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut mine = Vec::new();
-                    loop {
-                        let k = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(&i) = order.get(k) else { break };
-                        mine.push((i, digest(inputs[i])));
-                    }
-                    mine
-                })
-            })
+        let helpers: Vec<_> = (1..threads)
+            .map_while(|_| std::thread::Builder::new().spawn_scoped(scope, run).ok())
             .collect();
-        workers
-            .into_iter()
-            .map(|w| w.join().expect("a digest thread does not panic"))
-            .collect()
+        let mut done = vec![run()];
+        done.extend(
+            helpers
+                .into_iter()
+                .map(|w| w.join().expect("a digest thread does not panic")),
+        );
+        done
     });
     for (i, value) in done.into_iter().flatten() {
         results[i] = value;

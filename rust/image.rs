@@ -144,29 +144,30 @@ fn write_data(
     let chunk = normalize_chunk_size(options.chunk_size);
     let data = &image[layout.data_start as usize..layout.image_len as usize];
     let stop = AtomicBool::new(false);
-    if options.threads <= 1 {
-        write_chunks(target, layout, image, chunk, 1, &stop, progress)?;
-        let crcs = options
-            .checksums
-            .then(|| hash_tensors(&layout.tensors, data, &stop));
-        return Ok(crcs);
-    }
+    let hash = || hash_tensors(&layout.tensors, data, &stop);
     std::thread::scope(|scope| {
-        let hasher = options
-            .checksums
-            .then(|| scope.spawn(|| hash_tensors(&layout.tensors, data, &stop)));
-        let writers = options.threads - 1;
+        // Without a hashing thread (one thread in all, or the process may start no more: its
+        // thread limit, a container's pids limit, `ulimit -u`, `ulimit -v`) this thread
+        // hashes after the writes.
+        let hasher = (options.checksums && options.threads > 1)
+            .then(|| std::thread::Builder::new().spawn_scoped(scope, hash).ok())
+            .flatten();
+        let writers = options.threads.saturating_sub(1).max(1);
         let written = write_chunks(target, layout, image, chunk, writers, &stop, progress);
         if written.is_err() {
             stop.store(true, Ordering::Relaxed);
         }
-        let crcs = hasher.map(|h| h.join().expect("the hashing thread does not panic"));
+        let crcs = match hasher {
+            Some(h) => Some(h.join().expect("the hashing thread does not panic")),
+            None => (options.checksums && written.is_ok()).then(hash),
+        };
         written.map(|()| crcs)
     })
 }
 
-/// Writes the data section's chunks with `writers` threads (the caller's among them); the
-/// first error stops the others (and `stop`, the hasher) and is returned.
+/// Writes the data section's chunks with `writers` threads (the caller's among them; one the
+/// process may not start, at its thread limit, is left out); the first error stops the
+/// others (and `stop`, the hasher) and is returned.
 fn write_chunks(
     target: &Target,
     layout: &ImageLayout,
@@ -204,7 +205,13 @@ fn write_chunks(
     };
     let helpers = writers.clamp(1, count.max(1) as usize) - 1;
     std::thread::scope(|scope| {
-        let others: Vec<_> = (0..helpers).map(|_| scope.spawn(write_some)).collect();
+        let others: Vec<_> = (0..helpers)
+            .map_while(|_| {
+                std::thread::Builder::new()
+                    .spawn_scoped(scope, write_some)
+                    .ok()
+            })
+            .collect();
         let mut result = write_some();
         for other in others {
             let theirs = other.join().expect("a writing thread does not panic");

@@ -83,8 +83,12 @@ fn too_short(path: &Path, file_len: u64) -> Error {
     )
 }
 
-/// Runs `work` on every item with `threads` scoped threads pulling from one queue (items are
-/// started in order); stops early and returns the first error.
+/// Runs `work` on every item with `threads` threads (the caller's among them) pulling from one
+/// queue (items are started in order); stops early and returns the first error.
+///
+/// A thread the process may not start (its thread limit: a container's pids limit,
+/// `ulimit -u`, `ulimit -v`) is left out: the threads running take its share, the caller's
+/// alone if need be.
 fn parallel<T: Send, R: Send>(
     items: Vec<T>,
     threads: usize,
@@ -93,30 +97,32 @@ fn parallel<T: Send, R: Send>(
     let workers = threads.clamp(1, items.len().max(1));
     let queue = Mutex::new(items.into_iter());
     let failed = AtomicBool::new(false);
+    let run = || {
+        let mut done = Vec::new();
+        while !failed.load(Ordering::Relaxed) {
+            let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+            let Some(item) = next else { break };
+            match work(item) {
+                Ok(result) => done.push(result),
+                Err(e) => {
+                    failed.store(true, Ordering::Relaxed);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(done)
+    };
     let results: Vec<Result<Vec<R>>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..workers)
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut done = Vec::new();
-                    while !failed.load(Ordering::Relaxed) {
-                        let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
-                        let Some(item) = next else { break };
-                        match work(item) {
-                            Ok(result) => done.push(result),
-                            Err(e) => {
-                                failed.store(true, Ordering::Relaxed);
-                                return Err(e);
-                            }
-                        }
-                    }
-                    Ok(done)
-                })
-            })
+        let helpers: Vec<_> = (1..workers)
+            .map_while(|_| std::thread::Builder::new().spawn_scoped(scope, run).ok())
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("reader thread panicked"))
-            .collect()
+        let mut results = vec![run()];
+        results.extend(
+            helpers
+                .into_iter()
+                .map(|h| h.join().expect("reader thread panicked")),
+        );
+        results
     });
     let mut all = Vec::new();
     for result in results {

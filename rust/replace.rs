@@ -87,8 +87,8 @@ impl TempFile {
     /// When a large `target` already exists, its inode is first kept alive under a hidden hard
     /// link: the rename then replaces the directory entry atomically without freeing the old
     /// file's blocks (~0.2 s per GiB on ext4), and the old file is deleted on a background
-    /// thread after the commit. A leftover link of a process that died first is removed by the
-    /// next commit of the same target.
+    /// thread after the commit (by this call where no thread can start). A leftover link of a
+    /// process that died first is removed by the next commit of the same target.
     pub fn commit(mut self, target: &Path, fsync: bool) -> Result<()> {
         remove_stale_trash(target);
         let trash = sibling(target, TRASH_SUFFIX)?;
@@ -107,9 +107,16 @@ impl TempFile {
             Ok(())
         };
         if kept {
-            std::thread::spawn(move || {
-                let _ = fs::remove_file(trash);
+            // The commit is done: nothing after it may fail the call. Where the process may
+            // start no thread (its thread limit: a container's pids limit, `ulimit -u`,
+            // `ulimit -v`), the old file is deleted here instead.
+            let doomed = trash.clone();
+            let deleting = std::thread::Builder::new().spawn(move || {
+                let _ = fs::remove_file(doomed);
             });
+            if deleting.is_err() {
+                let _ = fs::remove_file(&trash);
+            }
         }
         synced
     }

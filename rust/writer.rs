@@ -486,7 +486,9 @@ fn write_buffered_stream(
 
 /// O_DIRECT mode: `threads - 1` (at least one) preparer threads copy and hash chunks into
 /// aligned buffers ahead of this thread, which writes them strictly in file order: the same
-/// access pattern as the disk ceiling, with the CPU work overlapped.
+/// access pattern as the disk ceiling, with the CPU work overlapped. A preparer the process
+/// may not start (its thread limit: a container's pids limit, `ulimit -u`, `ulimit -v`) is
+/// left out; without any, this thread prepares and writes each chunk in turn.
 fn write_direct_pipeline(
     target: &Target,
     sources: &Sources,
@@ -512,10 +514,11 @@ fn write_direct_pipeline(
     let next = AtomicUsize::new(0);
     let (filled_tx, filled_rx) = mpsc::sync_channel::<(usize, AlignedBuf, Vec<PieceCrc>)>(depth);
     let outcome = std::thread::scope(|scope| {
+        let mut started = 0;
         for _ in 0..preparers {
             let filled_tx = filled_tx.clone();
             let (free_rx, next) = (&free_rx, &next);
-            scope.spawn(move || loop {
+            let preparer = std::thread::Builder::new().spawn_scoped(scope, move || loop {
                 // Take a buffer before a chunk index, so the lowest index in flight always
                 // owns a buffer and the writer can never wait on a starved chunk.
                 let received = free_rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
@@ -531,9 +534,21 @@ fn write_direct_pipeline(
                     return; // the writer stopped on an error
                 }
             });
+            if preparer.is_err() {
+                break;
+            }
+            started += 1;
         }
         drop(filled_tx);
-        let outcome = write_in_order(target, chunks, filled_rx, &free_tx, progress);
+        let outcome = if started == 0 {
+            let received = free_rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+            let mut buf = received.expect("the buffers were queued above");
+            let outcome = write_one_by_one(target, sources, chunks, options, &mut buf, progress);
+            return_buffer(buf);
+            outcome
+        } else {
+            write_in_order(target, chunks, filled_rx, &free_tx, progress)
+        };
         drop(free_tx); // wakes preparers waiting for a buffer
         outcome
     });
@@ -543,6 +558,41 @@ fn write_direct_pipeline(
         return_buffer(buf);
     }
     outcome
+}
+
+/// [`write_direct_pipeline`] on this thread alone: each chunk is prepared into `buf`, then
+/// written.
+fn write_one_by_one(
+    target: &Target,
+    sources: &Sources,
+    chunks: &[Chunk],
+    options: &WriteOptions,
+    buf: &mut AlignedBuf,
+    progress: &Progress,
+) -> Result<Vec<PieceCrc>> {
+    let mut crcs = Vec::new();
+    for chunk in chunks {
+        prepare_chunk(sources, chunk, buf, options.checksums, &mut crcs);
+        write_prepared(target, chunk, buf, progress)?;
+    }
+    Ok(crcs)
+}
+
+/// Writes `chunk`, prepared in `buf`, and advances `progress` by its tensor bytes.
+fn write_prepared(
+    target: &Target,
+    chunk: &Chunk,
+    buf: &mut AlignedBuf,
+    progress: &Progress,
+) -> Result<()> {
+    let aligned = (chunk.len.div_ceil(ALIGN) * ALIGN) as usize;
+    target.write_aligned(
+        &buf.as_mut_slice()[..aligned],
+        chunk.len as usize,
+        chunk.file_offset,
+    )?;
+    progress.add(chunk.segments.iter().map(|seg| seg.len).sum());
+    Ok(())
 }
 
 /// The writer side of [`write_direct_pipeline`]: reorders prepared chunks and writes them.
@@ -561,19 +611,12 @@ fn write_in_order(
         pending.insert(index, buf);
         crcs.extend(piece_crcs);
         while let Some(mut buf) = pending.remove(&expected) {
-            let chunk = &chunks[expected];
-            let aligned = (chunk.len.div_ceil(ALIGN) * ALIGN) as usize;
-            let result = target.write_aligned(
-                &buf.as_mut_slice()[..aligned],
-                chunk.len as usize,
-                chunk.file_offset,
-            );
+            let result = write_prepared(target, &chunks[expected], &mut buf, progress);
             // Keep the buffer for the next save whatever happened.
             if let Err(returned) = free_tx.send(buf) {
                 return_buffer(returned.0);
             }
             result?;
-            progress.add(chunk.segments.iter().map(|seg| seg.len).sum());
             expected += 1;
         }
     }

@@ -80,6 +80,7 @@ from fastckpt.format.records import Manifest, read_commit_record
 from fastckpt.io.files import BACKENDS, check_flag, dtype_from_name, empty_tensor, torch_shape
 from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.paths import safe_join
+from fastckpt.storage.access import NO_DESCRIPTORS, descriptor_advice
 
 __all__ = ["HandleClosedError", "SafeOpen", "TensorSlice", "safe_open"]
 
@@ -175,6 +176,17 @@ class _File:
             return _native.read_header(alias)
         except (CheckpointFormatError, ChecksumMismatchError) as err:
             raise type(err)(str(err).replace(alias, str(self.path))) from None
+        except OSError as err:
+            # Opening the alias takes a second descriptor: out of them (EMFILE), the error
+            # named the alias, not the file.
+            if err.errno is None or err.filename != alias:
+                raise
+            why = os.strerror(err.errno)
+            if err.errno in NO_DESCRIPTORS:
+                why = f"{why}: {descriptor_advice(err.errno)}"
+            raise OSError(
+                err.errno, f"{self.path}: cannot read its header: {why}", str(self.path)
+            ) from None
 
     def close(self) -> None:
         os.close(self.fd)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from fastckpt.io.headers import (
     read_metadata,
 )
 from fastckpt.io.paths import is_text
+from fastckpt.storage.access import NO_DESCRIPTORS, descriptor_advice
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -675,7 +677,21 @@ def _mapped(handle: Any, name: str, size: int) -> Any:
             f"/proc/self/fd/{handle.fileno()}", shared=False, nbytes=size
         )
     except RuntimeError as err:
-        raise OSError(f"{name}: cannot map the file for reading: {err}") from None
+        raise _mapping_failed(name, err) from None
+
+
+def _mapping_failed(name: str, err: RuntimeError) -> OSError:
+    """torch's failure to map ``name`` as an ``OSError`` naming it, with the errno torch's
+    message ends with (``... Too many open files (24)``) kept, so that callers can test it,
+    and the fix for a lack of file descriptors (mapping opens the file a second time)."""
+    found = re.search(r"\((\d+)\)\s*$", str(err))
+    if found is None:
+        return OSError(f"{name}: cannot map the file for reading: {err}")
+    code = int(found.group(1))
+    why = os.strerror(code)
+    if code in NO_DESCRIPTORS:
+        why = f"{why}: {descriptor_advice(code)}"
+    return OSError(code, f"{name}: cannot map the file for reading: {why}", name)
 
 
 def _read_whole(handle: Any, name: str, size: int) -> Any:

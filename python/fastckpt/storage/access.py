@@ -10,12 +10,16 @@ from __future__ import annotations
 import errno
 import os
 import pwd
+import resource
 from pathlib import Path
 
 __all__ = [
+    "NO_DESCRIPTORS",
     "NO_ROOM",
     "ScratchSpaceError",
     "access_note",
+    "descriptor_advice",
+    "file_size_advice",
     "free_space_advice",
     "read_refused",
     "scratch_full",
@@ -88,6 +92,32 @@ def free_space_advice(path: str | os.PathLike[str]) -> str:
     if stats.f_files > 0 and stats.f_favail < _FEW_INODES:  # f_files 0: no inode limit
         return "free space or inodes (df -i)"
     return "free space"
+
+
+def file_size_advice() -> str:
+    """Why a write was refused as too large (``EFBIG``) and the fix: where this process has a
+    file-size limit (``ulimit -f``, ``RLIMIT_FSIZE``; Python ignores ``SIGXFSZ``, so the write
+    fails instead of killing it), that limit refused it, "raise `ulimit -f`"; else the
+    filesystem refused a file that large, "use a filesystem that allows larger files"."""
+    limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if limit != resource.RLIM_INFINITY:
+        return (
+            f"this process's file-size limit (`ulimit -f`, {limit} bytes) refused the write: "
+            "raise it (`ulimit -f unlimited`)"
+        )
+    return "the filesystem refused a file this large: use a filesystem that allows larger files"
+
+
+#: Errors of a process (``EMFILE``) or of the whole system (``ENFILE``) with no file
+#: descriptor free.
+NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+
+
+def descriptor_advice(code: int) -> str:
+    """Who had no file descriptor free (``code``: one of :data:`NO_DESCRIPTORS`) and the fix:
+    "this process had no file descriptor free (raise `ulimit -n` or open fewer files)"."""
+    who = "this process" if code == errno.EMFILE else "the system"
+    return f"{who} had no file descriptor free (raise `ulimit -n` or open fewer files)"
 
 
 class ScratchSpaceError(OSError):

@@ -51,7 +51,15 @@ from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_relpath, is_ascii_decimal
 from fastckpt.io.progress import active_counter
-from fastckpt.storage.access import NO_ROOM, ScratchSpaceError, free_space_advice, read_refused
+from fastckpt.storage.access import (
+    NO_DESCRIPTORS,
+    NO_ROOM,
+    ScratchSpaceError,
+    descriptor_advice,
+    file_size_advice,
+    free_space_advice,
+    read_refused,
+)
 from fastckpt.storage.identity import HOST, gone, running, writer_tag
 from fastckpt.storage.lock import RootLock
 
@@ -551,12 +559,8 @@ def _left_because(error: BaseException) -> str:
     """What a tree :func:`remove_tree` could not delete means, and the fix, by its error: a
     lack of file descriptors passes (before, every error said "fix its permissions first")."""
     code = getattr(error, "errno", None)
-    if code in (errno.EMFILE, errno.ENFILE):
-        who = "this process" if code == errno.EMFILE else "the system"
-        return (
-            f"{who} had no file descriptor free (raise `ulimit -n` or open fewer files if "
-            "this repeats); a later save or prune removes it"
-        )
+    if code in NO_DESCRIPTORS:
+        return f"{descriptor_advice(code)}; a later save or prune removes it"
     if code in (errno.EACCES, errno.EPERM):
         return "its bytes stay on disk until it is deleted by hand (fix its permissions first)"
     return "its bytes stay on disk until it is deleted"
@@ -753,9 +757,10 @@ def explain_full_disk(
     again: str = "save",
     filename: str | None = None,
 ) -> Iterator[None]:
-    """Re-raise a full (or read-only) disk met while saving ``target``, or a path under it
-    past ``PATH_MAX``, as the same ``OSError`` (errno and file kept) whose message names the
-    checkpoint and the way out; other errors pass.
+    """Re-raise a full (or read-only) disk met while saving ``target``, a file past the
+    file-size limit (``EFBIG``: ``ulimit -f``), or a path under it past ``PATH_MAX``, as the
+    same ``OSError`` (errno and file kept) whose message names the checkpoint and the way
+    out; other errors pass.
 
     Other writers say what they were ``doing`` ("exporting to"), what a failure leaves
     (``kept``), the command to run ``again`` ("export"), and the path to name as the error's
@@ -765,7 +770,8 @@ def explain_full_disk(
     except ScratchSpaceError:
         raise  # a full local scratch folder: its message names it and the fix
     except OSError as err:
-        if err.errno is None or not (disk_refused(err) or _path_too_long(err)):
+        too_large = err.errno == errno.EFBIG
+        if err.errno is None or not (disk_refused(err) or too_large or _path_too_long(err)):
             raise
         where = err.filename or os.fspath(target)
         if err.errno == errno.ENAMETOOLONG:
@@ -776,6 +782,8 @@ def explain_full_disk(
             )
         elif err.errno == errno.EROFS:
             fix = f"remount it read-write (or {again} elsewhere) and {again} again"
+        elif too_large:
+            fix = f"{file_size_advice()}, and {again} again"
         else:
             fix = (
                 f"{free_space_advice(where)} (`fastckpt prune ROOT --keep-last N` deletes "
