@@ -9,6 +9,7 @@ writer's pool thread); the real limit (a pids cgroup, ``ulimit -u``) ends in the
 from __future__ import annotations
 
 import errno
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -44,3 +45,49 @@ def test_a_save_whose_writer_thread_cannot_start_raises_a_typed_error(
     assert fastckpt.verify(root, 0).ok
     fastckpt.save_checkpoint(root, models={"m": (model, None)})  # the next save works
     assert fastckpt.verify(root, 1).ok
+
+
+def _refuse_threads(monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
+    """Make ``Thread.start`` fail as CPython does at the thread limit, for names ``prefix*``."""
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread, *args: Any, **kwargs: Any) -> None:
+        if thread.name.startswith(prefix):
+            raise RuntimeError("can't start new thread")
+        real_start(thread, *args, **kwargs)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_async_hook_whose_writer_thread_cannot_start_reports_it_as_a_failed_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strict: bool
+) -> None:
+    """Before, CPython's bare RuntimeError escaped the hook's error handling: a run with
+    ``strict_saves=False`` stopped at its first save, ``on_save_error`` never called."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import training_support as support
+
+    errors: list[BaseException] = []
+    hook = fastckpt.CheckpointHook(
+        tmp_path / "root",
+        step_interval=2,
+        async_save=True,
+        strict_saves=strict,
+        on_save_error=None if strict else errors.append,
+    )
+    strategy = support.new_strategy([hook], num_steps=4)
+    _refuse_threads(monkeypatch, "fastckpt-hook_")  # the writer's own thread, not its capture's
+    if strict:
+        with pytest.raises(OSError) as caught:
+            strategy.run(support.loader())
+        assert caught.value.errno == errno.EAGAIN and "thread limit" in str(caught.value)
+        return
+    with pytest.raises(OSError) as caught:  # the last failure is raised at close, once
+        strategy.run(support.loader())
+    assert caught.value.errno == errno.EAGAIN
+    assert strategy.step_count == 4  # training went on past the failed saves
+    assert len(errors) >= 2 and all(
+        isinstance(e, OSError) and e.errno == errno.EAGAIN for e in errors
+    ), errors
+    assert fastckpt.list_checkpoints(tmp_path / "root") == []

@@ -393,6 +393,14 @@ class BackgroundWriter(Generic[T]):
             self._executor.submit(self._execute, future, capture, write)
         except RuntimeError as err:
             self._capture_done.set()
+            if "can't start new thread" in str(err):
+                # Before, CPython's bare RuntimeError, naming nothing.
+                raise OSError(
+                    errno.EAGAIN,
+                    f"cannot save {what}: no thread could be started for the background write: "
+                    "the process is at its thread limit (`ulimit -u`, a container's pids "
+                    "limit); nothing was written. Raise it or run fewer threads",
+                ) from err
             if threading.main_thread().is_alive() and not _interpreter_exiting():
                 raise
             # concurrent.futures takes no work once the interpreter began to exit (a thread

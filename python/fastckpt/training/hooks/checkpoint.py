@@ -13,6 +13,7 @@ creates), not at the first save: see :meth:`CheckpointHook.prewarm_staging`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -20,7 +21,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import fastckpt.checkpoint.build as build
 from fastckpt.checkpoint.components import Snapshot, plan_incremental, write_snapshot
@@ -862,11 +863,14 @@ class CheckpointHook:
                 )
             return self._write(snapshot, index)
 
-        self._writer.submit(
-            f"{display_path(self.checkpoint_dir)} (the save at step {ctx.step_count})",
-            write,
-            capture=capture,
-        )
+        try:
+            self._writer.submit(
+                f"{display_path(self.checkpoint_dir)} (the save at step {ctx.step_count})",
+                write,
+                capture=capture,
+            )
+        except OSError as err:  # no thread could start for the write: reported like a failure
+            self._saved(functools.partial(_reraise, err))
 
     def _save_sharded(self, ctx: TrainContext) -> None:
         """A strategy with FSDP2-sharded models: every rank writes its shards, then rank 0
@@ -1182,3 +1186,9 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _reraise(error: BaseException) -> NoReturn:
+    """Raise ``error``: the outcome of a save that failed before it started, for
+    :meth:`CheckpointHook._saved` to raise or report."""
+    raise error
