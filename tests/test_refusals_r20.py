@@ -105,6 +105,28 @@ def test_a_save_replacing_an_unnamed_newer_index_folder_says_so(
     assert "replaces it" in warned[0] and "backup" in warned[0]
 
 
+def test_a_crash_leftover_folder_is_replaced_with_an_info_line_not_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save killed between putting its folder in place and committing the manifest leaves
+    a folder written after the manifest's last commit: the next save replaces it (a routine
+    crash recovery), logged at INFO. Review 1 of the first version: every preempted job got
+    the backup-restore warning."""
+    root = tmp_path / "root"
+    model = nn.Linear(4, 2)
+    _save(root, model, 0)
+    _save(root, model, 1)
+    os.utime(root / "manifest.json", ns=(1, 1))  # the last commit long before the crash
+    shutil.copytree(root / "1", root / "2")  # written after it, never committed
+    with caplog.at_level(logging.INFO, logger="fastckpt.container.commit"):
+        _save(root, model, 2)
+    assert [row["index"] for row in fastckpt.list_checkpoints(root)] == [0, 1, 2]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any(
+        r.levelno == logging.INFO and str(root / "2") in r.getMessage() for r in caplog.records
+    )
+
+
 def test_an_ordinary_save_logs_no_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The warning is for a folder already there, not for every new index."""
     model = nn.Linear(4, 2)

@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "ChecksumMismatchError",
+    "CommitNotDurableError",
     "ConcurrentSaveError",
     "DamagedSourceError",
     "FastCkptError",
@@ -167,6 +168,34 @@ class StateChangedError(FastCkptError, RuntimeError):
     renormalizing its weight in forward, a weight decayed in forward). The message names
     them; later saves copy them when the save is taken, on the training thread.
     """
+
+
+class CommitNotDurableError(FastCkptError, OSError):
+    """A save's commit took effect (the new checkpoint is in place, and loads), but an
+    ``fsync`` after it failed: the commit may not survive a machine crash or a power cut.
+
+    The ``errno`` and ``filename`` are the failed ``fsync``'s (the folder it synced); the
+    message names what was committed, what failed, and where a replaced checkpoint was
+    kept. ``fastckpt verify`` tells what is committed; save again once the storage is
+    healthy to have a durable checkpoint. It is an ``OSError`` (what these failures raised
+    before), so ``except OSError`` keeps working.
+    """
+
+    @classmethod
+    def after(
+        cls, cause: OSError, committed: object, *, kept: object | None = None
+    ) -> CommitNotDurableError:
+        """The error for ``committed`` (a checkpoint path, named in the message) whose commit
+        was followed by the failure ``cause``; ``kept``: where the checkpoint it replaced was
+        left (not deleted: a power cut may bring it back)."""
+        message = (
+            f"{committed}: committed (the new checkpoint is in place and loads), but a later "
+            f"fsync failed ({cause.strerror or cause}): it may not survive a machine crash "
+            f"or power cut; `fastckpt verify` tells what is committed"
+        )
+        if kept is not None:
+            message += f"; the checkpoint it replaced is kept at {kept} (delete it once verified)"
+        return cls(cause.errno, message, cause.filename)
 
 
 class UnsupportedValueError(FastCkptError, TypeError):

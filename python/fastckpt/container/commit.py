@@ -55,7 +55,12 @@ from fastckpt.container.links import LINKED_DIR
 from fastckpt.container.listing import is_alias
 from fastckpt.container.reader import check_recorded, verify_content
 from fastckpt.container.sharded.parts import part_damage
-from fastckpt.errors import CheckpointFormatError, FastCkptError, NotACheckpointError
+from fastckpt.errors import (
+    CheckpointFormatError,
+    CommitNotDurableError,
+    FastCkptError,
+    NotACheckpointError,
+)
 from fastckpt.format.records import (
     COMMIT_RECORD,
     COMPONENT_SUFFIXES,
@@ -314,7 +319,15 @@ def commit_generation(
             )
         if check is not None:
             check()
-        backend.put_record(directory / record_name, data)
+        try:
+            backend.put_record(directory / record_name, data)
+        except BaseException as err:
+            # Locally the record is renamed into place, then its folder fsynced: a failure
+            # of that fsync left the commit applied.
+            if _fails_after_commit(err, backend) and _holds(directory / record_name, data):
+                assert isinstance(err, OSError)
+                raise CommitNotDurableError.after(err, display_path(directory)) from err
+            raise
         try:
             return remove_superseded(
                 directory, generation, record_name, sweep_all=sweep_all, backend=backend
@@ -328,6 +341,25 @@ def commit_generation(
                 err,
             )
             return []
+
+
+def _fails_after_commit(error: BaseException, backend: StorageBackend) -> bool:
+    """Whether ``error``, raised by a local commit that took effect, is a plain OS failure
+    (the ``fsync`` after the rename) to report as :class:`CommitNotDurableError`."""
+    return isinstance(error, OSError) and not isinstance(error, FastCkptError) and is_local(backend)
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    """Whether the local file ``path`` holds exactly ``data`` (False when it cannot be read)."""
+    try:
+        return path.read_bytes() == data
+    except OSError:
+        return False
+
+
+def _cause_of(error: CommitNotDurableError) -> BaseException:
+    """The failure a :class:`CommitNotDurableError` was raised for (itself when it has none)."""
+    return error.__cause__ if error.__cause__ is not None else error
 
 
 def _newer(current: str, generation: str) -> bool:
@@ -966,9 +998,18 @@ class IndexWriter(DirectoryWriter):
         return super().files
 
     def commit(self) -> None:
-        """Make the directory visible (once every background write finished)."""
+        """Make the directory visible (once every background write finished).
+
+        Not a commit of the index (the manifest is): when the ``fsync`` after the directory
+        was put in place fails, the directory is removed (no uncommitted ``ROOT/<i>`` is
+        left) and that plain ``OSError`` raised.
+        """
         self.wait_written()
-        super().commit()
+        try:
+            super().commit()
+        except CommitNotDurableError as err:
+            self.backend.delete(self.final)  # placed, never committed
+            raise _cause_of(err) from None
 
     def commit_entry(self, entry: dict[str, Any]) -> None:
         """Put the index directory in place, then commit ``entry`` to the manifest.
@@ -1023,14 +1064,19 @@ class IndexWriter(DirectoryWriter):
             if not is_local(self.backend):
                 _settle_in_doubt(self.root, self.index)  # the next save takes another number
             raise
-        except BaseException:
+        except BaseException as err:
             # An interruption (Ctrl-C, a signal handler raising) can land after the new
             # manifest took its place: the files it names are then kept.
-            if self._recorded():
-                self._keep = True
-                _committed(self.root, self.index, manifest.entries)
-            else:
+            listed = self._listed()
+            if listed is False:
                 self.backend.delete(self.final)
+                raise
+            self._keep = True
+            _committed(self.root, self.index, manifest.entries)
+            if listed and _fails_after_commit(err, self.backend):
+                # Locally, the only error after the manifest's rename: the fsync after it.
+                assert isinstance(err, OSError)
+                raise CommitNotDurableError.after(err, display_path(self.final)) from err
             raise
         _committed(self.root, self.index, manifest.entries)
         _settle_in_doubt(self.root, None)
@@ -1048,10 +1094,15 @@ class IndexWriter(DirectoryWriter):
         """Whether the root's manifest names this index with the files written here (or
         cannot be read, which leaves the question open: the files are kept, the next save's
         clean-up removes them if no manifest names them)."""
+        return self._listed() is not False
+
+    def _listed(self) -> bool | None:
+        """Whether the root's manifest names this index with the files written here; None
+        when it cannot be read."""
         try:
             listed = Manifest.load(self.root).entries.get(self.index)
-        except Exception:  # unreadable: keep rather than guess
-            return True
+        except Exception:  # unreadable: the question stays open
+            return None
         return listed is not None and listed.get("files") == self.files
 
     def abort(self) -> None:
@@ -1947,7 +1998,21 @@ def _warn_replacing_unnamed(directory: Path, manifest: Manifest, index: int) -> 
     over the root): before, it was replaced without a word, and each later save replaced the
     next such folder."""
     latest = "none" if manifest.latest is None else str(manifest.latest)
-    _LOG.warning(
+    # A crash leaves a folder written after the manifest's last commit: routine, logged at
+    # INFO (every preempted job would see a warning). A folder older than the manifest in
+    # place is what a restored backup leaves: a warning (review 1: the first version warned
+    # at every crash recovery).
+    level = logging.INFO
+    if is_local(backend_for(directory)):
+        try:
+            folder_time = os.stat(directory).st_mtime_ns
+            manifest_time = os.stat(directory.parent / MANIFEST).st_mtime_ns
+        except OSError:
+            folder_time = manifest_time = 0
+        if folder_time < manifest_time:
+            level = logging.WARNING
+    _LOG.log(
+        level,
         "%s: index %d is not in %s (its latest index: %s), but this folder holds a "
         "checkpoint's files: a save interrupted before its commit left them, or they are a "
         "checkpoint saved after the %s now in place (an older backup restored over the "

@@ -245,10 +245,10 @@ def promote_index(
 
         done, written = copy_files(files, writer, target, listed, what)
         retained = _resolve_references(manifest, index, target, held, what)
+        writer.commit_entry({key: value for key, value in entry.items() if key != "files"})
     except BaseException:
-        writer.abort()
+        writer.abort()  # a failed commit too: no hidden staging folder left in the target
         raise
-    writer.commit_entry({key: value for key, value in entry.items() if key != "files"})
     remember_written(target, str(index), written)
     return IndexCopy(done.copied + part_bytes + retained, done.reused)
 

@@ -272,7 +272,7 @@ def read_record_bytes(directory: str | os.PathLike[str], name: str) -> bytes:
             raise CheckpointFormatError(
                 f"{shown}: {size} bytes, more than the {MAX_RECORD_BYTES} a record may have"
             )
-        data = read_by_size(handle, size, MAX_RECORD_BYTES)
+        data = read_by_size(handle, size, MAX_RECORD_BYTES, path)
     if len(data) > MAX_RECORD_BYTES:
         raise CheckpointFormatError(
             f"{shown}: grew past the {MAX_RECORD_BYTES} bytes a record may have"

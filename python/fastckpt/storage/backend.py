@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from fastckpt import _native
-from fastckpt.errors import CheckpointFormatError
+from fastckpt.errors import CheckpointFormatError, CommitNotDurableError
 from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_relpath, is_ascii_decimal
@@ -97,26 +97,35 @@ __all__ = [
 FileRecord = dict[str, int]
 
 
-def read_by_size(handle: BinaryIO, size: int, limit: int) -> bytes:
+def read_by_size(
+    handle: BinaryIO, size: int, limit: int, path: str | os.PathLike[str] | None = None
+) -> bytes:
     """Read an open file whose ``fstat`` size is ``size``, never more than ``limit`` + 1 bytes.
 
     Asks for ``size`` + 1 bytes (the one more shows whether the file grew since the
     ``fstat``) and only if it did reads on, in 1 MiB pieces, until the end or past ``limit``:
     a small record never needs the cap's worth of memory (an up-front buffer of the cap fails
     under ``ulimit -v`` however small the file is). The caller compares the length with
-    ``limit``.
+    ``limit``. A failed read raises its ``OSError`` (errno kept) naming ``path``, the file
+    the handle reads.
     """
-    data = handle.read(min(size, limit) + 1)
-    if len(data) <= size:
-        return data
-    pieces = [data]
-    total = len(data)
-    while total <= limit:
-        piece = handle.read(min(1 << 20, limit + 1 - total))
-        if not piece:
-            break
-        pieces.append(piece)
-        total += len(piece)
+    try:
+        data = handle.read(min(size, limit) + 1)
+        if len(data) <= size:
+            return data
+        pieces = [data]
+        total = len(data)
+        while total <= limit:
+            piece = handle.read(min(1 << 20, limit + 1 - total))
+            if not piece:
+                break
+            pieces.append(piece)
+            total += len(piece)
+    except OSError as err:
+        if err.filename is not None or path is None:
+            raise
+        # A read of an fdopen'ed handle names no file (an EIO gave filename None).
+        raise OSError(err.errno, f"{path}: {err.strerror or err}", os.fspath(path)) from err
     return b"".join(pieces)
 
 
@@ -851,6 +860,9 @@ class LocalStaging(Staging):
         #: already hold another writer's directory).
         self.identities: dict[str, tuple[int, int, int, int]] = {}
         self._dirs: set[Path] = {self.temp}
+        #: Whether :meth:`publish` put the directory in place (:meth:`discard` then keeps
+        #: what the temporary name holds: the replaced content).
+        self._published = False
 
     @property
     def location(self) -> str:
@@ -1059,13 +1071,24 @@ class LocalStaging(Staging):
         else:
             self.temp.rename(self.final)
         self._settled()
-        _native.fsync_dir(str(self.final.parent))
+        self._published = True
+        try:
+            _native.fsync_dir(str(self.final.parent))
+        except OSError as err:
+            # The swap took effect but may not survive a power cut, which could bring the
+            # previous content back: it is kept (under its staging name, which the sweep
+            # of a later process removes), never deleted here.
+            raise CommitNotDurableError.after(err, self.final, kept=old) from err
         if old is not None:
             _remove(old)
 
     def discard(self) -> None:
         """Remove the temporary directory; one that cannot be removed (the process out of file
-        descriptors) is named in a warning (:func:`remove_tree`), no longer left silently."""
+        descriptors) is named in a warning (:func:`remove_tree`), no longer left silently.
+        After :meth:`publish` renamed it into place nothing is removed: the temporary name
+        then holds the replaced content, kept when the commit's ``fsync`` failed."""
+        if self._published:
+            return
         try:
             remove_tree(self.temp)
         finally:
@@ -1111,7 +1134,7 @@ class LocalFileSystem(StorageBackend):
                 raise CheckpointFormatError(
                     f"{path}: {info.st_size} bytes, more than the {limit} a record may have"
                 )
-            data = read_by_size(handle, info.st_size, limit)
+            data = read_by_size(handle, info.st_size, limit, path)
         if len(data) > limit:
             raise CheckpointFormatError(f"{path}: more than the {limit} bytes a record may have")
         return data
