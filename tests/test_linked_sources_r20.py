@@ -85,3 +85,36 @@ def test_an_intact_file_is_linked_without_a_copy(tmp_path: Path) -> None:
     first = root / "0" / "models" / "m.safetensors"
     assert os.stat(first).st_nlink == 3  # indices 1 and 2 hold the very inode
     _loads_bitwise(root, model)
+
+
+def test_a_file_changed_while_a_save_runs_is_read_back_by_the_next_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 1 of the first version: ``publish`` recorded every file of the index as proven
+    as it then was, so a change to the linked file between its proof and the publish (the
+    write of the rest of the index) was never read again: every later save linked it."""
+    from fastckpt.storage.backend import LocalStaging
+
+    root = tmp_path / "root"
+    model = _model()
+    _save(root, model)
+    _save(root, model)
+    first = root / "0" / "models" / "m.safetensors"
+    real_publish = LocalStaging.publish
+
+    def publish_after_a_change(staging: LocalStaging) -> None:
+        if staging.final.name == "2":
+            _flip_data_byte(first)  # a `dd conv=notrunc` while save 2 writes its files
+        real_publish(staging)
+
+    monkeypatch.setattr(LocalStaging, "publish", publish_after_a_change)
+    _save(root, model)  # index 2 shares the changed inode: damaged with it
+    monkeypatch.undo()
+    assert not fastckpt.verify(root, 2).ok
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        _save(root, model)
+    assert "changed in place or damaged" in caplog.text
+    assert fastckpt.verify(root, 3).ok
+    _loads_bitwise(root, model)
+    _save(root, model)
+    assert fastckpt.verify(root, 4).ok

@@ -863,6 +863,10 @@ class LocalStaging(Staging):
         #: Whether :meth:`publish` put the directory in place (:meth:`discard` then keeps
         #: what the temporary name holds: the replaced content).
         self._published = False
+        #: relpaths hard-linked from committed files, and the ``(size, mtime)`` under which
+        #: :meth:`put_proven_link` proved each of its links.
+        self._linked: set[str] = set()
+        self._proofs: dict[str, tuple[int, int]] = {}
 
     @property
     def location(self) -> str:
@@ -961,6 +965,7 @@ class LocalStaging(Staging):
             raise
         self._dirs.add(target.parent)
         self.files[relpath] = dict(record)
+        self._linked.add(relpath)
 
     def identity(self, relpath: str) -> Hashable | None:
         """``(st_dev, st_ino)`` of the staged file (publishing renames its directory: the
@@ -981,38 +986,56 @@ class LocalStaging(Staging):
             info = os.stat(source, follow_symlinks=False)
         except OSError:
             return False
-        proven = stat.S_ISREG(info.st_mode) and _is_proven(info, record)
         try:
             self.put_link(relpath, source, record, (info.st_dev, info.st_ino))
         except OSError as err:
             _LOG.info("%s: not linked here (%s)", source, err)
             return False
-        if proven:
-            return True
         linked = self._target(relpath)
         expected = (int(record["size"]), int(record["crc32c"]))
         try:
-            got: tuple[int, int] | None = _file_checksum(linked)
-            after = os.stat(linked, follow_symlinks=False)
+            now = os.stat(linked, follow_symlinks=False)  # the linked inode, as it is now
         except OSError:
-            got = None
-        if got != expected:
-            del self.files[relpath]
-            with contextlib.suppress(OSError):
-                linked.unlink()
-            _LOG.warning(
-                "%s: its bytes are no longer the ones its checkpoint recorded (size, crc32c %s, "
-                "read back: %s): it was changed in place or damaged, and every checkpoint that "
-                "shares it is damaged too (fastckpt verify names them); this save writes its "
-                "tensors from memory instead of linking it",
-                source,
-                expected,
-                got,
-            )
+            self._unlink_staged(relpath)
             return False
-        if (after.st_size, after.st_mtime_ns) == (info.st_size, info.st_mtime_ns):
-            _remember_proven(after, expected[1])  # unchanged while it was read
+        if not _is_proven(now, record):
+            try:
+                got: tuple[int, int] | None = _file_checksum(linked)
+                after = os.stat(linked, follow_symlinks=False)
+            except OSError:
+                got = None
+            if got != expected:
+                self._unlink_staged(relpath)
+                _LOG.warning(
+                    "%s: its bytes are no longer the ones its checkpoint recorded (size, crc32c "
+                    "%s, read back: %s): it was changed in place or damaged, and every "
+                    "checkpoint that shares it is damaged too (fastckpt verify names them); "
+                    "this save writes its tensors from memory instead of linking it",
+                    source,
+                    expected,
+                    got,
+                )
+                return False
+            if (after.st_size, after.st_mtime_ns) != (now.st_size, now.st_mtime_ns):
+                # Written to while it was read: what was read proves nothing (review 1).
+                self._unlink_staged(relpath)
+                _LOG.warning(
+                    "%s: changed while this save read it back; its tensors are written from "
+                    "memory instead of linking it",
+                    source,
+                )
+                return False
+            _remember_proven(after, expected[1])
+        # publish() remembers the file as proven only if it is still as it was proven here:
+        # a write into it while the rest of the index is written moves its time (review 1).
+        self._proofs[relpath] = (now.st_size, now.st_mtime_ns)
         return True
+
+    def _unlink_staged(self, relpath: str) -> None:
+        """Forget and remove a staged file (a link that is not to be kept)."""
+        self.files.pop(relpath, None)
+        with contextlib.suppress(OSError):
+            self._target(relpath).unlink()
 
     def put_copy(self, relpath: str, source: Path, record: FileRecord, identity: Hashable) -> bool:
         """A hard link to ``source`` (:meth:`put_link`) when it is still the inode
@@ -1051,8 +1074,17 @@ class LocalStaging(Staging):
             info = os.stat(self.temp / relpath, follow_symlinks=False)
             self.identities[relpath] = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
             crc = record.get("crc32c")
-            if isinstance(crc, int) and record.get("size") == info.st_size:
-                _remember_proven(info, crc)  # written (or proven) by this process
+            proof: tuple[int, int] | None = self._proofs.get(
+                relpath, (info.st_size, info.st_mtime_ns)
+            )
+            if relpath in self._linked and relpath not in self._proofs:
+                proof = None  # linked on another proof (the manager's): not this process's
+            if (
+                isinstance(crc, int)
+                and record.get("size") == info.st_size
+                and proof == (info.st_size, info.st_mtime_ns)
+            ):
+                _remember_proven(info, crc)  # written, or proven and unchanged since
         old: Path | None = None
         if os.path.lexists(self.final):
             if exchange_paths(self.temp, self.final):
