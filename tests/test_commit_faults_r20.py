@@ -204,3 +204,36 @@ def test_a_failed_promote_leaves_no_staging_folder(tmp_path: Path, shim: Path) -
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Input/output error" in done.stderr, done.stderr
     assert sorted(os.listdir(durable)) == [], sorted(os.listdir(durable))
+
+
+PRUNE_ROOT = """
+import sys, warnings, fastckpt
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as seen:
+    try:
+        print("pruned", fastckpt.prune(sys.argv[1], keep_last=2))
+    except OSError as err:
+        print("raised", type(err).__name__, err)
+for warning in seen:
+    print("warned", warning.category.__name__, warning.message)
+"""
+
+
+def test_a_prune_whose_folder_cannot_be_moved_aside_after_its_commit_warns(
+    tmp_path: Path, shim: Path
+) -> None:
+    """The prune's second rename (``ROOT/0`` to its hidden ``.tmp-gone-*`` name, after the
+    manifest's rename) fails with EIO. Before: a bare ``OSError(5)`` not saying that indices 0
+    and 1 were already pruned. Now the prune returns them, with a warning naming the folder
+    left, and the next save removes it."""
+    root = tmp_path / "root"
+    for step in range(4):
+        assert f"index {step}" in ok(run_child(SAVE_ROOT, str(root), str(step)))
+    faults = {"FS_CALL": "rename", "FS_PATH": str(root), "FS_N": "2", "FS_ERR": "5"}
+    out = ok(run_child(PRUNE_ROOT, str(root), faults=faults, shim=shim))
+    assert "pruned [0, 1]" in out and "raised" not in out, out
+    assert f"warned RuntimeWarning {root / '0'}: index 0 is pruned" in out, out
+    assert (root / "0").is_dir()
+    assert ok(run_child(LOAD_ROOT, str(root))).split() == ["3.0", "[2,", "3]"]
+    assert "index 4" in ok(run_child(SAVE_ROOT, str(root), "4"))
+    assert not (root / "0").exists() and not (root / "1").exists()

@@ -1825,16 +1825,26 @@ def prune_indices(
                 raise
             step = f"a prune rewrites {MANIFEST} before deleting anything"
             raise _no_room_to_prune(err, root, step, doomed, needed) from err
+        # After the commit the indices are pruned whatever happens to their folders: a
+        # failure here is a warning naming the folder, which the next save removes (a save
+        # or prune killed here leaves the same), never an error saying the prune failed
+        # (before: a bare OSError, and later prunes left the folders).
         for index in sorted(needed - linked):
             # No hard links here: renamed after the commit (never before: a failed or killed
             # commit then left a committed index without its folder, and the next save
             # deleted the retained copy as garbage). Until the rename, the references of kept
             # indices read ROOT/<index> (refs.source_path); a kill leaves it to the next save.
-            refs.retain_for_references(root, index)
+            try:
+                refs.retain_for_references(root, index)
+            except OSError as err:
+                _warn_pruned_folder_left(root / str(index), index, err)
         for index in doomed:
             if index not in needed or index in linked:
                 directory = manifest.directory(index)
-                _delete_index(backend, root, directory, set(manifest.entries), recorded[index])
+                try:
+                    _delete_index(backend, root, directory, set(manifest.entries), recorded[index])
+                except OSError as err:
+                    _warn_pruned_folder_left(directory, index, err)
         if local:
             refs.collect_garbage(root, referenced - set(manifest.entries), manifest.entries)
         # The pruned indices' sharded parts, after the commit.
@@ -2154,6 +2164,17 @@ def _link_retained(root: Path, index: int) -> bool:
     if replaced:
         shutil.rmtree(stale, ignore_errors=True)
     return True
+
+
+def _warn_pruned_folder_left(directory: Path, index: int, error: OSError) -> None:
+    """Warn that pruned ``index`` (no longer in the manifest) left its folder ``directory``."""
+    warnings.warn(
+        f"{display_path(directory)}: index {index} is pruned ({MANIFEST} no longer names it), "
+        f"but its folder could not be moved aside or removed ({error}); the next save into "
+        "the root removes it",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _delete_index(
