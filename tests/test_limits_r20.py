@@ -257,14 +257,19 @@ NO_DESCRIPTOR = """
 """
 
 
-def test_a_load_out_of_file_descriptors_keeps_emfile_and_names_the_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cpp_stacktraces", ["0", "1"])
+def test_a_load_out_of_file_descriptors_keeps_emfile_and_names_the_file(
+    tmp_path: Path, cpp_stacktraces: str
+) -> None:
     """Before: ``load_file`` raised an ``OSError`` with ``errno`` None (callers could not test
     for ``EMFILE``) whose text named ``</proc/self/fd/N>``; ``safe_open``'s named
-    ``/proc/self/fd/N`` as its ``filename`` instead of the file."""
+    ``/proc/self/fd/N`` as its ``filename`` instead of the file. With
+    ``TORCH_SHOW_CPP_STACKTRACES=1`` torch's message goes on past the errno (review 2 of the
+    first version: the errno was lost there)."""
     import json
 
     path = tmp_path / "a.safetensors"
-    done = run_child(NO_DESCRIPTOR, str(path))
+    done = run_child(NO_DESCRIPTOR, str(path), env={"TORCH_SHOW_CPP_STACKTRACES": cpp_stacktraces})
     assert done.returncode == 0, done.stdout + done.stderr
     seen = json.loads(done.stdout.splitlines()[-1])
     for door in ("load_file", "safe_open"):

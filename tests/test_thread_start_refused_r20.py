@@ -91,3 +91,50 @@ def test_an_async_hook_whose_writer_thread_cannot_start_reports_it_as_a_failed_s
         isinstance(e, OSError) and e.errno == errno.EAGAIN for e in errors
     ), errors
     assert fastckpt.list_checkpoints(tmp_path / "root") == []
+
+
+def test_a_save_whose_writer_thread_started_only_later_is_not_written_then(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 2 of the first version: the pool queues the work before its thread fails to
+    start, so the refused save stayed queued and the next save's thread ran it, unwatched,
+    writing the current tensors under the old step's index (its capture signalled before the
+    new save's ran). Here the first start is refused, the later ones are not: every save
+    written is one that was accepted, each written once."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import training_support as support
+    from fastckpt.container import background
+
+    refused: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread, *args: Any, **kwargs: Any) -> None:
+        if thread.name.startswith("fastckpt-hook_") and not refused:
+            refused.append(thread.name)
+            raise RuntimeError("can't start new thread")
+        real_start(thread, *args, **kwargs)
+
+    executed: list[int] = []
+    real_execute = background.BackgroundWriter._execute
+
+    def execute(writer: Any, future: Any, capture: Any, write: Any) -> None:
+        executed.append(len(executed))
+        real_execute(writer, future, capture, write)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    monkeypatch.setattr(background.BackgroundWriter, "_execute", execute)
+    errors: list[BaseException] = []
+    hook = fastckpt.CheckpointHook(
+        tmp_path / "root",
+        step_interval=2,
+        async_save=True,
+        strict_saves=False,
+        on_save_error=errors.append,
+    )
+    strategy = support.new_strategy([hook], num_steps=6)
+    strategy.run(support.loader())
+    assert refused and len(errors) == 1  # the save at step 2, reported
+    assert len(executed) == 2  # steps 4 and 6: the refused one never ran
+    assert not hook._changed_in_forward  # no unwatched write failing on a moved state
+    assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / "root")] == [0, 1]
+    assert all(fastckpt.verify(tmp_path / "root", i).ok for i in (0, 1))

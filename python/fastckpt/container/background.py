@@ -394,7 +394,13 @@ class BackgroundWriter(Generic[T]):
         except RuntimeError as err:
             self._capture_done.set()
             if "can't start new thread" in str(err):
-                # Before, CPython's bare RuntimeError, naming nothing.
+                # The pool queued the work before its thread failed to start: dropped with the
+                # pool, or a later save's thread would run it unwatched (review 2: a "ghost"
+                # write of the refused save, its capture signalled early). Before, CPython's
+                # bare RuntimeError, naming nothing.
+                if self._executor is not None:
+                    self._executor.shutdown(wait=False, cancel_futures=True)
+                    self._executor = background_executor(self.name)  # its thread: at the next
                 raise OSError(
                     errno.EAGAIN,
                     f"cannot save {what}: no thread could be started for the background write: "

@@ -79,8 +79,8 @@ from fastckpt.errors import (
 from fastckpt.format.records import Manifest, read_commit_record
 from fastckpt.io.files import BACKENDS, check_flag, dtype_from_name, empty_tensor, torch_shape
 from fastckpt.io.forksafe import ForkSafeLock
+from fastckpt.io.limits import NO_DESCRIPTORS, descriptor_advice
 from fastckpt.io.paths import safe_join
-from fastckpt.storage.access import NO_DESCRIPTORS, descriptor_advice
 
 __all__ = ["HandleClosedError", "SafeOpen", "TensorSlice", "safe_open"]
 

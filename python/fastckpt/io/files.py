@@ -33,8 +33,8 @@ from fastckpt.io.headers import (
     file_path,
     read_metadata,
 )
+from fastckpt.io.limits import NO_DESCRIPTORS, descriptor_advice
 from fastckpt.io.paths import is_text
-from fastckpt.storage.access import NO_DESCRIPTORS, descriptor_advice
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -684,7 +684,10 @@ def _mapping_failed(name: str, err: RuntimeError) -> OSError:
     """torch's failure to map ``name`` as an ``OSError`` naming it, with the errno torch's
     message ends with (``... Too many open files (24)``) kept, so that callers can test it,
     and the fix for a lack of file descriptors (mapping opens the file a second time)."""
-    found = re.search(r"\((\d+)\)\s*$", str(err))
+    # The first line only: with TORCH_SHOW_CPP_STACKTRACES=1 a C++ backtrace follows it
+    # (review 2: the errno was lost again there).
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    found = re.search(r"\((\d+)\)\s*$", first_line)
     if found is None:
         return OSError(f"{name}: cannot map the file for reading: {err}")
     code = int(found.group(1))

@@ -13,6 +13,8 @@ import pwd
 import resource
 from pathlib import Path
 
+from fastckpt.io.limits import NO_DESCRIPTORS, descriptor_advice
+
 __all__ = [
     "NO_DESCRIPTORS",
     "NO_ROOM",
@@ -110,16 +112,6 @@ def file_size_advice() -> str:
 
 #: Errors of a process (``EMFILE``) or of the whole system (``ENFILE``) with no file
 #: descriptor free.
-NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
-
-
-def descriptor_advice(code: int) -> str:
-    """Who had no file descriptor free (``code``: one of :data:`NO_DESCRIPTORS`) and the fix:
-    "this process had no file descriptor free (raise `ulimit -n` or open fewer files)"."""
-    who = "this process" if code == errno.EMFILE else "the system"
-    return f"{who} had no file descriptor free (raise `ulimit -n` or open fewer files)"
-
-
 class ScratchSpaceError(OSError):
     """A full (``ENOSPC``/``EDQUOT``) local scratch folder (``TMPDIR``) met while working on a
     checkpoint stored elsewhere (an object store): its message names the folder and the fix,
