@@ -21,7 +21,7 @@ import torch
 import fastckpt
 import fastckpt.dcp
 from cli_support import Run, cli_runner
-from fastckpt.cli.main import printable
+from fastckpt.cli.text import printable
 
 #: Names that forge a line, drive the terminal, or hide what they say.
 HOSTILE = [
@@ -115,6 +115,22 @@ def test_ls_and_inspect_of_manager_checkpoints_escape_item_names(run: Run, tmp_p
     assert status == 0, err
     assert_terminal_safe(out)
     assert f"item {printable(item)}:" in out
+
+
+def test_promote_prints_a_checkpoint_folder_name_escaped(run: Run, tmp_path: Path) -> None:
+    """A manager checkpoint's folder name (chosen by whoever saved into the tier) reached
+    the terminal raw in ``promote``'s report."""
+    name = "step\x1b[2J\nok"
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(tmp_path / "tier" / name, {"m": {"w": torch.ones(2)}})
+    status, out, err = run("promote", tmp_path / "tier", tmp_path / "durable")
+    assert status == 0, err
+    assert_terminal_safe(out + err)
+    assert f"promoted {printable(name)} of" in out
+    status, out, err = run("promote", tmp_path / "tier", tmp_path / "durable")
+    assert status == 0, err
+    assert_terminal_safe(out + err)
+    assert f"already holds {printable(name)}" in out
 
 
 def test_inspect_of_a_sharded_checkpoint_escapes_tensor_and_value_names(

@@ -12,6 +12,7 @@ from pathlib import Path
 from fastckpt.cli.common import enclosing_checkpoint
 from fastckpt.cli.render import print_json
 from fastckpt.cli.status import EXIT_BAD, EXIT_OK, UserError
+from fastckpt.cli.text import printable
 from fastckpt.container.promote import promote
 from fastckpt.container.promote_checkpoints import (
     checkpoint_problem,
@@ -98,7 +99,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
     for index, why in report.damaged:
         print(
             f"fastckpt promote: index {index} of {display_path(source)} does not verify, not "
-            f"promoted ({why})",
+            f"promoted ({printable(why)})",
             file=sys.stderr,
         )
     for index in report.conflicting:
@@ -284,7 +285,8 @@ def _promote_newest_checkpoint(
         problem = checkpoint_problem(target / name)
         if problem is not None:
             print(
-                f"fastckpt promote: {display_path(target / name)} does not verify ({problem}); "
+                f"fastckpt promote: {printable(display_path(target / name))} does not verify "
+                f"({printable(problem)}); "
                 "promoting it again",
                 file=sys.stderr,
             )
@@ -308,10 +310,13 @@ def _promote_newest_checkpoint(
             }
         )
     elif held:
-        print(f"{display_path(target)} already holds {name}, the newest of {display_path(source)}")
+        print(
+            f"{display_path(target)} already holds {printable(name)}, the newest of "
+            f"{display_path(source)}"
+        )
     else:
         print(
-            f"promoted {name} of {display_path(source)} to {display_path(target)} "
+            f"promoted {printable(name)} of {display_path(source)} to {display_path(target)} "
             f"({format_bytes(copied)})"
         )
     return EXIT_OK
