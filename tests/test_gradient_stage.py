@@ -8,7 +8,9 @@ and no hook could reach the gradients at all.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +102,33 @@ def test_a_run_resumed_with_its_clipping_hook_matches_the_uninterrupted_run(tmp_
     want = whole.models["main"].state_dict()
     got = resumed.models["main"].state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+class _GuardSpy:
+    """A :class:`fastckpt.MutationGuard` hook recording whether its guard is held when the
+    BEFORE_OPTIMIZER_STEP hooks run (an async save's capture waits on the guard: a hook that
+    changes weights there must run inside it)."""
+
+    def __init__(self) -> None:
+        self.held = False
+        self.held_at_stage: list[bool] = []
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+
+    def __call__(self, ctx: fastckpt.TrainContext, stage: fastckpt.TrainingStage) -> None:
+        if stage is fastckpt.TrainingStage.BEFORE_OPTIMIZER_STEP:
+            self.held_at_stage.append(self.held)
+
+
+def test_before_optimizer_step_hooks_run_under_the_mutation_guards() -> None:
+    """Review 1: moving the stage outside the guards passed every other test here."""
+    spy = _GuardSpy()
+    strategy = support.new_strategy([spy], num_steps=3)
+    strategy.run(support.loader())
+    assert spy.held_at_stage == [True, True, True]

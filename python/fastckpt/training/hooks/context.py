@@ -109,9 +109,9 @@ class CheckpointableHook(Protocol):
 class MutationGuard(Protocol):
     """A hook that must be waited on before the strategy mutates training state.
 
-    The strategy wraps its optimizer step (and the AFTER_OPTIMIZER_STEP hooks) in every
-    guard's ``guard()``: an async checkpoint capture can then run during the next
-    forward/backward instead of blocking the training thread.
+    The strategy wraps its optimizer step (and the BEFORE_OPTIMIZER_STEP and
+    AFTER_OPTIMIZER_STEP hooks) in every guard's ``guard()``: an async checkpoint capture can
+    then run during the next forward/backward instead of blocking the training thread.
     """
 
     def guard(self) -> Any:
