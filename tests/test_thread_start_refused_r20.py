@@ -138,3 +138,22 @@ def test_a_save_whose_writer_thread_started_only_later_is_not_written_then(
     assert not hook._changed_in_forward  # no unwatched write failing on a moved state
     assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / "root")] == [0, 1]
     assert all(fastckpt.verify(tmp_path / "root", i).ok for i in (0, 1))
+
+
+def test_an_async_hook_whose_capture_thread_cannot_start_fails_typed_at_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 3: the capture thread's refusal (made when the hook is entered) escaped as
+    CPython's bare RuntimeError, and the pool left without a thread was never warmed again."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import training_support as support
+
+    hook = fastckpt.CheckpointHook(tmp_path / "root", step_interval=2, async_save=True)
+    strategy = support.new_strategy([hook], num_steps=2)
+    _refuse_threads(monkeypatch, "fastckpt-hook-capture")
+    with pytest.raises(OSError) as caught:
+        strategy.run(support.loader())
+    assert caught.value.errno == errno.EAGAIN and "thread limit" in str(caught.value)
+    monkeypatch.undo()
+    strategy.run(support.loader())  # the limit lifted: the same hook starts and saves
+    assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / "root")] == [0]

@@ -312,12 +312,22 @@ class BackgroundWriter(Generic[T]):
         if self._executor is None:
             self._executor = background_executor(self.name)
         if self._capture_executor is None:
-            self._capture_executor = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"{self.name}-capture"
-            )
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-capture")
             # Create its thread now, from the caller's thread, so that it inherits the caller's
             # priority (the pool would otherwise spawn it from the lowered-priority writer).
-            self._capture_executor.submit(lambda: None)
+            try:
+                pool.submit(lambda: None)
+            except RuntimeError as err:
+                if "can't start new thread" not in str(err):
+                    raise
+                pool.shutdown(wait=False, cancel_futures=True)  # tried again at the next start
+                raise OSError(
+                    errno.EAGAIN,
+                    f"{self.name}: no thread could be started for its background capture: the "
+                    "process is at its thread limit (`ulimit -u`, a container's pids limit); "
+                    "raise it or run fewer threads",
+                ) from err
+            self._capture_executor = pool
 
     def capture(self, copy: Callable[[], None]) -> None:
         """Run ``copy`` on this thread under the capture lock (alone: no :meth:`guard` held).

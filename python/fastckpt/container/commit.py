@@ -1753,13 +1753,15 @@ def prune_indices(
             after every save (a hook's ``keep_last``, a durable tier's) checks their record
             and sizes only, as reading them would read the whole sharded checkpoint each time.
 
+    Once the new manifest is committed the indices are pruned: a folder (or what they left)
+    that cannot then be set aside or removed is a ``RuntimeWarning`` naming it, never an error.
+
     Raises:
         TypeError: ``keep_last`` is not an int (``1.5``, ``"1"``, ``True``).
         ValueError: ``keep_last < 1``.
         TimeoutError: another process held the root longer than ``lock_timeout`` (the
             message names it: pid and host).
-        OSError: an index could not be deleted (it is no longer committed either way);
-            ``ENOSPC``/``EDQUOT``: no room for the root's lock file or the new manifest,
+        OSError: ``ENOSPC``/``EDQUOT``: no room for the root's lock file or the new manifest,
             nothing deleted (the message names the folders to delete by hand, and what to free).
     """
     if isinstance(keep_last, bool) or not isinstance(keep_last, int):
@@ -1837,18 +1839,40 @@ def prune_indices(
             try:
                 refs.retain_for_references(root, index)
             except OSError as err:
-                _warn_pruned_folder_left(root / str(index), index, err)
+                if isinstance(err, FastCkptError):
+                    raise  # fastckpt's own (a lost lease): not a folder left behind
+                warnings.warn(
+                    f"{display_path(root / str(index))}: index {index} is pruned, but its "
+                    f"folder could not be set aside for the kept indices that read it ({err}): "
+                    "it stays in place, where they read it, and the next save sets it aside; "
+                    "do not delete it by hand",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         for index in doomed:
             if index not in needed or index in linked:
                 directory = manifest.directory(index)
                 try:
                     _delete_index(backend, root, directory, set(manifest.entries), recorded[index])
                 except OSError as err:
+                    if isinstance(err, FastCkptError):
+                        raise
                     _warn_pruned_folder_left(directory, index, err)
-        if local:
-            refs.collect_garbage(root, referenced - set(manifest.entries), manifest.entries)
-        # The pruned indices' sharded parts, after the commit.
-        _sweep_sharded(root, manifest, only_older=promoting)
+        try:
+            if local:
+                refs.collect_garbage(root, referenced - set(manifest.entries), manifest.entries)
+            # The pruned indices' sharded parts, after the commit.
+            _sweep_sharded(root, manifest, only_older=promoting)
+        except OSError as err:
+            if isinstance(err, FastCkptError):
+                raise
+            warnings.warn(
+                f"{display_path(root)}: indices {doomed} are pruned, but what they left "
+                f"(retained copies, sharded parts) could not all be removed ({err}); the next "
+                "save or prune removes it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     return doomed
 
 
@@ -2167,11 +2191,17 @@ def _link_retained(root: Path, index: int) -> bool:
 
 
 def _warn_pruned_folder_left(directory: Path, index: int, error: OSError) -> None:
-    """Warn that pruned ``index`` (no longer in the manifest) left its folder ``directory``."""
+    """Warn that pruned ``index`` (no longer in the manifest) left its folder ``directory``
+    (a symlink, or its target, is left to be removed by hand: saves never follow one)."""
+    if os.path.islink(directory):
+        fate = "it is a symlink, which saves never follow: remove it (or its target) by hand"
+    elif not os.path.lexists(directory):
+        fate = "it was moved aside under a hidden name, which the next save into the root removes"
+    else:
+        fate = "the next save into the root removes it"
     warnings.warn(
         f"{display_path(directory)}: index {index} is pruned ({MANIFEST} no longer names it), "
-        f"but its folder could not be moved aside or removed ({error}); the next save into "
-        "the root removes it",
+        f"but its folder could not be moved aside or removed ({error}); {fate}",
         RuntimeWarning,
         stacklevel=3,
     )

@@ -110,8 +110,6 @@ def file_size_advice() -> str:
     return "the filesystem refused a file this large: use a filesystem that allows larger files"
 
 
-#: Errors of a process (``EMFILE``) or of the whole system (``ENFILE``) with no file
-#: descriptor free.
 class ScratchSpaceError(OSError):
     """A full (``ENOSPC``/``EDQUOT``) local scratch folder (``TMPDIR``) met while working on a
     checkpoint stored elsewhere (an object store): its message names the folder and the fix,
