@@ -11,6 +11,8 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use crate::threads::on_threads;
+
 /// Length of a digest in bytes.
 pub const DIGEST_LEN: usize = 32;
 
@@ -40,18 +42,7 @@ pub fn digest_all(inputs: &[&[u8]], threads: usize) -> Vec<Digest> {
         }
         mine
     };
-    let done: Vec<Vec<(usize, Digest)>> = std::thread::scope(|scope| {
-        let helpers: Vec<_> = (1..threads)
-            .map_while(|_| std::thread::Builder::new().spawn_scoped(scope, run).ok())
-            .collect();
-        let mut done = vec![run()];
-        done.extend(
-            helpers
-                .into_iter()
-                .map(|w| w.join().expect("a digest thread does not panic")),
-        );
-        done
-    });
+    let done: Vec<Vec<(usize, Digest)>> = on_threads(threads, run);
     for (i, value) in done.into_iter().flatten() {
         results[i] = value;
     }

@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::format::{self, Checksums, TensorDesc, TensorInfo};
 use crate::progress::Progress;
 use crate::replace::TempFile;
+use crate::threads::on_threads;
 use crate::writer::{normalize_chunk_size, Target, WriteOptions, WriteReport, ALIGN, PIECE};
 
 /// Where everything goes in a file image.
@@ -203,24 +204,8 @@ fn write_chunks(
             progress.add(exact_end - offset);
         }
     };
-    let helpers = writers.clamp(1, count.max(1) as usize) - 1;
-    std::thread::scope(|scope| {
-        let others: Vec<_> = (0..helpers)
-            .map_while(|_| {
-                std::thread::Builder::new()
-                    .spawn_scoped(scope, write_some)
-                    .ok()
-            })
-            .collect();
-        let mut result = write_some();
-        for other in others {
-            let theirs = other.join().expect("a writing thread does not panic");
-            if result.is_ok() {
-                result = theirs;
-            }
-        }
-        result
-    })
+    let results = on_threads(writers.clamp(1, count.max(1) as usize), write_some);
+    results.into_iter().find(Result::is_err).unwrap_or(Ok(()))
 }
 
 /// crc32c of each tensor's bytes in `data` (the data section), piece by piece so that a

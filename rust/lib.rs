@@ -3,7 +3,7 @@
 //! `fastckpt._native`.
 //!
 //! The core modules (`format`, `json`, `checksum`, `digest`, `writer`, `image`, `replace`, `reader`,
-//! `progress`, `memory`, `error`) know nothing about Python; the bindings, and the mapping of core errors to Python
+//! `progress`, `memory`, `error`, `threads`) know nothing about Python; the bindings, and the mapping of core errors to Python
 //! exceptions, live in `py_api` and are compiled only with the `python` feature (maturin).
 
 pub mod checksum;
@@ -16,6 +16,7 @@ pub mod memory;
 pub mod progress;
 pub mod reader;
 pub mod replace;
+mod threads;
 pub mod writer;
 
 #[cfg(feature = "python")]

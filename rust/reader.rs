@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::format::{self, Dtype, Header};
 use crate::memory;
 use crate::progress::Progress;
+use crate::threads::on_threads;
 use crate::writer::{AlignedBuf, ALIGN, DEFAULT_CHUNK_SIZE};
 
 /// Bytes read and hashed per piece: large enough for throughput, small enough to be hashed
@@ -112,18 +113,7 @@ fn parallel<T: Send, R: Send>(
         }
         Ok(done)
     };
-    let results: Vec<Result<Vec<R>>> = std::thread::scope(|scope| {
-        let helpers: Vec<_> = (1..workers)
-            .map_while(|_| std::thread::Builder::new().spawn_scoped(scope, run).ok())
-            .collect();
-        let mut results = vec![run()];
-        results.extend(
-            helpers
-                .into_iter()
-                .map(|h| h.join().expect("reader thread panicked")),
-        );
-        results
-    });
+    let results: Vec<Result<Vec<R>>> = on_threads(workers, run);
     let mut all = Vec::new();
     for result in results {
         all.extend(result?);
