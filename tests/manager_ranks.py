@@ -216,6 +216,8 @@ def one_rank_write_fails() -> None:
             checkpoint = root / ("c" if ids == "fixed" else f"step_{int(value)}")
             report["saves"].append(_outcome(manager, checkpoint, value))
         report["last"] = _first(manager, checkpoint)
+    # Every rank is done: rank 1 removes its emptied staging folder after rank 0's commit.
+    dist.barrier()
     report["committed"] = sorted(p.name for p in root.iterdir() if (p / "commit.json").exists())
     report["left"] = sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp-"))
     print(json.dumps(report))
@@ -254,6 +256,7 @@ def saves_after_a_failed_collective() -> None:
     with CM(config(kind)) as fresh:
         report["new_manager"] = _outcome(fresh, checkpoint, 4.0)
         report["after_new"] = _first(fresh, checkpoint)
+    dist.barrier()  # every rank is done (see one_rank_write_fails)
     report["left"] = sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp-"))
     print(json.dumps(report))
     sys.stdout.flush()

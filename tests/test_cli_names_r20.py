@@ -133,6 +133,28 @@ def test_promote_prints_a_checkpoint_folder_name_escaped(run: Run, tmp_path: Pat
     assert f"already holds {printable(name)}" in out
 
 
+def test_verify_of_a_folder_of_checkpoints_prints_their_folder_names_escaped(
+    run: Run, tmp_path: Path
+) -> None:
+    """A folder of manager checkpoints whose names another tool chose: before, ``verify``
+    printed each folder name raw, so a damaged checkpoint named ``b\nok: ...`` forged an
+    ``ok:`` line under its own ``BAD:`` line (the round-20 note left this open)."""
+    names = ["a\x1b[2J", "b\nok: forged: 1 item(s) verified"]
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        for name in names:
+            m.save(tmp_path / name, {"m": {"w": torch.ones(64)}})
+    data = next((tmp_path / names[1]).rglob("*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF  # a flipped byte in the damaged one's tensor data
+    data.write_bytes(bytes(raw))
+    status, out, err = run("verify", tmp_path)
+    assert status == 1, (out, err)
+    assert_terminal_safe(out + err)
+    assert not any(line.startswith("ok: forged") for line in out.splitlines()), out
+    assert f"BAD: {printable(tmp_path / names[1])}" in out
+    assert f"ok: {printable(tmp_path / names[0])}" in out
+
+
 def test_inspect_of_a_sharded_checkpoint_escapes_tensor_and_value_names(
     run: Run, tmp_path: Path
 ) -> None:

@@ -865,8 +865,9 @@ def test_a_promotion_slower_than_the_saves_keeps_its_index_and_completes(
     assert hook.promoter is not None and hook.promotion_healthy
     assert slowed == [0] and hook.promoter.promoted[0] == 0, hook.promoter.promoted
     assert hook.promoter.promoted[-1] == 5
-    # What the slow promotion held is released once it is done.
-    assert [c["index"] for c in fastckpt.list_checkpoints(fast)][-1] == 5
+    # What the slow promotion held is released once it is done, and close() applied
+    # keep_last once more: the fast tier holds keep_last=1 index (before: one extra).
+    assert [c["index"] for c in fastckpt.list_checkpoints(fast)] == [5]
     assert fastckpt.verify(durable).ok
 
 
@@ -1414,3 +1415,44 @@ def test_a_durable_tier_deleted_under_the_promoter_is_not_made_again(tmp_path: P
     assert not promoter.healthy and not durable.exists()
     with pytest.raises(PromotionError):
         promoter.close()
+
+
+def test_close_applies_the_fast_tiers_keep_last_once_the_last_promotion_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The retention after the run's last save spares the index the running promotion
+    copies; before, nothing applied keep_last after that promotion ended, so a run with
+    ``keep_last=1`` left two indices on the fast tier (round-20 note). Now the hook's
+    close() prunes once more when the promotions succeeded."""
+    import fastckpt.container.promote as promote_module
+    import fastckpt.training.hooks.checkpoint as hook_module
+
+    fast, durable = tmp_path / "fast", tmp_path / "durable"
+    real_promote, real_prune = promote_module.promote_index, hook_module.prune_indices
+    pruned_after: list[list[int]] = []
+
+    def recorded_prune(root: Any, keep_last: int, **kwargs: Any) -> Any:
+        result = real_prune(root, keep_last, **kwargs)
+        pruned_after.append(sorted(Manifest.load(Path(root)).entries))
+        return result
+
+    def slow_promote_index(source: Any, target: Any, index: int, **kwargs: Any) -> Any:
+        if index == 4:  # held until the last save's retention ran
+            deadline = time.monotonic() + 60
+            while not any(5 in indices for indices in pruned_after):
+                assert time.monotonic() < deadline, pruned_after
+                time.sleep(0.01)
+        return real_promote(source, target, index, **kwargs)
+
+    monkeypatch.setattr(promote_module, "promote_index", slow_promote_index)
+    monkeypatch.setattr(hook_module, "prune_indices", recorded_prune)
+    hook = fastckpt.CheckpointHook(
+        fast, step_interval=1, async_save=False, durable_dir=durable, keep_last=1
+    )
+    strategy = training_support.new_strategy([hook], num_steps=6)
+    strategy.run(training_support.loader())
+    assert pruned_after[5] == [4, 5]  # the last save's retention spared index 4
+    assert hook.promoter is not None and hook.promotion_healthy
+    assert hook.promoter.promoted[-2:] == [4, 5]
+    assert [c["index"] for c in fastckpt.list_checkpoints(fast)] == [5]
+    assert fastckpt.verify(durable).ok

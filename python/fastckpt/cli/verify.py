@@ -84,6 +84,12 @@ class _RecordedFiles(KindVisitor[_Records | None]):
         return [manifest.entries[i]["files"] for i in indices if i in manifest.entries]
 
 
+def _shown(path: Path) -> str:
+    """``path`` as a line of the answer shows it: a checkpoint folder's name in a folder of
+    them is chosen by whoever saved there, so it is :func:`printable` like a tensor name."""
+    return printable(display_path(path))
+
+
 def _recorded_files(container: Container, index: int | None) -> _Records | None:
     """The file records (one mapping per checkpoint) that verifying will read, or None when
     they cannot be told (a damaged record: the verifier reports it)."""
@@ -204,7 +210,7 @@ def _verify_text(
     unchecked = unchecked_files(report)
     if unchecked and not _damaged(report) and not unreadable_files(report):
         lines = [
-            f"UNCHECKED: {display_path(report.target)}: no damage found in {scope}, but "
+            f"UNCHECKED: {_shown(report.target)}: no damage found in {scope}, but "
             f"{len(unchecked)} file(s) have tensors without checksums; their bytes were read, "
             "not verified"
         ]
@@ -225,7 +231,7 @@ def _verify_text(
     if report.ok:
         size = "" if sizes is None else f"{size_text(*sizes)}; "
         return (
-            f"ok: {display_path(report.target)}: {scope} verified, {size}"
+            f"ok: {_shown(report.target)}: {scope} verified, {size}"
             f"{format_bytes(checked)} read in {seconds:.2f} s ({rate})"
         )
     failures = report.failures
@@ -236,7 +242,7 @@ def _verify_text(
             ["-" if f.index is None else f.index, f.status, one_line(f.message)] for f in unreadable
         ]
         lines = [
-            f"UNREADABLE: {display_path(report.target)}: {len(unreadable)} of {scope} may not "
+            f"UNREADABLE: {_shown(report.target)}: {len(unreadable)} of {scope} may not "
             "be read by this user, so they were not checked; no damage was found (check it "
             "as its owner, or give this user read access)",
             table(["INDEX", "STATUS", "PROBLEM"], rows, "  "),
@@ -247,7 +253,7 @@ def _verify_text(
                 "were read, not verified"
             )
         return "\n".join(lines)
-    lines = [f"BAD: {display_path(report.target)}: {len(failures)} problem(s) in {scope}"]
+    lines = [f"BAD: {_shown(report.target)}: {len(failures)} problem(s) in {scope}"]
     lines.append(table(["INDEX", "STATUS", "PROBLEM"], rows, "  "))
     if report.indices:
         failed = report.failed_indices()
@@ -291,7 +297,7 @@ def _verify_managers(args: argparse.Namespace, children: list[Path]) -> int:
     children = [child for child in children if child not in gone]
     for child in gone:
         print(
-            f"{display_path(child)}: deleted while the folder was verified (a prune or a "
+            f"{_shown(child)}: deleted while the folder was verified (a prune or a "
             "tier's retention ran meanwhile); not checked",
             file=sys.stderr,
         )

@@ -419,6 +419,9 @@ class CheckpointManager:
         self.restored_from: NearestCheckpoint | None = None
         self._tiers: tuple[Path, Path] | None = None
         self._promoter: CheckpointPromoter | None = None
+        #: The fast tier's last checkpoint this process applied keep_last after (see
+        #: :meth:`_settle_fast_tier`).
+        self._last_tier_save: Path | None = None
         self._saves = 0  # saves committed by this manager (tiers: which ones are promoted)
         self._collective_saves = 0  # collective saves asked for (Turn.number)
         # Where this manager's process group failed ("PATH (why)"): later saves refused.
@@ -538,6 +541,7 @@ class CheckpointManager:
         if due:
             promoter.submit_checkpoint(path.name)
         if tiers.keep_last is not None:
+            self._last_tier_save = path
             # The newest checkpoint waiting for promotion is kept (one more on the fast tier
             # while the durable one lags or is down), and so is every one the running
             # promotion copies (else a promotion slower than a few saves lost its checkpoint
@@ -554,6 +558,28 @@ class CheckpointManager:
                     tiers.keep_last,
                     err,
                 )
+
+    def _settle_fast_tier(self) -> None:
+        """The fast tier's ``keep_last`` once more after the last promotion ended (at close,
+        when it succeeded): what a promotion was copying at the last save was spared then,
+        so the fast tier kept one checkpoint more than ``keep_last`` after the run. A failure
+        here is logged: every save is committed and promoted."""
+        tiers, promoter, newest = self.config.tiers, self._promoter, self._last_tier_save
+        self._last_tier_save = None
+        if tiers is None or tiers.keep_last is None or promoter is None or newest is None:
+            return
+        if not promoter.healthy:
+            return
+        try:
+            prune_checkpoints(newest.parent, tiers.keep_last, spare={newest.name})
+        except (OSError, FastCkptError) as err:
+            _LOGGER.warning(
+                "%s: the fast tier's keep_last=%d after the last promotion failed (%s); the "
+                "next run's first save applies it",
+                display_path(newest.parent),
+                tiers.keep_last,
+                err,
+            )
 
     def latest(self) -> NearestCheckpoint:
         """The newest checkpoint that verifies on the tiers (the fast tier first; the
@@ -1692,6 +1718,7 @@ class CheckpointManager:
                 self._tracker.forget()  # releases the storages held for the next save
                 if self._promoter is not None:
                     self._promoter.close()  # the last promotion's failure: PromotionError
+                    self._settle_fast_tier()
         except BaseException as err:
             self._close_error = err
             raise

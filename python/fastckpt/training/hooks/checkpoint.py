@@ -43,7 +43,7 @@ from fastckpt.io.staging import (
 from fastckpt.storage.registry import absolute, display_path, use_storage_options
 from fastckpt.training.hooks.context import TrainContext, TrainingStage
 from fastckpt.training.replicas import data_parallel_over_world
-from fastckpt.training.sharded import share_commit
+from fastckpt.training.sharded import remove_sharded, share_commit
 
 __all__ = ["CheckpointHook"]
 
@@ -317,6 +317,9 @@ class CheckpointHook:
         self._promoter: Promoter | None = None
         # A rank > 0 of a sharded run on node-local fast tiers uploads its own shards.
         self._rank_promoter: RankPromoter | None = None
+        #: The newest index this process pruned after (and whether its shards go too): the
+        #: retention runs once more at :meth:`close`, when no promotion holds an index.
+        self._retained: tuple[int, bool] | None = None
         if self.durable_dir is not None:
             self._promoter = Promoter(
                 self.checkpoint_dir,
@@ -407,6 +410,7 @@ class CheckpointHook:
             finally:
                 if self._promoter is not None:
                     self._promoter.close()
+                    self._settle_retention()
 
     @property
     def healthy(self) -> bool:
@@ -968,10 +972,9 @@ class CheckpointHook:
         return self._dcp_writer
 
     def _prune_sharded(self, index: int) -> None:
-        from fastckpt.training.sharded import remove_sharded
-
         if self.keep_last is not None:
             remove_sharded(self.checkpoint_dir, self._prune(index))
+            self._retained = (index, True)
 
     def _prune(self, newest: int) -> list[int]:
         """``keep_last`` after the save of index ``newest``, sparing the index that waits
@@ -980,8 +983,32 @@ class CheckpointHook:
         assert self.keep_last is not None
         if self._promoter is None:
             return self._prune_sparing(())
+        self._retained = (newest, False)
         with self._promoter.retention():  # no promotion chooses meanwhile
             return self._prune_sparing(self._promoter.spared(newest))
+
+    def _settle_retention(self) -> None:
+        """``keep_last`` once more after the last promotion ended (at :meth:`close`, when it
+        succeeded): the index a promotion was copying at the run's last save was spared
+        then, so the fast tier kept one index more than ``keep_last`` after the run. A
+        failure here is logged: every save is committed and promoted."""
+        retained, self._retained = self._retained, None
+        if retained is None or self._promoter is None or not self.promotion_healthy:
+            return
+        newest, sharded = retained
+        try:
+            pruned = self._prune(newest)
+            if sharded:
+                remove_sharded(self.checkpoint_dir, pruned)
+        except (OSError, FastCkptError) as err:
+            _LOG.warning(
+                "CheckpointHook: keep_last=%d on %s after the last promotion failed (%s); "
+                "the next run's first save applies it",
+                self.keep_last,
+                display_path(self.checkpoint_dir),
+                err,
+            )
+        self._retained = None
 
     def _prune_sparing(self, spare: Sequence[int]) -> list[int]:
         assert self.keep_last is not None
