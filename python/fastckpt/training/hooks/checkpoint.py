@@ -974,7 +974,7 @@ class CheckpointHook:
     def _prune_sharded(self, index: int) -> None:
         if self.keep_last is not None:
             remove_sharded(self.checkpoint_dir, self._prune(index))
-            self._retained = (index, True)
+            self._retained = (index, True)  # not pruned again at close
 
     def _prune(self, newest: int) -> list[int]:
         """``keep_last`` after the save of index ``newest``, sparing the index that waits
@@ -990,16 +990,19 @@ class CheckpointHook:
     def _settle_retention(self) -> None:
         """``keep_last`` once more after the last promotion ended (at :meth:`close`, when it
         succeeded): the index a promotion was copying at the run's last save was spared
-        then, so the fast tier kept one index more than ``keep_last`` after the run. A
-        failure here is logged: every save is committed and promoted."""
+        then, so the fast tier kept one index more than ``keep_last`` after the run. Not for
+        sharded saves (see below). A failure here is logged: every save is committed and
+        promoted."""
         retained, self._retained = self._retained, None
         if retained is None or self._promoter is None or not self.promotion_healthy:
             return
         newest, sharded = retained
+        if sharded:
+            # Other nodes remove their shards of what rank 0 prunes after each save, in a
+            # collective this close() cannot run: their extra index stays until the next save.
+            return
         try:
-            pruned = self._prune(newest)
-            if sharded:
-                remove_sharded(self.checkpoint_dir, pruned)
+            self._prune(newest)
         except (OSError, FastCkptError) as err:
             _LOG.warning(
                 "CheckpointHook: keep_last=%d on %s after the last promotion failed (%s); "
