@@ -25,7 +25,7 @@ from fastckpt import _native
 from fastckpt.container import incremental
 from fastckpt.container.promote import Promoter, promote
 from fastckpt.errors import CheckpointFormatError, CheckpointMismatchError, PromotionError
-from fastckpt.format.records import MANIFEST, Manifest, seal_manifest
+from fastckpt.format.records import MANIFEST, Manifest, check_schema_version, seal_manifest
 from s3_support import S3Server, s3_env, s3_root, s3_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -440,3 +440,67 @@ def test_hooks_recorded_under_the_old_module_paths_are_rebuilt_on_resume(
     (restored,) = [h for h in resumed.hooks if isinstance(h, fastckpt.EMAHook)]
     assert restored.num_updates == 4
     assert all(torch.equal(ema.shadow[k], restored.shadow[k]) for k in ema.shadow)
+
+
+# 5. Manifest schema 2: fields an earlier fastckpt would skip ---------------------------
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1))
+
+
+def _schema(root: Path) -> int:
+    return int(json.loads((root / MANIFEST).read_bytes())["schema_version"])
+
+
+@pytest.mark.parametrize("change", ["eval_submodule", "channels_last", "frozen"])
+def test_a_manifest_an_earlier_fastckpt_would_load_wrong_is_refused_by_it(
+    tmp_path: Path, change: str
+) -> None:
+    """Round 21, cross-version finding 1: entries recording train/eval modes, memory layouts
+    or frozen parameters were written under schema 1, which earlier fastckpt versions read
+    while skipping entry fields they do not know: a rolled-back fastckpt loaded a frozen
+    BatchNorm back in training mode, a ``channels_last`` model contiguous, a frozen
+    parameter trainable, without a word, and a resumed run drifted. Such a manifest is now
+    schema 2, which every earlier version refuses ("written by a newer fastckpt; upgrade"),
+    and this one loads it with the recorded state."""
+    model = _bn_model()
+    if change == "eval_submodule":
+        model[1].eval()
+    elif change == "channels_last":
+        model = model.to(memory_format=torch.channels_last)
+    else:
+        model[0].weight.requires_grad_(False)
+    root = tmp_path / "root"
+    fastckpt.save_checkpoint(root, models={"main": (model, None)}, counters={"step": 1})
+    assert _schema(root) == 2
+    earlier = int(json.loads((root / MANIFEST).read_bytes())["schema_version"])
+    with pytest.raises(CheckpointFormatError, match=r"written by a newer fastckpt.*upgrade"):
+        # what every earlier version runs on a manifest (it reads schema 1 only)
+        check_schema_version(earlier, 1, str(root / MANIFEST))
+    loaded = fastckpt.load_checkpoint(root)
+    rebuilt = loaded["models"]["main"]["model"]
+    if change == "eval_submodule":
+        assert rebuilt.training and not rebuilt[1].training
+    elif change == "channels_last":
+        assert rebuilt[0].weight.is_contiguous(memory_format=torch.channels_last)
+    else:
+        assert not rebuilt[0].weight.requires_grad and rebuilt[3].weight.requires_grad
+
+
+def test_a_manifest_without_such_fields_stays_schema_1(tmp_path: Path) -> None:
+    """Written as 1 whenever it can be: an earlier fastckpt still reads a plain root whole
+    (and a root whose recorded index was pruned goes back to 1)."""
+    root = tmp_path / "root"
+    model = _bn_model()
+    fastckpt.save_checkpoint(root, models={"main": (model, None)}, counters={"step": 0})
+    assert _schema(root) == 1
+    model[1].eval()
+    fastckpt.save_checkpoint(root, models={"main": (model, None)}, counters={"step": 1})
+    assert _schema(root) == 2
+    model[1].train()
+    fastckpt.save_checkpoint(root, models={"main": (model, None)}, counters={"step": 2})
+    fastckpt.prune(root, keep_last=1)
+    assert _schema(root) == 1
+    assert fastckpt.load_checkpoint(root)["models"]["main"]["model"][1].training

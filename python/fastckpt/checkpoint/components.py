@@ -49,7 +49,15 @@ from fastckpt.errors import (
     FastCkptError,
     InvalidInputError,
 )
-from fastckpt.format.records import MAX_INDEX, SHARDED_RECORD, Manifest, read_record_bytes
+from fastckpt.format.records import (
+    FROZEN_FIELD,
+    MAX_INDEX,
+    MODES_FIELD,
+    SHARDED_RECORD,
+    STRIDES_FIELD,
+    Manifest,
+    read_record_bytes,
+)
 from fastckpt.io import tree
 from fastckpt.io.files import check_storable, torch_shape
 from fastckpt.io.headers import read_metadata
@@ -135,22 +143,8 @@ def checked_model_names(value: Any, argument: str = "model_names") -> list[str] 
 # --------------------------------------------------------------------------- save
 
 
-#: The manifest entry field naming each model's frozen parameters (``requires_grad`` False
-#: when saved): a model rebuilt from its spec has every parameter requiring grad, as its
-#: constructor made them, and :func:`freeze` gives the recorded ones back. Absent: none.
-FROZEN_FIELD = "frozen"
-
-#: The manifest entry field giving each model's parameters and buffers laid out densely but
-#: not contiguously when saved (``channels_last``): ``{model: {tensor name: strides}}``
-#: (:func:`fastckpt.checkpoint.layouts.recorded_strides`), which a rebuilt model takes back
-#: (:func:`fastckpt.checkpoint.layouts.apply_strides`). Absent: all contiguous.
-STRIDES_FIELD = "strides"
-
-#: The manifest entry field giving each model's modules whose training mode
-#: (``module.training``) differs from their parent's when saved: ``{model: {module name:
-#: bool}}`` (:func:`fastckpt.checkpoint.modes.recorded_modes`), which a rebuilt model takes
-#: back (:func:`fastckpt.checkpoint.modes.apply_modes`). Absent: all in training mode.
-MODES_FIELD = "modes"
+# FROZEN_FIELD, STRIDES_FIELD, MODES_FIELD: the manifest entry fields a load applies
+# (defined with the rest of the on-disk names in fastckpt.format.records).
 
 
 def canonical_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

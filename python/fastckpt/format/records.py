@@ -39,9 +39,11 @@ from fastckpt.storage.backend import MAX_RECORD_BYTES, FileRecord, StorageBacken
 from fastckpt.storage.registry import backend_for, display_path, is_local
 
 __all__ = [
+    "APPLIED_ENTRY_FIELDS",
     "COMMIT_RECORD",
     "COMPONENT_SUFFIXES",
     "ENTRY_FIELDS",
+    "FROZEN_FIELD",
     "GENERATION_PREFIX",
     "MANAGER_FORMAT",
     "MANAGER_REFS",
@@ -50,12 +52,14 @@ __all__ = [
     "MANIFEST_CRC_FIELD",
     "MAX_INDEX",
     "MAX_JSON_DEPTH",
+    "MODES_FIELD",
     "REPLACED_MANIFEST",
     "SAVED_NOW",
     "SAVED_NS",
     "SCHEMA_VERSION",
     "SHARDED_DIR",
     "SHARDED_RECORD",
+    "STRIDES_FIELD",
     "TENSOR_REFERENCE_FIELDS",
     "Manifest",
     "by_commit_time",
@@ -97,8 +101,30 @@ SHARDED_RECORD = "fastckpt-dcp.json"
 REPLACED_MANIFEST = "replaced-manifest.json"
 #: Where a save_checkpoint root keeps the sharded part of index ``i``: ``ROOT/sharded/<i>``.
 SHARDED_DIR = "sharded"
-#: Manifest schema this fastckpt writes (and the newest it reads).
-SCHEMA_VERSION = 1
+#: The manifest entry field naming each model's frozen parameters (``requires_grad`` False
+#: when saved): a model rebuilt from its spec has every parameter requiring grad, as its
+#: constructor made them, and the load gives the recorded ones back. Absent: none.
+FROZEN_FIELD = "frozen"
+#: The manifest entry field giving each model's parameters and buffers laid out densely but
+#: not contiguously when saved (``channels_last``): ``{model: {tensor name: strides}}``
+#: (:mod:`fastckpt.checkpoint.layouts`), which a rebuilt model takes back. Absent: all
+#: contiguous.
+STRIDES_FIELD = "strides"
+#: The manifest entry field giving each model's modules whose training mode
+#: (``module.training``) differs from their parent's when saved: ``{model: {module name:
+#: bool}}`` (:mod:`fastckpt.checkpoint.modes`), which a rebuilt model takes back. Absent: all
+#: in training mode.
+MODES_FIELD = "modes"
+#: Entry fields a load must apply to rebuild what was saved: a reader that ignored them would
+#: load a different model without a word (train/eval modes, layouts, frozen parameters).
+APPLIED_ENTRY_FIELDS = (FROZEN_FIELD, STRIDES_FIELD, MODES_FIELD)
+#: Manifest schemas: 1, entries without :data:`APPLIED_ENTRY_FIELDS`; 2, some entry carries
+#: one. A manifest is written as 1 whenever it can be (an earlier fastckpt reads it whole) and
+#: as 2 only when it must: an earlier fastckpt, which reads schema 1 and skips entry fields it
+#: does not know, then says "written by a newer fastckpt, upgrade" instead of loading a
+#: BatchNorm frozen in eval mode back in training mode, a ``channels_last`` model contiguous,
+#: or a frozen parameter trainable. The newest schema this fastckpt reads.
+SCHEMA_VERSION = 2
 #: ``format`` field of a CheckpointManager commit record.
 MANAGER_FORMAT = "fastckpt-manager"
 #: CheckpointManager commit-record schema: 1 for a checkpoint written in full, 2 for one with
@@ -594,9 +620,10 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """Serialized manifest (with its own checksum)."""
+        applied = any(entry.get(f) for entry in self.entries.values() for f in APPLIED_ENTRY_FIELDS)
         document: dict[str, Any] = {
             "format": "fastckpt",
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": 2 if applied else 1,
             "latest": self.latest,
             "checkpoints": {str(i): self.entries[i] for i in sorted(self.entries)},
         }
@@ -757,12 +784,12 @@ def _check_entry_fields(where: str, entry: dict[str, Any]) -> None:
                     "incomplete; load an older index (checkpoint_index=...) or restore the "
                     "manifest"
                 )
-    frozen = entry.get("frozen", {})  # model -> frozen parameter names (checkpoint.components)
+    frozen = entry.get(FROZEN_FIELD, {})  # model -> frozen parameter names
     if not isinstance(frozen, dict) or not set(frozen) <= names.get("models", set()):
         raise CheckpointFormatError(
             f"{where}.frozen must be an object keyed by names of components.models"
         )
-    for per_model in ("strides", "modes"):  # layouts / training modes (checkpoint.components)
+    for per_model in (STRIDES_FIELD, MODES_FIELD):  # layouts / training modes
         value = entry.get(per_model, {})
         if not isinstance(value, dict) or not set(value) <= names.get("models", set()):
             raise CheckpointFormatError(
