@@ -504,3 +504,37 @@ def test_a_manifest_without_such_fields_stays_schema_1(tmp_path: Path) -> None:
     fastckpt.prune(root, keep_last=1)
     assert _schema(root) == 1
     assert fastckpt.load_checkpoint(root)["models"]["main"]["model"][1].training
+
+
+def _with_new_field(path: Path) -> None:
+    """Add a field a newer fastckpt might write, sealed as it would seal it."""
+    document = json.loads(path.read_bytes())
+    document["written_by_a_later_version"] = 1
+    if "crc32c" in document:
+        seal_manifest(document)
+    path.write_text(json.dumps(document))
+
+
+def test_a_record_with_a_field_from_a_newer_fastckpt_says_upgrade_not_only_damaged(
+    tmp_path: Path,
+) -> None:
+    """Round 21, cross-version finding 2: a field this fastckpt does not know was refused as
+    "unexpected field(s)" alone (a rolled-back install called a newer version's manager
+    checkpoints corrupt, with nothing saying why). The manifest and a manager's commit record
+    (and a model spec, a sharded record) now say a newer fastckpt may have written it, and
+    the fix."""
+    root = tmp_path / "root"
+    fastckpt.save_checkpoint(root, models={"main": (_bn_model(), None)}, counters={"step": 0})
+    manager_id = tmp_path / "ids" / "step_0"
+    with fastckpt.CheckpointManager(fastckpt.CheckpointManager.Config.with_sync_save()) as m:
+        m.save(manager_id, {"m": {"w": torch.ones(2)}})
+    for record, load in (
+        (root / MANIFEST, lambda: fastckpt.load_checkpoint(root)),
+        (manager_id / "commit.json", lambda: fastckpt.CheckpointManager().load(manager_id)),
+    ):
+        _with_new_field(record)
+        with pytest.raises(CheckpointFormatError) as caught:
+            load()
+        message = str(caught.value)
+        assert "unexpected field(s) ['written_by_a_later_version']" in message, message
+        assert "written by a newer fastckpt (upgrade fastckpt" in message, message

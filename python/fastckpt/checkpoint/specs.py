@@ -49,6 +49,7 @@ from fastckpt.checkpoint.values import (
     register_type_serializer,
 )
 from fastckpt.errors import CheckpointFormatError
+from fastckpt.format.records import unexpected_fields
 
 __all__ = [
     "TARGET_KINDS",
@@ -450,7 +451,7 @@ class BaseSpec:
             raise CheckpointFormatError(f"{path}: missing field(s) {sorted(missing)}")
         extra = set(data) - expected
         if extra:
-            raise CheckpointFormatError(f"{path}: unexpected field(s) {sorted(map(str, extra))}")
+            raise unexpected_fields(str(path), sorted(map(str, extra)))
         cls_path = data["cls_path"]
         try:
             validate_dotted_path(cls_path)

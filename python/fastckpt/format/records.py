@@ -84,6 +84,7 @@ __all__ = [
     "saved_seconds",
     "seal_manifest",
     "tensor_reference",
+    "unexpected_fields",
 ]
 
 #: The largest checkpoint index a manifest holds (18 decimal digits): saves refuse larger ones.
@@ -609,7 +610,7 @@ class Manifest:
         if verify_checksum:
             unknown = sorted(set(data) - _MANIFEST_FIELDS)
             if unknown:
-                raise CheckpointFormatError(f"{shown}: unexpected field(s) {unknown}")
+                raise unexpected_fields(shown, unknown)
             if stored is not None and stored != actual:
                 raise ChecksumMismatchError(
                     f"{shown}: content crc32c {actual:08x} differs from the recorded "
@@ -700,6 +701,16 @@ class Manifest:
                 f"available: {sorted(self.entries)}"
             )
         return index
+
+
+def unexpected_fields(where: str, unknown: list[str]) -> CheckpointFormatError:
+    """The error for a record holding fields this fastckpt does not know (``unknown``,
+    sorted): a newer fastckpt wrote them (a rolled-back install, another node), or the record
+    was edited; the message says both and the fix, never "damaged" alone."""
+    return CheckpointFormatError(
+        f"{where}: unexpected field(s) {unknown}: written by a newer fastckpt (upgrade fastckpt "
+        "to read it), or the record was edited or damaged (restore it from a copy)"
+    )
 
 
 def check_schema_version(version: Any, newest: int, where: str) -> None:
@@ -1013,7 +1024,7 @@ def read_commit_record(directory: str | os.PathLike[str]) -> dict[str, Any]:
     # and the record's own crc32c covers every value (records of earlier versions have none).
     unknown = sorted(set(record) - _COMMIT_FIELDS)
     if unknown:
-        raise CheckpointFormatError(f"{shown}: unexpected field(s) {unknown}")
+        raise unexpected_fields(shown, unknown)
     check_seal(path, record)
     # Checked as the manifest's is (_parse_entries): an int (not a bool), from 1 up to the
     # newest this fastckpt writes.

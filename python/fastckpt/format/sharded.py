@@ -38,7 +38,13 @@ from torch.distributed.checkpoint.metadata import (
 
 from fastckpt import _native
 from fastckpt.errors import CheckpointFormatError
-from fastckpt.format.records import MANIFEST_CRC_FIELD, check_seal, load_json, seal_manifest
+from fastckpt.format.records import (
+    MANIFEST_CRC_FIELD,
+    check_seal,
+    load_json,
+    seal_manifest,
+    unexpected_fields,
+)
 from fastckpt.io.files import dtype_name, torch_shape
 from fastckpt.io.tree import flatten, unflatten
 
@@ -613,9 +619,6 @@ def _check_seal(path: Path, data: dict[str, Any]) -> bool:
     """
     unknown = sorted(set(data) - _FIELDS)
     if unknown:
-        raise CheckpointFormatError(
-            f"{path}: unexpected field(s) {unknown}; the record is damaged or was written by a "
-            "newer fastckpt (upgrade it)"
-        )
+        raise unexpected_fields(str(path), unknown)
     # False: written before records carried a checksum.
     return check_seal(path, data)
