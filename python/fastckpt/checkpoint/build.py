@@ -425,7 +425,9 @@ def check_recordable(model: torch.nn.Module, name: str = "main") -> BaseSpec:
         probe = None
     try:
         if probe is None:
-            paths = _tree_paths(spec)
+            # Each target once: every resolve normalizes the allowed list, so a container of
+            # N submodules of one class listed N times took O(N^2) (137 s at 8000).
+            paths = list(dict.fromkeys(_tree_paths(spec)))
             targets: dict[int, Any] = {}
             spec._resolve_tree(targets, "model", paths, set())
             root = targets[id(spec)]

@@ -15,6 +15,7 @@ import datetime as _dt
 import errno
 import inspect
 import os
+import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -231,12 +232,16 @@ def unwrap_model(model: torch.nn.Module, *, sharded_ok: bool = False) -> torch.n
 
 def is_compiled(model: torch.nn.Module) -> bool:
     """Whether ``model`` is the wrapper ``torch.compile(module)`` returns."""
-    compiled = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    # sys.modules, not ``torch._dynamo``: that attribute imports dynamo (seconds, at the first
+    # save of every process); a model compiled in this process has it imported already.
+    compiled = sys.modules.get("torch._dynamo.eval_frame")
     wrapper = getattr(compiled, "OptimizedModule", None)
     return wrapper is not None and isinstance(model, wrapper)
 
 
 def _is_fsdp(model: torch.nn.Module) -> bool:
+    if "torch.distributed.fsdp" not in sys.modules:
+        return False  # nothing made an FSDP module in this process (importing it costs ~0.5 s)
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch built without distributed
@@ -1009,11 +1014,15 @@ def _rebuild_optimizer(
     if not isinstance(refs, list) or not isinstance(state, dict):
         raise CheckpointFormatError(f"{where}: 'params' and 'state' are required")
     params = []
+    by_model: dict[str, dict[str, torch.nn.Parameter]] = {}  # once per model, not per ref
     for ref in refs:
         if not (isinstance(ref, list) and len(ref) == 2 and ref[0] in loaded_models):
             raise CheckpointFormatError(f"{where}: bad parameter reference {ref!r}")
-        named = dict(loaded_models[ref[0]].named_parameters(remove_duplicate=False))
-        if ref[1] not in named:
+        named = by_model.get(ref[0])
+        if named is None:
+            named = dict(loaded_models[ref[0]].named_parameters(remove_duplicate=False))
+            by_model[ref[0]] = named
+        if not isinstance(ref[1], str) or ref[1] not in named:
             raise CheckpointFormatError(f"{where}: model {ref[0]!r} has no parameter {ref[1]!r}")
         params.append(named[ref[1]])
     groups = []

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
@@ -61,6 +62,8 @@ SHARDED_DIR = records.SHARDED_DIR
 
 def is_sharded_model(model: torch.nn.Module) -> bool:
     """Whether ``model`` is FSDP2-sharded (``fully_shard`` applied to it)."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return False  # nothing sharded a module in this process (the import costs seconds)
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch built without distributed
@@ -74,6 +77,8 @@ def check_not_fsdp1(name: str, model: torch.nn.Module) -> None:
     Raises:
         ValueError: ``model`` is wrapped in ``FullyShardedDataParallel``.
     """
+    if "torch.distributed.fsdp" not in sys.modules:
+        return  # nothing wrapped a module in this process
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch built without distributed
