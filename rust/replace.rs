@@ -88,11 +88,17 @@ impl TempFile {
     /// link: the rename then replaces the directory entry atomically without freeing the old
     /// file's blocks (~0.2 s per GiB on ext4), and the old file is deleted on a background
     /// thread after the commit (by this call where no thread can start). A leftover link of a
-    /// process that died first is removed by the next commit of the same target.
+    /// process that died first is removed by the next commit of the same target (links are
+    /// made only while the target exists, and it exists after any crash that leaves one: a
+    /// commit of a new file lists nothing, so writing N new files into one folder stays
+    /// linear instead of listing the folder N times).
     pub fn commit(mut self, target: &Path, fsync: bool) -> Result<()> {
-        remove_stale_trash(target);
+        let existing = fs::metadata(target).ok();
+        if existing.is_some() {
+            remove_stale_trash(target);
+        }
         let trash = sibling(target, TRASH_SUFFIX)?;
-        let large = fs::metadata(target).is_ok_and(|m| m.len() >= DEFER_DELETE_BYTES);
+        let large = existing.is_some_and(|m| m.len() >= DEFER_DELETE_BYTES);
         let kept = large && fs::hard_link(target, &trash).is_ok();
         if let Err(e) = fs::rename(&self.path, target) {
             if kept {
@@ -219,13 +225,29 @@ mod tests {
 
     #[test]
     fn stale_trash_of_a_dead_writer_is_removed_by_the_next_commit() {
+        // A writer that died after linking the old version aside left the target in place.
         let dir = tempfile::tempdir().unwrap();
         let target = dir.path().join("x");
+        fs::write(&target, b"old").unwrap();
         let stale = dir
             .path()
             .join(format!("{}1.2{TRASH_SUFFIX}", temp_prefix("x")));
-        fs::write(&stale, b"old").unwrap();
+        fs::hard_link(&target, &stale).unwrap();
         write_bytes_atomic(&target, b"new", true).unwrap();
         assert_eq!(names(dir.path()), ["x"]);
+        assert_eq!(fs::read(&target).unwrap(), b"new");
+    }
+
+    #[test]
+    fn a_commit_of_a_new_file_leaves_the_folder_unread() {
+        // Only a replaced target can have trash: a new file's commit does not list the
+        // folder (a trash link whose target was deleted by hand is the folder sweep's).
+        let dir = tempfile::tempdir().unwrap();
+        let orphan = dir
+            .path()
+            .join(format!("{}1.2{TRASH_SUFFIX}", temp_prefix("y")));
+        fs::write(&orphan, b"old").unwrap();
+        write_bytes_atomic(&dir.path().join("y"), b"new", true).unwrap();
+        assert_eq!(names(dir.path()).len(), 2);
     }
 }
