@@ -1423,13 +1423,19 @@ def test_close_applies_the_fast_tiers_keep_last_once_the_last_promotion_is_done(
     """The retention after the run's last save spares the index the running promotion
     copies; before, nothing applied keep_last after that promotion ended, so a run with
     ``keep_last=1`` left two indices on the fast tier (round-20 note). Now the hook's
-    close() prunes once more when the promotions succeeded."""
+    close() prunes once more when the promotions succeeded. The order is made explicit:
+    save 5 starts only once the promotion of index 4 runs, which lasts until save 5's
+    retention is done."""
+    import threading
+
     import fastckpt.container.promote as promote_module
     import fastckpt.training.hooks.checkpoint as hook_module
 
     fast, durable = tmp_path / "fast", tmp_path / "durable"
     real_promote, real_prune = promote_module.promote_index, hook_module.prune_indices
+    real_write = hook_module.write_snapshot
     pruned_after: list[list[int]] = []
+    copying_4 = threading.Event()
 
     def recorded_prune(root: Any, keep_last: int, **kwargs: Any) -> Any:
         result = real_prune(root, keep_last, **kwargs)
@@ -1438,20 +1444,27 @@ def test_close_applies_the_fast_tiers_keep_last_once_the_last_promotion_is_done(
 
     def slow_promote_index(source: Any, target: Any, index: int, **kwargs: Any) -> Any:
         if index == 4:  # held until the last save's retention ran
+            copying_4.set()
             deadline = time.monotonic() + 60
             while not any(5 in indices for indices in pruned_after):
                 assert time.monotonic() < deadline, pruned_after
                 time.sleep(0.01)
         return real_promote(source, target, index, **kwargs)
 
+    def ordered_write(root: Any, *args: Any, **kwargs: Any) -> Any:
+        if Manifest.load(Path(root)).latest == 4:  # save 5 waits for index 4's promotion
+            assert copying_4.wait(60)
+        return real_write(root, *args, **kwargs)
+
     monkeypatch.setattr(promote_module, "promote_index", slow_promote_index)
     monkeypatch.setattr(hook_module, "prune_indices", recorded_prune)
+    monkeypatch.setattr(hook_module, "write_snapshot", ordered_write)
     hook = fastckpt.CheckpointHook(
         fast, step_interval=1, async_save=False, durable_dir=durable, keep_last=1
     )
     strategy = training_support.new_strategy([hook], num_steps=6)
     strategy.run(training_support.loader())
-    assert pruned_after[5] == [4, 5]  # the last save's retention spared index 4
+    assert 4 in pruned_after[5] and 5 in pruned_after[5]  # spared: being promoted
     assert hook.promoter is not None and hook.promotion_healthy
     assert hook.promoter.promoted[-2:] == [4, 5]
     assert [c["index"] for c in fastckpt.list_checkpoints(fast)] == [5]

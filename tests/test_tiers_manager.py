@@ -1080,13 +1080,17 @@ def test_close_applies_the_fast_tiers_keep_last_once_the_last_promotion_is_done(
     """The fast tier's retention after the last save spares what the running promotion
     copies; before, nothing applied keep_last after that promotion ended, so a run with
     ``keep_last=1`` left two checkpoints on the fast tier (round-20 note). Now close()
-    prunes once more when the promotions succeeded."""
+    prunes once more when the promotions succeeded. The order is made explicit: step_4 is
+    saved only once step_3's promotion runs, which lasts until step_4's retention is done."""
+    import threading
+
     import fastckpt.container.promote_checkpoints as tiers_module
     import fastckpt.manager as manager_module
 
     fast, durable = tmp_path / "fast", tmp_path / "durable"
     real_promote, real_prune = tiers_module.promote_checkpoint, manager_module.prune_checkpoints
     pruned_after: list[set[str]] = []
+    copying_3 = threading.Event()
 
     def recorded_prune(root: Any, keep_last: int, **kwargs: Any) -> Any:
         result = real_prune(root, keep_last, **kwargs)
@@ -1095,6 +1099,7 @@ def test_close_applies_the_fast_tiers_keep_last_once_the_last_promotion_is_done(
 
     def slow_promote_checkpoint(source: Any, target: Any) -> Any:
         if Path(source).name == "step_3":  # held until the last save's retention ran
+            copying_3.set()
             deadline = time.monotonic() + 60
             while not any("step_4" in names for names in pruned_after):
                 assert time.monotonic() < deadline, pruned_after
@@ -1104,9 +1109,12 @@ def test_close_applies_the_fast_tiers_keep_last_once_the_last_promotion_is_done(
     monkeypatch.setattr(tiers_module, "promote_checkpoint", slow_promote_checkpoint)
     monkeypatch.setattr(manager_module, "prune_checkpoints", recorded_prune)
     with _manager(TiersConfig(fast=fast, durable=durable, keep_last=1)) as manager:
-        _run(manager, 5)
+        for step in range(5):
+            if step == 4:
+                assert copying_3.wait(60)
+            manager.save(f"step_{step}", {"model": {"w": torch.full((4,), float(step))}})
         # The last save's retention spared step_3, which its promotion was copying.
-        assert pruned_after[4] == {"step_3", "step_4"}
+        assert {"step_3", "step_4"} <= pruned_after[4]
     assert manager.promotion_healthy
     assert committed_checkpoints(durable)[-2:] == ["step_3", "step_4"]
     assert committed_checkpoints(fast) == ["step_4"]

@@ -973,17 +973,16 @@ class CheckpointHook:
 
     def _prune_sharded(self, index: int) -> None:
         if self.keep_last is not None:
-            remove_sharded(self.checkpoint_dir, self._prune(index))
-            self._retained = (index, True)  # not pruned again at close
+            remove_sharded(self.checkpoint_dir, self._prune(index, sharded=True))
 
-    def _prune(self, newest: int) -> list[int]:
+    def _prune(self, newest: int, *, sharded: bool = False) -> list[int]:
         """``keep_last`` after the save of index ``newest``, sparing the index that waits
         for its promotion and those the running promotion copies (two tiers, see
         :meth:`~fastckpt.container.promote.Promoter.spared`). Returns the pruned indices."""
         assert self.keep_last is not None
         if self._promoter is None:
             return self._prune_sparing(())
-        self._retained = (newest, False)
+        self._retained = (newest, sharded)  # sharded: not pruned again at close
         with self._promoter.retention():  # no promotion chooses meanwhile
             return self._prune_sparing(self._promoter.spared(newest))
 
