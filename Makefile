@@ -117,8 +117,14 @@ lint: setup
 # A test still running after PYTEST_TIMEOUT seconds fails with its threads' stacks (a hang is
 # a failure that names itself, not a CI run cut off at its time limit).
 PYTEST_TIMEOUT ?= 600
+# Tests run in PYTEST_WORKERS processes (pytest-xdist), a test file's tests all in one of them
+# (--dist loadfile: a module's fixtures are built once, its tests keep their order). Most
+# tests wait on subprocesses, fsync and a local S3 server rather than compute: two workers
+# on CI's two cores take the suite from ~80 to ~36 minutes. PYTEST_WORKERS=0 runs it serially.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 pytest: setup wheel
-	FASTCKPT_DIST=dist $(PY) -m pytest -q --durations=20 --timeout=$(PYTEST_TIMEOUT) tests
+	FASTCKPT_DIST=dist $(PY) -m pytest -q --durations=20 --timeout=$(PYTEST_TIMEOUT) $(PYTEST_PARALLEL) tests
 
 # The lowest claimed torch and numpy (pyproject.toml's lower bounds, pinned by tools/deps.py)
 # on the oldest claimed Python, with the host's wheel installed: a second venv, .venv-min,
@@ -136,7 +142,7 @@ $(VENV_LOWEST)/.deps-installed: pyproject.toml tools/deps.py $(VENV)/.deps-insta
 test-lowest: wheel $(VENV_LOWEST)/.deps-installed
 	$(PY_LOWEST) -m pip install --quiet --no-index --no-deps --force-reinstall dist/*_$(HOST_ARCH).whl
 	VIRTUAL_ENV=$(abspath $(VENV_LOWEST)) PATH=$(abspath $(VENV_LOWEST))/bin:$$PATH \
-		$(PY_LOWEST) -m pytest -q -p no:cacheprovider --timeout=$(PYTEST_TIMEOUT) $(LOWEST_TESTS)
+		$(PY_LOWEST) -m pytest -q -p no:cacheprovider --timeout=$(PYTEST_TIMEOUT) $(PYTEST_PARALLEL) $(LOWEST_TESTS)
 
 test: setup wheel cargo-test cargo-test-aarch64 lint pytest test-lowest
 

@@ -16,6 +16,10 @@ from collections.abc import Iterator
 
 import pytest
 
+# A helper module that test modules load as a plugin (``pytest_plugins``) and also import: its
+# asserts are rewritten whichever comes first (under pytest-xdist an import often does).
+pytest.register_assert_rewrite("checkpoint_support")
+
 
 def _devnull_is_a_device() -> bool:
     try:

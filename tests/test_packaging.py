@@ -75,7 +75,7 @@ def test_lowest_bounds_are_what_the_lowest_venv_installs() -> None:
     pins = dict(line.split("==") for line in done.stdout.split())
     bounds = _lower_bounds()
     assert {k: v for k, v in pins.items() if k in bounds} == bounds
-    assert set(pins) - set(bounds) == {"pytest", "pytest-timeout"}
+    assert set(pins) - set(bounds) == {"pytest", "pytest-timeout", "pytest-xdist"}
     assert Version(bounds["torch"]) <= Version("2.9.0")
     assert Version(bounds["numpy"]) < Version("2")
 

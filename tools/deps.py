@@ -19,7 +19,7 @@ from pathlib import Path
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 #: What the lowest-bound venv needs besides the runtime dependencies: the test runner.
-LOWEST_TOOLS = ("pytest", "pytest-timeout")
+LOWEST_TOOLS = ("pytest", "pytest-timeout", "pytest-xdist")
 _LOWER_BOUND = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*>=\s*([^,;\s]+)")
 
 
