@@ -407,6 +407,17 @@ pub enum Checksums<'a> {
     Values(&'a [u32]),
 }
 
+/// An argument error of [`encode_header`] (a header over the size limit, bad metadata) for
+/// the file at `path`, named in the message; other errors are returned as they are.
+pub fn for_file(path: &Path, error: Error) -> Error {
+    match error {
+        Error::InvalidArgument(message) => {
+            Error::InvalidArgument(format!("{}: {message}", path.display()))
+        }
+        other => other,
+    }
+}
+
 /// Serializes the header (prefix + padded JSON) for `tensors` laid out by [`plan_layout`].
 ///
 /// With [`Checksums::Placeholder`] every checksum is written as a placeholder of the same width, so
@@ -471,9 +482,11 @@ pub fn encode_header(
     let padded = json.len().div_ceil(8) * 8;
     if padded as u64 > MAX_WRITTEN_HEADER_LEN {
         return Err(Error::InvalidArgument(format!(
-            "the header (tensor names, shapes and metadata) would take {padded} bytes, over the \
-             {MAX_WRITTEN_HEADER_LEN} bytes safetensors readers accept: keep large metadata \
-             values in a file of their own, or split the tensors across files"
+            "the header ({} tensor names, shapes and checksums, and the metadata) would take \
+             {padded} bytes, over the {MAX_WRITTEN_HEADER_LEN} bytes safetensors readers accept: \
+             split the tensors across files (checkpoint items), shorten their names, or keep \
+             large metadata values in a file of their own",
+            tensors.len()
         )));
     }
     json.resize(padded, b' ');
@@ -1042,6 +1055,23 @@ mod tests {
         }
         let fine = BTreeMap::from([("fastckpt.source".to_string(), "x".to_string())]);
         assert!(encode_header(&[], &fine, Checksums::Omitted).is_ok());
+    }
+
+    #[test]
+    fn for_file_names_the_file_of_an_argument_error_only() {
+        let meta = BTreeMap::from([(CHECKSUM_KEY.to_string(), "x".to_string())]);
+        let Err(refused) = encode_header(&[], &meta, Checksums::Omitted) else {
+            panic!("a reserved metadata key was accepted")
+        };
+        let plain = refused.to_string();
+        let named = for_file(Path::new("/ckpt/a.safetensors"), refused).to_string();
+        assert_eq!(named, format!("/ckpt/a.safetensors: {plain}"));
+        let io = Error::Io {
+            path: "/x".into(),
+            source: std::io::Error::from_raw_os_error(5),
+        };
+        let kept = for_file(Path::new("/ckpt/a.safetensors"), io).to_string();
+        assert!(kept.starts_with("/x: "), "{kept}");
     }
 
     #[test]

@@ -536,7 +536,8 @@ pub fn write_image<'py>(
     threads: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     let progress = counter(progress);
-    let layout = image::image_layout(tensor_descs(tensors)?, &metadata, checksums)?;
+    let layout = image::image_layout(tensor_descs(tensors)?, &metadata, checksums)
+        .map_err(|error| crate::format::for_file(&path, error))?;
     if layout.data_start != data_start {
         return Err(PyValueError::new_err(format!(
             "{}: the file image was laid out for data at {data_start}, but these tensors and \

@@ -664,7 +664,8 @@ pub fn write_file(
     } else {
         Checksums::Omitted
     };
-    let placeholder = format::encode_header(&sources.tensors, metadata, placeholder_kind)?;
+    let placeholder = format::encode_header(&sources.tensors, metadata, placeholder_kind)
+        .map_err(|error| format::for_file(path, error))?;
     let data_start = placeholder.len() as u64;
     let chunks = plan_chunks(&sources.tensors, data_start, options.chunk_size);
     let file_len = data_start + sources.tensors.last().map_or(0, |t| t.end);

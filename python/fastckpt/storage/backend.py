@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from fastckpt import _native
-from fastckpt.errors import CheckpointFormatError, CommitNotDurableError
+from fastckpt.errors import CheckpointFormatError, CommitNotDurableError, InvalidInputError
 from fastckpt.io.forksafe import ForkSafeLock
 from fastckpt.io.headers import read_metadata
 from fastckpt.io.paths import check_relpath, is_ascii_decimal
@@ -918,18 +918,18 @@ class LocalStaging(Staging):
         from fastckpt.io.images import find_image, write_image
 
         image = find_image(tensors) if metadata is None else None
-        if image is not None:
-            report = write_image(
-                image, self._target(relpath), direct_io=self.direct_io, threads=self.threads
-            )
-        else:
-            report = write_tensors(
-                tensors,
-                self._target(relpath),
-                metadata,
-                direct_io=self.direct_io,
-                threads=self.threads,
-            )
+        target = self._target(relpath)
+        try:
+            if image is not None:
+                report = write_image(image, target, direct_io=self.direct_io, threads=self.threads)
+            else:
+                report = write_tensors(
+                    tensors, target, metadata, direct_io=self.direct_io, threads=self.threads
+                )
+        except InvalidInputError as err:
+            # The core names the staged file; the caller knows the one it asked for.
+            message = str(err).removeprefix(f"{target}: ")
+            raise InvalidInputError(f"{self.final / relpath}: {message}") from None
         record = {"size": report["file_len"], "crc32c": report["file_crc32c"]}
         self.files[relpath] = record
         return record

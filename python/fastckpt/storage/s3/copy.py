@@ -49,7 +49,7 @@ from fastckpt.storage.s3.client import (
     piece_length,
 )
 from fastckpt.storage.s3.errors import CommitConflictError, ObjectStoreError
-from fastckpt.storage.s3.tensors import tensor_crcs
+from fastckpt.storage.s3.tensors import naming_the_object, tensor_crcs
 
 if TYPE_CHECKING:
     import torch
@@ -292,15 +292,18 @@ def put_tensors_copying(
     # Deferred: torch, which a process that only copies objects (a promoter) never needs.
     from fastckpt.io.files import byte_view, dtype_name, header_shape, host_tensor
 
-    hosts = {name: host_tensor(name, tensor) for name, tensor in tensors.items()}
-    descriptions = [(name, dtype_name(t.dtype), header_shape(name, t)) for name, t in hosts.items()]
-    descriptions += [(name, c.dtype, c.shape) for name, c in copies.items()]
-    _, ranges = _native.encode_header(descriptions, dict(metadata or {}), None)
-    uploaded = [name for name, _, _ in ranges if name in hosts]
-    views = {name: byte_view(hosts[name]) for name in uploaded}
-    checksums = dict(zip(uploaded, tensor_crcs([views[n] for n in uploaded]), strict=True))
-    checksums.update((name, copy.crc32c) for name, copy in copies.items())
-    header = bytes(_native.encode_header(descriptions, dict(metadata or {}), checksums)[0])
+    with naming_the_object(client.url(key)):
+        hosts = {name: host_tensor(name, tensor) for name, tensor in tensors.items()}
+        descriptions = [
+            (name, dtype_name(t.dtype), header_shape(name, t)) for name, t in hosts.items()
+        ]
+        descriptions += [(name, c.dtype, c.shape) for name, c in copies.items()]
+        _, ranges = _native.encode_header(descriptions, dict(metadata or {}), None)
+        uploaded = [name for name, _, _ in ranges if name in hosts]
+        views = {name: byte_view(hosts[name]) for name in uploaded}
+        checksums = dict(zip(uploaded, tensor_crcs([views[n] for n in uploaded]), strict=True))
+        checksums.update((name, copy.crc32c) for name, copy in copies.items())
+        header = bytes(_native.encode_header(descriptions, dict(metadata or {}), checksums)[0])
     segments: list[Segment] = [header]
     file_crc = _native.crc32c(header)
     size = len(header)

@@ -21,14 +21,15 @@ that only copies objects (a detached promoter) starts without it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fastckpt import _native
-from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError
+from fastckpt.errors import CheckpointFormatError, ChecksumMismatchError, InvalidInputError
 from fastckpt.storage.s3.client import S3Client, iter_pieces
 
 if TYPE_CHECKING:
@@ -96,6 +97,16 @@ def encode_header(
     return bytes(encoded)
 
 
+@contextlib.contextmanager
+def naming_the_object(url: str) -> Iterator[None]:
+    """The Rust core's refusal of a header (over the size limit, bad metadata) raised as the
+    same error naming the object ``url`` it was for."""
+    try:
+        yield
+    except InvalidInputError as err:
+        raise InvalidInputError(f"{url}: {err}") from None
+
+
 # ---------------------------------------------------------------------------------- upload
 
 
@@ -118,10 +129,11 @@ def put_tensors(
     """
     from fastckpt.io.files import byte_view  # deferred: torch (see the module docstring)
 
-    layout = _layout(tensors)
-    views = [byte_view(tensor) for _, tensor in layout]
-    crcs = tensor_crcs(views)
-    header = encode_header(layout, metadata, crcs)
+    with naming_the_object(client.url(key)):
+        layout = _layout(tensors)
+        views = [byte_view(tensor) for _, tensor in layout]
+        crcs = tensor_crcs(views)
+        header = encode_header(layout, metadata, crcs)
     file_crc = _native.crc32c(header)
     for view, crc in zip(views, crcs, strict=True):
         file_crc = _native.crc32c_combine(file_crc, crc, view.nbytes)
