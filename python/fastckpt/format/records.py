@@ -396,6 +396,25 @@ def _canonical(document: Mapping[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
+def _one_line_per_checkpoint(document: Mapping[str, Any]) -> bytes:
+    """``document`` (a root manifest) as JSON with one line per field and per checkpoint.
+
+    Each line is encoded by json's C encoder: an indented dump takes the pure-Python one, which
+    made rewriting a manifest of 2000 checkpoints cost ~0.15 s at every save (round 21).
+    """
+    lines = []
+    for key, value in document.items():
+        if key == "checkpoints" and value:
+            entries = ",\n".join(
+                f"  {json.dumps(index)}: {json.dumps(entry, allow_nan=False)}"
+                for index, entry in value.items()
+            )
+            lines.append(f" {json.dumps(key)}: {{\n{entries}\n }}")
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value, allow_nan=False)}")
+    return ("{\n" + ",\n".join(lines) + "\n}").encode()
+
+
 def seal_manifest(document: dict[str, Any]) -> dict[str, Any]:
     """Set the ``crc32c`` field of a record document (``manifest.json``, ``commit.json``,
     ``fastckpt-dcp.json``) to the crc32c of its canonical content.
@@ -628,7 +647,7 @@ class Manifest:
             "latest": self.latest,
             "checkpoints": {str(i): self.entries[i] for i in sorted(self.entries)},
         }
-        return json.dumps(seal_manifest(document), indent=1, sort_keys=False).encode()
+        return _one_line_per_checkpoint(seal_manifest(document))
 
     def commit(self) -> None:
         """Replace ``manifest.json`` atomically and durably.
