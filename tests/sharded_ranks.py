@@ -718,6 +718,38 @@ def _strategy(steps: int) -> fastckpt.TrainingStrategy:
     return strategy
 
 
+def strategy_torn_restore() -> None:
+    """Save index 0 of ROOT at step 2, then restore it into a run at step 4 with a validator
+    refusing on rank 1 only (rank 1's shards are the checkpoint's, its counters the run's):
+    the next save is refused on every rank, naming rank 1, until a restore completes on
+    every rank; then it saves the checkpoint's step."""
+    from fastckpt.errors import InterruptedStepError
+
+    root, rank, _ = setup_rank()
+    _strategy(2).save_checkpoint(root)
+    live = _strategy(4)
+
+    def refuse_on_rank_1(model: nn.Module) -> None:
+        if rank == 1:
+            raise RuntimeError("rank 1 refuses")
+
+    report: dict[str, Any] = {}
+    try:
+        live.restore_checkpoint(root, validators=[refuse_on_rank_1])
+        report["restored"] = True
+    except ValueError:
+        report["restored"] = False
+    try:
+        report["refused"] = f"saved index {live.save_checkpoint(root)}"
+    except InterruptedStepError as err:
+        report["refused"] = str(err)
+    report["index"] = live.restore_checkpoint(root, 0)
+    report["saved"] = live.save_checkpoint(root)
+    report["step"] = live.step_count
+    print(json.dumps(report))
+    leave_process_group()
+
+
 def _write_reference(strategy: fastckpt.TrainingStrategy, path: Path, rank: int) -> None:
     """The gathered full model and optimizer state (collective; rank 0 writes it)."""
     state = full_state(strategy.models["main"], strategy.optimizers["main"])

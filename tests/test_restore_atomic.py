@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import fastckpt
+from fastckpt.errors import InterruptedStepError
 from fastckpt.training import FineTuningStrategy, TrainingStrategy
 
 TESTS = Path(__file__).resolve().parent
@@ -263,6 +264,77 @@ def test_a_damaged_later_file_or_a_refusing_hook_leaves_the_live_strategy_untouc
     with pytest.raises(fastckpt.ChecksumMismatchError, match=r"schedulers/main\.json"):
         live.restore_checkpoint(one)
     assert same(live_state(live), before)
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, ValueError], ids=["ctrl-c", "refusal"])
+def test_a_restore_stopped_part_way_is_neither_saved_nor_trained_on_until_one_completes(
+    tmp_path: Path, stop: type[BaseException]
+) -> None:
+    """Round 22 (helper: interrupts): a Ctrl-C (or a validator's refusal) after the first
+    model's weights were applied left the second model, the optimizer and the counters of
+    the live run; ``save_checkpoint`` and ``run()`` then took that mixed state, and the
+    checkpoint verified (35 of 60 random SIGINTs during a restore were saved so). Now both
+    refuse with ``InterruptedStepError`` until a restore completes; a refusal before anything
+    changed (a mismatch) leaves the strategy saveable."""
+    root = tmp_path / "root"
+    saved = two_model_strategy(0)
+    saved.save_checkpoint(root)
+    live = two_model_strategy(1)  # another step count, other weights and optimizer moments
+    assert live.step_count != saved.step_count
+
+    def stop_after_the_first(model: nn.Module) -> None:
+        if model is live.models["a"]:
+            raise stop("stopped after model 'a' was loaded")
+
+    with pytest.raises(stop) as info:
+        live.restore_checkpoint(root, validators=[stop_after_the_first])
+    assert "refuses to save or train" in "\n".join(info.value.__notes__)
+    assert same(live.models["a"].state_dict(), saved.models["a"].state_dict())  # torn:
+    assert not same(live.models["b"].state_dict(), saved.models["b"].state_dict())  # a, not b
+    out = tmp_path / "out"
+    with pytest.raises(InterruptedStepError, match=r"stopped part-way.*nothing was saved"):
+        live.save_checkpoint(out)
+    assert not out.exists()
+    live.num_steps = live.step_count + 2
+    with pytest.raises(InterruptedStepError, match="nothing was trained on"):
+        live.run(support.loader(seed=1))
+    # A refusal before anything is applied leaves it torn (and whole strategies saveable).
+    with pytest.raises(fastckpt.CheckpointMismatchError):
+        TrainingStrategy(
+            {"a": nn.Linear(4, 5), "b": nn.Linear(4, 1)},
+            fastckpt.OptimizerConfig(torch.optim.Adam, {"lr": 1e-2}),
+            training_fn=two_model_loss,
+        ).restore_checkpoint(root)
+    with pytest.raises(InterruptedStepError):
+        live.save_checkpoint(out)
+    # A restore that completes clears it: what is saved then is the checkpoint's state.
+    assert live.restore_checkpoint(root) == 0
+    assert live.save_checkpoint(out) == 0
+    again = TrainingStrategy.load_checkpoint(out, training_fn=two_model_loss)
+    assert again.step_count == saved.step_count
+    for name in ("a", "b"):
+        assert same(again.models[name].state_dict(), saved.models[name].state_dict())
+        assert same(
+            again.optimizers[name].state_dict()["state"],
+            saved.optimizers[name].state_dict()["state"],
+        )
+
+
+def test_a_refused_restore_that_changed_nothing_leaves_the_strategy_saveable(
+    tmp_path: Path,
+) -> None:
+    """A restore refused by its checks (another model shape) changed nothing: the live
+    strategy saves as before."""
+    root = tmp_path / "root"
+    two_model_strategy(0).save_checkpoint(root)
+    live = TrainingStrategy(
+        {"a": nn.Linear(4, 5), "b": nn.Linear(4, 1)},
+        fastckpt.OptimizerConfig(torch.optim.Adam, {"lr": 1e-2}),
+        training_fn=two_model_loss,
+    )
+    with pytest.raises(fastckpt.CheckpointMismatchError):
+        live.restore_checkpoint(root)
+    assert live.save_checkpoint(tmp_path / "out") == 0
 
 
 WRITER = """

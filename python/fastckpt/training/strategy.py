@@ -656,6 +656,16 @@ def _interrupted(step: int, where: str, refused: str) -> str:
     )
 
 
+def _torn_restore(directory: str, where: str, refused: str) -> str:
+    return (
+        f"a restore_checkpoint of {directory} stopped part-way{where} (interrupted, or a "
+        "validator or hook refused after some weights were applied): the weights, optimizer, "
+        "schedulers, counters and RNGs are partly the checkpoint's and partly the run's, and "
+        f"a checkpoint of them would resume wrongly; nothing was {refused}. Restore a "
+        "checkpoint again (restore_checkpoint) and train on from there"
+    )
+
+
 #: Set in an epoch-start RNG record taken before the epoch's ``BEFORE_EPOCH`` hooks ran (a
 #: resume then fires them from it); records without it were taken after them.
 _BEFORE_EPOCH_HOOKS = "before_epoch_hooks"
@@ -974,9 +984,10 @@ class TrainingStrategy:
                 )
         if self.num_steps is None and self.num_epochs is None:
             raise ValueError("set num_steps or num_epochs before run()")
-        if self._interrupted_step is not None:
+        torn = self._torn_state("", "trained on")
+        if torn is not None:
             # Training on would carry the cut-off state into every later checkpoint.
-            raise InterruptedStepError(_interrupted(self._interrupted_step, "", "trained on"))
+            raise InterruptedStepError(torn)
         for position, hook in enumerate(self.hooks):
             if not callable(hook):
                 raise TypeError(
@@ -1242,6 +1253,9 @@ class TrainingStrategy:
     #: The step whose update (optimizer and scheduler steps, counters) an error cut short:
     #: the state is between two steps until a restore (None: it is not).
     _interrupted_step: int | None = None
+    #: The checkpoint directory a :meth:`restore_checkpoint` was applying when it stopped
+    #: part-way (None: no restore is half-applied); cleared by a restore that completes.
+    _torn_restore: str | None = None
     #: Ctrl-C / SIGTERM held until the current step is done, while :meth:`run` trains.
     _signals: HeldSignals | None = None
     #: The step under way from its batch's fetch until its counters move (None between steps).
@@ -1262,8 +1276,9 @@ class TrainingStrategy:
         each model's spec, counters, RNG, scheduler and hook states); :meth:`save_checkpoint`
         writes the shards.
         """
-        if self._interrupted_step is not None:
-            raise InterruptedStepError(_interrupted(self._interrupted_step, "", "saved"))
+        torn = self._torn_state("", "saved")
+        if torn is not None:
+            raise InterruptedStepError(torn)
         self._refuse_a_save_beside_run()
         if self.sharded:
             return self._sharded_snapshot()
@@ -1524,20 +1539,31 @@ class TrainingStrategy:
         if cut and self._interrupted_step is None:
             self._interrupted_step = started
 
+    def _torn_state(self, where: str, refused: str) -> str | None:
+        """Why this strategy's state is of no one step (a step cut off inside its update, or
+        a restore stopped part-way), as the refusal of what ``refused`` names; None when it
+        is whole."""
+        if self._interrupted_step is not None:
+            return _interrupted(self._interrupted_step, where, refused)
+        if self._torn_restore is not None:
+            return _torn_restore(self._torn_restore, where, refused)
+        return None
+
     def _refuse_an_interrupted_step_on_any_rank(self) -> None:
         """Collective, at the start of a sharded save: raise :class:`InterruptedStepError` on
-        every rank when any rank's step was cut off inside its update (each rank writes its
-        own shards: one rank's would be of no one step)."""
+        every rank when any rank's step was cut off inside its update or its restore stopped
+        part-way (each rank writes its own shards: one rank's would be of no one step)."""
         import torch.distributed as dist
 
-        _, world = _world()
-        cut: list[Any] = [self._interrupted_step]
+        rank, world = _world()
+        torn = self._torn_state(f" on rank {rank}" if world > 1 else "", "saved")
+        cut: list[Any] = [torn]
         if world > 1:
             cut = [None] * world
-            dist.all_gather_object(cut, self._interrupted_step)
-        for other, step in enumerate(cut):
-            if step is not None:
-                raise InterruptedStepError(_interrupted(step, f" on rank {other}", "saved"))
+            dist.all_gather_object(cut, torn)
+        for why in cut:
+            if why is not None:
+                raise InterruptedStepError(why)
 
     def _run_rng(self) -> dict[str, Any]:
         """This process's RNG states as a checkpoint records them (see :meth:`_add_runtime`)."""
@@ -1700,7 +1726,10 @@ class TrainingStrategy:
         the live one (models' keys and shapes, optimizer and scheduler kinds, parameter
         groups, frozen parameters), before anything live changes; a save replacing the index
         meanwhile makes it read again (as ``fastckpt.load_checkpoint``). A hook that refuses
-        its state (configured otherwise) leaves the hooks and schedulers as they were.
+        its state (configured otherwise) leaves the hooks and schedulers as they were. A
+        restore stopped once weights are being applied (a ``validators`` refusal, Ctrl-C)
+        leaves the state torn: saves and :meth:`run` then raise ``InterruptedStepError``
+        until a restore completes.
 
         Raises:
             ValueError: the checkpoint is component-only.
@@ -1717,10 +1746,11 @@ class TrainingStrategy:
         )
         if restore is None:  # FSDP2-sharded models: read as one snapshot, then applied
             index = self._restore_sharded(Path(root), index, validators)
-            self._interrupted_step = self._step_started = None
+            self._interrupted_step = self._step_started = self._torn_restore = None
             return index
         self._apply_restore(restore, map_location, validators)
-        self._interrupted_step = self._step_started = None  # the checkpoint's state now
+        # the checkpoint's state now
+        self._interrupted_step = self._step_started = self._torn_restore = None
         return index
 
     def _read_restore(
@@ -1781,6 +1811,9 @@ class TrainingStrategy:
             reader,
         )
         frozen_where = f"{reader.manifest.path}: {codec.FROZEN_FIELD}"
+        # From here on a stop leaves the state torn (the hook and scheduler states above were
+        # all or nothing): saves and training refuse it until a restore completes.
+        self._torn_restore = display_path(reader.directory)
         try:
             for name, model in self.models.items():
                 target = codec.unwrap_model(model)
@@ -1791,14 +1824,15 @@ class TrainingStrategy:
             for name, optimizer in self.optimizers.items():
                 optimizer.load_state_dict(restore.optimizers[name])
             _refreeze(self.models, restore.frozen, frozen_where)
-        except BaseException as err:  # a validator's refusal (the checks passed)
+            self._set_counters_and_rng(restore.runtime)
+        except BaseException as err:  # a validator's refusal or Ctrl-C (the checks passed)
             err.add_note(
                 f"restore_checkpoint of {reader.directory} stopped part-way: this strategy's "
-                "hook and scheduler states and some of its weights are the checkpoint's; "
-                "restore a checkpoint again before training on"
+                "hook and scheduler states and some of its weights are the checkpoint's, so "
+                "it refuses to save or train (InterruptedStepError) until a restore_checkpoint "
+                "completes"
             )
             raise
-        self._set_counters_and_rng(restore.runtime)
 
     def _restore_sharded(
         self,
@@ -1835,6 +1869,8 @@ class TrainingStrategy:
             part_root = root if spread is None else spread.part_root
             part = sharded_training.committed_part(part_root, index, sharded, where)
             record = None if spread is None else spread.record
+            # From here on a stop leaves the state torn (see _apply_restore).
+            self._torn_restore = display_path(reader.directory)
             sharded_training.load_sharded(part, self.models, self.optimizers, record)  # applies
             _refreeze(self.models, frozen, f"{where}: sharded.frozen")
             return reader, runtime
