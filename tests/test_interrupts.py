@@ -9,6 +9,7 @@ with the optimizer one step ahead (19 of 23 real interrupts at random moments di
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -314,3 +315,37 @@ def test_a_signal_handler_saving_inside_a_save_into_the_same_root_is_refused_at_
     assert fastckpt.verify(root).ok
     with RootLock(root), pytest.raises(ConcurrentSaveError, match="the caller holds"):
         fastckpt.save_checkpoint(root, models={"main": torch.nn.Linear(2, 2)})
+
+
+def test_a_replaced_copy_whose_removal_was_interrupted_is_removed_by_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round 22 (helper: interrupts): a Ctrl-C while a sync manager save removed the copy it
+    replaced (the new checkpoint already committed) left that copy, checkpoint-sized, under
+    its staging name for the rest of the process (2 of ~24 interrupted saves); only a later
+    process's sweep removed it. The next save's sweep in this process removes it now."""
+    import gc
+
+    from fastckpt.storage import backend
+
+    config = fastckpt.CheckpointManager.Config.with_sync_save()
+    with fastckpt.CheckpointManager(config) as manager:
+        manager.save(tmp_path / "c0", {"model": {"w": torch.zeros(64)}})
+        remove = backend._remove
+        interrupted: list[Path] = []
+
+        def ctrl_c_in_the_removal(path: Path) -> None:
+            if not interrupted and path.name.startswith(".tmp-"):
+                interrupted.append(path)
+                raise KeyboardInterrupt
+            remove(path)
+
+        monkeypatch.setattr(backend, "_remove", ctrl_c_in_the_removal)
+        with contextlib.suppress(KeyboardInterrupt):
+            manager.save(tmp_path / "c0", {"model": {"w": torch.ones(64)}})
+        monkeypatch.undo()
+        assert interrupted and interrupted[0].exists()  # the replaced copy, left over
+        assert manager.load(tmp_path / "c0")["model"]["w"].eq(1).all()  # committed anyway
+        gc.collect()  # the interrupted save's staging object is gone
+        manager.save(tmp_path / "c1", {"model": {"w": torch.ones(64)}})
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["c0", "c1"]
