@@ -443,14 +443,35 @@ def _run(action: Callable[[], int], command: str, debug: bool, as_json: bool = F
     except Exception as err:
         from fastckpt.errors import FastCkptError
 
-        if not isinstance(err, FastCkptError):
+        if isinstance(err, FastCkptError):
+            return _report(err, command, debug, as_json)
+        if debug or not _raised_by_an_interrupt(err):
             raise
-        return _report(err, command, debug, as_json)
+        return _interrupted(command)
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"fastckpt {command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _interrupted(command)
+
+
+def _interrupted(command: str) -> int:
+    print(f"fastckpt {command}: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _raised_by_an_interrupt(err: BaseException) -> bool:
+    """Whether a ``KeyboardInterrupt`` caused ``err``: Python wraps one that lands in some
+    places (a class body's ``__set_name__`` while a module is imported) in a
+    ``RuntimeError``, which exited 1 with a traceback, the status ``verify`` gives damage
+    (round 22)."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def _report(err: Exception, command: str, debug: bool, as_json: bool) -> int:
