@@ -721,8 +721,8 @@ def _strategy(steps: int) -> fastckpt.TrainingStrategy:
 def strategy_torn_restore() -> None:
     """Save index 0 of ROOT at step 2, then restore it into a run at step 4 with a validator
     refusing on rank 1 only (rank 1's shards are the checkpoint's, its counters the run's):
-    the next save is refused on every rank, naming rank 1, until a restore completes on
-    every rank; then it saves the checkpoint's step."""
+    the next save and run() are refused on every rank, naming rank 1, until a restore
+    completes on every rank; then it saves the checkpoint's step."""
     from fastckpt.errors import InterruptedStepError
 
     root, rank, _ = setup_rank()
@@ -743,6 +743,12 @@ def strategy_torn_restore() -> None:
         report["refused"] = f"saved index {live.save_checkpoint(root)}"
     except InterruptedStepError as err:
         report["refused"] = str(err)
+    live.num_steps = 6
+    try:
+        live.run(loader())
+        report["run"] = f"trained to step {live.step_count}"
+    except InterruptedStepError as err:
+        report["run"] = str(err)
     report["index"] = live.restore_checkpoint(root, 0)
     report["saved"] = live.save_checkpoint(root)
     report["step"] = live.step_count

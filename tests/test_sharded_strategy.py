@@ -282,11 +282,15 @@ def test_restore_into_an_fsdp2_strategy_with_pending_gradients_loads_every_momen
 def test_a_restore_stopped_part_way_on_one_rank_refuses_every_ranks_save(tmp_path: Path) -> None:
     """Round 22: a restore stopped after rank 1's shards were applied (its validator refused)
     left rank 1 torn; the save is a collective of every rank's shards, so every rank refuses
-    it (``InterruptedStepError`` naming rank 1) until a restore completes everywhere."""
+    it (``InterruptedStepError`` naming rank 1), and so does every rank's ``run()`` (rank 0
+    training alone would wait in its first collective until it timed out), until a restore
+    completes everywhere."""
     reports = _reports(launch("strategy_torn_restore", tmp_path / "run", 2, ranks="sharded_ranks"))
     assert [r["restored"] for r in reports] == [True, False]
     for report in reports:
         assert "stopped part-way on rank 1" in report["refused"], report["refused"]
         assert "nothing was saved" in report["refused"]
+        assert "stopped part-way on rank 1" in report["run"], report["run"]
+        assert "nothing was trained on" in report["run"]
         assert (report["index"], report["saved"], report["step"]) == (0, 1, 2)
     assert [c["index"] for c in fastckpt.list_checkpoints(tmp_path / "run")] == [0, 1]

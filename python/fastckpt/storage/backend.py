@@ -1116,7 +1116,8 @@ class LocalStaging(Staging):
             # removal interrupted (Ctrl-C in a large tree) leaves it to the next sweep in
             # this process once this object is gone (before, only a later process's sweep
             # removed it: a checkpoint-sized leftover per interrupted save, round 22).
-            if old != self.temp:
+            if old != self.temp:  # set aside by renames: the temporary name is gone
+                self._settled()
                 with _STAGED_LOCK:
                     _STAGED[str(old)] = weakref.ref(self)
             _remove(old)

@@ -984,10 +984,15 @@ class TrainingStrategy:
                 )
         if self.num_steps is None and self.num_epochs is None:
             raise ValueError("set num_steps or num_epochs before run()")
-        torn = self._torn_state("", "trained on")
-        if torn is not None:
-            # Training on would carry the cut-off state into every later checkpoint.
-            raise InterruptedStepError(torn)
+        # Training on would carry the cut-off state into every later checkpoint. The ranks of
+        # a sharded run ask each other: one rank refusing alone would leave the others
+        # waiting in their first collective until it timed out.
+        if self.sharded and _world()[1] > 1:
+            self._refuse_an_interrupted_step_on_any_rank("trained on")
+        else:
+            torn = self._torn_state("", "trained on")
+            if torn is not None:
+                raise InterruptedStepError(torn)
         for position, hook in enumerate(self.hooks):
             if not callable(hook):
                 raise TypeError(
@@ -1549,14 +1554,15 @@ class TrainingStrategy:
             return _torn_restore(self._torn_restore, where, refused)
         return None
 
-    def _refuse_an_interrupted_step_on_any_rank(self) -> None:
-        """Collective, at the start of a sharded save: raise :class:`InterruptedStepError` on
-        every rank when any rank's step was cut off inside its update or its restore stopped
-        part-way (each rank writes its own shards: one rank's would be of no one step)."""
+    def _refuse_an_interrupted_step_on_any_rank(self, refused: str = "saved") -> None:
+        """Collective, at the start of a sharded save (or of :meth:`run`: ``refused`` says
+        which): raise :class:`InterruptedStepError` on every rank when any rank's step was
+        cut off inside its update or its restore stopped part-way (each rank writes its own
+        shards: one rank's would be of no one step)."""
         import torch.distributed as dist
 
         rank, world = _world()
-        torn = self._torn_state(f" on rank {rank}" if world > 1 else "", "saved")
+        torn = self._torn_state(f" on rank {rank}" if world > 1 else "", refused)
         cut: list[Any] = [torn]
         if world > 1:
             cut = [None] * world
@@ -1833,6 +1839,7 @@ class TrainingStrategy:
                 "completes"
             )
             raise
+        self._torn_restore = None  # applied whole
 
     def _restore_sharded(
         self,
@@ -1882,6 +1889,7 @@ class TrainingStrategy:
         for name, model in self.models.items():
             codec.run_validators(validators, name, model)
         self._apply_runtime(runtime, reader)
+        self._torn_restore = None  # applied whole
         return index
 
     def _restore_runtime(self, reader: codec.IndexReader, recipe: Mapping[str, Any]) -> None:
