@@ -401,7 +401,7 @@ def test_root_lock_dies_with_its_holder(tmp_path: Path) -> None:
         process.join()
         began = time.monotonic()
         with RootLock(tmp_path, timeout=5):
-            assert time.monotonic() - began < 1
+            assert time.monotonic() - began < 4  # the holder's death freed it (timeout: 5 s)
         save_checkpoint(tmp_path, models={"main": (nn.Linear(2, 2), None)})
         assert sorted(p.name for p in tmp_path.iterdir()) == ["0", MANIFEST]
     finally:
