@@ -323,9 +323,8 @@ def test_a_replaced_copy_whose_removal_was_interrupted_is_removed_by_the_next_sa
     """Round 22 (helper: interrupts): a Ctrl-C while a sync manager save removed the copy it
     replaced (the new checkpoint already committed) left that copy, checkpoint-sized, under
     its staging name for the rest of the process (2 of ~24 interrupted saves); only a later
-    process's sweep removed it. The next save's sweep in this process removes it now."""
-    import gc
-
+    process's sweep removed it. The next save's sweep in this process removes it now, whether
+    or not the interrupted save's objects were freed yet (no garbage collection here)."""
     from fastckpt.storage import backend
 
     config = fastckpt.CheckpointManager.Config.with_sync_save()
@@ -346,6 +345,5 @@ def test_a_replaced_copy_whose_removal_was_interrupted_is_removed_by_the_next_sa
         monkeypatch.undo()
         assert interrupted and interrupted[0].exists()  # the replaced copy, left over
         assert manager.load(tmp_path / "c0")["model"]["w"].eq(1).all()  # committed anyway
-        gc.collect()  # the interrupted save's staging object is gone
         manager.save(tmp_path / "c1", {"model": {"w": torch.ones(64)}})
         assert sorted(p.name for p in tmp_path.iterdir()) == ["c0", "c1"]

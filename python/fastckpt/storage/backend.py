@@ -39,7 +39,7 @@ import time
 import warnings
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -526,9 +526,29 @@ def _writer_gone(pid: int, host: str, tag: str) -> bool:
 
 #: This process's staging directories that are neither published nor discarded yet, each
 #: with its :class:`LocalStaging`: one whose object is gone (a save interrupted, by Ctrl-C,
-#: right after the directory was made, before its writer held it) is abandoned.
-_STAGED: dict[str, weakref.ref[LocalStaging]] = {}
+#: right after the directory was made, before its writer held it) is abandoned; so is one
+#: registered with :func:`_discarded` (a removal that did not finish: no writer will use it
+#: again, whenever the garbage collector frees its object).
+_STAGED: dict[str, Callable[[], LocalStaging | None]] = {}
 _STAGED_LOCK = ForkSafeLock()
+
+
+def _discarded() -> LocalStaging | None:
+    """What :data:`_STAGED` holds for a folder no writer uses any more (see there)."""
+    return None
+
+
+def _left_over(path: Path) -> None:
+    """After an attempt to remove this process's staging folder ``path`` (a discarded
+    staging, or the copy a publish replaced): forget it once gone, otherwise register it as
+    abandoned, so that the next sweep in this process removes it (before round 22 that
+    waited for the garbage collector to free the staging object, which an exception's
+    traceback cycle kept alive: a leftover of a save out of file descriptors stayed)."""
+    with _STAGED_LOCK:
+        if os.path.lexists(path):
+            _STAGED[str(path)] = _discarded
+        else:
+            _STAGED.pop(str(path), None)
 
 
 def _abandoned(path: Path) -> bool:
@@ -1111,19 +1131,18 @@ class LocalStaging(Staging):
             # of a later process removes), never deleted here.
             self._settled()
             raise CommitNotDurableError.after(err, self.final, kept=old) from err
-        if old is not None:
-            # The replaced copy stays registered as this staging's until it is removed: a
-            # removal interrupted (Ctrl-C in a large tree) leaves it to the next sweep in
-            # this process once this object is gone (before, only a later process's sweep
-            # removed it: a checkpoint-sized leftover per interrupted save, round 22).
-            if old != self.temp:  # set aside by renames: the temporary name is gone
-                self._settled()
-                with _STAGED_LOCK:
-                    _STAGED[str(old)] = weakref.ref(self)
-            _remove(old)
-            with _STAGED_LOCK:
-                _STAGED.pop(str(old), None)
         self._settled()
+        if old is not None:
+            # A removal interrupted (Ctrl-C in a large tree) or unfinished leaves the replaced
+            # copy to the next sweep in this process (before, only a later process's sweep
+            # removed it: a checkpoint-sized leftover per interrupted save, round 22). While
+            # it runs, the copy is this live staging's: no other thread's sweep takes it.
+            with _STAGED_LOCK:
+                _STAGED[str(old)] = weakref.ref(self)
+            try:
+                _remove(old)
+            finally:
+                _left_over(old)
 
     def discard(self) -> None:
         """Remove the temporary directory; one that cannot be removed (the process out of file
@@ -1135,10 +1154,7 @@ class LocalStaging(Staging):
         try:
             remove_tree(self.temp)
         finally:
-            if not os.path.lexists(self.temp):
-                self._settled()
-            # else: still registered, so the next sweep in this process takes it for an
-            # abandoned staging of its own once this object is gone, and removes it
+            _left_over(self.temp)  # what remains, the next sweep in this process removes
 
     def _settled(self) -> None:
         with _STAGED_LOCK:
