@@ -656,7 +656,7 @@ def _interrupted(step: int, where: str, refused: str) -> str:
     )
 
 
-def _torn_restore(directory: str, where: str, refused: str) -> str:
+def _torn_restore_message(directory: str, where: str, refused: str) -> str:
     return (
         f"a restore_checkpoint of {directory} stopped part-way{where} (interrupted, or a "
         "validator or hook refused after some weights were applied): the weights, optimizer, "
@@ -1551,7 +1551,7 @@ class TrainingStrategy:
         if self._interrupted_step is not None:
             return _interrupted(self._interrupted_step, where, refused)
         if self._torn_restore is not None:
-            return _torn_restore(self._torn_restore, where, refused)
+            return _torn_restore_message(self._torn_restore, where, refused)
         return None
 
     def _refuse_an_interrupted_step_on_any_rank(self, refused: str = "saved") -> None:
@@ -1752,11 +1752,10 @@ class TrainingStrategy:
         )
         if restore is None:  # FSDP2-sharded models: read as one snapshot, then applied
             index = self._restore_sharded(Path(root), index, validators)
-            self._interrupted_step = self._step_started = self._torn_restore = None
+            self._interrupted_step = self._step_started = None
             return index
         self._apply_restore(restore, map_location, validators)
-        # the checkpoint's state now
-        self._interrupted_step = self._step_started = self._torn_restore = None
+        self._interrupted_step = self._step_started = None  # the checkpoint's state now
         return index
 
     def _read_restore(
